@@ -1,0 +1,5 @@
+import sys
+
+from atomd.cli import main
+
+sys.exit(main())

@@ -1,0 +1,37 @@
+"""`atomd` command line: one subcommand per module, imported lazily.
+
+Each module named below exposes `add_arguments(parser)` and `run(args) -> int`,
+so `atomd --help` stays fast (no torch import) and every module owns its flags.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+
+COMMANDS: dict[str, tuple[str, str]] = {
+    "serve": ("atomd.server", "start an OpenAI-compatible engine server"),
+    "generate": ("atomd.generate", "offline generation for a prompt"),
+    "bench": ("atomd.bench.cli", "serving benchmarks (bench serve | bench compare)"),
+    "make-default-model": ("atomd.model.default", "write the built-in default checkpoint"),
+}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    parser = argparse.ArgumentParser(prog="atomd")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, (_, help_text) in COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
+        parser.print_help()
+        return 0 if not argv or argv[0] in ("-h", "--help") else 2
+    module = importlib.import_module(COMMANDS[argv[0]][0])
+    cmd_parser = argparse.ArgumentParser(prog=f"atomd {argv[0]}")
+    module.add_arguments(cmd_parser)
+    args = cmd_parser.parse_args(argv[1:])
+    return int(module.run(args) or 0)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
