@@ -1,0 +1,102 @@
+"""Prometheus metrics of one engine server (`GET /metrics`), vLLM's names under `atomd:`.
+
+Two sources, one registry per server:
+- request-level series (latency histograms, token and success counters) are observed by
+  the API process as the deltas arrive;
+- engine state (running / waiting, KV usage, prefix cache, preemptions) lives in the core,
+  so `EngineStatsCollector` renders the snapshot fetched by a `stats` utility call at
+  scrape time instead of mirroring it on every step.
+Every series carries `model_name` and `dp_rank`.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+LABELS = ("model_name", "dp_rank")
+LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
+                   2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0)
+
+
+class EngineStatsCollector:
+    """Engine-side gauges and counters from the latest `LLMEngine.stats()` snapshot."""
+
+    GAUGES = (("num_requests_running", "num_running", "Requests in the running queue."),
+              ("num_requests_waiting", "num_waiting", "Requests waiting to be scheduled."),
+              ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (0-1)."))
+    COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
+                ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
+                ("num_preemptions", "num_preemptions", "Sequences preempted (recompute)."))
+
+    def __init__(self, labels: tuple[str, str]):
+        self.labels = list(labels)
+        self.stats: dict[str, Any] = {}
+
+    def collect(self):
+        for name, key, doc in self.GAUGES:
+            family = GaugeMetricFamily(f"atomd:{name}", doc, labels=LABELS)
+            if key in self.stats:
+                family.add_metric(self.labels, float(self.stats[key]))
+            yield family
+        for name, key, doc in self.COUNTERS:
+            family = CounterMetricFamily(f"atomd:{name}", doc, labels=LABELS)
+            if key in self.stats:
+                family.add_metric(self.labels, float(self.stats[key]))
+            yield family
+
+
+class ServerMetrics:
+    def __init__(self, model_name: str, dp_rank: int = 0):
+        self.registry = CollectorRegistry()
+        labels = (model_name, str(dp_rank))
+        self.engine = EngineStatsCollector(labels)
+        self.registry.register(self.engine)
+
+        def hist(name: str, doc: str, buckets=LATENCY_BUCKETS):
+            return Histogram(f"atomd:{name}", doc, LABELS, buckets=buckets,
+                             registry=self.registry).labels(*labels)
+
+        def counter(name: str, doc: str):
+            return Counter(f"atomd:{name}", doc, LABELS, registry=self.registry).labels(*labels)
+
+        self.ttft = hist("time_to_first_token_seconds", "Time to first token, as the API sees it.")
+        self.itl = hist("inter_token_latency_seconds", "Time between output tokens.", ITL_BUCKETS)
+        self.e2e = hist("e2e_request_latency_seconds", "Request latency from arrival to the last token.")
+        self.queue = hist("request_queue_time_seconds", "Time in the waiting queue.")
+        self.prefill = hist("request_prefill_time_seconds", "First schedule to first token.")
+        self.decode = hist("request_decode_time_seconds", "First token to the last token.")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens.")
+        self._success = Counter("atomd:request_success", "Finished requests by finish reason.",
+                                LABELS + ("finished_reason",), registry=self.registry)
+        self._labels = labels
+
+    def on_tokens(self, n: int, since_last_s: float | None) -> None:
+        """`n` new tokens arrived; `since_last_s` is None for the request's first ones."""
+        self.generation_tokens.inc(n)
+        if since_last_s is None:
+            return
+        for _ in range(n):  # a coalesced delta spreads its gap over its tokens
+            self.itl.observe(since_last_s / n)
+
+    def on_finished(self, finish_reason: str, num_prompt_tokens: int, e2e_s: float,
+                    timing: tuple | None) -> None:
+        self._success.labels(*self._labels, finish_reason).inc()
+        self.prompt_tokens.inc(num_prompt_tokens)
+        self.e2e.observe(e2e_s)
+        if not timing:
+            return
+        arrival, scheduled, first_token, finished = timing
+        for hist, start, end in ((self.queue, arrival, scheduled), (self.prefill, scheduled, first_token),
+                                 (self.decode, first_token, finished)):
+            if start is not None and end is not None:
+                hist.observe(max(0.0, end - start))
+
+    def render(self, engine_stats: dict[str, Any] | None) -> bytes:
+        if engine_stats is not None:
+            self.engine.stats = engine_stats
+        return generate_latest(self.registry)

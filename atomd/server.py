@@ -1,0 +1,511 @@
+"""`atomd serve`: an OpenAI-compatible HTTP server (aiohttp on uvloop) over an EngineCore.
+
+This process owns HTTP, the tokenizer (prompt encoding, chat templates, incremental
+detokenization, stop strings) and the metrics; the engine core process only sees token
+ids (atomd/core.py). Routes:
+
+  POST /v1/completions, /v1/chat/completions   JSON or SSE (`stream: true`)
+  GET  /v1/models
+  GET  /health     200 while the engine core process lives (503 once it died); no API key
+  GET  /ready      200 once the engine is loaded and answers a stats call within 2 s
+  GET  /metrics    Prometheus text
+  POST /reset_prefix_cache
+  GET  /debug/stats   the engine's stats() (free blocks, queues), for tests and operators
+
+Length policy (like vLLM): a prompt longer than max_model_len goes to the engine, whose
+scheduler rejects it, and its unschedulable message comes back as a 400. A prompt that
+fits but whose `max_tokens` would run past max_model_len is a 400 as well (no silent
+clamp); a chat request without max_tokens gets the rest of the context.
+
+A client that disconnects (mid-stream or while waiting) has its request aborted in the
+engine, which frees its blocks.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import signal
+import sys
+import time
+import uuid
+from typing import Any
+
+import msgspec
+import uvloop
+from aiohttp import web
+
+from atomd import protocol as P
+from atomd.core import EngineCoreClient, EngineDeadError, RequestStream, TokenDelta
+from atomd.metrics import ServerMetrics
+
+logger = logging.getLogger("atomd.server")
+access_logger = logging.getLogger("atomd.access")
+
+READY_PROBE_TIMEOUT_S = 2.0
+SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
+               "X-Accel-Buffering": "no"}
+OPEN_PATHS = ("/health", "/ready", "/metrics")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    from atomd.config import add_engine_args
+
+    add_engine_args(parser)
+    g = parser.add_argument_group("server")
+    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    g.add_argument("--port", type=int, default=8000, help="port to listen on")
+    g.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` (all routes but /health, /ready, /metrics)")
+    g.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
+                   help="larger request bodies get a 413")
+    g.add_argument("--served-model-name", default=None,
+                   help="the model name clients send and see (default: the engine's model name)")
+    g.add_argument("--engine-start-timeout-s", type=float, default=600.0,
+                   help="give up when the engine core is not ready by then")
+
+
+def run(args: argparse.Namespace) -> int:
+    from atomd.config import EngineConfig
+
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        config = EngineConfig.from_args(args)
+    except ValueError as e:
+        print(f"atomd serve: error: {e}", file=sys.stderr)
+        return 2
+    return uvloop.run(serve(config, args))
+
+
+async def serve(config: Any, args: argparse.Namespace) -> int:
+    """Listen at once (so /health answers while the model loads), then start the core."""
+    server = Server(config, args)
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    await web.TCPSite(runner, args.host, args.port).start()
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await server.start(args.engine_start_timeout_s)
+        print(f"atomd serve: ready at http://{args.host}:{args.port} (model {server.model_name})", flush=True)
+        await stop.wait()
+        return 0
+    except (EngineDeadError, asyncio.TimeoutError) as e:
+        print(f"atomd serve: engine failed to start: {e or 'timed out'}", file=sys.stderr)
+        return 1
+    finally:
+        await runner.cleanup()
+        await server.client.shutdown()
+
+
+def load_tokenizer(config: Any):
+    from atomd.tokenizer import Tokenizer
+    from atomd.model.default import default_model_dir
+
+    return Tokenizer.from_dir(config.model or default_model_dir())
+
+
+class Server:
+    def __init__(self, config: Any, args: argparse.Namespace):
+        self.config, self.args = config, args
+        self.client = EngineCoreClient(config)
+        self.model_name = args.served_model_name
+        self.tokenizer = None
+        self.metrics: ServerMetrics | None = None
+        self.max_model_len = config.max_model_len
+        app = web.Application(client_max_size=args.max_request_body_bytes,
+                              middlewares=[self.access_log, self.errors, self.auth])
+        app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat_completions)
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
+        app.router.add_get("/metrics", self.metrics_route)
+        app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
+        app.router.add_get("/debug/stats", self.debug_stats)
+        self.app = app
+
+    async def start(self, timeout_s: float) -> None:
+        ready = await self.client.start(timeout_s)
+        self.model_name = self.model_name or ready.model_name
+        self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
+        self.metrics = ServerMetrics(self.model_name)
+
+    # ------------------------------------------------------------ middlewares
+
+    @web.middleware
+    async def access_log(self, request: web.Request, handler):
+        """One JSON line per request, written when the response (stream included) is done."""
+        t0 = time.perf_counter()
+        request_id = request.headers.get("X-Request-Id") or uuid.uuid4().hex
+        request["request_id"] = request_id
+        status = 500
+        try:
+            response = await handler(request)
+            status = response.status
+            response.headers.setdefault("X-Request-Id", request_id) if not response.prepared else None
+            return response
+        except web.HTTPException as e:
+            status = e.status
+            raise
+        except asyncio.CancelledError:
+            status = 499  # client closed the connection
+            raise
+        finally:
+            access_logger.info(json.dumps({
+                "method": request.method, "path": request.path, "status": status,
+                "latency_s": round(time.perf_counter() - t0, 6), "request_id": request_id}))
+
+    @web.middleware
+    async def errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except P.APIError as e:
+            return error_response(e)
+        except EngineDeadError as e:
+            return error_response(P.APIError(503, f"engine is not available: {e}",
+                                             type="service_unavailable", code="engine_dead"))
+        except web.HTTPRequestEntityTooLarge:
+            return error_response(P.APIError(
+                413, f"request body is larger than {self.args.max_request_body_bytes} bytes",
+                code="request_too_large"))
+        except web.HTTPException as e:
+            if e.status < 400:
+                raise
+            return error_response(P.APIError(e.status, e.reason, type="invalid_request_error"))
+
+    @web.middleware
+    async def auth(self, request: web.Request, handler):
+        key = self.args.api_key
+        if key and request.path not in OPEN_PATHS and \
+                request.headers.get("Authorization") != f"Bearer {key}":
+            raise P.APIError(401, "missing or invalid API key (expected `Authorization: Bearer <key>`)",
+                             type="authentication_error", code="invalid_api_key")
+        return await handler(request)
+
+    # ------------------------------------------------------------ operational routes
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.client.dead is not None:
+            return json_response({"status": "engine dead", "reason": self.client.dead}, 503)
+        return json_response({"status": "ok"})
+
+    async def ready(self, request: web.Request) -> web.Response:
+        if not self.client.alive or self.tokenizer is None:
+            return json_response({"status": "dead" if self.client.dead else "loading"}, 503)
+        try:
+            await self.client.call("stats", timeout_s=READY_PROBE_TIMEOUT_S)
+        except (EngineDeadError, asyncio.TimeoutError, RuntimeError) as e:
+            return json_response({"status": "not answering", "reason": str(e) or "timeout"}, 503)
+        return json_response({"status": "ready"})
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        if self.metrics is None:
+            return web.Response(status=503, text="engine is loading\n")
+        stats = None
+        if self.client.alive:
+            try:
+                stats = await self.client.call("stats", timeout_s=READY_PROBE_TIMEOUT_S)
+            except (EngineDeadError, asyncio.TimeoutError, RuntimeError):
+                pass  # serve the API-side series; engine gauges keep their last value
+        return web.Response(body=self.metrics.render(stats),
+                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+
+    async def reset_prefix_cache(self, request: web.Request) -> web.Response:
+        self.require_engine()
+        return json_response({"reset": bool(await self.client.call("reset_prefix_cache"))})
+
+    async def debug_stats(self, request: web.Request) -> web.Response:
+        self.require_engine()
+        return json_response(await self.client.call("stats"))
+
+    async def models(self, request: web.Request) -> web.Response:
+        self.require_engine()
+        card = P.ModelCard(id=self.model_name, created=int(time.time()), max_model_len=self.max_model_len)
+        return json_response(P.ModelList([card]))
+
+    def require_engine(self) -> None:
+        if self.client.dead is not None:
+            raise EngineDeadError(self.client.dead)
+        if not self.client.alive or self.tokenizer is None:
+            raise P.APIError(503, "engine is loading", type="service_unavailable", code="engine_loading")
+
+    # ------------------------------------------------------------ generation routes
+
+    async def read_request(self, request: web.Request, kind):
+        self.require_engine()
+        if request.content_length is not None and request.content_length > self.args.max_request_body_bytes:
+            raise web.HTTPRequestEntityTooLarge(max_size=self.args.max_request_body_bytes,
+                                                actual_size=request.content_length)
+        req = P.decode_request(await request.read(), kind)
+        if req.model and req.model != self.model_name:
+            raise P.APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+                             param="model", code="model_not_found")
+        return req
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        req = await self.read_request(request, P.CompletionRequest)
+        logprobs = P.completion_logprobs(req)
+        P.check_max_tokens("max_tokens", req.max_tokens)
+        prompt = P.prompt_input(req.prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
+        params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), logprobs)
+        out = CompletionOutput(self, f"cmpl-{uuid.uuid4().hex}", req, logprobs)
+        return await self.generate(request, req, ids, params, out)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        req = await self.read_request(request, P.ChatCompletionRequest)
+        logprobs = P.chat_logprobs(req)
+        P.check_max_tokens("max_tokens", req.max_tokens)
+        P.check_max_tokens("max_completion_tokens", req.max_completion_tokens)
+        messages = P.chat_messages(req)
+        try:
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+        except Exception as e:  # a template that raises on this conversation
+            raise P.invalid("messages", f"chat template failed: {e}") from None
+        requested, param = (req.max_completion_tokens, "max_completion_tokens") \
+            if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
+        params = P.sampling_params(req, self.max_tokens(ids, requested, param, None), logprobs)
+        out = ChatOutput(self, f"chatcmpl-{uuid.uuid4().hex}", req, logprobs)
+        return await self.generate(request, req, ids, params, out)
+
+    def check_token_ids(self, ids: list[int]) -> list[int]:
+        vocab = self.tokenizer.vocab_size
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise P.invalid("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+        return ids
+
+    def max_tokens(self, ids: list[int], requested: int | None, param: str, default: int | None) -> int:
+        """The max_tokens the engine gets, or a 400 when the request cannot fit (see module doc)."""
+        room = self.max_model_len - len(ids)
+        if room < 0:
+            return requested or default or 1  # the scheduler rejects it with its own message
+        wanted = requested if requested is not None else (default if default is not None else room)
+        if wanted > room or room == 0:
+            raise P.invalid(param, (
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
+                f"{len(ids)} tokens and {param}={wanted} would need {len(ids) + wanted}"))
+        return wanted
+
+    async def generate(self, request: web.Request, req, ids: list[int], params, out: "RequestOutputState"):
+        stream = self.client.add_request(out.id, ids, params, req.kv_transfer_params)
+        try:
+            first = await stream.next_batch()
+            if first[0].error is not None:
+                raise P.APIError(400, first[0].error, param="prompt" if "prompt" in first[0].error else None,
+                                 code="unschedulable")
+            if req.stream:
+                return await self.stream_response(request, stream, first, out)
+            batch = first
+            while True:
+                out.add(batch)
+                if out.finished:
+                    return web.Response(body=out.full_response(), content_type="application/json")
+                batch = await stream.next_batch()
+        finally:
+            self.client.abort(out.id)  # no-op once finished; frees the blocks of a gone client
+
+    async def stream_response(self, request: web.Request, stream: RequestStream,
+                              batch: list[TokenDelta], out: "RequestOutputState") -> web.StreamResponse:
+        resp = web.StreamResponse(headers=SSE_HEADERS)
+        await resp.prepare(request)
+        try:
+            for chunk in out.stream_start():
+                await resp.write(sse(chunk))
+            while True:
+                text_chunk = out.add(batch)
+                if text_chunk is not None:
+                    await resp.write(sse(text_chunk))
+                if out.finished:
+                    break
+                batch = await stream.next_batch()
+            for chunk in out.stream_end():
+                await resp.write(sse(chunk))
+            await resp.write(b"data: [DONE]\n\n")
+        except EngineDeadError as e:
+            err = P.APIError(503, f"engine is not available: {e}", type="service_unavailable", code="engine_dead")
+            await resp.write(b"data: " + err.body() + b"\n\n")
+        await resp.write_eof()
+        return resp
+
+
+def sse(payload: bytes) -> bytes:
+    return b"data: " + payload + b"\n\n"
+
+
+def json_response(obj: Any, status: int = 200) -> web.Response:
+    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
+
+
+def error_response(e: P.APIError) -> web.Response:
+    return web.Response(body=e.body(), status=e.status, content_type="application/json")
+
+
+# ---------------------------------------------------------------- per-request output state
+
+class RequestOutputState:
+    """Accumulates one request's deltas: text (incremental, stop strings held back),
+    logprobs, usage, metrics. Subclasses render the endpoint's JSON."""
+
+    def __init__(self, server: Server, request_id: str, req, logprobs: int | None):
+        self.id, self.req, self.num_logprobs = request_id, req, logprobs
+        self.model, self.created = server.model_name, int(time.time())
+        self.tokenizer, self.metrics = server.tokenizer, server.metrics
+        self.detok = server.tokenizer.incremental_decoder()
+        self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
+        self.text = ""         # everything decoded so far
+        self.emitted = 0       # chars of `text` already handed out
+        self.token_ids: list[int] = []
+        self.logprobs: list[tuple[int, dict]] = []  # (token id, engine entry)
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.num_prompt_tokens = self.num_cached_tokens = 0
+        self.kv_transfer_params: dict | None = None
+        self.t_arrival = self.t_last = time.perf_counter()
+        self.first_token_seen = False
+
+    def add(self, deltas: list[TokenDelta]) -> bytes | None:
+        """Fold `deltas` in; return the stream chunk for the new text (None if nothing to say)."""
+        n_lp = len(self.logprobs)
+        start = self.emitted
+        for d in deltas:
+            self.observe(d)
+            for i, tid in enumerate(d.new_token_ids):
+                self.token_ids.append(tid)
+                if self.num_logprobs is not None and d.new_logprobs:
+                    self.logprobs.append((tid, d.new_logprobs[i]))
+                self.text += self.detok.step(tid)
+            if d.finished:
+                self.finish(d)
+        self.cut_at_stop()
+        end = len(self.text) if self.finished else max(self.emitted, len(self.text) - self.hold)
+        self.emitted = end
+        new_text = self.text[start:end]
+        if not new_text and not self.finished and len(self.logprobs) == n_lp:
+            return None
+        return self.chunk(new_text, self.logprobs[n_lp:], self.finish_reason if self.finished else None)
+
+    def observe(self, d: TokenDelta) -> None:
+        now = time.perf_counter()
+        if d.new_token_ids:
+            if not self.first_token_seen:
+                self.metrics.ttft.observe(now - self.t_arrival)
+            self.metrics.on_tokens(len(d.new_token_ids), now - self.t_last if self.first_token_seen else None)
+            self.first_token_seen, self.t_last = True, now
+
+    def finish(self, d: TokenDelta) -> None:
+        self.finished, self.finish_reason = True, d.finish_reason
+        self.num_prompt_tokens, self.num_cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
+        self.kv_transfer_params = d.kv_transfer_params
+        self.text += self.detok.flush()
+        self.metrics.on_finished(d.finish_reason or "unknown", d.num_prompt_tokens,
+                                 time.perf_counter() - self.t_arrival, d.timing)
+
+    def cut_at_stop(self) -> None:
+        """Truncate the text at the first stop string (the engine stops on it; the text
+        of the token that completed it may run past it)."""
+        if not self.stops:
+            return
+        search_from = max(0, self.emitted - self.hold)
+        hits = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
+        if hits:
+            i, s = min(hits)
+            self.text = self.text[:i + len(s) if self.req.include_stop_str_in_output else i]
+            self.finished = True
+            self.finish_reason = self.finish_reason or "stop"
+
+    def usage(self) -> P.Usage:
+        n = len(self.token_ids)
+        return P.Usage(self.num_prompt_tokens, n, self.num_prompt_tokens + n,
+                       P.PromptTokensDetails(self.num_cached_tokens))
+
+    def token_text(self, tid: int) -> str:
+        return self.tokenizer.decode([tid])
+
+    def include_usage(self) -> bool:
+        return bool(self.req.stream_options and self.req.stream_options.include_usage)
+
+    def kv_field(self):
+        return self.kv_transfer_params if self.kv_transfer_params is not None else msgspec.UNSET
+
+    def stream_start(self) -> list[bytes]:
+        return []
+
+
+class CompletionOutput(RequestOutputState):
+    def logprobs_block(self, items: list[tuple[int, dict]], offset: int) -> P.CompletionLogprobs:
+        tokens, lps, tops, offsets = [], [], [], []
+        for tid, entry in items:
+            text = self.token_text(tid)
+            tokens.append(text)
+            lps.append(entry["logprob"])
+            tops.append({self.token_text(t): lp for t, lp in entry.get("top") or []})
+            offsets.append(offset)
+            offset += len(text)
+        return P.CompletionLogprobs(tokens, lps, tops, offsets)
+
+    def chunk(self, text: str, items, finish_reason) -> bytes:
+        lp = self.logprobs_block(items, self.emitted - len(text)) if self.num_logprobs is not None else None
+        usage = None if self.include_usage() else msgspec.UNSET
+        kv = self.kv_field() if finish_reason is not None else msgspec.UNSET
+        return msgspec.json.encode(P.CompletionResponse(
+            self.id, self.created, self.model, [P.CompletionChoice(0, text, lp, finish_reason)],
+            usage=usage, kv_transfer_params=kv))
+
+    def full_response(self) -> bytes:
+        lp = self.logprobs_block(self.logprobs, 0) if self.num_logprobs is not None else None
+        return msgspec.json.encode(P.CompletionResponse(
+            self.id, self.created, self.model, [P.CompletionChoice(0, self.text, lp, self.finish_reason)],
+            usage=self.usage(), kv_transfer_params=self.kv_field()))
+
+    def stream_end(self) -> list[bytes]:
+        if not self.include_usage():
+            return []
+        return [msgspec.json.encode(P.CompletionResponse(self.id, self.created, self.model, [],
+                                                         usage=self.usage()))]
+
+
+class ChatOutput(RequestOutputState):
+    def logprobs_block(self, items: list[tuple[int, dict]]) -> P.ChatLogprobs:
+        def entry_of(tid: int, lp: float) -> tuple[str, float, list[int]]:
+            text = self.token_text(tid)
+            return text, lp, list(text.encode("utf-8"))
+
+        content = []
+        for tid, entry in items:
+            tops = [P.TopLogprob(*entry_of(t, lp)) for t, lp in (entry.get("top") or [])]
+            content.append(P.TokenLogprob(*entry_of(tid, entry["logprob"]), top_logprobs=tops))
+        return P.ChatLogprobs(content)
+
+    def chunk_of(self, delta: P.ChatDelta, items, finish_reason, **extra) -> bytes:
+        lp = self.logprobs_block(items) if self.num_logprobs is not None and items else None
+        usage = None if self.include_usage() else msgspec.UNSET
+        return msgspec.json.encode(P.ChatCompletionChunk(
+            self.id, self.created, self.model, [P.ChatChunkChoice(0, delta, lp, finish_reason)],
+            usage=usage, **extra))
+
+    def stream_start(self) -> list[bytes]:
+        return [self.chunk_of(P.ChatDelta(role="assistant", content=""), [], None)]
+
+    def chunk(self, text: str, items, finish_reason) -> bytes:
+        kv = self.kv_field() if finish_reason is not None else msgspec.UNSET
+        return self.chunk_of(P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv)
+
+    def full_response(self) -> bytes:
+        lp = self.logprobs_block(self.logprobs) if self.num_logprobs is not None else None
+        return msgspec.json.encode(P.ChatCompletionResponse(
+            self.id, self.created, self.model,
+            [P.ChatChoice(0, P.ChatMessageOut("assistant", self.text), lp, self.finish_reason)],
+            usage=self.usage(), kv_transfer_params=self.kv_field()))
+
+    def stream_end(self) -> list[bytes]:
+        if not self.include_usage():
+            return []
+        return [msgspec.json.encode(P.ChatCompletionChunk(self.id, self.created, self.model, [],
+                                                          usage=self.usage()))]
