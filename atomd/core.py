@@ -28,7 +28,7 @@ import os
 import shutil
 import tempfile
 import traceback
-from typing import Any
+from typing import Any, Callable
 
 import msgspec
 import zmq
@@ -238,9 +238,12 @@ class RequestStream:
 class EngineCoreClient:
     """The API process's handle on the core: start it, send requests, receive deltas."""
 
-    def __init__(self, config: Any, start_target=run_engine_core):
+    def __init__(self, config: Any, on_abort_confirmed: Callable[[], None] | None = None,
+                 start_target=run_engine_core):
         self.config, self.start_target = config, start_target
+        self.on_abort_confirmed = on_abort_confirmed
         self.streams: dict[str, RequestStream] = {}
+        self.aborting: set[str] = set()  # aborted here, the engine's final output still due
         self.calls: dict[int, asyncio.Future] = {}
         self.call_ids = itertools.count()
         self.dead: str | None = None  # why the core is gone
@@ -290,6 +293,7 @@ class EngineCoreClient:
     def abort(self, request_id: str) -> None:
         """Forget the request here and free it in the engine (no-op once the core is dead)."""
         if self.streams.pop(request_id, None) is not None and self.dead is None:
+            self.aborting.add(request_id)
             self.send(AbortRequests([request_id]))
 
     async def call(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
@@ -324,7 +328,11 @@ class EngineCoreClient:
     def dispatch(self, deltas: list[TokenDelta]) -> None:
         for delta in deltas:
             stream = self.streams.get(delta.request_id)
-            if stream is None:  # aborted here already; the engine's late output is dropped
+            if stream is None:  # aborted here already: only the engine's confirmation matters
+                if delta.finished and delta.request_id in self.aborting:
+                    self.aborting.discard(delta.request_id)
+                    if delta.finish_reason == "abort" and self.on_abort_confirmed:
+                        self.on_abort_confirmed()
                 continue
             if delta.finished:
                 del self.streams[delta.request_id]
@@ -341,7 +349,7 @@ class EngineCoreClient:
 
     def on_core_exit(self) -> None:
         asyncio.get_running_loop().remove_reader(self.proc.sentinel)
-        self.proc.join(0)
+        self.proc.join(1)  # the sentinel fires as the process exits; reap it for its exit code
         self.fail(self.dead or f"engine core process exited (exit code {self.proc.exitcode})")
 
     def fail(self, reason: str) -> None:
@@ -355,6 +363,7 @@ class EngineCoreClient:
         for stream in self.streams.values():
             stream.queue.put_nowait(err)
         self.streams.clear()
+        self.aborting.clear()
         for fut in self.calls.values():
             if not fut.done():
                 fut.set_exception(err)

@@ -83,6 +83,10 @@ class ServerMetrics:
         for _ in range(n):  # a coalesced delta spreads its gap over its tokens
             self.itl.observe(since_last_s / n)
 
+    def on_aborted(self) -> None:
+        """The engine confirmed an abort (the client went away): finished_reason="abort"."""
+        self._success.labels(*self._labels, "abort").inc()
+
     def on_finished(self, finish_reason: str, num_prompt_tokens: int, e2e_s: float,
                     timing: tuple | None) -> None:
         self._success.labels(*self._labels, finish_reason).inc()

@@ -102,8 +102,9 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]):
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         text = str(e)
-        m = _AT.search(text) or _MISSING.search(text)
-        raise invalid(m.group(1) if m else None, text) from None
+        at, missing = _AT.search(text), _MISSING.search(text)
+        path = [m.group(1) for m in (at, missing) if m and m.group(1)]
+        raise invalid(".".join(path) or None, text) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
 

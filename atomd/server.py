@@ -71,6 +71,10 @@ def run(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    access = logging.StreamHandler(sys.stderr)  # bare JSON lines, one per request
+    access.setFormatter(logging.Formatter("%(message)s"))
+    access_logger.addHandler(access)
+    access_logger.propagate = False
     try:
         config = EngineConfig.from_args(args)
     except ValueError as e:
@@ -94,8 +98,8 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
         print(f"atomd serve: ready at http://{args.host}:{args.port} (model {server.model_name})", flush=True)
         await stop.wait()
         return 0
-    except (EngineDeadError, asyncio.TimeoutError) as e:
-        print(f"atomd serve: engine failed to start: {e or 'timed out'}", file=sys.stderr)
+    except Exception as e:  # the engine core or the tokenizer could not start
+        print(f"atomd serve: failed to start: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
         await runner.cleanup()
@@ -112,7 +116,7 @@ def load_tokenizer(config: Any):
 class Server:
     def __init__(self, config: Any, args: argparse.Namespace):
         self.config, self.args = config, args
-        self.client = EngineCoreClient(config)
+        self.client = EngineCoreClient(config, on_abort_confirmed=self.on_abort_confirmed)
         self.model_name = args.served_model_name
         self.tokenizer = None
         self.metrics: ServerMetrics | None = None
@@ -127,6 +131,7 @@ class Server:
         app.router.add_get("/metrics", self.metrics_route)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/debug/stats", self.debug_stats)
+        app.on_response_prepare.append(echo_request_id)
         self.app = app
 
     async def start(self, timeout_s: float) -> None:
@@ -134,6 +139,10 @@ class Server:
         self.model_name = self.model_name or ready.model_name
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
         self.metrics = ServerMetrics(self.model_name)
+
+    def on_abort_confirmed(self) -> None:
+        if self.metrics is not None:
+            self.metrics.on_aborted()
 
     # ------------------------------------------------------------ middlewares
 
@@ -147,7 +156,6 @@ class Server:
         try:
             response = await handler(request)
             status = response.status
-            response.headers.setdefault("X-Request-Id", request_id) if not response.prepared else None
             return response
         except web.HTTPException as e:
             status = e.status
@@ -157,7 +165,7 @@ class Server:
             raise
         finally:
             access_logger.info(json.dumps({
-                "method": request.method, "path": request.path, "status": status,
+                "ts": round(time.time(), 6), "method": request.method, "path": request.path, "status": status,
                 "latency_s": round(time.perf_counter() - t0, 6), "request_id": request_id}))
 
     @web.middleware
@@ -297,8 +305,7 @@ class Server:
         try:
             first = await stream.next_batch()
             if first[0].error is not None:
-                raise P.APIError(400, first[0].error, param="prompt" if "prompt" in first[0].error else None,
-                                 code="unschedulable")
+                raise P.APIError(400, first[0].error, code="unschedulable")
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
             batch = first
@@ -332,6 +339,10 @@ class Server:
             await resp.write(b"data: " + err.body() + b"\n\n")
         await resp.write_eof()
         return resp
+
+
+async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
+    response.headers["X-Request-Id"] = request.get("request_id", "")
 
 
 def sse(payload: bytes) -> bytes:

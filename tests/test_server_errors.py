@@ -1,0 +1,169 @@
+"""Bad input to `atomd serve`: an OpenAI-style error with the right status, and the server
+keeps serving with its KV pool back at its baseline. Also the API key and engine death."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+
+import pytest
+
+from tests.server_fixtures import MAX_MODEL_LEN, http, model_dir, start_server
+
+pytestmark = pytest.mark.integration
+
+KEY = "sk-test-key"
+AUTH = {"Authorization": f"Bearer {KEY}"}
+BODY_LIMIT = 8192
+GOOD = {"prompt": "def main():", "max_tokens": 4, "temperature": 0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    srv = start_server(model_dir(), "--api-key", KEY, "--max-request-body-bytes", str(BODY_LIMIT),
+                       "--served-model-name", "atomd-test")
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(scope="module")
+def baseline(server):
+    return server.stats(AUTH)["num_free_blocks"]
+
+
+def long_ids(n: int) -> list[int]:
+    return [(7 * i + 3) % 200 + 10 for i in range(n)]
+
+
+def chat(**fields) -> dict:
+    return {"messages": [{"role": "user", "content": "hello"}], "max_tokens": 4, **fields}
+
+
+# (route, body, status, param) -- param None means "no single field to blame"
+CASES = {
+    "invalid_json": ("/v1/completions", b'{"prompt": "hi", ', 400, None),
+    "not_an_object": ("/v1/completions", b'["hi"]', 400, None),
+    "max_tokens_string": ("/v1/completions", {"prompt": "hi", "max_tokens": "ten"}, 400, "max_tokens"),
+    "prompt_int": ("/v1/completions", {"prompt": 5}, 400, "prompt"),
+    "temperature_string": ("/v1/completions", {"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    "messages_string": ("/v1/chat/completions", {"messages": "hello"}, 400, "messages"),
+    "missing_prompt": ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
+    "missing_messages": ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
+    "empty_prompt": ("/v1/completions", {"prompt": ""}, 400, "prompt"),
+    "prompt_batch": ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    "token_out_of_vocab": ("/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
+    "max_tokens_zero": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    "max_tokens_negative": ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),
+    "max_completion_tokens_zero": ("/v1/chat/completions", chat(max_completion_tokens=0), 400,
+                                   "max_completion_tokens"),
+    "temperature_negative": ("/v1/completions", {"prompt": "hi", "temperature": -0.5}, 400, "temperature"),
+    "top_p_zero": ("/v1/completions", {"prompt": "hi", "top_p": 0}, 400, "top_p"),
+    "top_p_above_one": ("/v1/chat/completions", chat(top_p=1.5), 400, "top_p"),
+    "n_two": ("/v1/completions", {"prompt": "hi", "n": 2}, 400, "n"),
+    "logprobs_too_many": ("/v1/completions", {"prompt": "hi", "logprobs": 21}, 400, "logprobs"),
+    "top_logprobs_without_logprobs": ("/v1/chat/completions", chat(top_logprobs=2), 400, "top_logprobs"),
+    "unknown_model": ("/v1/completions", {"prompt": "hi", "model": "gpt-9"}, 404, "model"),
+    "empty_messages": ("/v1/chat/completions", {"messages": []}, 400, "messages"),
+    "unknown_role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
+                     "messages[0].role"),
+    "message_without_role": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400,
+                             "messages[0].role"),
+    # prompt + max_tokens past the context: a 400 (vLLM's choice), not a silent clamp
+    "prompt_plus_max_tokens_too_long": ("/v1/completions",
+                                        {"prompt": long_ids(MAX_MODEL_LEN - 10), "max_tokens": 20}, 400,
+                                        "max_tokens"),
+    "oversized_body": ("/v1/completions", {"prompt": "x" * (2 * BODY_LIMIT)}, 413, None),
+}
+
+
+def assert_openai_error(status: int, body: bytes, want_status: int, want_param: str | None) -> dict:
+    assert status == want_status, body
+    err = json.loads(body)["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert isinstance(err["message"], str) and err["message"]
+    assert err["param"] == want_param
+    return err
+
+
+def assert_still_serving(server, baseline: int) -> None:
+    status, body = http("POST", server.url + "/v1/completions", GOOD, AUTH)
+    assert status == 200, body
+    assert json.loads(body)["usage"]["completion_tokens"] == 4
+    server.wait_idle(baseline, AUTH)
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_bad_request_is_answered_and_leaks_nothing(server, baseline, case):
+    route, body, want_status, want_param = CASES[case]
+    status, resp = http("POST", server.url + route, body, AUTH)
+    assert_openai_error(status, resp, want_status, want_param)
+    assert_still_serving(server, baseline)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_prompt_longer_than_max_model_len_gets_the_schedulers_message(server, baseline, stream):
+    body = {"prompt": long_ids(MAX_MODEL_LEN + 20), "max_tokens": 4, "stream": stream}
+    status, resp = http("POST", server.url + "/v1/completions", body, AUTH)
+    err = assert_openai_error(status, resp, 400, None)
+    assert err["message"].startswith("unschedulable")
+    assert str(MAX_MODEL_LEN) in err["message"]
+    assert_still_serving(server, baseline)
+
+
+def test_unknown_route_is_a_json_404(server, baseline):
+    status, resp = http("GET", server.url + "/v1/nothing", headers=AUTH)
+    assert_openai_error(status, resp, 404, None)
+
+
+def test_api_key_required_except_on_health(server, baseline):
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        status, resp = http("POST", server.url + "/v1/completions", GOOD, headers)
+        err = assert_openai_error(status, resp, 401, None)
+        assert err["type"] == "authentication_error"
+    assert http("GET", server.url + "/health")[0] == 200
+    assert http("GET", server.url + "/ready")[0] == 200
+    assert http("GET", server.url + "/v1/models")[0] == 401
+    assert_still_serving(server, baseline)
+
+
+def test_openai_client_maps_errors(server, baseline):
+    import openai
+
+    client = openai.OpenAI(base_url=server.url + "/v1", api_key=KEY, max_retries=0)
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="atomd-test", prompt="hi", max_tokens=0)
+    assert e.value.body["param"] == "max_tokens"
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="nope", messages=[{"role": "user", "content": "hi"}])
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=server.url + "/v1", api_key="bad", max_retries=0).models.list()
+    assert_still_serving(server, baseline)
+
+
+def test_engine_death_gives_503_and_fails_ready():
+    srv = start_server(model_dir())
+    try:
+        # A long stream in flight when the engine dies must end, not hang.
+        result = {}
+
+        def stream_in_flight():
+            body = {"prompt": "import os", "max_tokens": 200, "ignore_eos": True, "stream": True}
+            result["status"], result["body"] = http("POST", srv.url + "/v1/completions", body, timeout=60)
+
+        t = threading.Thread(target=stream_in_flight)
+        t.start()
+        os.kill(srv.engine_pid(), signal.SIGKILL)
+        t.join(60)
+        assert not t.is_alive()
+        if result["status"] == 200:  # headers went out before the death: an SSE error event ends it
+            assert b'"code":"engine_dead"' in result["body"] and not result["body"].endswith(b"[DONE]\n\n")
+        else:
+            assert result["status"] == 503
+        status, resp = http("POST", srv.url + "/v1/completions", GOOD)
+        assert_openai_error(status, resp, 503, None)
+        assert http("GET", srv.url + "/ready")[0] == 503
+        assert http("GET", srv.url + "/health")[0] == 503
+        assert srv.proc.poll() is None  # the API process itself keeps answering
+    finally:
+        srv.stop()
