@@ -442,9 +442,6 @@ class RequestOutputState:
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
 
-    def kv_field(self):
-        return self.kv_transfer_params if self.kv_transfer_params is not None else msgspec.UNSET
-
     def stream_start(self) -> list[bytes]:
         return []
 
@@ -464,7 +461,7 @@ class CompletionOutput(RequestOutputState):
     def chunk(self, text: str, items, finish_reason) -> bytes:
         lp = self.logprobs_block(items, self.emitted - len(text)) if self.num_logprobs is not None else None
         usage = None if self.include_usage() else msgspec.UNSET
-        kv = self.kv_field() if finish_reason is not None else msgspec.UNSET
+        kv = self.kv_transfer_params if finish_reason is not None else msgspec.UNSET
         return msgspec.json.encode(P.CompletionResponse(
             self.id, self.created, self.model, [P.CompletionChoice(0, text, lp, finish_reason)],
             usage=usage, kv_transfer_params=kv))
@@ -473,7 +470,7 @@ class CompletionOutput(RequestOutputState):
         lp = self.logprobs_block(self.logprobs, 0) if self.num_logprobs is not None else None
         return msgspec.json.encode(P.CompletionResponse(
             self.id, self.created, self.model, [P.CompletionChoice(0, self.text, lp, self.finish_reason)],
-            usage=self.usage(), kv_transfer_params=self.kv_field()))
+            usage=self.usage(), kv_transfer_params=self.kv_transfer_params))
 
     def stream_end(self) -> list[bytes]:
         if not self.include_usage():
@@ -505,7 +502,7 @@ class ChatOutput(RequestOutputState):
         return [self.chunk_of(P.ChatDelta(role="assistant", content=""), [], None)]
 
     def chunk(self, text: str, items, finish_reason) -> bytes:
-        kv = self.kv_field() if finish_reason is not None else msgspec.UNSET
+        kv = self.kv_transfer_params if finish_reason is not None else msgspec.UNSET
         return self.chunk_of(P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv)
 
     def full_response(self) -> bytes:
@@ -513,7 +510,7 @@ class ChatOutput(RequestOutputState):
         return msgspec.json.encode(P.ChatCompletionResponse(
             self.id, self.created, self.model,
             [P.ChatChoice(0, P.ChatMessageOut("assistant", self.text), lp, self.finish_reason)],
-            usage=self.usage(), kv_transfer_params=self.kv_field()))
+            usage=self.usage(), kv_transfer_params=self.kv_transfer_params))
 
     def stream_end(self) -> list[bytes]:
         if not self.include_usage():

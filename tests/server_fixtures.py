@@ -47,11 +47,11 @@ def http(method: str, url: str, body: bytes | dict | None = None, headers: dict 
 class ServerProcess:
     """`python -m atomd serve` on a free port of 127.0.0.1."""
 
-    def __init__(self, model: str | os.PathLike, *extra: str):
+    def __init__(self, model: str | os.PathLike, *extra: str, engine_args: list[str] = ENGINE_ARGS):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "atomd", "serve", "--model", str(model), "--port", str(self.port),
-               *ENGINE_ARGS, *extra]
+               *engine_args, *extra]
         self.log = open(os.devnull, "wb") if not os.environ.get("ATOMD_TEST_SERVER_LOG") else None
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
 

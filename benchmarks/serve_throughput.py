@@ -1,0 +1,132 @@
+#!/usr/bin/env python
+"""HTTP serving throughput of `atomd serve` vs the offline engine on the same load.
+
+The load: N concurrent greedy requests (token-id prompts, fixed seed), each generating
+exactly --output-len tokens (ignore_eos). The offline side runs `LLM.generate` on all of
+them in this process; the HTTP side starts `atomd serve` with the same engine flags and
+streams every request at once through aiohttp. Both use the same torch thread count.
+Reported: output tokens/s of each, their ratio (target >= 0.9), and the CPU seconds of
+the API process, the engine core process and this client during the HTTP run.
+
+    .venv/bin/python benchmarks/serve_throughput.py --num-threads 2
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import pathlib
+import random
+import sys
+import time
+
+import aiohttp
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from tests.server_fixtures import ServerProcess  # noqa: E402
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = pathlib.Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def make_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(10, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def run_offline(args, prompts) -> float:
+    import torch
+
+    from atomd import LLM, SamplingParams
+
+    torch.set_num_threads(args.num_threads)
+    llm = LLM(model=args.model, max_model_len=args.max_model_len, max_num_seqs=len(prompts),
+              num_threads=args.num_threads)
+    params = SamplingParams(max_tokens=args.output_len, temperature=0.0, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": prompts[0]}], SamplingParams(max_tokens=4, temperature=0.0))  # warm-up
+    t0 = time.perf_counter()
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], params)
+    wall = time.perf_counter() - t0
+    assert all(len(o.outputs[0].token_ids) == args.output_len for o in outs)
+    del llm
+    return wall
+
+
+async def one_request(session, url: str, prompt: list[int], output_len: int) -> int:
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True}}
+    usage = None
+    async with session.post(url + "/v1/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        async for line in resp.content:
+            if line.startswith(b"data: {"):
+                event = json.loads(line[6:])
+                usage = event.get("usage") or usage
+    return usage["completion_tokens"]
+
+
+async def http_load(url: str, prompts, output_len: int) -> list[int]:
+    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                     timeout=aiohttp.ClientTimeout(total=3600)) as s:
+        return await asyncio.gather(*(one_request(s, url, p, output_len) for p in prompts))
+
+
+def run_http(args, prompts) -> dict:
+    server = ServerProcess(args.model, engine_args=["--max-model-len", str(args.max_model_len), "--max-num-seqs",
+                                                    str(len(prompts)), "--num-threads", str(args.num_threads)])
+    try:
+        server.wait_ready(600)
+        asyncio.run(http_load(server.url, prompts[:1], 4))  # warm-up
+        api_pid, core_pid = server.proc.pid, server.engine_pid()
+        cpu0 = (cpu_seconds(api_pid), cpu_seconds(core_pid), time.process_time())
+        t0 = time.perf_counter()
+        counts = asyncio.run(http_load(server.url, prompts, args.output_len))
+        wall = time.perf_counter() - t0
+        cpu1 = (cpu_seconds(api_pid), cpu_seconds(core_pid), time.process_time())
+        assert counts == [args.output_len] * len(prompts), counts
+        api, core, client = (b - a for a, b in zip(cpu0, cpu1))
+        return {"wall": wall, "api_cpu": api, "core_cpu": core, "client_cpu": client}
+    finally:
+        server.stop()
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None, help="checkpoint dir (default: the built-in default model)")
+    p.add_argument("--num-requests", type=int, default=64)
+    p.add_argument("--prompt-len", type=int, default=64)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--max-model-len", type=int, default=512)
+    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args()
+    if args.model is None:
+        from atomd.model.default import default_model_dir
+
+        args.model = str(default_model_dir())
+    from atomd.tokenizer import Tokenizer
+
+    vocab = Tokenizer.from_dir(args.model).vocab_size
+    prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
+    tokens = args.num_requests * args.output_len
+
+    offline_wall = run_offline(args, prompts)
+    h = run_http(args, prompts)
+    offline_tps, http_tps = tokens / offline_wall, tokens / h["wall"]
+    print(f"| path | wall s | out tok/s | ratio |\n|---|---|---|---|\n"
+          f"| offline LLM.generate | {offline_wall:.2f} | {offline_tps:.0f} | 1.00 |\n"
+          f"| HTTP (atomd serve, SSE) | {h['wall']:.2f} | {http_tps:.0f} | {http_tps / offline_tps:.2f} |")
+    print(f"\nCPU seconds during the HTTP run ({h['wall']:.2f} s wall): API process {h['api_cpu']:.2f} "
+          f"({100 * h['api_cpu'] / h['wall']:.1f}% of one core, "
+          f"{100 * h['api_cpu'] / (h['api_cpu'] + h['core_cpu']):.1f}% of server CPU), "
+          f"engine core {h['core_cpu']:.2f}, benchmark client {h['client_cpu']:.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
