@@ -1,0 +1,66 @@
+"""`python -m router` / `atomd-router`: the PD router on one host:port."""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+from router.app import Router, RouterConfig
+from router.policies import POLICIES
+
+
+def parse_args(argv: list[str] | None) -> RouterConfig:
+    d = RouterConfig()
+    p = argparse.ArgumentParser(prog="atomd-router", description=__doc__)
+    p.add_argument("--prefill", action="append", default=[], metavar="URL",
+                   help="a prefill engine's base URL (repeatable; more can join via POST /workers)")
+    p.add_argument("--decode", action="append", default=[], metavar="URL",
+                   help="a decode engine's base URL (repeatable)")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
+    p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES))
+    p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
+    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                   help="limit on the prefill leg, and on the silence between the decode leg's bytes")
+    p.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
+                   help="consecutive failures that open a worker's circuit breaker")
+    p.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s)
+    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
+                   "(all routes but /health, /ready, /metrics); forwarded to the engines")
+    args = p.parse_args(argv)
+    try:
+        return RouterConfig(**vars(args))
+    except ValueError as e:
+        p.error(str(e))
+
+
+async def serve(config: RouterConfig) -> None:
+    router = Router(config)
+    url = await router.start()
+    print(f"atomd-router: ready at {url}", flush=True)
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        await stop.wait()
+    finally:
+        await router.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    config = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    try:
+        import uvloop
+    except ImportError:  # uvloop is optional: plain asyncio works, a little slower
+        asyncio.run(serve(config))
+    else:
+        uvloop.run(serve(config))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

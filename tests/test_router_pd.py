@@ -1,0 +1,235 @@
+"""The router's two-leg relay against fake engines that follow the engine HTTP contract."""
+from __future__ import annotations
+
+import asyncio
+import re
+
+import aiohttp
+import msgspec
+import openai
+import pytest
+
+from tests.fake_workers import Cluster, LoopThread, wait_until
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
+
+COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 8}
+CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 8}
+
+
+@pytest.fixture
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+@pytest.fixture
+def cluster(loop):
+    c = Cluster(loop, health_interval_s=60).start()
+    yield c
+    c.stop()
+
+
+def sse_events(data: bytes) -> list[bytes]:
+    return [e for e in data.split(b"\n\n") if e]
+
+
+def test_legs_in_order_with_the_right_bodies(cluster):
+    p, d = cluster.prefill[0], cluster.decode[0]
+    body = dict(CHAT, stream_options={"include_usage": True}, min_tokens=2, max_completion_tokens=4, n=1)
+    r = cluster.post("/v1/chat/completions", body)
+    assert r.status == 200
+    (p_path, p_body), = p.requests
+    assert p_path == "/v1/chat/completions"
+    kv_in = p_body.pop("kv_transfer_params")
+    assert kv_in["do_remote_decode"] is True and re.fullmatch(r"[0-9a-f]{32}", kv_in["transfer_id"])
+    expected_p = {k: v for k, v in body.items() if k not in ("stream_options", "min_tokens")}
+    expected_p.update(max_tokens=1, max_completion_tokens=1, stream=False, n=1)
+    assert p_body == expected_p
+    # D gets the client's body untouched plus exactly what P returned.
+    (d_path, d_body), = d.requests
+    p_kv = msgspec.json.decode(p.answers[0])["kv_transfer_params"]
+    assert d_path == "/v1/chat/completions"
+    assert d_body == dict(body, kv_transfer_params=p_kv)
+    assert p_kv["transfer_id"] == kv_in["transfer_id"] and d.pulled == [kv_in["transfer_id"]]
+    assert r.body == d.answers[0]  # non-stream body relayed byte for byte
+    assert r.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == p.prefix_cache_hit_tokens
+    assert p.aborts == []  # D pulled, nothing to abort
+
+
+def test_each_request_mints_a_fresh_transfer_id(cluster):
+    for _ in range(3):
+        assert cluster.post("/v1/completions", COMPLETION).status == 200
+    ids = [b["kv_transfer_params"]["transfer_id"] for _, b in cluster.prefill[0].requests]
+    assert len(set(ids)) == 3
+
+
+@pytest.mark.parametrize("path,body", [("/v1/completions", COMPLETION), ("/v1/chat/completions", CHAT)])
+def test_stream_is_relayed_byte_for_byte(cluster, path, body):
+    r = cluster.post(path, dict(body, stream=True, stream_options={"include_usage": True}))
+    assert r.status == 200 and r.headers["Content-Type"].startswith("text/event-stream")
+    d = cluster.decode[0]
+    assert r.body == d.streams[0]
+    assert sse_events(r.body)[-1] == b"data: [DONE]"
+    assert cluster.prefill[0].requests[0][1]["stream"] is False
+
+
+def test_prefill_5xx_is_a_502_with_the_prefill_message(cluster):
+    cluster.prefill[0].fail_status = 500
+    r = cluster.post("/v1/completions", COMPLETION)
+    assert r.status == 502
+    err = r.json()["error"]
+    assert "engine exploded" in err["message"] and {"message", "type", "param", "code"} <= err.keys()
+    assert cluster.decode[0].requests == []
+
+
+def test_prefill_4xx_passes_through(cluster):
+    p = cluster.prefill[0]
+    p.fail_status, p.fail_message = 400, "max_tokens is too large"
+    r = cluster.post("/v1/chat/completions", dict(CHAT, stream=True))
+    assert r.status == 400
+    assert r.json() == {"error": {"message": "max_tokens is too large", "type": "invalid_request_error",
+                                  "param": "max_tokens", "code": None}}
+    assert cluster.decode[0].requests == []
+
+
+def test_decode_5xx_before_any_byte_is_a_502_and_aborts_the_transfer(cluster):
+    p, d = cluster.prefill[0], cluster.decode[0]
+    d.fail_status = 503
+    r = cluster.post("/v1/completions", dict(COMPLETION, stream=True))
+    assert r.status == 502 and "engine exploded" in r.json()["error"]["message"]
+    tid = p.requests[0][1]["kv_transfer_params"]["transfer_id"]
+    wait_until(lambda: p.aborts == [tid], what="abort on P")
+
+
+def test_decode_dying_mid_stream_ends_with_an_error_event(cluster):
+    d = cluster.decode[0]
+    d.die_after_events = 2
+    r = cluster.post("/v1/completions", dict(COMPLETION, stream=True))
+    assert r.status == 200
+    events = sse_events(r.body)
+    assert b"\n\n".join(events[:2]) + b"\n\n" == d.streams[0]  # what D sent, untouched
+    assert "error" in msgspec.json.decode(events[2][len(b"data: "):])
+    assert events[3:] == [b"data: [DONE]"]
+
+
+async def read_one_event_and_hang_up(url: str, body: dict) -> None:
+    async with aiohttp.ClientSession() as s:
+        r = await s.post(url, json=body)
+        await r.content.readuntil(b"\n\n")
+        r.close()  # drop the connection mid-stream
+
+
+def test_client_disconnect_before_the_pull_cancels_d_and_aborts_p(cluster, loop):
+    p, d = cluster.prefill[0], cluster.decode[0]
+    d.pull_gate.clear()  # D holds the request before pulling
+
+    async def d_has_request():
+        while not d.requests:
+            await asyncio.sleep(0.01)
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            task = asyncio.create_task(s.post(cluster.url + "/v1/completions", json=dict(COMPLETION, stream=True)))
+            await asyncio.wait_for(d_has_request(), 10)
+            task.cancel()  # the client gives up before any byte arrived
+            await asyncio.gather(task, return_exceptions=True)
+
+    loop.run(go())
+    tid = p.requests[0][1]["kv_transfer_params"]["transfer_id"]
+    wait_until(lambda: d.cancelled == [tid], what="D to see its request cancelled")
+    wait_until(lambda: p.aborts == [tid], what="abort on P")
+    assert d.pulled == []
+
+
+def test_client_disconnect_after_the_pull_cancels_d_without_abort(cluster, loop):
+    p, d = cluster.prefill[0], cluster.decode[0]
+    d.hold_after_first_event.clear()  # D streams one event, then waits
+    loop.run(read_one_event_and_hang_up(cluster.url + "/v1/completions", dict(COMPLETION, stream=True)))
+    tid = p.requests[0][1]["kv_transfer_params"]["transfer_id"]
+    wait_until(lambda: d.cancelled == [tid], what="D to see its request cancelled")
+    wait_until(lambda: 'status="client_disconnect"' in cluster.get("/metrics").body.decode(),
+               what="the router to finish the request")
+    assert d.pulled == [tid] and p.aborts == []
+
+
+def test_prefill_leg_moves_to_another_worker_when_one_is_unreachable(loop):
+    c = Cluster(loop, n_prefill=2, health_interval_s=60).start()
+    try:
+        dead = c.prefill[1]
+        loop.run(dead.stop())  # healthy at the last check, refusing connections now
+        for _ in range(2):  # round robin sends one of the two to the dead worker first
+            r = c.post("/v1/completions", COMPLETION)
+            assert r.status == 200, r.body
+        assert len(c.prefill[0].requests) == 2 and len(c.decode[0].requests) == 2
+        metrics = c.get("/metrics").body.decode()
+        assert 'atomd_router:retries_total{leg="prefill"} 1.0' in metrics
+    finally:
+        c.stop()
+
+
+def test_all_prefill_workers_unreachable_is_a_502(loop):
+    c = Cluster(loop, health_interval_s=60).start()
+    try:
+        loop.run(c.prefill[0].stop())
+        r = c.post("/v1/completions", COMPLETION)
+        assert r.status == 502 and "unreachable" in r.json()["error"]["message"]
+        assert c.decode[0].requests == []
+    finally:
+        c.stop()
+
+
+def test_official_openai_client_stream_and_non_stream(cluster):
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    d = cluster.decode[0]
+    full = "".join(d.tokens)
+    out = client.completions.create(model="fake-model", prompt="the quick brown fox", max_tokens=8)
+    assert out.choices[0].text == full and out.usage.completion_tokens == len(d.tokens)
+    chat = client.chat.completions.create(model="fake-model", messages=CHAT["messages"], max_tokens=8)
+    assert chat.choices[0].message.content == full
+    stream = client.chat.completions.create(model="fake-model", messages=CHAT["messages"], max_tokens=8,
+                                            stream=True, stream_options={"include_usage": True})
+    chunks = list(stream)
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == full
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == cluster.prefill[0].prefix_cache_hit_tokens
+    text = "".join(c.choices[0].text for c in client.completions.create(
+        model="fake-model", prompt="hello", max_tokens=8, stream=True))
+    assert text == full
+    client.close()
+
+
+def test_openai_client_sees_a_prefill_failure_as_an_api_error(cluster):
+    cluster.prefill[0].fail_status = 500
+    client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
+    with pytest.raises(openai.APIStatusError) as e:
+        client.completions.create(model="fake-model", prompt="x", max_tokens=4)
+    assert e.value.status_code == 502 and "engine exploded" in str(e.value)
+    client.close()
+
+
+def test_no_decode_worker_is_a_503(loop):
+    c = Cluster(loop, n_decode=0, health_interval_s=60).start()
+    try:
+        r = c.post("/v1/completions", COMPLETION)
+        assert r.status == 503 and r.json()["error"]["code"] == "no_decode_worker"
+        # P pinned blocks for a transfer nobody will pull: they are aborted.
+        wait_until(lambda: len(c.prefill[0].aborts) == 1, what="abort on P")
+    finally:
+        c.stop()
+
+
+def test_bad_request_bodies_are_400(cluster):
+    for raw in (b"{not json", b"[1, 2]"):
+        r = cluster.loop.run(raw_post(cluster.url + "/v1/completions", raw))
+        assert r[0] == 400 and "error" in msgspec.json.decode(r[1])
+    r = cluster.post("/v1/completions", dict(COMPLETION, stream="yes"))
+    assert r.status == 400 and "stream" in r.json()["error"]["message"]
+    assert cluster.prefill[0].requests == []
+
+
+async def raw_post(url: str, data: bytes) -> tuple[int, bytes]:
+    async with aiohttp.ClientSession() as s:
+        async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
+            return r.status, await r.read()
+
