@@ -1,0 +1,324 @@
+"""Run an atomd PD cluster on Ray: engines and the router as actors of one job.
+
+    ray job submit --working-dir . -- python -m launch.ray_cluster --config launch/configs/1p1d.yaml
+    python -m launch.ray_cluster --config launch/configs/1p1d.yaml      # ray.init(address="auto")
+
+Shape. One placement group per engine (an engine's DP ranks are one `atomd serve`
+process tree, so they share a node), one EngineActor per engine, one RouterActor on the
+driver's node. Every actor owns one child process running the very CLI a user runs by
+hand (`python -m atomd serve ...`, `python -m router ...`): there is no second data path,
+and a bug fixed in the server is fixed here.
+
+Failure. Engine actors have `max_restarts`: a restarted actor starts a fresh server on a
+fresh port and registers it with the router (POST /workers). The router's health checks
+take the dead server out of rotation within `router.health_interval_s`; the driver then
+prunes it from /workers, so GET /workers shows the live cluster.
+
+Stop. `ray job stop` SIGTERMs the driver: it asks every actor to stop its child (bounded
+by `timeouts.shutdown_s`, Ray SIGKILLs the driver ~3 s after the SIGTERM), kills the
+actors and removes the placement groups. Should the driver die without cleaning up, Ray
+kills its actors, and every child dies with its actor (PR_SET_PDEATHSIG).
+
+Every Ray wait has a timeout: a placement group or actor that cannot be placed fails
+with the missing resources named instead of waiting forever.
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import ray
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
+
+from launch.ray_config import ClusterConfig, RouterSpec, check_fits, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+KV_ROLE = {"prefill": "producer", "decode": "consumer"}
+READY_LINE = "atomd ray cluster ready:"
+PR_SET_PDEATHSIG = 1
+PROBE_INTERVAL_S = 0.25
+
+
+def _die_with_parent() -> None:
+    """preexec_fn: the child gets SIGTERM when its actor dies, even by SIGKILL.
+
+    Linux ties PDEATHSIG to the thread that forked; Ray runs a sync actor's methods on
+    the worker's main thread, which lives as long as the actor.
+    """
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def http(method: str, url: str, body: dict | None = None, timeout_s: float = 2.0) -> tuple[int, object]:
+    """(status, decoded JSON or None); a connection failure raises OSError."""
+    data = json.dumps(body).encode() if body is not None else None
+    request = urllib.request.Request(url, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=timeout_s) as r:
+            status, raw = r.status, r.read()
+    except urllib.error.HTTPError as e:
+        status, raw = e.code, e.read()
+    try:
+        return status, json.loads(raw) if raw else None
+    except ValueError:
+        return status, raw.decode(errors="replace")
+
+
+def free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class ServerProcess:
+    """A server child (`atomd serve` or the router) that one actor starts, probes and stops."""
+
+    def __init__(self, name: str, argv: list[str], url: str):
+        self.name, self.argv, self.url = name, argv, url
+        # stdout/stderr are the actor's: they land in its Ray log and in `ray job logs`.
+        self.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def wait_ready(self, path: str, timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was "
+                                   f"ready ({' '.join(self.argv)}); its log is this actor's log")
+            try:
+                if http("GET", self.url + path)[0] == 200:
+                    return
+            except OSError:
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.name} at {self.url} not ready ({path}) after {timeout_s:g} s")
+            time.sleep(PROBE_INTERVAL_S)
+
+    def stop(self, grace_s: float) -> None:
+        if self.alive():
+            self.proc.terminate()
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+
+def register(router_url: str, url: str, role: str, deadline: float) -> None:
+    """POST /workers until the router takes it (it may still be starting)."""
+    while True:
+        try:
+            status, body = http("POST", f"{router_url}/workers", {"url": url, "role": role})
+            if status in (200, 201):
+                return
+            if 400 <= status < 500:
+                raise RuntimeError(f"router refused {role} worker {url}: {status} {body}")
+            error = f"{status} {body}"
+        except OSError as e:
+            error = repr(e)
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"could not register {role} worker {url} with {router_url}: {error}")
+        time.sleep(PROBE_INTERVAL_S)
+
+
+def engine_argv(role: str, config: ClusterConfig, host: str, port: int) -> list[str]:
+    group = getattr(config, role)
+    return [sys.executable, "-m", "atomd", "serve", "--host", host, "--port", str(port),
+            "--kv-role", KV_ROLE[role], "--num-threads", str(group.num_threads),
+            "--data-parallel-size", str(group.data_parallel_size),
+            "--kv-transfer-backend", config.kv_transfer_backend,
+            *(["--model", config.model] if config.model else []), *group.extra_args]
+
+
+@ray.remote
+class EngineActor:
+    """One prefill or decode engine; every (re)start serves on a fresh port and registers."""
+
+    def __init__(self, role: str, config: ClusterConfig, router_url: str):
+        deadline = time.monotonic() + config.timeouts.ready_s
+        host = ray.util.get_node_ip_address()
+        port = free_port(host)
+        self.role = role
+        self.server = ServerProcess(f"{role} engine", engine_argv(role, config, host, port),
+                                    f"http://{host}:{port}")
+        try:
+            self.server.wait_ready("/ready", config.timeouts.ready_s)
+            register(router_url, self.server.url, role, deadline)
+        except BaseException:
+            self.server.stop(1.0)
+            raise
+
+    def info(self) -> dict:
+        return {"role": self.role, "url": self.server.url, "pid": self.server.proc.pid,
+                "alive": self.server.alive()}
+
+    def shutdown(self, grace_s: float) -> None:
+        self.server.stop(grace_s)
+
+
+@ray.remote
+class RouterActor:
+    """The router, on the driver's node so the printed URL is the head's."""
+
+    def __init__(self, spec: RouterSpec, ready_s: float):
+        ip = ray.util.get_node_ip_address()
+        host = spec.host or ip
+        url_host = ip if host in ("0.0.0.0", "::") else host
+        argv = [sys.executable, "-m", "router", "--host", host, "--port", str(spec.port),
+                "--policy", spec.policy, "--health-interval-s", str(spec.health_interval_s),
+                *spec.extra_args]
+        self.server = ServerProcess("router", argv, f"http://{url_host}:{spec.port}")
+        try:
+            self.server.wait_ready("/health", ready_s)
+        except BaseException:
+            self.server.stop(1.0)
+            raise
+
+    def info(self) -> dict:
+        return {"role": "router", "url": self.server.url, "pid": self.server.proc.pid,
+                "alive": self.server.alive()}
+
+    def shutdown(self, grace_s: float) -> None:
+        self.server.stop(grace_s)
+
+
+class RayCluster:
+    """The driver's view: placement groups, actors, and the watch loop."""
+
+    def __init__(self, config: ClusterConfig):
+        self.config = config
+        self.slots = [(role, i) for role in ("prefill", "decode") for i in range(getattr(config, role).count)]
+        self.pgs: list = []
+        self.engines: list[tuple[str, ray.actor.ActorHandle]] = []
+        self.router: ray.actor.ActorHandle | None = None
+        self.router_url = ""
+
+    def start(self) -> list[dict]:
+        """Place, start the router, start the engines; returns the engines' info."""
+        c = self.config
+        if c.check_resources:
+            nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
+            check_fits(c, ray.available_resources(), nodes)
+        self._place()
+        self.router = RouterActor.options(
+            name="atomd-router", num_cpus=c.router.num_cpus, max_restarts=0,
+            scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
+        ).remote(c.router, c.timeouts.ready_s)
+        self.router_url = ray.get(self.router.info.remote(), timeout=c.timeouts.ready_s)["url"]
+        for (role, i), pg in zip(self.slots, self.pgs):
+            group = getattr(c, role)
+            actor = EngineActor.options(
+                name=f"atomd-{role}-{i}", num_cpus=group.num_cpus, resources=group.resources,
+                max_restarts=group.max_restarts, max_task_retries=0,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+            ).remote(role, c, self.router_url)
+            self.engines.append((role, actor))
+        return ray.get([a.info.remote() for _, a in self.engines], timeout=c.timeouts.ready_s)
+
+    def _place(self) -> None:
+        """One STRICT_PACK placement group per engine, all ready within timeouts.placement_s."""
+        for role, i in self.slots:
+            bundle = getattr(self.config, role).bundle()
+            self.pgs.append(placement_group([bundle], strategy="STRICT_PACK", name=f"atomd-{role}-{i}"))
+        waits = {pg.ready(): slot for pg, slot in zip(self.pgs, self.slots)}
+        timeout_s = self.config.timeouts.placement_s
+        _, pending = ray.wait(list(waits), num_returns=len(waits), timeout=timeout_s)
+        if pending:
+            unplaced = ", ".join(f"{role}-{i} ({getattr(self.config, role).bundle()})"
+                                 for role, i in (waits[ref] for ref in pending))
+            raise TimeoutError(f"placement groups not placed within {timeout_s:g} s: {unplaced}; "
+                               f"the cluster has {ray.available_resources()} free")
+
+    def watch(self) -> None:
+        """Until stopped: fail when the router dies, prune dead engines from /workers."""
+        interval_s = self.config.router.health_interval_s
+        while True:
+            time.sleep(interval_s)
+            if not ray.get(self.router.info.remote(), timeout=30)["alive"]:
+                raise RuntimeError("the router process exited; stopping the cluster")
+            self._prune_dead_workers(interval_s)
+
+    def _prune_dead_workers(self, timeout_s: float) -> None:
+        """Drop unhealthy router entries that no live engine actor serves any more.
+
+        A role is pruned only when every actor of it answered (a restarting actor's new
+        URL is unknown until it does), and only entries the router already marks unhealthy.
+        """
+        calls = {a.info.remote(): role for role, a in self.engines}
+        done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
+        current, unsure = set(), {calls[ref] for ref in pending}
+        for ref in done:
+            try:
+                current.add((calls[ref], ray.get(ref, timeout=1)["url"]))
+            except ray.exceptions.RayError:
+                unsure.add(calls[ref])
+        _, listing = http("GET", f"{self.router_url}/workers")
+        for w in (listing or {}).get("workers", []):
+            key = (w["role"], w["url"])
+            if w["role"] not in unsure and key not in current and not w["healthy"]:
+                http("DELETE", f"{self.router_url}/workers", {"url": w["url"], "role": w["role"]})
+                print(f"ray_cluster: removed dead {w['role']} engine {w['url']} from the router", flush=True)
+
+    def stop(self) -> None:
+        """Stop every child (bounded), kill every actor, remove every placement group."""
+        actors = [a for _, a in self.engines] + ([self.router] if self.router else [])
+        grace_s = self.config.timeouts.shutdown_s
+        calls = [a.shutdown.remote(grace_s * 0.8) for a in actors]
+        ray.wait(calls, num_returns=len(calls), timeout=grace_s)
+        for a in actors:
+            ray.kill(a, no_restart=True)
+        for pg in self.pgs:
+            remove_placement_group(pg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m launch.ray_cluster", description=__doc__.splitlines()[0])
+    p.add_argument("--config", required=True, help="YAML config (see launch/ray_config.py)")
+    p.add_argument("--address", default="auto",
+                   help="Ray cluster to join when run directly (inside `ray job submit` Ray sets it)")
+    args = p.parse_args(argv)
+    try:
+        config = load_config(args.config)
+    except (OSError, ValueError) as e:
+        print(f"ray_cluster: error: {e}", file=sys.stderr)
+        return 2
+    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `ray job stop`: clean up below
+    in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
+    cluster = RayCluster(config)
+    try:
+        # A direct run ships this tree to the workers the way `--working-dir .` does.
+        ray.init(address=args.address, runtime_env=None if in_job else {"working_dir": str(ROOT)})
+        engines = cluster.start()
+        urls = {role: [e["url"] for e in engines if e["role"] == role] for role in ("prefill", "decode")}
+        print(f"{READY_LINE} {cluster.router_url} (prefill: {' '.join(urls['prefill'])}; "
+              f"decode: {' '.join(urls['decode'])})", flush=True)
+        cluster.watch()
+        return 1
+    except KeyboardInterrupt:
+        print("ray_cluster: stopping on signal", flush=True)
+        return 0
+    except (ValueError, TimeoutError, RuntimeError, ray.exceptions.RayError) as e:
+        print(f"ray_cluster: error: {e}", file=sys.stderr, flush=True)
+        return 1
+    finally:
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        if ray.is_initialized():
+            cluster.stop()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The YAML config of a Ray-launched atomd cluster, validated with msgspec.
+
+One file says everything `launch/ray_cluster.py` needs: the model, how many prefill and
+decode engines, the data-parallel size and Ray resources of each, the router's port and
+policy, and the KV transport. Every error names the field (`prefill.count: ...`), so a
+typo fails before Ray is even contacted.
+
+`check_fits` compares the config's resource demand with what the cluster offers. It is
+pure (dicts in, ValueError out) so it is tested without Ray; the launcher calls it before
+creating placement groups, because a placement group that cannot be satisfied waits
+forever instead of failing.
+"""
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Literal
+
+import msgspec
+import yaml
+
+from router.policies import POLICIES
+
+KVTransport = Literal["zmq", "mooncake"]
+
+
+class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`count` identical engines of one role; each gets its own placement group."""
+
+    count: int = 1
+    data_parallel_size: int = 1
+    num_cpus: float = 1.0          # Ray logical CPUs reserved per engine (all its DP ranks)
+    resources: dict[str, float] = {}  # extra Ray resources per engine, e.g. {"prefill_node": 1}
+    num_threads: int = 1           # torch threads per DP rank (`--num-threads`)
+    max_restarts: int = 3          # Ray restarts of a dead engine actor; -1 = forever
+    extra_args: list[str] = []     # more `atomd serve` flags, passed through verbatim
+
+    def __post_init__(self) -> None:
+        _at_least("count", self.count, 1)
+        _at_least("data_parallel_size", self.data_parallel_size, 1)
+        _at_least("num_threads", self.num_threads, 1)
+        _at_least("max_restarts", self.max_restarts, -1)
+        if self.num_cpus <= 0:
+            raise ValueError(f"num_cpus: must be > 0, got {self.num_cpus}")
+        for name, amount in self.resources.items():
+            if amount <= 0 or name in ("CPU", "GPU", "memory"):
+                raise ValueError(f"resources.{name}: must be a custom resource with an amount > 0 "
+                                 f"(use num_cpus for CPU), got {amount}")
+
+    def bundle(self) -> dict[str, float]:
+        """The one placement-group bundle of an engine: all its DP ranks share a node."""
+        return {"CPU": float(self.num_cpus), **self.resources}
+
+
+class RouterSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """The router actor; it runs on the node of the job driver (the head)."""
+
+    host: str | None = None        # bind address; None = the node's IP
+    port: int = 8000
+    policy: str = "round_robin"   # a name in router.policies.POLICIES
+    num_cpus: float = 0.5
+    health_interval_s: float = 2.0  # a dead engine leaves rotation within this
+    extra_args: list[str] = []     # more `python -m router` flags, passed through verbatim
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.port <= 65535:
+            raise ValueError(f"port: must be in 1..65535, got {self.port}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy: must be one of {sorted(POLICIES)}, got {self.policy!r}")
+        if self.num_cpus < 0:
+            raise ValueError(f"num_cpus: must be >= 0, got {self.num_cpus}")
+        if self.health_interval_s <= 0:
+            raise ValueError(f"health_interval_s: must be > 0, got {self.health_interval_s}")
+
+
+class Timeouts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Every Ray wait is bounded: an unplaceable actor fails instead of hanging."""
+
+    placement_s: float = 60.0      # placement groups ready
+    ready_s: float = 600.0         # engines loaded and registered, router answering
+    shutdown_s: float = 2.0        # actors stop their servers on job stop (Ray allows ~3 s)
+
+    def __post_init__(self) -> None:
+        for name in ("placement_s", "ready_s", "shutdown_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: must be > 0, got {getattr(self, name)}")
+
+
+class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    model: str | None = None       # HF checkpoint directory on every node; None = built-in default
+    kv_transfer_backend: KVTransport = "zmq"
+    prefill: EngineGroup = msgspec.field(default_factory=EngineGroup)
+    decode: EngineGroup = msgspec.field(default_factory=EngineGroup)
+    router: RouterSpec = msgspec.field(default_factory=RouterSpec)
+    timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    check_resources: bool = True   # off for autoscaling clusters, where nodes arrive later
+
+    def demand(self) -> dict[str, float]:
+        """Total Ray resources the whole cluster reserves."""
+        total: dict[str, float] = {"CPU": self.router.num_cpus}
+        for group in (self.prefill, self.decode):
+            for name, amount in group.bundle().items():
+                total[name] = total.get(name, 0.0) + amount * group.count
+        return total
+
+
+def _at_least(field: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{field}: must be >= {low}, got {value}")
+
+
+def _field_error(e: msgspec.ValidationError) -> ValueError:
+    """msgspec says 'msg - at `$.prefill`'; we say 'prefill.count: msg'."""
+    message, sep, where = str(e).rpartition(" - at `")
+    if not sep:
+        message, where = str(e), ""
+    path = where.rstrip("`").removeprefix("$").lstrip(".")
+    field = None
+    if unknown := re.fullmatch(r"Object contains unknown field `(\w+)`", message):
+        field, message = unknown.group(1), "unknown field"
+    elif (own := re.fullmatch(r"([\w.]+): (.*)", message, re.S)):
+        field, message = own.groups()  # our __post_init__ already names the field
+    if field:
+        path = f"{path}.{field}" if path else field
+    return ValueError(f"{path}: {message}" if path else message)
+
+
+def parse_config(data: object) -> ClusterConfig:
+    try:
+        return msgspec.convert(data if data is not None else {}, ClusterConfig)
+    except msgspec.ValidationError as e:
+        raise _field_error(e) from None
+
+
+def load_config(path: str | Path) -> ClusterConfig:
+    """Read and validate a YAML config; ValueError names the file and the field."""
+    text = Path(path).read_text()
+    try:
+        return parse_config(yaml.safe_load(text))
+    except (ValueError, yaml.YAMLError) as e:
+        raise ValueError(f"{path}: {e}") from None
+
+
+def _fmt(resources: dict[str, float]) -> str:
+    return ", ".join(f"{k}={v:g}" for k, v in sorted(resources.items())) or "nothing"
+
+
+def check_fits(config: ClusterConfig, available: dict[str, float],
+               node_totals: list[dict[str, float]]) -> None:
+    """Raise ValueError naming the missing resources when the config cannot be placed.
+
+    `available` is the cluster's free resources now, `node_totals` each alive node's
+    total resources. An engine's bundle must fit on one node (its DP ranks are one
+    `atomd serve` process tree); the sum must fit in what is free.
+    """
+    for role, group in (("prefill", config.prefill), ("decode", config.decode)):
+        bundle = group.bundle()
+        if not any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in node_totals):
+            largest = [_fmt({k: node.get(k, 0.0) for k in bundle}) for node in node_totals]
+            raise ValueError(
+                f"{role}: one {role} engine needs {_fmt(bundle)} on a single node, but no node "
+                f"has that (nodes: {'; '.join(largest) or 'none alive'}); "
+                f"lower {role}.num_cpus / {role}.resources or add a bigger node")
+    demand = config.demand()
+    missing = {k: v - available.get(k, 0.0) for k, v in demand.items() if v > available.get(k, 0.0) + 1e-9}
+    if missing:
+        raise ValueError(
+            f"not enough Ray resources: the config needs {_fmt(demand)} "
+            f"({config.prefill.count} prefill x {_fmt(config.prefill.bundle())}, "
+            f"{config.decode.count} decode x {_fmt(config.decode.bundle())}, "
+            f"router CPU={config.router.num_cpus:g}), the cluster has {_fmt(available)} free; "
+            f"missing {_fmt(missing)}")

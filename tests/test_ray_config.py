@@ -1,0 +1,91 @@
+"""launch/ray_config.py: the shipped configs load, bad input names its field, the fit check names what is missing."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from launch.ray_config import ClusterConfig, check_fits, load_config, parse_config
+from router.policies import POLICIES
+
+CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
+
+pytestmark = pytest.mark.unit
+
+
+@pytest.mark.parametrize("name, prefill, decode, decode_dp", [
+    ("1p1d", 1, 1, 1), ("2p1d", 2, 1, 1), ("1p1d-dp2", 1, 1, 2)])
+def test_shipped_configs_load(name, prefill, decode, decode_dp):
+    c = load_config(CONFIGS / f"{name}.yaml")
+    assert (c.prefill.count, c.decode.count, c.decode.data_parallel_size) == (prefill, decode, decode_dp)
+    assert c.router.policy in POLICIES
+
+
+def test_empty_config_is_one_prefill_one_decode():
+    c = parse_config(None)
+    assert c == ClusterConfig()
+    assert (c.prefill.count, c.decode.count, c.model) == (1, 1, None)
+
+
+@pytest.mark.parametrize("data, field", [
+    ({"prefill": {"count": 0}}, "prefill.count"),
+    ({"decode": {"count": "two"}}, "decode.count"),
+    ({"decode": {"data_parallel_size": 0}}, "decode.data_parallel_size"),
+    ({"prefill": {"num_cpus": 0}}, "prefill.num_cpus"),
+    ({"prefill": {"num_threads": 0}}, "prefill.num_threads"),
+    ({"decode": {"max_restarts": -2}}, "decode.max_restarts"),
+    ({"prefill": {"resources": {"CPU": 2}}}, "prefill.resources.CPU"),
+    ({"prefill": {"resources": {"fast_nic": 0}}}, "prefill.resources.fast_nic"),
+    ({"prefill": {"cuont": 1}}, "prefill.cuont"),
+    ({"modle": "x"}, "modle"),
+    ({"kv_transfer_backend": "carrier-pigeon"}, "kv_transfer_backend"),
+    ({"router": {"port": 70000}}, "router.port"),
+    ({"router": {"policy": "least_loved"}}, "router.policy"),
+    ({"router": {"health_interval_s": 0}}, "router.health_interval_s"),
+    ({"timeouts": {"placement_s": -1}}, "timeouts.placement_s"),
+    ({"prefill": {"extra_args": "--max-num-seqs 8"}}, "prefill.extra_args"),
+])
+def test_bad_field_is_named(data, field):
+    with pytest.raises(ValueError) as e:
+        parse_config(data)
+    assert str(e.value).startswith(f"{field}: "), str(e.value)
+
+
+def test_load_config_names_file_and_field(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("decode:\n  count: -1\n")
+    with pytest.raises(ValueError, match=rf"^{path}: decode.count: must be >= 1"):
+        load_config(path)
+    path.write_text("prefill: [1, 2\n")
+    with pytest.raises(ValueError, match=str(path)):
+        load_config(path)
+
+
+def test_demand_sums_engines_and_router():
+    c = parse_config({"prefill": {"count": 2, "num_cpus": 1.5, "resources": {"nic": 1}},
+                      "decode": {"count": 1, "num_cpus": 2}, "router": {"num_cpus": 0.5}})
+    assert c.demand() == {"CPU": 2 * 1.5 + 2 + 0.5, "nic": 2.0}
+
+
+def test_fits_on_a_cluster_with_room():
+    check_fits(load_config(CONFIGS / "1p1d.yaml"), {"CPU": 4.0}, [{"CPU": 4.0}])
+
+
+def test_too_many_cpus_names_the_missing_amount():
+    c = parse_config({"prefill": {"count": 3, "num_cpus": 1}, "decode": {"num_cpus": 1}})
+    with pytest.raises(ValueError) as e:
+        check_fits(c, {"CPU": 4.0}, [{"CPU": 4.0}])
+    # 3 + 1 + router 0.5 = 4.5 wanted, 4 free.
+    assert "missing CPU=0.5" in str(e.value) and "needs CPU=4.5" in str(e.value)
+
+
+def test_missing_custom_resource_is_named():
+    c = parse_config({"decode": {"resources": {"decode_node": 1}}})
+    with pytest.raises(ValueError, match="decode engine needs CPU=1, decode_node=1 on a single node"):
+        check_fits(c, {"CPU": 8.0}, [{"CPU": 8.0}])
+
+
+def test_engine_bigger_than_any_node_fails_even_when_the_sum_fits():
+    c = parse_config({"decode": {"data_parallel_size": 2, "num_cpus": 6}})
+    with pytest.raises(ValueError, match=r"^decode: .*CPU=6 on a single node.*CPU=4; CPU=4"):
+        check_fits(c, {"CPU": 8.0}, [{"CPU": 4.0}, {"CPU": 4.0}])
