@@ -167,6 +167,7 @@ class PDRequest:
             self.headers["Authorization"] = request.headers["Authorization"]
         self.arrival = time.perf_counter()
         self.last_send = self.arrival
+        self.first_event_sent = False
         self.prefill_worker: Worker | None = None
         self.transfer_id: str | None = None
         self.pulled = False  # D produced output, so it is done with P's blocks
@@ -350,16 +351,24 @@ class PDRequest:
         return out
 
     async def send(self, out: web.StreamResponse, data: bytes) -> None:
+        """Write whole events to the client; TTFT/ITL count the events it receives
+        ([DONE] excluded), those that arrived in one read share one time."""
         now = time.perf_counter()
+        events = data.count(b"\n\n") + data.count(b"\r\n\r\n") - (DONE_EVENT in data)
         try:
             if not out.prepared:
                 await out.prepare(self.request)
                 self.pulled = True
-                self.metrics.ttft.labels(self.endpoint).observe(now - self.arrival)
-            else:
-                self.metrics.itl.labels(self.endpoint).observe(now - self.last_send)
             await out.write(data)
         except ConnectionResetError:
             # The client is gone; end the handler the way aiohttp's disconnect cancellation does.
             raise asyncio.CancelledError()
-        self.last_send = now
+        if events > 0:
+            if self.first_event_sent:
+                self.metrics.itl.labels(self.endpoint).observe(now - self.last_send)
+            else:
+                self.metrics.ttft.labels(self.endpoint).observe(now - self.arrival)
+                self.first_event_sent = True
+            for _ in range(events - 1):
+                self.metrics.itl.labels(self.endpoint).observe(0.0)
+            self.last_send = now

@@ -122,9 +122,10 @@ class Worker:
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ok = False
             self.last_error = f"GET /health failed: {e!r}"
-        if ok != self.healthy:
-            logger.warning("worker %s (%s) is now %s%s", self.url, self.role,
-                           "healthy" if ok else "unhealthy", "" if ok else f": {self.last_error}")
+        if ok and not self.healthy:
+            logger.info("worker %s (%s) is healthy", self.url, self.role)
+        elif not ok and self.healthy:
+            logger.warning("worker %s (%s) is out of rotation: %s", self.url, self.role, self.last_error)
         self.healthy = ok
         return ok
 
