@@ -1,0 +1,665 @@
+"""The scheduler of one engine: which sequences run in the next forward, and what came out.
+
+Queues: `waiting` (FIFO; preempted sequences go back to its front), `running` (admitted,
+oldest first), `parked` (consumer side: blocks allocated, prompt KV being pulled) and
+`deferred_free_blocks` (producer side: finished, blocks pinned until the consumer has
+pulled them). A sequence is in exactly one of them until it finishes.
+
+Each `schedule()` returns one kind of batch (the seed's semantics):
+
+- prefill: Phase 1 resumes chunked prefills (`_prefilling`, admission order), Phase 2
+  admits from `waiting` FIFO and stops at the first sequence that does not fit. A chunk
+  cut by the token budget ends on a block boundary, so a 16384-token budget never
+  leaves a 10-token sliver; only an otherwise empty batch takes an unaligned chunk.
+- decode, when nothing prefills: every decode-ready running sequence schedules its last
+  token (plus its drafts with speculative decoding). A sequence that cannot get a block
+  preempts the newest running sequence (recompute: blocks freed, tokens kept).
+
+Invariant of a decode-ready sequence: `num_cached_tokens == num_tokens - 1`; the KV of
+every token but the last is computed, and the last is the next one to forward.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from collections import deque
+from typing import Any, Callable
+
+import msgspec
+import numpy as np
+
+from kv_transfer.connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
+from scheduler.block_manager import BlockManager
+from scheduler.sequence import Sequence, SequenceStatus, SequenceType
+from scheduler.stats import CacheStats, SpecStats
+
+logger = logging.getLogger("atomd.scheduler")
+
+_now = time.time  # one clock for arrival times and the delay factor (patched in tests)
+_NO_INJECTION = object()
+_STOP_WINDOW_SLACK = 4  # extra tail tokens detokenized when looking for a stop string
+
+
+class SchedulerConfig(msgspec.Struct, kw_only=True):
+    num_kvcache_blocks: int
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192
+    max_model_len: int = 2048
+    block_size: int = 16
+    enable_prefix_caching: bool = True
+    enable_chunked_prefill: bool = True
+    eos_token_id: int | None = None
+    stop_token_ids: list[int] = []  # the model's extra end tokens: treated like EOS
+    scheduler_delay_factor: float = 0.0
+    num_speculative_tokens: int = 0
+    long_prefill_token_threshold: int = 0  # 0: off; else the largest chunk one sequence gets
+    enable_kv_events: bool = False  # record BlockStored/BlockRemoved for take_events()
+
+    def __post_init__(self) -> None:
+        for name in ("num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens",
+                     "max_model_len", "block_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        for name in ("scheduler_delay_factor", "num_speculative_tokens",
+                     "long_prefill_token_threshold"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
+            raise ValueError(f"max_num_batched_tokens must be >= num_speculative_tokens + 1 "
+                             f"= {self.num_speculative_tokens + 1}, got {self.max_num_batched_tokens}")
+
+
+class ScheduledBatch:
+    """One forward's worth of work, packed for the model runner.
+
+    For decode rows the packed `token_ids` hold the last token then the drafts
+    (`spec_token_ids[i]`); `num_computed_tokens[i]` is the position of the first one.
+    An empty batch (no seqs) only carries `connector_meta` for the worker side.
+    """
+
+    __slots__ = ("seqs", "is_prefill", "num_scheduled_tokens", "num_computed_tokens",
+                 "token_ids", "block_tables", "needs_sample", "connector_meta", "spec_token_ids")
+
+    def __init__(self, seqs: list[Sequence], is_prefill: bool, num_scheduled_tokens: list[int],
+                 num_computed_tokens: list[int], token_ids: list[int], needs_sample: list[bool],
+                 spec_token_ids: list[list[int]], connector_meta: KVConnectorMetadata | None):
+        self.seqs = seqs
+        self.is_prefill = is_prefill
+        self.num_scheduled_tokens = np.array(num_scheduled_tokens, dtype=np.int32)
+        self.num_computed_tokens = np.array(num_computed_tokens, dtype=np.int32)
+        self.token_ids = np.array(token_ids, dtype=np.int32)
+        self.block_tables = [list(s.block_table) for s in seqs]
+        self.needs_sample = np.array(needs_sample, dtype=bool)
+        self.spec_token_ids = spec_token_ids
+        self.connector_meta = connector_meta
+
+    @property
+    def req_ids(self) -> list[int]:
+        return [s.id for s in self.seqs]
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.token_ids.size)
+
+    def __len__(self) -> int:
+        return len(self.seqs)
+
+
+class ScheduledBatchOutput(msgspec.Struct):
+    """What the runner produced, in batch order; token_ids[i] is empty where no sample was taken.
+
+    With speculative decoding token_ids[i] holds the accepted drafts then the bonus
+    token, and draft_token_ids[i] the drafts to verify next step.
+    """
+
+    req_ids: list[int]
+    token_ids: list[list[int]]
+    logprobs: list[list[Any]] | None = None
+    draft_token_ids: list[list[int]] | None = None
+
+
+class SeqUpdate(msgspec.Struct):
+    """What one step changed for one sequence, after stop cuts."""
+
+    seq: Any
+    new_token_ids: list[int]
+    new_logprobs: list[Any] | None
+    finished: bool
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_connector: KVConnectorScheduler | None = None,
+                 prefill_delayer=None, detokenize: Callable[[list[int]], str] | None = None):
+        self.config = config
+        self.kv_connector = kv_connector
+        self.prefill_delayer = prefill_delayer
+        self.detokenize = detokenize
+        self.block_manager = BlockManager(config.num_kvcache_blocks, config.block_size,
+                                          config.enable_prefix_caching, config.enable_kv_events)
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.parked: dict[int, Sequence] = {}
+        self.deferred_free_blocks: dict[int, Sequence] = {}
+        self._prefilling: dict[int, Sequence] = {}  # running, prompt not done; admission order
+        self._live: dict[int, Sequence] = {}  # waiting, running or parked, by id
+        self._recv_done: dict[int, None] = {}  # parked ids whose pull finished: promote next tick
+        self._aborting: dict[int, Sequence] = {}  # aborted while parked: free once the pull stops
+        self._injected: dict[int, Any] = {}  # id -> T0 logprobs entry, T0 not yet emitted
+        self._local_only: set[int] = set()  # ids the connector must not load again
+        self._rejected: list[Sequence] = []
+        self._end_token_ids = set(config.stop_token_ids)
+        if config.eos_token_id is not None:
+            self._end_token_ids.add(config.eos_token_id)
+        self.num_preemptions = 0
+        self.num_recv_failures = 0
+        self.num_recv_recomputes = 0
+        self.cache_stats = CacheStats()
+        k = config.num_speculative_tokens
+        self.spec_stats = SpecStats(k) if k > 0 else None
+        self._prev_time = 0.0
+        self._prev_prompt = False
+        self._last_prompt_latency = 0.0
+
+    # ------------------------------------------------------------------ requests in and out
+
+    def add(self, seq: Sequence) -> None:
+        if seq.sampling_params.stop and self.detokenize is None:
+            raise ValueError("stop strings need a detokenize callback in the Scheduler")
+        if seq.id in self._live:
+            raise ValueError(f"sequence {seq.id} was already added")
+        seq.status = SequenceStatus.WAITING
+        self._live[seq.id] = seq
+        self.waiting.append(seq)
+
+    def extend(self, seqs: list[Sequence]) -> None:
+        for seq in seqs:
+            self.add(seq)
+
+    def abort(self, seq_id: int) -> Sequence | None:
+        """Stop a sequence; its blocks are freed exactly once (for a parked one, after its pull
+        has stopped writing). Returns the aborted sequence, or None when none is live."""
+        seq = self._live.pop(seq_id, None)
+        if seq is None:
+            deferred = self.deferred_free_blocks.get(seq_id)
+            if deferred is not None and self.kv_connector is not None:
+                self.kv_connector.request_aborted(deferred)  # freed on its finished_sending
+            return None
+        if seq.status is SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+        elif seq.status is SequenceStatus.RUNNING:
+            self.running.remove(seq)
+            self._prefilling.pop(seq.id, None)
+            self.block_manager.deallocate(seq)
+        else:  # parked
+            del self.parked[seq.id]
+            if seq.id in self._recv_done:
+                del self._recv_done[seq.id]
+                self.block_manager.deallocate(seq)  # the pull has already stopped
+            else:
+                self._aborting[seq.id] = seq
+        seq.status = SequenceStatus.ABORTED
+        seq.leave_reason = "aborted"
+        self._forget(seq)
+        if self.kv_connector is not None:
+            self.kv_connector.request_aborted(seq)
+        return seq
+
+    def take_rejected(self) -> list[Sequence]:
+        """Sequences that finished without a forward: unschedulable, or a failed KV pull."""
+        out, self._rejected = self._rejected, []
+        return out
+
+    def is_finished(self) -> bool:
+        return not (self.waiting or self.running or self.parked or self._aborting
+                    or self._rejected or self.deferred_free_blocks)
+
+    def get_request_counts(self) -> tuple[int, int]:
+        """(num_running, num_waiting); parked sequences count as waiting."""
+        return len(self.running), len(self.waiting) + len(self.parked)
+
+    def reset_prefix_cache(self) -> bool:
+        self.block_manager.clear_index()
+        return True
+
+    # ------------------------------------------------------------------ schedule
+
+    def schedule(self) -> ScheduledBatch | None:
+        allow_prefill = self._ask_prefill_delayer()  # every tick, before any early return
+        self._promote_received()
+        batch = self._schedule_prefill() if allow_prefill else None
+        if batch is None:
+            batch = self._schedule_decode()
+        if batch is None and self.kv_connector is not None:
+            meta = self.kv_connector.build_connector_meta()
+            if not meta.is_empty():
+                batch = ScheduledBatch([], False, [], [], [], [], [], meta)
+        return batch
+
+    def _connector_meta(self) -> KVConnectorMetadata | None:
+        return self.kv_connector.build_connector_meta() if self.kv_connector is not None else None
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        chunks: list[int] = []
+        budget = self.config.max_num_batched_tokens
+        for seq in self._prefilling.values():  # Phase 1: resume chunked prefills
+            if len(seqs) >= self.config.max_num_seqs or budget <= 0:
+                break
+            chunk = self._chunk_size(seq.num_tokens - seq.num_cached_tokens, seq.num_cached_tokens,
+                                     budget, not seqs)
+            if chunk == 0:
+                break
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+        if self.config.scheduler_delay_factor <= 0 or self._passed_delay(_now()):
+            self._admit_waiting(seqs, chunks, budget)  # Phase 2
+        if not seqs:
+            return None
+        self._prev_prompt = True
+        computed = [s.num_cached_tokens for s in seqs]
+        token_ids: list[int] = []
+        needs_sample = []
+        for seq, start, chunk in zip(seqs, computed, chunks):
+            seq.type = SequenceType.PREFILL
+            token_ids.extend(seq.token_ids[start:start + chunk])
+            needs_sample.append(start + chunk == seq.num_tokens)
+        return ScheduledBatch(seqs, True, chunks, computed, token_ids, needs_sample,
+                              [[] for _ in seqs], self._connector_meta())
+
+    def _admit_waiting(self, seqs: list[Sequence], chunks: list[int], budget: int) -> None:
+        cfg, bm = self.config, self.block_manager
+        while self.waiting and len(seqs) < cfg.max_num_seqs and budget > 0:
+            seq = self.waiting[0]
+            reason = self._unschedulable_reason(seq)
+            if reason is not None:
+                self.waiting.popleft()
+                self._reject(seq, reason)
+                continue
+            if len(self.running) + len(self.parked) >= cfg.max_num_seqs:
+                break
+            num_cached_blocks = bm.can_allocate(seq)
+            if num_cached_blocks < 0:
+                break
+            num_external, load_async = self._ask_connector(seq)
+            if load_async:
+                self.waiting.popleft()
+                self._allocate(seq, num_cached_blocks)
+                seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
+                self.parked[seq.id] = seq
+                continue
+            start = min(num_cached_blocks * bm.block_size + num_external, seq.num_tokens - 1)
+            chunk = self._chunk_size(seq.num_tokens - start, start, budget, not seqs)
+            if chunk == 0:
+                break
+            self.waiting.popleft()
+            self._allocate(seq, num_cached_blocks)
+            seq.num_cached_tokens = start
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+            self._prefilling[seq.id] = seq
+            seqs.append(seq)
+            chunks.append(chunk)
+            budget -= chunk
+
+    def _ask_connector(self, seq: Sequence) -> tuple[int, bool]:
+        if self.kv_connector is None or seq.id in self._local_only:
+            return 0, False
+        num_external, load_async = self.kv_connector.get_num_new_matched_tokens(seq)
+        return int(num_external), bool(load_async)
+
+    def _allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+        self.block_manager.allocate(seq, num_cached_blocks)
+        if seq.first_scheduled_time is None:
+            seq.first_scheduled_time = _now()
+            seq.prefix_cache_hit_tokens = seq.num_cached_tokens
+        self.cache_stats.update(seq.num_cached_tokens, seq.num_tokens)
+        if self.kv_connector is not None:
+            self.kv_connector.update_state_after_alloc(seq)
+
+    def _chunk_size(self, remaining: int, start: int, budget: int, batch_empty: bool) -> int:
+        """Tokens to prefill this step; 0 means "not this step"."""
+        cfg = self.config
+        if not cfg.enable_chunked_prefill:
+            return remaining if remaining <= budget else 0
+        limit = budget
+        if cfg.long_prefill_token_threshold > 0:
+            limit = min(limit, cfg.long_prefill_token_threshold)
+        if remaining <= limit:
+            return remaining
+        bs = cfg.block_size
+        chunk = (start + limit) // bs * bs - start  # end the chunk on the block grid
+        if chunk > 0:
+            return chunk
+        return limit if batch_empty else 0
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        cfg, bm, running, prefilling = self.config, self.block_manager, self.running, self._prefilling
+        seqs: list[Sequence] = []
+        num_scheduled, computed, token_ids, spec = [], [], [], []
+        budget = cfg.max_num_batched_tokens
+        i = 0
+        while i < len(running) and len(seqs) < cfg.max_num_seqs:
+            seq = running[i]
+            if seq.id in prefilling:  # held by the delayer or the budget; not decode-ready
+                i += 1
+                continue
+            n = 1 + len(seq.spec_token_ids)
+            if n > budget:
+                break
+            if not bm.can_append(seq, n) and not self._make_room(seq, n, i):
+                break
+            bm.append_slots(seq, n)
+            seq.type = SequenceType.DECODE
+            seqs.append(seq)
+            num_scheduled.append(n)
+            computed.append(seq.num_cached_tokens)
+            token_ids.append(seq.token_ids[-1])
+            if n > 1:
+                token_ids.extend(seq.spec_token_ids)
+            spec.append(seq.spec_token_ids)
+            budget -= n
+            i += 1
+        if not seqs:
+            return None
+        return ScheduledBatch(seqs, False, num_scheduled, computed, token_ids, [True] * len(seqs),
+                              spec, self._connector_meta())
+
+    def _make_room(self, seq: Sequence, n: int, index: int) -> bool:
+        """Preempt the newest running sequences (never one scheduled this step) until `seq` fits;
+        False when `seq` itself had to go."""
+        while not self.block_manager.can_append(seq, n):
+            if len(self.running) - 1 > index:
+                self.preempt(self.running[-1])
+            else:
+                self.preempt(seq)
+                return False
+        return True
+
+    def preempt(self, seq: Sequence) -> None:
+        """Recompute preemption: free the blocks, keep the tokens, back to the front of waiting."""
+        if self.running and self.running[-1] is seq:
+            self.running.pop()
+        else:
+            self.running.remove(seq)
+        self._prefilling.pop(seq.id, None)
+        self.block_manager.deallocate(seq)
+        seq.spec_token_ids = []
+        seq.status = SequenceStatus.WAITING
+        self.waiting.appendleft(seq)
+        self.num_preemptions += 1
+
+    # ------------------------------------------------------------------ admission checks
+
+    def _unschedulable_reason(self, seq: Sequence) -> str | None:
+        """Why `seq` can never run on this engine's configuration, or None."""
+        cfg = self.config
+        n = seq.num_tokens
+        if n > cfg.max_model_len:
+            return (f"input tokens={n} > max_model_len={cfg.max_model_len}. "
+                    f"Increase --max-model-len or shorten the prompt.")
+        if not cfg.enable_chunked_prefill and n > cfg.max_num_batched_tokens:
+            return (f"input tokens={n} > max_num_batched_tokens={cfg.max_num_batched_tokens}. "
+                    f"Increase --max-num-batched-tokens, enable chunked prefill, or shorten the prompt.")
+        # a preempted sequence must also fit the token it is about to produce
+        need = self.block_manager.num_blocks_for(n + (1 if seq.num_completion_tokens else 0))
+        total = self.block_manager.num_total_blocks
+        if need > total:
+            return (f"needs {need} KV blocks for {n} tokens > total pool blocks={total}. "
+                    f"Shorten the prompt or give the KV cache more memory.")
+        return None
+
+    def _reject(self, seq: Sequence, reason: str) -> None:
+        logger.warning("request %s rejected: %s", seq.request_id, reason)
+        self._finish(seq, f"unschedulable: {reason}")
+        self._rejected.append(seq)
+
+    def _passed_delay(self, now: float) -> bool:
+        """scheduler_delay_factor: let the waiting queue fill for a fraction of the last
+        prefill's latency before the next prefill (vLLM PR 3279)."""
+        if self._prev_prompt:
+            self._last_prompt_latency = now - self._prev_time
+        self._prev_time, self._prev_prompt = now, False
+        if not self.waiting or not self.running:
+            return True
+        earliest = min(s.arrive_time for s in self.waiting)
+        return now - earliest > self.config.scheduler_delay_factor * self._last_prompt_latency
+
+    # ------------------------------------------------------------------ postprocess
+
+    def postprocess(self, batch: ScheduledBatch, output: ScheduledBatchOutput) -> list[SeqUpdate]:
+        """Apply one forward's samples: advance computed KV, append tokens, stop, free."""
+        if list(output.req_ids) != [s.id for s in batch.seqs]:
+            raise ValueError("output.req_ids must list the batch's sequence ids in batch order")
+        updates: list[SeqUpdate] = []
+        any_finished = False
+        logprobs, drafts = output.logprobs, output.draft_token_ids
+        for i, seq in enumerate(batch.seqs):
+            if seq.status is not SequenceStatus.RUNNING:
+                continue  # aborted or preempted after schedule()
+            if batch.is_prefill:
+                seq.num_cached_tokens += int(batch.num_scheduled_tokens[i])
+                if not batch.needs_sample[i]:
+                    self.block_manager.publish(seq)
+                    continue
+                self._prefilling.pop(seq.id, None)
+            update = self._apply_samples(seq, output.token_ids[i], logprobs[i] if logprobs else None,
+                                         drafts[i] if drafts else None, len(batch.spec_token_ids[i]))
+            updates.append(update)
+            any_finished |= update.finished
+        if any_finished:
+            self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
+        return updates
+
+    def _apply_samples(self, seq: Sequence, tokens: list[int], logprobs: list | None,
+                       next_drafts: list[int] | None, num_drafts: int) -> SeqUpdate:
+        if not 1 <= len(tokens) <= num_drafts + 1:
+            raise ValueError(f"sequence {seq.id}: expected 1..{num_drafts + 1} sampled tokens, "
+                             f"got {len(tokens)}")
+        if num_drafts and self.spec_stats is not None:
+            self.spec_stats.update(num_drafts, len(tokens) - 1)
+        want_logprobs = seq.sampling_params.logprobs is not None
+        emitted: list[int] = []
+        emitted_logprobs: list[Any] = []
+        reason = None
+        t0_logprobs = self._injected.pop(seq.id, _NO_INJECTION)
+        if t0_logprobs is not _NO_INJECTION:  # D's first step: T0 came from P, emit it first
+            emitted.append(seq.token_ids[seq.num_prompt_tokens])
+            emitted_logprobs.append(t0_logprobs)
+            reason = self._stop_reason(seq)
+        if reason is None:
+            for j, token in enumerate(tokens):
+                token = int(token)
+                seq.token_ids.append(token)
+                emitted.append(token)
+                emitted_logprobs.append(logprobs[j] if logprobs is not None else None)
+                reason = self._stop_reason(seq)
+                if reason is not None:
+                    break  # drafts past a stop are cut
+        if want_logprobs:
+            seq.logprobs.extend(emitted_logprobs)
+        seq.num_cached_tokens = seq.num_tokens - 1
+        self.block_manager.publish(seq)
+        if seq.first_token_time is None:
+            seq.first_token_time = _now()
+        if reason is not None:
+            self._finish(seq, reason)
+        elif self.spec_stats is not None and next_drafts is not None:
+            room = self.config.max_model_len - seq.num_tokens  # drafts never pass max_model_len
+            seq.spec_token_ids = [int(t) for t in next_drafts[:min(room, self.config.num_speculative_tokens)]]
+        return SeqUpdate(seq, emitted, emitted_logprobs if want_logprobs else None, reason is not None)
+
+    def _stop_reason(self, seq: Sequence) -> str | None:
+        """leave_reason if the sequence must stop after its last token (vLLM's order)."""
+        sp = seq.sampling_params
+        num_completion = seq.num_completion_tokens
+        if seq.num_tokens >= self.config.max_model_len:
+            return "max_model_len"
+        if num_completion >= sp.min_tokens:
+            token = seq.token_ids[-1]
+            if not sp.ignore_eos and token in self._end_token_ids:
+                return "eos"
+            if token in sp.stop_token_ids:
+                seq.stop_reason = token
+                return "stop_token"
+            if sp.stop and self._find_stop_string(seq) is not None:
+                return "stop_string"
+        if num_completion >= sp.max_tokens:
+            return "max_tokens"
+        return None
+
+    def _find_stop_string(self, seq: Sequence) -> str | None:
+        """A stop string that ends inside the last token's text (earlier ones stopped earlier)."""
+        stops = seq.sampling_params.stop
+        window = max(len(s) for s in stops) + _STOP_WINDOW_SLACK
+        tail = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - window):]
+        text = self.detokenize(tail)
+        new_from = len(self.detokenize(tail[:-1]))
+        for s in stops:
+            if text.find(s, max(0, new_from - len(s) + 1)) >= 0:
+                seq.stop_reason = s
+                return s
+        return None
+
+    # ------------------------------------------------------------------ finishing
+
+    def _finish(self, seq: Sequence, reason: str) -> None:
+        """The one place a sequence finishes: request_finished once, then free or defer."""
+        seq.status = SequenceStatus.FINISHED
+        seq.leave_reason = reason
+        self._live.pop(seq.id, None)
+        self._forget(seq)
+        params = None
+        if self.kv_connector is not None:
+            params = self.kv_connector.request_finished(seq)
+            seq.kv_transfer_params_output = params
+        if params is not None and self.kv_connector.is_producer and seq.block_table:
+            self.deferred_free_blocks[seq.id] = seq  # the consumer still reads these blocks
+        else:
+            self.block_manager.deallocate(seq)
+
+    def _forget(self, seq: Sequence) -> None:
+        self._prefilling.pop(seq.id, None)
+        self._injected.pop(seq.id, None)
+        self._local_only.discard(seq.id)
+
+    # ------------------------------------------------------------------ KV connector
+
+    def update_from_kv_connector_output(self, output: KVConnectorOutput | None) -> None:
+        """Reconcile with transfers the worker side saw end; unknown or repeated ids are ignored."""
+        if output is None:
+            return
+        bm = self.block_manager
+        for seq_id in output.finished_sending:
+            seq = self.deferred_free_blocks.pop(seq_id, None)
+            if seq is not None:
+                bm.deallocate(seq)
+        for seq_id in output.finished_recving:
+            if seq_id in self._aborting:
+                bm.deallocate(self._aborting.pop(seq_id))
+            elif seq_id in self.parked:
+                self._recv_done[seq_id] = None
+        for seq_id in output.failed_recving:
+            if seq_id in self._aborting:
+                bm.deallocate(self._aborting.pop(seq_id))
+            elif seq_id in self.parked and seq_id not in self._recv_done:
+                self._recv_failed(self.parked.pop(seq_id))
+
+    def _recv_failed(self, seq: Sequence) -> None:
+        self.num_recv_failures += 1
+        if self.kv_connector.recv_failure_policy(seq) == "recompute":
+            self.num_recv_recomputes += 1
+            self.block_manager.deallocate(seq)  # the pull has stopped; its blocks hold garbage
+            self._local_only.add(seq.id)
+            seq.status = SequenceStatus.WAITING
+            self.waiting.appendleft(seq)
+            return
+        self._finish(seq, "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine")
+        self._rejected.append(seq)
+
+    def _promote_received(self) -> None:
+        """Parked sequences whose prompt KV arrived start decoding, ahead of new admissions.
+
+        D never forwards such a prompt: its KV is all there, so the sequence resumes at
+        position num_prompt_tokens with P's first token T0 (and drafts) appended.
+        """
+        if not self._recv_done:
+            return
+        for seq_id in self._recv_done:
+            seq = self.parked.pop(seq_id)
+            params = seq.kv_transfer_params or {}
+            seq.num_cached_tokens = seq.num_prompt_tokens
+            self.block_manager.publish(seq)  # D's prefix cache learns the received blocks
+            first_token = params.get("first_token_id")
+            if first_token is not None:
+                seq.token_ids.append(int(first_token))
+                self._injected[seq.id] = params.get("first_token_logprobs")
+                k = self.config.num_speculative_tokens
+                drafts = params.get("draft_token_ids") or []
+                seq.spec_token_ids = [int(t) for t in drafts[:min(k, self.config.max_model_len - seq.num_tokens)]]
+            else:
+                seq.num_cached_tokens -= 1  # recompute the last position here to sample T0
+            if params.get("prefix_cache_hit_tokens") is not None:
+                seq.prefix_cache_hit_tokens = int(params["prefix_cache_hit_tokens"])
+            self._local_only.add(seq.id)  # a later preemption recomputes locally
+            seq.status = SequenceStatus.RUNNING
+            self.running.append(seq)
+        self._recv_done.clear()
+
+    # ------------------------------------------------------------------ prefill delayer
+
+    def _ask_prefill_delayer(self) -> bool:
+        if self.prefill_delayer is None:
+            return True
+        num_ready, pending_tokens = self._admittable_head_prefills(limit=4)
+        has_partial = bool(self._prefilling)
+        for seq in self._prefilling.values():
+            pending_tokens += seq.num_tokens - seq.num_cached_tokens
+        prefillable = num_ready > 0 or has_partial
+        return self.prefill_delayer.should_allow_prefill(
+            local_prefillable=prefillable, token_usage=self.block_manager.usage,
+            local_alignment_ready=prefillable,
+            pending_tokens=min(pending_tokens, self.config.max_num_batched_tokens),
+            num_decodes=len(self.running) - len(self._prefilling), has_partial=has_partial)
+
+    def _admittable_head_prefills(self, limit: int) -> tuple[int, int]:
+        """(count, tokens) of head-of-queue prefills this rank could admit now (peek only).
+
+        `bool(waiting)` is too coarse: under a burst every rank has a queue, but only the
+        ranks with free blocks can admit, and those are the "mixed" case to align."""
+        count = tokens = 0
+        budget = self.config.max_num_batched_tokens
+        if len(self.running) + len(self.parked) >= self.config.max_num_seqs:
+            return 0, 0
+        for i, seq in enumerate(self.waiting):
+            if i >= limit:
+                break
+            if self._unschedulable_reason(seq) is not None:
+                continue
+            num_cached_blocks = self.block_manager.can_allocate(seq)
+            if num_cached_blocks < 0:
+                break
+            new = seq.num_tokens - num_cached_blocks * self.config.block_size
+            if tokens + new > budget and count > 0:
+                break
+            count += 1
+            tokens += new
+        return count, tokens
+
+    def get_next_batch_info(self) -> tuple[bool, int, int]:
+        """(is_prefill, num_tokens, num_seqs) the next schedule() would roughly produce."""
+        budget = self.config.max_num_batched_tokens
+        if self._prefilling:
+            seq = next(iter(self._prefilling.values()))
+            return True, min(seq.num_tokens - seq.num_cached_tokens, budget), 1
+        if self.waiting:
+            num, tokens = 0, 0
+            for seq in self.waiting:
+                new = seq.num_tokens - seq.num_cached_tokens
+                if tokens + new > budget or num >= self.config.max_num_seqs:
+                    break
+                num, tokens = num + 1, tokens + new
+            if num:
+                return True, tokens, num
+        n = len(self.running)
+        return False, n, n

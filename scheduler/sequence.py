@@ -1,0 +1,144 @@
+"""One request as the scheduler sees it: its tokens, its sampling rules and its state.
+
+A `Sequence` only grows: tokens are appended after they are accepted (stop cuts happen
+before the append), so every hash of a full block stays valid for the sequence's life,
+also across preemption.
+"""
+from __future__ import annotations
+
+import enum
+import itertools
+import time
+from typing import Any
+
+import msgspec
+
+
+class SamplingParams(msgspec.Struct, kw_only=True):
+    """How to pick tokens and when to stop (vLLM names and defaults)."""
+
+    max_tokens: int = 16
+    min_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    seed: int | None = None
+    stop: list[str] = []
+    stop_token_ids: list[int] = []
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob plus top-k
+    include_stop_str_in_output: bool = False
+
+    def __post_init__(self) -> None:
+        _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
+        _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
+                 f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
+        _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
+        _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
+        _require(self.top_k >= -1, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
+        _require(self.logprobs is None or self.logprobs >= 0, "logprobs",
+                 f"must be None or >= 0, got {self.logprobs}")
+        _require(all(isinstance(s, str) and s for s in self.stop), "stop",
+                 "must be a list of non-empty strings")
+        _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
+                 "stop_token_ids", "must be a list of non-negative token ids")
+
+
+def _require(ok: bool, field: str, message: str) -> None:
+    if not ok:
+        raise ValueError(f"{field} {message}")
+
+
+class SequenceStatus(enum.Enum):
+    WAITING = enum.auto()
+    RUNNING = enum.auto()
+    WAITING_FOR_REMOTE_KVS = enum.auto()  # parked on a consumer while its prompt KV is pulled
+    FINISHED = enum.auto()
+    ABORTED = enum.auto()
+
+
+class SequenceType(enum.Enum):
+    PREFILL = enum.auto()
+    DECODE = enum.auto()
+
+
+# leave_reason -> OpenAI finish_reason
+_FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop",
+                   "max_tokens": "length", "max_model_len": "length", "aborted": "abort"}
+# leave_reason prefixes of sequences that ended without generating: the API answers an error
+ERROR_PREFIXES = ("unschedulable:", "kv_transfer_failed:")
+
+_ids = itertools.count()
+
+
+class Sequence:
+    """A request's tokens (prompt then completion) and the scheduler's view of its KV."""
+
+    def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, *,
+                 request_id: str | None = None, arrive_time: float | None = None,
+                 kv_transfer_params: dict[str, Any] | None = None):
+        if not token_ids:
+            raise ValueError("prompt_token_ids must not be empty")
+        self.id: int = next(_ids)
+        self.request_id: str = request_id if request_id is not None else str(self.id)
+        self.token_ids: list[int] = [int(t) for t in token_ids]
+        self.num_prompt_tokens: int = len(self.token_ids)
+        self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
+        self.status = SequenceStatus.WAITING
+        self.type = SequenceType.PREFILL
+        self.num_cached_tokens = 0  # tokens whose KV is computed (position of the next one)
+        self.block_table: list[int] = []
+        self.block_hashes: list[int] = []  # chained hash of each full block, a pure function of tokens
+        self.num_published_blocks = 0  # blocks of block_table already in the prefix index
+        self.spec_token_ids: list[int] = []  # drafts to verify in the next decode step
+        self.leave_reason: str | None = None
+        self.stop_reason: int | str | None = None
+        self.logprobs: list[Any] = []
+        self.prefix_cache_hit_tokens = 0
+        self.kv_transfer_params = kv_transfer_params
+        self.kv_transfer_params_output: dict[str, Any] | None = None
+        self.arrive_time = arrive_time if arrive_time is not None else time.time()
+        self.first_scheduled_time: float | None = None
+        self.first_token_time: float | None = None
+
+    def __repr__(self) -> str:
+        return (f"Sequence(id={self.id}, status={self.status.name}, tokens={self.num_tokens}, "
+                f"prompt={self.num_prompt_tokens}, cached={self.num_cached_tokens})")
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def completion_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def last_token(self) -> int:
+        return self.token_ids[-1]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """OpenAI's finish_reason: "stop" | "length" | "abort" | None (running)."""
+        if self.leave_reason is None:
+            return None
+        return _FINISH_REASONS.get(self.leave_reason, "abort")
+
+    @property
+    def error(self) -> str | None:
+        """The message for a sequence that ended without generating (rejected, failed pull)."""
+        if self.leave_reason is not None and self.leave_reason.startswith(ERROR_PREFIXES):
+            return self.leave_reason
+        return None
