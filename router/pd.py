@@ -193,8 +193,10 @@ class PDRequest:
     async def prefill(self) -> dict | None:
         tried: list[Worker] = []
         last_error = None
-        for attempt in range(MAX_PREFILL_TRIES):
+        for _ in range(MAX_PREFILL_TRIES):
             worker = self.relay.pick("prefill", self.body, tried, last_error)
+            if tried:
+                self.metrics.retries.labels("prefill").inc()
             self.prefill_worker, self.transfer_id = worker, new_transfer_id()
             try:
                 return await self.prefill_on(worker)
@@ -205,8 +207,6 @@ class PDRequest:
                 self.relay.abort_transfer(worker, self.transfer_id)  # in case it did run
                 self.transfer_id = None
                 tried.append(worker)
-                if attempt + 1 < MAX_PREFILL_TRIES:
-                    self.metrics.retries.labels("prefill").inc()
         raise LegError(502, last_error or "prefill failed")
 
     async def prefill_on(self, worker: Worker) -> dict | None:
@@ -267,6 +267,8 @@ class PDRequest:
         last_error = None
         for _ in range(MAX_DECODE_TRIES):
             worker = self.relay.pick("decode", self.body, tried, last_error)
+            if tried:
+                self.metrics.retries.labels("decode").inc()
             started = time.perf_counter()
             worker.acquire()
             try:
@@ -275,7 +277,6 @@ class PDRequest:
                 except aiohttp.ClientConnectorError as e:  # D never saw the request: P's blocks still wait
                     worker.breaker.record_failure()
                     self.metrics.upstream_errors.labels("decode", "connection").inc()
-                    self.metrics.retries.labels("decode").inc()
                     last_error = f"decode worker {worker.url} unreachable: {e}"
                     tried.append(worker)
                     continue

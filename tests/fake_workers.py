@@ -4,7 +4,7 @@
 (docs/contracts.md "HTTP API of an engine server") in one role, and records what it was
 sent: a prefill worker answers the `do_remote_decode` leg with an OpenAI body plus
 top-level `kv_transfer_params`; a decode worker takes the original request plus those
-params, "pulls" (records the transfer id; a test can hold the pull with `pull_gate`) and
+params, "pulls" (records the transfer id; a test can hold requests with `gate`) and
 streams SSE or returns a body. Knobs make it fail the ways a real engine fails.
 
 `LoopThread` runs servers on a background event loop, so that synchronous clients in
@@ -62,6 +62,7 @@ class FakeEngine:
         self.fail_status: int | None = None
         self.fail_message = "engine exploded"
         self.die_after_events: int | None = None  # decode: drop the connection after N events
+        self.bad_answer: bytes | None = None  # decode: answer 200 with these bytes instead
         # what happened
         self.requests: list[tuple[str, dict]] = []
         self.answers: list[bytes] = []  # the exact JSON bodies answered
@@ -74,8 +75,8 @@ class FakeEngine:
         self._runner: web.AppRunner | None = None
 
     async def start(self, port: int = 0) -> str:
-        self.pull_gate = asyncio.Event()  # cleared: the decode worker hangs before its pull
-        self.pull_gate.set()
+        self.gate = asyncio.Event()  # cleared: requests wait before the work (P: prefill, D: pull)
+        self.gate.set()
         self.hold_after_first_event = asyncio.Event()  # cleared: stream pauses after one event
         self.hold_after_first_event.set()
         app = web.Application()
@@ -120,14 +121,17 @@ class FakeEngine:
             kind = "invalid_request_error" if self.fail_status < 500 else "internal_error"
             return web.Response(status=self.fail_status, body=error_json(self.fail_message, kind, "max_tokens"),
                                 content_type="application/json")
-        if self.role == "prefill":
-            return self.prefill_answer(request.path, body)
         kv = body.get("kv_transfer_params") or {}
         tid = kv.get("transfer_id", "")
         try:
-            await self.pull_gate.wait()
+            await self.gate.wait()
+            if self.role == "prefill":
+                return self.prefill_answer(request.path, body)
             if self.record:
                 self.pulled.append(tid)
+            if self.bad_answer is not None:
+                kind = "text/event-stream" if body.get("stream") else "application/json"
+                return web.Response(body=self.bad_answer, content_type=kind)
             if body.get("stream"):
                 return await self.stream(request, body, kv)
             return self.answer(self.full_answer(request.path, body, kv))
@@ -275,7 +279,7 @@ class Cluster:
                 await self.router.stop()
             for f in self.prefill + self.decode:
                 if f._runner is not None:
-                    f.pull_gate.set()
+                    f.gate.set()
                     f.hold_after_first_event.set()
                 await f.stop()
 

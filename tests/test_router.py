@@ -317,6 +317,7 @@ def test_cli_prints_the_url_and_serves(loop, request):
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
 
     def stop():
+        proc.stdout.close()
         if proc.poll() is None:
             proc.terminate()
             try:

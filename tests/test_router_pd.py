@@ -114,6 +114,39 @@ def test_decode_dying_mid_stream_ends_with_an_error_event(cluster):
     assert events[3:] == [b"data: [DONE]"]
 
 
+@pytest.mark.parametrize("stream,answer", [
+    (False, b'{"error": {"message": "pull failed", "type": "internal_error"}}'),
+    (False, b""),
+    (False, b"not json"),
+    (True, b'data: {"error": {"message": "pull failed", "type": "internal_error"}}\n\n'),
+    (True, b""),
+    (True, b'data: {"choices": []}\n\n'),  # ends before [DONE]
+])
+def test_never_a_200_with_an_empty_or_error_body(cluster, stream, answer):
+    cluster.decode[0].bad_answer = answer
+    r = cluster.post("/v1/completions", dict(COMPLETION, stream=stream))
+    if r.status == 200:  # only once bytes went out: then the stream must end with an error event
+        events = sse_events(r.body)
+        assert answer.startswith(b"data: {") and b'"error"' in events[-2] and events[-1] == b"data: [DONE]"
+    else:
+        assert r.status == 502 and "error" in r.json()
+        if b"pull failed" in answer:
+            assert "pull failed" in r.json()["error"]["message"]
+
+
+def test_decode_leg_moves_when_a_decode_worker_refuses_connections(loop):
+    c = Cluster(loop, n_decode=2, health_interval_s=60).start()
+    try:
+        loop.run(c.decode[1].stop())
+        for _ in range(2):
+            assert c.post("/v1/completions", dict(COMPLETION, stream=True)).status == 200
+        assert len(c.decode[0].requests) == 2
+        assert 'atomd_router:retries_total{leg="decode"} 1.0' in c.get("/metrics").body.decode()
+        assert c.prefill[0].aborts == []
+    finally:
+        c.stop()
+
+
 async def read_one_event_and_hang_up(url: str, body: dict) -> None:
     async with aiohttp.ClientSession() as s:
         r = await s.post(url, json=body)
@@ -121,26 +154,39 @@ async def read_one_event_and_hang_up(url: str, body: dict) -> None:
         r.close()  # drop the connection mid-stream
 
 
-def test_client_disconnect_before_the_pull_cancels_d_and_aborts_p(cluster, loop):
-    p, d = cluster.prefill[0], cluster.decode[0]
-    d.pull_gate.clear()  # D holds the request before pulling
-
-    async def d_has_request():
-        while not d.requests:
-            await asyncio.sleep(0.01)
-
+def hang_up_when(loop: LoopThread, url: str, body: dict, condition) -> None:
+    """Send a request and drop the connection, before any byte came back, once `condition()`."""
     async def go():
         async with aiohttp.ClientSession() as s:
-            task = asyncio.create_task(s.post(cluster.url + "/v1/completions", json=dict(COMPLETION, stream=True)))
-            await asyncio.wait_for(d_has_request(), 10)
-            task.cancel()  # the client gives up before any byte arrived
+            task = asyncio.create_task(s.post(url, json=body))
+            deadline = asyncio.get_running_loop().time() + 10
+            while not condition():
+                assert asyncio.get_running_loop().time() < deadline, "the request never arrived"
+                await asyncio.sleep(0.01)
+            task.cancel()
             await asyncio.gather(task, return_exceptions=True)
 
     loop.run(go())
+
+
+def test_client_disconnect_before_the_pull_cancels_d_and_aborts_p(cluster, loop):
+    p, d = cluster.prefill[0], cluster.decode[0]
+    d.gate.clear()  # D holds the request before pulling
+    hang_up_when(loop, cluster.url + "/v1/completions", dict(COMPLETION, stream=True), lambda: d.requests)
     tid = p.requests[0][1]["kv_transfer_params"]["transfer_id"]
     wait_until(lambda: d.cancelled == [tid], what="D to see its request cancelled")
     wait_until(lambda: p.aborts == [tid], what="abort on P")
     assert d.pulled == []
+
+
+def test_client_disconnect_during_the_prefill_leg_cancels_p_and_aborts(cluster, loop):
+    p, d = cluster.prefill[0], cluster.decode[0]
+    p.gate.clear()  # P holds the prefill
+    hang_up_when(loop, cluster.url + "/v1/chat/completions", dict(CHAT, stream=True), lambda: p.requests)
+    tid = p.requests[0][1]["kv_transfer_params"]["transfer_id"]
+    wait_until(lambda: p.cancelled == [tid], what="P to see its request cancelled")
+    wait_until(lambda: p.aborts == [tid], what="abort on P")
+    assert d.requests == []
 
 
 def test_client_disconnect_after_the_pull_cancels_d_without_abort(cluster, loop):
