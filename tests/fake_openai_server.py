@@ -5,8 +5,8 @@ with a controllable delay, reports usage, and fails on purpose when asked.
         [--fail-every K] [--error-event-every K]
 
 Prompt tokens are counted as token ids (a list prompt) or as words (text), so a test can
-compute the expected usage by hand. GET /stats returns how many generation requests arrived
-and the most that were in flight at once.
+compute the expected usage by hand. GET /stats returns how many generation requests arrived,
+how many asked for ignore_eos, and the most that were in flight at once.
 """
 from __future__ import annotations
 
@@ -23,7 +23,7 @@ MODEL = "fake-model"
 class FakeServer:
     def __init__(self, args: argparse.Namespace):
         self.args = args
-        self.requests = 0
+        self.requests = self.ignore_eos = 0
         self.inflight = self.max_inflight = 0
 
     def app(self) -> web.Application:
@@ -38,11 +38,13 @@ class FakeServer:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def stats(self, request: web.Request) -> web.Response:
-        return web.json_response({"requests": self.requests, "max_inflight": self.max_inflight})
+        return web.json_response({"requests": self.requests, "max_inflight": self.max_inflight,
+                                  "ignore_eos": self.ignore_eos})
 
     async def generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests += 1
+        self.ignore_eos += body.get("ignore_eos") is True
         n = self.requests
         if self.args.fail_every and n % self.args.fail_every == 0:
             return web.json_response({"error": {"message": "injected failure", "type": "server_error"}},

@@ -249,7 +249,7 @@ def test_completions_run_writes_consistent_json_and_pngs(fake_server, tmp_path):
     assert "Serving Benchmark Result" in proc.stdout and "Mean TTFT (ms):" in proc.stdout
     check_consistent(r, 12)
     assert r["failed"] == 0 and r["model_id"] == "fake-model"  # discovered from GET /v1/models
-    assert server.stats()["requests"] == 12
+    assert server.stats()["requests"] == server.stats()["ignore_eos"] == 12  # --ignore-eos is the default
     # Token-id prompts: lengths known client-side; the fake streams one token per chunk,
     # so each request has output_len - 1 ITL gaps and the usage count of tokens.
     assert all(8 <= n <= 24 for n in r["input_lens"]) and r["total_input_tokens"] == sum(r["input_lens"])
@@ -275,7 +275,7 @@ def test_chat_run_takes_prompt_tokens_from_usage_and_respects_max_concurrency(fa
     server = fake_server("--ttft-ms", "5", "--token-delay-ms", "1")
     proc, r = bench(server, tmp_path, "--endpoint", "/v1/chat/completions", "--dataset", "shared-prefix",
                     "--shared-prefix-len", "4", "--input-len", "6", "--output-len", "3", "--num-prompts", "8",
-                    "--max-concurrency", "2")
+                    "--max-concurrency", "2", "--no-ignore-eos")
     assert proc.returncode == 0, proc.stderr
     check_consistent(r, 8)
     assert r["failed"] == 0 and r["backend"] == "openai-chat" and r["max_concurrency"] == 2
@@ -283,7 +283,8 @@ def test_chat_run_takes_prompt_tokens_from_usage_and_respects_max_concurrency(fa
     assert r["input_lens"] == [10] * 8 and r["output_lens"] == [3] * 8
     # The opening role-only chunk is not a token: 3 tokens, 2 gaps.
     assert [len(g) for g in r["itls"]] == [2] * 8
-    assert server.stats()["max_inflight"] <= 2
+    stats = server.stats()
+    assert stats["max_inflight"] <= 2 and stats["ignore_eos"] == 0
 
 
 @pytest.mark.integration
@@ -306,7 +307,10 @@ def test_failures_are_counted_and_kept_out_of_the_numbers(fake_server, tmp_path)
 @pytest.mark.integration
 def test_a_run_where_every_request_fails_exits_nonzero(fake_server, tmp_path):
     server = fake_server("--fail-every", "1")
-    proc, r = bench(server, tmp_path, "--num-prompts", "3", "--input-len", "4", "--output-len", "2")
+    proc, r = bench(server, tmp_path, "--num-prompts", "3", "--input-len", "4", "--output-len", "2",
+                    "--plot", str(tmp_path / "plots"))
     assert proc.returncode == 1
     assert "every request failed" in proc.stderr and "HTTP 500" in proc.stderr
     assert (r["completed"], r["failed"]) == (0, 3)
+    assert r["mean_ttft_ms"] == 0.0 and r["output_throughput"] == 0.0
+    assert len(list((tmp_path / "plots").glob("*.png"))) == 3  # empty plots, not a crash

@@ -53,7 +53,9 @@ class Endpoint:
 
     def payload(self, req: SampleRequest) -> dict:
         body = {"model": self.model, "temperature": 0.0, "stream": True,
-                "stream_options": {"include_usage": True}, "ignore_eos": self.ignore_eos}
+                "stream_options": {"include_usage": True}}
+        if self.ignore_eos:  # a vLLM extension: only sent when wanted, so plain OpenAI servers accept the rest
+            body["ignore_eos"] = True
         if self.chat:
             body.update(messages=[{"role": "user", "content": req.prompt}],
                         max_completion_tokens=req.expected_output_len)
