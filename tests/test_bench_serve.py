@@ -121,7 +121,8 @@ def test_sharegpt_file_takes_first_turns(tmp_path):
     convs = [{"conversations": [{"from": "human", "value": f"question number {i} about the city and its time"},
                                 {"from": "gpt", "value": f"answer {i} " + "more words here " * (i + 2)}]}
              for i in range(4)]
-    convs.append({"conversations": [{"from": "human", "value": "a lonely turn"}]})
+    convs += [{"conversations": [{"from": "human", "value": "a lonely turn"}]},  # malformed: skipped
+              {"conversations": [{"from": "human"}, {"from": "gpt", "value": "no question"}]}, "junk"]
     path = tmp_path / "sharegpt.json"
     path.write_text(json.dumps(convs))
     fixed = build_requests(serve_args("--dataset", "sharegpt-file", "--dataset-path", str(path), "--num-prompts",
@@ -136,6 +137,10 @@ def test_sharegpt_file_takes_first_turns(tmp_path):
         assert r.expected_output_len == len(reference.encode(replies[r.prompt], add_special_tokens=False).ids)
     with pytest.raises(ValueError, match="num_prompts"):
         build_requests(serve_args("--dataset", "sharegpt-file", "--dataset-path", str(path), "--num-prompts", "5",
+                                  "--sharegpt-output-len", "5"), TokenSpace(4096), chat=True)
+    (tmp_path / "not_a_list.json").write_text('{"conversations": []}')
+    with pytest.raises(ValueError, match="dataset_path"):
+        build_requests(serve_args("--dataset", "sharegpt-file", "--dataset-path", str(tmp_path / "not_a_list.json"),
                                   "--sharegpt-output-len", "5"), TokenSpace(4096), chat=True)
     with pytest.raises(ValueError, match="output_len"):
         build_requests(serve_args("--dataset", "sharegpt-file", "--dataset-path", str(path)), TokenSpace(4096), True)

@@ -97,6 +97,15 @@ def random_requests(n: int, input_len: int, output_len: int, range_ratio: float,
     return requests
 
 
+def first_exchange(conversation) -> tuple[str, str] | None:
+    """(first prompt, its reply) of one ShareGPT entry; None for entries without both."""
+    turns = conversation.get("conversations") if isinstance(conversation, dict) else None
+    if not isinstance(turns, list) or len(turns) < 2 or not all(isinstance(t, dict) for t in turns[:2]):
+        return None
+    prompt, reply = turns[0].get("value"), turns[1].get("value")
+    return (prompt, reply) if isinstance(prompt, str) and isinstance(reply, str) and prompt else None
+
+
 def sharegpt_requests(path: str, n: int, space: TokenSpace, rng: np.random.Generator,
                       output_len: int | None) -> list[SampleRequest]:
     """First human turn as prompt; the reply's token count as output length when a tokenizer can
@@ -105,8 +114,9 @@ def sharegpt_requests(path: str, n: int, space: TokenSpace, rng: np.random.Gener
         data = json.loads(pathlib.Path(path).read_text())
     except (OSError, json.JSONDecodeError) as e:
         raise ValueError(f"dataset_path: cannot read ShareGPT JSON {path}: {e}") from None
-    pairs = [(c["conversations"][0]["value"], c["conversations"][1]["value"])
-             for c in data if isinstance(c, dict) and len(c.get("conversations") or []) >= 2]
+    if not isinstance(data, list):
+        raise ValueError(f"dataset_path: {path} is not a ShareGPT list of conversations")
+    pairs = [turns for c in data if (turns := first_exchange(c)) is not None]
     order = rng.permutation(len(pairs))
     requests = []
     for i in order:
@@ -114,7 +124,7 @@ def sharegpt_requests(path: str, n: int, space: TokenSpace, rng: np.random.Gener
         prompt_len = space.count(prompt)
         out_len = output_len if output_len is not None else space.count(reply)
         if out_len is None:
-            raise ValueError("output_len: a ShareGPT run needs --output-len or --tokenizer to size replies")
+            raise ValueError("output_len: a ShareGPT run needs --sharegpt-output-len or --tokenizer to size replies")
         if prompt_len is not None and (prompt_len < 4 or prompt_len > 1024 or prompt_len + out_len > 2048):
             continue
         if out_len < 4 and output_len is None:
