@@ -295,12 +295,13 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"ray_cluster: error: {e}", file=sys.stderr)
         return 2
-    signal.signal(signal.SIGTERM, signal.default_int_handler)  # `ray job stop`: clean up below
     in_job = "RAY_JOB_CONFIG_JSON_ENV_VAR" in os.environ
     cluster = RayCluster(config)
     try:
         # A direct run ships this tree to the workers the way `--working-dir .` does.
         ray.init(address=args.address, runtime_env=None if in_job else {"working_dir": str(ROOT)})
+        # `ray job stop` sends SIGTERM: clean up below. After ray.init, which installs its own.
+        signal.signal(signal.SIGTERM, signal.default_int_handler)
         engines = cluster.start()
         urls = {role: [e["url"] for e in engines if e["role"] == role] for role in ("prefill", "decode")}
         print(f"{READY_LINE} {cluster.router_url} (prefill: {' '.join(urls['prefill'])}; "
