@@ -9,6 +9,7 @@ import os
 import sys
 
 DEFAULT_PERCENTILES = "50,90,99"
+ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -20,7 +21,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
-    from atomd.bench.client import ENDPOINTS
     from atomd.bench.datasets import DATASETS
 
     p.add_argument("--base-url", required=True, help="server root, e.g. http://127.0.0.1:8000")

@@ -19,9 +19,6 @@ import numpy as np
 from atomd.bench.datasets import SampleRequest, TokenSpace
 from atomd.bench.metrics import RequestResult
 
-ENDPOINTS = ("/v1/completions", "/v1/chat/completions")
-
-
 def arrival_times(n: int, request_rate: float, burstiness: float, rng: np.random.Generator) -> np.ndarray:
     """Send offsets in seconds from the start. Gaps are gamma(shape=burstiness, mean=1/rate):
     burstiness 1 is a Poisson process, < 1 burstier, > 1 more even; rate inf sends all at once."""
