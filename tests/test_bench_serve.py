@@ -305,6 +305,7 @@ def test_failures_are_counted_and_kept_out_of_the_numbers(fake_server, tmp_path)
     assert sum("HTTP 500" in e for e in errors) == 3
     assert sum("injected stream error" in e for e in errors) == 3
     assert [n for n, e in zip(r["output_lens"], r["errors"]) if e] == [0] * 6
+    assert r["input_lens"] == [8] * 12  # token-id prompts: known even for the failed ones
     assert r["total_output_tokens"] == 6 * 5 and r["total_input_tokens"] == 6 * 8
     assert r["request_goodput"] == pytest.approx(6 / r["duration"])
 

@@ -100,7 +100,8 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
                        space: TokenSpace, t0: float) -> RequestResult:
     """One streamed request, timed; every failure is recorded in `error`, never raised."""
     sent = time.perf_counter()
-    result = RequestResult(start_time=sent - t0)
+    # A failed request keeps its intended prompt length in `input_lens`, as vLLM records it.
+    result = RequestResult(start_time=sent - t0, prompt_len=req.prompt_len or 0)
     try:
         async with session.post(endpoint.url, json=endpoint.payload(req), headers=endpoint.headers) as resp:
             if resp.status != 200:
@@ -115,7 +116,8 @@ async def send_request(session: aiohttp.ClientSession, endpoint: Endpoint, req: 
         result.error = "stream ended without any generated text"
         return result
     result.success = True
-    result.prompt_len = req.prompt_len if req.prompt_len is not None else int(usage.get("prompt_tokens") or 0)
+    if req.prompt_len is None:
+        result.prompt_len = int(usage.get("prompt_tokens") or 0)
     result.output_len = int(usage.get("completion_tokens") or space.count(result.generated_text)
                             or len(result.itl) + 1)
     return result
