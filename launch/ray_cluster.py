@@ -212,12 +212,17 @@ class RayCluster:
         if c.check_resources:
             nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
             check_fits(c, ray.available_resources(), nodes)
-        self._place()
+        # The router first, so that its share of the head is taken before engines land there.
         self.router = RouterActor.options(
             name="atomd-router", num_cpus=c.router.num_cpus, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(c.router, c.timeouts.ready_s)
-        self.router_url = ray.get(self.router.info.remote(), timeout=c.timeouts.ready_s)["url"]
+        ).remote(c.router, c.timeouts.placement_s)
+        try:
+            self.router_url = ray.get(self.router.info.remote(), timeout=c.timeouts.placement_s)["url"]
+        except ray.exceptions.GetTimeoutError:
+            raise TimeoutError(f"the router (CPU={c.router.num_cpus:g} on the driver's node) did not start "
+                               f"within {c.timeouts.placement_s:g} s; free CPU there or lower router.num_cpus") from None
+        self._place()
         for (role, i), pg in zip(self.slots, self.pgs):
             group = getattr(c, role)
             actor = EngineActor.options(
