@@ -7,7 +7,7 @@ from the registry at scrape time, so they are never stale.
 """
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import Callable, Iterable, NamedTuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily
@@ -39,6 +39,12 @@ class _WorkerCollector:
         return [healthy, breaker, in_flight]
 
 
+class EndpointMetrics(NamedTuple):
+    request_latency: Histogram
+    ttft: Histogram
+    itl: Histogram
+
+
 class RouterMetrics:
     """One registry per router instance (several routers can live in one test process)."""
 
@@ -64,6 +70,14 @@ class RouterMetrics:
         self.aborts = Counter(P + "kv_transfer_aborts", "POST /kv_transfer/abort sent to a prefill "
                               "worker for a transfer no decode worker pulled", registry=r)
         r.register(_WorkerCollector(workers))
+        self._endpoints: dict[str, EndpointMetrics] = {}
+
+    def endpoint(self, name: str) -> "EndpointMetrics":
+        """The per-endpoint series, resolved once (`labels()` is a lock and a dict lookup per call)."""
+        if name not in self._endpoints:
+            self._endpoints[name] = EndpointMetrics(self.request_latency.labels(name), self.ttft.labels(name),
+                                                    self.itl.labels(name))
+        return self._endpoints[name]
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -47,6 +47,7 @@ ERROR_EVENT_PREFIX = b'data: {"error"'
 MAX_PREFILL_TRIES = 3
 MAX_DECODE_TRIES = 3
 ABORT_TIMEOUT_S = 5.0
+DRAIN_TIMEOUT_S = 1.0
 # Errors raised before a response started: the request may not have reached the worker.
 RETRYABLE_PREFILL = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
 
@@ -158,6 +159,7 @@ class PDRequest:
     def __init__(self, relay: PDRelay, request: web.Request, endpoint: str, body: dict):
         self.relay = relay
         self.metrics = relay.metrics
+        self.series = relay.metrics.endpoint(endpoint)
         self.request = request
         self.endpoint = endpoint
         self.path = request.path
@@ -186,7 +188,7 @@ class PDRequest:
             if self.transfer_id is not None and not self.pulled:
                 self.relay.abort_transfer(self.prefill_worker, self.transfer_id)
             self.metrics.requests.labels(self.endpoint, status).inc()
-            self.metrics.request_latency.labels(self.endpoint).observe(time.perf_counter() - self.arrival)
+            self.series.request_latency.observe(time.perf_counter() - self.arrival)
 
     # ------------------------------------------------------------------ prefill leg
 
@@ -329,47 +331,61 @@ class PDRequest:
             async for chunk in upstream.content.iter_any():
                 buf += chunk
                 cut = complete_events_end(buf)
-                if cut:
-                    events, buf = buf[:cut], buf[cut:]
-                    if not out.prepared and events.startswith(ERROR_EVENT_PREFIX):
-                        raise LegError(502, f"decode worker {worker.url} failed: {upstream_message(events[6:])}")
-                    await self.send(out, events)
-                    last = events
+                if not cut:
+                    continue
+                events, buf = buf[:cut], buf[cut:]
+                if not out.prepared and events.startswith(ERROR_EVENT_PREFIX):
+                    raise LegError(502, f"decode worker {worker.url} failed: {upstream_message(events[6:])}")
+                if events.rstrip().endswith(DONE_EVENT):
+                    await self.send(out, events, end=True)  # the last event and our EOF in one write
+                    worker.breaker.record_success()
+                    await self.drain(upstream)
+                    return out
+                await self.send(out, events)
+                last = events
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
             error = f"decode worker {worker.url} broke off the stream: {e!r}"
-        if error is None and not last.rstrip().endswith(DONE_EVENT):
-            error = f"decode worker {worker.url} ended the stream before [DONE]"
-        if error is None:
-            worker.breaker.record_success()
-        else:
-            worker.breaker.record_failure()
-            self.metrics.upstream_errors.labels("decode", "broken_stream").inc()
-            if not out.prepared:
-                raise LegError(502, error)
-            tail = b"" if last.startswith(ERROR_EVENT_PREFIX) else b"data: " + error_body(error) + b"\n\n"
-            await self.send(out, tail + DONE_EVENT + b"\n\n")
-        await out.write_eof()
+        worker.breaker.record_failure()
+        self.metrics.upstream_errors.labels("decode", "broken_stream").inc()
+        error = error or f"decode worker {worker.url} ended the stream before [DONE]"
+        if not out.prepared:
+            raise LegError(502, error)
+        tail = b"" if last.startswith(ERROR_EVENT_PREFIX) else b"data: " + error_body(error) + b"\n\n"
+        await self.send(out, tail + DONE_EVENT + b"\n\n", end=True)
         return out
 
-    async def send(self, out: web.StreamResponse, data: bytes) -> None:
-        """Write whole events to the client; TTFT/ITL count the events it receives
-        ([DONE] excluded), those that arrived in one read share one time."""
+    @staticmethod
+    async def drain(upstream: aiohttp.ClientResponse) -> None:
+        """Read D's end of body after [DONE], so its connection goes back to the pool; a D
+        that lingers is cut off (decode() closes the connection) instead of holding us."""
+        if upstream.content.at_eof():  # the usual case: the connection is back in the pool
+            return
+        try:
+            async with asyncio.timeout(DRAIN_TIMEOUT_S):
+                await upstream.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError):
+            pass
+
+    async def send(self, out: web.StreamResponse, data: bytes, end: bool = False) -> None:
+        """Write whole events to the client (`end`: and finish the body in the same write).
+        TTFT/ITL count the events the client receives ([DONE] excluded); events that
+        arrived in one read share one time."""
         now = time.perf_counter()
         events = data.count(b"\n\n") + data.count(b"\r\n\r\n") - (DONE_EVENT in data)
         try:
             if not out.prepared:
                 await out.prepare(self.request)
                 self.pulled = True
-            await out.write(data)
+            await (out.write_eof(data) if end else out.write(data))
         except ConnectionResetError:
             # The client is gone; end the handler the way aiohttp's disconnect cancellation does.
             raise asyncio.CancelledError()
         if events > 0:
             if self.first_event_sent:
-                self.metrics.itl.labels(self.endpoint).observe(now - self.last_send)
+                self.series.itl.observe(now - self.last_send)
             else:
-                self.metrics.ttft.labels(self.endpoint).observe(now - self.arrival)
+                self.series.ttft.observe(now - self.arrival)
                 self.first_event_sent = True
             for _ in range(events - 1):
-                self.metrics.itl.labels(self.endpoint).observe(0.0)
+                self.series.itl.observe(0.0)
             self.last_send = now
