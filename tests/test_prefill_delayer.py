@@ -1,0 +1,267 @@
+"""PrefillDelayer over N simulated ranks (threads): align and coalesce decisions, fail-open,
+exactly one collective per call, and the scheduler calling it every tick."""
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from scheduler.prefill_delayer import Collective, InProcessGroup, PrefillDelayer, SingleRank
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import SamplingParams, Sequence
+from tests.fake_connector import FakeKV, FakeModel, step
+
+pytestmark = pytest.mark.unit
+
+
+def ranks(n, policy="align", **kw):
+    group = InProcessGroup(n, timeout_s=5.0)
+    return [PrefillDelayer(group.rank(r), policy, **kw) for r in range(n)]
+
+
+def decide(delayers, inputs):
+    """One tick on every rank at once; inputs[r] are rank r's keyword arguments."""
+    out = [None] * len(delayers)
+
+    def run(r):
+        out[r] = delayers[r].should_allow_prefill(**inputs[r])
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(len(delayers))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    return out
+
+
+def same(n, **kw):
+    return [dict(kw) for _ in range(n)]
+
+
+def outcome(delayer):
+    """The only (policy, outcome, reason) counted so far."""
+    (key,) = [k for k, v in delayer.outcomes.items() if v]
+    return key
+
+
+P = dict(local_prefillable=True, token_usage=0.5)
+IDLE = dict(local_prefillable=False, token_usage=0.5)
+
+
+def test_in_process_group_sums_int64_vectors_across_ranks():
+    group = InProcessGroup(3)
+    out = [None] * 3
+    big = 2**40
+
+    def run(r):
+        out[r] = group.rank(r).all_reduce_sum(np.array([r, big], dtype=np.int64))
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(3)]
+    [t.start() for t in threads]
+    [t.join(5) for t in threads]
+    assert all(o.tolist() == [3, 3 * big] and o.dtype == np.int64 for o in out)
+
+
+@pytest.mark.parametrize("inputs, allow, reason", [
+    ([P, P, P], [True] * 3, "all"),
+    ([IDLE, IDLE, IDLE], [True] * 3, "none"),
+    ([P, IDLE, IDLE], [False] * 3, "mixed"),
+])
+def test_align_all_none_mixed(inputs, allow, reason):
+    delayers = ranks(3)
+    assert decide(delayers, inputs) == allow
+    assert all(outcome(d) == ("align", "allow" if allow[0] else "delay", reason) for d in delayers)
+
+
+def test_align_holds_a_mixed_state_for_max_delay_passes_then_allows():
+    delayers = ranks(2, max_delay_passes=3)
+    results = [decide(delayers, [P, IDLE]) for _ in range(5)]
+    assert results == [[False, False]] * 3 + [[True, True], [False, False]]
+    assert delayers[0].outcomes[("align", "allow", "max_delay")] == 1
+    assert delayers[1].outcomes[("align", "delay", "mixed")] == 4
+
+
+def test_align_low_watermark_releases_a_mixed_state_early():
+    delayers = ranks(2, token_usage_low_watermark=0.2)
+    low = dict(local_prefillable=True, token_usage=0.1)
+    assert decide(delayers, [low, IDLE]) == [True, True]
+    assert outcome(delayers[1]) == ("align", "allow", "low_watermark")
+    assert decide(delayers, [dict(IDLE, token_usage=0.1), P]) == [False, False]  # the idle rank's usage does not count
+
+
+def test_align_alignment_ready_gates_the_all_case():
+    delayers = ranks(2)
+    half = dict(P, local_alignment_ready=False)
+    assert decide(delayers, [P, half]) == [False, False]
+
+
+def C(prefillable=True, usage=0.5, pending=100, decodes=4, partial=False):
+    return dict(local_prefillable=prefillable, token_usage=usage, pending_tokens=pending,
+                num_decodes=decodes, has_partial=partial)
+
+
+def coalesce(n=2, **kw):
+    kw.setdefault("max_num_batched_tokens", 1000)
+    return ranks(n, "coalesce", **kw)
+
+
+def test_coalesce_holds_while_the_batch_is_filling_and_fires_on_fill():
+    delayers = coalesce()
+    assert decide(delayers, [C(pending=300), C(pending=300)]) == [False, False]
+    assert outcome(delayers[0]) == ("coalesce", "delay", "coalescing")
+    assert decide(delayers, [C(pending=1000), C(pending=800)]) == [True, True]  # 1800 >= 0.9 * 2000
+    assert delayers[0].outcomes[("coalesce", "allow", "fill")] == 1
+
+
+@pytest.mark.parametrize("a, b, reason", [
+    (C(prefillable=False), C(prefillable=False), "none"),
+    (C(decodes=0), C(prefillable=False, decodes=0), "idle"),
+    (C(usage=0.95), C(), "kv"),
+    (C(usage=0.05), C(), "kv"),
+])
+def test_coalesce_fires_at_once(a, b, reason):
+    delayers = coalesce()
+    assert decide(delayers, [a, b]) == [True, True]
+    assert outcome(delayers[1]) == ("coalesce", "allow", reason)
+
+
+def held_then(delayers, inputs, max_ticks=500):
+    """Ticks until the first allow; returns (ticks held, reason)."""
+    for held in range(max_ticks):
+        if decide(delayers, inputs)[0]:
+            (reason,) = [k[2] for k, v in delayers[0].outcomes.items() if k[1] == "allow" and v]
+            return held, reason
+    raise AssertionError("never allowed")
+
+
+def test_coalesce_ttft_bounds_every_hold():
+    delayers = coalesce(ttft_max_ticks=7, stall_ticks=10**6, queue_max_ticks=10**6)
+    growing = iter(range(1, 10**6))
+    for _ in range(7):
+        p = next(growing)
+        assert decide(delayers, [C(pending=p), C(pending=p)]) == [False, False]
+    p = next(growing)
+    assert decide(delayers, [C(pending=p), C(pending=p)]) == [True, True]
+    assert delayers[0].outcomes[("coalesce", "allow", "ttft")] == 1
+
+
+def test_coalesce_partial_prefill_is_held_at_most_partial_max_ticks():
+    delayers = coalesce(partial_max_ticks=4, stall_ticks=10**6, queue_max_ticks=10**6)
+    assert held_then(delayers, [C(partial=True), C(prefillable=False)]) == (4, "partial")
+
+
+def test_coalesce_stall_fires_when_pending_tokens_stop_growing():
+    delayers = coalesce(stall_ticks=3, queue_max_ticks=10**6)
+    # ticks 1, 2, 3 add nothing to tick 0's pending tokens: the third such tick fires
+    assert held_then(delayers, [C(pending=50), C(pending=50)]) == (3, "stall")
+
+
+def test_coalesce_queue_age_fires_for_a_long_prefillable_queue():
+    delayers = coalesce(queue_max_ticks=5, stall_ticks=10**6)
+    assert held_then(delayers, [C(pending=10), C(prefillable=False)]) == (4, "queue")
+
+
+class Failing(Collective):
+    world_size = 2
+
+    def all_reduce_sum(self, vec):
+        raise RuntimeError("gloo: connection reset")
+
+
+@pytest.mark.parametrize("policy", ["align", "coalesce"])
+def test_a_failed_collective_fails_open_and_is_counted(policy):
+    d = PrefillDelayer(Failing(), policy)
+    assert d.should_allow_prefill(local_prefillable=True, token_usage=0.5) is True
+    assert d.num_collective_errors == 1 and outcome(d) == (policy, "allow", "collective_error")
+
+
+def test_a_missing_rank_times_out_and_fails_open():
+    group = InProcessGroup(2, timeout_s=0.05)
+    d = PrefillDelayer(group.rank(0))
+    assert d.should_allow_prefill(local_prefillable=True, token_usage=0.5) is True
+    assert d.num_collective_errors == 1
+
+
+class Counting(Collective):
+    world_size = 1
+
+    def __init__(self):
+        self.calls = 0
+
+    def all_reduce_sum(self, vec):
+        self.calls += 1
+        return np.asarray(vec, dtype=np.int64)
+
+
+def test_the_scheduler_calls_the_delayer_once_per_tick_even_when_idle():
+    coll = Counting()
+    delayer = PrefillDelayer(coll)
+    sched = Scheduler(SchedulerConfig(num_kvcache_blocks=16, block_size=4), prefill_delayer=delayer)
+    assert sched.schedule() is None and coll.calls == 1
+    model = FakeModel(FakeKV(16, 4))
+    sched.add(Sequence([3, 4, 5], SamplingParams(max_tokens=3)))
+    ticks = 1
+    while not sched.is_finished():
+        step(sched, model)
+        ticks += 1
+    assert coll.calls == ticks
+    assert sum(delayer.outcomes.values()) == ticks
+
+
+def test_a_veto_holds_new_and_chunked_prefills_but_decodes_go_on():
+    class Veto:
+        calls = []
+
+        def should_allow_prefill(self, **kw):
+            self.calls.append(kw)
+            return False
+
+    cfg = SchedulerConfig(num_kvcache_blocks=32, block_size=4, max_num_batched_tokens=8)
+    sched = Scheduler(cfg)
+    model = FakeModel(FakeKV(32, 4))
+    decoding = Sequence([3, 4, 5], SamplingParams(max_tokens=20))
+    chunked = Sequence(list(range(2, 22)), SamplingParams(max_tokens=2))
+    sched.add(decoding)
+    step(sched, model)
+    sched.add(chunked)
+    step(sched, model)  # first chunk of the long prompt
+    sched.prefill_delayer = Veto()
+    sched.add(Sequence([7, 8]))
+    batch, _ = step(sched, model)
+    assert not batch.is_prefill and batch.seqs == [decoding]
+    kw = Veto.calls[-1]
+    assert kw["local_prefillable"] and kw["has_partial"] and kw["num_decodes"] == 1
+    assert kw["pending_tokens"] == 8  # capped at the budget
+
+
+def test_two_simulated_dp_ranks_prefill_in_the_same_ticks():
+    group = InProcessGroup(2, timeout_s=5.0)
+    scheds, models = [], []
+    for r in range(2):
+        d = PrefillDelayer(group.rank(r), "align", max_delay_passes=1000)
+        scheds.append(Scheduler(SchedulerConfig(num_kvcache_blocks=64, block_size=4), prefill_delayer=d))
+        models.append(FakeModel(FakeKV(64, 4)))
+    kinds = [[], []]
+    arrivals = {0: {0: [3, 4, 5]}, 1: {3: [6, 7, 8, 9]}}  # rank -> tick -> prompt
+
+    def run(r):
+        for tick in range(12):
+            if tick in arrivals[r]:
+                scheds[r].add(Sequence(arrivals[r][tick], SamplingParams(max_tokens=30)))
+            batch, _ = step(scheds[r], models[r])
+            kinds[r].append(None if batch is None else batch.is_prefill)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(20) for t in threads]
+    prefill_ticks = [[t for t, k in enumerate(ks) if k] for ks in kinds]
+    # rank 0's request waits (mixed) until rank 1 has one too; then both prefill together
+    assert prefill_ticks == [[3], [3]]
+    assert kinds[0][:3] == [None, None, None]
+
+
+def test_single_rank_collective_and_bad_policy():
+    assert SingleRank().all_reduce_sum(np.array([1, 2])).tolist() == [1, 2]
+    with pytest.raises(ValueError, match="policy"):
+        PrefillDelayer(SingleRank(), "greedy")
