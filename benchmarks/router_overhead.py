@@ -72,11 +72,22 @@ def decode_leg(stream, kv):
     return dict(BODY, stream=stream, kv_transfer_params=kv or {"do_remote_prefill": True, "transfer_id": "x"})
 
 
-async def latency_c1(target: Target, stream: bool, n: int) -> list[float]:
-    async with aiohttp.ClientSession() as s:
-        for _ in range(20):  # warm the pools
-            await target.once(s, stream)
-        return [await target.once(s, stream) for _ in range(n)]
+async def latency_c1(targets: list[Target], stream: bool, n: int) -> list[list[float]]:
+    """Round-robin over the targets, one request each per round: a load change on the
+    shared machine then hits every target alike instead of skewing one."""
+    sessions = [aiohttp.ClientSession() for _ in targets]
+    try:
+        for t, s in zip(targets, sessions):
+            for _ in range(20):  # warm the pools
+                await t.once(s, stream)
+        lat: list[list[float]] = [[] for _ in targets]
+        for _ in range(n):
+            for i, (t, s) in enumerate(zip(targets, sessions)):
+                lat[i].append(await t.once(s, stream))
+        return lat
+    finally:
+        for s in sessions:
+            await s.close()
 
 
 def cpu_seconds(pid: int) -> float:
@@ -137,8 +148,8 @@ async def bench(args) -> None:
                    Target("router", [(r, client_body)])]
         rows = []
         for stream in (True, False):
-            for t in targets:
-                lat = await latency_c1(t, stream, args.n)
+            lats = await latency_c1(targets, stream, args.n)
+            for t, lat in zip(targets, lats):
                 cpu0 = cpu_seconds(router.pid)
                 rps, n = await throughput(t, stream, args.concurrency, args.seconds)
                 cpu = (cpu_seconds(router.pid) - cpu0) / n * 1e3 if t.name == "router" else None

@@ -175,7 +175,7 @@ class PDRequest:
         self.pulled = False  # D produced output, so it is done with P's blocks
 
     async def run(self) -> web.StreamResponse:
-        status = "client_disconnect"
+        status = "500"  # a bug: aiohttp answers 500
         try:
             kv = await self.prefill()
             response = await self.decode(kv)
@@ -184,6 +184,9 @@ class PDRequest:
         except LegError as e:
             status = str(e.status)
             return e.response()
+        except asyncio.CancelledError:
+            status = "client_disconnect"
+            raise
         finally:
             if self.transfer_id is not None and not self.pulled:
                 self.relay.abort_transfer(self.prefill_worker, self.transfer_id)

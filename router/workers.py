@@ -1,7 +1,7 @@
 """The worker registry: which engines exist, which may take traffic, and how to reach them.
 
-A worker is in rotation when its last health check (`GET /health`) passed and its
-circuit breaker lets traffic through. Health checks catch an engine that is down or
+A worker is in rotation when its last health check passed (`GET /ready` to get in,
+`GET /health` to stay) and its circuit breaker lets traffic through. Health checks catch an engine that is down or
 wedged between requests; the breaker catches one that fails the requests themselves
 (connection refused, 5xx, timeouts) faster than the next health check would.
 
@@ -114,16 +114,20 @@ class Worker:
             await self.session.close()
 
     async def check_health(self) -> bool:
+        """Readiness to enter, liveness to stay: out of rotation, a worker must pass GET
+        /ready (model loaded, engine answering); in rotation, GET /health (process alive)
+        keeps it there, so a worker busy with a long prefill is not dropped under load."""
+        path = "/health" if self.healthy else "/ready"
         try:
-            async with self.session.get("/health", timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
+            async with self.session.get(path, timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
                 await r.read()
                 ok = r.status == 200
-                self.last_error = None if ok else f"GET /health answered {r.status}"
+                self.last_error = None if ok else f"GET {path} answered {r.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ok = False
-            self.last_error = f"GET /health failed: {e!r}"
+            self.last_error = f"GET {path} failed: {e!r}"
         if ok and not self.healthy:
-            logger.info("worker %s (%s) is healthy", self.url, self.role)
+            logger.info("worker %s (%s) is ready", self.url, self.role)
         elif not ok and self.healthy:
             logger.warning("worker %s (%s) is out of rotation: %s", self.url, self.role, self.last_error)
         self.healthy = ok

@@ -58,7 +58,8 @@ class FakeEngine:
         self.prefix_cache_hit_tokens = prefix_cache_hit_tokens
         self.record = record  # off in the benchmark: recording every body would be the bottleneck
         # knobs
-        self.healthy = True
+        self.healthy = True  # GET /health
+        self.loaded = True  # GET /ready (and only when healthy)
         self.fail_status: int | None = None
         self.fail_message = "engine exploded"
         self.die_after_events: int | None = None  # decode: drop the connection after N events
@@ -70,7 +71,7 @@ class FakeEngine:
         self.aborts: list[str] = []
         self.pulled: list[str] = []
         self.cancelled: list[str] = []
-        self.health_checks = 0
+        self.health_checks = 0  # GET /health calls
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -84,6 +85,7 @@ class FakeEngine:
         app.router.add_post("/v1/chat/completions", self.generate)
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
+        app.router.add_get("/ready", self.ready)
         app.router.add_post("/kv_transfer/abort", self.abort)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
@@ -104,6 +106,10 @@ class FakeEngine:
         self.health_checks += 1
         return web.json_response({"status": "ok"} if self.healthy else {"status": "down"},
                                  status=200 if self.healthy else 503)
+
+    async def ready(self, request: web.Request) -> web.Response:
+        ok = self.healthy and self.loaded
+        return web.json_response({"status": "ready" if ok else "loading"}, status=200 if ok else 503)
 
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [

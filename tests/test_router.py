@@ -149,6 +149,26 @@ def test_health_checks_take_a_worker_out_and_bring_it_back(loop, request):
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+def test_a_worker_enters_on_ready_and_stays_on_health(loop, request):
+    c = cluster_of(loop, request, n_decode=0, health_interval_s=0.05)
+    d = FakeEngine("decode")
+    loop.run(d.start())
+    request.addfinalizer(lambda: loop.run(d.stop()))
+    d.loaded = False  # process up (/health 200), model still loading (/ready 503)
+    assert c.post("/workers", {"url": d.url, "role": "decode"}).json()["healthy"] is False
+    assert c.get("/ready").status == 503
+    d.loaded = True
+    wait_until(lambda: c.get("/ready").status == 200, what="the loaded worker to enter rotation")
+    d.loaded = False  # e.g. /ready's engine probe times out under a long prefill: stays in
+    checks = d.health_checks
+    wait_until(lambda: d.health_checks >= checks + 2, what="two liveness checks")
+    for _ in range(3):
+        assert c.post("/v1/completions", COMPLETION).status == 200
+    assert c.get("/ready").status == 200 and len(d.requests) == 3
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_workers_can_be_registered_and_removed_at_run_time(loop, request):
     c = cluster_of(loop, request, n_decode=0, health_interval_s=60)
     assert c.get("/ready").status == 503  # no decode worker
