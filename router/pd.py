@@ -86,6 +86,7 @@ def upstream_message(data: bytes) -> str:
 def failed_answer(leg: str, worker: Worker, status: int, data: bytes, content_type: str) -> LegError:
     """4xx: the worker judged the request; pass it through. 5xx: the worker broke; 502."""
     if 400 <= status < 500:
+        worker.breaker.record_success()  # it answered properly; the client was wrong
         return LegError(status, "", body=data, content_type=content_type or "application/json")
     worker.breaker.record_failure()
     return LegError(502, f"{leg} worker {worker.url} answered {status}: {upstream_message(data)}")
@@ -219,7 +220,7 @@ class PDRequest:
         data = msgspec.json.encode(prefill_body(self.body, self.transfer_id))
         started = time.perf_counter()
         responded = False
-        worker.acquire()
+        trial = worker.acquire()
         try:
             r = await worker.session.post(self.path, data=data, headers=self.headers,
                                           timeout=aiohttp.ClientTimeout(total=self.relay.request_timeout_s))
@@ -240,7 +241,7 @@ class PDRequest:
             self.metrics.upstream_errors.labels("prefill", "broken_answer").inc()
             raise LegError(502, f"prefill worker {worker.url} broke off its answer: {e!r}")
         finally:
-            await worker.release()
+            await worker.release(trial)
         self.metrics.leg_latency.labels("prefill").observe(time.perf_counter() - started)
         if r.status != 200:
             self.metrics.upstream_errors.labels("prefill", f"status_{r.status}").inc()
@@ -275,7 +276,7 @@ class PDRequest:
             if tried:
                 self.metrics.retries.labels("decode").inc()
             started = time.perf_counter()
-            worker.acquire()
+            trial = worker.acquire()
             try:
                 try:
                     upstream = await worker.session.post(self.path, data=data, headers=self.headers, timeout=timeout)
@@ -295,7 +296,7 @@ class PDRequest:
                     upstream.close()  # a no-op after EOF; otherwise cancels D's request
                     self.metrics.leg_latency.labels("decode").observe(time.perf_counter() - started)
             finally:
-                await worker.release()
+                await worker.release(trial)
         raise LegError(502, last_error or "decode failed")
 
     async def relay_answer(self, worker: Worker, upstream: aiohttp.ClientResponse) -> web.StreamResponse:

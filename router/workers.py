@@ -59,9 +59,16 @@ class CircuitBreaker:
         state = self.state
         return state == self.CLOSED or (state == self.HALF_OPEN and not self._trial_in_flight)
 
-    def on_dispatch(self) -> None:
-        if self.state == self.HALF_OPEN:
+    def on_dispatch(self) -> bool:
+        """Note a request sent; True when it is the half-open trial."""
+        if self.state == self.HALF_OPEN and not self._trial_in_flight:
             self._trial_in_flight = True
+            return True
+        return False
+
+    def abandon_trial(self) -> None:
+        """The trial ended with no verdict (the client hung up): let the next one try."""
+        self._trial_in_flight = False
 
     def record_success(self) -> None:
         self.consecutive_failures = 0
@@ -96,13 +103,15 @@ class Worker:
     def available(self) -> bool:
         return self.healthy and not self._retired and self.breaker.allows()
 
-    def acquire(self, dispatch: bool = True) -> None:
-        """Count a request in flight; `dispatch` marks it as traffic the breaker judges."""
+    def acquire(self, dispatch: bool = True) -> bool:
+        """Count a request in flight; `dispatch` marks it as traffic the breaker judges.
+        Returns whether it is the breaker's trial; hand that back to release()."""
         self.in_flight += 1
-        if dispatch:
-            self.breaker.on_dispatch()
+        return self.breaker.on_dispatch() if dispatch else False
 
-    async def release(self) -> None:
+    async def release(self, trial: bool = False) -> None:
+        if trial:
+            self.breaker.abandon_trial()  # a no-op once a success or failure was recorded
         self.in_flight -= 1
         if self._retired and self.in_flight == 0:
             await self.session.close()

@@ -220,24 +220,26 @@ class FakeConnector(KVConnectorScheduler, KVConnectorWorker):
     def get_finished(self):
         if not self.hold_pulls:
             for seq_id in list(self.in_flight):
-                table, params, first = self.in_flight.pop(seq_id)
-                if seq_id in self.fail_ids:
-                    self._failed.append(seq_id)
-                    continue
-                remote = params["remote_block_ids"]
-                for i in range(first, len(table)):
-                    self.kv.data[table[i]] = self.peer.kv.data[remote[i]]
-                self.peer.release(params["transfer_id"])
-                self._done_recving.append(seq_id)
+                self.stop_pull(seq_id, failed=seq_id in self.fail_ids)
         out = KVConnectorOutput(finished_sending=self._done_sending,
                                 finished_recving=self._done_recving, failed_recving=self._failed)
         self._done_sending, self._done_recving, self._failed = [], [], []
         return out
 
     def stop_pull(self, seq_id: int, failed: bool) -> None:
-        """A held pull ends (finished or failed) at the next get_finished()."""
-        if self.in_flight.pop(seq_id, None) is not None:
-            (self._failed if failed else self._done_recving).append(seq_id)
+        """End a pull (copying the blocks unless it failed); reported at the next get_finished()."""
+        load = self.in_flight.pop(seq_id, None)
+        if load is None:
+            return
+        if failed:
+            self._failed.append(seq_id)
+            return
+        table, params, first = load
+        remote = params["remote_block_ids"]
+        for i in range(first, len(table)):
+            self.kv.data[table[i]] = self.peer.kv.data[remote[i]]
+        self.peer.release(params["transfer_id"])
+        self._done_recving.append(seq_id)
 
     def close(self):
         pass

@@ -64,6 +64,7 @@ class FakeEngine:
         self.fail_message = "engine exploded"
         self.die_after_events: int | None = None  # decode: drop the connection after N events
         self.bad_answer: bytes | None = None  # decode: answer 200 with these bytes instead
+        self.keeps_kv = True  # prefill: False answers without kv_transfer_params (nothing pinned)
         # what happened
         self.requests: list[tuple[str, dict]] = []
         self.answers: list[bytes] = []  # the exact JSON bodies answered
@@ -170,7 +171,7 @@ class FakeEngine:
             choice = {"index": 0, "text": self.tokens[0], "logprobs": None, "finish_reason": "length"}
             obj = "text_completion"
         answer = {"id": "p-" + kv["transfer_id"], "object": obj, "created": int(time.time()), "model": MODEL,
-                  "choices": [choice], "usage": usage, "kv_transfer_params": kv}
+                  "choices": [choice], "usage": usage, "kv_transfer_params": kv if self.keeps_kv else None}
         return self.answer(msgspec.json.encode(answer))
 
     def answer(self, data: bytes) -> web.Response:

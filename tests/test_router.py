@@ -62,6 +62,17 @@ def test_circuit_breaker_opens_cools_down_and_trials_once():
 
 
 @pytest.mark.unit
+def test_a_trial_without_verdict_lets_the_next_request_try():
+    now = [0.0]
+    b = CircuitBreaker(failure_threshold=1, cooldown_s=1.0, clock=lambda: now[0])
+    b.record_failure()
+    now[0] = 1.0
+    assert b.on_dispatch() is True and b.on_dispatch() is False  # one trial only
+    b.abandon_trial()  # e.g. the client hung up mid-trial
+    assert b.allows() and b.state == b.HALF_OPEN
+
+
+@pytest.mark.unit
 def test_success_resets_the_failure_run():
     b = CircuitBreaker(failure_threshold=2)
     b.record_failure()

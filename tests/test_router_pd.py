@@ -58,6 +58,16 @@ def test_legs_in_order_with_the_right_bodies(cluster):
     assert p.aborts == []  # D pulled, nothing to abort
 
 
+def test_a_prefill_without_kv_params_sends_the_plain_request_to_decode(cluster):
+    p, d = cluster.prefill[0], cluster.decode[0]
+    p.keeps_kv = False
+    r = cluster.post("/v1/completions", COMPLETION)
+    assert r.status == 200 and r.body == d.answers[0]
+    assert d.requests == [("/v1/completions", COMPLETION)]  # D prefills it itself
+    assert p.aborts == []  # P pinned nothing
+    assert 'atomd_router:decision_total{decision="decode_without_kv"} 1.0' in cluster.get("/metrics").body.decode()
+
+
 def test_each_request_mints_a_fresh_transfer_id(cluster):
     for _ in range(3):
         assert cluster.post("/v1/completions", COMPLETION).status == 200

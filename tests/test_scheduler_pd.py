@@ -258,8 +258,6 @@ def test_running_plus_parked_never_exceeds_max_num_seqs_and_promotion_goes_first
     assert len(d.sched.parked) == 2 and fresh.status is SequenceStatus.WAITING
     for seq in remote:
         d.conn.stop_pull(seq.id, failed=False)
-        for slot in range(seq.num_cached_tokens // BS, len(seq.block_table)):
-            d.kv.data[seq.block_table[slot]] = p.kv.data[seq.kv_transfer_params["remote_block_ids"][slot]]
     d.sched.update_from_kv_connector_output(d.conn.get_finished())
     batch, _ = d.step()
     assert batch.seqs == remote and fresh.status is SequenceStatus.WAITING
