@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from router.metrics import RouterMetrics
 from router.pd import LegError, PDRelay, error_body
 from router.policies import make_policy
-from router.workers import WorkerRegistry
+from router.workers import WorkerRegistry, describe
 
 logger = logging.getLogger("atomd.router")
 
@@ -151,7 +151,7 @@ class Router:
                 body = await r.read()
                 return web.Response(status=r.status, body=body, content_type=r.content_type)
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return LegError(502, f"decode worker {worker.url} did not answer /v1/models: {e!r}").response()
+            return LegError(502, f"decode worker {worker.url} did not answer /v1/models: {describe(e)}").response()
 
     # ---------------------------------------------------------------- operations
 

@@ -37,7 +37,7 @@ from aiohttp import web
 
 from router.metrics import RouterMetrics
 from router.policies import RoutingPolicy
-from router.workers import Worker, WorkerRegistry
+from router.workers import Worker, WorkerRegistry, describe
 
 logger = logging.getLogger("atomd.router.pd")
 
@@ -145,7 +145,7 @@ class PDRelay:
                                            timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as r:
                 await r.read()
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
-            logger.warning("abort of transfer %s on %s failed: %r", transfer_id, worker.url, e)
+            logger.warning("abort of transfer %s on %s failed: %s", transfer_id, worker.url, describe(e))
         finally:
             await worker.release()
 
@@ -209,7 +209,7 @@ class PDRequest:
             except RETRYABLE_PREFILL as e:
                 worker.breaker.record_failure()
                 self.metrics.upstream_errors.labels("prefill", "connection").inc()
-                last_error = f"prefill worker {worker.url} unreachable: {e}"
+                last_error = f"prefill worker {worker.url} unreachable: {describe(e)}"
                 self.relay.abort_transfer(worker, self.transfer_id)  # in case it did run
                 self.transfer_id = None
                 tried.append(worker)
@@ -239,7 +239,7 @@ class PDRequest:
                 raise
             worker.breaker.record_failure()
             self.metrics.upstream_errors.labels("prefill", "broken_answer").inc()
-            raise LegError(502, f"prefill worker {worker.url} broke off its answer: {e!r}")
+            raise LegError(502, f"prefill worker {worker.url} broke off its answer: {describe(e)}")
         finally:
             await worker.release(trial)
         self.metrics.leg_latency.labels("prefill").observe(time.perf_counter() - started)
@@ -283,13 +283,13 @@ class PDRequest:
                 except aiohttp.ClientConnectorError as e:  # D never saw the request: P's blocks still wait
                     worker.breaker.record_failure()
                     self.metrics.upstream_errors.labels("decode", "connection").inc()
-                    last_error = f"decode worker {worker.url} unreachable: {e}"
+                    last_error = f"decode worker {worker.url} unreachable: {describe(e)}"
                     tried.append(worker)
                     continue
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     worker.breaker.record_failure()
                     self.metrics.upstream_errors.labels("decode", "no_answer").inc()
-                    raise LegError(502, f"decode worker {worker.url} did not answer: {e!r}")
+                    raise LegError(502, f"decode worker {worker.url} did not answer: {describe(e)}")
                 try:
                     return await self.relay_answer(worker, upstream)
                 finally:
@@ -318,7 +318,7 @@ class PDRequest:
         except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as e:
             worker.breaker.record_failure()
             self.metrics.upstream_errors.labels("decode", "broken_body").inc()
-            raise LegError(502, f"decode worker {worker.url} sent a broken body: {e!r}")
+            raise LegError(502, f"decode worker {worker.url} sent a broken body: {describe(e)}")
         if not isinstance(parsed, dict) or "error" in parsed:
             worker.breaker.record_failure()
             self.metrics.upstream_errors.labels("decode", "error_body").inc()
@@ -348,7 +348,7 @@ class PDRequest:
                 await self.send(out, events)
                 last = events
         except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            error = f"decode worker {worker.url} broke off the stream: {e!r}"
+            error = f"decode worker {worker.url} broke off the stream: {describe(e)}"
         worker.breaker.record_failure()
         self.metrics.upstream_errors.labels("decode", "broken_stream").inc()
         error = error or f"decode worker {worker.url} ended the stream before [DONE]"

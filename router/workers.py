@@ -134,7 +134,7 @@ class Worker:
                 self.last_error = None if ok else f"GET {path} answered {r.status}"
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             ok = False
-            self.last_error = f"GET {path} failed: {e!r}"
+            self.last_error = f"GET {path} failed: {describe(e)}"
         if ok and not self.healthy:
             logger.info("worker %s (%s) is ready", self.url, self.role)
         elif not ok and self.healthy:
@@ -146,6 +146,11 @@ class Worker:
         return {"url": self.url, "role": self.role, "healthy": self.healthy,
                 "circuit_breaker": CircuitBreaker.NAMES[self.breaker.state],
                 "in_flight": self.in_flight, "last_error": self.last_error}
+
+
+def describe(e: BaseException) -> str:
+    """An exception for an error message (a timeout's str() is empty)."""
+    return str(e) or type(e).__name__
 
 
 def normalize_url(url: object) -> str:
