@@ -197,8 +197,9 @@ def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None)
             seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
             ignore_eos=req.ignore_eos, logprobs=logprobs,
             include_stop_str_in_output=req.include_stop_str_in_output)
-    except ValueError as e:  # SamplingParams names the field in its message
-        raise invalid(None, str(e)) from None
+    except ValueError as e:  # SamplingParams starts its message with the field's name
+        field = str(e).split(" ", 1)[0]
+        raise invalid(field if field in SamplingParams.__struct_fields__ else None, str(e)) from None
 
 
 # ---------------------------------------------------------------- responses

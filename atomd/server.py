@@ -155,7 +155,7 @@ class Server:
         status = 500
         try:
             response = await handler(request)
-            status = response.status
+            status = 499 if request.get("client_gone") else response.status
             return response
         except web.HTTPException as e:
             status = e.status
@@ -304,8 +304,10 @@ class Server:
         stream = self.client.add_request(out.id, ids, params, req.kv_transfer_params)
         try:
             first = await stream.next_batch()
-            if first[0].error is not None:
-                raise P.APIError(400, first[0].error, code="unschedulable")
+            if first[0].error is not None:  # rejected by the scheduler, or a failed KV pull
+                if first[0].error.startswith("unschedulable"):
+                    raise P.APIError(400, first[0].error, code="unschedulable")
+                raise P.APIError(503, first[0].error, type="service_unavailable", code="engine_error")
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
             batch = first
@@ -334,9 +336,12 @@ class Server:
             for chunk in out.stream_end():
                 await resp.write(sse(chunk))
             await resp.write(b"data: [DONE]\n\n")
+        except ConnectionResetError:  # the client went away mid-stream; generate() aborts
+            request["client_gone"] = True
+            return resp
         except EngineDeadError as e:
             err = P.APIError(503, f"engine is not available: {e}", type="service_unavailable", code="engine_dead")
-            await resp.write(b"data: " + err.body() + b"\n\n")
+            await resp.write(sse(err.body()) + b"data: [DONE]\n\n")  # as the router ends a broken stream
         await resp.write_eof()
         return resp
 
@@ -393,7 +398,10 @@ class RequestOutputState:
                     self.logprobs.append((tid, d.new_logprobs[i]))
                 self.text += self.detok.step(tid)
             if d.finished:
-                self.finish(d)
+                self.text += self.detok.flush()
+                self.kv_transfer_params = d.kv_transfer_params
+                self.cut_at_stop()
+                self.finish(d.finish_reason, d)
         self.cut_at_stop()
         end = len(self.text) if self.finished else max(self.emitted, len(self.text) - self.hold)
         self.emitted = end
@@ -403,6 +411,7 @@ class RequestOutputState:
         return self.chunk(new_text, self.logprobs[n_lp:], self.finish_reason if self.finished else None)
 
     def observe(self, d: TokenDelta) -> None:
+        self.num_prompt_tokens, self.num_cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
         now = time.perf_counter()
         if d.new_token_ids:
             if not self.first_token_seen:
@@ -410,17 +419,17 @@ class RequestOutputState:
             self.metrics.on_tokens(len(d.new_token_ids), now - self.t_last if self.first_token_seen else None)
             self.first_token_seen, self.t_last = True, now
 
-    def finish(self, d: TokenDelta) -> None:
-        self.finished, self.finish_reason = True, d.finish_reason
-        self.num_prompt_tokens, self.num_cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
-        self.kv_transfer_params = d.kv_transfer_params
-        self.text += self.detok.flush()
-        self.metrics.on_finished(d.finish_reason or "unknown", d.num_prompt_tokens,
-                                 time.perf_counter() - self.t_arrival, d.timing)
+    def finish(self, reason: str | None, d: TokenDelta | None) -> None:
+        """The engine finished the request (`d`), or its text hit a stop string first."""
+        if self.finished:
+            return
+        self.finished, self.finish_reason = True, reason
+        self.metrics.on_finished(reason or "unknown", self.num_prompt_tokens,
+                                 time.perf_counter() - self.t_arrival, d.timing if d else None)
 
     def cut_at_stop(self) -> None:
-        """Truncate the text at the first stop string (the engine stops on it; the text
-        of the token that completed it may run past it)."""
+        """Truncate the text at the first stop string: the engine stops on it too, but the
+        text of the token that completed it may run past it."""
         if not self.stops:
             return
         search_from = max(0, self.emitted - self.hold)
@@ -428,8 +437,7 @@ class RequestOutputState:
         if hits:
             i, s = min(hits)
             self.text = self.text[:i + len(s) if self.req.include_stop_str_in_output else i]
-            self.finished = True
-            self.finish_reason = self.finish_reason or "stop"
+            self.finish("stop", None)
 
     def usage(self) -> P.Usage:
         n = len(self.token_ids)
