@@ -181,7 +181,8 @@ class Scheduler:
         seq = self._live.pop(seq_id, None)
         if seq is None:
             deferred = self.deferred_free_blocks.get(seq_id)
-            if deferred is not None and self.kv_connector is not None:
+            if deferred is not None and deferred.status is not SequenceStatus.ABORTED:
+                deferred.status = SequenceStatus.ABORTED  # its output is out; only the serving stops
                 self.kv_connector.request_aborted(deferred)  # freed on its finished_sending
             return None
         if seq.status is SequenceStatus.WAITING:
@@ -281,10 +282,11 @@ class Scheduler:
             num_cached_blocks = bm.can_allocate(seq)
             if num_cached_blocks < 0:
                 break
-            num_external, load_async = self._ask_connector(seq)
+            asked = self.kv_connector is not None and seq.id not in self._local_only
+            num_external, load_async = self._ask_connector(seq) if asked else (0, False)
             if load_async:
                 self.waiting.popleft()
-                self._allocate(seq, num_cached_blocks)
+                self._allocate(seq, num_cached_blocks, asked)
                 seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
                 self.parked[seq.id] = seq
                 continue
@@ -293,7 +295,7 @@ class Scheduler:
             if chunk == 0:
                 break
             self.waiting.popleft()
-            self._allocate(seq, num_cached_blocks)
+            self._allocate(seq, num_cached_blocks, asked)
             seq.num_cached_tokens = start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -303,18 +305,16 @@ class Scheduler:
             budget -= chunk
 
     def _ask_connector(self, seq: Sequence) -> tuple[int, bool]:
-        if self.kv_connector is None or seq.id in self._local_only:
-            return 0, False
         num_external, load_async = self.kv_connector.get_num_new_matched_tokens(seq)
         return int(num_external), bool(load_async)
 
-    def _allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
+    def _allocate(self, seq: Sequence, num_cached_blocks: int, tell_connector: bool) -> None:
         self.block_manager.allocate(seq, num_cached_blocks)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = _now()
             seq.prefix_cache_hit_tokens = seq.num_cached_tokens
         self.cache_stats.update(seq.num_cached_tokens, seq.num_tokens)
-        if self.kv_connector is not None:
+        if tell_connector:  # not for local-only sequences: the connector would load them again
             self.kv_connector.update_state_after_alloc(seq)
 
     def _chunk_size(self, remaining: int, start: int, budget: int, batch_empty: bool) -> int:

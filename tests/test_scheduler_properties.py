@@ -1,0 +1,187 @@
+"""Property-based tests: random interleavings of add / step / abort / preempt / connector
+completions keep the scheduler's invariants, and every sequence ends exactly once with
+tokens equal to the hand-computed greedy reference."""
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, settings, strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
+
+from scheduler.block_manager import NO_HASH
+from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
+from tests.fake_connector import FakeConnector, FakeKV, FakeModel, next_token, reference_completion, step
+
+pytestmark = pytest.mark.unit
+BS = 4
+MAX_MODEL_LEN = 40
+SHARED = [11, 12, 13, 14, 15, 16, 17, 18, 19, 20]
+
+
+class StubProducer:
+    """The prefill side as a consumer sees it: blocks that already hold correct KV."""
+
+    def __init__(self):
+        self.kv = FakeKV(2048, BS)
+        self._next = 0
+
+    def params_for(self, prompt: list[int], tid: str) -> dict:
+        n = (len(prompt) + BS - 1) // BS
+        blocks = list(range(self._next, self._next + n))
+        self._next += n
+        self.kv.write(blocks, 0, prompt)
+        return {"do_remote_prefill": True, "transfer_id": tid, "remote_block_ids": blocks,
+                "first_token_id": next_token(prompt)}
+
+    def release(self, transfer_id):
+        pass
+
+
+class SchedulerMachine(RuleBasedStateMachine):
+    @initialize(role=st.sampled_from(["none", "consumer", "producer"]),
+                policy=st.sampled_from(["fail", "recompute"]), spec=st.sampled_from([0, 2]),
+                num_blocks=st.integers(4, 40), budget=st.sampled_from([8, 16, 64]),
+                max_seqs=st.integers(1, 4), chunked=st.booleans(), prefix=st.booleans())
+    def setup(self, role, policy, spec, num_blocks, budget, max_seqs, chunked, prefix):
+        self.cfg = SchedulerConfig(num_kvcache_blocks=num_blocks, block_size=BS, max_num_seqs=max_seqs,
+                                   max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
+                                   enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
+                                   num_speculative_tokens=spec)
+        self.kv = FakeKV(num_blocks, BS)
+        self.stub = StubProducer() if role == "consumer" else None
+        self.conn = None
+        if role != "none":
+            self.conn = FakeConnector(role, self.kv, self.stub, policy)
+            self.conn.hold_pulls = True
+        self.sched = Scheduler(self.cfg, kv_connector=self.conn)
+        self.model = FakeModel(self.kv, spec)
+        self.seqs: dict[int, Sequence] = {}
+        self.emitted: dict[int, list[int]] = {}
+        self.ended: dict[int, int] = {}
+        self.ids = itertools.count()
+
+    # -------------------------------------------------------------- rules
+
+    @rule(length=st.integers(1, 44), max_tokens=st.integers(1, 10), shared=st.booleans(),
+          pd=st.booleans())
+    def add(self, length, max_tokens, shared, pd):
+        n = next(self.ids)
+        tail = [int(t) for t in np.random.default_rng(n).integers(2, 900, length)]
+        prompt = (SHARED + tail)[:length] if shared else tail
+        params = None
+        tid = f"t{n}"
+        if pd and self.stub is not None and length <= MAX_MODEL_LEN:
+            params = self.stub.params_for(prompt, tid)
+        elif pd and self.conn is not None and self.conn.role == "producer":
+            params, max_tokens = {"do_remote_decode": True, "transfer_id": tid}, 1
+        seq = Sequence(prompt, SamplingParams(max_tokens=max_tokens), kv_transfer_params=params)
+        self.seqs[seq.id] = seq
+        self.sched.add(seq)
+
+    @rule()
+    def step(self):
+        batch, updates = step(self.sched, self.model, self.conn)
+        if batch is not None:
+            assert len(batch.seqs) <= self.cfg.max_num_seqs
+            assert batch.num_tokens <= self.cfg.max_num_batched_tokens
+            assert len(batch.seqs) == len({s.id for s in batch.seqs})
+        for u in updates:
+            self.emitted.setdefault(u.seq.id, []).extend(u.new_token_ids)
+            if u.finished:
+                self._ended(u.seq)
+        for seq in self.sched.take_rejected():
+            self._ended(seq)
+
+    @rule(data=st.data())
+    def abort(self, data):
+        if not self.seqs:
+            return
+        seq_id = data.draw(st.sampled_from(sorted(self.seqs)))
+        seq = self.sched.abort(seq_id)
+        if seq is not None:
+            assert seq.status is SequenceStatus.ABORTED
+            self._ended(seq)
+
+    @rule(data=st.data())
+    def preempt(self, data):
+        if self.sched.running:
+            self.sched.preempt(data.draw(st.sampled_from(self.sched.running)))
+
+    @rule(data=st.data(), failed=st.booleans())
+    def end_a_pull(self, data, failed):
+        if self.conn is not None and self.conn.in_flight:
+            self.conn.stop_pull(data.draw(st.sampled_from(sorted(self.conn.in_flight))), failed)
+
+    @rule(data=st.data())
+    def consumer_done(self, data):
+        if self.conn is not None and self.conn.serving:
+            self.conn.release(data.draw(st.sampled_from(sorted(self.conn.serving))))
+
+    def _ended(self, seq):
+        self.ended[seq.id] = self.ended.get(seq.id, 0) + 1
+        assert self.ended[seq.id] == 1, f"sequence {seq.id} ended twice"
+
+    # -------------------------------------------------------------- invariants
+
+    @invariant()
+    def blocks_and_queues_are_consistent(self):
+        s, bm = self.sched, self.sched.block_manager
+        queues = [[q.id for q in s.waiting], [q.id for q in s.running], list(s.parked),
+                  list(s._aborting), list(s.deferred_free_blocks)]
+        flat = [i for q in queues for i in q]
+        assert len(flat) == len(set(flat)), "a sequence is in two queues"
+        assert set(s._live) == set(queues[0]) | set(queues[1]) | set(queues[2])
+        assert len(s.running) + len(s.parked) <= self.cfg.max_num_seqs
+        holders = list(s.running) + list(s.parked.values()) + list(s._aborting.values()) \
+            + list(s.deferred_free_blocks.values())
+        refs = [0] * bm.num_total_blocks
+        for seq in holders:
+            assert len(seq.block_table) == len(set(seq.block_table))
+            for b in seq.block_table:
+                refs[b] += 1
+        for seq in self.seqs.values():
+            if seq not in holders:
+                assert seq.block_table == [], f"{seq} holds blocks outside any queue"
+        assert [b.ref_count for b in bm.blocks] == refs
+        free = set(bm.pool.vacant) | set(bm.pool.cached_free)
+        assert len(bm.pool.vacant) + len(bm.pool.cached_free) == len(free) == bm.num_free_blocks
+        assert free == {b.block_id for b in bm.blocks if b.ref_count == 0}
+        assert bm.num_free_blocks + bm.num_used_blocks == bm.num_total_blocks
+        assert all(bm.blocks[b].hash != NO_HASH for b in bm.pool.cached_free)
+        assert all(bm.blocks[b].hash == NO_HASH for b in bm.pool.vacant)
+        assert all(bm.blocks[b].hash == h for h, b in bm.pool.index.items())
+
+    def teardown(self):
+        if not hasattr(self, "sched"):
+            return
+        if self.conn is not None:
+            self.conn.hold_pulls = False
+        for _ in range(2000):
+            if self.sched.is_finished():
+                break
+            if self.conn is not None:
+                for tid in list(self.conn.serving):
+                    self.conn.release(tid)
+            self.step()
+        assert self.sched.is_finished()
+        assert self.sched.block_manager.num_free_blocks == self.cfg.num_kvcache_blocks
+        assert set(self.ended) == set(self.seqs), "a sequence never ended"
+        for seq_id, seq in self.seqs.items():
+            got = self.emitted.get(seq_id, [])
+            assert got == reference_completion(seq.prompt_token_ids, len(got))
+            if seq.leave_reason in ("max_tokens", "max_model_len"):
+                assert len(got) == seq.sampling_params.max_tokens or seq.num_tokens >= MAX_MODEL_LEN
+        if self.conn is not None:
+            assert all(v == 1 for v in self.conn.finished_calls.values())
+            assert all(v == 1 for v in self.conn.aborted_calls.values())
+            ended_normally = {i for i, s in self.seqs.items() if s.leave_reason != "aborted"}
+            assert set(self.conn.finished_calls) == ended_normally
+
+
+SchedulerMachine.TestCase.settings = settings(
+    max_examples=200, stateful_step_count=40, deadline=None,
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.filter_too_much])
+test_scheduler_state_machine = SchedulerMachine.TestCase
