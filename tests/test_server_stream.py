@@ -91,19 +91,19 @@ def test_chat_sse_framing(server, baseline):
 
 
 async def one_stream(session, url: str, i: int, disconnect: bool) -> dict:
-    body = {"prompt": f"def function_{i}(x):", "max_tokens": 48 if disconnect else 8, "temperature": 0,
+    body = {"prompt": f"def function_{i}(x):", "max_tokens": 200 if disconnect else 8, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     async with session.post(url + "/v1/completions", json=body) as resp:
-        assert resp.status == 200
+        assert resp.status == 200  # the server answers once the first token exists
+        if disconnect:
+            resp.close()  # the client goes away mid-stream
+            return {"disconnected": True}
         events, done = [], False
         async for line in resp.content:
             if line == b"data: [DONE]\n":
                 done = True
             elif line.startswith(b"data: "):
                 events.append(json.loads(line[6:]))
-                if disconnect and events[-1]["choices"] and events[-1]["choices"][0]["text"]:
-                    resp.close()  # the client goes away mid-stream
-                    return {"disconnected": True}
         return {"disconnected": False, "done": done, "usage": events[-1]["usage"],
                 "finish": events[-2]["choices"][0]["finish_reason"]}
 
