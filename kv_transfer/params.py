@@ -1,0 +1,102 @@
+"""KVTransferParams: the `kv_transfer_params` object of a PD request (DESIGN.md, "Wire contract").
+
+It travels as JSON in HTTP bodies: router -> P (`do_remote_decode`, `transfer_id`),
+P -> router -> D (everything D needs to pull the prompt KV). Unknown fields are ignored so
+an older peer can talk to a newer one; missing fields take their defaults; a value of the
+wrong type or out of range raises ValueError naming the field, which a server answers
+with a 400.
+
+The compat fingerprint pins what the raw block bytes mean: two engines may exchange KV
+only if every field matches, otherwise the bytes would be silently misread.
+"""
+from __future__ import annotations
+
+import secrets
+import uuid
+from typing import Annotated, Any
+
+import msgspec
+
+NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
+
+COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "version")
+
+
+class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """One row per field of the DESIGN.md table; see there for who sets what."""
+
+    do_remote_decode: bool = False
+    do_remote_prefill: bool = False
+    transfer_id: Ident | None = None
+    remote_engine_id: str | None = None
+    remote_host: str | None = None
+    remote_port: Port | None = None
+    remote_block_ids: list[NonNegInt] = []
+    num_prompt_tokens: NonNegInt = 0
+    first_token_id: NonNegInt | None = None
+    first_token_logprobs: dict[str, Any] | None = None
+    draft_token_ids: list[NonNegInt] = []
+    prefix_cache_hit_tokens: NonNegInt = 0
+    access_token: Ident | None = None
+    lease_s: Annotated[float, msgspec.Meta(gt=0)] = 30.0
+    compat: dict[str, Any] | None = None
+    dp_rank: NonNegInt = 0
+    num_computed_blocks: NonNegInt = 0
+
+    def __post_init__(self) -> None:
+        if self.num_computed_blocks > len(self.remote_block_ids):
+            raise ValueError(
+                f"num_computed_blocks ({self.num_computed_blocks}) exceeds "
+                f"the number of remote_block_ids ({len(self.remote_block_ids)})"
+            )
+
+    @classmethod
+    def from_json_obj(cls, obj: Any) -> KVTransferParams:
+        """Parse the decoded JSON object; ValueError names the offending field."""
+        try:
+            return msgspec.convert(obj, cls)
+        except msgspec.ValidationError as e:
+            # msgspec says e.g. "Expected `int` >= 1 - at `$.remote_port`"; keep its path.
+            raise ValueError(f"invalid kv_transfer_params: {e}") from None
+
+    def to_json_obj(self) -> dict[str, Any]:
+        """Plain dict for a JSON body; fields at their default are left out."""
+        return msgspec.to_builtins(self)
+
+
+def new_transfer_id() -> str:
+    """Cluster-unique id of one transfer (the router mints it)."""
+    return uuid.uuid4().hex
+
+
+def new_access_token() -> str:
+    """128 random bits, hex: only its holder may READ the transfer's blocks."""
+    return secrets.token_hex(16)
+
+
+def compat_fingerprint(
+    model_id: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, version: str
+) -> dict[str, Any]:
+    """What must be equal on both engines for block bytes to be interchangeable."""
+    return {
+        "model_id": model_id,
+        "dtype": dtype,
+        "block_size": block_size,
+        "num_layers": num_layers,
+        "num_kv_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "version": version,
+    }
+
+
+def compat_mismatch(expected: dict[str, Any] | None, got: dict[str, Any] | None) -> str | None:
+    """None when compatible, else a message naming the first field that differs."""
+    if not isinstance(got, dict):
+        return f"compat fingerprint missing (got {got!r})"
+    expected = expected or {}
+    for name in COMPAT_FIELDS:
+        if expected.get(name) != got.get(name):
+            return f"compat mismatch on {name}: expected {expected.get(name)!r}, got {got.get(name)!r}"
+    return None
