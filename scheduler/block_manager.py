@@ -212,10 +212,17 @@ class BlockManager:
         needed = self.num_blocks_for(seq.num_cached_tokens + num_new_tokens) - len(seq.block_table)
         return needed <= self.pool.num_free
 
-    def append_slots(self, seq: Sequence, num_new_tokens: int) -> None:
-        needed = self.num_blocks_for(seq.num_cached_tokens + num_new_tokens) - len(seq.block_table)
+    def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
+        """Blocks for `num_new_tokens` more positions; False (and nothing taken) if they do not fit."""
+        bs = self.block_size
+        needed = (seq.num_cached_tokens + num_new_tokens + bs - 1) // bs - len(seq.block_table)
+        if needed <= 0:
+            return True  # the common decode step: room left in the last block
+        if needed > self.pool.num_free:
+            return False
         for _ in range(needed):
             seq.block_table.append(self.pool.take().block_id)
+        return True
 
     def deallocate(self, seq: Sequence) -> None:
         """Return the blocks, tail first, and forget the computed KV."""

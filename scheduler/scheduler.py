@@ -347,9 +347,8 @@ class Scheduler:
             n = 1 + len(seq.spec_token_ids)
             if n > budget:
                 break
-            if not bm.can_append(seq, n) and not self._make_room(seq, n, i):
+            if not bm.append_slots(seq, n) and not self._make_room(seq, n, i):
                 break
-            bm.append_slots(seq, n)
             seq.type = SequenceType.DECODE
             seqs.append(seq)
             num_scheduled.append(n)
@@ -366,9 +365,9 @@ class Scheduler:
                               spec, self._connector_meta())
 
     def _make_room(self, seq: Sequence, n: int, index: int) -> bool:
-        """Preempt the newest running sequences (never one scheduled this step) until `seq` fits;
-        False when `seq` itself had to go."""
-        while not self.block_manager.can_append(seq, n):
+        """Preempt the newest running sequences (never one scheduled this step) until the slots
+        for `seq` are taken; False when `seq` itself had to go."""
+        while not self.block_manager.append_slots(seq, n):
             if len(self.running) - 1 > index:
                 self.preempt(self.running[-1])
             else:
@@ -453,47 +452,51 @@ class Scheduler:
 
     def _apply_samples(self, seq: Sequence, tokens: list[int], logprobs: list | None,
                        next_drafts: list[int] | None, num_drafts: int) -> SeqUpdate:
-        if not 1 <= len(tokens) <= num_drafts + 1:
+        num_sampled = len(tokens)
+        if not 1 <= num_sampled <= num_drafts + 1:
             raise ValueError(f"sequence {seq.id}: expected 1..{num_drafts + 1} sampled tokens, "
-                             f"got {len(tokens)}")
+                             f"got {num_sampled}")
         if num_drafts and self.spec_stats is not None:
-            self.spec_stats.update(num_drafts, len(tokens) - 1)
-        want_logprobs = seq.sampling_params.logprobs is not None
+            self.spec_stats.update(num_drafts, num_sampled - 1)
         emitted: list[int] = []
-        emitted_logprobs: list[Any] = []
         reason = None
-        t0_logprobs = self._injected.pop(seq.id, _NO_INJECTION)
-        if t0_logprobs is not _NO_INJECTION:  # D's first step: T0 came from P, emit it first
+        t0_logprobs = self._injected.pop(seq.id, _NO_INJECTION) if self._injected else _NO_INJECTION
+        injected = t0_logprobs is not _NO_INJECTION
+        if injected:  # D's first step: T0 came from P, emit it first
             emitted.append(seq.token_ids[seq.num_prompt_tokens])
-            emitted_logprobs.append(t0_logprobs)
             reason = self._stop_reason(seq)
         if reason is None:
-            for j, token in enumerate(tokens):
+            for token in tokens:
                 token = int(token)
                 seq.token_ids.append(token)
                 emitted.append(token)
-                emitted_logprobs.append(logprobs[j] if logprobs is not None else None)
                 reason = self._stop_reason(seq)
                 if reason is not None:
                     break  # drafts past a stop are cut
-        if want_logprobs:
-            seq.logprobs.extend(emitted_logprobs)
-        seq.num_cached_tokens = seq.num_tokens - 1
-        self.block_manager.publish(seq)
+        new_logprobs = None
+        if seq.sampling_params.logprobs is not None:
+            kept = len(emitted) - injected
+            new_logprobs = ([t0_logprobs] if injected else []) + \
+                (list(logprobs[:kept]) if logprobs is not None else [None] * kept)
+            seq.logprobs.extend(new_logprobs)
+        seq.num_cached_tokens = len(seq.token_ids) - 1
+        if seq.num_cached_tokens // self.config.block_size > seq.num_published_blocks:
+            self.block_manager.publish(seq)
         if seq.first_token_time is None:
             seq.first_token_time = _now()
         if reason is not None:
             self._finish(seq, reason)
         elif self.spec_stats is not None and next_drafts is not None:
-            room = self.config.max_model_len - seq.num_tokens  # drafts never pass max_model_len
+            room = self.config.max_model_len - len(seq.token_ids)  # drafts never pass max_model_len
             seq.spec_token_ids = [int(t) for t in next_drafts[:min(room, self.config.num_speculative_tokens)]]
-        return SeqUpdate(seq, emitted, emitted_logprobs if want_logprobs else None, reason is not None)
+        return SeqUpdate(seq, emitted, new_logprobs, reason is not None)
 
     def _stop_reason(self, seq: Sequence) -> str | None:
         """leave_reason if the sequence must stop after its last token (vLLM's order)."""
         sp = seq.sampling_params
-        num_completion = seq.num_completion_tokens
-        if seq.num_tokens >= self.config.max_model_len:
+        num_tokens = len(seq.token_ids)
+        num_completion = num_tokens - seq.num_prompt_tokens
+        if num_tokens >= self.config.max_model_len:
             return "max_model_len"
         if num_completion >= sp.min_tokens:
             token = seq.token_ids[-1]
