@@ -78,7 +78,8 @@ class Router:
         self.metrics = RouterMetrics(self.registry.workers)
         self.relay = PDRelay(self.registry, make_policy(config.policy), make_policy(config.policy),
                              self.metrics, config.request_timeout_s)
-        self.app = web.Application(middlewares=[self.auth], client_max_size=MAX_BODY_BYTES)
+        self.app = web.Application(middlewares=[self.auth] if config.api_key else [],
+                                   client_max_size=MAX_BODY_BYTES)
         add = self.app.router
         add.add_post("/v1/completions", self.completions)
         add.add_post("/v1/chat/completions", self.chat_completions)
@@ -113,7 +114,7 @@ class Router:
     @web.middleware
     async def auth(self, request: web.Request, handler):
         key = self.config.api_key
-        if key and request.path not in OPEN_PATHS:
+        if request.path not in OPEN_PATHS:
             given = request.headers.get("Authorization", "")
             if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
                 return json_error(401, "missing or wrong API key (Authorization: Bearer KEY)",

@@ -116,6 +116,8 @@ class PDRelay:
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
+        self.prefill_timeout = aiohttp.ClientTimeout(total=request_timeout_s)
+        self.decode_timeout = aiohttp.ClientTimeout(total=None, sock_read=request_timeout_s)
         self._background: set[asyncio.Task] = set()
 
     async def handle(self, request: web.Request, endpoint: str, body: dict) -> web.StreamResponse:
@@ -223,7 +225,7 @@ class PDRequest:
         trial = worker.acquire()
         try:
             r = await worker.session.post(self.path, data=data, headers=self.headers,
-                                          timeout=aiohttp.ClientTimeout(total=self.relay.request_timeout_s))
+                                          timeout=self.relay.prefill_timeout)
             responded = True
             try:
                 answer = await r.read()
@@ -268,7 +270,6 @@ class PDRequest:
     async def decode(self, kv: dict | None) -> web.StreamResponse:
         body = dict(self.body, kv_transfer_params=kv) if kv is not None else self.body
         data = msgspec.json.encode(body)
-        timeout = aiohttp.ClientTimeout(total=None, sock_read=self.relay.request_timeout_s)
         tried: list[Worker] = []
         last_error = None
         for _ in range(MAX_DECODE_TRIES):
@@ -279,7 +280,8 @@ class PDRequest:
             trial = worker.acquire()
             try:
                 try:
-                    upstream = await worker.session.post(self.path, data=data, headers=self.headers, timeout=timeout)
+                    upstream = await worker.session.post(self.path, data=data, headers=self.headers,
+                                                         timeout=self.relay.decode_timeout)
                 except aiohttp.ClientConnectorError as e:  # D never saw the request: P's blocks still wait
                     worker.breaker.record_failure()
                     self.metrics.upstream_errors.labels("decode", "connection").inc()
@@ -288,6 +290,10 @@ class PDRequest:
                     continue
                 except (aiohttp.ClientError, asyncio.TimeoutError) as e:
                     worker.breaker.record_failure()
+                    if isinstance(e, asyncio.TimeoutError):
+                        self.metrics.upstream_errors.labels("decode", "timeout").inc()
+                        raise LegError(504, f"decode worker {worker.url} sent nothing for "
+                                       f"{self.relay.request_timeout_s} s", type="timeout")
                     self.metrics.upstream_errors.labels("decode", "no_answer").inc()
                     raise LegError(502, f"decode worker {worker.url} did not answer: {describe(e)}")
                 try:

@@ -236,6 +236,21 @@ def test_all_prefill_workers_unreachable_is_a_502(loop):
         c.stop()
 
 
+@pytest.mark.parametrize("role", ["prefill", "decode"])
+def test_a_silent_worker_is_a_504_and_the_transfer_is_aborted(loop, role):
+    c = Cluster(loop, health_interval_s=60, request_timeout_s=0.3).start()
+    try:
+        p, d = c.prefill[0], c.decode[0]
+        (p if role == "prefill" else d).gate.clear()  # holds the request past the timeout
+        r = c.post("/v1/completions", dict(COMPLETION, stream=True))
+        assert r.status == 504 and r.json()["error"]["type"] == "timeout"
+        tid = p.requests[0][1]["kv_transfer_params"]["transfer_id"]
+        wait_until(lambda: p.aborts == [tid], what="abort on P")
+        assert d.requests == [] if role == "prefill" else d.pulled == []
+    finally:
+        c.stop()
+
+
 def test_official_openai_client_stream_and_non_stream(cluster):
     client = openai.OpenAI(base_url=cluster.url + "/v1", api_key="unused", max_retries=0)
     d = cluster.decode[0]
