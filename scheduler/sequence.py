@@ -30,18 +30,27 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     include_stop_str_in_output: bool = False
 
     def __post_init__(self) -> None:
+        for name, types in _FIELD_TYPES:
+            value = getattr(self, name)
+            _require(isinstance(value, types) and not isinstance(value, bool), name,
+                     f"must be a number, got {value!r}")
+        _require(self.seed is None or isinstance(self.seed, int), "seed", f"must be an integer, got {self.seed!r}")
         _require(self.max_tokens >= 1, "max_tokens", f"must be >= 1, got {self.max_tokens}")
         _require(0 <= self.min_tokens <= self.max_tokens, "min_tokens",
                  f"must be in [0, max_tokens={self.max_tokens}], got {self.min_tokens}")
         _require(self.temperature >= 0.0, "temperature", f"must be >= 0, got {self.temperature}")
         _require(0.0 < self.top_p <= 1.0, "top_p", f"must be in (0, 1], got {self.top_p}")
         _require(self.top_k >= -1, "top_k", f"must be -1, 0 (off) or positive, got {self.top_k}")
-        _require(self.logprobs is None or self.logprobs >= 0, "logprobs",
+        _require(self.logprobs is None or (isinstance(self.logprobs, int) and self.logprobs >= 0), "logprobs",
                  f"must be None or >= 0, got {self.logprobs}")
         _require(all(isinstance(s, str) and s for s in self.stop), "stop",
                  "must be a list of non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", "must be a list of non-negative token ids")
+
+
+_FIELD_TYPES = (("max_tokens", int), ("min_tokens", int), ("temperature", (int, float)),
+                ("top_p", (int, float)), ("top_k", int))
 
 
 def _require(ok: bool, field: str, message: str) -> None:

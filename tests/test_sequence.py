@@ -19,6 +19,7 @@ def test_sampling_params_defaults_follow_vllm():
 @pytest.mark.parametrize("field, value", [
     ("max_tokens", 0), ("min_tokens", -1), ("temperature", -0.5), ("top_p", 0.0),
     ("top_p", 1.5), ("top_k", -2), ("logprobs", -1), ("stop", [""]), ("stop_token_ids", [-3]),
+    ("max_tokens", None), ("temperature", "hot"), ("seed", 1.5),
 ])
 def test_invalid_sampling_params_name_the_field(field, value):
     with pytest.raises(ValueError, match=field):
