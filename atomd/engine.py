@@ -1,0 +1,305 @@
+"""LLMEngine: one engine's loop, schedule -> forward -> sample -> postprocess, and `LLM`,
+the offline API modelled on vLLM's (`LLM(model=None, **engine_args).generate(...)`).
+
+`LLMEngine.step()` returns one `RequestOutput` per request that changed: new tokens, or
+the end (finished by a stop, aborted, or rejected as unschedulable with `error` set).
+"""
+from __future__ import annotations
+
+import logging
+import pathlib
+import time
+from typing import Any, Iterable
+
+import msgspec
+import numpy as np
+import torch
+
+from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from atomd.kv_cache import KVCache
+from atomd.model.loader import load_model
+from atomd.runner import ModelRunner
+from atomd.sampler import Sampler
+from atomd.tokenizer import Tokenizer
+from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
+from scheduler.sequence import SamplingParams, Sequence
+
+logger = logging.getLogger("atomd.engine")
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+TQDM_MIN_PROMPTS = 16  # a progress bar only where the wait is long enough to want one
+
+
+class RequestOutput(msgspec.Struct):
+    """What one step changed for one request (docs/contracts.md "atomd.engine")."""
+
+    request_id: str
+    new_token_ids: list[int]
+    new_logprobs: list[Any] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    kv_transfer_params: dict[str, Any] | None = None
+    error: str | None = None
+    arrival_time: float | None = None
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    finished_time: float | None = None
+
+
+def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
+    if config.model is not None:
+        return pathlib.Path(config.model)
+    from atomd.model.default import default_model_dir
+
+    return default_model_dir()
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig):
+        self.config = config
+        torch.set_num_threads(config.num_threads_or_all())
+        model_dir = resolve_model_dir(config)
+        self.model_name = config.model or "atomd-default"
+        self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len)
+        mcfg = self.model.config
+        if mcfg.sliding_window is not None and mcfg.sliding_window < config.max_model_len:
+            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window="
+                             f"{mcfg.sliding_window}, which this engine does not implement; lower --max-model-len")
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        self.kv_cache = KVCache(self._num_blocks(), mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
+                                mcfg.head_dim, self.model.dtype)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.sampler = Sampler(config.seed)
+        eos = self.tokenizer.eos_token_id
+        if eos is None and isinstance(mcfg.eos_token_id, int):
+            eos = mcfg.eos_token_id
+        self._end_token_ids = [t for t in [eos, *self.tokenizer.stop_token_ids] if t is not None]
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_kvcache_blocks=self.kv_cache.num_blocks, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill, eos_token_id=eos,
+            stop_token_ids=self.tokenizer.stop_token_ids,
+            scheduler_delay_factor=config.scheduler_delay_factor,
+            long_prefill_token_threshold=config.long_prefill_token_threshold),
+            detokenize=self.tokenizer.decode)
+        self._requests: dict[str, Sequence] = {}
+        self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
+
+    def _num_blocks(self) -> int:
+        cfg, mcfg = self.config, self.model.config
+        if cfg.num_kvcache_blocks is not None:
+            return cfg.num_kvcache_blocks
+        per_block = KVCache.bytes_per_block(mcfg.num_layers, cfg.block_size, mcfg.num_kv_heads,
+                                            mcfg.head_dim, self.model.dtype)
+        memory = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+        blocks = memory // per_block
+        if cfg.kv_cache_memory is None:  # more than every sequence at full length is never used
+            blocks = min(blocks, cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size))
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory={memory} bytes holds no KV block of {per_block} bytes")
+        return int(blocks)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    kv_transfer_params: dict | None = None, arrival_time: float | None = None) -> Sequence:
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        vocab = self.model.config.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        seq = Sequence(list(prompt_token_ids), sampling_params, request_id=request_id,
+                       arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
+        self.scheduler.add(seq)
+        self._requests[request_id] = seq
+        return seq
+
+    def abort_request(self, request_id: str) -> bool:
+        seq = self._requests.get(request_id)
+        if seq is None or self.scheduler.abort(seq.id) is None:
+            return False
+        self._aborted.append(seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or not self.scheduler.is_finished()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._output(seq, [], None, True) for seq in self._aborted]
+        self._aborted = []
+        batch = self.scheduler.schedule()
+        if batch is not None and batch.seqs:
+            for update in self.scheduler.postprocess(batch, self._forward(batch)):
+                outputs.append(self._output(update.seq, update.new_token_ids, update.new_logprobs,
+                                            update.finished))
+        outputs.extend(self._output(seq, [], None, True) for seq in self.scheduler.take_rejected())
+        return outputs
+
+    def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
+        logits = self.runner.execute(batch)
+        rows = np.flatnonzero(batch.needs_sample).tolist()
+        token_ids: list[list[int]] = [[] for _ in batch.seqs]
+        logprobs: list[list[Any]] | None = None
+        if rows:
+            seqs = [batch.seqs[i] for i in rows]
+            tokens, entries = self.sampler.sample(logits, [s.sampling_params for s in seqs], [s.id for s in seqs],
+                                                  [self._banned(s) for s in seqs])
+            for j, i in enumerate(rows):
+                token_ids[i] = [tokens[j]]
+            if entries is not None:
+                logprobs = [[] for _ in batch.seqs]
+                for j, i in enumerate(rows):
+                    logprobs[i] = [entries[j]]
+        return ScheduledBatchOutput(batch.req_ids, token_ids, logprobs)
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        """End tokens may not be sampled before min_tokens (vLLM masks them too)."""
+        sp = seq.sampling_params
+        if seq.num_completion_tokens >= sp.min_tokens:
+            return []
+        return list(sp.stop_token_ids) + ([] if sp.ignore_eos else self._end_token_ids)
+
+    def _output(self, seq: Sequence, new_token_ids: list[int], new_logprobs: list | None,
+                finished: bool) -> RequestOutput:
+        if finished:
+            self._requests.pop(seq.request_id, None)
+            self.sampler.forget(seq.id)
+        return RequestOutput(
+            request_id=seq.request_id, new_token_ids=list(new_token_ids), new_logprobs=new_logprobs,
+            finished=finished, finish_reason=seq.finish_reason if finished else None,
+            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.prefix_cache_hit_tokens,
+            kv_transfer_params=seq.kv_transfer_params_output if finished else None,
+            error=seq.error if finished else None, arrival_time=seq.arrive_time,
+            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
+            finished_time=time.time() if finished else None)
+
+    # ------------------------------------------------------------------ utilities
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        running, waiting = s.get_request_counts()
+        bm = s.block_manager
+        return {"num_running": running, "num_waiting": waiting, "num_free_blocks": bm.num_free_blocks,
+                "num_total_blocks": bm.num_total_blocks, "kv_cache_usage": bm.usage,
+                "prefix_cache_queries": s.cache_stats.queries, "prefix_cache_hits": s.cache_stats.hits,
+                "num_preemptions": s.num_preemptions}
+
+    def reset_prefix_cache(self) -> bool:
+        return self.scheduler.reset_prefix_cache()
+
+
+# ---------------------------------------------------------------------- offline API
+
+class CompletionOutput(msgspec.Struct):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[Any] | None = None  # per token {"logprob": lp, "top": [[id, lp], ...]}
+
+
+class GenerationOutput(msgspec.Struct):
+    """One prompt's result from `LLM.generate` (vLLM's offline RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class LLM:
+    """Offline generation: `LLM(model=None, **engine_args).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self._start(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | dict | Iterable[str | dict],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        requests: dict[str, tuple[str | None, Sequence]] = {}
+        try:
+            for prompt, sp in zip(prompts, params):
+                text, ids = self._prompt_ids(prompt)
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                requests[request_id] = (text, self.engine.add_request(request_id, ids, sp))
+        except ValueError:  # a bad prompt: the batch is refused whole, the engine left clean
+            for request_id in requests:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(requests, use_tqdm and len(prompts) >= TQDM_MIN_PROMPTS)
+
+    def _prompt_ids(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
+        raise ValueError("prompts: each prompt must be a string or a dict with prompt_token_ids")
+
+    def _run(self, requests: dict[str, tuple[str | None, Sequence]], progress: bool) -> list[GenerationOutput]:
+        logprobs: dict[str, list] = {r: [] for r in requests}
+        done: dict[str, GenerationOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(done) < len(requests):
+                for out in self.engine.step():
+                    if out.request_id not in requests:
+                        continue
+                    if out.new_logprobs:
+                        logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.finished:
+                        prompt, seq = requests[out.request_id]
+                        done[out.request_id] = self._final(out, prompt, seq, logprobs[out.request_id])
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in requests]
+
+    def _final(self, out: RequestOutput, prompt: str | None, seq: Sequence, logprobs: list) -> GenerationOutput:
+        token_ids = seq.completion_token_ids
+        text = self.engine.tokenizer.decode(token_ids)
+        stop = seq.stop_reason
+        if isinstance(stop, str):  # the text ends at the stop string (vLLM's rule)
+            i = text.find(stop)
+            if i >= 0:
+                text = text[:i + len(stop)] if seq.sampling_params.include_stop_str_in_output else text[:i]
+        completion = CompletionOutput(0, text, token_ids, out.finish_reason, stop, logprobs or None)
+        return GenerationOutput(out.request_id, prompt, seq.prompt_token_ids, [completion], True,
+                                out.num_cached_tokens, out.error)

@@ -1,0 +1,85 @@
+"""The paged KV cache: one tensor per engine, block-major (docs/contracts.md):
+
+    kv[num_blocks, num_layers, 2 (k, v), block_size, num_kv_heads, head_dim]
+
+so one block of every layer is one contiguous byte range, which the KV transfer moves as
+a single frame (`as_numpy_blocks`). Per layer, `kv[:, layer, 0]` is a strided view
+[num_blocks, block_size, kv_heads, head_dim]; writes scatter by (block, offset), reads
+gather whole blocks.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+@dataclass
+class SeqSlice:
+    """One prefill sequence's rows in the packed batch and where its context lives."""
+
+    start: int
+    end: int
+    num_computed: int  # tokens of KV already cached before this chunk
+    context_len: int  # num_computed + chunk length
+    block_ids: torch.Tensor | None  # blocks covering the context (only with num_computed > 0)
+    mask: torch.Tensor | None  # [chunk, context_len] causal mask shifted by num_computed
+
+
+@dataclass
+class AttentionMetadata:
+    """Where the batch's tokens write their KV and which KV each of them reads."""
+
+    is_prefill: bool
+    slot_blocks: torch.Tensor  # [T] block id of each token's KV slot
+    slot_offsets: torch.Tensor  # [T] offset inside that block
+    seqs: list[SeqSlice]  # prefill only
+    block_tables: torch.Tensor | None = None  # decode: [B, max_blocks], padded with block 0
+    decode_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_blocks * block_size] bool
+
+
+class KVCache:
+    def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.float32):
+        # zeros, not empty: padded (masked) slots are read too, and garbage NaNs would
+        # survive a zero attention weight (0 * nan = nan)
+        self.kv = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+        self.num_blocks, self.num_layers, self.block_size = num_blocks, num_layers, block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self._k = [self.kv[:, i, 0] for i in range(num_layers)]
+        self._v = [self.kv[:, i, 1] for i in range(num_layers)]
+
+    @staticmethod
+    def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+
+    @property
+    def block_bytes(self) -> int:
+        return self.kv[0].numel() * self.kv.element_size()
+
+    def as_numpy_blocks(self) -> np.ndarray:
+        """uint8 view [num_blocks, block_bytes] sharing memory with the cache (for kv_transfer)."""
+        return self.kv.view(torch.uint8).numpy().reshape(self.num_blocks, self.block_bytes)
+
+    def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store the batch's new k, v [T, kv_heads, head_dim] in their slots."""
+        self._k[layer][meta.slot_blocks, meta.slot_offsets] = k
+        self._v[layer][meta.slot_blocks, meta.slot_offsets] = v
+
+    def gather(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `length` cached k, v as [kv_heads, length, head_dim]."""
+        shape = (-1, self.num_kv_heads, self.head_dim)
+        k = self._k[layer].index_select(0, block_ids).view(shape)[:length]
+        v = self._v[layer].index_select(0, block_ids).view(shape)[:length]
+        return k.transpose(0, 1), v.transpose(0, 1)
+
+    def gather_padded(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """k, v [B, kv_heads, max_blocks * block_size, head_dim] of padded block tables [B, max_blocks]."""
+        b = block_tables.shape[0]
+        shape = (b, -1, self.num_kv_heads, self.head_dim)
+        flat = block_tables.view(-1)
+        k = self._k[layer].index_select(0, flat).view(shape)
+        v = self._v[layer].index_select(0, flat).view(shape)
+        return k.transpose(1, 2), v.transpose(1, 2)

@@ -1,0 +1,200 @@
+"""The Llama family (Llama incl. llama3 RoPE scaling, Mistral, Qwen2) over a paged KV cache.
+
+Plain tensors, no nn.Module: the weights are packed at load time (one QKV and one
+gate/up matmul per layer) so a decode step is a handful of large matmuls per layer.
+Tokens arrive packed (`[T]`, several sequences back to back); attention reads each
+sequence's context from the paged cache as described by `AttentionMetadata`.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from atomd.kv_cache import AttentionMetadata, KVCache
+
+SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
+                           "Qwen2ForCausalLM": "qwen2"}
+
+
+@dataclass
+class ModelConfig:
+    """The fields of an HF config.json this implementation uses."""
+
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    eos_token_id: Any = None
+    bos_token_id: Any = None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
+        if arch is None:
+            raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}: "
+                             f"supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} for {arch} (only silu)")
+        heads = hf["num_attention_heads"]
+        # transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
+                                            if rope.get("rope_type", "default") != "default" else None)
+        family = SUPPORTED_ARCHITECTURES[arch]
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2" or attention_bias, o_bias=family != "qwen2" and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)), rope_scaling=scaling,
+            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", family == "mistral") else None,
+            eos_token_id=hf.get("eos_token_id"), bos_token_id=hf.get("bos_token_id"))
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]: q, k, v stacked
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate, up stacked
+    down: torch.Tensor
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies as transformers computes them (default, linear, llama3)."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return inv_freq
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        low_wavelen, high_wavelen = old_len / low, old_len / high
+        wavelen = 2 * math.pi / inv_freq
+        scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+        medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+        return torch.where(medium, smoothed, scaled)
+    raise ValueError(f"unsupported rope_scaling rope_type {kind!r} (supported: default, linear, llama3)")
+
+
+@dataclass
+class LlamaModel:
+    config: ModelConfig
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    max_positions: int
+    cos: torch.Tensor = field(init=False)  # [max_positions, head_dim // 2]
+    sin: torch.Tensor = field(init=False)
+
+    def __post_init__(self) -> None:
+        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), rope_inv_freq(self.config))
+        self.cos = freqs.cos().to(self.embed.dtype)
+        self.sin = freqs.sin().to(self.embed.dtype)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def apply_rope(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Rotate-half RoPE (HF layout) of x [T, heads, head_dim]."""
+        half = x.shape[-1] // 2
+        cos = self.cos[positions].unsqueeze(1)
+        sin = self.sin[positions].unsqueeze(1)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`."""
+        cfg = self.config
+        x = F.embedding(input_ids, self.embed)
+        hidden = (cfg.hidden_size,)
+        for i, w in enumerate(self.layers):
+            h = F.rms_norm(x, hidden, w.input_norm, cfg.rms_norm_eps)
+            qkv = F.linear(h, w.qkv, w.qkv_bias)
+            qk = self.apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
+                                                                          cfg.head_dim), positions)
+            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
+            v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            kv_cache.write(i, meta, k, v)
+            attn = paged_attention(q, k, v, kv_cache, i, meta)
+            x = x + F.linear(attn, w.o, w.o_bias)
+            h = F.rms_norm(x, hidden, w.post_norm, cfg.rms_norm_eps)
+            gate_up = F.linear(h, w.gate_up, w.gate_up_bias)
+            gate, up = gate_up.chunk(2, dim=-1)
+            x = x + F.linear(F.silu(gate).mul_(up), w.down, w.down_bias)
+        x = F.rms_norm(x[logits_indices], hidden, self.norm, cfg.rms_norm_eps)
+        return F.linear(x, self.lm_head)
+
+
+def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
+                    meta: AttentionMetadata) -> torch.Tensor:
+    """Causal attention of the packed queries q [T, H, D] over their sequences' contexts.
+
+    Prefill: one SDPA per sequence; a sequence without cached prefix attends to its own
+    fresh k/v (no gather), one with a prefix (chunked prefill, prefix hit) reads its
+    whole context from the cache. Decode: one SDPA over the batch, contexts gathered
+    block by block and padded, the padding masked out.
+    """
+    heads, head_dim = q.shape[1], q.shape[2]
+    if not meta.is_prefill:
+        keys, values = kv_cache.gather_padded(layer, meta.block_tables)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
+                                             enable_gqa=True)
+        return out.view(-1, heads * head_dim)
+    out = torch.empty(q.shape[0], heads * head_dim, dtype=q.dtype)
+    for s in meta.seqs:
+        qs = q[s.start:s.end].transpose(0, 1)
+        if s.num_computed == 0:
+            ks, vs = k[s.start:s.end].transpose(0, 1), v[s.start:s.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+        else:
+            ks, vs = kv_cache.gather(layer, s.block_ids, s.context_len)
+            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, enable_gqa=True)
+        out[s.start:s.end] = o.transpose(0, 1).reshape(s.end - s.start, heads * head_dim)
+    return out

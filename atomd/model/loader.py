@@ -1,0 +1,101 @@
+"""Load a local Hugging Face checkpoint directory (config.json + safetensors, single file or
+sharded with model.safetensors.index.json) into a packed `LlamaModel`.
+
+Errors name what is wrong: the unsupported architecture, or the missing tensor and the
+file it was expected in.
+"""
+from __future__ import annotations
+
+import json
+import pathlib
+
+import torch
+from safetensors import safe_open
+
+from atomd.model.llama import LayerWeights, LlamaModel, ModelConfig
+
+SINGLE_FILE = "model.safetensors"
+INDEX_FILE = "model.safetensors.index.json"
+
+
+def read_config(model_dir: str | pathlib.Path) -> ModelConfig:
+    path = pathlib.Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model directory {model_dir} has no config.json")
+    with path.open() as f:
+        return ModelConfig.from_hf(json.load(f))
+
+
+class _TensorSource:
+    """Tensor name -> tensor across the checkpoint's safetensors files."""
+
+    def __init__(self, model_dir: pathlib.Path):
+        self.dir = model_dir
+        if (model_dir / INDEX_FILE).is_file():
+            with (model_dir / INDEX_FILE).open() as f:
+                self.where = json.load(f)["weight_map"]
+            self.described = INDEX_FILE
+        elif (model_dir / SINGLE_FILE).is_file():
+            with safe_open(model_dir / SINGLE_FILE, framework="pt") as f:
+                self.where = {name: SINGLE_FILE for name in f.keys()}
+            self.described = SINGLE_FILE
+        else:
+            raise ValueError(f"model directory {model_dir} has neither {SINGLE_FILE} nor {INDEX_FILE}")
+        self._open: dict[str, object] = {}
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.where
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        file = self.where.get(name)
+        if file is None:
+            raise ValueError(f"checkpoint {self.dir} is missing tensor {name!r} (not in {self.described})")
+        if file not in self._open:
+            path = self.dir / file
+            if not path.is_file():
+                raise ValueError(f"checkpoint {self.dir}: {self.described} puts {name!r} in missing file {file}")
+            self._open[file] = safe_open(path, framework="pt")
+        return self._open[file].get_tensor(name).to(dtype)
+
+
+def _cat(src: _TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([src.get(n, dtype) for n in names], dim=0).contiguous()
+
+
+def _layer(src: _TensorSource, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
+    p = f"model.layers.{i}."
+    attn, mlp = p + "self_attn.", p + "mlp."
+    qkv = [f"{attn}{n}_proj" for n in "qkv"]
+    gate_up = [mlp + "gate_proj", mlp + "up_proj"]
+    w = LayerWeights(
+        input_norm=src.get(p + "input_layernorm.weight", dtype),
+        qkv=_cat(src, [n + ".weight" for n in qkv], dtype),
+        o=src.get(attn + "o_proj.weight", dtype),
+        post_norm=src.get(p + "post_attention_layernorm.weight", dtype),
+        gate_up=_cat(src, [n + ".weight" for n in gate_up], dtype),
+        down=src.get(mlp + "down_proj.weight", dtype))
+    if cfg.qkv_bias:
+        w.qkv_bias = _cat(src, [n + ".bias" for n in qkv], dtype)
+    if cfg.o_bias:
+        w.o_bias = src.get(attn + "o_proj.bias", dtype)
+    if cfg.mlp_bias:
+        w.gate_up_bias = _cat(src, [n + ".bias" for n in gate_up], dtype)
+        w.down_bias = src.get(mlp + "down_proj.bias", dtype)
+    return w
+
+
+def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
+               max_positions: int | None = None) -> LlamaModel:
+    """The checkpoint's model; RoPE tables cover `max_positions` (default: the model's own)."""
+    model_dir = pathlib.Path(model_dir)
+    cfg = read_config(model_dir)
+    src = _TensorSource(model_dir)
+    embed = src.get("model.embed_tokens.weight", dtype)
+    if cfg.tie_word_embeddings:
+        lm_head = embed
+    else:
+        lm_head = src.get("lm_head.weight", dtype)
+    return LlamaModel(config=cfg, embed=embed,
+                      layers=[_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)],
+                      norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
+                      max_positions=max_positions or cfg.max_position_embeddings)

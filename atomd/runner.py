@@ -1,0 +1,74 @@
+"""ModelRunner: a ScheduledBatch -> logits of the rows that sample.
+
+Turns the scheduler's numpy arrays (packed token ids, per-sequence scheduled/computed
+counts, block tables) into the tensors the model reads: positions, the KV slot of every
+token, and per-path attention metadata. All of it vectorised; the only Python loop is
+over sequences, never over tokens.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from atomd.kv_cache import AttentionMetadata, KVCache, SeqSlice
+from atomd.model.llama import LlamaModel
+
+
+class ModelRunner:
+    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+        self.model, self.kv_cache = model, kv_cache
+        self.block_size = kv_cache.block_size
+
+    @torch.inference_mode()
+    def execute(self, batch, all_logits: bool = False) -> torch.Tensor:
+        """Logits [num sampled rows, vocab], batch order (the last token of each sampling
+        sequence); with all_logits, logits of every scheduled token (for prompt logprobs)."""
+        num_sched = batch.num_scheduled_tokens.astype(np.int64)
+        computed = batch.num_computed_tokens.astype(np.int64)
+        ends = np.cumsum(num_sched)
+        starts = ends - num_sched
+        positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(starts - computed, num_sched)
+        tables = _pad_tables(batch.block_tables)
+        row = np.repeat(np.arange(len(num_sched)), num_sched)
+        slot_blocks = tables[row, positions // self.block_size]
+        meta = AttentionMetadata(batch.is_prefill, torch.from_numpy(slot_blocks),
+                                 torch.from_numpy(positions % self.block_size), [])
+        if batch.is_prefill:
+            meta.seqs = self._prefill_slices(batch.block_tables, starts, ends, computed)
+        else:
+            self._decode_metadata(meta, tables, computed + num_sched)
+        if all_logits:
+            logits_indices = torch.arange(int(ends[-1]))
+        else:
+            logits_indices = torch.from_numpy((ends - 1)[batch.needs_sample])
+        input_ids = torch.from_numpy(batch.token_ids.astype(np.int64))
+        return self.model.forward(input_ids, torch.from_numpy(positions), meta, self.kv_cache,
+                                  logits_indices)
+
+    def _prefill_slices(self, block_tables: list[list[int]], starts: np.ndarray, ends: np.ndarray,
+                        computed: np.ndarray) -> list[SeqSlice]:
+        slices = []
+        for table, start, end, done in zip(block_tables, starts.tolist(), ends.tolist(), computed.tolist()):
+            ctx = done + end - start
+            block_ids = mask = None
+            if done > 0:
+                block_ids = torch.tensor(table[:-(-ctx // self.block_size)], dtype=torch.int64)
+                # query i sits at position done + i and sees keys 0..done + i
+                mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(done, ctx).unsqueeze(1)
+            slices.append(SeqSlice(start, end, done, ctx, block_ids, mask))
+        return slices
+
+    def _decode_metadata(self, meta: AttentionMetadata, tables: np.ndarray, context_lens: np.ndarray) -> None:
+        max_blocks = int(-(-context_lens.max() // self.block_size))
+        meta.block_tables = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks]))
+        keys = torch.arange(max_blocks * self.block_size)
+        meta.decode_mask = (keys.unsqueeze(0) < torch.from_numpy(context_lens).unsqueeze(1))[:, None, None, :]
+
+
+def _pad_tables(block_tables: list[list[int]]) -> np.ndarray:
+    """Block tables as one int64 array, short rows padded with block 0 (masked when read)."""
+    width = max(len(t) for t in block_tables)
+    out = np.zeros((len(block_tables), width), dtype=np.int64)
+    for i, t in enumerate(block_tables):
+        out[i, :len(t)] = t
+    return out

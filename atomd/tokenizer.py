@@ -1,0 +1,143 @@
+"""Text <-> token ids for one checkpoint: HF `tokenizer.json` through `tokenizers`, chat
+templates through jinja2 (rendered the way `transformers.apply_chat_template` does), and
+incremental detokenization for streaming.
+"""
+from __future__ import annotations
+
+import datetime
+import json
+import pathlib
+from typing import Any
+
+import jinja2
+import jinja2.sandbox
+import tokenizers
+
+_REPLACEMENT = "\ufffd"  # what a byte-level BPE decodes a split multi-byte character to
+
+
+def _token_text(value: Any) -> str | None:
+    """tokenizer_config stores special tokens as strings or as {"content": ...} objects."""
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+class Tokenizer:
+    def __init__(self, tokenizer: tokenizers.Tokenizer, config: dict[str, Any],
+                 generation_config: dict[str, Any] | None = None):
+        self._tok = tokenizer
+        self.config = config
+        self.bos_token = _token_text(config.get("bos_token"))
+        self.eos_token = _token_text(config.get("eos_token"))
+        self.pad_token = _token_text(config.get("pad_token"))
+        self.unk_token = _token_text(config.get("unk_token"))
+        self.bos_token_id = self.token_to_id(self.bos_token)
+        self.eos_token_id = self.token_to_id(self.eos_token)
+        eos = (generation_config or {}).get("eos_token_id")
+        eos_ids = eos if isinstance(eos, list) else [eos] if eos is not None else []
+        # the model's other end-of-turn tokens (generation_config lists them): stop like EOS
+        self.stop_token_ids = [int(t) for t in eos_ids if t != self.eos_token_id]
+        if self.eos_token_id is None and eos_ids:
+            self.eos_token_id = int(eos_ids[0])
+        self.chat_template: str | None = config.get("chat_template")
+        self._template: jinja2.Template | None = None
+
+    @classmethod
+    def from_dir(cls, path: str | pathlib.Path) -> "Tokenizer":
+        path = pathlib.Path(path)
+        tok_file = path / "tokenizer.json"
+        if not tok_file.is_file():
+            raise ValueError(f"model directory {path} has no tokenizer.json")
+        config = _read_json(path / "tokenizer_config.json")
+        if config.get("chat_template") is None and (path / "chat_template.jinja").is_file():
+            config["chat_template"] = (path / "chat_template.jinja").read_text()
+        return cls(tokenizers.Tokenizer.from_file(str(tok_file)), config,
+                   _read_json(path / "generation_config.json"))
+
+    @property
+    def vocab_size(self) -> int:
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    def token_to_id(self, token: str | None) -> int | None:
+        return None if token is None else self._tok.token_to_id(token)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(token_ids), skip_special_tokens=skip_special_tokens)
+
+    # ------------------------------------------------------------------ chat
+
+    def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                            **extra: Any) -> str:
+        if self.chat_template is None:
+            raise ValueError("messages: this model's tokenizer_config.json has no chat_template")
+        if self._template is None:
+            self._template = _compile_template(self.chat_template)
+        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+                                     bos_token=self.bos_token or "", eos_token=self.eos_token or "",
+                                     pad_token=self.pad_token, unk_token=self.unk_token, **extra)
+
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
+                    **extra: Any) -> list[int]:
+        # the template writes the special tokens itself (HF tokenizes it without adding any)
+        text = self.apply_chat_template(messages, add_generation_prompt, **extra)
+        return self.encode(text, add_special_tokens=False)
+
+    def incremental_decoder(self, skip_special_tokens: bool = True) -> "IncrementalDecoder":
+        return IncrementalDecoder(self, skip_special_tokens)
+
+
+class IncrementalDecoder:
+    """Streams text token by token. Decoding each token alone breaks multi-byte characters
+    and the spacing some decoders add; so decode a small window of recent tokens and emit
+    only what grew past the already emitted part, holding back text that ends in a
+    replacement character (a character whose remaining bytes are still to come)."""
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True):
+        self.tokenizer, self.skip = tokenizer, skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0  # window start: context for the decoder
+        self.read_offset = 0  # tokens before this are emitted
+
+    def _decode(self, ids: list[int]) -> str:
+        return self.tokenizer.decode(ids, skip_special_tokens=self.skip)
+
+    def step(self, token_id: int) -> str:
+        self.token_ids.append(int(token_id))
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        if len(full) <= len(prefix) or full.endswith(_REPLACEMENT):
+            return ""
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+        return full[len(prefix):]
+
+    def flush(self) -> str:
+        """Whatever is still held back (a truly invalid byte sequence stays a replacement char)."""
+        prefix = self._decode(self.token_ids[self.prefix_offset:self.read_offset])
+        full = self._decode(self.token_ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return full[len(prefix):] if len(full) > len(prefix) else ""
+
+
+def _read_json(path: pathlib.Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    with path.open() as f:
+        return json.load(f)
+
+
+def _raise_exception(message: str) -> None:
+    raise ValueError(f"messages: {message}")
+
+
+def _compile_template(source: str) -> jinja2.Template:
+    """The environment transformers renders chat templates in (sandboxed, trimmed blocks)."""
+    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                                       extensions=["jinja2.ext.loopcontrols"])
+    env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
+    return env.from_string(source)
