@@ -1,0 +1,741 @@
+"""ZMQ side channel: D pulls a transfer's pinned KV blocks from P (DESIGN.md, "Side channel").
+
+Every message is `[header, *payload]`; the header is a msgpack tagged struct, the payload
+frames are raw block bytes.
+
+    D -> P  READ {transfer_id, access_token, block_ids, compat}
+    P -> D  DATA {transfer_id, start, counts} + one frame per count (counts[i] blocks), ...
+    P -> D  END {transfer_id, num_blocks}       after every DATA frame left P's memory
+    D -> P  DONE {transfer_id}                  P frees the blocks (idempotent)
+    D -> P  HEARTBEAT {transfer_ids}            P renews the leases
+    D -> P  ABORT {transfer_id}                 P frees now
+    P -> D  ERROR {transfer_id, code, message}  refused: bad token, foreign blocks, compat, ...
+
+KV memory is a numpy uint8 view `kv_blocks[num_blocks, block_bytes]` of the engine's
+block-major KV tensor: one block of every layer is one contiguous row, so a run of
+consecutive block ids is one contiguous slice. P sends such slices zero-copy; D copies
+each received frame once, straight into its destination rows.
+
+Producer (P), `KVSender`: `grant()` pins a transfer's blocks under a lease; exactly one
+of DONE / ABORT / `revoke()` / lease expiry releases it; the engine thread polls
+`take_released()` and frees the blocks itself (its scheduler is not thread-safe).
+Consumer (D), `KVReceiver`: `hold()` keeps a waiting transfer's lease alive, `start_pull()`
+pulls it, `abort()` gives it up; every id handed to hold/start_pull comes back exactly once
+from `take_finished()`, as finished or as failed, and only then may its local blocks be
+reused. `abort()` is also a write barrier: once it returns, nothing writes that
+transfer's blocks any more.
+
+Both run one I/O thread that owns every socket; the engine-facing methods only touch
+state under a lock and wake that thread.
+"""
+from __future__ import annotations
+
+import collections
+import hmac
+import logging
+import socket
+import threading
+import time
+from typing import Any
+
+import msgspec
+import numpy as np
+import zmq
+
+from kv_transfer.params import compat_mismatch
+
+log = logging.getLogger(__name__)
+
+# ERROR codes (P -> D) and the receiver's own failure reasons.
+BAD_TOKEN = "bad_token"
+FOREIGN_BLOCKS = "foreign_blocks"
+COMPAT_MISMATCH = "compat_mismatch"
+UNKNOWN_TRANSFER = "unknown_transfer"
+MALFORMED = "malformed"
+PEER_GONE = "peer_gone"
+TIMEOUT = "timeout"
+INCOMPLETE = "incomplete"
+# Release reasons (P), also sent as ERROR codes for late messages about a released transfer.
+DONE = "done"
+ABORTED = "aborted"
+EXPIRED = "expired"
+REVOKED = "revoked"
+
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # tcp loopback peaks with 4-16 MiB frames (DESIGN.md)
+_MAX_POLL_MS = 100  # lease/timeout checks run at least this often
+_BUSY_POLL_MS = 1  # while waiting for zmq to let go of sent frames
+_MAX_TOMBSTONES = 1 << 16
+
+
+class _Msg(msgspec.Struct, tag_field="kind", array_like=True):
+    pass
+
+
+class Read(_Msg, tag="READ"):
+    transfer_id: str
+    access_token: str
+    block_ids: list[int]
+    compat: dict[str, Any]
+
+
+class Data(_Msg, tag="DATA"):
+    transfer_id: str
+    start: int  # position in the READ's block_ids of the first block of the first frame
+    counts: list[int]  # blocks per payload frame
+
+
+class End(_Msg, tag="END"):
+    transfer_id: str
+    num_blocks: int
+
+
+class Done(_Msg, tag="DONE"):
+    transfer_id: str
+
+
+class Heartbeat(_Msg, tag="HEARTBEAT"):
+    transfer_ids: list[str]
+
+
+class Abort(_Msg, tag="ABORT"):
+    transfer_id: str
+
+
+class Error(_Msg, tag="ERROR"):
+    transfer_id: str
+    code: str
+    message: str = ""
+
+
+Message = Read | Data | End | Done | Heartbeat | Abort | Error
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: _Msg) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(buf: bytes | memoryview) -> Message:
+    """Raises msgspec.DecodeError (or ValidationError) for anything that is not a header."""
+    return _decoder.decode(buf)
+
+
+def block_runs(ids: np.ndarray) -> list[tuple[int, int]]:
+    """(position, length) of each run of consecutive ids, in order."""
+    if len(ids) == 0:
+        return []
+    breaks = (np.flatnonzero(np.diff(ids) != 1) + 1).tolist()
+    starts = [0, *breaks]
+    ends = [*breaks, len(ids)]
+    return [(a, b - a) for a, b in zip(starts, ends)]
+
+
+def plan_messages(block_ids: np.ndarray, blocks_per_message: int) -> list[tuple[int, list[tuple[int, int]]]]:
+    """Split a READ into DATA messages: (start position, [(first block id, count) per frame]).
+
+    Runs of consecutive ids become one frame each, split so no message carries more than
+    `blocks_per_message` blocks; short runs share a message, so frames stay few and large.
+    """
+    messages, frames, filled, start = [], [], 0, 0
+    for pos, length in block_runs(block_ids):
+        first, done = int(block_ids[pos]), 0
+        while done < length:
+            n = min(blocks_per_message - filled, length - done)
+            frames.append((first + done, n))
+            filled += n
+            done += n
+            if filled == blocks_per_message:
+                messages.append((start, frames))
+                start, frames, filled = start + filled, [], 0
+    if frames:
+        messages.append((start, frames))
+    return messages
+
+
+def _check_kv(kv_blocks: np.ndarray) -> None:
+    if not (isinstance(kv_blocks, np.ndarray) and kv_blocks.dtype == np.uint8 and kv_blocks.ndim == 2):
+        raise ValueError("kv_blocks must be a numpy uint8 array [num_blocks, block_bytes]")
+    if not kv_blocks.flags.c_contiguous:
+        raise ValueError("kv_blocks must be C-contiguous (one block = one contiguous row)")
+
+
+def _check_block_ids(name: str, ids: list[int], num_blocks: int) -> np.ndarray:
+    arr = np.asarray(ids, dtype=np.int64).reshape(-1)
+    if len(arr) and (arr.min() < 0 or arr.max() >= num_blocks):
+        raise ValueError(f"{name} must lie in [0, {num_blocks}), got {ids}")
+    return arr
+
+
+class _IOLoop:
+    """One I/O thread that owns the sockets; other threads wake it through a socketpair."""
+
+    def __init__(self, name: str) -> None:
+        self._ctx = zmq.Context(io_threads=1)
+        self._poller = zmq.Poller()
+        self._lock = threading.Lock()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._wake_w.setblocking(False)
+        self._poller.register(self._wake_r, zmq.POLLIN)
+        self._stopping = False
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def _wake(self) -> None:
+        try:
+            self._wake_w.send(b"\0")
+        except (BlockingIOError, OSError):
+            pass  # a wake-up is already pending, or we are closing
+
+    def _run(self) -> None:
+        while not self._stopping:
+            for sock, _ in self._poller.poll(self._poll_timeout_ms()):
+                if isinstance(sock, zmq.Socket):
+                    self._drain(sock)
+                else:
+                    self._drain_wakeups()
+            with self._lock:
+                try:
+                    self._on_tick(time.monotonic())
+                except Exception:  # the loop must survive anything one transfer does
+                    log.exception("%s: tick failed", self._thread.name)
+
+    def _drain_wakeups(self) -> None:
+        try:
+            while self._wake_r.recv(4096):
+                pass
+        except (BlockingIOError, OSError):
+            pass
+
+    def _drain(self, sock: zmq.Socket, budget: int = 64) -> None:
+        for _ in range(budget):  # bounded, so lease and timeout checks still run
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            with self._lock:
+                try:
+                    self._on_message(sock, frames)
+                except Exception:
+                    log.exception("%s: message handling failed", self._thread.name)
+
+    def close(self) -> None:
+        """Stop the I/O thread and drop every socket (linger 0). Safe to call twice."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            self._stopping = True
+        self._wake()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+        self._ctx.destroy(linger=0)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    # Subclass hooks; _on_message and _on_tick run on the I/O thread with the lock held.
+    def _poll_timeout_ms(self) -> int:
+        raise NotImplementedError
+
+    def _on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        raise NotImplementedError
+
+    def _on_tick(self, now: float) -> None:
+        raise NotImplementedError
+
+
+# ----------------------------------------------------------------------------- producer
+
+
+class SenderStats(msgspec.Struct):
+    bytes_sent: int = 0
+    transfers_served: int = 0  # READs answered with END
+    heartbeats: int = 0
+    leases_expired: int = 0
+    blocks_pinned: int = 0  # granted and not yet handed back by take_released()
+    drains_forced: int = 0  # released while zmq still held frames past drain_s
+    failures: dict[str, int] = {}  # refusals by ERROR code
+    released: dict[str, int] = {}  # releases by reason
+
+
+class _Serve:
+    """One READ being answered: END goes out once zmq let go of every DATA frame."""
+
+    __slots__ = ("rid", "trackers", "num_blocks", "nbytes")
+
+    def __init__(self, rid: bytes, num_blocks: int, nbytes: int) -> None:
+        self.rid, self.num_blocks, self.nbytes = rid, num_blocks, nbytes
+        self.trackers: collections.deque[zmq.MessageTracker] = collections.deque()
+
+    def sent(self) -> bool:
+        while self.trackers and self.trackers[0].done:
+            self.trackers.popleft()
+        return not self.trackers
+
+
+class _Grant:
+    __slots__ = ("block_ids", "block_set", "token", "lease_s", "deadline", "serves")
+
+    def __init__(self, block_ids: np.ndarray, token: str, lease_s: float, now: float) -> None:
+        self.block_ids = block_ids
+        self.block_set = frozenset(block_ids.tolist())
+        self.token = token.encode()
+        self.lease_s = lease_s
+        self.deadline = now + lease_s
+        self.serves: list[_Serve] = []
+
+
+class KVSender(_IOLoop):
+    """P's side channel: one ROUTER socket serving granted, pinned blocks to their holders.
+
+    A released transfer's frames may still sit in zmq's queue (zero-copy, they point into
+    the KV cache); its release is reported only once zmq let go of them (or after
+    `drain_s`, for a peer that stopped reading), and END is never sent after a release,
+    so D never accepts bytes read from a block that was reused.
+    """
+
+    def __init__(
+        self,
+        kv_blocks: np.ndarray,
+        compat: dict[str, Any],
+        host: str = "127.0.0.1",
+        port: int = 0,
+        engine_id: str | None = None,
+        *,
+        max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        drain_s: float = 2.0,
+    ) -> None:
+        _check_kv(kv_blocks)
+        super().__init__("kv-sender")
+        self._kv = kv_blocks
+        self._compat = dict(compat)
+        self._blocks_per_message = max(1, max_message_bytes // kv_blocks.shape[1])
+        self._drain_s = drain_s
+        self._grants: dict[str, _Grant] = {}
+        self._tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
+        self._draining: dict[str, tuple[_Grant, str, float]] = {}
+        self._released: list[tuple[str, str, int]] = []
+        self._stats = SenderStats()
+        self._sock = self._ctx.socket(zmq.ROUTER)
+        self._sock.setsockopt(zmq.LINGER, 0)
+        self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises, never drops silently
+        self._sock.setsockopt(zmq.SNDHWM, 0)  # frames are zero-copy: queueing them costs no memory
+        try:
+            if port == 0:
+                port = self._sock.bind_to_random_port(f"tcp://{host}")
+            else:
+                self._sock.bind(f"tcp://{host}:{port}")
+        except zmq.ZMQError:
+            self.close()
+            raise
+        self._address = (host, port)
+        self.engine_id = engine_id or f"{host}:{port}"
+        self._poller.register(self._sock, zmq.POLLIN)
+        self._thread.start()
+
+    @property
+    def address(self) -> tuple[str, int]:
+        return self._address
+
+    # Engine-thread API.
+
+    def grant(self, transfer_id: str, block_ids: list[int], access_token: str, lease_s: float) -> None:
+        """Pin `block_ids` for `transfer_id`: served to the holder of `access_token` until released."""
+        ids = _check_block_ids("block_ids", block_ids, len(self._kv))
+        if not lease_s > 0:
+            raise ValueError(f"lease_s must be > 0, got {lease_s}")
+        if not access_token:
+            raise ValueError("access_token must be non-empty")
+        with self._lock:
+            if transfer_id in self._grants or transfer_id in self._tombstones or transfer_id in self._draining:
+                raise ValueError(f"transfer_id {transfer_id!r} was already granted")
+            self._grants[transfer_id] = _Grant(ids, access_token, lease_s, time.monotonic())
+            self._stats.blocks_pinned += len(ids)
+        self._wake()
+
+    def revoke(self, transfer_id: str) -> bool:
+        """Local abort (e.g. the router's POST /kv_transfer/abort); False if not live."""
+        with self._lock:
+            live = transfer_id in self._grants
+            if live:
+                self._release(transfer_id, REVOKED, time.monotonic())
+        self._wake()
+        return live
+
+    def take_released(self) -> list[tuple[str, str]]:
+        """(transfer_id, reason) released since the last call; the caller frees their blocks now."""
+        with self._lock:
+            out, self._released = self._released, []
+            self._stats.blocks_pinned -= sum(n for _, _, n in out)
+        return [(tid, reason) for tid, reason, _ in out]
+
+    def stats(self) -> SenderStats:
+        with self._lock:
+            s = self._stats
+            return msgspec.structs.replace(s, failures=dict(s.failures), released=dict(s.released))
+
+    # I/O thread.
+
+    def _release(self, tid: str, reason: str, now: float) -> None:
+        grant = self._grants.pop(tid)
+        self._tombstones[tid] = reason
+        if len(self._tombstones) > _MAX_TOMBSTONES:
+            self._tombstones.popitem(last=False)
+        self._stats.released[reason] = self._stats.released.get(reason, 0) + 1
+        self._draining[tid] = (grant, reason, now + self._drain_s)
+
+    def _refuse(self, rid: bytes, tid: str, code: str, message: str = "") -> None:
+        self._stats.failures[code] = self._stats.failures.get(code, 0) + 1
+        log.info("kv-sender: refusing %s: %s %s", tid, code, message)
+        self._send(rid, Error(tid, code, message))
+
+    def _send(self, rid: bytes, msg: _Msg) -> bool:
+        try:
+            self._sock.send_multipart([rid, encode(msg)], zmq.NOBLOCK)
+            return True
+        except zmq.ZMQError:  # EHOSTUNREACH: that peer disconnected
+            self._stats.failures[PEER_GONE] = self._stats.failures.get(PEER_GONE, 0) + 1
+            return False
+
+    def _on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        rid = frames[0].bytes
+        try:
+            msg = decode(frames[1].buffer)
+        except (IndexError, msgspec.DecodeError):
+            self._refuse(rid, "", MALFORMED, "undecodable header")
+            return
+        now = time.monotonic()
+        if isinstance(msg, Read):
+            self._on_read(rid, msg, now)
+        elif isinstance(msg, Done | Abort):
+            if msg.transfer_id in self._grants:  # late or duplicate: the tombstone says it's done
+                self._release(msg.transfer_id, DONE if isinstance(msg, Done) else ABORTED, now)
+        elif isinstance(msg, Heartbeat):
+            self._stats.heartbeats += 1
+            for tid in msg.transfer_ids:
+                grant = self._grants.get(tid)
+                if grant is not None:
+                    grant.deadline = now + grant.lease_s
+                elif self._tombstones.get(tid) != DONE:  # tell a waiting D at once, not at its timeout
+                    self._refuse(rid, tid, self._tombstones.get(tid, UNKNOWN_TRANSFER))
+        else:
+            self._refuse(rid, getattr(msg, "transfer_id", ""), MALFORMED, f"unexpected {type(msg).__name__}")
+
+    def _on_read(self, rid: bytes, msg: Read, now: float) -> None:
+        tid = msg.transfer_id
+        grant = self._grants.get(tid)
+        if grant is None:
+            self._refuse(rid, tid, self._tombstones.get(tid, UNKNOWN_TRANSFER))
+            return
+        if not hmac.compare_digest(msg.access_token.encode(), grant.token):
+            self._refuse(rid, tid, BAD_TOKEN)
+            return
+        mismatch = compat_mismatch(self._compat, msg.compat)
+        if mismatch:
+            self._refuse(rid, tid, COMPAT_MISMATCH, mismatch)
+            return
+        foreign = [b for b in msg.block_ids if b not in grant.block_set]
+        if foreign:
+            self._refuse(rid, tid, FOREIGN_BLOCKS, f"not granted to this transfer: {foreign[:8]}")
+            return
+        grant.deadline = now + grant.lease_s
+        grant.serves.append(self._serve(rid, tid, np.asarray(msg.block_ids, dtype=np.int64)))
+
+    def _serve(self, rid: bytes, tid: str, ids: np.ndarray) -> _Serve:
+        serve = _Serve(rid, len(ids), len(ids) * self._kv.shape[1])
+        try:
+            for start, frames in plan_messages(ids, self._blocks_per_message):
+                header = encode(Data(tid, start, [n for _, n in frames]))
+                self._sock.send_multipart([rid, header], zmq.SNDMORE | zmq.NOBLOCK)
+                for i, (first, n) in enumerate(frames):
+                    more = zmq.SNDMORE if i + 1 < len(frames) else 0
+                    view = memoryview(self._kv[first : first + n]).cast("B")
+                    serve.trackers.append(self._sock.send(view, more | zmq.NOBLOCK, copy=False, track=True))
+        except zmq.ZMQError:
+            self._stats.failures[PEER_GONE] = self._stats.failures.get(PEER_GONE, 0) + 1
+            serve.num_blocks = -1  # never END a partial answer
+        return serve
+
+    def _on_tick(self, now: float) -> None:
+        for tid, grant in list(self._grants.items()):
+            pending = []
+            for serve in grant.serves:
+                if not serve.sent():
+                    pending.append(serve)
+                elif serve.num_blocks >= 0 and self._send(serve.rid, End(tid, serve.num_blocks)):
+                    self._stats.bytes_sent += serve.nbytes
+                    self._stats.transfers_served += 1
+            grant.serves = pending
+            if grant.deadline < now:
+                self._stats.leases_expired += 1
+                self._release(tid, EXPIRED, now)
+        for tid, (grant, reason, deadline) in list(self._draining.items()):
+            drained = all(serve.sent() for serve in grant.serves)
+            if drained or deadline < now:
+                if not drained:
+                    self._stats.drains_forced += 1
+                del self._draining[tid]
+                self._released.append((tid, reason, len(grant.block_ids)))
+
+    def _poll_timeout_ms(self) -> int:
+        with self._lock:
+            if self._draining or any(g.serves for g in self._grants.values()):
+                return _BUSY_POLL_MS
+            if not self._grants:
+                return _MAX_POLL_MS
+            next_deadline = min(g.deadline for g in self._grants.values())
+        return int(max(0.0, min(_MAX_POLL_MS / 1e3, next_deadline - time.monotonic())) * 1e3) + 1
+
+
+# ----------------------------------------------------------------------------- consumer
+
+
+class ReceiverStats(msgspec.Struct):
+    bytes_received: int = 0
+    transfers_finished: int = 0
+    transfer_seconds_sum: float = 0.0
+    transfer_seconds_count: int = 0
+    failures: dict[str, int] = {}  # failed transfers by reason
+    malformed_messages: int = 0
+
+
+class _Pull:
+    __slots__ = ("peer", "lease_s", "remote_ids", "local_ids", "got", "timeout_s", "deadline", "t0", "pulling")
+
+    def __init__(self, peer: tuple[str, int], lease_s: float | None) -> None:
+        self.peer, self.lease_s, self.pulling = peer, lease_s, False
+
+
+class KVReceiver(_IOLoop):
+    """D's side channel: pulls transfers from P engines into local blocks.
+
+    `timeout_s` of a pull is a receive timeout: the longest P may stay silent (no DATA
+    or END) before the pull fails with "timeout", so a large transfer that keeps moving
+    never times out.
+    """
+
+    def __init__(self, kv_blocks: np.ndarray, compat: dict[str, Any], *, heartbeat_s: float = 5.0, rcvhwm: int = 8) -> None:
+        _check_kv(kv_blocks)
+        if not kv_blocks.flags.writeable:
+            raise ValueError("kv_blocks must be writeable")
+        super().__init__("kv-receiver")
+        self._kv = kv_blocks
+        self._compat = dict(compat)
+        self._heartbeat_s = heartbeat_s
+        self._rcvhwm = rcvhwm  # DATA messages buffered per peer: bounds D's memory per P
+        self._cond = threading.Condition(self._lock)
+        self._pulls: dict[str, _Pull] = {}
+        self._outbox: list[tuple[tuple[str, int], _Msg]] = []
+        self._finished: list[str] = []
+        self._failed: list[tuple[str, str]] = []
+        self._seconds: list[float] = []
+        self._sockets: dict[tuple[str, int], zmq.Socket] = {}
+        self._peers: dict[zmq.Socket, tuple[str, int]] = {}
+        self._next_heartbeat = time.monotonic() + heartbeat_s
+        self._stats = ReceiverStats()
+        self._thread.start()
+
+    # Engine-thread API.
+
+    def hold(self, transfer_id: str, host: str, port: int, lease_s: float | None = None) -> None:
+        """Heartbeat a transfer D will pull later, so P keeps its blocks meanwhile."""
+        with self._lock:
+            if transfer_id in self._pulls:
+                raise ValueError(f"transfer_id {transfer_id!r} is already held or pulling")
+            self._pulls[transfer_id] = _Pull((host, port), lease_s)
+            self._schedule_heartbeat(lease_s)
+        self._wake()
+
+    def start_pull(
+        self,
+        transfer_id: str,
+        host: str,
+        port: int,
+        access_token: str,
+        remote_block_ids: list[int],
+        local_block_ids: list[int],
+        timeout_s: float,
+        lease_s: float | None = None,
+    ) -> None:
+        """Pull P's `remote_block_ids` into `local_block_ids` (same order), asynchronously."""
+        local = _check_block_ids("local_block_ids", local_block_ids, len(self._kv))
+        if len(local) != len(remote_block_ids):
+            raise ValueError(
+                f"local_block_ids ({len(local)}) and remote_block_ids ({len(remote_block_ids)}) differ in length"
+            )
+        if not timeout_s > 0:
+            raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+        with self._lock:
+            pull = self._pulls.get(transfer_id)
+            if pull is not None and (pull.pulling or pull.peer != (host, port)):
+                raise ValueError(f"transfer_id {transfer_id!r} is already pulling or held for another peer")
+            pull = pull or _Pull((host, port), lease_s)
+            pull.pulling, pull.lease_s = True, lease_s or pull.lease_s
+            pull.remote_ids, pull.local_ids = list(remote_block_ids), local
+            pull.got = np.zeros(len(local), dtype=bool)
+            pull.timeout_s, pull.t0 = timeout_s, time.monotonic()
+            pull.deadline = pull.t0 + timeout_s
+            self._pulls[transfer_id] = pull
+            self._schedule_heartbeat(pull.lease_s)
+            self._outbox.append((pull.peer, Read(transfer_id, access_token, pull.remote_ids, self._compat)))
+        self._wake()
+
+    def abort(self, transfer_id: str) -> bool:
+        """Give up a held or pulling transfer: ABORT goes to P, the id is reported failed
+        ("aborted"), and from the moment this returns nothing writes its blocks.
+        False if the id is not active (already finished or failed: it is reported as such)."""
+        with self._lock:
+            pull = self._pulls.get(transfer_id)
+            if pull is None:
+                return False
+            self._finish(transfer_id, ABORTED, time.monotonic())
+            self._outbox.append((pull.peer, Abort(transfer_id)))
+        self._wake()
+        return True
+
+    def take_finished(self) -> tuple[list[str], list[tuple[str, str]]]:
+        """(finished ids, [(failed id, reason)]) since the last call; their blocks are free to reuse."""
+        with self._lock:
+            done, self._finished = self._finished, []
+            failed, self._failed = self._failed, []
+        return done, failed
+
+    def take_transfer_seconds(self) -> list[float]:
+        """Durations of the pulls finished since the last call (for a histogram)."""
+        with self._lock:
+            out, self._seconds = self._seconds, []
+        return out
+
+    def wait(self, timeout_s: float) -> bool:
+        """Block until take_finished() has something, or timeout; True if it has."""
+        with self._cond:
+            return bool(self._cond.wait_for(lambda: self._finished or self._failed, timeout_s))
+
+    def stats(self) -> ReceiverStats:
+        with self._lock:
+            return msgspec.structs.replace(self._stats, failures=dict(self._stats.failures))
+
+    # I/O thread.
+
+    def _finish(self, tid: str, reason: str | None, now: float) -> None:
+        """The only exit of a transfer: reported once, then forgotten (late messages ignored)."""
+        pull = self._pulls.pop(tid)
+        if reason is None:
+            self._finished.append(tid)
+            self._seconds.append(now - pull.t0)
+            self._stats.transfers_finished += 1
+            self._stats.transfer_seconds_sum += now - pull.t0
+            self._stats.transfer_seconds_count += 1
+        else:
+            self._failed.append((tid, reason))
+            self._stats.failures[reason] = self._stats.failures.get(reason, 0) + 1
+        self._cond.notify_all()
+
+    def _fail(self, tid: str, reason: str, now: float) -> None:
+        peer = self._pulls[tid].peer
+        self._finish(tid, reason, now)
+        self._send(peer, Abort(tid))  # let P free at once rather than at lease expiry
+
+    def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
+        sock = self._sockets.get(peer)
+        if sock is None:
+            sock = self._ctx.socket(zmq.DEALER)
+            sock.setsockopt(zmq.LINGER, 0)
+            sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            sock.connect(f"tcp://{peer[0]}:{peer[1]}")
+            self._sockets[peer] = sock
+            self._peers[sock] = peer
+            self._poller.register(sock, zmq.POLLIN)
+        return sock
+
+    def _send(self, peer: tuple[str, int], msg: _Msg) -> None:
+        try:
+            self._socket(peer).send(encode(msg), zmq.NOBLOCK)
+        except zmq.Again:  # P unreachable and its queue full: the pull's timeout handles it
+            pass
+
+    def _on_message(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        try:
+            msg = decode(frames[0].buffer)
+        except msgspec.DecodeError:
+            self._stats.malformed_messages += 1
+            return
+        pull = self._pulls.get(getattr(msg, "transfer_id", None))
+        if pull is None or pull.peer != self._peers[sock]:
+            return  # late message about a transfer that already finished, failed or was aborted
+        now = time.monotonic()
+        if isinstance(msg, Error):
+            log.info("kv-receiver: %s refused by %s: %s %s", msg.transfer_id, pull.peer, msg.code, msg.message)
+            self._finish(msg.transfer_id, msg.code, now)
+        elif not pull.pulling:
+            return
+        elif isinstance(msg, Data):
+            if not self._write(pull, msg, frames[1:]):
+                self._stats.malformed_messages += 1
+                self._fail(msg.transfer_id, MALFORMED, now)
+            else:
+                pull.deadline = now + pull.timeout_s
+        elif isinstance(msg, End):
+            if msg.num_blocks == len(pull.got) and pull.got.all():
+                self._send(pull.peer, Done(msg.transfer_id))
+                self._finish(msg.transfer_id, None, now)
+            else:
+                self._fail(msg.transfer_id, INCOMPLETE, now)
+
+    def _write(self, pull: _Pull, msg: Data, payload: list[zmq.Frame]) -> bool:
+        """Copy each frame into its destination rows; False (nothing written) if it doesn't fit."""
+        block_bytes = self._kv.shape[1]
+        if len(payload) != len(msg.counts) or msg.start < 0 or msg.start + sum(msg.counts) > len(pull.got):
+            return False
+        if any(n <= 0 or len(f) != n * block_bytes for f, n in zip(payload, msg.counts)):
+            return False
+        pos = msg.start
+        for frame, n in zip(payload, msg.counts):
+            src = np.frombuffer(frame.buffer, dtype=np.uint8).reshape(n, block_bytes)
+            ids = pull.local_ids[pos : pos + n]
+            for off, length in block_runs(ids):
+                first = int(ids[off])
+                self._kv[first : first + length] = src[off : off + length]
+            pull.got[pos : pos + n] = True
+            pos += n
+        self._stats.bytes_received += (pos - msg.start) * block_bytes
+        return True
+
+    def _on_tick(self, now: float) -> None:
+        outbox, self._outbox = self._outbox, []
+        for peer, msg in outbox:
+            self._send(peer, msg)
+        for tid, pull in list(self._pulls.items()):
+            if pull.pulling and pull.deadline < now:
+                self._fail(tid, TIMEOUT, now)
+        if now >= self._next_heartbeat:
+            by_peer: dict[tuple[str, int], list[str]] = collections.defaultdict(list)
+            for tid, pull in self._pulls.items():
+                by_peer[pull.peer].append(tid)
+            for peer, tids in by_peer.items():
+                self._send(peer, Heartbeat(tids))
+            self._next_heartbeat = now + self._heartbeat_interval()
+
+    def _schedule_heartbeat(self, lease_s: float | None) -> None:
+        if lease_s:  # a short lease must not wait for a heartbeat scheduled for longer ones
+            self._next_heartbeat = min(self._next_heartbeat, time.monotonic() + lease_s / 3)
+
+    def _heartbeat_interval(self) -> float:
+        """A third of the shortest lease, so two heartbeats may be lost before P expires it."""
+        leases = [p.lease_s for p in self._pulls.values() if p.lease_s]
+        return min([self._heartbeat_s, *(lease / 3 for lease in leases)])
+
+    def _poll_timeout_ms(self) -> int:
+        with self._lock:
+            if self._outbox:
+                return 0
+            deadlines = [self._next_heartbeat, *(p.deadline for p in self._pulls.values() if p.pulling)]
+        wait = min(_MAX_POLL_MS / 1e3, min(deadlines) - time.monotonic())
+        return int(max(0.0, wait) * 1e3) + 1
