@@ -284,6 +284,11 @@ class Scheduler:
                 break
             asked = self.kv_connector is not None and seq.id not in self._local_only
             num_external, load_async = self._ask_connector(seq) if asked else (0, False)
+            if load_async and seq.num_tokens >= cfg.max_model_len:
+                self.waiting.popleft()  # T0 would sit at position max_model_len: no forward may go there
+                self._reject(seq, f"input tokens={seq.num_tokens} leave no room for a decode step "
+                                  f"after the remote prefill (max_model_len={cfg.max_model_len})")
+                continue
             if load_async:
                 self.waiting.popleft()
                 self._allocate(seq, num_cached_blocks, asked)

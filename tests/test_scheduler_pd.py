@@ -281,3 +281,15 @@ def test_unknown_ids_from_the_connector_are_ignored():
     p.sched.update_from_kv_connector_output(
         type(p.conn.get_finished())(finished_sending=[123456], finished_recving=[1], failed_recving=[2]))
     assert p.sched.is_finished() and p.sched.block_manager.num_free_blocks == NB
+
+
+def test_a_remote_prompt_filling_max_model_len_is_rejected_on_the_consumer():
+    p = Engine("producer")
+    d = Engine("consumer", peer=p, max_model_len=12)
+    tokens = prompt(14, 12)
+    pseq = prefill_on_p(p, tokens)
+    dseq = Sequence(tokens, SamplingParams(max_tokens=4), kv_transfer_params=pseq.kv_transfer_params_output)
+    d.sched.add(dseq)
+    d.step()
+    assert d.sched.take_rejected() == [dseq] and "max_model_len=12" in dseq.error
+    assert d.sched.block_manager.num_free_blocks == NB and d.conn.finished_calls == {dseq.id: 1}
