@@ -238,9 +238,8 @@ class RequestStream:
 class EngineCoreClient:
     """The API process's handle on the core: start it, send requests, receive deltas."""
 
-    def __init__(self, config: Any, on_abort_confirmed: Callable[[], None] | None = None,
-                 start_target=run_engine_core):
-        self.config, self.start_target = config, start_target
+    def __init__(self, config: Any, on_abort_confirmed: Callable[[], None] | None = None):
+        self.config = config
         self.on_abort_confirmed = on_abort_confirmed
         self.streams: dict[str, RequestStream] = {}
         self.aborting: set[str] = set()  # aborted here, the engine's final output still due
@@ -267,7 +266,7 @@ class EngineCoreClient:
         self.ready = loop.create_future()
         self.reader = asyncio.create_task(self.read_outputs())
         self.proc = multiprocessing.get_context("spawn").Process(
-            target=self.start_target, args=(self.config, in_addr, out_addr, os.getpid()),
+            target=run_engine_core, args=(self.config, in_addr, out_addr, os.getpid()),
             name="atomd-engine-core", daemon=True)
         self.proc.start()
         loop.add_reader(self.proc.sentinel, self.on_core_exit)

@@ -60,8 +60,8 @@ def offline_run(offline, prompts, **params):
 
 
 def chat_ids(hf_tokenizer, messages) -> list[int]:
-    ids = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
-    return list(ids["input_ids"] if isinstance(ids, dict) else ids)
+    text = hf_tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return hf_tokenizer(text, add_special_tokens=False).input_ids  # the template wrote BOS itself
 
 
 def test_models_lists_the_served_name(client):

@@ -107,7 +107,7 @@ def test_prompt_longer_than_max_model_len_gets_the_schedulers_message(server, ba
     status, resp = http("POST", server.url + "/v1/completions", body, AUTH)
     err = assert_openai_error(status, resp, 400, None)
     assert err["message"].startswith("unschedulable")
-    assert str(MAX_MODEL_LEN) in err["message"]
+    assert f"max_model_len={MAX_MODEL_LEN}" in err["message"]
     assert_still_serving(server, baseline)
 
 
