@@ -51,9 +51,6 @@ class KVConnectorOutput(msgspec.Struct):
     finished_recving: list[int] = []
     failed_recving: list[int] = []
 
-    def is_empty(self) -> bool:
-        return not (self.finished_sending or self.finished_recving or self.failed_recving)
-
 
 class KVConnectorMetadata:
     """What the scheduler side tells the worker side for one step (subclass per connector).

@@ -207,11 +207,6 @@ class BlockManager:
         seq.num_cached_tokens = len(cached) * self.block_size
         seq.num_published_blocks = len(cached)
 
-    def can_append(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Room for KV of `num_new_tokens` more positions after the computed ones."""
-        needed = self.num_blocks_for(seq.num_cached_tokens + num_new_tokens) - len(seq.block_table)
-        return needed <= self.pool.num_free
-
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for `num_new_tokens` more positions; False (and nothing taken) if they do not fit."""
         bs = self.block_size

@@ -101,9 +101,6 @@ class ScheduledBatch:
     def num_tokens(self) -> int:
         return int(self.token_ids.size)
 
-    def __len__(self) -> int:
-        return len(self.seqs)
-
 
 class ScheduledBatchOutput(msgspec.Struct):
     """What the runner produced, in batch order; token_ids[i] is empty where no sample was taken.

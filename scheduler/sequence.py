@@ -131,14 +131,6 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
-    def last_token(self) -> int:
-        return self.token_ids[-1]
-
-    @property
-    def is_finished(self) -> bool:
-        return self.status in (SequenceStatus.FINISHED, SequenceStatus.ABORTED)
-
-    @property
     def finish_reason(self) -> str | None:
         """OpenAI's finish_reason: "stop" | "length" | "abort" | None (running)."""
         if self.leave_reason is None:

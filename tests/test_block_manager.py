@@ -149,8 +149,7 @@ def test_append_slots_grows_the_table_only_at_block_boundaries():
     seq = admit(bm, [3] * 4)
     seq.token_ids.append(5)
     seq.num_cached_tokens = 4
-    assert bm.can_append(seq, 1)
-    bm.append_slots(seq, 1)
-    assert len(seq.block_table) == 2
-    bm.append_slots(seq, 1)
-    assert len(seq.block_table) == 2
+    assert bm.append_slots(seq, 1) and len(seq.block_table) == 2
+    assert bm.append_slots(seq, 1) and len(seq.block_table) == 2
+    seq.num_cached_tokens = 8
+    assert not bm.append_slots(seq, 4 * 7) and len(seq.block_table) == 2  # 7 more do not fit: none taken
