@@ -29,12 +29,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
 
 import aiohttp
 import msgspec
 from aiohttp import web
 
+from kv_transfer.params import KVTransferParams, new_transfer_id
 from router.metrics import RouterMetrics
 from router.policies import RoutingPolicy
 from router.workers import Worker, WorkerRegistry, describe
@@ -50,10 +50,6 @@ ABORT_TIMEOUT_S = 5.0
 DRAIN_TIMEOUT_S = 1.0
 # Errors raised before a response started: the request may not have reached the worker.
 RETRYABLE_PREFILL = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
-
-
-def new_transfer_id() -> str:
-    return uuid.uuid4().hex
 
 
 def error_body(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:
@@ -93,8 +89,8 @@ def failed_answer(leg: str, worker: Worker, status: int, data: bytes, content_ty
 
 
 def prefill_body(body: dict, transfer_id: str) -> dict:
-    leg = dict(body, max_tokens=1, stream=False, n=1,
-               kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+    kv = KVTransferParams(do_remote_decode=True, transfer_id=transfer_id).to_json_obj()
+    leg = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params=kv)
     leg.pop("stream_options", None)
     leg.pop("min_tokens", None)  # would contradict max_tokens=1
     if "max_completion_tokens" in leg:
@@ -256,11 +252,17 @@ class PDRequest:
             kv = msgspec.json.decode(answer).get("kv_transfer_params")
         except (msgspec.DecodeError, AttributeError):
             raise LegError(502, f"prefill worker {worker.url} answered 200 with a body that is not a JSON object")
-        if not isinstance(kv, dict):
+        if kv is None:
             # P kept nothing for us: D computes the prompt itself. Counted, since it costs a prefill.
             self.metrics.decisions.labels("decode_without_kv").inc()
             self.transfer_id = None
             return None
+        try:
+            KVTransferParams.from_json_obj(kv)  # checked here, so a bad P is a 502, not D's 400
+        except ValueError as e:
+            worker.breaker.record_failure()
+            raise LegError(502, f"prefill worker {worker.url} returned {e}")
+        # Relayed as P sent it: fields this router does not know still reach D.
         kv.setdefault("transfer_id", self.transfer_id)
         self.metrics.decisions.labels("pd").inc()
         return kv

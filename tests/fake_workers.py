@@ -65,6 +65,7 @@ class FakeEngine:
         self.die_after_events: int | None = None  # decode: drop the connection after N events
         self.bad_answer: bytes | None = None  # decode: answer 200 with these bytes instead
         self.keeps_kv = True  # prefill: False answers without kv_transfer_params (nothing pinned)
+        self.kv_extra: dict = {}  # prefill: merged into the kv_transfer_params it answers
         # what happened
         self.requests: list[tuple[str, dict]] = []
         self.answers: list[bytes] = []  # the exact JSON bodies answered
@@ -160,7 +161,7 @@ class FakeEngine:
               "num_prompt_tokens": n, "first_token_id": 42, "first_token_logprobs": None,
               "draft_token_ids": [], "prefix_cache_hit_tokens": self.prefix_cache_hit_tokens,
               "access_token": secrets.token_hex(16), "lease_s": 30.0,
-              "compat": {"model": MODEL, "block_size": BLOCK_SIZE}, "dp_rank": 0}
+              "compat": {"model": MODEL, "block_size": BLOCK_SIZE}, "dp_rank": 0, **self.kv_extra}
         usage = {"prompt_tokens": n, "completion_tokens": 1, "total_tokens": n + 1,
                  "prompt_tokens_details": {"cached_tokens": self.prefix_cache_hit_tokens}}
         if "messages" in path or "messages" in body:

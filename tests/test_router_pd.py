@@ -68,6 +68,18 @@ def test_a_prefill_without_kv_params_sends_the_plain_request_to_decode(cluster):
     assert 'atomd_router:decision_total{decision="decode_without_kv"} 1.0' in cluster.get("/metrics").body.decode()
 
 
+def test_kv_params_from_p_are_checked_but_relayed_verbatim(cluster):
+    p, d = cluster.prefill[0], cluster.decode[0]
+    p.kv_extra = {"field_from_a_newer_engine": [1, 2]}
+    assert cluster.post("/v1/completions", COMPLETION).status == 200
+    assert d.requests[0][1]["kv_transfer_params"]["field_from_a_newer_engine"] == [1, 2]
+    p.kv_extra = {"remote_port": "not a port"}
+    r = cluster.post("/v1/completions", COMPLETION)
+    assert r.status == 502 and "remote_port" in r.json()["error"]["message"]
+    assert len(d.requests) == 1  # D never saw the broken one
+    wait_until(lambda: len(p.aborts) == 1, what="abort of the broken transfer")
+
+
 def test_each_request_mints_a_fresh_transfer_id(cluster):
     for _ in range(3):
         assert cluster.post("/v1/completions", COMPLETION).status == 200
