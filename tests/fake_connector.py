@@ -22,6 +22,12 @@ def next_token(prefix: list[int]) -> int:
     return (prefix[-1] * 7 + len(prefix) * 13 + prefix[0] * 3) % (VOCAB - 2) + 2
 
 
+def prompt(seed: int, n: int) -> list[int]:
+    """A reproducible random prompt of `n` token ids."""
+    rng = np.random.default_rng(seed)
+    return [int(t) for t in rng.integers(2, 900, n)]
+
+
 def reference_completion(prompt: list[int], max_tokens: int, eos: int | None = None) -> list[int]:
     tokens = list(prompt)
     out: list[int] = []

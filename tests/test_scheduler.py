@@ -11,7 +11,7 @@ import pytest
 from scheduler.scheduler import ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
 import scheduler.scheduler as scheduler_module
-from tests.fake_connector import FakeKV, FakeModel, next_token, reference_completion, step
+from tests.fake_connector import FakeKV, FakeModel, prompt, reference_completion, step
 
 pytestmark = pytest.mark.unit
 
@@ -39,11 +39,6 @@ def run(sched, model, max_steps=500):
                 finished[u.seq.id] = u.seq
     assert sched.is_finished(), "did not finish"
     return emitted, finished
-
-
-def prompt(seed: int, n: int) -> list[int]:
-    rng = np.random.default_rng(seed)
-    return [int(t) for t in rng.integers(2, 900, n)]
 
 
 def test_many_requests_match_the_reference_and_free_every_block():

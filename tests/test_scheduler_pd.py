@@ -10,8 +10,7 @@ import pytest
 
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
-from tests.fake_connector import FakeConnector, FakeKV, FakeModel, reference_completion, step
-from tests.test_scheduler import prompt
+from tests.fake_connector import FakeConnector, FakeKV, FakeModel, prompt, reference_completion, step
 
 pytestmark = pytest.mark.unit
 NB, BS = 32, 4

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import itertools
 
-import numpy as np
 import pytest
 from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
@@ -13,7 +12,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from scheduler.block_manager import NO_HASH
 from scheduler.scheduler import Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
-from tests.fake_connector import FakeConnector, FakeKV, FakeModel, next_token, reference_completion, step
+from tests.fake_connector import (FakeConnector, FakeKV, FakeModel, next_token, prompt,
+                                  reference_completion, step)
 
 pytestmark = pytest.mark.unit
 BS = 4
@@ -69,15 +69,15 @@ class SchedulerMachine(RuleBasedStateMachine):
           pd=st.booleans())
     def add(self, length, max_tokens, shared, pd):
         n = next(self.ids)
-        tail = [int(t) for t in np.random.default_rng(n).integers(2, 900, length)]
-        prompt = (SHARED + tail)[:length] if shared else tail
+        tail = prompt(n, length)
+        tokens = (SHARED + tail)[:length] if shared else tail
         params = None
         tid = f"t{n}"
         if pd and self.stub is not None and length <= MAX_MODEL_LEN:
-            params = self.stub.params_for(prompt, tid)
+            params = self.stub.params_for(tokens, tid)
         elif pd and self.conn is not None and self.conn.role == "producer":
             params, max_tokens = {"do_remote_decode": True, "transfer_id": tid}, 1
-        seq = Sequence(prompt, SamplingParams(max_tokens=max_tokens), kv_transfer_params=params)
+        seq = Sequence(tokens, SamplingParams(max_tokens=max_tokens), kv_transfer_params=params)
         self.seqs[seq.id] = seq
         self.sched.add(seq)
 
