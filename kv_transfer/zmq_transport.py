@@ -137,6 +137,9 @@ def plan_messages(block_ids: np.ndarray, blocks_per_message: int) -> list[tuple[
     Runs of consecutive ids become one frame each, split so no message carries more than
     `blocks_per_message` blocks; short runs share a message, so frames stay few and large.
     """
+    # Even out the messages (256 blocks at 85 per message: 4 x 64, not 85, 85, 85, 1).
+    num_messages = -(-len(block_ids) // blocks_per_message)
+    blocks_per_message = -(-len(block_ids) // num_messages) if num_messages else blocks_per_message
     messages, frames, filled, start = [], [], 0, 0
     for pos, length in block_runs(block_ids):
         first, done = int(block_ids[pos]), 0
@@ -190,11 +193,14 @@ class _IOLoop:
 
     def _run(self) -> None:
         while not self._stopping:
-            for sock, _ in self._poller.poll(self._poll_timeout_ms()):
+            events = self._poller.poll(self._poll_timeout_ms())
+            for sock, _ in events:
                 if isinstance(sock, zmq.Socket):
                     self._drain(sock)
                 else:
                     self._drain_wakeups()
+            if not events:
+                self._idle()
             with self._lock:
                 try:
                     self._on_tick(time.monotonic())
@@ -249,6 +255,9 @@ class _IOLoop:
 
     def _on_tick(self, now: float) -> None:
         raise NotImplementedError
+
+    def _idle(self) -> None:
+        """Nothing arrived; called without the lock."""
 
 
 # ----------------------------------------------------------------------------- producer
@@ -484,10 +493,22 @@ class KVSender(_IOLoop):
                 del self._draining[tid]
                 self._released.append((tid, reason, len(grant.block_ids)))
 
+    def _idle(self) -> None:
+        """Sleep until zmq lets go of the oldest pending frame (END waits for it), at most 1 ms."""
+        with self._lock:
+            serves = [s for g in self._grants.values() for s in g.serves]
+            serves += [s for g, _, _ in self._draining.values() for s in g.serves]
+            tracker = next((s.trackers[0] for s in serves if s.trackers), None)
+        if tracker is not None:
+            try:
+                tracker.wait(_BUSY_POLL_MS / 1e3)
+            except zmq.NotDone:
+                pass
+
     def _poll_timeout_ms(self) -> int:
         with self._lock:
             if self._draining or any(g.serves for g in self._grants.values()):
-                return _BUSY_POLL_MS
+                return 0  # _idle() then waits on the frames themselves
             if not self._grants:
                 return _MAX_POLL_MS
             next_deadline = min(g.deadline for g in self._grants.values())
