@@ -349,8 +349,10 @@ class Scheduler:
             n = 1 + len(seq.spec_token_ids)
             if n > budget:
                 break
-            if not bm.append_slots(seq, n) and not self._make_room(seq, n, i):
-                break
+            if not bm.append_slots(seq, n):
+                n = self._make_room(seq, n, i)
+                if n == 0:
+                    break
             seq.type = SequenceType.DECODE
             seqs.append(seq)
             num_scheduled.append(n)
@@ -366,16 +368,21 @@ class Scheduler:
         return ScheduledBatch(seqs, False, num_scheduled, computed, token_ids, [True] * len(seqs),
                               spec, self._connector_meta())
 
-    def _make_room(self, seq: Sequence, n: int, index: int) -> bool:
+    def _make_room(self, seq: Sequence, n: int, index: int) -> int:
         """Preempt the newest running sequences (never one scheduled this step) until the slots
-        for `seq` are taken; False when `seq` itself had to go."""
+        for `seq` are taken. Returns the tokens `seq` schedules: n, 1 when only dropping its
+        drafts made it fit (else a lone sequence would preempt itself forever), 0 when it
+        had to go itself."""
         while not self.block_manager.append_slots(seq, n):
             if len(self.running) - 1 > index:
                 self.preempt(self.running[-1])
+            elif n > 1:
+                seq.spec_token_ids = []
+                n = 1
             else:
                 self.preempt(seq)
-                return False
-        return True
+                return 0
+        return n
 
     def preempt(self, seq: Sequence) -> None:
         """Recompute preemption: free the blocks, keep the tokens, back to the front of waiting."""

@@ -241,6 +241,16 @@ def test_speculative_tokens_give_the_reference_tokens_and_count_acceptance():
     assert sched.block_manager.num_free_blocks == 64
 
 
+def test_a_lone_sequence_drops_its_drafts_rather_than_preempt_itself_forever():
+    sched, model = make(num_blocks=3, spec=2, max_num_batched_tokens=64)
+    model.bad_draft_every = 10_000
+    seq = Sequence(prompt(3, 10), SamplingParams(max_tokens=2))  # 3 blocks; drafts would need a 4th
+    sched.add(seq)
+    emitted, _ = run(sched, model, max_steps=20)
+    assert emitted[seq.id] == reference_completion(seq.prompt_token_ids, 2)
+    assert sched.num_preemptions == 0
+
+
 def test_speculative_tokens_past_a_stop_are_cut():
     p = prompt(2, 6)
     ref = reference_completion(p, 20)
