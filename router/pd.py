@@ -14,9 +14,10 @@ a dropped connection or a broken body is a 502 with the worker's message; a time
 After the first byte, a failure ends the stream with `data: {"error": ...}` and `data: [DONE]`.
 A 200 is never sent with an empty or error body.
 
-Retries: the prefill leg moves to another P only when the request never got a response
-(connection refused or dropped); each try carries a fresh transfer_id and the old one is
-aborted, so a P that did run it frees its blocks. The decode leg moves only when the
+Retries: the prefill leg is retried only when the request never got a response
+(connection refused or dropped), on another P when there is one (the same P may get
+another go after a dropped keep-alive connection, never after a refused one); each try
+carries a fresh transfer_id and the old one is aborted, so a P that did run it frees its blocks. The decode leg moves only when the
 connection to D could not even be opened; once D answered, it is never retried.
 
 Abort: P pins the prompt blocks until D pulls them (or a lease expires). When the request
@@ -119,8 +120,13 @@ class PDRelay:
     async def handle(self, request: web.Request, endpoint: str, body: dict) -> web.StreamResponse:
         return await PDRequest(self, request, endpoint, body).run()
 
-    def pick(self, role: str, body: dict, tried: list[Worker], last_error: str | None) -> Worker:
+    def pick(self, role: str, body: dict, tried: list[Worker], last_error: str | None,
+             refused: list[Worker] | None = None) -> Worker:
+        """A worker not tried yet for this request; failing that, when given, one that did
+        not refuse the connection (a dropped keep-alive connection is worth another go)."""
         candidates = self.registry.available(role, exclude=tried)
+        if not candidates and refused is not None:
+            candidates = self.registry.available(role, exclude=refused)
         if not candidates:
             self.metrics.decisions.labels(f"no_{role}_worker").inc()
             if last_error is not None:
@@ -196,9 +202,10 @@ class PDRequest:
 
     async def prefill(self) -> dict | None:
         tried: list[Worker] = []
+        refused: list[Worker] = []
         last_error = None
         for _ in range(MAX_PREFILL_TRIES):
-            worker = self.relay.pick("prefill", self.body, tried, last_error)
+            worker = self.relay.pick("prefill", self.body, tried, last_error, refused)
             if tried:
                 self.metrics.retries.labels("prefill").inc()
             self.prefill_worker, self.transfer_id = worker, new_transfer_id()
@@ -211,6 +218,8 @@ class PDRequest:
                 self.relay.abort_transfer(worker, self.transfer_id)  # in case it did run
                 self.transfer_id = None
                 tried.append(worker)
+                if isinstance(e, aiohttp.ClientConnectorError):
+                    refused.append(worker)
         raise LegError(502, last_error or "prefill failed")
 
     async def prefill_on(self, worker: Worker) -> dict | None:

@@ -66,6 +66,7 @@ class FakeEngine:
         self.bad_answer: bytes | None = None  # decode: answer 200 with these bytes instead
         self.keeps_kv = True  # prefill: False answers without kv_transfer_params (nothing pinned)
         self.kv_extra: dict = {}  # prefill: merged into the kv_transfer_params it answers
+        self.drop_next = 0  # drop this many requests' connections without answering
         # what happened
         self.requests: list[tuple[str, dict]] = []
         self.answers: list[bytes] = []  # the exact JSON bodies answered
@@ -125,6 +126,10 @@ class FakeEngine:
         body = msgspec.json.decode(await request.read())
         if self.record:
             self.requests.append((request.path, body))
+        if self.drop_next > 0:
+            self.drop_next -= 1
+            request.transport.close()
+            await asyncio.Event().wait()  # connection_lost cancels this handler
         if self.fail_status is not None:
             kind = "invalid_request_error" if self.fail_status < 500 else "internal_error"
             return web.Response(status=self.fail_status, body=error_json(self.fail_message, kind, "max_tokens"),

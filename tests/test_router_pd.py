@@ -237,6 +237,18 @@ def test_prefill_leg_moves_to_another_worker_when_one_is_unreachable(loop):
         c.stop()
 
 
+def test_a_dropped_prefill_connection_is_retried_with_a_fresh_transfer_id(cluster):
+    p = cluster.prefill[0]
+    p.drop_next = 1  # e.g. a keep-alive connection P closed just as the router used it
+    r = cluster.post("/v1/completions", COMPLETION)
+    assert r.status == 200
+    first, second = (b["kv_transfer_params"]["transfer_id"] for _, b in p.requests)
+    assert first != second
+    assert cluster.decode[0].requests[0][1]["kv_transfer_params"]["transfer_id"] == second
+    wait_until(lambda: p.aborts == [first], what="abort of the dropped try")
+    assert 'atomd_router:retries_total{leg="prefill"} 1.0' in cluster.get("/metrics").body.decode()
+
+
 def test_all_prefill_workers_unreachable_is_a_502(loop):
     c = Cluster(loop, health_interval_s=60).start()
     try:
