@@ -26,7 +26,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from router.metrics import RouterMetrics
 from router.pd import LegError, PDRelay, error_body
 from router.policies import make_policy
-from router.workers import WorkerRegistry, describe
+from router.workers import ROLES, WorkerRegistry, describe
 
 logger = logging.getLogger("atomd.router")
 
@@ -101,7 +101,7 @@ class Router:
         site = web.TCPSite(self.runner, self.config.host, self.config.port)
         await site.start()
         host, port = self.runner.addresses[0][:2]
-        self.url = f"http://{host}:{port}"
+        self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.registry.start()
         return self.url
 
@@ -160,7 +160,7 @@ class Router:
         return json_response({"status": "ok"})
 
     async def ready(self, request: web.Request) -> web.Response:
-        counts = {role: len(self.registry.available(role)) for role in ("prefill", "decode")}
+        counts = {role: len(self.registry.available(role)) for role in ROLES}
         ready = all(counts.values())
         return json_response({"ready": ready, "available": counts}, 200 if ready else 503)
 

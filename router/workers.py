@@ -1,9 +1,9 @@
 """The worker registry: which engines exist, which may take traffic, and how to reach them.
 
 A worker is in rotation when its last health check passed (`GET /ready` to get in,
-`GET /health` to stay) and its circuit breaker lets traffic through. Health checks catch an engine that is down or
-wedged between requests; the breaker catches one that fails the requests themselves
-(connection refused, 5xx, timeouts) faster than the next health check would.
+`GET /health` to stay) and its circuit breaker lets traffic through. Health checks catch
+an engine that is down or still loading; the breaker catches one that fails the requests
+themselves (connection refused, 5xx, timeouts) faster than the next health check would.
 
 Every worker owns one `aiohttp.ClientSession`, i.e. one keep-alive connection pool,
 reused by every request routed to it: opening a TCP connection per leg would add a
@@ -97,6 +97,7 @@ class Worker:
             connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
             auto_decompress=False,  # relay bytes as the engine sent them
+            cookie_jar=aiohttp.DummyCookieJar(),  # engines set none; a router must not keep any
         )
         self._retired = False
 
@@ -205,9 +206,6 @@ class WorkerRegistry:
     def available(self, role: str, exclude: Iterable[Worker] = ()) -> list[Worker]:
         skip = set(map(id, exclude))
         return [w for w in self.workers(role) if w.available() and id(w) not in skip]
-
-    def ready(self) -> bool:
-        return all(self.available(role) for role in ROLES)
 
     async def check_all(self) -> None:
         await asyncio.gather(*(w.check_health() for w in self.workers()))
