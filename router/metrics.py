@@ -63,14 +63,21 @@ class RouterMetrics:
                              ["endpoint"], buckets=ITL_BUCKETS, registry=r)
         self.leg_latency = Histogram(P + "leg_latency_seconds", "one upstream leg, send to last byte",
                                      ["leg"], buckets=LATENCY_BUCKETS, registry=r)
-        self.retries = Counter(P + "retries", "legs retried on another worker", ["leg"], registry=r)
-        self.decisions = Counter(P + "decision", "routing decisions", ["decision"], registry=r)
+        self.retries = Counter(P + "retries", "legs sent again after a connection failure", ["leg"],
+                               registry=r)
+        self.decisions = Counter(P + "decision", "routing decisions: pd (two legs), decode_without_kv "
+                                 "(P kept no KV, D prefills), no_prefill_worker, no_decode_worker",
+                                 ["decision"], registry=r)
         self.upstream_errors = Counter(P + "upstream_errors", "failed legs by reason",
                                        ["leg", "reason"], registry=r)
         self.aborts = Counter(P + "kv_transfer_aborts", "POST /kv_transfer/abort sent to a prefill "
                               "worker for a transfer no decode worker pulled", registry=r)
         r.register(_WorkerCollector(workers))
         self._endpoints: dict[str, EndpointMetrics] = {}
+        # Children used on every request, resolved once.
+        self.prefill_leg = self.leg_latency.labels("prefill")
+        self.decode_leg = self.leg_latency.labels("decode")
+        self.decision_pd = self.decisions.labels("pd")
 
     def endpoint(self, name: str) -> "EndpointMetrics":
         """The per-endpoint series, resolved once (`labels()` is a lock and a dict lookup per call)."""

@@ -249,7 +249,7 @@ class PDRequest:
             raise LegError(502, f"prefill worker {worker.url} broke off its answer: {describe(e)}")
         finally:
             await worker.release(trial)
-        self.metrics.leg_latency.labels("prefill").observe(time.perf_counter() - started)
+        self.metrics.prefill_leg.observe(time.perf_counter() - started)
         if r.status != 200:
             self.metrics.upstream_errors.labels("prefill", f"status_{r.status}").inc()
             raise failed_answer("prefill", worker, r.status, answer, r.content_type)
@@ -273,7 +273,7 @@ class PDRequest:
             raise LegError(502, f"prefill worker {worker.url} returned {e}")
         # Relayed as P sent it: fields this router does not know still reach D.
         kv.setdefault("transfer_id", self.transfer_id)
-        self.metrics.decisions.labels("pd").inc()
+        self.metrics.decision_pd.inc()
         return kv
 
     # ------------------------------------------------------------------ decode leg
@@ -311,7 +311,7 @@ class PDRequest:
                     return await self.relay_answer(worker, upstream)
                 finally:
                     upstream.close()  # a no-op after EOF; otherwise cancels D's request
-                    self.metrics.leg_latency.labels("decode").observe(time.perf_counter() - started)
+                    self.metrics.decode_leg.observe(time.perf_counter() - started)
             finally:
                 await worker.release(trial)
         raise LegError(502, last_error or "decode failed")
