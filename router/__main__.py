@@ -1,4 +1,7 @@
-"""`python -m router` / `atomd-router`: the PD router on one host:port."""
+"""`python -m router` / `atomd-router`: the PD router on one host:port.
+
+Every OpenAI request runs as a prefill leg on a --prefill engine and a decode leg on a
+--decode engine; the decode engine's answer is relayed to the client."""
 from __future__ import annotations
 
 import argparse
@@ -13,20 +16,24 @@ from router.policies import POLICIES
 
 def parse_args(argv: list[str] | None) -> RouterConfig:
     d = RouterConfig()
-    p = argparse.ArgumentParser(prog="atomd-router", description=__doc__)
+    p = argparse.ArgumentParser(prog="atomd-router", description=__doc__,
+                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     p.add_argument("--prefill", action="append", default=[], metavar="URL",
                    help="a prefill engine's base URL (repeatable; more can join via POST /workers)")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode engine's base URL (repeatable)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES))
-    p.add_argument("--health-interval-s", type=float, default=d.health_interval_s)
+    p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
+                   help="how a worker of each role is picked")
+    p.add_argument("--health-interval-s", type=float, default=d.health_interval_s,
+                   help="seconds between health checks of every worker")
     p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
                    help="limit on the prefill leg, and on the silence between the decode leg's bytes")
     p.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
                    help="consecutive failures that open a worker's circuit breaker")
-    p.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s)
+    p.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
+                   help="seconds an open breaker refuses traffic before one trial request")
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
                    "(all routes but /health, /ready, /metrics); forwarded to the engines")
     args = p.parse_args(argv)
