@@ -163,21 +163,19 @@ def test_eos_stops_unless_ignored_and_min_tokens_holds_it_back():
     p = prompt(5, 5)
     ref = reference_completion(p, 10)
     eos = ref[2]
-    cases = [(SamplingParams(max_tokens=10), ref[:3], "eos"),
-             (SamplingParams(max_tokens=10, ignore_eos=True), ref, "max_tokens"),
-             (SamplingParams(max_tokens=10, min_tokens=4), None, None)]
-    for sp, want, reason in cases:
+    # below min_tokens an EOS is just a token; the first EOS at index >= min_tokens - 1 stops
+    later = next((j for j in range(3, 10) if ref[j] == eos), None)
+    held = (ref[:later + 1], "eos") if later is not None else (ref, "max_tokens")
+    cases = [(SamplingParams(max_tokens=10), (ref[:3], "eos")),
+             (SamplingParams(max_tokens=10, ignore_eos=True), (ref, "max_tokens")),
+             (SamplingParams(max_tokens=10, min_tokens=4), held)]
+    for sp, (want, reason) in cases:
         sched, model = make(eos_token_id=eos)
         seq = Sequence(p, sp)
         sched.add(seq)
         emitted, _ = run(sched, model)
-        if want is None:  # EOS at index 2 is ignored below min_tokens; the next EOS (if any) stops
-            got = emitted[seq.id]
-            assert got[:3] == ref[:3] and len(got) >= 4
-            assert eos not in got[3:-1]
-        else:
-            assert emitted[seq.id] == want and seq.leave_reason == reason
-            assert seq.stop_reason is None
+        assert emitted[seq.id] == want and seq.leave_reason == reason
+        assert seq.stop_reason is None
 
 
 def test_stop_token_ids_from_request_and_config():
