@@ -292,3 +292,14 @@ def test_a_remote_prompt_filling_max_model_len_is_rejected_on_the_consumer():
     d.step()
     assert d.sched.take_rejected() == [dseq] and "max_model_len=12" in dseq.error
     assert d.sched.block_manager.num_free_blocks == NB and d.conn.finished_calls == {dseq.id: 1}
+
+
+def test_connector_factory_builds_registered_backends_and_names_bad_input():
+    from kv_transfer.connector import create_connector, register_connector
+
+    register_connector("fake-test", lambda role, config: (role, config))
+    assert create_connector("fake-test", "consumer", {"x": 1}) == ("consumer", {"x": 1})
+    with pytest.raises(ValueError, match="kv_role"):
+        create_connector("fake-test", "sideways", None)
+    with pytest.raises(ValueError, match="kv_transfer_backend"):
+        create_connector("no-such-backend", "producer", None)
