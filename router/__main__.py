@@ -34,6 +34,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                    help="consecutive failures that open a worker's circuit breaker")
     p.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
                    help="seconds an open breaker refuses traffic before one trial request")
+    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
                    "(all routes but /health, /ready, /metrics); forwarded to the engines")
     args = p.parse_args(argv)

@@ -31,7 +31,6 @@ from router.workers import ROLES, WorkerRegistry, describe
 logger = logging.getLogger("atomd.router")
 
 OPEN_PATHS = ("/health", "/ready", "/metrics")
-MAX_BODY_BYTES = 64 * 2**20
 
 
 @dataclass
@@ -46,12 +45,15 @@ class RouterConfig:
     api_key: str | None = None
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
+    max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
 
     def __post_init__(self) -> None:
         make_policy(self.policy)  # raises ValueError naming the policy
         for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
+        if self.max_request_body_bytes < 1:
+            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes!r}")
         if self.breaker_failures < 1:
             raise ValueError(f"breaker_failures must be >= 1, got {self.breaker_failures!r}")
         if not 0 <= self.port < 65536:
@@ -79,7 +81,7 @@ class Router:
         self.relay = PDRelay(self.registry, make_policy(config.policy), make_policy(config.policy),
                              self.metrics, config.request_timeout_s)
         self.app = web.Application(middlewares=[self.auth] if config.api_key else [],
-                                   client_max_size=MAX_BODY_BYTES)
+                                   client_max_size=config.max_request_body_bytes)
         add = self.app.router
         add.add_post("/v1/completions", self.completions)
         add.add_post("/v1/chat/completions", self.chat_completions)
@@ -134,6 +136,8 @@ class Router:
             body = msgspec.json.decode(await request.read())
         except msgspec.DecodeError as e:
             return json_error(400, f"request body is not valid JSON: {e}")
+        except web.HTTPRequestEntityTooLarge:
+            return json_error(413, f"request body is larger than {self.config.max_request_body_bytes} bytes")
         if not isinstance(body, dict):
             return json_error(400, "request body must be a JSON object")
         if not isinstance(body.get("stream", False), bool):

@@ -323,6 +323,16 @@ def test_bad_request_bodies_are_400(cluster):
     assert cluster.prefill[0].requests == []
 
 
+def test_an_oversized_body_is_a_413(loop):
+    c = Cluster(loop, health_interval_s=60, max_request_body_bytes=1000).start()
+    try:
+        r = c.post("/v1/completions", dict(COMPLETION, prompt="x " * 1000))
+        assert r.status == 413 and "1000 bytes" in r.json()["error"]["message"]
+        assert c.prefill[0].requests == []
+    finally:
+        c.stop()
+
+
 async def raw_post(url: str, data: bytes) -> tuple[int, bytes]:
     async with aiohttp.ClientSession() as s:
         async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
