@@ -6,7 +6,8 @@
    kv_transfer_params say where the prompt's KV blocks are (and T0, the access token).
 2. Decode leg, to a decode worker D: the client's body plus P's kv_transfer_params. D pulls
    the blocks, decodes, and its SSE stream (or JSON body) is relayed byte for byte, one
-   complete event at a time, each written as soon as it is complete. Usage comes from D.
+   complete event at a time, each written as soon as it is complete. Usage comes from D
+   (which reports P's prefix hit as cached_tokens).
 
 Failures, answered before any byte reached the client as an OpenAI-style JSON error:
 a 4xx from either leg passes through with its status and body (the client's fault); a 5xx,
@@ -16,9 +17,10 @@ A 200 is never sent with an empty or error body.
 
 Retries: the prefill leg is retried only when the request never got a response
 (connection refused or dropped), on another P when there is one (the same P may get
-another go after a dropped keep-alive connection, never after a refused one); each try
-carries a fresh transfer_id and the old one is aborted, so a P that did run it frees its blocks. The decode leg moves only when the
-connection to D could not even be opened; once D answered, it is never retried.
+another go after a dropped keep-alive connection, never after a refused one). Each try
+carries a fresh transfer_id and the old one is aborted, so a P that did run it frees its
+blocks. The decode leg moves only when the connection to D could not even be opened;
+once D answered, it is never retried.
 
 Abort: P pins the prompt blocks until D pulls them (or a lease expires). When the request
 ends without D having produced output (client gone, D failed), D never pulled, so the

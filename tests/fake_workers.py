@@ -69,6 +69,7 @@ class FakeEngine:
         self.drop_next = 0  # drop this many requests' connections without answering
         # what happened
         self.requests: list[tuple[str, dict]] = []
+        self.authorizations: list[str | None] = []  # the Authorization header of each request
         self.answers: list[bytes] = []  # the exact JSON bodies answered
         self.streams: list[bytes] = []  # decode: the exact bytes of each SSE response
         self.aborts: list[str] = []
@@ -126,6 +127,7 @@ class FakeEngine:
         body = msgspec.json.decode(await request.read())
         if self.record:
             self.requests.append((request.path, body))
+            self.authorizations.append(request.headers.get("Authorization"))
         if self.drop_next > 0:
             self.drop_next -= 1
             request.transport.close()
