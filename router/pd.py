@@ -139,13 +139,13 @@ class PDRelay:
 
     def abort_transfer(self, worker: Worker, transfer_id: str) -> None:
         """Fire and forget: the abort must outlive a cancelled request handler."""
+        self.metrics.aborts.inc()
         worker.acquire(dispatch=False)  # keeps the pool open until the abort is sent
         task = asyncio.get_running_loop().create_task(self._abort(worker, transfer_id))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
     async def _abort(self, worker: Worker, transfer_id: str) -> None:
-        self.metrics.aborts.inc()
         try:
             async with worker.session.post("/kv_transfer/abort", json={"transfer_id": transfer_id},
                                            timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as r:

@@ -219,6 +219,8 @@ def test_client_disconnect_after_the_pull_cancels_d_without_abort(cluster, loop)
     wait_until(lambda: d.cancelled == [tid], what="D to see its request cancelled")
     wait_until(lambda: 'status="client_disconnect"' in cluster.get("/metrics").body.decode(),
                what="the router to finish the request")
+    # An abort is counted when it is sent, before the request is counted as finished.
+    assert "atomd_router:kv_transfer_aborts_total 0.0" in cluster.get("/metrics").body.decode()
     assert d.pulled == [tid] and p.aborts == []
 
 
