@@ -148,6 +148,16 @@ def test_make_default_model_cli_writes_a_loadable_folder(tmp_path):
 
 
 @pytest.mark.integration
+def test_make_default_model_cli_defaults_to_the_cache(tmp_path):
+    env = {**os.environ, "ATOMD_CACHE_DIR": str(tmp_path / "cache")}
+    proc = subprocess.run([sys.executable, "-m", "atomd", "make-default-model"],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == str(tmp_path / "cache" / "default-model")
+    assert default.is_intact(tmp_path / "cache" / "default-model")
+
+
+@pytest.mark.integration
 def test_make_default_model_cli_refuses_a_foreign_directory(tmp_path):
     (tmp_path / "notes.txt").write_text("mine")
     proc = subprocess.run([sys.executable, "-m", "atomd", "make-default-model", str(tmp_path)],

@@ -79,6 +79,7 @@ def write_checkpoint(dest: pathlib.Path) -> pathlib.Path:
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=dest.parent))
     try:
+        os.chmod(tmp, 0o755)  # mkdtemp's 0700 would hide a shared checkpoint from other users
         for name in _read_manifest(PACKAGED_CHECKPOINT):
             shutil.copyfile(PACKAGED_CHECKPOINT / name, tmp / name)
         shutil.copyfile(PACKAGED_CHECKPOINT / MANIFEST, tmp / MANIFEST)
