@@ -15,7 +15,8 @@ msgpack; each socket has exactly one writer (ZMQ sockets are not thread-safe):
                                           or a fatal error just before the core exits
 
 The core blocks on its input socket while idle (no spin) and drains it without blocking
-between steps, so aborts land before the next forward. The client watches the process
+between steps, so aborts land before the next forward; a step with no output (a chunk of
+a long prefill, or nothing runnable yet) is followed by a 1 ms wait on the socket. The client watches the process
 sentinel: when the core dies every waiting request fails with `EngineDeadError` at once.
 """
 from __future__ import annotations
@@ -39,6 +40,7 @@ from scheduler.sequence import SamplingParams
 logger = logging.getLogger("atomd.core")
 
 IDLE_POLL_MS = 1000  # how often an idle core wakes to check its parent is still alive
+STALLED_POLL_MS = 1  # busy but the last step had no output: wait on the socket, do not spin
 UTILITY_METHODS = ("stats", "reset_prefix_cache")
 
 
@@ -127,15 +129,18 @@ class EngineCore:
         self.out.send(self.encoder.encode(msg), copy=False)
 
     def run(self) -> None:
+        stalled = False  # the last step produced nothing (e.g. every request waits for remote KV)
         while True:
             busy = self.engine.has_unfinished_requests()
-            if self.inp.poll(0 if busy else IDLE_POLL_MS):
+            timeout = (STALLED_POLL_MS if stalled else 0) if busy else IDLE_POLL_MS
+            if self.inp.poll(timeout):
                 self.drain_input()
             elif not busy and os.getppid() != self.parent_pid:
                 logger.warning("engine core: API process %d is gone, exiting", self.parent_pid)
                 return
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
+                stalled = not outputs
                 if outputs:
                     self.send(StepOutputs([to_delta(o) for o in outputs]))
 

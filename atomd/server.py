@@ -35,6 +35,7 @@ from typing import Any
 import msgspec
 import uvloop
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd import protocol as P
 from atomd.core import EngineCoreClient, EngineDeadError, RequestStream, TokenDelta
@@ -44,6 +45,7 @@ logger = logging.getLogger("atomd.server")
 access_logger = logging.getLogger("atomd.access")
 
 READY_PROBE_TIMEOUT_S = 2.0
+SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before they are cut
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 OPEN_PATHS = ("/health", "/ready", "/metrics")
@@ -86,7 +88,8 @@ def run(args: argparse.Namespace) -> int:
 async def serve(config: Any, args: argparse.Namespace) -> int:
     """Listen at once (so /health answers while the model loads), then start the core."""
     server = Server(config, args)
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None)
+    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None,
+                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     stop = asyncio.Event()
@@ -138,7 +141,7 @@ class Server:
         ready = await self.client.start(timeout_s)
         self.model_name = self.model_name or ready.model_name
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
-        self.metrics = ServerMetrics(self.model_name)
+        self.metrics = ServerMetrics(self.model_name, self.config.data_parallel_rank)
 
     def on_abort_confirmed(self) -> None:
         if self.metrics is not None:
@@ -220,8 +223,7 @@ class Server:
                 stats = await self.client.call("stats", timeout_s=READY_PROBE_TIMEOUT_S)
             except (EngineDeadError, asyncio.TimeoutError, RuntimeError):
                 pass  # serve the API-side series; engine gauges keep their last value
-        return web.Response(body=self.metrics.render(stats),
-                            headers={"Content-Type": "text/plain; version=0.0.4; charset=utf-8"})
+        return web.Response(body=self.metrics.render(stats), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def reset_prefix_cache(self, request: web.Request) -> web.Response:
         self.require_engine()

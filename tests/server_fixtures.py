@@ -47,12 +47,14 @@ def http(method: str, url: str, body: bytes | dict | None = None, headers: dict 
 class ServerProcess:
     """`python -m atomd serve` on a free port of 127.0.0.1."""
 
-    def __init__(self, model: str | os.PathLike, *extra: str, engine_args: list[str] = ENGINE_ARGS):
+    def __init__(self, model: str | os.PathLike, *extra: str, engine_args: list[str] = ENGINE_ARGS,
+                 log_path: pathlib.Path | None = None):
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "atomd", "serve", "--model", str(model), "--port", str(self.port),
                *engine_args, *extra]
-        self.log = open(os.devnull, "wb") if not os.environ.get("ATOMD_TEST_SERVER_LOG") else None
+        # the server's stdout/stderr: a file a test reads, the terminal when debugging, or nowhere
+        self.log = open(log_path or os.devnull, "wb") if not os.environ.get("ATOMD_TEST_SERVER_LOG") else None
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "ServerProcess":
@@ -105,8 +107,8 @@ class ServerProcess:
             self.log.close()
 
 
-def start_server(model, *extra: str) -> ServerProcess:
-    server = ServerProcess(model, *extra)
+def start_server(model, *extra: str, log_path: pathlib.Path | None = None) -> ServerProcess:
+    server = ServerProcess(model, *extra, log_path=log_path)
     try:
         return server.wait_ready()
     except BaseException:

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import pathlib
 import signal
 import threading
+import time
 
 import pytest
 
@@ -20,9 +22,14 @@ GOOD = {"prompt": "def main():", "max_tokens": 4, "temperature": 0}
 
 
 @pytest.fixture(scope="module")
-def server():
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("server") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def server(server_log):
     srv = start_server(model_dir(), "--api-key", KEY, "--max-request-body-bytes", str(BODY_LIMIT),
-                       "--served-model-name", "atomd-test")
+                       "--served-model-name", "atomd-test", log_path=server_log)
     yield srv
     srv.stop()
 
@@ -125,6 +132,29 @@ def test_api_key_required_except_on_health(server, baseline):
     assert http("GET", server.url + "/ready")[0] == 200
     assert http("GET", server.url + "/v1/models")[0] == 401
     assert_still_serving(server, baseline)
+
+
+def access_lines(log: pathlib.Path) -> list[dict]:
+    lines = [line for line in log.read_text().splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in lines]
+
+
+def test_access_log_has_one_json_line_per_request(server, baseline, server_log):
+    headers = dict(AUTH, **{"X-Request-Id": "req-abc-123"})
+    status, _ = http("POST", server.url + "/v1/completions", {"prompt": "hi", "top_p": 7}, headers)
+    assert status == 400
+    status, _ = http("POST", server.url + "/v1/completions", dict(GOOD, stream=True),
+                     dict(AUTH, **{"X-Request-Id": "req-abc-456"}))
+    assert status == 200
+    deadline = time.monotonic() + 10
+    while not {"req-abc-123", "req-abc-456"} <= {e["request_id"] for e in access_lines(server_log)}:
+        assert time.monotonic() < deadline, server_log.read_text()[-2000:]
+        time.sleep(0.05)
+    by_id = {e["request_id"]: e for e in access_lines(server_log)}
+    bad, streamed = by_id["req-abc-123"], by_id["req-abc-456"]
+    assert (bad["method"], bad["path"], bad["status"]) == ("POST", "/v1/completions", 400)
+    assert streamed["status"] == 200 and streamed["latency_s"] > 0
+    assert {"ts", "method", "path", "status", "latency_s", "request_id"} <= set(bad)
 
 
 def test_openai_client_maps_errors(server, baseline):
