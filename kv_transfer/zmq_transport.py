@@ -319,6 +319,7 @@ class KVSender(_IOLoop):
         engine_id: str | None = None,
         *,
         max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES,
+        copy_below_bytes: int = 256 << 10,
         drain_s: float = 2.0,
     ) -> None:
         _check_kv(kv_blocks)
@@ -326,6 +327,9 @@ class KVSender(_IOLoop):
         self._kv = kv_blocks
         self._compat = dict(compat)
         self._blocks_per_message = max(1, max_message_bytes // kv_blocks.shape[1])
+        # A transfer this small is copied into zmq: cheaper than tracking when zmq lets go of
+        # zero-copy frames (END waits for that), and then nothing points into the cache.
+        self._copy_below_bytes = copy_below_bytes
         self._drain_s = drain_s
         self._grants: dict[str, _Grant] = {}
         self._tombstones: collections.OrderedDict[str, str] = collections.OrderedDict()
@@ -459,6 +463,7 @@ class KVSender(_IOLoop):
 
     def _serve(self, rid: bytes, tid: str, ids: np.ndarray) -> _Serve:
         serve = _Serve(rid, len(ids), len(ids) * self._kv.shape[1])
+        zero_copy = serve.nbytes >= self._copy_below_bytes
         try:
             for start, frames in plan_messages(ids, self._blocks_per_message):
                 header = encode(Data(tid, start, [n for _, n in frames]))
@@ -466,7 +471,10 @@ class KVSender(_IOLoop):
                 for i, (first, n) in enumerate(frames):
                     more = zmq.SNDMORE if i + 1 < len(frames) else 0
                     view = memoryview(self._kv[first : first + n]).cast("B")
-                    serve.trackers.append(self._sock.send(view, more | zmq.NOBLOCK, copy=False, track=True))
+                    if zero_copy:
+                        serve.trackers.append(self._sock.send(view, more | zmq.NOBLOCK, copy=False, track=True))
+                    else:
+                        self._sock.send(view, more | zmq.NOBLOCK, copy=True)
         except zmq.ZMQError:
             self._stats.failures[PEER_GONE] = self._stats.failures.get(PEER_GONE, 0) + 1
             serve.num_blocks = -1  # never END a partial answer

@@ -121,13 +121,15 @@ CASES = {
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copied"])
 @pytest.mark.parametrize("max_message_blocks", [1, 3, 1000])
 @pytest.mark.parametrize("case", list(CASES))
-def test_bytes_arrive_exactly(closing, case, max_message_blocks):
+def test_bytes_arrive_exactly(closing, case, max_message_blocks, zero_copy):
     remote, local = CASES[case]
     src = random_blocks(2)
     dst = np.full_like(src, SENTINEL)
-    sender = closing(KVSender(src, COMPAT, max_message_bytes=max_message_blocks * BLOCK_BYTES))
+    sender = closing(KVSender(src, COMPAT, max_message_bytes=max_message_blocks * BLOCK_BYTES,
+                              copy_below_bytes=0 if zero_copy else 1 << 30))
     receiver = closing(KVReceiver(dst, COMPAT))
     seen = Collector(sender, receiver)
     sender.grant("t1", remote, TOKEN, lease_s=30)
@@ -439,7 +441,7 @@ def test_many_concurrent_transfers_from_two_producers(closing):
     num_blocks = 256
     srcs = [random_blocks(10 + i, num_blocks=num_blocks) for i in range(2)]
     dst = np.full((num_blocks, BLOCK_BYTES), SENTINEL, dtype=np.uint8)
-    senders = [closing(KVSender(src, COMPAT, max_message_bytes=4 * BLOCK_BYTES)) for src in srcs]
+    senders = [closing(KVSender(src, COMPAT, max_message_bytes=4 * BLOCK_BYTES, copy_below_bytes=0)) for src in srcs]
     receiver = closing(KVReceiver(dst, COMPAT))
     rng = np.random.default_rng(7)
     free_local = rng.permutation(num_blocks).tolist()
@@ -504,7 +506,7 @@ seed, num_blocks, block_bytes, tid, token, lease_s = sys.argv[1:7]
 compat = json.loads(sys.argv[7])
 ids = json.loads(sys.argv[8])
 kv = np.random.default_rng(int(seed)).integers(0, 256, size=(int(num_blocks), int(block_bytes)), dtype=np.uint8)
-sender = KVSender(kv, compat)
+sender = KVSender(kv, compat, copy_below_bytes=0)
 sender.grant(tid, ids, token, float(lease_s))
 print(json.dumps({"port": sender.address[1]}), flush=True)
 deadline = time.monotonic() + 30
