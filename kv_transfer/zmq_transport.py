@@ -13,8 +13,10 @@ frames are raw block bytes.
 
 KV memory is a numpy uint8 view `kv_blocks[num_blocks, block_bytes]` of the engine's
 block-major KV tensor: one block of every layer is one contiguous row, so a run of
-consecutive block ids is one contiguous slice. P sends such slices zero-copy; D copies
-each received frame once, straight into its destination rows.
+consecutive block ids is one contiguous slice (and DATA needs no layer range). P sends
+such slices zero-copy, in messages of up to 8 MiB; D copies each received frame once,
+straight into its destination rows. Transfers under 256 KiB are copied into zmq instead:
+for them, waiting for zmq to release zero-copy frames costs more than the copy.
 
 Producer (P), `KVSender`: `grant()` pins a transfer's blocks under a lease; exactly one
 of DONE / ABORT / `revoke()` / lease expiry releases it; the engine thread polls

@@ -619,3 +619,14 @@ def test_killed_receiver_frees_by_lease_expiry_after_its_frames_are_dropped(chil
     stats = sender.stats()
     assert stats.leases_expired == 1 and stats.drains_forced == 0 and stats.blocks_pinned == 0
     assert stats.bytes_sent == 0 and stats.transfers_served == 0  # END never went out
+
+
+@pytest.mark.integration
+def test_kv_transfer_imports_no_torch():
+    """kv_transfer sees the KV cache only as numpy buffers (DESIGN.md): a fresh interpreter proves it."""
+    code = ("import sys, kv_transfer.params, kv_transfer.zmq_transport; "
+            "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'atomd')); print(bad)")
+    out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
+                         capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]"
