@@ -17,6 +17,8 @@ import time
 import numpy as np
 import pytest
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from kv_transfer.params import compat_fingerprint
 from kv_transfer.zmq_transport import (
@@ -160,6 +162,20 @@ def test_pull_of_a_subset_past_the_prefix_hit(pair):
 
 
 @pytest.mark.unit
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(0, 40), max_size=60), st.integers(1, 9))
+def test_plan_messages_covers_the_ids_in_order_with_bounded_messages(ids, per_message):
+    plan = plan_messages(np.asarray(ids, dtype=np.int64), per_message)
+    flat = [first + k for _, frames in plan for first, n in frames for k in range(n)]
+    assert flat == ids
+    starts = [start for start, _ in plan]
+    sizes = [sum(n for _, n in frames) for _, frames in plan]
+    assert starts == [sum(sizes[:i]) for i in range(len(plan))]
+    assert all(0 < size <= per_message for size in sizes)
+    assert len(plan) == -(-len(ids) // per_message)  # no more messages than the bound forces
+
+
+@pytest.mark.unit
 def test_plan_messages_coalesces_runs_and_bounds_messages():
     ids = np.array([4, 5, 6, 7, 9, 1, 2], dtype=np.int64)
     plan = plan_messages(ids, 3)
@@ -217,10 +233,10 @@ def test_lease_expiry_frees_once_and_is_counted(pair):
 def test_heartbeats_keep_a_held_transfer_alive_past_its_lease(pair):
     src, dst, sender, receiver = pair
     seen = Collector(sender, receiver)
-    lease_s = 0.3
+    lease_s = 0.5  # heartbeats every 0.05 s: a loaded machine must lose ten in a row to fail this
     sender.grant("t1", [8, 9], TOKEN, lease_s=lease_s)
     receiver.hold("t1", *sender.address, lease_s=lease_s)
-    past_lease = time.monotonic() + 4 * lease_s
+    past_lease = time.monotonic() + 3 * lease_s
     while time.monotonic() < past_lease:  # a deadline loop: the transfer must stay pinned all along
         seen.poll()
         assert seen.released == [] and seen.failed == []
