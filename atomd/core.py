@@ -373,6 +373,7 @@ class EngineCoreClient:
                 fut.set_exception(err)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
+        self.dead = self.dead or "engine core shut down"  # an expected exit, not an error to log
         if self.proc is not None and self.proc.is_alive():
             self.proc.terminate()
             deadline = asyncio.get_running_loop().time() + timeout_s

@@ -10,7 +10,7 @@ ratio (target >= 0.9); output tokens per CPU second (server = API + engine core)
 a shared machine's neighbours disturb less than wall time; and the CPU seconds of the API
 process, the engine core and this client during the HTTP run.
 
-    .venv/bin/python benchmarks/serve_throughput.py --num-threads 2
+    .venv/bin/python benchmarks/serve_throughput.py --num-threads 1 --rounds 5
 """
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ import json
 import os
 import pathlib
 import random
+import statistics
 import sys
 import time
 
@@ -59,40 +60,46 @@ def run_offline(args, prompts) -> dict:
     return {"wall": wall, "cpu": cpu}
 
 
-async def one_request(session, url: str, prompt: list[int], output_len: int) -> int:
-    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True,
-            "stream": True, "stream_options": {"include_usage": True}}
-    usage = None
+async def one_request(session, url: str, prompt: list[int], output_len: int, stream: bool) -> int:
+    body = {"prompt": prompt, "max_tokens": output_len, "temperature": 0, "ignore_eos": True}
+    if stream:
+        body.update(stream=True, stream_options={"include_usage": True})
     async with session.post(url + "/v1/completions", json=body) as resp:
         assert resp.status == 200, await resp.text()
+        if not stream:
+            return (await resp.json())["usage"]["completion_tokens"]
+        usage = None
         async for line in resp.content:
             if line.startswith(b"data: {"):
-                event = json.loads(line[6:])
-                usage = event.get("usage") or usage
+                usage = json.loads(line[6:]).get("usage") or usage
     return usage["completion_tokens"]
 
 
-async def http_load(url: str, prompts, output_len: int) -> list[int]:
+async def http_load(url: str, prompts, output_len: int, stream: bool = True) -> list[int]:
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
                                      timeout=aiohttp.ClientTimeout(total=3600)) as s:
-        return await asyncio.gather(*(one_request(s, url, p, output_len) for p in prompts))
+        return await asyncio.gather(*(one_request(s, url, p, output_len, stream) for p in prompts))
 
 
-def run_http(args, prompts) -> dict:
+def run_http(args, prompts) -> dict[str, dict]:
+    """One server, the load twice: streamed (SSE) and plain JSON."""
     server = ServerProcess(args.model, engine_args=["--max-model-len", str(args.max_model_len), "--max-num-seqs",
                                                     str(len(prompts)), "--num-threads", str(args.num_threads)])
     try:
         server.wait_ready(600)
         asyncio.run(http_load(server.url, prompts[:1], 4))  # warm-up
         api_pid, core_pid = server.proc.pid, server.engine_pid()
-        cpu0 = (cpu_seconds(api_pid), cpu_seconds(core_pid), time.process_time())
-        t0 = time.perf_counter()
-        counts = asyncio.run(http_load(server.url, prompts, args.output_len))
-        wall = time.perf_counter() - t0
-        cpu1 = (cpu_seconds(api_pid), cpu_seconds(core_pid), time.process_time())
-        assert counts == [args.output_len] * len(prompts), counts
-        api, core, client = (b - a for a, b in zip(cpu0, cpu1))
-        return {"wall": wall, "api_cpu": api, "core_cpu": core, "client_cpu": client}
+        results = {}
+        for mode in ("SSE", "JSON"):
+            cpu0 = (cpu_seconds(api_pid), cpu_seconds(core_pid), time.process_time())
+            t0 = time.perf_counter()
+            counts = asyncio.run(http_load(server.url, prompts, args.output_len, stream=mode == "SSE"))
+            wall = time.perf_counter() - t0
+            cpu1 = (cpu_seconds(api_pid), cpu_seconds(core_pid), time.process_time())
+            assert counts == [args.output_len] * len(prompts), counts
+            api, core, client = (b - a for a, b in zip(cpu0, cpu1))
+            results[mode] = {"wall": wall, "api_cpu": api, "core_cpu": core, "client_cpu": client}
+        return results
     finally:
         server.stop()
 
@@ -104,9 +111,10 @@ def main() -> int:
     p.add_argument("--prompt-len", type=int, default=64)
     p.add_argument("--output-len", type=int, default=128)
     p.add_argument("--max-model-len", type=int, default=512)
-    p.add_argument("--num-threads", type=int, default=2)
+    p.add_argument("--num-threads", type=int, default=1,
+                   help="torch threads of both engines (1: the API process gets the other core)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--rounds", type=int, default=2, help="offline/HTTP pairs, interleaved")
+    p.add_argument("--rounds", type=int, default=5, help="offline/HTTP pairs, interleaved")
     args = p.parse_args()
     if args.model is None:
         from atomd.model.default import default_model_dir
@@ -118,18 +126,23 @@ def main() -> int:
     prompts = make_prompts(args.num_requests, args.prompt_len, vocab, args.seed)
     tokens = args.num_requests * args.output_len
 
-    print("| round | path | wall s | out tok/s | vs offline | out tok per CPU s | vs offline |\n"
-          "|---|---|---|---|---|---|---|")
+    print("| round | path | wall s | out tok/s | vs offline | out tok per CPU s | vs offline | CPU during the run |\n"
+          "|---|---|---|---|---|---|---|---|")
+    ratios: dict[str, list[tuple[float, float]]] = {"SSE": [], "JSON": []}
     for r in range(args.rounds):  # alternate, so a neighbour's burst hits both sides alike
-        off, h = run_offline(args, prompts), run_http(args, prompts)
+        off, https = run_offline(args, prompts), run_http(args, prompts)
         off_tps, off_eff = tokens / off["wall"], tokens / off["cpu"]
-        h_tps, h_eff = tokens / h["wall"], tokens / (h["api_cpu"] + h["core_cpu"])
-        print(f"| {r} | offline LLM.generate | {off['wall']:.2f} | {off_tps:.0f} | 1.00 | {off_eff:.0f} | 1.00 |")
-        print(f"| {r} | HTTP (atomd serve, SSE) | {h['wall']:.2f} | {h_tps:.0f} | {h_tps / off_tps:.2f} "
-              f"| {h_eff:.0f} | {h_eff / off_eff:.2f} |")
-        print(f"|   | CPU s during HTTP: API {h['api_cpu']:.2f} ({100 * h['api_cpu'] / h['wall']:.1f}% of a core, "
-              f"{100 * h['api_cpu'] / (h['api_cpu'] + h['core_cpu']):.1f}% of the server's CPU), "
-              f"engine core {h['core_cpu']:.2f}, client {h['client_cpu']:.2f} | | | | | |", flush=True)
+        print(f"| {r} | offline LLM.generate | {off['wall']:.2f} | {off_tps:.0f} | 1.00 | {off_eff:.0f} | 1.00 | |")
+        for mode, h in https.items():
+            h_tps, h_eff = tokens / h["wall"], tokens / (h["api_cpu"] + h["core_cpu"])
+            ratios[mode].append((h_tps / off_tps, h_eff / off_eff))
+            print(f"| {r} | HTTP {mode} | {h['wall']:.2f} | {h_tps:.0f} | {h_tps / off_tps:.2f} | {h_eff:.0f} "
+                  f"| {h_eff / off_eff:.2f} | API {h['api_cpu']:.2f} s = {100 * h['api_cpu'] / h['wall']:.1f}% "
+                  f"of a core, {100 * h['api_cpu'] / (h['api_cpu'] + h['core_cpu']):.1f}% of server CPU; "
+                  f"core {h['core_cpu']:.2f} s; client {h['client_cpu']:.2f} s |", flush=True)
+    for mode, rs in ratios.items():
+        print(f"\nmedian over {args.rounds} rounds, HTTP {mode} / offline: tokens/s "
+              f"{statistics.median(w for w, _ in rs):.2f}, tokens per CPU second {statistics.median(c for _, c in rs):.2f}")
     return 0
 
 
