@@ -12,6 +12,7 @@ from typing import Any, Literal
 
 import msgspec
 
+from kv_transfer.params import KVTransferParams
 from scheduler.sequence import SamplingParams
 
 MAX_LOGPROBS = 20
@@ -146,6 +147,11 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 def _check_common(req: _SamplingFields) -> None:
+    if req.kv_transfer_params is not None:
+        try:  # the engine gets the dict as sent; a malformed one never reaches it
+            KVTransferParams.from_json_obj(req.kv_transfer_params)
+        except ValueError as e:
+            raise invalid("kv_transfer_params", str(e)) from None
     if req.n != 1:
         raise invalid("n", f"n={req.n} is not supported; only n=1")
     if req.temperature is not None and req.temperature < 0:
