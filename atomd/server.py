@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import hmac
 import json
 import logging
 import signal
@@ -110,6 +111,8 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
 
 
 def load_tokenizer(config: Any):
+    """The engine's tokenizer, resolved like atomd.engine.resolve_model_dir (which this
+    process does not import: it would pull in torch)."""
     from atomd.tokenizer import Tokenizer
     from atomd.model.default import default_model_dir
 
@@ -188,12 +191,16 @@ class Server:
             if e.status < 400:
                 raise
             return error_response(P.APIError(e.status, e.reason, type="invalid_request_error"))
+        except Exception as e:  # a bug: answer it in the API's error shape, keep serving
+            logger.exception("unhandled error on %s %s", request.method, request.path)
+            return error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}",
+                                             type="server_error", code="internal_error"))
 
     @web.middleware
     async def auth(self, request: web.Request, handler):
         key = self.args.api_key
-        if key and request.path not in OPEN_PATHS and \
-                request.headers.get("Authorization") != f"Bearer {key}":
+        if key and request.path not in OPEN_PATHS and not hmac.compare_digest(
+                request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
             raise P.APIError(401, "missing or invalid API key (expected `Authorization: Bearer <key>`)",
                              type="authentication_error", code="invalid_api_key")
         return await handler(request)
@@ -306,10 +313,11 @@ class Server:
         stream = self.client.add_request(out.id, ids, params, req.kv_transfer_params)
         try:
             first = await stream.next_batch()
-            if first[0].error is not None:  # rejected by the scheduler, or a failed KV pull
-                if first[0].error.startswith("unschedulable"):
-                    raise P.APIError(400, first[0].error, code="unschedulable")
-                raise P.APIError(503, first[0].error, type="service_unavailable", code="engine_error")
+            error = first[0].error
+            if error is not None:  # rejected by the scheduler or the engine, or a failed KV pull
+                if error.startswith("kv_transfer_failed"):
+                    raise P.APIError(503, error, type="service_unavailable", code="kv_transfer_failed")
+                raise P.APIError(400, error, code="unschedulable" if error.startswith("unschedulable") else None)
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
             batch = first
