@@ -148,7 +148,8 @@ def test_abort_frees_blocks_and_utilities_answer(harness):
 
 @pytest.mark.integration
 def test_garbage_on_the_input_socket_does_not_kill_the_core(harness):
-    harness.client.inp.send(b"\x92\xa3bad\x01")
+    # sent from the client's loop thread: that socket has one writer
+    harness.loop.call_soon_threadsafe(harness.client.inp.send, b"\x92\xa3bad\x01")
     params = SamplingParams(max_tokens=3, temperature=0.0)
     assert len(harness.run(harness.generate("after-garbage", PROMPTS[0], params))) == 3
     assert harness.client.proc.is_alive()
