@@ -51,7 +51,7 @@ def split_events(data: bytes) -> list[dict]:
     return events
 
 
-def completion_sum(server, prompt, max_tokens: int) -> str:
+def completion_text(server, prompt, max_tokens: int) -> str:
     status, body = http("POST", server.url + "/v1/completions",
                         {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})
     assert status == 200, body
@@ -71,7 +71,7 @@ def test_completion_sse_framing_and_text(server, baseline):
     assert text_events[-1]["choices"][0]["finish_reason"] in ("stop", "length")
     assert usage_event["choices"] == [] and usage_event["usage"]["completion_tokens"] <= 12
     text = "".join(e["choices"][0]["text"] for e in text_events)
-    assert text == completion_sum(server, "def parse(", 12)
+    assert text == completion_text(server, "def parse(", 12)
     server.wait_idle(baseline)
 
 
@@ -155,3 +155,20 @@ def test_disconnect_while_waiting_non_stream_aborts(server, baseline):
     asyncio.run(main())
     server.wait_idle(baseline)
     assert success_counts(server).get("abort", 0) - before == 1
+
+
+@pytest.mark.parametrize("include", [False, True])
+def test_streamed_stop_string_is_held_back_and_cut(server, baseline, include):
+    """Text that might begin a stop string is held back: the streamed text ends exactly
+    where the non-streamed full text puts the stop string."""
+    full = completion_text(server, "import os\nimport sys\n", 24)
+    assert len(full) >= 8, full
+    stop = full[4:8]
+    cut = full.index(stop) + (len(stop) if include else 0)
+    body = {"prompt": "import os\nimport sys\n", "max_tokens": 24, "temperature": 0, "stream": True,
+            "stop": [stop, "\x00never"], "include_stop_str_in_output": include}
+    _, data = raw_stream(server, "/v1/completions", body)
+    events = split_events(data)
+    assert "".join(e["choices"][0]["text"] for e in events) == full[:cut]
+    assert events[-1]["choices"][0]["finish_reason"] == "stop"
+    server.wait_idle(baseline)
