@@ -189,12 +189,15 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
         return out.view(-1, heads * head_dim)
     out = torch.empty(q.shape[0], heads * head_dim, dtype=q.dtype)
     for s in meta.seqs:
-        qs = q[s.start:s.end].transpose(0, 1)
+        # 4-d inputs: with 3-d ones torch takes its (3x slower) math path on CPU
+        qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)
         if s.num_computed == 0:
             ks, vs = k[s.start:s.end].transpose(0, 1), v[s.start:s.end].transpose(0, 1)
-            o = F.scaled_dot_product_attention(qs, ks, vs, is_causal=True, enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
+                                               enable_gqa=True)
         else:
             ks, vs = kv_cache.gather(layer, s.block_ids, s.context_len)
-            o = F.scaled_dot_product_attention(qs, ks, vs, attn_mask=s.mask, enable_gqa=True)
-        out[s.start:s.end] = o.transpose(0, 1).reshape(s.end - s.start, heads * head_dim)
+            o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=s.mask,
+                                               enable_gqa=True)
+        out[s.start:s.end] = o[0].transpose(0, 1).reshape(s.end - s.start, heads * head_dim)
     return out
