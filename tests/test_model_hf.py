@@ -131,6 +131,16 @@ def test_greedy_mixed_lengths_equal_hf(kind, llama_dir, qwen2_dir):
     assert_equals_hf(path, prompts, engine_greedy(LLM(str(path), num_threads=1, max_model_len=256), prompts))
 
 
+@pytest.mark.unit
+def test_default_model_greedy_equals_hf():
+    from atomd.model.default import default_model_dir
+
+    path = default_model_dir()
+    prompts = [[1], [1] + list(range(100, 115)), [1] + list(range(200, 290, 1))]
+    got = engine_greedy(LLM(None, num_threads=1, max_model_len=256), prompts)
+    assert_equals_hf(path, prompts, got)
+
+
 def _prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
     """Logits of every prompt position, through the scheduler's (possibly chunked) batches."""
     engine = llm.engine
