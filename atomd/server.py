@@ -237,8 +237,12 @@ class Server:
         return json_response({"reset": bool(await self.client.call("reset_prefix_cache"))})
 
     async def debug_stats(self, request: web.Request) -> web.Response:
+        """The engine's stats plus this process's view: requests it still streams, and
+        aborts the engine has not confirmed yet (both 0 once everything has settled)."""
         self.require_engine()
-        return json_response(await self.client.call("stats"))
+        stats = await self.client.call("stats")
+        return json_response(dict(stats, api_requests_in_flight=len(self.client.streams),
+                                  api_aborts_unconfirmed=len(self.client.aborting)))
 
     async def models(self, request: web.Request) -> web.Response:
         self.require_engine()

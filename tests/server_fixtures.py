@@ -84,12 +84,14 @@ class ServerProcess:
         return json.loads(body)
 
     def wait_idle(self, baseline_free: int, headers: dict | None = None, timeout_s: float = 30.0) -> dict:
-        """Poll until nothing runs or waits and the free-block count is back at `baseline_free`."""
+        """Poll until nothing runs or waits, the free-block count is back at `baseline_free`
+        and the engine has confirmed every abort the API process sent."""
         deadline = time.monotonic() + timeout_s
         while True:
             stats = self.stats(headers)
             if stats["num_running"] == 0 and stats["num_waiting"] == 0 and \
-                    stats["num_free_blocks"] == baseline_free:
+                    stats["num_free_blocks"] == baseline_free and stats["api_requests_in_flight"] == 0 \
+                    and stats["api_aborts_unconfirmed"] == 0:
                 return stats
             if time.monotonic() > deadline:
                 raise AssertionError(f"engine not back to baseline ({baseline_free} free): {stats}")
