@@ -81,7 +81,6 @@ class TokenDelta(msgspec.Struct, array_like=True):
 
 class Ready(msgspec.Struct, tag="ready"):
     model_name: str
-    stats: dict[str, Any]
 
 
 class StepOutputs(msgspec.Struct, tag="outputs"):
@@ -201,7 +200,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         if getattr(config, "num_threads", None):
             torch.set_num_threads(config.num_threads)
         engine = LLMEngine(config)
-        out.send(encoder.encode(Ready(engine.model_name, engine.stats())))
+        out.send(encoder.encode(Ready(engine.model_name)))
         EngineCore(engine, inp, out, parent_pid).run()
     except KeyboardInterrupt:
         pass
