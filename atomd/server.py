@@ -17,8 +17,11 @@ scheduler rejects it, and its unschedulable message comes back as a 400. A promp
 fits but whose `max_tokens` would run past max_model_len is a 400 as well (no silent
 clamp); a chat request without max_tokens gets the rest of the context.
 
-A client that disconnects (mid-stream or while waiting) has its request aborted in the
-engine, which frees its blocks.
+A streamed response starts (headers, then the first chunk) once the engine has produced
+the first token, so a request the scheduler rejects still gets a plain JSON 400. A client
+that disconnects (mid-stream or while waiting) has its request aborted in the engine,
+which frees its blocks; an engine that dies mid-stream ends the stream with an error
+event and `data: [DONE]`.
 """
 from __future__ import annotations
 
