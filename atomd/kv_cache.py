@@ -36,7 +36,11 @@ class AttentionMetadata:
     slot_offsets: torch.Tensor  # [T] offset inside that block
     seqs: list[SeqSlice]  # prefill only
     block_tables: torch.Tensor | None = None  # decode: [B, max_blocks], padded with block 0
-    decode_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_blocks * block_size] bool
+    decode_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_context] bool; None if all full
+    max_context: int = 0  # decode: the longest context of the batch
+    workspace: "DecodeWorkspace | None" = None  # decode: contiguous copy of the batch's contexts
+    workspace_fresh: bool = False  # decode: fill the workspace from the cache this step
+    new_positions: torch.Tensor | None = None  # decode: [B] position of each row's new token
 
 
 class KVCache:
@@ -83,3 +87,41 @@ class KVCache:
         k = self._k[layer].index_select(0, flat).view(shape)
         v = self._v[layer].index_select(0, flat).view(shape)
         return k.transpose(1, 2), v.transpose(1, 2)
+
+
+class DecodeWorkspace:
+    """The decode batch's contexts as contiguous [B, kv_heads, capacity, head_dim] per layer.
+
+    Gathering every context from the paged cache on every step costs as much as the
+    attention itself; a decode batch usually repeats with each context one token longer,
+    so the contexts are gathered once and each step only appends its new k, v (the paged
+    cache gets them too: it stays the truth, the workspace is a cache of it).
+    """
+
+    def __init__(self, seq_ids: list[int], context_lens: np.ndarray, capacity: int, num_layers: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype):
+        self.seq_ids, self.context_lens, self.capacity = seq_ids, context_lens, capacity
+        self.kv = torch.zeros(num_layers, 2, len(seq_ids), num_kv_heads, capacity, head_dim, dtype=dtype)
+        self.rows = torch.arange(len(seq_ids))
+
+    @staticmethod
+    def nbytes(batch: int, capacity: int, num_layers: int, num_kv_heads: int, head_dim: int,
+               dtype: torch.dtype) -> int:
+        return num_layers * 2 * batch * num_kv_heads * capacity * head_dim * dtype.itemsize
+
+    def continues(self, seq_ids: list[int], context_lens: np.ndarray) -> bool:
+        """True when this step is the previous one with every context one token longer."""
+        return (seq_ids == self.seq_ids and bool((context_lens == self.context_lens + 1).all())
+                and int(context_lens.max()) <= self.capacity)
+
+    def fill(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> None:
+        n = min(keys.shape[2], self.capacity)
+        self.kv[layer, 0, :, :, :n] = keys[:, :, :n]
+        self.kv[layer, 1, :, :, :n] = values[:, :, :n]
+
+    def append(self, layer: int, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.kv[layer, 0, self.rows, :, positions] = k
+        self.kv[layer, 1, self.rows, :, positions] = v
+
+    def context(self, layer: int, length: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv[layer, 0, :, :, :length], self.kv[layer, 1, :, :, :length]

@@ -10,14 +10,19 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from atomd.kv_cache import AttentionMetadata, KVCache, SeqSlice
+from atomd.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
 from atomd.model.llama import LlamaModel
+
+
+WORKSPACE_SLACK = 128  # decode steps a workspace can grow before it is rebuilt
+WORKSPACE_MAX_BYTES = 512 << 20  # larger decode batches gather from the paged cache every step
 
 
 class ModelRunner:
     def __init__(self, model: LlamaModel, kv_cache: KVCache):
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
+        self.workspace: DecodeWorkspace | None = None
 
     @torch.inference_mode()
     def execute(self, batch, all_logits: bool = False) -> torch.Tensor:
@@ -36,7 +41,7 @@ class ModelRunner:
         if batch.is_prefill:
             meta.seqs = self._prefill_slices(batch.block_tables, starts, ends, computed)
         else:
-            self._decode_metadata(meta, tables, computed + num_sched)
+            self._decode_metadata(meta, batch.req_ids, tables, computed + num_sched)
         if all_logits:
             logits_indices = torch.arange(int(ends[-1]))
         else:
@@ -58,11 +63,34 @@ class ModelRunner:
             slices.append(SeqSlice(start, end, done, ctx, block_ids, mask))
         return slices
 
-    def _decode_metadata(self, meta: AttentionMetadata, tables: np.ndarray, context_lens: np.ndarray) -> None:
-        max_blocks = int(-(-context_lens.max() // self.block_size))
+    def _decode_metadata(self, meta: AttentionMetadata, seq_ids: list[int], tables: np.ndarray,
+                         context_lens: np.ndarray) -> None:
+        max_context = int(context_lens.max())
+        max_blocks = -(-max_context // self.block_size)
         meta.block_tables = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks]))
-        keys = torch.arange(max_blocks * self.block_size)
-        meta.decode_mask = (keys.unsqueeze(0) < torch.from_numpy(context_lens).unsqueeze(1))[:, None, None, :]
+        meta.max_context = max_context
+        if (context_lens != max_context).any():
+            keys = torch.arange(max_context)
+            meta.decode_mask = (keys.unsqueeze(0) < torch.from_numpy(context_lens).unsqueeze(1))[:, None, None, :]
+        ws = self.workspace
+        if ws is not None and ws.continues(seq_ids, context_lens):
+            ws.context_lens = context_lens
+            meta.new_positions = torch.from_numpy(context_lens - 1)
+        else:
+            ws = self.workspace = self._new_workspace(seq_ids, context_lens)
+            meta.workspace_fresh = True
+        meta.workspace = ws
+
+    def _new_workspace(self, seq_ids: list[int], context_lens: np.ndarray) -> DecodeWorkspace | None:
+        """Room for WORKSPACE_SLACK more steps of this batch, if that fits WORKSPACE_MAX_BYTES."""
+        c = self.kv_cache
+        capacity = int(context_lens.max()) + WORKSPACE_SLACK
+        dtype = c.kv.dtype
+        self.workspace = None  # free the old one before allocating
+        if DecodeWorkspace.nbytes(len(seq_ids), capacity, c.num_layers, c.num_kv_heads, c.head_dim,
+                                  dtype) > WORKSPACE_MAX_BYTES:
+            return None
+        return DecodeWorkspace(seq_ids, context_lens, capacity, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
 
 
 def _pad_tables(block_tables: list[list[int]]) -> np.ndarray:

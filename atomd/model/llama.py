@@ -179,11 +179,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Prefill: one SDPA per sequence; a sequence without cached prefix attends to its own
     fresh k/v (no gather), one with a prefix (chunked prefill, prefix hit) reads its
     whole context from the cache. Decode: one SDPA over the batch, contexts gathered
-    block by block and padded, the padding masked out.
+    block by block and padded (into the decode workspace when there is one, which later
+    steps extend instead of gathering again), the padding masked out.
     """
     heads, head_dim = q.shape[1], q.shape[2]
     if not meta.is_prefill:
-        keys, values = kv_cache.gather_padded(layer, meta.block_tables)
+        ws = meta.workspace
+        if ws is None or meta.workspace_fresh:
+            keys, values = kv_cache.gather_padded(layer, meta.block_tables)
+            if ws is not None:
+                ws.fill(layer, keys, values)
+        else:
+            ws.append(layer, meta.new_positions, k, v)
+        if ws is not None:
+            keys, values = ws.context(layer, meta.max_context)
+        else:
+            keys, values = keys[:, :, :meta.max_context], values[:, :, :meta.max_context]
         out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
                                              enable_gqa=True)
         return out.view(-1, heads * head_dim)
