@@ -207,7 +207,7 @@ class RayCluster:
         self.router_url = ""
 
     def start(self) -> list[dict]:
-        """Place, start the router, start the engines; returns the engines' info."""
+        """Start the router, place the engines, start them; returns the engines' info."""
         c = self.config
         if c.check_resources:
             nodes = [n["Resources"] for n in ray.nodes() if n.get("Alive")]
@@ -231,7 +231,13 @@ class RayCluster:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
             ).remote(role, c, self.router_url)
             self.engines.append((role, actor))
-        return ray.get([a.info.remote() for _, a in self.engines], timeout=c.timeouts.ready_s)
+        calls = {a.info.remote(): slot for (_, a), slot in zip(self.engines, self.slots)}
+        _, pending = ray.wait(list(calls), num_returns=len(calls), timeout=c.timeouts.ready_s)
+        if pending:
+            late = ", ".join(f"{role}-{i}" for role, i in (calls[ref] for ref in pending))
+            raise TimeoutError(f"engines not ready within timeouts.ready_s={c.timeouts.ready_s:g} s: {late} "
+                               "(their logs are in `ray job logs`)")
+        return ray.get(list(calls), timeout=c.timeouts.ready_s)  # raises why an engine died
 
     def _place(self) -> None:
         """One STRICT_PACK placement group per engine, all ready within timeouts.placement_s."""
@@ -270,12 +276,14 @@ class RayCluster:
                 current.add((calls[ref], ray.get(ref, timeout=1)["url"]))
             except ray.exceptions.RayError:
                 unsure.add(calls[ref])
-        _, listing = http("GET", f"{self.router_url}/workers")
-        for w in (listing or {}).get("workers", []):
-            key = (w["role"], w["url"])
-            if w["role"] not in unsure and key not in current and not w["healthy"]:
-                http("DELETE", f"{self.router_url}/workers", {"url": w["url"], "role": w["role"]})
-                print(f"ray_cluster: removed dead {w['role']} engine {w['url']} from the router", flush=True)
+        try:
+            _, listing = http("GET", f"{self.router_url}/workers")
+            for w in (listing or {}).get("workers", []):
+                if w["role"] not in unsure and (w["role"], w["url"]) not in current and not w["healthy"]:
+                    http("DELETE", f"{self.router_url}/workers", {"url": w["url"], "role": w["role"]})
+                    print(f"ray_cluster: removed dead {w['role']} engine {w['url']} from the router", flush=True)
+        except OSError as e:  # the router is busy or restarting its listener: next round
+            print(f"ray_cluster: could not reach the router to prune workers: {e!r}", flush=True)
 
     def stop(self) -> None:
         """Stop every child (bounded), kill every actor, remove every placement group."""
