@@ -210,6 +210,17 @@ def test_preemption_by_tiny_pool_equals_hf(llama_dir):
 
 
 @pytest.mark.unit
+def test_decode_without_workspace_equals_hf(llama_dir, monkeypatch):
+    import atomd.runner
+
+    monkeypatch.setattr(atomd.runner, "WORKSPACE_MAX_BYTES", 0)  # gather from the paged cache every step
+    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256)
+    prompts = prompts_of(MIXED, seed=9)
+    assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))
+    assert llm.engine.runner.workspace is None
+
+
+@pytest.mark.unit
 def test_mistral_loads_and_equals_hf(tmp_path):
     path = make_checkpoint(tmp_path / "mistral", "mistral", seed=2)
     prompts = prompts_of([BLOCK + 1, 3], seed=8)
