@@ -4,7 +4,8 @@ Same random Llama checkpoint for both (hidden 512, 8 layers, 8 heads / 4 KV head
 intermediate 1408, vocab 4096, untied), same thread count, float32:
 
 - batch 1: output tokens/s of one 128-token prompt generating 128 tokens;
-- batch 16: output tokens/s of 16 such prompts at once (HF: one batched generate, KV cache on);
+- batch 16: output tokens/s of 16 such prompts at once (HF: one batched generate, KV cache on),
+  the prompts' prefill included; "decode only" subtracts a 1-token run of the same batch;
 - prefill: prompt tokens/s of 8 x 512-token prompts, one output token each;
 - achieved GFLOP/s of atomd's decode and prefill against a plain torch matmul chain of the
   same shapes (the model's linear layers at M = 16 and M = 4096) timed in the same run.
@@ -55,7 +56,7 @@ def timed(fn) -> float:
     return time.perf_counter() - t0
 
 
-def hf_runs(path: pathlib.Path) -> dict[str, float]:
+def hf_generator(path: pathlib.Path):
     import transformers
 
     model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
@@ -65,14 +66,10 @@ def hf_runs(path: pathlib.Path) -> dict[str, float]:
         with torch.inference_mode():
             model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
                            do_sample=False, use_cache=True, pad_token_id=0)
-
-    gen(prompts(2, 16, 9), 4)  # warm-up
-    return {"batch1": 128 / timed(lambda: gen(prompts(1, 128, 1), 128)),
-            "batch16": 16 * 128 / timed(lambda: gen(prompts(16, 128, 2), 128)),
-            "prefill": 8 * 512 / timed(lambda: gen(prompts(8, 512, 3), 1))}
+    return gen
 
 
-def atomd_runs(path: pathlib.Path, threads: int) -> dict[str, float]:
+def atomd_generator(path: pathlib.Path, threads: int):
     from atomd import LLM, SamplingParams
 
     llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False)
@@ -80,11 +77,29 @@ def atomd_runs(path: pathlib.Path, threads: int) -> dict[str, float]:
     def gen(batch: list[list[int]], new: int):
         llm.generate([{"prompt_token_ids": p} for p in batch],
                      SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    return gen
 
-    gen(prompts(2, 16, 9), 4)  # warm-up
-    return {"batch1": 128 / timed(lambda: gen(prompts(1, 128, 1), 128)),
-            "batch16": 16 * 128 / timed(lambda: gen(prompts(16, 128, 2), 128)),
-            "prefill": 8 * 512 / timed(lambda: gen(prompts(8, 512, 3), 1))}
+
+# name -> (prompts, prompt length, new tokens, seed); tokens counted: output, or prompt for prefill
+WORKLOADS = {"batch1": (1, 128, 128, 1), "batch16": (16, 128, 128, 2), "batch16_first": (16, 128, 1, 2),
+             "prefill": (8, 512, 1, 3)}
+
+
+def run_workloads(gens: dict) -> dict[str, dict[str, float]]:
+    """tokens/s per engine per workload; the engines alternate per workload so that both
+    see the same background load on a shared machine."""
+    for gen in gens.values():
+        gen(prompts(2, 16, 9), 4)  # warm-up
+    out: dict[str, dict[str, float]] = {name: {} for name in gens}
+    for workload, (n, length, new, seed) in WORKLOADS.items():
+        batch = prompts(n, length, seed)
+        tokens = n * length if workload == "prefill" else n * new
+        for name, gen in gens.items():
+            out[name][workload] = tokens / timed(lambda: gen(batch, new))
+    for r in out.values():  # decode alone: the batch 16 run minus its prefill and first token
+        decode_s = 16 * 128 / r["batch16"] - 16 / r.pop("batch16_first")
+        r["batch16_decode"] = 16 * 127 / decode_s
+    return out
 
 
 def linear_shapes() -> list[tuple[int, int]]:
@@ -124,15 +139,20 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(pathlib.Path(tmp) / "llama")
-        hf = hf_runs(path)
-        ours = atomd_runs(path, args.threads)
+        results = run_workloads({"hf": hf_generator(path), "atomd": atomd_generator(path, args.threads)})
+    hf, ours = results["hf"], results["atomd"]
     torch.set_num_threads(args.threads)
     mm16, mm4096 = matmul_gflops(16), matmul_gflops(4096, with_head=False)
-    # decode: mean context 128 + 64; prefill: the head runs on 1 row per prompt, attention is causal
-    decode_gflops = ours["batch16"] * flops_per_token(192) / 1e9
+    # batch 16 run: its 16 x 128 prefill (mean causal context 64, head on 16 rows) plus 16 x 128
+    # decode tokens (mean context 192), over the run's time; prefill: 8 x 512, mean context 256
+    batch16_s = 16 * 128 / ours["batch16"]
+    batch16_flops = (16 * 128 * flops_per_token(64, with_head=False) + 16 * 2 * 4096 * 512
+                     + 16 * 128 * flops_per_token(192))
+    decode_gflops = batch16_flops / batch16_s / 1e9
     prefill_gflops = ours["prefill"] * flops_per_token(256, with_head=False) / 1e9
     rows = [("batch 1 (tok/s)", hf["batch1"], ours["batch1"]),
             ("batch 16 (output tok/s)", hf["batch16"], ours["batch16"]),
+            ("batch 16 decode only", hf["batch16_decode"], ours["batch16_decode"]),
             ("prefill 8x512 (tok/s)", hf["prefill"], ours["prefill"])]
     print(f"threads={args.threads} dtype=float32")
     print(f"{'metric':26} {'HF':>9} {'atomd':>9} {'atomd/HF':>9}")
