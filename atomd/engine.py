@@ -6,7 +6,6 @@ the end (finished by a stop, aborted, or rejected as unschedulable with `error` 
 """
 from __future__ import annotations
 
-import logging
 import pathlib
 import time
 from typing import Any, Iterable
@@ -23,8 +22,6 @@ from atomd.sampler import Sampler
 from atomd.tokenizer import Tokenizer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence
-
-logger = logging.getLogger("atomd.engine")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TQDM_MIN_PROMPTS = 16  # a progress bar only where the wait is long enough to want one

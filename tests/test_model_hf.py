@@ -8,6 +8,7 @@ Checkpoints: a Llama with llama3 RoPE scaling, GQA and untied embeddings; a Qwen
 """
 from __future__ import annotations
 
+import json
 import pathlib
 
 import pytest
@@ -16,6 +17,7 @@ import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
 from atomd.engine import LLM
+from scheduler.scheduler import ScheduledBatchOutput
 from scheduler.sequence import SamplingParams
 
 torch.set_num_threads(1)
@@ -38,8 +40,6 @@ def write_tokenizer(path: pathlib.Path, vocab_size: int = 300) -> None:
         show_progress=False))
     tok.post_processor = processors.TemplateProcessing(single="<|bos|> $A", special_tokens=[("<|bos|>", 1)])
     tok.save(str(path / "tokenizer.json"))
-    import json
-
     (path / "tokenizer_config.json").write_text(json.dumps({
         "tokenizer_class": "PreTrainedTokenizerFast", "bos_token": "<|bos|>", "eos_token": "<|eos|>",
         "pad_token": "<|pad|>", "chat_template": CHAT_TEMPLATE}))
@@ -155,8 +155,6 @@ def _prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 def _one_token_output(batch):
-    from scheduler.scheduler import ScheduledBatchOutput
-
     return ScheduledBatchOutput(batch.req_ids, [[3] if s else [] for s in batch.needs_sample.tolist()])
 
 
