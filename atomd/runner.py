@@ -15,7 +15,7 @@ from atomd.model.llama import LlamaModel
 
 
 WORKSPACE_SLACK = 128  # decode steps a workspace can grow before it is rebuilt
-WORKSPACE_MAX_BYTES = 512 << 20  # larger decode batches gather from the paged cache every step
+WORKSPACE_MAX_BYTES = 256 << 20  # larger decode batches gather from the paged cache every step
 
 
 class ModelRunner:
