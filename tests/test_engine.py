@@ -192,3 +192,20 @@ def test_generate_command_prints_the_offline_result(llm, llama_dir, capsys):
     line = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and line["token_ids"] == want.token_ids and line["text"] == want.text
     assert cli_main(["generate", "--prompt", "x", "--max-tokens", "0"]) == 2
+
+
+@pytest.mark.unit
+def test_writes_into_the_numpy_block_view_are_what_the_model_reads(llama_dir):
+    """What kv_transfer does: bytes written into the view are the KV a prefix hit attends to."""
+    prompt = {"prompt_token_ids": prompts_of([3 * 16 + 4], seed=12)[0]}
+    want = hf_greedy(llama_dir, prompt["prompt_token_ids"], 6)
+    source = LLM(str(llama_dir), num_threads=1, max_model_len=128, num_kvcache_blocks=16)
+    target = LLM(str(llama_dir), num_threads=1, max_model_len=128, num_kvcache_blocks=16)
+    for llm in (source, target):
+        assert llm.generate(prompt, greedy(6))[0].outputs[0].token_ids == want
+    view = target.engine.kv_cache.as_numpy_blocks()
+    view[:] = 0  # the target's cached prefix blocks now hold zeros
+    hit = target.generate(prompt, greedy(6))[0]
+    assert hit.num_cached_tokens == 48 and hit.outputs[0].token_ids != want
+    view[:] = source.engine.kv_cache.as_numpy_blocks()  # same allocation order: same block ids
+    assert target.generate(prompt, greedy(6))[0].outputs[0].token_ids == want
