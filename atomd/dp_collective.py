@@ -1,0 +1,118 @@
+"""The DP ranks' gloo process group: the PrefillDelayer's Collective and the lockstep barrier.
+
+Each engine-core rank joins one `torch.distributed` gloo group on 127.0.0.1 (CPU, no
+NCCL). The delayer sums a small int64 vector over it once per tick; `--dp-lockstep`
+adds one all-reduce at the end of every tick, as MoE expert parallelism forces on GPUs.
+
+Every collective has a deadline (the group's timeout). A collective that fails (a rank
+died, or one rank skipped a call and the counts diverged) marks the group broken: from
+then on every call raises at once, so the delayer fails open on every tick after (counted)
+and nothing ever waits on a dead peer again.
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+from collections import defaultdict
+from typing import Any
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from scheduler.prefill_delayer import Collective, PrefillDelayer
+
+logger = logging.getLogger("atomd.dp_collective")
+
+HOST = "127.0.0.1"
+
+
+class CollectiveBroken(RuntimeError):
+    """An earlier collective of this group failed; the group is not used again."""
+
+
+class GlooCollective(Collective):
+    """This process's rank of the DP group."""
+
+    def __init__(self, rank: int, world_size: int, port: int, *, timeout_s: float = 60.0,
+                 join_timeout_s: float = 600.0):
+        if not 0 <= rank < world_size:
+            raise ValueError(f"data_parallel_rank must be in [0, {world_size}), got {rank}")
+        self.rank, self.world_size = rank, world_size
+        # Joining waits for the slowest rank's model load; a tick waits only for one step.
+        dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=join_timeout_s))
+        self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
+        self.num_collectives = 0  # calls made, failed ones included: equal on every rank per tick
+        self.broken: str | None = None
+
+    def all_reduce_sum(self, vec: np.ndarray) -> np.ndarray:
+        self.num_collectives += 1
+        if self.broken is not None:
+            raise CollectiveBroken(self.broken)
+        t = torch.from_numpy(np.ascontiguousarray(vec, dtype=np.int64))
+        try:
+            dist.all_reduce(t, op=dist.ReduceOp.SUM, group=self.group)
+        except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            logger.error("DP rank %d: collective failed, the group is broken: %s", self.rank, self.broken)
+            raise
+        return t.numpy()
+
+    def barrier(self) -> None:
+        """All ranks are built (the delayer's first tick must not time out on a slow load)."""
+        dist.barrier()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+class Lockstep:
+    """`--dp-lockstep`: one all-reduce after every tick's forward (empty or not), so the
+    slowest rank's step sets every rank's pace, as with MoE expert parallelism."""
+
+    def __init__(self, collective: Collective):
+        self.collective = collective
+        self.num_errors = 0
+
+    def end_of_step(self) -> None:
+        try:
+            self.collective.all_reduce_sum(np.zeros(1, dtype=np.int64))
+        except Exception:  # a dead peer must not stop this rank: it goes on alone
+            self.num_errors += 1
+
+
+class ObservedPrefillDelayer(PrefillDelayer):
+    """PrefillDelayer that also counts, per admitted prefill, the ticks it was held."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.hold_ticks: dict[int, int] = defaultdict(int)
+
+    def _decide(self, allow: bool, reason: str) -> bool:
+        if allow and reason != "none":  # "none": nothing to prefill, nothing admitted
+            self.hold_ticks[self._held] += 1
+        return super()._decide(allow, reason)
+
+    def stats(self) -> dict[str, Any]:
+        """Plain data for the `stats` utility call (msgpack) and the /metrics collector."""
+        return {"policy": self.policy,
+                "outcomes": [[*key, n] for key, n in sorted(self.outcomes.items())],
+                "hold_ticks": [[held, n] for held, n in sorted(self.hold_ticks.items())],
+                "collective_errors": self.num_collective_errors,
+                "num_collectives": getattr(self.collective, "num_collectives", None)}
+
+
+DELAYER_KNOBS = ("max_delay_passes", "token_usage_low_watermark", "target_fill", "kv_high_watermark",
+                 "kv_low_watermark", "ttft_max_ticks", "partial_max_ticks", "stall_ticks",
+                 "queue_max_ticks")
+
+
+def make_prefill_delayer(config: Any, collective: Collective) -> ObservedPrefillDelayer:
+    """The delayer `--prefill-delayer` asks for, with the knobs from `config`
+    (EngineConfig field `prefill_delayer_<knob>` for each of DELAYER_KNOBS)."""
+    knobs = {k: getattr(config, f"prefill_delayer_{k}") for k in DELAYER_KNOBS}
+    return ObservedPrefillDelayer(collective, config.prefill_delayer,
+                                  max_num_batched_tokens=config.max_num_batched_tokens, **knobs)
