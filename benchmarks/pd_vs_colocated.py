@@ -1,0 +1,231 @@
+#!/usr/bin/env python
+"""1 prefill + 1 decode engine (one core each, via the router) against one colocated engine
+given the same two cores, on the same Poisson arrivals of long prompts with long outputs.
+
+Every setup is started fresh by this script (free ports, stopped in `finally`), warmed up
+with two requests, then `atomd bench serve` (a subprocess) runs the same seeded workload at
+each request rate; its result JSON gives TTFT/ITL p99, output throughput and goodput under
+an SLO. The router's `decision_total` is read from its /metrics around each run: a PD run
+where D recomputed prompts (decision="decode_without_kv") is flagged, not reported as PD.
+
+    .venv/bin/python benchmarks/pd_vs_colocated.py --rates 0.5 1 1.5 --num-prompts 24
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import pathlib
+import signal
+import subprocess
+import sys
+import urllib.request
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
+
+from tests.conftest import free_port  # noqa: E402
+from tests.server_fixtures import ServerProcess, model_dir  # noqa: E402
+
+ENGINE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "64"]
+
+
+class RouterProcess(ServerProcess):
+    """`python -m router` in front of one prefill and one decode engine; /ready once both are in."""
+
+    def __init__(self, prefill_url: str, decode_url: str, log_path: pathlib.Path | None = None):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(self.port),
+               "--prefill", prefill_url, "--decode", decode_url, "--health-interval-s", "0.5"]
+        self.log = open(log_path or os.devnull, "wb")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
+
+
+def pin_engine(server: ServerProcess, cpus: set[int]) -> None:
+    """Pin every thread of the server's engine core (affinity is per thread on Linux)."""
+    pid = server.engine_pid()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        os.sched_setaffinity(int(tid), cpus)
+
+
+def scrape(url: str) -> dict[tuple[str, tuple], float]:
+    """{(sample name, sorted labels): value} of a Prometheus /metrics page."""
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def total(metrics: dict, name: str, **labels) -> float:
+    """Sum of `name` over series whose labels include `labels` (0 when absent)."""
+    want = set(labels.items())
+    return sum(v for (n, ls), v in metrics.items() if n == name and want <= set(ls))
+
+
+def bench(url: str, out: pathlib.Path, args, rate: float | str, num_prompts: int, extra: list[str],
+          label: str, seed: int) -> dict:
+    """One `atomd bench serve` run; its result JSON."""
+    cmd = [sys.executable, "-m", "atomd", "bench", "serve", "--base-url", url, "--label", label,
+           "--num-prompts", str(num_prompts), "--request-rate", str(rate), "--seed", str(seed),
+           "--ignore-eos", "--disable-tqdm", "--result-json", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=args.run_timeout_s)
+    if proc.returncode != 0:
+        raise RuntimeError(f"bench serve failed ({label}): {proc.stderr[-2000:]}")
+    return json.loads(out.read_text())
+
+
+def engine_cores(server: ServerProcess) -> list[int]:
+    """The server's engine-core children (not multiprocessing's resource tracker)."""
+    pid = server.proc.pid
+    children = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
+    return [int(c) for c in children if b"resource_tracker" not in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
+
+
+@contextlib.contextmanager
+def colocated(name: str, threads: int, dp: int, logs: pathlib.Path, extra: tuple[str, ...] = ()):
+    """One server with `dp` engine cores of `threads` torch threads, on every core.
+    Yields (url, {role: metrics url})."""
+    srv = ServerProcess(model_dir(), "--data-parallel-size", str(dp), *extra,
+                        engine_args=[*ENGINE_ARGS, "--num-threads", str(threads)], log_path=logs / f"{name}.log")
+    try:
+        srv.wait_ready()
+        if len(engine_cores(srv)) != dp:  # the flag parses before the server spawns the ranks
+            raise RuntimeError(f"{name}: atomd serve --data-parallel-size {dp} runs "
+                               f"{len(engine_cores(srv))} engine core(s)")
+        yield srv.url, {"engine": srv.url}
+    finally:
+        srv.stop()
+
+
+@contextlib.contextmanager
+def disaggregated(extra: list[str], logs: pathlib.Path, pin: bool, name: str = "pd"):
+    """P (core 0) and D (core 1), one torch thread each, behind the router."""
+    started: list[ServerProcess] = []
+    try:
+        for role in ("producer", "consumer"):
+            started.append(ServerProcess(model_dir(), "--kv-role", role, *extra,
+                                         engine_args=[*ENGINE_ARGS, "--num-threads", "1"],
+                                         log_path=logs / f"{name}-{role}.log"))
+        p, d = (s.wait_ready() for s in started)
+        if pin:
+            pin_engine(p, {0})
+            pin_engine(d, {1 % os.cpu_count()})
+        router = RouterProcess(p.url, d.url, log_path=logs / f"{name}-router.log")
+        started.append(router)
+        router.wait_ready()
+        yield router.url, {"prefill": p.url, "decode": d.url, "router": router.url}
+    finally:
+        for s in reversed(started):
+            s.stop()
+
+
+def run_all(setups: dict, args, workload: list[str], out_dir: pathlib.Path) -> list[dict]:
+    """Start every setup (idle engines cost no CPU), warm each up, then per rate run the setups
+    back to back, in alternating order, so they see the same background load of the machine."""
+    rows = []
+    with contextlib.ExitStack() as stack:
+        started = {name: stack.enter_context(make()) for name, make in setups.items()}
+        for name, (url, _) in started.items():
+            # another seed: other prompts (and another shared prefix), so the runs start with a cold cache
+            bench(url, out_dir / f"{name}-warmup.json", args, "inf", args.warmup_prompts, workload, f"{name} warmup",
+                  args.seed + 1)
+        for i, rate in enumerate(args.rates):
+            for name in (list(started) if i % 2 == 0 else list(started)[::-1]):
+                url, metric_urls = started[name]
+                before = {k: scrape(u) for k, u in metric_urls.items()}
+                # a seed per rate, the same for every setup: a rate's prompts miss the prefix cache
+                result = bench(url, out_dir / f"{name}-rate{rate}.json", args, rate, args.num_prompts, workload,
+                               f"{name} rate {rate}", args.seed + 2 + i)
+                after = {k: scrape(u) for k, u in metric_urls.items()}
+                rows.append({"setup": name, "rate": rate, "load": os.getloadavg()[0], "result": result,
+                             "delta": {k: metric_delta(before[k], after[k]) for k in metric_urls}})
+                print(f"{name} rate {rate}: {summary(rows[-1])}", file=sys.stderr, flush=True)
+    return sorted(rows, key=lambda row: (list(setups).index(row["setup"]), row["rate"]))
+
+
+def metric_delta(before: dict, after: dict) -> dict[str, float]:
+    """The counters this report reads, as increments over one run."""
+    names = {"pd": ("atomd_router:decision_total", {"decision": "pd"}),
+             "decode_without_kv": ("atomd_router:decision_total", {"decision": "decode_without_kv"}),
+             "kv_transfer_bytes": ("atomd:kv_transfer_bytes_total", {}),
+             "prefix_cache_hits": ("atomd:prefix_cache_hits_total", {}),
+             "prefix_cache_queries": ("atomd:prefix_cache_queries_total", {})}
+    return {k: total(after, n, **ls) - total(before, n, **ls) for k, (n, ls) in names.items()}
+
+
+def summary(row: dict) -> str:
+    r = row["result"]
+    good = r.get("good_completed")
+    return (f"ttft p99 {r['p99_ttft_ms']:.0f} ms, itl p99 {r['p99_itl_ms']:.0f} ms, tpot p99 {r['p99_tpot_ms']:.0f} ms, "
+            f"out {r['output_throughput']:.1f} tok/s, good {good}/{r['completed']}, failed {r['failed']}, "
+            f"metrics {row['delta']}")
+
+
+def markdown(rows: list[dict], slo: str) -> str:
+    lines = [f"| setup | rate (req/s) | TTFT p99 (ms) | ITL p99 (ms) | TPOT p99 (ms) | output tok/s | "
+             f"goodput (req/s) | within SLO ({slo}) | PD decisions (pd / without KV) | load avg |",
+             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+    for row in rows:
+        r, d = row["result"], row["delta"]
+        router = d.get("router", {})
+        pd = f"{router['pd']:.0f} / {router['decode_without_kv']:.0f}" if router else "-"
+        lines.append(f"| {row['setup']} | {row['rate']} | {r['p99_ttft_ms']:.0f} | {r['p99_itl_ms']:.0f} | "
+                     f"{r['p99_tpot_ms']:.0f} | {r['output_throughput']:.1f} | {r['request_goodput']:.3f} | "
+                     f"{r['good_completed']}/{r['completed'] + r['failed']} | {pd} | {row['load']:.1f} |")
+    return "\n".join(lines)
+
+
+def factors(rows: list[dict]) -> str:
+    """PD / colocated goodput at each rate, against each colocated setup."""
+    by = {(row["setup"], row["rate"]): row["result"] for row in rows}
+    lines = []
+    for base in sorted({s for s, _ in by if s != "pd-1p1d"}):
+        for rate in sorted({r for _, r in by}):
+            pd, col = by.get(("pd-1p1d", rate)), by.get((base, rate))
+            if pd and col:
+                ratio = f"{pd['good_completed'] / col['good_completed']:.2f}x" if col["good_completed"] else "inf"
+                lines.append(f"rate {rate}: PD {pd['good_completed']} vs {base} {col['good_completed']} "
+                             f"requests within SLO ({ratio})")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[0.5, 1.0, 1.5])
+    ap.add_argument("--num-prompts", type=int, default=24)
+    ap.add_argument("--input-len", type=int, default=512)
+    ap.add_argument("--output-len", type=int, default=64)
+    ap.add_argument("--range-ratio", type=float, default=0.5)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--warmup-prompts", type=int, default=8)
+    ap.add_argument("--slo", nargs="+", default=["ttft:2000", "tpot:60"], help="bench serve --goodput SLOs")
+    ap.add_argument("--setups", nargs="+", default=["colocated-2t", "pd-1p1d"],
+                    choices=["colocated-2t", "colocated-1t", "colocated-dp2", "pd-1p1d"])
+    ap.add_argument("--no-pin", dest="pin", action="store_false", help="leave P and D on every core")
+    ap.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("/tmp/atomd-bench/pd_vs_colocated"))
+    ap.add_argument("--run-timeout-s", type=float, default=300)
+    args = ap.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    workload = ["--dataset", "random", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
+                "--range-ratio", str(args.range_ratio), "--goodput", *args.slo]
+    setups = {"colocated-2t": lambda: colocated("colocated-2t", 2, 1, args.out_dir),
+              # a control: what one engine does with one thread, the other core left to the rest
+              "colocated-1t": lambda: colocated("colocated-1t", 1, 1, args.out_dir),
+              "colocated-dp2": lambda: colocated("colocated-dp2", 1, 2, args.out_dir),
+              "pd-1p1d": lambda: disaggregated([], args.out_dir, args.pin)}
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks on SIGTERM
+    rows = run_all({name: setups[name] for name in args.setups}, args, workload, args.out_dir)
+    print(markdown(rows, " ".join(args.slo)))
+    print(factors(rows))
+    (args.out_dir / "rows.json").write_text(json.dumps(
+        [{k: v for k, v in row.items() if k != "result"} | {"json": f"{row['setup']}-rate{row['rate']}.json"}
+         for row in rows], indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
