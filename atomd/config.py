@@ -15,6 +15,7 @@ import msgspec
 DTYPES = ("float32", "bfloat16", "float16")
 KV_ROLES = ("both", "producer", "consumer")
 KV_TRANSFER_BACKENDS = ("zmq", "mooncake")
+PREFILL_DELAYERS = ("off", "align", "coalesce")
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -39,13 +40,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     kv_events_endpoint: str | None = None
+    # data parallelism (atomd/dp.py): the PrefillDelayer's policy and knobs (DESIGN.md defaults)
+    prefill_delayer: str = "off"
+    prefill_delayer_max_delay_passes: int = 30
+    prefill_delayer_token_usage_low_watermark: float | None = None
+    prefill_delayer_target_fill: float = 0.9
+    prefill_delayer_kv_high_watermark: float = 0.9
+    prefill_delayer_kv_low_watermark: float = 0.1
+    prefill_delayer_ttft_max_ticks: int = 200
+    prefill_delayer_partial_max_ticks: int = 100
+    prefill_delayer_stall_ticks: int = 10
+    prefill_delayer_queue_max_ticks: int = 50
+    dp_lockstep: bool = False
+    dp_collective_timeout_s: float = 60.0
+    dp_master_port: int | None = None  # the ranks' gloo group; picked by the API process
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_role", self.kv_role, KV_ROLES)
         _choice("kv_transfer_backend", self.kv_transfer_backend, KV_TRANSFER_BACKENDS)
+        _choice("prefill_delayer", self.prefill_delayer, PREFILL_DELAYERS)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
-                     "data_parallel_size"):
+                     "data_parallel_size", "prefill_delayer_max_delay_passes",
+                     "prefill_delayer_ttft_max_ticks", "prefill_delayer_partial_max_ticks",
+                     "prefill_delayer_stall_ticks", "prefill_delayer_queue_max_ticks"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("num_threads", "num_kvcache_blocks", "kv_cache_memory"):
@@ -55,6 +73,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name in ("long_prefill_token_threshold", "scheduler_delay_factor", "data_parallel_rank"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        for name in ("prefill_delayer_target_fill", "prefill_delayer_kv_high_watermark",
+                     "prefill_delayer_kv_low_watermark", "prefill_delayer_token_usage_low_watermark"):
+            value = getattr(self, name)
+            if value is not None and not 0.0 <= value <= 1.0:
+                raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.dp_collective_timeout_s <= 0:
+            raise ValueError(f"dp_collective_timeout_s must be > 0, got {self.dp_collective_timeout_s}")
         if self.data_parallel_rank >= self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be < data_parallel_size={self.data_parallel_size}, "
                              f"got {self.data_parallel_rank}")
@@ -127,3 +152,20 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--data-parallel-size", type=int, default=1)
     g.add_argument("--data-parallel-rank", type=int, default=0)
     g.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint for KV events")
+    _add_dp_args(parser)
+
+
+def _add_dp_args(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("data parallel prefill delayer (ticks, not seconds)")
+    g.add_argument("--prefill-delayer", default="off", choices=PREFILL_DELAYERS,
+                   help="keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)")
+    for name, kind, default in (("max-delay-passes", int, 30), ("token-usage-low-watermark", float, None),
+                                ("target-fill", float, 0.9), ("kv-high-watermark", float, 0.9),
+                                ("kv-low-watermark", float, 0.1), ("ttft-max-ticks", int, 200),
+                                ("partial-max-ticks", int, 100), ("stall-ticks", int, 10),
+                                ("queue-max-ticks", int, 50)):
+        g.add_argument(f"--prefill-delayer-{name}", type=kind, default=default)
+    g.add_argument("--dp-lockstep", action="store_true",
+                   help="benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)")
+    g.add_argument("--dp-collective-timeout-s", type=float, default=60.0,
+                   help="a DP collective not done by then fails open and the group is given up")

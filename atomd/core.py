@@ -199,9 +199,12 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
 
         if getattr(config, "num_threads", None):
             torch.set_num_threads(config.num_threads)
+        from atomd.dp import make_engine_core
+
         engine = LLMEngine(config)
+        core = make_engine_core(engine, inp, out, parent_pid)  # joins the DP ranks' group, if any
         out.send(encoder.encode(Ready(engine.model_name)))
-        EngineCore(engine, inp, out, parent_pid).run()
+        core.run()
     except KeyboardInterrupt:
         pass
     except Exception as e:
@@ -287,7 +290,8 @@ class EngineCoreClient:
         self.inp.send(self.encoder.encode(msg), copy=False)
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None) -> RequestStream:
+                    kv_transfer_params: dict | None = None, dp_rank: int | None = None) -> RequestStream:
+        """`dp_rank`: ignored, one core is one rank (atomd.dp.DPEngineClient places requests)."""
         stream = RequestStream()
         self.send(AddRequest(request_id, prompt_token_ids, params, kv_transfer_params))
         self.streams[request_id] = stream

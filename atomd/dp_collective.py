@@ -60,10 +60,6 @@ class GlooCollective(Collective):
             raise
         return t.numpy()
 
-    def barrier(self) -> None:
-        """All ranks are built (the delayer's first tick must not time out on a slow load)."""
-        dist.barrier()
-
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

@@ -42,7 +42,8 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd import protocol as P
-from atomd.core import EngineCoreClient, EngineDeadError, RequestStream, TokenDelta
+from atomd.core import EngineDeadError, RequestStream, TokenDelta
+from atomd.dp import PrefillDelayerCollector, make_engine_client, requested_dp_rank
 from atomd.metrics import ServerMetrics
 
 logger = logging.getLogger("atomd.server")
@@ -125,7 +126,7 @@ def load_tokenizer(config: Any):
 class Server:
     def __init__(self, config: Any, args: argparse.Namespace):
         self.config, self.args = config, args
-        self.client = EngineCoreClient(config, on_abort_confirmed=self.on_abort_confirmed)
+        self.client = make_engine_client(config, on_abort_confirmed=self.on_abort_confirmed)  # N ranks
         self.model_name = args.served_model_name
         self.tokenizer = None
         self.metrics: ServerMetrics | None = None
@@ -148,6 +149,7 @@ class Server:
         self.model_name = self.model_name or ready.model_name
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
         self.metrics = ServerMetrics(self.model_name, self.config.data_parallel_rank)
+        self.metrics.registry.register(PrefillDelayerCollector(self.metrics.engine, self.model_name))
 
     def on_abort_confirmed(self) -> None:
         if self.metrics is not None:
@@ -317,7 +319,8 @@ class Server:
         return wanted
 
     async def generate(self, request: web.Request, req, ids: list[int], params, out: "RequestOutputState"):
-        stream = self.client.add_request(out.id, ids, params, req.kv_transfer_params)
+        dp_rank = await requested_dp_rank(request, self.config.data_parallel_size)
+        stream = self.client.add_request(out.id, ids, params, req.kv_transfer_params, dp_rank=dp_rank)
         try:
             first = await stream.next_batch()
             error = first[0].error
