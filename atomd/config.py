@@ -15,6 +15,7 @@ import msgspec
 DTYPES = ("float32", "bfloat16", "float16")
 KV_ROLES = ("both", "producer", "consumer")
 KV_TRANSFER_BACKENDS = ("zmq", "mooncake")
+KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -37,6 +38,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kvcache_blocks: int | None = None
     kv_role: str = "both"
     kv_transfer_backend: str = "zmq"
+    # PD (kv_role producer / consumer): the side channel P binds (port 0: any; DP rank r: port + r)
+    kv_side_channel_host: str = "127.0.0.1"
+    kv_side_channel_port: int = 0
+    kv_lease_s: float = 30.0  # P holds a finished prompt's blocks this long without a heartbeat
+    kv_recv_timeout_s: float = 10.0  # D gives up a pull after P is silent this long
+    kv_load_failure_policy: str = "fail"  # D after a failed pull: error out, or prefill locally
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     kv_events_endpoint: str | None = None
@@ -59,6 +66,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _choice("dtype", self.dtype, DTYPES)
         _choice("kv_role", self.kv_role, KV_ROLES)
         _choice("kv_transfer_backend", self.kv_transfer_backend, KV_TRANSFER_BACKENDS)
+        _choice("kv_load_failure_policy", self.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
+        for name in ("kv_lease_s", "kv_recv_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 <= self.kv_side_channel_port <= 65535:
+            raise ValueError(f"kv_side_channel_port must be in [0, 65535], got {self.kv_side_channel_port}")
         _choice("prefill_delayer", self.prefill_delayer, PREFILL_DELAYERS)
         for name in ("max_model_len", "max_num_seqs", "max_num_batched_tokens", "block_size",
                      "data_parallel_size", "prefill_delayer_max_delay_passes",
@@ -149,6 +162,15 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-role", default="both", choices=KV_ROLES,
                    help="PD role: both (colocated), producer (prefill), consumer (decode)")
     g.add_argument("--kv-transfer-backend", default="zmq", choices=KV_TRANSFER_BACKENDS)
+    g.add_argument("--kv-side-channel-host", default="127.0.0.1", help="address a producer serves KV on")
+    g.add_argument("--kv-side-channel-port", type=int, default=0,
+                   help="producer's side-channel port (0: any free one; DP rank r uses port + r)")
+    g.add_argument("--kv-lease-s", type=float, default=30.0,
+                   help="producer: seconds a finished prompt's blocks stay pinned without a heartbeat")
+    g.add_argument("--kv-recv-timeout-s", type=float, default=10.0,
+                   help="consumer: seconds a pull may see nothing from the producer before it fails")
+    g.add_argument("--kv-load-failure-policy", default="fail", choices=KV_LOAD_FAILURE_POLICIES,
+                   help="consumer after a failed pull: fail the request, or recompute the prompt locally")
     g.add_argument("--data-parallel-size", type=int, default=1)
     g.add_argument("--data-parallel-rank", type=int, default=0)
     g.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint for KV events")

@@ -41,7 +41,8 @@ logger = logging.getLogger("atomd.core")
 
 IDLE_POLL_MS = 1000  # how often an idle core wakes to check its parent is still alive
 STALLED_POLL_MS = 1  # busy but the last step had no output: wait on the socket, do not spin
-UTILITY_METHODS = ("stats", "reset_prefix_cache")
+SERVING_POLL_MS = 10  # a producer whose only work is pinned blocks: poll for their release
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "kv_transfer_info", "kv_transfer_abort")
 
 
 # ---------------------------------------------------------------- wire messages
@@ -131,7 +132,7 @@ class EngineCore:
         stalled = False  # the last step produced nothing (e.g. every request waits for remote KV)
         while True:
             busy = self.engine.has_unfinished_requests()
-            timeout = (STALLED_POLL_MS if stalled else 0) if busy else IDLE_POLL_MS
+            timeout = (self.stalled_poll_ms() if stalled else 0) if busy else IDLE_POLL_MS
             if self.inp.poll(timeout):
                 self.drain_input()
             elif not busy and os.getppid() != self.parent_pid:
@@ -142,6 +143,11 @@ class EngineCore:
                 stalled = not outputs
                 if outputs:
                     self.send(StepOutputs([to_delta(o) for o in outputs]))
+
+    def stalled_poll_ms(self) -> int:
+        """A producer holding pinned blocks (up to a lease) need not wake every millisecond."""
+        serving = getattr(self.engine, "only_serving_kv", None)
+        return SERVING_POLL_MS if serving is not None and serving() else STALLED_POLL_MS
 
     def drain_input(self) -> None:
         while True:

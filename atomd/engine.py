@@ -20,11 +20,14 @@ from atomd.model.loader import load_model
 from atomd.runner import ModelRunner
 from atomd.sampler import Sampler
 from atomd.tokenizer import Tokenizer
+from kv_transfer.connector import KVConnectorConfig, create_connector
+from kv_transfer.params import compat_fingerprint
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 TQDM_MIN_PROMPTS = 16  # a progress bar only where the wait is long enough to want one
+KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]
 
 
 class RequestOutput(msgspec.Struct):
@@ -69,6 +72,7 @@ class LLMEngine:
                                 mcfg.head_dim, self.model.dtype)
         self.runner = ModelRunner(self.model, self.kv_cache)
         self.sampler = Sampler(config.seed)
+        self.kv_connector = self._make_connector()
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id
@@ -81,9 +85,24 @@ class LLMEngine:
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,
             long_prefill_token_threshold=config.long_prefill_token_threshold),
-            detokenize=self.tokenizer.decode)
+            kv_connector=self.kv_connector, detokenize=self.tokenizer.decode)
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
+
+    def _make_connector(self):
+        """The PD connector of a producer or consumer (None when colocated): both halves in one."""
+        cfg, mcfg = self.config, self.model.config
+        self.compat = compat_fingerprint(self.model_name, cfg.dtype, cfg.block_size, mcfg.num_layers,
+                                         mcfg.num_kv_heads, mcfg.head_dim, KV_LAYOUT_VERSION)
+        if cfg.kv_role == "both":
+            return None
+        port = cfg.kv_side_channel_port + cfg.data_parallel_rank if cfg.kv_side_channel_port else 0
+        scheduler_side, worker_side = create_connector(cfg.kv_transfer_backend, cfg.kv_role, KVConnectorConfig(
+            block_size=cfg.block_size, compat=self.compat, side_channel_host=cfg.kv_side_channel_host,
+            side_channel_port=port, lease_s=cfg.kv_lease_s, recv_timeout_s=cfg.kv_recv_timeout_s,
+            load_failure_policy=cfg.kv_load_failure_policy, dp_rank=cfg.data_parallel_rank))
+        worker_side.register_kv_caches(self.kv_cache.as_numpy_blocks())
+        return scheduler_side
 
     def _num_blocks(self) -> int:
         cfg, mcfg = self.config, self.model.config
@@ -109,6 +128,8 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if self.kv_connector is not None:
+            self.kv_connector.check_request(prompt_token_ids, kv_transfer_params)
         seq = Sequence(list(prompt_token_ids), sampling_params, request_id=request_id,
                        arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
         self.scheduler.add(seq)
@@ -131,10 +152,14 @@ class LLMEngine:
         outputs = [self._output(seq, [], None, True) for seq in self._aborted]
         self._aborted = []
         batch = self.scheduler.schedule()
+        if batch is not None and self.kv_connector is not None:
+            self.kv_connector.start_load_kv(batch.connector_meta)  # an empty batch may carry a pull
         if batch is not None and batch.seqs:
             for update in self.scheduler.postprocess(batch, self._forward(batch)):
                 outputs.append(self._output(update.seq, update.new_token_ids, update.new_logprobs,
                                             update.finished))
+        if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
+            self.scheduler.update_from_kv_connector_output(self.kv_connector.get_finished())
         outputs.extend(self._output(seq, [], None, True) for seq in self.scheduler.take_rejected())
         return outputs
 
@@ -185,7 +210,31 @@ class LLMEngine:
         return {"num_running": running, "num_waiting": waiting, "num_free_blocks": bm.num_free_blocks,
                 "num_total_blocks": bm.num_total_blocks, "kv_cache_usage": bm.usage,
                 "prefix_cache_queries": s.cache_stats.queries, "prefix_cache_hits": s.cache_stats.hits,
-                "num_preemptions": s.num_preemptions}
+                "num_preemptions": s.num_preemptions,
+                "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
+
+    def only_serving_kv(self) -> bool:
+        """Nothing to compute or pull: only blocks pinned for a consumer are pending, so the
+        core may poll for their release less often than it steps a decode."""
+        s = self.scheduler
+        return not (s.running or s.waiting or self._aborted) and not s.parked
+
+    def kv_transfer_info(self) -> dict[str, Any]:
+        """Role, side channel, DP size and compat fingerprint (GET /kv_transfer_info)."""
+        cfg = self.config
+        info = {"role": cfg.kv_role, "side_channel": None, "engine_id": None, "compat": self.compat,
+                "dp_rank": cfg.data_parallel_rank}
+        if self.kv_connector is not None:
+            info.update(self.kv_connector.info())
+        return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend)
+
+    def kv_transfer_abort(self, transfer_id: str) -> bool:
+        """The router gave up a transfer D never pulled: free P's pinned blocks now."""
+        return self.kv_connector is not None and self.kv_connector.revoke(transfer_id)
+
+    def close(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()

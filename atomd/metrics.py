@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 
 LABELS = ("model_name", "dp_rank")
 LATENCY_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0,
@@ -47,6 +47,40 @@ class EngineStatsCollector:
             if key in self.stats:
                 family.add_metric(self.labels, float(self.stats[key]))
             yield family
+        kv = self.stats.get("kv_transfer")
+        if kv:  # a producer or consumer engine (PD)
+            yield from self.collect_kv_transfer(kv)
+
+    def collect_kv_transfer(self, kv: dict[str, Any]):
+        """PD series: bytes moved (sent on P, received on D), refusals and failed pulls by
+        reason, leases expired and blocks pinned (P), pull durations and fallbacks (D)."""
+        def one(family, value):
+            family.add_metric(self.labels, float(value))
+            return family
+
+        yield one(CounterMetricFamily("atomd:kv_transfer_bytes", "KV bytes sent (producer) or received "
+                                      "(consumer) over the side channel.", labels=LABELS), kv["bytes"])
+        yield one(CounterMetricFamily("atomd:kv_leases_expired", "Transfers whose lease expired without "
+                                      "DONE or ABORT (producer).", labels=LABELS), kv["leases_expired"])
+        yield one(GaugeMetricFamily("atomd:kv_blocks_pinned", "KV blocks pinned for a consumer's pull "
+                                    "(producer).", labels=LABELS), kv["blocks_pinned"])
+        for name, key, doc in (("kv_transfer_failures", "failures", "Refused reads (producer) or failed "
+                                "pulls (consumer), by reason."),
+                               ("pd_fallback", "fallbacks", "Failed pulls recomputed locally (consumer), "
+                                "by reason.")):
+            family = CounterMetricFamily(f"atomd:{name}", doc, labels=LABELS + ("reason",))
+            for reason, n in sorted(kv[key].items()):
+                family.add_metric(self.labels + [reason], float(n))
+            yield family
+        seconds = kv["seconds"]
+        cumulative, buckets = 0, []
+        for bound, n in zip([*map(str, seconds["buckets"]), "+Inf"], seconds["counts"]):
+            cumulative += n
+            buckets.append((bound, cumulative))
+        family = HistogramMetricFamily("atomd:kv_transfer_seconds", "Duration of a consumer's pull, READ "
+                                       "to END.", labels=LABELS)
+        family.add_metric(self.labels, buckets, seconds["sum"])
+        yield family
 
 
 class ServerMetrics:

@@ -11,6 +11,8 @@ ids (atomd/core.py). Routes:
   GET  /metrics    Prometheus text
   POST /reset_prefix_cache
   GET  /debug/stats   the engine's stats() (free blocks, queues), for tests and operators
+  GET  /kv_transfer_info     PD role, side-channel address, DP size, compat fingerprint
+  POST /kv_transfer/abort    {"transfer_id"}: a producer frees that transfer's pinned blocks
 
 Length policy (like vLLM): a prompt longer than max_model_len goes to the engine, whose
 scheduler rejects it, and its unschedulable message comes back as a 400. A prompt that
@@ -141,6 +143,8 @@ class Server:
         app.router.add_get("/metrics", self.metrics_route)
         app.router.add_post("/reset_prefix_cache", self.reset_prefix_cache)
         app.router.add_get("/debug/stats", self.debug_stats)
+        app.router.add_get("/kv_transfer_info", self.kv_transfer_info)
+        app.router.add_post("/kv_transfer/abort", self.kv_transfer_abort)
         app.on_response_prepare.append(echo_request_id)
         self.app = app
 
@@ -248,6 +252,23 @@ class Server:
         stats = await self.client.call("stats")
         return json_response(dict(stats, api_requests_in_flight=len(self.client.streams),
                                   api_aborts_unconfirmed=len(self.client.aborting)))
+
+    async def kv_transfer_info(self, request: web.Request) -> web.Response:
+        self.require_engine()
+        return json_response(await self.client.call("kv_transfer_info"))
+
+    async def kv_transfer_abort(self, request: web.Request) -> web.Response:
+        """The router's abort of a transfer D never pulled; unknown ids answer revoked=false."""
+        self.require_engine()
+        try:
+            body = msgspec.json.decode(await request.read())
+        except msgspec.DecodeError as e:
+            raise P.invalid("body", f"not JSON: {e}") from None
+        transfer_id = body.get("transfer_id") if isinstance(body, dict) else None
+        if not isinstance(transfer_id, str) or not transfer_id:
+            raise P.invalid("transfer_id", "transfer_id must be a non-empty string")
+        return json_response({"transfer_id": transfer_id,
+                              "revoked": bool(await self.client.call("kv_transfer_abort", transfer_id))})
 
     async def models(self, request: web.Request) -> web.Response:
         self.require_engine()

@@ -52,6 +52,19 @@ class KVConnectorOutput(msgspec.Struct):
     failed_recving: list[int] = []
 
 
+class KVConnectorConfig(msgspec.Struct, kw_only=True):
+    """What any connector needs from its engine (built by atomd from EngineConfig)."""
+
+    block_size: int
+    compat: dict[str, Any]  # this engine's fingerprint (kv_transfer.params.compat_fingerprint)
+    side_channel_host: str = "127.0.0.1"
+    side_channel_port: int = 0  # 0: any free port (advertised in kv_transfer_params)
+    lease_s: float = 30.0
+    recv_timeout_s: float = 10.0
+    load_failure_policy: str = "fail"  # or "recompute"
+    dp_rank: int = 0
+
+
 class KVConnectorMetadata:
     """What the scheduler side tells the worker side for one step (subclass per connector).
 
@@ -106,6 +119,7 @@ class KVConnectorWorker(abc.ABC):
 
 
 _REGISTRY: dict[str, Any] = {}
+_BUILTIN = {"zmq": "kv_transfer.zmq_connector:create_zmq_connector"}  # imported on first use
 
 
 def register_connector(name: str, factory) -> None:
@@ -117,6 +131,11 @@ def create_connector(name: str, role: str, config) -> tuple[KVConnectorScheduler
     """Both halves of the connector registered as `name` (e.g. "zmq", "mooncake")."""
     if role not in ("producer", "consumer", "both"):
         raise ValueError(f"kv_role must be producer, consumer or both, got {role!r}")
+    if name not in _REGISTRY and name in _BUILTIN:
+        import importlib
+
+        module, factory = _BUILTIN[name].split(":")
+        register_connector(name, getattr(importlib.import_module(module), factory))
     if name not in _REGISTRY:
         raise ValueError(f"kv_transfer_backend {name!r} is not registered; known: {sorted(_REGISTRY)}")
     return _REGISTRY[name](role, config)

@@ -1,0 +1,308 @@
+"""The ZMQ KV connector: both halves of a prefill (producer) or decode (consumer) engine
+over `KVSender` / `KVReceiver` (kv_transfer/zmq_transport.py).
+
+Producer (P): a finished `do_remote_decode` sequence keeps its prompt blocks; every one of
+them (the partly filled last one too) is granted to a fresh access token under a lease,
+and the response `kv_transfer_params` tell D where and how to pull them. The blocks are
+freed (`finished_sending`) when the sender reports the transfer released: DONE, ABORT,
+revoke (the router's POST /kv_transfer/abort) or lease expiry, exactly one of them.
+
+Consumer (D): a `do_remote_prefill` sequence is parked with all its prompt blocks
+allocated; its own prefix hit (the first `num_cached_tokens // block_size` blocks) is
+kept and only the rest is pulled. The receiver reports every pull exactly once, finished
+or failed, and only then are the blocks reused (an abort stops the writes first).
+
+Both halves are one object per engine (the scheduler side and the worker side run on the
+same engine thread); `create_zmq_connector` is the factory registered as "zmq".
+"""
+from __future__ import annotations
+
+import bisect
+from typing import Any
+
+import msgspec
+
+from kv_transfer.connector import (KVConnectorConfig, KVConnectorMetadata, KVConnectorOutput,
+                                   KVConnectorScheduler, KVConnectorWorker)
+from kv_transfer.params import KVTransferParams, compat_mismatch, new_access_token, new_transfer_id
+from kv_transfer.zmq_transport import ABORTED, KVReceiver, KVSender
+
+# kv_transfer_seconds histogram (loopback moves a few GB/s: most pulls take milliseconds)
+TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+COMPAT_REFUSED = "compat_mismatch"
+
+
+class _Load(msgspec.Struct):
+    """One pull for the worker side: P's blocks past D's own prefix hit -> D's blocks."""
+
+    seq_id: int
+    transfer_id: str
+    host: str
+    port: int
+    access_token: str
+    remote_block_ids: list[int]
+    local_block_ids: list[int]
+    refused: str | None = None  # D refuses it before any byte moves (compat)
+
+
+class ZmqConnectorMeta(KVConnectorMetadata):
+    def __init__(self, loads: list[_Load]):
+        self.loads = loads
+
+    def is_empty(self) -> bool:
+        return not self.loads
+
+
+class TransferStats:
+    """Counters both roles export as PD metrics (engine `stats()["kv_transfer"]`)."""
+
+    def __init__(self) -> None:
+        self.bucket_counts = [0] * (len(TRANSFER_BUCKETS) + 1)
+        self.seconds_sum = 0.0
+        self.fallbacks: dict[str, int] = {}
+
+    def observe(self, seconds: float) -> None:
+        self.bucket_counts[bisect.bisect_left(TRANSFER_BUCKETS, seconds)] += 1
+        self.seconds_sum += seconds
+
+    def histogram(self) -> dict[str, Any]:
+        return {"buckets": list(TRANSFER_BUCKETS), "counts": list(self.bucket_counts), "sum": self.seconds_sum}
+
+
+class _ZmqConnector(KVConnectorScheduler, KVConnectorWorker):
+    def __init__(self, config: KVConnectorConfig):
+        self.config = config
+        self.block_size = config.block_size
+        self.transfer_stats = TransferStats()
+
+    def num_prompt_blocks(self, seq) -> int:
+        return -(-seq.num_prompt_tokens // self.block_size)
+
+    def params_of(self, seq) -> dict[str, Any]:
+        return seq.kv_transfer_params or {}
+
+    # defaults of the half a role does not use
+    def get_num_new_matched_tokens(self, seq) -> tuple[int, bool]:
+        return 0, False
+
+    def update_state_after_alloc(self, seq) -> None:
+        pass
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        return ZmqConnectorMeta([])
+
+    def request_finished(self, seq) -> dict[str, Any] | None:
+        return None
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        pass
+
+    def check_request(self, prompt_token_ids: list[int], kv_transfer_params: dict | None) -> None:
+        """Raise ValueError (a 400) for a request this engine cannot serve as asked."""
+
+    def revoke(self, transfer_id: str) -> bool:
+        return False
+
+    def info(self) -> dict[str, Any]:
+        return {"role": self.role, "side_channel": None, "engine_id": None,
+                "compat": self.config.compat, "dp_rank": self.config.dp_rank}
+
+
+class ZmqProducer(_ZmqConnector):
+    """P: pins finished prompts' blocks and serves them from a KVSender."""
+
+    role = "producer"
+
+    def __init__(self, config: KVConnectorConfig):
+        super().__init__(config)
+        self.sender: KVSender | None = None
+        self.seq_of_transfer: dict[str, int] = {}
+
+    @property
+    def is_producer(self) -> bool:
+        return True
+
+    def register_kv_caches(self, buffer) -> None:
+        self.sender = KVSender(buffer, self.config.compat, self.config.side_channel_host,
+                               self.config.side_channel_port)
+
+    def request_finished(self, seq) -> dict[str, Any] | None:
+        params = self.params_of(seq)
+        if not params.get("do_remote_decode") or not seq.block_table or seq.error or not seq.completion_token_ids:
+            return None
+        transfer_id = params.get("transfer_id") or new_transfer_id()
+        block_ids = list(seq.block_table[:self.num_prompt_blocks(seq)])
+        token, lease_s = new_access_token(), self.config.lease_s
+        try:
+            self.sender.grant(transfer_id, block_ids, token, lease_s)
+        except ValueError:  # a transfer_id seen before: serve nothing rather than the wrong blocks
+            return None
+        self.seq_of_transfer[transfer_id] = seq.id
+        host, port = self.sender.address
+        return KVTransferParams(
+            do_remote_prefill=True, transfer_id=transfer_id, remote_engine_id=self.sender.engine_id,
+            remote_host=host, remote_port=port, remote_block_ids=block_ids,
+            num_prompt_tokens=seq.num_prompt_tokens, first_token_id=seq.completion_token_ids[0],
+            first_token_logprobs=seq.logprobs[0] if seq.logprobs else None,
+            prefix_cache_hit_tokens=seq.prefix_cache_hit_tokens, access_token=token, lease_s=lease_s,
+            compat=self.config.compat, dp_rank=self.config.dp_rank).to_json_obj()
+
+    def request_aborted(self, seq) -> None:
+        transfer_id = self.params_of(seq).get("transfer_id")
+        if transfer_id in self.seq_of_transfer:
+            self.sender.revoke(transfer_id)  # reported by take_released(), then freed
+
+    def revoke(self, transfer_id: str) -> bool:
+        return self.sender.revoke(transfer_id)
+
+    def get_finished(self) -> KVConnectorOutput:
+        done = [self.seq_of_transfer.pop(tid) for tid, _ in self.sender.take_released()
+                if tid in self.seq_of_transfer]
+        return KVConnectorOutput(finished_sending=done)
+
+    def stats(self) -> dict[str, Any]:
+        s = self.sender.stats()
+        return {"role": self.role, "bytes": s.bytes_sent, "failures": dict(s.failures),
+                "leases_expired": s.leases_expired, "blocks_pinned": s.blocks_pinned,
+                "transfers_pending": len(self.seq_of_transfer), "fallbacks": {},
+                "seconds": self.transfer_stats.histogram()}
+
+    def info(self) -> dict[str, Any]:
+        host, port = self.sender.address
+        return dict(super().info(), side_channel={"host": host, "port": port}, engine_id=self.sender.engine_id)
+
+    def close(self) -> None:
+        if self.sender is not None:
+            self.sender.close()
+
+
+class ZmqConsumer(_ZmqConnector):
+    """D: pulls a remote prefill's blocks with a KVReceiver before the sequence decodes."""
+
+    role = "consumer"
+
+    def __init__(self, config: KVConnectorConfig):
+        super().__init__(config)
+        self.receiver: KVReceiver | None = None
+        self._to_load: list[_Load] = []
+        self._refused: list[tuple[int, str]] = []  # (seq id, reason) failed before any pull
+        self.seq_of_transfer: dict[str, int] = {}
+        self._aborted: set[int] = set()
+        self.local_failures: dict[str, int] = {}
+
+    @property
+    def is_producer(self) -> bool:
+        return False
+
+    def register_kv_caches(self, buffer) -> None:
+        self.receiver = KVReceiver(buffer, self.config.compat)
+
+    def is_remote(self, seq) -> bool:
+        return bool(self.params_of(seq).get("do_remote_prefill"))
+
+    def check_request(self, prompt_token_ids: list[int], kv_transfer_params: dict | None) -> None:
+        if not (kv_transfer_params or {}).get("do_remote_prefill"):
+            return
+        p = KVTransferParams.from_json_obj(kv_transfer_params)
+        if p.num_prompt_tokens != len(prompt_token_ids):
+            raise ValueError(f"kv_transfer_params.num_prompt_tokens={p.num_prompt_tokens} but this engine's "
+                             f"prompt has {len(prompt_token_ids)} tokens (different tokenizer or template?)")
+        blocks = -(-len(prompt_token_ids) // self.block_size)
+        if len(p.remote_block_ids) != blocks:
+            raise ValueError(f"kv_transfer_params.remote_block_ids has {len(p.remote_block_ids)} blocks, "
+                             f"the prompt needs {blocks} of {self.block_size} tokens")
+        for name in ("transfer_id", "remote_host", "remote_port", "access_token", "first_token_id"):
+            if getattr(p, name) is None:
+                raise ValueError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+
+    def get_num_new_matched_tokens(self, seq) -> tuple[int, bool]:
+        if not self.is_remote(seq):
+            return 0, False
+        return seq.num_prompt_tokens, True
+
+    def update_state_after_alloc(self, seq) -> None:
+        if not self.is_remote(seq):
+            return
+        p = self.params_of(seq)
+        first = seq.num_cached_tokens // self.block_size  # D's own prefix hit stays
+        last = self.num_prompt_blocks(seq)
+        self._to_load.append(_Load(
+            seq.id, p["transfer_id"], p["remote_host"], int(p["remote_port"]), p["access_token"],
+            list(p["remote_block_ids"][first:last]), list(seq.block_table[first:last]),
+            compat_mismatch(self.config.compat, p.get("compat"))))
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        loads, self._to_load = self._to_load, []
+        return ZmqConnectorMeta(loads)
+
+    def start_load_kv(self, meta: KVConnectorMetadata) -> None:
+        for load in getattr(meta, "loads", ()):
+            if load.refused is None and load.transfer_id not in self.seq_of_transfer:
+                try:
+                    self.receiver.start_pull(load.transfer_id, load.host, load.port, load.access_token,
+                                             load.remote_block_ids, load.local_block_ids,
+                                             self.config.recv_timeout_s, lease_s=self.config.lease_s)
+                except ValueError as e:
+                    load.refused = f"start_pull: {e}"
+                else:
+                    self.seq_of_transfer[load.transfer_id] = load.seq_id
+                    continue
+            reason = COMPAT_REFUSED if load.refused and load.refused.startswith("compat") else "refused"
+            self.local_failures[reason] = self.local_failures.get(reason, 0) + 1
+            self._refused.append((load.seq_id, reason))
+
+    def request_aborted(self, seq) -> None:
+        transfer_id = self.params_of(seq).get("transfer_id")
+        if self.seq_of_transfer.get(transfer_id) == seq.id:
+            self._aborted.add(seq.id)
+            self.receiver.abort(transfer_id)  # reported failed ("aborted") by take_finished()
+
+    def get_finished(self) -> KVConnectorOutput:
+        done, failed = self.receiver.take_finished()
+        for seconds in self.receiver.take_transfer_seconds():
+            self.transfer_stats.observe(seconds)
+        finished = [self.seq_of_transfer.pop(tid) for tid in done if tid in self.seq_of_transfer]
+        failed_ids = []
+        for tid, reason in failed:
+            seq_id = self.seq_of_transfer.pop(tid, None)
+            if seq_id is not None:
+                failed_ids.append(seq_id)
+                self._count_fallback(seq_id, reason)
+        for seq_id, reason in self._refused:
+            failed_ids.append(seq_id)
+            self._count_fallback(seq_id, reason)
+        self._refused = []
+        return KVConnectorOutput(finished_recving=finished, failed_recving=failed_ids)
+
+    def _count_fallback(self, seq_id: int, reason: str) -> None:
+        if seq_id in self._aborted or reason == ABORTED:
+            self._aborted.discard(seq_id)
+            return
+        if self.config.load_failure_policy == "recompute":
+            fb = self.transfer_stats.fallbacks
+            fb[reason] = fb.get(reason, 0) + 1
+
+    def recv_failure_policy(self, seq) -> str:
+        return self.config.load_failure_policy
+
+    def stats(self) -> dict[str, Any]:
+        s = self.receiver.stats()
+        failures = dict(s.failures)
+        failures.pop(ABORTED, None)  # a client going away is not a transfer failure
+        for reason, n in self.local_failures.items():
+            failures[reason] = failures.get(reason, 0) + n
+        return {"role": self.role, "bytes": s.bytes_received, "failures": failures, "leases_expired": 0,
+                "blocks_pinned": 0, "transfers_pending": len(self.seq_of_transfer),
+                "fallbacks": dict(self.transfer_stats.fallbacks), "seconds": self.transfer_stats.histogram()}
+
+    def close(self) -> None:
+        if self.receiver is not None:
+            self.receiver.close()
+
+
+def create_zmq_connector(role: str, config: KVConnectorConfig):
+    if role not in ("producer", "consumer"):
+        raise ValueError(f"the zmq connector serves kv_role producer or consumer, got {role!r}")
+    connector = (ZmqProducer if role == "producer" else ZmqConsumer)(config)
+    return connector, connector
+
