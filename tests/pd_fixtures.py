@@ -1,0 +1,133 @@
+"""Helpers for the PD tests: prefill (producer) and decode (consumer) engines, a router in
+front of them, a colocated engine as the reference, and readers for their metrics.
+
+Every process is started by `PDCluster`, which stops them all in `stop()` (the fixtures'
+finalizer); engines start concurrently, since each one's model load is most of the wait.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.conftest import free_port
+from tests.server_fixtures import REPO, START_TIMEOUT_S, ServerProcess, http, model_dir
+
+FAST_HEARTBEATS = ["--kv-recv-timeout-s", "3"]
+
+
+class RouterProcess:
+    """`python -m router` over the given prefill and decode URLs, on a free port."""
+
+    def __init__(self, prefill: list[str], decode: list[str]):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(self.port),
+               "--health-interval-s", "0.5"]
+        for url in prefill:
+            cmd += ["--prefill", url]
+        for url in decode:
+            cmd += ["--decode", url]
+        self.log = open(os.devnull, "wb") if not os.environ.get("ATOMD_TEST_SERVER_LOG") else None
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
+
+    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "RouterProcess":
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"router exited with {self.proc.returncode} before /ready")
+            try:
+                if http("GET", self.url + "/ready", timeout=2)[0] == 200:
+                    return self
+            except OSError:
+                pass
+            time.sleep(0.1)
+        raise TimeoutError(f"router not ready after {timeout_s} s")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        if self.log is not None:
+            self.log.close()
+
+
+class PDCluster:
+    """Named engines (`atomd serve` with their own flags) and routers; stop() ends them all."""
+
+    def __init__(self):
+        self.engines: dict[str, ServerProcess] = {}
+        self.routers: list[RouterProcess] = []
+        self.model = model_dir()
+
+    def start_engines(self, **flags: list[str]) -> None:
+        """name=[flags] for each engine; all load at once, then wait for every /ready."""
+        for name, extra in flags.items():
+            self.engines[name] = ServerProcess(self.model, *extra)
+        for name in flags:
+            self.engines[name].wait_ready()
+
+    def start_router(self, prefill: str, decode: str) -> RouterProcess:
+        router = RouterProcess([self.engines[prefill].url], [self.engines[decode].url])
+        self.routers.append(router)
+        return router.wait_ready()
+
+    def __getitem__(self, name: str) -> ServerProcess:
+        return self.engines[name]
+
+    def stop(self) -> None:
+        for proc in [*self.routers, *self.engines.values()]:
+            proc.stop()
+
+
+def kill_engine(server: ServerProcess) -> None:
+    """SIGKILL the engine core, then its API server: the engine vanishes as in a crash."""
+    core = server.engine_pid()
+    os.kill(core, signal.SIGKILL)
+    server.proc.kill()
+    server.proc.wait(10)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{core}") and time.monotonic() < deadline:
+        time.sleep(0.05)  # reaped by init once its parent is gone
+
+
+def metrics(server) -> dict[tuple[str, tuple], float]:
+    """Every sample of GET /metrics, parsed by prometheus_client: {(name, labels): value}."""
+    status, body = http("GET", server.url + "/metrics")
+    assert status == 200, body
+    out = {}
+    for family in text_string_to_metric_families(body.decode()):
+        for s in family.samples:
+            labels = tuple(sorted((k, v) for k, v in s.labels.items() if k not in ("model_name", "dp_rank")))
+            out[(s.name, labels)] = s.value
+    return out
+
+
+def metric(server, name: str, **labels: str) -> float:
+    return metrics(server).get((name, tuple(sorted(labels.items()))), 0.0)
+
+
+def block_bytes() -> int:
+    """Bytes of one KV block of the default model, from its config.json (float32, 16 tokens)."""
+    cfg = json.loads((model_dir() / "config.json").read_text())
+    heads = cfg["num_attention_heads"]
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    return cfg["num_hidden_layers"] * 2 * 16 * cfg.get("num_key_value_heads", heads) * head_dim * 4
+
+
+def sse_events(body: bytes) -> list:
+    """The JSON payloads of an SSE body, without the final [DONE]."""
+    events = []
+    for line in body.decode().splitlines():
+        if line.startswith("data: ") and line != "data: [DONE]":
+            events.append(json.loads(line[6:]))
+    return events

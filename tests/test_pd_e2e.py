@@ -1,0 +1,232 @@
+"""Prefill/decode disaggregation end to end: router -> P (producer) -> D (consumer), real
+processes on 127.0.0.1, against a colocated `atomd serve` as the reference.
+
+One cluster per module: the reference, P and D behind the main router, P2 (killed in the
+P-crash test) and DR (a recompute-policy consumer behind a second router with P, killed
+in the D-crash test). P's lease and the consumers' receive timeout are short so the
+fault tests end quickly. After every test each live engine is idle with all its blocks
+free, and P has no block pinned.
+"""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import uuid
+
+import numpy as np
+import openai
+import pytest
+
+from tests.pd_fixtures import PDCluster, block_bytes, kill_engine, metric, metrics, sse_events
+from tests.server_fixtures import http
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+LEASE = ["--kv-lease-s", "3"]
+RECV_TIMEOUT = ["--kv-recv-timeout-s", "3"]
+VOCAB = 4096  # the default model's (config.json)
+
+
+@pytest.fixture(scope="module")
+def pd():
+    cluster = PDCluster()
+    try:
+        cluster.start_engines(ref=[], P=["--kv-role", "producer", *LEASE], D=["--kv-role", "consumer", *RECV_TIMEOUT],
+                              P2=["--kv-role", "producer", *LEASE],
+                              DR=["--kv-role", "consumer", *RECV_TIMEOUT, "--kv-load-failure-policy", "recompute"])
+        cluster.router = cluster.start_router("P", "D")
+        cluster.router_r = cluster.start_router("P", "DR")
+        cluster.baseline = {name: e.stats()["num_total_blocks"] for name, e in cluster.engines.items()}
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(autouse=True)
+def settled(pd):
+    """After each test: every live engine idle, all blocks free, nothing pinned on P."""
+    yield
+    for name, engine in pd.engines.items():
+        if engine.proc.poll() is None:
+            engine.wait_idle(pd.baseline[name])
+    assert metric(pd["P"], "atomd:kv_blocks_pinned") == 0
+
+
+def token_prompt(seed: int, n: int) -> list[int]:
+    return [int(t) for t in np.random.default_rng(seed).integers(10, VOCAB, n)]
+
+
+def complete(url: str, body: dict) -> tuple[int, dict | list]:
+    status, raw = http("POST", url + "/v1/completions", body)
+    if body.get("stream") and status == 200:
+        return status, sse_events(raw)
+    return status, json.loads(raw)
+
+
+def streamed_text(events: list) -> str:
+    return "".join(c["text"] for e in events for c in e.get("choices", []))
+
+
+def prefill_leg(engine, prompt: list[int]) -> dict:
+    """What the router sends P first; returns P's kv_transfer_params."""
+    status, body = complete(engine.url, {"prompt": prompt, "max_tokens": 1, "temperature": 0,
+                                         "kv_transfer_params": {"do_remote_decode": True,
+                                                                "transfer_id": uuid.uuid4().hex}})
+    assert status == 200, body
+    return body["kv_transfer_params"]
+
+
+@pytest.mark.parametrize("n", [5, 32, 150], ids=["under-one-block", "block-aligned", "many-blocks"])
+def test_completions_equal_colocated(pd, n):
+    body = {"prompt": token_prompt(n, n), "max_tokens": 12, "temperature": 0, "ignore_eos": True, "logprobs": 1}
+    status, want = complete(pd["ref"].url, body)
+    assert status == 200, want
+    status, got = complete(pd.router.url, body)
+    assert status == 200, got
+    w, g = want["choices"][0], got["choices"][0]
+    assert g["text"] == w["text"] and g["logprobs"]["tokens"] == w["logprobs"]["tokens"]
+    assert g["finish_reason"] == w["finish_reason"] == "length"
+    np.testing.assert_allclose(g["logprobs"]["token_logprobs"], w["logprobs"]["token_logprobs"], atol=1e-4)
+    assert got["usage"]["prompt_tokens"] == n and got["usage"]["completion_tokens"] == 12
+
+    stream = dict(body, stream=True, logprobs=None)
+    status, events = complete(pd.router.url, stream)
+    assert status == 200
+    assert streamed_text(events) == w["text"]
+
+
+def test_chat_through_openai_client(pd):
+    messages = [{"role": "user", "content": "Write a function that returns the sum of a list."}]
+    ref = openai.OpenAI(base_url=pd["ref"].url + "/v1", api_key="x")
+    routed = openai.OpenAI(base_url=pd.router.url + "/v1", api_key="x")
+    kwargs = dict(model=ref.models.list().data[0].id, messages=messages, max_tokens=16, temperature=0)
+    want = ref.chat.completions.create(**kwargs)
+    got = routed.chat.completions.create(**kwargs)
+    assert got.choices[0].message.content == want.choices[0].message.content
+    assert got.usage.prompt_tokens == want.usage.prompt_tokens
+    assert got.usage.completion_tokens == want.usage.completion_tokens
+    chunks = routed.chat.completions.create(**kwargs, stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == want.choices[0].message.content
+
+
+def test_shared_prefix_pulls_only_the_delta(pd):
+    """A second prompt sharing 4 full blocks: D pulls 1 block, cached_tokens as colocated."""
+    first = token_prompt(1001, 80)  # 5 blocks
+    second = first[:64] + token_prompt(1002, 10)  # 4 shared full blocks + 1 new
+    d = pd["D"]
+    for prompt, pulled_blocks in ((first, 5), (second, 1)):
+        body = {"prompt": prompt, "max_tokens": 4, "temperature": 0, "ignore_eos": True}
+        status, want = complete(pd["ref"].url, body)
+        assert status == 200, want
+        before = metric(d, "atomd:kv_transfer_bytes_total")
+        status, got = complete(pd.router.url, body)
+        assert status == 200, got
+        assert metric(d, "atomd:kv_transfer_bytes_total") - before == pulled_blocks * block_bytes()
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+            want["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == 64
+
+
+def test_kv_transfer_info(pd):
+    cfg = json.loads((pd.model / "config.json").read_text())
+    for name, role in (("P", "producer"), ("D", "consumer"), ("ref", "both")):
+        status, raw = http("GET", pd[name].url + "/kv_transfer_info")
+        info = json.loads(raw)
+        assert status == 200 and info["role"] == role and info["dp_size"] == 1
+        assert info["compat"]["block_size"] == 16 and info["compat"]["dtype"] == "float32"
+        assert info["compat"]["num_layers"] == cfg["num_hidden_layers"]
+        assert info["compat"]["num_kv_heads"] == cfg["num_key_value_heads"]
+        assert (info["side_channel"] is not None) == (role == "producer")
+    assert json.loads(http("GET", pd["P"].url + "/kv_transfer_info")[1])["compat"] == \
+        json.loads(http("GET", pd["D"].url + "/kv_transfer_info")[1])["compat"]
+
+
+def test_unpulled_transfer_freed_by_lease_expiry_or_abort(pd):
+    p = pd["P"]
+    expired = metric(p, "atomd:kv_leases_expired_total")
+    params = prefill_leg(p, token_prompt(7, 40))
+    assert params["do_remote_prefill"] and len(params["remote_block_ids"]) == 3
+    assert metric(p, "atomd:kv_blocks_pinned") == 3
+    p.wait_idle(pd.baseline["P"])  # nobody pulls: the 3 s lease runs out
+    assert metric(p, "atomd:kv_leases_expired_total") == expired + 1
+
+    params = prefill_leg(p, token_prompt(8, 20))
+    status, raw = http("POST", p.url + "/kv_transfer/abort", {"transfer_id": params["transfer_id"]})
+    assert status == 200 and json.loads(raw)["revoked"] is True
+    p.wait_idle(pd.baseline["P"])
+    assert metric(p, "atomd:kv_leases_expired_total") == expired + 1
+    status, raw = http("POST", p.url + "/kv_transfer/abort", {"transfer_id": params["transfer_id"]})
+    assert status == 200 and json.loads(raw)["revoked"] is False  # once only
+    assert http("POST", p.url + "/kv_transfer/abort", {"transfer_id": 5})[0] == 400
+
+
+def test_decode_leg_checks_prompt_length_and_compat(pd):
+    prompt = token_prompt(9, 20)
+    params = prefill_leg(pd["P"], prompt)
+    body = {"prompt": prompt[:-1], "max_tokens": 4, "temperature": 0, "kv_transfer_params": params}
+    status, err = complete(pd["D"].url, body)
+    assert status == 400 and "num_prompt_tokens" in err["error"]["message"]
+
+    failures = metric(pd["D"], "atomd:kv_transfer_failures_total", reason="compat_mismatch")
+    foreign = dict(params, compat=dict(params["compat"], block_size=32))
+    status, err = complete(pd["D"].url, dict(body, prompt=prompt, kv_transfer_params=foreign))
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed"
+    assert metric(pd["D"], "atomd:kv_transfer_failures_total", reason="compat_mismatch") == failures + 1
+    http("POST", pd["P"].url + "/kv_transfer/abort", {"transfer_id": params["transfer_id"]})
+
+
+def open_stream(port: int, prompt: list[int]) -> tuple[socket.socket, bytes]:
+    """A raw streamed completion of 200 tokens, read up to its first event."""
+    body = json.dumps({"prompt": prompt, "max_tokens": 200, "temperature": 0, "ignore_eos": True,
+                       "stream": True}).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    got = b""
+    while b"data: " not in got:
+        got += s.recv(4096)
+    assert got.startswith(b"HTTP/1.1 200"), got
+    return s, got
+
+
+def test_client_disconnect_during_decode_frees_both(pd):
+    s, _ = open_stream(pd.router.port, token_prompt(11, 40))
+    s.close()
+    # settled(): D aborted its sequence, P freed on DONE; both back at baseline
+
+
+def test_prefill_engine_killed_after_prefill_leg(pd):
+    """P2 dies holding the blocks: `fail` answers 503 before any byte, `recompute` prefills on D."""
+    prompt = token_prompt(13, 40)
+    to_fail, to_recompute = prefill_leg(pd["P2"], prompt), prefill_leg(pd["P2"], prompt)
+    kill_engine(pd["P2"])
+    body = {"prompt": prompt, "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    status, raw = http("POST", pd["D"].url + "/v1/completions",
+                       dict(body, stream=True, kv_transfer_params=to_fail))
+    assert status == 503 and json.loads(raw)["error"]["code"] == "kv_transfer_failed"
+
+    fallbacks = fallback_total(pd["DR"])
+    status, got = complete(pd["DR"].url, dict(body, kv_transfer_params=to_recompute))
+    assert status == 200, got
+    _, want = complete(pd["ref"].url, body)
+    assert got["choices"][0]["text"] == want["choices"][0]["text"]
+    assert fallback_total(pd["DR"]) == fallbacks + 1
+
+
+def fallback_total(server) -> float:
+    return sum(v for (name, _), v in metrics(server).items() if name == "atomd:pd_fallback_total")
+
+
+def test_decode_engine_killed_mid_stream(pd):
+    """DR dies while streaming: the client's stream ends, P ends with nothing pinned."""
+    s, got = open_stream(pd.router_r.port, token_prompt(17, 40))
+    with s:
+        os.kill(pd["DR"].engine_pid(), signal.SIGSTOP)  # not one more token, then the crash
+        kill_engine(pd["DR"])
+        while b"data: [DONE]" not in got and (chunk := s.recv(65536)):
+            got += chunk
+    assert b'data: {"error"' in got  # the router ends the broken stream with an error event
