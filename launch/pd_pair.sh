@@ -34,7 +34,8 @@ while [[ $# -gt 0 ]]; do
 done
 
 cd "$ROOT"
-if [[ ! -x .venv/bin/python || ! -f .venv/.installed ]]; then
+# A venv made by `make venv` has .installed; one made by hand counts if it imports the stack.
+if [[ ! -f .venv/.installed ]] && ! .venv/bin/python -c "import torch, aiohttp, zmq, msgspec, atomd" 2>/dev/null; then
   echo "pd_pair.sh: creating the virtualenv (.venv) ..." >&2
   make venv
 fi
