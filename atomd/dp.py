@@ -16,6 +16,7 @@ that every rank must join. So the loop never blocks on its socket longer than ID
 from __future__ import annotations
 
 import asyncio
+import logging
 import os
 import re
 import socket
@@ -27,6 +28,8 @@ from prometheus_client.core import CounterMetricFamily, HistogramMetricFamily
 from atomd import protocol as P
 from atomd.core import EngineCore, EngineCoreClient, EngineDeadError, Ready, RequestStream, StepOutputs, \
     UtilityCall, UtilityResult, to_delta
+
+logger = logging.getLogger("atomd.dp")
 
 IDLE_TICK_MS = 5  # an idle rank's wait on its socket between (empty) ticks
 RANK_HEADER = "X-data-parallel-rank"
@@ -211,7 +214,7 @@ class DPEngineCore(EngineCore):
     def run(self) -> None:
         if not self.ticks:
             return super().run()
-        while True:
+        while self.collective.broken is None:
             busy = self.engine.has_unfinished_requests()
             if self.inp.poll(0 if busy else IDLE_TICK_MS):
                 self.drain_input()
@@ -222,6 +225,11 @@ class DPEngineCore(EngineCore):
                 self.lockstep.end_of_step()
             if outputs:
                 self.send(StepOutputs([to_delta(o) for o in outputs]))
+        # A peer is gone (its failure was counted): serve what this rank has, alone and
+        # without the delayer, rather than fail open (and log it) on every tick from here on.
+        logger.error("DP rank %d: the DP group is broken (%s); running alone", self.rank, self.collective.broken)
+        self.engine.scheduler.prefill_delayer = self.lockstep = None
+        super().run()
 
     def call_utility(self, call: UtilityCall) -> UtilityResult:
         res = super().call_utility(call)
