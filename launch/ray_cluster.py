@@ -140,6 +140,7 @@ def engine_argv(role: str, config: ClusterConfig, host: str, port: int) -> list[
             "--kv-role", KV_ROLE[role], "--num-threads", str(group.num_threads),
             "--data-parallel-size", str(group.data_parallel_size),
             "--kv-transfer-backend", config.kv_transfer_backend,
+            "--kv-side-channel-host", host,  # decode engines on other nodes pull from here
             *(["--model", config.model] if config.model else []), *group.extra_args]
 
 

@@ -38,6 +38,9 @@ HEAD_START_TIMEOUT_S = 180.0
 JOB_READY_TIMEOUT_S = 600.0
 RECOVERY_TIMEOUT_S = 180.0
 GREEDY = {"prompt": "def fibonacci(n):", "max_tokens": 24, "temperature": 0}
+# The server tests' engine flags, but the thread count is the config's (`num_threads`).
+_THREADS = ENGINE_ARGS.index("--num-threads")
+TEST_ENGINE_FLAGS = ENGINE_ARGS[:_THREADS] + ENGINE_ARGS[_THREADS + 2:]
 
 
 def ray_cli(*args: str, timeout_s: float = 180.0) -> subprocess.CompletedProcess:
@@ -185,7 +188,7 @@ def write_config(tmp_dir: Path, name: str, **overrides) -> Path:
     data = yaml.safe_load((ROOT / "launch" / "configs" / name).read_text())
     data["router"]["port"] = free_port()
     for role in ("prefill", "decode"):
-        data[role]["extra_args"] = [a for a in ENGINE_ARGS if a not in ("--num-threads", "1")]
+        data[role]["extra_args"] = [*data[role].get("extra_args", []), *TEST_ENGINE_FLAGS]
         data[role].update(overrides.get(role, {}))
     path = tmp_dir / f"{os.getpid()}-{name}"
     path.write_text(yaml.safe_dump(data))
@@ -232,21 +235,24 @@ def workers(router_url: str, role: str) -> list[dict]:
     return [w for w in json.loads(raw)["workers"] if w["role"] == role]
 
 
-def pinned_blocks(engine_url: str) -> float:
+def metric(engine_url: str, sample: str) -> float:
+    """One series of an engine's /metrics, summed over its labels, read with prometheus_client."""
     from prometheus_client.parser import text_string_to_metric_families
 
     status, raw = http("GET", engine_url + "/metrics", timeout=10)
     assert status == 200, raw
-    samples = [s for fam in text_string_to_metric_families(raw.decode())
-               for s in fam.samples if s.name == "atomd:kv_blocks_pinned"]
-    assert samples, "P's /metrics has no atomd:kv_blocks_pinned"
+    samples = [s for fam in text_string_to_metric_families(raw.decode()) for s in fam.samples if s.name == sample]
+    assert samples, f"{engine_url}/metrics has no {sample}"
     return sum(s.value for s in samples)
 
 
 # ------------------------------------------------------------------ tests
 
 def test_greedy_through_the_ray_router_matches_colocated_serve(job_1p1d):
+    [decode] = workers(job_1p1d.router_url, "decode")
+    pulled_before = metric(decode["url"], "atomd:kv_transfer_bytes_total")
     through_ray = complete(job_1p1d.router_url)
+    assert metric(decode["url"], "atomd:kv_transfer_bytes_total") > pulled_before, "D did not pull the prompt KV"
     colocated = start_server(model_dir())
     try:
         reference = complete(colocated.url)
@@ -305,7 +311,7 @@ def test_killed_decode_actor_restarts_and_the_router_recovers(job_1p1d):
 
     after = complete(router)
     assert after["choices"][0]["text"] == before["choices"][0]["text"]
-    poll("P to release every pinned block", lambda: pinned_blocks(prefill["url"]) == 0, RECOVERY_TIMEOUT_S)
+    poll("P to release every pinned block", lambda: metric(prefill["url"], "atomd:kv_blocks_pinned") == 0, RECOVERY_TIMEOUT_S)
 
 
 def test_job_stop_leaves_no_actor_and_no_process(job_1p1d):
