@@ -128,10 +128,10 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        if self.kv_connector is not None:
-            self.kv_connector.check_request(prompt_token_ids, kv_transfer_params)
         seq = Sequence(list(prompt_token_ids), sampling_params, request_id=request_id,
                        arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
+        if self.kv_connector is not None:  # ValueError: kv_transfer_params do not fit this prompt
+            self.kv_connector.request_added(seq)
         self.scheduler.add(seq)
         self._requests[request_id] = seq
         return seq

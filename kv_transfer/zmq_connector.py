@@ -97,8 +97,8 @@ class _ZmqConnector(KVConnectorScheduler, KVConnectorWorker):
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         pass
 
-    def check_request(self, prompt_token_ids: list[int], kv_transfer_params: dict | None) -> None:
-        """Raise ValueError (a 400) for a request this engine cannot serve as asked."""
+    def request_added(self, seq) -> None:
+        """Before the scheduler sees `seq`: ValueError (a 400) if it cannot be served as asked."""
 
     def revoke(self, transfer_id: str) -> bool:
         return False
@@ -200,20 +200,25 @@ class ZmqConsumer(_ZmqConnector):
     def is_remote(self, seq) -> bool:
         return bool(self.params_of(seq).get("do_remote_prefill"))
 
-    def check_request(self, prompt_token_ids: list[int], kv_transfer_params: dict | None) -> None:
-        if not (kv_transfer_params or {}).get("do_remote_prefill"):
+    def request_added(self, seq) -> None:
+        """Check the params against this prompt, then heartbeat P while `seq` queues here."""
+        if not self.is_remote(seq):
             return
-        p = KVTransferParams.from_json_obj(kv_transfer_params)
-        if p.num_prompt_tokens != len(prompt_token_ids):
+        p = KVTransferParams.from_json_obj(seq.kv_transfer_params)
+        if p.num_prompt_tokens != seq.num_prompt_tokens:
             raise ValueError(f"kv_transfer_params.num_prompt_tokens={p.num_prompt_tokens} but this engine's "
-                             f"prompt has {len(prompt_token_ids)} tokens (different tokenizer or template?)")
-        blocks = -(-len(prompt_token_ids) // self.block_size)
-        if len(p.remote_block_ids) != blocks:
+                             f"prompt has {seq.num_prompt_tokens} tokens (different tokenizer or template?)")
+        if len(p.remote_block_ids) != self.num_prompt_blocks(seq):
             raise ValueError(f"kv_transfer_params.remote_block_ids has {len(p.remote_block_ids)} blocks, "
-                             f"the prompt needs {blocks} of {self.block_size} tokens")
-        for name in ("transfer_id", "remote_host", "remote_port", "access_token", "first_token_id"):
+                             f"the prompt needs {self.num_prompt_blocks(seq)} of {self.block_size} tokens")
+        for name in ("transfer_id", "remote_host", "remote_port", "access_token"):
             if getattr(p, name) is None:
                 raise ValueError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+        try:
+            self.receiver.hold(p.transfer_id, p.remote_host, p.remote_port, lease_s=p.lease_s)
+        except ValueError:
+            raise ValueError(f"kv_transfer_params.transfer_id {p.transfer_id!r} is already in use here") from None
+        self.seq_of_transfer[p.transfer_id] = seq.id
 
     def get_num_new_matched_tokens(self, seq) -> tuple[int, bool]:
         if not self.is_remote(seq):
@@ -237,19 +242,29 @@ class ZmqConsumer(_ZmqConnector):
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         for load in getattr(meta, "loads", ()):
-            if load.refused is None and load.transfer_id not in self.seq_of_transfer:
+            if load.refused is None:
                 try:
                     self.receiver.start_pull(load.transfer_id, load.host, load.port, load.access_token,
                                              load.remote_block_ids, load.local_block_ids,
                                              self.config.recv_timeout_s, lease_s=self.config.lease_s)
+                    continue
                 except ValueError as e:
                     load.refused = f"start_pull: {e}"
-                else:
-                    self.seq_of_transfer[load.transfer_id] = load.seq_id
-                    continue
-            reason = COMPAT_REFUSED if load.refused and load.refused.startswith("compat") else "refused"
+            reason = COMPAT_REFUSED if load.refused.startswith("compat") else "refused"
             self.local_failures[reason] = self.local_failures.get(reason, 0) + 1
             self._refused.append((load.seq_id, reason))
+            self._release_hold(load.transfer_id)
+
+    def _release_hold(self, transfer_id: str) -> None:
+        """Stop heartbeating and let P free now (ABORT); the receiver's "aborted" report of
+        it is dropped, since this connector reports the sequence itself."""
+        if self.seq_of_transfer.pop(transfer_id, None) is not None:
+            self.receiver.abort(transfer_id)
+
+    def request_finished(self, seq) -> dict[str, Any] | None:
+        """Rejected while still holding P's blocks (e.g. unschedulable): free them on P."""
+        self._release_hold(self.params_of(seq).get("transfer_id"))
+        return None
 
     def request_aborted(self, seq) -> None:
         transfer_id = self.params_of(seq).get("transfer_id")
@@ -262,6 +277,7 @@ class ZmqConsumer(_ZmqConnector):
         for seconds in self.receiver.take_transfer_seconds():
             self.transfer_stats.observe(seconds)
         finished = [self.seq_of_transfer.pop(tid) for tid in done if tid in self.seq_of_transfer]
+        self._aborted.difference_update(finished)
         failed_ids = []
         for tid, reason in failed:
             seq_id = self.seq_of_transfer.pop(tid, None)
