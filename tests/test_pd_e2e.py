@@ -176,6 +176,18 @@ def test_decode_leg_checks_prompt_length_and_compat(pd):
     status, err = complete(pd["D"].url, dict(body, prompt=prompt, kv_transfer_params=foreign))
     assert status == 503 and err["error"]["code"] == "kv_transfer_failed"
     assert metric(pd["D"], "atomd:kv_transfer_failures_total", reason="compat_mismatch") == failures + 1
+
+
+def test_wrong_access_token_is_refused_by_p(pd):
+    prompt = token_prompt(10, 20)
+    params = prefill_leg(pd["P"], prompt)
+    refused = metric(pd["P"], "atomd:kv_transfer_failures_total", reason="bad_token")
+    forged = dict(params, access_token="0" * 32)
+    status, err = complete(pd["D"].url, {"prompt": prompt, "max_tokens": 4, "kv_transfer_params": forged})
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed"
+    assert metric(pd["P"], "atomd:kv_transfer_failures_total", reason="bad_token") == refused + 1
+    assert metric(pd["D"], "atomd:kv_transfer_failures_total", reason="bad_token") >= 1
+    assert metric(pd["P"], "atomd:kv_blocks_pinned") == 2  # a forged READ frees nothing
     http("POST", pd["P"].url + "/kv_transfer/abort", {"transfer_id": params["transfer_id"]})
 
 
@@ -191,6 +203,14 @@ def open_stream(port: int, prompt: list[int]) -> tuple[socket.socket, bytes]:
         got += s.recv(4096)
     assert got.startswith(b"HTTP/1.1 200"), got
     return s, got
+
+
+def test_client_disconnect_during_prefill_leg_frees_both(pd):
+    body = json.dumps({"prompt": token_prompt(12, 220), "max_tokens": 8, "stream": True}).encode()
+    with socket.create_connection(("127.0.0.1", pd.router.port), timeout=30) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                  b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    # gone before any byte: settled() checks that whatever leg ran freed its blocks
 
 
 def test_client_disconnect_during_decode_frees_both(pd):
