@@ -24,6 +24,9 @@ Scheduler side (`KVConnectorScheduler`, called by `scheduler.Scheduler`):
                                    Never followed by request_finished.
   recv_failure_policy(seq)         "fail" (finish with an error) or "recompute" (prefill
                                    locally) for a consumer whose pull failed.
+  request_added(seq)               (optional) before the scheduler sees a new sequence:
+                                   raise ValueError (the API's 400) if its kv_transfer_params
+                                   do not fit its prompt; a consumer starts heartbeating P.
 
 Worker side (`KVConnectorWorker`, called by the engine around the forward):
   register_kv_caches(buffer)       the paged KV as a numpy uint8 view [num_blocks, block_bytes].
@@ -32,6 +35,10 @@ Worker side (`KVConnectorWorker`, called by the engine around the forward):
                                    since the last call; the engine hands it to
                                    Scheduler.update_from_kv_connector_output.
   close()
+
+Engine utilities (optional, on either half): stats() -> dict of PD counters (atomd.metrics
+renders them), info() -> role / side channel for GET /kv_transfer_info, revoke(transfer_id)
+-> bool for POST /kv_transfer/abort.
 
 Every id is a `Sequence.id`. Reporting an id twice, or an id the scheduler no longer
 knows, is harmless: the scheduler ignores it and never frees a block twice.
@@ -100,6 +107,18 @@ class KVConnectorScheduler(abc.ABC):
 
     def recv_failure_policy(self, seq) -> str:
         return "fail"
+
+    def request_added(self, seq) -> None:
+        pass
+
+    def stats(self) -> dict[str, Any]:
+        return {}
+
+    def info(self) -> dict[str, Any]:
+        return {}
+
+    def revoke(self, transfer_id: str) -> bool:
+        return False
 
 
 class KVConnectorWorker(abc.ABC):

@@ -7,10 +7,13 @@ and the response `kv_transfer_params` tell D where and how to pull them. The blo
 freed (`finished_sending`) when the sender reports the transfer released: DONE, ABORT,
 revoke (the router's POST /kv_transfer/abort) or lease expiry, exactly one of them.
 
-Consumer (D): a `do_remote_prefill` sequence is parked with all its prompt blocks
-allocated; its own prefix hit (the first `num_cached_tokens // block_size` blocks) is
-kept and only the rest is pulled. The receiver reports every pull exactly once, finished
-or failed, and only then are the blocks reused (an abort stops the writes first).
+Consumer (D): a `do_remote_prefill` request is checked against its own prompt (length,
+block count: else a 400) and its transfer held from arrival, so heartbeats keep P's lease
+alive while it queues. On admission it is parked with all its prompt blocks allocated; its
+own prefix hit (the first `num_cached_tokens // block_size` blocks) is kept and only the
+rest is pulled, after the compat fingerprint is checked (a mismatch fails the load before
+any byte moves and ABORTs at P). The receiver reports every pull exactly once, finished or
+failed, and only then are the blocks reused (an abort stops the writes first).
 
 Both halves are one object per engine (the scheduler side and the worker side run on the
 same engine thread); `create_zmq_connector` is the factory registered as "zmq".
@@ -96,12 +99,6 @@ class _ZmqConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         pass
-
-    def request_added(self, seq) -> None:
-        """Before the scheduler sees `seq`: ValueError (a 400) if it cannot be served as asked."""
-
-    def revoke(self, transfer_id: str) -> bool:
-        return False
 
     def info(self) -> dict[str, Any]:
         return {"role": self.role, "side_channel": None, "engine_id": None,
