@@ -3,7 +3,7 @@ processes on 127.0.0.1, against a colocated `atomd serve` as the reference.
 
 One cluster per module: the reference, P and D behind the main router, P2 (killed in the
 P-crash test) and DR (a recompute-policy consumer behind a second router with P, killed
-in the D-crash test). P's lease and the consumers' receive timeout are short so the
+in the D-crash test) and DK (killed before it could pull). P's lease and the consumers' receive timeout are short so the
 fault tests end quickly. After every test each live engine is idle with all its blocks
 free, and P has no block pinned.
 """
@@ -13,6 +13,8 @@ import json
 import os
 import signal
 import socket
+import threading
+import time
 import uuid
 
 import numpy as np
@@ -35,9 +37,11 @@ def pd():
     try:
         cluster.start_engines(ref=[], P=["--kv-role", "producer", *LEASE], D=["--kv-role", "consumer", *RECV_TIMEOUT],
                               P2=["--kv-role", "producer", *LEASE],
-                              DR=["--kv-role", "consumer", *RECV_TIMEOUT, "--kv-load-failure-policy", "recompute"])
+                              DR=["--kv-role", "consumer", *RECV_TIMEOUT, "--kv-load-failure-policy", "recompute"],
+                              DK=["--kv-role", "consumer"])
         cluster.router = cluster.start_router("P", "D")
         cluster.router_r = cluster.start_router("P", "DR")
+        cluster.router_k = cluster.start_router("P", "DK")
         cluster.baseline = {name: e.stats()["num_total_blocks"] for name, e in cluster.engines.items()}
         yield cluster
     finally:
@@ -250,3 +254,20 @@ def test_decode_engine_killed_mid_stream(pd):
         while b"data: [DONE]" not in got and (chunk := s.recv(65536)):
             got += chunk
     assert b'data: {"error"' in got  # the router ends the broken stream with an error event
+
+
+def test_decode_engine_killed_before_pulling(pd):
+    """DK's core is frozen, then killed, while the router's decode leg waits on it: the client
+    gets a 5xx, and P frees the pinned blocks (the router's abort, or the lease)."""
+    os.kill(pd["DK"].engine_pid(), signal.SIGSTOP)
+    answer = {}
+    body = {"prompt": token_prompt(19, 40), "max_tokens": 8, "temperature": 0}
+    leg = threading.Thread(target=lambda: answer.update(status=complete(pd.router_k.url, body)[0]))
+    leg.start()
+    deadline = time.monotonic() + 60
+    while metric(pd["P"], "atomd:kv_blocks_pinned") == 0:  # P's leg is done: D holds the params
+        assert time.monotonic() < deadline, "P never finished the prefill leg"
+        time.sleep(0.05)
+    kill_engine(pd["DK"])
+    leg.join(60)
+    assert answer["status"] >= 500
