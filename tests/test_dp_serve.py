@@ -14,13 +14,46 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from atomd.config import EngineConfig
+from atomd.dp import DPEngineClient, rank_config
 from tests.server_fixtures import http, model_dir, start_server
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
+pytestmark = pytest.mark.timeout(240)
 
 PROMPTS = ["The capital of France is", "1, 2, 3, 4,", "Once upon a time there was a little",
            "def fib(n):", "Hello", "The quick brown fox jumps over the lazy dog and then"]
 DP = ["--data-parallel-size", "2", "--prefill-delayer", "align", "--dp-collective-timeout-s", "10"]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("field,value", [("prefill_delayer", "nagle"), ("prefill_delayer_target_fill", 1.5),
+                                         ("prefill_delayer_stall_ticks", 0), ("dp_collective_timeout_s", 0.0)])
+def test_bad_delayer_settings_are_a_value_error_naming_the_field(field, value):
+    with pytest.raises(ValueError, match=field):
+        EngineConfig(**{field: value})
+
+
+@pytest.mark.unit
+def test_each_rank_gets_its_index_the_group_port_and_its_own_kv_events_port():
+    cfg = EngineConfig(data_parallel_size=3, kv_events_endpoint="tcp://127.0.0.1:5557")
+    ranks = [rank_config(cfg, r, 29500) for r in range(3)]
+    assert [c.data_parallel_rank for c in ranks] == [0, 1, 2]
+    assert {c.dp_master_port for c in ranks} == {29500}
+    assert [c.kv_events_endpoint for c in ranks] == [f"tcp://127.0.0.1:{5557 + r}" for r in range(3)]
+
+
+@pytest.mark.unit
+def test_placement_is_least_loaded_with_ties_to_the_lower_rank_and_skips_dead_ranks():
+    client = DPEngineClient(EngineConfig(data_parallel_size=3, dp_master_port=29500))
+    assert client.place(None) == 0  # all empty: the lowest rank
+    client.ranks[0].streams = {"a": None, "b": None}
+    client.ranks[1].streams = {"c": None}
+    client.ranks[2].aborting = {"d"}  # aborted, not yet freed by its engine: still load
+    assert client.place(None) == 1
+    client.ranks[1].dead = "exited"
+    assert client.place(None) == 2
+    assert client.place(0) == 0  # an explicit rank is honoured as asked
+    assert client.rank_of("c") == 1
 
 
 @pytest.fixture(scope="module")
@@ -64,6 +97,7 @@ def wait_back(server, baseline: list[dict], timeout_s: float = 30.0) -> list[dic
         time.sleep(0.05)
 
 
+@pytest.mark.integration
 def test_dp2_greedy_outputs_equal_dp1_and_spread_over_both_ranks(single, dp2):
     baseline = rank_stats(dp2)
     assert [r["dp_rank"] for r in baseline] == [0, 1]
@@ -73,6 +107,7 @@ def test_dp2_greedy_outputs_equal_dp1_and_spread_over_both_ranks(single, dp2):
         assert now["prefix_cache_queries"] > before["prefix_cache_queries"]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("how", ["header", "body"])
 def test_an_explicit_rank_is_honoured(dp2, how):
     baseline = rank_stats(dp2)
@@ -87,6 +122,7 @@ def test_an_explicit_rank_is_honoured(dp2, how):
         assert grew == [r == rank for r in range(2)]
 
 
+@pytest.mark.integration
 @pytest.mark.parametrize("rank", ["2", "-1", "x"])
 def test_a_bad_rank_is_a_400_naming_the_field(dp2, rank):
     status, body = http("POST", dp2.url + "/v1/completions", {"prompt": "hi", "max_tokens": 2},
@@ -95,6 +131,7 @@ def test_a_bad_rank_is_a_400_naming_the_field(dp2, rank):
     assert json.loads(body)["error"]["param"] == "data_parallel_rank"
 
 
+@pytest.mark.integration
 def test_metrics_count_the_delayer_outcomes_per_rank(dp2):
     complete_all(dp2)
     status, body = http("GET", dp2.url + "/metrics")
@@ -109,10 +146,12 @@ def test_metrics_count_the_delayer_outcomes_per_rank(dp2):
     assert {s.labels["dp_rank"] for s in holds} == {"0", "1"} and all(s.value > 0 for s in holds)
 
 
-def test_a_dead_rank_makes_the_server_not_ready(tmp_path):
-    server = start_server(model_dir(), *DP)
+@pytest.mark.integration
+def test_lockstep_coalesce_serves_the_same_tokens_and_a_dead_rank_makes_it_not_ready(single):
+    server = start_server(model_dir(), "--data-parallel-size", "2", "--prefill-delayer", "coalesce",
+                          "--dp-lockstep", "--dp-collective-timeout-s", "10")
     try:
-        assert complete(server, "Hello")["choices"][0]["text"]
+        assert complete_all(server) == complete_all(single)
         children = pathlib.Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
         cores = [int(c) for c in children
                  if b"resource_tracker" not in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
