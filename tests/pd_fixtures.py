@@ -18,8 +18,6 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.conftest import free_port
 from tests.server_fixtures import REPO, START_TIMEOUT_S, ServerProcess, http, model_dir
 
-FAST_HEARTBEATS = ["--kv-recv-timeout-s", "3"]
-
 
 class RouterProcess:
     """`python -m router` over the given prefill and decode URLs, on a free port."""
