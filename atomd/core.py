@@ -210,7 +210,10 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         engine = LLMEngine(config)
         core = make_engine_core(engine, inp, out, parent_pid)  # joins the DP ranks' group, if any
         out.send(encoder.encode(Ready(engine.model_name)))
-        core.run()
+        try:
+            core.run()
+        finally:
+            engine.close()  # the KV side channel's sockets and I/O thread
     except KeyboardInterrupt:
         pass
     except Exception as e:
