@@ -28,15 +28,16 @@ NO_CACHE = "--no-enable-prefix-caching"
 
 
 def engine_deltas(row: dict) -> tuple[float, float, float]:
-    """(prefix hits, prefix queries, KV bytes sent) over the run, summed over the setup's engines."""
+    """(prefix hits, prefix queries, KV bytes D received) over the run; hits and queries are
+    summed over the setup's engines (in PD: P's and D's lookups)."""
     engines = [d for role, d in row["delta"].items() if role != "router"]
-    return (sum(d["prefix_cache_hits"] for d in engines), sum(d["prefix_cache_queries"] for d in engines),
-            sum(d["kv_transfer_bytes"] for d in engines))
+    received = row["delta"].get("decode", {}).get("kv_transfer_bytes", 0.0)  # P counts the same bytes as sent
+    return (sum(d["prefix_cache_hits"] for d in engines), sum(d["prefix_cache_queries"] for d in engines), received)
 
 
 def markdown(rows: list[dict]) -> str:
     lines = ["| setup | rate (req/s) | mean TTFT (ms) | p99 TTFT (ms) | output tok/s | req/s | "
-             "prefix hit rate | KV bytes P->D per request | PD decisions (pd / without KV) |",
+             "prefix hit rate | KV bytes D pulled per request | PD decisions (pd / without KV) |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|"]
     for row in rows:
         r = row["result"]
@@ -66,7 +67,8 @@ def ratios(rows: list[dict]) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--rates", type=float, nargs="+", default=[8.0])
+    ap.add_argument("--rates", type=float, nargs="+", default=[8.0, float("inf")],
+                    help="inf: every request at once, the throughput limit")
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--shared-prefix-len", type=int, default=448, help="the system prompt every request shares")
     ap.add_argument("--input-len", type=int, default=64, help="each user's own tokens after the prefix")
