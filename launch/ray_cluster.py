@@ -150,7 +150,7 @@ class EngineActor:
 
     def __init__(self, role: str, config: ClusterConfig, router_url: str):
         deadline = time.monotonic() + config.timeouts.ready_s
-        host = ray.util.get_node_ip_address()
+        host = config.engine_host or ray.util.get_node_ip_address()
         port = free_port(host)
         self.role = role
         self.server = ServerProcess(f"{role} engine", engine_argv(role, config, host, port),

@@ -88,6 +88,8 @@ class Timeouts(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None       # HF checkpoint directory on every node; None = built-in default
+    engine_host: str | None = None  # engines' bind address; None = the node's IP (multi-node),
+                                    # 127.0.0.1 keeps a one-machine cluster on loopback
     kv_transfer_backend: KVTransport = "zmq"
     prefill: EngineGroup = msgspec.field(default_factory=EngineGroup)
     decode: EngineGroup = msgspec.field(default_factory=EngineGroup)

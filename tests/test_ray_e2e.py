@@ -187,6 +187,8 @@ def write_config(tmp_dir: Path, name: str, **overrides) -> Path:
     """A shipped config with a free router port and the test engines' small pool."""
     data = yaml.safe_load((ROOT / "launch" / "configs" / name).read_text())
     data["router"]["port"] = free_port()
+    # Ray itself binds the node's IP; our engines and router stay on loopback in tests.
+    data["router"]["host"] = data["engine_host"] = "127.0.0.1"
     for role in ("prefill", "decode"):
         data[role]["extra_args"] = [*data[role].get("extra_args", []), *TEST_ENGINE_FLAGS]
         data[role].update(overrides.get(role, {}))
