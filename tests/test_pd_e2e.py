@@ -99,6 +99,8 @@ def test_completions_equal_colocated(pd, n):
     status, events = complete(pd.router.url, stream)
     assert status == 200
     assert streamed_text(events) == w["text"]
+    assert metric(pd.router, "atomd_router:decision_total", decision="pd") >= 2
+    assert metric(pd.router, "atomd_router:decision_total", decision="decode_without_kv") == 0  # KV moved
 
 
 def test_chat_through_openai_client(pd):
