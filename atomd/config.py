@@ -14,7 +14,7 @@ import msgspec
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_ROLES = ("both", "producer", "consumer")
-KV_TRANSFER_BACKENDS = ("zmq", "mooncake")
+KV_TRANSFER_BACKENDS = ("zmq",)  # mooncake: not implemented yet
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts

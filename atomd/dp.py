@@ -140,9 +140,15 @@ class DPEngineClient:
             self.ranks[rank].abort(request_id)
 
     async def call(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
-        """`stats`: the ranks' sums plus `ranks`, each rank's own; any other utility (e.g.
-        reset_prefix_cache) runs on every rank and answers True when every rank did."""
+        """`stats`: the ranks' sums plus `ranks`, each rank's own; `kv_transfer_info`: rank 0's
+        answer plus `ranks` (each rank has its own side channel); `kv_transfer_abort`: True when
+        the rank holding the transfer revoked it; any other utility (e.g. reset_prefix_cache)
+        runs on every rank and answers True when every rank did."""
         results = await asyncio.gather(*(c.call(method, *args, timeout_s=timeout_s) for c in self.ranks))
+        if method == "kv_transfer_info":
+            return {**results[0], "ranks": results}
+        if method == "kv_transfer_abort":
+            return any(results)
         if method != "stats":
             return all(results)
         total: dict[str, Any] = {k: sum(s.get(k, 0) for s in results) for k in _SUMMED}

@@ -21,7 +21,7 @@ import yaml
 
 from router.policies import POLICIES
 
-KVTransport = Literal["zmq", "mooncake"]
+KVTransport = Literal["zmq"]  # mooncake: not implemented yet
 
 
 class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
