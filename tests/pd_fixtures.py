@@ -16,7 +16,7 @@ import time
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.conftest import free_port
-from tests.server_fixtures import REPO, START_TIMEOUT_S, ServerProcess, http, model_dir
+from tests.server_fixtures import REPO, START_TIMEOUT_S, ServerProcess, http, model_dir, wait_until_ready
 
 
 class RouterProcess:
@@ -35,17 +35,8 @@ class RouterProcess:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "RouterProcess":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"router exited with {self.proc.returncode} before /ready")
-            try:
-                if http("GET", self.url + "/ready", timeout=2)[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"router not ready after {timeout_s} s")
+        wait_until_ready(self.proc, self.url, "router", timeout_s)
+        return self
 
     def stop(self) -> None:
         if self.proc.poll() is None:

@@ -44,6 +44,21 @@ def http(method: str, url: str, body: bytes | dict | None = None, headers: dict 
         return e.code, e.read()
 
 
+def wait_until_ready(proc: subprocess.Popen, url: str, name: str, timeout_s: float) -> None:
+    """Poll `url`/ready until 200; fail at once if the process exits, or at the deadline."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{name} exited with {proc.returncode} before /ready")
+        try:
+            if http("GET", url + "/ready", timeout=2)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.1)
+    raise TimeoutError(f"{name} not ready after {timeout_s} s")
+
+
 class ServerProcess:
     """`python -m atomd serve` on a free port of 127.0.0.1."""
 
@@ -58,17 +73,8 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
 
     def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "ServerProcess":
-        deadline = time.monotonic() + timeout_s
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"atomd serve exited with {self.proc.returncode} before /ready")
-            try:
-                if http("GET", self.url + "/ready", timeout=2)[0] == 200:
-                    return self
-            except OSError:
-                pass
-            time.sleep(0.1)
-        raise TimeoutError(f"atomd serve not ready after {timeout_s} s")
+        wait_until_ready(self.proc, self.url, "atomd serve", timeout_s)
+        return self
 
     def engine_pid(self) -> int:
         """The engine core: the server's child that is not multiprocessing's resource tracker."""
