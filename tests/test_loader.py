@@ -11,6 +11,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from atomd.model.llama import dense
 from atomd.model.loader import load_model
 from tests.test_model_hf import make_checkpoint
 
@@ -34,10 +35,12 @@ def test_weights_are_packed_from_the_checkpoint(llama_dir):
     tensors = load_file(llama_dir / "model.safetensors")
     p = "model.layers.1."
     want_qkv = torch.cat([tensors[f"{p}self_attn.{n}_proj.weight"] for n in "qkv"])
-    assert torch.equal(model.layers[1].qkv, want_qkv)
+    assert torch.equal(dense(model.layers[1].qkv), want_qkv)
     want_gate_up = torch.cat([tensors[f"{p}mlp.gate_proj.weight"], tensors[f"{p}mlp.up_proj.weight"]])
-    assert torch.equal(model.layers[1].gate_up, want_gate_up)
-    assert torch.equal(model.lm_head, tensors["lm_head.weight"])
+    assert torch.equal(dense(model.layers[1].gate_up), want_gate_up)
+    assert torch.equal(dense(model.lm_head), tensors["lm_head.weight"])
+    # fp32 weights are held once, in oneDNN's packed layout (no plain copy beside them)
+    assert model.layers[1].qkv.is_mkldnn == torch.backends.mkldnn.is_available()
     assert model.config.num_kv_heads == 2 and model.config.rope_scaling["rope_type"] == "llama3"
 
 
@@ -48,14 +51,14 @@ def test_sharded_checkpoint_loads_the_same_weights(llama_dir, tmp_path):
     assert (tmp_path / "model.safetensors.index.json").is_file()
     a, b = load_model(llama_dir), load_model(tmp_path)
     for la, lb in zip(a.layers, b.layers):
-        assert torch.equal(la.qkv, lb.qkv) and torch.equal(la.down, lb.down)
-    assert torch.equal(a.embed, b.embed) and torch.equal(a.lm_head, b.lm_head)
+        assert torch.equal(dense(la.qkv), dense(lb.qkv)) and torch.equal(dense(la.down), dense(lb.down))
+    assert torch.equal(a.embed, b.embed) and torch.equal(dense(a.lm_head), dense(b.lm_head))
 
 
 @pytest.mark.unit
-def test_tied_embeddings_share_the_embedding(tmp_path):
+def test_tied_embeddings_read_the_embedding(tmp_path):
     model = load_model(make_checkpoint(tmp_path, "qwen2", seed=1))
-    assert model.lm_head is model.embed and model.layers[0].qkv_bias is not None
+    assert torch.equal(dense(model.lm_head), model.embed) and model.layers[0].qkv_bias is not None
 
 
 @pytest.mark.unit

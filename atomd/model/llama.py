@@ -131,8 +131,6 @@ class LlamaModel:
     cos: torch.Tensor = field(init=False)  # [max_positions, head_dim // 2]
     sin: torch.Tensor = field(init=False)
 
-    _packed: dict[int, torch.Tensor] = field(init=False, default_factory=dict)
-
     def __post_init__(self) -> None:
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), rope_inv_freq(self.config))
         self.cos = freqs.cos().to(self.embed.dtype)
@@ -140,20 +138,18 @@ class LlamaModel:
         self._pack_weights()
 
     def _pack_weights(self) -> None:
-        """Reorder every fp32 linear weight once into oneDNN's blocked layout: the packed
-        matmul runs ~1.2x / 1.8x / 1.2x F.linear at M = 1 / 16 / 4096 on this CPU kind
-        (benchmarks/results/offline_vllm.md), which is where vLLM-CPU's lead came from."""
+        """Reorder every fp32 linear weight once, in place, into oneDNN's blocked layout: the
+        packed matmul runs ~1.2x / 1.8x / 1.2x F.linear at M = 1 / 16 / 4096 on this CPU kind
+        (benchmarks/results/offline_vllm.md), which is where vLLM-CPU's lead came from. The
+        plain copies are dropped (a checkpoint's weights are held once); `dense()` reads a
+        packed weight back. A tied lm_head gets its own packed copy: the embedding lookup
+        needs the plain table."""
         if self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
             return
-        weights = [self.lm_head] + [t for w in self.layers for t in (w.qkv, w.o, w.gate_up, w.down)]
-        for t in weights:
-            self._packed[id(t)] = torch.ops.mkldnn._reorder_linear_weight(t, 16)
-
-    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        packed = self._packed.get(id(weight))
-        if packed is None:
-            return F.linear(x, weight, bias)
-        return torch.ops.mkldnn._linear_pointwise(x, packed, bias, "none", [], "")
+        self.lm_head = pack_linear_weight(self.lm_head)
+        for w in self.layers:
+            w.qkv, w.o = pack_linear_weight(w.qkv), pack_linear_weight(w.o)
+            w.gate_up, w.down = pack_linear_weight(w.gate_up), pack_linear_weight(w.down)
 
     @property
     def dtype(self) -> torch.dtype:
@@ -175,20 +171,35 @@ class LlamaModel:
         hidden = (cfg.hidden_size,)
         for i, w in enumerate(self.layers):
             h = F.rms_norm(x, hidden, w.input_norm, cfg.rms_norm_eps)
-            qkv = self.linear(h, w.qkv, w.qkv_bias)
+            qkv = linear(h, w.qkv, w.qkv_bias)
             qk = self.apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
                                                                           cfg.head_dim), positions)
             q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
             v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             kv_cache.write(i, meta, k, v)
             attn = paged_attention(q, k, v, kv_cache, i, meta)
-            x = x + self.linear(attn, w.o, w.o_bias)
+            x = x + linear(attn, w.o, w.o_bias)
             h = F.rms_norm(x, hidden, w.post_norm, cfg.rms_norm_eps)
-            gate_up = self.linear(h, w.gate_up, w.gate_up_bias)
+            gate_up = linear(h, w.gate_up, w.gate_up_bias)
             gate, up = gate_up.chunk(2, dim=-1)
-            x = x + self.linear(F.silu(gate).mul_(up), w.down, w.down_bias)
+            x = x + linear(F.silu(gate).mul_(up), w.down, w.down_bias)
         x = F.rms_norm(x[logits_indices], hidden, self.norm, cfg.rms_norm_eps)
-        return self.linear(x, self.lm_head)
+        return linear(x, self.lm_head)
+
+
+def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
+    return torch.ops.mkldnn._reorder_linear_weight(weight, 16)  # 16: the decode batch it is tuned for
+
+
+def dense(weight: torch.Tensor) -> torch.Tensor:
+    """A weight as a plain tensor, packed or not."""
+    return weight.to_dense() if weight.is_mkldnn else weight
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    if weight.is_mkldnn:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return F.linear(x, weight, bias)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
