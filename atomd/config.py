@@ -17,6 +17,7 @@ KV_ROLES = ("both", "producer", "consumer")
 KV_TRANSFER_BACKENDS = ("zmq",)  # mooncake: not implemented yet
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
+ATTENTION_BACKENDS = ("auto", "native", "torch")
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
@@ -26,6 +27,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "float32"
     seed: int = 0
     num_threads: int | None = None  # None: all cores (torch's own default)
+    # decode attention: native = the C kernel (atomd/native.py), torch = SDPA; auto: native for
+    # float32 where it builds, else torch
+    attention_backend: str = "auto"
     max_model_len: int = 2048
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -64,6 +68,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
+        _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.attention_backend == "native" and self.dtype != "float32":
+            raise ValueError(f"attention_backend native runs float32 only, got dtype {self.dtype!r}")
         _choice("kv_role", self.kv_role, KV_ROLES)
         _choice("kv_transfer_backend", self.kv_transfer_backend, KV_TRANSFER_BACKENDS)
         _choice("kv_load_failure_policy", self.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
@@ -146,6 +153,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of this engine (default: all cores)")
+    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
+                   help="decode attention: native C kernel (float32, built at first use), torch SDPA, "
+                        "or auto (native where it builds)")
     g.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")

@@ -70,7 +70,7 @@ class LLMEngine:
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.kv_cache = KVCache(self._num_blocks(), mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
                                 mcfg.head_dim, self.model.dtype)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         self.sampler = Sampler(config.seed)
         self.kv_connector = self._make_connector()
         eos = self.tokenizer.eos_token_id

@@ -10,6 +10,7 @@ gather whole blocks.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -41,6 +42,8 @@ class AttentionMetadata:
     workspace: "DecodeWorkspace | None" = None  # decode: contiguous copy of the batch's contexts
     workspace_fresh: bool = False  # decode: fill the workspace from the cache this step
     new_positions: torch.Tensor | None = None  # decode: [B] position of each row's new token
+    decode_kernel: Any = None  # decode: atomd.native's library when it computes the attention
+    context_lens: torch.Tensor | None = None  # decode with decode_kernel: [B] int64
 
 
 class KVCache:

@@ -12,6 +12,7 @@ import torch
 
 from atomd.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
 from atomd.model.llama import LlamaModel
+from atomd.native import decode_attention_kernel
 
 
 WORKSPACE_SLACK = 128  # decode steps a workspace can grow before it is rebuilt
@@ -19,10 +20,17 @@ WORKSPACE_MAX_BYTES = 256 << 20  # larger decode batches gather from the paged c
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache):
+    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention_backend: str = "auto"):
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.workspace: DecodeWorkspace | None = None
+        self.decode_kernel = None  # the native decode attention; None: torch SDPA over a workspace
+        if attention_backend != "torch" and kv_cache.kv.dtype == torch.float32:
+            cfg = model.config
+            self.decode_kernel = decode_attention_kernel(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+        if attention_backend == "native" and self.decode_kernel is None:
+            raise RuntimeError("attention_backend native: the decode attention kernel did not build "
+                               "(see the warning above); use --attention-backend torch")
 
     @torch.inference_mode()
     def execute(self, batch, all_logits: bool = False) -> torch.Tensor:
@@ -69,6 +77,9 @@ class ModelRunner:
         max_blocks = -(-max_context // self.block_size)
         meta.block_tables = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks]))
         meta.max_context = max_context
+        if self.decode_kernel is not None:  # reads the paged cache directly: no mask, no workspace
+            meta.decode_kernel, meta.context_lens = self.decode_kernel, torch.from_numpy(context_lens)
+            return
         if (context_lens != max_context).any():
             keys = torch.arange(max_context)
             meta.decode_mask = (keys.unsqueeze(0) < torch.from_numpy(context_lens).unsqueeze(1))[:, None, None, :]

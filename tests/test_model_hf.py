@@ -212,7 +212,7 @@ def test_decode_without_workspace_equals_hf(llama_dir, monkeypatch):
     import atomd.runner
 
     monkeypatch.setattr(atomd.runner, "WORKSPACE_MAX_BYTES", 0)  # gather from the paged cache every step
-    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256)
+    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256, attention_backend="torch")
     prompts = prompts_of(MIXED, seed=9)
     assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))
     assert llm.engine.runner.workspace is None

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.kv_cache import AttentionMetadata, KVCache
+from atomd.native import decode_attention
 
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2"}
@@ -208,11 +209,14 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
 
     Prefill: one SDPA per sequence; a sequence without cached prefix attends to its own
     fresh k/v (no gather), one with a prefix (chunked prefill, prefix hit) reads its
-    whole context from the cache. Decode: one SDPA over the batch, contexts gathered
-    block by block and padded (into the decode workspace when there is one, which later
-    steps extend instead of gathering again), the padding masked out.
+    whole context from the cache. Decode: the native kernel (atomd/native.py) reads each
+    context straight from the paged cache; without it, one SDPA over the batch, contexts
+    gathered block by block and padded (into the decode workspace when there is one, which
+    later steps extend instead of gathering again), the padding masked out.
     """
     heads, head_dim = q.shape[1], q.shape[2]
+    if meta.decode_kernel is not None:
+        return decode_attention(meta.decode_kernel, q, kv_cache, layer, meta.block_tables, meta.context_lens)
     if not meta.is_prefill:
         ws = meta.workspace
         if ws is None or meta.workspace_fresh:

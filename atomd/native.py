@@ -1,0 +1,96 @@
+"""The C decode-attention kernel (atomd/csrc/decode_attention.c): built once, loaded by ctypes.
+
+Compiled at first use with the system C compiler (`$CC`, else `cc`) for this CPU
+(`-march=native`) and the model's head size into `~/.cache/atomd/kernels/`
+(`$ATOMD_CACHE_DIR/kernels`), keyed by the source, the flags and the CPU, so a changed
+kernel or another machine sharing the home directory never loads a stale build. No torch
+headers: a build takes well under a second. Where it cannot be built,
+`decode_attention_kernel()` is None, the reason is logged, and the engine keeps torch's
+SDPA path (`--attention-backend torch` asks for that path outright).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+import torch
+
+from atomd.kv_cache import KVCache
+from atomd.model.default import cache_root
+
+log = logging.getLogger(__name__)
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "decode_attention.c"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
+_I64 = ctypes.c_int64
+_PTR = ctypes.c_void_p
+
+
+def _cpu_id() -> str:
+    """The CPU's model and flags: -march=native code may not run on another CPU."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def build(compiler: str, head_dim: int, group: int) -> pathlib.Path:
+    """The shared library for this source, flags, model shape and CPU, compiled unless cached."""
+    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+    lib = cache_root() / "kernels" / f"decode_attention-d{head_dim}-g{group}-{key}.so"
+    if lib.is_file():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = pathlib.Path(tmp) / lib.name
+        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(out, lib)  # atomic: a concurrent engine loads either no file or a whole one
+    return lib
+
+
+@functools.cache
+def decode_attention_kernel(head_dim: int, group: int) -> ctypes.CDLL | None:
+    """The kernel for heads of `head_dim` with `group` query heads per KV head, or None."""
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    if compiler is None:
+        log.warning("no C compiler (%s): decode attention uses torch SDPA", os.environ.get("CC", "cc"))
+        return None
+    try:
+        lib = ctypes.CDLL(str(build(compiler, head_dim, group)))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        log.warning("building %s failed, decode attention uses torch SDPA: %s", SOURCE.name, detail)
+        return None
+    fn = lib.atomd_decode_attention
+    fn.restype = None
+    fn.argtypes = [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+    return lib
+
+
+def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer: int,
+                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
+    """Attention of q [B, heads, head_dim] (one token per sequence) over each sequence's
+    first context_lens[b] cached tokens, read through block_tables [B, width] (int64);
+    `lib` is decode_attention_kernel(head_dim, heads // kv_heads)."""
+    c = kv_cache
+    assert q.dtype == c.kv.dtype == torch.float32 and block_tables.dtype == context_lens.dtype == torch.int64
+    q = q.contiguous()
+    batch, heads, head_dim = q.shape
+    out = torch.empty_like(q)
+    row = c.num_kv_heads * head_dim
+    block_stride = c.num_layers * 2 * c.block_size * row
+    lib.atomd_decode_attention(q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+                               out.data_ptr(), batch, heads, c.num_kv_heads, c.block_size,
+                               block_tables.shape[1], block_stride, layer * 2 * c.block_size * row,
+                               c.block_size * row, head_dim ** -0.5, torch.get_num_threads())
+    return out.view(batch, heads * head_dim)

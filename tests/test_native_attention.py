@@ -1,0 +1,101 @@
+"""The C decode-attention kernel (atomd/native.py) against torch's SDPA, the reference, and the
+engine's choice of backend: greedy tokens equal Hugging Face through both backends, and an
+engine whose kernel cannot be built says so and keeps serving through SDPA."""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atomd import native
+from atomd.config import EngineConfig
+from atomd.engine import LLM
+from atomd.kv_cache import KVCache
+from tests.test_model_hf import MIXED, assert_equals_hf, engine_greedy, llama_dir, prompts_of, qwen2_dir  # noqa: F401
+
+
+def sdpa_reference(q: torch.Tensor, cache: KVCache, layer: int, tables: torch.Tensor,
+                   lens: torch.Tensor) -> torch.Tensor:
+    keys, values = cache.gather_padded(layer, tables)
+    mask = (torch.arange(keys.shape[2]).unsqueeze(0) < lens.unsqueeze(1))[:, None, None, :]
+    out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=mask, enable_gqa=True)
+    return out.reshape(q.shape[0], -1)
+
+
+@pytest.fixture
+def fresh_kernels(tmp_path, monkeypatch):
+    """An empty kernel cache and no library loaded yet by this process."""
+    monkeypatch.setenv("ATOMD_CACHE_DIR", str(tmp_path))
+    native.decode_attention_kernel.cache_clear()
+    yield tmp_path
+    native.decode_attention_kernel.cache_clear()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80)])
+def test_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, head_dim):
+    torch.manual_seed(heads * head_dim)
+    layers, block = 3, 16
+    lens = torch.tensor([1, 15, 16, 17, 100, 257], dtype=torch.int64)  # partial, exact and many blocks
+    width = int(-(-lens.max() // block))
+    cache = KVCache(len(lens) * width + 5, layers, block, kv_heads, head_dim)
+    cache.kv.normal_()
+    tables = torch.randperm(cache.num_blocks)[:len(lens) * width].view(len(lens), width).contiguous()
+    lib = native.decode_attention_kernel(head_dim, heads // kv_heads)
+    assert lib is not None
+    for layer in range(layers):
+        q = torch.randn(len(lens), heads, head_dim) * 3  # peaked softmaxes too
+        got = native.decode_attention(lib, q, cache, layer, tables, lens)
+        torch.testing.assert_close(got, sdpa_reference(q, cache, layer, tables, lens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
+def test_kernel_is_built_once_per_shape_into_the_cache(fresh_kernels):
+    assert native.decode_attention_kernel(32, 2) is native.decode_attention_kernel(32, 2)
+    native.decode_attention_kernel(32, 4)
+    built = sorted(p.name for p in (fresh_kernels / "kernels").iterdir())
+    assert len(built) == 2 and built[0].startswith("decode_attention-d32-g2-"), built
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_greedy_equals_hf_through_each_backend(backend, llama_dir, qwen2_dir):
+    for path in (llama_dir, qwen2_dir):
+        llm = LLM(str(path), num_threads=1, max_model_len=256, attention_backend=backend)
+        assert (llm.engine.runner.decode_kernel is not None) == (backend == "native")
+        prompts = prompts_of(MIXED, seed=11)
+        assert_equals_hf(path, prompts, engine_greedy(llm, prompts))
+
+
+@pytest.mark.unit
+def test_no_compiler_falls_back_to_sdpa_with_a_warning(fresh_kernels, monkeypatch, llama_dir, caplog):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger="atomd.native"):
+        llm = LLM(str(llama_dir), num_threads=1, max_model_len=256)
+    assert llm.engine.runner.decode_kernel is None
+    assert "no C compiler (no-such-compiler)" in caplog.text
+    prompts = prompts_of([19, 4], seed=12)
+    assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))
+    with pytest.raises(RuntimeError, match="attention_backend native: the decode attention kernel did not build"):
+        LLM(str(llama_dir), num_threads=1, max_model_len=256, attention_backend="native")
+
+
+@pytest.mark.unit
+def test_a_failing_build_names_the_compiler_error(fresh_kernels, monkeypatch, tmp_path, caplog):
+    broken = tmp_path / "broken-cc"
+    broken.write_text("#!/bin/sh\necho 'cc: fatal error: out of luck' >&2\nexit 1\n")
+    broken.chmod(0o755)
+    monkeypatch.setenv("CC", str(broken))
+    with caplog.at_level(logging.WARNING, logger="atomd.native"):
+        assert native.decode_attention_kernel(32, 2) is None
+    assert "out of luck" in caplog.text and not list((fresh_kernels / "kernels").glob("*.so"))
+
+
+@pytest.mark.unit
+def test_attention_backend_is_validated():
+    with pytest.raises(ValueError, match="attention_backend must be one of auto, native, torch"):
+        EngineConfig(attention_backend="flash")
+    with pytest.raises(ValueError, match="attention_backend native runs float32 only"):
+        EngineConfig(attention_backend="native", dtype="bfloat16")
