@@ -11,6 +11,7 @@ intermediate 1408, vocab 4096, untied), same thread count, float32:
   same shapes (the model's linear layers at M = 16 and M = 4096) timed in the same run.
 
     .venv/bin/python benchmarks/offline.py [--threads 2] [--out benchmarks/results/offline.json]
+        [--with-torch-attention]   # also atomd on torch SDPA decode attention: the kernel's share
 """
 from __future__ import annotations
 
@@ -69,10 +70,11 @@ def hf_generator(path: pathlib.Path):
     return gen
 
 
-def atomd_generator(path: pathlib.Path, threads: int):
+def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "auto"):
     from atomd import LLM, SamplingParams
 
-    llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False)
+    llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False,
+              attention_backend=attention_backend)
 
     def gen(batch: list[list[int]], new: int):
         llm.generate([{"prompt_token_ids": p} for p in batch],
@@ -135,11 +137,16 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the figures as JSON")
+    p.add_argument("--with-torch-attention", action="store_true",
+                   help="also run atomd with --attention-backend torch (the native kernel's ablation)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:
         path = make_checkpoint(pathlib.Path(tmp) / "llama")
-        results = run_workloads({"hf": hf_generator(path), "atomd": atomd_generator(path, args.threads)})
+        gens = {"hf": hf_generator(path), "atomd": atomd_generator(path, args.threads)}
+        if args.with_torch_attention:
+            gens["atomd_torch_attention"] = atomd_generator(path, args.threads, "torch")
+        results = run_workloads(gens)
     hf, ours = results["hf"], results["atomd"]
     torch.set_num_threads(args.threads)
     mm16, mm4096 = matmul_gflops(16), matmul_gflops(4096, with_head=False)
@@ -158,12 +165,18 @@ def main() -> int:
     print(f"{'metric':26} {'HF':>9} {'atomd':>9} {'atomd/HF':>9}")
     for name, a, b in rows:
         print(f"{name:26} {a:9.1f} {b:9.1f} {b / a:8.2f}x")
+    if args.with_torch_attention:
+        alt = results["atomd_torch_attention"]
+        print("atomd, native vs torch decode attention (same run):")
+        for key, name in (("batch1", "batch 1"), ("batch16", "batch 16"), ("batch16_decode", "batch 16 decode"),
+                          ("prefill", "prefill")):
+            print(f"  {name:18} {alt[key]:9.1f} -> {ours[key]:9.1f}  {ours[key] / alt[key]:.2f}x")
     print(f"decode batch 16: {decode_gflops:.1f} GFLOP/s vs plain matmul {mm16:.1f} "
           f"({decode_gflops / mm16:.0%})")
     print(f"prefill 8x512: {prefill_gflops:.1f} GFLOP/s vs plain matmul {mm4096:.1f} "
           f"({prefill_gflops / mm4096:.0%})")
     if args.out:
-        args.out.write_text(json.dumps({"threads": args.threads, "hf": hf, "atomd": ours,
+        args.out.write_text(json.dumps({"threads": args.threads, **results,
                                         "decode_gflops": decode_gflops, "matmul_gflops_m16": mm16,
                                         "prefill_gflops": prefill_gflops, "matmul_gflops_m4096": mm4096},
                                        indent=2))
