@@ -223,3 +223,17 @@ def test_mistral_loads_and_equals_hf(tmp_path):
     path = make_checkpoint(tmp_path / "mistral", "mistral", seed=2)
     prompts = prompts_of([BLOCK + 1, 3], seed=8)
     assert_equals_hf(path, prompts, engine_greedy(LLM(str(path), num_threads=1, max_model_len=128), prompts))
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("tile", [7, None])
+def test_prefill_in_row_tiles_equals_hf(tile, llama_dir, monkeypatch):
+    import atomd.model.llama
+
+    if tile is not None:  # uneven tiles that cut through sequences and blocks
+        monkeypatch.setattr(atomd.model.llama, "ROW_TILE", tile)
+    lengths = [150, 1, 150, 150, 150]  # one packed prefill of 601 tokens: past the default tile
+    assert sum(lengths) > atomd.model.llama.ROW_TILE
+    prompts = prompts_of(lengths, seed=13)
+    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256)
+    assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))
