@@ -99,3 +99,12 @@ def test_attention_backend_is_validated():
         EngineConfig(attention_backend="flash")
     with pytest.raises(ValueError, match="attention_backend native runs float32 only"):
         EngineConfig(attention_backend="native", dtype="bfloat16")
+
+
+@pytest.mark.unit
+def test_kernel_shares_torchs_openmp_runtime():
+    """A second libgomp would bring a second thread pool spinning against torch's."""
+    assert native.decode_attention_kernel(32, 2) is not None
+    with open("/proc/self/maps") as f:
+        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+    assert len(runtimes) == 1, runtimes
