@@ -42,8 +42,10 @@ class AttentionMetadata:
     workspace: "DecodeWorkspace | None" = None  # decode: contiguous copy of the batch's contexts
     workspace_fresh: bool = False  # decode: fill the workspace from the cache this step
     new_positions: torch.Tensor | None = None  # decode: [B] position of each row's new token
-    decode_kernel: Any = None  # decode: atomd.native's library when it computes the attention
-    context_lens: torch.Tensor | None = None  # decode with decode_kernel: [B] int64
+    kernels: Any = None  # atomd.native's library when it computes the attention
+    context_lens: torch.Tensor | None = None  # decode with kernels: [B] int64
+    fresh_starts: torch.Tensor | None = None  # prefill with kernels: first row of each fresh prompt
+    fresh_lens: torch.Tensor | None = None  # prefill with kernels: its rows this step
 
 
 class KVCache:

@@ -1,12 +1,15 @@
-"""The C decode-attention kernel (atomd/csrc/decode_attention.c): built once, loaded by ctypes.
+"""The C attention kernels (atomd/csrc/attention.c): built once, loaded by ctypes.
+
+`decode_attention` (one token per sequence over its paged context) and `prefill_attention`
+(causal attention of fresh prompts over their own rows) for float32.
 
 Compiled at first use with the system C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`) and the model's head size into `~/.cache/atomd/kernels/`
 (`$ATOMD_CACHE_DIR/kernels`), keyed by the source, the flags and the CPU, so a changed
 kernel or another machine sharing the home directory never loads a stale build. No torch
-headers: a build takes well under a second. Where it cannot be built,
-`decode_attention_kernel()` is None, the reason is logged, and the engine keeps torch's
-SDPA path (`--attention-backend torch` asks for that path outright).
+headers: a build takes about a second. Where it cannot be built, `attention_kernels()` is
+None, the reason is logged, and the engine keeps torch's SDPA path (`--attention-backend
+torch` asks for that path outright).
 """
 from __future__ import annotations
 
@@ -27,7 +30,7 @@ from atomd.kv_cache import KVCache
 from atomd.model.default import cache_root
 
 log = logging.getLogger(__name__)
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "decode_attention.c"
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
@@ -46,7 +49,7 @@ def build(compiler: str, head_dim: int, group: int) -> pathlib.Path:
     """The shared library for this source, flags, model shape and CPU, compiled unless cached."""
     flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
     key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
-    lib = cache_root() / "kernels" / f"decode_attention-d{head_dim}-g{group}-{key}.so"
+    lib = cache_root() / "kernels" / f"attention-d{head_dim}-g{group}-{key}.so"
     if lib.is_file():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -59,21 +62,21 @@ def build(compiler: str, head_dim: int, group: int) -> pathlib.Path:
 
 
 @functools.cache
-def decode_attention_kernel(head_dim: int, group: int) -> ctypes.CDLL | None:
-    """The kernel for heads of `head_dim` with `group` query heads per KV head, or None."""
+def attention_kernels(head_dim: int, group: int) -> ctypes.CDLL | None:
+    """The kernels for heads of `head_dim` with `group` query heads per KV head, or None."""
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
-        log.warning("no C compiler (%s): decode attention uses torch SDPA", os.environ.get("CC", "cc"))
+        log.warning("no C compiler (%s): attention uses torch SDPA", os.environ.get("CC", "cc"))
         return None
     try:
         lib = ctypes.CDLL(str(build(compiler, head_dim, group)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
-        log.warning("building %s failed, decode attention uses torch SDPA: %s", SOURCE.name, detail)
+        log.warning("building %s failed, attention uses torch SDPA: %s", SOURCE.name, detail)
         return None
-    fn = lib.atomd_decode_attention
-    fn.restype = None
-    fn.argtypes = [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.atomd_decode_attention.restype = lib.atomd_prefill_attention.restype = None
+    lib.atomd_decode_attention.argtypes = [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.atomd_prefill_attention.argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
     return lib
 
 
@@ -81,7 +84,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
                      block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
     """Attention of q [B, heads, head_dim] (one token per sequence) over each sequence's
     first context_lens[b] cached tokens, read through block_tables [B, width] (int64);
-    `lib` is decode_attention_kernel(head_dim, heads // kv_heads)."""
+    `lib` is attention_kernels(head_dim, heads // kv_heads)."""
     c = kv_cache
     assert q.dtype == c.kv.dtype == torch.float32 and block_tables.dtype == context_lens.dtype == torch.int64
     q = q.contiguous()
@@ -94,3 +97,17 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
                                block_tables.shape[1], block_stride, layer * 2 * c.block_size * row,
                                c.block_size * row, head_dim ** -0.5, torch.get_num_threads())
     return out.view(batch, heads * head_dim)
+
+
+def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                      out: torch.Tensor, seq_starts: torch.Tensor, seq_lens: torch.Tensor) -> None:
+    """Causal attention of fresh sequences (no cached prefix) packed back to back, written into
+    their rows of out [T, heads * head_dim]. q [T, heads, head_dim], k, v [T, kv_heads, head_dim]
+    may be views with any token stride; seq_starts, seq_lens: int64 [num_seqs]."""
+    for t in (q, k, v):
+        assert t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2], t.stride()
+    assert out.is_contiguous() and seq_starts.dtype == seq_lens.dtype == torch.int64
+    heads, head_dim = q.shape[1], q.shape[2]
+    lib.atomd_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), seq_starts.data_ptr(),
+                                seq_lens.data_ptr(), len(seq_lens), heads, k.shape[1], q.stride(0), k.stride(0),
+                                v.stride(0), head_dim ** -0.5, torch.get_num_threads())

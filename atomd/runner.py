@@ -12,7 +12,7 @@ import torch
 
 from atomd.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
 from atomd.model.llama import LlamaModel
-from atomd.native import decode_attention_kernel
+from atomd.native import attention_kernels
 
 
 WORKSPACE_SLACK = 128  # decode steps a workspace can grow before it is rebuilt
@@ -24,12 +24,12 @@ class ModelRunner:
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.workspace: DecodeWorkspace | None = None
-        self.decode_kernel = None  # the native decode attention; None: torch SDPA over a workspace
+        self.kernels = None  # the native attention kernels; None: torch SDPA (decode over a workspace)
         if attention_backend != "torch" and kv_cache.kv.dtype == torch.float32:
             cfg = model.config
-            self.decode_kernel = decode_attention_kernel(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
-        if attention_backend == "native" and self.decode_kernel is None:
-            raise RuntimeError("attention_backend native: the decode attention kernel did not build "
+            self.kernels = attention_kernels(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+        if attention_backend == "native" and self.kernels is None:
+            raise RuntimeError("attention_backend native: the attention kernels did not build "
                                "(see the warning above); use --attention-backend torch")
 
     @torch.inference_mode()
@@ -45,9 +45,12 @@ class ModelRunner:
         row = np.repeat(np.arange(len(num_sched)), num_sched)
         slot_blocks = tables[row, positions // self.block_size]
         meta = AttentionMetadata(batch.is_prefill, torch.from_numpy(slot_blocks),
-                                 torch.from_numpy(positions % self.block_size), [])
+                                 torch.from_numpy(positions % self.block_size), [], kernels=self.kernels)
         if batch.is_prefill:
             meta.seqs = self._prefill_slices(batch.block_tables, starts, ends, computed)
+            fresh = computed == 0
+            if self.kernels is not None and fresh.any():  # the kernel takes every fresh prompt at once
+                meta.fresh_starts, meta.fresh_lens = torch.from_numpy(starts[fresh]), torch.from_numpy(num_sched[fresh])
         else:
             self._decode_metadata(meta, batch.req_ids, tables, computed + num_sched)
         if all_logits:
@@ -77,8 +80,8 @@ class ModelRunner:
         max_blocks = -(-max_context // self.block_size)
         meta.block_tables = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks]))
         meta.max_context = max_context
-        if self.decode_kernel is not None:  # reads the paged cache directly: no mask, no workspace
-            meta.decode_kernel, meta.context_lens = self.decode_kernel, torch.from_numpy(context_lens)
+        if self.kernels is not None:  # reads the paged cache directly: no mask, no workspace
+            meta.context_lens = torch.from_numpy(context_lens)
             return
         if (context_lens != max_context).any():
             keys = torch.arange(max_context)

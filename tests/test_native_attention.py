@@ -28,14 +28,14 @@ def sdpa_reference(q: torch.Tensor, cache: KVCache, layer: int, tables: torch.Te
 def fresh_kernels(tmp_path, monkeypatch):
     """An empty kernel cache and no library loaded yet by this process."""
     monkeypatch.setenv("ATOMD_CACHE_DIR", str(tmp_path))
-    native.decode_attention_kernel.cache_clear()
+    native.attention_kernels.cache_clear()
     yield tmp_path
-    native.decode_attention_kernel.cache_clear()
+    native.attention_kernels.cache_clear()
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80)])
-def test_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, head_dim):
+def test_decode_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, head_dim):
     torch.manual_seed(heads * head_dim)
     layers, block = 3, 16
     lens = torch.tensor([1, 15, 16, 17, 100, 257], dtype=torch.int64)  # partial, exact and many blocks
@@ -43,7 +43,7 @@ def test_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, head_dim)
     cache = KVCache(len(lens) * width + 5, layers, block, kv_heads, head_dim)
     cache.kv.normal_()
     tables = torch.randperm(cache.num_blocks)[:len(lens) * width].view(len(lens), width).contiguous()
-    lib = native.decode_attention_kernel(head_dim, heads // kv_heads)
+    lib = native.attention_kernels(head_dim, heads // kv_heads)
     assert lib is not None
     for layer in range(layers):
         q = torch.randn(len(lens), heads, head_dim) * 3  # peaked softmaxes too
@@ -52,11 +52,33 @@ def test_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, head_dim)
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80), (3, 1, 8)])
+def test_prefill_kernel_equals_causal_sdpa_per_sequence(heads, kv_heads, head_dim):
+    torch.manual_seed(heads + head_dim)
+    lens = [1, 15, 16, 17, 70, 130]  # under, at and over a query tile and a key tile
+    total = sum(lens)
+    # views with the model's token strides: q, k from the RoPE output, v from the QKV projection
+    qk = torch.randn(total, heads + kv_heads, head_dim) * 2
+    qkv = torch.randn(total, (heads + 2 * kv_heads) * head_dim)
+    q, k = qk[:, :heads], qk[:, heads:]
+    v = qkv[:, (heads + kv_heads) * head_dim:].view(total, kv_heads, head_dim)
+    starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
+    lib = native.attention_kernels(head_dim, heads // kv_heads)
+    out = torch.full((total, heads * head_dim), float("nan"))
+    native.prefill_attention(lib, q, k, v, out, starts, torch.tensor(lens))
+    for start, n in zip(starts.tolist(), lens):
+        rows = slice(start, start + n)
+        want = F.scaled_dot_product_attention(*(t[rows].transpose(0, 1).unsqueeze(0) for t in (q, k, v)),
+                                              is_causal=True, enable_gqa=True)
+        torch.testing.assert_close(out[rows], want[0].transpose(0, 1).reshape(n, -1), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
 def test_kernel_is_built_once_per_shape_into_the_cache(fresh_kernels):
-    assert native.decode_attention_kernel(32, 2) is native.decode_attention_kernel(32, 2)
-    native.decode_attention_kernel(32, 4)
+    assert native.attention_kernels(32, 2) is native.attention_kernels(32, 2)
+    native.attention_kernels(32, 4)
     built = sorted(p.name for p in (fresh_kernels / "kernels").iterdir())
-    assert len(built) == 2 and built[0].startswith("decode_attention-d32-g2-"), built
+    assert len(built) == 2 and built[0].startswith("attention-d32-g2-"), built
 
 
 @pytest.mark.unit
@@ -64,7 +86,7 @@ def test_kernel_is_built_once_per_shape_into_the_cache(fresh_kernels):
 def test_greedy_equals_hf_through_each_backend(backend, llama_dir, qwen2_dir):
     for path in (llama_dir, qwen2_dir):
         llm = LLM(str(path), num_threads=1, max_model_len=256, attention_backend=backend)
-        assert (llm.engine.runner.decode_kernel is not None) == (backend == "native")
+        assert (llm.engine.runner.kernels is not None) == (backend == "native")
         prompts = prompts_of(MIXED, seed=11)
         assert_equals_hf(path, prompts, engine_greedy(llm, prompts))
 
@@ -74,11 +96,11 @@ def test_no_compiler_falls_back_to_sdpa_with_a_warning(fresh_kernels, monkeypatc
     monkeypatch.setenv("CC", "no-such-compiler")
     with caplog.at_level(logging.WARNING, logger="atomd.native"):
         llm = LLM(str(llama_dir), num_threads=1, max_model_len=256)
-    assert llm.engine.runner.decode_kernel is None
+    assert llm.engine.runner.kernels is None
     assert "no C compiler (no-such-compiler)" in caplog.text
     prompts = prompts_of([19, 4], seed=12)
     assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))
-    with pytest.raises(RuntimeError, match="attention_backend native: the decode attention kernel did not build"):
+    with pytest.raises(RuntimeError, match="attention_backend native: the attention kernels did not build"):
         LLM(str(llama_dir), num_threads=1, max_model_len=256, attention_backend="native")
 
 
@@ -89,7 +111,7 @@ def test_a_failing_build_names_the_compiler_error(fresh_kernels, monkeypatch, tm
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
     with caplog.at_level(logging.WARNING, logger="atomd.native"):
-        assert native.decode_attention_kernel(32, 2) is None
+        assert native.attention_kernels(32, 2) is None
     assert "out of luck" in caplog.text and not list((fresh_kernels / "kernels").glob("*.so"))
 
 
@@ -104,7 +126,7 @@ def test_attention_backend_is_validated():
 @pytest.mark.unit
 def test_kernel_shares_torchs_openmp_runtime():
     """A second libgomp would bring a second thread pool spinning against torch's."""
-    assert native.decode_attention_kernel(32, 2) is not None
+    assert native.attention_kernels(32, 2) is not None
     with open("/proc/self/maps") as f:
         runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
     assert len(runtimes) == 1, runtimes

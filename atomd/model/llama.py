@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.kv_cache import AttentionMetadata, KVCache
-from atomd.native import decode_attention
+from atomd.native import decode_attention, prefill_attention
 
 # A long prefill runs everything after attention this many rows at a time: the
 # [rows, 2 * intermediate] MLP activations then stay in cache (8 x 512 prefill: ~13% faster)
@@ -214,16 +214,17 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                     meta: AttentionMetadata) -> torch.Tensor:
     """Causal attention of the packed queries q [T, H, D] over their sequences' contexts.
 
-    Prefill: one SDPA per sequence; a sequence without cached prefix attends to its own
-    fresh k/v (no gather), one with a prefix (chunked prefill, prefix hit) reads its
-    whole context from the cache. Decode: the native kernel (atomd/native.py) reads each
-    context straight from the paged cache; without it, one SDPA over the batch, contexts
+    Prefill: a sequence without cached prefix attends to its own fresh k/v (no gather):
+    all of them in one call of the native kernel (atomd/native.py), else one SDPA each; one
+    with a prefix (chunked prefill, prefix hit) reads its whole context from the cache, one
+    SDPA each. Decode: the native kernel reads each context straight from the paged cache;
+    without it, one SDPA over the batch, contexts
     gathered block by block and padded (into the decode workspace when there is one, which
     later steps extend instead of gathering again), the padding masked out.
     """
     heads, head_dim = q.shape[1], q.shape[2]
-    if meta.decode_kernel is not None:
-        return decode_attention(meta.decode_kernel, q, kv_cache, layer, meta.block_tables, meta.context_lens)
+    if meta.kernels is not None and not meta.is_prefill:
+        return decode_attention(meta.kernels, q, kv_cache, layer, meta.block_tables, meta.context_lens)
     if not meta.is_prefill:
         ws = meta.workspace
         if ws is None or meta.workspace_fresh:
@@ -240,7 +241,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
                                              enable_gqa=True)
         return out.view(-1, heads * head_dim)
     out = torch.empty(q.shape[0], heads * head_dim, dtype=q.dtype)
-    for s in meta.seqs:
+    seqs = meta.seqs
+    if meta.fresh_lens is not None:
+        prefill_attention(meta.kernels, q, k, v, out, meta.fresh_starts, meta.fresh_lens)
+        seqs = [s for s in seqs if s.num_computed > 0]
+    for s in seqs:
         # 4-d inputs: with 3-d ones torch takes its (3x slower) math path on CPU
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)
         if s.num_computed == 0:
