@@ -11,7 +11,7 @@
  * workspace). This reads every K and V row once, in place, for all the query heads of its
  * group: ~15-20 GB/s on a cold cache here. Why a prefill kernel: torch's CPU flash SDPA runs
  * 8 x 512-token causal attention at ~40 GFLOP/s, ~30% of a prefill; register-blocked tiles
- * here reach ~1.5x that. Built at first use by atomd/native.py; OpenMP resolves to the libgomp
+ * over keys transposed once reach ~2x that. Built at first use by atomd/native.py; OpenMP resolves to the libgomp
  * torch already loaded, so both share torch's thread pool.
  */
 #include <math.h>
@@ -131,11 +131,11 @@ void atomd_decode_attention(const float *restrict q, const float *restrict kv,
 
 /* One work item: query tokens [r0, r0 + nrows) of a sequence whose rows start at q, k, v, KV
  * head h. Keys 0 .. r0 + nrows - 1, causally masked per row. */
-static void prefill_item(const float *restrict q, const float *restrict k, const float *restrict v,
+static void prefill_item(const float *restrict q, const float *restrict kt, const float *restrict v,
                          float *restrict out, int64_t r0, int64_t nrows, int64_t h, int64_t num_heads,
-                         int64_t q_stride, int64_t k_stride, int64_t v_stride, float scale) {
+                         int64_t q_stride, int64_t kt_stride, int64_t v_stride, float scale) {
     float qs[GROUP * QT][HEAD_DIM], acc[GROUP * QT][HEAD_DIM], m[GROUP * QT], l[GROUP * QT];
-    float kt[HEAD_DIM][KT], sc[GROUP * QT][KT];
+    float sc[GROUP * QT][KT];
     for (int64_t r = 0; r < QT; r++)  /* rows past the chunk's end compute on zeros, unused */
         for (int g = 0; g < GROUP; g++) {
             const int64_t row = g * QT + r;
@@ -149,18 +149,16 @@ static void prefill_item(const float *restrict q, const float *restrict k, const
     const int64_t nkeys = r0 + nrows;
     for (int64_t j0 = 0; j0 < nkeys; j0 += KT) {
         const int64_t nk = nkeys - j0 < KT ? nkeys - j0 : KT;
-        for (int64_t j = 0; j < KT; j++) {  /* the key tile transposed: scores become axpys */
-            const float *src = k + (j0 + (j < nk ? j : 0)) * k_stride + h * HEAD_DIM;
-            for (int d = 0; d < HEAD_DIM; d++) kt[d][j] = src[d];
-        }
         for (int64_t b0 = 0; b0 < GROUP * QT; b0 += RB) {
             float sb[RB][KT] = {{0}};
-            for (int d = 0; d < HEAD_DIM; d++)
+            for (int d = 0; d < HEAD_DIM; d++) {
+                const float *kd = kt + d * kt_stride + j0;  /* keys past nk: padding or the next prompt, masked */
                 for (int rb = 0; rb < RB; rb++) {
                     const float qd = qs[b0 + rb][d];
 #pragma omp simd
-                    for (int j = 0; j < KT; j++) sb[rb][j] += qd * kt[d][j];
+                    for (int j = 0; j < KT; j++) sb[rb][j] += qd * kd[j];
                 }
+            }
             for (int rb = 0; rb < RB; rb++) {  /* online softmax: rescale what came before */
                 const int64_t row = b0 + rb, pos = r0 + row % QT;
                 float *srow = sb[rb], mx = m[row], sum = 0.0f;
@@ -219,6 +217,14 @@ void atomd_prefill_attention(const float *restrict q, const float *restrict k, c
     first[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++)
         first[s + 1] = first[s] + num_kv_heads * ((seq_lens[s] + QT - 1) / QT);
+    /* every key transposed once, [kv_head][d][token] (+ KT padding): the score loops become axpys
+     * over contiguous keys, and no query tile transposes the same keys again */
+    const int64_t rows = seq_starts[num_seqs - 1] + seq_lens[num_seqs - 1], kt_stride = rows + KT;
+    float *kt = calloc((size_t)num_kv_heads * HEAD_DIM * kt_stride, sizeof(float));
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int d = 0; d < HEAD_DIM; d++) kt[(h * HEAD_DIM + d) * kt_stride + t] = k[t * k_stride + h * HEAD_DIM + d];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = first[num_seqs] - 1; item >= 0; item--) {  /* the longest (last) tiles first */
         int64_t s = 0;
@@ -226,8 +232,9 @@ void atomd_prefill_attention(const float *restrict q, const float *restrict k, c
         const int64_t tiles = (seq_lens[s] + QT - 1) / QT, h = (item - first[s]) / tiles;
         const int64_t r0 = (item - first[s]) % tiles * QT, n = seq_lens[s] - r0 < QT ? seq_lens[s] - r0 : QT;
         const int64_t base = seq_starts[s];
-        prefill_item(q + base * q_stride, k + base * k_stride, v + base * v_stride,
-                     out + base * num_heads * HEAD_DIM, r0, n, h, num_heads, q_stride, k_stride, v_stride, scale);
+        prefill_item(q + base * q_stride, kt + h * HEAD_DIM * kt_stride + base, v + base * v_stride,
+                     out + base * num_heads * HEAD_DIM, r0, n, h, num_heads, q_stride, kt_stride, v_stride, scale);
     }
+    free(kt);
     free(first);
 }
