@@ -11,8 +11,8 @@
  * workspace). This reads every K and V row once, in place, for all the query heads of its
  * group: ~15-20 GB/s on a cold cache here. Why a prefill kernel: torch's CPU flash SDPA runs
  * 8 x 512-token causal attention at ~40 GFLOP/s, ~30% of a prefill; register-blocked tiles
- * over keys transposed once reach ~2x that. Built at first use by atomd/native.py; OpenMP resolves to the libgomp
- * torch already loaded, so both share torch's thread pool.
+ * over keys transposed once reach ~2x that. Built at first use by atomd/native.py; OpenMP
+ * resolves to the libgomp torch already loaded, so both share torch's thread pool.
  */
 #include <math.h>
 #include <stdint.h>
