@@ -50,7 +50,8 @@ class ModelRunner:
             meta.seqs = self._prefill_slices(batch.block_tables, starts, ends, computed)
             fresh = computed == 0
             if self.kernels is not None and fresh.any():  # the kernel takes every fresh prompt at once
-                meta.fresh_starts, meta.fresh_lens = torch.from_numpy(starts[fresh]), torch.from_numpy(num_sched[fresh])
+                meta.fresh_starts = torch.from_numpy(starts[fresh])
+                meta.fresh_lens = torch.from_numpy(num_sched[fresh])
         else:
             self._decode_metadata(meta, batch.req_ids, tables, computed + num_sched)
         if all_logits:

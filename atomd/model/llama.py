@@ -218,9 +218,9 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     all of them in one call of the native kernel (atomd/native.py), else one SDPA each; one
     with a prefix (chunked prefill, prefix hit) reads its whole context from the cache, one
     SDPA each. Decode: the native kernel reads each context straight from the paged cache;
-    without it, one SDPA over the batch, contexts
-    gathered block by block and padded (into the decode workspace when there is one, which
-    later steps extend instead of gathering again), the padding masked out.
+    without it, one SDPA over the batch, contexts gathered block by block and padded (into
+    the decode workspace when there is one, which later steps extend instead of gathering
+    again), the padding masked out.
     """
     heads, head_dim = q.shape[1], q.shape[2]
     if meta.kernels is not None and not meta.is_prefill:
