@@ -83,6 +83,7 @@ void atomd_decode_attention(const float *restrict q, const float *restrict kv,
             if (t0 + block_size < ctx)
                 prefetch_rows(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
                               block_size, row_stride);
+            prefetch_rows(k + v_offset, n, row_stride);  /* this block's V rows, for the second pass */
             for (int64_t i = 0; i < n; i++, k += row_stride) {
                 for (int g = 0; g < GROUP; g++) {
                     float s = 0.0f;
