@@ -27,8 +27,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "float32"
     seed: int = 0
     num_threads: int | None = None  # None: all cores (torch's own default)
-    # decode attention: native = the C kernel (atomd/native.py), torch = SDPA; auto: native for
-    # float32 where it builds, else torch
+    # attention: native = the C kernels (atomd/native.py), torch = SDPA; auto: native for
+    # float32 where they build, else torch
     attention_backend: str = "auto"
     max_model_len: int = 2048
     max_num_seqs: int = 256
@@ -154,8 +154,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--num-threads", type=int, default=None,
                    help="torch threads of this engine (default: all cores)")
     g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="decode attention: native C kernel (float32, built at first use), torch SDPA, "
-                        "or auto (native where it builds)")
+                   help="prefill and decode attention: native C kernels (float32, built at first use), "
+                        "torch SDPA, or auto (native where they build)")
     g.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens")
     g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
     g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")

@@ -45,10 +45,17 @@ def _cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def _compiler_id(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    return f"{compiler}\n{version.stdout}"
+
+
 def build(compiler: str, head_dim: int, group: int) -> pathlib.Path:
-    """The shared library for this source, flags, model shape and CPU, compiled unless cached."""
+    """The shared library for this source, flags, model shape, compiler and CPU, compiled
+    unless cached."""
     flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), compiler, *flags, _cpu_id()]).encode()).hexdigest()[:16]
+    parts = [SOURCE.read_text(), _compiler_id(compiler), *flags, _cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
     lib = cache_root() / "kernels" / f"attention-d{head_dim}-g{group}-{key}.so"
     if lib.is_file():
         return lib
@@ -74,10 +81,23 @@ def attention_kernels(head_dim: int, group: int) -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", None) or e
         log.warning("building %s failed, attention uses torch SDPA: %s", SOURCE.name, detail)
         return None
-    lib.atomd_decode_attention.restype = lib.atomd_prefill_attention.restype = None
+    lib.atomd_decode_attention.restype = lib.atomd_prefill_attention.restype = ctypes.c_int
     lib.atomd_decode_attention.argtypes = [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
     lib.atomd_prefill_attention.argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.head_dim, lib.group = head_dim, group  # the shape it was built for: checked at every call
     return lib
+
+
+def _check_shape(lib: ctypes.CDLL, heads: int, kv_heads: int, head_dim: int) -> None:
+    """The C code trusts its compiled shape: a mismatch would read out of bounds, not fail."""
+    if head_dim != lib.head_dim or heads != kv_heads * lib.group:
+        raise ValueError(f"attention kernel built for head_dim {lib.head_dim}, group {lib.group}; "
+                         f"called with head_dim {head_dim}, {heads} heads / {kv_heads} KV heads")
+
+
+def _check_status(status: int, what: str) -> None:
+    if status != 0:
+        raise MemoryError(f"{what}: the attention kernel could not allocate its scratch memory")
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer: int,
@@ -86,16 +106,19 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
     first context_lens[b] cached tokens, read through block_tables [B, width] (int64);
     `lib` is attention_kernels(head_dim, heads // kv_heads)."""
     c = kv_cache
-    assert q.dtype == c.kv.dtype == torch.float32 and block_tables.dtype == context_lens.dtype == torch.int64
-    q = q.contiguous()
     batch, heads, head_dim = q.shape
+    _check_shape(lib, heads, c.num_kv_heads, head_dim)
+    assert q.dtype == c.kv.dtype == torch.float32 and block_tables.dtype == context_lens.dtype == torch.int64
+    assert c.kv.is_contiguous() and block_tables.is_contiguous() and context_lens.is_contiguous()
+    assert block_tables.shape[0] == context_lens.shape[0] == batch, "one query token per sequence"
+    q = q.contiguous()
     out = torch.empty_like(q)
     row = c.num_kv_heads * head_dim
     block_stride = c.num_layers * 2 * c.block_size * row
-    lib.atomd_decode_attention(q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
-                               out.data_ptr(), batch, heads, c.num_kv_heads, c.block_size,
-                               block_tables.shape[1], block_stride, layer * 2 * c.block_size * row,
-                               c.block_size * row, head_dim ** -0.5, torch.get_num_threads())
+    _check_status(lib.atomd_decode_attention(
+        q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), batch,
+        heads, c.num_kv_heads, c.block_size, block_tables.shape[1], block_stride, layer * 2 * c.block_size * row,
+        c.block_size * row, head_dim ** -0.5, torch.get_num_threads()), "decode attention")
     return out.view(batch, heads * head_dim)
 
 
@@ -104,10 +127,14 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     """Causal attention of fresh sequences (no cached prefix) packed back to back, written into
     their rows of out [T, heads * head_dim]. q [T, heads, head_dim], k, v [T, kv_heads, head_dim]
     may be views with any token stride; seq_starts, seq_lens: int64 [num_seqs]."""
+    heads, head_dim = q.shape[1], q.shape[2]
+    _check_shape(lib, heads, k.shape[1], head_dim)
     for t in (q, k, v):
         assert t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2], t.stride()
-    assert out.is_contiguous() and seq_starts.dtype == seq_lens.dtype == torch.int64
-    heads, head_dim = q.shape[1], q.shape[2]
-    lib.atomd_prefill_attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), seq_starts.data_ptr(),
-                                seq_lens.data_ptr(), len(seq_lens), heads, k.shape[1], q.stride(0), k.stride(0),
-                                v.stride(0), head_dim ** -0.5, torch.get_num_threads())
+    assert k.shape == v.shape and q.shape[0] == k.shape[0] == out.shape[0] and out.is_contiguous()
+    assert seq_starts.dtype == seq_lens.dtype == torch.int64 and seq_starts.is_contiguous() and seq_lens.is_contiguous()
+    assert len(seq_lens) == 0 or int((seq_starts + seq_lens).max()) <= q.shape[0], "a sequence past the rows"
+    _check_status(lib.atomd_prefill_attention(
+        q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), seq_starts.data_ptr(), seq_lens.data_ptr(),
+        len(seq_lens), heads, k.shape[1], q.stride(0), k.stride(0), v.stride(0), head_dim ** -0.5,
+        torch.get_num_threads()), "prefill attention")

@@ -173,18 +173,24 @@ def test_prompt_logits_match_hf(kind, chunk, llama_dir, qwen2_dir):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
+BACKENDS = ["native", "torch"]  # atomd/native.py's C kernels, torch SDPA
+
+
 @pytest.mark.unit
-def test_chunked_prefill_forced_small_equals_hf(llama_dir):
-    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK)
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_chunked_prefill_forced_small_equals_hf(backend, llama_dir):
+    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK,
+              attention_backend=backend)
     prompts = prompts_of(MIXED, seed=1)
     assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
-def test_prefix_cache_hit_equals_hf(kind, llama_dir, qwen2_dir):
+def test_prefix_cache_hit_equals_hf(kind, backend, llama_dir, qwen2_dir):
     path = llama_dir if kind == "llama" else qwen2_dir
-    llm = LLM(str(path), num_threads=1, max_model_len=256)
+    llm = LLM(str(path), num_threads=1, max_model_len=256, attention_backend=backend)
     shared = prompts_of([3 * BLOCK], seed=5)[0]
     prompts = [shared + tail for tail in prompts_of([5, BLOCK, 1], seed=6)]
     first = engine_greedy(llm, prompts)
@@ -196,9 +202,11 @@ def test_prefix_cache_hit_equals_hf(kind, llama_dir, qwen2_dir):
 
 
 @pytest.mark.unit
-def test_preemption_by_tiny_pool_equals_hf(llama_dir):
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_preemption_by_tiny_pool_equals_hf(backend, llama_dir):
     # 6 sequences of 2 blocks each growing past a block boundary, 9 blocks in the pool
-    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256, num_kvcache_blocks=9)
+    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256, num_kvcache_blocks=9,
+              attention_backend=backend)
     prompts = prompts_of([BLOCK + 10] * 6, seed=7)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     got = engine_greedy(llm, prompts, params)

@@ -34,7 +34,8 @@ def fresh_kernels(tmp_path, monkeypatch):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80),
+                                                     (16, 1, 128), (32, 2, 256)])
 def test_decode_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, head_dim):
     torch.manual_seed(heads * head_dim)
     layers, block = 3, 16
@@ -52,7 +53,8 @@ def test_decode_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, he
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80), (3, 1, 8)])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80), (3, 1, 8),
+                                                     (16, 1, 128), (32, 2, 256)])
 def test_prefill_kernel_equals_causal_sdpa_per_sequence(heads, kv_heads, head_dim):
     torch.manual_seed(heads + head_dim)
     lens = [1, 15, 16, 17, 70, 130]  # under, at and over a query tile and a key tile
@@ -116,6 +118,18 @@ def test_a_failing_build_names_the_compiler_error(fresh_kernels, monkeypatch, tm
 
 
 @pytest.mark.unit
+def test_a_kernel_refuses_a_shape_it_was_not_built_for():
+    lib = native.attention_kernels(32, 2)
+    cache = KVCache(4, 1, 16, 2, 16)
+    one = torch.ones(1, dtype=torch.int64)
+    with pytest.raises(ValueError, match="built for head_dim 32, group 2; called with head_dim 16"):
+        native.decode_attention(lib, torch.zeros(1, 4, 16), cache, 0, torch.zeros(1, 1, dtype=torch.int64), one)
+    q, k = torch.zeros(3, 6, 32), torch.zeros(3, 2, 32)  # group 3
+    with pytest.raises(ValueError, match="called with head_dim 32, 6 heads / 2 KV heads"):
+        native.prefill_attention(lib, q, k, k, torch.empty(3, 6 * 32), torch.zeros(1, dtype=torch.int64), one)
+
+
+@pytest.mark.unit
 def test_attention_backend_is_validated():
     with pytest.raises(ValueError, match="attention_backend must be one of auto, native, torch"):
         EngineConfig(attention_backend="flash")
@@ -128,5 +142,5 @@ def test_kernel_shares_torchs_openmp_runtime():
     """A second libgomp would bring a second thread pool spinning against torch's."""
     assert native.attention_kernels(32, 2) is not None
     with open("/proc/self/maps") as f:
-        runtimes = {line.split()[-1] for line in f if "libgomp" in line or "libiomp" in line}
+        runtimes = {line.split()[-1] for line in f if any(name in line for name in ("libgomp", "libiomp", "libomp"))}
     assert len(runtimes) == 1, runtimes

@@ -54,13 +54,15 @@ static inline void prefetch_rows(const float *row, int64_t rows, int64_t row_str
  * token t of sequence b, KV head h is at
  *   kv + table[b][t / block_size] * block_stride + k_offset + ((t % block_size) * num_kv_heads + h) * HEAD_DIM
  * and its V row v_offset elements further. block_tables: [batch, table_width]. num_threads:
- * torch's intra-op count of the calling thread (OpenMP's own default is per thread). */
-void atomd_decode_attention(const float *restrict q, const float *restrict kv,
+ * torch's intra-op count of the calling thread (OpenMP's own default is per thread).
+ * Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
+int atomd_decode_attention(const float *restrict q, const float *restrict kv,
                             const int64_t *restrict block_tables, const int64_t *restrict context_lens,
                             float *restrict out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
                             int64_t block_size, int64_t table_width, int64_t block_stride, int64_t k_offset,
                             int64_t v_offset, float scale, int num_threads) {
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
+    int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < batch * num_kv_heads; item++) {
         const int64_t b = item / num_kv_heads, h = item % num_kv_heads, ctx = context_lens[b];
@@ -68,6 +70,11 @@ void atomd_decode_attention(const float *restrict q, const float *restrict kv,
         const float *qh = q + (b * num_heads + h * GROUP) * HEAD_DIM;  /* the group's query heads */
         float qs[GROUP][HEAD_DIM], m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM];
         float *scores = malloc(sizeof(float) * GROUP * ctx);  /* [GROUP, ctx] */
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
         for (int g = 0; g < GROUP; g++) {
             m[g] = -INFINITY;
             sum[g] = 0.0f;
@@ -122,6 +129,7 @@ void atomd_decode_attention(const float *restrict q, const float *restrict kv,
             for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = acc[g][d] / sum[g];
         free(scores);
     }
+    return failed ? -1 : 0;
 }
 
 /* Prefill work items: RB query rows of one KV head share each key tile load; QT tokens x GROUP
@@ -208,24 +216,34 @@ static void prefill_item(const float *restrict q, const float *restrict kt, cons
 /* Causal attention of fresh sequences packed back to back. q [T, num_heads, HEAD_DIM], k, v
  * [T, num_kv_heads, HEAD_DIM], each with its own token stride (they are views into the QKV
  * projection); out [T, num_heads * HEAD_DIM] contiguous. Sequence s is rows
- * [seq_starts[s], seq_starts[s] + seq_lens[s]). */
-void atomd_prefill_attention(const float *restrict q, const float *restrict k, const float *restrict v,
+ * [seq_starts[s], seq_starts[s] + seq_lens[s]). Returns 0, or -1 when its buffers could not
+ * be allocated (out untouched). */
+int atomd_prefill_attention(const float *restrict q, const float *restrict k, const float *restrict v,
                              float *restrict out, const int64_t *restrict seq_starts,
                              const int64_t *restrict seq_lens, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t q_stride, int64_t k_stride, int64_t v_stride,
                              float scale, int num_threads) {
+    int64_t rows = 0;  /* keys are read up to the furthest sequence end */
+    for (int64_t s = 0; s < num_seqs; s++)
+        rows = seq_starts[s] + seq_lens[s] > rows ? seq_starts[s] + seq_lens[s] : rows;
+    const int64_t kt_stride = rows + KT;
+    /* every key transposed once, [kv_head][d][token] (+ KT padding): the score loops become axpys
+     * over contiguous keys, and no query tile transposes the same keys again */
+    float *kt = calloc((size_t)num_kv_heads * HEAD_DIM * kt_stride, sizeof(float));
     int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));  /* first work item of each sequence */
+    if (kt == NULL || first == NULL) {
+        free(kt);
+        free(first);
+        return -1;
+    }
     first[0] = 0;
     for (int64_t s = 0; s < num_seqs; s++)
         first[s + 1] = first[s] + num_kv_heads * ((seq_lens[s] + QT - 1) / QT);
-    /* every key transposed once, [kv_head][d][token] (+ KT padding): the score loops become axpys
-     * over contiguous keys, and no query tile transposes the same keys again */
-    const int64_t rows = seq_starts[num_seqs - 1] + seq_lens[num_seqs - 1], kt_stride = rows + KT;
-    float *kt = calloc((size_t)num_kv_heads * HEAD_DIM * kt_stride, sizeof(float));
 #pragma omp parallel for num_threads(num_threads)
     for (int64_t t = 0; t < rows; t++)
         for (int64_t h = 0; h < num_kv_heads; h++)
-            for (int d = 0; d < HEAD_DIM; d++) kt[(h * HEAD_DIM + d) * kt_stride + t] = k[t * k_stride + h * HEAD_DIM + d];
+            for (int d = 0; d < HEAD_DIM; d++)
+                kt[(h * HEAD_DIM + d) * kt_stride + t] = k[t * k_stride + h * HEAD_DIM + d];
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = first[num_seqs] - 1; item >= 0; item--) {  /* the longest (last) tiles first */
         int64_t s = 0;
@@ -238,4 +256,5 @@ void atomd_prefill_attention(const float *restrict q, const float *restrict k, c
     }
     free(kt);
     free(first);
+    return 0;
 }
