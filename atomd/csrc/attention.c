@@ -114,10 +114,7 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
         for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
             const float *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + h * HEAD_DIM;
             const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            if (t0 + block_size < ctx)
-                prefetch_rows(kv + table[t0 / block_size + 1] * block_stride + k_offset + v_offset + h * HEAD_DIM,
-                              block_size, row_stride);
-            for (int64_t i = 0; i < n; i++, v += row_stride)
+            for (int64_t i = 0; i < n; i++, v += row_stride)  /* prefetched by the score pass */
                 for (int g = 0; g < GROUP; g++) {
                     const float p = scores[g * ctx + t0 + i];
 #pragma omp simd
