@@ -11,7 +11,7 @@ __all__ = ["LLM", "SamplingParams", "__version__"]
 
 def __getattr__(name: str):
     if name == "LLM":
-        from atomd.engine import LLM
+        from atomd.llm import LLM
 
         return LLM
     if name == "SamplingParams":

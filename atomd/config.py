@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import typing
 from typing import Any
 
 import msgspec
@@ -51,7 +52,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     kv_events_endpoint: str | None = None
-    # data parallelism (atomd/dp.py): the PrefillDelayer's policy and knobs (DESIGN.md defaults)
+    # data parallelism (atomd/core.py): the PrefillDelayer's policy and knobs
     prefill_delayer: str = "off"
     prefill_delayer_max_delay_passes: int = 30
     prefill_delayer_token_usage_low_watermark: float | None = None
@@ -144,60 +145,63 @@ def _bytes_arg(text: str) -> int:
         raise argparse.ArgumentTypeError(str(e)) from None
 
 
+# `atomd serve` / `atomd generate` flags: one per EngineConfig field (its name with dashes,
+# its default), so every default is written once, on the field. What a flag needs beyond
+# that is keyed by field here.
+CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
+           "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
+           "prefill_delayer": PREFILL_DELAYERS}
+HELP = {
+    "model": "local Hugging Face checkpoint directory (default: the built-in default model)",
+    "dtype": "weights and KV cache dtype",
+    "seed": "seed of unseeded sampling",
+    "num_threads": "torch threads of this engine (default: all cores)",
+    "attention_backend": "prefill and decode attention: native C kernels (float32, built at first use), "
+                         "torch SDPA, or auto (native where they build)",
+    "max_model_len": "prompt + completion tokens",
+    "max_num_seqs": "sequences per step",
+    "max_num_batched_tokens": "tokens per step",
+    "block_size": "tokens per KV block",
+    "long_prefill_token_threshold": "largest prefill chunk of one sequence (0: off)",
+    "kv_cache_memory": "KV cache size, e.g. 512MiB (default: 256MiB, at most max_num_seqs full contexts)",
+    "num_kvcache_blocks": "KV cache size in blocks",
+    "kv_role": "PD role: both (colocated), producer (prefill), consumer (decode)",
+    "kv_side_channel_host": "address a producer serves KV on",
+    "kv_side_channel_port": "producer's side-channel port (0: any free one; DP rank r uses port + r)",
+    "kv_lease_s": "producer: seconds a finished prompt's blocks stay pinned without a heartbeat",
+    "kv_recv_timeout_s": "consumer: seconds a pull may see nothing from the producer before it fails",
+    "kv_load_failure_policy": "consumer after a failed pull: fail the request, or recompute the prompt locally",
+    "kv_events_endpoint": "ZMQ PUB endpoint for KV events (accepted, not published yet: the router's "
+                          "KV-events work builds the publisher)",
+    "prefill_delayer": "keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)",
+    "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
+    "dp_collective_timeout_s": "a DP collective not done by then fails open and the group is given up",
+}
+INTERNAL_FIELDS = ("dp_master_port",)  # set by the API process for its DP ranks, never by a user
+_SIZE_FIELDS = ("kv_cache_memory", "num_kvcache_blocks")  # one or the other
+_DP_FIELDS = ("dp_lockstep", "dp_collective_timeout_s")
+
+
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
     """The engine's flags (vLLM names), shared by `atomd serve` and `atomd generate`."""
-    g = parser.add_argument_group("engine")
-    g.add_argument("--model", default=None,
-                   help="local Hugging Face checkpoint directory (default: the built-in default model)")
-    g.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and KV cache dtype")
-    g.add_argument("--seed", type=int, default=0, help="seed of unseeded sampling")
-    g.add_argument("--num-threads", type=int, default=None,
-                   help="torch threads of this engine (default: all cores)")
-    g.add_argument("--attention-backend", default="auto", choices=ATTENTION_BACKENDS,
-                   help="prefill and decode attention: native C kernels (float32, built at first use), "
-                        "torch SDPA, or auto (native where they build)")
-    g.add_argument("--max-model-len", type=int, default=2048, help="prompt + completion tokens")
-    g.add_argument("--max-num-seqs", type=int, default=256, help="sequences per step")
-    g.add_argument("--max-num-batched-tokens", type=int, default=8192, help="tokens per step")
-    g.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    g.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--enable-chunked-prefill", action=argparse.BooleanOptionalAction, default=True)
-    g.add_argument("--long-prefill-token-threshold", type=int, default=0,
-                   help="largest prefill chunk of one sequence (0: off)")
-    g.add_argument("--scheduler-delay-factor", type=float, default=0.0)
-    size = g.add_mutually_exclusive_group()
-    size.add_argument("--kv-cache-memory", type=_bytes_arg, default=None,
-                      help="KV cache size, e.g. 512MiB (default: 256MiB, at most max_num_seqs full contexts)")
-    size.add_argument("--num-kvcache-blocks", type=int, default=None, help="KV cache size in blocks")
-    g.add_argument("--kv-role", default="both", choices=KV_ROLES,
-                   help="PD role: both (colocated), producer (prefill), consumer (decode)")
-    g.add_argument("--kv-transfer-backend", default="zmq", choices=KV_TRANSFER_BACKENDS)
-    g.add_argument("--kv-side-channel-host", default="127.0.0.1", help="address a producer serves KV on")
-    g.add_argument("--kv-side-channel-port", type=int, default=0,
-                   help="producer's side-channel port (0: any free one; DP rank r uses port + r)")
-    g.add_argument("--kv-lease-s", type=float, default=30.0,
-                   help="producer: seconds a finished prompt's blocks stay pinned without a heartbeat")
-    g.add_argument("--kv-recv-timeout-s", type=float, default=10.0,
-                   help="consumer: seconds a pull may see nothing from the producer before it fails")
-    g.add_argument("--kv-load-failure-policy", default="fail", choices=KV_LOAD_FAILURE_POLICIES,
-                   help="consumer after a failed pull: fail the request, or recompute the prompt locally")
-    g.add_argument("--data-parallel-size", type=int, default=1)
-    g.add_argument("--data-parallel-rank", type=int, default=0)
-    g.add_argument("--kv-events-endpoint", default=None, help="ZMQ PUB endpoint for KV events")
-    _add_dp_args(parser)
-
-
-def _add_dp_args(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("data parallel prefill delayer (ticks, not seconds)")
-    g.add_argument("--prefill-delayer", default="off", choices=PREFILL_DELAYERS,
-                   help="keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)")
-    for name, kind, default in (("max-delay-passes", int, 30), ("token-usage-low-watermark", float, None),
-                                ("target-fill", float, 0.9), ("kv-high-watermark", float, 0.9),
-                                ("kv-low-watermark", float, 0.1), ("ttft-max-ticks", int, 200),
-                                ("partial-max-ticks", int, 100), ("stall-ticks", int, 10),
-                                ("queue-max-ticks", int, 50)):
-        g.add_argument(f"--prefill-delayer-{name}", type=kind, default=default)
-    g.add_argument("--dp-lockstep", action="store_true",
-                   help="benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)")
-    g.add_argument("--dp-collective-timeout-s", type=float, default=60.0,
-                   help="a DP collective not done by then fails open and the group is given up")
+    engine = parser.add_argument_group("engine")
+    delayer = parser.add_argument_group("data parallel prefill delayer (ticks, not seconds)")
+    size = engine.add_mutually_exclusive_group()
+    hints = typing.get_type_hints(EngineConfig)
+    for field, default in zip(EngineConfig.__struct_fields__, EngineConfig.__struct_defaults__):
+        if field in INTERNAL_FIELDS:
+            continue
+        group = delayer if field.startswith("prefill_delayer") or field in _DP_FIELDS else \
+            size if field in _SIZE_FIELDS else engine
+        flag = "--" + field.replace("_", "-")
+        kw: dict[str, Any] = {"default": default, "help": HELP.get(field)}
+        kind = next(t for t in typing.get_args(hints[field]) or (hints[field],) if t is not type(None))
+        if kind is bool:
+            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif field == "kv_cache_memory":
+            kw["type"] = _bytes_arg
+        else:
+            kw["type"] = kind
+            if field in CHOICES:
+                kw["choices"] = CHOICES[field]
+        group.add_argument(flag, **kw)

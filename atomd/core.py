@@ -1,121 +1,45 @@
-"""EngineCore: the LLMEngine loop in its own process, and the API process's client for it.
+"""The engine core: one LLMEngine's loop in its own process (the rank side of the IPC).
 
-The API process (aiohttp, tokenizer, SSE) and the engine (torch, scheduler) share no
-interpreter, so a slow forward never stalls HTTP and a crashed engine never takes the
-server's answers with it. They talk over two ZMQ PUSH/PULL ipc sockets carrying msgspec
-msgpack; each socket has exactly one writer (ZMQ sockets are not thread-safe):
-
-  API -> core (input)    AddRequest       prompt token ids + SamplingParams (+ kv_transfer_params)
-                         AbortRequests    ids whose client went away: the engine frees their blocks
-                         UtilityCall      stats / reset_prefix_cache / ...: one UtilityResult each
-  core -> API (output)   Ready            sent once, after the engine is built
-                         StepOutputs      one per engine step: the token deltas of every request
-                         UtilityResult    the answer to a UtilityCall (result or error)
-                         CoreError        a frame the core could not decode (the loop goes on),
-                                          or a fatal error just before the core exits
+The API process (aiohttp, tokenizer, SSE; atomd/core_client.py) and the engine (torch,
+scheduler) share no interpreter, so a slow forward never stalls HTTP and a crashed engine
+never takes the server's answers with it. The messages are in atomd/messages.py; each
+socket has exactly one writer (ZMQ sockets are not thread-safe).
 
 The core blocks on its input socket while idle (no spin) and drains it without blocking
 between steps, so aborts land before the next forward; a step with no output (a chunk of
-a long prefill, or nothing runnable yet) is followed by a 1 ms wait on the socket. The client watches the process
-sentinel: when the core dies every waiting request fails with `EngineDeadError` at once.
+a long prefill, or nothing runnable yet) is followed by a 1 ms wait on the socket.
+
+Data parallelism (`DPEngineCore`): with `--prefill-delayer` or `--dp-lockstep` the ranks
+join one gloo group (atomd/dp_collective.py) and every rank steps every tick, an idle rank
+an empty pass, because each tick holds exactly one delayer collective (and one lockstep
+all-reduce) that every rank must join. So the loop never blocks on its socket longer than
+IDLE_TICK_MS.
 """
 from __future__ import annotations
 
-import asyncio
-import itertools
 import logging
-import multiprocessing
 import os
-import shutil
-import tempfile
 import traceback
-from typing import Any, Callable
+from typing import Any
 
 import msgspec
 import zmq
-import zmq.asyncio
 
-from scheduler.sequence import SamplingParams
+from atomd.messages import (UTILITY_METHODS, AbortRequests, AddRequest, CoreError, InputMessage, OutputMessage,
+                            Ready, RequestOutput, StepOutputs, UtilityCall, UtilityResult)
+from scheduler.sequence import ErrorCode
 
 logger = logging.getLogger("atomd.core")
 
 IDLE_POLL_MS = 1000  # how often an idle core wakes to check its parent is still alive
 STALLED_POLL_MS = 1  # busy but the last step had no output: wait on the socket, do not spin
 SERVING_POLL_MS = 10  # a producer whose only work is pinned blocks: poll for their release
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "kv_transfer_info", "kv_transfer_abort")
+IDLE_TICK_MS = 5  # a DP rank that ticks with its group: its wait on the socket between (empty) ticks
 
 
-# ---------------------------------------------------------------- wire messages
+def ticks_every_rank(config: Any) -> bool:
+    return config.data_parallel_size > 1 and (config.prefill_delayer != "off" or config.dp_lockstep)
 
-class AddRequest(msgspec.Struct, tag="add"):
-    request_id: str
-    prompt_token_ids: list[int]
-    sampling_params: SamplingParams
-    kv_transfer_params: dict[str, Any] | None = None
-
-
-class AbortRequests(msgspec.Struct, tag="abort"):
-    request_ids: list[str]
-
-
-class UtilityCall(msgspec.Struct, tag="utility"):
-    call_id: int
-    method: str
-    args: list[Any] = []
-
-
-class TokenDelta(msgspec.Struct, array_like=True):
-    """One engine RequestOutput on the wire; `timing` only on the finished delta."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[Any] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None
-    # engine clock: (arrival, first_scheduled, first_token, finished)
-    timing: tuple[float | None, float | None, float | None, float | None] | None = None
-
-
-class Ready(msgspec.Struct, tag="ready"):
-    model_name: str
-
-
-class StepOutputs(msgspec.Struct, tag="outputs"):
-    outputs: list[TokenDelta]
-
-
-class UtilityResult(msgspec.Struct, tag="result"):
-    call_id: int
-    result: Any = None
-    error: str | None = None
-
-
-class CoreError(msgspec.Struct, tag="error"):
-    message: str
-    fatal: bool = False
-
-
-InputMessage = AddRequest | AbortRequests | UtilityCall
-OutputMessage = Ready | StepOutputs | UtilityResult | CoreError
-
-
-def to_delta(out: Any) -> TokenDelta:
-    """The engine's RequestOutput -> TokenDelta."""
-    timing = None
-    if out.finished:
-        timing = (out.arrival_time, out.first_scheduled_time, out.first_token_time, out.finished_time)
-    return TokenDelta(
-        request_id=out.request_id, new_token_ids=list(out.new_token_ids),
-        new_logprobs=out.new_logprobs, finished=out.finished, finish_reason=out.finish_reason,
-        num_prompt_tokens=out.num_prompt_tokens, num_cached_tokens=out.num_cached_tokens,
-        kv_transfer_params=out.kv_transfer_params, error=out.error, timing=timing)
-
-
-# ---------------------------------------------------------------- the core process
 
 class EngineCore:
     """Runs `engine` against the two sockets until the parent goes away."""
@@ -142,7 +66,7 @@ class EngineCore:
                 outputs = self.engine.step()
                 stalled = not outputs
                 if outputs:
-                    self.send(StepOutputs([to_delta(o) for o in outputs]))
+                    self.send(StepOutputs(outputs))
 
     def stalled_poll_ms(self) -> int:
         """A producer holding pinned blocks (up to a lease) need not wake every millisecond."""
@@ -169,9 +93,10 @@ class EngineCore:
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                         kv_transfer_params=msg.kv_transfer_params)
-            except ValueError as e:
-                self.send(StepOutputs([TokenDelta(
-                    msg.request_id, [], None, True, None, len(msg.prompt_token_ids), 0, error=str(e))]))
+            except ValueError as e:  # refused on arrival: the API answers a 400
+                self.send(StepOutputs([RequestOutput(
+                    msg.request_id, [], None, True, None, len(msg.prompt_token_ids), 0, error=str(e),
+                    error_code=ErrorCode.INVALID_REQUEST)]))
         elif isinstance(msg, AbortRequests):
             for request_id in msg.request_ids:
                 self.engine.abort_request(request_id)
@@ -205,10 +130,13 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
 
         if getattr(config, "num_threads", None):
             torch.set_num_threads(config.num_threads)
-        from atomd.dp import make_engine_core
-
-        engine = LLMEngine(config)
-        core = make_engine_core(engine, inp, out, parent_pid)  # joins the DP ranks' group, if any
+        group = DPGroup.join(config)  # None without DP ticking or a delayer
+        engine = LLMEngine(config, prefill_delayer=group.delayer if group else None)
+        if group is None:
+            core = EngineCore(engine, inp, out, parent_pid)
+        else:
+            group.wait_for_every_rank()  # every rank has built its engine: ticks may start
+            core = DPEngineCore(engine, inp, out, parent_pid, group)
         out.send(encoder.encode(Ready(engine.model_name)))
         try:
             core.run()
@@ -227,176 +155,70 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         ctx.term()
 
 
-# ---------------------------------------------------------------- the API side
+class DPGroup:
+    """This rank's place in the DP group: the collective, the PrefillDelayer over it (given
+    to the engine's scheduler when it is built) and the lockstep emulation."""
 
-class EngineDeadError(RuntimeError):
-    """The engine core process is gone (or failed to start)."""
+    def __init__(self, rank: int, ticks: bool, collective: Any, delayer: Any, lockstep: Any):
+        self.rank, self.ticks = rank, ticks
+        self.collective, self.delayer, self.lockstep = collective, delayer, lockstep
+
+    @classmethod
+    def join(cls, cfg: Any) -> "DPGroup | None":
+        """Join the ranks' gloo group when they tick together; None when nothing needs a group."""
+        ticks = ticks_every_rank(cfg)
+        if cfg.prefill_delayer == "off" and not ticks:
+            return None
+        from atomd.dp_collective import GlooCollective, Lockstep, make_prefill_delayer
+        from scheduler.prefill_delayer import SingleRank
+
+        collective = GlooCollective(cfg.data_parallel_rank, cfg.data_parallel_size, cfg.dp_master_port,
+                                    timeout_s=cfg.dp_collective_timeout_s) if ticks else SingleRank()
+        delayer = make_prefill_delayer(cfg, collective) if cfg.prefill_delayer != "off" else None
+        lockstep = Lockstep(collective) if cfg.dp_lockstep and ticks else None
+        return cls(cfg.data_parallel_rank, ticks, collective, delayer, lockstep)
+
+    def wait_for_every_rank(self) -> None:
+        """Returns once every rank got here (its engine built), under the join timeout: the
+        first tick's collective has only the short per-tick timeout."""
+        if self.ticks:
+            self.collective.barrier()
 
 
-class RequestStream:
-    """Deltas of one request, pushed by the output reader, pulled by its HTTP handler."""
+class DPEngineCore(EngineCore):
+    """A rank that steps with its group every tick (see the module docstring)."""
 
-    def __init__(self) -> None:
-        self.queue: asyncio.Queue[TokenDelta | BaseException] = asyncio.Queue()
+    def __init__(self, engine: Any, inp: Any, out: Any, parent_pid: int, group: DPGroup):
+        super().__init__(engine, inp, out, parent_pid)
+        self.group = group
 
-    async def next_batch(self) -> list[TokenDelta]:
-        """Every delta that arrived since the last call (at least one), coalesced so a slow
-        writer catches up in one chunk instead of one chunk per token."""
-        items = [await self.queue.get()]
-        while not self.queue.empty():
-            items.append(self.queue.get_nowait())
-        for item in items:
-            if isinstance(item, BaseException):
-                raise item
-        return items
+    def run(self) -> None:
+        group = self.group
+        if not group.ticks:
+            return super().run()
+        while group.collective.broken is None:
+            busy = self.engine.has_unfinished_requests()
+            if self.inp.poll(0 if busy else IDLE_TICK_MS):
+                self.drain_input()
+            elif not busy and os.getppid() != self.parent_pid:
+                return
+            outputs = self.engine.step()  # every tick, idle or not: the group's collectives need every rank
+            if group.lockstep is not None:
+                group.lockstep.end_of_step()
+            if outputs:
+                self.send(StepOutputs(outputs))
+        # A peer is gone (its failure was counted): serve what this rank has, alone and
+        # without the delayer, rather than fail open (and log it) on every tick from here on.
+        logger.error("DP rank %d: the DP group is broken (%s); running alone", group.rank,
+                     group.collective.broken)
+        self.engine.scheduler.prefill_delayer = group.lockstep = None
+        super().run()
 
-
-class EngineCoreClient:
-    """The API process's handle on the core: start it, send requests, receive deltas."""
-
-    def __init__(self, config: Any, on_abort_confirmed: Callable[[], None] | None = None):
-        self.config = config
-        self.on_abort_confirmed = on_abort_confirmed
-        self.streams: dict[str, RequestStream] = {}
-        self.aborting: set[str] = set()  # aborted here, the engine's final output still due
-        self.calls: dict[int, asyncio.Future] = {}
-        self.call_ids = itertools.count()
-        self.dead: str | None = None  # why the core is gone
-        self.ready: asyncio.Future[Ready] | None = None
-        self.proc: multiprocessing.process.BaseProcess | None = None
-        self.encoder = msgspec.msgpack.Encoder()
-        self.decoder = msgspec.msgpack.Decoder(OutputMessage)
-
-    async def start(self, timeout_s: float = 600.0) -> Ready:
-        """Spawn the core and wait for its Ready (or its death, or the deadline)."""
-        loop = asyncio.get_running_loop()
-        self.ipc_dir = tempfile.mkdtemp(prefix="atomd-core-")
-        in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
-        self.sync_ctx, self.async_ctx = zmq.Context(), zmq.asyncio.Context()
-        self.inp = self.sync_ctx.socket(zmq.PUSH)
-        self.inp.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
-        self.inp.bind(in_addr)
-        self.out = self.async_ctx.socket(zmq.PULL)
-        self.out.setsockopt(zmq.RCVHWM, 0)
-        self.out.bind(out_addr)
-        self.ready = loop.create_future()
-        self.reader = asyncio.create_task(self.read_outputs())
-        self.proc = multiprocessing.get_context("spawn").Process(
-            target=run_engine_core, args=(self.config, in_addr, out_addr, os.getpid()),
-            name="atomd-engine-core", daemon=True)
-        self.proc.start()
-        loop.add_reader(self.proc.sentinel, self.on_core_exit)
-        return await asyncio.wait_for(asyncio.shield(self.ready), timeout_s)
-
-    @property
-    def alive(self) -> bool:
-        return self.dead is None and self.ready is not None and self.ready.done() \
-            and not self.ready.exception()
-
-    def send(self, msg: InputMessage) -> None:
-        if self.dead is not None:
-            raise EngineDeadError(self.dead)
-        self.inp.send(self.encoder.encode(msg), copy=False)
-
-    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
-                    kv_transfer_params: dict | None = None, dp_rank: int | None = None) -> RequestStream:
-        """`dp_rank`: ignored, one core is one rank (atomd.dp.DPEngineClient places requests)."""
-        stream = RequestStream()
-        self.send(AddRequest(request_id, prompt_token_ids, params, kv_transfer_params))
-        self.streams[request_id] = stream
-        return stream
-
-    def abort(self, request_id: str) -> None:
-        """Forget the request here and free it in the engine (no-op once the core is dead)."""
-        if self.streams.pop(request_id, None) is not None and self.dead is None:
-            self.aborting.add(request_id)
-            self.send(AbortRequests([request_id]))
-
-    async def call(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
-        call_id = next(self.call_ids)
-        fut = asyncio.get_running_loop().create_future()
-        self.calls[call_id] = fut
-        try:
-            self.send(UtilityCall(call_id, method, list(args)))
-            return await asyncio.wait_for(fut, timeout_s)
-        finally:
-            self.calls.pop(call_id, None)
-
-    async def read_outputs(self) -> None:
-        while True:
-            frame = await self.out.recv(copy=False)
-            try:
-                msg = self.decoder.decode(frame.buffer)
-            except (msgspec.DecodeError, ValueError) as e:
-                logger.error("undecodable frame from engine core: %s", e)
-                continue
-            if isinstance(msg, StepOutputs):
-                self.dispatch(msg.outputs)
-            elif isinstance(msg, UtilityResult):
-                self.resolve(msg)
-            elif isinstance(msg, Ready):
-                self.ready.set_result(msg)
-            elif msg.fatal:
-                self.fail(msg.message)
-            else:
-                logger.error("engine core reported: %s", msg.message)
-
-    def dispatch(self, deltas: list[TokenDelta]) -> None:
-        for delta in deltas:
-            stream = self.streams.get(delta.request_id)
-            if stream is None:  # aborted here already: only the engine's confirmation matters
-                if delta.finished and delta.request_id in self.aborting:
-                    self.aborting.discard(delta.request_id)
-                    if delta.finish_reason == "abort" and self.on_abort_confirmed:
-                        self.on_abort_confirmed()
-                continue
-            if delta.finished:
-                del self.streams[delta.request_id]
-            stream.queue.put_nowait(delta)
-
-    def resolve(self, res: UtilityResult) -> None:
-        fut = self.calls.get(res.call_id)
-        if fut is None or fut.done():
-            return
-        if res.error is not None:
-            fut.set_exception(RuntimeError(res.error))
-        else:
-            fut.set_result(res.result)
-
-    def on_core_exit(self) -> None:
-        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
-        self.proc.join(1)  # the sentinel fires as the process exits; reap it for its exit code
-        self.fail(self.dead or f"engine core process exited (exit code {self.proc.exitcode})")
-
-    def fail(self, reason: str) -> None:
-        """Fail everything waiting on the core, now and from here on."""
-        if self.dead is None:
-            logger.error("engine core is dead: %s", reason)
-        self.dead = reason
-        err = EngineDeadError(reason)
-        if not self.ready.done():
-            self.ready.set_exception(err)
-        for stream in self.streams.values():
-            stream.queue.put_nowait(err)
-        self.streams.clear()
-        self.aborting.clear()
-        for fut in self.calls.values():
-            if not fut.done():
-                fut.set_exception(err)
-
-    async def shutdown(self, timeout_s: float = 5.0) -> None:
-        self.dead = self.dead or "engine core shut down"  # an expected exit, not an error to log
-        if self.proc is not None and self.proc.is_alive():
-            self.proc.terminate()
-            deadline = asyncio.get_running_loop().time() + timeout_s
-            while self.proc.is_alive() and asyncio.get_running_loop().time() < deadline:
-                await asyncio.sleep(0.05)
-            if self.proc.is_alive():
-                self.proc.kill()
-            self.proc.join(1)
-        self.reader.cancel()
-        self.inp.close(linger=0)
-        self.out.close(linger=0)
-        self.sync_ctx.term()
-        self.async_ctx.term()
-        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+    def call_utility(self, call: UtilityCall) -> UtilityResult:
+        res = super().call_utility(call)
+        if call.method == "stats" and res.error is None:
+            group = self.group
+            res.result = dict(res.result, dp_rank=group.rank,
+                              prefill_delayer=group.delayer.stats() if group.delayer else None,
+                              lockstep_errors=group.lockstep.num_errors if group.lockstep else 0)
+        return res

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from scheduler.prefill_delayer import Collective, PrefillDelayer
+from scheduler.prefill_delayer import DELAYER_KNOBS, Collective, PrefillDelayer
 
 logger = logging.getLogger("atomd.dp_collective")
 
@@ -59,6 +59,10 @@ class GlooCollective(Collective):
             logger.error("DP rank %d: collective failed, the group is broken: %s", self.rank, self.broken)
             raise
         return t.numpy()
+
+    def barrier(self) -> None:
+        """Wait for every rank, under the join timeout (the default group's)."""
+        dist.barrier()
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -99,11 +103,6 @@ class ObservedPrefillDelayer(PrefillDelayer):
                 "hold_ticks": [[held, n] for held, n in sorted(self.hold_ticks.items())],
                 "collective_errors": self.num_collective_errors,
                 "num_collectives": getattr(self.collective, "num_collectives", None)}
-
-
-DELAYER_KNOBS = ("max_delay_passes", "token_usage_low_watermark", "target_fill", "kv_high_watermark",
-                 "kv_low_watermark", "ttft_max_ticks", "partial_max_ticks", "stall_ticks",
-                 "queue_max_ticks")
 
 
 def make_prefill_delayer(config: Any, collective: Collective) -> ObservedPrefillDelayer:

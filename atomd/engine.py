@@ -1,16 +1,16 @@
-"""LLMEngine: one engine's loop, schedule -> forward -> sample -> postprocess, and `LLM`,
-the offline API modelled on vLLM's (`LLM(model=None, **engine_args).generate(...)`).
+"""LLMEngine: one engine's loop, schedule -> forward -> sample -> postprocess.
 
-`LLMEngine.step()` returns one `RequestOutput` per request that changed: new tokens, or
-the end (finished by a stop, aborted, or rejected as unschedulable with `error` set).
+`LLMEngine.step()` returns one `RequestOutput` (atomd/messages.py) per request that
+changed: new tokens, or the end (finished by a stop, aborted, or ended without generating,
+with `error` and `error_code` set). The engine core process runs it (atomd/core.py); the
+offline `LLM` drives it in-process (atomd/llm.py).
 """
 from __future__ import annotations
 
 import pathlib
 import time
-from typing import Any, Iterable
+from typing import Any
 
-import msgspec
 import numpy as np
 import torch
 
@@ -20,32 +20,16 @@ from atomd.model.loader import load_model
 from atomd.runner import ModelRunner
 from atomd.sampler import Sampler
 from atomd.tokenizer import Tokenizer
-from kv_transfer.connector import KVConnectorConfig, create_connector
-from kv_transfer.params import compat_fingerprint
+from atomd.messages import RequestOutput
+from kv_transfer.connector import KVConnectorConfig
+from kv_transfer.factory import create_connector
+from kv_transfer.params import KVTransferParams, compat_fingerprint
+from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-TQDM_MIN_PROMPTS = 16  # a progress bar only where the wait is long enough to want one
 KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]
-
-
-class RequestOutput(msgspec.Struct):
-    """What one step changed for one request (docs/contracts.md "atomd.engine")."""
-
-    request_id: str
-    new_token_ids: list[int]
-    new_logprobs: list[Any] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-    kv_transfer_params: dict[str, Any] | None = None
-    error: str | None = None
-    arrival_time: float | None = None
-    first_scheduled_time: float | None = None
-    first_token_time: float | None = None
-    finished_time: float | None = None
 
 
 def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
@@ -57,7 +41,8 @@ def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
 
 
 class LLMEngine:
-    def __init__(self, config: EngineConfig):
+    def __init__(self, config: EngineConfig, prefill_delayer: PrefillDelayer | None = None):
+        """`prefill_delayer`: the DP group's (atomd/core.py builds it), asked every tick."""
         self.config = config
         torch.set_num_threads(config.num_threads_or_all())
         model_dir = resolve_model_dir(config)
@@ -85,7 +70,7 @@ class LLMEngine:
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,
             long_prefill_token_threshold=config.long_prefill_token_threshold),
-            kv_connector=self.kv_connector, detokenize=self.tokenizer.decode)
+            kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)
         self._requests: dict[str, Sequence] = {}
         self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
 
@@ -121,7 +106,10 @@ class LLMEngine:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    kv_transfer_params: dict | None = None, arrival_time: float | None = None) -> Sequence:
+                    kv_transfer_params: KVTransferParams | dict | None = None,
+                    arrival_time: float | None = None) -> Sequence:
+        """ValueError (the API's 400) for a duplicate id, a token outside the vocabulary, or
+        kv_transfer_params that do not parse or do not fit this prompt."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         vocab = self.model.config.vocab_size
@@ -178,7 +166,7 @@ class LLMEngine:
                 logprobs = [[] for _ in batch.seqs]
                 for j, i in enumerate(rows):
                     logprobs[i] = [entries[j]]
-        return ScheduledBatchOutput(batch.req_ids, token_ids, logprobs)
+        return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs)
 
     def _banned(self, seq: Sequence) -> list[int]:
         """End tokens may not be sampled before min_tokens (vLLM masks them too)."""
@@ -192,14 +180,14 @@ class LLMEngine:
         if finished:
             self._requests.pop(seq.request_id, None)
             self.sampler.forget(seq.id)
+        if not finished:
+            return RequestOutput(seq.request_id, list(new_token_ids), new_logprobs, False, None,
+                                 seq.num_prompt_tokens, seq.num_cached_tokens)
         return RequestOutput(
-            request_id=seq.request_id, new_token_ids=list(new_token_ids), new_logprobs=new_logprobs,
-            finished=finished, finish_reason=seq.finish_reason if finished else None,
-            num_prompt_tokens=seq.num_prompt_tokens, num_cached_tokens=seq.prefix_cache_hit_tokens,
-            kv_transfer_params=seq.kv_transfer_params_output if finished else None,
-            error=seq.error if finished else None, arrival_time=seq.arrive_time,
-            first_scheduled_time=seq.first_scheduled_time, first_token_time=seq.first_token_time,
-            finished_time=time.time() if finished else None)
+            seq.request_id, list(new_token_ids), new_logprobs, True, seq.finish_reason, seq.num_prompt_tokens,
+            seq.num_cached_tokens, kv_transfer_params=seq.kv_transfer_params_output, error=seq.error,
+            error_code=seq.error_code,
+            timing=(seq.arrive_time, seq.first_scheduled_time, seq.first_token_time, time.time()))
 
     # ------------------------------------------------------------------ utilities
 
@@ -238,114 +226,3 @@ class LLMEngine:
 
     def reset_prefix_cache(self) -> bool:
         return self.scheduler.reset_prefix_cache()
-
-
-# ---------------------------------------------------------------------- offline API
-
-class CompletionOutput(msgspec.Struct):
-    index: int
-    text: str
-    token_ids: list[int]
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    logprobs: list[Any] | None = None  # per token {"logprob": lp, "top": [[id, lp], ...]}
-
-
-class GenerationOutput(msgspec.Struct):
-    """One prompt's result from `LLM.generate` (vLLM's offline RequestOutput)."""
-
-    request_id: str
-    prompt: str | None
-    prompt_token_ids: list[int]
-    outputs: list[CompletionOutput]
-    finished: bool = True
-    num_cached_tokens: int = 0
-    error: str | None = None
-
-
-class LLM:
-    """Offline generation: `LLM(model=None, **engine_args).generate(prompts, sampling_params)`."""
-
-    def __init__(self, model: str | None = None, **engine_args: Any):
-        self._start(EngineConfig.from_kwargs(model=model, **engine_args))
-
-    @classmethod
-    def from_config(cls, config: EngineConfig) -> "LLM":
-        llm = cls.__new__(cls)
-        llm._start(config)
-        return llm
-
-    def _start(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
-        self._counter = 0
-
-    def get_tokenizer(self) -> Tokenizer:
-        return self.engine.tokenizer
-
-    def generate(self, prompts: str | dict | Iterable[str | dict],
-                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationOutput]:
-        if isinstance(prompts, (str, dict)):
-            prompts = [prompts]
-        prompts = list(prompts)
-        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
-        if len(params) != len(prompts):
-            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
-        requests: dict[str, tuple[str | None, Sequence]] = {}
-        try:
-            for prompt, sp in zip(prompts, params):
-                text, ids = self._prompt_ids(prompt)
-                request_id = f"offline-{self._counter}"
-                self._counter += 1
-                requests[request_id] = (text, self.engine.add_request(request_id, ids, sp))
-        except ValueError:  # a bad prompt: the batch is refused whole, the engine left clean
-            for request_id in requests:
-                self.engine.abort_request(request_id)
-            raise
-        return self._run(requests, use_tqdm and len(prompts) >= TQDM_MIN_PROMPTS)
-
-    def _prompt_ids(self, prompt: str | dict) -> tuple[str | None, list[int]]:
-        if isinstance(prompt, str):
-            return prompt, self.engine.tokenizer.encode(prompt)
-        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
-            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
-        if isinstance(prompt, dict) and "prompt" in prompt:
-            return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
-        raise ValueError("prompts: each prompt must be a string or a dict with prompt_token_ids")
-
-    def _run(self, requests: dict[str, tuple[str | None, Sequence]], progress: bool) -> list[GenerationOutput]:
-        logprobs: dict[str, list] = {r: [] for r in requests}
-        done: dict[str, GenerationOutput] = {}
-        bar = None
-        if progress:
-            from tqdm import tqdm
-
-            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
-        try:
-            while len(done) < len(requests):
-                for out in self.engine.step():
-                    if out.request_id not in requests:
-                        continue
-                    if out.new_logprobs:
-                        logprobs[out.request_id].extend(out.new_logprobs)
-                    if out.finished:
-                        prompt, seq = requests[out.request_id]
-                        done[out.request_id] = self._final(out, prompt, seq, logprobs[out.request_id])
-                        if bar is not None:
-                            bar.update(1)
-        finally:
-            if bar is not None:
-                bar.close()
-        return [done[r] for r in requests]
-
-    def _final(self, out: RequestOutput, prompt: str | None, seq: Sequence, logprobs: list) -> GenerationOutput:
-        token_ids = seq.completion_token_ids
-        text = self.engine.tokenizer.decode(token_ids)
-        stop = seq.stop_reason
-        if isinstance(stop, str):  # the text ends at the stop string (vLLM's rule)
-            i = text.find(stop)
-            if i >= 0:
-                text = text[:i + len(stop)] if seq.sampling_params.include_stop_str_in_output else text[:i]
-        completion = CompletionOutput(0, text, token_ids, out.finish_reason, stop, logprobs or None)
-        return GenerationOutput(out.request_id, prompt, seq.prompt_token_ids, [completion], True,
-                                out.num_cached_tokens, out.error)

@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from atomd.config import EngineConfig
-    from atomd.engine import LLM
+    from atomd.llm import LLM
     from scheduler.sequence import SamplingParams
 
     try:

@@ -89,6 +89,7 @@ class ServerMetrics:
         labels = (model_name, str(dp_rank))
         self.engine = EngineStatsCollector(labels)
         self.registry.register(self.engine)
+        self.registry.register(PrefillDelayerCollector(self.engine, model_name))
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS):
             return Histogram(f"atomd:{name}", doc, LABELS, buckets=buckets,
@@ -138,3 +139,36 @@ class ServerMetrics:
         if engine_stats is not None:
             self.engine.stats = engine_stats
         return generate_latest(self.registry)
+
+
+HOLD_TICK_BUCKETS = (0, 1, 2, 5, 10, 20, 30, 50, 100, 200)
+
+
+class PrefillDelayerCollector:
+    """`atomd:prefill_delayer_outcomes_total{policy,outcome,reason}` and the histogram
+    `atomd:prefill_delayer_hold_ticks` (ticks each admitted prefill was held), per dp_rank,
+    from the latest stats snapshot the server's EngineStatsCollector holds."""
+
+    def __init__(self, engine_stats: Any, model_name: str):
+        self.engine_stats, self.model_name = engine_stats, model_name
+
+    def collect(self):
+        labels = ["model_name", "dp_rank"]
+        outcomes = CounterMetricFamily("atomd:prefill_delayer_outcomes", "PrefillDelayer decisions.",
+                                       labels=labels + ["policy", "outcome", "reason"])
+        holds = HistogramMetricFamily("atomd:prefill_delayer_hold_ticks",
+                                      "Ticks an admitted prefill was held by the PrefillDelayer.", labels=labels)
+        stats = self.engine_stats.stats or {}
+        for rank_stats in stats.get("ranks", [stats]):
+            delayer = rank_stats.get("prefill_delayer")
+            if not delayer:
+                continue
+            lv = [self.model_name, str(rank_stats.get("dp_rank", 0))]
+            for policy, outcome, reason, n in delayer["outcomes"]:
+                outcomes.add_metric(lv + [policy, outcome, reason], n)
+            counts = dict(delayer["hold_ticks"])
+            buckets = [(str(b), sum(n for h, n in counts.items() if h <= b)) for b in HOLD_TICK_BUCKETS]
+            buckets.append(("+Inf", sum(counts.values())))
+            holds.add_metric(lv, buckets, sum_value=sum(h * n for h, n in counts.items()))
+        yield outcomes
+        yield holds

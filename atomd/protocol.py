@@ -60,8 +60,9 @@ class _SamplingFields(msgspec.Struct, kw_only=True):
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     include_stop_str_in_output: bool = False
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: dict[str, Any] | None = None  # parsed by validate_*_request
     user: str | None = None
+    data_parallel_rank: int | None = None  # vLLM's: pin the request to one DP rank
 
 
 class CompletionRequest(_SamplingFields, kw_only=True):
@@ -146,46 +147,55 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
     return out
 
 
-def _check_common(req: _SamplingFields) -> None:
+class Checked(msgspec.Struct):
+    """What validation derived from a request: the logprobs count (None: no logprobs) and
+    the parsed kv_transfer_params (parsed here once; the engine keeps this struct)."""
+
+    logprobs: int | None
+    kv_transfer_params: KVTransferParams | None
+
+
+def _check_common(req: _SamplingFields) -> KVTransferParams | None:
+    """Checks of the fields SamplingParams does not own (it checks the sampling ranges)."""
+    kv_params = None
     if req.kv_transfer_params is not None:
-        try:  # the engine gets the dict as sent; a malformed one never reaches it
-            KVTransferParams.from_json_obj(req.kv_transfer_params)
+        try:  # a malformed one never reaches the engine
+            kv_params = KVTransferParams.from_json_obj(req.kv_transfer_params)
         except ValueError as e:
             raise invalid("kv_transfer_params", str(e)) from None
     if req.n != 1:
         raise invalid("n", f"n={req.n} is not supported; only n=1")
-    if req.temperature is not None and req.temperature < 0:
-        raise invalid("temperature", f"temperature must be >= 0, got {req.temperature}")
-    if req.top_p is not None and not 0 < req.top_p <= 1:
-        raise invalid("top_p", f"top_p must be in (0, 1], got {req.top_p}")
-    if req.top_k is not None and req.top_k < -1:
-        raise invalid("top_k", f"top_k must be -1, 0 (off) or positive, got {req.top_k}")
-    if req.min_tokens < 0:
-        raise invalid("min_tokens", f"min_tokens must be >= 0, got {req.min_tokens}")
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise invalid(name, f"{name} is not supported; leave it at 0")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream=true")
+    return kv_params
 
 
-def completion_logprobs(req: CompletionRequest) -> int | None:
-    _check_common(req)
+def validate_completion_request(req: CompletionRequest) -> Checked:
+    """Every check of a /v1/completions body but the sampling ranges (`sampling_params`)
+    and the length policy (the server's, which needs the tokenized prompt)."""
+    kv_params = _check_common(req)
     if req.echo:
         raise invalid("echo", "echo is not supported")
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise invalid("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
-    return req.logprobs
+    check_max_tokens("max_tokens", req.max_tokens)
+    return Checked(req.logprobs, kv_params)
 
 
-def chat_logprobs(req: ChatCompletionRequest) -> int | None:
-    _check_common(req)
+def validate_chat_request(req: ChatCompletionRequest) -> Checked:
+    """As validate_completion_request, for /v1/chat/completions."""
+    kv_params = _check_common(req)
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise invalid("top_logprobs", "top_logprobs requires logprobs=true")
         if not 0 <= req.top_logprobs <= MAX_LOGPROBS:
             raise invalid("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
-    return (req.top_logprobs or 0) if req.logprobs else None
+    check_max_tokens("max_tokens", req.max_tokens)
+    check_max_tokens("max_completion_tokens", req.max_completion_tokens)
+    return Checked((req.top_logprobs or 0) if req.logprobs else None, kv_params)
 
 
 def check_max_tokens(param: str, value: int | None) -> None:

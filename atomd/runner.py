@@ -53,7 +53,7 @@ class ModelRunner:
                 meta.fresh_starts = torch.from_numpy(starts[fresh])
                 meta.fresh_lens = torch.from_numpy(num_sched[fresh])
         else:
-            self._decode_metadata(meta, batch.req_ids, tables, computed + num_sched)
+            self._decode_metadata(meta, batch.seq_ids, tables, computed + num_sched)
         if all_logits:
             logits_indices = torch.arange(int(ends[-1]))
         else:

@@ -2,7 +2,7 @@
 
 This process owns HTTP, the tokenizer (prompt encoding, chat templates, incremental
 detokenization, stop strings) and the metrics; the engine core process only sees token
-ids (atomd/core.py). Routes:
+ids (atomd/core.py, reached through atomd/core_client.py). Routes:
 
   POST /v1/completions, /v1/chat/completions   JSON or SSE (`stream: true`)
   GET  /v1/models
@@ -44,9 +44,11 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd import protocol as P
-from atomd.core import EngineDeadError, RequestStream, TokenDelta
-from atomd.dp import PrefillDelayerCollector, make_engine_client, requested_dp_rank
+from atomd.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
+from atomd.messages import RequestOutput
 from atomd.metrics import ServerMetrics
+from scheduler.sequence import ErrorCode
+from scheduler.stop import cut_at_stop
 
 logger = logging.getLogger("atomd.server")
 access_logger = logging.getLogger("atomd.access")
@@ -56,6 +58,10 @@ SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 OPEN_PATHS = ("/health", "/ready", "/metrics")
+RANK_HEADER = "X-data-parallel-rank"
+ERROR_STATUS = {ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
+                ErrorCode.UNSCHEDULABLE: (400, "invalid_request_error"),
+                ErrorCode.KV_TRANSFER_FAILED: (503, "service_unavailable")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +134,7 @@ def load_tokenizer(config: Any):
 class Server:
     def __init__(self, config: Any, args: argparse.Namespace):
         self.config, self.args = config, args
-        self.client = make_engine_client(config, on_abort_confirmed=self.on_abort_confirmed)  # N ranks
+        self.client: EngineClient = make_engine_client(config, on_abort_confirmed=self.on_abort_confirmed)
         self.model_name = args.served_model_name
         self.tokenizer = None
         self.metrics: ServerMetrics | None = None
@@ -153,7 +159,6 @@ class Server:
         self.model_name = self.model_name or ready.model_name
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
         self.metrics = ServerMetrics(self.model_name, self.config.data_parallel_rank)
-        self.metrics.registry.register(PrefillDelayerCollector(self.metrics.engine, self.model_name))
 
     def on_abort_confirmed(self) -> None:
         if self.metrics is not None:
@@ -296,19 +301,16 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         req = await self.read_request(request, P.CompletionRequest)
-        logprobs = P.completion_logprobs(req)
-        P.check_max_tokens("max_tokens", req.max_tokens)
+        checked = P.validate_completion_request(req)
         prompt = P.prompt_input(req.prompt)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
-        params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), logprobs)
-        out = CompletionOutput(self, f"cmpl-{uuid.uuid4().hex}", req, logprobs)
-        return await self.generate(request, req, ids, params, out)
+        params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked.logprobs)
+        out = CompletionRenderer(self, f"cmpl-{uuid.uuid4().hex}", req, checked.logprobs)
+        return await self.generate(request, req, checked, ids, params, out)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         req = await self.read_request(request, P.ChatCompletionRequest)
-        logprobs = P.chat_logprobs(req)
-        P.check_max_tokens("max_tokens", req.max_tokens)
-        P.check_max_tokens("max_completion_tokens", req.max_completion_tokens)
+        checked = P.validate_chat_request(req)
         messages = P.chat_messages(req)
         try:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
@@ -316,9 +318,9 @@ class Server:
             raise P.invalid("messages", f"chat template failed: {e}") from None
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
-        params = P.sampling_params(req, self.max_tokens(ids, requested, param, None), logprobs)
-        out = ChatOutput(self, f"chatcmpl-{uuid.uuid4().hex}", req, logprobs)
-        return await self.generate(request, req, ids, params, out)
+        params = P.sampling_params(req, self.max_tokens(ids, requested, param, None), checked.logprobs)
+        out = ChatRenderer(self, f"chatcmpl-{uuid.uuid4().hex}", req, checked.logprobs)
+        return await self.generate(request, req, checked, ids, params, out)
 
     def check_token_ids(self, ids: list[int]) -> list[int]:
         vocab = self.tokenizer.vocab_size
@@ -339,16 +341,30 @@ class Server:
                 f"{len(ids)} tokens and {param}={wanted} would need {len(ids) + wanted}"))
         return wanted
 
-    async def generate(self, request: web.Request, req, ids: list[int], params, out: "RequestOutputState"):
-        dp_rank = await requested_dp_rank(request, self.config.data_parallel_size)
-        stream = self.client.add_request(out.id, ids, params, req.kv_transfer_params, dp_rank=dp_rank)
+    def requested_dp_rank(self, request: web.Request, req) -> int | None:
+        """The rank a request asks for (body field first, then header), or None; a 400 when bad."""
+        rank = req.data_parallel_rank
+        if rank is None and RANK_HEADER in request.headers:
+            try:
+                rank = int(request.headers[RANK_HEADER])
+            except ValueError:
+                raise P.invalid("data_parallel_rank", f"{RANK_HEADER} must be an integer") from None
+        size = self.config.data_parallel_size
+        if rank is not None and not 0 <= rank < size:
+            raise P.invalid("data_parallel_rank", f"data_parallel_rank must be in [0, {size}), got {rank}")
+        return rank
+
+    async def generate(self, request: web.Request, req, checked: P.Checked, ids: list[int], params,
+                       out: "RequestRenderer"):
+        stream = self.client.add_request(out.id, ids, params, checked.kv_transfer_params,
+                                         dp_rank=self.requested_dp_rank(request, req))
         try:
             first = await stream.next_batch()
-            error = first[0].error
-            if error is not None:  # rejected by the scheduler or the engine, or a failed KV pull
-                if error.startswith("kv_transfer_failed"):
-                    raise P.APIError(503, error, type="service_unavailable", code="kv_transfer_failed")
-                raise P.APIError(400, error, code="unschedulable" if error.startswith("unschedulable") else None)
+            head = first[0]
+            if head.error is not None:  # refused or rejected by the engine, or a failed KV pull
+                status, kind = ERROR_STATUS.get(head.error_code, (500, "server_error"))
+                code = head.error_code.value if head.error_code is not None else None
+                raise P.APIError(status, head.error, type=kind, code=code)
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
             batch = first
@@ -361,7 +377,7 @@ class Server:
             self.client.abort(out.id)  # no-op once finished; frees the blocks of a gone client
 
     async def stream_response(self, request: web.Request, stream: RequestStream,
-                              batch: list[TokenDelta], out: "RequestOutputState") -> web.StreamResponse:
+                              batch: list[RequestOutput], out: "RequestRenderer") -> web.StreamResponse:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         try:
@@ -405,7 +421,7 @@ def error_response(e: P.APIError) -> web.Response:
 
 # ---------------------------------------------------------------- per-request output state
 
-class RequestOutputState:
+class RequestRenderer:
     """Accumulates one request's deltas: text (incremental, stop strings held back),
     logprobs, usage, metrics. Subclasses render the endpoint's JSON."""
 
@@ -427,7 +443,7 @@ class RequestOutputState:
         self.t_arrival = self.t_last = time.perf_counter()
         self.first_token_seen = False
 
-    def add(self, deltas: list[TokenDelta]) -> bytes | None:
+    def add(self, deltas: list[RequestOutput]) -> bytes | None:
         """Fold `deltas` in; return the stream chunk for the new text (None if nothing to say)."""
         n_lp = len(self.logprobs)
         start = self.emitted
@@ -451,7 +467,7 @@ class RequestOutputState:
             return None
         return self.chunk(new_text, self.logprobs[n_lp:], self.finish_reason if self.finished else None)
 
-    def observe(self, d: TokenDelta) -> None:
+    def observe(self, d: RequestOutput) -> None:
         self.num_prompt_tokens, self.num_cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
         now = time.perf_counter()
         if d.new_token_ids:
@@ -460,7 +476,7 @@ class RequestOutputState:
             self.metrics.on_tokens(len(d.new_token_ids), now - self.t_last if self.first_token_seen else None)
             self.first_token_seen, self.t_last = True, now
 
-    def finish(self, reason: str | None, d: TokenDelta | None) -> None:
+    def finish(self, reason: str | None, d: RequestOutput | None) -> None:
         """The engine finished the request (`d`), or its text hit a stop string first."""
         if self.finished:
             return
@@ -473,11 +489,9 @@ class RequestOutputState:
         text of the token that completed it may run past it."""
         if not self.stops:
             return
-        search_from = max(0, self.emitted - self.hold)
-        hits = [(i, s) for s in self.stops if (i := self.text.find(s, search_from)) >= 0]
-        if hits:
-            i, s = min(hits)
-            self.text = self.text[:i + len(s) if self.req.include_stop_str_in_output else i]
+        # text up to `emitted` was searched before (the last `hold` characters are held back)
+        self.text, stop = cut_at_stop(self.text, self.stops, self.req.include_stop_str_in_output, self.emitted)
+        if stop is not None:
             self.finish("stop", None)
 
     def usage(self) -> P.Usage:
@@ -495,7 +509,7 @@ class RequestOutputState:
         return []
 
 
-class CompletionOutput(RequestOutputState):
+class CompletionRenderer(RequestRenderer):
     def logprobs_block(self, items: list[tuple[int, dict]], offset: int) -> P.CompletionLogprobs:
         tokens, lps, tops, offsets = [], [], [], []
         for tid, entry in items:
@@ -528,7 +542,7 @@ class CompletionOutput(RequestOutputState):
                                                          usage=self.usage()))]
 
 
-class ChatOutput(RequestOutputState):
+class ChatRenderer(RequestRenderer):
     def logprobs_block(self, items: list[tuple[int, dict]]) -> P.ChatLogprobs:
         def entry_of(tid: int, lp: float) -> tuple[str, float, list[int]]:
             text = self.token_text(tid)

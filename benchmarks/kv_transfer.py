@@ -11,7 +11,7 @@ run, so the ratios hold even where absolute numbers are noisy:
            "+ copy" also copies each frame into D's buffer, as any pull must.
   memcpy   numpy copy of the same bytes from P's buffer into D's.
 
-    .venv/bin/python benchmarks/kv_transfer.py [--num-layers 6 --num-kv-heads 4 --head-dim 32]
+    .venv/bin/python -m benchmarks.kv_transfer [--num-layers 6 --num-kv-heads 4 --head-dim 32]
 """
 from __future__ import annotations
 
@@ -20,16 +20,14 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import threading
 import time
 
 import numpy as np
 import zmq
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from kv_transfer.params import compat_fingerprint, new_access_token, new_transfer_id  # noqa: E402
-from kv_transfer.zmq_transport import DEFAULT_MAX_MESSAGE_BYTES, KVReceiver, KVSender, plan_messages  # noqa: E402
+from kv_transfer.params import compat_fingerprint, new_access_token, new_transfer_id
+from kv_transfer.zmq_transport import DEFAULT_MAX_MESSAGE_BYTES, KVReceiver, KVSender, plan_messages
 
 
 def raw_zmq_server(sock: zmq.Socket, kv: np.ndarray, blocks_per_message: int, stop: threading.Event) -> None:
@@ -193,7 +191,7 @@ def write_report(args: argparse.Namespace, block_bytes: int, rows: list[tuple]) 
         "and the two I/O threads, where raw ZMQ is one request on the calling thread. Large transfers are",
         "bandwidth-bound and pay the one copy into D's blocks; compare those with raw ZMQ + copy.",
         "",
-        f"Command: `.venv/bin/python benchmarks/kv_transfer.py --num-layers {args.num_layers} --num-kv-heads "
+        f"Command: `.venv/bin/python -m benchmarks.kv_transfer --num-layers {args.num_layers} --num-kv-heads "
         f"{args.num_kv_heads} --head-dim {args.head_dim} --sizes {args.sizes} --cache-gib {args.cache_gib:g} "
         f"--repeats {args.repeats}`",
         "",

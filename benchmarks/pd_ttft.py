@@ -16,14 +16,16 @@ from __future__ import annotations
 import argparse
 import http.client as httplib
 import json
+import os
 import statistics
 import time
 import uuid
 
 import numpy as np
 
-from tests.pd_fixtures import RouterProcess, metric
-from tests.server_fixtures import ServerProcess, http, model_dir
+from atomd.model.default import default_model_dir
+from benchmarks.pd_vs_colocated import scrape, total
+from launch.process import EngineServer, RouterServer, http
 
 ENGINE_ARGS = ["--max-model-len", "2048", "--num-threads", "1", "--max-num-seqs", "16"]
 
@@ -59,9 +61,9 @@ def one_length(ref, p, d, router, n: int, reps: int, rng) -> dict[str, float]:
         rows["prefill leg"].append(time.perf_counter() - t0)
         assert status == 200, raw
         params = json.loads(raw)["kv_transfer_params"]
-        before = metric(d, "atomd:kv_transfer_seconds_sum")
+        before = total(scrape(d.url), "atomd:kv_transfer_seconds_sum")
         rows["decode leg"].append(first_event_s(d.url, dict(body, prompt=prompt, kv_transfer_params=params)))
-        rows["transfer"].append(metric(d, "atomd:kv_transfer_seconds_sum") - before)
+        rows["transfer"].append(total(scrape(d.url), "atomd:kv_transfer_seconds_sum") - before)
     return {k: statistics.median(v) for k, v in rows.items()}
 
 
@@ -70,13 +72,13 @@ def main() -> None:
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 256, 1024])
     ap.add_argument("--reps", type=int, default=5)
     args = ap.parse_args()
-    model = model_dir()
-    engines = [ServerProcess(model, *flags, engine_args=ENGINE_ARGS)
+    model = default_model_dir()
+    engines = [EngineServer(model, *ENGINE_ARGS, *flags, log=os.devnull)
                for flags in ([], ["--kv-role", "producer"], ["--kv-role", "consumer"])]
     router = None
     try:
         ref, p, d = (e.wait_ready() for e in engines)
-        router = RouterProcess([p.url], [d.url]).wait_ready()
+        router = RouterServer([p.url], [d.url], "--health-interval-s", "0.5", log=os.devnull).wait_ready()
         rng = np.random.default_rng(0)
         one_length(ref, p, d, router, 16, 2, rng)  # warm-up: first forwards, connections
         print("| prompt tokens | colocated TTFT ms | router TTFT ms | prefill leg ms | decode leg ms "

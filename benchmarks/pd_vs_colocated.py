@@ -12,7 +12,7 @@ each request rate; its result JSON gives TTFT/ITL p99, output throughput and goo
 an SLO. The router's `decision_total` is read from its /metrics around each run: a PD run
 where D recomputed prompts (decision="decode_without_kv") is flagged, not reported as PD.
 
-    .venv/bin/python benchmarks/pd_vs_colocated.py --rates 4 8 12 --num-prompts 40
+    .venv/bin/python -m benchmarks.pd_vs_colocated --rates 4 8 12 --num-prompts 40
 """
 from __future__ import annotations
 
@@ -26,30 +26,16 @@ import subprocess
 import sys
 import urllib.request
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from atomd.model.default import default_model_dir
+from launch.process import EngineServer, RouterServer
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from tests.conftest import free_port  # noqa: E402
-from tests.server_fixtures import ServerProcess, model_dir  # noqa: E402
-
 ENGINE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "64"]
 
 
-class RouterProcess(ServerProcess):
-    """`python -m router` in front of one prefill and one decode engine; /ready once both are in."""
-
-    def __init__(self, prefill_url: str, decode_url: str, log_path: pathlib.Path | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--prefill", prefill_url, "--decode", decode_url, "--health-interval-s", "0.5"]
-        self.log = open(log_path or os.devnull, "wb")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
-
-
-def pin_engine(server: ServerProcess, cpus: set[int]) -> None:
+def pin_engine(server: EngineServer, cpus: set[int]) -> None:
     """Pin every thread of the server's engine core (affinity is per thread on Linux)."""
     pid = server.engine_pid()
     for tid in os.listdir(f"/proc/{pid}/task"):
@@ -82,24 +68,17 @@ def bench(url: str, out: pathlib.Path, args, rate: float | str, num_prompts: int
     return json.loads(out.read_text())
 
 
-def engine_cores(server: ServerProcess) -> list[int]:
-    """The server's engine-core children (not multiprocessing's resource tracker)."""
-    pid = server.proc.pid
-    children = pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split()
-    return [int(c) for c in children if b"resource_tracker" not in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
-
-
 @contextlib.contextmanager
 def colocated(name: str, threads: int, dp: int, logs: pathlib.Path, extra: tuple[str, ...] = ()):
     """One server with `dp` engine cores of `threads` torch threads, on every core.
     Yields (url, {role: metrics url})."""
-    srv = ServerProcess(model_dir(), "--data-parallel-size", str(dp), *extra,
-                        engine_args=[*ENGINE_ARGS, "--num-threads", str(threads)], log_path=logs / f"{name}.log")
+    srv = EngineServer(default_model_dir(), *ENGINE_ARGS, "--num-threads", str(threads), "--data-parallel-size",
+                       str(dp), *extra, log=logs / f"{name}.log", cwd=REPO)
     try:
         srv.wait_ready()
-        if len(engine_cores(srv)) != dp:  # the flag parses before the server spawns the ranks
+        if len(srv.engine_pids()) != dp:  # the flag parses before the server spawns the ranks
             raise RuntimeError(f"{name}: atomd serve --data-parallel-size {dp} runs "
-                               f"{len(engine_cores(srv))} engine core(s)")
+                               f"{len(srv.engine_pids())} engine core(s)")
         yield srv.url, {"engine": srv.url}
     finally:
         srv.stop()
@@ -108,17 +87,17 @@ def colocated(name: str, threads: int, dp: int, logs: pathlib.Path, extra: tuple
 @contextlib.contextmanager
 def disaggregated(extra: list[str], logs: pathlib.Path, pin: bool, name: str = "pd"):
     """P (core 0) and D (core 1), one torch thread each, behind the router."""
-    started: list[ServerProcess] = []
+    started: list[EngineServer | RouterServer] = []
     try:
         for role in ("producer", "consumer"):
-            started.append(ServerProcess(model_dir(), "--kv-role", role, *extra,
-                                         engine_args=[*ENGINE_ARGS, "--num-threads", "1"],
-                                         log_path=logs / f"{name}-{role}.log"))
+            started.append(EngineServer(default_model_dir(), *ENGINE_ARGS, "--num-threads", "1", "--kv-role", role,
+                                        *extra, log=logs / f"{name}-{role}.log", cwd=REPO))
         p, d = (s.wait_ready() for s in started)
         if pin:
             pin_engine(p, {0})
             pin_engine(d, {1 % os.cpu_count()})
-        router = RouterProcess(p.url, d.url, log_path=logs / f"{name}-router.log")
+        router = RouterServer([p.url], [d.url], "--health-interval-s", "0.5", log=logs / f"{name}-router.log",
+                              cwd=REPO)
         started.append(router)
         router.wait_ready()
         yield router.url, {"prefill": p.url, "decode": d.url, "router": router.url}

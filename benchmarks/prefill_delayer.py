@@ -10,7 +10,7 @@ forces, so a prefill on one rank stalls the other rank's decode: the cost the de
 Modes are interleaved per round; the table reports each mode and its ratio to `off` in the
 same round, plus the delayer's decisions from /metrics.
 
-    .venv/bin/python benchmarks/prefill_delayer.py --rounds 1
+    .venv/bin/python -m benchmarks.prefill_delayer --rounds 1
 """
 from __future__ import annotations
 
@@ -22,12 +22,12 @@ import sys
 import tempfile
 from collections import Counter
 
+from prometheus_client.parser import text_string_to_metric_families
+
+from atomd.model.default import default_model_dir
+from launch.process import EngineServer, http
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-
-from tests.server_fixtures import ServerProcess, http, model_dir  # noqa: E402
 
 MODES = ("off", "align", "coalesce")
 KEYS = (("output_throughput", "out tok/s"), ("median_ttft_ms", "TTFT p50 ms"), ("p99_ttft_ms", "TTFT p99 ms"),
@@ -50,7 +50,7 @@ def run_mode(mode: str, args: argparse.Namespace, work: pathlib.Path, rnd: int) 
     # a pool the load fills past the delayer's 10% low watermark, as a loaded GPU server would
     engine = ["--max-model-len", "1024", "--num-threads", "1", "--max-num-seqs", "64", "--num-kvcache-blocks", "512",
               "--data-parallel-size", "2", "--dp-lockstep", "--prefill-delayer", mode]
-    server = ServerProcess(model_dir(), engine_args=engine, log_path=work / f"{mode}-{rnd}.log")
+    server = EngineServer(default_model_dir(), *engine, log=work / f"{mode}-{rnd}.log", cwd=REPO)
     try:
         server.wait_ready()
         result_path = work / f"{mode}-{rnd}.json"

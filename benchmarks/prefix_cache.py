@@ -9,7 +9,7 @@ benchmarks/pd_vs_colocated.py, whose helpers this reuses): one colocated engine 
 hit rate, and in PD the KV bytes P sent to D (`kv_transfer_bytes_total`), which D's own
 prefix hits should cut to the per-user suffix.
 
-    .venv/bin/python benchmarks/prefix_cache.py --rates 8 --num-prompts 40
+    .venv/bin/python -m benchmarks.prefix_cache --rates 8 --num-prompts 40
 """
 from __future__ import annotations
 
@@ -19,10 +19,7 @@ import pathlib
 import signal
 import sys
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from benchmarks.pd_vs_colocated import colocated, disaggregated, run_all  # noqa: E402
+from benchmarks.pd_vs_colocated import colocated, disaggregated, run_all
 
 NO_CACHE = "--no-enable-prefix-caching"
 

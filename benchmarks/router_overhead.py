@@ -1,6 +1,6 @@
 """What the router costs: added latency at concurrency 1 and throughput at concurrency 64.
 
-Zero-delay fake engines (tests/fake_workers.py, one process) stand in for P and D, so every
+Zero-delay fake engines (benchmarks/fake_engine.py, one process) stand in for P and D, so every
 millisecond measured is HTTP and relay work. In one run, with the same load generator:
 
   direct D     the client calls the fake decode worker itself (one leg, the floor)
@@ -8,7 +8,7 @@ millisecond measured is HTTP and relay work. In one run, with the same load gene
   router       the client calls `python -m router` (its own process), which runs both legs
 
 Reported: p50/p99 latency at c=1, req/s at c=64, for streamed (SSE, 4 tokens) and
-non-streamed completions. Run: `.venv/bin/python benchmarks/router_overhead.py`.
+non-streamed completions. Run: `.venv/bin/python -m benchmarks.router_overhead`.
 """
 from __future__ import annotations
 
@@ -17,18 +17,16 @@ import asyncio
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import time
 
 import aiohttp
 import uvloop
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, ROOT)
+from benchmarks.fake_engine import FakeEngine
+from launch.process import RouterServer, ServerProcess, free_port
 
-from tests.conftest import free_port  # noqa: E402
-from tests.fake_workers import FakeEngine  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BODY = {"model": "fake-model", "prompt": "the quick brown fox jumps", "max_tokens": 4}
 
@@ -114,35 +112,20 @@ async def throughput(target: Target, stream: bool, concurrency: int, seconds: fl
         return done / (time.perf_counter() - started), done
 
 
-async def wait_ready(url: str, timeout_s: float = 30) -> None:
-    deadline = time.monotonic() + timeout_s
-    async with aiohttp.ClientSession() as s:
-        while True:
-            try:
-                async with s.get(url) as r:
-                    if r.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{url} never became ready")
-            await asyncio.sleep(0.05)
-
-
 def pct(xs: list[float], q: float) -> float:
     return statistics.quantiles(xs, n=100)[q - 1] * 1e3
 
 
 async def bench(args) -> None:
-    p_port, d_port, r_port = free_port(), free_port(), free_port()
-    py = sys.executable
-    fakes = subprocess.Popen([py, __file__, "--serve-fakes", str(p_port), str(d_port)], cwd=ROOT)
-    router = subprocess.Popen([py, "-m", "router", "--port", str(r_port), "--prefill", f"http://127.0.0.1:{p_port}",
-                               "--decode", f"http://127.0.0.1:{d_port}"], cwd=ROOT, stdout=subprocess.DEVNULL)
+    p_port, d_port = free_port(), free_port()
+    p_url, d_url = f"http://127.0.0.1:{p_port}", f"http://127.0.0.1:{d_port}"
+    fakes = ServerProcess([sys.executable, "-m", "benchmarks.router_overhead", "--serve-fakes", str(p_port),
+                           str(d_port)], d_url, "fake engines", cwd=ROOT)
+    router = RouterServer([p_url], [d_url], log=os.devnull, cwd=ROOT)
     try:
-        await wait_ready(f"http://127.0.0.1:{d_port}/health")
-        await wait_ready(f"http://127.0.0.1:{r_port}/ready")
-        p, d, r = (f"http://127.0.0.1:{x}/v1/completions" for x in (p_port, d_port, r_port))
+        fakes.wait_ready(30, path="/health")
+        router.wait_ready(30)
+        p, d, r = (u + "/v1/completions" for u in (p_url, d_url, router.url))
         targets = [Target("direct D", [(d, decode_leg)]),
                    Target("direct P+D", [(p, prefill_leg), (d, decode_leg)]),
                    Target("router", [(r, client_body)])]
@@ -168,8 +151,7 @@ async def bench(args) -> None:
               f"aiohttp {aiohttp.__version__}, uvloop {uvloop.__version__}")
     finally:
         for proc in (router, fakes):
-            proc.terminate()
-            proc.wait(10)
+            proc.stop(10)
 
 
 def main() -> None:

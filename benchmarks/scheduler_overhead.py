@@ -1,6 +1,6 @@
 """Scheduler overhead: CPU time of schedule() + postprocess() per engine step, no model.
 
-    .venv/bin/python benchmarks/scheduler_overhead.py [--steps 200] [--seqs 256]
+    .venv/bin/python -m benchmarks.scheduler_overhead [--steps 200] [--seqs 256]
 
 Cases: a steady decode step with N running sequences (prefix caching on and off, and
 with 2 speculative tokens), and a burst of 64 prompts admitted through chunked prefill.

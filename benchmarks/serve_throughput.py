@@ -10,7 +10,7 @@ ratio (target >= 0.9); output tokens per CPU second (server = API + engine core)
 a shared machine's neighbours disturb less than wall time; and the CPU seconds of the API
 process, the engine core and this client during the HTTP run.
 
-    .venv/bin/python benchmarks/serve_throughput.py --num-threads 1 --rounds 5
+    .venv/bin/python -m benchmarks.serve_throughput --num-threads 1 --rounds 5
 """
 from __future__ import annotations
 
@@ -26,10 +26,7 @@ import time
 
 import aiohttp
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from tests.server_fixtures import ServerProcess  # noqa: E402
+from launch.process import EngineServer
 
 
 def cpu_seconds(pid: int) -> float:
@@ -83,8 +80,8 @@ async def http_load(url: str, prompts, output_len: int, stream: bool = True) -> 
 
 def run_http(args, prompts) -> dict[str, dict]:
     """One server, the load twice: streamed (SSE) and plain JSON."""
-    server = ServerProcess(args.model, engine_args=["--max-model-len", str(args.max_model_len), "--max-num-seqs",
-                                                    str(len(prompts)), "--num-threads", str(args.num_threads)])
+    server = EngineServer(args.model, "--max-model-len", str(args.max_model_len), "--max-num-seqs", str(len(prompts)),
+                          "--num-threads", str(args.num_threads), log=os.devnull)
     try:
         server.wait_ready(600)
         asyncio.run(http_load(server.url, prompts[:1], 4))  # warm-up

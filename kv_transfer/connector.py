@@ -9,14 +9,17 @@ Scheduler side (`KVConnectorScheduler`, called by `scheduler.Scheduler`):
                                    parks the sequence in WAITING_FOR_REMOTE_KVS after its
                                    blocks are allocated; its KV arrives later.
   update_state_after_alloc(seq)    blocks are allocated (seq.block_table; the first
-                                   seq.num_cached_tokens // block_size are local hits).
+                                   seq.num_computed_tokens // block_size are local hits).
                                    Called again if a preempted sequence is re-admitted.
   build_connector_meta()           -> KVConnectorMetadata for this step's worker side.
-  request_finished(seq)            -> response kv_transfer_params or None. Called exactly
-                                   once per sequence that finished (stop, length, failed
-                                   pull). On a producer, a dict means "the blocks are being
-                                   served": the scheduler defers their free until the
-                                   worker reports finished_sending for the sequence.
+  request_finished(seq)            -> (delay_free, params). Called exactly once per sequence
+                                   that finished (stop, length, failed pull). `params`: the
+                                   response's kv_transfer_params (or None). `delay_free`:
+                                   the blocks are being served, so the scheduler keeps them
+                                   until the worker reports finished_sending for the sequence.
+  remote_prefill(seq)              -> RemotePrefill: what came with a pull that landed (P's
+                                   first token, its logprobs, drafts, P's prefix hit); the
+                                   scheduler asks once, when it promotes the sequence.
   request_aborted(seq)             the client went away (waiting, running, parked or
                                    deferred). Stop any transfer, then report the sequence
                                    in finished_recving/failed_recving (consumer) or
@@ -46,9 +49,12 @@ knows, is harmless: the scheduler ignores it and never frees a block twice.
 from __future__ import annotations
 
 import abc
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
+
+if TYPE_CHECKING:  # the sequence type, for annotations only
+    from scheduler.sequence import Sequence
 
 
 class KVConnectorOutput(msgspec.Struct):
@@ -60,23 +66,35 @@ class KVConnectorOutput(msgspec.Struct):
 
 
 class KVConnectorConfig(msgspec.Struct, kw_only=True):
-    """What any connector needs from its engine (built by atomd from EngineConfig)."""
+    """What any connector needs from its engine; atomd builds it from EngineConfig, which
+    holds every default (no defaults here, so there is one place per default)."""
 
     block_size: int
     compat: dict[str, Any]  # this engine's fingerprint (kv_transfer.params.compat_fingerprint)
-    side_channel_host: str = "127.0.0.1"
-    side_channel_port: int = 0  # 0: any free port (advertised in kv_transfer_params)
-    lease_s: float = 30.0
-    recv_timeout_s: float = 10.0
-    load_failure_policy: str = "fail"  # or "recompute"
-    dp_rank: int = 0
+    side_channel_host: str
+    side_channel_port: int  # 0: any free port (advertised in kv_transfer_params)
+    lease_s: float
+    recv_timeout_s: float
+    load_failure_policy: str  # "fail" or "recompute"
+    dp_rank: int
+
+
+class RemotePrefill(msgspec.Struct, frozen=True):
+    """What a consumer's landed pull brings besides the KV (from P's kv_transfer_params)."""
+
+    first_token_id: int | None = None  # None: D samples T0 itself from the last position
+    first_token_logprobs: dict[str, Any] | None = None
+    draft_token_ids: list[int] = []
+    num_cached_tokens: int = 0  # P's prefix-cache hit: the usage's cached_tokens
 
 
 class KVConnectorMetadata:
     """What the scheduler side tells the worker side for one step (subclass per connector).
 
     The scheduler hands an otherwise empty batch to the engine only to carry metadata
-    that `is_empty()` says is not empty, so a parked sequence's pull always starts.
+    that `is_empty()` says is not empty, so a parked sequence's pull always starts. The
+    default answer is the safe one: "not empty" costs one empty engine pass, while a wrong
+    "empty" would leave a pull unstarted and its request parked until it times out.
     """
 
     def is_empty(self) -> bool:
@@ -91,24 +109,27 @@ class KVConnectorScheduler(abc.ABC):
     def is_producer(self) -> bool: ...
 
     @abc.abstractmethod
-    def get_num_new_matched_tokens(self, seq) -> tuple[int, bool]: ...
+    def get_num_new_matched_tokens(self, seq: Sequence) -> tuple[int, bool]: ...
 
     @abc.abstractmethod
-    def update_state_after_alloc(self, seq) -> None: ...
+    def update_state_after_alloc(self, seq: Sequence) -> None: ...
 
     @abc.abstractmethod
     def build_connector_meta(self) -> KVConnectorMetadata: ...
 
     @abc.abstractmethod
-    def request_finished(self, seq) -> dict[str, Any] | None: ...
+    def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]: ...
 
     @abc.abstractmethod
-    def request_aborted(self, seq) -> None: ...
+    def request_aborted(self, seq: Sequence) -> None: ...
 
-    def recv_failure_policy(self, seq) -> str:
+    def remote_prefill(self, seq: Sequence) -> RemotePrefill:
+        return RemotePrefill()
+
+    def recv_failure_policy(self, seq: Sequence) -> str:
         return "fail"
 
-    def request_added(self, seq) -> None:
+    def request_added(self, seq: Sequence) -> None:
         pass
 
     def stats(self) -> dict[str, Any]:
@@ -135,26 +156,3 @@ class KVConnectorWorker(abc.ABC):
 
     @abc.abstractmethod
     def close(self) -> None: ...
-
-
-_REGISTRY: dict[str, Any] = {}
-_BUILTIN = {"zmq": "kv_transfer.zmq_connector:create_zmq_connector"}  # imported on first use
-
-
-def register_connector(name: str, factory) -> None:
-    """`factory(role, config) -> (KVConnectorScheduler, KVConnectorWorker)`."""
-    _REGISTRY[name] = factory
-
-
-def create_connector(name: str, role: str, config) -> tuple[KVConnectorScheduler, KVConnectorWorker]:
-    """Both halves of the connector registered as `name` (e.g. "zmq", "mooncake")."""
-    if role not in ("producer", "consumer", "both"):
-        raise ValueError(f"kv_role must be producer, consumer or both, got {role!r}")
-    if name not in _REGISTRY and name in _BUILTIN:
-        import importlib
-
-        module, factory = _BUILTIN[name].split(":")
-        register_connector(name, getattr(importlib.import_module(module), factory))
-    if name not in _REGISTRY:
-        raise ValueError(f"kv_transfer_backend {name!r} is not registered; known: {sorted(_REGISTRY)}")
-    return _REGISTRY[name](role, config)

@@ -10,7 +10,7 @@ revoke (the router's POST /kv_transfer/abort) or lease expiry, exactly one of th
 Consumer (D): a `do_remote_prefill` request is checked against its own prompt (length,
 block count: else a 400) and its transfer held from arrival, so heartbeats keep P's lease
 alive while it queues. On admission it is parked with all its prompt blocks allocated; its
-own prefix hit (the first `num_cached_tokens // block_size` blocks) is kept and only the
+own prefix hit (the first `num_computed_tokens // block_size` blocks) is kept and only the
 rest is pulled, after the compat fingerprint is checked (a mismatch fails the load before
 any byte moves and ABORTs at P). The receiver reports every pull exactly once, finished or
 failed, and only then are the blocks reused (an abort stops the writes first).
@@ -21,18 +21,22 @@ same engine thread); `create_zmq_connector` is the factory registered as "zmq".
 from __future__ import annotations
 
 import bisect
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 
+if TYPE_CHECKING:
+    from scheduler.sequence import Sequence
+
 from kv_transfer.connector import (KVConnectorConfig, KVConnectorMetadata, KVConnectorOutput,
-                                   KVConnectorScheduler, KVConnectorWorker)
+                                   KVConnectorScheduler, KVConnectorWorker, RemotePrefill)
 from kv_transfer.params import KVTransferParams, compat_mismatch, new_access_token, new_transfer_id
 from kv_transfer.zmq_transport import ABORTED, KVReceiver, KVSender
 
 # kv_transfer_seconds histogram (loopback moves a few GB/s: most pulls take milliseconds)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 COMPAT_REFUSED = "compat_mismatch"
+NO_PARAMS = KVTransferParams()
 
 
 class _Load(msgspec.Struct):
@@ -81,21 +85,21 @@ class _ZmqConnector(KVConnectorScheduler, KVConnectorWorker):
     def num_prompt_blocks(self, seq) -> int:
         return -(-seq.num_prompt_tokens // self.block_size)
 
-    def params_of(self, seq) -> dict[str, Any]:
-        return seq.kv_transfer_params or {}
+    def params_of(self, seq: Sequence) -> KVTransferParams:
+        return seq.kv_transfer_params or NO_PARAMS
 
     # defaults of the half a role does not use
-    def get_num_new_matched_tokens(self, seq) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, seq: Sequence) -> tuple[int, bool]:
         return 0, False
 
-    def update_state_after_alloc(self, seq) -> None:
+    def update_state_after_alloc(self, seq: Sequence) -> None:
         pass
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         return ZmqConnectorMeta([])
 
-    def request_finished(self, seq) -> dict[str, Any] | None:
-        return None
+    def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
         pass
@@ -123,29 +127,31 @@ class ZmqProducer(_ZmqConnector):
         self.sender = KVSender(buffer, self.config.compat, self.config.side_channel_host,
                                self.config.side_channel_port)
 
-    def request_finished(self, seq) -> dict[str, Any] | None:
+    def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]:
+        """(True, params D pulls with) for a finished remote-decode prompt, whose blocks then
+        stay pinned until the transfer is released; else (False, None)."""
         params = self.params_of(seq)
-        if not params.get("do_remote_decode") or not seq.block_table or seq.error or not seq.completion_token_ids:
-            return None
-        transfer_id = params.get("transfer_id") or new_transfer_id()
+        if not params.do_remote_decode or not seq.block_table or seq.error or not seq.completion_token_ids:
+            return False, None
+        transfer_id = params.transfer_id or new_transfer_id()
         block_ids = list(seq.block_table[:self.num_prompt_blocks(seq)])
         token, lease_s = new_access_token(), self.config.lease_s
         try:
             self.sender.grant(transfer_id, block_ids, token, lease_s)
         except ValueError:  # a transfer_id seen before: serve nothing rather than the wrong blocks
-            return None
+            return False, None
         self.seq_of_transfer[transfer_id] = seq.id
         host, port = self.sender.address
-        return KVTransferParams(
+        return True, KVTransferParams(
             do_remote_prefill=True, transfer_id=transfer_id, remote_engine_id=self.sender.engine_id,
             remote_host=host, remote_port=port, remote_block_ids=block_ids,
             num_prompt_tokens=seq.num_prompt_tokens, first_token_id=seq.completion_token_ids[0],
             first_token_logprobs=seq.logprobs[0] if seq.logprobs else None,
-            prefix_cache_hit_tokens=seq.prefix_cache_hit_tokens, access_token=token, lease_s=lease_s,
+            prefix_cache_hit_tokens=seq.num_cached_tokens, access_token=token, lease_s=lease_s,
             compat=self.config.compat, dp_rank=self.config.dp_rank).to_json_obj()
 
-    def request_aborted(self, seq) -> None:
-        transfer_id = self.params_of(seq).get("transfer_id")
+    def request_aborted(self, seq: Sequence) -> None:
+        transfer_id = self.params_of(seq).transfer_id
         if transfer_id in self.seq_of_transfer:
             self.sender.revoke(transfer_id)  # reported by take_released(), then freed
 
@@ -194,14 +200,14 @@ class ZmqConsumer(_ZmqConnector):
     def register_kv_caches(self, buffer) -> None:
         self.receiver = KVReceiver(buffer, self.config.compat)
 
-    def is_remote(self, seq) -> bool:
-        return bool(self.params_of(seq).get("do_remote_prefill"))
+    def is_remote(self, seq: Sequence) -> bool:
+        return self.params_of(seq).do_remote_prefill
 
-    def request_added(self, seq) -> None:
+    def request_added(self, seq: Sequence) -> None:
         """Check the params against this prompt, then heartbeat P while `seq` queues here."""
         if not self.is_remote(seq):
             return
-        p = KVTransferParams.from_json_obj(seq.kv_transfer_params)
+        p = seq.kv_transfer_params
         if p.num_prompt_tokens != seq.num_prompt_tokens:
             raise ValueError(f"kv_transfer_params.num_prompt_tokens={p.num_prompt_tokens} but this engine's "
                              f"prompt has {seq.num_prompt_tokens} tokens (different tokenizer or template?)")
@@ -217,21 +223,26 @@ class ZmqConsumer(_ZmqConnector):
             raise ValueError(f"kv_transfer_params.transfer_id {p.transfer_id!r} is already in use here") from None
         self.seq_of_transfer[p.transfer_id] = seq.id
 
-    def get_num_new_matched_tokens(self, seq) -> tuple[int, bool]:
+    def get_num_new_matched_tokens(self, seq: Sequence) -> tuple[int, bool]:
         if not self.is_remote(seq):
             return 0, False
         return seq.num_prompt_tokens, True
 
-    def update_state_after_alloc(self, seq) -> None:
+    def update_state_after_alloc(self, seq: Sequence) -> None:
         if not self.is_remote(seq):
             return
         p = self.params_of(seq)
-        first = seq.num_cached_tokens // self.block_size  # D's own prefix hit stays
+        first = seq.num_computed_tokens // self.block_size  # D's own prefix hit stays
         last = self.num_prompt_blocks(seq)
         self._to_load.append(_Load(
-            seq.id, p["transfer_id"], p["remote_host"], int(p["remote_port"]), p["access_token"],
-            list(p["remote_block_ids"][first:last]), list(seq.block_table[first:last]),
-            compat_mismatch(self.config.compat, p.get("compat"))))
+            seq.id, p.transfer_id, p.remote_host, p.remote_port, p.access_token,
+            list(p.remote_block_ids[first:last]), list(seq.block_table[first:last]),
+            compat_mismatch(self.config.compat, p.compat)))
+
+    def remote_prefill(self, seq: Sequence) -> RemotePrefill:
+        p = self.params_of(seq)
+        return RemotePrefill(first_token_id=p.first_token_id, first_token_logprobs=p.first_token_logprobs,
+                             draft_token_ids=list(p.draft_token_ids), num_cached_tokens=p.prefix_cache_hit_tokens)
 
     def build_connector_meta(self) -> KVConnectorMetadata:
         loads, self._to_load = self._to_load, []
@@ -258,13 +269,13 @@ class ZmqConsumer(_ZmqConnector):
         if self.seq_of_transfer.pop(transfer_id, None) is not None:
             self.receiver.abort(transfer_id)
 
-    def request_finished(self, seq) -> dict[str, Any] | None:
+    def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]:
         """Rejected while still holding P's blocks (e.g. unschedulable): free them on P."""
-        self._release_hold(self.params_of(seq).get("transfer_id"))
-        return None
+        self._release_hold(self.params_of(seq).transfer_id)
+        return False, None
 
-    def request_aborted(self, seq) -> None:
-        transfer_id = self.params_of(seq).get("transfer_id")
+    def request_aborted(self, seq: Sequence) -> None:
+        transfer_id = self.params_of(seq).transfer_id
         if self.seq_of_transfer.get(transfer_id) == seq.id:
             self._aborted.add(seq.id)
             self.receiver.abort(transfer_id)  # reported failed ("aborted") by take_finished()
@@ -295,7 +306,7 @@ class ZmqConsumer(_ZmqConnector):
             fb = self.transfer_stats.fallbacks
             fb[reason] = fb.get(reason, 0) + 1
 
-    def recv_failure_policy(self, seq) -> str:
+    def recv_failure_policy(self, seq: Sequence) -> str:
         return self.config.load_failure_policy
 
     def stats(self) -> dict[str, Any]:

@@ -25,108 +25,37 @@ with the missing resources named instead of waiting forever.
 from __future__ import annotations
 
 import argparse
-import ctypes
 import json
 import os
 import signal
-import socket
-import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
 from pathlib import Path
 
 import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from launch.process import EngineServer, RouterServer, free_port, http
 from launch.ray_config import ClusterConfig, RouterSpec, check_fits, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 KV_ROLE = {"prefill": "producer", "decode": "consumer"}
 READY_LINE = "atomd ray cluster ready:"
-PR_SET_PDEATHSIG = 1
 PROBE_INTERVAL_S = 0.25
-
-
-def _die_with_parent() -> None:
-    """preexec_fn: the child gets SIGTERM when its actor dies, even by SIGKILL.
-
-    Linux ties PDEATHSIG to the thread that forked; Ray runs a sync actor's methods on
-    the worker's main thread, which lives as long as the actor.
-    """
-    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-
-
-def http(method: str, url: str, body: dict | None = None, timeout_s: float = 2.0) -> tuple[int, object]:
-    """(status, decoded JSON or None); a connection failure raises OSError."""
-    data = json.dumps(body).encode() if body is not None else None
-    request = urllib.request.Request(url, data=data, method=method,
-                                     headers={"Content-Type": "application/json"})
-    try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as r:
-            status, raw = r.status, r.read()
-    except urllib.error.HTTPError as e:
-        status, raw = e.code, e.read()
-    try:
-        return status, json.loads(raw) if raw else None
-    except ValueError:
-        return status, raw.decode(errors="replace")
-
-
-def free_port(host: str) -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
-class ServerProcess:
-    """A server child (`atomd serve` or the router) that one actor starts, probes and stops."""
-
-    def __init__(self, name: str, argv: list[str], url: str):
-        self.name, self.argv, self.url = name, argv, url
-        # stdout/stderr are the actor's: they land in its Ray log and in `ray job logs`.
-        self.proc = subprocess.Popen(argv, preexec_fn=_die_with_parent)
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def wait_ready(self, path: str, timeout_s: float) -> None:
-        deadline = time.monotonic() + timeout_s
-        while True:
-            if not self.alive():
-                raise RuntimeError(f"{self.name} exited with code {self.proc.returncode} before it was "
-                                   f"ready ({' '.join(self.argv)}); its log is this actor's log")
-            try:
-                if http("GET", self.url + path)[0] == 200:
-                    return
-            except OSError:
-                pass  # not listening yet
-            if time.monotonic() > deadline:
-                raise TimeoutError(f"{self.name} at {self.url} not ready ({path}) after {timeout_s:g} s")
-            time.sleep(PROBE_INTERVAL_S)
-
-    def stop(self, grace_s: float) -> None:
-        if self.alive():
-            self.proc.terminate()
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
+HTTP_TIMEOUT_S = 2.0
 
 
 def register(router_url: str, url: str, role: str, deadline: float) -> None:
     """POST /workers until the router takes it (it may still be starting)."""
     while True:
         try:
-            status, body = http("POST", f"{router_url}/workers", {"url": url, "role": role})
+            status, body = http("POST", f"{router_url}/workers", {"url": url, "role": role}, timeout=HTTP_TIMEOUT_S)
             if status in (200, 201):
                 return
             if 400 <= status < 500:
-                raise RuntimeError(f"router refused {role} worker {url}: {status} {body}")
-            error = f"{status} {body}"
+                raise RuntimeError(f"router refused {role} worker {url}: {status} {body.decode(errors='replace')}")
+            error = f"{status} {body.decode(errors='replace')}"
         except OSError as e:
             error = repr(e)
         if time.monotonic() > deadline:
@@ -134,36 +63,39 @@ def register(router_url: str, url: str, role: str, deadline: float) -> None:
         time.sleep(PROBE_INTERVAL_S)
 
 
-def engine_argv(role: str, config: ClusterConfig, host: str, port: int) -> list[str]:
+def engine_flags(role: str, config: ClusterConfig, host: str) -> list[str]:
+    """`atomd serve` flags of a `role` engine listening on `host`, past --host, --port and --model."""
     group = getattr(config, role)
-    return [sys.executable, "-m", "atomd", "serve", "--host", host, "--port", str(port),
-            "--kv-role", KV_ROLE[role], "--num-threads", str(group.num_threads),
+    return ["--kv-role", KV_ROLE[role], "--num-threads", str(group.num_threads),
             "--data-parallel-size", str(group.data_parallel_size),
             "--kv-transfer-backend", config.kv_transfer_backend,
             "--kv-side-channel-host", host,  # decode engines on other nodes pull from here
-            *(["--model", config.model] if config.model else []), *group.extra_args]
+            *group.extra_args]
 
 
 @ray.remote
 class EngineActor:
-    """One prefill or decode engine; every (re)start serves on a fresh port and registers."""
+    """One prefill or decode engine; every (re)start serves on a fresh port and registers.
+
+    Its child's stdout/stderr are the actor's (its Ray log, `ray job logs`), and the child
+    dies with the actor (die_with_parent); so does the router's.
+    """
 
     def __init__(self, role: str, config: ClusterConfig, router_url: str):
         deadline = time.monotonic() + config.timeouts.ready_s
         host = config.engine_host or ray.util.get_node_ip_address()
-        port = free_port(host)
         self.role = role
-        self.server = ServerProcess(f"{role} engine", engine_argv(role, config, host, port),
-                                    f"http://{host}:{port}")
+        self.server = EngineServer(config.model or None, *engine_flags(role, config, host), host=host,
+                                   port=free_port(host), name=f"{role} engine", die_with_parent=True)
         try:
-            self.server.wait_ready("/ready", config.timeouts.ready_s)
+            self.server.wait_ready(config.timeouts.ready_s)
             register(router_url, self.server.url, role, deadline)
         except BaseException:
             self.server.stop(1.0)
             raise
 
     def info(self) -> dict:
-        return {"role": self.role, "url": self.server.url, "pid": self.server.proc.pid,
+        return {"role": self.role, "url": self.server.url, "pid": self.server.pid,
                 "alive": self.server.alive()}
 
     def shutdown(self, grace_s: float) -> None:
@@ -178,18 +110,18 @@ class RouterActor:
         ip = ray.util.get_node_ip_address()
         host = spec.host or ip
         url_host = ip if host in ("0.0.0.0", "::") else host
-        argv = [sys.executable, "-m", "router", "--host", host, "--port", str(spec.port),
-                "--policy", spec.policy, "--health-interval-s", str(spec.health_interval_s),
-                *spec.extra_args]
-        self.server = ServerProcess("router", argv, f"http://{url_host}:{spec.port}")
+        # no workers yet (the engines register themselves), so not /ready: /health
+        self.server = RouterServer((), (), "--policy", spec.policy, "--health-interval-s",
+                                   str(spec.health_interval_s), *spec.extra_args, host=host, port=spec.port,
+                                   url_host=url_host, die_with_parent=True)
         try:
-            self.server.wait_ready("/health", ready_s)
+            self.server.wait_ready(ready_s, path="/health")
         except BaseException:
             self.server.stop(1.0)
             raise
 
     def info(self) -> dict:
-        return {"role": "router", "url": self.server.url, "pid": self.server.proc.pid,
+        return {"role": "router", "url": self.server.url, "pid": self.server.pid,
                 "alive": self.server.alive()}
 
     def shutdown(self, grace_s: float) -> None:
@@ -278,12 +210,13 @@ class RayCluster:
             except ray.exceptions.RayError:
                 unsure.add(calls[ref])
         try:
-            _, listing = http("GET", f"{self.router_url}/workers")
-            for w in (listing or {}).get("workers", []):
+            status, raw = http("GET", f"{self.router_url}/workers", timeout=HTTP_TIMEOUT_S)
+            for w in (json.loads(raw) if status == 200 else {}).get("workers", []):
                 if w["role"] not in unsure and (w["role"], w["url"]) not in current and not w["healthy"]:
-                    http("DELETE", f"{self.router_url}/workers", {"url": w["url"], "role": w["role"]})
+                    http("DELETE", f"{self.router_url}/workers", {"url": w["url"], "role": w["role"]},
+                         timeout=HTTP_TIMEOUT_S)
                     print(f"ray_cluster: removed dead {w['role']} engine {w['url']} from the router", flush=True)
-        except OSError as e:  # the router is busy or restarting its listener: next round
+        except (OSError, ValueError) as e:  # the router is busy or restarting its listener: next round
             print(f"ray_cluster: could not reach the router to prune workers: {e!r}", flush=True)
 
     def stop(self) -> None:

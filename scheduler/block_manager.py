@@ -204,13 +204,13 @@ class BlockManager:
         for _ in range(self.num_blocks_for(seq.num_tokens) - len(cached)):
             table.append(self.pool.take().block_id)
         seq.block_table = table
-        seq.num_cached_tokens = len(cached) * self.block_size
+        seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_published_blocks = len(cached)
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for `num_new_tokens` more positions; False (and nothing taken) if they do not fit."""
         bs = self.block_size
-        needed = (seq.num_cached_tokens + num_new_tokens + bs - 1) // bs - len(seq.block_table)
+        needed = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(seq.block_table)
         if needed <= 0:
             return True  # the common decode step: room left in the last block
         if needed > self.pool.num_free:
@@ -225,14 +225,14 @@ class BlockManager:
         for block_id in reversed(seq.block_table):
             self.pool.release(blocks[block_id])
         seq.block_table = []
-        seq.num_cached_tokens = 0
+        seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
 
     # ------------------------------------------------------------------ publication
 
     def publish(self, seq: Sequence) -> None:
         """Index the full blocks whose KV is now computed (call after the forward)."""
-        num_full = min(seq.num_cached_tokens // self.block_size, len(seq.block_table))
+        num_full = min(seq.num_computed_tokens // self.block_size, len(seq.block_table))
         start = seq.num_published_blocks
         if not self.enable_prefix_caching or num_full <= start:
             return

@@ -87,13 +87,17 @@ class InProcessCollective(Collective):
         return self.group._all_reduce(self.rank, vec)
 
 
+# The knobs, each an EngineConfig field `prefill_delayer_<knob>` (atomd/config.py holds the defaults)
+DELAYER_KNOBS = ("max_delay_passes", "token_usage_low_watermark", "target_fill", "kv_high_watermark",
+                 "kv_low_watermark", "ttft_max_ticks", "partial_max_ticks", "stall_ticks",
+                 "queue_max_ticks")
+
+
 class PrefillDelayer:
-    def __init__(self, collective: Collective, policy: str = "align", *,
-                 max_delay_passes: int = 30, token_usage_low_watermark: float | None = None,
-                 max_num_batched_tokens: int = 8192, target_fill: float = 0.9,
-                 kv_high_watermark: float = 0.9, kv_low_watermark: float = 0.1,
-                 ttft_max_ticks: int = 200, partial_max_ticks: int = 100, stall_ticks: int = 10,
-                 queue_max_ticks: int = 50):
+    def __init__(self, collective: Collective, policy: str, *, max_delay_passes: int,
+                 token_usage_low_watermark: float | None, max_num_batched_tokens: int, target_fill: float,
+                 kv_high_watermark: float, kv_low_watermark: float, ttft_max_ticks: int,
+                 partial_max_ticks: int, stall_ticks: int, queue_max_ticks: int):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
         self.collective = collective

@@ -15,7 +15,7 @@ Each `schedule()` returns one kind of batch (the seed's semantics):
   token (plus its drafts with speculative decoding). A sequence that cannot get a block
   preempts the newest running sequence (recompute: blocks freed, tokens kept).
 
-Invariant of a decode-ready sequence: `num_cached_tokens == num_tokens - 1`; the KV of
+Invariant of a decode-ready sequence: `num_computed_tokens == num_tokens - 1`; the KV of
 every token but the last is computed, and the last is the next one to forward.
 """
 from __future__ import annotations
@@ -30,7 +30,8 @@ import numpy as np
 
 from kv_transfer.connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
 from scheduler.block_manager import BlockManager
-from scheduler.sequence import Sequence, SequenceStatus, SequenceType
+from scheduler.sequence import ErrorCode, Sequence, SequenceStatus, SequenceType
+from scheduler.stop import find_stop_string
 from scheduler.stats import CacheStats, SpecStats
 
 logger = logging.getLogger("atomd.scheduler")
@@ -41,19 +42,26 @@ _STOP_WINDOW_SLACK = 4  # extra tail tokens detokenized when looking for a stop 
 
 
 class SchedulerConfig(msgspec.Struct, kw_only=True):
+    """The engine passes every value (atomd.config.EngineConfig holds the defaults); only
+    what the engine does not configure has a default here."""
+
     num_kvcache_blocks: int
-    max_num_seqs: int = 256
-    max_num_batched_tokens: int = 8192
-    max_model_len: int = 2048
-    block_size: int = 16
-    enable_prefix_caching: bool = True
-    enable_chunked_prefill: bool = True
+    max_num_seqs: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    block_size: int
+    enable_prefix_caching: bool
+    enable_chunked_prefill: bool
+    scheduler_delay_factor: float
+    long_prefill_token_threshold: int  # 0: off; else the largest chunk one sequence gets
     eos_token_id: int | None = None
     stop_token_ids: list[int] = []  # the model's extra end tokens: treated like EOS
-    scheduler_delay_factor: float = 0.0
+    # speculative decoding: scheduled, verified and stripped here, but nothing in the engine
+    # proposes drafts yet (the drafter is its own issue), so the engine leaves it at 0
     num_speculative_tokens: int = 0
-    long_prefill_token_threshold: int = 0  # 0: off; else the largest chunk one sequence gets
-    enable_kv_events: bool = False  # record BlockStored/BlockRemoved for take_events()
+    # BlockStored/BlockRemoved are logged for take_events(), but nothing publishes them yet
+    # (the router's KV-events issue builds the publisher)
+    enable_kv_events: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -94,7 +102,7 @@ class ScheduledBatch:
         self.connector_meta = connector_meta
 
     @property
-    def req_ids(self) -> list[int]:
+    def seq_ids(self) -> list[int]:
         return [s.id for s in self.seqs]
 
     @property
@@ -109,7 +117,7 @@ class ScheduledBatchOutput(msgspec.Struct):
     token, and draft_token_ids[i] the drafts to verify next step.
     """
 
-    req_ids: list[int]
+    seq_ids: list[int]
     token_ids: list[list[int]]
     logprobs: list[list[Any]] | None = None
     draft_token_ids: list[list[int]] | None = None
@@ -118,7 +126,7 @@ class ScheduledBatchOutput(msgspec.Struct):
 class SeqUpdate(msgspec.Struct):
     """What one step changed for one sequence, after stop cuts."""
 
-    seq: Any
+    seq: Sequence
     new_token_ids: list[int]
     new_logprobs: list[Any] | None
     finished: bool
@@ -243,7 +251,7 @@ class Scheduler:
         for seq in self._prefilling.values():  # Phase 1: resume chunked prefills
             if len(seqs) >= self.config.max_num_seqs or budget <= 0:
                 break
-            chunk = self._chunk_size(seq.num_tokens - seq.num_cached_tokens, seq.num_cached_tokens,
+            chunk = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, seq.num_computed_tokens,
                                      budget, not seqs)
             if chunk == 0:
                 break
@@ -255,7 +263,7 @@ class Scheduler:
         if not seqs:
             return None
         self._prev_prompt = True
-        computed = [s.num_cached_tokens for s in seqs]
+        computed = [s.num_computed_tokens for s in seqs]
         token_ids: list[int] = []
         needs_sample = []
         for seq, start, chunk in zip(seqs, computed, chunks):
@@ -298,7 +306,7 @@ class Scheduler:
                 break
             self.waiting.popleft()
             self._allocate(seq, num_cached_blocks, asked)
-            seq.num_cached_tokens = start
+            seq.num_computed_tokens = start
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._prefilling[seq.id] = seq
@@ -314,8 +322,8 @@ class Scheduler:
         self.block_manager.allocate(seq, num_cached_blocks)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = _now()
-            seq.prefix_cache_hit_tokens = seq.num_cached_tokens
-        self.cache_stats.update(seq.num_cached_tokens, seq.num_tokens)
+            seq.num_cached_tokens = seq.num_computed_tokens
+        self.cache_stats.update(seq.num_computed_tokens, seq.num_tokens)
         if tell_connector:  # not for local-only sequences: the connector would load them again
             self.kv_connector.update_state_after_alloc(seq)
 
@@ -356,7 +364,7 @@ class Scheduler:
             seq.type = SequenceType.DECODE
             seqs.append(seq)
             num_scheduled.append(n)
-            computed.append(seq.num_cached_tokens)
+            computed.append(seq.num_computed_tokens)
             token_ids.append(seq.token_ids[-1])
             if n > 1:
                 token_ids.extend(seq.spec_token_ids)
@@ -419,7 +427,7 @@ class Scheduler:
 
     def _reject(self, seq: Sequence, reason: str) -> None:
         logger.warning("request %s rejected: %s", seq.request_id, reason)
-        self._finish(seq, f"unschedulable: {reason}")
+        self._finish(seq, f"unschedulable: {reason}", ErrorCode.UNSCHEDULABLE)
         self._rejected.append(seq)
 
     def _passed_delay(self, now: float) -> bool:
@@ -437,8 +445,8 @@ class Scheduler:
 
     def postprocess(self, batch: ScheduledBatch, output: ScheduledBatchOutput) -> list[SeqUpdate]:
         """Apply one forward's samples: advance computed KV, append tokens, stop, free."""
-        if list(output.req_ids) != [s.id for s in batch.seqs]:
-            raise ValueError("output.req_ids must list the batch's sequence ids in batch order")
+        if list(output.seq_ids) != [s.id for s in batch.seqs]:
+            raise ValueError("output.seq_ids must list the batch's sequence ids in batch order")
         updates: list[SeqUpdate] = []
         any_finished = False
         logprobs, drafts = output.logprobs, output.draft_token_ids
@@ -446,7 +454,7 @@ class Scheduler:
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted after schedule()
             if batch.is_prefill:
-                seq.num_cached_tokens += int(batch.num_scheduled_tokens[i])
+                seq.num_computed_tokens += int(batch.num_scheduled_tokens[i])
                 if not batch.needs_sample[i]:
                     self.block_manager.publish(seq)
                     continue
@@ -488,8 +496,8 @@ class Scheduler:
             new_logprobs = ([t0_logprobs] if injected else []) + \
                 (list(logprobs[:kept]) if logprobs is not None else [None] * kept)
             seq.logprobs.extend(new_logprobs)
-        seq.num_cached_tokens = len(seq.token_ids) - 1
-        if seq.num_cached_tokens // self.config.block_size > seq.num_published_blocks:
+        seq.num_computed_tokens = len(seq.token_ids) - 1
+        if seq.num_computed_tokens // self.config.block_size > seq.num_published_blocks:
             self.block_manager.publish(seq)
         if seq.first_token_time is None:
             seq.first_token_time = _now()
@@ -527,25 +535,25 @@ class Scheduler:
         tail = seq.token_ids[max(seq.num_prompt_tokens, seq.num_tokens - window):]
         text = self.detokenize(tail)
         new_from = len(self.detokenize(tail[:-1]))
-        for s in stops:
-            if text.find(s, max(0, new_from - len(s) + 1)) >= 0:
-                seq.stop_reason = s
-                return s
-        return None
+        hit = find_stop_string(text, stops, ends_after=new_from)  # earlier ones stopped earlier
+        if hit is None:
+            return None
+        seq.stop_reason = hit[1]
+        return hit[1]
 
     # ------------------------------------------------------------------ finishing
 
-    def _finish(self, seq: Sequence, reason: str) -> None:
+    def _finish(self, seq: Sequence, reason: str, error_code: ErrorCode | None = None) -> None:
         """The one place a sequence finishes: request_finished once, then free or defer."""
         seq.status = SequenceStatus.FINISHED
         seq.leave_reason = reason
+        seq.error_code = error_code
         self._live.pop(seq.id, None)
         self._forget(seq)
-        params = None
+        delay_free = False
         if self.kv_connector is not None:
-            params = self.kv_connector.request_finished(seq)
-            seq.kv_transfer_params_output = params
-        if params is not None and self.kv_connector.is_producer and seq.block_table:
+            delay_free, seq.kv_transfer_params_output = self.kv_connector.request_finished(seq)
+        if delay_free and seq.block_table:
             self.deferred_free_blocks[seq.id] = seq  # the consumer still reads these blocks
         else:
             self.block_manager.deallocate(seq)
@@ -586,7 +594,8 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
             return
-        self._finish(seq, "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine")
+        self._finish(seq, "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine",
+                     ErrorCode.KV_TRANSFER_FAILED)
         self._rejected.append(seq)
 
     def _promote_received(self) -> None:
@@ -599,20 +608,18 @@ class Scheduler:
             return
         for seq_id in self._recv_done:
             seq = self.parked.pop(seq_id)
-            params = seq.kv_transfer_params or {}
-            seq.num_cached_tokens = seq.num_prompt_tokens
+            remote = self.kv_connector.remote_prefill(seq)
+            seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.publish(seq)  # D's prefix cache learns the received blocks
-            first_token = params.get("first_token_id")
-            if first_token is not None:
-                seq.token_ids.append(int(first_token))
-                self._injected[seq.id] = params.get("first_token_logprobs")
+            if remote.first_token_id is not None:
+                seq.token_ids.append(int(remote.first_token_id))
+                self._injected[seq.id] = remote.first_token_logprobs
                 k = self.config.num_speculative_tokens
-                drafts = params.get("draft_token_ids") or []
-                seq.spec_token_ids = [int(t) for t in drafts[:min(k, self.config.max_model_len - seq.num_tokens)]]
+                drafts = remote.draft_token_ids[:min(k, self.config.max_model_len - seq.num_tokens)]
+                seq.spec_token_ids = [int(t) for t in drafts]
             else:
-                seq.num_cached_tokens -= 1  # recompute the last position here to sample T0
-            if params.get("prefix_cache_hit_tokens") is not None:
-                seq.prefix_cache_hit_tokens = int(params["prefix_cache_hit_tokens"])
+                seq.num_computed_tokens -= 1  # recompute the last position here to sample T0
+            seq.num_cached_tokens = remote.num_cached_tokens
             self._local_only.add(seq.id)  # a later preemption recomputes locally
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
@@ -626,7 +633,7 @@ class Scheduler:
         num_ready, pending_tokens = self._admittable_head_prefills(limit=4)
         has_partial = bool(self._prefilling)
         for seq in self._prefilling.values():
-            pending_tokens += seq.num_tokens - seq.num_cached_tokens
+            pending_tokens += seq.num_tokens - seq.num_computed_tokens
         prefillable = num_ready > 0 or has_partial
         return self.prefill_delayer.should_allow_prefill(
             local_prefillable=prefillable, token_usage=self.block_manager.usage,
@@ -663,11 +670,11 @@ class Scheduler:
         budget = self.config.max_num_batched_tokens
         if self._prefilling:
             seq = next(iter(self._prefilling.values()))
-            return True, min(seq.num_tokens - seq.num_cached_tokens, budget), 1
+            return True, min(seq.num_tokens - seq.num_computed_tokens, budget), 1
         if self.waiting:
             num, tokens = 0, 0
             for seq in self.waiting:
-                new = seq.num_tokens - seq.num_cached_tokens
+                new = seq.num_tokens - seq.num_computed_tokens
                 if tokens + new > budget or num >= self.config.max_num_seqs:
                     break
                 num, tokens = num + 1, tokens + new

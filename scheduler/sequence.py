@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from kv_transfer.params import KVTransferParams
+
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick tokens and when to stop (vLLM names and defaults)."""
@@ -74,8 +76,14 @@ class SequenceType(enum.Enum):
 # leave_reason -> OpenAI finish_reason
 _FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop",
                    "max_tokens": "length", "max_model_len": "length", "aborted": "abort"}
-# leave_reason prefixes of sequences that ended without generating: the API answers an error
-ERROR_PREFIXES = ("unschedulable:", "kv_transfer_failed:")
+
+
+class ErrorCode(enum.Enum):
+    """Why a sequence ended without generating; the API maps each to an HTTP status."""
+
+    INVALID_REQUEST = "invalid_request"  # refused on arrival (e.g. kv_transfer_params do not fit)
+    UNSCHEDULABLE = "unschedulable"  # can never run on this engine's configuration
+    KV_TRANSFER_FAILED = "kv_transfer_failed"  # the prompt KV could not be pulled from P
 
 _ids = itertools.count()
 
@@ -85,7 +93,7 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, *,
                  request_id: str | None = None, arrive_time: float | None = None,
-                 kv_transfer_params: dict[str, Any] | None = None):
+                 kv_transfer_params: KVTransferParams | dict[str, Any] | None = None):
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.id: int = next(_ids)
@@ -95,16 +103,19 @@ class Sequence:
         self.sampling_params = sampling_params if sampling_params is not None else SamplingParams()
         self.status = SequenceStatus.WAITING
         self.type = SequenceType.PREFILL
-        self.num_cached_tokens = 0  # tokens whose KV is computed (position of the next one)
+        self.num_computed_tokens = 0  # tokens whose KV is computed (position of the next one)
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block, a pure function of tokens
         self.num_published_blocks = 0  # blocks of block_table already in the prefix index
         self.spec_token_ids: list[int] = []  # drafts to verify in the next decode step
         self.leave_reason: str | None = None
+        self.error_code: ErrorCode | None = None  # set when it ended without generating
         self.stop_reason: int | str | None = None
         self.logprobs: list[Any] = []
-        self.prefix_cache_hit_tokens = 0
-        self.kv_transfer_params = kv_transfer_params
+        self.num_cached_tokens = 0  # prompt tokens served from a prefix cache (ours or, in PD, P's)
+        if isinstance(kv_transfer_params, dict):  # parsed once, here; ValueError names the field
+            kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
+        self.kv_transfer_params: KVTransferParams | None = kv_transfer_params
         self.kv_transfer_params_output: dict[str, Any] | None = None
         self.arrive_time = arrive_time if arrive_time is not None else time.time()
         self.first_scheduled_time: float | None = None
@@ -112,7 +123,7 @@ class Sequence:
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.id}, status={self.status.name}, tokens={self.num_tokens}, "
-                f"prompt={self.num_prompt_tokens}, cached={self.num_cached_tokens})")
+                f"prompt={self.num_prompt_tokens}, cached={self.num_computed_tokens})")
 
     @property
     def num_tokens(self) -> int:
@@ -140,6 +151,4 @@ class Sequence:
     @property
     def error(self) -> str | None:
         """The message for a sequence that ended without generating (rejected, failed pull)."""
-        if self.leave_reason is not None and self.leave_reason.startswith(ERROR_PREFIXES):
-            return self.leave_reason
-        return None
+        return self.leave_reason if self.error_code is not None else None

@@ -10,11 +10,33 @@ from __future__ import annotations
 
 import numpy as np
 
+from atomd.config import EngineConfig
 from kv_transfer.connector import (KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler,
-                                   KVConnectorWorker)
-from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler
+                                   KVConnectorWorker, RemotePrefill)
+from kv_transfer.params import KVTransferParams
+from scheduler.prefill_delayer import DELAYER_KNOBS, PrefillDelayer
+from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
 
 VOCAB = 1000
+NO_PARAMS = KVTransferParams()
+_ENGINE_DEFAULTS = EngineConfig()
+
+
+def scheduler_config(**kw) -> SchedulerConfig:
+    """A SchedulerConfig with the engine's defaults (atomd.config), overridden by `kw`."""
+    fields = {f: getattr(_ENGINE_DEFAULTS, f) for f in SchedulerConfig.__struct_fields__
+              if hasattr(_ENGINE_DEFAULTS, f)}
+    return SchedulerConfig(**(fields | kw))
+
+
+def delayer_knobs(**kw) -> dict:
+    """The PrefillDelayer's knobs at the engine's defaults (atomd.config), overridden by `kw`."""
+    knobs = {k: getattr(_ENGINE_DEFAULTS, f"prefill_delayer_{k}") for k in DELAYER_KNOBS}
+    return knobs | {"max_num_batched_tokens": _ENGINE_DEFAULTS.max_num_batched_tokens} | kw
+
+
+def make_delayer(collective, policy: str = "align", cls=PrefillDelayer, **kw) -> PrefillDelayer:
+    return cls(collective, policy, **delayer_knobs(**kw))
 
 
 def next_token(prefix: list[int]) -> int:
@@ -168,15 +190,15 @@ class FakeConnector(KVConnectorScheduler, KVConnectorWorker):
         return self.role == "producer"
 
     def get_num_new_matched_tokens(self, seq):
-        params = seq.kv_transfer_params or {}
-        if self.role == "consumer" and params.get("do_remote_prefill"):
+        params = seq.kv_transfer_params or NO_PARAMS
+        if self.role == "consumer" and params.do_remote_prefill:
             return seq.num_prompt_tokens, True
         return 0, False
 
     def update_state_after_alloc(self, seq):
-        params = seq.kv_transfer_params or {}
-        if self.role == "consumer" and params.get("do_remote_prefill"):
-            first = seq.num_cached_tokens // self.kv.block_size
+        params = seq.kv_transfer_params or NO_PARAMS
+        if self.role == "consumer" and params.do_remote_prefill:
+            first = seq.num_computed_tokens // self.kv.block_size
             self._to_load.append((seq.id, list(seq.block_table), params, first))
 
     def build_connector_meta(self):
@@ -185,22 +207,22 @@ class FakeConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def request_finished(self, seq):
         self.finished_calls[seq.id] = self.finished_calls.get(seq.id, 0) + 1
-        params = seq.kv_transfer_params or {}
-        if self.role != "producer" or not params.get("do_remote_decode") or not seq.block_table:
-            return None
-        tid = params["transfer_id"]
+        params = seq.kv_transfer_params or NO_PARAMS
+        if self.role != "producer" or not params.do_remote_decode or not seq.block_table:
+            return False, None
+        tid = params.transfer_id
         self.serving[tid] = list(seq.block_table)
         self.seq_of_transfer[tid] = seq.id
-        return {"do_remote_prefill": True, "transfer_id": tid,
+        return True, {"do_remote_prefill": True, "transfer_id": tid,
                 "remote_block_ids": list(seq.block_table),
                 "num_prompt_tokens": seq.num_prompt_tokens,
                 "first_token_id": seq.completion_token_ids[0],
-                "prefix_cache_hit_tokens": seq.prefix_cache_hit_tokens}
+                "prefix_cache_hit_tokens": seq.num_cached_tokens}
 
     def request_aborted(self, seq):
         self.aborted_calls[seq.id] = self.aborted_calls.get(seq.id, 0) + 1
         if self.role == "producer":
-            tid = (seq.kv_transfer_params or {}).get("transfer_id")
+            tid = (seq.kv_transfer_params or NO_PARAMS).transfer_id
             self.release(tid)
         elif seq.id in self.in_flight and not self.hold_pulls:
             self.in_flight.pop(seq.id)
@@ -208,6 +230,11 @@ class FakeConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def recv_failure_policy(self, seq):
         return self.policy
+
+    def remote_prefill(self, seq):
+        p = seq.kv_transfer_params
+        return RemotePrefill(first_token_id=p.first_token_id, first_token_logprobs=p.first_token_logprobs,
+                             draft_token_ids=list(p.draft_token_ids), num_cached_tokens=p.prefix_cache_hit_tokens)
 
     # producer: D said DONE
     def release(self, transfer_id) -> None:
@@ -241,10 +268,10 @@ class FakeConnector(KVConnectorScheduler, KVConnectorWorker):
             self._failed.append(seq_id)
             return
         table, params, first = load
-        remote = params["remote_block_ids"]
+        remote = params.remote_block_ids
         for i in range(first, len(table)):
             self.kv.data[table[i]] = self.peer.kv.data[remote[i]]
-        self.peer.release(params["transfer_id"])
+        self.peer.release(params.transfer_id)
         self._done_recving.append(seq_id)
 
     def close(self):

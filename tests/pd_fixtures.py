@@ -9,68 +9,36 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
-import sys
 import time
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.conftest import free_port
-from tests.server_fixtures import REPO, START_TIMEOUT_S, ServerProcess, http, model_dir, wait_until_ready
-
-
-class RouterProcess:
-    """`python -m router` over the given prefill and decode URLs, on a free port."""
-
-    def __init__(self, prefill: list[str], decode: list[str]):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "router", "--host", "127.0.0.1", "--port", str(self.port),
-               "--health-interval-s", "0.5"]
-        for url in prefill:
-            cmd += ["--prefill", url]
-        for url in decode:
-            cmd += ["--decode", url]
-        self.log = open(os.devnull, "wb") if not os.environ.get("ATOMD_TEST_SERVER_LOG") else None
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
-
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "RouterProcess":
-        wait_until_ready(self.proc, self.url, "router", timeout_s)
-        return self
-
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self.log is not None:
-            self.log.close()
+from launch.process import RouterServer, http
+from tests.server_fixtures import REPO, START_TIMEOUT_S, ServerUnderTest, model_dir, server_log
 
 
 class PDCluster:
     """Named engines (`atomd serve` with their own flags) and routers; stop() ends them all."""
 
     def __init__(self):
-        self.engines: dict[str, ServerProcess] = {}
-        self.routers: list[RouterProcess] = []
+        self.engines: dict[str, ServerUnderTest] = {}
+        self.routers: list[RouterServer] = []
         self.model = model_dir()
 
     def start_engines(self, **flags: list[str]) -> None:
         """name=[flags] for each engine; all load at once, then wait for every /ready."""
         for name, extra in flags.items():
-            self.engines[name] = ServerProcess(self.model, *extra)
+            self.engines[name] = ServerUnderTest(self.model, *extra)
         for name in flags:
             self.engines[name].wait_ready()
 
-    def start_router(self, prefill: str, decode: str) -> RouterProcess:
-        router = RouterProcess([self.engines[prefill].url], [self.engines[decode].url])
+    def start_router(self, prefill: str, decode: str) -> RouterServer:
+        router = RouterServer([self.engines[prefill].url], [self.engines[decode].url], "--health-interval-s", "0.5",
+                              log=server_log(), cwd=REPO)
         self.routers.append(router)
-        return router.wait_ready()
+        return router.wait_ready(START_TIMEOUT_S)
 
-    def __getitem__(self, name: str) -> ServerProcess:
+    def __getitem__(self, name: str) -> ServerUnderTest:
         return self.engines[name]
 
     def stop(self) -> None:
@@ -78,7 +46,7 @@ class PDCluster:
             proc.stop()
 
 
-def kill_engine(server: ServerProcess) -> None:
+def kill_engine(server: ServerUnderTest) -> None:
     """SIGKILL the engine core, then its API server: the engine vanishes as in a crash."""
     core = server.engine_pid()
     os.kill(core, signal.SIGKILL)

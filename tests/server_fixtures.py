@@ -1,20 +1,17 @@
-"""Helpers for the `atomd serve` tests: start a real server process, poll it, stop it.
+"""Helpers for the `atomd serve` tests: a real server process with the tests' engine flags.
 
-A module-scoped fixture per test file keeps the suite fast (one model load per file).
+Starting, probing and stopping it is launch/process.py's; this adds what only tests need
+(small engine flags, ATOMD_TEST_SERVER_LOG, the stats readers). A module-scoped fixture
+per test file keeps the suite fast (one model load per file).
 """
 from __future__ import annotations
 
 import json
 import os
 import pathlib
-import signal
-import subprocess
-import sys
 import time
-import urllib.error
-import urllib.request
 
-from tests.conftest import free_port
+from launch.process import EngineServer, http
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 START_TIMEOUT_S = 120.0
@@ -30,59 +27,19 @@ def model_dir() -> pathlib.Path:
     return default_model_dir()
 
 
-def http(method: str, url: str, body: bytes | dict | None = None, headers: dict | None = None,
-         timeout: float = 60.0) -> tuple[int, bytes]:
-    """(status, body) for one request; error statuses are returned, not raised."""
-    data = json.dumps(body).encode() if isinstance(body, dict) else body
-    req = urllib.request.Request(url, data=data, method=method, headers=headers or {})
-    if data is not None and "Content-Type" not in (headers or {}):
-        req.add_header("Content-Type", "application/json")
-    try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
-            return resp.status, resp.read()
-    except urllib.error.HTTPError as e:
-        return e.code, e.read()
+def server_log(log_path: pathlib.Path | None = None) -> str | pathlib.Path | None:
+    """Where a test server's output goes: the terminal when ATOMD_TEST_SERVER_LOG is set
+    (debugging), else the file a test reads, else nowhere."""
+    return None if os.environ.get("ATOMD_TEST_SERVER_LOG") else (log_path or os.devnull)
 
 
-def wait_until_ready(proc: subprocess.Popen, url: str, name: str, timeout_s: float) -> None:
-    """Poll `url`/ready until 200; fail at once if the process exits, or at the deadline."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{name} exited with {proc.returncode} before /ready")
-        try:
-            if http("GET", url + "/ready", timeout=2)[0] == 200:
-                return
-        except OSError:
-            pass
-        time.sleep(0.1)
-    raise TimeoutError(f"{name} not ready after {timeout_s} s")
+class ServerUnderTest(EngineServer):
+    """`python -m atomd serve` with ENGINE_ARGS on a free port of 127.0.0.1."""
 
+    ready_timeout_s = START_TIMEOUT_S
 
-class ServerProcess:
-    """`python -m atomd serve` on a free port of 127.0.0.1."""
-
-    def __init__(self, model: str | os.PathLike, *extra: str, engine_args: list[str] = ENGINE_ARGS,
-                 log_path: pathlib.Path | None = None):
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        cmd = [sys.executable, "-m", "atomd", "serve", "--model", str(model), "--port", str(self.port),
-               *engine_args, *extra]
-        # the server's stdout/stderr: a file a test reads, the terminal when debugging, or nowhere
-        self.log = open(log_path or os.devnull, "wb") if not os.environ.get("ATOMD_TEST_SERVER_LOG") else None
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=self.log, stderr=self.log)
-
-    def wait_ready(self, timeout_s: float = START_TIMEOUT_S) -> "ServerProcess":
-        wait_until_ready(self.proc, self.url, "atomd serve", timeout_s)
-        return self
-
-    def engine_pid(self) -> int:
-        """The engine core: the server's child that is not multiprocessing's resource tracker."""
-        children = pathlib.Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children").read_text().split()
-        cores = [int(c) for c in children
-                 if b"resource_tracker" not in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
-        assert len(cores) == 1, cores
-        return cores[0]
+    def __init__(self, model: str | os.PathLike, *extra: str, log_path: pathlib.Path | None = None):
+        super().__init__(model, *ENGINE_ARGS, *extra, log=server_log(log_path), cwd=REPO)
 
     def stats(self, headers: dict | None = None) -> dict:
         status, body = http("GET", self.url + "/debug/stats", headers=headers)
@@ -103,22 +60,7 @@ class ServerProcess:
                 raise AssertionError(f"engine not back to baseline ({baseline_free} free): {stats}")
             time.sleep(0.05)
 
-    def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(20)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        if self.log is not None:
-            self.log.close()
 
-
-def start_server(model, *extra: str, log_path: pathlib.Path | None = None) -> ServerProcess:
-    server = ServerProcess(model, *extra, log_path=log_path)
-    try:
-        return server.wait_ready()
-    except BaseException:
-        server.stop()
-        raise
+def start_server(model, *extra: str, log_path: pathlib.Path | None = None) -> ServerUnderTest:
+    """A ready server; one that fails to start is stopped before the error propagates."""
+    return ServerUnderTest(model, *extra, log_path=log_path).wait_ready()

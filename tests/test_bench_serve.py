@@ -9,7 +9,6 @@ import os
 import pathlib
 import subprocess
 import sys
-import time
 import urllib.request
 
 import numpy as np
@@ -19,7 +18,7 @@ from atomd.bench import cli as bench_cli
 from atomd.bench.client import arrival_times
 from atomd.bench.datasets import TokenSpace, build_requests, load_tokenizer
 from atomd.cli import main as atomd_main
-from tests.conftest import free_port
+from launch.process import ServerProcess, free_port
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 TOKENIZER = REPO / "atomd/model/default_checkpoint/tokenizer.json"
@@ -179,31 +178,17 @@ def test_compare_prints_ratios_of_two_result_files(tmp_path, capsys):
 
 # ---------------------------------------------------------------- whole runs against the fake server
 
-class FakeServer:
+class FakeServer(ServerProcess):
+    """tests/fake_openai_server.py on a free port, ready once it lists its model."""
+
     def __init__(self, *flags: str):
-        self.url = f"http://127.0.0.1:{free_port()}"
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.fake_openai_server",
-                                      "--port", self.url.rsplit(":", 1)[1], *flags], cwd=REPO)
-        deadline = time.monotonic() + 30
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, "fake server exited"
-            try:
-                urllib.request.urlopen(self.url + "/v1/models", timeout=1).read()
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError("fake server did not come up")
+        port = free_port()
+        super().__init__([sys.executable, "-m", "tests.fake_openai_server", "--port", str(port), *flags],
+                         f"http://127.0.0.1:{port}", "fake server", cwd=REPO)
+        self.wait_ready(30, path="/v1/models")
 
     def stats(self) -> dict:
         return json.loads(urllib.request.urlopen(self.url + "/stats", timeout=5).read())
-
-    def stop(self) -> None:
-        self.proc.terminate()
-        try:
-            self.proc.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 @pytest.fixture

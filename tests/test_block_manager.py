@@ -31,7 +31,7 @@ def admit(bm: BlockManager, tokens: list[int]) -> Sequence:
     n = bm.can_allocate(seq)
     assert n >= 0
     bm.allocate(seq, n)
-    seq.num_cached_tokens = seq.num_tokens
+    seq.num_computed_tokens = seq.num_tokens
     bm.publish(seq)
     return seq
 
@@ -54,7 +54,7 @@ def test_second_request_reuses_prefix_but_never_the_last_prompt_block():
     longer = Sequence(list(range(13)))
     assert bm.can_allocate(longer) == 3
     bm.allocate(longer, 3)
-    assert longer.block_table[:3] == first.block_table and longer.num_cached_tokens == 12
+    assert longer.block_table[:3] == first.block_table and longer.num_computed_tokens == 12
     assert all(bm.blocks[b].ref_count == 2 for b in first.block_table)
 
 
@@ -63,7 +63,7 @@ def test_hashes_are_not_published_before_the_forward():
     a = Sequence(list(range(9)))
     bm.allocate(a, bm.can_allocate(a))
     assert bm.can_allocate(Sequence(list(range(9)))) == 0  # allocated but not computed
-    a.num_cached_tokens = 4  # first chunk's forward done
+    a.num_computed_tokens = 4  # first chunk's forward done
     bm.publish(a)
     assert bm.can_allocate(Sequence(list(range(9)))) == 1
 
@@ -103,7 +103,7 @@ def test_a_hit_on_a_free_cached_block_revives_it_instead_of_evicting_it():
     assert bm.can_allocate(again) == 2
     bm.allocate(again, 2)
     assert again.block_table[:2] == table[:2]
-    assert bm.num_free_blocks == 0 and again.num_cached_tokens == 8
+    assert bm.num_free_blocks == 0 and again.num_computed_tokens == 8
 
 
 def test_vacant_blocks_are_handed_out_lowest_id_first_and_counts_add_up():
@@ -116,7 +116,7 @@ def test_vacant_blocks_are_handed_out_lowest_id_first_and_counts_add_up():
     assert bm.num_free_blocks + bm.num_used_blocks == bm.num_total_blocks == 8
     bm.deallocate(a)
     bm.deallocate(b)
-    assert bm.num_free_blocks == 8 and a.block_table == [] and a.num_cached_tokens == 0
+    assert bm.num_free_blocks == 8 and a.block_table == [] and a.num_computed_tokens == 0
 
 
 def test_clear_index_drops_every_hit_and_reports_it():
@@ -148,8 +148,8 @@ def test_append_slots_grows_the_table_only_at_block_boundaries():
     bm = BlockManager(8, BS)
     seq = admit(bm, [3] * 4)
     seq.token_ids.append(5)
-    seq.num_cached_tokens = 4
+    seq.num_computed_tokens = 4
     assert bm.append_slots(seq, 1) and len(seq.block_table) == 2
     assert bm.append_slots(seq, 1) and len(seq.block_table) == 2
-    seq.num_cached_tokens = 8
+    seq.num_computed_tokens = 8
     assert not bm.append_slots(seq, 4 * 7) and len(seq.block_table) == 2  # 7 more do not fit: none taken

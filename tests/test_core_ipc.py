@@ -12,8 +12,10 @@ import msgspec
 import pytest
 import zmq
 
-from atomd import core
-from scheduler.sequence import SamplingParams
+from atomd import core, core_client
+from atomd import messages as M
+from kv_transfer.params import KVTransferParams
+from scheduler.sequence import ErrorCode, SamplingParams
 from tests.server_fixtures import ENGINE_ARGS, model_dir
 
 
@@ -23,12 +25,14 @@ from tests.server_fixtures import ENGINE_ARGS, model_dir
 def test_wire_messages_round_trip():
     enc = msgspec.msgpack.Encoder()
     params = SamplingParams(max_tokens=3, temperature=0.0, stop=["\n"], logprobs=2)
-    add = core.AddRequest("r1", [1, 2, 3], params, {"transfer_id": "t"})
-    assert msgspec.msgpack.decode(enc.encode(add), type=core.InputMessage) == add
-    delta = core.TokenDelta("r1", [5], [{"logprob": -0.1, "top": [[5, -0.1]]}], True, "length", 3, 0,
+    add = M.AddRequest("r1", [1, 2, 3], params, KVTransferParams(transfer_id="t"))
+    assert msgspec.msgpack.decode(enc.encode(add), type=M.InputMessage) == add
+    delta = M.RequestOutput("r1", [5], [{"logprob": -0.1, "top": [[5, -0.1]]}], True, "length", 3, 0,
                             timing=(1.0, 2.0, 3.0, 4.0))
-    out = core.StepOutputs([delta])
-    assert msgspec.msgpack.decode(enc.encode(out), type=core.OutputMessage) == out
+    failed = M.RequestOutput("r2", [], None, True, "abort", 3, 0, error="kv_transfer_failed: no",
+                             error_code=ErrorCode.KV_TRANSFER_FAILED)
+    out = M.StepOutputs([delta, failed])
+    assert msgspec.msgpack.decode(enc.encode(out), type=M.OutputMessage) == out
 
 
 @pytest.mark.unit
@@ -44,12 +48,12 @@ def test_undecodable_frame_is_answered_and_the_loop_goes_on():
         enc = msgspec.msgpack.Encoder()
         to_core.send(b"\xc1 not msgpack")
         to_core.send(enc.encode({"kind": "launch_missiles"}))
-        to_core.send(enc.encode(core.UtilityCall(7, "rm_rf")))
+        to_core.send(enc.encode(M.UtilityCall(7, "rm_rf")))
         assert core_in.poll(1000)
         loop.drain_input()
-        dec = msgspec.msgpack.Decoder(core.OutputMessage)
+        dec = msgspec.msgpack.Decoder(M.OutputMessage)
         replies = [dec.decode(from_core.recv()) for _ in range(3)]
-        assert [type(r) for r in replies] == [core.CoreError, core.CoreError, core.UtilityResult]
+        assert [type(r) for r in replies] == [M.CoreError, M.CoreError, M.UtilityResult]
         assert not replies[0].fatal and "undecodable" in replies[0].message
         assert replies[2].call_id == 7 and "unknown utility method" in replies[2].error
         for s in (to_core, core_in, core_out, from_core):
@@ -72,7 +76,7 @@ class CoreHarness:
         self.loop = asyncio.new_event_loop()
         self.thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self.thread.start()
-        self.client = core.EngineCoreClient(self.config)
+        self.client = core_client.EngineCoreClient(self.config)
         self.ready = self.run(self.client.start(120))
 
     def run(self, coro, timeout_s: float = 120):
@@ -176,12 +180,12 @@ def test_core_death_fails_waiters_at_once():
             stream = h.client.add_request("doomed", PROMPTS[1], SamplingParams(max_tokens=200, ignore_eos=True))
             await stream.next_batch()
             os.kill(h.client.proc.pid, signal.SIGKILL)
-            with pytest.raises(core.EngineDeadError):
+            with pytest.raises(core_client.EngineDeadError):
                 while True:
                     await stream.next_batch()
-            with pytest.raises(core.EngineDeadError):
+            with pytest.raises(core_client.EngineDeadError):
                 await h.client.call("stats")
-            with pytest.raises(core.EngineDeadError):
+            with pytest.raises(core_client.EngineDeadError):
                 h.client.add_request("late", [1, 2], SamplingParams())
 
         h.run(die_mid_request(), timeout_s=30)

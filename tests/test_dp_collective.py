@@ -13,7 +13,7 @@ import pathlib
 import pytest
 import torch.multiprocessing as mp
 
-from tests.conftest import free_port
+from launch.process import free_port
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
@@ -50,12 +50,13 @@ def run_scenarios(rank, world, port, out_path, scenarios, timeout_s, die_after=N
     import torch
 
     from atomd.dp_collective import GlooCollective, ObservedPrefillDelayer
+    from tests.fake_connector import make_delayer
 
     torch.set_num_threads(1)
     coll = GlooCollective(rank, world, port, timeout_s=timeout_s, join_timeout_s=60)
     results = {}
     for name, kwargs, script in scenarios:
-        delayer = ObservedPrefillDelayer(coll, **kwargs)
+        delayer = make_delayer(coll, cls=ObservedPrefillDelayer, **kwargs)
         before = coll.num_collectives
         decisions = [delayer.should_allow_prefill(**inputs) for inputs in script[rank]]
         stats = delayer.stats()

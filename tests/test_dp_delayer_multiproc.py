@@ -24,16 +24,16 @@ def run_schedulers(rank, world, port, out_path, cases, timeout_s):
     import torch
 
     from atomd.dp_collective import GlooCollective, ObservedPrefillDelayer
-    from scheduler.scheduler import Scheduler, SchedulerConfig
+    from scheduler.scheduler import Scheduler
     from scheduler.sequence import SamplingParams, Sequence
-    from tests.fake_connector import FakeKV, FakeModel, prompt, step
+    from tests.fake_connector import FakeKV, make_delayer, scheduler_config, FakeModel, prompt, step
 
     torch.set_num_threads(1)
     coll = GlooCollective(rank, world, port, timeout_s=timeout_s, join_timeout_s=60)
     results = {}
     for name, delayer_kw, sched_kw, arrivals, num_ticks in cases:
-        delayer = ObservedPrefillDelayer(coll, **delayer_kw)
-        cfg = SchedulerConfig(**sched_kw)
+        delayer = make_delayer(coll, cls=ObservedPrefillDelayer, **delayer_kw)
+        cfg = scheduler_config(**sched_kw)
         sched = Scheduler(cfg, prefill_delayer=delayer)
         model = FakeModel(FakeKV(cfg.num_kvcache_blocks, cfg.block_size))
         before = coll.num_collectives

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import os
-import pathlib
 import signal
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -15,8 +14,9 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from atomd.config import EngineConfig
-from atomd.dp import DPEngineClient, rank_config
-from tests.server_fixtures import http, model_dir, start_server
+from atomd.core_client import DPEngineClient, rank_config
+from launch.process import http
+from tests.server_fixtures import model_dir, start_server
 
 pytestmark = pytest.mark.timeout(240)
 
@@ -152,9 +152,7 @@ def test_lockstep_coalesce_serves_the_same_tokens_and_a_dead_rank_makes_it_not_r
                           "--dp-lockstep", "--dp-collective-timeout-s", "10")
     try:
         assert complete_all(server) == complete_all(single)
-        children = pathlib.Path(f"/proc/{server.proc.pid}/task/{server.proc.pid}/children").read_text().split()
-        cores = [int(c) for c in children
-                 if b"resource_tracker" not in pathlib.Path(f"/proc/{c}/cmdline").read_bytes()]
+        cores = server.engine_pids()
         assert len(cores) == 2
         os.kill(max(cores), signal.SIGKILL)  # one of the two ranks (the later spawned)
         deadline = time.monotonic() + 30

@@ -16,7 +16,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
 
-from atomd.engine import LLM
+from atomd.llm import LLM
 from scheduler.scheduler import ScheduledBatchOutput
 from scheduler.sequence import SamplingParams
 
@@ -155,7 +155,7 @@ def _prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
 
 
 def _one_token_output(batch):
-    return ScheduledBatchOutput(batch.req_ids, [[3] if s else [] for s in batch.needs_sample.tolist()])
+    return ScheduledBatchOutput(batch.seq_ids, [[3] if s else [] for s in batch.needs_sample.tolist()])
 
 
 @pytest.mark.unit

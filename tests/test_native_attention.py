@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 from atomd import native
 from atomd.config import EngineConfig
-from atomd.engine import LLM
+from atomd.llm import LLM
 from atomd.kv_cache import KVCache
 from tests.test_model_hf import MIXED, assert_equals_hf, engine_greedy, llama_dir, prompts_of, qwen2_dir  # noqa: F401
 

@@ -21,8 +21,8 @@ import numpy as np
 import openai
 import pytest
 
+from launch.process import http
 from tests.pd_fixtures import PDCluster, block_bytes, kill_engine, metric, metrics, sse_events
-from tests.server_fixtures import http
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -17,8 +17,8 @@ import time
 
 import pytest
 
-from tests.conftest import free_port
-from tests.server_fixtures import REPO, START_TIMEOUT_S, http
+from launch.process import free_port, http
+from tests.server_fixtures import REPO, START_TIMEOUT_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(240)]
 

@@ -7,17 +7,17 @@ import threading
 import numpy as np
 import pytest
 
-from scheduler.prefill_delayer import Collective, InProcessGroup, PrefillDelayer, SingleRank
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.prefill_delayer import Collective, InProcessGroup, SingleRank
+from scheduler.scheduler import Scheduler
 from scheduler.sequence import SamplingParams, Sequence
-from tests.fake_connector import FakeKV, FakeModel, step
+from tests.fake_connector import FakeKV, make_delayer, scheduler_config, FakeModel, step
 
 pytestmark = pytest.mark.unit
 
 
 def ranks(n, policy="align", **kw):
     group = InProcessGroup(n, timeout_s=5.0)
-    return [PrefillDelayer(group.rank(r), policy, **kw) for r in range(n)]
+    return [make_delayer(group.rank(r), policy, **kw) for r in range(n)]
 
 
 def decide(delayers, inputs):
@@ -171,14 +171,14 @@ class Failing(Collective):
 
 @pytest.mark.parametrize("policy", ["align", "coalesce"])
 def test_a_failed_collective_fails_open_and_is_counted(policy):
-    d = PrefillDelayer(Failing(), policy)
+    d = make_delayer(Failing(), policy)
     assert d.should_allow_prefill(local_prefillable=True, token_usage=0.5) is True
     assert d.num_collective_errors == 1 and outcome(d) == (policy, "allow", "collective_error")
 
 
 def test_a_missing_rank_times_out_and_fails_open():
     group = InProcessGroup(2, timeout_s=0.05)
-    d = PrefillDelayer(group.rank(0))
+    d = make_delayer(group.rank(0))
     assert d.should_allow_prefill(local_prefillable=True, token_usage=0.5) is True
     assert d.num_collective_errors == 1
 
@@ -196,8 +196,8 @@ class Counting(Collective):
 
 def test_the_scheduler_calls_the_delayer_once_per_tick_even_when_idle():
     coll = Counting()
-    delayer = PrefillDelayer(coll)
-    sched = Scheduler(SchedulerConfig(num_kvcache_blocks=16, block_size=4), prefill_delayer=delayer)
+    delayer = make_delayer(coll)
+    sched = Scheduler(scheduler_config(num_kvcache_blocks=16, block_size=4), prefill_delayer=delayer)
     assert sched.schedule() is None and coll.calls == 1
     model = FakeModel(FakeKV(16, 4))
     sched.add(Sequence([3, 4, 5], SamplingParams(max_tokens=3)))
@@ -217,7 +217,7 @@ def test_a_veto_holds_new_and_chunked_prefills_but_decodes_go_on():
             self.calls.append(kw)
             return False
 
-    cfg = SchedulerConfig(num_kvcache_blocks=32, block_size=4, max_num_batched_tokens=8)
+    cfg = scheduler_config(num_kvcache_blocks=32, block_size=4, max_num_batched_tokens=8)
     sched = Scheduler(cfg)
     model = FakeModel(FakeKV(32, 4))
     decoding = Sequence([3, 4, 5], SamplingParams(max_tokens=20))
@@ -239,8 +239,8 @@ def test_two_simulated_dp_ranks_prefill_in_the_same_ticks():
     group = InProcessGroup(2, timeout_s=5.0)
     scheds, models = [], []
     for r in range(2):
-        d = PrefillDelayer(group.rank(r), "align", max_delay_passes=1000)
-        scheds.append(Scheduler(SchedulerConfig(num_kvcache_blocks=64, block_size=4), prefill_delayer=d))
+        d = make_delayer(group.rank(r), "align", max_delay_passes=1000)
+        scheds.append(Scheduler(scheduler_config(num_kvcache_blocks=64, block_size=4), prefill_delayer=d))
         models.append(FakeModel(FakeKV(64, 4)))
     kinds = [[], []]
     arrivals = {0: {0: [3, 4, 5]}, 1: {3: [6, 7, 8, 9]}}  # rank -> tick -> prompt
@@ -264,4 +264,4 @@ def test_two_simulated_dp_ranks_prefill_in_the_same_ticks():
 def test_single_rank_collective_and_bad_policy():
     assert SingleRank().all_reduce_sum(np.array([1, 2])).tolist() == [1, 2]
     with pytest.raises(ValueError, match="policy"):
-        PrefillDelayer(SingleRank(), "greedy")
+        make_delayer(SingleRank(), "greedy")

@@ -23,9 +23,9 @@ from pathlib import Path
 import pytest
 import yaml
 
+from launch.process import free_port, http
 from launch.ray_cluster import READY_LINE
-from tests.conftest import free_port
-from tests.server_fixtures import ENGINE_ARGS, http, model_dir, start_server
+from tests.server_fixtures import ENGINE_ARGS, model_dir, start_server
 
 pytestmark = [pytest.mark.e2e, pytest.mark.timeout(900)]
 

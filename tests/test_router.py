@@ -11,10 +11,11 @@ from types import SimpleNamespace
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from benchmarks.fake_engine import FakeEngine
 from router.app import RouterConfig
 from router.policies import PowerOfTwo, RandomChoice, RoundRobin, make_policy
 from router.workers import CircuitBreaker, normalize_url
-from tests.fake_workers import Cluster, FakeEngine, LoopThread, http, wait_until
+from tests.fake_workers import Cluster, LoopThread, http, wait_until
 
 COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 4}
 

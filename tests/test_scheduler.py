@@ -11,13 +11,13 @@ import pytest
 from scheduler.scheduler import ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
 import scheduler.scheduler as scheduler_module
-from tests.fake_connector import FakeKV, FakeModel, prompt, reference_completion, step
+from tests.fake_connector import FakeKV, scheduler_config, FakeModel, prompt, reference_completion, step
 
 pytestmark = pytest.mark.unit
 
 
 def make(num_blocks=64, spec=0, detokenize=None, **kw):
-    cfg = SchedulerConfig(num_kvcache_blocks=num_blocks, block_size=kw.pop("block_size", 4),
+    cfg = scheduler_config(num_kvcache_blocks=num_blocks, block_size=kw.pop("block_size", 4),
                           num_speculative_tokens=spec, **kw)
     sched = Scheduler(cfg, detokenize=detokenize)
     return sched, FakeModel(FakeKV(num_blocks, cfg.block_size), spec)
@@ -105,7 +105,7 @@ def test_a_chunk_that_does_not_finish_the_prompt_produces_no_tokens():
     sched.add(seq)
     batch, updates = step(sched, model)
     assert batch.needs_sample.tolist() == [False] and updates == []
-    assert seq.num_cached_tokens == 8 and seq.num_completion_tokens == 0
+    assert seq.num_computed_tokens == 8 and seq.num_completion_tokens == 0
     emitted, _ = run(sched, model)
     assert emitted[seq.id] == reference_completion(seq.prompt_token_ids, 3)
 
@@ -126,8 +126,8 @@ def test_second_request_with_the_same_prefix_hits_the_cache_and_gets_the_same_to
     exact = Sequence(shared, SamplingParams(max_tokens=3))
     sched.extend([second, exact])
     emitted, _ = run(sched, model)
-    assert second.prefix_cache_hit_tokens == 12  # 3 full blocks
-    assert exact.prefix_cache_hit_tokens == 8  # its last block holds the last prompt token
+    assert second.num_cached_tokens == 12  # 3 full blocks
+    assert exact.num_cached_tokens == 8  # its last block holds the last prompt token
     assert emitted[second.id] == reference_completion(second.prompt_token_ids, 3)
     assert emitted[exact.id] == reference_completion(shared, 3)
     assert sched.cache_stats.hits == 20 and sched.cache_stats.queries == 13 + 13 + 12
@@ -135,7 +135,7 @@ def test_second_request_with_the_same_prefix_hits_the_cache_and_gets_the_same_to
     third = Sequence(shared + [11])
     sched.add(third)
     sched.schedule()
-    assert third.prefix_cache_hit_tokens == 0
+    assert third.num_cached_tokens == 0
 
 
 def test_concurrent_identical_prompts_do_not_share_unpublished_blocks():
@@ -144,7 +144,7 @@ def test_concurrent_identical_prompts_do_not_share_unpublished_blocks():
     a, b = Sequence(p, SamplingParams(max_tokens=2)), Sequence(p, SamplingParams(max_tokens=2))
     sched.extend([a, b])
     batch = sched.schedule()
-    assert batch.seqs == [a, b] and b.prefix_cache_hit_tokens == 0
+    assert batch.seqs == [a, b] and b.num_cached_tokens == 0
     assert set(a.block_table).isdisjoint(b.block_table)
 
 
@@ -295,7 +295,7 @@ def test_postprocess_rejects_output_for_another_batch():
     sched, model = make()
     sched.add(Sequence([3, 4, 5]))
     batch = sched.schedule()
-    with pytest.raises(ValueError, match="req_ids"):
+    with pytest.raises(ValueError, match="seq_ids"):
         sched.postprocess(batch, ScheduledBatchOutput([-1], [[3]]))
 
 
@@ -304,7 +304,7 @@ def test_numpy_tokens_become_python_ints_and_counters_do_not_wrap():
     seq = Sequence(np.array([3, 4, 5], dtype=np.int32).tolist())
     sched.add(seq)
     batch = sched.schedule()
-    sched.postprocess(batch, ScheduledBatchOutput(batch.req_ids, [[np.int32(9)]]))
+    sched.postprocess(batch, ScheduledBatchOutput(batch.seq_ids, [[np.int32(9)]]))
     assert type(seq.token_ids[-1]) is int
     sched.cache_stats.hits = sched.cache_stats.queries = 2**31 - 1
     sched.cache_stats.update(10, 10)
@@ -349,8 +349,12 @@ def test_get_next_batch_info_reports_prefill_then_decode():
 
 def test_config_validation_names_the_field():
     with pytest.raises(ValueError, match="block_size"):
-        SchedulerConfig(num_kvcache_blocks=4, block_size=0)
+        scheduler_config(num_kvcache_blocks=4, block_size=0)
     with pytest.raises(ValueError, match="scheduler_delay_factor"):
-        SchedulerConfig(num_kvcache_blocks=4, scheduler_delay_factor=-1)
+        scheduler_config(num_kvcache_blocks=4, scheduler_delay_factor=-1)
     with pytest.raises(ValueError, match="num_kvcache_blocks"):
-        SchedulerConfig(num_kvcache_blocks=0)
+        scheduler_config(num_kvcache_blocks=0)
+    with pytest.raises(TypeError, match="max_model_len"):  # the engine passes every value
+        SchedulerConfig(num_kvcache_blocks=4, max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
+                        enable_prefix_caching=True, enable_chunked_prefill=True, scheduler_delay_factor=0.0,
+                        long_prefill_token_threshold=0)

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import pytest
 
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
-from tests.fake_connector import FakeConnector, FakeKV, FakeModel, prompt, reference_completion, step
+from tests.fake_connector import FakeConnector, scheduler_config, FakeKV, FakeModel, prompt, reference_completion, step
 
 pytestmark = pytest.mark.unit
 NB, BS = 32, 4
@@ -18,7 +18,7 @@ NB, BS = 32, 4
 
 class Engine:
     def __init__(self, role, peer=None, spec=0, policy="fail", **kw):
-        cfg = SchedulerConfig(num_kvcache_blocks=NB, block_size=BS, num_speculative_tokens=spec,
+        cfg = scheduler_config(num_kvcache_blocks=NB, block_size=BS, num_speculative_tokens=spec,
                               max_num_batched_tokens=kw.pop("max_num_batched_tokens", 64), **kw)
         self.kv = FakeKV(NB, BS)
         self.conn = FakeConnector(role, self.kv, peer.conn if peer else None, policy)
@@ -129,7 +129,7 @@ def test_consumer_reuses_its_own_prefix_hit_and_pulls_only_the_rest():
     d.sched.add(dseq)
     batch = d.sched.schedule()
     assert batch.connector_meta.loads[0][3] == 2  # first block to pull
-    assert dseq.num_cached_tokens == 8
+    assert dseq.num_computed_tokens == 8
     d.conn.start_load_kv(batch.connector_meta)
     d.sched.update_from_kv_connector_output(d.conn.get_finished())
     d.run()
@@ -146,7 +146,7 @@ def test_received_prompt_blocks_enter_the_consumers_prefix_cache():
     again = Sequence(tokens + [7], SamplingParams(max_tokens=2))
     d.sched.add(again)
     d.run()
-    assert again.prefix_cache_hit_tokens == 12
+    assert again.num_cached_tokens == 12
     assert d.out[again.id] == reference_completion(tokens + [7], 2)
 
 
@@ -295,7 +295,7 @@ def test_a_remote_prompt_filling_max_model_len_is_rejected_on_the_consumer():
 
 
 def test_connector_factory_builds_registered_backends_and_names_bad_input():
-    from kv_transfer.connector import create_connector, register_connector
+    from kv_transfer.factory import create_connector, register_connector
 
     register_connector("fake-test", lambda role, config: (role, config))
     assert create_connector("fake-test", "consumer", {"x": 1}) == ("consumer", {"x": 1})

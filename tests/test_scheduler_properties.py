@@ -10,9 +10,9 @@ from hypothesis import HealthCheck, settings, strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, rule
 
 from scheduler.block_manager import NO_HASH
-from scheduler.scheduler import Scheduler, SchedulerConfig
+from scheduler.scheduler import Scheduler
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
-from tests.fake_connector import (FakeConnector, FakeKV, FakeModel, next_token, prompt,
+from tests.fake_connector import (FakeConnector, scheduler_config, FakeKV, FakeModel, next_token, prompt,
                                   reference_completion, step)
 
 pytestmark = pytest.mark.unit
@@ -46,7 +46,7 @@ class SchedulerMachine(RuleBasedStateMachine):
                 num_blocks=st.integers(4, 40), budget=st.sampled_from([8, 16, 64]),
                 max_seqs=st.integers(1, 4), chunked=st.booleans(), prefix=st.booleans())
     def setup(self, role, policy, spec, num_blocks, budget, max_seqs, chunked, prefix):
-        self.cfg = SchedulerConfig(num_kvcache_blocks=num_blocks, block_size=BS, max_num_seqs=max_seqs,
+        self.cfg = scheduler_config(num_kvcache_blocks=num_blocks, block_size=BS, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
                                    enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
                                    num_speculative_tokens=spec)

@@ -4,7 +4,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
+from scheduler.sequence import ErrorCode, SamplingParams, Sequence, SequenceStatus
 
 pytestmark = pytest.mark.unit
 
@@ -39,7 +39,7 @@ def test_sampling_params_roundtrip_msgpack_and_validate_on_decode():
 
 
 def test_sequence_views_and_unique_ids():
-    a = Sequence([5, 6, 7], SamplingParams(), request_id="r1", kv_transfer_params={"x": 1})
+    a = Sequence([5, 6, 7], SamplingParams(), request_id="r1", kv_transfer_params={"transfer_id": "t1"})
     b = Sequence([5])
     assert a.id != b.id and a.request_id == "r1" and b.request_id == str(b.id)
     a.token_ids += [8, 9]
@@ -57,5 +57,7 @@ def test_sequence_views_and_unique_ids():
 def test_finish_reason_maps_leave_reason_to_openai(leave, finish):
     seq = Sequence([1])
     seq.leave_reason = leave
+    if leave.startswith("unschedulable"):  # the scheduler sets both when it rejects
+        seq.error_code = ErrorCode.UNSCHEDULABLE
     assert seq.finish_reason == finish
     assert (seq.error is not None) == leave.startswith("unschedulable")

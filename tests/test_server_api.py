@@ -12,7 +12,8 @@ import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_fixtures import MAX_MODEL_LEN, http, model_dir, start_server
+from launch.process import http
+from tests.server_fixtures import MAX_MODEL_LEN, model_dir, start_server
 
 pytestmark = pytest.mark.integration
 

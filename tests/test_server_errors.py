@@ -11,7 +11,8 @@ import time
 
 import pytest
 
-from tests.server_fixtures import MAX_MODEL_LEN, http, model_dir, start_server
+from launch.process import http
+from tests.server_fixtures import MAX_MODEL_LEN, model_dir, start_server
 
 pytestmark = pytest.mark.integration
 

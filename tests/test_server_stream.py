@@ -10,7 +10,8 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.server_fixtures import http, model_dir, start_server
+from launch.process import http
+from tests.server_fixtures import model_dir, start_server
 
 pytestmark = pytest.mark.integration
 

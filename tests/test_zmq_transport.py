@@ -35,7 +35,7 @@ from kv_transfer.zmq_transport import (
     encode,
     plan_messages,
 )
-from tests.conftest import free_port
+from launch.process import free_port
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 3 * 1024 + 17  # odd on purpose: nothing may assume alignment

@@ -1,0 +1,332 @@
+"""The API process's handle on its engine core(s) (the API side of the IPC; no torch).
+
+`EngineClient` is what the server uses; two classes satisfy it:
+- `EngineCoreClient`: one core process (spawned here) over two ZMQ ipc sockets carrying
+  the messages of atomd/messages.py. It watches the process sentinel: when the core dies
+  every waiting request fails with `EngineDeadError` at once.
+- `DPEngineClient`: N ranks, one EngineCoreClient each, each with its own KV cache and
+  prefix cache. A new request goes to the least-loaded live rank (its requests in flight,
+  i.e. waiting + running there; ties to the lower rank) unless the request names a rank;
+  it stays on that rank for its lifetime (its stream lives in that rank's client, aborts
+  follow it). The server is ready only while every rank lives: a DP engine with a dead
+  rank is dead as a unit (vLLM's rule), though the requests already on the live ranks run
+  to their end.
+"""
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import multiprocessing
+import os
+import re
+import shutil
+import tempfile
+from typing import Any, Callable, Protocol
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from atomd.core import run_engine_core
+from atomd.messages import (AbortRequests, AddRequest, InputMessage, OutputMessage, Ready, RequestOutput,
+                            StepOutputs, UtilityCall, UtilityResult)
+from launch.process import free_port
+from kv_transfer.params import KVTransferParams
+from scheduler.sequence import SamplingParams
+
+logger = logging.getLogger("atomd.core_client")
+
+_SUMMED = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries",
+           "prefix_cache_hits", "num_preemptions")
+
+
+class EngineDeadError(RuntimeError):
+    """The engine core process is gone (or failed to start)."""
+
+
+class RequestStream:
+    """Deltas of one request, pushed by the output reader, pulled by its HTTP handler."""
+
+    def __init__(self) -> None:
+        self.queue: asyncio.Queue[RequestOutput | BaseException] = asyncio.Queue()
+
+    async def next_batch(self) -> list[RequestOutput]:
+        """Every delta that arrived since the last call (at least one), coalesced so a slow
+        writer catches up in one chunk instead of one chunk per token."""
+        items = [await self.queue.get()]
+        while not self.queue.empty():
+            items.append(self.queue.get_nowait())
+        for item in items:
+            if isinstance(item, BaseException):
+                raise item
+        return items
+
+
+class EngineClient(Protocol):
+    """What the server needs of its engine, one core or N DP ranks."""
+
+    dead: str | None  # why the engine is gone, or None
+
+    @property
+    def alive(self) -> bool: ...
+
+    @property
+    def streams(self) -> dict[str, RequestStream]: ...  # requests in flight, by id
+
+    @property
+    def aborting(self) -> set[str]: ...  # aborted here, the engine's confirmation still due
+
+    async def start(self, timeout_s: float = 600.0) -> Ready: ...
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: KVTransferParams | None = None,
+                    dp_rank: int | None = None) -> RequestStream: ...
+
+    def abort(self, request_id: str) -> None: ...
+
+    async def call(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any: ...
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None: ...
+
+
+class EngineCoreClient:
+    """The API process's handle on the core: start it, send requests, receive deltas."""
+
+    def __init__(self, config: Any, on_abort_confirmed: Callable[[], None] | None = None):
+        self.config = config
+        self.on_abort_confirmed = on_abort_confirmed
+        self.streams: dict[str, RequestStream] = {}
+        self.aborting: set[str] = set()  # aborted here, the engine's final output still due
+        self.calls: dict[int, asyncio.Future] = {}
+        self.call_ids = itertools.count()
+        self.dead: str | None = None  # why the core is gone
+        self.ready: asyncio.Future[Ready] | None = None
+        self.proc: multiprocessing.process.BaseProcess | None = None
+        self.encoder = msgspec.msgpack.Encoder()
+        self.decoder = msgspec.msgpack.Decoder(OutputMessage)
+
+    async def start(self, timeout_s: float = 600.0) -> Ready:
+        """Spawn the core and wait for its Ready (or its death, or the deadline)."""
+        loop = asyncio.get_running_loop()
+        self.ipc_dir = tempfile.mkdtemp(prefix="atomd-core-")
+        in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
+        self.sync_ctx, self.async_ctx = zmq.Context(), zmq.asyncio.Context()
+        self.inp = self.sync_ctx.socket(zmq.PUSH)
+        self.inp.setsockopt(zmq.SNDHWM, 0)  # never block the event loop on a send
+        self.inp.bind(in_addr)
+        self.out = self.async_ctx.socket(zmq.PULL)
+        self.out.setsockopt(zmq.RCVHWM, 0)
+        self.out.bind(out_addr)
+        self.ready = loop.create_future()
+        self.reader = asyncio.create_task(self.read_outputs())
+        self.proc = multiprocessing.get_context("spawn").Process(
+            target=run_engine_core, args=(self.config, in_addr, out_addr, os.getpid()),
+            name="atomd-engine-core", daemon=True)
+        self.proc.start()
+        loop.add_reader(self.proc.sentinel, self.on_core_exit)
+        return await asyncio.wait_for(asyncio.shield(self.ready), timeout_s)
+
+    @property
+    def alive(self) -> bool:
+        return self.dead is None and self.ready is not None and self.ready.done() \
+            and not self.ready.exception()
+
+    def send(self, msg: InputMessage) -> None:
+        if self.dead is not None:
+            raise EngineDeadError(self.dead)
+        self.inp.send(self.encoder.encode(msg), copy=False)
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: KVTransferParams | None = None,
+                    dp_rank: int | None = None) -> RequestStream:
+        """`dp_rank`: this client is one rank; the server checked that any rank asked for is 0."""
+        stream = RequestStream()
+        self.send(AddRequest(request_id, prompt_token_ids, params, kv_transfer_params))
+        self.streams[request_id] = stream
+        return stream
+
+    def abort(self, request_id: str) -> None:
+        """Forget the request here and free it in the engine (no-op once the core is dead)."""
+        if self.streams.pop(request_id, None) is not None and self.dead is None:
+            self.aborting.add(request_id)
+            self.send(AbortRequests([request_id]))
+
+    async def call(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
+        call_id = next(self.call_ids)
+        fut = asyncio.get_running_loop().create_future()
+        self.calls[call_id] = fut
+        try:
+            self.send(UtilityCall(call_id, method, list(args)))
+            return await asyncio.wait_for(fut, timeout_s)
+        finally:
+            self.calls.pop(call_id, None)
+
+    async def read_outputs(self) -> None:
+        while True:
+            frame = await self.out.recv(copy=False)
+            try:
+                msg = self.decoder.decode(frame.buffer)
+            except (msgspec.DecodeError, ValueError) as e:
+                logger.error("undecodable frame from engine core: %s", e)
+                continue
+            if isinstance(msg, StepOutputs):
+                self.dispatch(msg.outputs)
+            elif isinstance(msg, UtilityResult):
+                self.resolve(msg)
+            elif isinstance(msg, Ready):
+                self.ready.set_result(msg)
+            elif msg.fatal:
+                self.fail(msg.message)
+            else:
+                logger.error("engine core reported: %s", msg.message)
+
+    def dispatch(self, deltas: list[RequestOutput]) -> None:
+        for delta in deltas:
+            stream = self.streams.get(delta.request_id)
+            if stream is None:  # aborted here already: only the engine's confirmation matters
+                if delta.finished and delta.request_id in self.aborting:
+                    self.aborting.discard(delta.request_id)
+                    if delta.finish_reason == "abort" and self.on_abort_confirmed:
+                        self.on_abort_confirmed()
+                continue
+            if delta.finished:
+                del self.streams[delta.request_id]
+            stream.queue.put_nowait(delta)
+
+    def resolve(self, res: UtilityResult) -> None:
+        fut = self.calls.get(res.call_id)
+        if fut is None or fut.done():
+            return
+        if res.error is not None:
+            fut.set_exception(RuntimeError(res.error))
+        else:
+            fut.set_result(res.result)
+
+    def on_core_exit(self) -> None:
+        asyncio.get_running_loop().remove_reader(self.proc.sentinel)
+        self.proc.join(1)  # the sentinel fires as the process exits; reap it for its exit code
+        self.fail(self.dead or f"engine core process exited (exit code {self.proc.exitcode})")
+
+    def fail(self, reason: str) -> None:
+        """Fail everything waiting on the core, now and from here on."""
+        if self.dead is None:
+            logger.error("engine core is dead: %s", reason)
+        self.dead = reason
+        err = EngineDeadError(reason)
+        if not self.ready.done():
+            self.ready.set_exception(err)
+        for stream in self.streams.values():
+            stream.queue.put_nowait(err)
+        self.streams.clear()
+        self.aborting.clear()
+        for fut in self.calls.values():
+            if not fut.done():
+                fut.set_exception(err)
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        self.dead = self.dead or "engine core shut down"  # an expected exit, not an error to log
+        if self.proc is not None and self.proc.is_alive():
+            self.proc.terminate()
+            deadline = asyncio.get_running_loop().time() + timeout_s
+            while self.proc.is_alive() and asyncio.get_running_loop().time() < deadline:
+                await asyncio.sleep(0.05)
+            if self.proc.is_alive():
+                self.proc.kill()
+            self.proc.join(1)
+        self.reader.cancel()
+        self.inp.close(linger=0)
+        self.out.close(linger=0)
+        self.sync_ctx.term()
+        self.async_ctx.term()
+        shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def rank_config(config: Any, rank: int, master_port: int) -> Any:
+    """Rank `rank`'s EngineConfig: its index, the group's port, its KV-events port (+ rank)."""
+    events = config.kv_events_endpoint
+    if events is not None:
+        m = re.fullmatch(r"(.*:)(\d+)", events)
+        if m is None:
+            raise ValueError(f"kv_events_endpoint must end in :PORT with data_parallel_size > 1, got {events!r}")
+        events = f"{m.group(1)}{int(m.group(2)) + rank}"
+    return msgspec.structs.replace(config, data_parallel_rank=rank, dp_master_port=master_port,
+                                   kv_events_endpoint=events)
+
+
+def make_engine_client(config: Any, on_abort_confirmed: Callable[[], None] | None = None) -> EngineClient:
+    if config.data_parallel_size == 1:
+        return EngineCoreClient(config, on_abort_confirmed=on_abort_confirmed)
+    return DPEngineClient(config, on_abort_confirmed=on_abort_confirmed)
+
+
+class DPEngineClient:
+    """EngineCoreClient's interface over N ranks (see the module docstring)."""
+
+    def __init__(self, config: Any, on_abort_confirmed: Callable[[], None] | None = None):
+        port = config.dp_master_port or free_port()
+        self.config = config
+        self.ranks = [EngineCoreClient(rank_config(config, r, port), on_abort_confirmed=on_abort_confirmed)
+                      for r in range(config.data_parallel_size)]
+
+    async def start(self, timeout_s: float = 600.0) -> Ready:
+        readies = await asyncio.gather(*(c.start(timeout_s) for c in self.ranks))
+        return readies[0]
+
+    @property
+    def alive(self) -> bool:
+        return all(c.alive for c in self.ranks)
+
+    @property
+    def dead(self) -> str | None:
+        return next((f"DP rank {r}: {c.dead}" for r, c in enumerate(self.ranks) if c.dead is not None), None)
+
+    @property
+    def streams(self) -> dict[str, RequestStream]:
+        return {rid: s for c in self.ranks for rid, s in c.streams.items()}
+
+    @property
+    def aborting(self) -> set[str]:
+        return set().union(*(c.aborting for c in self.ranks))
+
+    def place(self, dp_rank: int | None) -> int:
+        if dp_rank is not None:
+            return dp_rank
+        live = [r for r, c in enumerate(self.ranks) if c.dead is None]
+        if not live:
+            raise EngineDeadError(self.dead)
+        return min(live, key=lambda r: (len(self.ranks[r].streams) + len(self.ranks[r].aborting), r))
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                    kv_transfer_params: KVTransferParams | None = None,
+                    dp_rank: int | None = None) -> RequestStream:
+        return self.ranks[self.place(dp_rank)].add_request(request_id, prompt_token_ids, params,
+                                                           kv_transfer_params)
+
+    def rank_of(self, request_id: str) -> int | None:
+        return next((r for r, c in enumerate(self.ranks) if request_id in c.streams), None)
+
+    def abort(self, request_id: str) -> None:
+        rank = self.rank_of(request_id)
+        if rank is not None:
+            self.ranks[rank].abort(request_id)
+
+    async def call(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
+        """`stats`: the ranks' sums plus `ranks`, each rank's own; `kv_transfer_info`: rank 0's
+        answer plus `ranks` (each rank has its own side channel); `kv_transfer_abort`: True when
+        the rank holding the transfer revoked it; any other utility (e.g. reset_prefix_cache)
+        runs on every rank and answers True when every rank did."""
+        results = await asyncio.gather(*(c.call(method, *args, timeout_s=timeout_s) for c in self.ranks))
+        if method == "kv_transfer_info":
+            return {**results[0], "ranks": results}
+        if method == "kv_transfer_abort":
+            return any(results)
+        if method != "stats":
+            return all(results)
+        total: dict[str, Any] = {k: sum(s.get(k, 0) for s in results) for k in _SUMMED}
+        total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in results) / len(results)
+        total["ranks"] = results
+        return total
+
+    async def shutdown(self, timeout_s: float = 5.0) -> None:
+        await asyncio.gather(*(c.shutdown(timeout_s) for c in self.ranks if c.proc is not None))

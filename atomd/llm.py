@@ -1,0 +1,124 @@
+"""`LLM`: the offline API modelled on vLLM's (`LLM(model=None, **engine_args).generate(...)`),
+driving an LLMEngine in this process.
+"""
+from __future__ import annotations
+
+from typing import Any, Iterable
+
+import msgspec
+
+from atomd.config import EngineConfig
+from atomd.engine import LLMEngine
+from atomd.messages import RequestOutput
+from atomd.tokenizer import Tokenizer
+from scheduler.sequence import SamplingParams, Sequence
+from scheduler.stop import cut_at_stop
+
+TQDM_MIN_PROMPTS = 16  # a progress bar only where the wait is long enough to want one
+
+
+class CompletionOutput(msgspec.Struct):
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    logprobs: list[Any] | None = None  # per token {"logprob": lp, "top": [[id, lp], ...]}
+
+
+class GenerationOutput(msgspec.Struct):
+    """One prompt's result from `LLM.generate` (vLLM's offline RequestOutput)."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    num_cached_tokens: int = 0
+    error: str | None = None
+
+
+class LLM:
+    """Offline generation: `LLM(model=None, **engine_args).generate(prompts, sampling_params)`."""
+
+    def __init__(self, model: str | None = None, **engine_args: Any):
+        self._start(EngineConfig.from_kwargs(model=model, **engine_args))
+
+    @classmethod
+    def from_config(cls, config: EngineConfig) -> "LLM":
+        llm = cls.__new__(cls)
+        llm._start(config)
+        return llm
+
+    def _start(self, config: EngineConfig) -> None:
+        self.engine = LLMEngine(config)
+        self._counter = 0
+
+    def get_tokenizer(self) -> Tokenizer:
+        return self.engine.tokenizer
+
+    def generate(self, prompts: str | dict | Iterable[str | dict],
+                 sampling_params: SamplingParams | list[SamplingParams] | None = None,
+                 use_tqdm: bool = True) -> list[GenerationOutput]:
+        if isinstance(prompts, (str, dict)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
+        if len(params) != len(prompts):
+            raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        requests: dict[str, tuple[str | None, Sequence]] = {}
+        try:
+            for prompt, sp in zip(prompts, params):
+                text, ids = self._prompt_ids(prompt)
+                request_id = f"offline-{self._counter}"
+                self._counter += 1
+                requests[request_id] = (text, self.engine.add_request(request_id, ids, sp))
+        except ValueError:  # a bad prompt: the batch is refused whole, the engine left clean
+            for request_id in requests:
+                self.engine.abort_request(request_id)
+            raise
+        return self._run(requests, use_tqdm and len(prompts) >= TQDM_MIN_PROMPTS)
+
+    def _prompt_ids(self, prompt: str | dict) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            return prompt, self.engine.tokenizer.encode(prompt)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            return prompt.get("prompt"), [int(t) for t in prompt["prompt_token_ids"]]
+        if isinstance(prompt, dict) and "prompt" in prompt:
+            return prompt["prompt"], self.engine.tokenizer.encode(prompt["prompt"])
+        raise ValueError("prompts: each prompt must be a string or a dict with prompt_token_ids")
+
+    def _run(self, requests: dict[str, tuple[str | None, Sequence]], progress: bool) -> list[GenerationOutput]:
+        logprobs: dict[str, list] = {r: [] for r in requests}
+        done: dict[str, GenerationOutput] = {}
+        bar = None
+        if progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
+        try:
+            while len(done) < len(requests):
+                for out in self.engine.step():
+                    if out.request_id not in requests:
+                        continue
+                    if out.new_logprobs:
+                        logprobs[out.request_id].extend(out.new_logprobs)
+                    if out.finished:
+                        prompt, seq = requests[out.request_id]
+                        done[out.request_id] = self._final(out, prompt, seq, logprobs[out.request_id])
+                        if bar is not None:
+                            bar.update(1)
+        finally:
+            if bar is not None:
+                bar.close()
+        return [done[r] for r in requests]
+
+    def _final(self, out: RequestOutput, prompt: str | None, seq: Sequence, logprobs: list) -> GenerationOutput:
+        token_ids = seq.completion_token_ids
+        text = self.engine.tokenizer.decode(token_ids)
+        stop = seq.stop_reason
+        if isinstance(stop, str):  # the text ends at the stop string
+            text, _ = cut_at_stop(text, [stop], seq.sampling_params.include_stop_str_in_output)
+        completion = CompletionOutput(0, text, token_ids, out.finish_reason, stop, logprobs or None)
+        return GenerationOutput(out.request_id, prompt, seq.prompt_token_ids, [completion], True,
+                                out.num_cached_tokens, out.error)
