@@ -12,6 +12,7 @@ import argparse
 import statistics
 import time
 
+from atomd.config import EngineConfig
 from scheduler.scheduler import ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence
 
@@ -26,9 +27,14 @@ def fake_output(batch, spec: int) -> ScheduledBatchOutput:
 
 
 def make(num_seqs: int, prompt_len: int, prefix: bool, spec: int) -> Scheduler:
+    engine = EngineConfig()  # the engine's defaults, then this benchmark's shape
     cfg = SchedulerConfig(num_kvcache_blocks=num_seqs * (prompt_len + 4096) // 16 + 16,
                           max_num_seqs=num_seqs, max_num_batched_tokens=8192, max_model_len=8192,
-                          enable_prefix_caching=prefix, num_speculative_tokens=spec, eos_token_id=0)
+                          block_size=engine.block_size, enable_prefix_caching=prefix,
+                          enable_chunked_prefill=engine.enable_chunked_prefill,
+                          scheduler_delay_factor=engine.scheduler_delay_factor,
+                          long_prefill_token_threshold=engine.long_prefill_token_threshold,
+                          num_speculative_tokens=spec, eos_token_id=0)
     return Scheduler(cfg)
 
 
@@ -50,7 +56,8 @@ def timed_step(sched: Scheduler, spec: int) -> tuple[float, bool]:
 
 def decode_case(num_seqs: int, steps: int, prefix: bool, spec: int) -> float:
     sched = make(num_seqs, 128, prefix, spec)
-    sched.extend(prompts(num_seqs, 128))
+    for seq in prompts(num_seqs, 128):
+        sched.add(seq)
     while timed_step(sched, spec)[1]:
         pass  # get every sequence past its prefill
     return statistics.median(timed_step(sched, spec)[0] for _ in range(steps))
@@ -58,7 +65,8 @@ def decode_case(num_seqs: int, steps: int, prefix: bool, spec: int) -> float:
 
 def burst_case(num_reqs: int = 64, prompt_len: int = 1000) -> tuple[float, int]:
     sched = make(num_reqs, prompt_len, True, 0)
-    sched.extend(prompts(num_reqs, prompt_len))
+    for seq in prompts(num_reqs, prompt_len):
+        sched.add(seq)
     total, steps = 0.0, 0
     while True:
         dt, was_prefill = timed_step(sched, 0)

@@ -194,8 +194,9 @@ class BlockManager:
         needed = self.num_blocks_for(seq.num_tokens) - len(cached) + revived
         return len(cached) if needed <= self.pool.num_free else -1
 
-    def allocate(self, seq: Sequence, num_cached_blocks: int) -> None:
-        """Block table for every token of `seq`; the first `num_cached_blocks` are shared."""
+    def allocate(self, seq: Sequence, num_cached_blocks: int) -> int:
+        """Block table for every token of `seq`; the first `num_cached_blocks` are shared.
+        Returns the prefix-cache hit in tokens (their KV counts as computed)."""
         assert not seq.block_table, f"seq {seq.id} already holds blocks"
         cached = self._cached_prefix(seq)[:num_cached_blocks]
         for block in cached:  # before `take`, so eviction cannot pick a block we reuse
@@ -206,6 +207,7 @@ class BlockManager:
         seq.block_table = table
         seq.num_computed_tokens = len(cached) * self.block_size
         seq.num_published_blocks = len(cached)
+        return seq.num_computed_tokens
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
         """Blocks for `num_new_tokens` more positions; False (and nothing taken) if they do not fit."""

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import abc
 import logging
-import threading
 from collections import defaultdict
 
 import numpy as np
@@ -52,39 +51,6 @@ class SingleRank(Collective):
 
     def all_reduce_sum(self, vec: np.ndarray) -> np.ndarray:
         return np.asarray(vec, dtype=np.int64).copy()
-
-
-class InProcessGroup:
-    """N simulated ranks in one process (one thread per rank), for tests and benchmarks."""
-
-    def __init__(self, world_size: int, timeout_s: float = 10.0):
-        self.world_size = world_size
-        self.timeout_s = timeout_s
-        self._slots: list[np.ndarray | None] = [None] * world_size
-        self._barrier = threading.Barrier(world_size)
-        self._result: np.ndarray | None = None
-
-    def rank(self, r: int) -> "InProcessCollective":
-        if not 0 <= r < self.world_size:
-            raise ValueError(f"rank must be in [0, {self.world_size}), got {r}")
-        return InProcessCollective(self, r)
-
-    def _all_reduce(self, r: int, vec: np.ndarray) -> np.ndarray:
-        self._slots[r] = np.asarray(vec, dtype=np.int64)
-        if self._barrier.wait(self.timeout_s) == 0:  # one thread sums for all
-            self._result = np.sum(self._slots, axis=0, dtype=np.int64)
-        self._barrier.wait(self.timeout_s)
-        result = self._result.copy()
-        self._barrier.wait(self.timeout_s)  # nobody overwrites _result before all have read it
-        return result
-
-
-class InProcessCollective(Collective):
-    def __init__(self, group: InProcessGroup, rank: int):
-        self.group, self.rank, self.world_size = group, rank, group.world_size
-
-    def all_reduce_sum(self, vec: np.ndarray) -> np.ndarray:
-        return self.group._all_reduce(self.rank, vec)
 
 
 # The knobs, each an EngineConfig field `prefill_delayer_<knob>` (atomd/config.py holds the defaults)

@@ -176,10 +176,6 @@ class Scheduler:
         self._live[seq.id] = seq
         self.waiting.append(seq)
 
-    def extend(self, seqs: list[Sequence]) -> None:
-        for seq in seqs:
-            self.add(seq)
-
     def abort(self, seq_id: int) -> Sequence | None:
         """Stop a sequence; its blocks are freed exactly once (for a parked one, after its pull
         has stopped writing). Returns the aborted sequence, or None when none is live."""
@@ -319,11 +315,11 @@ class Scheduler:
         return int(num_external), bool(load_async)
 
     def _allocate(self, seq: Sequence, num_cached_blocks: int, tell_connector: bool) -> None:
-        self.block_manager.allocate(seq, num_cached_blocks)
+        hit_tokens = self.block_manager.allocate(seq, num_cached_blocks)
         if seq.first_scheduled_time is None:
             seq.first_scheduled_time = _now()
-            seq.num_cached_tokens = seq.num_computed_tokens
-        self.cache_stats.update(seq.num_computed_tokens, seq.num_tokens)
+            seq.num_cached_tokens = hit_tokens
+        self.cache_stats.update(hit_tokens, seq.num_tokens)
         if tell_connector:  # not for local-only sequences: the connector would load them again
             self.kv_connector.update_state_after_alloc(seq)
 
@@ -664,21 +660,3 @@ class Scheduler:
             count += 1
             tokens += new
         return count, tokens
-
-    def get_next_batch_info(self) -> tuple[bool, int, int]:
-        """(is_prefill, num_tokens, num_seqs) the next schedule() would roughly produce."""
-        budget = self.config.max_num_batched_tokens
-        if self._prefilling:
-            seq = next(iter(self._prefilling.values()))
-            return True, min(seq.num_tokens - seq.num_computed_tokens, budget), 1
-        if self.waiting:
-            num, tokens = 0, 0
-            for seq in self.waiting:
-                new = seq.num_tokens - seq.num_computed_tokens
-                if tokens + new > budget or num >= self.config.max_num_seqs:
-                    break
-                num, tokens = num + 1, tokens + new
-            if num:
-                return True, tokens, num
-        n = len(self.running)
-        return False, n, n

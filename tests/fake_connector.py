@@ -276,3 +276,8 @@ class FakeConnector(KVConnectorScheduler, KVConnectorWorker):
 
     def close(self):
         pass
+
+
+def add_all(scheduler: Scheduler, seqs: list) -> None:
+    for seq in seqs:
+        scheduler.add(seq)

@@ -7,7 +7,8 @@ import threading
 import numpy as np
 import pytest
 
-from scheduler.prefill_delayer import Collective, InProcessGroup, SingleRank
+from scheduler.prefill_delayer import Collective, SingleRank
+from tests.in_process_group import InProcessGroup
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SamplingParams, Sequence
 from tests.fake_connector import FakeKV, make_delayer, scheduler_config, FakeModel, step

@@ -11,7 +11,7 @@ import pytest
 from scheduler.scheduler import ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
 import scheduler.scheduler as scheduler_module
-from tests.fake_connector import FakeKV, scheduler_config, FakeModel, prompt, reference_completion, step
+from tests.fake_connector import FakeKV, add_all, scheduler_config, FakeModel, prompt, reference_completion, step
 
 pytestmark = pytest.mark.unit
 
@@ -44,7 +44,8 @@ def run(sched, model, max_steps=500):
 def test_many_requests_match_the_reference_and_free_every_block():
     sched, model = make(num_blocks=64, max_num_batched_tokens=32, max_num_seqs=5)
     seqs = [Sequence(prompt(i, 5 + 7 * i), SamplingParams(max_tokens=6 + i)) for i in range(8)]
-    sched.extend(seqs)
+    for seq in seqs:
+        sched.add(seq)
     emitted, finished = run(sched, model)
     for i, seq in enumerate(seqs):
         assert emitted[seq.id] == reference_completion(seq.prompt_token_ids, 6 + i)
@@ -55,7 +56,8 @@ def test_many_requests_match_the_reference_and_free_every_block():
 def test_decode_schedules_exactly_one_token_per_sequence_its_last():
     sched, model = make()
     seqs = [Sequence(prompt(i, 6), SamplingParams(max_tokens=4)) for i in range(3)]
-    sched.extend(seqs)
+    for seq in seqs:
+        sched.add(seq)
     step(sched, model)  # prefill
     batch = sched.schedule()
     assert not batch.is_prefill
@@ -73,7 +75,7 @@ def test_decode_schedules_exactly_one_token_per_sequence_its_last():
 def test_unschedulable_requests_are_rejected_with_a_reason_and_surface_as_finished(kw, tokens, match):
     sched, model = make(**kw)
     bad, good = Sequence(list(range(2, 2 + tokens))), Sequence([5, 6, 7], SamplingParams(max_tokens=2))
-    sched.extend([bad, good])
+    add_all(sched, [bad, good])
     batch = sched.schedule()
     assert batch.seqs == [good]  # the rejected one does not block the queue
     assert not sched.is_finished()
@@ -87,13 +89,13 @@ def test_unschedulable_requests_are_rejected_with_a_reason_and_surface_as_finish
 def test_budget_truncated_chunks_end_on_the_block_grid_no_slivers():
     sched, _ = make(num_blocks=2048, block_size=16, max_num_batched_tokens=16384, max_model_len=32768)
     a, b = Sequence([3] * 16374), Sequence([4] * 100)
-    sched.extend([a, b])
+    add_all(sched, [a, b])
     batch = sched.schedule()
     assert batch.seqs == [a] and batch.num_scheduled_tokens.tolist() == [16374]
     # a long prompt is cut at a block boundary, and the next one is not given the 10-token rest
     sched2, _ = make(num_blocks=2048, block_size=16, max_num_batched_tokens=16384, max_model_len=32768)
     c, d = Sequence([5] * 16000), Sequence([6] * 1000)
-    sched2.extend([c, d])
+    add_all(sched2, [c, d])
     batch = sched2.schedule()
     assert batch.num_scheduled_tokens.tolist() == [16000, 384]
     assert batch.needs_sample.tolist() == [True, False]
@@ -112,7 +114,7 @@ def test_a_chunk_that_does_not_finish_the_prompt_produces_no_tokens():
 
 def test_long_prefill_token_threshold_caps_each_chunk():
     sched, _ = make(max_num_batched_tokens=64, long_prefill_token_threshold=8)
-    sched.extend([Sequence(prompt(1, 20)), Sequence(prompt(2, 20))])
+    add_all(sched, [Sequence(prompt(1, 20)), Sequence(prompt(2, 20))])
     assert sched.schedule().num_scheduled_tokens.tolist() == [8, 8]
 
 
@@ -124,7 +126,7 @@ def test_second_request_with_the_same_prefix_hits_the_cache_and_gets_the_same_to
     run(sched, model)
     second = Sequence(shared + [11], SamplingParams(max_tokens=3))
     exact = Sequence(shared, SamplingParams(max_tokens=3))
-    sched.extend([second, exact])
+    add_all(sched, [second, exact])
     emitted, _ = run(sched, model)
     assert second.num_cached_tokens == 12  # 3 full blocks
     assert exact.num_cached_tokens == 8  # its last block holds the last prompt token
@@ -142,7 +144,7 @@ def test_concurrent_identical_prompts_do_not_share_unpublished_blocks():
     sched, model = make(max_num_batched_tokens=64)
     p = prompt(3, 13)
     a, b = Sequence(p, SamplingParams(max_tokens=2)), Sequence(p, SamplingParams(max_tokens=2))
-    sched.extend([a, b])
+    add_all(sched, [a, b])
     batch = sched.schedule()
     assert batch.seqs == [a, b] and b.num_cached_tokens == 0
     assert set(a.block_table).isdisjoint(b.block_table)
@@ -151,7 +153,8 @@ def test_concurrent_identical_prompts_do_not_share_unpublished_blocks():
 def test_preempted_sequences_are_restored_and_complete_with_the_reference_tokens():
     sched, model = make(num_blocks=10, max_num_batched_tokens=64, max_num_seqs=4)
     seqs = [Sequence(prompt(i, 6), SamplingParams(max_tokens=14)) for i in range(4)]
-    sched.extend(seqs)
+    for seq in seqs:
+        sched.add(seq)
     emitted, _ = run(sched, model)
     assert sched.num_preemptions > 0
     for seq in seqs:
@@ -229,7 +232,8 @@ def test_max_model_len_caps_generation():
 def test_speculative_tokens_give_the_reference_tokens_and_count_acceptance():
     sched, model = make(spec=2, max_num_batched_tokens=64)
     seqs = [Sequence(prompt(i, 7), SamplingParams(max_tokens=15)) for i in range(3)]
-    sched.extend(seqs)
+    for seq in seqs:
+        sched.add(seq)
     emitted, _ = run(sched, model)
     for seq in seqs:
         assert emitted[seq.id] == reference_completion(seq.prompt_token_ids, 15)
@@ -263,7 +267,7 @@ def test_speculative_tokens_past_a_stop_are_cut():
 def test_abort_frees_blocks_once_for_waiting_and_running_sequences():
     sched, model = make(num_blocks=16, max_num_seqs=1)
     running, waiting = Sequence(prompt(1, 9)), Sequence(prompt(2, 9))
-    sched.extend([running, waiting])
+    add_all(sched, [running, waiting])
     step(sched, model)
     assert sched.block_manager.num_free_blocks == 16 - 3
     assert sched.abort(waiting.id) is waiting and waiting.status is SequenceStatus.ABORTED
@@ -285,7 +289,7 @@ def test_a_sequence_aborted_between_schedule_and_postprocess_is_skipped():
 
 def test_running_never_exceeds_max_num_seqs():
     sched, model = make(max_num_seqs=3, max_num_batched_tokens=64)
-    sched.extend([Sequence(prompt(i, 4), SamplingParams(max_tokens=5)) for i in range(7)])
+    add_all(sched, [Sequence(prompt(i, 4), SamplingParams(max_tokens=5)) for i in range(7)])
     while not sched.is_finished():
         step(sched, model)
         assert len(sched.running) <= 3
@@ -337,14 +341,6 @@ def test_kv_events_are_recorded_when_enabled():
     events = sched.block_manager.take_events()
     assert [type(e).__name__ for e in events] == ["BlockStored"]
     assert events[0].token_ids == seq.token_ids[:8] and len(events[0].block_hashes) == 2
-
-
-def test_get_next_batch_info_reports_prefill_then_decode():
-    sched, model = make(max_num_batched_tokens=64)
-    sched.extend([Sequence(prompt(1, 5)), Sequence(prompt(2, 6))])
-    assert sched.get_next_batch_info() == (True, 11, 2)
-    step(sched, model)
-    assert sched.get_next_batch_info() == (False, 2, 2)
 
 
 def test_config_validation_names_the_field():

@@ -10,7 +10,7 @@ import pytest
 
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
-from tests.fake_connector import FakeConnector, scheduler_config, FakeKV, FakeModel, prompt, reference_completion, step
+from tests.fake_connector import FakeConnector, add_all, scheduler_config, FakeKV, FakeModel, prompt, reference_completion, step
 
 pytestmark = pytest.mark.unit
 NB, BS = 32, 4
@@ -109,7 +109,7 @@ def test_full_pd_round_frees_both_sides_and_matches_colocated_output():
         pseq = prefill_on_p(p, tokens, transfer_id=f"t{i}")
         dseqs.append(Sequence(tokens, SamplingParams(max_tokens=6),
                               kv_transfer_params=pseq.kv_transfer_params_output))
-    d.sched.extend(dseqs)
+    add_all(d.sched, dseqs)
     d.run()
     p.run()
     for tokens, seq in zip(prompts, dseqs):
@@ -252,7 +252,7 @@ def test_running_plus_parked_never_exceeds_max_num_seqs_and_promotion_goes_first
                                kv_transfer_params=pseq.kv_transfer_params_output))
     fresh = Sequence(prompt(30, 6), SamplingParams(max_tokens=3))
     d.conn.hold_pulls = True
-    d.sched.extend(remote + [fresh])
+    add_all(d.sched, remote + [fresh])
     d.step()
     assert len(d.sched.parked) == 2 and fresh.status is SequenceStatus.WAITING
     for seq in remote:
