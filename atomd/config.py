@@ -13,6 +13,8 @@ from typing import Any
 
 import msgspec
 
+from kv_transfer.trust import SECRET_ENV
+
 DTYPES = ("float32", "bfloat16", "float16")
 KV_ROLES = ("both", "producer", "consumer")
 KV_TRANSFER_BACKENDS = ("zmq",)  # mooncake: not implemented yet
@@ -49,6 +51,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_lease_s: float = 30.0  # P holds a finished prompt's blocks this long without a heartbeat
     kv_recv_timeout_s: float = 10.0  # D gives up a pull after P is silent this long
     kv_load_failure_policy: str = "fail"  # D after a failed pull: error out, or prefill locally
+    # D's trust in producers (kv_transfer/trust.py): params signed with this secret, and/or
+    # producers at these hosts / networks; neither: loopback producers only
+    kv_params_secret_file: str | None = None  # else $ATOMD_KV_PARAMS_SECRET
+    kv_trusted_producers: str | None = None  # comma-separated, e.g. "10.0.0.0/8,prefill-0.svc"
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
     kv_events_endpoint: str | None = None
@@ -104,6 +110,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.data_parallel_rank >= self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be < data_parallel_size={self.data_parallel_size}, "
                              f"got {self.data_parallel_rank}")
+        if self.kv_params_secret_file is not None and not os.path.isfile(self.kv_params_secret_file):
+            raise ValueError(f"kv_params_secret_file {self.kv_params_secret_file!r} is not a file")
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"model must be a local Hugging Face checkpoint directory, got {self.model!r}")
 
@@ -120,6 +128,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if isinstance(kwargs.get("kv_cache_memory"), str):
             kwargs["kv_cache_memory"] = parse_bytes(kwargs["kv_cache_memory"], "kv_cache_memory")
         return cls(**kwargs)
+
+    def trusted_producers(self) -> list[str]:
+        return [h.strip() for h in (self.kv_trusted_producers or "").split(",") if h.strip()]
 
     def num_threads_or_all(self) -> int:
         return self.num_threads or os.cpu_count() or 1
@@ -171,6 +182,10 @@ HELP = {
     "kv_lease_s": "producer: seconds a finished prompt's blocks stay pinned without a heartbeat",
     "kv_recv_timeout_s": "consumer: seconds a pull may see nothing from the producer before it fails",
     "kv_load_failure_policy": "consumer after a failed pull: fail the request, or recompute the prompt locally",
+    "kv_params_secret_file": "file holding the secret the router signs kv_transfer_params with; a consumer "
+                             f"then pulls only for params signed with it (default: ${SECRET_ENV})",
+    "kv_trusted_producers": "comma-separated hosts / networks a consumer may pull KV from (default: loopback "
+                            "only, unless a kv_transfer_params secret is set)",
     "kv_events_endpoint": "ZMQ PUB endpoint for KV events (accepted, not published yet: the router's "
                           "KV-events work builds the publisher)",
     "prefill_delayer": "keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)",

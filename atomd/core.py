@@ -27,6 +27,7 @@ import zmq
 
 from atomd.messages import (UTILITY_METHODS, AbortRequests, AddRequest, CoreError, InputMessage, OutputMessage,
                             Ready, RequestOutput, StepOutputs, UtilityCall, UtilityResult)
+from kv_transfer.trust import UntrustedKVParams
 from scheduler.sequence import ErrorCode
 
 logger = logging.getLogger("atomd.core")
@@ -93,10 +94,11 @@ class EngineCore:
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                         kv_transfer_params=msg.kv_transfer_params)
-            except ValueError as e:  # refused on arrival: the API answers a 400
+            except ValueError as e:  # refused on arrival: the API answers a 4xx
+                code = ErrorCode.KV_PARAMS_UNTRUSTED if isinstance(e, UntrustedKVParams) else ErrorCode.INVALID_REQUEST
                 self.send(StepOutputs([RequestOutput(
                     msg.request_id, [], None, True, None, len(msg.prompt_token_ids), 0, error=str(e),
-                    error_code=ErrorCode.INVALID_REQUEST)]))
+                    error_code=code)]))
         elif isinstance(msg, AbortRequests):
             for request_id in msg.request_ids:
                 self.engine.abort_request(request_id)

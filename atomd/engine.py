@@ -24,6 +24,7 @@ from atomd.messages import RequestOutput
 from kv_transfer.connector import KVConnectorConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.params import KVTransferParams, compat_fingerprint
+from kv_transfer.trust import load_secret
 from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence
@@ -85,7 +86,8 @@ class LLMEngine:
         scheduler_side, worker_side = create_connector(cfg.kv_transfer_backend, cfg.kv_role, KVConnectorConfig(
             block_size=cfg.block_size, compat=self.compat, side_channel_host=cfg.kv_side_channel_host,
             side_channel_port=port, lease_s=cfg.kv_lease_s, recv_timeout_s=cfg.kv_recv_timeout_s,
-            load_failure_policy=cfg.kv_load_failure_policy, dp_rank=cfg.data_parallel_rank))
+            load_failure_policy=cfg.kv_load_failure_policy, dp_rank=cfg.data_parallel_rank,
+            params_secret=load_secret(path=cfg.kv_params_secret_file), trusted_producers=cfg.trusted_producers()))
         worker_side.register_kv_caches(self.kv_cache.as_numpy_blocks())
         return scheduler_side
 

@@ -67,9 +67,11 @@ class EngineStatsCollector:
         for name, key, doc in (("kv_transfer_failures", "failures", "Refused reads (producer) or failed "
                                 "pulls (consumer), by reason."),
                                ("pd_fallback", "fallbacks", "Failed pulls recomputed locally (consumer), "
-                                "by reason.")):
+                                "by reason."),
+                               ("kv_params_refused", "params_refused", "Requests whose kv_transfer_params "
+                                "were not trusted (consumer), by reason; refused before any connection.")):
             family = CounterMetricFamily(f"atomd:{name}", doc, labels=LABELS + ("reason",))
-            for reason, n in sorted(kv[key].items()):
+            for reason, n in sorted(kv.get(key, {}).items()):
                 family.add_metric(self.labels + [reason], float(n))
             yield family
         seconds = kv["seconds"]

@@ -61,7 +61,8 @@ OPEN_PATHS = ("/health", "/ready", "/metrics")
 RANK_HEADER = "X-data-parallel-rank"
 ERROR_STATUS = {ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
                 ErrorCode.UNSCHEDULABLE: (400, "invalid_request_error"),
-                ErrorCode.KV_TRANSFER_FAILED: (503, "service_unavailable")}
+                ErrorCode.KV_TRANSFER_FAILED: (503, "service_unavailable"),
+                ErrorCode.KV_PARAMS_UNTRUSTED: (403, "permission_error")}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

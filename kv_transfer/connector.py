@@ -77,6 +77,10 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True):
     recv_timeout_s: float
     load_failure_policy: str  # "fail" or "recompute"
     dp_rank: int
+    # a consumer's trust in producers (kv_transfer/trust.py): the shared secret of signed
+    # params, and the hosts / networks a producer may be at
+    params_secret: bytes | None
+    trusted_producers: list[str]
 
 
 class RemotePrefill(msgspec.Struct, frozen=True):

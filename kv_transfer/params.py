@@ -1,4 +1,4 @@
-"""KVTransferParams: the `kv_transfer_params` object of a PD request (DESIGN.md, "Wire contract").
+"""KVTransferParams: the `kv_transfer_params` object of a PD request (docs/design.md, "`kv_transfer_params`").
 
 It travels as JSON in HTTP bodies: router -> P (`do_remote_decode`, `transfer_id`),
 P -> router -> D (everything D needs to pull the prompt KV). Unknown fields are ignored so
@@ -25,7 +25,7 @@ COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads"
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
-    """One row per field of the DESIGN.md table; see there for who sets what."""
+    """One row per field of the docs/design.md table; see there for who writes and reads what."""
 
     do_remote_decode: bool = False
     do_remote_prefill: bool = False
@@ -44,6 +44,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     compat: dict[str, Any] | None = None
     dp_rank: NonNegInt = 0
     num_computed_blocks: NonNegInt = 0
+    signature: str | None = None  # the router's HMAC of the other fields (kv_transfer/trust.py)
 
     def __post_init__(self) -> None:
         if self.num_computed_blocks > len(self.remote_block_ids):

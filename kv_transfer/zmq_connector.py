@@ -31,6 +31,7 @@ if TYPE_CHECKING:
 from kv_transfer.connector import (KVConnectorConfig, KVConnectorMetadata, KVConnectorOutput,
                                    KVConnectorScheduler, KVConnectorWorker, RemotePrefill)
 from kv_transfer.params import KVTransferParams, compat_mismatch, new_access_token, new_transfer_id
+from kv_transfer.trust import ProducerTrust, UntrustedKVParams
 from kv_transfer.zmq_transport import ABORTED, KVReceiver, KVSender
 
 # kv_transfer_seconds histogram (loopback moves a few GB/s: most pulls take milliseconds)
@@ -192,6 +193,8 @@ class ZmqConsumer(_ZmqConnector):
         self.seq_of_transfer: dict[str, int] = {}
         self._aborted: set[int] = set()
         self.local_failures: dict[str, int] = {}
+        self.trust = ProducerTrust(config.params_secret, config.trusted_producers)
+        self.params_refused: dict[str, int] = {}  # untrusted kv_transfer_params, by reason
 
     @property
     def is_producer(self) -> bool:
@@ -204,10 +207,16 @@ class ZmqConsumer(_ZmqConnector):
         return self.params_of(seq).do_remote_prefill
 
     def request_added(self, seq: Sequence) -> None:
-        """Check the params against this prompt, then heartbeat P while `seq` queues here."""
+        """Check the params (trusted, fit this prompt), then heartbeat P while `seq` queues
+        here; UntrustedKVParams / ValueError before any connection is made."""
         if not self.is_remote(seq):
             return
         p = seq.kv_transfer_params
+        try:
+            self.trust.check(p)
+        except UntrustedKVParams as e:
+            self.params_refused[e.reason] = self.params_refused.get(e.reason, 0) + 1
+            raise
         if p.num_prompt_tokens != seq.num_prompt_tokens:
             raise ValueError(f"kv_transfer_params.num_prompt_tokens={p.num_prompt_tokens} but this engine's "
                              f"prompt has {seq.num_prompt_tokens} tokens (different tokenizer or template?)")
@@ -317,7 +326,8 @@ class ZmqConsumer(_ZmqConnector):
             failures[reason] = failures.get(reason, 0) + n
         return {"role": self.role, "bytes": s.bytes_received, "failures": failures, "leases_expired": 0,
                 "blocks_pinned": 0, "transfers_pending": len(self.seq_of_transfer),
-                "fallbacks": dict(self.transfer_stats.fallbacks), "seconds": self.transfer_stats.histogram()}
+                "fallbacks": dict(self.transfer_stats.fallbacks), "seconds": self.transfer_stats.histogram(),
+                "params_refused": dict(self.params_refused)}
 
     def close(self) -> None:
         if self.receiver is not None:

@@ -1,4 +1,4 @@
-"""ZMQ side channel: D pulls a transfer's pinned KV blocks from P (DESIGN.md, "Side channel").
+"""ZMQ side channel: D pulls a transfer's pinned KV blocks from P (docs/design.md, "Side channel").
 
 Every message is `[header, *payload]`; the header is a msgpack tagged struct, the payload
 frames are raw block bytes.
@@ -63,7 +63,7 @@ ABORTED = "aborted"
 EXPIRED = "expired"
 REVOKED = "revoked"
 
-DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # tcp loopback peaks with 4-16 MiB frames (DESIGN.md)
+DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # tcp loopback peaks with 4-16 MiB frames (docs/design.md, "CPU facts")
 _MAX_POLL_MS = 100  # lease/timeout checks run at least this often
 _BUSY_POLL_MS = 1  # while waiting for zmq to let go of sent frames
 _MAX_TOMBSTONES = 1 << 16

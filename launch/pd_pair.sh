@@ -43,6 +43,12 @@ PY="$ROOT/.venv/bin/python"
 MODEL_ARGS=()
 [[ -n "$MODEL" ]] && MODEL_ARGS=(--model "$MODEL")
 
+# A fresh secret shared by the three: the router signs the kv_transfer_params it sends D,
+# and D pulls only for params signed with it (docs/design.md "Trust").
+SECRET_DIR="$(mktemp -d "${TMPDIR:-/tmp}/atomd-pd-pair.XXXXXX")"
+SECRET_FILE="$SECRET_DIR/kv-params-secret"
+(umask 077 && "$PY" -c "import secrets; print(secrets.token_hex(32))" > "$SECRET_FILE")
+
 PIDS=()
 cleanup() {
   trap - INT TERM EXIT
@@ -56,19 +62,21 @@ cleanup() {
   done
   for pid in "${PIDS[@]}"; do kill -KILL "$pid" 2>/dev/null || true; done
   wait 2>/dev/null || true
+  rm -rf "$SECRET_DIR"
 }
 trap 'cleanup; exit 130' INT
 trap 'cleanup; exit 143' TERM
 trap cleanup EXIT
 
 "$PY" -m atomd serve "${MODEL_ARGS[@]}" --host 127.0.0.1 --port "$PREFILL_PORT" \
-  --kv-role producer --num-threads 1 "${EXTRA[@]}" &
+  --kv-role producer --num-threads 1 --kv-params-secret-file "$SECRET_FILE" "${EXTRA[@]}" &
 PIDS+=($!)
 "$PY" -m atomd serve "${MODEL_ARGS[@]}" --host 127.0.0.1 --port "$DECODE_PORT" \
-  --kv-role consumer --num-threads 1 "${EXTRA[@]}" &
+  --kv-role consumer --num-threads 1 --kv-params-secret-file "$SECRET_FILE" "${EXTRA[@]}" &
 PIDS+=($!)
 "$PY" -m router --host 127.0.0.1 --port "$ROUTER_PORT" \
-  --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" &
+  --prefill "http://127.0.0.1:$PREFILL_PORT" --decode "http://127.0.0.1:$DECODE_PORT" \
+  --kv-params-secret-file "$SECRET_FILE" &
 PIDS+=($!)
 
 URL="http://127.0.0.1:$ROUTER_PORT"

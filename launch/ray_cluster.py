@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import signal
 import sys
 import time
@@ -36,6 +37,7 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from kv_transfer.trust import SECRET_ENV
 from launch.process import EngineServer, RouterServer, free_port, http
 from launch.ray_config import ClusterConfig, RouterSpec, check_fits, load_config
 
@@ -63,6 +65,12 @@ def register(router_url: str, url: str, role: str, deadline: float) -> None:
         time.sleep(PROBE_INTERVAL_S)
 
 
+def with_secret(kv_params_secret: str) -> dict:
+    """The child's environment: ours plus the cluster's kv_transfer_params secret (an
+    environment variable, so it shows in no command line)."""
+    return {**os.environ, SECRET_ENV: kv_params_secret}
+
+
 def engine_flags(role: str, config: ClusterConfig, host: str) -> list[str]:
     """`atomd serve` flags of a `role` engine listening on `host`, past --host, --port and --model."""
     group = getattr(config, role)
@@ -81,12 +89,13 @@ class EngineActor:
     dies with the actor (die_with_parent); so does the router's.
     """
 
-    def __init__(self, role: str, config: ClusterConfig, router_url: str):
+    def __init__(self, role: str, config: ClusterConfig, router_url: str, kv_params_secret: str):
         deadline = time.monotonic() + config.timeouts.ready_s
         host = config.engine_host or ray.util.get_node_ip_address()
         self.role = role
         self.server = EngineServer(config.model or None, *engine_flags(role, config, host), host=host,
-                                   port=free_port(host), name=f"{role} engine", die_with_parent=True)
+                                   port=free_port(host), name=f"{role} engine", die_with_parent=True,
+                                   env=with_secret(kv_params_secret))
         try:
             self.server.wait_ready(config.timeouts.ready_s)
             register(router_url, self.server.url, role, deadline)
@@ -106,14 +115,14 @@ class EngineActor:
 class RouterActor:
     """The router, on the driver's node so the printed URL is the head's."""
 
-    def __init__(self, spec: RouterSpec, ready_s: float):
+    def __init__(self, spec: RouterSpec, ready_s: float, kv_params_secret: str):
         ip = ray.util.get_node_ip_address()
         host = spec.host or ip
         url_host = ip if host in ("0.0.0.0", "::") else host
         # no workers yet (the engines register themselves), so not /ready: /health
         self.server = RouterServer((), (), "--policy", spec.policy, "--health-interval-s",
                                    str(spec.health_interval_s), *spec.extra_args, host=host, port=spec.port,
-                                   url_host=url_host, die_with_parent=True)
+                                   url_host=url_host, die_with_parent=True, env=with_secret(kv_params_secret))
         try:
             self.server.wait_ready(ready_s, path="/health")
         except BaseException:
@@ -138,6 +147,9 @@ class RayCluster:
         self.engines: list[tuple[str, ray.actor.ActorHandle]] = []
         self.router: ray.actor.ActorHandle | None = None
         self.router_url = ""
+        # the router signs the kv_transfer_params it forwards with it; the engines pull only
+        # for params signed with it (docs/design.md "Trust"); fresh per cluster
+        self.kv_params_secret = secrets.token_hex(32)
 
     def start(self) -> list[dict]:
         """Start the router, place the engines, start them; returns the engines' info."""
@@ -149,7 +161,7 @@ class RayCluster:
         self.router = RouterActor.options(
             name="atomd-router", num_cpus=c.router.num_cpus, max_restarts=0,
             scheduling_strategy=NodeAffinitySchedulingStrategy(ray.get_runtime_context().get_node_id(), soft=False),
-        ).remote(c.router, c.timeouts.placement_s)
+        ).remote(c.router, c.timeouts.placement_s, self.kv_params_secret)
         try:
             self.router_url = ray.get(self.router.info.remote(), timeout=c.timeouts.placement_s)["url"]
         except ray.exceptions.GetTimeoutError:
@@ -162,7 +174,7 @@ class RayCluster:
                 name=f"atomd-{role}-{i}", num_cpus=group.num_cpus, resources=group.resources,
                 max_restarts=group.max_restarts, max_task_retries=0,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(role, c, self.router_url)
+            ).remote(role, c, self.router_url, self.kv_params_secret)
             self.engines.append((role, actor))
         calls = {a.info.remote(): slot for (_, a), slot in zip(self.engines, self.slots)}
         _, pending = ray.wait(list(calls), num_returns=len(calls), timeout=c.timeouts.ready_s)

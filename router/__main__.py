@@ -10,6 +10,7 @@ import logging
 import signal
 import sys
 
+from kv_transfer.trust import load_secret
 from router.app import Router, RouterConfig
 from router.policies import POLICIES
 
@@ -37,8 +38,12 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
     p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
                    "(all routes but /health, /ready, /metrics); forwarded to the engines")
+    p.add_argument("--kv-params-secret-file", default=None, metavar="PATH",
+                   help="file holding the secret shared with the engines; the router signs the "
+                        "kv_transfer_params it sends decode engines with it (default: $ATOMD_KV_PARAMS_SECRET)")
     args = p.parse_args(argv)
     try:
+        load_secret(path=args.kv_params_secret_file)  # an unreadable or empty secret: an error now
         return RouterConfig(**vars(args))
     except ValueError as e:
         p.error(str(e))

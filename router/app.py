@@ -23,6 +23,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from kv_transfer.trust import load_secret
 from router.metrics import RouterMetrics
 from router.pd import LegError, PDRelay, error_body
 from router.policies import make_policy
@@ -46,6 +47,9 @@ class RouterConfig:
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
+    # the secret shared with the engines that the router signs kv_transfer_params with
+    # (kv_transfer/trust.py); None: $ATOMD_KV_PARAMS_SECRET, else the params go unsigned
+    kv_params_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         make_policy(self.policy)  # raises ValueError naming the policy
@@ -79,7 +83,8 @@ class Router:
                 self.registry.add(url, role)
         self.metrics = RouterMetrics(self.registry.workers)
         self.relay = PDRelay(self.registry, make_policy(config.policy), make_policy(config.policy),
-                             self.metrics, config.request_timeout_s)
+                             self.metrics, config.request_timeout_s,
+                             kv_params_secret=load_secret(path=config.kv_params_secret_file))
         self.app = web.Application(middlewares=[self.auth] if config.api_key else [],
                                    client_max_size=config.max_request_body_bytes)
         add = self.app.router

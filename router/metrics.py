@@ -1,4 +1,4 @@
-"""The router's Prometheus metrics (`atomd_router:` prefix, DESIGN.md "Metrics").
+"""The router's Prometheus metrics (`atomd_router:` prefix, docs/design.md "Metrics").
 
 Latencies are measured as the client sees them: from the request's arrival at the
 router to the first SSE event it wrote (TTFT), between successive events it wrote
@@ -72,6 +72,9 @@ class RouterMetrics:
                                        ["leg", "reason"], registry=r)
         self.aborts = Counter(P + "kv_transfer_aborts", "POST /kv_transfer/abort sent to a prefill "
                               "worker for a transfer no decode worker pulled", registry=r)
+        self.client_kv_params_dropped = Counter(P + "client_kv_params_dropped", "client requests whose own "
+                                                "kv_transfer_params the router dropped (only it writes them)",
+                                                registry=r)
         r.register(_WorkerCollector(workers))
         self._endpoints: dict[str, EndpointMetrics] = {}
         # Children used on every request, resolved once.

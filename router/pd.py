@@ -1,4 +1,4 @@
-"""The two-leg relay of one request (DESIGN.md "One request through the system").
+"""The two-leg relay of one request (docs/design.md "PD: two legs through the router").
 
 1. Prefill leg, to a prefill worker P: the client's body with max_tokens=1, stream=false,
    n=1, no stream_options/min_tokens, and kv_transfer_params={"do_remote_decode": true,
@@ -38,6 +38,7 @@ import msgspec
 from aiohttp import web
 
 from kv_transfer.params import KVTransferParams, new_transfer_id
+from kv_transfer.trust import signature_of
 from router.metrics import RouterMetrics
 from router.policies import RoutingPolicy
 from router.workers import Worker, WorkerRegistry, describe
@@ -110,8 +111,10 @@ class PDRelay:
     """Shared state of all relays: workers, policies, metrics, in-flight abort tasks."""
 
     def __init__(self, registry: WorkerRegistry, prefill_policy: RoutingPolicy,
-                 decode_policy: RoutingPolicy, metrics: RouterMetrics, request_timeout_s: float):
+                 decode_policy: RoutingPolicy, metrics: RouterMetrics, request_timeout_s: float,
+                 kv_params_secret: bytes | None = None):
         self.registry = registry
+        self.kv_params_secret = kv_params_secret
         self.policies = {"prefill": prefill_policy, "decode": decode_policy}
         self.metrics = metrics
         self.request_timeout_s = request_timeout_s
@@ -120,6 +123,9 @@ class PDRelay:
         self._background: set[asyncio.Task] = set()
 
     async def handle(self, request: web.Request, endpoint: str, body: dict) -> web.StreamResponse:
+        if body.pop("kv_transfer_params", None) is not None:
+            # Clients never steer KV transfers: only the router writes these, on every path.
+            self.metrics.client_kv_params_dropped.inc()
         return await PDRequest(self, request, endpoint, body).run()
 
     def pick(self, role: str, body: dict, tried: list[Worker], last_error: str | None,
@@ -269,12 +275,16 @@ class PDRequest:
             self.transfer_id = None
             return None
         try:
-            KVTransferParams.from_json_obj(kv)  # checked here, so a bad P is a 502, not D's 400
+            params = KVTransferParams.from_json_obj(kv)  # checked here, so a bad P is a 502, not D's 400
         except ValueError as e:
             worker.breaker.record_failure()
             raise LegError(502, f"prefill worker {worker.url} returned {e}")
         # Relayed as P sent it: fields this router does not know still reach D.
         kv.setdefault("transfer_id", self.transfer_id)
+        secret = self.relay.kv_params_secret
+        if secret is not None:  # vouch for P's params to D (kv_transfer/trust.py)
+            params = msgspec.structs.replace(params, transfer_id=kv["transfer_id"])
+            kv["signature"] = signature_of(params, secret)
         self.metrics.decision_pd.inc()
         return kv
 

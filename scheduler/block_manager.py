@@ -1,6 +1,6 @@
 """Paged KV blocks and the prefix cache over them.
 
-Rules (DESIGN.md, "Scheduler semantics"):
+Rules (docs/design.md, "Scheduler semantics"):
 
 - A full block is named by a chained xxh64: the parent block's hash as 8 little-endian
   bytes (absent for the first block), then the block's token ids as int64 bytes. Equal

@@ -84,6 +84,7 @@ class ErrorCode(enum.Enum):
     INVALID_REQUEST = "invalid_request"  # refused on arrival (e.g. kv_transfer_params do not fit)
     UNSCHEDULABLE = "unschedulable"  # can never run on this engine's configuration
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # the prompt KV could not be pulled from P
+    KV_PARAMS_UNTRUSTED = "kv_params_untrusted"  # names a producer this engine does not trust
 
 _ids = itertools.count()
 

@@ -15,7 +15,7 @@ BS = 4
 
 
 def reference_hashes(tokens: list[int], block_size: int) -> list[int]:
-    """DESIGN.md's definition, written out independently: parent as 8 LE bytes, then int64 ids."""
+    """docs/design.md's definition, written out independently: parent as 8 LE bytes, then int64 ids."""
     out, parent = [], None
     for i in range(len(tokens) // block_size):
         data = b"" if parent is None else parent.to_bytes(8, "little")

@@ -1,4 +1,4 @@
-"""KVTransferParams: the JSON wire contract of DESIGN.md, checked against the stdlib json/uuid."""
+"""KVTransferParams: the JSON wire contract of docs/design.md, checked against the stdlib json/uuid."""
 from __future__ import annotations
 
 import json
@@ -20,7 +20,7 @@ pytestmark = pytest.mark.unit
 DESIGN_FIELDS = {
     "do_remote_decode", "do_remote_prefill", "transfer_id", "remote_engine_id", "remote_host", "remote_port",
     "remote_block_ids", "num_prompt_tokens", "first_token_id", "first_token_logprobs", "draft_token_ids",
-    "prefix_cache_hit_tokens", "access_token", "lease_s", "compat", "dp_rank", "num_computed_blocks",
+    "prefix_cache_hit_tokens", "access_token", "lease_s", "compat", "dp_rank", "num_computed_blocks", "signature",
 }
 
 

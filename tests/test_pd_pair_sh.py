@@ -49,6 +49,13 @@ def descendants(root: int) -> dict[int, int]:
     return out
 
 
+def cmdline(pid: int) -> list[str]:
+    try:
+        return pathlib.Path(f"/proc/{pid}/cmdline").read_bytes().decode().split("\0")
+    except OSError:
+        return []
+
+
 def alive(pid: int, start_time: int) -> bool:
     st = proc_stat(pid)
     return st is not None and st[2] == start_time and st[1] != "Z"
@@ -97,6 +104,16 @@ def test_start_request_sigterm_leaves_nothing(pd_pair):
     assert answer["usage"]["completion_tokens"] == 8 and answer["choices"][0]["text"]
     status, body = http("GET", f"http://127.0.0.1:{ports['prefill']}/kv_transfer_info")
     assert status == 200 and json.loads(body)["role"] == "producer"
+    # The three share a fresh secret: D acts only on params the router signed.
+    secret_files = {args[args.index("--kv-params-secret-file") + 1] for pid in seen
+                    if "--kv-params-secret-file" in (args := cmdline(pid))}
+    assert len(secret_files) == 1 and os.stat(next(iter(secret_files))).st_mode & 0o077 == 0
+    unsigned = {"do_remote_prefill": True, "transfer_id": "t" * 32, "remote_host": "127.0.0.1",
+                "remote_port": ports["prefill"], "remote_block_ids": [0], "num_prompt_tokens": 4,
+                "access_token": "ab" * 16}
+    status, body = http("POST", f"http://127.0.0.1:{ports['decode']}/v1/completions",
+                        {"prompt": [11, 12, 13, 14], "max_tokens": 2, "kv_transfer_params": unsigned})
+    assert status == 403 and json.loads(body)["error"]["code"] == "kv_params_untrusted"
 
     script.send_signal(signal.SIGTERM)
     script.wait(60)
@@ -104,3 +121,4 @@ def test_start_request_sigterm_leaves_nothing(pd_pair):
     while (left := [p for p, start in seen.items() if alive(p, start)]) and time.monotonic() < deadline:
         time.sleep(0.1)  # orphans exit on their own once their parent is gone
     assert left == [], f"left running after SIGTERM: {left}"
+    assert not any(os.path.exists(path) for path in secret_files)  # the secret went with them

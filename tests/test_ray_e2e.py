@@ -263,6 +263,12 @@ def test_greedy_through_the_ray_router_matches_colocated_serve(job_1p1d):
     assert through_ray["choices"][0]["text"] == reference["choices"][0]["text"]
     assert through_ray["choices"][0]["finish_reason"] == reference["choices"][0]["finish_reason"]
     assert through_ray["usage"]["completion_tokens"] == reference["usage"]["completion_tokens"]
+    # The launcher gave the router and the engines one secret: D acts only on signed params.
+    unsigned = {"do_remote_prefill": True, "transfer_id": "u" * 32, "remote_host": "127.0.0.1",
+                "remote_port": 1, "remote_block_ids": [0], "num_prompt_tokens": 3, "access_token": "ab" * 16}
+    status, body = http("POST", decode["url"] + "/v1/completions",
+                        {"prompt": [11, 12, 13], "max_tokens": 2, "kv_transfer_params": unsigned}, timeout=30)
+    assert status == 403 and json.loads(body)["error"]["code"] == "kv_params_untrusted"
 
 
 def stream_until_first_chunk(router_url: str, started: threading.Event, outcome: list) -> None:

@@ -639,7 +639,7 @@ def test_killed_receiver_frees_by_lease_expiry_after_its_frames_are_dropped(chil
 
 @pytest.mark.integration
 def test_kv_transfer_imports_no_torch():
-    """kv_transfer sees the KV cache only as numpy buffers (DESIGN.md): a fresh interpreter proves it."""
+    """kv_transfer sees the KV cache only as numpy buffers (docs/design.md): a fresh interpreter proves it."""
     code = ("import sys, kv_transfer.params, kv_transfer.zmq_transport; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'atomd')); print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
