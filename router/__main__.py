@@ -12,6 +12,7 @@ import sys
 
 from kv_transfer.trust import load_secret
 from router.app import Router, RouterConfig
+from router.discovery import Resolver
 from router.policies import POLICIES
 
 
@@ -23,6 +24,13 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                    help="a prefill engine's base URL (repeatable; more can join via POST /workers)")
     p.add_argument("--decode", action="append", default=[], metavar="URL",
                    help="a decode engine's base URL (repeatable)")
+    p.add_argument("--prefill-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="a DNS name whose every address is a prefill engine at PORT, re-resolved every "
+                        "--dns-refresh-s (repeatable; e.g. a Kubernetes headless Service)")
+    p.add_argument("--decode-dns", action="append", default=[], metavar="NAME:PORT",
+                   help="the same for decode engines (repeatable)")
+    p.add_argument("--dns-refresh-s", type=float, default=d.dns_refresh_s,
+                   help="seconds between resolutions of the --prefill-dns / --decode-dns names")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
     p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
@@ -49,8 +57,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
         p.error(str(e))
 
 
-async def serve(config: RouterConfig) -> None:
-    router = Router(config)
+async def serve(config: RouterConfig, resolver: Resolver | None = None) -> None:
+    router = Router(config, resolver)
     url = await router.start()
     print(f"atomd-router: ready at {url}", flush=True)
     stop = asyncio.Event()
@@ -63,15 +71,16 @@ async def serve(config: RouterConfig) -> None:
         await router.stop()
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, resolver: Resolver | None = None) -> int:
+    """`resolver`: how --prefill-dns / --decode-dns names are looked up (tests map them)."""
     config = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
     except ImportError:  # uvloop is optional: plain asyncio works, a little slower
-        asyncio.run(serve(config))
+        asyncio.run(serve(config, resolver))
     else:
-        uvloop.run(serve(config))
+        uvloop.run(serve(config, resolver))
     return 0
 
 

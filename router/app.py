@@ -7,6 +7,9 @@
   GET  /metrics        Prometheus text, `atomd_router:` names (no API key)
   GET|POST|DELETE /workers   run-time registration: {"url": ..., "role": "prefill"|"decode"}
 
+Workers come from static URLs (--prefill / --decode), POST /workers, and DNS names
+re-resolved every dns_refresh_s seconds (--prefill-dns / --decode-dns, router/discovery.py).
+
 The server runs with handler cancellation on: a client that hangs up cancels its handler
 at once, which closes the decode leg's connection (D aborts the request) and lets the
 relay abort P's pinned transfer, instead of noticing only at the next write.
@@ -24,6 +27,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_transfer.trust import load_secret
+from router.discovery import DnsDiscovery, Resolver, targets_of
 from router.metrics import RouterMetrics
 from router.pd import LegError, PDRelay, error_body
 from router.policies import make_policy
@@ -38,6 +42,9 @@ OPEN_PATHS = ("/health", "/ready", "/metrics")
 class RouterConfig:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
+    prefill_dns: list[str] = field(default_factory=list)  # NAME:PORT, every address NAME resolves to
+    decode_dns: list[str] = field(default_factory=list)
+    dns_refresh_s: float = 5.0
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port
     policy: str = "round_robin"
@@ -53,7 +60,8 @@ class RouterConfig:
 
     def __post_init__(self) -> None:
         make_policy(self.policy)  # raises ValueError naming the policy
-        for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s"):
+        targets_of(self.prefill_dns, self.decode_dns)  # raises ValueError naming the bad NAME:PORT
+        for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         if self.max_request_body_bytes < 1:
@@ -73,14 +81,17 @@ def json_response(obj: object, status: int = 200) -> web.Response:
 
 
 class Router:
-    """Owns the registry, the relay and the HTTP server. Construct inside a running loop."""
+    """Owns the registry, the relay and the HTTP server. Construct inside a running loop.
+    `resolver`: how DNS names are looked up (default: getaddrinfo), for tests."""
 
-    def __init__(self, config: RouterConfig):
+    def __init__(self, config: RouterConfig, resolver: Resolver | None = None):
         self.config = config
         self.registry = WorkerRegistry(config.health_interval_s, config.breaker_failures, config.breaker_cooldown_s)
         for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
             for url in urls:
                 self.registry.add(url, role)
+        self.discovery = DnsDiscovery(self.registry, targets_of(config.prefill_dns, config.decode_dns),
+                                      config.dns_refresh_s, resolver)
         self.metrics = RouterMetrics(self.registry.workers)
         self.relay = PDRelay(self.registry, make_policy(config.policy), make_policy(config.policy),
                              self.metrics, config.request_timeout_s,
@@ -101,8 +112,10 @@ class Router:
         self.url = ""
 
     async def start(self) -> str:
-        """Check every worker once (so /ready is right at once), serve, start health checks."""
+        """Check every worker once and resolve the DNS names (so /ready is right at once),
+        serve, start health checks and re-resolution."""
         await self.registry.check_all()
+        await self.discovery.refresh()
         self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
         await self.runner.setup()
         site = web.TCPSite(self.runner, self.config.host, self.config.port)
@@ -110,12 +123,14 @@ class Router:
         host, port = self.runner.addresses[0][:2]
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.registry.start()
+        self.discovery.start()
         return self.url
 
     async def stop(self) -> None:
         if self.runner is not None:
             await self.runner.cleanup()
         await self.relay.close()
+        await self.discovery.close()
         await self.registry.close()
 
     @web.middleware
@@ -177,7 +192,8 @@ class Router:
         return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def list_workers(self, request: web.Request) -> web.Response:
-        return json_response({"workers": [w.describe() for w in self.registry.workers()]})
+        return json_response({"workers": [w.describe() for w in self.registry.workers()],
+                              "dns": self.discovery.describe()})
 
     async def worker_request(self, request: web.Request) -> dict:
         """The worker spec from a JSON body, or from the query string (handy for DELETE)."""

@@ -143,19 +143,22 @@ class PDRelay:
                            code=f"no_{role}_worker")
         return self.policies[role].choose(candidates, body)
 
-    def abort_transfer(self, worker: Worker, transfer_id: str) -> None:
-        """Fire and forget: the abort must outlive a cancelled request handler."""
+    def abort_transfer(self, worker: Worker, transfer_id: str, headers: dict | None = None) -> None:
+        """Fire and forget: the abort must outlive a cancelled request handler. `headers`:
+        the legs' headers (their Authorization: an engine with an API key wants it here too)."""
         self.metrics.aborts.inc()
         worker.acquire(dispatch=False)  # keeps the pool open until the abort is sent
-        task = asyncio.get_running_loop().create_task(self._abort(worker, transfer_id))
+        task = asyncio.get_running_loop().create_task(self._abort(worker, transfer_id, headers))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, worker: Worker, transfer_id: str) -> None:
+    async def _abort(self, worker: Worker, transfer_id: str, headers: dict | None = None) -> None:
         try:
-            async with worker.session.post("/kv_transfer/abort", json={"transfer_id": transfer_id},
+            async with worker.session.post("/kv_transfer/abort", json={"transfer_id": transfer_id}, headers=headers,
                                            timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as r:
                 await r.read()
+                if r.status != 200:
+                    logger.warning("abort of transfer %s on %s answered %d", transfer_id, worker.url, r.status)
         except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
             logger.warning("abort of transfer %s on %s failed: %s", transfer_id, worker.url, describe(e))
         finally:
@@ -202,7 +205,7 @@ class PDRequest:
             raise
         finally:
             if self.transfer_id is not None and not self.pulled:
-                self.relay.abort_transfer(self.prefill_worker, self.transfer_id)
+                self.relay.abort_transfer(self.prefill_worker, self.transfer_id, self.headers)
             self.metrics.requests.labels(self.endpoint, status).inc()
             self.series.request_latency.observe(time.perf_counter() - self.arrival)
 
@@ -223,7 +226,7 @@ class PDRequest:
                 worker.breaker.record_failure()
                 self.metrics.upstream_errors.labels("prefill", "connection").inc()
                 last_error = f"prefill worker {worker.url} unreachable: {describe(e)}"
-                self.relay.abort_transfer(worker, self.transfer_id)  # in case it did run
+                self.relay.abort_transfer(worker, self.transfer_id, self.headers)  # in case it did run
                 self.transfer_id = None
                 tried.append(worker)
                 if isinstance(e, aiohttp.ClientConnectorError):

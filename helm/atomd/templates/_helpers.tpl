@@ -1,0 +1,189 @@
+{{/*
+Names. The full name is kept to 40 characters so that "<fullname>-prefill" stays within
+the 52 a StatefulSet name may have (its pods' controller-revision-hash label adds 11).
+*/}}
+{{- define "atomd.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 40 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "atomd.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 40 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "atomd.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{/* Labels of every object. */}}
+{{- define "atomd.labels" -}}
+helm.sh/chart: {{ include "atomd.chart" . }}
+app.kubernetes.io/name: {{ include "atomd.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: atomd
+{{- end }}
+
+{{/* Selector labels of one component (router, prefill, decode): {root, component}. */}}
+{{- define "atomd.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "atomd.name" .root }}
+app.kubernetes.io/instance: {{ .root.Release.Name }}
+app.kubernetes.io/component: {{ .component }}
+{{- end }}
+
+{{/* All labels of one component's objects and pods; atomd.dev/role is the PD role. */}}
+{{- define "atomd.componentLabels" -}}
+{{ include "atomd.labels" .root }}
+app.kubernetes.io/component: {{ .component }}
+atomd.dev/role: {{ .component }}
+{{- end }}
+
+{{- define "atomd.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create }}
+{{- default (include "atomd.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "atomd.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag | toString) }}
+{{- end }}
+
+{{- define "atomd.apiKeySecretName" -}}
+{{- default (printf "%s-api-key" (include "atomd.fullname" .)) .Values.apiKey.existingSecret }}
+{{- end }}
+
+{{- define "atomd.kvParamsSecretName" -}}
+{{- default (printf "%s-kv-params" (include "atomd.fullname" .)) .Values.kvParamsSecret.existingSecret }}
+{{- end }}
+
+{{- define "atomd.kvParamsSecretDir" -}}/etc/atomd/kv-params-secret{{- end }}
+{{- define "atomd.configDir" -}}/etc/atomd/config{{- end }}
+{{- define "atomd.cacheDir" -}}/cache{{- end }}
+
+{{/* The headless Service of an engine role, and its DNS name: {root, role}. */}}
+{{- define "atomd.engineService" -}}
+{{- printf "%s-%s" (include "atomd.fullname" .root) .role }}
+{{- end }}
+
+{{- define "atomd.engineDNS" -}}
+{{- printf "%s.%s.svc.%s:%d" (include "atomd.engineService" .) .root.Release.Namespace .root.Values.clusterDomain (int .root.Values.engine.ports.http) }}
+{{- end }}
+
+{{/* The model directory the engines load ("" = the built-in default). */}}
+{{- define "atomd.modelPath" -}}
+{{- $m := .Values.model }}
+{{- if $m.pvc }}
+{{- $mount := trimSuffix "/" $m.mountPath }}
+{{- if not $m.path }}
+{{- $mount }}
+{{- else if or (eq $m.path $mount) (hasPrefix (printf "%s/" $mount) $m.path) }}
+{{- $m.path }}
+{{- else }}
+{{- fail (printf "model.path %q must lie under model.mountPath %q when model.pvc is set" $m.path $m.mountPath) }}
+{{- end }}
+{{- else }}
+{{- $m.path }}
+{{- end }}
+{{- end }}
+
+{{/*
+One engine role's settings as EngineConfig fields (atomd/config.py), as JSON: the
+ConfigMap shows them and the StatefulSet turns each into `--field-name value`, so the
+two cannot disagree. Per-pod values (the pod IP) and server flags are added in the
+StatefulSet. {root, role}
+*/}}
+{{- define "atomd.engineConfig" -}}
+{{- $v := .root.Values }}
+{{- $r := index $v .role }}
+{{- $cfg := dict "kv_role" (ternary "producer" "consumer" (eq .role "prefill")) "kv_transfer_backend" $v.kvTransfer.backend "max_model_len" (int $v.engine.maxModelLen) "dtype" $v.engine.dtype "data_parallel_size" (int $r.dataParallelSize) "kv_params_secret_file" (printf "%s/key" (include "atomd.kvParamsSecretDir" .root)) }}
+{{- if $r.numThreads }}
+{{- $_ := set $cfg "num_threads" (int $r.numThreads) }}
+{{- end }}
+{{- $model := include "atomd.modelPath" .root }}
+{{- if $model }}
+{{- $_ := set $cfg "model" $model }}
+{{- end }}
+{{- if eq .role "prefill" }}
+{{- $_ := set $cfg "kv_side_channel_port" (int $v.engine.ports.sideChannel) }}
+{{- end }}
+{{- if $v.engine.kvEvents.enabled }}
+{{- $_ := set $cfg "kv_events_endpoint" (printf "tcp://*:%d" (int $v.engine.ports.kvEvents)) }}
+{{- end }}
+{{- toJson $cfg }}
+{{- end }}
+
+{{/* The router's settings as RouterConfig fields (router/app.py), as JSON. */}}
+{{- define "atomd.routerConfig" -}}
+{{- $r := .Values.router }}
+{{- $cfg := dict "policy" $r.policy "prefill_dns" (list (include "atomd.engineDNS" (dict "root" . "role" "prefill"))) "decode_dns" (list (include "atomd.engineDNS" (dict "root" . "role" "decode"))) "dns_refresh_s" $r.dnsRefreshSeconds "health_interval_s" $r.healthIntervalSeconds "request_timeout_s" $r.requestTimeoutSeconds "kv_params_secret_file" (printf "%s/key" (include "atomd.kvParamsSecretDir" .)) }}
+{{- toJson $cfg }}
+{{- end }}
+
+{{/* `--field-name value` for every field of a config dict (lists: the flag per item). */}}
+{{- define "atomd.flags" -}}
+{{- range $k, $val := . }}
+{{- $flag := printf "--%s" (replace "_" "-" $k) }}
+{{- if kindIs "slice" $val }}
+{{- range $val }}
+- {{ $flag | quote }}
+- {{ . | toString | quote }}
+{{- end }}
+{{- else }}
+- {{ $flag | quote }}
+- {{ $val | toString | quote }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/* The API key as $(ATOMD_API_KEY): env entry. */}}
+{{- define "atomd.apiKeyEnv" -}}
+{{- if .Values.apiKey.enabled }}
+- name: ATOMD_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "atomd.apiKeySecretName" . }}
+      key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/* A probe: {path, port, settings}. */}}
+{{- define "atomd.probe" -}}
+httpGet:
+  path: {{ .path }}
+  port: {{ .port }}
+periodSeconds: {{ .settings.periodSeconds }}
+timeoutSeconds: {{ .settings.timeoutSeconds }}
+failureThreshold: {{ .settings.failureThreshold }}
+{{- end }}
+
+{{/* The kv params secret volume (the file is always .../key). */}}
+{{- define "atomd.kvParamsVolume" -}}
+- name: kv-params-secret
+  secret:
+    secretName: {{ include "atomd.kvParamsSecretName" . }}
+    defaultMode: 0440
+    items:
+      - key: {{ .Values.kvParamsSecret.secretKey }}
+        path: key
+{{- end }}
+
+{{/* An existing Secret's value for `key`, else a new random one (kept across upgrades). */}}
+{{- define "atomd.secretValue" -}}
+{{- $existing := lookup "v1" "Secret" .root.Release.Namespace .name }}
+{{- if and $existing (hasKey ($existing.data | default dict) .key) }}
+{{- index $existing.data .key }}
+{{- else }}
+{{- randAlphaNum 48 | b64enc }}
+{{- end }}
+{{- end }}

@@ -1,0 +1,358 @@
+"""helm/atomd without a cluster (`make helm-check`; tests/helm_tools.py has the tools).
+
+A real helm lints, renders (Kubernetes 1.29 and 1.37) and dry-run installs the chart with
+its default values and with ci/all-features-values.yaml; kubernetes-validate --strict
+checks every object; semantic_problems() checks what an API server or a controller would
+reject and a schema does not; values.schema.json refuses bad values with a clear message.
+Consistency with the code, not with literals copied from the templates: every rendered
+command line parses with the real argument parsers, the probes hit routes the servers
+register, the ConfigMap parses with the servers' config classes, the schema's enums are
+the code's choices. tests/test_helm_render_run.py runs the rendered pods.
+"""
+from __future__ import annotations
+
+import asyncio
+import copy
+import json
+import pathlib
+import re
+import tomllib
+
+import pytest
+import yaml
+
+from tests.helm_tools import (ALL_FEATURES, CHART, KUBE_VERSIONS, REPO, SECRET_FLAG, Pod, by_kind,
+                              dashboard_metric_names, engine_parser, flag_value, helm, load_manifest, local_argv,
+                              one, pod_labels, render, render_text, secret_flag_known, semantic_problems,
+                              strip_flag, template_args)
+
+MONITORING = "monitoring.coreos.com/v1"
+# Secrets and claims the all-features values name as existing outside the release.
+EXTERNAL = {"Secret": {"atomd-openai-key"}, "PersistentVolumeClaim": {"llm-checkpoints"}}
+EXTERNAL_SECRETS = {"atomd-openai-key": {"token": b"sk-external-key"}}
+VARIANTS = {
+    "default": dict(values=()),
+    "all-features": dict(values=(ALL_FEATURES,), api_versions=(MONITORING,)),
+}
+
+
+def pyproject() -> dict:
+    return tomllib.loads((REPO / "pyproject.toml").read_text())
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def variant(request) -> tuple[str, list[dict]]:
+    return request.param, render(**VARIANTS[request.param])
+
+
+# ---------------------------------------------------------------------- chart metadata and values
+
+
+@pytest.mark.unit
+def test_app_version_is_the_package_version():
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == pyproject()["project"]["version"]
+    assert chart["apiVersion"] == "v2" and chart["name"] == "atomd"
+
+
+@pytest.mark.unit
+def test_values_have_the_documented_names():
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    for dotted in ("prefill.replicas", "decode.replicas", "prefill.dataParallelSize", "decode.dataParallelSize",
+                   "prefill.numThreads", "prefill.resources", "prefill.extraArgs", "prefill.nodeSelector",
+                   "prefill.tolerations", "prefill.affinity", "router.replicas", "router.policy", "ingress.enabled",
+                   "ingress.host", "apiKey.existingSecret", "kvParamsSecret.existingSecret", "model.pvc",
+                   "model.path", "serviceMonitor.enabled", "networkPolicy.enabled", "image.repository", "image.tag",
+                   "image.pullPolicy", "router.autoscaling.enabled", "grafanaDashboard.enabled"):
+        node = values
+        for part in dotted.split("."):
+            assert isinstance(node, dict) and part in node, f"values.yaml has no {dotted}"
+            node = node[part]
+
+
+@pytest.mark.unit
+def test_schema_choices_are_the_codes_choices():
+    from atomd.config import DTYPES, KV_TRANSFER_BACKENDS
+    from router.policies import POLICIES
+
+    props = json.loads((CHART / "values.schema.json").read_text())["properties"]
+    assert props["router"]["properties"]["policy"]["enum"] == sorted(POLICIES)
+    # the transports the chart wires (ports, NetworkPolicy): some of the code's, never another
+    backends = props["kvTransfer"]["properties"]["backend"]["enum"]
+    assert "zmq" in backends and set(backends) <= set(KV_TRANSFER_BACKENDS)
+    assert props["engine"]["properties"]["dtype"]["enum"] == list(DTYPES)
+
+
+# ---------------------------------------------------------------------- helm itself
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_lint_strict(name):
+    args = ["lint", "--strict", str(CHART)]
+    for f in VARIANTS[name]["values"]:
+        args += ["-f", str(f)]
+    out = helm(*args)
+    assert "0 chart(s) failed" in out.stdout and "[WARNING]" not in out.stdout and "[ERROR]" not in out.stdout
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_every_object_validates_strictly(name, kube_version, tmp_path):
+    from tests.helm_tools import kubernetes_validate
+
+    text = render_text(kube_version=kube_version, **VARIANTS[name])
+    objs = load_manifest(text)
+    manifest = tmp_path / "release.yaml"
+    manifest.write_text(text)
+    proc = kubernetes_validate(manifest, kube_version)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    passed = re.findall(r"^INFO .* passed for resource (\S+) against version", proc.stdout, re.M)
+    skipped = re.findall(r"^WARN .*Couldn't find schema for kind (\S+) with api version (\S+)", proc.stdout, re.M)
+    assert sorted(passed) == sorted(f"{o['kind'].lower()}/{o['metadata']['name']}" for o in objs
+                                    if o["apiVersion"] != MONITORING)
+    assert all(api == MONITORING for _, api in skipped)  # only the CRD kind has no schema here
+    assert len(skipped) == (name == "all-features")
+
+
+@pytest.mark.integration
+def test_strict_validation_is_live(tmp_path):
+    """The validator rejects an unknown field and a wrong type (so the passes above mean something)."""
+    from tests.helm_tools import kubernetes_validate
+
+    objs = render()
+    sts = copy.deepcopy(one(objs, "StatefulSet", "-prefill"))
+    sts["spec"]["template"]["spec"]["containers"][0]["startupprobe"] = {}
+    svc = copy.deepcopy(one(objs, "Service", "-router"))
+    svc["spec"]["ports"][0]["port"] = "eighty"
+    manifest = tmp_path / "bad.yaml"
+    manifest.write_text(yaml.safe_dump_all([sts, svc]))
+    proc = kubernetes_validate(manifest, KUBE_VERSIONS[-1])
+    assert proc.returncode != 0
+    assert proc.stdout.count("ERROR") == 2, proc.stdout
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("name", sorted(VARIANTS))
+def test_install_dry_run_client(name):
+    args = ["install", "atomd", str(CHART), "--dry-run=client", "--namespace", "serving"]
+    for f in VARIANTS[name]["values"]:
+        args += ["-f", str(f)]
+    out = helm(*args)
+    assert "STATUS: pending-install" in out.stdout and "NOTES:" in out.stdout
+    assert "kubectl -n serving" in out.stdout
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("set_values,message", [
+    ({"prefill.replicas": -1}, "at '/prefill/replicas': minimum: got -1, want 0"),
+    ({"decode.dataParallelSize": 0}, "at '/decode/dataParallelSize': minimum: got 0, want 1"),
+    ({"kvTransfer.backend": "rdma"}, "at '/kvTransfer/backend': value must be 'zmq'"),
+    ({"image.repository": None}, "at '/image': missing property 'repository'"),
+    ({"image.repository": ""}, "at '/image/repository': minLength: got 0, want 1"),
+    ({"router.policy": "fastest"}, "at '/router/policy': value must be one of"),
+    ({"ingress.enabled": True}, "at '/ingress/host': minLength: got 0, want 1"),
+    ({"prefill.replica": 2}, "at '/prefill': additional properties 'replica' not allowed"),
+    ({"prefill.resources": {"limits": {"cpu": "2cores"}}}, "at '/prefill/resources/limits/cpu'"),
+    ({"model.pvc": "ckpts", "model.path": "/data/m"}, 'model.path "/data/m" must lie under model.mountPath'),
+])
+def test_bad_values_are_refused_with_a_clear_message(set_values, message):
+    proc = helm("template", *template_args(set_values=set_values), check=False)
+    assert proc.returncode != 0
+    assert message in proc.stderr, proc.stderr
+
+
+# ---------------------------------------------------------------------- what an API server would check
+
+
+@pytest.mark.integration
+def test_no_semantic_problems(variant):
+    name, objs = variant
+    assert semantic_problems(objs, EXTERNAL if name == "all-features" else None) == []
+
+
+@pytest.mark.integration
+def test_the_semantic_checks_catch_what_they_claim():
+    objs = render()
+
+    def problems(mutate) -> str:
+        broken = copy.deepcopy(objs)
+        mutate(broken)
+        return "\n".join(semantic_problems(broken))
+
+    def engine(o):
+        return one(o, "StatefulSet", "-prefill")
+
+    def container(o):
+        return engine(o)["spec"]["template"]["spec"]["containers"][0]
+
+    assert "not an IANA_SVC_NAME" in problems(lambda o: container(o)["ports"][1].update(name="kv-side-channel-0"))
+    assert "startupProbe uses port 'http'" in problems(lambda o: container(o)["ports"][0].update(name="web"))
+    assert "spec.selector does not match" in problems(
+        lambda o: engine(o)["spec"]["selector"]["matchLabels"].update({"app.kubernetes.io/component": "x"}))
+    assert "is not headless" in problems(lambda o: one(o, "Service", "-prefill")["spec"].pop("clusterIP"))
+    assert "is not a Kubernetes quantity" in problems(
+        lambda o: container(o)["resources"]["limits"].update(memory="4 GB"))
+    assert "above the limit" in problems(lambda o: container(o)["resources"]["requests"].update(cpu="3"))
+    assert "$(POD_IPS) in the command line is not defined" in problems(
+        lambda o: container(o)["args"].append("$(POD_IPS)"))
+    assert "neither rendered nor given as existing" in problems(
+        lambda o: o.remove(one(o, "Secret", "-api-key")))
+    assert "selects no pod" in problems(
+        lambda o: one(o, "NetworkPolicy", "-decode")["spec"]["podSelector"]["matchLabels"].update(x="y"))
+    assert "not a valid label value" in problems(
+        lambda o: one(o, "ConfigMap", "-config")["metadata"]["labels"].update(bad="a b"))
+    with pytest.raises(yaml.constructor.ConstructorError, match="duplicate key"):
+        load_manifest("kind: ConfigMap\nmetadata:\n  labels:\n    a: x\n    a: y\n")
+
+
+# ---------------------------------------------------------------------- consistency with the code
+
+
+def scripts_entry(name: str) -> str:
+    return pyproject()["project"]["scripts"][name]
+
+
+def pods(objs: list[dict], tmp_path: pathlib.Path) -> dict[str, Pod]:
+    """{component: Pod} of the release's router Deployment and engine StatefulSets."""
+    claim = tmp_path / "claim"
+    (claim / "qwen2-0.5b").mkdir(parents=True, exist_ok=True)  # the all-features model.path, as a directory
+    out = {}
+    for w in by_kind(objs, "Deployment") + by_kind(objs, "StatefulSet"):
+        component = pod_labels(w)["app.kubernetes.io/component"]
+        out[component] = Pod(objs, w, tmp_path, pod_ip="10.1.2.3", secrets=EXTERNAL_SECRETS,
+                             claims={"llm-checkpoints": claim})
+    assert sorted(out) == ["decode", "prefill", "router"]
+    return out
+
+
+def parse_engine(pod: Pod):
+    from atomd.config import EngineConfig
+
+    argv = pod.argv()
+    assert argv[:2] == ["atomd", "serve"]
+    args = local_argv(pod, argv[2:])
+    if not secret_flag_known(pod.local_path("/etc/atomd/kv-params-secret/key")):
+        args = strip_flag(args, SECRET_FLAG)
+    parsed = engine_parser().parse_args(args)
+    return parsed, EngineConfig.from_args(parsed)
+
+
+@pytest.mark.integration
+def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
+    from atomd.cli import COMMANDS
+
+    name, objs = variant
+    assert scripts_entry("atomd") == "atomd.cli:main" and COMMANDS["serve"][0] == "atomd.server"
+    for role, p in pods(objs, tmp_path).items():
+        if role == "router":
+            continue
+        args, cfg = parse_engine(p)
+        assert cfg.kv_role == {"prefill": "producer", "decode": "consumer"}[role]
+        assert args.port == p.port("http")
+        assert args.api_key == p.env["ATOMD_API_KEY"] and args.api_key
+        dp = cfg.data_parallel_size
+        events = [p.port(f"kv-events-{r}") for r in range(dp)]
+        assert cfg.kv_events_endpoint == f"tcp://*:{events[0]}" and events == list(range(events[0], events[0] + dp))
+        if role == "prefill":
+            assert cfg.kv_side_channel_host == "10.1.2.3"  # the pod IP, from the downward API
+            sides = [p.port(f"kv-side-{r}") for r in range(dp)]
+            assert cfg.kv_side_channel_port == sides[0] and sides == list(range(sides[0], sides[0] + dp))
+        cpu = p.container["resources"]["limits"]["cpu"]
+        assert cfg.num_threads * dp <= float(cpu), f"{role}: {dp} x {cfg.num_threads} threads > {cpu} CPUs"
+        if name == "all-features":
+            assert cfg.model.endswith("/qwen2-0.5b") and args.served_model_name == "qwen2-0.5b"
+            assert cfg.dtype == "bfloat16" and cfg.max_model_len == 4096 and args.max_num_seqs == 64
+
+
+@pytest.mark.integration
+def test_router_command_line_parses_and_names_the_headless_services(variant, tmp_path):
+    from router.__main__ import parse_args
+    from router.discovery import targets_of
+
+    name, objs = variant
+    assert scripts_entry("atomd-router") == "router.__main__:main"
+    the_pods = pods(objs, tmp_path)
+    p = the_pods["router"]
+    argv = p.argv()
+    assert argv[0] == "atomd-router"
+    args = local_argv(p, argv[1:])
+    if not secret_flag_known(p.local_path("/etc/atomd/kv-params-secret/key")):
+        args = strip_flag(args, SECRET_FLAG)
+    cfg = parse_args(args)
+    assert cfg.port == p.port("http") and cfg.api_key == p.env["ATOMD_API_KEY"]
+    domain = "cluster.example" if name == "all-features" else "cluster.local"
+    for target in targets_of(cfg.prefill_dns, cfg.decode_dns):
+        sts = next(s for s in by_kind(objs, "StatefulSet") if pod_labels(s)["atomd.dev/role"] == target.role)
+        svc = one(objs, "Service", sts["spec"]["serviceName"])
+        assert target.name == f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.{domain}"
+        http = next(port for port in svc["spec"]["ports"] if port["name"] == "http")
+        assert target.port == http["port"] == the_pods[target.role].port(http["targetPort"])
+    assert len(cfg.prefill_dns) == len(cfg.decode_dns) == 1
+
+
+@pytest.mark.integration
+def test_configmap_parses_with_the_config_classes_and_matches_the_command_lines(variant, tmp_path):
+    from atomd.config import EngineConfig
+    from router.__main__ import parse_args
+    from router.app import RouterConfig
+
+    name, objs = variant
+    cm = one(objs, "ConfigMap", "-config")["data"]
+    assert sorted(cm) == ["decode.json", "prefill.json", "router.json"]
+    the_pods = pods(objs, tmp_path)
+    for role in ("prefill", "decode"):
+        pod = the_pods[role]
+        fields = {k: pod.local_path(v) if isinstance(v, str) and v.startswith("/") else v
+                  for k, v in json.loads(cm[f"{role}.json"]).items()}
+        if not secret_flag_known(fields["kv_params_secret_file"]):
+            fields.pop("kv_params_secret_file")
+        from_cm = EngineConfig.from_kwargs(**fields)  # unknown fields and bad values raise
+        _, from_argv = parse_engine(pod)
+        assert {f: getattr(from_argv, f) for f in fields} == {f: getattr(from_cm, f) for f in fields}
+    pod = the_pods["router"]
+    fields = {k: pod.local_path(v) if isinstance(v, str) and v.startswith("/") else v
+              for k, v in json.loads(cm["router.json"]).items()}
+    argv = local_argv(pod, pod.argv()[1:])
+    if not secret_flag_known(fields["kv_params_secret_file"]):
+        fields.pop("kv_params_secret_file")
+        argv = strip_flag(argv, SECRET_FLAG)
+    from_cm = RouterConfig(**fields)
+    from_argv = parse_args(argv)
+    assert {f: getattr(from_argv, f) for f in fields} == {f: getattr(from_cm, f) for f in fields}
+
+
+@pytest.mark.integration
+def test_probes_are_get_routes_the_servers_register(tmp_path):
+    from atomd.server import Server
+    from router.app import Router, RouterConfig
+
+    objs = render()
+    the_pods = pods(objs, tmp_path)
+    args, cfg = parse_engine(the_pods["prefill"])
+    engine_routes = {r.resource.canonical for r in Server(cfg, args).app.router.routes() if r.method == "GET"}
+
+    async def router_routes():
+        router = Router(RouterConfig())
+        try:
+            return {r.resource.canonical for r in router.app.router.routes() if r.method == "GET"}
+        finally:
+            await router.stop()
+
+    routes = {"prefill": engine_routes, "decode": engine_routes, "router": asyncio.run(router_routes())}
+    for component, pod in the_pods.items():
+        probes = pod.probes()
+        assert sorted(probes) == ["livenessProbe", "readinessProbe", "startupProbe"]
+        for kind, (path, port) in probes.items():
+            assert path in routes[component], f"{component} {kind}: GET {path} is not a route"
+            assert port == int(flag_value(pod.argv(), "--port")), f"{component} {kind} probes port {port}"
+        assert probes["readinessProbe"][0] == "/ready" and probes["livenessProbe"][0] == "/health"
+        assert probes["startupProbe"][0] == "/health"
+
+
+@pytest.mark.unit
+def test_dashboard_queries_only_atomd_metrics():
+    """Each name is checked against the running servers' /metrics in test_helm_render_run."""
+    names = dashboard_metric_names()
+    assert names and all(n.startswith(("atomd:", "atomd_router:")) for n in names)
