@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-unit test-integration helm-check bench clean
+.PHONY: venv test test-unit test-integration e2e-netns helm-check bench clean
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -24,6 +24,12 @@ test-unit: venv
 
 test-integration: venv
 	$(PY) -m pytest -q -m integration $(PYTEST_ARGS)
+
+# Every cross-host test: test hosts in network namespaces (needs root and iproute2; they
+# skip without). `make test` runs only the short ones (PD across hosts, shaped links, a cut
+# link: ~30 s); this adds the long ones (the two-node Ray cluster: ~1 min more).
+e2e-netns: venv
+	ATOMD_NETNS_FULL=1 $(PY) -m pytest -q -m netns $(PYTEST_ARGS)
 
 # The Helm chart without a cluster (helm/atomd): helm lint --strict, helm template for
 # Kubernetes 1.29 and 1.37 validated by kubernetes-validate --strict, semantic and

@@ -17,7 +17,8 @@ from kv_transfer.trust import SECRET_ENV
 
 DTYPES = ("float32", "bfloat16", "float16")
 KV_ROLES = ("both", "producer", "consumer")
-KV_TRANSFER_BACKENDS = ("zmq",)  # mooncake: not implemented yet
+KV_TRANSFER_BACKENDS = ("zmq", "mooncake")  # mooncake: the ZMQ control plane, Mooncake's TransferEngine for the bytes
+KV_MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
@@ -45,6 +46,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_kvcache_blocks: int | None = None
     kv_role: str = "both"
     kv_transfer_backend: str = "zmq"
+    # kv_transfer_backend mooncake: its transport, and for rdma the device(s), e.g. mlx5_0 (default: all found)
+    kv_mooncake_protocol: str = "tcp"
+    kv_mooncake_device: str | None = None
     # PD (kv_role producer / consumer): the side channel P binds (port 0: any; DP rank r: port + r)
     kv_side_channel_host: str = "127.0.0.1"
     kv_side_channel_port: int = 0
@@ -57,7 +61,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_trusted_producers: str | None = None  # comma-separated, e.g. "10.0.0.0/8,prefill-0.svc"
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
+    # KV events (atomd/kv_events.py, vLLM's wire): PUB endpoint, replay ROUTER endpoint (DP rank r: port + r)
     kv_events_endpoint: str | None = None
+    kv_events_replay_endpoint: str | None = None
+    kv_events_topic: str = ""
+    kv_events_buffer_steps: int = 10_000
     # data parallelism (atomd/core.py): the PrefillDelayer's policy and knobs
     prefill_delayer: str = "off"
     prefill_delayer_max_delay_passes: int = 30
@@ -80,6 +88,17 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"attention_backend native runs float32 only, got dtype {self.dtype!r}")
         _choice("kv_role", self.kv_role, KV_ROLES)
         _choice("kv_transfer_backend", self.kv_transfer_backend, KV_TRANSFER_BACKENDS)
+        _choice("kv_mooncake_protocol", self.kv_mooncake_protocol, KV_MOONCAKE_PROTOCOLS)
+        if self.kv_transfer_backend != "mooncake" and (self.kv_mooncake_protocol != "tcp" or self.kv_mooncake_device):
+            raise ValueError("kv_mooncake_protocol and kv_mooncake_device apply only with kv_transfer_backend mooncake")
+        if self.kv_mooncake_device and self.kv_mooncake_protocol != "rdma":
+            raise ValueError(f"kv_mooncake_device needs kv_mooncake_protocol rdma, got {self.kv_mooncake_protocol!r}")
+        if self.kv_transfer_backend == "mooncake" and self.kv_role != "both":
+            from kv_transfer.mooncake_transport import MooncakeUnavailable, load_transfer_engine
+            try:  # at start-up, in the API process: not after the model loaded in the engine core
+                load_transfer_engine()
+            except MooncakeUnavailable as e:
+                raise ValueError(str(e)) from None
         _choice("kv_load_failure_policy", self.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
         for name in ("kv_lease_s", "kv_recv_timeout_s"):
             if not getattr(self, name) > 0:
@@ -105,6 +124,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if value is not None and not 0.0 <= value <= 1.0:
                 raise ValueError(f"{name} must be in [0, 1], got {value}")
+        if self.kv_events_buffer_steps < 1:
+            raise ValueError(f"kv_events_buffer_steps must be >= 1, got {self.kv_events_buffer_steps}")
+        for name in ("kv_events_endpoint", "kv_events_replay_endpoint"):
+            value = getattr(self, name)
+            if value is not None and not value.startswith(("tcp://", "ipc://", "inproc://")):
+                raise ValueError(f"{name} must be a ZMQ endpoint like tcp://*:5557, got {value!r}")
+        if self.kv_events_replay_endpoint is not None and self.kv_events_endpoint is None:
+            raise ValueError("kv_events_replay_endpoint needs kv_events_endpoint")
         if self.dp_collective_timeout_s <= 0:
             raise ValueError(f"dp_collective_timeout_s must be > 0, got {self.dp_collective_timeout_s}")
         if self.data_parallel_rank >= self.data_parallel_size:
@@ -161,6 +188,7 @@ def _bytes_arg(text: str) -> int:
 # that is keyed by field here.
 CHOICES = {"dtype": DTYPES, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
            "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
+           "kv_mooncake_protocol": KV_MOONCAKE_PROTOCOLS,
            "prefill_delayer": PREFILL_DELAYERS}
 HELP = {
     "model": "local Hugging Face checkpoint directory (default: the built-in default model)",
@@ -177,6 +205,11 @@ HELP = {
     "kv_cache_memory": "KV cache size, e.g. 512MiB (default: 256MiB, at most max_num_seqs full contexts)",
     "num_kvcache_blocks": "KV cache size in blocks",
     "kv_role": "PD role: both (colocated), producer (prefill), consumer (decode)",
+    "kv_transfer_backend": "how KV blocks move between P and D: zmq, or mooncake (Mooncake's TransferEngine, "
+                           "tcp or rdma; needs pip install 'atomd[mooncake]'); P and D must use the same",
+    "kv_mooncake_protocol": "kv_transfer_backend mooncake: tcp, or rdma on hosts with an RDMA NIC",
+    "kv_mooncake_device": "kv_transfer_backend mooncake with rdma: the RDMA device(s) to use, e.g. mlx5_0 "
+                          "(default: every one Mooncake finds)",
     "kv_side_channel_host": "address a producer serves KV on",
     "kv_side_channel_port": "producer's side-channel port (0: any free one; DP rank r uses port + r)",
     "kv_lease_s": "producer: seconds a finished prompt's blocks stay pinned without a heartbeat",
@@ -186,8 +219,12 @@ HELP = {
                              f"then pulls only for params signed with it (default: ${SECRET_ENV})",
     "kv_trusted_producers": "comma-separated hosts / networks a consumer may pull KV from (default: loopback "
                             "only, unless a kv_transfer_params secret is set)",
-    "kv_events_endpoint": "ZMQ PUB endpoint for KV events (accepted, not published yet: the router's "
-                          "KV-events work builds the publisher)",
+    "kv_events_endpoint": "bind a ZMQ PUB socket here and publish the prefix cache's KV events, vLLM's wire "
+                          "format (e.g. tcp://*:5557; DP rank r binds port + r); the kv_aware router follows them",
+    "kv_events_replay_endpoint": "bind a ZMQ ROUTER socket here that replays buffered KV event batches from a "
+                                 "sequence number (e.g. tcp://*:5558; DP rank r binds port + r)",
+    "kv_events_topic": "topic frame of every KV events message",
+    "kv_events_buffer_steps": "KV event batches (engine steps) kept for replay",
     "prefill_delayer": "keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)",
     "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
     "dp_collective_timeout_s": "a DP collective not done by then fails open and the group is given up",

@@ -1,9 +1,15 @@
 """LLMEngine: one engine's loop, schedule -> forward -> sample -> postprocess.
 
-`LLMEngine.step()` returns one `RequestOutput` (atomd/messages.py) per request that
+`LLMEngine.step()` returns one `RequestOutput` (atomd/messages.py) per request choice that
 changed: new tokens, or the end (finished by a stop, aborted, or ended without generating,
 with `error` and `error_code` set). The engine core process runs it (atomd/core.py); the
 offline `LLM` drives it in-process (atomd/llm.py).
+
+n / best_of: a request is one sequence until its first sample, then the scheduler forks it
+into its choices (scheduler.sequence, "forks"); the engine samples every choice's first
+token from the one prompt row and copies shared KV blocks a choice is about to write
+(`ScheduledBatch.block_copies`) before the forward. With best_of > n the choices are
+ranked by cumulative logprob once all are done (`ranked_choices`).
 """
 from __future__ import annotations
 
@@ -11,14 +17,16 @@ import pathlib
 import time
 from typing import Any
 
+import msgspec
 import numpy as np
 import torch
 
 from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.kv_cache import KVCache
+from atomd.kv_events import KVEventPublisher, offset_port
 from atomd.model.loader import load_model
 from atomd.runner import ModelRunner
-from atomd.sampler import Sampler
+from atomd.sampler import Sampler, prompt_logprobs
 from atomd.tokenizer import Tokenizer
 from atomd.messages import RequestOutput
 from kv_transfer.connector import KVConnectorConfig
@@ -57,12 +65,12 @@ class LLMEngine:
         self.kv_cache = KVCache(self._num_blocks(), mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
                                 mcfg.head_dim, self.model.dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
-        self.sampler = Sampler(config.seed)
         self.kv_connector = self._make_connector()
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id
         self._end_token_ids = [t for t in [eos, *self.tokenizer.stop_token_ids] if t is not None]
+        self.sampler = Sampler(config.seed, self._end_token_ids)  # end tokens: banned before min_tokens
         self.scheduler = Scheduler(SchedulerConfig(
             num_kvcache_blocks=self.kv_cache.num_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
@@ -70,9 +78,11 @@ class LLMEngine:
             enable_chunked_prefill=config.enable_chunked_prefill, eos_token_id=eos,
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,
-            long_prefill_token_threshold=config.long_prefill_token_threshold),
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_kv_events=config.kv_events_endpoint is not None),
             kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)
-        self._requests: dict[str, Sequence] = {}
+        self.kv_events = self._make_kv_events(model_dir)  # None without --kv-events-endpoint
+        self._requests: dict[str, _Request] = {}
         self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
 
     def _make_connector(self):
@@ -87,9 +97,22 @@ class LLMEngine:
             block_size=cfg.block_size, compat=self.compat, side_channel_host=cfg.kv_side_channel_host,
             side_channel_port=port, lease_s=cfg.kv_lease_s, recv_timeout_s=cfg.kv_recv_timeout_s,
             load_failure_policy=cfg.kv_load_failure_policy, dp_rank=cfg.data_parallel_rank,
-            params_secret=load_secret(path=cfg.kv_params_secret_file), trusted_producers=cfg.trusted_producers()))
+            params_secret=load_secret(path=cfg.kv_params_secret_file), trusted_producers=cfg.trusted_producers(),
+            extra_config={"mooncake_protocol": cfg.kv_mooncake_protocol, "mooncake_device": cfg.kv_mooncake_device}))
         worker_side.register_kv_caches(self.kv_cache.as_numpy_blocks())
         return scheduler_side
+
+    def _make_kv_events(self, model_dir: pathlib.Path) -> KVEventPublisher | None:
+        """This rank's KV events publisher (atomd/kv_events.py); `tokenizer` tells a router on
+        this host where to find the tokenizer the event hashes are made from."""
+        cfg = self.config
+        if cfg.kv_events_endpoint is None:
+            return None
+        return KVEventPublisher(cfg.kv_events_endpoint, offset_port(cfg.kv_events_replay_endpoint,
+                                                                    cfg.data_parallel_rank),
+                                cfg.kv_events_topic, cfg.kv_events_buffer_steps, cfg.data_parallel_rank,
+                                cfg.block_size, extra_info={"tokenizer": str(model_dir),
+                                                            "prefix_caching": cfg.enable_prefix_caching})
 
     def _num_blocks(self) -> int:
         cfg, mcfg = self.config, self.model.config
@@ -118,19 +141,58 @@ class LLMEngine:
         bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        seq = Sequence(list(prompt_token_ids), sampling_params, request_id=request_id,
+        if isinstance(kv_transfer_params, dict):  # ValueError names the field
+            kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
+        params = self._prepare_params(sampling_params or SamplingParams(), kv_transfer_params)
+        seq = Sequence(list(prompt_token_ids), params, request_id=request_id,
                        arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
+        if kv_transfer_params is not None and kv_transfer_params.do_remote_prefill \
+                and seq.prompt_logprobs is not None:  # P computed them in its prefill
+            if kv_transfer_params.prompt_logprobs is None:
+                raise ValueError("prompt_logprobs: the prefill engine's kv_transfer_params carry none")
+            seq.prompt_logprobs = list(kv_transfer_params.prompt_logprobs)
         if self.kv_connector is not None:  # ValueError: kv_transfer_params do not fit this prompt
             self.kv_connector.request_added(seq)
         self.scheduler.add(seq)
-        self._requests[request_id] = seq
+        self._requests[request_id] = _Request(seq)
         return seq
 
+    def _prepare_params(self, sp: SamplingParams, kv_params: KVTransferParams | None) -> SamplingParams:
+        """Check token ids against the vocabulary, tokenize bad_words; a prefill leg for a
+        remote decode (P) runs one sequence: the decode engine makes the choices."""
+        vocab = self.model.config.vocab_size
+        for name, ids in (("logit_bias", sp.logit_bias or ()), ("allowed_token_ids", sp.allowed_token_ids or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        changes: dict[str, Any] = {}
+        if sp.bad_words and not sp.bad_words_token_ids:
+            changes["bad_words_token_ids"] = self.bad_words_token_ids(sp.bad_words)
+        if kv_params is not None and kv_params.do_remote_decode and sp.num_samples > 1:
+            changes.update(n=1, best_of=None)
+        return msgspec.structs.replace(sp, **changes) if changes else sp
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's rule: each word's tokens as written and, when that is another token
+        sequence of the same length, after a space (the word inside a text)."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain:
+                out.append(plain)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        return out
+
     def abort_request(self, request_id: str) -> bool:
-        seq = self._requests.get(request_id)
-        if seq is None or self.scheduler.abort(seq.id) is None:
+        req = self._requests.get(request_id)
+        if req is None:
             return False
-        self._aborted.append(seq)
+        aborted = [s for s in list(req.seq.group) if self.scheduler.abort(s.id) is not None]
+        if not aborted:
+            return False
+        self._aborted.append(req.seq)
         return True
 
     def has_unfinished_requests(self) -> bool:
@@ -139,57 +201,136 @@ class LLMEngine:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
-        outputs = [self._output(seq, [], None, True) for seq in self._aborted]
+        outputs = [self._aborted_output(seq) for seq in self._aborted]
         self._aborted = []
         batch = self.scheduler.schedule()
         if batch is not None and self.kv_connector is not None:
             self.kv_connector.start_load_kv(batch.connector_meta)  # an empty batch may carry a pull
         if batch is not None and batch.seqs:
             for update in self.scheduler.postprocess(batch, self._forward(batch)):
-                outputs.append(self._output(update.seq, update.new_token_ids, update.new_logprobs,
-                                            update.finished))
+                outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
+                                             update.finished))
         if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
             self.scheduler.update_from_kv_connector_output(self.kv_connector.get_finished())
-        outputs.extend(self._output(seq, [], None, True) for seq in self.scheduler.take_rejected())
+        for seq in self.scheduler.take_rejected():
+            outputs.extend(self._outputs(seq, [], None, True))
+        if self.kv_events is not None:  # after the forward that wrote (and indexed) the blocks
+            self.kv_events.publish(self.scheduler.block_manager.take_events())
         return outputs
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
-        logits = self.runner.execute(batch)
+        if batch.block_copies:  # copy-on-write of blocks shared by forked choices, before any write
+            src, dst = zip(*batch.block_copies)
+            kv = self.kv_cache.kv
+            kv[list(dst)] = kv[list(src)]
+        want_prompt = batch.is_prefill and any(s.prompt_logprobs is not None for s in batch.seqs)
+        logits = self.runner.execute(batch, all_logits=want_prompt)
+        prompt_entries = None
+        if want_prompt:
+            logits, prompt_entries = self._prompt_logprobs(batch, logits)
         rows = np.flatnonzero(batch.needs_sample).tolist()
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
+        fork_ids: list[list[int]] | None = None
+        fork_entries: list[list[Any]] | None = None
         if rows:
-            seqs = [batch.seqs[i] for i in rows]
-            tokens, entries = self.sampler.sample(logits, [s.sampling_params for s in seqs], [s.id for s in seqs],
-                                                  [self._banned(s) for s in seqs])
+            seqs, params, source = [], [], []  # a row about to fork samples once per choice
             for j, i in enumerate(rows):
-                token_ids[i] = [tokens[j]]
+                seq = batch.seqs[i]
+                for choice in range(seq.num_forks + 1):
+                    seqs.append(seq)
+                    params.append(seq.sampling_params.for_choice(choice))
+                    source.append(j)
+            if len(source) > len(rows):
+                logits = logits[torch.tensor(source)]
+            tokens, entries = self.sampler.sample(logits, seqs, params)
             if entries is not None:
                 logprobs = [[] for _ in batch.seqs]
-                for j, i in enumerate(rows):
-                    logprobs[i] = [entries[j]]
-        return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs)
+            at = 0
+            for i in rows:
+                k = batch.seqs[i].num_forks
+                token_ids[i] = [tokens[at]]
+                if entries is not None:
+                    logprobs[i] = [entries[at]]
+                if k:
+                    if fork_ids is None:
+                        fork_ids, fork_entries = [[] for _ in batch.seqs], [[] for _ in batch.seqs]
+                    fork_ids[i] = tokens[at + 1:at + 1 + k]
+                    fork_entries[i] = entries[at + 1:at + 1 + k] if entries is not None else [None] * k
+                at += 1 + k
+        return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
+                                    fork_logprobs=fork_entries, prompt_logprobs=prompt_entries)
 
-    def _banned(self, seq: Sequence) -> list[int]:
-        """End tokens may not be sampled before min_tokens (vLLM masks them too)."""
-        sp = seq.sampling_params
-        if seq.num_completion_tokens >= sp.min_tokens:
+    def _prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[torch.Tensor, list]:
+        """Split the logits of every scheduled token into the sampling rows and, for the
+        sequences that ask, the prompt logprobs entries this chunk computes (position p
+        predicts prompt token p + 1)."""
+        num = batch.num_scheduled_tokens.astype(np.int64)
+        ends = np.cumsum(num)
+        starts = ends - num
+        entries: list[Any] = [None] * len(batch.seqs)
+        for i, seq in enumerate(batch.seqs):
+            if seq.prompt_logprobs is None:
+                continue
+            start = int(batch.num_computed_tokens[i])
+            count = min(start + int(num[i]), seq.num_prompt_tokens - 1) - start
+            entries[i] = [] if count <= 0 else prompt_logprobs(
+                logits[int(starts[i]):int(starts[i]) + count], seq.token_ids[start + 1:start + 1 + count],
+                seq.sampling_params.prompt_logprobs)
+        return logits[torch.from_numpy((ends - 1)[batch.needs_sample])], entries
+
+    # ------------------------------------------------------------------ outputs
+
+    def _outputs(self, seq: Sequence, new_token_ids: list[int], new_logprobs: list | None,
+                 finished: bool) -> list[RequestOutput]:
+        """The outputs one choice's update makes (none for an unfinished best_of candidate)."""
+        req = self._requests.get(seq.request_id)
+        if req is None or req.seq.group is not seq.group:
             return []
-        return list(sp.stop_token_ids) + ([] if sp.ignore_eos else self._end_token_ids)
-
-    def _output(self, seq: Sequence, new_token_ids: list[int], new_logprobs: list | None,
-                finished: bool) -> RequestOutput:
         if finished:
-            self._requests.pop(seq.request_id, None)
             self.sampler.forget(seq.id)
-        if not finished:
-            return RequestOutput(seq.request_id, list(new_token_ids), new_logprobs, False, None,
-                                 seq.num_prompt_tokens, seq.num_cached_tokens)
-        return RequestOutput(
-            seq.request_id, list(new_token_ids), new_logprobs, True, seq.finish_reason, seq.num_prompt_tokens,
-            seq.num_cached_tokens, kv_transfer_params=seq.kv_transfer_params_output, error=seq.error,
-            error_code=seq.error_code,
-            timing=(seq.arrive_time, seq.first_scheduled_time, seq.first_token_time, time.time()))
+            req.num_finished += 1
+        parent = req.seq
+        done = req.num_finished == len(parent.group)
+        if done:
+            del self._requests[seq.request_id]
+        if parent.sampling_params.ranked:
+            return self._ranked_outputs(parent, seq) if done else []
+        out = RequestOutput(seq.request_id, list(new_token_ids), new_logprobs, done,
+                            seq.finish_reason if finished else None, seq.num_prompt_tokens, seq.num_cached_tokens,
+                            index=seq.index)
+        if not req.prompt_logprobs_sent and (new_token_ids or done):
+            out.prompt_logprobs, req.prompt_logprobs_sent = parent.prompt_logprobs, True
+        if done:
+            self._finish_output(out, parent, seq)
+        return [out]
+
+    def _ranked_outputs(self, parent: Sequence, last: Sequence) -> list[RequestOutput]:
+        """best_of > n, every candidate done: the n best, each whole, index = rank."""
+        choices = ranked_choices(parent)
+        outs = []
+        for rank, seq in enumerate(choices):
+            logprobs = list(seq.logprobs) if seq.sampling_params.logprobs is not None else None
+            outs.append(RequestOutput(seq.request_id, seq.completion_token_ids, logprobs, False, seq.finish_reason,
+                                      seq.num_prompt_tokens, seq.num_cached_tokens, index=rank,
+                                      prompt_logprobs=parent.prompt_logprobs if rank == 0 else None))
+        outs[-1].finished = True
+        self._finish_output(outs[-1], parent, last)
+        return outs
+
+    def _finish_output(self, out: RequestOutput, parent: Sequence, last: Sequence) -> None:
+        """The request's last output: its params for D, the error, the engine's timing."""
+        out.kv_transfer_params = parent.kv_transfer_params_output
+        out.error, out.error_code = last.error, last.error_code
+        out.timing = (parent.arrive_time, parent.first_scheduled_time, parent.first_token_time, time.time())
+
+    def _aborted_output(self, seq: Sequence) -> RequestOutput:
+        self._requests.pop(seq.request_id, None)
+        for s in seq.group:
+            self.sampler.forget(s.id)
+        out = RequestOutput(seq.request_id, [], None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
+        self._finish_output(out, seq, seq)
+        return out
 
     # ------------------------------------------------------------------ utilities
 
@@ -216,7 +357,8 @@ class LLMEngine:
                 "dp_rank": cfg.data_parallel_rank}
         if self.kv_connector is not None:
             info.update(self.kv_connector.info())
-        return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend)
+        return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend,
+                    kv_events=self.kv_events.info() if self.kv_events is not None else None)
 
     def kv_transfer_abort(self, transfer_id: str) -> bool:
         """The router gave up a transfer D never pulled: free P's pinned blocks now."""
@@ -225,6 +367,31 @@ class LLMEngine:
     def close(self) -> None:
         if self.kv_connector is not None:
             self.kv_connector.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
 
     def reset_prefix_cache(self) -> bool:
-        return self.scheduler.reset_prefix_cache()
+        reset = self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:  # AllBlocksCleared now, not at the next step
+            self.kv_events.publish(self.scheduler.block_manager.take_events())
+        return reset
+
+
+class _Request:
+    """One request in flight: its first sequence (whose group holds every choice)."""
+
+    __slots__ = ("seq", "num_finished", "prompt_logprobs_sent")
+
+    def __init__(self, seq: Sequence):
+        self.seq = seq
+        self.num_finished = 0  # choices finished so far
+        self.prompt_logprobs_sent = False
+
+
+def ranked_choices(parent: Sequence) -> list[Sequence]:
+    """The choices a finished request returns, in order: with best_of > n the n with the
+    highest cumulative logprob (ties: lower index first), else every choice by index."""
+    group = sorted(parent.group, key=lambda s: s.index)
+    if not parent.sampling_params.ranked or len(group) == 1:
+        return group
+    return sorted(group, key=lambda s: (-s.cumulative_logprob, s.index))[:parent.sampling_params.n]

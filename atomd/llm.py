@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import msgspec
 
 from atomd.config import EngineConfig
-from atomd.engine import LLMEngine
+from atomd.engine import LLMEngine, ranked_choices
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
 from scheduler.sequence import SamplingParams, Sequence
@@ -24,6 +24,7 @@ class CompletionOutput(msgspec.Struct):
     finish_reason: str | None
     stop_reason: int | str | None = None
     logprobs: list[Any] | None = None  # per token {"logprob": lp, "top": [[id, lp], ...]}
+    cumulative_logprob: float | None = None  # of the sampled tokens (raw model logprobs)
 
 
 class GenerationOutput(msgspec.Struct):
@@ -36,6 +37,7 @@ class GenerationOutput(msgspec.Struct):
     finished: bool = True
     num_cached_tokens: int = 0
     error: str | None = None
+    prompt_logprobs: list[Any] | None = None  # per prompt token (None for the first), when asked
 
 
 class LLM:
@@ -89,7 +91,6 @@ class LLM:
         raise ValueError("prompts: each prompt must be a string or a dict with prompt_token_ids")
 
     def _run(self, requests: dict[str, tuple[str | None, Sequence]], progress: bool) -> list[GenerationOutput]:
-        logprobs: dict[str, list] = {r: [] for r in requests}
         done: dict[str, GenerationOutput] = {}
         bar = None
         if progress:
@@ -101,11 +102,9 @@ class LLM:
                 for out in self.engine.step():
                     if out.request_id not in requests:
                         continue
-                    if out.new_logprobs:
-                        logprobs[out.request_id].extend(out.new_logprobs)
                     if out.finished:
                         prompt, seq = requests[out.request_id]
-                        done[out.request_id] = self._final(out, prompt, seq, logprobs[out.request_id])
+                        done[out.request_id] = self._final(out, prompt, seq)
                         if bar is not None:
                             bar.update(1)
         finally:
@@ -113,12 +112,17 @@ class LLM:
                 bar.close()
         return [done[r] for r in requests]
 
-    def _final(self, out: RequestOutput, prompt: str | None, seq: Sequence, logprobs: list) -> GenerationOutput:
-        token_ids = seq.completion_token_ids
-        text = self.engine.tokenizer.decode(token_ids)
-        stop = seq.stop_reason
-        if isinstance(stop, str):  # the text ends at the stop string
-            text, _ = cut_at_stop(text, [stop], seq.sampling_params.include_stop_str_in_output)
-        completion = CompletionOutput(0, text, token_ids, out.finish_reason, stop, logprobs or None)
-        return GenerationOutput(out.request_id, prompt, seq.prompt_token_ids, [completion], True,
-                                out.num_cached_tokens, out.error)
+    def _final(self, out: RequestOutput, prompt: str | None, seq: Sequence) -> GenerationOutput:
+        """The request's choices (n of them; the best n of best_of), from its sequences."""
+        completions = []
+        for index, choice in enumerate(ranked_choices(seq)):
+            token_ids = choice.completion_token_ids
+            text = self.engine.tokenizer.decode(token_ids)
+            stop = choice.stop_reason
+            if isinstance(stop, str):  # the text ends at the stop string
+                text, _ = cut_at_stop(text, [stop], choice.sampling_params.include_stop_str_in_output)
+            finish = choice.finish_reason if choice.finish_reason is not None else out.finish_reason
+            completions.append(CompletionOutput(index, text, token_ids, finish, stop, list(choice.logprobs) or None,
+                                                choice.cumulative_logprob))
+        return GenerationOutput(out.request_id, prompt, seq.prompt_token_ids, completions, True,
+                                out.num_cached_tokens, out.error, seq.prompt_logprobs)

@@ -24,8 +24,15 @@ from scheduler.sequence import ErrorCode, SamplingParams
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
-    """What one engine step changed for one request: new tokens, or the end (finished by a
-    stop, aborted, or ended without generating: `error` and `error_code` set)."""
+    """What one engine step changed for one choice of a request: new tokens, or the end
+    (finished by a stop, aborted, or ended without generating: `error` and `error_code` set).
+
+    `index` is the choice (n > 1: the choices' outputs interleave as they are produced).
+    `finish_reason` is set on a choice's last output; `finished` only on the request's last
+    output, once every choice is done. With best_of > n nothing comes until every
+    candidate is done; then the n best (by cumulative logprob) come in rank order, each
+    with all its tokens, `index` = rank. `prompt_logprobs` (asked for) rides on the
+    request's first output: one entry per prompt token, None for the first."""
 
     request_id: str
     new_token_ids: list[int]
@@ -39,6 +46,8 @@ class RequestOutput(msgspec.Struct, array_like=True):
     error_code: ErrorCode | None = None  # how the API answers `error` (atomd/server.py)
     # engine clock, on the finished output only: (arrival, first_scheduled, first_token, finished)
     timing: tuple[float | None, float | None, float | None, float | None] | None = None
+    index: int = 0
+    prompt_logprobs: list[Any] | None = None  # [None, {"logprob", "rank", "top": [[id, lp], ...]}, ...]
 
 
 class AddRequest(msgspec.Struct, tag="add"):

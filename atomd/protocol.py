@@ -4,6 +4,11 @@ Requests are decoded straight from the body bytes with msgspec (types checked on
 way in); `check_*` adds the range checks msgspec cannot express. Every failure is an
 `APIError`, which the server renders as `{"error": {"message", "type", "param", "code"}}`
 with the right status, so a bad field never reaches the engine.
+
+No field is silently ignored: the request structs forbid unknown fields (msgspec
+`forbid_unknown_fields`), so a field this server does not know is a 400 naming it, and a
+known OpenAI / vLLM field it does not implement (`UNSUPPORTED_FIELDS`) is a 400 saying so.
+A supported field with a value this server cannot honour is a 400 naming it as well.
 """
 from __future__ import annotations
 
@@ -16,6 +21,25 @@ from kv_transfer.params import KVTransferParams
 from scheduler.sequence import SamplingParams
 
 MAX_LOGPROBS = 20
+MAX_N = 128  # n and best_of (OpenAI's limit for n)
+# Fields of OpenAI's or vLLM's request schemas this server does not implement, with the
+# values that ask for nothing more than what it does (a client sending a default is not
+# refused). Any other value is a 400 naming the field (`check_unsupported`).
+UNSUPPORTED: dict[str, tuple[Any, ...]] = {
+    "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
+    "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
+    "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+    "prediction": (None,), "reasoning_effort": (None,), "service_tier": (None, "auto", "default"),
+    "store": (None, False), "metadata": (None, {}), "web_search_options": (None,),
+    "use_beam_search": (None, False), "length_penalty": (None, 1.0), "early_stopping": (None, False),
+    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "structured_outputs": (None,), "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
+    "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "logits_processors": (None, []), "chat_template": (None,), "chat_template_kwargs": (None, {}),
+    "documents": (None,), "continue_final_message": (None, False), "priority": (None, 0),
+    "cache_salt": (None,), "vllm_xargs": (None, {}),
+}
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
@@ -38,34 +62,84 @@ def invalid(param: str | None, message: str) -> APIError:
 
 # ---------------------------------------------------------------- requests
 
-class StreamOptions(msgspec.Struct):
+class StreamOptions(msgspec.Struct, forbid_unknown_fields=True):
     include_usage: bool = False
 
 
-class _SamplingFields(msgspec.Struct, kw_only=True):
-    """Fields shared by both endpoints; vLLM's extensions (top_k, ignore_eos, ...) included."""
+class _UnsupportedFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """Declared so that a default value passes and any other is refused by name."""
+
+    suffix: Any = msgspec.UNSET
+    tools: Any = msgspec.UNSET
+    tool_choice: Any = msgspec.UNSET
+    functions: Any = msgspec.UNSET
+    function_call: Any = msgspec.UNSET
+    parallel_tool_calls: Any = msgspec.UNSET
+    response_format: Any = msgspec.UNSET
+    audio: Any = msgspec.UNSET
+    modalities: Any = msgspec.UNSET
+    prediction: Any = msgspec.UNSET
+    reasoning_effort: Any = msgspec.UNSET
+    service_tier: Any = msgspec.UNSET
+    store: Any = msgspec.UNSET
+    metadata: Any = msgspec.UNSET
+    web_search_options: Any = msgspec.UNSET
+    use_beam_search: Any = msgspec.UNSET
+    length_penalty: Any = msgspec.UNSET
+    early_stopping: Any = msgspec.UNSET
+    guided_json: Any = msgspec.UNSET
+    guided_regex: Any = msgspec.UNSET
+    guided_choice: Any = msgspec.UNSET
+    guided_grammar: Any = msgspec.UNSET
+    structured_outputs: Any = msgspec.UNSET
+    truncate_prompt_tokens: Any = msgspec.UNSET
+    prompt_embeds: Any = msgspec.UNSET
+    skip_special_tokens: Any = msgspec.UNSET
+    spaces_between_special_tokens: Any = msgspec.UNSET
+    return_tokens_as_token_ids: Any = msgspec.UNSET
+    return_token_ids: Any = msgspec.UNSET
+    logits_processors: Any = msgspec.UNSET
+    chat_template: Any = msgspec.UNSET
+    chat_template_kwargs: Any = msgspec.UNSET
+    documents: Any = msgspec.UNSET
+    continue_final_message: Any = msgspec.UNSET
+    priority: Any = msgspec.UNSET
+    cache_salt: Any = msgspec.UNSET
+    vllm_xargs: Any = msgspec.UNSET
+
+
+class _SamplingFields(_UnsupportedFields, kw_only=True, forbid_unknown_fields=True):
+    """Fields shared by both endpoints; vLLM's extensions (top_k, min_p, repetition_penalty,
+    ignore_eos, bad_words, allowed_token_ids, prompt_logprobs, ...) included."""
 
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
     top_k: int | None = None
+    min_p: float | None = None
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
+    best_of: int | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a JSON key) -> bias
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
+    prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None  # parsed by validate_*_request
     user: str | None = None
     data_parallel_rank: int | None = None  # vLLM's: pin the request to one DP rank
 
 
-class CompletionRequest(_SamplingFields, kw_only=True):
+class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     # A string, a list of token ids, or a list of one string / one token list:
     # msgspec cannot express that union, `prompt_input` checks it.
     prompt: str | list[Any]
@@ -74,28 +148,30 @@ class CompletionRequest(_SamplingFields, kw_only=True):
     echo: bool = False
 
 
-class ContentPart(msgspec.Struct):
+class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
 
 
-class ChatMessage(msgspec.Struct):
+class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
 
 
-class ChatCompletionRequest(_SamplingFields, kw_only=True):
+class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
     messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
+    echo: Any = msgspec.UNSET  # vLLM's chat echo (prepend the last message): not implemented
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")
 _MISSING = re.compile(r"missing required field `([^`]*)`")
+_UNKNOWN = re.compile(r"unknown field `([^`]*)`")
 
 
 def decode_request(body: bytes, kind: type[msgspec.Struct]):
@@ -104,9 +180,13 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]):
         return msgspec.json.decode(body, type=kind)
     except msgspec.ValidationError as e:
         text = str(e)
-        at, missing = _AT.search(text), _MISSING.search(text)
-        path = [m.group(1) for m in (at, missing) if m and m.group(1)]
-        raise invalid(".".join(path) or None, text) from None
+        at, missing, unknown = _AT.search(text), _MISSING.search(text), _UNKNOWN.search(text)
+        path = [m.group(1) for m in (at, missing, unknown) if m and m.group(1)]
+        param = ".".join(path) or None
+        if unknown:
+            raise APIError(400, f"unknown field `{param}` (this server does not know it; a typo?)",
+                           param=param, code="unknown_field") from None
+        raise invalid(param, text) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
 
@@ -148,46 +228,85 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
 
 
 class Checked(msgspec.Struct):
-    """What validation derived from a request: the logprobs count (None: no logprobs) and
-    the parsed kv_transfer_params (parsed here once; the engine keeps this struct)."""
+    """What validation derived from a request: the logprobs count (None: no logprobs), the
+    parsed kv_transfer_params (parsed here once; the engine keeps this struct), the
+    prompt logprobs count (asked, or echo with logprobs) and logit_bias by token id."""
 
     logprobs: int | None
     kv_transfer_params: KVTransferParams | None
+    prompt_logprobs: int | None = None
+    logit_bias: dict[int, float] | None = None
 
 
-def _check_common(req: _SamplingFields) -> KVTransferParams | None:
+def check_unsupported(req: _UnsupportedFields) -> None:
+    """A 400 naming the first unsupported field sent with a value that asks for something."""
+    for name, noops in UNSUPPORTED.items():
+        value = getattr(req, name)
+        if value is not msgspec.UNSET and not any(_same(value, v) for v in noops):
+            raise APIError(400, f"{name}={value!r} is not supported by this server; leave it out",
+                           param=name, code="unsupported_field")
+
+
+def _same(a: Any, b: Any) -> bool:
+    """JSON equality: 1 == 1.0, but true is not 1."""
+    return (isinstance(a, bool) == isinstance(b, bool)) and a == b
+
+
+def _check_common(req: _SamplingFields) -> tuple[KVTransferParams | None, dict[int, float] | None]:
     """Checks of the fields SamplingParams does not own (it checks the sampling ranges)."""
+    check_unsupported(req)
     kv_params = None
     if req.kv_transfer_params is not None:
         try:  # a malformed one never reaches the engine
             kv_params = KVTransferParams.from_json_obj(req.kv_transfer_params)
         except ValueError as e:
             raise invalid("kv_transfer_params", str(e)) from None
-    if req.n != 1:
-        raise invalid("n", f"n={req.n} is not supported; only n=1")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise invalid(name, f"{name} is not supported; leave it at 0")
+    if not 1 <= req.n <= MAX_N:
+        raise invalid("n", f"n must be in [1, {MAX_N}], got {req.n}")
+    if req.best_of is not None:
+        if not req.n <= req.best_of <= MAX_N:
+            raise invalid("best_of", f"best_of must be in [n={req.n}, {MAX_N}], got {req.best_of}")
+        if req.stream and req.best_of > req.n:
+            raise invalid("best_of", "best_of > n cannot be streamed (the best choices are known only at the end)")
     if req.stream_options is not None and not req.stream:
         raise invalid("stream_options", "stream_options is only allowed with stream=true")
-    return kv_params
+    if req.prompt_logprobs is not None and not 0 <= req.prompt_logprobs <= MAX_LOGPROBS:
+        raise invalid("prompt_logprobs", f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {req.prompt_logprobs}")
+    logit_bias = None
+    if req.logit_bias is not None:
+        logit_bias = {}
+        for key, bias in req.logit_bias.items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
+            if token < 0:
+                raise invalid("logit_bias", f"logit_bias keys must be token ids >= 0, got {key!r}")
+            if not -100.0 <= bias <= 100.0:
+                raise invalid("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
+            logit_bias[token] = bias
+    return kv_params, logit_bias
 
 
 def validate_completion_request(req: CompletionRequest) -> Checked:
     """Every check of a /v1/completions body but the sampling ranges (`sampling_params`)
     and the length policy (the server's, which needs the tokenized prompt)."""
-    kv_params = _check_common(req)
-    if req.echo:
-        raise invalid("echo", "echo is not supported")
+    kv_params, logit_bias = _check_common(req)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise invalid("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
     check_max_tokens("max_tokens", req.max_tokens)
-    return Checked(req.logprobs, kv_params)
+    prompt_logprobs = req.prompt_logprobs
+    if prompt_logprobs is None and req.echo and req.logprobs is not None:  # vLLM: echo's logprobs
+        prompt_logprobs = req.logprobs
+    return Checked(req.logprobs, kv_params, prompt_logprobs, logit_bias)
 
 
 def validate_chat_request(req: ChatCompletionRequest) -> Checked:
     """As validate_completion_request, for /v1/chat/completions."""
-    kv_params = _check_common(req)
+    kv_params, logit_bias = _check_common(req)
+    if req.echo is not msgspec.UNSET and not _same(req.echo, False) and req.echo is not None:
+        raise APIError(400, f"echo={req.echo!r} is not supported on chat completions; leave it out",
+                       param="echo", code="unsupported_field")
     if req.top_logprobs is not None:
         if not req.logprobs:
             raise invalid("top_logprobs", "top_logprobs requires logprobs=true")
@@ -195,7 +314,7 @@ def validate_chat_request(req: ChatCompletionRequest) -> Checked:
             raise invalid("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
     check_max_tokens("max_tokens", req.max_tokens)
     check_max_tokens("max_completion_tokens", req.max_completion_tokens)
-    return Checked((req.top_logprobs or 0) if req.logprobs else None, kv_params)
+    return Checked((req.top_logprobs or 0) if req.logprobs else None, kv_params, req.prompt_logprobs, logit_bias)
 
 
 def check_max_tokens(param: str, value: int | None) -> None:
@@ -203,16 +322,20 @@ def check_max_tokens(param: str, value: int | None) -> None:
         raise invalid(param, f"{param} must be at least 1, got {value}")
 
 
-def sampling_params(req: _SamplingFields, max_tokens: int, logprobs: int | None) -> SamplingParams:
+def sampling_params(req: _SamplingFields, max_tokens: int, checked: Checked) -> SamplingParams:
     stop = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
     try:
         return SamplingParams(
             max_tokens=max_tokens, min_tokens=req.min_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
             top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-            seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
-            ignore_eos=req.ignore_eos, logprobs=logprobs,
-            include_stop_str_in_output=req.include_stop_str_in_output)
+            min_p=req.min_p or 0.0, seed=req.seed, stop=stop, stop_token_ids=list(req.stop_token_ids or []),
+            ignore_eos=req.ignore_eos, logprobs=checked.logprobs,
+            include_stop_str_in_output=req.include_stop_str_in_output, n=req.n, best_of=req.best_of,
+            presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
+            repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
+            logit_bias=checked.logit_bias or None, bad_words=list(req.bad_words or []),
+            allowed_token_ids=req.allowed_token_ids, prompt_logprobs=checked.prompt_logprobs)
     except ValueError as e:  # SamplingParams starts its message with the field's name
         field = str(e).split(" ", 1)[0]
         raise invalid(field if field in SamplingParams.__struct_fields__ else None, str(e)) from None
@@ -233,9 +356,22 @@ class Usage(msgspec.Struct):
 
 class CompletionLogprobs(msgspec.Struct):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None: the first prompt token of an echo
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
+
+
+class PromptLogprob(msgspec.Struct):
+    """vLLM's Logprob: one token of a prompt position (`prompt_logprobs`)."""
+
+    logprob: float
+    rank: int | None
+    decoded_token: str
+
+
+# vLLM's prompt_logprobs: per prompt token, None (the first) or {token id: PromptLogprob}
+# holding the prompt's own token and the top-k
+PromptLogprobs = list[dict[str, PromptLogprob] | None]
 
 
 class CompletionChoice(msgspec.Struct):
@@ -243,6 +379,7 @@ class CompletionChoice(msgspec.Struct):
     text: str
     logprobs: CompletionLogprobs | None
     finish_reason: str | None
+    prompt_logprobs: PromptLogprobs | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class CompletionResponse(msgspec.Struct):
@@ -304,6 +441,7 @@ class ChatCompletionResponse(msgspec.Struct):
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
     kv_transfer_params: dict | None | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobs | None | msgspec.UnsetType = msgspec.UNSET  # vLLM: top level for chat
 
 
 class ChatCompletionChunk(msgspec.Struct):
@@ -314,6 +452,7 @@ class ChatCompletionChunk(msgspec.Struct):
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
     kv_transfer_params: dict | None | msgspec.UnsetType = msgspec.UNSET
+    prompt_logprobs: PromptLogprobs | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class ModelCard(msgspec.Struct):

@@ -305,8 +305,10 @@ class Server:
         checked = P.validate_completion_request(req)
         prompt = P.prompt_input(req.prompt)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
-        params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked.logprobs)
-        out = CompletionRenderer(self, f"cmpl-{uuid.uuid4().hex}", req, checked.logprobs)
+        self.check_sampling_token_ids(req, checked)
+        params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
+        out = CompletionRenderer(self, f"cmpl-{uuid.uuid4().hex}", req, checked, ids,
+                                 prompt if isinstance(prompt, str) else None)
         return await self.generate(request, req, checked, ids, params, out)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -319,16 +321,26 @@ class Server:
             raise P.invalid("messages", f"chat template failed: {e}") from None
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
-        params = P.sampling_params(req, self.max_tokens(ids, requested, param, None), checked.logprobs)
-        out = ChatRenderer(self, f"chatcmpl-{uuid.uuid4().hex}", req, checked.logprobs)
+        self.check_sampling_token_ids(req, checked)
+        params = P.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
+        out = ChatRenderer(self, f"chatcmpl-{uuid.uuid4().hex}", req, checked, ids)
         return await self.generate(request, req, checked, ids, params, out)
 
-    def check_token_ids(self, ids: list[int]) -> list[int]:
+    def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise P.invalid("prompt", f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise P.invalid(param, f"token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
+
+    def check_sampling_token_ids(self, req, checked: P.Checked) -> None:
+        """logit_bias keys and allowed_token_ids must be token ids of this vocabulary."""
+        if checked.logit_bias:
+            self.check_token_ids(list(checked.logit_bias), "logit_bias")
+        if req.allowed_token_ids is not None:
+            if not req.allowed_token_ids:
+                raise P.invalid("allowed_token_ids", "allowed_token_ids must not be empty")
+            self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
 
     def max_tokens(self, ids: list[int], requested: int | None, param: str, default: int | None) -> int:
         """The max_tokens the engine gets, or a 400 when the request cannot fit (see module doc)."""
@@ -370,7 +382,7 @@ class Server:
                 return await self.stream_response(request, stream, first, out)
             batch = first
             while True:
-                out.add(batch)
+                out.add(batch)  # the chunks are for streams
                 if out.finished:
                     return web.Response(body=out.full_response(), content_type="application/json")
                 batch = await stream.next_batch()
@@ -382,12 +394,9 @@ class Server:
         resp = web.StreamResponse(headers=SSE_HEADERS)
         await resp.prepare(request)
         try:
-            for chunk in out.stream_start():
-                await resp.write(sse(chunk))
             while True:
-                text_chunk = out.add(batch)
-                if text_chunk is not None:
-                    await resp.write(sse(text_chunk))
+                for chunk in out.add(batch):
+                    await resp.write(sse(chunk))
                 if out.finished:
                     break
                 batch = await stream.next_batch()
@@ -422,21 +431,43 @@ def error_response(e: P.APIError) -> web.Response:
 
 # ---------------------------------------------------------------- per-request output state
 
-class RequestRenderer:
-    """Accumulates one request's deltas: text (incremental, stop strings held back),
-    logprobs, usage, metrics. Subclasses render the endpoint's JSON."""
+class Choice:
+    """One choice's output so far: text (incremental, stop strings held back), tokens, logprobs."""
 
-    def __init__(self, server: Server, request_id: str, req, logprobs: int | None):
-        self.id, self.req, self.num_logprobs = request_id, req, logprobs
-        self.model, self.created = server.model_name, int(time.time())
-        self.tokenizer, self.metrics = server.tokenizer, server.metrics
-        self.detok = server.tokenizer.incremental_decoder()
-        self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
+    __slots__ = ("index", "detok", "text", "emitted", "token_ids", "logprobs", "sent_logprobs", "finished",
+                 "finish_reason", "started", "closed")
+
+    def __init__(self, index: int, detok):
+        self.index, self.detok = index, detok
         self.text = ""         # everything decoded so far
         self.emitted = 0       # chars of `text` already handed out
         self.token_ids: list[int] = []
         self.logprobs: list[tuple[int, dict]] = []  # (token id, engine entry)
+        self.sent_logprobs = 0
+        self.finished = False
+        self.finish_reason: str | None = None
+        self.started = False   # its first chunk went out (a stream's role / echo prefix)
+        self.closed = False    # its last chunk went out
+
+
+class RequestRenderer:
+    """Accumulates one request's deltas: per choice text (incremental, stop strings held
+    back) and logprobs, then usage and metrics for the request. Subclasses render the
+    endpoint's JSON. Choices stream interleaved, in the order their tokens arrive."""
+
+    opens_early = False  # a choice's first chunk goes out before it has text (chat's role, echo)
+
+    def __init__(self, server: Server, request_id: str, req, checked: P.Checked, prompt_ids: list[int],
+                 prompt_text: str | None = None):
+        self.id, self.req, self.num_logprobs = request_id, req, checked.logprobs
+        self.model, self.created = server.model_name, int(time.time())
+        self.tokenizer, self.metrics = server.tokenizer, server.metrics
+        self.choices = [Choice(i, server.tokenizer.incremental_decoder()) for i in range(req.n)]
+        self.prompt_ids = prompt_ids
+        self.prompt_text = prompt_text
+        self.prompt_logprobs: list | None = None  # the engine's entries, from the first output
+        self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
+        self.hold = max((len(s) for s in self.stops), default=1) - 1
         self.finished = False
         self.finish_reason: str | None = None
         self.num_prompt_tokens = self.num_cached_tokens = 0
@@ -444,29 +475,63 @@ class RequestRenderer:
         self.t_arrival = self.t_last = time.perf_counter()
         self.first_token_seen = False
 
-    def add(self, deltas: list[RequestOutput]) -> bytes | None:
-        """Fold `deltas` in; return the stream chunk for the new text (None if nothing to say)."""
-        n_lp = len(self.logprobs)
-        start = self.emitted
+    def add(self, deltas: list[RequestOutput]) -> list[bytes]:
+        """Fold `deltas` in; return the stream chunks for what is new (one per choice that has
+        something to say, in arrival order)."""
+        touched: dict[int, None] = {}
+        last: RequestOutput | None = None
         for d in deltas:
             self.observe(d)
-            for i, tid in enumerate(d.new_token_ids):
-                self.token_ids.append(tid)
-                if self.num_logprobs is not None and d.new_logprobs:
-                    self.logprobs.append((tid, d.new_logprobs[i]))
-                self.text += self.detok.step(tid)
+            if d.prompt_logprobs is not None:
+                self.prompt_logprobs = d.prompt_logprobs
+            c = self.choices[d.index] if d.index < len(self.choices) else self.choices[0]
             if d.finished:
-                self.text += self.detok.flush()
-                self.kv_transfer_params = d.kv_transfer_params
-                self.cut_at_stop()
-                self.finish(d.finish_reason, d)
-        self.cut_at_stop()
-        end = len(self.text) if self.finished else max(self.emitted, len(self.text) - self.hold)
-        self.emitted = end
-        new_text = self.text[start:end]
-        if not new_text and not self.finished and len(self.logprobs) == n_lp:
-            return None
-        return self.chunk(new_text, self.logprobs[n_lp:], self.finish_reason if self.finished else None)
+                self.kv_transfer_params, last = d.kv_transfer_params, d
+            if c.finished:  # cut at a stop string here already: the rest is past it
+                continue
+            touched[c.index] = None
+            for i, tid in enumerate(d.new_token_ids):
+                c.token_ids.append(tid)
+                if self.num_logprobs is not None and d.new_logprobs:
+                    c.logprobs.append((tid, d.new_logprobs[i]))
+                c.text += c.detok.step(tid)
+            if d.finish_reason is not None or d.finished:
+                self.finish_choice(c, d.finish_reason)
+            if d.finished:  # the request's last output: every choice is done
+                for other in self.choices:
+                    if not other.finished:
+                        touched[other.index] = None
+                        self.finish_choice(other, d.finish_reason)
+        parts = []
+        for index in touched:
+            c = self.choices[index]
+            self.cut_at_stop(c)
+            start = c.emitted
+            end = len(c.text) if c.finished else max(c.emitted, len(c.text) - self.hold)
+            c.emitted = end
+            items = c.logprobs[c.sent_logprobs:]
+            c.sent_logprobs = len(c.logprobs)
+            if c.text[start:end] or (c.finished and not c.closed) or items or (not c.started and self.opens_early):
+                parts.append((c, c.text[start:end], items))
+        if not self.finished and (last is not None or all(c.finished for c in self.choices)):
+            self.finish(last)
+            if not parts:  # the request's end still gets its chunk (it carries kv_transfer_params)
+                parts.append((self.choices[0], "", []))
+        chunks = []
+        for j, (c, text, items) in enumerate(parts):
+            final = self.finished and j == len(parts) - 1
+            chunks.extend(self.chunks(c, text, items, c.finish_reason if c.finished else None, final))
+            c.started = True
+            c.closed = c.finished
+        return chunks
+
+    def finish_choice(self, c: Choice, reason: str | None) -> None:
+        if c.finished:
+            return
+        c.text += c.detok.flush()
+        self.cut_at_stop(c)
+        if not c.finished:
+            c.finished, c.finish_reason = True, reason
 
     def observe(self, d: RequestOutput) -> None:
         self.num_prompt_tokens, self.num_cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
@@ -477,26 +542,26 @@ class RequestRenderer:
             self.metrics.on_tokens(len(d.new_token_ids), now - self.t_last if self.first_token_seen else None)
             self.first_token_seen, self.t_last = True, now
 
-    def finish(self, reason: str | None, d: RequestOutput | None) -> None:
-        """The engine finished the request (`d`), or its text hit a stop string first."""
-        if self.finished:
-            return
-        self.finished, self.finish_reason = True, reason
-        self.metrics.on_finished(reason or "unknown", self.num_prompt_tokens,
+    def finish(self, d: RequestOutput | None) -> None:
+        """Every choice is done: by the engine (`d`, the request's last output), or by the
+        text of a stop string first."""
+        self.finished = True
+        self.finish_reason = self.choices[0].finish_reason
+        self.metrics.on_finished(self.finish_reason or "unknown", self.num_prompt_tokens,
                                  time.perf_counter() - self.t_arrival, d.timing if d else None)
 
-    def cut_at_stop(self) -> None:
-        """Truncate the text at the first stop string: the engine stops on it too, but the
-        text of the token that completed it may run past it."""
+    def cut_at_stop(self, c: Choice) -> None:
+        """Truncate a choice's text at the first stop string: the engine stops on it too, but
+        the text of the token that completed it may run past it."""
         if not self.stops:
             return
         # text up to `emitted` was searched before (the last `hold` characters are held back)
-        self.text, stop = cut_at_stop(self.text, self.stops, self.req.include_stop_str_in_output, self.emitted)
-        if stop is not None:
-            self.finish("stop", None)
+        c.text, stop = cut_at_stop(c.text, self.stops, self.req.include_stop_str_in_output, c.emitted)
+        if stop is not None and not c.finished:
+            c.finished, c.finish_reason = True, "stop"
 
     def usage(self) -> P.Usage:
-        n = len(self.token_ids)
+        n = sum(len(c.token_ids) for c in self.choices)  # every returned choice counts
         return P.Usage(self.num_prompt_tokens, n, self.num_prompt_tokens + n,
                        P.PromptTokensDetails(self.num_cached_tokens))
 
@@ -506,13 +571,44 @@ class RequestRenderer:
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
 
-    def stream_start(self) -> list[bytes]:
+    def vllm_prompt_logprobs(self) -> P.PromptLogprobs | msgspec.UnsetType:
+        """vLLM's `prompt_logprobs` (when the request asked for them by that name)."""
+        if self.req.prompt_logprobs is None:
+            return msgspec.UNSET
+        out: P.PromptLogprobs = []
+        for pos, entry in enumerate(self.prompt_logprobs or []):
+            if entry is None:
+                out.append(None)
+                continue
+            tid = self.prompt_ids[pos]
+            tokens = {str(tid): P.PromptLogprob(entry["logprob"], entry["rank"], self.token_text(tid))}
+            for rank, (t, lp) in enumerate(entry["top"], start=1):
+                tokens.setdefault(str(t), P.PromptLogprob(lp, rank, self.token_text(t)))
+            out.append(tokens)
+        return out
+
+    def stream_end(self) -> list[bytes]:
         return []
 
 
 class CompletionRenderer(RequestRenderer):
-    def logprobs_block(self, items: list[tuple[int, dict]], offset: int) -> P.CompletionLogprobs:
+    @property
+    def opens_early(self) -> bool:
+        return self.req.echo
+
+    def logprobs_block(self, items: list[tuple[int, dict]], offset: int,
+                       echo: bool = False) -> P.CompletionLogprobs:
         tokens, lps, tops, offsets = [], [], [], []
+        if echo:  # the prompt's tokens first: the first has no logprob (OpenAI's echo)
+            entries = self.prompt_logprobs or []
+            for pos, tid in enumerate(self.prompt_ids):
+                entry = entries[pos] if pos < len(entries) else None
+                text = self.token_text(tid)
+                tokens.append(text)
+                lps.append(entry["logprob"] if entry else None)
+                tops.append({self.token_text(t): lp for t, lp in entry["top"]} if entry else None)
+                offsets.append(offset)
+                offset += len(text)
         for tid, entry in items:
             text = self.token_text(tid)
             tokens.append(text)
@@ -522,19 +618,35 @@ class CompletionRenderer(RequestRenderer):
             offset += len(text)
         return P.CompletionLogprobs(tokens, lps, tops, offsets)
 
-    def chunk(self, text: str, items, finish_reason) -> bytes:
-        lp = self.logprobs_block(items, self.emitted - len(text)) if self.num_logprobs is not None else None
+    def echo_text(self) -> str:
+        if self.prompt_text is None:
+            self.prompt_text = self.tokenizer.decode(self.prompt_ids)
+        return self.prompt_text
+
+    def chunks(self, c: Choice, text: str, items, finish_reason, final: bool) -> list[bytes]:
+        echo_now = self.req.echo and not c.started  # a choice's first chunk starts with the prompt
+        prefix = self.echo_text() if self.req.echo else ""
+        offset = 0 if echo_now else len(prefix) + c.emitted - len(text)  # of this chunk's text, echo included
+        if echo_now:
+            text = prefix + text
+        lp = self.logprobs_block(items, offset, echo_now) if self.num_logprobs is not None else None
         usage = None if self.include_usage() else msgspec.UNSET
-        kv = self.kv_transfer_params if finish_reason is not None else msgspec.UNSET
-        return msgspec.json.encode(P.CompletionResponse(
-            self.id, self.created, self.model, [P.CompletionChoice(0, text, lp, finish_reason)],
-            usage=usage, kv_transfer_params=kv))
+        kv = self.kv_transfer_params if final else msgspec.UNSET
+        plp = self.vllm_prompt_logprobs() if not c.started else msgspec.UNSET
+        return [msgspec.json.encode(P.CompletionResponse(
+            self.id, self.created, self.model, [P.CompletionChoice(c.index, text, lp, finish_reason, plp)],
+            usage=usage, kv_transfer_params=kv))]
 
     def full_response(self) -> bytes:
-        lp = self.logprobs_block(self.logprobs, 0) if self.num_logprobs is not None else None
+        echo = self.req.echo
+        plp = self.vllm_prompt_logprobs()
+        choices = []
+        for c in self.choices:
+            lp = self.logprobs_block(c.logprobs, 0, echo) if self.num_logprobs is not None else None
+            text = self.echo_text() + c.text if echo else c.text
+            choices.append(P.CompletionChoice(c.index, text, lp, c.finish_reason, plp))
         return msgspec.json.encode(P.CompletionResponse(
-            self.id, self.created, self.model, [P.CompletionChoice(0, self.text, lp, self.finish_reason)],
-            usage=self.usage(), kv_transfer_params=self.kv_transfer_params))
+            self.id, self.created, self.model, choices, usage=self.usage(), kv_transfer_params=self.kv_transfer_params))
 
     def stream_end(self) -> list[bytes]:
         if not self.include_usage():
@@ -544,6 +656,8 @@ class CompletionRenderer(RequestRenderer):
 
 
 class ChatRenderer(RequestRenderer):
+    opens_early = True
+
     def logprobs_block(self, items: list[tuple[int, dict]]) -> P.ChatLogprobs:
         def entry_of(tid: int, lp: float) -> tuple[str, float, list[int]]:
             text = self.token_text(tid)
@@ -555,26 +669,33 @@ class ChatRenderer(RequestRenderer):
             content.append(P.TokenLogprob(*entry_of(tid, entry["logprob"]), top_logprobs=tops))
         return P.ChatLogprobs(content)
 
-    def chunk_of(self, delta: P.ChatDelta, items, finish_reason, **extra) -> bytes:
+    def chunk_of(self, index: int, delta: P.ChatDelta, items, finish_reason, **extra) -> bytes:
         lp = self.logprobs_block(items) if self.num_logprobs is not None and items else None
         usage = None if self.include_usage() else msgspec.UNSET
         return msgspec.json.encode(P.ChatCompletionChunk(
-            self.id, self.created, self.model, [P.ChatChunkChoice(0, delta, lp, finish_reason)],
+            self.id, self.created, self.model, [P.ChatChunkChoice(index, delta, lp, finish_reason)],
             usage=usage, **extra))
 
-    def stream_start(self) -> list[bytes]:
-        return [self.chunk_of(P.ChatDelta(role="assistant", content=""), [], None)]
-
-    def chunk(self, text: str, items, finish_reason) -> bytes:
-        kv = self.kv_transfer_params if finish_reason is not None else msgspec.UNSET
-        return self.chunk_of(P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv)
+    def chunks(self, c: Choice, text: str, items, finish_reason, final: bool) -> list[bytes]:
+        out = []
+        if not c.started:  # OpenAI: each choice opens with the role
+            first = not any(o.started for o in self.choices)
+            plp = self.vllm_prompt_logprobs() if first else msgspec.UNSET
+            out.append(self.chunk_of(c.index, P.ChatDelta(role="assistant", content=""), [], None,
+                                     prompt_logprobs=plp))
+            if not (text or items or finish_reason or final):
+                return out
+        kv = self.kv_transfer_params if final else msgspec.UNSET
+        out.append(self.chunk_of(c.index, P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv))
+        return out
 
     def full_response(self) -> bytes:
-        lp = self.logprobs_block(self.logprobs) if self.num_logprobs is not None else None
+        choices = [P.ChatChoice(c.index, P.ChatMessageOut("assistant", c.text),
+                                self.logprobs_block(c.logprobs) if self.num_logprobs is not None else None,
+                                c.finish_reason) for c in self.choices]
         return msgspec.json.encode(P.ChatCompletionResponse(
-            self.id, self.created, self.model,
-            [P.ChatChoice(0, P.ChatMessageOut("assistant", self.text), lp, self.finish_reason)],
-            usage=self.usage(), kv_transfer_params=self.kv_transfer_params))
+            self.id, self.created, self.model, choices, usage=self.usage(),
+            kv_transfer_params=self.kv_transfer_params, prompt_logprobs=self.vllm_prompt_logprobs()))
 
     def stream_end(self) -> list[bytes]:
         if not self.include_usage():

@@ -55,6 +55,8 @@ class FakeEngine:
         # what happened
         self.requests: list[tuple[str, dict]] = []
         self.authorizations: list[str | None] = []  # the Authorization header of each request
+        self.request_ids: list[str | None] = []  # the X-Request-Id header of each request
+        self.dp_ranks: list[str | None] = []  # the X-data-parallel-rank header of each request
         self.answers: list[bytes] = []  # the exact JSON bodies answered
         self.streams: list[bytes] = []  # decode: the exact bytes of each SSE response
         self.aborts: list[str] = []
@@ -113,6 +115,8 @@ class FakeEngine:
         if self.record:
             self.requests.append((request.path, body))
             self.authorizations.append(request.headers.get("Authorization"))
+            self.request_ids.append(request.headers.get("X-Request-Id"))
+            self.dp_ranks.append(request.headers.get("X-data-parallel-rank"))
         if self.drop_next > 0:
             self.drop_next -= 1
             request.transport.close()
@@ -147,7 +151,8 @@ class FakeEngine:
             return web.Response(status=400, body=error_json("expected a prefill leg", "invalid_request_error"),
                                 content_type="application/json")
         n = prompt_words(body)
-        kv = {"do_remote_prefill": True, "transfer_id": kv_in["transfer_id"],
+        # vllm-router sends no transfer_id (P mints one then, as an atomd engine does)
+        kv = {"do_remote_prefill": True, "transfer_id": kv_in.get("transfer_id") or secrets.token_hex(16),
               "remote_engine_id": f"127.0.0.1:{self.port + 1}", "remote_host": "127.0.0.1",
               "remote_port": self.port + 1, "remote_block_ids": list(range((n + BLOCK_SIZE - 1) // BLOCK_SIZE)),
               "num_prompt_tokens": n, "first_token_id": 42, "first_token_logprobs": None,

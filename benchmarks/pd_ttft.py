@@ -71,7 +71,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--lengths", type=int, nargs="+", default=[16, 256, 1024])
     ap.add_argument("--reps", type=int, default=5)
+    # Cross-host column (benchmarks/cross_host.py): P, D, router and a colocated engine each in
+    # a test host (network namespace, root only), unshaped and shaped 2 ms +- 1 ms / 1 Gbit/s.
+    ap.add_argument("--cross-host", action="store_true", help="P, D, router, colocated in four network namespaces")
+    ap.add_argument("--rounds", type=int, default=3, help="--cross-host rounds (>= 3; medians)")
+    ap.add_argument("--itl-tokens", type=int, default=32, help="--cross-host: tokens of the ITL request")
+    ap.add_argument("--cross-host-out", default=os.path.join(os.path.dirname(__file__), "results",
+                                                             "pd_cross_host.md"))
     args = ap.parse_args()
+    if args.cross_host:
+        from benchmarks.cross_host import run_ttft
+
+        run_ttft(args)
+        return
     model = default_model_dir()
     engines = [EngineServer(model, *ENGINE_ARGS, *flags, log=os.devnull)
                for flags in ([], ["--kv-role", "producer"], ["--kv-role", "consumer"])]

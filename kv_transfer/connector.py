@@ -81,6 +81,8 @@ class KVConnectorConfig(msgspec.Struct, kw_only=True):
     # params, and the hosts / networks a producer may be at
     params_secret: bytes | None
     trusted_producers: list[str]
+    # backend-specific settings, by name (mooncake: mooncake_protocol, mooncake_device)
+    extra_config: dict[str, Any] = {}
 
 
 class RemotePrefill(msgspec.Struct, frozen=True):

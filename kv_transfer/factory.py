@@ -1,4 +1,4 @@
-"""The KV connector registry: a connector by name ("zmq", later "mooncake"), both halves.
+"""The KV connector registry: a connector by name ("zmq", "mooncake"), both halves.
 
 Its own module so the connector implementations can import the interfaces of
 kv_transfer/connector.py while this module imports the implementations (no cycle).
@@ -11,7 +11,10 @@ from typing import Any
 from kv_transfer.connector import KVConnectorConfig, KVConnectorScheduler, KVConnectorWorker
 
 _REGISTRY: dict[str, Any] = {}
-_BUILTIN = {"zmq": "kv_transfer.zmq_connector:create_zmq_connector"}  # imported on first use
+_BUILTIN = {  # imported on first use
+    "zmq": "kv_transfer.zmq_connector:create_zmq_connector",
+    "mooncake": "kv_transfer.mooncake_transport:create_mooncake_connector",  # the ZMQ control plane + Mooncake
+}
 
 
 def register_connector(name: str, factory) -> None:

@@ -45,6 +45,8 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     dp_rank: NonNegInt = 0
     num_computed_blocks: NonNegInt = 0
     signature: str | None = None  # the router's HMAC of the other fields (kv_transfer/trust.py)
+    # P's prompt logprobs (asked by `prompt_logprobs` or echo + logprobs): D returns them
+    prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
         if self.num_computed_blocks > len(self.remote_block_ids):

@@ -16,7 +16,10 @@ any byte moves and ABORTs at P). The receiver reports every pull exactly once, f
 failed, and only then are the blocks reused (an abort stops the writes first).
 
 Both halves are one object per engine (the scheduler side and the worker side run on the
-same engine thread); `create_zmq_connector` is the factory registered as "zmq".
+same engine thread); `create_zmq_connector` is the factory registered as "zmq". Another data
+plane reuses all of this (the ZMQ control plane included) and only builds other endpoints:
+kv_transfer/mooncake_transport.py subclasses ZmqProducer / ZmqConsumer and overrides
+`make_sender` / `make_receiver`.
 """
 from __future__ import annotations
 
@@ -124,9 +127,12 @@ class ZmqProducer(_ZmqConnector):
     def is_producer(self) -> bool:
         return True
 
+    def make_sender(self, buffer) -> KVSender:
+        """The endpoint serving `buffer` (the data plane's; registered once, at start-up)."""
+        return KVSender(buffer, self.config.compat, self.config.side_channel_host, self.config.side_channel_port)
+
     def register_kv_caches(self, buffer) -> None:
-        self.sender = KVSender(buffer, self.config.compat, self.config.side_channel_host,
-                               self.config.side_channel_port)
+        self.sender = self.make_sender(buffer)
 
     def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]:
         """(True, params D pulls with) for a finished remote-decode prompt, whose blocks then
@@ -147,7 +153,7 @@ class ZmqProducer(_ZmqConnector):
             do_remote_prefill=True, transfer_id=transfer_id, remote_engine_id=self.sender.engine_id,
             remote_host=host, remote_port=port, remote_block_ids=block_ids,
             num_prompt_tokens=seq.num_prompt_tokens, first_token_id=seq.completion_token_ids[0],
-            first_token_logprobs=seq.logprobs[0] if seq.logprobs else None,
+            first_token_logprobs=seq.logprobs[0] if seq.logprobs else None, prompt_logprobs=seq.prompt_logprobs,
             prefix_cache_hit_tokens=seq.num_cached_tokens, access_token=token, lease_s=lease_s,
             compat=self.config.compat, dp_rank=self.config.dp_rank).to_json_obj()
 
@@ -200,8 +206,12 @@ class ZmqConsumer(_ZmqConnector):
     def is_producer(self) -> bool:
         return False
 
+    def make_receiver(self, buffer) -> KVReceiver:
+        """The endpoint pulling into `buffer` (the data plane's; registered once, at start-up)."""
+        return KVReceiver(buffer, self.config.compat)
+
     def register_kv_caches(self, buffer) -> None:
-        self.receiver = KVReceiver(buffer, self.config.compat)
+        self.receiver = self.make_receiver(buffer)
 
     def is_remote(self, seq: Sequence) -> bool:
         return self.params_of(seq).do_remote_prefill
@@ -334,9 +344,14 @@ class ZmqConsumer(_ZmqConnector):
             self.receiver.close()
 
 
-def create_zmq_connector(role: str, config: KVConnectorConfig):
+def build_connector(role: str, config: KVConnectorConfig, producer: type[ZmqProducer] = ZmqProducer,
+                    consumer: type[ZmqConsumer] = ZmqConsumer, backend: str = "zmq"):
     if role not in ("producer", "consumer"):
-        raise ValueError(f"the zmq connector serves kv_role producer or consumer, got {role!r}")
-    connector = (ZmqProducer if role == "producer" else ZmqConsumer)(config)
+        raise ValueError(f"the {backend} connector serves kv_role producer or consumer, got {role!r}")
+    connector = (producer if role == "producer" else consumer)(config)
     return connector, connector
+
+
+def create_zmq_connector(role: str, config: KVConnectorConfig):
+    return build_connector(role, config)
 

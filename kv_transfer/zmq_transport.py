@@ -3,13 +3,23 @@
 Every message is `[header, *payload]`; the header is a msgpack tagged struct, the payload
 frames are raw block bytes.
 
-    D -> P  READ {transfer_id, access_token, block_ids, compat}
+    D -> P  READ {transfer_id, access_token, block_ids, compat, backend}
     P -> D  DATA {transfer_id, start, counts} + one frame per count (counts[i] blocks), ...
     P -> D  END {transfer_id, num_blocks}       after every DATA frame left P's memory
     D -> P  DONE {transfer_id}                  P frees the blocks (idempotent)
     D -> P  HEARTBEAT {transfer_ids}            P renews the leases
     D -> P  ABORT {transfer_id}                 P frees now
     P -> D  ERROR {transfer_id, code, message}  refused: bad token, foreign blocks, compat, ...
+    D -> P  HELLO {backend}                     handshake: P answers WELCOME {backend, instance, info}
+
+This module is also the control plane of every other data plane (kv_transfer/
+mooncake_transport.py): grants, leases, heartbeats, access tokens, the compat check,
+exactly-once release and the receiver's exactly-once reports live here once. A data plane
+subclasses KVSender / KVReceiver and overrides only the hooks marked "data plane": how a
+checked READ is served (`_serve`, `_on_done`), what the handshake tells D
+(`_handshake_info`), and how D moves and accepts the bytes (`_on_transfer_message`,
+`_before_read`, `_on_welcome`, `_finish`). READ names the consumer's backend and P refuses
+another one (`backend_mismatch`), so P and D on different backends never move a byte.
 
 KV memory is a numpy uint8 view `kv_blocks[num_blocks, block_bytes]` of the engine's
 block-major KV tensor: one block of every layer is one contiguous row, so a run of
@@ -35,6 +45,7 @@ from __future__ import annotations
 import collections
 import hmac
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -62,6 +73,8 @@ DONE = "done"
 ABORTED = "aborted"
 EXPIRED = "expired"
 REVOKED = "revoked"
+# P and D run different data planes (--kv-transfer-backend, or Mooncake's protocol)
+BACKEND_MISMATCH = "backend_mismatch"
 
 DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # tcp loopback peaks with 4-16 MiB frames (docs/design.md, "CPU facts")
 _MAX_POLL_MS = 100  # lease/timeout checks run at least this often
@@ -78,6 +91,7 @@ class Read(_Msg, tag="READ"):
     access_token: str
     block_ids: list[int]
     compat: dict[str, Any]
+    backend: str = "zmq"  # the consumer's data plane; P refuses any other than its own
 
 
 class Data(_Msg, tag="DATA"):
@@ -109,7 +123,30 @@ class Error(_Msg, tag="ERROR"):
     message: str = ""
 
 
-Message = Read | Data | End | Done | Heartbeat | Abort | Error
+class Hello(_Msg, tag="HELLO"):
+    """D -> P handshake, once per producer before the first READ of a one-sided data plane."""
+
+    backend: str
+
+
+class Welcome(_Msg, tag="WELCOME"):
+    """P's handshake answer: its backend, an id of this sender instance (a restarted P has
+    another), and what the data plane needs (Mooncake: session port, buffer base, geometry)."""
+
+    backend: str
+    instance: str
+    info: dict[str, Any] = {}
+
+
+class Ready(_Msg, tag="READY"):
+    """P -> D, one-sided data planes: the READ passed every check and its blocks may be read now."""
+
+    transfer_id: str
+    instance: str
+    num_blocks: int
+
+
+Message = Read | Data | End | Done | Heartbeat | Abort | Error | Hello | Welcome | Ready
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -312,6 +349,8 @@ class KVSender(_IOLoop):
     so D never accepts bytes read from a block that was reused.
     """
 
+    backend = "zmq"
+
     def __init__(
         self,
         kv_blocks: np.ndarray,
@@ -347,11 +386,15 @@ class KVSender(_IOLoop):
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
             else:
                 self._sock.bind(f"tcp://{host}:{port}")
-        except zmq.ZMQError:
+        except zmq.ZMQError as e:
             self.close()
-            raise
+            # P advertises this address to D (remote_host): it must be one of this host's own
+            raise ValueError(f"cannot bind the KV side channel at tcp://{host}:{port or '*'} ({zmq.strerror(e.errno)}): "
+                             f"--kv-side-channel-host must be an address of this host that decode engines "
+                             f"can reach") from None
         self._address = (host, port)
         self.engine_id = engine_id or f"{host}:{port}"
+        self.instance = secrets.token_hex(8)  # told in the handshake: a restarted P is another peer
         self._poller.register(self._sock, zmq.POLLIN)
         self._thread.start()
 
@@ -429,9 +472,13 @@ class KVSender(_IOLoop):
         now = time.monotonic()
         if isinstance(msg, Read):
             self._on_read(rid, msg, now)
-        elif isinstance(msg, Done | Abort):
+        elif isinstance(msg, Done):
+            self._on_done(rid, msg.transfer_id, now)
+        elif isinstance(msg, Abort):
             if msg.transfer_id in self._grants:  # late or duplicate: the tombstone says it's done
-                self._release(msg.transfer_id, DONE if isinstance(msg, Done) else ABORTED, now)
+                self._release(msg.transfer_id, ABORTED, now)
+        elif isinstance(msg, Hello):
+            self._send(rid, Welcome(self.backend, self.instance, self._handshake_info()))
         elif isinstance(msg, Heartbeat):
             self._stats.heartbeats += 1
             for tid in msg.transfer_ids:
@@ -445,6 +492,11 @@ class KVSender(_IOLoop):
 
     def _on_read(self, rid: bytes, msg: Read, now: float) -> None:
         tid = msg.transfer_id
+        if msg.backend != self.backend:
+            self._refuse(rid, tid, BACKEND_MISMATCH,
+                         f"this producer serves KV over {self.backend!r}, the consumer pulls over {msg.backend!r}: "
+                         "start both engines with the same --kv-transfer-backend")
+            return
         grant = self._grants.get(tid)
         if grant is None:
             self._refuse(rid, tid, self._tombstones.get(tid, UNKNOWN_TRANSFER))
@@ -461,9 +513,22 @@ class KVSender(_IOLoop):
             self._refuse(rid, tid, FOREIGN_BLOCKS, f"not granted to this transfer: {foreign[:8]}")
             return
         grant.deadline = now + grant.lease_s
-        grant.serves.append(self._serve(rid, tid, np.asarray(msg.block_ids, dtype=np.int64)))
+        serve = self._serve(rid, tid, np.asarray(msg.block_ids, dtype=np.int64))
+        if serve is not None:
+            grant.serves.append(serve)
 
-    def _serve(self, rid: bytes, tid: str, ids: np.ndarray) -> _Serve:
+    # Data plane (ZMQ): a checked READ is answered with DATA frames, END once zmq let go of them.
+
+    def _handshake_info(self) -> dict[str, Any]:
+        """What a consumer learns in WELCOME besides the backend and instance."""
+        return {}
+
+    def _on_done(self, rid: bytes, tid: str, now: float) -> None:
+        if tid in self._grants:  # late or duplicate: the tombstone says it's done
+            self._release(tid, DONE, now)
+
+    def _serve(self, rid: bytes, tid: str, ids: np.ndarray) -> _Serve | None:
+        """Answer a READ that passed every check; a returned _Serve is tracked until sent()."""
         serve = _Serve(rid, len(ids), len(ids) * self._kv.shape[1])
         zero_copy = serve.nbytes >= self._copy_below_bytes
         try:
@@ -552,6 +617,9 @@ class KVReceiver(_IOLoop):
     never times out.
     """
 
+    backend = "zmq"
+    _pull_type = _Pull
+
     def __init__(self, kv_blocks: np.ndarray, compat: dict[str, Any], *, heartbeat_s: float = 5.0, rcvhwm: int = 8) -> None:
         _check_kv(kv_blocks)
         if not kv_blocks.flags.writeable:
@@ -580,7 +648,7 @@ class KVReceiver(_IOLoop):
         with self._lock:
             if transfer_id in self._pulls:
                 raise ValueError(f"transfer_id {transfer_id!r} is already held or pulling")
-            self._pulls[transfer_id] = _Pull((host, port), lease_s)
+            self._pulls[transfer_id] = self._pull_type((host, port), lease_s)
             self._schedule_heartbeat(lease_s)
         self._wake()
 
@@ -607,7 +675,7 @@ class KVReceiver(_IOLoop):
             pull = self._pulls.get(transfer_id)
             if pull is not None and (pull.pulling or pull.peer != (host, port)):
                 raise ValueError(f"transfer_id {transfer_id!r} is already pulling or held for another peer")
-            pull = pull or _Pull((host, port), lease_s)
+            pull = pull or self._pull_type((host, port), lease_s)
             pull.pulling, pull.lease_s = True, lease_s or pull.lease_s
             pull.remote_ids, pull.local_ids = list(remote_block_ids), local
             pull.got = np.zeros(len(local), dtype=bool)
@@ -615,7 +683,9 @@ class KVReceiver(_IOLoop):
             pull.deadline = pull.t0 + timeout_s
             self._pulls[transfer_id] = pull
             self._schedule_heartbeat(pull.lease_s)
-            self._outbox.append((pull.peer, Read(transfer_id, access_token, pull.remote_ids, self._compat)))
+            self._before_read(pull)
+            self._outbox.append((pull.peer, Read(transfer_id, access_token, pull.remote_ids, self._compat,
+                                                 self.backend)))
         self._wake()
 
     def abort(self, transfer_id: str) -> bool:
@@ -656,8 +726,11 @@ class KVReceiver(_IOLoop):
     # I/O thread.
 
     def _finish(self, tid: str, reason: str | None, now: float) -> None:
-        """The only exit of a transfer: reported once, then forgotten (late messages ignored)."""
-        pull = self._pulls.pop(tid)
+        """The only exit of a transfer: reported once, then forgotten (late messages ignored).
+        A data plane whose writes into D's blocks may outlive this call defers the report."""
+        self._report(tid, self._pulls.pop(tid), reason, now)
+
+    def _report(self, tid: str, pull: _Pull, reason: str | None, now: float) -> None:
         if reason is None:
             self._finished.append(tid)
             self._seconds.append(now - pull.t0)
@@ -698,16 +771,30 @@ class KVReceiver(_IOLoop):
         except msgspec.DecodeError:
             self._stats.malformed_messages += 1
             return
+        now = time.monotonic()
+        if isinstance(msg, Welcome):
+            self._on_welcome(self._peers[sock], msg, now)
+            return
         pull = self._pulls.get(getattr(msg, "transfer_id", None))
         if pull is None or pull.peer != self._peers[sock]:
             return  # late message about a transfer that already finished, failed or was aborted
-        now = time.monotonic()
         if isinstance(msg, Error):
-            log.info("kv-receiver: %s refused by %s: %s %s", msg.transfer_id, pull.peer, msg.code, msg.message)
+            level = logging.WARNING if msg.code == BACKEND_MISMATCH else logging.INFO
+            log.log(level, "kv-receiver: %s refused by %s: %s %s", msg.transfer_id, pull.peer, msg.code, msg.message)
             self._finish(msg.transfer_id, msg.code, now)
-        elif not pull.pulling:
-            return
-        elif isinstance(msg, Data):
+        elif pull.pulling:
+            self._on_transfer_message(pull, msg, frames, now)
+
+    # Data plane (ZMQ): DATA frames are copied into place on this thread; END completes.
+
+    def _before_read(self, pull: _Pull) -> None:
+        """start_pull() is about to queue the READ (lock held): a data plane may queue a handshake first."""
+
+    def _on_welcome(self, peer: tuple[str, int], msg: Welcome, now: float) -> None:
+        """A producer's handshake answer (ZMQ needs none)."""
+
+    def _on_transfer_message(self, pull: _Pull, msg: Message, frames: list[zmq.Frame], now: float) -> None:
+        if isinstance(msg, Data):
             if not self._write(pull, msg, frames[1:]):
                 self._stats.malformed_messages += 1
                 self._fail(msg.transfer_id, MALFORMED, now)
@@ -719,6 +806,9 @@ class KVReceiver(_IOLoop):
                 self._finish(msg.transfer_id, None, now)
             else:
                 self._fail(msg.transfer_id, INCOMPLETE, now)
+        elif isinstance(msg, Ready):  # another data plane's message
+            self._stats.malformed_messages += 1
+            self._fail(msg.transfer_id, MALFORMED, now)
 
     def _write(self, pull: _Pull, msg: Data, payload: list[zmq.Frame]) -> bool:
         """Copy each frame into its destination rows; False (nothing written) if it doesn't fit."""

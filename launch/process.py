@@ -104,7 +104,9 @@ class ServerProcess:
 
     log: None leaves the child on this process's stdout and stderr; a path (os.devnull
     included) receives both, the file truncated first. die_with_parent: the child gets
-    SIGTERM when its starter dies (Linux). Usable as a context manager that stops it.
+    SIGTERM when its starter dies (Linux). wrapper: argv to run it under, e.g.
+    `["ip", "netns", "exec", NS]` (launch/netns.py) for a test host; it must exec the command
+    in place, so that the PID is the server's. Usable as a context manager that stops it.
     """
 
     ready_timeout_s = READY_TIMEOUT_S
@@ -112,8 +114,9 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], url: str, name: str | None = None, *,
                  log: str | os.PathLike | None = None, cwd: str | os.PathLike | None = None,
-                 env: dict | None = None, die_with_parent: bool = False):
-        self.argv, self.url, self.name = [str(a) for a in argv], url, name or pathlib.Path(str(argv[0])).name
+                 env: dict | None = None, die_with_parent: bool = False, wrapper: Iterable[str] = ()):
+        self.name = name or pathlib.Path(str(argv[0])).name
+        self.argv, self.url = [str(a) for a in [*wrapper, *argv]], url
         self.log_path = log
         self._log = open(log, "wb") if log is not None else None
         try:

@@ -147,6 +147,7 @@ class RayCluster:
         self.engines: list[tuple[str, ray.actor.ActorHandle]] = []
         self.router: ray.actor.ActorHandle | None = None
         self.router_url = ""
+        self.gone: dict[str, str] = {}  # engine slot ("decode-0") -> why it is gone, as last reported
         # the router signs the kv_transfer_params it forwards with it; the engines pull only
         # for params signed with it (docs/design.md "Trust"); fresh per cluster
         self.kv_params_secret = secrets.token_hex(32)
@@ -208,19 +209,32 @@ class RayCluster:
             self._prune_dead_workers(interval_s)
 
     def _prune_dead_workers(self, timeout_s: float) -> None:
-        """Drop unhealthy router entries that no live engine actor serves any more.
+        """Drop unhealthy router entries that no live engine actor serves any more, and say
+        which engines are gone (their actor does not answer: restarting, e.g. after its node
+        died, or dead) and which came back.
 
         A role is pruned only when every actor of it answered (a restarting actor's new
         URL is unknown until it does), and only entries the router already marks unhealthy.
         """
-        calls = {a.info.remote(): role for role, a in self.engines}
+        calls = {a.info.remote(): (role, f"{role}-{i}") for (role, a), (_, i) in zip(self.engines, self.slots)}
         done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
-        current, unsure = set(), {calls[ref] for ref in pending}
+        current, unsure = set(), {calls[ref][0] for ref in pending}
+        gone = {calls[ref][1]: f"no answer within {timeout_s:g} s (Ray is restarting its actor, or its node "
+                               "is gone)" for ref in pending}
         for ref in done:
+            role, slot = calls[ref]
             try:
-                current.add((calls[ref], ray.get(ref, timeout=1)["url"]))
-            except ray.exceptions.RayError:
-                unsure.add(calls[ref])
+                info = ray.get(ref, timeout=1)
+                current.add((role, info["url"]))
+                if slot in self.gone:
+                    print(f"ray_cluster: engine {slot} is back: {info['url']}", flush=True)
+            except ray.exceptions.RayError as e:
+                unsure.add(role)
+                gone[slot] = f"its actor failed: {type(e).__name__}"
+        for slot, why in gone.items():
+            if slot not in self.gone:
+                print(f"ray_cluster: engine {slot} is gone: {why}; the router takes it out of rotation", flush=True)
+        self.gone = gone
         try:
             status, raw = http("GET", f"{self.router_url}/workers", timeout=HTTP_TIMEOUT_S)
             for w in (json.loads(raw) if status == 200 else {}).get("workers", []):

@@ -21,7 +21,7 @@ import yaml
 
 from router.policies import POLICIES
 
-KVTransport = Literal["zmq"]  # mooncake: not implemented yet
+KVTransport = Literal["zmq", "mooncake"]  # --kv-transfer-backend of every engine
 
 
 class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

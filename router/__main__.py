@@ -1,7 +1,8 @@
-"""`python -m router` / `atomd-router`: the PD router on one host:port.
+"""`python -m router` / `atomd-router`: the router on one host:port.
 
 Every OpenAI request runs as a prefill leg on a --prefill engine and a decode leg on a
---decode engine; the decode engine's answer is relayed to the client."""
+--decode engine, whose answer is relayed to the client; with only colocated --worker
+engines (or no prefill/decode pair in rotation) it runs as one leg on a worker."""
 from __future__ import annotations
 
 import argparse
@@ -20,35 +21,88 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     d = RouterConfig()
     p = argparse.ArgumentParser(prog="atomd-router", description=__doc__,
                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    p.add_argument("--prefill", action="append", default=[], metavar="URL",
-                   help="a prefill engine's base URL (repeatable; more can join via POST /workers)")
-    p.add_argument("--decode", action="append", default=[], metavar="URL",
-                   help="a decode engine's base URL (repeatable)")
-    p.add_argument("--prefill-dns", action="append", default=[], metavar="NAME:PORT",
-                   help="a DNS name whose every address is a prefill engine at PORT, re-resolved every "
-                        "--dns-refresh-s (repeatable; e.g. a Kubernetes headless Service)")
-    p.add_argument("--decode-dns", action="append", default=[], metavar="NAME:PORT",
-                   help="the same for decode engines (repeatable)")
-    p.add_argument("--dns-refresh-s", type=float, default=d.dns_refresh_s,
-                   help="seconds between resolutions of the --prefill-dns / --decode-dns names")
+    workers = p.add_argument_group("workers")
+    workers.add_argument("--prefill", action="append", default=[], metavar="URL",
+                         help="a prefill engine's base URL (repeatable; more can join via POST /workers)")
+    workers.add_argument("--decode", action="append", default=[], metavar="URL",
+                         help="a decode engine's base URL (repeatable)")
+    workers.add_argument("--worker", action="append", default=[], metavar="URL",
+                         help="a colocated engine's base URL (--kv-role both; repeatable): one leg per request, "
+                              "load-balanced with the decode policy's choice")
+    workers.add_argument("--prefill-dns", action="append", default=[], metavar="NAME:PORT",
+                         help="a DNS name whose every address is a prefill engine at PORT, re-resolved every "
+                              "--dns-refresh-s (repeatable; e.g. a Kubernetes headless Service)")
+    workers.add_argument("--decode-dns", action="append", default=[], metavar="NAME:PORT",
+                         help="the same for decode engines (repeatable)")
+    workers.add_argument("--dns-refresh-s", type=float, default=d.dns_refresh_s,
+                         help="seconds between resolutions of the --prefill-dns / --decode-dns names")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="0 picks a free port")
-    p.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
-                   help="how a worker of each role is picked")
-    p.add_argument("--health-interval-s", type=float, default=d.health_interval_s,
-                   help="seconds between health checks of every worker")
-    p.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
-                   help="limit on the prefill leg, and on the silence between the decode leg's bytes")
-    p.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
-                   help="consecutive failures that open a worker's circuit breaker")
-    p.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
-                   help="seconds an open breaker refuses traffic before one trial request")
-    p.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
-    p.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
-                   "(all routes but /health, /ready, /metrics); forwarded to the engines")
-    p.add_argument("--kv-params-secret-file", default=None, metavar="PATH",
-                   help="file holding the secret shared with the engines; the router signs the "
-                        "kv_transfer_params it sends decode engines with it (default: $ATOMD_KV_PARAMS_SECRET)")
+    pol = p.add_argument_group("policies")
+    pol.add_argument("--policy", default=d.policy, choices=sorted(POLICIES),
+                     help="how a worker of each role is picked (--prefill-policy / --decode-policy override it)")
+    pol.add_argument("--prefill-policy", default=None, choices=sorted(POLICIES), help="the prefill role's policy")
+    pol.add_argument("--decode-policy", default=None, choices=sorted(POLICIES),
+                     help="the decode role's (and colocated workers') policy")
+    pol.add_argument("--cache-threshold", type=float, default=d.cache_threshold,
+                     help="cache_aware: the share of the prompt a worker must have seen to get it")
+    pol.add_argument("--balance-abs-threshold", type=int, default=d.balance_abs_threshold,
+                     help="cache_aware: load balance instead when max - min legs in flight exceed this ...")
+    pol.add_argument("--balance-rel-threshold", type=float, default=d.balance_rel_threshold,
+                     help="... and max > min x this")
+    pol.add_argument("--max-tree-size", type=int, default=d.max_tree_size,
+                     help="cache_aware: characters kept per worker in the prefix tree")
+    pol.add_argument("--eviction-interval-s", type=float, default=d.eviction_interval_s,
+                     help="cache_aware: seconds between prefix-tree evictions")
+    pol.add_argument("--kv-load-weight", type=float, default=d.kv_load_weight,
+                     help="kv_aware: cost of one prompt token in flight relative to one token not cached")
+    pol.add_argument("--kv-events-stale-s", type=float, default=d.kv_events_stale_s,
+                     help="kv_aware: a DP rank whose KV events are silent this long scores an empty cache")
+    pol.add_argument("--tokenizer", default=None, metavar="PATH",
+                     help="kv_aware: the model's tokenizer (directory with tokenizer.json), to hash prompts as "
+                          "the engines do (default: the one an engine on this host reports)")
+    pol.add_argument("--session-header", default=d.session_header,
+                     help="session / consistent_hash: the header naming a session (else the body's `user`)")
+    pol.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s,
+                     help="session: an idle session's worker is forgotten after this long")
+    rel = p.add_argument_group("timeouts, retries, limits")
+    rel.add_argument("--health-interval-s", type=float, default=d.health_interval_s,
+                     help="seconds between health checks of every worker")
+    rel.add_argument("--request-timeout-s", type=float, default=d.request_timeout_s,
+                     help="limit on the prefill leg, and on the silence between the decode leg's bytes")
+    rel.add_argument("--prefill-timeout-s", type=float, default=None,
+                     help="limit on one prefill try, after which it is retried elsewhere "
+                          "(default: --request-timeout-s)")
+    rel.add_argument("--total-timeout-s", type=float, default=None,
+                     help="limit on a whole request, queueing and stream included (default: none)")
+    rel.add_argument("--max-prefill-tries", type=int, default=d.max_prefill_tries,
+                     help="prefill tries per request (on other prefill workers) before it fails")
+    rel.add_argument("--retry-backoff-s", type=float, default=d.retry_backoff_s,
+                     help="base of the full-jitter exponential backoff between prefill tries")
+    rel.add_argument("--strict-pd", action="store_true",
+                     help="never serve a request but by two legs with KV moved: every fallback is an error")
+    rel.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
+                     help="consecutive failures (connection errors, 5xx, timeouts) that open a worker's breaker")
+    rel.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
+                     help="seconds an open breaker refuses traffic before one trial request")
+    rel.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
+                     help="requests routed at once (0: no cap); more wait in a queue")
+    rel.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
+                     help="requests waiting for a slot; beyond it a request gets 429 + Retry-After")
+    rel.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s,
+                     help="longest wait for a slot before 429")
+    rel.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
+                     help="the Retry-After a 429 carries")
+    rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
+    sec = p.add_argument_group("security")
+    sec.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
+                     "(all routes but /health, /ready, /metrics, /dashboard); forwarded to the engines")
+    sec.add_argument("--admin-api-key", default=None,
+                     help="a separate key for GET/POST/DELETE /workers and /dashboard/state (client keys do not "
+                          "open them); default: those routes take the --api-key")
+    sec.add_argument("--kv-params-secret-file", default=None, metavar="PATH",
+                     help="file holding the secret shared with the engines; the router signs the "
+                          "kv_transfer_params it sends decode engines with it (default: $ATOMD_KV_PARAMS_SECRET)")
     args = p.parse_args(argv)
     try:
         load_secret(path=args.kv_params_secret_file)  # an unreadable or empty secret: an error now

@@ -1,83 +1,167 @@
-"""The router's aiohttp application: OpenAI routes relayed over two legs, plus operations.
+"""The router: OpenAI routes relayed over two legs (or one, colocated), plus operations.
 
-  POST /v1/completions, /v1/chat/completions   two-leg PD relay (router/pd.py), stream or not
-  GET  /v1/models      from a decode worker
+  POST /v1/completions, /v1/chat/completions   the relay (router/pd.py), stream or not
+  GET  /v1/models      from a decode (or colocated) worker
   GET  /health         200 while the router runs (no API key)
-  GET  /ready          200 when at least one prefill and one decode worker are in rotation
+  GET  /ready          200 when a prefill and a decode worker, or a colocated one, are in rotation
   GET  /metrics        Prometheus text, `atomd_router:` names (no API key)
-  GET|POST|DELETE /workers   run-time registration: {"url": ..., "role": "prefill"|"decode"}
+  GET|POST|DELETE /workers   run-time registration: {"url": ..., "role": "prefill"|"decode"|"worker"}
+                       (behind --admin-api-key when set; else --api-key)
+  GET  /dashboard      the status page (static HTML + JS, no key); it polls
+  GET  /dashboard/state  JSON: workers, health, breakers, load, KV usage, KV events, recent
+                       TTFT / ITL, decisions, limits (admin key when set, else the API key)
 
-Workers come from static URLs (--prefill / --decode), POST /workers, and DNS names
+Workers come from static URLs (--prefill / --decode / --worker), POST /workers, and DNS names
 re-resolved every dns_refresh_s seconds (--prefill-dns / --decode-dns, router/discovery.py).
-
-The server runs with handler cancellation on: a client that hangs up cancels its handler
-at once, which closes the decode leg's connection (D aborts the request) and lets the
-relay abort P's pinned transfer, instead of noticing only at the next write.
+HTTP is router/http.py's: a client that hangs up cancels its handler at once, which closes
+the decode leg's connection (D aborts the request) and lets the relay abort P's transfer.
 """
 from __future__ import annotations
 
 import asyncio
 import hmac
 import logging
+import os
+import pathlib
+import time
 from dataclasses import dataclass, field
+from typing import Awaitable, Callable, NamedTuple
 
-import aiohttp
 import msgspec
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_transfer.trust import load_secret
 from router.discovery import DnsDiscovery, Resolver, targets_of
-from router.metrics import RouterMetrics
-from router.pd import LegError, PDRelay, error_body
-from router.policies import make_policy
-from router.workers import ROLES, WorkerRegistry, describe
+from router.http import HTTPServer, Request, Response, UpstreamError
+from router.kv_index import KVIndex
+from router.limits import Admission, Rejected
+from router.metrics import RouterMetrics, percentile
+from router.pd import LegError, PDRelay, RelayConfig, error_body
+from router.policies import POLICIES, make_policy
+from router.tokenizer import RouterTokenizer
+from router.workers import PD_ROLES, ROLES, Worker, WorkerRegistry, describe
 
 logger = logging.getLogger("atomd.router")
 
-OPEN_PATHS = ("/health", "/ready", "/metrics")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/dashboard")
+ADMIN_PATHS = ("/workers", "/dashboard/state")
+DASHBOARD = pathlib.Path(__file__).with_name("dashboard.html")
+ENGINE_STATS_MAX_AGE_S = 2.0
+ENGINE_SERIES = ("atomd:kv_cache_usage_perc", "atomd:num_requests_running", "atomd:num_requests_waiting")
 
 
 @dataclass
 class RouterConfig:
     prefill: list[str] = field(default_factory=list)
     decode: list[str] = field(default_factory=list)
+    worker: list[str] = field(default_factory=list)  # colocated engines (--kv-role both): one leg
     prefill_dns: list[str] = field(default_factory=list)  # NAME:PORT, every address NAME resolves to
     decode_dns: list[str] = field(default_factory=list)
     dns_refresh_s: float = 5.0
     host: str = "127.0.0.1"
     port: int = 8000  # 0 = any free port
-    policy: str = "round_robin"
+    policy: str = "round_robin"  # both roles, unless prefill_policy / decode_policy say otherwise
+    prefill_policy: str | None = None
+    decode_policy: str | None = None
     health_interval_s: float = 2.0
-    request_timeout_s: float = 600.0  # P's whole leg; the longest silence between D's bytes
+    request_timeout_s: float = 600.0  # P's whole leg (unless prefill_timeout_s); the longest silence of D
+    prefill_timeout_s: float | None = None
+    total_timeout_s: float | None = None  # the whole request, queue included; None: none
+    max_prefill_tries: int = 3
+    retry_backoff_s: float = 0.01
+    strict_pd: bool = False
     api_key: str | None = None
+    admin_api_key: str | None = None
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
+    max_concurrent_requests: int = 0  # 0: no cap
+    max_queued_requests: int = 1024
+    queue_timeout_s: float = 30.0
+    retry_after_s: int = 1
+    # policies' knobs
+    cache_threshold: float = 0.3
+    balance_abs_threshold: int = 64
+    balance_rel_threshold: float = 1.5
+    max_tree_size: int = 1 << 25
+    eviction_interval_s: float = 120.0
+    kv_load_weight: float = 1.0
+    kv_events_stale_s: float = 10.0
+    tokenizer: str | None = None  # for kv_aware; None: the one a local engine reports
+    session_header: str = "X-Session-Id"
+    session_ttl_s: float = 3600.0
     # the secret shared with the engines that the router signs kv_transfer_params with
     # (kv_transfer/trust.py); None: $ATOMD_KV_PARAMS_SECRET, else the params go unsigned
     kv_params_secret_file: str | None = None
 
     def __post_init__(self) -> None:
-        make_policy(self.policy)  # raises ValueError naming the policy
+        for name in (self.policy, self.prefill_policy, self.decode_policy):
+            if name is not None:
+                make_policy(name)  # raises ValueError naming the policy
         targets_of(self.prefill_dns, self.decode_dns)  # raises ValueError naming the bad NAME:PORT
-        for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s"):
+        for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s",
+                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
-        if self.max_request_body_bytes < 1:
-            raise ValueError(f"max_request_body_bytes must be >= 1, got {self.max_request_body_bytes!r}")
-        if self.breaker_failures < 1:
-            raise ValueError(f"breaker_failures must be >= 1, got {self.breaker_failures!r}")
+        for name in ("prefill_timeout_s", "total_timeout_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be > 0, got {value!r}")
+        for name in ("max_request_body_bytes", "breaker_failures", "max_prefill_tries"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
+        for name in ("max_concurrent_requests", "max_queued_requests", "retry_backoff_s", "retry_after_s",
+                     "balance_abs_threshold", "kv_load_weight"):
+            if getattr(self, name) < 0:
+                raise ValueError(f"{name} must be >= 0, got {getattr(self, name)!r}")
+        if not 0 <= self.cache_threshold <= 1:
+            raise ValueError(f"cache_threshold must be in [0, 1], got {self.cache_threshold!r}")
         if not 0 <= self.port < 65536:
             raise ValueError(f"port must be in 0..65535, got {self.port!r}")
+        if self.admin_api_key is not None and self.admin_api_key == self.api_key:
+            raise ValueError("admin_api_key must differ from api_key (clients must not be admins)")
+
+    def policy_of(self, role: str) -> str:
+        own = {"prefill": self.prefill_policy, "decode": self.decode_policy, "worker": self.decode_policy}.get(role)
+        return own or self.policy
 
 
-def json_error(status: int, message: str, type: str = "invalid_request_error", code: str | None = None) -> web.Response:
-    return web.Response(status=status, body=error_body(message, type, code), content_type="application/json")
+def json_error(resp: Response, status: int, message: str, type: str = "invalid_request_error",
+               code: str | None = None, headers: bytes = b"") -> None:
+    resp.send(status, error_body(message, type, code), headers=headers)
 
 
-def json_response(obj: object, status: int = 200) -> web.Response:
-    return web.Response(status=status, body=msgspec.json.encode(obj), content_type="application/json")
+def json_response(resp: Response, obj: object, status: int = 200) -> None:
+    resp.send(status, msgspec.json.encode(obj))
+
+
+class Route(NamedTuple):
+    method: str
+    resource: "Resource"
+    handler: Callable[[Request, Response], Awaitable[None]]
+
+
+class Resource(NamedTuple):
+    canonical: str
+
+
+class RouteTable:
+    """(method, path) -> handler; `routes()` lists them (aiohttp's shape: .method, .resource.canonical)."""
+
+    def __init__(self) -> None:
+        self.table: dict[tuple[str, str], Callable] = {}
+        self.paths: dict[str, list[str]] = {}
+
+    def add(self, method: str, path: str, handler: Callable) -> None:
+        self.table[(method, path)] = handler
+        self.paths.setdefault(path, []).append(method)
+
+    def routes(self) -> list[Route]:
+        return [Route(m, Resource(p), h) for (m, p), h in self.table.items()]
+
+
+class App(NamedTuple):
+    router: RouteTable
 
 
 class Router:
@@ -86,144 +170,304 @@ class Router:
 
     def __init__(self, config: RouterConfig, resolver: Resolver | None = None):
         self.config = config
+        self.started_at = time.time()
         self.registry = WorkerRegistry(config.health_interval_s, config.breaker_failures, config.breaker_cooldown_s)
-        for role, urls in (("prefill", config.prefill), ("decode", config.decode)):
+        for role, urls in (("prefill", config.prefill), ("decode", config.decode), ("worker", config.worker)):
             for url in urls:
                 self.registry.add(url, role)
         self.discovery = DnsDiscovery(self.registry, targets_of(config.prefill_dns, config.decode_dns),
                                       config.dns_refresh_s, resolver)
+        self.admission = Admission(config.max_concurrent_requests, config.max_queued_requests,
+                                   config.queue_timeout_s)
+        self.kv_index: KVIndex | None = None
+        self.tokenizer: RouterTokenizer | None = None
         self.metrics = RouterMetrics(self.registry.workers)
-        self.relay = PDRelay(self.registry, make_policy(config.policy), make_policy(config.policy),
-                             self.metrics, config.request_timeout_s,
-                             kv_params_secret=load_secret(path=config.kv_params_secret_file))
-        self.app = web.Application(middlewares=[self.auth] if config.api_key else [],
-                                   client_max_size=config.max_request_body_bytes)
-        add = self.app.router
-        add.add_post("/v1/completions", self.completions)
-        add.add_post("/v1/chat/completions", self.chat_completions)
-        add.add_get("/v1/models", self.models)
-        add.add_get("/health", self.health)
-        add.add_get("/ready", self.ready)
-        add.add_get("/metrics", self.metrics_route)
-        add.add_get("/workers", self.list_workers)
-        add.add_post("/workers", self.add_worker)
-        add.add_delete("/workers", self.remove_worker)
-        self.runner: web.AppRunner | None = None
+        self.metrics.queue_state = self.admission.state
+        self.policies = {}
+        for role in ROLES:
+            name = config.policy_of(role)
+            if name == "kv_aware" and self.kv_index is None:
+                self.kv_index = KVIndex(config.kv_events_stale_s)
+            policy = make_policy(name, cache_threshold=config.cache_threshold,
+                                 balance_abs_threshold=config.balance_abs_threshold,
+                                 balance_rel_threshold=config.balance_rel_threshold, max_tree_size=config.max_tree_size,
+                                 eviction_interval_s=config.eviction_interval_s, kv_index=self.kv_index,
+                                 kv_load_weight=config.kv_load_weight, observe_hit=self.metrics.observe_hit,
+                                 session_header=config.session_header.lower(), session_ttl_s=config.session_ttl_s)
+            policy.role = role
+            policy.decide = self.metrics.decide(role)
+            self.policies[role] = policy
+        if config.tokenizer is not None:
+            self.tokenizer = RouterTokenizer(config.tokenizer)
+        self.registry.on_ready.append(self._worker_ready)
+        self.registry.on_removed.append(self._worker_removed)
+        self.relay = PDRelay(self.registry, self.policies, self.metrics, RelayConfig(
+            request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
+            total_timeout_s=config.total_timeout_s, max_prefill_tries=config.max_prefill_tries,
+            retry_backoff_s=config.retry_backoff_s, strict_pd=config.strict_pd),
+            kv_params_secret=load_secret(path=config.kv_params_secret_file), tokenizer=self.tokenizer)
+        self.auth_key = f"Bearer {config.api_key}".encode() if config.api_key else None
+        self.admin_key = f"Bearer {config.admin_api_key}".encode() if config.admin_api_key else None
+        routes = self.routes = RouteTable()
+        routes.add("POST", "/v1/completions", self.completions)
+        routes.add("POST", "/v1/chat/completions", self.chat_completions)
+        routes.add("GET", "/v1/models", self.models)
+        routes.add("GET", "/health", self.health)
+        routes.add("GET", "/ready", self.ready)
+        routes.add("GET", "/metrics", self.metrics_route)
+        routes.add("GET", "/workers", self.list_workers)
+        routes.add("POST", "/workers", self.add_worker)
+        routes.add("DELETE", "/workers", self.remove_worker)
+        routes.add("GET", "/dashboard", self.dashboard)
+        routes.add("GET", "/dashboard/state", self.dashboard_state)
+        self.app = App(routes)
+        self.server: HTTPServer | None = None
         self.url = ""
+        self._engine_stats_at = 0.0
 
     async def start(self) -> str:
         """Check every worker once and resolve the DNS names (so /ready is right at once),
         serve, start health checks and re-resolution."""
         await self.registry.check_all()
         await self.discovery.refresh()
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, access_log=None)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, self.config.host, self.config.port)
-        await site.start()
-        host, port = self.runner.addresses[0][:2]
+        self.server = HTTPServer(self.handle, self.config.max_request_body_bytes)
+        host, port = await self.server.start(self.config.host, self.config.port)
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.registry.start()
         self.discovery.start()
         return self.url
 
     async def stop(self) -> None:
-        if self.runner is not None:
-            await self.runner.cleanup()
+        if self.server is not None:
+            await self.server.close()
         await self.relay.close()
         await self.discovery.close()
         await self.registry.close()
+        if self.kv_index is not None:
+            await self.kv_index.close()
 
-    @web.middleware
-    async def auth(self, request: web.Request, handler):
-        key = self.config.api_key
-        if request.path not in OPEN_PATHS:
-            given = request.headers.get("Authorization", "")
-            if not hmac.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                return json_error(401, "missing or wrong API key (Authorization: Bearer KEY)",
+    # ---------------------------------------------------------------- workers entering / leaving
+
+    async def _worker_ready(self, worker: Worker) -> None:
+        """A worker entered rotation: learn its DP ranks and KV event endpoints."""
+        info = await worker.fetch_kv_info()
+        if self.kv_index is not None:
+            if self.tokenizer is None and info:
+                self._tokenizer_from(info)
+            self.kv_index.follow(worker.url, info)
+
+    def _tokenizer_from(self, info: dict) -> None:
+        path = (info.get("kv_events") or {}).get("tokenizer")
+        if path and os.path.exists(path):
+            try:
+                self.tokenizer = self.relay.tokenizer = RouterTokenizer(path)
+                logger.info("kv_aware: tokenizing with %s (reported by an engine)", path)
+            except (ValueError, OSError) as e:
+                logger.warning("kv_aware: cannot load the tokenizer at %s: %s", path, e)
+
+    def _worker_removed(self, worker: Worker) -> None:
+        if self.kv_index is not None:
+            self.kv_index.forget(worker.url)
+        for policy in self.policies.values():
+            policy.forget(worker.url)
+
+    # ---------------------------------------------------------------- dispatch
+
+    async def handle(self, req: Request, resp: Response) -> None:
+        handler = self.routes.table.get((req.method, req.path))
+        if handler is None:
+            methods = self.routes.paths.get(req.path)
+            if methods is None:
+                return json_error(resp, 404, f"no route {req.path}", code="not_found")
+            return json_error(resp, 405, f"{req.method} {req.path} is not allowed (allowed: {', '.join(methods)})")
+        path = req.path
+        if path in ADMIN_PATHS and self.admin_key is not None:
+            if not self._key_ok(req, self.admin_key):
+                return json_error(resp, 401, "missing or wrong admin API key (Authorization: Bearer ADMIN_KEY)",
                                   "authentication_error", "invalid_api_key")
-        return await handler(request)
+        elif self.auth_key is not None and path not in OPEN_PATHS:
+            if not self._key_ok(req, self.auth_key):
+                return json_error(resp, 401, "missing or wrong API key (Authorization: Bearer KEY)",
+                                  "authentication_error", "invalid_api_key")
+        await handler(req, resp)
+
+    @staticmethod
+    def _key_ok(req: Request, want: bytes) -> bool:
+        return hmac.compare_digest(req.headers.get("authorization", "").encode("latin-1"), want)
 
     # ---------------------------------------------------------------- OpenAI routes
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.generate(request, "completions")
+    async def completions(self, req: Request, resp: Response) -> None:
+        await self.generate(req, resp, "completions")
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self.generate(request, "chat_completions")
+    async def chat_completions(self, req: Request, resp: Response) -> None:
+        await self.generate(req, resp, "chat_completions")
 
-    async def generate(self, request: web.Request, endpoint: str) -> web.StreamResponse:
+    async def generate(self, req: Request, resp: Response, endpoint: str) -> None:
+        raw = req.body
+        if raw is None:
+            return json_error(resp, 413, f"request body is larger than {self.config.max_request_body_bytes} bytes")
         try:
-            body = msgspec.json.decode(await request.read())
+            body = msgspec.json.decode(raw)
         except msgspec.DecodeError as e:
-            return json_error(400, f"request body is not valid JSON: {e}")
-        except web.HTTPRequestEntityTooLarge:
-            return json_error(413, f"request body is larger than {self.config.max_request_body_bytes} bytes")
+            return json_error(resp, 400, f"request body is not valid JSON: {e}")
         if not isinstance(body, dict):
-            return json_error(400, "request body must be a JSON object")
-        if not isinstance(body.get("stream", False), bool):
-            return json_error(400, f"stream must be a boolean, got {body['stream']!r}")
-        return await self.relay.handle(request, endpoint, body)
-
-    async def models(self, request: web.Request) -> web.Response:
-        workers = self.registry.available("decode")
-        if not workers:
-            return json_error(503, "no healthy decode worker", "service_unavailable", "no_decode_worker")
-        worker = workers[0]
-        headers = {k: v for k, v in request.headers.items() if k == "Authorization"}
+            return json_error(resp, 400, "request body must be a JSON object")
+        stream = body.get("stream", False)
+        if stream is not False and not isinstance(stream, bool):
+            return json_error(resp, 400, f"stream must be a boolean, got {stream!r}")
+        admission = self.admission
         try:
-            async with worker.session.get("/v1/models", headers=headers,
-                                          timeout=aiohttp.ClientTimeout(total=self.config.request_timeout_s)) as r:
-                body = await r.read()
-                return web.Response(status=r.status, body=body, content_type=r.content_type)
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            return LegError(502, f"decode worker {worker.url} did not answer /v1/models: {describe(e)}").response()
+            await admission.enter()
+        except Rejected as e:
+            self.metrics.rejected.inc((e.reason,))
+            self.metrics.requests.inc((endpoint, "429"))
+            return json_error(resp, 429, f"the router is at capacity ({e.reason.replace('_', ' ')}); retry later",
+                              "rate_limit_error", e.reason, b"Retry-After: %d\r\n" % self.config.retry_after_s)
+        try:
+            await self.relay.handle(req, resp, endpoint, body, raw)
+        finally:
+            admission.leave()
+
+    async def models(self, req: Request, resp: Response) -> None:
+        workers = self.registry.available("decode") or self.registry.available("worker")
+        if not workers:
+            return json_error(resp, 503, "no healthy decode worker", "service_unavailable", "no_decode_worker")
+        worker = workers[0]
+        auth = req.headers.get("authorization")
+        headers = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
+        try:
+            status, ctype, body = await worker.pool.fetch(b"GET", b"/v1/models", headers,
+                                                          timeout_s=self.config.request_timeout_s)
+        except (UpstreamError, OSError) as e:
+            return LegError(502, f"decode worker {worker.url} did not answer /v1/models: {describe(e)}").send(resp)
+        resp.send(status, body, (ctype or "application/json").encode())
 
     # ---------------------------------------------------------------- operations
 
-    async def health(self, request: web.Request) -> web.Response:
-        return json_response({"status": "ok"})
+    async def health(self, req: Request, resp: Response) -> None:
+        json_response(resp, {"status": "ok"})
 
-    async def ready(self, request: web.Request) -> web.Response:
-        counts = {role: len(self.registry.available(role)) for role in ROLES}
-        ready = all(counts.values())
-        return json_response({"ready": ready, "available": counts}, 200 if ready else 503)
+    def available_counts(self) -> dict[str, int]:
+        counts = {role: len(self.registry.available(role)) for role in PD_ROLES}
+        if self.registry.workers("worker"):
+            counts["worker"] = len(self.registry.available("worker"))
+        return counts
 
-    async def metrics_route(self, request: web.Request) -> web.Response:
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+    async def ready(self, req: Request, resp: Response) -> None:
+        counts = self.available_counts()
+        ready = (counts["prefill"] > 0 and counts["decode"] > 0) or counts.get("worker", 0) > 0
+        json_response(resp, {"ready": ready, "available": counts}, 200 if ready else 503)
 
-    async def list_workers(self, request: web.Request) -> web.Response:
-        return json_response({"workers": [w.describe() for w in self.registry.workers()],
-                              "dns": self.discovery.describe()})
+    async def metrics_route(self, req: Request, resp: Response) -> None:
+        resp.send(200, self.metrics.render(), CONTENT_TYPE_LATEST.encode())
 
-    async def worker_request(self, request: web.Request) -> dict:
+    async def list_workers(self, req: Request, resp: Response) -> None:
+        json_response(resp, {"workers": [self.describe_worker(w) for w in self.registry.workers()],
+                             "dns": self.discovery.describe()})
+
+    def describe_worker(self, w: Worker) -> dict:
+        d = w.describe()
+        if self.kv_index is not None:
+            d["kv_events"] = self.kv_index.describe(w.url)
+            if w.url in self.kv_index.errors:
+                d["kv_events_error"] = self.kv_index.errors[w.url]
+        return d
+
+    def worker_request(self, req: Request) -> dict:
         """The worker spec from a JSON body, or from the query string (handy for DELETE)."""
-        if request.can_read_body:
+        if req.body:
             try:
-                spec = msgspec.json.decode(await request.read())
+                spec = msgspec.json.decode(req.body)
             except msgspec.DecodeError as e:
                 raise ValueError(f"request body is not valid JSON: {e}")
             if not isinstance(spec, dict):
                 raise ValueError("request body must be a JSON object with url and role")
             return spec
-        return dict(request.query)
+        return dict(req.query)
 
-    async def add_worker(self, request: web.Request) -> web.Response:
+    async def add_worker(self, req: Request, resp: Response) -> None:
         try:
-            spec = await self.worker_request(request)
+            spec = self.worker_request(req)
             worker, created = self.registry.add(spec.get("url"), spec.get("role"))
         except ValueError as e:
-            return json_error(400, str(e))
+            return json_error(resp, 400, str(e))
         if created:
-            await worker.check_health()  # in rotation at once when it answers
+            await self.registry.check(worker)  # in rotation at once when it answers
             logger.info("registered %s worker %s (healthy=%s)", worker.role, worker.url, worker.healthy)
-        return json_response(worker.describe(), 201 if created else 200)
+        json_response(resp, self.describe_worker(worker), 201 if created else 200)
 
-    async def remove_worker(self, request: web.Request) -> web.Response:
+    async def remove_worker(self, req: Request, resp: Response) -> None:
         try:
-            spec = await self.worker_request(request)
+            spec = self.worker_request(req)
             removed = await self.registry.remove(spec.get("url"), spec.get("role"))
         except ValueError as e:
-            return json_error(400, str(e))
+            return json_error(resp, 400, str(e))
         if not removed:
-            return json_error(404, f"no worker {spec.get('url')!r} is registered", code="unknown_worker")
-        return json_response({"removed": [w.describe() for w in removed]})
+            return json_error(resp, 404, f"no worker {spec.get('url')!r} is registered", code="unknown_worker")
+        json_response(resp, {"removed": [w.describe() for w in removed]})
+
+    # ---------------------------------------------------------------- dashboard
+
+    async def dashboard(self, req: Request, resp: Response) -> None:
+        resp.send(200, DASHBOARD.read_bytes(), b"text/html; charset=utf-8", b"Cache-Control: no-cache\r\n")
+
+    async def dashboard_state(self, req: Request, resp: Response) -> None:
+        await self._refresh_engine_stats()
+        m = self.metrics
+        latency = {}
+        for endpoint, em in m.endpoints.items():
+            latency[endpoint] = {name: {"p50": percentile(h.recent, 0.5), "p99": percentile(h.recent, 0.99),
+                                        "count": h.count}
+                                 for name, h in (("ttft_s", em.ttft), ("itl_s", em.itl), ("e2e_s", em.request_latency))}
+        decisions = [{"role": k[0], "policy": k[1], "decision": k[2], "count": v} if len(k) == 3 else
+                     {"role": "", "policy": "", "decision": k[0], "count": v} for k, v in sorted(m.decisions.items())]
+        active, queued = self.admission.state()
+        json_response(resp, {
+            "now": time.time(), "uptime_s": time.time() - self.started_at,
+            "policies": {role: p.name for role, p in self.policies.items()},
+            "workers": [dict(self.describe_worker(w), engine=w.engine_stats) for w in self.registry.workers()],
+            "requests": [{"endpoint": e, "status": s, "count": v} for (e, s), v in sorted(m.requests.items())],
+            "latency": latency, "decisions": decisions,
+            "fallbacks": {k[0]: v for k, v in m.fallbacks.items()},
+            "retries": {k[0]: v for k, v in m.retries.items()},
+            "limits": {"active": active, "queued": queued,
+                       "max_concurrent": self.config.max_concurrent_requests,
+                       "rejected": {k[0]: v for k, v in m.rejected.items()}},
+        })
+
+    async def _refresh_engine_stats(self) -> None:
+        """KV usage and queue lengths from each engine's /metrics (open, no key), at most
+        every ENGINE_STATS_MAX_AGE_S, only while someone looks at the dashboard."""
+        now = time.monotonic()
+        if now - self._engine_stats_at < ENGINE_STATS_MAX_AGE_S:
+            return
+        self._engine_stats_at = now
+
+        async def one(w: Worker) -> None:
+            try:
+                status, _, body = await w.pool.fetch(b"GET", b"/metrics", timeout_s=1.0)
+            except (UpstreamError, OSError):
+                w.engine_stats = None
+                return
+            w.engine_stats = engine_stats(body.decode("utf-8", "replace")) if status == 200 else None
+
+        await asyncio.gather(*(one(w) for w in self.registry.workers() if w.healthy))
+
+
+def engine_stats(text: str) -> dict:
+    """The few series of an engine's /metrics the dashboard shows (summed over labels)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line.startswith(ENGINE_SERIES):
+            continue
+        name, _, value = line.partition("{")[0], None, line.rsplit(" ", 1)[-1]
+        key = name.split()[0].removeprefix("atomd:")
+        try:
+            out[key] = out.get(key, 0.0) + float(value)
+        except ValueError:
+            pass
+    return out
+
+
+__all__ = ["Router", "RouterConfig", "POLICIES"]

@@ -144,7 +144,7 @@ class DnsDiscovery:
             if removed:
                 logger.info("%s worker %s is no longer resolved: out of rotation (%d requests in flight "
                             "finish first)", role, url, sum(w.in_flight for w in removed))
-        await asyncio.gather(*(w.check_health() for w in added))  # in rotation once /ready answers
+        await asyncio.gather(*(self.registry.check(w) for w in added))  # in rotation once /ready answers
 
     async def _loop(self) -> None:
         while True:

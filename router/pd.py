@@ -1,95 +1,107 @@
-"""The two-leg relay of one request (docs/design.md "PD: two legs through the router").
+"""The relay of one request: two legs (PD) or one (a colocated worker) (docs/design.md
+"PD: two legs through the router").
 
 1. Prefill leg, to a prefill worker P: the client's body with max_tokens=1, stream=false,
    n=1, no stream_options/min_tokens, and kv_transfer_params={"do_remote_decode": true,
    "transfer_id": <fresh uuid4 hex>}. P answers an OpenAI body whose top-level
    kv_transfer_params say where the prompt's KV blocks are (and T0, the access token).
-2. Decode leg, to a decode worker D: the client's body plus P's kv_transfer_params. D pulls
-   the blocks, decodes, and its SSE stream (or JSON body) is relayed byte for byte, one
-   complete event at a time, each written as soon as it is complete. Usage comes from D
-   (which reports P's prefix hit as cached_tokens).
+2. Decode leg, to a decode worker D: the client's body (its bytes, not re-encoded) with
+   P's kv_transfer_params spliced in first. D pulls the blocks, decodes, and its SSE stream
+   (or JSON body) is relayed one complete event at a time, each written as soon as it is
+   complete, from the upstream connection's callback (router/http.py). Usage comes from D.
 
-Failures, answered before any byte reached the client as an OpenAI-style JSON error:
-a 4xx from either leg passes through with its status and body (the client's fault); a 5xx,
-a dropped connection or a broken body is a 502 with the worker's message; a timeout is a 504.
-After the first byte, a failure ends the stream with `data: {"error": ...}` and `data: [DONE]`.
+A router with colocated workers (`--worker`) and no prefill/decode pair in rotation sends
+the client's body to one worker and relays its answer (one leg).
+
+Failures before any byte reached the client are an OpenAI-style JSON error: a 4xx from a
+leg passes through with its status and body (the client's fault); a 5xx, a dropped
+connection or a broken body is a 502 with the worker's message; a timeout is a 504. After
+the first byte a failure ends the stream with `data: {"error": ...}` and `data: [DONE]`.
 A 200 is never sent with an empty or error body.
 
-Retries: the prefill leg is retried only when the request never got a response
-(connection refused or dropped), on another P when there is one (the same P may get
-another go after a dropped keep-alive connection, never after a refused one). Each try
-carries a fresh transfer_id and the old one is aborted, so a P that did run it frees its
-blocks. The decode leg moves only when the connection to D could not even be opened;
-once D answered, it is never retried.
+Retries (docs/design.md "Failures"): the prefill leg is always before the client's first
+byte, so any failure of P but a 4xx (connection refused or dropped, 5xx, timeout, broken
+answer) is retried on another prefill worker, up to `max_prefill_tries` tries with full-
+jitter exponential backoff, each with a fresh transfer_id, and the abandoned transfer is
+aborted on its P. The same P gets another go only after a dropped connection (a kept-alive
+connection it closed), never after a refusal, a 5xx or a timeout. Every such failure counts
+against the worker's circuit breaker. The decode leg moves to another D only when the
+connection could not be opened (D may have started on the request otherwise); a colocated
+worker's leg moves on a refused connection or a 5xx (nothing was streamed). Nothing is
+retried once a byte reached the client.
+
+Fallbacks (`atomd_router:fallbacks_total{reason}`; with --strict-pd each is an error):
+`prefill_kept_no_kv` (P answered without kv_transfer_params: D computes the prompt),
+`no_prefill_worker` (none in rotation: D computes the prompt), `colocated` (no PD pair in
+rotation: a colocated worker serves it).
 
 Abort: P pins the prompt blocks until D pulls them (or a lease expires). When the request
-ends without D having produced output (client gone, D failed), D never pulled, so the
-router sends P `POST /kv_transfer/abort {"transfer_id"}`; P ignores unknown ids, so an
-abort that races a finished pull is harmless.
+ends without D having produced output (client gone, D failed), the router sends P
+`POST /kv_transfer/abort {"transfer_id"}`; P ignores unknown ids.
+
+Limits: a request's every leg and its stream end by `--total-timeout-s` (504 before the
+first byte, an error event after). X-Request-Id (the client's, else a fresh one) goes to
+both legs, so the engines' access logs name the same request, and back to the client.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import random
+import re
 import time
+import uuid
 
-import aiohttp
 import msgspec
-from aiohttp import web
 
 from kv_transfer.params import KVTransferParams, new_transfer_id
 from kv_transfer.trust import signature_of
+from router.http import BrokenResponse, ClientConnection, ConnectError, Disconnected, Request, Response, Timeout, \
+    UpstreamError
 from router.metrics import RouterMetrics
-from router.policies import RoutingPolicy
+from router.policies import RouteRequest, RoutingPolicy
 from router.workers import Worker, WorkerRegistry, describe
 
 logger = logging.getLogger("atomd.router.pd")
 
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+SSE_HEADERS = b"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
 DONE_EVENT = b"data: [DONE]"
 ERROR_EVENT_PREFIX = b'data: {"error"'
-MAX_PREFILL_TRIES = 3
 MAX_DECODE_TRIES = 3
 ABORT_TIMEOUT_S = 5.0
 DRAIN_TIMEOUT_S = 1.0
-# Errors raised before a response started: the request may not have reached the worker.
-RETRYABLE_PREFILL = (aiohttp.ClientConnectorError, aiohttp.ServerDisconnectedError, aiohttp.ClientOSError)
+BACKOFF_CAP_S = 1.0
+REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
+_encode = msgspec.json.encode
+_decode = msgspec.json.decode
 
 
 def error_body(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:
-    return msgspec.json.encode({"error": {"message": message, "type": type, "param": None, "code": code}})
+    return _encode({"error": {"message": message, "type": type, "param": None, "code": code}})
 
 
 class LegError(Exception):
     """A request that ends before any byte reached the client, with this answer."""
 
     def __init__(self, status: int, message: str, *, type: str = "upstream_error", code: str | None = None,
-                 body: bytes | None = None, content_type: str = "application/json"):
+                 body: bytes | None = None, content_type: str = "application/json", headers: bytes = b""):
         super().__init__(message)
         self.status = status
         self.body = body if body is not None else error_body(message, type, code)
         self.content_type = content_type
+        self.headers = headers
 
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body, content_type=self.content_type)
+    def send(self, resp: Response, headers: bytes = b"") -> None:
+        resp.send(self.status, self.body, self.content_type.encode(), headers + self.headers)
 
 
 def upstream_message(data: bytes) -> str:
     """The `error.message` of an OpenAI-style error body, else the body's text."""
     try:
-        err = msgspec.json.decode(data)["error"]
+        err = _decode(data)["error"]
         return str(err["message"] if isinstance(err, dict) else err)
     except (msgspec.DecodeError, KeyError, TypeError):
         return data.decode("utf-8", "replace")[:500] or "(empty body)"
-
-
-def failed_answer(leg: str, worker: Worker, status: int, data: bytes, content_type: str) -> LegError:
-    """4xx: the worker judged the request; pass it through. 5xx: the worker broke; 502."""
-    if 400 <= status < 500:
-        worker.breaker.record_success()  # it answered properly; the client was wrong
-        return LegError(status, "", body=data, content_type=content_type or "application/json")
-    worker.breaker.record_failure()
-    return LegError(502, f"{leg} worker {worker.url} answered {status}: {upstream_message(data)}")
 
 
 def prefill_body(body: dict, transfer_id: str) -> dict:
@@ -102,67 +114,95 @@ def prefill_body(body: dict, transfer_id: str) -> dict:
     return leg
 
 
+def with_kv_params(raw: bytes, kv_json: bytes) -> bytes:
+    """The client's JSON object with `"kv_transfer_params": kv` as its first member, without
+    decoding and re-encoding the rest (the caller made sure the object is not empty and has
+    no kv_transfer_params of its own)."""
+    start = raw.index(b"{") + 1
+    return b'{"kv_transfer_params":' + kv_json + b"," + raw[start:]
+
+
 def complete_events_end(buf: bytes) -> int:
     """Length of the prefix of `buf` that is whole SSE events (0 when none)."""
     return max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4, 0)
 
 
+def request_id_of(req: Request) -> str:
+    rid = req.headers.get("x-request-id")
+    if rid and REQUEST_ID.fullmatch(rid):
+        return rid
+    return uuid.uuid4().hex
+
+
+class RelayConfig(msgspec.Struct, kw_only=True):
+    request_timeout_s: float = 600.0  # P's whole leg (unless prefill_timeout_s); the longest silence of D
+    prefill_timeout_s: float | None = None
+    total_timeout_s: float | None = None
+    max_prefill_tries: int = 3
+    retry_backoff_s: float = 0.01
+    strict_pd: bool = False
+
+
 class PDRelay:
     """Shared state of all relays: workers, policies, metrics, in-flight abort tasks."""
 
-    def __init__(self, registry: WorkerRegistry, prefill_policy: RoutingPolicy,
-                 decode_policy: RoutingPolicy, metrics: RouterMetrics, request_timeout_s: float,
-                 kv_params_secret: bytes | None = None):
+    def __init__(self, registry: WorkerRegistry, policies: dict[str, RoutingPolicy], metrics: RouterMetrics,
+                 config: RelayConfig, kv_params_secret: bytes | None = None, tokenizer=None):
         self.registry = registry
         self.kv_params_secret = kv_params_secret
-        self.policies = {"prefill": prefill_policy, "decode": decode_policy}
+        self.policies = policies
         self.metrics = metrics
-        self.request_timeout_s = request_timeout_s
-        self.prefill_timeout = aiohttp.ClientTimeout(total=request_timeout_s)
-        self.decode_timeout = aiohttp.ClientTimeout(total=None, sock_read=request_timeout_s)
+        self.config = config
+        self.tokenizer = tokenizer
+        self.prefill_timeout = config.prefill_timeout_s or config.request_timeout_s
         self._background: set[asyncio.Task] = set()
+        self._rng = random.Random()
 
-    async def handle(self, request: web.Request, endpoint: str, body: dict) -> web.StreamResponse:
+    async def handle(self, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes) -> None:
         if body.pop("kv_transfer_params", None) is not None:
             # Clients never steer KV transfers: only the router writes these, on every path.
-            self.metrics.client_kv_params_dropped.inc()
-        return await PDRequest(self, request, endpoint, body).run()
+            self.metrics.client_kv_params_dropped += 1
+            raw = _encode(body)
+        await PDRequest(self, req, resp, endpoint, body, raw).run()
 
-    def pick(self, role: str, body: dict, tried: list[Worker], last_error: str | None,
-             refused: list[Worker] | None = None) -> Worker:
-        """A worker not tried yet for this request; failing that, when given, one that did
-        not refuse the connection (a dropped keep-alive connection is worth another go)."""
-        candidates = self.registry.available(role, exclude=tried)
-        if not candidates and refused is not None:
-            candidates = self.registry.available(role, exclude=refused)
+    def pick(self, role: str, route: RouteRequest, exclude: list[Worker], last_error: str | None,
+             also: list[Worker] | None = None) -> Worker:
+        """A worker of `role` not in `exclude`; failing that, when given, one not in `also`."""
+        candidates = self.registry.available(role, exclude)
+        if not candidates and also is not None:
+            candidates = self.registry.available(role, also)
         if not candidates:
-            self.metrics.decisions.labels(f"no_{role}_worker").inc()
+            name = "colocated" if role == "worker" else role
+            self.metrics.decisions.inc((f"no_{name}_worker",))
             if last_error is not None:
                 raise LegError(502, last_error)
-            raise LegError(503, f"no healthy {role} worker", type="service_unavailable",
-                           code=f"no_{role}_worker")
-        return self.policies[role].choose(candidates, body)
+            raise LegError(503, f"no healthy {name} worker", type="service_unavailable", code=f"no_{name}_worker")
+        return self.policies[role].choose(candidates, route)
 
-    def abort_transfer(self, worker: Worker, transfer_id: str, headers: dict | None = None) -> None:
+    def backoff(self, attempt: int) -> float:
+        """Full jitter: uniform in [0, base * 2^attempt], capped."""
+        base = self.config.retry_backoff_s
+        return self._rng.uniform(0, min(BACKOFF_CAP_S, base * (2 ** attempt))) if base > 0 else 0.0
+
+    def abort_transfer(self, worker: Worker, transfer_id: str, headers: bytes) -> None:
         """Fire and forget: the abort must outlive a cancelled request handler. `headers`:
         the legs' headers (their Authorization: an engine with an API key wants it here too)."""
-        self.metrics.aborts.inc()
+        self.metrics.aborts += 1
         worker.acquire(dispatch=False)  # keeps the pool open until the abort is sent
         task = asyncio.get_running_loop().create_task(self._abort(worker, transfer_id, headers))
         self._background.add(task)
         task.add_done_callback(self._background.discard)
 
-    async def _abort(self, worker: Worker, transfer_id: str, headers: dict | None = None) -> None:
+    async def _abort(self, worker: Worker, transfer_id: str, headers: bytes) -> None:
         try:
-            async with worker.session.post("/kv_transfer/abort", json={"transfer_id": transfer_id}, headers=headers,
-                                           timeout=aiohttp.ClientTimeout(total=ABORT_TIMEOUT_S)) as r:
-                await r.read()
-                if r.status != 200:
-                    logger.warning("abort of transfer %s on %s answered %d", transfer_id, worker.url, r.status)
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            status, _, _ = await worker.pool.fetch(b"POST", b"/kv_transfer/abort", headers,
+                                                   _encode({"transfer_id": transfer_id}), ABORT_TIMEOUT_S)
+            if status != 200:
+                logger.warning("abort of transfer %s on %s answered %d", transfer_id, worker.url, status)
+        except (UpstreamError, OSError) as e:
             logger.warning("abort of transfer %s on %s failed: %s", transfer_id, worker.url, describe(e))
         finally:
-            await worker.release()
+            worker.done()
 
     async def close(self) -> None:
         if self._background:
@@ -170,258 +210,434 @@ class PDRelay:
 
 
 class PDRequest:
-    """One client request: the prefill leg, then the decode leg relayed to the client."""
+    """One client request: the prefill leg, then the decode leg relayed to the client (or
+    one leg on a colocated worker)."""
 
-    def __init__(self, relay: PDRelay, request: web.Request, endpoint: str, body: dict):
+    __slots__ = ("relay", "metrics", "series", "req", "resp", "endpoint", "path", "body", "raw", "route",
+                 "request_id", "headers", "echo", "arrival", "last_send", "first_event_sent", "prefill_worker",
+                 "transfer_id", "pulled", "tokens", "deadline_hit", "_deadline")
+
+    def __init__(self, relay: PDRelay, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes):
         self.relay = relay
         self.metrics = relay.metrics
         self.series = relay.metrics.endpoint(endpoint)
-        self.request = request
+        self.req, self.resp = req, resp
         self.endpoint = endpoint
-        self.path = request.path
-        self.body = body
-        self.headers = {"Content-Type": "application/json"}
-        if "Authorization" in request.headers:
-            self.headers["Authorization"] = request.headers["Authorization"]
-        self.arrival = time.perf_counter()
-        self.last_send = self.arrival
+        self.path = req.path.encode()
+        self.body, self.raw = body, raw
+        self.route = RouteRequest(body, req.headers, relay.tokenizer)
+        self.request_id = request_id_of(req)
+        auth = req.headers.get("authorization")
+        self.headers = (b"Content-Type: application/json\r\n" +
+                        (b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b"") +
+                        b"X-Request-Id: " + self.request_id.encode() + b"\r\n")
+        self.echo = b"X-Request-Id: " + self.request_id.encode() + b"\r\n"
+        self.arrival = self.last_send = time.perf_counter()
         self.first_event_sent = False
         self.prefill_worker: Worker | None = None
         self.transfer_id: str | None = None
         self.pulled = False  # D produced output, so it is done with P's blocks
+        self.tokens = 0
+        self.deadline_hit = False
+        self._deadline: asyncio.TimerHandle | None = None
 
-    async def run(self) -> web.StreamResponse:
-        status = "500"  # a bug: aiohttp answers 500
+    def leg_headers(self, role: str) -> bytes:
+        rank = self.route.dp_rank.get(role)
+        return self.headers if rank is None else self.headers + b"X-data-parallel-rank: %d\r\n" % rank
+
+    async def run(self) -> None:
+        status = "500"  # a bug: the server answers 500
+        total = self.relay.config.total_timeout_s
+        if total:
+            task = asyncio.current_task()
+            self._deadline = asyncio.get_running_loop().call_later(total, self._on_deadline, task)
         try:
-            kv = await self.prefill()
-            response = await self.decode(kv)
-            status = str(response.status)
-            return response
+            await self.serve()
+            status = str(self.resp.status)
         except LegError as e:
             status = str(e.status)
-            return e.response()
+            e.send(self.resp, self.echo)
         except asyncio.CancelledError:
-            status = "client_disconnect"
-            raise
+            if not self.deadline_hit:
+                status = "client_disconnect"
+                raise
+            asyncio.current_task().uncancel()
+            status = self.timed_out()
         finally:
+            if self._deadline is not None:
+                self._deadline.cancel()
             if self.transfer_id is not None and not self.pulled:
                 self.relay.abort_transfer(self.prefill_worker, self.transfer_id, self.headers)
-            self.metrics.requests.labels(self.endpoint, status).inc()
+            self.metrics.requests.inc((self.endpoint, status))
             self.series.request_latency.observe(time.perf_counter() - self.arrival)
+
+    def _on_deadline(self, task: asyncio.Task) -> None:
+        self.deadline_hit = True
+        task.cancel()
+
+    def timed_out(self) -> str:
+        message = f"the request took longer than --total-timeout-s {self.relay.config.total_timeout_s} s"
+        self.metrics.upstream_errors.inc(("request", "total_timeout"))
+        if not self.resp.started:
+            LegError(504, message, type="timeout").send(self.resp, self.echo)
+            return "504"
+        self.resp.end(b"data: " + error_body(message, "timeout") + b"\n\n" + DONE_EVENT + b"\n\n")
+        return str(self.resp.status)
+
+    async def serve(self) -> None:
+        """Two legs while a decode worker is in rotation (or no colocated worker exists);
+        else one leg on a colocated worker."""
+        registry, strict = self.relay.registry, self.relay.config.strict_pd
+        pd_registered = bool(registry.workers("prefill") or registry.workers("decode"))
+        colocated = bool(registry.workers("worker"))
+        if not colocated or (registry.any_available("decode") and pd_registered) or \
+                (pd_registered and not registry.any_available("worker")):
+            kv = await self.prefill()
+            await self.decode(kv)
+            return
+        if pd_registered:  # a PD pool that is down: colocated workers take over
+            if strict:
+                raise LegError(503, "no decode worker in rotation (--strict-pd: no colocated fallback)",
+                               type="service_unavailable", code="no_decode_worker")
+            self.metrics.fallbacks.inc(("colocated",))
+        await self.colocated()
 
     # ------------------------------------------------------------------ prefill leg
 
     async def prefill(self) -> dict | None:
-        tried: list[Worker] = []
-        refused: list[Worker] = []
-        last_error = None
-        for _ in range(MAX_PREFILL_TRIES):
-            worker = self.relay.pick("prefill", self.body, tried, last_error, refused)
-            if tried:
-                self.metrics.retries.labels("prefill").inc()
+        relay = self.relay
+        tried: list[Worker] = []  # every P that failed this request
+        closed: list[Worker] = []  # ... except for a dropped connection: those may get another go
+        last_error: str | None = None
+        last_status = 502
+        for attempt in range(relay.config.max_prefill_tries):
+            if attempt:
+                self.metrics.retries.inc(("prefill",))
+                delay = relay.backoff(attempt - 1)
+                if delay:
+                    await asyncio.sleep(delay)
+            try:
+                worker = relay.pick("prefill", self.route, tried, last_error, closed)
+            except LegError:
+                if last_error is not None:
+                    break
+                if relay.config.strict_pd or not self.relay.registry.any_available("decode"):
+                    raise
+                # no prefill worker in rotation: D computes the prompt
+                self.metrics.fallbacks.inc(("no_prefill_worker",))
+                return None
             self.prefill_worker, self.transfer_id = worker, new_transfer_id()
             try:
                 return await self.prefill_on(worker)
-            except RETRYABLE_PREFILL as e:
-                worker.breaker.record_failure()
-                self.metrics.upstream_errors.labels("prefill", "connection").inc()
-                last_error = f"prefill worker {worker.url} unreachable: {describe(e)}"
-                self.relay.abort_transfer(worker, self.transfer_id, self.headers)  # in case it did run
-                self.transfer_id = None
+            except LegError as e:
+                if e.status < 500:
+                    raise  # the worker judged the request: pass it through
+                last_error, last_status = str(e), e.status
+                closed.append(worker)
                 tried.append(worker)
-                if isinstance(e, aiohttp.ClientConnectorError):
-                    refused.append(worker)
-        raise LegError(502, last_error or "prefill failed")
+            except Disconnected as e:  # the same P may get another go (a kept-alive connection it closed)
+                last_error, last_status = f"prefill worker {worker.url} dropped the connection: {describe(e)}", 502
+                tried.append(worker)
+            # the abandoned try: P may have run it and pinned blocks
+            if self.transfer_id is not None:
+                relay.abort_transfer(worker, self.transfer_id, self.headers)
+                self.transfer_id = None
+        raise LegError(last_status, last_error or "prefill failed", type="timeout" if last_status == 504 else
+                       "upstream_error")
 
     async def prefill_on(self, worker: Worker) -> dict | None:
-        """P's kv_transfer_params; raises RETRYABLE_PREFILL only before P's response began."""
-        data = msgspec.json.encode(prefill_body(self.body, self.transfer_id))
+        """P's kv_transfer_params. Raises Disconnected (the connection dropped before any
+        answer), LegError (anything else)."""
+        data = _encode(prefill_body(self.body, self.transfer_id))
         started = time.perf_counter()
-        responded = False
-        trial = worker.acquire()
+        tokens = self.route.est_tokens
+        trial = worker.acquire(tokens=tokens)
         try:
-            r = await worker.session.post(self.path, data=data, headers=self.headers,
-                                          timeout=self.relay.prefill_timeout)
-            responded = True
+            conn = await worker.pool.request(b"POST", self.path, self.leg_headers("prefill"), data,
+                                             self.relay.prefill_timeout)
             try:
-                answer = await r.read()
-            finally:
-                r.close()
-        except asyncio.TimeoutError:
-            worker.breaker.record_failure()
-            self.metrics.upstream_errors.labels("prefill", "timeout").inc()
-            raise LegError(504, f"prefill worker {worker.url} timed out after {self.relay.request_timeout_s} s",
-                           type="timeout")
-        except aiohttp.ClientError as e:
-            if not responded and isinstance(e, RETRYABLE_PREFILL):
+                answer = await conn.read()
+            except BaseException:
+                conn.abort()
                 raise
-            worker.breaker.record_failure()
-            self.metrics.upstream_errors.labels("prefill", "broken_answer").inc()
+            conn.release()
+        except ConnectError as e:
+            worker.failed(str(e))
+            self.metrics.upstream_errors.inc(("prefill", "connect"))
+            raise LegError(502, f"prefill worker {worker.url} unreachable: {describe(e)}")
+        except Disconnected as e:
+            worker.failed(str(e))
+            self.metrics.upstream_errors.inc(("prefill", "connection"))
+            raise
+        except Timeout:
+            worker.failed("timeout")
+            self.metrics.upstream_errors.inc(("prefill", "timeout"))
+            raise LegError(504, f"prefill worker {worker.url} timed out after {self.relay.prefill_timeout} s",
+                           type="timeout")
+        except BrokenResponse as e:
+            worker.failed(str(e))
+            self.metrics.upstream_errors.inc(("prefill", "broken_answer"))
             raise LegError(502, f"prefill worker {worker.url} broke off its answer: {describe(e)}")
         finally:
-            await worker.release(trial)
-        self.metrics.prefill_leg.observe(time.perf_counter() - started)
-        if r.status != 200:
-            self.metrics.upstream_errors.labels("prefill", f"status_{r.status}").inc()
-            raise failed_answer("prefill", worker, r.status, answer, r.content_type)
-        worker.breaker.record_success()
+            worker.done(trial, tokens)
+        self.metrics.legs["prefill"].observe(time.perf_counter() - started)
+        if conn.status != 200:
+            self.metrics.upstream_errors.inc(("prefill", f"status_{conn.status}"))
+            raise self.failed_answer("prefill", worker, conn.status, answer, conn.content_type)
         return self.prefill_params(worker, answer)
+
+    def failed_answer(self, leg: str, worker: Worker, status: int, data: bytes, content_type: str) -> LegError:
+        """4xx: the worker judged the request; pass it through. 5xx: the worker broke; 502."""
+        if 400 <= status < 500:
+            worker.breaker.record_success()  # it answered properly; the client was wrong
+            return LegError(status, "", body=data, content_type=content_type or "application/json")
+        message = f"{leg} worker {worker.url} answered {status}: {upstream_message(data)}"
+        worker.failed(message)
+        return LegError(502, message)
 
     def prefill_params(self, worker: Worker, answer: bytes) -> dict | None:
         try:
-            kv = msgspec.json.decode(answer).get("kv_transfer_params")
+            kv = _decode(answer).get("kv_transfer_params")
         except (msgspec.DecodeError, AttributeError):
+            worker.failed("a 200 that is not a JSON object")
             raise LegError(502, f"prefill worker {worker.url} answered 200 with a body that is not a JSON object")
         if kv is None:
             # P kept nothing for us: D computes the prompt itself. Counted, since it costs a prefill.
-            self.metrics.decisions.labels("decode_without_kv").inc()
             self.transfer_id = None
+            if self.relay.config.strict_pd:
+                raise LegError(502, f"prefill worker {worker.url} kept no KV for the request (--strict-pd)")
+            worker.breaker.record_success()
+            self.metrics.decisions.inc(("decode_without_kv",))
+            self.metrics.fallbacks.inc(("prefill_kept_no_kv",))
             return None
         try:
             params = KVTransferParams.from_json_obj(kv)  # checked here, so a bad P is a 502, not D's 400
         except ValueError as e:
-            worker.breaker.record_failure()
+            worker.failed(str(e))
             raise LegError(502, f"prefill worker {worker.url} returned {e}")
+        worker.breaker.record_success()
         # Relayed as P sent it: fields this router does not know still reach D.
         kv.setdefault("transfer_id", self.transfer_id)
         secret = self.relay.kv_params_secret
         if secret is not None:  # vouch for P's params to D (kv_transfer/trust.py)
             params = msgspec.structs.replace(params, transfer_id=kv["transfer_id"])
             kv["signature"] = signature_of(params, secret)
-        self.metrics.decision_pd.inc()
+        self.metrics.decisions.inc(("pd",))
         return kv
 
     # ------------------------------------------------------------------ decode leg
 
-    async def decode(self, kv: dict | None) -> web.StreamResponse:
-        body = dict(self.body, kv_transfer_params=kv) if kv is not None else self.body
-        data = msgspec.json.encode(body)
+    async def decode(self, kv: dict | None) -> None:
+        if kv is None:
+            data = self.raw
+        elif self.body:
+            data = with_kv_params(self.raw, _encode(kv))
+        else:
+            data = _encode({"kv_transfer_params": kv})
+        await self.one_leg("decode", data)
+
+    async def colocated(self) -> None:
+        self.metrics.decisions.inc(("colocated",))
+        await self.one_leg("worker", self.raw)
+
+    async def one_leg(self, role: str, data: bytes) -> None:
+        """Send `data` to a worker of `role` and relay its answer. Moves to another worker
+        only when the connection could not be opened (or, colocated, on a 5xx)."""
+        relay = self.relay
         tried: list[Worker] = []
         last_error = None
-        for _ in range(MAX_DECODE_TRIES):
-            worker = self.relay.pick("decode", self.body, tried, last_error)
-            if tried:
-                self.metrics.retries.labels("decode").inc()
+        for attempt in range(MAX_DECODE_TRIES):
+            worker = relay.pick(role, self.route, tried, last_error)
+            if attempt:
+                self.metrics.retries.inc((role,))
+            tokens = self.route.est_tokens
+            trial = worker.acquire(tokens=tokens)
             started = time.perf_counter()
-            trial = worker.acquire()
             try:
                 try:
-                    upstream = await worker.session.post(self.path, data=data, headers=self.headers,
-                                                         timeout=self.relay.decode_timeout)
-                except aiohttp.ClientConnectorError as e:  # D never saw the request: P's blocks still wait
-                    worker.breaker.record_failure()
-                    self.metrics.upstream_errors.labels("decode", "connection").inc()
-                    last_error = f"decode worker {worker.url} unreachable: {describe(e)}"
+                    conn = await worker.pool.request(b"POST", self.path, self.leg_headers(role), data,
+                                                     relay.config.request_timeout_s, idle_timeout=True)
+                except ConnectError as e:
+                    worker.failed(str(e))
+                    self.metrics.upstream_errors.inc((role, "connect"))
+                    last_error = f"{role} worker {worker.url} unreachable: {describe(e)}"
                     tried.append(worker)
                     continue
-                except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-                    worker.breaker.record_failure()
-                    if isinstance(e, asyncio.TimeoutError):
-                        self.metrics.upstream_errors.labels("decode", "timeout").inc()
-                        raise LegError(504, f"decode worker {worker.url} sent nothing for "
-                                       f"{self.relay.request_timeout_s} s", type="timeout")
-                    self.metrics.upstream_errors.labels("decode", "no_answer").inc()
-                    raise LegError(502, f"decode worker {worker.url} did not answer: {describe(e)}")
+                except Disconnected as e:
+                    worker.failed(str(e))
+                    self.metrics.upstream_errors.inc((role, "connection"))
+                    if role == "worker" and e.reused:
+                        last_error = f"{role} worker {worker.url} dropped the connection: {describe(e)}"
+                        continue
+                    raise LegError(502, f"{role} worker {worker.url} dropped the connection: {describe(e)}")
+                except Timeout:
+                    worker.failed("timeout")
+                    self.metrics.upstream_errors.inc((role, "timeout"))
+                    raise LegError(504, f"{role} worker {worker.url} timed out after "
+                                   f"{relay.config.request_timeout_s} s", type="timeout")
+                except BrokenResponse as e:
+                    worker.failed(str(e))
+                    self.metrics.upstream_errors.inc((role, "broken_answer"))
+                    raise LegError(502, f"{role} worker {worker.url} broke off its answer: {describe(e)}")
                 try:
-                    return await self.relay_answer(worker, upstream)
-                finally:
-                    upstream.close()  # a no-op after EOF; otherwise cancels D's request
-                    self.metrics.decode_leg.observe(time.perf_counter() - started)
+                    if conn.status != 200 and role == "worker" and conn.status >= 500:
+                        answer = await conn.read()
+                        conn.release()
+                        self.metrics.upstream_errors.inc((role, f"status_{conn.status}"))
+                        err = self.failed_answer(role, worker, conn.status, answer, conn.content_type)
+                        last_error = str(err)
+                        tried.append(worker)
+                        continue
+                    await self.relay_answer(role, worker, conn)
+                except BaseException:
+                    conn.abort()
+                    raise
+                self.metrics.legs[role].observe(time.perf_counter() - started)
+                return
             finally:
-                await worker.release(trial)
-        raise LegError(502, last_error or "decode failed")
+                worker.done(trial, tokens)
+        raise LegError(502, last_error or f"{role} failed")
 
-    async def relay_answer(self, worker: Worker, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-        if upstream.status != 200:
+    async def relay_answer(self, role: str, worker: Worker, conn: ClientConnection) -> None:
+        if conn.status != 200:
             try:
-                answer = await upstream.read()
-            except (aiohttp.ClientError, asyncio.TimeoutError):
+                answer = await conn.read()
+            except UpstreamError:
                 answer = b""
-            self.metrics.upstream_errors.labels("decode", f"status_{upstream.status}").inc()
-            raise failed_answer("decode", worker, upstream.status, answer, upstream.content_type)
-        if upstream.content_type == "text/event-stream":
-            return await self.relay_stream(worker, upstream)
-        return await self.relay_body(worker, upstream)
+            conn.release()
+            self.metrics.upstream_errors.inc((role, f"status_{conn.status}"))
+            raise self.failed_answer(role, worker, conn.status, answer, conn.content_type)
+        if conn.content_type == "text/event-stream":
+            await self.relay_stream(role, worker, conn)
+        else:
+            await self.relay_body(role, worker, conn)
 
-    async def relay_body(self, worker: Worker, upstream: aiohttp.ClientResponse) -> web.Response:
+    async def relay_body(self, role: str, worker: Worker, conn: ClientConnection) -> None:
         try:
-            answer = await upstream.read()
-            parsed = msgspec.json.decode(answer)
-        except (aiohttp.ClientError, asyncio.TimeoutError, msgspec.DecodeError) as e:
-            worker.breaker.record_failure()
-            self.metrics.upstream_errors.labels("decode", "broken_body").inc()
-            raise LegError(502, f"decode worker {worker.url} sent a broken body: {describe(e)}")
+            answer = await conn.read()
+            parsed = _decode(answer)
+        except (UpstreamError, msgspec.DecodeError) as e:
+            worker.failed(str(e))
+            self.metrics.upstream_errors.inc((role, "broken_body"))
+            if isinstance(e, Timeout):
+                raise LegError(504, f"{role} worker {worker.url} timed out mid-answer", type="timeout")
+            raise LegError(502, f"{role} worker {worker.url} sent a broken body: {describe(e)}")
+        conn.release()
         if not isinstance(parsed, dict) or "error" in parsed:
-            worker.breaker.record_failure()
-            self.metrics.upstream_errors.labels("decode", "error_body").inc()
-            raise LegError(502, f"decode worker {worker.url} answered 200 with: {upstream_message(answer)}")
+            worker.failed("a 200 with an error body")
+            self.metrics.upstream_errors.inc((role, "error_body"))
+            raise LegError(502, f"{role} worker {worker.url} answered 200 with: {upstream_message(answer)}")
         worker.breaker.record_success()
         self.pulled = True
-        return web.Response(body=answer, content_type="application/json")
+        self.resp.send(200, answer, conn.content_type.encode() or b"application/json", self.echo)
 
-    async def relay_stream(self, worker: Worker, upstream: aiohttp.ClientResponse) -> web.StreamResponse:
-        out = web.StreamResponse(headers=SSE_HEADERS)
-        buf = last = b""
-        error = None
-        try:
-            async for chunk in upstream.content.iter_any():
-                buf += chunk
-                cut = complete_events_end(buf)
-                if not cut:
-                    continue
-                events, buf = buf[:cut], buf[cut:]
-                if not out.prepared and events.startswith(ERROR_EVENT_PREFIX):
-                    raise LegError(502, f"decode worker {worker.url} failed: {upstream_message(events[6:])}")
-                if events.rstrip().endswith(DONE_EVENT):
-                    await self.send(out, events, end=True)  # the last event and our EOF in one write
-                    worker.breaker.record_success()
-                    await self.drain(upstream)
-                    return out
-                await self.send(out, events)
-                last = events
-        except (aiohttp.ClientError, asyncio.TimeoutError) as e:
-            error = f"decode worker {worker.url} broke off the stream: {describe(e)}"
-        worker.breaker.record_failure()
-        self.metrics.upstream_errors.labels("decode", "broken_stream").inc()
-        error = error or f"decode worker {worker.url} ended the stream before [DONE]"
-        if not out.prepared:
-            raise LegError(502, error)
-        tail = b"" if last.startswith(ERROR_EVENT_PREFIX) else b"data: " + error_body(error) + b"\n\n"
-        await self.send(out, tail + DONE_EVENT + b"\n\n", end=True)
-        return out
+    async def relay_stream(self, role: str, worker: Worker, conn: ClientConnection) -> None:
+        """Relay D's SSE events from the connection's data callback: no coroutine switch per
+        chunk. This coroutine waits for the end (or the client going away)."""
+        resp = self.resp
+        loop = asyncio.get_running_loop()
+        done: asyncio.Future = loop.create_future()
+        state = _StreamState()
+        series = self.series
 
-    @staticmethod
-    async def drain(upstream: aiohttp.ClientResponse) -> None:
-        """Read D's end of body after [DONE], so its connection goes back to the pool; a D
-        that lingers is cut off (decode() closes the connection) instead of holding us."""
-        if upstream.content.at_eof():  # the usual case: the connection is back in the pool
-            return
-        try:
-            async with asyncio.timeout(DRAIN_TIMEOUT_S):
-                await upstream.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError):
-            pass
-
-    async def send(self, out: web.StreamResponse, data: bytes, end: bool = False) -> None:
-        """Write whole events to the client (`end`: and finish the body in the same write).
-        TTFT/ITL count the events the client receives ([DONE] excluded); events that
-        arrived in one read share one time."""
-        now = time.perf_counter()
-        events = data.count(b"\n\n") + data.count(b"\r\n\r\n") - (DONE_EVENT in data)
-        try:
-            if not out.prepared:
-                await out.prepare(self.request)
-                self.pulled = True
-            await (out.write_eof(data) if end else out.write(data))
-        except ConnectionResetError:
-            # The client is gone; end the handler the way aiohttp's disconnect cancellation does.
-            raise asyncio.CancelledError()
-        if events > 0:
-            if self.first_event_sent:
-                self.series.itl.observe(now - self.last_send)
+        def sink(data: bytes) -> None:
+            buf = state.buf + data if state.buf else data
+            cut = complete_events_end(buf)
+            if not cut:
+                state.buf = buf
+                return
+            if cut == len(buf):
+                events, state.buf = buf, b""
             else:
-                self.series.ttft.observe(now - self.arrival)
-                self.first_event_sent = True
-            for _ in range(events - 1):
-                self.series.itl.observe(0.0)
-            self.last_send = now
+                events, state.buf = buf[:cut], buf[cut:]
+            now = time.perf_counter()
+            if not resp.started:
+                if events.startswith(ERROR_EVENT_PREFIX):
+                    state.error_first = events
+                    conn.abort()
+                    if not done.done():
+                        done.set_result(None)
+                    return
+                end = events.rstrip().endswith(DONE_EVENT)
+                resp.start_stream(200, SSE_HEADERS + self.echo, events)
+                self.pulled = True
+                if end:
+                    resp.end()
+                    state.saw_done = True
+            elif events.rstrip().endswith(DONE_EVENT):
+                resp.end(events)  # the last event and the end of the body in one write
+                state.saw_done = True
+            else:
+                resp.write(events)
+            state.last = events
+            n = events.count(b"\n\n") + events.count(b"\r\n\r\n") - (DONE_EVENT in events)
+            if n > 0:
+                if self.first_event_sent:
+                    series.itl.observe(now - self.last_send)
+                else:
+                    series.ttft.observe(now - self.arrival)
+                    self.first_event_sent = True
+                for _ in range(n - 1):
+                    series.itl.observe(0.0)
+                self.last_send = now
+            if resp.paused and not state.paused:  # the client reads slower than D writes
+                state.paused = True
+                conn.pause_reading()
+                loop.create_task(_resume_when_drained(resp, conn, state))
+
+        def on_end(error: BaseException | None) -> None:
+            if not done.done():
+                done.set_result(error)
+
+        conn.stream(sink, on_end)
+        if state.saw_done:
+            error = await _drain(done)
+        else:
+            error = await done
+        if state.error_first is not None:
+            worker.failed("an error event first")
+            self.metrics.upstream_errors.inc((role, "error_event"))
+            raise LegError(502, f"{role} worker {worker.url} failed: {upstream_message(state.error_first[6:])}")
+        if state.saw_done:
+            worker.breaker.record_success()
+            conn.release() if conn.done else conn.abort()
+            return
+        conn.abort()
+        if isinstance(error, Timeout):
+            message = f"{role} worker {worker.url} went silent for {self.relay.config.request_timeout_s} s"
+        elif error is not None:
+            message = f"{role} worker {worker.url} broke off the stream: {describe(error)}"
+        else:
+            message = f"{role} worker {worker.url} ended the stream before [DONE]"
+        worker.failed(message)
+        self.metrics.upstream_errors.inc((role, "broken_stream"))
+        if not resp.started:
+            raise LegError(504 if isinstance(error, Timeout) else 502, message,
+                           type="timeout" if isinstance(error, Timeout) else "upstream_error")
+        tail = b"" if state.last.startswith(ERROR_EVENT_PREFIX) else b"data: " + error_body(message) + b"\n\n"
+        resp.end(tail + DONE_EVENT + b"\n\n")
+
+
+class _StreamState:
+    __slots__ = ("buf", "last", "saw_done", "error_first", "paused")
+
+    def __init__(self) -> None:
+        self.buf = b""
+        self.last = b""
+        self.saw_done = False
+        self.error_first: bytes | None = None
+        self.paused = False
+
+
+async def _drain(done: asyncio.Future) -> BaseException | None:
+    """After [DONE]: wait briefly for the end of D's body, so the connection can be reused."""
+    try:
+        return await asyncio.wait_for(asyncio.shield(done), DRAIN_TIMEOUT_S)
+    except asyncio.TimeoutError:
+        return None
+
+
+async def _resume_when_drained(resp: Response, conn: ClientConnection, state: _StreamState) -> None:
+    await resp.drain()
+    state.paused = False
+    conn.resume_reading()

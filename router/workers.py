@@ -1,14 +1,18 @@
 """The worker registry: which engines exist, which may take traffic, and how to reach them.
 
+Roles: `prefill` and `decode` workers serve the two legs of a PD request; a `worker` is a
+colocated engine (`--kv-role both`) that serves a request alone (one leg).
+
 A worker is in rotation when its last health check passed (`GET /ready` to get in,
 `GET /health` to stay) and its circuit breaker lets traffic through. Health checks catch
 an engine that is down or still loading; the breaker catches one that fails the requests
-themselves (connection refused, 5xx, timeouts) faster than the next health check would.
+themselves (connection refused, 5xx answers, timeouts) faster than the next health check.
 
-Every worker owns one `aiohttp.ClientSession`, i.e. one keep-alive connection pool,
-reused by every request routed to it: opening a TCP connection per leg would add a
-round trip and a slow-start to every request. aiohttp's protocol sets TCP_NODELAY on
-each upstream socket (without it a small SSE event can sit ~40 ms behind Nagle).
+Every worker owns one keep-alive connection pool (router/http.py), reused by every leg
+routed to it; every upstream socket has TCP_NODELAY (without it a small SSE event can sit
+~40 ms behind Nagle). A worker also counts its legs and their prompt tokens in flight (the
+load the policies balance) and what it told us in `GET /kv_transfer_info` (its DP ranks
+and their KV event endpoints, for kv_aware).
 """
 from __future__ import annotations
 
@@ -18,11 +22,14 @@ import time
 from typing import Callable, Iterable
 from urllib.parse import urlsplit
 
-import aiohttp
+import msgspec
+
+from router.http import Pool, UpstreamError
 
 logger = logging.getLogger("atomd.router.workers")
 
-ROLES = ("prefill", "decode")
+ROLES = ("prefill", "decode", "worker")
+PD_ROLES = ("prefill", "decode")
 HEALTH_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 
@@ -35,6 +42,9 @@ class CircuitBreaker:
     CLOSED, OPEN, HALF_OPEN = 0, 1, 2
     NAMES = {CLOSED: "closed", OPEN: "open", HALF_OPEN: "half_open"}
 
+    __slots__ = ("failure_threshold", "cooldown_s", "clock", "consecutive_failures", "_opened_at",
+                 "_trial_in_flight", "times_opened")
+
     def __init__(self, failure_threshold: int = 5, cooldown_s: float = 10.0,
                  clock: Callable[[], float] = time.monotonic):
         if failure_threshold < 1:
@@ -45,6 +55,7 @@ class CircuitBreaker:
         self.consecutive_failures = 0
         self._opened_at: float | None = None
         self._trial_in_flight = False
+        self.times_opened = 0
 
     @property
     def state(self) -> int:
@@ -56,11 +67,14 @@ class CircuitBreaker:
 
     def allows(self) -> bool:
         """May a request be sent now? Side-effect free: policies call it on every candidate."""
-        state = self.state
-        return state == self.CLOSED or (state == self.HALF_OPEN and not self._trial_in_flight)
+        if self._opened_at is None:
+            return True
+        return self.state == self.HALF_OPEN and not self._trial_in_flight
 
     def on_dispatch(self) -> bool:
         """Note a request sent; True when it is the half-open trial."""
+        if self._opened_at is None:
+            return False
         if self.state == self.HALF_OPEN and not self._trial_in_flight:
             self._trial_in_flight = True
             return True
@@ -78,6 +92,8 @@ class CircuitBreaker:
     def record_failure(self) -> None:
         self.consecutive_failures += 1
         if self._trial_in_flight or self.consecutive_failures >= self.failure_threshold:
+            if self._opened_at is None or self._trial_in_flight:
+                self.times_opened += 1
             self._opened_at = self.clock()
         self._trial_in_flight = False
 
@@ -90,38 +106,61 @@ class Worker:
         self.role = role
         self.breaker = breaker
         self.healthy = False  # until the first health check passes
-        self.in_flight = 0
+        self.in_flight = 0  # legs in flight
+        self.in_flight_tokens = 0  # their prompt tokens (an estimate without a tokenizer)
+        self.requests = 0  # legs sent
+        self.failures = 0  # legs that failed on the worker's side
         self.last_error: str | None = None
-        self.session = aiohttp.ClientSession(
-            base_url=url,
-            connector=aiohttp.TCPConnector(limit=0, keepalive_timeout=60),
-            timeout=aiohttp.ClientTimeout(total=None, sock_connect=CONNECT_TIMEOUT_S),
-            auto_decompress=False,  # relay bytes as the engine sent them
-            cookie_jar=aiohttp.DummyCookieJar(),  # engines set none; a router must not keep any
-        )
+        self.host = urlsplit(url).hostname or ""
+        self.pool = Pool(url, CONNECT_TIMEOUT_S)
+        self.kv_info: dict | None = None  # GET /kv_transfer_info, fetched when it enters rotation
+        self.dp_size = 1
+        self.engine_stats: dict | None = None  # from its /metrics, for the dashboard
         self._retired = False
+
+    @property
+    def session(self) -> Pool:  # the connection pool (its `closed` says whether it was closed)
+        return self.pool
 
     def available(self) -> bool:
         return self.healthy and not self._retired and self.breaker.allows()
 
-    def acquire(self, dispatch: bool = True) -> bool:
-        """Count a request in flight; `dispatch` marks it as traffic the breaker judges.
-        Returns whether it is the breaker's trial; hand that back to release()."""
+    def acquire(self, dispatch: bool = True, tokens: int = 0) -> bool:
+        """Count a leg in flight; `dispatch` marks it as traffic the breaker judges.
+        Returns whether it is the breaker's trial; hand that back to done()."""
         self.in_flight += 1
-        return self.breaker.on_dispatch() if dispatch else False
+        self.in_flight_tokens += tokens
+        if dispatch:
+            self.requests += 1
+            return self.breaker.on_dispatch()
+        return False
 
-    async def release(self, trial: bool = False) -> None:
+    def done(self, trial: bool = False, tokens: int = 0) -> None:
         if trial:
             self.breaker.abandon_trial()  # a no-op once a success or failure was recorded
         self.in_flight -= 1
+        self.in_flight_tokens -= tokens
         if self._retired and self.in_flight == 0:
-            await self.session.close()
+            self.pool.close()
+
+    async def release(self, trial: bool = False, tokens: int = 0) -> None:
+        self.done(trial, tokens)
+
+    def failed(self, error: str) -> None:
+        """The worker failed a leg (connection, 5xx, timeout, broken answer)."""
+        self.failures += 1
+        self.last_error = error
+        self.breaker.record_failure()
 
     async def retire(self) -> None:
         """Out of the registry: close the pool now, or when the last request on it ends."""
         self._retired = True
         if self.in_flight == 0:
-            await self.session.close()
+            self.pool.close()
+
+    @property
+    def retired(self) -> bool:
+        return self._retired
 
     async def check_health(self) -> bool:
         """Readiness to enter, liveness to stay: out of rotation, a worker must pass GET
@@ -129,24 +168,40 @@ class Worker:
         keeps it there, so a worker busy with a long prefill is not dropped under load."""
         path = "/health" if self.healthy else "/ready"
         try:
-            async with self.session.get(path, timeout=aiohttp.ClientTimeout(total=HEALTH_TIMEOUT_S)) as r:
-                await r.read()
-                ok = r.status == 200
-                self.last_error = None if ok else f"GET {path} answered {r.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as e:
+            status, _, _ = await self.pool.fetch(b"GET", path.encode(), timeout_s=HEALTH_TIMEOUT_S)
+            ok = status == 200
+            error = None if ok else f"GET {path} answered {status}"
+        except (UpstreamError, OSError) as e:
             ok = False
-            self.last_error = f"GET {path} failed: {describe(e)}"
+            error = f"GET {path} failed: {describe(e)}"
         if ok and not self.healthy:
             logger.info("worker %s (%s) is ready", self.url, self.role)
-        elif not ok and self.healthy:
-            logger.warning("worker %s (%s) is out of rotation: %s", self.url, self.role, self.last_error)
+            self.last_error = None
+        elif not ok:
+            self.last_error = error
+            if self.healthy:
+                logger.warning("worker %s (%s) is out of rotation: %s", self.url, self.role, error)
         self.healthy = ok
         return ok
+
+    async def fetch_kv_info(self) -> dict | None:
+        """GET /kv_transfer_info (its DP ranks and KV event endpoints); None when it has none."""
+        try:
+            status, _, body = await self.pool.fetch(b"GET", b"/kv_transfer_info", timeout_s=HEALTH_TIMEOUT_S)
+            info = msgspec.json.decode(body) if status == 200 else None
+        except (UpstreamError, OSError, msgspec.DecodeError):
+            info = None
+        if isinstance(info, dict):
+            self.kv_info = info
+            self.dp_size = int(info.get("dp_size") or 1)
+        return self.kv_info
 
     def describe(self) -> dict:
         return {"url": self.url, "role": self.role, "healthy": self.healthy,
                 "circuit_breaker": CircuitBreaker.NAMES[self.breaker.state],
-                "in_flight": self.in_flight, "last_error": self.last_error}
+                "in_flight": self.in_flight, "in_flight_tokens": self.in_flight_tokens,
+                "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
+                "dp_size": self.dp_size}
 
 
 def describe(e: BaseException) -> str:
@@ -173,7 +228,8 @@ def check_role(role: object) -> str:
 
 
 class WorkerRegistry:
-    """All workers by (role, url) and the periodic health checks."""
+    """All workers by (role, url) and the periodic health checks. Listeners hear of a
+    worker entering rotation (`on_ready`) and leaving the registry (`on_removed`)."""
 
     def __init__(self, health_interval_s: float = 2.0, breaker_failures: int = 5,
                  breaker_cooldown_s: float = 10.0):
@@ -181,7 +237,11 @@ class WorkerRegistry:
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
         self._workers: dict[tuple[str, str], Worker] = {}
+        self._by_role: dict[str, list[Worker]] = {r: [] for r in ROLES}
         self._health_task: asyncio.Task | None = None
+        self.on_ready: list[Callable[[Worker], object]] = []
+        self.on_removed: list[Callable[[Worker], object]] = []
+        self.version = 0  # bumped on every add/remove (policies cache per-set structures)
 
     def add(self, url: str, role: str) -> tuple[Worker, bool]:
         """Register a worker (idempotent). Returns (worker, created)."""
@@ -190,6 +250,8 @@ class WorkerRegistry:
             return self._workers[key], False
         worker = Worker(key[1], key[0], CircuitBreaker(self.breaker_failures, self.breaker_cooldown_s))
         self._workers[key] = worker
+        self._by_role[key[0]].append(worker)
+        self.version += 1
         return worker, True
 
     async def remove(self, url: str, role: str | None = None) -> list[Worker]:
@@ -197,18 +259,38 @@ class WorkerRegistry:
         roles = ROLES if role is None else (check_role(role),)
         removed = [self._workers.pop((r, url)) for r in roles if (r, url) in self._workers]
         for w in removed:
+            self._by_role[w.role].remove(w)
+            self.version += 1
             await w.retire()
+            for listener in self.on_removed:
+                listener(w)
         return removed
 
     def workers(self, role: str | None = None) -> list[Worker]:
-        return [w for (r, _), w in self._workers.items() if role is None or r == role]
+        if role is None:
+            return list(self._workers.values())
+        return list(self._by_role[role])
 
     def available(self, role: str, exclude: Iterable[Worker] = ()) -> list[Worker]:
-        skip = set(map(id, exclude))
-        return [w for w in self.workers(role) if w.available() and id(w) not in skip]
+        if exclude:
+            return [w for w in self._by_role[role] if w.available() and w not in exclude]
+        return [w for w in self._by_role[role] if w.available()]
+
+    def any_available(self, role: str) -> bool:
+        return any(w.available() for w in self._by_role[role])
+
+    async def check(self, worker: Worker) -> bool:
+        was = worker.healthy
+        ok = await worker.check_health()
+        if ok and not was:
+            for listener in self.on_ready:
+                result = listener(worker)
+                if asyncio.iscoroutine(result):
+                    await result
+        return ok
 
     async def check_all(self) -> None:
-        await asyncio.gather(*(w.check_health() for w in self.workers()))
+        await asyncio.gather(*(self.check(w) for w in self.workers()))
 
     async def _health_loop(self) -> None:
         while True:
@@ -228,4 +310,7 @@ class WorkerRegistry:
             await asyncio.gather(self._health_task, return_exceptions=True)
         for w in self.workers():
             await w.retire()
+            w.pool.abort_all()
         self._workers.clear()
+        for lst in self._by_role.values():
+            lst.clear()

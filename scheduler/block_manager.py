@@ -14,6 +14,14 @@ Rules (docs/design.md, "Scheduler semantics"):
   the block is taken for new content (lazy eviction). Sequences free their blocks in
   reverse, so a chain's tail is evicted before its head (heads are shared more often).
 - Blocks that never held a hash sit in a min-heap, so allocation is deterministic.
+- Forks (n / best_of): a forked sequence shares every block of its parent by reference
+  count (`fork`). A block is written only while one sequence holds it: `append_slots`
+  gives a sequence about to write into a shared block its own copy first (copy-on-write:
+  a fresh block, and a (src, dst) pair in `take_copies()` that the engine copies before
+  the forward that writes it). Only the partly filled last prompt block is ever copied:
+  full blocks are never written again.
+- A sequence that asks for prompt logprobs never takes a prefix hit (its every prompt
+  position must be forwarded to have logits), as in vLLM.
 """
 from __future__ import annotations
 
@@ -133,6 +141,7 @@ class BlockManager:
         self.enable_prefix_caching = enable_prefix_caching
         self.pool = BlockPool(num_blocks, block_size)
         self.pool.events = [] if enable_events else None
+        self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), not yet taken
 
     @property
     def blocks(self) -> list[Block]:
@@ -173,7 +182,7 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[Block]:
         """Cached blocks that hold this sequence's leading full blocks, the last token's excepted."""
-        if not self.enable_prefix_caching:
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = self._hashes(seq, limit)
@@ -210,16 +219,39 @@ class BlockManager:
         return seq.num_computed_tokens
 
     def append_slots(self, seq: Sequence, num_new_tokens: int) -> bool:
-        """Blocks for `num_new_tokens` more positions; False (and nothing taken) if they do not fit."""
+        """Blocks for `num_new_tokens` more positions, and an own copy of every shared block
+        those positions fall in; False (and nothing taken) if they do not fit."""
         bs = self.block_size
-        needed = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs - len(seq.block_table)
-        if needed <= 0:
-            return True  # the common decode step: room left in the last block
-        if needed > self.pool.num_free:
+        table, blocks = seq.block_table, self.pool.blocks
+        first = seq.num_computed_tokens // bs
+        end = (seq.num_computed_tokens + num_new_tokens + bs - 1) // bs
+        shared = [i for i in range(first, min(end, len(table))) if blocks[table[i]].ref_count > 1]
+        needed = end - len(table)
+        if needed <= 0 and not shared:
+            return True  # the common decode step: room left in an own last block
+        if max(needed, 0) + len(shared) > self.pool.num_free:
             return False
+        for i in shared:  # copy-on-write
+            fresh = self.pool.take()
+            self.copies.append((table[i], fresh.block_id))
+            self.pool.release(blocks[table[i]])
+            table[i] = fresh.block_id
         for _ in range(needed):
-            seq.block_table.append(self.pool.take().block_id)
+            table.append(self.pool.take().block_id)
         return True
+
+    def fork(self, parent: Sequence, child: Sequence) -> None:
+        """`child` (a fork of `parent`) shares every block of its parent."""
+        for block_id in parent.block_table:
+            self.pool.share(self.pool.blocks[block_id])
+        child.block_table = list(parent.block_table)
+        child.num_computed_tokens = parent.num_computed_tokens
+        child.num_published_blocks = parent.num_published_blocks
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write pairs (src, dst) the next forward must copy before it writes."""
+        out, self.copies = self.copies, []
+        return out
 
     def deallocate(self, seq: Sequence) -> None:
         """Return the blocks, tail first, and forget the computed KV."""

@@ -17,6 +17,12 @@ Each `schedule()` returns one kind of batch (the seed's semantics):
 
 Invariant of a decode-ready sequence: `num_computed_tokens == num_tokens - 1`; the KV of
 every token but the last is computed, and the last is the next one to forward.
+
+Forks (n / best_of): a sequence with `num_forks > 0` is one sequence, one seat per
+pending fork reserved against `max_num_seqs`, until the step that samples its first token.
+The runner then samples `num_forks + 1` tokens from its row (`fork_token_ids`) and
+`postprocess` forks it: each new choice shares the parent's blocks (the block manager
+copies a shared block on write) and runs, stops, is preempted or aborted on its own.
 """
 from __future__ import annotations
 
@@ -86,7 +92,8 @@ class ScheduledBatch:
     """
 
     __slots__ = ("seqs", "is_prefill", "num_scheduled_tokens", "num_computed_tokens",
-                 "token_ids", "block_tables", "needs_sample", "connector_meta", "spec_token_ids")
+                 "token_ids", "block_tables", "needs_sample", "connector_meta", "spec_token_ids",
+                 "block_copies")
 
     def __init__(self, seqs: list[Sequence], is_prefill: bool, num_scheduled_tokens: list[int],
                  num_computed_tokens: list[int], token_ids: list[int], needs_sample: list[bool],
@@ -100,6 +107,7 @@ class ScheduledBatch:
         self.needs_sample = np.array(needs_sample, dtype=bool)
         self.spec_token_ids = spec_token_ids
         self.connector_meta = connector_meta
+        self.block_copies: list[tuple[int, int]] = []  # copy-on-write: copy src -> dst before the forward
 
     @property
     def seq_ids(self) -> list[int]:
@@ -115,12 +123,20 @@ class ScheduledBatchOutput(msgspec.Struct):
 
     With speculative decoding token_ids[i] holds the accepted drafts then the bonus
     token, and draft_token_ids[i] the drafts to verify next step.
+
+    A row whose sequence has `num_forks = k > 0` samples k more first tokens, one per
+    new choice, in fork_token_ids[i] (and their logprobs entries in fork_logprobs[i]).
+    prompt_logprobs[i]: entries for the prompt tokens after each position of a prefill
+    chunk (prompt_logprobs asked), else None.
     """
 
     seq_ids: list[int]
     token_ids: list[list[int]]
     logprobs: list[list[Any]] | None = None
     draft_token_ids: list[list[int]] | None = None
+    fork_token_ids: list[list[int]] | None = None
+    fork_logprobs: list[list[Any]] | None = None
+    prompt_logprobs: list[list[Any] | None] | None = None
 
 
 class SeqUpdate(msgspec.Struct):
@@ -235,6 +251,8 @@ class Scheduler:
             meta = self.kv_connector.build_connector_meta()
             if not meta.is_empty():
                 batch = ScheduledBatch([], False, [], [], [], [], [], meta)
+        if batch is not None:
+            batch.block_copies = self.block_manager.take_copies()
         return batch
 
     def _connector_meta(self) -> KVConnectorMetadata | None:
@@ -269,8 +287,14 @@ class Scheduler:
         return ScheduledBatch(seqs, True, chunks, computed, token_ids, needs_sample,
                               [[] for _ in seqs], self._connector_meta())
 
+    def _seats_taken(self) -> int:
+        """Running and parked sequences plus the forks they will make (each one a seat)."""
+        return (len(self.running) + len(self.parked) + sum(s.num_forks for s in self.running)
+                + sum(s.num_forks for s in self.parked.values()))
+
     def _admit_waiting(self, seqs: list[Sequence], chunks: list[int], budget: int) -> None:
         cfg, bm = self.config, self.block_manager
+        seats = self._seats_taken() if self.waiting else 0
         while self.waiting and len(seqs) < cfg.max_num_seqs and budget > 0:
             seq = self.waiting[0]
             reason = self._unschedulable_reason(seq)
@@ -278,7 +302,7 @@ class Scheduler:
                 self.waiting.popleft()
                 self._reject(seq, reason)
                 continue
-            if len(self.running) + len(self.parked) >= cfg.max_num_seqs:
+            if seats + 1 + seq.num_forks > cfg.max_num_seqs:
                 break
             num_cached_blocks = bm.can_allocate(seq)
             if num_cached_blocks < 0:
@@ -295,6 +319,7 @@ class Scheduler:
                 self._allocate(seq, num_cached_blocks, asked)
                 seq.status = SequenceStatus.WAITING_FOR_REMOTE_KVS
                 self.parked[seq.id] = seq
+                seats += 1 + seq.num_forks
                 continue
             start = min(num_cached_blocks * bm.block_size + num_external, seq.num_tokens - 1)
             chunk = self._chunk_size(seq.num_tokens - start, start, budget, not seqs)
@@ -306,6 +331,7 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             self.running.append(seq)
             self._prefilling[seq.id] = seq
+            seats += 1 + seq.num_forks
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk
@@ -407,6 +433,9 @@ class Scheduler:
         """Why `seq` can never run on this engine's configuration, or None."""
         cfg = self.config
         n = seq.num_tokens
+        if seq.num_forks + 1 > cfg.max_num_seqs:
+            return (f"best_of/n={seq.num_forks + 1} sequences > max_num_seqs={cfg.max_num_seqs}. "
+                    f"Ask for fewer choices or increase --max-num-seqs.")
         if n > cfg.max_model_len:
             return (f"input tokens={n} > max_model_len={cfg.max_model_len}. "
                     f"Increase --max-model-len or shorten the prompt.")
@@ -446,22 +475,49 @@ class Scheduler:
         updates: list[SeqUpdate] = []
         any_finished = False
         logprobs, drafts = output.logprobs, output.draft_token_ids
+        prompt_logprobs = output.prompt_logprobs
         for i, seq in enumerate(batch.seqs):
             if seq.status is not SequenceStatus.RUNNING:
                 continue  # aborted or preempted after schedule()
             if batch.is_prefill:
+                start = int(batch.num_computed_tokens[i])
                 seq.num_computed_tokens += int(batch.num_scheduled_tokens[i])
+                if prompt_logprobs is not None and prompt_logprobs[i] is not None and seq.prompt_logprobs is not None:
+                    del seq.prompt_logprobs[start + 1:]  # a recomputed chunk replaces its entries
+                    seq.prompt_logprobs.extend(prompt_logprobs[i])
                 if not batch.needs_sample[i]:
                     self.block_manager.publish(seq)
                     continue
                 self._prefilling.pop(seq.id, None)
+            children = self._fork(seq, i, output) if seq.num_forks else []
             update = self._apply_samples(seq, output.token_ids[i], logprobs[i] if logprobs else None,
                                          drafts[i] if drafts else None, len(batch.spec_token_ids[i]))
             updates.append(update)
             any_finished |= update.finished
+            for child, token, entry in children:
+                update = self._apply_samples(child, [token], [entry] if entry is not None else None, None, 0)
+                updates.append(update)
+                any_finished |= update.finished
         if any_finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return updates
+
+    def _fork(self, seq: Sequence, row: int, output: ScheduledBatchOutput) -> list[tuple[Sequence, int, Any]]:
+        """Fork `seq` at its first sampled token into its remaining choices: each shares its
+        blocks and runs from here on its own. Returns (choice, its first token, its entry)."""
+        tokens = output.fork_token_ids[row] if output.fork_token_ids is not None else []
+        if len(tokens) != seq.num_forks:
+            raise ValueError(f"sequence {seq.id}: expected {seq.num_forks} fork tokens, got {len(tokens)}")
+        entries = output.fork_logprobs[row] if output.fork_logprobs is not None else [None] * len(tokens)
+        seq.num_forks = 0
+        children = []
+        for index, (token, entry) in enumerate(zip(tokens, entries), start=1):
+            child = seq.fork(index)
+            self.block_manager.fork(seq, child)
+            self._live[child.id] = child
+            self.running.append(child)
+            children.append((child, int(token), entry))
+        return children
 
     def _apply_samples(self, seq: Sequence, tokens: list[int], logprobs: list | None,
                        next_drafts: list[int] | None, num_drafts: int) -> SeqUpdate:
@@ -487,8 +543,12 @@ class Scheduler:
                 if reason is not None:
                     break  # drafts past a stop are cut
         new_logprobs = None
+        kept = len(emitted) - injected
+        if logprobs is not None or injected:  # ranks best_of candidates
+            for entry in ([t0_logprobs] if injected else []) + list(logprobs[:kept] if logprobs else []):
+                if entry is not None:
+                    seq.cumulative_logprob += entry["logprob"]
         if seq.sampling_params.logprobs is not None:
-            kept = len(emitted) - injected
             new_logprobs = ([t0_logprobs] if injected else []) + \
                 (list(logprobs[:kept]) if logprobs is not None else [None] * kept)
             seq.logprobs.extend(new_logprobs)
@@ -607,14 +667,14 @@ class Scheduler:
             remote = self.kv_connector.remote_prefill(seq)
             seq.num_computed_tokens = seq.num_prompt_tokens
             self.block_manager.publish(seq)  # D's prefix cache learns the received blocks
-            if remote.first_token_id is not None:
+            if remote.first_token_id is not None and seq.num_forks == 0:
                 seq.token_ids.append(int(remote.first_token_id))
                 self._injected[seq.id] = remote.first_token_logprobs
                 k = self.config.num_speculative_tokens
                 drafts = remote.draft_token_ids[:min(k, self.config.max_model_len - seq.num_tokens)]
                 seq.spec_token_ids = [int(t) for t in drafts]
-            else:
-                seq.num_computed_tokens -= 1  # recompute the last position here to sample T0
+            else:  # recompute the last position here to sample T0 (every choice's, when it forks)
+                seq.num_computed_tokens -= 1
             seq.num_cached_tokens = remote.num_cached_tokens
             self._local_only.add(seq.id)  # a later preemption recomputes locally
             seq.status = SequenceStatus.RUNNING

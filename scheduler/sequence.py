@@ -3,11 +3,19 @@
 A `Sequence` only grows: tokens are appended after they are accepted (stop cuts happen
 before the append), so every hash of a full block stays valid for the sequence's life,
 also across preemption.
+
+A request with `n > 1` or `best_of > 1` is one sequence until its first sampled token:
+the prompt is prefilled once, then the sampler draws `best_of` first tokens from that
+one row and the scheduler forks the sequence into `best_of` choices (`Sequence.fork`)
+that share the prompt's KV blocks by reference count (docs/design.md "n and best_of").
+Choice i samples with seed `seed + i` (vLLM's rule).
 """
 from __future__ import annotations
 
+import copy
 import enum
 import itertools
+import math
 import time
 from typing import Any
 
@@ -30,6 +38,20 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k >= 0: sampled token's logprob plus top-k
     include_stop_str_in_output: bool = False
+    # n and best_of: `best_of` candidates (None: n) share one prefill, the top n by
+    # cumulative logprob are returned
+    n: int = 1
+    best_of: int | None = None
+    # logits processing (vLLM's order: atomd/sampler.py)
+    presence_penalty: float = 0.0  # OpenAI, over generated tokens
+    frequency_penalty: float = 0.0  # OpenAI, over generated tokens
+    repetition_penalty: float = 1.0  # vLLM/HF, over prompt and generated tokens
+    min_p: float = 0.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] = []
+    bad_words_token_ids: list[list[int]] = []  # derived from bad_words by the engine's tokenizer
+    prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus top-k
 
     def __post_init__(self) -> None:
         for name, types in _FIELD_TYPES:
@@ -49,10 +71,51 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                  "must be a list of non-empty strings")
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", "must be a list of non-negative token ids")
+        _require(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _require(self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool)
+                                          and self.best_of >= self.n),
+                 "best_of", f"must be an integer >= n={self.n}, got {self.best_of!r}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            _require(-2.0 <= value <= 2.0, name, f"must be in [-2, 2], got {value}")
+        _require(0.0 < self.repetition_penalty and math.isfinite(self.repetition_penalty), "repetition_penalty",
+                 f"must be > 0, got {self.repetition_penalty}")
+        _require(0.0 <= self.min_p <= 1.0, "min_p", f"must be in [0, 1], got {self.min_p}")
+        if self.logit_bias is not None:
+            for token, bias in self.logit_bias.items():
+                _require(isinstance(token, int) and not isinstance(token, bool) and token >= 0, "logit_bias",
+                         f"keys must be non-negative token ids, got {token!r}")
+                _require(isinstance(bias, (int, float)) and not isinstance(bias, bool) and -100.0 <= bias <= 100.0,
+                         "logit_bias", f"values must be in [-100, 100], got {bias!r} for token {token}")
+        if self.allowed_token_ids is not None:
+            _require(bool(self.allowed_token_ids) and all(isinstance(t, int) and t >= 0 for t in self.allowed_token_ids),
+                     "allowed_token_ids", "must be a non-empty list of non-negative token ids")
+        _require(all(isinstance(w, str) and w.strip() for w in self.bad_words), "bad_words",
+                 "must be a list of non-empty strings")
+        _require(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
+                 "prompt_logprobs", f"must be None or >= 0, got {self.prompt_logprobs}")
+
+    @property
+    def num_samples(self) -> int:
+        """Sequences the prompt forks into: best_of, else n."""
+        return self.best_of if self.best_of is not None else self.n
+
+    @property
+    def ranked(self) -> bool:
+        """best_of > n: candidates are ranked by cumulative logprob, nothing streams."""
+        return self.num_samples > self.n
+
+    def for_choice(self, index: int) -> "SamplingParams":
+        """Choice `index`'s params: seed + index when seeded (vLLM's derivation), else these."""
+        if index == 0 or self.seed is None:
+            return self
+        return msgspec.structs.replace(self, seed=self.seed + index)
 
 
 _FIELD_TYPES = (("max_tokens", int), ("min_tokens", int), ("temperature", (int, float)),
-                ("top_p", (int, float)), ("top_k", int))
+                ("top_p", (int, float)), ("top_k", int), ("n", int), ("presence_penalty", (int, float)),
+                ("frequency_penalty", (int, float)), ("repetition_penalty", (int, float)),
+                ("min_p", (int, float)))
 
 
 def _require(ok: bool, field: str, message: str) -> None:
@@ -121,6 +184,32 @@ class Sequence:
         self.arrive_time = arrive_time if arrive_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
+        # n / best_of: this sequence's choice index, the forks still to make at its first
+        # sample, and every sequence of the request (shared by the group)
+        self.index = 0
+        self.num_forks = self.sampling_params.num_samples - 1
+        self.group: list[Sequence] = [self]
+        self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (ranks best_of)
+        # prompt_logprobs: entry i for prompt token i ({"logprob", "rank", "top"}; None for token 0)
+        self.prompt_logprobs: list[Any] | None = [None] if self.sampling_params.prompt_logprobs is not None else None
+
+    def fork(self, index: int) -> "Sequence":
+        """Choice `index` of this request: the same tokens and computed KV (the caller shares
+        the blocks), its own id, seed and output state. Joins this sequence's group."""
+        child = copy.copy(self)
+        child.id = next(_ids)
+        child.index = index
+        child.sampling_params = self.sampling_params.for_choice(index)
+        child.token_ids = list(self.token_ids)
+        child.block_table = []
+        child.block_hashes = list(self.block_hashes)
+        child.spec_token_ids = []
+        child.logprobs = list(self.logprobs)
+        child.num_forks = 0
+        child.kv_transfer_params = None  # the transfer belongs to the parent
+        child.kv_transfer_params_output = None
+        self.group.append(child)
+        return child
 
     def __repr__(self) -> str:
         return (f"Sequence(id={self.id}, status={self.status.name}, tokens={self.num_tokens}, "

@@ -44,6 +44,19 @@ def next_token(prefix: list[int]) -> int:
     return (prefix[-1] * 7 + len(prefix) * 13 + prefix[0] * 3) % (VOCAB - 2) + 2
 
 
+def fork_token(prefix: list[int], index: int) -> int:
+    """The first token of choice `index` of a forked request (choice 0: next_token)."""
+    return (next_token(prefix) - 2 + 17 * index) % (VOCAB - 2) + 2
+
+
+def reference_choice(prompt: list[int], index: int, max_tokens: int) -> list[int]:
+    """What choice `index` of a request must produce: its own first token, then greedy."""
+    if max_tokens == 0:
+        return []
+    first = fork_token(prompt, index)
+    return [first] + reference_completion(prompt + [first], max_tokens - 1)
+
+
 def prompt(seed: int, n: int) -> list[int]:
     """A reproducible random prompt of `n` token ids."""
     rng = np.random.default_rng(seed)
@@ -95,7 +108,9 @@ class FakeModel:
 
     def forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
         self.num_forwards += 1
-        tokens_out, drafts_out = [], []
+        for src, dst in batch.block_copies:  # copy-on-write before anything is written
+            self.kv.data[dst] = self.kv.data[src]
+        tokens_out, drafts_out, forks_out = [], [], []
         offset = 0
         for i, seq in enumerate(batch.seqs):
             n = int(batch.num_scheduled_tokens[i])
@@ -108,6 +123,7 @@ class FakeModel:
             self.kv.write(table, start, chunk)
             if batch.is_prefill:
                 self.prefilled_tokens += n
+            forks_out.append([])
             if not batch.needs_sample[i]:
                 tokens_out.append([])
                 drafts_out.append([])
@@ -126,10 +142,13 @@ class FakeModel:
                     prefix = prefix + [d]
                 else:
                     accepted.append(next_token(prefix))
+            if seq.num_forks:  # the first token of every other choice, from the same position
+                forks_out[-1] = [fork_token(prefix, j) for j in range(1, seq.num_forks + 1)]
             tokens_out.append(accepted)
             drafts_out.append(self._propose(prefix + accepted[-1:]))
         return ScheduledBatchOutput([s.id for s in batch.seqs], tokens_out,
-                                    draft_token_ids=drafts_out if self.k else None)
+                                    draft_token_ids=drafts_out if self.k else None,
+                                    fork_token_ids=forks_out if any(forks_out) else None)
 
     def _propose(self, prefix: list[int]) -> list[int]:
         drafts, p = [], list(prefix)

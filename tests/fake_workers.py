@@ -50,10 +50,11 @@ async def http(method: str, url: str, json=None, headers: dict | None = None) ->
 class Cluster:
     """A router (in-process) in front of fake prefill and decode engines, on one LoopThread."""
 
-    def __init__(self, loop: LoopThread, n_prefill: int = 1, n_decode: int = 1, **router_kwargs):
+    def __init__(self, loop: LoopThread, n_prefill: int = 1, n_decode: int = 1, n_worker: int = 0, **router_kwargs):
         self.loop = loop
         self.prefill = [FakeEngine("prefill") for _ in range(n_prefill)]
         self.decode = [FakeEngine("decode") for _ in range(n_decode)]
+        self.worker = [FakeEngine("decode") for _ in range(n_worker)]  # colocated: answers like a decode engine
         self.router_kwargs = router_kwargs
         self.router = None
 
@@ -61,10 +62,10 @@ class Cluster:
         from router.app import Router, RouterConfig
 
         async def start():
-            for f in self.prefill + self.decode:
+            for f in self.prefill + self.decode + self.worker:
                 await f.start()
             config = RouterConfig(prefill=[f.url for f in self.prefill], decode=[f.url for f in self.decode],
-                                  port=0, **self.router_kwargs)
+                                  worker=[f.url for f in self.worker], port=0, **self.router_kwargs)
             self.router = Router(config)
             return await self.router.start()
 
@@ -75,7 +76,7 @@ class Cluster:
         async def stop():
             if self.router is not None:
                 await self.router.stop()
-            for f in self.prefill + self.decode:
+            for f in self.prefill + self.decode + self.worker:
                 if f._runner is not None:
                     f.gate.set()
                     f.hold_after_first_event.set()
@@ -89,8 +90,8 @@ class Cluster:
     def post(self, path: str, json=None, headers: dict | None = None) -> Reply:
         return self.request("POST", path, json, headers)
 
-    def get(self, path: str) -> Reply:
-        return self.request("GET", path)
+    def get(self, path: str, headers: dict | None = None) -> Reply:
+        return self.request("GET", path, headers=headers)
 
 
 def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> None:

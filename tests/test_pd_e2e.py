@@ -1,9 +1,11 @@
 """Prefill/decode disaggregation end to end: router -> P (producer) -> D (consumer), real
 processes on 127.0.0.1, against a colocated `atomd serve` as the reference.
 
-One cluster per module: the reference, P and D behind the main router, P2 (killed in the
+One cluster per KV transfer backend (zmq, mooncake: every test runs over both), sharing
+one reference: P and D behind the main router, P2 (killed in the
 P-crash test) and DR (a recompute-policy consumer behind a second router with P, killed
-in the D-crash test) and DK (killed before it could pull). P's lease and the consumers' receive timeout are short so the
+in the D-crash test) and DK (killed before it could pull); the mooncake cluster adds PZ,
+a zmq producer, for the mixed-backend refusal. P's lease and the consumers' receive timeout are short so the
 fault tests end quickly. After every test each live engine is idle with all its blocks
 free, and P has no block pinned.
 """
@@ -22,6 +24,7 @@ import openai
 import pytest
 
 from launch.process import http
+from tests.kv_backends import BACKENDS, skip_unless_available
 from tests.pd_fixtures import PDCluster, block_bytes, kill_engine, metric, metrics, sse_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -32,19 +35,40 @@ VOCAB = 4096  # the default model's (config.json)
 
 
 @pytest.fixture(scope="module")
-def pd():
+def reference():
+    """The colocated engine every backend's cluster is compared with."""
     cluster = PDCluster()
     try:
-        cluster.start_engines(ref=[], P=["--kv-role", "producer", *LEASE], D=["--kv-role", "consumer", *RECV_TIMEOUT],
-                              P2=["--kv-role", "producer", *LEASE],
-                              DR=["--kv-role", "consumer", *RECV_TIMEOUT, "--kv-load-failure-policy", "recompute"],
-                              DK=["--kv-role", "consumer"])
+        cluster.start_engines(ref=[])
+        yield cluster["ref"]
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="module", params=BACKENDS)
+def pd(request, reference):
+    skip_unless_available(request.param)
+    backend = ["--kv-transfer-backend", request.param]
+    engines = dict(P=["--kv-role", "producer", *LEASE, *backend], D=["--kv-role", "consumer", *RECV_TIMEOUT, *backend],
+                   P2=["--kv-role", "producer", *LEASE, *backend],
+                   DR=["--kv-role", "consumer", *RECV_TIMEOUT, "--kv-load-failure-policy", "recompute", *backend],
+                   DK=["--kv-role", "consumer", *backend])
+    if request.param != "zmq":
+        engines["PZ"] = ["--kv-role", "producer", *LEASE]  # the other backend, for the mixed-backend refusal
+    cluster = PDCluster()
+    cluster.backend = request.param
+    try:
+        cluster.start_engines(**engines)
+        status, raw = http("POST", reference.url + "/reset_prefix_cache")  # cached_tokens as a fresh engine's
+        assert status == 200 and json.loads(raw)["reset"] is True, raw
+        cluster.engines["ref"] = reference
         cluster.router = cluster.start_router("P", "D")
         cluster.router_r = cluster.start_router("P", "DR")
         cluster.router_k = cluster.start_router("P", "DK")
         cluster.baseline = {name: e.stats()["num_total_blocks"] for name, e in cluster.engines.items()}
         yield cluster
     finally:
+        cluster.engines.pop("ref", None)  # the reference outlives this backend's cluster
         cluster.stop()
 
 
@@ -143,6 +167,7 @@ def test_kv_transfer_info(pd):
         status, raw = http("GET", pd[name].url + "/kv_transfer_info")
         info = json.loads(raw)
         assert status == 200 and info["role"] == role and info["dp_size"] == 1
+        assert info["backend"] == (pd.backend if role != "both" else "zmq")
         assert info["compat"]["block_size"] == 16 and info["compat"]["dtype"] == "float32"
         assert info["compat"]["num_layers"] == cfg["num_hidden_layers"]
         assert info["compat"]["num_kv_heads"] == cfg["num_key_value_heads"]
@@ -273,3 +298,20 @@ def test_decode_engine_killed_before_pulling(pd):
     kill_engine(pd["DK"])
     leg.join(60)
     assert answer["status"] >= 500
+
+
+def test_mixed_backends_are_refused_at_the_handshake(pd):
+    """P on zmq, D on mooncake: D refuses P's handshake before any byte moves (503, counted
+    as backend_mismatch) and P frees the blocks; the other direction is in the transport tests."""
+    if "PZ" not in pd.engines:
+        pytest.skip("the mooncake cluster pairs its consumer with a zmq producer")
+    prompt = token_prompt(23, 40)
+    params = prefill_leg(pd["PZ"], prompt)
+    before = metric(pd["D"], "atomd:kv_transfer_failures_total", reason="backend_mismatch")
+    moved = metric(pd["D"], "atomd:kv_transfer_bytes_total")
+    status, err = complete(pd["D"].url, {"prompt": prompt, "max_tokens": 4, "kv_transfer_params": params})
+    assert status == 503 and err["error"]["code"] == "kv_transfer_failed"
+    assert metric(pd["D"], "atomd:kv_transfer_failures_total", reason="backend_mismatch") == before + 1
+    assert metric(pd["D"], "atomd:kv_transfer_bytes_total") == moved
+    pd["PZ"].wait_idle(pd.baseline["PZ"])  # D's ABORT freed P's blocks at once
+    assert metric(pd["PZ"], "atomd:kv_blocks_pinned") == 0

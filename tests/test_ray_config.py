@@ -89,3 +89,10 @@ def test_engine_bigger_than_any_node_fails_even_when_the_sum_fits():
     c = parse_config({"decode": {"data_parallel_size": 2, "num_cpus": 6}})
     with pytest.raises(ValueError, match=r"^decode: .*CPU=6 on a single node.*CPU=4; CPU=4"):
         check_fits(c, {"CPU": 8.0}, [{"CPU": 4.0}, {"CPU": 4.0}])
+
+
+def test_every_engine_kv_backend_is_a_ray_config_choice():
+    from atomd.config import KV_TRANSFER_BACKENDS
+
+    for backend in KV_TRANSFER_BACKENDS:
+        assert parse_config({"kv_transfer_backend": backend}).kv_transfer_backend == backend

@@ -1,6 +1,11 @@
 """Property-based tests: random interleavings of add / step / abort / preempt / connector
 completions keep the scheduler's invariants, and every sequence ends exactly once with
-tokens equal to the hand-computed greedy reference."""
+tokens equal to the hand-computed greedy reference.
+
+Requests with n / best_of > 1 fork at their first sample into choices that share blocks
+(copy-on-write of the partial last block); the fake KV checks every read, so a shared
+block written by two choices shows up as stale KV. Aborts pick any sequence, single
+choices included, and the pool is back at its baseline once everything ended."""
 from __future__ import annotations
 
 import itertools
@@ -13,7 +18,7 @@ from scheduler.block_manager import NO_HASH
 from scheduler.scheduler import Scheduler
 from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
 from tests.fake_connector import (FakeConnector, scheduler_config, FakeKV, FakeModel, next_token, prompt,
-                                  reference_completion, step)
+                                  reference_choice, step)
 
 pytestmark = pytest.mark.unit
 BS = 4
@@ -66,8 +71,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     # -------------------------------------------------------------- rules
 
     @rule(length=st.integers(1, 44), max_tokens=st.integers(1, 10), shared=st.booleans(),
-          pd=st.booleans())
-    def add(self, length, max_tokens, shared, pd):
+          pd=st.booleans(), choices=st.sampled_from([1, 1, 2, 3]), extra=st.sampled_from([0, 0, 1]))
+    def add(self, length, max_tokens, shared, pd, choices, extra):
         n = next(self.ids)
         tail = prompt(n, length)
         tokens = (SHARED + tail)[:length] if shared else tail
@@ -77,7 +82,9 @@ class SchedulerMachine(RuleBasedStateMachine):
             params = self.stub.params_for(tokens, tid)
         elif pd and self.conn is not None and self.conn.role == "producer":
             params, max_tokens = {"do_remote_decode": True, "transfer_id": tid}, 1
-        seq = Sequence(tokens, SamplingParams(max_tokens=max_tokens), kv_transfer_params=params)
+            choices, extra = 1, 0  # the engine runs a prefill leg as one sequence
+        sp = SamplingParams(max_tokens=max_tokens, n=choices, best_of=choices + extra if extra else None)
+        seq = Sequence(tokens, sp, kv_transfer_params=params)
         self.seqs[seq.id] = seq
         self.sched.add(seq)
 
@@ -89,6 +96,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert batch.num_tokens <= self.cfg.max_num_batched_tokens
             assert len(batch.seqs) == len({s.id for s in batch.seqs})
         for u in updates:
+            self.seqs.setdefault(u.seq.id, u.seq)  # a choice forked this step
             self.emitted.setdefault(u.seq.id, []).extend(u.new_token_ids)
             if u.finished:
                 self._ended(u.seq)
@@ -171,7 +179,9 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert set(self.ended) == set(self.seqs), "a sequence never ended"
         for seq_id, seq in self.seqs.items():
             got = self.emitted.get(seq_id, [])
-            assert got == reference_completion(seq.prompt_token_ids, len(got))
+            assert got == reference_choice(seq.prompt_token_ids, seq.index, len(got))
+            if seq.index:
+                assert seq.group[0].num_forks == 0 and seq in seq.group
             if seq.leave_reason in ("max_tokens", "max_model_len"):
                 assert len(got) == seq.sampling_params.max_tokens or seq.num_tokens >= MAX_MODEL_LEN
         if self.conn is not None:

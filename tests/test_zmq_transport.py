@@ -3,6 +3,11 @@
 Reference for bytes: `src[remote_ids]` must equal `dst[local_ids]` and nothing else in
 `dst` may change. Reference for the protocol: raw ZMQ sockets in the test playing the
 other side, so a message is checked as it is on the wire, not as our own code decodes it.
+
+The control plane is shared by every data plane, so the tests of bytes, ownership,
+refusals and lifecycle run over each backend (`backend` fixture: zmq, mooncake); the
+ones that play P's DATA frames by hand, or stall zmq's queue, are the ZMQ data plane's.
+Mooncake's own cases are in test_mooncake_transport.py.
 """
 from __future__ import annotations
 
@@ -36,6 +41,7 @@ from kv_transfer.zmq_transport import (
     plan_messages,
 )
 from launch.process import free_port
+from tests.kv_backends import BACKENDS, make_receiver, make_sender, skip_unless_available
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 3 * 1024 + 17  # odd on purpose: nothing may assume alignment
@@ -95,13 +101,19 @@ def closing():
         thing.close(linger=0) if isinstance(thing, zmq.Socket) else thing.close()
 
 
+@pytest.fixture(params=BACKENDS)
+def backend(request):
+    skip_unless_available(request.param)
+    return request.param
+
+
 @pytest.fixture
-def pair(closing):
-    """A sender over random blocks and a receiver over sentinel blocks."""
+def pair(closing, backend):
+    """A sender over random blocks and a receiver over sentinel blocks, on `backend`."""
     src = random_blocks(1)
     dst = np.full((NUM_BLOCKS, BLOCK_BYTES), SENTINEL, dtype=np.uint8)
-    sender = closing(KVSender(src, COMPAT))
-    receiver = closing(KVReceiver(dst, COMPAT, heartbeat_s=0.05))
+    sender = closing(make_sender(backend, src, COMPAT))
+    receiver = closing(make_receiver(backend, dst, COMPAT, heartbeat_s=0.05))
     return src, dst, sender, receiver
 
 
@@ -122,17 +134,22 @@ CASES = {
 }
 
 
+DATA_PLANES = [("zmq", blocks, zero_copy) for zero_copy in (True, False) for blocks in (1, 3, 1000)] + \
+    [("mooncake", None, None)]  # one batch per pull: no message size, nothing copied
+
+
 @pytest.mark.unit
-@pytest.mark.parametrize("zero_copy", [True, False], ids=["zero-copy", "copied"])
-@pytest.mark.parametrize("max_message_blocks", [1, 3, 1000])
+@pytest.mark.parametrize("backend, max_message_blocks, zero_copy", DATA_PLANES, indirect=["backend"],
+                         ids=[f"{b}-{n}-{'zero-copy' if z else 'copied'}" if n else b for b, n, z in DATA_PLANES])
 @pytest.mark.parametrize("case", list(CASES))
-def test_bytes_arrive_exactly(closing, case, max_message_blocks, zero_copy):
+def test_bytes_arrive_exactly(closing, case, backend, max_message_blocks, zero_copy):
     remote, local = CASES[case]
     src = random_blocks(2)
     dst = np.full_like(src, SENTINEL)
-    sender = closing(KVSender(src, COMPAT, max_message_bytes=max_message_blocks * BLOCK_BYTES,
-                              copy_below_bytes=0 if zero_copy else 1 << 30))
-    receiver = closing(KVReceiver(dst, COMPAT))
+    options = {} if max_message_blocks is None else dict(
+        max_message_bytes=max_message_blocks * BLOCK_BYTES, copy_below_bytes=0 if zero_copy else 1 << 30)
+    sender = closing(make_sender(backend, src, COMPAT, **options))
+    receiver = closing(make_receiver(backend, dst, COMPAT))
     seen = Collector(sender, receiver)
     sender.grant("t1", remote, TOKEN, lease_s=30)
     receiver.start_pull("t1", *sender.address, TOKEN, remote, local, timeout_s=10)
@@ -191,7 +208,7 @@ def test_plan_messages_coalesces_runs_and_bounds_messages():
 
 
 @pytest.mark.unit
-def test_duplicate_done_abort_and_late_read_are_harmless(pair, closing):
+def test_duplicate_done_abort_and_late_read_are_harmless(pair, closing, backend):
     src, dst, sender, receiver = pair
     seen = Collector(sender, receiver)
     sender.grant("t1", [1, 2], TOKEN, lease_s=30)
@@ -203,7 +220,7 @@ def test_duplicate_done_abort_and_late_read_are_harmless(pair, closing):
     peer.connect("tcp://%s:%d" % sender.address)
     for msg in (Done("t1"), Abort("t1"), Done("t1"), Done("never-granted"), Abort("never-granted")):
         peer.send(encode(msg))
-    peer.send(encode(Read("t1", TOKEN, [1, 2], COMPAT)))
+    peer.send(encode(Read("t1", TOKEN, [1, 2], COMPAT, backend)))
     reply = decode(peer.recv()) if peer.poll(5000) else None
     assert reply == Error("t1", "done", "")  # the tombstone answers, nothing is served again
     seen.poll()
@@ -309,12 +326,12 @@ def test_block_ids_not_granted_to_the_transfer_are_refused(pair):
 
 
 @pytest.mark.unit
-def test_compat_mismatch_is_refused_before_any_byte(closing):
+def test_compat_mismatch_is_refused_before_any_byte(closing, backend):
     src = random_blocks(3)
     dst = np.full_like(src, SENTINEL)
-    sender = closing(KVSender(src, COMPAT))
+    sender = closing(make_sender(backend, src, COMPAT))
     other = {**COMPAT, "dtype": "bfloat16"}
-    receiver = closing(KVReceiver(dst, other))
+    receiver = closing(make_receiver(backend, dst, other))
     seen = Collector(sender, receiver)
     sender.grant("t1", list(range(NUM_BLOCKS)), TOKEN, lease_s=30)
     receiver.start_pull("t1", *sender.address, TOKEN, list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)), 10)
@@ -325,7 +342,7 @@ def test_compat_mismatch_is_refused_before_any_byte(closing):
     # On the wire the ERROR names the field that differs.
     peer = closing(zmq.Context.instance().socket(zmq.DEALER))
     peer.connect("tcp://%s:%d" % sender.address)
-    peer.send(encode(Read("t1", TOKEN, [0], other)))
+    peer.send(encode(Read("t1", TOKEN, [0], other, backend)))
     assert peer.poll(5000)
     frames = peer.recv_multipart()
     assert len(frames) == 1  # a header and no payload
@@ -352,9 +369,9 @@ def test_malformed_header_is_refused_not_fatal(pair, closing):
 
 
 @pytest.mark.unit
-def test_dead_sender_makes_the_pull_time_out(closing):
+def test_dead_sender_makes_the_pull_time_out(closing, backend):
     dst = np.full((4, BLOCK_BYTES), SENTINEL, dtype=np.uint8)
-    receiver = closing(KVReceiver(dst, COMPAT))
+    receiver = closing(make_receiver(backend, dst, COMPAT))
     seen = Collector(receiver=receiver)
     receiver.start_pull("t1", "127.0.0.1", free_port(), TOKEN, [0, 1], [0, 1], timeout_s=0.3)
     seen.wait_reported()
@@ -453,12 +470,13 @@ def test_data_that_does_not_fit_is_malformed_and_not_written(closing):
 
 
 @pytest.mark.unit
-def test_many_concurrent_transfers_from_two_producers(closing):
+def test_many_concurrent_transfers_from_two_producers(closing, backend):
     num_blocks = 256
     srcs = [random_blocks(10 + i, num_blocks=num_blocks) for i in range(2)]
     dst = np.full((num_blocks, BLOCK_BYTES), SENTINEL, dtype=np.uint8)
-    senders = [closing(KVSender(src, COMPAT, max_message_bytes=4 * BLOCK_BYTES, copy_below_bytes=0)) for src in srcs]
-    receiver = closing(KVReceiver(dst, COMPAT))
+    senders = [closing(make_sender(backend, src, COMPAT, max_message_bytes=4 * BLOCK_BYTES, copy_below_bytes=0))
+               for src in srcs]
+    receiver = closing(make_receiver(backend, dst, COMPAT))
     rng = np.random.default_rng(7)
     free_local = rng.permutation(num_blocks).tolist()
     expected = {}
@@ -484,12 +502,12 @@ def test_many_concurrent_transfers_from_two_producers(closing):
 
 
 @pytest.mark.unit
-def test_close_is_idempotent():
+def test_close_is_idempotent(backend):
     kv = random_blocks(5, num_blocks=4)
-    for endpoint in (KVSender(kv, COMPAT), KVReceiver(kv.copy(), COMPAT)):
+    for endpoint in (make_sender(backend, kv, COMPAT), make_receiver(backend, kv.copy(), COMPAT)):
         endpoint.close()
         endpoint.close()
-    with KVSender(kv, COMPAT) as sender:
+    with make_sender(backend, kv, COMPAT) as sender:
         assert sender.address[1] > 0
     sender.close()
 
@@ -509,7 +527,7 @@ def test_bad_arguments_are_value_errors(pair):
     with pytest.raises(ValueError, match="local_block_ids"):
         receiver.start_pull("t1", *sender.address, TOKEN, [0], [-1], timeout_s=1)
     with pytest.raises(ValueError, match="kv_blocks"):
-        KVReceiver(np.zeros((4, 8), dtype=np.float32), COMPAT)
+        type(receiver)(np.zeros((4, 8), dtype=np.float32), COMPAT)
 
 
 # --------------------------------------------------------------------------- two processes
@@ -517,12 +535,12 @@ def test_bad_arguments_are_value_errors(pair):
 SENDER_CHILD = """
 import json, sys, time
 import numpy as np
-from kv_transfer.zmq_transport import KVSender
+from tests.kv_backends import make_sender
 seed, num_blocks, block_bytes, tid, token, lease_s = sys.argv[1:7]
 compat = json.loads(sys.argv[7])
 ids = json.loads(sys.argv[8])
 kv = np.random.default_rng(int(seed)).integers(0, 256, size=(int(num_blocks), int(block_bytes)), dtype=np.uint8)
-sender = KVSender(kv, compat, copy_below_bytes=0)
+sender = make_sender(sys.argv[9], kv, compat, copy_below_bytes=0)
 sender.grant(tid, ids, token, float(lease_s))
 print(json.dumps({"port": sender.address[1]}), flush=True)
 deadline = time.monotonic() + 30
@@ -586,14 +604,14 @@ def read_line(proc: subprocess.Popen, timeout_s: float = 30.0) -> str:
 
 
 @pytest.mark.integration
-def test_pull_from_a_sender_in_another_process(child_processes, closing):
+def test_pull_from_a_sender_in_another_process(child_processes, closing, backend):
     num_blocks, remote = 32, [31, 0, 1, 2, 3, 17, 18, 5]
     proc = child_processes(SENDER_CHILD, 21, num_blocks, BLOCK_BYTES, "t1", TOKEN, 30, json.dumps(COMPAT),
-                           json.dumps(remote))
+                           json.dumps(remote), backend)
     port = json.loads(read_line(proc))["port"]
     src = random_blocks(21, num_blocks=num_blocks)  # the child's buffer, rebuilt from the same seed
     dst = np.full((num_blocks, BLOCK_BYTES), SENTINEL, dtype=np.uint8)
-    receiver = closing(KVReceiver(dst, COMPAT))
+    receiver = closing(make_receiver(backend, dst, COMPAT))
     local = [0, 1, 2, 3, 4, 5, 6, 7]
     receiver.start_pull("t1", "127.0.0.1", port, TOKEN, remote, local, timeout_s=10)
     seen = Collector(receiver=receiver)
@@ -640,7 +658,7 @@ def test_killed_receiver_frees_by_lease_expiry_after_its_frames_are_dropped(chil
 @pytest.mark.integration
 def test_kv_transfer_imports_no_torch():
     """kv_transfer sees the KV cache only as numpy buffers (docs/design.md): a fresh interpreter proves it."""
-    code = ("import sys, kv_transfer.params, kv_transfer.zmq_transport; "
+    code = ("import sys, kv_transfer.params, kv_transfer.zmq_transport, kv_transfer.mooncake_transport; "
             "bad = sorted(m for m in sys.modules if m.split('.')[0] in ('torch', 'atomd')); print(bad)")
     out = subprocess.run([sys.executable, "-c", code], cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)},
                          capture_output=True, text=True, timeout=60)

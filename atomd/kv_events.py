@@ -1,0 +1,209 @@
+"""The KV events publisher: what one engine rank's prefix cache holds, told over ZMQ the
+way vLLM's `ZmqEventPublisher` tells it, so any consumer written for vLLM's events
+(this project's router, Dynamo, llm-d) can follow an atomd engine.
+
+Wire (docs/design.md "KV events"):
+
+- PUB socket bound at `--kv-events-endpoint`: one multipart message per engine step that
+  changed the cache, `[topic, seq (8 bytes, big-endian, unsigned), payload]`, payload the
+  msgpack of `EventBatch(ts, events, data_parallel_rank)` (kv_transfer/events.py: arrays,
+  events tagged by class name, vLLM's field order). `seq` counts from 0 per publisher; the
+  first batch (seq 0) is `[AllBlocksCleared()]`, so a consumer that sees seq go back to 0
+  knows the engine restarted with an empty cache. An empty batch goes out after
+  HEARTBEAT_S without one, so a consumer can tell an idle engine from a dead one.
+- ROUTER socket bound at `--kv-events-replay-endpoint` (optional): a request
+  `[b"", start_seq (8 bytes big-endian)]` (from a DEALER; a REQ socket adds the empty
+  frame itself) is answered with `[b"", seq, payload]` for every buffered batch whose seq
+  is >= start_seq, in order, then `[b"", (-1 as 8 signed bytes), b""]`.
+- The last `--kv-events-buffer-steps` batches are kept for replay.
+
+The engine thread only encodes a batch and hands it to an in-process queue (a ZMQ inproc
+PUSH with a bound; nothing blocks: a batch that does not fit is dropped and counted); one
+I/O thread owns the PUB and ROUTER sockets, numbers the batches and serves replays. A slow
+subscriber costs nothing: PUB drops what exceeds its high-water mark for that subscriber
+(who then sees a gap in seq and asks the replay socket).
+
+Under DP every rank runs its own publisher: `kv_events_endpoint` is already rank r's
+(atomd/core_client.py adds r to the port); the replay endpoint's port gets + r here.
+"""
+from __future__ import annotations
+
+import logging
+import re
+import threading
+import time
+from collections import deque
+from typing import Any
+
+import msgspec
+import zmq
+
+from kv_transfer.block_hash import ALGO
+from kv_transfer.events import AllBlocksCleared, EventBatch, KVEvent
+
+logger = logging.getLogger("atomd.kv_events")
+
+END_SEQ = (-1).to_bytes(8, "big", signed=True)
+HEARTBEAT_S = 2.0  # an empty batch after this long without one
+SNDHWM = 100_000  # per subscriber, in messages
+MAX_QUEUE = 100_000  # batches between the engine thread and the I/O thread
+HASH_ALGO = ALGO  # how BlockStored hashes are made (kv_transfer/block_hash.py)
+
+
+def offset_port(endpoint: str | None, rank: int) -> str | None:
+    """`tcp://host:P` -> `tcp://host:P+rank` (ipc/inproc: a `_dpR` suffix)."""
+    if endpoint is None or rank == 0:
+        return endpoint
+    if endpoint.startswith(("ipc://", "inproc://")):
+        return f"{endpoint}_dp{rank}"
+    m = re.fullmatch(r"(.*:)(\d+)", endpoint)
+    if m is None:
+        raise ValueError(f"a KV events endpoint must end in :PORT with data_parallel_size > 1, got {endpoint!r}")
+    return f"{m.group(1)}{int(m.group(2)) + rank}"
+
+
+class KVEventPublisher:
+    """PUB + replay ROUTER for one engine rank. Construct in the engine thread; `publish`
+    is called from that thread only; `close` stops the I/O thread."""
+
+    def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
+                 buffer_steps: int = 10_000, dp_rank: int = 0, block_size: int = 16,
+                 heartbeat_s: float = HEARTBEAT_S, extra_info: dict[str, Any] | None = None):
+        if buffer_steps < 1:
+            raise ValueError(f"kv_events_buffer_steps must be >= 1, got {buffer_steps}")
+        self.topic = topic.encode()
+        self.dp_rank = dp_rank
+        self.block_size = block_size
+        self.heartbeat_s = heartbeat_s
+        self.extra_info = dict(extra_info or {})
+        self.buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
+        self.num_published = 0
+        self.num_dropped = 0
+        self.num_replays = 0
+        self._encoder = msgspec.msgpack.Encoder()
+        self._ctx = zmq.Context()
+        self._pub = self._ctx.socket(zmq.PUB)
+        self._pub.setsockopt(zmq.SNDHWM, SNDHWM)
+        self._pub.setsockopt(zmq.LINGER, 0)
+        self._replay: zmq.Socket | None = None
+        inproc = f"inproc://kv-events-{id(self)}"
+        self._queue_in = self._ctx.socket(zmq.PULL)
+        self._queue_in.bind(inproc)
+        self._queue = self._ctx.socket(zmq.PUSH)
+        self._queue.setsockopt(zmq.SNDHWM, MAX_QUEUE)
+        self._queue.setsockopt(zmq.LINGER, 0)
+        self._queue.connect(inproc)
+        try:
+            self._pub.bind(endpoint)
+            self.endpoint = self._pub.getsockopt_string(zmq.LAST_ENDPOINT)
+            self.replay_endpoint = None
+            if replay_endpoint is not None:
+                self._replay = self._ctx.socket(zmq.ROUTER)
+                self._replay.setsockopt(zmq.LINGER, 0)
+                self._replay.bind(replay_endpoint)
+                self.replay_endpoint = self._replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        except zmq.ZMQError as e:
+            self._close_sockets()
+            raise ValueError(f"cannot bind the KV events socket ({endpoint}, replay {replay_endpoint}): {e}") from None
+        self._stop = threading.Event()
+        # seq 0: the cache starts empty (a consumer that sees seq restart clears this rank)
+        self._queue.send(self._encoder.encode(EventBatch(time.time(), [AllBlocksCleared()], dp_rank)))
+        self._thread = threading.Thread(target=self._run, name=f"kv-events-{dp_rank}", daemon=True)
+        self._thread.start()
+
+    # ------------------------------------------------------------------ engine thread
+
+    def publish(self, events: list[KVEvent]) -> None:
+        """Queue one step's events (nothing to do for none). Never blocks."""
+        if not events:
+            return
+        payload = self._encoder.encode(EventBatch(time.time(), events, self.dp_rank))
+        try:
+            self._queue.send(payload, zmq.NOBLOCK)
+        except zmq.Again:
+            self.num_dropped += 1
+            if self.num_dropped == 1 or self.num_dropped % 1000 == 0:
+                logger.warning("KV events: the publisher queue is full, %d batches dropped", self.num_dropped)
+
+    def info(self) -> dict[str, Any]:
+        return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
+                "topic": self.topic.decode(), "dp_rank": self.dp_rank, "block_size": self.block_size,
+                "hash": HASH_ALGO, "buffer_steps": self.buffer.maxlen, "published": self.num_published,
+                "dropped": self.num_dropped, **self.extra_info}
+
+    def close(self, timeout_s: float = 2.0) -> None:
+        """Send what is queued (for up to `timeout_s`), then stop."""
+        if self._thread.is_alive():
+            try:
+                self._queue.send(b"", zmq.NOBLOCK)  # the stop marker, after everything queued
+            except zmq.Again:
+                self._stop.set()
+            self._thread.join(timeout_s)
+            self._stop.set()
+            self._thread.join(timeout_s)
+        self._close_sockets()
+
+    def _close_sockets(self) -> None:
+        for s in (self._queue, self._queue_in, self._pub, self._replay):
+            if s is not None:
+                s.close(linger=0)
+        self._ctx.term()
+
+    # ------------------------------------------------------------------ I/O thread
+
+    def _run(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._queue_in, zmq.POLLIN)
+        if self._replay is not None:
+            poller.register(self._replay, zmq.POLLIN)
+        seq = 0
+        last_send = time.monotonic()
+        timeout_ms = max(1, int(self.heartbeat_s * 1000))
+        try:
+            while not self._stop.is_set():
+                ready = dict(poller.poll(min(timeout_ms, 200)))
+                if self._replay is not None and self._replay in ready:
+                    self._serve_replays()
+                if self._queue_in in ready:
+                    while True:  # drain: batches keep their order
+                        try:
+                            payload = self._queue_in.recv(zmq.NOBLOCK)
+                        except zmq.Again:
+                            break
+                        if not payload:
+                            return  # close(): everything before the marker went out
+                        self._send(seq, payload)
+                        seq += 1
+                        last_send = time.monotonic()
+                elif time.monotonic() - last_send >= self.heartbeat_s:
+                    self._send(seq, self._encoder.encode(EventBatch(time.time(), [], self.dp_rank)))
+                    seq += 1
+                    last_send = time.monotonic()
+        except zmq.ZMQError as e:  # the context went away under us: shutting down
+            if e.errno != zmq.ETERM:
+                logger.exception("KV events publisher stopped")
+        except Exception:
+            logger.exception("KV events publisher stopped")
+
+    def _send(self, seq: int, payload: bytes) -> None:
+        self._pub.send_multipart((self.topic, seq.to_bytes(8, "big"), payload), copy=False)
+        self.buffer.append((seq, payload))
+        self.num_published += 1
+
+    def _serve_replays(self) -> None:
+        assert self._replay is not None
+        while True:
+            try:
+                frames = self._replay.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            if len(frames) != 3 or len(frames[2]) != 8:
+                logger.warning("KV events: malformed replay request (%d frames)", len(frames))
+                continue
+            client, _, start = frames
+            start_seq = int.from_bytes(start, "big")
+            self.num_replays += 1
+            for seq, payload in list(self.buffer):
+                if seq >= start_seq:
+                    self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
+            self._replay.send_multipart((client, b"", END_SEQ, b""))

@@ -1,0 +1,41 @@
+"""The prefix cache's block names, for consumers of the KV events (the kv_aware router).
+
+An engine names a full block of `block_size` tokens by a chained xxh64: the parent block's
+hash as 8 little-endian bytes (absent for the first block), then the block's token ids as
+little-endian int64. This is scheduler/block_manager.py's `chain_hash`, repeated here so a
+process that must not import the scheduler (the router) computes the very same names; a
+test holds the two equal. `BlockStored.block_hashes` carry these values.
+"""
+from __future__ import annotations
+
+import struct
+
+import xxhash
+
+ALGO = "xxh64_chain_le_int64"  # what an engine reports as kv_events.hash in GET /kv_transfer_info
+
+
+def chain_hash(parent: int | None, token_ids: list[int]) -> int:
+    h = xxhash.xxh64()
+    if parent is not None:
+        h.update(parent.to_bytes(8, "little"))
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.intdigest()
+
+
+def block_hashes(token_ids: list[int], block_size: int, limit: int | None = None) -> list[int]:
+    """The chained hashes of the full blocks of `token_ids` (at most `limit` of them)."""
+    n = len(token_ids) // block_size
+    if limit is not None:
+        n = min(n, limit)
+    out: list[int] = []
+    parent = None
+    pack = struct.Struct(f"<{block_size}q").pack
+    for i in range(n):
+        h = xxhash.xxh64()
+        if parent is not None:
+            h.update(parent.to_bytes(8, "little"))
+        h.update(pack(*token_ids[i * block_size:(i + 1) * block_size]))
+        parent = h.intdigest()
+        out.append(parent)
+    return out

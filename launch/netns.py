@@ -1,0 +1,910 @@
+"""Test hosts made of Linux network namespaces: N hosts on one bridge, links optionally shaped.
+
+    with NetnsCluster(3, root_link=True) as net:               # hosts a, b, c
+        a, b, c = net.hosts                                    # a.ip == "10.213.S.1", ...
+        proc = net.popen(a, [sys.executable, "-m", "atomd", "serve", "--host", a.ip, ...])
+        net.shape(a, Shaping(delay_ms=2, jitter_ms=1, rate_bps=1e9))
+        net.cut(a); net.restore(a)                             # unplug / replug a's cable
+    # every process in the namespaces is gone, and every namespace and link
+
+Layout (root only: `ip netns`, veth, bridge, tun/tap, `tc` from iproute2). Namespace
+`atomdnet-TAG-sw` holds the bridge `br0` (the switch); each host `atomdnet-TAG-a`, `-b`, ...
+has one interface `eth0` with 10.213.S.i/24 (i = 1, 2, ...) plugged into it, and no other
+route: a host reaches the other hosts of its cluster and nothing else. With `root_link`,
+the root namespace gets one veth onto the bridge (`atnTAG`, 10.213.S.254/24), so a test or
+a user in the root namespace reaches the hosts; the root namespace gains exactly one
+route, the cluster's /24, on that veth. S is picked per cluster, unused by the root
+namespace and by every other cluster on the machine.
+
+Shaping (`Shaping`: delay, uniform jitter, rate, queue limit) applies to a host's egress,
+as `tc qdisc add dev eth0 root netem delay 2ms 1ms rate 1gbit` inside the host would: a
+packet from a to b is delayed by a's shaping (one way: 2 ms +- 1 ms) and paced at a's
+rate, b's answer by b's. Two shapers do it:
+
+- `netem`: the kernel's netem qdisc on the host's veth, where the kernel has it
+  (CONFIG_NET_SCH_NETEM).
+- `wire`: where it does not (netem is often left out of VM and container kernels), each
+  host's `eth0` is a TAP device and `python -m launch.netns wire` (one process per
+  cluster) moves the frames between it and a TAP on the bridge, applying netem's model:
+  due = max(arrival + delay +- jitter, previous due) + size / rate, frames kept in order,
+  tail drop past `limit` queued frames. Links default to MTU 9000 so that it moves few
+  frames; it paces to well above 1 Gbit/s on one core.
+
+`shaper="auto"` takes netem where the kernel has it. A cluster made without shaping and
+with `shapeable=False` uses plain veth pairs (no userspace hop at all).
+
+Cleanup. The cluster's state (names, subnet, owner PID, the wire's PID) is written to
+/run/atomd-netns/TAG.json before anything is created; `teardown()` (also on failure, and
+from the context manager) SIGTERMs, then SIGKILLs, by PID, every process inside the
+cluster's namespaces, stops the wire, deletes the namespaces (their veths and TAPs go with
+them) and the root veth, then the state file. `clean_stale()` tears down the clusters of
+owners that died without doing so (a killed pytest); `python -m launch.netns clean` runs
+it. Nothing outside names with the `atomdnet-` / `atn` prefixes is ever touched.
+
+Standard library only (the CLI runs on the system python: launch/netns_cluster.sh).
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import dataclasses
+import fcntl
+import ipaddress
+import json
+import os
+import random
+import re
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import time
+from collections import deque
+from pathlib import Path
+
+STATE_DIR = Path(os.environ.get("ATOMD_NETNS_STATE_DIR", "/run/atomd-netns"))
+NS_PREFIX = "atomdnet-"
+ROOT_IF_PREFIX = "atn"
+SUBNET_PREFIX = os.environ.get("ATOMD_NETNS_SUBNET_PREFIX", "10.213")  # clusters use PREFIX.S.0/24
+HOST_IF = "eth0"
+BRIDGE = "br0"
+ROOT_HOST = 254  # the root namespace's address in a cluster's /24
+DEFAULT_MTU = 9000
+LABELS = "abcdefghijklmnopqrstuvwxyz"
+STOP_GRACE_S = 5.0
+WIRE_READY_TIMEOUT_S = 20.0
+_TAG_RE = re.compile(r"^[a-z0-9]{1,11}$")
+
+# tun/tap and setns
+_TUNSETIFF = 0x400454CA
+_IFF_TAP = 0x0002
+_IFF_NO_PI = 0x1000
+_CLONE_NEWNET = 0x40000000
+_PR_SET_PDEATHSIG = 1
+
+
+# ------------------------------------------------------------------------------- shaping
+
+@dataclasses.dataclass(frozen=True)
+class Shaping:
+    """One host's egress: delay +- uniform jitter (ms), rate (bits/s, None: unlimited), queue limit (frames)."""
+
+    delay_ms: float = 0.0
+    jitter_ms: float = 0.0
+    rate_bps: float | None = None
+    limit: int = 1000  # netem's default
+
+    def __post_init__(self) -> None:
+        if self.delay_ms < 0 or self.jitter_ms < 0 or self.jitter_ms > self.delay_ms:
+            raise ValueError(f"need 0 <= jitter_ms <= delay_ms, got delay {self.delay_ms} jitter {self.jitter_ms}")
+        if self.rate_bps is not None and self.rate_bps <= 0:
+            raise ValueError(f"rate_bps must be > 0, got {self.rate_bps}")
+        if self.limit < 1:
+            raise ValueError(f"limit must be >= 1, got {self.limit}")
+
+    @property
+    def noop(self) -> bool:
+        return self.delay_ms == 0 and self.rate_bps is None
+
+    def describe(self) -> str:
+        parts = []
+        if self.delay_ms:
+            parts.append(f"delay {self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else ""))
+        if self.rate_bps:
+            parts.append(f"rate {format_rate(self.rate_bps)}")
+        return ", ".join(parts) or "none"
+
+    def netem_args(self) -> list[str]:
+        args = ["netem", "limit", str(self.limit)]
+        if self.delay_ms:
+            args += ["delay", f"{self.delay_ms * 1000:.0f}us"] + ([f"{self.jitter_ms * 1000:.0f}us"] if self.jitter_ms else [])
+        if self.rate_bps:
+            args += ["rate", f"{self.rate_bps:.0f}bit"]
+        return args
+
+    def to_json(self) -> dict:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_json(cls, data: dict | None) -> "Shaping | None":
+        return None if data is None else cls(**data)
+
+
+def parse_duration_ms(text: str) -> float:
+    """'2ms', '500us', '0.002s' or a bare number of milliseconds."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(us|ms|s)?\s*", str(text))
+    if not m:
+        raise ValueError(f"not a duration: {text!r} (e.g. 2ms, 500us)")
+    return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3, None: 1.0}[m.group(2)]
+
+
+def parse_rate(text: str) -> float:
+    """'1gbit', '100mbit', '500kbit' or a bare number of bits per second."""
+    m = re.fullmatch(r"\s*([0-9.]+)\s*(bit|kbit|mbit|gbit)?\s*", str(text).lower())
+    if not m:
+        raise ValueError(f"not a rate: {text!r} (e.g. 1gbit, 100mbit)")
+    return float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, None: 1}[m.group(2)]
+
+
+def format_rate(bps: float) -> str:
+    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
+        if bps >= scale:
+            return f"{bps / scale:g} {unit}"
+    return f"{bps:g} bit/s"
+
+
+# ------------------------------------------------------------------------------- helpers
+
+def _run(argv: list[str], check: bool = True, timeout: float = 30.0) -> subprocess.CompletedProcess:
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if check and result.returncode != 0:
+        raise RuntimeError(f"`{' '.join(argv)}` failed ({result.returncode}): {result.stderr.strip()}")
+    return result
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return _run(["ip", *args], check=check)
+
+
+def proc_start_time(pid: int) -> int | None:
+    """/proc start time (clock ticks) of a live, non-zombie process; with the pid it names one process."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
+def _alive(pid: int | None, start: int | None) -> bool:
+    return pid is not None and proc_start_time(pid) is not None and (start is None or proc_start_time(pid) == start)
+
+
+def unavailable_reason() -> str | None:
+    """Why test hosts cannot be made here (None: they can): root, iproute2, /dev/net/tun."""
+    if os.geteuid() != 0:
+        return "network namespaces need root"
+    if shutil.which("ip") is None:
+        return "iproute2 (`ip`) is not installed"
+    try:
+        ip("netns", "list")
+    except (RuntimeError, OSError) as e:
+        return f"`ip netns` does not work here: {e}"
+    return None
+
+
+def netns_pids(ns: str) -> list[int]:
+    """PIDs of the processes inside namespace `ns` (zombies are not listed)."""
+    result = ip("netns", "pids", ns, check=False)
+    return [int(p) for p in result.stdout.split()] if result.returncode == 0 else []
+
+
+def existing_namespaces() -> list[str]:
+    result = ip("netns", "list", check=False)
+    return [line.split()[0] for line in result.stdout.splitlines() if line.strip()]
+
+
+_netem_cache: bool | None = None
+
+
+def netem_available() -> bool:
+    """Whether this kernel has the netem qdisc (tried in a throwaway namespace)."""
+    global _netem_cache
+    if _netem_cache is None:
+        ns = f"{NS_PREFIX}probe{os.getpid():x}"
+        ip("netns", "add", ns)
+        try:
+            ip("-n", ns, "link", "set", "lo", "up")
+            _netem_cache = _run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "netem", "delay", "1ms"],
+                                check=False).returncode == 0
+        finally:
+            ip("netns", "del", ns, check=False)
+    return _netem_cache
+
+
+def _libc():
+    return ctypes.CDLL(None, use_errno=True)
+
+
+def _setns(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if _libc().setns(fd, _CLONE_NEWNET) != 0:
+            err = ctypes.get_errno()
+            raise OSError(err, f"setns({path}): {os.strerror(err)}")
+    finally:
+        os.close(fd)
+
+
+def _die_with_parent() -> None:
+    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+# ------------------------------------------------------------------------------- the cluster
+
+@dataclasses.dataclass
+class Host:
+    label: str      # "a", "b", ...
+    index: int      # 1-based: the last byte of `ip`
+    ns: str         # the namespace's name (`ip netns exec NS ...`)
+    ip: str
+    switch_if: str  # its port on the bridge, in the switch namespace
+
+    def __str__(self) -> str:
+        return f"host {self.label} ({self.ip})"
+
+
+class NetnsCluster:
+    """N test hosts on one bridge. See the module docstring; use as a context manager."""
+
+    def __init__(self, num_hosts: int, *, shaping: Shaping | dict[str, Shaping | None] | None = None,
+                 shapeable: bool | None = None, root_link: bool = False, mtu: int = DEFAULT_MTU,
+                 shaper: str = "auto", tag: str | None = None, persistent: bool = False):
+        if not 1 <= num_hosts <= len(LABELS):
+            raise ValueError(f"num_hosts must be in 1..{len(LABELS)}, got {num_hosts}")
+        if shaper not in ("auto", "netem", "wire"):
+            raise ValueError(f"shaper must be auto, netem or wire, got {shaper!r}")
+        self.tag = tag or f"t{os.getpid():x}{next(_counter)}"
+        if not _TAG_RE.match(self.tag):
+            raise ValueError(f"cluster name must be 1-11 characters of [a-z0-9], got {self.tag!r}")
+        self.num_hosts, self.root_link, self.mtu, self.persistent = num_hosts, root_link, mtu, persistent
+        labels = LABELS[:num_hosts]
+        if not isinstance(shaping, dict):
+            shaping = {label: shaping for label in labels}
+        unknown = set(shaping) - set(labels)
+        if unknown:
+            raise ValueError(f"shaping names unknown hosts: {sorted(unknown)}")
+        self._initial_shaping = {label: shaping.get(label) for label in labels}
+        self.shapeable = any(s is not None for s in shaping.values()) if shapeable is None else shapeable
+        self.requested_shaper = shaper
+        self.shaper: str | None = None  # "netem", "wire" or "veth" (unshaped) once started
+        self.hosts: list[Host] = []
+        self.switch_ns = f"{NS_PREFIX}{self.tag}-sw"
+        self.root_if = f"{ROOT_IF_PREFIX}{self.tag}" if root_link else None
+        self.root_ip: str | None = None
+        self.subnet: str | None = None
+        self.shaping: dict[str, Shaping | None] = {}
+        self._procs: list[subprocess.Popen] = []
+        self._wire: subprocess.Popen | None = None
+        self._generation = 0
+        self._started = False
+
+    # ---- lifecycle
+
+    def __enter__(self) -> "NetnsCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+    @property
+    def state_path(self) -> Path:
+        return STATE_DIR / f"{self.tag}.json"
+
+    @property
+    def spec_path(self) -> Path:
+        return STATE_DIR / f"{self.tag}.wire.json"
+
+    def start(self) -> "NetnsCluster":
+        reason = unavailable_reason()
+        if reason:
+            raise RuntimeError(f"cannot make test hosts: {reason}")
+        clean_stale()
+        if self.shapeable:
+            netem = netem_available()
+            if self.requested_shaper == "netem" and not netem:
+                raise RuntimeError("shaper netem: this kernel has no netem qdisc (CONFIG_NET_SCH_NETEM); "
+                                   "use shaper wire (or auto)")
+            self.shaper = "netem" if (netem and self.requested_shaper != "wire") else "wire"
+        else:
+            self.shaper = "veth"
+        with _state_lock():
+            if self.state_path.exists() or any(n.startswith(f"{NS_PREFIX}{self.tag}-") for n in existing_namespaces()):
+                raise RuntimeError(f"a cluster named {self.tag!r} exists already (`python -m launch.netns down "
+                                   f"{self.tag}`)")
+            self.subnet = _free_subnet()
+            base = self.subnet.rsplit(".", 1)[0]  # "10.213.S"
+            self.hosts = [Host(label, i + 1, f"{NS_PREFIX}{self.tag}-{label}", f"{base}.{i + 1}", f"p{label}")
+                          for i, label in enumerate(LABELS[:self.num_hosts])]
+            self.root_ip = f"{base}.{ROOT_HOST}" if self.root_link else None
+            self._started = True
+            self._write_state()
+        try:
+            self._build()
+        except BaseException:
+            self.teardown()
+            raise
+        return self
+
+    def _build(self) -> None:
+        for ns in [self.switch_ns, *(h.ns for h in self.hosts)]:
+            ip("netns", "add", ns)
+            ip("-n", ns, "link", "set", "lo", "up")
+            # IPv4 only: no IPv6 autoconfiguration chatter on the test links
+            self._sysctl(ns, "net.ipv6.conf.all.disable_ipv6", "1")
+            self._sysctl(ns, "net.ipv6.conf.default.disable_ipv6", "1")
+        sw = ["-n", self.switch_ns]
+        ip(*sw, "link", "add", BRIDGE, "type", "bridge")
+        ip(*sw, "link", "set", BRIDGE, "mtu", str(self.mtu), "up")
+        if self.shaper == "wire":
+            self._start_wire()
+        else:
+            for h in self.hosts:
+                ip(*sw, "link", "add", h.switch_if, "type", "veth", "peer", "name", HOST_IF, "netns", h.ns)
+        for h in self.hosts:
+            ip(*sw, "link", "set", h.switch_if, "mtu", str(self.mtu), "master", BRIDGE, "up")
+            ip("-n", h.ns, "link", "set", HOST_IF, "mtu", str(self.mtu), "up")
+            ip("-n", h.ns, "addr", "add", f"{h.ip}/24", "dev", HOST_IF)
+            self.shaping[h.label] = None
+        if self.root_link:
+            ip(*sw, "link", "add", "root", "type", "veth", "peer", "name", self.root_if, "netns", str(os.getpid()))
+            ip(*sw, "link", "set", "root", "mtu", str(self.mtu), "master", BRIDGE, "up")
+            _sysctl_root(f"net.ipv6.conf.{self.root_if}.disable_ipv6", "1")
+            ip("link", "set", self.root_if, "mtu", str(self.mtu), "up")
+            ip("addr", "add", f"{self.root_ip}/24", "dev", self.root_if)
+        for label, s in self._initial_shaping.items():
+            if s is not None:
+                self.shape(self.host(label), s)
+
+    @staticmethod
+    def _sysctl(ns: str, key: str, value: str) -> None:
+        path = "/proc/sys/" + key.replace(".", "/")
+        _run(["ip", "netns", "exec", ns, "sh", "-c", f"echo {value} > {path}"], check=False)
+
+    def _start_wire(self) -> None:
+        self._write_spec()
+        cmd = [sys.executable, "-m", "launch.netns", "wire", str(self.spec_path)]
+        root = Path(__file__).resolve().parents[1]
+        log = open(STATE_DIR / f"{self.tag}.wire.log", "ab")
+        try:
+            if self.persistent:  # outlives this process: `down` stops it by its PID
+                self._wire = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=log,
+                                              stdin=subprocess.DEVNULL, start_new_session=True)
+            else:
+                self._wire = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=log,
+                                              stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        finally:
+            log.close()
+        self._write_state()
+        ready, _, _ = select.select([self._wire.stdout], [], [], WIRE_READY_TIMEOUT_S)
+        line = self._wire.stdout.readline() if ready else b""
+        self._wire.stdout.close()
+        if line.strip() != b"ready":
+            raise RuntimeError(f"the link emulator did not start (see {STATE_DIR / (self.tag + '.wire.log')})")
+
+    def _write_spec(self) -> None:
+        spec = {"generation": self._generation, "status": str(STATE_DIR / f"{self.tag}.wire.status"),
+                "links": [{"label": h.label, "host_ns": h.ns, "switch_ns": self.switch_ns, "host_if": HOST_IF,
+                           "switch_if": h.switch_if, "mtu": self.mtu,
+                           "shaping": s.to_json() if (s := self.shaping.get(h.label)) else None}
+                          for h in self.hosts]}
+        tmp = self.spec_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(spec))
+        tmp.replace(self.spec_path)
+
+    def _write_state(self) -> None:
+        owner = None if self.persistent else os.getpid()
+        state = {"tag": self.tag, "subnet": self.subnet, "owner_pid": owner,
+                 "owner_start": proc_start_time(owner) if owner else None, "shaper": self.shaper, "mtu": self.mtu,
+                 "switch_ns": self.switch_ns, "root_if": self.root_if, "root_ip": self.root_ip,
+                 "hosts": [dataclasses.asdict(h) for h in self.hosts],
+                 "shaping": {k: (v.to_json() if v else None) for k, v in self.shaping.items()},
+                 "wire_pid": self._wire.pid if self._wire else None,
+                 "wire_start": proc_start_time(self._wire.pid) if self._wire else None}
+        STATE_DIR.mkdir(parents=True, exist_ok=True)
+        tmp = self.state_path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(state, indent=1))
+        tmp.replace(self.state_path)
+
+    def teardown(self) -> None:
+        """Stop every process in the cluster (ours gracefully first), delete everything. Idempotent."""
+        if not self._started:
+            return
+        for proc in self._procs:
+            if proc.poll() is None:
+                proc.terminate()
+        deadline = time.monotonic() + STOP_GRACE_S
+        for proc in self._procs:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(max(0.0, deadline - time.monotonic()))
+        teardown_state(json.loads(self.state_path.read_text()) if self.state_path.exists() else self._fallback_state())
+        for proc in [*self._procs, *([self._wire] if self._wire else [])]:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(5)  # reap
+        self._started = False
+
+    def _fallback_state(self) -> dict:
+        return {"tag": self.tag, "switch_ns": self.switch_ns, "root_if": self.root_if,
+                "hosts": [dataclasses.asdict(h) for h in self.hosts],
+                "wire_pid": self._wire.pid if self._wire else None, "wire_start": None}
+
+    # ---- using it
+
+    def host(self, label: str | Host) -> Host:
+        if isinstance(label, Host):
+            return label
+        for h in self.hosts:
+            if h.label == label:
+                return h
+        raise KeyError(f"no host {label!r} in cluster {self.tag} (hosts: {', '.join(h.label for h in self.hosts)})")
+
+    def exec_prefix(self, host: str | Host) -> list[str]:
+        """Prepend to an argv to run it inside `host`."""
+        return ["ip", "netns", "exec", self.host(host).ns]
+
+    def popen(self, host: str | Host, argv: list[str], **kwargs) -> subprocess.Popen:
+        """Start `argv` inside `host`; teardown() stops it (SIGTERM, then SIGKILL) if still running."""
+        proc = subprocess.Popen([*self.exec_prefix(host), *map(str, argv)], **kwargs)
+        self._procs.append(proc)
+        return proc
+
+    def run(self, host: str | Host, argv: list[str], timeout: float = 60.0, **kwargs) -> subprocess.CompletedProcess:
+        kwargs.setdefault("capture_output", True)
+        kwargs.setdefault("text", True)
+        return subprocess.run([*self.exec_prefix(host), *map(str, argv)], timeout=timeout, **kwargs)
+
+    def shape(self, host: str | Host, shaping: Shaping | None) -> None:
+        """Set (None: clear) the shaping of `host`'s egress, now."""
+        h = self.host(host)
+        if self.shaper == "veth":
+            raise RuntimeError("this cluster was made without shaping: pass shaping= or shapeable=True")
+        self.shaping[h.label] = shaping
+        if self.shaper == "netem":
+            if shaping is None or shaping.noop:
+                _run(["tc", "-n", h.ns, "qdisc", "del", "dev", HOST_IF, "root"], check=False)
+            else:
+                _run(["tc", "-n", h.ns, "qdisc", "replace", "dev", HOST_IF, "root", *shaping.netem_args()])
+        else:
+            self._generation += 1
+            self._write_spec()
+            os.kill(self._wire.pid, signal.SIGHUP)
+            status = STATE_DIR / f"{self.tag}.wire.status"
+            deadline = time.monotonic() + 10
+            while True:
+                with contextlib.suppress(OSError, ValueError, IndexError):  # not written yet
+                    if int(status.read_text().split()[0]) >= self._generation:
+                        break
+                if self._wire.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError("the link emulator did not take the new shaping")
+                time.sleep(0.01)
+        self._write_state()
+
+    def cut(self, host: str | Host) -> None:
+        """Unplug `host` from the switch: its packets and those sent to it vanish (no RST, no ICMP)."""
+        ip("-n", self.switch_ns, "link", "set", self.host(host).switch_if, "down")
+
+    def restore(self, host: str | Host) -> None:
+        ip("-n", self.switch_ns, "link", "set", self.host(host).switch_if, "up")
+
+    def link_bytes(self, host: str | Host) -> tuple[int, int]:
+        """(tx, rx) bytes of `host`'s eth0, as the host counts them."""
+        h = self.host(host)
+        data = json.loads(ip("-n", h.ns, "-s", "-j", "link", "show", HOST_IF).stdout)[0]["stats64"]
+        return data["tx"]["bytes"], data["rx"]["bytes"]
+
+    def pids(self) -> list[int]:
+        """Every process inside the cluster's namespaces now."""
+        return [p for ns in [self.switch_ns, *(h.ns for h in self.hosts)] for p in netns_pids(ns)]
+
+    def namespaces(self) -> list[str]:
+        return [n for n in existing_namespaces() if n.startswith(f"{NS_PREFIX}{self.tag}-")]
+
+    def describe(self) -> str:
+        lines = [f"cluster {self.tag}: {self.subnet}, shaper {self.shaper}, MTU {self.mtu}"]
+        for h in self.hosts:
+            s = self.shaping.get(h.label)
+            lines.append(f"  {h.label}  {h.ip:<15} netns {h.ns}  egress shaping: {s.describe() if s else 'none'}")
+        if self.root_link:
+            lines.append(f"  root namespace: {self.root_ip} on {self.root_if}")
+        return "\n".join(lines)
+
+
+_counter = iter(range(10**9))
+
+
+def _sysctl_root(key: str, value: str) -> None:
+    with contextlib.suppress(OSError):
+        Path("/proc/sys/" + key.replace(".", "/")).write_text(value)
+
+
+@contextlib.contextmanager
+def _state_lock():
+    STATE_DIR.mkdir(parents=True, exist_ok=True)
+    with open(STATE_DIR / ".lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def _states() -> list[dict]:
+    out = []
+    for path in sorted(STATE_DIR.glob("*.json")):
+        if path.name.endswith(".wire.json"):
+            continue
+        with contextlib.suppress(OSError, ValueError):
+            out.append(json.loads(path.read_text()))
+    return out
+
+
+def _free_subnet() -> str:
+    """A PREFIX.S.0/24 no other cluster holds and that the root namespace neither routes nor addresses."""
+    taken = {s.get("subnet") for s in _states()}
+    used = []
+    for route in json.loads(ip("-4", "-j", "route", "show", "table", "all", check=False).stdout or "[]"):
+        if route.get("dst", "default") != "default":
+            with contextlib.suppress(ValueError):
+                used.append(ipaddress.ip_network(route["dst"], strict=False))
+    for link in json.loads(ip("-4", "-j", "addr", "show", check=False).stdout or "[]"):
+        for a in link.get("addr_info", []):
+            used.append(ipaddress.ip_network(f"{a['local']}/{a['prefixlen']}", strict=False))
+    for s in range(1, 255):
+        net = ipaddress.ip_network(f"{SUBNET_PREFIX}.{s}.0/24")
+        if str(net) not in taken and not any(net.overlaps(u) for u in used if u.prefixlen > 0):
+            return str(net)
+    raise RuntimeError(f"no free /24 left in {SUBNET_PREFIX}.0.0/16")
+
+
+def _kill_all(pids: list[int], grace_s: float) -> list[int]:
+    """SIGTERM `pids`, SIGKILL what is left after grace_s; returns what still runs after that."""
+    starts = {p: proc_start_time(p) for p in pids}
+    for p in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(p, signal.SIGTERM)
+    deadline = time.monotonic() + grace_s
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s in starts.items()):
+        time.sleep(0.05)
+    for p, s in starts.items():
+        if _alive(p, s):
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and any(_alive(p, s) for p, s in starts.items()):
+        time.sleep(0.05)
+    return [p for p, s in starts.items() if _alive(p, s)]
+
+
+def teardown_state(state: dict, grace_s: float = STOP_GRACE_S) -> list[str]:
+    """Remove one cluster from its state: processes (by PID), the wire, namespaces, root veth, files.
+    Returns what could not be removed (empty when all went)."""
+    tag = state["tag"]
+    namespaces = [state["switch_ns"], *(h["ns"] for h in state.get("hosts", []))]
+    namespaces += [n for n in existing_namespaces() if n.startswith(f"{NS_PREFIX}{tag}-") and n not in namespaces]
+    left = []
+    # Everything inside, more than once: a dying process may still spawn (Ray restarts its workers).
+    for _ in range(3):
+        pids = [p for ns in namespaces for p in netns_pids(ns)]
+        if not pids:
+            break
+        left = _kill_all(pids, grace_s)
+        grace_s = 1.0
+    if state.get("wire_pid") and _alive(state["wire_pid"], state.get("wire_start")):
+        _kill_all([state["wire_pid"]], 2.0)
+    problems = [f"process {p} still runs" for p in left]
+    for ns in namespaces:
+        if ns in existing_namespaces():
+            r = ip("netns", "del", ns, check=False)
+            if r.returncode != 0:
+                problems.append(f"netns {ns}: {r.stderr.strip()}")
+    root_if = state.get("root_if")
+    if root_if and Path(f"/sys/class/net/{root_if}").exists():
+        ip("link", "del", root_if, check=False)
+    for suffix in (".json", ".wire.json", ".wire.status", ".wire.status.tmp", ".wire.log", ".tmp", ".wire.tmp"):
+        with contextlib.suppress(OSError):
+            (STATE_DIR / f"{tag}{suffix}").unlink()
+    return problems
+
+
+def clean_stale() -> list[str]:
+    """Tear down clusters whose owner process is gone (a crashed test run), and namespaces with
+    our prefix that no state file accounts for. Returns the tags removed."""
+    if not STATE_DIR.exists() and not any(n.startswith(NS_PREFIX) for n in existing_namespaces()):
+        return []
+    removed = []
+    with _state_lock():
+        states = _states()
+        for state in states:
+            if state.get("owner_pid") is not None and not _alive(state["owner_pid"], state.get("owner_start")):
+                teardown_state(state, grace_s=1.0)
+                removed.append(state["tag"])
+        known = {s["tag"] for s in states}
+        for ns in existing_namespaces():
+            m = re.fullmatch(rf"{re.escape(NS_PREFIX)}([a-z0-9]+)-[a-z]+", ns)
+            if m and m.group(1) not in known:
+                teardown_state({"tag": m.group(1), "switch_ns": f"{NS_PREFIX}{m.group(1)}-sw",
+                                "root_if": f"{ROOT_IF_PREFIX}{m.group(1)}"}, grace_s=1.0)
+                removed.append(m.group(1))
+        # a probe namespace left by a killed netem_available()
+        for ns in existing_namespaces():
+            m = re.fullmatch(rf"{re.escape(NS_PREFIX)}probe([0-9a-f]+)", ns)
+            if m and proc_start_time(int(m.group(1), 16)) is None:
+                ip("netns", "del", ns, check=False)
+    return sorted(set(removed))
+
+
+def load_cluster(tag: str) -> NetnsCluster:
+    """A handle on a running cluster (made by `up`), from its state file."""
+    path = STATE_DIR / f"{tag}.json"
+    if not path.exists():
+        raise RuntimeError(f"no cluster named {tag!r} (`python -m launch.netns status` lists them)")
+    state = json.loads(path.read_text())
+    c = NetnsCluster(len(state["hosts"]), tag=tag, root_link=bool(state["root_if"]), mtu=state["mtu"],
+                     persistent=state["owner_pid"] is None)
+    c.shaper, c.subnet, c.root_ip = state["shaper"], state["subnet"], state["root_ip"]
+    c.hosts = [Host(**h) for h in state["hosts"]]
+    c.shaping = {k: Shaping.from_json(v) for k, v in state["shaping"].items()}
+    c._started = True
+    if state.get("wire_pid"):
+        c._wire = _Detached(state["wire_pid"], state.get("wire_start"))
+        with contextlib.suppress(OSError, ValueError):
+            c._generation = json.loads(c.spec_path.read_text())["generation"]
+    return c
+
+
+class _Detached:
+    """Enough of Popen for a wire started by another `launch.netns` invocation."""
+
+    def __init__(self, pid: int, start: int | None):
+        self.pid, self._start = pid, start
+
+    def poll(self):
+        return None if _alive(self.pid, self._start) else 0
+
+    def wait(self, timeout=None):
+        return self.poll()
+
+
+# ------------------------------------------------------------------------------- the wire
+
+class _Direction:
+    """Frames from one TAP to another, shaped like netem (or passed straight through)."""
+
+    def __init__(self, src: int, dst: int):
+        self.src, self.dst = src, dst
+        self.queue: deque[tuple[float, bytes]] = deque()
+        self.shaping: Shaping | None = None
+        self.last_due = 0.0
+        self.sent = self.dropped = 0
+
+    def push(self, frame: bytes, now: float) -> None:
+        s = self.shaping
+        if s is None or s.noop:
+            if not self.queue:
+                self.write(frame)
+                return
+            due = now  # behind frames queued under the previous shaping: keep the order
+        else:
+            if len(self.queue) >= s.limit:
+                self.dropped += 1
+                return
+            delay = s.delay_ms + (random.uniform(-s.jitter_ms, s.jitter_ms) if s.jitter_ms else 0.0)
+            due = now + delay / 1e3
+            if s.rate_bps:
+                due = max(due, self.last_due) + len(frame) * 8 / s.rate_bps
+        due = max(due, self.last_due)
+        self.last_due = due
+        self.queue.append((due, frame))
+
+    def flush(self, now: float) -> float | None:
+        """Write every due frame; the next due time, if any."""
+        q = self.queue
+        while q and q[0][0] <= now:
+            self.write(q.popleft()[1])
+        return q[0][0] if q else None
+
+    def write(self, frame: bytes) -> None:
+        try:
+            os.write(self.dst, frame)
+            self.sent += 1
+        except OSError:  # the other end is down (a cut link) or its queue is full: the frame is lost
+            self.dropped += 1
+
+
+def _open_tap(ns: str, name: str) -> int:
+    """A TAP named `name` created inside namespace `ns`, its fd non-blocking (it vanishes with the fd)."""
+    _setns(f"/run/netns/{ns}")
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TAP | _IFF_NO_PI))
+    return fd
+
+
+def run_wire(spec_path: str) -> int:
+    """The link emulator: one process, one thread, every TAP pair of a cluster."""
+    spec = json.loads(Path(spec_path).read_text())
+    home = os.open("/proc/self/ns/net", os.O_RDONLY)
+    by_src: dict[int, _Direction] = {}
+    egress: dict[str, _Direction] = {}
+    for link in spec["links"]:
+        host_fd = _open_tap(link["host_ns"], link["host_if"])
+        switch_fd = _open_tap(link["switch_ns"], link["switch_if"])
+        out, back = _Direction(host_fd, switch_fd), _Direction(switch_fd, host_fd)
+        by_src[host_fd], by_src[switch_fd] = out, back
+        egress[link["label"]] = out
+    if _libc().setns(home, _CLONE_NEWNET) != 0:
+        raise OSError(ctypes.get_errno(), "setns back home")
+    os.close(home)
+
+    def apply(spec: dict) -> None:
+        for link in spec["links"]:
+            egress[link["label"]].shaping = Shaping.from_json(link["shaping"])
+        tmp = Path(spec["status"] + ".tmp")
+        tmp.write_text(f"{spec['generation']}\n")
+        tmp.replace(spec["status"])
+
+    apply(spec)
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    reload = []
+    signal.signal(signal.SIGHUP, lambda *_: reload.append(1))
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
+    print("ready", flush=True)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, 1)  # the starter stopped reading
+    fds = [*by_src, wake_r]
+    directions = list(by_src.values())
+    while True:
+        now = time.monotonic()
+        next_due = None
+        for d in directions:
+            due = d.flush(now)
+            if due is not None and (next_due is None or due < next_due):
+                next_due = due
+        timeout = 1.0 if next_due is None else max(0.0, next_due - time.monotonic())
+        ready, _, _ = select.select(fds, [], [], timeout)
+        now = time.monotonic()
+        for fd in ready:
+            if fd == wake_r:
+                with contextlib.suppress(BlockingIOError):
+                    os.read(wake_r, 512)
+                if reload:
+                    reload.clear()
+                    with contextlib.suppress(OSError, ValueError):
+                        apply(json.loads(Path(spec_path).read_text()))
+                continue
+            d = by_src[fd]
+            for _ in range(256):
+                try:
+                    frame = os.read(fd, 65536)
+                except BlockingIOError:
+                    break
+                except OSError:  # the interface is down
+                    break
+                d.push(frame, now)
+
+
+# ------------------------------------------------------------------------------- CLI
+
+def _shaping_from_args(args) -> Shaping | None:
+    if not (args.delay or args.rate):
+        return None
+    return Shaping(delay_ms=parse_duration_ms(args.delay or "0"), jitter_ms=parse_duration_ms(args.jitter or "0"),
+                   rate_bps=parse_rate(args.rate) if args.rate else None, limit=args.limit)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="launch/netns_cluster.sh",
+                                description="Test hosts in network namespaces on one bridge (root only).")
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    def shaping_flags(sp):
+        sp.add_argument("--delay", help="egress delay per host, e.g. 2ms")
+        sp.add_argument("--jitter", help="uniform jitter, e.g. 1ms (needs --delay)")
+        sp.add_argument("--rate", help="egress rate per host, e.g. 1gbit")
+        sp.add_argument("--limit", type=int, default=1000, help="queue limit in frames (netem's limit)")
+
+    up = sub.add_parser("up", help="create NAME with N hosts a, b, ...")
+    up.add_argument("name")
+    up.add_argument("--hosts", type=int, default=2)
+    up.add_argument("--root-link", action="store_true",
+                    help="give the root namespace an address on the bridge (to reach the hosts from here)")
+    up.add_argument("--mtu", type=int, default=DEFAULT_MTU)
+    up.add_argument("--shaper", choices=("auto", "netem", "wire"), default="auto")
+    up.add_argument("--shapeable", action="store_true", help="allow `shape` later even if created unshaped")
+    shaping_flags(up)
+    ex = sub.add_parser("exec", help="run a command inside a host: exec NAME HOST -- CMD ...")
+    ex.add_argument("name")
+    ex.add_argument("host")
+    ex.add_argument("command", nargs=argparse.REMAINDER)
+    sh = sub.add_parser("shape", help="change a host's egress shaping (no flags: none)")
+    sh.add_argument("name")
+    sh.add_argument("host", help="a host label, or all")
+    shaping_flags(sh)
+    for cmd, text in (("cut", "unplug a host from the bridge"), ("restore", "plug it back")):
+        c = sub.add_parser(cmd, help=text)
+        c.add_argument("name")
+        c.add_argument("host")
+    st = sub.add_parser("status", help="list clusters (or one)")
+    st.add_argument("name", nargs="?")
+    dn = sub.add_parser("down", help="stop every process in NAME's hosts and delete it")
+    dn.add_argument("name", nargs="?")
+    dn.add_argument("--all", action="store_true", help="every cluster made by this tool")
+    sub.add_parser("clean", help="remove clusters left by crashed test runs")
+    wire = sub.add_parser("wire", help=argparse.SUPPRESS)
+    wire.add_argument("spec")
+    args = p.parse_args(argv)
+
+    if args.cmd == "wire":
+        return run_wire(args.spec)
+    reason = unavailable_reason()
+    if reason:
+        print(f"netns_cluster: {reason}", file=sys.stderr)
+        return 2
+    try:
+        if args.cmd == "up":
+            net = NetnsCluster(args.hosts, shaping=_shaping_from_args(args), root_link=args.root_link, mtu=args.mtu,
+                               shaper=args.shaper, tag=args.name, persistent=True,
+                               shapeable=args.shapeable or None)
+            net.start()
+            print(net.describe())
+            print(f"run in a host:  launch/netns_cluster.sh exec {args.name} a -- COMMAND")
+            print(f"remove it:      launch/netns_cluster.sh down {args.name}")
+        elif args.cmd == "exec":
+            net = load_cluster(args.name)
+            command = args.command[1:] if args.command[:1] == ["--"] else args.command
+            if not command:
+                p.error("exec needs a command after --")
+            os.execvp("ip", [*net.exec_prefix(args.host), *command])
+        elif args.cmd == "shape":
+            net = load_cluster(args.name)
+            for h in (net.hosts if args.host == "all" else [net.host(args.host)]):
+                net.shape(h, _shaping_from_args(args))
+            print(net.describe())
+        elif args.cmd in ("cut", "restore"):
+            net = load_cluster(args.name)
+            getattr(net, args.cmd)(args.host)
+        elif args.cmd == "status":
+            tags = [args.name] if args.name else [s["tag"] for s in _states()]
+            for tag in tags:
+                net = load_cluster(tag)
+                owner = "" if net.persistent else " (a test run's)"
+                print(net.describe() + owner)
+            if not tags:
+                print("no clusters")
+        elif args.cmd == "down":
+            if not args.all and not args.name:
+                p.error("down needs NAME or --all")
+            tags = [s["tag"] for s in _states()] if args.all else [args.name]
+            for tag in tags:
+                state_path = STATE_DIR / f"{tag}.json"
+                if not state_path.exists():
+                    raise RuntimeError(f"no cluster named {tag!r}")
+                problems = teardown_state(json.loads(state_path.read_text()))
+                print(f"{tag}: removed" + (f" (left: {'; '.join(problems)})" if problems else ""))
+        elif args.cmd == "clean":
+            removed = clean_stale()
+            print(f"removed: {', '.join(removed)}" if removed else "nothing stale")
+    except (RuntimeError, ValueError, KeyError) as e:
+        print(f"netns_cluster: {e}", file=sys.stderr)
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,703 @@
+"""A lean HTTP/1.1 server and client for the router, on asyncio protocols and httptools.
+
+Why not aiohttp here: the router's work per request is a few small HTTP exchanges, so
+per-request framework overhead (request/response objects, middlewares, header multidicts,
+timeouts as tasks, one coroutine switch per relayed chunk) is most of its CPU. This module
+does only what the router needs, with the parsing in C (httptools, llhttp):
+
+Server (`HTTPServer`, `ServerConnection`, `Request`, `Response`):
+- keep-alive and pipelined requests (answered in order), `Expect: 100-continue`,
+  chunked or Content-Length request bodies, a body limit answered with 413 before the body
+  is read, HTTP/1.0 clients (close-delimited streams), an idle timeout on kept-alive
+  connections, TCP_NODELAY on every accepted socket;
+- a client that hangs up cancels its request's handler at once (as aiohttp's
+  handler_cancellation), so the relay can abort upstream work;
+- a response is written in one `transport.write` (status line, headers and body);
+  a stream uses chunked transfer encoding and `Response.write` never awaits: flow control
+  is `Response.paused` / `await Response.drain()`.
+
+Client (`Pool`, `ClientConnection`): one keep-alive pool per upstream worker; a request is
+written in one `transport.write` from pre-encoded header bytes; the response body is
+either collected (`read()`) or pushed chunk by chunk into a callback (`stream()`), so a
+relay writes each upstream chunk to its client from inside `data_received`, without a
+coroutine switch per chunk. Failures are typed so the caller knows whether the request
+could have reached the worker: `ConnectError` (no connection: the request never left),
+`Disconnected` (the connection dropped before any response byte; `reused` tells a stale
+keep-alive connection from a fresh one), `Timeout`, `BrokenResponse` (after the head).
+"""
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import ssl
+from collections import deque
+from http import HTTPStatus
+from typing import Awaitable, Callable
+from urllib.parse import parse_qsl, urlsplit
+
+import httptools
+
+logger = logging.getLogger("atomd.router.http")
+
+IDLE_TIMEOUT_S = 75.0  # a kept-alive client connection with no request this long is closed
+POOL_IDLE_S = 60.0  # an idle upstream connection older than this is not reused
+WRITE_HIGH_WATER = 256 << 10
+_STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
+_CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+def status_line(status: int) -> bytes:
+    return _STATUS.get(status) or f"HTTP/1.1 {status} Unknown\r\n".encode()
+
+
+def set_nodelay(transport: asyncio.BaseTransport) -> None:
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        try:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        except OSError:
+            pass
+
+
+# =============================================================================== server
+
+class Request:
+    __slots__ = ("method", "path", "query_string", "headers", "body", "keep_alive", "version", "conn",
+                 "peer", "_query")
+
+    def __init__(self, method: str, path: str, query_string: str, headers: dict[str, str], body: bytes,
+                 keep_alive: bool, version: str, conn: "ServerConnection"):
+        self.method, self.path, self.query_string = method, path, query_string
+        self.headers, self.body, self.keep_alive, self.version, self.conn = headers, body, keep_alive, version, conn
+        self.peer = conn.peer
+        self._query: dict[str, str] | None = None
+
+    @property
+    def query(self) -> dict[str, str]:
+        if self._query is None:
+            self._query = dict(parse_qsl(self.query_string, keep_blank_values=True))
+        return self._query
+
+    @property
+    def can_read_body(self) -> bool:
+        return bool(self.body)
+
+
+class Response:
+    """The answer to one request. `send` writes a whole response; `start_stream` + `write`
+    + `end` a streamed one (chunked; close-delimited for HTTP/1.0)."""
+
+    __slots__ = ("conn", "request", "status", "started", "finished", "_chunked")
+
+    def __init__(self, conn: "ServerConnection", request: Request):
+        self.conn, self.request = conn, request
+        self.status = 0
+        self.started = self.finished = False
+        self._chunked = False
+
+    @property
+    def prepared(self) -> bool:
+        return self.started
+
+    @property
+    def paused(self) -> bool:
+        return self.conn.paused
+
+    async def drain(self) -> None:
+        await self.conn.drain()
+
+    def _connection_header(self) -> bytes:
+        return b"" if self.request.keep_alive else b"Connection: close\r\n"
+
+    def send(self, status: int, body: bytes = b"", content_type: bytes = b"application/json",
+             headers: bytes = b"") -> None:
+        """The whole response in one write. `headers`: extra `Name: value\\r\\n` lines."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = self.finished = True
+        self.status = status
+        self.conn.write(b"".join((status_line(status), b"Content-Type: ", content_type, b"\r\nContent-Length: ",
+                                  str(len(body)).encode(), b"\r\n", headers, self._connection_header(), b"\r\n",
+                                  body)))
+
+    def start_stream(self, status: int = 200, headers: bytes = b"", first: bytes = b"") -> None:
+        """Status and headers (`headers`: the `Name: value\\r\\n` lines, Content-Type included),
+        with `first` as the first body data in the same write."""
+        if self.started:
+            raise RuntimeError("response already started")
+        self.started = True
+        self.status = status
+        if self.request.version == "1.0":
+            self.request.keep_alive = False
+            self.conn.write(b"".join((status_line(status), headers, b"Connection: close\r\n\r\n", first)))
+            return
+        self._chunked = True
+        head = b"".join((status_line(status), headers, b"Transfer-Encoding: chunked\r\n",
+                         self._connection_header(), b"\r\n"))
+        self.conn.write(head + (b"%x\r\n%b\r\n" % (len(first), first) if first else b""))
+
+    def write(self, data: bytes) -> None:
+        """More of a started stream. Never blocks: check `paused` / `await drain()` for flow control."""
+        if data:
+            self.conn.write(b"%x\r\n%b\r\n" % (len(data), data) if self._chunked else data)
+
+    def end(self, data: bytes = b"") -> None:
+        """The last data of a stream and its end, in one write."""
+        if self.finished:
+            return
+        self.finished = True
+        if self._chunked:
+            self.conn.write((b"%x\r\n%b\r\n0\r\n\r\n" % (len(data), data)) if data else b"0\r\n\r\n")
+        else:
+            if data:
+                self.conn.write(data)
+            self.request.keep_alive = False  # close-delimited: the close ends the body
+
+
+Handler = Callable[[Request, Response], Awaitable[None]]
+
+
+class ServerConnection(asyncio.Protocol):
+    __slots__ = ("server", "loop", "transport", "parser", "peer", "paused", "closed", "_drain", "_url", "_headers",
+                 "_body", "_body_size", "_too_large", "_queue", "_task", "_idle_timer")
+
+    def __init__(self, server: "HTTPServer"):
+        self.server = server
+        self.loop = server.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpRequestParser(self)
+        self.peer = None
+        self.paused = False
+        self.closed = False
+        self._drain: asyncio.Future | None = None
+        self._queue: deque[Request] = deque()
+        self._task: asyncio.Task | None = None
+        self._idle_timer: asyncio.TimerHandle | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self._url = b""
+        self._headers: dict[str, str] = {}
+        self._body: list[bytes] = []
+        self._body_size = 0
+        self._too_large = False
+
+    # ---------------------------------------------------------------- transport events
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        set_nodelay(transport)
+        transport.set_write_buffer_limits(WRITE_HIGH_WATER)  # type: ignore[attr-defined]
+        self.peer = transport.get_extra_info("peername")
+        self.server.connections.add(self)
+        self._arm_idle()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self.server.connections.discard(self)
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+        if self._task is not None and not self._task.done():
+            self._task.cancel()  # the client is gone: its handler stops now
+        self._wake_drain()
+
+    def pause_writing(self) -> None:
+        self.paused = True
+
+    def resume_writing(self) -> None:
+        self.paused = False
+        self._wake_drain()
+
+    def _wake_drain(self) -> None:
+        if self._drain is not None and not self._drain.done():
+            self._drain.set_result(None)
+        self._drain = None
+
+    async def drain(self) -> None:
+        if self.paused and not self.closed:
+            if self._drain is None:
+                self._drain = self.loop.create_future()
+            await self._drain
+
+    def data_received(self, data: bytes) -> None:
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
+            self._idle_timer = None
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserUpgrade:
+            self._fail(400, b"protocol upgrades are not supported")
+        except httptools.HttpParserError as e:
+            self._fail(400, f"malformed HTTP request: {e}".encode())
+
+    def eof_received(self) -> bool | None:
+        return None  # close our side too (a half-closed client is gone for a streaming server)
+
+    def write(self, data: bytes) -> None:
+        if not self.closed:
+            self.transport.write(data)
+
+    def _fail(self, status: int, message: bytes) -> None:
+        if self._task is None and not self.closed:
+            body = b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, "code": null}}' % \
+                message.replace(b'"', b"'")
+            self.transport.write(b"%sContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
+                                 % (status_line(status), len(body), body))
+        self.close()
+
+    def close(self) -> None:
+        if not self.closed and self.transport is not None:
+            self.transport.close()
+            self.closed = True
+
+    def _arm_idle(self) -> None:
+        self._idle_timer = self.loop.call_later(self.server.idle_timeout_s, self._idle_expired)
+
+    def _idle_expired(self) -> None:
+        self._idle_timer = None
+        if self._task is None and not self._queue:
+            self.close()
+
+    # ---------------------------------------------------------------- parser callbacks
+
+    def on_message_begin(self) -> None:
+        self._reset()
+
+    def on_url(self, url: bytes) -> None:
+        self._url += url
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        length = self._headers.get("content-length")
+        if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
+            self._too_large = True
+        elif self._headers.get("expect", "").lower() == "100-continue":
+            self.transport.write(_CONTINUE)
+
+    def on_body(self, body: bytes) -> None:
+        if self._too_large:
+            return
+        self._body_size += len(body)
+        if self._body_size > self.server.max_body_bytes:
+            self._too_large = True
+            self._body = []
+        else:
+            self._body.append(body)
+
+    def on_message_complete(self) -> None:
+        parser = self.parser
+        url = self._url
+        q = url.find(b"?")
+        path, query = (url, b"") if q < 0 else (url[:q], url[q + 1:])
+        body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
+        req = Request(parser.get_method().decode(), path.decode("latin-1"), query.decode("latin-1"),
+                      self._headers, body, parser.should_keep_alive(), parser.get_http_version(), self)
+        if self._too_large:
+            req.body = None  # type: ignore[assignment]  # the handler answers 413
+        self._queue.append(req)
+        if self._task is None:
+            self._next()
+
+    # ---------------------------------------------------------------- handling
+
+    def _next(self) -> None:
+        if self._queue and not self.closed:
+            req = self._queue.popleft()
+            self._task = self.loop.create_task(self._handle(req))
+        else:
+            self._task = None
+            if not self.closed:
+                self._arm_idle()
+
+    async def _handle(self, req: Request) -> None:
+        resp = Response(self, req)
+        try:
+            await self.server.handler(req, resp)
+        except asyncio.CancelledError:
+            self.close()
+            return
+        except Exception:
+            logger.exception("handler of %s %s failed", req.method, req.path)
+            if not resp.started:
+                resp.send(500, b'{"error": {"message": "internal error", "type": "internal_error", '
+                               b'"param": null, "code": null}}')
+            else:
+                req.keep_alive = False  # a broken stream: closing tells the client
+        if not resp.started:
+            resp.send(500, b'{"error": {"message": "no answer", "type": "internal_error", "param": null, '
+                           b'"code": null}}')
+        elif not resp.finished:
+            req.keep_alive = False
+        if not req.keep_alive:
+            self.close()
+        self._next()
+
+
+class HTTPServer:
+    def __init__(self, handler: Handler, max_body_bytes: int = 16 << 20, idle_timeout_s: float = IDLE_TIMEOUT_S):
+        self.handler = handler
+        self.max_body_bytes = max_body_bytes
+        self.idle_timeout_s = idle_timeout_s
+        self.connections: set[ServerConnection] = set()
+        self.loop = asyncio.get_running_loop()
+        self._server: asyncio.base_events.Server | None = None
+
+    async def start(self, host: str, port: int) -> tuple[str, int]:
+        self._server = await self.loop.create_server(lambda: ServerConnection(self), host, port, backlog=4096,
+                                                     reuse_address=True)
+        return self._server.sockets[0].getsockname()[:2]
+
+    async def close(self, timeout_s: float = 5.0) -> None:
+        """Stop listening, close idle connections, give running handlers `timeout_s`, then cancel them."""
+        if self._server is not None:
+            self._server.close()
+        tasks = [c._task for c in self.connections if c._task is not None and not c._task.done()]
+        for c in list(self.connections):
+            if c._task is None:
+                c.close()
+        if tasks:
+            await asyncio.wait(tasks, timeout=timeout_s)
+        for c in list(self.connections):
+            c.close()
+        if self._server is not None:
+            await self._server.wait_closed()
+
+
+# =============================================================================== client
+
+class UpstreamError(Exception):
+    """A failed exchange with a worker."""
+
+
+class ConnectError(UpstreamError):
+    """No connection could be opened: the request never reached the worker."""
+
+
+class Disconnected(UpstreamError):
+    """The connection dropped before any byte of a response. `reused`: it was a kept-alive
+    connection (the worker may have closed it idle just as it was used)."""
+
+    def __init__(self, message: str, reused: bool):
+        super().__init__(message)
+        self.reused = reused
+
+
+class Timeout(UpstreamError):
+    """The worker did not answer (or went silent) in time."""
+
+
+class BrokenResponse(UpstreamError):
+    """The response began, then broke (dropped connection, malformed framing)."""
+
+
+Sink = Callable[[bytes], None]
+
+
+class ClientConnection(asyncio.Protocol):
+    """One upstream connection; one exchange at a time. After `request()` returned (the head
+    arrived) the body is taken with `read()` or `stream()`; `release()` hands the connection
+    back to its pool (or closes it when it cannot be reused)."""
+
+    __slots__ = ("pool", "loop", "transport", "parser", "reused", "status", "headers", "content_type", "done",
+                 "lost", "keep_alive", "body", "sink", "on_end", "_waiter", "_timer", "_timeout",
+                 "_idle_based", "last_data", "idle_since", "error", "_head_done", "_close_delimited")
+
+    def __init__(self, pool: "Pool"):
+        self.pool = pool
+        self.loop = pool.loop
+        self.transport: asyncio.Transport | None = None
+        self.parser: httptools.HttpResponseParser | None = None
+        self.reused = False
+        self.lost = False
+        self.idle_since = 0.0
+        self._timer: asyncio.TimerHandle | None = None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.status = 0
+        self.headers: dict[str, str] = {}
+        self.content_type = ""
+        self.done = False
+        self.keep_alive = False
+        self.body: list[bytes] = []
+        self.sink: Sink | None = None
+        self.on_end: Callable[[BaseException | None], None] | None = None
+        self._waiter: asyncio.Future | None = None
+        self.error: BaseException | None = None
+        self._head_done = False
+        self._close_delimited = False
+
+    # ---------------------------------------------------------------- transport events
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        set_nodelay(transport)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        self.pool.discard(self)
+        if self.parser is not None and not self.done:
+            if self._head_done and self._close_delimited and exc is None:
+                self.on_message_complete()  # the close ends a body without length or chunks
+            elif not self._head_done:
+                self._fail(Disconnected(f"{self.pool.url} closed the connection before answering"
+                                        + (f": {exc}" if exc else ""), self.reused))
+            else:
+                self._fail(BrokenResponse(f"{self.pool.url} closed the connection mid-answer"
+                                          + (f": {exc}" if exc else "")))
+
+    def data_received(self, data: bytes) -> None:
+        if self.parser is None:  # nothing asked: a worker talking out of turn is not reused
+            self.transport.close()
+            return
+        self.last_data = self.loop.time()
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as e:
+            self._fail(BrokenResponse(f"{self.pool.url} sent a malformed response: {e}"))
+            self.transport.close()
+
+    # ---------------------------------------------------------------- parser callbacks
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+
+    def on_headers_complete(self) -> None:
+        self._head_done = True
+        self.status = self.parser.get_status_code()
+        h = self.headers
+        self.content_type = h.get("content-type", "").split(";", 1)[0].strip()
+        self._close_delimited = "content-length" not in h and "chunked" not in h.get("transfer-encoding", "") \
+            and self.status not in (204, 304) and self.status >= 200
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        if self.sink is not None:
+            try:
+                self.sink(body)
+            except Exception as e:  # a relay bug must not kill the loop's protocol
+                logger.exception("stream sink failed")
+                self._fail(BrokenResponse(f"relay failed: {e}"))
+                self.transport.close()
+        else:
+            self.body.append(body)
+
+    def on_message_complete(self) -> None:
+        self.done = True
+        self.keep_alive = self.parser.should_keep_alive() and not self._close_delimited
+        self._cancel_timer()
+        self._wake()
+        if self.on_end is not None:
+            cb, self.on_end = self.on_end, None
+            cb(None)
+
+    # ---------------------------------------------------------------- waiting
+
+    def _wake(self) -> None:
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_result(None)
+
+    def _fail(self, error: BaseException) -> None:
+        if self.error is None:
+            self.error = error
+        self._cancel_timer()
+        w = self._waiter
+        if w is not None and not w.done():
+            w.set_exception(error)
+        if self.on_end is not None:
+            cb, self.on_end = self.on_end, None
+            cb(error)
+
+    def _arm(self, timeout_s: float | None, idle_based: bool) -> None:
+        self._cancel_timer()
+        self._timeout = timeout_s
+        self._idle_based = idle_based
+        if timeout_s is not None:
+            self._timer = self.loop.call_later(timeout_s, self._on_timer)
+
+    def _cancel_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+
+    def _on_timer(self) -> None:
+        self._timer = None
+        if self.done or self.error is not None:
+            return
+        if self._idle_based:
+            left = self.last_data + self._timeout - self.loop.time()
+            if left > 0.001:
+                self._timer = self.loop.call_later(left, self._on_timer)
+                return
+        self._fail(Timeout(f"{self.pool.url} did not answer within {self._timeout} s"))
+        self.transport.close()
+
+    async def _wait(self) -> None:
+        if self.error is not None:
+            raise self.error
+        self._waiter = self.loop.create_future()
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+
+    # ---------------------------------------------------------------- the exchange
+
+    async def exchange(self, data: bytes, timeout_s: float | None, idle_timeout: bool) -> None:
+        """Send one request (`data`: request line, headers and body) and wait for the head."""
+        self._reset()
+        self.parser = httptools.HttpResponseParser(self)
+        self.last_data = self.loop.time()
+        self._arm(timeout_s, idle_timeout)
+        self.transport.write(data)
+        while not self._head_done:
+            await self._wait()
+
+    async def read(self) -> bytes:
+        """The whole body."""
+        while not self.done:
+            await self._wait()
+        return b"".join(self.body)
+
+    def stream(self, sink: Sink, on_end: Callable[[BaseException | None], None]) -> None:
+        """Push the body into `sink` as it arrives (what arrived with the head first), then call
+        `on_end(None)`, or `on_end(error)` when it breaks or times out."""
+        if self.body:
+            early, self.body = b"".join(self.body), []
+            sink(early)
+        if self.done:
+            on_end(None)
+        elif self.error is not None:
+            on_end(self.error)
+        else:
+            self.sink, self.on_end = sink, on_end
+
+    def pause_reading(self) -> None:
+        if not self.lost:
+            self.transport.pause_reading()
+
+    def resume_reading(self) -> None:
+        if not self.lost:
+            self.transport.resume_reading()
+
+    def release(self) -> None:
+        """Back to the pool when the exchange ended cleanly, else closed."""
+        self._cancel_timer()
+        self.sink = self.on_end = None
+        if self.done and self.keep_alive and self.error is None and not self.lost:
+            self.parser = None
+            self.pool.put(self)
+        else:
+            self.abort()
+
+    def abort(self) -> None:
+        self._cancel_timer()
+        self.sink = self.on_end = None
+        if self.transport is not None and not self.lost:
+            self.transport.close()
+        self.lost = True
+        self.pool.discard(self)
+
+
+class Pool:
+    """Keep-alive connections to one worker (`http(s)://host:port`), unlimited in number."""
+
+    def __init__(self, url: str, connect_timeout_s: float = 5.0):
+        parts = urlsplit(url)
+        self.url = url
+        self.host = parts.hostname or ""
+        self.port = parts.port or (443 if parts.scheme == "https" else 80)
+        self.ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        host_header = parts.netloc
+        self.host_header = f"Host: {host_header}\r\n".encode()
+        self.connect_timeout_s = connect_timeout_s
+        self.loop = asyncio.get_running_loop()
+        self.idle: list[ClientConnection] = []
+        self.busy: set[ClientConnection] = set()
+        self.closed = False
+
+    async def connect(self) -> ClientConnection:
+        """A kept-alive connection (the most recently used), else a new one."""
+        now = self.loop.time()
+        while self.idle:
+            conn = self.idle.pop()
+            if not conn.lost and now - conn.idle_since < POOL_IDLE_S:
+                conn.reused = True
+                self.busy.add(conn)
+                return conn
+            conn.abort()
+        try:
+            _, conn = await asyncio.wait_for(self.loop.create_connection(
+                lambda: ClientConnection(self), self.host, self.port, ssl=self.ssl,
+                server_hostname=self.host if self.ssl else None), self.connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConnectError(f"cannot connect to {self.url}: timed out after {self.connect_timeout_s} s") from None
+        except OSError as e:
+            raise ConnectError(f"cannot connect to {self.url}: {e.strerror or e}") from None
+        conn.reused = False
+        if self.closed:
+            conn.abort()
+            raise ConnectError(f"{self.url} was removed")
+        self.busy.add(conn)
+        return conn
+
+    def put(self, conn: ClientConnection) -> None:
+        self.busy.discard(conn)
+        if self.closed:
+            conn.abort()
+        else:
+            conn.idle_since = self.loop.time()
+            self.idle.append(conn)
+
+    def discard(self, conn: ClientConnection) -> None:
+        self.busy.discard(conn)
+        try:
+            self.idle.remove(conn)
+        except ValueError:
+            pass
+
+    async def request(self, method: bytes, path: bytes, headers: bytes = b"", body: bytes | None = None,
+                      timeout_s: float | None = None, idle_timeout: bool = False) -> ClientConnection:
+        """Send a request; returns the connection once the response head arrived (then read()
+        or stream() the body, and release()). `headers`: extra `Name: value\\r\\n` lines.
+        `timeout_s`: for the whole exchange, or (`idle_timeout`) for each silence."""
+        conn = await self.connect()
+        if body is None:
+            data = b"%b %b HTTP/1.1\r\n%b%b\r\n" % (method, path, self.host_header, headers)
+        else:
+            data = b"%b %b HTTP/1.1\r\n%bContent-Length: %d\r\n%b\r\n%b" % (method, path, self.host_header,
+                                                                           len(body), headers, body)
+        try:
+            await conn.exchange(data, timeout_s, idle_timeout)
+        except BaseException:
+            conn.abort()
+            raise
+        return conn
+
+    async def fetch(self, method: bytes, path: bytes, headers: bytes = b"", body: bytes | None = None,
+                    timeout_s: float | None = None) -> tuple[int, str, bytes]:
+        """A whole exchange: (status, content type, body)."""
+        conn = await self.request(method, path, headers, body, timeout_s)
+        try:
+            data = await conn.read()
+        except BaseException:
+            conn.abort()
+            raise
+        conn.release()
+        return conn.status, conn.content_type, data
+
+    def close(self) -> None:
+        """No more requests; idle connections close now, busy ones when released."""
+        self.closed = True
+        for conn in self.idle:
+            conn.abort()
+        self.idle.clear()
+
+    def abort_all(self) -> None:
+        self.close()
+        for conn in list(self.busy):
+            conn.abort()

@@ -1,0 +1,232 @@
+"""kv_aware and cache_aware placement through real engines (issue #15).
+
+Two prefill engines publish KV events (one of them with two DP ranks, each its own PUB and
+replay socket, reported in GET /kv_transfer_info), one decode engine, and an in-process
+router (so its index can be looked at). A long shared prefix must land on the engine
+that holds it, and that engine reports the hit (`cached_tokens`); the index follows the
+engines' real events, repairs a forced gap from the replay socket, and empties a rank
+whose engine restarted.
+"""
+from __future__ import annotations
+
+import json
+import time
+
+import pytest
+
+from launch.process import free_port, http as sync_http
+from router.app import Router, RouterConfig
+from tests.fake_workers import LoopThread, http, wait_until
+from launch.process import EngineServer
+from tests.server_fixtures import ENGINE_ARGS, REPO, START_TIMEOUT_S, ServerUnderTest, model_dir, server_log
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+PREFIX = ("def read_config(path):\n    with open(path) as f:\n        data = json.load(f)\n"
+          "    for key, value in data.items():\n        if isinstance(value, dict):\n"
+          "            data[key] = normalize(value)\n    return data\n\n") * 3
+
+
+def events_flags(port: int) -> list[str]:
+    return ["--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-replay-endpoint",
+            f"tcp://127.0.0.1:{port + 10}"]
+
+
+def two_free_ports() -> int:
+    """p such that p, p+1 (the DP ranks' PUB) and p+10, p+11 (their replay) look free."""
+    for _ in range(50):
+        p = free_port()
+        if p + 11 < 65536 and all(_free(q) for q in (p + 1, p + 10, p + 11)):
+            return p
+    raise RuntimeError("no free port block")
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+class Engines:
+    def __init__(self, logs):
+        self.model = model_dir()
+        self.logs = logs
+        self.ports = {"p0": two_free_ports(), "p1": two_free_ports()}
+        self.p0 = ServerUnderTest(self.model, "--kv-role", "producer", *events_flags(self.ports["p0"]),
+                                  log_path=logs / "p0.log")
+        self.p1 = ServerUnderTest(self.model, "--kv-role", "producer", "--data-parallel-size", "2",
+                                  *events_flags(self.ports["p1"]), log_path=logs / "p1.log")
+        self.d = ServerUnderTest(self.model, "--kv-role", "consumer", log_path=logs / "d.log")
+        for e in (self.p0, self.p1, self.d):
+            e.wait_ready()
+
+    def restart_p0(self) -> None:
+        """The same engine (HTTP port, event endpoints) back with an empty cache."""
+        port = self.p0.port
+        self.p0.stop()
+        self.p0 = EngineServer(self.model, *ENGINE_ARGS, "--kv-role", "producer", *events_flags(self.ports["p0"]),
+                               port=port, log=server_log(), cwd=REPO)
+        self.p0.wait_ready(START_TIMEOUT_S)
+
+    def stop(self):
+        for e in (self.p0, self.p1, self.d):
+            e.stop()
+
+
+@pytest.fixture(scope="module")
+def engines(tmp_path_factory):
+    e = Engines(tmp_path_factory.mktemp("engine-logs"))
+    yield e
+    e.stop()
+
+
+@pytest.fixture(scope="module")
+def loop():
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
+def start_router(loop, engines, policy: str) -> Router:
+    async def go():
+        r = Router(RouterConfig(prefill=[engines.p0.url, engines.p1.url], decode=[engines.d.url], port=0,
+                                prefill_policy=policy, decode_policy="round_robin", health_interval_s=0.2))
+        await r.start()
+        return r
+    return loop.run(go())
+
+
+def complete(loop, router: Router, prompt: str) -> dict:
+    r = loop.run(http("POST", router.url + "/v1/completions",
+                      {"prompt": prompt, "max_tokens": 2, "temperature": 0}), timeout=60)
+    assert r.status == 200, r.body
+    return r.json()
+
+
+def prefill_counts(engines) -> dict[str, int]:
+    return {name: json.loads(sync_http("GET", e.url + "/debug/stats")[1])["prefix_cache_queries"]
+            for name, e in (("p0", engines.p0), ("p1", engines.p1))}
+
+
+def placed(engines, before: dict) -> str:
+    after = prefill_counts(engines)
+    (name,) = [n for n in after if after[n] != before[n]]
+    return name
+
+
+def test_engines_report_their_event_endpoints_per_dp_rank(engines):
+    info = json.loads(sync_http("GET", engines.p1.url + "/kv_transfer_info")[1])
+    ranks = [r["kv_events"] for r in info["ranks"]]
+    base = engines.ports["p1"]
+    assert [r["endpoint"] for r in ranks] == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
+    assert [r["replay_endpoint"] for r in ranks] == [f"tcp://127.0.0.1:{base + 10}", f"tcp://127.0.0.1:{base + 11}"]
+    assert [r["dp_rank"] for r in ranks] == [0, 1] and {r["block_size"] for r in ranks} == {16}
+
+
+@pytest.mark.parametrize("policy", ["kv_aware", "cache_aware"])
+def test_a_repeated_long_prefix_goes_to_the_engine_that_holds_it(engines, loop, policy):
+    router = start_router(loop, engines, policy)
+    try:
+        for e in (engines.p0, engines.p1):
+            assert sync_http("POST", e.url + "/reset_prefix_cache")[0] == 200
+        if policy == "kv_aware":
+            wait_until(lambda: len(router.kv_index.ranks) == 3, 20, "subscriptions to 3 ranks")
+            wait_until(lambda: all(not st.hashes and st.last_seq is not None
+                                   for st in router.kv_index.ranks.values()), 20, "the reset to be seen")
+        prefix = PREFIX + policy
+        before = prefill_counts(engines)
+        first = complete(loop, router, prefix + "\n# first")
+        home = placed(engines, before)
+        hits = []
+        for i in range(4):
+            if policy == "kv_aware":  # the events of the last prefill reach the router first
+                wait_until(lambda: router.kv_index.ranks and any(
+                    st.hashes for st in router.kv_index.ranks.values()), 10, "events")
+            before = prefill_counts(engines)
+            out = complete(loop, router, prefix + f"\n# variant {i}")
+            assert placed(engines, before) == home, f"request {i} left the engine holding the prefix"
+            hits.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
+        assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert min(hits) >= 16 * ((first["usage"]["prompt_tokens"] - 1) // 16) - 32, hits
+        decisions = router.metrics.decisions
+        want = "kv_hit" if policy == "kv_aware" else "cache_hit"
+        assert decisions.get(("prefill", policy, want), 0) >= 4
+        if policy == "kv_aware":
+            assert sum(router.metrics.kv_hit["prefill"].recent) >= 4 * 16
+    finally:
+        loop.run(router.stop())
+
+
+def test_kv_aware_repairs_a_gap_from_replay_and_clears_a_restarted_engine(engines, loop):
+    router = start_router(loop, engines, "kv_aware")
+    try:
+        index = router.kv_index
+        wait_until(lambda: len(index.ranks) == 3 and all(st.last_seq is not None for st in index.ranks.values()),
+                   20, "subscriptions")
+        st = index.ranks[(engines.p0.url, 0)]
+        # forced gap: the router stops listening to p0 while p0 caches a new prefix
+        st.task.cancel()
+        wait_until(lambda: st.task.done(), 5, "the subscriber to stop")
+        prompt = PREFIX + "# cached while the router was not listening\n"
+        r = sync_http("POST", engines.p0.url + "/v1/completions", {"prompt": prompt, "max_tokens": 1})
+        assert r[0] == 200
+        seen = st.last_seq
+
+        async def resubscribe():
+            import asyncio
+            st.task = asyncio.get_running_loop().create_task(index._subscribe(st))
+        loop.run(resubscribe())
+        wait_until(lambda: st.gaps >= 1 and st.repaired >= 1 and st.last_seq > seen, 20, "the gap repaired")
+        before = prefill_counts(engines)
+        out = complete(loop, router, prompt + "# through the router")
+        assert placed(engines, before) == "p0" and out["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+        assert st.hashes
+        # restart: the same p0 comes back with an empty cache; its numbering starts over
+        engines.restart_p0()
+        wait_until(lambda: st.restarts >= 1 and st.last_seq is not None, 30, "the restart to be seen")
+        assert index.ranks[(engines.p0.url, 0)] is st and st.hashes == set()  # it holds nothing, and we know
+    finally:
+        loop.run(router.stop())
+
+
+def test_a_stale_rank_scores_an_empty_cache(engines, loop):
+    router = start_router(loop, engines, "kv_aware")
+    try:
+        index = router.kv_index
+        wait_until(lambda: len(index.ranks) == 3 and all(st.last_seq is not None for st in index.ranks.values()),
+                   20, "subscriptions")
+        st = index.ranks[(engines.p1.url, 0)]
+        st.hashes.add(12345)
+        assert index.match(st, [12345]) == 1
+        st.last_msg = time.monotonic() - index.stale_s - 1  # as if its events stopped
+        assert index.match(st, [12345]) == 0
+    finally:
+        loop.run(router.stop())
+
+
+def test_x_request_id_reaches_both_engines_access_logs(engines, loop):
+    router = start_router(loop, engines, "round_robin")
+    try:
+        r = loop.run(http("POST", router.url + "/v1/completions", {"prompt": "def f(x):", "max_tokens": 2},
+                          headers={"X-Request-Id": "trace-me-15"}), timeout=60)
+        assert r.status == 200
+        logs = [engines.logs / "p0.log", engines.logs / "p1.log", engines.logs / "d.log"]
+
+        def lines():
+            out = []
+            for path in logs:
+                for line in path.read_text(errors="replace").splitlines():
+                    if line.startswith("{") and '"trace-me-15"' in line:
+                        out.append((path.name, json.loads(line)))
+            return out
+        wait_until(lambda: len(lines()) == 2, 10, "one access line on P and one on D")
+        found = lines()
+        assert {name for name, _ in found} & {"p0.log", "p1.log"} and ("d.log" in {name for name, _ in found})
+        assert all(entry["path"] == "/v1/completions" and entry["status"] == 200 for _, entry in found)
+    finally:
+        loop.run(router.stop())
