@@ -189,6 +189,8 @@ def decode_request(body: bytes, kind: type[msgspec.Struct]):
         raise invalid(param, text) from None
     except msgspec.DecodeError as e:
         raise APIError(400, f"invalid JSON body: {e}", code="invalid_json") from None
+    except RecursionError:  # msgspec's nesting limit
+        raise APIError(400, "invalid JSON body: nested too deeply", code="invalid_json") from None
 
 
 def prompt_input(prompt: str | list[Any]) -> str | list[int]:

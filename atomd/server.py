@@ -57,7 +57,7 @@ READY_PROBE_TIMEOUT_S = 2.0
 SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before they are cut
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
-OPEN_PATHS = ("/health", "/ready", "/metrics")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
 RANK_HEADER = "X-data-parallel-rank"
 ERROR_STATUS = {ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
                 ErrorCode.UNSCHEDULABLE: (400, "invalid_request_error"),
@@ -152,6 +152,7 @@ class Server:
         app.router.add_get("/debug/stats", self.debug_stats)
         app.router.add_get("/kv_transfer_info", self.kv_transfer_info)
         app.router.add_post("/kv_transfer/abort", self.kv_transfer_abort)
+        app.router.add_get("/openapi.json", self.openapi)
         app.on_response_prepare.append(echo_request_id)
         self.app = app
 
@@ -206,10 +207,13 @@ class Server:
             if e.status < 400:
                 raise
             return error_response(P.APIError(e.status, e.reason, type="invalid_request_error"))
-        except Exception as e:  # a bug: answer it in the API's error shape, keep serving
-            logger.exception("unhandled error on %s %s", request.method, request.path)
-            return error_response(P.APIError(500, f"internal error: {type(e).__name__}: {e}",
-                                             type="server_error", code="internal_error"))
+        except Exception:  # a bug: answer it in the API's error shape, keep serving
+            # The trace goes to the log only: no stack, message or internal path in the body.
+            logger.exception("unhandled error on %s %s (request %s)", request.method, request.path,
+                             request.get("request_id"))
+            return error_response(P.APIError(
+                500, f"internal error; the server log has it under request id {request.get('request_id')}",
+                type="server_error", code="internal_error"))
 
     @web.middleware
     async def auth(self, request: web.Request, handler):
@@ -268,13 +272,20 @@ class Server:
         self.require_engine()
         try:
             body = msgspec.json.decode(await request.read())
-        except msgspec.DecodeError as e:
+        except (msgspec.DecodeError, RecursionError) as e:
             raise P.invalid("body", f"not JSON: {e}") from None
         transfer_id = body.get("transfer_id") if isinstance(body, dict) else None
         if not isinstance(transfer_id, str) or not transfer_id:
             raise P.invalid("transfer_id", "transfer_id must be a non-empty string")
         return json_response({"transfer_id": transfer_id,
                               "revoked": bool(await self.client.call("kv_transfer_abort", transfer_id))})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        """OpenAPI 3.1 from the structs that validate the bodies (atomd/openapi.py)."""
+        from atomd import __version__
+        from atomd.openapi import openapi_document
+
+        return json_response(openapi_document(__version__))
 
     async def models(self, request: web.Request) -> web.Response:
         self.require_engine()
