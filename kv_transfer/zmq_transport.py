@@ -363,6 +363,9 @@ class KVSender(_IOLoop):
         copy_below_bytes: int = 256 << 10,
         drain_s: float = 2.0,
     ) -> None:
+        if host.strip("[]") in ("", "*", "0.0.0.0", "::"):  # D would dial its own host
+            raise ValueError(f"the KV side channel host must be an address decode engines can reach, "
+                             f"not the wildcard {host!r}: --kv-side-channel-host is what P advertises to D")
         _check_kv(kv_blocks)
         super().__init__("kv-sender")
         self._kv = kv_blocks
@@ -389,9 +392,9 @@ class KVSender(_IOLoop):
         except zmq.ZMQError as e:
             self.close()
             # P advertises this address to D (remote_host): it must be one of this host's own
-            raise ValueError(f"cannot bind the KV side channel at tcp://{host}:{port or '*'} ({zmq.strerror(e.errno)}): "
-                             f"--kv-side-channel-host must be an address of this host that decode engines "
-                             f"can reach") from None
+            raise ValueError(f"cannot bind the KV side channel at tcp://{host}:{port or '*'} "
+                             f"({zmq.strerror(e.errno)}): --kv-side-channel-host must be an address of this "
+                             f"host that decode engines can reach") from None
         self._address = (host, port)
         self.engine_id = engine_id or f"{host}:{port}"
         self.instance = secrets.token_hex(8)  # told in the handshake: a restarted P is another peer

@@ -24,7 +24,7 @@ import openai
 import pytest
 
 from launch.process import http
-from tests.kv_backends import BACKENDS, skip_unless_available
+from tests.kv_backends import BACKENDS, require_backend
 from tests.pd_fixtures import PDCluster, block_bytes, kill_engine, metric, metrics, sse_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -47,7 +47,7 @@ def reference():
 
 @pytest.fixture(scope="module", params=BACKENDS)
 def pd(request, reference):
-    skip_unless_available(request.param)
+    require_backend(request.param)
     backend = ["--kv-transfer-backend", request.param]
     engines = dict(P=["--kv-role", "producer", *LEASE, *backend], D=["--kv-role", "consumer", *RECV_TIMEOUT, *backend],
                    P2=["--kv-role", "producer", *LEASE, *backend],
@@ -300,11 +300,10 @@ def test_decode_engine_killed_before_pulling(pd):
     assert answer["status"] >= 500
 
 
+@pytest.mark.parametrize("pd", ["mooncake"], indirect=True)  # its cluster has a zmq producer too
 def test_mixed_backends_are_refused_at_the_handshake(pd):
     """P on zmq, D on mooncake: D refuses P's handshake before any byte moves (503, counted
     as backend_mismatch) and P frees the blocks; the other direction is in the transport tests."""
-    if "PZ" not in pd.engines:
-        pytest.skip("the mooncake cluster pairs its consumer with a zmq producer")
     prompt = token_prompt(23, 40)
     params = prefill_leg(pd["PZ"], prompt)
     before = metric(pd["D"], "atomd:kv_transfer_failures_total", reason="backend_mismatch")

@@ -41,7 +41,7 @@ from kv_transfer.zmq_transport import (
     plan_messages,
 )
 from launch.process import free_port
-from tests.kv_backends import BACKENDS, make_receiver, make_sender, skip_unless_available
+from tests.kv_backends import BACKENDS, make_receiver, make_sender, require_backend
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BLOCK_BYTES = 3 * 1024 + 17  # odd on purpose: nothing may assume alignment
@@ -103,7 +103,7 @@ def closing():
 
 @pytest.fixture(params=BACKENDS)
 def backend(request):
-    skip_unless_available(request.param)
+    require_backend(request.param)
     return request.param
 
 
