@@ -4,9 +4,9 @@ one bridge, tests/netns.py), against the offline engine.
 The hosts reach each other only over the bridge, so the request path (router -> P, router
 -> D) and the KV path (D -> P's side channel) cross real (virtual) network interfaces:
 P advertises its host's address, never 127.0.0.1, and D trusts it because the router signs
-P's params with the secret the three share. This file is the part of the cross-host suite
-that `make test` runs; the slower tests (link shaping, a cut link, a two-node Ray cluster)
-are in test_netns_cluster.py and test_netns_ray.py (`make e2e-netns`).
+P's params with the secret the three share. `make test` runs this file and
+test_netns_cluster.py (shaped links, a cut link); test_netns_ray.py (a two-node Ray
+cluster) runs under `make e2e-netns`.
 """
 from __future__ import annotations
 
@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from launch.process import http
+from tests.kv_backends import BACKENDS, require_backend
 from tests.netns import HostEngine, HostRouter, complete, hosts, offline_llm, prometheus, secret_file, sse_text
 from tests.pd_fixtures import block_bytes
 from tests.server_fixtures import model_dir
@@ -32,15 +33,17 @@ def token_prompt(seed: int, n: int) -> list[int]:
     return [int(t) for t in np.random.default_rng(seed).integers(10, VOCAB, n)]
 
 
-@pytest.fixture(scope="module")
-def pd(tmp_path_factory):
+@pytest.fixture(scope="module", params=BACKENDS)
+def pd(request, tmp_path_factory):
+    require_backend(request.param)
     tmp = tmp_path_factory.mktemp("netns-pd")
     with hosts(3) as net, secret_file(tmp) as secret:
         a, b, c = net.hosts
         model = model_dir()
         trust = ["--kv-params-secret-file", str(secret)]
-        p = HostEngine(net, a, model, "--kv-role", "producer", "--kv-side-channel-host", a.ip, *trust)
-        d = HostEngine(net, b, model, "--kv-role", "consumer", *trust)
+        backend = ["--kv-transfer-backend", request.param]
+        p = HostEngine(net, a, model, "--kv-role", "producer", "--kv-side-channel-host", a.ip, *trust, *backend)
+        d = HostEngine(net, b, model, "--kv-role", "consumer", *trust, *backend)
         net.engines = [p, d]
         net.llm = offline_llm()  # loads while the engines do
         p.wait_ready()
