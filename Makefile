@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-unit test-integration e2e-netns helm-check bench clean
+.PHONY: venv test test-unit test-integration e2e-netns helm-check bench clean load
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,11 @@ test-integration: venv
 # link: ~30 s); this adds the long ones (the two-node Ray cluster: ~1 min more).
 e2e-netns: venv
 	ATOMD_NETNS_FULL=1 $(PY) -m pytest -q -m netns $(PYTEST_ARGS)
+
+# Bounded load tests (marker `load`, excluded from `make test`): 1000 concurrent streaming
+# clients through the router to fake engines for 30 s, RSS flat (~1 minute).
+load: venv
+	$(PY) -m pytest -q -m load $(PYTEST_ARGS)
 
 # The Helm chart without a cluster (helm/atomd): helm lint --strict, helm template for
 # Kubernetes 1.29 and 1.37 validated by kubernetes-validate --strict, semantic and

@@ -6,6 +6,7 @@ arguments (`LLM(**engine_args)`); a bad value is a ValueError naming the field.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import typing
@@ -23,6 +24,7 @@ KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
+SPECULATIVE_METHODS = ("ngram",)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -80,6 +82,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dp_lockstep: bool = False
     dp_collective_timeout_s: float = 60.0
     dp_master_port: int | None = None  # the ranks' gloo group; picked by the API process
+    # speculative decoding, vLLM's JSON shape: '{"method": "ngram", "num_speculative_tokens": 4,
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5}' (atomd/spec_decode.py); None: off
+    speculative_config: str | None = None
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPES)
@@ -141,6 +146,14 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"kv_params_secret_file {self.kv_params_secret_file!r} is not a file")
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"model must be a local Hugging Face checkpoint directory, got {self.model!r}")
+        spec = self.speculative()
+        if spec is not None and spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
+            raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {spec.num_speculative_tokens + 1} "
+                             f"> max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    def speculative(self) -> "SpeculativeConfig | None":
+        """The parsed speculative_config (ValueError naming the bad key), or None when off."""
+        return None if self.speculative_config is None else SpeculativeConfig.parse(self.speculative_config)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
@@ -154,6 +167,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
         if isinstance(kwargs.get("kv_cache_memory"), str):
             kwargs["kv_cache_memory"] = parse_bytes(kwargs["kv_cache_memory"], "kv_cache_memory")
+        if isinstance(kwargs.get("speculative_config"), dict):  # LLM(speculative_config={...}), as vLLM
+            kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
         return cls(**kwargs)
 
     def trusted_producers(self) -> list[str]:
@@ -161,6 +176,46 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def num_threads_or_all(self) -> int:
         return self.num_threads or os.cpu_count() or 1
+
+
+class SpeculativeConfig(msgspec.Struct, frozen=True):
+    """`speculative_config`, parsed (vLLM's keys and defaults). ngram (prompt lookup): up to
+    `num_speculative_tokens` drafts copied from the tokens that followed the latest earlier
+    occurrence of the sequence's last n tokens, n from prompt_lookup_max down to
+    prompt_lookup_min (one missing: the other; both: 5)."""
+
+    method: str
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+
+    @classmethod
+    def parse(cls, text: str) -> "SpeculativeConfig":
+        try:
+            raw = json.loads(text)
+        except ValueError:
+            raw = None
+        if not isinstance(raw, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+        known = ("method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max")
+        for key in raw:
+            if key not in known:
+                raise ValueError(f"speculative_config: unknown key {key!r} (known: {', '.join(known)})")
+        for key in known[:2]:
+            if key not in raw:
+                raise ValueError(f"speculative_config: {key!r} is required")
+        if raw["method"] not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative_config: method must be one of {', '.join(SPECULATIVE_METHODS)}, "
+                             f"got {raw['method']!r}")
+        for key in known[1:]:
+            value = raw.get(key)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}")
+        low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
+        low, high = (low or high or 5), (high or low or 5)
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min={low} > prompt_lookup_max={high}")
+        return cls(raw["method"], raw["num_speculative_tokens"], low, high)
 
 
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
@@ -228,6 +283,8 @@ HELP = {
     "prefill_delayer": "keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)",
     "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
     "dp_collective_timeout_s": "a DP collective not done by then fails open and the group is given up",
+    "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
+                          "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}'",
 }
 INTERNAL_FIELDS = ("dp_master_port",)  # set by the API process for its DP ranks, never by a user
 _SIZE_FIELDS = ("kv_cache_memory", "num_kvcache_blocks")  # one or the other

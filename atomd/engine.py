@@ -27,6 +27,8 @@ from atomd.kv_events import KVEventPublisher, offset_port
 from atomd.model.loader import load_model
 from atomd.runner import ModelRunner
 from atomd.sampler import Sampler, prompt_logprobs
+from atomd.spec_decode import NgramProposer, SpecController, accept
+from atomd.structured import GrammarCompiler
 from atomd.tokenizer import Tokenizer
 from atomd.messages import RequestOutput
 from kv_transfer.connector import KVConnectorConfig
@@ -70,7 +72,14 @@ class LLMEngine:
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id
         self._end_token_ids = [t for t in [eos, *self.tokenizer.stop_token_ids] if t is not None]
-        self.sampler = Sampler(config.seed, self._end_token_ids)  # end tokens: banned before min_tokens
+        grammars = GrammarCompiler((model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self._end_token_ids)
+        self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
+        spec = config.speculative()  # speculative decoding (atomd/spec_decode.py), None: off
+        self.proposer = self.spec_control = None
+        if spec is not None:
+            self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
+                                          spec.prompt_lookup_max, config.max_model_len)
+            self.spec_control = SpecController(spec.num_speculative_tokens)
         self.scheduler = Scheduler(SchedulerConfig(
             num_kvcache_blocks=self.kv_cache.num_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
@@ -79,6 +88,7 @@ class LLMEngine:
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             enable_kv_events=config.kv_events_endpoint is not None),
             kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)
         self.kv_events = self._make_kv_events(model_dir)  # None without --kv-events-endpoint
@@ -165,6 +175,11 @@ class LLMEngine:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if sp.structured_outputs is not None:  # compiled once per distinct grammar (cached)
+            try:
+                self.sampler.grammars.compile(sp.structured_outputs)
+            except ValueError as e:
+                raise ValueError(f"structured_outputs: the grammar does not compile: {e}") from None
         changes: dict[str, Any] = {}
         if sp.bad_words and not sp.bad_words_token_ids:
             changes["bad_words_token_ids"] = self.bad_words_token_ids(sp.bad_words)
@@ -224,6 +239,10 @@ class LLMEngine:
             kv = self.kv_cache.kv
             kv[list(dst)] = kv[list(src)]
         want_prompt = batch.is_prefill and any(s.prompt_logprobs is not None for s in batch.seqs)
+        # speculative decoding: the runner returns every scheduled row's logits; row j of a
+        # sequence samples the token after its j-th draft, as if drafts[:j] were accepted
+        verify = not batch.is_prefill and any(batch.spec_token_ids)
+        started = time.perf_counter()
         logits = self.runner.execute(batch, all_logits=want_prompt)
         prompt_entries = None
         if want_prompt:
@@ -234,32 +253,75 @@ class LLMEngine:
         fork_ids: list[list[int]] | None = None
         fork_entries: list[list[Any]] | None = None
         if rows:
+            drafts = batch.spec_token_ids if verify else [[] for _ in batch.seqs]
+            first_row = (np.cumsum(batch.num_scheduled_tokens) - batch.num_scheduled_tokens).tolist() if verify else None
             seqs, params, source = [], [], []  # a row about to fork samples once per choice
+            extra: list[list[int]] | None = [] if verify else None
             for j, i in enumerate(rows):
                 seq = batch.seqs[i]
-                for choice in range(seq.num_forks + 1):
+                at = first_row[i] if verify else j
+                for d in range(len(drafts[i]) + 1):  # the last token, then each draft
+                    seqs.append(seq)
+                    params.append(seq.sampling_params)
+                    source.append(at + d)
+                    if verify:
+                        extra.append(drafts[i][:d])
+                for choice in range(1, seq.num_forks + 1):
                     seqs.append(seq)
                     params.append(seq.sampling_params.for_choice(choice))
-                    source.append(j)
-            if len(source) > len(rows):
+                    source.append(at)
+                    if verify:
+                        extra.append([])
+            if source != list(range(len(logits))):
                 logits = logits[torch.tensor(source)]
-            tokens, entries = self.sampler.sample(logits, seqs, params)
+            tokens, entries = self.sampler.sample(logits, seqs, params, extra)
             if entries is not None:
                 logprobs = [[] for _ in batch.seqs]
             at = 0
             for i in rows:
-                k = batch.seqs[i].num_forks
-                token_ids[i] = [tokens[at]]
+                k, n = batch.seqs[i].num_forks, len(drafts[i])
+                token_ids[i] = accept(tokens[at:at + n + 1], drafts[i]) if n else [tokens[at]]
                 if entries is not None:
-                    logprobs[i] = [entries[at]]
+                    logprobs[i] = entries[at:at + len(token_ids[i])]
+                if n:
+                    self.spec_control.update(batch.seqs[i].id, n, len(token_ids[i]) - 1)
+                at += n + 1
                 if k:
                     if fork_ids is None:
                         fork_ids, fork_entries = [[] for _ in batch.seqs], [[] for _ in batch.seqs]
-                    fork_ids[i] = tokens[at + 1:at + 1 + k]
-                    fork_entries[i] = entries[at + 1:at + 1 + k] if entries is not None else [None] * k
-                at += 1 + k
-        return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
-                                    fork_logprobs=fork_entries, prompt_logprobs=prompt_entries)
+                    fork_ids[i] = tokens[at:at + k]
+                    fork_entries[i] = entries[at:at + k] if entries is not None else [None] * k
+                at += k
+        next_drafts = None
+        if self.proposer is not None and rows:
+            next_drafts = self._propose(batch, rows, token_ids)
+            if not batch.is_prefill:  # what a decode step costs per scheduled token: when drafts pay
+                self.spec_control.cost.observe(batch.num_tokens, time.perf_counter() - started)
+        return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, draft_token_ids=next_drafts,
+                                    fork_token_ids=fork_ids, fork_logprobs=fork_entries,
+                                    prompt_logprobs=prompt_entries)
+
+    def _propose(self, batch: ScheduledBatch, rows: list[int], token_ids: list[list[int]]) -> list[list[int]]:
+        """Drafts for the next step of every sequence that sampled, from its history plus the
+        tokens it just got (the scheduler cuts them at stops and limits; P hands them to D).
+        None ([]) for a sequence the controller paused or that is at its max_tokens."""
+        seq_ids, histories, new, limits = [], [], [], []
+        running = max(len(self.scheduler.running), len(rows))  # the next decode batch, roughly
+        for i in rows:
+            seq = batch.seqs[i]
+            limit = self.spec_control.limit(seq.id, running)
+            params = seq.kv_transfer_params
+            if params is None or not params.do_remote_decode:  # P's leg stops at 1 token: D goes on
+                limit = min(limit, seq.sampling_params.max_tokens - seq.num_completion_tokens - len(token_ids[i]) - 1)
+            seq_ids.append(seq.id)
+            histories.append(seq.token_ids)
+            new.append(token_ids[i])
+            limits.append(limit)
+        drafts = self.proposer.propose(seq_ids, histories, new, limits)
+        out: list[list[int]] = [[] for _ in batch.seqs]
+        for i, d in zip(rows, drafts):
+            out[i] = d
+        return out
 
     def _prompt_logprobs(self, batch: ScheduledBatch, logits: torch.Tensor) -> tuple[torch.Tensor, list]:
         """Split the logits of every scheduled token into the sampling rows and, for the
@@ -288,7 +350,7 @@ class LLMEngine:
         if req is None or req.seq.group is not seq.group:
             return []
         if finished:
-            self.sampler.forget(seq.id)
+            self._forget(seq.id)
             req.num_finished += 1
         parent = req.seq
         done = req.num_finished == len(parent.group)
@@ -324,10 +386,17 @@ class LLMEngine:
         out.error, out.error_code = last.error, last.error_code
         out.timing = (parent.arrive_time, parent.first_scheduled_time, parent.first_token_time, time.time())
 
+    def _forget(self, seq_id: int) -> None:
+        """A sequence ended: drop its sampler and drafter state."""
+        self.sampler.forget(seq_id)
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)
+            self.spec_control.forget(seq_id)
+
     def _aborted_output(self, seq: Sequence) -> RequestOutput:
         self._requests.pop(seq.request_id, None)
         for s in seq.group:
-            self.sampler.forget(s.id)
+            self._forget(s.id)
         out = RequestOutput(seq.request_id, [], None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
         self._finish_output(out, seq, seq)
         return out
@@ -342,7 +411,16 @@ class LLMEngine:
                 "num_total_blocks": bm.num_total_blocks, "kv_cache_usage": bm.usage,
                 "prefix_cache_queries": s.cache_stats.queries, "prefix_cache_hits": s.cache_stats.hits,
                 "num_preemptions": s.num_preemptions,
+                **self._spec_stats(),
                 "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters (vLLM's spec_decode names) and the SpecStats."""
+        spec = self.scheduler.spec_stats
+        if spec is None:
+            return {"spec_decode": None}
+        return {"spec_decode_num_drafts": spec.num_steps, "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens, "spec_decode": spec.as_dict()}
 
     def only_serving_kv(self) -> bool:
         """Nothing to compute or pull: only blocks pinned for a consumer are pending, so the

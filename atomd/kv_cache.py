@@ -44,6 +44,7 @@ class AttentionMetadata:
     new_positions: torch.Tensor | None = None  # decode: [B] position of each row's new token
     kernels: Any = None  # atomd.native's library when it computes the attention
     context_lens: torch.Tensor | None = None  # decode with kernels: [B] int64
+    query_starts: torch.Tensor | None = None  # decode with kernels and drafts: [B + 1] row offsets
     fresh_starts: torch.Tensor | None = None  # prefill with kernels: first row of each fresh prompt
     fresh_lens: torch.Tensor | None = None  # prefill with kernels: its rows this step
 

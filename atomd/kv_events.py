@@ -141,6 +141,9 @@ class KVEventPublisher:
             self._thread.join(timeout_s)
             self._stop.set()
             self._thread.join(timeout_s)
+        if self._thread.is_alive():  # stuck in a send: tear the sockets down under it
+            self._ctx.destroy(linger=0)
+            return
         self._close_sockets()
 
     def _close_sockets(self) -> None:

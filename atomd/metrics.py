@@ -50,6 +50,41 @@ class EngineStatsCollector:
         kv = self.stats.get("kv_transfer")
         if kv:  # a producer or consumer engine (PD)
             yield from self.collect_kv_transfer(kv)
+        if any(rank.get("spec_decode") for rank in self.stats.get("ranks", [self.stats])):  # speculation on
+            yield from self.collect_spec_decode(self.stats)
+
+    SPEC_COUNTERS = (("spec_decode_num_drafts", "Verify steps of a sequence with drafts."),
+                     ("spec_decode_num_draft_tokens", "Draft tokens proposed and verified."),
+                     ("spec_decode_num_accepted_tokens", "Draft tokens accepted."))
+
+    def collect_spec_decode(self, stats: dict[str, Any]):
+        """vLLM's spec_decode counters, the accepted drafts per position (position j: steps
+        that accepted more than j drafts) and two gauges over the engine's life: the draft
+        acceptance rate and the mean accepted length (tokens per verify step, the bonus included)."""
+        for name, doc in self.SPEC_COUNTERS:
+            family = CounterMetricFamily(f"atomd:{name}", doc, labels=LABELS)
+            family.add_metric(self.labels, float(stats.get(name, 0)))
+            yield family
+        per_pos: dict[int, int] = {}
+        for rank in stats.get("ranks", [stats]):
+            for accepted, steps in ((rank.get("spec_decode") or {}).get("distribution") or {}).items():
+                for pos in range(int(accepted)):
+                    per_pos[pos] = per_pos.get(pos, 0) + steps
+        family = CounterMetricFamily("atomd:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, "
+                                     "by position in the draft.", labels=LABELS + ("position",))
+        for pos in sorted(per_pos):
+            family.add_metric(self.labels + [str(pos)], float(per_pos[pos]))
+        yield family
+        drafts, steps = stats.get("spec_decode_num_draft_tokens", 0), stats.get("spec_decode_num_drafts", 0)
+        accepted = stats.get("spec_decode_num_accepted_tokens", 0)
+        for name, value, doc in (
+                ("spec_decode_draft_acceptance_rate", accepted / drafts if drafts else 0.0,
+                 "Accepted / proposed draft tokens."),
+                ("spec_decode_mean_accepted_length", 1 + accepted / steps if steps else 0.0,
+                 "Tokens per verify step: accepted drafts plus the token sampled after them.")):
+            family = GaugeMetricFamily(f"atomd:{name}", doc, labels=LABELS)
+            family.add_metric(self.labels, value)
+            yield family
 
     def collect_kv_transfer(self, kv: dict[str, Any]):
         """PD series: bytes moved (sent on P, received on D), refusals and failed pulls by

@@ -1,6 +1,7 @@
 """The C attention kernels (atomd/csrc/attention.c): built once, loaded by ctypes.
 
-`decode_attention` (one token per sequence over its paged context) and `prefill_attention`
+`decode_attention` (the decode queries of each sequence over its paged context: one token,
+or with speculative decoding its last token and its drafts, causal inside that run) and `prefill_attention`
 (causal attention of fresh prompts over their own rows) for float32.
 
 Compiled at first use with the system C compiler (`$CC`, else `cc`) for this CPU
@@ -82,7 +83,7 @@ def attention_kernels(head_dim: int, group: int) -> ctypes.CDLL | None:
         log.warning("building %s failed, attention uses torch SDPA: %s", SOURCE.name, detail)
         return None
     lib.atomd_decode_attention.restype = lib.atomd_prefill_attention.restype = ctypes.c_int
-    lib.atomd_decode_attention.argtypes = [_PTR] * 5 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+    lib.atomd_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
     lib.atomd_prefill_attention.argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.head_dim, lib.group = head_dim, group  # the shape it was built for: checked at every call
     return lib
@@ -101,25 +102,35 @@ def _check_status(status: int, what: str) -> None:
 
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer: int,
-                     block_tables: torch.Tensor, context_lens: torch.Tensor) -> torch.Tensor:
-    """Attention of q [B, heads, head_dim] (one token per sequence) over each sequence's
-    first context_lens[b] cached tokens, read through block_tables [B, width] (int64);
+                     block_tables: torch.Tensor, context_lens: torch.Tensor,
+                     query_starts: torch.Tensor | None = None) -> torch.Tensor:
+    """Attention of q [R, heads, head_dim] over the paged cache, read through block_tables
+    [B, width] (int64). Without query_starts, R == B: row b is sequence b's one token and sees
+    its first context_lens[b] cached tokens. With query_starts [B + 1] (int64 offsets), sequence
+    b owns rows query_starts[b] .. query_starts[b + 1] - 1, the last positions of its context
+    (its last token and its drafts), each seeing the keys up to its own position (causal).
     `lib` is attention_kernels(head_dim, heads // kv_heads)."""
     c = kv_cache
-    batch, heads, head_dim = q.shape
+    rows, heads, head_dim = q.shape
+    batch = context_lens.shape[0]
     _check_shape(lib, heads, c.num_kv_heads, head_dim)
     assert q.dtype == c.kv.dtype == torch.float32 and block_tables.dtype == context_lens.dtype == torch.int64
     assert c.kv.is_contiguous() and block_tables.is_contiguous() and context_lens.is_contiguous()
-    assert block_tables.shape[0] == context_lens.shape[0] == batch, "one query token per sequence"
+    assert block_tables.shape[0] == batch
+    if query_starts is None:
+        assert rows == batch, "one query token per sequence (else pass query_starts)"
+    else:  # its values (increasing, at most a context per sequence) are the caller's to check, once a step
+        assert query_starts.dtype == torch.int64 and query_starts.is_contiguous() and len(query_starts) == batch + 1
     q = q.contiguous()
     out = torch.empty_like(q)
     row = c.num_kv_heads * head_dim
     block_stride = c.num_layers * 2 * c.block_size * row
     _check_status(lib.atomd_decode_attention(
-        q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(), out.data_ptr(), batch,
+        q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
+        None if query_starts is None else query_starts.data_ptr(), out.data_ptr(), batch,
         heads, c.num_kv_heads, c.block_size, block_tables.shape[1], block_stride, layer * 2 * c.block_size * row,
         c.block_size * row, head_dim ** -0.5, torch.get_num_threads()), "decode attention")
-    return out.view(batch, heads * head_dim)
+    return out.view(rows, heads * head_dim)
 
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -18,7 +18,7 @@ from typing import Any, Literal
 import msgspec
 
 from kv_transfer.params import KVTransferParams
-from scheduler.sequence import SamplingParams
+from scheduler.sequence import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # n and best_of (OpenAI's limit for n)
@@ -28,12 +28,11 @@ MAX_N = 128  # n and best_of (OpenAI's limit for n)
 UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "suffix": (None, ""), "tools": (None, []), "tool_choice": (None, "none", "auto"), "functions": (None, []),
     "function_call": (None, "none", "auto"), "parallel_tool_calls": (None, True, False),
-    "response_format": (None, {"type": "text"}), "audio": (None,), "modalities": (None, ["text"]),
+    "audio": (None,), "modalities": (None, ["text"]),
     "prediction": (None,), "reasoning_effort": (None,), "service_tier": (None, "auto", "default"),
     "store": (None, False), "metadata": (None, {}), "web_search_options": (None,),
     "use_beam_search": (None, False), "length_penalty": (None, 1.0), "early_stopping": (None, False),
-    "guided_json": (None,), "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
-    "structured_outputs": (None,), "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
+    "truncate_prompt_tokens": (None,), "prompt_embeds": (None,),
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
     "logits_processors": (None, []), "chat_template": (None,), "chat_template_kwargs": (None, {}),
@@ -41,6 +40,9 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "cache_salt": (None,), "vllm_xargs": (None, {}),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
+CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # unsupported on completions only
+STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+                     "guided_grammar")
 
 
 class APIError(Exception):
@@ -75,7 +77,6 @@ class _UnsupportedFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     functions: Any = msgspec.UNSET
     function_call: Any = msgspec.UNSET
     parallel_tool_calls: Any = msgspec.UNSET
-    response_format: Any = msgspec.UNSET
     audio: Any = msgspec.UNSET
     modalities: Any = msgspec.UNSET
     prediction: Any = msgspec.UNSET
@@ -87,11 +88,6 @@ class _UnsupportedFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     use_beam_search: Any = msgspec.UNSET
     length_penalty: Any = msgspec.UNSET
     early_stopping: Any = msgspec.UNSET
-    guided_json: Any = msgspec.UNSET
-    guided_regex: Any = msgspec.UNSET
-    guided_choice: Any = msgspec.UNSET
-    guided_grammar: Any = msgspec.UNSET
-    structured_outputs: Any = msgspec.UNSET
     truncate_prompt_tokens: Any = msgspec.UNSET
     prompt_embeds: Any = msgspec.UNSET
     skip_special_tokens: Any = msgspec.UNSET
@@ -106,6 +102,32 @@ class _UnsupportedFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     priority: Any = msgspec.UNSET
     cache_salt: Any = msgspec.UNSET
     vllm_xargs: Any = msgspec.UNSET
+
+
+class JSONSchemaFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """OpenAI's `response_format.json_schema`. The schema is enforced whatever `strict` says."""
+
+    name: str = "response"
+    schema: dict[str, Any] | None = None
+    description: str | None = None
+    strict: bool | None = None
+
+
+class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
+    """OpenAI's `response_format`: text (nothing asked), any JSON object, or a JSON schema."""
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+
+class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True):
+    """vLLM's `structured_outputs`: exactly one of these."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
 
 
 class _SamplingFields(_UnsupportedFields, kw_only=True, forbid_unknown_fields=True):
@@ -137,6 +159,13 @@ class _SamplingFields(_UnsupportedFields, kw_only=True, forbid_unknown_fields=Tr
     kv_transfer_params: dict[str, Any] | None = None  # parsed by validate_*_request
     user: str | None = None
     data_parallel_rank: int | None = None  # vLLM's: pin the request to one DP rank
+    # structured outputs (atomd/structured.py): at most one of these
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsRequest | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -153,10 +182,46 @@ class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     text: str | None = None
 
 
+class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCallIn(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A tool call of an earlier assistant turn."""
+
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
 class ChatMessage(msgspec.Struct, forbid_unknown_fields=True):
     role: str
     content: str | list[ContentPart] | None = None
     name: str | None = None
+    tool_calls: list[ToolCallIn] | None = None  # assistant
+    tool_call_id: str | None = None  # tool
+
+
+class FunctionDefinition(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None  # a JSON schema
+    strict: bool | None = None
+
+
+class ToolDefinition(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(msgspec.Struct, forbid_unknown_fields=True):
+    name: str
+
+
+class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
+    type: Literal["function"]
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -167,6 +232,9 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     echo: Any = msgspec.UNSET  # vLLM's chat echo (prepend the last message): not implemented
+    tools: list[ToolDefinition] | None = None  # atomd/tools.py
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: bool | None = None
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")
@@ -225,8 +293,21 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             content = "".join(p.text for p in m.content)
         else:
             content = m.content or ""
-        out.append({"role": m.role, "content": content})
+        message: dict[str, Any] = {"role": m.role, "content": content}
+        if m.tool_calls:  # the template gets arguments as objects (vLLM does the same)
+            message["tool_calls"] = [{"id": c.id, "type": c.type, "function": {
+                "name": c.function.name, "arguments": _json_or_text(c.function.arguments)}} for c in m.tool_calls]
+        if m.tool_call_id is not None:
+            message["tool_call_id"] = m.tool_call_id
+        out.append(message)
     return out
+
+
+def _json_or_text(text: str) -> Any:
+    try:
+        return msgspec.json.decode(text)
+    except (msgspec.DecodeError, RecursionError):
+        return text
 
 
 class Checked(msgspec.Struct):
@@ -238,11 +319,16 @@ class Checked(msgspec.Struct):
     kv_transfer_params: KVTransferParams | None
     prompt_logprobs: int | None = None
     logit_bias: dict[int, float] | None = None
+    structured_outputs: StructuredOutputsParams | None = None  # the grammar the output must follow
+    tools: list[dict[str, Any]] | None = None  # chat: for the template (None: no tools in the prompt)
+    parse_tool_calls: bool = False  # chat: the output's tool calls become `tool_calls`
 
 
 def check_unsupported(req: _UnsupportedFields) -> None:
     """A 400 naming the first unsupported field sent with a value that asks for something."""
     for name, noops in UNSUPPORTED.items():
+        if name in CHAT_TOOL_FIELDS and isinstance(req, ChatCompletionRequest):
+            continue  # implemented there (atomd/tools.py)
         value = getattr(req, name)
         if value is not msgspec.UNSET and not any(_same(value, v) for v in noops):
             raise APIError(400, f"{name}={value!r} is not supported by this server; leave it out",
@@ -290,6 +376,102 @@ def _check_common(req: _SamplingFields) -> tuple[KVTransferParams | None, dict[i
     return kv_params, logit_bias
 
 
+def structured_request(req: _SamplingFields) -> tuple[StructuredOutputsParams | None, str | None]:
+    """The grammar a request's structured-output fields ask for, and the field that asked
+    (None, None: none). A 400 for two forms at once, an empty or ill-formed one, or a
+    combination the grammar cannot honour; the grammar is compiled by `check_structured`."""
+    forms: list[tuple[str, StructuredOutputsParams]] = []
+
+    def make(param: str, **kw: Any) -> None:
+        try:
+            forms.append((param, StructuredOutputsParams(**kw)))
+        except ValueError as e:
+            raise invalid(param, str(e).replace("structured_outputs ", "", 1)) from None
+
+    rf = req.response_format
+    if rf is not None and rf.type != "text":
+        if rf.type == "json_object":
+            if rf.json_schema is not None:
+                raise invalid("response_format.json_schema", "json_schema goes with type json_schema")
+            make("response_format", json_object=True)
+        elif rf.json_schema is None or rf.json_schema.schema is None:
+            raise invalid("response_format.json_schema.schema", "type json_schema needs json_schema.schema")
+        else:
+            make("response_format.json_schema.schema", json=rf.json_schema.schema)
+    so = req.structured_outputs
+    if so is not None:
+        given = {k: getattr(so, k) for k in ("json", "regex", "choice", "grammar") if getattr(so, k) is not None}
+        if so.json_object:
+            given["json_object"] = True
+        if len(given) != 1:
+            raise invalid("structured_outputs", "structured_outputs must set exactly one of json, regex, choice, "
+                                                f"grammar, json_object; got {sorted(given) or 'none'}")
+        (key, value), = given.items()
+        make(f"structured_outputs.{key}", **{key: value})
+    for name in ("guided_json", "guided_regex", "guided_choice", "guided_grammar"):
+        value = getattr(req, name)
+        if value is not None:
+            make(name, **{name[len("guided_"):]: value})
+    if not forms:
+        return None, None
+    if len(forms) > 1:
+        raise invalid(forms[1][0].split(".")[0], f"only one structured-output form per request: "
+                                                 f"{forms[0][0].split('.')[0]} and {forms[1][0].split('.')[0]} given")
+    param, params = forms[0]
+    if req.ignore_eos:
+        raise invalid("ignore_eos", "ignore_eos cannot be combined with structured outputs (the grammar ends the "
+                                    "output with the end token)")
+    if req.min_tokens:
+        raise invalid("min_tokens", "min_tokens cannot be combined with structured outputs (it could ban the only "
+                                    "token the grammar allows)")
+    return params, param
+
+
+def check_structured(params: StructuredOutputsParams | None, param: str | None) -> None:
+    """A 400 naming `param` when the grammar does not compile (llguidance's message)."""
+    if params is None:
+        return
+    from atomd import structured
+
+    try:
+        structured.check(params)
+    except ValueError as e:
+        raise invalid(param, f"{param}: {e}") from None
+
+
+def tool_plan(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, bool,
+                                                   StructuredOutputsParams | None, str | None]:
+    """(tools for the template, parse the output, grammar of a forced call, its field)."""
+    from atomd import tools as T
+
+    choice = req.tool_choice
+    if not req.tools:
+        if choice is not None and choice != "none":
+            raise invalid("tool_choice", "tool_choice needs tools")
+        return None, False, None, None
+    for i, t in enumerate(req.tools):
+        if not t.function.name:
+            raise invalid(f"tools[{i}].function.name", "a function needs a name")
+    if choice == "none":
+        return None, False, None, None
+    listed = [msgspec.to_builtins(t) for t in req.tools]
+    if choice is None or choice == "auto":
+        return listed, True, None, None
+    if choice == "required":
+        used = list(enumerate(req.tools))
+    else:
+        used = [(i, t) for i, t in enumerate(req.tools) if t.function.name == choice.function.name]
+        if not used:
+            raise invalid("tool_choice", f"tool_choice names function {choice.function.name!r}, which is not in tools")
+        used = used[:1]
+    for i, t in used:  # each schema on its own first: a bad one is named
+        if t.function.parameters:
+            check_structured(StructuredOutputsParams(json=t.function.parameters), f"tools[{i}].function.parameters")
+    several = choice == "required" and req.parallel_tool_calls is not False
+    grammar = T.forced_grammar([(t.function.name, t.function.parameters) for _, t in used], several)
+    return listed, True, StructuredOutputsParams(grammar=grammar), "tool_choice"
+
+
 def validate_completion_request(req: CompletionRequest) -> Checked:
     """Every check of a /v1/completions body but the sampling ranges (`sampling_params`)
     and the length policy (the server's, which needs the tokenized prompt)."""
@@ -300,7 +482,9 @@ def validate_completion_request(req: CompletionRequest) -> Checked:
     prompt_logprobs = req.prompt_logprobs
     if prompt_logprobs is None and req.echo and req.logprobs is not None:  # vLLM: echo's logprobs
         prompt_logprobs = req.logprobs
-    return Checked(req.logprobs, kv_params, prompt_logprobs, logit_bias)
+    structured, param = structured_request(req)
+    check_structured(structured, param)
+    return Checked(req.logprobs, kv_params, prompt_logprobs, logit_bias, structured)
 
 
 def validate_chat_request(req: ChatCompletionRequest) -> Checked:
@@ -316,7 +500,19 @@ def validate_chat_request(req: ChatCompletionRequest) -> Checked:
             raise invalid("top_logprobs", f"top_logprobs must be in [0, {MAX_LOGPROBS}], got {req.top_logprobs}")
     check_max_tokens("max_tokens", req.max_tokens)
     check_max_tokens("max_completion_tokens", req.max_completion_tokens)
-    return Checked((req.top_logprobs or 0) if req.logprobs else None, kv_params, req.prompt_logprobs, logit_bias)
+    structured, param = structured_request(req)
+    tools, parse, forced, forced_param = tool_plan(req)
+    if forced is not None:
+        if structured is not None:
+            raise invalid(param.split(".")[0], f"{param.split('.')[0]} cannot be combined with tool_choice "
+                                               f"{'required' if req.tool_choice == 'required' else 'naming a function'}")
+        structured, param = forced, forced_param
+        if req.ignore_eos or req.min_tokens:
+            raise invalid("ignore_eos" if req.ignore_eos else "min_tokens",
+                          "cannot be combined with a forced tool call (a grammar ends the output)")
+    check_structured(structured, param)
+    return Checked((req.top_logprobs or 0) if req.logprobs else None, kv_params, req.prompt_logprobs, logit_bias,
+                   structured, tools, parse)
 
 
 def check_max_tokens(param: str, value: int | None) -> None:
@@ -337,7 +533,8 @@ def sampling_params(req: _SamplingFields, max_tokens: int, checked: Checked) -> 
             presence_penalty=req.presence_penalty or 0.0, frequency_penalty=req.frequency_penalty or 0.0,
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=checked.logit_bias or None, bad_words=list(req.bad_words or []),
-            allowed_token_ids=req.allowed_token_ids, prompt_logprobs=checked.prompt_logprobs)
+            allowed_token_ids=req.allowed_token_ids, prompt_logprobs=checked.prompt_logprobs,
+            structured_outputs=checked.structured_outputs)
     except ValueError as e:  # SamplingParams starts its message with the field's name
         field = str(e).split(" ", 1)[0]
         raise invalid(field if field in SamplingParams.__struct_fields__ else None, str(e)) from None
@@ -413,12 +610,14 @@ class ChatLogprobs(msgspec.Struct):
 
 class ChatMessageOut(msgspec.Struct):
     role: str
-    content: str
+    content: str | None  # None: only tool calls
+    tool_calls: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET  # OpenAI's, when the model called tools
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # OpenAI's deltas: {index, id, type, function}
 
 
 class ChatChoice(msgspec.Struct):

@@ -35,7 +35,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch, all_logits: bool = False) -> torch.Tensor:
         """Logits [num sampled rows, vocab], batch order (the last token of each sampling
-        sequence); with all_logits, logits of every scheduled token (for prompt logprobs)."""
+        sequence); with all_logits, logits of every scheduled token (for prompt logprobs). A
+        decode batch with drafts returns the logits of every scheduled token too: row j of a
+        sequence predicts the token after its j-th draft (atomd/spec_decode.py verifies them)."""
         num_sched = batch.num_scheduled_tokens.astype(np.int64)
         computed = batch.num_computed_tokens.astype(np.int64)
         ends = np.cumsum(num_sched)
@@ -44,17 +46,25 @@ class ModelRunner:
         tables = _pad_tables(batch.block_tables)
         row = np.repeat(np.arange(len(num_sched)), num_sched)
         slot_blocks = tables[row, positions // self.block_size]
-        meta = AttentionMetadata(batch.is_prefill, torch.from_numpy(slot_blocks),
+        # speculative decoding: a decode row with drafts verifies them all in this forward
+        verify = not batch.is_prefill and bool((num_sched > 1).any())
+        # without the kernels such a batch takes the prefill path (a causal mask per sequence)
+        as_prefill = batch.is_prefill or (verify and self.kernels is None)
+        meta = AttentionMetadata(as_prefill, torch.from_numpy(slot_blocks),
                                  torch.from_numpy(positions % self.block_size), [], kernels=self.kernels)
-        if batch.is_prefill:
+        if as_prefill:
             meta.seqs = self._prefill_slices(batch.block_tables, starts, ends, computed)
             fresh = computed == 0
             if self.kernels is not None and fresh.any():  # the kernel takes every fresh prompt at once
                 meta.fresh_starts = torch.from_numpy(starts[fresh])
                 meta.fresh_lens = torch.from_numpy(num_sched[fresh])
+            if verify:
+                self.workspace = None  # its contexts miss this step's KV
         else:
             self._decode_metadata(meta, batch.seq_ids, tables, computed + num_sched)
-        if all_logits:
+            if verify:  # rows of a sequence: its last token, then its drafts
+                meta.query_starts = torch.from_numpy(np.concatenate([[0], ends]))
+        if all_logits or verify:  # verify: every row's logits (each checks the draft after it)
             logits_indices = torch.arange(int(ends[-1]))
         else:
             logits_indices = torch.from_numpy((ends - 1)[batch.needs_sample])

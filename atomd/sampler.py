@@ -4,6 +4,8 @@ Each row is processed in vLLM's order (its V1 sampler), all of it batched: the P
 below only gathers indices (and folds each sequence's new tokens into its state); every
 transform is one array op over the rows that use it.
 
+0. `structured_outputs`: tokens the sequence's grammar does not allow next are dropped
+   (atomd/structured.py: one bitmask row per constrained sequence; other rows untouched).
 1. `allowed_token_ids`: every other token is -inf.
 2. `bad_words` (token ids from the engine's tokenizer, vLLM's rule): a bad word's last
    token is -inf when its other tokens are the last tokens of the output so far.
@@ -18,7 +20,9 @@ transform is one array op over the rows that use it.
    probability reaches p), and the row draws by the exponential race (argmax p_i / E_i
    with E_i = -log U_i ~ Exp(1), U_i uniform: an exact sample of p).
 
-Logprobs are of the model's raw distribution (before any of the above), vLLM's default.
+Logprobs are of the model's raw distribution (before any of the above), vLLM's default;
+for a constrained row, of the distribution after step 0 (vLLM applies the grammar's
+bitmask before its sampler too).
 
 Seeds. A seeded row draws its noise from a generator seeded with splitmix64(seed, i),
 i = the index of the output token being drawn (`draw_seed`). Its tokens are therefore a
@@ -51,6 +55,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
+from atomd.structured import GrammarCompiler, apply_bitmask
 from scheduler.sequence import SamplingParams, Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -122,7 +127,7 @@ class RowState:
     """What the sampler keeps for one sequence."""
 
     __slots__ = ("slot", "trivial", "allowed", "penalized", "biased", "r", "f", "p", "synced", "seen", "counts",
-                 "columns")
+                 "columns", "grammar")
 
     def __init__(self, p: SamplingParams):
         self.slot = -1  # in the SparseRows tables, when penalized or biased
@@ -136,11 +141,14 @@ class RowState:
         self.seen: set[int] = set()  # prompt and output tokens (repetition penalty)
         self.counts: dict[int, int] = {}  # output token -> count (frequency / presence)
         self.columns: dict[int, int] = {}  # output token -> its column in the counts table
+        self.grammar = None  # structured outputs: its GrammarMatcher (atomd/structured.py)
 
 
 class Sampler:
-    def __init__(self, seed: int = 0, end_token_ids: Seq[int] = ()):
-        """`end_token_ids`: the model's EOS and extra stop tokens (banned before min_tokens)."""
+    def __init__(self, seed: int = 0, end_token_ids: Seq[int] = (), grammars: GrammarCompiler | None = None):
+        """`end_token_ids`: the model's EOS and extra stop tokens (banned before min_tokens).
+        `grammars`: compiles structured outputs (None: a request asking for them is refused)."""
+        self.grammars = grammars
         self.generator = torch.Generator().manual_seed(seed)
         self._draw = torch.Generator()  # reseeded for every seeded draw
         self.end_token_ids = list(end_token_ids)
@@ -163,33 +171,45 @@ class Sampler:
 
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
-               params: list[SamplingParams] | None = None) -> tuple[list[int], list[Any] | None]:
+               params: list[SamplingParams] | None = None,
+               extra: list[list[int]] | None = None) -> tuple[list[int], list[Any] | None]:
         """Token per row and, when any row asks, its logprobs entry
         `{"logprob": lp, "top": [[id, lp], ...]}` (None for rows that did not ask).
 
         Row i samples for `seqs[i]` with `params[i]` (default: the sequence's own); a
         sequence about to fork appears once per choice, with that choice's params. Rows
-        ranking best_of candidates get an entry (with an empty top) even without logprobs."""
+        ranking best_of candidates get an entry (with an empty top) even without logprobs.
+        `extra[i]` (speculative decoding): tokens row i's sequence is taken to have accepted
+        after its own (the drafts before that row's position); the row is processed and drawn
+        exactly as it would be once they were appended (penalties, bad_words, min_tokens, the
+        seed's output index). A sequence may appear in several rows."""
         if params is None:
             params = [s.sampling_params for s in seqs]
         raw = logits.float()
-        logits = self.process_logits(raw, seqs, params)
+        if self.grammars is not None and any(p.structured_outputs is not None for p in params):
+            raw = self._mask_grammars(raw, logits, seqs, params, extra)
+        logits = self.process_logits(raw, seqs, params, extra)
         random_rows = [i for i, p in enumerate(params) if p.temperature > 0]
         if len(random_rows) == len(params):
-            tokens = self._sample_random(logits, seqs, params)
+            tokens = self._sample_random(logits, seqs, params, extra)
         else:
             tokens = logits.argmax(dim=-1)
             if random_rows:
                 rows = torch.tensor(random_rows)
                 tokens[rows] = self._sample_random(logits[rows], [seqs[i] for i in random_rows],
-                                                   [params[i] for i in random_rows])
+                                                   [params[i] for i in random_rows],
+                                                   [extra[i] for i in random_rows] if extra else None)
         token_list = tokens.tolist()
         if all(p.logprobs is None and not p.ranked for p in params):
             return token_list, None
         return token_list, _logprobs(raw, tokens, params)
 
     def _row(self, seq: Sequence, p: SamplingParams, vocab: int) -> RowState:
+        if p.structured_outputs is not None and self.grammars is None:
+            raise ValueError("structured_outputs: this sampler has no grammar compiler")
         row = self.rows[seq.id] = RowState(p)
+        if p.structured_outputs is not None:  # replays the sequence's tokens at its first mask
+            row.grammar = self.grammars.matcher(p.structured_outputs)
         if p.allowed_token_ids is not None:
             row.allowed = torch.full((vocab,), NEG_INF)
             row.allowed[torch.tensor(p.allowed_token_ids)] = 0.0
@@ -204,6 +224,46 @@ class Sampler:
             self.counts.reset(row.slot, [])
             self.bias.reset(row.slot, list(p.logit_bias or ()), list((p.logit_bias or {}).values()))
         return row
+
+    def _mask_grammars(self, raw: torch.Tensor, logits: torch.Tensor, seqs: list[Sequence],
+                       params: list[SamplingParams], extra: list[list[int]] | None) -> torch.Tensor:
+        """Step 0, structured outputs: in the rows of sequences with a grammar, every token the
+        grammar does not allow next is dropped (~-1e30, probability exactly 0; before the
+        other steps, so logprobs are of the constrained distribution, as in vLLM). Each
+        matcher first takes the tokens its sequence accepted since (its own samples, a
+        fork's first token, P's T0 on a decode engine); a row with `extra` tokens gets the
+        mask after them (only the end tokens where they break the grammar: such a draft is
+        rejected anyway). Other rows are untouched."""
+        vocab = raw.shape[1]
+        rows: list[int] = []
+        grammars = []
+        for i, seq in enumerate(seqs):
+            row = self.rows.get(seq.id)
+            if row is None:
+                row = self._row(seq, params[i], vocab)
+            if row.grammar is not None:
+                rows.append(i)
+                grammars.append(row.grammar)
+        if not rows:
+            return raw
+        bitmask = self.grammars.new_bitmask(len(rows))
+        base, stride = bitmask.ctypes.data, bitmask.strides[0]
+        filled: dict[int, int] = {}  # seq id -> its bitmask row (a forking sequence repeats)
+        for j, (i, grammar) in enumerate(zip(rows, grammars)):
+            seq = seqs[i]
+            grammar.sync(seq.token_ids, seq.num_prompt_tokens)
+            ext = extra[i] if extra is not None else None
+            if ext:
+                grammar.fill_after(ext, bitmask[j])
+            elif seq.id in filled:
+                bitmask[j] = bitmask[filled[seq.id]]
+            else:
+                grammar.fill(bitmask[j], base + j * stride)
+                filled[seq.id] = j
+        if raw is logits:  # the caller's tensor stays as it was
+            raw = raw.clone()
+        apply_bitmask(raw.numpy(), rows, bitmask)
+        return raw
 
     def _sync(self, seq: Sequence, row: RowState) -> None:
         """Fold the tokens `seq` accepted since its last sample into its slot."""
@@ -222,14 +282,16 @@ class Sampler:
                 self.counts.set(slot, column, t, row.f * count + row.p)
 
     def process_logits(self, logits: torch.Tensor, seqs: list[Sequence],
-                       params: list[SamplingParams] | None = None) -> torch.Tensor:
+                       params: list[SamplingParams] | None = None,
+                       extra: list[list[int]] | None = None) -> torch.Tensor:
         """Steps 1-4 of the module docstring (float32 logits in; the same tensor when no
-        row uses any of them, else a new one)."""
+        row uses any of them, else a new one). `extra`: see `sample`."""
         if params is None:
             params = [s.sampling_params for s in seqs]
         num_rows, vocab = logits.shape
         allowed_rows, allowed, banned = [], [], []
         pen_rows, pen_slots, rep, bias_rows, bias_slots = [], [], [], [], []
+        pen_extra: list[tuple[int, RowState, SamplingParams, list[int]]] = []
         rows = self.rows
         for i, seq in enumerate(seqs):
             row = rows.get(seq.id)
@@ -238,12 +300,19 @@ class Sampler:
             if row.trivial:
                 continue
             p = params[i]
+            ext = extra[i] if extra is not None else None
             if row.allowed is not None:
                 allowed_rows.append(i)
                 allowed.append(row.allowed)
             num_out = len(seq.token_ids) - seq.num_prompt_tokens
             if p.bad_words_token_ids:
-                banned += [i * vocab + t for t in _bad_word_bans(p.bad_words_token_ids, seq.token_ids, num_out)]
+                banned += [i * vocab + t for t in _bad_word_bans(
+                    p.bad_words_token_ids, seq.token_ids + ext if ext else seq.token_ids,
+                    num_out + len(ext) if ext else num_out)]
+            if ext:  # the syncs below fold only the accepted tokens: ext is added on top
+                if row.penalized:
+                    pen_extra.append((i, row, p, ext))
+                num_out += len(ext)
             if num_out < p.min_tokens:
                 banned += [i * vocab + t for t in p.stop_token_ids]
                 if not p.ignore_eos:
@@ -252,7 +321,7 @@ class Sampler:
                 bias_rows.append(i)
                 bias_slots.append(row.slot)
             if row.penalized:
-                if row.synced < num_out:
+                if row.synced < seq.num_completion_tokens:
                     self._sync(seq, row)
                 pen_rows.append(i)
                 pen_slots.append(row.slot)
@@ -285,10 +354,35 @@ class Sampler:
                 flat[at] = np.where(x > 0, x / r, x * r)  # stays -inf where it was
             at, vals = self.counts.flat_index(slots, prows, vocab, dummy)
             flat[at] -= vals
+        if pen_extra:
+            self._penalize_extra(flat, logits.numpy(), vocab, pen_extra)
         return out
 
+    @staticmethod
+    def _penalize_extra(flat: np.ndarray, raw: np.ndarray, vocab: int,
+                        items: list[tuple[int, "RowState", SamplingParams, list[int]]]) -> None:
+        """Rows whose sequence is taken to have accepted `ext` more tokens: each of those
+        tokens' processed logit is recomputed from the raw one with the counts that include
+        them, in the same float32 operations as steps 3-4, so the row equals the one the
+        sampler would process once they were appended. A banned token stays -inf."""
+        f32 = np.float32
+        for i, row, p, ext in items:
+            for t in set(ext):
+                at = i * vocab + t
+                if flat[at] == NEG_INF:
+                    continue
+                x = f32(raw[i, t])
+                if row.biased and t in p.logit_bias:
+                    x = f32(x + f32(p.logit_bias[t]))
+                if row.r != 1.0:  # t is now seen
+                    r = f32(row.r)
+                    x = f32(x / r) if x > 0 else f32(x * r)
+                if row.f or row.p:
+                    x = f32(x - f32(row.f * (row.counts.get(t, 0) + ext.count(t)) + row.p))
+                flat[at] = x
+
     def _sample_random(self, logits: torch.Tensor, seqs: list[Sequence],
-                       params: list[SamplingParams]) -> torch.Tensor:
+                       params: list[SamplingParams], extra: list[list[int]] | None = None) -> torch.Tensor:
         temps = torch.tensor([p.temperature for p in params], dtype=logits.dtype).unsqueeze(1)
         logits = logits / temps
         min_p_rows = [i for i, p in enumerate(params) if p.min_p > 0]
@@ -316,7 +410,8 @@ class Sampler:
                 unseeded = [i for i, p in enumerate(params) if p.seed is None]
                 noise[unseeded] = torch.rand(len(unseeded), probs.shape[1], generator=self.generator)
             for i in seeded:
-                self._draw.manual_seed(draw_seed(params[i].seed, len(seqs[i].token_ids) - seqs[i].num_prompt_tokens))
+                index = len(seqs[i].token_ids) - seqs[i].num_prompt_tokens + (len(extra[i]) if extra else 0)
+                self._draw.manual_seed(draw_seed(params[i].seed, index))
                 torch.rand(probs.shape[1], generator=self._draw, out=noise[i])
         return probs.div_(noise.log_().neg_()).argmax(dim=-1)  # E = -log U ~ Exp(1)
 

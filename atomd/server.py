@@ -47,6 +47,7 @@ from atomd import protocol as P
 from atomd.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.messages import RequestOutput
 from atomd.metrics import ServerMetrics
+from atomd.tools import TOOL_CALL_PARSERS, HermesParser
 from scheduler.sequence import ErrorCode
 from scheduler.stop import cut_at_stop
 
@@ -80,6 +81,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send and see (default: the engine's model name)")
     g.add_argument("--engine-start-timeout-s", type=float, default=600.0,
                    help="give up when the engine core is not ready by then")
+    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
+                   help="how tool calls are read from the model's output (chat requests with tools)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -327,7 +330,8 @@ class Server:
         checked = P.validate_chat_request(req)
         messages = P.chat_messages(req)
         try:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt)
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                             **({"tools": checked.tools} if checked.tools else {}))
         except Exception as e:  # a template that raises on this conversation
             raise P.invalid("messages", f"chat template failed: {e}") from None
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
@@ -667,7 +671,19 @@ class CompletionRenderer(RequestRenderer):
 
 
 class ChatRenderer(RequestRenderer):
+    """Chat JSON / chunks; with tools (tool_choice not none) each choice's text goes through
+    the tool-call parser (atomd/tools.py): calls become `tool_calls` (streamed as OpenAI's
+    deltas: the call's id, type and name with empty arguments, then its arguments) and
+    `finish_reason` "tool_calls"; the rest is `content`, the same streamed or not."""
+
     opens_early = True
+
+    def __init__(self, server: Server, request_id: str, req, checked: P.Checked, prompt_ids: list[int]):
+        super().__init__(server, request_id, req, checked, prompt_ids)
+        self.tool_parsers = [HermesParser() for _ in self.choices] if checked.parse_tool_calls else None
+
+    def tool_finish_reason(self, reason: str | None, num_calls: int) -> str | None:
+        return "tool_calls" if num_calls and reason == "stop" else reason
 
     def logprobs_block(self, items: list[tuple[int, dict]]) -> P.ChatLogprobs:
         def entry_of(tid: int, lp: float) -> tuple[str, float, list[int]]:
@@ -697,13 +713,45 @@ class ChatRenderer(RequestRenderer):
             if not (text or items or finish_reason or final):
                 return out
         kv = self.kv_transfer_params if final else msgspec.UNSET
+        if self.tool_parsers is not None:
+            return out + self.tool_chunks(c, text, items, finish_reason, kv)
         out.append(self.chunk_of(c.index, P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv))
         return out
 
+    def tool_chunks(self, c: Choice, text: str, items, finish_reason, kv) -> list[bytes]:
+        parser = self.tool_parsers[c.index]
+        first_call = parser.num_calls
+        content, calls = parser.stream(text)
+        if c.finished:
+            content += parser.finish()[0]
+        deltas = [P.ChatDelta(content=content)] if content else []
+        for k, call in enumerate(calls, start=first_call):
+            fn = call["function"]
+            deltas.append(P.ChatDelta(tool_calls=[{"index": k, "id": call["id"], "type": "function",
+                                                   "function": {"name": fn["name"], "arguments": ""}}]))
+            deltas.append(P.ChatDelta(tool_calls=[{"index": k, "function": {"arguments": fn["arguments"]}}]))
+        if not deltas:
+            if not (items or finish_reason is not None or kv is not msgspec.UNSET):
+                return []
+            deltas.append(P.ChatDelta(content=""))
+        reason = self.tool_finish_reason(finish_reason, parser.num_calls)
+        return [self.chunk_of(c.index, d, items if j == 0 else [], reason if j == len(deltas) - 1 else None,
+                              **({"kv_transfer_params": kv} if j == len(deltas) - 1 else {}))
+                for j, d in enumerate(deltas)]
+
+    def message(self, c: Choice) -> tuple[P.ChatMessageOut, str | None]:
+        if self.tool_parsers is None:
+            return P.ChatMessageOut("assistant", c.text), c.finish_reason
+        content, calls = HermesParser.parse(c.text)
+        return (P.ChatMessageOut("assistant", content, tool_calls=calls or msgspec.UNSET),
+                self.tool_finish_reason(c.finish_reason, len(calls)))
+
     def full_response(self) -> bytes:
-        choices = [P.ChatChoice(c.index, P.ChatMessageOut("assistant", c.text),
-                                self.logprobs_block(c.logprobs) if self.num_logprobs is not None else None,
-                                c.finish_reason) for c in self.choices]
+        choices = []
+        for c in self.choices:
+            message, reason = self.message(c)
+            choices.append(P.ChatChoice(c.index, message, self.logprobs_block(c.logprobs)
+                                        if self.num_logprobs is not None else None, reason))
         return msgspec.json.encode(P.ChatCompletionResponse(
             self.id, self.created, self.model, choices, usage=self.usage(),
             kv_transfer_params=self.kv_transfer_params, prompt_logprobs=self.vllm_prompt_logprobs()))

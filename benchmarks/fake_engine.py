@@ -10,9 +10,13 @@ streams SSE or returns a body. Knobs make it fail the ways a real engine fails.
 It lives here, not under tests/, because benchmarks/router_overhead.py runs it too and
 nothing outside tests/ imports tests/; tests/fake_workers.py builds the test harness
 (an in-process router in front of these, on a background loop) on top of it.
+
+`python -m benchmarks.fake_engine --prefill-port P --decode-port D [--tokens N]
+[--token-delay-s S]` serves one of each in its own process (record off), for load tests.
 """
 from __future__ import annotations
 
+import argparse
 import asyncio
 import secrets
 import time
@@ -52,6 +56,7 @@ class FakeEngine:
         self.keeps_kv = True  # prefill: False answers without kv_transfer_params (nothing pinned)
         self.kv_extra: dict = {}  # prefill: merged into the kv_transfer_params it answers
         self.drop_next = 0  # drop this many requests' connections without answering
+        self.token_delay_s = 0.0  # decode: pause between streamed events
         # what happened
         self.requests: list[tuple[str, dict]] = []
         self.authorizations: list[str | None] = []  # the Authorization header of each request
@@ -227,6 +232,8 @@ class FakeEngine:
             if self.die_after_events is not None and i == self.die_after_events:
                 request.transport.close()  # flushes what was written, then drops the connection
                 await asyncio.Event().wait()  # connection_lost cancels this handler
+            if self.token_delay_s and i:
+                await asyncio.sleep(self.token_delay_s)
             await resp.write(event)
             sent += event
             if self.record:
@@ -235,3 +242,31 @@ class FakeEngine:
                 await self.hold_after_first_event.wait()
         await resp.write_eof()
         return resp
+
+
+async def _serve(args) -> None:
+    tokens = tuple(f" t{i}" for i in range(args.tokens))
+    p, d = FakeEngine("prefill", tokens, record=False), FakeEngine("decode", tokens, record=False)
+    d.token_delay_s = args.token_delay_s
+    await p.start(args.prefill_port)
+    await d.start(args.decode_port)
+    print(f"fake engines ready: prefill {p.url}, decode {d.url}", flush=True)
+    await asyncio.Event().wait()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="a fake prefill and a fake decode engine on 127.0.0.1")
+    ap.add_argument("--prefill-port", type=int, required=True)
+    ap.add_argument("--decode-port", type=int, required=True)
+    ap.add_argument("--tokens", type=int, default=8, help="events a stream carries (then [DONE])")
+    ap.add_argument("--token-delay-s", type=float, default=0.0, help="pause between streamed events")
+    args = ap.parse_args()
+    try:
+        import uvloop
+        uvloop.run(_serve(args))
+    except ImportError:
+        asyncio.run(_serve(args))
+
+
+if __name__ == "__main__":
+    main()

@@ -18,6 +18,8 @@ are noisy:
 The machine's load (/proc/loadavg) is recorded before and after: the machine is shared.
 
     .venv/bin/python -m benchmarks.kv_transfer [--num-layers 6 --num-kv-heads 4 --head-dim 32]
+    .venv/bin/python -m benchmarks.kv_transfer --cross-host    # P and D in two network namespaces (root):
+                                                               # benchmarks/cross_host.py
 """
 from __future__ import annotations
 

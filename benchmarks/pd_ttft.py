@@ -2,6 +2,8 @@
 step, against a colocated engine's TTFT, on the default model, same run, same machine.
 
     .venv/bin/python -m benchmarks.pd_ttft [--lengths 16 256 1024] [--reps 5]
+    .venv/bin/python -m benchmarks.pd_ttft --cross-host   # P, D, router, colocated in four network
+                                                          # namespaces (root): benchmarks/cross_host.py
 
 For each prompt length (fresh random token prompts, so no prefix-cache hit):
   colocated   streamed request to a colocated `atomd serve`: time to the first event

@@ -78,12 +78,14 @@ class Timed:
         engine.sampler.sample, engine.runner.execute = timed_sample, counted_execute
 
 
-def decode_steps(engine: LLMEngine, timed: Timed, batch: list[list[int]], params: SamplingParams,
-                 steps: int, tag: str) -> tuple[float, float]:
-    """Median step time and median sampler time (ms) over `steps` decode steps of the batch."""
+def decode_steps(engine: LLMEngine, timed: Timed, batch: list[list[int]],
+                 params: SamplingParams | list[SamplingParams], steps: int, tag: str) -> tuple[float, float]:
+    """Median step time and median sampler time (ms) over `steps` decode steps of the batch
+    (`params`: every request's, or one per request)."""
     ids = [f"{tag}-{i}" for i in range(len(batch))]
-    for rid, prompt in zip(ids, batch):
-        engine.add_request(rid, prompt, params)
+    each = params if isinstance(params, list) else [params] * len(batch)
+    for rid, prompt, sp in zip(ids, batch, each):
+        engine.add_request(rid, prompt, sp)
     s = engine.scheduler
     while s.waiting or s._prefilling:  # every request decoding
         engine.step()

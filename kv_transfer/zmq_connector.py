@@ -154,6 +154,7 @@ class ZmqProducer(_ZmqConnector):
             remote_host=host, remote_port=port, remote_block_ids=block_ids,
             num_prompt_tokens=seq.num_prompt_tokens, first_token_id=seq.completion_token_ids[0],
             first_token_logprobs=seq.logprobs[0] if seq.logprobs else None, prompt_logprobs=seq.prompt_logprobs,
+            draft_token_ids=list(seq.spec_token_ids),  # P's drafts after T0 (speculative decoding), for D to verify
             prefix_cache_hit_tokens=seq.num_cached_tokens, access_token=token, lease_s=lease_s,
             compat=self.config.compat, dp_rank=self.config.dp_rank).to_json_obj()
 

@@ -455,6 +455,9 @@ class NetnsCluster:
         """Prepend to an argv to run it inside `host`."""
         return ["ip", "netns", "exec", self.host(host).ns]
 
+    # A test cluster's link emulator gets SIGTERM when the thread that started the cluster
+    # exits (PR_SET_PDEATHSIG is per thread): start clusters from a thread that outlives them.
+
     def popen(self, host: str | Host, argv: list[str], **kwargs) -> subprocess.Popen:
         """Start `argv` inside `host`; teardown() stops it (SIGTERM, then SIGKILL) if still running."""
         proc = subprocess.Popen([*self.exec_prefix(host), *map(str, argv)], **kwargs)

@@ -74,7 +74,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                      help="limit on one prefill try, after which it is retried elsewhere "
                           "(default: --request-timeout-s)")
     rel.add_argument("--total-timeout-s", type=float, default=None,
-                     help="limit on a whole request, queueing and stream included (default: none)")
+                     help="limit on a whole request once admitted, both legs and the stream (default: none)")
     rel.add_argument("--max-prefill-tries", type=int, default=d.max_prefill_tries,
                      help="prefill tries per request (on other prefill workers) before it fails")
     rel.add_argument("--retry-backoff-s", type=float, default=d.retry_backoff_s,

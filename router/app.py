@@ -66,7 +66,7 @@ class RouterConfig:
     health_interval_s: float = 2.0
     request_timeout_s: float = 600.0  # P's whole leg (unless prefill_timeout_s); the longest silence of D
     prefill_timeout_s: float | None = None
-    total_timeout_s: float | None = None  # the whole request, queue included; None: none
+    total_timeout_s: float | None = None  # a whole request once admitted (legs + stream); None: none
     max_prefill_tries: int = 3
     retry_backoff_s: float = 0.01
     strict_pd: bool = False
@@ -421,7 +421,7 @@ class Router:
                                         "count": h.count}
                                  for name, h in (("ttft_s", em.ttft), ("itl_s", em.itl), ("e2e_s", em.request_latency))}
         decisions = [{"role": k[0], "policy": k[1], "decision": k[2], "count": v} if len(k) == 3 else
-                     {"role": "", "policy": "", "decision": k[0], "count": v} for k, v in sorted(m.decisions.items())]
+                     {"role": "relay", "policy": "", "decision": k[0], "count": v} for k, v in sorted(m.decisions.items())]
         active, queued = self.admission.state()
         json_response(resp, {
             "now": time.time(), "uptime_s": time.time() - self.started_at,

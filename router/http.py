@@ -272,9 +272,12 @@ class ServerConnection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         length = self._headers.get("content-length")
+        expect = self._headers.get("expect", "").lower() == "100-continue"
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
             self._too_large = True
-        elif self._headers.get("expect", "").lower() == "100-continue":
+            if expect:  # the client waits for our word before sending the body: refuse now
+                self._fail(413, b"request body is larger than %d bytes" % self.server.max_body_bytes)
+        elif expect:
             self.transport.write(_CONTINUE)
 
     def on_body(self, body: bytes) -> None:

@@ -39,22 +39,22 @@ Abort: P pins the prompt blocks until D pulls them (or a lease expires). When th
 ends without D having produced output (client gone, D failed), the router sends P
 `POST /kv_transfer/abort {"transfer_id"}`; P ignores unknown ids.
 
-Limits: a request's every leg and its stream end by `--total-timeout-s` (504 before the
-first byte, an error event after). X-Request-Id (the client's, else a fresh one) goes to
+Limits: once admitted (a queued wait is bounded by --queue-timeout-s), a request's legs and
+its stream end by `--total-timeout-s` (504 before the first byte, an error event after). X-Request-Id (the client's, else a fresh one) goes to
 both legs, so the engines' access logs name the same request, and back to the client.
 """
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import random
 import re
 import time
-import uuid
 
 import msgspec
 
-from kv_transfer.params import KVTransferParams, new_transfer_id
+from kv_transfer.params import KVTransferParams
 from kv_transfer.trust import signature_of
 from router.http import BrokenResponse, ClientConnection, ConnectError, Disconnected, Request, Response, Timeout, \
     UpstreamError
@@ -127,11 +127,17 @@ def complete_events_end(buf: bytes) -> int:
     return max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4, 0)
 
 
+def new_id() -> str:
+    """128 random bits as 32 hex digits: a transfer_id (as kv_transfer.params.new_transfer_id,
+    without uuid4's cost) or a request id."""
+    return os.urandom(16).hex()
+
+
 def request_id_of(req: Request) -> str:
     rid = req.headers.get("x-request-id")
     if rid and REQUEST_ID.fullmatch(rid):
         return rid
-    return uuid.uuid4().hex
+    return new_id()
 
 
 class RelayConfig(msgspec.Struct, kw_only=True):
@@ -312,12 +318,13 @@ class PDRequest:
         last_status = 502
         for attempt in range(relay.config.max_prefill_tries):
             if attempt:
-                self.metrics.retries.inc(("prefill",))
                 delay = relay.backoff(attempt - 1)
                 if delay:
                     await asyncio.sleep(delay)
             try:
                 worker = relay.pick("prefill", self.route, tried, last_error, closed)
+                if attempt:
+                    self.metrics.retries.inc(("prefill",))
             except LegError:
                 if last_error is not None:
                     break
@@ -326,7 +333,7 @@ class PDRequest:
                 # no prefill worker in rotation: D computes the prompt
                 self.metrics.fallbacks.inc(("no_prefill_worker",))
                 return None
-            self.prefill_worker, self.transfer_id = worker, new_transfer_id()
+            self.prefill_worker, self.transfer_id = worker, new_id()
             try:
                 return await self.prefill_on(worker)
             except LegError as e:
@@ -350,7 +357,7 @@ class PDRequest:
         answer), LegError (anything else)."""
         data = _encode(prefill_body(self.body, self.transfer_id))
         started = time.perf_counter()
-        tokens = self.route.est_tokens
+        tokens = self.route.leg_tokens("prefill")
         trial = worker.acquire(tokens=tokens)
         try:
             conn = await worker.pool.request(b"POST", self.path, self.leg_headers("prefill"), data,
@@ -450,7 +457,7 @@ class PDRequest:
             worker = relay.pick(role, self.route, tried, last_error)
             if attempt:
                 self.metrics.retries.inc((role,))
-            tokens = self.route.est_tokens
+            tokens = self.route.leg_tokens(role)
             trial = worker.acquire(tokens=tokens)
             started = time.perf_counter()
             try:
@@ -563,10 +570,10 @@ class PDRequest:
                 self.pulled = True
                 if end:
                     resp.end()
-                    state.saw_done = True
+                    saw_done()
             elif events.rstrip().endswith(DONE_EVENT):
                 resp.end(events)  # the last event and the end of the body in one write
-                state.saw_done = True
+                saw_done()
             else:
                 resp.write(events)
             state.last = events
@@ -589,11 +596,19 @@ class PDRequest:
             if not done.done():
                 done.set_result(error)
 
+        def saw_done() -> None:
+            # the client has everything: wait briefly for the end of D's body (so the
+            # connection can be reused), no longer
+            state.saw_done = True
+            if not conn.done:
+                state.drain_timer = loop.call_later(DRAIN_TIMEOUT_S, on_end, None)
+
         conn.stream(sink, on_end)
-        if state.saw_done:
-            error = await _drain(done)
-        else:
+        try:
             error = await done
+        finally:
+            if state.drain_timer is not None:
+                state.drain_timer.cancel()
         if state.error_first is not None:
             worker.failed("an error event first")
             self.metrics.upstream_errors.inc((role, "error_event"))
@@ -619,7 +634,7 @@ class PDRequest:
 
 
 class _StreamState:
-    __slots__ = ("buf", "last", "saw_done", "error_first", "paused")
+    __slots__ = ("buf", "last", "saw_done", "error_first", "paused", "drain_timer")
 
     def __init__(self) -> None:
         self.buf = b""
@@ -627,14 +642,7 @@ class _StreamState:
         self.saw_done = False
         self.error_first: bytes | None = None
         self.paused = False
-
-
-async def _drain(done: asyncio.Future) -> BaseException | None:
-    """After [DONE]: wait briefly for the end of D's body, so the connection can be reused."""
-    try:
-        return await asyncio.wait_for(asyncio.shield(done), DRAIN_TIMEOUT_S)
-    except asyncio.TimeoutError:
-        return None
+        self.drain_timer: asyncio.TimerHandle | None = None
 
 
 async def _resume_when_drained(resp: Response, conn: ClientConnection, state: _StreamState) -> None:

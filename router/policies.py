@@ -20,8 +20,9 @@ tree or a session table is per role. Every choice is counted in
 - kv_aware         exact: the engines' KV events (router/kv_index.py) say which blocks each
                    (worker, DP rank) holds; a request's chained block hashes
                    (kv_transfer/block_hash.py, the engines' own) give each rank's hit. Cost =
-                   prompt tokens not cached + kv_load_weight x prompt tokens in flight on the
-                   worker; the cheapest rank wins, and with DP the leg is pinned to that rank
+                   prompt tokens not cached + kv_load_weight x uncached prompt tokens already
+                   in flight on the worker (a leg counts what it will compute, not its cached
+                   prefix); the cheapest rank wins, and with DP the leg is pinned to that rank
                    (X-data-parallel-rank). A worker without events or gone stale scores an
                    empty cache. The hit it expected is observed per choice.
 - consistent_hash  a hash ring (160 points per worker) keyed by the session (header
@@ -53,13 +54,14 @@ PROMPT_KEY_CHARS = 256
 class RouteRequest:
     """What a policy may look at. Text and tokens are computed once, on first use."""
 
-    __slots__ = ("body", "headers", "tokenizer", "dp_rank", "_text", "_tokens", "_tokenized", "_est")
+    __slots__ = ("body", "headers", "tokenizer", "dp_rank", "expected_hit", "_text", "_tokens", "_tokenized", "_est")
 
     def __init__(self, body: dict, headers: dict | None = None, tokenizer: RouterTokenizer | None = None):
         self.body = body
         self.headers = headers or {}
         self.tokenizer = tokenizer
         self.dp_rank: dict[str, int] = {}  # role -> DP rank a policy pinned the leg to
+        self.expected_hit: dict[str, int] = {}  # role -> prompt tokens kv_aware expects cached there
         self._text: str | None = None
         self._tokens: list[int] | None = None
         self._tokenized = False
@@ -103,6 +105,10 @@ class RouteRequest:
             toks = self._tokens if self._tokenized else None
             self._est = len(toks) if toks is not None else len(self.text) // 4 + 1
         return self._est
+
+    def leg_tokens(self, role: str) -> int:
+        """The prompt tokens a leg costs its worker: the uncached ones when kv_aware knows."""
+        return max(0, self.est_tokens - self.expected_hit.get(role, 0))
 
     def session_key(self, header: str = SESSION_HEADER) -> str | None:
         key = self.headers.get(header)
@@ -267,6 +273,7 @@ class KVAware(RoutingPolicy):
         _, chosen, rank, hit, dp = best
         if rank is not None and dp > 1:
             req.dp_rank[self.role] = rank
+        req.expected_hit[self.role] = hit
         self.decide(self.name, "kv_hit" if hit else "no_hit")
         self.observe_hit(self.role, hit)
         return chosen

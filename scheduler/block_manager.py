@@ -240,6 +240,16 @@ class BlockManager:
             table.append(self.pool.take().block_id)
         return True
 
+    def trim(self, seq: Sequence) -> None:
+        """Speculative decoding's rollback: release the tail blocks past the sequence's tokens
+        (taken for drafts it rejected; never published, so they go back without a hash).
+        Their KV slots inside the kept blocks are past the computed tokens: never read,
+        overwritten by the next step."""
+        keep = self.num_blocks_for(seq.num_tokens)
+        table, blocks = seq.block_table, self.pool.blocks
+        while len(table) > keep:
+            self.pool.release(blocks[table.pop()])
+
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (a fork of `parent`) shares every block of its parent."""
         for block_id in parent.block_table:

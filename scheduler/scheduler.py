@@ -62,8 +62,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int  # 0: off; else the largest chunk one sequence gets
     eos_token_id: int | None = None
     stop_token_ids: list[int] = []  # the model's extra end tokens: treated like EOS
-    # speculative decoding: scheduled, verified and stripped here, but nothing in the engine
-    # proposes drafts yet (the drafter is its own issue), so the engine leaves it at 0
+    # speculative decoding (the engine's drafter, atomd/spec_decode.py, proposes them): drafts
+    # scheduled after each sequence's last token, the accepted ones appended, the blocks of
+    # rejected ones returned; 0: off
     num_speculative_tokens: int = 0
     # BlockStored/BlockRemoved are logged for take_events(), but nothing publishes them yet
     # (the router's KV-events issue builds the publisher)
@@ -553,15 +554,23 @@ class Scheduler:
                 (list(logprobs[:kept]) if logprobs is not None else [None] * kept)
             seq.logprobs.extend(new_logprobs)
         seq.num_computed_tokens = len(seq.token_ids) - 1
+        if num_drafts and reason is None:  # roll back: blocks that hold only rejected drafts' KV
+            self.block_manager.trim(seq)
         if seq.num_computed_tokens // self.config.block_size > seq.num_published_blocks:
-            self.block_manager.publish(seq)
+            self.block_manager.publish(seq)  # hashes name accepted tokens only: token_ids holds no draft
         if seq.first_token_time is None:
             seq.first_token_time = _now()
+        seq.spec_token_ids = []
+        if self.spec_stats is not None and next_drafts:
+            if reason is None:  # drafts never pass max_model_len nor max_tokens
+                room = min(self.config.max_model_len - len(seq.token_ids),
+                           seq.sampling_params.max_tokens - seq.num_completion_tokens - 1)
+                seq.spec_token_ids = [int(t) for t in next_drafts[:min(room, self.config.num_speculative_tokens)]]
+            elif seq.kv_transfer_params is not None and seq.kv_transfer_params.do_remote_decode:
+                # P: the drafts go to D in kv_transfer_params.draft_token_ids, verified in its first step
+                seq.spec_token_ids = [int(t) for t in next_drafts[:self.config.num_speculative_tokens]]
         if reason is not None:
             self._finish(seq, reason)
-        elif self.spec_stats is not None and next_drafts is not None:
-            room = self.config.max_model_len - len(seq.token_ids)  # drafts never pass max_model_len
-            seq.spec_token_ids = [int(t) for t in next_drafts[:min(room, self.config.num_speculative_tokens)]]
         return SeqUpdate(seq, emitted, new_logprobs, reason is not None)
 
     def _stop_reason(self, seq: Sequence) -> str | None:

@@ -24,6 +24,27 @@ import msgspec
 from kv_transfer.params import KVTransferParams
 
 
+class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
+    """Grammar-constrained decoding (vLLM's names): exactly one of `json` (a JSON schema, as
+    an object or as JSON text), `regex`, `choice` (one of these strings), `grammar` (Lark,
+    or llama.cpp's GBNF) or `json_object` (any JSON object). atomd/structured.py compiles it
+    (llguidance); the sampler masks every token the grammar does not allow."""
+
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool = False
+
+    def __post_init__(self) -> None:
+        given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]
+        given += ["json_object"] if self.json_object else []
+        _require(len(given) == 1, "structured_outputs",
+                 f"must set exactly one of json, regex, choice, grammar, json_object; got {given or 'none'}")
+        _require(self.choice is None or (bool(self.choice) and all(isinstance(c, str) and c for c in self.choice)),
+                 "structured_outputs", "choice must be a non-empty list of non-empty strings")
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick tokens and when to stop (vLLM names and defaults)."""
 
@@ -52,6 +73,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     bad_words: list[str] = []
     bad_words_token_ids: list[list[int]] = []  # derived from bad_words by the engine's tokenizer
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus top-k
+    structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained decoding
 
     def __post_init__(self) -> None:
         for name, types in _FIELD_TYPES:

@@ -41,10 +41,28 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>", END]
 # HF-style template: one marker per role, every turn closed by <|end|>; the generation
 # prompt opens the assistant turn. Rendering starts with BOS, so encode it without
 # adding special tokens again.
+# Without tools a turn is `<|role|>\ncontent<|end|>\n`. With `tools` (OpenAI's tool dicts, as
+# transformers passes them) a system turn lists them and asks for Hermes-style calls,
+# `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (atomd/tools.py parses them);
+# an assistant turn's `tool_calls` are rendered the same way.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"
+    "{% if tools %}{{ '<|system|>\n' }}"
+    "{% if messages and messages[0]['role'] == 'system' %}{{ messages[0]['content'] + '\n\n' }}{% endif %}"
+    "{{ '# Tools\n\nYou may call functions. Their signatures, one per line, in <tools></tools>:\n<tools>\n' }}"
+    "{% for tool in tools %}{{ tool | tojson }}{{ '\n' }}{% endfor %}"
+    "{{ '</tools>\n\nTo call a function, reply with:\n<tool_call>\n"
+    "{\"name\": <function-name>, \"arguments\": <args-json-object>}\n</tool_call><|end|>\n' }}"
+    "{% endif %}"
     "{% for message in messages %}"
-    "{{ '<|' + message['role'] + '|>\n' + message['content'] + '<|end|>\n' }}"
+    "{% if not (tools and loop.first and message['role'] == 'system') %}"
+    "{{ '<|' + message['role'] + '|>\n' }}{% if message['content'] %}{{ message['content'] }}{% endif %}"
+    "{% if message['tool_calls'] %}{% for call in message['tool_calls'] %}"
+    "{% if not loop.first or message['content'] %}{{ '\n' }}{% endif %}"
+    "{{ '<tool_call>\n' }}{{ {'name': call['function']['name'], 'arguments': call['function']['arguments']} | tojson }}"
+    "{{ '\n</tool_call>' }}{% endfor %}{% endif %}"
+    "{{ '<|end|>\n' }}"
+    "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}{{ '<|assistant|>\n' }}{% endif %}"
 )

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from launch.netns import NetnsCluster, Shaping, netns_pids, unavailable_reason
+from launch.netns import NetnsCluster, Shaping, netem_available, netns_pids, unavailable_reason
 from launch.process import EngineServer, RouterServer, http
 from tests.server_fixtures import ENGINE_ARGS, MAX_MODEL_LEN, REPO, START_TIMEOUT_S, ServerUnderTest, server_log
 
@@ -45,6 +45,8 @@ def hosts(num_hosts: int, **kwargs):
     """A started NetnsCluster (root_link on: the test talks to the hosts from here), torn down
     at the end however the block exits; then nothing of it may be left."""
     require_netns()
+    if kwargs.get("shaping") is not None and not (Path("/dev/net/tun").exists() or netem_available()):
+        pytest.skip("shaped test links need the kernel's netem or /dev/net/tun (launch/netns.py's link emulator)")
     with pytest.MonkeyPatch.context() as mp:
         for var in _PROXY_VARS:  # a proxy must never see the test hosts' traffic
             mp.delenv(var, raising=False)

@@ -6,6 +6,7 @@ finalizer); engines start concurrently, since each one's model load is most of t
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -38,12 +39,36 @@ class PDCluster:
         self.routers.append(router)
         return router.wait_ready(START_TIMEOUT_S)
 
+    def start_ref_and_pd(self, *extra: str) -> "PDCluster":
+        """A colocated reference engine `ref` and a prefill / decode pair `P`, `D` behind a
+        router (`self.router`), all with the `extra` flags; `self.baseline` is each pool."""
+        self.start_engines(ref=[*extra], P=[*extra, "--kv-role", "producer"], D=[*extra, "--kv-role", "consumer"])
+        self.router = self.start_router("P", "D")
+        self.baseline = {name: e.stats()["num_total_blocks"] for name, e in self.engines.items()}
+        return self
+
+    def assert_settled(self) -> None:
+        """Every engine idle with its whole pool free, and P holding no pinned block."""
+        for name, engine in self.engines.items():
+            engine.wait_idle(self.baseline[name])
+        assert metric(self["P"], "atomd:kv_blocks_pinned") == 0
+
     def __getitem__(self, name: str) -> ServerUnderTest:
         return self.engines[name]
 
     def stop(self) -> None:
         for proc in [*self.routers, *self.engines.values()]:
             proc.stop()
+
+
+@contextlib.contextmanager
+def ref_and_pd(*extra: str):
+    """`PDCluster.start_ref_and_pd(*extra)`, stopped on exit (a module fixture's body)."""
+    cluster = PDCluster()
+    try:
+        yield cluster.start_ref_and_pd(*extra)
+    finally:
+        cluster.stop()
 
 
 def kill_engine(server: ServerUnderTest) -> None:

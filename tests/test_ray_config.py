@@ -14,7 +14,7 @@ pytestmark = pytest.mark.unit
 
 
 @pytest.mark.parametrize("name, prefill, decode, decode_dp", [
-    ("1p1d", 1, 1, 1), ("2p1d", 2, 1, 1), ("1p1d-dp2", 1, 1, 2)])
+    ("1p1d", 1, 1, 1), ("2p1d", 2, 1, 1), ("1p1d-dp2", 1, 1, 2), ("1p1d-2nodes", 1, 1, 1)])
 def test_shipped_configs_load(name, prefill, decode, decode_dp):
     c = load_config(CONFIGS / f"{name}.yaml")
     assert (c.prefill.count, c.decode.count, c.decode.data_parallel_size) == (prefill, decode, decode_dp)

@@ -70,7 +70,7 @@ class Engines:
         port = self.p0.port
         self.p0.stop()
         self.p0 = EngineServer(self.model, *ENGINE_ARGS, "--kv-role", "producer", *events_flags(self.ports["p0"]),
-                               port=port, log=server_log(), cwd=REPO)
+                               port=port, log=server_log(self.logs / "p0-restarted.log"), cwd=REPO)
         self.p0.wait_ready(START_TIMEOUT_S)
 
     def stop(self):
@@ -215,7 +215,7 @@ def test_x_request_id_reaches_both_engines_access_logs(engines, loop):
         r = loop.run(http("POST", router.url + "/v1/completions", {"prompt": "def f(x):", "max_tokens": 2},
                           headers={"X-Request-Id": "trace-me-15"}), timeout=60)
         assert r.status == 200
-        logs = [engines.logs / "p0.log", engines.logs / "p1.log", engines.logs / "d.log"]
+        logs = sorted(engines.logs.glob("*.log"))
 
         def lines():
             out = []
@@ -226,7 +226,25 @@ def test_x_request_id_reaches_both_engines_access_logs(engines, loop):
             return out
         wait_until(lambda: len(lines()) == 2, 10, "one access line on P and one on D")
         found = lines()
-        assert {name for name, _ in found} & {"p0.log", "p1.log"} and ("d.log" in {name for name, _ in found})
+        assert {name for name, _ in found} - {"d.log"} and "d.log" in {name for name, _ in found}
         assert all(entry["path"] == "/v1/completions" and entry["status"] == 200 for _, entry in found)
+    finally:
+        loop.run(router.stop())
+
+
+def test_dashboard_state_shows_engine_kv_usage_and_event_state(engines, loop):
+    router = start_router(loop, engines, "kv_aware")
+    try:
+        wait_until(lambda: len(router.kv_index.ranks) == 3, 20, "subscriptions")
+        r = loop.run(http("GET", router.url + "/dashboard/state"))
+        assert r.status == 200
+        state = r.json()
+        by_url = {w["url"]: w for w in state["workers"]}
+        assert set(by_url) == {engines.p0.url, engines.p1.url, engines.d.url}
+        for w in state["workers"]:
+            assert w["healthy"] and "kv_cache_usage_perc" in w["engine"] and "num_requests_running" in w["engine"]
+        assert [r["dp_rank"] for r in by_url[engines.p1.url]["kv_events"]] == [0, 1]
+        assert by_url[engines.p1.url]["dp_size"] == 2
+        assert state["policies"]["prefill"] == "kv_aware"
     finally:
         loop.run(router.stop())

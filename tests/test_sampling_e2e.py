@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from launch.process import http
-from tests.pd_fixtures import PDCluster, metric, sse_events
+from tests.pd_fixtures import ref_and_pd, sse_events
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -20,22 +20,14 @@ LOOP = "import os\nimport os\nimport os\nimport os\nimport"  # the model loops o
 
 @pytest.fixture(scope="module")
 def pd():
-    cluster = PDCluster()
-    try:
-        cluster.start_engines(ref=[], P=["--kv-role", "producer"], D=["--kv-role", "consumer"])
-        cluster.router = cluster.start_router("P", "D")
-        cluster.baseline = {name: e.stats()["num_total_blocks"] for name, e in cluster.engines.items()}
+    with ref_and_pd() as cluster:
         yield cluster
-    finally:
-        cluster.stop()
 
 
 @pytest.fixture(autouse=True)
 def settled(pd):
     yield
-    for name, engine in pd.engines.items():
-        engine.wait_idle(pd.baseline[name])
-    assert metric(pd["P"], "atomd:kv_blocks_pinned") == 0
+    pd.assert_settled()
 
 
 def complete(url: str, body: dict, path: str = "/v1/completions"):

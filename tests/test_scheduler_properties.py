@@ -2,7 +2,9 @@
 completions keep the scheduler's invariants, and every sequence ends exactly once with
 tokens equal to the hand-computed greedy reference.
 
-Requests with n / best_of > 1 fork at their first sample into choices that share blocks
+With speculative decoding (spec=2) the fake model proposes drafts, every third one wrong:
+rejected drafts' blocks go back (no sequence holds blocks past its tokens) and published
+blocks name accepted tokens only. Requests with n / best_of > 1 fork at their first sample into choices that share blocks
 (copy-on-write of the partial last block); the fake KV checks every read, so a shared
 block written by two choices shows up as stale KV. Aborts pick any sequence, single
 choices included, and the pool is back at its baseline once everything ended."""
@@ -150,6 +152,13 @@ class SchedulerMachine(RuleBasedStateMachine):
             assert len(seq.block_table) == len(set(seq.block_table))
             for b in seq.block_table:
                 refs[b] += 1
+            # speculative decoding's rollback: no block is held for a rejected draft, and the
+            # prefix index names accepted tokens only
+            assert len(seq.block_table) <= bm.num_blocks_for(seq.num_tokens), f"{seq} holds blocks past its tokens"
+            for i in range(seq.num_published_blocks):
+                block = bm.blocks[seq.block_table[i]]
+                if block.hash != NO_HASH:
+                    assert block.token_ids == seq.token_ids[i * BS:(i + 1) * BS]
         for seq in self.seqs.values():
             if seq not in holders:
                 assert seq.block_table == [], f"{seq} holds blocks outside any queue"

@@ -40,6 +40,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
                    help="lengths drawn uniformly from [L*(1-r), L*(1+r)]")
     d.add_argument("--shared-prefix-len", type=int, default=128,
                    help="tokens every prompt shares, for --dataset shared-prefix")
+    d.add_argument("--shared-prefix-groups", type=int, default=1,
+                   help="--dataset shared-prefix: this many distinct shared prefixes, one drawn per prompt")
     d.add_argument("--sharegpt-output-len", type=int, default=None,
                    help="fixed output length for ShareGPT (default: the reply's length, needs --tokenizer)")
     d.add_argument("--tokenizer", default=None,

@@ -1,4 +1,5 @@
-"""Benchmark prompts: random, shared-prefix (one system prompt, many users), or a ShareGPT file.
+"""Benchmark prompts: random, shared-prefix (one system prompt, many users; or
+`--shared-prefix-groups` G system prompts, each prompt drawing one), or a ShareGPT file.
 
 Completions prompts are sent as token-id lists, so their lengths are exact and shared
 prefixes line up with the server's KV blocks without any tokenizer on the client.
@@ -78,16 +79,23 @@ def sample_lengths(rng: np.random.Generator, n: int, length: int, range_ratio: f
 
 
 def random_requests(n: int, input_len: int, output_len: int, range_ratio: float, space: TokenSpace,
-                    rng: np.random.Generator, chat: bool, prefix_len: int = 0) -> list[SampleRequest]:
-    """Random prompts; with `prefix_len`, every prompt starts with the same `prefix_len` tokens."""
+                    rng: np.random.Generator, chat: bool, prefix_len: int = 0,
+                    prefix_groups: int = 1) -> list[SampleRequest]:
+    """Random prompts; with `prefix_len`, every prompt starts with `prefix_len` shared tokens:
+    one prefix, or with `prefix_groups` G, one of G prefixes drawn uniformly per prompt (what a
+    cache-aware router can keep apart)."""
     if prefix_len < 0:
         raise ValueError(f"shared_prefix_len must be >= 0, got {prefix_len}")
-    prefix = space.sample(rng, prefix_len)
+    if prefix_groups < 1:
+        raise ValueError(f"shared_prefix_groups must be >= 1, got {prefix_groups}")
+    prefixes = [space.sample(rng, prefix_len) for _ in range(prefix_groups)]
     in_lens = sample_lengths(rng, n, input_len, range_ratio)
     out_lens = sample_lengths(rng, n, output_len, range_ratio)
-    prefix_text = space.as_text(prefix, rng) + " " if chat and prefix else ""
+    prefix_texts = [space.as_text(p, rng) + " " if chat and p else "" for p in prefixes]
+    groups = rng.integers(0, prefix_groups, size=n) if prefix_groups > 1 else np.zeros(n, dtype=int)
     requests = []
-    for in_len, out_len in zip(in_lens, out_lens):
+    for in_len, out_len, g in zip(in_lens, out_lens, groups):
+        prefix, prefix_text = prefixes[g], prefix_texts[g]
         ids = space.sample(rng, int(in_len))
         if chat:
             text = prefix_text + space.as_text(ids, rng)
@@ -145,5 +153,6 @@ def build_requests(args, space: TokenSpace, chat: bool) -> list[SampleRequest]:
             raise ValueError("dataset_path: --dataset sharegpt-file needs --dataset-path FILE")
         return sharegpt_requests(args.dataset_path, args.num_prompts, space, rng, args.sharegpt_output_len)
     prefix_len = args.shared_prefix_len if args.dataset == "shared-prefix" else 0
+    groups = getattr(args, "shared_prefix_groups", 1) if args.dataset == "shared-prefix" else 1
     return random_requests(args.num_prompts, args.input_len, args.output_len, args.range_ratio, space, rng,
-                           chat, prefix_len)
+                           chat, prefix_len, groups)

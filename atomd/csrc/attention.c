@@ -1,7 +1,8 @@
 /* Attention kernels, float32, loaded by atomd/native.py:
  *
- * - atomd_decode_attention: one query token per sequence reads its context straight from the
- *   block-major paged KV cache (atomd/kv_cache.py).
+ * - atomd_decode_attention: the decode queries of each sequence read its context straight from
+ *   the block-major paged KV cache (atomd/kv_cache.py): one token per sequence, or with
+ *   speculative decoding its last token and its drafts (causal inside that run).
  * - atomd_prefill_attention: causal attention of fresh prompts (no cached prefix) over their
  *   own packed k, v rows, flash-style (key tiles, online softmax).
  *
@@ -53,77 +54,87 @@ static inline void prefetch_rows(const float *row, int64_t rows, int64_t row_str
 /* q, out: [batch, num_heads, HEAD_DIM] contiguous. kv: the cache's base pointer; the K row of
  * token t of sequence b, KV head h is at
  *   kv + table[b][t / block_size] * block_stride + k_offset + ((t % block_size) * num_kv_heads + h) * HEAD_DIM
- * and its V row v_offset elements further. block_tables: [batch, table_width]. num_threads:
- * torch's intra-op count of the calling thread (OpenMP's own default is per thread).
+ * and its V row v_offset elements further. block_tables: [batch, table_width]. query_starts:
+ * NULL (query row b is sequence b's one token), or [batch + 1] row offsets: sequence b owns
+ * query rows query_starts[b] .. query_starts[b + 1] - 1, its last ones, so row r sees the keys
+ * 0 .. context_lens[b] - (query_starts[b + 1] - r) (causal inside the run: a sequence's last
+ * token and its drafts, verified in one step). num_threads: torch's intra-op count of the
+ * calling thread (OpenMP's own default is per thread).
  * Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
 int atomd_decode_attention(const float *restrict q, const float *restrict kv,
                             const int64_t *restrict block_tables, const int64_t *restrict context_lens,
-                            float *restrict out, int64_t batch, int64_t num_heads, int64_t num_kv_heads,
-                            int64_t block_size, int64_t table_width, int64_t block_stride, int64_t k_offset,
-                            int64_t v_offset, float scale, int num_threads) {
+                            const int64_t *restrict query_starts, float *restrict out, int64_t batch,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
+                            int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
+                            int num_threads) {
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
     for (int64_t item = 0; item < batch * num_kv_heads; item++) {
-        const int64_t b = item / num_kv_heads, h = item % num_kv_heads, ctx = context_lens[b];
+        const int64_t b = item / num_kv_heads, h = item % num_kv_heads, full_ctx = context_lens[b];
         const int64_t *table = block_tables + b * table_width;
-        const float *qh = q + (b * num_heads + h * GROUP) * HEAD_DIM;  /* the group's query heads */
-        float qs[GROUP][HEAD_DIM], m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM];
-        float *scores = malloc(sizeof(float) * GROUP * ctx);  /* [GROUP, ctx] */
+        const int64_t r_begin = query_starts ? query_starts[b] : b, r_end = query_starts ? query_starts[b + 1] : b + 1;
+        float *scores = malloc(sizeof(float) * GROUP * (full_ctx > 0 ? full_ctx : 1));  /* [GROUP, ctx], reused per row */
         if (scores == NULL) {
 #pragma omp atomic write
             failed = 1;
             continue;
         }
-        for (int g = 0; g < GROUP; g++) {
-            m[g] = -INFINITY;
-            sum[g] = 0.0f;
-            for (int d = 0; d < HEAD_DIM; d++) {
-                qs[g][d] = qh[g * HEAD_DIM + d] * scale;
-                acc[g][d] = 0.0f;
+        /* one row after the other: the context a later row reads again is still in cache */
+        for (int64_t r = r_begin; r < r_end; r++) {
+            const int64_t ctx = full_ctx - (r_end - 1 - r);
+            const float *qh = q + (r * num_heads + h * GROUP) * HEAD_DIM;  /* the group's query heads */
+            float qs[GROUP][HEAD_DIM], m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM];
+            for (int g = 0; g < GROUP; g++) {
+                m[g] = -INFINITY;
+                sum[g] = 0.0f;
+                for (int d = 0; d < HEAD_DIM; d++) {
+                    qs[g][d] = qh[g * HEAD_DIM + d] * scale;
+                    acc[g][d] = 0.0f;
+                }
             }
-        }
-        /* scores: each K row is read once for all the query heads of its group */
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {  /* block by block: no division per token */
-            const float *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            if (t0 + block_size < ctx)
-                prefetch_rows(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
-                              block_size, row_stride);
-            prefetch_rows(k + v_offset, n, row_stride);  /* this block's V rows, for the second pass */
-            for (int64_t i = 0; i < n; i++, k += row_stride) {
-                for (int g = 0; g < GROUP; g++) {
-                    float s = 0.0f;
+            /* scores: each K row is read once for all the query heads of its group */
+            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {  /* block by block: no division per token */
+                const float *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
+                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+                if (t0 + block_size < ctx)
+                    prefetch_rows(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
+                                  block_size, row_stride);
+                prefetch_rows(k + v_offset, n, row_stride);  /* this block's V rows, for the second pass */
+                for (int64_t i = 0; i < n; i++, k += row_stride) {
+                    for (int g = 0; g < GROUP; g++) {
+                        float s = 0.0f;
 #pragma omp simd reduction(+ : s)
-                    for (int d = 0; d < HEAD_DIM; d++) s += qs[g][d] * k[d];
-                    scores[g * ctx + t0 + i] = s;
-                    m[g] = s > m[g] ? s : m[g];
+                        for (int d = 0; d < HEAD_DIM; d++) s += qs[g][d] * k[d];
+                        scores[g * ctx + t0 + i] = s;
+                        m[g] = s > m[g] ? s : m[g];
+                    }
                 }
             }
-        }
-        for (int g = 0; g < GROUP; g++) {
-            float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
+            for (int g = 0; g < GROUP; g++) {
+                float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
 #pragma omp simd reduction(+ : total)
-            for (int64_t t = 0; t < ctx; t++) {
-                sg[t] = exp_nonpositive(sg[t] - mg);
-                total += sg[t];
-            }
-            sum[g] = total;
-        }
-        /* weighted values: each V row read once, the group's accumulators in registers */
-        for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-            const float *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + h * HEAD_DIM;
-            const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-            for (int64_t i = 0; i < n; i++, v += row_stride)  /* prefetched by the score pass */
-                for (int g = 0; g < GROUP; g++) {
-                    const float p = scores[g * ctx + t0 + i];
-#pragma omp simd
-                    for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * v[d];
+                for (int64_t t = 0; t < ctx; t++) {
+                    sg[t] = exp_nonpositive(sg[t] - mg);
+                    total += sg[t];
                 }
+                sum[g] = total;
+            }
+            /* weighted values: each V row read once, the group's accumulators in registers */
+            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+                const float *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + h * HEAD_DIM;
+                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+                for (int64_t i = 0; i < n; i++, v += row_stride)  /* prefetched by the score pass */
+                    for (int g = 0; g < GROUP; g++) {
+                        const float p = scores[g * ctx + t0 + i];
+#pragma omp simd
+                        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * v[d];
+                    }
+            }
+            float *o = out + (r * num_heads + h * GROUP) * HEAD_DIM;
+            for (int g = 0; g < GROUP; g++)
+                for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = acc[g][d] / sum[g];
         }
-        float *o = out + (b * num_heads + h * GROUP) * HEAD_DIM;
-        for (int g = 0; g < GROUP; g++)
-            for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = acc[g][d] / sum[g];
         free(scores);
     }
     return failed ? -1 : 0;

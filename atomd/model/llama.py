@@ -217,14 +217,16 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Prefill: a sequence without cached prefix attends to its own fresh k/v (no gather):
     all of them in one call of the native kernel (atomd/native.py), else one SDPA each; one
     with a prefix (chunked prefill, prefix hit) reads its whole context from the cache, one
-    SDPA each. Decode: the native kernel reads each context straight from the paged cache;
-    without it, one SDPA over the batch, contexts gathered block by block and padded (into
+    SDPA each. Decode: the native kernel reads each context straight from the paged cache
+    (with speculative decoding several rows per sequence, causal inside its drafts; without
+    the kernel the runner sends such a batch down the prefill path); without it, one SDPA over the batch, contexts gathered block by block and padded (into
     the decode workspace when there is one, which later steps extend instead of gathering
     again), the padding masked out.
     """
     heads, head_dim = q.shape[1], q.shape[2]
     if meta.kernels is not None and not meta.is_prefill:
-        return decode_attention(meta.kernels, q, kv_cache, layer, meta.block_tables, meta.context_lens)
+        return decode_attention(meta.kernels, q, kv_cache, layer, meta.block_tables, meta.context_lens,
+                                meta.query_starts)
     if not meta.is_prefill:
         ws = meta.workspace
         if ws is None or meta.workspace_fresh:
