@@ -340,9 +340,36 @@ def _same(a: Any, b: Any) -> bool:
     return (isinstance(a, bool) == isinstance(b, bool)) and a == b
 
 
+INT_MIN, INT_MAX = -2**63, 2**64 - 1  # what the engine's IPC (msgpack) can carry
+
+
+def _first_huge_int(value: Any, path: str) -> str | None:
+    """The path of the first integer in `value` no 64-bit field can hold, or None."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return path if not INT_MIN <= value <= INT_MAX else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        if isinstance(key, int) and not INT_MIN <= key <= INT_MAX:
+            return f"{path}.{key}"
+        found = _first_huge_int(item, f"{path}[{key}]" if isinstance(value, list) else f"{path}.{key}")
+        if found is not None:
+            return found
+    return None
+
+
+def check_int_ranges(req: msgspec.Struct) -> None:
+    """JSON integers are unbounded; every integer the engine takes is 64-bit: a 400 naming
+    the field, instead of an overflow deep in the IPC."""
+    for name in req.__struct_fields__:
+        found = _first_huge_int(getattr(req, name), name)
+        if found is not None:
+            raise invalid(found.split(".")[0].split("[")[0], f"{found}: integer out of the 64-bit range")
+
+
 def _check_common(req: _SamplingFields) -> tuple[KVTransferParams | None, dict[int, float] | None]:
     """Checks of the fields SamplingParams does not own (it checks the sampling ranges)."""
     check_unsupported(req)
+    check_int_ranges(req)
     kv_params = None
     if req.kv_transfer_params is not None:
         try:  # a malformed one never reaches the engine

@@ -311,6 +311,8 @@ class Router:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as e:
             return json_error(resp, 400, f"request body is not valid JSON: {e}")
+        except RecursionError:  # msgspec's nesting limit: the client's body, not our bug
+            return json_error(resp, 400, "request body is not valid JSON: nested too deeply")
         if not isinstance(body, dict):
             return json_error(resp, 400, "request body must be a JSON object")
         stream = body.get("stream", False)
@@ -379,7 +381,7 @@ class Router:
         if req.body:
             try:
                 spec = msgspec.json.decode(req.body)
-            except msgspec.DecodeError as e:
+            except (msgspec.DecodeError, RecursionError) as e:
                 raise ValueError(f"request body is not valid JSON: {e}")
             if not isinstance(spec, dict):
                 raise ValueError("request body must be a JSON object with url and role")

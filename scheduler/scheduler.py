@@ -14,6 +14,10 @@ Each `schedule()` returns one kind of batch (the seed's semantics):
 - decode, when nothing prefills: every decode-ready running sequence schedules its last
   token (plus its drafts with speculative decoding). A sequence that cannot get a block
   preempts the newest running sequence (recompute: blocks freed, tokens kept).
+- protected streams (`max_local_prefill_tokens_per_step` > 0, chunked prefill): while
+  decode-ready sequences run, a prefill step carries at most that many prompt tokens and
+  the next step is a decode step, so a running stream waits at most one capped chunk
+  between two of its tokens (a decode engine prefilling a prompt locally).
 
 Invariant of a decode-ready sequence: `num_computed_tokens == num_tokens - 1`; the KV of
 every token but the last is computed, and the last is the next one to forward.
@@ -66,9 +70,13 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     # scheduled after each sequence's last token, the accepted ones appended, the blocks of
     # rejected ones returned; 0: off
     num_speculative_tokens: int = 0
-    # BlockStored/BlockRemoved are logged for take_events(), but nothing publishes them yet
-    # (the router's KV-events issue builds the publisher)
+    # log BlockStored/BlockRemoved for take_events(); the engine publishes them with
+    # --kv-events-endpoint (atomd/kv_events.py)
     enable_kv_events: bool = False
+    # protect running streams from local prefills: while decode-ready sequences run, a prefill
+    # step carries at most this many prompt tokens and is followed by a decode step (0: off;
+    # only with chunked prefill). A remote prefill's KV arrives by pull, so it is not capped.
+    max_local_prefill_tokens_per_step: int = 0
 
     def __post_init__(self) -> None:
         for name in ("num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -76,7 +84,7 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("scheduler_delay_factor", "num_speculative_tokens",
-                     "long_prefill_token_threshold"):
+                     "long_prefill_token_threshold", "max_local_prefill_tokens_per_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
@@ -181,6 +189,7 @@ class Scheduler:
         self._prev_time = 0.0
         self._prev_prompt = False
         self._last_prompt_latency = 0.0
+        self._capped_prefill_last = False  # the last step was a capped prefill: decodes go next
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -245,9 +254,15 @@ class Scheduler:
     def schedule(self) -> ScheduledBatch | None:
         allow_prefill = self._ask_prefill_delayer()  # every tick, before any early return
         self._promote_received()
-        batch = self._schedule_prefill() if allow_prefill else None
+        # running streams under a local prefill: capped prefill steps alternate with decode steps
+        cap = self.config.max_local_prefill_tokens_per_step
+        protect = cap > 0 and self.config.enable_chunked_prefill and len(self.running) > len(self._prefilling)
+        batch = self._schedule_decode() if protect and self._capped_prefill_last else None
+        if batch is None and allow_prefill:
+            batch = self._schedule_prefill(cap if protect else 0)
         if batch is None:
             batch = self._schedule_decode()
+        self._capped_prefill_last = protect and batch is not None and batch.is_prefill
         if batch is None and self.kv_connector is not None:
             meta = self.kv_connector.build_connector_meta()
             if not meta.is_empty():
@@ -259,10 +274,11 @@ class Scheduler:
     def _connector_meta(self) -> KVConnectorMetadata | None:
         return self.kv_connector.build_connector_meta() if self.kv_connector is not None else None
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _schedule_prefill(self, cap: int = 0) -> ScheduledBatch | None:
+        """`cap` > 0: at most that many prompt tokens this step (running streams wait on it)."""
         seqs: list[Sequence] = []
         chunks: list[int] = []
-        budget = self.config.max_num_batched_tokens
+        budget = self.config.max_num_batched_tokens if cap <= 0 else min(cap, self.config.max_num_batched_tokens)
         for seq in self._prefilling.values():  # Phase 1: resume chunked prefills
             if len(seqs) >= self.config.max_num_seqs or budget <= 0:
                 break

@@ -134,3 +134,23 @@ def test_the_openapi_description_is_made_from_the_request_structs():
     completions = doc["paths"]["/v1/completions"]["post"]
     assert completions["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")
     assert {"200", "400", "503"} <= set(completions["responses"])
+
+
+@pytest.fixture(scope="module")
+def router(server):
+    """The router in front of the real engine (a colocated --worker: one leg)."""
+    from launch.process import RouterServer
+    from tests.server_fixtures import REPO, START_TIMEOUT_S, server_log
+
+    srv = RouterServer((), (), "--worker", server.url, log=server_log(), cwd=REPO).wait_ready(START_TIMEOUT_S)
+    yield srv
+    srv.stop()
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=list(HealthCheck))
+@given(path=st.sampled_from(["/v1/completions", "/v1/chat/completions"]), body=bodies)
+def test_hypothesis_bodies_never_break_the_router(router, path, body):
+    """The same bodies through the router: a malformed one is the router's own 400, a
+    well-formed one the engine's answer; never a 5xx."""
+    status, raw = post_raw(router.url + path, body)
+    assert status < 500, (body[:200], raw[:300])
