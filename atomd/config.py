@@ -43,6 +43,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    max_local_prefill_tokens_per_step: int = 0
     scheduler_delay_factor: float = 0.0
     kv_cache_memory: int | None = None  # bytes; ignored when num_kvcache_blocks is set
     num_kvcache_blocks: int | None = None
@@ -121,7 +122,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("long_prefill_token_threshold", "scheduler_delay_factor", "data_parallel_rank"):
+        for name in ("long_prefill_token_threshold", "max_local_prefill_tokens_per_step", "scheduler_delay_factor",
+                     "data_parallel_rank"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         for name in ("prefill_delayer_target_fill", "prefill_delayer_kv_high_watermark",
@@ -257,6 +259,9 @@ HELP = {
     "max_num_batched_tokens": "tokens per step",
     "block_size": "tokens per KV block",
     "long_prefill_token_threshold": "largest prefill chunk of one sequence (0: off)",
+    "max_local_prefill_tokens_per_step": "while decodes run, prompt tokens one prefill step may carry, and a decode "
+                                         "step after each such prefill step, so running streams are not stalled for a "
+                                         "whole local prompt (e.g. a decode engine prefilling locally; 0: off)",
     "kv_cache_memory": "KV cache size, e.g. 512MiB (default: 256MiB, at most max_num_seqs full contexts)",
     "num_kvcache_blocks": "KV cache size in blocks",
     "kv_role": "PD role: both (colocated), producer (prefill), consumer (decode)",

@@ -88,6 +88,7 @@ class LLMEngine:
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            max_local_prefill_tokens_per_step=config.max_local_prefill_tokens_per_step,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             enable_kv_events=config.kv_events_endpoint is not None),
             kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)

@@ -59,6 +59,7 @@ SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
+ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort")  # and everything under /debug/
 RANK_HEADER = "X-data-parallel-rank"
 ERROR_STATUS = {ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
                 ErrorCode.UNSCHEDULABLE: (400, "invalid_request_error"),
@@ -74,7 +75,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--host", default="127.0.0.1", help="address to listen on")
     g.add_argument("--port", type=int, default=8000, help="port to listen on")
     g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` (all routes but /health, /ready, /metrics)")
+                   help="require `Authorization: Bearer KEY` (all routes but /health, /ready, /metrics, "
+                        "/openapi.json)")
+    g.add_argument("--admin-api-key", default=None,
+                   help="the admin routes (/reset_prefix_cache, /kv_transfer/abort, /debug/*) take this key "
+                        "instead of --api-key, which then opens only the client routes (the router passes "
+                        "it with --engine-admin-api-key)")
     g.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                    help="larger request bodies get a 413")
     g.add_argument("--served-model-name", default=None,
@@ -220,11 +226,16 @@ class Server:
 
     @web.middleware
     async def auth(self, request: web.Request, handler):
-        key = self.args.api_key
-        if key and request.path not in OPEN_PATHS and not hmac.compare_digest(
+        """Client routes take --api-key; admin routes take --admin-api-key when one is set (a
+        client key never opens them), else --api-key. Compared in constant time."""
+        path = request.path
+        admin = self.args.admin_api_key is not None and (path in ADMIN_PATHS or path.startswith("/debug/"))
+        key = self.args.admin_api_key if admin else self.args.api_key
+        if key and path not in OPEN_PATHS and not hmac.compare_digest(
                 request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
-            raise P.APIError(401, "missing or invalid API key (expected `Authorization: Bearer <key>`)",
-                             type="authentication_error", code="invalid_api_key")
+            which = "admin API key" if admin else "API key"
+            raise P.APIError(401, f"missing or invalid {which} (expected `Authorization: Bearer <key>`)",
+                             type="authentication_error", code="invalid_admin_key" if admin else "invalid_api_key")
         return await handler(request)
 
     # ------------------------------------------------------------ operational routes

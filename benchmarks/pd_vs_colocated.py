@@ -4,7 +4,9 @@ given the same two cores, on the same Poisson arrivals of long prompts with long
 
 Setups: colocated-2t (one engine, 2 torch threads), colocated-dp2 (`--data-parallel-size 2`,
 one thread per rank), colocated-1t (a control: one engine, one thread), pd-1p1d (P's and D's
-engine threads pinned to cores 0 and 1) and pd-1p1d-unpinned.
+engine threads pinned to cores 0 and 1), pd-1p1d-unpinned, and pinned 1P+1D behind a router in
+`--pd-mode strict` (pd-1p1d-strict) or `--pd-mode adaptive` with D capped by
+`--max-local-prefill-tokens-per-step` (pd-1p1d-adaptive; router/adaptive.py).
 
 Every setup is started fresh by this script (free ports, stopped in `finally`), warmed up
 with two requests, then `atomd bench serve` (a subprocess) runs the same seeded workload at
@@ -85,19 +87,21 @@ def colocated(name: str, threads: int, dp: int, logs: pathlib.Path, extra: tuple
 
 
 @contextlib.contextmanager
-def disaggregated(extra: list[str], logs: pathlib.Path, pin: bool, name: str = "pd"):
+def disaggregated(extra: list[str], logs: pathlib.Path, pin: bool, name: str = "pd", router_args: tuple = (),
+                  decode_extra: tuple = ()):
     """P (core 0) and D (core 1), one torch thread each, behind the router."""
     started: list[EngineServer | RouterServer] = []
     try:
         for role in ("producer", "consumer"):
+            own = decode_extra if role == "consumer" else ()
             started.append(EngineServer(default_model_dir(), *ENGINE_ARGS, "--num-threads", "1", "--kv-role", role,
-                                        *extra, log=logs / f"{name}-{role}.log", cwd=REPO))
+                                        *extra, *own, log=logs / f"{name}-{role}.log", cwd=REPO))
         p, d = (s.wait_ready() for s in started)
         if pin:
             pin_engine(p, {0})
             pin_engine(d, {1 % os.cpu_count()})
-        router = RouterServer([p.url], [d.url], "--health-interval-s", "0.5", log=logs / f"{name}-router.log",
-                              cwd=REPO)
+        router = RouterServer([p.url], [d.url], "--health-interval-s", "0.5", *router_args,
+                              log=logs / f"{name}-router.log", cwd=REPO)
         started.append(router)
         router.wait_ready()
         yield router.url, {"prefill": p.url, "decode": d.url, "router": router.url}
@@ -134,6 +138,7 @@ def metric_delta(before: dict, after: dict) -> dict[str, float]:
     """The counters this report reads, as increments over one run."""
     names = {"pd": ("atomd_router:decision_total", {"decision": "pd"}),
              "decode_without_kv": ("atomd_router:decision_total", {"decision": "decode_without_kv"}),
+             "local_prefill": ("atomd_router:decision_total", {"decision": "local_prefill"}),
              "kv_transfer_bytes": ("atomd:kv_transfer_bytes_total", {}),
              "prefix_cache_hits": ("atomd:prefix_cache_hits_total", {}),
              "prefix_cache_queries": ("atomd:prefix_cache_queries_total", {})}
@@ -150,12 +155,13 @@ def summary(row: dict) -> str:
 
 def markdown(rows: list[dict], slo: str) -> str:
     lines = [f"| setup | rate (req/s) | TTFT p99 (ms) | ITL p99 (ms) | TPOT p99 (ms) | output tok/s | "
-             f"goodput (req/s) | within SLO ({slo}) | PD decisions (pd / without KV) | load avg |",
+             f"goodput (req/s) | within SLO ({slo}) | PD decisions (pd / without KV / local prefill) | load avg |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
     for row in rows:
         r, d = row["result"], row["delta"]
         router = d.get("router", {})
-        pd = f"{router['pd']:.0f} / {router['decode_without_kv']:.0f}" if router else "-"
+        pd = f"{router['pd']:.0f} / {router['decode_without_kv']:.0f} / {router['local_prefill']:.0f}" \
+            if router else "-"
         lines.append(f"| {row['setup']} | {row['rate']} | {r['p99_ttft_ms']:.0f} | {r['p99_itl_ms']:.0f} | "
                      f"{r['p99_tpot_ms']:.0f} | {r['output_throughput']:.1f} | {r['request_goodput']:.3f} | "
                      f"{r['good_completed']}/{r['completed'] + r['failed']} | {pd} | {row['load']:.1f} |")
@@ -190,7 +196,10 @@ def main() -> int:
     ap.add_argument("--slo", nargs="+", default=["ttft:1000", "tpot:20"], help="bench serve --goodput SLOs")
     ap.add_argument("--setups", nargs="+", default=["colocated-2t", "colocated-dp2", "colocated-1t", "pd-1p1d",
                                                     "pd-1p1d-unpinned"],
-                    choices=["colocated-2t", "colocated-1t", "colocated-dp2", "pd-1p1d", "pd-1p1d-unpinned"])
+                    choices=["colocated-2t", "colocated-1t", "colocated-dp2", "pd-1p1d", "pd-1p1d-unpinned",
+                             "pd-1p1d-strict", "pd-1p1d-adaptive"])
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=256, help="pd-1p1d-adaptive's router flag")
+    ap.add_argument("--max-local-prefill-tokens-per-step", type=int, default=64, help="pd-1p1d-adaptive's D flag")
     ap.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("/tmp/atomd-bench/pd_vs_colocated"))
     ap.add_argument("--run-timeout-s", type=float, default=300)
     args = ap.parse_args()
@@ -203,7 +212,12 @@ def main() -> int:
               "colocated-dp2": lambda: colocated("colocated-dp2", 1, 2, args.out_dir),
               "pd-1p1d": lambda: disaggregated([], args.out_dir, True),
               # the scheduler free to move P and D off a core a neighbour is busy on
-              "pd-1p1d-unpinned": lambda: disaggregated([], args.out_dir, False, "pd-unpinned")}
+              "pd-1p1d-unpinned": lambda: disaggregated([], args.out_dir, False, "pd-unpinned"),
+              "pd-1p1d-strict": lambda: disaggregated([], args.out_dir, True, "pd-strict", ("--pd-mode", "strict")),
+              "pd-1p1d-adaptive": lambda: disaggregated(
+                  [], args.out_dir, True, "pd-adaptive",
+                  ("--pd-mode", "adaptive", "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)),
+                  ("--max-local-prefill-tokens-per-step", str(args.max_local_prefill_tokens_per_step)))}
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks on SIGTERM
     rows = run_all({name: setups[name] for name in args.setups}, args, workload, args.out_dir)
     print(markdown(rows, " ".join(args.slo)))

@@ -12,6 +12,7 @@ import signal
 import sys
 
 from kv_transfer.trust import load_secret
+from router.adaptive import PD_MODES
 from router.app import Router, RouterConfig
 from router.discovery import Resolver
 from router.policies import POLICIES
@@ -80,7 +81,16 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     rel.add_argument("--retry-backoff-s", type=float, default=d.retry_backoff_s,
                      help="base of the full-jitter exponential backoff between prefill tries")
     rel.add_argument("--strict-pd", action="store_true",
-                     help="never serve a request but by two legs with KV moved: every fallback is an error")
+                     help="the alias of --pd-mode strict")
+    pdm = p.add_argument_group("disaggregation")
+    pdm.add_argument("--pd-mode", default=d.pd_mode, choices=PD_MODES,
+                     help="always: two legs per request (falling back to one when P keeps no KV or none is in "
+                          "rotation); adaptive: per request, two legs or a local prefill on the chosen decode "
+                          "engine, from the uncached prompt, the prefill queues and the learnt prefill rates and "
+                          "transfer costs; strict: always two legs with KV moved, every fallback an error")
+    pdm.add_argument("--local-prefill-max-tokens", type=int, default=d.local_prefill_max_tokens,
+                     help="adaptive: a prompt with at most this many tokens the decode engine has not cached "
+                          "prefills there (pair with the decode engines' --max-local-prefill-tokens-per-step)")
     rel.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
                      help="consecutive failures (connection errors, 5xx, timeouts) that open a worker's breaker")
     rel.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
@@ -100,6 +110,9 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     sec.add_argument("--admin-api-key", default=None,
                      help="a separate key for GET/POST/DELETE /workers and /dashboard/state (client keys do not "
                           "open them); default: those routes take the --api-key")
+    sec.add_argument("--engine-admin-api-key", default=None,
+                     help="the engines' --admin-api-key: sent on the router's POST /kv_transfer/abort "
+                          "(default: the client's Authorization, which works while engines have no admin key)")
     sec.add_argument("--kv-params-secret-file", default=None, metavar="PATH",
                      help="file holding the secret shared with the engines; the router signs the "
                           "kv_transfer_params it sends decode engines with it (default: $ATOMD_KV_PARAMS_SECRET)")

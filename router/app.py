@@ -37,6 +37,7 @@ from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
 from router.pd import LegError, PDRelay, RelayConfig, error_body
+from router.adaptive import PD_MODES
 from router.policies import POLICIES, make_policy
 from router.tokenizer import RouterTokenizer
 from router.workers import PD_ROLES, ROLES, Worker, WorkerRegistry, describe
@@ -69,9 +70,12 @@ class RouterConfig:
     total_timeout_s: float | None = None  # a whole request once admitted (legs + stream); None: none
     max_prefill_tries: int = 3
     retry_backoff_s: float = 0.01
-    strict_pd: bool = False
+    strict_pd: bool = False  # the alias of pd_mode="strict"
+    pd_mode: str = "always"  # always | adaptive | strict (router/adaptive.py)
+    local_prefill_max_tokens: int = 256  # adaptive: a prompt up to this many uncached tokens prefills on D
     api_key: str | None = None
     admin_api_key: str | None = None
+    engine_admin_api_key: str | None = None  # the engines' --admin-api-key (for POST /kv_transfer/abort)
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
@@ -99,6 +103,15 @@ class RouterConfig:
             if name is not None:
                 make_policy(name)  # raises ValueError naming the policy
         targets_of(self.prefill_dns, self.decode_dns)  # raises ValueError naming the bad NAME:PORT
+        if self.pd_mode not in PD_MODES:
+            raise ValueError(f"pd_mode must be one of {', '.join(PD_MODES)}, got {self.pd_mode!r}")
+        if self.strict_pd and self.pd_mode == "adaptive":
+            raise ValueError("--strict-pd is --pd-mode strict: it contradicts --pd-mode adaptive")
+        if self.strict_pd:
+            self.pd_mode = "strict"
+        self.strict_pd = self.pd_mode == "strict"
+        if self.local_prefill_max_tokens < 0:
+            raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
         for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s",
                      "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s"):
             if not getattr(self, name) > 0:
@@ -204,8 +217,12 @@ class Router:
         self.relay = PDRelay(self.registry, self.policies, self.metrics, RelayConfig(
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             total_timeout_s=config.total_timeout_s, max_prefill_tries=config.max_prefill_tries,
-            retry_backoff_s=config.retry_backoff_s, strict_pd=config.strict_pd),
+            retry_backoff_s=config.retry_backoff_s, strict_pd=config.strict_pd,
+            engine_admin_api_key=config.engine_admin_api_key, pd_mode=config.pd_mode,
+            local_prefill_max_tokens=config.local_prefill_max_tokens),
             kv_params_secret=load_secret(path=config.kv_params_secret_file), tokenizer=self.tokenizer)
+        if self.relay.decider is not None:
+            self.metrics.adaptive = self.relay.decider.describe
         self.auth_key = f"Bearer {config.api_key}".encode() if config.api_key else None
         self.admin_key = f"Bearer {config.admin_api_key}".encode() if config.admin_api_key else None
         routes = self.routes = RouteTable()
@@ -270,6 +287,8 @@ class Router:
             self.kv_index.forget(worker.url)
         for policy in self.policies.values():
             policy.forget(worker.url)
+        if self.relay.decider is not None:
+            self.relay.decider.forget(worker.url)
 
     # ---------------------------------------------------------------- dispatch
 
@@ -423,7 +442,8 @@ class Router:
                                         "count": h.count}
                                  for name, h in (("ttft_s", em.ttft), ("itl_s", em.itl), ("e2e_s", em.request_latency))}
         decisions = [{"role": k[0], "policy": k[1], "decision": k[2], "count": v} if len(k) == 3 else
-                     {"role": "relay", "policy": "", "decision": k[0], "count": v} for k, v in sorted(m.decisions.items())]
+                     {"role": "relay", "policy": "", "decision": k[0] if len(k) == 1 else f"{k[0]} ({k[1]})",
+                      "count": v} for k, v in sorted(m.decisions.items())]
         active, queued = self.admission.state()
         json_response(resp, {
             "now": time.time(), "uptime_s": time.time() - self.started_at,

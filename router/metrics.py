@@ -95,7 +95,8 @@ class RouterMetrics:
         self.legs = {"prefill": Hist(LATENCY_BUCKETS), "decode": Hist(LATENCY_BUCKETS),
                      "worker": Hist(LATENCY_BUCKETS)}
         self.retries = Counts()  # (leg,)
-        self.decisions = Counts()  # (decision,) relay decisions; (role, policy, decision) policy choices
+        # (decision,) / (decision, reason): relay decisions; (role, policy, decision): policy choices
+        self.decisions = Counts()
         self.fallbacks = Counts()  # (reason,)
         self.upstream_errors = Counts()  # (leg, reason)
         self.rejected = Counts()  # (reason,)
@@ -103,6 +104,7 @@ class RouterMetrics:
         self.client_kv_params_dropped = 0
         self.kv_hit = {"prefill": Hist(HIT_BUCKETS), "decode": Hist(HIT_BUCKETS), "worker": Hist(HIT_BUCKETS)}
         self.queue_state: Callable[[], tuple[int, int]] = lambda: (0, 0)  # (active, queued)
+        self.adaptive: Callable[[], dict] | None = None  # --pd-mode adaptive: the decider's estimates
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -162,11 +164,14 @@ class RouterMetrics:
             if leg != "worker" or (leg,) in self.retries:
                 retries.add_metric([leg], self.retries.get((leg,), 0))
         yield retries
-        # relay decisions carry {decision}; policy choices {role, policy, decision}
+        # relay decisions carry {decision}, adaptive / strict PD {decision, reason}, policy choices
+        # {role, policy, decision}
         dec = Metric(P + "decision", "routing decisions: the relay's (pd, decode_without_kv, no_prefill_worker, "
-                     "no_decode_worker, colocated, ...) and each policy's choices by role", "counter")
+                     "no_decode_worker, colocated, ...; with --pd-mode adaptive|strict pd / local_prefill by "
+                     "reason) and each policy's choices by role", "counter")
         for key, v in sorted(self.decisions.items()):
-            labels = {"decision": key[0]} if len(key) == 1 else {"role": key[0], "policy": key[1], "decision": key[2]}
+            labels = {"decision": key[0]} if len(key) == 1 else {"decision": key[0], "reason": key[1]} \
+                if len(key) == 2 else {"role": key[0], "policy": key[1], "decision": key[2]}
             dec.add_sample(P + "decision_total", labels, v)
         yield dec
         fb = CounterMetricFamily(P + "fallbacks", "requests served another way than two legs with KV moved, "
@@ -215,8 +220,26 @@ class RouterMetrics:
             tokens.add_metric([w.url, w.role], float(w.in_flight_tokens))
             opened.add_metric([w.url, w.role], w.breaker.times_opened)
         yield from (healthy, breaker, in_flight, tokens, opened)
+        if self.adaptive is not None:
+            yield from adaptive_families(self.adaptive())
         if self.extra is not None:
             yield from self.extra()
+
+
+def adaptive_families(state: dict):
+    """The adaptive-PD decider's learnt estimates (router/adaptive.py `PDDecider.describe`)."""
+    rate = GaugeMetricFamily(P + "pd_prefill_tokens_per_second", "adaptive PD: each prefill worker's prefill "
+                             "rate, a moving average over its completed legs", labels=["worker"])
+    for url, v in sorted(state["prefill_tokens_per_s"].items()):
+        rate.add_metric([url], v)
+    transfer = GaugeMetricFamily(P + "pd_transfer_seconds", "adaptive PD: P's answer to D's first event, a "
+                                 "moving average per prefill worker", labels=["worker"])
+    for url, v in sorted(state["transfer_s"].items()):
+        transfer.add_metric([url], v)
+    local = GaugeMetricFamily(P + "pd_local_prefill_tokens_per_second", "adaptive PD: a local prefill's "
+                              "uncached tokens over its time to first event on D, a moving average")
+    local.add_metric([], state["local_tokens_per_s"])
+    return rate, transfer, local
 
 
 BREAKER_NAMES = CircuitBreaker.NAMES

@@ -30,7 +30,15 @@ connection could not be opened (D may have started on the request otherwise); a 
 worker's leg moves on a refused connection or a 5xx (nothing was streamed). Nothing is
 retried once a byte reached the client.
 
-Fallbacks (`atomd_router:fallbacks_total{reason}`; with --strict-pd each is an error):
+Adaptive disaggregation (`--pd-mode adaptive`, router/adaptive.py): the decode worker is
+picked first, then the request either takes the two legs above or goes to that D alone, as
+the client sent it (a local prefill), decided per request from the uncached prompt, the
+prefill workers' queues and their learnt rates and transfer costs. Decisions are counted
+as `atomd_router:decision_total{decision, reason}`; prefill and transfer times of completed
+legs feed the estimates.
+
+Fallbacks (`atomd_router:fallbacks_total{reason}`; with --pd-mode strict, alias --strict-pd,
+each is an error):
 `prefill_kept_no_kv` (P answered without kv_transfer_params: D computes the prompt),
 `no_prefill_worker` (none in rotation: D computes the prompt), `colocated` (no PD pair in
 rotation: a colocated worker serves it).
@@ -56,6 +64,7 @@ import msgspec
 
 from kv_transfer.params import KVTransferParams
 from kv_transfer.trust import signature_of
+from router.adaptive import PDDecider
 from router.http import BrokenResponse, ClientConnection, ConnectError, Disconnected, Request, Response, Timeout, \
     UpstreamError
 from router.metrics import RouterMetrics
@@ -146,7 +155,11 @@ class RelayConfig(msgspec.Struct, kw_only=True):
     total_timeout_s: float | None = None
     max_prefill_tries: int = 3
     retry_backoff_s: float = 0.01
-    strict_pd: bool = False
+    strict_pd: bool = False  # --pd-mode strict
+    # the engines' --admin-api-key: what an abort carries instead of the client's Authorization
+    engine_admin_api_key: str | None = None
+    pd_mode: str = "always"  # always | adaptive | strict (router/adaptive.py)
+    local_prefill_max_tokens: int = 256  # adaptive: prompts up to this many uncached tokens prefill on D
 
 
 class PDRelay:
@@ -161,6 +174,7 @@ class PDRelay:
         self.config = config
         self.tokenizer = tokenizer
         self.prefill_timeout = config.prefill_timeout_s or config.request_timeout_s
+        self.decider = PDDecider(config.local_prefill_max_tokens) if config.pd_mode == "adaptive" else None
         self._background: set[asyncio.Task] = set()
         self._rng = random.Random()
 
@@ -194,6 +208,9 @@ class PDRelay:
         """Fire and forget: the abort must outlive a cancelled request handler. `headers`:
         the legs' headers (their Authorization: an engine with an API key wants it here too)."""
         self.metrics.aborts += 1
+        if self.config.engine_admin_api_key is not None:  # an admin route of the engine
+            headers = (b"Content-Type: application/json\r\nAuthorization: Bearer " +
+                       self.config.engine_admin_api_key.encode("latin-1") + b"\r\n")
         worker.acquire(dispatch=False)  # keeps the pool open until the abort is sent
         task = asyncio.get_running_loop().create_task(self._abort(worker, transfer_id, headers))
         self._background.add(task)
@@ -221,7 +238,8 @@ class PDRequest:
 
     __slots__ = ("relay", "metrics", "series", "req", "resp", "endpoint", "path", "body", "raw", "route",
                  "request_id", "headers", "echo", "arrival", "last_send", "first_event_sent", "prefill_worker",
-                 "transfer_id", "pulled", "tokens", "deadline_hit", "_deadline")
+                 "transfer_id", "pulled", "tokens", "deadline_hit", "_deadline", "reason", "prefill_done",
+                 "local_tokens", "local_start")
 
     def __init__(self, relay: PDRelay, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes):
         self.relay = relay
@@ -246,6 +264,10 @@ class PDRequest:
         self.tokens = 0
         self.deadline_hit = False
         self._deadline: asyncio.TimerHandle | None = None
+        self.reason: str | None = None  # why two legs (adaptive / strict); None: --pd-mode always
+        self.prefill_done: float | None = None  # when P's KV params arrived (adaptive: transfer cost)
+        self.local_tokens = 0  # adaptive local prefill: the tokens D computes ...
+        self.local_start: float | None = None  # ... and when its leg started
 
     def leg_headers(self, role: str) -> bytes:
         rank = self.route.dp_rank.get(role)
@@ -298,8 +320,22 @@ class PDRequest:
         colocated = bool(registry.workers("worker"))
         if not colocated or (registry.any_available("decode") and pd_registered) or \
                 (pd_registered and not registry.any_available("worker")):
+            first = None
+            decider = self.relay.decider
+            if decider is not None and registry.any_available("decode"):
+                # adaptive: D first (kv_aware learns its cached prefix), then one leg or two
+                first = self.relay.pick("decode", self.route, [], None)
+                uncached = self.route.leg_tokens("decode")
+                decision, self.reason = decider.decide(uncached, registry.available("prefill"), first.in_flight)
+                if decision == "local_prefill":
+                    self.metrics.decisions.inc(("local_prefill", self.reason))
+                    self.local_tokens = uncached
+                    await self.decode(None, first)
+                    return
+            elif strict:
+                self.reason = "strict"
             kv = await self.prefill()
-            await self.decode(kv)
+            await self.decode(kv, first)
             return
         if pd_registered:  # a PD pool that is down: colocated workers take over
             if strict:
@@ -358,6 +394,7 @@ class PDRequest:
         data = _encode(prefill_body(self.body, self.transfer_id))
         started = time.perf_counter()
         tokens = self.route.leg_tokens("prefill")
+        ahead = worker.in_flight_tokens  # what P has to prefill before this leg
         trial = worker.acquire(tokens=tokens)
         try:
             conn = await worker.pool.request(b"POST", self.path, self.leg_headers("prefill"), data,
@@ -387,7 +424,10 @@ class PDRequest:
             raise LegError(502, f"prefill worker {worker.url} broke off its answer: {describe(e)}")
         finally:
             worker.done(trial, tokens)
-        self.metrics.legs["prefill"].observe(time.perf_counter() - started)
+        elapsed = time.perf_counter() - started
+        self.metrics.legs["prefill"].observe(elapsed)
+        if conn.status == 200 and self.relay.decider is not None:
+            self.relay.decider.observe_prefill(worker.url, ahead + tokens, elapsed)
         if conn.status != 200:
             self.metrics.upstream_errors.inc(("prefill", f"status_{conn.status}"))
             raise self.failed_answer("prefill", worker, conn.status, answer, conn.content_type)
@@ -429,37 +469,42 @@ class PDRequest:
         if secret is not None:  # vouch for P's params to D (kv_transfer/trust.py)
             params = msgspec.structs.replace(params, transfer_id=kv["transfer_id"])
             kv["signature"] = signature_of(params, secret)
-        self.metrics.decisions.inc(("pd",))
+        self.metrics.decisions.inc(("pd",) if self.reason is None else ("pd", self.reason))
+        self.prefill_done = time.perf_counter()
         return kv
 
     # ------------------------------------------------------------------ decode leg
 
-    async def decode(self, kv: dict | None) -> None:
+    async def decode(self, kv: dict | None, first: Worker | None = None) -> None:
         if kv is None:
             data = self.raw
         elif self.body:
             data = with_kv_params(self.raw, _encode(kv))
         else:
             data = _encode({"kv_transfer_params": kv})
-        await self.one_leg("decode", data)
+        await self.one_leg("decode", data, first)
 
     async def colocated(self) -> None:
         self.metrics.decisions.inc(("colocated",))
         await self.one_leg("worker", self.raw)
 
-    async def one_leg(self, role: str, data: bytes) -> None:
-        """Send `data` to a worker of `role` and relay its answer. Moves to another worker
-        only when the connection could not be opened (or, colocated, on a 5xx)."""
+    async def one_leg(self, role: str, data: bytes, first: Worker | None = None) -> None:
+        """Send `data` to a worker of `role` (first to `first`, already picked, while it is in
+        rotation) and relay its answer. Moves to another worker only when the connection
+        could not be opened (or, colocated, on a 5xx)."""
         relay = self.relay
         tried: list[Worker] = []
         last_error = None
         for attempt in range(MAX_DECODE_TRIES):
-            worker = relay.pick(role, self.route, tried, last_error)
+            if attempt == 0 and first is not None and first.available():
+                worker = first
+            else:
+                worker = relay.pick(role, self.route, tried, last_error)
             if attempt:
                 self.metrics.retries.inc((role,))
             tokens = self.route.leg_tokens(role)
             trial = worker.acquire(tokens=tokens)
-            started = time.perf_counter()
+            started = self.local_start = time.perf_counter()
             try:
                 try:
                     conn = await worker.pool.request(b"POST", self.path, self.leg_headers(role), data,
@@ -504,6 +549,15 @@ class PDRequest:
             finally:
                 worker.done(trial, tokens)
         raise LegError(502, last_error or f"{role} failed")
+
+    def learn_first_event(self, now: float) -> None:
+        """Adaptive: the transfer cost of P's KV (P's answer to D's first event), or D's local
+        prefill rate (its uncached tokens over the leg's time to first event)."""
+        decider = self.relay.decider
+        if self.prefill_done is not None:
+            decider.observe_transfer(self.prefill_worker.url, now - self.prefill_done)
+        elif self.local_tokens and self.local_start is not None:
+            decider.observe_local(self.local_tokens, now - self.local_start)
 
     async def relay_answer(self, role: str, worker: Worker, conn: ClientConnection) -> None:
         if conn.status != 200:
@@ -584,6 +638,8 @@ class PDRequest:
                 else:
                     series.ttft.observe(now - self.arrival)
                     self.first_event_sent = True
+                    if self.relay.decider is not None:
+                        self.learn_first_event(now)
                 for _ in range(n - 1):
                     series.itl.observe(0.0)
                 self.last_send = now

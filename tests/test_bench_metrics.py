@@ -81,6 +81,17 @@ def test_goodput_counts_a_request_only_if_it_meets_every_slo():
     assert compute_metrics([a], duration_s=1.0)["request_goodput"] is None
 
 
+def test_itl_slo_is_each_requests_own_p99_gap_so_one_stall_fails_a_request_tpot_would_pass():
+    steady = ok(0.050, [0.020] * 20)
+    stalled = ok(0.050, [0.005] * 19 + [0.300])  # TPOT ~20 ms, but one 300 ms stall
+    single = ok(0.050, [])  # one chunk: no gaps, p99 0
+    assert stalled.tpot * 1000 == pytest.approx(19.75)
+    assert stalled.itl_p99 > 0.2 and steady.itl_p99 == pytest.approx(0.020) and single.itl_p99 == 0.0
+    m = compute_metrics([steady, stalled, single], duration_s=1.0, slos_ms={"tpot": 25.0, "itl": 50.0})
+    assert m["good_completed"] == 2  # steady and single
+    assert compute_metrics([steady, stalled], duration_s=1.0, slos_ms={"tpot": 25.0})["good_completed"] == 2
+
+
 def test_a_run_where_everything_failed_reports_zeros_not_nan():
     m = compute_metrics([failed(), failed()], duration_s=1.0, slos_ms={"ttft": 1.0})
     assert (m["completed"], m["failed"], m["request_goodput"]) == (0, 2, 0.0)
@@ -104,7 +115,8 @@ def test_peak_tokens_per_second_and_concurrency_in_one_second_buckets():
 def test_parse_goodput_accepts_slo_pairs_and_names_the_field_on_bad_input():
     assert parse_goodput(["ttft:500", "tpot:50", "e2el:2000.5"]) == {"ttft": 500.0, "tpot": 50.0, "e2el": 2000.5}
     assert parse_goodput(None) == {}
-    for bad in (["itl:5"], ["ttft"], ["ttft:fast"], ["ttft:-1"], ["tpot:nan"]):
+    assert parse_goodput(["itl:50"]) == {"itl": 50.0}  # our extension: per-request ITL p99
+    for bad in (["queue:5"], ["ttft"], ["ttft:fast"], ["ttft:-1"], ["tpot:nan"]):
         with pytest.raises(ValueError, match="goodput"):
             parse_goodput(bad)
 

@@ -147,7 +147,7 @@ def test_sharegpt_file_takes_first_turns(tmp_path):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("flags, field", [
-    (["--goodput", "itl:5"], "goodput"),
+    (["--goodput", "queue:5"], "goodput"),
     (["--request-rate", "0"], "request_rate"),
     (["--burstiness", "-1"], "burstiness"),
     (["--range-ratio", "1.5"], "range_ratio"),
@@ -233,7 +233,7 @@ def check_consistent(r: dict, n: int) -> None:
 def test_completions_run_writes_consistent_json_and_pngs(fake_server, tmp_path):
     server = fake_server("--ttft-ms", "20", "--token-delay-ms", "2")
     proc, r = bench(server, tmp_path, "--num-prompts", "12", "--request-rate", "50", "--input-len", "16",
-                    "--output-len", "8", "--range-ratio", "0.5", "--goodput", "ttft:60000", "e2el:60000",
+                    "--output-len", "8", "--range-ratio", "0.5", "--goodput", "ttft:60000", "e2el:60000", "itl:60000",
                     "--plot", str(tmp_path / "plots"), "--seed", "5")
     assert proc.returncode == 0, proc.stderr
     assert "Serving Benchmark Result" in proc.stdout and "Mean TTFT (ms):" in proc.stdout

@@ -204,7 +204,8 @@ CASES = [
                    frequency_penalty=0.3, presence_penalty=0.2, logit_bias={100: 3.0}, min_tokens=20, logprobs=2),
     SamplingParams(max_tokens=64, temperature=0.5, top_k=20, top_p=0.9, seed=3, stop=["return"], bad_words=["self"]),
     SamplingParams(max_tokens=24, temperature=0.9, seed=11, n=3, presence_penalty=1.0),
-    SamplingParams(max_tokens=64, temperature=0.0, stop_token_ids=[290]),  # stops inside accepted runs
+    # 94 is in the first prompt's loop: past min_tokens it stops inside a run of accepted drafts
+    SamplingParams(max_tokens=64, temperature=0.0, min_tokens=10, stop_token_ids=[94]),
 ]
 
 
@@ -225,6 +226,7 @@ def test_output_with_speculation_equals_output_without(backend, capsys):
             assert (t2, x2, f2) == (t1, x1, f1), params
             np.testing.assert_allclose(l2, l1, atol=1e-4)
         rates.append(spec.engine.stats()["spec_decode"])
+    assert got[0][2] == "stop" and 10 < len(got[0][0]) < 64  # the last case stopped mid-loop
     greedy = rates[0]  # greedy on looping output: most drafts are right
     with capsys.disabled():
         print(f"\n[{backend}] greedy acceptance rate {greedy['acceptance_rate']:.2f} over "
@@ -285,6 +287,12 @@ def test_pd_drafts_are_verified_by_d_and_output_equals_colocated():
         status, got = complete(pd["D"].url, dict(body, kv_transfer_params=params))
         assert status == 200, got
         assert got["choices"][0]["text"] == want
+        # D verifies P's drafts, it does not trust them: wrong ones change nothing
+        status, p_answer = complete(pd["P"].url, dict(body, max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "transfer_id": uuid.uuid4().hex}))
+        wrong = dict(p_answer["kv_transfer_params"], draft_token_ids=[3, 4, 5, 6])
+        status, got = complete(pd["D"].url, dict(body, kv_transfer_params=wrong))
+        assert status == 200 and got["choices"][0]["text"] == want, got
         stats = pd["D"].stats()["spec_decode"]
         assert stats["num_accepted_tokens"] > 0 and stats["distribution"]
         assert metric(pd["D"], "atomd:spec_decode_num_draft_tokens_total") == stats["num_draft_tokens"]

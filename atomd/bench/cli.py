@@ -62,7 +62,8 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     t.add_argument("--request-timeout-s", type=float, default=3600.0)
     r = p.add_argument_group("report")
     r.add_argument("--goodput", nargs="+", default=None, metavar="NAME:MS",
-                   help="SLOs (ttft, tpot, e2el in ms); goodput counts requests meeting all of them")
+                   help="SLOs (ttft, tpot, e2el in ms, as vLLM's; and itl: the p99 of each request's own "
+                        "inter-token gaps, our extension); goodput counts requests meeting all of them")
     r.add_argument("--metric-percentiles", default=DEFAULT_PERCENTILES, help="comma-separated percentiles")
     r.add_argument("--result-json", default=None, help="write the result JSON here")
     r.add_argument("--plot", default=None, metavar="DIR", help="write PNG plots into DIR")

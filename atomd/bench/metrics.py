@@ -7,6 +7,9 @@ Definitions (vLLM's `calculate_metrics`):
   slow prefill does not hide in the decode number. Requests with one output token have none.
 - E2EL: request sent -> response complete.
 - goodput: completed requests that meet *every* given SLO, per second of benchmark duration.
+  SLO names are vLLM's (ttft, tpot, e2el) plus one extension of ours: `itl`, the p99 of that
+  request's own gaps between text chunks (numpy's linear percentile; 0 with fewer than two
+  chunks), since token stalls are what a per-request TPOT averages away and what PD removes.
 Failed requests count in `failed` and in nothing else (no latency, no tokens).
 """
 from __future__ import annotations
@@ -16,7 +19,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-SLO_METRICS = ("ttft", "tpot", "e2el")
+SLO_METRICS = ("ttft", "tpot", "e2el", "itl")  # itl: per-request ITL p99, our extension of vLLM's keys
 LATENCY_METRICS = ("ttft", "tpot", "itl", "e2el")
 DEFAULT_PERCENTILES = (50.0, 90.0, 99.0)
 
@@ -41,6 +44,11 @@ class RequestResult:
         if self.output_len <= 1:
             return 0.0
         return (self.latency - self.ttft) / (self.output_len - 1)
+
+    @property
+    def itl_p99(self) -> float:
+        """The p99 of this request's own ITL gaps (the `itl` goodput SLO); 0 without gaps."""
+        return float(np.percentile(self.itl, 99)) if self.itl else 0.0
 
 
 def parse_goodput(pairs: list[str] | None) -> dict[str, float]:
@@ -76,7 +84,7 @@ def summarize_ms(values_s: list[float], name: str, percentiles: tuple[float, ...
 
 
 def meets_slos(r: RequestResult, slos_ms: dict[str, float]) -> bool:
-    observed = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency}
+    observed = {"ttft": r.ttft, "tpot": r.tpot, "e2el": r.latency, "itl": r.itl_p99 if "itl" in slos_ms else 0.0}
     return all(observed[name] * 1000.0 <= limit for name, limit in slos_ms.items())
 
 
