@@ -1,0 +1,50 @@
+"""docs/request_fields.md is current (regenerated from atomd/protocol.py), and its outcomes
+are what the request decoding really does: unknown fields and unimplemented values are a 400
+naming the field, no-op values of unimplemented fields pass."""
+from __future__ import annotations
+
+import pathlib
+import re
+import runpy
+
+import pytest
+
+from atomd import protocol as P
+
+pytestmark = pytest.mark.unit
+
+DOC = runpy.run_path(str(pathlib.Path(__file__).resolve().parent.parent / "scripts" / "request_fields_doc.py"),
+                     run_name="request_fields_doc")
+ROW = re.compile(r"^\| `(/v1/[a-z/]+)` \| `(\w+)` \| \w+ \| (.*) \|$")
+
+
+def rows() -> list[tuple[str, str, str]]:
+    return [m.groups() for line in DOC["OUT"].read_text().splitlines() if (m := ROW.match(line))]
+
+
+def test_the_table_is_generated_from_the_code():
+    assert DOC["OUT"].read_text() == DOC["render"](), "run scripts/request_fields_doc.py"
+
+
+def base(endpoint: str) -> dict:
+    return {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
+
+
+def validate(endpoint: str, body: dict) -> None:
+    import msgspec
+
+    kind = P.CompletionRequest if endpoint == "/v1/completions" else P.ChatCompletionRequest
+    req = P.decode_request(msgspec.json.encode(body), kind)
+    (P.validate_completion_request if kind is P.CompletionRequest else P.validate_chat_request)(req)
+
+
+@pytest.mark.parametrize("endpoint,field,outcome", [r for r in rows() if r[2] != "implemented"])
+def test_every_unimplemented_field_is_a_400_naming_it(endpoint, field, outcome):
+    with pytest.raises(P.APIError) as e:
+        validate(endpoint, dict(base(endpoint), **{field: {"zzz": "not a no-op"}}))
+    assert e.value.status == 400 and (e.value.param or "").split(".")[0] == field
+    if "unknown_field" in outcome:
+        assert e.value.code == "unknown_field"
+    else:  # a known field: its no-op values pass
+        for noop in P.UNSUPPORTED[field]:
+            validate(endpoint, dict(base(endpoint), **{field: noop}))
