@@ -36,17 +36,11 @@ import tempfile
 import threading
 import time
 from pathlib import Path
+from benchmarks.machine import loadavg
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SHAPED = dict(delay_ms=2.0, jitter_ms=1.0, rate_bps=1e9)
-
-
-def loadavg() -> str:
-    try:
-        return " ".join(Path("/proc/loadavg").read_text().split()[:3])
-    except OSError:
-        return "?"
 
 
 def _links(num_hosts: int, root_link: bool):
@@ -233,6 +227,14 @@ def run_kv(args) -> None:
     _write_kv_report(args, sizes, repeats, rounds, per_round, loads, shaped_label)
 
 
+def _write(out: Path, lines: list[str]) -> None:
+    """The report to `out` (a Markdown results file) and to stdout."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("\n".join(lines))
+    print("\n".join(lines))
+    print(f"wrote {out}")
+
+
 def _write_kv_report(args, sizes, repeats, rounds, per_round, loads, shaped_label) -> None:
     from benchmarks.kv_transfer import machine_notes
 
@@ -273,11 +275,7 @@ def _write_kv_report(args, sizes, repeats, rounds, per_round, loads, shaped_labe
         f"{' | '.join(loads)}. Shared with other jobs: read the ratios, not the absolutes.",
         "",
     ]
-    out = Path(args.cross_host_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    _write(Path(args.cross_host_out), lines)
 
 
 # =============================================================================== pd_ttft
@@ -420,11 +418,7 @@ def _write_ttft_report(args, rounds, reps, per_round, loads, shaped_label) -> No
         f"{' | '.join(loads)}. Shared with other jobs: read the differences and ratios within a round.",
         "",
     ]
-    out = Path(args.cross_host_out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("\n".join(lines))
-    print("\n".join(lines))
-    print(f"wrote {out}")
+    _write(Path(args.cross_host_out), lines)
 
 
 # =============================================================================== entry points

@@ -31,6 +31,7 @@ import time
 import numpy as np
 
 from atomd.model.default import default_model_dir
+from benchmarks.machine import loadavg
 
 SCHEMA = {
     "type": "object",
@@ -49,11 +50,6 @@ REGEX = r"[a-z]{3,10}@[a-z]{3,8}\.(com|org|net)"
 VOCAB = 4096
 END = [2, 6]
 WALK = 64
-
-
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def allowed_of(bitmask_row: np.ndarray) -> np.ndarray:

@@ -38,6 +38,7 @@ import zmq
 from kv_transfer import mooncake_transport as mooncake
 from kv_transfer.params import compat_fingerprint, new_access_token, new_transfer_id
 from kv_transfer.zmq_transport import DEFAULT_MAX_MESSAGE_BYTES, KVReceiver, KVSender, plan_messages
+from benchmarks.machine import loadavg
 
 
 def raw_zmq_server(sock: zmq.Socket, kv: np.ndarray, blocks_per_message: int, stop: threading.Event) -> None:
@@ -107,14 +108,6 @@ class RawMooncake:
         if rc != 0:
             raise RuntimeError(f"raw Mooncake read failed: {rc}")
         return elapsed
-
-
-def loadavg() -> str:
-    try:
-        with open("/proc/loadavg") as f:
-            return " ".join(f.read().split()[:3])
-    except OSError:
-        return "?"
 
 
 def time_memcpy(src: np.ndarray, dst: np.ndarray, num_blocks: int) -> float:

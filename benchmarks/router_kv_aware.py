@@ -30,12 +30,9 @@ import tempfile
 import time
 
 from launch.process import EngineServer, RouterServer, free_port, http
+from benchmarks.machine import loadavg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-
-
-def loadavg() -> str:
-    return " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
 
 
 def counters(url: str) -> dict[str, float]:

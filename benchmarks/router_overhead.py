@@ -45,6 +45,7 @@ import uvloop
 
 from benchmarks.fake_engine import FakeEngine
 from launch.process import RouterServer, ServerProcess, free_port, http
+from benchmarks.machine import loadavg
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 VLLM_ROUTER = ROOT / ".cache" / "vllm-router-venv" / "bin" / "vllm-router"
@@ -118,10 +119,6 @@ def cpu_seconds(pid: int | None) -> float:
         except (FileNotFoundError, ProcessLookupError):
             continue
     return total / 1e9
-
-
-def loadavg() -> str:
-    return " ".join(pathlib.Path("/proc/loadavg").read_text().split()[:3])
 
 
 def pct(xs: list[float], q: float) -> float:

@@ -31,13 +31,9 @@ import numpy as np
 from atomd.config import EngineConfig
 from atomd.engine import LLMEngine
 from scheduler.sequence import SamplingParams
+from benchmarks.machine import loadavg
 
 BATCH = 16
-
-
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
 
 
 def prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

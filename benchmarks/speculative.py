@@ -36,11 +36,7 @@ import numpy as np
 
 from atomd.llm import LLM
 from scheduler.sequence import SamplingParams
-
-
-def loadavg() -> str:
-    with open("/proc/loadavg") as f:
-        return " ".join(f.read().split()[:3])
+from benchmarks.machine import loadavg
 
 
 NAMES = ["alpha", "beta", "gamma", "delta", "value", "item", "node", "point", "count", "total", "left", "right",

@@ -34,7 +34,8 @@ from atomd import structured
 from atomd.config import EngineConfig
 from atomd.engine import LLMEngine, resolve_model_dir
 from atomd.tools import forced_grammar
-from benchmarks.sampling import Timed, decode_steps, loadavg, prompts
+from benchmarks.machine import loadavg
+from benchmarks.sampling import Timed, decode_steps, prompts
 from scheduler.sequence import SamplingParams, StructuredOutputsParams as SO
 
 RECORD = {"type": "object", "properties": {

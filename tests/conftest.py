@@ -14,6 +14,17 @@ def port() -> int:
     return free_port()
 
 
+@pytest.fixture
+def loop():
+    """An asyncio loop on a background thread (tests/fake_workers.py) for in-process routers
+    and fake engines; closed after the test."""
+    from tests.fake_workers import LoopThread
+
+    lt = LoopThread()
+    yield lt
+    lt.close()
+
+
 # The long cross-host tests (test hosts in network namespaces: shaped links, a cut link, a
 # two-node Ray cluster) run with `make e2e-netns` (ATOMD_NETNS_FULL=1); plain `make test`
 # keeps its time budget and runs only the short cross-host file (tests/test_netns_pd.py).

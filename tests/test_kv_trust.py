@@ -18,7 +18,7 @@ from kv_transfer.params import KVTransferParams, compat_fingerprint
 from kv_transfer.trust import (BAD_SIGNATURE, SECRET_ENV, UNSIGNED, UNTRUSTED_PRODUCER, ProducerTrust,
                                UntrustedKVParams, load_secret, sign)
 from launch.process import RouterServer, free_port, http
-from tests.fake_workers import Cluster, LoopThread
+from tests.fake_workers import Cluster
 from tests.pd_fixtures import PDCluster, metric
 from tests.server_fixtures import REPO, START_TIMEOUT_S, server_log
 
@@ -112,13 +112,6 @@ def test_the_secret_comes_from_a_file_or_the_environment(tmp_path):
 
 
 # ---------------------------------------------------------------- router: only it writes the params
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
 
 def client_params() -> dict:
     return {"do_remote_prefill": True, "remote_host": "10.9.9.9", "remote_port": 22, "transfer_id": "client-chosen",

@@ -27,14 +27,21 @@ from kv_transfer.factory import create_connector
 from kv_transfer.mooncake_transport import (INSTALL_COMMAND, LIBS_COMMAND, MooncakeReceiver, MooncakeSender,
                                             MooncakeUnavailable, joint_runs, load_transfer_engine)
 from kv_transfer.zmq_transport import Done, End, Hello, KVReceiver, KVSender, Read, Ready, Welcome, decode, encode
-from tests.kv_backends import mooncake_unavailable
+from tests.kv_backends import require_backend
 from tests.test_zmq_transport import (BLOCK_BYTES, COMPAT, REPO, SENDER_CHILD, SENTINEL, TOKEN, Collector,
                                       assert_untouched, child_processes, closing, deadline_poll, random_blocks,
                                       read_line)
 
 __all__ = ["child_processes", "closing"]  # fixtures shared with test_zmq_transport.py
 
-needs_mooncake = pytest.mark.skipif(mooncake_unavailable() is not None, reason=str(mooncake_unavailable()))
+
+
+@pytest.fixture
+def mooncake_loaded():
+    require_backend("mooncake")  # make test installs it: failing to load is a failure, not a skip
+
+
+needs_mooncake = pytest.mark.usefixtures("mooncake_loaded")
 
 
 class SpyEngine:

@@ -15,16 +15,9 @@ from benchmarks.fake_engine import FakeEngine
 from router.app import RouterConfig
 from router.policies import PowerOfTwo, RandomChoice, RoundRobin, make_policy
 from router.workers import CircuitBreaker, normalize_url
-from tests.fake_workers import Cluster, LoopThread, http, wait_until
+from tests.fake_workers import Cluster, http, wait_until
 
 COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 4}
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 def cluster_of(loop, request, **kw) -> Cluster:

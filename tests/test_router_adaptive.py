@@ -10,19 +10,12 @@ import pytest
 
 from router.adaptive import PDDecider
 from router.app import RouterConfig
-from tests.fake_workers import Cluster, LoopThread, http, wait_until
+from tests.fake_workers import Cluster, http, wait_until
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
 SHORT = {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 4}
 LONG = {"model": "fake-model", "prompt": "word " * 400, "max_tokens": 4}  # ~500 tokens by the router's estimate
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture

@@ -181,13 +181,6 @@ def test_removal_waits_for_the_requests_in_flight():
 # ---------------------------------------------------------------------- a router over fake engines
 
 
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
 class DnsCluster(Cluster):
     """An in-process router whose workers come only from `p.svc` / `d.svc` in a FakeDNS."""
 

@@ -18,19 +18,12 @@ import random
 import aiohttp
 import pytest
 
-from tests.fake_workers import Cluster, LoopThread, wait_until
+from tests.fake_workers import Cluster, wait_until
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 4}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4}
-
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
 
 
 @pytest.fixture

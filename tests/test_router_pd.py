@@ -18,13 +18,6 @@ CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi ther
 
 
 @pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
-
-@pytest.fixture
 def cluster(loop):
     c = Cluster(loop, health_interval_s=60).start()
     yield c

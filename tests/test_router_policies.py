@@ -18,7 +18,7 @@ from router.kv_index import KVIndex, RankState, connectable
 from router.policies import (CacheAware, ConsistentHash, KVAware, PowerOfTwo, RouteRequest, Session,
                              make_policy)
 from router.prefix_tree import PrefixTree
-from tests.fake_workers import Cluster, LoopThread
+from tests.fake_workers import Cluster
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -267,13 +267,6 @@ def test_wildcard_endpoints_are_reached_at_the_workers_host():
 
 
 # ------------------------------------------------------------------ through the router
-
-@pytest.fixture
-def loop():
-    lt = LoopThread()
-    yield lt
-    lt.close()
-
 
 def test_policies_per_role_and_decisions_in_metrics(loop):
     c = Cluster(loop, n_prefill=2, n_decode=2, health_interval_s=60, prefill_policy="cache_aware",

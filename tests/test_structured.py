@@ -275,10 +275,7 @@ def test_speculative_drafts_are_checked_against_the_mask(llm):
     """With n-gram drafts (verified rows sample under the mask after the drafts before
     them) the outputs equal those without speculation, greedy and seeded alike."""
     from atomd import LLM
-    from atomd.config import EngineConfig
 
-    if "speculative_config" not in EngineConfig.__struct_fields__:
-        pytest.skip("speculative decoding is not in this tree")
     spec = LLM(max_model_len=512, num_threads=1, speculative_config=json.dumps(
         {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}))
     schema = {"type": "array", "items": {"enum": ["red", "green", "blue"]}, "minItems": 2, "maxItems": 8}

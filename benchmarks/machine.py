@@ -1,0 +1,11 @@
+"""What every benchmark records about the machine it ran on (they are shared and noisy)."""
+from __future__ import annotations
+
+
+def loadavg() -> str:
+    """The 1, 5 and 15 minute load averages, e.g. "1.23 0.98 0.76" ("?" where unknown)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
