@@ -5,6 +5,7 @@ generators) can test against it.
 """
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import msgspec
@@ -41,6 +42,7 @@ def _errors(*statuses: int) -> dict:
 ERROR_REF = {"$ref": REF.format(name="ErrorBody")}
 
 
+@functools.cache  # the structs do not change while the server runs: build the document once
 def openapi_document(version: str) -> dict[str, Any]:
     (completion_req, chat_req, completion, chat, models, _), components = msgspec.json.schema_components(
         [P.CompletionRequest, P.ChatCompletionRequest, P.CompletionResponse, P.ChatCompletionResponse,
