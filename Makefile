@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-unit test-integration e2e-netns helm-check bench clean load
+.PHONY: venv test test-unit test-integration e2e-netns helm-check bench clean load chaos
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +35,11 @@ e2e-netns: venv
 # clients through the router to fake engines for 30 s, RSS flat (~1 minute).
 load: venv
 	$(PY) -m pytest -q -m load $(PYTEST_ARGS)
+
+# The whole fault matrix, the load drivers and the soak (markers `chaos` and `load`, excluded
+# from `make test`, which runs a bounded subset of the scenarios): see benchmarks/RESULTS.md.
+chaos: venv
+	$(PY) -m pytest -q -m 'chaos or load' $(PYTEST_ARGS)
 
 # The Helm chart without a cluster (helm/atomd): helm lint --strict, helm template for
 # Kubernetes 1.29 and 1.37 validated by kubernetes-validate --strict, semantic and
