@@ -260,9 +260,10 @@ class Sampler:
             else:
                 grammar.fill(bitmask[j], base + j * stride)
                 filled[seq.id] = j
-        if raw is logits:  # the caller's tensor stays as it was
-            raw = raw.clone()
-        apply_bitmask(raw.numpy(), rows, bitmask)
+        src = raw.numpy()
+        if raw is logits:  # the caller's tensor stays as it was: the masked logits are a new one
+            raw = torch.empty_like(raw)
+        apply_bitmask(src, rows, bitmask, out=raw.numpy())
         return raw
 
     def _sync(self, seq: Sequence, row: RowState) -> None:
