@@ -14,7 +14,20 @@ each request rate; its result JSON gives TTFT/ITL p99, output throughput and goo
 an SLO. The router's `decision_total` is read from its /metrics around each run: a PD run
 where D recomputed prompts (decision="decode_without_kv") is flagged, not reported as PD.
 
+Models (`--model`): the built-in one, or `smollm-135m`, a random-weight checkpoint shaped like
+SmolLM2-135M (benchmarks/model_shapes.py), where a prefill costs what it costs on real
+deployments. `--slo-from-idle TTFT_X TPOT_X` derives the SLO from idle measurements of that
+model instead of `--slo`: one engine with one torch thread (each engine's share in DP=2 and
+PD) serves `--idle-prompts` requests of the same workload one at a time; the SLO is TTFT_X x
+their median TTFT and TPOT_X x their median TPOT, the same for every setup. `--rounds N`
+repeats the whole sweep (the setup order alternating per rate and per round); the report
+takes the median per setup and rate, and a setup's goodput is DistServe's: the highest rate
+at which >= 90% of requests met the SLO (the median round's count).
+
     .venv/bin/python -m benchmarks.pd_vs_colocated --rates 4 8 12 --num-prompts 40
+    .venv/bin/python -m benchmarks.pd_vs_colocated --model smollm-135m --slo-from-idle 5 3 --rounds 3 \\
+        --setups colocated-2t colocated-dp2 pd-1p1d-strict pd-1p1d-adaptive --rates 0.5 0.75 1 1.5 2 \\
+        --num-prompts 24 --input-len 256 --output-len 32
 """
 from __future__ import annotations
 
@@ -24,17 +37,24 @@ import json
 import os
 import pathlib
 import signal
+import statistics
 import subprocess
 import sys
 import urllib.request
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from atomd.model.default import default_model_dir
+from benchmarks.model_shapes import CHOICES as MODELS, model_dir
 from launch.process import EngineServer, RouterServer
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 ENGINE_ARGS = ["--max-model-len", "1024", "--max-num-seqs", "64"]
+MODEL_DIR: list[pathlib.Path] = []  # --model's checkpoint, set by main()
+
+
+def checkpoint() -> pathlib.Path:
+    """The engines' checkpoint: --model's, else the built-in model."""
+    return MODEL_DIR[0] if MODEL_DIR else model_dir("builtin")
 
 
 def pin_engine(server: EngineServer, cpus: set[int]) -> None:
@@ -74,7 +94,7 @@ def bench(url: str, out: pathlib.Path, args, rate: float | str, num_prompts: int
 def colocated(name: str, threads: int, dp: int, logs: pathlib.Path, extra: tuple[str, ...] = ()):
     """One server with `dp` engine cores of `threads` torch threads, on every core.
     Yields (url, {role: metrics url})."""
-    srv = EngineServer(default_model_dir(), *ENGINE_ARGS, "--num-threads", str(threads), "--data-parallel-size",
+    srv = EngineServer(checkpoint(), *ENGINE_ARGS, "--num-threads", str(threads), "--data-parallel-size",
                        str(dp), *extra, log=logs / f"{name}.log", cwd=REPO)
     try:
         srv.wait_ready()
@@ -94,7 +114,7 @@ def disaggregated(extra: list[str], logs: pathlib.Path, pin: bool, name: str = "
     try:
         for role in ("producer", "consumer"):
             own = decode_extra if role == "consumer" else ()
-            started.append(EngineServer(default_model_dir(), *ENGINE_ARGS, "--num-threads", "1", "--kv-role", role,
+            started.append(EngineServer(checkpoint(), *ENGINE_ARGS, "--num-threads", "1", "--kv-role", role,
                                         *extra, *own, log=logs / f"{name}-{role}.log", cwd=REPO))
         p, d = (s.wait_ready() for s in started)
         if pin:
@@ -111,8 +131,8 @@ def disaggregated(extra: list[str], logs: pathlib.Path, pin: bool, name: str = "
 
 
 def run_all(setups: dict, args, workload: list[str], out_dir: pathlib.Path) -> list[dict]:
-    """Start every setup (idle engines cost no CPU), warm each up, then per rate run the setups
-    back to back, in alternating order, so they see the same background load of the machine."""
+    """Start every setup (idle engines cost no CPU), warm each up, then per round and rate run
+    the setups back to back, in alternating order, so they see the same background load."""
     rows = []
     with contextlib.ExitStack() as stack:
         started = {name: stack.enter_context(make()) for name, make in setups.items()}
@@ -120,18 +140,36 @@ def run_all(setups: dict, args, workload: list[str], out_dir: pathlib.Path) -> l
             # another seed: other prompts (and another shared prefix), so the runs start with a cold cache
             bench(url, out_dir / f"{name}-warmup.json", args, "inf", args.warmup_prompts, workload, f"{name} warmup",
                   args.seed + 1)
-        for i, rate in enumerate(args.rates):
-            for name in (list(started) if i % 2 == 0 else list(started)[::-1]):
-                url, metric_urls = started[name]
-                before = {k: scrape(u) for k, u in metric_urls.items()}
-                # a seed per rate, the same for every setup: a rate's prompts miss the prefix cache
-                result = bench(url, out_dir / f"{name}-rate{rate}.json", args, rate, args.num_prompts, workload,
-                               f"{name} rate {rate}", args.seed + 2 + i)
-                after = {k: scrape(u) for k, u in metric_urls.items()}
-                rows.append({"setup": name, "rate": rate, "load": os.getloadavg()[0], "result": result,
-                             "delta": {k: metric_delta(before[k], after[k]) for k in metric_urls}})
-                print(f"{name} rate {rate}: {summary(rows[-1])}", file=sys.stderr, flush=True)
-    return sorted(rows, key=lambda row: (list(setups).index(row["setup"]), row["rate"]))
+        turn = 0
+        for rnd in range(args.rounds):
+            for i, rate in enumerate(args.rates):
+                for name in (list(started) if turn % 2 == 0 else list(started)[::-1]):
+                    url, metric_urls = started[name]
+                    before = {k: scrape(u) for k, u in metric_urls.items()}
+                    # a seed per round and rate, the same for every setup: the prompts miss the prefix cache
+                    seed = args.seed + 2 + rnd * len(args.rates) + i
+                    result = bench(url, out_dir / f"{name}-round{rnd}-rate{rate}.json", args, rate, args.num_prompts,
+                                   workload, f"{name} round {rnd} rate {rate}", seed)
+                    after = {k: scrape(u) for k, u in metric_urls.items()}
+                    rows.append({"setup": name, "round": rnd, "rate": rate, "load": os.getloadavg()[0],
+                                 "result": result, "delta": {k: metric_delta(before[k], after[k]) for k in metric_urls}})
+                    print(f"{name} round {rnd} rate {rate}: {summary(rows[-1])}", file=sys.stderr, flush=True)
+                turn += 1
+    return sorted(rows, key=lambda row: (list(setups).index(row["setup"]), row["rate"], row["round"]))
+
+
+def idle_slo(args, workload: list[str], out_dir: pathlib.Path) -> list[str]:
+    """--slo-from-idle: the SLO as multiples of one 1-thread engine's idle TTFT and TPOT."""
+    ttft_x, tpot_x = args.slo_from_idle
+    with colocated("idle", 1, 1, out_dir) as (url, _):
+        bench(url, out_dir / "idle-warmup.json", args, "inf", 2, workload, "idle warmup", args.seed + 1)
+        r = bench(url, out_dir / "idle.json", args, "inf", args.idle_prompts, [*workload, "--max-concurrency", "1"],
+                  "idle", args.seed)
+    ttft, tpot = r["median_ttft_ms"], r["median_tpot_ms"]
+    slo = [f"ttft:{ttft * ttft_x:.0f}", f"tpot:{tpot * tpot_x:.1f}"]
+    print(f"idle (one engine, one thread, one request at a time, {args.idle_prompts} requests): median TTFT "
+          f"{ttft:.1f} ms, median TPOT {tpot:.2f} ms -> SLO {' '.join(slo)} ({ttft_x:g}x, {tpot_x:g}x)", flush=True)
+    return slo
 
 
 def metric_delta(before: dict, after: dict) -> dict[str, float]:
@@ -153,40 +191,82 @@ def summary(row: dict) -> str:
             f"metrics {row['delta']}")
 
 
-def markdown(rows: list[dict], slo: str) -> str:
-    lines = [f"| setup | rate (req/s) | TTFT p99 (ms) | ITL p99 (ms) | TPOT p99 (ms) | output tok/s | "
-             f"goodput (req/s) | within SLO ({slo}) | PD decisions (pd / without KV / local prefill) | load avg |",
-             "|---|---:|---:|---:|---:|---:|---:|---:|---|---:|"]
+def median_rows(rows: list[dict]) -> list[dict]:
+    """One row per setup and rate: the median over rounds of each figure."""
+    groups: dict[tuple, list[dict]] = {}
     for row in rows:
-        r, d = row["result"], row["delta"]
-        router = d.get("router", {})
-        pd = f"{router['pd']:.0f} / {router['decode_without_kv']:.0f} / {router['local_prefill']:.0f}" \
-            if router else "-"
-        lines.append(f"| {row['setup']} | {row['rate']} | {r['p99_ttft_ms']:.0f} | {r['p99_itl_ms']:.0f} | "
-                     f"{r['p99_tpot_ms']:.0f} | {r['output_throughput']:.1f} | {r['request_goodput']:.3f} | "
-                     f"{r['good_completed']}/{r['completed'] + r['failed']} | {pd} | {row['load']:.1f} |")
+        groups.setdefault((row["setup"], row["rate"]), []).append(row)
+    out = []
+    for (setup, rate), rs in groups.items():
+        med = {k: statistics.median(r["result"][k] for r in rs)
+               for k in ("median_ttft_ms", "p99_ttft_ms", "p99_itl_ms", "p99_tpot_ms", "output_throughput")}
+        router = [r["delta"].get("router") for r in rs]
+        out.append({"setup": setup, "rate": rate, **med,
+                    "total": rs[0]["result"]["completed"] + rs[0]["result"]["failed"],
+                    "good": statistics.median(r["result"]["good_completed"] for r in rs),
+                    "good_each": [r["result"]["good_completed"] for r in rs],
+                    "failed": sum(r["result"]["failed"] for r in rs),
+                    "decisions": None if router[0] is None else
+                    {k: sum(d[k] for d in router) for k in ("pd", "decode_without_kv", "local_prefill")},
+                    "load": [round(r["load"], 1) for r in rs]})
+    return out
+
+
+def goodput(med: list[dict]) -> dict[str, float]:
+    """Per setup, the highest rate at which >= 90% of requests met the SLO (0: none)."""
+    best: dict[str, float] = {}
+    for m in med:
+        best.setdefault(m["setup"], 0.0)
+        if m["good"] >= 0.9 * m["total"]:
+            best[m["setup"]] = max(best[m["setup"]], m["rate"])
+    return best
+
+
+def markdown(med: list[dict], slo: str) -> str:
+    lines = [f"| setup | rate (req/s) | within SLO ({slo}), median (each round) | TTFT p50 (ms) | TTFT p99 (ms) | "
+             f"ITL p99 (ms) | TPOT p99 (ms) | output tok/s | failed | PD decisions, all rounds "
+             f"(pd / without KV / local prefill) | load avg |",
+             "|---|---:|---|---:|---:|---:|---:|---:|---:|---|---|"]
+    for m in med:
+        d = m["decisions"]
+        pd = f"{d['pd']:.0f} / {d['decode_without_kv']:.0f} / {d['local_prefill']:.0f}" if d else "-"
+        lines.append(f"| {m['setup']} | {m['rate']:g} | {m['good']:.0f}/{m['total']} "
+                     f"({', '.join(map(str, m['good_each']))}) | {m['median_ttft_ms']:.0f} | {m['p99_ttft_ms']:.0f} | "
+                     f"{m['p99_itl_ms']:.0f} | {m['p99_tpot_ms']:.0f} | {m['output_throughput']:.1f} | {m['failed']} | "
+                     f"{pd} | {' '.join(map(str, m['load']))} |")
     return "\n".join(lines)
 
 
-def factors(rows: list[dict]) -> str:
-    """PD / colocated requests within SLO at each rate, for every PD and colocated setup."""
-    by = {(row["setup"], row["rate"]): row["result"] for row in rows}
-    setups = list(dict.fromkeys(row["setup"] for row in rows))
-    lines = []
-    for pd_name in (s for s in setups if s.startswith("pd")):
-        for base in (s for s in setups if not s.startswith("pd")):
-            for rate in sorted({r for _, r in by}):
-                pd, col = by.get((pd_name, rate)), by.get((base, rate))
-                if pd and col:
-                    ratio = f"{pd['good_completed'] / col['good_completed']:.2f}x" if col["good_completed"] else "inf"
-                    lines.append(f"rate {rate}: {pd_name} {pd['good_completed']} vs {base} {col['good_completed']} "
-                                 f"requests within SLO ({ratio})")
+def targets(med: list[dict]) -> str:
+    """The issue's comparisons: goodput per setup; each PD setup against the best colocated
+    one; ITL p99 against DP=2 at the highest rate both sustain; TTFT p50 at half that rate."""
+    gp = goodput(med)
+    by = {(m["setup"], m["rate"]): m for m in med}
+    lines = ["goodput (highest rate with >= 90% within SLO): " + ", ".join(f"{k} {v:g} req/s" for k, v in gp.items())]
+    colocated_gp = {k: v for k, v in gp.items() if not k.startswith("pd")}
+    for pd_name in (k for k in gp if k.startswith("pd")):
+        if colocated_gp:
+            base = max(colocated_gp, key=colocated_gp.get)
+            ratio = f"{gp[pd_name] / gp[base]:.2f}x" if gp[base] else "inf"
+            lines.append(f"{pd_name} goodput / best colocated ({base}): {ratio}")
+        both = min(gp[pd_name], gp.get("colocated-dp2", 0.0))
+        if both:
+            a, b = by[(pd_name, both)], by[("colocated-dp2", both)]
+            lines.append(f"{pd_name} ITL p99 / colocated-dp2's at {both:g} req/s: {a['p99_itl_ms']:.0f} / "
+                         f"{b['p99_itl_ms']:.0f} ms = {a['p99_itl_ms'] / b['p99_itl_ms']:.2f}x")
+            for base in colocated_gp:
+                if (pd_name, both / 2) in by and (base, both / 2) in by:
+                    a, b = by[(pd_name, both / 2)], by[(base, both / 2)]
+                    lines.append(f"{pd_name} TTFT p50 / {base}'s at {both / 2:g} req/s: {a['median_ttft_ms']:.0f} / "
+                                 f"{b['median_ttft_ms']:.0f} ms = {a['median_ttft_ms'] / b['median_ttft_ms']:.2f}x")
     return "\n".join(lines)
 
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=MODELS, default="builtin", help="benchmarks/model_shapes.py")
     ap.add_argument("--rates", type=float, nargs="+", default=[4.0, 8.0, 12.0])
+    ap.add_argument("--rounds", type=int, default=1, help="sweeps of every rate; the report takes medians")
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--input-len", type=int, default=512)
     ap.add_argument("--output-len", type=int, default=64)
@@ -194,6 +274,9 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--warmup-prompts", type=int, default=8)
     ap.add_argument("--slo", nargs="+", default=["ttft:1000", "tpot:20"], help="bench serve --goodput SLOs")
+    ap.add_argument("--slo-from-idle", type=float, nargs=2, metavar=("TTFT_X", "TPOT_X"),
+                    help="instead of --slo: these multiples of a 1-thread engine's idle median TTFT and TPOT")
+    ap.add_argument("--idle-prompts", type=int, default=8, help="requests of the idle measurement")
     ap.add_argument("--setups", nargs="+", default=["colocated-2t", "colocated-dp2", "colocated-1t", "pd-1p1d",
                                                     "pd-1p1d-unpinned"],
                     choices=["colocated-2t", "colocated-1t", "colocated-dp2", "pd-1p1d", "pd-1p1d-unpinned",
@@ -204,8 +287,13 @@ def main() -> int:
     ap.add_argument("--run-timeout-s", type=float, default=300)
     args = ap.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
+    MODEL_DIR.append(model_dir(args.model))
+    print(f"model {args.model} ({MODEL_DIR[0]}), load average at start {os.getloadavg()}", flush=True)
     workload = ["--dataset", "random", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
-                "--range-ratio", str(args.range_ratio), "--goodput", *args.slo]
+                "--range-ratio", str(args.range_ratio)]
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks on SIGTERM
+    slo = idle_slo(args, workload, args.out_dir) if args.slo_from_idle else args.slo
+    workload += ["--goodput", *slo]
     setups = {"colocated-2t": lambda: colocated("colocated-2t", 2, 1, args.out_dir),
               # a control: what one engine does with one thread, the other core left to the rest
               "colocated-1t": lambda: colocated("colocated-1t", 1, 1, args.out_dir),
@@ -218,13 +306,14 @@ def main() -> int:
                   [], args.out_dir, True, "pd-adaptive",
                   ("--pd-mode", "adaptive", "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)),
                   ("--max-local-prefill-tokens-per-step", str(args.max_local_prefill_tokens_per_step)))}
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks on SIGTERM
     rows = run_all({name: setups[name] for name in args.setups}, args, workload, args.out_dir)
-    print(markdown(rows, " ".join(args.slo)))
-    print(factors(rows))
+    med = median_rows(rows)
+    print(f"load average at end {os.getloadavg()}")
+    print(markdown(med, " ".join(slo)))
+    print(targets(med))
     (args.out_dir / "rows.json").write_text(json.dumps(
-        [{k: v for k, v in row.items() if k != "result"} | {"json": f"{row['setup']}-rate{row['rate']}.json"}
-         for row in rows], indent=1))
+        {"model": args.model, "slo": slo, "rows": [{k: v for k, v in row.items() if k != "result"}
+                                                     | {"result": row["result"]} for row in rows]}, indent=1))
     return 0
 
 

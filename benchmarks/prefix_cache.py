@@ -71,6 +71,7 @@ def main() -> int:
     ap.add_argument("--input-len", type=int, default=64, help="each user's own tokens after the prefix")
     ap.add_argument("--output-len", type=int, default=16)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--rounds", type=int, default=1, help="sweeps of every rate")
     ap.add_argument("--warmup-prompts", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads of the colocated engine")
     ap.add_argument("--topologies", nargs="+", default=["colocated", "pd"], choices=["colocated", "pd"])
