@@ -2,10 +2,18 @@
 same msgspec structs that decode and validate the bodies (atomd/protocol.py), so the
 description and the server cannot drift apart and outside tools (schemathesis, client
 generators) can test against it.
+
+The router's `/openapi.json` describes the same OpenAI routes (the engines validate what it
+relays), but router/ must not import atomd (tests/test_architecture.py): `openai_surface()`
+(those paths and their component schemas) is written to router/openapi_surface.json by
+`python -m atomd.openapi`, and a test holds the file equal to what the structs give now.
 """
 from __future__ import annotations
 
 import functools
+import json
+import pathlib
+import sys
 from typing import Any
 
 import msgspec
@@ -13,6 +21,7 @@ import msgspec
 from atomd import protocol as P
 
 REF = "#/components/schemas/{name}"
+ROUTER_SURFACE = pathlib.Path(__file__).resolve().parent.parent / "router" / "openapi_surface.json"
 
 
 class ErrorDetail(msgspec.Struct):
@@ -42,8 +51,9 @@ def _errors(*statuses: int) -> dict:
 ERROR_REF = {"$ref": REF.format(name="ErrorBody")}
 
 
-@functools.cache  # the structs do not change while the server runs: build the document once
-def openapi_document(version: str) -> dict[str, Any]:
+def openai_surface() -> dict[str, Any]:
+    """The OpenAI routes (paths) and the schemas they name (components.schemas), from the
+    structs that validate the bodies: what engines and router both serve."""
     (completion_req, chat_req, completion, chat, models, _), components = msgspec.json.schema_components(
         [P.CompletionRequest, P.ChatCompletionRequest, P.CompletionResponse, P.ChatCompletionResponse,
          P.ModelList, ErrorBody], ref_template=REF)
@@ -58,6 +68,26 @@ def openapi_document(version: str) -> dict[str, Any]:
                         "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}}},
                 **_errors(400, 401, 403, 404, 413, 503)}}}
 
+    return {
+        "paths": {
+            "/v1/completions": generate("Create a completion", completion_req, completion),
+            "/v1/chat/completions": generate("Create a chat completion", chat_req, chat),
+            "/v1/models": {"get": {"summary": "The served model", "responses": {
+                "200": {"description": "ok", "content": _json(models)}, **_errors(401, 503)}}},
+        },
+        "components": {"schemas": components},
+    }
+
+
+def render_router_surface() -> str:
+    """router/openapi_surface.json's text."""
+    return json.dumps(openai_surface(), indent=1, sort_keys=True) + "\n"
+
+
+@functools.cache  # the structs do not change while the server runs: build the document once
+def openapi_document(version: str) -> dict[str, Any]:
+    surface = openai_surface()
+
     def status(summary: str) -> dict:
         return {"get": {"summary": summary, "responses": {
             "200": {"description": "ok", "content": _json({"type": "object"})},
@@ -68,13 +98,15 @@ def openapi_document(version: str) -> dict[str, Any]:
         "info": {"title": "atomd serve", "version": version,
                  "description": "OpenAI-compatible completions and chat completions of one atomd engine."},
         "paths": {
-            "/v1/completions": generate("Create a completion", completion_req, completion),
-            "/v1/chat/completions": generate("Create a chat completion", chat_req, chat),
-            "/v1/models": {"get": {"summary": "The served model", "responses": {
-                "200": {"description": "ok", "content": _json(models)}, **_errors(401, 503)}}},
+            **surface["paths"],
             "/health": status("200 while the engine core process lives"),
             "/ready": status("200 once the engine is loaded and answering"),
         },
-        "components": {"schemas": components,
+        "components": {"schemas": surface["components"]["schemas"],
                        "securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
     }
+
+
+if __name__ == "__main__":  # python -m atomd.openapi: regenerate router/openapi_surface.json
+    ROUTER_SURFACE.write_text(render_router_surface())
+    print(f"wrote {ROUTER_SURFACE}", file=sys.stderr)

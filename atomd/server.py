@@ -40,7 +40,8 @@ from typing import Any
 
 import msgspec
 import uvloop
-from aiohttp import web
+from aiohttp import http_exceptions, web
+from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd import protocol as P
@@ -61,6 +62,11 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
 ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort")  # and everything under /debug/
 RANK_HEADER = "X-data-parallel-rank"
+# Limits on a request head (aiohttp's parser enforces them; router/http.py has the same):
+# the request line, one header field, the number of headers. The body: --max-request-body-bytes.
+MAX_LINE_BYTES = 8190
+MAX_FIELD_BYTES = 8190
+MAX_HEADERS = 128
 ERROR_STATUS = {ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
                 ErrorCode.UNSCHEDULABLE: (400, "invalid_request_error"),
                 ErrorCode.KV_TRANSFER_FAILED: (503, "service_unavailable"),
@@ -111,8 +117,8 @@ def run(args: argparse.Namespace) -> int:
 async def serve(config: Any, args: argparse.Namespace) -> int:
     """Listen at once (so /health answers while the model loads), then start the core."""
     server = Server(config, args)
-    runner = web.AppRunner(server.app, handler_cancellation=True, access_log=None,
-                           shutdown_timeout=SHUTDOWN_TIMEOUT_S)
+    runner = JSONErrorRunner(server.app, handler_cancellation=True, access_log=None,
+                             shutdown_timeout=SHUTDOWN_TIMEOUT_S, **HEAD_LIMITS)
     await runner.setup()
     await web.TCPSite(runner, args.host, args.port).start()
     stop = asyncio.Event()
@@ -130,6 +136,58 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
     finally:
         await runner.cleanup()
         await server.client.shutdown()
+
+
+HEAD_LIMITS = dict(max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS)
+
+
+class JSONErrorRequestHandler(RequestHandler):
+    """aiohttp's connection handler, whose own answers (a request its parser refused: a
+    line or header over the limits, too many headers, not HTTP) are OpenAI-style JSON
+    errors like every other, carrying no client bytes, trace or path. A malformed request
+    is the client's, so it is logged at debug level, not with a traceback."""
+
+    __slots__ = ()
+
+    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
+                     message: str | None = None) -> web.StreamResponse:
+        if request.writer.output_size > 0:  # as aiohttp: too late for an error answer
+            raise ConnectionError("Response is sent already, cannot send another response with the error message")
+        if status >= 500:
+            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
+        else:
+            self.logger.debug("refused a request from %s: %r", request.remote, exc)
+        code, kind = "bad_request", "invalid_request_error"
+        if isinstance(exc, http_exceptions.LineTooLong):
+            text = (f"the request line or a header is longer than {MAX_LINE_BYTES} bytes")
+            code = "request_too_large"
+        elif isinstance(exc, http_exceptions.BadHttpMessage) and "too many headers" in str(exc).lower():
+            status, text, code = 431, f"more than {MAX_HEADERS} request headers", "request_too_large"
+        elif status >= 500:
+            text, kind, code = "internal error", "server_error", "internal_error"
+        elif status == 504:
+            text, kind, code = "timed out", "timeout", "timeout"
+        else:
+            text = f"malformed HTTP request ({type(exc).__name__ if exc else 'unknown'})"
+        resp = error_response(P.APIError(status, text, type=kind, code=code))
+        resp.force_close()
+        return resp
+
+
+class JSONErrorServer(web.Server):
+    def __call__(self) -> RequestHandler:
+        handler = super().__call__()
+        handler.__class__ = JSONErrorRequestHandler  # same slots: only handle_error differs
+        return handler
+
+
+class JSONErrorRunner(web.AppRunner):
+    """web.AppRunner whose connections answer parser errors with JSON (JSONErrorRequestHandler)."""
+
+    async def _make_server(self) -> web.Server:
+        server = await super()._make_server()
+        server.__class__ = JSONErrorServer
+        return server
 
 
 def load_tokenizer(config: Any):

@@ -104,6 +104,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     rel.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
                      help="the Retry-After a 429 carries")
     rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
+    rel.add_argument("--max-upstream-event-bytes", type=int, default=d.max_upstream_event_bytes,
+                     help="a longer server-sent event from a worker ends that stream with an error event")
     sec = p.add_argument_group("security")
     sec.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
                      "(all routes but /health, /ready, /metrics, /dashboard); forwarded to the engines")

@@ -5,6 +5,7 @@
   GET  /health         200 while the router runs (no API key)
   GET  /ready          200 when a prefill and a decode worker, or a colocated one, are in rotation
   GET  /metrics        Prometheus text, `atomd_router:` names (no API key)
+  GET  /openapi.json   OpenAPI 3.1 of all of these (no API key; router/openapi.py)
   GET|POST|DELETE /workers   run-time registration: {"url": ..., "role": "prefill"|"decode"|"worker"}
                        (behind --admin-api-key when set; else --api-key)
   GET  /dashboard      the status page (static HTML + JS, no key); it polls
@@ -36,6 +37,7 @@ from router.http import HTTPServer, Request, Response, UpstreamError
 from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
+from router.openapi import AddWorker, RemoveWorker, openapi_json
 from router.pd import LegError, PDRelay, RelayConfig, error_body
 from router.adaptive import PD_MODES
 from router.policies import POLICIES, make_policy
@@ -44,7 +46,7 @@ from router.workers import PD_ROLES, ROLES, Worker, WorkerRegistry, describe
 
 logger = logging.getLogger("atomd.router")
 
-OPEN_PATHS = ("/health", "/ready", "/metrics", "/dashboard")
+OPEN_PATHS = ("/health", "/ready", "/metrics", "/dashboard", "/openapi.json")
 ADMIN_PATHS = ("/workers", "/dashboard/state")
 DASHBOARD = pathlib.Path(__file__).with_name("dashboard.html")
 ENGINE_STATS_MAX_AGE_S = 2.0
@@ -79,6 +81,7 @@ class RouterConfig:
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
+    max_upstream_event_bytes: int = 16 << 20  # a longer SSE event from a worker ends its stream (error event)
     max_concurrent_requests: int = 0  # 0: no cap
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
@@ -120,7 +123,7 @@ class RouterConfig:
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        for name in ("max_request_body_bytes", "breaker_failures", "max_prefill_tries"):
+        for name in ("max_request_body_bytes", "max_upstream_event_bytes", "breaker_failures", "max_prefill_tries"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("max_concurrent_requests", "max_queued_requests", "retry_backoff_s", "retry_after_s",
@@ -219,7 +222,8 @@ class Router:
             total_timeout_s=config.total_timeout_s, max_prefill_tries=config.max_prefill_tries,
             retry_backoff_s=config.retry_backoff_s, strict_pd=config.strict_pd,
             engine_admin_api_key=config.engine_admin_api_key, pd_mode=config.pd_mode,
-            local_prefill_max_tokens=config.local_prefill_max_tokens),
+            local_prefill_max_tokens=config.local_prefill_max_tokens,
+            max_event_bytes=config.max_upstream_event_bytes),
             kv_params_secret=load_secret(path=config.kv_params_secret_file), tokenizer=self.tokenizer)
         if self.relay.decider is not None:
             self.metrics.adaptive = self.relay.decider.describe
@@ -237,6 +241,7 @@ class Router:
         routes.add("DELETE", "/workers", self.remove_worker)
         routes.add("GET", "/dashboard", self.dashboard)
         routes.add("GET", "/dashboard/state", self.dashboard_state)
+        routes.add("GET", "/openapi.json", self.openapi)
         self.app = App(routes)
         self.server: HTTPServer | None = None
         self.url = ""
@@ -395,22 +400,23 @@ class Router:
                 d["kv_events_error"] = self.kv_index.errors[w.url]
         return d
 
-    def worker_request(self, req: Request) -> dict:
-        """The worker spec from a JSON body, or from the query string (handy for DELETE)."""
-        if req.body:
-            try:
-                spec = msgspec.json.decode(req.body)
-            except (msgspec.DecodeError, RecursionError) as e:
-                raise ValueError(f"request body is not valid JSON: {e}")
-            if not isinstance(spec, dict):
-                raise ValueError("request body must be a JSON object with url and role")
-            return spec
-        return dict(req.query)
+    @staticmethod
+    def worker_request(req: Request, struct: type[AddWorker] | type[RemoveWorker]) -> AddWorker | RemoveWorker:
+        """The worker spec from a JSON body, or from the query string (handy for DELETE),
+        checked by the struct /openapi.json describes it with (router/openapi.py)."""
+        try:
+            if req.body:
+                return msgspec.json.decode(req.body, type=struct)
+            return msgspec.convert(dict(req.query), struct)
+        except msgspec.ValidationError as e:
+            raise ValueError(f"invalid worker: {e}") from None
+        except (msgspec.DecodeError, RecursionError) as e:
+            raise ValueError(f"request body is not valid JSON: {e}") from None
 
     async def add_worker(self, req: Request, resp: Response) -> None:
         try:
-            spec = self.worker_request(req)
-            worker, created = self.registry.add(spec.get("url"), spec.get("role"))
+            spec = self.worker_request(req, AddWorker)
+            worker, created = self.registry.add(spec.url, spec.role)
         except ValueError as e:
             return json_error(resp, 400, str(e))
         if created:
@@ -420,13 +426,16 @@ class Router:
 
     async def remove_worker(self, req: Request, resp: Response) -> None:
         try:
-            spec = self.worker_request(req)
-            removed = await self.registry.remove(spec.get("url"), spec.get("role"))
+            spec = self.worker_request(req, RemoveWorker)
+            removed = await self.registry.remove(spec.url, spec.role)
         except ValueError as e:
             return json_error(resp, 400, str(e))
         if not removed:
-            return json_error(resp, 404, f"no worker {spec.get('url')!r} is registered", code="unknown_worker")
+            return json_error(resp, 404, f"no worker {spec.url!r} is registered", code="unknown_worker")
         json_response(resp, {"removed": [w.describe() for w in removed]})
+
+    async def openapi(self, req: Request, resp: Response) -> None:
+        resp.send(200, openapi_json())
 
     # ---------------------------------------------------------------- dashboard
 

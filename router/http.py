@@ -8,8 +8,10 @@ does only what the router needs, with the parsing in C (httptools, llhttp):
 Server (`HTTPServer`, `ServerConnection`, `Request`, `Response`):
 - keep-alive and pipelined requests (answered in order), `Expect: 100-continue`,
   chunked or Content-Length request bodies, a body limit answered with 413 before the body
-  is read, HTTP/1.0 clients (close-delimited streams), an idle timeout on kept-alive
-  connections, TCP_NODELAY on every accepted socket;
+  is read, limits on the request head (414 for a URL over MAX_URL_BYTES, 431 for more than
+  MAX_HEADERS headers, one over MAX_HEADER_BYTES or a head over MAX_HEAD_BYTES; each an
+  OpenAI-style JSON error, then the connection closes), HTTP/1.0 clients (close-delimited
+  streams), an idle timeout on kept-alive connections, TCP_NODELAY on every accepted socket;
 - a client that hangs up cancels its request's handler at once (as aiohttp's
   handler_cancellation), so the relay can abort upstream work;
 - a response is written in one `transport.write` (status line, headers and body);
@@ -24,6 +26,8 @@ coroutine switch per chunk. Failures are typed so the caller knows whether the r
 could have reached the worker: `ConnectError` (no connection: the request never left),
 `Disconnected` (the connection dropped before any response byte; `reused` tells a stale
 keep-alive connection from a fresh one), `Timeout`, `BrokenResponse` (after the head).
+An upstream's head is bounded as a client's is, and a collected (`read()`) body by
+`Pool.max_body_bytes`: a worker cannot make the router buffer without bound either.
 """
 from __future__ import annotations
 
@@ -37,6 +41,7 @@ from typing import Awaitable, Callable
 from urllib.parse import parse_qsl, urlsplit
 
 import httptools
+import msgspec
 
 logger = logging.getLogger("atomd.router.http")
 
@@ -45,6 +50,28 @@ POOL_IDLE_S = 60.0  # an idle upstream connection older than this is not reused
 WRITE_HIGH_WATER = 256 << 10
 _STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+# Limits on a request head, as the engines' aiohttp server has them (atomd/server.py): a
+# URL, one header (name and value) and the number of headers; plus the whole head, which
+# also bounds what the parser buffers of a header still arriving.
+MAX_URL_BYTES = 8190
+MAX_HEADER_BYTES = 8190
+MAX_HEADERS = 128
+MAX_HEAD_BYTES = 64 << 10
+MAX_UPSTREAM_BODY_BYTES = 64 << 20  # a collected (not streamed) answer of a worker
+LINGER_S = 1.0  # after refusing a request: read and drop what the client still sends, then close
+
+
+class HeadTooLarge(Exception):
+    """A request head refused by a parser callback (over a limit, or an upgrade), or an
+    upstream response head over a limit: (status, message)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status = status
+
+
+def error_json(message: str, type: str = "invalid_request_error", code: str | None = None) -> bytes:
+    return msgspec.json.encode({"error": {"message": message, "type": type, "param": None, "code": code}})
 
 
 def status_line(status: int) -> bytes:
@@ -160,7 +187,8 @@ Handler = Callable[[Request, Response], Awaitable[None]]
 
 class ServerConnection(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "parser", "peer", "paused", "closed", "_drain", "_url", "_headers",
-                 "_body", "_body_size", "_too_large", "_queue", "_task", "_idle_timer")
+                 "_body", "_body_size", "_too_large", "_queue", "_task", "_idle_timer", "_head_bytes", "_in_body",
+                 "_fields_bytes")
 
     def __init__(self, server: "HTTPServer"):
         self.server = server
@@ -174,6 +202,8 @@ class ServerConnection(asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
+        self._head_bytes = 0  # bytes received since the current head began (an upper bound)
+        self._in_body = False
         self._reset()
 
     def _reset(self) -> None:
@@ -182,6 +212,8 @@ class ServerConnection(asyncio.Protocol):
         self._body: list[bytes] = []
         self._body_size = 0
         self._too_large = False
+        self._head_bytes = 0
+        self._fields_bytes = 0  # the URL and the headers so far (exact, where _head_bytes is a bound)
 
     # ---------------------------------------------------------------- transport events
 
@@ -221,15 +253,30 @@ class ServerConnection(asyncio.Protocol):
             await self._drain
 
     def data_received(self, data: bytes) -> None:
+        if self.closed:  # refused, lingering: what still comes is dropped
+            return
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
+        if not self._in_body:
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserUpgrade:
-            self._fail(400, b"protocol upgrades are not supported")
+            self._fail(400, "protocol upgrades are not supported")
+        except httptools.HttpParserCallbackError as e:
+            refused = e.__context__
+            if isinstance(refused, HeadTooLarge):
+                self._fail(refused.status, str(refused), "request_too_large" if refused.status != 400 else None)
+            else:  # a bug of ours in a callback: the log has it, the client a plain 400
+                logger.error("HTTP parser callback failed", exc_info=e.__context__)
+                self._fail(400, "malformed HTTP request")
         except httptools.HttpParserError as e:
-            self._fail(400, f"malformed HTTP request: {e}".encode())
+            self._fail(400, f"malformed HTTP request: {e}")
+        else:
+            # a head still arriving (the parser buffers a header until its end) is bounded too
+            if not self._in_body and self._head_bytes > MAX_HEAD_BYTES:
+                self._fail(431, f"the request head is larger than {MAX_HEAD_BYTES} bytes", "request_too_large")
 
     def eof_received(self) -> bool | None:
         return None  # close our side too (a half-closed client is gone for a streaming server)
@@ -238,18 +285,32 @@ class ServerConnection(asyncio.Protocol):
         if not self.closed:
             self.transport.write(data)
 
-    def _fail(self, status: int, message: bytes) -> None:
+    def _fail(self, status: int, message: str, code: str | None = None) -> None:
+        """Answer a request the parser refused (when no earlier one is still being answered), close."""
         if self._task is None and not self.closed:
-            body = b'{"error": {"message": "%s", "type": "invalid_request_error", "param": null, "code": null}}' % \
-                message.replace(b'"', b"'")
-            self.transport.write(b"%sContent-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-                                 % (status_line(status), len(body), body))
-        self.close()
+            body = error_json(message, code=code)
+            self.transport.write(b"%sContent-Type: application/json\r\nContent-Length: %d\r\n"
+                                 b"Connection: close\r\n\r\n%s" % (status_line(status), len(body), body))
+            self._linger()
+        else:
+            self.close()
+
+    def _linger(self) -> None:
+        """Close after an answer to a refused request, so that the client reads it: closing
+        with its unread bytes in our buffer would reset the connection and lose the answer.
+        So: end our side, drop what still comes for LINGER_S, then close."""
+        self.closed = True  # nothing more is parsed or answered here
+        try:
+            self.transport.write_eof()
+        except (OSError, RuntimeError, NotImplementedError):
+            self.transport.close()
+            return
+        self.loop.call_later(LINGER_S, self.transport.close)
 
     def close(self) -> None:
-        if not self.closed and self.transport is not None:
+        if self.transport is not None:
             self.transport.close()
-            self.closed = True
+        self.closed = True
 
     def _arm_idle(self) -> None:
         self._idle_timer = self.loop.call_later(self.server.idle_timeout_s, self._idle_expired)
@@ -266,17 +327,32 @@ class ServerConnection(asyncio.Protocol):
 
     def on_url(self, url: bytes) -> None:
         self._url += url
+        if len(self._url) > MAX_URL_BYTES:
+            raise HeadTooLarge(414, f"the request URL is longer than {MAX_URL_BYTES} bytes")
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        if len(name) + len(value) > MAX_HEADER_BYTES:
+            raise HeadTooLarge(431, f"a request header is longer than {MAX_HEADER_BYTES} bytes")
+        headers = self._headers
+        if len(headers) >= MAX_HEADERS:
+            raise HeadTooLarge(431, f"more than {MAX_HEADERS} request headers")
+        self._fields_bytes += len(name) + len(value) + 4
+        if self._fields_bytes + len(self._url) > MAX_HEAD_BYTES:
+            raise HeadTooLarge(431, f"the request head is larger than {MAX_HEAD_BYTES} bytes")
+        headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
+        self._in_body = True
+        self._head_bytes = 0
+        if self.parser.should_upgrade():  # refused before the request is queued
+            raise HeadTooLarge(400, "protocol upgrades are not supported")
         length = self._headers.get("content-length")
         expect = self._headers.get("expect", "").lower() == "100-continue"
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
             self._too_large = True
             if expect:  # the client waits for our word before sending the body: refuse now
-                self._fail(413, b"request body is larger than %d bytes" % self.server.max_body_bytes)
+                self._fail(413, f"request body is larger than {self.server.max_body_bytes} bytes",
+                           "request_too_large")
         elif expect:
             self.transport.write(_CONTINUE)
 
@@ -291,6 +367,8 @@ class ServerConnection(asyncio.Protocol):
             self._body.append(body)
 
     def on_message_complete(self) -> None:
+        self._in_body = False
+        self._head_bytes = 0
         parser = self.parser
         url = self._url
         q = url.find(b"?")
@@ -406,7 +484,8 @@ class ClientConnection(asyncio.Protocol):
 
     __slots__ = ("pool", "loop", "transport", "parser", "reused", "status", "headers", "content_type", "done",
                  "lost", "keep_alive", "body", "sink", "on_end", "_waiter", "_timer", "_timeout",
-                 "_idle_based", "last_data", "idle_since", "error", "_head_done", "_close_delimited")
+                 "_idle_based", "last_data", "idle_since", "error", "_head_done", "_close_delimited", "_head_bytes",
+                 "_body_size")
 
     def __init__(self, pool: "Pool"):
         self.pool = pool
@@ -432,6 +511,8 @@ class ClientConnection(asyncio.Protocol):
         self.error: BaseException | None = None
         self._head_done = False
         self._close_delimited = False
+        self._head_bytes = 0
+        self._body_size = 0
 
     # ---------------------------------------------------------------- transport events
 
@@ -457,15 +538,22 @@ class ClientConnection(asyncio.Protocol):
             self.transport.close()
             return
         self.last_data = self.loop.time()
+        if not self._head_done:
+            self._head_bytes += len(data)
         try:
             self.parser.feed_data(data)
-        except httptools.HttpParserError as e:
-            self._fail(BrokenResponse(f"{self.pool.url} sent a malformed response: {e}"))
+            if not self._head_done and self._head_bytes > MAX_HEAD_BYTES:
+                raise HeadTooLarge(502, f"a response head larger than {MAX_HEAD_BYTES} bytes")
+        except (httptools.HttpParserError, HeadTooLarge) as e:
+            cause = e.__context__ if isinstance(e.__context__, HeadTooLarge) else e
+            self._fail(BrokenResponse(f"{self.pool.url} sent a malformed response: {cause}"))
             self.transport.close()
 
     # ---------------------------------------------------------------- parser callbacks
 
     def on_header(self, name: bytes, value: bytes) -> None:
+        if len(name) + len(value) > MAX_HEADER_BYTES or len(self.headers) >= MAX_HEADERS:
+            raise HeadTooLarge(502, f"a header over {MAX_HEADER_BYTES} bytes or over {MAX_HEADERS} headers")
         self.headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
@@ -486,9 +574,17 @@ class ClientConnection(asyncio.Protocol):
                 self._fail(BrokenResponse(f"relay failed: {e}"))
                 self.transport.close()
         else:
+            self._body_size += len(body)
+            if self._body_size > self.pool.max_body_bytes:
+                self.body = []
+                self._fail(BrokenResponse(f"{self.pool.url} answered more than {self.pool.max_body_bytes} bytes"))
+                self.transport.close()
+                return
             self.body.append(body)
 
     def on_message_complete(self) -> None:
+        if self.error is not None:  # over a limit: already failed
+            return
         self.done = True
         self.keep_alive = self.parser.should_keep_alive() and not self._close_delimited
         self._cancel_timer()
@@ -609,8 +705,9 @@ class ClientConnection(asyncio.Protocol):
 class Pool:
     """Keep-alive connections to one worker (`http(s)://host:port`), unlimited in number."""
 
-    def __init__(self, url: str, connect_timeout_s: float = 5.0):
+    def __init__(self, url: str, connect_timeout_s: float = 5.0, max_body_bytes: int = MAX_UPSTREAM_BODY_BYTES):
         parts = urlsplit(url)
+        self.max_body_bytes = max_body_bytes
         self.url = url
         self.host = parts.hostname or ""
         self.port = parts.port or (443 if parts.scheme == "https" else 80)

@@ -160,6 +160,9 @@ class RelayConfig(msgspec.Struct, kw_only=True):
     engine_admin_api_key: str | None = None
     pd_mode: str = "always"  # always | adaptive | strict (router/adaptive.py)
     local_prefill_max_tokens: int = 256  # adaptive: prompts up to this many uncached tokens prefill on D
+    # the longest SSE event (its unended lines) buffered from D: a longer one ends the stream
+    # with an error event (the router's memory per stream stays bounded)
+    max_event_bytes: int = 16 << 20
 
 
 class PDRelay:
@@ -604,6 +607,11 @@ class PDRequest:
         def sink(data: bytes) -> None:
             buf = state.buf + data if state.buf else data
             cut = complete_events_end(buf)
+            if len(buf) - cut > self.relay.config.max_event_bytes:  # an event that does not end
+                state.buf = b""
+                conn.abort()
+                on_end(BrokenResponse(f"an SSE event longer than {self.relay.config.max_event_bytes} bytes"))
+                return
             if not cut:
                 state.buf = buf
                 return

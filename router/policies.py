@@ -78,7 +78,7 @@ class RouteRequest:
                     if isinstance(m, dict):
                         c = m.get("content")
                         if isinstance(c, list):  # content parts
-                            c = "".join(p.get("text", "") for p in c if isinstance(p, dict))
+                            c = "".join(t for p in c if isinstance(p, dict) and isinstance(t := p.get("text"), str))
                         parts.append(f"{m.get('role', '')}:{c or ''}\n")
                 self._text = "".join(parts)
             else:

@@ -12,6 +12,7 @@ the code's choices. tests/test_helm_render_run.py runs the rendered pods.
 from __future__ import annotations
 
 import asyncio
+import base64
 import copy
 import json
 import pathlib
@@ -28,8 +29,9 @@ from tests.helm_tools import (ALL_FEATURES, CHART, KUBE_VERSIONS, REPO, SECRET_F
 
 MONITORING = "monitoring.coreos.com/v1"
 # Secrets and claims the all-features values name as existing outside the release.
-EXTERNAL = {"Secret": {"atomd-openai-key"}, "PersistentVolumeClaim": {"llm-checkpoints"}}
-EXTERNAL_SECRETS = {"atomd-openai-key": {"token": b"sk-external-key"}}
+EXTERNAL = {"Secret": {"atomd-openai-key", "platform-admin-key"}, "PersistentVolumeClaim": {"llm-checkpoints"}}
+EXTERNAL_SECRETS = {"atomd-openai-key": {"token": b"sk-external-key"},
+                    "platform-admin-key": {"token": b"admin-external"}}
 VARIANTS = {
     "default": dict(values=()),
     "all-features": dict(values=(ALL_FEATURES,), api_versions=(MONITORING,)),
@@ -61,7 +63,8 @@ def test_values_have_the_documented_names():
     for dotted in ("prefill.replicas", "decode.replicas", "prefill.dataParallelSize", "decode.dataParallelSize",
                    "prefill.numThreads", "prefill.resources", "prefill.extraArgs", "prefill.nodeSelector",
                    "prefill.tolerations", "prefill.affinity", "router.replicas", "router.policy", "ingress.enabled",
-                   "ingress.host", "apiKey.existingSecret", "kvParamsSecret.existingSecret", "model.pvc",
+                   "ingress.host", "apiKey.existingSecret", "adminApiKey.enabled", "adminApiKey.existingSecret",
+                   "kvParamsSecret.existingSecret", "model.pvc",
                    "model.path", "serviceMonitor.enabled", "networkPolicy.enabled", "image.repository", "image.tag",
                    "image.pullPolicy", "router.autoscaling.enabled", "grafanaDashboard.enabled"):
         node = values
@@ -151,6 +154,7 @@ def test_install_dry_run_client(name):
     ({"kvTransfer.backend": "rdma"}, "at '/kvTransfer/backend': value must be 'zmq'"),
     ({"image.repository": None}, "at '/image': missing property 'repository'"),
     ({"image.repository": ""}, "at '/image/repository': minLength: got 0, want 1"),
+    ({"adminApiKey.secretKey": ""}, "at '/adminApiKey/secretKey': minLength: got 0, want 1"),
     ({"router.policy": "fastest"}, "at '/router/policy': value must be one of"),
     ({"ingress.enabled": True}, "at '/ingress/host': minLength: got 0, want 1"),
     ({"prefill.replica": 2}, "at '/prefill': additional properties 'replica' not allowed"),
@@ -252,6 +256,7 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
         assert cfg.kv_role == {"prefill": "producer", "decode": "consumer"}[role]
         assert args.port == p.port("http")
         assert args.api_key == p.env["ATOMD_API_KEY"] and args.api_key
+        assert args.admin_api_key == p.env["ATOMD_ADMIN_API_KEY"] and args.admin_api_key != args.api_key
         dp = cfg.data_parallel_size
         events = [p.port(f"kv-events-{r}") for r in range(dp)]
         assert cfg.kv_events_endpoint == f"tcp://*:{events[0]}" and events == list(range(events[0], events[0] + dp))
@@ -282,6 +287,9 @@ def test_router_command_line_parses_and_names_the_headless_services(variant, tmp
         args = strip_flag(args, SECRET_FLAG)
     cfg = parse_args(args)
     assert cfg.port == p.port("http") and cfg.api_key == p.env["ATOMD_API_KEY"]
+    # the router's own admin routes and the aborts it sends the engines: the engines' admin key
+    assert cfg.admin_api_key == cfg.engine_admin_api_key == p.env["ATOMD_ADMIN_API_KEY"] != cfg.api_key
+    assert all(pod.env["ATOMD_ADMIN_API_KEY"] == cfg.engine_admin_api_key for pod in the_pods.values())
     domain = "cluster.example" if name == "all-features" else "cluster.local"
     for target in targets_of(cfg.prefill_dns, cfg.decode_dns):
         sts = next(s for s in by_kind(objs, "StatefulSet") if pod_labels(s)["atomd.dev/role"] == target.role)
@@ -356,3 +364,38 @@ def test_dashboard_queries_only_atomd_metrics():
     """Each name is checked against the running servers' /metrics in test_helm_render_run."""
     names = dashboard_metric_names()
     assert names and all(n.startswith(("atomd:", "atomd_router:")) for n in names)
+
+
+# ---------------------------------------------------------------------- the admin key
+
+
+@pytest.mark.integration
+def test_the_admin_key_is_a_generated_secret_distributed_like_the_kv_params_secret():
+    objs = render()
+    secret = one(objs, "Secret", "-admin-key")
+    key = secret["data"]["admin-api-key"]
+    assert secret["type"] == "Opaque" and len(base64.b64decode(key)) >= 32
+    assert key != one(objs, "Secret", "-api-key")["data"]["api-key"]
+    assert render()[objs.index(secret)]["data"]["admin-api-key"] != key  # random per (first) install
+    for w in by_kind(objs, "Deployment") + by_kind(objs, "StatefulSet"):
+        c = w["spec"]["template"]["spec"]["containers"][0]
+        ref = next(e for e in c["env"] if e["name"] == "ATOMD_ADMIN_API_KEY")["valueFrom"]["secretKeyRef"]
+        assert ref == {"name": secret["metadata"]["name"], "key": "admin-api-key"}
+        assert "$(ATOMD_ADMIN_API_KEY)" in c["args"]
+        assert key not in yaml.safe_dump(w)  # only a reference in the pods, never the value
+
+
+@pytest.mark.integration
+def test_the_admin_key_can_come_from_an_existing_secret_or_be_off():
+    objs = render(set_values={"adminApiKey.existingSecret": "mine", "adminApiKey.secretKey": "k"})
+    assert not [o for o in by_kind(objs, "Secret") if o["metadata"]["name"].endswith("-admin-key")]
+    router = one(objs, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]
+    ref = next(e for e in router["env"] if e["name"] == "ATOMD_ADMIN_API_KEY")["valueFrom"]["secretKeyRef"]
+    assert ref == {"name": "mine", "key": "k"}
+    assert semantic_problems(objs, {"Secret": {"mine"}}) == []
+    objs = render(set_values={"adminApiKey.enabled": False})
+    assert not [o for o in by_kind(objs, "Secret") if o["metadata"]["name"].endswith("-admin-key")]
+    for w in by_kind(objs, "Deployment") + by_kind(objs, "StatefulSet"):
+        c = w["spec"]["template"]["spec"]["containers"][0]
+        assert "ATOMD_ADMIN_API_KEY" not in {e["name"] for e in c.get("env", [])}
+        assert not {"--admin-api-key", "--engine-admin-api-key"} & set(c["args"])

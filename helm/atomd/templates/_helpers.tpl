@@ -63,6 +63,10 @@ atomd.dev/role: {{ .component }}
 {{- default (printf "%s-api-key" (include "atomd.fullname" .)) .Values.apiKey.existingSecret }}
 {{- end }}
 
+{{- define "atomd.adminApiKeySecretName" -}}
+{{- default (printf "%s-admin-key" (include "atomd.fullname" .)) .Values.adminApiKey.existingSecret }}
+{{- end }}
+
 {{- define "atomd.kvParamsSecretName" -}}
 {{- default (printf "%s-kv-params" (include "atomd.fullname" .)) .Values.kvParamsSecret.existingSecret }}
 {{- end }}
@@ -154,6 +158,17 @@ StatefulSet. {root, role}
     secretKeyRef:
       name: {{ include "atomd.apiKeySecretName" . }}
       key: {{ .Values.apiKey.secretKey }}
+{{- end }}
+{{- end }}
+
+{{/* The admin key as $(ATOMD_ADMIN_API_KEY): env entry. */}}
+{{- define "atomd.adminApiKeyEnv" -}}
+{{- if .Values.adminApiKey.enabled }}
+- name: ATOMD_ADMIN_API_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "atomd.adminApiKeySecretName" . }}
+      key: {{ .Values.adminApiKey.secretKey }}
 {{- end }}
 {{- end }}
 
