@@ -27,6 +27,7 @@ import zmq
 
 from atomd.messages import (UTILITY_METHODS, AbortRequests, AddRequest, CoreError, InputMessage, OutputMessage,
                             Ready, RequestOutput, StepOutputs, UtilityCall, UtilityResult)
+from kv_transfer import faults
 from kv_transfer.trust import UntrustedKVParams
 from scheduler.sequence import ErrorCode
 
@@ -67,6 +68,8 @@ class EngineCore:
                 outputs = self.engine.step()
                 stalled = not outputs
                 if outputs:
+                    if faults.ACTIVE:  # tests: kill / stop / delay before the API sees these
+                        faults.engine_outputs(outputs)
                     self.send(StepOutputs(outputs))
 
     def stalled_poll_ms(self) -> int:
@@ -125,6 +128,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     inp = ctx.socket(zmq.PULL)
     inp.connect(input_addr)
     encoder = msgspec.msgpack.Encoder()
+    if faults.ACTIVE:
+        faults.engine_core_started(parent_pid)
     try:
         import torch
 

@@ -31,6 +31,7 @@ import msgspec
 if TYPE_CHECKING:
     from scheduler.sequence import Sequence
 
+from kv_transfer import faults
 from kv_transfer.connector import (KVConnectorConfig, KVConnectorMetadata, KVConnectorOutput,
                                    KVConnectorScheduler, KVConnectorWorker, RemotePrefill)
 from kv_transfer.params import KVTransferParams, compat_mismatch, new_access_token, new_transfer_id
@@ -237,6 +238,8 @@ class ZmqConsumer(_ZmqConnector):
         for name in ("transfer_id", "remote_host", "remote_port", "access_token"):
             if getattr(p, name) is None:
                 raise ValueError(f"kv_transfer_params.{name} is required with do_remote_prefill")
+        if faults.ACTIVE:
+            faults.point("between_legs")
         try:
             self.receiver.hold(p.transfer_id, p.remote_host, p.remote_port, lease_s=p.lease_s)
         except ValueError:

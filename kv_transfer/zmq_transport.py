@@ -55,6 +55,7 @@ import msgspec
 import numpy as np
 import zmq
 
+from kv_transfer import faults as _faults
 from kv_transfer.params import compat_mismatch
 
 log = logging.getLogger(__name__)
@@ -240,6 +241,9 @@ class _IOLoop:
                     self._drain_wakeups()
             if not events:
                 self._idle()
+            if _faults.ACTIVE:  # side-channel messages an injected fault delayed or held back
+                for sock, frames in _faults.channel_due(self._thread.name):
+                    self._deliver(sock, frames)
             with self._lock:
                 try:
                     self._on_tick(time.monotonic())
@@ -259,11 +263,18 @@ class _IOLoop:
                 frames = sock.recv_multipart(zmq.NOBLOCK, copy=False)
             except zmq.Again:
                 return
-            with self._lock:
-                try:
-                    self._on_message(sock, frames)
-                except Exception:
-                    log.exception("%s: message handling failed", self._thread.name)
+            if _faults.ACTIVE:  # tests: drop / duplicate / delay / reorder what arrived
+                for held in _faults.channel(self._thread.name, sock, frames):
+                    self._deliver(sock, held)
+                continue
+            self._deliver(sock, frames)
+
+    def _deliver(self, sock: zmq.Socket, frames: list[zmq.Frame]) -> None:
+        with self._lock:
+            try:
+                self._on_message(sock, frames)
+            except Exception:
+                log.exception("%s: message handling failed", self._thread.name)
 
     def close(self) -> None:
         """Stop the I/O thread and drop every socket (linger 0). Safe to call twice."""
@@ -494,6 +505,8 @@ class KVSender(_IOLoop):
             self._refuse(rid, getattr(msg, "transfer_id", ""), MALFORMED, f"unexpected {type(msg).__name__}")
 
     def _on_read(self, rid: bytes, msg: Read, now: float) -> None:
+        if _faults.ACTIVE:
+            _faults.point("between_legs")
         tid = msg.transfer_id
         if msg.backend != self.backend:
             self._refuse(rid, tid, BACKEND_MISMATCH,
@@ -545,6 +558,8 @@ class KVSender(_IOLoop):
                         serve.trackers.append(self._sock.send(view, more | zmq.NOBLOCK, copy=False, track=True))
                     else:
                         self._sock.send(view, more | zmq.NOBLOCK, copy=True)
+                if _faults.ACTIVE and start == 0:
+                    _faults.point("kv_pull_mid")
         except zmq.ZMQError:
             self._stats.failures[PEER_GONE] = self._stats.failures.get(PEER_GONE, 0) + 1
             serve.num_blocks = -1  # never END a partial answer
@@ -803,6 +818,8 @@ class KVReceiver(_IOLoop):
                 self._fail(msg.transfer_id, MALFORMED, now)
             else:
                 pull.deadline = now + pull.timeout_s
+                if _faults.ACTIVE and msg.start == 0:
+                    _faults.point("kv_pull_mid")
         elif isinstance(msg, End):
             if msg.num_blocks == len(pull.got) and pull.got.all():
                 self._send(pull.peer, Done(msg.transfer_id))
