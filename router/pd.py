@@ -638,6 +638,10 @@ class PDRequest:
                 saw_done()
             else:
                 resp.write(events)
+            if resp.started and ERROR_EVENT_PREFIX in events:  # relayed as is, counted once a stream
+                if not state.error_mid:
+                    state.error_mid = True
+                    self.metrics.upstream_errors.inc((role, "error_event_mid_stream"))
             state.last = events
             n = events.count(b"\n\n") + events.count(b"\r\n\r\n") - (DONE_EVENT in events)
             if n > 0:
@@ -698,13 +702,14 @@ class PDRequest:
 
 
 class _StreamState:
-    __slots__ = ("buf", "last", "saw_done", "error_first", "paused", "drain_timer")
+    __slots__ = ("buf", "last", "saw_done", "error_first", "error_mid", "paused", "drain_timer")
 
     def __init__(self) -> None:
         self.buf = b""
         self.last = b""
         self.saw_done = False
         self.error_first: bytes | None = None
+        self.error_mid = False  # D sent an error event after the stream started
         self.paused = False
         self.drain_timer: asyncio.TimerHandle | None = None
 

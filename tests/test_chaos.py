@@ -135,7 +135,8 @@ SCENARIOS = [
              any_counter=(("R", UPSTREAM, {"leg": "decode"}),)),
     Scenario("d_core_crash_mid_stream", {"D": point("stream_mid", "crash", skip=3)}, fired=("D",), must="error",
              what="D's engine core dies (its API process lives) after 4 streamed steps; D's API ends the "
-                  "stream with an engine_dead error event, which the router relays (and does not count)"),
+                  "stream with an engine_dead error event, which the router relays and counts",
+             counters=(("R", UPSTREAM, {"leg": "decode", "reason": "error_event_mid_stream"}, 1),)),
     Scenario("d_core_crash_mid_pull", {"D": point("kv_pull_mid", "crash")}, fired=("D",), must="error",
              what="D's engine core dies (its API process lives) mid-pull",
              any_counter=(("P", EXPIRED, {}), ("R", ROUTER_ABORTS, {}))),
