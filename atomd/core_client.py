@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import tempfile
+import time
 from typing import Any, Callable, Protocol
 
 import msgspec
@@ -88,6 +89,8 @@ class EngineClient(Protocol):
 
     async def call(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any: ...
 
+    def silent_s(self) -> float: ...  # how long a core with requests in flight has said nothing
+
     async def shutdown(self, timeout_s: float = 5.0) -> None: ...
 
 
@@ -102,6 +105,7 @@ class EngineCoreClient:
         self.calls: dict[int, asyncio.Future] = {}
         self.call_ids = itertools.count()
         self.dead: str | None = None  # why the core is gone
+        self.last_heard = time.monotonic()  # the core's last message, or the start of its work
         self.ready: asyncio.Future[Ready] | None = None
         self.proc: multiprocessing.process.BaseProcess | None = None
         self.encoder = msgspec.msgpack.Encoder()
@@ -144,6 +148,8 @@ class EngineCoreClient:
         """`dp_rank`: this client is one rank; the server checked that any rank asked for is 0."""
         stream = RequestStream()
         self.send(AddRequest(request_id, prompt_token_ids, params, kv_transfer_params))
+        if not self.streams:  # an idle core owes nothing: its silence counts from now
+            self.last_heard = time.monotonic()
         self.streams[request_id] = stream
         return stream
 
@@ -166,6 +172,7 @@ class EngineCoreClient:
     async def read_outputs(self) -> None:
         while True:
             frame = await self.out.recv(copy=False)
+            self.last_heard = time.monotonic()
             try:
                 msg = self.decoder.decode(frame.buffer)
             except (msgspec.DecodeError, ValueError) as e:
@@ -181,6 +188,11 @@ class EngineCoreClient:
                 self.fail(msg.message)
             else:
                 logger.error("engine core reported: %s", msg.message)
+
+    def silent_s(self) -> float:
+        """Seconds the core has said nothing while requests are in flight here (0 when none
+        are): a core that steps answers every step, or between steps a utility call."""
+        return time.monotonic() - self.last_heard if self.streams else 0.0
 
     def dispatch(self, deltas: list[RequestOutput]) -> None:
         for delta in deltas:
@@ -328,6 +340,9 @@ class DPEngineClient:
         total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in results) / len(results)
         total["ranks"] = results
         return total
+
+    def silent_s(self) -> float:
+        return max(c.silent_s() for c in self.ranks)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         await asyncio.gather(*(c.shutdown(timeout_s) for c in self.ranks if c.proc is not None))

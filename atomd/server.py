@@ -93,6 +93,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="the model name clients send and see (default: the engine's model name)")
     g.add_argument("--engine-start-timeout-s", type=float, default=600.0,
                    help="give up when the engine core is not ready by then")
+    g.add_argument("--engine-stall-timeout-s", type=float, default=60.0,
+                   help="/health answers 503 while the engine core, with requests in flight, has not answered "
+                        "for this long (probed every third of it), so a router takes a wedged engine out of "
+                        "rotation; it must exceed the longest engine step")
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
                    help="how tool calls are read from the model's output (chat requests with tools)")
 
@@ -134,6 +138,8 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
         print(f"atomd serve: failed to start: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
+        if server.watchdog is not None:
+            server.watchdog.cancel()
         await runner.cleanup()
         await server.client.shutdown()
 
@@ -206,6 +212,7 @@ class Server:
         self.model_name = args.served_model_name
         self.tokenizer = None
         self.metrics: ServerMetrics | None = None
+        self.watchdog: asyncio.Task | None = None  # watch_core(), once the core is up
         self.max_model_len = config.max_model_len
         app = web.Application(client_max_size=args.max_request_body_bytes,
                               middlewares=[self.access_log, self.errors, self.auth])
@@ -228,6 +235,7 @@ class Server:
         self.model_name = self.model_name or ready.model_name
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
         self.metrics = ServerMetrics(self.model_name, self.config.data_parallel_rank)
+        self.watchdog = asyncio.get_running_loop().create_task(self.watch_core())
 
     def on_abort_confirmed(self) -> None:
         if self.metrics is not None:
@@ -301,7 +309,24 @@ class Server:
     async def health(self, request: web.Request) -> web.Response:
         if self.client.dead is not None:
             return json_response({"status": "engine dead", "reason": self.client.dead}, 503)
+        silent = self.client.silent_s()
+        if silent > self.args.engine_stall_timeout_s:
+            return json_response({"status": "engine stalled",
+                                  "reason": f"the engine core has not answered for {silent:.0f} s"}, 503)
         return json_response({"status": "ok"})
+
+    async def watch_core(self) -> None:
+        """While requests are in flight and the core has been quiet a while, ask it for its
+        stats: a core that steps answers between steps (refreshing its silence), so only a
+        wedged one stays silent long enough for /health to say so."""
+        period = self.args.engine_stall_timeout_s / 3
+        while self.client.dead is None:
+            await asyncio.sleep(period)
+            if self.client.alive and self.client.silent_s() > period:
+                try:
+                    await self.client.call("stats", timeout_s=self.args.engine_stall_timeout_s)
+                except (EngineDeadError, asyncio.TimeoutError, RuntimeError):
+                    pass  # dead: the sentinel says so; silent: /health says so
 
     async def ready(self, request: web.Request) -> web.Response:
         if not self.client.alive or self.tokenizer is None:
