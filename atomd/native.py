@@ -2,7 +2,14 @@
 
 `decode_attention` (the decode queries of each sequence over its paged context: one token,
 or with speculative decoding its last token and its drafts, causal inside that run) and `prefill_attention`
-(causal attention of fresh prompts over their own rows) for float32.
+(causal attention of fresh prompts over their own rows) for float32 and bfloat16 (q, KV cache
+and output in bf16, sums in float32; AVX512_BF16 dot products where the CPU has them, bf16
+widened to float32 where not: the build picks, `bf16_path()` says which).
+
+`$ATOMD_ATTENTION_ISA` (or `attention_kernels(..., isa=)`) narrows what a build may use, for
+testing the fallbacks on a CPU that has everything: `native` (default: all this CPU has),
+`no-bf16-dot` (no AVX512_BF16 instructions), `no-avx512` (no AVX-512 at all: what an
+AVX2-only CPU runs).
 
 Compiled at first use with the system C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`) and the model's head size into `~/.cache/atomd/kernels/`
@@ -33,6 +40,10 @@ from atomd.model.default import cache_root
 log = logging.getLogger(__name__)
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "attention.c"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
+ISA_ENV = "ATOMD_ATTENTION_ISA"
+ISA_FLAGS = {"native": [], "no-bf16-dot": ["-DATOMD_NO_BF16_DOT"], "no-avx512": ["-mno-avx512f"]}
+BF16_PATHS = {2: "AVX512_BF16 dot products", 1: "bf16 widened to float32 on AVX-512F",
+              0: "bf16 widened to float32 (no AVX-512)"}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
@@ -51,13 +62,14 @@ def _compiler_id(compiler: str) -> str:
     return f"{compiler}\n{version.stdout}"
 
 
-def build(compiler: str, head_dim: int, group: int) -> pathlib.Path:
+def build(compiler: str, head_dim: int, group: int, isa: str = "native") -> pathlib.Path:
     """The shared library for this source, flags, model shape, compiler and CPU, compiled
     unless cached."""
-    flags = [*FLAGS, f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
+    flags = [*FLAGS, *ISA_FLAGS[isa], f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
     parts = [SOURCE.read_text(), _compiler_id(compiler), *flags, _cpu_id()]
     key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    lib = cache_root() / "kernels" / f"attention-d{head_dim}-g{group}-{key}.so"
+    tag = "" if isa == "native" else f"{isa}-"
+    lib = cache_root() / "kernels" / f"attention-d{head_dim}-g{group}-{tag}{key}.so"
     if lib.is_file():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
@@ -69,24 +81,48 @@ def build(compiler: str, head_dim: int, group: int) -> pathlib.Path:
     return lib
 
 
+def attention_kernels(head_dim: int, group: int, isa: str | None = None) -> ctypes.CDLL | None:
+    """The kernels for heads of `head_dim` with `group` query heads per KV head, or None.
+    `isa`: one of ISA_FLAGS (default: $ATOMD_ATTENTION_ISA, else native)."""
+    isa = isa or os.environ.get(ISA_ENV) or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
+    return _attention_kernels(head_dim, group, isa)
+
+
 @functools.cache
-def attention_kernels(head_dim: int, group: int) -> ctypes.CDLL | None:
-    """The kernels for heads of `head_dim` with `group` query heads per KV head, or None."""
+def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | None:
     compiler = shutil.which(os.environ.get("CC", "cc"))
     if compiler is None:
         log.warning("no C compiler (%s): attention uses torch SDPA", os.environ.get("CC", "cc"))
         return None
     try:
-        lib = ctypes.CDLL(str(build(compiler, head_dim, group)))
+        lib = ctypes.CDLL(str(build(compiler, head_dim, group, isa)))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", None) or e
         log.warning("building %s failed, attention uses torch SDPA: %s", SOURCE.name, detail)
         return None
-    lib.atomd_decode_attention.restype = lib.atomd_prefill_attention.restype = ctypes.c_int
-    lib.atomd_decode_attention.argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
-    lib.atomd_prefill_attention.argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+    for name in ("atomd_decode_attention", "atomd_decode_attention_bf16"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+    for name in ("atomd_prefill_attention", "atomd_prefill_attention_bf16"):
+        getattr(lib, name).restype = ctypes.c_int
+        getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+    lib.atomd_bf16_path.restype, lib.atomd_bf16_path.argtypes = ctypes.c_int, []
     lib.head_dim, lib.group = head_dim, group  # the shape it was built for: checked at every call
+    lib.bf16_path = lib.atomd_bf16_path()
+    if isa != "native":
+        log.info("attention kernels built with %s=%s: bf16 path %s", ISA_ENV, isa, BF16_PATHS[lib.bf16_path])
     return lib
+
+
+attention_kernels.cache_clear = _attention_kernels.cache_clear  # type: ignore[attr-defined]
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
+
+
+def bf16_path(lib: ctypes.CDLL) -> str:
+    """How this build computes bfloat16 attention (BF16_PATHS)."""
+    return BF16_PATHS[lib.bf16_path]
 
 
 def _check_shape(lib: ctypes.CDLL, heads: int, kv_heads: int, head_dim: int) -> None:
@@ -104,9 +140,9 @@ def _check_status(status: int, what: str) -> None:
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer: int,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      query_starts: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of q [R, heads, head_dim] over the paged cache, read through block_tables
-    [B, width] (int64). Without query_starts, R == B: row b is sequence b's one token and sees
-    its first context_lens[b] cached tokens. With query_starts [B + 1] (int64 offsets), sequence
+    """Attention of q [R, heads, head_dim] (float32 or bfloat16, the cache's dtype) over the
+    paged cache, read through block_tables [B, width] (int64). Without query_starts, R == B:
+    row b is sequence b's one token and sees its first context_lens[b] cached tokens. With query_starts [B + 1] (int64 offsets), sequence
     b owns rows query_starts[b] .. query_starts[b + 1] - 1, the last positions of its context
     (its last token and its drafts), each seeing the keys up to its own position (causal).
     `lib` is attention_kernels(head_dim, heads // kv_heads)."""
@@ -114,7 +150,8 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
     rows, heads, head_dim = q.shape
     batch = context_lens.shape[0]
     _check_shape(lib, heads, c.num_kv_heads, head_dim)
-    assert q.dtype == c.kv.dtype == torch.float32 and block_tables.dtype == context_lens.dtype == torch.int64
+    assert q.dtype == c.kv.dtype and q.dtype in KERNEL_DTYPES, (q.dtype, c.kv.dtype)
+    assert block_tables.dtype == context_lens.dtype == torch.int64
     assert c.kv.is_contiguous() and block_tables.is_contiguous() and context_lens.is_contiguous()
     assert block_tables.shape[0] == batch
     if query_starts is None:
@@ -125,7 +162,8 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
     out = torch.empty_like(q)
     row = c.num_kv_heads * head_dim
     block_stride = c.num_layers * 2 * c.block_size * row
-    _check_status(lib.atomd_decode_attention(
+    kernel = lib.atomd_decode_attention if q.dtype == torch.float32 else lib.atomd_decode_attention_bf16
+    _check_status(kernel(
         q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         None if query_starts is None else query_starts.data_ptr(), out.data_ptr(), batch,
         heads, c.num_kv_heads, c.block_size, block_tables.shape[1], block_stride, layer * 2 * c.block_size * row,
@@ -137,15 +175,19 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
                       out: torch.Tensor, seq_starts: torch.Tensor, seq_lens: torch.Tensor) -> None:
     """Causal attention of fresh sequences (no cached prefix) packed back to back, written into
     their rows of out [T, heads * head_dim]. q [T, heads, head_dim], k, v [T, kv_heads, head_dim]
-    may be views with any token stride; seq_starts, seq_lens: int64 [num_seqs]."""
+    (all float32 or all bfloat16, out too) may be views with any token stride; seq_starts, seq_lens: int64 [num_seqs]."""
     heads, head_dim = q.shape[1], q.shape[2]
     _check_shape(lib, heads, k.shape[1], head_dim)
+    assert q.dtype in KERNEL_DTYPES, q.dtype
+    for t in (q, k, v, out):
+        assert t.dtype == q.dtype, (t.dtype, q.dtype)
     for t in (q, k, v):
-        assert t.dtype == torch.float32 and t.stride(2) == 1 and t.stride(1) == t.shape[2], t.stride()
+        assert t.stride(2) == 1 and t.stride(1) == t.shape[2], t.stride()
     assert k.shape == v.shape and q.shape[0] == k.shape[0] == out.shape[0] and out.is_contiguous()
     assert seq_starts.dtype == seq_lens.dtype == torch.int64 and seq_starts.is_contiguous() and seq_lens.is_contiguous()
     assert len(seq_lens) == 0 or int((seq_starts + seq_lens).max()) <= q.shape[0], "a sequence past the rows"
-    _check_status(lib.atomd_prefill_attention(
+    kernel = lib.atomd_prefill_attention if q.dtype == torch.float32 else lib.atomd_prefill_attention_bf16
+    _check_status(kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), seq_starts.data_ptr(), seq_lens.data_ptr(),
         len(seq_lens), heads, k.shape[1], q.stride(0), k.stride(0), v.stride(0), head_dim ** -0.5,
         torch.get_num_threads()), "prefill attention")

@@ -7,12 +7,16 @@ over sequences, never over tokens.
 """
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import torch
 
 from atomd.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
 from atomd.model.llama import LlamaModel
-from atomd.native import attention_kernels
+from atomd.native import KERNEL_DTYPES, attention_kernels, bf16_path
+
+log = logging.getLogger(__name__)
 
 
 WORKSPACE_SLACK = 128  # decode steps a workspace can grow before it is rebuilt
@@ -25,9 +29,14 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.workspace: DecodeWorkspace | None = None
         self.kernels = None  # the native attention kernels; None: torch SDPA (decode over a workspace)
-        if attention_backend != "torch" and kv_cache.kv.dtype == torch.float32:
+        dtype = kv_cache.kv.dtype
+        if attention_backend == "native" and dtype not in KERNEL_DTYPES:
+            raise ValueError(f"attention_backend native runs float32 and bfloat16, not {dtype}")
+        if attention_backend != "torch" and dtype in KERNEL_DTYPES:  # the KV cache is read in its own dtype
             cfg = model.config
             self.kernels = attention_kernels(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+            if self.kernels is not None and dtype == torch.bfloat16:
+                log.info("bfloat16 attention: native kernels, %s", bf16_path(self.kernels))
         if attention_backend == "native" and self.kernels is None:
             raise RuntimeError("attention_backend native: the attention kernels did not build "
                                "(see the warning above); use --attention-backend torch")

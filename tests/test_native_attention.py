@@ -133,8 +133,9 @@ def test_a_kernel_refuses_a_shape_it_was_not_built_for():
 def test_attention_backend_is_validated():
     with pytest.raises(ValueError, match="attention_backend must be one of auto, native, torch"):
         EngineConfig(attention_backend="flash")
-    with pytest.raises(ValueError, match="attention_backend native runs float32 only"):
-        EngineConfig(attention_backend="native", dtype="bfloat16")
+    with pytest.raises(ValueError, match="attention_backend native runs float32 and bfloat16, got dtype 'float16'"):
+        EngineConfig(attention_backend="native", dtype="float16")
+    assert EngineConfig(attention_backend="native", dtype="bfloat16").dtype == "bfloat16"  # tests/test_bf16.py
 
 
 @pytest.mark.unit

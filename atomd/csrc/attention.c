@@ -1,4 +1,4 @@
-/* Attention kernels, float32, loaded by atomd/native.py:
+/* Attention kernels, float32 (and bfloat16: the *_bf16 functions at the end), loaded by atomd/native.py:
  *
  * - atomd_decode_attention: the decode queries of each sequence read its context straight from
  *   the block-major paged KV cache (atomd/kv_cache.py): one token per sequence, or with
@@ -261,6 +261,338 @@ int atomd_prefill_attention(const float *restrict q, const float *restrict k, co
         const int64_t base = seq_starts[s];
         prefill_item(q + base * q_stride, kt + h * HEAD_DIM * kt_stride + base, v + base * v_stride,
                      out + base * num_heads * HEAD_DIM, r0, n, h, num_heads, q_stride, kt_stride, v_stride, scale);
+    }
+    free(kt);
+    free(first);
+    return 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * bfloat16: the same two kernels over bf16 q, k, v and a bf16 paged KV cache, writing bf16
+ * output, with every sum (scores, softmax, weighted values) in float32. The cache is read as
+ * it is stored: no conversion of the cache outside the kernels.
+ *
+ * Paths, chosen at build time from what the compiler targets (-march=native: this CPU):
+ * - BF16_DOT (AVX512_BF16 + AVX512BW): q.k with _mm512_dpbf16_ps (pairs of bf16 products
+ *   summed into float32 lanes; the products are exact in float32). Decode: a K row against
+ *   each query head of its group; prefill: keys transposed once into pairs of dims
+ *   [d / 2][token][2], so one dpbf16 adds two dims for 16 keys.
+ * - otherwise (AVX-512F, AVX2, or plain C; also when built with -DATOMD_NO_BF16_DOT): every
+ *   bf16 is widened to float32 by a 16-bit shift (exact) and the float32 code runs, which the
+ *   compiler vectorises for whatever the target has.
+ * Weights times V are float32 FMAs on widened V rows on both paths (a weight rounded to bf16
+ * would cost 3 significant digits).
+ */
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(ATOMD_NO_BF16_DOT) && HEAD_DIM % 2 == 0
+#define BF16_DOT 1
+#include <immintrin.h>
+#else
+#define BF16_DOT 0
+#endif
+
+/* Which bf16 path this build runs: 2 AVX512_BF16 dot products, 1 widening on AVX-512F,
+ * 0 widening on whatever else the target has. */
+int atomd_bf16_path(void) {
+#if BF16_DOT
+    return 2;
+#elif defined(__AVX512F__)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t i; float f; } u;
+    u.i = (uint32_t)h << 16;
+    return u.f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16; a NaN stays a (quiet) NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t i; } u;
+    u.f = f;
+    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.i >> 16) | 0x40);
+    return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+
+static inline void widen_row(const uint16_t *restrict src, float *restrict dst) {
+#pragma omp simd
+    for (int d = 0; d < HEAD_DIM; d++) dst[d] = bf16_to_f32(src[d]);
+}
+
+static inline void prefetch_rows_bf16(const uint16_t *row, int64_t rows, int64_t row_stride) {
+    for (int64_t i = 0; i < rows; i++, row += row_stride)
+        for (int d = 0; d < HEAD_DIM; d += 32) __builtin_prefetch(row + d);
+}
+
+#if BF16_DOT
+#define NV ((HEAD_DIM + 31) / 32) /* 32 bf16 per zmm */
+static inline __mmask32 lanes(int v) {  /* the dims of vector v that exist: the tail is masked */
+    const int rem = HEAD_DIM - v * 32;
+    return rem >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << rem) - 1u);
+}
+static inline __m512bh load_bf16(const uint16_t *p, int v) {
+    return (__m512bh)_mm512_maskz_loadu_epi16(lanes(v), p + v * 32);  /* masked lanes never fault */
+}
+#endif
+
+/* atomd_decode_attention over bf16: the same arguments and layout, q, kv and out bf16. */
+int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *restrict kv,
+                                 const int64_t *restrict block_tables, const int64_t *restrict context_lens,
+                                 const int64_t *restrict query_starts, uint16_t *restrict out, int64_t batch,
+                                 int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
+                                 int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
+                                 int num_threads) {
+    const int64_t row_stride = num_kv_heads * HEAD_DIM;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < batch * num_kv_heads; item++) {
+        const int64_t b = item / num_kv_heads, h = item % num_kv_heads, full_ctx = context_lens[b];
+        const int64_t *table = block_tables + b * table_width;
+        const int64_t r_begin = query_starts ? query_starts[b] : b, r_end = query_starts ? query_starts[b + 1] : b + 1;
+        float *scores = malloc(sizeof(float) * GROUP * (full_ctx > 0 ? full_ctx : 1));
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        for (int64_t r = r_begin; r < r_end; r++) {
+            const int64_t ctx = full_ctx - (r_end - 1 - r);
+            const uint16_t *qh = q + (r * num_heads + h * GROUP) * HEAD_DIM;
+            float m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM];
+#if BF16_DOT
+            __m512bh qv[GROUP][NV];
+#else
+            float qs[GROUP][HEAD_DIM];
+#endif
+            for (int g = 0; g < GROUP; g++) {
+                m[g] = -INFINITY;
+                sum[g] = 0.0f;
+                for (int d = 0; d < HEAD_DIM; d++) acc[g][d] = 0.0f;
+#if BF16_DOT
+                for (int v = 0; v < NV; v++) qv[g][v] = load_bf16(qh + g * HEAD_DIM, v);
+#else
+                for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = bf16_to_f32(qh[g * HEAD_DIM + d]) * scale;
+#endif
+            }
+            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+                const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
+                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+                if (t0 + block_size < ctx)
+                    prefetch_rows_bf16(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
+                                       block_size, row_stride);
+                prefetch_rows_bf16(k + v_offset, n, row_stride);
+                for (int64_t i = 0; i < n; i++, k += row_stride) {
+#if BF16_DOT
+                    __m512bh kr[NV];
+                    for (int v = 0; v < NV; v++) kr[v] = load_bf16(k, v);
+                    for (int g = 0; g < GROUP; g++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int v = 0; v < NV; v++) a = _mm512_dpbf16_ps(a, qv[g][v], kr[v]);
+                        const float s = _mm512_reduce_add_ps(a) * scale;
+                        scores[g * ctx + t0 + i] = s;
+                        m[g] = s > m[g] ? s : m[g];
+                    }
+#else
+                    float kf[HEAD_DIM];
+                    widen_row(k, kf);
+                    for (int g = 0; g < GROUP; g++) {
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (int d = 0; d < HEAD_DIM; d++) s += qs[g][d] * kf[d];
+                        scores[g * ctx + t0 + i] = s;
+                        m[g] = s > m[g] ? s : m[g];
+                    }
+#endif
+                }
+            }
+            for (int g = 0; g < GROUP; g++) {
+                float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
+#pragma omp simd reduction(+ : total)
+                for (int64_t t = 0; t < ctx; t++) {
+                    sg[t] = exp_nonpositive(sg[t] - mg);
+                    total += sg[t];
+                }
+                sum[g] = total;
+            }
+            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+                const uint16_t *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + h * HEAD_DIM;
+                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+                for (int64_t i = 0; i < n; i++, v += row_stride) {
+                    float vf[HEAD_DIM];
+                    widen_row(v, vf);
+                    for (int g = 0; g < GROUP; g++) {
+                        const float p = scores[g * ctx + t0 + i];
+#pragma omp simd
+                        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * vf[d];
+                    }
+                }
+            }
+            uint16_t *o = out + (r * num_heads + h * GROUP) * HEAD_DIM;
+            for (int g = 0; g < GROUP; g++) {
+                const float inv = 1.0f / sum[g];
+                for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = f32_to_bf16(acc[g][d] * inv);
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* The transposed keys of the bf16 prefill: with BF16_DOT bf16 pairs of dims, [d / 2][token][2]
+ * per KV head (KT_ELEMS: elements per token per dim pair = 2); otherwise widened float32
+ * [d][token], exactly the float32 kernel's. */
+#if BF16_DOT
+typedef uint16_t kt_t;
+#else
+typedef float kt_t;
+#endif
+
+static void prefill_item_bf16(const uint16_t *restrict q, const kt_t *restrict kt, const uint16_t *restrict v,
+                              uint16_t *restrict out, int64_t r0, int64_t nrows, int64_t h, int64_t num_heads,
+                              int64_t q_stride, int64_t kt_stride, int64_t v_stride, float scale) {
+    float acc[GROUP * QT][HEAD_DIM], m[GROUP * QT], l[GROUP * QT];
+    float sc[GROUP * QT][KT];
+#if BF16_DOT
+    uint32_t qp[GROUP * QT][HEAD_DIM / 2];  /* (q[d], q[d + 1]) as one 32-bit lane, unscaled */
+#else
+    float qs[GROUP * QT][HEAD_DIM];
+#endif
+    for (int64_t r = 0; r < QT; r++)
+        for (int g = 0; g < GROUP; g++) {
+            const int64_t row = g * QT + r;
+            const uint16_t *src = q + (r0 + r) * q_stride + (h * GROUP + g) * HEAD_DIM;
+#if BF16_DOT
+            for (int d2 = 0; d2 < HEAD_DIM / 2; d2++)
+                qp[row][d2] = r < nrows ? (uint32_t)src[2 * d2] | (uint32_t)src[2 * d2 + 1] << 16 : 0u;
+#else
+            for (int d = 0; d < HEAD_DIM; d++) qs[row][d] = r < nrows ? bf16_to_f32(src[d]) * scale : 0.0f;
+#endif
+            for (int d = 0; d < HEAD_DIM; d++) acc[row][d] = 0.0f;
+            m[row] = -INFINITY;
+            l[row] = 0.0f;
+        }
+    const int64_t nkeys = r0 + nrows;
+    for (int64_t j0 = 0; j0 < nkeys; j0 += KT) {
+        const int64_t nk = nkeys - j0 < KT ? nkeys - j0 : KT;
+        for (int64_t b0 = 0; b0 < GROUP * QT; b0 += RB) {
+            float sb[RB][KT];
+#if BF16_DOT
+            __m512 sv[RB][KT / 16];
+            for (int rb = 0; rb < RB; rb++)
+                for (int c = 0; c < KT / 16; c++) sv[rb][c] = _mm512_setzero_ps();
+            for (int d2 = 0; d2 < HEAD_DIM / 2; d2++) {
+                const kt_t *kd = kt + (d2 * kt_stride + j0) * 2;  /* 16 keys x 2 dims per vector */
+                __m512bh kc[KT / 16];
+                for (int c = 0; c < KT / 16; c++) kc[c] = (__m512bh)_mm512_loadu_si512(kd + 32 * c);
+                for (int rb = 0; rb < RB; rb++) {
+                    const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)qp[b0 + rb][d2]);
+                    for (int c = 0; c < KT / 16; c++) sv[rb][c] = _mm512_dpbf16_ps(sv[rb][c], qb, kc[c]);
+                }
+            }
+            const __m512 sc16 = _mm512_set1_ps(scale);
+            for (int rb = 0; rb < RB; rb++)
+                for (int c = 0; c < KT / 16; c++) _mm512_storeu_ps(sb[rb] + 16 * c, _mm512_mul_ps(sv[rb][c], sc16));
+#else
+            for (int rb = 0; rb < RB; rb++)
+                for (int j = 0; j < KT; j++) sb[rb][j] = 0.0f;
+            for (int d = 0; d < HEAD_DIM; d++) {
+                const kt_t *kd = kt + d * kt_stride + j0;
+                for (int rb = 0; rb < RB; rb++) {
+                    const float qd = qs[b0 + rb][d];
+#pragma omp simd
+                    for (int j = 0; j < KT; j++) sb[rb][j] += qd * kd[j];
+                }
+            }
+#endif
+            for (int rb = 0; rb < RB; rb++) {
+                const int64_t row = b0 + rb, pos = r0 + row % QT;
+                float *srow = sb[rb], mx = m[row], sum = 0.0f;
+                for (int j = 0; j < KT; j++) {
+                    if (j >= nk || j0 + j > pos) srow[j] = -INFINITY;
+                    mx = srow[j] > mx ? srow[j] : mx;
+                }
+                const float alpha = exp_nonpositive(m[row] - mx);
+#pragma omp simd reduction(+ : sum)
+                for (int j = 0; j < KT; j++) {
+                    const float p = srow[j] == -INFINITY ? 0.0f : exp_nonpositive(srow[j] - mx);
+                    sc[row][j] = p;
+                    sum += p;
+                }
+                l[row] = l[row] * alpha + sum;
+                m[row] = mx;
+#pragma omp simd
+                for (int d = 0; d < HEAD_DIM; d++) acc[row][d] *= alpha;
+            }
+        }
+        for (int64_t b0 = 0; b0 < GROUP * QT; b0 += RB) {
+            float ab[RB][HEAD_DIM];
+            for (int rb = 0; rb < RB; rb++)
+                for (int d = 0; d < HEAD_DIM; d++) ab[rb][d] = acc[b0 + rb][d];
+            for (int64_t j = 0; j < nk; j++) {
+                float vf[HEAD_DIM];
+                widen_row(v + (j0 + j) * v_stride + h * HEAD_DIM, vf);
+                for (int rb = 0; rb < RB; rb++) {
+                    const float p = sc[b0 + rb][j];
+#pragma omp simd
+                    for (int d = 0; d < HEAD_DIM; d++) ab[rb][d] += p * vf[d];
+                }
+            }
+            for (int rb = 0; rb < RB; rb++)
+                for (int d = 0; d < HEAD_DIM; d++) acc[b0 + rb][d] = ab[rb][d];
+        }
+    }
+    for (int64_t r = 0; r < nrows; r++)
+        for (int g = 0; g < GROUP; g++) {
+            const int64_t row = g * QT + r;
+            uint16_t *dst = out + (r0 + r) * num_heads * HEAD_DIM + (h * GROUP + g) * HEAD_DIM;
+            const float inv = 1.0f / l[row];
+            for (int d = 0; d < HEAD_DIM; d++) dst[d] = f32_to_bf16(acc[row][d] * inv);
+        }
+}
+
+/* atomd_prefill_attention over bf16: the same arguments, q, k, v and out bf16. */
+int atomd_prefill_attention_bf16(const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
+                                  uint16_t *restrict out, const int64_t *restrict seq_starts,
+                                  const int64_t *restrict seq_lens, int64_t num_seqs, int64_t num_heads,
+                                  int64_t num_kv_heads, int64_t q_stride, int64_t k_stride, int64_t v_stride,
+                                  float scale, int num_threads) {
+    int64_t rows = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        rows = seq_starts[s] + seq_lens[s] > rows ? seq_starts[s] + seq_lens[s] : rows;
+    const int64_t kt_stride = rows + KT;
+    kt_t *kt = calloc((size_t)num_kv_heads * HEAD_DIM * kt_stride, sizeof(kt_t));
+    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));
+    if (kt == NULL || first == NULL) {
+        free(kt);
+        free(first);
+        return -1;
+    }
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        first[s + 1] = first[s] + num_kv_heads * ((seq_lens[s] + QT - 1) / QT);
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int d = 0; d < HEAD_DIM; d++) {
+                const uint16_t x = k[t * k_stride + h * HEAD_DIM + d];
+#if BF16_DOT
+                kt[h * HEAD_DIM * kt_stride + ((d / 2) * kt_stride + t) * 2 + (d & 1)] = x;
+#else
+                kt[(h * HEAD_DIM + d) * kt_stride + t] = bf16_to_f32(x);
+#endif
+            }
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = first[num_seqs] - 1; item >= 0; item--) {
+        int64_t s = 0;
+        while (first[s + 1] <= item) s++;
+        const int64_t tiles = (seq_lens[s] + QT - 1) / QT, h = (item - first[s]) / tiles;
+        const int64_t r0 = (item - first[s]) % tiles * QT, n = seq_lens[s] - r0 < QT ? seq_lens[s] - r0 : QT;
+        const int64_t base = seq_starts[s];
+        prefill_item_bf16(q + base * q_stride, kt + h * HEAD_DIM * kt_stride + base * (BF16_DOT ? 2 : 1),
+                          v + base * v_stride, out + base * num_heads * HEAD_DIM, r0, n, h, num_heads, q_stride,
+                          kt_stride, v_stride, scale);
     }
     free(kt);
     free(first);

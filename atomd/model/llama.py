@@ -212,7 +212,8 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
                     meta: AttentionMetadata) -> torch.Tensor:
-    """Causal attention of the packed queries q [T, H, D] over their sequences' contexts.
+    """Causal attention of the packed queries q [T, H, D] over their sequences' contexts, in
+    the model's dtype (the native kernels run float32 and bfloat16 over the cache as stored).
 
     Prefill: a sequence without cached prefix attends to its own fresh k/v (no gather):
     all of them in one call of the native kernel (atomd/native.py), else one SDPA each; one
