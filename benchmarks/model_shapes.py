@@ -1,7 +1,8 @@
 """Benchmark checkpoints shaped like real small models, with random weights (no download
 possible here): made once with transformers into the atomd cache, with the built-in
-model's tokenizer (prompt ids stay below its 4096; ids the tokenizer lacks decode to
-nothing, which the benchmarks' ignore_eos runs do not mind).
+model's tokenizer, its vocabulary filled up to the model's with tokens `<id>` that no text
+encodes to but every id decodes from (a random model samples them all; a token that
+decodes to nothing would look like an empty stream to a client).
 
     smollm-135m: SmolLM2-135M's shape: hidden 576, 30 layers, 9 query / 3 KV heads (head
     dim 64), intermediate 1536, vocabulary 49152, tied embeddings, float32 (~540 MB).
@@ -10,6 +11,7 @@ nothing, which the benchmarks' ignore_eos runs do not mind).
 """
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 import shutil
@@ -24,7 +26,17 @@ SHAPES = {
                         max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0),
 }
 CHOICES = ["builtin", *SHAPES]
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
+
+
+def write_tokenizer(src: pathlib.Path, dest: pathlib.Path, vocab_size: int) -> None:
+    """`src`'s tokenizer.json with its BPE vocabulary filled up to `vocab_size` ids."""
+    tok = json.loads(src.read_text())
+    vocab = tok["model"]["vocab"]
+    taken = set(vocab.values()) | {t["id"] for t in tok.get("added_tokens", [])}
+    for i in range(vocab_size):
+        if i not in taken:
+            vocab[f"<{i}>"] = i
+    dest.write_text(json.dumps(tok, ensure_ascii=False))
 
 
 def model_dir(shape: str) -> pathlib.Path:
@@ -46,8 +58,8 @@ def model_dir(shape: str) -> pathlib.Path:
         config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0,
                              torch_dtype="float32")
         LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
-        for name in TOKENIZER_FILES:
-            shutil.copyfile(builtin / name, tmp / name)
+        shutil.copyfile(builtin / "tokenizer_config.json", tmp / "tokenizer_config.json")
+        write_tokenizer(builtin / "tokenizer.json", tmp / "tokenizer.json", config.vocab_size)
         os.chmod(tmp, 0o755)
         os.rename(tmp, target)
     finally:
