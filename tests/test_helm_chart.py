@@ -75,7 +75,7 @@ def test_values_have_the_documented_names():
 
 @pytest.mark.unit
 def test_schema_choices_are_the_codes_choices():
-    from atomd.config import DTYPES, KV_TRANSFER_BACKENDS
+    from atomd.config import DTYPE_CHOICES, KV_TRANSFER_BACKENDS
     from router.policies import POLICIES
 
     props = json.loads((CHART / "values.schema.json").read_text())["properties"]
@@ -83,7 +83,7 @@ def test_schema_choices_are_the_codes_choices():
     # the transports the chart wires (ports, NetworkPolicy): some of the code's, never another
     backends = props["kvTransfer"]["properties"]["backend"]["enum"]
     assert "zmq" in backends and set(backends) <= set(KV_TRANSFER_BACKENDS)
-    assert props["engine"]["properties"]["dtype"]["enum"] == list(DTYPES)
+    assert props["engine"]["properties"]["dtype"]["enum"] == list(DTYPE_CHOICES)
 
 
 # ---------------------------------------------------------------------- helm itself
