@@ -433,11 +433,18 @@ class KVSender(_IOLoop):
         self._wake()
 
     def revoke(self, transfer_id: str) -> bool:
-        """Local abort (e.g. the router's POST /kv_transfer/abort); False if not live."""
+        """Local abort (e.g. the router's POST /kv_transfer/abort); False if not live.
+
+        An id not granted yet is remembered (a tombstone), so that a later `grant` of it is
+        refused: the router's abort can overtake the prefill it gives up (a client gone while
+        P computes the prompt), and that prefill must then free its blocks at once instead of
+        pinning them for a whole lease."""
         with self._lock:
             live = transfer_id in self._grants
             if live:
                 self._release(transfer_id, REVOKED, time.monotonic())
+            elif transfer_id not in self._tombstones and transfer_id not in self._draining:
+                self._tombstone(transfer_id, REVOKED)
         self._wake()
         return live
 
@@ -457,11 +464,14 @@ class KVSender(_IOLoop):
 
     def _release(self, tid: str, reason: str, now: float) -> None:
         grant = self._grants.pop(tid)
+        self._tombstone(tid, reason)
+        self._stats.released[reason] = self._stats.released.get(reason, 0) + 1
+        self._draining[tid] = (grant, reason, now + self._drain_s)
+
+    def _tombstone(self, tid: str, reason: str) -> None:
         self._tombstones[tid] = reason
         if len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
-        self._stats.released[reason] = self._stats.released.get(reason, 0) + 1
-        self._draining[tid] = (grant, reason, now + self._drain_s)
 
     def _refuse(self, rid: bytes, tid: str, code: str, message: str = "") -> None:
         self._stats.failures[code] = self._stats.failures.get(code, 0) + 1
