@@ -269,7 +269,8 @@ def targets(med: list[dict]) -> str:
     for pd_name in (k for k in gp if k.startswith("pd")):
         if colocated_gp:
             base = max(colocated_gp, key=colocated_gp.get)
-            ratio = f"{gp[pd_name] / gp[base]:.2f}x" if gp[base] else "inf"
+            ratio = f"{gp[pd_name] / gp[base]:.2f}x" if gp[base] else \
+                ("n/a: neither sustains the lowest rate" if not gp[pd_name] else "colocated sustains no rate")
             lines.append(f"{pd_name} goodput / best colocated ({base}): {ratio}")
         both = min(gp[pd_name], gp.get("colocated-dp2", 0.0))
         if both:
