@@ -66,27 +66,28 @@ class _State:
 
 
 _state: _State | None = None
-_file_key: tuple | None = None
+_file_key: bytes | None = None
 
 
 def _load() -> _State:
-    """The current spec (the file re-read when its mtime or size changed)."""
+    """The current spec: the file re-read at every hook (test mode only) and re-parsed when
+    its bytes changed (an inode, mtime and size can all repeat between two scenarios' specs)."""
     global _state, _file_key
     if _FILE:
         try:
-            st = os.stat(_FILE)
-            key = (st.st_ino, st.st_mtime_ns, st.st_size)  # written by os.replace: a new inode
+            with open(_FILE, "rb") as f:
+                key = f.read()
         except FileNotFoundError:
             key = None
+        except OSError as e:
+            log.warning("faults: cannot read %s: %s", _FILE, e)
+            return _state or _State({})
         if key != _file_key or _state is None:
-            spec = {}
-            if key is not None:
-                try:
-                    with open(_FILE) as f:
-                        spec = json.loads(f.read() or "{}")
-                except (OSError, ValueError) as e:  # mid-write: keep the old spec, retry next hit
-                    log.warning("faults: cannot read %s: %s", _FILE, e)
-                    return _state or _State({})
+            try:
+                spec = json.loads(key or b"{}")
+            except ValueError as e:  # mid-write: keep the old spec, retry next hit
+                log.warning("faults: cannot parse %s: %s", _FILE, e)
+                return _state or _State({})
             _file_key = key
             held = _state.held if _state is not None else []
             _state = _State(spec)
