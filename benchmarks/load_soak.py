@@ -473,6 +473,20 @@ class Tally:
                 "first_errors": [f"{o.kind}: {o.error}" for o in self.errors[:5]]}
 
 
+async def finish(tasks: list[asyncio.Task], timeout_s: float) -> int:
+    """Wait up to `timeout_s` for the client tasks; cancel the ones still running and return
+    how many there were (stuck). A task that raised raises here: a client's own bug is not
+    an outcome to count."""
+    _, pending = await asyncio.wait(tasks, timeout=timeout_s)
+    for t in pending:
+        t.cancel()
+    await asyncio.gather(*pending, return_exceptions=True)
+    for t in tasks:
+        if not t.cancelled() and t.exception() is not None:
+            raise t.exception()
+    return len(pending)
+
+
 # ============================================================================ load: a burst
 
 def burst_kind(i: int) -> str:
@@ -506,12 +520,8 @@ async def run_burst(base_url: str, clients: int, max_tokens: int = 8, seconds: f
                     return
 
         tasks = [asyncio.ensure_future(client(i)) for i in range(clients)]
-        _, pending = await asyncio.wait(tasks, timeout=seconds + deadline_s)
+        tally.stuck = await finish(tasks, seconds + deadline_s)
         tally.seconds = time.monotonic() - started
-        tally.stuck = len(pending)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
     return tally
 
 
@@ -562,15 +572,8 @@ async def run_soak(stack: PDStack, seconds: float, concurrency: int, max_tokens:
 
         sampling = asyncio.ensure_future(sampler.run(started)) if sampler else None
         tasks = [asyncio.ensure_future(worker(w)) for w in range(concurrency)]
-        _, pending = await asyncio.wait(tasks, timeout=seconds + request_timeout_s)
+        tally.stuck = await finish(tasks, seconds + request_timeout_s)
         tally.seconds = time.monotonic() - started
-        tally.stuck = len(pending)
-        for t in pending:
-            t.cancel()
-        await asyncio.gather(*pending, return_exceptions=True)
-        for t in tasks:
-            if not t.cancelled() and t.exception() is not None:
-                raise t.exception()
         if sampling is not None:
             sampler.stop()
             await sampling
