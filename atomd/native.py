@@ -23,23 +23,19 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import pathlib
-import platform
-import shutil
 import subprocess
-import tempfile
 
 import torch
 
+from atomd import cbuild
 from atomd.kv_cache import KVCache
-from atomd.model.default import cache_root
 
 log = logging.getLogger(__name__)
-SOURCE = pathlib.Path(__file__).parent / "csrc" / "attention.c"
-FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
+SOURCE = cbuild.CSRC / "attention.c"
+FLAGS = [*cbuild.BASE_FLAGS[:2], "-fopenmp", *cbuild.BASE_FLAGS[2:]]  # attention's flags, in their old order
 ISA_ENV = "ATOMD_ATTENTION_ISA"
 ISA_FLAGS = {"native": [], "no-bf16-dot": ["-DATOMD_NO_BF16_DOT"], "no-avx512": ["-mno-avx512f"]}
 BF16_PATHS = {2: "AVX512_BF16 dot products", 1: "bf16 widened to float32 on AVX-512F",
@@ -48,37 +44,12 @@ _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
 
 
-def _cpu_id() -> str:
-    """The CPU's model and flags: -march=native code may not run on another CPU."""
-    try:
-        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
-        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
-    except OSError:
-        return platform.processor() or platform.machine()
-
-
-def _compiler_id(compiler: str) -> str:
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
-    return f"{compiler}\n{version.stdout}"
-
-
 def build(compiler: str, head_dim: int, group: int, isa: str = "native") -> pathlib.Path:
     """The shared library for this source, flags, model shape, compiler and CPU, compiled
-    unless cached."""
+    unless cached (atomd/cbuild.py)."""
     flags = [*FLAGS, *ISA_FLAGS[isa], f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
-    parts = [SOURCE.read_text(), _compiler_id(compiler), *flags, _cpu_id()]
-    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
-    tag = "" if isa == "native" else f"{isa}-"
-    lib = cache_root() / "kernels" / f"attention-d{head_dim}-g{group}-{tag}{key}.so"
-    if lib.is_file():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        out = pathlib.Path(tmp) / lib.name
-        subprocess.run([compiler, *flags, str(SOURCE), "-o", str(out), "-lm"], check=True,
-                       capture_output=True, text=True, timeout=120)
-        os.replace(out, lib)  # atomic: a concurrent engine loads either no file or a whole one
-    return lib
+    tag = "" if isa == "native" else f"-{isa}"
+    return cbuild.build(compiler, SOURCE, flags, f"attention-d{head_dim}-g{group}{tag}")
 
 
 def attention_kernels(head_dim: int, group: int, isa: str | None = None) -> ctypes.CDLL | None:
@@ -92,9 +63,9 @@ def attention_kernels(head_dim: int, group: int, isa: str | None = None) -> ctyp
 
 @functools.cache
 def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | None:
-    compiler = shutil.which(os.environ.get("CC", "cc"))
+    compiler, asked = cbuild.find_compiler()
     if compiler is None:
-        log.warning("no C compiler (%s): attention uses torch SDPA", os.environ.get("CC", "cc"))
+        log.warning("no C compiler (%s): attention uses torch SDPA", asked)
         return None
     try:
         lib = ctypes.CDLL(str(build(compiler, head_dim, group, isa)))

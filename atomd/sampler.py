@@ -55,7 +55,7 @@ from typing import Any, Sequence as Seq
 import numpy as np
 import torch
 
-from atomd.structured import GrammarCompiler, apply_bitmask
+from atomd.structured import GrammarCompiler, apply_bitmask, apply_bitmask_at, bitmask_kernel
 from scheduler.sequence import SamplingParams, Sequence
 
 _MASK64 = (1 << 64) - 1
@@ -158,6 +158,8 @@ class Sampler:
         self.bias = SparseRows()  # logit_bias
         self._free: list[int] = []
         self._num_slots = 0
+        self._bitmask: np.ndarray | None = None  # structured outputs: the rows' masks (_bitmask_rows)
+        self._bitmask_base = 0
 
     def forget(self, seq_id: int) -> None:
         """The sequence finished: free its state."""
@@ -246,8 +248,8 @@ class Sampler:
                 grammars.append(row.grammar)
         if not rows:
             return raw
-        bitmask = self.grammars.new_bitmask(len(rows))
-        base, stride = bitmask.ctypes.data, bitmask.strides[0]
+        bitmask, base = self._bitmask_rows(len(rows))
+        stride = bitmask.strides[0]
         filled: dict[int, int] = {}  # seq id -> its bitmask row (a forking sequence repeats)
         for j, (i, grammar) in enumerate(zip(rows, grammars)):
             seq = seqs[i]
@@ -258,13 +260,26 @@ class Sampler:
             elif seq.id in filled:
                 bitmask[j] = bitmask[filled[seq.id]]
             else:
-                grammar.fill(bitmask[j], base + j * stride)
+                grammar.fill_at(bitmask, j, base + j * stride)
                 filled[seq.id] = j
-        src = raw.numpy()
-        if raw is logits:  # the caller's tensor stays as it was: the masked logits are a new one
-            raw = torch.empty_like(raw)
-        apply_bitmask(src, rows, bitmask, out=raw.numpy())
-        return raw
+        out = torch.empty_like(raw) if raw is logits else raw  # the caller's logits stay as they were
+        kernel = bitmask_kernel()
+        if kernel is not None and raw.stride(1) == out.stride(1) == 1:
+            apply_bitmask_at(kernel, raw.data_ptr(), raw.stride(0), out.data_ptr(), out.stride(0), base,
+                             stride // 4, rows, raw.shape[0], vocab)
+        else:
+            apply_bitmask(raw.numpy(), rows, bitmask[:len(rows)], out=out.numpy(), kernel=False)
+        return out
+
+    def _bitmask_rows(self, n: int) -> tuple[np.ndarray, int]:
+        """The sampler's bitmask buffer, at least n rows, and its data pointer. Reused from
+        step to step without zeroing: every row a step uses is written whole first (llguidance
+        writes every word of a row it fills; the end mask and a repeated row are copies)."""
+        if self._bitmask is None or len(self._bitmask) < n:
+            self._bitmask = np.empty((max(n, 2 * len(self._bitmask) if self._bitmask is not None else 16),
+                                      self.grammars.words), dtype=np.int32)
+            self._bitmask_base = self._bitmask.ctypes.data
+        return self._bitmask, self._bitmask_base
 
     def _sync(self, seq: Sequence, row: RowState) -> None:
         """Fold the tokens `seq` accepted since its last sample into its slot."""

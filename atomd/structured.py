@@ -13,7 +13,10 @@ sequence accepted since (`advance`: its sampled tokens, a forked choice's first 
 T0 a decode engine received from the prefill engine, a speculative run), fills the
 sequence's row of a vocabulary bitmask (`fill`, 32 tokens per int32 word, llguidance's
 layout) and drops the disallowed tokens of that row (`apply_bitmask`: -1e30, a zero
-probability, in one arithmetic pass). Only the constrained rows pay. The matcher state is
+probability, in one arithmetic pass). Only the constrained rows pay. The pass is a small C
+kernel (atomd/csrc/bitmask.c, built at first use like the attention kernels; a word of 32
+allowed tokens is a copy, or nothing in place), else numpy (no compiler, a failed build,
+or `ATOMD_BITMASK_KERNEL=0`): the same bits either way. The matcher state is
 a function of the grammar and the tokens, so a decode engine rebuilds it by replaying T0
 and a PD answer equals a colocated one.
 
@@ -25,7 +28,8 @@ loads torch and transformers, so the API process (torch-free) could not check a 
 and name the bad field in a 400, and its wheel requires triton (286 MB of GPU kernels) on
 every install; llguidance is one 3 MB wheel without dependencies that builds its tokenizer
 from `tokenizer.json` alone and drops the GIL while it computes. The price, at 16
-constrained rows of 16: +7-12% per decode step instead of an estimated +5-8%.
+constrained rows of 16: the sampler adds 0.3-0.55 ms to a ~4.5-5 ms decode step (+5-11%,
+most of it llguidance's fill) instead of an estimated +5-8%.
 
 JSON is generated without free whitespace, with `", "` and `": "` separators (Python's
 `json.dumps` style): a small model cannot pad an object with newlines forever, and the
@@ -34,16 +38,22 @@ override that.
 """
 from __future__ import annotations
 
+import ctypes
 import functools
 import json
+import logging
+import os
+import subprocess
 from collections import OrderedDict
 from typing import Sequence as Seq
 
 import llguidance
 import numpy as np
 
+from atomd import cbuild
 from scheduler.sequence import StructuredOutputsParams
 
+log = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 CACHE_SIZE = 256  # distinct compiled grammars an engine keeps
 DROP = np.float32(1e30)  # subtracted from a masked token's logit
@@ -112,6 +122,14 @@ class GrammarMatcher:
             row[:] = self.end_mask
         else:
             self.matcher.unsafe_compute_mask_ptr(row.ctypes.data if address is None else address, row.nbytes)
+
+    def fill_at(self, bitmask: np.ndarray, j: int, address: int) -> None:
+        """fill(bitmask[j]) without making the row's view (the sampler's loop): `bitmask` int32,
+        C-contiguous, `address` the data pointer of its row j."""
+        if self.matcher.is_error():
+            bitmask[j] = self.end_mask
+        else:
+            self.matcher.unsafe_compute_mask_ptr(address, bitmask.strides[0])
 
     def fill_after(self, tokens: Seq[int], row: np.ndarray) -> None:
         """fill() as it would be after `tokens` (speculative drafts), the state left as it
@@ -188,23 +206,97 @@ class GrammarCompiler:
         return np.zeros((rows, self.words), dtype=np.int32)
 
 
+KERNEL_SOURCE = cbuild.CSRC / "bitmask.c"
+KERNEL_ENV = "ATOMD_BITMASK_KERNEL"  # "0": apply masks with numpy even where the C kernel builds
+_PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
+_DROP_C = float(DROP)  # ctypes takes a Python float; exactly DROP again as a C float
+
+
+@functools.cache
+def bitmask_kernel() -> "ctypes._CFuncPtr | None":
+    """atomd/csrc/bitmask.c's `atomd_apply_bitmask` (built at first use, cached like the
+    attention kernels: atomd/cbuild.py), or None: no compiler, a failed build (both logged),
+    or $ATOMD_BITMASK_KERNEL=0. `apply_bitmask` then takes the numpy path (same results)."""
+    if os.environ.get(KERNEL_ENV, "1") == "0":
+        log.info("%s=0: grammar masks are applied by numpy", KERNEL_ENV)
+        return None
+    compiler, asked = cbuild.find_compiler()
+    if compiler is None:
+        log.warning("no C compiler (%s): grammar masks are applied by numpy", asked)
+        return None
+    try:
+        lib = ctypes.CDLL(str(cbuild.build(compiler, KERNEL_SOURCE, cbuild.BASE_FLAGS, "bitmask")))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", None) or e
+        log.warning("building %s failed, grammar masks are applied by numpy: %s", KERNEL_SOURCE.name, detail)
+        return None
+    fn = lib.atomd_apply_bitmask
+    fn.restype = ctypes.c_int
+    fn.argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _I64, _PTR, _I64, _I64, _I64, ctypes.c_float, ctypes.c_int]
+    fn.lib = lib  # keeps the library loaded as long as the function is
+    return fn
+
+
+def apply_bitmask(logits: np.ndarray, rows: Seq[int], bitmask: np.ndarray, out: np.ndarray | None = None,
+                  kernel: bool | None = None) -> np.ndarray:
+    """out[rows[j], t] = logits[rows[j], t] - DROP for every token t whose bit in bitmask[j]
+    is 0, logits[rows[j], t] - 0 for the others, the rows not in `rows` copied (`logits` a
+    float32 [batch, vocab] array, bitmask int32 [len(rows), >= words], `rows` distinct, a
+    little-endian machine; `out` defaults to `logits`: in place). A masked logit becomes
+    ~-1e30: softmax gives it exactly 0, as it would -inf. `kernel`: True the C kernel
+    (ValueError where it did not build), False numpy, None (the default) the kernel where it
+    built and the arrays' layout suits it (rows of contiguous floats). Both give the same bits."""
+    if out is None:
+        out = logits
+    if len(rows) == 0:  # (an empty array's strides are 0)
+        if out is not logits:
+            out[...] = logits
+        return out
+    fn = bitmask_kernel() if kernel is not False else None
+    if fn is not None:
+        assert logits.dtype == out.dtype == np.float32 and bitmask.dtype == np.int32 and out.shape == logits.shape
+        assert bitmask.shape[0] == len(rows) and bitmask.shape[1] * 32 >= logits.shape[1]
+        if not (logits.strides[1] == out.strides[1] == bitmask.strides[1] == 4 and logits.strides[0] % 4 == 0
+                and out.strides[0] % 4 == 0 and bitmask.strides[0] % 4 == 0):
+            fn = None
+    if fn is None:
+        if kernel:
+            raise ValueError("the bitmask kernel did not build (see the log) or cannot read these arrays")
+        return _apply_bitmask_numpy(logits, rows, bitmask, out)
+    apply_bitmask_at(fn, logits.ctypes.data, logits.strides[0] // 4, out.ctypes.data, out.strides[0] // 4,
+                     bitmask.ctypes.data, bitmask.strides[0] // 4, rows, *logits.shape)
+    return out
+
+
+def apply_bitmask_at(fn, logits: int, logits_stride: int, out: int, out_stride: int, bitmask: int,
+                     mask_stride: int, rows: Seq[int], batch: int, vocab: int) -> None:
+    """apply_bitmask through the kernel `fn` (bitmask_kernel()) on addresses, for a caller
+    that has them (the sampler: torch's data_ptr() costs 0.06 us, numpy's .ctypes 1 us):
+    float32 rows of `vocab` contiguous floats `logits_stride` / `out_stride` floats apart
+    (out == logits: in place, the same stride), int32 bitmask rows `mask_stride` words
+    apart; that layout is the caller's to get right."""
+    n = len(rows)
+    if out == logits and out_stride != logits_stride:
+        raise ValueError("apply_bitmask in place with two strides")
+    index = None if n == batch and list(rows) == list(range(n)) else np.array(rows, dtype=np.int64)
+    status = fn(logits, logits_stride, out, out_stride, bitmask, mask_stride,
+                None if index is None else index.ctypes.data, n, batch, vocab, _DROP_C, 1)
+    if status != 0:
+        raise ValueError(f"apply_bitmask: rows {list(rows)} out of range for {batch} rows (or out of memory)")
+
+
 # a bitmask byte -> the drops of its 8 tokens (0 where the bit is set, DROP where not;
 # little-endian bit order, llguidance's layout)
 _DROP_BY_BYTE = ((1 - np.unpackbits(np.arange(256, dtype=np.uint8)[:, None], axis=1, bitorder="little"))
                  * DROP).astype(np.float32)
 
 
-def apply_bitmask(logits: np.ndarray, rows: Seq[int], bitmask: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
-    """out[rows[j], t] = logits[rows[j], t] - DROP for every token t whose bit in bitmask[j]
-    is 0, the other entries copied (`logits` a float32 [batch, vocab] array, bitmask int32
-    [len(rows), words], a little-endian machine; `out` defaults to `logits`: in place).
-    A masked logit becomes ~-1e30: softmax gives it exactly 0, as it would -inf. One table
-    lookup per mask byte and one subtraction, no branch per token (a `putmask` to -inf
-    costs 5-10x as much on a mask that is half ones) and no copy of the logits first."""
+def _apply_bitmask_numpy(logits: np.ndarray, rows: Seq[int], bitmask: np.ndarray, out: np.ndarray) -> np.ndarray:
+    """apply_bitmask without the kernel: one table lookup per mask byte and one subtraction,
+    no branch per token (a `putmask` to -inf costs 5-10x as much on a mask that is half
+    ones) and no copy of the logits first."""
     vocab = logits.shape[1]
     drop = np.take(_DROP_BY_BYTE, bitmask.view(np.uint8), axis=0).reshape(len(bitmask), -1)[:, :vocab]
-    if out is None:
-        out = logits
     if len(rows) == logits.shape[0] and list(rows) == list(range(len(rows))):
         np.subtract(logits, drop, out=out)
     else:

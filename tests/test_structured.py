@@ -6,6 +6,7 @@ below is the mask's doing."""
 from __future__ import annotations
 
 import json
+import logging
 import re
 
 import jsonschema
@@ -15,6 +16,7 @@ import torch
 
 from atomd.model.default import default_model_dir
 from atomd.sampler import Sampler
+from atomd import structured
 from atomd.structured import GrammarCompiler, apply_bitmask, check
 from atomd.tools import HermesParser, forced_grammar
 from scheduler.sequence import SamplingParams, Sequence, StructuredOutputsParams as SO
@@ -62,27 +64,121 @@ def llm():
     return LLM(max_model_len=512, num_threads=1)
 
 
-def allowed_tokens(bits: np.ndarray) -> set[int]:
+def allowed_tokens(bits: np.ndarray, vocab: int = VOCAB) -> set[int]:
     """The reference reading of a bitmask row: token t is allowed iff bit t % 32 of word t // 32."""
     words = [int(w) & 0xFFFFFFFF for w in bits]
-    return {t for t in range(VOCAB) if (words[t // 32] >> (t % 32)) & 1}
+    return {t for t in range(vocab) if (words[t // 32] >> (t % 32)) & 1}
 
 
 # ------------------------------------------------------------------ the mask
 
-def test_apply_bitmask_equals_the_bit_by_bit_reference():
-    rng = np.random.default_rng(0)
-    for rows in ([0, 1, 2, 3], [1, 3]):
-        logits = rng.standard_normal((4, VOCAB)).astype(np.float32)
-        bitmask = rng.integers(-2 ** 31, 2 ** 31, (len(rows), VOCAB // 32), dtype=np.int64).astype(np.int32)
-        want = logits.copy()
-        for j, r in enumerate(rows):
-            allowed = allowed_tokens(bitmask[j])
-            want[r, [t for t in range(VOCAB) if t not in allowed]] = np.float32(-1e30)  # softmax: exactly 0
-        apply_bitmask(logits, rows, bitmask)
-        np.testing.assert_array_equal(logits, want)
-        probs = torch.from_numpy(logits).softmax(dim=-1)
-        assert torch.equal(probs == 0, torch.from_numpy(want == np.float32(-1e30)))
+def reference_mask(logits: np.ndarray, rows: list[int], bitmask: np.ndarray) -> np.ndarray:
+    """Bit by bit: a token whose bit is 0 in its row's mask gets logit - 1e30 (in float32)."""
+    vocab = logits.shape[1]
+    want = logits.copy()
+    for j, r in enumerate(rows):
+        allowed = allowed_tokens(bitmask[j], vocab)
+        banned = [t for t in range(vocab) if t not in allowed]
+        want[r, banned] = logits[r, banned] - np.float32(1e30)
+    return want
+
+
+@pytest.fixture
+def fresh_bitmask_kernel(tmp_path, monkeypatch):
+    """An empty kernel cache and no bitmask kernel loaded yet by this process."""
+    monkeypatch.setenv("ATOMD_CACHE_DIR", str(tmp_path))
+    structured.bitmask_kernel.cache_clear()
+    yield tmp_path
+    structured.bitmask_kernel.cache_clear()
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["C kernel", "numpy"])
+@pytest.mark.parametrize("vocab", [VOCAB, 4093, 37])
+def test_apply_bitmask_equals_the_bit_by_bit_reference(kernel, vocab):
+    """The C kernel (atomd/csrc/bitmask.c) and the numpy fallback, in place and into another
+    array, every row or a subset (in any order), a vocabulary that is not a multiple of 32;
+    masks with words of all ones, all zeros and mixed."""
+    assert structured.bitmask_kernel() is not None, "the C kernel did not build here"
+    rng = np.random.default_rng(vocab)
+    words = (vocab + 31) // 32
+    for rows in ([0, 1, 2, 3], [1, 3], [3, 0, 2], [2]):
+        logits = rng.standard_normal((4, vocab)).astype(np.float32) * 4
+        logits[0, :5] = [0.0, -0.0, 1e30, -1e30, np.inf]
+        bitmask = rng.integers(-2 ** 31, 2 ** 31, (len(rows), words), dtype=np.int64).astype(np.int32)
+        bitmask[0, : words // 3] = -1  # all allowed
+        bitmask[-1, words // 3: 2 * words // 3] = 0  # all banned
+        want = reference_mask(logits, rows, bitmask)
+        out = np.full_like(logits, np.nan)
+        before = logits.copy()
+        got = apply_bitmask(logits, rows, bitmask, out=out, kernel=kernel)
+        assert got is out
+        np.testing.assert_array_equal(logits, before)  # out of place: the input is not written
+        np.testing.assert_array_equal(out.view(np.int32), want.view(np.int32))  # the same bits
+        got = apply_bitmask(logits, rows, bitmask, kernel=kernel)
+        assert got is logits
+        np.testing.assert_array_equal(logits.view(np.int32), want.view(np.int32))
+        if vocab == VOCAB:
+            probs = torch.from_numpy(logits[1:]).softmax(dim=-1)  # (row 0 holds an inf)
+            assert torch.equal(probs == 0, torch.from_numpy(want[1:] < np.float32(-1e29)))  # exactly 0, as -inf
+
+
+def test_apply_bitmask_kernel_takes_strided_rows_and_refuses_a_bad_row():
+    rng = np.random.default_rng(3)
+    wide = rng.standard_normal((3, 100)).astype(np.float32)
+    logits = wide[:, :70]  # rows 100 floats apart, 70 tokens
+    bitmask = rng.integers(-2 ** 31, 2 ** 31, (2, 3), dtype=np.int64).astype(np.int32)
+    want = reference_mask(np.ascontiguousarray(logits), [2, 0], bitmask)
+    out = np.empty((3, 70), dtype=np.float32)
+    apply_bitmask(logits, [2, 0], bitmask, out=out, kernel=True)
+    np.testing.assert_array_equal(out, want)
+    np.testing.assert_array_equal(wide[:, :70], logits)
+    with pytest.raises(ValueError, match="out of range"):
+        apply_bitmask(np.zeros((2, 64), np.float32), [5], np.zeros((1, 2), np.int32), kernel=True)
+
+
+def test_bitmask_kernel_falls_back_to_numpy_without_a_compiler_or_when_switched_off(
+        fresh_bitmask_kernel, monkeypatch, caplog, compiler):
+    monkeypatch.setenv("CC", "no-such-compiler")
+    with caplog.at_level(logging.WARNING, logger="atomd.structured"):
+        assert structured.bitmask_kernel() is None
+    assert "no C compiler (no-such-compiler): grammar masks are applied by numpy" in caplog.text
+    logits = np.random.default_rng(4).standard_normal((2, VOCAB)).astype(np.float32)
+    bitmask = np.random.default_rng(5).integers(-2 ** 31, 2 ** 31, (1, VOCAB // 32), dtype=np.int64).astype(np.int32)
+    want = reference_mask(logits, [1], bitmask)
+    np.testing.assert_array_equal(apply_bitmask(logits.copy(), [1], bitmask), want)  # the numpy path
+    with pytest.raises(ValueError, match="did not build"):
+        apply_bitmask(logits.copy(), [1], bitmask, kernel=True)
+    # the sampler too: the same tokens through either path
+    monkeypatch.delenv("CC")
+    structured.bitmask_kernel.cache_clear()
+    assert structured.bitmask_kernel() is not None
+    through_c = sample_constrained_rows(compiler)
+    monkeypatch.setenv(structured.KERNEL_ENV, "0")
+    structured.bitmask_kernel.cache_clear()
+    assert structured.bitmask_kernel() is None
+    assert sample_constrained_rows(compiler) == through_c
+    assert len(list((fresh_bitmask_kernel / "kernels").glob("bitmask-*.so"))) == 1  # built once, cached
+
+
+def sample_constrained_rows(compiler) -> list[list[int]]:
+    """30 steps of 5 rows (4 constrained: a regex, a schema, a choice, a regex row sampled
+    twice for one forking sequence; 1 free), the sampled tokens and their logprobs."""
+    rng = np.random.default_rng(6)
+    kinds = [SO(regex=REGEXES[0]), SO(json=SCHEMAS[1]), None, SO(choice=CHOICES), SO(regex=REGEXES[1])]
+    seqs = [seq_of([10 + i, 20 + i], temperature=1.0, seed=100 + i, logprobs=2, structured_outputs=so)
+            for i, so in enumerate(kinds)]
+    sampler = Sampler(0, END, compiler)
+    out = []
+    for _ in range(30):
+        live = [s for s in seqs if not (set(s.token_ids[2:]) & set(END))]
+        if not live:
+            break
+        logits = torch.from_numpy(rng.standard_normal((len(live) + 1, VOCAB)).astype(np.float32) * 3)
+        tokens, logprobs = sampler.sample(logits, live + live[:1])
+        out.append([tokens, [lp["top"] for lp in logprobs]])
+        for s, t in zip(live, tokens):
+            s.token_ids.append(t)
+    return out
 
 
 def test_each_grammar_compiles_once_and_matchers_are_independent(compiler):

@@ -1,0 +1,64 @@
+"""Building and loading atomd's C kernels (atomd/csrc/): torch-free, so that the API process
+may import a module that uses one (atomd/structured.py) without loading torch.
+
+A kernel is compiled at first use with the system C compiler (`$CC`, else `cc`) for this
+CPU (`-march=native`) into `~/.cache/atomd/kernels/` (`$ATOMD_CACHE_DIR/kernels`), named
+`<name>-<key>.so` with the key a hash of the source and csrc's headers, the compiler's version, the flags and
+the CPU, so a changed kernel or another machine sharing the home directory never loads a
+stale build. The users: atomd/native.py (attention), atomd/structured.py (the grammar
+bitmask).
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import tempfile
+
+from atomd.model.default import cache_root
+
+CSRC = pathlib.Path(__file__).parent / "csrc"
+# every kernel's: this CPU's instructions, a shared object, and IEEE arithmetic (no
+# -ffast-math: results match the Python paths they replace bit for bit where they claim to)
+BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
+
+
+def cpu_id() -> str:
+    """The CPU's model and flags: -march=native code may not run on another CPU."""
+    try:
+        lines = pathlib.Path("/proc/cpuinfo").read_text().splitlines()
+        return "\n".join(sorted({ln for ln in lines if ln.startswith(("model name", "flags"))}))
+    except OSError:
+        return platform.processor() or platform.machine()
+
+
+def compiler_id(compiler: str) -> str:
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
+    return f"{compiler}\n{version.stdout}"
+
+
+def find_compiler() -> tuple[str | None, str]:
+    """(the compiler's path or None, the name asked for: `$CC`, else `cc`)."""
+    name = os.environ.get("CC", "cc")
+    return shutil.which(name), name
+
+
+def build(compiler: str, source: pathlib.Path, flags: list[str], name: str) -> pathlib.Path:
+    """The shared library of `source` built with `flags` by `compiler` for this CPU, compiled
+    unless cached: `<cache>/kernels/<name>-<key>.so`."""
+    headers = [h.read_text() for h in sorted(CSRC.glob("*.h"))]  # what a source may #include
+    parts = [source.read_text(), *headers, compiler_id(compiler), *flags, cpu_id()]
+    key = hashlib.sha256("\0".join(parts).encode()).hexdigest()[:16]
+    lib = cache_root() / "kernels" / f"{name}-{key}.so"
+    if lib.is_file():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        out = pathlib.Path(tmp) / lib.name
+        subprocess.run([compiler, *flags, str(source), "-o", str(out), "-lm"], check=True,
+                       capture_output=True, text=True, timeout=120)
+        os.replace(out, lib)  # atomic: a concurrent engine loads either no file or a whole one
+    return lib
