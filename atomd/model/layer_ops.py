@@ -1,0 +1,114 @@
+"""RMSNorm (with the residual add before it), SiLU-and-mul and RoPE for the Llama family:
+one C call each (atomd/csrc/layer_ops.c) where the kernels build, torch ops where not.
+
+Why: at decode sizes torch runs these as ~20 small ops per layer (RMSNorm alone is six), each
+~5-20 us of dispatch; at prefill sizes each op is a pass over the activations. The C
+versions make one pass and one call, float32 and bfloat16 (rounding where Hugging Face's
+bf16 modules round). `$ATOMD_LAYER_OPS=torch` forces the torch path (a same-run A/B, and
+what a machine without a C compiler runs).
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import subprocess
+
+import torch
+import torch.nn.functional as F
+
+from atomd import cbuild
+
+log = logging.getLogger(__name__)
+SOURCE = cbuild.CSRC / "layer_ops.c"
+ENV = "ATOMD_LAYER_OPS"
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+_SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
+
+
+@functools.cache
+def kernels() -> ctypes.CDLL | None:
+    """The built library, or None (torch ops) with the reason logged."""
+    if os.environ.get(ENV, "native") == "torch":
+        return None
+    compiler, asked = cbuild.find_compiler()
+    if compiler is None:
+        log.warning("no C compiler (%s): RMSNorm, SiLU and RoPE run as torch ops", asked)
+        return None
+    flags = [*cbuild.BASE_FLAGS, "-fopenmp"]
+    try:
+        lib = ctypes.CDLL(str(cbuild.build(compiler, SOURCE, flags, "layer-ops")))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("building %s failed, RMSNorm, SiLU and RoPE run as torch ops: %s", SOURCE.name,
+                    getattr(e, "stderr", None) or e)
+        return None
+    for suffix in _SUFFIX.values():
+        getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
+                                                              ctypes.c_float, ctypes.c_int]
+        getattr(lib, f"atomd_silu_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int]
+        getattr(lib, f"atomd_rope_{suffix}").argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
+        for op in ("rms_norm", "silu_mul", "rope"):
+            getattr(lib, f"atomd_{op}_{suffix}").restype = None
+    return lib
+
+
+def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:
+    """The library when it takes these tensors (one dtype it has, rows contiguous)."""
+    lib = kernels()
+    if lib is None or tensors[0].dtype not in _SUFFIX:
+        return None
+    for t in tensors:
+        if t.dtype != tensors[0].dtype or t.stride(-1) != 1:
+            return None
+    return lib
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Tensor | None = None,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """RMSNorm(x) * weight of x [T, hidden], after `x += delta` in place when delta is given.
+    Written into `out` (a new tensor by default)."""
+    if out is None:
+        out = torch.empty_like(x, memory_format=torch.contiguous_format)
+    lib = _native(x, weight, out, *(() if delta is None else (delta,)))
+    if lib is None or x.dim() != 2 or not weight.is_contiguous():
+        if delta is not None:
+            x.add_(delta)
+        return out.copy_(F.rms_norm(x, (x.shape[-1],), weight, eps))
+    fn = getattr(lib, f"atomd_rms_norm_{_SUFFIX[x.dtype]}")
+    fn(x.data_ptr(), x.stride(0), None if delta is None else delta.data_ptr(),
+       0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
+       x.shape[0], x.shape[1], eps, torch.get_num_threads())
+    return out
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of gate_up [T, 2 * inter] (gate first): a new [T, inter] tensor."""
+    rows, inter = gate_up.shape[0], gate_up.shape[1] // 2
+    lib = _native(gate_up)
+    if lib is None or not gate_up.is_contiguous():
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate).mul_(up)
+    out = torch.empty(rows, inter, dtype=gate_up.dtype)
+    getattr(lib, f"atomd_silu_mul_{_SUFFIX[gate_up.dtype]}")(gate_up.data_ptr(), out.data_ptr(), rows, inter,
+                                                             torch.get_num_threads())
+    return out
+
+
+def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: torch.Tensor,
+          positions: torch.Tensor) -> None:
+    """Rotate-half RoPE (HF layout), in place, of the first `heads` heads of each row of qkv
+    [T, width] (the query heads, then the key heads); cos, sin [max_positions, head_dim // 2]
+    tables, positions int64 [T]."""
+    lib = _native(qkv, cos, sin)
+    if lib is None or not (cos.is_contiguous() and sin.is_contiguous() and positions.is_contiguous()
+                           and positions.dtype == torch.int64):
+        x = qkv[:, :heads * head_dim].view(-1, heads, head_dim)
+        c, s = cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+        half = head_dim // 2
+        x1, x2 = x[..., :half], x[..., half:]
+        x.copy_(torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1))
+        return
+    getattr(lib, f"atomd_rope_{_SUFFIX[qkv.dtype]}")(qkv.data_ptr(), qkv.stride(0), heads, head_dim, cos.data_ptr(),
+                                                     sin.data_ptr(), positions.data_ptr(), qkv.shape[0],
+                                                     torch.get_num_threads())

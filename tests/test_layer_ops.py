@@ -1,0 +1,133 @@
+"""The C layer ops (atomd/csrc/layer_ops.c via atomd/model/layer_ops.py) against Hugging
+Face's formulas written in torch, float32 and bfloat16, and the model's torch fallback
+against the C path.
+
+bfloat16: the kernels round where HF's bf16 modules round, so results are equal to HF's
+except where float32 sums differ in order (RMSNorm's sum of squares): at most one bf16 ulp
+there. float32: within a few float32 ulps (summation order, FMA contraction).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atomd.model import layer_ops
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.fixture(autouse=True)
+def _kernels_built():
+    assert layer_ops.kernels() is not None, "the layer-op kernels must build on the test machine"
+
+
+@pytest.fixture
+def torch_ops(monkeypatch):
+    """layer_ops with its kernels unavailable: the torch fallback."""
+    monkeypatch.setattr(layer_ops, "kernels", lambda: None)
+
+
+def hf_rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """transformers' LlamaRMSNorm.forward."""
+    h = x.to(torch.float32)
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+    return w * h.to(x.dtype)
+
+
+def hf_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """transformers' apply_rotary_pos_emb on x [T, heads, D] (cos, sin [T, D // 2] halves)."""
+    cos, sin = torch.cat((cos, cos), -1).unsqueeze(1), torch.cat((sin, sin), -1).unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return (x * cos) + (rotated * sin)
+
+
+def close(got: torch.Tensor, want: torch.Tensor, ulps: int = 1) -> None:
+    if got.dtype == torch.bfloat16:  # ulps of bf16 at each value's magnitude
+        tol = want.float().abs().clamp_min(1e-30) * 2.0 ** -7 * ulps
+        assert ((got.float() - want.float()).abs() <= tol).all(), (got - want).abs().max()
+    else:
+        torch.testing.assert_close(got, want, rtol=4e-6, atol=4e-6)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 7, 600])  # 600: past the kernel's threshold for threads
+def test_rms_norm_with_and_without_the_residual_add(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    hidden = 576
+    base = torch.randn(rows, hidden + 8, generator=g).to(dtype)  # strided rows: a view of wider ones
+    delta = torch.randn(rows, hidden, generator=g).to(dtype)
+    w = (1 + 0.1 * torch.randn(hidden, generator=g)).to(dtype)
+    x, padding = base[:, :hidden], base[:, hidden:].clone()
+    want_x = x + delta
+    out = torch.empty(rows, hidden + 3, dtype=dtype)[:, :hidden]
+    got = layer_ops.rms_norm(x, w, 1e-5, delta=delta, out=out)
+    assert got.data_ptr() == out.data_ptr()
+    assert torch.equal(x, want_x)  # the residual add, rounded as torch's add rounds
+    close(got, hf_rms_norm(want_x, w, 1e-5))
+    assert torch.equal(base[:, hidden:], padding)  # the columns past the view untouched
+    close(layer_ops.rms_norm(x, w, 1e-6), hf_rms_norm(x, w, 1e-6))
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 16, 40])
+def test_silu_mul(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    gate_up = (torch.randn(rows, 2 * 1536, generator=g) * 4).to(dtype)  # silu's both tails
+    gate, up = gate_up.chunk(2, dim=-1)
+    close(layer_ops.silu_mul(gate_up), F.silu(gate) * up, ulps=1)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rope_in_place_on_the_query_and_key_heads_only(dtype, rows):
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, head_dim = 9, 3, 64
+    inv = 1.0 / (10000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.outer(torch.arange(4096, dtype=torch.float32), inv)
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)  # tables as the model holds them
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 4096, (rows,), generator=g)
+    rotated = heads + kv_heads
+    want = hf_rope(qkv[:, :rotated * head_dim].view(rows, rotated, head_dim), cos[positions], sin[positions])
+    got = qkv.clone()
+    layer_ops.rope_(got, rotated, head_dim, cos, sin, positions)
+    close(got[:, :rotated * head_dim].view(rows, rotated, head_dim), want)
+    assert torch.equal(got[:, rotated * head_dim:], qkv[:, rotated * head_dim:])  # v untouched
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_the_torch_fallback_computes_the_same(dtype, torch_ops):
+    g = torch.Generator().manual_seed(0)
+    x, delta = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype)
+    w = torch.randn(64, generator=g).to(dtype)
+    want_x = x + delta
+    close(layer_ops.rms_norm(x, w, 1e-5, delta=delta), hf_rms_norm(want_x, w, 1e-5), ulps=2)
+    assert torch.equal(x, want_x)
+    gate_up = torch.randn(5, 128, generator=g).to(dtype)
+    close(layer_ops.silu_mul(gate_up), F.silu(gate_up[:, :64]) * gate_up[:, 64:])
+    qkv = torch.randn(5, 4 * 16, generator=g).to(dtype)
+    freqs = torch.outer(torch.arange(32, dtype=torch.float32), torch.rand(8, generator=g))
+    cos, sin, pos = freqs.cos().to(dtype), freqs.sin().to(dtype), torch.tensor([0, 3, 9, 31, 2])
+    want = hf_rope(qkv[:, :48].view(5, 3, 16), cos[pos], sin[pos])
+    layer_ops.rope_(qkv, 3, 16, cos, sin, pos)
+    close(qkv[:, :48].view(5, 3, 16), want, ulps=2)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_engine_greedy_ids_equal_with_the_torch_fallback(dtype, monkeypatch):
+    """The whole model through the C ops and through torch's: the same greedy tokens on the
+    built-in model (float32: the logits agree to ~1e-5; bf16: rounded at the same places)."""
+    from atomd import LLM, SamplingParams
+
+    prompts = [{"prompt_token_ids": list(range(5, 5 + n))} for n in (3, 40, 130)]
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
+
+    def run() -> list[list[int]]:
+        llm = LLM(num_threads=1, dtype=dtype, enable_prefix_caching=False)
+        return [o.outputs[0].token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+
+    native = run()
+    monkeypatch.setattr(layer_ops, "kernels", lambda: None)
+    assert run() == native
