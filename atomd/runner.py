@@ -12,6 +12,7 @@ import logging
 import numpy as np
 import torch
 
+from atomd import config
 from atomd.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
 from atomd.model.llama import LlamaModel
 from atomd.native import KERNEL_DTYPES, attention_kernels, bf16_path
@@ -37,6 +38,14 @@ class ModelRunner:
             self.kernels = attention_kernels(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
             if self.kernels is not None and dtype == torch.bfloat16:
                 log.info("bfloat16 attention: native kernels, %s", bf16_path(self.kernels))
+        # Fresh prompts: the native prefill kernel, except in bf16 on AMX CPUs, where torch's
+        # flash SDPA reaches the AMX tiles through oneDNN and runs 4x the kernel (8 x 512
+        # tokens, 135M shape, Sapphire Rapids: 8.3 vs 34 ms a layer; fp32 there 26 vs 32 ms,
+        # and on AMD the kernel ~2x SDPA: benchmarks/results/offline.md)
+        self.fresh_prefill_kernel = self.kernels is not None and not (
+            dtype == torch.bfloat16 and "amx_bf16" in config.cpu_flags())
+        if self.kernels is not None and not self.fresh_prefill_kernel:
+            log.info("bfloat16 prefill of fresh prompts: torch SDPA (this CPU has AMX)")
         if attention_backend == "native" and self.kernels is None:
             raise RuntimeError("attention_backend native: the attention kernels did not build "
                                "(see the warning above); use --attention-backend torch")
@@ -64,7 +73,7 @@ class ModelRunner:
         if as_prefill:
             meta.seqs = self._prefill_slices(batch.block_tables, starts, ends, computed)
             fresh = computed == 0
-            if self.kernels is not None and fresh.any():  # the kernel takes every fresh prompt at once
+            if self.fresh_prefill_kernel and fresh.any():  # the kernel takes every fresh prompt at once
                 meta.fresh_starts = torch.from_numpy(starts[fresh])
                 meta.fresh_lens = torch.from_numpy(num_sched[fresh])
             if verify:

@@ -260,9 +260,13 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("chunk", [None, 8])  # 8: every prompt chunked, later chunks read the bf16 cache
-def test_bf16_prompt_logits_match_hf_bf16(hf_default, chunk):
+@pytest.mark.parametrize("amx", [False, True])  # fresh prompts: the native kernel, or (AMX) torch SDPA
+def test_bf16_prompt_logits_match_hf_bf16(hf_default, chunk, amx, monkeypatch):
+    flags = cpu_flags() - {"amx_bf16"} | ({"amx_bf16"} if amx else set())
+    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: flags)
     args = {"max_num_batched_tokens": chunk} if chunk else {}
     llm = LLM(None, num_threads=1, max_model_len=512, dtype="bfloat16", attention_backend="native", **args)
+    assert llm.engine.runner.fresh_prefill_kernel is not amx
     for prompt in _prompts(llm):
         got = _prompt_logits(llm, prompt)
         assert got.dtype == torch.bfloat16
@@ -350,3 +354,15 @@ def test_bf16_preemption_by_a_tiny_pool_follows_hf_bf16(hf_default):
     stats = llm.engine.stats()
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == 10
     assert_greedy_follows_hf_bf16(hf_default, prompts, got)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("dtype,amx,kernel", [("bfloat16", True, False), ("bfloat16", False, True),
+                                              ("float32", True, True)])
+def test_fresh_prompt_prefill_path_follows_the_cpu(dtype, amx, kernel, monkeypatch):
+    """bf16 on an AMX CPU prefills fresh prompts with torch SDPA (oneDNN's AMX path, 4x the
+    kernel there); every other case with the native kernel."""
+    flags = {"avx512f", "avx512bw", "avx512_bf16"} | ({"amx_bf16"} if amx else set())
+    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: flags)
+    llm = LLM(None, num_threads=1, max_model_len=128, dtype=dtype, attention_backend="native")
+    assert llm.engine.runner.kernels is not None and llm.engine.runner.fresh_prefill_kernel is kernel
