@@ -36,7 +36,9 @@ def kernels() -> ctypes.CDLL | None:
     if compiler is None:
         log.warning("no C compiler (%s): RMSNorm, SiLU and RoPE run as torch ops", asked)
         return None
-    flags = [*cbuild.BASE_FLAGS, "-fopenmp"]
+    # 512-bit vectors where the CPU has them (GCC prefers 256 on Intel): 512 x 576 RMSNorm
+    # 40 -> 24 us fp32, 86 -> 68 us bf16; bf16 SiLU-and-mul 432 -> 312 us (2 threads)
+    flags = [*cbuild.BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512"]
     try:
         lib = ctypes.CDLL(str(cbuild.build(compiler, SOURCE, flags, "layer-ops")))
     except (OSError, subprocess.SubprocessError) as e:
