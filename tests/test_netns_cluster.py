@@ -33,7 +33,7 @@ LINK = Shaping(delay_ms=2, jitter_ms=1, rate_bps=1e9)
 # queue (as a real switch port has), so the bytes still in flight are few.
 SLOW_LINK = Shaping(delay_ms=2, jitter_ms=1, rate_bps=1e6, limit=20)
 LEASE_S = 3
-RECV_TIMEOUT_S = 3
+RECV_TIMEOUT_S = 6  # > the TCP retransmission back-off a 20-packet netem queue can cause before the cut
 VOCAB = 4096
 
 

@@ -15,6 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.kv_cache import AttentionMetadata, KVCache
+from atomd.model import layer_ops
 from atomd.model.layer_ops import rms_norm, rope_, silu_mul
 from atomd.native import decode_attention, prefill_attention
 
@@ -141,6 +142,7 @@ class LlamaModel:
         self.cos = freqs.cos().to(self.embed.dtype)
         self.sin = freqs.sin().to(self.embed.dtype)
         self._pack_weights()
+        layer_ops.kernels()  # compiled (once per machine) at load, not inside the first request
 
     def _pack_weights(self) -> None:
         """Reorder every linear weight once, in place, into oneDNN's blocked layout: in
