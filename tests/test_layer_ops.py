@@ -17,9 +17,16 @@ from atomd.model import layer_ops
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(autouse=True)
-def _kernels_built():
-    assert layer_ops.kernels() is not None, "the layer-op kernels must build on the test machine"
+ISAS = ["native", "no-bf16-dot", "no-avx512"]  # native: everything this CPU has; the others its fallbacks
+
+
+@pytest.fixture(autouse=True, params=ISAS)
+def isa(request, monkeypatch):
+    """Every test once per build: the ops as this CPU runs them, and the fallback code paths."""
+    lib = layer_ops.build_kernels(request.param)
+    assert lib is not None, "the layer-op kernels must build on the test machine"
+    monkeypatch.setattr(layer_ops, "kernels", lambda: lib)
+    return request.param
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd import cbuild
+from atomd.native import ISA_FLAGS
 
 log = logging.getLogger(__name__)
 SOURCE = cbuild.CSRC / "layer_ops.c"
@@ -27,20 +28,28 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
-@functools.cache
 def kernels() -> ctypes.CDLL | None:
     """The built library, or None (torch ops) with the reason logged."""
     if os.environ.get(ENV, "native") == "torch":
         return None
+    return build_kernels("native")
+
+
+@functools.cache
+def build_kernels(isa: str) -> ctypes.CDLL | None:
+    """The library built with `isa` (atomd.native.ISA_FLAGS: `native`, or narrowed to test
+    the fallbacks on a CPU that has everything: `no-bf16-dot` drops the AVX512_BF16
+    conversions, `no-avx512` all of AVX-512), or None with the reason logged."""
     compiler, asked = cbuild.find_compiler()
     if compiler is None:
         log.warning("no C compiler (%s): RMSNorm, SiLU and RoPE run as torch ops", asked)
         return None
     # 512-bit vectors where the CPU has them (GCC prefers 256 on Intel): 512 x 576 RMSNorm
     # 40 -> 24 us fp32, 86 -> 68 us bf16; bf16 SiLU-and-mul 432 -> 312 us (2 threads)
-    flags = [*cbuild.BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512"]
+    flags = [*cbuild.BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512", *ISA_FLAGS[isa]]
+    name = "layer-ops" if isa == "native" else f"layer-ops-{isa}"
     try:
-        lib = ctypes.CDLL(str(cbuild.build(compiler, SOURCE, flags, "layer-ops")))
+        lib = ctypes.CDLL(str(cbuild.build(compiler, SOURCE, flags, name)))
     except (OSError, subprocess.SubprocessError) as e:
         log.warning("building %s failed, RMSNorm, SiLU and RoPE run as torch ops: %s", SOURCE.name,
                     getattr(e, "stderr", None) or e)
