@@ -101,3 +101,18 @@ def test_missing_files_are_named(llama_dir, tmp_path):
 def test_bfloat16_weights_when_asked(llama_dir):
     model = load_model(llama_dir, dtype=torch.bfloat16)
     assert model.dtype == torch.bfloat16 and model.layers[0].qkv.dtype == torch.bfloat16
+
+
+@pytest.mark.unit
+def test_a_bf16_checkpoint_runs_in_the_asked_dtype_and_says_so(llama_dir, tmp_path, caplog):
+    """The checkpoint's own dtype never picks the run's: bf16 files load as float32 when
+    float32 is asked (exactly: bf16 -> fp32 is lossless), and the start-up log says both."""
+    shutil.copytree(llama_dir, tmp_path / "m")
+    path = tmp_path / "m" / "model.safetensors"
+    tensors = {k: v.bfloat16() for k, v in load_file(path).items()}
+    save_file(tensors, path)
+    with caplog.at_level("INFO", logger="atomd.model.loader"):
+        model = load_model(tmp_path / "m", dtype=torch.float32)
+    assert model.dtype == torch.float32
+    assert torch.equal(model.embed, tensors["model.embed_tokens.weight"].float())
+    assert "weights stored as BF16, run as float32" in caplog.text

@@ -7,6 +7,7 @@ file it was expected in.
 from __future__ import annotations
 
 import json
+import logging
 import pathlib
 
 import torch
@@ -14,6 +15,7 @@ from safetensors import safe_open
 
 from atomd.model.llama import LayerWeights, LlamaModel, ModelConfig
 
+log = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -46,7 +48,7 @@ class _TensorSource:
     def __contains__(self, name: str) -> bool:
         return name in self.where
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def _file(self, name: str):
         file = self.where.get(name)
         if file is None:
             raise ValueError(f"checkpoint {self.dir} is missing tensor {name!r} (not in {self.described})")
@@ -55,7 +57,14 @@ class _TensorSource:
             if not path.is_file():
                 raise ValueError(f"checkpoint {self.dir}: {self.described} puts {name!r} in missing file {file}")
             self._open[file] = safe_open(path, framework="pt")
-        return self._open[file].get_tensor(name).to(dtype)
+        return self._open[file]
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self._file(name).get_tensor(name).to(dtype)
+
+    def stored_dtype(self, name: str) -> str:
+        """How the checkpoint stores `name` (safetensors' code: F32, BF16, F16, ...)."""
+        return self._file(name).get_slice(name).get_dtype()
 
 
 def _cat(src: _TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor:
@@ -90,6 +99,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
     src = _TensorSource(model_dir)
+    # the run's dtype is --dtype's, whatever the checkpoint's: said, since a cast changes speed
+    log.info("weights stored as %s, run as %s", src.stored_dtype("model.embed_tokens.weight"),
+             str(dtype).removeprefix("torch."))
     embed = src.get("model.embed_tokens.weight", dtype)
     if cfg.tie_word_embeddings:
         lm_head = embed
