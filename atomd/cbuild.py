@@ -5,12 +5,16 @@ A kernel is compiled at first use with the system C compiler (`$CC`, else `cc`) 
 CPU (`-march=native`) into `~/.cache/atomd/kernels/` (`$ATOMD_CACHE_DIR/kernels`), named
 `<name>-<key>.so` with the key a hash of the source and csrc's headers, the compiler's version, the flags and
 the CPU, so a changed kernel or another machine sharing the home directory never loads a
-stale build. The users: atomd/native.py (attention), atomd/structured.py (the grammar
-bitmask).
+stale build. `load` builds and loads one, or says in the caller's log why it cannot and
+what runs instead. The users: atomd/native.py (attention), atomd/structured.py (the grammar
+bitmask), atomd/model/layer_ops.py (RMSNorm, SiLU, RoPE).
 """
 from __future__ import annotations
 
+import ctypes
+import functools
 import hashlib
+import logging
 import os
 import pathlib
 import platform
@@ -24,8 +28,12 @@ CSRC = pathlib.Path(__file__).parent / "csrc"
 # every kernel's: this CPU's instructions, a shared object, and IEEE arithmetic (no
 # -ffast-math: results match the Python paths they replace bit for bit where they claim to)
 BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
+# narrower builds, to test the fallbacks on a CPU that has everything: no AVX512_BF16
+# instructions (the kernels' ATOMD_NO_BF16_DOT), no AVX-512 at all (what an AVX2-only CPU runs)
+ISA_FLAGS = {"native": [], "no-bf16-dot": ["-DATOMD_NO_BF16_DOT"], "no-avx512": ["-mno-avx512f"]}
 
 
+@functools.cache
 def cpu_id() -> str:
     """The CPU's model and flags: -march=native code may not run on another CPU."""
     try:
@@ -35,6 +43,7 @@ def cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+@functools.cache  # one `cc --version` per process, not one per kernel
 def compiler_id(compiler: str) -> str:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, timeout=30)
     return f"{compiler}\n{version.stdout}"
@@ -62,3 +71,18 @@ def build(compiler: str, source: pathlib.Path, flags: list[str], name: str) -> p
                        capture_output=True, text=True, timeout=120)
         os.replace(out, lib)  # atomic: a concurrent engine loads either no file or a whole one
     return lib
+
+
+def load(source: pathlib.Path, flags: list[str], name: str, log: logging.Logger,
+         fallback: str) -> ctypes.CDLL | None:
+    """`source` built (or found in the cache) and loaded, or None with the reason warned in
+    `log`: no compiler, or the compiler's error; `fallback` says what runs instead."""
+    compiler, asked = find_compiler()
+    if compiler is None:
+        log.warning("no C compiler (%s): %s", asked, fallback)
+        return None
+    try:
+        return ctypes.CDLL(str(build(compiler, source, flags, name)))
+    except (OSError, subprocess.SubprocessError) as e:
+        log.warning("building %s failed, %s: %s", source.name, fallback, getattr(e, "stderr", None) or e)
+        return None

@@ -25,8 +25,6 @@ import ctypes
 import functools
 import logging
 import os
-import pathlib
-import subprocess
 
 import torch
 
@@ -37,19 +35,11 @@ log = logging.getLogger(__name__)
 SOURCE = cbuild.CSRC / "attention.c"
 FLAGS = [*cbuild.BASE_FLAGS[:2], "-fopenmp", *cbuild.BASE_FLAGS[2:]]  # attention's flags, in their old order
 ISA_ENV = "ATOMD_ATTENTION_ISA"
-ISA_FLAGS = {"native": [], "no-bf16-dot": ["-DATOMD_NO_BF16_DOT"], "no-avx512": ["-mno-avx512f"]}
+ISA_FLAGS = cbuild.ISA_FLAGS
 BF16_PATHS = {2: "AVX512_BF16 dot products", 1: "bf16 widened to float32 on AVX-512F",
               0: "bf16 widened to float32 (no AVX-512)"}
 _I64 = ctypes.c_int64
 _PTR = ctypes.c_void_p
-
-
-def build(compiler: str, head_dim: int, group: int, isa: str = "native") -> pathlib.Path:
-    """The shared library for this source, flags, model shape, compiler and CPU, compiled
-    unless cached (atomd/cbuild.py)."""
-    flags = [*FLAGS, *ISA_FLAGS[isa], f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
-    tag = "" if isa == "native" else f"-{isa}"
-    return cbuild.build(compiler, SOURCE, flags, f"attention-d{head_dim}-g{group}{tag}")
 
 
 def attention_kernels(head_dim: int, group: int, isa: str | None = None) -> ctypes.CDLL | None:
@@ -63,15 +53,10 @@ def attention_kernels(head_dim: int, group: int, isa: str | None = None) -> ctyp
 
 @functools.cache
 def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | None:
-    compiler, asked = cbuild.find_compiler()
-    if compiler is None:
-        log.warning("no C compiler (%s): attention uses torch SDPA", asked)
-        return None
-    try:
-        lib = ctypes.CDLL(str(build(compiler, head_dim, group, isa)))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or e
-        log.warning("building %s failed, attention uses torch SDPA: %s", SOURCE.name, detail)
+    flags = [*FLAGS, *ISA_FLAGS[isa], f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
+    tag = "" if isa == "native" else f"-{isa}"
+    lib = cbuild.load(SOURCE, flags, f"attention-d{head_dim}-g{group}{tag}", log, "attention uses torch SDPA")
+    if lib is None:
         return None
     for name in ("atomd_decode_attention", "atomd_decode_attention_bf16"):
         getattr(lib, name).restype = ctypes.c_int

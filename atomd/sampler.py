@@ -276,8 +276,8 @@ class Sampler:
         step to step without zeroing: every row a step uses is written whole first (llguidance
         writes every word of a row it fills; the end mask and a repeated row are copies)."""
         if self._bitmask is None or len(self._bitmask) < n:
-            self._bitmask = np.empty((max(n, 2 * len(self._bitmask) if self._bitmask is not None else 16),
-                                      self.grammars.words), dtype=np.int32)
+            grown = 2 * len(self._bitmask) if self._bitmask is not None else 16
+            self._bitmask = self.grammars.new_bitmask(max(n, grown))
             self._bitmask_base = self._bitmask.ctypes.data
         return self._bitmask, self._bitmask_base
 

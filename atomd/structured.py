@@ -43,7 +43,6 @@ import functools
 import json
 import logging
 import os
-import subprocess
 from collections import OrderedDict
 from typing import Sequence as Seq
 
@@ -115,17 +114,13 @@ class GrammarMatcher:
             return self.matcher.consume_tokens(list(tokens))
         return not self.matcher.is_error()
 
-    def fill(self, row: np.ndarray, address: int | None = None) -> None:
-        """Write the allowed tokens into `row` (int32, C-contiguous, one bit per token);
-        `address`: row's data pointer when the caller has it (numpy's `.ctypes` is slow)."""
-        if self.matcher.is_error():
-            row[:] = self.end_mask
-        else:
-            self.matcher.unsafe_compute_mask_ptr(row.ctypes.data if address is None else address, row.nbytes)
+    def fill(self, row: np.ndarray) -> None:
+        """Write the allowed tokens into `row` (int32, C-contiguous, one bit per token)."""
+        self.fill_at(row.reshape(1, -1), 0, row.ctypes.data)
 
     def fill_at(self, bitmask: np.ndarray, j: int, address: int) -> None:
-        """fill(bitmask[j]) without making the row's view (the sampler's loop): `bitmask` int32,
-        C-contiguous, `address` the data pointer of its row j."""
+        """fill(bitmask[j]) without making the row's view (the sampler's loop: numpy's
+        `.ctypes` is slow): `bitmask` int32, C-contiguous, `address` the data pointer of its row j."""
         if self.matcher.is_error():
             bitmask[j] = self.end_mask
         else:
@@ -220,15 +215,8 @@ def bitmask_kernel() -> "ctypes._CFuncPtr | None":
     if os.environ.get(KERNEL_ENV, "1") == "0":
         log.info("%s=0: grammar masks are applied by numpy", KERNEL_ENV)
         return None
-    compiler, asked = cbuild.find_compiler()
-    if compiler is None:
-        log.warning("no C compiler (%s): grammar masks are applied by numpy", asked)
-        return None
-    try:
-        lib = ctypes.CDLL(str(cbuild.build(compiler, KERNEL_SOURCE, cbuild.BASE_FLAGS, "bitmask")))
-    except (OSError, subprocess.SubprocessError) as e:
-        detail = getattr(e, "stderr", None) or e
-        log.warning("building %s failed, grammar masks are applied by numpy: %s", KERNEL_SOURCE.name, detail)
+    lib = cbuild.load(KERNEL_SOURCE, cbuild.BASE_FLAGS, "bitmask", log, "grammar masks are applied by numpy")
+    if lib is None:
         return None
     fn = lib.atomd_apply_bitmask
     fn.restype = ctypes.c_int

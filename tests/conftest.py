@@ -25,6 +25,22 @@ def loop():
     lt.close()
 
 
+@pytest.fixture
+def fresh_kernels(tmp_path, monkeypatch):
+    """An empty C-kernel cache (atomd/cbuild.py) and no kernel loaded yet by this process:
+    the attention kernels, the grammar bitmask kernel and the layer ops are built anew."""
+    from atomd import native, structured
+    from atomd.model import layer_ops
+
+    caches = (native.attention_kernels, structured.bitmask_kernel, layer_ops.build_kernels)
+    monkeypatch.setenv("ATOMD_CACHE_DIR", str(tmp_path))
+    for cache in caches:
+        cache.cache_clear()
+    yield tmp_path
+    for cache in caches:
+        cache.cache_clear()
+
+
 # The long cross-host tests (test hosts in network namespaces: shaped links, a cut link, a
 # two-node Ray cluster) run with `make e2e-netns` (ATOMD_NETNS_FULL=1); plain `make test`
 # keeps its time budget and runs only the short cross-host file (tests/test_netns_pd.py).

@@ -12,12 +12,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from atomd import cbuild
 from atomd.model import layer_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-ISAS = ["native", "no-bf16-dot", "no-avx512"]  # native: everything this CPU has; the others its fallbacks
+ISAS = list(cbuild.ISA_FLAGS)  # native: everything this CPU has; the others its fallbacks
 
 
 @pytest.fixture(autouse=True, params=ISAS)

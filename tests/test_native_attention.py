@@ -24,15 +24,6 @@ def sdpa_reference(q: torch.Tensor, cache: KVCache, layer: int, tables: torch.Te
     return out.reshape(q.shape[0], -1)
 
 
-@pytest.fixture
-def fresh_kernels(tmp_path, monkeypatch):
-    """An empty kernel cache and no library loaded yet by this process."""
-    monkeypatch.setenv("ATOMD_CACHE_DIR", str(tmp_path))
-    native.attention_kernels.cache_clear()
-    yield tmp_path
-    native.attention_kernels.cache_clear()
-
-
 @pytest.mark.unit
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80),
                                                      (16, 1, 128), (32, 2, 256)])

@@ -83,15 +83,6 @@ def reference_mask(logits: np.ndarray, rows: list[int], bitmask: np.ndarray) -> 
     return want
 
 
-@pytest.fixture
-def fresh_bitmask_kernel(tmp_path, monkeypatch):
-    """An empty kernel cache and no bitmask kernel loaded yet by this process."""
-    monkeypatch.setenv("ATOMD_CACHE_DIR", str(tmp_path))
-    structured.bitmask_kernel.cache_clear()
-    yield tmp_path
-    structured.bitmask_kernel.cache_clear()
-
-
 @pytest.mark.parametrize("kernel", [True, False], ids=["C kernel", "numpy"])
 @pytest.mark.parametrize("vocab", [VOCAB, 4093, 37])
 def test_apply_bitmask_equals_the_bit_by_bit_reference(kernel, vocab):
@@ -137,7 +128,7 @@ def test_apply_bitmask_kernel_takes_strided_rows_and_refuses_a_bad_row():
 
 
 def test_bitmask_kernel_falls_back_to_numpy_without_a_compiler_or_when_switched_off(
-        fresh_bitmask_kernel, monkeypatch, caplog, compiler):
+        fresh_kernels, monkeypatch, caplog, compiler):
     monkeypatch.setenv("CC", "no-such-compiler")
     with caplog.at_level(logging.WARNING, logger="atomd.structured"):
         assert structured.bitmask_kernel() is None
@@ -157,7 +148,7 @@ def test_bitmask_kernel_falls_back_to_numpy_without_a_compiler_or_when_switched_
     structured.bitmask_kernel.cache_clear()
     assert structured.bitmask_kernel() is None
     assert sample_constrained_rows(compiler) == through_c
-    assert len(list((fresh_bitmask_kernel / "kernels").glob("bitmask-*.so"))) == 1  # built once, cached
+    assert len(list((fresh_kernels / "kernels").glob("bitmask-*.so"))) == 1  # built once, cached
 
 
 def sample_constrained_rows(compiler) -> list[list[int]]:

@@ -13,13 +13,11 @@ import ctypes
 import functools
 import logging
 import os
-import subprocess
 
 import torch
 import torch.nn.functional as F
 
 from atomd import cbuild
-from atomd.native import ISA_FLAGS
 
 log = logging.getLogger(__name__)
 SOURCE = cbuild.CSRC / "layer_ops.c"
@@ -37,22 +35,15 @@ def kernels() -> ctypes.CDLL | None:
 
 @functools.cache
 def build_kernels(isa: str) -> ctypes.CDLL | None:
-    """The library built with `isa` (atomd.native.ISA_FLAGS: `native`, or narrowed to test
+    """The library built with `isa` (atomd.cbuild.ISA_FLAGS: `native`, or narrowed to test
     the fallbacks on a CPU that has everything: `no-bf16-dot` drops the AVX512_BF16
     conversions, `no-avx512` all of AVX-512), or None with the reason logged."""
-    compiler, asked = cbuild.find_compiler()
-    if compiler is None:
-        log.warning("no C compiler (%s): RMSNorm, SiLU and RoPE run as torch ops", asked)
-        return None
     # 512-bit vectors where the CPU has them (GCC prefers 256 on Intel): 512 x 576 RMSNorm
     # 40 -> 24 us fp32, 86 -> 68 us bf16; bf16 SiLU-and-mul 432 -> 312 us (2 threads)
-    flags = [*cbuild.BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512", *ISA_FLAGS[isa]]
+    flags = [*cbuild.BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512", *cbuild.ISA_FLAGS[isa]]
     name = "layer-ops" if isa == "native" else f"layer-ops-{isa}"
-    try:
-        lib = ctypes.CDLL(str(cbuild.build(compiler, SOURCE, flags, name)))
-    except (OSError, subprocess.SubprocessError) as e:
-        log.warning("building %s failed, RMSNorm, SiLU and RoPE run as torch ops: %s", SOURCE.name,
-                    getattr(e, "stderr", None) or e)
+    lib = cbuild.load(SOURCE, flags, name, log, "RMSNorm, SiLU and RoPE run as torch ops")
+    if lib is None:
         return None
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
