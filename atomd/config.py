@@ -49,6 +49,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
     max_local_prefill_tokens_per_step: int = 0
+    max_local_prefill_ms_per_step: float = 0.0
     scheduler_delay_factor: float = 0.0
     kv_cache_memory: int | None = None  # bytes; ignored when num_kvcache_blocks is set
     num_kvcache_blocks: int | None = None
@@ -130,7 +131,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        for name in ("long_prefill_token_threshold", "max_local_prefill_tokens_per_step", "scheduler_delay_factor",
+        for name in ("long_prefill_token_threshold", "max_local_prefill_tokens_per_step",
+                     "max_local_prefill_ms_per_step", "scheduler_delay_factor",
                      "data_parallel_rank"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -293,6 +295,9 @@ HELP = {
     "max_local_prefill_tokens_per_step": "while decodes run, prompt tokens one prefill step may carry, and a decode "
                                          "step after each such prefill step, so running streams are not stalled for a "
                                          "whole local prompt (e.g. a decode engine prefilling locally; 0: off)",
+    "max_local_prefill_ms_per_step": "the same cap in time: while decodes run, a prefill step carries the prompt "
+                                     "tokens that fit in this many ms at the engine's measured prefill cost (with "
+                                     "the token cap, the smaller; 0: off)",
     "kv_cache_memory": "KV cache size, e.g. 512MiB (default: 256MiB, at most max_num_seqs full contexts)",
     "num_kvcache_blocks": "KV cache size in blocks",
     "kv_role": "PD role: both (colocated), producer (prefill), consumer (decode)",

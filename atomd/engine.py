@@ -89,6 +89,7 @@ class LLMEngine:
             scheduler_delay_factor=config.scheduler_delay_factor,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
             max_local_prefill_tokens_per_step=config.max_local_prefill_tokens_per_step,
+            max_local_prefill_ms_per_step=config.max_local_prefill_ms_per_step,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             enable_kv_events=config.kv_events_endpoint is not None),
             kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)
@@ -223,11 +224,17 @@ class LLMEngine:
         if batch is not None and self.kv_connector is not None:
             self.kv_connector.start_load_kv(batch.connector_meta)  # an empty batch may carry a pull
         if batch is not None and batch.seqs:
-            for update in self.scheduler.postprocess(batch, self._forward(batch)):
+            started = time.perf_counter()
+            output = self._forward(batch)
+            if batch.is_prefill:  # what a prompt token costs: the time cap of local prefills
+                self.scheduler.observe_prefill_step(batch.num_tokens, time.perf_counter() - started)
+            for update in self.scheduler.postprocess(batch, output):
                 outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
                                              update.finished))
         if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
             self.scheduler.update_from_kv_connector_output(self.kv_connector.get_finished())
+            for update in self.scheduler.take_first_tokens():
+                outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs, False))
         for seq in self.scheduler.take_rejected():
             outputs.extend(self._outputs(seq, [], None, True))
         if self.kv_events is not None:  # after the forward that wrote (and indexed) the blocks

@@ -6,7 +6,8 @@ Setups: colocated-2t (one engine, 2 torch threads), colocated-dp2 (`--data-paral
 one thread per rank), colocated-1t (a control: one engine, one thread), pd-1p1d (P's and D's
 engine threads pinned to cores 0 and 1), pd-1p1d-unpinned, and pinned 1P+1D behind a router in
 `--pd-mode strict` (pd-1p1d-strict) or `--pd-mode adaptive` with D capped by
-`--max-local-prefill-tokens-per-step` (pd-1p1d-adaptive; router/adaptive.py).
+`--max-local-prefill-tokens-per-step` or `--max-local-prefill-ms-per-step` (pd-1p1d-adaptive;
+router/adaptive.py).
 
 Every setup is started fresh by this script (free ports, stopped in `finally`), warmed up
 with two requests, then `atomd bench serve` (a subprocess) runs the same seeded workload at
@@ -172,7 +173,7 @@ def idle_slo(args, workload: list[str], out_dir: pathlib.Path) -> list[str]:
     slo = [f"ttft:{ttft * ttft_x:.0f}", f"tpot:{tpot * tpot_x:.1f}"]
     print(f"idle (one engine, one thread, one request at a time, {args.idle_prompts} requests): median TTFT "
           f"{ttft:.1f} ms, median TPOT {tpot:.2f} ms -> SLO {' '.join(slo)} ({ttft_x:g}x, {tpot_x:g}x)", flush=True)
-    return slo
+    return slo, tpot
 
 
 def metric_delta(before: dict, after: dict) -> dict[str, float]:
@@ -308,6 +309,9 @@ def main() -> int:
                              "pd-1p1d-strict", "pd-1p1d-adaptive"])
     ap.add_argument("--local-prefill-max-tokens", type=int, default=256, help="pd-1p1d-adaptive's router flag")
     ap.add_argument("--max-local-prefill-tokens-per-step", type=int, default=64, help="pd-1p1d-adaptive's D flag")
+    ap.add_argument("--max-local-prefill-ms-per-step", type=float, default=0.0,
+                    help="pd-1p1d-adaptive's D flag instead of the token cap; -1: the TPOT SLO minus the idle TPOT "
+                         "(what a stream can wait per token and stay in SLO; with --slo-from-idle)")
     ap.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("/tmp/atomd-bench/pd_vs_colocated"))
     ap.add_argument("--run-timeout-s", type=float, default=300)
     args = ap.parse_args()
@@ -327,8 +331,18 @@ def main() -> int:
     workload = ["--dataset", "random", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                 "--range-ratio", str(args.range_ratio)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks on SIGTERM
-    slo = idle_slo(args, workload, args.out_dir) if args.slo_from_idle else args.slo
+    slo, idle_tpot = idle_slo(args, workload, args.out_dir) if args.slo_from_idle else (args.slo, None)
     workload += ["--goodput", *slo]
+    cap = ["--max-local-prefill-tokens-per-step", str(args.max_local_prefill_tokens_per_step)]
+    if args.max_local_prefill_ms_per_step:
+        ms = args.max_local_prefill_ms_per_step
+        if ms < 0:  # a stream's slack per token under the SLO: TPOT SLO - idle TPOT
+            tpot_slo = parse_goodput(slo).get("tpot")
+            if tpot_slo is None or idle_tpot is None:
+                ap.error("--max-local-prefill-ms-per-step -1 needs --slo-from-idle (and its TPOT)")
+            ms = tpot_slo - idle_tpot
+        cap = ["--max-local-prefill-ms-per-step", f"{ms:.1f}"]
+        print(f"pd-1p1d-adaptive: D's local prefill steps capped at {ms:.1f} ms", flush=True)
     setups = {"colocated-2t": lambda: colocated("colocated-2t", 2, 1, args.out_dir),
               # a control: what one engine does with one thread, the other core left to the rest
               "colocated-1t": lambda: colocated("colocated-1t", 1, 1, args.out_dir),
@@ -340,7 +354,7 @@ def main() -> int:
               "pd-1p1d-adaptive": lambda: disaggregated(
                   [], args.out_dir, True, "pd-adaptive",
                   ("--pd-mode", "adaptive", "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)),
-                  ("--max-local-prefill-tokens-per-step", str(args.max_local_prefill_tokens_per_step)))}
+                  tuple(cap))}
     rows = run_all({name: setups[name] for name in args.setups}, args, workload, args.out_dir)
     med = median_rows(rows)
     print(f"load average at end {os.getloadavg()}")

@@ -9,15 +9,24 @@ What the router measures, per request and per prefill worker:
 - each P's prefill rate (tokens/s), an exponential moving average over completed prefill
   legs: (tokens queued ahead of the leg + its own tokens) / the leg's time;
 - each P's transfer cost (s): from P's answer to D's first streamed event, moving average;
-- D's local prefill rate (tokens/s): a local leg's uncached tokens / its time to first event.
+- D's local prefill rate (tokens/s), learnt the same way from local legs: (D's local prefill
+  tokens in flight ahead of the leg + its own) / its time to first event; and those local
+  tokens in flight per decode worker (`local_pending`).
 
 Rule: local when n <= local_prefill_max_tokens (`short_prompt`: too short to hurt running
 decodes, and not worth a second leg) or when no prefill worker is in rotation
 (`no_prefill_worker`). Otherwise remote (`long_prompt`) when the best P's extra delay —
-its predicted wait (queue / rate) plus the transfer — is below what a local prefill would
-cost: n / D's local rate, the stall of every stream running on D, times the number of
-those streams (legs in flight on D; at least 1, so an idle D compares the prefill time
-itself); else local (`prefill_backlog`: every P is backed up). `--pd-mode strict` always takes two
+its predicted wait (queue / rate) plus the transfer — is below what prefilling locally
+takes D: its own local prefills in flight and n, at D's local rate (the time its running
+streams share the engine with prefill work); else local (`prefill_backlog`: every P is
+backed up). What a local
+prefill costs D's running streams is bounded on D itself, by its time cap
+(`--max-local-prefill-ms-per-step`: a stream waits at most one capped chunk between two of
+its tokens), and D's local rate is learnt under that load: chunks alternating with decode
+steps of many streams make it slow, which sends prompts back to P. (Session 3's rule
+multiplied a local prefill's time by D's running streams instead; on the SmolLM2-135M shape
+that kept two thirds of the prompts on a backed-up P while D had TPOT headroom:
+benchmarks/results/pd_adaptive.md.) `--pd-mode strict` always takes two
 legs (reason `strict`; a fallback is an error); `always` (the default) takes two legs with
 the fallbacks of router/pd.py, counted as before without a reason.
 
@@ -56,6 +65,7 @@ class PDDecider:
         self.rate: dict[str, Ewma] = {}  # prefill worker url -> tokens/s
         self.transfer: dict[str, Ewma] = {}  # prefill worker url -> s
         self.local_rate = Ewma(local_tokens_per_s or prefill_tokens_per_s, alpha)
+        self.local_pending: dict[str, int] = {}  # decode worker url -> local prefill tokens in flight
 
     def _rate(self, url: str) -> Ewma:
         e = self.rate.get(url)
@@ -83,6 +93,21 @@ class PDDecider:
         if tokens > 0 and seconds > 0:
             self.local_rate.observe(tokens / seconds)
 
+    def start_local(self, url: str, tokens: int) -> int:
+        """A local prefill of `tokens` sent to decode worker `url`; returns the local tokens
+        it has in flight ahead of them."""
+        ahead = self.local_pending.get(url, 0)
+        self.local_pending[url] = ahead + tokens
+        return ahead
+
+    def end_local(self, url: str, tokens: int) -> None:
+        """That prefill is done (D's first event) or its leg ended without one."""
+        left = self.local_pending.get(url, 0) - tokens
+        if left > 0:
+            self.local_pending[url] = left
+        else:
+            self.local_pending.pop(url, None)
+
     def forget(self, url: str) -> None:
         self.rate.pop(url, None)
         self.transfer.pop(url, None)
@@ -94,20 +119,27 @@ class PDDecider:
         itself: its queue ahead, then the transfer."""
         return worker.in_flight_tokens / max(self._rate(worker.url).value, 1e-9) + self._transfer(worker.url).value
 
-    def decide(self, uncached: int, prefill_workers: Iterable, decode_streams: int = 0) -> tuple[str, str]:
-        """("pd" | "local_prefill", reason) for a prompt of which D would compute `uncached`
-        tokens while `decode_streams` requests run on D."""
+    def local_time(self, decode_url: str, tokens: int) -> float:
+        """Seconds decode worker `decode_url` would spend prefilling `tokens` locally, after
+        the local prefills it has in flight."""
+        return (self.local_pending.get(decode_url, 0) + tokens) / max(self.local_rate.value, 1e-9)
+
+    def decide(self, uncached: int, prefill_workers: Iterable, decode_url: str = "") -> tuple[str, str]:
+        """("pd" | "local_prefill", reason) for a prompt of which decode worker `decode_url`
+        would compute `uncached` tokens."""
         if uncached <= self.local_prefill_max_tokens:
             return "local_prefill", "short_prompt"
         workers = list(prefill_workers)
         if not workers:
             return "local_prefill", "no_prefill_worker"
         best = min(self.remote_delay(w) for w in workers)
-        local = uncached / max(self.local_rate.value, 1e-9) * max(1, decode_streams)
-        return ("pd", "long_prompt") if best < local else ("local_prefill", "prefill_backlog")
+        if best < self.local_time(decode_url, uncached):
+            return "pd", "long_prompt"
+        return "local_prefill", "prefill_backlog"
 
     def describe(self) -> dict:
         return {"local_prefill_max_tokens": self.local_prefill_max_tokens,
                 "local_tokens_per_s": self.local_rate.value,
+                "local_tokens_in_flight": dict(self.local_pending),
                 "prefill_tokens_per_s": {u: e.value for u, e in self.rate.items()},
                 "transfer_s": {u: e.value for u, e in self.transfer.items()}}

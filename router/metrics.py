@@ -237,9 +237,14 @@ def adaptive_families(state: dict):
     for url, v in sorted(state["transfer_s"].items()):
         transfer.add_metric([url], v)
     local = GaugeMetricFamily(P + "pd_local_prefill_tokens_per_second", "adaptive PD: a local prefill's "
-                              "uncached tokens over its time to first event on D, a moving average")
+                              "uncached tokens, and the local ones in flight on D ahead of them, over its time to "
+                              "first event on D, a moving average")
     local.add_metric([], state["local_tokens_per_s"])
-    return rate, transfer, local
+    pending = GaugeMetricFamily(P + "pd_local_prefill_tokens_in_flight", "adaptive PD: uncached prompt tokens of "
+                                "local prefills sent to each decode worker and not yet answered", labels=["worker"])
+    for url, v in sorted(state["local_tokens_in_flight"].items()):
+        pending.add_metric([url], v)
+    return rate, transfer, local, pending
 
 
 BREAKER_NAMES = CircuitBreaker.NAMES

@@ -242,7 +242,7 @@ class PDRequest:
     __slots__ = ("relay", "metrics", "series", "req", "resp", "endpoint", "path", "body", "raw", "route",
                  "request_id", "headers", "echo", "arrival", "last_send", "first_event_sent", "prefill_worker",
                  "transfer_id", "pulled", "tokens", "deadline_hit", "_deadline", "reason", "prefill_done",
-                 "local_tokens", "local_start")
+                 "local_tokens", "local_start", "local_url", "local_ahead")
 
     def __init__(self, relay: PDRelay, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes):
         self.relay = relay
@@ -271,6 +271,8 @@ class PDRequest:
         self.prefill_done: float | None = None  # when P's KV params arrived (adaptive: transfer cost)
         self.local_tokens = 0  # adaptive local prefill: the tokens D computes ...
         self.local_start: float | None = None  # ... and when its leg started
+        self.local_url: str | None = None  # ... on this decode worker, until its first event
+        self.local_ahead = 0  # ... behind these local prefill tokens already there
 
     def leg_headers(self, role: str) -> bytes:
         rank = self.route.dp_rank.get(role)
@@ -329,11 +331,16 @@ class PDRequest:
                 # adaptive: D first (kv_aware learns its cached prefix), then one leg or two
                 first = self.relay.pick("decode", self.route, [], None)
                 uncached = self.route.leg_tokens("decode")
-                decision, self.reason = decider.decide(uncached, registry.available("prefill"), first.in_flight)
+                decision, self.reason = decider.decide(uncached, registry.available("prefill"), first.url)
                 if decision == "local_prefill":
                     self.metrics.decisions.inc(("local_prefill", self.reason))
                     self.local_tokens = uncached
-                    await self.decode(None, first)
+                    self.local_url = first.url
+                    self.local_ahead = decider.start_local(first.url, uncached)
+                    try:
+                        await self.decode(None, first)
+                    finally:
+                        self.end_local()
                     return
             elif strict:
                 self.reason = "strict"
@@ -560,7 +567,14 @@ class PDRequest:
         if self.prefill_done is not None:
             decider.observe_transfer(self.prefill_worker.url, now - self.prefill_done)
         elif self.local_tokens and self.local_start is not None:
-            decider.observe_local(self.local_tokens, now - self.local_start)
+            decider.observe_local(self.local_ahead + self.local_tokens, now - self.local_start)
+            self.end_local()
+
+    def end_local(self) -> None:
+        """D's local prefill is no longer in flight (counted once: first event or leg end)."""
+        if self.local_url is not None:
+            self.relay.decider.end_local(self.local_url, self.local_tokens)
+            self.local_url = None
 
     async def relay_answer(self, role: str, worker: Worker, conn: ClientConnection) -> None:
         if conn.status != 200:

@@ -14,10 +14,11 @@ Each `schedule()` returns one kind of batch (the seed's semantics):
 - decode, when nothing prefills: every decode-ready running sequence schedules its last
   token (plus its drafts with speculative decoding). A sequence that cannot get a block
   preempts the newest running sequence (recompute: blocks freed, tokens kept).
-- protected streams (`max_local_prefill_tokens_per_step` > 0, chunked prefill): while
-  decode-ready sequences run, a prefill step carries at most that many prompt tokens and
-  the next step is a decode step, so a running stream waits at most one capped chunk
-  between two of its tokens (a decode engine prefilling a prompt locally).
+- protected streams (`max_local_prefill_tokens_per_step` or `max_local_prefill_ms_per_step`
+  > 0, chunked prefill): while decode-ready sequences run, a prefill step carries at most
+  that many prompt tokens (or what fits in that many ms at the measured cost per prompt
+  token) and the next step is a decode step, so a running stream waits at most one capped
+  chunk between two of its tokens (a decode engine prefilling a prompt locally).
 
 Invariant of a decode-ready sequence: `num_computed_tokens == num_tokens - 1`; the KV of
 every token but the last is computed, and the last is the next one to forward.
@@ -77,6 +78,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     # step carries at most this many prompt tokens and is followed by a decode step (0: off;
     # only with chunked prefill). A remote prefill's KV arrives by pull, so it is not capped.
     max_local_prefill_tokens_per_step: int = 0
+    # the same protection in time: a capped prefill step carries the prompt tokens that fit in
+    # this many milliseconds at the engine's measured prefill cost (observe_prefill_step; with
+    # the token cap too, the smaller; 0: off). One cap value then fits any model and dtype.
+    max_local_prefill_ms_per_step: float = 0.0
 
     def __post_init__(self) -> None:
         for name in ("num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -84,7 +89,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
         for name in ("scheduler_delay_factor", "num_speculative_tokens",
-                     "long_prefill_token_threshold", "max_local_prefill_tokens_per_step"):
+                     "long_prefill_token_threshold", "max_local_prefill_tokens_per_step",
+                     "max_local_prefill_ms_per_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
@@ -175,6 +181,7 @@ class Scheduler:
         self._recv_done: dict[int, None] = {}  # parked ids whose pull finished: promote next tick
         self._aborting: dict[int, Sequence] = {}  # aborted while parked: free once the pull stops
         self._injected: dict[int, Any] = {}  # id -> T0 logprobs entry, T0 not yet emitted
+        self._first_tokens: list[SeqUpdate] = []  # T0 of promoted sequences, for take_first_tokens
         self._local_only: set[int] = set()  # ids the connector must not load again
         self._rejected: list[Sequence] = []
         self._end_token_ids = set(config.stop_token_ids)
@@ -190,6 +197,7 @@ class Scheduler:
         self._prev_prompt = False
         self._last_prompt_latency = 0.0
         self._capped_prefill_last = False  # the last step was a capped prefill: decodes go next
+        self.prefill_s_per_token: float | None = None  # moving average over prefill steps (observe_prefill_step)
 
     # ------------------------------------------------------------------ requests in and out
 
@@ -255,7 +263,7 @@ class Scheduler:
         allow_prefill = self._ask_prefill_delayer()  # every tick, before any early return
         self._promote_received()
         # running streams under a local prefill: capped prefill steps alternate with decode steps
-        cap = self.config.max_local_prefill_tokens_per_step
+        cap = self.local_prefill_cap()
         protect = cap > 0 and self.config.enable_chunked_prefill and len(self.running) > len(self._prefilling)
         batch = self._schedule_decode() if protect and self._capped_prefill_last else None
         if batch is None and allow_prefill:
@@ -270,6 +278,30 @@ class Scheduler:
         if batch is not None:
             batch.block_copies = self.block_manager.take_copies()
         return batch
+
+    def local_prefill_cap(self) -> int:
+        """Prompt tokens a prefill step may carry while streams run (0: no cap): the token cap,
+        the time cap at the measured cost per token (a whole number of blocks, at least one;
+        four blocks, the smallest step measured, until a prefill step was), the smaller of the
+        two set."""
+        caps = [self.config.max_local_prefill_tokens_per_step]
+        ms = self.config.max_local_prefill_ms_per_step
+        if ms > 0:
+            block = self.config.block_size
+            per_token = self.prefill_s_per_token
+            caps.append(4 * block if per_token is None else max(block, int(ms / 1e3 / per_token) // block * block))
+        caps = [c for c in caps if c > 0]
+        return min(caps) if caps else 0
+
+    def observe_prefill_step(self, num_tokens: int, seconds: float) -> None:
+        """A prefill step of `num_tokens` took `seconds` (the forward and its sample): the cost
+        per token the time cap divides by. A moving average (0.2), so the cap follows the
+        context lengths and the machine's load. Steps under four blocks are not counted: their
+        fixed cost (a pulled prompt's last token on a decode engine) would read as per token."""
+        if num_tokens >= 4 * self.config.block_size and seconds > 0:
+            x = seconds / num_tokens
+            prev = self.prefill_s_per_token
+            self.prefill_s_per_token = x if prev is None else prev + 0.2 * (x - prev)
 
     def _connector_meta(self) -> KVConnectorMetadata | None:
         return self.kv_connector.build_connector_meta() if self.kv_connector is not None else None
@@ -665,6 +697,7 @@ class Scheduler:
                 bm.deallocate(self._aborting.pop(seq_id))
             elif seq_id in self.parked and seq_id not in self._recv_done:
                 self._recv_failed(self.parked.pop(seq_id))
+        self._promote_received()  # now, not at the next schedule(): T0 leaves with this step's outputs
 
     def _recv_failed(self, seq: Sequence) -> None:
         self.num_recv_failures += 1
@@ -678,6 +711,24 @@ class Scheduler:
         self._finish(seq, "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine",
                      ErrorCode.KV_TRANSFER_FAILED)
         self._rejected.append(seq)
+
+    def _emit_t0(self, seq: Sequence, logprobs: Any) -> SeqUpdate:
+        """The update that emits a received sequence's T0 (P's sample) on its own."""
+        if logprobs is not None:
+            seq.cumulative_logprob += logprobs["logprob"]
+        if seq.first_token_time is None:
+            seq.first_token_time = _now()
+        entries = None
+        if seq.sampling_params.logprobs is not None:
+            entries = [logprobs]
+            seq.logprobs.extend(entries)
+        return SeqUpdate(seq, [seq.token_ids[-1]], entries, False)
+
+    def take_first_tokens(self) -> list[SeqUpdate]:
+        """T0 of the sequences promoted since the last call (received KV: P sampled T0, so
+        the client has it as soon as the pull lands, a decode step before T1)."""
+        out, self._first_tokens = self._first_tokens, []
+        return out
 
     def _promote_received(self) -> None:
         """Parked sequences whose prompt KV arrived start decoding, ahead of new admissions.
@@ -694,7 +745,10 @@ class Scheduler:
             self.block_manager.publish(seq)  # D's prefix cache learns the received blocks
             if remote.first_token_id is not None and seq.num_forks == 0:
                 seq.token_ids.append(int(remote.first_token_id))
-                self._injected[seq.id] = remote.first_token_logprobs
+                if self._stop_reason(seq) is None:  # T0 goes out now, not after D's first step
+                    self._first_tokens.append(self._emit_t0(seq, remote.first_token_logprobs))
+                else:  # T0 ends it: the first step's postprocess finishes it (_apply_samples)
+                    self._injected[seq.id] = remote.first_token_logprobs
                 k = self.config.num_speculative_tokens
                 drafts = remote.draft_token_ids[:min(k, self.config.max_model_len - seq.num_tokens)]
                 seq.spec_token_ids = [int(t) for t in drafts]

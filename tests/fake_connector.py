@@ -162,16 +162,19 @@ class FakeModel:
 
 
 def step(scheduler: Scheduler, model: FakeModel, worker=None):
-    """One engine step: schedule, start loads, forward, report transfers, postprocess."""
+    """One engine step: schedule, start loads, forward, postprocess, report transfers (a
+    received sequence is promoted then and its T0 is part of the step's updates, as
+    LLMEngine.step emits it)."""
+    updates = scheduler.take_first_tokens()  # promoted by a test's own update_from_kv_connector_output
     batch = scheduler.schedule()
-    updates = []
     if batch is not None:
         if worker is not None:
             worker.start_load_kv(batch.connector_meta)
         if batch.seqs:
-            updates = scheduler.postprocess(batch, model.forward(batch))
+            updates += scheduler.postprocess(batch, model.forward(batch))
     if worker is not None:
         scheduler.update_from_kv_connector_output(worker.get_finished())
+        updates += scheduler.take_first_tokens()
     return batch, updates
 
 

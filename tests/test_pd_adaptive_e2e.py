@@ -18,7 +18,7 @@ from tests.server_fixtures import REPO, START_TIMEOUT_S, model_dir, server_log
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 VOCAB = 4096  # the default model's (config.json)
-CAP = ["--max-local-prefill-tokens-per-step", "32"]
+CAP = ["--max-local-prefill-tokens-per-step", "32", "--max-local-prefill-ms-per-step", "1"]  # the smaller cap wins
 
 
 @pytest.fixture(scope="module")

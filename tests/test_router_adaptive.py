@@ -46,6 +46,25 @@ def test_short_prompt_prefills_locally_on_decode(make):
     assert decisions(c) == {("local_prefill", "short_prompt"): 1}
     text = c.get("/metrics").body.decode()
     assert 'atomd_router:decision_total{decision="local_prefill",reason="short_prompt"} 1.0' in text
+    assert c.router.relay.decider.local_pending == {}  # no longer in flight
+
+
+def test_a_local_prefill_is_in_flight_until_its_first_event_or_its_leg_ends(make, loop):
+    c = make(pd_mode="adaptive", local_prefill_max_tokens=64)
+    d = c.decode[0]
+    decider = c.router.relay.decider
+    loop.run(_clear(d.gate))  # D holds the request before any event
+    held = asyncio.run_coroutine_threadsafe(http("POST", c.url + "/v1/completions", dict(SHORT, stream=True)),
+                                            loop.loop)
+    wait_until(lambda: decider.local_pending.get(d.url, 0) > 0, what="the local prefill counted on D")
+    text = c.get("/metrics").body.decode()
+    assert f'atomd_router:pd_local_prefill_tokens_in_flight{{worker="{d.url}"}}' in text
+    loop.run(_set(d.gate))
+    assert held.result(30).status == 200
+    assert decider.local_pending == {} and decider.local_rate.samples == 1  # learnt from its first event
+    d.fail_status = 500  # a leg that ends without an event is no longer in flight either
+    assert c.post("/v1/completions", SHORT).status >= 500
+    assert decider.local_pending == {}
 
 
 def test_long_prompt_at_idle_takes_two_legs(make):
@@ -151,11 +170,17 @@ def test_decider_rule_and_learning():
     assert "a" not in d.rate and "a" not in d.transfer
 
 
-def test_a_local_prefill_costs_the_stall_of_every_stream_running_on_decode():
+def test_local_prefills_in_flight_on_decode_count_against_another():
     d = PDDecider(local_prefill_max_tokens=100, prefill_tokens_per_s=1000.0, transfer_s=1.0)
-    assert d.decide(500, [W("a", 0)], decode_streams=0) == ("local_prefill", "prefill_backlog")  # 1 s vs 0.5 s
-    assert d.decide(500, [W("a", 0)], decode_streams=1) == ("local_prefill", "prefill_backlog")
-    assert d.decide(500, [W("a", 0)], decode_streams=3) == ("pd", "long_prompt")  # 1 s vs 3 x 0.5 s of stalls
+    assert d.decide(500, [W("a", 0)], "d1") == ("local_prefill", "prefill_backlog")  # 1 s extra vs 0.5 s
+    assert d.start_local("d1", 600) == 0
+    assert d.decide(500, [W("a", 0)], "d1") == ("pd", "long_prompt")  # 1 s vs (600 + 500) / 1000 s
+    assert d.decide(500, [W("a", 0)], "d2") == ("local_prefill", "prefill_backlog")  # another D: its own count
+    assert d.start_local("d1", 100) == 600
+    d.end_local("d1", 600)
+    d.end_local("d1", 100)
+    assert d.local_pending == {}
+    assert d.decide(500, [W("a", 0)], "d1") == ("local_prefill", "prefill_backlog")
 
 
 async def _clear(event: asyncio.Event) -> None:

@@ -64,11 +64,15 @@ def test_consumer_parks_is_promoted_on_finished_recving_injects_t0_and_never_pre
     assert d.sched.get_request_counts() == (0, 1) and len(dseq.block_table) == 3
     d.conn.start_load_kv(batch.connector_meta)
     d.sched.update_from_kv_connector_output(d.conn.get_finished())
-    assert dseq.status is SequenceStatus.WAITING_FOR_REMOTE_KVS  # promoted at the next schedule
+    assert dseq.status is SequenceStatus.RUNNING  # promoted as the pull is reported ...
+    (first,) = d.sched.take_first_tokens()  # ... and T0 goes out then, before any forward of it
+    assert first.seq is dseq and first.new_token_ids == [params["first_token_id"]] and not first.finished
+    assert d.sched.take_first_tokens() == []
+    d.out[dseq.id] = list(first.new_token_ids)
     batch, updates = d.step()
     assert not batch.is_prefill and batch.num_computed_tokens.tolist() == [10]
     assert batch.token_ids.tolist() == [params["first_token_id"]]
-    assert updates[0].new_token_ids[0] == params["first_token_id"]
+    assert updates[0].new_token_ids == reference_completion(tokens, 2)[1:]  # T1 alone
     d.run()
     assert d.out[dseq.id] == reference_completion(tokens, 8)
     assert d.model.prefilled_tokens == 0
@@ -170,10 +174,11 @@ def test_drafts_from_the_producer_are_verified_in_the_first_decode():
     params = dict(pseq.kv_transfer_params_output, draft_token_ids=ref[1:3])
     dseq = Sequence(tokens, SamplingParams(max_tokens=10), kv_transfer_params=params)
     d.sched.add(dseq)
-    d.step()
+    _, updates = d.step()  # the pull lands: T0 out
+    assert [u.new_token_ids for u in updates] == [ref[:1]]
     batch, updates = d.step()
     assert batch.token_ids.tolist() == ref[:3] and batch.num_scheduled_tokens.tolist() == [3]
-    assert updates[0].new_token_ids == ref[:4]  # T0 + two accepted drafts + bonus
+    assert updates[0].new_token_ids == ref[1:4]  # two accepted drafts + bonus
     d.run()
     assert d.out[dseq.id] == ref
 

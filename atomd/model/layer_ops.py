@@ -26,9 +26,12 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+_FORCE_TORCH = os.environ.get(ENV, "native") == "torch"  # read once: kernels() runs ~17 times a decode step
+
+
 def kernels() -> ctypes.CDLL | None:
     """The built library, or None (torch ops) with the reason logged."""
-    if os.environ.get(ENV, "native") == "torch":
+    if _FORCE_TORCH:
         return None
     return build_kernels("native")
 
