@@ -162,8 +162,8 @@ def run_all(setups: dict, args, workload: list[str], out_dir: pathlib.Path) -> l
     return sorted(rows, key=lambda row: (list(setups).index(row["setup"]), row["rate"], row["round"]))
 
 
-def idle_slo(args, workload: list[str], out_dir: pathlib.Path) -> list[str]:
-    """--slo-from-idle: the SLO as multiples of one 1-thread engine's idle TTFT and TPOT."""
+def idle_slo(args, workload: list[str], out_dir: pathlib.Path) -> tuple[list[str], float]:
+    """--slo-from-idle: the SLO as multiples of one 1-thread engine's idle TTFT and TPOT, and that idle TPOT (ms)."""
     ttft_x, tpot_x = args.slo_from_idle
     with colocated("idle", 1, 1, out_dir) as (url, _):
         bench(url, out_dir / "idle-warmup.json", args, "inf", 2, workload, "idle warmup", args.seed + 1)
