@@ -226,15 +226,19 @@ class LLMEngine:
         if batch is not None and batch.seqs:
             started = time.perf_counter()
             output = self._forward(batch)
+            elapsed = time.perf_counter() - started
             if batch.is_prefill:  # what a prompt token costs: the time cap of local prefills
-                self.scheduler.observe_prefill_step(batch.num_tokens, time.perf_counter() - started)
+                self.scheduler.observe_prefill_step(batch.num_tokens, elapsed)
+            elif self.proposer is not None:  # what a decode step costs per scheduled token: when drafts pay
+                self.spec_control.cost.observe(batch.num_tokens, elapsed)
             for update in self.scheduler.postprocess(batch, output):
                 outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
                                              update.finished))
         if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
             self.scheduler.update_from_kv_connector_output(self.kv_connector.get_finished())
             for update in self.scheduler.take_first_tokens():
-                outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs, False))
+                outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
+                                             update.finished))
         for seq in self.scheduler.take_rejected():
             outputs.extend(self._outputs(seq, [], None, True))
         if self.kv_events is not None:  # after the forward that wrote (and indexed) the blocks
@@ -250,7 +254,6 @@ class LLMEngine:
         # speculative decoding: the runner returns every scheduled row's logits; row j of a
         # sequence samples the token after its j-th draft, as if drafts[:j] were accepted
         verify = not batch.is_prefill and any(batch.spec_token_ids)
-        started = time.perf_counter()
         logits = self.runner.execute(batch, all_logits=want_prompt)
         prompt_entries = None
         if want_prompt:
@@ -303,8 +306,6 @@ class LLMEngine:
         next_drafts = None
         if self.proposer is not None and rows:
             next_drafts = self._propose(batch, rows, token_ids)
-            if not batch.is_prefill:  # what a decode step costs per scheduled token: when drafts pay
-                self.spec_control.cost.observe(batch.num_tokens, time.perf_counter() - started)
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, draft_token_ids=next_drafts,
                                     fork_token_ids=fork_ids, fork_logprobs=fork_entries,
                                     prompt_logprobs=prompt_entries)

@@ -48,7 +48,6 @@ from scheduler.stats import CacheStats, SpecStats
 logger = logging.getLogger("atomd.scheduler")
 
 _now = time.time  # one clock for arrival times and the delay factor (patched in tests)
-_NO_INJECTION = object()
 _STOP_WINDOW_SLACK = 4  # extra tail tokens detokenized when looking for a stop string
 
 
@@ -178,9 +177,7 @@ class Scheduler:
         self.deferred_free_blocks: dict[int, Sequence] = {}
         self._prefilling: dict[int, Sequence] = {}  # running, prompt not done; admission order
         self._live: dict[int, Sequence] = {}  # waiting, running or parked, by id
-        self._recv_done: dict[int, None] = {}  # parked ids whose pull finished: promote next tick
         self._aborting: dict[int, Sequence] = {}  # aborted while parked: free once the pull stops
-        self._injected: dict[int, Any] = {}  # id -> T0 logprobs entry, T0 not yet emitted
         self._first_tokens: list[SeqUpdate] = []  # T0 of promoted sequences, for take_first_tokens
         self._local_only: set[int] = set()  # ids the connector must not load again
         self._rejected: list[Sequence] = []
@@ -228,11 +225,7 @@ class Scheduler:
             self.block_manager.deallocate(seq)
         else:  # parked
             del self.parked[seq.id]
-            if seq.id in self._recv_done:
-                del self._recv_done[seq.id]
-                self.block_manager.deallocate(seq)  # the pull has already stopped
-            else:
-                self._aborting[seq.id] = seq
+            self._aborting[seq.id] = seq  # its pull is still running: freed when it stops
         seq.status = SequenceStatus.ABORTED
         seq.leave_reason = "aborted"
         self._forget(seq)
@@ -261,7 +254,6 @@ class Scheduler:
 
     def schedule(self) -> ScheduledBatch | None:
         allow_prefill = self._ask_prefill_delayer()  # every tick, before any early return
-        self._promote_received()
         # running streams under a local prefill: capped prefill steps alternate with decode steps
         cap = self.local_prefill_cap()
         protect = cap > 0 and self.config.enable_chunked_prefill and len(self.running) > len(self._prefilling)
@@ -578,29 +570,15 @@ class Scheduler:
             self.spec_stats.update(num_drafts, num_sampled - 1)
         emitted: list[int] = []
         reason = None
-        t0_logprobs = self._injected.pop(seq.id, _NO_INJECTION) if self._injected else _NO_INJECTION
-        injected = t0_logprobs is not _NO_INJECTION
-        if injected:  # D's first step: T0 came from P, emit it first
-            emitted.append(seq.token_ids[seq.num_prompt_tokens])
+        for token in tokens:
+            token = int(token)
+            seq.token_ids.append(token)
+            emitted.append(token)
             reason = self._stop_reason(seq)
-        if reason is None:
-            for token in tokens:
-                token = int(token)
-                seq.token_ids.append(token)
-                emitted.append(token)
-                reason = self._stop_reason(seq)
-                if reason is not None:
-                    break  # drafts past a stop are cut
-        new_logprobs = None
-        kept = len(emitted) - injected
-        if logprobs is not None or injected:  # ranks best_of candidates
-            for entry in ([t0_logprobs] if injected else []) + list(logprobs[:kept] if logprobs else []):
-                if entry is not None:
-                    seq.cumulative_logprob += entry["logprob"]
-        if seq.sampling_params.logprobs is not None:
-            new_logprobs = ([t0_logprobs] if injected else []) + \
-                (list(logprobs[:kept]) if logprobs is not None else [None] * kept)
-            seq.logprobs.extend(new_logprobs)
+            if reason is not None:
+                break  # drafts past a stop are cut
+        kept = len(emitted)
+        new_logprobs = self._record_logprobs(seq, list(logprobs[:kept]) if logprobs is not None else [None] * kept)
         seq.num_computed_tokens = len(seq.token_ids) - 1
         if num_drafts and reason is None:  # roll back: blocks that hold only rejected drafts' KV
             self.block_manager.trim(seq)
@@ -673,7 +651,6 @@ class Scheduler:
 
     def _forget(self, seq: Sequence) -> None:
         self._prefilling.pop(seq.id, None)
-        self._injected.pop(seq.id, None)
         self._local_only.discard(seq.id)
 
     # ------------------------------------------------------------------ KV connector
@@ -687,17 +664,19 @@ class Scheduler:
             seq = self.deferred_free_blocks.pop(seq_id, None)
             if seq is not None:
                 bm.deallocate(seq)
+        received: dict[int, None] = {}  # parked ids whose pull landed, in order
         for seq_id in output.finished_recving:
             if seq_id in self._aborting:
                 bm.deallocate(self._aborting.pop(seq_id))
             elif seq_id in self.parked:
-                self._recv_done[seq_id] = None
+                received[seq_id] = None
         for seq_id in output.failed_recving:
             if seq_id in self._aborting:
                 bm.deallocate(self._aborting.pop(seq_id))
-            elif seq_id in self.parked and seq_id not in self._recv_done:
+            elif seq_id in self.parked and seq_id not in received:
                 self._recv_failed(self.parked.pop(seq_id))
-        self._promote_received()  # now, not at the next schedule(): T0 leaves with this step's outputs
+        for seq_id in received:  # now, not at the next schedule(): T0 leaves with this step's outputs
+            self._promote_received(self.parked.pop(seq_id))
 
     def _recv_failed(self, seq: Sequence) -> None:
         self.num_recv_failures += 1
@@ -712,17 +691,16 @@ class Scheduler:
                      ErrorCode.KV_TRANSFER_FAILED)
         self._rejected.append(seq)
 
-    def _emit_t0(self, seq: Sequence, logprobs: Any) -> SeqUpdate:
-        """The update that emits a received sequence's T0 (P's sample) on its own."""
-        if logprobs is not None:
-            seq.cumulative_logprob += logprobs["logprob"]
-        if seq.first_token_time is None:
-            seq.first_token_time = _now()
-        entries = None
-        if seq.sampling_params.logprobs is not None:
-            entries = [logprobs]
-            seq.logprobs.extend(entries)
-        return SeqUpdate(seq, [seq.token_ids[-1]], entries, False)
+    def _record_logprobs(self, seq: Sequence, entries: list[Any]) -> list[Any] | None:
+        """Account new tokens' logprob entries (None where not computed): the cumulative
+        logprob that ranks best_of candidates, and the entries the request asked for."""
+        for entry in entries:
+            if entry is not None:
+                seq.cumulative_logprob += entry["logprob"]
+        if seq.sampling_params.logprobs is None:
+            return None
+        seq.logprobs.extend(entries)
+        return entries
 
     def take_first_tokens(self) -> list[SeqUpdate]:
         """T0 of the sequences promoted since the last call (received KV: P sampled T0, so
@@ -730,35 +708,34 @@ class Scheduler:
         out, self._first_tokens = self._first_tokens, []
         return out
 
-    def _promote_received(self) -> None:
-        """Parked sequences whose prompt KV arrived start decoding, ahead of new admissions.
+    def _promote_received(self, seq: Sequence) -> None:
+        """A parked sequence whose prompt KV arrived starts decoding, ahead of new admissions.
 
         D never forwards such a prompt: its KV is all there, so the sequence resumes at
-        position num_prompt_tokens with P's first token T0 (and drafts) appended.
+        position num_prompt_tokens with P's first token T0 (and drafts) appended, and T0 goes
+        out now (take_first_tokens), a decode step before T1.
         """
-        if not self._recv_done:
-            return
-        for seq_id in self._recv_done:
-            seq = self.parked.pop(seq_id)
-            remote = self.kv_connector.remote_prefill(seq)
-            seq.num_computed_tokens = seq.num_prompt_tokens
-            self.block_manager.publish(seq)  # D's prefix cache learns the received blocks
-            if remote.first_token_id is not None and seq.num_forks == 0:
-                seq.token_ids.append(int(remote.first_token_id))
-                if self._stop_reason(seq) is None:  # T0 goes out now, not after D's first step
-                    self._first_tokens.append(self._emit_t0(seq, remote.first_token_logprobs))
-                else:  # T0 ends it: the first step's postprocess finishes it (_apply_samples)
-                    self._injected[seq.id] = remote.first_token_logprobs
-                k = self.config.num_speculative_tokens
-                drafts = remote.draft_token_ids[:min(k, self.config.max_model_len - seq.num_tokens)]
-                seq.spec_token_ids = [int(t) for t in drafts]
-            else:  # recompute the last position here to sample T0 (every choice's, when it forks)
-                seq.num_computed_tokens -= 1
-            seq.num_cached_tokens = remote.num_cached_tokens
-            self._local_only.add(seq.id)  # a later preemption recomputes locally
-            seq.status = SequenceStatus.RUNNING
-            self.running.append(seq)
-        self._recv_done.clear()
+        remote = self.kv_connector.remote_prefill(seq)
+        seq.num_computed_tokens = seq.num_prompt_tokens
+        seq.num_cached_tokens = remote.num_cached_tokens
+        self.block_manager.publish(seq)  # D's prefix cache learns the received blocks
+        self._local_only.add(seq.id)  # a later preemption recomputes locally
+        if remote.first_token_id is None or seq.num_forks:
+            seq.num_computed_tokens -= 1  # recompute the last position to sample T0 (every choice's)
+        else:
+            seq.token_ids.append(int(remote.first_token_id))
+            seq.first_token_time = _now()
+            reason = self._stop_reason(seq)
+            entries = self._record_logprobs(seq, [remote.first_token_logprobs])
+            self._first_tokens.append(SeqUpdate(seq, [seq.token_ids[-1]], entries, reason is not None))
+            if reason is not None:  # T0 ends it: D never steps it
+                self._finish(seq, reason)
+                return
+            k = self.config.num_speculative_tokens
+            drafts = remote.draft_token_ids[:min(k, self.config.max_model_len - seq.num_tokens)]
+            seq.spec_token_ids = [int(t) for t in drafts]
+        seq.status = SequenceStatus.RUNNING
+        self.running.append(seq)
 
     # ------------------------------------------------------------------ prefill delayer
 
