@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd import cbuild
+from atomd.config import cpu_flags
 from atomd.model import layer_ops
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -139,3 +140,53 @@ def test_engine_greedy_ids_equal_with_the_torch_fallback(dtype, monkeypatch):
     native = run()
     monkeypatch.setattr(layer_ops, "kernels", lambda: None)
     assert run() == native
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("k, n", [(576, 960), (1536, 576), (577, 33), (64, 5)])
+def test_gemv_equals_a_float32_linear_to_the_dtypes_rounding(isa, dtype, k, n):
+    """Batch-1 decode's GEMV (plain rows) against F.linear in float32 on the same inputs: float32
+    to summation order, bf16 to one rounding of the output (1 ulp). Built where the ISA is:
+    float32 with AVX-512F, bf16 with AVX512_BF16 too (the narrowed builds have less)."""
+    flags = cpu_flags()
+    built = "avx512f" in flags and isa != "no-avx512"
+    if dtype == torch.bfloat16:
+        built = built and "avx512_bf16" in flags and isa == "native"
+    assert layer_ops.has_gemv(dtype) == built
+    if not built:
+        return
+    g = torch.Generator().manual_seed(k * n)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    x = torch.randn(1, k, generator=g).to(dtype)
+    got = layer_ops.gemv(x, w)
+    want = F.linear(x.float(), w.float())
+    assert got.dtype == dtype and got.shape == (1, n)
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-4)
+    else:
+        ulp = want.abs().clamp_min(1e-3) * 2.0 ** -7
+        assert ((got.float() - want).abs() <= ulp + 1e-3).all()
+
+
+def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
+    """One sequence decoding (M = 1) reads the plain weight copies through the GEMV kernel;
+    with ATOMD_GEMV=0 no copies are kept and oneDNN runs it. float32: the same greedy ids
+    (the sums differ only in order)."""
+    from atomd import LLM, SamplingParams
+    from atomd.model import llama
+
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+
+    def run() -> tuple[bool, list[list[int]]]:
+        llm = LLM(num_threads=2, dtype="float32", enable_prefix_caching=False)
+        model = llm.engine.model
+        ids = [llm.generate([{"prompt_token_ids": list(range(5, 5 + n))}], params, use_tqdm=False)[0]
+               .outputs[0].token_ids for n in (3, 70)]
+        return model.lm_head_rows is not None and all(w.rows is not None for w in model.layers), ids
+
+    kept, gemv_ids = run()
+    assert kept == layer_ops.has_gemv(torch.float32)
+    monkeypatch.setenv(llama.GEMV_ENV, "0")
+    kept_off, onednn_ids = run()
+    assert not kept_off
+    assert gemv_ids == onednn_ids

@@ -225,3 +225,86 @@ void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t hea
                      const bf16_t *sin, const int64_t *positions, int64_t rows, int num_threads) {
     ROPE(1)
 }
+
+/* Batch-1 decode linears: y[n] = sum_k x[k] w[n, k] over a plain row-major weight [N, K]
+ * (atomd_gemv_*), for one row of activations. Why: at M = 1 a linear only streams its
+ * weight once, and oneDNN's packed matmul reads it at ~15-17 GB/s here where this loop
+ * reaches the machine's read bandwidth (benchmarks/results/offline.md, session 6). Four
+ * weight rows at a time share each load of x; float32 sums; bf16 output rounded to nearest
+ * even. Built where the vector ISA is (atomd_gemv_kinds: bit 0 float32 with AVX-512F, bit 1
+ * bfloat16 with AVX512_BF16's dot product); the Python side uses oneDNN elsewhere. */
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define GEMV_ROWS 4
+
+void atomd_gemv_f32(const float *x, const float *w, float *y, int64_t K, int64_t N, int num_threads) {
+    const int64_t full = K / 16, tk = K - full * 16;
+    const __mmask16 tm = (__mmask16)((1u << tk) - 1u);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += GEMV_ROWS) {
+        const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;
+        const float *wr[GEMV_ROWS];
+        for (int i = 0; i < GEMV_ROWS; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t k = 0;
+        for (int64_t b = 0; b < full; b++, k += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + k);
+            a0 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr[0] + k), a0);
+            a1 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr[1] + k), a1);
+            a2 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr[2] + k), a2);
+            a3 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr[3] + k), a3);
+        }
+        if (tk) {
+            const __m512 xv = _mm512_maskz_loadu_ps(tm, x + k);
+            a0 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tm, wr[0] + k), a0);
+            a1 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tm, wr[1] + k), a1);
+            a2 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tm, wr[2] + k), a2);
+            a3 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tm, wr[3] + k), a3);
+        }
+        const float r[GEMV_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                                    _mm512_reduce_add_ps(a3)};
+        for (int i = 0; i < rows; i++) store(y, n0 + i, r[i], 0);
+    }
+}
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(ATOMD_NO_BF16_DOT)
+static inline __m512bh load32(const bf16_t *p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
+
+void atomd_gemv_bf16(const bf16_t *x, const bf16_t *w, bf16_t *y, int64_t K, int64_t N, int num_threads) {
+    const int64_t full = K / 32, tk = K - full * 32;
+    const __mmask32 all = 0xffffffffu, tm = (__mmask32)((1ull << tk) - 1u);
+#pragma omp parallel for num_threads(num_threads) schedule(static)
+    for (int64_t n0 = 0; n0 < N; n0 += GEMV_ROWS) {
+        const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;
+        const bf16_t *wr[GEMV_ROWS];
+        for (int i = 0; i < GEMV_ROWS; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+        int64_t k = 0;
+        for (int64_t b = 0; b < full; b++, k += 32) {
+            const __m512bh xv = load32(x + k, all);
+            a0 = _mm512_dpbf16_ps(a0, xv, load32(wr[0] + k, all));
+            a1 = _mm512_dpbf16_ps(a1, xv, load32(wr[1] + k, all));
+            a2 = _mm512_dpbf16_ps(a2, xv, load32(wr[2] + k, all));
+            a3 = _mm512_dpbf16_ps(a3, xv, load32(wr[3] + k, all));
+        }
+        if (tk) {
+            const __m512bh xv = load32(x + k, tm);
+            a0 = _mm512_dpbf16_ps(a0, xv, load32(wr[0] + k, tm));
+            a1 = _mm512_dpbf16_ps(a1, xv, load32(wr[1] + k, tm));
+            a2 = _mm512_dpbf16_ps(a2, xv, load32(wr[2] + k, tm));
+            a3 = _mm512_dpbf16_ps(a3, xv, load32(wr[3] + k, tm));
+        }
+        const float r[GEMV_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
+                                    _mm512_reduce_add_ps(a3)};
+        for (int i = 0; i < rows; i++) store(y, n0 + i, r[i], 1);
+    }
+}
+#define GEMV_KINDS 3
+#else
+#define GEMV_KINDS 1
+#endif
+#else
+#define GEMV_KINDS 0
+#endif
+
+int atomd_gemv_kinds(void) { return GEMV_KINDS; }

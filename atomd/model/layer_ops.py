@@ -48,6 +48,12 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib = cbuild.load(SOURCE, flags, name, log, "RMSNorm, SiLU and RoPE run as torch ops")
     if lib is None:
         return None
+    lib.atomd_gemv_kinds.restype = ctypes.c_int
+    lib.gemv_kinds = lib.atomd_gemv_kinds()  # bit 0: float32, bit 1: bfloat16
+    for bit, suffix in ((1, "f32"), (2, "bf16")):
+        if lib.gemv_kinds & bit:
+            fn = getattr(lib, f"atomd_gemv_{suffix}")
+            fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int], None
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                               ctypes.c_float, ctypes.c_int]
@@ -117,3 +123,20 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
     getattr(lib, f"atomd_rope_{_SUFFIX[qkv.dtype]}")(qkv.data_ptr(), qkv.stride(0), heads, head_dim, cos.data_ptr(),
                                                      sin.data_ptr(), positions.data_ptr(), qkv.shape[0],
                                                      torch.get_num_threads())
+
+
+def has_gemv(dtype: torch.dtype) -> bool:
+    """Whether `gemv` runs this dtype here (the kernels built with its vector ISA)."""
+    lib = kernels()
+    return lib is not None and dtype in _SUFFIX and bool(lib.gemv_kinds & (1 if dtype == torch.float32 else 2))
+
+
+def gemv(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """x [1, K] @ rows.T for a plain contiguous weight `rows` [N, K] of x's dtype (has_gemv):
+    a new [1, N] tensor, float32 sums (bf16 rounded to nearest even)."""
+    lib = kernels()
+    x = x.contiguous()
+    out = torch.empty(1, rows.shape[0], dtype=x.dtype)
+    getattr(lib, f"atomd_gemv_{_SUFFIX[x.dtype]}")(x.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[1],
+                                                  rows.shape[0], torch.get_num_threads())
+    return out

@@ -8,6 +8,7 @@ sequence's context from the paged cache as described by `AttentionMetadata`.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,6 +102,8 @@ class LayerWeights:
     o_bias: torch.Tensor | None = None
     gate_up_bias: torch.Tensor | None = None
     down_bias: torch.Tensor | None = None
+    # plain row-major copies of qkv, o, gate_up, down for batch-1 decode (LlamaModel._pack_weights)
+    rows: tuple[torch.Tensor, ...] | None = None
 
 
 def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -136,6 +139,7 @@ class LlamaModel:
     max_positions: int
     cos: torch.Tensor = field(init=False)  # [max_positions, head_dim // 2]
     sin: torch.Tensor = field(init=False)
+    lm_head_rows: torch.Tensor | None = field(init=False, default=None)  # plain lm_head, batch-1 decode
 
     def __post_init__(self) -> None:
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), rope_inv_freq(self.config))
@@ -155,6 +159,10 @@ class LlamaModel:
         A tied lm_head gets its own packed copy: the embedding lookup needs the plain table."""
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
+        if keep_rows(self):  # batch-1 decode reads plain rows (layer_ops.gemv): the copies stay too
+            self.lm_head_rows = self.lm_head.contiguous()
+            for w in self.layers:
+                w.rows = (w.qkv.contiguous(), w.o.contiguous(), w.gate_up.contiguous(), w.down.contiguous())
         self.lm_head = pack_linear_weight(self.lm_head)
         for w in self.layers:
             w.qkv, w.o = pack_linear_weight(w.qkv), pack_linear_weight(w.o)
@@ -175,7 +183,7 @@ class LlamaModel:
         positions = positions.contiguous()
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         for i, w in enumerate(self.layers):
-            qkv = linear(h, w.qkv, w.qkv_bias)
+            qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
             rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
@@ -187,7 +195,7 @@ class LlamaModel:
                 tile = slice(rows, rows + ROW_TILE)
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
-        return linear(x, self.lm_head)
+        return linear(x, self.lm_head, None, self.lm_head_rows)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
                           next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
@@ -195,8 +203,9 @@ class LlamaModel:
         place, and (unless this is the last layer) the next layer's normed input written to
         next_h."""
         eps = self.config.rms_norm_eps
-        h = rms_norm(x, w.post_norm, eps, delta=linear(attn, w.o, w.o_bias))
-        down = linear(silu_mul(linear(h, w.gate_up, w.gate_up_bias)), w.down, w.down_bias)
+        rows = w.rows or (None,) * 4
+        h = rms_norm(x, w.post_norm, eps, delta=linear(attn, w.o, w.o_bias, rows[1]))
+        down = linear(silu_mul(linear(h, w.gate_up, w.gate_up_bias, rows[2])), w.down, w.down_bias, rows[3])
         if next_norm is None:
             x.add_(down)
         else:
@@ -212,7 +221,27 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+GEMV_ENV = "ATOMD_GEMV"  # "0": batch-1 decode through oneDNN too, no plain copies kept
+GEMV_MAX_BYTES = 1 << 30  # the plain copies batch-1 decode may add, at most
+
+
+def keep_rows(model: "LlamaModel") -> bool:
+    """Keep plain copies of the linear weights for batch-1 decode (layer_ops.gemv): where the
+    kernel runs the model's dtype, unless $ATOMD_GEMV=0 or the copies would pass 1 GiB (they
+    double the linears' memory: 540 MB more for the 135M shape in float32, 270 in bf16)."""
+    if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(model.dtype):
+        return False
+    size = sum(t.numel() for w in model.layers for t in (w.qkv, w.o, w.gate_up, w.down)) + model.lm_head.numel()
+    return size * model.lm_head.element_size() <= GEMV_MAX_BYTES
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           rows: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias); one row of x with the weight's plain `rows` kept: the GEMV
+    kernel, which streams them at the read bandwidth (oneDNN's M = 1 path does not)."""
+    if rows is not None and x.shape[0] == 1:
+        out = layer_ops.gemv(x, rows)
+        return out if bias is None else out.add_(bias)
     if weight.is_mkldnn:
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
