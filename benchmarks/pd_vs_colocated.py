@@ -6,8 +6,8 @@ Setups: colocated-2t (one engine, 2 torch threads), colocated-dp2 (`--data-paral
 one thread per rank), colocated-1t (a control: one engine, one thread), pd-1p1d (P's and D's
 engine threads pinned to cores 0 and 1), pd-1p1d-unpinned, and pinned 1P+1D behind a router in
 `--pd-mode strict` (pd-1p1d-strict) or `--pd-mode adaptive` with D capped by
-`--max-local-prefill-tokens-per-step` or `--max-local-prefill-ms-per-step` (pd-1p1d-adaptive;
-router/adaptive.py).
+`--max-local-prefill-tokens-per-step` or `--max-local-prefill-ms-per-step`, its router bounded
+by `--local-prefill-max-itl-ms` if given (pd-1p1d-adaptive; router/adaptive.py).
 
 Every setup is started fresh by this script (free ports, stopped in `finally`), warmed up
 with two requests, then `atomd bench serve` (a subprocess) runs the same seeded workload at
@@ -312,6 +312,9 @@ def main() -> int:
     ap.add_argument("--max-local-prefill-ms-per-step", type=float, default=0.0,
                     help="pd-1p1d-adaptive's D flag instead of the token cap; -1: the TPOT SLO minus the idle TPOT "
                          "(what a stream can wait per token and stay in SLO; with --slo-from-idle)")
+    ap.add_argument("--local-prefill-max-itl-ms", type=float, default=0.0,
+                    help="pd-1p1d-adaptive's router flag: no local prefill while D's streams are this slow; -1: the "
+                         "TPOT SLO")
     ap.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("/tmp/atomd-bench/pd_vs_colocated"))
     ap.add_argument("--run-timeout-s", type=float, default=300)
     args = ap.parse_args()
@@ -343,6 +346,15 @@ def main() -> int:
             ms = tpot_slo - idle_tpot
         cap = ["--max-local-prefill-ms-per-step", f"{ms:.1f}"]
         print(f"pd-1p1d-adaptive: D's local prefill steps capped at {ms:.1f} ms", flush=True)
+    router_flags = ("--pd-mode", "adaptive", "--local-prefill-max-tokens", str(args.local_prefill_max_tokens))
+    if args.local_prefill_max_itl_ms:
+        itl_ms = args.local_prefill_max_itl_ms
+        if itl_ms < 0:
+            itl_ms = parse_goodput(slo).get("tpot")
+            if itl_ms is None:
+                ap.error("--local-prefill-max-itl-ms -1 needs a TPOT SLO")
+        router_flags += ("--local-prefill-max-itl-ms", f"{itl_ms:.1f}")
+        print(f"pd-1p1d-adaptive: no local prefill while D's ITL is >= {itl_ms:.1f} ms", flush=True)
     setups = {"colocated-2t": lambda: colocated("colocated-2t", 2, 1, args.out_dir),
               # a control: what one engine does with one thread, the other core left to the rest
               "colocated-1t": lambda: colocated("colocated-1t", 1, 1, args.out_dir),
@@ -352,9 +364,7 @@ def main() -> int:
               "pd-1p1d-unpinned": lambda: disaggregated([], args.out_dir, False, "pd-unpinned"),
               "pd-1p1d-strict": lambda: disaggregated([], args.out_dir, True, "pd-strict", ("--pd-mode", "strict")),
               "pd-1p1d-adaptive": lambda: disaggregated(
-                  [], args.out_dir, True, "pd-adaptive",
-                  ("--pd-mode", "adaptive", "--local-prefill-max-tokens", str(args.local_prefill_max_tokens)),
-                  tuple(cap))}
+                  [], args.out_dir, True, "pd-adaptive", router_flags, tuple(cap))}
     rows = run_all({name: setups[name] for name in args.setups}, args, workload, args.out_dir)
     med = median_rows(rows)
     print(f"load average at end {os.getloadavg()}")

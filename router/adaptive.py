@@ -19,11 +19,18 @@ decodes, and not worth a second leg) or when no prefill worker is in rotation
 its predicted wait (queue / rate) plus the transfer — is below what prefilling locally
 takes D: its own local prefills in flight and n, at D's local rate (the time its running
 streams share the engine with prefill work); else local (`prefill_backlog`: every P is
-backed up). What a local
+backed up) — unless D's running streams are already as slow as allowed
+(`--local-prefill-max-itl-ms`: the moving mean of the gaps between the tokens the router
+relays from D, while D has legs in flight, at or above it), then remote anyway
+(`decode_busy`). What a local
 prefill costs D's running streams is bounded on D itself, by its time cap
 (`--max-local-prefill-ms-per-step`: a stream waits at most one capped chunk between two of
 its tokens), and D's local rate is learnt under that load: chunks alternating with decode
-steps of many streams make it slow, which sends prompts back to P. (Session 3's rule
+steps of many streams make it slow, which sends prompts back to P. The ITL bound keeps
+local prefills from running back to back: each alone holds a stream's gap within one
+capped chunk, but D prefilling all the time leaves every stream at that gap for good
+(session 6 on the built-in model: ITL median 9.5 ms for a whole round against a 6.2 ms TPOT
+SLO; benchmarks/results/pd_adaptive.md). (Session 3's rule
 multiplied a local prefill's time by D's running streams instead; on the SmolLM2-135M shape
 that kept two thirds of the prompts on a backed-up P while D had TPOT headroom:
 benchmarks/results/pd_adaptive.md.) `--pd-mode strict` always takes two
@@ -55,10 +62,14 @@ class Ewma:
 
 class PDDecider:
     def __init__(self, local_prefill_max_tokens: int = 256, prefill_tokens_per_s: float = 2000.0,
-                 transfer_s: float = 0.01, local_tokens_per_s: float | None = None, alpha: float = 0.2):
+                 transfer_s: float = 0.01, local_tokens_per_s: float | None = None, alpha: float = 0.2,
+                 local_prefill_max_itl_s: float | None = None):
         if local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {local_prefill_max_tokens}")
+        if local_prefill_max_itl_s is not None and local_prefill_max_itl_s <= 0:
+            raise ValueError(f"local_prefill_max_itl_s must be > 0, got {local_prefill_max_itl_s}")
         self.local_prefill_max_tokens = local_prefill_max_tokens
+        self.local_prefill_max_itl_s = local_prefill_max_itl_s
         self.prior_rate = prefill_tokens_per_s
         self.prior_transfer = transfer_s
         self.alpha = alpha
@@ -66,6 +77,7 @@ class PDDecider:
         self.transfer: dict[str, Ewma] = {}  # prefill worker url -> s
         self.local_rate = Ewma(local_tokens_per_s or prefill_tokens_per_s, alpha)
         self.local_pending: dict[str, int] = {}  # decode worker url -> local prefill tokens in flight
+        self.itl: dict[str, Ewma] = {}  # decode worker url -> s between the tokens relayed from it
 
     def _rate(self, url: str) -> Ewma:
         e = self.rate.get(url)
@@ -93,6 +105,13 @@ class PDDecider:
         if tokens > 0 and seconds > 0:
             self.local_rate.observe(tokens / seconds)
 
+    def observe_itl(self, url: str, seconds: float) -> None:
+        """A gap per token between two events relayed from decode worker `url`."""
+        e = self.itl.get(url)
+        if e is None:
+            e = self.itl[url] = Ewma(seconds, self.alpha)
+        e.observe(seconds)
+
     def start_local(self, url: str, tokens: int) -> int:
         """A local prefill of `tokens` sent to decode worker `url`; returns the local tokens
         it has in flight ahead of them."""
@@ -111,6 +130,7 @@ class PDDecider:
     def forget(self, url: str) -> None:
         self.rate.pop(url, None)
         self.transfer.pop(url, None)
+        self.itl.pop(url, None)
 
     # ------------------------------------------------------------------ deciding
 
@@ -124,9 +144,15 @@ class PDDecider:
         the local prefills it has in flight."""
         return (self.local_pending.get(decode_url, 0) + tokens) / max(self.local_rate.value, 1e-9)
 
-    def decide(self, uncached: int, prefill_workers: Iterable, decode_url: str = "") -> tuple[str, str]:
+    def decode_busy(self, decode_url: str, decode_streams: int) -> bool:
+        """Whether the streams on decode worker `decode_url` are at the ITL bound already."""
+        bound, itl = self.local_prefill_max_itl_s, self.itl.get(decode_url)
+        return bound is not None and decode_streams > 0 and itl is not None and itl.value >= bound
+
+    def decide(self, uncached: int, prefill_workers: Iterable, decode_url: str = "",
+               decode_streams: int = 0) -> tuple[str, str]:
         """("pd" | "local_prefill", reason) for a prompt of which decode worker `decode_url`
-        would compute `uncached` tokens."""
+        (with `decode_streams` legs in flight) would compute `uncached` tokens."""
         if uncached <= self.local_prefill_max_tokens:
             return "local_prefill", "short_prompt"
         workers = list(prefill_workers)
@@ -135,11 +161,14 @@ class PDDecider:
         best = min(self.remote_delay(w) for w in workers)
         if best < self.local_time(decode_url, uncached):
             return "pd", "long_prompt"
+        if self.decode_busy(decode_url, decode_streams):
+            return "pd", "decode_busy"
         return "local_prefill", "prefill_backlog"
 
     def describe(self) -> dict:
         return {"local_prefill_max_tokens": self.local_prefill_max_tokens,
                 "local_tokens_per_s": self.local_rate.value,
                 "local_tokens_in_flight": dict(self.local_pending),
+                "decode_itl_s": {u: e.value for u, e in self.itl.items()},
                 "prefill_tokens_per_s": {u: e.value for u, e in self.rate.items()},
                 "transfer_s": {u: e.value for u, e in self.transfer.items()}}

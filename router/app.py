@@ -75,6 +75,7 @@ class RouterConfig:
     strict_pd: bool = False  # the alias of pd_mode="strict"
     pd_mode: str = "always"  # always | adaptive | strict (router/adaptive.py)
     local_prefill_max_tokens: int = 256  # adaptive: a prompt up to this many uncached tokens prefills on D
+    local_prefill_max_itl_ms: float = 0.0  # adaptive: no local prefill while D's streams are this slow (0: no bound)
     api_key: str | None = None
     admin_api_key: str | None = None
     engine_admin_api_key: str | None = None  # the engines' --admin-api-key (for POST /kv_transfer/abort)
@@ -115,6 +116,8 @@ class RouterConfig:
         self.strict_pd = self.pd_mode == "strict"
         if self.local_prefill_max_tokens < 0:
             raise ValueError(f"local_prefill_max_tokens must be >= 0, got {self.local_prefill_max_tokens}")
+        if self.local_prefill_max_itl_ms < 0:
+            raise ValueError(f"local_prefill_max_itl_ms must be >= 0, got {self.local_prefill_max_itl_ms}")
         for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s",
                      "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s"):
             if not getattr(self, name) > 0:
@@ -223,6 +226,7 @@ class Router:
             retry_backoff_s=config.retry_backoff_s, strict_pd=config.strict_pd,
             engine_admin_api_key=config.engine_admin_api_key, pd_mode=config.pd_mode,
             local_prefill_max_tokens=config.local_prefill_max_tokens,
+            local_prefill_max_itl_ms=config.local_prefill_max_itl_ms,
             max_event_bytes=config.max_upstream_event_bytes),
             kv_params_secret=load_secret(path=config.kv_params_secret_file), tokenizer=self.tokenizer)
         if self.relay.decider is not None:

@@ -244,7 +244,12 @@ def adaptive_families(state: dict):
                                 "local prefills sent to each decode worker and not yet answered", labels=["worker"])
     for url, v in sorted(state["local_tokens_in_flight"].items()):
         pending.add_metric([url], v)
-    return rate, transfer, local, pending
+    itl = GaugeMetricFamily(P + "pd_decode_itl_seconds", "adaptive PD: the gap per token between the events "
+                            "relayed from each decode worker, a moving average (--local-prefill-max-itl-ms)",
+                            labels=["worker"])
+    for url, v in sorted(state["decode_itl_s"].items()):
+        itl.add_metric([url], v)
+    return rate, transfer, local, pending, itl
 
 
 BREAKER_NAMES = CircuitBreaker.NAMES

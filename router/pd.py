@@ -160,6 +160,7 @@ class RelayConfig(msgspec.Struct, kw_only=True):
     engine_admin_api_key: str | None = None
     pd_mode: str = "always"  # always | adaptive | strict (router/adaptive.py)
     local_prefill_max_tokens: int = 256  # adaptive: prompts up to this many uncached tokens prefill on D
+    local_prefill_max_itl_ms: float = 0.0  # adaptive: no local prefill while D's streams are this slow (0: no bound)
     # the longest SSE event (its unended lines) buffered from D: a longer one ends the stream
     # with an error event (the router's memory per stream stays bounded)
     max_event_bytes: int = 16 << 20
@@ -177,7 +178,8 @@ class PDRelay:
         self.config = config
         self.tokenizer = tokenizer
         self.prefill_timeout = config.prefill_timeout_s or config.request_timeout_s
-        self.decider = PDDecider(config.local_prefill_max_tokens) if config.pd_mode == "adaptive" else None
+        self.decider = PDDecider(config.local_prefill_max_tokens, local_prefill_max_itl_s=(
+            config.local_prefill_max_itl_ms / 1e3 or None)) if config.pd_mode == "adaptive" else None
         self._background: set[asyncio.Task] = set()
         self._rng = random.Random()
 
@@ -331,7 +333,8 @@ class PDRequest:
                 # adaptive: D first (kv_aware learns its cached prefix), then one leg or two
                 first = self.relay.pick("decode", self.route, [], None)
                 uncached = self.route.leg_tokens("decode")
-                decision, self.reason = decider.decide(uncached, registry.available("prefill"), first.url)
+                decision, self.reason = decider.decide(uncached, registry.available("prefill"), first.url,
+                                                       first.in_flight)
                 if decision == "local_prefill":
                     self.metrics.decisions.inc(("local_prefill", self.reason))
                     self.local_tokens = uncached
@@ -661,6 +664,8 @@ class PDRequest:
             if n > 0:
                 if self.first_event_sent:
                     series.itl.observe(now - self.last_send)
+                    if role == "decode" and self.relay.decider is not None:  # D's pace: what a local prefill costs
+                        self.relay.decider.observe_itl(worker.url, (now - self.last_send) / n)
                 else:
                     series.ttft.observe(now - self.arrival)
                     self.first_event_sent = True

@@ -97,6 +97,37 @@ def test_long_prompt_while_every_prefill_worker_is_backed_up_prefills_locally(ma
     assert decisions(c) == {("pd", "long_prompt"): 1, ("local_prefill", "prefill_backlog"): 1}
 
 
+def test_no_local_prefill_while_decode_streams_are_at_the_itl_bound(make, loop):
+    """--local-prefill-max-itl-ms: the router learns D's pace from the events it relays; with
+    P backed up, a long prompt still prefills on D when D runs no stream, and goes to P
+    (`decode_busy`) when D's streams are already at the bound."""
+    c = make(pd_mode="adaptive", local_prefill_max_tokens=64, local_prefill_max_itl_ms=20)
+    p, d = c.prefill[0], c.decode[0]
+    decider = c.router.relay.decider
+    d.token_delay_s = 0.05  # D's streams get a token every 50 ms
+    assert c.post("/v1/completions", dict(LONG, stream=True)).status == 200  # at idle: two legs
+    assert decider.itl[d.url].value >= 0.02  # learnt from the relayed events
+    text = c.get("/metrics").body.decode()
+    assert f'atomd_router:pd_decode_itl_seconds{{worker="{d.url}"}}' in text
+    decider.rate[p.url].value = 1.0  # P drains 1 token/s: backed up once anything queues
+    loop.run(_clear(p.gate))
+    queued = [asyncio.run_coroutine_threadsafe(http("POST", c.url + "/v1/completions", LONG), loop.loop)]
+    wait_until(lambda: len(p.requests) == 2, what="a long prompt queued on P")
+    assert c.post("/v1/completions", LONG).status == 200  # D runs no stream: local despite its pace
+    loop.run(_clear(d.hold_after_first_event))
+    queued.append(asyncio.run_coroutine_threadsafe(
+        http("POST", c.url + "/v1/completions", dict(SHORT, stream=True)), loop.loop))
+    (dw,) = c.router.registry.workers("decode")
+    wait_until(lambda: dw.in_flight == 1, what="a stream held on D")
+    queued.append(asyncio.run_coroutine_threadsafe(http("POST", c.url + "/v1/completions", LONG), loop.loop))
+    wait_until(lambda: len(p.requests) == 3, what="the long prompt sent to P")  # counted when D answers
+    loop.run(_set(p.gate))
+    loop.run(_set(d.hold_after_first_event))
+    assert [f.result(30).status for f in queued] == [200, 200, 200]
+    assert decisions(c) == {("pd", "long_prompt"): 2, ("local_prefill", "prefill_backlog"): 1,
+                            ("local_prefill", "short_prompt"): 1, ("pd", "decode_busy"): 1}
+
+
 def test_strict_mode_never_prefills_locally_and_strict_pd_is_its_alias(make):
     for kw in ({"pd_mode": "strict"}, {"strict_pd": True}):
         c = make(local_prefill_max_tokens=64, **kw)
@@ -146,6 +177,8 @@ def test_config_checks():
         RouterConfig(pd_mode="adaptive", strict_pd=True)
     with pytest.raises(ValueError, match="local_prefill_max_tokens"):
         RouterConfig(local_prefill_max_tokens=-1)
+    with pytest.raises(ValueError, match="local_prefill_max_itl_ms"):
+        RouterConfig(local_prefill_max_itl_ms=-1)
 
 
 class W:
@@ -181,6 +214,28 @@ def test_local_prefills_in_flight_on_decode_count_against_another():
     d.end_local("d1", 100)
     assert d.local_pending == {}
     assert d.decide(500, [W("a", 0)], "d1") == ("local_prefill", "prefill_backlog")
+
+
+def test_the_itl_bound_rule():
+    d = PDDecider(local_prefill_max_tokens=100, prefill_tokens_per_s=1000.0, transfer_s=1.0,
+                  local_prefill_max_itl_s=0.02)
+    backed_up = [W("a", 0)]  # 1 s extra on P vs 0.5 s locally
+    assert d.decide(500, backed_up, "d1", 3) == ("local_prefill", "prefill_backlog")  # D's pace not measured
+    d.observe_itl("d1", 0.03)
+    assert d.decide(500, backed_up, "d1", 3) == ("pd", "decode_busy")
+    assert d.decide(500, backed_up, "d1", 0) == ("local_prefill", "prefill_backlog")  # no stream to slow
+    assert d.decide(500, backed_up, "d2", 3) == ("local_prefill", "prefill_backlog")  # another D: its own pace
+    assert d.decide(50, backed_up, "d1", 3) == ("local_prefill", "short_prompt")
+    for _ in range(10):
+        d.observe_itl("d1", 0.005)  # its streams sped up
+    assert d.decide(500, backed_up, "d1", 3) == ("local_prefill", "prefill_backlog")
+    unbounded = PDDecider(local_prefill_max_tokens=100, prefill_tokens_per_s=1000.0, transfer_s=1.0)
+    unbounded.observe_itl("d1", 1.0)
+    assert unbounded.decide(500, backed_up, "d1", 3) == ("local_prefill", "prefill_backlog")
+    d.forget("d1")
+    assert "d1" not in d.itl
+    with pytest.raises(ValueError, match="local_prefill_max_itl_s"):
+        PDDecider(local_prefill_max_itl_s=0)
 
 
 async def _clear(event: asyncio.Event) -> None:
