@@ -310,11 +310,11 @@ def main() -> int:
     ap.add_argument("--local-prefill-max-tokens", type=int, default=256, help="pd-1p1d-adaptive's router flag")
     ap.add_argument("--max-local-prefill-tokens-per-step", type=int, default=64, help="pd-1p1d-adaptive's D flag")
     ap.add_argument("--max-local-prefill-ms-per-step", type=float, default=0.0,
-                    help="pd-1p1d-adaptive's D flag instead of the token cap; -1: the TPOT SLO minus the idle TPOT "
-                         "(what a stream can wait per token and stay in SLO; with --slo-from-idle)")
+                    help="pd-1p1d-adaptive's D flag instead of the token cap; -1: half the TPOT SLO's slack over the "
+                         "idle TPOT ((SLO - idle) / 2; with --slo-from-idle)")
     ap.add_argument("--local-prefill-max-itl-ms", type=float, default=0.0,
                     help="pd-1p1d-adaptive's router flag: no local prefill while D's streams are this slow; -1: the "
-                         "TPOT SLO")
+                         "TPOT SLO minus D's time cap (a stream's gap with one capped chunk added stays in the SLO)")
     ap.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("/tmp/atomd-bench/pd_vs_colocated"))
     ap.add_argument("--run-timeout-s", type=float, default=300)
     args = ap.parse_args()
@@ -339,20 +339,21 @@ def main() -> int:
     cap = ["--max-local-prefill-tokens-per-step", str(args.max_local_prefill_tokens_per_step)]
     if args.max_local_prefill_ms_per_step:
         ms = args.max_local_prefill_ms_per_step
-        if ms < 0:  # a stream's slack per token under the SLO: TPOT SLO - idle TPOT
+        if ms < 0:  # half a stream's slack per token under the SLO; the ITL bound keeps the other half
             tpot_slo = parse_goodput(slo).get("tpot")
             if tpot_slo is None or idle_tpot is None:
                 ap.error("--max-local-prefill-ms-per-step -1 needs --slo-from-idle (and its TPOT)")
-            ms = tpot_slo - idle_tpot
+            ms = (tpot_slo - idle_tpot) / 2
         cap = ["--max-local-prefill-ms-per-step", f"{ms:.1f}"]
         print(f"pd-1p1d-adaptive: D's local prefill steps capped at {ms:.1f} ms", flush=True)
     router_flags = ("--pd-mode", "adaptive", "--local-prefill-max-tokens", str(args.local_prefill_max_tokens))
     if args.local_prefill_max_itl_ms:
         itl_ms = args.local_prefill_max_itl_ms
-        if itl_ms < 0:
-            itl_ms = parse_goodput(slo).get("tpot")
-            if itl_ms is None:
-                ap.error("--local-prefill-max-itl-ms -1 needs a TPOT SLO")
+        if itl_ms < 0:  # D's streams at this gap plus one capped chunk stay within the TPOT SLO
+            tpot_slo = parse_goodput(slo).get("tpot")
+            if tpot_slo is None or not args.max_local_prefill_ms_per_step:
+                ap.error("--local-prefill-max-itl-ms -1 needs a TPOT SLO and --max-local-prefill-ms-per-step")
+            itl_ms = tpot_slo - ms
         router_flags += ("--local-prefill-max-itl-ms", f"{itl_ms:.1f}")
         print(f"pd-1p1d-adaptive: no local prefill while D's ITL is >= {itl_ms:.1f} ms", flush=True)
     setups = {"colocated-2t": lambda: colocated("colocated-2t", 2, 1, args.out_dir),
