@@ -2,7 +2,9 @@
 """Structured outputs (issue 22): what grammar-constrained decoding costs per decode step,
 and what compiling a grammar costs with and without the cache.
 
-1. Decode steps in process (LLMEngine, built-in default model, one torch thread): 16
+1. Decode steps in process (LLMEngine, one torch thread; the built-in default model, or with
+   --model-shape smollm-135m the random-weight checkpoint shaped like SmolLM2-135M of
+   benchmarks/model_shapes.py, its vocabulary the built-in tokenizer's padded to 49152): 16
    requests decoding together with 0, 1 or 16 of them constrained by a JSON schema, and by
    a regex; and one request, free or constrained. Per configuration and round, --steps
    decode steps are timed once every request decodes: the wall time of `LLMEngine.step()`
@@ -35,6 +37,7 @@ from atomd.config import EngineConfig
 from atomd.engine import LLMEngine, resolve_model_dir
 from atomd.tools import forced_grammar
 from benchmarks.machine import loadavg
+from benchmarks.model_shapes import model_dir
 from benchmarks.sampling import Timed, decode_steps, prompts
 from scheduler.sequence import SamplingParams, StructuredOutputsParams as SO
 
@@ -106,9 +109,12 @@ def main() -> int:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--batch", type=int, default=16)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--model-shape", choices=["builtin", "smollm-135m"], default="builtin")
+    ap.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
     args = ap.parse_args()
-    print(f"load average at start: {loadavg()}", flush=True)
-    engine = LLMEngine(EngineConfig(num_threads=args.threads, max_model_len=1024))
+    print(f"load average at start: {loadavg()}; {args.model_shape}, {args.dtype}", flush=True)
+    model = None if args.model_shape == "builtin" else str(model_dir(args.model_shape))
+    engine = LLMEngine(EngineConfig(model=model, dtype=args.dtype, num_threads=args.threads, max_model_len=1024))
     timed = Timed(engine)
     vocab = engine.model.config.vocab_size
     batch = prompts(args.batch, args.prompt_len, vocab, seed=0)
