@@ -162,8 +162,9 @@ def run_all(setups: dict, args, workload: list[str], out_dir: pathlib.Path) -> l
     return sorted(rows, key=lambda row: (list(setups).index(row["setup"]), row["rate"], row["round"]))
 
 
-def idle_slo(args, workload: list[str], out_dir: pathlib.Path) -> tuple[list[str], float]:
-    """--slo-from-idle: the SLO as multiples of one 1-thread engine's idle TTFT and TPOT, and that idle TPOT (ms)."""
+def idle_slo(args, workload: list[str], out_dir: pathlib.Path) -> tuple[list[str], float, float]:
+    """--slo-from-idle: the SLO as multiples of one 1-thread engine's idle TTFT and TPOT, that idle TPOT (ms),
+    and its idle prefill cost per prompt token (ms: the median TTFT over the mean prompt)."""
     ttft_x, tpot_x = args.slo_from_idle
     with colocated("idle", 1, 1, out_dir) as (url, _):
         bench(url, out_dir / "idle-warmup.json", args, "inf", 2, workload, "idle warmup", args.seed + 1)
@@ -173,7 +174,7 @@ def idle_slo(args, workload: list[str], out_dir: pathlib.Path) -> tuple[list[str
     slo = [f"ttft:{ttft * ttft_x:.0f}", f"tpot:{tpot * tpot_x:.1f}"]
     print(f"idle (one engine, one thread, one request at a time, {args.idle_prompts} requests): median TTFT "
           f"{ttft:.1f} ms, median TPOT {tpot:.2f} ms -> SLO {' '.join(slo)} ({ttft_x:g}x, {tpot_x:g}x)", flush=True)
-    return slo, tpot
+    return slo, tpot, ttft / (r["total_input_tokens"] / r["completed"])
 
 
 def metric_delta(before: dict, after: dict) -> dict[str, float]:
@@ -307,7 +308,9 @@ def main() -> int:
                                                     "pd-1p1d-unpinned"],
                     choices=["colocated-2t", "colocated-1t", "colocated-dp2", "pd-1p1d", "pd-1p1d-unpinned",
                              "pd-1p1d-strict", "pd-1p1d-adaptive"])
-    ap.add_argument("--local-prefill-max-tokens", type=int, default=256, help="pd-1p1d-adaptive's router flag")
+    ap.add_argument("--local-prefill-max-tokens", type=int, default=256,
+                    help="pd-1p1d-adaptive's router flag; -1: what D prefills within one capped step at the idle "
+                         "cost per prompt token (with --slo-from-idle and --max-local-prefill-ms-per-step)")
     ap.add_argument("--max-local-prefill-tokens-per-step", type=int, default=64, help="pd-1p1d-adaptive's D flag")
     ap.add_argument("--max-local-prefill-ms-per-step", type=float, default=0.0,
                     help="pd-1p1d-adaptive's D flag instead of the token cap; -1: half the TPOT SLO's slack over the "
@@ -334,7 +337,8 @@ def main() -> int:
     workload = ["--dataset", "random", "--input-len", str(args.input_len), "--output-len", str(args.output_len),
                 "--range-ratio", str(args.range_ratio)]
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # run the finally blocks on SIGTERM
-    slo, idle_tpot = idle_slo(args, workload, args.out_dir) if args.slo_from_idle else (args.slo, None)
+    slo, idle_tpot, ms_per_prompt_token = idle_slo(args, workload, args.out_dir) if args.slo_from_idle else \
+        (args.slo, None, None)
     workload += ["--goodput", *slo]
     cap = ["--max-local-prefill-tokens-per-step", str(args.max_local_prefill_tokens_per_step)]
     if args.max_local_prefill_ms_per_step:
@@ -346,7 +350,13 @@ def main() -> int:
             ms = (tpot_slo - idle_tpot) / 2
         cap = ["--max-local-prefill-ms-per-step", f"{ms:.1f}"]
         print(f"pd-1p1d-adaptive: D's local prefill steps capped at {ms:.1f} ms", flush=True)
-    router_flags = ("--pd-mode", "adaptive", "--local-prefill-max-tokens", str(args.local_prefill_max_tokens))
+    short = args.local_prefill_max_tokens
+    if short < 0:  # a prompt D prefills within one capped step at the idle cost per token
+        if ms_per_prompt_token is None or not args.max_local_prefill_ms_per_step:
+            ap.error("--local-prefill-max-tokens -1 needs --slo-from-idle and --max-local-prefill-ms-per-step")
+        short = max(1, int(ms / ms_per_prompt_token))
+        print(f"pd-1p1d-adaptive: prompts of up to {short} uncached tokens prefill on D", flush=True)
+    router_flags = ("--pd-mode", "adaptive", "--local-prefill-max-tokens", str(short))
     if args.local_prefill_max_itl_ms:
         itl_ms = args.local_prefill_max_itl_ms
         if itl_ms < 0:  # D's streams at this gap plus one capped chunk stay within the TPOT SLO
