@@ -237,68 +237,38 @@ void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t hea
 #include <immintrin.h>
 #define GEMV_ROWS 4
 
-void atomd_gemv_f32(const float *x, const float *w, float *y, int64_t K, int64_t N, int num_threads) {
-    const int64_t full = K / 16, tk = K - full * 16;
-    const __mmask16 tm = (__mmask16)((1u << tk) - 1u);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += GEMV_ROWS) {
-        const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;
-        const float *wr[GEMV_ROWS];
-        for (int i = 0; i < GEMV_ROWS; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int64_t k = 0;
-        for (int64_t b = 0; b < full; b++, k += 16) {
-            const __m512 xv = _mm512_loadu_ps(x + k);
-            a0 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr[0] + k), a0);
-            a1 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr[1] + k), a1);
-            a2 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr[2] + k), a2);
-            a3 = _mm512_fmadd_ps(xv, _mm512_loadu_ps(wr[3] + k), a3);
-        }
-        if (tk) {
-            const __m512 xv = _mm512_maskz_loadu_ps(tm, x + k);
-            a0 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tm, wr[0] + k), a0);
-            a1 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tm, wr[1] + k), a1);
-            a2 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tm, wr[2] + k), a2);
-            a3 = _mm512_fmadd_ps(xv, _mm512_maskz_loadu_ps(tm, wr[3] + k), a3);
-        }
-        const float r[GEMV_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                                    _mm512_reduce_add_ps(a3)};
-        for (int i = 0; i < rows; i++) store(y, n0 + i, r[i], 0);
+/* One instance per dtype: VEC / STEP the vector of x and w elements, VLOAD a masked load
+ * (all lanes but in K's tail), VFMA acc += x * w summed into float32 lanes. */
+#define GEMV(NAME, elem_t, mask_t, VEC, STEP, VLOAD, VFMA, IS_BF16)                                              \
+    void NAME(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t N, int num_threads) {             \
+        const mask_t all = (mask_t)~(mask_t)0, tail = (mask_t)((1ull << (K % STEP)) - 1u);                        \
+        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                                   \
+        for (int64_t n0 = 0; n0 < N; n0 += GEMV_ROWS) {                                                          \
+            const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;                                     \
+            const elem_t *w0 = w + n0 * K, *w1 = w + (n0 + (rows > 1)) * K, *w2 = w + (n0 + 2 * (rows > 2)) * K, \
+                         *w3 = w + (n0 + 3 * (rows > 3)) * K;                                                    \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                          \
+            for (int64_t k = 0; k < K; k += STEP) {                                                              \
+                const mask_t mk = K - k >= STEP ? all : tail;                                                    \
+                const VEC xv = VLOAD(mk, x + k);                                                                 \
+                a0 = VFMA(a0, xv, VLOAD(mk, w0 + k));                                                            \
+                a1 = VFMA(a1, xv, VLOAD(mk, w1 + k));                                                            \
+                a2 = VFMA(a2, xv, VLOAD(mk, w2 + k));                                                            \
+                a3 = VFMA(a3, xv, VLOAD(mk, w3 + k));                                                            \
+            }                                                                                                    \
+            const float r[GEMV_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),                      \
+                                        _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};                     \
+            for (int i = 0; i < rows; i++) store(y, n0 + i, r[i], IS_BF16);                                      \
+        }                                                                                                        \
     }
-}
+
+#define F32_LOAD(mask, p) _mm512_maskz_loadu_ps(mask, p)
+#define F32_FMA(acc, a, b) _mm512_fmadd_ps(a, b, acc)
+GEMV(atomd_gemv_f32, float, __mmask16, __m512, 16, F32_LOAD, F32_FMA, 0)
 
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(ATOMD_NO_BF16_DOT)
-static inline __m512bh load32(const bf16_t *p, __mmask32 m) { return (__m512bh)_mm512_maskz_loadu_epi16(m, p); }
-
-void atomd_gemv_bf16(const bf16_t *x, const bf16_t *w, bf16_t *y, int64_t K, int64_t N, int num_threads) {
-    const int64_t full = K / 32, tk = K - full * 32;
-    const __mmask32 all = 0xffffffffu, tm = (__mmask32)((1ull << tk) - 1u);
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t n0 = 0; n0 < N; n0 += GEMV_ROWS) {
-        const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;
-        const bf16_t *wr[GEMV_ROWS];
-        for (int i = 0; i < GEMV_ROWS; i++) wr[i] = w + (n0 + (i < rows ? i : 0)) * K;
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-        int64_t k = 0;
-        for (int64_t b = 0; b < full; b++, k += 32) {
-            const __m512bh xv = load32(x + k, all);
-            a0 = _mm512_dpbf16_ps(a0, xv, load32(wr[0] + k, all));
-            a1 = _mm512_dpbf16_ps(a1, xv, load32(wr[1] + k, all));
-            a2 = _mm512_dpbf16_ps(a2, xv, load32(wr[2] + k, all));
-            a3 = _mm512_dpbf16_ps(a3, xv, load32(wr[3] + k, all));
-        }
-        if (tk) {
-            const __m512bh xv = load32(x + k, tm);
-            a0 = _mm512_dpbf16_ps(a0, xv, load32(wr[0] + k, tm));
-            a1 = _mm512_dpbf16_ps(a1, xv, load32(wr[1] + k, tm));
-            a2 = _mm512_dpbf16_ps(a2, xv, load32(wr[2] + k, tm));
-            a3 = _mm512_dpbf16_ps(a3, xv, load32(wr[3] + k, tm));
-        }
-        const float r[GEMV_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1), _mm512_reduce_add_ps(a2),
-                                    _mm512_reduce_add_ps(a3)};
-        for (int i = 0; i < rows; i++) store(y, n0 + i, r[i], 1);
-    }
-}
+#define BF16_LOAD(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16(mask, p))
+GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_ps, 1)
 #define GEMV_KINDS 3
 #else
 #define GEMV_KINDS 1
