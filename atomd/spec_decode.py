@@ -18,7 +18,7 @@
    tokens), and `accept` keeps drafts while each equals the token sampled at its position;
    the first mismatch is replaced by that sampled token, and a full match earns the token
    after the last draft (the bonus). Greedy: the argmax, so the output is the
-   non-speculative output token for token. Sampled: the sampler's exponential race at row j
+   non-speculative output token for token. Sampled: the sampler's inverse-CDF draw at row j
    is an exact draw X_j ~ p_j, and accepting d_j iff X_j == d_j is rejection sampling for a
    deterministic draft (q = one-hot d_j): accepted with probability p_j(d_j) = min(1, p/q),
    and on rejection X_j ~ p_j restricted to tokens != d_j, renormalised = norm(max(0, p - q)).
