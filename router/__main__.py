@@ -92,9 +92,10 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                      help="adaptive: a prompt with at most this many tokens the decode engine has not cached "
                           "prefills there (pair with the decode engines' --max-local-prefill-tokens-per-step)")
     pdm.add_argument("--local-prefill-max-itl-ms", type=float, default=d.local_prefill_max_itl_ms,
-                     help="adaptive: no local prefill on a decode engine while the gap between the tokens of its "
-                          "streams (a moving average of what the router relays) is at least this many ms; set it "
-                          "to the TPOT SLO (0: no bound)")
+                     help="adaptive: a long prompt goes to P even when P is backed up while the gap between the "
+                          "tokens of the decode engine's streams (a moving average of the events the router relays) "
+                          "is at least this many ms; short prompts still prefill there. Set it to the TPOT SLO "
+                          "minus the engines' --max-local-prefill-ms-per-step (0: no bound)")
     rel.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
                      help="consecutive failures (connection errors, 5xx, timeouts) that open a worker's breaker")
     rel.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,

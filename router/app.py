@@ -75,7 +75,7 @@ class RouterConfig:
     strict_pd: bool = False  # the alias of pd_mode="strict"
     pd_mode: str = "always"  # always | adaptive | strict (router/adaptive.py)
     local_prefill_max_tokens: int = 256  # adaptive: a prompt up to this many uncached tokens prefills on D
-    local_prefill_max_itl_ms: float = 0.0  # adaptive: no local prefill while D's streams are this slow (0: no bound)
+    local_prefill_max_itl_ms: float = 0.0  # adaptive: a backed-up P's long prompt stays remote while D's streams are this slow (0: no bound)
     api_key: str | None = None
     admin_api_key: str | None = None
     engine_admin_api_key: str | None = None  # the engines' --admin-api-key (for POST /kv_transfer/abort)

@@ -160,7 +160,7 @@ class RelayConfig(msgspec.Struct, kw_only=True):
     engine_admin_api_key: str | None = None
     pd_mode: str = "always"  # always | adaptive | strict (router/adaptive.py)
     local_prefill_max_tokens: int = 256  # adaptive: prompts up to this many uncached tokens prefill on D
-    local_prefill_max_itl_ms: float = 0.0  # adaptive: no local prefill while D's streams are this slow (0: no bound)
+    local_prefill_max_itl_ms: float = 0.0  # adaptive: a backed-up P's long prompt stays remote while D's streams are this slow (0: no bound)
     # the longest SSE event (its unended lines) buffered from D: a longer one ends the stream
     # with an error event (the router's memory per stream stays bounded)
     max_event_bytes: int = 16 << 20
@@ -664,7 +664,9 @@ class PDRequest:
             if n > 0:
                 if self.first_event_sent:
                     series.itl.observe(now - self.last_send)
-                    if role == "decode" and self.relay.decider is not None:  # D's pace: what a local prefill costs
+                    # D's pace (a gap per event: per token unless D packs drafts into one); not after
+                    # D left the registry (forget() dropped its entry)
+                    if role == "decode" and self.relay.decider is not None and not worker.retired:
                         self.relay.decider.observe_itl(worker.url, (now - self.last_send) / n)
                 else:
                     series.ttft.observe(now - self.arrival)

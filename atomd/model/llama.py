@@ -237,8 +237,10 @@ def keep_rows(model: "LlamaModel") -> bool:
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            rows: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T (+ bias); one row of x with the weight's plain `rows` kept: the GEMV
-    kernel, which streams them at the read bandwidth (oneDNN's M = 1 path does not)."""
+    """x @ weight.T (+ bias); one row of x (batch-1 decode, a one-row LM head or prefill
+    chunk) with the weight's plain `rows` kept: the GEMV kernel, which streams them at the
+    read bandwidth (oneDNN's M = 1 path does not). Its sums run in another order than
+    oneDNN's, so float32 logits of a row differ in the last bits between M = 1 and M > 1."""
     if rows is not None and x.shape[0] == 1:
         out = layer_ops.gemv(x, rows)
         return out if bias is None else out.add_(bias)
