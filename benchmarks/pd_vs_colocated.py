@@ -316,8 +316,9 @@ def main() -> int:
                     help="pd-1p1d-adaptive's D flag instead of the token cap; -1: half the TPOT SLO's slack over the "
                          "idle TPOT ((SLO - idle) / 2; with --slo-from-idle)")
     ap.add_argument("--local-prefill-max-itl-ms", type=float, default=0.0,
-                    help="pd-1p1d-adaptive's router flag: no local prefill while D's streams are this slow; -1: the "
-                         "TPOT SLO minus D's time cap (a stream's gap with one capped chunk added stays in the SLO)")
+                    help="pd-1p1d-adaptive's router flag: a backed-up P's long prompts stay remote while D's streams "
+                         "are this slow; -1: the TPOT SLO minus D's time cap (a stream's gap with one capped chunk "
+                         "added stays in the SLO)")
     ap.add_argument("--out-dir", type=pathlib.Path, default=pathlib.Path("/tmp/atomd-bench/pd_vs_colocated"))
     ap.add_argument("--run-timeout-s", type=float, default=300)
     args = ap.parse_args()
@@ -365,7 +366,7 @@ def main() -> int:
                 ap.error("--local-prefill-max-itl-ms -1 needs a TPOT SLO and --max-local-prefill-ms-per-step")
             itl_ms = tpot_slo - ms
         router_flags += ("--local-prefill-max-itl-ms", f"{itl_ms:.1f}")
-        print(f"pd-1p1d-adaptive: no local prefill while D's ITL is >= {itl_ms:.1f} ms", flush=True)
+        print(f"pd-1p1d-adaptive: long prompts stay remote while D's ITL is >= {itl_ms:.1f} ms", flush=True)
     setups = {"colocated-2t": lambda: colocated("colocated-2t", 2, 1, args.out_dir),
               # a control: what one engine does with one thread, the other core left to the rest
               "colocated-1t": lambda: colocated("colocated-1t", 1, 1, args.out_dir),

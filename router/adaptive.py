@@ -79,17 +79,18 @@ class PDDecider:
         self.local_pending: dict[str, int] = {}  # decode worker url -> local prefill tokens in flight
         self.itl: dict[str, Ewma] = {}  # decode worker url -> s between the tokens relayed from it
 
-    def _rate(self, url: str) -> Ewma:
-        e = self.rate.get(url)
+    def _estimate(self, table: dict[str, Ewma], url: str, prior: float) -> Ewma:
+        """`url`'s moving average in `table`, made from `prior` at its first use."""
+        e = table.get(url)
         if e is None:
-            e = self.rate[url] = Ewma(self.prior_rate, self.alpha)
+            e = table[url] = Ewma(prior, self.alpha)
         return e
 
+    def _rate(self, url: str) -> Ewma:
+        return self._estimate(self.rate, url, self.prior_rate)
+
     def _transfer(self, url: str) -> Ewma:
-        e = self.transfer.get(url)
-        if e is None:
-            e = self.transfer[url] = Ewma(self.prior_transfer, self.alpha)
-        return e
+        return self._estimate(self.transfer, url, self.prior_transfer)
 
     # ------------------------------------------------------------------ learning
 
@@ -107,10 +108,7 @@ class PDDecider:
 
     def observe_itl(self, url: str, seconds: float) -> None:
         """A gap per token between two events relayed from decode worker `url`."""
-        e = self.itl.get(url)
-        if e is None:
-            e = self.itl[url] = Ewma(seconds, self.alpha)
-        e.observe(seconds)
+        self._estimate(self.itl, url, seconds).observe(seconds)  # no prior: the first gap is the average
 
     def start_local(self, url: str, tokens: int) -> int:
         """A local prefill of `tokens` sent to decode worker `url`; returns the local tokens

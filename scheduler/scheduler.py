@@ -578,7 +578,9 @@ class Scheduler:
             if reason is not None:
                 break  # drafts past a stop are cut
         kept = len(emitted)
-        new_logprobs = self._record_logprobs(seq, list(logprobs[:kept]) if logprobs is not None else [None] * kept)
+        new_logprobs = None
+        if logprobs is not None or seq.sampling_params.logprobs is not None:  # most rows want neither
+            new_logprobs = self._record_logprobs(seq, list(logprobs[:kept]) if logprobs is not None else [None] * kept)
         seq.num_computed_tokens = len(seq.token_ids) - 1
         if num_drafts and reason is None:  # roll back: blocks that hold only rejected drafts' KV
             self.block_manager.trim(seq)
