@@ -318,6 +318,117 @@ static inline __mmask32 lanes(int v) {  /* the dims of vector v that exist: the 
 static inline __m512bh load_bf16(const uint16_t *p, int v) {
     return (__m512bh)_mm512_maskz_loadu_epi16(lanes(v), p + v * 32);  /* masked lanes never fault */
 }
+
+#define NW ((HEAD_DIM + 15) / 16) /* 16 floats per zmm */
+static inline __mmask16 lanes16(int w) {
+    const int rem = HEAD_DIM - w * 16;
+    return rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1u);
+}
+
+/* 16 dims of a bf16 row, widened to float32 (exact) */
+static inline __m512 widen16(const uint16_t *p, int w) {
+    const __m256i h = _mm256_maskz_loadu_epi16(lanes16(w), p + w * 16);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Lane j of the result: the sum of the 16 lanes of v[j]. A transposing tree, 45 shuffles and
+ * adds for 16 sums, where one _mm512_reduce_add_ps a vector costs ~8 in a dependent chain:
+ * the decode scores of 16 keys at once. */
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: the 4 vectors' sums over that lane */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0+1 and 2+3 of two such */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
+#if BF16_DOT
+/* One decode row (GROUP query heads qh of KV head h) over its first ctx cached tokens, into o.
+ * Scores 16 keys at a time: each K row is read once for the group (dpbf16 into float32
+ * lanes), the 16 keys' lane sums made by one transposing tree (sum_lanes16). Weighted values:
+ * each V row widened once, the group's accumulators in registers. scores: [GROUP, ctx]. */
+static inline void decode_row_bf16(const uint16_t *restrict qh, const uint16_t *restrict kv,
+                                   const int64_t *restrict table, int64_t ctx, int64_t h, int64_t block_size,
+                                   int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t row_stride,
+                                   float scale, float *restrict scores, uint16_t *restrict o) {
+    __m512bh qv[GROUP][NV];
+    __m512 mv[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        for (int v = 0; v < NV; v++) qv[g][v] = load_bf16(qh + g * HEAD_DIM, v);
+        mv[g] = _mm512_set1_ps(-INFINITY);
+    }
+    const __m512 vscale = _mm512_set1_ps(scale);
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        if (t0 + block_size < ctx)
+            prefetch_rows_bf16(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
+                               block_size, row_stride);
+        prefetch_rows_bf16(k + v_offset, n, row_stride);
+        for (int64_t i0 = 0; i0 < n; i0 += 16) {
+            const int64_t c = n - i0 < 16 ? n - i0 : 16;
+            const __mmask16 live = c == 16 ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1u);
+            __m512 part[GROUP][16];
+            for (int64_t i = 0; i < 16; i++) {
+                if (i < c) {
+                    const uint16_t *kr_row = k + (i0 + i) * row_stride;
+                    __m512bh kr[NV];
+                    for (int v = 0; v < NV; v++) kr[v] = load_bf16(kr_row, v);
+                    for (int g = 0; g < GROUP; g++) {
+                        __m512 a = _mm512_setzero_ps();
+                        for (int v = 0; v < NV; v++) a = _mm512_dpbf16_ps(a, qv[g][v], kr[v]);
+                        part[g][i] = a;
+                    }
+                } else {
+                    for (int g = 0; g < GROUP; g++) part[g][i] = _mm512_setzero_ps();
+                }
+            }
+            for (int g = 0; g < GROUP; g++) {
+                const __m512 s = _mm512_mul_ps(sum_lanes16(part[g]), vscale);
+                _mm512_mask_storeu_ps(scores + g * ctx + t0 + i0, live, s);
+                mv[g] = _mm512_mask_max_ps(mv[g], live, mv[g], s);
+            }
+        }
+    }
+    float sum[GROUP];
+    for (int g = 0; g < GROUP; g++) {
+        float *sg = scores + g * ctx, mg = _mm512_reduce_max_ps(mv[g]), total = 0.0f;
+#pragma omp simd reduction(+ : total)
+        for (int64_t t = 0; t < ctx; t++) {
+            sg[t] = exp_nonpositive(sg[t] - mg);
+            total += sg[t];
+        }
+        sum[g] = total;
+    }
+    __m512 acc[GROUP][NW];
+    for (int g = 0; g < GROUP; g++)
+        for (int w = 0; w < NW; w++) acc[g][w] = _mm512_setzero_ps();
+    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
+        const uint16_t *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + h * HEAD_DIM;
+        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+        for (int64_t i = 0; i < n; i++, v += row_stride) {  /* prefetched by the score pass */
+            __m512 vr[NW];
+            for (int w = 0; w < NW; w++) vr[w] = widen16(v, w);
+            for (int g = 0; g < GROUP; g++) {
+                const __m512 p = _mm512_set1_ps(scores[g * ctx + t0 + i]);
+                for (int w = 0; w < NW; w++) acc[g][w] = _mm512_fmadd_ps(p, vr[w], acc[g][w]);
+            }
+        }
+    }
+    for (int g = 0; g < GROUP; g++) {
+        const __m512 inv = _mm512_set1_ps(1.0f / sum[g]);
+        for (int w = 0; w < NW; w++)
+            _mm256_mask_storeu_epi16(o + g * HEAD_DIM + w * 16, lanes16(w),
+                                     (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(acc[g][w], inv)));
+    }
+}
 #endif
 
 /* atomd_decode_attention over bf16: the same arguments and layout, q, kv and out bf16. */
@@ -343,21 +454,17 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
         for (int64_t r = r_begin; r < r_end; r++) {
             const int64_t ctx = full_ctx - (r_end - 1 - r);
             const uint16_t *qh = q + (r * num_heads + h * GROUP) * HEAD_DIM;
-            float m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM];
+            uint16_t *o = out + (r * num_heads + h * GROUP) * HEAD_DIM;
 #if BF16_DOT
-            __m512bh qv[GROUP][NV];
+            decode_row_bf16(qh, kv, table, ctx, h, block_size, block_stride, k_offset, v_offset, row_stride,
+                            scale, scores, o);
 #else
-            float qs[GROUP][HEAD_DIM];
-#endif
+            float m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM], qs[GROUP][HEAD_DIM];
             for (int g = 0; g < GROUP; g++) {
                 m[g] = -INFINITY;
                 sum[g] = 0.0f;
                 for (int d = 0; d < HEAD_DIM; d++) acc[g][d] = 0.0f;
-#if BF16_DOT
-                for (int v = 0; v < NV; v++) qv[g][v] = load_bf16(qh + g * HEAD_DIM, v);
-#else
                 for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = bf16_to_f32(qh[g * HEAD_DIM + d]) * scale;
-#endif
             }
             for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
                 const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
@@ -367,17 +474,6 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
                                        block_size, row_stride);
                 prefetch_rows_bf16(k + v_offset, n, row_stride);
                 for (int64_t i = 0; i < n; i++, k += row_stride) {
-#if BF16_DOT
-                    __m512bh kr[NV];
-                    for (int v = 0; v < NV; v++) kr[v] = load_bf16(k, v);
-                    for (int g = 0; g < GROUP; g++) {
-                        __m512 a = _mm512_setzero_ps();
-                        for (int v = 0; v < NV; v++) a = _mm512_dpbf16_ps(a, qv[g][v], kr[v]);
-                        const float s = _mm512_reduce_add_ps(a) * scale;
-                        scores[g * ctx + t0 + i] = s;
-                        m[g] = s > m[g] ? s : m[g];
-                    }
-#else
                     float kf[HEAD_DIM];
                     widen_row(k, kf);
                     for (int g = 0; g < GROUP; g++) {
@@ -387,7 +483,6 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
                         scores[g * ctx + t0 + i] = s;
                         m[g] = s > m[g] ? s : m[g];
                     }
-#endif
                 }
             }
             for (int g = 0; g < GROUP; g++) {
@@ -412,11 +507,11 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
                     }
                 }
             }
-            uint16_t *o = out + (r * num_heads + h * GROUP) * HEAD_DIM;
             for (int g = 0; g < GROUP; g++) {
                 const float inv = 1.0f / sum[g];
                 for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = f32_to_bf16(acc[g][d] * inv);
             }
+#endif
         }
         free(scores);
     }
