@@ -8,8 +8,10 @@ widened to float32 where not: the build picks, `bf16_path()` says which).
 
 `$ATOMD_ATTENTION_ISA` (or `attention_kernels(..., isa=)`) narrows what a build may use, for
 testing the fallbacks on a CPU that has everything: `native` (default: all this CPU has),
-`no-bf16-dot` (no AVX512_BF16 instructions), `no-avx512` (no AVX-512 at all: what an
-AVX2-only CPU runs).
+`no-amx` (no AMX tiles: the bf16 prefill's AVX512_BF16 loop), `no-bf16-dot` (no AVX512_BF16
+instructions), `no-avx512` (no AVX-512 at all: what an AVX2-only CPU runs). `prefill_amx`
+says whether a build's bf16 prefill runs on AMX tiles (the CPU has them, the build targets
+them, the head size is a multiple of 32, and Linux granted the process the tile state).
 
 Compiled at first use with the system C compiler (`$CC`, else `cc`) for this CPU
 (`-march=native`) and the model's head size into `~/.cache/atomd/kernels/`
@@ -35,7 +37,8 @@ log = logging.getLogger(__name__)
 SOURCE = cbuild.CSRC / "attention.c"
 FLAGS = [*cbuild.BASE_FLAGS[:2], "-fopenmp", *cbuild.BASE_FLAGS[2:]]  # attention's flags, in their old order
 ISA_ENV = "ATOMD_ATTENTION_ISA"
-ISA_FLAGS = cbuild.ISA_FLAGS
+# the kernels' builds: cbuild's, and one without AMX (the AVX512_BF16 prefill loop on an AMX CPU)
+ISA_FLAGS = {**cbuild.ISA_FLAGS, "no-amx": ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]}
 BF16_PATHS = {2: "AVX512_BF16 dot products", 1: "bf16 widened to float32 on AVX-512F",
               0: "bf16 widened to float32 (no AVX-512)"}
 _I64 = ctypes.c_int64
@@ -65,8 +68,10 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
     lib.atomd_bf16_path.restype, lib.atomd_bf16_path.argtypes = ctypes.c_int, []
+    lib.atomd_prefill_amx.restype, lib.atomd_prefill_amx.argtypes = ctypes.c_int, []
     lib.head_dim, lib.group = head_dim, group  # the shape it was built for: checked at every call
     lib.bf16_path = lib.atomd_bf16_path()
+    lib.prefill_amx = bool(lib.atomd_prefill_amx())  # the bf16 prefill on AMX tiles
     if isa != "native":
         log.info("attention kernels built with %s=%s: bf16 path %s", ISA_ENV, isa, BF16_PATHS[lib.bf16_path])
     return lib

@@ -38,14 +38,16 @@ class ModelRunner:
             self.kernels = attention_kernels(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
             if self.kernels is not None and dtype == torch.bfloat16:
                 log.info("bfloat16 attention: native kernels, %s", bf16_path(self.kernels))
-        # Fresh prompts: the native prefill kernel, except in bf16 on AMX CPUs, where torch's
-        # flash SDPA reaches the AMX tiles through oneDNN and runs 4x the kernel (8 x 512
-        # tokens, 135M shape, Sapphire Rapids: 8.3 vs 34 ms a layer; fp32 there 26 vs 32 ms,
-        # and on AMD the kernel ~2x SDPA: benchmarks/results/offline.md)
+        # Fresh prompts: the native prefill kernel, except in bf16 on an AMX CPU where the build
+        # has no AMX path (an older compiler, or Linux refused the tiles): torch's flash SDPA
+        # reaches the tiles through oneDNN there and runs ~4x the AVX512_BF16 loop (8 x 512
+        # tokens, 135M shape: 8.3 vs 34 ms a layer; benchmarks/results/offline.md)
         self.fresh_prefill_kernel = self.kernels is not None and not (
-            dtype == torch.bfloat16 and "amx_bf16" in config.cpu_flags())
-        if self.kernels is not None and not self.fresh_prefill_kernel:
-            log.info("bfloat16 prefill of fresh prompts: torch SDPA (this CPU has AMX)")
+            dtype == torch.bfloat16 and "amx_bf16" in config.cpu_flags() and not self.kernels.prefill_amx)
+        if self.kernels is not None and dtype == torch.bfloat16 and self.kernels.prefill_amx:
+            log.info("bfloat16 prefill of fresh prompts: native kernel on AMX tiles")
+        elif self.kernels is not None and not self.fresh_prefill_kernel:
+            log.info("bfloat16 prefill of fresh prompts: torch SDPA (this CPU has AMX, the kernel build does not)")
         if attention_backend == "native" and self.kernels is None:
             raise RuntimeError("attention_backend native: the attention kernels did not build "
                                "(see the warning above); use --attention-backend torch")

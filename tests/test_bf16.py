@@ -55,7 +55,13 @@ def expected_bf16_path(isa: str) -> int:
     flags = cpu_flags()
     if isa == "no-avx512" or "avx512f" not in flags:
         return 0
-    return 2 if isa == "native" and {"avx512_bf16", "avx512bw"} <= flags else 1
+    return 2 if isa in ("native", "no-amx") and {"avx512_bf16", "avx512bw"} <= flags else 1
+
+
+def expected_prefill_amx(isa: str, head_dim: int) -> bool:
+    """Whether a build with `isa` must run the bf16 prefill on AMX tiles on this CPU."""
+    return (isa == "native" and head_dim % 32 == 0 and expected_bf16_path(isa) == 2
+            and {"amx_tile", "amx_bf16"} <= cpu_flags())
 
 
 def paged_cache(lens: torch.Tensor, kv_heads: int, head_dim: int, dtype: torch.dtype = torch.bfloat16,
@@ -139,6 +145,7 @@ def test_bf16_prefill_kernel_equals_fp32_causal_sdpa_per_sequence(heads, kv_head
     v = qkv[:, (heads + kv_heads) * head_dim:].view(total, kv_heads, head_dim)
     starts = torch.tensor([sum(lens[:i]) for i in range(len(lens))])
     lib = kernels(head_dim, heads // kv_heads, isa)
+    assert lib.prefill_amx == expected_prefill_amx(isa, head_dim)  # on an AMX CPU, native: the tiles
     out = torch.full((total, heads * head_dim), float("nan"), dtype=torch.bfloat16)
     native.prefill_attention(lib, q, k, v, out, starts, torch.tensor(lens))
     for start, n in zip(starts.tolist(), lens):
@@ -168,7 +175,7 @@ def test_isa_env_selects_the_fallback_build(monkeypatch, caplog):
         lib = native.attention_kernels(32, 2)
     assert lib is native.attention_kernels(32, 2, "no-bf16-dot") and lib.bf16_path == expected_bf16_path("no-bf16-dot")
     monkeypatch.setenv(native.ISA_ENV, "sse9")
-    with pytest.raises(ValueError, match="ATOMD_ATTENTION_ISA must be one of native, no-bf16-dot, no-avx512"):
+    with pytest.raises(ValueError, match="ATOMD_ATTENTION_ISA must be one of native, no-bf16-dot, no-avx512, no-amx"):
         native.attention_kernels(32, 2)
 
 
@@ -260,13 +267,16 @@ def _prompts(llm: LLM) -> list[list[int]]:
 
 @pytest.mark.unit
 @pytest.mark.parametrize("chunk", [None, 8])  # 8: every prompt chunked, later chunks read the bf16 cache
-@pytest.mark.parametrize("amx", [False, True])  # fresh prompts: the native kernel, or (AMX) torch SDPA
-def test_bf16_prompt_logits_match_hf_bf16(hf_default, chunk, amx, monkeypatch):
-    flags = cpu_flags() - {"amx_bf16"} | ({"amx_bf16"} if amx else set())
-    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: flags)
+@pytest.mark.parametrize("path", ["kernel", "kernel-no-amx", "sdpa"])  # fresh prompts' attention
+def test_bf16_prompt_logits_match_hf_bf16(hf_default, chunk, path, monkeypatch):
+    """Fresh prompts through the native kernel (AMX tiles where this CPU has them), its
+    AVX512_BF16 loop (a build without AMX), and torch SDPA (the engine's path on an AMX CPU
+    whose kernel build has no AMX)."""
+    if path == "kernel-no-amx":
+        monkeypatch.setenv(native.ISA_ENV, "no-amx")
     args = {"max_num_batched_tokens": chunk} if chunk else {}
     llm = LLM(None, num_threads=1, max_model_len=512, dtype="bfloat16", attention_backend="native", **args)
-    assert llm.engine.runner.fresh_prefill_kernel is not amx
+    llm.engine.runner.fresh_prefill_kernel = path != "sdpa"  # the runner's choice: the next test
     for prompt in _prompts(llm):
         got = _prompt_logits(llm, prompt)
         assert got.dtype == torch.bfloat16
@@ -357,12 +367,16 @@ def test_bf16_preemption_by_a_tiny_pool_follows_hf_bf16(hf_default):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("dtype,amx,kernel", [("bfloat16", True, False), ("bfloat16", False, True),
-                                              ("float32", True, True)])
-def test_fresh_prompt_prefill_path_follows_the_cpu(dtype, amx, kernel, monkeypatch):
-    """bf16 on an AMX CPU prefills fresh prompts with torch SDPA (oneDNN's AMX path, 4x the
-    kernel there); every other case with the native kernel."""
+@pytest.mark.parametrize("dtype,amx,isa", [("bfloat16", True, "native"), ("bfloat16", True, "no-amx"),
+                                           ("bfloat16", False, "native"), ("float32", True, "native")])
+def test_fresh_prompt_prefill_path_follows_the_cpu(dtype, amx, isa, monkeypatch):
+    """Fresh prompts prefill with the native kernel, except bf16 on an AMX CPU whose kernel
+    build has no AMX path: torch SDPA (oneDNN's AMX path, 4x the AVX512_BF16 loop there)."""
     flags = {"avx512f", "avx512bw", "avx512_bf16"} | ({"amx_bf16"} if amx else set())
     monkeypatch.setattr(atomd.config, "cpu_flags", lambda: flags)
+    monkeypatch.setenv(native.ISA_ENV, isa)
     llm = LLM(None, num_threads=1, max_model_len=128, dtype=dtype, attention_backend="native")
+    kernel = not (dtype == "bfloat16" and amx and not llm.engine.runner.kernels.prefill_amx)
+    assert llm.engine.runner.kernels.prefill_amx == (isa == "native" and expected_prefill_amx(
+        "native", llm.engine.model.config.head_dim))
     assert llm.engine.runner.kernels is not None and llm.engine.runner.fresh_prefill_kernel is kernel
