@@ -640,7 +640,7 @@ static void prefill_item_bf16(const uint16_t *restrict q, const kt_t *restrict k
  * layout, which is the tile B operand as stored), an exact softmax per row in float32 (no
  * online rescaling: the rows' scores fit in L2), then P @ V over tiles of 32 keys with V
  * interleaved by key pairs [pair][dim][2] (B's layout). P is split into two bf16 terms,
- * hi = bf16(p) and lo = bf16(p - hi), both multiplied: the weights keep ~16 bits, as
+ * hi = p's top 16 bits and lo = bf16(p - hi), both multiplied: the weights keep ~16 bits, as
  * accurate as the float32 weights of the loop above (one bf16 P would cost 3 digits). */
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -671,18 +671,16 @@ static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
     _tile_loadconfig(&c);
 }
 
-/* 2^x of 16 lanes x <= 0, lanes outside m 0: 2^n * 2^f, f in [-0.5, 0.5], degree-6 Taylor
- * of 2^f (relative error < 2e-7, below the 16 bits the two bf16 terms of P keep). */
+/* 2^x of 16 lanes x <= 0, lanes outside m 0: 2^n * 2^f, f in [-0.5, 0.5], 2^f by its
+ * degree-5 Taylor polynomial (relative error < 3e-6 = 2^-18, below the 16 bits the two bf16
+ * terms of P keep); scalef takes any n, underflow included. */
 static inline __m512 exp2_nonpositive16(__m512 x, __mmask16 m) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-126.0f));
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    const __m512 f = _mm512_mul_ps(_mm512_sub_ps(x, n), _mm512_set1_ps(0.69314718055994531f));  /* f ln 2 */
-    __m512 p = _mm512_set1_ps(1.0f / 720.0f);
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 120.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 24.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f / 6.0f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.5f));
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);  /* ln2^5 / 5! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));   /* ln2^4 / 4! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));   /* ln2^3 / 3! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));     /* ln2^2 / 2! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));     /* ln2 */
     p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
     return _mm512_maskz_scalef_ps(m, p, n);
 }
@@ -768,17 +766,18 @@ static void prefill_tile_amx(const uint16_t *restrict q, const uint16_t *restric
                                 : valid > j ? (__mmask16)((1u << (valid - j)) - 1u) : (__mmask16)0;
             const __m512 p = exp2_nonpositive16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), vlog2, shift), m);
             total = _mm512_add_ps(total, p);
-            const __m256i h = (__m256i)_mm512_cvtneps_pbh(p);
-            const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-            _mm256_storeu_si256((__m256i *)(hr + j), h);
+            /* hi: p's top 16 bits (exact in bf16), lo: the rest, rounded */
+            const __m512 hf = _mm512_castsi512_ps(_mm512_and_si512(_mm512_castps_si512(p), _mm512_set1_epi32((int)0xffff0000u)));
+            _mm256_storeu_si256((__m256i *)(hr + j), (__m256i)_mm512_cvtneps_pbh(hf));
             _mm256_storeu_si256((__m256i *)(lr + j), (__m256i)_mm512_cvtneps_pbh(_mm512_sub_ps(p, hf)));
         }
         inv[r] = valid ? 1.0f / _mm512_reduce_add_ps(total) : 0.0f;
     }
-    /* P @ V, 32 dims a pass: the hi products accumulate in tiles 0-1, the lo ones in 2-3 (four
-     * independent chains: a tile product takes several issue intervals to finish), P in 4
-     * (hi) and 5 (lo), V's two 16-dim tiles in 6-7 */
-    for (int c0 = 0; c0 < V_CHUNKS; c0 += 2) {
+    /* P @ V, 64 dims a pass: tiles 0-3 accumulate hi then lo products (back-to-back
+     * products into one tile issue as fast as independent ones here), P in 4 (hi) and 5
+     * (lo), V's 16-dim tiles in 6 and 7 alternately */
+    for (int c0 = 0; c0 < V_CHUNKS; c0 += 4) {
+        const int nc = V_CHUNKS - c0 < 4 ? V_CHUNKS - c0 : 4;  /* 2 or 4: HEAD_DIM % 32 == 0 */
         _tile_zero(0);
         _tile_zero(1);
         _tile_zero(2);
@@ -788,11 +787,19 @@ static void prefill_tile_amx(const uint16_t *restrict q, const uint16_t *restric
             _tile_loadd(4, phi + j0, nk32 * 2);
             _tile_loadd(5, plo + j0, nk32 * 2);
             _tile_loadd(6, vt, 64);
-            _tile_loadd(7, vt + 512, 64);
             _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(0, 5, 6);
+            _tile_loadd(7, vt + 512, 64);
             _tile_dpbf16ps(1, 4, 7);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
+            _tile_dpbf16ps(1, 5, 7);
+            if (nc == 4) {
+                _tile_loadd(6, vt + 1024, 64);
+                _tile_dpbf16ps(2, 4, 6);
+                _tile_dpbf16ps(2, 5, 6);
+                _tile_loadd(7, vt + 1536, 64);
+                _tile_dpbf16ps(3, 4, 7);
+                _tile_dpbf16ps(3, 5, 7);
+            }
         }
         float o[4][16][16];
         _tile_stored(0, o[0], 64);
@@ -802,10 +809,9 @@ static void prefill_tile_amx(const uint16_t *restrict q, const uint16_t *restric
         for (int64_t r = 0; r < n; r++) {
             uint16_t *dst = out + (r0 + r) * num_heads * HEAD_DIM + hq * HEAD_DIM + c0 * 16;
             const __m512 iv = _mm512_set1_ps(inv[r]);
-            for (int t = 0; t < 2; t++) {
-                const __m512 sum = _mm512_add_ps(_mm512_loadu_ps(o[t][r]), _mm512_loadu_ps(o[t + 2][r]));
-                _mm256_storeu_si256((__m256i *)(dst + t * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(sum, iv)));
-            }
+            for (int t = 0; t < nc; t++)
+                _mm256_storeu_si256((__m256i *)(dst + t * 16),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(o[t][r]), iv)));
         }
     }
 }
@@ -849,12 +855,23 @@ static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, c
         for (int64_t s = 0; s < num_seqs; s++)
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 uint16_t *kd = kt + h * per_head + keys[s] * HEAD_DIM, *vd = vt + h * per_head + keys[s] * HEAD_DIM;
-                for (int64_t t = 0; t < seq_lens[s]; t++) {
+                const __m512i pairs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
+                                                         _mm512_set1_epi32(16));  /* dim pair p -> its K tile row */
+                const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                            39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+                for (int64_t t = 0; t < seq_lens[s]; t++) {  /* K: each 32-dim chunk's 16 dim pairs scattered to their rows */
                     const uint16_t *ks = k + (seq_starts[s] + t) * k_stride + h * HEAD_DIM;
-                    const uint16_t *vs = v + (seq_starts[s] + t) * v_stride + h * HEAD_DIM;
-                    for (int d = 0; d < HEAD_DIM; d++) {
-                        kd[k_tile_index(t, d)] = ks[d];
-                        vd[v_tile_index(t, d)] = vs[d];
+                    for (int c = 0; c < K_CHUNKS; c++)
+                        _mm512_i32scatter_epi32(kd + k_tile_index(t, c * 32), pairs, _mm512_loadu_si512(ks + c * 32), 4);
+                }
+                for (int64_t t = 0; t < seq_lens[s]; t += 2) {  /* V: two tokens' rows interleaved, 16 dims a store */
+                    const uint16_t *v0 = v + (seq_starts[s] + t) * v_stride + h * HEAD_DIM, *v1 = v0 + v_stride;
+                    const int pair = t + 1 < seq_lens[s];
+                    for (int w = 0; w < V_CHUNKS; w++) {
+                        const __m512i a = _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v0 + w * 16)));
+                        const __m512i b = pair ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(v1 + w * 16)))
+                                               : _mm512_setzero_si512();
+                        _mm512_storeu_si512(vd + v_tile_index(t, w * 16), _mm512_permutex2var_epi16(a, interleave, b));
                     }
                 }
             }
