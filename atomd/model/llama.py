@@ -20,8 +20,10 @@ from atomd.model import layer_ops
 from atomd.model.layer_ops import rms_norm, rope_, silu_mul
 from atomd.native import decode_attention, prefill_attention
 
-# A long prefill runs everything after attention this many rows at a time: the
-# [rows, 2 * intermediate] MLP activations then stay in cache (8 x 512 prefill: ~13% faster)
+# A long prefill runs everything after attention this many float32 rows at a time (twice as
+# many in bf16: the same bytes): the [rows, 2 * intermediate] MLP activations then stay in
+# cache (8 x 512 prefill: ~13% faster in float32 than one tile; in bf16 on the 135M shape 1024
+# rows are 3% faster than 512, on the small shape 7%: benchmarks/results/offline.md)
 ROW_TILE = 512
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2"}
@@ -182,6 +184,7 @@ class LlamaModel:
         h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
         positions = positions.contiguous()
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        step = ROW_TILE * 4 // x.element_size()  # rows a tile
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
             rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
@@ -191,8 +194,8 @@ class LlamaModel:
             kv_cache.write(i, meta, k, v)
             attn = paged_attention(q, k, v, kv_cache, i, meta)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            for rows in range(0, x.shape[0], ROW_TILE):
-                tile = slice(rows, rows + ROW_TILE)
+            for rows in range(0, x.shape[0], step):
+                tile = slice(rows, rows + step)
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(x, self.lm_head, None, self.lm_head_rows)
