@@ -671,20 +671,6 @@ static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
     _tile_loadconfig(&c);
 }
 
-/* 2^x of 16 lanes x <= 0, lanes outside m 0: 2^n * 2^f, f in [-0.5, 0.5], 2^f by its
- * degree-5 Taylor polynomial (relative error < 3e-6 = 2^-18, below the 16 bits the two bf16
- * terms of P keep); scalef takes any n, underflow included. */
-static inline __m512 exp2_nonpositive16(__m512 x, __mmask16 m) {
-    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
-    __m512 p = _mm512_set1_ps(1.3333558146428443e-3f);  /* ln2^5 / 5! */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));   /* ln2^4 / 4! */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));   /* ln2^3 / 3! */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));     /* ln2^2 / 2! */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));     /* ln2 */
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
-    return _mm512_maskz_scalef_ps(m, p, n);
-}
-
 /* The tile operands as stored, each tile 1 KB contiguous (strided tile rows miss the
  * prefetchers: a layout shared across tokens measured ~2x slower). Per KV head and sequence,
  * the sequence padded with zero keys to a multiple of 32:

@@ -24,4 +24,24 @@ static inline float exp_nonpositive(float x) {
     return p * scale.f;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+
+/* 2^x of 16 lanes x <= 0, lanes outside m 0: 2^n * 2^f, n = round(x), |f| <= 0.5, 2^f by its
+ * degree-6 Taylor polynomial (relative error < 1.3e-7, float32's rounding); vscalefps takes
+ * any n, underflow included, so no clamp. The hand-vectorised kernels' exp (the score
+ * exponent folded into one FMA: e^(s - max) = 2^(s log2(e) - max log2(e))). */
+static inline __m512 exp2_nonpositive16(__m512 x, __mmask16 m) {
+    const __m512 n = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC), f = _mm512_sub_ps(x, n);
+    __m512 p = _mm512_set1_ps(1.5403530393381606e-4f);                  /* ln2^6 / 6! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.3333558146428443e-3f));  /* ln2^5 / 5! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(9.618129107628477e-3f));   /* ln2^4 / 4! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(5.550410866482158e-2f));   /* ln2^3 / 3! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.2402265069591007f));     /* ln2^2 / 2! */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(0.6931471805599453f));     /* ln2 */
+    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(1.0f));
+    return _mm512_maskz_scalef_ps(m, p, n);
+}
+#endif
+
 #endif

@@ -92,19 +92,24 @@ static void rms_norm_row_bf16(bf16_t *x, const bf16_t *d, const bf16_t *w, bf16_
     }
 }
 
-#define SILU_CHUNK 256
+/* silu(g) = g / (1 + e^-|g|) for g >= 0, g e^-|g| / (1 + e^-|g|) below: the exp of a
+ * non-positive argument only; the division as a reciprocal estimate and one Newton step
+ * (relative error ~2^-28; vdivps alone took as long as the rest of the row) */
+static inline __m512 silu16(__m512 g) {
+    const __m512 a = _mm512_mul_ps(_mm512_abs_ps(g), _mm512_set1_ps(-1.44269504088896341f));
+    const __m512 e = exp2_nonpositive16(a, (__mmask16)0xffff);
+    const __m512 num = _mm512_mask_mul_ps(g, _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), g, e);
+    const __m512 den = _mm512_add_ps(e, _mm512_set1_ps(1.0f));
+    const __m512 r = _mm512_rcp14_ps(den);
+    return _mm512_mul_ps(num, _mm512_fmadd_ps(r, _mm512_fnmadd_ps(den, r, _mm512_set1_ps(1.0f)), r));
+}
+
 static void silu_mul_row_bf16(const bf16_t *g, bf16_t *o, int64_t inter) {
     const bf16_t *u = g + inter;
-    float s[SILU_CHUNK];
-    for (int64_t c = 0; c < inter; c += SILU_CHUNK) {
-        const int64_t n = inter - c < SILU_CHUNK ? inter - c : SILU_CHUNK;
-#pragma omp simd
-        for (int64_t i = 0; i < n; i++) s[i] = silu(bf16_to_float(g[c + i]));  /* vectorised by the compiler */
-        for (int64_t i = 0; i < n; i += 16) {
-            const __mmask16 m = tail(n - i);
-            const __m512 sv = round16(_mm512_maskz_loadu_ps(m, s + i));
-            _mm256_mask_storeu_epi16(o + c + i, m, to_bf16(_mm512_mul_ps(sv, load16(u + c + i, m))));
-        }
+    for (int64_t i = 0; i < inter; i += 16) {
+        const __mmask16 m = tail(inter - i);
+        const __m512 s = round16(silu16(load16(g + i, m)));  /* silu's output in bf16, as HF's */
+        _mm256_mask_storeu_epi16(o + i, m, to_bf16(_mm512_mul_ps(s, load16(u + i, m))));
     }
 }
 #else
