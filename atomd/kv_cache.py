@@ -78,6 +78,13 @@ class KVCache:
         self._k[layer][meta.slot_blocks, meta.slot_offsets] = k
         self._v[layer][meta.slot_blocks, meta.slot_offsets] = v
 
+    def slot_addresses(self, block: int, offset: int) -> tuple[int, int, int]:
+        """Addresses of layer 0's K and V rows of slot (block, offset), and the bytes from one
+        layer's rows to the next's (what `write` stores, for a C caller)."""
+        row = self.num_kv_heads * self.head_dim * self.kv.element_size()
+        k = self.kv.data_ptr() + (block * self.num_layers * 2 * self.block_size + offset) * row
+        return k, k + self.block_size * row, 2 * self.block_size * row
+
     def gather(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` cached k, v as [kv_heads, length, head_dim]."""
         shape = (-1, self.num_kv_heads, self.head_dim)

@@ -190,3 +190,29 @@ def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
     kept_off, onednn_ids = run()
     assert not kept_off
     assert gemv_ids == onednn_ids
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: the QKV projection's bias
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, dtype, tmp_path):
+    """Batch-1 decode through layer_ops.DecodeLayer (two C calls a layer around attention)
+    against the per-op path on the same engine: the same greedy ids and logprobs to the bit
+    (each intermediate rounded where the per-op path rounds it, the same kernels)."""
+    from atomd import LLM, SamplingParams
+    from tests.test_model_hf import make_checkpoint
+
+    path = make_checkpoint(tmp_path / kind, kind, seed=5)
+    llm = LLM(str(path), num_threads=2, dtype=str(dtype).removeprefix("torch."), max_model_len=256,
+              enable_prefix_caching=False)
+    model = llm.engine.model
+    assert (model.decode_layer is not None) == layer_ops.has_gemv(dtype)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run() -> list:
+        outs = [llm.generate([{"prompt_token_ids": list(range(7, 7 + n))}], params, use_tqdm=False)[0].outputs[0]
+                for n in (3, 40)]
+        return [(o.token_ids, o.logprobs) for o in outs]
+
+    fused = run()
+    model.decode_layer = None  # the per-op path
+    assert run() == fused

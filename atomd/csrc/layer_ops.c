@@ -243,11 +243,14 @@ void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t hea
 #define GEMV_ROWS 4
 
 /* One instance per dtype: VEC / STEP the vector of x and w elements, VLOAD a masked load
- * (all lanes but in K's tail), VFMA acc += x * w summed into float32 lanes. */
+ * (all lanes but in K's tail), VFMA acc += x * w summed into float32 lanes. NAME##_rows is
+ * an orphaned `omp for`: its rows are shared by the threads of the caller's parallel region
+ * (atomd_decode_layer_*), or all run on the calling thread outside one. */
 #define GEMV(NAME, elem_t, mask_t, VEC, STEP, VLOAD, VFMA, IS_BF16)                                              \
-    void NAME(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t N, int num_threads) {             \
+    static void NAME##_rows(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *y, int64_t K,         \
+                            int64_t N) {                                                                         \
         const mask_t all = (mask_t)~(mask_t)0, tail = (mask_t)((1ull << (K % STEP)) - 1u);                        \
-        _Pragma("omp parallel for num_threads(num_threads) schedule(static)")                                   \
+        _Pragma("omp for schedule(static)")                                                                      \
         for (int64_t n0 = 0; n0 < N; n0 += GEMV_ROWS) {                                                          \
             const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;                                     \
             const elem_t *w0 = w + n0 * K, *w1 = w + (n0 + (rows > 1)) * K, *w2 = w + (n0 + 2 * (rows > 2)) * K, \
@@ -263,8 +266,15 @@ void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t hea
             }                                                                                                    \
             const float r[GEMV_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),                      \
                                         _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};                     \
-            for (int i = 0; i < rows; i++) store(y, n0 + i, r[i], IS_BF16);                                      \
+            for (int i = 0; i < rows; i++) {  /* the bias added to the rounded product, as torch's add_ */       \
+                store(y, n0 + i, r[i], IS_BF16);                                                                 \
+                if (bias) store(y, n0 + i, load(y, n0 + i, IS_BF16) + load(bias, n0 + i, IS_BF16), IS_BF16);     \
+            }                                                                                                    \
         }                                                                                                        \
+    }                                                                                                            \
+    void NAME(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t N, int num_threads) {             \
+        _Pragma("omp parallel num_threads(num_threads)")                                                         \
+        NAME##_rows(x, w, NULL, y, K, N);                                                                        \
     }
 
 #define F32_LOAD(mask, p) _mm512_maskz_loadu_ps(mask, p)
@@ -277,6 +287,72 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
 #define GEMV_KINDS 3
 #else
 #define GEMV_KINDS 1
+#endif
+
+/* One decoder layer of batch-1 decode around its attention, in two calls (attention, which
+ * reads the paged cache, is atomd_decode_attention_* between them), each one parallel
+ * region whose steps are separated by barriers. Why: a layer at batch 1 is ~11 small calls
+ * from Python (~10-20 us each of dispatch, checks and an OpenMP fork each) around ~4 weight
+ * reads; on a model whose weights fit in cache that overhead is half the step. Every
+ * intermediate is rounded where the unfused ops round it (the GEMV's output, the bias add,
+ * RoPE's products, the residual sums, the norm), so the two paths give the same bits.
+ *
+ * head: qkv = h @ w_qkv^T (+ bias), RoPE on its query and key heads at cos / sin (the
+ * position's rows), then the token's key and value rows copied to k_dst / v_dst (its slot
+ * in the paged cache). qkv: [q_size + 2 * kv_size] out.
+ * tail: x += attn @ w_o^T; h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
+ * x += a @ w_down^T; next_h = RMSNorm(x) * next_w (next_w NULL, the last layer: the add
+ * alone). scratch: hidden + hidden + 3 * inter elements. */
+#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW)                                                   \
+    void atomd_decode_layer_head_##SUFFIX(const elem_t *h, const elem_t *w_qkv, const elem_t *bias, elem_t *qkv,  \
+                                          const elem_t *cos, const elem_t *sin, elem_t *k_dst, elem_t *v_dst,     \
+                                          int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,    \
+                                          int num_threads) {                                                      \
+        const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        {                                                                                                          \
+            atomd_gemv_##SUFFIX##_rows(h, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                        \
+            _Pragma("omp single")                                                                                  \
+            {                                                                                                      \
+                rope_row((char *)qkv, q_heads + kv_heads, head_dim, (const char *)cos, (const char *)sin, IS_BF16); \
+                for (int64_t i = 0; i < kv_size; i++) {                                                            \
+                    k_dst[i] = qkv[q_size + i];                                                                    \
+                    v_dst[i] = qkv[q_size + kv_size + i];                                                          \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+    void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, const elem_t *w_o, const elem_t *post_w, \
+                                          const elem_t *w_gate_up, const elem_t *w_down, const elem_t *next_w,    \
+                                          elem_t *next_h, elem_t *scratch, int64_t hidden, int64_t inter,         \
+                                          float eps, int num_threads) {                                           \
+        elem_t *d = scratch, *h = d + hidden, *gu = h + hidden, *a = gu + 2 * inter;                               \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        {                                                                                                          \
+            atomd_gemv_##SUFFIX##_rows(attn, w_o, NULL, d, hidden, hidden);                                        \
+            _Pragma("omp single")                                                                                  \
+            NORM_ROW(x, d, post_w, h, hidden, eps);                                                                \
+            atomd_gemv_##SUFFIX##_rows(h, w_gate_up, NULL, gu, hidden, 2 * inter);                                 \
+            _Pragma("omp single")                                                                                  \
+            SILU_ROW(gu, a, inter);                                                                                \
+            atomd_gemv_##SUFFIX##_rows(a, w_down, NULL, d, inter, hidden);                                         \
+            _Pragma("omp single")                                                                                  \
+            {                                                                                                      \
+                if (next_w != NULL) {                                                                              \
+                    NORM_ROW(x, d, next_w, next_h, hidden, eps);                                                   \
+                } else {                                                                                           \
+                    for (int64_t i = 0; i < hidden; i++)                                                           \
+                        store(x, i, load(x, i, IS_BF16) + load(d, i, IS_BF16), IS_BF16);                           \
+                }                                                                                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
+#define NORM_ROW_F32(x, d, w, o, hidden, eps) rms_norm_row((char *)(x), (const char *)(d), w, (char *)(o), hidden, eps, 0)
+#define SILU_ROW_F32(g, o, inter) silu_mul_row((const char *)(g), (char *)(o), inter, 0)
+DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32)
+#if GEMV_KINDS & 2
+DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16)
 #endif
 #else
 #define GEMV_KINDS 0

@@ -54,6 +54,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
         if lib.gemv_kinds & bit:
             fn = getattr(lib, f"atomd_gemv_{suffix}")
             fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int], None
+            head, tail = getattr(lib, f"atomd_decode_layer_head_{suffix}"), getattr(lib, f"atomd_decode_layer_tail_{suffix}")
+            head.argtypes, head.restype = [_PTR] * 8 + [_I64] * 4 + [ctypes.c_int], None
+            tail.argtypes, tail.restype = [_PTR] * 9 + [_I64] * 2 + [ctypes.c_float, ctypes.c_int], None
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                               ctypes.c_float, ctypes.c_int]
@@ -126,7 +129,8 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
 
 
 def has_gemv(dtype: torch.dtype) -> bool:
-    """Whether `gemv` runs this dtype here (the kernels built with its vector ISA)."""
+    """Whether `gemv` (and the batch-1 decode layer, `decode_layer`) runs this dtype here (the
+    kernels built with its vector ISA)."""
     lib = kernels()
     return lib is not None and dtype in _SUFFIX and bool(lib.gemv_kinds & (1 if dtype == torch.float32 else 2))
 
@@ -140,3 +144,36 @@ def gemv(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     getattr(lib, f"atomd_gemv_{_SUFFIX[x.dtype]}")(x.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[1],
                                                   rows.shape[0], torch.get_num_threads())
     return out
+
+
+class DecodeLayer:
+    """Batch-1 decode of a whole model's layers, two C calls a layer around attention
+    (csrc/layer_ops.c, atomd_decode_layer_*): the same bits as the per-op path, without its
+    ~11 Python-level calls a layer. Made per step by LlamaModel; the pointers it passes are
+    the step's tensors'."""
+
+    def __init__(self, dtype: torch.dtype, hidden: int, inter: int, q_heads: int, kv_heads: int, head_dim: int,
+                 eps: float):
+        lib = kernels()
+        self.head_fn = getattr(lib, f"atomd_decode_layer_head_{_SUFFIX[dtype]}")
+        self.tail_fn = getattr(lib, f"atomd_decode_layer_tail_{_SUFFIX[dtype]}")
+        self.dims = (hidden, q_heads, kv_heads, head_dim)
+        self.hidden, self.inter, self.eps = hidden, inter, eps
+        self.qkv = torch.empty(1, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
+        self.scratch = torch.empty(2 * hidden + 3 * inter, dtype=dtype)
+
+    def head(self, h: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None, cos: int, sin: int,
+             k_dst: int, v_dst: int) -> torch.Tensor:
+        """qkv of the one row h [1, hidden], RoPE'd (cos, sin: the position's table rows),
+        its key and value rows stored at k_dst, v_dst (addresses); returns qkv [1, width]."""
+        self.head_fn(h.data_ptr(), w_qkv.data_ptr(), None if bias is None else bias.data_ptr(), self.qkv.data_ptr(),
+                     cos, sin, k_dst, v_dst, *self.dims, torch.get_num_threads())
+        return self.qkv
+
+    def tail(self, attn: torch.Tensor, x: torch.Tensor, rows: tuple[torch.Tensor, ...], post_norm: torch.Tensor,
+             next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
+        """The layer after attention: x (the residual, [1, hidden]) updated in place, next_h
+        the next layer's normed input (next_norm None: the last layer, x only)."""
+        self.tail_fn(attn.data_ptr(), x.data_ptr(), rows[1].data_ptr(), post_norm.data_ptr(), rows[2].data_ptr(),
+                     rows[3].data_ptr(), None if next_norm is None else next_norm.data_ptr(), next_h.data_ptr(),
+                     self.scratch.data_ptr(), self.hidden, self.inter, self.eps, torch.get_num_threads())

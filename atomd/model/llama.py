@@ -142,6 +142,7 @@ class LlamaModel:
     cos: torch.Tensor = field(init=False)  # [max_positions, head_dim // 2]
     sin: torch.Tensor = field(init=False)
     lm_head_rows: torch.Tensor | None = field(init=False, default=None)  # plain lm_head, batch-1 decode
+    decode_layer: layer_ops.DecodeLayer | None = field(init=False, default=None)  # batch-1 decode in C
 
     def __post_init__(self) -> None:
         freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), rope_inv_freq(self.config))
@@ -149,6 +150,10 @@ class LlamaModel:
         self.sin = freqs.sin().to(self.embed.dtype)
         self._pack_weights()
         layer_ops.kernels()  # compiled (once per machine) at load, not inside the first request
+        cfg, first = self.config, self.layers[0]
+        if first.rows is not None and first.o_bias is None and first.gate_up_bias is None and first.down_bias is None:
+            self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
+                                                      cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def _pack_weights(self) -> None:
         """Reorder every linear weight once, in place, into oneDNN's blocked layout: in
@@ -182,6 +187,9 @@ class LlamaModel:
         cfg = self.config
         x = F.embedding(input_ids, self.embed)
         h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
+        if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
+            self._decode_one_row(x, h, int(positions[0]), meta, kv_cache)
+            return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head, None, self.lm_head_rows)
         positions = positions.contiguous()
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         step = ROW_TILE * 4 // x.element_size()  # rows a tile
@@ -199,6 +207,22 @@ class LlamaModel:
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(x, self.lm_head, None, self.lm_head_rows)
+
+    def _decode_one_row(self, x: torch.Tensor, h: torch.Tensor, position: int, meta: AttentionMetadata,
+                        kv_cache: KVCache) -> None:
+        """Batch-1 decode through layer_ops.DecodeLayer: per layer one C call before attention
+        (QKV, RoPE, the KV write) and one after it (the rest of the layer); x ends as the
+        last layer's residual stream."""
+        cfg, fused = self.config, self.decode_layer
+        half = cfg.head_dim // 2 * self.cos.element_size()
+        cos, sin = self.cos.data_ptr() + position * half, self.sin.data_ptr() + position * half
+        k_dst, v_dst, layer_bytes = kv_cache.slot_addresses(int(meta.slot_blocks[0]), int(meta.slot_offsets[0]))
+        for i, w in enumerate(self.layers):
+            qkv = fused.head(h, w.rows[0], w.qkv_bias, cos, sin, k_dst + i * layer_bytes, v_dst + i * layer_bytes)
+            q = qkv[:, :cfg.q_size].view(1, cfg.num_heads, cfg.head_dim)
+            attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            fused.tail(attn, x, w.rows, w.post_norm, next_norm, h)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
                           next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
