@@ -157,6 +157,20 @@ def test_bf16_prefill_kernel_equals_fp32_causal_sdpa_per_sequence(heads, kv_head
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("isa", ISAS)
+def test_bf16_prefill_kernel_takes_no_rows(isa):
+    """No sequences, or only empty ones: nothing to compute, no error (the AMX path's buffers
+    would be empty)."""
+    lib = kernels(64, 3, isa)
+    rows = torch.zeros(4, 12, 64, dtype=torch.bfloat16)
+    q, kv, out = rows[:, :9], rows[:, 9:], torch.full((4, 9 * 64), 7.0, dtype=torch.bfloat16)
+    none = torch.zeros(0, dtype=torch.int64)
+    native.prefill_attention(lib, q[:0], kv[:0], kv[:0], out[:0], none, none)
+    native.prefill_attention(lib, q, kv, kv, out, torch.tensor([0, 2]), torch.tensor([0, 0]))
+    assert (out == 7.0).all()  # untouched
+
+
+@pytest.mark.unit
 def test_kernels_refuse_mixed_dtypes():
     lib = kernels(32, 2, "native")
     cache = KVCache(4, 1, 16, 2, 32, torch.bfloat16)

@@ -824,6 +824,11 @@ static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, c
         first[s + 1] = first[s] + num_heads * ((seq_lens[s] + 15) / 16);
         longest = padded > longest ? padded : longest;
     }
+    if (keys[num_seqs] == 0) {  /* no query rows */
+        free(keys);
+        free(first);
+        return 0;
+    }
     const int64_t per_head = keys[num_seqs] * HEAD_DIM;  /* elements of one KV head's tiles */
     uint16_t *kt = calloc((size_t)num_kv_heads * per_head, sizeof(uint16_t));
     uint16_t *vt = calloc((size_t)num_kv_heads * per_head, sizeof(uint16_t));
