@@ -309,6 +309,21 @@ static inline void prefetch_rows_bf16(const uint16_t *row, int64_t rows, int64_t
         for (int d = 0; d < HEAD_DIM; d += 32) __builtin_prefetch(row + d);
 }
 
+/* The K rows of KV head h in the block holding token t0 (a multiple of block_size) of a
+ * context of ctx tokens, *n of them (the last block may be partial); asks for the next block's
+ * K rows (an unpredictable address) and this block's V rows (the weighted-value pass) meanwhile. */
+static inline const uint16_t *k_block_bf16(const uint16_t *kv, const int64_t *table, int64_t t0, int64_t ctx,
+                                           int64_t h, int64_t block_size, int64_t block_stride, int64_t k_offset,
+                                           int64_t v_offset, int64_t row_stride, int64_t *n) {
+    const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
+    *n = ctx - t0 < block_size ? ctx - t0 : block_size;
+    if (t0 + block_size < ctx)
+        prefetch_rows_bf16(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM, block_size,
+                           row_stride);
+    prefetch_rows_bf16(k + v_offset, *n, row_stride);
+    return k;
+}
+
 #if BF16_DOT
 #define NV ((HEAD_DIM + 31) / 32) /* 32 bf16 per zmm */
 static inline __mmask32 lanes(int v) {  /* the dims of vector v that exist: the tail is masked */
@@ -366,12 +381,9 @@ static inline void decode_row_bf16(const uint16_t *restrict qh, const uint16_t *
     }
     const __m512 vscale = _mm512_set1_ps(scale);
     for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-        if (t0 + block_size < ctx)
-            prefetch_rows_bf16(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
-                               block_size, row_stride);
-        prefetch_rows_bf16(k + v_offset, n, row_stride);
+        int64_t n;
+        const uint16_t *k = k_block_bf16(kv, table, t0, ctx, h, block_size, block_stride, k_offset, v_offset,
+                                         row_stride, &n);
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t c = n - i0 < 16 ? n - i0 : 16;
             const __mmask16 live = c == 16 ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1u);
@@ -467,12 +479,9 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
                 for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = bf16_to_f32(qh[g * HEAD_DIM + d]) * scale;
             }
             for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-                const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
-                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-                if (t0 + block_size < ctx)
-                    prefetch_rows_bf16(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
-                                       block_size, row_stride);
-                prefetch_rows_bf16(k + v_offset, n, row_stride);
+                int64_t n;
+                const uint16_t *k = k_block_bf16(kv, table, t0, ctx, h, block_size, block_stride, k_offset, v_offset,
+                                                 row_stride, &n);
                 for (int64_t i = 0; i < n; i++, k += row_stride) {
                     float kf[HEAD_DIM];
                     widen_row(k, kf);
