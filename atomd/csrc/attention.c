@@ -31,6 +31,32 @@ static inline void prefetch_rows(const float *row, int64_t rows, int64_t row_str
         for (int d = 0; d < HEAD_DIM; d += 16) __builtin_prefetch(row + d);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define NW ((HEAD_DIM + 15) / 16) /* 16 floats per zmm */
+static inline __mmask16 lanes16(int w) {
+    const int rem = HEAD_DIM - w * 16;
+    return rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1u);
+}
+
+/* Lane j of the result: the sum of the 16 lanes of v[j]. A transposing tree, 45 shuffles and
+ * adds for 16 sums, where one _mm512_reduce_add_ps a vector costs ~8 in a dependent chain:
+ * the decode scores of 16 keys at once. */
+static inline __m512 sum_lanes16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)  /* per 128-bit lane: the 4 vectors' sums over that lane */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0+1 and 2+3 of two such */
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#endif
+
 /* HEAD_DIM and GROUP are fixed at build time (atomd/native.py builds one library per model
  * shape) so the per-row loops unroll and the group's queries and accumulators stay in registers. */
 
@@ -84,6 +110,31 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
                     prefetch_rows(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
                                   block_size, row_stride);
                 prefetch_rows(k + v_offset, n, row_stride);  /* this block's V rows, for the second pass */
+#if defined(__AVX512F__)
+                /* 16 keys at a time: a K row's products for each query head in float32 lanes,
+                 * then one transposing tree for the 16 keys' sums (as the bf16 path) */
+                for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                    const int64_t c = n - i0 < 16 ? n - i0 : 16;
+                    __m512 part[GROUP][16];
+                    for (int64_t i = 0; i < 16; i++)
+                        for (int g = 0; g < GROUP; g++) {
+                            __m512 a = _mm512_setzero_ps();
+                            if (i < c)
+                                for (int w = 0; w < NW; w++)
+                                    a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes16(w), qs[g] + w * 16),
+                                                        _mm512_maskz_loadu_ps(lanes16(w), k + (i0 + i) * row_stride + w * 16), a);
+                            part[g][i] = a;
+                        }
+                    for (int g = 0; g < GROUP; g++) {
+                        float sv[16];
+                        _mm512_storeu_ps(sv, sum_lanes16(part[g]));
+                        for (int64_t i = 0; i < c; i++) {
+                            scores[g * ctx + t0 + i0 + i] = sv[i];
+                            m[g] = sv[i] > m[g] ? sv[i] : m[g];
+                        }
+                    }
+                }
+#else
                 for (int64_t i = 0; i < n; i++, k += row_stride) {
                     for (int g = 0; g < GROUP; g++) {
                         float s = 0.0f;
@@ -93,6 +144,7 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
                         m[g] = s > m[g] ? s : m[g];
                     }
                 }
+#endif
             }
             for (int g = 0; g < GROUP; g++) {
                 float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
@@ -334,34 +386,12 @@ static inline __m512bh load_bf16(const uint16_t *p, int v) {
     return (__m512bh)_mm512_maskz_loadu_epi16(lanes(v), p + v * 32);  /* masked lanes never fault */
 }
 
-#define NW ((HEAD_DIM + 15) / 16) /* 16 floats per zmm */
-static inline __mmask16 lanes16(int w) {
-    const int rem = HEAD_DIM - w * 16;
-    return rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1u);
-}
-
 /* 16 dims of a bf16 row, widened to float32 (exact) */
 static inline __m512 widen16(const uint16_t *p, int w) {
     const __m256i h = _mm256_maskz_loadu_epi16(lanes16(w), p + w * 16);
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
 }
 
-/* Lane j of the result: the sum of the 16 lanes of v[j]. A transposing tree, 45 shuffles and
- * adds for 16 sums, where one _mm512_reduce_add_ps a vector costs ~8 in a dependent chain:
- * the decode scores of 16 keys at once. */
-static inline __m512 sum_lanes16(const __m512 v[16]) {
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)  /* per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] */
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)  /* per 128-bit lane: the 4 vectors' sums over that lane */
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)  /* 128-bit lanes 0+1 and 2+3 of two such */
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
 #endif
 
 #if BF16_DOT
