@@ -78,6 +78,12 @@ class KVCache:
         self._k[layer][meta.slot_blocks, meta.slot_offsets] = k
         self._v[layer][meta.slot_blocks, meta.slot_offsets] = v
 
+    def slot_rows(self, meta: AttentionMetadata) -> torch.Tensor:
+        """Each new token's layer-0 K row in the cache seen as [rows, kv_heads * head_dim]
+        (int64 [T]); layer l's is l * 2 * block_size rows further, the V row block_size rows
+        after the K row (layer_ops.rope_store_)."""
+        return (meta.slot_blocks * (self.num_layers * 2 * self.block_size) + meta.slot_offsets).contiguous()
+
     def slot_addresses(self, block: int, offset: int) -> tuple[int, int, int]:
         """Addresses of layer 0's K and V rows of slot (block, offset), and the bytes from one
         layer's rows to the next's (what `write` stores, for a C caller)."""

@@ -107,6 +107,36 @@ def test_rope_in_place_on_the_query_and_key_heads_only(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])
+def test_rope_store_equals_rope_then_the_cache_write(dtype, rows):
+    """One pass (RoPE, then each row's K and V into its paged slot) against rope_ followed by
+    KVCache.write: the same qkv and the same cache, to the bit; the other slots untouched."""
+    from atomd.kv_cache import AttentionMetadata, KVCache
+
+    g = torch.Generator().manual_seed(rows)
+    heads, kv_heads, head_dim, layers, block = 9, 3, 64, 3, 16
+    freqs = torch.outer(torch.arange(2048, dtype=torch.float32), torch.rand(head_dim // 2, generator=g))
+    cos, sin = freqs.cos().to(dtype), freqs.sin().to(dtype)
+    qkv = torch.randn(rows, (heads + 2 * kv_heads) * head_dim, generator=g).to(dtype)
+    positions = torch.randint(0, 2048, (rows,), generator=g)
+    num_blocks = rows // block + 3
+    slots = torch.randperm(num_blocks * block, generator=g)[:rows]  # scattered slots, distinct
+    meta = AttentionMetadata(is_prefill=True, slot_blocks=slots // block, slot_offsets=slots % block, seqs=[])
+    want_cache, got_cache = (KVCache(num_blocks, layers, block, kv_heads, head_dim, dtype) for _ in range(2))
+    want_cache.kv.normal_(generator=g)
+    got_cache.kv.copy_(want_cache.kv)
+    for layer in range(layers):
+        want, got = qkv.clone(), qkv.clone()
+        layer_ops.rope_(want, heads + kv_heads, head_dim, cos, sin, positions)
+        k, v = want[:, heads * head_dim:].view(rows, 2, kv_heads, head_dim).unbind(1)
+        want_cache.write(layer, meta, k, v)
+        assert layer_ops.rope_store_(got, heads, kv_heads, head_dim, cos, sin, positions, got_cache.kv,
+                                     got_cache.slot_rows(meta), layer * 2 * block, block)
+        assert torch.equal(got, want)
+        assert torch.equal(got_cache.kv, want_cache.kv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_the_torch_fallback_computes_the_same(dtype, torch_ops):
     g = torch.Generator().manual_seed(0)
     x, delta = torch.randn(5, 64, generator=g).to(dtype), torch.randn(5, 64, generator=g).to(dtype)

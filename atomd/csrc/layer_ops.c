@@ -17,6 +17,7 @@
 #include <math.h>
 #include <stddef.h>
 #include <stdint.h>
+#include <string.h>
 
 #include "fast_exp.h"
 
@@ -229,6 +230,37 @@ void atomd_rope_f32(float *qkv, int64_t row_stride, int64_t heads, int64_t head_
 void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t head_dim, const bf16_t *cos,
                      const bf16_t *sin, const int64_t *positions, int64_t rows, int num_threads) {
     ROPE(1)
+}
+
+/* RoPE as atomd_rope_* on the query and key heads of each row of qkv [rows, row_stride] (q_heads
+ * query heads, then kv_heads key heads, then as many value heads), then the row's key and
+ * value heads copied to its slot in the paged KV cache: the K row at cache + (slot_rows[r] +
+ * layer_rows) * kv_heads * head_dim, the V row v_rows rows further (atomd/kv_cache.py's
+ * layout). One pass over the rows where RoPE and the cache write were two calls. */
+#define ROPE_STORE(is_bf16)                                                                                    \
+    const int64_t kv_size = kv_heads * head_dim, q_size = q_heads * head_dim;                                  \
+    _Pragma("omp parallel for num_threads(num_threads) if (rows * (q_size + 2 * kv_size) >= PARALLEL_MIN_ELEMENTS)") \
+    for (int64_t r = 0; r < rows; r++) {                                                                       \
+        char *row = (char *)(qkv + r * row_stride);                                                            \
+        rope_row(row, q_heads + kv_heads, head_dim, (const char *)(cos + positions[r] * (head_dim / 2)),      \
+                 (const char *)(sin + positions[r] * (head_dim / 2)), is_bf16);                                \
+        char *k = (char *)(cache + (slot_rows[r] + layer_rows) * kv_size);                                     \
+        memcpy(k, row + q_size * ELEM(is_bf16), kv_size * ELEM(is_bf16));                                      \
+        memcpy(k + v_rows * kv_size * ELEM(is_bf16), row + (q_size + kv_size) * ELEM(is_bf16),                \
+               kv_size * ELEM(is_bf16));                                                                       \
+    }
+
+void atomd_rope_store_f32(float *qkv, int64_t row_stride, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                          const float *cos, const float *sin, const int64_t *positions, float *cache,
+                          const int64_t *slot_rows, int64_t layer_rows, int64_t v_rows, int64_t rows, int num_threads) {
+    ROPE_STORE(0)
+}
+
+void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
+                           const bf16_t *cos, const bf16_t *sin, const int64_t *positions, bf16_t *cache,
+                           const int64_t *slot_rows, int64_t layer_rows, int64_t v_rows, int64_t rows,
+                           int num_threads) {
+    ROPE_STORE(1)
 }
 
 /* Batch-1 decode linears: y[n] = sum_k x[k] w[n, k] over a plain row-major weight [N, K]

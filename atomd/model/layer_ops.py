@@ -62,7 +62,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
                                                               ctypes.c_float, ctypes.c_int]
         getattr(lib, f"atomd_silu_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int]
         getattr(lib, f"atomd_rope_{suffix}").argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
-        for op in ("rms_norm", "silu_mul", "rope"):
+        getattr(lib, f"atomd_rope_store_{suffix}").argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
+                                                                _PTR, _I64, _I64, _I64, ctypes.c_int]
+        for op in ("rms_norm", "silu_mul", "rope", "rope_store"):
             getattr(lib, f"atomd_{op}_{suffix}").restype = None
     return lib
 
@@ -126,6 +128,26 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
     getattr(lib, f"atomd_rope_{_SUFFIX[qkv.dtype]}")(qkv.data_ptr(), qkv.stride(0), heads, head_dim, cos.data_ptr(),
                                                      sin.data_ptr(), positions.data_ptr(), qkv.shape[0],
                                                      torch.get_num_threads())
+
+
+def rope_store_(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
+                sin: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, slot_rows: torch.Tensor,
+                layer_rows: int, v_rows: int) -> bool:
+    """rope_ on the query and key heads of qkv [T, width], then each row's key and value heads
+    stored in the paged cache: its K row at row slot_rows[t] + layer_rows of `cache` seen as
+    [rows, kv_heads * head_dim], its V row v_rows rows further (KVCache.slot_rows). One C call;
+    False (nothing done) where the kernels do not take these tensors: the caller runs rope_
+    and KVCache.write."""
+    lib = _native(qkv, cos, sin, cache)
+    if lib is None or not (cos.is_contiguous() and sin.is_contiguous() and cache.is_contiguous()
+                           and positions.is_contiguous() and slot_rows.is_contiguous()
+                           and positions.dtype == slot_rows.dtype == torch.int64):
+        return False
+    getattr(lib, f"atomd_rope_store_{_SUFFIX[qkv.dtype]}")(
+        qkv.data_ptr(), qkv.stride(0), q_heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
+        positions.data_ptr(), cache.data_ptr(), slot_rows.data_ptr(), layer_rows, v_rows, qkv.shape[0],
+        torch.get_num_threads())
+    return True
 
 
 def has_gemv(dtype: torch.dtype) -> bool:

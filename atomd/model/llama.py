@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 from atomd.kv_cache import AttentionMetadata, KVCache
 from atomd.model import layer_ops
-from atomd.model.layer_ops import rms_norm, rope_, silu_mul
+from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.native import decode_attention, prefill_attention
 
 # A long prefill runs everything after attention this many float32 rows at a time (twice as
@@ -191,15 +191,18 @@ class LlamaModel:
             self._decode_one_row(x, h, int(positions[0]), meta, kv_cache)
             return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head, None, self.lm_head_rows)
         positions = positions.contiguous()
+        slot_rows = kv_cache.slot_rows(meta)
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         step = ROW_TILE * 4 // x.element_size()  # rows a tile
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
-            rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            kv_cache.write(i, meta, k, v)
+            if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions,
+                               kv_cache.kv, slot_rows, i * 2 * kv_cache.block_size, kv_cache.block_size):
+                rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
+                kv_cache.write(i, meta, k, v)
             attn = paged_attention(q, k, v, kv_cache, i, meta)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             for rows in range(0, x.shape[0], step):
