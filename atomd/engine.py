@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
+from atomd.allocator import retain_freed_memory
 from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.kv_cache import KVCache
 from atomd.kv_events import KVEventPublisher, offset_port
@@ -56,6 +57,7 @@ class LLMEngine:
         """`prefill_delayer`: the DP group's (atomd/core.py builds it), asked every tick."""
         self.config = config
         torch.set_num_threads(config.num_threads_or_all())
+        retain_freed_memory()  # a prefill's activations reuse their pages (atomd/allocator.py)
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
         self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len)

@@ -222,16 +222,17 @@ def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
     assert gemv_ids == onednn_ids
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])  # qwen2: the QKV projection's bias
+@pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}),  # qwen2: the QKV projection's bias
+                                             ("llama", {"head_dim": 32})])  # heads x head_dim != hidden
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, dtype, tmp_path):
+def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype, tmp_path):
     """Batch-1 decode through layer_ops.DecodeLayer (two C calls a layer around attention)
     against the per-op path on the same engine: the same greedy ids and logprobs to the bit
     (each intermediate rounded where the per-op path rounds it, the same kernels)."""
     from atomd import LLM, SamplingParams
     from tests.test_model_hf import make_checkpoint
 
-    path = make_checkpoint(tmp_path / kind, kind, seed=5)
+    path = make_checkpoint(tmp_path / kind, kind, seed=5, **overrides)
     llm = LLM(str(path), num_threads=2, dtype=str(dtype).removeprefix("torch."), max_model_len=256,
               enable_prefix_caching=False)
     model = llm.engine.model

@@ -4,7 +4,8 @@
  *   the block-major paged KV cache (atomd/kv_cache.py): one token per sequence, or with
  *   speculative decoding its last token and its drafts (causal inside that run).
  * - atomd_prefill_attention: causal attention of fresh prompts (no cached prefix) over their
- *   own packed k, v rows, flash-style (key tiles, online softmax).
+ *   own packed k, v rows, flash-style (key tiles, online softmax); in bf16 on AMX CPUs as
+ *   tile matmuls with an exact softmax per row instead (prefill_tile_amx).
  *
  * Why a decode kernel: torch's CPU SDPA and batched matmul ran a decode step's attention at ~6 GB/s
  * of KV read (small per-head GEMMs; with GQA each KV head is read once per query head), a
@@ -316,7 +317,7 @@ int atomd_prefill_attention(const float *restrict q, const float *restrict k, co
  *   bf16 is widened to float32 by a 16-bit shift (exact) and the float32 code runs, which the
  *   compiler vectorises for whatever the target has.
  * Weights times V are float32 FMAs on widened V rows on both paths (a weight rounded to bf16
- * would cost 3 significant digits).
+ * would cost 3 significant digits); the AMX prefill keeps them as two bf16 terms instead.
  */
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(ATOMD_NO_BF16_DOT) && HEAD_DIM % 2 == 0
 #define BF16_DOT 1
@@ -881,7 +882,7 @@ static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, c
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-#pragma omp for schedule(dynamic, 1)
+#pragma omp for schedule(dynamic, 1) collapse(2)  /* one long prompt: its heads on both threads */
         for (int64_t s = 0; s < num_seqs; s++)
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 uint16_t *kd = kt + h * per_head + keys[s] * HEAD_DIM, *vd = vt + h * per_head + keys[s] * HEAD_DIM;

@@ -95,7 +95,7 @@ static void rms_norm_row_bf16(bf16_t *x, const bf16_t *d, const bf16_t *w, bf16_
 
 /* silu(g) = g / (1 + e^-|g|) for g >= 0, g e^-|g| / (1 + e^-|g|) below: the exp of a
  * non-positive argument only; the division as a reciprocal estimate and one Newton step
- * (relative error ~2^-28; vdivps alone took as long as the rest of the row) */
+ * (about 1 float32 ulp; vdivps alone took as long as the rest of the row) */
 static inline __m512 silu16(__m512 g) {
     const __m512 a = _mm512_mul_ps(_mm512_abs_ps(g), _mm512_set1_ps(-1.44269504088896341f));
     const __m512 e = exp2_nonpositive16(a, (__mmask16)0xffff);
@@ -332,7 +332,7 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
  * head: qkv = h @ w_qkv^T (+ bias), RoPE on its query and key heads at cos / sin (the
  * position's rows), then the token's key and value rows copied to k_dst / v_dst (its slot
  * in the paged cache). qkv: [q_size + 2 * kv_size] out.
- * tail: x += attn @ w_o^T; h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
+ * tail: x += attn @ w_o^T (attn: q_size = query heads x head_dim); h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
  * x += a @ w_down^T; next_h = RMSNorm(x) * next_w (next_w NULL, the last layer: the add
  * alone). scratch: hidden + hidden + 3 * inter elements. */
 #define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW)                                                   \
@@ -356,12 +356,12 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
     }                                                                                                              \
     void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, const elem_t *w_o, const elem_t *post_w, \
                                           const elem_t *w_gate_up, const elem_t *w_down, const elem_t *next_w,    \
-                                          elem_t *next_h, elem_t *scratch, int64_t hidden, int64_t inter,         \
-                                          float eps, int num_threads) {                                           \
+                                          elem_t *next_h, elem_t *scratch, int64_t hidden, int64_t q_size,        \
+                                          int64_t inter, float eps, int num_threads) {                            \
         elem_t *d = scratch, *h = d + hidden, *gu = h + hidden, *a = gu + 2 * inter;                               \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
-            atomd_gemv_##SUFFIX##_rows(attn, w_o, NULL, d, hidden, hidden);                                        \
+            atomd_gemv_##SUFFIX##_rows(attn, w_o, NULL, d, q_size, hidden);                                        \
             _Pragma("omp single")                                                                                  \
             NORM_ROW(x, d, post_w, h, hidden, eps);                                                                \
             atomd_gemv_##SUFFIX##_rows(h, w_gate_up, NULL, gu, hidden, 2 * inter);                                 \

@@ -56,7 +56,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int], None
             head, tail = getattr(lib, f"atomd_decode_layer_head_{suffix}"), getattr(lib, f"atomd_decode_layer_tail_{suffix}")
             head.argtypes, head.restype = [_PTR] * 8 + [_I64] * 4 + [ctypes.c_int], None
-            tail.argtypes, tail.restype = [_PTR] * 9 + [_I64] * 2 + [ctypes.c_float, ctypes.c_int], None
+            tail.argtypes, tail.restype = [_PTR] * 9 + [_I64] * 3 + [ctypes.c_float, ctypes.c_int], None
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                               ctypes.c_float, ctypes.c_int]
@@ -180,7 +180,7 @@ class DecodeLayer:
         self.head_fn = getattr(lib, f"atomd_decode_layer_head_{_SUFFIX[dtype]}")
         self.tail_fn = getattr(lib, f"atomd_decode_layer_tail_{_SUFFIX[dtype]}")
         self.dims = (hidden, q_heads, kv_heads, head_dim)
-        self.hidden, self.inter, self.eps = hidden, inter, eps
+        self.hidden, self.q_size, self.inter, self.eps = hidden, q_heads * head_dim, inter, eps
         self.qkv = torch.empty(1, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
         self.scratch = torch.empty(2 * hidden + 3 * inter, dtype=dtype)
 
@@ -198,4 +198,4 @@ class DecodeLayer:
         the next layer's normed input (next_norm None: the last layer, x only)."""
         self.tail_fn(attn.data_ptr(), x.data_ptr(), rows[1].data_ptr(), post_norm.data_ptr(), rows[2].data_ptr(),
                      rows[3].data_ptr(), None if next_norm is None else next_norm.data_ptr(), next_h.data_ptr(),
-                     self.scratch.data_ptr(), self.hidden, self.inter, self.eps, torch.get_num_threads())
+                     self.scratch.data_ptr(), self.hidden, self.q_size, self.inter, self.eps, torch.get_num_threads())

@@ -20,10 +20,12 @@ from atomd.model import layer_ops
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.native import decode_attention, prefill_attention
 
-# A long prefill runs everything after attention this many float32 rows at a time (twice as
-# many in bf16: the same bytes): the [rows, 2 * intermediate] MLP activations then stay in
-# cache (8 x 512 prefill: ~13% faster in float32 than one tile; in bf16 on the 135M shape 1024
-# rows are 3% faster than 512, on the small shape 7%: benchmarks/results/offline.md)
+# A long prefill runs everything after attention this many float32 rows at a time, 4x as many
+# in bf16: the [rows, 2 * intermediate] MLP activations then stay in cache (float32 8 x 512:
+# ~13% faster than one tile), and in bf16 oneDNN's down projection gets rows enough to use
+# both threads (K 1536 -> N 576 runs on one thread up to M = 1280). Steady state, separate
+# processes, 135M shape bf16: 1024 rows 5.9k tok/s, 2048 6.9k, 4096 6.8k; small shape 25.3k /
+# 30.2k / 28.9k; float32 512 / 1024 / 2048 rows within 2% (benchmarks/results/offline.md)
 ROW_TILE = 512
 SUPPORTED_ARCHITECTURES = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "mistral",
                            "Qwen2ForCausalLM": "qwen2"}
@@ -187,13 +189,16 @@ class LlamaModel:
         cfg = self.config
         x = F.embedding(input_ids, self.embed)
         h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
+        if positions.numel() and int(positions.max()) >= self.max_positions:  # the C RoPE reads its tables there
+            raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
         if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
             self._decode_one_row(x, h, int(positions[0]), meta, kv_cache)
-            return linear(rms_norm(x, self.norm, cfg.rms_norm_eps), self.lm_head, None, self.lm_head_rows)
+            return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
+                          self.lm_head_rows)
         positions = positions.contiguous()
         slot_rows = kv_cache.slot_rows(meta)
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
-        step = ROW_TILE * 4 // x.element_size()  # rows a tile
+        step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)  # rows a tile
         for i, w in enumerate(self.layers):
             qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
