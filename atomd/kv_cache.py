@@ -84,7 +84,11 @@ class KVCache:
         after the K row (layer_ops.rope_store_)."""
         if meta.slot_blocks.numel() and int(meta.slot_blocks.max()) >= self.num_blocks:  # C writes there
             raise IndexError(f"KV slot in block {int(meta.slot_blocks.max())} of a {self.num_blocks}-block cache")
-        return (meta.slot_blocks * (self.num_layers * 2 * self.block_size) + meta.slot_offsets).contiguous()
+        return self._first_row(meta.slot_blocks, meta.slot_offsets).contiguous()
+
+    def _first_row(self, block, offset):
+        """Slot (block, offset)'s layer-0 K row in the cache seen as rows (ints or tensors)."""
+        return block * (self.num_layers * 2 * self.block_size) + offset
 
     def slot_addresses(self, block: int, offset: int) -> tuple[int, int, int]:
         """Addresses of layer 0's K and V rows of slot (block, offset), and the bytes from one
@@ -92,7 +96,7 @@ class KVCache:
         if not (0 <= block < self.num_blocks and 0 <= offset < self.block_size):  # C writes there
             raise IndexError(f"KV slot ({block}, {offset}) outside a {self.num_blocks} x {self.block_size} cache")
         row = self.num_kv_heads * self.head_dim * self.kv.element_size()
-        k = self.kv.data_ptr() + (block * self.num_layers * 2 * self.block_size + offset) * row
+        k = self.kv.data_ptr() + self._first_row(block, offset) * row
         return k, k + self.block_size * row, 2 * self.block_size * row
 
     def gather(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:

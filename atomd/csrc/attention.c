@@ -35,10 +35,11 @@ static inline void prefetch_rows(const float *row, int64_t rows, int64_t row_str
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define NW ((HEAD_DIM + 15) / 16) /* 16 floats per zmm */
-static inline __mmask16 lanes16(int w) {
-    const int rem = HEAD_DIM - w * 16;
-    return rem >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << rem) - 1u);
+static inline __mmask16 first_lanes16(int64_t n) {  /* the first n of 16 lanes (none for n <= 0) */
+    return n >= 16 ? (__mmask16)0xffff : n > 0 ? (__mmask16)((1u << n) - 1u) : (__mmask16)0;
 }
+
+static inline __mmask16 lanes16(int w) { return first_lanes16(HEAD_DIM - w * 16); }  /* dims of vector w */
 
 /* Lane j of the result: the sum of the 16 lanes of v[j]. A transposing tree, 45 shuffles and
  * adds for 16 sums, where one _mm512_reduce_add_ps a vector costs ~8 in a dependent chain:
@@ -417,7 +418,7 @@ static inline void decode_row_bf16(const uint16_t *restrict qh, const uint16_t *
                                          row_stride, &n);
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t c = n - i0 < 16 ? n - i0 : 16;
-            const __mmask16 live = c == 16 ? (__mmask16)0xffff : (__mmask16)((1u << c) - 1u);
+            const __mmask16 live = first_lanes16(c);
             __m512 part[GROUP][16];
             for (int64_t i = 0; i < 16; i++) {
                 if (i < c) {
@@ -782,14 +783,13 @@ static void prefill_tile_amx(const uint16_t *restrict q, const uint16_t *restric
         const int64_t valid = r < n ? r0 + r + 1 : 0;
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < valid; j += 16) {
-            const __mmask16 m = valid - j >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (valid - j)) - 1u);
+            const __mmask16 m = first_lanes16(valid - j);
             mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(row + j));
         }
         const __m512 shift = _mm512_set1_ps(valid ? -_mm512_reduce_max_ps(mx) * to_log2 : 0.0f);
         __m512 total = _mm512_setzero_ps();
         for (int64_t j = 0; j < nk32; j += 16) {
-            const __mmask16 m = valid - j >= 16 ? (__mmask16)0xffff
-                                : valid > j ? (__mmask16)((1u << (valid - j)) - 1u) : (__mmask16)0;
+            const __mmask16 m = first_lanes16(valid - j);
             const __m512 p = exp2_nonpositive16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), vlog2, shift), m);
             total = _mm512_add_ps(total, p);
             /* hi: p's top 16 bits (exact in bf16), lo: the rest, rounded */

@@ -237,17 +237,26 @@ void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t hea
  * value heads copied to its slot in the paged KV cache: the K row at cache + (slot_rows[r] +
  * layer_rows) * kv_heads * head_dim, the V row v_rows rows further (atomd/kv_cache.py's
  * layout). One pass over the rows where RoPE and the cache write were two calls. */
+/* One row: RoPE on its q_heads + kv_heads heads, then its key and value heads copied to k / v
+ * (the token's rows in the paged cache). Shared by atomd_rope_store_* and the batch-1 layer. */
+static inline __attribute__((always_inline)) void rope_store_row(
+        char *row, int64_t q_heads, int64_t kv_heads, int64_t head_dim, const char *c, const char *s, char *k,
+        char *v, const int is_bf16) {
+    const int64_t kv_bytes = kv_heads * head_dim * ELEM(is_bf16), q_bytes = q_heads * head_dim * ELEM(is_bf16);
+    rope_row(row, q_heads + kv_heads, head_dim, c, s, is_bf16);
+    memcpy(k, row + q_bytes, kv_bytes);
+    memcpy(v, row + q_bytes + kv_bytes, kv_bytes);
+}
+
 #define ROPE_STORE(is_bf16)                                                                                    \
     const int64_t kv_size = kv_heads * head_dim, q_size = q_heads * head_dim;                                  \
     _Pragma("omp parallel for num_threads(num_threads) if (rows * (q_size + 2 * kv_size) >= PARALLEL_MIN_ELEMENTS)") \
     for (int64_t r = 0; r < rows; r++) {                                                                       \
-        char *row = (char *)(qkv + r * row_stride);                                                            \
-        rope_row(row, q_heads + kv_heads, head_dim, (const char *)(cos + positions[r] * (head_dim / 2)),      \
-                 (const char *)(sin + positions[r] * (head_dim / 2)), is_bf16);                                \
         char *k = (char *)(cache + (slot_rows[r] + layer_rows) * kv_size);                                     \
-        memcpy(k, row + q_size * ELEM(is_bf16), kv_size * ELEM(is_bf16));                                      \
-        memcpy(k + v_rows * kv_size * ELEM(is_bf16), row + (q_size + kv_size) * ELEM(is_bf16),                \
-               kv_size * ELEM(is_bf16));                                                                       \
+        rope_store_row((char *)(qkv + r * row_stride), q_heads, kv_heads, head_dim,                            \
+                       (const char *)(cos + positions[r] * (head_dim / 2)),                                    \
+                       (const char *)(sin + positions[r] * (head_dim / 2)), k,                                 \
+                       k + v_rows * kv_size * ELEM(is_bf16), is_bf16);                                         \
     }
 
 void atomd_rope_store_f32(float *qkv, int64_t row_stride, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
@@ -345,13 +354,8 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
         {                                                                                                          \
             atomd_gemv_##SUFFIX##_rows(h, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                        \
             _Pragma("omp single")                                                                                  \
-            {                                                                                                      \
-                rope_row((char *)qkv, q_heads + kv_heads, head_dim, (const char *)cos, (const char *)sin, IS_BF16); \
-                for (int64_t i = 0; i < kv_size; i++) {                                                            \
-                    k_dst[i] = qkv[q_size + i];                                                                    \
-                    v_dst[i] = qkv[q_size + kv_size + i];                                                          \
-                }                                                                                                  \
-            }                                                                                                      \
+            rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,         \
+                           (char *)k_dst, (char *)v_dst, IS_BF16);                                                 \
         }                                                                                                          \
     }                                                                                                              \
     void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, const elem_t *w_o, const elem_t *post_w, \

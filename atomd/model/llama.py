@@ -187,10 +187,10 @@ class LlamaModel:
         Each residual add is fused with the RMSNorm after it (atomd/model/layer_ops.py):
         h holds the normed input of the next matmul, x the residual stream."""
         cfg = self.config
-        x = F.embedding(input_ids, self.embed)
-        h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
         if positions.numel() and int(positions.max()) >= self.max_positions:  # the C RoPE reads its tables there
             raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
+        x = F.embedding(input_ids, self.embed)
+        h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
         if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
             self._decode_one_row(x, h, int(positions[0]), meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
