@@ -16,8 +16,11 @@ $(VENV)/.installed: pyproject.toml
 
 venv: $(VENV)/.installed
 
+# both cores: pytest-xdist, one file's tests on one worker (tests/conftest.py groups them)
+XDIST := -n 2 --dist loadgroup
+
 test: venv
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest -q -m unit $(PYTEST_ARGS)

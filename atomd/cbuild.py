@@ -28,9 +28,32 @@ CSRC = pathlib.Path(__file__).parent / "csrc"
 # every kernel's: this CPU's instructions, a shared object, and IEEE arithmetic (no
 # -ffast-math: results match the Python paths they replace bit for bit where they claim to)
 BASE_FLAGS = ["-O3", "-march=native", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"]
-# narrower builds, to test the fallbacks on a CPU that has everything: no AVX512_BF16
-# instructions (the kernels' ATOMD_NO_BF16_DOT), no AVX-512 at all (what an AVX2-only CPU runs)
-ISA_FLAGS = {"native": [], "no-bf16-dot": ["-DATOMD_NO_BF16_DOT"], "no-avx512": ["-mno-avx512f"]}
+# narrower builds, to run another CPU's paths on a CPU that has everything: no AMX tiles (an
+# AVX512_BF16 CPU such as AMD's EPYC), no AVX512_BF16 instructions (the kernels'
+# ATOMD_NO_BF16_DOT: an Intel Xeon with AVX-512/VNNI only), no AVX-512 at all (AVX2-only)
+_NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
+ISA_FLAGS = {"native": [], "no-amx": _NO_AMX, "no-bf16-dot": [*_NO_AMX, "-DATOMD_NO_BF16_DOT"],
+             "no-avx512": [*_NO_AMX, "-mno-avx512f"]}
+# `$ATOMD_KERNEL_ISA` narrows every kernel build of a process (and the CPU flags the engine
+# reads, atomd.config.cpu_flags) to one of ISA_FLAGS: what tests/test_cpu_kinds.py runs
+ISA_ENV = "ATOMD_KERNEL_ISA"
+# the /proc/cpuinfo flags each narrowing takes away (a prefix ends in "*")
+ISA_HIDES = {"native": (), "no-amx": ("amx_*",), "no-bf16-dot": ("amx_*", "avx512_bf16"),
+             "no-avx512": ("amx_*", "avx512*")}
+
+
+def kernel_isa() -> str:
+    """The ISA every kernel build of this process is narrowed to ($ATOMD_KERNEL_ISA, else native)."""
+    isa = os.environ.get(ISA_ENV) or "native"
+    if isa not in ISA_FLAGS:
+        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
+    return isa
+
+
+def narrow_flags(flags: set[str]) -> set[str]:
+    """A CPU's flags less what $ATOMD_KERNEL_ISA takes away."""
+    hidden = ISA_HIDES[kernel_isa()]
+    return {f for f in flags if not any(f.startswith(h[:-1]) if h.endswith("*") else f == h for h in hidden)}
 
 
 @functools.cache

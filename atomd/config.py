@@ -15,6 +15,7 @@ from typing import Any
 
 import msgspec
 
+from atomd import cbuild
 from kv_transfer.trust import SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -231,13 +232,14 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
 
 
 def cpu_flags() -> set[str]:
-    """This CPU's feature flags (/proc/cpuinfo's `flags`; empty where there is none). Tests
-    monkeypatch it to be another CPU."""
+    """This CPU's feature flags (/proc/cpuinfo's `flags`; empty where there is none), less
+    those $ATOMD_KERNEL_ISA hides (atomd.cbuild.narrow_flags). Tests monkeypatch it to be
+    another CPU."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
                 if line.startswith("flags"):
-                    return set(line.partition(":")[2].split())
+                    return cbuild.narrow_flags(set(line.partition(":")[2].split()))
     except OSError:
         pass
     return set()

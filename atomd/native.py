@@ -6,8 +6,8 @@ or with speculative decoding its last token and its drafts, causal inside that r
 and output in bf16, sums in float32; AVX512_BF16 dot products where the CPU has them, bf16
 widened to float32 where not: the build picks, `bf16_path()` says which).
 
-`$ATOMD_ATTENTION_ISA` (or `attention_kernels(..., isa=)`) narrows what a build may use, for
-testing the fallbacks on a CPU that has everything: `native` (default: all this CPU has),
+`$ATOMD_KERNEL_ISA` (atomd.cbuild, or `attention_kernels(..., isa=)`) narrows what a build may
+use, for testing the fallbacks on a CPU that has everything: `native` (default: all this CPU has),
 `no-amx` (no AMX tiles: the bf16 prefill's AVX512_BF16 loop), `no-bf16-dot` (no AVX512_BF16
 instructions), `no-avx512` (no AVX-512 at all: what an AVX2-only CPU runs). `prefill_amx`
 says whether a build's bf16 prefill runs on AMX tiles (the CPU has them, the build targets
@@ -26,7 +26,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 
 import torch
 
@@ -36,9 +35,7 @@ from atomd.kv_cache import KVCache
 log = logging.getLogger(__name__)
 SOURCE = cbuild.CSRC / "attention.c"
 FLAGS = [*cbuild.BASE_FLAGS[:2], "-fopenmp", *cbuild.BASE_FLAGS[2:]]  # attention's flags, in their old order
-ISA_ENV = "ATOMD_ATTENTION_ISA"
-# the kernels' builds: cbuild's, and one without AMX (the AVX512_BF16 prefill loop on an AMX CPU)
-ISA_FLAGS = {**cbuild.ISA_FLAGS, "no-amx": ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]}
+ISA_ENV, ISA_FLAGS = cbuild.ISA_ENV, cbuild.ISA_FLAGS
 BF16_PATHS = {2: "AVX512_BF16 dot products", 1: "bf16 widened to float32 on AVX-512F",
               0: "bf16 widened to float32 (no AVX-512)"}
 _I64 = ctypes.c_int64
@@ -47,11 +44,8 @@ _PTR = ctypes.c_void_p
 
 def attention_kernels(head_dim: int, group: int, isa: str | None = None) -> ctypes.CDLL | None:
     """The kernels for heads of `head_dim` with `group` query heads per KV head, or None.
-    `isa`: one of ISA_FLAGS (default: $ATOMD_ATTENTION_ISA, else native)."""
-    isa = isa or os.environ.get(ISA_ENV) or "native"
-    if isa not in ISA_FLAGS:
-        raise ValueError(f"{ISA_ENV} must be one of {', '.join(ISA_FLAGS)}, got {isa!r}")
-    return _attention_kernels(head_dim, group, isa)
+    `isa`: one of ISA_FLAGS (default: cbuild.kernel_isa())."""
+    return _attention_kernels(head_dim, group, isa or cbuild.kernel_isa())
 
 
 @functools.cache

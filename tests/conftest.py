@@ -50,11 +50,12 @@ NETNS_FULL_ENV = "ATOMD_NETNS_FULL"
 def pytest_configure(config):
     config.addinivalue_line("markers", "netns: test hosts in network namespaces (root and iproute2; skip without)")
     config.addinivalue_line("markers", "netns_full: a long cross-host test: `make e2e-netns` runs it, `make test` deselects it")
+    # registered here too: a run without pytest-xdist (tests/test_cpu_kinds.py's) keeps --strict-markers
+    config.addinivalue_line("markers", "xdist_group(name): tests that share one pytest-xdist worker")
 
 
 def pytest_collection_modifyitems(config, items):
-    import os
-
+    _group_for_xdist(items)
     if os.environ.get(NETNS_FULL_ENV) == "1":
         return
     # Deselected, not skipped: these run in their own target, they are not missing here.
@@ -62,6 +63,17 @@ def pytest_collection_modifyitems(config, items):
     if long:
         config.hook.pytest_deselected(items=long)
         items[:] = [item for item in items if "netns_full" not in item.keywords]
+
+
+def _group_for_xdist(items) -> None:
+    """`make test` runs on both cores (pytest-xdist, `--dist loadgroup`): a file's tests stay on
+    one worker (its module fixtures start once), and the network-namespace tests share one
+    worker (each cluster picks a free subnet; two at once could pick the same one)."""
+    for item in items:
+        if item.get_closest_marker("xdist_group"):  # a test that chose its own
+            continue
+        group = "netns" if "netns" in item.keywords else item.nodeid.split("::")[0]
+        item.add_marker(pytest.mark.xdist_group(group))
 
 
 def _silence_stderr_at_exit() -> None:

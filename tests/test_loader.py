@@ -116,3 +116,29 @@ def test_a_bf16_checkpoint_runs_in_the_asked_dtype_and_says_so(llama_dir, tmp_pa
     assert model.dtype == torch.float32
     assert torch.equal(model.embed, tensors["model.embed_tokens.weight"].float())
     assert "weights stored as BF16, run as float32" in caplog.text
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "compressed-tensors", "autogptq-file"])
+def test_quantized_checkpoint_is_refused_naming_the_method(llama_dir, tmp_path, method):
+    """A quantized checkpoint's tensors are packed ints or fp8 with scales: refused, never cast."""
+    shutil.copytree(llama_dir, tmp_path / "m")
+    if method == "autogptq-file":  # AutoGPTQ writes quantize_config.json beside an unmarked config
+        (tmp_path / "m" / "quantize_config.json").write_text('{"bits": 4, "group_size": 128}')
+        want = "gptq"
+    else:  # the field as transformers' own quantization configs write it
+        quant = {"gptq": lambda: transformers.GPTQConfig(bits=4),
+                 "awq": lambda: transformers.AwqConfig(bits=4),
+                 "fp8": lambda: transformers.FineGrainedFP8Config(),
+                 # transformers' CompressedTensorsConfig needs the compressed-tensors package: the
+                 # head of what llm-compressor writes
+                 "compressed-tensors": lambda: {"quant_method": "compressed-tensors", "format": "pack-quantized",
+                                                "config_groups": {"group_0": {"targets": ["Linear"],
+                                                                              "weights": {"num_bits": 4}}}},
+                 }[method]()
+        quant = quant if isinstance(quant, dict) else quant.to_dict()
+        _edit_config(tmp_path / "m", quantization_config=quant)
+        want = quant["quant_method"]
+        want = getattr(want, "value", want)
+    with pytest.raises(ValueError, match=f"quantized checkpoint \\({want}\\) is not supported"):
+        load_model(tmp_path / "m")

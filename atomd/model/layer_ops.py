@@ -33,14 +33,15 @@ def kernels() -> ctypes.CDLL | None:
     """The built library, or None (torch ops) with the reason logged."""
     if _FORCE_TORCH:
         return None
-    return build_kernels("native")
+    return build_kernels(cbuild.kernel_isa())
 
 
 @functools.cache
 def build_kernels(isa: str) -> ctypes.CDLL | None:
     """The library built with `isa` (atomd.cbuild.ISA_FLAGS: `native`, or narrowed to test
     the fallbacks on a CPU that has everything: `no-bf16-dot` drops the AVX512_BF16
-    conversions, `no-avx512` all of AVX-512), or None with the reason logged."""
+    conversions, `no-avx512` all of AVX-512, `no-amx` changes nothing here), or None with the
+    reason logged."""
     # 512-bit vectors where the CPU has them (GCC prefers 256 on Intel): 512 x 576 RMSNorm
     # 40 -> 24 us fp32, 86 -> 68 us bf16; bf16 SiLU-and-mul 432 -> 312 us (2 threads)
     flags = [*cbuild.BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512", *cbuild.ISA_FLAGS[isa]]

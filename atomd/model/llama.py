@@ -7,6 +7,7 @@ sequence's context from the paged cache as described by `AttentionMetadata`.
 """
 from __future__ import annotations
 
+import logging
 import math
 import os
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ from atomd.kv_cache import AttentionMetadata, KVCache
 from atomd.model import layer_ops
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.native import decode_attention, prefill_attention
+
+log = logging.getLogger(__name__)
 
 # A long prefill runs everything after attention this many float32 rows at a time, 4x as many
 # in bf16: the [rows, 2 * intermediate] MLP activations then stay in cache (float32 8 x 512:
@@ -62,6 +65,11 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}: "
                              f"supported are {', '.join(SUPPORTED_ARCHITECTURES)}")
+        quant = hf.get("quantization_config")
+        if quant:  # its tensors are packed integers or fp8 with scales: cast as floats they are garbage
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            raise ValueError(f"quantized checkpoint ({method}) is not supported yet: "
+                             f"atomd loads float16, bfloat16 and float32 weights only")
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} for {arch} (only silu)")
         heads = hf["num_attention_heads"]
@@ -172,6 +180,10 @@ class LlamaModel:
             self.lm_head_rows = self.lm_head.contiguous()
             for w in self.layers:
                 w.rows = (w.qkv.contiguous(), w.o.contiguous(), w.gate_up.contiguous(), w.down.contiguous())
+        if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            # oneDNN refuses to pack bf16 without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: F.linear
+            log.warning("bfloat16 weights stay unpacked: this CPU has no oneDNN bf16 path (float32 is faster here)")
+            return
         self.lm_head = pack_linear_weight(self.lm_head)
         for w in self.layers:
             w.qkv, w.o = pack_linear_weight(w.qkv), pack_linear_weight(w.o)

@@ -25,7 +25,12 @@ def read_config(model_dir: str | pathlib.Path) -> ModelConfig:
     if not path.is_file():
         raise ValueError(f"model directory {model_dir} has no config.json")
     with path.open() as f:
-        return ModelConfig.from_hf(json.load(f))
+        hf = json.load(f)
+    legacy = pathlib.Path(model_dir) / "quantize_config.json"  # AutoGPTQ's file beside config.json
+    if legacy.is_file() and "quantization_config" not in hf:
+        with legacy.open() as f:
+            hf["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
+    return ModelConfig.from_hf(hf)
 
 
 class _TensorSource:
