@@ -1,10 +1,10 @@
-"""The prefix cache's block names, for consumers of the KV events (the kv_aware router).
+"""The prefix cache's block names: the engine's block manager (scheduler/block_manager.py)
+and the consumers of its KV events (the kv_aware router, which must not import the
+scheduler) compute them here, once.
 
 An engine names a full block of `block_size` tokens by a chained xxh64: the parent block's
 hash as 8 little-endian bytes (absent for the first block), then the block's token ids as
-little-endian int64. This is scheduler/block_manager.py's `chain_hash`, repeated here so a
-process that must not import the scheduler (the router) computes the very same names; a
-test holds the two equal. `BlockStored.block_hashes` carry these values.
+little-endian int64. `BlockStored.block_hashes` carry these values.
 """
 from __future__ import annotations
 

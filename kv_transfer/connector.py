@@ -49,12 +49,32 @@ knows, is harmless: the scheduler ignores it and never frees a block twice.
 from __future__ import annotations
 
 import abc
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import msgspec
 
-if TYPE_CHECKING:  # the sequence type, for annotations only
-    from scheduler.sequence import Sequence
+from kv_transfer.params import KVTransferParams
+
+
+class Sequence(Protocol):
+    """What a connector reads of the scheduler's sequence (scheduler.sequence.Sequence): the
+    scheduler imports kv_transfer, never the other way round."""
+
+    id: int
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    num_cached_tokens: int
+    block_table: list[int]
+    kv_transfer_params: KVTransferParams | None
+    logprobs: list[Any]
+    prompt_logprobs: list[Any] | None
+    spec_token_ids: list[int]
+
+    @property
+    def error(self) -> str | None: ...
+
+    @property
+    def completion_token_ids(self) -> list[int]: ...
 
 
 class KVConnectorOutput(msgspec.Struct):

@@ -24,16 +24,13 @@ kv_transfer/mooncake_transport.py subclasses ZmqProducer / ZmqConsumer and overr
 from __future__ import annotations
 
 import bisect
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import msgspec
 
-if TYPE_CHECKING:
-    from scheduler.sequence import Sequence
-
 from kv_transfer import faults
 from kv_transfer.connector import (KVConnectorConfig, KVConnectorMetadata, KVConnectorOutput,
-                                   KVConnectorScheduler, KVConnectorWorker, RemotePrefill)
+                                   KVConnectorScheduler, KVConnectorWorker, RemotePrefill, Sequence)
 from kv_transfer.params import KVTransferParams, compat_mismatch, new_access_token, new_transfer_id
 from kv_transfer.trust import ProducerTrust, UntrustedKVParams
 from kv_transfer.zmq_transport import ABORTED, KVReceiver, KVSender

@@ -26,24 +26,13 @@ Rules (docs/design.md, "Scheduler semantics"):
 from __future__ import annotations
 
 import heapq
-import struct
 from collections import OrderedDict
 
-import xxhash
-
+from kv_transfer.block_hash import chain_hash  # the names KV events carry: one definition
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from scheduler.sequence import Sequence
 
 NO_HASH = -1
-
-
-def chain_hash(parent: int | None, token_ids: list[int]) -> int:
-    """xxh64 of (parent hash as 8 LE bytes, if any) + token ids as LE int64."""
-    h = xxhash.xxh64()
-    if parent is not None:
-        h.update(parent.to_bytes(8, "little"))
-    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
-    return h.intdigest()
 
 
 class Block:

@@ -12,7 +12,9 @@ import time
 from typing import Any
 
 import msgspec
+import numpy as np
 import pytest
+import xxhash
 import zmq
 
 from atomd.kv_events import END_SEQ, KVEventPublisher, offset_port
@@ -247,16 +249,28 @@ def test_a_port_taken_is_a_clear_error():
         first.close()
 
 
-def test_router_hashes_equal_the_block_managers():
-    from scheduler.block_manager import chain_hash as engine_chain_hash
+def test_block_hashes_follow_the_documented_chain():
+    """Against the rule as docs/design.md states it, computed here from xxhash directly, and
+    against the names a real BlockManager gives a sequence's blocks."""
+    from scheduler.block_manager import BlockManager
+    from scheduler.sequence import Sequence
+
+    def spec(parent: int | None, tokens: list[int]) -> int:
+        head = b"" if parent is None else parent.to_bytes(8, "little")
+        return xxhash.xxh64_intdigest(head + np.asarray(tokens, dtype="<i8").tobytes())
 
     tokens = list(range(100, 170))
     hs = block_hashes(tokens, 16)
     parent = None
     for i, h in enumerate(hs):
-        parent = engine_chain_hash(parent, tokens[i * 16:(i + 1) * 16])
+        parent = spec(parent, tokens[i * 16:(i + 1) * 16])
         assert h == parent == chain_hash(hs[i - 1] if i else None, tokens[i * 16:(i + 1) * 16])
     assert len(hs) == 4 and block_hashes(tokens, 16, limit=2) == hs[:2]
+    bm, seq = BlockManager(num_blocks=8, block_size=16), Sequence(tokens)
+    bm.allocate(seq, 0)
+    seq.num_computed_tokens = len(tokens)  # as after the prefill's forward
+    bm.publish(seq)
+    assert seq.block_hashes == hs
 
 
 # ---------------------------------------------------------------- an engine publishing
