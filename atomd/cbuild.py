@@ -50,9 +50,9 @@ def kernel_isa() -> str:
     return isa
 
 
-def narrow_flags(flags: set[str]) -> set[str]:
-    """A CPU's flags less what $ATOMD_KERNEL_ISA takes away."""
-    hidden = ISA_HIDES[kernel_isa()]
+def narrow_flags(flags: set[str], isa: str | None = None) -> set[str]:
+    """A CPU's flags less what `isa` (default: $ATOMD_KERNEL_ISA) takes away."""
+    hidden = ISA_HIDES[isa or kernel_isa()]
     return {f for f in flags if not any(f.startswith(h[:-1]) if h.endswith("*") else f == h for h in hidden)}
 
 
