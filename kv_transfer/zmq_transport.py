@@ -68,6 +68,7 @@ UNKNOWN_TRANSFER = "unknown_transfer"
 MALFORMED = "malformed"
 PEER_GONE = "peer_gone"
 TIMEOUT = "timeout"
+PEER_PING_MS, PEER_DEAD_MS = 1000, 3000  # D's pings to each P, and the silence that drops the connection
 INCOMPLETE = "incomplete"
 # Release reasons (P), also sent as ERROR codes for late messages about a released transfer.
 DONE = "done"
@@ -781,6 +782,11 @@ class KVReceiver(_IOLoop):
             sock = self._ctx.socket(zmq.DEALER)
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.RCVHWM, self._rcvhwm)
+            # ZMTP pings: a connection P stopped answering (its host cut off) is dropped and
+            # redialled within seconds, instead of the next READ waiting behind TCP's
+            # retransmission back-off (tens of seconds after a long cut) until its timeout
+            sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_PING_MS)
+            sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_DEAD_MS)
             sock.connect(f"tcp://{peer[0]}:{peer[1]}")
             self._sockets[peer] = sock
             self._peers[sock] = peer
