@@ -66,6 +66,13 @@ def test_any_change_after_signing_is_a_bad_signature(field, value):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("signature", ["é", "\udcff", "x" * 10_000])
+def test_any_string_as_a_signature_is_a_bad_signature_not_an_error(signature):
+    forged = msgspec.structs.replace(sign(remote_params(), SECRET), signature=signature)
+    assert refusal(ProducerTrust(SECRET), forged) == BAD_SIGNATURE
+
+
+@pytest.mark.unit
 def test_with_a_secret_unsigned_params_are_refused():
     assert refusal(ProducerTrust(SECRET), remote_params()) == UNSIGNED
 
@@ -208,11 +215,13 @@ def test_a_consumer_with_a_secret_refuses_unsigned_and_forged_params_before_conn
     host, port = listener.getsockname()
     params = remote_params(host, port, lease_s=5.0)
     params = msgspec.structs.replace(params, num_prompt_tokens=20, remote_block_ids=[0, 1])
-    for given, reason in ((params, UNSIGNED), (msgspec.structs.replace(params, signature="00" * 32), BAD_SIGNATURE)):
+    # "é": a non-ASCII signature once killed D's engine core (#42: compare_digest's TypeError)
+    forged = [msgspec.structs.replace(params, signature=sig) for sig in ("00" * 32, "é")]
+    for given, reason, count in ((params, UNSIGNED, 1), (forged[0], BAD_SIGNATURE, 1), (forged[1], BAD_SIGNATURE, 2)):
         status, body = post_remote_prefill(d, msgspec.to_builtins(given))
         assert status == 403, body
         assert body["error"]["type"] == "permission_error" and body["error"]["code"] == "kv_params_untrusted"
-        assert metric(d, "atomd:kv_params_refused_total", reason=reason) == 1
+        assert metric(d, "atomd:kv_params_refused_total", reason=reason) == count
     assert not connected(listener)
     d.wait_idle(trusted.baseline["D"])
     # the same engine still serves, and through the router (which signs) it equals colocated
