@@ -71,3 +71,27 @@ def test_each_list_at_its_bound_is_served(server):
                         "guided_choice": [f"c{i}" for i in range(protocol.MAX_CHOICES)]})
     assert status == 200, raw[:300]
     assert json.loads(raw)["choices"][0]["text"].startswith("c")
+
+
+@pytest.mark.parametrize("route,body,param", [
+    ("/v1/completions", {"prompt": "ab " * 5_000_000}, "prompt"),  # the probe's 15 MB prompt
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "ab " * 500_000}] * 4}, "messages"),
+])
+def test_a_prompt_past_the_character_bound_is_refused_before_tokenizing(server, route, body, param):
+    """A 15 MB prompt once held an engine's event loop for 33-41 s while it was tokenized."""
+    status, raw = http("POST", server.url + route, {**body, "max_tokens": 1})
+    assert status == 400, raw[:300]
+    error = json.loads(raw)["error"]
+    assert error["param"] == param and "--max-prompt-chars" in error["message"], error
+    assert len(raw) < 2048  # the prompt is not echoed back
+    status, raw = http("POST", server.url + "/v1/completions", {"prompt": "def f(", "max_tokens": 4})
+    assert status == 200, raw
+
+
+def test_a_long_prompt_under_the_bound_is_tokenized_off_the_event_loop_and_counted(server):
+    from atomd.server import OFF_LOOP_CHARS
+
+    text = "def f(x):\n    return x\n" * (OFF_LOOP_CHARS // 20)  # past OFF_LOOP_CHARS: a worker thread
+    status, raw = http("POST", server.url + "/v1/completions", {"prompt": text, "max_tokens": 1})
+    assert status == 400, raw[:300]  # tokenized and counted: more tokens than the model's context
+    assert "maximum context length" in json.loads(raw)["error"]["message"]
