@@ -12,11 +12,12 @@ from launch.process import http
 from tests.server_fixtures import model_dir, start_server
 
 pytestmark = pytest.mark.integration
+PROMPT_CHARS = 100_000  # past OFF_LOOP_CHARS (the fixture's model: 32 x 256 would be under it)
 
 
 @pytest.fixture(scope="module")
 def server():
-    srv = start_server(model_dir())
+    srv = start_server(model_dir(), "--max-prompt-chars", str(PROMPT_CHARS))
     yield srv
     srv.stop()
 
@@ -82,7 +83,7 @@ def test_a_prompt_past_the_character_bound_is_refused_before_tokenizing(server, 
     status, raw = http("POST", server.url + route, {**body, "max_tokens": 1})
     assert status == 400, raw[:300]
     error = json.loads(raw)["error"]
-    assert error["param"] == param and "--max-prompt-chars" in error["message"], error
+    assert error["param"] == param and f"--max-prompt-chars {PROMPT_CHARS}" in error["message"], error
     assert len(raw) < 2048  # the prompt is not echoed back
     status, raw = http("POST", server.url + "/v1/completions", {"prompt": "def f(", "max_tokens": 4})
     assert status == 200, raw
