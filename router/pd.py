@@ -184,8 +184,10 @@ class PDRelay:
         self._rng = random.Random()
 
     async def handle(self, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes) -> None:
-        if body.pop("kv_transfer_params", None) is not None:
-            # Clients never steer KV transfers: only the router writes these, on every path.
+        if "kv_transfer_params" in body:
+            # Clients never steer KV transfers: only the router writes these, on every path. A
+            # null counts too: left in the raw body after the router's own params, it overrode them.
+            del body["kv_transfer_params"]
             self.metrics.client_kv_params_dropped += 1
             raw = _encode(body)
         await PDRequest(self, req, resp, endpoint, body, raw).run()

@@ -126,12 +126,13 @@ def client_params() -> dict:
 
 
 @pytest.mark.unit
-def test_the_router_drops_a_clients_kv_transfer_params_and_signs_its_own(loop):
+@pytest.mark.parametrize("given", ["params", "null"])  # #42: a null once survived, after the router's own
+def test_the_router_drops_a_clients_kv_transfer_params_and_signs_its_own(loop, given):
     cluster = Cluster(loop, health_interval_s=60).start()
     cluster.router.relay.kv_params_secret = SECRET
     try:
         r = cluster.post("/v1/completions", {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 4,
-                                             "kv_transfer_params": client_params()})
+                                             "kv_transfer_params": client_params() if given == "params" else None})
         assert r.status == 200
         (_, p_body), = cluster.prefill[0].requests
         (_, d_body), = cluster.decode[0].requests
