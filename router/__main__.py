@@ -97,7 +97,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                           "is at least this many ms; short prompts still prefill there. Set it to the TPOT SLO "
                           "minus the engines' --max-local-prefill-ms-per-step (0: no bound)")
     rel.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
-                     help="consecutive failures (connection errors, 5xx, timeouts) that open a worker's breaker")
+                     help="consecutive failures (connection errors, timeouts, 502/503/504; not 4xx or a request's 500) "
+                          "that open a worker's breaker")
     rel.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
                      help="seconds an open breaker refuses traffic before one trial request")
     rel.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,

@@ -449,12 +449,18 @@ class PDRequest:
         return self.prefill_params(worker, answer)
 
     def failed_answer(self, leg: str, worker: Worker, status: int, data: bytes, content_type: str) -> LegError:
-        """4xx: the worker judged the request; pass it through. 5xx: the worker broke; 502."""
+        """4xx: the worker judged the request; pass it through. 5xx: a 502. Only a worker's
+        own faults count against its breaker: a 500 is one request's bug (an engine answers
+        503 when it cannot serve at all), so eleven bad requests in a row must not take the
+        worker out for every client (#42)."""
         if 400 <= status < 500:
             worker.breaker.record_success()  # it answered properly; the client was wrong
             return LegError(status, "", body=data, content_type=content_type or "application/json")
         message = f"{leg} worker {worker.url} answered {status}: {upstream_message(data)}"
-        worker.failed(message)
+        if status == 500:
+            worker.breaker.record_success()  # it is up and answering
+        else:
+            worker.failed(message)
         return LegError(502, message)
 
     def prefill_params(self, worker: Worker, answer: bytes) -> dict | None:

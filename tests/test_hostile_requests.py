@@ -96,3 +96,28 @@ def test_a_long_prompt_under_the_bound_is_tokenized_off_the_event_loop_and_count
     status, raw = http("POST", server.url + "/v1/completions", {"prompt": text, "max_tokens": 1})
     assert status == 400, raw[:300]  # tokenized and counted: more tokens than the model's context
     assert "input tokens=" in json.loads(raw)["error"]["message"]
+
+
+@pytest.fixture(scope="module")
+def consumer():
+    srv = start_server(model_dir(), "--kv-role", "consumer")
+    yield srv
+    srv.stop()
+
+
+@pytest.mark.parametrize("bad", [{"first_token_id": 10**9},
+                                 {"first_token_id": 5, "first_token_logprobs": {"top": [[5, -0.1]]}}])
+def test_a_producers_bad_params_fail_that_request_and_d_serves_on(consumer, bad):
+    """#42: these crashed D's engine core (IndexError, KeyError) and the 502 carried its traceback."""
+    baseline = consumer.stats()["num_free_blocks"]
+    params = {"do_remote_prefill": True, "remote_host": "127.0.0.1", "remote_port": 9, "transfer_id": "t" * 32,
+              "remote_block_ids": [0], "num_prompt_tokens": 4, "access_token": "ab" * 16, **bad}
+    status, raw = http("POST", consumer.url + "/v1/completions",
+                       {"prompt": [11, 12, 13, 14], "max_tokens": 2, "kv_transfer_params": params})
+    assert status == 400, raw[:300]
+    assert "kv_transfer_params" in json.loads(raw)["error"]["message"] and b"Traceback" not in raw
+    status, raw = http("GET", consumer.url + "/health")
+    assert status == 200
+    status, raw = http("POST", consumer.url + "/v1/completions", {"prompt": "def f(", "max_tokens": 4})
+    assert status == 200, raw
+    consumer.wait_idle(baseline)
