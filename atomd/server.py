@@ -303,7 +303,8 @@ class Server:
         admin = self.args.admin_api_key is not None and (path in ADMIN_PATHS or path.startswith("/debug/"))
         key = self.args.admin_api_key if admin else self.args.api_key
         if key and path not in OPEN_PATHS and not hmac.compare_digest(
-                request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+                # surrogateescape: a header of non-UTF-8 bytes is a wrong key (401), not a 500
+                request.headers.get("Authorization", "").encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
             which = "admin API key" if admin else "API key"
             raise P.APIError(401, f"missing or invalid {which} (expected `Authorization: Bearer <key>`)",
                              type="authentication_error", code="invalid_admin_key" if admin else "invalid_api_key")
