@@ -118,6 +118,9 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     sec.add_argument("--admin-api-key", default=None,
                      help="a separate key for GET/POST/DELETE /workers and /dashboard/state (client keys do not "
                           "open them); default: those routes take the --api-key")
+    sec.add_argument("--engine-api-key", default=None,
+                     help="the engines' --api-key: sent on the router's own GET /kv_transfer_info (their DP ranks "
+                          "and KV event endpoints; without it kv_aware cannot follow engines that have a key)")
     sec.add_argument("--engine-admin-api-key", default=None,
                      help="the engines' --admin-api-key: sent on the router's POST /kv_transfer/abort "
                           "(default: the client's Authorization, which works while engines have no admin key)")

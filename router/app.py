@@ -78,6 +78,7 @@ class RouterConfig:
     local_prefill_max_itl_ms: float = 0.0  # adaptive: a backed-up P's long prompt stays remote while D's streams are this slow (0: no bound)
     api_key: str | None = None
     admin_api_key: str | None = None
+    engine_api_key: str | None = None  # the engines' --api-key (for the router's GET /kv_transfer_info)
     engine_admin_api_key: str | None = None  # the engines' --admin-api-key (for POST /kv_transfer/abort)
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
@@ -276,7 +277,8 @@ class Router:
 
     async def _worker_ready(self, worker: Worker) -> None:
         """A worker entered rotation: learn its DP ranks and KV event endpoints."""
-        info = await worker.fetch_kv_info()
+        key = self.config.engine_api_key
+        info = await worker.fetch_kv_info(b"Authorization: Bearer %s\r\n" % key.encode("latin-1") if key else b"")
         if self.kv_index is not None:
             if self.tokenizer is None and info:
                 self._tokenizer_from(info)
