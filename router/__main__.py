@@ -110,6 +110,9 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     rel.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
                      help="the Retry-After a 429 carries")
     rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
+    rel.add_argument("--request-read-timeout-s", type=float, default=d.request_read_timeout_s,
+                     help="a request's head and body must arrive within this many seconds of its first byte "
+                          "(else 408 and the connection closes): no trickling client holds a connection")
     rel.add_argument("--max-upstream-event-bytes", type=int, default=d.max_upstream_event_bytes,
                      help="a longer server-sent event from a worker ends that stream with an error event")
     sec = p.add_argument_group("security")

@@ -83,6 +83,7 @@ class RouterConfig:
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
+    request_read_timeout_s: float = 30.0  # a request's head and body arrive within this of its first byte
     max_upstream_event_bytes: int = 16 << 20  # a longer SSE event from a worker ends its stream (error event)
     max_concurrent_requests: int = 0  # 0: no cap
     max_queued_requests: int = 1024
@@ -120,7 +121,8 @@ class RouterConfig:
         if self.local_prefill_max_itl_ms < 0:
             raise ValueError(f"local_prefill_max_itl_ms must be >= 0, got {self.local_prefill_max_itl_ms}")
         for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s",
-                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s"):
+                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s",
+                     "request_read_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("prefill_timeout_s", "total_timeout_s"):
@@ -257,7 +259,8 @@ class Router:
         serve, start health checks and re-resolution."""
         await self.registry.check_all()
         await self.discovery.refresh()
-        self.server = HTTPServer(self.handle, self.config.max_request_body_bytes)
+        self.server = HTTPServer(self.handle, self.config.max_request_body_bytes,
+                                 read_timeout_s=self.config.request_read_timeout_s)
         host, port = await self.server.start(self.config.host, self.config.port)
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.registry.start()

@@ -186,3 +186,80 @@ def _closed_port() -> int:
     port = s.getsockname()[1]
     s.close()
     return port
+
+
+# ---------------------------------------------------------------- #42: clients that hold on
+
+@pytest.mark.parametrize("trickle,more", [(b"G", b""),  # one byte, then silence
+                                          (b"GET / HTTP/1.1\r\nHost: x\r\nX-Slow: ", b"x"),  # a header at 20 B/s
+                                          (b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\nab", b"x")])
+def test_a_request_that_does_not_arrive_in_time_is_a_408_and_the_connection_closes(trickle, more):
+    """One byte, a head, or a body that stops coming: each once held its connection for ever
+    (the idle timer stopped at the first byte); now the request has read_timeout_s from its first byte."""
+    async def go():
+        server = HTTPServer(echo, 1000, read_timeout_s=0.3)
+        _, port = await server.start("127.0.0.1", 0)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(trickle)
+            got = b""
+            for _ in range(40):  # keep trickling a byte every 50 ms: no byte resets the clock
+                chunk = b""
+                try:
+                    chunk = await asyncio.wait_for(reader.read(65536), 0.05)
+                except asyncio.TimeoutError:
+                    writer.write(more)
+                if chunk == b"" and reader.at_eof():
+                    break
+                got += chunk
+            writer.close()
+            return got, reader.at_eof(), len(server.connections)
+        finally:
+            await server.close()
+    got, eof, open_connections = asyncio.run(go())
+    assert got.startswith(b"HTTP/1.1 408") and b"request_timeout" in got, got[:200]
+    assert eof
+
+
+def test_pipelined_requests_a_client_never_reads_do_not_pile_up_answers():
+    """780 KB of pipelined GETs never read took the router from 116 to 527 MB: the answers
+    now wait for the client (write flow control) and reading stops past MAX_PIPELINED."""
+    from router import http as H
+
+    big = b"x" * (256 << 10)
+
+    async def large(req, resp):
+        resp.send(200, big)
+
+    async def go():
+        server, port = await serve(large)
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.transport.pause_reading()  # never read an answer
+            request = b"GET /openapi.json HTTP/1.1\r\nHost: x\r\n\r\n"
+            writer.write(request * 2000)  # ~80 KB of requests, ~500 MB of answers if all were made
+            await asyncio.sleep(1.0)
+            (conn,) = server.connections
+            buffered, reading = conn.transport.get_write_buffer_size(), conn.transport.is_reading()
+            writer.close()
+            return buffered, reading
+        finally:
+            await server.close()
+    buffered, reading = asyncio.run(go())
+    assert buffered <= 2 * len(big) + H.WRITE_HIGH_WATER  # one or two answers, not thousands
+    assert not reading  # what the client sends meanwhile stays in the kernel's buffers
+
+
+def test_a_chunked_body_in_two_byte_chunks_arrives_whole():
+    body = bytes(range(256)) * 40
+
+    async def go():
+        server, port = await serve(echo, max_body=1 << 20)
+        try:
+            chunks = b"".join(b"2\r\n" + body[i:i + 2] + b"\r\n" for i in range(0, len(body), 2))
+            return await exchange(port, b"POST /b HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+                                        b"Connection: close\r\n\r\n" + chunks + b"0\r\n\r\n")
+        finally:
+            await server.close()
+    out = asyncio.run(go())
+    assert out.startswith(b"HTTP/1.1 200") and out.endswith(b"POST /b " + body)
