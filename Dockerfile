@@ -8,7 +8,7 @@
 # Two stages: `build` has a C compiler and makes a virtual environment (torch, the package
 # with its kernels); the image copies that environment alone onto the bare base, so it has
 # no compiler, no pip cache and no build tree. `make image-check` builds the same file from a
-# local Debian base and a local package index (scripts/image_check.py):
+# local Debian base and a local package index (benchmarks/image.py, tests/test_image.py):
 #
 #   docker build --build-arg BASE_IMAGE=atomd-base:bookworm \
 #     --build-arg TORCH_INDEX=http://127.0.0.1:PORT/simple/ \

@@ -54,9 +54,10 @@ TARGETS = {
 }
 # the best target each narrowed build may take: the instructions that build would use
 ISA_TARGET_CAP = {"native": "amx", "no-amx": "avx512bf16", "no-bf16-dot": "avx512", "no-avx512": "avx2"}
-# the attention shapes (head_dim, query heads per KV head) a wheel ships: the built-in model's
-# and SmolLM2-135M's; more with $ATOMD_PREBUILD_ATTENTION="128x4,64x8" when building the wheel
-PREBUILT_ATTENTION = ((32, 2), (64, 3))
+# the attention shapes (head_dim, query heads per KV head) a wheel ships: the built-in model's,
+# benchmarks/offline.py's small one, SmolLM2-135M's, Llama-3-8B's; more with
+# $ATOMD_PREBUILD_ATTENTION="64x7,128x8" when building the wheel (a Docker build argument)
+PREBUILT_ATTENTION = ((32, 2), (64, 2), (64, 3), (128, 4))
 PREBUILD_ENV = "ATOMD_PREBUILD_ATTENTION"
 _PATHS: dict[str, str] = {}  # kernel name -> how it runs (kernel_paths())
 

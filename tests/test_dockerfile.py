@@ -27,7 +27,7 @@ import zipfile
 import pytest
 import yaml
 
-from tests import docker_tools
+from benchmarks import image as docker_tools
 from tests.helm_tools import CHART, REPO, by_kind, containers, render
 
 DOCKERFILE = (REPO / "Dockerfile").read_text()
@@ -121,13 +121,13 @@ def test_install_steps_are_the_makefiles():
 
 @pytest.mark.unit
 def test_build_args_are_the_image_checks():
-    """The image check (tests/docker_tools.py) builds this file with its own base and index:
+    """The image check (benchmarks/image.py) builds this file with its own base and index:
     every argument it passes is declared, and the defaults are what a user elsewhere needs."""
     args = build_args()
     assert args["BASE_IMAGE"] == "python:3.11-slim-bookworm"
     assert {"BASE_IMAGE", "TORCH_INDEX", "PIP_INDEX_URL"} <= set(args)
     assert args["PIP_INDEX_URL"] is None  # unset: pip's own default, PyPI
-    passed = set(re.findall(r'"--build-arg", f"(\w+)=', (REPO / "tests/docker_tools.py").read_text()))
+    passed = set(re.findall(r'"--build-arg", f"(\w+)=', (REPO / "benchmarks/image.py").read_text()))
     assert passed == {"BASE_IMAGE", "TORCH_INDEX", "PIP_INDEX_URL"}, passed
     # both stages start from the base: the venv made in one runs in the other
     assert [st[0][1].split()[0] for st in stages()] == ["${BASE_IMAGE}", "${BASE_IMAGE}"]

@@ -1,5 +1,5 @@
 """A private Docker daemon, a local Debian base image and the project's image, for
-tests/test_image.py (`make image-check`).
+tests/test_image.py (`make image-check`) and benchmarks/image_offline.py.
 
 No container registry is reachable here, so nothing is pulled:
 - the daemon: Debian's `docker.io` (installed with apt when there is no dockerd), started with
