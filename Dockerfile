@@ -43,9 +43,11 @@ COPY scheduler ./scheduler
 COPY kv_transfer ./kv_transfer
 COPY router ./router
 COPY launch ./launch
-# setup.py compiles the kernels into the wheel; fails without a compiler rather than ship none
-RUN python -m pip install . \
- && find /opt/atomd -name __pycache__ -prune -exec rm -rf {} +
+# setup.py compiles the kernels into the wheel; fails without a compiler rather than ship none.
+# pip also writes every module's bytecode: keep it, the root filesystem is read-only at run
+# time, and without it each process compiles what it imports (torch's lazy imports inside the
+# first requests: a float32 batch-1 run at 9 instead of 150 tokens/s).
+RUN python -m pip install .
 
 FROM ${BASE_IMAGE}
 ENV PYTHONDONTWRITEBYTECODE=1 PYTHONUNBUFFERED=1 PATH=/opt/atomd/bin:$PATH

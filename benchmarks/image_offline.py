@@ -61,7 +61,8 @@ def main() -> int:
     here = pathlib.Path(__file__).resolve().parent
     with tempfile.TemporaryDirectory() as tmp:
         model = make_checkpoint(pathlib.Path(tmp) / "llama")
-        model.chmod(0o755)
+        for path in (pathlib.Path(tmp), model, *model.iterdir()):  # readable by the image's user
+            path.chmod(0o755 if path.is_dir() else 0o644)
         daemon = image.Daemon()
         try:
             if daemon.docker("image", "inspect", image.IMAGE_TAG, check=False).returncode != 0:

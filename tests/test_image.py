@@ -133,22 +133,26 @@ def test_the_charts_pods_run_from_the_image(daemon, built, tmp_path):
         svc = one(objs, "Service", one(objs, "StatefulSet", f"-{role}")["spec"]["serviceName"])
         hosts[role] = f"{svc['metadata']['name']}.{svc['metadata']['namespace']}.svc.{domain}"
     started: dict[str, float] = {}
+
+    def run(role: str, name: str) -> None:
+        pod = pods[role]
+        argv = replace_flag(replace_flag(pod.argv(), "--host", "127.0.0.1"), "--port", str(ports[role]))
+        if role != "router":
+            argv = replace_flag(argv, "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}")
+        if role == "prefill":
+            argv = replace_flag(argv, "--kv-side-channel-port", str(free_port()))
+        extra = []
+        if role == "router":  # the Services' names -> this host, at the engines' ports
+            for engine in ("prefill", "decode"):
+                argv = replace_flag(argv, f"--{engine}-dns", f"{hosts[engine]}:{ports[engine]}")
+                extra += ["--add-host", f"{hosts[engine]}:127.0.0.1"]
+        started[name] = time.monotonic()
+        daemon.docker("run", "-d", *docker_run_args(pod, name), *extra, "--entrypoint", argv[0],
+                      image.IMAGE_TAG, *argv[1:])
+
     try:
         for role in ("prefill", "decode", "router"):
-            pod = pods[role]
-            argv = replace_flag(replace_flag(pod.argv(), "--host", "127.0.0.1"), "--port", str(ports[role]))
-            if role != "router":
-                argv = replace_flag(argv, "--kv-events-endpoint", f"tcp://127.0.0.1:{free_port()}")
-            if role == "prefill":
-                argv = replace_flag(argv, "--kv-side-channel-port", str(free_port()))
-            extra = []
-            if role == "router":  # the Services' names -> this host, at the engines' ports
-                for engine in ("prefill", "decode"):
-                    argv = replace_flag(argv, f"--{engine}-dns", f"{hosts[engine]}:{ports[engine]}")
-                    extra += ["--add-host", f"{hosts[engine]}:127.0.0.1"]
-            started[role] = time.monotonic()
-            daemon.docker("run", "-d", *docker_run_args(pod, names[role]), *extra, "--entrypoint", argv[0],
-                          image.IMAGE_TAG, *argv[1:])
+            run(role, names[role])
 
         from atomd import LLM, SamplingParams  # while the containers load
 
@@ -162,7 +166,7 @@ def test_the_charts_pods_run_from_the_image(daemon, built, tmp_path):
         for role in ("prefill", "decode", "router"):
             try:
                 ready_s[role] = round(wait_ready(ports[role], pods[role].probes()["readinessProbe"][0], deadline)
-                                      - started[role], 1)
+                                      - started[names[role]], 1)
             except TimeoutError:
                 pytest.fail(f"{role} never ready:\n{daemon.docker('logs', names[role], check=False).stderr[-4000:]}")
         for role, pod in pods.items():
@@ -203,7 +207,14 @@ def test_the_charts_pods_run_from_the_image(daemon, built, tmp_path):
         for role in ("router", "decode", "prefill"):
             code = daemon.docker("inspect", "-f", "{{.State.ExitCode}}", names[role]).stdout.strip()
             assert code == "0", f"{role} exited {code}:\n{daemon.docker('logs', names[role]).stderr[-3000:]}"
-        measured = dict(built, ready_s=ready_s)
+
+        # start-up alone (the three above start together, beside the offline LLM): a decode
+        # container from `docker run` to /ready with nothing else starting
+        names["alone"], ports["decode"] = "atomd-check-decode-alone", free_port()
+        run("decode", names["alone"])
+        alone = wait_ready(ports["decode"], "/ready", time.monotonic() + READY_TIMEOUT_S) - started[names["alone"]]
+        daemon.docker("stop", names["alone"], timeout=120)
+        measured = dict(built, ready_s=ready_s, decode_alone_ready_s=round(alone, 1))
         (image.CACHE / "measurements.json").write_text(json.dumps(measured))
         print(f"\nimage check: {json.dumps(measured)}")
     finally:
