@@ -23,6 +23,7 @@ import os
 import pathlib
 import re
 import shutil
+import socket
 import subprocess
 import sys
 import tempfile
@@ -146,10 +147,22 @@ def package_index() -> pathlib.Path:
     return root / "simple"
 
 
+INDEX_PORT = 38611  # the index's usual port: its URL is a build argument, part of the layer cache's key
+
+
+def _port() -> int:
+    with contextlib.closing(socket.socket()) as s:
+        try:
+            s.bind(("127.0.0.1", INDEX_PORT))
+            return INDEX_PORT
+        except OSError:  # taken: a free one (this build then misses the cache)
+            return free_port()
+
+
 @contextlib.contextmanager
 def served(directory: pathlib.Path):
     """`directory` over HTTP on 127.0.0.1: yields its URL."""
-    port = free_port()
+    port = _port()
     proc = subprocess.Popen([sys.executable, "-m", "http.server", "--bind", "127.0.0.1", str(port)],
                             cwd=directory, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:

@@ -94,6 +94,9 @@ def main() -> int:
                         for side, rs in runs.items()}}
     result["image_over_checkout"] = {k: round(result["tok_s"]["image"][k] / v, 3)
                                      for k, v in result["tok_s"]["checkout"].items()}
+    # each round's own ratio (the two sides ran back to back): the spread is the noise
+    result["ratio_per_round"] = {k: [round(i["tok_s"][k] / c["tok_s"][k], 3) for i, c in zip(runs["image"], runs["checkout"])]
+                                 for k in runs["image"][0]["tok_s"]}
     print(json.dumps(result, indent=1))
     if args.out:
         args.out.write_text(json.dumps(result, indent=1) + "\n")
