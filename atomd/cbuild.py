@@ -154,9 +154,10 @@ def build(compiler: str, source: pathlib.Path, flags: list[str], name: str) -> p
 
 
 def prebuilt_path(source: pathlib.Path, flags: list[str], name: str, target: str,
-                  directory: pathlib.Path = PREBUILT) -> pathlib.Path:
+                  directory: pathlib.Path | None = None) -> pathlib.Path:
+    """Where a wheel holds `source` built for `target` (directory: PREBUILT)."""
     flags = [*flags, *TARGETS[target][0]]
-    return directory / f"{name}-{target}-{_key(source, target, *flags)}.so"
+    return (directory or PREBUILT) / f"{name}-{target}-{_key(source, target, *flags)}.so"
 
 
 def prebuild(directory: pathlib.Path, compiler: str = "cc", jobs: int | None = None) -> list[pathlib.Path]:
@@ -169,7 +170,7 @@ def prebuild(directory: pathlib.Path, compiler: str = "cc", jobs: int | None = N
 
 def kernel_paths() -> dict[str, str]:
     """How each kernel this process loaded runs: `prebuilt <target>`, `built here
-    (-march=native)`, or `fallback: <what runs instead>` (GET /kv_transfer_info)."""
+    (-march=native)`, or `fallback: <why>: <what runs instead>` (GET /kv_transfer_info)."""
     return dict(_PATHS)
 
 
@@ -196,13 +197,13 @@ def load(source: pathlib.Path, flags: list[str], name: str, log: logging.Logger,
                         name, target, PREBUILT, PREBUILD_ENV)
     compiler, asked = find_compiler()
     if compiler is None:
-        _record(tagged, f"fallback: {fallback} (no C compiler: {asked})", log)
+        _record(tagged, f"fallback: no C compiler ({asked}): {fallback}", log)
         return None
     try:
         loaded = ctypes.CDLL(str(build(compiler, source, ["-march=native", *flags, *ISA_FLAGS.get(isa, NO_AMX)],
                                        tagged)))
     except (OSError, subprocess.SubprocessError) as e:
-        _record(tagged, f"fallback: {fallback} (building {source.name} failed)", log)
+        _record(tagged, f"fallback: building {source.name} failed: {fallback}", log)
         log.warning("building %s failed: %s", source.name, getattr(e, "stderr", None) or e)
         return None
     _record(tagged, "built here (-march=native)", log)
