@@ -56,12 +56,15 @@ def ensure_installed() -> None:
     run("apt-get", "install", "-y", "-qq", "docker.io", "debootstrap", env=env)
 
 
-def network_state() -> str:
-    """The host's iptables rules and network interfaces: the daemon must leave them as found."""
-    links = run("ip", "-o", "link", "show").stdout if shutil.which("ip") else ""
+def network_state() -> dict[str, object]:
+    """What a Docker daemon changes on the host unless told not to: the FORWARD chain's
+    policy, DOCKER chains and rules, docker0 / br-* bridges. Only those, as other sessions'
+    namespaced tests may add and remove their own rules and veths meanwhile."""
     rules = run("iptables-save", check=False).stdout if shutil.which("iptables-save") else ""
-    rules = "\n".join(ln for ln in rules.splitlines() if not ln.startswith("#"))  # (timestamps)
-    return re.sub(r"^\d+: ", "", links, flags=re.M) + rules
+    links = run("ip", "-o", "link", "show").stdout if shutil.which("ip") else ""
+    return {"forward_policy": re.findall(r"^:FORWARD (\w+)", rules, flags=re.M),
+            "docker_rules": [ln for ln in rules.splitlines() if "DOCKER" in ln.upper()],
+            "bridges": sorted(re.findall(r"^\d+: ((?:docker\d*|br-\w+))[:@]", links, flags=re.M))}
 
 
 class Daemon:
