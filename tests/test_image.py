@@ -13,8 +13,9 @@ router's --prefill-dns / --decode-dns ports (the names resolve through --add-hos
 
 Checked: the probes answer; the engines run the C kernels prebuilt in the image (none built,
 none fallen back); the router's PD greedy output is the offline `LLM`'s; `docker stop`
-drains: a request in flight through the router completes, every container exits 0; the
-daemon leaves the host's iptables and interfaces as it found them. Fails, never skips,
+drains: a stream in flight through the router completes, every container exits 0; the
+daemon leaves the host's network as it found it (FORWARD policy, no DOCKER rules, no
+docker0 / br- bridge). Fails, never skips,
 where Docker cannot be installed or started. The image's size, build time and start-up
 time (container start to /ready) are written to CACHE/measurements.json and printed.
 """
@@ -54,7 +55,7 @@ def daemon():
         yield d
     finally:
         d.close()
-    assert image.network_state() == before, "the Docker daemon changed the host's iptables or interfaces"
+    assert image.network_state() == before, "the Docker daemon changed the host's iptables or bridges"
 
 
 @pytest.fixture(scope="module")
