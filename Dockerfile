@@ -23,9 +23,9 @@ ARG BASE_IMAGE=python:3.11-slim-bookworm
 FROM ${BASE_IMAGE} AS build
 # Where torch comes from: the CPU build's index (PyPI's torch for Linux is the CUDA build).
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
-# pip reads these from the environment: another index for everything else (unset: PyPI)
+# pip reads it from the environment: another index for everything else (unset: PyPI)
 ARG PIP_INDEX_URL
-# more attention shapes to prebuild besides the built-in model's and SmolLM2-135M's, e.g. "128x4"
+# attention shapes to prebuild besides atomd/cbuild.py PREBUILT_ATTENTION's, e.g. "64x7,128x8"
 ARG ATOMD_PREBUILD_ATTENTION=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN apt-get update \
