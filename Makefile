@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PYTEST_ARGS ?=
 
-.PHONY: venv test test-unit test-integration e2e-netns helm-check bench clean load chaos
+.PHONY: venv test test-unit test-integration e2e-netns helm-check image-check bench clean load chaos
 
 $(VENV)/.installed: pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -53,6 +53,16 @@ HELM_CHECK_TESTS := tests/test_helm_chart.py tests/test_helm_render_run.py tests
 	tests/test_router_discovery.py
 helm-check: venv
 	$(PY) -m pytest -q $(HELM_CHECK_TESTS) $(PYTEST_ARGS)
+
+# The image built from the Dockerfile and run (tests/test_image.py, marker `image`, not in
+# `make test`; .ci/run calls it): installs Debian's docker.io and debootstrap when missing,
+# starts a private dockerd (own socket and data root, no iptables, no bridge) and stops it
+# after, builds a Debian base (debootstrap, kept) and the image from a local package index,
+# runs the chart's prefill, decode and router as containers with the chart's security
+# settings: PD output = offline LLM, kernels prebuilt, probes, docker stop drains. Fails
+# where Docker cannot be installed. Cache: ~/.cache/atomd-image-check ($$ATOMD_IMAGE_CACHE).
+image-check: venv
+	$(PY) -m pytest -q -s -m image tests/test_image.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .cache

@@ -287,7 +287,7 @@ HELP = {
              "else float32 (logged at start-up)",
     "seed": "seed of unseeded sampling",
     "num_threads": "torch threads of this engine (default: all cores)",
-    "attention_backend": "prefill and decode attention: native C kernels (float32 and bfloat16, built at first use), "
+    "attention_backend": "prefill and decode attention: native C kernels (float32 and bfloat16, prebuilt or built at first use), "
                          "torch SDPA, or auto (native where they build)",
     "max_model_len": "prompt + completion tokens",
     "max_num_seqs": "sequences per step",

@@ -21,6 +21,7 @@ import msgspec
 import numpy as np
 import torch
 
+from atomd import cbuild
 from atomd.allocator import retain_freed_memory
 from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.kv_cache import KVCache
@@ -442,14 +443,16 @@ class LLMEngine:
         return not (s.running or s.waiting or self._aborted) and not s.parked
 
     def kv_transfer_info(self) -> dict[str, Any]:
-        """Role, side channel, DP size and compat fingerprint (GET /kv_transfer_info)."""
+        """Role, side channel, DP size, compat fingerprint and how each C kernel runs
+        (`kernels`: prebuilt, built here or a fallback; GET /kv_transfer_info)."""
         cfg = self.config
         info = {"role": cfg.kv_role, "side_channel": None, "engine_id": None, "compat": self.compat,
                 "dp_rank": cfg.data_parallel_rank}
         if self.kv_connector is not None:
             info.update(self.kv_connector.info())
         return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend,
-                    kv_events=self.kv_events.info() if self.kv_events is not None else None)
+                    kv_events=self.kv_events.info() if self.kv_events is not None else None,
+                    kernels=cbuild.kernel_paths())
 
     def kv_transfer_abort(self, transfer_id: str) -> bool:
         """The router gave up a transfer D never pulled: free P's pinned blocks now."""

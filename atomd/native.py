@@ -13,11 +13,9 @@ instructions), `no-avx512` (no AVX-512 at all: what an AVX2-only CPU runs). `pre
 says whether a build's bf16 prefill runs on AMX tiles (the CPU has them, the build targets
 them, the head size is a multiple of 32, and Linux granted the process the tile state).
 
-Compiled at first use with the system C compiler (`$CC`, else `cc`) for this CPU
-(`-march=native`) and the model's head size into `~/.cache/atomd/kernels/`
-(`$ATOMD_CACHE_DIR/kernels`), keyed by the source, the flags and the CPU, so a changed
-kernel or another machine sharing the home directory never loads a stale build. No torch
-headers: a build takes about a second. Where it cannot be built, `attention_kernels()` is
+One library per model shape (head size, query heads per KV head): prebuilt in an installed
+wheel for the shapes it ships, else compiled at first use for this CPU (atomd/cbuild.py).
+No torch headers: a build takes about a second. Where it cannot be built, `attention_kernels()` is
 None, the reason is logged, and the engine keeps torch's SDPA path (`--attention-backend
 torch` asks for that path outright).
 """
@@ -33,8 +31,6 @@ from atomd import cbuild
 from atomd.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
-SOURCE = cbuild.CSRC / "attention.c"
-FLAGS = [*cbuild.BASE_FLAGS[:2], "-fopenmp", *cbuild.BASE_FLAGS[2:]]  # attention's flags, in their old order
 ISA_ENV, ISA_FLAGS = cbuild.ISA_ENV, cbuild.ISA_FLAGS
 BF16_PATHS = {2: "AVX512_BF16 dot products", 1: "bf16 widened to float32 on AVX-512F",
               0: "bf16 widened to float32 (no AVX-512)"}
@@ -50,9 +46,7 @@ def attention_kernels(head_dim: int, group: int, isa: str | None = None) -> ctyp
 
 @functools.cache
 def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | None:
-    flags = [*FLAGS, *ISA_FLAGS[isa], f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"]
-    tag = "" if isa == "native" else f"-{isa}"
-    lib = cbuild.load(SOURCE, flags, f"attention-d{head_dim}-g{group}{tag}", log, "attention uses torch SDPA")
+    lib = cbuild.load(*cbuild.attention_kernel(head_dim, group), log, "attention uses torch SDPA", isa)
     if lib is None:
         return None
     for name in ("atomd_decode_attention", "atomd_decode_attention_bf16"):

@@ -203,7 +203,6 @@ class GrammarCompiler:
         return np.zeros((rows, self.words), dtype=np.int32)
 
 
-KERNEL_SOURCE = cbuild.CSRC / "bitmask.c"
 KERNEL_ENV = "ATOMD_BITMASK_KERNEL"  # "0": apply masks with numpy even where the C kernel builds
 _PTR, _I64 = ctypes.c_void_p, ctypes.c_int64
 _DROP_C = float(DROP)  # ctypes takes a Python float; exactly DROP again as a C float
@@ -211,13 +210,13 @@ _DROP_C = float(DROP)  # ctypes takes a Python float; exactly DROP again as a C 
 
 @functools.cache
 def bitmask_kernel() -> "ctypes._CFuncPtr | None":
-    """atomd/csrc/bitmask.c's `atomd_apply_bitmask` (built at first use, cached like the
+    """atomd/csrc/bitmask.c's `atomd_apply_bitmask` (prebuilt or built at first use, like the
     attention kernels: atomd/cbuild.py), or None: no compiler, a failed build (both logged),
     or $ATOMD_BITMASK_KERNEL=0. `apply_bitmask` then takes the numpy path (same results)."""
     if os.environ.get(KERNEL_ENV, "1") == "0":
         log.info("%s=0: grammar masks are applied by numpy", KERNEL_ENV)
         return None
-    lib = cbuild.load(KERNEL_SOURCE, cbuild.BASE_FLAGS, "bitmask", log, "grammar masks are applied by numpy")
+    lib = cbuild.load(*cbuild.bitmask_kernel(), log, "grammar masks are applied by numpy")
     if lib is None:
         return None
     fn = lib.atomd_apply_bitmask

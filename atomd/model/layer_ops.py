@@ -20,7 +20,6 @@ import torch.nn.functional as F
 from atomd import cbuild
 
 log = logging.getLogger(__name__)
-SOURCE = cbuild.CSRC / "layer_ops.c"
 ENV = "ATOMD_LAYER_OPS"
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
@@ -42,11 +41,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     the fallbacks on a CPU that has everything: `no-bf16-dot` drops the AVX512_BF16
     conversions, `no-avx512` all of AVX-512, `no-amx` changes nothing here), or None with the
     reason logged."""
-    # 512-bit vectors where the CPU has them (GCC prefers 256 on Intel): 512 x 576 RMSNorm
-    # 40 -> 24 us fp32, 86 -> 68 us bf16; bf16 SiLU-and-mul 432 -> 312 us (2 threads)
-    flags = [*cbuild.BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512", *cbuild.ISA_FLAGS[isa]]
-    name = "layer-ops" if isa == "native" else f"layer-ops-{isa}"
-    lib = cbuild.load(SOURCE, flags, name, log, "RMSNorm, SiLU and RoPE run as torch ops")
+    lib = cbuild.load(*cbuild.layer_ops_kernel(), log, "RMSNorm, SiLU and RoPE run as torch ops", isa)
     if lib is None:
         return None
     lib.atomd_gemv_kinds.restype = ctypes.c_int
