@@ -99,20 +99,14 @@ class EngineCore:
                                         kv_transfer_params=msg.kv_transfer_params)
             except ValueError as e:  # refused on arrival: the API answers a 4xx
                 code = ErrorCode.KV_PARAMS_UNTRUSTED if isinstance(e, UntrustedKVParams) else ErrorCode.INVALID_REQUEST
-                self.refuse(msg, str(e), code)
-            except Exception:  # a bug one request reaches: that request's error, never the core's death
-                logger.exception("engine core: request %s could not be admitted", msg.request_id)
-                self.refuse(msg, "the engine could not admit this request (see the engine's log)",
-                            ErrorCode.INVALID_REQUEST)
+                self.send(StepOutputs([RequestOutput(
+                    msg.request_id, [], None, True, None, len(msg.prompt_token_ids), 0, error=str(e),
+                    error_code=code)]))
         elif isinstance(msg, AbortRequests):
             for request_id in msg.request_ids:
                 self.engine.abort_request(request_id)
         else:
             self.send(self.call_utility(msg))
-
-    def refuse(self, msg: AddRequest, error: str, code: ErrorCode) -> None:
-        self.send(StepOutputs([RequestOutput(msg.request_id, [], None, True, None, len(msg.prompt_token_ids), 0,
-                                             error=error, error_code=code)]))
 
     def call_utility(self, call: UtilityCall) -> UtilityResult:
         if call.method not in UTILITY_METHODS:
@@ -226,10 +220,6 @@ class DPEngineCore(EngineCore):
                      group.collective.broken)
         self.engine.scheduler.prefill_delayer = group.lockstep = None
         super().run()
-
-    def refuse(self, msg: AddRequest, error: str, code: ErrorCode) -> None:
-        self.send(StepOutputs([RequestOutput(msg.request_id, [], None, True, None, len(msg.prompt_token_ids), 0,
-                                             error=error, error_code=code)]))
 
     def call_utility(self, call: UtilityCall) -> UtilityResult:
         res = super().call_utility(call)

@@ -158,8 +158,6 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         if isinstance(kv_transfer_params, dict):  # ValueError names the field
             kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
-        if kv_transfer_params is not None:
-            kv_transfer_params.check_token_ids(vocab)
         params = self._prepare_params(sampling_params or SamplingParams(), kv_transfer_params)
         seq = Sequence(list(prompt_token_ids), params, request_id=request_id,
                        arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)

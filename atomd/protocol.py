@@ -13,7 +13,7 @@ A supported field with a value this server cannot honour is a 400 naming it as w
 from __future__ import annotations
 
 import re
-from typing import Annotated, Any, Literal
+from typing import Any, Literal
 
 import msgspec
 
@@ -22,25 +22,6 @@ from scheduler.sequence import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_N = 128  # n and best_of (OpenAI's limit for n)
-# What one request may ask for: each list below is work done for it per request or per step
-# (stop strings matched against every new token's text, token sets applied to every step's
-# logits, choices compiled into a grammar), so past these a 400 names the field and its bound
-# instead of one request slowing every other (#42: 1.5M stop_token_ids, 50k bad_words,
-# 100k guided_choice strings stalled the engine for seconds to minutes).
-MAX_STOP = 64  # stop strings
-MAX_STOP_CHARS = 1024  # one stop string or bad word
-MAX_TOKEN_IDS = 1024  # stop_token_ids
-MAX_BAD_WORDS = 1024
-MAX_LOGIT_BIAS = 1024  # logit_bias entries
-MAX_ALLOWED_TOKEN_IDS = 262_144  # allowed_token_ids: up to a whole vocabulary
-MAX_CHOICES = 1024  # guided_choice / structured_outputs.choice
-MAX_GRAMMAR_CHARS = 65_536  # a regex, a grammar, a choice, JSON schema text
-MAX_MESSAGES = 4096  # chat messages
-MAX_TOOLS = 128  # OpenAI's limit
-MAX_NESTING = 64  # depth of any JSON value in a request (schemas, tool parameters, params)
-StopText = Annotated[str, msgspec.Meta(max_length=MAX_STOP_CHARS)]
-GrammarText = Annotated[str, msgspec.Meta(max_length=MAX_GRAMMAR_CHARS)]
-Choices = Annotated[list[GrammarText], msgspec.Meta(max_length=MAX_CHOICES)]
 # Fields of OpenAI's or vLLM's request schemas this server does not implement, with the
 # values that ask for nothing more than what it does (a client sending a default is not
 # refused). Any other value is a 400 naming the field (`check_unsupported`).
@@ -142,10 +123,10 @@ class ResponseFormat(msgspec.Struct, forbid_unknown_fields=True):
 class StructuredOutputsRequest(msgspec.Struct, forbid_unknown_fields=True):
     """vLLM's `structured_outputs`: exactly one of these."""
 
-    json: GrammarText | dict[str, Any] | None = None
-    regex: GrammarText | None = None
-    choice: Choices | None = None
-    grammar: GrammarText | None = None
+    json: str | dict[str, Any] | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
     json_object: bool | None = None
 
 
@@ -159,8 +140,8 @@ class _SamplingFields(_UnsupportedFields, kw_only=True, forbid_unknown_fields=Tr
     top_k: int | None = None
     min_p: float | None = None
     seed: int | None = None
-    stop: StopText | Annotated[list[StopText], msgspec.Meta(max_length=MAX_STOP)] | None = None
-    stop_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_TOKEN_IDS)] | None = None
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     min_tokens: int = 0
     n: int = 1
@@ -170,10 +151,9 @@ class _SamplingFields(_UnsupportedFields, kw_only=True, forbid_unknown_fields=Tr
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
-    # OpenAI: token id (as a JSON key) -> bias
-    logit_bias: Annotated[dict[str, float], msgspec.Meta(max_length=MAX_LOGIT_BIAS)] | None = None
-    bad_words: Annotated[list[StopText], msgspec.Meta(max_length=MAX_BAD_WORDS)] | None = None
-    allowed_token_ids: Annotated[list[int], msgspec.Meta(max_length=MAX_ALLOWED_TOKEN_IDS)] | None = None
+    logit_bias: dict[str, float] | None = None  # OpenAI: token id (as a JSON key) -> bias
+    bad_words: list[str] | None = None
+    allowed_token_ids: list[int] | None = None
     prompt_logprobs: int | None = None
     include_stop_str_in_output: bool = False
     kv_transfer_params: dict[str, Any] | None = None  # parsed by validate_*_request
@@ -182,10 +162,10 @@ class _SamplingFields(_UnsupportedFields, kw_only=True, forbid_unknown_fields=Tr
     # structured outputs (atomd/structured.py): at most one of these
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
-    guided_json: GrammarText | dict[str, Any] | None = None  # vLLM's older names
-    guided_regex: GrammarText | None = None
-    guided_choice: Choices | None = None
-    guided_grammar: GrammarText | None = None
+    guided_json: str | dict[str, Any] | None = None  # vLLM's older names
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
 
 
 class CompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
@@ -245,14 +225,14 @@ class NamedToolChoice(msgspec.Struct, forbid_unknown_fields=True):
 
 
 class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields=True):
-    messages: Annotated[list[ChatMessage], msgspec.Meta(max_length=MAX_MESSAGES)]
+    messages: list[ChatMessage]
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     logprobs: bool = False
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     echo: Any = msgspec.UNSET  # vLLM's chat echo (prepend the last message): not implemented
-    tools: Annotated[list[ToolDefinition], msgspec.Meta(max_length=MAX_TOOLS)] | None = None  # atomd/tools.py
+    tools: list[ToolDefinition] | None = None  # atomd/tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
@@ -363,41 +343,33 @@ def _same(a: Any, b: Any) -> bool:
 INT_MIN, INT_MAX = -2**63, 2**64 - 1  # what the engine's IPC (msgpack) can carry
 
 
-def _first_bad_value(value: Any, path: str, depth: int = 0) -> tuple[str, str] | None:
-    """(path, what is wrong) of the first integer in `value` no 64-bit field can hold or the
-    first value nested deeper than MAX_NESTING, or None."""
-    if depth > MAX_NESTING:
-        return path, f"nested deeper than {MAX_NESTING} levels"
+def _first_huge_int(value: Any, path: str) -> str | None:
+    """The path of the first integer in `value` no 64-bit field can hold, or None."""
     if isinstance(value, int) and not isinstance(value, bool):
-        return (path, "integer out of the 64-bit range") if not INT_MIN <= value <= INT_MAX else None
-    if isinstance(value, msgspec.Struct):
-        items = ((name, getattr(value, name)) for name in value.__struct_fields__)
-    else:
-        items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+        return path if not INT_MIN <= value <= INT_MAX else None
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
     for key, item in items:
         if isinstance(key, int) and not INT_MIN <= key <= INT_MAX:
-            return f"{path}.{key}", "integer out of the 64-bit range"
-        found = _first_bad_value(item, f"{path}[{key}]" if isinstance(value, list) else f"{path}.{key}", depth + 1)
+            return f"{path}.{key}"
+        found = _first_huge_int(item, f"{path}[{key}]" if isinstance(value, list) else f"{path}.{key}")
         if found is not None:
             return found
     return None
 
 
-def check_values(req: msgspec.Struct) -> None:
-    """JSON integers are unbounded and JSON values nest without end; every integer the
-    engine takes is 64-bit and every walk over a value is recursive: a 400 naming the field,
-    instead of an overflow deep in the IPC or a RecursionError (a 500) in some parser."""
+def check_int_ranges(req: msgspec.Struct) -> None:
+    """JSON integers are unbounded; every integer the engine takes is 64-bit: a 400 naming
+    the field, instead of an overflow deep in the IPC."""
     for name in req.__struct_fields__:
-        found = _first_bad_value(getattr(req, name), name)
+        found = _first_huge_int(getattr(req, name), name)
         if found is not None:
-            path, what = found
-            raise invalid(path.split(".")[0].split("[")[0], f"{path}: {what}")
+            raise invalid(found.split(".")[0].split("[")[0], f"{found}: integer out of the 64-bit range")
 
 
 def _check_common(req: _SamplingFields) -> tuple[KVTransferParams | None, dict[int, float] | None]:
     """Checks of the fields SamplingParams does not own (it checks the sampling ranges)."""
     check_unsupported(req)
-    check_values(req)
+    check_int_ranges(req)
     kv_params = None
     if req.kv_transfer_params is not None:
         try:  # a malformed one never reaches the engine
@@ -438,8 +410,6 @@ def structured_request(req: _SamplingFields) -> tuple[StructuredOutputsParams | 
     forms: list[tuple[str, StructuredOutputsParams]] = []
 
     def make(param: str, **kw: Any) -> None:
-        if sum(map(len, kw.get("choice") or ())) > MAX_GRAMMAR_CHARS:
-            raise invalid(param, f"the choices add up to more than {MAX_GRAMMAR_CHARS} characters")
         try:
             forms.append((param, StructuredOutputsParams(**kw)))
         except ValueError as e:

@@ -57,7 +57,6 @@ access_logger = logging.getLogger("atomd.access")
 
 READY_PROBE_TIMEOUT_S = 2.0
 SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before they are cut
-OFF_LOOP_CHARS = 16_384  # prompts longer than this are tokenized on a worker thread (~5 ms of work)
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
@@ -90,10 +89,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "it with --engine-admin-api-key)")
     g.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
                    help="larger request bodies get a 413")
-    g.add_argument("--max-prompt-chars", type=int, default=None,
-                   help="a completion prompt or a chat's message texts longer than this get a 400 before they are "
-                        "tokenized (default: 32 x --max-model-len; tokens are ~4 characters, and tokenizing 15 MB "
-                        "took 30 s)")
     g.add_argument("--served-model-name", default=None,
                    help="the model name clients send and see (default: the engine's model name)")
     g.add_argument("--engine-start-timeout-s", type=float, default=600.0,
@@ -303,8 +298,7 @@ class Server:
         admin = self.args.admin_api_key is not None and (path in ADMIN_PATHS or path.startswith("/debug/"))
         key = self.args.admin_api_key if admin else self.args.api_key
         if key and path not in OPEN_PATHS and not hmac.compare_digest(
-                # surrogateescape: a header of non-UTF-8 bytes is a wrong key (401), not a 500
-                request.headers.get("Authorization", "").encode("utf-8", "surrogateescape"), f"Bearer {key}".encode()):
+                request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
             which = "admin API key" if admin else "API key"
             raise P.APIError(401, f"missing or invalid {which} (expected `Authorization: Bearer <key>`)",
                              type="authentication_error", code="invalid_admin_key" if admin else "invalid_api_key")
@@ -418,11 +412,7 @@ class Server:
         req = await self.read_request(request, P.CompletionRequest)
         checked = P.validate_completion_request(req)
         prompt = P.prompt_input(req.prompt)
-        if isinstance(prompt, str):
-            self.check_prompt_chars(len(prompt), "prompt")
-            ids = await self.off_loop(len(prompt), self.tokenizer.encode, prompt)
-        else:
-            ids = self.check_token_ids(prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
         self.check_sampling_token_ids(req, checked)
         params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
         out = CompletionRenderer(self, f"cmpl-{uuid.uuid4().hex}", req, checked, ids,
@@ -433,12 +423,9 @@ class Server:
         req = await self.read_request(request, P.ChatCompletionRequest)
         checked = P.validate_chat_request(req)
         messages = P.chat_messages(req)
-        chars = sum(len(m["content"]) for m in messages)
-        self.check_prompt_chars(chars, "messages")
         try:
-            ids = await self.off_loop(chars, self.tokenizer.encode_chat, messages,
-                                      add_generation_prompt=req.add_generation_prompt,
-                                      **({"tools": checked.tools} if checked.tools else {}))
+            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
+                                             **({"tools": checked.tools} if checked.tools else {}))
         except Exception as e:  # a template that raises on this conversation
             raise P.invalid("messages", f"chat template failed: {e}") from None
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
@@ -447,19 +434,6 @@ class Server:
         params = P.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
         out = ChatRenderer(self, f"chatcmpl-{uuid.uuid4().hex}", req, checked, ids)
         return await self.generate(request, req, checked, ids, params, out)
-
-    def check_prompt_chars(self, chars: int, param: str) -> None:
-        limit = self.args.max_prompt_chars or 32 * self.max_model_len
-        if chars > limit:
-            raise P.invalid(param, f"the prompt has {chars} characters, over this server's "
-                                   f"--max-prompt-chars {limit}")
-
-    async def off_loop(self, chars: int, fn, *args, **kwargs):
-        """Tokenizing grows with the text: past OFF_LOOP_CHARS it runs on a worker thread, so
-        the event loop keeps answering health probes and streaming other requests meanwhile."""
-        if chars <= OFF_LOOP_CHARS:
-            return fn(*args, **kwargs)
-        return await asyncio.to_thread(fn, *args, **kwargs)
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.tokenizer.vocab_size

@@ -21,19 +21,6 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
-MAX_TOP_LOGPROBS = 20  # the API's bound on logprobs / top_logprobs / prompt_logprobs
-
-
-class LogprobEntry(msgspec.Struct):
-    """The shape of one token's logprob entry P hands D (first_token_logprobs, each of
-    prompt_logprobs): checked before D acts on it, never kept as this struct (the engine's
-    entries are dicts)."""
-
-    logprob: float
-    top: Annotated[list[tuple[NonNegInt, float]], msgspec.Meta(max_length=MAX_TOP_LOGPROBS)] = []
-    rank: NonNegInt | None = None
-
-
 COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "version")
 
 
@@ -67,26 +54,6 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
                 f"num_computed_blocks ({self.num_computed_blocks}) exceeds "
                 f"the number of remote_block_ids ({len(self.remote_block_ids)})"
             )
-        # a producer's entries reach D's scheduler and renderer, which index them: a bad one
-        # is this request's 400 here, not a KeyError that kills D's engine core (#42)
-        entries = [("first_token_logprobs", self.first_token_logprobs),
-                   *(("prompt_logprobs", e) for e in self.prompt_logprobs or ())]
-        for name, entry in entries:
-            if entry is not None:
-                try:
-                    msgspec.convert(entry, LogprobEntry)
-                except msgspec.ValidationError as e:
-                    raise msgspec.ValidationError(f"{e} - in `{name}`") from None
-
-    def check_token_ids(self, vocab_size: int) -> None:
-        """ValueError naming the first token id P sent that is outside D's vocabulary."""
-        ids = [("first_token_id", self.first_token_id), *(("draft_token_ids", t) for t in self.draft_token_ids)]
-        entries = [self.first_token_logprobs, *(self.prompt_logprobs or ())]
-        ids += [("logprobs", t) for e in entries if e for t, _ in e.get("top", ())]
-        for name, token in ids:
-            if token is not None and not 0 <= token < vocab_size:
-                raise ValueError(f"kv_transfer_params.{name}: token id {token} is outside the vocabulary "
-                                 f"[0, {vocab_size})")
 
     @classmethod
     def from_json_obj(cls, obj: Any) -> KVTransferParams:

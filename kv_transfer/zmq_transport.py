@@ -82,12 +82,6 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # tcp loopback peaks with 4-16 MiB frames (
 _MAX_POLL_MS = 100  # lease/timeout checks run at least this often
 _BUSY_POLL_MS = 1  # while waiting for zmq to let go of sent frames
 _MAX_TOMBSTONES = 1 << 16
-# What P takes from anyone who reaches its side channel (#42: a 512 MiB frame was read into
-# P's core, and one HEARTBEAT naming 20,000 unknown ids cost 20,000 replies and log lines):
-# D -> P messages are small (a READ of 16k block ids is ~100 KB); a larger frame drops the
-# connection inside libzmq, and a heartbeat names at most as many transfers as D may pull at once.
-MAX_CONTROL_BYTES = 1 << 20
-MAX_HEARTBEAT_IDS = 4096
 
 
 class _Msg(msgspec.Struct, tag_field="kind", array_like=True):
@@ -402,7 +396,6 @@ class KVSender(_IOLoop):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises, never drops silently
         self._sock.setsockopt(zmq.SNDHWM, 0)  # frames are zero-copy: queueing them costs no memory
-        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -481,10 +474,9 @@ class KVSender(_IOLoop):
         if len(self._tombstones) > _MAX_TOMBSTONES:
             self._tombstones.popitem(last=False)
 
-    def _refuse(self, rid: bytes, tid: str, code: str, message: str = "", quiet: bool = False) -> None:
+    def _refuse(self, rid: bytes, tid: str, code: str, message: str = "") -> None:
         self._stats.failures[code] = self._stats.failures.get(code, 0) + 1
-        if not quiet:  # counted either way (SenderStats.failures, the engine's metrics)
-            log.info("kv-sender: refusing %s: %s %s", tid, code, message)
+        log.info("kv-sender: refusing %s: %s %s", tid, code, message)
         self._send(rid, Error(tid, code, message))
 
     def _send(self, rid: bytes, msg: _Msg) -> bool:
@@ -514,15 +506,12 @@ class KVSender(_IOLoop):
             self._send(rid, Welcome(self.backend, self.instance, self._handshake_info()))
         elif isinstance(msg, Heartbeat):
             self._stats.heartbeats += 1
-            if len(msg.transfer_ids) > MAX_HEARTBEAT_IDS:
-                self._refuse(rid, "", MALFORMED, f"a heartbeat names over {MAX_HEARTBEAT_IDS} transfers")
-                return
             for tid in msg.transfer_ids:
                 grant = self._grants.get(tid)
                 if grant is not None:
                     grant.deadline = now + grant.lease_s
                 elif self._tombstones.get(tid) != DONE:  # tell a waiting D at once, not at its timeout
-                    self._refuse(rid, tid, self._tombstones.get(tid, UNKNOWN_TRANSFER), quiet=True)
+                    self._refuse(rid, tid, self._tombstones.get(tid, UNKNOWN_TRANSFER))
         else:
             self._refuse(rid, getattr(msg, "transfer_id", ""), MALFORMED, f"unexpected {type(msg).__name__}")
 

@@ -97,8 +97,7 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                           "is at least this many ms; short prompts still prefill there. Set it to the TPOT SLO "
                           "minus the engines' --max-local-prefill-ms-per-step (0: no bound)")
     rel.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
-                     help="consecutive failures (connection errors, timeouts, 502/503/504; not 4xx or a request's 500) "
-                          "that open a worker's breaker")
+                     help="consecutive failures (connection errors, 5xx, timeouts) that open a worker's breaker")
     rel.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
                      help="seconds an open breaker refuses traffic before one trial request")
     rel.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
@@ -110,9 +109,6 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     rel.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
                      help="the Retry-After a 429 carries")
     rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
-    rel.add_argument("--request-read-timeout-s", type=float, default=d.request_read_timeout_s,
-                     help="a request's head and body must arrive within this many seconds of its first byte "
-                          "(else 408 and the connection closes): no trickling client holds a connection")
     rel.add_argument("--max-upstream-event-bytes", type=int, default=d.max_upstream_event_bytes,
                      help="a longer server-sent event from a worker ends that stream with an error event")
     sec = p.add_argument_group("security")
@@ -121,9 +117,6 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     sec.add_argument("--admin-api-key", default=None,
                      help="a separate key for GET/POST/DELETE /workers and /dashboard/state (client keys do not "
                           "open them); default: those routes take the --api-key")
-    sec.add_argument("--engine-api-key", default=None,
-                     help="the engines' --api-key: sent on the router's own GET /kv_transfer_info (their DP ranks "
-                          "and KV event endpoints; without it kv_aware cannot follow engines that have a key)")
     sec.add_argument("--engine-admin-api-key", default=None,
                      help="the engines' --admin-api-key: sent on the router's POST /kv_transfer/abort "
                           "(default: the client's Authorization, which works while engines have no admin key)")

@@ -78,12 +78,10 @@ class RouterConfig:
     local_prefill_max_itl_ms: float = 0.0  # adaptive: a backed-up P's long prompt stays remote while D's streams are this slow (0: no bound)
     api_key: str | None = None
     admin_api_key: str | None = None
-    engine_api_key: str | None = None  # the engines' --api-key (for the router's GET /kv_transfer_info)
     engine_admin_api_key: str | None = None  # the engines' --admin-api-key (for POST /kv_transfer/abort)
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
-    request_read_timeout_s: float = 30.0  # a request's head and body arrive within this of its first byte
     max_upstream_event_bytes: int = 16 << 20  # a longer SSE event from a worker ends its stream (error event)
     max_concurrent_requests: int = 0  # 0: no cap
     max_queued_requests: int = 1024
@@ -121,8 +119,7 @@ class RouterConfig:
         if self.local_prefill_max_itl_ms < 0:
             raise ValueError(f"local_prefill_max_itl_ms must be >= 0, got {self.local_prefill_max_itl_ms}")
         for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s",
-                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s",
-                     "request_read_timeout_s"):
+                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("prefill_timeout_s", "total_timeout_s"):
@@ -259,8 +256,7 @@ class Router:
         serve, start health checks and re-resolution."""
         await self.registry.check_all()
         await self.discovery.refresh()
-        self.server = HTTPServer(self.handle, self.config.max_request_body_bytes,
-                                 read_timeout_s=self.config.request_read_timeout_s)
+        self.server = HTTPServer(self.handle, self.config.max_request_body_bytes)
         host, port = await self.server.start(self.config.host, self.config.port)
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.registry.start()
@@ -280,8 +276,7 @@ class Router:
 
     async def _worker_ready(self, worker: Worker) -> None:
         """A worker entered rotation: learn its DP ranks and KV event endpoints."""
-        key = self.config.engine_api_key
-        info = await worker.fetch_kv_info(b"Authorization: Bearer %s\r\n" % key.encode("latin-1") if key else b"")
+        info = await worker.fetch_kv_info()
         if self.kv_index is not None:
             if self.tokenizer is None and info:
                 self._tokenizer_from(info)

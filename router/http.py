@@ -46,13 +46,6 @@ import msgspec
 logger = logging.getLogger("atomd.router.http")
 
 IDLE_TIMEOUT_S = 75.0  # a kept-alive client connection with no request this long is closed
-# a request's head and body must arrive within this long of its first byte (else 408, close):
-# a client trickling a byte a second held a connection and its buffers for ever (#42)
-REQUEST_READ_TIMEOUT_S = 30.0
-# requests parsed ahead of the one being answered; past this the connection is not read until
-# they are answered, and answers the client does not read stop the next one (write flow
-# control): 780 KB of pipelined GETs never read took the router's RSS from 116 to 527 MB (#42)
-MAX_PIPELINED = 16
 POOL_IDLE_S = 60.0  # an idle upstream connection older than this is not reused
 WRITE_HIGH_WATER = 256 << 10
 _STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
@@ -195,7 +188,7 @@ Handler = Callable[[Request, Response], Awaitable[None]]
 class ServerConnection(asyncio.Protocol):
     __slots__ = ("server", "loop", "transport", "parser", "peer", "paused", "closed", "_drain", "_url", "_headers",
                  "_body", "_body_size", "_too_large", "_queue", "_task", "_idle_timer", "_head_bytes", "_in_body",
-                 "_fields_bytes", "_read_timer", "_reading_paused")
+                 "_fields_bytes")
 
     def __init__(self, server: "HTTPServer"):
         self.server = server
@@ -209,8 +202,6 @@ class ServerConnection(asyncio.Protocol):
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task | None = None
         self._idle_timer: asyncio.TimerHandle | None = None
-        self._read_timer: asyncio.TimerHandle | None = None  # armed while a request is arriving
-        self._reading_paused = False
         self._head_bytes = 0  # bytes received since the current head began (an upper bound)
         self._in_body = False
         self._reset()
@@ -218,9 +209,7 @@ class ServerConnection(asyncio.Protocol):
     def _reset(self) -> None:
         self._url = b""
         self._headers: dict[str, str] = {}
-        # one chunk as it came, more joined in place: a list of 2-byte chunks of a 15 MB chunked
-        # body cost ~450 MB of small objects that the allocator never returned (#42)
-        self._body: bytes | bytearray = b""
+        self._body: list[bytes] = []
         self._body_size = 0
         self._too_large = False
         self._head_bytes = 0
@@ -239,9 +228,8 @@ class ServerConnection(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        for timer in (self._idle_timer, self._read_timer):
-            if timer is not None:
-                timer.cancel()
+        if self._idle_timer is not None:
+            self._idle_timer.cancel()
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client is gone: its handler stops now
         self._wake_drain()
@@ -270,7 +258,6 @@ class ServerConnection(asyncio.Protocol):
         if self._idle_timer is not None:
             self._idle_timer.cancel()
             self._idle_timer = None
-        self._arm_read()  # any byte starts the clock: no trickle escapes both timers
         if not self._in_body:
             self._head_bytes += len(data)
         try:
@@ -333,20 +320,10 @@ class ServerConnection(asyncio.Protocol):
         if self._task is None and not self._queue:
             self.close()
 
-    def _arm_read(self) -> None:
-        if self._read_timer is None and not self.closed:
-            self._read_timer = self.loop.call_later(self.server.read_timeout_s, self._read_expired)
-
-    def _read_expired(self) -> None:
-        self._read_timer = None
-        if not self.closed:
-            self._fail(408, f"the request did not arrive within {self.server.read_timeout_s:g} s", "request_timeout")
-
     # ---------------------------------------------------------------- parser callbacks
 
     def on_message_begin(self) -> None:
         self._reset()
-        self._arm_read()
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -385,42 +362,29 @@ class ServerConnection(asyncio.Protocol):
         self._body_size += len(body)
         if self._body_size > self.server.max_body_bytes:
             self._too_large = True
-            self._body = b""
-        elif not self._body:
-            self._body = body
+            self._body = []
         else:
-            if isinstance(self._body, bytes):
-                self._body = bytearray(self._body)
-            self._body += body
+            self._body.append(body)
 
     def on_message_complete(self) -> None:
         self._in_body = False
         self._head_bytes = 0
-        if self._read_timer is not None:
-            self._read_timer.cancel()
-            self._read_timer = None
         parser = self.parser
         url = self._url
         q = url.find(b"?")
         path, query = (url, b"") if q < 0 else (url[:q], url[q + 1:])
-        body = bytes(self._body) if isinstance(self._body, bytearray) else self._body
+        body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
         req = Request(parser.get_method().decode(), path.decode("latin-1"), query.decode("latin-1"),
                       self._headers, body, parser.should_keep_alive(), parser.get_http_version(), self)
         if self._too_large:
             req.body = None  # type: ignore[assignment]  # the handler answers 413
         self._queue.append(req)
-        if len(self._queue) >= MAX_PIPELINED and not self._reading_paused:
-            self._reading_paused = True
-            self.transport.pause_reading()
         if self._task is None:
             self._next()
 
     # ---------------------------------------------------------------- handling
 
     def _next(self) -> None:
-        if self._reading_paused and len(self._queue) < MAX_PIPELINED // 2 and not self.closed:
-            self._reading_paused = False
-            self.transport.resume_reading()
         if self._queue and not self.closed:
             req = self._queue.popleft()
             self._task = self.loop.create_task(self._handle(req))
@@ -450,18 +414,14 @@ class ServerConnection(asyncio.Protocol):
             req.keep_alive = False
         if not req.keep_alive:
             self.close()
-        elif self._queue:
-            await self.drain()  # the next answer waits until the client reads this one
         self._next()
 
 
 class HTTPServer:
-    def __init__(self, handler: Handler, max_body_bytes: int = 16 << 20, idle_timeout_s: float = IDLE_TIMEOUT_S,
-                 read_timeout_s: float = REQUEST_READ_TIMEOUT_S):
+    def __init__(self, handler: Handler, max_body_bytes: int = 16 << 20, idle_timeout_s: float = IDLE_TIMEOUT_S):
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s
-        self.read_timeout_s = read_timeout_s
         self.connections: set[ServerConnection] = set()
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.base_events.Server | None = None

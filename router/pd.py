@@ -131,11 +131,9 @@ def with_kv_params(raw: bytes, kv_json: bytes) -> bytes:
     return b'{"kv_transfer_params":' + kv_json + b"," + raw[start:]
 
 
-def complete_events_end(buf: bytes | bytearray, start: int = 0) -> int:
-    """Length of the prefix of `buf` that is whole SSE events (0 when none), looking for the
-    last event end at or after `start` only (what is before it was searched already)."""
-    lf, crlf = buf.rfind(b"\n\n", start), buf.rfind(b"\r\n\r\n", start)
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
+def complete_events_end(buf: bytes) -> int:
+    """Length of the prefix of `buf` that is whole SSE events (0 when none)."""
+    return max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4, 0)
 
 
 def new_id() -> str:
@@ -186,10 +184,8 @@ class PDRelay:
         self._rng = random.Random()
 
     async def handle(self, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes) -> None:
-        if "kv_transfer_params" in body:
-            # Clients never steer KV transfers: only the router writes these, on every path. A
-            # null counts too: left in the raw body after the router's own params, it overrode them.
-            del body["kv_transfer_params"]
+        if body.pop("kv_transfer_params", None) is not None:
+            # Clients never steer KV transfers: only the router writes these, on every path.
             self.metrics.client_kv_params_dropped += 1
             raw = _encode(body)
         await PDRequest(self, req, resp, endpoint, body, raw).run()
@@ -451,18 +447,12 @@ class PDRequest:
         return self.prefill_params(worker, answer)
 
     def failed_answer(self, leg: str, worker: Worker, status: int, data: bytes, content_type: str) -> LegError:
-        """4xx: the worker judged the request; pass it through. 5xx: a 502. Only a worker's
-        own faults count against its breaker: a 500 is one request's bug (an engine answers
-        503 when it cannot serve at all), so eleven bad requests in a row must not take the
-        worker out for every client (#42)."""
+        """4xx: the worker judged the request; pass it through. 5xx: the worker broke; 502."""
         if 400 <= status < 500:
             worker.breaker.record_success()  # it answered properly; the client was wrong
             return LegError(status, "", body=data, content_type=content_type or "application/json")
         message = f"{leg} worker {worker.url} answered {status}: {upstream_message(data)}"
-        if status == 500:
-            worker.breaker.record_success()  # it is up and answering
-        else:
-            worker.failed(message)
+        worker.failed(message)
         return LegError(502, message)
 
     def prefill_params(self, worker: Worker, answer: bytes) -> dict | None:
@@ -632,30 +622,20 @@ class PDRequest:
         series = self.series
 
         def sink(data: bytes) -> None:
-            # Linear in the bytes received: an unended event grows in place (a bytearray) and
-            # only the new chunk is searched for an event end (plus 3 bytes, where a "\r\n\r\n"
-            # may straddle two chunks). Re-joining and re-scanning it per chunk was quadratic:
-            # one 16 MiB event in 4 KB chunks held the event loop 43.6 s (#42).
-            if state.buf:
-                start = max(len(state.buf) - 3, 0)
-                state.buf += data
-                buf = state.buf
-            else:
-                buf, start = data, 0
-            cut = complete_events_end(buf, start)
+            buf = state.buf + data if state.buf else data
+            cut = complete_events_end(buf)
             if len(buf) - cut > self.relay.config.max_event_bytes:  # an event that does not end
-                state.buf = bytearray()
+                state.buf = b""
                 conn.abort()
                 on_end(BrokenResponse(f"an SSE event longer than {self.relay.config.max_event_bytes} bytes"))
                 return
             if not cut:
-                if buf is not state.buf:
-                    state.buf = bytearray(buf)
+                state.buf = buf
                 return
             if cut == len(buf):
-                events, state.buf = bytes(buf), bytearray()
+                events, state.buf = buf, b""
             else:
-                events, state.buf = bytes(buf[:cut]), bytearray(buf[cut:])
+                events, state.buf = buf[:cut], buf[cut:]
             now = time.perf_counter()
             if not resp.started:
                 if events.startswith(ERROR_EVENT_PREFIX):
@@ -746,7 +726,7 @@ class _StreamState:
     __slots__ = ("buf", "last", "saw_done", "error_first", "error_mid", "paused", "drain_timer")
 
     def __init__(self) -> None:
-        self.buf = bytearray()  # the unended event
+        self.buf = b""
         self.last = b""
         self.saw_done = False
         self.error_first: bytes | None = None

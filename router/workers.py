@@ -184,16 +184,13 @@ class Worker:
         self.healthy = ok
         return ok
 
-    async def fetch_kv_info(self, headers: bytes = b"") -> dict | None:
+    async def fetch_kv_info(self) -> dict | None:
         """GET /kv_transfer_info (its DP ranks and KV event endpoints); None when it has none."""
         try:
-            status, _, body = await self.pool.fetch(b"GET", b"/kv_transfer_info", headers, timeout_s=HEALTH_TIMEOUT_S)
+            status, _, body = await self.pool.fetch(b"GET", b"/kv_transfer_info", timeout_s=HEALTH_TIMEOUT_S)
             info = msgspec.json.decode(body) if status == 200 else None
         except (UpstreamError, OSError, msgspec.DecodeError):
-            status, info = None, None
-        if status == 401:  # said, not silently placing by load for ever
-            logger.warning("worker %s refused GET /kv_transfer_info without its API key: start the router with "
-                           "--engine-api-key (kv_aware cannot follow its KV events)", self.url)
+            info = None
         if isinstance(info, dict):
             self.kv_info = info
             self.dp_size = int(info.get("dp_size") or 1)

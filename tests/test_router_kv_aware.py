@@ -248,35 +248,3 @@ def test_dashboard_state_shows_engine_kv_usage_and_event_state(engines, loop):
         assert state["policies"]["prefill"] == "kv_aware"
     finally:
         loop.run(router.stop())
-
-
-def test_with_an_engine_api_key_the_router_follows_a_keyed_engines_events(loop, tmp_path, caplog):
-    """#42: the router fetched GET /kv_transfer_info without a key, so behind engines with
-    --api-key kv_aware silently placed by load. With --engine-api-key it subscribes; without
-    it, it says why."""
-    key, port = "sk-engine", two_free_ports()
-    engine = ServerUnderTest(model_dir(), "--api-key", key, *events_flags(port), log_path=tmp_path / "e.log")
-    engine.wait_ready()
-
-    def follow(engine_key):
-        async def go():
-            r = Router(RouterConfig(worker=[engine.url], port=0, policy="kv_aware", health_interval_s=0.2,
-                                    engine_api_key=engine_key))
-            await r.start()
-            return r
-        return loop.run(go())
-    try:
-        with caplog.at_level("WARNING", logger="router.workers"):
-            router = follow(None)
-            try:
-                wait_until(lambda: "--engine-api-key" in caplog.text, 20, "the warning")
-                assert not router.kv_index.ranks
-            finally:
-                loop.run(router.stop())
-        router = follow(key)
-        try:
-            wait_until(lambda: len(router.kv_index.ranks) == 1, 20, "a subscription to the keyed engine")
-        finally:
-            loop.run(router.stop())
-    finally:
-        engine.stop()
