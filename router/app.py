@@ -33,6 +33,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_transfer.trust import load_secret
 from router.discovery import DnsDiscovery, Resolver, targets_of
+from router.errors import clip
 from router.http import HTTPServer, Request, Response, UpstreamError
 from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
@@ -190,7 +191,10 @@ class Router:
     def __init__(self, config: RouterConfig, resolver: Resolver | None = None):
         self.config = config
         self.started_at = time.time()
-        self.registry = WorkerRegistry(config.health_interval_s, config.breaker_failures, config.breaker_cooldown_s)
+        # the engines take the router's --api-key too: GET /kv_transfer_info needs it
+        self.registry = WorkerRegistry(config.health_interval_s, config.breaker_failures, config.breaker_cooldown_s,
+                                       f"Authorization: Bearer {config.api_key}\r\n".encode("latin-1")
+                                       if config.api_key else b"")
         for role, urls in (("prefill", config.prefill), ("decode", config.decode), ("worker", config.worker)):
             for url in urls:
                 self.registry.add(url, role)
@@ -306,8 +310,8 @@ class Router:
         if handler is None:
             methods = self.routes.paths.get(req.path)
             if methods is None:
-                return json_error(resp, 404, f"no route {req.path}", code="not_found")
-            return json_error(resp, 405, f"{req.method} {req.path} is not allowed (allowed: {', '.join(methods)})")
+                return json_error(resp, 404, f"no route {clip(req.path)}", code="not_found")
+            return json_error(resp, 405, f"{req.method} {clip(req.path)} is not allowed (allowed: {', '.join(methods)})")
         path = req.path
         if path in ADMIN_PATHS and self.admin_key is not None:
             if not self._key_ok(req, self.admin_key):
@@ -345,7 +349,7 @@ class Router:
             return json_error(resp, 400, "request body must be a JSON object")
         stream = body.get("stream", False)
         if stream is not False and not isinstance(stream, bool):
-            return json_error(resp, 400, f"stream must be a boolean, got {stream!r}")
+            return json_error(resp, 400, f"stream must be a boolean, got {clip(stream)}")
         admission = self.admission
         try:
             await admission.enter()
@@ -435,7 +439,7 @@ class Router:
         except ValueError as e:
             return json_error(resp, 400, str(e))
         if not removed:
-            return json_error(resp, 404, f"no worker {spec.url!r} is registered", code="unknown_worker")
+            return json_error(resp, 404, f"no worker {clip(spec.url)} is registered", code="unknown_worker")
         json_response(resp, {"removed": [w.describe() for w in removed]})
 
     async def openapi(self, req: Request, resp: Response) -> None:
