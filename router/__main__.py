@@ -108,7 +108,19 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                      help="longest wait for a slot before 429")
     rel.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
                      help="the Retry-After a 429 carries")
-    rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
+    rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                     help="a bigger request body is refused with 413")
+    cli = p.add_argument_group("client connections (what a client owes the router; past it: 408 and close)")
+    cli.add_argument("--client-idle-timeout-s", type=float, default=d.client_idle_timeout_s,
+                     help="a kept-alive connection with no request (or not reading its answers) this long is closed")
+    cli.add_argument("--client-header-timeout-s", type=float, default=d.client_header_timeout_s,
+                     help="a request head must arrive whole within this, from its first byte, however slowly it "
+                          "trickles")
+    cli.add_argument("--client-body-timeout-s", type=float, default=d.client_body_timeout_s,
+                     help="a request body must arrive whole within this, from the end of its head")
+    cli.add_argument("--max-pending-body-bytes", type=int, default=d.max_pending_body_bytes,
+                     help="request bodies still arriving, all connections together; past it a connection's "
+                          "upload is refused with 503")
     rel.add_argument("--max-upstream-event-bytes", type=int, default=d.max_upstream_event_bytes,
                      help="a longer server-sent event from a worker ends that stream with an error event")
     sec = p.add_argument_group("security")

@@ -34,7 +34,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from kv_transfer.trust import load_secret
 from router.discovery import DnsDiscovery, Resolver, targets_of
 from router.errors import clip
-from router.http import HTTPServer, Request, Response, UpstreamError
+from router.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_PENDING_BODY_BYTES, HTTPServer, \
+    Request, Response, UpstreamError
 from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
@@ -83,6 +84,11 @@ class RouterConfig:
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
+    # what a client owes the router's HTTP server (router/http.py ServerConnection)
+    client_idle_timeout_s: float = IDLE_TIMEOUT_S
+    client_header_timeout_s: float = HEADER_TIMEOUT_S
+    client_body_timeout_s: float = BODY_TIMEOUT_S
+    max_pending_body_bytes: int = MAX_PENDING_BODY_BYTES
     max_upstream_event_bytes: int = 16 << 20  # a longer SSE event from a worker ends its stream (error event)
     max_concurrent_requests: int = 0  # 0: no cap
     max_queued_requests: int = 1024
@@ -120,14 +126,16 @@ class RouterConfig:
         if self.local_prefill_max_itl_ms < 0:
             raise ValueError(f"local_prefill_max_itl_ms must be >= 0, got {self.local_prefill_max_itl_ms}")
         for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s",
-                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s"):
+                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s",
+                     "client_idle_timeout_s", "client_header_timeout_s", "client_body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("prefill_timeout_s", "total_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        for name in ("max_request_body_bytes", "max_upstream_event_bytes", "breaker_failures", "max_prefill_tries"):
+        for name in ("max_request_body_bytes", "max_upstream_event_bytes", "breaker_failures", "max_prefill_tries",
+                     "max_pending_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("max_concurrent_requests", "max_queued_requests", "retry_backoff_s", "retry_after_s",
@@ -260,7 +268,9 @@ class Router:
         serve, start health checks and re-resolution."""
         await self.registry.check_all()
         await self.discovery.refresh()
-        self.server = HTTPServer(self.handle, self.config.max_request_body_bytes)
+        c = self.config
+        self.server = HTTPServer(self.handle, c.max_request_body_bytes, c.client_idle_timeout_s,
+                                 c.client_header_timeout_s, c.client_body_timeout_s, c.max_pending_body_bytes)
         host, port = await self.server.start(self.config.host, self.config.port)
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.registry.start()
