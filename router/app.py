@@ -4,7 +4,8 @@
   GET  /v1/models      from a decode (or colocated) worker
   GET  /health         200 while the router runs (no API key)
   GET  /ready          200 when a prefill and a decode worker, or a colocated one, are in rotation
-  GET  /metrics        Prometheus text, `atomd_router:` names (no API key)
+  GET  /metrics        Prometheus text, `atomd_router:` names (no API key; the per-worker series, which
+                       name engine URLs, only with the key /workers takes)
   GET  /openapi.json   OpenAPI 3.1 of all of these (no API key; router/openapi.py)
   GET|POST|DELETE /workers   run-time registration: {"url": ..., "role": "prefill"|"decode"|"worker"}
                        (behind --admin-api-key when set; else --api-key)
@@ -404,7 +405,11 @@ class Router:
         json_response(resp, {"ready": ready, "available": counts}, 200 if ready else 503)
 
     async def metrics_route(self, req: Request, resp: Response) -> None:
-        resp.send(200, self.metrics.render(), CONTENT_TYPE_LATEST.encode())
+        """Open, as vLLM's and SGLang's are (scrapers need no key); but the per-worker series
+        name the engines' URLs, which /workers keeps behind a key: only that key shows them."""
+        key = self.admin_key or self.auth_key
+        workers = key is None or self._key_ok(req, key)
+        resp.send(200, self.metrics.render(workers), CONTENT_TYPE_LATEST.encode())
 
     async def list_workers(self, req: Request, resp: Response) -> None:
         json_response(resp, {"workers": [self.describe_worker(w) for w in self.registry.workers()],
