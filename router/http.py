@@ -628,7 +628,7 @@ class ClientConnection(asyncio.Protocol):
         self.content_type = ""
         self.done = False
         self.keep_alive = False
-        self.body: list[bytes] = []
+        self.body = bytearray()  # a worker's tiny chunks cost their size, not an object each
         self.sink: Sink | None = None
         self.on_end: Callable[[BaseException | None], None] | None = None
         self._waiter: asyncio.Future | None = None
@@ -700,11 +700,11 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._body_size += len(body)
             if self._body_size > self.pool.max_body_bytes:
-                self.body = []
+                self.body = bytearray()
                 self._fail(BrokenResponse(f"{self.pool.url} answered more than {self.pool.max_body_bytes} bytes"))
                 self.transport.close()
                 return
-            self.body.append(body)
+            self.body += body
 
     def on_message_complete(self) -> None:
         if self.error is not None:  # over a limit: already failed
@@ -784,13 +784,13 @@ class ClientConnection(asyncio.Protocol):
         """The whole body."""
         while not self.done:
             await self._wait()
-        return b"".join(self.body)
+        return bytes(self.body)
 
     def stream(self, sink: Sink, on_end: Callable[[BaseException | None], None]) -> None:
         """Push the body into `sink` as it arrives (what arrived with the head first), then call
         `on_end(None)`, or `on_end(error)` when it breaks or times out."""
         if self.body:
-            early, self.body = b"".join(self.body), []
+            early, self.body = bytes(self.body), bytearray()
             sink(early)
         if self.done:
             on_end(None)

@@ -300,3 +300,26 @@ def test_an_sse_event_without_end_costs_linear_work_and_is_cut(bench):
         assert out["status"] == 502 and out["error"], out  # cut before any event reached the client
     assert small[0] < 10 * big[0], (small, big)  # the same order
     assert probes.latencies and bench.router.alive() and serves(bench)
+
+
+@pytest.mark.chaos
+@pytest.mark.timeout(600)
+def test_the_probes_attacks_at_their_full_sizes(tmp_path):
+    """The probe's own sizes (~1 minute, `make chaos`): a 16 MiB event in 4 KB chunks, three
+    15 MiB bodies in 2-byte chunks, twelve 15.9 MiB partial uploads of 16 MiB, 780 KB of
+    unread pipelined requests, 200 slow heads."""
+    with A.Bench(REPO, 17 * MIB, "--client-header-timeout-s", "5", log=str(tmp_path / "router.log")) as b:
+        alone = A.probe_alone(b.port)
+        sse = b.measure(A.sse_bomb)
+        assert sse["status"] == 502 and sse["error"], sse
+        assert sse["health_during"]["median_ms"] <= 5 * alone["median_ms"], (alone, sse)
+        chunked = b.measure(A.chunked_tiny, 3, 15 * MIB)
+        assert chunked["rss_peak_mib"] - chunked["rss_before_mib"] < 32, chunked
+        partial = b.measure(A.partial_uploads, 12, 16 * MIB, int(15.9 * MIB))
+        assert partial["rss_peak_mib"] - partial["rss_before_mib"] < 128 + 32, partial  # the 128 MiB budget
+        assert partial["rss_after_mib"] - partial["rss_before_mib"] < 24, partial
+        piped = b.measure(A.pipelined, 780_000)
+        assert piped["rss_peak_mib"] - piped["rss_before_mib"] < 24, piped
+        slow = A.slowloris(b.port, 200, 15, 5)
+        assert slow["still_open"] == 0, slow
+        assert b.router.alive() and serves(b)
