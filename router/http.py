@@ -212,7 +212,8 @@ class ServerConnection(asyncio.Protocol):
 
     __slots__ = ("server", "loop", "transport", "parser", "peer", "paused", "closed", "_drain", "_url", "_headers",
                  "_body", "_body_size", "_too_large", "_queue", "_task", "_timer", "_head_bytes", "_in_body",
-                 "_fields_bytes", "_phase", "_phase_at", "_pending", "_chunks", "_reading_paused", "_last_request")
+                 "_fields_bytes", "_phase", "_phase_at", "_pending", "_chunks", "_reading_paused", "_last_request",
+                 "_stalled_at")
 
     def __init__(self, server: "HTTPServer"):
         self.server = server
@@ -230,6 +231,7 @@ class ServerConnection(asyncio.Protocol):
         self._in_body = False
         self._phase = _IDLE  # what the client owes us: a request, the rest of a head, a body
         self._phase_at = 0.0  # ... since when
+        self._stalled_at: float | None = None  # since when queued requests wait for the client to read
         self._pending = 0  # bytes of a partial body counted in the server's pending_body_bytes
         self._reading_paused = False
         self._last_request = False  # the queue is full: answer it, then close
@@ -371,29 +373,39 @@ class ServerConnection(asyncio.Protocol):
         if self._task is None:
             self._arm()
 
-    def _arm(self) -> None:
-        """The deadline of what the connection waits for now (nothing while a request is answered)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        if self._task is not None or self.closed:
-            return
+    def _due(self) -> float:
+        """When what the connection waits for now is overdue."""
         server = self.server
         if self._queue:  # answers the client does not read
-            at = self.loop.time() + server.idle_timeout_s
-        elif self._phase == _HEAD:
-            at = self._phase_at + server.header_timeout_s
-        elif self._phase == _BODY:
-            at = self._phase_at + server.body_timeout_s
-        else:
-            at = self._phase_at + server.idle_timeout_s
-        self._timer = self.loop.call_at(at, self._deadline)
+            return self._stalled_at + server.idle_timeout_s
+        if self._phase == _HEAD:
+            return self._phase_at + server.header_timeout_s
+        if self._phase == _BODY:
+            return self._phase_at + server.body_timeout_s
+        return self._phase_at + server.idle_timeout_s
+
+    def _arm(self) -> None:
+        """Make sure a timer fires by the current deadline (nothing while a request is
+        answered). A timer due earlier is kept: it re-checks when it fires, so a request
+        costs no timer of its own on a busy connection."""
+        if self._task is not None or self.closed:
+            return
+        due = self._due()
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= due:
+                return
+            timer.cancel()
+        self._timer = self.loop.call_at(due, self._deadline)
 
     def _deadline(self) -> None:
         self._timer = None
         if self._task is not None or self.closed:
-            return
-        if self._phase == _HEAD and not self._queue:
+            return  # re-armed when the answer is done
+        due = self._due()
+        if self.loop.time() < due:
+            self._timer = self.loop.call_at(due, self._deadline)
+        elif self._phase == _HEAD and not self._queue:
             self._fail(408, f"the request head did not arrive within {self.server.header_timeout_s} s",
                        "request_timeout")
         elif self._phase == _BODY and not self._queue:
@@ -495,16 +507,17 @@ class ServerConnection(asyncio.Protocol):
     def _next(self) -> None:
         if self._queue and not self.closed and not self.paused:
             req = self._queue.popleft()
-            if self._timer is not None:
-                self._timer.cancel()
-                self._timer = None
+            self._stalled_at = None
             self._task = self.loop.create_task(self._handle(req))
         else:
             self._task = None
             if self._last_request and not self._queue:
                 self.close()
             elif not self.closed:
-                if not self._queue and self._phase == _IDLE:
+                if self._queue:
+                    if self._stalled_at is None:
+                        self._stalled_at = self.loop.time()  # answers wait for the client to read
+                elif self._phase == _IDLE:
                     self._phase_at = self.loop.time()  # idle since this answer
                 self._arm()
 
