@@ -128,7 +128,9 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                      help="a longer server-sent event from a worker ends that stream with an error event")
     sec = p.add_argument_group("security")
     sec.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
-                     "(all routes but /health, /ready, /metrics, /dashboard); forwarded to the engines")
+                     "(all routes but /health, /ready, /metrics, /dashboard); forwarded to the engines and sent on "
+                     "the router's own GET /kv_transfer_info; /metrics shows its per-worker series (engine URLs) only "
+                     "to the key /workers takes")
     sec.add_argument("--admin-api-key", default=None,
                      help="a separate key for GET/POST/DELETE /workers and /dashboard/state (client keys do not "
                           "open them); default: those routes take the --api-key")
