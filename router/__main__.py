@@ -100,7 +100,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                           "is at least this many ms; short prompts still prefill there. Set it to the TPOT SLO "
                           "minus the engines' --max-local-prefill-ms-per-step (0: no bound)")
     rel.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
-                     help="consecutive failures (connection errors, 5xx, timeouts) that open a worker's breaker")
+                     help="consecutive worker faults (connection errors, timeouts, 502-504, broken answers; a 4xx "
+                          "or a 500 only when another worker then serves the request) that open its breaker")
     rel.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
                      help="seconds an open breaker refuses traffic before one trial request")
     rel.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,

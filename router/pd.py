@@ -24,8 +24,10 @@ byte, so any failure of P but a 4xx (connection refused or dropped, 5xx, timeout
 answer) is retried on another prefill worker, up to `max_prefill_tries` tries with full-
 jitter exponential backoff, each with a fresh transfer_id, and the abandoned transfer is
 aborted on its P. The same P gets another go only after a dropped connection (a kept-alive
-connection it closed), never after a refusal, a 5xx or a timeout. Every such failure counts
-against the worker's circuit breaker. The decode leg moves to another D only when the
+connection it closed), never after a refusal, a 5xx or a timeout. A worker's fault counts
+against its circuit breaker: no connection, a broken or malformed answer (P's params
+included, router/kv_check.py), a timeout, a 502-504; any other 5xx may be the request's
+doing, and counts only when another worker then serves the same request. The decode leg moves to another D only when the
 connection could not be opened (D may have started on the request otherwise); a colocated
 worker's leg moves on a refused connection or a 5xx (nothing was streamed). Nothing is
 retried once a byte reached the client.
@@ -66,9 +68,9 @@ from kv_transfer.params import KVTransferParams
 from kv_transfer.trust import signature_of
 from router.adaptive import PDDecider
 from router.errors import worker_text
-from router.kv_check import check_producer_params
 from router.http import BrokenResponse, ClientConnection, ConnectError, Disconnected, Request, Response, Timeout, \
     UpstreamError
+from router.kv_check import check_producer_params
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest, RoutingPolicy
 from router.workers import Worker, WorkerRegistry, describe

@@ -6,7 +6,9 @@ colocated engine (`--kv-role both`) that serves a request alone (one leg).
 A worker is in rotation when its last health check passed (`GET /ready` to get in,
 `GET /health` to stay) and its circuit breaker lets traffic through. Health checks catch
 an engine that is down or still loading; the breaker catches one that fails the requests
-themselves (connection refused, 5xx answers, timeouts) faster than the next health check.
+themselves (connection refused, timeouts, 502-504 answers, broken answers) faster than the
+next health check; never a request's own failure (a 4xx, or a 500 no other worker serves
+either: router/pd.py).
 
 Every worker owns one keep-alive connection pool (router/http.py), reused by every leg
 routed to it; every upstream socket has TCP_NODELAY (without it a small SSE event can sit
