@@ -174,7 +174,7 @@ def bench(tmp_path_factory):
     log = tmp_path_factory.mktemp("router") / "router.log"
     with A.Bench(REPO, 3 * MIB, "--max-upstream-event-bytes", str(2 * MIB), "--client-header-timeout-s", "1",
                  "--client-body-timeout-s", "1.5", "--client-idle-timeout-s", "2.5",
-                 "--max-pending-body-bytes", str(8 * MIB), log=str(log)) as b:
+                 "--max-pending-body-bytes", str(8 * MIB), "--breaker-failures", "1000", log=str(log)) as b:
         yield b
 
 
@@ -285,7 +285,8 @@ def test_pipelined_requests_never_read_cost_bounded_memory(bench):
 @pytest.mark.timeout(120)
 def test_an_sse_event_without_end_costs_linear_work_and_is_cut(bench):
     """One event of 3 MiB (limit 2 MiB), in 4 KB chunks, against the same bytes in 256 KB
-    chunks: linear relaying takes the same order of time (quadratic took ~64x)."""
+    chunks: linear relaying takes the same order of time (quadratic took over 100x). The
+    hostile worker's breaker is kept out of the way (a cut event is its fault)."""
 
     def timed(chunk: int) -> tuple[float, dict]:
         bench.worker.chunk = chunk
@@ -294,11 +295,11 @@ def test_an_sse_event_without_end_costs_linear_work_and_is_cut(bench):
         return time.perf_counter() - t, out
 
     with A.Prober(bench.port) as probes:
-        small = min(timed(4096) for _ in range(2))
-    big = min(timed(256 << 10) for _ in range(2))
+        small = min(timed(4096) for _ in range(3))
+    big = min(timed(256 << 10) for _ in range(3))
     for _, out in (small, big):
         assert out["status"] == 502 and out["error"], out  # cut before any event reached the client
-    assert small[0] < 10 * big[0], (small, big)  # the same order
+    assert small[0] < 20 * big[0], (small, big)  # the same order (quadratic: > 100x)
     assert probes.latencies and bench.router.alive() and serves(bench)
 
 
