@@ -175,6 +175,7 @@ def bench(tmp_path_factory):
     with A.Bench(REPO, 3 * MIB, "--max-upstream-event-bytes", str(2 * MIB), "--client-header-timeout-s", "1",
                  "--client-body-timeout-s", "1.5", "--client-idle-timeout-s", "2.5",
                  "--max-pending-body-bytes", str(8 * MIB), "--breaker-failures", "1000", log=str(log)) as b:
+        b.alone = A.probe_alone(b.port, 0.5)  # GET /health latency with no attack
         yield b
 
 
@@ -197,6 +198,11 @@ def answer_and_close(s: socket.socket, timeout_s: float) -> bytes:
 def serves(b: A.Bench) -> bool:
     status, _ = A.http_get(b.port, "/openapi.json")
     return status == 200
+
+
+def kept_its_pace(b: A.Bench, out: dict) -> bool:
+    """/health during the attack answered in the same order of time as alone (median, 20x)."""
+    return out["health_during"]["median_ms"] <= 20 * b.alone["median_ms"]
 
 
 def trickle(sends: dict[socket.socket, bytes], rounds: int, interval_s: float) -> dict[socket.socket, bytes]:
@@ -249,7 +255,7 @@ def test_trickled_heads_and_bodies_are_cut_at_their_deadlines(bench):
 @pytest.mark.timeout(60)
 def test_partial_uploads_are_bounded_together_and_memory_returns(bench):
     out = bench.measure(A.partial_uploads, 8, 4 * MIB, 3 * MIB, settle_s=1.0)
-    assert out["router_alive"] and serves(bench)
+    assert out["router_alive"] and serves(bench) and kept_its_pace(bench, out), (bench.alone, out)
     # 8 uploads of 3 MiB: the 8 MiB budget takes two; the others are refused (503) and closed
     assert out["rss_peak_mib"] - out["rss_before_mib"] < 40, out
     assert out["rss_after_mib"] - out["rss_before_mib"] < 16, out
@@ -267,7 +273,7 @@ def test_a_body_in_two_byte_chunks_costs_bounded_memory(bench):
     assert answer_and_close(s, 10).startswith(b"HTTP/1.1 400 ")
     s.close()
     out = bench.measure(A.chunked_tiny, 3, 3 * MIB, settle_s=1.0)  # the probe's three, scaled
-    assert out["router_alive"] and serves(bench)
+    assert out["router_alive"] and serves(bench) and kept_its_pace(bench, out), (bench.alone, out)
     assert out["rss_peak_mib"] - out["rss_before_mib"] < 24, out
     assert out["rss_after_mib"] - out["rss_before_mib"] < 16, out
 
@@ -276,7 +282,7 @@ def test_a_body_in_two_byte_chunks_costs_bounded_memory(bench):
 @pytest.mark.timeout(60)
 def test_pipelined_requests_never_read_cost_bounded_memory(bench):
     out = bench.measure(A.pipelined, 200_000, settle_s=1.0)  # ~5,000 GET /openapi.json (24 KB each)
-    assert out["router_alive"] and serves(bench)
+    assert out["router_alive"] and serves(bench) and kept_its_pace(bench, out), (bench.alone, out)
     assert out["rss_peak_mib"] - out["rss_before_mib"] < 24, out
     assert out["rss_after_mib"] - out["rss_before_mib"] < 16, out
 
