@@ -11,7 +11,9 @@ Server (`HTTPServer`, `ServerConnection`, `Request`, `Response`):
   is read, limits on the request head (414 for a URL over MAX_URL_BYTES, 431 for more than
   MAX_HEADERS headers, one over MAX_HEADER_BYTES or a head over MAX_HEAD_BYTES; each an
   OpenAI-style JSON error, then the connection closes), HTTP/1.0 clients (close-delimited
-  streams), an idle timeout on kept-alive connections, TCP_NODELAY on every accepted socket;
+  streams), deadlines for what a client owes (the next request, its head, its body: a
+  trickle does not extend them), bounded memory per connection and for partial bodies
+  together (ServerConnection), TCP_NODELAY on every accepted socket;
 - a client that hangs up cancels its request's handler at once (as aiohttp's
   handler_cancellation), so the relay can abort upstream work;
 - a response is written in one `transport.write` (status line, headers and body);

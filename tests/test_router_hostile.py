@@ -29,7 +29,7 @@ import aiohttp
 import pytest
 
 from benchmarks import router_attacks as A
-from tests.fake_workers import Cluster, wait_until
+from tests.fake_workers import Cluster
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MIB = 1 << 20
