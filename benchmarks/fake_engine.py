@@ -56,6 +56,7 @@ class FakeEngine:
         self.keeps_kv = True  # prefill: False answers without kv_transfer_params (nothing pinned)
         self.kv_extra: dict = {}  # prefill: merged into the kv_transfer_params it answers
         self.drop_next = 0  # drop this many requests' connections without answering
+        self.kv_info: dict | None = None  # GET /kv_transfer_info answers it (404 while None)
         self.token_delay_s = 0.0  # decode: pause between streamed events
         # what happened
         self.requests: list[tuple[str, dict]] = []
@@ -68,6 +69,7 @@ class FakeEngine:
         self.pulled: list[str] = []
         self.cancelled: list[str] = []
         self.health_checks = 0  # GET /health calls
+        self.kv_info_authorizations: list[str | None] = []  # the Authorization of each GET /kv_transfer_info
         self.url = ""
         self._runner: web.AppRunner | None = None
 
@@ -83,6 +85,7 @@ class FakeEngine:
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)
         app.router.add_post("/kv_transfer/abort", self.abort)
+        app.router.add_get("/kv_transfer_info", self.kv_transfer_info)
         self._runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
         await self._runner.setup()
         site = web.TCPSite(self._runner, "127.0.0.1", port)
@@ -110,6 +113,12 @@ class FakeEngine:
     async def models(self, request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [
             {"id": MODEL, "object": "model", "created": 0, "owned_by": "atomd"}]})
+
+    async def kv_transfer_info(self, request: web.Request) -> web.Response:
+        self.kv_info_authorizations.append(request.headers.get("Authorization"))
+        if self.kv_info is None:
+            return web.Response(status=404)
+        return web.json_response(self.kv_info)
 
     async def abort(self, request: web.Request) -> web.Response:
         self.aborts.append((await request.json())["transfer_id"])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import ctypes
 import logging
 import signal
 import sys
@@ -16,6 +17,8 @@ from router.adaptive import PD_MODES
 from router.app import Router, RouterConfig
 from router.discovery import Resolver
 from router.policies import POLICIES
+
+M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
 def parse_args(argv: list[str] | None) -> RouterConfig:
@@ -97,7 +100,8 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                           "is at least this many ms; short prompts still prefill there. Set it to the TPOT SLO "
                           "minus the engines' --max-local-prefill-ms-per-step (0: no bound)")
     rel.add_argument("--breaker-failures", type=int, default=d.breaker_failures,
-                     help="consecutive failures (connection errors, 5xx, timeouts) that open a worker's breaker")
+                     help="consecutive worker faults (connection errors, timeouts, 502-504, broken answers; a 4xx "
+                          "or a 500 only when another worker then serves the request) that open its breaker")
     rel.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
                      help="seconds an open breaker refuses traffic before one trial request")
     rel.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
@@ -108,12 +112,26 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
                      help="longest wait for a slot before 429")
     rel.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
                      help="the Retry-After a 429 carries")
-    rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes)
+    rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
+                     help="a bigger request body is refused with 413")
+    cli = p.add_argument_group("client connections (what a client owes the router; past it: 408 and close)")
+    cli.add_argument("--client-idle-timeout-s", type=float, default=d.client_idle_timeout_s,
+                     help="a kept-alive connection with no request (or not reading its answers) this long is closed")
+    cli.add_argument("--client-header-timeout-s", type=float, default=d.client_header_timeout_s,
+                     help="a request head must arrive whole within this, from its first byte, however slowly it "
+                          "trickles")
+    cli.add_argument("--client-body-timeout-s", type=float, default=d.client_body_timeout_s,
+                     help="a request body must arrive whole within this, from the end of its head")
+    cli.add_argument("--max-pending-body-bytes", type=int, default=d.max_pending_body_bytes,
+                     help="request bodies still arriving, all connections together; past it a connection's "
+                          "upload is refused with 503")
     rel.add_argument("--max-upstream-event-bytes", type=int, default=d.max_upstream_event_bytes,
                      help="a longer server-sent event from a worker ends that stream with an error event")
     sec = p.add_argument_group("security")
     sec.add_argument("--api-key", default=None, help="require `Authorization: Bearer KEY` "
-                     "(all routes but /health, /ready, /metrics, /dashboard); forwarded to the engines")
+                     "(all routes but /health, /ready, /metrics, /dashboard); forwarded to the engines and sent on "
+                     "the router's own GET /kv_transfer_info; /metrics shows its per-worker series (engine URLs) only "
+                     "to the key /workers takes")
     sec.add_argument("--admin-api-key", default=None,
                      help="a separate key for GET/POST/DELETE /workers and /dashboard/state (client keys do not "
                           "open them); default: those routes take the --api-key")
@@ -145,9 +163,22 @@ async def serve(config: RouterConfig, resolver: Resolver | None = None) -> None:
         await router.stop()
 
 
+def return_big_buffers_to_the_os() -> None:
+    """glibc raises its mmap threshold to the size of a big buffer once it is freed (up to
+    32 MiB); buffers of that size then come from the heap, which keeps them in RSS after
+    they are freed: a hostile client's 15 MB upload would leave its memory behind (issue
+    #42). A fixed 1 MiB threshold keeps every big buffer (a request body, an SSE event) in
+    its own mapping, returned to the OS when freed. Not glibc: nothing to do."""
+    try:
+        ctypes.CDLL("libc.so.6").mallopt(M_MMAP_THRESHOLD, 1 << 20)
+    except (OSError, AttributeError):
+        pass
+
+
 def main(argv: list[str] | None = None, resolver: Resolver | None = None) -> int:
     """`resolver`: how --prefill-dns / --decode-dns names are looked up (tests map them)."""
     config = parse_args(argv)
+    return_big_buffers_to_the_os()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop

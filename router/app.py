@@ -4,7 +4,8 @@
   GET  /v1/models      from a decode (or colocated) worker
   GET  /health         200 while the router runs (no API key)
   GET  /ready          200 when a prefill and a decode worker, or a colocated one, are in rotation
-  GET  /metrics        Prometheus text, `atomd_router:` names (no API key)
+  GET  /metrics        Prometheus text, `atomd_router:` names (no API key; the per-worker series, which
+                       name engine URLs, only with the key /workers takes)
   GET  /openapi.json   OpenAPI 3.1 of all of these (no API key; router/openapi.py)
   GET|POST|DELETE /workers   run-time registration: {"url": ..., "role": "prefill"|"decode"|"worker"}
                        (behind --admin-api-key when set; else --api-key)
@@ -33,7 +34,9 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from kv_transfer.trust import load_secret
 from router.discovery import DnsDiscovery, Resolver, targets_of
-from router.http import HTTPServer, Request, Response, UpstreamError
+from router.errors import clip
+from router.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_PENDING_BODY_BYTES, HTTPServer, \
+    Request, Response, UpstreamError
 from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
@@ -82,6 +85,11 @@ class RouterConfig:
     breaker_failures: int = 5
     breaker_cooldown_s: float = 10.0
     max_request_body_bytes: int = 16 << 20  # as `atomd serve`: a bigger body no engine would take
+    # what a client owes the router's HTTP server (router/http.py ServerConnection)
+    client_idle_timeout_s: float = IDLE_TIMEOUT_S
+    client_header_timeout_s: float = HEADER_TIMEOUT_S
+    client_body_timeout_s: float = BODY_TIMEOUT_S
+    max_pending_body_bytes: int = MAX_PENDING_BODY_BYTES
     max_upstream_event_bytes: int = 16 << 20  # a longer SSE event from a worker ends its stream (error event)
     max_concurrent_requests: int = 0  # 0: no cap
     max_queued_requests: int = 1024
@@ -119,14 +127,16 @@ class RouterConfig:
         if self.local_prefill_max_itl_ms < 0:
             raise ValueError(f"local_prefill_max_itl_ms must be >= 0, got {self.local_prefill_max_itl_ms}")
         for name in ("health_interval_s", "request_timeout_s", "breaker_cooldown_s", "dns_refresh_s",
-                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s"):
+                     "queue_timeout_s", "kv_events_stale_s", "eviction_interval_s", "session_ttl_s",
+                     "client_idle_timeout_s", "client_header_timeout_s", "client_body_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)!r}")
         for name in ("prefill_timeout_s", "total_timeout_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
-        for name in ("max_request_body_bytes", "max_upstream_event_bytes", "breaker_failures", "max_prefill_tries"):
+        for name in ("max_request_body_bytes", "max_upstream_event_bytes", "breaker_failures", "max_prefill_tries",
+                     "max_pending_body_bytes"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("max_concurrent_requests", "max_queued_requests", "retry_backoff_s", "retry_after_s",
@@ -190,7 +200,10 @@ class Router:
     def __init__(self, config: RouterConfig, resolver: Resolver | None = None):
         self.config = config
         self.started_at = time.time()
-        self.registry = WorkerRegistry(config.health_interval_s, config.breaker_failures, config.breaker_cooldown_s)
+        # the engines take the router's --api-key too: GET /kv_transfer_info needs it
+        self.registry = WorkerRegistry(config.health_interval_s, config.breaker_failures, config.breaker_cooldown_s,
+                                       f"Authorization: Bearer {config.api_key}\r\n".encode("latin-1")
+                                       if config.api_key else b"")
         for role, urls in (("prefill", config.prefill), ("decode", config.decode), ("worker", config.worker)):
             for url in urls:
                 self.registry.add(url, role)
@@ -256,7 +269,9 @@ class Router:
         serve, start health checks and re-resolution."""
         await self.registry.check_all()
         await self.discovery.refresh()
-        self.server = HTTPServer(self.handle, self.config.max_request_body_bytes)
+        c = self.config
+        self.server = HTTPServer(self.handle, c.max_request_body_bytes, c.client_idle_timeout_s,
+                                 c.client_header_timeout_s, c.client_body_timeout_s, c.max_pending_body_bytes)
         host, port = await self.server.start(self.config.host, self.config.port)
         self.url = f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
         self.registry.start()
@@ -306,8 +321,8 @@ class Router:
         if handler is None:
             methods = self.routes.paths.get(req.path)
             if methods is None:
-                return json_error(resp, 404, f"no route {req.path}", code="not_found")
-            return json_error(resp, 405, f"{req.method} {req.path} is not allowed (allowed: {', '.join(methods)})")
+                return json_error(resp, 404, f"no route {clip(req.path)}", code="not_found")
+            return json_error(resp, 405, f"{req.method} {clip(req.path)} is not allowed (allowed: {', '.join(methods)})")
         path = req.path
         if path in ADMIN_PATHS and self.admin_key is not None:
             if not self._key_ok(req, self.admin_key):
@@ -345,7 +360,7 @@ class Router:
             return json_error(resp, 400, "request body must be a JSON object")
         stream = body.get("stream", False)
         if stream is not False and not isinstance(stream, bool):
-            return json_error(resp, 400, f"stream must be a boolean, got {stream!r}")
+            return json_error(resp, 400, f"stream must be a boolean, got {clip(stream)}")
         admission = self.admission
         try:
             await admission.enter()
@@ -390,7 +405,11 @@ class Router:
         json_response(resp, {"ready": ready, "available": counts}, 200 if ready else 503)
 
     async def metrics_route(self, req: Request, resp: Response) -> None:
-        resp.send(200, self.metrics.render(), CONTENT_TYPE_LATEST.encode())
+        """Open, as vLLM's and SGLang's are (scrapers need no key); but the per-worker series
+        name the engines' URLs, which /workers keeps behind a key: only that key shows them."""
+        key = self.admin_key or self.auth_key
+        workers = key is None or self._key_ok(req, key)
+        resp.send(200, self.metrics.render(workers), CONTENT_TYPE_LATEST.encode())
 
     async def list_workers(self, req: Request, resp: Response) -> None:
         json_response(resp, {"workers": [self.describe_worker(w) for w in self.registry.workers()],
@@ -435,7 +454,7 @@ class Router:
         except ValueError as e:
             return json_error(resp, 400, str(e))
         if not removed:
-            return json_error(resp, 404, f"no worker {spec.url!r} is registered", code="unknown_worker")
+            return json_error(resp, 404, f"no worker {clip(spec.url)} is registered", code="unknown_worker")
         json_response(resp, {"removed": [w.describe() for w in removed]})
 
     async def openapi(self, req: Request, resp: Response) -> None:

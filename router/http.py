@@ -11,7 +11,9 @@ Server (`HTTPServer`, `ServerConnection`, `Request`, `Response`):
   is read, limits on the request head (414 for a URL over MAX_URL_BYTES, 431 for more than
   MAX_HEADERS headers, one over MAX_HEADER_BYTES or a head over MAX_HEAD_BYTES; each an
   OpenAI-style JSON error, then the connection closes), HTTP/1.0 clients (close-delimited
-  streams), an idle timeout on kept-alive connections, TCP_NODELAY on every accepted socket;
+  streams), deadlines for what a client owes (the next request, its head, its body: a
+  trickle does not extend them), bounded memory per connection and for partial bodies
+  together (ServerConnection), TCP_NODELAY on every accepted socket;
 - a client that hangs up cancels its request's handler at once (as aiohttp's
   handler_cancellation), so the relay can abort upstream work;
 - a response is written in one `transport.write` (status line, headers and body);
@@ -46,6 +48,12 @@ import msgspec
 logger = logging.getLogger("atomd.router.http")
 
 IDLE_TIMEOUT_S = 75.0  # a kept-alive client connection with no request this long is closed
+HEADER_TIMEOUT_S = 20.0  # a request head must arrive whole within this, from its first byte
+BODY_TIMEOUT_S = 60.0  # a request body must arrive whole within this, from the end of its head
+MAX_PENDING_BODY_BYTES = 128 << 20  # request bodies still arriving, all connections together
+MAX_PIPELINED = 64  # requests received and not yet answered on one connection
+MAX_BODY_CHUNKS = 1 << 16  # chunks of one chunked request body
+_IDLE, _HEAD, _BODY = 0, 1, 2  # what a connection waits for from its client
 POOL_IDLE_S = 60.0  # an idle upstream connection older than this is not reused
 WRITE_HIGH_WATER = 256 << 10
 _STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
@@ -62,12 +70,17 @@ LINGER_S = 1.0  # after refusing a request: read and drop what the client still 
 
 
 class HeadTooLarge(Exception):
-    """A request head refused by a parser callback (over a limit, or an upgrade), or an
-    upstream response head over a limit: (status, message)."""
+    """A request refused by a parser callback (a head or body over a limit, an upgrade), or
+    an upstream response head over a limit: (status, message, OpenAI error code)."""
 
-    def __init__(self, status: int, message: str):
+    def __init__(self, status: int, message: str, code: str | None = "request_too_large"):
         super().__init__(message)
         self.status = status
+        self.code = code if status != 400 else None
+
+
+class PipelineFull(Exception):
+    """MAX_PIPELINED requests wait unanswered on one connection: the parser stops there."""
 
 
 def error_json(message: str, type: str = "invalid_request_error", code: str | None = None) -> bytes:
@@ -186,9 +199,23 @@ Handler = Callable[[Request, Response], Awaitable[None]]
 
 
 class ServerConnection(asyncio.Protocol):
+    """One client connection. While nothing of it is being answered the connection waits on
+    the client, under one deadline for what it waits for, however the bytes trickle in: a
+    request's first byte (`idle_timeout_s` after the last answer), the rest of its head
+    (`header_timeout_s` from its first byte), its body (`body_timeout_s` from the end of
+    the head), our answers being read (`idle_timeout_s`, while the client reads none). A
+    missed head or body deadline is a 408, then the connection closes.
+
+    Memory: a body grows in one bytearray (chunked or not, whatever the chunk size);
+    partial bodies of all connections together stay under the server's
+    `max_pending_body_bytes` (503 past it); pipelined requests wait in a queue of at most
+    MAX_PIPELINED, the next one is started only while the client reads our answers, and
+    reading stops while it does not."""
+
     __slots__ = ("server", "loop", "transport", "parser", "peer", "paused", "closed", "_drain", "_url", "_headers",
-                 "_body", "_body_size", "_too_large", "_queue", "_task", "_idle_timer", "_head_bytes", "_in_body",
-                 "_fields_bytes")
+                 "_body", "_body_size", "_too_large", "_queue", "_task", "_timer", "_head_bytes", "_in_body",
+                 "_fields_bytes", "_phase", "_phase_at", "_pending", "_chunks", "_reading_paused", "_last_request",
+                 "_stalled_at")
 
     def __init__(self, server: "HTTPServer"):
         self.server = server
@@ -201,16 +228,23 @@ class ServerConnection(asyncio.Protocol):
         self._drain: asyncio.Future | None = None
         self._queue: deque[Request] = deque()
         self._task: asyncio.Task | None = None
-        self._idle_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None
         self._head_bytes = 0  # bytes received since the current head began (an upper bound)
         self._in_body = False
+        self._phase = _IDLE  # what the client owes us: a request, the rest of a head, a body
+        self._phase_at = 0.0  # ... since when
+        self._stalled_at: float | None = None  # since when queued requests wait for the client to read
+        self._pending = 0  # bytes of a partial body counted in the server's pending_body_bytes
+        self._reading_paused = False
+        self._last_request = False  # the queue is full: answer it, then close
         self._reset()
 
     def _reset(self) -> None:
         self._url = b""
         self._headers: dict[str, str] = {}
-        self._body: list[bytes] = []
+        self._body = bytearray()
         self._body_size = 0
+        self._chunks = 0
         self._too_large = False
         self._head_bytes = 0
         self._fields_bytes = 0  # the URL and the headers so far (exact, where _head_bytes is a bound)
@@ -223,23 +257,38 @@ class ServerConnection(asyncio.Protocol):
         transport.set_write_buffer_limits(WRITE_HIGH_WATER)  # type: ignore[attr-defined]
         self.peer = transport.get_extra_info("peername")
         self.server.connections.add(self)
-        self._arm_idle()
+        self._enter(_IDLE)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self.server.connections.discard(self)
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
+        self._release_pending()
+        self._body = bytearray()
+        self._queue.clear()
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         if self._task is not None and not self._task.done():
             self._task.cancel()  # the client is gone: its handler stops now
         self._wake_drain()
 
     def pause_writing(self) -> None:
         self.paused = True
+        self._pause_reading()  # a client that does not read our answers sends no more requests
 
     def resume_writing(self) -> None:
         self.paused = False
+        if self._reading_paused and not self.closed and not self._last_request:
+            self._reading_paused = False
+            self.transport.resume_reading()
         self._wake_drain()
+        if self._task is None and self._queue:  # a pipelined request waited for the client to read
+            self._next()
+
+    def _pause_reading(self) -> None:
+        if not self._reading_paused and not self.closed:
+            self._reading_paused = True
+            self.transport.pause_reading()
 
     def _wake_drain(self) -> None:
         if self._drain is not None and not self._drain.done():
@@ -253,11 +302,8 @@ class ServerConnection(asyncio.Protocol):
             await self._drain
 
     def data_received(self, data: bytes) -> None:
-        if self.closed:  # refused, lingering: what still comes is dropped
+        if self.closed or self._last_request:  # refused, lingering or full: what still comes is dropped
             return
-        if self._idle_timer is not None:
-            self._idle_timer.cancel()
-            self._idle_timer = None
         if not self._in_body:
             self._head_bytes += len(data)
         try:
@@ -266,8 +312,11 @@ class ServerConnection(asyncio.Protocol):
             self._fail(400, "protocol upgrades are not supported")
         except httptools.HttpParserCallbackError as e:
             refused = e.__context__
-            if isinstance(refused, HeadTooLarge):
-                self._fail(refused.status, str(refused), "request_too_large" if refused.status != 400 else None)
+            if isinstance(refused, PipelineFull):
+                self._last_request = True
+                self._pause_reading()
+            elif isinstance(refused, HeadTooLarge):
+                self._fail(refused.status, str(refused), refused.code)
             else:  # a bug of ours in a callback: the log has it, the client a plain 400
                 logger.error("HTTP parser callback failed", exc_info=e.__context__)
                 self._fail(400, "malformed HTTP request")
@@ -285,12 +334,14 @@ class ServerConnection(asyncio.Protocol):
         if not self.closed:
             self.transport.write(data)
 
-    def _fail(self, status: int, message: str, code: str | None = None) -> None:
-        """Answer a request the parser refused (when no earlier one is still being answered), close."""
-        if self._task is None and not self.closed:
+    def _fail(self, status: int, message: str, code: str | None = None, headers: bytes = b"") -> None:
+        """Answer a request the parser refused (when no earlier one is still to be answered), close."""
+        self._release_pending()
+        self._body = bytearray()
+        if self._task is None and not self._queue and not self.closed:
             body = error_json(message, code=code)
-            self.transport.write(b"%sContent-Type: application/json\r\nContent-Length: %d\r\n"
-                                 b"Connection: close\r\n\r\n%s" % (status_line(status), len(body), body))
+            self.transport.write(b"%sContent-Type: application/json\r\nContent-Length: %d\r\n%b"
+                                 b"Connection: close\r\n\r\n%s" % (status_line(status), len(body), headers, body))
             self._linger()
         else:
             self.close()
@@ -300,11 +351,16 @@ class ServerConnection(asyncio.Protocol):
         with its unread bytes in our buffer would reset the connection and lose the answer.
         So: end our side, drop what still comes for LINGER_S, then close."""
         self.closed = True  # nothing more is parsed or answered here
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         try:
             self.transport.write_eof()
         except (OSError, RuntimeError, NotImplementedError):
             self.transport.close()
             return
+        if self._reading_paused:  # read (and drop) what still comes, so the close is clean
+            self.transport.resume_reading()
         self.loop.call_later(LINGER_S, self.transport.close)
 
     def close(self) -> None:
@@ -312,18 +368,66 @@ class ServerConnection(asyncio.Protocol):
             self.transport.close()
         self.closed = True
 
-    def _arm_idle(self) -> None:
-        self._idle_timer = self.loop.call_later(self.server.idle_timeout_s, self._idle_expired)
+    # ---------------------------------------------------------------- deadlines
 
-    def _idle_expired(self) -> None:
-        self._idle_timer = None
-        if self._task is None and not self._queue:
+    def _enter(self, phase: int) -> None:
+        self._phase, self._phase_at = phase, self.loop.time()
+        if self._task is None:
+            self._arm()
+
+    def _due(self) -> float:
+        """When what the connection waits for now is overdue."""
+        server = self.server
+        if self._queue:  # answers the client does not read
+            return self._stalled_at + server.idle_timeout_s
+        if self._phase == _HEAD:
+            return self._phase_at + server.header_timeout_s
+        if self._phase == _BODY:
+            return self._phase_at + server.body_timeout_s
+        return self._phase_at + server.idle_timeout_s
+
+    def _arm(self) -> None:
+        """Make sure a timer fires by the current deadline (nothing while a request is
+        answered). A timer due earlier is kept: it re-checks when it fires, so a request
+        costs no timer of its own on a busy connection."""
+        if self._task is not None or self.closed:
+            return
+        due = self._due()
+        timer = self._timer
+        if timer is not None:
+            if timer.when() <= due:
+                return
+            timer.cancel()
+        self._timer = self.loop.call_at(due, self._deadline)
+
+    def _deadline(self) -> None:
+        self._timer = None
+        if self._task is not None or self.closed:
+            return  # re-armed when the answer is done
+        due = self._due()
+        if self.loop.time() < due:
+            self._timer = self.loop.call_at(due, self._deadline)
+        elif self._phase == _HEAD and not self._queue:
+            self._fail(408, f"the request head did not arrive within {self.server.header_timeout_s} s",
+                       "request_timeout")
+        elif self._phase == _BODY and not self._queue:
+            self._fail(408, f"the request body did not arrive within {self.server.body_timeout_s} s",
+                       "request_timeout")
+        else:
             self.close()
+
+    # ---------------------------------------------------------------- body memory
+
+    def _release_pending(self) -> None:
+        if self._pending:
+            self.server.pending_body_bytes -= self._pending
+            self._pending = 0
 
     # ---------------------------------------------------------------- parser callbacks
 
     def on_message_begin(self) -> None:
         self._reset()
+        self._enter(_HEAD)
 
     def on_url(self, url: bytes) -> None:
         self._url += url
@@ -346,52 +450,78 @@ class ServerConnection(asyncio.Protocol):
         self._head_bytes = 0
         if self.parser.should_upgrade():  # refused before the request is queued
             raise HeadTooLarge(400, "protocol upgrades are not supported")
+        self._enter(_BODY)
         length = self._headers.get("content-length")
         expect = self._headers.get("expect", "").lower() == "100-continue"
         if length is not None and length.isdigit() and int(length) > self.server.max_body_bytes:
             self._too_large = True
             if expect:  # the client waits for our word before sending the body: refuse now
-                self._fail(413, f"request body is larger than {self.server.max_body_bytes} bytes",
-                           "request_too_large")
+                raise HeadTooLarge(413, f"request body is larger than {self.server.max_body_bytes} bytes")
         elif expect:
             self.transport.write(_CONTINUE)
+
+    def on_chunk_header(self) -> None:
+        self._chunks += 1
+        if self._chunks > MAX_BODY_CHUNKS:  # bounded work per body, however small its chunks
+            raise HeadTooLarge(400, f"the request body came in more than {MAX_BODY_CHUNKS} chunks", None)
 
     def on_body(self, body: bytes) -> None:
         if self._too_large:
             return
-        self._body_size += len(body)
+        n = len(body)
+        self._body_size += n
         if self._body_size > self.server.max_body_bytes:
-            self._too_large = True
-            self._body = []
-        else:
-            self._body.append(body)
+            self._too_large = True  # read on (and drop) to answer 413 after it
+            self._body = bytearray()
+            self._release_pending()
+            return
+        server = self.server
+        if server.pending_body_bytes + n > server.max_pending_body_bytes:
+            raise HeadTooLarge(503, f"the router holds {server.max_pending_body_bytes} bytes of request bodies "
+                                    "still arriving; retry later", "server_busy")
+        server.pending_body_bytes += n
+        self._pending += n
+        self._body += body
 
     def on_message_complete(self) -> None:
         self._in_body = False
         self._head_bytes = 0
+        self._release_pending()
         parser = self.parser
         url = self._url
         q = url.find(b"?")
         path, query = (url, b"") if q < 0 else (url[:q], url[q + 1:])
-        body = b"".join(self._body) if len(self._body) != 1 else self._body[0]
+        body, self._body = bytes(self._body), bytearray()
         req = Request(parser.get_method().decode(), path.decode("latin-1"), query.decode("latin-1"),
                       self._headers, body, parser.should_keep_alive(), parser.get_http_version(), self)
         if self._too_large:
             req.body = None  # type: ignore[assignment]  # the handler answers 413
         self._queue.append(req)
+        self._phase, self._phase_at = _IDLE, self.loop.time()
         if self._task is None:
             self._next()
+        if len(self._queue) >= MAX_PIPELINED:  # answer these, read no more, close
+            req.keep_alive = False
+            raise PipelineFull()
 
     # ---------------------------------------------------------------- handling
 
     def _next(self) -> None:
-        if self._queue and not self.closed:
+        if self._queue and not self.closed and not self.paused:
             req = self._queue.popleft()
+            self._stalled_at = None
             self._task = self.loop.create_task(self._handle(req))
         else:
             self._task = None
-            if not self.closed:
-                self._arm_idle()
+            if self._last_request and not self._queue:
+                self.close()
+            elif not self.closed:
+                if self._queue:
+                    if self._stalled_at is None:
+                        self._stalled_at = self.loop.time()  # answers wait for the client to read
+                elif self._phase == _IDLE:
+                    self._phase_at = self.loop.time()  # idle since this answer
+                self._arm()
 
     async def _handle(self, req: Request) -> None:
         resp = Response(self, req)
@@ -418,10 +548,19 @@ class ServerConnection(asyncio.Protocol):
 
 
 class HTTPServer:
-    def __init__(self, handler: Handler, max_body_bytes: int = 16 << 20, idle_timeout_s: float = IDLE_TIMEOUT_S):
+    """`max_body_bytes`: one request body (413 past it); `max_pending_body_bytes`: the partial
+    bodies of all connections together (503); the timeouts: ServerConnection's deadlines."""
+
+    def __init__(self, handler: Handler, max_body_bytes: int = 16 << 20, idle_timeout_s: float = IDLE_TIMEOUT_S,
+                 header_timeout_s: float = HEADER_TIMEOUT_S, body_timeout_s: float = BODY_TIMEOUT_S,
+                 max_pending_body_bytes: int = MAX_PENDING_BODY_BYTES):
         self.handler = handler
         self.max_body_bytes = max_body_bytes
         self.idle_timeout_s = idle_timeout_s
+        self.header_timeout_s = header_timeout_s
+        self.body_timeout_s = body_timeout_s
+        self.max_pending_body_bytes = max_pending_body_bytes
+        self.pending_body_bytes = 0  # of bodies still arriving, all connections
         self.connections: set[ServerConnection] = set()
         self.loop = asyncio.get_running_loop()
         self._server: asyncio.base_events.Server | None = None
@@ -504,7 +643,7 @@ class ClientConnection(asyncio.Protocol):
         self.content_type = ""
         self.done = False
         self.keep_alive = False
-        self.body: list[bytes] = []
+        self.body = bytearray()  # a worker's tiny chunks cost their size, not an object each
         self.sink: Sink | None = None
         self.on_end: Callable[[BaseException | None], None] | None = None
         self._waiter: asyncio.Future | None = None
@@ -576,11 +715,11 @@ class ClientConnection(asyncio.Protocol):
         else:
             self._body_size += len(body)
             if self._body_size > self.pool.max_body_bytes:
-                self.body = []
+                self.body = bytearray()
                 self._fail(BrokenResponse(f"{self.pool.url} answered more than {self.pool.max_body_bytes} bytes"))
                 self.transport.close()
                 return
-            self.body.append(body)
+            self.body += body
 
     def on_message_complete(self) -> None:
         if self.error is not None:  # over a limit: already failed
@@ -660,13 +799,13 @@ class ClientConnection(asyncio.Protocol):
         """The whole body."""
         while not self.done:
             await self._wait()
-        return b"".join(self.body)
+        return bytes(self.body)
 
     def stream(self, sink: Sink, on_end: Callable[[BaseException | None], None]) -> None:
         """Push the body into `sink` as it arrives (what arrived with the head first), then call
         `on_end(None)`, or `on_end(error)` when it breaks or times out."""
         if self.body:
-            early, self.body = b"".join(self.body), []
+            early, self.body = bytes(self.body), bytearray()
             sink(early)
         if self.done:
             on_end(None)

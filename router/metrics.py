@@ -105,6 +105,7 @@ class RouterMetrics:
         self.kv_hit = {"prefill": Hist(HIT_BUCKETS), "decode": Hist(HIT_BUCKETS), "worker": Hist(HIT_BUCKETS)}
         self.queue_state: Callable[[], tuple[int, int]] = lambda: (0, 0)  # (active, queued)
         self.adaptive: Callable[[], dict] | None = None  # --pd-mode adaptive: the decider's estimates
+        self._with_workers = True
         self.registry = CollectorRegistry()
         self.registry.register(self)
 
@@ -122,8 +123,14 @@ class RouterMetrics:
     def observe_hit(self, role: str, tokens: int) -> None:
         self.kv_hit[role].observe(tokens)
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, workers: bool = True) -> bytes:
+        """`workers=False`: without the per-worker series (their `worker` label is an engine's
+        URL: the cluster's layout, for callers the router trusts with it)."""
+        self._with_workers = workers
+        try:
+            return generate_latest(self.registry)
+        finally:
+            self._with_workers = True
 
     # ------------------------------------------------------------------ collector
 
@@ -203,6 +210,8 @@ class RouterMetrics:
         g = GaugeMetricFamily(P + "requests_queued", "requests waiting for a routing slot")
         g.add_metric([], queued)
         yield g
+        if not self._with_workers:
+            return
         healthy = GaugeMetricFamily(P + "worker_healthy", "1 when the worker's last health check passed",
                                     labels=["worker", "role"])
         breaker = GaugeMetricFamily(P + "circuit_breaker_state",

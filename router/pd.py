@@ -24,8 +24,10 @@ byte, so any failure of P but a 4xx (connection refused or dropped, 5xx, timeout
 answer) is retried on another prefill worker, up to `max_prefill_tries` tries with full-
 jitter exponential backoff, each with a fresh transfer_id, and the abandoned transfer is
 aborted on its P. The same P gets another go only after a dropped connection (a kept-alive
-connection it closed), never after a refusal, a 5xx or a timeout. Every such failure counts
-against the worker's circuit breaker. The decode leg moves to another D only when the
+connection it closed), never after a refusal, a 5xx or a timeout. A worker's fault counts
+against its circuit breaker: no connection, a broken or malformed answer (P's params
+included, router/kv_check.py), a timeout, a 502-504; any other 5xx may be the request's
+doing, and counts only when another worker then serves the same request. The decode leg moves to another D only when the
 connection could not be opened (D may have started on the request otherwise); a colocated
 worker's leg moves on a refused connection or a 5xx (nothing was streamed). Nothing is
 retried once a byte reached the client.
@@ -65,8 +67,10 @@ import msgspec
 from kv_transfer.params import KVTransferParams
 from kv_transfer.trust import signature_of
 from router.adaptive import PDDecider
+from router.errors import worker_text
 from router.http import BrokenResponse, ClientConnection, ConnectError, Disconnected, Request, Response, Timeout, \
     UpstreamError
+from router.kv_check import check_producer_params
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest, RoutingPolicy
 from router.workers import Worker, WorkerRegistry, describe
@@ -77,6 +81,8 @@ SSE_HEADERS = b"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-
 DONE_EVENT = b"data: [DONE]"
 ERROR_EVENT_PREFIX = b'data: {"error"'
 MAX_DECODE_TRIES = 3
+# a worker answering these says it cannot serve (loading, core dead, overloaded): its fault
+WORKER_FAULT_STATUSES = (502, 503, 504)
 ABORT_TIMEOUT_S = 5.0
 DRAIN_TIMEOUT_S = 1.0
 BACKOFF_CAP_S = 1.0
@@ -90,7 +96,10 @@ def error_body(message: str, type: str = "upstream_error", code: str | None = No
 
 
 class LegError(Exception):
-    """A request that ends before any byte reached the client, with this answer."""
+    """A request that ends before any byte reached the client, with this answer. `suspect`:
+    the worker whose 5xx may be the request's doing (PDRequest.failed_answer)."""
+
+    suspect: "Worker | None" = None
 
     def __init__(self, status: int, message: str, *, type: str = "upstream_error", code: str | None = None,
                  body: bytes | None = None, content_type: str = "application/json", headers: bytes = b""):
@@ -105,12 +114,24 @@ class LegError(Exception):
 
 
 def upstream_message(data: bytes) -> str:
-    """The `error.message` of an OpenAI-style error body, else the body's text."""
+    """The `error.message` of an OpenAI-style error body, else the body's text, as a client
+    may see it (router/errors.py: one line, no traceback or path, short)."""
     try:
         err = _decode(data)["error"]
-        return str(err["message"] if isinstance(err, dict) else err)
-    except (msgspec.DecodeError, KeyError, TypeError):
-        return data.decode("utf-8", "replace")[:500] or "(empty body)"
+        text = str(err["message"] if isinstance(err, dict) else err)
+    except (msgspec.DecodeError, KeyError, TypeError, RecursionError):
+        text = data[:4096].decode("utf-8", "replace") or "(empty body)"
+    return worker_text(text)
+
+
+def error_event_is_fault(data: bytes) -> bool:
+    """An error event a worker streams first is its fault when it says it cannot serve
+    (as a 502-504 would: `service_unavailable`, `timeout`) or is not an OpenAI error."""
+    try:
+        err = _decode(data.strip())["error"]
+        return err.get("type") in ("service_unavailable", "timeout", "upstream_error")
+    except (msgspec.DecodeError, KeyError, TypeError, AttributeError, RecursionError):
+        return True
 
 
 def prefill_body(body: dict, transfer_id: str) -> dict:
@@ -131,9 +152,11 @@ def with_kv_params(raw: bytes, kv_json: bytes) -> bytes:
     return b'{"kv_transfer_params":' + kv_json + b"," + raw[start:]
 
 
-def complete_events_end(buf: bytes) -> int:
-    """Length of the prefix of `buf` that is whole SSE events (0 when none)."""
-    return max(buf.rfind(b"\n\n") + 2, buf.rfind(b"\r\n\r\n") + 4, 0)
+def complete_events_end(buf: bytes | bytearray, start: int = 0) -> int:
+    """Length of the prefix of `buf` that is whole SSE events (0 when none), looking for the
+    last event end at or after `start` only (so a relay scans each byte once)."""
+    lf, crlf = buf.rfind(b"\n\n", start), buf.rfind(b"\r\n\r\n", start)
+    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def new_id() -> str:
@@ -184,8 +207,10 @@ class PDRelay:
         self._rng = random.Random()
 
     async def handle(self, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes) -> None:
-        if body.pop("kv_transfer_params", None) is not None:
+        if "kv_transfer_params" in body:
             # Clients never steer KV transfers: only the router writes these, on every path.
+            # `null` too: D would take it as "no params" and recompute while P's blocks stay pinned.
+            del body["kv_transfer_params"]
             self.metrics.client_kv_params_dropped += 1
             raw = _encode(body)
         await PDRequest(self, req, resp, endpoint, body, raw).run()
@@ -363,6 +388,7 @@ class PDRequest:
         relay = self.relay
         tried: list[Worker] = []  # every P that failed this request
         closed: list[Worker] = []  # ... except for a dropped connection: those may get another go
+        suspects: list[tuple[Worker, str]] = []  # 5xx that may be the request's: blamed if another P serves it
         last_error: str | None = None
         last_status = 502
         for attempt in range(relay.config.max_prefill_tries):
@@ -384,10 +410,14 @@ class PDRequest:
                 return None
             self.prefill_worker, self.transfer_id = worker, new_id()
             try:
-                return await self.prefill_on(worker)
+                kv = await self.prefill_on(worker)
+                blame(suspects)
+                return kv
             except LegError as e:
                 if e.status < 500:
                     raise  # the worker judged the request: pass it through
+                if e.suspect is not None:
+                    suspects.append((e.suspect, str(e)))
                 last_error, last_status = str(e), e.status
                 closed.append(worker)
                 tried.append(worker)
@@ -447,13 +477,20 @@ class PDRequest:
         return self.prefill_params(worker, answer)
 
     def failed_answer(self, leg: str, worker: Worker, status: int, data: bytes, content_type: str) -> LegError:
-        """4xx: the worker judged the request; pass it through. 5xx: the worker broke; 502."""
+        """4xx: the worker judged the request; pass it through. 5xx: a 502. Only 502-504 (the
+        worker says it cannot serve) count against its breaker at once; any other 5xx may be
+        the request's doing (a body that breaks the engine), so the worker is only a suspect,
+        blamed when another worker then serves the same request (`blame`)."""
         if 400 <= status < 500:
             worker.breaker.record_success()  # it answered properly; the client was wrong
             return LegError(status, "", body=data, content_type=content_type or "application/json")
         message = f"{leg} worker {worker.url} answered {status}: {upstream_message(data)}"
-        worker.failed(message)
-        return LegError(502, message)
+        err = LegError(502, message)
+        if status in WORKER_FAULT_STATUSES:
+            worker.failed(message)
+        else:
+            err.suspect = worker
+        return err
 
     def prefill_params(self, worker: Worker, answer: bytes) -> dict | None:
         try:
@@ -471,7 +508,10 @@ class PDRequest:
             self.metrics.fallbacks.inc(("prefill_kept_no_kv",))
             return None
         try:
-            params = KVTransferParams.from_json_obj(kv)  # checked here, so a bad P is a 502, not D's 400
+            # checked here (and what D indexes by, router/kv_check.py), so a bad P is a 502 or a
+            # retry, never forwarded to D
+            params = KVTransferParams.from_json_obj(kv)
+            check_producer_params(kv, params, worker.vocab_size)
         except ValueError as e:
             worker.failed(str(e))
             raise LegError(502, f"prefill worker {worker.url} returned {e}")
@@ -507,6 +547,7 @@ class PDRequest:
         could not be opened (or, colocated, on a 5xx)."""
         relay = self.relay
         tried: list[Worker] = []
+        suspects: list[tuple[Worker, str]] = []
         last_error = None
         for attempt in range(MAX_DECODE_TRIES):
             if attempt == 0 and first is not None and first.available():
@@ -550,6 +591,8 @@ class PDRequest:
                         conn.release()
                         self.metrics.upstream_errors.inc((role, f"status_{conn.status}"))
                         err = self.failed_answer(role, worker, conn.status, answer, conn.content_type)
+                        if err.suspect is not None:
+                            suspects.append((err.suspect, str(err)))
                         last_error = str(err)
                         tried.append(worker)
                         continue
@@ -557,6 +600,7 @@ class PDRequest:
                 except BaseException:
                     conn.abort()
                     raise
+                blame(suspects)
                 self.metrics.legs[role].observe(time.perf_counter() - started)
                 return
             finally:
@@ -622,20 +666,27 @@ class PDRequest:
         series = self.series
 
         def sink(data: bytes) -> None:
-            buf = state.buf + data if state.buf else data
-            cut = complete_events_end(buf)
-            if len(buf) - cut > self.relay.config.max_event_bytes:  # an event that does not end
-                state.buf = b""
+            buf = state.buf  # the unended event so far: no terminator in it
+            if buf:  # appended in place and only the new bytes scanned: linear in the event
+                start = len(buf) - 3  # an event end may straddle the chunks
+                buf += data
+                cut = complete_events_end(buf, max(start, 0))
+                if cut:
+                    with memoryview(buf) as view:
+                        events = bytes(view[:cut])
+                    del buf[:cut]
+            else:
+                cut = complete_events_end(data)
+                events = data if cut == len(data) else data[:cut]
+                if cut < len(data):
+                    buf += memoryview(data)[cut:]
+            if len(buf) > self.relay.config.max_event_bytes:  # an event that does not end
+                state.buf = bytearray()
                 conn.abort()
                 on_end(BrokenResponse(f"an SSE event longer than {self.relay.config.max_event_bytes} bytes"))
                 return
             if not cut:
-                state.buf = buf
                 return
-            if cut == len(buf):
-                events, state.buf = buf, b""
-            else:
-                events, state.buf = buf[:cut], buf[cut:]
             now = time.perf_counter()
             if not resp.started:
                 if events.startswith(ERROR_EVENT_PREFIX):
@@ -699,9 +750,11 @@ class PDRequest:
             if state.drain_timer is not None:
                 state.drain_timer.cancel()
         if state.error_first is not None:
-            worker.failed("an error event first")
+            message = f"{role} worker {worker.url} failed: {upstream_message(state.error_first[6:])}"
+            if error_event_is_fault(state.error_first[6:]):
+                worker.failed(message)
             self.metrics.upstream_errors.inc((role, "error_event"))
-            raise LegError(502, f"{role} worker {worker.url} failed: {upstream_message(state.error_first[6:])}")
+            raise LegError(502, message)
         if state.saw_done:
             worker.breaker.record_success()
             conn.release() if conn.done else conn.abort()
@@ -722,11 +775,17 @@ class PDRequest:
         resp.end(tail + DONE_EVENT + b"\n\n")
 
 
+def blame(suspects: list[tuple[Worker, str]]) -> None:
+    """Another worker served the request these answered with a 5xx: theirs was a fault."""
+    for worker, message in suspects:
+        worker.failed(message)
+
+
 class _StreamState:
     __slots__ = ("buf", "last", "saw_done", "error_first", "error_mid", "paused", "drain_timer")
 
     def __init__(self) -> None:
-        self.buf = b""
+        self.buf = bytearray()
         self.last = b""
         self.saw_done = False
         self.error_first: bytes | None = None

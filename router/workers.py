@@ -6,7 +6,9 @@ colocated engine (`--kv-role both`) that serves a request alone (one leg).
 A worker is in rotation when its last health check passed (`GET /ready` to get in,
 `GET /health` to stay) and its circuit breaker lets traffic through. Health checks catch
 an engine that is down or still loading; the breaker catches one that fails the requests
-themselves (connection refused, 5xx answers, timeouts) faster than the next health check.
+themselves (connection refused, timeouts, 502-504 answers, broken answers) faster than the
+next health check; never a request's own failure (a 4xx, or a 500 no other worker serves
+either: router/pd.py).
 
 Every worker owns one keep-alive connection pool (router/http.py), reused by every leg
 routed to it; every upstream socket has TCP_NODELAY (without it a small SSE event can sit
@@ -24,6 +26,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from router.errors import clip
 from router.http import Pool, UpstreamError
 
 logger = logging.getLogger("atomd.router.workers")
@@ -101,8 +104,9 @@ class CircuitBreaker:
 class Worker:
     """One engine server (`atomd serve`) in one role, with its own connection pool."""
 
-    def __init__(self, url: str, role: str, breaker: CircuitBreaker):
+    def __init__(self, url: str, role: str, breaker: CircuitBreaker, auth: bytes = b""):
         self.url = url
+        self.auth = auth  # `Authorization: ...\r\n` for the engine's keyed routes the router calls itself
         self.role = role
         self.breaker = breaker
         self.healthy = False  # until the first health check passes
@@ -115,6 +119,7 @@ class Worker:
         self.pool = Pool(url, CONNECT_TIMEOUT_S)
         self.kv_info: dict | None = None  # GET /kv_transfer_info, fetched when it enters rotation
         self.dp_size = 1
+        self.vocab_size: int | None = None  # the model's, when /kv_transfer_info says (router/kv_check.py)
         self.engine_stats: dict | None = None  # from its /metrics, for the dashboard
         self._retired = False
 
@@ -187,13 +192,19 @@ class Worker:
     async def fetch_kv_info(self) -> dict | None:
         """GET /kv_transfer_info (its DP ranks and KV event endpoints); None when it has none."""
         try:
-            status, _, body = await self.pool.fetch(b"GET", b"/kv_transfer_info", timeout_s=HEALTH_TIMEOUT_S)
+            status, _, body = await self.pool.fetch(b"GET", b"/kv_transfer_info", self.auth,
+                                                    timeout_s=HEALTH_TIMEOUT_S)
             info = msgspec.json.decode(body) if status == 200 else None
-        except (UpstreamError, OSError, msgspec.DecodeError):
+            if status in (401, 403):  # not silent: kv_aware would place by load alone
+                logger.warning("worker %s refused GET /kv_transfer_info (%d): start the router with the "
+                               "engines' --api-key", self.url, status)
+        except (UpstreamError, OSError, msgspec.DecodeError, RecursionError):
             info = None
         if isinstance(info, dict):
             self.kv_info = info
             self.dp_size = int(info.get("dp_size") or 1)
+            vocab = info.get("vocab_size")
+            self.vocab_size = vocab if type(vocab) is int and vocab > 0 else None
         return self.kv_info
 
     def describe(self) -> dict:
@@ -212,18 +223,18 @@ def describe(e: BaseException) -> str:
 def normalize_url(url: object) -> str:
     """`http(s)://host:port` with no path; a ValueError names the field otherwise."""
     if not isinstance(url, str) or not url:
-        raise ValueError(f"url must be a non-empty string, got {url!r}")
+        raise ValueError(f"url must be a non-empty string, got {clip(url)}")
     parts = urlsplit(url)
     if parts.scheme not in ("http", "https") or not parts.hostname:
-        raise ValueError(f"url must look like http://host:port, got {url!r}")
+        raise ValueError(f"url must look like http://host:port, got {clip(url)}")
     if parts.path not in ("", "/") or parts.query or parts.fragment:
-        raise ValueError(f"url must have no path or query (the router adds /v1/...), got {url!r}")
+        raise ValueError(f"url must have no path or query (the router adds /v1/...), got {clip(url)}")
     return f"{parts.scheme}://{parts.netloc}"
 
 
 def check_role(role: object) -> str:
     if role not in ROLES:
-        raise ValueError(f"role must be one of {list(ROLES)}, got {role!r}")
+        raise ValueError(f"role must be one of {list(ROLES)}, got {clip(role)}")
     return role  # type: ignore[return-value]
 
 
@@ -232,8 +243,9 @@ class WorkerRegistry:
     worker entering rotation (`on_ready`) and leaving the registry (`on_removed`)."""
 
     def __init__(self, health_interval_s: float = 2.0, breaker_failures: int = 5,
-                 breaker_cooldown_s: float = 10.0):
+                 breaker_cooldown_s: float = 10.0, auth: bytes = b""):
         self.health_interval_s = health_interval_s
+        self.auth = auth
         self.breaker_failures = breaker_failures
         self.breaker_cooldown_s = breaker_cooldown_s
         self._workers: dict[tuple[str, str], Worker] = {}
@@ -248,7 +260,7 @@ class WorkerRegistry:
         key = (check_role(role), normalize_url(url))
         if key in self._workers:
             return self._workers[key], False
-        worker = Worker(key[1], key[0], CircuitBreaker(self.breaker_failures, self.breaker_cooldown_s))
+        worker = Worker(key[1], key[0], CircuitBreaker(self.breaker_failures, self.breaker_cooldown_s), self.auth)
         self._workers[key] = worker
         self._by_role[key[0]].append(worker)
         self.version += 1
