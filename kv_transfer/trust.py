@@ -89,7 +89,9 @@ class ProducerTrust:
             if not params.signature:
                 raise UntrustedKVParams(UNSIGNED, "kv_transfer_params must be signed by the router "
                                                   "(this engine has a kv_transfer_params secret)")
-            if not hmac.compare_digest(params.signature, signature_of(params, self.secret)):
+            # bytes, not str: compare_digest raises TypeError on a non-ASCII str (a client's "é")
+            if not hmac.compare_digest(params.signature.encode("utf-8", "surrogateescape"),
+                                       signature_of(params, self.secret).encode()):
                 raise UntrustedKVParams(BAD_SIGNATURE, "kv_transfer_params signature does not match")
         if (self.networks or self.hosts) and not self.allows(params.remote_host):
             raise UntrustedKVParams(UNTRUSTED_PRODUCER, f"kv_transfer_params.remote_host "
