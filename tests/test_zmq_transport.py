@@ -218,7 +218,7 @@ def test_duplicate_done_abort_and_late_read_are_harmless(pair, closing, backend)
 
     peer = closing(zmq.Context.instance().socket(zmq.DEALER))
     peer.connect("tcp://%s:%d" % sender.address)
-    for msg in (Done("t1"), Abort("t1"), Done("t1"), Done("never-granted"), Abort("never-granted")):
+    for msg in (Done("t1", TOKEN), Abort("t1", TOKEN), Done("t1", TOKEN), Done("never-granted"), Abort("never-granted")):
         peer.send(encode(msg))
     peer.send(encode(Read("t1", TOKEN, [1, 2], COMPAT, backend)))
     reply = decode(peer.recv()) if peer.poll(5000) else None
@@ -252,7 +252,7 @@ def test_heartbeats_keep_a_held_transfer_alive_past_its_lease(pair):
     seen = Collector(sender, receiver)
     lease_s = 0.5  # heartbeats every 0.05 s: a loaded machine must lose ten in a row to fail this
     sender.grant("t1", [8, 9], TOKEN, lease_s=lease_s)
-    receiver.hold("t1", *sender.address, lease_s=lease_s)
+    receiver.hold("t1", *sender.address, lease_s=lease_s, access_token=TOKEN)
     past_lease = time.monotonic() + 3 * lease_s
     while time.monotonic() < past_lease:  # a deadline loop: the transfer must stay pinned all along
         seen.poll()
@@ -284,7 +284,7 @@ def test_receiver_abort_of_a_held_transfer_frees_it_at_the_sender(pair):
     src, dst, sender, receiver = pair
     seen = Collector(sender, receiver)
     sender.grant("t1", [1, 2], TOKEN, lease_s=30)
-    receiver.hold("t1", *sender.address)
+    receiver.hold("t1", *sender.address, access_token=TOKEN)
     assert receiver.abort("t1") is True and receiver.abort("t1") is False
     assert seen.wait_released() == [("t1", "aborted")]
     seen.poll()
@@ -417,7 +417,7 @@ def test_abort_during_an_inflight_pull_stops_all_writes(closing):
     assert np.array_equal(dst[10], src[0])
     assert receiver.abort("t1") is True
     _, abort = recv_kind(router, Abort)
-    assert abort == Abort("t1")
+    assert abort == Abort("t1", TOKEN)
 
     # P had the rest in flight: it arrives after the abort and must not be written.
     router.send_multipart([rid, encode(Data("t1", 1, [2, 1])), src[1:3].tobytes(), src[3].tobytes()])
@@ -429,7 +429,7 @@ def test_abort_during_an_inflight_pull_stops_all_writes(closing):
     router.send_multipart([rid, encode(Data("t2", 0, [1])), src[5].tobytes()])
     router.send_multipart([rid, encode(End("t2", 1))])
     _, done = recv_kind(router, Done)
-    assert done == Done("t2")
+    assert done == Done("t2", TOKEN)
     seen.wait_reported(2)
     assert seen.failed == [("t1", "aborted")] and seen.finished == ["t2"]
     assert (dst[11:14] == SENTINEL).all()
@@ -449,7 +449,7 @@ def test_end_before_all_blocks_fails_the_pull_as_incomplete(closing):
     router.send_multipart([rid, encode(End("t1", 2))])
     seen.wait_reported()
     assert seen.failed == [("t1", "incomplete")]
-    assert recv_kind(router, Abort)[1] == Abort("t1")  # P may free at once
+    assert recv_kind(router, Abort)[1] == Abort("t1", TOKEN)  # P may free at once
 
 
 @pytest.mark.unit
