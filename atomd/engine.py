@@ -126,7 +126,8 @@ class LLMEngine:
                                                                     cfg.data_parallel_rank),
                                 cfg.kv_events_topic, cfg.kv_events_buffer_steps, cfg.data_parallel_rank,
                                 cfg.block_size, extra_info={"tokenizer": str(model_dir),
-                                                            "prefix_caching": cfg.enable_prefix_caching})
+                                                            "prefix_caching": cfg.enable_prefix_caching},
+                                secret=load_secret(path=cfg.kv_params_secret_file))
 
     def _num_blocks(self) -> int:
         cfg, mcfg = self.config, self.model.config

@@ -58,6 +58,12 @@ def load_secret(value: str | None = None, path: str | None = None, env: dict | N
     return value.strip().encode()
 
 
+def replay_token(secret: bytes, start_seq: bytes) -> bytes:
+    """What a KV events replay request for `start_seq` (8 bytes) carries when the engine has
+    the secret (atomd/kv_events.py): proof of the secret without sending it."""
+    return hmac.new(secret, b"atomd-kv-events-replay:" + start_seq, hashlib.sha256).digest()
+
+
 def _payload(params: KVTransferParams) -> bytes:
     """What is signed: every field of the parsed params but the signature (defaults
     included) as compact JSON with every key sorted (nested objects too), so both sides get
