@@ -691,6 +691,7 @@ class ReceiverStats(msgspec.Struct):
     transfer_seconds_count: int = 0
     failures: dict[str, int] = {}  # failed transfers by reason
     malformed_messages: int = 0
+    peers_open: int = 0  # producer sockets open (idle ones are closed after IDLE_PEER_S)
 
 
 class _Pull:
@@ -818,7 +819,8 @@ class KVReceiver(_IOLoop):
 
     def stats(self) -> ReceiverStats:
         with self._lock:
-            return msgspec.structs.replace(self._stats, failures=dict(self._stats.failures))
+            return msgspec.structs.replace(self._stats, failures=dict(self._stats.failures),
+                                           peers_open=len(self._sockets))
 
     # I/O thread.
 
