@@ -64,7 +64,8 @@ def json_depth(value: Any, limit: int) -> int:
                 deepest = depth
                 if deepest > limit:
                     return deepest
-            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node))
+            stack.extend((child, depth + 1) for child in (node.values() if isinstance(node, dict) else node)
+                         if isinstance(child, (dict, list)))
     return deepest
 
 

@@ -379,16 +379,26 @@ def check_limits(req: _SamplingFields, limits: L.RequestLimits) -> None:
     """A 400 naming the field and the limit (atomd/limits.py) for a request whose lists,
     strings, grammars, JSON nesting or prompt exceed them: checked before anything is
     parsed further, tokenized or compiled."""
-    deepest = L.json_depth(msgspec.to_builtins(req), limits.max_json_depth)
-    if deepest > limits.max_json_depth:
-        raise too_large("body", f"JSON nested deeper than {limits.max_json_depth} levels", limits.max_json_depth,
-                        "max-json-depth")
+    if limits.max_prompt_chars:
+        prompt = getattr(req, "prompt", None)
+        if prompt is not None:
+            size, name = (len(prompt) if isinstance(prompt, str) else
+                          sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)), "prompt"
+        else:
+            size, name = sum(_content_chars(m.content) for m in req.messages), "messages"
+        if size > limits.max_prompt_chars:
+            raise too_large(name, f"a prompt of {size} characters (or token ids)", limits.max_prompt_chars,
+                            "max-prompt-chars")
     so = req.structured_outputs
     lists = [(name, getattr(req, name, None)) for name in L.LIST_FIELDS]
     lists.append(("structured_outputs.choice", so.choice if so is not None else None))
     for name, value in lists:
         if isinstance(value, (list, dict)) and len(value) > limits.max_list_items:
             raise too_large(name, f"{len(value)} items", limits.max_list_items, "max-list-items")
+    deepest = L.json_depth(msgspec.to_builtins(req), limits.max_json_depth)
+    if deepest > limits.max_json_depth:
+        raise too_large("body", f"JSON nested deeper than {limits.max_json_depth} levels", limits.max_json_depth,
+                        "max-json-depth")
     for name, value in lists:
         if name not in ("stop", "bad_words", "guided_choice", "structured_outputs.choice"):
             continue
@@ -414,16 +424,6 @@ def check_limits(req: _SamplingFields, limits: L.RequestLimits) -> None:
                 L.text_json_depth(value, limits.max_json_depth) > limits.max_json_depth:
             raise too_large(name, f"JSON nested deeper than {limits.max_json_depth} levels",
                             limits.max_json_depth, "max-json-depth")
-    if limits.max_prompt_chars:
-        prompt = getattr(req, "prompt", None)
-        if prompt is not None:
-            size, name = (len(prompt) if isinstance(prompt, str) else
-                          sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)), "prompt"
-        else:
-            size, name = sum(_content_chars(m.content) for m in req.messages), "messages"
-        if size > limits.max_prompt_chars:
-            raise too_large(name, f"a prompt of {size} characters (or token ids)", limits.max_prompt_chars,
-                            "max-prompt-chars")
 
 
 def _content_chars(content: str | list[ContentPart] | None) -> int:
