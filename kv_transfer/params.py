@@ -85,15 +85,15 @@ def check_logprob_entry(entry: dict[str, Any], name: str) -> None:
     """`{"logprob": float, "top": [[token id, logprob], ...], "rank"?: int}` (atomd/sampler.py)
     or ValueError naming the field."""
     if not _number(entry.get("logprob")):
-        raise ValueError(f"invalid kv_transfer_params: {name}.logprob must be a number")
+        raise ValueError(f"{name}.logprob must be a number")
     top = entry.get("top", [])
     if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS or not all(
             isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[0], int) and t[0] >= 0 and _number(t[1]) for t in top):
-        raise ValueError(f"invalid kv_transfer_params: {name}.top must be at most {MAX_TOP_LOGPROBS} "
+        raise ValueError(f"{name}.top must be at most {MAX_TOP_LOGPROBS} "
                          "[token id, logprob] pairs")
     rank = entry.get("rank")
     if rank is not None and type(rank) is not int:
-        raise ValueError(f"invalid kv_transfer_params: {name}.rank must be an integer")
+        raise ValueError(f"{name}.rank must be an integer")
 
 
 def new_transfer_id() -> str:
