@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import logging
 import os
-import traceback
 from typing import Any
 
 import msgspec
@@ -97,10 +96,16 @@ class EngineCore:
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                         kv_transfer_params=msg.kv_transfer_params)
-            except ValueError as e:  # refused on arrival: the API answers a 4xx
-                code = ErrorCode.KV_PARAMS_UNTRUSTED if isinstance(e, UntrustedKVParams) else ErrorCode.INVALID_REQUEST
+            except Exception as e:  # refused on arrival: that request's error, never the core's death
+                if isinstance(e, ValueError):  # the API answers a 4xx with the message
+                    code = ErrorCode.KV_PARAMS_UNTRUSTED if isinstance(e, UntrustedKVParams) \
+                        else ErrorCode.INVALID_REQUEST
+                    error = str(e)
+                else:  # a bug this request hit: the trace goes to the log only
+                    logger.exception("engine core: admitting request %s failed", msg.request_id)
+                    code, error = None, f"internal error admitting the request ({type(e).__name__})"
                 self.send(StepOutputs([RequestOutput(
-                    msg.request_id, [], None, True, None, len(msg.prompt_token_ids), 0, error=str(e),
+                    msg.request_id, [], None, True, None, len(msg.prompt_token_ids), 0, error=error,
                     error_code=code)]))
         elif isinstance(msg, AbortRequests):
             for request_id in msg.request_ids:
@@ -153,8 +158,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         pass
     except Exception as e:
         logger.exception("engine core failed")
-        out.send(encoder.encode(CoreError(f"engine core failed: {type(e).__name__}: {e}\n"
-                                          f"{traceback.format_exc(limit=3)}", fatal=True)))
+        # the trace is in this log; the message reaches clients (503 bodies): no trace, no path
+        out.send(encoder.encode(CoreError(f"engine core failed: {type(e).__name__}", fatal=True)))
         raise SystemExit(1) from None
     finally:
         out.close()

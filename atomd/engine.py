@@ -127,7 +127,8 @@ class LLMEngine:
                                                                     cfg.data_parallel_rank),
                                 cfg.kv_events_topic, cfg.kv_events_buffer_steps, cfg.data_parallel_rank,
                                 cfg.block_size, extra_info={"tokenizer": str(model_dir),
-                                                            "prefix_caching": cfg.enable_prefix_caching})
+                                                            "prefix_caching": cfg.enable_prefix_caching},
+                                secret=load_secret(path=cfg.kv_params_secret_file))
 
     def _num_blocks(self) -> int:
         cfg, mcfg = self.config, self.model.config
@@ -158,6 +159,8 @@ class LLMEngine:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
         if isinstance(kv_transfer_params, dict):  # ValueError names the field
             kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
+        if kv_transfer_params is not None:
+            self._check_producer_tokens(kv_transfer_params, vocab)
         params = self._prepare_params(sampling_params or SamplingParams(), kv_transfer_params)
         seq = Sequence(list(prompt_token_ids), params, request_id=request_id,
                        arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
@@ -171,6 +174,18 @@ class LLMEngine:
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq)
         return seq
+
+    @staticmethod
+    def _check_producer_tokens(p: KVTransferParams, vocab: int) -> None:
+        """The token ids a producer sent (T0, drafts, logprob tops) are in this vocabulary:
+        the scheduler indexes with them, so a bad one is this request's 400, not a crash."""
+        ids = [] if p.first_token_id is None else [p.first_token_id]
+        ids += p.draft_token_ids
+        for entry in [p.first_token_logprobs, *(p.prompt_logprobs or ())]:
+            ids += [t[0] for t in (entry or {}).get("top", ())]
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"kv_transfer_params: token id {bad} is outside the vocabulary [0, {vocab})")
 
     def _prepare_params(self, sp: SamplingParams, kv_params: KVTransferParams | None) -> SamplingParams:
         """Check token ids against the vocabulary, tokenize bad_words; a prefill leg for a

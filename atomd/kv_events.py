@@ -12,9 +12,13 @@ Wire (docs/design.md "KV events"):
   knows the engine restarted with an empty cache. An empty batch goes out after
   HEARTBEAT_S without one, so a consumer can tell an idle engine from a dead one.
 - ROUTER socket bound at `--kv-events-replay-endpoint` (optional): a request
-  `[b"", start_seq (8 bytes big-endian)]` (from a DEALER; a REQ socket adds the empty
-  frame itself) is answered with `[b"", seq, payload]` for every buffered batch whose seq
-  is >= start_seq, in order, then `[b"", (-1 as 8 signed bytes), b""]`.
+  `[b"", start_seq (8 bytes big-endian), token]` (from a DEALER; a REQ socket adds the
+  empty frame itself) is answered with `[b"", seq, payload]` for every buffered batch whose
+  seq is >= start_seq, in order, then `[b"", (-1 as 8 signed bytes), b""]`. With the KV
+  secret (`--kv-params-secret-file`) the token must be `replay_token(secret, start_seq)`
+  (kv_transfer/trust.py, HMAC-SHA256), else the answer is the end marker alone; without
+  it the token may be left out (vLLM's two-frame request). At most REPLAYS_PER_S requests
+  a second are served (a burst of as many); the rest get the end marker alone at once.
 - The last `--kv-events-buffer-steps` batches are kept for replay.
 
 The engine thread only encodes a batch and hands it to an in-process queue (a ZMQ inproc
@@ -28,6 +32,7 @@ Under DP every rank runs its own publisher: `kv_events_endpoint` is already rank
 """
 from __future__ import annotations
 
+import hmac
 import logging
 import re
 import threading
@@ -40,6 +45,7 @@ import zmq
 
 from kv_transfer.block_hash import ALGO
 from kv_transfer.events import AllBlocksCleared, EventBatch, KVEvent
+from kv_transfer.trust import replay_token
 
 logger = logging.getLogger("atomd.kv_events")
 
@@ -48,6 +54,7 @@ HEARTBEAT_S = 2.0  # an empty batch after this long without one
 SNDHWM = 100_000  # per subscriber, in messages
 MAX_QUEUE = 100_000  # batches between the engine thread and the I/O thread
 HASH_ALGO = ALGO  # how BlockStored hashes are made (kv_transfer/block_hash.py)
+REPLAYS_PER_S = 20  # replay requests served a second (and the burst); the rest get the end marker
 
 
 def offset_port(endpoint: str | None, rank: int) -> str | None:
@@ -68,7 +75,8 @@ class KVEventPublisher:
 
     def __init__(self, endpoint: str, replay_endpoint: str | None = None, topic: str = "",
                  buffer_steps: int = 10_000, dp_rank: int = 0, block_size: int = 16,
-                 heartbeat_s: float = HEARTBEAT_S, extra_info: dict[str, Any] | None = None):
+                 heartbeat_s: float = HEARTBEAT_S, extra_info: dict[str, Any] | None = None,
+                 secret: bytes | None = None, replays_per_s: float = REPLAYS_PER_S):
         if buffer_steps < 1:
             raise ValueError(f"kv_events_buffer_steps must be >= 1, got {buffer_steps}")
         self.topic = topic.encode()
@@ -80,6 +88,11 @@ class KVEventPublisher:
         self.num_published = 0
         self.num_dropped = 0
         self.num_replays = 0
+        self.num_replays_refused = 0  # malformed, or no / a wrong token
+        self.num_replays_throttled = 0  # over replays_per_s
+        self.secret = secret
+        self.replays_per_s = replays_per_s
+        self._replay_budget, self._budget_t = float(replays_per_s), time.monotonic()
         self._encoder = msgspec.msgpack.Encoder()
         self._ctx = zmq.Context()
         self._pub = self._ctx.socket(zmq.PUB)
@@ -129,7 +142,8 @@ class KVEventPublisher:
         return {"endpoint": self.endpoint, "replay_endpoint": self.replay_endpoint,
                 "topic": self.topic.decode(), "dp_rank": self.dp_rank, "block_size": self.block_size,
                 "hash": HASH_ALGO, "buffer_steps": self.buffer.maxlen, "published": self.num_published,
-                "dropped": self.num_dropped, **self.extra_info}
+                "dropped": self.num_dropped, "replay_auth": "hmac" if self.secret is not None else "none",
+                **self.extra_info}
 
     def close(self, timeout_s: float = 2.0) -> None:
         """Send what is queued (for up to `timeout_s`), then stop."""
@@ -200,13 +214,34 @@ class KVEventPublisher:
                 frames = self._replay.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
                 return
-            if len(frames) != 3 or len(frames[2]) != 8:
-                logger.warning("KV events: malformed replay request (%d frames)", len(frames))
+            if len(frames) not in (3, 4) or len(frames[2]) != 8:
+                self.num_replays_refused += 1
+                if self.num_replays_refused % 1000 == 1:
+                    logger.warning("KV events: malformed replay request (%d frames; %d refused so far)",
+                                   len(frames), self.num_replays_refused)
                 continue
-            client, _, start = frames
+            client, start = frames[0], frames[2]
+            if not self._may_replay(start, frames[3] if len(frames) == 4 else b""):
+                self._replay.send_multipart((client, b"", END_SEQ, b""))
+                continue
             start_seq = int.from_bytes(start, "big")
             self.num_replays += 1
             for seq, payload in list(self.buffer):
                 if seq >= start_seq:
                     self._replay.send_multipart((client, b"", seq.to_bytes(8, "big"), payload))
             self._replay.send_multipart((client, b"", END_SEQ, b""))
+
+    def _may_replay(self, start: bytes, token: bytes) -> bool:
+        """The token proves the secret (when there is one) and the rate allows one more."""
+        if self.secret is not None and not hmac.compare_digest(token, replay_token(self.secret, start)):
+            self.num_replays_refused += 1
+            return False
+        now = time.monotonic()
+        self._replay_budget = min(float(self.replays_per_s),
+                                  self._replay_budget + (now - self._budget_t) * self.replays_per_s)
+        self._budget_t = now
+        if self._replay_budget < 1:
+            self.num_replays_throttled += 1
+            return False
+        self._replay_budget -= 1
+        return True

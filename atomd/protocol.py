@@ -17,10 +17,12 @@ from typing import Any, Literal
 
 import msgspec
 
+from atomd import limits as L
 from kv_transfer.params import KVTransferParams
 from scheduler.sequence import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
+MAX_MESSAGE_CHARS = 1024  # an error message quotes at most this much (client input included)
 MAX_N = 128  # n and best_of (OpenAI's limit for n)
 # Fields of OpenAI's or vLLM's request schemas this server does not implement, with the
 # values that ask for nothing more than what it does (a client sending a default is not
@@ -50,6 +52,8 @@ class APIError(Exception):
 
     def __init__(self, status: int, message: str, *, param: str | None = None,
                  type: str = "invalid_request_error", code: str | None = None):
+        if len(message) > MAX_MESSAGE_CHARS:  # never echo a huge client value back
+            message = message[:MAX_MESSAGE_CHARS] + f"... ({len(message) - MAX_MESSAGE_CHARS} more characters)"
         super().__init__(message)
         self.status, self.message, self.param, self.type, self.code = status, message, param, type, code
 
@@ -366,8 +370,72 @@ def check_int_ranges(req: msgspec.Struct) -> None:
             raise invalid(found.split(".")[0].split("[")[0], f"{found}: integer out of the 64-bit range")
 
 
-def _check_common(req: _SamplingFields) -> tuple[KVTransferParams | None, dict[int, float] | None]:
+def too_large(param: str, what: str, limit: int, flag: str | None) -> APIError:
+    named = f" (--{flag})" if flag else ""
+    return APIError(400, f"{param}: {what}; the limit is {limit}{named}", param=param, code="limit_exceeded")
+
+
+def check_limits(req: _SamplingFields, limits: L.RequestLimits) -> None:
+    """A 400 naming the field and the limit (atomd/limits.py) for a request whose lists,
+    strings, grammars, JSON nesting or prompt exceed them: checked before anything is
+    parsed further, tokenized or compiled."""
+    if limits.max_prompt_chars:
+        prompt = getattr(req, "prompt", None)
+        if prompt is not None:
+            size, name = (len(prompt) if isinstance(prompt, str) else
+                          sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)), "prompt"
+        else:
+            size, name = sum(_content_chars(m.content) for m in req.messages), "messages"
+        if size > limits.max_prompt_chars:
+            raise too_large(name, f"a prompt of {size} characters (or token ids)", limits.max_prompt_chars,
+                            "max-prompt-chars")
+    so = req.structured_outputs
+    lists = [(name, getattr(req, name, None)) for name in L.LIST_FIELDS]
+    lists.append(("structured_outputs.choice", so.choice if so is not None else None))
+    for name, value in lists:
+        if isinstance(value, (list, dict)) and len(value) > limits.max_list_items:
+            raise too_large(name, f"{len(value)} items", limits.max_list_items, "max-list-items")
+    deepest = L.json_depth(msgspec.to_builtins(req), limits.max_json_depth)
+    if deepest > limits.max_json_depth:
+        raise too_large("body", f"JSON nested deeper than {limits.max_json_depth} levels", limits.max_json_depth,
+                        "max-json-depth")
+    for name, value in lists:
+        if name not in ("stop", "bad_words", "guided_choice", "structured_outputs.choice"):
+            continue
+        for item in ([value] if isinstance(value, str) else value or ()):
+            if len(item) > limits.max_item_chars:
+                raise too_large(name, f"an item of {len(item)} characters", limits.max_item_chars,
+                                "max-item-chars")
+    grammars = [("guided_regex", req.guided_regex), ("guided_grammar", req.guided_grammar),
+                ("guided_json", req.guided_json), ("guided_choice", req.guided_choice)]
+    if so is not None:
+        grammars += [(f"structured_outputs.{k}", getattr(so, k)) for k in ("json", "regex", "choice", "grammar")]
+    rf = req.response_format
+    if rf is not None and rf.json_schema is not None:
+        grammars.append(("response_format.json_schema.schema", rf.json_schema.schema))
+    for name, value in grammars:
+        if value is None:
+            continue
+        size = (len(value.encode()) if isinstance(value, str) else
+                sum(len(c.encode()) for c in value) if isinstance(value, list) else len(msgspec.json.encode(value)))
+        if size > limits.max_grammar_bytes:
+            raise too_large(name, f"{size} bytes", limits.max_grammar_bytes, "max-grammar-bytes")
+        if isinstance(value, str) and name.endswith("json") and \
+                L.text_json_depth(value, limits.max_json_depth) > limits.max_json_depth:
+            raise too_large(name, f"JSON nested deeper than {limits.max_json_depth} levels",
+                            limits.max_json_depth, "max-json-depth")
+
+
+def _content_chars(content: str | list[ContentPart] | None) -> int:
+    if isinstance(content, list):
+        return sum(len(p.text or "") for p in content)
+    return len(content or "")
+
+
+def _check_common(req: _SamplingFields, limits: L.RequestLimits) -> tuple[KVTransferParams | None,
+                                                                           dict[int, float] | None]:
     """Checks of the fields SamplingParams does not own (it checks the sampling ranges)."""
+    check_limits(req, limits)  # first: the checks below walk the request recursively
     check_unsupported(req)
     check_int_ranges(req)
     kv_params = None
@@ -499,10 +567,10 @@ def tool_plan(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, 
     return listed, True, StructuredOutputsParams(grammar=grammar), "tool_choice"
 
 
-def validate_completion_request(req: CompletionRequest) -> Checked:
+def validate_completion_request(req: CompletionRequest, limits: L.RequestLimits = L.DEFAULT) -> Checked:
     """Every check of a /v1/completions body but the sampling ranges (`sampling_params`)
     and the length policy (the server's, which needs the tokenized prompt)."""
-    kv_params, logit_bias = _check_common(req)
+    kv_params, logit_bias = _check_common(req, limits)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_LOGPROBS:
         raise invalid("logprobs", f"logprobs must be in [0, {MAX_LOGPROBS}], got {req.logprobs}")
     check_max_tokens("max_tokens", req.max_tokens)
@@ -514,9 +582,9 @@ def validate_completion_request(req: CompletionRequest) -> Checked:
     return Checked(req.logprobs, kv_params, prompt_logprobs, logit_bias, structured)
 
 
-def validate_chat_request(req: ChatCompletionRequest) -> Checked:
+def validate_chat_request(req: ChatCompletionRequest, limits: L.RequestLimits = L.DEFAULT) -> Checked:
     """As validate_completion_request, for /v1/chat/completions."""
-    kv_params, logit_bias = _check_common(req)
+    kv_params, logit_bias = _check_common(req, limits)
     if req.echo is not msgspec.UNSET and not _same(req.echo, False) and req.echo is not None:
         raise APIError(400, f"echo={req.echo!r} is not supported on chat completions; leave it out",
                        param="echo", code="unsupported_field")

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import concurrent.futures
 import hmac
 import json
 import logging
@@ -44,6 +45,7 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from atomd import limits as L
 from atomd import protocol as P
 from atomd.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.messages import RequestOutput
@@ -62,6 +64,7 @@ SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
 ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort")  # and everything under /debug/
 RANK_HEADER = "X-data-parallel-rank"
+PARSER_THREADS = 2  # requests parsed and tokenized at once (tokenizers drop the GIL)
 # Limits on a request head (aiohttp's parser enforces them; router/http.py has the same):
 # the request line, one header field, the number of headers. The body: --max-request-body-bytes.
 MAX_LINE_BYTES = 8190
@@ -97,6 +100,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="/health answers 503 while the engine core, with requests in flight, has not answered "
                         "for this long (probed every third of it), so a router takes a wedged engine out of "
                         "rotation; it must exceed the longest engine step")
+    L.add_arguments(parser.add_argument_group("request limits (a request over one is a 400 naming it)"))
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
                    help="how tool calls are read from the model's output (chat requests with tools)")
 
@@ -142,6 +146,7 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
             server.watchdog.cancel()
         await runner.cleanup()
         await server.client.shutdown()
+        server.parser.shutdown(wait=False)
 
 
 HEAD_LIMITS = dict(max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS)
@@ -214,6 +219,11 @@ class Server:
         self.metrics: ServerMetrics | None = None
         self.watchdog: asyncio.Task | None = None  # watch_core(), once the core is up
         self.max_model_len = config.max_model_len
+        limits = L.from_args(args)
+        self.limits = msgspec.structs.replace(limits, max_prompt_chars=limits.prompt_chars(config.max_model_len))
+        # Parsing, validation and tokenization of a request run here, off the event loop:
+        # a large request never stalls /health or the other requests' streams.
+        self.parser = concurrent.futures.ThreadPoolExecutor(PARSER_THREADS, thread_name_prefix="atomd-parse")
         app = web.Application(client_max_size=args.max_request_body_bytes,
                               middlewares=[self.access_log, self.errors, self.auth])
         app.router.add_post("/v1/completions", self.completions)
@@ -297,8 +307,10 @@ class Server:
         path = request.path
         admin = self.args.admin_api_key is not None and (path in ADMIN_PATHS or path.startswith("/debug/"))
         key = self.args.admin_api_key if admin else self.args.api_key
+        # surrogateescape: a header that is not UTF-8 is a wrong key, not an error
         if key and path not in OPEN_PATHS and not hmac.compare_digest(
-                request.headers.get("Authorization", "").encode(), f"Bearer {key}".encode()):
+                request.headers.get("Authorization", "").encode("utf-8", "surrogateescape"),
+                f"Bearer {key}".encode()):
             which = "admin API key" if admin else "API key"
             raise P.APIError(401, f"missing or invalid {which} (expected `Authorization: Bearer <key>`)",
                              type="authentication_error", code="invalid_admin_key" if admin else "invalid_api_key")
@@ -397,31 +409,49 @@ class Server:
 
     # ------------------------------------------------------------ generation routes
 
-    async def read_request(self, request: web.Request, kind):
+    async def read_request(self, request: web.Request) -> bytes:
         self.require_engine()
         if request.content_length is not None and request.content_length > self.args.max_request_body_bytes:
             raise web.HTTPRequestEntityTooLarge(max_size=self.args.max_request_body_bytes,
                                                 actual_size=request.content_length)
-        req = P.decode_request(await request.read(), kind)
+        return await request.read()
+
+    def check_model(self, req) -> None:
         if req.model and req.model != self.model_name:
             raise P.APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
-        return req
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
-        req = await self.read_request(request, P.CompletionRequest)
-        checked = P.validate_completion_request(req)
-        prompt = P.prompt_input(req.prompt)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
-        self.check_sampling_token_ids(req, checked)
-        params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
+        body = await self.read_request(request)
+        req, checked, ids, params, prompt = await asyncio.get_running_loop().run_in_executor(
+            self.parser, self.parse_completion, body)
         out = CompletionRenderer(self, f"cmpl-{uuid.uuid4().hex}", req, checked, ids,
                                  prompt if isinstance(prompt, str) else None)
         return await self.generate(request, req, checked, ids, params, out)
 
+    def parse_completion(self, body: bytes):
+        """Body -> (request, checks, prompt ids, sampling params, prompt): on a parser thread."""
+        req = P.decode_request(body, P.CompletionRequest)
+        self.check_model(req)
+        checked = P.validate_completion_request(req, self.limits)
+        prompt = P.prompt_input(req.prompt)
+        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
+        self.check_sampling_token_ids(req, checked)
+        params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
+        return req, checked, ids, params, prompt
+
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        req = await self.read_request(request, P.ChatCompletionRequest)
-        checked = P.validate_chat_request(req)
+        body = await self.read_request(request)
+        req, checked, ids, params = await asyncio.get_running_loop().run_in_executor(
+            self.parser, self.parse_chat, body)
+        out = ChatRenderer(self, f"chatcmpl-{uuid.uuid4().hex}", req, checked, ids)
+        return await self.generate(request, req, checked, ids, params, out)
+
+    def parse_chat(self, body: bytes):
+        """As parse_completion, for a chat request."""
+        req = P.decode_request(body, P.ChatCompletionRequest)
+        self.check_model(req)
+        checked = P.validate_chat_request(req, self.limits)
         messages = P.chat_messages(req)
         try:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
@@ -432,8 +462,7 @@ class Server:
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         self.check_sampling_token_ids(req, checked)
         params = P.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
-        out = ChatRenderer(self, f"chatcmpl-{uuid.uuid4().hex}", req, checked, ids)
-        return await self.generate(request, req, checked, ids, params, out)
+        return req, checked, ids, params
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.tokenizer.vocab_size
@@ -449,6 +478,9 @@ class Server:
         if req.allowed_token_ids is not None:
             if not req.allowed_token_ids:
                 raise P.invalid("allowed_token_ids", "allowed_token_ids must not be empty")
+            if len(req.allowed_token_ids) > self.tokenizer.vocab_size:
+                raise P.invalid("allowed_token_ids", f"allowed_token_ids has {len(req.allowed_token_ids)} ids; "
+                                                     f"the vocabulary has {self.tokenizer.vocab_size}")
             self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
 
     def max_tokens(self, ids: list[int], requested: int | None, param: str, default: int | None) -> int:

@@ -43,6 +43,7 @@ import functools
 import json
 import logging
 import os
+import re
 from collections import OrderedDict
 from typing import Sequence as Seq
 
@@ -83,15 +84,35 @@ def grammar_text(so: StructuredOutputsParams) -> str:
     return llguidance.grammar_from("grammar", so.grammar)  # Lark, or GBNF (converted); ValueError
 
 
+MAX_ERROR_CHARS = 300
+_PATH = re.compile(r"(?<![#\w])(?:/[\w.@+-]+){3,}(?::\d+)*")  # a file path (not a JSON pointer: #/a/b)
+
+
+def clean_error(message: str) -> str:
+    """llguidance's message as a client may see it: on one line, without the native
+    backtrace or any build path it may carry, and short."""
+    lines = []
+    for line in message.strip().splitlines():
+        if "backtrace" in line.lower():
+            break
+        lines.append(line.strip())
+    text = _PATH.sub("<path>", " ".join(line for line in lines if line))
+    return text[:MAX_ERROR_CHARS] + ("..." if len(text) > MAX_ERROR_CHARS else "")
+
+
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _grammar_error(grammar: str) -> str:
     is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, None)
-    return messages[0].strip() if is_error and messages else ""
+    return clean_error(messages[0]) if is_error and messages else ""
 
 
 def check(so: StructuredOutputsParams) -> None:
     """ValueError with llguidance's message when `so` cannot compile (no tokenizer needed)."""
-    error = _grammar_error(grammar_text(so))
+    try:
+        text = grammar_text(so)
+    except ValueError as e:
+        raise ValueError(clean_error(str(e))) from None
+    error = _grammar_error(text)
     if error:
         raise ValueError(error)
 
@@ -179,7 +200,10 @@ class GrammarCompiler:
 
     def compile(self, so: StructuredOutputsParams) -> "llguidance.LLMatcher":
         """The pristine matcher of `so`'s grammar; ValueError when it does not compile."""
-        key = grammar_text(so)
+        try:
+            key = grammar_text(so)
+        except ValueError as e:
+            raise ValueError(clean_error(str(e))) from None
         matcher = self._cache.get(key)
         if matcher is not None:
             self.hits += 1
@@ -188,7 +212,7 @@ class GrammarCompiler:
         self.misses += 1
         matcher = llguidance.LLMatcher(self.tokenizer, key, log_level=0)
         if matcher.is_error():
-            raise ValueError(matcher.get_error())
+            raise ValueError(clean_error(matcher.get_error()))
         self._cache[key] = matcher
         while len(self._cache) > self.cache_size:
             self._cache.popitem(last=False)

@@ -15,6 +15,10 @@ import tokenizers
 
 _REPLACEMENT = "\ufffd"  # what a byte-level BPE decodes a split multi-byte character to
 
+# A longer text is tokenized without the GIL, so the server's event loop runs meanwhile
+# (the server tokenizes on a parser thread; issue 42). Shorter ones: encode() is cheaper.
+GIL_FREE_CHARS = 8192
+
 
 def _token_text(value: Any) -> str | None:
     """tokenizer_config stores special tokens as strings or as {"content": ...} objects."""
@@ -63,6 +67,8 @@ class Tokenizer:
         return None if token is None else self._tok.token_to_id(token)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if len(text) > GIL_FREE_CHARS:  # encode() holds the GIL throughout, encode_batch() drops it
+            return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:

@@ -220,8 +220,8 @@ class MooncakeSender(KVSender):
 class _MooncakePull(_Pull):
     __slots__ = ("reading", "confirming", "ready_instance", "final")
 
-    def __init__(self, peer: tuple[str, int], lease_s: float | None) -> None:
-        super().__init__(peer, lease_s)
+    def __init__(self, peer: tuple[str, int], lease_s: float | None, token: str = "") -> None:
+        super().__init__(peer, lease_s, token)
         self.reading = False  # a batch is writing this pull's blocks
         self.confirming = False  # read, DONE sent, waiting for END
         self.ready_instance: str | None = None  # READY from a P instance D has no handshake with yet
@@ -389,7 +389,7 @@ class MooncakeReceiver(KVReceiver):
     def _confirm(self, tid: str, pull: _MooncakePull, now: float) -> None:
         pull.confirming = True
         pull.deadline = now + pull.timeout_s
-        self._send(pull.peer, Done(tid))
+        self._send(pull.peer, Done(tid, pull.token))
 
     def _finish(self, tid: str, reason: str | None, now: float) -> None:
         pull = self._pulls.pop(tid)

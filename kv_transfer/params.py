@@ -21,6 +21,7 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
+MAX_TOP_LOGPROBS = 64  # entries of one position's "top" a producer may send (the API asks for <= 20)
 COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "version")
 
 
@@ -49,6 +50,13 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     prompt_logprobs: list[dict[str, Any] | None] | None = None
 
     def __post_init__(self) -> None:
+        # A producer's logprob entries are indexed by the consumer's scheduler and renderer:
+        # their shape is checked here, so a bad one is this request's 400, never D's crash.
+        if self.first_token_logprobs is not None:
+            check_logprob_entry(self.first_token_logprobs, "first_token_logprobs")
+        for i, entry in enumerate(self.prompt_logprobs or ()):
+            if entry is not None:
+                check_logprob_entry(entry, f"prompt_logprobs[{i}]")
         if self.num_computed_blocks > len(self.remote_block_ids):
             raise ValueError(
                 f"num_computed_blocks ({self.num_computed_blocks}) exceeds "
@@ -67,6 +75,25 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def to_json_obj(self) -> dict[str, Any]:
         """Plain dict for a JSON body; fields at their default are left out."""
         return msgspec.to_builtins(self)
+
+
+def _number(x: Any) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def check_logprob_entry(entry: dict[str, Any], name: str) -> None:
+    """`{"logprob": float, "top": [[token id, logprob], ...], "rank"?: int}` (atomd/sampler.py)
+    or ValueError naming the field."""
+    if not _number(entry.get("logprob")):
+        raise ValueError(f"{name}.logprob must be a number")
+    top = entry.get("top", [])
+    if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS or not all(
+            isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[0], int) and t[0] >= 0 and _number(t[1]) for t in top):
+        raise ValueError(f"{name}.top must be at most {MAX_TOP_LOGPROBS} "
+                         "[token id, logprob] pairs")
+    rank = entry.get("rank")
+    if rank is not None and type(rank) is not int:
+        raise ValueError(f"{name}.rank must be an integer")
 
 
 def new_transfer_id() -> str:

@@ -58,6 +58,12 @@ def load_secret(value: str | None = None, path: str | None = None, env: dict | N
     return value.strip().encode()
 
 
+def replay_token(secret: bytes, start_seq: bytes) -> bytes:
+    """What a KV events replay request for `start_seq` (8 bytes) carries when the engine has
+    the secret (atomd/kv_events.py): proof of the secret without sending it."""
+    return hmac.new(secret, b"atomd-kv-events-replay:" + start_seq, hashlib.sha256).digest()
+
+
 def _payload(params: KVTransferParams) -> bytes:
     """What is signed: every field of the parsed params but the signature (defaults
     included) as compact JSON with every key sorted (nested objects too), so both sides get
@@ -89,7 +95,9 @@ class ProducerTrust:
             if not params.signature:
                 raise UntrustedKVParams(UNSIGNED, "kv_transfer_params must be signed by the router "
                                                   "(this engine has a kv_transfer_params secret)")
-            if not hmac.compare_digest(params.signature, signature_of(params, self.secret)):
+            # bytes, not str: compare_digest raises TypeError on a non-ASCII str (a client's "é")
+            if not hmac.compare_digest(params.signature.encode("utf-8", "surrogateescape"),
+                                       signature_of(params, self.secret).encode()):
                 raise UntrustedKVParams(BAD_SIGNATURE, "kv_transfer_params signature does not match")
         if (self.networks or self.hosts) and not self.allows(params.remote_host):
             raise UntrustedKVParams(UNTRUSTED_PRODUCER, f"kv_transfer_params.remote_host "

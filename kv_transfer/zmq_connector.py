@@ -238,7 +238,8 @@ class ZmqConsumer(_ZmqConnector):
         if faults.ACTIVE:
             faults.point("between_legs")
         try:
-            self.receiver.hold(p.transfer_id, p.remote_host, p.remote_port, lease_s=p.lease_s)
+            self.receiver.hold(p.transfer_id, p.remote_host, p.remote_port, lease_s=p.lease_s,
+                                 access_token=p.access_token)
         except ValueError:
             raise ValueError(f"kv_transfer_params.transfer_id {p.transfer_id!r} is already in use here") from None
         self.seq_of_transfer[p.transfer_id] = seq.id

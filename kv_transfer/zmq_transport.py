@@ -6,10 +6,11 @@ frames are raw block bytes.
     D -> P  READ {transfer_id, access_token, block_ids, compat, backend}
     P -> D  DATA {transfer_id, start, counts} + one frame per count (counts[i] blocks), ...
     P -> D  END {transfer_id, num_blocks}       after every DATA frame left P's memory
-    D -> P  DONE {transfer_id}                  P frees the blocks (idempotent)
-    D -> P  HEARTBEAT {transfer_ids}            P renews the leases
-    D -> P  ABORT {transfer_id}                 P frees now
+    D -> P  DONE {transfer_id, access_token}    P frees the blocks (idempotent)
+    D -> P  HEARTBEAT {transfer_ids, access_tokens}  P renews the leases
+    D -> P  ABORT {transfer_id, access_token}   P frees now
     P -> D  ERROR {transfer_id, code, message}  refused: bad token, foreign blocks, compat, ...
+    P -> D  REFUSED {[[transfer_id, code]]}     a HEARTBEAT's ids P does not hold, in one reply
     D -> P  HELLO {backend}                     handshake: P answers WELCOME {backend, instance, info}
 
 This module is also the control plane of every other data plane (kv_transfer/
@@ -39,6 +40,12 @@ transfer's blocks any more.
 
 Both run one I/O thread that owns every socket; the engine-facing methods only touch
 state under a lock and wake that thread.
+
+Hostile peers (issue 42): every message that changes a transfer's state (READ, DONE, ABORT,
+HEARTBEAT) carries its access token and does nothing without it; inbound messages are
+bounded by zmq (MAXMSGSIZE: a larger one drops the connection) and by field (ids,
+strings, ids per message); a HEARTBEAT's unknown ids get one REFUSED reply; refusals are
+logged at most LOG_PER_S times a second; D closes a producer's socket idle for IDLE_PEER_S.
 """
 from __future__ import annotations
 
@@ -49,7 +56,7 @@ import secrets
 import socket
 import threading
 import time
-from typing import Any
+from typing import Annotated, Any
 
 import msgspec
 import numpy as np
@@ -82,6 +89,15 @@ DEFAULT_MAX_MESSAGE_BYTES = 8 << 20  # tcp loopback peaks with 4-16 MiB frames (
 _MAX_POLL_MS = 100  # lease/timeout checks run at least this often
 _BUSY_POLL_MS = 1  # while waiting for zmq to let go of sent frames
 _MAX_TOMBSTONES = 1 << 16
+MAX_CONTROL_BYTES = 4 << 20  # P's inbound messages (control only: READ's block ids at most)
+MAX_DATA_FRAME_BYTES = 64 << 20  # D's inbound frames (DATA payload; raised to one block when larger)
+MAX_IDS_PER_MESSAGE = 4096  # transfer ids in one HEARTBEAT
+LOG_PER_S = 5  # refusal log lines per second; the rest are counted (stats().failures)
+IDLE_PEER_S = 60.0  # D closes a producer's socket unused for this long
+
+Ident = Annotated[str, msgspec.Meta(max_length=256)]
+Text = Annotated[str, msgspec.Meta(max_length=4096)]
+BlockIds = Annotated[list[Annotated[int, msgspec.Meta(ge=0)]], msgspec.Meta(max_length=1 << 18)]
 
 
 class _Msg(msgspec.Struct, tag_field="kind", array_like=True):
@@ -89,11 +105,11 @@ class _Msg(msgspec.Struct, tag_field="kind", array_like=True):
 
 
 class Read(_Msg, tag="READ"):
-    transfer_id: str
-    access_token: str
-    block_ids: list[int]
-    compat: dict[str, Any]
-    backend: str = "zmq"  # the consumer's data plane; P refuses any other than its own
+    transfer_id: Ident
+    access_token: Ident
+    block_ids: BlockIds
+    compat: Annotated[dict[str, Any], msgspec.Meta(max_length=64)]
+    backend: Ident = "zmq"  # the consumer's data plane; P refuses any other than its own
 
 
 class Data(_Msg, tag="DATA"):
@@ -108,21 +124,30 @@ class End(_Msg, tag="END"):
 
 
 class Done(_Msg, tag="DONE"):
-    transfer_id: str
+    transfer_id: Ident
+    access_token: Ident = ""
 
 
 class Heartbeat(_Msg, tag="HEARTBEAT"):
-    transfer_ids: list[str]
+    transfer_ids: Annotated[list[Ident], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
+    access_tokens: Annotated[list[Ident], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)] = []  # one per id
 
 
 class Abort(_Msg, tag="ABORT"):
-    transfer_id: str
+    transfer_id: Ident
+    access_token: Ident = ""
 
 
 class Error(_Msg, tag="ERROR"):
-    transfer_id: str
-    code: str
-    message: str = ""
+    transfer_id: Ident
+    code: Ident
+    message: Text = ""
+
+
+class Refused(_Msg, tag="REFUSED"):
+    """P -> D: the ids of one HEARTBEAT that P does not hold, with the reason of each."""
+
+    refusals: Annotated[list[tuple[Ident, Ident]], msgspec.Meta(max_length=MAX_IDS_PER_MESSAGE)]
 
 
 class Hello(_Msg, tag="HELLO"):
@@ -148,7 +173,7 @@ class Ready(_Msg, tag="READY"):
     num_blocks: int
 
 
-Message = Read | Data | End | Done | Heartbeat | Abort | Error | Hello | Welcome | Ready
+Message = Read | Data | End | Done | Heartbeat | Abort | Error | Hello | Welcome | Ready | Refused
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
@@ -209,6 +234,26 @@ def _check_block_ids(name: str, ids: list[int], num_blocks: int) -> np.ndarray:
     if len(arr) and (arr.min() < 0 or arr.max() >= num_blocks):
         raise ValueError(f"{name} must lie in [0, {num_blocks}), got {ids}")
     return arr
+
+
+class _RateLimitedLog:
+    """At most `per_s` lines a second; the next line that gets through says how many were dropped."""
+
+    def __init__(self, per_s: int = LOG_PER_S) -> None:
+        self.per_s, self.window, self.count, self.dropped = per_s, 0.0, 0, 0
+
+    def __call__(self, level: int, fmt: str, *args: Any) -> None:
+        now = time.monotonic()
+        if now - self.window >= 1.0:
+            self.window, self.count = now, 0
+        if self.count >= self.per_s:
+            self.dropped += 1
+            return
+        self.count += 1
+        if self.dropped:
+            fmt, args = fmt + " (%d similar lines dropped)", (*args, self.dropped)
+            self.dropped = 0
+        log.log(level, fmt, *args)
 
 
 class _IOLoop:
@@ -396,6 +441,8 @@ class KVSender(_IOLoop):
         self._sock.setsockopt(zmq.LINGER, 0)
         self._sock.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a gone peer raises, never drops silently
         self._sock.setsockopt(zmq.SNDHWM, 0)  # frames are zero-copy: queueing them costs no memory
+        self._sock.setsockopt(zmq.MAXMSGSIZE, MAX_CONTROL_BYTES)  # a larger one drops that peer
+        self._log = _RateLimitedLog()
         try:
             if port == 0:
                 port = self._sock.bind_to_random_port(f"tcp://{host}")
@@ -476,8 +523,15 @@ class KVSender(_IOLoop):
 
     def _refuse(self, rid: bytes, tid: str, code: str, message: str = "") -> None:
         self._stats.failures[code] = self._stats.failures.get(code, 0) + 1
-        log.info("kv-sender: refusing %s: %s %s", tid, code, message)
+        self._log(logging.INFO, "kv-sender: refusing %s: %s %s", tid[:64], code, message)
         self._send(rid, Error(tid, code, message))
+
+    def _holder(self, tid: str, token: str) -> _Grant | None:
+        """The live grant of `tid` when `token` is its access token, else None."""
+        grant = self._grants.get(tid)
+        if grant is None or not hmac.compare_digest(token.encode(), grant.token):
+            return None
+        return grant
 
     def _send(self, rid: bytes, msg: _Msg) -> bool:
         try:
@@ -491,27 +545,36 @@ class KVSender(_IOLoop):
         rid = frames[0].bytes
         try:
             msg = decode(frames[1].buffer)
-        except (IndexError, msgspec.DecodeError):
+        except (IndexError, msgspec.DecodeError):  # ValidationError (a field over its bound) included
             self._refuse(rid, "", MALFORMED, "undecodable header")
             return
         now = time.monotonic()
         if isinstance(msg, Read):
             self._on_read(rid, msg, now)
-        elif isinstance(msg, Done):
-            self._on_done(rid, msg.transfer_id, now)
+        elif isinstance(msg, Done):  # late, duplicate or without the token: nothing to do
+            if self._holder(msg.transfer_id, msg.access_token) is not None:
+                self._on_done(rid, msg.transfer_id, now)
         elif isinstance(msg, Abort):
-            if msg.transfer_id in self._grants:  # late or duplicate: the tombstone says it's done
+            if self._holder(msg.transfer_id, msg.access_token) is not None:
                 self._release(msg.transfer_id, ABORTED, now)
         elif isinstance(msg, Hello):
             self._send(rid, Welcome(self.backend, self.instance, self._handshake_info()))
         elif isinstance(msg, Heartbeat):
             self._stats.heartbeats += 1
-            for tid in msg.transfer_ids:
-                grant = self._grants.get(tid)
+            refusals = []
+            for tid, token in zip(msg.transfer_ids, [*msg.access_tokens, *[""] * len(msg.transfer_ids)]):
+                grant = self._holder(tid, token)
                 if grant is not None:
                     grant.deadline = now + grant.lease_s
+                elif tid in self._grants:  # someone else's: neither renewed nor answered
+                    continue
                 elif self._tombstones.get(tid) != DONE:  # tell a waiting D at once, not at its timeout
-                    self._refuse(rid, tid, self._tombstones.get(tid, UNKNOWN_TRANSFER))
+                    refusals.append((tid, self._tombstones.get(tid, UNKNOWN_TRANSFER)))
+            if refusals:  # one reply, one log line, whatever the count
+                for _, code in refusals:
+                    self._stats.failures[code] = self._stats.failures.get(code, 0) + 1
+                self._log(logging.INFO, "kv-sender: heartbeat names %d transfers not held here", len(refusals))
+                self._send(rid, Refused(refusals))
         else:
             self._refuse(rid, getattr(msg, "transfer_id", ""), MALFORMED, f"unexpected {type(msg).__name__}")
 
@@ -629,13 +692,15 @@ class ReceiverStats(msgspec.Struct):
     transfer_seconds_count: int = 0
     failures: dict[str, int] = {}  # failed transfers by reason
     malformed_messages: int = 0
+    peers_open: int = 0  # producer sockets open (idle ones are closed after IDLE_PEER_S)
 
 
 class _Pull:
-    __slots__ = ("peer", "lease_s", "remote_ids", "local_ids", "got", "timeout_s", "deadline", "t0", "pulling")
+    __slots__ = ("peer", "lease_s", "remote_ids", "local_ids", "got", "timeout_s", "deadline", "t0", "pulling",
+                 "token")
 
-    def __init__(self, peer: tuple[str, int], lease_s: float | None) -> None:
-        self.peer, self.lease_s, self.pulling = peer, lease_s, False
+    def __init__(self, peer: tuple[str, int], lease_s: float | None, token: str = "") -> None:
+        self.peer, self.lease_s, self.pulling, self.token = peer, lease_s, False, token
 
 
 class KVReceiver(_IOLoop):
@@ -666,18 +731,23 @@ class KVReceiver(_IOLoop):
         self._seconds: list[float] = []
         self._sockets: dict[tuple[str, int], zmq.Socket] = {}
         self._peers: dict[zmq.Socket, tuple[str, int]] = {}
+        self._peer_used: dict[tuple[str, int], float] = {}  # last send: idle sockets are closed
+        self._max_frame_bytes = max(MAX_DATA_FRAME_BYTES, 2 * kv_blocks.shape[1])
+        self._log = _RateLimitedLog()
         self._next_heartbeat = time.monotonic() + heartbeat_s
         self._stats = ReceiverStats()
         self._thread.start()
 
     # Engine-thread API.
 
-    def hold(self, transfer_id: str, host: str, port: int, lease_s: float | None = None) -> None:
-        """Heartbeat a transfer D will pull later, so P keeps its blocks meanwhile."""
+    def hold(self, transfer_id: str, host: str, port: int, lease_s: float | None = None, *,
+             access_token: str) -> None:
+        """Heartbeat a transfer D will pull later, so P keeps its blocks meanwhile (P renews
+        only for the holder of its access token)."""
         with self._lock:
             if transfer_id in self._pulls:
                 raise ValueError(f"transfer_id {transfer_id!r} is already held or pulling")
-            self._pulls[transfer_id] = self._pull_type((host, port), lease_s)
+            self._pulls[transfer_id] = self._pull_type((host, port), lease_s, access_token)
             self._schedule_heartbeat(lease_s)
         self._wake()
 
@@ -704,8 +774,8 @@ class KVReceiver(_IOLoop):
             pull = self._pulls.get(transfer_id)
             if pull is not None and (pull.pulling or pull.peer != (host, port)):
                 raise ValueError(f"transfer_id {transfer_id!r} is already pulling or held for another peer")
-            pull = pull or self._pull_type((host, port), lease_s)
-            pull.pulling, pull.lease_s = True, lease_s or pull.lease_s
+            pull = pull or self._pull_type((host, port), lease_s, access_token)
+            pull.pulling, pull.lease_s, pull.token = True, lease_s or pull.lease_s, access_token
             pull.remote_ids, pull.local_ids = list(remote_block_ids), local
             pull.got = np.zeros(len(local), dtype=bool)
             pull.timeout_s, pull.t0 = timeout_s, time.monotonic()
@@ -726,7 +796,7 @@ class KVReceiver(_IOLoop):
             if pull is None:
                 return False
             self._finish(transfer_id, ABORTED, time.monotonic())
-            self._outbox.append((pull.peer, Abort(transfer_id)))
+            self._outbox.append((pull.peer, Abort(transfer_id, pull.token)))
         self._wake()
         return True
 
@@ -750,7 +820,8 @@ class KVReceiver(_IOLoop):
 
     def stats(self) -> ReceiverStats:
         with self._lock:
-            return msgspec.structs.replace(self._stats, failures=dict(self._stats.failures))
+            return msgspec.structs.replace(self._stats, failures=dict(self._stats.failures),
+                                           peers_open=len(self._sockets))
 
     # I/O thread.
 
@@ -772,9 +843,9 @@ class KVReceiver(_IOLoop):
         self._cond.notify_all()
 
     def _fail(self, tid: str, reason: str, now: float) -> None:
-        peer = self._pulls[tid].peer
+        pull = self._pulls[tid]
         self._finish(tid, reason, now)
-        self._send(peer, Abort(tid))  # let P free at once rather than at lease expiry
+        self._send(pull.peer, Abort(tid, pull.token))  # let P free at once rather than at lease expiry
 
     def _socket(self, peer: tuple[str, int]) -> zmq.Socket:
         sock = self._sockets.get(peer)
@@ -787,6 +858,7 @@ class KVReceiver(_IOLoop):
             # retransmission back-off (tens of seconds after a long cut) until its timeout
             sock.setsockopt(zmq.HEARTBEAT_IVL, PEER_PING_MS)
             sock.setsockopt(zmq.HEARTBEAT_TIMEOUT, PEER_DEAD_MS)
+            sock.setsockopt(zmq.MAXMSGSIZE, self._max_frame_bytes)  # a larger frame drops that producer
             sock.connect(f"tcp://{peer[0]}:{peer[1]}")
             self._sockets[peer] = sock
             self._peers[sock] = peer
@@ -794,6 +866,7 @@ class KVReceiver(_IOLoop):
         return sock
 
     def _send(self, peer: tuple[str, int], msg: _Msg) -> None:
+        self._peer_used[peer] = time.monotonic()
         try:
             self._socket(peer).send(encode(msg), zmq.NOBLOCK)
         except zmq.Again:  # P unreachable and its queue full: the pull's timeout handles it
@@ -809,14 +882,21 @@ class KVReceiver(_IOLoop):
         if isinstance(msg, Welcome):
             self._on_welcome(self._peers[sock], msg, now)
             return
+        refusals = msg.refusals if isinstance(msg, Refused) else [(msg.transfer_id, msg.code)] \
+            if isinstance(msg, Error) else []
+        for tid, code in refusals:
+            pull = self._pulls.get(tid)
+            if pull is not None and pull.peer == self._peers[sock]:  # else late: already reported
+                level = logging.WARNING if code == BACKEND_MISMATCH else logging.INFO
+                self._log(level, "kv-receiver: %s refused by %s: %s %s", tid, pull.peer, code,
+                          getattr(msg, "message", ""))
+                self._finish(tid, code, now)
+        if isinstance(msg, (Refused, Error)):
+            return
         pull = self._pulls.get(getattr(msg, "transfer_id", None))
         if pull is None or pull.peer != self._peers[sock]:
             return  # late message about a transfer that already finished, failed or was aborted
-        if isinstance(msg, Error):
-            level = logging.WARNING if msg.code == BACKEND_MISMATCH else logging.INFO
-            log.log(level, "kv-receiver: %s refused by %s: %s %s", msg.transfer_id, pull.peer, msg.code, msg.message)
-            self._finish(msg.transfer_id, msg.code, now)
-        elif pull.pulling:
+        if pull.pulling:
             self._on_transfer_message(pull, msg, frames, now)
 
     # Data plane (ZMQ): DATA frames are copied into place on this thread; END completes.
@@ -838,7 +918,7 @@ class KVReceiver(_IOLoop):
                     _faults.point("kv_pull_mid")
         elif isinstance(msg, End):
             if msg.num_blocks == len(pull.got) and pull.got.all():
-                self._send(pull.peer, Done(msg.transfer_id))
+                self._send(pull.peer, Done(msg.transfer_id, pull.token))
                 self._finish(msg.transfer_id, None, now)
             else:
                 self._fail(msg.transfer_id, INCOMPLETE, now)
@@ -877,8 +957,24 @@ class KVReceiver(_IOLoop):
             for tid, pull in self._pulls.items():
                 by_peer[pull.peer].append(tid)
             for peer, tids in by_peer.items():
-                self._send(peer, Heartbeat(tids))
+                for i in range(0, len(tids), MAX_IDS_PER_MESSAGE):
+                    part = tids[i:i + MAX_IDS_PER_MESSAGE]
+                    self._send(peer, Heartbeat(part, [self._pulls[t].token for t in part]))
             self._next_heartbeat = now + self._heartbeat_interval()
+        self._close_idle_peers(now)
+
+    def _close_idle_peers(self, now: float) -> None:
+        """A producer this engine has no transfer with and has not talked to for
+        IDLE_PEER_S loses its socket (a D that saw many producers keeps none forever)."""
+        busy = {pull.peer for pull in self._pulls.values()}
+        for peer, used in list(self._peer_used.items()):
+            if peer not in busy and now - used > IDLE_PEER_S:
+                del self._peer_used[peer]
+                sock = self._sockets.pop(peer, None)
+                if sock is not None:
+                    self._poller.unregister(sock)
+                    del self._peers[sock]
+                    sock.close(linger=0)
 
     def _schedule_heartbeat(self, lease_s: float | None) -> None:
         if lease_s:  # a short lease must not wait for a heartbeat scheduled for longer ones

@@ -219,7 +219,7 @@ class Router:
         for role in ROLES:
             name = config.policy_of(role)
             if name == "kv_aware" and self.kv_index is None:
-                self.kv_index = KVIndex(config.kv_events_stale_s)
+                self.kv_index = KVIndex(config.kv_events_stale_s, load_secret(path=config.kv_params_secret_file))
             policy = make_policy(name, cache_threshold=config.cache_threshold,
                                  balance_abs_threshold=config.balance_abs_threshold,
                                  balance_rel_threshold=config.balance_rel_threshold, max_tree_size=config.max_tree_size,

@@ -35,6 +35,7 @@ import zmq.asyncio
 
 from kv_transfer.block_hash import ALGO
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kv_transfer.trust import replay_token
 
 logger = logging.getLogger("atomd.router.kv_index")
 
@@ -93,8 +94,9 @@ def connectable(endpoint: str, worker_url: str) -> str:
 
 
 class KVIndex:
-    def __init__(self, stale_s: float = 10.0):
+    def __init__(self, stale_s: float = 10.0, secret: bytes | None = None):
         self.stale_s = stale_s
+        self.secret = secret  # the KV secret: replay requests carry its token (atomd/kv_events.py)
         self.ranks: dict[tuple[str, int], RankState] = {}
         self.by_worker: dict[str, list[RankState]] = {}
         self.ctx = zmq.asyncio.Context()
@@ -265,7 +267,9 @@ class KVIndex:
         dealer.connect(st.replay_endpoint)
         got: list[tuple[int, EventBatch]] = []
         try:
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            start_seq = start.to_bytes(8, "big")
+            token = [replay_token(self.secret, start_seq)] if self.secret is not None else []
+            await dealer.send_multipart([b"", start_seq, *token])
             while True:
                 if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
                     logger.warning("KV events of %s rank %d: replay from %d timed out", st.worker, st.rank, start)

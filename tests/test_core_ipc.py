@@ -192,3 +192,36 @@ def test_core_death_fails_waiters_at_once():
         assert not h.client.alive and "exit code -9" in h.client.dead
     finally:
         h.close()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("error", [TypeError("unsupported operand"), KeyError("logprob"), IndexError("list index"),
+                                   RecursionError("maximum recursion depth")])
+def test_any_admission_failure_is_that_requests_error_and_the_core_lives(error):
+    """Issue 42: only ValueError was caught, so one request's TypeError (a non-ASCII
+    signature) killed the core. Any exception is now that request's error, with no trace."""
+    class Engine:
+        def add_request(self, *args, **kwargs):
+            raise error
+
+    ctx = zmq.Context()
+    try:
+        to_core, core_in = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        core_out, from_core = ctx.socket(zmq.PUSH), ctx.socket(zmq.PULL)
+        core_in.bind("inproc://in"), to_core.connect("inproc://in")
+        from_core.bind("inproc://out"), core_out.connect("inproc://out")
+        loop = core.EngineCore(Engine(), core_in, core_out, parent_pid=os.getppid())
+        enc = msgspec.msgpack.Encoder()
+        for rid in ("r1", "r2"):  # the second one is handled too: the loop went on
+            to_core.send(enc.encode(M.AddRequest(rid, [1, 2], SamplingParams(max_tokens=1))))
+        assert core_in.poll(1000)
+        loop.drain_input()
+        dec = msgspec.msgpack.Decoder(M.OutputMessage)
+        for rid in ("r1", "r2"):
+            out = dec.decode(from_core.recv()).outputs[0]
+            assert out.request_id == rid and out.finished and out.error_code is None
+            assert type(error).__name__ in out.error and "Traceback" not in out.error and "/" not in out.error
+        for s in (to_core, core_in, core_out, from_core):
+            s.close(linger=0)
+    finally:
+        ctx.term()

@@ -16,10 +16,13 @@ import numpy as np
 import pytest
 import xxhash
 import zmq
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from atomd.kv_events import END_SEQ, KVEventPublisher, offset_port
 from kv_transfer.block_hash import block_hashes, chain_hash
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored
+from kv_transfer.trust import replay_token
 from launch.process import free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -82,10 +85,10 @@ class Sub:
         assert len(seq) == 8
         return topic, int.from_bytes(seq, "big"), VDECODER.decode(payload)
 
-    def replay(self, start: int, timeout_s: float = 10.0) -> list[tuple[int, VKVEventBatch]]:
+    def replay(self, start: int, timeout_s: float = 10.0, token: bytes | None = None) -> list[tuple[int, VKVEventBatch]]:
         dealer = self.ctx.socket(zmq.DEALER)
         dealer.connect(self.pub.replay_endpoint)
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
+        dealer.send_multipart([b"", start.to_bytes(8, "big"), *([token] if token is not None else [])])
         out = []
         try:
             while True:
@@ -319,3 +322,79 @@ def test_an_engine_publishes_what_its_prefix_cache_indexed_after_the_forward(req
     while not isinstance(s.replay(0)[-1][1].events[-1], VAllBlocksCleared):
         assert time.monotonic() < deadline, "AllBlocksCleared was not published at the reset"
         time.sleep(0.01)
+
+
+# ---------------------------------------------------------------- hostile subscribers (issue 42)
+
+SECRET = b"kv-secret"
+
+
+def published(pub: KVEventPublisher, n: int) -> None:
+    for i in range(n):
+        pub.publish([stored(i)])
+    deadline = time.monotonic() + 10
+    while pub.num_published < n + 1:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+
+
+def test_with_the_kv_secret_a_replay_needs_its_token(request):
+    """The replay port gave anyone the token ids of other clients' prompts."""
+    pub = KVEventPublisher(tcp(), tcp(), heartbeat_s=60, secret=SECRET)
+    request.addfinalizer(pub.close)
+    s = Sub(pub)
+    request.addfinalizer(s.close)
+    published(pub, 3)
+    start = (0).to_bytes(8, "big")
+    assert s.replay(0) == [] and s.replay(0, token=b"x" * 32) == []
+    assert s.replay(0, token=replay_token(b"another secret", start)) == []
+    assert s.replay(1, token=replay_token(SECRET, start)) == []  # a token is for its start seq
+    assert [seq for seq, _ in s.replay(0, token=replay_token(SECRET, start))] == [0, 1, 2, 3]
+    assert pub.num_replays_refused == 4 and pub.info()["replay_auth"] == "hmac"
+
+
+def test_replays_are_rate_bounded_and_a_flood_costs_the_publisher_little(request):
+    """200k replay requests stalled a publisher for minutes: over the rate, each gets the
+    end marker alone; the publisher keeps publishing meanwhile."""
+    pub = KVEventPublisher(tcp(), tcp(), heartbeat_s=60, replays_per_s=5)
+    request.addfinalizer(pub.close)
+    s = Sub(pub)
+    request.addfinalizer(s.close)
+    published(pub, 50)
+    flood = s.ctx.socket(zmq.DEALER)
+    request.addfinalizer(lambda: flood.close(linger=0))
+    flood.connect(pub.replay_endpoint)
+    n = 2000
+    for _ in range(n):
+        flood.send_multipart([b"", (0).to_bytes(8, "big")])
+    batches = ends = 0
+    while ends < n:
+        assert flood.poll(10_000), (batches, ends)
+        seq = flood.recv_multipart()[1]
+        ends, batches = ends + (seq == END_SEQ), batches + (seq != END_SEQ)
+    served = pub.num_replays
+    assert served <= 5 + 5 * 10 and pub.num_replays_throttled == n - served  # a burst, then 5/s at most
+    assert batches == served * 51
+    pub.publish([stored(99)])  # still publishing
+    assert [b.events[0].block_hashes for _, b in events_only(s, 1)] == [[99]]
+
+
+@settings(max_examples=100, deadline=None)
+@given(frames=st.lists(st.binary(max_size=64), min_size=1, max_size=6))
+def test_fuzz_replay_frames_never_stop_the_publisher(fuzz_pub, frames):
+    pub, s, dealer = fuzz_pub
+    dealer.send_multipart(frames)
+    start = (0).to_bytes(8, "big")
+    assert [seq for seq, _ in s.replay(0, token=replay_token(SECRET, start))][:1] == [0]
+
+
+@pytest.fixture(scope="module")
+def fuzz_pub():
+    pub = KVEventPublisher(tcp(), tcp(), heartbeat_s=60, secret=SECRET, replays_per_s=1000)
+    s = Sub(pub)
+    dealer = s.ctx.socket(zmq.DEALER)
+    dealer.connect(pub.replay_endpoint)
+    yield pub, s, dealer
+    dealer.close(linger=0)
+    s.close()
+    pub.close()

@@ -146,3 +146,18 @@ def test_compat_mismatch_on_missing_fingerprint_or_field():
     assert "missing" in compat_mismatch(mine, None)
     partial = {k: v for k, v in mine.items() if k != "version"}
     assert "version" in compat_mismatch(mine, partial)
+
+
+@pytest.mark.parametrize("field,value", [
+    ("first_token_logprobs", {}),  # no logprob: D's scheduler raised KeyError (issue 42)
+    ("first_token_logprobs", {"logprob": "high"}),
+    ("first_token_logprobs", {"logprob": -0.1, "top": "x"}),
+    ("first_token_logprobs", {"logprob": -0.1, "top": [[-1, 0.0]]}),
+    ("first_token_logprobs", {"logprob": -0.1, "top": [[1, 0.0]] * 1000}),
+    ("prompt_logprobs", [None, {"logprob": -0.1, "rank": "first", "top": []}]),
+])
+def test_a_producers_logprob_entries_are_checked_at_parse(field, value):
+    with pytest.raises(ValueError, match=field):
+        KVTransferParams.from_json_obj({**p_response(), field: value})
+    ok = {"logprob": -0.1, "rank": 1, "top": [[3, -0.1]]}
+    KVTransferParams.from_json_obj({**p_response(), "first_token_logprobs": ok, "prompt_logprobs": [None, ok]})

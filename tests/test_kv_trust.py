@@ -242,3 +242,11 @@ def test_a_consumer_with_an_allow_list_refuses_other_producers_before_connecting
     da.wait_idle(trusted.baseline["DA"])
     status, _ = http("POST", da.url + "/v1/completions", {"prompt": "hello", "max_tokens": 2})
     assert status == 200  # still serving
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("signature", ["é", "\udcff", "0" * 64, "x" * 10_000, ""])
+def test_any_signature_string_is_a_refusal_never_a_crash(signature):
+    """Issue 42: hmac.compare_digest raised TypeError on a non-ASCII str, killing D's core."""
+    params = msgspec.structs.replace(sign(remote_params(), SECRET), signature=signature)
+    assert refusal(ProducerTrust(SECRET), params) in (BAD_SIGNATURE, UNSIGNED)

@@ -240,7 +240,7 @@ def test_handshake_then_ready_from_a_restarted_producer_handshakes_again(closing
     recv_msg(router, Hello)  # READY from an instance D has not shaken hands with
     router.send_multipart([rid, encode(Welcome("mooncake", "new", info))])
     _, done = recv_msg(router, Done)
-    assert done == Done("t1")
+    assert done == Done("t1", TOKEN)
     router.send_multipart([rid, encode(End("t1", 2))])
     seen.wait_reported()
     assert seen.finished == ["t1"] and np.array_equal(dst[[5, 6]], src[[1, 2]])

@@ -11,6 +11,7 @@ Mooncake's own cases are in test_mooncake_transport.py.
 """
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import pathlib
@@ -19,14 +20,17 @@ import subprocess
 import sys
 import time
 
+import msgspec
 import numpy as np
 import pytest
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kv_transfer import zmq_transport
 from kv_transfer.params import compat_fingerprint
 from kv_transfer.zmq_transport import (
+    MAX_CONTROL_BYTES,
     Abort,
     Data,
     Done,
@@ -218,7 +222,7 @@ def test_duplicate_done_abort_and_late_read_are_harmless(pair, closing, backend)
 
     peer = closing(zmq.Context.instance().socket(zmq.DEALER))
     peer.connect("tcp://%s:%d" % sender.address)
-    for msg in (Done("t1"), Abort("t1"), Done("t1"), Done("never-granted"), Abort("never-granted")):
+    for msg in (Done("t1", TOKEN), Abort("t1", TOKEN), Done("t1", TOKEN), Done("never-granted"), Abort("never-granted")):
         peer.send(encode(msg))
     peer.send(encode(Read("t1", TOKEN, [1, 2], COMPAT, backend)))
     reply = decode(peer.recv()) if peer.poll(5000) else None
@@ -252,7 +256,7 @@ def test_heartbeats_keep_a_held_transfer_alive_past_its_lease(pair):
     seen = Collector(sender, receiver)
     lease_s = 0.5  # heartbeats every 0.05 s: a loaded machine must lose ten in a row to fail this
     sender.grant("t1", [8, 9], TOKEN, lease_s=lease_s)
-    receiver.hold("t1", *sender.address, lease_s=lease_s)
+    receiver.hold("t1", *sender.address, lease_s=lease_s, access_token=TOKEN)
     past_lease = time.monotonic() + 3 * lease_s
     while time.monotonic() < past_lease:  # a deadline loop: the transfer must stay pinned all along
         seen.poll()
@@ -284,7 +288,7 @@ def test_receiver_abort_of_a_held_transfer_frees_it_at_the_sender(pair):
     src, dst, sender, receiver = pair
     seen = Collector(sender, receiver)
     sender.grant("t1", [1, 2], TOKEN, lease_s=30)
-    receiver.hold("t1", *sender.address)
+    receiver.hold("t1", *sender.address, access_token=TOKEN)
     assert receiver.abort("t1") is True and receiver.abort("t1") is False
     assert seen.wait_released() == [("t1", "aborted")]
     seen.poll()
@@ -417,7 +421,7 @@ def test_abort_during_an_inflight_pull_stops_all_writes(closing):
     assert np.array_equal(dst[10], src[0])
     assert receiver.abort("t1") is True
     _, abort = recv_kind(router, Abort)
-    assert abort == Abort("t1")
+    assert abort == Abort("t1", TOKEN)
 
     # P had the rest in flight: it arrives after the abort and must not be written.
     router.send_multipart([rid, encode(Data("t1", 1, [2, 1])), src[1:3].tobytes(), src[3].tobytes()])
@@ -429,7 +433,7 @@ def test_abort_during_an_inflight_pull_stops_all_writes(closing):
     router.send_multipart([rid, encode(Data("t2", 0, [1])), src[5].tobytes()])
     router.send_multipart([rid, encode(End("t2", 1))])
     _, done = recv_kind(router, Done)
-    assert done == Done("t2")
+    assert done == Done("t2", TOKEN)
     seen.wait_reported(2)
     assert seen.failed == [("t1", "aborted")] and seen.finished == ["t2"]
     assert (dst[11:14] == SENTINEL).all()
@@ -449,7 +453,7 @@ def test_end_before_all_blocks_fails_the_pull_as_incomplete(closing):
     router.send_multipart([rid, encode(End("t1", 2))])
     seen.wait_reported()
     assert seen.failed == [("t1", "incomplete")]
-    assert recv_kind(router, Abort)[1] == Abort("t1")  # P may free at once
+    assert recv_kind(router, Abort)[1] == Abort("t1", TOKEN)  # P may free at once
 
 
 @pytest.mark.unit
@@ -664,3 +668,134 @@ def test_kv_transfer_imports_no_torch():
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+# --------------------------------------------------------------------------- hostile peers (issue 42)
+
+
+def hostile_peer(closing, sender: KVSender) -> zmq.Socket:
+    peer = closing(zmq.Context.instance().socket(zmq.DEALER))
+    peer.setsockopt(zmq.LINGER, 0)
+    peer.connect("tcp://%s:%d" % sender.address)
+    return peer
+
+
+def replies(peer: zmq.Socket, quiet_s: float = 0.3) -> list:
+    """Every message the peer got until it has been quiet for `quiet_s`."""
+    out = []
+    while peer.poll(int(quiet_s * 1000)):
+        out.append(decode(peer.recv_multipart()[0]))
+    return out
+
+
+def assert_pull_works(sender: KVSender, receiver: KVReceiver, src: np.ndarray, dst: np.ndarray, tid: str) -> None:
+    seen = Collector(sender, receiver)
+    sender.grant(tid, [5, 6], TOKEN, lease_s=30)
+    receiver.start_pull(tid, *sender.address, TOKEN, [5, 6], [5, 6], timeout_s=10)
+    seen.wait_reported()
+    assert seen.finished == [tid] and np.array_equal(dst[[5, 6]], src[[5, 6]])
+
+
+@pytest.mark.unit
+def test_done_abort_and_heartbeat_without_the_access_token_change_nothing(pair, closing):
+    """An ABORT without the token released a live grant (the transfer id was enough)."""
+    src, dst, sender, receiver = pair
+    seen = Collector(sender, receiver)
+    sender.grant("t1", [1, 2], TOKEN, lease_s=0.5)
+    peer = hostile_peer(closing, sender)
+    for msg in (Abort("t1"), Abort("t1", "f" * 32), Done("t1"), Done("t1", "f" * 32),
+                Heartbeat(["t1"]), Heartbeat(["t1"], ["f" * 32])):
+        peer.send(encode(msg))
+    assert replies(peer) == []  # someone else's transfer: not even an answer
+    seen.poll()
+    assert seen.released == [] and sender.stats().blocks_pinned == 2
+    # the heartbeats without the token did not renew the lease either: it expires on time
+    assert seen.wait_released() == [("t1", "expired")]
+
+
+@pytest.mark.unit
+def test_a_heartbeat_of_unknown_ids_gets_one_reply(pair, closing):
+    """One HEARTBEAT naming 20,000 unknown ids gave 20,000 replies and log lines."""
+    src, dst, sender, receiver = pair
+    peer = hostile_peer(closing, sender)
+    peer.send(encode(Heartbeat([f"u{i}" for i in range(4000)])))
+    got = replies(peer)
+    assert len(got) == 1 and len(got[0].refusals) == 4000
+    assert sender.stats().failures == {"unknown_transfer": 4000}
+    peer.send(encode(Heartbeat([f"u{i}" for i in range(20_000)])))  # over the per-message bound
+    got = replies(peer)
+    assert [(type(m).__name__, m.code) for m in got] == [("Error", "malformed")]
+    assert_pull_works(sender, receiver, src, dst, "t9")
+
+
+@pytest.mark.unit
+def test_an_oversized_frame_drops_that_peer_and_nothing_else(pair, closing):
+    """A 512 MiB frame was accepted (+447 MB in P): zmq now drops a peer over MAXMSGSIZE."""
+    src, dst, sender, receiver = pair
+    peer = hostile_peer(closing, sender)
+    peer.send(bytes(2 * MAX_CONTROL_BYTES))
+    assert replies(peer) == []
+    assert_pull_works(sender, receiver, src, dst, "t2")
+
+
+@pytest.mark.unit
+def test_a_receiver_closes_idle_producer_sockets(pair, monkeypatch):
+    src, dst, sender, receiver = pair
+    monkeypatch.setattr(zmq_transport, "IDLE_PEER_S", 0.2)
+    assert_pull_works(sender, receiver, src, dst, "t3")
+    deadline_poll(lambda: receiver.stats().peers_open == 0, what="the idle producer socket closed")
+    assert_pull_works(sender, receiver, src, dst, "t4")  # a later transfer opens a new one
+
+
+FUZZ_IDS = itertools.count()
+HEADERS = st.sampled_from(["READ", "DATA", "END", "DONE", "HEARTBEAT", "ABORT", "ERROR", "HELLO", "WELCOME",
+                           "READY", "REFUSED", "BOGUS"])
+JUNK = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) | st.text(max_size=40)
+                    | st.binary(max_size=40), lambda inner: st.lists(inner, max_size=5), max_leaves=20)
+
+
+@pytest.mark.unit
+@settings(max_examples=150, deadline=None)
+@given(frames=st.lists(st.one_of(st.binary(max_size=200),
+                                 st.tuples(HEADERS, st.lists(JUNK, max_size=6)).map(
+                                     lambda t: msgspec.msgpack.encode([t[0], *t[1]]))),
+                       min_size=1, max_size=4))
+def test_fuzz_side_channel_frames_never_hurt_a_producer_or_a_consumer(fuzz_pair, frames):
+    """Random msgpack / bytes frames at P's ROUTER and at D's DEALER (from a fake P): both
+    keep serving, nothing is released or written that should not be."""
+    src, dst, sender, receiver, peer, router, port = fuzz_pair
+    live = held = f"t{next(FUZZ_IDS)}"
+    sender.grant(live, [7], TOKEN, lease_s=30)
+    peer.send_multipart(frames)
+    receiver.hold(held, "127.0.0.1", port, access_token=TOKEN)
+    deadline = time.monotonic() + 5
+    while True:  # the heartbeat naming `held` (earlier examples' ABORTs may come first)
+        assert router.poll(max(1, int((deadline - time.monotonic()) * 1000))), "no heartbeat"
+        rid, header = router.recv_multipart()
+        msg = decode(header)
+        if isinstance(msg, Heartbeat) and held in msg.transfer_ids:
+            break
+    router.send_multipart([rid, *frames])
+    assert sender.revoke(live) is True  # still granted: no junk released it
+    assert receiver.abort(held) is True  # still held: no junk finished it
+    assert (dst[:4] == SENTINEL).all()
+    seen = Collector(sender, receiver)
+    seen.wait_released()
+    seen.wait_reported()
+
+
+@pytest.fixture(scope="module")
+def fuzz_pair():
+    src = random_blocks(2)
+    dst = np.full((NUM_BLOCKS, BLOCK_BYTES), SENTINEL, dtype=np.uint8)
+    sender = KVSender(src, COMPAT)
+    receiver = KVReceiver(dst, COMPAT, heartbeat_s=0.02)
+    ctx = zmq.Context.instance()
+    peer, router = ctx.socket(zmq.DEALER), ctx.socket(zmq.ROUTER)
+    peer.connect("tcp://%s:%d" % sender.address)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    yield src, dst, sender, receiver, peer, router, port
+    for s in (peer, router):
+        s.close(linger=0)
+    receiver.close()
+    sender.close()
