@@ -29,8 +29,16 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(COMMANDS[argv[0]][0])
     cmd_parser = argparse.ArgumentParser(prog=f"atomd {argv[0]}")
     module.add_arguments(cmd_parser)
+    cmd_parser.add_argument("--debug", action="store_true",
+                            help="log at debug level and show the traceback of a start-up error")
     args = cmd_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except OSError as e:  # a file the user named is missing or unreadable: theirs to fix, one line
+        if args.debug or e.filename is None:
+            raise
+        print(f"atomd {argv[0]}: error: {e.filename}: {e.strerror or e} (--debug shows where)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import errno
 import hmac
 import json
 import logging
@@ -60,6 +61,7 @@ SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
+PROBE_PATHS = ("/health", "/ready", "/metrics")  # not in the access log unless --access-log-probes
 ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort")  # and everything under /debug/
 RANK_HEADER = "X-data-parallel-rank"
 # Limits on a request head (aiohttp's parser enforces them; router/http.py has the same):
@@ -97,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="/health answers 503 while the engine core, with requests in flight, has not answered "
                         "for this long (probed every third of it), so a router takes a wedged engine out of "
                         "rotation; it must exceed the longest engine step")
+    g.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log",
+                   action="store_true", help="write no access log lines (vLLM's name is accepted too)")
+    g.add_argument("--access-log-probes", action="store_true",
+                   help="log the probes too (%s: a router asks every few seconds), which are left out by default"
+                        % ", ".join(PROBE_PATHS))
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
                    help="how tool calls are read from the model's output (chat requests with tools)")
 
@@ -104,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from atomd.config import EngineConfig
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     access = logging.StreamHandler(sys.stderr)  # bare JSON lines, one per request
     access.setFormatter(logging.Formatter("%(message)s"))
@@ -124,7 +131,13 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
     runner = JSONErrorRunner(server.app, handler_cancellation=True, access_log=None,
                              shutdown_timeout=SHUTDOWN_TIMEOUT_S, **HEAD_LIMITS)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as e:  # the user's to fix: one line naming the flag (the trace with --debug)
+        logger.debug("cannot listen on %s:%s", args.host, args.port, exc_info=True)
+        await runner.cleanup()
+        print(f"atomd serve: error: {listen_error(e, args.host, args.port)}", file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -142,6 +155,12 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
             server.watchdog.cancel()
         await runner.cleanup()
         await server.client.shutdown()
+
+
+def listen_error(e: OSError, host: str, port: int) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use by another process; pick a free one with --port"
+    return f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port"
 
 
 HEAD_LIMITS = dict(max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS)
@@ -261,9 +280,10 @@ class Server:
             status = 499  # client closed the connection
             raise
         finally:
-            access_logger.info(json.dumps({
-                "ts": round(time.time(), 6), "method": request.method, "path": request.path, "status": status,
-                "latency_s": round(time.perf_counter() - t0, 6), "request_id": request_id}))
+            if not self.args.disable_access_log and (self.args.access_log_probes or request.path not in PROBE_PATHS):
+                access_logger.info(json.dumps({
+                    "ts": round(time.time(), 6), "method": request.method, "path": request.path, "status": status,
+                    "latency_s": round(time.perf_counter() - t0, 6), "request_id": request_id}))
 
     @web.middleware
     async def errors(self, request: web.Request, handler):

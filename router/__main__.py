@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextvars
+import errno
 import logging
 import signal
 import sys
@@ -16,6 +18,10 @@ from router.adaptive import PD_MODES
 from router.app import Router, RouterConfig
 from router.discovery import Resolver
 from router.policies import POLICIES
+
+
+# --debug: the command line's, not the router's configuration
+DEBUG: contextvars.ContextVar[bool] = contextvars.ContextVar("debug", default=False)
 
 
 def parse_args(argv: list[str] | None) -> RouterConfig:
@@ -123,17 +129,24 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     sec.add_argument("--kv-params-secret-file", default=None, metavar="PATH",
                      help="file holding the secret shared with the engines; the router signs the "
                           "kv_transfer_params it sends decode engines with it (default: $ATOMD_KV_PARAMS_SECRET)")
-    args = p.parse_args(argv)
+    p.add_argument("--debug", action="store_true",
+                   help="log at debug level and show the traceback of a start-up error")
+    args = vars(p.parse_args(argv))
+    DEBUG.set(args.pop("debug"))
     try:
-        load_secret(path=args.kv_params_secret_file)  # an unreadable or empty secret: an error now
-        return RouterConfig(**vars(args))
+        load_secret(path=args["kv_params_secret_file"])  # an unreadable or empty secret: an error now
+        return RouterConfig(**args)
     except ValueError as e:
         p.error(str(e))
 
 
 async def serve(config: RouterConfig, resolver: Resolver | None = None) -> None:
     router = Router(config, resolver)
-    url = await router.start()
+    try:
+        url = await router.start()
+    except BaseException:
+        await router.stop()
+        raise
     print(f"atomd-router: ready at {url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -148,13 +161,24 @@ async def serve(config: RouterConfig, resolver: Resolver | None = None) -> None:
 def main(argv: list[str] | None = None, resolver: Resolver | None = None) -> int:
     """`resolver`: how --prefill-dns / --decode-dns names are looked up (tests map them)."""
     config = parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if DEBUG.get() else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
+        run = uvloop.run
     except ImportError:  # uvloop is optional: plain asyncio works, a little slower
-        asyncio.run(serve(config, resolver))
-    else:
-        uvloop.run(serve(config, resolver))
+        run = asyncio.run
+    try:
+        run(serve(config, resolver))
+    except OSError as e:  # cannot listen: the user's to fix, one line naming the flag
+        if DEBUG.get():
+            raise
+        where = f"{config.host}:{config.port}"
+        print("atomd-router: error: " + (
+            f"port {config.port} on {config.host} is in use by another process; pick a free one with --port"
+            if e.errno == errno.EADDRINUSE else f"cannot listen on {where} ({e.strerror or e}); check --host and --port"),
+            file=sys.stderr)
+        return 2
     return 0
 
 
