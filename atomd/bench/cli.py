@@ -78,11 +78,6 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as e:
         print(f"atomd bench {args.bench_command}: error: {e}", file=sys.stderr)
         return 2
-    except OSError as e:
-        if e.filename is not None or args.bench_command != "serve":
-            raise  # atomd's command line names the file
-        print(f"atomd bench serve: error: cannot reach {args.base_url} ({e}); check --base-url", file=sys.stderr)
-        return 2
 
 
 def run_compare(args: argparse.Namespace) -> int:

@@ -1,0 +1,70 @@
+"""A start-up error the user caused (a port in use, a model directory that is not a
+checkpoint, a missing file, an unreachable server) is one line on stderr naming what to
+change, exit code 2 and no traceback, from every entry point: `atomd serve`, the router,
+`atomd generate`, `atomd bench`. `--debug` shows the traceback."""
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import pytest
+
+from launch.process import free_port
+from tests.server_fixtures import REPO
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+
+def run(*argv: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, *argv], cwd=REPO, capture_output=True, text=True, timeout=90)
+
+
+def assert_one_line(r: subprocess.CompletedProcess, *names: str) -> None:
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1, r.stderr[-3000:]
+    assert all(name in lines[0] for name in names), lines[0]
+
+
+@pytest.fixture
+def taken_port():
+    with socket.socket() as holder:
+        holder.bind(("127.0.0.1", 0))
+        holder.listen()
+        yield holder.getsockname()[1]
+
+
+def test_serve_port_in_use(taken_port):
+    r = run("-m", "atomd", "serve", "--port", str(taken_port))
+    assert_one_line(r, f"port {taken_port}", "in use", "--port")
+
+
+def test_serve_debug_shows_the_traceback(taken_port):
+    r = run("-m", "atomd", "serve", "--port", str(taken_port), "--debug")
+    assert r.returncode == 2 and "Traceback" in r.stderr and "--port" in r.stderr
+
+
+def test_router_port_in_use(taken_port):
+    r = run("-m", "router", "--port", str(taken_port))
+    assert_one_line(r, f"port {taken_port}", "in use", "--port")
+
+
+@pytest.mark.parametrize("command", ["serve", "generate"])
+def test_model_dir_without_config_json(command, tmp_path):
+    extra = ["--prompt", "hi"] if command == "generate" else ["--port", str(free_port())]
+    r = run("-m", "atomd", command, "--model", str(tmp_path), *extra)
+    assert_one_line(r, str(tmp_path), "config.json", "--model")
+
+
+def test_bench_unreachable_server():
+    url = f"http://127.0.0.1:{free_port()}"
+    r = run("-m", "atomd", "bench", "serve", "--base-url", url, "--num-prompts", "1", "--disable-tqdm")
+    assert_one_line(r, url)
+
+
+def test_bench_compare_missing_file(tmp_path):
+    missing = tmp_path / "a.json"
+    r = run("-m", "atomd", "bench", "compare", str(missing), str(missing))
+    assert_one_line(r, str(missing))
