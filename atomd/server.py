@@ -157,6 +157,16 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
         await server.client.shutdown()
 
 
+def unschedulable_param(code: ErrorCode | None, req: Any, params: Any, max_num_seqs: int) -> str | None:
+    """The field to blame for the scheduler's refusal: more choices than --max-num-seqs (best_of
+    or n), else the prompt is too long (for the context or the KV pool)."""
+    if code is not ErrorCode.UNSCHEDULABLE:
+        return None
+    if params.num_samples > max_num_seqs:
+        return "best_of" if params.best_of is not None else "n"
+    return "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
+
+
 def listen_error(e: OSError, host: str, port: int) -> str:
     if e.errno == errno.EADDRINUSE:
         return f"port {port} on {host} is in use by another process; pick a free one with --port"
@@ -506,7 +516,8 @@ class Server:
             if head.error is not None:  # refused or rejected by the engine, or a failed KV pull
                 status, kind = ERROR_STATUS.get(head.error_code, (500, "server_error"))
                 code = head.error_code.value if head.error_code is not None else None
-                raise P.APIError(status, head.error, type=kind, code=code)
+                raise P.APIError(status, head.error, type=kind, code=code,
+                                 param=unschedulable_param(head.error_code, req, params, self.config.max_num_seqs))
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
             batch = first
