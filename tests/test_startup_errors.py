@@ -68,3 +68,14 @@ def test_bench_compare_missing_file(tmp_path):
     missing = tmp_path / "a.json"
     r = run("-m", "atomd", "bench", "compare", str(missing), str(missing))
     assert_one_line(r, str(missing))
+
+
+def test_a_script_beside_a_clone_named_atomd_imports_the_package(tmp_path):
+    """`make venv` puts the repository root on the venv's sys.path, so a script next to the
+    clone's folder (named atomd/) gets the package, not that folder as an empty namespace
+    package ("cannot import name 'LLM' from 'atomd' (unknown location)")."""
+    (tmp_path / "atomd").symlink_to(REPO, target_is_directory=True)
+    script = tmp_path / "mine.py"
+    script.write_text("from atomd import LLM, SamplingParams\nprint(LLM.__module__)\n")
+    r = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout.strip() == "atomd.llm", f"{r.stderr[-2000:]} (a venv made before: make venv)"
