@@ -235,3 +235,38 @@ def test_engine_death_gives_503_and_fails_ready():
         assert srv.proc.poll() is None  # the API process itself keeps answering
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("flags,logged", [
+    ((), {"/v1/completions"}),
+    (("--access-log-probes",), {"/v1/completions", "/health", "/ready", "/metrics"}),
+    (("--disable-access-log",), set()),
+    (("--disable-uvicorn-access-log",), set()),  # vLLM's name
+])
+def test_access_log_flags(flags, logged, caplog):
+    """Which requests the access log keeps: all but the probes by default."""
+    import argparse
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from atomd.config import EngineConfig
+    from atomd.server import Server, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(list(flags))
+    server = Server(EngineConfig.from_args(args), args)
+
+    async def handler(request):
+        return web.Response(text="ok")
+
+    async def requests():
+        for method, path in (("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/ready"),
+                             ("GET", "/metrics")):
+            await server.access_log(make_mocked_request(method, path), handler)
+
+    with caplog.at_level("INFO", logger="atomd.access"):
+        asyncio.run(requests())
+    assert {json.loads(r.getMessage())["path"] for r in caplog.records if r.name == "atomd.access"} == logged
