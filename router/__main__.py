@@ -24,10 +24,16 @@ from router.policies import POLICIES
 DEBUG: contextvars.ContextVar[bool] = contextvars.ContextVar("debug", default=False)
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose errors are one line (as atomd/cli.py's: argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_args(argv: list[str] | None) -> RouterConfig:
     d = RouterConfig()
-    p = argparse.ArgumentParser(prog="atomd-router", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineErrors(prog="atomd-router", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     workers = p.add_argument_group("workers")
     workers.add_argument("--prefill", action="append", default=[], metavar="URL",
                          help="a prefill engine's base URL (repeatable; more can join via POST /workers)")

@@ -58,6 +58,14 @@ def test_model_dir_without_config_json(command, tmp_path):
     assert_one_line(r, str(tmp_path), "config.json", "--model")
 
 
+@pytest.mark.parametrize("argv", [["-m", "atomd", "serve", "--port", "x"], ["-m", "router", "--port", "x"],
+                                  ["-m", "atomd", "generate", "--prompt", "a", "--kv-role", "sideways"],
+                                  ["-m", "atomd", "bench", "serve", "--base-url", "u", "--num-prompts", "many"]])
+def test_bad_flag_value(argv):
+    r = run(*argv)
+    assert_one_line(r, "error: argument", argv[-2])
+
+
 def test_bench_unreachable_server():
     url = f"http://127.0.0.1:{free_port()}"
     r = run("-m", "atomd", "bench", "serve", "--base-url", url, "--num-prompts", "1", "--disable-tqdm")
