@@ -21,7 +21,7 @@ set -euo pipefail
 # Bash keeps a signal ignored at its start (a background job of a non-interactive shell
 # starts with SIGINT ignored) and cannot trap it: run again with SIGINT at its default.
 if (( 16#$(awk '/^SigIgn/ {print $2}' /proc/$$/status 2>/dev/null || echo 0) & 2 )) \
-    && [[ -z "${ATOMD_PD_PAIR_REEXEC:-}" ]]; then
+    && [[ -z "${ATOMD_PD_PAIR_REEXEC:-}" ]] && command -v python3 >/dev/null; then
   export ATOMD_PD_PAIR_REEXEC=1
   exec python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp("bash", ["bash", *sys.argv[1:]])' \
     "${BASH_SOURCE[0]}" "$@"
