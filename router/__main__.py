@@ -33,7 +33,8 @@ class OneLineErrors(argparse.ArgumentParser):
 
 def parse_args(argv: list[str] | None) -> RouterConfig:
     d = RouterConfig()
-    p = OneLineErrors(prog="atomd-router", description=__doc__, formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineErrors(prog="atomd-router", description=__doc__,
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     workers = p.add_argument_group("workers")
     workers.add_argument("--prefill", action="append", default=[], metavar="URL",
                          help="a prefill engine's base URL (repeatable; more can join via POST /workers)")
@@ -150,9 +151,17 @@ async def serve(config: RouterConfig, resolver: Resolver | None = None) -> None:
     router = Router(config, resolver)
     try:
         url = await router.start()
-    except BaseException:
+    except BaseException as e:
         await router.stop()
-        raise
+        bind = isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+        if not bind or DEBUG.get():
+            raise
+        # cannot listen: the user's to fix, one line naming the flag (the trace with --debug)
+        print("atomd-router: error: " + (
+            f"port {config.port} on {config.host} is in use by another process; pick a free one with --port"
+            if e.errno == errno.EADDRINUSE else
+            f"cannot listen on {config.host}:{config.port} ({e.strerror}); check --host and --port"), file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"atomd-router: ready at {url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -174,17 +183,7 @@ def main(argv: list[str] | None = None, resolver: Resolver | None = None) -> int
         run = uvloop.run
     except ImportError:  # uvloop is optional: plain asyncio works, a little slower
         run = asyncio.run
-    try:
-        run(serve(config, resolver))
-    except OSError as e:  # cannot listen: the user's to fix, one line naming the flag
-        if DEBUG.get():
-            raise
-        where = f"{config.host}:{config.port}"
-        print("atomd-router: error: " + (
-            f"port {config.port} on {config.host} is in use by another process; pick a free one with --port"
-            if e.errno == errno.EADDRINUSE else f"cannot listen on {where} ({e.strerror or e}); check --host and --port"),
-            file=sys.stderr)
-        return 2
+    run(serve(config, resolver))
     return 0
 
 

@@ -41,8 +41,9 @@ def test_serve_port_in_use(taken_port):
     assert_one_line(r, f"port {taken_port}", "in use", "--port")
 
 
-def test_serve_debug_shows_the_traceback(taken_port):
-    r = run("-m", "atomd", "serve", "--port", str(taken_port), "--debug")
+@pytest.mark.parametrize("command", [("atomd", "serve"), ("router",)])
+def test_debug_shows_the_traceback(taken_port, command):
+    r = run("-m", *command, "--port", str(taken_port), "--debug")
     assert r.returncode == 2 and "Traceback" in r.stderr and "--port" in r.stderr
 
 
