@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import contextvars
 import errno
 import logging
 import signal
@@ -20,10 +19,6 @@ from router.discovery import Resolver
 from router.policies import POLICIES
 
 
-# --debug: the command line's, not the router's configuration
-DEBUG: contextvars.ContextVar[bool] = contextvars.ContextVar("debug", default=False)
-
-
 class OneLineErrors(argparse.ArgumentParser):
     """argparse whose errors are one line (as atomd/cli.py's: argparse prints the whole usage first)."""
 
@@ -32,6 +27,11 @@ class OneLineErrors(argparse.ArgumentParser):
 
 
 def parse_args(argv: list[str] | None) -> RouterConfig:
+    return parse_command_line(argv)[0]
+
+
+def parse_command_line(argv: list[str] | None) -> tuple[RouterConfig, bool]:
+    """The router's configuration and --debug (the command line's, not the router's)."""
     d = RouterConfig()
     p = OneLineErrors(prog="atomd-router", description=__doc__,
                       formatter_class=argparse.ArgumentDefaultsHelpFormatter)
@@ -139,10 +139,10 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     p.add_argument("--debug", action="store_true",
                    help="log at debug level and show the traceback of a start-up error")
     args = vars(p.parse_args(argv))
-    DEBUG.set(args.pop("debug"))
+    debug = args.pop("debug")
     try:
         load_secret(path=args["kv_params_secret_file"])  # an unreadable or empty secret: an error now
-        return RouterConfig(**args)
+        return RouterConfig(**args), debug
     except ValueError as e:
         p.error(str(e))
 
@@ -154,9 +154,10 @@ async def serve(config: RouterConfig, resolver: Resolver | None = None) -> None:
     except BaseException as e:
         await router.stop()
         bind = isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
-        if not bind or DEBUG.get():
+        if not bind:
             raise
         # cannot listen: the user's to fix, one line naming the flag (the trace with --debug)
+        logging.getLogger("atomd.router").debug("cannot listen", exc_info=True)
         print("atomd-router: error: " + (
             f"port {config.port} on {config.host} is in use by another process; pick a free one with --port"
             if e.errno == errno.EADDRINUSE else
@@ -175,15 +176,15 @@ async def serve(config: RouterConfig, resolver: Resolver | None = None) -> None:
 
 def main(argv: list[str] | None = None, resolver: Resolver | None = None) -> int:
     """`resolver`: how --prefill-dns / --decode-dns names are looked up (tests map them)."""
-    config = parse_args(argv)
-    logging.basicConfig(level=logging.DEBUG if DEBUG.get() else logging.INFO,
+    config, debug = parse_command_line(argv)
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
-        run = uvloop.run
     except ImportError:  # uvloop is optional: plain asyncio works, a little slower
-        run = asyncio.run
-    run(serve(config, resolver))
+        asyncio.run(serve(config, resolver))
+    else:
+        uvloop.run(serve(config, resolver))
     return 0
 
 
