@@ -158,9 +158,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"kv_params_secret_file {self.kv_params_secret_file!r} is not a file")
         if self.model is not None and not os.path.isdir(self.model):
             raise ValueError(f"model must be a local Hugging Face checkpoint directory, got {self.model!r}")
-        if self.model is not None and not os.path.isfile(os.path.join(self.model, "config.json")):
-            raise ValueError(f"model directory {self.model!r} has no config.json: give --model a Hugging Face "
-                             f"checkpoint directory (config.json, tokenizer.json, *.safetensors)")
         spec = self.speculative()
         if spec is not None and spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
             raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {spec.num_speculative_tokens + 1} "
@@ -185,6 +182,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if isinstance(kwargs.get("speculative_config"), dict):  # LLM(speculative_config={...}), as vLLM
             kwargs["speculative_config"] = json.dumps(kwargs["speculative_config"])
         return cls(**kwargs)
+
+    def check_model_dir(self) -> None:
+        """ValueError unless --model holds a checkpoint; checked where the model is about to load
+        (serve, generate), so a bad directory is one line there instead of the engine core's trace."""
+        if self.model is not None and not os.path.isfile(os.path.join(self.model, "config.json")):
+            raise ValueError(f"model directory {self.model!r} has no config.json: give --model a Hugging Face "
+                             f"checkpoint directory (config.json, tokenizer.json, *.safetensors)")
 
     def trusted_producers(self) -> list[str]:
         return [h.strip() for h in (self.kv_trusted_producers or "").split(",") if h.strip()]

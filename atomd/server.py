@@ -119,6 +119,7 @@ def run(args: argparse.Namespace) -> int:
     access_logger.propagate = False
     try:
         config = EngineConfig.from_args(args)
+        config.check_model_dir()
     except ValueError as e:
         print(f"atomd serve: error: {e}", file=sys.stderr)
         return 2
