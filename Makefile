@@ -6,12 +6,15 @@ PYTEST_ARGS ?=
 
 .PHONY: venv test test-unit test-integration e2e-netns helm-check image-check bench clean load chaos
 
-$(VENV)/.installed: pyproject.toml
+$(VENV)/.installed: pyproject.toml Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# torch first and pinned: an unpinned torch would pull a multi-GB CUDA build.
 	$(PY) -m pip install -q --upgrade pip
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -e '.[test,mooncake]' && ($(PY) -c 'import mooncake.engine' 2>/dev/null || if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq libibverbs1 librdmacm1; else echo 'mooncake needs: sudo apt-get install -y libibverbs1 librdmacm1 (its tests skip until then)'; fi)
+	# The repository root on sys.path as well: a script beside a clone named atomd/ then imports
+	# the package, not the clone's folder as an empty namespace package ("cannot import name 'LLM'").
+	$(PY) -c 'import pathlib, site; pathlib.Path(site.getsitepackages()[0], "atomd-repo.pth").write_text(str(pathlib.Path.cwd()) + "\n")'
 	touch $@
 
 venv: $(VENV)/.installed

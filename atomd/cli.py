@@ -17,6 +17,14 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose errors are one line naming the flag (argparse prints the whole usage
+    first: 50 lines for `atomd serve`); --help still shows it."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     parser = argparse.ArgumentParser(prog="atomd")
@@ -27,10 +35,18 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help()
         return 0 if not argv or argv[0] in ("-h", "--help") else 2
     module = importlib.import_module(COMMANDS[argv[0]][0])
-    cmd_parser = argparse.ArgumentParser(prog=f"atomd {argv[0]}")
+    cmd_parser = OneLineErrors(prog=f"atomd {argv[0]}")
     module.add_arguments(cmd_parser)
+    cmd_parser.add_argument("--debug", action="store_true",
+                            help="log at debug level and show the traceback of a start-up error")
     args = cmd_parser.parse_args(argv[1:])
-    return int(module.run(args) or 0)
+    try:
+        return int(module.run(args) or 0)
+    except OSError as e:  # a file the user named is missing or unreadable: theirs to fix, one line
+        if args.debug or e.filename is None:
+            raise
+        print(f"atomd {argv[0]}: error: {e.filename}: {e.strerror or e} (--debug shows where)", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

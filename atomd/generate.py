@@ -32,6 +32,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         config = EngineConfig.from_args(args)
+        config.check_model_dir()
         params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                                 top_k=args.top_k, seed=args.sampling_seed, ignore_eos=args.ignore_eos,
                                 stop=args.stop)

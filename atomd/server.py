@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
+import errno
 import hmac
 import json
 import logging
@@ -62,6 +63,7 @@ SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
+PROBE_PATHS = ("/health", "/ready", "/metrics")  # not in the access log unless --access-log-probes
 ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort")  # and everything under /debug/
 RANK_HEADER = "X-data-parallel-rank"
 PARSER_THREADS = 2  # requests parsed and tokenized at once (tokenizers drop the GIL)
@@ -101,6 +103,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "for this long (probed every third of it), so a router takes a wedged engine out of "
                         "rotation; it must exceed the longest engine step")
     L.add_arguments(parser.add_argument_group("request limits (a request over one is a 400 naming it)"))
+    g.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log",
+                   action="store_true", help="write no access log lines (vLLM's name is accepted too)")
+    g.add_argument("--access-log-probes", action="store_true",
+                   help="log the probes too (%s: a router asks every few seconds), which are left out by default"
+                        % ", ".join(PROBE_PATHS))
     g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
                    help="how tool calls are read from the model's output (chat requests with tools)")
 
@@ -108,7 +115,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from atomd.config import EngineConfig
 
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr,
+    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     access = logging.StreamHandler(sys.stderr)  # bare JSON lines, one per request
     access.setFormatter(logging.Formatter("%(message)s"))
@@ -116,6 +123,7 @@ def run(args: argparse.Namespace) -> int:
     access_logger.propagate = False
     try:
         config = EngineConfig.from_args(args)
+        config.check_model_dir()
     except ValueError as e:
         print(f"atomd serve: error: {e}", file=sys.stderr)
         return 2
@@ -128,7 +136,13 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
     runner = JSONErrorRunner(server.app, handler_cancellation=True, access_log=None,
                              shutdown_timeout=SHUTDOWN_TIMEOUT_S, **HEAD_LIMITS)
     await runner.setup()
-    await web.TCPSite(runner, args.host, args.port).start()
+    try:
+        await web.TCPSite(runner, args.host, args.port).start()
+    except OSError as e:  # the user's to fix: one line naming the flag (the trace with --debug)
+        logger.debug("cannot listen on %s:%s", args.host, args.port, exc_info=True)
+        await runner.cleanup()
+        print(f"atomd serve: error: {listen_error(e, args.host, args.port)}", file=sys.stderr)
+        return 2
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -147,6 +161,22 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
         await runner.cleanup()
         await server.client.shutdown()
         server.parser.shutdown(wait=False)
+
+
+def unschedulable_param(code: ErrorCode | None, req: Any, params: Any, max_num_seqs: int) -> str | None:
+    """The field to blame for the scheduler's refusal: more choices than --max-num-seqs (best_of
+    or n), else the prompt is too long (for the context or the KV pool)."""
+    if code is not ErrorCode.UNSCHEDULABLE:
+        return None
+    if params.num_samples > max_num_seqs:
+        return "best_of" if params.best_of is not None else "n"
+    return "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
+
+
+def listen_error(e: OSError, host: str, port: int) -> str:
+    if e.errno == errno.EADDRINUSE:
+        return f"port {port} on {host} is in use by another process; pick a free one with --port"
+    return f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port"
 
 
 HEAD_LIMITS = dict(max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS)
@@ -271,9 +301,10 @@ class Server:
             status = 499  # client closed the connection
             raise
         finally:
-            access_logger.info(json.dumps({
-                "ts": round(time.time(), 6), "method": request.method, "path": request.path, "status": status,
-                "latency_s": round(time.perf_counter() - t0, 6), "request_id": request_id}))
+            if not self.args.disable_access_log and (self.args.access_log_probes or request.path not in PROBE_PATHS):
+                access_logger.info(json.dumps({
+                    "ts": round(time.time(), 6), "method": request.method, "path": request.path, "status": status,
+                    "latency_s": round(time.perf_counter() - t0, 6), "request_id": request_id}))
 
     @web.middleware
     async def errors(self, request: web.Request, handler):
@@ -518,7 +549,8 @@ class Server:
             if head.error is not None:  # refused or rejected by the engine, or a failed KV pull
                 status, kind = ERROR_STATUS.get(head.error_code, (500, "server_error"))
                 code = head.error_code.value if head.error_code is not None else None
-                raise P.APIError(status, head.error, type=kind, code=code)
+                raise P.APIError(status, head.error, type=kind, code=code,
+                                 param=unschedulable_param(head.error_code, req, params, self.config.max_num_seqs))
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
             batch = first

@@ -45,6 +45,45 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+def port_in_use(port: int, host: str = LOOPBACK) -> bool:
+    """Whether binding `host`:`port` fails now (someone listens there)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the servers bind: TIME_WAIT is free
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+        return False
+
+
+def listens_on(pid: int, port: int) -> bool:
+    """Whether process `pid` itself holds a listening TCP socket on `port` (Linux: its
+    /proc/PID/net/tcp{,6} rows in LISTEN state whose inode is one of its fds), so a caller
+    can tell its own server from another process answering on the same port."""
+    inodes = set()
+    for table in ("tcp", "tcp6"):
+        try:
+            rows = pathlib.Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]
+        except OSError:
+            return False
+        for row in rows:
+            f = row.split()
+            if f[3] == "0A" and int(f[1].rsplit(":", 1)[1], 16) == port:  # 0A: LISTEN
+                inodes.add(f[9])
+    try:
+        fds = list(pathlib.Path(f"/proc/{pid}/fd").iterdir())
+    except OSError:
+        return False
+    for fd in fds:
+        try:
+            link = os.readlink(fd)
+        except OSError:
+            continue
+        if link.startswith("socket:[") and link[8:-1] in inodes:
+            return True
+    return False
+
+
 def http(method: str, url: str, body: bytes | dict | list | None = None, headers: dict | None = None,
          timeout: float = 60.0) -> tuple[int, bytes]:
     """(status, body) of one request; error statuses are returned, not raised.
@@ -140,6 +179,10 @@ class ServerProcess:
         try:
             wait_until_ready(self.proc, self.url, self.name, self.ready_timeout_s if timeout_s is None else timeout_s,
                              path or self.ready_path, detail=f"{shlex.join(self.argv)}; {where}")
+            port = getattr(self, "port", None)  # 200 from another server on our port is not ours
+            if port is not None and not listens_on(self.proc.pid, port):
+                raise RuntimeError(f"{self.name}: another process answers on port {port}, which it could not bind "
+                                   f"({where})")
         except BaseException:
             self.stop(FAILED_START_GRACE_S)
             raise

@@ -262,9 +262,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--config", required=True, help="YAML config (see launch/ray_config.py)")
     p.add_argument("--address", default="auto",
                    help="Ray cluster to join when run directly (inside `ray job submit` Ray sets it)")
+    p.add_argument("--node-ip-address", default=None, metavar="ADDR",
+                   help="the address the engines and the router listen on and advertise, as given to `ray start "
+                        "--node-ip-address` (Ray 2.60 swaps a loopback one for the machine's address; atomd keeps "
+                        "it); overrides the config's engine_host and router.host")
+    p.add_argument("--router-host", default=None,
+                   help="the router's bind address (overrides router.host and --node-ip-address; e.g. 0.0.0.0)")
+    p.add_argument("--router-port", type=int, default=None, help="the router's port (overrides router.port)")
     args = p.parse_args(argv)
+    top = {"engine_host": args.node_ip_address} if args.node_ip_address else {}
+    router = {k: v for k, v in (("host", args.router_host or args.node_ip_address), ("port", args.router_port))
+              if v is not None}
     try:
-        config = load_config(args.config)
+        config = load_config(args.config, router, top)
     except (OSError, ValueError) as e:
         print(f"ray_cluster: error: {e}", file=sys.stderr)
         return 2

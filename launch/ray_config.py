@@ -134,11 +134,20 @@ def parse_config(data: object) -> ClusterConfig:
         raise _field_error(e) from None
 
 
-def load_config(path: str | Path) -> ClusterConfig:
-    """Read and validate a YAML config; ValueError names the file and the field."""
+def load_config(path: str | Path, router: dict | None = None, top: dict | None = None) -> ClusterConfig:
+    """Read and validate a YAML config; ValueError names the file and the field. `router`
+    and `top`: fields of its `router` section and of the top level set from the command line
+    (router host and port, engine_host), validated alike."""
     text = Path(path).read_text()
     try:
-        return parse_config(yaml.safe_load(text))
+        data = yaml.safe_load(text)
+        if router or top:
+            data = {} if data is None else data
+            if not isinstance(data, dict) or not isinstance(data.setdefault("router", {}), dict):
+                raise ValueError("the config and its `router` section must be mappings")
+            data.update(top or {})
+            data["router"].update(router or {})
+        return parse_config(data)
     except (ValueError, yaml.YAMLError) as e:
         raise ValueError(f"{path}: {e}") from None
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ctypes
+import errno
 import logging
 import signal
 import sys
@@ -21,10 +22,22 @@ from router.policies import POLICIES
 M_MMAP_THRESHOLD = -3  # glibc's mallopt parameter
 
 
+class OneLineErrors(argparse.ArgumentParser):
+    """argparse whose errors are one line (as atomd/cli.py's: argparse prints the whole usage first)."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message} (--help lists the flags)\n")
+
+
 def parse_args(argv: list[str] | None) -> RouterConfig:
+    return parse_command_line(argv)[0]
+
+
+def parse_command_line(argv: list[str] | None) -> tuple[RouterConfig, bool]:
+    """The router's configuration and --debug (the command line's, not the router's)."""
     d = RouterConfig()
-    p = argparse.ArgumentParser(prog="atomd-router", description=__doc__,
-                                formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    p = OneLineErrors(prog="atomd-router", description=__doc__,
+                      formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     workers = p.add_argument_group("workers")
     workers.add_argument("--prefill", action="append", default=[], metavar="URL",
                          help="a prefill engine's base URL (repeatable; more can join via POST /workers)")
@@ -141,17 +154,33 @@ def parse_args(argv: list[str] | None) -> RouterConfig:
     sec.add_argument("--kv-params-secret-file", default=None, metavar="PATH",
                      help="file holding the secret shared with the engines; the router signs the "
                           "kv_transfer_params it sends decode engines with it (default: $ATOMD_KV_PARAMS_SECRET)")
-    args = p.parse_args(argv)
+    p.add_argument("--debug", action="store_true",
+                   help="log at debug level and show the traceback of a start-up error")
+    args = vars(p.parse_args(argv))
+    debug = args.pop("debug")
     try:
-        load_secret(path=args.kv_params_secret_file)  # an unreadable or empty secret: an error now
-        return RouterConfig(**vars(args))
+        load_secret(path=args["kv_params_secret_file"])  # an unreadable or empty secret: an error now
+        return RouterConfig(**args), debug
     except ValueError as e:
         p.error(str(e))
 
 
 async def serve(config: RouterConfig, resolver: Resolver | None = None) -> None:
     router = Router(config, resolver)
-    url = await router.start()
+    try:
+        url = await router.start()
+    except BaseException as e:
+        await router.stop()
+        bind = isinstance(e, OSError) and e.errno in (errno.EADDRINUSE, errno.EADDRNOTAVAIL, errno.EACCES)
+        if not bind:
+            raise
+        # cannot listen: the user's to fix, one line naming the flag (the trace with --debug)
+        logging.getLogger("atomd.router").debug("cannot listen", exc_info=True)
+        print("atomd-router: error: " + (
+            f"port {config.port} on {config.host} is in use by another process; pick a free one with --port"
+            if e.errno == errno.EADDRINUSE else
+            f"cannot listen on {config.host}:{config.port} ({e.strerror}); check --host and --port"), file=sys.stderr)
+        raise SystemExit(2) from None
     print(f"atomd-router: ready at {url}", flush=True)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -177,9 +206,10 @@ def return_big_buffers_to_the_os() -> None:
 
 def main(argv: list[str] | None = None, resolver: Resolver | None = None) -> int:
     """`resolver`: how --prefill-dns / --decode-dns names are looked up (tests map them)."""
-    config = parse_args(argv)
+    config, debug = parse_command_line(argv)
     return_big_buffers_to_the_os()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=logging.DEBUG if debug else logging.INFO,
+                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         import uvloop
     except ImportError:  # uvloop is optional: plain asyncio works, a little slower

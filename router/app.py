@@ -156,8 +156,8 @@ class RouterConfig:
 
 
 def json_error(resp: Response, status: int, message: str, type: str = "invalid_request_error",
-               code: str | None = None, headers: bytes = b"") -> None:
-    resp.send(status, error_body(message, type, code), headers=headers)
+               code: str | None = None, headers: bytes = b"", param: str | None = None) -> None:
+    resp.send(status, error_body(message, type, code, param), headers=headers)
 
 
 def json_response(resp: Response, obj: object, status: int = 200) -> None:
@@ -353,14 +353,15 @@ class Router:
         try:
             body = msgspec.json.decode(raw)
         except msgspec.DecodeError as e:
-            return json_error(resp, 400, f"request body is not valid JSON: {e}")
+            return json_error(resp, 400, f"request body is not valid JSON: {e}", code="invalid_json")
         except RecursionError:  # msgspec's nesting limit: the client's body, not our bug
-            return json_error(resp, 400, "request body is not valid JSON: nested too deeply")
+            return json_error(resp, 400, "request body is not valid JSON: nested too deeply", code="invalid_json")
         if not isinstance(body, dict):
-            return json_error(resp, 400, "request body must be a JSON object")
+            return json_error(resp, 400, "request body must be a JSON object", code="invalid_json")
         stream = body.get("stream", False)
         if stream is not False and not isinstance(stream, bool):
-            return json_error(resp, 400, f"stream must be a boolean, got {clip(stream)}")
+            return json_error(resp, 400, f"stream must be a boolean, got {clip(stream)}", code="invalid_value",
+                              param="stream")
         admission = self.admission
         try:
             await admission.enter()
@@ -441,7 +442,7 @@ class Router:
             spec = self.worker_request(req, AddWorker)
             worker, created = self.registry.add(spec.url, spec.role)
         except ValueError as e:
-            return json_error(resp, 400, str(e))
+            return json_error(resp, 400, str(e), code="invalid_value")
         if created:
             await self.registry.check(worker)  # in rotation at once when it answers
             logger.info("registered %s worker %s (healthy=%s)", worker.role, worker.url, worker.healthy)
@@ -452,7 +453,7 @@ class Router:
             spec = self.worker_request(req, RemoveWorker)
             removed = await self.registry.remove(spec.url, spec.role)
         except ValueError as e:
-            return json_error(resp, 400, str(e))
+            return json_error(resp, 400, str(e), code="invalid_value")
         if not removed:
             return json_error(resp, 404, f"no worker {clip(spec.url)} is registered", code="unknown_worker")
         json_response(resp, {"removed": [w.describe() for w in removed]})

@@ -91,8 +91,9 @@ _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 
 
-def error_body(message: str, type: str = "upstream_error", code: str | None = None) -> bytes:
-    return _encode({"error": {"message": message, "type": type, "param": None, "code": code}})
+def error_body(message: str, type: str = "upstream_error", code: str | None = None,
+               param: str | None = None) -> bytes:
+    return _encode({"error": {"message": message, "type": type, "param": param, "code": code}})
 
 
 class LegError(Exception):

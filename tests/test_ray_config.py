@@ -96,3 +96,17 @@ def test_every_engine_kv_backend_is_a_ray_config_choice():
 
     for backend in KV_TRANSFER_BACKENDS:
         assert parse_config({"kv_transfer_backend": backend}).kv_transfer_backend == backend
+
+
+def test_router_host_and_port_from_the_command_line(tmp_path):
+    """launch.ray_cluster --router-host / --router-port: no copy of the YAML to change them, and
+    they are validated like the file's."""
+    c = load_config(CONFIGS / "1p1d.yaml", {"host": "127.0.0.1", "port": 18000})
+    assert (c.router.host, c.router.port, c.router.policy) == ("127.0.0.1", 18000, "round_robin")
+    assert load_config(CONFIGS / "1p1d.yaml").router.port == 8000
+    with pytest.raises(ValueError, match="port"):
+        load_config(CONFIGS / "1p1d.yaml", {"port": 70000})
+    empty = tmp_path / "empty.yaml"
+    empty.write_text("")
+    assert load_config(empty, {"port": 18001}).router.port == 18001
+    assert load_config(empty, top={"engine_host": "127.0.0.1"}).engine_host == "127.0.0.1"

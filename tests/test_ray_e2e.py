@@ -184,11 +184,9 @@ class Job:
 
 
 def write_config(tmp_dir: Path, name: str, **overrides) -> Path:
-    """A shipped config with a free router port and the test engines' small pool."""
+    """A shipped config with the test engines' small pool. Nothing in it says where to listen:
+    submit() gives the launcher the head's --node-ip-address and a free router port."""
     data = yaml.safe_load((ROOT / "launch" / "configs" / name).read_text())
-    data["router"]["port"] = free_port()
-    # Ray itself binds the node's IP; our engines and router stay on loopback in tests.
-    data["router"]["host"] = data["engine_host"] = "127.0.0.1"
     for role in ("prefill", "decode"):
         data[role]["extra_args"] = [*data[role].get("extra_args", []), *TEST_ENGINE_FLAGS]
         data[role].update(overrides.get(role, {}))
@@ -201,7 +199,8 @@ def submit(head: RayHead, config: Path) -> Job:
     job = Job(head, f"atomd-test-{os.getpid()}-{time.monotonic_ns()}")
     result = ray_cli("job", "submit", "--address", head.dashboard_url, "--no-wait",
                      "--submission-id", job.submission_id, "--working-dir", ".", "--",
-                     "python", "-m", "launch.ray_cluster", "--config", str(config))
+                     "python", "-m", "launch.ray_cluster", "--config", str(config),
+                     "--node-ip-address", "127.0.0.1", "--router-port", str(free_port()))
     assert result.returncode == 0, result.stdout + result.stderr
     return job
 
@@ -252,6 +251,9 @@ def metric(engine_url: str, sample: str) -> float:
 
 def test_greedy_through_the_ray_router_matches_colocated_serve(job_1p1d):
     [decode] = workers(job_1p1d.router_url, "decode")
+    [prefill] = workers(job_1p1d.router_url, "prefill")
+    # the launcher's --node-ip-address is what atomd binds (Ray 2.60 swaps a loopback one for the machine's)
+    assert all(url.startswith("http://127.0.0.1:") for url in (job_1p1d.router_url, decode["url"], prefill["url"]))
     pulled_before = metric(decode["url"], "atomd:kv_transfer_bytes_total")
     through_ray = complete(job_1p1d.router_url)
     assert metric(decode["url"], "atomd:kv_transfer_bytes_total") > pulled_before, "D did not pull the prompt KV"

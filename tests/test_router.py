@@ -174,6 +174,25 @@ def test_a_worker_enters_on_ready_and_stays_on_health(loop, request):
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+def test_every_400_names_its_code_and_param(loop, request):
+    """The router's own 400s have the engine's error shape: a code always, the field when one is to blame."""
+    import json
+
+    from launch.process import http as raw_http
+
+    c = cluster_of(loop, request, health_interval_s=60)
+    cases = [(b'{"prompt": "a", ', "invalid_json", None), (b'["a"]', "invalid_json", None),
+             (b'{"prompt": "a", "stream": "yes"}', "invalid_value", "stream")]
+    for body, code, param in cases:
+        status, answer = raw_http("POST", c.url + "/v1/completions", body)
+        err = json.loads(answer)["error"]
+        assert (status, err["code"], err["param"]) == (400, code, param), answer
+    bad = c.post("/workers", {"url": "localhost", "role": "decode"})
+    assert bad.status == 400 and bad.json()["error"]["code"] == "invalid_value"
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_workers_can_be_registered_and_removed_at_run_time(loop, request):
     c = cluster_of(loop, request, n_decode=0, health_interval_s=60)
     assert c.get("/ready").status == 503  # no decode worker

@@ -144,6 +144,16 @@ def test_dashboard_shows_every_worker_and_updates_after_a_request(browser):
                     assert await dt.eval("Number(document.body.dataset.updates)") > updates
                     await dt.wait_for("document.querySelector('#latency tbody').textContent.includes('completions')")
                     await dt.wait_for("document.querySelector('#decisions tbody').textContent.includes('cache_aware')")
+                    # readable at 1024 px: no horizontal scroll, every column of every table inside
+                    await dt.call("Emulation.setDeviceMetricsOverride", width=1024, height=768,
+                                  deviceScaleFactor=1, mobile=False)
+                    fit = json.loads(await dt.eval(
+                        "JSON.stringify({scroll: document.documentElement.scrollWidth,"
+                        " client: document.documentElement.clientWidth,"
+                        " right: Math.max(...[...document.querySelectorAll('th, td')]"
+                        ".map(c => c.getBoundingClientRect().right))})"))
+                    assert fit["client"] > 1000 and fit["scroll"] <= fit["client"], fit
+                    assert fit["right"] <= fit["client"], fit
                     shot = await dt.call("Page.captureScreenshot", format="png")
                     # without the key the data is refused, and the page says why
                     await dt.call("Page.navigate", url=c.url + "/dashboard")

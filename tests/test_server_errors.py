@@ -74,7 +74,7 @@ CASES = {
     "n_zero": ("/v1/completions", {"prompt": "hi", "n": 0}, 400, "n"),
     "best_of_below_n": ("/v1/completions", {"prompt": "hi", "n": 3, "best_of": 2}, 400, "best_of"),
     "best_of_streamed": ("/v1/completions", {"prompt": "hi", "n": 1, "best_of": 2, "stream": True}, 400, "best_of"),
-    "best_of_above_max_num_seqs": ("/v1/completions", {"prompt": "hi", "best_of": 100}, 400, None),
+    "best_of_above_max_num_seqs": ("/v1/completions", {"prompt": "hi", "best_of": 100}, 400, "best_of"),
     "unknown_field": ("/v1/completions", {"prompt": "hi", "temprature": 0.5}, 400, "temprature"),
     "unknown_nested_field": ("/v1/chat/completions", chat(stream=True, stream_options={"usage": True}), 400,
                              "stream_options.usage"),
@@ -123,6 +123,8 @@ def assert_openai_error(status: int, body: bytes, want_status: int, want_param: 
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str) and err["message"]
     assert err["param"] == want_param
+    if want_status == 400:  # every 400 says which kind of mistake, and names the field when there is one
+        assert isinstance(err["code"], str) and err["code"], err
     return err
 
 
@@ -145,8 +147,8 @@ def test_bad_request_is_answered_and_leaks_nothing(server, baseline, case):
 def test_prompt_longer_than_max_model_len_gets_the_schedulers_message(server, baseline, stream):
     body = {"prompt": long_ids(MAX_MODEL_LEN + 20), "max_tokens": 4, "stream": stream}
     status, resp = http("POST", server.url + "/v1/completions", body, AUTH)
-    err = assert_openai_error(status, resp, 400, None)
-    assert err["message"].startswith("unschedulable")
+    err = assert_openai_error(status, resp, 400, "prompt")
+    assert err["code"] == "unschedulable" and err["message"].startswith("unschedulable")
     assert f"max_model_len={MAX_MODEL_LEN}" in err["message"]
     assert_still_serving(server, baseline)
 
@@ -188,6 +190,9 @@ def test_access_log_has_one_json_line_per_request(server, baseline, server_log):
     assert (bad["method"], bad["path"], bad["status"]) == ("POST", "/v1/completions", 400)
     assert streamed["status"] == 200 and streamed["latency_s"] > 0
     assert {"ts", "method", "path", "status", "latency_s", "request_id"} <= set(bad)
+    # Probes (the fixture polled /ready; a router asks every few seconds) stay out of it.
+    assert all(http("GET", server.url + path)[0] == 200 for path in ("/health", "/metrics"))
+    assert not {"/health", "/ready", "/metrics"} & {e["path"] for e in access_lines(server_log)}
 
 
 def test_openai_client_maps_errors(server, baseline):
@@ -230,3 +235,38 @@ def test_engine_death_gives_503_and_fails_ready():
         assert srv.proc.poll() is None  # the API process itself keeps answering
     finally:
         srv.stop()
+
+
+@pytest.mark.parametrize("flags,logged", [
+    ((), {"/v1/completions"}),
+    (("--access-log-probes",), {"/v1/completions", "/health", "/ready", "/metrics"}),
+    (("--disable-access-log",), set()),
+    (("--disable-uvicorn-access-log",), set()),  # vLLM's name
+])
+def test_access_log_flags(flags, logged, caplog):
+    """Which requests the access log keeps: all but the probes by default."""
+    import argparse
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import make_mocked_request
+
+    from atomd.config import EngineConfig
+    from atomd.server import Server, add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(list(flags))
+    server = Server(EngineConfig.from_args(args), args)
+
+    async def handler(request):
+        return web.Response(text="ok")
+
+    async def requests():
+        for method, path in (("POST", "/v1/completions"), ("GET", "/health"), ("GET", "/ready"),
+                             ("GET", "/metrics")):
+            await server.access_log(make_mocked_request(method, path), handler)
+
+    with caplog.at_level("INFO", logger="atomd.access"):
+        asyncio.run(requests())
+    assert {json.loads(r.getMessage())["path"] for r in caplog.records if r.name == "atomd.access"} == logged
