@@ -1,0 +1,163 @@
+"""The model registry's newer families against Hugging Face transformers, on tiny random
+checkpoints written by `save_pretrained` (tests/test_model_hf.py's make_checkpoint):
+Qwen3 (q/k norm; tied and untied head), Qwen3-MoE (dense and sparse layers mixed through
+mlp_only_layers / decoder_sparse_step; norm_topk_prob both ways) and Mixtral; and the MoE
+block against a per-token reference on chosen routings."""
+from __future__ import annotations
+
+import logging
+import pathlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from atomd.llm import LLM
+from atomd.model import moe as moe_mod
+from atomd.model.moe import MoeWeights, moe
+from scheduler.sequence import SamplingParams
+from tests.test_model_hf import (BLOCK, MIXED, _prompt_logits, assert_equals_hf, engine_greedy, hf_model,
+                                 make_checkpoint, prompts_of)
+
+pytestmark = pytest.mark.unit
+torch.set_num_threads(1)
+
+# name -> (kind, overrides); each a GQA model (4 query heads, 2 KV heads)
+CASES = {
+    "qwen3-untied": ("qwen3", {}),
+    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "num_hidden_layers": 3}),
+    # layers 0, 2, 3 sparse, 1 dense; top-2 weights renormalised
+    "qwen3_moe-mlp_only": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [1], "norm_topk_prob": True}),
+    # decoder_sparse_step 2: layer 1 sparse, 0 and 2 dense; top-2 weights as the softmax gave them
+    "qwen3_moe-step2": ("qwen3_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2, "norm_topk_prob": False,
+                                      "tie_word_embeddings": True}),
+    "mixtral": ("mixtral", {}),
+}
+SPARSE = {"qwen3-untied": (), "qwen3-tied": (), "qwen3_moe-mlp_only": (0, 2, 3), "qwen3_moe-step2": (1,),
+          "mixtral": (0, 1)}
+GREEDY48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    return {name: make_checkpoint(tmp_path_factory.mktemp(name), kind, seed=i + 20, **overrides)
+            for i, (name, (kind, overrides)) in enumerate(CASES.items())}
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_layers_are_what_the_config_says(name, checkpoints):
+    model = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128).engine.model
+    assert tuple(i for i, w in enumerate(model.layers) if w.moe is not None) == SPARSE[name]
+    assert all((w.gate_up is None) == (w.moe is not None) for w in model.layers)
+    assert all((w.q_norm is not None) == name.startswith("qwen3") for w in model.layers)
+    for w in model.layers:
+        if w.moe is not None:
+            assert w.moe.gate_up.shape[0] == 8 and w.moe.top_k == 2
+
+
+@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("chunk", [None, BLOCK])
+def test_prompt_logits_match_hf(name, chunk, checkpoints):
+    path = checkpoints[name]
+    args = {"max_num_batched_tokens": chunk} if chunk else {}
+    llm = LLM(str(path), num_threads=1, max_model_len=256, **args)
+    prompt = prompts_of([4 * BLOCK + 5], seed=3)[0]
+    got = _prompt_logits(llm, prompt)
+    with torch.inference_mode():
+        want = hf_model(path)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("name", CASES)
+def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, checkpoints):
+    path = checkpoints[name]
+    prompts = prompts_of(MIXED, seed=4)
+    llm = LLM(str(path), num_threads=1, max_model_len=256)
+    assert_equals_hf(path, prompts, engine_greedy(llm, prompts, GREEDY48), n=48)
+    # a shared 3-block prefix: the second run reads it from the cache
+    shared = prompts_of([3 * BLOCK], seed=5)[0]
+    prompts = [shared + tail for tail in prompts_of([5, 1], seed=6)]
+    chunked = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK)
+    first = engine_greedy(chunked, prompts, GREEDY48)
+    hits = chunked.engine.stats()["prefix_cache_hits"]
+    assert engine_greedy(chunked, prompts, GREEDY48) == first
+    assert chunked.engine.stats()["prefix_cache_hits"] - hits >= 2 * 3 * BLOCK
+    assert_equals_hf(path, prompts, first, n=48)
+
+
+def test_families_without_the_fused_decode_layer_say_so_once(checkpoints, caplog):
+    with caplog.at_level(logging.INFO, logger="atomd.model.decoder"):
+        model = LLM(str(checkpoints["qwen3_moe-step2"]), num_threads=1, max_model_len=128).engine.model
+    said = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
+    assert model.decode_layer is None
+    if model.layers[0].rows is not None:  # the GEMV kernel builds here: the fused layer would apply
+        assert len(said) == 1 and "Qwen3MoeForCausalLM" in said[0] and "q/k norm" in said[0]
+
+
+# ---------------------------------------------------------------- the MoE block
+
+
+def per_token_reference(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """Each token on its own, in float64: softmax, top-k, optional renormalisation, the
+    weighted sum of its experts' SwiGLU outputs."""
+    out = torch.zeros(h.shape, dtype=torch.float64)
+    for t in range(h.shape[0]):
+        x = h[t].double()
+        probs = torch.softmax(w.router.double() @ x, dim=-1)
+        top, ids = probs.topk(w.top_k)
+        if w.norm_topk_prob:
+            top = top / top.sum()
+        for p, e in zip(top.tolist(), ids.tolist()):
+            gate, up = (w.gate_up[e].double() @ x).chunk(2)
+            out[t] += p * (w.down[e].double() @ (F.silu(gate) * up))
+    return out
+
+
+def random_moe(experts: int = 8, hidden: int = 32, inter: int = 24, top_k: int = 2, norm: bool = True,
+               dtype: torch.dtype = torch.float32, seed: int = 0) -> MoeWeights:
+    g = torch.Generator().manual_seed(seed)
+    return MoeWeights(router=torch.randn(experts, hidden, generator=g).to(dtype),
+                      gate_up=(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
+                      down=(torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype),
+                      top_k=top_k, norm_topk_prob=norm)
+
+
+@pytest.mark.parametrize("norm", [True, False])
+@pytest.mark.parametrize("tokens", [1, 3, 37])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_block_equals_the_per_token_reference(norm, tokens, dtype):
+    w = random_moe(norm=norm, dtype=dtype, seed=tokens)
+    h = torch.randn(tokens, 32, generator=torch.Generator().manual_seed(1)).to(dtype)
+    got = moe(h, w)
+    assert got.dtype == dtype and got.shape == h.shape
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    torch.testing.assert_close(got.double(), per_token_reference(h, w), atol=tol, rtol=tol)
+
+
+def test_moe_block_with_idle_experts_and_all_tokens_on_one():
+    """A router that sends every token to experts 5 then 2 (six experts get nothing), and one
+    where the choices spread unevenly: both equal the reference."""
+    w = random_moe(seed=3)
+    h = torch.randn(20, 32, generator=torch.Generator().manual_seed(2))
+    h[:, 0] = h[:, 0].abs() + 1
+    w.router.zero_()
+    w.router[5, 0], w.router[2, 0] = 4.0, 2.0  # every token's largest logit, and its second
+    _, ids = moe_mod.route(h, w)
+    assert (ids[:, 0] == 5).all() and (ids[:, 1] == 2).all()
+    torch.testing.assert_close(moe(h, w).double(), per_token_reference(h, w), atol=1e-5, rtol=1e-5)
+    w.router.copy_(torch.randn(8, 32, generator=torch.Generator().manual_seed(9)))
+    w.router[:4, 0] = -100.0  # h[:, 0] >= 1: experts 0-3 never chosen
+    _, ids = moe_mod.route(h, w)
+    assert ids.min() >= 4
+    torch.testing.assert_close(moe(h, w).double(), per_token_reference(h, w), atol=1e-5, rtol=1e-5)
+
+
+def test_batch1_reads_only_the_chosen_experts(monkeypatch):
+    """One token: the experts run are exactly its top-k (the others' weights are not read)."""
+    w = random_moe(seed=5)
+    h = torch.randn(1, 32, generator=torch.Generator().manual_seed(6))
+    ran = []
+    real = moe_mod.expert
+    monkeypatch.setattr(moe_mod, "expert", lambda x, w_, e: ran.append(e) or real(x, w_, e))
+    moe(h, w)
+    assert sorted(ran) == sorted(moe_mod.route(h, w)[1][0].tolist())
