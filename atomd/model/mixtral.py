@@ -1,5 +1,6 @@
 """Mixtral: Mistral's attention with a sparse MLP (atomd/model/moe.py) on every layer,
-`num_local_experts` experts of `intermediate_size`, the top-k weights always renormalised."""
+`num_local_experts` experts of `intermediate_size`, the top-k weights always renormalised
+and kept in float32 where they scale the experts' outputs (as transformers 5 runs it)."""
 from __future__ import annotations
 
 from typing import Any
@@ -24,4 +25,4 @@ class MixtralModel(DecoderModel):
         gate_up, down = load_experts(src, prefix + "block_sparse_moe.experts.", cfg.num_experts, "w1", "w3", "w2",
                                      dtype)
         return MoeWeights(router=src.get(prefix + "block_sparse_moe.gate.weight", dtype), gate_up=gate_up,
-                          down=down, top_k=cfg.num_experts_per_tok, norm_topk_prob=True)
+                          down=down, top_k=cfg.num_experts_per_tok, norm_topk_prob=True, cast_weights=False)

@@ -1,7 +1,7 @@
 """The sparse MoE block (Mixtral, Qwen3-MoE; no shared expert): softmax top-k routing, then
 the tokens grouped by expert (one argsort) and one GEMM per active expert over its tokens,
-scaled by their routing weights and scatter-added back. No per-token Python loop: the loop
-is over the experts that got a token (batch-1 decode: the k chosen ones, whose weight rows
+scaled by their routing weights and scattered back. No per-token Python loop: the loop is
+over the experts that got a token (batch-1 decode: the k chosen ones, whose weight rows
 alone are read)."""
 from __future__ import annotations
 
@@ -22,6 +22,9 @@ class MoeWeights:
     down: torch.Tensor  # [E, hidden, inter]
     top_k: int
     norm_topk_prob: bool  # renormalise the k chosen weights to sum to 1 (Mixtral always does)
+    # the routing weights cast to the model's dtype before they scale an expert's output
+    # (Qwen3-MoE); False: the product in float32, then rounded (transformers 5's Mixtral)
+    cast_weights: bool = True
 
     def __post_init__(self) -> None:
         # one row through an expert: the GEMV kernel on its slice of the stacked tensor
@@ -38,31 +41,33 @@ def load_experts(src, prefix: str, count: int, gate: str, up: str, down: str,
 
 
 def route(h: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
-    """(weights [T, k] in h's dtype, expert ids [T, k]) as transformers routes: softmax over
-    all experts in float32, top-k, optionally renormalised, then cast."""
+    """(weights [T, k], expert ids [T, k]) as transformers routes: softmax over all experts in
+    float32, top-k, optionally renormalised; the weights in h's dtype with cast_weights."""
     probs = torch.softmax(F.linear(h, w.router), dim=-1, dtype=torch.float32)
     top, ids = probs.topk(w.top_k, dim=-1)
     if w.norm_topk_prob:
         top /= top.sum(dim=-1, keepdim=True)
-    return top.to(h.dtype), ids
+    return (top.to(h.dtype) if w.cast_weights else top), ids
 
 
 def moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
-    """The block's output [T, hidden] for the normed input h [T, hidden]."""
+    """The block's output [T, hidden] for the normed input h [T, hidden]. Each (token, choice)
+    pair's weighted expert output goes to its own row, then each token's k rows are summed
+    (float32 sums, one rounding): transformers' default (grouped_mm) experts to the bit in
+    bf16, where an index_add_ in bf16 would round after every expert."""
     weights, ids = route(h, w)
+    rows, k = h.shape[0], w.top_k
     flat = ids.flatten()
     order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order kept within
     counts = torch.bincount(flat, minlength=w.gate_up.shape[0])
-    tokens = order // w.top_k
     scales = weights.flatten()[order].unsqueeze(1)
-    out = torch.zeros_like(h, memory_format=torch.contiguous_format)
+    pairs = torch.empty(rows * k, h.shape[1], dtype=weights.dtype if w.cast_weights else torch.float32)
     ends = counts.cumsum(0).tolist()
-    for e in counts.nonzero().flatten().tolist():  # ascending, as transformers adds them
-        pairs = slice(ends[e] - int(counts[e]), ends[e])
-        idx = tokens[pairs]
-        y = expert(h if h.shape[0] == 1 else h[idx], w, e)
-        out.index_add_(0, idx, y.mul_(scales[pairs]))
-    return out
+    for e in counts.nonzero().flatten().tolist():
+        group = slice(ends[e] - int(counts[e]), ends[e])
+        x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
+        pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
+    return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
 
 
 def expert(x: torch.Tensor, w: MoeWeights, e: int) -> torch.Tensor:
