@@ -223,7 +223,8 @@ def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
 
 
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}),  # qwen2: the QKV projection's bias
-                                             ("llama", {"head_dim": 32})])  # heads x head_dim != hidden
+                                             ("llama", {"head_dim": 32}),  # heads x head_dim != hidden
+                                             ("qwen3", {})])  # q/k norm: the head per op, the tail fused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype, tmp_path):
     """Batch-1 decode through layer_ops.DecodeLayer (two C calls a layer around attention)

@@ -88,13 +88,16 @@ def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, c
     assert_equals_hf(path, prompts, first, n=48)
 
 
-def test_families_without_the_fused_decode_layer_say_so_once(checkpoints, caplog):
+@pytest.mark.parametrize("name,fused,said", [("qwen3_moe-step2", False, "has no MoE block"),
+                                             ("qwen3-tied", True, "RoPE per op")])
+def test_what_batch1_decode_cannot_fuse_is_said_once(name, fused, said, checkpoints, caplog):
     with caplog.at_level(logging.INFO, logger="atomd.model.decoder"):
-        model = LLM(str(checkpoints["qwen3_moe-step2"]), num_threads=1, max_model_len=128).engine.model
-    said = [r.getMessage() for r in caplog.records if "falls back" in r.getMessage()]
-    assert model.decode_layer is None
-    if model.layers[0].rows is not None:  # the GEMV kernel builds here: the fused layer would apply
-        assert len(said) == 1 and "Qwen3MoeForCausalLM" in said[0] and "q/k norm" in said[0]
+        model = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128).engine.model
+    if model.layers[0].rows is None:  # no GEMV kernel here: no batch-1 path to fuse at all
+        return
+    lines = [r.getMessage() for r in caplog.records if "batch-1 decode" in r.getMessage()]
+    assert (model.decode_layer is not None) == fused
+    assert len(lines) == 1 and model.config.architecture in lines[0] and said in lines[0], lines
 
 
 # ---------------------------------------------------------------- the MoE block

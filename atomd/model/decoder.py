@@ -134,15 +134,16 @@ class DecoderModel:
         cfg, first = self.config, self.layers[0]
         if first.rows is None:
             return
-        why_not = ("the q/k norm" if cfg.qk_norm else "its MoE layers" if cfg.sparse_layers
-                   else "o_proj / MLP biases" if first.o_bias is not None or first.gate_up_bias is not None
-                   or first.down_bias is not None else None)
-        if why_not is None:
-            self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
-                                                      cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-        else:
-            log.info("%s: batch-1 decode falls back to the per-op path (GEMV kernel, no fused C layer): "
-                     "the fused layer has no %s", cfg.architecture, why_not)
+        if cfg.sparse_layers or first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
+            log.info("%s: batch-1 decode falls back to the per-op path (the GEMV kernel per linear%s): "
+                     "the fused C layer has no %s", cfg.architecture, " and chosen expert" if cfg.sparse_layers else "",
+                     "MoE block" if cfg.sparse_layers else "o_proj / MLP bias")
+            return
+        self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
+                                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            log.info("%s: batch-1 decode runs QKV, the q/k norm and RoPE per op (the fused C layer's head has "
+                     "no q/k norm), the rest of each layer fused", cfg.architecture)
 
     def _pack_weights(self) -> None:
         """Reorder every linear weight once, in place, into oneDNN's blocked layout: in
@@ -184,25 +185,19 @@ class DecoderModel:
             raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
         x = F.embedding(input_ids, self.embed)
         h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
+        positions = positions.contiguous()
         if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
-            self._decode_one_row(x, h, int(positions[0]), meta, kv_cache)
+            self._decode_one_row(x, h, positions, meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
                           self.lm_head_rows)
-        positions = positions.contiguous()
         slot_rows = kv_cache.slot_rows(meta)
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)  # rows a tile
         for i, w in enumerate(self.layers):
-            qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
-            if w.q_norm is not None:
-                qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+            qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions,
-                               kv_cache.kv, slot_rows, i * 2 * kv_cache.block_size, kv_cache.block_size):
-                rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
-                kv_cache.write(i, meta, k, v)
             attn = paged_attention(q, k, v, kv_cache, i, meta)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             for rows in range(0, x.shape[0], step):
@@ -211,17 +206,37 @@ class DecoderModel:
         x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
         return linear(x, self.lm_head, None, self.lm_head_rows)
 
-    def _decode_one_row(self, x: torch.Tensor, h: torch.Tensor, position: int, meta: AttentionMetadata,
+    def _qkv_stored(self, h: torch.Tensor, w: LayerWeights, i: int, positions: torch.Tensor,
+                    slot_rows: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """qkv [T, width] of the rows h: projected, q/k normed where the family has it, RoPE'd,
+        and its key and value rows stored in layer i's cache slots."""
+        cfg = self.config
+        qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
+        if w.q_norm is not None:
+            qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions,
+                           kv_cache.kv, slot_rows, i * 2 * kv_cache.block_size, kv_cache.block_size):
+            rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
+            k_end = cfg.q_size + cfg.kv_size
+            kv_cache.write(i, meta, qkv[:, cfg.q_size:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim),
+                           qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim))
+        return qkv
+
+    def _decode_one_row(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         kv_cache: KVCache) -> None:
         """Batch-1 decode through layer_ops.DecodeLayer: per layer one C call before attention
-        (QKV, RoPE, the KV write) and one after it (the rest of the layer); x ends as the
-        last layer's residual stream."""
+        (QKV, RoPE, the KV write; per op where the family has a q/k norm) and one after it
+        (the rest of the layer); x ends as the last layer's residual stream."""
         cfg, fused = self.config, self.decode_layer
-        half = cfg.head_dim // 2 * self.cos.element_size()
+        half, position = cfg.head_dim // 2 * self.cos.element_size(), int(positions[0])
         cos, sin = self.cos.data_ptr() + position * half, self.sin.data_ptr() + position * half
         k_dst, v_dst, layer_bytes = kv_cache.slot_addresses(int(meta.slot_blocks[0]), int(meta.slot_offsets[0]))
+        slot_rows = kv_cache.slot_rows(meta) if cfg.qk_norm else None
         for i, w in enumerate(self.layers):
-            qkv = fused.head(h, w.rows[0], w.qkv_bias, cos, sin, k_dst + i * layer_bytes, v_dst + i * layer_bytes)
+            if cfg.qk_norm:
+                qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)
+            else:
+                qkv = fused.head(h, w.rows[0], w.qkv_bias, cos, sin, k_dst + i * layer_bytes, v_dst + i * layer_bytes)
             q = qkv[:, :cfg.q_size].view(1, cfg.num_heads, cfg.head_dim)
             attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None

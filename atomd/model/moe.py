@@ -5,6 +5,7 @@ over the experts that got a token (batch-1 decode: the k chosen ones, whose weig
 alone are read)."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -12,7 +13,7 @@ import torch.nn.functional as F
 
 from atomd.model import layer_ops
 from atomd.model.layer_ops import silu_mul
-from atomd.model.linear import linear
+from atomd.model.linear import GEMV_ENV, linear
 
 
 @dataclass
@@ -28,7 +29,7 @@ class MoeWeights:
 
     def __post_init__(self) -> None:
         # one row through an expert: the GEMV kernel on its slice of the stacked tensor
-        self.gemv = layer_ops.has_gemv(self.gate_up.dtype)
+        self.gemv = os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(self.gate_up.dtype)
 
 
 def load_experts(src, prefix: str, count: int, gate: str, up: str, down: str,
