@@ -55,7 +55,8 @@ def _randomise_biases(model: torch.nn.Module, seed: int) -> None:
 
 def make_checkpoint(path: pathlib.Path, kind: str = "llama", seed: int = 0, **overrides) -> pathlib.Path:
     """A tiny random HF checkpoint of `kind` (llama | qwen2 | mistral | qwen3 | qwen3_moe |
-    mixtral) with a tokenizer. The MoE kinds: 8 experts, top-2."""
+    mixtral | phi3) with a tokenizer. The MoE kinds: 8 experts, top-2; phi3: longrope with
+    original_max_position_embeddings 256."""
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -77,6 +78,14 @@ def make_checkpoint(path: pathlib.Path, kind: str = "llama", seed: int = 0, **ov
     elif kind == "mixtral":
         config = transformers.MixtralConfig(**{"sliding_window": None, "num_local_experts": 8,
                                                "num_experts_per_tok": 2, **common})
+    elif kind == "phi3":
+        partial = common.pop("partial_rotary_factor", 1.0)
+        half = int(common["hidden_size"] // common["num_attention_heads"] * partial) // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+                "short_factor": [1.0 + 0.25 * i for i in range(half)], "long_factor": [4.0] * half,
+                "partial_rotary_factor": partial}
+        config = transformers.Phi3Config(**{"sliding_window": None, "original_max_position_embeddings": 256,
+                                            "rope_parameters": rope, **common})
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)

@@ -5,8 +5,10 @@ mlp_only_layers / decoder_sparse_step; norm_topk_prob both ways) and Mixtral; an
 block against a per-token reference on chosen routings."""
 from __future__ import annotations
 
+import json
 import logging
 import pathlib
+import shutil
 
 import pytest
 import torch
@@ -35,9 +37,10 @@ CASES = {
     "qwen3_moe-step2": ("qwen3_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2, "norm_topk_prob": False,
                                       "tie_word_embeddings": True}),
     "mixtral": ("mixtral", {}),
+    "phi3": ("phi3", {}),  # longrope, attention factor sqrt(1 + ln 2 / ln 256)
 }
 SPARSE = {"qwen3-untied": (), "qwen3-tied": (), "qwen3_moe-mlp_only": (0, 2, 3), "qwen3_moe-step2": (1,),
-          "mixtral": (0, 1)}
+          "mixtral": (0, 1), "phi3": ()}
 GREEDY48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
@@ -77,6 +80,8 @@ def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, c
     prompts = prompts_of(MIXED, seed=4)
     llm = LLM(str(path), num_threads=1, max_model_len=256)
     assert_equals_hf(path, prompts, engine_greedy(llm, prompts, GREEDY48), n=48)
+    alone = prompts[2:3]  # batch-1 decode: the fused layer, or what the family falls back to
+    assert_equals_hf(path, alone, engine_greedy(llm, alone, GREEDY48), n=48)
     # a shared 3-block prefix: the second run reads it from the cache
     shared = prompts_of([3 * BLOCK], seed=5)[0]
     prompts = [shared + tail for tail in prompts_of([5, 1], seed=6)]
@@ -194,7 +199,7 @@ def hf_both(path: pathlib.Path) -> dict[torch.dtype, torch.nn.Module]:
             for dtype in (torch.float32, torch.bfloat16)}
 
 
-@pytest.mark.parametrize("name", ["qwen3-untied", "qwen3_moe-mlp_only", "mixtral"])
+@pytest.mark.parametrize("name", ["qwen3-untied", "qwen3_moe-mlp_only", "mixtral", "phi3"])
 def test_bf16_prompt_logits_as_close_to_hf_bf16_as_hf_fp32_is(name, checkpoints):
     """bfloat16 prompt logits off HF bf16 by at most twice what HF's bf16 is off its fp32."""
     path, hf = checkpoints[name], hf_both(checkpoints[name])
@@ -244,3 +249,26 @@ def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints):
             else:
                 tol = 1e-6 if dtype == torch.float32 else 2 ** -7
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+
+
+def test_phi3_longrope_past_the_original_length_and_partial_rotary_are_refused(checkpoints, tmp_path):
+    with pytest.raises(ValueError, match="max_model_len=512 is past original_max_position_embeddings=256"):
+        LLM(str(checkpoints["phi3"]), num_threads=1, max_model_len=512)
+    path = make_checkpoint(tmp_path / "phi4", "phi3", seed=3, partial_rotary_factor=0.75)
+    with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
+        load_model(path)
+
+
+def test_phi3_config_of_the_older_format_reads_the_same(checkpoints, tmp_path):
+    """rope_scaling {"type": "su", factors} with rope_theta and original_max_position_embeddings
+    beside it, as Phi-3's published config.json files have it: the same RoPE tables."""
+    path = tmp_path / "old"
+    shutil.copytree(checkpoints["phi3"], path)
+    hf = json.loads((path / "config.json").read_text())
+    rope = hf.pop("rope_parameters")
+    hf.update(rope_theta=rope["rope_theta"], rope_scaling={"type": "su", "short_factor": rope["short_factor"],
+                                                           "long_factor": rope["long_factor"]})
+    (path / "config.json").write_text(json.dumps(hf))
+    old, new = load_model(path, max_positions=256), load_model(checkpoints["phi3"], max_positions=256)
+    assert torch.equal(old.cos, new.cos) and torch.equal(old.sin, new.sin)
+    assert not torch.equal(new.cos[:, 0], torch.arange(256).float().cos())  # the attention factor is in

@@ -24,7 +24,7 @@ from atomd.model.config import ModelConfig
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
 from atomd.model.moe import MoeWeights, moe
-from atomd.model.rotary import rope_inv_freq
+from atomd.model.rotary import rope_tables
 from atomd.native import decode_attention
 
 log = logging.getLogger(__name__)
@@ -126,9 +126,7 @@ class DecoderModel:
     # ------------------------------------------------------------------ shared
 
     def __post_init__(self) -> None:
-        freqs = torch.outer(torch.arange(self.max_positions, dtype=torch.float32), rope_inv_freq(self.config))
-        self.cos = freqs.cos().to(self.embed.dtype)
-        self.sin = freqs.sin().to(self.embed.dtype)
+        self.cos, self.sin = rope_tables(self.config, self.max_positions, self.embed.dtype)
         self._pack_weights()
         layer_ops.kernels()  # compiled (once per machine) at load, not inside the first request
         cfg, first = self.config, self.layers[0]

@@ -12,6 +12,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "atomd.model.qwen3:Qwen3Model",
     "Qwen3MoeForCausalLM": "atomd.model.qwen3_moe:Qwen3MoeModel",
     "MixtralForCausalLM": "atomd.model.mixtral:MixtralModel",
+    "Phi3ForCausalLM": "atomd.model.phi3:Phi3Model",
 }
 
 
