@@ -34,7 +34,7 @@ class MoeWeights:
 
 def load_experts(src, prefix: str, count: int, gate: str, up: str, down: str,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-expert tensors `{prefix}{e}.{gate|up|down}.weight` stacked: ([E, 2 * inter, hidden]
+    """From src (decoder.TensorSource), the per-expert tensors `{prefix}{e}.{gate|up|down}.weight` stacked: ([E, 2 * inter, hidden]
     with each expert's gate then up rows, [E, hidden, inter])."""
     gate_up = torch.stack([torch.cat([src.get(f"{prefix}{e}.{gate}.weight", dtype),
                                       src.get(f"{prefix}{e}.{up}.weight", dtype)]) for e in range(count)])
@@ -62,10 +62,10 @@ def moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
     order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order kept within
     counts = torch.bincount(flat, minlength=w.gate_up.shape[0])
     scales = weights.flatten()[order].unsqueeze(1)
-    pairs = torch.empty(rows * k, h.shape[1], dtype=weights.dtype if w.cast_weights else torch.float32)
-    ends = counts.cumsum(0).tolist()
+    pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
+    ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
     for e in counts.nonzero().flatten().tolist():
-        group = slice(ends[e] - int(counts[e]), ends[e])
+        group = slice(ends[e] - sizes[e], ends[e])
         x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
         pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
     return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
