@@ -16,6 +16,7 @@ from typing import Any
 import msgspec
 
 from atomd import cbuild
+from atomd.model import hub
 from kv_transfer.trust import SECRET_ENV
 
 log = logging.getLogger(__name__)
@@ -157,8 +158,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              f"got {self.data_parallel_rank}")
         if self.kv_params_secret_file is not None and not os.path.isfile(self.kv_params_secret_file):
             raise ValueError(f"kv_params_secret_file {self.kv_params_secret_file!r} is not a file")
-        if self.model is not None and not os.path.isdir(self.model):
-            raise ValueError(f"model must be a local Hugging Face checkpoint directory, got {self.model!r}")
+        if self.model is not None:
+            hub.model_path(self.model)  # a directory, or a hub id in the local cache: ValueError if neither
         spec = self.speculative()
         if spec is not None and spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
             raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {spec.num_speculative_tokens + 1} "
@@ -289,7 +290,8 @@ CHOICES = {"dtype": DTYPE_CHOICES, "attention_backend": ATTENTION_BACKENDS, "kv_
            "kv_mooncake_protocol": KV_MOONCAKE_PROTOCOLS,
            "prefill_delayer": PREFILL_DELAYERS}
 HELP = {
-    "model": "local Hugging Face checkpoint directory (default: the built-in default model)",
+    "model": "local Hugging Face checkpoint directory, or a hub id (Qwen/Qwen3-0.6B) in the local Hugging Face "
+             "cache (HF_HOME; nothing is downloaded) (default: the built-in default model)",
     "dtype": "weights and KV cache dtype; auto: bfloat16 where the CPU has AVX512_BF16 or AMX-BF16, "
              "else float32 (logged at start-up)",
     "seed": "seed of unseeded sampling",

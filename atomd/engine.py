@@ -26,6 +26,7 @@ from atomd.allocator import retain_freed_memory
 from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.kv_cache import KVCache
 from atomd.kv_events import KVEventPublisher, offset_port
+from atomd.model import hub
 from atomd.model.loader import load_model
 from atomd.runner import ModelRunner
 from atomd.sampler import Sampler, prompt_logprobs
@@ -47,7 +48,7 @@ KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_hea
 
 def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
     if config.model is not None:
-        return pathlib.Path(config.model)
+        return hub.model_path(config.model)
     from atomd.model.default import default_model_dir
 
     return default_model_dir()

@@ -14,7 +14,7 @@ import torch
 
 from atomd import config
 from atomd.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
-from atomd.model.llama import LlamaModel
+from atomd.model.decoder import DecoderModel
 from atomd.native import KERNEL_DTYPES, attention_kernels, bf16_path
 
 log = logging.getLogger(__name__)
@@ -25,7 +25,7 @@ WORKSPACE_MAX_BYTES = 256 << 20  # larger decode batches gather from the paged c
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv_cache: KVCache, attention_backend: str = "auto"):
+    def __init__(self, model: DecoderModel, kv_cache: KVCache, attention_backend: str = "auto"):
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.workspace: DecodeWorkspace | None = None

@@ -234,10 +234,11 @@ class JSONErrorRunner(web.AppRunner):
 def load_tokenizer(config: Any):
     """The engine's tokenizer, resolved like atomd.engine.resolve_model_dir (which this
     process does not import: it would pull in torch)."""
-    from atomd.tokenizer import Tokenizer
     from atomd.model.default import default_model_dir
+    from atomd.model.hub import model_path
+    from atomd.tokenizer import Tokenizer
 
-    return Tokenizer.from_dir(config.model or default_model_dir())
+    return Tokenizer.from_dir(model_path(config.model) if config.model else default_model_dir())
 
 
 class Server:

@@ -30,7 +30,7 @@ import time
 import torch
 
 from atomd.model import layer_ops
-from atomd.model.llama import GEMV_ENV, pack_linear_weight
+from atomd.model.linear import GEMV_ENV, pack_linear_weight
 from benchmarks.machine import loadavg
 from benchmarks.offline import SHAPE_CHOICES, WORKLOADS, checkpoint, prompts
 

@@ -153,7 +153,7 @@ def flops_per_token(cfg: dict, context: float, with_head: bool = True) -> float:
 def matmul_gflops(cfg: dict, m: int, dtype: torch.dtype, with_head: bool = True, repeats: int = 5) -> float:
     """GFLOP/s of a chain of the model's linear layers at M = m in `dtype`: the faster of
     plain F.linear and oneDNN's packed linear (what atomd's model calls), best of `repeats`."""
-    from atomd.model.llama import linear, pack_linear_weight
+    from atomd.model.linear import linear, pack_linear_weight
 
     shapes = linear_shapes(cfg) if with_head else linear_shapes(cfg)[:-1]
     plain = [(torch.randn(o, k) * 0.02).to(dtype) for o, k in shapes]

@@ -21,10 +21,10 @@ from tests.server_fixtures import REPO, START_TIMEOUT_S, ServerUnderTest, model_
 class PDCluster:
     """Named engines (`atomd serve` with their own flags) and routers; stop() ends them all."""
 
-    def __init__(self):
+    def __init__(self, model: str | os.PathLike | None = None):
         self.engines: dict[str, ServerUnderTest] = {}
         self.routers: list[RouterServer] = []
-        self.model = model_dir()
+        self.model = model or model_dir()
 
     def start_engines(self, **flags: list[str]) -> None:
         """name=[flags] for each engine; all load at once, then wait for every /ready."""
@@ -62,9 +62,10 @@ class PDCluster:
 
 
 @contextlib.contextmanager
-def ref_and_pd(*extra: str):
-    """`PDCluster.start_ref_and_pd(*extra)`, stopped on exit (a module fixture's body)."""
-    cluster = PDCluster()
+def ref_and_pd(*extra: str, model: str | os.PathLike | None = None):
+    """`PDCluster.start_ref_and_pd(*extra)` serving `model` (default: the built-in one),
+    stopped on exit (a module fixture's body)."""
+    cluster = PDCluster(model)
     try:
         yield cluster.start_ref_and_pd(*extra)
     finally:

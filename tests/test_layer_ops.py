@@ -203,7 +203,7 @@ def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
     with ATOMD_GEMV=0 no copies are kept and oneDNN runs it. float32: the same greedy ids
     (the sums differ only in order)."""
     from atomd import LLM, SamplingParams
-    from atomd.model import llama
+    from atomd.model import linear
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
@@ -216,14 +216,15 @@ def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
 
     kept, gemv_ids = run()
     assert kept == layer_ops.has_gemv(torch.float32)
-    monkeypatch.setenv(llama.GEMV_ENV, "0")
+    monkeypatch.setenv(linear.GEMV_ENV, "0")
     kept_off, onednn_ids = run()
     assert not kept_off
     assert gemv_ids == onednn_ids
 
 
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}),  # qwen2: the QKV projection's bias
-                                             ("llama", {"head_dim": 32})])  # heads x head_dim != hidden
+                                             ("llama", {"head_dim": 32}),  # heads x head_dim != hidden
+                                             ("qwen3", {})])  # q/k norm: the head per op, the tail fused
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype, tmp_path):
     """Batch-1 decode through layer_ops.DecodeLayer (two C calls a layer around attention)

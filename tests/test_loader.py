@@ -11,7 +11,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from atomd.model.llama import dense
+from atomd.model.linear import dense
 from atomd.model.loader import load_model
 from tests.test_model_hf import make_checkpoint
 

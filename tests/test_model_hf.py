@@ -54,7 +54,9 @@ def _randomise_biases(model: torch.nn.Module, seed: int) -> None:
 
 
 def make_checkpoint(path: pathlib.Path, kind: str = "llama", seed: int = 0, **overrides) -> pathlib.Path:
-    """A tiny random HF checkpoint of `kind` (llama | qwen2 | mistral) with a tokenizer."""
+    """A tiny random HF checkpoint of `kind` (llama | qwen2 | mistral | qwen3 | qwen3_moe |
+    mixtral | phi3) with a tokenizer. The MoE kinds: 8 experts, top-2; phi3: longrope with
+    original_max_position_embeddings 256."""
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
                   initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0)
@@ -68,6 +70,22 @@ def make_checkpoint(path: pathlib.Path, kind: str = "llama", seed: int = 0, **ov
         config = transformers.Qwen2Config(**{"tie_word_embeddings": True, **common})
     elif kind == "mistral":
         config = transformers.MistralConfig(**{"sliding_window": None, **common})
+    elif kind == "qwen3":  # head_dim given: Qwen3Config's default is 128
+        config = transformers.Qwen3Config(**{"head_dim": 16, **common})
+    elif kind == "qwen3_moe":
+        config = transformers.Qwen3MoeConfig(**{"head_dim": 16, "num_experts": 8, "num_experts_per_tok": 2,
+                                                "moe_intermediate_size": 32, **common})
+    elif kind == "mixtral":
+        config = transformers.MixtralConfig(**{"sliding_window": None, "num_local_experts": 8,
+                                               "num_experts_per_tok": 2, **common})
+    elif kind == "phi3":
+        partial = common.pop("partial_rotary_factor", 1.0)
+        half = int(common["hidden_size"] // common["num_attention_heads"] * partial) // 2
+        rope = {"rope_type": "longrope", "rope_theta": 10000.0, "original_max_position_embeddings": 256,
+                "short_factor": [1.0 + 0.25 * i for i in range(half)], "long_factor": [4.0] * half,
+                "partial_rotary_factor": partial}
+        config = transformers.Phi3Config(**{"sliding_window": None, "original_max_position_embeddings": 256,
+                                            "rope_parameters": rope, **common})
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
@@ -99,10 +117,17 @@ def hf_model(path: pathlib.Path) -> torch.nn.Module:
 
 
 def hf_greedy(path: pathlib.Path, prompt: list[int], n: int) -> list[int]:
+    """n greedy tokens, EOS taken like any other (the engine's ignore_eos): generate()'s
+    min_new_tokens would instead forbid EOS, a different argmax wherever it is the top."""
+    model, ids = hf_model(path), []
     with torch.inference_mode():
-        out = hf_model(path).generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                                      max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
+        out = model(torch.tensor([prompt]), use_cache=True)
+        for _ in range(n):
+            ids.append(int(out.logits[0, -1].argmax()))
+            # transformers >= 5.2x names the cache `cache` (past_key_values deprecated)
+            cache = {"cache": out.cache} if "cache" in out else {"past_key_values": out.past_key_values}
+            out = model(torch.tensor([ids[-1:]]), use_cache=True, **cache)
+    return ids
 
 
 def prompts_of(lengths: list[int], seed: int = 0) -> list[list[int]]:
@@ -236,12 +261,12 @@ def test_mistral_loads_and_equals_hf(tmp_path):
 @pytest.mark.unit
 @pytest.mark.parametrize("tile", [7, None])
 def test_prefill_in_row_tiles_equals_hf(tile, llama_dir, monkeypatch):
-    import atomd.model.llama
+    import atomd.model.decoder
 
     if tile is not None:  # uneven tiles that cut through sequences and blocks
-        monkeypatch.setattr(atomd.model.llama, "ROW_TILE", tile)
+        monkeypatch.setattr(atomd.model.decoder, "ROW_TILE", tile)
     lengths = [150, 1, 150, 150, 150]  # one packed prefill of 601 tokens: past the default tile
-    assert sum(lengths) > atomd.model.llama.ROW_TILE
+    assert sum(lengths) > atomd.model.decoder.ROW_TILE
     prompts = prompts_of(lengths, seed=13)
     llm = LLM(str(llama_dir), num_threads=1, max_model_len=256)
     assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))

@@ -167,7 +167,7 @@ def gemv(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
 class DecodeLayer:
     """Batch-1 decode of a whole model's layers, two C calls a layer around attention
     (csrc/layer_ops.c, atomd_decode_layer_*): the same bits as the per-op path, without its
-    ~11 Python-level calls a layer. Made once at load by LlamaModel (its qkv and scratch
+    ~11 Python-level calls a layer. Made once at load by DecoderModel (its qkv and scratch
     buffers are reused every step); the pointers it passes are the step's tensors'."""
 
     def __init__(self, dtype: torch.dtype, hidden: int, inter: int, q_heads: int, kv_heads: int, head_dim: int,

@@ -1,5 +1,5 @@
 """Load a local Hugging Face checkpoint directory (config.json + safetensors, single file or
-sharded with model.safetensors.index.json) into a packed `LlamaModel`.
+sharded with model.safetensors.index.json) into its family's model (atomd/model/registry.py).
 
 Errors name what is wrong: the unsupported architecture, or the missing tensor and the
 file it was expected in.
@@ -13,7 +13,9 @@ import pathlib
 import torch
 from safetensors import safe_open
 
-from atomd.model.llama import LayerWeights, LlamaModel, ModelConfig
+from atomd.model import registry
+from atomd.model.config import ModelConfig
+from atomd.model.decoder import DecoderModel
 
 log = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
@@ -21,6 +23,12 @@ INDEX_FILE = "model.safetensors.index.json"
 
 
 def read_config(model_dir: str | pathlib.Path) -> ModelConfig:
+    hf = read_hf_config(model_dir)
+    arch = registry.architecture(hf)
+    return registry.model_class(arch).config_from_hf(hf, arch)
+
+
+def read_hf_config(model_dir: str | pathlib.Path) -> dict:
     path = pathlib.Path(model_dir) / "config.json"
     if not path.is_file():
         raise ValueError(f"model directory {model_dir} has no config.json")
@@ -30,7 +38,7 @@ def read_config(model_dir: str | pathlib.Path) -> ModelConfig:
     if legacy.is_file() and "quantization_config" not in hf:
         with legacy.open() as f:
             hf["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
-    return ModelConfig.from_hf(hf)
+    return hf
 
 
 class _TensorSource:
@@ -72,37 +80,12 @@ class _TensorSource:
         return self._file(name).get_slice(name).get_dtype()
 
 
-def _cat(src: _TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([src.get(n, dtype) for n in names], dim=0).contiguous()
-
-
-def _layer(src: _TensorSource, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
-    p = f"model.layers.{i}."
-    attn, mlp = p + "self_attn.", p + "mlp."
-    qkv = [f"{attn}{n}_proj" for n in "qkv"]
-    gate_up = [mlp + "gate_proj", mlp + "up_proj"]
-    w = LayerWeights(
-        input_norm=src.get(p + "input_layernorm.weight", dtype),
-        qkv=_cat(src, [n + ".weight" for n in qkv], dtype),
-        o=src.get(attn + "o_proj.weight", dtype),
-        post_norm=src.get(p + "post_attention_layernorm.weight", dtype),
-        gate_up=_cat(src, [n + ".weight" for n in gate_up], dtype),
-        down=src.get(mlp + "down_proj.weight", dtype))
-    if cfg.qkv_bias:
-        w.qkv_bias = _cat(src, [n + ".bias" for n in qkv], dtype)
-    if cfg.o_bias:
-        w.o_bias = src.get(attn + "o_proj.bias", dtype)
-    if cfg.mlp_bias:
-        w.gate_up_bias = _cat(src, [n + ".bias" for n in gate_up], dtype)
-        w.down_bias = src.get(mlp + "down_proj.bias", dtype)
-    return w
-
-
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None) -> LlamaModel:
+               max_positions: int | None = None) -> DecoderModel:
     """The checkpoint's model; RoPE tables cover `max_positions` (default: the model's own)."""
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
+    cls = registry.model_class(cfg.architecture)
     src = _TensorSource(model_dir)
     # the run's dtype is --dtype's, whatever the checkpoint's: said, since a cast changes speed
     log.info("weights stored as %s, run as %s", src.stored_dtype("model.embed_tokens.weight"),
@@ -112,7 +95,6 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         lm_head = embed
     else:
         lm_head = src.get("lm_head.weight", dtype)
-    return LlamaModel(config=cfg, embed=embed,
-                      layers=[_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)],
-                      norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
-                      max_positions=max_positions or cfg.max_position_embeddings)
+    return cls(config=cfg, embed=embed, layers=[cls.load_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)],
+               norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
+               max_positions=max_positions or cfg.max_position_embeddings)

@@ -1,0 +1,77 @@
+"""The fields of an HF config.json the model code uses, read the same way for every family
+(atomd/model/registry.py picks the family; its class adds what only it has)."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass
+class ModelConfig:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int  # the dense MLP's
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    mlp_bias: bool
+    rope_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = None
+    eos_token_id: Any = None
+    bos_token_id: Any = None
+    qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
+    # MoE (atomd/model/moe.py): the layers whose MLP is a sparse block, and its shape
+    sparse_layers: tuple[int, ...] = ()
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any], arch: str, qkv_bias: bool = False, sliding_by_default: bool = False,
+                **family: Any) -> "ModelConfig":
+        """The config of `arch`; qkv_bias: the family always has one (Qwen2);
+        sliding_by_default: `sliding_window` applies unless use_sliding_window says not
+        (Mistral); `family`: fields only the family sets (qk_norm, the MoE shape)."""
+        quant = hf.get("quantization_config")
+        if quant:  # its tensors are packed integers or fp8 with scales: cast as floats they are garbage
+            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
+            raise ValueError(f"quantized checkpoint ({method}) is not supported yet: "
+                             f"atomd loads float16, bfloat16 and float32 weights only")
+        if hf.get("hidden_act", "silu") != "silu":
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} for {arch} (only silu)")
+        heads = hf["num_attention_heads"]
+        # transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling
+        rope = dict(hf.get("rope_parameters") or {})
+        scaling = hf.get("rope_scaling") or ({k: v for k, v in rope.items() if k != "rope_theta"}
+                                            if rope.get("rope_type", "default") != "default" else None)
+        attention_bias = bool(hf.get("attention_bias", False))
+        return cls(
+            architecture=arch, vocab_size=hf["vocab_size"], hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"], num_layers=hf["num_hidden_layers"],
+            num_heads=heads, num_kv_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=hf.get("head_dim") or hf["hidden_size"] // heads,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope.get("rope_theta", hf.get("rope_theta", 10000.0))),
+            max_position_embeddings=hf.get("max_position_embeddings", 2048),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=qkv_bias or attention_bias, o_bias=not qkv_bias and attention_bias,
+            mlp_bias=bool(hf.get("mlp_bias", False)), rope_scaling=scaling,
+            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", sliding_by_default) else None,
+            eos_token_id=hf.get("eos_token_id"), bos_token_id=hf.get("bos_token_id"), **family)
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim

@@ -1,0 +1,268 @@
+"""The decoder-only transformer every family runs (atomd/model/registry.py): the layers'
+weights, packing at load, and the forward over a paged KV cache. A family's file (llama.py,
+qwen3.py, ...) says how its config and tensor names map onto this.
+
+Plain tensors, no nn.Module: the weights are packed at load time (one QKV and one
+gate/up matmul per layer, MoE experts stacked) so a decode step is a handful of large
+matmuls per layer. Tokens arrive packed (`[T]`, several sequences back to back); attention
+reads each sequence's context from the paged cache as described by `AttentionMetadata`.
+"""
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from atomd.kv_cache import AttentionMetadata, KVCache
+from atomd.model import layer_ops
+from atomd.model.attention import paged_attention, qk_norm_
+from atomd.model.config import ModelConfig
+from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
+from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
+from atomd.model.moe import MoeWeights, moe
+from atomd.model.rotary import rope_tables
+from atomd.native import decode_attention
+
+log = logging.getLogger(__name__)
+
+# A long prefill runs everything after attention this many float32 rows at a time, 4x as many
+# in bf16: the [rows, 2 * intermediate] MLP activations then stay in cache (float32 8 x 512:
+# ~13% faster than one tile), and in bf16 oneDNN's down projection gets rows enough to use
+# both threads (K 1536 -> N 576 runs on one thread up to M = 1280). Steady state, separate
+# processes, 135M shape bf16: 1024 rows 5.9k tok/s, 2048 6.9k, 4096 6.8k; small shape 25.3k /
+# 30.2k / 28.9k; float32 512 / 1024 / 2048 rows within 2% (benchmarks/results/offline.md)
+ROW_TILE = 512
+
+
+class TensorSource(Protocol):
+    """Tensor name -> tensor of the checkpoint (atomd/model/loader.py)."""
+
+    def __contains__(self, name: str) -> bool: ...
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+@dataclass
+class LayerWeights:
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]: q, k, v stacked
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]: gate, up stacked; None: an MoE layer
+    down: torch.Tensor | None
+    qkv_bias: torch.Tensor | None = None
+    o_bias: torch.Tensor | None = None
+    gate_up_bias: torch.Tensor | None = None
+    down_bias: torch.Tensor | None = None
+    q_norm: torch.Tensor | None = None  # [head_dim], with k_norm: ModelConfig.qk_norm
+    k_norm: torch.Tensor | None = None
+    moe: MoeWeights | None = None  # the sparse MLP in place of gate_up / down
+    # plain row-major copies of qkv, o, gate_up, down for batch-1 decode (DecoderModel._pack_weights)
+    rows: tuple[torch.Tensor | None, ...] | None = None
+
+    def linears(self) -> list[torch.Tensor]:
+        return [t for t in (self.qkv, self.o, self.gate_up, self.down) if t is not None]
+
+
+def cat(src: TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor:
+    return torch.cat([src.get(n, dtype) for n in names], dim=0).contiguous()
+
+
+@dataclass
+class DecoderModel:
+    config: ModelConfig
+    embed: torch.Tensor
+    layers: list[LayerWeights]
+    norm: torch.Tensor
+    lm_head: torch.Tensor
+    max_positions: int
+    cos: torch.Tensor = field(init=False)  # [max_positions, head_dim // 2]
+    sin: torch.Tensor = field(init=False)
+    lm_head_rows: torch.Tensor | None = field(init=False, default=None)  # plain lm_head, batch-1 decode
+    decode_layer: layer_ops.DecodeLayer | None = field(init=False, default=None)  # batch-1 decode in C
+
+    # ------------------------------------------------------------------ the family's part
+
+    @classmethod
+    def config_from_hf(cls, hf: dict[str, Any], arch: str) -> ModelConfig:
+        return ModelConfig.from_hf(hf, arch)
+
+    @classmethod
+    def load_layer(cls, src: TensorSource, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
+        """Layer i under HF's Llama names (model.layers.i.self_attn.q_proj, mlp.gate_proj, ...);
+        a sparse layer's MLP through load_moe."""
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        qkv = [f"{attn}{n}_proj" for n in "qkv"]
+        w = LayerWeights(
+            input_norm=src.get(p + "input_layernorm.weight", dtype),
+            qkv=cat(src, [n + ".weight" for n in qkv], dtype),
+            o=src.get(attn + "o_proj.weight", dtype),
+            post_norm=src.get(p + "post_attention_layernorm.weight", dtype), gate_up=None, down=None)
+        if i in cfg.sparse_layers:
+            w.moe = cls.load_moe(src, cfg, p, dtype)
+        else:
+            gate_up = [mlp + "gate_proj", mlp + "up_proj"]
+            w.gate_up, w.down = cat(src, [n + ".weight" for n in gate_up], dtype), src.get(mlp + "down_proj.weight", dtype)
+            if cfg.mlp_bias:
+                w.gate_up_bias = cat(src, [n + ".bias" for n in gate_up], dtype)
+                w.down_bias = src.get(mlp + "down_proj.bias", dtype)
+        if cfg.qkv_bias:
+            w.qkv_bias = cat(src, [n + ".bias" for n in qkv], dtype)
+        if cfg.o_bias:
+            w.o_bias = src.get(attn + "o_proj.bias", dtype)
+        if cfg.qk_norm:
+            w.q_norm, w.k_norm = src.get(attn + "q_norm.weight", dtype), src.get(attn + "k_norm.weight", dtype)
+        return w
+
+    @classmethod
+    def load_moe(cls, src: TensorSource, cfg: ModelConfig, prefix: str, dtype: torch.dtype) -> MoeWeights:
+        raise NotImplementedError(f"{cfg.architecture} has no sparse layers")
+
+    # ------------------------------------------------------------------ shared
+
+    def __post_init__(self) -> None:
+        self.cos, self.sin = rope_tables(self.config, self.max_positions, self.embed.dtype)
+        self._pack_weights()
+        layer_ops.kernels()  # compiled (once per machine) at load, not inside the first request
+        cfg, first = self.config, self.layers[0]
+        if first.rows is None:
+            return
+        if cfg.sparse_layers or first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
+            log.info("%s: batch-1 decode falls back to the per-op path (the GEMV kernel per linear%s): "
+                     "the fused C layer has no %s", cfg.architecture, " and chosen expert" if cfg.sparse_layers else "",
+                     "MoE block" if cfg.sparse_layers else "o_proj / MLP bias")
+            return
+        self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
+                                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        if cfg.qk_norm:
+            log.info("%s: batch-1 decode runs QKV, the q/k norm and RoPE per op (the fused C layer's head has "
+                     "no q/k norm), the rest of each layer fused", cfg.architecture)
+
+    def _pack_weights(self) -> None:
+        """Reorder every linear weight once, in place, into oneDNN's blocked layout: in
+        float32 the packed matmul runs ~1.2x / 1.8x / 1.2x F.linear at M = 1 / 16 / 4096 on
+        the AMD CPU kind (benchmarks/results/offline_vllm.md; on Sapphire Rapids ~1.5x at
+        M = 16 but ~0.7x at M = 1, where MKL's gemv wins); in bfloat16 it is what reaches the
+        AVX512_BF16 / AMX kernels at all: 2-4x F.linear at M = 1 / 16 on the 135M shape's
+        layers (F.linear in bf16 is slower than in float32 there). The plain copies are
+        dropped (a checkpoint's weights are held once); `dense()` reads a packed weight back.
+        A tied lm_head gets its own packed copy: the embedding lookup needs the plain table.
+        MoE experts stay plain, stacked [E, ...]: each expert's GEMM runs on its slice."""
+        if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+            return
+        if keep_rows(self):  # batch-1 decode reads plain rows (layer_ops.gemv): the copies stay too
+            self.lm_head_rows = self.lm_head.contiguous()
+            for w in self.layers:
+                w.rows = tuple(None if t is None else t.contiguous() for t in (w.qkv, w.o, w.gate_up, w.down))
+        if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
+            # oneDNN refuses to pack bf16 without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: F.linear
+            log.warning("bfloat16 weights stay unpacked: this CPU has no oneDNN bf16 path (float32 is faster here)")
+            return
+        self.lm_head = pack_linear_weight(self.lm_head)
+        for w in self.layers:
+            w.qkv, w.o = pack_linear_weight(w.qkv), pack_linear_weight(w.o)
+            if w.gate_up is not None:
+                w.gate_up, w.down = pack_linear_weight(w.gate_up), pack_linear_weight(w.down)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.embed.dtype
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
+        """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`.
+        Each residual add is fused with the RMSNorm after it (atomd/model/layer_ops.py):
+        h holds the normed input of the next matmul, x the residual stream."""
+        cfg = self.config
+        if positions.numel() and int(positions.max()) >= self.max_positions:  # the C RoPE reads its tables there
+            raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
+        x = F.embedding(input_ids, self.embed)
+        h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
+        positions = positions.contiguous()
+        if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
+            self._decode_one_row(x, h, positions, meta, kv_cache)
+            return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
+                          self.lm_head_rows)
+        slot_rows = kv_cache.slot_rows(meta)
+        q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
+        step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)  # rows a tile
+        for i, w in enumerate(self.layers):
+            qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)
+            q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
+            k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
+            attn = paged_attention(q, k, v, kv_cache, i, meta)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            for rows in range(0, x.shape[0], step):
+                tile = slice(rows, rows + step)
+                self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
+        x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
+        return linear(x, self.lm_head, None, self.lm_head_rows)
+
+    def _qkv_stored(self, h: torch.Tensor, w: LayerWeights, i: int, positions: torch.Tensor,
+                    slot_rows: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """qkv [T, width] of the rows h: projected, q/k normed where the family has it, RoPE'd,
+        and its key and value rows stored in layer i's cache slots."""
+        cfg = self.config
+        qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
+        if w.q_norm is not None:
+            qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+        if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions,
+                           kv_cache.kv, slot_rows, i * 2 * kv_cache.block_size, kv_cache.block_size):
+            rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
+            k_end = cfg.q_size + cfg.kv_size
+            kv_cache.write(i, meta, qkv[:, cfg.q_size:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim),
+                           qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim))
+        return qkv
+
+    def _decode_one_row(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                        kv_cache: KVCache) -> None:
+        """Batch-1 decode through layer_ops.DecodeLayer: per layer one C call before attention
+        (QKV, RoPE, the KV write; per op where the family has a q/k norm) and one after it
+        (the rest of the layer); x ends as the last layer's residual stream."""
+        cfg, fused = self.config, self.decode_layer
+        half, position = cfg.head_dim // 2 * self.cos.element_size(), int(positions[0])
+        cos, sin = self.cos.data_ptr() + position * half, self.sin.data_ptr() + position * half
+        k_dst, v_dst, layer_bytes = kv_cache.slot_addresses(int(meta.slot_blocks[0]), int(meta.slot_offsets[0]))
+        slot_rows = kv_cache.slot_rows(meta) if cfg.qk_norm else None
+        for i, w in enumerate(self.layers):
+            if cfg.qk_norm:
+                qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)
+            else:
+                qkv = fused.head(h, w.rows[0], w.qkv_bias, cos, sin, k_dst + i * layer_bytes, v_dst + i * layer_bytes)
+            q = qkv[:, :cfg.q_size].view(1, cfg.num_heads, cfg.head_dim)
+            attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            fused.tail(attn, x, w.rows, w.post_norm, next_norm, h)
+
+    def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
+                          next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
+        """The rest of the layer after attention on these rows: the residual x updated in
+        place, and (unless this is the last layer) the next layer's normed input written to
+        next_h."""
+        eps = self.config.rms_norm_eps
+        rows = w.rows or (None,) * 4
+        h = rms_norm(x, w.post_norm, eps, delta=linear(attn, w.o, w.o_bias, rows[1]))
+        if w.moe is not None:
+            down = moe(h, w.moe)
+        else:
+            down = linear(silu_mul(linear(h, w.gate_up, w.gate_up_bias, rows[2])), w.down, w.down_bias, rows[3])
+        if next_norm is None:
+            x.add_(down)
+        else:
+            rms_norm(x, next_norm, eps, delta=down, out=next_h)
+
+
+def keep_rows(model: DecoderModel) -> bool:
+    """Keep plain copies of the linear weights for batch-1 decode (layer_ops.gemv): where the
+    kernel runs the model's dtype, unless $ATOMD_GEMV=0 or the copies would pass 1 GiB (they
+    double the linears' memory: 540 MB more for the 135M shape in float32, 270 in bf16)."""
+    if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(model.dtype):
+        return False
+    size = sum(t.numel() for w in model.layers for t in w.linears()) + model.lm_head.numel()
+    return size * model.lm_head.element_size() <= GEMV_MAX_BYTES

@@ -1,0 +1,43 @@
+"""`--model` as a vLLM user types it: a local checkpoint directory, or a Hugging Face hub id
+(`Qwen/Qwen3-0.6B`) found in the local hub cache, offline (nothing is downloaded).
+Stdlib only: the API process resolves it too, without torch."""
+from __future__ import annotations
+
+import os
+import pathlib
+
+
+def hub_cache() -> pathlib.Path:
+    """The hub cache huggingface_hub writes: $HF_HUB_CACHE, else $HF_HOME/hub, else
+    $XDG_CACHE_HOME/huggingface/hub, else ~/.cache/huggingface/hub."""
+    for var in ("HF_HUB_CACHE", "HUGGINGFACE_HUB_CACHE"):
+        if os.environ.get(var):
+            return pathlib.Path(os.environ[var]).expanduser()
+    if os.environ.get("HF_HOME"):
+        return pathlib.Path(os.environ["HF_HOME"]).expanduser() / "hub"
+    xdg = os.environ.get("XDG_CACHE_HOME") or "~/.cache"
+    return pathlib.Path(xdg).expanduser() / "huggingface" / "hub"
+
+
+def model_path(model: str) -> pathlib.Path:
+    """The checkpoint directory of `model`: itself when it is a directory, else the cached
+    snapshot of that hub id (the one refs/main names, or the only one); ValueError saying
+    where it looked otherwise."""
+    if os.path.isdir(model):
+        return pathlib.Path(model)
+    parts = model.split("/")
+    if len(parts) != 2 or not all(parts) or model.startswith((".", "~")):
+        raise ValueError(f"model must be a local Hugging Face checkpoint directory or a hub id like "
+                         f"Qwen/Qwen3-0.6B, got {model!r}")
+    repo = hub_cache() / f"models--{parts[0]}--{parts[1]}"
+    snapshots = repo / "snapshots"
+    ref = repo / "refs" / "main"
+    if ref.is_file() and (snapshots / ref.read_text().strip()).is_dir():
+        return snapshots / ref.read_text().strip()
+    found = sorted(p for p in snapshots.iterdir() if p.is_dir()) if snapshots.is_dir() else []
+    if len(found) == 1:
+        return found[0]
+    why = "several snapshots and no refs/main" if found else "not in the Hugging Face cache"
+    raise ValueError(f"model {model!r} is neither a local directory nor usable from the hub cache ({why}: "
+                     f"looked in {repo}; set HF_HOME or HF_HUB_CACHE, or download it first with "
+                     f"`huggingface-cli download {model}`)")

@@ -1,0 +1,78 @@
+"""The sparse MoE block (Mixtral, Qwen3-MoE; no shared expert): softmax top-k routing, then
+the tokens grouped by expert (one argsort) and one GEMM per active expert over its tokens,
+scaled by their routing weights and scattered back. No per-token Python loop: the loop is
+over the experts that got a token (batch-1 decode: the k chosen ones, whose weight rows
+alone are read)."""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from atomd.model import layer_ops
+from atomd.model.layer_ops import silu_mul
+from atomd.model.linear import GEMV_ENV, linear
+
+
+@dataclass
+class MoeWeights:
+    router: torch.Tensor  # [E, hidden]
+    gate_up: torch.Tensor  # [E, 2 * inter, hidden]: each expert's gate and up stacked, experts stacked
+    down: torch.Tensor  # [E, hidden, inter]
+    top_k: int
+    norm_topk_prob: bool  # renormalise the k chosen weights to sum to 1 (Mixtral always does)
+    # the routing weights cast to the model's dtype before they scale an expert's output
+    # (Qwen3-MoE); False: the product in float32, then rounded (transformers 5's Mixtral)
+    cast_weights: bool = True
+
+    def __post_init__(self) -> None:
+        # one row through an expert: the GEMV kernel on its slice of the stacked tensor
+        self.gemv = os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(self.gate_up.dtype)
+
+
+def load_experts(src, prefix: str, count: int, gate: str, up: str, down: str,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """From src (decoder.TensorSource), the per-expert tensors `{prefix}{e}.{gate|up|down}.weight` stacked: ([E, 2 * inter, hidden]
+    with each expert's gate then up rows, [E, hidden, inter])."""
+    gate_up = torch.stack([torch.cat([src.get(f"{prefix}{e}.{gate}.weight", dtype),
+                                      src.get(f"{prefix}{e}.{up}.weight", dtype)]) for e in range(count)])
+    return gate_up, torch.stack([src.get(f"{prefix}{e}.{down}.weight", dtype) for e in range(count)])
+
+
+def route(h: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights [T, k], expert ids [T, k]) as transformers routes: softmax over all experts in
+    float32, top-k, optionally renormalised; the weights in h's dtype with cast_weights."""
+    probs = torch.softmax(F.linear(h, w.router), dim=-1, dtype=torch.float32)
+    top, ids = probs.topk(w.top_k, dim=-1)
+    if w.norm_topk_prob:
+        top /= top.sum(dim=-1, keepdim=True)
+    return (top.to(h.dtype) if w.cast_weights else top), ids
+
+
+def moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """The block's output [T, hidden] for the normed input h [T, hidden]. Each (token, choice)
+    pair's weighted expert output goes to its own row, then each token's k rows are summed
+    (float32 sums, one rounding): transformers' default (grouped_mm) experts to the bit in
+    bf16, where an index_add_ in bf16 would round after every expert."""
+    weights, ids = route(h, w)
+    rows, k = h.shape[0], w.top_k
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order kept within
+    counts = torch.bincount(flat, minlength=w.gate_up.shape[0])
+    scales = weights.flatten()[order].unsqueeze(1)
+    pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
+    ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
+    for e in counts.nonzero().flatten().tolist():
+        group = slice(ends[e] - sizes[e], ends[e])
+        x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
+        pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
+    return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
+
+
+def expert(x: torch.Tensor, w: MoeWeights, e: int) -> torch.Tensor:
+    """Expert e's SwiGLU MLP over the rows x [n, hidden]."""
+    gate_up, down = w.gate_up[e], w.down[e]
+    rows = (gate_up, down) if w.gemv else (None, None)
+    return linear(silu_mul(linear(x, gate_up, None, rows[0])), down, None, rows[1])
