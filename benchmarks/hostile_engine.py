@@ -2,7 +2,7 @@
 (the slowest /health answered while the attack runs) and a concurrent normal request's
 latency against the same request alone.
 
-    python -m benchmarks.hostile_engine [--prompt-mb 4] [--choices 20000]
+    python -m benchmarks.hostile_engine [--prompt-mb 4] [--choices 20000] [atomd serve flags...]
 
 Attack 5 sends one prompt of --prompt-mb MB (the probe: 15 MB), attack 6 a guided_choice of
 --choices strings (the probe: 100,000). Run it from a checkout: the server is that
@@ -45,12 +45,18 @@ def attack(server: EngineServer, body: dict) -> dict:
         result["attack_s"] = round(time.perf_counter() - t0, 3)
 
     thread = threading.Thread(target=send)
+    health: list[float] = []
+
+    def poll_health():
+        while thread.is_alive():
+            health.append(timed(lambda: http("GET", server.url + "/health", timeout=600)))
+
+    poller = threading.Thread(target=poll_health)
     thread.start()
+    poller.start()
     time.sleep(0.05)
     concurrent = timed(lambda: http("POST", server.url + "/v1/completions", GOOD, timeout=600))
-    health = []
-    while thread.is_alive():
-        health.append(timed(lambda: http("GET", server.url + "/health", timeout=600)))
+    poller.join()
     thread.join()
     time.sleep(1.0)
     return dict(result, health_max_s=round(max(health, default=0.0), 3), normal_alone_s=round(alone, 3),
@@ -61,8 +67,8 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--prompt-mb", type=float, default=4.0)
     ap.add_argument("--choices", type=int, default=20_000)
-    args = ap.parse_args()
-    with EngineServer(None, "--max-model-len", "256", "--num-threads", "1") as server:
+    args, serve_args = ap.parse_known_args()  # the rest go to `atomd serve` (e.g. raised limits)
+    with EngineServer(None, "--max-model-len", "256", "--num-threads", "1", *serve_args) as server:
         server.wait_ready(timeout_s=300)
         http("POST", server.url + "/v1/completions", GOOD)
         out = {"rss_before_mb": round(rss_mb(server.proc.pid), 1)}
