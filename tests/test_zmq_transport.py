@@ -755,7 +755,7 @@ JUNK = st.recursive(st.none() | st.booleans() | st.integers(-2**63, 2**64 - 1) |
 
 
 @pytest.mark.unit
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=60, deadline=None)
 @given(frames=st.lists(st.one_of(st.binary(max_size=200),
                                  st.tuples(HEADERS, st.lists(JUNK, max_size=6)).map(
                                      lambda t: msgspec.msgpack.encode([t[0], *t[1]]))),
