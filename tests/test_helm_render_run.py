@@ -29,7 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from launch.process import ServerProcess, free_port, http
 from tests.helm_tools import (CHART, REPO, SECRET_FLAG, Pod, by_kind, dashboard_metric_names, local_argv, one,
-                              pod_labels, render, replace_flag, secret_flag_known, strip_flag)
+                              pod_labels, render, replace_flag, secret_data, secret_flag_known, strip_flag)
 from tests.server_fixtures import START_TIMEOUT_S
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -38,7 +38,9 @@ RELEASE, NAMESPACE = "atomd", "serving"
 VALUES = {"prefill.replicas": 1, "decode.replicas": 1, "router.replicas": 1,
           "prefill.dataParallelSize": 1, "decode.dataParallelSize": 1,
           # two shared cores here: one torch thread per engine, a short context
-          "prefill.numThreads": 1, "decode.numThreads": 1, "engine.maxModelLen": 256}
+          "prefill.numThreads": 1, "decode.numThreads": 1, "engine.maxModelLen": 256,
+          "serviceMonitor.enabled": True}
+MONITORING_API = "monitoring.coreos.com/v1"  # the Prometheus operator's CRDs, so the ServiceMonitor renders
 PROMPT = "def fibonacci(n):"
 MAX_TOKENS = 24
 
@@ -68,8 +70,16 @@ def sample(text: str, name: str, **labels: str) -> float:
                if s.name == name and all(s.labels.get(k) == v for k, v in labels.items()))
 
 
+def service_monitor_headers(objs: list[dict]) -> dict[str, str]:
+    """The header the rendered ServiceMonitor's endpoint scrapes with (its Secret's key as a Bearer)."""
+    [endpoint] = one(objs, "ServiceMonitor")["spec"]["endpoints"]
+    credentials = endpoint["authorization"]["credentials"]
+    assert endpoint["authorization"]["type"] == "Bearer"
+    return {"Authorization": "Bearer " + secret_data(objs, credentials["name"])[credentials["key"]].decode()}
+
+
 def test_rendered_release_serves_the_offline_greedy_tokens(tmp_path):
-    objs = render(set_values=VALUES, release=RELEASE, namespace=NAMESPACE)
+    objs = render(set_values=VALUES, release=RELEASE, namespace=NAMESPACE, api_versions=[MONITORING_API])
     domain = yaml.safe_load((CHART / "values.yaml").read_text())["clusterDomain"]
     pods = {pod_labels(w)["app.kubernetes.io/component"]: Pod(objs, w, tmp_path, pod_ip="127.0.0.1")
             for w in by_kind(objs, "StatefulSet") + by_kind(objs, "Deployment")}
@@ -148,7 +158,9 @@ def test_rendered_release_serves_the_offline_greedy_tokens(tmp_path):
         events = [json.loads(line[6:]) for line in body.decode().split("\n\n") if line.startswith("data: {")]
         assert "".join(e["choices"][0]["text"] for e in events if e["choices"]) == expected
 
-        scraped = {role: http("GET", f"http://127.0.0.1:{ports[role]}/metrics")[1].decode() for role in pods}
+        scrape_auth = service_monitor_headers(objs)  # as Prometheus scrapes: the router's per-worker series need it
+        scraped = {role: http("GET", f"http://127.0.0.1:{ports[role]}/metrics", headers=scrape_auth)[1].decode()
+                   for role in pods}
         assert sample(scraped["router"], "atomd_router:decision_total", decision="pd") == 2
         assert sample(scraped["decode"], "atomd:kv_transfer_bytes_total") > 0  # pulled from P, not recomputed
         served = set().union(*(metric_names(text) for text in scraped.values()))
