@@ -25,7 +25,7 @@ FROM ${BASE_IMAGE} AS build
 ARG TORCH_INDEX=https://download.pytorch.org/whl/cpu
 # pip reads it from the environment: another index for everything else (unset: PyPI)
 ARG PIP_INDEX_URL
-# attention shapes to prebuild besides atomd/cbuild.py PREBUILT_ATTENTION's, e.g. "64x7,128x8"
+# attention shapes to prebuild besides atomd/kernels/cbuild.py PREBUILT_ATTENTION's, e.g. "64x7,128x8"
 ARG ATOMD_PREBUILD_ATTENTION=
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN apt-get update \

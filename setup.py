@@ -1,5 +1,5 @@
 """The build step pyproject.toml cannot say: a wheel (and so the image) ships the C kernels
-compiled for every x86-64 target the loader dispatches to at run time (atomd/cbuild.py's
+compiled for every x86-64 target the loader dispatches to at run time (atomd/kernels/cbuild.py's
 `prebuild`), so an installed engine never compiles and needs no compiler.
 
 Skipped in an editable install (a checkout builds its kernels at first use) and off x86-64;
@@ -32,10 +32,10 @@ class BuildPyWithKernels(build_py):
                              "(ATOMD_PREBUILD=0 builds one without them: every kernel then builds at "
                              "first use, or falls back to torch where there is no compiler)")
         # cbuild.py alone, by path: importing atomd would need its dependencies here
-        spec = importlib.util.spec_from_file_location("atomd_cbuild", HERE / "atomd" / "cbuild.py")
+        spec = importlib.util.spec_from_file_location("atomd_cbuild", HERE / "atomd" / "kernels" / "cbuild.py")
         cbuild = importlib.util.module_from_spec(spec)
         spec.loader.exec_module(cbuild)
-        built = cbuild.prebuild(pathlib.Path(self.build_lib) / "atomd" / "kernels", compiler)
+        built = cbuild.prebuild(pathlib.Path(self.build_lib) / "atomd" / "kernels" / "prebuilt", compiler)
         print(f"atomd: {len(built)} prebuilt kernels for {', '.join(cbuild.TARGETS)}")
 
 

@@ -15,7 +15,7 @@ from typing import Any
 
 import msgspec
 
-from atomd import cbuild
+from atomd.kernels import cbuild
 from atomd.model import hub
 from kv_transfer.trust import SECRET_ENV
 
@@ -40,7 +40,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dtype: str = "float32"
     seed: int = 0
     num_threads: int | None = None  # None: all cores (torch's own default)
-    # attention: native = the C kernels (atomd/native.py), torch = SDPA; auto: native for
+    # attention: native = the C kernels (atomd/kernels/native.py), torch = SDPA; auto: native for
     # float32 and bfloat16 where they build, else torch
     attention_backend: str = "auto"
     max_model_len: int = 2048
@@ -72,12 +72,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     kv_trusted_producers: str | None = None  # comma-separated, e.g. "10.0.0.0/8,prefill-0.svc"
     data_parallel_size: int = 1
     data_parallel_rank: int = 0
-    # KV events (atomd/kv_events.py, vLLM's wire): PUB endpoint, replay ROUTER endpoint (DP rank r: port + r)
+    # KV events (atomd/engine/kv_events.py, vLLM's wire): PUB endpoint, replay ROUTER endpoint (DP rank r: port + r)
     kv_events_endpoint: str | None = None
     kv_events_replay_endpoint: str | None = None
     kv_events_topic: str = ""
     kv_events_buffer_steps: int = 10_000
-    # data parallelism (atomd/core.py): the PrefillDelayer's policy and knobs
+    # data parallelism (atomd/engine/core.py): the PrefillDelayer's policy and knobs
     prefill_delayer: str = "off"
     prefill_delayer_max_delay_passes: int = 30
     prefill_delayer_token_usage_low_watermark: float | None = None
@@ -92,7 +92,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dp_collective_timeout_s: float = 60.0
     dp_master_port: int | None = None  # the ranks' gloo group; picked by the API process
     # speculative decoding, vLLM's JSON shape: '{"method": "ngram", "num_speculative_tokens": 4,
-    # "prompt_lookup_min": 2, "prompt_lookup_max": 5}' (atomd/spec_decode.py); None: off
+    # "prompt_lookup_min": 2, "prompt_lookup_max": 5}' (atomd/engine/spec_decode.py); None: off
     speculative_config: str | None = None
 
     def __post_init__(self) -> None:
@@ -241,7 +241,7 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
 
 def cpu_flags() -> set[str]:
     """This CPU's feature flags (/proc/cpuinfo's `flags`; empty where there is none), less
-    those $ATOMD_KERNEL_ISA hides (atomd.cbuild.narrow_flags). Tests monkeypatch it to be
+    those $ATOMD_KERNEL_ISA hides (atomd.kernels.cbuild.narrow_flags). Tests monkeypatch it to be
     another CPU."""
     try:
         with open("/proc/cpuinfo") as f:

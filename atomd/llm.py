@@ -8,7 +8,7 @@ from typing import Any, Iterable
 import msgspec
 
 from atomd.config import EngineConfig
-from atomd.engine import LLMEngine, ranked_choices
+from atomd.engine.llm_engine import LLMEngine, ranked_choices
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
 from scheduler.sequence import SamplingParams, Sequence

@@ -1,8 +1,8 @@
 """What crosses the API process <-> engine core boundary (torch-free: the API side imports it).
 
 `RequestOutput` is the one output type: `LLMEngine.step()` returns it, the core sends it
-as is, the server renders it. The rest are the IPC messages (atomd/core.py runs the core
-side, atomd/core_client.py the API side), msgspec msgpack over two ZMQ PUSH/PULL sockets:
+as is, the server renders it. The rest are the IPC messages (atomd/engine/core.py runs the core
+side, atomd/api/core_client.py the API side), msgspec msgpack over two ZMQ PUSH/PULL sockets:
 
   API -> core (input)    AddRequest       prompt token ids + SamplingParams (+ kv_transfer_params)
                          AbortRequests    ids whose client went away: the engine frees their blocks
@@ -43,7 +43,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     num_cached_tokens: int  # prompt tokens served from a prefix cache (ours or, in PD, P's)
     kv_transfer_params: dict[str, Any] | None = None
     error: str | None = None
-    error_code: ErrorCode | None = None  # how the API answers `error` (atomd/server.py)
+    error_code: ErrorCode | None = None  # how the API answers `error` (atomd/api/server.py)
     # engine clock, on the finished output only: (arrival, first_scheduled, first_token, finished)
     timing: tuple[float | None, float | None, float | None, float | None] | None = None
     index: int = 0

@@ -14,7 +14,7 @@ T0 a decode engine received from the prefill engine, a speculative run), fills t
 sequence's row of a vocabulary bitmask (`fill`, 32 tokens per int32 word, llguidance's
 layout) and drops the disallowed tokens of that row (`apply_bitmask`: -1e30, a zero
 probability, in one arithmetic pass). Only the constrained rows pay. The pass is a small C
-kernel (atomd/csrc/bitmask.c, built at first use like the attention kernels; a word of 32
+kernel (atomd/kernels/csrc/bitmask.c, built at first use like the attention kernels; a word of 32
 allowed tokens is a copy, or nothing in place), else numpy (no compiler, a failed build,
 or `ATOMD_BITMASK_KERNEL=0`): the same bits either way. The matcher state is
 a function of the grammar and the tokens, so a decode engine rebuilds it by replaying T0
@@ -50,7 +50,7 @@ from typing import Sequence as Seq
 import llguidance
 import numpy as np
 
-from atomd import cbuild
+from atomd.kernels import cbuild
 from scheduler.sequence import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
@@ -232,8 +232,8 @@ _DROP_C = float(DROP)  # ctypes takes a Python float; exactly DROP again as a C 
 
 @functools.cache
 def bitmask_kernel() -> "ctypes._CFuncPtr | None":
-    """atomd/csrc/bitmask.c's `atomd_apply_bitmask` (prebuilt or built at first use, like the
-    attention kernels: atomd/cbuild.py), or None: no compiler, a failed build (both logged),
+    """atomd/kernels/csrc/bitmask.c's `atomd_apply_bitmask` (prebuilt or built at first use, like the
+    attention kernels: atomd/kernels/cbuild.py), or None: no compiler, a failed build (both logged),
     or $ATOMD_BITMASK_KERNEL=0. `apply_bitmask` then takes the numpy path (same results)."""
     if os.environ.get(KERNEL_ENV, "1") == "0":
         log.info("%s=0: grammar masks are applied by numpy", KERNEL_ENV)

@@ -11,7 +11,7 @@ daemon of benchmarks/image.py, started and stopped here; `--network none`, read-
 the chart's user), the checkpoint and this directory mounted read-only, atomd from the
 image's installed package (its kernels prebuilt); the checkout side: this virtualenv's
 editable atomd (its kernels built here with -march=native). Each worker reports how its
-kernels run (atomd.cbuild.kernel_paths()).
+kernels run (atomd.kernels.cbuild.kernel_paths()).
 
     .venv/bin/python -m benchmarks.image_offline [--rounds 3] [--threads 1] [--out FILE]
 """
@@ -30,7 +30,7 @@ DTYPES = ("float32", "bfloat16")
 
 def worker(model: str, threads: int) -> dict:
     """One round of every workload at every dtype: output tokens/s, and the kernels' paths."""
-    from atomd import cbuild
+    from atomd.kernels import cbuild
     from benchmarks.offline import atomd_generator, prompts, timed
 
     out: dict = {}

@@ -24,7 +24,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from atomd import native
+from atomd.kernels import native
 from benchmarks.machine import loadavg
 from benchmarks.offline import SHAPE_CHOICES, checkpoint, model_config, prompts, timed
 

@@ -29,7 +29,7 @@ import time
 import numpy as np
 
 from atomd.config import EngineConfig
-from atomd.engine import LLMEngine
+from atomd.engine.llm_engine import LLMEngine
 from scheduler.sequence import SamplingParams
 from benchmarks.machine import loadavg
 

@@ -19,8 +19,8 @@ import sys
 import torch
 
 from atomd.config import EngineConfig
-from atomd.engine import LLMEngine
-from atomd.sampler import Sampler, draw_seed
+from atomd.engine.llm_engine import LLMEngine
+from atomd.engine.sampler import Sampler, draw_seed
 from benchmarks.machine import loadavg
 from benchmarks.model_shapes import model_dir
 from benchmarks.sampling import Timed, decode_steps, prompts

@@ -34,8 +34,8 @@ import time
 
 from atomd import structured
 from atomd.config import EngineConfig
-from atomd.engine import LLMEngine, resolve_model_dir
-from atomd.tools import forced_grammar
+from atomd.engine.llm_engine import LLMEngine, resolve_model_dir
+from atomd.api.tools import forced_grammar
 from benchmarks.machine import loadavg
 from benchmarks.model_shapes import model_dir
 from benchmarks.sampling import Timed, decode_steps, prompts

@@ -39,7 +39,7 @@ Worker side (`KVConnectorWorker`, called by the engine around the forward):
                                    Scheduler.update_from_kv_connector_output.
   close()
 
-Engine utilities (optional, on either half): stats() -> dict of PD counters (atomd.metrics
+Engine utilities (optional, on either half): stats() -> dict of PD counters (atomd.api.metrics
 renders them), info() -> role / side channel for GET /kv_transfer_info, revoke(transfer_id)
 -> bool for POST /kv_transfer/abort.
 

@@ -82,7 +82,7 @@ def _number(x: Any) -> bool:
 
 
 def check_logprob_entry(entry: dict[str, Any], name: str) -> None:
-    """`{"logprob": float, "top": [[token id, logprob], ...], "rank"?: int}` (atomd/sampler.py)
+    """`{"logprob": float, "top": [[token id, logprob], ...], "rank"?: int}` (atomd/engine/sampler.py)
     or ValueError naming the field."""
     if not _number(entry.get("logprob")):
         raise ValueError(f"{name}.logprob must be a number")

@@ -60,7 +60,7 @@ def load_secret(value: str | None = None, path: str | None = None, env: dict | N
 
 def replay_token(secret: bytes, start_seq: bytes) -> bytes:
     """What a KV events replay request for `start_seq` (8 bytes) carries when the engine has
-    the secret (atomd/kv_events.py): proof of the secret without sending it."""
+    the secret (atomd/engine/kv_events.py): proof of the secret without sending it."""
     return hmac.new(secret, b"atomd-kv-events-replay:" + start_seq, hashlib.sha256).digest()
 
 

@@ -2,7 +2,7 @@
 
 For each worker the router reads `GET /kv_transfer_info` when the worker enters rotation:
 every DP rank reports its `kv_events` (PUB endpoint, replay endpoint, topic, block size,
-hash algorithm; atomd/kv_events.py). The index subscribes to each rank and keeps the set
+hash algorithm; atomd/engine/kv_events.py). The index subscribes to each rank and keeps the set
 of block hashes it holds, per (worker, dp_rank):
 
 - `BlockStored` adds hashes, `BlockRemoved` drops them, `AllBlocksCleared` empties the set;
@@ -96,7 +96,7 @@ def connectable(endpoint: str, worker_url: str) -> str:
 class KVIndex:
     def __init__(self, stale_s: float = 10.0, secret: bytes | None = None):
         self.stale_s = stale_s
-        self.secret = secret  # the KV secret: replay requests carry its token (atomd/kv_events.py)
+        self.secret = secret  # the KV secret: replay requests carry its token (atomd/engine/kv_events.py)
         self.ranks: dict[tuple[str, int], RankState] = {}
         self.by_worker: dict[str, list[RankState]] = {}
         self.ctx = zmq.asyncio.Context()

@@ -1,8 +1,8 @@
 """`GET /openapi.json` of the router: OpenAPI 3.1, built once per process.
 
 The OpenAI routes it relays are described by the structs the engines validate them with
-(atomd/protocol.py): router/ must not import atomd, so atomd/openapi.py writes that part,
-paths and component schemas, to openapi_surface.json (`python -m atomd.openapi`; a test
+(atomd/api/protocol.py): router/ must not import atomd, so atomd/api/openapi.py writes that part,
+paths and component schemas, to openapi_surface.json (`python -m atomd.api.openapi`; a test
 holds the file current). The router adds the answers only it gives (429 at capacity,
 502 / 504 from a failed or silent worker) and its own routes, whose bodies are described
 by the structs below, the ones `POST|DELETE /workers` decode with.
@@ -20,7 +20,7 @@ import msgspec
 
 SURFACE = pathlib.Path(__file__).with_name("openapi_surface.json")
 REF = "#/components/schemas/{name}"
-ERROR_REF = {"$ref": REF.format(name="ErrorBody")}  # defined by the surface (atomd/openapi.py)
+ERROR_REF = {"$ref": REF.format(name="ErrorBody")}  # defined by the surface (atomd/api/openapi.py)
 
 Role = Literal["prefill", "decode", "worker"]
 

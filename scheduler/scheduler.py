@@ -66,12 +66,12 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     long_prefill_token_threshold: int  # 0: off; else the largest chunk one sequence gets
     eos_token_id: int | None = None
     stop_token_ids: list[int] = []  # the model's extra end tokens: treated like EOS
-    # speculative decoding (the engine's drafter, atomd/spec_decode.py, proposes them): drafts
+    # speculative decoding (the engine's drafter, atomd/engine/spec_decode.py, proposes them): drafts
     # scheduled after each sequence's last token, the accepted ones appended, the blocks of
     # rejected ones returned; 0: off
     num_speculative_tokens: int = 0
     # log BlockStored/BlockRemoved for take_events(); the engine publishes them with
-    # --kv-events-endpoint (atomd/kv_events.py)
+    # --kv-events-endpoint (atomd/engine/kv_events.py)
     enable_kv_events: bool = False
     # protect running streams from local prefills: while decode-ready sequences run, a prefill
     # step carries at most this many prompt tokens and is followed by a decode step (0: off;

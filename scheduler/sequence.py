@@ -63,7 +63,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # cumulative logprob are returned
     n: int = 1
     best_of: int | None = None
-    # logits processing (vLLM's order: atomd/sampler.py)
+    # logits processing (vLLM's order: atomd/engine/sampler.py)
     presence_penalty: float = 0.0  # OpenAI, over generated tokens
     frequency_penalty: float = 0.0  # OpenAI, over generated tokens
     repetition_penalty: float = 1.0  # vLLM/HF, over prompt and generated tokens

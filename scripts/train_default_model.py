@@ -43,7 +43,7 @@ SPECIAL_TOKENS = [PAD, BOS, EOS, "<|system|>", "<|user|>", "<|assistant|>", END]
 # adding special tokens again.
 # Without tools a turn is `<|role|>\ncontent<|end|>\n`. With `tools` (OpenAI's tool dicts, as
 # transformers passes them) a system turn lists them and asks for Hermes-style calls,
-# `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (atomd/tools.py parses them);
+# `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>` (atomd/api/tools.py parses them);
 # an assistant turn's `tool_calls` are rendered the same way.
 CHAT_TEMPLATE = (
     "{{ bos_token }}"

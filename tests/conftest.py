@@ -27,9 +27,10 @@ def loop():
 
 @pytest.fixture
 def fresh_kernels(tmp_path, monkeypatch):
-    """An empty C-kernel cache (atomd/cbuild.py) and no kernel loaded yet by this process:
+    """An empty C-kernel cache (atomd/kernels/cbuild.py) and no kernel loaded yet by this process:
     the attention kernels, the grammar bitmask kernel and the layer ops are built anew."""
-    from atomd import native, structured
+    from atomd.kernels import native
+    from atomd import structured
     from atomd.model import layer_ops
 
     caches = (native.attention_kernels, structured.bitmask_kernel, layer_ops.build_kernels)

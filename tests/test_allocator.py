@@ -1,4 +1,4 @@
-"""atomd/allocator.py: the engine's malloc policy (freed activation memory stays mapped)."""
+"""atomd/engine/allocator.py: the engine's malloc policy (freed activation memory stays mapped)."""
 from __future__ import annotations
 
 import platform
@@ -6,7 +6,7 @@ import platform
 import pytest
 import torch
 
-from atomd import allocator
+from atomd.engine import allocator
 
 
 @pytest.mark.unit
@@ -22,7 +22,7 @@ def test_the_policy_applies_on_glibc_unless_turned_off(monkeypatch):
 
 @pytest.mark.unit
 def test_c_writes_refuse_slots_outside_the_cache():
-    from atomd.kv_cache import AttentionMetadata, KVCache
+    from atomd.engine.kv_cache import AttentionMetadata, KVCache
 
     cache = KVCache(4, 2, 16, 2, 32)
     meta = AttentionMetadata(is_prefill=True, slot_blocks=torch.tensor([1, 4]), slot_offsets=torch.tensor([0, 3]),

@@ -5,9 +5,10 @@ graph is built from what the files say. Rules:
 
 * the module import graph of atomd/, scheduler/, kv_transfer/, router/, launch/ has
   no cycle;
-* scheduler/, kv_transfer/ and router/ never import torch, directly or through any
+* scheduler/, kv_transfer/, router/ and atomd/api/ (the HTTP process) never import torch, directly or through any
   production module they import (lazily or not);
 * router/ never imports atomd or scheduler, directly or transitively;
+* atomd/engine/, atomd/kernels/ and atomd/model/ never import atomd/api/;
 * nothing outside tests/ (the packages, benchmarks/, scripts/) imports tests.
 
 What counts as an import (all of them, wherever they sit: module level, inside
@@ -24,7 +25,7 @@ conservative):
   part is a scanned module, or lies under tests/, is taken as an import of that module.
   This covers registries and command tables such as
   kv_transfer/connector.py's {"zmq": "kv_transfer.zmq_connector:create_zmq_connector"}
-  and atomd/cli.py's COMMANDS = {"serve": ("atomd.server", ...)}.
+  and atomd/cli.py's COMMANDS = {"serve": ("atomd.api.server", ...)}.
   Not covered: names built at run time (f-strings, concatenation), plugin entry
   points, and string constants naming third-party modules (a literal passed
   straight to import_module *is* covered, third-party or not).
@@ -33,12 +34,14 @@ Package `__init__` semantics, and why a package importing its own child is not a
 
 * Resolving `from pkg import sibling` to pkg.sibling (not to pkg) means a child that
   only fetches a sibling through its package does not depend on the package's
-  `__init__`, so `atomd/__init__.py`'s lazy `__getattr__` importing atomd.engine
-  plus atomd.engine doing `from atomd import protocol` is *not* reported as a cycle.
+  `__init__`, so `atomd/__init__.py`'s lazy `__getattr__` importing atomd.engine.llm_engine
+  plus atomd.engine.llm_engine doing `from atomd import protocol` is *not* reported as a cycle.
 * Imports inside a package's module-level `def __getattr__` (PEP 562 lazy attributes)
   belong to a pseudo-node "pkg.__getattr__". Only code that really touches the
   package namespace -- `import pkg`, `from pkg import NotASubmodule`, `from pkg import *`
-  -- gets an edge to it; `from atomd import LLM` therefore does reach torch.
+  -- gets an edge to it; `from atomd import LLM` therefore does reach torch, while
+  `from atomd import __version__` (bound in the package's own body, so __getattr__ never
+  runs) does not.
 * Python runs every parent package's `__init__` before a submodule
   (importing scheduler.sequence executes scheduler/__init__.py, which eagerly imports
   scheduler.scheduler ...). For the reachability rules (torch, router) each module gets
@@ -52,6 +55,8 @@ from __future__ import annotations
 import ast
 import functools
 import re
+import subprocess
+import sys
 from collections import defaultdict, deque
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -63,7 +68,11 @@ pytestmark = pytest.mark.unit
 ROOT = Path(__file__).resolve().parents[1]
 PRODUCTION_PACKAGES = ("atomd", "scheduler", "kv_transfer", "router", "launch")
 OTHER_SCANNED_DIRS = ("benchmarks", "scripts")  # only for the "nothing imports tests" rule
-TORCH_FREE_PACKAGES = ("scheduler", "kv_transfer", "router")
+TORCH_FREE_PACKAGES = ("scheduler", "kv_transfer", "router", "atomd.api")  # atomd.api: the HTTP process
+# The API process starts the engine core process with atomd.engine.core.run_engine_core as its
+# multiprocessing target: torch is imported inside it, in the child. The edge is the process seam;
+# test_api_process_never_imports_torch checks at run time that crossing it loads no torch here.
+PROCESS_SEAMS = frozenset({("atomd.api.core_client", "atomd.engine.core")})
 ROUTER_FORBIDDEN = ("atomd", "scheduler")
 TESTS_PACKAGE = "tests"
 GETATTR = "__getattr__"
@@ -92,6 +101,7 @@ class ModuleInfo:
     path: Path
     is_package: bool
     refs: list[Ref] = field(default_factory=list)
+    defines: set[str] = field(default_factory=set)  # names bound at module level: no __getattr__ call
 
 
 def module_name(rel: Path) -> tuple[str, bool]:
@@ -180,6 +190,8 @@ def scan(root: Path, dirs: tuple[str, ...]) -> dict[str, ModuleInfo]:
     for mod in modules.values():
         tree = ast.parse(mod.path.read_text(encoding="utf-8"), filename=str(mod.path))
         _Collector(mod, tree).visit(tree)
+        mod.defines = {t.id for n in tree.body if isinstance(n, (ast.Assign, ast.AnnAssign))
+                       for t in (n.targets if isinstance(n, ast.Assign) else [n.target]) if isinstance(t, ast.Name)}
     return modules
 
 
@@ -234,6 +246,8 @@ def build_graph(modules: dict[str, ModuleInfo], internal_tops: set[str] | None =
                 for name in ref.names:
                     if f"{ref.module}.{name}" in known:
                         targets.add(f"{ref.module}.{name}")
+                    elif ref.module in modules and name in modules[ref.module].defines:
+                        targets.add(ref.module)  # `from atomd import __version__`: found, __getattr__ not run
                     else:
                         namespace_access = True
                         targets.add(_longest_known_prefix(ref.module, known) or ref.module)
@@ -329,8 +343,9 @@ def a_cycle_through(graph: dict[str, set[str]], component: list[str]) -> list[st
     return component + [start]
 
 
-def shortest_path(graph: ImportGraph, start: str, goal) -> list[str] | None:
-    """BFS over explicit + implicit (parent package) edges to the first node with goal(node)."""
+def shortest_path(graph: ImportGraph, start: str, goal,
+                  skip: frozenset[tuple[str, str]] = frozenset()) -> list[str] | None:
+    """BFS over explicit + implicit (parent package) edges, less `skip`, to the first node with goal(node)."""
     prev: dict[str, str | None] = {start: None}
     queue = deque([start])
     while queue:
@@ -341,7 +356,7 @@ def shortest_path(graph: ImportGraph, start: str, goal) -> list[str] | None:
                 path.append(prev[path[-1]])
             return list(reversed(path))
         for child in sorted(graph.explicit.get(node, set()) | graph.implicit.get(node, set())):
-            if child not in prev:
+            if child not in prev and (node, child) not in skip:
                 prev[child] = node
                 queue.append(child)
     return None
@@ -392,14 +407,35 @@ def test_no_import_cycles_in_production_packages():
 def test_package_never_imports_torch(package):
     g = production_graph()
     violations = []
-    for start in sorted(n for n in set(g.explicit) | set(g.modules) if _top(n) == package):
-        path = shortest_path(g, start, lambda n: "torch" in g.external.get(n, {}))
+    for start in sorted(n for n in set(g.explicit) | set(g.modules) if n == package or n.startswith(package + ".")):
+        path = shortest_path(g, start, lambda n: "torch" in g.external.get(n, {}), skip=PROCESS_SEAMS)
         if path is not None:
             last = path[-1]
             chain = describe_path(g, path)
             violations.append(f"{start}: {chain + '; ' if len(path) > 1 else ''}"
                               f"{last} imports torch ({g.file_of(last)}:{g.external[last]['torch']})")
     assert not violations, f"{package}/ reaches torch:\n  " + "\n  ".join(violations)
+
+
+def test_api_process_never_imports_torch():
+    """What the static rule cannot see past the process seam: importing the API side's modules
+    (engine core entry point included) leaves torch unloaded, in a fresh interpreter."""
+    code = ("import sys, atomd.api.server, atomd.api.openapi, atomd.engine.core; "
+            "print(sorted(m for m in sys.modules if m.split('.')[0] == 'torch')[:3])")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "[]", f"the API process loaded torch: {out.stdout}"
+
+
+@pytest.mark.parametrize("side", ["atomd.engine", "atomd.kernels", "atomd.model"])
+def test_engine_side_never_imports_the_api_side(side):
+    g = production_graph()
+    violations = []
+    for start in sorted(n for n in set(g.explicit) | set(g.modules) if n == side or n.startswith(side + ".")):
+        path = shortest_path(g, start, lambda n: n == "atomd.api" or n.startswith("atomd.api."))
+        if path is not None:
+            violations.append(f"{start}: {describe_path(g, path)}")
+    assert not violations, f"{side} reaches atomd.api:\n  " + "\n  ".join(violations)
 
 
 def test_router_never_imports_atomd_or_scheduler():

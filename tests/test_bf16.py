@@ -29,9 +29,9 @@ import torch.nn.functional as F
 import transformers
 
 import atomd.config
-from atomd import native
+from atomd.kernels import native
 from atomd.config import EngineConfig, add_engine_args, auto_dtype, cpu_flags
-from atomd.kv_cache import KVCache
+from atomd.engine.kv_cache import KVCache
 from atomd.llm import LLM
 from atomd.model.default import default_model_dir
 from scheduler.sequence import SamplingParams
@@ -185,7 +185,7 @@ def test_kernels_refuse_mixed_dtypes():
 @pytest.mark.unit
 def test_isa_env_selects_the_fallback_build(monkeypatch, caplog):
     monkeypatch.setenv(native.ISA_ENV, "no-bf16-dot")
-    with caplog.at_level(logging.INFO, logger="atomd.native"):
+    with caplog.at_level(logging.INFO, logger="atomd.kernels.native"):
         lib = native.attention_kernels(32, 2)
     assert lib is native.attention_kernels(32, 2, "no-bf16-dot") and lib.bf16_path == expected_bf16_path("no-bf16-dot")
     monkeypatch.setenv(native.ISA_ENV, "sse9")

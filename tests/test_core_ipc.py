@@ -12,7 +12,9 @@ import msgspec
 import pytest
 import zmq
 
-from atomd import core, core_client
+from atomd.engine import core
+
+from atomd.api import core_client
 from atomd import messages as M
 from kv_transfer.params import KVTransferParams
 from scheduler.sequence import ErrorCode, SamplingParams

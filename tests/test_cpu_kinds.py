@@ -4,7 +4,7 @@ CI runs on whichever machine it gets: an AMD EPYC with AVX512_BF16, an Intel Xeo
 or an Intel Xeon with AVX-512/VNNI but neither AVX512_BF16 nor AMX. A test that passes on
 one must pass on the others, so each narrower kind (and the AVX2-only and no-compiler
 fallbacks) is simulated here by narrowing everything that looks at the CPU, in a child
-process: our C kernels and the engine's CPU flags ($ATOMD_KERNEL_ISA, atomd/cbuild.py),
+process: our C kernels and the engine's CPU flags ($ATOMD_KERNEL_ISA, atomd/kernels/cbuild.py),
 oneDNN's GEMMs ($ONEDNN_MAX_CPU_ISA) and ATen's vector kernels ($ATEN_CPU_CAPABILITY). The
 engine-level tests against Hugging Face then run in that process, HF included, so the
 reference computes as it would on that CPU too. A kind at or above this machine's own CPU
@@ -19,7 +19,7 @@ import sys
 
 import pytest
 
-from atomd import cbuild
+from atomd.kernels import cbuild
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 # the engine against HF, fp32 and bf16: prompt logits, greedy ids, chunked prefill, prefix

@@ -212,14 +212,14 @@ def test_pip_install_dot_ships_the_built_in_model_and_kernels(wheel):
     assert {f"atomd/model/default_checkpoint/{f}" for f in checkpoint} <= names
     assert {"router/discovery.py", "launch/process.py"} <= names
     # every source and header a kernel built at run time (another shape) needs
-    csrc = {f"atomd/csrc/{p.name}" for p in (REPO / "atomd/csrc").iterdir() if p.suffix in (".c", ".h")}
-    assert csrc <= names and "atomd/csrc/fast_exp.h" in csrc
+    csrc = {f"atomd/kernels/csrc/{p.name}" for p in (REPO / "atomd/kernels/csrc").iterdir() if p.suffix in (".c", ".h")}
+    assert csrc <= names and "atomd/kernels/csrc/fast_exp.h" in csrc
     # every shipped kernel for every target, built from these very sources (the name's key)
-    from atomd import cbuild
+    from atomd.kernels import cbuild
 
-    shipped = {f"atomd/kernels/{cbuild.prebuilt_path(*k, t, directory=pathlib.Path()).name}"
+    shipped = {f"atomd/kernels/prebuilt/{cbuild.prebuilt_path(*k, t, directory=pathlib.Path()).name}"
                for k in cbuild.shipped_kernels() for t in cbuild.TARGETS}
-    assert shipped == {n for n in names if n.startswith("atomd/kernels/")}
+    assert shipped == {n for n in names if n.startswith("atomd/kernels/prebuilt/")}
     assert re.search(r"-cp\d+-cp\d+-linux_x86_64\.whl$", wheel.name)  # shared objects: a platform wheel
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
@@ -231,7 +231,8 @@ def test_pip_install_dot_ships_the_built_in_model_and_kernels(wheel):
 INSTALLED_CHECK = """
 import json, sys
 import atomd
-from atomd import LLM, SamplingParams, cbuild, native, structured
+from atomd import LLM, SamplingParams, structured
+from atomd.kernels import cbuild, native
 from atomd.model import layer_ops
 wanted = {}
 for isa in native.ISA_FLAGS:

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from atomd.server import ERROR_STATUS
+from atomd.api.server import ERROR_STATUS
 from scheduler.scheduler import SchedulerConfig
 from scheduler.sequence import ErrorCode
 

@@ -49,7 +49,7 @@ def run_scenarios(rank, world, port, out_path, scenarios, timeout_s, die_after=N
     (rank, scenario name) after which that rank exits without a word."""
     import torch
 
-    from atomd.dp_collective import GlooCollective, ObservedPrefillDelayer
+    from atomd.engine.dp_collective import GlooCollective, ObservedPrefillDelayer
     from tests.fake_connector import make_delayer
 
     torch.set_num_threads(1)

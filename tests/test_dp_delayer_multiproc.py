@@ -23,7 +23,7 @@ def run_schedulers(rank, world, port, out_path, cases, timeout_s):
     case = (name, delayer kwargs, scheduler kwargs, {rank: {tick: [(id, prompt_len, max_tokens)]}}, ticks)."""
     import torch
 
-    from atomd.dp_collective import GlooCollective, ObservedPrefillDelayer
+    from atomd.engine.dp_collective import GlooCollective, ObservedPrefillDelayer
     from scheduler.scheduler import Scheduler
     from scheduler.sequence import SamplingParams, Sequence
     from tests.fake_connector import FakeKV, make_delayer, scheduler_config, FakeModel, prompt, step

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from atomd.config import EngineConfig
-from atomd.core_client import DPEngineClient, rank_config
+from atomd.api.core_client import DPEngineClient, rank_config
 from launch.process import http
 from tests.server_fixtures import model_dir, start_server
 

@@ -14,7 +14,7 @@ import torch
 from atomd.cli import main as cli_main
 from atomd.config import EngineConfig, add_engine_args
 from atomd.llm import LLM
-from atomd.kv_cache import KVCache
+from atomd.engine.kv_cache import KVCache
 from scheduler.sequence import SamplingParams
 from tests.test_model_hf import hf_greedy, hf_model, make_checkpoint, prompts_of
 

@@ -139,8 +139,8 @@ def test_still_serving_and_no_block_leaked_after_the_fuzzing(server):
 
 @pytest.mark.unit
 def test_the_openapi_description_is_made_from_the_request_structs():
-    from atomd import protocol as P
-    from atomd.openapi import openapi_document
+    from atomd.api import protocol as P
+    from atomd.api.openapi import openapi_document
 
     doc = openapi_document("0")
     schemas = doc["components"]["schemas"]
@@ -246,16 +246,16 @@ def test_the_router_still_serves_after_the_fuzzing_and_no_block_leaked(server, r
 @pytest.mark.unit
 def test_the_router_openapi_surface_is_current():
     """router/openapi_surface.json is what the engines' structs describe now."""
-    from atomd.openapi import ROUTER_SURFACE, render_router_surface
+    from atomd.api.openapi import ROUTER_SURFACE, render_router_surface
 
-    assert ROUTER_SURFACE.read_text() == render_router_surface(), "run: python -m atomd.openapi"
+    assert ROUTER_SURFACE.read_text() == render_router_surface(), "run: python -m atomd.api.openapi"
 
 
 @pytest.mark.unit
 def test_the_router_openapi_describes_every_route_and_its_structs():
     import asyncio
 
-    from atomd.openapi import openapi_document as engine_document
+    from atomd.api.openapi import openapi_document as engine_document
     from router.app import Router, RouterConfig
     from router.openapi import AddWorker, RemoveWorker, openapi_document
 

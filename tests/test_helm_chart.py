@@ -248,7 +248,7 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
     from atomd.cli import COMMANDS
 
     name, objs = variant
-    assert scripts_entry("atomd") == "atomd.cli:main" and COMMANDS["serve"][0] == "atomd.server"
+    assert scripts_entry("atomd") == "atomd.cli:main" and COMMANDS["serve"][0] == "atomd.api.server"
     for role, p in pods(objs, tmp_path).items():
         if role == "router":
             continue
@@ -333,7 +333,7 @@ def test_configmap_parses_with_the_config_classes_and_matches_the_command_lines(
 
 @pytest.mark.integration
 def test_probes_are_get_routes_the_servers_register(tmp_path):
-    from atomd.server import Server
+    from atomd.api.server import Server
     from router.app import Router, RouterConfig
 
     objs = render()

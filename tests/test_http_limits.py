@@ -1,5 +1,5 @@
 """Limits of every HTTP server, at the byte level (issue #18): the router's own HTTP layer
-(router/http.py) and the engine's aiohttp server (atomd/server.py, run here in-process
+(router/http.py) and the engine's aiohttp server (atomd/api/server.py, run here in-process
 without a model: the head is refused before any route runs).
 
 A URL, a header, the number of headers and the whole head are bounded; over a bound the
@@ -261,7 +261,7 @@ def test_upstream_answers_over_a_limit_are_failures_not_memory(payload, names):
 def engine_port(loop):
     """`atomd serve`'s HTTP server (routes, middlewares, limits) without starting the engine."""
     from atomd.config import EngineConfig
-    from atomd.server import HEAD_LIMITS, JSONErrorRunner, Server, add_arguments
+    from atomd.api.server import HEAD_LIMITS, JSONErrorRunner, Server, add_arguments
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -296,7 +296,7 @@ def test_engine_refuses_requests_over_its_limits_with_a_json_error(loop, engine_
 
 
 def test_router_and_engine_bound_a_head_alike():
-    from atomd import server
+    from atomd.api import server
 
     assert (H.MAX_URL_BYTES, H.MAX_HEADER_BYTES, H.MAX_HEADERS) == \
         (server.MAX_LINE_BYTES, server.MAX_FIELD_BYTES, server.MAX_HEADERS)

@@ -10,7 +10,7 @@ import pytest
 from atomd.config import EngineConfig
 from atomd.llm import LLM
 from atomd.model.hub import model_path
-from atomd.server import load_tokenizer
+from atomd.api.server import load_tokenizer
 from tests.test_model_hf import assert_equals_hf, engine_greedy, make_checkpoint, prompts_of
 
 pytestmark = pytest.mark.unit

@@ -1,4 +1,4 @@
-"""The prebuilt kernels' dispatch (atomd/cbuild.py): which target each kind of CPU we run on
+"""The prebuilt kernels' dispatch (atomd/kernels/cbuild.py): which target each kind of CPU we run on
 loads, under each ISA override, and that a prebuilt object is loaded without a compiler.
 CPUs are given as /proc/cpuinfo flags, never taken from this machine."""
 from __future__ import annotations
@@ -7,7 +7,7 @@ import logging
 
 import pytest
 
-from atomd import cbuild
+from atomd.kernels import cbuild
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""KV events (atomd/kv_events.py): vLLM's wire format, seq numbers, replay, the buffer
+"""KV events (atomd/engine/kv_events.py): vLLM's wire format, seq numbers, replay, the buffer
 bound, a slow subscriber, and an engine that publishes after the forward.
 
 Frames are decoded here with copies of vLLM's own structs (vllm/distributed/kv_events.py:
@@ -19,7 +19,7 @@ import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from atomd.kv_events import END_SEQ, KVEventPublisher, offset_port
+from atomd.engine.kv_events import END_SEQ, KVEventPublisher, offset_port
 from kv_transfer.block_hash import block_hashes, chain_hash
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kv_transfer.trust import replay_token
@@ -195,7 +195,7 @@ def test_replay_from_any_seq_and_the_buffer_bound(request):
 
 
 def test_a_slow_subscriber_never_blocks_the_publisher(monkeypatch, request):
-    monkeypatch.setattr("atomd.kv_events.SNDHWM", 4)
+    monkeypatch.setattr("atomd.engine.kv_events.SNDHWM", 4)
     pub = KVEventPublisher(tcp(), tcp(), buffer_steps=16, heartbeat_s=0.05)
     request.addfinalizer(pub.close)
     s = subscribed(pub)  # connected, then never reads

@@ -1,4 +1,4 @@
-"""The C layer ops (atomd/csrc/layer_ops.c via atomd/model/layer_ops.py) against Hugging
+"""The C layer ops (atomd/kernels/csrc/layer_ops.c via atomd/model/layer_ops.py) against Hugging
 Face's formulas written in torch, float32 and bfloat16, and the model's torch fallback
 against the C path.
 
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atomd import cbuild
+from atomd.kernels import cbuild
 from atomd.config import cpu_flags
 from atomd.model import layer_ops
 
@@ -111,7 +111,7 @@ def test_rope_in_place_on_the_query_and_key_heads_only(dtype, rows):
 def test_rope_store_equals_rope_then_the_cache_write(dtype, rows):
     """One pass (RoPE, then each row's K and V into its paged slot) against rope_ followed by
     KVCache.write: the same qkv and the same cache, to the bit; the other slots untouched."""
-    from atomd.kv_cache import AttentionMetadata, KVCache
+    from atomd.engine.kv_cache import AttentionMetadata, KVCache
 
     g = torch.Generator().manual_seed(rows)
     heads, kv_heads, head_dim, layers, block = 9, 3, 64, 3, 16

@@ -198,7 +198,7 @@ def test_prompt_logits_match_hf(kind, chunk, llama_dir, qwen2_dir):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-BACKENDS = ["native", "torch"]  # atomd/native.py's C kernels, torch SDPA
+BACKENDS = ["native", "torch"]  # atomd/kernels/native.py's C kernels, torch SDPA
 
 
 @pytest.mark.unit
@@ -242,9 +242,9 @@ def test_preemption_by_tiny_pool_equals_hf(backend, llama_dir):
 
 @pytest.mark.unit
 def test_decode_without_workspace_equals_hf(llama_dir, monkeypatch):
-    import atomd.runner
+    import atomd.engine.runner
 
-    monkeypatch.setattr(atomd.runner, "WORKSPACE_MAX_BYTES", 0)  # gather from the paged cache every step
+    monkeypatch.setattr(atomd.engine.runner, "WORKSPACE_MAX_BYTES", 0)  # gather from the paged cache every step
     llm = LLM(str(llama_dir), num_threads=1, max_model_len=256, attention_backend="torch")
     prompts = prompts_of(MIXED, seed=9)
     assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))

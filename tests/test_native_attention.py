@@ -1,4 +1,4 @@
-"""The C decode-attention kernel (atomd/native.py) against torch's SDPA, the reference, and the
+"""The C decode-attention kernel (atomd/kernels/native.py) against torch's SDPA, the reference, and the
 engine's choice of backend: greedy tokens equal Hugging Face through both backends, and an
 engine whose kernel cannot be built says so and keeps serving through SDPA."""
 from __future__ import annotations
@@ -9,10 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atomd import native
+from atomd.kernels import native
 from atomd.config import EngineConfig
 from atomd.llm import LLM
-from atomd.kv_cache import KVCache
+from atomd.engine.kv_cache import KVCache
 from tests.test_model_hf import MIXED, assert_equals_hf, engine_greedy, llama_dir, prompts_of, qwen2_dir  # noqa: F401
 
 
@@ -87,7 +87,7 @@ def test_greedy_equals_hf_through_each_backend(backend, llama_dir, qwen2_dir):
 @pytest.mark.unit
 def test_no_compiler_falls_back_to_sdpa_with_a_warning(fresh_kernels, monkeypatch, llama_dir, caplog):
     monkeypatch.setenv("CC", "no-such-compiler")
-    with caplog.at_level(logging.WARNING, logger="atomd.native"):
+    with caplog.at_level(logging.WARNING, logger="atomd.kernels.native"):
         llm = LLM(str(llama_dir), num_threads=1, max_model_len=256)
     assert llm.engine.runner.kernels is None
     assert "no C compiler (no-such-compiler)" in caplog.text
@@ -103,7 +103,7 @@ def test_a_failing_build_names_the_compiler_error(fresh_kernels, monkeypatch, tm
     broken.write_text("#!/bin/sh\necho 'cc: fatal error: out of luck' >&2\nexit 1\n")
     broken.chmod(0o755)
     monkeypatch.setenv("CC", str(broken))
-    with caplog.at_level(logging.WARNING, logger="atomd.native"):
+    with caplog.at_level(logging.WARNING, logger="atomd.kernels.native"):
         assert native.attention_kernels(32, 2) is None
     assert "out of luck" in caplog.text and not list((fresh_kernels / "kernels").glob("*.so"))
 

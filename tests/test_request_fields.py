@@ -1,4 +1,4 @@
-"""docs/request_fields.md is current (regenerated from atomd/protocol.py), and its outcomes
+"""docs/request_fields.md is current (regenerated from atomd/api/protocol.py), and its outcomes
 are what the request decoding really does: unknown fields and unimplemented values are a 400
 naming the field, no-op values of unimplemented fields pass."""
 from __future__ import annotations
@@ -9,7 +9,7 @@ import runpy
 
 import pytest
 
-from atomd import protocol as P
+from atomd.api import protocol as P
 
 pytestmark = pytest.mark.unit
 

@@ -1,4 +1,4 @@
-"""Request bounds (atomd/limits.py, issue 42): every list field, string, grammar, JSON
+"""Request bounds (atomd/api/limits.py, issue 42): every list field, string, grammar, JSON
 nesting and prompt is bounded before anything is parsed further, tokenized or compiled;
 over a bound is a 400 naming the field, the limit and its flag, answered fast."""
 from __future__ import annotations
@@ -9,8 +9,8 @@ import json
 import msgspec
 import pytest
 
-from atomd import limits as L
-from atomd import protocol as P
+from atomd.api import limits as L
+from atomd.api import protocol as P
 
 pytestmark = pytest.mark.unit
 

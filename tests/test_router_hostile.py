@@ -161,7 +161,7 @@ def test_error_bodies_echo_no_oversized_input_no_traceback_no_path(make):
         assert r.status in (400, 404) and len(r.body) < 1000, r.body[:200]
     c.prefill[0].fail_status = 500
     c.prefill[0].fail_message = ("KeyError: 'logprob'\nTraceback (most recent call last):\n  File "
-                                 "\"/opt/atomd/atomd/engine.py\", line 12, in step\n" + huge)
+                                 "\"/opt/atomd/atomd/engine/llm_engine.py\", line 12, in step\n" + huge)
     r = c.post("/v1/completions", COMPLETION)
     assert r.status == 502 and len(r.body) < 1000
     assert b"Traceback" not in r.body and b".py" not in r.body and b"KeyError" in r.body

@@ -10,7 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from atomd.kv_events import KVEventPublisher
+from atomd.engine.kv_events import KVEventPublisher
 from kv_transfer.block_hash import block_hashes
 from kv_transfer.events import BlockStored
 from launch.process import free_port

@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 import torch
 
-from atomd.sampler import Sampler, draw_seed
+from atomd.engine.sampler import Sampler, draw_seed
 from scheduler.sequence import SamplingParams, Sequence
 
 pytestmark = pytest.mark.unit

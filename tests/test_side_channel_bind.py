@@ -9,7 +9,7 @@ import pathlib
 import numpy as np
 import pytest
 
-from atomd.kv_events import KVEventPublisher
+from atomd.engine.kv_events import KVEventPublisher
 from kv_transfer.params import compat_fingerprint
 from kv_transfer.zmq_transport import KVSender
 

@@ -1,4 +1,4 @@
-"""Speculative decoding (atomd/spec_decode.py): the n-gram drafter, verification in one
+"""Speculative decoding (atomd/engine/spec_decode.py): the n-gram drafter, verification in one
 forward, exact acceptance, rollback, and drafts through PD.
 
 - the flag: vLLM's JSON on `atomd serve` / `atomd generate` / `LLM(...)`, a bad key named;
@@ -26,12 +26,12 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atomd import native
+from atomd.kernels import native
 from atomd.config import EngineConfig, add_engine_args
-from atomd.kv_cache import KVCache
+from atomd.engine.kv_cache import KVCache
 from atomd.llm import LLM
-from atomd.sampler import Sampler
-from atomd.spec_decode import MIN_ACCEPTANCE, PAYBACK, NgramProposer, SpecController, accept
+from atomd.engine.sampler import Sampler
+from atomd.engine.spec_decode import MIN_ACCEPTANCE, PAYBACK, NgramProposer, SpecController, accept
 from scheduler.sequence import SamplingParams
 from tests.test_model_hf import BLOCK, assert_equals_hf, engine_greedy, llama_dir, prompts_of  # noqa: F401
 from tests.test_sampler import assert_frequencies, ref_probs, ref_process, seq_with

@@ -1,5 +1,5 @@
 """Issue 22 in process: structured outputs (atomd/structured.py) and tool-call parsing
-(atomd/tools.py), checked against references: `jsonschema` for schema outputs, Python's
+(atomd/api/tools.py), checked against references: `jsonschema` for schema outputs, Python's
 `re.fullmatch` for regexes, `json` for tool calls, and a plain-Python bit test for the
 vocabulary mask. The built-in default model writes Python, not JSON: every valid output
 below is the mask's doing."""
@@ -15,10 +15,10 @@ import pytest
 import torch
 
 from atomd.model.default import default_model_dir
-from atomd.sampler import Sampler
+from atomd.engine.sampler import Sampler
 from atomd import structured
 from atomd.structured import GrammarCompiler, apply_bitmask, check
-from atomd.tools import HermesParser, forced_grammar
+from atomd.api.tools import HermesParser, forced_grammar
 from scheduler.sequence import SamplingParams, Sequence, StructuredOutputsParams as SO
 
 pytestmark = pytest.mark.unit
@@ -86,7 +86,7 @@ def reference_mask(logits: np.ndarray, rows: list[int], bitmask: np.ndarray) -> 
 @pytest.mark.parametrize("kernel", [True, False], ids=["C kernel", "numpy"])
 @pytest.mark.parametrize("vocab", [VOCAB, 4093, 37])
 def test_apply_bitmask_equals_the_bit_by_bit_reference(kernel, vocab):
-    """The C kernel (atomd/csrc/bitmask.c) and the numpy fallback, in place and into another
+    """The C kernel (atomd/kernels/csrc/bitmask.c) and the numpy fallback, in place and into another
     array, every row or a subset (in any order), a vocabulary that is not a multiple of 32;
     masks with words of all ones, all zeros and mixed."""
     assert structured.bitmask_kernel() is not None, "the C kernel did not build here"

@@ -1,13 +1,13 @@
-"""Attention over the paged KV cache (atomd/native.py's C kernels or torch SDPA), and the
+"""Attention over the paged KV cache (atomd/kernels/native.py's C kernels or torch SDPA), and the
 per-head q/k RMSNorm some families run before RoPE."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
-from atomd.kv_cache import AttentionMetadata, KVCache
+from atomd.engine.kv_cache import AttentionMetadata, KVCache
 from atomd.model.layer_ops import rms_norm
-from atomd.native import decode_attention, prefill_attention
+from atomd.kernels.native import decode_attention, prefill_attention
 
 
 def qk_norm_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, q_heads: int, kv_heads: int,
@@ -24,7 +24,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     the model's dtype (the native kernels run float32 and bfloat16 over the cache as stored).
 
     Prefill: a sequence without cached prefix attends to its own fresh k/v (no gather):
-    all of them in one call of the native kernel (atomd/native.py), else one SDPA each; one
+    all of them in one call of the native kernel (atomd/kernels/native.py), else one SDPA each; one
     with a prefix (chunked prefill, prefix hit) reads its whole context from the cache, one
     SDPA each. Decode: the native kernel reads each context straight from the paged cache
     (with speculative decoding several rows per sequence, causal inside its drafts; without

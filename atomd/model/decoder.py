@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from atomd.kv_cache import AttentionMetadata, KVCache
+from atomd.engine.kv_cache import AttentionMetadata, KVCache
 from atomd.model import layer_ops
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
@@ -25,7 +25,7 @@ from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
 from atomd.model.moe import MoeWeights, moe
 from atomd.model.rotary import rope_tables
-from atomd.native import decode_attention
+from atomd.kernels.native import decode_attention
 
 log = logging.getLogger(__name__)
 

@@ -1,5 +1,5 @@
 """RMSNorm (with the residual add before it), SiLU-and-mul and RoPE for the Llama family:
-one C call each (atomd/csrc/layer_ops.c) where the kernels build, torch ops where not.
+one C call each (atomd/kernels/csrc/layer_ops.c) where the kernels build, torch ops where not.
 
 Why: at decode sizes torch runs these as ~20 small ops per layer (RMSNorm alone is six), each
 ~5-20 us of dispatch; at prefill sizes each op is a pass over the activations. The C
@@ -17,7 +17,7 @@ import os
 import torch
 import torch.nn.functional as F
 
-from atomd import cbuild
+from atomd.kernels import cbuild
 
 log = logging.getLogger(__name__)
 ENV = "ATOMD_LAYER_OPS"
@@ -37,7 +37,7 @@ def kernels() -> ctypes.CDLL | None:
 
 @functools.cache
 def build_kernels(isa: str) -> ctypes.CDLL | None:
-    """The library built with `isa` (atomd.cbuild.ISA_FLAGS: `native`, or narrowed to test
+    """The library built with `isa` (atomd.kernels.cbuild.ISA_FLAGS: `native`, or narrowed to test
     the fallbacks on a CPU that has everything: `no-bf16-dot` drops the AVX512_BF16
     conversions, `no-avx512` all of AVX-512, `no-amx` changes nothing here), or None with the
     reason logged."""

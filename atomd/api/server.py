@@ -2,7 +2,7 @@
 
 This process owns HTTP, the tokenizer (prompt encoding, chat templates, incremental
 detokenization, stop strings) and the metrics; the engine core process only sees token
-ids (atomd/core.py, reached through atomd/core_client.py). Routes:
+ids (atomd/engine/core.py, reached through atomd/api/core_client.py). Routes:
 
   POST /v1/completions, /v1/chat/completions   JSON or SSE (`stream: true`)
   GET  /v1/models
@@ -46,16 +46,16 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
-from atomd import limits as L
-from atomd import protocol as P
-from atomd.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
+from atomd.api import limits as L
+from atomd.api import protocol as P
+from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.messages import RequestOutput
-from atomd.metrics import ServerMetrics
-from atomd.tools import TOOL_CALL_PARSERS, HermesParser
+from atomd.api.metrics import ServerMetrics
+from atomd.api.tools import TOOL_CALL_PARSERS, HermesParser
 from scheduler.sequence import ErrorCode
 from scheduler.stop import cut_at_stop
 
-logger = logging.getLogger("atomd.server")
+logger = logging.getLogger("atomd.api.server")
 access_logger = logging.getLogger("atomd.access")
 
 READY_PROBE_TIMEOUT_S = 2.0
@@ -232,7 +232,7 @@ class JSONErrorRunner(web.AppRunner):
 
 
 def load_tokenizer(config: Any):
-    """The engine's tokenizer, resolved like atomd.engine.resolve_model_dir (which this
+    """The engine's tokenizer, resolved like atomd.engine.llm_engine.resolve_model_dir (which this
     process does not import: it would pull in torch)."""
     from atomd.model.default import default_model_dir
     from atomd.model.hub import model_path
@@ -422,9 +422,9 @@ class Server:
                               "revoked": bool(await self.client.call("kv_transfer_abort", transfer_id))})
 
     async def openapi(self, request: web.Request) -> web.Response:
-        """OpenAPI 3.1 from the structs that validate the bodies (atomd/openapi.py)."""
+        """OpenAPI 3.1 from the structs that validate the bodies (atomd/api/openapi.py)."""
         from atomd import __version__
-        from atomd.openapi import openapi_document
+        from atomd.api.openapi import openapi_document
 
         return json_response(openapi_document(__version__))
 
@@ -831,7 +831,7 @@ class CompletionRenderer(RequestRenderer):
 
 class ChatRenderer(RequestRenderer):
     """Chat JSON / chunks; with tools (tool_choice not none) each choice's text goes through
-    the tool-call parser (atomd/tools.py): calls become `tool_calls` (streamed as OpenAI's
+    the tool-call parser (atomd/api/tools.py): calls become `tool_calls` (streamed as OpenAI's
     deltas: the call's id, type and name with empty arguments, then its arguments) and
     `finish_reason` "tool_calls"; the rest is `content`, the same streamed or not."""
 

@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 import msgspec
 
-from atomd import limits as L
+from atomd.api import limits as L
 from kv_transfer.params import KVTransferParams
 from scheduler.sequence import SamplingParams, StructuredOutputsParams
 
@@ -236,7 +236,7 @@ class ChatCompletionRequest(_SamplingFields, kw_only=True, forbid_unknown_fields
     top_logprobs: int | None = None
     add_generation_prompt: bool = True
     echo: Any = msgspec.UNSET  # vLLM's chat echo (prepend the last message): not implemented
-    tools: list[ToolDefinition] | None = None  # atomd/tools.py
+    tools: list[ToolDefinition] | None = None  # atomd/api/tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
 
@@ -332,7 +332,7 @@ def check_unsupported(req: _UnsupportedFields) -> None:
     """A 400 naming the first unsupported field sent with a value that asks for something."""
     for name, noops in UNSUPPORTED.items():
         if name in CHAT_TOOL_FIELDS and isinstance(req, ChatCompletionRequest):
-            continue  # implemented there (atomd/tools.py)
+            continue  # implemented there (atomd/api/tools.py)
         value = getattr(req, name)
         if value is not msgspec.UNSET and not any(_same(value, v) for v in noops):
             raise APIError(400, f"{name}={value!r} is not supported by this server; leave it out",
@@ -376,7 +376,7 @@ def too_large(param: str, what: str, limit: int, flag: str | None) -> APIError:
 
 
 def check_limits(req: _SamplingFields, limits: L.RequestLimits) -> None:
-    """A 400 naming the field and the limit (atomd/limits.py) for a request whose lists,
+    """A 400 naming the field and the limit (atomd/api/limits.py) for a request whose lists,
     strings, grammars, JSON nesting or prompt exceed them: checked before anything is
     parsed further, tokenized or compiled."""
     if limits.max_prompt_chars:
@@ -537,7 +537,7 @@ def check_structured(params: StructuredOutputsParams | None, param: str | None) 
 def tool_plan(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, bool,
                                                    StructuredOutputsParams | None, str | None]:
     """(tools for the template, parse the output, grammar of a forced call, its field)."""
-    from atomd import tools as T
+    from atomd.api import tools as T
 
     choice = req.tool_choice
     if not req.tools:

@@ -29,14 +29,14 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from atomd.core import run_engine_core
+from atomd.engine.core import run_engine_core
 from atomd.messages import (AbortRequests, AddRequest, InputMessage, OutputMessage, Ready, RequestOutput,
                             StepOutputs, UtilityCall, UtilityResult)
 from launch.process import free_port
 from kv_transfer.params import KVTransferParams
 from scheduler.sequence import SamplingParams
 
-logger = logging.getLogger("atomd.core_client")
+logger = logging.getLogger("atomd.api.core_client")
 
 _SUMMED = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries",
            "prefix_cache_hits", "num_preemptions", "spec_decode_num_drafts", "spec_decode_num_draft_tokens",

@@ -1,12 +1,12 @@
 """`GET /openapi.json` of `atomd serve`: an OpenAPI 3.1 description generated from the
-same msgspec structs that decode and validate the bodies (atomd/protocol.py), so the
+same msgspec structs that decode and validate the bodies (atomd/api/protocol.py), so the
 description and the server cannot drift apart and outside tools (schemathesis, client
 generators) can test against it.
 
 The router's `/openapi.json` describes the same OpenAI routes (the engines validate what it
 relays), but router/ must not import atomd (tests/test_architecture.py): `openai_surface()`
 (those paths and their component schemas) is written to router/openapi_surface.json by
-`python -m atomd.openapi`, and a test holds the file equal to what the structs give now.
+`python -m atomd.api.openapi`, and a test holds the file equal to what the structs give now.
 """
 from __future__ import annotations
 
@@ -18,10 +18,10 @@ from typing import Any
 
 import msgspec
 
-from atomd import protocol as P
+from atomd.api import protocol as P
 
 REF = "#/components/schemas/{name}"
-ROUTER_SURFACE = pathlib.Path(__file__).resolve().parent.parent / "router" / "openapi_surface.json"
+ROUTER_SURFACE = pathlib.Path(__file__).resolve().parents[2] / "router" / "openapi_surface.json"
 
 
 class ErrorDetail(msgspec.Struct):
@@ -32,7 +32,7 @@ class ErrorDetail(msgspec.Struct):
 
 
 class ErrorBody(msgspec.Struct):
-    """Every error answer: OpenAI's shape (atomd.protocol.APIError.body)."""
+    """Every error answer: OpenAI's shape (atomd.api.protocol.APIError.body)."""
 
     error: ErrorDetail
 
@@ -107,6 +107,6 @@ def openapi_document(version: str) -> dict[str, Any]:
     }
 
 
-if __name__ == "__main__":  # python -m atomd.openapi: regenerate router/openapi_surface.json
+if __name__ == "__main__":  # python -m atomd.api.openapi: regenerate router/openapi_surface.json
     ROUTER_SURFACE.write_text(render_router_surface())
     print(f"wrote {ROUTER_SURFACE}", file=sys.stderr)

@@ -1,4 +1,4 @@
-"""Building and loading atomd's C kernels (atomd/csrc/): torch-free, so that the API process
+"""Building and loading atomd's C kernels (atomd/kernels/csrc/): torch-free, so that the API process
 may import a module that uses one (atomd/structured.py) without loading torch, and so that
 setup.py can build them into a wheel without atomd's dependencies.
 
@@ -15,7 +15,7 @@ Two ways to a kernel, tried in this order by `load`:
   directory never loads a stale build. What a checkout runs.
 Where neither works `load` returns None and the caller's torch/numpy path runs. Every
 outcome is logged and kept in `kernel_paths()` (GET /kv_transfer_info's `kernels`). The
-users: atomd/native.py (attention), atomd/structured.py (the grammar bitmask),
+users: atomd/kernels/native.py (attention), atomd/structured.py (the grammar bitmask),
 atomd/model/layer_ops.py (RMSNorm, SiLU, RoPE).
 """
 from __future__ import annotations
@@ -33,7 +33,7 @@ import subprocess
 import tempfile
 
 CSRC = pathlib.Path(__file__).parent / "csrc"
-PREBUILT = pathlib.Path(__file__).parent / "kernels"  # a wheel's shared objects (setup.py)
+PREBUILT = pathlib.Path(__file__).parent / "prebuilt"  # a wheel's shared objects (setup.py)
 # every kernel's: a shared object and IEEE arithmetic (no -ffast-math: results match the
 # Python paths they replace bit for bit where they claim to); the ISA is added apart:
 # -march=native built here, a TARGET's prebuilt
@@ -97,7 +97,7 @@ def layer_ops_kernel() -> tuple[pathlib.Path, list[str], str]:
 
 
 def attention_kernel(head_dim: int, group: int) -> tuple[pathlib.Path, list[str], str]:
-    """(source, flags, name) of the attention kernels for one shape (atomd/native.py)."""
+    """(source, flags, name) of the attention kernels for one shape (atomd/kernels/native.py)."""
     return (CSRC / "attention.c", [*BASE_FLAGS, "-fopenmp", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"],
             f"attention-d{head_dim}-g{group}")
 

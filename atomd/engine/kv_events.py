@@ -28,7 +28,7 @@ subscriber costs nothing: PUB drops what exceeds its high-water mark for that su
 (who then sees a gap in seq and asks the replay socket).
 
 Under DP every rank runs its own publisher: `kv_events_endpoint` is already rank r's
-(atomd/core_client.py adds r to the port); the replay endpoint's port gets + r here.
+(atomd/api/core_client.py adds r to the port); the replay endpoint's port gets + r here.
 """
 from __future__ import annotations
 
@@ -47,7 +47,7 @@ from kv_transfer.block_hash import ALGO
 from kv_transfer.events import AllBlocksCleared, EventBatch, KVEvent
 from kv_transfer.trust import replay_token
 
-logger = logging.getLogger("atomd.kv_events")
+logger = logging.getLogger("atomd.engine.kv_events")
 
 END_SEQ = (-1).to_bytes(8, "big", signed=True)
 HEARTBEAT_S = 2.0  # an empty batch after this long without one

@@ -1,6 +1,6 @@
 """The engine core: one LLMEngine's loop in its own process (the rank side of the IPC).
 
-The API process (aiohttp, tokenizer, SSE; atomd/core_client.py) and the engine (torch,
+The API process (aiohttp, tokenizer, SSE; atomd/api/core_client.py) and the engine (torch,
 scheduler) share no interpreter, so a slow forward never stalls HTTP and a crashed engine
 never takes the server's answers with it. The messages are in atomd/messages.py; each
 socket has exactly one writer (ZMQ sockets are not thread-safe).
@@ -10,7 +10,7 @@ between steps, so aborts land before the next forward; a step with no output (a 
 a long prefill, or nothing runnable yet) is followed by a 1 ms wait on the socket.
 
 Data parallelism (`DPEngineCore`): with `--prefill-delayer` or `--dp-lockstep` the ranks
-join one gloo group (atomd/dp_collective.py) and every rank steps every tick, an idle rank
+join one gloo group (atomd/engine/dp_collective.py) and every rank steps every tick, an idle rank
 an empty pass, because each tick holds exactly one delayer collective (and one lockstep
 all-reduce) that every rank must join. So the loop never blocks on its socket longer than
 IDLE_TICK_MS.
@@ -30,7 +30,7 @@ from kv_transfer import faults
 from kv_transfer.trust import UntrustedKVParams
 from scheduler.sequence import ErrorCode
 
-logger = logging.getLogger("atomd.core")
+logger = logging.getLogger("atomd.engine.core")
 
 IDLE_POLL_MS = 1000  # how often an idle core wakes to check its parent is still alive
 STALLED_POLL_MS = 1  # busy but the last step had no output: wait on the socket, do not spin
@@ -138,7 +138,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     try:
         import torch
 
-        from atomd.engine import LLMEngine
+        from atomd.engine.llm_engine import LLMEngine
 
         if getattr(config, "num_threads", None):
             torch.set_num_threads(config.num_threads)
@@ -181,7 +181,7 @@ class DPGroup:
         ticks = ticks_every_rank(cfg)
         if cfg.prefill_delayer == "off" and not ticks:
             return None
-        from atomd.dp_collective import GlooCollective, Lockstep, make_prefill_delayer
+        from atomd.engine.dp_collective import GlooCollective, Lockstep, make_prefill_delayer
         from scheduler.prefill_delayer import SingleRank
 
         collective = GlooCollective(cfg.data_parallel_rank, cfg.data_parallel_size, cfg.dp_master_port,

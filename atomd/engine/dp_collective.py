@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from scheduler.prefill_delayer import DELAYER_KNOBS, Collective, PrefillDelayer
 
-logger = logging.getLogger("atomd.dp_collective")
+logger = logging.getLogger("atomd.engine.dp_collective")
 
 HOST = "127.0.0.1"
 

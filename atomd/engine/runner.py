@@ -13,9 +13,9 @@ import numpy as np
 import torch
 
 from atomd import config
-from atomd.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
+from atomd.engine.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
 from atomd.model.decoder import DecoderModel
-from atomd.native import KERNEL_DTYPES, attention_kernels, bf16_path
+from atomd.kernels.native import KERNEL_DTYPES, attention_kernels, bf16_path
 
 log = logging.getLogger(__name__)
 
@@ -57,7 +57,7 @@ class ModelRunner:
         """Logits [num sampled rows, vocab], batch order (the last token of each sampling
         sequence); with all_logits, logits of every scheduled token (for prompt logprobs). A
         decode batch with drafts returns the logits of every scheduled token too: row j of a
-        sequence predicts the token after its j-th draft (atomd/spec_decode.py verifies them)."""
+        sequence predicts the token after its j-th draft (atomd/engine/spec_decode.py verifies them)."""
         num_sched = batch.num_scheduled_tokens.astype(np.int64)
         computed = batch.num_computed_tokens.astype(np.int64)
         ends = np.cumsum(num_sched)

@@ -42,7 +42,7 @@ class AttentionMetadata:
     workspace: "DecodeWorkspace | None" = None  # decode: contiguous copy of the batch's contexts
     workspace_fresh: bool = False  # decode: fill the workspace from the cache this step
     new_positions: torch.Tensor | None = None  # decode: [B] position of each row's new token
-    kernels: Any = None  # atomd.native's library when it computes the attention
+    kernels: Any = None  # atomd.kernels.native's library when it computes the attention
     context_lens: torch.Tensor | None = None  # decode with kernels: [B] int64
     query_starts: torch.Tensor | None = None  # decode with kernels and drafts: [B + 1] row offsets
     fresh_starts: torch.Tensor | None = None  # prefill with kernels: first row of each fresh prompt

@@ -1,4 +1,4 @@
-"""The C attention kernels (atomd/csrc/attention.c): built once, loaded by ctypes.
+"""The C attention kernels (atomd/kernels/csrc/attention.c): built once, loaded by ctypes.
 
 `decode_attention` (the decode queries of each sequence over its paged context: one token,
 or with speculative decoding its last token and its drafts, causal inside that run) and `prefill_attention`
@@ -6,7 +6,7 @@ or with speculative decoding its last token and its drafts, causal inside that r
 and output in bf16, sums in float32; AVX512_BF16 dot products where the CPU has them, bf16
 widened to float32 where not: the build picks, `bf16_path()` says which).
 
-`$ATOMD_KERNEL_ISA` (atomd.cbuild, or `attention_kernels(..., isa=)`) narrows what a build may
+`$ATOMD_KERNEL_ISA` (atomd.kernels.cbuild, or `attention_kernels(..., isa=)`) narrows what a build may
 use, for testing the fallbacks on a CPU that has everything: `native` (default: all this CPU has),
 `no-amx` (no AMX tiles: the bf16 prefill's AVX512_BF16 loop), `no-bf16-dot` (no AVX512_BF16
 instructions), `no-avx512` (no AVX-512 at all: what an AVX2-only CPU runs). `prefill_amx`
@@ -14,7 +14,7 @@ says whether a build's bf16 prefill runs on AMX tiles (the CPU has them, the bui
 them, the head size is a multiple of 32, and Linux granted the process the tile state).
 
 One library per model shape (head size, query heads per KV head): prebuilt in an installed
-wheel for the shapes it ships, else compiled at first use for this CPU (atomd/cbuild.py).
+wheel for the shapes it ships, else compiled at first use for this CPU (atomd/kernels/cbuild.py).
 No torch headers: a build takes about a second. Where it cannot be built, `attention_kernels()` is
 None, the reason is logged, and the engine keeps torch's SDPA path (`--attention-backend
 torch` asks for that path outright).
@@ -27,8 +27,8 @@ import logging
 
 import torch
 
-from atomd import cbuild
-from atomd.kv_cache import KVCache
+from atomd.kernels import cbuild
+from atomd.engine.kv_cache import KVCache
 
 log = logging.getLogger(__name__)
 ISA_ENV, ISA_FLAGS = cbuild.ISA_ENV, cbuild.ISA_FLAGS

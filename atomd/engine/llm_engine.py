@@ -2,7 +2,7 @@
 
 `LLMEngine.step()` returns one `RequestOutput` (atomd/messages.py) per request choice that
 changed: new tokens, or the end (finished by a stop, aborted, or ended without generating,
-with `error` and `error_code` set). The engine core process runs it (atomd/core.py); the
+with `error` and `error_code` set). The engine core process runs it (atomd/engine/core.py); the
 offline `LLM` drives it in-process (atomd/llm.py).
 
 n / best_of: a request is one sequence until its first sample, then the scheduler forks it
@@ -21,16 +21,16 @@ import msgspec
 import numpy as np
 import torch
 
-from atomd import cbuild
-from atomd.allocator import retain_freed_memory
+from atomd.kernels import cbuild
+from atomd.engine.allocator import retain_freed_memory
 from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
-from atomd.kv_cache import KVCache
-from atomd.kv_events import KVEventPublisher, offset_port
+from atomd.engine.kv_cache import KVCache
+from atomd.engine.kv_events import KVEventPublisher, offset_port
 from atomd.model import hub
 from atomd.model.loader import load_model
-from atomd.runner import ModelRunner
-from atomd.sampler import Sampler, prompt_logprobs
-from atomd.spec_decode import NgramProposer, SpecController, accept
+from atomd.engine.runner import ModelRunner
+from atomd.engine.sampler import Sampler, prompt_logprobs
+from atomd.engine.spec_decode import NgramProposer, SpecController, accept
 from atomd.structured import GrammarCompiler
 from atomd.tokenizer import Tokenizer
 from atomd.messages import RequestOutput
@@ -56,10 +56,10 @@ def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, prefill_delayer: PrefillDelayer | None = None):
-        """`prefill_delayer`: the DP group's (atomd/core.py builds it), asked every tick."""
+        """`prefill_delayer`: the DP group's (atomd/engine/core.py builds it), asked every tick."""
         self.config = config
         torch.set_num_threads(config.num_threads_or_all())
-        retain_freed_memory()  # a prefill's activations reuse their pages (atomd/allocator.py)
+        retain_freed_memory()  # a prefill's activations reuse their pages (atomd/engine/allocator.py)
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
         self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len)
@@ -78,7 +78,7 @@ class LLMEngine:
         self._end_token_ids = [t for t in [eos, *self.tokenizer.stop_token_ids] if t is not None]
         grammars = GrammarCompiler((model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self._end_token_ids)
         self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
-        spec = config.speculative()  # speculative decoding (atomd/spec_decode.py), None: off
+        spec = config.speculative()  # speculative decoding (atomd/engine/spec_decode.py), None: off
         self.proposer = self.spec_control = None
         if spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
@@ -119,7 +119,7 @@ class LLMEngine:
         return scheduler_side
 
     def _make_kv_events(self, model_dir: pathlib.Path) -> KVEventPublisher | None:
-        """This rank's KV events publisher (atomd/kv_events.py); `tokenizer` tells a router on
+        """This rank's KV events publisher (atomd/engine/kv_events.py); `tokenizer` tells a router on
         this host where to find the tokenizer the event hashes are made from."""
         cfg = self.config
         if cfg.kv_events_endpoint is None:

@@ -1,0 +1,1 @@
+"""The engine process side: the engine loop, its core process, model runner, sampler, KV cache."""
