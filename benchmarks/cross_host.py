@@ -38,6 +38,9 @@ import time
 from pathlib import Path
 from benchmarks.machine import loadavg
 
+# the engines of benchmarks/pd_ttft.py, on one host and across test hosts
+ENGINE_ARGS = ["--max-model-len", "2048", "--num-threads", "1", "--max-num-seqs", "16"]
+
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "benchmarks" / "results"
 SHAPED = dict(delay_ms=2.0, jitter_ms=1.0, rate_bps=1e9)
@@ -93,7 +96,7 @@ def kv_sender(args) -> int:
     """Host a: KVSender, a bare raw-stream ROUTER and a control REP socket, on a's address."""
     import zmq
 
-    from benchmarks.kv_transfer import raw_zmq_server
+    from benchmarks.zmq_ceiling import raw_zmq_server
     from kv_transfer.zmq_transport import DEFAULT_MAX_MESSAGE_BYTES, KVSender
 
     src = _buffer(args, args.num_blocks)
@@ -133,7 +136,7 @@ def kv_receiver(args) -> int:
     import numpy as np
     import zmq
 
-    from benchmarks.kv_transfer import time_raw
+    from benchmarks.zmq_ceiling import time_raw
     from kv_transfer.zmq_transport import KVReceiver
 
     ports = json.loads(args.ports)
@@ -236,7 +239,7 @@ def _write(out: Path, lines: list[str]) -> None:
 
 
 def _write_kv_report(args, sizes, repeats, rounds, per_round, loads, shaped_label) -> None:
-    from benchmarks.kv_transfer import machine_notes
+    from benchmarks.zmq_ceiling import machine_notes
 
     bb = _block_bytes(args)
     lines = [
@@ -346,7 +349,6 @@ def run_ttft(args) -> None:
     import numpy as np
 
     from atomd.model.default import default_model_dir
-    from benchmarks.pd_ttft import ENGINE_ARGS
 
     rounds, reps = max(3, args.rounds), args.reps
     model = default_model_dir()

@@ -26,10 +26,9 @@ import uuid
 import numpy as np
 
 from atomd.model.default import default_model_dir
+from benchmarks.cross_host import ENGINE_ARGS, run_ttft
 from benchmarks.pd_vs_colocated import scrape, total
 from launch.process import EngineServer, RouterServer, http
-
-ENGINE_ARGS = ["--max-model-len", "2048", "--num-threads", "1", "--max-num-seqs", "16"]
 
 
 def first_event_s(url: str, body: dict) -> float:
@@ -82,8 +81,6 @@ def main() -> None:
                                                              "pd_cross_host.md"))
     args = ap.parse_args()
     if args.cross_host:
-        from benchmarks.cross_host import run_ttft
-
         run_ttft(args)
         return
     model = default_model_dir()

@@ -394,10 +394,11 @@ def test_scanner_sees_the_tree():
     assert g.string_edges, "no importlib / registry-string import found: the scanner lost that feature"
 
 
-def test_no_import_cycles_in_production_packages():
+def test_no_import_cycles_in_production_packages_and_benchmarks():
     g = production_graph()
-    prod = {src: {d for d in dsts if _top(d) in PRODUCTION_PACKAGES}
-            for src, dsts in g.explicit.items() if _top(src) in PRODUCTION_PACKAGES}
+    scanned = PRODUCTION_PACKAGES + OTHER_SCANNED_DIRS
+    prod = {src: {d for d in dsts if _top(d) in scanned}
+            for src, dsts in g.explicit.items() if _top(src) in scanned}
     cycles = strongly_connected_cycles(prod)
     report = [f"cycle among {{{', '.join(c)}}}: {describe_path(g, a_cycle_through(prod, c))}" for c in cycles]
     assert not cycles, "import cycles:\n  " + "\n  ".join(report)
@@ -436,6 +437,15 @@ def test_engine_side_never_imports_the_api_side(side):
         if path is not None:
             violations.append(f"{start}: {describe_path(g, path)}")
     assert not violations, f"{side} reaches atomd.api:\n  " + "\n  ".join(violations)
+
+
+def test_atomd_never_imports_launch():
+    """launch/ starts atomd's processes by command line; the arrow points launch -> atomd only."""
+    g = production_graph()
+    violations = [f"{src} -> {dst} ({g.file_of(src)}:{g.where[(src, dst)]})"
+                  for src, dsts in sorted(g.explicit.items()) if _top(src) == "atomd"
+                  for dst in sorted(dsts) if _top(dst) == "launch"]
+    assert not violations, "atomd imports launch:\n  " + "\n  ".join(violations)
 
 
 def test_router_never_imports_atomd_or_scheduler():

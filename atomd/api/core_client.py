@@ -21,6 +21,7 @@ import multiprocessing
 import os
 import re
 import shutil
+import socket
 import tempfile
 import time
 from typing import Any, Callable, Protocol
@@ -32,7 +33,6 @@ import zmq.asyncio
 from atomd.engine.core import run_engine_core
 from atomd.messages import (AbortRequests, AddRequest, InputMessage, OutputMessage, Ready, RequestOutput,
                             StepOutputs, UtilityCall, UtilityResult)
-from launch.process import free_port
 from kv_transfer.params import KVTransferParams
 from scheduler.sequence import SamplingParams
 
@@ -273,11 +273,20 @@ def make_engine_client(config: Any, on_abort_confirmed: Callable[[], None] | Non
     return DPEngineClient(config, on_abort_confirmed=on_abort_confirmed)
 
 
+def _unused_loopback_port() -> int:
+    """The DP ranks' gloo master port when --dp-master-port is unset: free now on 127.0.0.1,
+    where this process spawns every rank (launch.process.free_port's job for launchers; atomd
+    never imports launch, which starts it)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 class DPEngineClient:
     """EngineCoreClient's interface over N ranks (see the module docstring)."""
 
     def __init__(self, config: Any, on_abort_confirmed: Callable[[], None] | None = None):
-        port = config.dp_master_port or free_port()
+        port = config.dp_master_port or _unused_loopback_port()
         self.config = config
         self.ranks = [EngineCoreClient(rank_config(config, r, port), on_abort_confirmed=on_abort_confirmed)
                       for r in range(config.data_parallel_size)]
