@@ -97,7 +97,8 @@ def kv_sender(args) -> int:
     import zmq
 
     from benchmarks.zmq_ceiling import raw_zmq_server
-    from kv_transfer.zmq_transport import DEFAULT_MAX_MESSAGE_BYTES, KVSender
+    from kv_transfer.side_channel import DEFAULT_MAX_MESSAGE_BYTES
+    from kv_transfer.zmq_sender import KVSender
 
     src = _buffer(args, args.num_blocks)
     sender = KVSender(src, _compat(args), host=args.host)
@@ -137,7 +138,7 @@ def kv_receiver(args) -> int:
     import zmq
 
     from benchmarks.zmq_ceiling import time_raw
-    from kv_transfer.zmq_transport import KVReceiver
+    from kv_transfer.zmq_receiver import KVReceiver
 
     ports = json.loads(args.ports)
     bb = _block_bytes(args)

@@ -34,7 +34,9 @@ import zmq
 
 from kv_transfer import mooncake_transport as mooncake
 from kv_transfer.params import compat_fingerprint, new_access_token, new_transfer_id
-from kv_transfer.zmq_transport import DEFAULT_MAX_MESSAGE_BYTES, KVReceiver, KVSender
+from kv_transfer.side_channel import DEFAULT_MAX_MESSAGE_BYTES
+from kv_transfer.zmq_receiver import KVReceiver
+from kv_transfer.zmq_sender import KVSender
 from benchmarks.machine import loadavg
 from benchmarks.zmq_ceiling import machine_notes, raw_zmq_server, time_raw
 

@@ -14,7 +14,7 @@ import numpy as np
 import zmq
 
 from kv_transfer import mooncake_transport as mooncake
-from kv_transfer.zmq_transport import plan_messages
+from kv_transfer.side_channel import plan_messages
 
 
 def raw_zmq_server(sock: zmq.Socket, kv: np.ndarray, blocks_per_message: int, stop: threading.Event) -> None:

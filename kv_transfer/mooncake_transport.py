@@ -43,8 +43,11 @@ import numpy as np
 
 from kv_transfer.connector import KVConnectorConfig
 from kv_transfer.zmq_connector import ZmqConsumer, ZmqProducer, build_connector
-from kv_transfer.zmq_transport import (BACKEND_MISMATCH, COMPAT_MISMATCH, DONE, MALFORMED, PEER_GONE, Data, Done, End,
-                                       Hello, KVReceiver, KVSender, Ready, Welcome, _check_kv, _Pull)
+from kv_transfer.side_channel import (BACKEND_MISMATCH, COMPAT_MISMATCH, DONE, MALFORMED, PEER_GONE, Data,
+                                      Done, End, Hello, Ready, Welcome)
+from kv_transfer.zmq_receiver import KVReceiver, _Pull
+from kv_transfer.zmq_sender import KVSender
+from kv_transfer.zmq_transport import check_kv
 
 log = logging.getLogger(__name__)
 
@@ -168,7 +171,7 @@ class MooncakeSender(KVSender):
     def __init__(self, kv_blocks: np.ndarray, compat: dict[str, Any], host: str = "127.0.0.1", port: int = 0,
                  engine_id: str | None = None, *, protocol: str = "tcp", device: str | None = None,
                  drain_s: float = 2.0) -> None:
-        _check_kv(kv_blocks)
+        check_kv(kv_blocks)
         self.protocol = protocol
         self._engine = shared_engine("producer", host, protocol, device)
         self._base = register(self._engine, kv_blocks)
@@ -267,7 +270,7 @@ class MooncakeReceiver(KVReceiver):
 
     def __init__(self, kv_blocks: np.ndarray, compat: dict[str, Any], *, hostname: str = "127.0.0.1",
                  protocol: str = "tcp", device: str | None = None, heartbeat_s: float = 5.0, rcvhwm: int = 8) -> None:
-        _check_kv(kv_blocks)
+        check_kv(kv_blocks)
         if not kv_blocks.flags.writeable:
             raise ValueError("kv_blocks must be writeable")
         self.protocol = protocol

@@ -33,7 +33,9 @@ from kv_transfer.connector import (KVConnectorConfig, KVConnectorMetadata, KVCon
                                    KVConnectorScheduler, KVConnectorWorker, RemotePrefill, Sequence)
 from kv_transfer.params import KVTransferParams, compat_mismatch, new_access_token, new_transfer_id
 from kv_transfer.trust import ProducerTrust, UntrustedKVParams
-from kv_transfer.zmq_transport import ABORTED, KVReceiver, KVSender
+from kv_transfer.side_channel import ABORTED
+from kv_transfer.zmq_receiver import KVReceiver
+from kv_transfer.zmq_sender import KVSender
 
 # kv_transfer_seconds histogram (loopback moves a few GB/s: most pulls take milliseconds)
 TRANSFER_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)

@@ -11,7 +11,8 @@ import functools
 import pytest
 
 from kv_transfer.mooncake_transport import MooncakeReceiver, MooncakeSender, MooncakeUnavailable, load_transfer_engine
-from kv_transfer.zmq_transport import KVReceiver, KVSender
+from kv_transfer.zmq_receiver import KVReceiver
+from kv_transfer.zmq_sender import KVSender
 
 BACKENDS = ("zmq", "mooncake")
 ZMQ_ONLY_OPTIONS = ("max_message_bytes", "copy_below_bytes")  # how ZMQ frames DATA; Mooncake has no DATA

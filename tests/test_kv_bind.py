@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from kv_transfer.params import compat_fingerprint
-from kv_transfer.zmq_transport import KVSender
+from kv_transfer.zmq_sender import KVSender
 
 pytestmark = pytest.mark.unit
 

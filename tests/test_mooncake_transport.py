@@ -26,7 +26,9 @@ from kv_transfer.connector import KVConnectorConfig
 from kv_transfer.factory import create_connector
 from kv_transfer.mooncake_transport import (INSTALL_COMMAND, LIBS_COMMAND, MooncakeReceiver, MooncakeSender,
                                             MooncakeUnavailable, joint_runs, load_transfer_engine)
-from kv_transfer.zmq_transport import Done, End, Hello, KVReceiver, KVSender, Read, Ready, Welcome, decode, encode
+from kv_transfer.side_channel import Done, End, Hello, Read, Ready, Welcome, decode, encode
+from kv_transfer.zmq_receiver import KVReceiver
+from kv_transfer.zmq_sender import KVSender
 from tests.kv_backends import require_backend
 from tests.test_zmq_transport import (BLOCK_BYTES, COMPAT, REPO, SENDER_CHILD, SENTINEL, TOKEN, Collector,
                                       assert_untouched, child_processes, closing, deadline_poll, random_blocks,

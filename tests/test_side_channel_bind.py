@@ -11,7 +11,7 @@ import pytest
 
 from atomd.engine.kv_events import KVEventPublisher
 from kv_transfer.params import compat_fingerprint
-from kv_transfer.zmq_transport import KVSender
+from kv_transfer.zmq_sender import KVSender
 
 pytestmark = pytest.mark.unit
 
