@@ -48,7 +48,8 @@ SHAPED = dict(delay_ms=2.0, jitter_ms=1.0, rate_bps=1e9)
 
 def _links(num_hosts: int, root_link: bool):
     """{"unshaped": cluster, "shaped": cluster}, both started."""
-    from launch.netns import NetnsCluster, Shaping
+    from launch.netns import NetnsCluster
+    from launch.shaping import Shaping
 
     links = {}
     try:

@@ -24,7 +24,7 @@ rate, b's answer by b's. Two shapers do it:
 - `netem`: the kernel's netem qdisc on the host's veth, where the kernel has it
   (CONFIG_NET_SCH_NETEM).
 - `wire`: where it does not (netem is often left out of VM and container kernels), each
-  host's `eth0` is a TAP device and `python -m launch.netns wire` (one process per
+  host's `eth0` is a TAP device and `python -m launch.link_emulator` (one process per
   cluster) moves the frames between it and a TAP on the bridge, applying netem's model:
   due = max(arrival + delay +- jitter, previous due) + size / rate, frames kept in order,
   tail drop past `limit` queued frames. Links default to MTU 9000 so that it moves few
@@ -38,32 +38,30 @@ Cleanup. The cluster's state (names, subnet, owner PID, the wire's PID) is writt
 from the context manager) SIGTERMs, then SIGKILLs, by PID, every process inside the
 cluster's namespaces, stops the wire, deletes the namespaces (their veths and TAPs go with
 them) and the root veth, then the state file. `clean_stale()` tears down the clusters of
-owners that died without doing so (a killed pytest); `python -m launch.netns clean` runs
+owners that died without doing so (a killed pytest); `launch/netns_cluster.sh clean` runs
 it. Nothing outside names with the `atomdnet-` / `atn` prefixes is ever touched.
 
 Standard library only (the CLI runs on the system python: launch/netns_cluster.sh).
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
-import ctypes
 import dataclasses
 import fcntl
 import ipaddress
 import json
 import os
-import random
 import re
 import select
 import shutil
 import signal
-import struct
 import subprocess
 import sys
 import time
-from collections import deque
 from pathlib import Path
+
+from launch.process import set_parent_death_signal
+from launch.shaping import Shaping
 
 STATE_DIR = Path(os.environ.get("ATOMD_NETNS_STATE_DIR", "/run/atomd-netns"))
 NS_PREFIX = "atomdnet-"
@@ -79,81 +77,6 @@ WIRE_READY_TIMEOUT_S = 20.0
 _TAG_RE = re.compile(r"^[a-z0-9]{1,11}$")
 
 # tun/tap and setns
-_TUNSETIFF = 0x400454CA
-_IFF_TAP = 0x0002
-_IFF_NO_PI = 0x1000
-_CLONE_NEWNET = 0x40000000
-_PR_SET_PDEATHSIG = 1
-
-
-# ------------------------------------------------------------------------------- shaping
-
-@dataclasses.dataclass(frozen=True)
-class Shaping:
-    """One host's egress: delay +- uniform jitter (ms), rate (bits/s, None: unlimited), queue limit (frames)."""
-
-    delay_ms: float = 0.0
-    jitter_ms: float = 0.0
-    rate_bps: float | None = None
-    limit: int = 1000  # netem's default
-
-    def __post_init__(self) -> None:
-        if self.delay_ms < 0 or self.jitter_ms < 0 or self.jitter_ms > self.delay_ms:
-            raise ValueError(f"need 0 <= jitter_ms <= delay_ms, got delay {self.delay_ms} jitter {self.jitter_ms}")
-        if self.rate_bps is not None and self.rate_bps <= 0:
-            raise ValueError(f"rate_bps must be > 0, got {self.rate_bps}")
-        if self.limit < 1:
-            raise ValueError(f"limit must be >= 1, got {self.limit}")
-
-    @property
-    def noop(self) -> bool:
-        return self.delay_ms == 0 and self.rate_bps is None
-
-    def describe(self) -> str:
-        parts = []
-        if self.delay_ms:
-            parts.append(f"delay {self.delay_ms:g} ms" + (f" +- {self.jitter_ms:g} ms" if self.jitter_ms else ""))
-        if self.rate_bps:
-            parts.append(f"rate {format_rate(self.rate_bps)}")
-        return ", ".join(parts) or "none"
-
-    def netem_args(self) -> list[str]:
-        args = ["netem", "limit", str(self.limit)]
-        if self.delay_ms:
-            args += ["delay", f"{self.delay_ms * 1000:.0f}us"] + ([f"{self.jitter_ms * 1000:.0f}us"] if self.jitter_ms else [])
-        if self.rate_bps:
-            args += ["rate", f"{self.rate_bps:.0f}bit"]
-        return args
-
-    def to_json(self) -> dict:
-        return dataclasses.asdict(self)
-
-    @classmethod
-    def from_json(cls, data: dict | None) -> "Shaping | None":
-        return None if data is None else cls(**data)
-
-
-def parse_duration_ms(text: str) -> float:
-    """'2ms', '500us', '0.002s' or a bare number of milliseconds."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*(us|ms|s)?\s*", str(text))
-    if not m:
-        raise ValueError(f"not a duration: {text!r} (e.g. 2ms, 500us)")
-    return float(m.group(1)) * {"us": 1e-3, "ms": 1.0, "s": 1e3, None: 1.0}[m.group(2)]
-
-
-def parse_rate(text: str) -> float:
-    """'1gbit', '100mbit', '500kbit' or a bare number of bits per second."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*(bit|kbit|mbit|gbit)?\s*", str(text).lower())
-    if not m:
-        raise ValueError(f"not a rate: {text!r} (e.g. 1gbit, 100mbit)")
-    return float(m.group(1)) * {"bit": 1, "kbit": 1e3, "mbit": 1e6, "gbit": 1e9, None: 1}[m.group(2)]
-
-
-def format_rate(bps: float) -> str:
-    for unit, scale in (("Gbit/s", 1e9), ("Mbit/s", 1e6), ("kbit/s", 1e3)):
-        if bps >= scale:
-            return f"{bps / scale:g} {unit}"
-    return f"{bps:g} bit/s"
 
 
 # ------------------------------------------------------------------------------- helpers
@@ -223,24 +146,6 @@ def netem_available() -> bool:
         finally:
             ip("netns", "del", ns, check=False)
     return _netem_cache
-
-
-def _libc():
-    return ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        if _libc().setns(fd, _CLONE_NEWNET) != 0:
-            err = ctypes.get_errno()
-            raise OSError(err, f"setns({path}): {os.strerror(err)}")
-    finally:
-        os.close(fd)
-
-
-def _die_with_parent() -> None:
-    _libc().prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 # ------------------------------------------------------------------------------- the cluster
@@ -323,7 +228,7 @@ class NetnsCluster:
             self.shaper = "veth"
         with _state_lock():
             if self.state_path.exists() or any(n.startswith(f"{NS_PREFIX}{self.tag}-") for n in existing_namespaces()):
-                raise RuntimeError(f"a cluster named {self.tag!r} exists already (`python -m launch.netns down "
+                raise RuntimeError(f"a cluster named {self.tag!r} exists already (`launch/netns_cluster.sh down "
                                    f"{self.tag}`)")
             self.subnet = _free_subnet()
             base = self.subnet.rsplit(".", 1)[0]  # "10.213.S"
@@ -376,7 +281,7 @@ class NetnsCluster:
 
     def _start_wire(self) -> None:
         self._write_spec()
-        cmd = [sys.executable, "-m", "launch.netns", "wire", str(self.spec_path)]
+        cmd = [sys.executable, "-m", "launch.link_emulator", str(self.spec_path)]
         root = Path(__file__).resolve().parents[1]
         log = open(STATE_DIR / f"{self.tag}.wire.log", "ab")
         try:
@@ -385,7 +290,7 @@ class NetnsCluster:
                                               stdin=subprocess.DEVNULL, start_new_session=True)
             else:
                 self._wire = subprocess.Popen(cmd, cwd=root, stdout=subprocess.PIPE, stderr=log,
-                                              stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+                                              stdin=subprocess.DEVNULL, preexec_fn=set_parent_death_signal)
         finally:
             log.close()
         self._write_state()
@@ -544,7 +449,7 @@ def _state_lock():
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _states() -> list[dict]:
+def cluster_states() -> list[dict]:
     out = []
     for path in sorted(STATE_DIR.glob("*.json")):
         if path.name.endswith(".wire.json"):
@@ -556,7 +461,7 @@ def _states() -> list[dict]:
 
 def _free_subnet() -> str:
     """A PREFIX.S.0/24 no other cluster holds and that the root namespace neither routes nor addresses."""
-    taken = {s.get("subnet") for s in _states()}
+    taken = {s.get("subnet") for s in cluster_states()}
     used = []
     for route in json.loads(ip("-4", "-j", "route", "show", "table", "all", check=False).stdout or "[]"):
         if route.get("dst", "default") != "default":
@@ -629,7 +534,7 @@ def clean_stale() -> list[str]:
         return []
     removed = []
     with _state_lock():
-        states = _states()
+        states = cluster_states()
         for state in states:
             if state.get("owner_pid") is not None and not _alive(state["owner_pid"], state.get("owner_start")):
                 teardown_state(state, grace_s=1.0)
@@ -653,7 +558,7 @@ def load_cluster(tag: str) -> NetnsCluster:
     """A handle on a running cluster (made by `up`), from its state file."""
     path = STATE_DIR / f"{tag}.json"
     if not path.exists():
-        raise RuntimeError(f"no cluster named {tag!r} (`python -m launch.netns status` lists them)")
+        raise RuntimeError(f"no cluster named {tag!r} (`launch/netns_cluster.sh status` lists them)")
     state = json.loads(path.read_text())
     c = NetnsCluster(len(state["hosts"]), tag=tag, root_link=bool(state["root_if"]), mtu=state["mtu"],
                      persistent=state["owner_pid"] is None)
@@ -669,7 +574,7 @@ def load_cluster(tag: str) -> NetnsCluster:
 
 
 class _Detached:
-    """Enough of Popen for a wire started by another `launch.netns` invocation."""
+    """Enough of Popen for a wire started by another `launch/netns_cluster.sh` invocation."""
 
     def __init__(self, pid: int, start: int | None):
         self.pid, self._start = pid, start
@@ -679,235 +584,3 @@ class _Detached:
 
     def wait(self, timeout=None):
         return self.poll()
-
-
-# ------------------------------------------------------------------------------- the wire
-
-class _Direction:
-    """Frames from one TAP to another, shaped like netem (or passed straight through)."""
-
-    def __init__(self, src: int, dst: int):
-        self.src, self.dst = src, dst
-        self.queue: deque[tuple[float, bytes]] = deque()
-        self.shaping: Shaping | None = None
-        self.last_due = 0.0
-        self.sent = self.dropped = 0
-
-    def push(self, frame: bytes, now: float) -> None:
-        s = self.shaping
-        if s is None or s.noop:
-            if not self.queue:
-                self.write(frame)
-                return
-            due = now  # behind frames queued under the previous shaping: keep the order
-        else:
-            if len(self.queue) >= s.limit:
-                self.dropped += 1
-                return
-            delay = s.delay_ms + (random.uniform(-s.jitter_ms, s.jitter_ms) if s.jitter_ms else 0.0)
-            due = now + delay / 1e3
-            if s.rate_bps:
-                due = max(due, self.last_due) + len(frame) * 8 / s.rate_bps
-        due = max(due, self.last_due)
-        self.last_due = due
-        self.queue.append((due, frame))
-
-    def flush(self, now: float) -> float | None:
-        """Write every due frame; the next due time, if any."""
-        q = self.queue
-        while q and q[0][0] <= now:
-            self.write(q.popleft()[1])
-        return q[0][0] if q else None
-
-    def write(self, frame: bytes) -> None:
-        try:
-            os.write(self.dst, frame)
-            self.sent += 1
-        except OSError:  # the other end is down (a cut link) or its queue is full: the frame is lost
-            self.dropped += 1
-
-
-def _open_tap(ns: str, name: str) -> int:
-    """A TAP named `name` created inside namespace `ns`, its fd non-blocking (it vanishes with the fd)."""
-    _setns(f"/run/netns/{ns}")
-    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
-    fcntl.ioctl(fd, _TUNSETIFF, struct.pack("16sH", name.encode(), _IFF_TAP | _IFF_NO_PI))
-    return fd
-
-
-def run_wire(spec_path: str) -> int:
-    """The link emulator: one process, one thread, every TAP pair of a cluster."""
-    spec = json.loads(Path(spec_path).read_text())
-    home = os.open("/proc/self/ns/net", os.O_RDONLY)
-    by_src: dict[int, _Direction] = {}
-    egress: dict[str, _Direction] = {}
-    for link in spec["links"]:
-        host_fd = _open_tap(link["host_ns"], link["host_if"])
-        switch_fd = _open_tap(link["switch_ns"], link["switch_if"])
-        out, back = _Direction(host_fd, switch_fd), _Direction(switch_fd, host_fd)
-        by_src[host_fd], by_src[switch_fd] = out, back
-        egress[link["label"]] = out
-    if _libc().setns(home, _CLONE_NEWNET) != 0:
-        raise OSError(ctypes.get_errno(), "setns back home")
-    os.close(home)
-
-    def apply(spec: dict) -> None:
-        for link in spec["links"]:
-            egress[link["label"]].shaping = Shaping.from_json(link["shaping"])
-        tmp = Path(spec["status"] + ".tmp")
-        tmp.write_text(f"{spec['generation']}\n")
-        tmp.replace(spec["status"])
-
-    apply(spec)
-    wake_r, wake_w = os.pipe()
-    os.set_blocking(wake_r, False)
-    os.set_blocking(wake_w, False)
-    signal.set_wakeup_fd(wake_w)
-    reload = []
-    signal.signal(signal.SIGHUP, lambda *_: reload.append(1))
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    signal.signal(signal.SIGINT, lambda *_: sys.exit(0))
-    print("ready", flush=True)
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, 1)  # the starter stopped reading
-    fds = [*by_src, wake_r]
-    directions = list(by_src.values())
-    while True:
-        now = time.monotonic()
-        next_due = None
-        for d in directions:
-            due = d.flush(now)
-            if due is not None and (next_due is None or due < next_due):
-                next_due = due
-        timeout = 1.0 if next_due is None else max(0.0, next_due - time.monotonic())
-        ready, _, _ = select.select(fds, [], [], timeout)
-        now = time.monotonic()
-        for fd in ready:
-            if fd == wake_r:
-                with contextlib.suppress(BlockingIOError):
-                    os.read(wake_r, 512)
-                if reload:
-                    reload.clear()
-                    with contextlib.suppress(OSError, ValueError):
-                        apply(json.loads(Path(spec_path).read_text()))
-                continue
-            d = by_src[fd]
-            for _ in range(256):
-                try:
-                    frame = os.read(fd, 65536)
-                except BlockingIOError:
-                    break
-                except OSError:  # the interface is down
-                    break
-                d.push(frame, now)
-
-
-# ------------------------------------------------------------------------------- CLI
-
-def _shaping_from_args(args) -> Shaping | None:
-    if not (args.delay or args.rate):
-        return None
-    return Shaping(delay_ms=parse_duration_ms(args.delay or "0"), jitter_ms=parse_duration_ms(args.jitter or "0"),
-                   rate_bps=parse_rate(args.rate) if args.rate else None, limit=args.limit)
-
-
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="launch/netns_cluster.sh",
-                                description="Test hosts in network namespaces on one bridge (root only).")
-    sub = p.add_subparsers(dest="cmd", required=True)
-
-    def shaping_flags(sp):
-        sp.add_argument("--delay", help="egress delay per host, e.g. 2ms")
-        sp.add_argument("--jitter", help="uniform jitter, e.g. 1ms (needs --delay)")
-        sp.add_argument("--rate", help="egress rate per host, e.g. 1gbit")
-        sp.add_argument("--limit", type=int, default=1000, help="queue limit in frames (netem's limit)")
-
-    up = sub.add_parser("up", help="create NAME with N hosts a, b, ...")
-    up.add_argument("name")
-    up.add_argument("--hosts", type=int, default=2)
-    up.add_argument("--root-link", action="store_true",
-                    help="give the root namespace an address on the bridge (to reach the hosts from here)")
-    up.add_argument("--mtu", type=int, default=DEFAULT_MTU)
-    up.add_argument("--shaper", choices=("auto", "netem", "wire"), default="auto")
-    up.add_argument("--shapeable", action="store_true", help="allow `shape` later even if created unshaped")
-    shaping_flags(up)
-    ex = sub.add_parser("exec", help="run a command inside a host: exec NAME HOST -- CMD ...")
-    ex.add_argument("name")
-    ex.add_argument("host")
-    ex.add_argument("command", nargs=argparse.REMAINDER)
-    sh = sub.add_parser("shape", help="change a host's egress shaping (no flags: none)")
-    sh.add_argument("name")
-    sh.add_argument("host", help="a host label, or all")
-    shaping_flags(sh)
-    for cmd, text in (("cut", "unplug a host from the bridge"), ("restore", "plug it back")):
-        c = sub.add_parser(cmd, help=text)
-        c.add_argument("name")
-        c.add_argument("host")
-    st = sub.add_parser("status", help="list clusters (or one)")
-    st.add_argument("name", nargs="?")
-    dn = sub.add_parser("down", help="stop every process in NAME's hosts and delete it")
-    dn.add_argument("name", nargs="?")
-    dn.add_argument("--all", action="store_true", help="every cluster made by this tool")
-    sub.add_parser("clean", help="remove clusters left by crashed test runs")
-    wire = sub.add_parser("wire", help=argparse.SUPPRESS)
-    wire.add_argument("spec")
-    args = p.parse_args(argv)
-
-    if args.cmd == "wire":
-        return run_wire(args.spec)
-    reason = unavailable_reason()
-    if reason:
-        print(f"netns_cluster: {reason}", file=sys.stderr)
-        return 2
-    try:
-        if args.cmd == "up":
-            net = NetnsCluster(args.hosts, shaping=_shaping_from_args(args), root_link=args.root_link, mtu=args.mtu,
-                               shaper=args.shaper, tag=args.name, persistent=True,
-                               shapeable=args.shapeable or None)
-            net.start()
-            print(net.describe())
-            print(f"run in a host:  launch/netns_cluster.sh exec {args.name} a -- COMMAND")
-            print(f"remove it:      launch/netns_cluster.sh down {args.name}")
-        elif args.cmd == "exec":
-            net = load_cluster(args.name)
-            command = args.command[1:] if args.command[:1] == ["--"] else args.command
-            if not command:
-                p.error("exec needs a command after --")
-            os.execvp("ip", [*net.exec_prefix(args.host), *command])
-        elif args.cmd == "shape":
-            net = load_cluster(args.name)
-            for h in (net.hosts if args.host == "all" else [net.host(args.host)]):
-                net.shape(h, _shaping_from_args(args))
-            print(net.describe())
-        elif args.cmd in ("cut", "restore"):
-            net = load_cluster(args.name)
-            getattr(net, args.cmd)(args.host)
-        elif args.cmd == "status":
-            tags = [args.name] if args.name else [s["tag"] for s in _states()]
-            for tag in tags:
-                net = load_cluster(tag)
-                owner = "" if net.persistent else " (a test run's)"
-                print(net.describe() + owner)
-            if not tags:
-                print("no clusters")
-        elif args.cmd == "down":
-            if not args.all and not args.name:
-                p.error("down needs NAME or --all")
-            tags = [s["tag"] for s in _states()] if args.all else [args.name]
-            for tag in tags:
-                state_path = STATE_DIR / f"{tag}.json"
-                if not state_path.exists():
-                    raise RuntimeError(f"no cluster named {tag!r}")
-                problems = teardown_state(json.loads(state_path.read_text()))
-                print(f"{tag}: removed" + (f" (left: {'; '.join(problems)})" if problems else ""))
-        elif args.cmd == "clean":
-            removed = clean_stale()
-            print(f"removed: {', '.join(removed)}" if removed else "nothing stale")
-    except (RuntimeError, ValueError, KeyError) as e:
-        print(f"netns_cluster: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -27,8 +27,8 @@ if [[ $(id -u) != 0 ]]; then
   echo "netns_cluster.sh: needs root (network namespaces, veth, bridge, tap)" >&2
   exit 2
 fi
-# launch/netns.py is standard library only: the venv's python when there is one, else python3.
+# launch/netns.py, netns_cli.py are standard library only: the venv's python when there is one, else python3.
 PY="$ROOT/.venv/bin/python"
 [[ -x "$PY" ]] || PY="$(command -v python3)"
 cd "$ROOT"
-exec "$PY" -m launch.netns "$@"
+exec "$PY" -m launch.netns_cli "$@"

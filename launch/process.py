@@ -127,7 +127,7 @@ def wait_until_ready(proc: subprocess.Popen, url: str, name: str, timeout_s: flo
         time.sleep(max(0.0, min(PROBE_INTERVAL_S, deadline - time.monotonic())))
 
 
-def _die_with_parent() -> None:
+def set_parent_death_signal() -> None:
     """preexec_fn: the child gets SIGTERM when the thread that started it dies, even by SIGKILL.
 
     Linux ties PDEATHSIG to the thread that forked: start the child from a thread that lives
@@ -161,7 +161,7 @@ class ServerProcess:
         try:
             self.proc = subprocess.Popen(self.argv, cwd=cwd, env=env, stdout=self._log,
                                          stderr=subprocess.STDOUT if self._log else None,
-                                         preexec_fn=_die_with_parent if die_with_parent else None)
+                                         preexec_fn=set_parent_death_signal if die_with_parent else None)
         except BaseException:
             self._close_log()
             raise

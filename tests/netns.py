@@ -24,7 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from launch.netns import NetnsCluster, Shaping, netem_available, netns_pids, unavailable_reason
+from launch.netns import NetnsCluster, netem_available, netns_pids, unavailable_reason
+from launch.shaping import Shaping
 from launch.process import EngineServer, RouterServer, http
 from tests.server_fixtures import ENGINE_ARGS, MAX_MODEL_LEN, REPO, START_TIMEOUT_S, ServerUnderTest, server_log
 
