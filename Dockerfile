@@ -39,6 +39,7 @@ RUN python -m pip install --index-url ${TORCH_INDEX} torch==2.13.0
 WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY atomd ./atomd
+COPY contracts ./contracts
 COPY scheduler ./scheduler
 COPY kv_transfer ./kv_transfer
 COPY router ./router

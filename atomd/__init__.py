@@ -15,7 +15,7 @@ def __getattr__(name: str):
 
         return LLM
     if name == "SamplingParams":
-        from scheduler.sequence import SamplingParams
+        from contracts.sampling import SamplingParams
 
         return SamplingParams
     raise AttributeError(name)

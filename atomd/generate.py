@@ -28,7 +28,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     from atomd.config import EngineConfig
     from atomd.llm import LLM
-    from scheduler.sequence import SamplingParams
+    from contracts.sampling import SamplingParams
 
     try:
         config = EngineConfig.from_args(args)

@@ -11,7 +11,8 @@ from atomd.config import EngineConfig
 from atomd.engine.llm_engine import LLMEngine, ranked_choices
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
-from scheduler.sequence import SamplingParams, Sequence
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence
 from scheduler.stop import cut_at_stop
 
 TQDM_MIN_PROMPTS = 16  # a progress bar only where the wait is long enough to want one

@@ -20,7 +20,8 @@ from typing import Any
 import msgspec
 
 from kv_transfer.params import KVTransferParams
-from scheduler.sequence import ErrorCode, SamplingParams
+from contracts.errors import ErrorCode
+from contracts.sampling import SamplingParams
 
 
 class RequestOutput(msgspec.Struct, array_like=True):

@@ -51,7 +51,7 @@ import llguidance
 import numpy as np
 
 from atomd.kernels import cbuild
-from scheduler.sequence import StructuredOutputsParams
+from contracts.sampling import StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}

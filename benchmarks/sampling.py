@@ -30,7 +30,7 @@ import numpy as np
 
 from atomd.config import EngineConfig
 from atomd.engine.llm_engine import LLMEngine
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 from benchmarks.machine import loadavg
 
 BATCH = 16

@@ -24,7 +24,7 @@ from atomd.engine.sampler import Sampler, draw_seed
 from benchmarks.machine import loadavg
 from benchmarks.model_shapes import model_dir
 from benchmarks.sampling import Timed, decode_steps, prompts
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 
 
 def race(self: Sampler, probs: torch.Tensor, seqs, params, extra) -> torch.Tensor:

@@ -14,7 +14,8 @@ import time
 
 from atomd.config import EngineConfig
 from scheduler.scheduler import ScheduledBatchOutput, Scheduler, SchedulerConfig
-from scheduler.sequence import SamplingParams, Sequence
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence
 
 
 def fake_output(batch, spec: int) -> ScheduledBatchOutput:

@@ -35,7 +35,7 @@ import time
 import numpy as np
 
 from atomd.llm import LLM
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 from benchmarks.machine import loadavg
 
 

@@ -39,7 +39,7 @@ from atomd.api.tools import forced_grammar
 from benchmarks.machine import loadavg
 from benchmarks.model_shapes import model_dir
 from benchmarks.sampling import Timed, decode_steps, prompts
-from scheduler.sequence import SamplingParams, StructuredOutputsParams as SO
+from contracts.sampling import SamplingParams, StructuredOutputsParams as SO
 
 RECORD = {"type": "object", "properties": {
     "name": {"type": "string", "maxLength": 16},

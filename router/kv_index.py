@@ -20,7 +20,7 @@ of block hashes it holds, per (worker, dp_rank):
   it may have died, and its set may be stale.
 
 `match(worker, rank, hashes)` is the length of the longest prefix of a request's chained
-block hashes (kv_transfer/block_hash.py, the engines' own naming) that the rank holds.
+block hashes (contracts/block_hash.py, the engines' own naming) that the rank holds.
 """
 from __future__ import annotations
 
@@ -33,7 +33,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from kv_transfer.block_hash import ALGO
+from contracts.block_hash import ALGO
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from kv_transfer.trust import replay_token
 

@@ -19,7 +19,7 @@ tree or a session table is per role. Every choice is counted in
                    worker with the smallest tree.
 - kv_aware         exact: the engines' KV events (router/kv_index.py) say which blocks each
                    (worker, DP rank) holds; a request's chained block hashes
-                   (kv_transfer/block_hash.py, the engines' own) give each rank's hit. Cost =
+                   (contracts/block_hash.py, the engines' own) give each rank's hit. Cost =
                    prompt tokens not cached + kv_load_weight x uncached prompt tokens already
                    in flight on the worker (a leg counts what it will compute, not its cached
                    prefix); the cheapest rank wins, and with DP the leg is pinned to that rank
@@ -43,7 +43,7 @@ from typing import Any, Callable, Sequence
 
 import xxhash
 
-from kv_transfer.block_hash import block_hashes
+from contracts.block_hash import block_hashes
 from router.prefix_tree import PrefixTree
 from router.tokenizer import RouterTokenizer, prompt_token_ids
 

@@ -1,7 +1,7 @@
 """Prompt -> token ids in the router, the way the engines tokenize, for kv_aware routing.
 
 kv_aware scores a worker by the chained block hashes of the request's tokens
-(kv_transfer/block_hash.py), so the router must see the same token ids the engine will:
+(contracts/block_hash.py), so the router must see the same token ids the engine will:
 a completion prompt is encoded with the special tokens (atomd/tokenizer.py `encode`), a
 token-id prompt is taken as is, chat messages are rendered with the checkpoint's chat
 template (the environment transformers uses) and encoded without special tokens. Only

@@ -5,7 +5,8 @@ Pure Python + numpy (no torch), so routers and tests import it cheaply.
 from scheduler.block_manager import BlockManager
 from scheduler.scheduler import (ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig,
                                  SeqUpdate)
-from scheduler.sequence import SamplingParams, Sequence, SequenceStatus, SequenceType
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence, SequenceStatus, SequenceType
 from scheduler.stats import CacheStats, SpecStats
 
 __all__ = ["BlockManager", "CacheStats", "SamplingParams", "ScheduledBatch", "ScheduledBatchOutput",

@@ -28,7 +28,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-from kv_transfer.block_hash import chain_hash  # the names KV events carry: one definition
+from contracts.block_hash import chain_hash  # the names KV events carry: one definition
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from scheduler.sequence import Sequence
 

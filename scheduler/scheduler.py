@@ -41,7 +41,8 @@ import numpy as np
 
 from kv_transfer.connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler
 from scheduler.block_manager import BlockManager
-from scheduler.sequence import ErrorCode, Sequence, SequenceStatus, SequenceType
+from contracts.errors import ErrorCode
+from scheduler.sequence import Sequence, SequenceStatus, SequenceType
 from scheduler.stop import find_stop_string
 from scheduler.stats import CacheStats, SpecStats
 

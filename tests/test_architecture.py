@@ -9,6 +9,7 @@ graph is built from what the files say. Rules:
   production module they import (lazily or not);
 * router/ never imports atomd or scheduler, directly or transitively;
 * atomd/engine/, atomd/kernels/ and atomd/model/ never import atomd/api/;
+* contracts/ imports no other package of the tree, and atomd/ never imports launch/;
 * nothing outside tests/ (the packages, benchmarks/, scripts/) imports tests.
 
 What counts as an import (all of them, wherever they sit: module level, inside
@@ -66,9 +67,9 @@ import pytest
 pytestmark = pytest.mark.unit
 
 ROOT = Path(__file__).resolve().parents[1]
-PRODUCTION_PACKAGES = ("atomd", "scheduler", "kv_transfer", "router", "launch")
+PRODUCTION_PACKAGES = ("atomd", "contracts", "scheduler", "kv_transfer", "router", "launch")
 OTHER_SCANNED_DIRS = ("benchmarks", "scripts")  # only for the "nothing imports tests" rule
-TORCH_FREE_PACKAGES = ("scheduler", "kv_transfer", "router", "atomd.api")  # atomd.api: the HTTP process
+TORCH_FREE_PACKAGES = ("contracts", "scheduler", "kv_transfer", "router", "atomd.api")  # atomd.api: the HTTP process
 # The API process starts the engine core process with atomd.engine.core.run_engine_core as its
 # multiprocessing target: torch is imported inside it, in the child. The edge is the process seam;
 # test_api_process_never_imports_torch checks at run time that crossing it loads no torch here.
@@ -437,6 +438,15 @@ def test_engine_side_never_imports_the_api_side(side):
         if path is not None:
             violations.append(f"{start}: {describe_path(g, path)}")
     assert not violations, f"{side} reaches atomd.api:\n  " + "\n  ".join(violations)
+
+
+def test_contracts_import_no_other_package():
+    """contracts/ is what every side agrees on: it depends on none of them."""
+    g = production_graph()
+    violations = [f"{src} -> {dst} ({g.file_of(src)}:{g.where[(src, dst)]})"
+                  for src, dsts in sorted(g.explicit.items()) if _top(src) == "contracts"
+                  for dst in sorted(dsts) if _top(dst) in PRODUCTION_PACKAGES and _top(dst) != "contracts"]
+    assert not violations, "contracts imports another package:\n  " + "\n  ".join(violations)
 
 
 def test_atomd_never_imports_launch():

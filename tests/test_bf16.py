@@ -34,7 +34,7 @@ from atomd.config import EngineConfig, add_engine_args, auto_dtype, cpu_flags
 from atomd.engine.kv_cache import KVCache
 from atomd.llm import LLM
 from atomd.model.default import default_model_dir
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 from tests.test_model_hf import _prompt_logits
 
 KERNEL_RTOL, KERNEL_ATOL = 2 ** -8, 1e-5

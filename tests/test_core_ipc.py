@@ -17,7 +17,8 @@ from atomd.engine import core
 from atomd.api import core_client
 from atomd import messages as M
 from kv_transfer.params import KVTransferParams
-from scheduler.sequence import ErrorCode, SamplingParams
+from contracts.errors import ErrorCode
+from contracts.sampling import SamplingParams
 from tests.server_fixtures import ENGINE_ARGS, model_dir
 
 

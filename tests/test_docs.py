@@ -11,7 +11,7 @@ import pytest
 
 from atomd.api.server import ERROR_STATUS
 from scheduler.scheduler import SchedulerConfig
-from scheduler.sequence import ErrorCode
+from contracts.errors import ErrorCode
 
 pytestmark = pytest.mark.unit
 DOCS = Path(__file__).resolve().parents[1] / "docs"

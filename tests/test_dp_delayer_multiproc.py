@@ -25,7 +25,8 @@ def run_schedulers(rank, world, port, out_path, cases, timeout_s):
 
     from atomd.engine.dp_collective import GlooCollective, ObservedPrefillDelayer
     from scheduler.scheduler import Scheduler
-    from scheduler.sequence import SamplingParams, Sequence
+    from contracts.sampling import SamplingParams
+    from scheduler.sequence import Sequence
     from tests.fake_connector import FakeKV, make_delayer, scheduler_config, FakeModel, prompt, step
 
     torch.set_num_threads(1)

@@ -15,7 +15,7 @@ from atomd.cli import main as cli_main
 from atomd.config import EngineConfig, add_engine_args
 from atomd.llm import LLM
 from atomd.engine.kv_cache import KVCache
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 from tests.test_model_hf import hf_greedy, hf_model, make_checkpoint, prompts_of
 
 torch.set_num_threads(1)

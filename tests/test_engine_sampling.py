@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from atomd.llm import LLM
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 from tests.test_engine import assert_idle, llama_dir  # noqa: F401 (llama_dir is a fixture)
 from tests.test_model_hf import hf_greedy, hf_model, prompts_of
 

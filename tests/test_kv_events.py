@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from atomd.engine.kv_events import END_SEQ, KVEventPublisher, offset_port
-from kv_transfer.block_hash import block_hashes, chain_hash
+from contracts.block_hash import block_hashes, chain_hash
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kv_transfer.trust import replay_token
 from launch.process import free_port
@@ -287,7 +287,7 @@ def drain(s: Sub, timeout_s: float = 0.3) -> list[VKVEventBatch]:
 
 def test_an_engine_publishes_what_its_prefix_cache_indexed_after_the_forward(request):
     from atomd.llm import LLM
-    from scheduler.sequence import SamplingParams
+    from contracts.sampling import SamplingParams
 
     llm = LLM(num_threads=1, max_model_len=256, num_kvcache_blocks=12, kv_events_endpoint=tcp(),
               kv_events_replay_endpoint=tcp(), kv_events_topic="atomd")

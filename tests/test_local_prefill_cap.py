@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import SamplingParams, Sequence
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence
 from tests.fake_connector import FakeKV, FakeModel, prompt, reference_completion, scheduler_config, step
 
 pytestmark = pytest.mark.unit

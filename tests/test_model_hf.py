@@ -18,7 +18,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, 
 
 from atomd.llm import LLM
 from scheduler.scheduler import ScheduledBatchOutput
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 
 torch.set_num_threads(1)
 VOCAB = 320

@@ -19,7 +19,7 @@ from atomd.llm import LLM
 from atomd.model import moe as moe_mod
 from atomd.model.loader import load_model
 from atomd.model.moe import MoeWeights, moe
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 from tests.test_bf16 import assert_greedy_follows_hf_bf16
 from tests.test_model_hf import (BLOCK, MIXED, _prompt_logits, assert_equals_hf, engine_greedy, hf_model,
                                  make_checkpoint, prompts_of)

@@ -10,7 +10,8 @@ import pytest
 from scheduler.prefill_delayer import Collective, SingleRank
 from tests.in_process_group import InProcessGroup
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import SamplingParams, Sequence
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence
 from tests.fake_connector import FakeKV, make_delayer, scheduler_config, FakeModel, step
 
 pytestmark = pytest.mark.unit

@@ -11,7 +11,7 @@ from types import SimpleNamespace
 import pytest
 
 from atomd.engine.kv_events import KVEventPublisher
-from kv_transfer.block_hash import block_hashes
+from contracts.block_hash import block_hashes
 from kv_transfer.events import BlockStored
 from launch.process import free_port
 from router.kv_index import KVIndex, RankState, connectable

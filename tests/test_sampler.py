@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from atomd.engine.sampler import Sampler, draw_seed
-from scheduler.sequence import SamplingParams, Sequence
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)

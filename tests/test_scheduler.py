@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from scheduler.scheduler import ScheduledBatchOutput, Scheduler, SchedulerConfig
-from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence, SequenceStatus
 import scheduler.scheduler as scheduler_module
 from tests.fake_connector import FakeKV, add_all, scheduler_config, FakeModel, prompt, reference_completion, step
 

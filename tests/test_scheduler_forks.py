@@ -7,7 +7,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence, SequenceStatus
 from tests.fake_connector import FakeKV, FakeModel, reference_choice, scheduler_config, step
 
 pytestmark = pytest.mark.unit

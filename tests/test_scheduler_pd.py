@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence, SequenceStatus
 from tests.fake_connector import FakeConnector, add_all, scheduler_config, FakeKV, FakeModel, prompt, reference_completion, step
 
 pytestmark = pytest.mark.unit

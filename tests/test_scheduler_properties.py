@@ -18,7 +18,8 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 
 from scheduler.block_manager import NO_HASH
 from scheduler.scheduler import Scheduler
-from scheduler.sequence import SamplingParams, Sequence, SequenceStatus
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence, SequenceStatus
 from tests.fake_connector import (FakeConnector, scheduler_config, FakeKV, FakeModel, next_token, prompt,
                                   reference_choice, step)
 

@@ -4,7 +4,9 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from scheduler.sequence import ErrorCode, SamplingParams, Sequence, SequenceStatus
+from contracts.errors import ErrorCode
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence, SequenceStatus
 
 pytestmark = pytest.mark.unit
 

@@ -32,7 +32,7 @@ from atomd.engine.kv_cache import KVCache
 from atomd.llm import LLM
 from atomd.engine.sampler import Sampler
 from atomd.engine.spec_decode import MIN_ACCEPTANCE, PAYBACK, NgramProposer, SpecController, accept
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 from tests.test_model_hf import BLOCK, assert_equals_hf, engine_greedy, llama_dir, prompts_of  # noqa: F401
 from tests.test_sampler import assert_frequencies, ref_probs, ref_process, seq_with
 

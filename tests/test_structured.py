@@ -19,7 +19,8 @@ from atomd.engine.sampler import Sampler
 from atomd import structured
 from atomd.structured import GrammarCompiler, apply_bitmask, check
 from atomd.api.tools import HermesParser, forced_grammar
-from scheduler.sequence import SamplingParams, Sequence, StructuredOutputsParams as SO
+from contracts.sampling import SamplingParams, StructuredOutputsParams as SO
+from scheduler.sequence import Sequence
 
 pytestmark = pytest.mark.unit
 

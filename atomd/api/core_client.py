@@ -34,7 +34,7 @@ from atomd.engine.core import run_engine_core
 from atomd.messages import (AbortRequests, AddRequest, InputMessage, OutputMessage, Ready, RequestOutput,
                             StepOutputs, UtilityCall, UtilityResult)
 from kv_transfer.params import KVTransferParams
-from scheduler.sequence import SamplingParams
+from contracts.sampling import SamplingParams
 
 logger = logging.getLogger("atomd.api.core_client")
 

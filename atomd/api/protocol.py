@@ -19,7 +19,7 @@ import msgspec
 
 from atomd.api import limits as L
 from kv_transfer.params import KVTransferParams
-from scheduler.sequence import SamplingParams, StructuredOutputsParams
+from contracts.sampling import SamplingParams, StructuredOutputsParams
 
 MAX_LOGPROBS = 20
 MAX_MESSAGE_CHARS = 1024  # an error message quotes at most this much (client input included)

@@ -52,7 +52,7 @@ from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, 
 from atomd.messages import RequestOutput
 from atomd.api.metrics import ServerMetrics
 from atomd.api.tools import TOOL_CALL_PARSERS, HermesParser
-from scheduler.sequence import ErrorCode
+from contracts.errors import ErrorCode
 from scheduler.stop import cut_at_stop
 
 logger = logging.getLogger("atomd.api.server")

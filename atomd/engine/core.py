@@ -28,7 +28,7 @@ from atomd.messages import (UTILITY_METHODS, AbortRequests, AddRequest, CoreErro
                             Ready, RequestOutput, StepOutputs, UtilityCall, UtilityResult)
 from kv_transfer import faults
 from kv_transfer.trust import UntrustedKVParams
-from scheduler.sequence import ErrorCode
+from contracts.errors import ErrorCode
 
 logger = logging.getLogger("atomd.engine.core")
 

@@ -43,7 +43,7 @@ from typing import Any
 import msgspec
 import zmq
 
-from kv_transfer.block_hash import ALGO
+from contracts.block_hash import ALGO
 from kv_transfer.events import AllBlocksCleared, EventBatch, KVEvent
 from kv_transfer.trust import replay_token
 
@@ -53,7 +53,7 @@ END_SEQ = (-1).to_bytes(8, "big", signed=True)
 HEARTBEAT_S = 2.0  # an empty batch after this long without one
 SNDHWM = 100_000  # per subscriber, in messages
 MAX_QUEUE = 100_000  # batches between the engine thread and the I/O thread
-HASH_ALGO = ALGO  # how BlockStored hashes are made (kv_transfer/block_hash.py)
+HASH_ALGO = ALGO  # how BlockStored hashes are made (contracts/block_hash.py)
 REPLAYS_PER_S = 20  # replay requests served a second (and the burst); the rest get the end marker
 
 

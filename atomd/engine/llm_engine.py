@@ -40,7 +40,8 @@ from kv_transfer.params import KVTransferParams, compat_fingerprint
 from kv_transfer.trust import load_secret
 from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
-from scheduler.sequence import SamplingParams, Sequence
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]

@@ -30,7 +30,7 @@ i = the index of the output token being drawn (`draw_seed`). Its tokens are ther
 function of (seed, logits) alone: independent of what else is batched, of preemption, and
 of where the draw happens (the decode engine of a PD pair draws token 1 exactly as a
 colocated engine would). Choice i of an `n`/`best_of` request uses seed + i (vLLM's
-derivation, scheduler.sequence.SamplingParams.for_choice). Unseeded rows share the
+derivation, contracts.sampling.SamplingParams.for_choice). Unseeded rows share the
 engine's generator.
 
 State per sequence (`RowState`, made at its first sample, dropped by `forget`): what its
@@ -59,7 +59,8 @@ import numpy as np
 import torch
 
 from atomd.structured import GrammarCompiler, apply_bitmask, apply_bitmask_at, bitmask_kernel
-from scheduler.sequence import SamplingParams, Sequence
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence
 
 _MASK64 = (1 << 64) - 1
 NEG_INF = float("-inf")
