@@ -10,7 +10,7 @@ import importlib
 import sys
 
 COMMANDS: dict[str, tuple[str, str]] = {
-    "serve": ("atomd.api.server", "start an OpenAI-compatible engine server"),
+    "serve": ("atomd.api.serve", "start an OpenAI-compatible engine server"),
     "generate": ("atomd.generate", "offline generation for a prompt"),
     "bench": ("atomd.bench.cli", "serving benchmarks (bench serve | bench compare)"),
     "make-default-model": ("atomd.model.default", "write the built-in default checkpoint"),

@@ -58,7 +58,7 @@ POOL_IDLE_S = 60.0  # an idle upstream connection older than this is not reused
 WRITE_HIGH_WATER = 256 << 10
 _STATUS = {s.value: f"HTTP/1.1 {s.value} {s.phrase}\r\n".encode() for s in HTTPStatus}
 _CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
-# Limits on a request head, as the engines' aiohttp server has them (atomd/api/server.py): a
+# Limits on a request head, as the engines' aiohttp server has them (atomd/api/http.py): a
 # URL, one header (name and value) and the number of headers; plus the whole head, which
 # also bounds what the parser buffers of a header still arriving.
 MAX_URL_BYTES = 8190

@@ -666,7 +666,7 @@ def local_argv(pod: Pod, argv: list[str]) -> list[str]:
 
 def engine_parser() -> argparse.ArgumentParser:
     """`atomd serve`'s parser, built as atomd.cli builds it."""
-    from atomd.api.server import add_arguments
+    from atomd.api.serve import add_arguments
 
     parser = argparse.ArgumentParser(prog="atomd serve")
     add_arguments(parser)

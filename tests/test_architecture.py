@@ -26,7 +26,7 @@ conservative):
   part is a scanned module, or lies under tests/, is taken as an import of that module.
   This covers registries and command tables such as
   kv_transfer/connector.py's {"zmq": "kv_transfer.zmq_connector:create_zmq_connector"}
-  and atomd/cli.py's COMMANDS = {"serve": ("atomd.api.server", ...)}.
+  and atomd/cli.py's COMMANDS = {"serve": ("atomd.api.serve", ...)}.
   Not covered: names built at run time (f-strings, concatenation), plugin entry
   points, and string constants naming third-party modules (a literal passed
   straight to import_module *is* covered, third-party or not).

@@ -248,7 +248,7 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
     from atomd.cli import COMMANDS
 
     name, objs = variant
-    assert scripts_entry("atomd") == "atomd.cli:main" and COMMANDS["serve"][0] == "atomd.api.server"
+    assert scripts_entry("atomd") == "atomd.cli:main" and COMMANDS["serve"][0] == "atomd.api.serve"
     for role, p in pods(objs, tmp_path).items():
         if role == "router":
             continue

@@ -261,7 +261,9 @@ def test_upstream_answers_over_a_limit_are_failures_not_memory(payload, names):
 def engine_port(loop):
     """`atomd serve`'s HTTP server (routes, middlewares, limits) without starting the engine."""
     from atomd.config import EngineConfig
-    from atomd.api.server import HEAD_LIMITS, JSONErrorRunner, Server, add_arguments
+    from atomd.api.http import HEAD_LIMITS, JSONErrorRunner
+    from atomd.api.serve import add_arguments
+    from atomd.api.server import Server
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)
@@ -296,9 +298,10 @@ def test_engine_refuses_requests_over_its_limits_with_a_json_error(loop, engine_
 
 
 def test_router_and_engine_bound_a_head_alike():
-    from atomd.api import server
+    from atomd.api import http as engine_http
 
     assert (H.MAX_URL_BYTES, H.MAX_HEADER_BYTES, H.MAX_HEADERS) == \
-        (server.MAX_LINE_BYTES, server.MAX_FIELD_BYTES, server.MAX_HEADERS)
-    assert server.HEAD_LIMITS == {"max_line_size": server.MAX_LINE_BYTES, "max_field_size": server.MAX_FIELD_BYTES,
-                                  "max_headers": server.MAX_HEADERS}
+        (engine_http.MAX_LINE_BYTES, engine_http.MAX_FIELD_BYTES, engine_http.MAX_HEADERS)
+    assert engine_http.HEAD_LIMITS == {"max_line_size": engine_http.MAX_LINE_BYTES,
+                                       "max_field_size": engine_http.MAX_FIELD_BYTES,
+                                       "max_headers": engine_http.MAX_HEADERS}

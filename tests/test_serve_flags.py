@@ -3,7 +3,7 @@ with the same dest, default and (at least the same) choices.
 
 tests/data/serve_flags_before_code_health.json is a FROZEN record of the old interface,
 taken at commit 1fd6d28 (before the code-health refactor) by building
-`argparse.ArgumentParser()` + `atomd.api.server.add_arguments(parser)` and recording, for
+`argparse.ArgumentParser()` + `atomd.api.serve.add_arguments(parser)` and recording, for
 every `--flag`, its dest, default and choices. It is not a snapshot of the current
 output and must not be regenerated from the current code: flags may be added, but none
 of the recorded ones may disappear, change its dest or default, or drop a choice.
@@ -27,10 +27,10 @@ SNAPSHOT: dict[str, dict] = json.loads(SNAPSHOT_PATH.read_text())
 
 
 def serve_parser() -> argparse.ArgumentParser:
-    from atomd.api import server
+    from atomd.api import serve
 
     parser = argparse.ArgumentParser(prog="atomd serve")
-    server.add_arguments(parser)
+    serve.add_arguments(parser)
     return parser
 
 

@@ -252,7 +252,8 @@ def test_access_log_flags(flags, logged, caplog):
     from aiohttp.test_utils import make_mocked_request
 
     from atomd.config import EngineConfig
-    from atomd.api.server import Server, add_arguments
+    from atomd.api.serve import add_arguments
+    from atomd.api.server import Server
 
     parser = argparse.ArgumentParser()
     add_arguments(parser)

@@ -30,137 +30,54 @@ from __future__ import annotations
 import argparse
 import asyncio
 import concurrent.futures
-import errno
 import hmac
 import json
 import logging
-import signal
-import sys
 import time
 import uuid
 from typing import Any
 
 import msgspec
-import uvloop
-from aiohttp import http_exceptions, web
-from aiohttp.web_protocol import RequestHandler
+from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import limits as L
 from atomd.api import protocol as P
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
-from atomd.messages import RequestOutput
+from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.metrics import ServerMetrics
-from atomd.api.tools import TOOL_CALL_PARSERS, HermesParser
+from atomd.api.renderers import ChatRenderer, CompletionRenderer, RequestRenderer
+from atomd.messages import RequestOutput
 from contracts.errors import ErrorCode
-from scheduler.stop import cut_at_stop
 
 logger = logging.getLogger("atomd.api.server")
 access_logger = logging.getLogger("atomd.access")
 
+
 READY_PROBE_TIMEOUT_S = 2.0
-SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before they are cut
-SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
-               "X-Accel-Buffering": "no"}
+
+
+
+
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
+
+
 PROBE_PATHS = ("/health", "/ready", "/metrics")  # not in the access log unless --access-log-probes
+
+
 ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort")  # and everything under /debug/
+
+
 RANK_HEADER = "X-data-parallel-rank"
+
+
 PARSER_THREADS = 2  # requests parsed and tokenized at once (tokenizers drop the GIL)
-# Limits on a request head (aiohttp's parser enforces them; router/http.py has the same):
-# the request line, one header field, the number of headers. The body: --max-request-body-bytes.
-MAX_LINE_BYTES = 8190
-MAX_FIELD_BYTES = 8190
-MAX_HEADERS = 128
+
+
 ERROR_STATUS = {ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
                 ErrorCode.UNSCHEDULABLE: (400, "invalid_request_error"),
                 ErrorCode.KV_TRANSFER_FAILED: (503, "service_unavailable"),
                 ErrorCode.KV_PARAMS_UNTRUSTED: (403, "permission_error")}
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    from atomd.config import add_engine_args
-
-    add_engine_args(parser)
-    g = parser.add_argument_group("server")
-    g.add_argument("--host", default="127.0.0.1", help="address to listen on")
-    g.add_argument("--port", type=int, default=8000, help="port to listen on")
-    g.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` (all routes but /health, /ready, /metrics, "
-                        "/openapi.json)")
-    g.add_argument("--admin-api-key", default=None,
-                   help="the admin routes (/reset_prefix_cache, /kv_transfer/abort, /debug/*) take this key "
-                        "instead of --api-key, which then opens only the client routes (the router passes "
-                        "it with --engine-admin-api-key)")
-    g.add_argument("--max-request-body-bytes", type=int, default=16 << 20,
-                   help="larger request bodies get a 413")
-    g.add_argument("--served-model-name", default=None,
-                   help="the model name clients send and see (default: the engine's model name)")
-    g.add_argument("--engine-start-timeout-s", type=float, default=600.0,
-                   help="give up when the engine core is not ready by then")
-    g.add_argument("--engine-stall-timeout-s", type=float, default=60.0,
-                   help="/health answers 503 while the engine core, with requests in flight, has not answered "
-                        "for this long (probed every third of it), so a router takes a wedged engine out of "
-                        "rotation; it must exceed the longest engine step")
-    L.add_arguments(parser.add_argument_group("request limits (a request over one is a 400 naming it)"))
-    g.add_argument("--disable-access-log", "--disable-uvicorn-access-log", dest="disable_access_log",
-                   action="store_true", help="write no access log lines (vLLM's name is accepted too)")
-    g.add_argument("--access-log-probes", action="store_true",
-                   help="log the probes too (%s: a router asks every few seconds), which are left out by default"
-                        % ", ".join(PROBE_PATHS))
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
-                   help="how tool calls are read from the model's output (chat requests with tools)")
-
-
-def run(args: argparse.Namespace) -> int:
-    from atomd.config import EngineConfig
-
-    logging.basicConfig(level=logging.DEBUG if args.debug else logging.INFO, stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    access = logging.StreamHandler(sys.stderr)  # bare JSON lines, one per request
-    access.setFormatter(logging.Formatter("%(message)s"))
-    access_logger.addHandler(access)
-    access_logger.propagate = False
-    try:
-        config = EngineConfig.from_args(args)
-        config.check_model_dir()
-    except ValueError as e:
-        print(f"atomd serve: error: {e}", file=sys.stderr)
-        return 2
-    return uvloop.run(serve(config, args))
-
-
-async def serve(config: Any, args: argparse.Namespace) -> int:
-    """Listen at once (so /health answers while the model loads), then start the core."""
-    server = Server(config, args)
-    runner = JSONErrorRunner(server.app, handler_cancellation=True, access_log=None,
-                             shutdown_timeout=SHUTDOWN_TIMEOUT_S, **HEAD_LIMITS)
-    await runner.setup()
-    try:
-        await web.TCPSite(runner, args.host, args.port).start()
-    except OSError as e:  # the user's to fix: one line naming the flag (the trace with --debug)
-        logger.debug("cannot listen on %s:%s", args.host, args.port, exc_info=True)
-        await runner.cleanup()
-        print(f"atomd serve: error: {listen_error(e, args.host, args.port)}", file=sys.stderr)
-        return 2
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    try:
-        await server.start(args.engine_start_timeout_s)
-        print(f"atomd serve: ready at http://{args.host}:{args.port} (model {server.model_name})", flush=True)
-        await stop.wait()
-        return 0
-    except Exception as e:  # the engine core or the tokenizer could not start
-        print(f"atomd serve: failed to start: {type(e).__name__}: {e}", file=sys.stderr)
-        return 1
-    finally:
-        if server.watchdog is not None:
-            server.watchdog.cancel()
-        await runner.cleanup()
-        await server.client.shutdown()
-        server.parser.shutdown(wait=False)
 
 
 def unschedulable_param(code: ErrorCode | None, req: Any, params: Any, max_num_seqs: int) -> str | None:
@@ -171,64 +88,6 @@ def unschedulable_param(code: ErrorCode | None, req: Any, params: Any, max_num_s
     if params.num_samples > max_num_seqs:
         return "best_of" if params.best_of is not None else "n"
     return "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
-
-
-def listen_error(e: OSError, host: str, port: int) -> str:
-    if e.errno == errno.EADDRINUSE:
-        return f"port {port} on {host} is in use by another process; pick a free one with --port"
-    return f"cannot listen on {host}:{port} ({e.strerror or e}); check --host and --port"
-
-
-HEAD_LIMITS = dict(max_line_size=MAX_LINE_BYTES, max_field_size=MAX_FIELD_BYTES, max_headers=MAX_HEADERS)
-
-
-class JSONErrorRequestHandler(RequestHandler):
-    """aiohttp's connection handler, whose own answers (a request its parser refused: a
-    line or header over the limits, too many headers, not HTTP) are OpenAI-style JSON
-    errors like every other, carrying no client bytes, trace or path. A malformed request
-    is the client's, so it is logged at debug level, not with a traceback."""
-
-    __slots__ = ()
-
-    def handle_error(self, request, status: int = 500, exc: BaseException | None = None,
-                     message: str | None = None) -> web.StreamResponse:
-        if request.writer.output_size > 0:  # as aiohttp: too late for an error answer
-            raise ConnectionError("Response is sent already, cannot send another response with the error message")
-        if status >= 500:
-            self.log_exception("Error handling request from %s", request.remote, exc_info=exc)
-        else:
-            self.logger.debug("refused a request from %s: %r", request.remote, exc)
-        code, kind = "bad_request", "invalid_request_error"
-        if isinstance(exc, http_exceptions.LineTooLong):
-            text = (f"the request line or a header is longer than {MAX_LINE_BYTES} bytes")
-            code = "request_too_large"
-        elif isinstance(exc, http_exceptions.BadHttpMessage) and "too many headers" in str(exc).lower():
-            status, text, code = 431, f"more than {MAX_HEADERS} request headers", "request_too_large"
-        elif status >= 500:
-            text, kind, code = "internal error", "server_error", "internal_error"
-        elif status == 504:
-            text, kind, code = "timed out", "timeout", "timeout"
-        else:
-            text = f"malformed HTTP request ({type(exc).__name__ if exc else 'unknown'})"
-        resp = error_response(P.APIError(status, text, type=kind, code=code))
-        resp.force_close()
-        return resp
-
-
-class JSONErrorServer(web.Server):
-    def __call__(self) -> RequestHandler:
-        handler = super().__call__()
-        handler.__class__ = JSONErrorRequestHandler  # same slots: only handle_error differs
-        return handler
-
-
-class JSONErrorRunner(web.AppRunner):
-    """web.AppRunner whose connections answer parser errors with JSON (JSONErrorRequestHandler)."""
-
-    async def _make_server(self) -> web.Server:
-        server = await super()._make_server()
-        server.__class__ = JSONErrorServer
-        return server
 
 
 def load_tokenizer(config: Any):
@@ -589,334 +448,3 @@ class Server:
 
 async def echo_request_id(request: web.Request, response: web.StreamResponse) -> None:
     response.headers["X-Request-Id"] = request.get("request_id", "")
-
-
-def sse(payload: bytes) -> bytes:
-    return b"data: " + payload + b"\n\n"
-
-
-def json_response(obj: Any, status: int = 200) -> web.Response:
-    return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
-
-
-def error_response(e: P.APIError) -> web.Response:
-    return web.Response(body=e.body(), status=e.status, content_type="application/json")
-
-
-# ---------------------------------------------------------------- per-request output state
-
-class Choice:
-    """One choice's output so far: text (incremental, stop strings held back), tokens, logprobs."""
-
-    __slots__ = ("index", "detok", "text", "emitted", "token_ids", "logprobs", "sent_logprobs", "finished",
-                 "finish_reason", "started", "closed")
-
-    def __init__(self, index: int, detok):
-        self.index, self.detok = index, detok
-        self.text = ""         # everything decoded so far
-        self.emitted = 0       # chars of `text` already handed out
-        self.token_ids: list[int] = []
-        self.logprobs: list[tuple[int, dict]] = []  # (token id, engine entry)
-        self.sent_logprobs = 0
-        self.finished = False
-        self.finish_reason: str | None = None
-        self.started = False   # its first chunk went out (a stream's role / echo prefix)
-        self.closed = False    # its last chunk went out
-
-
-class RequestRenderer:
-    """Accumulates one request's deltas: per choice text (incremental, stop strings held
-    back) and logprobs, then usage and metrics for the request. Subclasses render the
-    endpoint's JSON. Choices stream interleaved, in the order their tokens arrive."""
-
-    opens_early = False  # a choice's first chunk goes out before it has text (chat's role, echo)
-
-    def __init__(self, server: Server, request_id: str, req, checked: P.Checked, prompt_ids: list[int],
-                 prompt_text: str | None = None):
-        self.id, self.req, self.num_logprobs = request_id, req, checked.logprobs
-        self.model, self.created = server.model_name, int(time.time())
-        self.tokenizer, self.metrics = server.tokenizer, server.metrics
-        self.choices = [Choice(i, server.tokenizer.incremental_decoder()) for i in range(req.n)]
-        self.prompt_ids = prompt_ids
-        self.prompt_text = prompt_text
-        self.prompt_logprobs: list | None = None  # the engine's entries, from the first output
-        self.stops = [req.stop] if isinstance(req.stop, str) else list(req.stop or [])
-        self.hold = max((len(s) for s in self.stops), default=1) - 1
-        self.finished = False
-        self.finish_reason: str | None = None
-        self.num_prompt_tokens = self.num_cached_tokens = 0
-        self.kv_transfer_params: dict | None = None
-        self.t_arrival = self.t_last = time.perf_counter()
-        self.first_token_seen = False
-
-    def add(self, deltas: list[RequestOutput]) -> list[bytes]:
-        """Fold `deltas` in; return the stream chunks for what is new (one per choice that has
-        something to say, in arrival order)."""
-        touched: dict[int, None] = {}
-        last: RequestOutput | None = None
-        for d in deltas:
-            self.observe(d)
-            if d.prompt_logprobs is not None:
-                self.prompt_logprobs = d.prompt_logprobs
-            c = self.choices[d.index] if d.index < len(self.choices) else self.choices[0]
-            if d.finished:
-                self.kv_transfer_params, last = d.kv_transfer_params, d
-            if c.finished:  # cut at a stop string here already: the rest is past it
-                continue
-            touched[c.index] = None
-            for i, tid in enumerate(d.new_token_ids):
-                c.token_ids.append(tid)
-                if self.num_logprobs is not None and d.new_logprobs:
-                    c.logprobs.append((tid, d.new_logprobs[i]))
-                c.text += c.detok.step(tid)
-            if d.finish_reason is not None or d.finished:
-                self.finish_choice(c, d.finish_reason)
-            if d.finished:  # the request's last output: every choice is done
-                for other in self.choices:
-                    if not other.finished:
-                        touched[other.index] = None
-                        self.finish_choice(other, d.finish_reason)
-        parts = []
-        for index in touched:
-            c = self.choices[index]
-            self.cut_at_stop(c)
-            start = c.emitted
-            end = len(c.text) if c.finished else max(c.emitted, len(c.text) - self.hold)
-            c.emitted = end
-            items = c.logprobs[c.sent_logprobs:]
-            c.sent_logprobs = len(c.logprobs)
-            if c.text[start:end] or (c.finished and not c.closed) or items or (not c.started and self.opens_early):
-                parts.append((c, c.text[start:end], items))
-        if not self.finished and (last is not None or all(c.finished for c in self.choices)):
-            self.finish(last)
-            if not parts:  # the request's end still gets its chunk (it carries kv_transfer_params)
-                parts.append((self.choices[0], "", []))
-        chunks = []
-        for j, (c, text, items) in enumerate(parts):
-            final = self.finished and j == len(parts) - 1
-            chunks.extend(self.chunks(c, text, items, c.finish_reason if c.finished else None, final))
-            c.started = True
-            c.closed = c.finished
-        return chunks
-
-    def finish_choice(self, c: Choice, reason: str | None) -> None:
-        if c.finished:
-            return
-        c.text += c.detok.flush()
-        self.cut_at_stop(c)
-        if not c.finished:
-            c.finished, c.finish_reason = True, reason
-
-    def observe(self, d: RequestOutput) -> None:
-        self.num_prompt_tokens, self.num_cached_tokens = d.num_prompt_tokens, d.num_cached_tokens
-        now = time.perf_counter()
-        if d.new_token_ids:
-            if not self.first_token_seen:
-                self.metrics.ttft.observe(now - self.t_arrival)
-            self.metrics.on_tokens(len(d.new_token_ids), now - self.t_last if self.first_token_seen else None)
-            self.first_token_seen, self.t_last = True, now
-
-    def finish(self, d: RequestOutput | None) -> None:
-        """Every choice is done: by the engine (`d`, the request's last output), or by the
-        text of a stop string first."""
-        self.finished = True
-        self.finish_reason = self.choices[0].finish_reason
-        self.metrics.on_finished(self.finish_reason or "unknown", self.num_prompt_tokens,
-                                 time.perf_counter() - self.t_arrival, d.timing if d else None)
-
-    def cut_at_stop(self, c: Choice) -> None:
-        """Truncate a choice's text at the first stop string: the engine stops on it too, but
-        the text of the token that completed it may run past it."""
-        if not self.stops:
-            return
-        # text up to `emitted` was searched before (the last `hold` characters are held back)
-        c.text, stop = cut_at_stop(c.text, self.stops, self.req.include_stop_str_in_output, c.emitted)
-        if stop is not None and not c.finished:
-            c.finished, c.finish_reason = True, "stop"
-
-    def usage(self) -> P.Usage:
-        n = sum(len(c.token_ids) for c in self.choices)  # every returned choice counts
-        return P.Usage(self.num_prompt_tokens, n, self.num_prompt_tokens + n,
-                       P.PromptTokensDetails(self.num_cached_tokens))
-
-    def token_text(self, tid: int) -> str:
-        return self.tokenizer.decode([tid])
-
-    def include_usage(self) -> bool:
-        return bool(self.req.stream_options and self.req.stream_options.include_usage)
-
-    def vllm_prompt_logprobs(self) -> P.PromptLogprobs | msgspec.UnsetType:
-        """vLLM's `prompt_logprobs` (when the request asked for them by that name)."""
-        if self.req.prompt_logprobs is None:
-            return msgspec.UNSET
-        out: P.PromptLogprobs = []
-        for pos, entry in enumerate(self.prompt_logprobs or []):
-            if entry is None:
-                out.append(None)
-                continue
-            tid = self.prompt_ids[pos]
-            tokens = {str(tid): P.PromptLogprob(entry["logprob"], entry["rank"], self.token_text(tid))}
-            for rank, (t, lp) in enumerate(entry["top"], start=1):
-                tokens.setdefault(str(t), P.PromptLogprob(lp, rank, self.token_text(t)))
-            out.append(tokens)
-        return out
-
-    def stream_end(self) -> list[bytes]:
-        return []
-
-
-class CompletionRenderer(RequestRenderer):
-    @property
-    def opens_early(self) -> bool:
-        return self.req.echo
-
-    def logprobs_block(self, items: list[tuple[int, dict]], offset: int,
-                       echo: bool = False) -> P.CompletionLogprobs:
-        tokens, lps, tops, offsets = [], [], [], []
-        if echo:  # the prompt's tokens first: the first has no logprob (OpenAI's echo)
-            entries = self.prompt_logprobs or []
-            for pos, tid in enumerate(self.prompt_ids):
-                entry = entries[pos] if pos < len(entries) else None
-                text = self.token_text(tid)
-                tokens.append(text)
-                lps.append(entry["logprob"] if entry else None)
-                tops.append({self.token_text(t): lp for t, lp in entry["top"]} if entry else None)
-                offsets.append(offset)
-                offset += len(text)
-        for tid, entry in items:
-            text = self.token_text(tid)
-            tokens.append(text)
-            lps.append(entry["logprob"])
-            tops.append({self.token_text(t): lp for t, lp in entry.get("top") or []})
-            offsets.append(offset)
-            offset += len(text)
-        return P.CompletionLogprobs(tokens, lps, tops, offsets)
-
-    def echo_text(self) -> str:
-        if self.prompt_text is None:
-            self.prompt_text = self.tokenizer.decode(self.prompt_ids)
-        return self.prompt_text
-
-    def chunks(self, c: Choice, text: str, items, finish_reason, final: bool) -> list[bytes]:
-        echo_now = self.req.echo and not c.started  # a choice's first chunk starts with the prompt
-        prefix = self.echo_text() if self.req.echo else ""
-        offset = 0 if echo_now else len(prefix) + c.emitted - len(text)  # of this chunk's text, echo included
-        if echo_now:
-            text = prefix + text
-        lp = self.logprobs_block(items, offset, echo_now) if self.num_logprobs is not None else None
-        usage = None if self.include_usage() else msgspec.UNSET
-        kv = self.kv_transfer_params if final else msgspec.UNSET
-        plp = self.vllm_prompt_logprobs() if not c.started else msgspec.UNSET
-        return [msgspec.json.encode(P.CompletionResponse(
-            self.id, self.created, self.model, [P.CompletionChoice(c.index, text, lp, finish_reason, plp)],
-            usage=usage, kv_transfer_params=kv))]
-
-    def full_response(self) -> bytes:
-        echo = self.req.echo
-        plp = self.vllm_prompt_logprobs()
-        choices = []
-        for c in self.choices:
-            lp = self.logprobs_block(c.logprobs, 0, echo) if self.num_logprobs is not None else None
-            text = self.echo_text() + c.text if echo else c.text
-            choices.append(P.CompletionChoice(c.index, text, lp, c.finish_reason, plp))
-        return msgspec.json.encode(P.CompletionResponse(
-            self.id, self.created, self.model, choices, usage=self.usage(), kv_transfer_params=self.kv_transfer_params))
-
-    def stream_end(self) -> list[bytes]:
-        if not self.include_usage():
-            return []
-        return [msgspec.json.encode(P.CompletionResponse(self.id, self.created, self.model, [],
-                                                         usage=self.usage()))]
-
-
-class ChatRenderer(RequestRenderer):
-    """Chat JSON / chunks; with tools (tool_choice not none) each choice's text goes through
-    the tool-call parser (atomd/api/tools.py): calls become `tool_calls` (streamed as OpenAI's
-    deltas: the call's id, type and name with empty arguments, then its arguments) and
-    `finish_reason` "tool_calls"; the rest is `content`, the same streamed or not."""
-
-    opens_early = True
-
-    def __init__(self, server: Server, request_id: str, req, checked: P.Checked, prompt_ids: list[int]):
-        super().__init__(server, request_id, req, checked, prompt_ids)
-        self.tool_parsers = [HermesParser() for _ in self.choices] if checked.parse_tool_calls else None
-
-    def tool_finish_reason(self, reason: str | None, num_calls: int) -> str | None:
-        return "tool_calls" if num_calls and reason == "stop" else reason
-
-    def logprobs_block(self, items: list[tuple[int, dict]]) -> P.ChatLogprobs:
-        def entry_of(tid: int, lp: float) -> tuple[str, float, list[int]]:
-            text = self.token_text(tid)
-            return text, lp, list(text.encode("utf-8"))
-
-        content = []
-        for tid, entry in items:
-            tops = [P.TopLogprob(*entry_of(t, lp)) for t, lp in (entry.get("top") or [])]
-            content.append(P.TokenLogprob(*entry_of(tid, entry["logprob"]), top_logprobs=tops))
-        return P.ChatLogprobs(content)
-
-    def chunk_of(self, index: int, delta: P.ChatDelta, items, finish_reason, **extra) -> bytes:
-        lp = self.logprobs_block(items) if self.num_logprobs is not None and items else None
-        usage = None if self.include_usage() else msgspec.UNSET
-        return msgspec.json.encode(P.ChatCompletionChunk(
-            self.id, self.created, self.model, [P.ChatChunkChoice(index, delta, lp, finish_reason)],
-            usage=usage, **extra))
-
-    def chunks(self, c: Choice, text: str, items, finish_reason, final: bool) -> list[bytes]:
-        out = []
-        if not c.started:  # OpenAI: each choice opens with the role
-            first = not any(o.started for o in self.choices)
-            plp = self.vllm_prompt_logprobs() if first else msgspec.UNSET
-            out.append(self.chunk_of(c.index, P.ChatDelta(role="assistant", content=""), [], None,
-                                     prompt_logprobs=plp))
-            if not (text or items or finish_reason or final):
-                return out
-        kv = self.kv_transfer_params if final else msgspec.UNSET
-        if self.tool_parsers is not None:
-            return out + self.tool_chunks(c, text, items, finish_reason, kv)
-        out.append(self.chunk_of(c.index, P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv))
-        return out
-
-    def tool_chunks(self, c: Choice, text: str, items, finish_reason, kv) -> list[bytes]:
-        parser = self.tool_parsers[c.index]
-        first_call = parser.num_calls
-        content, calls = parser.stream(text)
-        if c.finished:
-            content += parser.finish()[0]
-        deltas = [P.ChatDelta(content=content)] if content else []
-        for k, call in enumerate(calls, start=first_call):
-            fn = call["function"]
-            deltas.append(P.ChatDelta(tool_calls=[{"index": k, "id": call["id"], "type": "function",
-                                                   "function": {"name": fn["name"], "arguments": ""}}]))
-            deltas.append(P.ChatDelta(tool_calls=[{"index": k, "function": {"arguments": fn["arguments"]}}]))
-        if not deltas:
-            if not (items or finish_reason is not None or kv is not msgspec.UNSET):
-                return []
-            deltas.append(P.ChatDelta(content=""))
-        reason = self.tool_finish_reason(finish_reason, parser.num_calls)
-        return [self.chunk_of(c.index, d, items if j == 0 else [], reason if j == len(deltas) - 1 else None,
-                              **({"kv_transfer_params": kv} if j == len(deltas) - 1 else {}))
-                for j, d in enumerate(deltas)]
-
-    def message(self, c: Choice) -> tuple[P.ChatMessageOut, str | None]:
-        if self.tool_parsers is None:
-            return P.ChatMessageOut("assistant", c.text), c.finish_reason
-        content, calls = HermesParser.parse(c.text)
-        return (P.ChatMessageOut("assistant", content, tool_calls=calls or msgspec.UNSET),
-                self.tool_finish_reason(c.finish_reason, len(calls)))
-
-    def full_response(self) -> bytes:
-        choices = []
-        for c in self.choices:
-            message, reason = self.message(c)
-            choices.append(P.ChatChoice(c.index, message, self.logprobs_block(c.logprobs)
-                                        if self.num_logprobs is not None else None, reason))
-        return msgspec.json.encode(P.ChatCompletionResponse(
-            self.id, self.created, self.model, choices, usage=self.usage(),
-            kv_transfer_params=self.kv_transfer_params, prompt_logprobs=self.vllm_prompt_logprobs()))
-
-    def stream_end(self) -> list[bytes]:
-        if not self.include_usage():
-            return []
-        return [msgspec.json.encode(P.ChatCompletionChunk(self.id, self.created, self.model, [],
-                                                          usage=self.usage()))]
