@@ -13,7 +13,7 @@ import sys
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from atomd.api import protocol as P  # noqa: E402
+from atomd.api import protocol  # noqa: E402
 
 OUT = ROOT / "docs" / "request_fields.md"
 # The fields of the public schemas (OpenAI's API reference; vLLM's protocol.py extras).
@@ -41,16 +41,17 @@ VLLM_EXTRAS = ["top_k", "min_p", "repetition_penalty", "length_penalty", "stop_t
 def outcome(field: str, kind: type) -> str:
     if field not in kind.__struct_fields__:
         return "400 `unknown_field`"
-    if field in P.UNSUPPORTED and not (field in P.CHAT_TOOL_FIELDS and kind is P.ChatCompletionRequest):
-        noops = ", ".join("null" if v is None else f"`{v!r}`" for v in P.UNSUPPORTED[field])
+    if field in protocol.UNSUPPORTED and not (field in protocol.CHAT_TOOL_FIELDS
+                                             and kind is protocol.ChatCompletionRequest):
+        noops = ", ".join("null" if v is None else f"`{v!r}`" for v in protocol.UNSUPPORTED[field])
         return f"accepted only as {noops}; else 400 `unsupported_field`"
     return "implemented"
 
 
 def render() -> str:
     rows = []
-    for endpoint, kind, fields in (("/v1/completions", P.CompletionRequest, OPENAI_COMPLETIONS),
-                                   ("/v1/chat/completions", P.ChatCompletionRequest, OPENAI_CHAT)):
+    for endpoint, kind, fields in (("/v1/completions", protocol.CompletionRequest, OPENAI_COMPLETIONS),
+                                   ("/v1/chat/completions", protocol.ChatCompletionRequest, OPENAI_CHAT)):
         names = list(dict.fromkeys(fields + VLLM_EXTRAS + [f for f in kind.__struct_fields__]))
         for name in sorted(names):
             source = "OpenAI" if name in fields else "vLLM" if name in VLLM_EXTRAS else "atomd"

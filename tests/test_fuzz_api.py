@@ -139,12 +139,12 @@ def test_still_serving_and_no_block_leaked_after_the_fuzzing(server):
 
 @pytest.mark.unit
 def test_the_openapi_description_is_made_from_the_request_structs():
-    from atomd.api import protocol as P
+    from atomd.api import protocol
     from atomd.api.openapi import openapi_document
 
     doc = openapi_document("0")
     schemas = doc["components"]["schemas"]
-    for struct in (P.CompletionRequest, P.ChatCompletionRequest):
+    for struct in (protocol.CompletionRequest, protocol.ChatCompletionRequest):
         assert set(schemas[struct.__name__]["properties"]) == set(struct.__struct_fields__)
     completions = doc["paths"]["/v1/completions"]["post"]
     assert completions["requestBody"]["content"]["application/json"]["schema"]["$ref"].endswith("/CompletionRequest")

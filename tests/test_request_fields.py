@@ -9,7 +9,7 @@ import runpy
 
 import pytest
 
-from atomd.api import protocol as P
+from atomd.api import protocol, validation
 
 pytestmark = pytest.mark.unit
 
@@ -33,17 +33,19 @@ def base(endpoint: str) -> dict:
 def validate(endpoint: str, body: dict) -> None:
     import msgspec
 
-    kind = P.CompletionRequest if endpoint == "/v1/completions" else P.ChatCompletionRequest
-    req = P.decode_request(msgspec.json.encode(body), kind)
-    (P.validate_completion_request if kind is P.CompletionRequest else P.validate_chat_request)(req)
+    kind = protocol.CompletionRequest if endpoint == "/v1/completions" else protocol.ChatCompletionRequest
+    req = protocol.decode_request(msgspec.json.encode(body), kind)
+    validate = (validation.validate_completion_request if kind is protocol.CompletionRequest
+                else validation.validate_chat_request)
+    validate(req)
 
 
 @pytest.mark.parametrize("endpoint,field,outcome", [r for r in rows() if r[2] != "implemented"])
 def test_every_unimplemented_field_is_a_400_naming_it(endpoint, field, outcome):
-    with pytest.raises(P.APIError) as e:
+    with pytest.raises(protocol.APIError) as e:
         validate(endpoint, dict(base(endpoint), **{field: {"zzz": "not a no-op"}}))
     assert e.value.status == 400 and (e.value.param or "").split(".")[0] == field
     assert e.value.code == re.search(r"400 `(\w+)`", outcome).group(1)  # the code the table promises
     if "unknown_field" not in outcome:  # a known field: its no-op values pass
-        for noop in P.UNSUPPORTED[field]:
+        for noop in protocol.UNSUPPORTED[field]:
             validate(endpoint, dict(base(endpoint), **{field: noop}))

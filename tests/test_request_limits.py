@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from atomd.api import limits as L
-from atomd.api import protocol as P
+from atomd.api import protocol, validation
 
 pytestmark = pytest.mark.unit
 
@@ -18,14 +18,14 @@ N = L.DEFAULT.max_list_items + 1
 DEEP = 5000  # the probe's guided_json nesting
 
 
-def validate(body: dict, limits: L.RequestLimits = L.DEFAULT, chat: bool = False) -> P.Checked:
-    kind = P.ChatCompletionRequest if chat else P.CompletionRequest
-    req = P.decode_request(msgspec.json.encode(body), kind)
-    return (P.validate_chat_request if chat else P.validate_completion_request)(req, limits)
+def validate(body: dict, limits: L.RequestLimits = L.DEFAULT, chat: bool = False) -> validation.Checked:
+    kind = protocol.ChatCompletionRequest if chat else protocol.CompletionRequest
+    req = protocol.decode_request(msgspec.json.encode(body), kind)
+    return (validation.validate_chat_request if chat else validation.validate_completion_request)(req, limits)
 
 
-def refused(body: dict, limits: L.RequestLimits = L.DEFAULT, chat: bool = False) -> P.APIError:
-    with pytest.raises(P.APIError) as e:
+def refused(body: dict, limits: L.RequestLimits = L.DEFAULT, chat: bool = False) -> protocol.APIError:
+    with pytest.raises(protocol.APIError) as e:
         validate(body, limits, chat)
     assert e.value.status == 400 and e.value.code == "limit_exceeded"
     assert "the limit is" in e.value.message and "(--max-" in e.value.message
@@ -119,11 +119,11 @@ def test_limits_are_flags_and_named_in_help():
 
 
 def test_error_messages_never_echo_a_huge_value():
-    req = P.decode_request(msgspec.json.encode({"messages": [{"role": "r" * 100_000, "content": "x"}]}),
-                           P.ChatCompletionRequest)
-    with pytest.raises(P.APIError) as e:
-        P.chat_messages(req)
-    assert len(e.value.body()) < 2 * P.MAX_MESSAGE_CHARS
+    req = protocol.decode_request(msgspec.json.encode({"messages": [{"role": "r" * 100_000, "content": "x"}]}),
+                           protocol.ChatCompletionRequest)
+    with pytest.raises(protocol.APIError) as e:
+        validation.chat_messages(req)
+    assert len(e.value.body()) < 2 * protocol.MAX_MESSAGE_CHARS
 
 
 def test_text_json_depth_skips_brackets_in_strings():

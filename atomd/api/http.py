@@ -9,7 +9,7 @@ import msgspec
 from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 
-from atomd.api import protocol as P
+from atomd.api import protocol
 
 SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache",
                "X-Accel-Buffering": "no"}
@@ -57,7 +57,7 @@ class JSONErrorRequestHandler(RequestHandler):
             text, kind, code = "timed out", "timeout", "timeout"
         else:
             text = f"malformed HTTP request ({type(exc).__name__ if exc else 'unknown'})"
-        resp = error_response(P.APIError(status, text, type=kind, code=code))
+        resp = error_response(protocol.APIError(status, text, type=kind, code=code))
         resp.force_close()
         return resp
 
@@ -86,5 +86,5 @@ def json_response(obj: Any, status: int = 200) -> web.Response:
     return web.Response(body=msgspec.json.encode(obj), status=status, content_type="application/json")
 
 
-def error_response(e: P.APIError) -> web.Response:
+def error_response(e: protocol.APIError) -> web.Response:
     return web.Response(body=e.body(), status=e.status, content_type="application/json")

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from atomd.api import protocol as P
+from atomd.api import protocol, responses
 
 REF = "#/components/schemas/{name}"
 ROUTER_SURFACE = pathlib.Path(__file__).resolve().parents[2] / "router" / "openapi_surface.json"
@@ -55,8 +55,9 @@ def openai_surface() -> dict[str, Any]:
     """The OpenAI routes (paths) and the schemas they name (components.schemas), from the
     structs that validate the bodies: what engines and router both serve."""
     (completion_req, chat_req, completion, chat, models, _), components = msgspec.json.schema_components(
-        [P.CompletionRequest, P.ChatCompletionRequest, P.CompletionResponse, P.ChatCompletionResponse,
-         P.ModelList, ErrorBody], ref_template=REF)
+        [protocol.CompletionRequest, protocol.ChatCompletionRequest, responses.CompletionResponse,
+         responses.ChatCompletionResponse,
+         responses.ModelList, ErrorBody], ref_template=REF)
 
     def generate(summary: str, request: dict, response: dict) -> dict:
         return {"post": {

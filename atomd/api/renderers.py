@@ -8,7 +8,7 @@ from typing import Protocol
 
 import msgspec
 
-from atomd.api import protocol as P
+from atomd.api import responses, validation
 from atomd.api.metrics import ServerMetrics
 from atomd.api.tools import HermesParser
 from atomd.messages import RequestOutput
@@ -49,7 +49,7 @@ class RequestRenderer:
 
     opens_early = False  # a choice's first chunk goes out before it has text (chat's role, echo)
 
-    def __init__(self, server: RendererHost, request_id: str, req, checked: P.Checked, prompt_ids: list[int],
+    def __init__(self, server: RendererHost, request_id: str, req, checked: validation.Checked, prompt_ids: list[int],
                  prompt_text: str | None = None):
         self.id, self.req, self.num_logprobs = request_id, req, checked.logprobs
         self.model, self.created = server.model_name, int(time.time())
@@ -152,10 +152,10 @@ class RequestRenderer:
         if stop is not None and not c.finished:
             c.finished, c.finish_reason = True, "stop"
 
-    def usage(self) -> P.Usage:
+    def usage(self) -> responses.Usage:
         n = sum(len(c.token_ids) for c in self.choices)  # every returned choice counts
-        return P.Usage(self.num_prompt_tokens, n, self.num_prompt_tokens + n,
-                       P.PromptTokensDetails(self.num_cached_tokens))
+        return responses.Usage(self.num_prompt_tokens, n, self.num_prompt_tokens + n,
+                       responses.PromptTokensDetails(self.num_cached_tokens))
 
     def token_text(self, tid: int) -> str:
         return self.tokenizer.decode([tid])
@@ -163,19 +163,19 @@ class RequestRenderer:
     def include_usage(self) -> bool:
         return bool(self.req.stream_options and self.req.stream_options.include_usage)
 
-    def vllm_prompt_logprobs(self) -> P.PromptLogprobs | msgspec.UnsetType:
+    def vllm_prompt_logprobs(self) -> responses.PromptLogprobs | msgspec.UnsetType:
         """vLLM's `prompt_logprobs` (when the request asked for them by that name)."""
         if self.req.prompt_logprobs is None:
             return msgspec.UNSET
-        out: P.PromptLogprobs = []
+        out: responses.PromptLogprobs = []
         for pos, entry in enumerate(self.prompt_logprobs or []):
             if entry is None:
                 out.append(None)
                 continue
             tid = self.prompt_ids[pos]
-            tokens = {str(tid): P.PromptLogprob(entry["logprob"], entry["rank"], self.token_text(tid))}
+            tokens = {str(tid): responses.PromptLogprob(entry["logprob"], entry["rank"], self.token_text(tid))}
             for rank, (t, lp) in enumerate(entry["top"], start=1):
-                tokens.setdefault(str(t), P.PromptLogprob(lp, rank, self.token_text(t)))
+                tokens.setdefault(str(t), responses.PromptLogprob(lp, rank, self.token_text(t)))
             out.append(tokens)
         return out
 
@@ -189,7 +189,7 @@ class CompletionRenderer(RequestRenderer):
         return self.req.echo
 
     def logprobs_block(self, items: list[tuple[int, dict]], offset: int,
-                       echo: bool = False) -> P.CompletionLogprobs:
+                       echo: bool = False) -> responses.CompletionLogprobs:
         tokens, lps, tops, offsets = [], [], [], []
         if echo:  # the prompt's tokens first: the first has no logprob (OpenAI's echo)
             entries = self.prompt_logprobs or []
@@ -208,7 +208,7 @@ class CompletionRenderer(RequestRenderer):
             tops.append({self.token_text(t): lp for t, lp in entry.get("top") or []})
             offsets.append(offset)
             offset += len(text)
-        return P.CompletionLogprobs(tokens, lps, tops, offsets)
+        return responses.CompletionLogprobs(tokens, lps, tops, offsets)
 
     def echo_text(self) -> str:
         if self.prompt_text is None:
@@ -225,8 +225,8 @@ class CompletionRenderer(RequestRenderer):
         usage = None if self.include_usage() else msgspec.UNSET
         kv = self.kv_transfer_params if final else msgspec.UNSET
         plp = self.vllm_prompt_logprobs() if not c.started else msgspec.UNSET
-        return [msgspec.json.encode(P.CompletionResponse(
-            self.id, self.created, self.model, [P.CompletionChoice(c.index, text, lp, finish_reason, plp)],
+        return [msgspec.json.encode(responses.CompletionResponse(
+            self.id, self.created, self.model, [responses.CompletionChoice(c.index, text, lp, finish_reason, plp)],
             usage=usage, kv_transfer_params=kv))]
 
     def full_response(self) -> bytes:
@@ -236,14 +236,14 @@ class CompletionRenderer(RequestRenderer):
         for c in self.choices:
             lp = self.logprobs_block(c.logprobs, 0, echo) if self.num_logprobs is not None else None
             text = self.echo_text() + c.text if echo else c.text
-            choices.append(P.CompletionChoice(c.index, text, lp, c.finish_reason, plp))
-        return msgspec.json.encode(P.CompletionResponse(
+            choices.append(responses.CompletionChoice(c.index, text, lp, c.finish_reason, plp))
+        return msgspec.json.encode(responses.CompletionResponse(
             self.id, self.created, self.model, choices, usage=self.usage(), kv_transfer_params=self.kv_transfer_params))
 
     def stream_end(self) -> list[bytes]:
         if not self.include_usage():
             return []
-        return [msgspec.json.encode(P.CompletionResponse(self.id, self.created, self.model, [],
+        return [msgspec.json.encode(responses.CompletionResponse(self.id, self.created, self.model, [],
                                                          usage=self.usage()))]
 
 
@@ -255,29 +255,29 @@ class ChatRenderer(RequestRenderer):
 
     opens_early = True
 
-    def __init__(self, server: RendererHost, request_id: str, req, checked: P.Checked, prompt_ids: list[int]):
+    def __init__(self, server: RendererHost, request_id: str, req, checked: validation.Checked, prompt_ids: list[int]):
         super().__init__(server, request_id, req, checked, prompt_ids)
         self.tool_parsers = [HermesParser() for _ in self.choices] if checked.parse_tool_calls else None
 
     def tool_finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         return "tool_calls" if num_calls and reason == "stop" else reason
 
-    def logprobs_block(self, items: list[tuple[int, dict]]) -> P.ChatLogprobs:
+    def logprobs_block(self, items: list[tuple[int, dict]]) -> responses.ChatLogprobs:
         def entry_of(tid: int, lp: float) -> tuple[str, float, list[int]]:
             text = self.token_text(tid)
             return text, lp, list(text.encode("utf-8"))
 
         content = []
         for tid, entry in items:
-            tops = [P.TopLogprob(*entry_of(t, lp)) for t, lp in (entry.get("top") or [])]
-            content.append(P.TokenLogprob(*entry_of(tid, entry["logprob"]), top_logprobs=tops))
-        return P.ChatLogprobs(content)
+            tops = [responses.TopLogprob(*entry_of(t, lp)) for t, lp in (entry.get("top") or [])]
+            content.append(responses.TokenLogprob(*entry_of(tid, entry["logprob"]), top_logprobs=tops))
+        return responses.ChatLogprobs(content)
 
-    def chunk_of(self, index: int, delta: P.ChatDelta, items, finish_reason, **extra) -> bytes:
+    def chunk_of(self, index: int, delta: responses.ChatDelta, items, finish_reason, **extra) -> bytes:
         lp = self.logprobs_block(items) if self.num_logprobs is not None and items else None
         usage = None if self.include_usage() else msgspec.UNSET
-        return msgspec.json.encode(P.ChatCompletionChunk(
-            self.id, self.created, self.model, [P.ChatChunkChoice(index, delta, lp, finish_reason)],
+        return msgspec.json.encode(responses.ChatCompletionChunk(
+            self.id, self.created, self.model, [responses.ChatChunkChoice(index, delta, lp, finish_reason)],
             usage=usage, **extra))
 
     def chunks(self, c: Choice, text: str, items, finish_reason, final: bool) -> list[bytes]:
@@ -285,14 +285,15 @@ class ChatRenderer(RequestRenderer):
         if not c.started:  # OpenAI: each choice opens with the role
             first = not any(o.started for o in self.choices)
             plp = self.vllm_prompt_logprobs() if first else msgspec.UNSET
-            out.append(self.chunk_of(c.index, P.ChatDelta(role="assistant", content=""), [], None,
+            out.append(self.chunk_of(c.index, responses.ChatDelta(role="assistant", content=""), [], None,
                                      prompt_logprobs=plp))
             if not (text or items or finish_reason or final):
                 return out
         kv = self.kv_transfer_params if final else msgspec.UNSET
         if self.tool_parsers is not None:
             return out + self.tool_chunks(c, text, items, finish_reason, kv)
-        out.append(self.chunk_of(c.index, P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv))
+        out.append(self.chunk_of(c.index, responses.ChatDelta(content=text), items, finish_reason,
+                                 kv_transfer_params=kv))
         return out
 
     def tool_chunks(self, c: Choice, text: str, items, finish_reason, kv) -> list[bytes]:
@@ -301,40 +302,40 @@ class ChatRenderer(RequestRenderer):
         content, calls = parser.stream(text)
         if c.finished:
             content += parser.finish()[0]
-        deltas = [P.ChatDelta(content=content)] if content else []
+        deltas = [responses.ChatDelta(content=content)] if content else []
         for k, call in enumerate(calls, start=first_call):
             fn = call["function"]
-            deltas.append(P.ChatDelta(tool_calls=[{"index": k, "id": call["id"], "type": "function",
+            deltas.append(responses.ChatDelta(tool_calls=[{"index": k, "id": call["id"], "type": "function",
                                                    "function": {"name": fn["name"], "arguments": ""}}]))
-            deltas.append(P.ChatDelta(tool_calls=[{"index": k, "function": {"arguments": fn["arguments"]}}]))
+            deltas.append(responses.ChatDelta(tool_calls=[{"index": k, "function": {"arguments": fn["arguments"]}}]))
         if not deltas:
             if not (items or finish_reason is not None or kv is not msgspec.UNSET):
                 return []
-            deltas.append(P.ChatDelta(content=""))
+            deltas.append(responses.ChatDelta(content=""))
         reason = self.tool_finish_reason(finish_reason, parser.num_calls)
         return [self.chunk_of(c.index, d, items if j == 0 else [], reason if j == len(deltas) - 1 else None,
                               **({"kv_transfer_params": kv} if j == len(deltas) - 1 else {}))
                 for j, d in enumerate(deltas)]
 
-    def message(self, c: Choice) -> tuple[P.ChatMessageOut, str | None]:
+    def message(self, c: Choice) -> tuple[responses.ChatMessageOut, str | None]:
         if self.tool_parsers is None:
-            return P.ChatMessageOut("assistant", c.text), c.finish_reason
+            return responses.ChatMessageOut("assistant", c.text), c.finish_reason
         content, calls = HermesParser.parse(c.text)
-        return (P.ChatMessageOut("assistant", content, tool_calls=calls or msgspec.UNSET),
+        return (responses.ChatMessageOut("assistant", content, tool_calls=calls or msgspec.UNSET),
                 self.tool_finish_reason(c.finish_reason, len(calls)))
 
     def full_response(self) -> bytes:
         choices = []
         for c in self.choices:
             message, reason = self.message(c)
-            choices.append(P.ChatChoice(c.index, message, self.logprobs_block(c.logprobs)
+            choices.append(responses.ChatChoice(c.index, message, self.logprobs_block(c.logprobs)
                                         if self.num_logprobs is not None else None, reason))
-        return msgspec.json.encode(P.ChatCompletionResponse(
+        return msgspec.json.encode(responses.ChatCompletionResponse(
             self.id, self.created, self.model, choices, usage=self.usage(),
             kv_transfer_params=self.kv_transfer_params, prompt_logprobs=self.vllm_prompt_logprobs()))
 
     def stream_end(self) -> list[bytes]:
         if not self.include_usage():
             return []
-        return [msgspec.json.encode(P.ChatCompletionChunk(self.id, self.created, self.model, [],
+        return [msgspec.json.encode(responses.ChatCompletionChunk(self.id, self.created, self.model, [],
                                                           usage=self.usage()))]

@@ -42,7 +42,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import limits as L
-from atomd.api import protocol as P
+from atomd.api import protocol, responses, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.metrics import ServerMetrics
@@ -87,7 +87,7 @@ def unschedulable_param(code: ErrorCode | None, req: Any, params: Any, max_num_s
         return None
     if params.num_samples > max_num_seqs:
         return "best_of" if params.best_of is not None else "n"
-    return "messages" if isinstance(req, P.ChatCompletionRequest) else "prompt"
+    return "messages" if isinstance(req, protocol.ChatCompletionRequest) else "prompt"
 
 
 def load_tokenizer(config: Any):
@@ -170,24 +170,24 @@ class Server:
     async def errors(self, request: web.Request, handler):
         try:
             return await handler(request)
-        except P.APIError as e:
+        except protocol.APIError as e:
             return error_response(e)
         except EngineDeadError as e:
-            return error_response(P.APIError(503, f"engine is not available: {e}",
+            return error_response(protocol.APIError(503, f"engine is not available: {e}",
                                              type="service_unavailable", code="engine_dead"))
         except web.HTTPRequestEntityTooLarge:
-            return error_response(P.APIError(
+            return error_response(protocol.APIError(
                 413, f"request body is larger than {self.args.max_request_body_bytes} bytes",
                 code="request_too_large"))
         except web.HTTPException as e:
             if e.status < 400:
                 raise
-            return error_response(P.APIError(e.status, e.reason, type="invalid_request_error"))
+            return error_response(protocol.APIError(e.status, e.reason, type="invalid_request_error"))
         except Exception:  # a bug: answer it in the API's error shape, keep serving
             # The trace goes to the log only: no stack, message or internal path in the body.
             logger.exception("unhandled error on %s %s (request %s)", request.method, request.path,
                              request.get("request_id"))
-            return error_response(P.APIError(
+            return error_response(protocol.APIError(
                 500, f"internal error; the server log has it under request id {request.get('request_id')}",
                 type="server_error", code="internal_error"))
 
@@ -203,7 +203,7 @@ class Server:
                 request.headers.get("Authorization", "").encode("utf-8", "surrogateescape"),
                 f"Bearer {key}".encode()):
             which = "admin API key" if admin else "API key"
-            raise P.APIError(401, f"missing or invalid {which} (expected `Authorization: Bearer <key>`)",
+            raise protocol.APIError(401, f"missing or invalid {which} (expected `Authorization: Bearer <key>`)",
                              type="authentication_error", code="invalid_admin_key" if admin else "invalid_api_key")
         return await handler(request)
 
@@ -273,10 +273,10 @@ class Server:
         try:
             body = msgspec.json.decode(await request.read())
         except (msgspec.DecodeError, RecursionError) as e:
-            raise P.invalid("body", f"not JSON: {e}") from None
+            raise protocol.invalid("body", f"not JSON: {e}") from None
         transfer_id = body.get("transfer_id") if isinstance(body, dict) else None
         if not isinstance(transfer_id, str) or not transfer_id:
-            raise P.invalid("transfer_id", "transfer_id must be a non-empty string")
+            raise protocol.invalid("transfer_id", "transfer_id must be a non-empty string")
         return json_response({"transfer_id": transfer_id,
                               "revoked": bool(await self.client.call("kv_transfer_abort", transfer_id))})
 
@@ -289,14 +289,14 @@ class Server:
 
     async def models(self, request: web.Request) -> web.Response:
         self.require_engine()
-        card = P.ModelCard(id=self.model_name, created=int(time.time()), max_model_len=self.max_model_len)
-        return json_response(P.ModelList([card]))
+        card = responses.ModelCard(id=self.model_name, created=int(time.time()), max_model_len=self.max_model_len)
+        return json_response(responses.ModelList([card]))
 
     def require_engine(self) -> None:
         if self.client.dead is not None:
             raise EngineDeadError(self.client.dead)
         if not self.client.alive or self.tokenizer is None:
-            raise P.APIError(503, "engine is loading", type="service_unavailable", code="engine_loading")
+            raise protocol.APIError(503, "engine is loading", type="service_unavailable", code="engine_loading")
 
     # ------------------------------------------------------------ generation routes
 
@@ -309,7 +309,7 @@ class Server:
 
     def check_model(self, req) -> None:
         if req.model and req.model != self.model_name:
-            raise P.APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
+            raise protocol.APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -322,13 +322,13 @@ class Server:
 
     def parse_completion(self, body: bytes):
         """Body -> (request, checks, prompt ids, sampling params, prompt): on a parser thread."""
-        req = P.decode_request(body, P.CompletionRequest)
+        req = protocol.decode_request(body, protocol.CompletionRequest)
         self.check_model(req)
-        checked = P.validate_completion_request(req, self.limits)
-        prompt = P.prompt_input(req.prompt)
+        checked = validation.validate_completion_request(req, self.limits)
+        prompt = validation.prompt_input(req.prompt)
         ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
         self.check_sampling_token_ids(req, checked)
-        params = P.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
+        params = validation.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
         return req, checked, ids, params, prompt
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
@@ -340,37 +340,37 @@ class Server:
 
     def parse_chat(self, body: bytes):
         """As parse_completion, for a chat request."""
-        req = P.decode_request(body, P.ChatCompletionRequest)
+        req = protocol.decode_request(body, protocol.ChatCompletionRequest)
         self.check_model(req)
-        checked = P.validate_chat_request(req, self.limits)
-        messages = P.chat_messages(req)
+        checked = validation.validate_chat_request(req, self.limits)
+        messages = validation.chat_messages(req)
         try:
             ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
                                              **({"tools": checked.tools} if checked.tools else {}))
         except Exception as e:  # a template that raises on this conversation
-            raise P.invalid("messages", f"chat template failed: {e}") from None
+            raise protocol.invalid("messages", f"chat template failed: {e}") from None
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         self.check_sampling_token_ids(req, checked)
-        params = P.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
+        params = validation.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
         return req, checked, ids, params
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.tokenizer.vocab_size
         bad = next((t for t in ids if not 0 <= t < vocab), None)
         if bad is not None:
-            raise P.invalid(param, f"token id {bad} is outside the vocabulary [0, {vocab})")
+            raise protocol.invalid(param, f"token id {bad} is outside the vocabulary [0, {vocab})")
         return ids
 
-    def check_sampling_token_ids(self, req, checked: P.Checked) -> None:
+    def check_sampling_token_ids(self, req, checked: validation.Checked) -> None:
         """logit_bias keys and allowed_token_ids must be token ids of this vocabulary."""
         if checked.logit_bias:
             self.check_token_ids(list(checked.logit_bias), "logit_bias")
         if req.allowed_token_ids is not None:
             if not req.allowed_token_ids:
-                raise P.invalid("allowed_token_ids", "allowed_token_ids must not be empty")
+                raise protocol.invalid("allowed_token_ids", "allowed_token_ids must not be empty")
             if len(req.allowed_token_ids) > self.tokenizer.vocab_size:
-                raise P.invalid("allowed_token_ids", f"allowed_token_ids has {len(req.allowed_token_ids)} ids; "
+                raise protocol.invalid("allowed_token_ids", f"allowed_token_ids has {len(req.allowed_token_ids)} ids; "
                                                      f"the vocabulary has {self.tokenizer.vocab_size}")
             self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
 
@@ -381,7 +381,7 @@ class Server:
             return requested or default or 1  # the scheduler rejects it with its own message
         wanted = requested if requested is not None else (default if default is not None else room)
         if wanted > room or room == 0:
-            raise P.invalid(param, (
+            raise protocol.invalid(param, (
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt has "
                 f"{len(ids)} tokens and {param}={wanted} would need {len(ids) + wanted}"))
         return wanted
@@ -393,13 +393,13 @@ class Server:
             try:
                 rank = int(request.headers[RANK_HEADER])
             except ValueError:
-                raise P.invalid("data_parallel_rank", f"{RANK_HEADER} must be an integer") from None
+                raise protocol.invalid("data_parallel_rank", f"{RANK_HEADER} must be an integer") from None
         size = self.config.data_parallel_size
         if rank is not None and not 0 <= rank < size:
-            raise P.invalid("data_parallel_rank", f"data_parallel_rank must be in [0, {size}), got {rank}")
+            raise protocol.invalid("data_parallel_rank", f"data_parallel_rank must be in [0, {size}), got {rank}")
         return rank
 
-    async def generate(self, request: web.Request, req, checked: P.Checked, ids: list[int], params,
+    async def generate(self, request: web.Request, req, checked: validation.Checked, ids: list[int], params,
                        out: "RequestRenderer"):
         stream = self.client.add_request(out.id, ids, params, checked.kv_transfer_params,
                                          dp_rank=self.requested_dp_rank(request, req))
@@ -409,7 +409,7 @@ class Server:
             if head.error is not None:  # refused or rejected by the engine, or a failed KV pull
                 status, kind = ERROR_STATUS.get(head.error_code, (500, "server_error"))
                 code = head.error_code.value if head.error_code is not None else None
-                raise P.APIError(status, head.error, type=kind, code=code,
+                raise protocol.APIError(status, head.error, type=kind, code=code,
                                  param=unschedulable_param(head.error_code, req, params, self.config.max_num_seqs))
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
@@ -440,7 +440,8 @@ class Server:
             request["client_gone"] = True
             return resp
         except EngineDeadError as e:
-            err = P.APIError(503, f"engine is not available: {e}", type="service_unavailable", code="engine_dead")
+            err = protocol.APIError(503, f"engine is not available: {e}", type="service_unavailable",
+                                    code="engine_dead")
             await resp.write(sse(err.body()) + b"data: [DONE]\n\n")  # as the router ends a broken stream
         await resp.write_eof()
         return resp
