@@ -170,3 +170,49 @@ class PDDecider:
                 "decode_itl_s": {u: e.value for u, e in self.itl.items()},
                 "prefill_tokens_per_s": {u: e.value for u, e in self.rate.items()},
                 "transfer_s": {u: e.value for u, e in self.transfer.items()}}
+
+
+class LocalPrefill:
+    """One local prefill on decode worker `url`, the decider's from the decision on: counted
+    in its local_pending until D's first event (which also teaches D's local rate: the
+    tokens ahead plus these, over the leg's time to that event) or the leg's end."""
+
+    __slots__ = ("decider", "url", "tokens", "ahead", "started")
+
+    def __init__(self, decider: PDDecider, url: str, tokens: int):
+        self.decider, self.url, self.tokens = decider, url, tokens
+        self.ahead = decider.start_local(url, tokens)
+        self.started: float | None = None
+
+    def leg_started(self, now: float) -> None:
+        self.started = now
+
+    def first_event(self, now: float) -> None:
+        if self.url is not None and self.tokens and self.started is not None:
+            self.decider.observe_local(self.ahead + self.tokens, now - self.started)
+        self.end()
+
+    def end(self) -> None:
+        if self.url is not None:
+            self.decider.end_local(self.url, self.tokens)
+            self.url = None
+
+
+class RemotePrefill:
+    """Prefill worker `url` answered with its KV params at `answered`: D's first event
+    teaches the decider that P's transfer cost."""
+
+    __slots__ = ("decider", "url", "answered")
+
+    def __init__(self, decider: PDDecider, url: str, answered: float):
+        self.decider, self.url, self.answered = decider, url, answered
+
+    def leg_started(self, now: float) -> None:
+        pass
+
+    def first_event(self, now: float) -> None:
+        self.decider.observe_transfer(self.url, now - self.answered)
+
+    def end(self) -> None:
+        pass
+

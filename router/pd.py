@@ -56,6 +56,7 @@ both legs, so the engines' access logs name the same request, and back to the cl
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import os
 import random
@@ -66,25 +67,22 @@ import msgspec
 
 from kv_transfer.params import KVTransferParams
 from kv_transfer.trust import signature_of
-from router.adaptive import PDDecider
+from router.adaptive import LocalPrefill, PDDecider, RemotePrefill
 from router.errors import worker_text
-from router.http import BrokenResponse, ClientConnection, ConnectError, Disconnected, Request, Response, Timeout, \
+from router.http import ClientConnection, ConnectError, Disconnected, Request, Response, Timeout, \
     UpstreamError
 from router.kv_check import check_producer_params
 from router.metrics import RouterMetrics
 from router.policies import RouteRequest, RoutingPolicy
+from router.sse_relay import DONE_EVENT, ERROR_EVENT_PREFIX, SSERelay
 from router.workers import Worker, WorkerRegistry, describe
 
 logger = logging.getLogger("atomd.router.pd")
 
-SSE_HEADERS = b"Content-Type: text/event-stream\r\nCache-Control: no-cache\r\nX-Accel-Buffering: no\r\n"
-DONE_EVENT = b"data: [DONE]"
-ERROR_EVENT_PREFIX = b'data: {"error"'
 MAX_DECODE_TRIES = 3
 # a worker answering these says it cannot serve (loading, core dead, overloaded): its fault
 WORKER_FAULT_STATUSES = (502, 503, 504)
 ABORT_TIMEOUT_S = 5.0
-DRAIN_TIMEOUT_S = 1.0
 BACKOFF_CAP_S = 1.0
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
 _encode = msgspec.json.encode
@@ -151,13 +149,6 @@ def with_kv_params(raw: bytes, kv_json: bytes) -> bytes:
     no kv_transfer_params of its own)."""
     start = raw.index(b"{") + 1
     return b'{"kv_transfer_params":' + kv_json + b"," + raw[start:]
-
-
-def complete_events_end(buf: bytes | bytearray, start: int = 0) -> int:
-    """Length of the prefix of `buf` that is whole SSE events (0 when none), looking for the
-    last event end at or after `start` only (so a relay scans each byte once)."""
-    lf, crlf = buf.rfind(b"\n\n", start), buf.rfind(b"\r\n\r\n", start)
-    return max(lf + 2 if lf >= 0 else 0, crlf + 4 if crlf >= 0 else 0)
 
 
 def new_id() -> str:
@@ -265,12 +256,13 @@ class PDRelay:
 
 class PDRequest:
     """One client request: the prefill leg, then the decode leg relayed to the client (or
-    one leg on a colocated worker)."""
+    one leg on a colocated worker). The legs' retries and their outcome are its own; the
+    SSE bytes are router/sse_relay.py's, a failed exchange's mapping `connection_failure`'s,
+    and what the adaptive decider learns from the request its handle's (`learning`)."""
 
     __slots__ = ("relay", "metrics", "series", "req", "resp", "endpoint", "path", "body", "raw", "route",
                  "request_id", "headers", "echo", "arrival", "last_send", "first_event_sent", "prefill_worker",
-                 "transfer_id", "pulled", "tokens", "deadline_hit", "_deadline", "reason", "prefill_done",
-                 "local_tokens", "local_start", "local_url", "local_ahead")
+                 "transfer_id", "pulled", "deadline_hit", "_deadline", "reason", "learning")
 
     def __init__(self, relay: PDRelay, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes):
         self.relay = relay
@@ -292,15 +284,11 @@ class PDRequest:
         self.prefill_worker: Worker | None = None
         self.transfer_id: str | None = None
         self.pulled = False  # D produced output, so it is done with P's blocks
-        self.tokens = 0
         self.deadline_hit = False
         self._deadline: asyncio.TimerHandle | None = None
         self.reason: str | None = None  # why two legs (adaptive / strict); None: --pd-mode always
-        self.prefill_done: float | None = None  # when P's KV params arrived (adaptive: transfer cost)
-        self.local_tokens = 0  # adaptive local prefill: the tokens D computes ...
-        self.local_start: float | None = None  # ... and when its leg started
-        self.local_url: str | None = None  # ... on this decode worker, until its first event
-        self.local_ahead = 0  # ... behind these local prefill tokens already there
+        # adaptive: what D's first event teaches the decider (router/adaptive.py); None otherwise
+        self.learning: LocalPrefill | RemotePrefill | None = None
 
     def leg_headers(self, role: str) -> bytes:
         rank = self.route.dp_rank.get(role)
@@ -363,13 +351,11 @@ class PDRequest:
                                                        first.in_flight)
                 if decision == "local_prefill":
                     self.metrics.decisions.inc(("local_prefill", self.reason))
-                    self.local_tokens = uncached
-                    self.local_url = first.url
-                    self.local_ahead = decider.start_local(first.url, uncached)
+                    self.learning = local = LocalPrefill(decider, first.url, uncached)
                     try:
                         await self.decode(None, first)
                     finally:
-                        self.end_local()
+                        local.end()
                     return
             elif strict:
                 self.reason = "strict"
@@ -449,23 +435,11 @@ class PDRequest:
                 conn.abort()
                 raise
             conn.release()
-        except ConnectError as e:
-            worker.failed(str(e))
-            self.metrics.upstream_errors.inc(("prefill", "connect"))
-            raise LegError(502, f"prefill worker {worker.url} unreachable: {describe(e)}")
-        except Disconnected as e:
-            worker.failed(str(e))
-            self.metrics.upstream_errors.inc(("prefill", "connection"))
-            raise
-        except Timeout:
-            worker.failed("timeout")
-            self.metrics.upstream_errors.inc(("prefill", "timeout"))
-            raise LegError(504, f"prefill worker {worker.url} timed out after {self.relay.prefill_timeout} s",
-                           type="timeout")
-        except BrokenResponse as e:
-            worker.failed(str(e))
-            self.metrics.upstream_errors.inc(("prefill", "broken_answer"))
-            raise LegError(502, f"prefill worker {worker.url} broke off its answer: {describe(e)}")
+        except UpstreamError as e:
+            err = connection_failure(self.metrics, "prefill", worker, e, self.relay.prefill_timeout)
+            if isinstance(e, Disconnected):
+                raise  # prefill() may give the same P another go
+            raise err from None
         finally:
             worker.done(trial, tokens)
         elapsed = time.perf_counter() - started
@@ -524,7 +498,8 @@ class PDRequest:
             params = msgspec.structs.replace(params, transfer_id=kv["transfer_id"])
             kv["signature"] = signature_of(params, secret)
         self.metrics.decisions.inc(("pd",) if self.reason is None else ("pd", self.reason))
-        self.prefill_done = time.perf_counter()
+        if self.relay.decider is not None:
+            self.learning = RemotePrefill(self.relay.decider, worker.url, time.perf_counter())
         return kv
 
     # ------------------------------------------------------------------ decode leg
@@ -559,33 +534,23 @@ class PDRequest:
                 self.metrics.retries.inc((role,))
             tokens = self.route.leg_tokens(role)
             trial = worker.acquire(tokens=tokens)
-            started = self.local_start = time.perf_counter()
+            started = time.perf_counter()
+            if self.learning is not None:
+                self.learning.leg_started(started)
             try:
                 try:
                     conn = await worker.pool.request(b"POST", self.path, self.leg_headers(role), data,
                                                      relay.config.request_timeout_s, idle_timeout=True)
-                except ConnectError as e:
-                    worker.failed(str(e))
-                    self.metrics.upstream_errors.inc((role, "connect"))
-                    last_error = f"{role} worker {worker.url} unreachable: {describe(e)}"
-                    tried.append(worker)
-                    continue
-                except Disconnected as e:
-                    worker.failed(str(e))
-                    self.metrics.upstream_errors.inc((role, "connection"))
-                    if role == "worker" and e.reused:
-                        last_error = f"{role} worker {worker.url} dropped the connection: {describe(e)}"
+                except UpstreamError as e:
+                    err = connection_failure(self.metrics, role, worker, e, relay.config.request_timeout_s)
+                    if isinstance(e, ConnectError):  # never reached the worker: another may take it
+                        last_error = str(err)
+                        tried.append(worker)
                         continue
-                    raise LegError(502, f"{role} worker {worker.url} dropped the connection: {describe(e)}")
-                except Timeout:
-                    worker.failed("timeout")
-                    self.metrics.upstream_errors.inc((role, "timeout"))
-                    raise LegError(504, f"{role} worker {worker.url} timed out after "
-                                   f"{relay.config.request_timeout_s} s", type="timeout")
-                except BrokenResponse as e:
-                    worker.failed(str(e))
-                    self.metrics.upstream_errors.inc((role, "broken_answer"))
-                    raise LegError(502, f"{role} worker {worker.url} broke off its answer: {describe(e)}")
+                    if isinstance(e, Disconnected) and role == "worker" and e.reused:
+                        last_error = str(err)  # a kept-alive connection it closed: it may get another go
+                        continue
+                    raise err from None
                 try:
                     if conn.status != 200 and role == "worker" and conn.status >= 500:
                         answer = await conn.read()
@@ -607,22 +572,6 @@ class PDRequest:
             finally:
                 worker.done(trial, tokens)
         raise LegError(502, last_error or f"{role} failed")
-
-    def learn_first_event(self, now: float) -> None:
-        """Adaptive: the transfer cost of P's KV (P's answer to D's first event), or D's local
-        prefill rate (its uncached tokens over the leg's time to first event)."""
-        decider = self.relay.decider
-        if self.prefill_done is not None:
-            decider.observe_transfer(self.prefill_worker.url, now - self.prefill_done)
-        elif self.local_tokens and self.local_start is not None:
-            decider.observe_local(self.local_ahead + self.local_tokens, now - self.local_start)
-            self.end_local()
-
-    def end_local(self) -> None:
-        """D's local prefill is no longer in flight (counted once: first event or leg end)."""
-        if self.local_url is not None:
-            self.relay.decider.end_local(self.local_url, self.local_tokens)
-            self.local_url = None
 
     async def relay_answer(self, role: str, worker: Worker, conn: ClientConnection) -> None:
         if conn.status != 200:
@@ -658,105 +607,19 @@ class PDRequest:
         self.resp.send(200, answer, conn.content_type.encode() or b"application/json", self.echo)
 
     async def relay_stream(self, role: str, worker: Worker, conn: ClientConnection) -> None:
-        """Relay D's SSE events from the connection's data callback: no coroutine switch per
-        chunk. This coroutine waits for the end (or the client going away)."""
-        resp = self.resp
-        loop = asyncio.get_running_loop()
-        done: asyncio.Future = loop.create_future()
-        state = _StreamState()
-        series = self.series
-
-        def sink(data: bytes) -> None:
-            buf = state.buf  # the unended event so far: no terminator in it
-            if buf:  # appended in place and only the new bytes scanned: linear in the event
-                start = len(buf) - 3  # an event end may straddle the chunks
-                buf += data
-                cut = complete_events_end(buf, max(start, 0))
-                if cut:
-                    with memoryview(buf) as view:
-                        events = bytes(view[:cut])
-                    del buf[:cut]
-            else:
-                cut = complete_events_end(data)
-                events = data if cut == len(data) else data[:cut]
-                if cut < len(data):
-                    buf += memoryview(data)[cut:]
-            if len(buf) > self.relay.config.max_event_bytes:  # an event that does not end
-                state.buf = bytearray()
-                conn.abort()
-                on_end(BrokenResponse(f"an SSE event longer than {self.relay.config.max_event_bytes} bytes"))
-                return
-            if not cut:
-                return
-            now = time.perf_counter()
-            if not resp.started:
-                if events.startswith(ERROR_EVENT_PREFIX):
-                    state.error_first = events
-                    conn.abort()
-                    if not done.done():
-                        done.set_result(None)
-                    return
-                end = events.rstrip().endswith(DONE_EVENT)
-                resp.start_stream(200, SSE_HEADERS + self.echo, events)
-                self.pulled = True
-                if end:
-                    resp.end()
-                    saw_done()
-            elif events.rstrip().endswith(DONE_EVENT):
-                resp.end(events)  # the last event and the end of the body in one write
-                saw_done()
-            else:
-                resp.write(events)
-            if resp.started and ERROR_EVENT_PREFIX in events:  # relayed as is, counted once a stream
-                if not state.error_mid:
-                    state.error_mid = True
-                    self.metrics.upstream_errors.inc((role, "error_event_mid_stream"))
-            state.last = events
-            n = events.count(b"\n\n") + events.count(b"\r\n\r\n") - (DONE_EVENT in events)
-            if n > 0:
-                if self.first_event_sent:
-                    series.itl.observe(now - self.last_send)
-                    # D's pace (a gap per event: per token unless D packs drafts into one); not after
-                    # D left the registry (forget() dropped its entry)
-                    if role == "decode" and self.relay.decider is not None and not worker.retired:
-                        self.relay.decider.observe_itl(worker.url, (now - self.last_send) / n)
-                else:
-                    series.ttft.observe(now - self.arrival)
-                    self.first_event_sent = True
-                    if self.relay.decider is not None:
-                        self.learn_first_event(now)
-                for _ in range(n - 1):
-                    series.itl.observe(0.0)
-                self.last_send = now
-            if resp.paused and not state.paused:  # the client reads slower than D writes
-                state.paused = True
-                conn.pause_reading()
-                loop.create_task(_resume_when_drained(resp, conn, state))
-
-        def on_end(error: BaseException | None) -> None:
-            if not done.done():
-                done.set_result(error)
-
-        def saw_done() -> None:
-            # the client has everything: wait briefly for the end of D's body (so the
-            # connection can be reused), no longer
-            state.saw_done = True
-            if not conn.done:
-                state.drain_timer = loop.call_later(DRAIN_TIMEOUT_S, on_end, None)
-
-        conn.stream(sink, on_end)
-        try:
-            error = await done
-        finally:
-            if state.drain_timer is not None:
-                state.drain_timer.cancel()
-        if state.error_first is not None:
-            message = f"{role} worker {worker.url} failed: {upstream_message(state.error_first[6:])}"
-            if error_event_is_fault(state.error_first[6:]):
+        """Relay D's SSE events (router/sse_relay.py), then judge how the stream ended."""
+        relay = SSERelay(self.resp, conn, self.echo, self.relay.config.max_event_bytes)
+        relay.on_started = self.stream_started
+        relay.on_events = functools.partial(self.events_relayed, role, worker)
+        relay.on_error_event = functools.partial(self.metrics.upstream_errors.inc, (role, "error_event_mid_stream"))
+        error = await relay.run()
+        if relay.error_first is not None:
+            message = f"{role} worker {worker.url} failed: {upstream_message(relay.error_first[6:])}"
+            if error_event_is_fault(relay.error_first[6:]):
                 worker.failed(message)
             self.metrics.upstream_errors.inc((role, "error_event"))
             raise LegError(502, message)
-        if state.saw_done:
+        if relay.saw_done:
             worker.breaker.record_success()
             conn.release() if conn.done else conn.abort()
             return
@@ -769,33 +632,54 @@ class PDRequest:
             message = f"{role} worker {worker.url} ended the stream before [DONE]"
         worker.failed(message)
         self.metrics.upstream_errors.inc((role, "broken_stream"))
-        if not resp.started:
+        if not self.resp.started:
             raise LegError(504 if isinstance(error, Timeout) else 502, message,
                            type="timeout" if isinstance(error, Timeout) else "upstream_error")
-        tail = b"" if state.last.startswith(ERROR_EVENT_PREFIX) else b"data: " + error_body(message) + b"\n\n"
-        resp.end(tail + DONE_EVENT + b"\n\n")
+        tail = b"" if relay.last.startswith(ERROR_EVENT_PREFIX) else b"data: " + error_body(message) + b"\n\n"
+        self.resp.end(tail + DONE_EVENT + b"\n\n")
+
+    def stream_started(self) -> None:
+        self.pulled = True  # D produced output: it is done with P's blocks
+
+    def events_relayed(self, role: str, worker: Worker, n: int, now: float) -> None:
+        """`n` events went to the client at `now`: TTFT, ITL (one gap per event), and what the
+        adaptive decider learns from them."""
+        series = self.series
+        if self.first_event_sent:
+            series.itl.observe(now - self.last_send)
+            # D's pace (a gap per event: per token unless D packs drafts into one); not after
+            # D left the registry (forget() dropped its entry)
+            if role == "decode" and self.relay.decider is not None and not worker.retired:
+                self.relay.decider.observe_itl(worker.url, (now - self.last_send) / n)
+        else:
+            series.ttft.observe(now - self.arrival)
+            self.first_event_sent = True
+            if self.learning is not None:
+                self.learning.first_event(now)
+        for _ in range(n - 1):
+            series.itl.observe(0.0)
+        self.last_send = now
+
+
+def connection_failure(metrics: RouterMetrics, role: str, worker: Worker, e: UpstreamError,
+                       timeout_s: float) -> LegError:
+    """A leg's failed exchange (no connection, a dropped one, a timeout, a broken answer): the
+    worker's fault, counted against its breaker and in `upstream_errors`, and the error the
+    client gets if the request goes no further."""
+    if isinstance(e, ConnectError):
+        kind, err = "connect", LegError(502, f"{role} worker {worker.url} unreachable: {describe(e)}")
+    elif isinstance(e, Disconnected):
+        kind, err = "connection", LegError(502, f"{role} worker {worker.url} dropped the connection: {describe(e)}")
+    elif isinstance(e, Timeout):
+        kind, err = "timeout", LegError(504, f"{role} worker {worker.url} timed out after {timeout_s} s", type="timeout")
+    else:
+        kind, err = "broken_answer", LegError(502, f"{role} worker {worker.url} broke off its answer: {describe(e)}")
+    worker.failed("timeout" if isinstance(e, Timeout) else str(e))
+    metrics.upstream_errors.inc((role, kind))
+    return err
 
 
 def blame(suspects: list[tuple[Worker, str]]) -> None:
     """Another worker served the request these answered with a 5xx: theirs was a fault."""
     for worker, message in suspects:
         worker.failed(message)
-
-
-class _StreamState:
-    __slots__ = ("buf", "last", "saw_done", "error_first", "error_mid", "paused", "drain_timer")
-
-    def __init__(self) -> None:
-        self.buf = bytearray()
-        self.last = b""
-        self.saw_done = False
-        self.error_first: bytes | None = None
-        self.error_mid = False  # D sent an error event after the stream started
-        self.paused = False
-        self.drain_timer: asyncio.TimerHandle | None = None
-
-
-async def _resume_when_drained(resp: Response, conn: ClientConnection, state: _StreamState) -> None:
-    await resp.drain()
-    state.paused = False
-    conn.resume_reading()
