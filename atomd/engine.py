@@ -64,9 +64,6 @@ class LLMEngine:
         self.model_name = config.model or "atomd-default"
         self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len)
         mcfg = self.model.config
-        if mcfg.sliding_window is not None and mcfg.sliding_window < config.max_model_len:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window="
-                             f"{mcfg.sliding_window}, which this engine does not implement; lower --max-model-len")
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.kv_cache = KVCache(self._num_blocks(), mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
                                 mcfg.head_dim, self.model.dtype)

@@ -14,6 +14,7 @@ import torch
 
 from atomd import config
 from atomd.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
+from atomd.model.attention import causal_mask
 from atomd.model.decoder import DecoderModel
 from atomd.native import KERNEL_DTYPES, attention_kernels, bf16_path
 
@@ -100,8 +101,7 @@ class ModelRunner:
             block_ids = mask = None
             if done > 0:
                 block_ids = torch.tensor(table[:-(-ctx // self.block_size)], dtype=torch.int64)
-                # query i sits at position done + i and sees keys 0..done + i
-                mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(done, ctx).unsqueeze(1)
+                mask = causal_mask(done, ctx)
             slices.append(SeqSlice(start, end, done, ctx, block_ids, mask))
         return slices
 
@@ -111,8 +111,8 @@ class ModelRunner:
         max_blocks = -(-max_context // self.block_size)
         meta.block_tables = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks]))
         meta.max_context = max_context
+        meta.context_lens = torch.from_numpy(context_lens)
         if self.kernels is not None:  # reads the paged cache directly: no mask, no workspace
-            meta.context_lens = torch.from_numpy(context_lens)
             return
         if (context_lens != max_context).any():
             keys = torch.arange(max_context)

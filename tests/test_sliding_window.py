@@ -118,3 +118,95 @@ def test_prefill_kernel_window_equals_reference(isa, dtype, heads, kv_heads, hea
         rows = slice(s, s + n)
         want = windowed_reference(q[rows], k[rows], v[rows], torch.arange(n), window, scale)
         torch.testing.assert_close(out[rows].double(), want, **TOL[dtype])
+
+
+# ---------------------------------------------------------------------- models against HF
+
+from atomd.llm import LLM  # noqa: E402
+from atomd.model.config import ModelConfig  # noqa: E402
+from scheduler.sequence import SamplingParams  # noqa: E402
+from tests.test_model_hf import (BLOCK, _prompt_logits, assert_equals_hf, engine_greedy, hf_model,  # noqa: E402
+                                 make_checkpoint, prompts_of)
+from tests.test_spec_decode import SPEC_JSON  # noqa: E402
+
+WINDOW = 24  # under a block and a half: prompts and outputs run well past it
+PAST = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def mistral_sw(tmp_path_factory):
+    """Mistral: the window on every layer."""
+    return make_checkpoint(tmp_path_factory.mktemp("mistral_sw"), "mistral", seed=4, sliding_window=WINDOW)
+
+
+@pytest.fixture(scope="module")
+def qwen2_sw(tmp_path_factory):
+    """Qwen2, hybrid: layer 0 global, layers 1-2 windowed (max_window_layers=1)."""
+    return make_checkpoint(tmp_path_factory.mktemp("qwen2_sw"), "qwen2", seed=5, use_sliding_window=True,
+                           sliding_window=WINDOW - 4, max_window_layers=1, num_hidden_layers=3)
+
+
+def _model(kind, mistral_sw, qwen2_sw):
+    return mistral_sw if kind == "mistral" else qwen2_sw
+
+
+@pytest.mark.unit
+def test_window_per_layer_as_transformers_reads_it(mistral_sw, qwen2_sw):
+    from atomd.model.loader import read_config
+
+    assert read_config(mistral_sw).layer_windows == (WINDOW, WINDOW)
+    assert read_config(qwen2_sw).layer_windows == (None, WINDOW - 4, WINDOW - 4)
+    base = dict(num_hidden_layers=4, vocab_size=8, hidden_size=8, intermediate_size=8, num_attention_heads=1)
+    # an older Qwen2 config.json, no layer_types: max_window_layers decides
+    old = ModelConfig.from_hf({**base, "use_sliding_window": True, "sliding_window": 9, "max_window_layers": 3},
+                              "Qwen2ForCausalLM", window_layers_by_type=True)
+    assert old.layer_windows == (None, None, None, 9) and not old.all_windowed
+    off = ModelConfig.from_hf({**base, "use_sliding_window": False, "sliding_window": 9}, "Qwen2ForCausalLM",
+                              window_layers_by_type=True)
+    assert off.layer_windows == (None,) * 4
+    for bad in (0, -3, 2.5):
+        with pytest.raises(ValueError, match="sliding_window"):
+            ModelConfig.from_hf({**base, "sliding_window": bad}, "MistralForCausalLM", sliding_by_default=True)
+    with pytest.raises(ValueError, match="layer_types"):
+        ModelConfig.from_hf({**base, "use_sliding_window": True, "sliding_window": 9, "layer_types": ["x"] * 4},
+                            "Qwen2ForCausalLM", window_layers_by_type=True)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend", ["native", "torch"])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_greedy_48_tokens_past_the_window_equals_hf(kind, backend, mistral_sw, qwen2_sw):
+    path = _model(kind, mistral_sw, qwen2_sw)
+    # max_model_len far past the window: accepted (it was refused before the window was real)
+    llm = LLM(str(path), num_threads=1, max_model_len=256, attention_backend=backend)
+    prompts = prompts_of([3 * WINDOW + 5, 5, WINDOW + 1], seed=2)
+    assert_equals_hf(path, prompts, engine_greedy(llm, prompts, PAST), n=48)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("chunk", [None, BLOCK])
+@pytest.mark.parametrize("kind", ["mistral", "qwen2"])
+def test_prompt_logits_past_the_window_match_hf(kind, chunk, mistral_sw, qwen2_sw):
+    path = _model(kind, mistral_sw, qwen2_sw)
+    args = {"max_num_batched_tokens": chunk} if chunk else {}
+    llm = LLM(str(path), num_threads=1, max_model_len=256, **args)
+    prompt = prompts_of([5 * BLOCK + 3], seed=3)[0]
+    got = _prompt_logits(llm, prompt)
+    with torch.inference_mode():
+        want = hf_model(path)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_prefix_hits_chunks_and_speculation_past_the_window_equal_hf(backend, mistral_sw):
+    llm = LLM(str(mistral_sw), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK,
+              attention_backend=backend, speculative_config=SPEC_JSON)
+    loops = [(p * 20)[:3 * BLOCK + 5] for p in prompts_of([3, 5, 7], seed=21)]  # repetitive: drafts
+    first = engine_greedy(llm, loops, PAST)
+    second = engine_greedy(llm, loops, PAST)  # prefix hits on blocks before and inside the window
+    stats = llm.engine.stats()
+    assert first == second
+    assert stats["prefix_cache_hits"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
+    assert stats["num_free_blocks"] == stats["num_total_blocks"]
+    assert_equals_hf(mistral_sw, loops, second, n=48)

@@ -196,7 +196,7 @@ class DecoderModel:
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            attn = paged_attention(q, k, v, kv_cache, i, meta)
+            attn = paged_attention(q, k, v, kv_cache, i, meta, cfg.window(i), cfg.attn_scale)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             for rows in range(0, x.shape[0], step):
                 tile = slice(rows, rows + step)
@@ -236,7 +236,8 @@ class DecoderModel:
             else:
                 qkv = fused.head(h, w.rows[0], w.qkv_bias, cos, sin, k_dst + i * layer_bytes, v_dst + i * layer_bytes)
             q = qkv[:, :cfg.q_size].view(1, cfg.num_heads, cfg.head_dim)
-            attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens)
+            attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens,
+                                    window=cfg.window(i), scale=cfg.attn_scale)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             fused.tail(attn, x, w.rows, w.post_norm, next_norm, h)
 
