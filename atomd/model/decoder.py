@@ -61,6 +61,8 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [head_dim], with k_norm: ModelConfig.qk_norm
     k_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None  # the sparse MLP in place of gate_up / down
+    pre_mlp_norm: torch.Tensor | None = None  # Gemma's norms around the MLP (post_norm: after attention)
+    post_mlp_norm: torch.Tensor | None = None
     # plain row-major copies of qkv, o, gate_up, down for batch-1 decode (DecoderModel._pack_weights)
     rows: tuple[torch.Tensor | None, ...] | None = None
 
@@ -132,16 +134,34 @@ class DecoderModel:
         cfg, first = self.config, self.layers[0]
         if first.rows is None:
             return
-        if cfg.sparse_layers or first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
+        missing = self.unfused_reason()
+        if missing:
             log.info("%s: batch-1 decode falls back to the per-op path (the GEMV kernel per linear%s): "
                      "the fused C layer has no %s", cfg.architecture, " and chosen expert" if cfg.sparse_layers else "",
-                     "MoE block" if cfg.sparse_layers else "o_proj / MLP bias")
+                     missing)
             return
         self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
                                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         if cfg.qk_norm:
             log.info("%s: batch-1 decode runs QKV, the q/k norm and RoPE per op (the fused C layer's head has "
                      "no q/k norm), the rest of each layer fused", cfg.architecture)
+
+    def unfused_reason(self) -> str | None:
+        """What this model has that the fused batch-1 C layer (layer_ops.DecodeLayer) does not, or None."""
+        first = self.layers[0]
+        if self.config.sparse_layers:
+            return "MoE block"
+        if first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
+            return "o_proj / MLP bias"
+        return None
+
+    def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos, sin tables of layer `layer` (one pair for every layer here)."""
+        return self.cos, self.sin
+
+    def qk_norm_(self, qkv: torch.Tensor, w: LayerWeights) -> None:
+        cfg = self.config
+        qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def _pack_weights(self) -> None:
         """Reorder every linear weight once, in place, into oneDNN's blocked layout: in
@@ -181,8 +201,8 @@ class DecoderModel:
         cfg = self.config
         if positions.numel() and int(positions.max()) >= self.max_positions:  # the C RoPE reads its tables there
             raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
-        x = F.embedding(input_ids, self.embed)
-        h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
+        x = self.embed_tokens(input_ids)
+        h = self.norm_rows(x, self.layers[0].input_norm)
         positions = positions.contiguous()
         if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
             self._decode_one_row(x, h, positions, meta, kv_cache)
@@ -201,7 +221,17 @@ class DecoderModel:
             for rows in range(0, x.shape[0], step):
                 tile = slice(rows, rows + step)
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
-        x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
+        return self.logits(self.norm_rows(x[logits_indices], self.norm))
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def norm_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm of rows x [T, hidden] (a new tensor)."""
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """LM head of the final-normed rows x."""
         return linear(x, self.lm_head, None, self.lm_head_rows)
 
     def _qkv_stored(self, h: torch.Tensor, w: LayerWeights, i: int, positions: torch.Tensor,
@@ -211,10 +241,11 @@ class DecoderModel:
         cfg = self.config
         qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
         if w.q_norm is not None:
-            qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-        if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions,
+            self.qk_norm_(qkv, w)
+        cos, sin = self.rope(i)
+        if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin, positions,
                            kv_cache.kv, slot_rows, i * 2 * kv_cache.block_size, kv_cache.block_size):
-            rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
+            rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, cos, sin, positions)
             k_end = cfg.q_size + cfg.kv_size
             kv_cache.write(i, meta, qkv[:, cfg.q_size:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim),
                            qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim))
