@@ -89,6 +89,7 @@ class LLMEngine:
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            kv_window=max(mcfg.layer_windows) if mcfg.all_windowed else None,
             max_local_prefill_tokens_per_step=config.max_local_prefill_tokens_per_step,
             max_local_prefill_ms_per_step=config.max_local_prefill_ms_per_step,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
@@ -435,7 +436,7 @@ class LLMEngine:
         return {"num_running": running, "num_waiting": waiting, "num_free_blocks": bm.num_free_blocks,
                 "num_total_blocks": bm.num_total_blocks, "kv_cache_usage": bm.usage,
                 "prefix_cache_queries": s.cache_stats.queries, "prefix_cache_hits": s.cache_stats.hits,
-                "num_preemptions": s.num_preemptions,
+                "num_preemptions": s.num_preemptions, "num_window_released_blocks": bm.num_window_released,
                 **self._spec_stats(),
                 "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
 

@@ -99,8 +99,8 @@ class ModelRunner:
         for table, start, end, done in zip(block_tables, starts.tolist(), ends.tolist(), computed.tolist()):
             ctx = done + end - start
             block_ids = mask = None
-            if done > 0:
-                block_ids = torch.tensor(table[:-(-ctx // self.block_size)], dtype=torch.int64)
+            if done > 0:  # FREED entries (before a sliding window): block 0, masked out
+                block_ids = torch.tensor(table[:-(-ctx // self.block_size)], dtype=torch.int64).clamp_(min=0)
                 mask = causal_mask(done, ctx)
             slices.append(SeqSlice(start, end, done, ctx, block_ids, mask))
         return slices
@@ -139,9 +139,10 @@ class ModelRunner:
 
 
 def _pad_tables(block_tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one int64 array, short rows padded with block 0 (masked when read)."""
+    """Block tables as one int64 array, short rows padded with block 0 (masked when read), and
+    so are the FREED entries before a sliding window (scheduler/block_manager.py)."""
     width = max(len(t) for t in block_tables)
     out = np.zeros((len(block_tables), width), dtype=np.int64)
     for i, t in enumerate(block_tables):
         out[i, :len(t)] = t
-    return out
+    return np.maximum(out, 0, out=out)

@@ -125,7 +125,7 @@ def test_prefill_kernel_window_equals_reference(isa, dtype, heads, kv_heads, hea
 from atomd.llm import LLM  # noqa: E402
 from atomd.model.config import ModelConfig  # noqa: E402
 from scheduler.sequence import SamplingParams  # noqa: E402
-from tests.test_model_hf import (BLOCK, _prompt_logits, assert_equals_hf, engine_greedy, hf_model,  # noqa: E402
+from tests.test_model_hf import (BLOCK, _prompt_logits, assert_equals_hf, engine_greedy, hf_greedy, hf_model,  # noqa: E402
                                  make_checkpoint, prompts_of)
 from tests.test_spec_decode import SPEC_JSON  # noqa: E402
 
@@ -210,3 +210,72 @@ def test_prefix_hits_chunks_and_speculation_past_the_window_equal_hf(backend, mi
     assert stats["prefix_cache_hits"] > 0 and stats["spec_decode_num_accepted_tokens"] > 0
     assert stats["num_free_blocks"] == stats["num_total_blocks"]
     assert_equals_hf(mistral_sw, loops, second, n=48)
+
+
+# ---------------------------------------------------------------------- blocks outside the window
+
+def _run_counting_blocks(llm: LLM, prompt: list[int], n: int) -> tuple[list[int], int, int]:
+    """Greedy ids of one request stepped by hand, the most blocks its table held live at any
+    decode step (the whole prompt is allocated at admission), and the least free blocks of the
+    pool meanwhile."""
+    engine = llm.engine
+    engine.add_request("counted", prompt, SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))
+    seq = engine.scheduler._live[next(iter(engine.scheduler._live))]
+    ids, most_held, least_free = [], 0, engine.stats()["num_free_blocks"]
+    while engine.has_unfinished_requests():
+        for out in engine.step():
+            ids += out.new_token_ids
+        if ids and seq.block_table:
+            most_held = max(most_held, sum(1 for b in seq.block_table if b >= 0))
+        least_free = min(least_free, engine.stats()["num_free_blocks"])
+    return ids, most_held, least_free
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_blocks_outside_the_window_return_to_the_pool_during_the_run(backend, mistral_sw):
+    llm = LLM(str(mistral_sw), num_threads=1, max_model_len=256, attention_backend=backend,
+              max_num_batched_tokens=BLOCK)  # chunked: earlier chunks' blocks go back during the prefill
+    total = llm.engine.stats()["num_total_blocks"]
+    prompt = prompts_of([5 * BLOCK + 3], seed=12)[0]
+    ids, most_held, least_free = _run_counting_blocks(llm, prompt, 48)
+    assert ids == hf_greedy(mistral_sw, prompt, 48)
+    whole = -(-(len(prompt) + 48) // BLOCK)  # 8 blocks: what the sequence holds without the window
+    # a decode query and the 23 keys before it span at most 3 blocks
+    assert most_held <= -(-WINDOW // BLOCK) + 1 < whole
+    stats = llm.engine.stats()
+    assert stats["num_window_released_blocks"] >= whole - most_held
+    # the pool, during the run: never more than the window's blocks and the prompt's allocation out
+    assert total - least_free <= -(-len(prompt) // BLOCK) + 1
+    assert stats["num_free_blocks"] == total  # and everything back at the end
+
+
+@pytest.mark.unit
+def test_a_hybrid_model_keeps_every_block(qwen2_sw, tmp_path):
+    """A global layer reads every key: nothing is released (Qwen2 here, Gemma 3 the same)."""
+    llm = LLM(str(qwen2_sw), num_threads=1, max_model_len=256)
+    prompt = prompts_of([3 * BLOCK], seed=13)[0]
+    _, most_held, _ = _run_counting_blocks(llm, prompt, 40)
+    assert most_held == -(-(len(prompt) + 39) // BLOCK)
+    assert llm.engine.stats()["num_window_released_blocks"] == 0
+    assert llm.engine.scheduler.config.kv_window is None
+
+
+@pytest.mark.unit
+def test_released_blocks_stay_prefix_hits_until_taken(mistral_sw):
+    """Released blocks keep their hashes in the LRU list: the same prompt hits them while they
+    are cached; once other prompts took them for new KV, the prompt misses and recomputes, and
+    both answers equal HF's (a reused block is never a hit)."""
+    llm = LLM(str(mistral_sw), num_threads=1, max_model_len=256, num_kvcache_blocks=12)
+    prompt = prompts_of([6 * BLOCK + 3], seed=14)[0]
+    engine_greedy(llm, [prompt], PAST)
+    assert llm.engine.stats()["num_window_released_blocks"] > 0
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    again = engine_greedy(llm, [prompt], PAST)[0]
+    assert llm.engine.stats()["prefix_cache_hits"] - hits >= 6 * BLOCK  # the released head blocks too
+    engine_greedy(llm, prompts_of([6 * BLOCK + 3, 5 * BLOCK], seed=15), PAST)  # takes the 12 blocks over
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    third = engine_greedy(llm, [prompt], PAST)[0]
+    assert llm.engine.stats()["prefix_cache_hits"] - hits < 6 * BLOCK
+    want = hf_greedy(mistral_sw, prompt, 48)
+    assert again == want and third == want
