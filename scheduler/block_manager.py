@@ -279,18 +279,31 @@ class BlockManager:
         go forward from there) and reads keys from num_computed_tokens - window + 1 on. With the
         prefix cache on, only published blocks (their hash named, so they stay prefix hits
         while cached). Returns how many were released."""
-        table, bs = seq.block_table, self.block_size
-        end = min(max(0, seq.num_computed_tokens - window + 1) // bs, len(table))
+        end = max(0, seq.num_computed_tokens - window + 1) // self.block_size
         if self.enable_prefix_caching:
             end = min(end, seq.num_published_blocks)
-        start = seq.num_released_blocks
+        return self._release_leading(seq, end)
+
+    def release_unpulled(self, seq: Sequence, window: int) -> int:
+        """D, a remote prefill just allocated: the prompt blocks before the window of its first
+        query (position num_prompt_tokens - 1 at the earliest) are never pulled from P nor read;
+        released now, and never published (their KV is not here). Returns how many."""
+        released = self._release_leading(seq, max(0, seq.num_prompt_tokens - window) // self.block_size)
+        seq.num_published_blocks = max(seq.num_published_blocks, seq.num_released_blocks)
+        return released
+
+    def _release_leading(self, seq: Sequence, end: int) -> int:
+        """Release seq's blocks from its last released one up to `end` (FREED in its table)."""
+        table, start = seq.block_table, seq.num_released_blocks
+        end = min(end, len(table))
         for i in range(start, end):
             self.pool.release(self.pool.blocks[table[i]])
             table[i] = FREED
-        if end > start:
-            seq.num_released_blocks = end
-            self.num_window_released += end - start
-        return max(0, end - start)
+        if end <= start:
+            return 0
+        seq.num_released_blocks = end
+        self.num_window_released += end - start
+        return end - start
 
     # ------------------------------------------------------------------ publication
 

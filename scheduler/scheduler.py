@@ -392,6 +392,9 @@ class Scheduler:
             seq.num_cached_tokens = hit_tokens
         self.cache_stats.update(hit_tokens, seq.num_tokens)
         if tell_connector:  # not for local-only sequences: the connector would load them again
+            params = seq.kv_transfer_params
+            if self.config.kv_window is not None and params is not None and params.do_remote_prefill:
+                self.block_manager.release_unpulled(seq, self.config.kv_window)  # D pulls the window only
             self.kv_connector.update_state_after_alloc(seq)
 
     def _chunk_size(self, remaining: int, start: int, budget: int, batch_empty: bool) -> int:
