@@ -46,7 +46,7 @@ TOL = {torch.float32: dict(rtol=1e-5, atol=1e-5), torch.bfloat16: dict(rtol=2e-2
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (8, 1, 64)])
-@pytest.mark.parametrize("window", [1, 5, 16, 37, None])
+@pytest.mark.parametrize("window", [1, 16, 37, None])
 def test_decode_kernel_window_equals_reference(isa, dtype, heads, kv_heads, head_dim, window):
     torch.manual_seed(heads + head_dim + (window or 0))
     block = 16
@@ -74,7 +74,7 @@ def test_decode_kernel_window_equals_reference(isa, dtype, heads, kv_heads, head
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("window", [1, 5, 37, 64, 100])
+@pytest.mark.parametrize("window", [1, 37, 100])
 def test_decode_kernel_window_with_drafts(isa, dtype, window):
     """Speculative verify: rows of one sequence at consecutive positions, each its own window."""
     torch.manual_seed(window)
@@ -100,8 +100,8 @@ def test_decode_kernel_window_with_drafts(isa, dtype, window):
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (8, 1, 64), (3, 3, 16)])
-@pytest.mark.parametrize("window", [1, 7, 64, 65, 150, None])
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (8, 1, 64)])
+@pytest.mark.parametrize("window", [1, 7, 65, 150, None])
 def test_prefill_kernel_window_equals_reference(isa, dtype, heads, kv_heads, head_dim, window):
     torch.manual_seed(heads * head_dim + (window or 0))
     lens = [1, 15, 17, 70, 130, 200]  # under, at and over a query tile, a key tile and the window
