@@ -13,6 +13,7 @@ ranked by cumulative logprob once all are done (`ranked_choices`).
 """
 from __future__ import annotations
 
+import logging
 import pathlib
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from atomd.kv_cache import KVCache
 from atomd.kv_events import KVEventPublisher, offset_port
 from atomd.model import hub
 from atomd.model.loader import load_model
+from atomd.model.rotary import has_long_rows
 from atomd.runner import ModelRunner
 from atomd.sampler import Sampler, prompt_logprobs
 from atomd.spec_decode import NgramProposer, SpecController, accept
@@ -52,6 +54,8 @@ def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
     from atomd.model.default import default_model_dir
 
     return default_model_dir()
+
+log = logging.getLogger(__name__)
 
 
 class LLMEngine:
@@ -81,10 +85,17 @@ class LLMEngine:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)
             self.spec_control = SpecController(spec.num_speculative_tokens)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and has_long_rows(mcfg, config.max_model_len):
+            # a block's KV depends on the step that computed it (long factors once the step reaches past
+            # the original length, transformers' rule), which its hash cannot name: a hit could reuse the other kind
+            log.warning("longrope past original_max_position_embeddings=%d (max_model_len=%d): prefix caching is off",
+                        mcfg.rope_scaling["original_max_position_embeddings"], config.max_model_len)
+            prefix_caching = False
         self.scheduler = Scheduler(SchedulerConfig(
             num_kvcache_blocks=self.kv_cache.num_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            block_size=config.block_size, enable_prefix_caching=prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, eos_token_id=eos,
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,

@@ -36,6 +36,7 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id of each token's KV slot
     slot_offsets: torch.Tensor  # [T] offset inside that block
     seqs: list[SeqSlice]  # prefill only
+    verify: bool = False  # speculative verify rows (decode rows with drafts), on either path
     block_tables: torch.Tensor | None = None  # decode: [B, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_context] bool; None if all full
     max_context: int = 0  # decode: the longest context of the batch

@@ -72,7 +72,7 @@ class ModelRunner:
         # without the kernels such a batch takes the prefill path (a causal mask per sequence)
         as_prefill = batch.is_prefill or (verify and self.kernels is None)
         meta = AttentionMetadata(as_prefill, torch.from_numpy(slot_blocks),
-                                 torch.from_numpy(positions % self.block_size), [], kernels=self.kernels)
+                                 torch.from_numpy(positions % self.block_size), [], verify=verify, kernels=self.kernels)
         if as_prefill:
             meta.seqs = self._prefill_slices(batch.block_tables, starts, ends, computed)
             fresh = computed == 0

@@ -24,7 +24,7 @@ from atomd.model.config import ModelConfig
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
 from atomd.model.moe import MoeWeights, moe
-from atomd.model.rotary import rope_tables
+from atomd.model.rotary import long_rope_positions, rope_tables
 from atomd.native import decode_attention
 
 log = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class DecoderModel:
     norm: torch.Tensor
     lm_head: torch.Tensor
     max_positions: int
-    cos: torch.Tensor = field(init=False)  # [max_positions, head_dim // 2]
+    cos: torch.Tensor = field(init=False)  # [max_positions (x 2: longrope's long rows), head_dim // 2]
     sin: torch.Tensor = field(init=False)
     lm_head_rows: torch.Tensor | None = field(init=False, default=None)  # plain lm_head, batch-1 decode
     decode_layer: layer_ops.DecodeLayer | None = field(init=False, default=None)  # batch-1 decode in C
@@ -203,7 +203,7 @@ class DecoderModel:
             raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
         x = self.embed_tokens(input_ids)
         h = self.norm_rows(x, self.layers[0].input_norm)
-        positions = positions.contiguous()
+        positions = self.rope_rows(positions.contiguous(), meta)  # from here on: rows of the RoPE tables
         if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
             self._decode_one_row(x, h, positions, meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
@@ -222,6 +222,17 @@ class DecoderModel:
                 tile = slice(rows, rows + step)
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
         return self.logits(self.norm_rows(x[logits_indices], self.norm))
+
+    def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Each token's row of the RoPE tables: its position, or with longrope's long rows
+        (atomd/model/rotary.py) the long one where its sequence reaches past the original length
+        in this step."""
+        if self.cos.shape[0] == self.max_positions:
+            return positions
+        original = self.config.rope_scaling["original_max_position_embeddings"]
+        if not positions.numel() or int(positions.max()) < original:
+            return positions
+        return long_rope_positions(positions, step_last_positions(positions, meta), original, self.max_positions)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.embed)
@@ -288,6 +299,16 @@ class DecoderModel:
             x.add_(down)
         else:
             rms_norm(x, next_norm, eps, delta=down, out=next_h)
+
+
+def step_last_positions(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Per token, the furthest position of the transformers forward that would compute it: a
+    prefill chunk's last row (transformers runs a prompt in one forward), a decode row's own
+    (one forward per token), also for a decode row's drafts (each as if decoded alone)."""
+    if not meta.is_prefill or meta.verify:
+        return positions
+    ends = torch.tensor([s.end for s in meta.seqs], dtype=torch.int64)
+    return torch.repeat_interleave(positions[ends - 1], torch.tensor([s.end - s.start for s in meta.seqs]))
 
 
 def keep_rows(model: DecoderModel) -> bool:
