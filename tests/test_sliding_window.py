@@ -279,3 +279,23 @@ def test_released_blocks_stay_prefix_hits_until_taken(mistral_sw):
     assert llm.engine.stats()["prefix_cache_hits"] - hits < 6 * BLOCK
     want = hf_greedy(mistral_sw, prompt, 48)
     assert again == want and third == want
+
+
+@pytest.mark.unit
+def test_preemption_and_forks_with_released_blocks_equal_hf(mistral_sw):
+    """A tiny pool preempts sequences holding FREED entries (recomputed whole) and forks share
+    tables with FREED entries (each choice releases its own references): greedy ids equal
+    HF's and every block comes back."""
+    llm = LLM(str(mistral_sw), num_threads=1, max_model_len=256, num_kvcache_blocks=12)
+    prompts = prompts_of([BLOCK + 10] * 5, seed=16)
+    got = engine_greedy(llm, prompts, PAST)
+    stats = llm.engine.stats()
+    assert stats["num_preemptions"] > 0 and stats["num_window_released_blocks"] > 0
+    assert stats["num_free_blocks"] == 12
+    assert_equals_hf(mistral_sw, prompts, got, n=48)
+    prompt = prompts_of([2 * BLOCK + 3], seed=17)[0]
+    outs = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(n=2, max_tokens=48, temperature=0.0,
+                                                                      ignore_eos=True))
+    want = hf_greedy(mistral_sw, prompt, 48)
+    assert [c.token_ids for c in outs[0].outputs] == [want, want]
+    assert llm.engine.stats()["num_free_blocks"] == 12
