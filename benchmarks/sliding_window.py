@@ -77,9 +77,12 @@ def kernels(rounds: int) -> None:
 
 
 def pool() -> None:
+    import shutil
+
     import transformers
 
     from atomd.llm import LLM
+    from atomd.model.default import default_model_dir
     from scheduler.sequence import SamplingParams
 
     prompt_len, new, window = 1024, 256, 256
@@ -89,12 +92,12 @@ def pool() -> None:
         for w in (None, window):
             path = pathlib.Path(tmp) / f"m{w}"
             config = transformers.MistralConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=320,
+                                                num_attention_heads=4, num_key_value_heads=2, vocab_size=4096,
                                                 max_position_embeddings=2048, sliding_window=w)
             torch.manual_seed(0)
             transformers.AutoModelForCausalLM.from_config(config).save_pretrained(path)
-            from tests.test_model_hf import write_tokenizer
-            write_tokenizer(path)
+            for name in ("tokenizer.json", "tokenizer_config.json"):  # the built-in model's (4096 ids)
+                shutil.copy(default_model_dir() / name, path / name)
             llm = LLM(str(path), num_threads=1, max_model_len=2048)
             engine = llm.engine
             engine.add_request("r", [3 + i % 300 for i in range(prompt_len)], SamplingParams(max_tokens=new, ignore_eos=True))
