@@ -53,6 +53,8 @@ def test_greedy_across_the_original_length_equals_hf(phi3_dir, backend):
     llm = LLM(str(phi3_dir), num_threads=1, max_model_len=2 * ORIGINAL, attention_backend=backend)
     prompts = prompts_of([ORIGINAL - 16, ORIGINAL + 44, 10], seed=2)  # crosses during decode; past; short
     assert_equals_hf(phi3_dir, prompts, engine_greedy(llm, prompts, PAST), n=48)
+    alone = prompts_of([ORIGINAL - 5], seed=9)  # batch 1: the fused decode layer reads the long rows
+    assert_equals_hf(phi3_dir, alone, engine_greedy(llm, alone, PAST), n=48)
 
 
 @pytest.mark.unit

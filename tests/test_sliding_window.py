@@ -299,3 +299,34 @@ def test_preemption_and_forks_with_released_blocks_equal_hf(mistral_sw):
     want = hf_greedy(mistral_sw, prompt, 48)
     assert [c.token_ids for c in outs[0].outputs] == [want, want]
     assert llm.engine.stats()["num_free_blocks"] == 12
+
+
+@pytest.mark.unit
+def test_block_manager_releases_leading_blocks_once():
+    from scheduler.block_manager import FREED, BlockManager
+    from scheduler.sequence import Sequence
+
+    bm = BlockManager(10, block_size=4)
+    seq = Sequence(list(range(1, 24)))  # 23 tokens: 6 blocks
+    bm.allocate(seq, bm.can_allocate(seq))
+    seq.num_computed_tokens = 22
+    bm.publish(seq)  # 5 full blocks named
+    # the next query at 22 reads from 22 - 9 + 1 = 14 on: blocks 0-2 (tokens 0-11) wholly before
+    assert bm.release_outside_window(seq, 9) == 3 and seq.block_table[:3] == [FREED] * 3
+    assert bm.release_outside_window(seq, 9) == 0  # once
+    assert bm.num_free_blocks == 10 - 3 and bm.num_window_released == 3
+    again = Sequence(list(range(1, 24)))  # the released, still cached blocks are its prefix hit
+    assert bm.can_allocate(again) == 5
+    bm.deallocate(seq)
+    assert bm.num_free_blocks == 10
+    # D: the blocks before the first query's window are released unpulled and never published
+    remote = Sequence(list(range(100, 123)))
+    bm.allocate(remote, 0)
+    assert bm.release_unpulled(remote, 9) == (23 - 9) // 4
+    remote.num_computed_tokens = 23
+    bm.publish(remote)
+    assert remote.num_published_blocks == 5
+    named = {b.block_id for b in bm.blocks if b.hash != -1 and b.token_ids and b.token_ids[0] >= 100}
+    assert named == set(remote.block_table[3:5])  # the pulled full blocks only
+    bm.deallocate(remote)
+    assert bm.num_free_blocks == 10
