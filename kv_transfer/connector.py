@@ -9,7 +9,9 @@ Scheduler side (`KVConnectorScheduler`, called by `scheduler.Scheduler`):
                                    parks the sequence in WAITING_FOR_REMOTE_KVS after its
                                    blocks are allocated; its KV arrives later.
   update_state_after_alloc(seq)    blocks are allocated (seq.block_table; the first
-                                   seq.num_computed_tokens // block_size are local hits).
+                                   seq.num_computed_tokens // block_size are local hits, the
+                                   first seq.num_released_blocks FREED: before a sliding
+                                   window, neither loaded nor read).
                                    Called again if a preempted sequence is re-admitted.
   build_connector_meta()           -> KVConnectorMetadata for this step's worker side.
   request_finished(seq)            -> (delay_free, params). Called exactly once per sequence

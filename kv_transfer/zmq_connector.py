@@ -255,7 +255,8 @@ class ZmqConsumer(_ZmqConnector):
         if not self.is_remote(seq):
             return
         p = self.params_of(seq)
-        first = seq.num_computed_tokens // self.block_size  # D's own prefix hit stays
+        # D's own prefix hit stays; blocks released as before a sliding window are not pulled
+        first = max(seq.num_computed_tokens // self.block_size, seq.num_released_blocks)
         last = self.num_prompt_blocks(seq)
         self._to_load.append(_Load(
             seq.id, p.transfer_id, p.remote_host, p.remote_port, p.access_token,

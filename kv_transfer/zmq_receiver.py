@@ -29,7 +29,7 @@ from kv_transfer.side_channel import (ABORTED, Abort, BACKEND_MISMATCH, Data, Do
                                       INCOMPLETE, MALFORMED, MAX_DATA_FRAME_BYTES, MAX_IDS_PER_MESSAGE,
                                       Message, Msg, Read, Ready, Refused, TIMEOUT, Welcome, block_runs,
                                       decode, encode)
-from kv_transfer.zmq_transport import (IOLoop, MAX_POLL_MS, RateLimitedLog, check_block_ids, check_kv)
+from kv_transfer.zmq_transport import IOLoop, MAX_POLL_MS, RateLimitedLog, check_block_ids, check_kv
 
 log = logging.getLogger(__name__)
 

@@ -22,6 +22,12 @@ Rules (docs/design.md, "Scheduler semantics"):
   full blocks are never written again.
 - A sequence that asks for prompt logprobs never takes a prefix hit (its every prompt
   position must be forwarded to have logits), as in vLLM.
+- Sliding window (a model whose every layer has one): `release_outside_window` returns the
+  leading blocks no future query reads while the sequence runs; their table entries become
+  FREED (the table keeps its length: position // block_size still finds a block). A released
+  published block keeps its hash in the LRU list like any freed block: its KV is still that
+  prefix's until the block is taken for new content, which unindexes it, so a reused block is
+  never a prefix hit.
 """
 from __future__ import annotations
 
@@ -33,6 +39,7 @@ from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEv
 from scheduler.sequence import Sequence
 
 NO_HASH = -1
+FREED = -1  # a block-table entry released as outside the sliding window (never read again)
 
 
 class Block:
@@ -131,6 +138,7 @@ class BlockManager:
         self.pool = BlockPool(num_blocks, block_size)
         self.pool.events = [] if enable_events else None
         self.copies: list[tuple[int, int]] = []  # copy-on-write (src, dst), not yet taken
+        self.num_window_released = 0  # blocks returned by release_outside_window (a counter)
 
     @property
     def blocks(self) -> list[Block]:
@@ -242,10 +250,12 @@ class BlockManager:
     def fork(self, parent: Sequence, child: Sequence) -> None:
         """`child` (a fork of `parent`) shares every block of its parent."""
         for block_id in parent.block_table:
-            self.pool.share(self.pool.blocks[block_id])
+            if block_id != FREED:
+                self.pool.share(self.pool.blocks[block_id])
         child.block_table = list(parent.block_table)
         child.num_computed_tokens = parent.num_computed_tokens
         child.num_published_blocks = parent.num_published_blocks
+        child.num_released_blocks = parent.num_released_blocks
 
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write pairs (src, dst) the next forward must copy before it writes."""
@@ -256,10 +266,44 @@ class BlockManager:
         """Return the blocks, tail first, and forget the computed KV."""
         blocks = self.pool.blocks
         for block_id in reversed(seq.block_table):
-            self.pool.release(blocks[block_id])
+            if block_id != FREED:
+                self.pool.release(blocks[block_id])
         seq.block_table = []
         seq.num_computed_tokens = 0
         seq.num_published_blocks = 0
+        seq.num_released_blocks = 0
+
+    def release_outside_window(self, seq: Sequence, window: int) -> int:
+        """Return the leading blocks of `seq` that hold only keys no future query reads: the
+        next query sits at position num_computed_tokens (chunks, drafts and decode steps only
+        go forward from there) and reads keys from num_computed_tokens - window + 1 on. With the
+        prefix cache on, only published blocks (their hash named, so they stay prefix hits
+        while cached). Returns how many were released."""
+        end = max(0, seq.num_computed_tokens - window + 1) // self.block_size
+        if self.enable_prefix_caching:
+            end = min(end, seq.num_published_blocks)
+        return self._release_leading(seq, end)
+
+    def release_unpulled(self, seq: Sequence, window: int) -> int:
+        """D, a remote prefill just allocated: the prompt blocks before the window of its first
+        query (position num_prompt_tokens - 1 at the earliest) are never pulled from P nor read;
+        released now, and never published (their KV is not here). Returns how many."""
+        released = self._release_leading(seq, max(0, seq.num_prompt_tokens - window) // self.block_size)
+        seq.num_published_blocks = max(seq.num_published_blocks, seq.num_released_blocks)
+        return released
+
+    def _release_leading(self, seq: Sequence, end: int) -> int:
+        """Release seq's blocks from its last released one up to `end` (FREED in its table)."""
+        table, start = seq.block_table, seq.num_released_blocks
+        end = min(end, len(table))
+        for i in range(start, end):
+            self.pool.release(self.pool.blocks[table[i]])
+            table[i] = FREED
+        if end <= start:
+            return 0
+        seq.num_released_blocks = end
+        self.num_window_released += end - start
+        return end - start
 
     # ------------------------------------------------------------------ publication
 

@@ -82,6 +82,10 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     # this many milliseconds at the engine's measured prefill cost (observe_prefill_step; with
     # the token cap too, the smaller; 0: off). One cap value then fits any model and dtype.
     max_local_prefill_ms_per_step: float = 0.0
+    # the model's sliding window when every layer has one (the largest): a running sequence's
+    # blocks wholly before it are returned to the pool (BlockManager.release_outside_window);
+    # None: a model with a global layer, which reads every block to the end
+    kv_window: int | None = None
 
     def __post_init__(self) -> None:
         for name in ("num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -389,6 +393,9 @@ class Scheduler:
             seq.num_cached_tokens = hit_tokens
         self.cache_stats.update(hit_tokens, seq.num_tokens)
         if tell_connector:  # not for local-only sequences: the connector would load them again
+            params = seq.kv_transfer_params
+            if self.config.kv_window is not None and params is not None and params.do_remote_prefill:
+                self.block_manager.release_unpulled(seq, self.config.kv_window)  # D pulls the window only
             self.kv_connector.update_state_after_alloc(seq)
 
     def _chunk_size(self, remaining: int, start: int, budget: int, batch_empty: bool) -> int:
@@ -529,6 +536,7 @@ class Scheduler:
                     seq.prompt_logprobs.extend(prompt_logprobs[i])
                 if not batch.needs_sample[i]:
                     self.block_manager.publish(seq)
+                    self._release_outside_window(seq)
                     continue
                 self._prefilling.pop(seq.id, None)
             children = self._fork(seq, i, output) if seq.num_forks else []
@@ -536,6 +544,8 @@ class Scheduler:
                                          drafts[i] if drafts else None, len(batch.spec_token_ids[i]))
             updates.append(update)
             any_finished |= update.finished
+            if not update.finished:
+                self._release_outside_window(seq)
             for child, token, entry in children:
                 update = self._apply_samples(child, [token], [entry] if entry is not None else None, None, 0)
                 updates.append(update)
@@ -543,6 +553,15 @@ class Scheduler:
         if any_finished:
             self.running = [s for s in self.running if s.status is SequenceStatus.RUNNING]
         return updates
+
+    def _release_outside_window(self, seq: Sequence) -> None:
+        """Sliding window: return the blocks before it while the sequence runs; not P's blocks
+        for a remote decode, which the connector sends whole (docs/design.md, "Sliding window")."""
+        window = self.config.kv_window
+        params = seq.kv_transfer_params
+        if window is None or (params is not None and params.do_remote_decode):
+            return
+        self.block_manager.release_outside_window(seq, window)
 
     def _fork(self, seq: Sequence, row: int, output: ScheduledBatchOutput) -> list[tuple[Sequence, int, Any]]:
         """Fork `seq` at its first sampled token into its remaining choices: each shares its

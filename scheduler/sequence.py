@@ -63,6 +63,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.block_hashes: list[int] = []  # chained hash of each full block, a pure function of tokens
         self.num_published_blocks = 0  # blocks of block_table already in the prefix index
+        self.num_released_blocks = 0  # leading blocks released as outside the sliding window (FREED in the table)
         self.spec_token_ids: list[int] = []  # drafts to verify in the next decode step
         self.leave_reason: str | None = None
         self.error_code: ErrorCode | None = None  # set when it ended without generating

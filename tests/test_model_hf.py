@@ -55,7 +55,7 @@ def _randomise_biases(model: torch.nn.Module, seed: int) -> None:
 
 def make_checkpoint(path: pathlib.Path, kind: str = "llama", seed: int = 0, **overrides) -> pathlib.Path:
     """A tiny random HF checkpoint of `kind` (llama | qwen2 | mistral | qwen3 | qwen3_moe |
-    mixtral | phi3) with a tokenizer. The MoE kinds: 8 experts, top-2; phi3: longrope with
+    mixtral | phi3 | gemma3) with a tokenizer. The MoE kinds: 8 experts, top-2; phi3: longrope with
     original_max_position_embeddings 256."""
     common = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                   num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=512,
@@ -86,11 +86,22 @@ def make_checkpoint(path: pathlib.Path, kind: str = "llama", seed: int = 0, **ov
                 "partial_rotary_factor": partial}
         config = transformers.Phi3Config(**{"sliding_window": None, "original_max_position_embeddings": 256,
                                             "rope_parameters": rope, **common})
+    elif kind == "gemma3":  # every 3rd layer global, windows of 24, the scores' own scale, soft-capped logits
+        rope = {"full_attention": {"rope_type": "linear", "factor": 2.0, "rope_theta": 100000.0},
+                "sliding_attention": {"rope_type": "default", "rope_theta": 1000.0}}
+        config = transformers.Gemma3TextConfig(**{
+            "head_dim": 16, "sliding_window": 24, "query_pre_attn_scalar": 24, "final_logit_softcapping": 3.0,
+            "rope_parameters": rope, "sliding_window_pattern": 3, **common})
     else:
         raise ValueError(kind)
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config).eval()
     _randomise_biases(model, seed)
+    if kind == "gemma3":  # its norms start at w = 0 (a factor 1 + w): random, so the 1 + w is tested
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("norm.weight"):
+                    param.copy_(torch.randn(param.shape, generator=torch.Generator().manual_seed(seed)) * 0.3)
     path.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(path)
     write_tokenizer(path)

@@ -251,9 +251,7 @@ def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints):
                 torch.testing.assert_close(got, want, atol=tol, rtol=tol)
 
 
-def test_phi3_longrope_past_the_original_length_and_partial_rotary_are_refused(checkpoints, tmp_path):
-    with pytest.raises(ValueError, match="max_model_len=512 is past original_max_position_embeddings=256"):
-        LLM(str(checkpoints["phi3"]), num_threads=1, max_model_len=512)
+def test_phi3_partial_rotary_is_refused(tmp_path):  # longrope past the original length: tests/test_longrope.py
     path = make_checkpoint(tmp_path / "phi4", "phi3", seed=3, partial_rotary_factor=0.75)
     with pytest.raises(ValueError, match="partial_rotary_factor=0.75"):
         load_model(path)

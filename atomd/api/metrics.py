@@ -30,7 +30,9 @@ class EngineStatsCollector:
               ("kv_cache_usage_perc", "kv_cache_usage", "Fraction of KV cache blocks in use (0-1)."))
     COUNTERS = (("prefix_cache_queries", "prefix_cache_queries", "Prompt tokens looked up in the prefix cache."),
                 ("prefix_cache_hits", "prefix_cache_hits", "Prompt tokens found in the prefix cache."),
-                ("num_preemptions", "num_preemptions", "Sequences preempted (recompute)."))
+                ("num_preemptions", "num_preemptions", "Sequences preempted (recompute)."),
+                ("kv_window_released_blocks", "num_window_released_blocks",
+                 "KV blocks returned to the pool while their sequence ran: wholly before every layer's sliding window."))
 
     def __init__(self, labels: tuple[str, str]):
         self.labels = list(labels)

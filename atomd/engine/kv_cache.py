@@ -9,7 +9,7 @@ gather whole blocks.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -36,6 +36,7 @@ class AttentionMetadata:
     slot_blocks: torch.Tensor  # [T] block id of each token's KV slot
     slot_offsets: torch.Tensor  # [T] offset inside that block
     seqs: list[SeqSlice]  # prefill only
+    verify: bool = False  # speculative verify rows (decode rows with drafts), on either path
     block_tables: torch.Tensor | None = None  # decode: [B, max_blocks], padded with block 0
     decode_mask: torch.Tensor | None = None  # decode: [B, 1, 1, max_context] bool; None if all full
     max_context: int = 0  # decode: the longest context of the batch
@@ -43,7 +44,8 @@ class AttentionMetadata:
     workspace_fresh: bool = False  # decode: fill the workspace from the cache this step
     new_positions: torch.Tensor | None = None  # decode: [B] position of each row's new token
     kernels: Any = None  # atomd.kernels.native's library when it computes the attention
-    context_lens: torch.Tensor | None = None  # decode with kernels: [B] int64
+    context_lens: torch.Tensor | None = None  # decode: [B] int64
+    window_masks: dict = field(default_factory=dict)  # decode, torch path: window -> its mask (attention.decode_mask)
     query_starts: torch.Tensor | None = None  # decode with kernels and drafts: [B + 1] row offsets
     fresh_starts: torch.Tensor | None = None  # prefill with kernels: first row of each fresh prompt
     fresh_lens: torch.Tensor | None = None  # prefill with kernels: its rows this step

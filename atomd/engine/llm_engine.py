@@ -13,6 +13,7 @@ ranked by cumulative logprob once all are done (`ranked_choices`).
 """
 from __future__ import annotations
 
+import logging
 import pathlib
 import time
 from typing import Any
@@ -28,6 +29,7 @@ from atomd.engine.kv_cache import KVCache
 from atomd.engine.kv_events import KVEventPublisher, offset_port
 from atomd.model import hub
 from atomd.model.loader import load_model
+from atomd.model.rotary import has_long_rows
 from atomd.engine.runner import ModelRunner
 from atomd.engine.sampler import Sampler, prompt_logprobs
 from atomd.engine.spec_decode import NgramProposer, SpecController, accept
@@ -54,6 +56,8 @@ def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
 
     return default_model_dir()
 
+log = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, config: EngineConfig, prefill_delayer: PrefillDelayer | None = None):
@@ -65,9 +69,6 @@ class LLMEngine:
         self.model_name = config.model or "atomd-default"
         self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len)
         mcfg = self.model.config
-        if mcfg.sliding_window is not None and mcfg.sliding_window < config.max_model_len:
-            raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window="
-                             f"{mcfg.sliding_window}, which this engine does not implement; lower --max-model-len")
         self.tokenizer = Tokenizer.from_dir(model_dir)
         self.kv_cache = KVCache(self._num_blocks(), mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
                                 mcfg.head_dim, self.model.dtype)
@@ -85,14 +86,22 @@ class LLMEngine:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)
             self.spec_control = SpecController(spec.num_speculative_tokens)
+        prefix_caching = config.enable_prefix_caching
+        if prefix_caching and has_long_rows(mcfg, config.max_model_len):
+            # a block's KV depends on the step that computed it (long factors once the step reaches past
+            # the original length, transformers' rule), which its hash cannot name: a hit could reuse the other kind
+            log.warning("longrope past original_max_position_embeddings=%d (max_model_len=%d): prefix caching is off",
+                        mcfg.rope_scaling["original_max_position_embeddings"], config.max_model_len)
+            prefix_caching = False
         self.scheduler = Scheduler(SchedulerConfig(
             num_kvcache_blocks=self.kv_cache.num_blocks, max_num_seqs=config.max_num_seqs,
             max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
-            block_size=config.block_size, enable_prefix_caching=config.enable_prefix_caching,
+            block_size=config.block_size, enable_prefix_caching=prefix_caching,
             enable_chunked_prefill=config.enable_chunked_prefill, eos_token_id=eos,
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            kv_window=max(mcfg.layer_windows) if mcfg.all_windowed else None,
             max_local_prefill_tokens_per_step=config.max_local_prefill_tokens_per_step,
             max_local_prefill_ms_per_step=config.max_local_prefill_ms_per_step,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
@@ -439,7 +448,7 @@ class LLMEngine:
         return {"num_running": running, "num_waiting": waiting, "num_free_blocks": bm.num_free_blocks,
                 "num_total_blocks": bm.num_total_blocks, "kv_cache_usage": bm.usage,
                 "prefix_cache_queries": s.cache_stats.queries, "prefix_cache_hits": s.cache_stats.hits,
-                "num_preemptions": s.num_preemptions,
+                "num_preemptions": s.num_preemptions, "num_window_released_blocks": bm.num_window_released,
                 **self._spec_stats(),
                 "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
 

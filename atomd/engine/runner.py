@@ -14,6 +14,7 @@ import torch
 
 from atomd import config
 from atomd.engine.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
+from atomd.model.attention import causal_mask
 from atomd.model.decoder import DecoderModel
 from atomd.kernels.native import KERNEL_DTYPES, attention_kernels, bf16_path
 
@@ -71,7 +72,7 @@ class ModelRunner:
         # without the kernels such a batch takes the prefill path (a causal mask per sequence)
         as_prefill = batch.is_prefill or (verify and self.kernels is None)
         meta = AttentionMetadata(as_prefill, torch.from_numpy(slot_blocks),
-                                 torch.from_numpy(positions % self.block_size), [], kernels=self.kernels)
+                                 torch.from_numpy(positions % self.block_size), [], verify=verify, kernels=self.kernels)
         if as_prefill:
             meta.seqs = self._prefill_slices(batch.block_tables, starts, ends, computed)
             fresh = computed == 0
@@ -98,10 +99,9 @@ class ModelRunner:
         for table, start, end, done in zip(block_tables, starts.tolist(), ends.tolist(), computed.tolist()):
             ctx = done + end - start
             block_ids = mask = None
-            if done > 0:
-                block_ids = torch.tensor(table[:-(-ctx // self.block_size)], dtype=torch.int64)
-                # query i sits at position done + i and sees keys 0..done + i
-                mask = torch.arange(ctx).unsqueeze(0) <= torch.arange(done, ctx).unsqueeze(1)
+            if done > 0:  # FREED entries (before a sliding window): block 0, masked out
+                block_ids = torch.tensor(table[:-(-ctx // self.block_size)], dtype=torch.int64).clamp_(min=0)
+                mask = causal_mask(done, ctx)
             slices.append(SeqSlice(start, end, done, ctx, block_ids, mask))
         return slices
 
@@ -111,8 +111,8 @@ class ModelRunner:
         max_blocks = -(-max_context // self.block_size)
         meta.block_tables = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks]))
         meta.max_context = max_context
+        meta.context_lens = torch.from_numpy(context_lens)
         if self.kernels is not None:  # reads the paged cache directly: no mask, no workspace
-            meta.context_lens = torch.from_numpy(context_lens)
             return
         if (context_lens != max_context).any():
             keys = torch.arange(max_context)
@@ -139,9 +139,10 @@ class ModelRunner:
 
 
 def _pad_tables(block_tables: list[list[int]]) -> np.ndarray:
-    """Block tables as one int64 array, short rows padded with block 0 (masked when read)."""
+    """Block tables as one int64 array, short rows padded with block 0 (masked when read), and
+    so are the FREED entries before a sliding window (scheduler/block_manager.py)."""
     width = max(len(t) for t in block_tables)
     out = np.zeros((len(block_tables), width), dtype=np.int64)
     for i, t in enumerate(block_tables):
         out[i, :len(t)] = t
-    return out
+    return np.maximum(out, 0, out=out)

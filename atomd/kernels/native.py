@@ -51,10 +51,10 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
         return None
     for name in ("atomd_decode_attention", "atomd_decode_attention_bf16"):
         getattr(lib, name).restype = ctypes.c_int
-        getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, ctypes.c_int]
+        getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
     for name in ("atomd_prefill_attention", "atomd_prefill_attention_bf16"):
         getattr(lib, name).restype = ctypes.c_int
-        getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, ctypes.c_int]
+        getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, ctypes.c_int]
     lib.atomd_bf16_path.restype, lib.atomd_bf16_path.argtypes = ctypes.c_int, []
     lib.atomd_prefill_amx.restype, lib.atomd_prefill_amx.argtypes = ctypes.c_int, []
     lib.head_dim, lib.group = head_dim, group  # the shape it was built for: checked at every call
@@ -88,12 +88,15 @@ def _check_status(status: int, what: str) -> None:
 
 def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer: int,
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
-                     query_starts: torch.Tensor | None = None) -> torch.Tensor:
+                     query_starts: torch.Tensor | None = None, window: int | None = None,
+                     scale: float | None = None) -> torch.Tensor:
     """Attention of q [R, heads, head_dim] (float32 or bfloat16, the cache's dtype) over the
     paged cache, read through block_tables [B, width] (int64). Without query_starts, R == B:
     row b is sequence b's one token and sees its first context_lens[b] cached tokens. With query_starts [B + 1] (int64 offsets), sequence
     b owns rows query_starts[b] .. query_starts[b + 1] - 1, the last positions of its context
     (its last token and its drafts), each seeing the keys up to its own position (causal).
+    window: a sliding window, each row sees only its last `window` keys (blocks before them
+    are not read: they may be freed); None: all. scale: the score scale (default head_dim ** -0.5).
     `lib` is attention_kernels(head_dim, heads // kv_heads)."""
     c = kv_cache
     rows, heads, head_dim = q.shape
@@ -116,12 +119,14 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
         q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         None if query_starts is None else query_starts.data_ptr(), out.data_ptr(), batch,
         heads, c.num_kv_heads, c.block_size, block_tables.shape[1], block_stride, layer * 2 * c.block_size * row,
-        c.block_size * row, head_dim ** -0.5, torch.get_num_threads()), "decode attention")
+        c.block_size * row, head_dim ** -0.5 if scale is None else scale, _window(window), torch.get_num_threads()),
+        "decode attention")
     return out.view(rows, heads * head_dim)
 
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                      out: torch.Tensor, seq_starts: torch.Tensor, seq_lens: torch.Tensor) -> None:
+                      out: torch.Tensor, seq_starts: torch.Tensor, seq_lens: torch.Tensor,
+                      window: int | None = None, scale: float | None = None) -> None:
     """Causal attention of fresh sequences (no cached prefix) packed back to back, written into
     their rows of out [T, heads * head_dim]. q [T, heads, head_dim], k, v [T, kv_heads, head_dim]
     (all float32 or all bfloat16, out too) may be views with any token stride; seq_starts, seq_lens: int64 [num_seqs]."""
@@ -138,5 +143,14 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     kernel = lib.atomd_prefill_attention if q.dtype == torch.float32 else lib.atomd_prefill_attention_bf16
     _check_status(kernel(
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), seq_starts.data_ptr(), seq_lens.data_ptr(),
-        len(seq_lens), heads, k.shape[1], q.stride(0), k.stride(0), v.stride(0), head_dim ** -0.5,
-        torch.get_num_threads()), "prefill attention")
+        len(seq_lens), heads, k.shape[1], q.stride(0), k.stride(0), v.stride(0),
+        head_dim ** -0.5 if scale is None else scale, _window(window), torch.get_num_threads()), "prefill attention")
+
+
+def _window(window: int | None) -> int:
+    """The kernels' window argument: 0 for none (a global layer)."""
+    if window is None:
+        return 0
+    if window < 1:
+        raise ValueError(f"sliding window {window} must be at least 1")
+    return window

@@ -19,9 +19,11 @@ def qk_norm_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, q_he
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache: KVCache, layer: int,
-                    meta: AttentionMetadata) -> torch.Tensor:
+                    meta: AttentionMetadata, window: int | None = None, scale: float | None = None) -> torch.Tensor:
     """Causal attention of the packed queries q [T, H, D] over their sequences' contexts, in
     the model's dtype (the native kernels run float32 and bfloat16 over the cache as stored).
+    window: the layer's sliding window (a query at position p sees keys p - window < j <= p;
+    None: all); scale: the scores' (default head_dim ** -0.5).
 
     Prefill: a sequence without cached prefix attends to its own fresh k/v (no gather):
     all of them in one call of the native kernel (atomd/kernels/native.py), else one SDPA each; one
@@ -35,7 +37,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     heads, head_dim = q.shape[1], q.shape[2]
     if meta.kernels is not None and not meta.is_prefill:
         return decode_attention(meta.kernels, q, kv_cache, layer, meta.block_tables, meta.context_lens,
-                                meta.query_starts)
+                                meta.query_starts, window, scale)
     if not meta.is_prefill:
         ws = meta.workspace
         if ws is None or meta.workspace_fresh:
@@ -48,24 +50,54 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
             keys, values = ws.context(layer, meta.max_context)
         else:
             keys, values = keys[:, :, :meta.max_context], values[:, :, :meta.max_context]
-        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=meta.decode_mask,
-                                             enable_gqa=True)
+        out = F.scaled_dot_product_attention(q.unsqueeze(2), keys, values, attn_mask=decode_mask(meta, window),
+                                             enable_gqa=True, scale=scale)
         return out.view(-1, heads * head_dim)
     out = torch.empty(q.shape[0], heads * head_dim, dtype=q.dtype)
     seqs = meta.seqs
     if meta.fresh_lens is not None:
-        prefill_attention(meta.kernels, q, k, v, out, meta.fresh_starts, meta.fresh_lens)
+        prefill_attention(meta.kernels, q, k, v, out, meta.fresh_starts, meta.fresh_lens, window, scale)
         seqs = [s for s in seqs if s.num_computed > 0]
     for s in seqs:
         # 4-d inputs: with 3-d ones torch takes its (3x slower) math path on CPU
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)
-        if s.num_computed == 0:
+        if s.num_computed == 0 and window is None:
             ks, vs = k[s.start:s.end].transpose(0, 1), v[s.start:s.end].transpose(0, 1)
             o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), is_causal=True,
-                                               enable_gqa=True)
+                                               enable_gqa=True, scale=scale)
+        elif s.num_computed == 0:
+            ks, vs = k[s.start:s.end].transpose(0, 1), v[s.start:s.end].transpose(0, 1)
+            o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), enable_gqa=True, scale=scale,
+                                               attn_mask=windowed(causal_mask(0, s.end - s.start), 0, window))
         else:
             ks, vs = kv_cache.gather(layer, s.block_ids, s.context_len)
-            o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), attn_mask=s.mask,
-                                               enable_gqa=True)
+            o = F.scaled_dot_product_attention(qs, ks.unsqueeze(0), vs.unsqueeze(0), enable_gqa=True, scale=scale,
+                                               attn_mask=windowed(s.mask, s.num_computed, window))
         out[s.start:s.end] = o[0].transpose(0, 1).reshape(s.end - s.start, heads * head_dim)
     return out
+
+
+def causal_mask(done: int, context: int) -> torch.Tensor:
+    """[context - done, context] bool: query i sits at position done + i and sees keys 0 .. done + i."""
+    return torch.arange(context).unsqueeze(0) <= torch.arange(done, context).unsqueeze(1)
+
+
+def windowed(mask: torch.Tensor, done: int, window: int | None) -> torch.Tensor:
+    """A prefill chunk's causal mask [chunk, context] (query i at position done + i) with the
+    keys before each query's window masked too: key j seen while done + i - j < window."""
+    if window is None:
+        return mask
+    chunk, context = mask.shape
+    return mask & (torch.arange(done, done + chunk).unsqueeze(1) - torch.arange(context).unsqueeze(0) < window)
+
+
+def decode_mask(meta: AttentionMetadata, window: int | None) -> torch.Tensor | None:
+    """The torch decode path's [B, 1, 1, max_context] mask: each row's context, and of it only
+    its last `window` keys with a window (made once a step per window, shared by its layers)."""
+    if window is None:
+        return meta.decode_mask
+    if window not in meta.window_masks:
+        keys = torch.arange(meta.max_context).unsqueeze(0)
+        lens = meta.context_lens.unsqueeze(1)
+        meta.window_masks[window] = ((keys < lens) & (keys >= lens - window))[:, None, None, :]
+    return meta.window_masks[window]

@@ -24,7 +24,10 @@ class ModelConfig:
     o_bias: bool
     mlp_bias: bool
     rope_scaling: dict[str, Any] | None = None
-    sliding_window: int | None = None
+    sliding_window: int | None = None  # the config's window, where it applies at all
+    # per layer: its sliding window (position p sees keys p - window < j <= p), None: global
+    layer_windows: tuple[int | None, ...] = ()
+    query_pre_attn_scalar: float | None = None  # scores scaled by its -1/2 power (Gemma), else head_dim's
     eos_token_id: Any = None
     bos_token_id: Any = None
     qk_norm: bool = False  # per-head RMSNorm of q and k before RoPE (Qwen3)
@@ -37,17 +40,20 @@ class ModelConfig:
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], arch: str, qkv_bias: bool = False, sliding_by_default: bool = False,
-                **family: Any) -> "ModelConfig":
+                window_layers_by_type: bool = False, hidden_act: str = "silu", **family: Any) -> "ModelConfig":
         """The config of `arch`; qkv_bias: the family always has one (Qwen2);
         sliding_by_default: `sliding_window` applies unless use_sliding_window says not
-        (Mistral); `family`: fields only the family sets (qk_norm, the MoE shape)."""
+        (Mistral); window_layers_by_type: the window applies to the layers `layer_types` names
+        sliding_attention, else to those from max_window_layers on (Qwen2, Qwen3, as
+        transformers reads them), not to every layer; `family`: fields only the family sets
+        (qk_norm, the MoE shape)."""
         quant = hf.get("quantization_config")
         if quant:  # its tensors are packed integers or fp8 with scales: cast as floats they are garbage
             method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
             raise ValueError(f"quantized checkpoint ({method}) is not supported yet: "
                              f"atomd loads float16, bfloat16 and float32 weights only")
-        if hf.get("hidden_act", "silu") != "silu":
-            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} for {arch} (only silu)")
+        if hf.get("hidden_act", hidden_act) != hidden_act:
+            raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} for {arch} (only {hidden_act})")
         heads = hf["num_attention_heads"]
         # transformers 5 writes rope_parameters; older checkpoints rope_theta + rope_scaling
         rope = dict(hf.get("rope_parameters") or {})
@@ -65,8 +71,21 @@ class ModelConfig:
             tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
             qkv_bias=qkv_bias or attention_bias, o_bias=not qkv_bias and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)), rope_scaling=scaling,
-            sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", sliding_by_default) else None,
+            **layer_windows(hf, sliding_by_default, window_layers_by_type),
             eos_token_id=hf.get("eos_token_id"), bos_token_id=hf.get("bos_token_id"), **family)
+
+    def window(self, layer: int) -> int | None:
+        """Layer `layer`'s sliding window, None: global."""
+        return self.layer_windows[layer] if self.layer_windows else None
+
+    @property
+    def attn_scale(self) -> float:
+        return (self.query_pre_attn_scalar or self.head_dim) ** -0.5
+
+    @property
+    def all_windowed(self) -> bool:
+        """Every layer has a sliding window: KV before the largest window is never read again."""
+        return bool(self.layer_windows) and all(w is not None for w in self.layer_windows)
 
     @property
     def q_size(self) -> int:
@@ -75,3 +94,31 @@ class ModelConfig:
     @property
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
+
+
+def layer_windows(hf: dict[str, Any], sliding_by_default: bool, by_type: bool) -> dict[str, Any]:
+    """sliding_window and layer_windows (ModelConfig) of an HF config, as transformers applies
+    them: Mistral, Mixtral, Phi-3, Qwen3-MoE to every layer; Qwen2 / Qwen3 (by_type) to the
+    layers `layer_types` calls sliding_attention, else (older config.json files) to layers
+    max_window_layers and on."""
+    layers = hf["num_hidden_layers"]
+    window = hf.get("sliding_window") if hf.get("use_sliding_window", sliding_by_default) else None
+    if window is None:
+        return {"sliding_window": None, "layer_windows": (None,) * layers}
+    if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        raise ValueError(f"sliding_window {window!r} must be a positive integer")
+    if not by_type:
+        return {"sliding_window": window, "layer_windows": (window,) * layers}
+    types = hf.get("layer_types")
+    if types is None:
+        first = hf.get("max_window_layers", 28)  # transformers' default for Qwen2 / Qwen3
+        types = ["sliding_attention" if i >= first else "full_attention" for i in range(layers)]
+    return {"sliding_window": window, "layer_windows": windows_of_types(types, window, layers)}
+
+
+def windows_of_types(types: list[str], window: int, layers: int) -> tuple[int | None, ...]:
+    """Per layer: `window` where `types` says sliding_attention, None where full_attention."""
+    if len(types) != layers or not set(types) <= {"sliding_attention", "full_attention"}:
+        raise ValueError(f"layer_types must name sliding_attention or full_attention for each of the {layers} "
+                         f"layers, got {types!r}")
+    return tuple(window if t == "sliding_attention" else None for t in types)

@@ -24,7 +24,7 @@ from atomd.model.config import ModelConfig
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
 from atomd.model.moe import MoeWeights, moe
-from atomd.model.rotary import rope_tables
+from atomd.model.rotary import long_rope_positions, rope_tables
 from atomd.kernels.native import decode_attention
 
 log = logging.getLogger(__name__)
@@ -61,6 +61,8 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [head_dim], with k_norm: ModelConfig.qk_norm
     k_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None  # the sparse MLP in place of gate_up / down
+    pre_mlp_norm: torch.Tensor | None = None  # Gemma's norms around the MLP (post_norm: after attention)
+    post_mlp_norm: torch.Tensor | None = None
     # plain row-major copies of qkv, o, gate_up, down for batch-1 decode (DecoderModel._pack_weights)
     rows: tuple[torch.Tensor | None, ...] | None = None
 
@@ -80,7 +82,7 @@ class DecoderModel:
     norm: torch.Tensor
     lm_head: torch.Tensor
     max_positions: int
-    cos: torch.Tensor = field(init=False)  # [max_positions, head_dim // 2]
+    cos: torch.Tensor = field(init=False)  # [max_positions (x 2: longrope's long rows), head_dim // 2]
     sin: torch.Tensor = field(init=False)
     lm_head_rows: torch.Tensor | None = field(init=False, default=None)  # plain lm_head, batch-1 decode
     decode_layer: layer_ops.DecodeLayer | None = field(init=False, default=None)  # batch-1 decode in C
@@ -132,16 +134,34 @@ class DecoderModel:
         cfg, first = self.config, self.layers[0]
         if first.rows is None:
             return
-        if cfg.sparse_layers or first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
+        missing = self.unfused_reason()
+        if missing:
             log.info("%s: batch-1 decode falls back to the per-op path (the GEMV kernel per linear%s): "
                      "the fused C layer has no %s", cfg.architecture, " and chosen expert" if cfg.sparse_layers else "",
-                     "MoE block" if cfg.sparse_layers else "o_proj / MLP bias")
+                     missing)
             return
         self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
                                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
         if cfg.qk_norm:
             log.info("%s: batch-1 decode runs QKV, the q/k norm and RoPE per op (the fused C layer's head has "
                      "no q/k norm), the rest of each layer fused", cfg.architecture)
+
+    def unfused_reason(self) -> str | None:
+        """What this model has that the fused batch-1 C layer (layer_ops.DecodeLayer) does not, or None."""
+        first = self.layers[0]
+        if self.config.sparse_layers:
+            return "MoE block"
+        if first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
+            return "o_proj / MLP bias"
+        return None
+
+    def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The cos, sin tables of layer `layer` (one pair for every layer here)."""
+        return self.cos, self.sin
+
+    def qk_norm_(self, qkv: torch.Tensor, w: LayerWeights) -> None:
+        cfg = self.config
+        qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def _pack_weights(self) -> None:
         """Reorder every linear weight once, in place, into oneDNN's blocked layout: in
@@ -181,9 +201,9 @@ class DecoderModel:
         cfg = self.config
         if positions.numel() and int(positions.max()) >= self.max_positions:  # the C RoPE reads its tables there
             raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
-        x = F.embedding(input_ids, self.embed)
-        h = rms_norm(x, self.layers[0].input_norm, cfg.rms_norm_eps)
-        positions = positions.contiguous()
+        x = self.embed_tokens(input_ids)
+        h = self.norm_rows(x, self.layers[0].input_norm)
+        positions = self.rope_rows(positions.contiguous(), meta)  # from here on: rows of the RoPE tables
         if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
             self._decode_one_row(x, h, positions, meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
@@ -196,12 +216,33 @@ class DecoderModel:
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
-            attn = paged_attention(q, k, v, kv_cache, i, meta)
+            attn = paged_attention(q, k, v, kv_cache, i, meta, cfg.window(i), cfg.attn_scale)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             for rows in range(0, x.shape[0], step):
                 tile = slice(rows, rows + step)
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
-        x = rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps)
+        return self.logits(self.norm_rows(x[logits_indices], self.norm))
+
+    def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        """Each token's row of the RoPE tables: its position, or with longrope's long rows
+        (atomd/model/rotary.py) the long one where its sequence reaches past the original length
+        in this step."""
+        if self.cos.shape[0] == self.max_positions:
+            return positions
+        original = self.config.rope_scaling["original_max_position_embeddings"]
+        if not positions.numel() or int(positions.max()) < original:
+            return positions
+        return long_rope_positions(positions, step_last_positions(positions, meta), original, self.max_positions)
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.embed)
+
+    def norm_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The model's RMSNorm of rows x [T, hidden] (a new tensor)."""
+        return rms_norm(x, weight, self.config.rms_norm_eps)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        """LM head of the final-normed rows x."""
         return linear(x, self.lm_head, None, self.lm_head_rows)
 
     def _qkv_stored(self, h: torch.Tensor, w: LayerWeights, i: int, positions: torch.Tensor,
@@ -211,10 +252,11 @@ class DecoderModel:
         cfg = self.config
         qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
         if w.q_norm is not None:
-            qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
-        if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions,
+            self.qk_norm_(qkv, w)
+        cos, sin = self.rope(i)
+        if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin, positions,
                            kv_cache.kv, slot_rows, i * 2 * kv_cache.block_size, kv_cache.block_size):
-            rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, self.cos, self.sin, positions)
+            rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, cos, sin, positions)
             k_end = cfg.q_size + cfg.kv_size
             kv_cache.write(i, meta, qkv[:, cfg.q_size:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim),
                            qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim))
@@ -236,7 +278,8 @@ class DecoderModel:
             else:
                 qkv = fused.head(h, w.rows[0], w.qkv_bias, cos, sin, k_dst + i * layer_bytes, v_dst + i * layer_bytes)
             q = qkv[:, :cfg.q_size].view(1, cfg.num_heads, cfg.head_dim)
-            attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens)
+            attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens,
+                                    window=cfg.window(i), scale=cfg.attn_scale)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             fused.tail(attn, x, w.rows, w.post_norm, next_norm, h)
 
@@ -256,6 +299,16 @@ class DecoderModel:
             x.add_(down)
         else:
             rms_norm(x, next_norm, eps, delta=down, out=next_h)
+
+
+def step_last_positions(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    """Per token, the furthest position of the transformers forward that would compute it: a
+    prefill chunk's last row (transformers runs a prompt in one forward), a decode row's own
+    (one forward per token), also for a decode row's drafts (each as if decoded alone)."""
+    if not meta.is_prefill or meta.verify:
+        return positions
+    ends = torch.tensor([s.end for s in meta.seqs], dtype=torch.int64)
+    return torch.repeat_interleave(positions[ends - 1], torch.tensor([s.end - s.start for s in meta.seqs]))
 
 
 def keep_rows(model: DecoderModel) -> bool:

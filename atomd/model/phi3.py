@@ -1,8 +1,9 @@
 """Phi-3 (`Phi3ForCausalLM`): Llama's layer with fused weights in the checkpoint (qkv_proj:
 q, k, v stacked; gate_up_proj: gate then up, the layout the decoder packs to anyway) and
-longrope ("su") RoPE scaling (atomd/model/rotary.py: the short factors, so max_model_len up to
-original_max_position_embeddings). Rotary over part of each head (Phi-4-mini's
-partial_rotary_factor) is refused."""
+longrope ("su") RoPE scaling (atomd/model/rotary.py: the short factors, and past
+original_max_position_embeddings the long ones, chosen per sequence and step as transformers
+chooses per forward). Rotary over part of each head (Phi-4-mini's partial_rotary_factor) is
+refused."""
 from __future__ import annotations
 
 from dataclasses import replace

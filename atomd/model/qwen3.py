@@ -10,4 +10,4 @@ from atomd.model.decoder import DecoderModel
 class Qwen3Model(DecoderModel):
     @classmethod
     def config_from_hf(cls, hf: dict[str, Any], arch: str) -> ModelConfig:
-        return ModelConfig.from_hf(hf, arch, qk_norm=True)
+        return ModelConfig.from_hf(hf, arch, window_layers_by_type=True, qk_norm=True)

@@ -1,5 +1,12 @@
 """RoPE as transformers computes it: inverse frequencies (default, linear, llama3 and
-longrope scaling) and the cos / sin tables the kernels read."""
+longrope scaling) and the cos / sin tables the kernels read.
+
+longrope past original_max_position_embeddings: transformers picks the long factors for a
+whole forward when its furthest position is past the original length, the short ones
+otherwise (`longrope_frequency_update`). The tables then hold both: rows 0 .. max_positions - 1
+the short factors', rows max_positions .. 2 * max_positions - 1 the long ones'; a token reads
+row position + max_positions where its sequence's furthest position in the step is past the
+original length (`long_rope_positions`)."""
 from __future__ import annotations
 
 import math
@@ -10,10 +17,26 @@ from atomd.model.config import ModelConfig
 
 
 def rope_tables(cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos, sin [max_positions, head_dim // 2] in `dtype`, times longrope's attention factor."""
-    freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), rope_inv_freq(cfg, max_positions))
+    """cos, sin [max_positions, head_dim // 2] in `dtype`, times longrope's attention factor;
+    [2 * max_positions, ...] for longrope past its original length (short rows, then long)."""
+    kinds = [False, True] if has_long_rows(cfg, max_positions) else [False]
+    positions = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.cat([torch.outer(positions, rope_inv_freq(cfg, long)) for long in kinds])
     scale = longrope_attention_factor(cfg) if rope_kind(cfg) == "longrope" else 1.0
     return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
+
+
+def has_long_rows(cfg: ModelConfig, max_positions: int) -> bool:
+    """longrope with positions past original_max_position_embeddings: the long factors' rows too."""
+    return rope_kind(cfg) == "longrope" and max_positions > cfg.rope_scaling["original_max_position_embeddings"]
+
+
+def long_rope_positions(positions: torch.Tensor, seq_last: torch.Tensor, original: int,
+                        max_positions: int) -> torch.Tensor:
+    """The table row of each token: `positions` for the short factors, + max_positions (the long
+    rows) where seq_last, its sequence's furthest position in this step, is past the original
+    length (position >= original: transformers' seq_len > original_max_position_embeddings)."""
+    return torch.where(seq_last >= original, positions + max_positions, positions).contiguous()
 
 
 def rope_kind(cfg: ModelConfig) -> str:
@@ -31,7 +54,8 @@ def longrope_attention_factor(cfg: ModelConfig) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
-def rope_inv_freq(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
+def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2]; long: longrope's long factors."""
     dim = cfg.head_dim
     inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
     scaling, kind = cfg.rope_scaling or {}, rope_kind(cfg)
@@ -49,12 +73,8 @@ def rope_inv_freq(cfg: ModelConfig, max_positions: int) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
-    if kind == "longrope":  # the short factors: transformers takes the long ones past the original length
-        original = scaling["original_max_position_embeddings"]
-        if max_positions > original:
-            raise ValueError(f"longrope: max_model_len={max_positions} is past original_max_position_embeddings="
-                             f"{original}, where the long factors apply, which this engine does not implement; "
-                             f"lower --max-model-len to {original}")
+    if kind == "longrope":
         shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
-        return 1.0 / (torch.tensor(scaling["short_factor"], dtype=torch.float32) * cfg.rope_theta ** shape)
+        factors = scaling["long_factor" if long else "short_factor"]
+        return 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta ** shape)
     raise ValueError(f"unsupported rope_scaling rope_type {kind!r} (supported: default, linear, llama3, longrope)")

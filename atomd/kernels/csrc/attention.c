@@ -26,6 +26,13 @@
 #error "build with -DHEAD_DIM=<head_dim> -DGROUP=<query heads per KV head>"
 #endif
 
+/* Sliding window: a query that sees ctx keys (itself the last) attends to keys lo .. ctx - 1,
+ * lo = ctx - window (position p sees p - window < j <= p, as transformers masks); window 0:
+ * all of them (a global layer). */
+static inline int64_t window_start(int64_t ctx, int64_t window) {
+    return window > 0 && ctx > window ? ctx - window : 0;
+}
+
 /* The next block is at an unpredictable address: ask for its rows while this one computes. */
 static inline void prefetch_rows(const float *row, int64_t rows, int64_t row_stride) {
     for (int64_t i = 0; i < rows; i++, row += row_stride)
@@ -77,7 +84,7 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
                             const int64_t *restrict query_starts, float *restrict out, int64_t batch,
                             int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
                             int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
-                            int num_threads) {
+                            int64_t window, int num_threads) {
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -104,11 +111,14 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
                     acc[g][d] = 0.0f;
                 }
             }
-            /* scores: each K row is read once for all the query heads of its group */
-            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {  /* block by block: no division per token */
-                const float *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
-                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
-                if (t0 + block_size < ctx)
+            /* scores: each K row is read once for all the query heads of its group; block by block
+             * from the window's first key (no division per token) */
+            const int64_t lo = window_start(ctx, window);
+            for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
+                const int64_t off = t0 % block_size;
+                const float *k = kv + table[t0 / block_size] * block_stride + k_offset + off * row_stride + h * HEAD_DIM;
+                n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
+                if (t0 - off + block_size < ctx)
                     prefetch_rows(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
                                   block_size, row_stride);
                 prefetch_rows(k + v_offset, n, row_stride);  /* this block's V rows, for the second pass */
@@ -151,16 +161,17 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
             for (int g = 0; g < GROUP; g++) {
                 float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
 #pragma omp simd reduction(+ : total)
-                for (int64_t t = 0; t < ctx; t++) {
+                for (int64_t t = lo; t < ctx; t++) {
                     sg[t] = exp_nonpositive(sg[t] - mg);
                     total += sg[t];
                 }
                 sum[g] = total;
             }
             /* weighted values: each V row read once, the group's accumulators in registers */
-            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-                const float *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + h * HEAD_DIM;
-                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
+                const int64_t off = t0 % block_size;
+                const float *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + off * row_stride + h * HEAD_DIM;
+                n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
                 for (int64_t i = 0; i < n; i++, v += row_stride)  /* prefetched by the score pass */
                     for (int g = 0; g < GROUP; g++) {
                         const float p = scores[g * ctx + t0 + i];
@@ -187,7 +198,7 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
  * head h. Keys 0 .. r0 + nrows - 1, causally masked per row. */
 static void prefill_item(const float *restrict q, const float *restrict kt, const float *restrict v,
                          float *restrict out, int64_t r0, int64_t nrows, int64_t h, int64_t num_heads,
-                         int64_t q_stride, int64_t kt_stride, int64_t v_stride, float scale) {
+                         int64_t q_stride, int64_t kt_stride, int64_t v_stride, float scale, int64_t window) {
     float qs[GROUP * QT][HEAD_DIM], acc[GROUP * QT][HEAD_DIM], m[GROUP * QT], l[GROUP * QT];
     float sc[GROUP * QT][KT];
     for (int64_t r = 0; r < QT; r++)  /* rows past the chunk's end compute on zeros, unused */
@@ -200,8 +211,8 @@ static void prefill_item(const float *restrict q, const float *restrict kt, cons
             m[row] = -INFINITY;
             l[row] = 0.0f;
         }
-    const int64_t nkeys = r0 + nrows;
-    for (int64_t j0 = 0; j0 < nkeys; j0 += KT) {
+    const int64_t nkeys = r0 + nrows, lo = window_start(r0 + 1, window);  /* row r0's first key */
+    for (int64_t j0 = lo / KT * KT; j0 < nkeys; j0 += KT) {
         const int64_t nk = nkeys - j0 < KT ? nkeys - j0 : KT;
         for (int64_t b0 = 0; b0 < GROUP * QT; b0 += RB) {
             float sb[RB][KT] = {{0}};
@@ -217,10 +228,11 @@ static void prefill_item(const float *restrict q, const float *restrict kt, cons
                 const int64_t row = b0 + rb, pos = r0 + row % QT;
                 float *srow = sb[rb], mx = m[row], sum = 0.0f;
                 for (int j = 0; j < KT; j++) {
-                    if (j >= nk || j0 + j > pos) srow[j] = -INFINITY;
+                    if (j >= nk || j0 + j > pos || j0 + j < window_start(pos + 1, window)) srow[j] = -INFINITY;
                     mx = srow[j] > mx ? srow[j] : mx;
                 }
-                const float alpha = exp_nonpositive(m[row] - mx);  /* first tile: m = -inf, acc = 0 */
+                /* first tile: m = -inf, acc = 0; a row whose window starts past this tile: all -inf */
+                const float alpha = mx == -INFINITY ? 1.0f : exp_nonpositive(m[row] - mx);
 #pragma omp simd reduction(+ : sum)
                 for (int j = 0; j < KT; j++) {
                     const float p = srow[j] == -INFINITY ? 0.0f : exp_nonpositive(srow[j] - mx);
@@ -267,7 +279,7 @@ int atomd_prefill_attention(const float *restrict q, const float *restrict k, co
                              float *restrict out, const int64_t *restrict seq_starts,
                              const int64_t *restrict seq_lens, int64_t num_seqs, int64_t num_heads,
                              int64_t num_kv_heads, int64_t q_stride, int64_t k_stride, int64_t v_stride,
-                             float scale, int num_threads) {
+                             float scale, int64_t window, int num_threads) {
     int64_t rows = 0;  /* keys are read up to the furthest sequence end */
     for (int64_t s = 0; s < num_seqs; s++)
         rows = seq_starts[s] + seq_lens[s] > rows ? seq_starts[s] + seq_lens[s] : rows;
@@ -297,7 +309,8 @@ int atomd_prefill_attention(const float *restrict q, const float *restrict k, co
         const int64_t r0 = (item - first[s]) % tiles * QT, n = seq_lens[s] - r0 < QT ? seq_lens[s] - r0 : QT;
         const int64_t base = seq_starts[s];
         prefill_item(q + base * q_stride, kt + h * HEAD_DIM * kt_stride + base, v + base * v_stride,
-                     out + base * num_heads * HEAD_DIM, r0, n, h, num_heads, q_stride, kt_stride, v_stride, scale);
+                     out + base * num_heads * HEAD_DIM, r0, n, h, num_heads, q_stride, kt_stride, v_stride, scale,
+                     window);
     }
     free(kt);
     free(first);
@@ -363,15 +376,16 @@ static inline void prefetch_rows_bf16(const uint16_t *row, int64_t rows, int64_t
         for (int d = 0; d < HEAD_DIM; d += 32) __builtin_prefetch(row + d);
 }
 
-/* The K rows of KV head h in the block holding token t0 (a multiple of block_size) of a
- * context of ctx tokens, *n of them (the last block may be partial); asks for the next block's
- * K rows (an unpredictable address) and this block's V rows (the weighted-value pass) meanwhile. */
+/* The K rows of KV head h from token t0 to the end of its block of a context of ctx tokens,
+ * *n of them (the first block of a window and the last block may be partial); asks for the next
+ * block's K rows (an unpredictable address) and these V rows (the weighted-value pass) meanwhile. */
 static inline const uint16_t *k_block_bf16(const uint16_t *kv, const int64_t *table, int64_t t0, int64_t ctx,
                                            int64_t h, int64_t block_size, int64_t block_stride, int64_t k_offset,
                                            int64_t v_offset, int64_t row_stride, int64_t *n) {
-    const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + h * HEAD_DIM;
-    *n = ctx - t0 < block_size ? ctx - t0 : block_size;
-    if (t0 + block_size < ctx)
+    const int64_t off = t0 % block_size;
+    const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + off * row_stride + h * HEAD_DIM;
+    *n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
+    if (t0 - off + block_size < ctx)
         prefetch_rows_bf16(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM, block_size,
                            row_stride);
     prefetch_rows_bf16(k + v_offset, *n, row_stride);
@@ -402,7 +416,7 @@ static inline __m512 widen16(const uint16_t *p, int w) {
  * lanes), the 16 keys' lane sums made by one transposing tree (sum_lanes16). Weighted values:
  * each V row widened once, the group's accumulators in registers. scores: [GROUP, ctx]. */
 static inline void decode_row_bf16(const uint16_t *restrict qh, const uint16_t *restrict kv,
-                                   const int64_t *restrict table, int64_t ctx, int64_t h, int64_t block_size,
+                                   const int64_t *restrict table, int64_t lo, int64_t ctx, int64_t h, int64_t block_size,
                                    int64_t block_stride, int64_t k_offset, int64_t v_offset, int64_t row_stride,
                                    float scale, float *restrict scores, uint16_t *restrict o) {
     __m512bh qv[GROUP][NV];
@@ -412,8 +426,7 @@ static inline void decode_row_bf16(const uint16_t *restrict qh, const uint16_t *
         mv[g] = _mm512_set1_ps(-INFINITY);
     }
     const __m512 vscale = _mm512_set1_ps(scale);
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        int64_t n;
+    for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
         const uint16_t *k = k_block_bf16(kv, table, t0, ctx, h, block_size, block_stride, k_offset, v_offset,
                                          row_stride, &n);
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
@@ -445,7 +458,7 @@ static inline void decode_row_bf16(const uint16_t *restrict qh, const uint16_t *
     for (int g = 0; g < GROUP; g++) {
         float *sg = scores + g * ctx, mg = _mm512_reduce_max_ps(mv[g]), total = 0.0f;
 #pragma omp simd reduction(+ : total)
-        for (int64_t t = 0; t < ctx; t++) {
+        for (int64_t t = lo; t < ctx; t++) {
             sg[t] = exp_nonpositive(sg[t] - mg);
             total += sg[t];
         }
@@ -454,9 +467,10 @@ static inline void decode_row_bf16(const uint16_t *restrict qh, const uint16_t *
     __m512 acc[GROUP][NW];
     for (int g = 0; g < GROUP; g++)
         for (int w = 0; w < NW; w++) acc[g][w] = _mm512_setzero_ps();
-    for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-        const uint16_t *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + h * HEAD_DIM;
-        const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+    for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
+        const int64_t off = t0 % block_size;
+        const uint16_t *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + off * row_stride + h * HEAD_DIM;
+        n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
         for (int64_t i = 0; i < n; i++, v += row_stride) {  /* prefetched by the score pass */
             __m512 vr[NW];
             for (int w = 0; w < NW; w++) vr[w] = widen16(v, w);
@@ -481,7 +495,7 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
                                  const int64_t *restrict query_starts, uint16_t *restrict out, int64_t batch,
                                  int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
                                  int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
-                                 int num_threads) {
+                                 int64_t window, int num_threads) {
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -496,11 +510,11 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
             continue;
         }
         for (int64_t r = r_begin; r < r_end; r++) {
-            const int64_t ctx = full_ctx - (r_end - 1 - r);
+            const int64_t ctx = full_ctx - (r_end - 1 - r), lo = window_start(ctx, window);
             const uint16_t *qh = q + (r * num_heads + h * GROUP) * HEAD_DIM;
             uint16_t *o = out + (r * num_heads + h * GROUP) * HEAD_DIM;
 #if BF16_DOT
-            decode_row_bf16(qh, kv, table, ctx, h, block_size, block_stride, k_offset, v_offset, row_stride,
+            decode_row_bf16(qh, kv, table, lo, ctx, h, block_size, block_stride, k_offset, v_offset, row_stride,
                             scale, scores, o);
 #else
             float m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM], qs[GROUP][HEAD_DIM];
@@ -510,8 +524,7 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
                 for (int d = 0; d < HEAD_DIM; d++) acc[g][d] = 0.0f;
                 for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = bf16_to_f32(qh[g * HEAD_DIM + d]) * scale;
             }
-            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-                int64_t n;
+            for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
                 const uint16_t *k = k_block_bf16(kv, table, t0, ctx, h, block_size, block_stride, k_offset, v_offset,
                                                  row_stride, &n);
                 for (int64_t i = 0; i < n; i++, k += row_stride) {
@@ -529,15 +542,16 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
             for (int g = 0; g < GROUP; g++) {
                 float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
 #pragma omp simd reduction(+ : total)
-                for (int64_t t = 0; t < ctx; t++) {
+                for (int64_t t = lo; t < ctx; t++) {
                     sg[t] = exp_nonpositive(sg[t] - mg);
                     total += sg[t];
                 }
                 sum[g] = total;
             }
-            for (int64_t t0 = 0; t0 < ctx; t0 += block_size) {
-                const uint16_t *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + h * HEAD_DIM;
-                const int64_t n = ctx - t0 < block_size ? ctx - t0 : block_size;
+            for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
+                const int64_t off = t0 % block_size;
+                const uint16_t *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + off * row_stride + h * HEAD_DIM;
+                n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
                 for (int64_t i = 0; i < n; i++, v += row_stride) {
                     float vf[HEAD_DIM];
                     widen_row(v, vf);
@@ -570,7 +584,8 @@ typedef float kt_t;
 
 static void prefill_item_bf16(const uint16_t *restrict q, const kt_t *restrict kt, const uint16_t *restrict v,
                               uint16_t *restrict out, int64_t r0, int64_t nrows, int64_t h, int64_t num_heads,
-                              int64_t q_stride, int64_t kt_stride, int64_t v_stride, float scale) {
+                              int64_t q_stride, int64_t kt_stride, int64_t v_stride, float scale,
+                              int64_t window) {
     float acc[GROUP * QT][HEAD_DIM], m[GROUP * QT], l[GROUP * QT];
     float sc[GROUP * QT][KT];
 #if BF16_DOT
@@ -592,8 +607,8 @@ static void prefill_item_bf16(const uint16_t *restrict q, const kt_t *restrict k
             m[row] = -INFINITY;
             l[row] = 0.0f;
         }
-    const int64_t nkeys = r0 + nrows;
-    for (int64_t j0 = 0; j0 < nkeys; j0 += KT) {
+    const int64_t nkeys = r0 + nrows, lo = window_start(r0 + 1, window);  /* row r0's first key */
+    for (int64_t j0 = lo / KT * KT; j0 < nkeys; j0 += KT) {
         const int64_t nk = nkeys - j0 < KT ? nkeys - j0 : KT;
         for (int64_t b0 = 0; b0 < GROUP * QT; b0 += RB) {
             float sb[RB][KT];
@@ -629,10 +644,10 @@ static void prefill_item_bf16(const uint16_t *restrict q, const kt_t *restrict k
                 const int64_t row = b0 + rb, pos = r0 + row % QT;
                 float *srow = sb[rb], mx = m[row], sum = 0.0f;
                 for (int j = 0; j < KT; j++) {
-                    if (j >= nk || j0 + j > pos) srow[j] = -INFINITY;
+                    if (j >= nk || j0 + j > pos || j0 + j < window_start(pos + 1, window)) srow[j] = -INFINITY;
                     mx = srow[j] > mx ? srow[j] : mx;
                 }
-                const float alpha = exp_nonpositive(m[row] - mx);
+                const float alpha = mx == -INFINITY ? 1.0f : exp_nonpositive(m[row] - mx);
 #pragma omp simd reduction(+ : sum)
                 for (int j = 0; j < KT; j++) {
                     const float p = srow[j] == -INFINITY ? 0.0f : exp_nonpositive(srow[j] - mx);
@@ -733,8 +748,8 @@ static inline int64_t v_tile_index(int64_t t, int d) {
  * thread-owned scratch. */
 static void prefill_tile_amx(const uint16_t *restrict q, const uint16_t *restrict kb, const uint16_t *restrict vb,
                              uint16_t *restrict out, int64_t r0, int64_t n, int64_t hq, int64_t num_heads,
-                             int64_t q_stride, float scale, float *restrict sc, uint16_t *restrict phi,
-                             uint16_t *restrict plo) {
+                             int64_t q_stride, float scale, int64_t window, float *restrict sc,
+                             uint16_t *restrict phi, uint16_t *restrict plo) {
     const int64_t nkeys = r0 + n, nk32 = (nkeys + 31) / 32 * 32;
     uint16_t qb[16][HEAD_DIM];  /* the rows, zero past n: a tile always loads 16 */
     for (int64_t r = 0; r < 16; r++)
@@ -780,16 +795,16 @@ static void prefill_tile_amx(const uint16_t *restrict q, const uint16_t *restric
     for (int64_t r = 0; r < 16; r++) {
         const float *row = sc + r * nk32;
         uint16_t *hr = phi + r * nk32, *lr = plo + r * nk32;
-        const int64_t valid = r < n ? r0 + r + 1 : 0;
+        const int64_t valid = r < n ? r0 + r + 1 : 0, lo = window_start(valid, window);
         __m512 mx = _mm512_set1_ps(-INFINITY);
         for (int64_t j = 0; j < valid; j += 16) {
-            const __mmask16 m = first_lanes16(valid - j);
+            const __mmask16 m = first_lanes16(valid - j) & (__mmask16)~first_lanes16(lo - j);
             mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(row + j));
         }
         const __m512 shift = _mm512_set1_ps(valid ? -_mm512_reduce_max_ps(mx) * to_log2 : 0.0f);
         __m512 total = _mm512_setzero_ps();
-        for (int64_t j = 0; j < nk32; j += 16) {
-            const __mmask16 m = first_lanes16(valid - j);
+        for (int64_t j = 0; j < nk32; j += 16) {  /* keys outside the row's window: p = 0 */
+            const __mmask16 m = first_lanes16(valid - j) & (__mmask16)~first_lanes16(lo - j);
             const __m512 p = exp2_nonpositive16(_mm512_fmadd_ps(_mm512_loadu_ps(row + j), vlog2, shift), m);
             total = _mm512_add_ps(total, p);
             /* hi: p's top 16 bits (exact in bf16), lo: the rest, rounded */
@@ -847,7 +862,7 @@ static void prefill_tile_amx(const uint16_t *restrict q, const uint16_t *restric
 static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, const uint16_t *restrict v,
                        uint16_t *restrict out, const int64_t *restrict seq_starts, const int64_t *restrict seq_lens,
                        int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads, int64_t q_stride,
-                       int64_t k_stride, int64_t v_stride, float scale, int num_threads) {
+                       int64_t k_stride, int64_t v_stride, float scale, int64_t window, int num_threads) {
     if (!amx_granted()) return 1;
     /* keys[s]: sequence s's first key in the tile layouts (32-key padded); first[s]: its first work item */
     int64_t *keys = malloc(sizeof(int64_t) * (num_seqs + 1)), *first = malloc(sizeof(int64_t) * (num_seqs + 1));
@@ -925,7 +940,7 @@ static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, c
             const int64_t base = seq_starts[s], h = hq / GROUP;
             prefill_tile_amx(q + base * q_stride, kt + h * per_head + keys[s] * HEAD_DIM,
                              vt + h * per_head + keys[s] * HEAD_DIM, out + base * num_heads * HEAD_DIM, r0, n, hq,
-                             num_heads, q_stride, scale, sc, phi, plo);
+                             num_heads, q_stride, scale, window, sc, phi, plo);
         }
         if (ready) _tile_release();
         free(sc);
@@ -956,10 +971,10 @@ int atomd_prefill_attention_bf16(const uint16_t *restrict q, const uint16_t *res
                                   uint16_t *restrict out, const int64_t *restrict seq_starts,
                                   const int64_t *restrict seq_lens, int64_t num_seqs, int64_t num_heads,
                                   int64_t num_kv_heads, int64_t q_stride, int64_t k_stride, int64_t v_stride,
-                                  float scale, int num_threads) {
+                                  float scale, int64_t window, int num_threads) {
 #if AMX_PATH
     const int amx = prefill_amx(q, k, v, out, seq_starts, seq_lens, num_seqs, num_heads, num_kv_heads, q_stride,
-                                k_stride, v_stride, scale, num_threads);
+                                k_stride, v_stride, scale, window, num_threads);
     if (amx <= 0) return amx;
 #endif
     int64_t rows = 0;
@@ -996,7 +1011,7 @@ int atomd_prefill_attention_bf16(const uint16_t *restrict q, const uint16_t *res
         const int64_t base = seq_starts[s];
         prefill_item_bf16(q + base * q_stride, kt + h * HEAD_DIM * kt_stride + base * (BF16_DOT ? 2 : 1),
                           v + base * v_stride, out + base * num_heads * HEAD_DIM, r0, n, h, num_heads, q_stride,
-                          kt_stride, v_stride, scale);
+                          kt_stride, v_stride, scale, window);
     }
     free(kt);
     free(first);
