@@ -5,6 +5,7 @@ incremental detokenization for streaming.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import pathlib
 from typing import Any
@@ -45,7 +46,6 @@ class Tokenizer:
         if self.eos_token_id is None and eos_ids:
             self.eos_token_id = int(eos_ids[0])
         self.chat_template: str | None = config.get("chat_template")
-        self._template: jinja2.Template | None = None
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> "Tokenizer":
@@ -77,12 +77,13 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
-        if self.chat_template is None:
+                            chat_template: str | None = None, **extra: Any) -> str:
+        """Render `messages` with `chat_template` (default: the checkpoint's); `extra` are more
+        template variables (tools, chat_template_kwargs)."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise ValueError("messages: this model's tokenizer_config.json has no chat_template")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return compiled_template(source).render(messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      pad_token=self.pad_token, unk_token=self.unk_token, **extra)
 
@@ -139,7 +140,8 @@ def _raise_exception(message: str) -> None:
     raise ValueError(f"messages: {message}")
 
 
-def _compile_template(source: str) -> jinja2.Template:
+@functools.lru_cache(maxsize=16)  # the checkpoint's, --chat-template's and a few requests' own
+def compiled_template(source: str) -> jinja2.Template:
     """The environment transformers renders chat templates in (sandboxed, trimmed blocks)."""
     env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
                                                        extensions=["jinja2.ext.loopcontrols"])

@@ -41,7 +41,7 @@ VLLM_EXTRAS = ["top_k", "min_p", "repetition_penalty", "length_penalty", "stop_t
 def outcome(field: str, kind: type) -> str:
     if field not in kind.__struct_fields__:
         return "400 `unknown_field`"
-    if field in P.UNSUPPORTED and not (field in P.CHAT_TOOL_FIELDS and kind is P.ChatCompletionRequest):
+    if field in P.UNSUPPORTED and not (field in P.CHAT_ONLY_FIELDS and kind is P.ChatCompletionRequest):
         noops = ", ".join("null" if v is None else f"`{v!r}`" for v in P.UNSUPPORTED[field])
         return f"accepted only as {noops}; else 400 `unsupported_field`"
     return "implemented"

@@ -46,12 +46,14 @@ from aiohttp import http_exceptions, web
 from aiohttp.web_protocol import RequestHandler
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from atomd.api import chat_templates
 from atomd.api import limits as L
 from atomd.api import protocol as P
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.messages import RequestOutput
 from atomd.api.metrics import ServerMetrics
-from atomd.api.tools import TOOL_CALL_PARSERS, HermesParser
+from atomd.api.reasoning import REASONING_PARSERS, ReasoningParser
+from atomd.api.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.sequence import ErrorCode
 from scheduler.stop import cut_at_stop
 
@@ -108,8 +110,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--access-log-probes", action="store_true",
                    help="log the probes too (%s: a router asks every few seconds), which are left out by default"
                         % ", ".join(PROBE_PATHS))
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
-                   help="how tool calls are read from the model's output (chat requests with tools)")
+    g.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default="hermes",
+                   help="how tool calls are read from the model's output (chat requests with tools): hermes "
+                        "(<tool_call> JSON: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3's JSON calls)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split <think>...</think> out of chat output into reasoning_content: qwen3 (when the "
+                        "output opens with <think>), deepseek_r1 (the template opened it: output starts in it)")
+    g.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                   help="a chat template (a jinja file, or the template inline) instead of the checkpoint's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (it runs in jinja's sandbox, but can loop; "
+                        "off: such a request is a 400)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -124,6 +135,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_args(args)
         config.check_model_dir()
+        if args.chat_template is not None:  # a bad one stops here, not at the first request
+            args.chat_template = chat_templates.load_chat_template(args.chat_template)
     except ValueError as e:
         print(f"atomd serve: error: {e}", file=sys.stderr)
         return 2
@@ -275,6 +288,8 @@ class Server:
         ready = await self.client.start(timeout_s)
         self.model_name = self.model_name or ready.model_name
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
+        if self.args.chat_template is not None:
+            self.tokenizer.chat_template = self.args.chat_template
         self.metrics = ServerMetrics(self.model_name, self.config.data_parallel_rank)
         self.watchdog = asyncio.get_running_loop().create_task(self.watch_core())
 
@@ -483,13 +498,9 @@ class Server:
         """As parse_completion, for a chat request."""
         req = P.decode_request(body, P.ChatCompletionRequest)
         self.check_model(req)
-        checked = P.validate_chat_request(req, self.limits)
-        messages = P.chat_messages(req)
-        try:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                             **({"tools": checked.tools} if checked.tools else {}))
-        except Exception as e:  # a template that raises on this conversation
-            raise P.invalid("messages", f"chat template failed: {e}") from None
+        checked = P.validate_chat_request(req, self.limits, self.args.tool_call_parser)
+        ids = chat_templates.prompt_ids(self.tokenizer, req, P.chat_messages(req), checked.tools,
+                                        self.args.trust_request_chat_template, self.limits.max_prompt_chars)
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         self.check_sampling_token_ids(req, checked)
@@ -830,16 +841,25 @@ class CompletionRenderer(RequestRenderer):
 
 
 class ChatRenderer(RequestRenderer):
-    """Chat JSON / chunks; with tools (tool_choice not none) each choice's text goes through
-    the tool-call parser (atomd/api/tools.py): calls become `tool_calls` (streamed as OpenAI's
-    deltas: the call's id, type and name with empty arguments, then its arguments) and
-    `finish_reason` "tool_calls"; the rest is `content`, the same streamed or not."""
+    """Chat JSON / chunks. Each choice's text goes through the reasoning parser (with
+    --reasoning-parser; atomd/api/reasoning.py): `<think>` text becomes `reasoning_content`;
+    then, with tools (tool_choice not none), the rest through the tool-call parser
+    (atomd/api/tool_parsers.py): calls become `tool_calls` (streamed as OpenAI's deltas: the
+    call's id, type and name with empty arguments, then its arguments) and `finish_reason`
+    "tool_calls"; the rest is `content`, the same streamed or not."""
 
     opens_early = True
 
     def __init__(self, server: Server, request_id: str, req, checked: P.Checked, prompt_ids: list[int]):
         super().__init__(server, request_id, req, checked, prompt_ids)
-        self.tool_parsers = [HermesParser() for _ in self.choices] if checked.parse_tool_calls else None
+        self.tool_parser = TOOL_CALL_PARSERS[server.args.tool_call_parser] if checked.parse_tool_calls else None
+        self.tool_parsers = [self.tool_parser() for _ in self.choices] if self.tool_parser else None
+        self.reasoning = server.args.reasoning_parser if not checked.forced_tool_call else None  # output: the call
+        self.constrained = checked.structured_outputs is not None
+        self.reasoning_parsers = [self.new_reasoning_parser() for _ in self.choices] if self.reasoning else None
+
+    def new_reasoning_parser(self) -> ReasoningParser:
+        return ReasoningParser.for_request(self.reasoning, self.constrained)
 
     def tool_finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         return "tool_calls" if num_calls and reason == "stop" else reason
@@ -872,37 +892,55 @@ class ChatRenderer(RequestRenderer):
             if not (text or items or finish_reason or final):
                 return out
         kv = self.kv_transfer_params if final else msgspec.UNSET
-        if self.tool_parsers is not None:
-            return out + self.tool_chunks(c, text, items, finish_reason, kv)
-        out.append(self.chunk_of(c.index, P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv))
-        return out
+        if self.tool_parsers is None and self.reasoning_parsers is None:
+            out.append(self.chunk_of(c.index, P.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv))
+            return out
+        deltas, num_calls = self.parsed_deltas(c, text)
+        if not deltas:
+            if not (items or finish_reason is not None or kv is not msgspec.UNSET):
+                return out
+            deltas.append(P.ChatDelta(content=""))
+        reason = self.tool_finish_reason(finish_reason, num_calls)
+        return out + [self.chunk_of(c.index, d, items if j == 0 else [], reason if j == len(deltas) - 1 else None,
+                                    **({"kv_transfer_params": kv} if j == len(deltas) - 1 else {}))
+                      for j, d in enumerate(deltas)]
 
-    def tool_chunks(self, c: Choice, text: str, items, finish_reason, kv) -> list[bytes]:
-        parser = self.tool_parsers[c.index]
-        first_call = parser.num_calls
-        content, calls = parser.stream(text)
-        if c.finished:
-            content += parser.finish()[0]
-        deltas = [P.ChatDelta(content=content)] if content else []
-        for k, call in enumerate(calls, start=first_call):
+    def parsed_deltas(self, c: Choice, text: str) -> tuple[list[P.ChatDelta], int]:
+        """A choice's new text through its parsers: the deltas to send (reasoning and content
+        in one, then each completed call as two) and the choice's calls so far."""
+        reasoning = ""
+        if self.reasoning_parsers is not None:
+            parser = self.reasoning_parsers[c.index]
+            reasoning, text = parser.stream(text)
+            if c.finished:
+                more_reasoning, more_text = parser.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        calls, num_calls = [], 0
+        if self.tool_parsers is not None:
+            tools = self.tool_parsers[c.index]
+            first_call = tools.num_calls
+            text, calls = tools.stream(text)
+            if c.finished:
+                text += tools.finish()[0]
+            calls, num_calls = list(enumerate(calls, start=first_call)), tools.num_calls
+        deltas = [P.ChatDelta(content=text or None, reasoning_content=reasoning or None)] if text or reasoning else []
+        for k, call in calls:
             fn = call["function"]
             deltas.append(P.ChatDelta(tool_calls=[{"index": k, "id": call["id"], "type": "function",
                                                    "function": {"name": fn["name"], "arguments": ""}}]))
             deltas.append(P.ChatDelta(tool_calls=[{"index": k, "function": {"arguments": fn["arguments"]}}]))
-        if not deltas:
-            if not (items or finish_reason is not None or kv is not msgspec.UNSET):
-                return []
-            deltas.append(P.ChatDelta(content=""))
-        reason = self.tool_finish_reason(finish_reason, parser.num_calls)
-        return [self.chunk_of(c.index, d, items if j == 0 else [], reason if j == len(deltas) - 1 else None,
-                              **({"kv_transfer_params": kv} if j == len(deltas) - 1 else {}))
-                for j, d in enumerate(deltas)]
+        return deltas, num_calls
 
     def message(self, c: Choice) -> tuple[P.ChatMessageOut, str | None]:
-        if self.tool_parsers is None:
+        if self.tool_parsers is None and self.reasoning_parsers is None:
             return P.ChatMessageOut("assistant", c.text), c.finish_reason
-        content, calls = HermesParser.parse(c.text)
-        return (P.ChatMessageOut("assistant", content, tool_calls=calls or msgspec.UNSET),
+        reasoning, content = msgspec.UNSET, c.text
+        if self.reasoning_parsers is not None:
+            reasoning, content = self.new_reasoning_parser().parse(c.text)
+        calls = []
+        if self.tool_parser is not None:
+            content, calls = self.tool_parser.parse(content or "")
+        return (P.ChatMessageOut("assistant", content, tool_calls=calls or msgspec.UNSET, reasoning_content=reasoning),
                 self.tool_finish_reason(c.finish_reason, len(calls)))
 
     def full_response(self) -> bytes:
