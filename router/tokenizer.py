@@ -4,7 +4,9 @@ kv_aware scores a worker by the chained block hashes of the request's tokens
 (kv_transfer/block_hash.py), so the router must see the same token ids the engine will:
 a completion prompt is encoded with the special tokens (atomd/tokenizer.py `encode`), a
 token-id prompt is taken as is, chat messages are rendered with the checkpoint's chat
-template (the environment transformers uses) and encoded without special tokens. Only
+template (the environment transformers uses) and the request's `chat_template_kwargs`,
+and encoded without special tokens; a request that brings its own `chat_template` is not
+rendered here (the engines run one only with --trust-request-chat-template). Only
 `tokenizers` and jinja2, never the engine's code (the router does not import atomd).
 
 A wrong guess costs only a worse placement, never a wrong answer: the engines tokenize
@@ -70,8 +72,8 @@ class RouterTokenizer:
         try:
             if "messages" in body:
                 messages = body["messages"]
-                if not isinstance(messages, list):
-                    return None
+                if not isinstance(messages, list) or body.get("chat_template") is not None:
+                    return None  # a request's own template is not run here (an engine may refuse it): by load
                 extra = body.get("chat_template_kwargs") or {}
                 return self.encode_chat(messages, body.get("add_generation_prompt", True),
                                         **(extra if isinstance(extra, dict) else {}))

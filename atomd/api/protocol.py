@@ -395,8 +395,8 @@ def check_limits(req: _SamplingFields, limits: L.RequestLimits) -> None:
         if size > limits.max_prompt_chars:
             raise too_large(name, f"a prompt of {size} characters (or token ids)", limits.max_prompt_chars,
                             "max-prompt-chars")
-    template = getattr(req, "chat_template", None)
-    if template is not None and len(template) > limits.max_chat_template_chars:
+    template = req.chat_template
+    if isinstance(template, str) and len(template) > limits.max_chat_template_chars:
         raise too_large("chat_template", f"a template of {len(template)} characters", limits.max_chat_template_chars,
                         "max-chat-template-chars")
     so = req.structured_outputs
