@@ -134,6 +134,15 @@ def test_bad_templates_and_kwargs_are_400s_naming_the_field(ours):
     assert e.code == "limit_exceeded" and "max-prompt-chars" in e.message
     e = api_error(ours, chat_template="{% for i in range(10**9) %}{% endfor %}")  # jinja's sandbox bounds range()
     assert e.param == "chat_template"
+    e = api_error(ours, chat_template="{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}")
+    assert e.param == "chat_template" and "range items in all" in e.message  # nested: the render's budget
+    for huge in ("{{ 'x' * 10**9 }}", "{{ [1] * 10**9 }}", "{{ 2 ** 100000000 }}"):
+        e = api_error(ours, chat_template=huge)
+        assert e.param == "chat_template" and "chat template" in e.message, huge
+    e = api_error(ours, chat_template="{% if false %}x{% endif %}")
+    assert e.param == "chat_template" and "empty prompt" in e.message
+    e = api_error(ours, chat_template_kwargs={"range": 3})
+    assert e.param == "chat_template_kwargs"
 
 
 def test_sizes_are_bounded_by_the_limits(ours):

@@ -6,15 +6,16 @@
   inline (a value that is no file and contains a jinja tag); a bad one stops the server at
   start with the template's syntax error;
 - a request's `chat_template` replaces it for that request, only when the server runs with
-  `--trust-request-chat-template` (vLLM's flag: a template is code the server runs, and a
-  sandboxed one can still loop for a long time), at most --max-chat-template-chars long;
+  `--trust-request-chat-template` (vLLM's flag: a template is code the server runs; jinja's
+  sandbox and atomd/tokenizer.py bound what `range` and `*` build, but loops over the
+  request's own lists still multiply), at most --max-chat-template-chars long;
 - a request's `chat_template_kwargs` (e.g. `{"enable_thinking": false}` for Qwen3) become
   more variables of the template, next to `messages`, `tools`, `add_generation_prompt` and
   the special tokens, which they may not replace.
 
 A template that does not compile, or raises on the request (`raise_exception`, an undefined
-call), is a 400 naming the field; so is a rendered prompt longer than --max-prompt-chars
-(checked before it is tokenized).
+call, a size bound), is a 400 naming the field; so is a rendered prompt longer than
+--max-prompt-chars (checked before it is tokenized) or one with no tokens.
 """
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ from atomd.api import protocol as P
 
 # the variables the server passes itself (atomd/tokenizer.py), which chat_template_kwargs may not replace
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token", "unk_token",
-                   "chat_template")
+                   "chat_template", "range")
 
 
 def load_chat_template(value: str) -> str:
@@ -88,4 +89,8 @@ def prompt_ids(tokenizer: Any, req: P.ChatCompletionRequest, messages: list[dict
     if len(text) > max_prompt_chars:
         raise P.too_large("messages", f"the rendered chat prompt has {len(text)} characters", max_prompt_chars,
                           "max-prompt-chars")
-    return tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if not ids:
+        raise P.invalid("chat_template" if template is not None else "messages",
+                        "the chat template rendered an empty prompt")
+    return ids
