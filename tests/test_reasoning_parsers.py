@@ -149,6 +149,16 @@ def test_llama3_json_what_is_not_a_call_is_content():
     assert len(ids) == 2 and all(re.fullmatch(r"call_[0-9a-f]{24}", i) for i in ids)
 
 
+def test_json_nested_too_deep_for_the_decoder_is_content():
+    """A model can write JSON deeper than Python's json recursion allows: content, no crash."""
+    deep = "[" * 100_000 + "]" * 100_000
+    llama = '{"name": "f", "parameters": ' + deep + "}"
+    assert Llama3JsonParser.parse(llama) == (llama, [])
+    assert stream_tools(Llama3JsonParser(), [llama[:7], llama[7:]]) == (llama, [])
+    hermes = f"<tool_call>\n{llama}\n</tool_call>"
+    assert HermesParser.parse(hermes) == (hermes, [])
+
+
 def test_llama3_json_streams_each_call_once_its_json_closed():
     parser = Llama3JsonParser()
     first, second = json.dumps({"name": "a", "parameters": {"x": 1}}), json.dumps({"name": "b", "parameters": {}})

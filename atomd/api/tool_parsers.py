@@ -29,7 +29,7 @@ def make_call(body: str) -> dict[str, Any] | None:
     """An OpenAI tool call from the JSON between the tags, or None when it is not a call."""
     try:
         return call_of(json.loads(body))
-    except ValueError:
+    except (ValueError, RecursionError):  # RecursionError: JSON nested too deep for the decoder
         return None
 
 
@@ -38,7 +38,10 @@ def call_of(obj: Any) -> dict[str, Any] | None:
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
-    arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    try:
+        arguments = args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
+    except RecursionError:
+        return None
     return {"id": new_call_id(), "type": "function", "function": {"name": obj["name"], "arguments": arguments}}
 
 
@@ -137,6 +140,11 @@ class Llama3JsonParser:
         self.pos = 0  # in calls mode: where the next call (or the trailing content) starts
         self.done = False  # in calls mode: something that is not a call came; the rest is content
         self.num_calls = 0
+        # a scan of the text for where a top-level JSON value closes, so a call is decoded
+        # once it is whole, not at every delta (a long call would be decoded over and over)
+        self.scanned = 0
+        self.depth = 0
+        self.in_string = self.escaped = False
 
     @classmethod
     def parse(cls, text: str) -> tuple[str | None, list[dict[str, Any]]]:
@@ -161,9 +169,32 @@ class Llama3JsonParser:
         if not self.calls_mode:
             out, self.buffer = self.buffer, ""
             return out, []
-        if self.done or "}" not in delta:  # no object closed in this delta: nothing to decode
+        if self.done or not self._value_closed():
             return "", []
         return "", self._closed_calls()
+
+    def _value_closed(self) -> bool:
+        """Scan the text not scanned yet: did a top-level JSON object or array close in it?"""
+        closed = False
+        depth, in_string, escaped = self.depth, self.in_string, self.escaped
+        for ch in self.buffer[max(self.scanned, self.pos):]:
+            if in_string:
+                if escaped:
+                    escaped = False
+                elif ch == "\\":
+                    escaped = True
+                elif ch == '"':
+                    in_string = False
+            elif ch == '"':
+                in_string = True
+            elif ch in "{[":
+                depth += 1
+            elif ch in "}]":
+                depth -= 1
+                closed = closed or depth <= 0
+        self.depth, self.in_string, self.escaped = depth, in_string, escaped
+        self.scanned = len(self.buffer)
+        return closed
 
     def _closed_calls(self) -> list[dict[str, Any]]:
         """The calls whose JSON closed since the last look (decoded from `pos` on)."""
@@ -173,6 +204,9 @@ class Llama3JsonParser:
             try:
                 obj, end = _DECODER.raw_decode(self.buffer, at)
             except ValueError:  # not closed yet (or not JSON: content at the end)
+                return calls
+            except RecursionError:  # nested too deep to be a call: content
+                self.done = True
                 return calls
             call = call_of(obj)
             if call is None:
