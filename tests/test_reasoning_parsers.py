@@ -205,3 +205,25 @@ def test_forced_call_grammar_is_written_in_the_parsers_format(name):
     other = llama_text(calls) if name == "hermes" else hermes_text(calls)
     assert calls_of(TOOL_CALL_PARSERS[name].parse(own)[1]) == calls
     assert grammar_accepts(grammar, own) and not grammar_accepts(grammar, other)
+
+
+@pytest.mark.parametrize("name", REASONING_PARSERS)
+def test_tags_as_single_added_tokens_split_in_a_token_stream(name):
+    """A checkpoint whose tokenizer has `<think>` / `</think>` as added (not special) tokens, as
+    Qwen3 and DeepSeek-R1 do: streamed token by token through the incremental detokenizer,
+    the tags survive decoding and the split equals the reference on the whole text."""
+    import tokenizers
+
+    from atomd.model.default import default_model_dir
+    from atomd.tokenizer import Tokenizer
+
+    tok = tokenizers.Tokenizer.from_file(str(default_model_dir() / "tokenizer.json"))
+    tok.add_tokens([tokenizers.AddedToken("<think>", special=False), tokenizers.AddedToken("</think>", special=False)])
+    tokenizer = Tokenizer(tok, {})
+    for text in TEXTS[:4]:
+        ids = tokenizer.encode(text, add_special_tokens=False)
+        if "<think>" in text:
+            assert tokenizer.token_to_id("<think>") in ids  # one token, not its characters
+        detok, parser = tokenizer.incremental_decoder(), ReasoningParser.for_request(name, False)
+        pieces = [detok.step(t) for t in ids] + [detok.flush()]
+        assert feed(parser, pieces) == reference_split(name, text), text
