@@ -122,6 +122,8 @@ class HermesParser:
 
 def partial_suffix(text: str, tag: str) -> int:
     """Length of the longest suffix of `text` that is a proper prefix of `tag`."""
+    if tag[0] not in text[-(len(tag) - 1):]:  # the common case (every such suffix starts with it)
+        return 0
     for n in range(min(len(text), len(tag) - 1), 0, -1):
         if text.endswith(tag[:n]):
             return n
