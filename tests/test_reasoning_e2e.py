@@ -160,6 +160,9 @@ def test_forced_llama3_json_calls_validate(servers):
         for name, arguments in calls:
             assert name == "add"
             jsonschema.validate(arguments, ADD)
+    status, raw = http("POST", srv.url + "/v1/chat/completions", {
+        "messages": MESSAGES, "tools": TOOLS, "tool_choice": "required", "max_tokens": 120})
+    assert status == 200 and json.loads(raw)["choices"][0]["message"]["reasoning_content"] is None  # present, null
 
 
 def test_deepseek_r1_output_starts_in_reasoning(servers, hf):

@@ -854,6 +854,8 @@ class ChatRenderer(RequestRenderer):
         super().__init__(server, request_id, req, checked, prompt_ids)
         self.tool_parser = TOOL_CALL_PARSERS[server.args.tool_call_parser] if checked.parse_tool_calls else None
         self.tool_parsers = [self.tool_parser() for _ in self.choices] if self.tool_parser else None
+        # messages carry reasoning_content (maybe null) whenever the server parses reasoning
+        self.reasoning_field = None if server.args.reasoning_parser else msgspec.UNSET
         self.reasoning = server.args.reasoning_parser if not checked.forced_tool_call else None  # output: the call
         self.constrained = checked.structured_outputs is not None
         self.reasoning_parsers = [self.new_reasoning_parser() for _ in self.choices] if self.reasoning else None
@@ -934,7 +936,7 @@ class ChatRenderer(RequestRenderer):
     def message(self, c: Choice) -> tuple[P.ChatMessageOut, str | None]:
         if self.tool_parsers is None and self.reasoning_parsers is None:
             return P.ChatMessageOut("assistant", c.text), c.finish_reason
-        reasoning, content = msgspec.UNSET, c.text
+        reasoning, content = self.reasoning_field, c.text
         if self.reasoning_parsers is not None:
             reasoning, content = self.new_reasoning_parser().parse(c.text)
         calls = []
