@@ -88,6 +88,20 @@ def test_the_router_renders_the_same_ids_with_the_kwargs(ours):
     assert router.token_ids({**body, "chat_template": TEMPLATE}) is None  # not run in the router: placed by load
 
 
+def test_the_router_takes_the_engines_chat_template_flag(tmp_path):
+    """`--chat-template` on the router (file or inline) renders what an engine with the same
+    flag renders (atomd.api.server sets it on the engine's tokenizer)."""
+    engine = Tokenizer.from_dir(default_model_dir())
+    engine.chat_template = CT.load_chat_template(TEMPLATE)
+    path = tmp_path / "t.jinja"
+    path.write_text(TEMPLATE)
+    body = {"messages": MESSAGES, "chat_template_kwargs": {"enable_thinking": False}}
+    want = ids_of(engine, chat_template_kwargs={"enable_thinking": False})
+    assert RouterTokenizer(default_model_dir(), str(path)).token_ids(body) == want
+    assert RouterTokenizer(default_model_dir(), TEMPLATE).token_ids(body) == want
+    assert RouterTokenizer(default_model_dir()).token_ids(body) != want  # the model's own differs
+
+
 def test_chat_template_flag_takes_a_file_or_inline_text(tmp_path):
     path = tmp_path / "t.jinja"
     path.write_text(TEMPLATE)
