@@ -20,7 +20,7 @@ import pytest
 import transformers
 
 from launch.process import http
-from tests.server_fixtures import model_dir, start_server
+from tests.server_fixtures import ServerUnderTest, model_dir
 from tests.test_chat_templates import TEMPLATE
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
@@ -44,15 +44,20 @@ def servers(tmp_path_factory):
     deepseek_r1 + hermes on the checkpoint's template."""
     path = tmp_path_factory.mktemp("tpl") / "chat.jinja"
     path.write_text(TEMPLATE)
-    qwen = start_server(model_dir(), "--served-model-name", NAME, "--reasoning-parser", "qwen3",
-                        "--tool-call-parser", "llama3_json", "--chat-template", str(path),
-                        "--trust-request-chat-template", "--max-chat-template-chars", "4096")
-    try:
-        r1 = start_server(model_dir(), "--served-model-name", NAME, "--reasoning-parser", "deepseek_r1",
-                          "--max-model-len", "768")  # a prompt with tools is ~200 tokens
+    servers = []
+    try:  # both load at once
+        servers.append(ServerUnderTest(model_dir(), "--served-model-name", NAME, "--reasoning-parser", "qwen3",
+                                       "--tool-call-parser", "llama3_json", "--chat-template", str(path),
+                                       "--trust-request-chat-template", "--max-chat-template-chars", "4096"))
+        servers.append(ServerUnderTest(model_dir(), "--served-model-name", NAME, "--reasoning-parser", "deepseek_r1",
+                                       "--max-model-len", "768"))  # a prompt with tools is ~200 tokens
+        for srv in servers:
+            srv.wait_ready()
     except BaseException:
-        qwen.stop()
+        for srv in servers:
+            srv.stop()
         raise
+    qwen, r1 = servers
     free = {name: srv.stats()["num_free_blocks"] for name, srv in (("qwen", qwen), ("r1", r1))}
     yield {"qwen": qwen, "r1": r1, "free": free}
     qwen.stop()
