@@ -134,6 +134,9 @@ def test_bad_templates_and_kwargs_are_400s_naming_the_field(ours):
     assert e.param == "chat_template" and "--trust-request-chat-template" in e.message
     e = api_error(ours, chat_template="{% for m in messages %}")
     assert e.param == "chat_template" and "does not compile" in e.message
+    for deep in ("{{ " + "(" * 20000 + "1" + ")" * 20000 + " }}", "{% if a %}" * 3000 + "{% endif %}" * 3000):
+        e = api_error(ours, chat_template=deep)  # jinja's parser recurses per level
+        assert e.param == "chat_template" and "nested too deeply" in e.message
     e = api_error(ours, chat_template="{{ raise_exception('no system role here') }}")
     assert e.param == "chat_template" and "no system role here" in e.message
     e = api_error(ours, chat_template="{{ messages.pop() }}")  # the sandbox refuses mutation

@@ -45,10 +45,9 @@ def load_chat_template(value: str) -> str:
         source = value
     else:
         raise ValueError(f"--chat-template {value!r}: no such file, and not an inline jinja template")
-    try:
-        compile_template(source)
-    except jinja2.TemplateSyntaxError as e:
-        raise ValueError(f"--chat-template: {syntax_error(e)}") from None
+    error = compile_error(source)
+    if error is not None:
+        raise ValueError(f"--chat-template: {error}")
     return source
 
 
@@ -58,8 +57,15 @@ def compile_template(source: str) -> jinja2.Template:
     return compiled_template(source)
 
 
-def syntax_error(e: jinja2.TemplateSyntaxError) -> str:
-    return f"the template does not compile: {e.message} (line {e.lineno})"
+def compile_error(source: str) -> str | None:
+    """Why `source` does not compile (None: it does)."""
+    try:
+        compile_template(source)
+    except jinja2.TemplateSyntaxError as e:
+        return f"the template does not compile: {e.message} (line {e.lineno})"
+    except RecursionError:  # jinja's parser recurses per nesting level
+        return "the template does not compile: nested too deeply"
+    return None
 
 
 def prompt_ids(tokenizer: Any, req: P.ChatCompletionRequest, messages: list[dict[str, Any]],
@@ -71,10 +77,9 @@ def prompt_ids(tokenizer: Any, req: P.ChatCompletionRequest, messages: list[dict
             raise P.APIError(400, "chat_template: this server does not run templates sent with a request "
                                   "(start it with --trust-request-chat-template)",
                              param="chat_template", code="unsupported_field")
-        try:
-            compile_template(template)
-        except jinja2.TemplateSyntaxError as e:
-            raise P.invalid("chat_template", f"chat_template: {syntax_error(e)}") from None
+        error = compile_error(template)
+        if error is not None:
+            raise P.invalid("chat_template", f"chat_template: {error}")
     kwargs = dict(req.chat_template_kwargs or {})
     clash = next((k for k in kwargs if k in RESERVED_KWARGS), None)
     if clash is not None:
