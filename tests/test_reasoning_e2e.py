@@ -190,6 +190,16 @@ def test_deepseek_r1_reasoning_then_a_hermes_call(servers, hf):
         assert chat(srv, stream, tools=TOOLS, guided_regex=regex, **params) == want
 
 
+def test_qwen3_output_starts_in_reasoning_when_the_template_opened_think(servers, hf):
+    """A template that ends its generation prompt with `<think>` (Qwen3-Thinking-2507's)."""
+    srv = servers["qwen"]
+    opening = OTHER_TEMPLATE + "<think>\n"
+    raw = raw_text(srv, reference_ids(hf, opening), temperature=0.0, max_tokens=24)
+    assert raw and "</think>" not in raw
+    for stream in (False, True):
+        assert chat(srv, stream, chat_template=opening, temperature=0.0, max_tokens=24) == (raw, None, [], "length")
+
+
 def prompt_ids_seen(srv, **kw) -> list[int]:
     """The prompt a chat request was rendered to, read back from its prompt_logprobs (the
     first token has none)."""

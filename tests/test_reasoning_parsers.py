@@ -16,7 +16,7 @@ import re
 import pytest
 
 from atomd.api import tools as T
-from atomd.api.reasoning import REASONING_PARSERS, ReasoningParser
+from atomd.api.reasoning import REASONING_PARSERS, ReasoningParser, prompt_opens_reasoning
 from atomd.api.tool_parsers import TOOL_CALL_PARSERS, HermesParser, Llama3JsonParser
 
 pytestmark = pytest.mark.unit
@@ -27,12 +27,13 @@ TEXTS = ["<think>\nLet me add 2 and 2.\n</think>\n\nThe answer is 4.", "The answ
          "ü<think>ß</think>€"]
 
 
-def reference_split(name: str, text: str, constrained: bool = False) -> tuple[str | None, str | None]:
+def reference_split(name: str, text: str, constrained: bool = False,
+                    prompt_opened: bool = False) -> tuple[str | None, str | None]:
     """vLLM's split, stated with a regex and str.partition."""
     opened = re.match(r"\s*<think>", text)
     if opened:
         body = text[opened.end():]
-    elif name == "deepseek_r1" and not constrained:
+    elif (name == "deepseek_r1" or prompt_opened) and not constrained:
         body = text
     else:
         return None, text or None
@@ -58,14 +59,15 @@ def cuts(text: str) -> list[list[str]]:
     return out
 
 
+@pytest.mark.parametrize("prompt_opened", [False, True])
 @pytest.mark.parametrize("constrained", [False, True])
 @pytest.mark.parametrize("name", REASONING_PARSERS)
-def test_reasoning_split_equals_the_reference_at_every_split_point(name, constrained):
+def test_reasoning_split_equals_the_reference_at_every_split_point(name, constrained, prompt_opened):
     for text in TEXTS:
-        expected = reference_split(name, text, constrained)
-        assert ReasoningParser.for_request(name, constrained).parse(text) == expected, text
+        expected = reference_split(name, text, constrained, prompt_opened)
+        assert ReasoningParser.for_request(name, constrained, prompt_opened).parse(text) == expected, text
         for pieces in cuts(text):
-            assert feed(ReasoningParser.for_request(name, constrained), pieces) == expected, pieces
+            assert feed(ReasoningParser.for_request(name, constrained, prompt_opened), pieces) == expected, pieces
 
 
 def test_reasoning_rules_by_parser():
@@ -75,6 +77,10 @@ def test_reasoning_rules_by_parser():
     assert r1.parse("hm</think>ok") == ("hm", "ok")  # the template opened <think>
     assert ReasoningParser.for_request("deepseek_r1", False).parse("never ends") == ("never ends", None)
     assert ReasoningParser.for_request("deepseek_r1", True).parse('{"a": 1}') == (None, '{"a": 1}')  # a grammar's
+    thinking = ReasoningParser.for_request("qwen3", False, prompt_opened=True)  # Qwen3-Thinking-2507's template
+    assert thinking.parse("hm</think>ok") == ("hm", "ok")
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert not prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking off
     with pytest.raises(ValueError, match="unknown reasoning parser"):
         ReasoningParser.for_request("granite", False)
 

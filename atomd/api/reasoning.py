@@ -2,9 +2,10 @@
 splits a choice's text at `<think>...</think>` into `reasoning_content` (the message's, and
 streamed `delta.reasoning_content`) and `content` (what follows `</think>`), as vLLM does.
 
-- `qwen3`: reasoning only when the output opens with `<think>` (leading whitespace allowed);
-  an output that does not (Qwen3 with `enable_thinking: false`, whose template already closed
-  an empty think block) is all content.
+- `qwen3`: reasoning only when the output opens with `<think>` (leading whitespace allowed),
+  or when the rendered prompt ends with `<think>` (a template that opens the block itself, as
+  Qwen3-Thinking-2507's does: the output starts inside it); any other output (Qwen3 with
+  `enable_thinking: false`, whose template already closed an empty think block) is all content.
 - `deepseek_r1`: the chat template already opened `<think>`, so the output starts inside the
   reasoning (a `<think>` the model writes first anyway, as R1-0528 does, is dropped); without
   `</think>` the whole output is reasoning and content is null.
@@ -34,17 +35,18 @@ class ReasoningParser:
     """One choice's output: (reasoning, content) text, fed delta by delta or whole."""
 
     def __init__(self, starts_inside: bool):
-        self.starts_inside = starts_inside  # deepseek_r1: the prompt opened <think>
+        self.starts_inside = starts_inside  # the prompt opened <think> (deepseek_r1: always)
         self.state = _OPENING
         self.buffer = ""  # text held back: a possible tag (or its start)
 
     @classmethod
-    def for_request(cls, name: str, constrained: bool) -> "ReasoningParser":
+    def for_request(cls, name: str, constrained: bool, prompt_opened: bool = False) -> "ReasoningParser":
         """The parser `--reasoning-parser name` uses for one choice (`constrained`: a grammar
-        shapes the output, so it starts where the grammar says; see the module doc)."""
+        shapes the output, so it starts where the grammar says; `prompt_opened`: the rendered
+        prompt ends with `<think>`; see the module doc)."""
         if name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; expected one of {', '.join(REASONING_PARSERS)}")
-        return cls(starts_inside=name == "deepseek_r1" and not constrained)
+        return cls(starts_inside=(name == "deepseek_r1" or prompt_opened) and not constrained)
 
     def parse(self, text: str) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole output; None for an empty part."""
@@ -83,3 +85,8 @@ class ReasoningParser:
         if self.state == _INSIDE or (self.state == _OPENING and self.starts_inside):
             return rest, ""
         return "", rest
+
+
+def prompt_opens_reasoning(prompt_tail: str) -> bool:
+    """Whether a rendered chat prompt (its last characters suffice) leaves a think block open."""
+    return prompt_tail.rstrip().endswith(START)

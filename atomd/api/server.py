@@ -52,7 +52,7 @@ from atomd.api import protocol as P
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.messages import RequestOutput
 from atomd.api.metrics import ServerMetrics
-from atomd.api.reasoning import REASONING_PARSERS, ReasoningParser
+from atomd.api.reasoning import REASONING_PARSERS, ReasoningParser, prompt_opens_reasoning
 from atomd.api.tool_parsers import TOOL_CALL_PARSERS
 from scheduler.sequence import ErrorCode
 from scheduler.stop import cut_at_stop
@@ -69,6 +69,7 @@ PROBE_PATHS = ("/health", "/ready", "/metrics")  # not in the access log unless 
 ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort")  # and everything under /debug/
 RANK_HEADER = "X-data-parallel-rank"
 PARSER_THREADS = 2  # requests parsed and tokenized at once (tokenizers drop the GIL)
+PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened <think> (<= 7 tokens + whitespace)
 # Limits on a request head (aiohttp's parser enforces them; router/http.py has the same):
 # the request line, one header field, the number of headers. The body: --max-request-body-bytes.
 MAX_LINE_BYTES = 8190
@@ -858,10 +859,13 @@ class ChatRenderer(RequestRenderer):
         self.reasoning_field = None if server.args.reasoning_parser else msgspec.UNSET
         self.reasoning = server.args.reasoning_parser if not checked.forced_tool_call else None  # output: the call
         self.constrained = checked.structured_outputs is not None
+        # the template opened <think> itself (Qwen3-Thinking, DeepSeek-R1): a few tokens hold the tag
+        self.prompt_opened = bool(self.reasoning) and prompt_opens_reasoning(
+            server.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
         self.reasoning_parsers = [self.new_reasoning_parser() for _ in self.choices] if self.reasoning else None
 
     def new_reasoning_parser(self) -> ReasoningParser:
-        return ReasoningParser.for_request(self.reasoning, self.constrained)
+        return ReasoningParser.for_request(self.reasoning, self.constrained, self.prompt_opened)
 
     def tool_finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         return "tool_calls" if num_calls and reason == "stop" else reason
