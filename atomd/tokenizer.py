@@ -5,6 +5,7 @@ incremental detokenization for streaming.
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import pathlib
 from typing import Any
@@ -18,6 +19,10 @@ _REPLACEMENT = "\ufffd"  # what a byte-level BPE decodes a split multi-byte char
 # A longer text is tokenized without the GIL, so the server's event loop runs meanwhile
 # (the server tokenizes on a parser thread; issue 42). Shorter ones: encode() is cheaper.
 GIL_FREE_CHARS = 8192
+# A chat template may come with a request (atomd/api/chat_templates.py): one render builds at
+# most this many range() items in all and strings or lists no longer than this by `*`
+# (jinja's sandbox bounds one range() to 100,000 items, not nested ones, and `*` not at all).
+MAX_RENDER_ITEMS = 1 << 20
 
 
 def _token_text(value: Any) -> str | None:
@@ -45,7 +50,6 @@ class Tokenizer:
         if self.eos_token_id is None and eos_ids:
             self.eos_token_id = int(eos_ids[0])
         self.chat_template: str | None = config.get("chat_template")
-        self._template: jinja2.Template | None = None
 
     @classmethod
     def from_dir(cls, path: str | pathlib.Path) -> "Tokenizer":
@@ -77,12 +81,13 @@ class Tokenizer:
     # ------------------------------------------------------------------ chat
 
     def apply_chat_template(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True,
-                            **extra: Any) -> str:
-        if self.chat_template is None:
+                            chat_template: str | None = None, **extra: Any) -> str:
+        """Render `messages` with `chat_template` (default: the checkpoint's); `extra` are more
+        template variables (tools, chat_template_kwargs)."""
+        source = chat_template if chat_template is not None else self.chat_template
+        if source is None:
             raise ValueError("messages: this model's tokenizer_config.json has no chat_template")
-        if self._template is None:
-            self._template = _compile_template(self.chat_template)
-        return self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
+        return compiled_template(source).render(range=_RangeBudget(), messages=messages, add_generation_prompt=add_generation_prompt,
                                      bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                                      pad_token=self.pad_token, unk_token=self.unk_token, **extra)
 
@@ -139,10 +144,42 @@ def _raise_exception(message: str) -> None:
     raise ValueError(f"messages: {message}")
 
 
-def _compile_template(source: str) -> jinja2.Template:
-    """The environment transformers renders chat templates in (sandboxed, trimmed blocks)."""
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                       extensions=["jinja2.ext.loopcontrols"])
+class _BoundedEnvironment(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with `*` and `**` bounded (MAX_RENDER_ITEMS)."""
+
+    intercepted_binops = frozenset({"*", "**"})
+
+    def call_binop(self, context: Any, operator: str, left: Any, right: Any) -> Any:
+        if operator == "**" and isinstance(right, int) and right > 64 and left not in (0, 1, -1):
+            raise jinja2.sandbox.SecurityError(f"{left} ** {right}: too large a power for a chat template")
+        if operator == "*":
+            for seq, n in ((left, right), (right, left)):
+                if isinstance(seq, (str, list, tuple)) and isinstance(n, int) and len(seq) * n > MAX_RENDER_ITEMS:
+                    raise jinja2.sandbox.SecurityError(f"a sequence of {len(seq) * n} items: a chat template "
+                                                       f"builds at most {MAX_RENDER_ITEMS}")
+        return super().call_binop(context, operator, left, right)
+
+
+class _RangeBudget:
+    """range() for one render: MAX_RENDER_ITEMS items in all, so nested loops are bounded too."""
+
+    def __init__(self) -> None:
+        self.left = MAX_RENDER_ITEMS
+
+    def __call__(self, *args: int) -> range:
+        items = range(*args)
+        self.left -= len(items)
+        if self.left < 0:
+            raise jinja2.sandbox.SecurityError(f"range(): a chat template iterates at most {MAX_RENDER_ITEMS} "
+                                               "range items in all")
+        return items
+
+
+@functools.lru_cache(maxsize=16)  # the checkpoint's, --chat-template's and a few requests' own
+def compiled_template(source: str) -> jinja2.Template:
+    """The environment transformers renders chat templates in (sandboxed, trimmed blocks),
+    with the sizes a template builds bounded."""
+    env = _BoundedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
     env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)

@@ -78,6 +78,9 @@ def parse_command_line(argv: list[str] | None) -> tuple[RouterConfig, bool]:
     pol.add_argument("--tokenizer", default=None, metavar="PATH",
                      help="kv_aware: the model's tokenizer (directory with tokenizer.json), to hash prompts as "
                           "the engines do (default: the one an engine on this host reports)")
+    pol.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                     help="kv_aware: the chat template the engines run with --chat-template (a jinja file or the "
+                          "template inline), to render chat prompts as they do (default: the model's)")
     pol.add_argument("--session-header", default=d.session_header,
                      help="session / consistent_hash: the header naming a session (else the body's `user`)")
     pol.add_argument("--session-ttl-s", type=float, default=d.session_ttl_s,

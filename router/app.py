@@ -104,6 +104,7 @@ class RouterConfig:
     kv_load_weight: float = 1.0
     kv_events_stale_s: float = 10.0
     tokenizer: str | None = None  # for kv_aware; None: the one a local engine reports
+    chat_template: str | None = None  # for kv_aware: the engines' --chat-template (a file or inline); None: the model's
     session_header: str = "X-Session-Id"
     session_ttl_s: float = 3600.0
     # the secret shared with the engines that the router signs kv_transfer_params with
@@ -230,7 +231,7 @@ class Router:
             policy.decide = self.metrics.decide(role)
             self.policies[role] = policy
         if config.tokenizer is not None:
-            self.tokenizer = RouterTokenizer(config.tokenizer)
+            self.tokenizer = RouterTokenizer(config.tokenizer, config.chat_template)
         self.registry.on_ready.append(self._worker_ready)
         self.registry.on_removed.append(self._worker_removed)
         self.relay = PDRelay(self.registry, self.policies, self.metrics, RelayConfig(
@@ -301,7 +302,7 @@ class Router:
         path = (info.get("kv_events") or {}).get("tokenizer")
         if path and os.path.exists(path):
             try:
-                self.tokenizer = self.relay.tokenizer = RouterTokenizer(path)
+                self.tokenizer = self.relay.tokenizer = RouterTokenizer(path, self.config.chat_template)
                 logger.info("kv_aware: tokenizing with %s (reported by an engine)", path)
             except (ValueError, OSError) as e:
                 logger.warning("kv_aware: cannot load the tokenizer at %s: %s", path, e)

@@ -4,7 +4,10 @@ kv_aware scores a worker by the chained block hashes of the request's tokens
 (contracts/block_hash.py), so the router must see the same token ids the engine will:
 a completion prompt is encoded with the special tokens (atomd/tokenizer.py `encode`), a
 token-id prompt is taken as is, chat messages are rendered with the checkpoint's chat
-template (the environment transformers uses) and encoded without special tokens. Only
+template (or the engines' --chat-template, given to the router by the same flag; the
+environment transformers uses) and the request's `chat_template_kwargs`,
+and encoded without special tokens; a request that brings its own `chat_template` is not
+rendered here (the engines run one only with --trust-request-chat-template). Only
 `tokenizers` and jinja2, never the engine's code (the router does not import atomd).
 
 A wrong guess costs only a worse placement, never a wrong answer: the engines tokenize
@@ -26,7 +29,8 @@ def _token_text(value: Any) -> str | None:
 
 
 class RouterTokenizer:
-    def __init__(self, path: str | pathlib.Path):
+    def __init__(self, path: str | pathlib.Path, chat_template: str | None = None):
+        """`chat_template`: the engines' --chat-template (a file, or the template itself)."""
         import tokenizers
 
         path = pathlib.Path(path)
@@ -40,6 +44,8 @@ class RouterTokenizer:
         template = config.get("chat_template")
         if template is None and (tok_file.parent / "chat_template.jinja").is_file():
             template = (tok_file.parent / "chat_template.jinja").read_text()
+        if chat_template is not None:
+            template = _file_or_text(chat_template)
         self._template_source = template
         self._template = None
         self._specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
@@ -70,8 +76,8 @@ class RouterTokenizer:
         try:
             if "messages" in body:
                 messages = body["messages"]
-                if not isinstance(messages, list):
-                    return None
+                if not isinstance(messages, list) or body.get("chat_template") is not None:
+                    return None  # a request's own template is not run here (an engine may refuse it): by load
                 extra = body.get("chat_template_kwargs") or {}
                 return self.encode_chat(messages, body.get("add_generation_prompt", True),
                                         **(extra if isinstance(extra, dict) else {}))
@@ -79,6 +85,14 @@ class RouterTokenizer:
         except Exception as e:  # a template the router cannot render: place by load
             logger.debug("cannot tokenize a request: %s", e)
             return None
+
+
+def _file_or_text(value: str) -> str:
+    """A template flag's value: the file it names, else the template itself."""
+    try:
+        return pathlib.Path(value).read_text()
+    except OSError:  # no such file (or a name no path can have): inline
+        return value
 
 
 def _raise(message: str) -> None:

@@ -41,7 +41,7 @@ VLLM_EXTRAS = ["top_k", "min_p", "repetition_penalty", "length_penalty", "stop_t
 def outcome(field: str, kind: type) -> str:
     if field not in kind.__struct_fields__:
         return "400 `unknown_field`"
-    if field in protocol.UNSUPPORTED and not (field in protocol.CHAT_TOOL_FIELDS
+    if field in protocol.UNSUPPORTED and not (field in protocol.CHAT_ONLY_FIELDS
                                              and kind is protocol.ChatCompletionRequest):
         noops = ", ".join("null" if v is None else f"`{v!r}`" for v in protocol.UNSUPPORTED[field])
         return f"accepted only as {noops}; else 400 `unsupported_field`"

@@ -18,7 +18,8 @@ from atomd.model.default import default_model_dir
 from atomd.engine.sampler import Sampler
 from atomd import structured
 from atomd.structured import GrammarCompiler, apply_bitmask, check
-from atomd.api.tools import HermesParser, forced_grammar
+from atomd.api.tool_parsers import HermesParser
+from atomd.api.tools import forced_grammar
 from contracts.sampling import SamplingParams, StructuredOutputsParams as SO
 from scheduler.sequence import Sequence
 

@@ -37,11 +37,13 @@ TOOLS = [{"type": "function", "function": {"name": "get_weather", "description":
              "required": ["a", "b"], "additionalProperties": False}}}]
 MESSAGES = [{"role": "user", "content": "What is the weather in Paris?"}]
 EMAIL = r"[a-z]{3,10}@[a-z]{3,8}\.(com|org|net)"
+THINK = r"<think>[a-z]{2,8}( [a-z]{2,8}){0,2}</think>[A-Z][a-z]{2,8}\."
 
 
 @pytest.fixture(scope="module")
 def pd():
-    with ref_and_pd("--max-model-len", "768") as cluster:  # a prompt with tools is ~200 tokens
+    # a prompt with tools is ~200 tokens; reasoning parsed (issue 34) on every engine, D included
+    with ref_and_pd("--max-model-len", "768", "--reasoning-parser", "qwen3") as cluster:
         cluster.name = str(cluster.model)  # the served model name
         yield cluster
 
@@ -212,6 +214,7 @@ def test_auto_tools_are_in_the_prompt_and_history_is_accepted(pd):
     ("/v1/completions", {"prompt": "x", "max_tokens": 200, "temperature": 1.0, "seed": 9, "n": 3,
                          "structured_outputs": {"json": RECORD}}),
     ("/v1/chat/completions", chat(tools=TOOLS, tool_choice={"type": "function", "function": {"name": "add"}})),
+    ("/v1/chat/completions", chat(guided_regex=THINK)),  # reasoning parsed on D, T0 (P's) included
 ])
 def test_pd_answers_equal_colocated_token_for_token(pd, path, body):
     for stream in (False, True):
@@ -219,13 +222,14 @@ def test_pd_answers_equal_colocated_token_for_token(pd, path, body):
         ref, routed = post(pd["ref"].url, b, path), post(pd.router.url, b, path)
         if b.get("stream"):  # chunk boundaries differ (D's first output carries T0 and T1): join them
             def joined(events):
-                text, calls = "", []
+                text, reasoning, calls = "", "", []
                 for e in events:
                     for ch in e["choices"]:
                         d = ch.get("delta", {})
                         text += ch.get("text", "") + (d.get("content") or "")
+                        reasoning += d.get("reasoning_content") or ""
                         calls += [{k: v for k, v in tc.items() if k != "id"} for tc in d.get("tool_calls") or []]
-                return text, calls, [ch["finish_reason"] for e in events for ch in e["choices"]][-1]
+                return text, reasoning, calls, [ch["finish_reason"] for e in events for ch in e["choices"]][-1]
             assert joined(ref) == joined(routed)
             continue
         assert ref["usage"]["completion_tokens"] == routed["usage"]["completion_tokens"]
@@ -235,11 +239,14 @@ def test_pd_answers_equal_colocated_token_for_token(pd, path, body):
             else:
                 ma, mb = a["message"], b_["message"]
                 assert ma["content"] == mb["content"] and a["finish_reason"] == b_["finish_reason"]
+                assert ma["reasoning_content"] == mb["reasoning_content"]
                 assert [t["function"] for t in ma.get("tool_calls", [])] == \
                     [t["function"] for t in mb.get("tool_calls", [])]
         for a in ref["choices"]:
             text = a["text"] if "text" in a else a["message"]["content"]
-            if "guided_regex" in body:
+            if body.get("guided_regex") == THINK:  # the parts, put back together, are what the grammar allowed
+                assert re.fullmatch(THINK, f"<think>{a['message']['reasoning_content']}</think>{text}")
+            elif "guided_regex" in body:
                 assert re.fullmatch(EMAIL, text)
             elif text is not None:
                 jsonschema.validate(json.loads(text), RECORD)

@@ -12,7 +12,8 @@ import msgspec
 
 # Items per list field (and keys of logit_bias). vLLM bounds none of these but the body
 # size; these are far above any real use. allowed_token_ids is bounded by the vocabulary.
-LIST_FIELDS = ("stop", "stop_token_ids", "bad_words", "logit_bias", "guided_choice", "tools", "messages")
+LIST_FIELDS = ("stop", "stop_token_ids", "bad_words", "logit_bias", "guided_choice", "tools", "messages",
+               "chat_template_kwargs")
 
 
 class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
@@ -21,6 +22,8 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_item_chars: int = 4096  # one stop string, bad word or choice
     max_grammar_bytes: int = 64 << 10  # a regex, grammar, JSON schema (as JSON) or all choices together
     max_json_depth: int = 64  # nesting of any JSON object or array a client sends (schemas, tools, ...)
+    # a request's own chat template (Qwen3's is 4 KiB, Llama 3.1's 5 KiB, the largest common ones ~20 KiB)
+    max_chat_template_chars: int = 64 << 10
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or max(1 << 20, 16 * max_model_len)
@@ -43,6 +46,8 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
     group.add_argument("--max-json-depth", type=int, default=DEFAULT.max_json_depth,
                        help="deepest nesting of any JSON object or array in a request (schemas, tools, "
                             "guided_json given as a string)")
+    group.add_argument("--max-chat-template-chars", type=int, default=DEFAULT.max_chat_template_chars,
+                       help="longest chat_template a chat request may bring (with --trust-request-chat-template)")
 
 
 def from_args(args: argparse.Namespace) -> RequestLimits:

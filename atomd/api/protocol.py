@@ -38,7 +38,8 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "cache_salt": (None,), "vllm_xargs": (None, {}),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
-CHAT_TOOL_FIELDS = ("tools", "tool_choice", "parallel_tool_calls")  # unsupported on completions only
+# implemented on chat (atomd/api/tools.py, atomd/api/chat_templates.py), unsupported on completions
+CHAT_ONLY_FIELDS = ("tools", "tool_choice", "parallel_tool_calls", "chat_template", "chat_template_kwargs")
 STRUCTURED_FIELDS = ("response_format", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
                      "guided_grammar")
 
@@ -235,6 +236,8 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     tools: list[ToolDefinition] | None = None  # atomd/api/tools.py
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
     parallel_tool_calls: bool | None = None
+    chat_template: str | None = None  # atomd/api/chat_templates.py (with --trust-request-chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")

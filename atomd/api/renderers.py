@@ -3,6 +3,7 @@ held back, logprobs, tool calls), rendered as the completions or chat JSON / SSE
 """
 from __future__ import annotations
 
+import argparse
 import time
 from typing import Protocol
 
@@ -10,14 +11,19 @@ import msgspec
 
 from atomd.api import responses, validation
 from atomd.api.metrics import ServerMetrics
-from atomd.api.tools import HermesParser
+from atomd.api.reasoning import ReasoningParser, prompt_opens_reasoning
+from atomd.api.tool_parsers import TOOL_CALL_PARSERS
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
 from scheduler.stop import cut_at_stop
 
+PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened <think> (<= 7 tokens + whitespace)
+
+
 class RendererHost(Protocol):
     """What a renderer reads of the server (atomd/api/server.py's Server)."""
 
+    args: argparse.Namespace  # --tool-call-parser, --reasoning-parser
     model_name: str
     metrics: ServerMetrics
     tokenizer: Tokenizer
@@ -248,16 +254,30 @@ class CompletionRenderer(RequestRenderer):
 
 
 class ChatRenderer(RequestRenderer):
-    """Chat JSON / chunks; with tools (tool_choice not none) each choice's text goes through
-    the tool-call parser (atomd/api/tools.py): calls become `tool_calls` (streamed as OpenAI's
-    deltas: the call's id, type and name with empty arguments, then its arguments) and
-    `finish_reason` "tool_calls"; the rest is `content`, the same streamed or not."""
+    """Chat JSON / chunks. Each choice's text goes through the reasoning parser (with
+    --reasoning-parser; atomd/api/reasoning.py): `<think>` text becomes `reasoning_content`;
+    then, with tools (tool_choice not none), the rest through the tool-call parser
+    (atomd/api/tool_parsers.py): calls become `tool_calls` (streamed as OpenAI's deltas: the
+    call's id, type and name with empty arguments, then its arguments) and `finish_reason`
+    "tool_calls"; the rest is `content`, the same streamed or not."""
 
     opens_early = True
 
     def __init__(self, server: RendererHost, request_id: str, req, checked: validation.Checked, prompt_ids: list[int]):
         super().__init__(server, request_id, req, checked, prompt_ids)
-        self.tool_parsers = [HermesParser() for _ in self.choices] if checked.parse_tool_calls else None
+        self.tool_parser = TOOL_CALL_PARSERS[server.args.tool_call_parser] if checked.parse_tool_calls else None
+        self.tool_parsers = [self.tool_parser() for _ in self.choices] if self.tool_parser else None
+        # messages carry reasoning_content (maybe null) whenever the server parses reasoning
+        self.reasoning_field = None if server.args.reasoning_parser else msgspec.UNSET
+        self.reasoning = server.args.reasoning_parser if not checked.forced_tool_call else None  # output: the call
+        self.constrained = checked.structured_outputs is not None
+        # the template opened <think> itself (Qwen3-Thinking, DeepSeek-R1): a few tokens hold the tag
+        self.prompt_opened = bool(self.reasoning) and prompt_opens_reasoning(
+            server.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+        self.reasoning_parsers = [self.new_reasoning_parser() for _ in self.choices] if self.reasoning else None
+
+    def new_reasoning_parser(self) -> ReasoningParser:
+        return ReasoningParser.for_request(self.reasoning, self.constrained, self.prompt_opened)
 
     def tool_finish_reason(self, reason: str | None, num_calls: int) -> str | None:
         return "tool_calls" if num_calls and reason == "stop" else reason
@@ -290,38 +310,55 @@ class ChatRenderer(RequestRenderer):
             if not (text or items or finish_reason or final):
                 return out
         kv = self.kv_transfer_params if final else msgspec.UNSET
-        if self.tool_parsers is not None:
-            return out + self.tool_chunks(c, text, items, finish_reason, kv)
-        out.append(self.chunk_of(c.index, responses.ChatDelta(content=text), items, finish_reason,
-                                 kv_transfer_params=kv))
-        return out
+        if self.tool_parsers is None and self.reasoning_parsers is None:
+            out.append(self.chunk_of(c.index, responses.ChatDelta(content=text), items, finish_reason, kv_transfer_params=kv))
+            return out
+        deltas, num_calls = self.parsed_deltas(c, text)
+        if not deltas:
+            if not (items or finish_reason is not None or kv is not msgspec.UNSET):
+                return out
+            deltas.append(responses.ChatDelta(content=""))
+        reason = self.tool_finish_reason(finish_reason, num_calls)
+        return out + [self.chunk_of(c.index, d, items if j == 0 else [], reason if j == len(deltas) - 1 else None,
+                                    **({"kv_transfer_params": kv} if j == len(deltas) - 1 else {}))
+                      for j, d in enumerate(deltas)]
 
-    def tool_chunks(self, c: Choice, text: str, items, finish_reason, kv) -> list[bytes]:
-        parser = self.tool_parsers[c.index]
-        first_call = parser.num_calls
-        content, calls = parser.stream(text)
-        if c.finished:
-            content += parser.finish()[0]
-        deltas = [responses.ChatDelta(content=content)] if content else []
-        for k, call in enumerate(calls, start=first_call):
+    def parsed_deltas(self, c: Choice, text: str) -> tuple[list[responses.ChatDelta], int]:
+        """A choice's new text through its parsers: the deltas to send (reasoning and content
+        in one, then each completed call as two) and the choice's calls so far."""
+        reasoning = ""
+        if self.reasoning_parsers is not None:
+            parser = self.reasoning_parsers[c.index]
+            reasoning, text = parser.stream(text)
+            if c.finished:
+                more_reasoning, more_text = parser.finish()
+                reasoning, text = reasoning + more_reasoning, text + more_text
+        calls, num_calls = [], 0
+        if self.tool_parsers is not None:
+            tools = self.tool_parsers[c.index]
+            first_call = tools.num_calls
+            text, calls = tools.stream(text)
+            if c.finished:
+                text += tools.finish()[0]
+            calls, num_calls = list(enumerate(calls, start=first_call)), tools.num_calls
+        deltas = [responses.ChatDelta(content=text or None, reasoning_content=reasoning or None)] if text or reasoning else []
+        for k, call in calls:
             fn = call["function"]
             deltas.append(responses.ChatDelta(tool_calls=[{"index": k, "id": call["id"], "type": "function",
                                                    "function": {"name": fn["name"], "arguments": ""}}]))
             deltas.append(responses.ChatDelta(tool_calls=[{"index": k, "function": {"arguments": fn["arguments"]}}]))
-        if not deltas:
-            if not (items or finish_reason is not None or kv is not msgspec.UNSET):
-                return []
-            deltas.append(responses.ChatDelta(content=""))
-        reason = self.tool_finish_reason(finish_reason, parser.num_calls)
-        return [self.chunk_of(c.index, d, items if j == 0 else [], reason if j == len(deltas) - 1 else None,
-                              **({"kv_transfer_params": kv} if j == len(deltas) - 1 else {}))
-                for j, d in enumerate(deltas)]
+        return deltas, num_calls
 
     def message(self, c: Choice) -> tuple[responses.ChatMessageOut, str | None]:
-        if self.tool_parsers is None:
+        if self.tool_parsers is None and self.reasoning_parsers is None:
             return responses.ChatMessageOut("assistant", c.text), c.finish_reason
-        content, calls = HermesParser.parse(c.text)
-        return (responses.ChatMessageOut("assistant", content, tool_calls=calls or msgspec.UNSET),
+        reasoning, content = self.reasoning_field, c.text
+        if self.reasoning_parsers is not None:
+            reasoning, content = self.new_reasoning_parser().parse(c.text)
+        calls = []
+        if self.tool_parser is not None:
+            content, calls = self.tool_parser.parse(content or "")
+        return (responses.ChatMessageOut("assistant", content, tool_calls=calls or msgspec.UNSET, reasoning_content=reasoning),
                 self.tool_finish_reason(c.finish_reason, len(calls)))
 
     def full_response(self) -> bytes:

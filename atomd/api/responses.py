@@ -7,8 +7,6 @@ from typing import Any, Literal
 import msgspec
 
 
-
-
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
 
@@ -79,11 +77,13 @@ class ChatMessageOut(msgspec.Struct):
     role: str
     content: str | None  # None: only tool calls
     tool_calls: list[dict[str, Any]] | msgspec.UnsetType = msgspec.UNSET  # OpenAI's, when the model called tools
+    reasoning_content: str | None | msgspec.UnsetType = msgspec.UNSET  # with --reasoning-parser (vLLM's)
 
 
 class ChatDelta(msgspec.Struct, omit_defaults=True):
     role: str | None = None
     content: str | None = None
+    reasoning_content: str | None = None  # with --reasoning-parser (vLLM's)
     tool_calls: list[dict[str, Any]] | None = None  # OpenAI's deltas: {index, id, type, function}
 
 

@@ -14,10 +14,12 @@ from typing import Any
 import uvloop
 from aiohttp import web
 
+from atomd.api import chat_templates
 from atomd.api import limits as L
 from atomd.api.http import HEAD_LIMITS, JSONErrorRunner
 from atomd.api.server import PROBE_PATHS, Server, access_logger
-from atomd.api.tools import TOOL_CALL_PARSERS
+from atomd.api.reasoning import REASONING_PARSERS
+from atomd.api.tool_parsers import TOOL_CALL_PARSERS
 
 logger = logging.getLogger("atomd.api.serve")
 SHUTDOWN_TIMEOUT_S = 5.0  # on SIGTERM, in-flight requests get this long before they are cut
@@ -53,8 +55,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g.add_argument("--access-log-probes", action="store_true",
                    help="log the probes too (%s: a router asks every few seconds), which are left out by default"
                         % ", ".join(PROBE_PATHS))
-    g.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
-                   help="how tool calls are read from the model's output (chat requests with tools)")
+    g.add_argument("--tool-call-parser", choices=tuple(TOOL_CALL_PARSERS), default="hermes",
+                   help="how tool calls are read from the model's output (chat requests with tools): hermes "
+                        "(<tool_call> JSON: Hermes, Qwen2.5, Qwen3), llama3_json (Llama 3's JSON calls)")
+    g.add_argument("--reasoning-parser", choices=REASONING_PARSERS, default=None,
+                   help="split <think>...</think> out of chat output into reasoning_content: qwen3 (when the "
+                        "output opens with <think>), deepseek_r1 (the template opened it: output starts in it)")
+    g.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
+                   help="a chat template (a jinja file, or the template inline) instead of the checkpoint's")
+    g.add_argument("--trust-request-chat-template", action="store_true",
+                   help="render a chat request's own chat_template (it runs in jinja's sandbox, but can loop; "
+                        "off: such a request is a 400)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -69,6 +80,8 @@ def run(args: argparse.Namespace) -> int:
     try:
         config = EngineConfig.from_args(args)
         config.check_model_dir()
+        if args.chat_template is not None:  # a bad one stops here, not at the first request
+            args.chat_template = chat_templates.load_chat_template(args.chat_template)
     except ValueError as e:
         print(f"atomd serve: error: {e}", file=sys.stderr)
         return 2

@@ -41,6 +41,7 @@ import msgspec
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from atomd.api import chat_templates
 from atomd.api import limits as L
 from atomd.api import protocol, responses, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
@@ -134,6 +135,10 @@ class Server:
         ready = await self.client.start(timeout_s)
         self.model_name = self.model_name or ready.model_name
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
+        if self.args.chat_template is not None:
+            self.tokenizer.chat_template = self.args.chat_template
+        if self.args.chat_template is not None:
+            self.tokenizer.chat_template = self.args.chat_template
         self.metrics = ServerMetrics(self.model_name, self.config.data_parallel_rank)
         self.watchdog = asyncio.get_running_loop().create_task(self.watch_core())
 
@@ -342,13 +347,9 @@ class Server:
         """As parse_completion, for a chat request."""
         req = protocol.decode_request(body, protocol.ChatCompletionRequest)
         self.check_model(req)
-        checked = validation.validate_chat_request(req, self.limits)
-        messages = validation.chat_messages(req)
-        try:
-            ids = self.tokenizer.encode_chat(messages, add_generation_prompt=req.add_generation_prompt,
-                                             **({"tools": checked.tools} if checked.tools else {}))
-        except Exception as e:  # a template that raises on this conversation
-            raise protocol.invalid("messages", f"chat template failed: {e}") from None
+        checked = validation.validate_chat_request(req, self.limits, self.args.tool_call_parser)
+        ids = chat_templates.prompt_ids(self.tokenizer, req, validation.chat_messages(req), checked.tools,
+                                        self.args.trust_request_chat_template, self.limits.max_prompt_chars)
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         self.check_sampling_token_ids(req, checked)

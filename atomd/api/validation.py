@@ -8,7 +8,7 @@ from typing import Any
 import msgspec
 
 from atomd.api import limits as L
-from atomd.api.protocol import (CHAT_ROLES, CHAT_TOOL_FIELDS, MAX_LOGPROBS, MAX_N, UNSUPPORTED, APIError,
+from atomd.api.protocol import (CHAT_ONLY_FIELDS, CHAT_ROLES, MAX_LOGPROBS, MAX_N, UNSUPPORTED, APIError,
                                 ChatCompletionRequest, CompletionRequest, ContentPart, SamplingFields,
                                 UnsupportedFields, invalid)
 from contracts.sampling import SamplingParams, StructuredOutputsParams
@@ -76,13 +76,14 @@ class Checked(msgspec.Struct):
     structured_outputs: StructuredOutputsParams | None = None  # the grammar the output must follow
     tools: list[dict[str, Any]] | None = None  # chat: for the template (None: no tools in the prompt)
     parse_tool_calls: bool = False  # chat: the output's tool calls become `tool_calls`
+    forced_tool_call: bool = False  # chat: a grammar forces the output to be tool calls
 
 
 def check_unsupported(req: UnsupportedFields) -> None:
     """A 400 naming the first unsupported field sent with a value that asks for something."""
     for name, noops in UNSUPPORTED.items():
-        if name in CHAT_TOOL_FIELDS and isinstance(req, ChatCompletionRequest):
-            continue  # implemented there (atomd/api/tools.py)
+        if name in CHAT_ONLY_FIELDS and isinstance(req, ChatCompletionRequest):
+            continue  # implemented there
         value = getattr(req, name)
         if value is not msgspec.UNSET and not any(_same(value, v) for v in noops):
             raise APIError(400, f"{name}={value!r} is not supported by this server; leave it out",
@@ -136,9 +137,15 @@ def check_limits(req: SamplingFields, limits: L.RequestLimits) -> None:
                           sum(len(p) if isinstance(p, (str, list)) else 1 for p in prompt)), "prompt"
         else:
             size, name = sum(_content_chars(m.content) for m in req.messages), "messages"
+            if req.chat_template_kwargs:  # rendered into the prompt too
+                size += len(msgspec.json.encode(req.chat_template_kwargs))
         if size > limits.max_prompt_chars:
             raise too_large(name, f"a prompt of {size} characters (or token ids)", limits.max_prompt_chars,
                             "max-prompt-chars")
+    template = req.chat_template
+    if isinstance(template, str) and len(template) > limits.max_chat_template_chars:
+        raise too_large("chat_template", f"a template of {len(template)} characters", limits.max_chat_template_chars,
+                        "max-chat-template-chars")
     so = req.structured_outputs
     lists = [(name, getattr(req, name, None)) for name in L.LIST_FIELDS]
     lists.append(("structured_outputs.choice", so.choice if so is not None else None))
@@ -284,7 +291,7 @@ def check_structured(params: StructuredOutputsParams | None, param: str | None) 
         raise invalid(param, f"{param}: {e}") from None
 
 
-def tool_plan(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, bool,
+def tool_plan(req: ChatCompletionRequest, tool_call_parser: str = "hermes") -> tuple[list[dict[str, Any]] | None, bool,
                                                    StructuredOutputsParams | None, str | None]:
     """(tools for the template, parse the output, grammar of a forced call, its field)."""
     from atomd.api import tools as T
@@ -313,7 +320,8 @@ def tool_plan(req: ChatCompletionRequest) -> tuple[list[dict[str, Any]] | None, 
         if t.function.parameters:
             check_structured(StructuredOutputsParams(json=t.function.parameters), f"tools[{i}].function.parameters")
     several = choice == "required" and req.parallel_tool_calls is not False
-    grammar = T.forced_grammar([(t.function.name, t.function.parameters) for _, t in used], several)
+    grammar = T.forced_grammar([(t.function.name, t.function.parameters) for _, t in used], several,
+                               tool_call_parser)
     return listed, True, StructuredOutputsParams(grammar=grammar), "tool_choice"
 
 
@@ -332,7 +340,8 @@ def validate_completion_request(req: CompletionRequest, limits: L.RequestLimits 
     return Checked(req.logprobs, kv_params, prompt_logprobs, logit_bias, structured)
 
 
-def validate_chat_request(req: ChatCompletionRequest, limits: L.RequestLimits = L.DEFAULT) -> Checked:
+def validate_chat_request(req: ChatCompletionRequest, limits: L.RequestLimits = L.DEFAULT,
+                          tool_call_parser: str = "hermes") -> Checked:
     """As validate_completion_request, for /v1/chat/completions."""
     kv_params, logit_bias = _check_common(req, limits)
     if req.echo is not msgspec.UNSET and not _same(req.echo, False) and req.echo is not None:
@@ -346,7 +355,7 @@ def validate_chat_request(req: ChatCompletionRequest, limits: L.RequestLimits = 
     check_max_tokens("max_tokens", req.max_tokens)
     check_max_tokens("max_completion_tokens", req.max_completion_tokens)
     structured, param = structured_request(req)
-    tools, parse, forced, forced_param = tool_plan(req)
+    tools, parse, forced, forced_param = tool_plan(req, tool_call_parser)
     if forced is not None:
         if structured is not None:
             raise invalid(param.split(".")[0], f"{param.split('.')[0]} cannot be combined with tool_choice "
@@ -357,7 +366,7 @@ def validate_chat_request(req: ChatCompletionRequest, limits: L.RequestLimits = 
                           "cannot be combined with a forced tool call (a grammar ends the output)")
     check_structured(structured, param)
     return Checked((req.top_logprobs or 0) if req.logprobs else None, kv_params, req.prompt_logprobs, logit_bias,
-                   structured, tools, parse)
+                   structured, tools, parse, forced is not None)
 
 
 def check_max_tokens(param: str, value: int | None) -> None:
