@@ -13,6 +13,8 @@ connections to any address. So a consumer pulls only from params it trusts:
 With neither configured an engine trusts loopback producers only (the one-machine case:
 `launch/pd_pair.sh`, tests). Refusals happen before any connection is made and are
 counted by reason.
+
+The same secret keys the KV events' ZMQ CURVE sockets (`kv_events_curve_keys` below).
 """
 from __future__ import annotations
 

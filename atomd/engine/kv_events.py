@@ -168,6 +168,7 @@ class KVEventPublisher:
                 "hash": HASH_ALGO, "buffer_steps": self.buffer.maxlen, "published": self.num_published,
                 "dropped": self.num_dropped, "auth": "curve" if self.keys is not None else "none",
                 "server_key": self.keys.server_public.decode() if self.keys is not None else None,
+                "auth_refused": self.num_auth_refused,
                 **self.extra_info}
 
     def close(self, timeout_s: float = 2.0) -> None:
