@@ -13,6 +13,8 @@ connections to any address. So a consumer pulls only from params it trusts:
 With neither configured an engine trusts loopback producers only (the one-machine case:
 `launch/pd_pair.sh`, tests). Refusals happen before any connection is made and are
 counted by reason.
+
+The same secret keys the KV events' ZMQ CURVE sockets (`kv_events_curve_keys` below).
 """
 from __future__ import annotations
 
@@ -20,8 +22,11 @@ import hashlib
 import hmac
 import ipaddress
 import os
+from typing import NamedTuple
 
 import msgspec
+import zmq
+from zmq.utils import z85
 
 from kv_transfer.params import KVTransferParams
 
@@ -58,10 +63,28 @@ def load_secret(value: str | None = None, path: str | None = None, env: dict | N
     return value.strip().encode()
 
 
-def replay_token(secret: bytes, start_seq: bytes) -> bytes:
-    """What a KV events replay request for `start_seq` (8 bytes) carries when the engine has
-    the secret (atomd/engine/kv_events.py): proof of the secret without sending it."""
-    return hmac.new(secret, b"atomd-kv-events-replay:" + start_seq, hashlib.sha256).digest()
+# Labels of the KV events' CURVE keys (atomd/engine/kv_events.py): each Curve25519 secret key
+# is HMAC-SHA256(KV secret, label), 32 bytes, so every holder of the secret derives the
+# same two keypairs and nobody else can. The engine's PUB / replay sockets are the CURVE
+# server; a subscriber must present the client public key (checked by the engine's ZAP).
+CURVE_SERVER_LABEL = b"atomd-kv-events-curve-server-v1"
+CURVE_CLIENT_LABEL = b"atomd-kv-events-curve-client-v1"
+
+
+class CurveKeys(NamedTuple):
+    """Z85-encoded (40 bytes each), as zmq's CURVE socket options take them."""
+    server_public: bytes
+    server_secret: bytes
+    client_public: bytes
+    client_secret: bytes
+
+
+def kv_events_curve_keys(secret: bytes) -> CurveKeys:
+    """The KV events' CURVE keypairs derived from the KV secret (labels above)."""
+    def pair(label: bytes) -> tuple[bytes, bytes]:
+        secret_key = z85.encode(hmac.new(secret, label, hashlib.sha256).digest())
+        return zmq.curve_public(secret_key), secret_key
+    return CurveKeys(*pair(CURVE_SERVER_LABEL), *pair(CURVE_CLIENT_LABEL))
 
 
 def _payload(params: KVTransferParams) -> bytes:

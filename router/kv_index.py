@@ -16,6 +16,11 @@ of block hashes it holds, per (worker, dp_rank):
   that goes back with a timestamp already seen is a batch a replay applied (skipped);
 - the first batch a subscriber sees is followed by a replay from seq 0, so a router that
   starts after the engines learns what they already hold;
+- an engine with the KV secret reports `auth: "curve"` and its CURVE server key: the index
+  connects with the keys it derives from its own KV secret (kv_transfer/trust.py); without
+  the secret, or with another one (the reported key is not the one it derives), that
+  worker's events are not followed, the reason is kept in `errors` (`kv_events_error` in
+  GET /workers), and kv_aware places its requests by load alone;
 - a rank silent for `stale_s` (engines send an empty batch every 2 s) is scored as empty:
   it may have died, and its set may be stale.
 
@@ -35,7 +40,7 @@ import zmq.asyncio
 
 from contracts.block_hash import ALGO
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from kv_transfer.trust import replay_token
+from kv_transfer.trust import CurveKeys, kv_events_curve_keys
 
 logger = logging.getLogger("atomd.router.kv_index")
 
@@ -45,12 +50,13 @@ WILDCARD_HOSTS = ("*", "0.0.0.0", "::", "[::]", "")
 
 
 class RankState:
-    __slots__ = ("worker", "rank", "endpoint", "replay_endpoint", "topic", "block_size", "hashes", "last_seq",
-                 "last_ts", "last_msg", "batches", "gaps", "repaired", "rebuilt", "restarts", "replays", "task")
+    __slots__ = ("worker", "rank", "endpoint", "replay_endpoint", "topic", "block_size", "curve", "hashes",
+                 "last_seq", "last_ts", "last_msg", "batches", "gaps", "repaired", "rebuilt", "restarts", "replays",
+                 "task")
 
     def __init__(self, worker: str, rank: int, endpoint: str, replay_endpoint: str | None, topic: str,
-                 block_size: int):
-        self.worker, self.rank = worker, rank
+                 block_size: int, curve: bool = False):
+        self.worker, self.rank, self.curve = worker, rank, curve
         self.endpoint, self.replay_endpoint, self.topic, self.block_size = endpoint, replay_endpoint, topic, block_size
         self.hashes: set[int] = set()
         self.last_seq: int | None = None
@@ -96,7 +102,8 @@ def connectable(endpoint: str, worker_url: str) -> str:
 class KVIndex:
     def __init__(self, stale_s: float = 10.0, secret: bytes | None = None):
         self.stale_s = stale_s
-        self.secret = secret  # the KV secret: replay requests carry its token (atomd/engine/kv_events.py)
+        # from the KV secret: the keys of engines whose events are CURVE (atomd/engine/kv_events.py)
+        self.keys: CurveKeys | None = kv_events_curve_keys(secret) if secret is not None else None
         self.ranks: dict[tuple[str, int], RankState] = {}
         self.by_worker: dict[str, list[RankState]] = {}
         self.ctx = zmq.asyncio.Context()
@@ -119,29 +126,49 @@ class KVIndex:
             if ev.get("hash", ALGO) != ALGO:
                 self.errors[url] = f"unknown block hash {ev.get('hash')!r}"
                 continue
+            refused = self._auth_refused(ev)
+            if refused:
+                self.errors[url] = refused
+                continue
             wanted.append((int(ev.get("dp_rank", r.get("dp_rank", 0)) or 0), connectable(ev["endpoint"], url),
                            connectable(ev["replay_endpoint"], url) if ev.get("replay_endpoint") else None,
-                           ev.get("topic", ""), int(ev.get("block_size") or 16)))
+                           ev.get("topic", ""), int(ev.get("block_size") or 16), ev.get("auth") == "curve"))
         if not wanted:
             self.errors.setdefault(url, "the engine publishes no KV events (--kv-events-endpoint)")
             return
         self.errors.pop(url, None)
         current = {st.rank: st for st in self.by_worker.get(url, [])}
         keep = []
-        for rank, endpoint, replay, topic, block_size in wanted:
+        for rank, endpoint, replay, topic, block_size, curve in wanted:
             st = current.pop(rank, None)
-            if st is not None and (st.endpoint, st.replay_endpoint, st.topic) == (endpoint, replay, topic):
+            if st is not None and (st.endpoint, st.replay_endpoint, st.topic, st.curve) == (endpoint, replay, topic,
+                                                                                             curve):
                 keep.append(st)
                 continue
             if st is not None:
                 self._stop(st)
-            st = RankState(url, rank, endpoint, replay, topic, block_size)
+            st = RankState(url, rank, endpoint, replay, topic, block_size, curve)
             st.task = asyncio.get_running_loop().create_task(self._subscribe(st))
             self.ranks[(url, rank)] = st
             keep.append(st)
         for st in current.values():
             self._stop(st)
         self.by_worker[url] = keep
+
+    def _auth_refused(self, ev: dict) -> str | None:
+        """Why a rank's events cannot be followed with this router's keys (None: they can)."""
+        auth = ev.get("auth", "none")  # vLLM's engines report no `auth`: the plain wire
+        if auth == "none":
+            return None
+        if auth != "curve":
+            return f"unknown KV events auth {str(auth)[:40]!r}"
+        if self.keys is None:
+            return ("the engine's KV events are encrypted and keyed by its KV secret (CURVE); this router "
+                    "has no KV secret (--kv-params-secret-file): placing by load")
+        if ev.get("server_key") != self.keys.server_public.decode():
+            return ("the engine's KV events are keyed by another KV secret than this router's "
+                    "(--kv-params-secret-file): placing by load")
+        return None
 
     def forget(self, url: str) -> None:
         for st in self.by_worker.pop(url, []):
@@ -185,8 +212,7 @@ class KVIndex:
     # ------------------------------------------------------------------ one rank's stream
 
     async def _subscribe(self, st: RankState) -> None:
-        sub = self.ctx.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
+        sub = self._socket(zmq.SUB, st)
         sub.setsockopt(zmq.RCVHWM, 100_000)
         sub.setsockopt(zmq.SUBSCRIBE, st.topic.encode())
         sub.connect(st.endpoint)
@@ -202,6 +228,18 @@ class KVIndex:
             logger.exception("KV events of %s rank %d: subscriber stopped", st.worker, st.rank)
         finally:
             sub.close(linger=0)
+
+    def _socket(self, kind: int, st: RankState) -> zmq.asyncio.Socket:
+        """A socket to one of the rank's endpoints; a CURVE client with the derived keys when
+        the rank's events are keyed (follow() checked that they are keyed as ours)."""
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if st.curve:
+            assert self.keys is not None
+            sock.setsockopt(zmq.CURVE_SERVERKEY, self.keys.server_public)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self.keys.client_public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self.keys.client_secret)
+        return sock
 
     async def _on_batch(self, st: RankState, seq: int, payload: bytes) -> None:
         st.last_msg = time.monotonic()
@@ -262,14 +300,11 @@ class KVIndex:
     async def _fetch(self, st: RankState, start: int) -> list[tuple[int, EventBatch]]:
         """Every buffered batch from `start` on, in order ([] when the replay fails)."""
         st.replays += 1
-        dealer = self.ctx.socket(zmq.DEALER)
-        dealer.setsockopt(zmq.LINGER, 0)
+        dealer = self._socket(zmq.DEALER, st)
         dealer.connect(st.replay_endpoint)
         got: list[tuple[int, EventBatch]] = []
         try:
-            start_seq = start.to_bytes(8, "big")
-            token = [replay_token(self.secret, start_seq)] if self.secret is not None else []
-            await dealer.send_multipart([b"", start_seq, *token])
+            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
             while True:
                 if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
                     logger.warning("KV events of %s rank %d: replay from %d timed out", st.worker, st.rank, start)

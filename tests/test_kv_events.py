@@ -18,11 +18,12 @@ import xxhash
 import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from zmq.utils.monitor import recv_monitor_message
 
 from atomd.engine.kv_events import END_SEQ, KVEventPublisher, offset_port
 from contracts.block_hash import block_hashes, chain_hash
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kv_transfer.trust import replay_token
+from kv_transfer.trust import CurveKeys, kv_events_curve_keys
 from launch.process import free_port
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
@@ -70,14 +71,28 @@ def tcp() -> str:
 
 
 class Sub:
-    """A SUB socket and a replay DEALER, as any consumer would open them."""
+    """A SUB socket and a replay DEALER, as any consumer would open them; with `keys`, a CURVE
+    client (pyzmq's own options) presenting keys.client_* and expecting keys.server_public."""
 
-    def __init__(self, pub: KVEventPublisher, topic: bytes = b""):
+    def __init__(self, pub: KVEventPublisher, topic: bytes = b"", keys: CurveKeys | None = None):
         self.ctx = zmq.Context()
-        self.sub = self.ctx.socket(zmq.SUB)
+        self.keys = keys
+        self.sub = self.socket(zmq.SUB)
         self.sub.setsockopt(zmq.SUBSCRIBE, topic)
+        # the outcome of each handshake with the publisher (before connecting: none is missed)
+        self.handshakes = self.sub.get_monitor_socket(
+            zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+            | zmq.EVENT_HANDSHAKE_FAILED_AUTH | zmq.EVENT_HANDSHAKE_SUCCEEDED)
         self.sub.connect(pub.endpoint)
         self.pub = pub
+
+    def socket(self, kind: int) -> zmq.Socket:
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 0)
+        if self.keys is not None:
+            sock.curve_serverkey = self.keys.server_public
+            sock.curve_publickey, sock.curve_secretkey = self.keys.client_public, self.keys.client_secret
+        return sock
 
     def recv(self, timeout_s: float = 10.0) -> tuple[bytes, int, VKVEventBatch]:
         assert self.sub.poll(int(timeout_s * 1000)), "no KV events message"
@@ -85,10 +100,10 @@ class Sub:
         assert len(seq) == 8
         return topic, int.from_bytes(seq, "big"), VDECODER.decode(payload)
 
-    def replay(self, start: int, timeout_s: float = 10.0, token: bytes | None = None) -> list[tuple[int, VKVEventBatch]]:
-        dealer = self.ctx.socket(zmq.DEALER)
+    def replay(self, start: int, timeout_s: float = 10.0) -> list[tuple[int, VKVEventBatch]]:
+        dealer = self.socket(zmq.DEALER)
         dealer.connect(self.pub.replay_endpoint)
-        dealer.send_multipart([b"", start.to_bytes(8, "big"), *([token] if token is not None else [])])
+        dealer.send_multipart([b"", start.to_bytes(8, "big")])
         out = []
         try:
             while True:
@@ -103,14 +118,13 @@ class Sub:
             dealer.close(linger=0)
 
     def close(self) -> None:
-        self.sub.close(linger=0)
-        self.ctx.term()
+        self.ctx.destroy(linger=0)
 
 
-def subscribed(pub: KVEventPublisher, topic: bytes = b"") -> Sub:
+def subscribed(pub: KVEventPublisher, topic: bytes = b"", keys: CurveKeys | None = None) -> Sub:
     """A subscriber that is surely connected (PUB drops what is sent before a SUB joined):
     it has seen a heartbeat. Later messages arrive in order, heartbeats among them."""
-    s = Sub(pub, topic)
+    s = Sub(pub, topic, keys)
     s.recv()
     return s
 
@@ -338,19 +352,64 @@ def published(pub: KVEventPublisher, n: int) -> None:
         time.sleep(0.01)
 
 
-def test_with_the_kv_secret_a_replay_needs_its_token(request):
-    """The replay port gave anyone the token ids of other clients' prompts."""
-    pub = KVEventPublisher(tcp(), tcp(), heartbeat_s=60, secret=SECRET)
+def test_curve_keys_are_hmac_sha256_of_the_secret_under_fixed_labels():
+    """The derivation as docs/design.md states it, computed here with hashlib and libsodium's
+    Curve25519 (through zmq.curve_public) directly."""
+    import hashlib
+    import hmac
+
+    def pair(label: bytes) -> tuple[bytes, bytes]:
+        sk = zmq.utils.z85.encode(hmac.new(SECRET, label, hashlib.sha256).digest())
+        return zmq.curve_public(sk), sk
+
+    keys = kv_events_curve_keys(SECRET)
+    assert keys == (*pair(b"atomd-kv-events-curve-server-v1"), *pair(b"atomd-kv-events-curve-client-v1"))
+    assert len(set(keys)) == 4 and kv_events_curve_keys(b"another secret").server_public != keys.server_public
+
+
+def first_handshake(s: Sub, timeout_s: float = 10.0) -> int:
+    """How the SUB's first handshake with the publisher ended (a zmq.EVENT_HANDSHAKE_*)."""
+    assert s.handshakes.poll(int(timeout_s * 1000)), "no handshake outcome"
+    return recv_monitor_message(s.handshakes)["event"]
+
+
+def test_with_the_kv_secret_only_a_subscriber_keyed_by_it_hears_the_events(request):
+    """The PUB and replay ports gave anyone the token ids of other clients' prompts. With
+    the KV secret they are CURVE servers: a plain subscriber (vLLM's), one keyed by another
+    secret, and one that knows the server key but not the client key get nothing, from the
+    stream or from a replay; the keyed one gets everything."""
+    pub = KVEventPublisher(tcp(), tcp(), heartbeat_s=0.05, secret=SECRET)
     request.addfinalizer(pub.close)
-    s = Sub(pub)
-    request.addfinalizer(s.close)
-    published(pub, 3)
-    start = (0).to_bytes(8, "big")
-    assert s.replay(0) == [] and s.replay(0, token=b"x" * 32) == []
-    assert s.replay(0, token=replay_token(b"another secret", start)) == []
-    assert s.replay(1, token=replay_token(SECRET, start)) == []  # a token is for its start seq
-    assert [seq for seq, _ in s.replay(0, token=replay_token(SECRET, start))] == [0, 1, 2, 3]
-    assert pub.num_replays_refused == 4 and pub.info()["replay_auth"] == "hmac"
+    info = pub.info()
+    keys = kv_events_curve_keys(SECRET)
+    assert info["auth"] == "curve" and info["server_key"] == keys.server_public.decode()
+    other = kv_events_curve_keys(b"another secret")
+    strangers = [Sub(pub), Sub(pub, keys=other), Sub(pub, keys=other._replace(server_public=keys.server_public))]
+    for s in strangers:
+        request.addfinalizer(s.close)
+    keyed = subscribed(pub, keys=keys)
+    request.addfinalizer(keyed.close)
+    # the events of the one that knew the server key but not the client's: ZAP said 400
+    outcomes = [first_handshake(s) for s in strangers]
+    assert outcomes[2] == zmq.EVENT_HANDSHAKE_FAILED_AUTH and zmq.EVENT_HANDSHAKE_SUCCEEDED not in outcomes
+    assert pub.num_auth_refused >= 1
+    pub.publish([stored(7)])
+    ((seq, batch),) = events_only(keyed, 1)
+    assert batch.events[0].token_ids == [0, 1, 2, 3]
+    for s in strangers:
+        assert not s.sub.poll(200), "a subscriber without the key got a batch"
+        with pytest.raises(AssertionError, match="did not end"):
+            s.replay(0, timeout_s=0.5)
+    assert [q for q, b in keyed.replay(0) if b.events][-1] == seq
+
+
+def test_without_a_secret_the_wire_is_vllms_plain_one(pub):
+    assert pub.info()["auth"] == "none" and pub.info()["server_key"] is None
+    s = subscribed(pub, b"kv")  # no keys: the plain ZMQ wire
+    try:
+        assert s.replay(0)[0][1].events == [VAllBlocksCleared()]
+    finally:
+        s.close()
 
 
 def test_replays_are_rate_bounded_and_a_flood_costs_the_publisher_little(request):
@@ -384,17 +443,15 @@ def test_replays_are_rate_bounded_and_a_flood_costs_the_publisher_little(request
 def test_fuzz_replay_frames_never_stop_the_publisher(fuzz_pub, frames):
     pub, s, dealer = fuzz_pub
     dealer.send_multipart(frames)
-    start = (0).to_bytes(8, "big")
-    assert [seq for seq, _ in s.replay(0, token=replay_token(SECRET, start))][:1] == [0]
+    assert [seq for seq, _ in s.replay(0)][:1] == [0]
 
 
 @pytest.fixture(scope="module")
 def fuzz_pub():
     pub = KVEventPublisher(tcp(), tcp(), heartbeat_s=60, secret=SECRET, replays_per_s=1000)
-    s = Sub(pub)
-    dealer = s.ctx.socket(zmq.DEALER)
+    s = Sub(pub, keys=kv_events_curve_keys(SECRET))
+    dealer = s.socket(zmq.DEALER)
     dealer.connect(pub.replay_endpoint)
     yield pub, s, dealer
-    dealer.close(linger=0)
     s.close()
     pub.close()

@@ -6,15 +6,24 @@ router (so its index can be looked at). A long shared prefix must land on the en
 that holds it, and that engine reports the hit (`cached_tokens`); the index follows the
 engines' real events, repairs a forced gap from the replay socket, and empties a rank
 whose engine restarted.
+
+The prefill engines and the router share a KV secret (as the Helm chart deploys them), so
+every event here travels over CURVE with the keys derived from it (issue #42); a plain
+subscriber, and a router without the secret or with another one, learn nothing. (D has no
+secret: it trusts loopback producers, so the unkeyed routers' requests still complete.)
 """
 from __future__ import annotations
 
 import json
+import pathlib
 import time
 
 import pytest
+import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from launch.process import free_port, http as sync_http
+from kv_transfer.trust import kv_events_curve_keys
 from router.app import Router, RouterConfig
 from tests.fake_workers import LoopThread, http, wait_until
 from launch.process import EngineServer
@@ -27,9 +36,12 @@ PREFIX = ("def read_config(path):\n    with open(path) as f:\n        data = jso
           "            data[key] = normalize(value)\n    return data\n\n") * 3
 
 
-def events_flags(port: int) -> list[str]:
+SECRET = "kv-aware-test-secret"
+
+
+def events_flags(port: int, secret_file: pathlib.Path) -> list[str]:
     return ["--kv-events-endpoint", f"tcp://127.0.0.1:{port}", "--kv-events-replay-endpoint",
-            f"tcp://127.0.0.1:{port + 10}"]
+            f"tcp://127.0.0.1:{port + 10}", "--kv-params-secret-file", str(secret_file)]
 
 
 def two_free_ports() -> int:
@@ -56,11 +68,13 @@ class Engines:
     def __init__(self, logs):
         self.model = model_dir()
         self.logs = logs
+        self.secret_file = logs / "kv-secret"
+        self.secret_file.write_text(SECRET + "\n")
         self.ports = {"p0": two_free_ports(), "p1": two_free_ports()}
-        self.p0 = ServerUnderTest(self.model, "--kv-role", "producer", *events_flags(self.ports["p0"]),
+        self.p0 = ServerUnderTest(self.model, "--kv-role", "producer", *events_flags(self.ports["p0"], self.secret_file),
                                   log_path=logs / "p0.log")
         self.p1 = ServerUnderTest(self.model, "--kv-role", "producer", "--data-parallel-size", "2",
-                                  *events_flags(self.ports["p1"]), log_path=logs / "p1.log")
+                                  *events_flags(self.ports["p1"], self.secret_file), log_path=logs / "p1.log")
         self.d = ServerUnderTest(self.model, "--kv-role", "consumer", log_path=logs / "d.log")
         for e in (self.p0, self.p1, self.d):
             e.wait_ready()
@@ -69,7 +83,7 @@ class Engines:
         """The same engine (HTTP port, event endpoints) back with an empty cache."""
         port = self.p0.port
         self.p0.stop()
-        self.p0 = EngineServer(self.model, *ENGINE_ARGS, "--kv-role", "producer", *events_flags(self.ports["p0"]),
+        self.p0 = EngineServer(self.model, *ENGINE_ARGS, "--kv-role", "producer", *events_flags(self.ports["p0"], self.secret_file),
                                port=port, log=server_log(self.logs / "p0-restarted.log"), cwd=REPO)
         self.p0.wait_ready(START_TIMEOUT_S)
 
@@ -92,10 +106,14 @@ def loop():
     lt.close()
 
 
-def start_router(loop, engines, policy: str) -> Router:
+def start_router(loop, engines, policy: str, secret_file: pathlib.Path | str | None = "engines'") -> Router:
+    """A router with the engines' KV secret (or with `secret_file`'s, None: without one)."""
+    secret_file = engines.secret_file if secret_file == "engines'" else secret_file
+
     async def go():
         r = Router(RouterConfig(prefill=[engines.p0.url, engines.p1.url], decode=[engines.d.url], port=0,
-                                prefill_policy=policy, decode_policy="round_robin", health_interval_s=0.2))
+                                prefill_policy=policy, decode_policy="round_robin", health_interval_s=0.2,
+                                kv_params_secret_file=None if secret_file is None else str(secret_file)))
         await r.start()
         return r
     return loop.run(go())
@@ -126,6 +144,24 @@ def test_engines_report_their_event_endpoints_per_dp_rank(engines):
     assert [r["endpoint"] for r in ranks] == [f"tcp://127.0.0.1:{base}", f"tcp://127.0.0.1:{base + 1}"]
     assert [r["replay_endpoint"] for r in ranks] == [f"tcp://127.0.0.1:{base + 10}", f"tcp://127.0.0.1:{base + 11}"]
     assert [r["dp_rank"] for r in ranks] == [0, 1] and {r["block_size"] for r in ranks} == {16}
+    keys = kv_events_curve_keys(SECRET.encode())
+    assert {(r["auth"], r["server_key"]) for r in ranks} == {("curve", keys.server_public.decode())}
+
+
+def test_a_plain_subscriber_to_a_keyed_engine_fails_its_handshake_and_hears_nothing(engines):
+    """vLLM's plain SUB (what any consumer opens) against an engine with the KV secret."""
+    ctx = zmq.Context()
+    try:
+        sub = ctx.socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                                     | zmq.EVENT_HANDSHAKE_SUCCEEDED)
+        sub.connect(f"tcp://127.0.0.1:{engines.ports['p0']}")
+        assert mon.poll(10_000), "no handshake outcome"
+        assert recv_monitor_message(mon)["event"] != zmq.EVENT_HANDSHAKE_SUCCEEDED
+        assert not sub.poll(2500), "a plain subscriber got a batch (heartbeats go out every 2 s)"
+    finally:
+        ctx.destroy(linger=0)
 
 
 @pytest.mark.parametrize("policy", ["kv_aware", "cache_aware"])
@@ -205,6 +241,31 @@ def test_a_stale_rank_scores_an_empty_cache(engines, loop):
         assert index.match(st, [12345]) == 1
         st.last_msg = time.monotonic() - index.stale_s - 1  # as if its events stopped
         assert index.match(st, [12345]) == 0
+    finally:
+        loop.run(router.stop())
+
+
+@pytest.mark.parametrize("secret", [None, "another secret"])
+def test_a_router_without_the_kv_secret_records_why_and_places_by_load(engines, loop, tmp_path, secret):
+    secret_file = None
+    if secret is not None:
+        secret_file = tmp_path / "other-secret"
+        secret_file.write_text(secret)
+    router = start_router(loop, engines, "kv_aware", secret_file)
+    try:
+        index = router.kv_index
+        wait_until(lambda: {engines.p0.url, engines.p1.url} <= set(index.errors), 20, "the refusals")
+        assert index.ranks == {}
+        why = "no KV secret" if secret is None else "another KV secret"
+        r = loop.run(http("GET", router.url + "/workers"))
+        by_url = {w["url"]: w for w in r.json()["workers"]}
+        for url in (engines.p0.url, engines.p1.url):
+            assert why in by_url[url]["kv_events_error"] and by_url[url]["kv_events"] == []
+        for i in range(2):  # still served, placed by load
+            assert complete(loop, router, PREFIX + f"# unkeyed {i}")["usage"]["prompt_tokens"] > 0
+        decisions = router.metrics.decisions
+        assert decisions.get(("prefill", "kv_aware", "no_hit"), 0) >= 2
+        assert decisions.get(("prefill", "kv_aware", "kv_hit"), 0) == 0
     finally:
         loop.run(router.stop())
 

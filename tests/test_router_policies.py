@@ -226,15 +226,17 @@ async def until(pred, timeout_s: float = 10.0, what: str = "condition") -> None:
         await asyncio.sleep(0.01)
 
 
-def test_index_joins_late_repairs_a_gap_and_follows_a_restart():
+@pytest.mark.parametrize("secret", [None, b"kv-secret"], ids=["plain", "curve"])
+def test_index_joins_late_repairs_a_gap_and_follows_a_restart(secret):
+    """On vLLM's plain wire, and over CURVE keyed by the KV secret both sides have."""
     ep, rp = tcp(), tcp()
 
     async def scenario():
-        pub = KVEventPublisher(ep, rp, heartbeat_s=0.05)
+        pub = KVEventPublisher(ep, rp, heartbeat_s=0.05, secret=secret)
         try:
             pub.publish(stored([1, 2, 3]))  # before the router listens
             await until(lambda: pub.num_published >= 2, what="publish")
-            index = KVIndex(stale_s=5)
+            index = KVIndex(stale_s=5, secret=secret)
             index.follow("http://e:1", info_of(pub))
             st = index.ranks[("http://e:1", 0)]
             await until(lambda: st.hashes == {1, 2, 3}, what="the late join's replay")
@@ -249,15 +251,41 @@ def test_index_joins_late_repairs_a_gap_and_follows_a_restart():
             assert st.gaps >= 1 and st.rebuilt == 1 and st.restarts == 0
             # restart: a new publisher on the same endpoints numbers from 0 again
             pub.close()
-            pub = KVEventPublisher(ep, rp, heartbeat_s=0.05)
+            pub = KVEventPublisher(ep, rp, heartbeat_s=0.05, secret=secret)
             await until(lambda: st.restarts >= 1 and st.hashes == set(), what="the restart")
             pub.publish(stored([9]))
             await until(lambda: st.hashes == {9}, what="events after the restart")
+            assert st.curve == (secret is not None) and index.errors == {} and pub.num_auth_refused == 0
             await index.close()
         finally:
             pub.close()
 
     asyncio.run(scenario())
+
+
+@pytest.mark.parametrize("router_secret", [None, b"another secret"])
+def test_index_refuses_a_keyed_engine_it_has_no_key_for_and_says_why(router_secret):
+    """The engine reports `auth: curve` and its server key; a router without the secret, or
+    with another one, follows nothing there (kv_aware then places by load) and records why."""
+    pub = KVEventPublisher(tcp(), tcp(), heartbeat_s=0.05, secret=b"kv-secret")
+    ws = workers(2)
+
+    async def scenario():
+        index = KVIndex(stale_s=5, secret=router_secret)
+        index.follow(ws[0].url, info_of(pub))
+        index.follow(ws[1].url, {"kv_events": {**pub.info(), "auth": "kerberos"}})
+        assert index.ranks == {}
+        want = "no KV secret" if router_secret is None else "another KV secret"
+        assert want in index.errors[ws[0].url] and "unknown KV events auth" in index.errors[ws[1].url]
+        ws[0].in_flight_tokens, ws[1].in_flight_tokens = 50, 0
+        p = with_decisions(KVAware(kv_index=index))
+        assert p.choose(ws, req(list(range(40)))) is ws[1] and p.decide == {"no_hit": 1}
+        await index.close()
+
+    try:
+        asyncio.run(scenario())
+    finally:
+        pub.close()
 
 
 def test_wildcard_endpoints_are_reached_at_the_workers_host():
