@@ -114,7 +114,7 @@ class ScheduledBatch:
                  "token_ids", "block_tables", "needs_sample", "connector_meta", "spec_token_ids",
                  "block_copies")
 
-    def __init__(self, seqs: list[Sequence], is_prefill: bool, num_scheduled_tokens: list[int],
+    def __init__(self, *, seqs: list[Sequence], is_prefill: bool, num_scheduled_tokens: list[int],
                  num_computed_tokens: list[int], token_ids: list[int], needs_sample: list[bool],
                  spec_token_ids: list[list[int]], connector_meta: KVConnectorMetadata | None):
         self.seqs = seqs
@@ -271,7 +271,8 @@ class Scheduler:
         if batch is None and self.kv_connector is not None:
             meta = self.kv_connector.build_connector_meta()
             if not meta.is_empty():
-                batch = ScheduledBatch([], False, [], [], [], [], [], meta)
+                batch = ScheduledBatch(seqs=[], is_prefill=False, num_scheduled_tokens=[], num_computed_tokens=[],
+                                       token_ids=[], needs_sample=[], spec_token_ids=[], connector_meta=meta)
         if batch is not None:
             batch.block_copies = self.block_manager.take_copies()
         return batch
@@ -330,8 +331,9 @@ class Scheduler:
             seq.type = SequenceType.PREFILL
             token_ids.extend(seq.token_ids[start:start + chunk])
             needs_sample.append(start + chunk == seq.num_tokens)
-        return ScheduledBatch(seqs, True, chunks, computed, token_ids, needs_sample,
-                              [[] for _ in seqs], self._connector_meta())
+        return ScheduledBatch(seqs=seqs, is_prefill=True, num_scheduled_tokens=chunks, num_computed_tokens=computed,
+                              token_ids=token_ids, needs_sample=needs_sample, spec_token_ids=[[] for _ in seqs],
+                              connector_meta=self._connector_meta())
 
     def _seats_taken(self) -> int:
         """Running and parked sequences plus the forks they will make (each one a seat)."""
@@ -444,8 +446,9 @@ class Scheduler:
             i += 1
         if not seqs:
             return None
-        return ScheduledBatch(seqs, False, num_scheduled, computed, token_ids, [True] * len(seqs),
-                              spec, self._connector_meta())
+        return ScheduledBatch(seqs=seqs, is_prefill=False, num_scheduled_tokens=num_scheduled,
+                              num_computed_tokens=computed, token_ids=token_ids, needs_sample=[True] * len(seqs),
+                              spec_token_ids=spec, connector_meta=self._connector_meta())
 
     def _make_room(self, seq: Sequence, n: int, index: int) -> int:
         """Preempt the newest running sequences (never one scheduled this step) until the slots
