@@ -11,7 +11,6 @@ the forward.
 """
 from __future__ import annotations
 
-import pathlib
 from typing import Any
 
 import numpy as np
@@ -20,9 +19,8 @@ import torch
 from atomd import cbuild
 from atomd.allocator import retain_freed_memory
 from atomd.config import EngineConfig
-from atomd.engine_loop import EngineLoop, ranked_choices
+from atomd.engine_loop import EngineLoop, ranked_choices, resolve_model_dir
 from atomd.kv_cache import KVCache
-from atomd.model import hub
 from atomd.model.loader import load_model
 from atomd.runner import ModelRunner
 from atomd.sampler import Sampler, prompt_logprobs
@@ -38,14 +36,6 @@ __all__ = ["LLMEngine", "ranked_choices", "resolve_model_dir"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]
-
-
-def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
-    if config.model is not None:
-        return hub.model_path(config.model)
-    from atomd.model.default import default_model_dir
-
-    return default_model_dir()
 
 
 class LLMEngine(EngineLoop):

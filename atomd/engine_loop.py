@@ -19,9 +19,10 @@ from typing import Any
 
 import msgspec
 
-from atomd.config import DEFAULT_KV_CACHE_MEMORY
+from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.kv_events import KVEventPublisher, offset_port
 from atomd.messages import RequestOutput
+from atomd.model import hub
 from kv_transfer.connector import KVConnectorConfig, KVConnectorOutput
 from kv_transfer.factory import create_connector
 from kv_transfer.params import KVTransferParams
@@ -29,6 +30,14 @@ from kv_transfer.trust import load_secret
 from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
 from scheduler.sequence import SamplingParams, Sequence, StructuredOutputsParams
+
+
+def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
+    if config.model is not None:
+        return hub.model_path(config.model)
+    from atomd.model.default import default_model_dir
+
+    return default_model_dir()
 
 
 class EngineLoop:
