@@ -58,7 +58,7 @@ class SimulatedEngine(EngineLoop):
                 and config.kv_cache_memory is None:  # the accelerator's memory after the weights
             num_blocks = min(self.profile.kv_cache_bytes // self.block_bytes,
                              config.max_num_seqs * -(-config.max_model_len // config.block_size))
-        self.compat = compat_fingerprint(self.model_name, f"sim:{self.profile.name}", config.block_size,
+        self.compat = compat_fingerprint(self.model_name, config.dtype, config.block_size,
                                          shape.num_layers, shape.num_kv_heads, shape.head_dim, SIM_KV_LAYOUT_VERSION)
         kv_blocks = np.zeros((num_blocks, 1), dtype=np.uint8)  # what the side channel moves: a byte a block
         self.forward_seconds = 0.0  # simulated forward time so far (GET /debug/stats `sim`)

@@ -21,12 +21,11 @@ figures; the efficiency factors are assumptions, said on each entry.
 """
 from __future__ import annotations
 
-import json
 import math
 import os
-from typing import Literal
 
 import msgspec
+import numpy as np
 
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
@@ -66,6 +65,12 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     @property
     def lm_head_params(self) -> int:
         return self.vocab_size * self.hidden_size
+
+    @property
+    def active_params(self) -> int:
+        """Parameters one token's forward multiplies by (embeddings lookup aside)."""
+        return self.num_layers * (self.dense_layer_params + self.experts_per_tok * self.expert_params) + \
+            self.lm_head_params
 
     @property
     def total_params(self) -> int:
@@ -220,8 +225,7 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
 def roofline_seconds(acc: Accelerator, m: ModelShape, step: StepShape) -> float:
     """The derived step time (module docstring)."""
     layers = m.num_layers
-    active = layers * (m.dense_layer_params + m.experts_per_tok * m.expert_params)
-    flops = 2 * active * step.tokens + 2 * m.lm_head_params * step.seqs + \
+    flops = 2 * (m.active_params - m.lm_head_params) * step.tokens + 2 * m.lm_head_params * step.seqs + \
         4 * layers * m.num_heads * m.head_dim * step.attention
     experts_read = 0.0
     if m.num_experts:  # expected distinct experts the batch's tokens route to, per layer
@@ -288,5 +292,22 @@ def check_profile(p: Profile) -> None:
             raise ValueError(f"hardware {p.name}: the step model is not finite")
 
 
-def describe(p: Profile) -> str:
-    return json.dumps({"name": p.name, "kind": type(p.step).__name__.lower(), "link": p.link.name})
+def fit_linear(steps: list[StepShape], seconds: list[float]) -> LinearStep:
+    """Least squares of `LinearStep` over measured steps (all prefill or all decode) in
+    relative error (a 2 ms step counts as much as a 100 ms one), no coefficient negative: a
+    term whose fitted coefficient is < 0 is dropped and the rest refit."""
+    if not steps:
+        raise ValueError("no steps to fit")
+    y = np.asarray(seconds, dtype=np.float64)
+    x = np.array([[1.0, s.tokens, s.attention if s.is_prefill else s.context] for s in steps]) / y[:, None]
+    y = np.ones_like(y)
+    keep = [0, 1, 2]
+    while True:
+        coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
+        if (coef >= 0).all() or len(keep) == 1:
+            break
+        keep.pop(int(np.argmin(coef)))
+    full = [0.0, 0.0, 0.0]
+    for k, c in zip(keep, coef):
+        full[k] = max(0.0, float(c))
+    return LinearStep(base_s=full[0], per_token_s=full[1], per_attention_s=full[2])
