@@ -127,9 +127,11 @@ class Fleet:
                  max_num_batched_tokens: int = 8192):
         self.profile, self.layout = profile, layout
         self.block_bytes = profile.model.kv_bytes_per_token * block_size
-        blocks = (profile.kv_cache_bytes or (1 << 30)) // self.block_bytes
+        pool = (profile.kv_cache_bytes or (1 << 30)) // self.block_bytes
 
         def engine(max_num_seqs: int, pull: VirtualPull | None, batched: int) -> _Engine:
+            # as the engine sizes its pool: never more than every sequence at full length
+            blocks = min(pool, max_num_seqs * -(-max_model_len // block_size))
             cfg = SchedulerConfig(num_kvcache_blocks=int(blocks), max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=batched, max_model_len=max_model_len,
                                   block_size=block_size, enable_prefix_caching=True, enable_chunked_prefill=True,

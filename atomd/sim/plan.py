@@ -73,11 +73,11 @@ def predicted_prefill_share(profile: Profile, workload: Workload, decode_batch: 
 
 
 def candidate_layouts(profile: Profile, workload: Workload, max_gpus: int, decode_max_seqs: list[int],
-                      exhaustive: bool) -> list[Layout]:
+                      exhaustive: bool, min_gpus: int = 1) -> list[Layout]:
     out = []
     for seqs in decode_max_seqs:
         share = predicted_prefill_share(profile, workload, min(seqs, 64))
-        for g in range(1, max_gpus + 1):
+        for g in range(min_gpus, max_gpus + 1):
             out.append(Layout("colocated", 0, g, decode_max_num_seqs=seqs))
             if g < 2:
                 continue
@@ -88,14 +88,16 @@ def candidate_layouts(profile: Profile, workload: Workload, max_gpus: int, decod
 
 
 def plan(profile: Profile, workload: Workload, slo: SLO, max_gpus: int, decode_max_seqs: list[int],
-         exhaustive: bool = False, progress=None) -> list[Ranked]:
-    """Every candidate layout with its goodput, best goodput per accelerator first."""
+         exhaustive: bool = False, progress=None, min_gpus: int = 1, iterations: int = 12) -> list[Ranked]:
+    """Every candidate layout of min_gpus..max_gpus accelerators with its goodput (the rate
+    bisected `iterations` times), best goodput per accelerator first."""
     max_len = 2 * (workload.input_len + workload.output_len) + 16
     ranked = []
-    for layout in candidate_layouts(profile, workload, max_gpus, decode_max_seqs, exhaustive):
+    for layout in candidate_layouts(profile, workload, max_gpus, decode_max_seqs, exhaustive, min_gpus):
         # as many requests per engine at every size: a short trace flatters a large layout
         scaled = msgspec.structs.replace(workload, num_requests=workload.num_requests * layout.num_engines)
-        ranked.append(Ranked(layout, max_goodput(profile, layout, scaled, slo, max_model_len=max_len)))
+        ranked.append(Ranked(layout, max_goodput(profile, layout, scaled, slo, max_model_len=max_len,
+                                                 iterations=iterations)))
         if progress is not None:
             progress(ranked[-1])
     return sorted(ranked, key=lambda r: (-r.per_gpu, r.layout.num_engines))
