@@ -65,6 +65,18 @@ class StepTimer:
         return out
 
 
+def grid_point(samples: list) -> tuple:
+    """One grid point's steps as one fit sample: their mean shape and median time (a shared
+    machine's preempted steps are outliers a least-squares fit must not see)."""
+    from atomd.sim.hardware import StepShape
+
+    shapes = [s for s, _ in samples]
+    mean = StepShape(shapes[0].is_prefill, round(np.mean([s.tokens for s in shapes])),
+                     round(np.mean([s.seqs for s in shapes])), float(np.mean([s.attention for s in shapes])),
+                     round(np.mean([s.context for s in shapes])))
+    return mean, float(np.median([t for _, t in samples]))
+
+
 def run_batch(engine, rng, batch: int, length: int, max_tokens: int) -> None:
     from scheduler.sequence import SamplingParams
 
@@ -108,14 +120,14 @@ def run(args: argparse.Namespace) -> int:
             for _ in range(args.rounds):
                 run_batch(engine, rng, b, n, 1)
             got = [(s, t) for s, t in timer.take() if s.is_prefill]
-            prefill += got
+            prefill.append(grid_point(got))
             print(f"prefill {b:>3} x {n:>5} tokens: {1e3 * np.median([t for _, t in got]):8.2f} ms", flush=True)
     for b in args.decode_batches:
         for c in args.decode_contexts:
             for _ in range(args.rounds):
                 run_batch(engine, rng, b, c, args.decode_steps + 1)
             got = [(s, t) for s, t in timer.take() if not s.is_prefill and s.seqs == b]
-            decode += got
+            decode.append(grid_point(got))
             print(f"decode  {b:>3} x {c:>5} context: {1e3 * np.median([t for _, t in got]):8.2f} ms", flush=True)
     engine.close()
     fits = {}
@@ -125,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
         err = np.median([abs(fit.seconds(s) - t) / t for s, t in samples])
         print(f"{name} fit: {fit.base_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.3f} us/token + "
               f"{fit.per_attention_s * 1e9:.4f} ns/{'pair' if name == 'prefill' else 'context token'}; "
-              f"median error {100 * err:.1f}% over {len(samples)} steps")
+              f"median error {100 * err:.1f}% over {len(samples)} grid points")
     from atomd.engine_loop import resolve_model_dir
 
     model_name = engine.model_name
@@ -133,7 +145,7 @@ def run(args: argparse.Namespace) -> int:
     dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
     name = args.name or f"{model_name}-{config.dtype}-{config.num_threads}t"
     source = (f"atomd profile on {cpu_name()}, {config.num_threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}, "
-              f"{len(prefill)} prefill and {len(decode)} decode steps")
+              f"{len(prefill)} prefill and {len(decode)} decode grid points, median step times")
     profile = Profile(name=name, model=ModelShape.from_hf_config(model_name, hf, dtype_bytes),
                       step=Calibrated(prefill=fits["prefill"], decode=fits["decode"], source=source), link=link)
     with open(args.output, "wb") as f:
