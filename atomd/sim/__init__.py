@@ -5,4 +5,6 @@ hardware.py  step-time models (calibrated on a machine, or derived for an accele
              model shape), KV links, profile files; torch-free
 engine.py    SimulatedEngine: an EngineLoop whose forward is a sleep and deterministic tokens
 profile.py   `atomd profile`: times the real engine's steps and fits a calibrated profile
+fleet.py     a fleet of real Schedulers in virtual time (what `atomd plan` simulates)
+plan.py      `atomd plan`: xPyD layouts by simulated goodput per accelerator, Ray / Helm output
 """
