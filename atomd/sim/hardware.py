@@ -211,10 +211,6 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
             return max(0.0, (self.step.prefill if step.is_prefill else self.step.decode).seconds(step))
         return roofline_seconds(self.step.accelerator, self.model, step)
 
-    @property
-    def block_bytes_per_token(self) -> int:
-        return self.model.kv_bytes_per_token
-
     def with_link(self, link: str | None) -> "Profile":
         return self if link is None else msgspec.structs.replace(self, link=resolve_link(link))
 
