@@ -6,7 +6,7 @@ long-prompt workload, under a tight and a loose SLO, at each GPU count of --gpus
 
 Goodput is DistServe's (the highest Poisson rate with >= 90% of requests within both the
 TTFT and the TPOT SLO), bisected --iterations times with --requests-per-engine requests per
-engine. Layouts per size: colocated, and xPyD at the profile's predicted split and one
+engine and at least --duration-ttfts TTFT SLOs of arrivals. Layouts per size: colocated, and xPyD at the profile's predicted split and one
 either side (atomd/sim/plan.py). The H100 profile is derived from public peak numbers with
 assumed efficiencies (atomd/sim/hardware.py); RDMA 400G between engines.
 
@@ -36,6 +36,9 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"])
     ap.add_argument("--requests-per-engine", type=int, default=30)
     ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--slos", nargs="+", default=["tight", "loose"], choices=["tight", "loose"])
+    ap.add_argument("--duration-ttfts", type=float, default=5.0,
+                    help="every simulated trace lasts at least this many TTFT SLOs (atomd/sim/fleet.py Workload)")
     ap.add_argument("--report", default=str(REPO / "benchmarks/results/sim_plan.md"))
     args = ap.parse_args()
     started, load = time.monotonic(), loadavg()
@@ -43,9 +46,10 @@ def main() -> int:
     for model in args.models:
         profile = load_profile(f"h100:{model}")
         for wname, (inp, out) in WORKLOADS.items():
-            workload = Workload(input_len=inp, output_len=out, num_requests=args.requests_per_engine)
-            for tight in ("tight", "loose"):
+            for tight in args.slos:
                 slo = SLOS[wname, tight]
+                workload = Workload(input_len=inp, output_len=out, num_requests=args.requests_per_engine,
+                                    min_duration_s=args.duration_ttfts * slo.ttft_s)
                 for g in args.gpus:
                     ranked = plan(profile, workload, slo, max_gpus=g, min_gpus=g, decode_max_seqs=[256],
                                   iterations=args.iterations)
@@ -60,7 +64,7 @@ def main() -> int:
     text = f"""## Simulated H100: best xPyD vs best colocated (issue #38, benchmark 2)
 
 `python -m benchmarks.sim_plan --gpus {' '.join(map(str, args.gpus))} --requests-per-engine \\
-{args.requests_per_engine} --iterations {args.iterations}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, \\
+{args.requests_per_engine} --iterations {args.iterations} --slos {' '.join(args.slos)} --duration-ttfts {args.duration_ttfts:g}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, \\
 load {load} (virtual time: the load does not change the numbers, only the {time.monotonic() - started:.0f} s it took).
 Profile `h100:MODEL` (989 TFLOPS x 0.6, 3.35 TB/s x 0.8, 1 ms a step, 80 GB x 0.9 less the
 weights for KV), RDMA 400G link; workloads chat {WORKLOADS['chat'][0]} in / {WORKLOADS['chat'][1]} out and

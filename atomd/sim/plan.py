@@ -54,6 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-gpus", type=int, default=4)
     parser.add_argument("--decode-max-seqs", type=_ints, default=[256], help="decode engines' --max-num-seqs to try")
     parser.add_argument("--num-requests", type=int, default=100, help="requests per engine per simulated run")
+    parser.add_argument("--min-duration-s", type=float, default=None,
+                        help="a simulated run lasts at least this long (default: 10 x the TTFT SLO), so a "
+                             "rate past capacity builds the queue it would")
     parser.add_argument("--exhaustive", action="store_true", help="simulate every xPyD split")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--model", default=None, help="the checkpoint the written configs serve (default: built-in)")
@@ -121,8 +124,10 @@ def helm_values(layout: Layout) -> dict:
 def run(args: argparse.Namespace) -> int:
     try:
         profile = load_profile(args.hardware).with_link(args.kv_link)
+        min_duration = args.min_duration_s if args.min_duration_s is not None else 10 * args.ttft_ms / 1e3
         workload = Workload(input_len=args.input_len, output_len=args.output_len, spread=args.spread,
-                            prefix_share=args.prefix_share, num_requests=args.num_requests)
+                            prefix_share=args.prefix_share, num_requests=args.num_requests,
+                            min_duration_s=min_duration)
         slo = SLO(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.attainment)
         if not (args.max_gpus >= 1 and 0 <= args.spread < 1 and 0 <= args.prefix_share <= 1
                 and 0 < args.attainment <= 1 and args.input_len >= 1 and args.output_len >= 1):
