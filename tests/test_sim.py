@@ -305,3 +305,15 @@ def test_landed_pulls_wait_for_the_link_and_queue_on_it(monkeypatch):
     clock[0] = 101.5  # the second pull queued behind the first on the link
     assert link.get_finished().finished_recving == [2]
     assert link.stats()["bytes"] == 700 and link.is_producer is False
+
+
+def test_the_offline_llm_runs_the_simulated_engine_too(profile):
+    from atomd import LLM
+    from atomd.sim.engine import SimulatedEngine
+
+    llm = LLM(model_runner="simulated", hardware=str(profile), max_model_len=256)
+    assert isinstance(llm.engine, SimulatedEngine)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": prompt(9, 30)}], params)[0].outputs[0].token_ids
+    want = [t for t, _ in run(make_engine(profile), {"r": (prompt(9, 30), params)})["r"][0]]
+    assert got == want
