@@ -205,7 +205,8 @@ def main() -> int:
                f"its worst window {auto['min_window']:.1%}")
     text = f"""## Online planner on a diurnal trace (issue #38, benchmark 3)
 
-`python -m benchmarks.autoscale_diurnal --day-s {args.day_s:g} --peak {args.peak:g}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load
+`python -m benchmarks.autoscale_diurnal --day-s {args.day_s:g} --peak {args.peak:g} --ttft-s {args.ttft_s:g} --tpot-s \
+{args.tpot_s:g} --window-s {args.window_s:g} --static {' '.join(args.static)}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load
 before {load}, after each setup {', '.join(loads)}. Simulated engines (built-in model's shape; prefill 20 ms + 1 ms/token,
 decode 10 ms + 5 ms/row: a pair serves a few req/s), a real router, {len(times)} Poisson arrivals over a {args.day_s:g} s
 "day" (rate {args.peak:g} x ({args.base:g} + {1 - args.base:g} sin^2), {args.input_len} in / {args.output_len} out tokens,
