@@ -13,6 +13,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("atomd.api.serve", "start an OpenAI-compatible engine server"),
     "generate": ("atomd.generate", "offline generation for a prompt"),
     "bench": ("atomd.bench.cli", "serving benchmarks (bench serve | bench compare)"),
+    "profile": ("atomd.sim.profile", "time the real engine's steps, fit a simulated-hardware profile"),
+    "plan": ("atomd.sim.plan", "pick a prefill:decode layout by simulation, write Ray / Helm configs"),
     "make-default-model": ("atomd.model.default", "write the built-in default checkpoint"),
 }
 

@@ -32,6 +32,7 @@ PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 SPECULATIVE_METHODS = ("ngram",)
+MODEL_RUNNERS = ("real", "simulated")  # simulated: atomd/sim/engine.py
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -94,6 +95,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # speculative decoding, vLLM's JSON shape: '{"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 5}' (atomd/engine/spec_decode.py); None: off
     speculative_config: str | None = None
+    # simulated engines (atomd/sim/): the forward sleeps the hardware profile's step time
+    model_runner: str = "real"
+    hardware: str | None = None  # a profile file, or ACCELERATOR:MODEL (atomd/sim/hardware.py)
+    kv_link: str | None = None  # the simulated KV link (nvlink, rdma400, tcp, loopback); None: the profile's
 
     def __post_init__(self) -> None:
         _choice("dtype", self.dtype, DTYPE_CHOICES)
@@ -160,10 +165,29 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"kv_params_secret_file {self.kv_params_secret_file!r} is not a file")
         if self.model is not None:
             hub.model_path(self.model)  # a directory, or a hub id in the local cache: ValueError if neither
+        self._check_simulated()
         spec = self.speculative()
         if spec is not None and spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
             raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {spec.num_speculative_tokens + 1} "
                              f"> max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    def _check_simulated(self) -> None:
+        _choice("model_runner", self.model_runner, MODEL_RUNNERS)
+        if self.model_runner == "real":
+            if self.hardware is not None or self.kv_link is not None:
+                raise ValueError("hardware and kv_link apply only with model_runner simulated")
+            return
+        from atomd.sim.hardware import load_profile, resolve_link
+
+        if self.hardware is None:
+            raise ValueError("model_runner simulated needs hardware: a profile file (atomd profile) or "
+                             "ACCELERATOR:MODEL, e.g. h100:llama3-8b")
+        load_profile(self.hardware)  # ValueError naming what is wrong, in the API process
+        if self.kv_link is not None:
+            resolve_link(self.kv_link)
+        for name in ("speculative_config", "dp_lockstep"):
+            if getattr(self, name):
+                raise ValueError(f"{name} is not simulated (model_runner simulated)")
 
     def speculative(self) -> "SpeculativeConfig | None":
         """The parsed speculative_config (ValueError naming the bad key), or None when off."""
@@ -288,7 +312,7 @@ def _bytes_arg(text: str) -> int:
 CHOICES = {"dtype": DTYPE_CHOICES, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
            "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
            "kv_mooncake_protocol": KV_MOONCAKE_PROTOCOLS,
-           "prefill_delayer": PREFILL_DELAYERS}
+           "prefill_delayer": PREFILL_DELAYERS, "model_runner": MODEL_RUNNERS}
 HELP = {
     "model": "local Hugging Face checkpoint directory, or a hub id (Qwen/Qwen3-0.6B) in the local Hugging Face "
              "cache (HF_HOME; nothing is downloaded) (default: the built-in default model)",
@@ -335,6 +359,13 @@ HELP = {
     "prefill_delayer": "keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)",
     "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
     "dp_collective_timeout_s": "a DP collective not done by then fails open and the group is given up",
+    "model_runner": "real: run the model; simulated: the real scheduler, KV cache accounting, connector and "
+                    "server around a forward that sleeps --hardware's predicted step time and makes "
+                    "deterministic tokens (--model gives the tokenizer and vocabulary only)",
+    "hardware": "model_runner simulated: a profile file (atomd profile writes one) or ACCELERATOR:MODEL "
+                "(h100, h200, mi300x : llama3-8b, qwen3-30b-a3b)",
+    "kv_link": "model_runner simulated: the KV link a pull is timed on (nvlink, rdma400, tcp, loopback; "
+               "default: the profile's)",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}'",
 }

@@ -54,7 +54,12 @@ class LLM:
         return llm
 
     def _start(self, config: EngineConfig) -> None:
-        self.engine = LLMEngine(config)
+        if config.model_runner == "simulated":  # atomd/sim/engine.py: the same loop, a predicted forward
+            from atomd.sim.engine import SimulatedEngine
+
+            self.engine = SimulatedEngine(config)
+        else:
+            self.engine = LLMEngine(config)
         self._counter = 0
 
     def get_tokenizer(self) -> Tokenizer:

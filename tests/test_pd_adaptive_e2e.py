@@ -1,7 +1,8 @@
 """Adaptive disaggregation end to end (router/adaptive.py): real engines on 127.0.0.1 — a
 producer P and a consumer D with --max-local-prefill-tokens-per-step — behind routers in
 --pd-mode adaptive (two thresholds) and strict. Greedy output equals the offline engine's
-(`atomd.LLM`, in this process) on every path: local prefill on D (alone, and while D streams
+(`atomd.LLM`, in this process; for simulated engines, `runner`, a colocated simulated
+engine) on every path: local prefill on D (alone, and while D streams
 another request, the capped path), two legs, and strict two legs."""
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import pytest
 from launch.process import RouterServer, http
 from tests.pd_fixtures import PDCluster, metric, sse_events
 from tests.server_fixtures import REPO, START_TIMEOUT_S, model_dir, server_log
+from tests.sim_fixtures import default_model_profile, sim_flags
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -21,11 +23,21 @@ VOCAB = 4096  # the default model's (config.json)
 CAP = ["--max-local-prefill-tokens-per-step", "32", "--max-local-prefill-ms-per-step", "1"]  # the smaller cap wins
 
 
+@pytest.fixture(scope="module", params=["real", "simulated"])
+def runner(request, tmp_path_factory) -> list[str]:
+    """The engines' model runner: the model, or the simulated one (atomd/sim/)."""
+    if request.param == "real":
+        return []
+    return sim_flags(default_model_profile(tmp_path_factory.mktemp("sim") / "profile.json"))
+
+
 @pytest.fixture(scope="module")
-def cluster():
+def cluster(runner):
     c = PDCluster()
     try:
-        c.start_engines(P=["--kv-role", "producer"], D=["--kv-role", "consumer", *CAP])
+        # simulated: a colocated simulated engine is the reference (`ref`)
+        c.start_engines(P=["--kv-role", "producer", *runner], D=["--kv-role", "consumer", *CAP, *runner],
+                        **({"ref": runner} if runner else {}))
         p, d = [c["P"].url], [c["D"].url]
 
         def router(*flags: str) -> RouterServer:
@@ -42,7 +54,11 @@ def cluster():
 
 
 @pytest.fixture(scope="module")
-def offline():
+def offline(cluster, runner):
+    """The reference: the offline engine (`atomd.LLM`, in this process), or for simulated
+    engines the colocated simulated one."""
+    if runner:
+        return cluster["ref"]
     import torch
 
     from atomd import LLM
@@ -52,8 +68,10 @@ def offline():
 
 
 def reference(offline, body: dict) -> str:
-    from atomd import SamplingParams
+    from atomd import LLM, SamplingParams
 
+    if not isinstance(offline, LLM):
+        return complete(offline.url, dict(body, stream=False))
     params = SamplingParams(max_tokens=body["max_tokens"], temperature=0.0, ignore_eos=True)
     return offline.generate([{"prompt_token_ids": body["prompt"]}], params)[0].outputs[0].text
 

@@ -1,5 +1,6 @@
 """Prefill/decode disaggregation end to end: router -> P (producer) -> D (consumer), real
-processes on 127.0.0.1, against a colocated `atomd serve` as the reference.
+processes on 127.0.0.1, against a colocated `atomd serve` as the reference; every test runs
+with the real model runner and with the simulated one (`runner`).
 
 One cluster per KV transfer backend (zmq, mooncake: every test runs over both), sharing
 one reference: P and D behind the main router, P2 (killed in the
@@ -26,6 +27,7 @@ import pytest
 from launch.process import http
 from tests.kv_backends import BACKENDS, require_backend
 from tests.pd_fixtures import PDCluster, block_bytes, kill_engine, metric, metrics, sse_events
+from tests.sim_fixtures import default_model_profile, sim_flags
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -34,27 +36,36 @@ RECV_TIMEOUT = ["--kv-recv-timeout-s", "3"]
 VOCAB = 4096  # the default model's (config.json)
 
 
+@pytest.fixture(scope="module", params=["real", "simulated"])
+def runner(request, tmp_path_factory) -> list[str]:
+    """Every engine's model runner: the model, or the simulated one (atomd/sim/) with a
+    profile of the built-in model's shape, which must behave the same on every path."""
+    if request.param == "real":
+        return []
+    return sim_flags(default_model_profile(tmp_path_factory.mktemp("sim") / "profile.json"))
+
+
 @pytest.fixture(scope="module")
-def reference():
+def reference(runner):
     """The colocated engine every backend's cluster is compared with."""
     cluster = PDCluster()
     try:
-        cluster.start_engines(ref=[])
+        cluster.start_engines(ref=[*runner])
         yield cluster["ref"]
     finally:
         cluster.stop()
 
 
 @pytest.fixture(scope="module", params=BACKENDS)
-def pd(request, reference):
+def pd(request, reference, runner):
     require_backend(request.param)
-    backend = ["--kv-transfer-backend", request.param]
+    backend = ["--kv-transfer-backend", request.param, *runner]
     engines = dict(P=["--kv-role", "producer", *LEASE, *backend], D=["--kv-role", "consumer", *RECV_TIMEOUT, *backend],
                    P2=["--kv-role", "producer", *LEASE, *backend],
                    DR=["--kv-role", "consumer", *RECV_TIMEOUT, "--kv-load-failure-policy", "recompute", *backend],
                    DK=["--kv-role", "consumer", *backend])
     if request.param != "zmq":
-        engines["PZ"] = ["--kv-role", "producer", *LEASE]  # the other backend, for the mixed-backend refusal
+        engines["PZ"] = ["--kv-role", "producer", *LEASE, *runner]  # the other backend, for the mixed-backend refusal
     cluster = PDCluster()
     cluster.backend = request.param
     try:

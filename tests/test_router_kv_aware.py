@@ -5,7 +5,7 @@ replay socket, reported in GET /kv_transfer_info), one decode engine, and an in-
 router (so its index can be looked at). A long shared prefix must land on the engine
 that holds it, and that engine reports the hit (`cached_tokens`); the index follows the
 engines' real events, repairs a forced gap from the replay socket, and empties a rank
-whose engine restarted.
+whose engine restarted. Every test runs on real and on simulated engines.
 
 The prefill engines and the router share a KV secret (as the Helm chart deploys them), so
 every event here travels over CURVE with the keys derived from it (issue #42); a plain
@@ -28,6 +28,7 @@ from router.app import Router, RouterConfig
 from tests.fake_workers import LoopThread, http, wait_until
 from launch.process import EngineServer
 from tests.server_fixtures import ENGINE_ARGS, REPO, START_TIMEOUT_S, ServerUnderTest, model_dir, server_log
+from tests.sim_fixtures import default_model_profile, sim_flags
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -65,17 +66,18 @@ def _free(port: int) -> bool:
 
 
 class Engines:
-    def __init__(self, logs):
+    def __init__(self, logs, runner: list[str]):
         self.model = model_dir()
         self.logs = logs
+        self.runner = runner
         self.secret_file = logs / "kv-secret"
         self.secret_file.write_text(SECRET + "\n")
         self.ports = {"p0": two_free_ports(), "p1": two_free_ports()}
         self.p0 = ServerUnderTest(self.model, "--kv-role", "producer", *events_flags(self.ports["p0"], self.secret_file),
-                                  log_path=logs / "p0.log")
+                                  *runner, log_path=logs / "p0.log")
         self.p1 = ServerUnderTest(self.model, "--kv-role", "producer", "--data-parallel-size", "2",
-                                  *events_flags(self.ports["p1"], self.secret_file), log_path=logs / "p1.log")
-        self.d = ServerUnderTest(self.model, "--kv-role", "consumer", log_path=logs / "d.log")
+                                  *events_flags(self.ports["p1"], self.secret_file), *runner, log_path=logs / "p1.log")
+        self.d = ServerUnderTest(self.model, "--kv-role", "consumer", *runner, log_path=logs / "d.log")
         for e in (self.p0, self.p1, self.d):
             e.wait_ready()
 
@@ -83,8 +85,9 @@ class Engines:
         """The same engine (HTTP port, event endpoints) back with an empty cache."""
         port = self.p0.port
         self.p0.stop()
-        self.p0 = EngineServer(self.model, *ENGINE_ARGS, "--kv-role", "producer", *events_flags(self.ports["p0"], self.secret_file),
-                               port=port, log=server_log(self.logs / "p0-restarted.log"), cwd=REPO)
+        self.p0 = EngineServer(self.model, *ENGINE_ARGS, "--kv-role", "producer",
+                               *events_flags(self.ports["p0"], self.secret_file), *self.runner, port=port,
+                               log=server_log(self.logs / "p0-restarted.log"), cwd=REPO)
         self.p0.wait_ready(START_TIMEOUT_S)
 
     def stop(self):
@@ -92,9 +95,13 @@ class Engines:
             e.stop()
 
 
-@pytest.fixture(scope="module")
-def engines(tmp_path_factory):
-    e = Engines(tmp_path_factory.mktemp("engine-logs"))
+@pytest.fixture(scope="module", params=["real", "simulated"])
+def engines(request, tmp_path_factory):
+    """The engines with the real model runner, or the simulated one (atomd/sim/), whose
+    prefix cache and KV events are the real ones."""
+    runner = [] if request.param == "real" else \
+        sim_flags(default_model_profile(tmp_path_factory.mktemp("sim") / "profile.json"))
+    e = Engines(tmp_path_factory.mktemp("engine-logs"), runner)
     yield e
     e.stop()
 

@@ -92,7 +92,7 @@ def unschedulable_param(code: ErrorCode | None, req: Any, params: Any, max_num_s
 
 
 def load_tokenizer(config: Any):
-    """The engine's tokenizer, resolved like atomd.engine.llm_engine.resolve_model_dir (which this
+    """The engine's tokenizer, resolved like atomd.engine.engine_loop.resolve_model_dir (which this
     process does not import: it would pull in torch)."""
     from atomd.model.default import default_model_dir
     from atomd.model.hub import model_path

@@ -136,14 +136,9 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     if faults.ACTIVE:
         faults.engine_core_started(parent_pid)
     try:
-        import torch
-
-        from atomd.engine.llm_engine import LLMEngine
-
-        if getattr(config, "num_threads", None):
-            torch.set_num_threads(config.num_threads)
+        engine_class = engine_class_of(config)
         group = DPGroup.join(config)  # None without DP ticking or a delayer
-        engine = LLMEngine(config, prefill_delayer=group.delayer if group else None)
+        engine = engine_class(config, prefill_delayer=group.delayer if group else None)
         if group is None:
             core = EngineCore(engine, inp, out, parent_pid)
         else:
@@ -165,6 +160,22 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         out.close()
         inp.close(linger=0)
         ctx.term()
+
+
+def engine_class_of(config: Any) -> type:
+    """The engine this core runs: the model (torch), or the simulated runner, which never
+    imports torch (atomd/sim/engine.py)."""
+    if getattr(config, "model_runner", "real") == "simulated":
+        from atomd.sim.engine import SimulatedEngine
+
+        return SimulatedEngine
+    import torch
+
+    from atomd.engine.llm_engine import LLMEngine
+
+    if getattr(config, "num_threads", None):
+        torch.set_num_threads(config.num_threads)
+    return LLMEngine
 
 
 class DPGroup:

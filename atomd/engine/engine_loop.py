@@ -1,0 +1,384 @@
+"""EngineLoop: the torch-free half of an engine: requests in, the step loop, outputs out.
+
+`EngineLoop.step()` returns one `RequestOutput` (atomd/messages.py) per request choice that
+changed: new tokens, or the end (finished by a stop, aborted, or ended without generating,
+with `error` and `error_code` set). A subclass supplies the forward, `_forward(batch) ->
+ScheduledBatchOutput`: `LLMEngine` (atomd/engine/llm_engine.py) runs the model, `SimulatedEngine`
+(atomd/sim/engine.py) sleeps a predicted step time and makes deterministic tokens. The
+engine core process runs either (atomd/engine/core.py); the offline `LLM` drives `LLMEngine`.
+
+n / best_of: a request is one sequence until its first sample, then the scheduler forks it
+into its choices (scheduler.sequence, "forks"). With best_of > n the choices are ranked by
+cumulative logprob once all are done (`ranked_choices`).
+"""
+from __future__ import annotations
+
+import pathlib
+import time
+from typing import Any
+
+import msgspec
+
+from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
+from atomd.engine.kv_events import KVEventPublisher, offset_port
+from atomd.messages import RequestOutput
+from atomd.model import hub
+from kv_transfer.connector import KVConnectorConfig, KVConnectorOutput
+from kv_transfer.factory import create_connector
+from kv_transfer.params import KVTransferParams
+from kv_transfer.trust import load_secret
+from scheduler.prefill_delayer import PrefillDelayer
+from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
+from contracts.sampling import SamplingParams, StructuredOutputsParams
+from scheduler.sequence import Sequence
+
+
+def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
+    if config.model is not None:
+        return hub.model_path(config.model)
+    from atomd.model.default import default_model_dir
+
+    return default_model_dir()
+
+
+class EngineLoop:
+    """A subclass's __init__ sets `config`, `model_name`, `vocab_size`, `tokenizer`, `compat`,
+    `proposer` / `spec_control` (None: no speculative decoding), then calls
+    `_start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)`."""
+
+    proposer: Any = None
+    spec_control: Any = None
+
+    def _start(self, num_blocks: int, kv_blocks: Any, eos: int | None, prefill_delayer: PrefillDelayer | None,
+               model_dir: pathlib.Path, *, prefix_caching: bool | None = None, kv_window: int | None = None) -> None:
+        """The connector (over `kv_blocks`, the cache as a uint8 [num_blocks, block_bytes]
+        array), the scheduler over `num_blocks` blocks, the KV events publisher. `prefix_caching`:
+        None is the config's; `kv_window`: every layer's window (blocks before it are returned)."""
+        config = self.config
+        self.kv_connector = self._make_connector(kv_blocks)
+        spec = config.speculative()
+        self.scheduler = Scheduler(SchedulerConfig(
+            num_kvcache_blocks=num_blocks, max_num_seqs=config.max_num_seqs,
+            max_num_batched_tokens=config.max_num_batched_tokens, max_model_len=config.max_model_len,
+            block_size=config.block_size,
+            enable_prefix_caching=config.enable_prefix_caching if prefix_caching is None else prefix_caching,
+            enable_chunked_prefill=config.enable_chunked_prefill, eos_token_id=eos,
+            stop_token_ids=self.tokenizer.stop_token_ids,
+            scheduler_delay_factor=config.scheduler_delay_factor,
+            long_prefill_token_threshold=config.long_prefill_token_threshold,
+            kv_window=kv_window,
+            max_local_prefill_tokens_per_step=config.max_local_prefill_tokens_per_step,
+            max_local_prefill_ms_per_step=config.max_local_prefill_ms_per_step,
+            num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
+            enable_kv_events=config.kv_events_endpoint is not None),
+            kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)
+        self.kv_events = self._make_kv_events(model_dir)  # None without --kv-events-endpoint
+        self._requests: dict[str, _Request] = {}
+        self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
+
+    def _make_connector(self, kv_blocks: Any):
+        """The PD connector of a producer or consumer (None when colocated): both halves in one."""
+        cfg = self.config
+        if cfg.kv_role == "both":
+            return None
+        port = cfg.kv_side_channel_port + cfg.data_parallel_rank if cfg.kv_side_channel_port else 0
+        scheduler_side, worker_side = create_connector(cfg.kv_transfer_backend, cfg.kv_role, KVConnectorConfig(
+            block_size=cfg.block_size, compat=self.compat, side_channel_host=cfg.kv_side_channel_host,
+            side_channel_port=port, lease_s=cfg.kv_lease_s, recv_timeout_s=cfg.kv_recv_timeout_s,
+            load_failure_policy=cfg.kv_load_failure_policy, dp_rank=cfg.data_parallel_rank,
+            params_secret=load_secret(path=cfg.kv_params_secret_file), trusted_producers=cfg.trusted_producers(),
+            extra_config={"mooncake_protocol": cfg.kv_mooncake_protocol, "mooncake_device": cfg.kv_mooncake_device}))
+        worker_side.register_kv_caches(kv_blocks)
+        return scheduler_side
+
+    def _make_kv_events(self, model_dir: pathlib.Path) -> KVEventPublisher | None:
+        """This rank's KV events publisher (atomd/engine/kv_events.py); `tokenizer` tells a router on
+        this host where to find the tokenizer the event hashes are made from."""
+        cfg = self.config
+        if cfg.kv_events_endpoint is None:
+            return None
+        return KVEventPublisher(cfg.kv_events_endpoint, offset_port(cfg.kv_events_replay_endpoint,
+                                                                    cfg.data_parallel_rank),
+                                cfg.kv_events_topic, cfg.kv_events_buffer_steps, cfg.data_parallel_rank,
+                                cfg.block_size, extra_info={"tokenizer": str(model_dir),
+                                                            "prefix_caching": cfg.enable_prefix_caching},
+                                secret=load_secret(path=cfg.kv_params_secret_file))
+
+    def _pool_blocks(self, bytes_per_block: int) -> int:
+        """KV blocks of the pool: --num-kvcache-blocks, else --kv-cache-memory (default 256 MiB,
+        then at most max_num_seqs full contexts) over `bytes_per_block`."""
+        cfg = self.config
+        if cfg.num_kvcache_blocks is not None:
+            return cfg.num_kvcache_blocks
+        memory = cfg.kv_cache_memory if cfg.kv_cache_memory is not None else DEFAULT_KV_CACHE_MEMORY
+        blocks = memory // bytes_per_block
+        if cfg.kv_cache_memory is None:  # more than every sequence at full length is never used
+            blocks = min(blocks, cfg.max_num_seqs * -(-cfg.max_model_len // cfg.block_size))
+        if blocks < 1:
+            raise ValueError(f"kv_cache_memory={memory} bytes holds no KV block of {bytes_per_block} bytes")
+        return int(blocks)
+
+    # ------------------------------------------------------------------ requests
+
+    def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
+                    kv_transfer_params: KVTransferParams | dict | None = None,
+                    arrival_time: float | None = None) -> Sequence:
+        """ValueError (the API's 400) for a duplicate id, a token outside the vocabulary, or
+        kv_transfer_params that do not parse or do not fit this prompt."""
+        if request_id in self._requests:
+            raise ValueError(f"request_id {request_id!r} is already running")
+        vocab = self.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
+        if bad is not None:
+            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        if isinstance(kv_transfer_params, dict):  # ValueError names the field
+            kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
+        if kv_transfer_params is not None:
+            self._check_producer_tokens(kv_transfer_params, vocab)
+        params = self._prepare_params(sampling_params or SamplingParams(), kv_transfer_params)
+        seq = Sequence(list(prompt_token_ids), params, request_id=request_id,
+                       arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
+        if kv_transfer_params is not None and kv_transfer_params.do_remote_prefill \
+                and seq.prompt_logprobs is not None:  # P computed them in its prefill
+            if kv_transfer_params.prompt_logprobs is None:
+                raise ValueError("prompt_logprobs: the prefill engine's kv_transfer_params carry none")
+            seq.prompt_logprobs = list(kv_transfer_params.prompt_logprobs)
+        if self.kv_connector is not None:  # ValueError: kv_transfer_params do not fit this prompt
+            self.kv_connector.request_added(seq)
+        self.scheduler.add(seq)
+        self._requests[request_id] = _Request(seq)
+        return seq
+
+    @staticmethod
+    def _check_producer_tokens(p: KVTransferParams, vocab: int) -> None:
+        """The token ids a producer sent (T0, drafts, logprob tops) are in this vocabulary:
+        the scheduler indexes with them, so a bad one is this request's 400, not a crash."""
+        ids = [] if p.first_token_id is None else [p.first_token_id]
+        ids += p.draft_token_ids
+        for entry in [p.first_token_logprobs, *(p.prompt_logprobs or ())]:
+            ids += [t[0] for t in (entry or {}).get("top", ())]
+        bad = next((t for t in ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"kv_transfer_params: token id {bad} is outside the vocabulary [0, {vocab})")
+
+    def _prepare_params(self, sp: SamplingParams, kv_params: KVTransferParams | None) -> SamplingParams:
+        """Check token ids against the vocabulary, tokenize bad_words; a prefill leg for a
+        remote decode (P) runs one sequence: the decode engine makes the choices."""
+        vocab = self.vocab_size
+        for name, ids in (("logit_bias", sp.logit_bias or ()), ("allowed_token_ids", sp.allowed_token_ids or ())):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        if sp.structured_outputs is not None:
+            self._check_grammar(sp.structured_outputs)
+        changes: dict[str, Any] = {}
+        if sp.bad_words and not sp.bad_words_token_ids:
+            changes["bad_words_token_ids"] = self.bad_words_token_ids(sp.bad_words)
+        if kv_params is not None and kv_params.do_remote_decode and sp.num_samples > 1:
+            changes.update(n=1, best_of=None)
+        return msgspec.structs.replace(sp, **changes) if changes else sp
+
+    def bad_words_token_ids(self, words: list[str]) -> list[list[int]]:
+        """vLLM's rule: each word's tokens as written and, when that is another token
+        sequence of the same length, after a space (the word inside a text)."""
+        out: list[list[int]] = []
+        for word in words:
+            plain = self.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+            spaced = self.tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+            if plain:
+                out.append(plain)
+            if spaced and (not plain or (spaced[0] != plain[0] and len(spaced) == len(plain))):
+                out.append(spaced)
+        return out
+
+    def abort_request(self, request_id: str) -> bool:
+        req = self._requests.get(request_id)
+        if req is None:
+            return False
+        aborted = [s for s in list(req.seq.group) if self.scheduler.abort(s.id) is not None]
+        if not aborted:
+            return False
+        self._aborted.append(req.seq)
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._requests) or not self.scheduler.is_finished()
+
+    # ------------------------------------------------------------------ the loop
+
+    def step(self) -> list[RequestOutput]:
+        outputs = [self._aborted_output(seq) for seq in self._aborted]
+        self._aborted = []
+        batch = self.scheduler.schedule()
+        if batch is not None and self.kv_connector is not None:
+            self.kv_connector.start_load_kv(batch.connector_meta)  # an empty batch may carry a pull
+        if batch is not None and batch.seqs:
+            started = time.perf_counter()
+            output = self._forward(batch)
+            elapsed = time.perf_counter() - started
+            if batch.is_prefill:  # what a prompt token costs: the time cap of local prefills
+                self.scheduler.observe_prefill_step(batch.num_tokens, elapsed)
+            elif self.proposer is not None:  # what a decode step costs per scheduled token: when drafts pay
+                self.spec_control.cost.observe(batch.num_tokens, elapsed)
+            for update in self.scheduler.postprocess(batch, output):
+                outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
+                                             update.finished))
+        if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
+            self.scheduler.update_from_kv_connector_output(self._kv_connector_output())
+            for update in self.scheduler.take_first_tokens():
+                outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
+                                             update.finished))
+        for seq in self.scheduler.take_rejected():
+            outputs.extend(self._outputs(seq, [], None, True))
+        if self.kv_events is not None:  # after the forward that wrote (and indexed) the blocks
+            self.kv_events.publish(self.scheduler.block_manager.take_events())
+        return outputs
+
+    def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
+        raise NotImplementedError
+
+    def _check_grammar(self, grammar: StructuredOutputsParams) -> None:
+        """ValueError (a 400) when this engine cannot follow `grammar`."""
+        raise NotImplementedError
+
+    def _kv_connector_output(self) -> KVConnectorOutput:
+        """Transfers the connector saw end since the last step."""
+        return self.kv_connector.get_finished()
+
+    def kernels_info(self) -> Any:
+        """How the forward's kernels run (GET /kv_transfer_info `kernels`)."""
+        return None
+
+    # ------------------------------------------------------------------ outputs
+
+    def _outputs(self, seq: Sequence, new_token_ids: list[int], new_logprobs: list | None,
+                 finished: bool) -> list[RequestOutput]:
+        """The outputs one choice's update makes (none for an unfinished best_of candidate)."""
+        req = self._requests.get(seq.request_id)
+        if req is None or req.seq.group is not seq.group:
+            return []
+        if finished:
+            self._forget(seq.id)
+            req.num_finished += 1
+        parent = req.seq
+        done = req.num_finished == len(parent.group)
+        if done:
+            del self._requests[seq.request_id]
+        if parent.sampling_params.ranked:
+            return self._ranked_outputs(parent, seq) if done else []
+        out = RequestOutput(seq.request_id, list(new_token_ids), new_logprobs, done,
+                            seq.finish_reason if finished else None, seq.num_prompt_tokens, seq.num_cached_tokens,
+                            index=seq.index)
+        if not req.prompt_logprobs_sent and (new_token_ids or done):
+            out.prompt_logprobs, req.prompt_logprobs_sent = parent.prompt_logprobs, True
+        if done:
+            self._finish_output(out, parent, seq)
+        return [out]
+
+    def _ranked_outputs(self, parent: Sequence, last: Sequence) -> list[RequestOutput]:
+        """best_of > n, every candidate done: the n best, each whole, index = rank."""
+        choices = ranked_choices(parent)
+        outs = []
+        for rank, seq in enumerate(choices):
+            logprobs = list(seq.logprobs) if seq.sampling_params.logprobs is not None else None
+            outs.append(RequestOutput(seq.request_id, seq.completion_token_ids, logprobs, False, seq.finish_reason,
+                                      seq.num_prompt_tokens, seq.num_cached_tokens, index=rank,
+                                      prompt_logprobs=parent.prompt_logprobs if rank == 0 else None))
+        outs[-1].finished = True
+        self._finish_output(outs[-1], parent, last)
+        return outs
+
+    def _finish_output(self, out: RequestOutput, parent: Sequence, last: Sequence) -> None:
+        """The request's last output: its params for D, the error, the engine's timing."""
+        out.kv_transfer_params = parent.kv_transfer_params_output
+        out.error, out.error_code = last.error, last.error_code
+        out.timing = (parent.arrive_time, parent.first_scheduled_time, parent.first_token_time, time.time())
+
+    def _forget(self, seq_id: int) -> None:
+        """A sequence ended: drop its drafter state (a subclass: its sampler's too)."""
+        if self.proposer is not None:
+            self.proposer.forget(seq_id)
+            self.spec_control.forget(seq_id)
+
+    def _aborted_output(self, seq: Sequence) -> RequestOutput:
+        self._requests.pop(seq.request_id, None)
+        for s in seq.group:
+            self._forget(s.id)
+        out = RequestOutput(seq.request_id, [], None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
+        self._finish_output(out, seq, seq)
+        return out
+
+    # ------------------------------------------------------------------ utilities
+
+    def stats(self) -> dict[str, Any]:
+        s = self.scheduler
+        running, waiting = s.get_request_counts()
+        bm = s.block_manager
+        return {"num_running": running, "num_waiting": waiting, "num_free_blocks": bm.num_free_blocks,
+                "num_total_blocks": bm.num_total_blocks, "kv_cache_usage": bm.usage,
+                "prefix_cache_queries": s.cache_stats.queries, "prefix_cache_hits": s.cache_stats.hits,
+                "num_preemptions": s.num_preemptions, "num_window_released_blocks": bm.num_window_released,
+                **self._spec_stats(),
+                "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
+
+    def _spec_stats(self) -> dict[str, Any]:
+        """Speculative decoding's counters (vLLM's spec_decode names) and the SpecStats."""
+        spec = self.scheduler.spec_stats
+        if spec is None:
+            return {"spec_decode": None}
+        return {"spec_decode_num_drafts": spec.num_steps, "spec_decode_num_draft_tokens": spec.num_draft_tokens,
+                "spec_decode_num_accepted_tokens": spec.num_accepted_tokens, "spec_decode": spec.as_dict()}
+
+    def only_serving_kv(self) -> bool:
+        """Nothing to compute or pull: only blocks pinned for a consumer are pending, so the
+        core may poll for their release less often than it steps a decode."""
+        s = self.scheduler
+        return not (s.running or s.waiting or self._aborted) and not s.parked
+
+    def kv_transfer_info(self) -> dict[str, Any]:
+        """Role, side channel, DP size, compat fingerprint and how each C kernel runs
+        (`kernels`: prebuilt, built here or a fallback; GET /kv_transfer_info)."""
+        cfg = self.config
+        info = {"role": cfg.kv_role, "side_channel": None, "engine_id": None, "compat": self.compat,
+                "dp_rank": cfg.data_parallel_rank}
+        if self.kv_connector is not None:
+            info.update(self.kv_connector.info())
+        return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend,
+                    kv_events=self.kv_events.info() if self.kv_events is not None else None,
+                    kernels=self.kernels_info())
+
+    def kv_transfer_abort(self, transfer_id: str) -> bool:
+        """The router gave up a transfer D never pulled: free P's pinned blocks now."""
+        return self.kv_connector is not None and self.kv_connector.revoke(transfer_id)
+
+    def close(self) -> None:
+        if self.kv_connector is not None:
+            self.kv_connector.close()
+        if self.kv_events is not None:
+            self.kv_events.close()
+
+    def reset_prefix_cache(self) -> bool:
+        reset = self.scheduler.reset_prefix_cache()
+        if self.kv_events is not None:  # AllBlocksCleared now, not at the next step
+            self.kv_events.publish(self.scheduler.block_manager.take_events())
+        return reset
+
+
+class _Request:
+    """One request in flight: its first sequence (whose group holds every choice)."""
+
+    __slots__ = ("seq", "num_finished", "prompt_logprobs_sent")
+
+    def __init__(self, seq: Sequence):
+        self.seq = seq
+        self.num_finished = 0  # choices finished so far
+        self.prompt_logprobs_sent = False
+
+
+def ranked_choices(parent: Sequence) -> list[Sequence]:
+    """The choices a finished request returns, in order: with best_of > n the n with the
+    highest cumulative logprob (ties: lower index first), else every choice by index."""
+    group = sorted(parent.group, key=lambda s: s.index)
+    if not parent.sampling_params.ranked or len(group) == 1:
+        return group
+    return sorted(group, key=lambda s: (-s.cumulative_logprob, s.index))[:parent.sampling_params.n]

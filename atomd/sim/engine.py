@@ -1,0 +1,192 @@
+"""SimulatedEngine: the real engine loop, scheduler, block manager, prefix cache, KV
+connector and KV events around a forward that sleeps the hardware profile's predicted step
+time and makes deterministic tokens (`atomd serve --model-runner simulated --hardware ...`).
+
+Tokens: a hash of (the request's seed, else --seed; the choice index; the sequence's length
+and last 8 tokens), so a sequence gets the same tokens on a colocated engine and across a
+prefill and a decode engine, and after a preemption. A token is never sampled from a
+distribution: sampling knobs other than allowed_token_ids and min_tokens change nothing;
+structured outputs, prompt logprobs and speculative decoding are refused (a 400 / a start-up
+error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
+
+KV: the pool is counted in blocks of the profile's model shape, never allocated; the
+connector moves one byte per block over its real side channel (leases, heartbeats, aborts
+as in production), and `SimulatedLink` holds each landed pull back until the profile's link
+would have moved its real size (pulls queue on the decode engine's link).
+"""
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import time
+from typing import Any
+
+import numpy as np
+
+from atomd.config import EngineConfig
+from atomd.engine.engine_loop import EngineLoop, resolve_model_dir
+from atomd.sim.hardware import Link, Profile, StepShape, load_profile
+from atomd.tokenizer import Tokenizer
+from kv_transfer.connector import KVConnectorOutput
+from kv_transfer.params import KVTransferParams, compat_fingerprint
+from scheduler.prefill_delayer import PrefillDelayer
+from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput
+from contracts.sampling import SamplingParams, StructuredOutputsParams
+from scheduler.sequence import Sequence
+
+SIM_KV_LAYOUT_VERSION = "atomd-sim-kv-1"  # one byte per block: never pairs with a real engine
+TOKEN_CONTEXT = 8  # last tokens a simulated token depends on
+
+
+class SimulatedEngine(EngineLoop):
+    def __init__(self, config: EngineConfig, prefill_delayer: PrefillDelayer | None = None):
+        self.config = config
+        self.profile: Profile = load_profile(config.hardware).with_link(config.kv_link)
+        model_dir = resolve_model_dir(config)
+        self.model_name = config.model or "atomd-default"
+        hf = json.loads((model_dir / "config.json").read_text())
+        self.vocab_size = int(hf["vocab_size"])
+        self.tokenizer = Tokenizer.from_dir(model_dir)
+        eos = self.tokenizer.eos_token_id
+        if eos is None and isinstance(hf.get("eos_token_id"), int):
+            eos = hf["eos_token_id"]
+        self._end_token_ids = [t for t in [eos, *self.tokenizer.stop_token_ids] if t is not None]
+        shape = self.profile.model
+        self.block_bytes = shape.kv_bytes_per_token * config.block_size
+        num_blocks = self._pool_blocks(self.block_bytes)
+        if self.profile.kv_cache_bytes is not None and config.num_kvcache_blocks is None \
+                and config.kv_cache_memory is None:  # the accelerator's memory after the weights
+            num_blocks = min(self.profile.kv_cache_bytes // self.block_bytes,
+                             config.max_num_seqs * -(-config.max_model_len // config.block_size))
+        self.compat = compat_fingerprint(self.model_name, config.dtype, config.block_size,
+                                         shape.num_layers, shape.num_kv_heads, shape.head_dim, SIM_KV_LAYOUT_VERSION)
+        kv_blocks = np.zeros((num_blocks, 1), dtype=np.uint8)  # what the side channel moves: a byte a block
+        self.forward_seconds = 0.0  # simulated forward time so far (GET /debug/stats `sim`)
+        self.forward_steps = 0
+        self._start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)
+
+    def _make_connector(self, kv_blocks: Any):
+        inner = super()._make_connector(kv_blocks)
+        return None if inner is None else SimulatedLink(inner, self.profile.link, self.block_bytes)
+
+    def _check_grammar(self, grammar: StructuredOutputsParams) -> None:
+        raise ValueError("structured_outputs: the simulated model runner does not follow grammars")
+
+    def _prepare_params(self, sp: SamplingParams, kv_params: KVTransferParams | None) -> SamplingParams:
+        if sp.prompt_logprobs is not None:
+            raise ValueError("prompt_logprobs: the simulated model runner computes no prompt logprobs")
+        return super()._prepare_params(sp, kv_params)
+
+    def kernels_info(self) -> Any:
+        return {"simulated": self.profile.name}
+
+    def stats(self) -> dict[str, Any]:
+        return dict(super().stats(), sim={"profile": self.profile.name, "link": self.profile.link.name,
+                                          "block_bytes": self.block_bytes, "forward_steps": self.forward_steps,
+                                          "forward_seconds": self.forward_seconds})
+
+    # ------------------------------------------------------------------ the forward
+
+    def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
+        started = time.perf_counter()
+        seconds = self.profile.step_seconds(StepShape.of(
+            batch.is_prefill, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens.tolist()))
+        token_ids: list[list[int]] = [[] for _ in batch.seqs]
+        logprobs: list[list[Any]] | None = None
+        fork_ids: list[list[int]] | None = None
+        fork_entries: list[list[Any]] | None = None
+        for i in np.flatnonzero(batch.needs_sample).tolist():
+            seq = batch.seqs[i]
+            token, entry = self._sample(seq, seq.sampling_params, seq.index)
+            token_ids[i] = [token]
+            if entry is not None:
+                logprobs = logprobs or [[] for _ in batch.seqs]
+                logprobs[i] = [entry]
+            if seq.num_forks:
+                fork_ids = fork_ids or [[] for _ in batch.seqs]
+                fork_entries = fork_entries or [[] for _ in batch.seqs]
+                for choice in range(1, seq.num_forks + 1):
+                    token, entry = self._sample(seq, seq.sampling_params.for_choice(choice), choice)
+                    fork_ids[i].append(token)
+                    fork_entries[i].append(entry)
+        self.forward_steps += 1
+        self.forward_seconds += seconds
+        remaining = started + seconds - time.perf_counter()
+        if remaining > 0:
+            time.sleep(remaining)
+        return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
+                                    fork_logprobs=fork_entries)
+
+    def _sample(self, seq: Sequence, params: SamplingParams, index: int) -> tuple[int, dict | None]:
+        """The next token of `seq` as choice `index`, and its logprobs entry when asked (or
+        when best_of candidates are ranked)."""
+        seed = params.seed if params.seed is not None else self.config.seed
+        tokens = seq.token_ids
+        ban_end = seq.num_completion_tokens < params.min_tokens
+        for attempt in range(4):  # min_tokens: an end token is redrawn (1 in vocab / len(end ids) chance)
+            h = simulated_hash(seed, index, len(tokens) + attempt, tokens[-TOKEN_CONTEXT:])
+            allowed = params.allowed_token_ids
+            token = allowed[h % len(allowed)] if allowed else h % self.vocab_size
+            if not (ban_end and token in self._end_token_ids):
+                break
+        if params.logprobs is None and not params.ranked:
+            return token, None
+        logprob = -((h >> 32) % 16384) / 1024.0 - 1e-3  # in [-16, 0)
+        k = params.logprobs or 0
+        top = [[token, logprob]] + [[(token + j * 7919) % self.vocab_size, logprob - j] for j in range(1, k)]
+        return token, {"logprob": logprob, "top": top[:k]}
+
+
+def simulated_hash(seed: int, index: int, length: int, tail: list[int]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    h.update(np.array([seed, index, length, *tail], dtype=np.int64).tobytes())
+    return int.from_bytes(h.digest(), "little")
+
+
+class SimulatedLink:
+    """A consumer's or producer's connector whose landed pulls are held back until the link
+    would have moved them: a pull of n blocks starts when its load is handed to the worker
+    side (or when the decode engine's link frees), takes n * block_bytes / bandwidth, and is
+    reported latency later. Everything else goes to the real connector; its byte counters
+    (one byte a block) are scaled to the simulated block size."""
+
+    def __init__(self, inner: Any, link: Link, block_bytes: int):
+        self.inner, self.link, self.block_bytes = inner, link, block_bytes
+        self._loads: dict[int, tuple[float, int]] = {}  # seq id -> (started, blocks)
+        self._held: list[tuple[float, int]] = []  # (ready at, seq id), a heap
+        self._link_free_at = 0.0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    @property
+    def is_producer(self) -> bool:
+        return self.inner.is_producer
+
+    def start_load_kv(self, meta: Any) -> None:
+        now = time.monotonic()
+        for load in getattr(meta, "loads", ()):
+            self._loads[load.seq_id] = (now, len(load.local_block_ids))
+        self.inner.start_load_kv(meta)
+
+    def get_finished(self) -> KVConnectorOutput:
+        out = self.inner.get_finished()
+        now = time.monotonic()
+        for seq_id in out.finished_recving:
+            started, blocks = self._loads.pop(seq_id, (now, 0))
+            begin = max(started, self._link_free_at)
+            self._link_free_at = begin + blocks * self.block_bytes / self.link.bandwidth
+            heapq.heappush(self._held, (self._link_free_at + self.link.latency_s, seq_id))
+        for seq_id in out.failed_recving:
+            self._loads.pop(seq_id, None)
+        ready = []
+        while self._held and self._held[0][0] <= now:
+            ready.append(heapq.heappop(self._held)[1])
+        return KVConnectorOutput(finished_sending=out.finished_sending, finished_recving=ready,
+                                 failed_recving=out.failed_recving)
+
+    def stats(self) -> dict[str, Any]:
+        s = dict(self.inner.stats())
+        s["bytes"] = s.get("bytes", 0) * self.block_bytes
+        return s

@@ -1,0 +1,318 @@
+"""A fleet of simulated engines in virtual time, for `atomd plan`: the real `Scheduler`
+(block manager, prefix cache, chunked prefill, preemption, parking for remote KV) of every
+engine, stepped by a discrete-event loop whose step lasts the profile's predicted time, so a
+minute of traffic over 16 engines simulates in about a second, with no process or socket.
+
+Layouts: `colocated` N engines, or `pd` x prefill and y decode engines. A PD request runs
+P's leg (max_tokens 1) on the prefill engine with the fewest prompt tokens queued, then is
+admitted on the decode engine with the fewest sequences (parked, its blocks allocated as
+the real consumer does), whose link takes latency + prompt blocks x block bytes / bandwidth
+(pulls queue on that D's link); its first token goes out when the pull lands, as on a real
+decode engine (scheduler.take_first_tokens). What is not modelled: P keeps no blocks pinned
+while D pulls, adaptive PD, the router's own time, retries and failures.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import msgspec
+import numpy as np
+
+from atomd.sim.hardware import Profile, StepShape
+from kv_transfer.connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, RemotePrefill
+from scheduler.scheduler import ScheduledBatchOutput, Scheduler, SchedulerConfig
+from contracts.sampling import SamplingParams
+from scheduler.sequence import Sequence
+
+SIM_TOKEN = 11  # every simulated output token: the planner counts tokens, it never reads them
+
+
+class Layout(msgspec.Struct, frozen=True):
+    """`pd`: num_prefill P + num_decode D engines; `colocated`: num_decode engines doing both."""
+
+    kind: str  # "pd" | "colocated"
+    num_prefill: int
+    num_decode: int
+    decode_max_num_seqs: int = 256
+    prefill_max_num_batched_tokens: int = 8192
+
+    @property
+    def num_engines(self) -> int:
+        return self.num_prefill + self.num_decode
+
+    def label(self) -> str:
+        if self.kind == "colocated":
+            return f"{self.num_decode} colocated (max_num_seqs {self.decode_max_num_seqs})"
+        return f"{self.num_prefill}P{self.num_decode}D (D max_num_seqs {self.decode_max_num_seqs})"
+
+
+class Request(msgspec.Struct, frozen=True):
+    arrival_s: float
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Outcome:
+    """One request's client-side times (virtual seconds)."""
+
+    arrival_s: float
+    num_tokens: int
+    first_token_s: float | None = None
+    finish_s: float | None = None
+    failed: bool = False
+
+    @property
+    def ttft(self) -> float:
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def tpot(self) -> float:
+        return 0.0 if self.num_tokens <= 1 else (self.finish_s - self.first_token_s) / (self.num_tokens - 1)
+
+
+class _EmptyMeta(KVConnectorMetadata):
+    def is_empty(self) -> bool:
+        return True
+
+
+class VirtualPull(KVConnectorScheduler):
+    """A decode engine's connector in the fleet: a request with a remote prefill is parked
+    with its blocks allocated; the fleet times its pull from then (`started`)."""
+
+    def __init__(self, block_size: int) -> None:
+        self.block_size = block_size
+        self.remote: dict[int, int] = {}  # seq id -> T0 from P
+        self.started: list[tuple[Sequence, int]] = []  # (sequence, blocks it pulls)
+
+    @property
+    def is_producer(self) -> bool:
+        return False
+
+    def get_num_new_matched_tokens(self, seq: Sequence) -> tuple[int, bool]:
+        return (seq.num_prompt_tokens, True) if seq.id in self.remote else (0, False)
+
+    def update_state_after_alloc(self, seq: Sequence) -> None:
+        if seq.id in self.remote:  # every prompt block past D's own prefix hit, as the real consumer
+            blocks = -(-seq.num_prompt_tokens // self.block_size) - seq.num_computed_tokens // self.block_size
+            self.started.append((seq, blocks))
+
+    def build_connector_meta(self) -> KVConnectorMetadata:
+        return _EmptyMeta()
+
+    def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]:
+        return False, None
+
+    def request_aborted(self, seq: Sequence) -> None:
+        pass
+
+    def remote_prefill(self, seq: Sequence) -> RemotePrefill:
+        return RemotePrefill(first_token_id=self.remote.pop(seq.id))
+
+
+@dataclass
+class _Engine:
+    scheduler: Scheduler
+    pull: VirtualPull | None = None
+    busy: bool = False
+    link_free_s: float = 0.0
+    queued_tokens: int = 0  # prompt tokens sent and not yet prefilled (P's queue)
+    owners: dict[int, int] = field(default_factory=dict)  # seq id -> request index
+
+
+class Fleet:
+    def __init__(self, profile: Profile, layout: Layout, max_model_len: int = 8192, block_size: int = 16,
+                 max_num_batched_tokens: int = 8192):
+        self.profile, self.layout = profile, layout
+        self.block_bytes = profile.model.kv_bytes_per_token * block_size
+        pool = (profile.kv_cache_bytes or (1 << 30)) // self.block_bytes
+
+        def engine(max_num_seqs: int, pull: VirtualPull | None, batched: int) -> _Engine:
+            # as the engine sizes its pool: never more than every sequence at full length
+            blocks = min(pool, max_num_seqs * -(-max_model_len // block_size))
+            cfg = SchedulerConfig(num_kvcache_blocks=int(blocks), max_num_seqs=max_num_seqs,
+                                  max_num_batched_tokens=batched, max_model_len=max_model_len,
+                                  block_size=block_size, enable_prefix_caching=True, enable_chunked_prefill=True,
+                                  scheduler_delay_factor=0.0, long_prefill_token_threshold=0)
+            return _Engine(Scheduler(cfg, kv_connector=pull), pull)
+
+        self.prefill = [engine(256, None, layout.prefill_max_num_batched_tokens) for _ in range(layout.num_prefill)]
+        self.decode = [engine(layout.decode_max_num_seqs, VirtualPull(block_size) if layout.kind == "pd" else None,
+                              max_num_batched_tokens) for _ in range(layout.num_decode)]
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._order = itertools.count()
+        self.now = 0.0
+
+    # ------------------------------------------------------------------ the loop
+
+    def run(self, requests: list[Request]) -> list[Outcome]:
+        self.outcomes = [Outcome(r.arrival_s, r.max_tokens) for r in requests]
+        for i, r in enumerate(requests):
+            self._at(r.arrival_s, lambda i=i, r=r: self._arrive(i, r))
+        while self._events:
+            self.now, _, fn = heapq.heappop(self._events)
+            fn()
+            for e in (*self.prefill, *self.decode):
+                if not e.busy:
+                    self._step(e)
+        return self.outcomes
+
+    def _at(self, t: float, fn: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._order), fn))
+
+    def _arrive(self, i: int, r: Request) -> None:
+        if self.layout.kind == "colocated":
+            e = min(self.decode, key=lambda e: len(e.scheduler.running) + len(e.scheduler.waiting))
+            self._add(e, i, r.prompt, r.max_tokens)
+        else:
+            e = min(self.prefill, key=lambda e: e.queued_tokens)
+            e.queued_tokens += len(r.prompt)
+            self._add(e, i, r.prompt, 1)
+
+    def _add(self, e: _Engine, i: int, prompt: list[int], max_tokens: int, first_token: int | None = None) -> None:
+        seq = Sequence(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
+        e.owners[seq.id] = i
+        if first_token is not None:
+            e.pull.remote[seq.id] = first_token
+        e.scheduler.add(seq)
+
+    def _step(self, e: _Engine) -> None:
+        batch = e.scheduler.schedule()
+        if e.pull is not None:
+            self._start_pulls(e)
+        for seq in e.scheduler.take_rejected():  # unschedulable (longer than the pool)
+            self.outcomes[e.owners.pop(seq.id)].failed = True
+        if batch is None or not batch.seqs:
+            return
+        seconds = self.profile.step_seconds(StepShape.of(batch.is_prefill, batch.num_scheduled_tokens.tolist(),
+                                                         batch.num_computed_tokens.tolist()))
+        e.busy = True
+        output = ScheduledBatchOutput(batch.seq_ids, [[SIM_TOKEN] if s else [] for s in batch.needs_sample.tolist()])
+        self._at(self.now + seconds, lambda: self._step_done(e, batch, output))
+
+    def _step_done(self, e: _Engine, batch, output) -> None:
+        e.busy = False
+        if batch.is_prefill and e in self.prefill:
+            e.queued_tokens -= int(batch.num_scheduled_tokens.sum())
+        for update in e.scheduler.postprocess(batch, output):
+            self._tokens(e, update)
+
+    def _tokens(self, e: _Engine, update) -> None:
+        i = e.owners.get(update.seq.id)
+        if i is None:
+            return
+        out = self.outcomes[i]
+        if e in self.prefill:  # P's leg is done: to the least busy D
+            if update.finished:
+                del e.owners[update.seq.id]
+                d = min(self.decode, key=lambda d: len(d.scheduler.running) + len(d.scheduler.waiting)
+                        + len(d.scheduler.parked))
+                self._add(d, i, update.seq.token_ids[:update.seq.num_prompt_tokens], out.num_tokens,
+                          first_token=SIM_TOKEN)
+            return
+        if update.new_token_ids and out.first_token_s is None:
+            out.first_token_s = self.now
+        if update.finished:
+            del e.owners[update.seq.id]
+            out.finish_s = self.now
+
+    def _start_pulls(self, e: _Engine) -> None:
+        for seq, blocks in e.pull.started:
+            begin = max(self.now, e.link_free_s)
+            e.link_free_s = begin + blocks * self.block_bytes / self.profile.link.bandwidth
+            self._at(e.link_free_s + self.profile.link.latency_s, lambda seq=seq: self._landed(e, seq))
+        e.pull.started = []
+
+    def _landed(self, e: _Engine, seq: Sequence) -> None:
+        e.scheduler.update_from_kv_connector_output(KVConnectorOutput(finished_recving=[seq.id]))
+        for update in e.scheduler.take_first_tokens():
+            self._tokens(e, update)
+
+
+# ---------------------------------------------------------------------- workloads and SLOs
+
+
+class Workload(msgspec.Struct, frozen=True, kw_only=True):
+    """Poisson arrivals; prompt and output lengths uniform in [mean * (1 - spread), mean *
+    (1 + spread)]; `prefix_share` of each prompt is one of `num_prefixes` shared prefixes.
+    A trace holds `num_requests`, or more so that it lasts `min_duration_s`: past capacity a
+    queue grows with the trace's length, so a trace shorter than a few TTFT SLOs passes at
+    any rate (its whole burst is served inside the SLO)."""
+
+    input_len: int
+    output_len: int
+    spread: float = 0.5
+    prefix_share: float = 0.0
+    num_prefixes: int = 8
+    num_requests: int = 300
+    min_duration_s: float = 0.0
+    seed: int = 0
+
+    def requests(self, rate: float, vocab: int = 32000) -> list[Request]:
+        """The same draws at every rate (only the arrival times scale): goodput searches see
+        one workload."""
+        n = max(self.num_requests, math.ceil(rate * self.min_duration_s))
+        rng = np.random.default_rng(self.seed)
+        gaps = rng.exponential(1.0, n)
+        lo, hi = 1 - self.spread, 1 + self.spread
+        ins = np.maximum(1, (self.input_len * rng.uniform(lo, hi, n)).astype(int))
+        outs = np.maximum(1, (self.output_len * rng.uniform(lo, hi, n)).astype(int))
+        prefixes = [rng.integers(10, vocab, int(self.input_len * self.prefix_share)).tolist()
+                    for _ in range(self.num_prefixes)]
+        which = rng.integers(0, self.num_prefixes, n)
+        arrivals = np.cumsum(gaps) / rate
+        out = []
+        for k in range(n):
+            shared = prefixes[which[k]][:int(ins[k])]
+            own = rng.integers(10, vocab, int(ins[k]) - len(shared)).tolist()
+            out.append(Request(float(arrivals[k]), shared + own, int(outs[k])))
+        return out
+
+
+class SLO(msgspec.Struct, frozen=True):
+    ttft_s: float
+    tpot_s: float
+    attainment: float = 0.9  # DistServe's: the share of requests that must meet both
+
+
+def attainment(outcomes: list[Outcome], slo: SLO) -> float:
+    ok = sum(1 for o in outcomes if not o.failed and o.finish_s is not None
+             and o.ttft <= slo.ttft_s and o.tpot <= slo.tpot_s)
+    return ok / len(outcomes)
+
+
+def max_goodput(profile: Profile, layout: Layout, workload: Workload, slo: SLO, max_model_len: int = 8192,
+                iterations: int = 12) -> float:
+    """The highest request rate (req/s) whose simulated SLO attainment is >= slo.attainment
+    (DistServe's goodput): doubling to bracket it, then bisection."""
+    def holds(rate: float) -> bool:
+        fleet = Fleet(profile, layout, max_model_len=max_model_len)
+        return attainment(fleet.run(workload.requests(rate)), slo) >= slo.attainment
+
+    rate = 1.0
+    if holds(rate):
+        while holds(rate * 2):
+            rate *= 2
+            if rate > 1e5:
+                raise ValueError(f"{layout.label()} meets the SLO at {rate:g} req/s: the trace is too short "
+                                 f"to load it (raise num_requests or min_duration_s)")
+        lo, hi = rate, rate * 2
+    else:
+        for _ in range(20):
+            rate /= 2
+            if holds(rate):
+                break
+        else:
+            return 0.0
+        lo, hi = rate, rate * 2
+    for _ in range(iterations):
+        mid = (lo + hi) / 2
+        if holds(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

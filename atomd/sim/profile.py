@@ -1,0 +1,165 @@
+"""`atomd profile`: time the real engine's forward (model + sampler, what a simulated step
+sleeps) over a grid of prefill batches (sequences x prompt length) and decode batches
+(sequences x context length) for a checkpoint on this machine, fit the calibrated step
+model (atomd/sim/hardware.py) and write it as a profile for `--hardware`.
+
+Each grid point runs `--rounds` times after one warm-up request; prefix caching is off so
+every prefill computes its whole prompt. The default grid runs in about a minute on the
+built-in model with one thread.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+
+import numpy as np
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
+    return values
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default=None, help="checkpoint directory or cached hub id (default: built-in)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
+    parser.add_argument("--num-threads", type=int, default=1, help="torch threads, as the engine will serve with")
+    parser.add_argument("--max-model-len", type=int, default=2048)
+    parser.add_argument("--prefill-batches", type=_ints, default=[1, 4], help="sequences per prefill step")
+    parser.add_argument("--prefill-lens", type=_ints, default=[32, 128, 384], help="prompt lengths")
+    parser.add_argument("--decode-batches", type=_ints, default=[1, 4, 16], help="sequences per decode step")
+    parser.add_argument("--decode-contexts", type=_ints, default=[64, 512], help="context lengths")
+    parser.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per grid point and round")
+    parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--link", default="loopback", help="the KV link the profile names (atomd/sim/hardware.py)")
+    parser.add_argument("--name", default=None, help="the profile's name (default: model, dtype, threads)")
+    parser.add_argument("--output", "-o", required=True, help="where to write the profile (JSON)")
+
+
+class StepTimer:
+    """Wraps an engine's forward: the shape and wall time of every step it runs."""
+
+    def __init__(self, engine):
+        from atomd.sim.hardware import StepShape
+
+        self.samples: list[tuple[StepShape, float]] = []
+        forward = engine._forward
+
+        def timed(batch):
+            started = time.perf_counter()
+            out = forward(batch)
+            self.samples.append((StepShape.of(batch.is_prefill, batch.num_scheduled_tokens.tolist(),
+                                              batch.num_computed_tokens.tolist()), time.perf_counter() - started))
+            return out
+        engine._forward = timed
+
+    def take(self):
+        out, self.samples = self.samples, []
+        return out
+
+
+def grid_point(samples: list) -> tuple:
+    """One grid point's steps as one fit sample: their mean shape and median time (a shared
+    machine's preempted steps are outliers a least-squares fit must not see)."""
+    from atomd.sim.hardware import StepShape
+
+    shapes = [s for s, _ in samples]
+    mean = StepShape(shapes[0].is_prefill, round(np.mean([s.tokens for s in shapes])),
+                     round(np.mean([s.seqs for s in shapes])), float(np.mean([s.attention for s in shapes])),
+                     round(np.mean([s.context for s in shapes])))
+    return mean, float(np.median([t for _, t in samples]))
+
+
+def run_batch(engine, rng, batch: int, length: int, max_tokens: int) -> None:
+    from contracts.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    for _ in range(batch):
+        prompt = rng.integers(10, engine.vocab_size, length).tolist()
+        engine.add_request(f"profile-{rng.integers(1 << 62)}", prompt, params)
+    while engine.has_unfinished_requests():
+        engine.step()
+
+
+def run(args: argparse.Namespace) -> int:
+    from atomd.config import EngineConfig
+    from atomd.engine.llm_engine import LLMEngine
+    from atomd.sim.hardware import Calibrated, ModelShape, Profile, fit_linear, resolve_link
+
+    longest = max(args.prefill_lens + [c + args.decode_steps + 1 for c in args.decode_contexts])
+    if longest > args.max_model_len:
+        print(f"atomd profile: error: the grid needs {longest} tokens > --max-model-len {args.max_model_len}",
+              file=sys.stderr)
+        return 2
+    try:
+        link = resolve_link(args.link)
+        config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.num_threads,
+                              max_model_len=args.max_model_len, enable_prefix_caching=False,
+                              max_num_seqs=max(args.prefill_batches + args.decode_batches),
+                              max_num_batched_tokens=max(max(args.prefill_batches) * max(args.prefill_lens),
+                                                         2048))
+        config.check_model_dir()
+    except ValueError as e:
+        print(f"atomd profile: error: {e}", file=sys.stderr)
+        return 2
+    engine = LLMEngine(config)
+    timer = StepTimer(engine)
+    rng = np.random.default_rng(0)
+    run_batch(engine, rng, 1, 16, 4)  # warm-up: first-touch allocations, kernel builds
+    timer.take()
+    prefill, decode = [], []
+    for b in args.prefill_batches:
+        for n in args.prefill_lens:
+            for _ in range(args.rounds):
+                run_batch(engine, rng, b, n, 1)
+            got = [(s, t) for s, t in timer.take() if s.is_prefill]
+            prefill.append(grid_point(got))
+            print(f"prefill {b:>3} x {n:>5} tokens: {1e3 * np.median([t for _, t in got]):8.2f} ms", flush=True)
+    for b in args.decode_batches:
+        for c in args.decode_contexts:
+            for _ in range(args.rounds):
+                run_batch(engine, rng, b, c, args.decode_steps + 1)
+            got = [(s, t) for s, t in timer.take() if not s.is_prefill and s.seqs == b]
+            decode.append(grid_point(got))
+            print(f"decode  {b:>3} x {c:>5} context: {1e3 * np.median([t for _, t in got]):8.2f} ms", flush=True)
+    engine.close()
+    fits = {}
+    for name, samples in (("prefill", prefill), ("decode", decode)):
+        shapes, seconds = [s for s, _ in samples], [t for _, t in samples]
+        fits[name] = fit = fit_linear(shapes, seconds)
+        err = np.median([abs(fit.seconds(s) - t) / t for s, t in samples])
+        print(f"{name} fit: {fit.base_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.3f} us/token + "
+              f"{fit.per_attention_s * 1e9:.4f} ns/{'pair' if name == 'prefill' else 'context token'}; "
+              f"median error {100 * err:.1f}% over {len(samples)} grid points")
+    from atomd.engine.engine_loop import resolve_model_dir
+
+    model_name = engine.model_name
+    hf = json.loads((resolve_model_dir(config) / "config.json").read_text())
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
+    name = args.name or f"{model_name}-{config.dtype}-{config.num_threads}t"
+    source = (f"atomd profile on {cpu_name()}, {config.num_threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}, "
+              f"{len(prefill)} prefill and {len(decode)} decode grid points, median step times")
+    profile = Profile(name=name, model=ModelShape.from_hf_config(model_name, hf, dtype_bytes),
+                      step=Calibrated(prefill=fits["prefill"], decode=fits["decode"], source=source), link=link)
+    with open(args.output, "wb") as f:
+        f.write(profile.to_json())
+    print(f"wrote {args.output}")
+    return 0
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return "unknown CPU"

@@ -1,0 +1,238 @@
+"""The online planner: scale a PD cluster's prefill and decode pools from the router's
+latencies (issue #38). Standard library + the Prometheus text parser; no torch.
+
+Every `window_s` the loop reads the router's /metrics and takes, over the window, the p90 of
+`time_to_first_token_seconds` (the prefill pool's signal) and of
+`inter_token_latency_seconds` (the decode pool's), from the histograms' bucket deltas (the
+upper bound of the bucket holding the 90th percentile). Per pool, with its SLO:
+
+* above `up` x SLO for `up_windows` windows in a row: one engine more (up to `max`);
+* below `down` x SLO (or no traffic) for `down_windows` windows in a row: one fewer (down to
+  `min`), by draining: the newest engine leaves the router's rotation (DELETE /workers; the
+  router lets its requests in flight finish), the loop waits until the engine has nothing
+  running, waiting, in flight or pinned for a consumer, records that its whole KV pool is
+  free, then stops it;
+* after any change the pool holds still for `cooldown_s`; between `down` and `up` nothing
+  happens (the hysteresis band).
+
+Engines come from a `Launcher`: `ProcessLauncher` starts `atomd serve` children on this
+host (tests, one-machine clusters, simulated fleets). The Ray launcher and Kubernetes are
+not wired: on Kubernetes the intent is a scale call on each StatefulSet (the chart's
+prefill / decode sets, whose DNS discovery already adds and drops engines), not an HPA,
+because a scale-down must drain first and an HPA cannot wait for that.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+from launch.process import EngineServer, http
+
+log = logging.getLogger("atomd.autoscale")
+
+ROLES = ("prefill", "decode")
+SIGNALS = {"prefill": "atomd_router:time_to_first_token_seconds", "decode": "atomd_router:inter_token_latency_seconds"}
+
+
+@dataclass
+class PoolPolicy:
+    min: int
+    max: int
+    slo_s: float  # the pool's latency SLO (TTFT for prefill, ITL for decode)
+    up: float = 0.9  # scale up above up x SLO ...
+    down: float = 0.3  # ... down below down x SLO
+    up_windows: int = 2
+    down_windows: int = 3
+    cooldown_s: float = 30.0
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.min <= self.max:
+            raise ValueError(f"pool bounds must be 1 <= min <= max, got {self.min}..{self.max}")
+        if not 0 < self.down < self.up:
+            raise ValueError(f"need 0 < down < up, got down={self.down} up={self.up}")
+
+
+class Launcher(Protocol):
+    def start(self, role: str) -> str: ...  # a ready engine's URL
+
+    def stop(self, url: str) -> None: ...
+
+
+class ProcessLauncher:
+    """`atomd serve` children of this process, one per engine, with `flags[role]`."""
+
+    def __init__(self, model: str | None, flags: dict[str, list[str]], log_dir: str | None = None,
+                 ready_timeout_s: float = 300.0):
+        self.model, self.flags, self.log_dir, self.ready_timeout_s = model, flags, log_dir, ready_timeout_s
+        self.servers: dict[str, EngineServer] = {}
+
+    def start(self, role: str) -> str:
+        kv_role = "producer" if role == "prefill" else "consumer"
+        n = len(self.servers)
+        logfile = f"{self.log_dir}/{role}-{n}.log" if self.log_dir else None
+        server = EngineServer(self.model, "--kv-role", kv_role, *self.flags.get(role, []), log=logfile)
+        server.wait_ready(self.ready_timeout_s)
+        self.servers[server.url] = server
+        return server.url
+
+    def stop(self, url: str) -> None:
+        self.servers.pop(url).stop()
+
+    def stop_all(self) -> None:
+        for url in list(self.servers):
+            self.stop(url)
+
+
+@dataclass
+class Drained:
+    """An engine the planner drained: its stats when it went (its pool whole, or not)."""
+
+    url: str
+    role: str
+    free_blocks: int
+    total_blocks: int
+    seconds: float
+
+
+@dataclass
+class _Pool:
+    policy: PoolPolicy
+    urls: list[str] = field(default_factory=list)
+    above: int = 0
+    below: int = 0
+    changed_at: float = float("-inf")
+
+
+def window_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
+    """The q-quantile (a bucket's upper bound) of what a cumulative histogram counted between
+    two reads ({le: count}); None when nothing was counted."""
+    les = sorted(after)
+    delta = [after[le] - before.get(le, 0.0) for le in les]
+    total = delta[-1] if delta else 0.0
+    if total <= 0:
+        return None
+    for le, count in zip(les, delta):
+        if count >= q * total:
+            return le
+    return les[-1]
+
+
+def histogram_buckets(text: str, name: str) -> dict[float, float]:
+    """{le: cumulative count} of histogram `name`, summed over its label sets."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    out: dict[float, float] = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name + "_bucket":
+                le = float(s.labels["le"])
+                out[le] = out.get(le, 0.0) + s.value
+    return out
+
+
+class Autoscaler:
+    def __init__(self, router_url: str, launcher: Launcher, prefill: PoolPolicy, decode: PoolPolicy,
+                 window_s: float = 5.0, admin_key: str | None = None, drain_timeout_s: float = 120.0,
+                 clock: Callable[[], float] = time.monotonic):
+        self.router_url, self.launcher, self.window_s = router_url, launcher, window_s
+        self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
+        self.drain_timeout_s, self.clock = drain_timeout_s, clock
+        self.pools = {"prefill": _Pool(prefill), "decode": _Pool(decode)}
+        self.drained: list[Drained] = []
+        self.history: list[tuple[float, int, int]] = []  # (time, prefill engines, decode engines)
+        self._last: dict[str, dict[float, float]] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # ------------------------------------------------------------------ engines
+
+    def start_minimum(self) -> None:
+        for role, pool in self.pools.items():
+            while len(pool.urls) < pool.policy.min:
+                self._add(role)
+        self._record()
+
+    def _add(self, role: str) -> None:
+        url = self.launcher.start(role)
+        status, body = http("POST", self.router_url + "/workers", {"url": url, "role": role}, headers=self.headers)
+        if status not in (200, 201):
+            self.launcher.stop(url)
+            raise RuntimeError(f"the router refused {role} worker {url}: {status} {body[:200]!r}")
+        self.pools[role].urls.append(url)
+        log.info("scaled %s up to %d: %s", role, len(self.pools[role].urls), url)
+
+    def _drain(self, role: str) -> None:
+        """The newest engine out of rotation, idle, then stopped (module docstring)."""
+        url = self.pools[role].urls.pop()
+        started = self.clock()
+        http("DELETE", self.router_url + "/workers", {"url": url, "role": role}, headers=self.headers)
+        deadline = time.monotonic() + self.drain_timeout_s
+        while True:
+            stats = json.loads(http("GET", url + "/debug/stats")[1])
+            kv = stats.get("kv_transfer") or {}
+            idle = stats["num_running"] == 0 and stats["num_waiting"] == 0 and \
+                stats.get("api_requests_in_flight", 0) == 0 and kv.get("blocks_pinned", 0) == 0
+            if idle or time.monotonic() > deadline:
+                break
+            time.sleep(0.1)
+        self.drained.append(Drained(url, role, stats["num_free_blocks"], stats["num_total_blocks"],
+                                    self.clock() - started))
+        self.launcher.stop(url)
+        log.info("scaled %s down to %d: drained %s", role, len(self.pools[role].urls), url)
+
+    # ------------------------------------------------------------------ the loop
+
+    def tick(self) -> None:
+        """Read the router's latencies over the last window and act on each pool."""
+        status, body = http("GET", self.router_url + "/metrics", headers=self.headers)
+        if status != 200:
+            log.warning("router /metrics answered %d: no decision this window", status)
+            return
+        text = body.decode()
+        now = self.clock()
+        for role, pool in self.pools.items():
+            buckets = histogram_buckets(text, SIGNALS[role])
+            p90 = window_quantile(self._last.get(role, {}), buckets, 0.9)
+            self._last[role] = buckets
+            self._decide(role, pool, p90, now)
+        self._record()
+
+    def _decide(self, role: str, pool: _Pool, p90: float | None, now: float) -> None:
+        p = pool.policy
+        hot = p90 is not None and p90 > p.up * p.slo_s
+        cold = p90 is None or p90 < p.down * p.slo_s
+        pool.above = pool.above + 1 if hot else 0
+        pool.below = pool.below + 1 if cold else 0
+        if now - pool.changed_at < p.cooldown_s:
+            return
+        if pool.above >= p.up_windows and len(pool.urls) < p.max:
+            self._add(role)
+        elif pool.below >= p.down_windows and len(pool.urls) > p.min:
+            self._drain(role)
+        else:
+            return
+        pool.changed_at, pool.above, pool.below = self.clock(), 0, 0
+
+    def _record(self) -> None:
+        self.history.append((self.clock(), len(self.pools["prefill"].urls), len(self.pools["decode"].urls)))
+
+    def run(self) -> None:
+        while not self._stop.wait(self.window_s):
+            try:
+                self.tick()
+            except OSError as e:  # the router restarting: try again next window
+                log.warning("autoscale tick failed: %s", e)
+
+    def start(self) -> "Autoscaler":
+        self._thread = threading.Thread(target=self.run, name="autoscale", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(self.drain_timeout_s + 60)

@@ -1,0 +1,319 @@
+"""Simulated engines (atomd/sim/): hardware profiles against the vendors' public numbers and
+the models' published sizes, the fit against numpy on known data, profile files and flags,
+and SimulatedEngine in-process: deterministic tokens, blocks in = blocks out under
+preemption and aborts, the KV pool counted from the profile, no torch, the link's queue.
+
+The PD, adaptive and KV-event behaviour of simulated engines over HTTP is in the e2e files,
+parametrized over the model runner (tests/test_pd_e2e.py, tests/test_pd_adaptive_e2e.py)."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import msgspec
+import numpy as np
+import pytest
+
+from atomd.config import EngineConfig
+from atomd.sim.hardware import (ACCELERATORS, LINKS, MODELS, Link, StepShape, fit_linear, load_profile,
+                                roofline_seconds)
+from kv_transfer.connector import KVConnectorOutput
+from contracts.sampling import SamplingParams, StructuredOutputsParams
+from tests.server_fixtures import REPO
+from tests.sim_fixtures import default_model_profile
+
+pytestmark = pytest.mark.unit
+
+
+# ---------------------------------------------------------------- profiles
+
+
+def test_model_shapes_match_the_published_parameter_counts():
+    llama = MODELS["llama3-8b"]
+    assert llama.total_params == pytest.approx(8.03e9, rel=0.005)  # Meta: 8.03B
+    assert llama.kv_bytes_per_token == 32 * 2 * 8 * 128 * 2  # 128 KiB a token in bf16
+    qwen = MODELS["qwen3-30b-a3b"]
+    assert qwen.total_params == pytest.approx(30.5e9, rel=0.01)  # Qwen: 30.5B total
+    embedding = qwen.vocab_size * qwen.hidden_size  # Qwen's 3.3B activated counts the input embeddings
+    assert qwen.active_params + embedding == pytest.approx(3.3e9, rel=0.02)
+
+
+def test_a_derived_decode_step_is_memory_bound_on_the_public_bandwidth():
+    """Batch 1 on an H100: every weight but the input embeddings, and the KV, over 80% of
+    3.35 TB/s, plus the 1 ms step overhead."""
+    p = load_profile("h100:llama3-8b")
+    m = MODELS["llama3-8b"]
+    weights = (m.total_params - m.vocab_size * m.hidden_size) * 2
+    context = 1000
+    want = 1e-3 + (weights + (context + 1) * m.kv_bytes_per_token) / (3.35e12 * 0.8)
+    assert p.step_seconds(StepShape(False, 1, 1, context + 1, context)) == pytest.approx(want, rel=1e-6)
+    h200 = load_profile("h200:llama3-8b").step_seconds(StepShape(False, 1, 1, context + 1, context))
+    assert h200 == pytest.approx(1e-3 + (want - 1e-3) * 3.35 / 4.8, rel=1e-6)  # same bytes, faster HBM
+
+
+def test_a_derived_long_prefill_is_compute_bound_on_the_public_flops():
+    m = MODELS["llama3-8b"]
+    n = 8192
+    shape = StepShape.of(True, [n], [0])
+    assert shape.attention == n * (n + 1) / 2
+    linear = 2 * (m.total_params - 2 * m.vocab_size * m.hidden_size) * n + 2 * m.vocab_size * m.hidden_size
+    attention = 4 * m.num_layers * m.num_heads * m.head_dim * n * (n + 1) / 2
+    want = 1e-3 + (linear + attention) / (989e12 * 0.6)
+    assert load_profile("h100:llama3-8b").step_seconds(shape) == pytest.approx(want, rel=1e-6)
+    mi300x = ACCELERATORS["mi300x"]
+    assert load_profile("mi300x:llama3-8b").step_seconds(shape) == pytest.approx(
+        1e-3 + (linear + attention) / (1307e12 * mi300x.compute_efficiency), rel=1e-6)
+
+
+def test_moe_decode_reads_the_experts_its_tokens_route_to():
+    """One token reads 8 of 128 experts a layer; a batch of 512 nearly all of them."""
+    qwen = MODELS["qwen3-30b-a3b"]
+    acc = ACCELERATORS["h100"]
+    one = roofline_seconds(acc, qwen, StepShape(False, 1, 1, 1, 1))
+    dense_part = qwen.num_layers * qwen.dense_layer_params + qwen.lm_head_params
+    bw = acc.memory_bandwidth * acc.memory_efficiency
+    expect_one = (dense_part + qwen.num_layers * 8 * qwen.expert_params) * 2
+    assert one == pytest.approx(1e-3 + (expect_one + 2 * qwen.kv_bytes_per_token) / bw, rel=1e-6)
+    many = roofline_seconds(acc, qwen, StepShape(False, 512, 512, 512, 512))
+    all_experts = (dense_part + qwen.num_layers * 128 * qwen.expert_params) * 2
+    assert many >= 1e-3 + 0.98 * all_experts / bw
+
+
+def test_the_kv_pool_of_a_derived_profile_is_what_the_memory_holds_after_the_weights(monkeypatch):
+    p = load_profile("h100:llama3-8b")
+    assert p.kv_cache_bytes == int(80e9 * 0.9) - MODELS["llama3-8b"].total_params * 2
+    small = msgspec.structs.replace(ACCELERATORS["h100"], name="small", memory_bytes=10 * 10**9)
+    monkeypatch.setitem(ACCELERATORS, "small", small)
+    with pytest.raises(ValueError, match="do not fit"):  # 16 GB of weights in 9 GB
+        load_profile("small:llama3-8b")
+
+
+def test_the_fit_recovers_known_coefficients():
+    rng = np.random.default_rng(0)
+    steps = [StepShape.of(True, list(rng.integers(1, 512, b)), list(rng.integers(0, 256, b)))
+             for b in rng.integers(1, 6, 40)]
+    truth = (3e-3, 40e-6, 150e-9)
+    seconds = [truth[0] + truth[1] * s.tokens + truth[2] * s.attention for s in steps]
+    fit = fit_linear(steps, seconds)
+    np.testing.assert_allclose([fit.base_s, fit.per_token_s, fit.per_attention_s], truth, rtol=1e-6)
+    # a term that only hurts (decode times that fall with context) is dropped, never negative
+    decode = [StepShape(False, b, b, 0, c) for b, c in ((1, 100), (4, 400), (8, 50), (16, 3000), (2, 10))]
+    fit = fit_linear(decode, [1e-3 + 1e-4 * s.tokens - 1e-8 * s.context for s in decode])
+    assert min(fit.base_s, fit.per_token_s, fit.per_attention_s) >= 0 and fit.per_attention_s == 0
+
+
+def test_profile_files_round_trip_and_bad_ones_are_clear_errors(tmp_path):
+    path = default_model_profile(tmp_path / "p.json")
+    p = load_profile(str(path))
+    assert p.model.num_layers == 4 and p.link == LINKS["loopback"] and p.kv_cache_bytes is None
+    assert load_profile(str(path)).with_link("nvlink").link == LINKS["nvlink"]
+    raw = json.loads(path.read_text())
+    for bad, match in ((dict(raw, link=dict(raw["link"], bandwidth=0)), "bandwidth"),
+                       (dict(raw, step={"type": "guessed"}), "not a profile"),
+                       ({"name": "x"}, "not a profile")):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ValueError, match=match):
+            load_profile(str(tmp_path / "bad.json"))
+    (tmp_path / "big.json").write_bytes(b" " * (2 << 20))
+    with pytest.raises(ValueError, match="larger than"):
+        load_profile(str(tmp_path / "big.json"))
+    for spec, match in (("h100", "ACCELERATOR:MODEL"), ("tpu:llama3-8b", "unknown accelerator"),
+                        ("h100:gpt-5", "unknown model shape")):
+        with pytest.raises(ValueError, match=match):
+            load_profile(spec)
+
+
+def test_engine_flags_are_checked(tmp_path):
+    with pytest.raises(ValueError, match="needs hardware"):
+        EngineConfig(model_runner="simulated")
+    with pytest.raises(ValueError, match="only with model_runner simulated"):
+        EngineConfig(hardware="h100:llama3-8b")
+    with pytest.raises(ValueError, match="kv_link"):
+        EngineConfig(model_runner="simulated", hardware="h100:llama3-8b", kv_link="carrier-pigeon")
+    with pytest.raises(ValueError, match="speculative_config is not simulated"):
+        EngineConfig(model_runner="simulated", hardware="h100:llama3-8b",
+                     speculative_config='{"method": "ngram", "num_speculative_tokens": 2}')
+    with pytest.raises(ValueError, match="model_runner must be one of"):
+        EngineConfig(model_runner="dreamed")
+
+
+# ---------------------------------------------------------------- the engine, in-process
+
+
+@pytest.fixture(scope="module")
+def profile(tmp_path_factory):
+    return default_model_profile(tmp_path_factory.mktemp("sim") / "profile.json")
+
+
+def make_engine(profile, **kw):
+    from atomd.sim.engine import SimulatedEngine
+
+    return SimulatedEngine(EngineConfig(model_runner="simulated", hardware=str(profile), max_model_len=256, **kw))
+
+
+def run(engine, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, dict[int, list]]:
+    """Every request to the end: {request id: {choice index: [(token, logprob entry)]}}."""
+    for rid, (prompt, params) in requests.items():
+        engine.add_request(rid, prompt, params)
+    out: dict[str, dict[int, list]] = {rid: {} for rid in requests}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            entries = o.new_logprobs or [None] * len(o.new_token_ids)
+            out[o.request_id].setdefault(o.index, []).extend(zip(o.new_token_ids, entries))
+    return out
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    return np.random.default_rng(seed).integers(10, 4096, n).tolist()
+
+
+def test_tokens_are_a_function_of_the_request_and_its_seed(profile):
+    params = SamplingParams(max_tokens=12, ignore_eos=True, logprobs=2)
+    reqs = {"a": (prompt(1, 40), params), "b": (prompt(2, 7), params),
+            "seeded": (prompt(1, 40), SamplingParams(max_tokens=12, ignore_eos=True, seed=7)),
+            "choices": (prompt(3, 20), SamplingParams(max_tokens=6, ignore_eos=True, n=3, seed=1))}
+    first, second = run(make_engine(profile), reqs), run(make_engine(profile, seed=0, max_num_seqs=3), reqs)
+    assert first == second  # another engine, another batching: the same tokens and logprobs
+    tokens = {rid: [t for t, _ in out[0]] for rid, out in first.items()}
+    assert tokens["a"] != tokens["seeded"]  # same prompt, another seed
+    assert len(set(tokens["a"])) > 6 and all(0 <= t < 4096 for t in tokens["a"])
+    assert sorted(first["choices"]) == [0, 1, 2] and len({tuple(c) for c in first["choices"].values()}) == 3
+    for token, entry in first["a"][0]:
+        assert entry["top"][0] == [token, entry["logprob"]] and len(entry["top"]) == 2 and entry["logprob"] < 0
+
+
+def test_allowed_token_ids_and_min_tokens_hold(profile):
+    allowed = [11, 12, 13]
+    out = run(make_engine(profile), {"x": (prompt(4, 10), SamplingParams(max_tokens=20, allowed_token_ids=allowed,
+                                                                         ignore_eos=True))})
+    assert {t for t, _ in out["x"][0]} <= set(allowed)
+
+
+def test_blocks_in_equal_blocks_out_under_preemption_and_aborts(profile):
+    engine = make_engine(profile, num_kvcache_blocks=24, max_num_seqs=8)
+    bm = engine.scheduler.block_manager
+    total = bm.num_total_blocks
+    rng = np.random.default_rng(5)
+    ids = []
+    for i in range(24):
+        rid = f"r{i}"
+        engine.add_request(rid, prompt(100 + i, int(rng.integers(5, 90))),
+                           SamplingParams(max_tokens=int(rng.integers(5, 60)), ignore_eos=True, n=1 + i % 3))
+        ids.append(rid)
+    finished, steps = {}, 0
+    while engine.has_unfinished_requests():
+        steps += 1
+        if steps in (5, 17, 40):  # abort one running and one waiting request
+            for rid in ids[steps % 7::11][:2]:
+                engine.abort_request(rid)
+        for o in engine.step():
+            if o.finished:
+                finished[o.request_id] = o.finish_reason
+    assert set(finished) == set(ids)
+    assert engine.scheduler.num_preemptions > 0  # the pool was too small for the load
+    assert bm.num_free_blocks == total and engine.stats()["num_running"] == 0
+
+
+def test_the_kv_pool_is_counted_from_the_profile_not_allocated():
+    from atomd.sim.engine import SimulatedEngine
+
+    engine = SimulatedEngine(EngineConfig(model_runner="simulated", hardware="h100:llama3-8b", max_model_len=8192,
+                                          max_num_seqs=512))
+    block = 16 * MODELS["llama3-8b"].kv_bytes_per_token
+    want = min((int(80e9 * 0.9) - MODELS["llama3-8b"].total_params * 2) // block, 512 * 8192 // 16)
+    assert engine.scheduler.block_manager.num_total_blocks == want
+    assert want * block > 50e9  # 56 GB of KV on a 24 GiB machine: counted, never allocated
+
+
+def test_requests_the_simulator_cannot_follow_are_refused(profile):
+    engine = make_engine(profile)
+    with pytest.raises(ValueError, match="structured_outputs"):
+        engine.add_request("g", prompt(1, 5), SamplingParams(structured_outputs=StructuredOutputsParams(regex="a+")))
+    with pytest.raises(ValueError, match="prompt_logprobs"):
+        engine.add_request("p", prompt(1, 5), SamplingParams(prompt_logprobs=1))
+    assert not engine.has_unfinished_requests()
+
+
+def test_the_simulated_engine_never_imports_torch(profile):
+    code = f"""
+import sys
+from atomd.config import EngineConfig
+from atomd.engine.core import engine_class_of
+from contracts.sampling import SamplingParams
+config = EngineConfig(model_runner="simulated", hardware={str(profile)!r}, kv_role="producer")
+engine = engine_class_of(config)(config)
+engine.add_request("x", list(range(10, 50)), SamplingParams(max_tokens=3))
+while engine.has_unfinished_requests() and not engine.only_serving_kv():
+    engine.step()
+engine.close()
+assert "torch" not in sys.modules, "torch was imported"
+print("ok")
+"""
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+
+
+# ---------------------------------------------------------------- the link
+
+
+class FakeConsumer:
+    """The real connector's surface SimulatedLink wraps: loads in, landed pulls out."""
+
+    is_producer = False
+
+    def __init__(self):
+        self.landed: list[int] = []
+        self.failed: list[int] = []
+
+    def start_load_kv(self, meta):
+        pass
+
+    def get_finished(self):
+        out = KVConnectorOutput(finished_recving=self.landed, failed_recving=self.failed)
+        self.landed, self.failed = [], []
+        return out
+
+    def stats(self):
+        return {"bytes": 7}
+
+
+class Load(msgspec.Struct):
+    seq_id: int
+    local_block_ids: list[int]
+
+
+class Meta(msgspec.Struct):
+    loads: list[Load]
+
+
+def test_landed_pulls_wait_for_the_link_and_queue_on_it(monkeypatch):
+    from atomd.sim import engine as sim_engine
+
+    clock = [100.0]
+    monkeypatch.setattr(sim_engine.time, "monotonic", lambda: clock[0])
+    inner = FakeConsumer()
+    link = sim_engine.SimulatedLink(inner, Link(name="slow", bandwidth=1000.0, latency_s=0.5), block_bytes=100)
+    link.start_load_kv(Meta([Load(1, [0, 1, 2, 3, 4]), Load(2, [5, 6, 7, 8, 9]), Load(3, [10])]))
+    inner.landed, inner.failed = [1, 2], [3]  # the real pulls landed at once; 3 failed
+    out = link.get_finished()
+    assert out.finished_recving == [] and out.failed_recving == [3]  # failures are not held
+    clock[0] = 100.0 + 0.5 + 0.5 - 1e-9  # 500 bytes at 1000 B/s + 0.5 s latency
+    assert link.get_finished().finished_recving == []
+    clock[0] = 101.0
+    assert link.get_finished().finished_recving == [1]
+    clock[0] = 101.5  # the second pull queued behind the first on the link
+    assert link.get_finished().finished_recving == [2]
+    assert link.stats()["bytes"] == 700 and link.is_producer is False
+
+
+def test_the_offline_llm_runs_the_simulated_engine_too(profile):
+    from atomd import LLM
+    from atomd.sim.engine import SimulatedEngine
+
+    llm = LLM(model_runner="simulated", hardware=str(profile), max_model_len=256)
+    assert isinstance(llm.engine, SimulatedEngine)
+    params = SamplingParams(max_tokens=6, ignore_eos=True)
+    got = llm.generate([{"prompt_token_ids": prompt(9, 30)}], params)[0].outputs[0].token_ids
+    want = [t for t, _ in run(make_engine(profile), {"r": (prompt(9, 30), params)})["r"][0]]
+    assert got == want
