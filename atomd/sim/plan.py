@@ -107,12 +107,10 @@ def plan(profile: Profile, workload: Workload, slo: SLO, max_gpus: int, decode_m
 
 
 def ray_config(layout: Layout, model: str | None) -> dict:
-    from launch.ray_config import ClusterConfig, EngineGroup
-
-    config = ClusterConfig(model=model, prefill=EngineGroup(count=layout.num_prefill),
-                           decode=EngineGroup(count=layout.num_decode,
-                                              extra_args=["--max-num-seqs", str(layout.decode_max_num_seqs)]))
-    return msgspec.to_builtins(config)
+    """The Ray launcher's config for `layout` (launch/ray_config.py's schema; the rest its
+    defaults). Written as plain data: atomd never imports launch, which starts it."""
+    return {"model": model, "prefill": {"count": layout.num_prefill},
+            "decode": {"count": layout.num_decode, "extra_args": ["--max-num-seqs", str(layout.decode_max_num_seqs)]}}
 
 
 def helm_values(layout: Layout) -> dict:
