@@ -31,7 +31,8 @@ class Ranked(msgspec.Struct, frozen=True):
         return self.goodput / self.layout.num_engines
 
 
-def _ints(text: str) -> list[int]:
+def positive_ints(text: str) -> list[int]:
+    """argparse type: comma-separated integers >= 1 (`atomd plan` and `atomd profile`)."""
     try:
         values = [int(v) for v in text.split(",") if v.strip()]
     except ValueError:
@@ -52,7 +53,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tpot-ms", type=float, required=True)
     parser.add_argument("--attainment", type=float, default=0.9)
     parser.add_argument("--max-gpus", type=int, default=4)
-    parser.add_argument("--decode-max-seqs", type=_ints, default=[256], help="decode engines' --max-num-seqs to try")
+    parser.add_argument("--decode-max-seqs", type=positive_ints, default=[256], help="decode engines' --max-num-seqs to try")
     parser.add_argument("--num-requests", type=int, default=100, help="requests per engine per simulated run")
     parser.add_argument("--min-duration-s", type=float, default=None,
                         help="a simulated run lasts at least this long (default: 10 x the TTFT SLO), so a "

@@ -16,15 +16,7 @@ import time
 
 import numpy as np
 
-
-def _ints(text: str) -> list[int]:
-    try:
-        values = [int(v) for v in text.split(",") if v.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
-    if not values or min(values) < 1:
-        raise argparse.ArgumentTypeError(f"expected integers >= 1, got {text!r}")
-    return values
+from atomd.sim.plan import positive_ints
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -32,10 +24,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"))
     parser.add_argument("--num-threads", type=int, default=1, help="torch threads, as the engine will serve with")
     parser.add_argument("--max-model-len", type=int, default=2048)
-    parser.add_argument("--prefill-batches", type=_ints, default=[1, 4], help="sequences per prefill step")
-    parser.add_argument("--prefill-lens", type=_ints, default=[32, 128, 384], help="prompt lengths")
-    parser.add_argument("--decode-batches", type=_ints, default=[1, 4, 16], help="sequences per decode step")
-    parser.add_argument("--decode-contexts", type=_ints, default=[64, 512], help="context lengths")
+    parser.add_argument("--prefill-batches", type=positive_ints, default=[1, 4], help="sequences per prefill step")
+    parser.add_argument("--prefill-lens", type=positive_ints, default=[32, 128, 384], help="prompt lengths")
+    parser.add_argument("--decode-batches", type=positive_ints, default=[1, 4, 16], help="sequences per decode step")
+    parser.add_argument("--decode-contexts", type=positive_ints, default=[64, 512], help="context lengths")
     parser.add_argument("--decode-steps", type=int, default=8, help="decode steps timed per grid point and round")
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--link", default="loopback", help="the KV link the profile names (atomd/sim/hardware.py)")
