@@ -62,7 +62,8 @@ class LLMEngine:
         retain_freed_memory()  # a prefill's activations reuse their pages (atomd/allocator.py)
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
-        self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len)
+        self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len,
+                                quantization=config.quantization)
         mcfg = self.model.config
         if mcfg.sliding_window is not None and mcfg.sliding_window < config.max_model_len:
             raise ValueError(f"max_model_len={config.max_model_len} exceeds the model's sliding_window="
@@ -104,7 +105,9 @@ class LLMEngine:
     def _make_connector(self):
         """The PD connector of a producer or consumer (None when colocated): both halves in one."""
         cfg, mcfg = self.config, self.model.config
-        self.compat = compat_fingerprint(self.model_name, cfg.dtype, cfg.block_size, mcfg.num_layers,
+        # weights quantised at load give other KV than the checkpoint's: another model to a peer
+        model_id = self.model_name if cfg.quantization is None else f"{self.model_name}+{cfg.quantization}"
+        self.compat = compat_fingerprint(model_id, cfg.dtype, cfg.block_size, mcfg.num_layers,
                                          mcfg.num_kv_heads, mcfg.head_dim, KV_LAYOUT_VERSION)
         if cfg.kv_role == "both":
             return None

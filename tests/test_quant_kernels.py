@@ -90,17 +90,18 @@ def test_bf16_activations_come_back_in_bf16(lib):
 
 
 def numpy_rtn(w, method):
-    """Round-to-nearest as documented on quant.quantize, written again in numpy: dequantised."""
-    w = w.astype(np.float64)
+    """Round-to-nearest as documented on quant.quantize, written again in numpy, dequantised;
+    float32 like the engine's, so every rounding decision is the same."""
+    w = w.astype(np.float32)
     if method == "int8":
-        s = np.abs(w).max(axis=1, keepdims=True) / 127
+        s = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
         s[s == 0] = 1
         return np.clip(np.round(w / s), -127, 127) * s
     n, k = w.shape
     group = next(g for g in (128, 64, 32) if k % g == 0)
     g = w.reshape(n, k // group, group)
     lo, hi = np.minimum(g.min(axis=2, keepdims=True), 0), np.maximum(g.max(axis=2, keepdims=True), 0)
-    s = (hi - lo) / 15
+    s = (hi - lo) / np.float32(15)
     s[s == 0] = 1
     z = np.clip(np.round(-lo / s), 0, 15)
     return ((np.clip(np.round(g / s) + z, 0, 15) - z) * s).reshape(n, k)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# the quantization_config methods atomd/model/quant_formats.py reads; any other is refused by name
+QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
+
 
 @dataclass
 class ModelConfig:
@@ -34,6 +37,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    quantization: dict[str, Any] | None = None  # the checkpoint's quantization_config (QUANT_METHODS)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], arch: str, qkv_bias: bool = False, sliding_by_default: bool = False,
@@ -41,11 +45,13 @@ class ModelConfig:
         """The config of `arch`; qkv_bias: the family always has one (Qwen2);
         sliding_by_default: `sliding_window` applies unless use_sliding_window says not
         (Mistral); `family`: fields only the family sets (qk_norm, the MoE shape)."""
-        quant = hf.get("quantization_config")
-        if quant:  # its tensors are packed integers or fp8 with scales: cast as floats they are garbage
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-            raise ValueError(f"quantized checkpoint ({method}) is not supported yet: "
-                             f"atomd loads float16, bfloat16 and float32 weights only")
+        quant = hf.get("quantization_config") or None
+        if quant is not None:  # packed integers with scales: read by quant_formats, never cast as floats
+            method = str(quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown").lower()
+            if method not in QUANT_METHODS:
+                raise ValueError(f"quantized checkpoint ({method}) is not supported: atomd loads float16, "
+                                 f"bfloat16 and float32 weights and {', '.join(QUANT_METHODS)} checkpoints")
+            quant = {**quant, "quant_method": method}
         if hf.get("hidden_act", "silu") != "silu":
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} for {arch} (only silu)")
         heads = hf["num_attention_heads"]
@@ -66,7 +72,7 @@ class ModelConfig:
             qkv_bias=qkv_bias or attention_bias, o_bias=not qkv_bias and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)), rope_scaling=scaling,
             sliding_window=hf.get("sliding_window") if hf.get("use_sliding_window", sliding_by_default) else None,
-            eos_token_id=hf.get("eos_token_id"), bos_token_id=hf.get("bos_token_id"), **family)
+            eos_token_id=hf.get("eos_token_id"), bos_token_id=hf.get("bos_token_id"), quantization=quant, **family)
 
     @property
     def q_size(self) -> int:

@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from atomd.kv_cache import AttentionMetadata, KVCache
-from atomd.model import layer_ops
+from atomd.model import layer_ops, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
 from atomd.model.moe import MoeWeights, moe
+from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import rope_tables
 from atomd.native import decode_attention
 
@@ -68,8 +69,11 @@ class LayerWeights:
         return [t for t in (self.qkv, self.o, self.gate_up, self.down) if t is not None]
 
 
-def cat(src: TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([src.get(n, dtype) for n in names], dim=0).contiguous()
+def cat(src: TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
+    parts = [src.get(n, dtype) for n in names]
+    if isinstance(parts[0], QuantizedWeight):
+        return quant.cat(parts)
+    return torch.cat(parts, dim=0).contiguous()
 
 
 @dataclass
@@ -132,6 +136,10 @@ class DecoderModel:
         cfg, first = self.config, self.layers[0]
         if first.rows is None:
             return
+        if any(isinstance(t, QuantizedWeight) for t in first.linears()):
+            log.info("quantized linears: batch-1 decode runs per op (the int8 / int4 GEMV per linear); "
+                     "the fused C layer reads float rows")
+            return
         if cfg.sparse_layers or first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
             log.info("%s: batch-1 decode falls back to the per-op path (the GEMV kernel per linear%s): "
                      "the fused C layer has no %s", cfg.architecture, " and chosen expert" if cfg.sparse_layers else "",
@@ -158,16 +166,16 @@ class DecoderModel:
         if keep_rows(self):  # batch-1 decode reads plain rows (layer_ops.gemv): the copies stay too
             self.lm_head_rows = self.lm_head.contiguous()
             for w in self.layers:
-                w.rows = tuple(None if t is None else t.contiguous() for t in (w.qkv, w.o, w.gate_up, w.down))
+                w.rows = tuple(None if t is None or isinstance(t, QuantizedWeight) else t.contiguous()
+                               for t in (w.qkv, w.o, w.gate_up, w.down))
         if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             # oneDNN refuses to pack bf16 without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: F.linear
             log.warning("bfloat16 weights stay unpacked: this CPU has no oneDNN bf16 path (float32 is faster here)")
             return
         self.lm_head = pack_linear_weight(self.lm_head)
-        for w in self.layers:
-            w.qkv, w.o = pack_linear_weight(w.qkv), pack_linear_weight(w.o)
-            if w.gate_up is not None:
-                w.gate_up, w.down = pack_linear_weight(w.gate_up), pack_linear_weight(w.down)
+        for w in self.layers:  # quantized linears are packed already (atomd/model/quant.py)
+            w.qkv, w.o, w.gate_up, w.down = (t if t is None or isinstance(t, QuantizedWeight) else pack_linear_weight(t)
+                                             for t in (w.qkv, w.o, w.gate_up, w.down))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -264,5 +272,6 @@ def keep_rows(model: DecoderModel) -> bool:
     double the linears' memory: 540 MB more for the 135M shape in float32, 270 in bf16)."""
     if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(model.dtype):
         return False
-    size = sum(t.numel() for w in model.layers for t in w.linears()) + model.lm_head.numel()
+    size = sum(t.numel() for w in model.layers for t in w.linears() if isinstance(t, torch.Tensor))
+    size += model.lm_head.numel()
     return size * model.lm_head.element_size() <= GEMV_MAX_BYTES

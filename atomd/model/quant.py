@@ -21,9 +21,9 @@ from dataclasses import dataclass
 import torch
 
 from atomd import cbuild
+from atomd.config import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
-QUANTIZATIONS = ("int8", "int4")  # --quantization: round-to-nearest at load
 INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a linear's input size
 # rows of x up to which the C kernel dequantises in registers; past it, float tiles of the
 # weight go to torch's BLAS (measured, 135M shape, 2 threads: benchmarks/results/quant.md)
