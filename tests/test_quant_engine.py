@@ -40,13 +40,14 @@ _HF_DEQUANT: dict = {}
 
 
 def hf_dequantised(path, method: str) -> torch.nn.Module:
-    """HF's model with every decoder linear replaced by its numpy round-to-nearest."""
+    """HF's model with every decoder linear replaced by its numpy round-to-nearest, the LM
+    head by its int8 one (quant.LM_HEAD_QUANTIZATION, whatever the method)."""
     if (path, method) not in _HF_DEQUANT:
         model = copy.deepcopy(hf_model(path))
         with torch.no_grad():
             for name, module in model.named_modules():
-                if name.startswith("model.layers.") and name.endswith("_proj"):
-                    w = numpy_rtn(module.weight.numpy(), method)
+                if name.startswith("model.layers.") and name.endswith("_proj") or name == "lm_head":
+                    w = numpy_rtn(module.weight.numpy(), method if name != "lm_head" else "int8")
                     module.weight.copy_(torch.from_numpy(w.astype(np.float32)))
         _HF_DEQUANT[path, method] = model
     return _HF_DEQUANT[path, method]
@@ -78,6 +79,8 @@ def test_linears_are_packed_not_float(quantized):
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(w, QuantizedWeight) and w.bits == (8 if method == "int8" else 4)
     assert layer.rows == (None,) * 4 and llm.engine.model.decode_layer is None
+    lm_head = llm.engine.model.lm_head
+    assert isinstance(lm_head, QuantizedWeight) and lm_head.bits == 8
 
 
 @pytest.mark.unit
@@ -136,3 +139,17 @@ def test_pd_int4_equals_colocated_and_hf(llama_dir):
         hf_ids = hf_greedy(hf_dequantised(llama_dir, "int4"), prompt, 16)
         assert got["choices"][0]["text"] == Tokenizer.from_file(str(llama_dir / "tokenizer.json")).decode(hf_ids)
         cluster.assert_settled()
+
+
+@pytest.mark.unit
+def test_tied_embeddings_keep_a_float_table_and_quantize_the_head(tmp_path):
+    from safetensors.torch import load_file
+
+    from atomd.model.loader import load_model
+
+    path = make_checkpoint(tmp_path / "qwen2", "qwen2", seed=3)  # tied embeddings
+    model = load_model(path, quantization="int4")
+    table = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(model.embed, table)  # the lookup reads the floats
+    want = numpy_rtn(table.numpy(), "int8")
+    np.testing.assert_allclose(model.lm_head.dequantize().numpy(), want, rtol=1e-5, atol=1e-7)

@@ -178,9 +178,13 @@ void atomd_qdequant_i8(const int8_t *q, const float *scales, const float *offset
     for (int64_t n = n0; n < n1; n++) {
         const int8_t *qn = q + n * K;
         float *dst = out + (n - n0) * K;
-        for (int64_t k = 0; k < K; k++) {
-            const int64_t g = k / G;
-            dst[k] = (float)qn[k] * scales[n * groups + g] + (offsets ? offsets[n * groups + g] : 0.0f);
+        for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, gi++) {
+            const int64_t g1 = g0 + G < K ? g0 + G : K;
+            const float sc = scales[n * groups + gi], of = offsets ? offsets[n * groups + gi] : 0.0f;
+            const vf vs = VSET1(sc), vo = VSET1(of);
+            int64_t k = g0;
+            for (; k + LANES <= g1; k += LANES) VSTORE(dst + k, VFMA(load_i8(qn + k), vs, vo));
+            for (; k < g1; k++) dst[k] = (float)qn[k] * sc + of;
         }
     }
 }

@@ -82,7 +82,7 @@ class DecoderModel:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor | QuantizedWeight
     max_positions: int
     cos: torch.Tensor = field(init=False)  # [max_positions, head_dim // 2]
     sin: torch.Tensor = field(init=False)
@@ -164,7 +164,7 @@ class DecoderModel:
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
         if keep_rows(self):  # batch-1 decode reads plain rows (layer_ops.gemv): the copies stay too
-            self.lm_head_rows = self.lm_head.contiguous()
+            self.lm_head_rows = None if isinstance(self.lm_head, QuantizedWeight) else self.lm_head.contiguous()
             for w in self.layers:
                 w.rows = tuple(None if t is None or isinstance(t, QuantizedWeight) else t.contiguous()
                                for t in (w.qkv, w.o, w.gate_up, w.down))
@@ -172,7 +172,8 @@ class DecoderModel:
             # oneDNN refuses to pack bf16 without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: F.linear
             log.warning("bfloat16 weights stay unpacked: this CPU has no oneDNN bf16 path (float32 is faster here)")
             return
-        self.lm_head = pack_linear_weight(self.lm_head)
+        if not isinstance(self.lm_head, QuantizedWeight):
+            self.lm_head = pack_linear_weight(self.lm_head)
         for w in self.layers:  # quantized linears are packed already (atomd/model/quant.py)
             w.qkv, w.o, w.gate_up, w.down = (t if t is None or isinstance(t, QuantizedWeight) else pack_linear_weight(t)
                                              for t in (w.qkv, w.o, w.gate_up, w.down))
@@ -272,6 +273,6 @@ def keep_rows(model: DecoderModel) -> bool:
     double the linears' memory: 540 MB more for the 135M shape in float32, 270 in bf16)."""
     if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(model.dtype):
         return False
-    size = sum(t.numel() for w in model.layers for t in w.linears() if isinstance(t, torch.Tensor))
-    size += model.lm_head.numel()
-    return size * model.lm_head.element_size() <= GEMV_MAX_BYTES
+    floats = [t for w in model.layers for t in w.linears() if isinstance(t, torch.Tensor)]
+    size = sum(t.numel() for t in floats + [model.lm_head] if isinstance(t, torch.Tensor))
+    return size * model.embed.element_size() <= GEMV_MAX_BYTES

@@ -13,7 +13,7 @@ import pathlib
 import torch
 from safetensors import safe_open
 
-from atomd.model import quant_formats, registry
+from atomd.model import quant, quant_formats, registry
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import DecoderModel
 
@@ -107,6 +107,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         lm_head = embed
     else:
         lm_head = src.get("lm_head.weight", dtype)
+    if quantization is not None:  # batch-1 decode reads it whole every token: SmolLM2-135M's is 113 of 540 MB
+        lm_head = quant.quantize(lm_head, quant.LM_HEAD_QUANTIZATION)
     return cls(config=cfg, embed=embed, layers=[cls.load_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)],
                norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
                max_positions=max_positions or cfg.max_position_embeddings)

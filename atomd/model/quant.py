@@ -24,6 +24,9 @@ from atomd import cbuild
 from atomd.config import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
+# --quantization's LM head (a tied one: its own copy, the embedding lookup keeps the floats):
+# int8 for int4 too, as llama.cpp keeps its output tensor above Q4_0 (Q6_K)
+LM_HEAD_QUANTIZATION = "int8"
 INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a linear's input size
 # rows of x up to which the C kernel dequantises in registers; past it, float tiles of the
 # weight go to torch's BLAS (measured, 135M shape, 2 threads: benchmarks/results/quant.md)
