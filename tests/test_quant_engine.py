@@ -16,6 +16,7 @@ from tokenizers import Tokenizer
 
 from atomd.config import EngineConfig
 from atomd.llm import LLM
+from atomd.model import layer_ops
 from atomd.model.quant import QuantizedWeight
 from launch.process import http
 from scheduler.sequence import SamplingParams
@@ -78,7 +79,8 @@ def test_linears_are_packed_not_float(quantized):
     layer = llm.engine.model.layers[0]
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(w, QuantizedWeight) and w.bits == (8 if method == "int8" else 4)
-    assert layer.rows == (None,) * 4 and llm.engine.model.decode_layer is None
+    # batch-1 decode in the fused C layer over the packed weights where it builds (AVX-512)
+    assert (llm.engine.model.decode_layer is not None) == layer_ops.has_gemv(torch.float32)
     lm_head = llm.engine.model.lm_head
     assert isinstance(lm_head, QuantizedWeight) and lm_head.bits == 8
 
@@ -101,6 +103,14 @@ def test_greedy_48_tokens_equal_hf_on_dequantised_weights(quantized, llama_dir):
     prompts = prompts_of([1, 16, 37], seed=5)
     for prompt, ids in zip(prompts, greedy(llm, prompts)):
         assert ids == hf_greedy(hf_dequantised(llama_dir, method), prompt, 48), f"prompt of {len(prompt)}"
+
+
+@pytest.mark.unit
+def test_batch_1_decode_equals_hf_on_dequantised_weights(quantized, llama_dir):
+    """One sequence alone: its decode steps take the fused batch-1 layer (where it builds)."""
+    method, llm = quantized
+    prompt = prompts_of([21], seed=10)[0]
+    assert greedy(llm, [prompt]) == [hf_greedy(hf_dequantised(llama_dir, method), prompt, 48)]
 
 
 @pytest.mark.unit

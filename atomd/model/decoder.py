@@ -62,8 +62,9 @@ class LayerWeights:
     q_norm: torch.Tensor | None = None  # [head_dim], with k_norm: ModelConfig.qk_norm
     k_norm: torch.Tensor | None = None
     moe: MoeWeights | None = None  # the sparse MLP in place of gate_up / down
-    # plain row-major copies of qkv, o, gate_up, down for batch-1 decode (DecoderModel._pack_weights)
-    rows: tuple[torch.Tensor | None, ...] | None = None
+    # plain row-major copies of qkv, o, gate_up, down for batch-1 decode (DecoderModel._pack_weights);
+    # a quantized linear's is its packed weight as it is
+    rows: tuple[torch.Tensor | QuantizedWeight | None, ...] | None = None
 
     def linears(self) -> list[torch.Tensor]:
         return [t for t in (self.qkv, self.o, self.gate_up, self.down) if t is not None]
@@ -136,9 +137,11 @@ class DecoderModel:
         cfg, first = self.config, self.layers[0]
         if first.rows is None:
             return
-        if any(isinstance(t, QuantizedWeight) for t in first.linears()):
-            log.info("quantized linears: batch-1 decode runs per op (the int8 / int4 GEMV per linear); "
-                     "the fused C layer reads float rows")
+        quantized = [isinstance(t, QuantizedWeight) for t in first.linears()]
+        if any(quantized) and not (all(quantized) and self.dtype == torch.float32
+                                   and all(t.perm is None for w in self.layers for t in w.linears())):
+            log.info("quantized linears: batch-1 decode runs per op (the int8 / int4 GEMV per linear): the fused "
+                     "C layer takes float32 activations, every linear quantized, no act-order permutation")
             return
         if cfg.sparse_layers or first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
             log.info("%s: batch-1 decode falls back to the per-op path (the GEMV kernel per linear%s): "
@@ -146,7 +149,8 @@ class DecoderModel:
                      "MoE block" if cfg.sparse_layers else "o_proj / MLP bias")
             return
         self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
-                                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+                                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                                  quantized=any(quantized))
         if cfg.qk_norm:
             log.info("%s: batch-1 decode runs QKV, the q/k norm and RoPE per op (the fused C layer's head has "
                      "no q/k norm), the rest of each layer fused", cfg.architecture)
@@ -166,7 +170,7 @@ class DecoderModel:
         if keep_rows(self):  # batch-1 decode reads plain rows (layer_ops.gemv): the copies stay too
             self.lm_head_rows = None if isinstance(self.lm_head, QuantizedWeight) else self.lm_head.contiguous()
             for w in self.layers:
-                w.rows = tuple(None if t is None or isinstance(t, QuantizedWeight) else t.contiguous()
+                w.rows = tuple(t if t is None or isinstance(t, QuantizedWeight) else t.contiguous()
                                for t in (w.qkv, w.o, w.gate_up, w.down))
         if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             # oneDNN refuses to pack bf16 without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: F.linear

@@ -16,7 +16,8 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -36,6 +37,10 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 PATHS = {2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_path
 
 
+class _QWeightStruct(ctypes.Structure):
+    _fields_ = [("q", _PTR), ("scales", _PTR), ("offsets", _PTR), ("group", _I64), ("bits", _I64)]
+
+
 @dataclass
 class QuantizedWeight:
     bits: int  # 8 or 4
@@ -45,10 +50,19 @@ class QuantizedWeight:
     group_size: int
     in_features: int
     perm: torch.Tensor | None = None  # int64 [K]: kernel column c is the checkpoint's input perm[c]
+    _ref: Any = field(default=None, repr=False, compare=False)  # its atomd_qweight (data_ptr)
 
     @property
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.in_features
+
+    def data_ptr(self) -> int:
+        """The address of this weight's atomd_qweight (csrc/quant.h), what the fused batch-1
+        decode layer (layer_ops.DecodeLayer) takes where a float weight passes its data."""
+        if self._ref is None:
+            self._ref = _QWeightStruct(self.q.data_ptr(), self.scales.data_ptr(), _ptr(self.offsets),
+                                       self.group_size, self.bits)
+        return ctypes.addressof(self._ref)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets) if t is not None)
