@@ -61,6 +61,18 @@ def test_qlinear_equals_numpy_dequantise_then_matmul(lib, bits, n, k, group, zer
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-5 * np.abs(ref).max())
 
 
+def test_tiles_cover_every_row(lib, monkeypatch):
+    """Past QGEMM_MAX_M rows the weight goes to BLAS in tiles: several of them, the last short."""
+    monkeypatch.setattr(quant, "TILE_FLOATS", 64 * 20)  # 20 rows of K 64 a tile: 53 rows in 3 tiles
+    rng = np.random.default_rng(2)
+    values, scales, offsets = random_weight(rng, 4, 53, 64, 32, True)
+    w = quant.pack(torch.from_numpy(values), torch.from_numpy(scales), torch.from_numpy(offsets), 4, 32)
+    x = rng.standard_normal((quant.QGEMM_MAX_M + 3, 64)).astype(np.float32)
+    ref = reference(x, values, scales, offsets, 32)
+    np.testing.assert_allclose(quant.qlinear(torch.from_numpy(x), w, lib=lib).numpy(), ref, rtol=1e-4,
+                               atol=1e-5 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("bits", [8, 4])
 def test_act_order_permutation_gathers_the_input_columns(lib, bits):
     """A GPTQ desc_act weight: kernel column c holds the checkpoint's input perm[c]."""

@@ -32,7 +32,9 @@ INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a l
 # rows of x up to which the C kernel dequantises in registers; past it, float tiles of the
 # weight go to torch's BLAS (measured, 135M shape, 2 threads: benchmarks/results/quant.md)
 QGEMM_MAX_M = 8
-TILE_FLOATS = 1 << 18  # a dequantised tile: 1 MiB of float32, stays in L2
+# a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
+# shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
+TILE_FLOATS = 1 << 22
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 PATHS = {2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_path
 
@@ -169,7 +171,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
             lib: ctypes.CDLL | None | str = "auto") -> torch.Tensor:
     """x [M, K] @ dequantised(w).T (+ bias) in float32, returned in x's dtype. Up to
     QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*); more rows, or
-    no kernels (lib None), go through float tiles of TILE_FLOATS, never a whole float copy."""
+    no kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
     if w.perm is not None:
