@@ -163,3 +163,16 @@ def test_tied_embeddings_keep_a_float_table_and_quantize_the_head(tmp_path):
     assert torch.equal(model.embed, table)  # the lookup reads the floats
     want = numpy_rtn(table.numpy(), "int8")
     np.testing.assert_allclose(model.lm_head.dequantize().numpy(), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.unit
+def test_int4_keeps_int8_for_inputs_not_a_multiple_of_32(caplog):
+    """The built-in model's down projection has 688 inputs: int8 per channel, said once."""
+    from atomd.model.default import default_model_dir
+    from atomd.model.loader import load_model
+
+    with caplog.at_level("WARNING", logger="atomd.model.quant_formats"):
+        model = load_model(default_model_dir(), quantization="int4")
+    layer = model.layers[0]
+    assert (layer.qkv.bits, layer.gate_up.bits, layer.down.bits) == (4, 4, 8) and layer.down.in_features == 688
+    assert caplog.text.count("not a multiple of 32") == 1

@@ -1,7 +1,8 @@
 """Quantised weights at load: the TensorSources (atomd/model/loader.py) that hand the decoder
 QuantizedWeights (atomd/model/quant.py) for its linears.
 
-- RoundToNearest: `--quantization int8|int4` on a float checkpoint.
+- RoundToNearest: `--quantization int8|int4` on a float checkpoint (int4: a linear whose
+  input size is no multiple of 32 is int8 per channel, said once).
 - CheckpointSource: a checkpoint's own quantization_config, each format's tensors as its
   project writes them (unpacked here into quant.py's layout, exactly: same integers, scales
   and zero points):
@@ -22,6 +23,7 @@ QuantizedWeights (atomd/model/quant.py) for its linears.
 """
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ import torch
 from atomd.model import quant
 from atomd.model.quant import QuantizedWeight
 
+log = logging.getLogger(__name__)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column of each nibble of an AWQ int32, low bits first
 
 
@@ -64,15 +67,22 @@ class RoundToNearest:
     """`--quantization int8|int4`: the float checkpoint's layer linears quantised as they load."""
 
     def __init__(self, src: Any, method: str):
-        self.src, self.method = src, method
+        self.src, self.method, self.warned = src, method, False
 
     def __contains__(self, name: str) -> bool:
         return name in self.src
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
-        if is_layer_linear(name):
-            return quant.quantize(self.src.get(name, torch.float32), self.method)
-        return self.src.get(name, dtype)
+        if not is_layer_linear(name):
+            return self.src.get(name, dtype)
+        w = self.src.get(name, torch.float32)
+        if self.method == "int4" and w.shape[1] % 32:  # int4 groups are runs of 32 inputs
+            if not self.warned:
+                log.warning("int4: linears whose input size is not a multiple of 32 (%s: %d) are int8 per channel",
+                            name, w.shape[1])
+                self.warned = True
+            return quant.quantize(w, "int8")
+        return quant.quantize(w, self.method)
 
 
 class CheckpointSource:
