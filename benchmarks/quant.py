@@ -103,9 +103,11 @@ def run_engines(gens: dict, vocab: int, rounds: int) -> dict[str, dict[str, floa
 
 def linears(cfg: dict, threads: int, repeats: int = 5) -> list[dict]:
     """us per call of each kernel on the shape's layer linears (summed), per M."""
+    from atomd.allocator import retain_freed_memory
     from atomd.model import quant
     from atomd.model.linear import linear, pack_linear_weight
 
+    retain_freed_memory()  # the engine's malloc policy: a tile buffer is not mmap'd and faulted in every call
     torch.set_num_threads(threads)
     h, i, d = cfg["hidden_size"], cfg["intermediate_size"], cfg["head_dim"]
     q, kv = cfg["num_attention_heads"] * d, cfg["num_key_value_heads"] * d
@@ -159,6 +161,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--llama-cpp", action="store_true")
     p.add_argument("--no-linears", action="store_true")
+    p.add_argument("--no-engines", action="store_true", help="the linears alone")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args()
     from benchmarks.model_shapes import model_dir
@@ -168,6 +171,9 @@ def main() -> int:
     result: dict = {"cpu": cpu_kind(), "threads": args.threads, "rounds": args.rounds, "load_before": loadavg()}
     if not args.no_linears:
         result["linears_us"] = linears(cfg, args.threads)
+    if args.no_engines:
+        print(json.dumps(result, indent=1))
+        return 0
     gens = engines(path, args.threads)
     result["bytes_per_token"] = {name: dict(zip(("streamed", "linears"), weight_bytes(llm.engine.model)))
                                  for name, (llm, _) in gens.items()}

@@ -30,8 +30,10 @@ log = logging.getLogger(__name__)
 LM_HEAD_QUANTIZATION = "int8"
 INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a linear's input size
 # rows of x up to which the C kernel dequantises in registers; past it, float tiles of the
-# weight go to torch's BLAS (measured, 135M shape, 2 threads: benchmarks/results/quant.md)
-QGEMM_MAX_M = 8
+# weight go to torch's BLAS (135M shape's layer linears, one thread, two runs: at M = 16 the
+# kernel 2.5-2.8 ms against 9.7-10.3 ms for 16 MiB tiles, at M = 64 17.4 against 9.9-11.5;
+# benchmarks/results/quant.md)
+QGEMM_MAX_M = 16
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
