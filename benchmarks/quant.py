@@ -18,9 +18,10 @@ Bytes per decoded token: what a batch-1 step streams (every packed linear once, 
 counted from the loaded tensors: q, scales, offsets) against the packed weight size, and the
 read bandwidth that decode rate implies. Counted, not measured with hardware counters (none
 reachable here).
-llama.cpp (benchmarks/llama_cpp.py's build from PyPI's source): tg128 (decode alone), pp128 +
-tg128 (batch1) and pp512 (prefill) from llama-bench; Q8_0 written by convert_hf_to_gguf,
-Q4_0 by llama-quantize from the F32 GGUF (its default: output tensor Q6_K... as llama-quantize picks).
+llama.cpp (benchmarks/llama_cpp.py's build from PyPI's source, --llama-cpp): batch-1 pairs in
+the same rounds as atomd float32 / int8 / int4 (see llama_cpp()); Q8_0 written by
+convert_hf_to_gguf, Q4_0 by llama-quantize from the F32 GGUF (which keeps its own choice for
+the output / embedding tensor).
 """
 from __future__ import annotations
 
@@ -28,6 +29,7 @@ import argparse
 import json
 import pathlib
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -135,24 +137,46 @@ def linears(cfg: dict, threads: int, repeats: int = 5) -> list[dict]:
     return rows
 
 
-def llama_cpp(path: pathlib.Path, threads: int, reps: int) -> dict[str, dict]:
+def llama_cpp(path: pathlib.Path, threads: int, rounds: int) -> dict:
+    """Same-run pairs at batch 1: atomd float32 / int8 / int4 and llama.cpp F32 / Q8_0 / Q4_0,
+    alternating in every round (one llama-bench repetition each): tok/s of a 128-token prompt
+    + 128 new (batch1) and of the decode steps alone (tg: atomd's full run less a 1-token one,
+    llama-bench's tg128); medians of `rounds`."""
+    from atomd import LLM, SamplingParams
     from benchmarks import llama_cpp as lc
 
     src, binary = lc.ensure_build(2)
-    quantize = binary.parent / "llama-quantize"
-    out = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        tmp = pathlib.Path(tmp)
-        f32 = tmp / "f32.gguf"
-        lc.convert(src, path, "f32", f32)
-        q8 = tmp / "q8_0.gguf"
-        lc.convert(src, path, "q8_0", q8)
-        q4 = tmp / "q4_0.gguf"
-        subprocess.run([str(quantize), str(f32), str(q4), "Q4_0", str(threads)], check=True, capture_output=True)
-        for name, gguf in (("F32", f32), ("Q8_0", q8), ("Q4_0", q4)):
-            out[name] = {**lc.bench(binary, gguf, threads, reps), "gguf_bytes": gguf.stat().st_size}
-            print(json.dumps({name: out[name]}), file=sys.stderr, flush=True)
-    return out
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    ggufs = {"F32": tmp / "f32.gguf", "Q8_0": tmp / "q8_0.gguf", "Q4_0": tmp / "q4_0.gguf"}
+    lc.convert(src, path, "f32", ggufs["F32"])
+    lc.convert(src, path, "q8_0", ggufs["Q8_0"])
+    subprocess.run([str(binary.parent / "llama-quantize"), str(ggufs["F32"]), str(ggufs["Q4_0"]), "Q4_0",
+                    str(threads)], check=True, capture_output=True)
+    llms = {m: LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False, quantization=q)
+            for m, q in (("float32", None), ("int8", "int8"), ("int4", "int4"))}
+    batch = prompts(1, 128, 1, 49152)
+
+    def run(llm, new):
+        llm.generate([{"prompt_token_ids": p} for p in batch],
+                     SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    for llm in llms.values():
+        run(llm, 4)
+    res = {k: {"batch1": [], "tg": []} for k in [*llms, *ggufs]}
+    for _ in range(rounds):
+        for m, llm in llms.items():
+            full, first = timed(lambda: run(llm, 128)), timed(lambda: run(llm, 1))
+            res[m]["batch1"].append(128 / full)
+            res[m]["tg"].append(127 / (full - first))
+        for name, gguf in ggufs.items():
+            out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", "-p", "0",
+                                  "-n", "128", "-pg", "128,128"], check=True, capture_output=True, text=True).stdout
+            for t in json.loads(out):
+                seconds = statistics.median(t["samples_ns"]) / 1e9
+                res[name]["tg" if t["n_prompt"] == 0 else "batch1"].append(128 / seconds)
+        print(f"llama.cpp pairs: round done (load {loadavg()})", file=sys.stderr, flush=True)
+    sizes = {name: g.stat().st_size for name, g in ggufs.items()}
+    shutil.rmtree(tmp, ignore_errors=True)
+    return {"gguf_bytes": sizes, **{k: {w: statistics.median(v) for w, v in d.items()} for k, d in res.items()}}
 
 
 def main() -> int:
@@ -180,7 +204,7 @@ def main() -> int:
     result["atomd"] = run_engines(gens, cfg["vocab_size"], args.rounds)
     if args.llama_cpp:
         del gens
-        result["llama_cpp"] = llama_cpp(path, args.threads, args.rounds)
+        result["llama_cpp_pairs"] = llama_cpp(path, args.threads, args.rounds)
     result["load_after"] = loadavg()
     text = json.dumps(result, indent=1)
     print(text)
