@@ -30,6 +30,7 @@ KV_MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
+QUANTIZATIONS = ("int8", "int4")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 SPECULATIVE_METHODS = ("ngram",)
 MODEL_RUNNERS = ("real", "simulated")  # simulated: atomd/sim/engine.py
@@ -44,6 +45,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # attention: native = the C kernels (atomd/kernels/native.py), torch = SDPA; auto: native for
     # float32 and bfloat16 where they build, else torch
     attention_backend: str = "auto"
+    # weight-only int8 (per channel) / int4 (per group) linears quantised at load from a float
+    # checkpoint; None: the checkpoint's own weights (a GPTQ / AWQ / compressed-tensors one loads as packed)
+    quantization: str | None = None
     max_model_len: int = 2048
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -106,6 +110,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.dtype, reason = auto_dtype()
             log.info("dtype auto: %s (%s)", self.dtype, reason)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        if self.quantization is not None:
+            _choice("quantization", self.quantization, QUANTIZATIONS)
         if self.attention_backend == "native" and self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"attention_backend native runs float32 and bfloat16, got dtype {self.dtype!r}")
         _choice("kv_role", self.kv_role, KV_ROLES)
@@ -310,6 +316,7 @@ def _bytes_arg(text: str) -> int:
 # its default), so every default is written once, on the field. What a flag needs beyond
 # that is keyed by field here.
 CHOICES = {"dtype": DTYPE_CHOICES, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
+           "quantization": QUANTIZATIONS,
            "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
            "kv_mooncake_protocol": KV_MOONCAKE_PROTOCOLS,
            "prefill_delayer": PREFILL_DELAYERS, "model_runner": MODEL_RUNNERS}
@@ -322,6 +329,9 @@ HELP = {
     "num_threads": "torch threads of this engine (default: all cores)",
     "attention_backend": "prefill and decode attention: native C kernels (float32 and bfloat16, prebuilt or built at first use), "
                          "torch SDPA, or auto (native where they build)",
+    "quantization": "weight-only quantization at load of a float checkpoint, round-to-nearest: int8 (per output "
+                    "channel, symmetric) or int4 (groups of 128, else 64 or 32 inputs, with zero points); activations "
+                    "stay --dtype. GPTQ, AWQ and compressed-tensors checkpoints load quantized without it",
     "max_model_len": "prompt + completion tokens",
     "max_num_seqs": "sequences per step",
     "max_num_batched_tokens": "tokens per step",

@@ -106,14 +106,14 @@ def ensure_build(jobs: int) -> tuple[pathlib.Path, pathlib.Path]:
     build = root / "build"
     binary = build / "bin" / "llama-bench"
     done = build / ".atomd-complete"
-    if done.is_file() and binary.is_file():
+    if done.is_file() and binary.is_file() and (build / "bin" / "llama-quantize").is_file():
         return src, binary
     t0 = time.perf_counter()
     log(f"configuring llama.cpp in {build}: {' '.join(CMAKE_FLAGS)}")
     subprocess.run([*NICE, "cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], check=True,
                    stdout=sys.stderr)
-    log(f"building llama-bench with -j{jobs} under nice (minutes)")
-    subprocess.run([*NICE, "cmake", "--build", str(build), "--target", "llama-bench", "-j", str(jobs)],
+    log(f"building llama-bench and llama-quantize with -j{jobs} under nice (minutes)")
+    subprocess.run([*NICE, "cmake", "--build", str(build), "--target", "llama-bench", "llama-quantize", "-j", str(jobs)],
                    check=True, stdout=sys.stderr)
     done.write_text(f"{time.perf_counter() - t0:.0f} s\n")
     log(f"built {binary} in {time.perf_counter() - t0:.0f} s")

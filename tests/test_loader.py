@@ -119,26 +119,16 @@ def test_a_bf16_checkpoint_runs_in_the_asked_dtype_and_says_so(llama_dir, tmp_pa
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("method", ["gptq", "awq", "fp8", "compressed-tensors", "autogptq-file"])
-def test_quantized_checkpoint_is_refused_naming_the_method(llama_dir, tmp_path, method):
-    """A quantized checkpoint's tensors are packed ints or fp8 with scales: refused, never cast."""
+@pytest.mark.parametrize("method", ["fp8", "bitsandbytes", "no-method"])
+def test_unknown_quantization_method_is_refused_by_name(llama_dir, tmp_path, method):
+    """A quantized checkpoint of a method atomd does not read (fp8, bitsandbytes, ...) is
+    refused naming it, never cast as floats; GPTQ / AWQ / compressed-tensors load
+    (tests/test_quant_formats.py)."""
     shutil.copytree(llama_dir, tmp_path / "m")
-    if method == "autogptq-file":  # AutoGPTQ writes quantize_config.json beside an unmarked config
-        (tmp_path / "m" / "quantize_config.json").write_text('{"bits": 4, "group_size": 128}')
-        want = "gptq"
-    else:  # the field as transformers' own quantization configs write it
-        quant = {"gptq": lambda: transformers.GPTQConfig(bits=4),
-                 "awq": lambda: transformers.AwqConfig(bits=4),
-                 "fp8": lambda: transformers.FineGrainedFP8Config(),
-                 # transformers' CompressedTensorsConfig needs the compressed-tensors package: the
-                 # head of what llm-compressor writes
-                 "compressed-tensors": lambda: {"quant_method": "compressed-tensors", "format": "pack-quantized",
-                                                "config_groups": {"group_0": {"targets": ["Linear"],
-                                                                              "weights": {"num_bits": 4}}}},
-                 }[method]()
-        quant = quant if isinstance(quant, dict) else quant.to_dict()
-        _edit_config(tmp_path / "m", quantization_config=quant)
-        want = quant["quant_method"]
-        want = getattr(want, "value", want)
+    quant = {"fp8": lambda: transformers.FineGrainedFP8Config().to_dict(),
+             "bitsandbytes": lambda: transformers.BitsAndBytesConfig(load_in_4bit=True).to_dict(),
+             "no-method": lambda: {"bits": 4}}[method]()
+    _edit_config(tmp_path / "m", quantization_config=quant)
+    want = getattr(quant.get("quant_method", "unknown"), "value", quant.get("quant_method", "unknown"))
     with pytest.raises(ValueError, match=f"quantized checkpoint \\({want}\\) is not supported"):
         load_model(tmp_path / "m")

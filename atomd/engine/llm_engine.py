@@ -51,7 +51,8 @@ class LLMEngine(EngineLoop):
         retain_freed_memory()  # a prefill's activations reuse their pages (atomd/engine/allocator.py)
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
-        self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len)
+        self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len,
+                                quantization=config.quantization)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -60,7 +61,9 @@ class LLMEngine(EngineLoop):
         self.kv_cache = KVCache(self._pool_blocks(per_block), mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
                                 mcfg.head_dim, self.model.dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
-        self.compat = compat_fingerprint(self.model_name, config.dtype, config.block_size, mcfg.num_layers,
+        # weights quantised at load give other KV than the checkpoint's: another model to a peer
+        model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
+        self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, mcfg.num_layers,
                                          mcfg.num_kv_heads, mcfg.head_dim, KV_LAYOUT_VERSION)
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):

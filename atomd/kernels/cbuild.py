@@ -16,7 +16,7 @@ Two ways to a kernel, tried in this order by `load`:
 Where neither works `load` returns None and the caller's torch/numpy path runs. Every
 outcome is logged and kept in `kernel_paths()` (GET /kv_transfer_info's `kernels`). The
 users: atomd/kernels/native.py (attention), atomd/structured.py (the grammar bitmask),
-atomd/model/layer_ops.py (RMSNorm, SiLU, RoPE).
+atomd/model/layer_ops.py (RMSNorm, SiLU, RoPE), atomd/model/quant.py (int8 / int4 linears).
 """
 from __future__ import annotations
 
@@ -96,6 +96,11 @@ def layer_ops_kernel() -> tuple[pathlib.Path, list[str], str]:
     return CSRC / "layer_ops.c", [*BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512"], "layer-ops"
 
 
+def quant_kernel() -> tuple[pathlib.Path, list[str], str]:
+    """(source, flags, name) of the weight-only int8 / int4 linears (atomd/model/quant.py)."""
+    return CSRC / "quant.c", [*BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512"], "quant"
+
+
 def attention_kernel(head_dim: int, group: int) -> tuple[pathlib.Path, list[str], str]:
     """(source, flags, name) of the attention kernels for one shape (atomd/kernels/native.py)."""
     return (CSRC / "attention.c", [*BASE_FLAGS, "-fopenmp", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"],
@@ -108,7 +113,7 @@ def shipped_kernels() -> list[tuple[pathlib.Path, list[str], str]]:
     for item in filter(None, os.environ.get(PREBUILD_ENV, "").replace(",", " ").split()):
         head_dim, group = (int(x) for x in item.lower().split("x"))
         shapes.append((head_dim, group))
-    return [bitmask_kernel(), layer_ops_kernel(), *(attention_kernel(d, g) for d, g in dict.fromkeys(shapes))]
+    return [bitmask_kernel(), layer_ops_kernel(), quant_kernel(), *(attention_kernel(d, g) for d, g in dict.fromkeys(shapes))]
 
 
 @functools.cache

@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+# the quantization_config methods atomd/model/quant_formats.py reads; any other is refused by name
+QUANT_METHODS = ("gptq", "awq", "compressed-tensors")
+
 
 @dataclass
 class ModelConfig:
@@ -37,6 +40,7 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    quantization: dict[str, Any] | None = None  # the checkpoint's quantization_config (QUANT_METHODS)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], arch: str, qkv_bias: bool = False, sliding_by_default: bool = False,
@@ -47,11 +51,13 @@ class ModelConfig:
         sliding_attention, else to those from max_window_layers on (Qwen2, Qwen3, as
         transformers reads them), not to every layer; `family`: fields only the family sets
         (qk_norm, the MoE shape)."""
-        quant = hf.get("quantization_config")
-        if quant:  # its tensors are packed integers or fp8 with scales: cast as floats they are garbage
-            method = quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown"
-            raise ValueError(f"quantized checkpoint ({method}) is not supported yet: "
-                             f"atomd loads float16, bfloat16 and float32 weights only")
+        quant = hf.get("quantization_config") or None
+        if quant is not None:  # packed integers with scales: read by quant_formats, never cast as floats
+            method = str(quant.get("quant_method", "unknown") if isinstance(quant, dict) else "unknown").lower()
+            if method not in QUANT_METHODS:
+                raise ValueError(f"quantized checkpoint ({method}) is not supported: atomd loads float16, "
+                                 f"bfloat16 and float32 weights and {', '.join(QUANT_METHODS)} checkpoints")
+            quant = {**quant, "quant_method": method}
         if hf.get("hidden_act", hidden_act) != hidden_act:
             raise ValueError(f"unsupported hidden_act {hf['hidden_act']!r} for {arch} (only {hidden_act})")
         heads = hf["num_attention_heads"]
@@ -72,7 +78,8 @@ class ModelConfig:
             qkv_bias=qkv_bias or attention_bias, o_bias=not qkv_bias and attention_bias,
             mlp_bias=bool(hf.get("mlp_bias", False)), rope_scaling=scaling,
             **layer_windows(hf, sliding_by_default, window_layers_by_type),
-            eos_token_id=hf.get("eos_token_id"), bos_token_id=hf.get("bos_token_id"), **family)
+            eos_token_id=hf.get("eos_token_id"), bos_token_id=hf.get("bos_token_id"), quantization=quant,
+            **family)
 
     def window(self, layer: int) -> int | None:
         """Layer `layer`'s sliding window, None: global."""

@@ -18,12 +18,13 @@ import torch
 import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
-from atomd.model import layer_ops
+from atomd.model import layer_ops, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
 from atomd.model.moe import MoeWeights, moe
+from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import long_rope_positions, rope_tables
 from atomd.kernels.native import decode_attention
 
@@ -63,15 +64,19 @@ class LayerWeights:
     moe: MoeWeights | None = None  # the sparse MLP in place of gate_up / down
     pre_mlp_norm: torch.Tensor | None = None  # Gemma's norms around the MLP (post_norm: after attention)
     post_mlp_norm: torch.Tensor | None = None
-    # plain row-major copies of qkv, o, gate_up, down for batch-1 decode (DecoderModel._pack_weights)
-    rows: tuple[torch.Tensor | None, ...] | None = None
+    # plain row-major copies of qkv, o, gate_up, down for batch-1 decode (DecoderModel._pack_weights);
+    # a quantized linear's is its packed weight as it is
+    rows: tuple[torch.Tensor | QuantizedWeight | None, ...] | None = None
 
     def linears(self) -> list[torch.Tensor]:
         return [t for t in (self.qkv, self.o, self.gate_up, self.down) if t is not None]
 
 
-def cat(src: TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor:
-    return torch.cat([src.get(n, dtype) for n in names], dim=0).contiguous()
+def cat(src: TensorSource, names: list[str], dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
+    parts = [src.get(n, dtype) for n in names]
+    if isinstance(parts[0], QuantizedWeight):
+        return quant.cat(parts)
+    return torch.cat(parts, dim=0).contiguous()
 
 
 @dataclass
@@ -80,7 +85,7 @@ class DecoderModel:
     embed: torch.Tensor
     layers: list[LayerWeights]
     norm: torch.Tensor
-    lm_head: torch.Tensor
+    lm_head: torch.Tensor | QuantizedWeight
     max_positions: int
     cos: torch.Tensor = field(init=False)  # [max_positions (x 2: longrope's long rows), head_dim // 2]
     sin: torch.Tensor = field(init=False)
@@ -134,6 +139,12 @@ class DecoderModel:
         cfg, first = self.config, self.layers[0]
         if first.rows is None:
             return
+        quantized = [isinstance(t, QuantizedWeight) for t in first.linears()]
+        if any(quantized) and not (all(quantized) and self.dtype == torch.float32
+                                   and all(t.perm is None for w in self.layers for t in w.linears())):
+            log.info("quantized linears: batch-1 decode runs per op (the int8 / int4 GEMV per linear): the fused "
+                     "C layer takes float32 activations, every linear quantized, no act-order permutation")
+            return
         missing = self.unfused_reason()
         if missing:
             log.info("%s: batch-1 decode falls back to the per-op path (the GEMV kernel per linear%s): "
@@ -141,7 +152,8 @@ class DecoderModel:
                      missing)
             return
         self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
-                                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
+                                                  cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
+                                                  quantized=any(quantized))
         if cfg.qk_norm:
             log.info("%s: batch-1 decode runs QKV, the q/k norm and RoPE per op (the fused C layer's head has "
                      "no q/k norm), the rest of each layer fused", cfg.architecture)
@@ -176,18 +188,19 @@ class DecoderModel:
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
         if keep_rows(self):  # batch-1 decode reads plain rows (layer_ops.gemv): the copies stay too
-            self.lm_head_rows = self.lm_head.contiguous()
+            self.lm_head_rows = None if isinstance(self.lm_head, QuantizedWeight) else self.lm_head.contiguous()
             for w in self.layers:
-                w.rows = tuple(None if t is None else t.contiguous() for t in (w.qkv, w.o, w.gate_up, w.down))
+                w.rows = tuple(t if t is None or isinstance(t, QuantizedWeight) else t.contiguous()
+                               for t in (w.qkv, w.o, w.gate_up, w.down))
         if self.dtype == torch.bfloat16 and not torch.ops.mkldnn._is_mkldnn_bf16_supported():
             # oneDNN refuses to pack bf16 without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: F.linear
             log.warning("bfloat16 weights stay unpacked: this CPU has no oneDNN bf16 path (float32 is faster here)")
             return
-        self.lm_head = pack_linear_weight(self.lm_head)
-        for w in self.layers:
-            w.qkv, w.o = pack_linear_weight(w.qkv), pack_linear_weight(w.o)
-            if w.gate_up is not None:
-                w.gate_up, w.down = pack_linear_weight(w.gate_up), pack_linear_weight(w.down)
+        if not isinstance(self.lm_head, QuantizedWeight):
+            self.lm_head = pack_linear_weight(self.lm_head)
+        for w in self.layers:  # quantized linears are packed already (atomd/model/quant.py)
+            w.qkv, w.o, w.gate_up, w.down = (t if t is None or isinstance(t, QuantizedWeight) else pack_linear_weight(t)
+                                             for t in (w.qkv, w.o, w.gate_up, w.down))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -317,5 +330,6 @@ def keep_rows(model: DecoderModel) -> bool:
     double the linears' memory: 540 MB more for the 135M shape in float32, 270 in bf16)."""
     if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(model.dtype):
         return False
-    size = sum(t.numel() for w in model.layers for t in w.linears()) + model.lm_head.numel()
-    return size * model.lm_head.element_size() <= GEMV_MAX_BYTES
+    floats = [t for w in model.layers for t in w.linears() if isinstance(t, torch.Tensor)]
+    size = sum(t.numel() for t in floats + [model.lm_head] if isinstance(t, torch.Tensor))
+    return size * model.embed.element_size() <= GEMV_MAX_BYTES

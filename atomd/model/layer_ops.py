@@ -53,6 +53,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             head, tail = getattr(lib, f"atomd_decode_layer_head_{suffix}"), getattr(lib, f"atomd_decode_layer_tail_{suffix}")
             head.argtypes, head.restype = [_PTR] * 8 + [_I64] * 4 + [ctypes.c_int], None
             tail.argtypes, tail.restype = [_PTR] * 9 + [_I64] * 3 + [ctypes.c_float, ctypes.c_int], None
+    if lib.gemv_kinds & 1:  # the layer over int8 / int4 linears (csrc/quant.h), built beside the float32 one
+        lib.atomd_decode_layer_head_q_f32.argtypes = lib.atomd_decode_layer_head_f32.argtypes
+        lib.atomd_decode_layer_tail_q_f32.argtypes = lib.atomd_decode_layer_tail_f32.argtypes
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                               ctypes.c_float, ctypes.c_int]
@@ -171,10 +174,13 @@ class DecodeLayer:
     buffers are reused every step); the pointers it passes are the step's tensors'."""
 
     def __init__(self, dtype: torch.dtype, hidden: int, inter: int, q_heads: int, kv_heads: int, head_dim: int,
-                 eps: float):
+                 eps: float, quantized: bool = False):
+        """quantized: the linears are atomd/model/quant.py's QuantizedWeights (float32 only),
+        whose data_ptr() is their atomd_qweight."""
         lib = kernels()
-        self.head_fn = getattr(lib, f"atomd_decode_layer_head_{_SUFFIX[dtype]}")
-        self.tail_fn = getattr(lib, f"atomd_decode_layer_tail_{_SUFFIX[dtype]}")
+        suffix = "q_f32" if quantized else _SUFFIX[dtype]
+        self.head_fn = getattr(lib, f"atomd_decode_layer_head_{suffix}")
+        self.tail_fn = getattr(lib, f"atomd_decode_layer_tail_{suffix}")
         self.dims = (hidden, q_heads, kv_heads, head_dim)
         self.hidden, self.q_size, self.inter, self.eps = hidden, q_heads * head_dim, inter, eps
         self.qkv = torch.empty(1, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)

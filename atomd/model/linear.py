@@ -1,11 +1,12 @@
 """Linear layers: oneDNN weight packing and the matmul that picks the batch-1 GEMV kernel
-(plain weight rows) or oneDNN (packed) or F.linear."""
+(plain weight rows) or oneDNN (packed) or F.linear, or the int8 / int4 kernels (quant.py)."""
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
 from atomd.model import layer_ops
+from atomd.model.quant import QuantizedWeight, qlinear
 
 GEMV_ENV = "ATOMD_GEMV"  # "0": batch-1 decode through oneDNN too, no plain copies kept
 GEMV_MAX_BYTES = 1 << 30  # the plain copies batch-1 decode may add, at most
@@ -20,12 +21,15 @@ def dense(weight: torch.Tensor) -> torch.Tensor:
     return weight.to_dense() if weight.is_mkldnn else weight
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.Tensor | None = None,
            rows: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias); one row of x (batch-1 decode, a one-row LM head or prefill
     chunk) with the weight's plain `rows` kept: the GEMV kernel, which streams them at the
     read bandwidth (oneDNN's M = 1 path does not). Its sums run in another order than
-    oneDNN's, so float32 logits of a row differ in the last bits between M = 1 and M > 1."""
+    oneDNN's, so float32 logits of a row differ in the last bits between M = 1 and M > 1.
+    A quantized weight: atomd/model/quant.py's kernels at any M."""
+    if isinstance(weight, QuantizedWeight):
+        return qlinear(x, weight, bias)
     if rows is not None and x.shape[0] == 1:
         out = layer_ops.gemv(x, rows)
         return out if bias is None else out.add_(bias)

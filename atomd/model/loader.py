@@ -13,7 +13,7 @@ import pathlib
 import torch
 from safetensors import safe_open
 
-from atomd.model import registry
+from atomd.model import quant, quant_formats, registry
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import DecoderModel
 
@@ -81,20 +81,34 @@ class _TensorSource:
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None) -> DecoderModel:
-    """The checkpoint's model; RoPE tables cover `max_positions` (default: the model's own)."""
+               max_positions: int | None = None, quantization: str | None = None) -> DecoderModel:
+    """The checkpoint's model; RoPE tables cover `max_positions` (default: the model's own).
+    A checkpoint with quantization_config loads its packed linears as they are;
+    `quantization` (int8, int4) quantises a float checkpoint's (atomd/model/quant_formats.py)."""
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
     cls = registry.model_class(cfg.architecture)
     src = _TensorSource(model_dir)
+    method = cfg.quantization["quant_method"] if cfg.quantization else quantization
+    if method is not None:
+        if cfg.quantization and quantization:
+            raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized ({method})")
+        if cfg.sparse_layers:
+            raise ValueError(f"{cfg.architecture}: quantized weights ({method}) are not supported for MoE models")
     # the run's dtype is --dtype's, whatever the checkpoint's: said, since a cast changes speed
     log.info("weights stored as %s, run as %s", src.stored_dtype("model.embed_tokens.weight"),
              str(dtype).removeprefix("torch."))
+    if method is not None:
+        log.info("linear weights: %s, activations %s", method, str(dtype).removeprefix("torch."))
+        src = quant_formats.CheckpointSource(src, cfg.quantization) if cfg.quantization else \
+            quant_formats.RoundToNearest(src, quantization)
     embed = src.get("model.embed_tokens.weight", dtype)
     if cfg.tie_word_embeddings:
         lm_head = embed
     else:
         lm_head = src.get("lm_head.weight", dtype)
+    if quantization is not None:  # batch-1 decode reads it whole every token: SmolLM2-135M's is 113 of 540 MB
+        lm_head = quant.quantize(lm_head, quant.LM_HEAD_QUANTIZATION)
     return cls(config=cfg, embed=embed, layers=[cls.load_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)],
                norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
                max_positions=max_positions or cfg.max_position_embeddings)

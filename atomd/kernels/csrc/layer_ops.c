@@ -344,34 +344,34 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
  * tail: x += attn @ w_o^T (attn: q_size = query heads x head_dim); h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
  * x += a @ w_down^T; next_h = RMSNorm(x) * next_w (next_w NULL, the last layer: the add
  * alone). scratch: hidden + hidden + 3 * inter elements. */
-#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW)                                                   \
-    void atomd_decode_layer_head_##SUFFIX(const elem_t *h, const elem_t *w_qkv, const elem_t *bias, elem_t *qkv,  \
+#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                                 \
+    void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, elem_t *qkv,  \
                                           const elem_t *cos, const elem_t *sin, elem_t *k_dst, elem_t *v_dst,     \
                                           int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,    \
                                           int num_threads) {                                                      \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
-            atomd_gemv_##SUFFIX##_rows(h, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                        \
+            GEMV_ROWS(h, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                        \
             _Pragma("omp single")                                                                                  \
             rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,         \
                            (char *)k_dst, (char *)v_dst, IS_BF16);                                                 \
         }                                                                                                          \
     }                                                                                                              \
-    void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, const elem_t *w_o, const elem_t *post_w, \
-                                          const elem_t *w_gate_up, const elem_t *w_down, const elem_t *next_w,    \
+    void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, w_t w_o, const elem_t *post_w, \
+                                          w_t w_gate_up, w_t w_down, const elem_t *next_w,    \
                                           elem_t *next_h, elem_t *scratch, int64_t hidden, int64_t q_size,        \
                                           int64_t inter, float eps, int num_threads) {                            \
         elem_t *d = scratch, *h = d + hidden, *gu = h + hidden, *a = gu + 2 * inter;                               \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
-            atomd_gemv_##SUFFIX##_rows(attn, w_o, NULL, d, q_size, hidden);                                        \
+            GEMV_ROWS(attn, w_o, NULL, d, q_size, hidden);                                        \
             _Pragma("omp single")                                                                                  \
             NORM_ROW(x, d, post_w, h, hidden, eps);                                                                \
-            atomd_gemv_##SUFFIX##_rows(h, w_gate_up, NULL, gu, hidden, 2 * inter);                                 \
+            GEMV_ROWS(h, w_gate_up, NULL, gu, hidden, 2 * inter);                                 \
             _Pragma("omp single")                                                                                  \
             SILU_ROW(gu, a, inter);                                                                                \
-            atomd_gemv_##SUFFIX##_rows(a, w_down, NULL, d, inter, hidden);                                         \
+            GEMV_ROWS(a, w_down, NULL, d, inter, hidden);                                         \
             _Pragma("omp single")                                                                                  \
             {                                                                                                      \
                 if (next_w != NULL) {                                                                              \
@@ -386,10 +386,13 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
 
 #define NORM_ROW_F32(x, d, w, o, hidden, eps) rms_norm_row((char *)(x), (const char *)(d), w, (char *)(o), hidden, eps, 0)
 #define SILU_ROW_F32(g, o, inter) silu_mul_row((const char *)(g), (char *)(o), inter, 0)
-DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32)
+DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const float *, atomd_gemv_f32_rows)
 #if GEMV_KINDS & 2
-DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16)
+DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, const bf16_t *, atomd_gemv_bf16_rows)
 #endif
+/* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
+#include "quant.h"
+DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *, atomd_qgemv_rows)
 #else
 #define GEMV_KINDS 0
 #endif

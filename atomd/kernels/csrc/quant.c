@@ -1,0 +1,94 @@
+/* Weight-only int8 / int4 linears with float32 activations, loaded by atomd/model/quant.py.
+ *
+ * y[m, n] = sum_k x[m, k] * w[n, k], where w[n, k] = q[n, k] * scale[n, g] + offset[n, g],
+ * g = k / G (G the group size; G = K is per-channel int8; offset NULL: a symmetric format).
+ * The weight is read packed and dequantised in registers, never into a float copy:
+ *
+ * - int8: q int8 [N, K] row-major, any K (a tail of K % LANES runs scalar);
+ * - int4: q uint8 [N, K / 2] of values 0..15, each run of 32 values in 16 bytes as
+ *   llama.cpp's Q4_0 packs them: byte i of a run holds value i in its low nibble and value
+ *   i + 16 in its high one (one load, one mask and one shift give 32 values in order);
+ *   K % G == 0 and G % 32 == 0.
+ *
+ * atomd_qgemm_*: M rows of x at once, up to QGEMM_ROWS at a time, so each dequantised weight
+ * vector serves every row (batch-1 decode is M = 1; small-M GEMM up to the caller's cut-over,
+ * past which atomd_qdequant_* gives float tiles of the weight to a BLAS matmul).
+ * atomd_qdequant_*: rows n0..n1 of w as float32 [n1 - n0, K].
+ *
+ * Paths, by the build's ISA (atomd_quant_path): 2 AVX-512 (BW/VL), 1 AVX2 + FMA, 0 scalar.
+ * Float32 sums in another order than a BLAS, so results agree with a float matmul of the
+ * dequantised weight to float32 rounding, not bit for bit.
+ */
+#include "quant.h"
+
+/* mb as a compile-time constant (1..QGEMM_ROWS) so acc[] stays in registers */
+#define DISPATCH_ROWS(ROW, ...)                       \
+    switch (mb) {                                     \
+        case 1: ROW(__VA_ARGS__, 1); break;           \
+        case 2: ROW(__VA_ARGS__, 2); break;           \
+        case 3: ROW(__VA_ARGS__, 3); break;           \
+        case 4: ROW(__VA_ARGS__, 4); break;           \
+        case 5: ROW(__VA_ARGS__, 5); break;           \
+        case 6: ROW(__VA_ARGS__, 6); break;           \
+        case 7: ROW(__VA_ARGS__, 7); break;           \
+        default: ROW(__VA_ARGS__, 8); break;          \
+    }
+
+/* x [M, ldx] float32, y [M, ldy] float32; scales / offsets [N, ceil(K / G)] (offsets may be NULL) */
+#define QGEMM(BITS, q_t, ROW_BYTES)                                                                         \
+    void atomd_qgemm_i##BITS(const float *x, int64_t ldx, int64_t M, const q_t *q, const float *scales,    \
+                             const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy,  \
+                             int num_threads) {                                                              \
+        const int64_t groups = (K + G - 1) / G;                                                             \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")          \
+        for (int64_t n = 0; n < N; n++) {                                                                    \
+            const q_t *qn = q + n * (ROW_BYTES);                                                             \
+            const float *sn = scales + n * groups, *on = offsets ? offsets + n * groups : NULL;              \
+            for (int64_t m0 = 0; m0 < M; m0 += QGEMM_ROWS) {                                                 \
+                const int mb = M - m0 < QGEMM_ROWS ? (int)(M - m0) : QGEMM_ROWS;                             \
+                DISPATCH_ROWS(row_i##BITS, x + m0 * ldx, ldx, qn, sn, on, K, G, y + m0 * ldy + n, ldy)       \
+            }                                                                                                \
+        }                                                                                                    \
+    }
+
+QGEMM(8, int8_t, K)
+QGEMM(4, uint8_t, K / 2)
+
+/* rows n0..n1 of the weight as float32 into out [n1 - n0, K] */
+void atomd_qdequant_i8(const int8_t *q, const float *scales, const float *offsets, int64_t K, int64_t G, int64_t n0,
+                       int64_t n1, float *out, int num_threads) {
+    const int64_t groups = (K + G - 1) / G;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t n = n0; n < n1; n++) {
+        const int8_t *qn = q + n * K;
+        float *dst = out + (n - n0) * K;
+        for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, gi++) {
+            const int64_t g1 = g0 + G < K ? g0 + G : K;
+            const float sc = scales[n * groups + gi], of = offsets ? offsets[n * groups + gi] : 0.0f;
+            const vf vs = VSET1(sc), vo = VSET1(of);
+            int64_t k = g0;
+            for (; k + LANES <= g1; k += LANES) VSTORE(dst + k, VFMA(load_i8(qn + k), vs, vo));
+            for (; k < g1; k++) dst[k] = (float)qn[k] * sc + of;
+        }
+    }
+}
+
+void atomd_qdequant_i4(const uint8_t *q, const float *scales, const float *offsets, int64_t K, int64_t G,
+                       int64_t n0, int64_t n1, float *out, int num_threads) {
+    const int64_t groups = K / G;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t n = n0; n < n1; n++) {
+        const uint8_t *qn = q + n * (K / 2);
+        float *dst = out + (n - n0) * K;
+        for (int64_t g = 0; g < groups; g++) {
+            const vf vs = VSET1(scales[n * groups + g]), vo = VSET1(offsets ? offsets[n * groups + g] : 0.0f);
+            for (int64_t k = g * G; k < (g + 1) * G; k += 32) {
+                vf w[I4_VECS];
+                load_i4(qn + k / 2, w);
+                for (int v = 0; v < I4_VECS; v++) VSTORE(dst + k + v * LANES, VFMA(w[v], vs, vo));
+            }
+        }
+    }
+}
+
+int atomd_quant_path(void) { return QUANT_PATH; }

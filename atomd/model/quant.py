@@ -1,0 +1,204 @@
+"""Weight-only int8 / int4 linears with float activations: the packed layout, round-to-nearest
+quantisation (`--quantization int8|int4`), and the matmul (atomd/kernels/csrc/quant.c; torch where no
+compiler). Checkpoints already quantised (GPTQ, AWQ, compressed-tensors) are unpacked into
+this layout by atomd/model/quant_formats.py.
+
+Every format becomes w[n, k] = q[n, k] * scale[n, g] + offset[n, g], g = k // group_size
+(offset = -zero_point * scale; None where the format is symmetric), float32 scales and
+offsets. int8: q int8 [N, K], per channel (group_size = K) or per group. int4: q 0..15 in
+uint8 [N, K / 2], each run of 32 values in 16 bytes (llama.cpp's Q4_0 order, one load and a
+mask/shift give the run in order), group_size a multiple of 32. GPTQ's act-order (desc_act)
+checkpoints keep their groups contiguous by permuting the input columns once at load:
+`perm`, and x's columns are gathered in that order before each matmul.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from atomd.kernels import cbuild
+from atomd.config import QUANTIZATIONS
+
+log = logging.getLogger(__name__)
+# --quantization's LM head (a tied one: its own copy, the embedding lookup keeps the floats):
+# int8 for int4 too, as llama.cpp keeps its output tensor above Q4_0 (Q6_K)
+LM_HEAD_QUANTIZATION = "int8"
+INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a linear's input size
+# rows of x up to which the C kernel dequantises in registers; past it, float tiles of the
+# weight go to torch's BLAS (135M shape's layer linears, one thread, two runs: at M = 16 the
+# kernel 2.5-2.8 ms against 9.7-10.3 ms for 16 MiB tiles, at M = 64 17.4 against 9.9-11.5;
+# benchmarks/results/quant.md)
+QGEMM_MAX_M = 16
+# a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
+# shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
+TILE_FLOATS = 1 << 22
+_I64, _PTR = ctypes.c_int64, ctypes.c_void_p
+PATHS = {2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_path
+
+
+class _QWeightStruct(ctypes.Structure):
+    _fields_ = [("q", _PTR), ("scales", _PTR), ("offsets", _PTR), ("group", _I64), ("bits", _I64)]
+
+
+@dataclass
+class QuantizedWeight:
+    bits: int  # 8 or 4
+    q: torch.Tensor  # int8 [N, K] or uint8 [N, K // 2] (module docstring)
+    scales: torch.Tensor  # float32 [N, groups]
+    offsets: torch.Tensor | None  # float32 [N, groups]; None: symmetric
+    group_size: int
+    in_features: int
+    perm: torch.Tensor | None = None  # int64 [K]: kernel column c is the checkpoint's input perm[c]
+    _ref: Any = field(default=None, repr=False, compare=False)  # its atomd_qweight (data_ptr)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.q.shape[0], self.in_features
+
+    def data_ptr(self) -> int:
+        """The address of this weight's atomd_qweight (csrc/quant.h), what the fused batch-1
+        decode layer (layer_ops.DecodeLayer) takes where a float weight passes its data."""
+        if self._ref is None:
+            self._ref = _QWeightStruct(self.q.data_ptr(), self.scales.data_ptr(), _ptr(self.offsets),
+                                       self.group_size, self.bits)
+        return ctypes.addressof(self._ref)
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets) if t is not None)
+
+    def int_values(self) -> torch.Tensor:
+        """q as int32 [N, K] in the kernel's column order."""
+        if self.bits == 8:
+            return self.q.to(torch.int32)
+        runs = self.q.view(self.q.shape[0], -1, 16).to(torch.int32)
+        return torch.stack((runs & 15, runs >> 4), dim=2).reshape(self.q.shape[0], self.in_features)
+
+    def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
+        """The float32 weight [N, K] (rows of it), in the checkpoint's column order."""
+        w = self.int_values()[rows].float()
+        groups = lambda t: t[rows].repeat_interleave(self.group_size, dim=1)[:, :self.in_features]  # noqa: E731
+        w = w * groups(self.scales) + (0 if self.offsets is None else groups(self.offsets))
+        return w if self.perm is None else w[:, torch.argsort(self.perm)]
+
+
+def pack(values: torch.Tensor, scales: torch.Tensor, offsets: torch.Tensor | None, bits: int, group_size: int,
+         perm: torch.Tensor | None = None) -> QuantizedWeight:
+    """The packed weight of integer `values` [N, K] (int8: -128..127, int4: 0..15) with
+    per-group `scales` / `offsets` [N, ceil(K / group_size)], already in kernel column order."""
+    n, k = values.shape
+    groups = -(-k // group_size)
+    if bits not in (4, 8):
+        raise ValueError(f"{bits}-bit weights are not supported (int8 and int4 only)")
+    if tuple(scales.shape) != (n, groups) or (offsets is not None and tuple(offsets.shape) != (n, groups)):
+        raise ValueError(f"scales {tuple(scales.shape)} do not match {n} rows of {groups} groups of {group_size}")
+    if bits == 8:
+        q = values.to(torch.int8).contiguous()
+    else:
+        if group_size % 32 or k % group_size:
+            raise ValueError(f"int4 needs a group size that is a multiple of 32 and divides {k}, got {group_size}")
+        runs = values.to(torch.uint8).view(n, k // 32, 2, 16)
+        q = (runs[:, :, 0] | (runs[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return QuantizedWeight(bits, q, scales.float().contiguous(), None if offsets is None else offsets.float().contiguous(),
+                           group_size, k, perm)
+
+
+def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
+    """Round-to-nearest of a float weight [N, K]: int8 symmetric per output channel
+    (scale = max|w| / 127); int4 asymmetric per group of INT4_GROUPS (the range [min, max]
+    of each group, widened to hold 0 as GPTQ's quantiser does, in 15 steps; zero point =
+    round(-min / scale))."""
+    w = w.float()
+    n, k = w.shape
+    if method == "int8":
+        scale = w.abs().amax(dim=1, keepdim=True) / 127
+        scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+        return pack(torch.round(w / scale).clamp(-127, 127), scale, None, 8, k)
+    if method != "int4":
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATIONS)}, got {method!r}")
+    group = next((g for g in INT4_GROUPS if k % g == 0), None)
+    if group is None:
+        raise ValueError(f"int4 needs input sizes divisible by 32; a linear has {k}")
+    g = w.view(n, k // group, group)
+    lo, hi = g.amin(dim=2).clamp(max=0), g.amax(dim=2).clamp(min=0)
+    scale = (hi - lo) / 15
+    scale = torch.where(scale == 0, torch.ones_like(scale), scale)
+    zero = torch.round(-lo / scale).clamp(0, 15)
+    q = (torch.round(g / scale.unsqueeze(2)) + zero.unsqueeze(2)).clamp(0, 15).view(n, k)
+    return pack(q, scale, -zero * scale, 4, group)
+
+
+def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
+    """Weights of one input stacked along their outputs (q, k, v; gate, up)."""
+    first = weights[0]
+    for w in weights[1:]:
+        same_perm = (w.perm is None) == (first.perm is None) and (w.perm is None or torch.equal(w.perm, first.perm))
+        if (w.bits, w.group_size, w.in_features) != (first.bits, first.group_size, first.in_features) or not same_perm \
+                or (w.offsets is None) != (first.offsets is None):
+            raise ValueError("linears that share an input (q/k/v, gate/up) must be quantised alike "
+                             "(bits, group size, zero points, act-order permutation)")
+    return QuantizedWeight(first.bits, torch.cat([w.q for w in weights]), torch.cat([w.scales for w in weights]),
+                           None if first.offsets is None else torch.cat([w.offsets for w in weights]),
+                           first.group_size, first.in_features, first.perm)
+
+
+@functools.cache
+def build_kernels(isa: str) -> ctypes.CDLL | None:
+    """The library built for `isa` (atomd.kernels.cbuild.ISA_FLAGS), or None (torch) with the reason logged."""
+    lib = cbuild.load(*cbuild.quant_kernel(), log, "int8 / int4 linears dequantise tiles with torch", isa)
+    if lib is None:
+        return None
+    for bits in (8, 4):
+        gemm, deq = getattr(lib, f"atomd_qgemm_i{bits}"), getattr(lib, f"atomd_qdequant_i{bits}")
+        gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int], None
+        deq.argtypes, deq.restype = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int], None
+    lib.atomd_quant_path.restype = ctypes.c_int
+    log.info("int8 / int4 linears: %s kernels", PATHS[lib.atomd_quant_path()])
+    return lib
+
+
+def kernels() -> ctypes.CDLL | None:
+    return build_kernels(cbuild.kernel_isa())
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()
+
+
+def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
+            lib: ctypes.CDLL | None | str = "auto") -> torch.Tensor:
+    """x [M, K] @ dequantised(w).T (+ bias) in float32, returned in x's dtype. Up to
+    QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*); more rows, or
+    no kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
+    lib = kernels() if lib == "auto" else lib
+    xf = x.float()
+    if w.perm is not None:
+        xf = xf.index_select(1, w.perm)
+    xf = xf.contiguous()
+    m, (n, k) = xf.shape[0], w.shape
+    threads = torch.get_num_threads()
+    if lib is not None and m <= QGEMM_MAX_M:
+        out = torch.empty(m, n, dtype=torch.float32)
+        getattr(lib, f"atomd_qgemm_i{w.bits}")(xf.data_ptr(), k, m, w.q.data_ptr(), w.scales.data_ptr(),
+                                               _ptr(w.offsets), n, k, w.group_size, out.data_ptr(), n, threads)
+    else:
+        out = torch.empty(m, n, dtype=torch.float32)
+        step = max(16, TILE_FLOATS // k)
+        tile = torch.empty(min(step, n), k, dtype=torch.float32)
+        plain = QuantizedWeight(w.bits, w.q, w.scales, w.offsets, w.group_size, k)  # kernel column order
+        for n0 in range(0, n, step):
+            n1 = min(n0 + step, n)
+            if lib is not None:
+                getattr(lib, f"atomd_qdequant_i{w.bits}")(w.q.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets), k,
+                                                          w.group_size, n0, n1, tile.data_ptr(), threads)
+                t = tile[:n1 - n0]
+            else:
+                t = plain.dequantize(slice(n0, n1))
+            torch.mm(xf, t.T, out=out[:, n0:n1]) if n1 - n0 == n else out[:, n0:n1].copy_(xf @ t.T)
+    if bias is not None:
+        out.add_(bias.float())
+    return out if x.dtype == torch.float32 else out.to(x.dtype)

@@ -1,0 +1,178 @@
+"""`--quantization int8|int4` through the engine against Hugging Face run on the dequantised
+weights: the test's own numpy round-to-nearest (tests/test_quant_kernels.py's numpy_rtn, float32
+like the engine's) written into HF's linears. Prompt logits within 2e-4 (both float32 on the
+same dequantised weights: summation order, and the dequantisation's q * s + offset rounding
+against HF's (q - z) * s), greedy ids equal for 48 tokens; the prefix cache and speculative
+decoding give the same ids; PD (P and D both int4) equals the colocated engine and HF."""
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+from tokenizers import Tokenizer
+
+from atomd.config import EngineConfig
+from atomd.llm import LLM
+from atomd.model import layer_ops
+from atomd.model.quant import QuantizedWeight
+from launch.process import http
+from contracts.sampling import SamplingParams
+from tests.pd_fixtures import metric, ref_and_pd
+from tests.test_model_hf import _prompt_logits, hf_model, make_checkpoint, prompts_of
+from tests.test_pd_e2e import complete
+from tests.test_quant_kernels import numpy_rtn
+
+torch.set_num_threads(1)
+GREEDY_48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory):
+    # hidden 96: int4 groups of 32 on q/k/v/o/gate/up, 64 on down (inter 192)
+    return make_checkpoint(tmp_path_factory.mktemp("qllama"), "llama", seed=7, hidden_size=96,
+                           intermediate_size=192, num_attention_heads=6, num_key_value_heads=2)
+
+
+_HF_DEQUANT: dict = {}
+
+
+def hf_dequantised(path, method: str) -> torch.nn.Module:
+    """HF's model with every decoder linear replaced by its numpy round-to-nearest, the LM
+    head by its int8 one (quant.LM_HEAD_QUANTIZATION, whatever the method)."""
+    if (path, method) not in _HF_DEQUANT:
+        model = copy.deepcopy(hf_model(path))
+        with torch.no_grad():
+            for name, module in model.named_modules():
+                if name.startswith("model.layers.") and name.endswith("_proj") or name == "lm_head":
+                    w = numpy_rtn(module.weight.numpy(), method if name != "lm_head" else "int8")
+                    module.weight.copy_(torch.from_numpy(w.astype(np.float32)))
+        _HF_DEQUANT[path, method] = model
+    return _HF_DEQUANT[path, method]
+
+
+def hf_greedy(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids = []
+    with torch.inference_mode():
+        tokens = list(prompt)
+        for _ in range(n):  # no KV cache: every step the whole sequence (tiny model, 48 steps)
+            ids.append(int(model(torch.tensor([tokens])).logits[0, -1].argmax()))
+            tokens.append(ids[-1])
+    return ids
+
+
+def greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY_48) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+
+
+@pytest.fixture(scope="module", params=["int8", "int4"])
+def quantized(request, llama_dir):
+    return request.param, LLM(str(llama_dir), num_threads=1, max_model_len=256, quantization=request.param)
+
+
+@pytest.mark.unit
+def test_linears_are_packed_not_float(quantized):
+    method, llm = quantized
+    layer = llm.engine.model.layers[0]
+    for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
+        assert isinstance(w, QuantizedWeight) and w.bits == (8 if method == "int8" else 4)
+    # batch-1 decode in the fused C layer over the packed weights where it builds (AVX-512)
+    assert (llm.engine.model.decode_layer is not None) == layer_ops.has_gemv(torch.float32)
+    lm_head = llm.engine.model.lm_head
+    assert isinstance(lm_head, QuantizedWeight) and lm_head.bits == 8
+
+
+@pytest.mark.unit
+def test_prompt_logits_match_hf_on_dequantised_weights(quantized, llama_dir):
+    method, llm = quantized
+    prompt = prompts_of([3 * 16 + 5], seed=4)[0]
+    got = _prompt_logits(llm, prompt)
+    with torch.inference_mode():
+        want = hf_dequantised(llama_dir, method)(torch.tensor([prompt])).logits[0]
+        plain = hf_model(llama_dir)(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
+    assert (got - plain).abs().max() > 1e-3  # the weights really are quantised
+
+
+@pytest.mark.unit
+def test_greedy_48_tokens_equal_hf_on_dequantised_weights(quantized, llama_dir):
+    method, llm = quantized
+    prompts = prompts_of([1, 16, 37], seed=5)
+    for prompt, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(hf_dequantised(llama_dir, method), prompt, 48), f"prompt of {len(prompt)}"
+
+
+@pytest.mark.unit
+def test_batch_1_decode_equals_hf_on_dequantised_weights(quantized, llama_dir):
+    """One sequence alone: its decode steps take the fused batch-1 layer (where it builds)."""
+    method, llm = quantized
+    prompt = prompts_of([21], seed=10)[0]
+    assert greedy(llm, [prompt]) == [hf_greedy(hf_dequantised(llama_dir, method), prompt, 48)]
+
+
+@pytest.mark.unit
+def test_prefix_cache_and_speculative_decoding_keep_the_ids(quantized, llama_dir):
+    method, llm = quantized
+    shared = prompts_of([40], seed=6)[0]
+    prompts = [shared + [5, 6, 7], shared + [9]]  # the second hits the first's cached blocks
+    plain = greedy(llm, prompts)
+    spec = LLM(str(llama_dir), num_threads=1, max_model_len=256, quantization=method, speculative_config=SPEC)
+    repeat = [p * 3 for p in prompts_of([8, 12], seed=8)]  # repetitive: the n-gram drafter proposes
+    assert greedy(spec, prompts) == plain
+    assert greedy(spec, repeat) == greedy(llm, repeat)
+    assert spec.engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+@pytest.mark.unit
+def test_quantization_flag_is_checked():
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+        EngineConfig(quantization="int3")
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_pd_int4_equals_colocated_and_hf(llama_dir):
+    with ref_and_pd("--quantization", "int4", model=llama_dir) as cluster:
+        prompt = [t % 297 + 3 for t in prompts_of([2 * 16 + 3], seed=9)[0]]
+        body = {"prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+        status, want = complete(cluster["ref"].url, body)
+        assert status == 200, want
+        status, got = complete(cluster.router.url, body)
+        assert status == 200, got
+        assert got["choices"][0]["text"] == want["choices"][0]["text"]
+        assert metric(cluster["D"], "atomd:kv_transfer_bytes_total") > 0
+        compat = json.loads(http("GET", cluster["P"].url + "/kv_transfer_info")[1])["compat"]
+        assert compat["model_id"].endswith("+int4")  # a float32 peer of the same checkpoint is refused
+        hf_ids = hf_greedy(hf_dequantised(llama_dir, "int4"), prompt, 16)
+        assert got["choices"][0]["text"] == Tokenizer.from_file(str(llama_dir / "tokenizer.json")).decode(hf_ids)
+        cluster.assert_settled()
+
+
+@pytest.mark.unit
+def test_tied_embeddings_keep_a_float_table_and_quantize_the_head(tmp_path):
+    from safetensors.torch import load_file
+
+    from atomd.model.loader import load_model
+
+    path = make_checkpoint(tmp_path / "qwen2", "qwen2", seed=3)  # tied embeddings
+    model = load_model(path, quantization="int4")
+    table = load_file(path / "model.safetensors")["model.embed_tokens.weight"]
+    assert torch.equal(model.embed, table)  # the lookup reads the floats
+    want = numpy_rtn(table.numpy(), "int8")
+    np.testing.assert_allclose(model.lm_head.dequantize().numpy(), want, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.unit
+def test_int4_keeps_int8_for_inputs_not_a_multiple_of_32(caplog):
+    """The built-in model's down projection has 688 inputs: int8 per channel, said once."""
+    from atomd.model.default import default_model_dir
+    from atomd.model.loader import load_model
+
+    with caplog.at_level("WARNING", logger="atomd.model.quant_formats"):
+        model = load_model(default_model_dir(), quantization="int4")
+    layer = model.layers[0]
+    assert (layer.qkv.bits, layer.gate_up.bits, layer.down.bits) == (4, 4, 8) and layer.down.in_features == 688
+    assert caplog.text.count("not a multiple of 32") == 1
