@@ -11,6 +11,7 @@ import threading
 import time
 
 import msgspec
+import pytest
 
 from benchmarks.fake_engine import FakeEngine
 
@@ -101,3 +102,15 @@ def wait_until(predicate, timeout_s: float = 10.0, what: str = "condition") -> N
         if time.monotonic() > deadline:
             raise AssertionError(f"timed out after {timeout_s} s waiting for {what}")
         time.sleep(0.01)
+
+
+@pytest.fixture
+def make(loop, request):
+    """A fixture: `make(**kw)` starts a Cluster (no periodic health checks unless asked) and
+    stops it at the test's end."""
+    def make(**kw) -> Cluster:
+        kw.setdefault("health_interval_s", 60)
+        c = Cluster(loop, **kw).start()
+        request.addfinalizer(c.stop)
+        return c
+    return make

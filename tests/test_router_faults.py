@@ -18,22 +18,14 @@ import random
 import aiohttp
 import pytest
 
-from tests.fake_workers import Cluster, wait_until
+from tests.fake_workers import Cluster, make, wait_until
+
+__all__ = ["make"]  # the fixture, shared (tests/fake_workers.py)
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(120)]
 
 COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 4}
 CHAT = {"model": "fake-model", "messages": [{"role": "user", "content": "hi there"}], "max_tokens": 4}
-
-
-@pytest.fixture
-def make(loop, request):
-    def make(**kw) -> Cluster:
-        kw.setdefault("health_interval_s", 60)
-        c = Cluster(loop, **kw).start()
-        request.addfinalizer(c.stop)
-        return c
-    return make
 
 
 def transfer_ids(engine) -> list[str]:

@@ -29,21 +29,13 @@ import aiohttp
 import pytest
 
 from benchmarks import router_attacks as A
-from tests.fake_workers import Cluster
+from tests.fake_workers import Cluster, make
+
+__all__ = ["make"]  # the fixture, shared (tests/fake_workers.py)
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 COMPLETION = {"model": "fake-model", "prompt": "the quick brown fox", "max_tokens": 4}
-
-
-@pytest.fixture
-def make(loop, request):
-    def make(**kw) -> Cluster:
-        kw.setdefault("health_interval_s", 60)
-        c = Cluster(loop, **kw).start()
-        request.addfinalizer(c.stop)
-        return c
-    return make
 
 
 def breakers(c: Cluster, headers: dict | None = None) -> dict[str, str]:
