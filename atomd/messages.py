@@ -42,7 +42,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from a prefix cache (ours or, in PD, P's)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # P's, for D (a struct on the wire, JSON at the HTTP edge)
     error: str | None = None
     error_code: ErrorCode | None = None  # how the API answers `error` (atomd/api/server.py)
     # engine clock, on the finished output only: (arrival, first_scheduled, first_token, finished)

@@ -49,7 +49,7 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, *,
                  request_id: str | None = None, arrive_time: float | None = None,
-                 kv_transfer_params: KVTransferParams | dict[str, Any] | None = None):
+                 kv_transfer_params: KVTransferParams | None = None):
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.id: int = next(_ids)
@@ -70,10 +70,8 @@ class Sequence:
         self.stop_reason: int | str | None = None
         self.logprobs: list[Any] = []
         self.num_cached_tokens = 0  # prompt tokens served from a prefix cache (ours or, in PD, P's)
-        if isinstance(kv_transfer_params, dict):  # parsed once, here; ValueError names the field
-            kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
-        self.kv_transfer_params: KVTransferParams | None = kv_transfer_params
-        self.kv_transfer_params_output: dict[str, Any] | None = None
+        self.kv_transfer_params = kv_transfer_params  # parsed once, at the API's edge
+        self.kv_transfer_params_output: KVTransferParams | None = None  # P's, for D (the connector's)
         self.arrive_time = arrive_time if arrive_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None

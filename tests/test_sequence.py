@@ -6,6 +6,7 @@ import pytest
 
 from contracts.errors import ErrorCode
 from contracts.sampling import SamplingParams
+from kv_transfer.params import KVTransferParams
 from scheduler.sequence import Sequence, SequenceStatus
 
 pytestmark = pytest.mark.unit
@@ -41,7 +42,7 @@ def test_sampling_params_roundtrip_msgpack_and_validate_on_decode():
 
 
 def test_sequence_views_and_unique_ids():
-    a = Sequence([5, 6, 7], SamplingParams(), request_id="r1", kv_transfer_params={"transfer_id": "t1"})
+    a = Sequence([5, 6, 7], SamplingParams(), request_id="r1", kv_transfer_params=KVTransferParams(transfer_id="t1"))
     b = Sequence([5])
     assert a.id != b.id and a.request_id == "r1" and b.request_id == str(b.id)
     a.token_ids += [8, 9]

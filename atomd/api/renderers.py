@@ -15,6 +15,7 @@ from atomd.api.reasoning import ReasoningParser, prompt_opens_reasoning
 from atomd.api.tool_parsers import TOOL_CALL_PARSERS
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
+from kv_transfer.params import KVTransferParams
 from scheduler.stop import cut_at_stop
 
 PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened <think> (<= 7 tokens + whitespace)
@@ -69,7 +70,7 @@ class RequestRenderer:
         self.finished = False
         self.finish_reason: str | None = None
         self.num_prompt_tokens = self.num_cached_tokens = 0
-        self.kv_transfer_params: dict | None = None
+        self.kv_transfer_params: KVTransferParams | None = None  # P's, for D
         self.t_arrival = self.t_last = time.perf_counter()
         self.first_token_seen = False
 

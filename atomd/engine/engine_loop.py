@@ -121,18 +121,16 @@ class EngineLoop:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    kv_transfer_params: KVTransferParams | dict | None = None,
+                    kv_transfer_params: KVTransferParams | None = None,
                     arrival_time: float | None = None) -> Sequence:
         """ValueError (the API's 400) for a duplicate id, a token outside the vocabulary, or
-        kv_transfer_params that do not parse or do not fit this prompt."""
+        kv_transfer_params that do not fit this prompt."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         vocab = self.vocab_size
         bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
         if bad is not None:
             raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        if isinstance(kv_transfer_params, dict):  # ValueError names the field
-            kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
         if kv_transfer_params is not None:
             self._check_producer_tokens(kv_transfer_params, vocab)
         params = self._prepare_params(sampling_params or SamplingParams(), kv_transfer_params)
