@@ -29,7 +29,7 @@ from kv_transfer.params import KVTransferParams
 from kv_transfer.trust import load_secret
 from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
-from contracts.sampling import SamplingParams, StructuredOutputsParams
+from contracts.sampling import SamplingParams, StructuredOutputsParams, check_in_vocabulary
 from scheduler.sequence import Sequence
 
 
@@ -127,12 +127,9 @@ class EngineLoop:
         kv_transfer_params that do not fit this prompt."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        vocab = self.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
+        check_in_vocabulary("prompt_token_ids", prompt_token_ids, self.vocab_size)
         if kv_transfer_params is not None:
-            self._check_producer_tokens(kv_transfer_params, vocab)
+            self._check_producer_tokens(kv_transfer_params, self.vocab_size)
         params = self._prepare_params(sampling_params or SamplingParams(), kv_transfer_params)
         seq = Sequence(list(prompt_token_ids), params, request_id=request_id,
                        arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
@@ -155,18 +152,12 @@ class EngineLoop:
         ids += p.draft_token_ids
         for entry in [p.first_token_logprobs, *(p.prompt_logprobs or ())]:
             ids += [t[0] for t in (entry or {}).get("top", ())]
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"kv_transfer_params: token id {bad} is outside the vocabulary [0, {vocab})")
+        check_in_vocabulary("kv_transfer_params", ids, vocab)
 
     def _prepare_params(self, sp: SamplingParams, kv_params: KVTransferParams | None) -> SamplingParams:
         """Check token ids against the vocabulary, tokenize bad_words; a prefill leg for a
         remote decode (P) runs one sequence: the decode engine makes the choices."""
-        vocab = self.vocab_size
-        for name, ids in (("logit_bias", sp.logit_bias or ()), ("allowed_token_ids", sp.allowed_token_ids or ())):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        sp.check_vocabulary(self.vocab_size)
         if sp.structured_outputs is not None:
             self._check_grammar(sp.structured_outputs)
         changes: dict[str, Any] = {}
