@@ -504,7 +504,7 @@ class Scheduler:
 
     def _reject(self, seq: Sequence, reason: str) -> None:
         logger.warning("request %s rejected: %s", seq.request_id, reason)
-        self._finish(seq, f"unschedulable: {reason}", ErrorCode.UNSCHEDULABLE)
+        self._finish(seq, "unschedulable", ErrorCode.UNSCHEDULABLE, f"unschedulable: {reason}")
         self._rejected.append(seq)
 
     def _passed_delay(self, now: float) -> bool:
@@ -659,11 +659,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ finishing
 
-    def _finish(self, seq: Sequence, reason: str, error_code: ErrorCode | None = None) -> None:
-        """The one place a sequence finishes: request_finished once, then free or defer."""
+    def _finish(self, seq: Sequence, reason: str, error_code: ErrorCode | None = None,
+                error: str | None = None) -> None:
+        """The one place a sequence finishes: request_finished once, then free or defer.
+        `reason`: a leave_reason code; `error`: the message of one that ended in an error."""
         seq.status = SequenceStatus.FINISHED
         seq.leave_reason = reason
-        seq.error_code = error_code
+        seq.error_code, seq.error = error_code, error
         self._live.pop(seq.id, None)
         self._forget(seq)
         delay_free = False
@@ -712,8 +714,8 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self.waiting.appendleft(seq)
             return
-        self._finish(seq, "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine",
-                     ErrorCode.KV_TRANSFER_FAILED)
+        self._finish(seq, "kv_transfer_failed", ErrorCode.KV_TRANSFER_FAILED,
+                     "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine")
         self._rejected.append(seq)
 
     def _record_logprobs(self, seq: Sequence, entries: list[Any]) -> list[Any] | None:

@@ -36,9 +36,10 @@ class SequenceType(enum.Enum):
     DECODE = enum.auto()
 
 
-# leave_reason -> OpenAI finish_reason
+# leave_reason (a code, never a message: the message is `error`) -> OpenAI finish_reason
 _FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop",
-                   "max_tokens": "length", "max_model_len": "length", "aborted": "abort"}
+                   "max_tokens": "length", "max_model_len": "length", "aborted": "abort",
+                   "unschedulable": "abort", "kv_transfer_failed": "abort"}
 
 
 _ids = itertools.count()
@@ -65,7 +66,8 @@ class Sequence:
         self.num_published_blocks = 0  # blocks of block_table already in the prefix index
         self.num_released_blocks = 0  # leading blocks released as outside the sliding window (FREED in the table)
         self.spec_token_ids: list[int] = []  # drafts to verify in the next decode step
-        self.leave_reason: str | None = None
+        self.leave_reason: str | None = None  # why it left: a key of _FINISH_REASONS
+        self.error: str | None = None  # the message when it ended without generating (error_code set)
         self.error_code: ErrorCode | None = None  # set when it ended without generating
         self.stop_reason: int | str | None = None
         self.logprobs: list[Any] = []
@@ -127,9 +129,4 @@ class Sequence:
         """OpenAI's finish_reason: "stop" | "length" | "abort" | None (running)."""
         if self.leave_reason is None:
             return None
-        return _FINISH_REASONS.get(self.leave_reason, "abort")
-
-    @property
-    def error(self) -> str | None:
-        """The message for a sequence that ended without generating (rejected, failed pull)."""
-        return self.leave_reason if self.error_code is not None else None
+        return _FINISH_REASONS[self.leave_reason]

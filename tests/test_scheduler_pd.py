@@ -230,7 +230,7 @@ def test_failed_pull_with_policy_fail_finishes_with_an_error():
     d.sched.add(dseq)
     d.step()
     assert d.sched.take_rejected() == [dseq]
-    assert dseq.leave_reason.startswith("kv_transfer_failed") and dseq.error is not None
+    assert dseq.leave_reason == "kv_transfer_failed" and dseq.error.startswith("kv_transfer_failed: ")
     assert d.sched.block_manager.num_free_blocks == NB and d.sched.num_recv_failures == 1
     assert d.conn.finished_calls == {dseq.id: 1}
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from contracts.errors import ErrorCode
 from contracts.sampling import SamplingParams
 from kv_transfer.params import KVTransferParams
 from scheduler.sequence import Sequence, SequenceStatus
@@ -55,12 +54,9 @@ def test_sequence_views_and_unique_ids():
 
 @pytest.mark.parametrize("leave, finish", [
     ("eos", "stop"), ("stop_token", "stop"), ("stop_string", "stop"), ("max_tokens", "length"),
-    ("max_model_len", "length"), ("aborted", "abort"), ("unschedulable: too long", "abort"),
+    ("max_model_len", "length"), ("aborted", "abort"), ("unschedulable", "abort"), ("kv_transfer_failed", "abort"),
 ])
 def test_finish_reason_maps_leave_reason_to_openai(leave, finish):
     seq = Sequence([1])
     seq.leave_reason = leave
-    if leave.startswith("unschedulable"):  # the scheduler sets both when it rejects
-        seq.error_code = ErrorCode.UNSCHEDULABLE
     assert seq.finish_reason == finish
-    assert (seq.error is not None) == leave.startswith("unschedulable")
