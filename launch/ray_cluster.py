@@ -37,12 +37,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from contracts.roles import Role
 from kv_transfer.trust import SECRET_ENV
 from launch.process import EngineServer, RouterServer, free_port, http
 from launch.ray_config import ClusterConfig, RouterSpec, check_fits, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-KV_ROLE = {"prefill": "producer", "decode": "consumer"}
 READY_LINE = "atomd ray cluster ready:"
 PROBE_INTERVAL_S = 0.25
 HTTP_TIMEOUT_S = 2.0
@@ -74,7 +74,7 @@ def with_secret(kv_params_secret: str) -> dict:
 def engine_flags(role: str, config: ClusterConfig, host: str) -> list[str]:
     """`atomd serve` flags of a `role` engine listening on `host`, past --host, --port and --model."""
     group = getattr(config, role)
-    return ["--kv-role", KV_ROLE[role], "--num-threads", str(group.num_threads),
+    return ["--kv-role", Role(role).kv_role, "--num-threads", str(group.num_threads),
             "--data-parallel-size", str(group.data_parallel_size),
             "--kv-transfer-backend", config.kv_transfer_backend,
             "--kv-side-channel-host", host,  # decode engines on other nodes pull from here
