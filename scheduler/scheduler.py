@@ -45,6 +45,7 @@ from contracts.errors import ErrorCode
 from scheduler.sequence import Sequence, SequenceStatus, SequenceType
 from scheduler.stop import find_stop_string
 from scheduler.stats import CacheStats, SpecStats
+from contracts.logprobs import Logprob
 
 logger = logging.getLogger("atomd.scheduler")
 
@@ -718,12 +719,12 @@ class Scheduler:
                      "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine")
         self._rejected.append(seq)
 
-    def _record_logprobs(self, seq: Sequence, entries: list[Any]) -> list[Any] | None:
+    def _record_logprobs(self, seq: Sequence, entries: list[Logprob | None]) -> list[Logprob | None] | None:
         """Account new tokens' logprob entries (None where not computed): the cumulative
         logprob that ranks best_of candidates, and the entries the request asked for."""
         for entry in entries:
             if entry is not None:
-                seq.cumulative_logprob += entry["logprob"]
+                seq.cumulative_logprob += entry.logprob
         if seq.sampling_params.logprobs is None:
             return None
         seq.logprobs.extend(entries)

@@ -21,6 +21,7 @@ from typing import Any
 from contracts.errors import ErrorCode
 from contracts.sampling import SamplingParams
 from kv_transfer.params import KVTransferParams
+from contracts.logprobs import Logprob
 
 
 class SequenceStatus(enum.Enum):
@@ -70,7 +71,7 @@ class Sequence:
         self.error: str | None = None  # the message when it ended without generating (error_code set)
         self.error_code: ErrorCode | None = None  # set when it ended without generating
         self.stop_reason: int | str | None = None
-        self.logprobs: list[Any] = []
+        self.logprobs: list[Logprob | None] = []
         self.num_cached_tokens = 0  # prompt tokens served from a prefix cache (ours or, in PD, P's)
         self.kv_transfer_params = kv_transfer_params  # parsed once, at the API's edge
         self.kv_transfer_params_output: KVTransferParams | None = None  # P's, for D (the connector's)
@@ -84,7 +85,7 @@ class Sequence:
         self.group: list[Sequence] = [self]
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (ranks best_of)
         # prompt_logprobs: entry i for prompt token i ({"logprob", "rank", "top"}; None for token 0)
-        self.prompt_logprobs: list[Any] | None = [None] if self.sampling_params.prompt_logprobs is not None else None
+        self.prompt_logprobs: list[Logprob | None] | None = [None] if self.sampling_params.prompt_logprobs is not None else None
 
     def fork(self, index: int) -> "Sequence":
         """Choice `index` of this request: the same tokens and computed KV (the caller shares

@@ -180,7 +180,7 @@ def test_tokens_are_a_function_of_the_request_and_its_seed(profile):
     assert len(set(tokens["a"])) > 6 and all(0 <= t < 4096 for t in tokens["a"])
     assert sorted(first["choices"]) == [0, 1, 2] and len({tuple(c) for c in first["choices"].values()}) == 3
     for token, entry in first["a"][0]:
-        assert entry["top"][0] == [token, entry["logprob"]] and len(entry["top"]) == 2 and entry["logprob"] < 0
+        assert entry.top[0] == (token, entry.logprob) and len(entry.top) == 2 and entry.logprob < 0
 
 
 def test_allowed_token_ids_and_min_tokens_hold(profile):

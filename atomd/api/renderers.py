@@ -180,8 +180,8 @@ class RequestRenderer:
                 out.append(None)
                 continue
             tid = self.prompt_ids[pos]
-            tokens = {str(tid): responses.PromptLogprob(entry["logprob"], entry["rank"], self.token_text(tid))}
-            for rank, (t, lp) in enumerate(entry["top"], start=1):
+            tokens = {str(tid): responses.PromptLogprob(entry.logprob, entry.rank, self.token_text(tid))}
+            for rank, (t, lp) in enumerate(entry.top, start=1):
                 tokens.setdefault(str(t), responses.PromptLogprob(lp, rank, self.token_text(t)))
             out.append(tokens)
         return out
@@ -204,15 +204,15 @@ class CompletionRenderer(RequestRenderer):
                 entry = entries[pos] if pos < len(entries) else None
                 text = self.token_text(tid)
                 tokens.append(text)
-                lps.append(entry["logprob"] if entry else None)
-                tops.append({self.token_text(t): lp for t, lp in entry["top"]} if entry else None)
+                lps.append(entry.logprob if entry else None)
+                tops.append({self.token_text(t): lp for t, lp in entry.top} if entry else None)
                 offsets.append(offset)
                 offset += len(text)
         for tid, entry in items:
             text = self.token_text(tid)
             tokens.append(text)
-            lps.append(entry["logprob"])
-            tops.append({self.token_text(t): lp for t, lp in entry.get("top") or []})
+            lps.append(entry.logprob)
+            tops.append({self.token_text(t): lp for t, lp in entry.top})
             offsets.append(offset)
             offset += len(text)
         return responses.CompletionLogprobs(tokens, lps, tops, offsets)
@@ -290,8 +290,8 @@ class ChatRenderer(RequestRenderer):
 
         content = []
         for tid, entry in items:
-            tops = [responses.TopLogprob(*entry_of(t, lp)) for t, lp in (entry.get("top") or [])]
-            content.append(responses.TokenLogprob(*entry_of(tid, entry["logprob"]), top_logprobs=tops))
+            tops = [responses.TopLogprob(*entry_of(t, lp)) for t, lp in entry.top]
+            content.append(responses.TokenLogprob(*entry_of(tid, entry.logprob), top_logprobs=tops))
         return responses.ChatLogprobs(content)
 
     def chunk_of(self, index: int, delta: responses.ChatDelta, items, finish_reason, **extra) -> bytes:

@@ -151,7 +151,7 @@ class EngineLoop:
         ids = [] if p.first_token_id is None else [p.first_token_id]
         ids += p.draft_token_ids
         for entry in [p.first_token_logprobs, *(p.prompt_logprobs or ())]:
-            ids += [t[0] for t in (entry or {}).get("top", ())]
+            ids += [t[0] for t in (entry.top if entry is not None else ())]
         check_in_vocabulary("kv_transfer_params", ids, vocab)
 
     def _prepare_params(self, sp: SamplingParams, kv_params: KVTransferParams | None) -> SamplingParams:

@@ -34,6 +34,7 @@ from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput
 from contracts.sampling import SamplingParams, StructuredOutputsParams
 from scheduler.sequence import Sequence
+from contracts.logprobs import Logprob
 
 SIM_KV_LAYOUT_VERSION = "atomd-sim-kv-1"  # one byte per block: never pairs with a real engine
 TOKEN_CONTEXT = 8  # last tokens a simulated token depends on
@@ -134,8 +135,8 @@ class SimulatedEngine(EngineLoop):
             return token, None
         logprob = -((h >> 32) % 16384) / 1024.0 - 1e-3  # in [-16, 0)
         k = params.logprobs or 0
-        top = [[token, logprob]] + [[(token + j * 7919) % self.vocab_size, logprob - j] for j in range(1, k)]
-        return token, {"logprob": logprob, "top": top[:k]}
+        top = [(token, logprob)] + [((token + j * 7919) % self.vocab_size, logprob - j) for j in range(1, k)]
+        return token, Logprob(logprob, top[:k])
 
 
 def simulated_hash(seed: int, index: int, length: int, tail: list[int]) -> int:
