@@ -218,9 +218,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     def check_model_dir(self) -> None:
         """ValueError unless --model holds a checkpoint; checked where the model is about to load
         (serve, generate), so a bad directory is one line there instead of the engine core's trace."""
-        if self.model is not None and not os.path.isfile(os.path.join(self.model, "config.json")):
+        if self.model is not None and not (hub.model_path(self.model) / "config.json").is_file():
             raise ValueError(f"model directory {self.model!r} has no config.json: give --model a Hugging Face "
-                             f"checkpoint directory (config.json, tokenizer.json, *.safetensors)")
+                             f"checkpoint directory (config.json, tokenizer.json, *.safetensors) or a .gguf file")
 
     def trusted_producers(self) -> list[str]:
         return [h.strip() for h in (self.kv_trusted_producers or "").split(",") if h.strip()]

@@ -13,7 +13,7 @@ import pathlib
 import torch
 from safetensors import safe_open
 
-from atomd.model import quant, quant_formats, registry
+from atomd.model import gguf_weights, quant, quant_formats, registry
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import DecoderModel
 
@@ -88,7 +88,10 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
     cls = registry.model_class(cfg.architecture)
-    src = _TensorSource(model_dir)
+    gguf = read_hf_config(model_dir).get("gguf_file")  # a GGUF file's directory (atomd/model/gguf_file.py)
+    src = gguf_weights.GGUFSource(gguf, cfg) if gguf else _TensorSource(model_dir)
+    if gguf and src.quantized and quantization:
+        raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized (GGUF {gguf})")
     method = cfg.quantization["quant_method"] if cfg.quantization else quantization
     if method is not None:
         if cfg.quantization and quantization:
