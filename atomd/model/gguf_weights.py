@@ -48,6 +48,12 @@ _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
 LAYER_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
 
 
+def _module(gguf: str) -> str | None:
+    """blk.3.attn_q.weight -> attn_q; None outside the layers."""
+    parts = gguf.split(".")
+    return parts[2] if parts[0] == "blk" and len(parts) == 4 else None
+
+
 def gguf_name(name: str) -> str | None:
     """The GGUF tensor name of an HF one (None: no counterpart)."""
     if name in _GLOBAL:
@@ -183,7 +189,7 @@ class GGUFSource:
 
     def _rows(self, info: TensorInfo) -> np.ndarray | None:
         """The row order that undoes llama.cpp's q / k permutation (None: as stored)."""
-        head = info.name.split(".")[2]
+        head = _module(info.name)
         if not self.permuted or head not in ("attn_q", "attn_k"):
             return None
         heads = self.cfg.num_heads if head == "attn_q" else self.cfg.num_kv_heads
@@ -193,10 +199,11 @@ class GGUFSource:
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
         info = self._info(name)
         order = self._rows(info)
-        layer_linear = info.name.split(".")[2] in LAYER_LINEARS and name.endswith(".weight")
+        module = _module(info.name)
+        layer_linear = module in LAYER_LINEARS and name.endswith(".weight")
         packed_head = info.name == "output.weight"
         if info.type_name in PACKED_TYPES and (layer_linear or packed_head):
-            siblings = next((s for s in _SIBLINGS if info.name.split(".")[2] in s), ()) if layer_linear else ()
+            siblings = next((s for s in _SIBLINGS if module in s), ()) if layer_linear else ()
             names = [f"blk.{info.name.split('.')[1]}.{s}.weight" for s in siblings]
             kinds = {self.file.tensors[n].type_name for n in names if n in self.file.tensors} | {info.type_name}
             if not kinds & set(FLOAT_TYPES):
