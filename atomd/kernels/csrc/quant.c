@@ -91,4 +91,27 @@ void atomd_qdequant_i4(const uint8_t *q, const float *scales, const float *offse
     }
 }
 
+/* int8 activations (quant.h): x [M, ldx] quantised row by row into xq [M, K], xd / xds [M, K / 32]
+ * (the caller's scratch), then y [M, ldy] = x @ w^T, each weight row read once for the M rows */
+#define QGEMM_Q8(BITS, q_t, ROW_BYTES)                                                                        \
+    void atomd_qgemm_q8_i##BITS(const float *x, int64_t ldx, int64_t M, const q_t *q, const float *scales,     \
+                                const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy,   \
+                                int8_t *xq, float *xd, float *xds, int num_threads) {                           \
+        const int64_t groups = K / G, blocks = K / Q8_BLOCK;                                                   \
+        for (int64_t m = 0; m < M; m++)                                                                        \
+            quantize_row_q8(x + m * ldx, K, xq + m * K, xd + m * blocks, xds + m * blocks);                    \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")            \
+        for (int64_t n = 0; n < N; n++) {                                                                      \
+            const q_t *qn = q + n * (ROW_BYTES);                                                               \
+            const float *sn = scales + n * groups, *on = offsets ? offsets + n * groups : NULL;                \
+            for (int64_t m = 0; m < M; m++)                                                                    \
+                y[m * ldy + n] = row_q8_i##BITS(qn, sn, on, K, G, xq + m * K, xd + m * blocks, xds + m * blocks); \
+        }                                                                                                      \
+    }
+
+QGEMM_Q8(8, int8_t, K)
+QGEMM_Q8(4, uint8_t, K / 2)
+
 int atomd_quant_path(void) { return QUANT_PATH; }
+/* the int8-activation path: 3 AVX512-VNNI, 2 AVX-512 BW, 1 AVX2, 0 scalar */
+int atomd_quant_q8_path(void) { return Q8_PATH; }

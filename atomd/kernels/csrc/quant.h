@@ -4,6 +4,7 @@
  * to QGEMM_ROWS rows of float32 activations. */
 #ifndef ATOMD_QUANT_H
 #define ATOMD_QUANT_H
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -123,11 +124,162 @@ static inline __attribute__((always_inline)) void row_i4(const float *x, int64_t
 }
 
 
-/* One packed weight as the fused decode layer takes it (atomd/model/quant.py's QuantizedWeight) */
+/* ---- int8 activations (llama.cpp's Q8_0 of the activation row): integer dot products ----
+ *
+ * x is quantised once per linear in blocks of Q8_BLOCK: amax = max |x|, d = amax / 127,
+ * xq = rint(x * (127 / amax)) (0 for an all-zero block), and xds = d * sum(xq) per block. Then
+ *   y[n] = sum_g s[n, g] * sum_{b in g} d_b * (q[n, b] . xq_b) + o[n, g] * sum_{b in g} xds_b
+ * with each q . xq an exact int32 (the weight's integers as stored). Only the rounding of x
+ * to 8 bits and the float sums differ from the float-activation rows above. Needs K and the
+ * group a multiple of Q8_BLOCK (the caller checks). Paths: AVX512-VNNI (vpdpbusd: u8 x s8;
+ * int8 weights are made unsigned by + 128, taken back as 128 * sum(xq)), AVX-512 BW and AVX2
+ * (both widened to int16, vpmaddwd), scalar. */
+#define Q8_BLOCK 32
+#if QUANT_PATH == 2 && defined(__AVX512VNNI__) && !defined(ATOMD_NO_VNNI)
+#define Q8_PATH 3
+#else
+#define Q8_PATH QUANT_PATH
+#endif
+
+static inline void quantize_row_q8(const float *x, int64_t K, int8_t *xq, float *xd, float *xds) {
+    for (int64_t b = 0; b < K / Q8_BLOCK; b++) {
+        const float *xb = x + b * Q8_BLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < Q8_BLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            const int8_t v = (int8_t)nearbyintf(xb[i] * id);
+            xq[b * Q8_BLOCK + i] = v;
+            sum += v;
+        }
+        xd[b] = d;
+        xds[b] = d * (float)sum;
+    }
+}
+
+/* sum_k q[k] * xq[k] over one block of 32: int8 (signed) or int4 (16 bytes, Q4_0 run order) weights,
+ * as a vector of int32 partial sums converted to float (lanes summed by the caller's VSUM) */
+#if Q8_PATH == 3
+typedef __m256 vq;
+#define VQZERO() _mm256_setzero_ps()
+#define VQFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VQSET1(a) _mm256_set1_ps(a)
+static inline float VQSUM(__m256 a) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+static inline vq dot_block_i8(const int8_t *q, const int8_t *xq) {  /* (q + 128) . xq: the caller takes 128 * sum off */
+    const __m256i w = _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)q), _mm256_set1_epi8((char)0x80));
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)xq)));
+}
+static inline vq dot_block_i4(const uint8_t *q, const int8_t *xq) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    const __m256i w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    return _mm256_cvtepi32_ps(_mm256_dpbusd_epi32(_mm256_setzero_si256(), w, _mm256_loadu_si256((const __m256i *)xq)));
+}
+#define I8_BIAS 128.0f
+#elif Q8_PATH == 2
+typedef __m512 vq;
+#define VQZERO() _mm512_setzero_ps()
+#define VQFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VQSET1(a) _mm512_set1_ps(a)
+#define VQSUM(a) _mm512_reduce_add_ps(a)
+static inline vq dot_block_i8(const int8_t *q, const int8_t *xq) {
+    const __m512i w = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)q));
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)xq))));
+}
+static inline vq dot_block_i4(const uint8_t *q, const int8_t *xq) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    const __m256i w8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_and_si128(b, low));
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_cvtepu8_epi16(w8),
+                                                _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)xq))));
+}
+#define I8_BIAS 0.0f
+#elif Q8_PATH == 1
+typedef __m256 vq;
+#define VQZERO() _mm256_setzero_ps()
+#define VQFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VQSET1(a) _mm256_set1_ps(a)
+#define VQSUM(a) VSUM(a)
+static inline __m256i madd16(__m128i w8, __m128i x8, int w_unsigned) {
+    const __m256i w = w_unsigned ? _mm256_cvtepu8_epi16(w8) : _mm256_cvtepi8_epi16(w8);
+    return _mm256_madd_epi16(w, _mm256_cvtepi8_epi16(x8));
+}
+static inline vq dot_block_i8(const int8_t *q, const int8_t *xq) {
+    const __m256i lo = madd16(_mm_loadu_si128((const __m128i *)q), _mm_loadu_si128((const __m128i *)xq), 0);
+    const __m256i hi = madd16(_mm_loadu_si128((const __m128i *)(q + 16)), _mm_loadu_si128((const __m128i *)(xq + 16)), 0);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+}
+static inline vq dot_block_i4(const uint8_t *q, const int8_t *xq) {
+    const __m128i b = _mm_loadu_si128((const __m128i *)q), low = _mm_set1_epi8(15);
+    const __m256i lo = madd16(_mm_and_si128(b, low), _mm_loadu_si128((const __m128i *)xq), 1);
+    const __m256i hi = madd16(_mm_and_si128(_mm_srli_epi16(b, 4), low), _mm_loadu_si128((const __m128i *)(xq + 16)), 1);
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(lo, hi));
+}
+#define I8_BIAS 0.0f
+#else
+typedef float vq;
+#define VQZERO() 0.0f
+#define VQFMA(a, b, c) ((a) * (b) + (c))
+#define VQSET1(a) (a)
+#define VQSUM(a) (a)
+static inline vq dot_block_i8(const int8_t *q, const int8_t *xq) {
+    int32_t s = 0;
+    for (int i = 0; i < Q8_BLOCK; i++) s += (int32_t)q[i] * xq[i];
+    return (float)s;
+}
+static inline vq dot_block_i4(const uint8_t *q, const int8_t *xq) {
+    int32_t s = 0;
+    for (int i = 0; i < 16; i++) s += (int32_t)(q[i] & 15) * xq[i] + (int32_t)(q[i] >> 4) * xq[i + 16];
+    return (float)s;
+}
+#define I8_BIAS 0.0f
+#endif
+
+/* one weight row (K inputs, groups of G) against one quantised activation row */
+static inline float row_q8_i8(const int8_t *q, const float *s, const float *o, int64_t K, int64_t G,
+                              const int8_t *xq, const float *xd, const float *xds) {
+    vq acc = VQZERO();
+    float rest = 0.0f;
+    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, gi++) {
+        const float sc = s[gi];
+        float sx = 0.0f;
+        for (int64_t b = g0 / Q8_BLOCK; b < (g0 + G) / Q8_BLOCK; b++) {
+            acc = VQFMA(dot_block_i8(q + b * Q8_BLOCK, xq + b * Q8_BLOCK), VQSET1(sc * xd[b]), acc);
+            sx += xds[b];
+        }
+        rest += ((o ? o[gi] : 0.0f) - I8_BIAS * sc) * sx;
+    }
+    return VQSUM(acc) + rest;
+}
+
+static inline float row_q8_i4(const uint8_t *q, const float *s, const float *o, int64_t K, int64_t G,
+                              const int8_t *xq, const float *xd, const float *xds) {
+    vq acc = VQZERO();
+    float rest = 0.0f;
+    for (int64_t g0 = 0, gi = 0; g0 < K; g0 += G, gi++) {
+        const float sc = s[gi];
+        float sx = 0.0f;
+        for (int64_t b = g0 / Q8_BLOCK; b < (g0 + G) / Q8_BLOCK; b++) {
+            acc = VQFMA(dot_block_i4(q + b * (Q8_BLOCK / 2), xq + b * Q8_BLOCK), VQSET1(sc * xd[b]), acc);
+            sx += xds[b];
+        }
+        if (o) rest += o[gi] * sx;
+    }
+    return VQSUM(acc) + rest;
+}
+
+/* One packed weight as the fused decode layer takes it (atomd/model/quant.py's QuantizedWeight);
+ * xq / xd / xds non-NULL: int8 activations (above), these its scratch for one quantised row */
 typedef struct {
     const void *q;
     const float *scales, *offsets;  /* offsets NULL: symmetric */
     int64_t group, bits;
+    int8_t *xq;
+    float *xd, *xds;
 } atomd_qweight;
 
 /* y[n] = w[n] . x (+ bias[n]) for the N rows of w, K inputs: an orphaned `omp for` (the
@@ -135,10 +287,18 @@ typedef struct {
 static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, const float *bias, float *y, int64_t K,
                                     int64_t N) {
     const int64_t groups = (K + w->group - 1) / w->group;
+    if (w->xq) {
+        _Pragma("omp single")  /* its barrier: every thread's rows read the whole quantised x */
+        quantize_row_q8(x, K, w->xq, w->xd, w->xds);
+    }
     _Pragma("omp for schedule(static)")
     for (int64_t n = 0; n < N; n++) {
         const float *s = w->scales + n * groups, *o = w->offsets ? w->offsets + n * groups : NULL;
-        if (w->bits == 8)
+        if (w->xq && w->bits == 8)
+            y[n] = row_q8_i8((const int8_t *)w->q + n * K, s, o, K, w->group, w->xq, w->xd, w->xds);
+        else if (w->xq)
+            y[n] = row_q8_i4((const uint8_t *)w->q + n * (K / 2), s, o, K, w->group, w->xq, w->xd, w->xds);
+        else if (w->bits == 8)
             row_i8(x, K, (const int8_t *)w->q + n * K, s, o, K, w->group, y + n, 1, 1);
         else
             row_i4(x, K, (const uint8_t *)w->q + n * (K / 2), s, o, K, w->group, y + n, 1, 1);
