@@ -81,10 +81,12 @@ class _TensorSource:
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None, quantization: str | None = None) -> DecoderModel:
+               max_positions: int | None = None, quantization: str | None = None,
+               activations: str = "float32") -> DecoderModel:
     """The checkpoint's model; RoPE tables cover `max_positions` (default: the model's own).
     A checkpoint with quantization_config loads its packed linears as they are;
-    `quantization` (int8, int4) quantises a float checkpoint's (atomd/model/quant_formats.py)."""
+    `quantization` (int8, int4) quantises a float checkpoint's (atomd/model/quant_formats.py);
+    `activations` int8: the quantized linears quantise their activations (quant.use_int8_activations)."""
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
     cls = registry.model_class(cfg.architecture)
@@ -112,6 +114,16 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         lm_head = src.get("lm_head.weight", dtype)
     if quantization is not None:  # batch-1 decode reads it whole every token: SmolLM2-135M's is 113 of 540 MB
         lm_head = quant.quantize(lm_head, quant.LM_HEAD_QUANTIZATION)
-    return cls(config=cfg, embed=embed, layers=[cls.load_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)],
+    layers = [cls.load_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)]
+    if activations == "int8":
+        packed = [t for w in layers for t in w.linears() if isinstance(t, quant.QuantizedWeight)]
+        packed += [lm_head] if isinstance(lm_head, quant.QuantizedWeight) else []
+        if not packed:
+            raise ValueError("--quantized-activations int8 needs quantized linears (--quantization, a GPTQ / AWQ / "
+                             "compressed-tensors checkpoint or a quantized GGUF file)")
+        switched = quant.use_int8_activations(packed)
+        log.info("int8 activations: %d of %d quantized linears (the rest: inputs or groups not whole blocks of %d)",
+                 switched, len(packed), quant.Q8_BLOCK)
+    return cls(config=cfg, embed=embed, layers=layers,
                norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
                max_positions=max_positions or cfg.max_position_embeddings)
