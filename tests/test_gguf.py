@@ -180,8 +180,8 @@ CASES = {  # id -> (arch, types)
     "llama-Q4_K_M-like": ("llama", {"linear": Q.Q4_K, "v": Q.Q6_K, "down": Q.Q5_K, "embed": Q.Q4_K,
                                     "output": Q.Q6_K}),
     "llama-F16": ("llama", {"linear": Q.F16, "embed": Q.F16, "output": Q.F16}),
-    "qwen2-Q8_0": ("qwen2", {"linear": Q.Q8_0, "embed": Q.BF16}),
-    "qwen3-Q4_0": ("qwen3", {"linear": Q.Q4_0, "embed": Q.F32, "output": Q.Q8_0}),
+    "qwen2-Q8_0": ("qwen2", {"linear": Q.Q8_0, "embed": Q.Q8_0}),  # tied: the packed embedding is the head too
+    "qwen3-Q4_0": ("qwen3", {"linear": Q.Q4_0, "embed": Q.BF16, "output": Q.Q8_0}),
 }
 
 
@@ -201,6 +201,9 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
         assert isinstance(layer.gate_up, QuantizedWeight) and layer.gate_up.bits == bits
         assert isinstance(layer.qkv, QuantizedWeight) and layer.qkv.bits == (8 if "v" in types else bits)
         assert isinstance(layer.down, QuantizedWeight) and layer.down.bits == (8 if "down" in types else bits)
+    head = llm.engine.model.lm_head
+    packed_head = types.get("output" if "output" in types else "embed") not in (Q.F32, Q.F16, Q.BF16)
+    assert isinstance(head, QuantizedWeight) == packed_head
     hf = hf_on(float_dir, weights)
     prompt = prompts_of([2 * 16 + 7], seed=12)[0]
     with torch.inference_mode():

@@ -16,7 +16,8 @@ Linears that share an input (q / k / v, gate / up) must be packed alike (quant.c
 file stores them in different types (Q4_K_M's Q6_K v beside Q4_K q, k) all are int8 at the
 finest group among them (still exact); a float one among them makes all float. F32 / F16 /
 BF16 tensors, and everything outside the layer linears but a quantised output.weight (the LM
-head, kept packed), are floats of the run's dtype. Other ggml types are refused by name.
+head, kept packed; a tied model's packed token_embd: floats for the lookup, packed for the
+head), are floats of the run's dtype. Other ggml types are refused by name.
 llama.cpp stores Llama's q / k rows permuted for its interleaved rotary; they are put back in
 HF's order (a row permutation: exact for packed rows too).
 """
@@ -195,6 +196,14 @@ class GGUFSource:
         heads = self.cfg.num_heads if head == "attn_q" else self.cfg.num_kv_heads
         half = info.shape[0] // heads // 2  # GGUF row h*hd + 2i + a holds HF's h*hd + a*hd/2 + i
         return np.arange(info.shape[0]).reshape(heads, half, 2).transpose(0, 2, 1).reshape(-1)
+
+    def tied_head(self, embed: torch.Tensor) -> torch.Tensor | QuantizedWeight:
+        """The LM head of a tied model: token_embd packed where the file stores it packed (the
+        head reads it whole every token), else the embedding itself."""
+        info = self.file.tensors["token_embd.weight"]
+        if info.type_name not in PACKED_TYPES:
+            return embed
+        return int_weight(info, self.file.raw(info.name)).packed()
 
     def get(self, name: str, dtype: torch.dtype) -> torch.Tensor | QuantizedWeight:
         info = self._info(name)

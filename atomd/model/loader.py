@@ -108,8 +108,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         src = quant_formats.CheckpointSource(src, cfg.quantization) if cfg.quantization else \
             quant_formats.RoundToNearest(src, quantization)
     embed = src.get("model.embed_tokens.weight", dtype)
-    if cfg.tie_word_embeddings:
-        lm_head = embed
+    if cfg.tie_word_embeddings:  # a GGUF's packed token_embd stays packed as the head (llama.cpp's choice)
+        lm_head = src.tied_head(embed) if gguf else embed
     else:
         lm_head = src.get("lm_head.weight", dtype)
     if quantization is not None:  # batch-1 decode reads it whole every token: SmolLM2-135M's is 113 of 540 MB
