@@ -26,6 +26,7 @@ the output / embedding tensor).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import platform
@@ -117,6 +118,9 @@ def linears(cfg: dict, threads: int, repeats: int = 5) -> list[dict]:
     ws = [torch.randn(n, k) * 0.02 for n, k in shapes]
     packed = [pack_linear_weight(w) for w in ws]
     qs = {m: [quant.quantize(w, m) for w in ws] for m in ("int8", "int4")}
+    for m in ("int8", "int4"):  # the same weights with int8 activations (--quantized-activations int8)
+        qs[f"{m}_a8"] = [dataclasses.replace(w, _ref=None) for w in qs[m]]
+        quant.use_int8_activations(qs[f"{m}_a8"])
     rows = []
     for m in LINEAR_MS:
         xs = [torch.randn(m, k) for _, k in shapes]

@@ -46,7 +46,7 @@ ACTIVATIONS = ("float32", "int8")  # --quantized-activations
 
 class _QWeightStruct(ctypes.Structure):
     _fields_ = [("q", _PTR), ("scales", _PTR), ("offsets", _PTR), ("group", _I64), ("bits", _I64),
-                ("xq", _PTR), ("xd", _PTR), ("xds", _PTR)]
+                ("xq", _PTR), ("xd", _PTR), ("xsg", _PTR)]
 
 
 @dataclass
@@ -62,7 +62,7 @@ class QuantizedWeight:
     # set by use_int8_activations where int8_activations_fit
     int8_activations: bool = False
     _ref: Any = field(default=None, repr=False, compare=False)  # its atomd_qweight (data_ptr)
-    _scratch: Any = field(default=None, repr=False, compare=False)  # xq, xd, xds of one row (the fused layer's)
+    _scratch: Any = field(default=None, repr=False, compare=False)  # xq, xd, xsg of one row (the fused layer's)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -74,9 +74,7 @@ class QuantizedWeight:
         if self._ref is None:
             scratch = (None, None, None)
             if self.int8_activations:
-                blocks = self.in_features // Q8_BLOCK
-                self._scratch = (torch.empty(self.in_features, dtype=torch.int8), torch.empty(blocks),
-                                 torch.empty(blocks))
+                self._scratch = _q8_scratch(1, self.in_features)
                 scratch = tuple(t.data_ptr() for t in self._scratch)
             self._ref = _QWeightStruct(self.q.data_ptr(), self.scales.data_ptr(), _ptr(self.offsets),
                                        self.group_size, self.bits, *scratch)
@@ -190,9 +188,9 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
         gemm, deq = getattr(lib, f"atomd_qgemm_i{bits}"), getattr(lib, f"atomd_qdequant_i{bits}")
         gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int], None
         deq.argtypes, deq.restype = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int], None
-        q8 = getattr(lib, f"atomd_qgemm_q8_i{bits}")
-        q8.argtypes, q8.restype = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
-                                   _PTR, _PTR, _PTR, ctypes.c_int], None
+    lib.atomd_qgemm_q8.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
+                                   _PTR, _PTR, _PTR, ctypes.c_int]
+    lib.atomd_qgemm_q8.restype = None
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
     log.info("int8 / int4 linears: %s kernels (int8 activations: %s)", PATHS[lib.atomd_quant_path()],
              Q8_PATHS[lib.atomd_quant_q8_path()])
@@ -201,6 +199,11 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
 
 def kernels() -> ctypes.CDLL | None:
     return build_kernels(cbuild.kernel_isa())
+
+
+def _q8_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xq, xd, xsg of m quantised rows of k inputs (csrc/quant.h: Q8_XD, Q8_XSG)."""
+    return torch.empty(m, k, dtype=torch.int8), torch.empty(m, -(-k // (2 * Q8_BLOCK)) * 16), torch.empty(m, k // Q8_BLOCK)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -221,10 +224,9 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     threads = torch.get_num_threads()
     if lib is not None and m <= QGEMM_MAX_M and w.int8_activations:
         out = torch.empty(m, n, dtype=torch.float32)
-        xq, xd, xds = torch.empty(m, k, dtype=torch.int8), torch.empty(m, k // Q8_BLOCK), torch.empty(m, k // Q8_BLOCK)
-        getattr(lib, f"atomd_qgemm_q8_i{w.bits}")(xf.data_ptr(), k, m, w.q.data_ptr(), w.scales.data_ptr(),
-                                                  _ptr(w.offsets), n, k, w.group_size, out.data_ptr(), n,
-                                                  xq.data_ptr(), xd.data_ptr(), xds.data_ptr(), threads)
+        xq, xd, xsg = _q8_scratch(m, k)
+        lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
+                           w.group_size, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), threads)
     elif lib is not None and m <= QGEMM_MAX_M:
         out = torch.empty(m, n, dtype=torch.float32)
         getattr(lib, f"atomd_qgemm_i{w.bits}")(xf.data_ptr(), k, m, w.q.data_ptr(), w.scales.data_ptr(),
