@@ -177,8 +177,15 @@ static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int8_t 
 
 /* the part that does not depend on the products: sum_g (o_g - bias * s_g) * xsg_g */
 static inline float q8_rest(const float *s, const float *o, int64_t groups, const float *xsg, float bias) {
-    float rest = 0.0f;
-    for (int64_t g = 0; g < groups; g++) rest += ((o ? o[g] : 0.0f) - bias * s[g]) * xsg[g];
+    vf acc = VZERO();
+    int64_t g = 0;
+    for (; g + LANES <= groups; g += LANES) {  /* groups of 32 (Q4_0, Q8_0): one term per 32 weights */
+        vf c = o ? VLOAD(o + g) : VZERO();
+        if (bias != 0.0f) c = VFMA(VSET1(-bias), VLOAD(s + g), c);
+        acc = VFMA(c, VLOAD(xsg + g), acc);
+    }
+    float rest = VSUM(acc);
+    for (; g < groups; g++) rest += ((o ? o[g] : 0.0f) - bias * s[g]) * xsg[g];
     return rest;
 }
 
