@@ -211,8 +211,24 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
     __m512 acc[Q8_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK;
+    if (per % 2 == 0) {  /* groups of whole pairs (per channel, 64, 128): the weight scale once per group */
+        for (int64_t g = 0; g < K / G; g++) {
+            __m512 gacc[Q8_ROWS];
+            for (int m = 0; m < mb; m++) gacc[m] = _mm512_setzero_ps();
+            for (int64_t b = g * per; b < (g + 1) * per; b += 2) {
+                const __m512i w = pair_u8(q, b, bits, 1);
+                for (int m = 0; m < mb; m++) {
+                    const __m512i xv = _mm512_loadu_si512(xq + m * K + b * Q8_BLOCK);
+                    gacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv)),
+                                              _mm512_loadu_ps(xd + m * Q8_XD(K) + (b / 2) * 16), gacc[m]);
+                }
+            }
+            const __m512 sv = _mm512_set1_ps(s[g]);
+            for (int m = 0; m < mb; m++) acc[m] = _mm512_fmadd_ps(gacc[m], sv, acc[m]);
+        }
+    }
     int64_t g = 0, left = per;  /* the group of block b, and its blocks from b on */
-    for (int64_t b = 0; b < nb; b += 2) {
+    for (int64_t b = per % 2 == 0 ? nb : 0; b < nb; b += 2) {
         const int full = b + 1 < nb;
         const __m512i w = pair_u8(q, b, bits, full);
         const float s0 = s[g];
