@@ -339,7 +339,7 @@ HELP = {
                     "channel, symmetric) or int4 (groups of 128, else 64 or 32 inputs, with zero points); activations "
                     "stay --dtype. GPTQ, AWQ and compressed-tensors checkpoints and GGUF files load quantized without it",
     "quantized_activations": "int8: the quantized linears' activations quantised to int8 per block of 32 for "
-                             "batch 1 to 16 (integer dot products, AVX512-VNNI where present; ~0.5%% rms error against "
+                             "batch 1 to 32 rows (integer dot products, AVX512-VNNI where present; ~0.5%% rms error against "
                              "float32 on a linear's output); float32: as they are",
     "max_model_len": "prompt + completion tokens",
     "max_num_seqs": "sequences per step",

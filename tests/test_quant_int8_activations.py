@@ -72,7 +72,7 @@ CASES = [  # bits, N, K, group (K: per channel), zero points
 
 
 @pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
-@pytest.mark.parametrize("m", [1, 5, 16])
+@pytest.mark.parametrize("m", [1, 5, 16, quant.QGEMM_Q8_MAX_M - 3])
 def test_int8_activations_equal_numpy_of_the_same_arithmetic(lib, bits, n, k, group, zero_points, m):
     rng = np.random.default_rng(n * k + m + bits)
     values, scales, offsets = random_weight(rng, bits, n, k, group, zero_points)

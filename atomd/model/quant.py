@@ -34,6 +34,10 @@ INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a l
 # kernel 2.5-2.8 ms against 9.7-10.3 ms for 16 MiB tiles, at M = 64 17.4 against 9.9-11.5;
 # benchmarks/results/quant.md)
 QGEMM_MAX_M = 16
+# the same cut-over with int8 activations (csrc/quant.h): their integer dots stay ahead of the tiles to
+# M = 32 (135M shape's gate_up / down, one thread, int8 and int4: 0.8-0.96x the tiles' time at M = 32,
+# 0.3-1.07x at 64; benchmarks/RESULTS.md, #35 int8 activations)
+QGEMM_Q8_MAX_M = 32
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
@@ -213,8 +217,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
             lib: ctypes.CDLL | None | str = "auto") -> torch.Tensor:
     """x [M, K] @ dequantised(w).T (+ bias) in float32, returned in x's dtype. Up to
-    QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*); more rows, or
-    no kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
+    QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*), up to
+    QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8); more rows, or no kernels (lib
+    None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
     if w.perm is not None:
@@ -222,7 +227,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     xf = xf.contiguous()
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
-    if lib is not None and m <= QGEMM_MAX_M and w.int8_activations:
+    if lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
         out = torch.empty(m, n, dtype=torch.float32)
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
