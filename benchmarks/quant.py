@@ -41,8 +41,9 @@ import torch
 from benchmarks.machine import loadavg
 from benchmarks.offline import prompts, timed
 
-ENGINES = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
-           "int4": ("float32", "int4")}
+ENGINES = {"float32": ("float32", None, "float32"), "bfloat16": ("bfloat16", None, "float32"),
+           "int8": ("float32", "int8", "float32"), "int4": ("float32", "int4", "float32"),
+           "int8-a8": ("float32", "int8", "int8"), "int4-a8": ("float32", "int4", "int8")}  # a8: int8 activations
 # name -> (prompts, prompt length, new tokens, seed)
 WORKLOADS = {"batch1": (1, 128, 128, 1), "batch1_first": (1, 128, 1, 1), "batch16": (16, 128, 128, 2),
              "batch16_first": (16, 128, 1, 2), "prefill": (8, 512, 1, 3)}
@@ -60,9 +61,9 @@ def engines(path: pathlib.Path, threads: int) -> dict:
     from atomd import LLM, SamplingParams
 
     out = {}
-    for name, (dtype, quantization) in ENGINES.items():
+    for name, (dtype, quantization, activations) in ENGINES.items():
         llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False, dtype=dtype,
-                  quantization=quantization)
+                  quantization=quantization, quantized_activations=activations)
 
         def gen(batch, new, llm=llm):
             llm.generate([{"prompt_token_ids": p} for p in batch],
