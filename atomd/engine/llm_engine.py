@@ -52,7 +52,7 @@ class LLMEngine(EngineLoop):
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
         self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len,
-                                quantization=config.quantization)
+                                quantization=config.quantization, activations=config.quantized_activations)
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -63,6 +63,8 @@ class LLMEngine(EngineLoop):
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         # weights quantised at load give other KV than the checkpoint's: another model to a peer
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
+        if config.quantized_activations != "float32":  # other numerics, other KV
+            model_id += f"+a{config.quantized_activations}"
         self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, mcfg.num_layers,
                                          mcfg.num_kv_heads, mcfg.head_dim, KV_LAYOUT_VERSION)
         eos = self.tokenizer.eos_token_id
