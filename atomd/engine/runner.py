@@ -49,6 +49,9 @@ class ModelRunner:
             log.info("bfloat16 prefill of fresh prompts: native kernel on AMX tiles")
         elif self.kernels is not None and not self.fresh_prefill_kernel:
             log.info("bfloat16 prefill of fresh prompts: torch SDPA (this CPU has AMX, the kernel build does not)")
+        if attention_backend == "native" and not model.paged_kv_heads:
+            raise ValueError(f"attention_backend native: the kernels read k, v heads; {model.config.architecture}'s "
+                             f"latent cache runs its own attention (use --attention-backend auto or torch)")
         if attention_backend == "native" and self.kernels is None:
             raise RuntimeError("attention_backend native: the attention kernels did not build "
                                "(see the warning above); use --attention-backend torch")
