@@ -16,6 +16,7 @@ import torch
 import transformers
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.kernels.native import ISA_FLAGS, attention_kernels
 from atomd.llm import LLM
 from atomd.model.deepseek import MLA_KV_LAYOUT_VERSION, DeepseekModel, DeepseekRouting
 from atomd.model.loader import read_config
@@ -84,7 +85,10 @@ def test_layers_and_latent_cache_are_what_the_config_says(name, checkpoints):
     assert cache.block_bytes == cfg.num_layers * BLOCK * (32 + 8) * 4
     assert llm.engine.compat["head_dim"] == 40 and llm.engine.compat["num_kv_heads"] == 1
     assert llm.engine.compat["version"] == MLA_KV_LAYOUT_VERSION
-    assert llm.engine.runner.kernels is None and llm.engine.runner.workspace is None
+    # the absorbed decode's native kernel: heads of the latent's width, every query head on the one latent row
+    kernels = llm.engine.runner.kernels
+    assert kernels is None or (kernels.head_dim, kernels.group) == (40, 4)
+    assert llm.engine.runner.workspace is None
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -101,17 +105,18 @@ def test_prompt_logits_match_hf(name, chunk, checkpoints):
 
 
 @pytest.mark.parametrize("name", CASES)
-def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, checkpoints):
+@pytest.mark.parametrize("backend", ["auto", "torch"])  # the absorbed decode: native kernel, torch SDPA
+def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, backend, checkpoints):
     path = checkpoints[name]
     prompts = prompts_of(MIXED, seed=4)
-    llm = LLM(str(path), num_threads=1, max_model_len=256)
+    llm = LLM(str(path), num_threads=1, max_model_len=256, attention_backend=backend)
     assert_equals_hf(path, prompts, engine_greedy(llm, prompts, GREEDY48), n=48)
     alone = prompts[2:3]  # batch-1 decode
     assert_equals_hf(path, alone, engine_greedy(llm, alone, GREEDY48), n=48)
     # a shared 3-block prefix: the second run reads its latent rows from the cache
     shared = prompts_of([3 * BLOCK], seed=5)[0]
     prompts = [shared + tail for tail in prompts_of([5, 1], seed=6)]
-    chunked = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK)
+    chunked = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK, attention_backend=backend)
     first = engine_greedy(chunked, prompts, GREEDY48)
     hits = chunked.engine.stats()["prefix_cache_hits"]
     assert engine_greedy(chunked, prompts, GREEDY48) == first
@@ -119,16 +124,17 @@ def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, c
     assert_equals_hf(path, prompts, first, n=48)
 
 
-@pytest.mark.parametrize("name", ["v2-lite", "v3"])
-def test_greedy_equals_hf_through_preemption_and_ngram_speculation(name, checkpoints):
+@pytest.mark.parametrize("name,backend", [("v2-lite", "auto"), ("v3", "auto"), ("v3", "torch")])
+def test_greedy_equals_hf_through_preemption_and_ngram_speculation(name, backend, checkpoints):
+    """Drafts verified several rows a sequence: by the native decode kernel, or (torch) on the
+    prefill path over the latent cache."""
     path = checkpoints[name]
-    llm = LLM(str(path), num_threads=1, max_model_len=256, num_kvcache_blocks=9)
+    llm = LLM(str(path), num_threads=1, max_model_len=256, num_kvcache_blocks=9, attention_backend=backend)
     prompts = prompts_of([BLOCK + 10] * 6, seed=7)
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
     assert_equals_hf(path, prompts, engine_greedy(llm, prompts, params), n=12)
     assert llm.engine.stats()["num_preemptions"] > 0
-    # drafts verified several rows a sequence (the prefill path over the latent cache)
-    spec = LLM(str(path), num_threads=1, max_model_len=256,
+    spec = LLM(str(path), num_threads=1, max_model_len=256, attention_backend=backend,
                speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
     prompts = [prompts_of([12], seed=8)[0] * 4, prompts_of([7], seed=9)[0]]
     assert_equals_hf(path, prompts, engine_greedy(spec, prompts, GREEDY48), n=48)
@@ -144,8 +150,6 @@ def test_refused_with_the_reason(tmp_path, checkpoints):
         read_config(bad)
     with pytest.raises(ValueError, match=r"quantized weights \(int8\) are not supported for MoE"):
         LLM(str(checkpoints["v2-lite"]), num_threads=1, max_model_len=64, quantization="int8")
-    with pytest.raises(ValueError, match="latent cache runs its own attention"):
-        LLM(str(checkpoints["v3"]), num_threads=1, max_model_len=64, attention_backend="native")
 
 
 # ---------------------------------------------------------------- the absorbed decode
@@ -161,9 +165,10 @@ def naive_attention(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, h
     return torch.einsum("hl,lhv->hv", probs, kv[..., nope:]).reshape(-1)
 
 
+@pytest.mark.parametrize("isa", ["torch", *ISA_FLAGS])  # torch SDPA, the native kernel under every narrowing
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("lens", [[1], [5, 16, 17], [40, 3, 33, 64]])
-def test_absorbed_decode_equals_the_up_projected_attention(lens, dtype, tol):
+def test_absorbed_decode_equals_the_up_projected_attention(lens, dtype, tol, isa):
     heads, nope, rope, v, rank, block, layers = 4, 16, 8, 12, 32, BLOCK, 2
     g = torch.Generator().manual_seed(sum(lens))
     width = -(-max(lens) // block)
@@ -180,8 +185,11 @@ def test_absorbed_decode_equals_the_up_projected_attention(lens, dtype, tol):
     for layer in range(layers):
         store_latent(cache, layer, meta, latents[layer])
     context = torch.tensor(lens)
+    kernels = None if isa == "torch" else attention_kernels(rank + rope, heads, isa)
+    if isa != "torch" and kernels is None:
+        pytest.fail(f"the attention kernels for d{rank + rope} g{heads} did not build under {isa}")
     decode = AttentionMetadata(False, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), [],
-                               block_tables=tables, max_context=max(lens), context_lens=context,
+                               block_tables=tables, max_context=max(lens), context_lens=context, kernels=kernels,
                                decode_mask=(torch.arange(max(lens)) < context[:, None])[:, None, None, :])
     scale = 0.3
     for layer in range(layers):

@@ -34,9 +34,8 @@ class ModelRunner:
         dtype = kv_cache.kv.dtype
         if attention_backend == "native" and dtype not in KERNEL_DTYPES:
             raise ValueError(f"attention_backend native runs float32 and bfloat16, not {dtype}")
-        if attention_backend != "torch" and dtype in KERNEL_DTYPES and model.paged_kv_heads:  # read in its own dtype
-            cfg = model.config
-            self.kernels = attention_kernels(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+        if attention_backend != "torch" and dtype in KERNEL_DTYPES:  # the KV cache is read in its own dtype
+            self.kernels = attention_kernels(*model.attention_shape())
             if self.kernels is not None and dtype == torch.bfloat16:
                 log.info("bfloat16 attention: native kernels, %s", bf16_path(self.kernels))
         # Fresh prompts: the native prefill kernel, except in bf16 on an AMX CPU where the build
@@ -49,9 +48,6 @@ class ModelRunner:
             log.info("bfloat16 prefill of fresh prompts: native kernel on AMX tiles")
         elif self.kernels is not None and not self.fresh_prefill_kernel:
             log.info("bfloat16 prefill of fresh prompts: torch SDPA (this CPU has AMX, the kernel build does not)")
-        if attention_backend == "native" and not model.paged_kv_heads:
-            raise ValueError(f"attention_backend native: the kernels read k, v heads; {model.config.architecture}'s "
-                             f"latent cache runs its own attention (use --attention-backend auto or torch)")
         if attention_backend == "native" and self.kernels is None:
             raise RuntimeError("attention_backend native: the attention kernels did not build "
                                "(see the warning above); use --attention-backend torch")

@@ -92,8 +92,8 @@ class DecoderModel:
     sin: torch.Tensor = field(init=False)
     lm_head_rows: torch.Tensor | None = field(init=False, default=None)  # plain lm_head, batch-1 decode
     decode_layer: layer_ops.DecodeLayer | None = field(init=False, default=None)  # batch-1 decode in C
-    # the native attention kernels and the decode workspace (atomd/engine/runner.py) read this
-    # model's cache as k, v heads; False: the model attends over its own layout (MLA's latent)
+    # the torch decode path's workspace (atomd/engine/runner.py) copies this model's cache as k, v
+    # heads; False: the model's cache has another layout (MLA's latent) and it gathers what it reads
     paged_kv_heads = True
 
     # ------------------------------------------------------------------ the family's part
@@ -174,6 +174,10 @@ class DecoderModel:
     def kv_geometry(self) -> KVGeometry:
         """What the paged cache holds per token and layer: a key and a value per KV head."""
         return KVGeometry(2, self.config.num_kv_heads, self.config.head_dim, KV_LAYOUT_VERSION)
+
+    def attention_shape(self) -> tuple[int, int]:
+        """(head size, query heads per KV head) of the native attention kernels this model runs."""
+        return self.config.head_dim, self.config.num_heads // self.config.num_kv_heads
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos, sin tables of layer `layer` (one pair for every layer here)."""

@@ -231,6 +231,10 @@ class DeepseekModel(DecoderModel):
                 w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
         layer_ops.kernels()
 
+    def attention_shape(self) -> tuple[int, int]:
+        """The absorbed decode's (atomd/model/mla.py): one latent "head" for all the query heads."""
+        return self.config.latent_dim, self.config.num_heads
+
     def kv_geometry(self) -> KVGeometry:
         """One latent row per token and layer: kv_lora_rank + qk_rope_head_dim values."""
         return KVGeometry(1, 1, self.config.latent_dim, MLA_KV_LAYOUT_VERSION)

@@ -12,7 +12,9 @@ anyway) and runs SDPA. Decode runs the absorbed form, reading only the latent: t
 into latent space once per token (q_h W_UK[h], [rank]), scores against the cached rows are
 [q_h W_UK[h] ; q_pe_h] . [c ; k_pe], and the probability-weighted latent sum goes through
 W_UV[h] once per token: no per-context-token up-projection, and every head reads the same rows
-(one KV head, MQA over rank + rope values).
+(one KV head, MQA over rank + rope values). That is the native decode kernel's shape (heads of
+rank + rope values, all query heads in one group) with the rows as their own values: it reads
+the paged latent in place; the rope part of its output is dropped.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.kernels.native import decode_attention
 from atomd.model.linear import linear, pack_linear_weight
 
 
@@ -84,13 +87,20 @@ def mla_prefill(q: torch.Tensor, latent: torch.Tensor, kv_cache: KVCache, layer:
 
 def mla_decode(q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata, up: LatentUp,
                scale: float) -> torch.Tensor:
-    """One query row per sequence, q [B, heads, nope + rope] (RoPE'd), over its cached latent
-    context in the absorbed form: [B, heads * v]."""
+    """Decode query rows q [R, heads, nope + rope] (RoPE'd) over their cached latent contexts in
+    the absorbed form: [R, heads * v]. With the native kernels (meta.kernels: built for heads of
+    rank + rope values, every query head on the one latent "head") straight from the paged
+    cache, also several rows a sequence (drafts, meta.query_starts); else one row a sequence,
+    contexts gathered, torch SDPA."""
     rank = kv_cache.head_dim - (q.shape[2] - up.nope)
-    q_latent = torch.bmm(q[..., :up.nope].transpose(0, 1), up.w_uk)  # [heads, B, rank]
-    query = torch.cat([q_latent.transpose(0, 1), q[..., up.nope:]], dim=-1)  # [B, heads, rank + rope]
-    context = gather_latent(kv_cache, layer, meta.block_tables)[:, :meta.max_context].unsqueeze(1)
-    o = F.scaled_dot_product_attention(query.unsqueeze(2), context, context[..., :rank],
-                                       attn_mask=meta.decode_mask, enable_gqa=True, scale=scale)
-    out = torch.bmm(o[:, :, 0].transpose(0, 1), up.w_uv_t)  # [heads, B, v]
+    q_latent = torch.bmm(q[..., :up.nope].transpose(0, 1), up.w_uk)  # [heads, R, rank]
+    query = torch.cat([q_latent.transpose(0, 1), q[..., up.nope:]], dim=-1)  # [R, heads, rank + rope]
+    if meta.kernels is not None:
+        o = decode_attention(meta.kernels, query, kv_cache, layer, meta.block_tables, meta.context_lens,
+                             meta.query_starts, scale=scale).view(q.shape[0], q.shape[1], -1)[..., :rank]
+    else:
+        context = gather_latent(kv_cache, layer, meta.block_tables)[:, :meta.max_context].unsqueeze(1)
+        o = F.scaled_dot_product_attention(query.unsqueeze(2), context, context[..., :rank],
+                                           attn_mask=meta.decode_mask, enable_gqa=True, scale=scale)[:, :, 0]
+    out = torch.bmm(o.transpose(0, 1), up.w_uv_t)  # [heads, R, v]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
