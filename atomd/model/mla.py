@@ -91,16 +91,18 @@ def mla_decode(q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMe
     the absorbed form: [R, heads * v]. With the native kernels (meta.kernels: built for heads of
     rank + rope values, every query head on the one latent "head") straight from the paged
     cache, also several rows a sequence (drafts, meta.query_starts); else one row a sequence,
-    contexts gathered, torch SDPA."""
+    contexts gathered, batched matmuls."""
     rank = kv_cache.head_dim - (q.shape[2] - up.nope)
     q_latent = torch.bmm(q[..., :up.nope].transpose(0, 1), up.w_uk)  # [heads, R, rank]
     query = torch.cat([q_latent.transpose(0, 1), q[..., up.nope:]], dim=-1)  # [R, heads, rank + rope]
     if meta.kernels is not None:
         o = decode_attention(meta.kernels, query, kv_cache, layer, meta.block_tables, meta.context_lens,
                              meta.query_starts, scale=scale).view(q.shape[0], q.shape[1], -1)[..., :rank]
-    else:
-        context = gather_latent(kv_cache, layer, meta.block_tables)[:, :meta.max_context].unsqueeze(1)
-        o = F.scaled_dot_product_attention(query.unsqueeze(2), context, context[..., :rank],
-                                           attn_mask=meta.decode_mask, enable_gqa=True, scale=scale)[:, :, 0]
+    else:  # batched matmuls over the one latent "head" (SDPA's GQA path would copy it per query head)
+        context = gather_latent(kv_cache, layer, meta.block_tables)[:, :meta.max_context]  # [B, L, rank + rope]
+        scores = torch.bmm(query, context.transpose(1, 2)).mul_(scale)  # [B, heads, L]
+        if meta.decode_mask is not None:
+            scores.masked_fill_(~meta.decode_mask[:, 0], float("-inf"))
+        o = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), context[..., :rank])
     out = torch.bmm(o.transpose(0, 1), up.w_uv_t)  # [heads, R, v]
     return out.transpose(0, 1).reshape(q.shape[0], -1)
