@@ -1,9 +1,10 @@
 """DeepSeek-V2-Lite-shaped MLA model (issue #37): what the latent KV cache saves, and how fast.
 
 Checkpoints (random weights, float32 on disk, made in a temporary folder):
-- mla: V2-Lite's attention as it is (16 heads, no q_lora, kv_lora_rank 512, qk_nope 128,
-  qk_rope 64, v 128, yarn factor 40 with mscale 0.707) and its MoE shape scaled to this
-  machine: hidden 1024, 4 layers (the first dense, intermediate 2816), 32 routed experts of
+- mla: V2-Lite's attention (16 heads, kv_lora_rank 512, qk_nope 128, qk_rope 64, v 128, yarn
+  factor 40 with mscale 0.707) with a q_lora_rank of 512 as V2 / V3 have (llama.cpp reads a
+  deepseek2 model without q_lora only at V2-Lite's 27 layers), and V2-Lite's MoE shape scaled
+  to this machine: hidden 1024, 4 layers (the first dense, intermediate 2816), 32 routed experts of
   352 (top 6, group-limited greedy over 4 groups), 2 shared, vocab 4096;
 - gqa: the same model with GQA attention instead of MLA (Qwen3-MoE: 16 query heads, 4 KV
   heads of 128, the same MoE, layers, vocab): a model of similar parameter count.
@@ -20,7 +21,11 @@ Measured (one run; the load is recorded before and after, the machine is shared)
 4. offline throughput (benchmarks/offline.py's workloads: batch 1 and 16 of 128 + 128 tokens,
    prefill 8 x 512): atomd on the mla checkpoint vs transformers on it, alternating, rounds, medians.
 
-    nice -n 19 .venv/bin/python -m benchmarks.deepseek_mla [--rounds 3] [--threads 1] [--no-hf]
+5. with --llama-cpp: llama-bench on the mla checkpoint's F32 GGUF (convert_hf_to_gguf, the
+   build of benchmarks/llama_cpp.py): tg128, pp128 + tg128, pp512 (no batch-16 figure: the
+   build has llama-bench only).
+
+    nice -n 19 .venv/bin/python -m benchmarks.deepseek_mla [--rounds 3] [--threads 1] [--no-hf] [--llama-cpp]
 """
 from __future__ import annotations
 
@@ -42,7 +47,7 @@ from benchmarks.machine import loadavg
 MLA = dict(hidden_size=1024, intermediate_size=2816, moe_intermediate_size=352, num_hidden_layers=4,
            num_attention_heads=16, num_key_value_heads=16, vocab_size=4096, n_routed_experts=32, n_shared_experts=2,
            num_experts_per_tok=6, n_group=4, topk_group=2, topk_method="group_limited_greedy", first_k_dense_replace=1,
-           q_lora_rank=None, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
+           q_lora_rank=512, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128,
            routed_scaling_factor=1.0, max_position_embeddings=4096 * 40, bos_token_id=1, eos_token_id=2,
            rope_parameters={"rope_type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096,
                             "mscale": 0.707, "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1,
@@ -177,11 +182,43 @@ def throughput(path: pathlib.Path, threads: int, rounds: int, hf: bool) -> dict[
     return run_workloads(gens, vocab_size=MLA["vocab_size"], rounds=rounds)
 
 
+# benchmarks/llama_cpp.py's converter run, plus: our WordLevel tokenizer written as tokenizer
+# model "none" for deepseek2 too (its set_vocab wants a GPT-2 BPE); llama-bench never tokenizes
+DEEPSEEK_VOCAB = """
+from conversion import deepseek
+def deepseek_set_vocab(self):
+    print("atomd: WordLevel tokenizer: written as tokenizer model 'none'", file=sys.stderr)
+    self.gguf_writer.add_tokenizer_model("none")
+deepseek.DeepseekV2Model.set_vocab = deepseek_set_vocab
+"""
+
+
+def llama_cpp(path: pathlib.Path, threads: int, rounds: int) -> dict:
+    """llama-bench (tg128, pp128 + tg128, pp512; `rounds` repetitions, medians) on the checkpoint's F32 GGUF."""
+    import os
+    import subprocess
+
+    from benchmarks import llama_cpp as lc
+
+    src, binary = lc.ensure_build(jobs=1)
+    gguf = path.parent / "mla-f32.gguf"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(src / "gguf-py"), os.environ.get("PYTHONPATH", "")]))
+    script = lc.CONVERT.replace("cli.main()", DEEPSEEK_VOCAB + "cli.main()")
+    proc = subprocess.run([*lc.NICE, sys.executable, "-c", script, str(src / "convert_hf_to_gguf.py"), str(path),
+                           "--outtype", "f32", "--outfile", str(gguf)], env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"convert_hf_to_gguf.py failed: {proc.stderr[-3000:]}")
+    return lc.bench(binary, gguf, threads, rounds)
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--no-hf", action="store_true", help="skip transformers in the throughput table")
+    ap.add_argument("--llama-cpp", action="store_true", help="also llama-bench on the checkpoint's F32 GGUF "
+                    "(benchmarks/llama_cpp.py's build)")
+    ap.add_argument("--only-llama-cpp", action="store_true", help="llama-bench alone (debugging the conversion)")
     ap.add_argument("--out", default=str(pathlib.Path(__file__).parent / "results" / "deepseek_mla.json"))
     args = ap.parse_args()
     if args.rounds < 3:
@@ -191,7 +228,11 @@ def main() -> int:
                platform.processor())
     result: dict = {"cpu": cpu, "threads": args.threads, "load_before": loadavg()}
     with tempfile.TemporaryDirectory() as tmp:
-        mla, gqa = make(pathlib.Path(tmp) / "mla", "mla"), make(pathlib.Path(tmp) / "gqa", "gqa")
+        mla = make(pathlib.Path(tmp) / "mla", "mla")
+        if args.only_llama_cpp:
+            print(json.dumps(llama_cpp(mla, args.threads, args.rounds)))
+            return 0
+        gqa = make(pathlib.Path(tmp) / "gqa", "gqa")
         result["params"] = {"mla": params(mla), "gqa": params(gqa)}
         per_token = {}
         for name, path in (("mla", mla), ("gqa", gqa)):
@@ -205,6 +246,8 @@ def main() -> int:
         log(f"pull ms per 1k tokens: {result['pull_ms_per_1k_tokens']}")
         result["attention_ms_per_layer_call"] = attention_ms(args.rounds)
         result["throughput_tok_s"] = throughput(mla, args.threads, args.rounds, not args.no_hf)
+        if args.llama_cpp:
+            result["llama_cpp_f32"] = llama_cpp(mla, args.threads, args.rounds)
     result["load_after"] = loadavg()
     pathlib.Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(json.dumps(result))
