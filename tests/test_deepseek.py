@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+import time
 
 import pytest
 import torch
@@ -258,3 +259,26 @@ def test_bf16_is_as_close_to_float32_as_hf_bf16(name, checkpoints):
                    for dtype, m in hf.items()}
         hf_error = (ref[torch.bfloat16] - ref[torch.float32]).abs().max()
         assert (ours - ref[torch.float32]).abs().max() <= 1.5 * hf_error + 0.02, (len(prompt), hf_error)
+
+
+def test_kv_events_name_the_latent_blocks_by_their_tokens(request, checkpoints):
+    """KV events are the prefix cache's, whatever a block holds: a DeepSeek engine publishes
+    BlockStored for a prompt's full latent blocks under the documented hash chain."""
+    from contracts.block_hash import block_hashes
+    from tests.test_kv_events import Sub, tcp
+
+    llm = LLM(str(checkpoints["v3"]), num_threads=1, max_model_len=128, num_kvcache_blocks=12,
+              kv_events_endpoint=tcp(), kv_events_replay_endpoint=tcp(), kv_events_topic="atomd")
+    request.addfinalizer(llm.engine.close)
+    pub = llm.engine.kv_events
+    sub = Sub(pub)
+    request.addfinalizer(sub.close)
+    ids = list(range(10, 50))  # 2 full blocks and a partial one
+    llm.engine.add_request("a", ids, SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True))
+    llm.engine.step()  # the prefill's forward: its full blocks are indexed, then published
+    deadline = time.monotonic() + 10
+    while pub.num_published < 2:
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    (event,) = sub.replay(1)[0][1].events
+    assert event.block_hashes == block_hashes(ids, BLOCK) and event.token_ids == ids[:2 * BLOCK]
