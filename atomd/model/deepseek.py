@@ -21,6 +21,7 @@ quantized weights.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -32,7 +33,7 @@ from atomd.model import layer_ops
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import ROW_TILE, DecoderModel, TensorSource, cat
 from atomd.model.layer_ops import rms_norm, silu_mul
-from atomd.model.linear import linear, pack_linear_weight
+from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
 from atomd.model.mla import LatentUp, mla_decode, mla_prefill, store_latent
 from atomd.model.moe import MoeWeights, load_experts, moe
 from atomd.model.quant import QuantizedWeight
@@ -130,6 +131,14 @@ class MlaLayerWeights:
     routing: DeepseekRouting | None = None
     shared_gate_up: torch.Tensor | None = None
     shared_down: torch.Tensor | None = None
+    rows: dict[str, torch.Tensor] | None = None  # plain copies of the linears for batch-1 decode (GEMV)
+
+    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x through the linear `name`: the GEMV kernel on its plain rows for one row, if kept."""
+        return linear(x, getattr(self, name), bias, self.rows.get(name) if self.rows else None)
+
+
+LINEARS = ("qkv_a", "q_b", "o", "gate_up", "down", "shared_gate_up", "shared_down")
 
 
 def _interleaved_to_halves(rope_dim: int) -> torch.Tensor:
@@ -221,15 +230,29 @@ class DeepseekModel(DecoderModel):
     def __post_init__(self) -> None:
         cfg = self.config
         self.cos, self.sin = rope_tables(cfg, self.max_positions, self.embed.dtype)
+        layer_ops.kernels()
+        if self._keep_rows():  # batch-1 decode: the GEMV kernel on plain rows (DecoderModel._pack_weights)
+            self.lm_head_rows = self.lm_head.contiguous()
+            for w in self.layers:
+                w.rows = {name: getattr(w, name).contiguous() for name in LINEARS if getattr(w, name) is not None}
         if self.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available() and (
-                self.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):  # oneDNN's blocked layout (DecoderModel._pack_weights says why)
+                self.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            # oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)
             self.lm_head = pack_linear_weight(self.lm_head)
             for w in self.layers:
-                for name in ("qkv_a", "q_b", "o", "gate_up", "down", "shared_gate_up", "shared_down"):
+                for name in LINEARS:
                     if getattr(w, name) is not None:
                         setattr(w, name, pack_linear_weight(getattr(w, name)))
                 w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
-        layer_ops.kernels()
+
+    def _keep_rows(self) -> bool:
+        """decoder.keep_rows' rule: the GEMV kernel runs this dtype, $ATOMD_GEMV is not 0, the
+        copies stay under GEMV_MAX_BYTES."""
+        if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(self.dtype):
+            return False
+        size = self.lm_head.numel() + sum(getattr(w, n).numel() for w in self.layers for n in LINEARS
+                                          if getattr(w, n) is not None)
+        return size * self.embed.element_size() <= GEMV_MAX_BYTES
 
     def attention_shape(self) -> tuple[int, int]:
         """The absorbed decode's (atomd/model/mla.py): one latent "head" for all the query heads."""
@@ -261,10 +284,10 @@ class DeepseekModel(DecoderModel):
         """Layer i's attention output [T, heads * v_head_dim] before o_proj; the rows' latents stored."""
         cfg = self.config
         heads, rope, rank = cfg.num_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        qkv_a = linear(h, w.qkv_a, w.qkv_a_bias)
+        qkv_a = w.linear("qkv_a", h, w.qkv_a_bias)
         q_end = qkv_a.shape[1] - cfg.latent_dim
         if w.q_b is not None:
-            q = linear(rms_norm(qkv_a[:, :q_end], w.q_a_norm, cfg.rms_norm_eps), w.q_b)
+            q = w.linear("q_b", rms_norm(qkv_a[:, :q_end], w.q_a_norm, cfg.rms_norm_eps))
         else:
             q = qkv_a[:, :q_end]
         q = q.reshape(-1, heads, cfg.qk_head_dim)
@@ -282,13 +305,13 @@ class DeepseekModel(DecoderModel):
                           next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
         """DecoderModel's, with DeepSeekMoE: routed experts plus the shared ones."""
         eps = self.config.rms_norm_eps
-        h = rms_norm(x, w.post_norm, eps, delta=linear(attn, w.o, w.o_bias))
+        h = rms_norm(x, w.post_norm, eps, delta=w.linear("o", attn, w.o_bias))
         if w.moe is not None:
             down = moe(h, w.moe, w.routing(h))
             if w.shared_gate_up is not None:
-                down = down + linear(silu_mul(linear(h, w.shared_gate_up)), w.shared_down)
+                down = down + w.linear("shared_down", silu_mul(w.linear("shared_gate_up", h)))
         else:
-            down = linear(silu_mul(linear(h, w.gate_up)), w.down)
+            down = w.linear("down", silu_mul(w.linear("gate_up", h)))
         if next_norm is None:
             x.add_(down)
         else:
