@@ -33,8 +33,10 @@ class LatentUp:
     """kv_b_proj of one layer, as prefill and decode read it."""
 
     kv_b: torch.Tensor  # [heads * (nope + v), rank], packed for the prefill up-projection
-    w_uk: torch.Tensor  # [heads, nope, rank]: the query's absorption into latent space
-    w_uv_t: torch.Tensor  # [heads, rank, v]: latent -> value space, per head
+    # per head, as the left operand of a batched matmul (a matrix-vector product per head at
+    # batch 1: ~2.5x the [1, nope] x [nope, rank] form there)
+    uk_t: torch.Tensor  # [heads, rank, nope]: W_UK[h] transposed, the query's absorption into latent space
+    uv: torch.Tensor  # [heads, v, rank]: W_UV[h], latent -> value space
     nope: int
     v: int
 
@@ -42,8 +44,8 @@ class LatentUp:
     def of(cls, kv_b: torch.Tensor, heads: int, nope: int, v: int, pack: bool) -> "LatentUp":
         """From kv_b_proj's plain weight; pack: the prefill copy in oneDNN's layout."""
         per_head = kv_b.view(heads, nope + v, -1)
-        return cls(pack_linear_weight(kv_b) if pack else kv_b, per_head[:, :nope].contiguous(),
-                   per_head[:, nope:].transpose(1, 2).contiguous(), nope, v)
+        return cls(pack_linear_weight(kv_b) if pack else kv_b, per_head[:, :nope].transpose(1, 2).contiguous(),
+                   per_head[:, nope:].contiguous(), nope, v)
 
 
 def store_latent(kv_cache: KVCache, layer: int, meta: AttentionMetadata, latent: torch.Tensor) -> None:
@@ -93,8 +95,8 @@ def mla_decode(q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMe
     cache, also several rows a sequence (drafts, meta.query_starts); else one row a sequence,
     contexts gathered, batched matmuls."""
     rank = kv_cache.head_dim - (q.shape[2] - up.nope)
-    q_latent = torch.bmm(q[..., :up.nope].transpose(0, 1), up.w_uk)  # [heads, R, rank]
-    query = torch.cat([q_latent.transpose(0, 1), q[..., up.nope:]], dim=-1)  # [R, heads, rank + rope]
+    q_latent = torch.bmm(up.uk_t, q[..., :up.nope].permute(1, 2, 0))  # [heads, rank, R]
+    query = torch.cat([q_latent.permute(2, 0, 1), q[..., up.nope:]], dim=-1)  # [R, heads, rank + rope]
     if meta.kernels is not None:
         o = decode_attention(meta.kernels, query, kv_cache, layer, meta.block_tables, meta.context_lens,
                              meta.query_starts, scale=scale).view(q.shape[0], q.shape[1], -1)[..., :rank]
@@ -104,5 +106,5 @@ def mla_decode(q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMe
         if meta.decode_mask is not None:
             scores.masked_fill_(~meta.decode_mask[:, 0], float("-inf"))
         o = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), context[..., :rank])
-    out = torch.bmm(o.transpose(0, 1), up.w_uv_t)  # [heads, R, v]
-    return out.transpose(0, 1).reshape(q.shape[0], -1)
+    out = torch.bmm(up.uv, o.permute(1, 2, 0))  # [heads, v, R]
+    return out.permute(2, 0, 1).reshape(q.shape[0], -1)
