@@ -37,7 +37,6 @@ from contracts.sampling import StructuredOutputsParams
 __all__ = ["LLMEngine", "ranked_choices", "resolve_model_dir"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]
 
 
 log = logging.getLogger(__name__)
@@ -56,17 +55,18 @@ class LLMEngine(EngineLoop):
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        per_block = KVCache.bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
-                                            mcfg.head_dim, self.model.dtype)
-        self.kv_cache = KVCache(self._pool_blocks(per_block), mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
-                                mcfg.head_dim, self.model.dtype)
+        kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
+        per_block = KVCache.bytes_per_block(mcfg.num_layers, config.block_size, kv.heads, kv.head_dim,
+                                            self.model.dtype, kv.planes)
+        self.kv_cache = KVCache(self._pool_blocks(per_block), mcfg.num_layers, config.block_size, kv.heads,
+                                kv.head_dim, self.model.dtype, kv.planes)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         # weights quantised at load give other KV than the checkpoint's: another model to a peer
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
         if config.quantized_activations != "float32":  # other numerics, other KV
             model_id += f"+a{config.quantized_activations}"
         self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, mcfg.num_layers,
-                                         mcfg.num_kv_heads, mcfg.head_dim, KV_LAYOUT_VERSION)
+                                         kv.heads, kv.head_dim, kv.version)
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id

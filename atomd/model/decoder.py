@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
 from atomd.model import layer_ops, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # processes, 135M shape bf16: 1024 rows 5.9k tok/s, 2048 6.9k, 4096 6.8k; small shape 25.3k /
 # 30.2k / 28.9k; float32 512 / 1024 / 2048 rows within 2% (benchmarks/results/offline.md)
 ROW_TILE = 512
+KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]
 
 
 class TensorSource(Protocol):
@@ -91,6 +92,9 @@ class DecoderModel:
     sin: torch.Tensor = field(init=False)
     lm_head_rows: torch.Tensor | None = field(init=False, default=None)  # plain lm_head, batch-1 decode
     decode_layer: layer_ops.DecodeLayer | None = field(init=False, default=None)  # batch-1 decode in C
+    # the torch decode path's workspace (atomd/engine/runner.py) copies this model's cache as k, v
+    # heads; False: the model's cache has another layout (MLA's latent) and it gathers what it reads
+    paged_kv_heads = True
 
     # ------------------------------------------------------------------ the family's part
 
@@ -166,6 +170,14 @@ class DecoderModel:
         if first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
             return "o_proj / MLP bias"
         return None
+
+    def kv_geometry(self) -> KVGeometry:
+        """What the paged cache holds per token and layer: a key and a value per KV head."""
+        return KVGeometry(2, self.config.num_kv_heads, self.config.head_dim, KV_LAYOUT_VERSION)
+
+    def attention_shape(self) -> tuple[int, int]:
+        """(head size, query heads per KV head) of the native attention kernels this model runs."""
+        return self.config.head_dim, self.config.num_heads // self.config.num_kv_heads
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos, sin tables of layer `layer` (one pair for every layer here)."""

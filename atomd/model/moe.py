@@ -51,12 +51,14 @@ def route(h: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return (top.to(h.dtype) if w.cast_weights else top), ids
 
 
-def moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+def moe(h: torch.Tensor, w: MoeWeights,
+        routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The block's output [T, hidden] for the normed input h [T, hidden]. Each (token, choice)
     pair's weighted expert output goes to its own row, then each token's k rows are summed
     (float32 sums, one rounding): transformers' default (grouped_mm) experts to the bit in
-    bf16, where an index_add_ in bf16 would round after every expert."""
-    weights, ids = route(h, w)
+    bf16, where an index_add_ in bf16 would round after every expert. `routed`: the (weights,
+    ids) of a family's own router (DeepSeek's grouped top-k, atomd/model/deepseek.py)."""
+    weights, ids = routed if routed is not None else route(h, w)
     rows, k = h.shape[0], w.top_k
     flat = ids.flatten()
     order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order kept within
