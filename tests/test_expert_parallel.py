@@ -289,3 +289,102 @@ def test_collective_counts_equal_on_every_rank_after_random_schedules(policy, ma
     assert [now - then for now, then in zip(ranks.decisions(), decided)] == [c0, c0]
     for engine in ranks.engines:
         assert engine.scheduler.prefill_delayer.stats()["collective_errors"] == 0
+
+
+# ---------------------------------------------------------------- atomd serve: two rank processes over gloo
+
+EP_SERVE = ["--data-parallel-size", "2", "--enable-expert-parallel", "--prefill-delayer", "align",
+            "--dp-collective-timeout-s", "5"]
+
+
+def complete(server, prompt: list[int], max_tokens: int = 8, rank: int | None = None) -> tuple[int, dict]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if rank is not None:
+        body["data_parallel_rank"] = rank
+    status, raw = http("POST", server.url + "/v1/completions", body, timeout=60)
+    return status, json.loads(raw)
+
+
+def hf_text(path: pathlib.Path, ids: list[int]) -> str:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json")).decode(ids)
+
+
+@pytest.fixture(scope="module")
+def ep_server(checkpoints):
+    server = start_server(checkpoints["qwen3_moe"], *EP_SERVE)
+    yield server
+    server.stop()
+
+
+@pytest.mark.integration
+def test_served_ep2_greedy_equals_hf_on_either_rank_and_metrics_show_each_ranks_experts(ep_server, reference,
+                                                                                         checkpoints):
+    prompts = [[t % 297 + 3 for t in p] for p in PROMPTS[:4]]  # in the tokenizer's 300 ids (the model has 320)
+    with ThreadPoolExecutor(4) as pool:  # rank 0 gets three, rank 1 one (pinned): uneven
+        answers = list(pool.map(lambda ip: complete(ep_server, ip[1], rank=0 if ip[0] < 3 else 1),
+                                enumerate(prompts)))
+    for (status, body), prompt in zip(answers, prompts):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == hf_text(checkpoints["qwen3_moe"], reference("qwen3_moe", prompt))
+    status, raw = http("GET", ep_server.url + "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(raw.decode())}
+    tokens = [s for s in families["atomd:expert_tokens"].samples if s.name.endswith("_total")]
+    experts = {(s.labels["dp_rank"], s.labels["expert"]) for s in tokens}
+    assert experts == {("0", str(e)) for e in range(4)} | {("1", str(e)) for e in range(4, 8)}
+    # every (token, choice) pair of every sparse layer ran on exactly one rank: 2 choices x 2 layers per token
+    computed = sum(len(p) + 8 - 1 for p in prompts)
+    assert sum(s.value for s in tokens) == 2 * 2 * computed
+    exchange = families["atomd:expert_parallel_exchange_seconds"].samples
+    assert {s.labels["dp_rank"] for s in exchange} == {"0", "1"}
+
+
+def fail_a_rank_mid_step(server, sig: int) -> None:
+    """Long requests on both ranks; one rank's process stopped (or killed) while both step: the
+    other rank's next all-to-all fails within --dp-collective-timeout-s (5 s), its core exits,
+    and the API fails every request of both ranks (the stopped one's too: an expert-parallel
+    engine is one unit), reports unhealthy, and keeps answering."""
+    victim = None
+    try:
+        prompt = [t % 297 + 3 for t in PROMPTS[0]]
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(complete, server, prompt, 240, rank) for rank in (0, 1)]
+            deadline = time.monotonic() + 30
+            while not all(r["num_running"] for r in server.stats()["ranks"]):
+                assert time.monotonic() < deadline and not any(f.done() for f in futures), "not both running"
+                time.sleep(0.02)
+            victim = max(server.engine_pids())
+            os.kill(victim, sig)
+            hit = time.monotonic()
+            answers = [f.result(timeout=30) for f in futures]
+            failed_after = time.monotonic() - hit
+        for status, body in answers:
+            assert status == 503 and body["error"]["code"] == "engine_dead", body
+        if sig == signal.SIGSTOP:  # the stopped rank never exits: its request failed with its peer
+            assert any("expert-parallel DP rank" in body["error"]["message"] for _, body in answers), answers
+        assert failed_after < 5 + 10, failed_after  # the group timeout, plus the core's exit and the API's notice
+        status, raw = http("GET", server.url + "/health")
+        assert status == 503 and json.loads(raw)["status"] == "engine dead"
+        status, body = complete(server, prompt, 2)
+        assert status == 503, body
+        assert server.proc.poll() is None  # the API process lives on and answers
+    finally:
+        if victim is not None and sig == signal.SIGSTOP:
+            os.kill(victim, signal.SIGKILL)  # a stopped process would never see the server's SIGTERM
+
+
+@pytest.mark.integration
+def test_a_rank_stopped_mid_step_fails_every_request_within_the_group_timeout(checkpoints):
+    server = start_server(checkpoints["qwen3_moe"], *EP_SERVE)
+    try:
+        fail_a_rank_mid_step(server, signal.SIGSTOP)
+    finally:
+        server.stop()
+
+
+@pytest.mark.integration
+def test_a_rank_killed_mid_step_fails_every_request(ep_server):
+    """Last in the file: the module's server is dead after it."""
+    fail_a_rank_mid_step(ep_server, signal.SIGKILL)
