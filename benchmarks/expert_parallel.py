@@ -5,7 +5,7 @@ memory, and against the step it sits in. Two rank processes, one torch thread ea
 `transport`: one sparse layer's exchange as ExpertParallel runs it (the counts, the rows out,
 the outputs back: three all-to-alls), each rank sending `rows` x top_k rows of the shape's
 hidden size split evenly over the ranks; gloo (`GlooCollective.all_to_all`) and shared memory
-(atomd/engine/shm_all_to_all.py) alternate per round; median microseconds per exchange.
+(benchmarks/shm_all_to_all.py) alternate per round; median microseconds per exchange.
 
 `step`: each rank an expert-parallel LLMEngine (the shape of `--shape`, its experts split)
 decoding `--batch` sequences; the step time and the time in the exchanges per sparse layer,
@@ -39,7 +39,7 @@ def free_port() -> int:
 
 def make_comms(rank: int, world: int, port: int, capacity: int):
     from atomd.engine.dp_collective import GlooCollective
-    from atomd.engine.shm_all_to_all import ShmAllToAll
+    from benchmarks.shm_all_to_all import ShmAllToAll
 
     gloo = GlooCollective(rank, world, port, timeout_s=60, join_timeout_s=120)
     shm = ShmAllToAll(f"atomd-ep-bench-{port}", rank, world, capacity, timeout_s=60)
@@ -91,7 +91,8 @@ def step_rank(rank: int, world: int, port: int, args: dict, out: str) -> None:
     path = args["model"]
     cfg = json.loads(open(os.path.join(path, "config.json")).read())
     hidden, k = cfg["hidden_size"], cfg["num_experts_per_tok"]
-    comms = make_comms(rank, world, port, args["batch"] * args["prompt_len"] * k * hidden * 4 + 4096)
+    # a rank sends back the outputs of every rank's rows
+    comms = make_comms(rank, world, port, world * args["batch"] * args["prompt_len"] * k * hidden * 4 + 4096)
     params = SamplingParams(max_tokens=10_000, temperature=0.0, ignore_eos=True)
     g = torch.Generator().manual_seed(rank)
     prompts = [torch.randint(10, 4000, (args["prompt_len"],), generator=g).tolist() for _ in range(args["batch"])]
@@ -169,7 +170,7 @@ def main() -> None:
         layers = cfg["num_hidden_layers"]
         print(f"\ndecode step of {args.batch} sequences a rank (context ~{args.prompt_len}), ms, median of "
               f"{args.rounds} rounds (rank 0)\n")
-        print("| engine | step ms | exchange per sparse layer ms | exchanges / step | step vs replica |")
+        print("| engine | step ms | exchange per sparse layer ms | exchanges' share of the step | step vs replica |")
         print("|---|---|---|---|---|")
         for name in ("replica", "gloo", "shm"):
             ex = med.get(f"{name}/layer_exchange_ms")

@@ -1,6 +1,7 @@
-"""All-to-all between the DP ranks of one host through shared memory, the alternative to
-gloo's for expert parallelism (`--expert-parallel-transport shm`; benchmarks/expert_parallel.py
-measures both).
+"""All-to-all between the DP ranks of one host through shared memory: the alternative to
+gloo's that benchmarks/expert_parallel.py measures against it for expert parallelism (the
+engine uses gloo's: this measured faster only for exchanges of a few tokens here,
+benchmarks/RESULTS.md "Expert parallelism").
 
 Each rank owns one segment: a header (its `ready` and `done` exchange counters, its split
 sizes and row width) and an outbox. An exchange: wait until every peer is `done` reading the
@@ -12,8 +13,9 @@ stores in order, so a peer that sees `ready` sees the rows written before it.
 """
 from __future__ import annotations
 
+import math
 import time
-from multiprocessing import resource_tracker, shared_memory
+from multiprocessing import shared_memory
 
 import numpy as np
 import torch
@@ -27,7 +29,8 @@ POLL_SLEEP_S = 20e-6
 
 
 class ShmAllToAll:
-    """This rank's side; `name`: the group's (unique per engine, e.g. from its gloo port)."""
+    """This rank's side; `name`: the group's (unique per group, e.g. from its gloo port);
+    `capacity_bytes`: the most one rank sends in one all-to-all."""
 
     def __init__(self, name: str, rank: int, world_size: int, capacity_bytes: int, timeout_s: float):
         self.rank, self.world_size, self.timeout_s = rank, world_size, timeout_s
@@ -46,9 +49,7 @@ class ShmAllToAll:
             if r == self.rank:
                 self.peers.append(self.mine)
                 continue
-            shm = shared_memory.SharedMemory(n)
-            resource_tracker.unregister(shm._name, "shared_memory")  # the owner unlinks it, not us
-            self.peers.append(shm)
+            self.peers.append(shared_memory.SharedMemory(n))  # the owner unlinks it
         self.headers = [np.ndarray(HEADER_INTS + self.world_size, np.int64, s.buf) for s in self.peers]
         self.boxes = [torch.frombuffer(s.buf, dtype=torch.uint8, offset=self.header_bytes) for s in self.peers]
 
@@ -57,7 +58,7 @@ class ShmAllToAll:
             raise CollectiveBroken(self.broken)
         self.seq += 1
         seq, me = self.seq, self.headers[self.rank]
-        row_bytes = inp[0].numel() * inp.element_size() if inp.dim() > 1 else inp.element_size()
+        row_bytes = math.prod(inp.shape[1:]) * inp.element_size()
         payload = inp.contiguous().view(torch.uint8).flatten() if inp.numel() else None
         if payload is not None and payload.numel() > self.capacity:
             raise ValueError(f"all-to-all of {payload.numel()} bytes > the shared segment's {self.capacity}")
