@@ -45,6 +45,7 @@ def make_comms(rank: int, world: int, port: int, capacity: int):
     shm = ShmAllToAll(f"atomd-ep-bench-{port}", rank, world, capacity, timeout_s=60)
     gloo.barrier()
     shm.connect()
+    shm.all_reduce_sum = gloo.all_reduce_sum  # the step's gate (ExpertParallel.anyone_has_rows): gloo's
     return {"gloo": gloo, "shm": shm}
 
 
@@ -147,7 +148,8 @@ def main() -> None:
     path = str(model_dir(args.shape))
     cfg = json.loads(open(os.path.join(path, "config.json")).read())
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}; shape {args.shape}: hidden {cfg['hidden_size']}, "
-          f"{cfg['num_hidden_layers']} sparse layers, {cfg.get('num_experts') or cfg['num_local_experts']} experts top-{cfg['num_experts_per_tok']}")
+          f"{cfg['num_hidden_layers']} sparse layers, {cfg.get('num_experts') or cfg['num_local_experts']} experts "
+          f"top-{cfg['num_experts_per_tok']}")
     world, work = 2, tempfile.mkdtemp(prefix="atomd-ep-bench-")
     if "transport" in args.parts:
         rows = [int(r) for r in args.rows.split(",")]

@@ -107,7 +107,8 @@ class LLMEngine(EngineLoop):
         return cbuild.kernel_paths()
 
     def _idle_step(self) -> None:
-        if self.model.ep is not None:  # the other ranks' tokens still need this rank's experts
+        ep = self.model.ep
+        if ep is not None and ep.anyone_has_rows(False):  # the others' tokens still need this rank's experts
             self.model.idle_forward()
 
     def stats(self) -> dict[str, Any]:
@@ -123,6 +124,8 @@ class LLMEngine(EngineLoop):
         return out
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
+        if self.model.ep is not None:  # the step's expert-parallel gate: this rank has rows
+            self.model.ep.anyone_has_rows(True)
         if batch.block_copies:  # copy-on-write of blocks shared by forked choices, before any write
             src, dst = zip(*batch.block_copies)
             kv = self.kv_cache.kv

@@ -2,8 +2,10 @@
 (contiguous: rank r has experts [r * E / N, (r + 1) * E / N)); attention and the KV cache stay
 per rank, on its own requests.
 
-Per sparse layer and step, on every rank (an idle rank with no rows of its own, so the
-collectives match; DecoderModel.idle_forward):
+Each step opens with one all-reduce on every rank, whether any rank has rows to run
+(`anyone_has_rows`): when none has, no rank runs the exchanges (an idle server does not
+spin through them every tick). Otherwise, per sparse layer, on every rank (an idle rank
+with no rows of its own, so the collectives match; DecoderModel.idle_forward):
 1. route its rows (the full router: every rank has every expert's row), sort the (token,
    choice) pairs by expert, which sorts them by owning rank too;
 2. all-to-all the pair counts per expert: each rank learns how many rows every source sends
@@ -13,14 +15,16 @@ collectives match; DecoderModel.idle_forward):
 5. all-to-all the outputs back the way they came; the source scales them by the routing
    weights and sums each token's k as atomd/model/moe.py does (same roundings).
 
-The transport is the DP group's (`comm.all_to_all`, atomd/engine/dp_collective.py, gloo):
-three collectives per sparse layer, every one under the group's timeout.
+The transport is the DP group's (`comm.all_to_all` and `comm.all_reduce_sum`,
+atomd/engine/dp_collective.py, gloo): one collective per step plus three per sparse layer,
+every one under the group's timeout.
 """
 from __future__ import annotations
 
 import time
 from typing import Any
 
+import numpy as np
 import torch
 
 from atomd.model.moe import MoeWeights, expert, route
@@ -33,6 +37,10 @@ class ExpertParallel:
         self.comm, self.rank, self.world_size = comm, rank, world_size
         self.num_exchanges = 0  # sparse-layer exchanges run (idle ones included): equal on every rank
         self.exchange_s = 0.0  # time inside the all-to-alls (waiting for the slowest rank included)
+
+    def anyone_has_rows(self, mine: bool) -> bool:
+        """Every rank, once a step before its forward (or its idle pass): does any rank run rows?"""
+        return int(self.comm.all_reduce_sum(np.array([int(mine)], dtype=np.int64))[0]) > 0
 
     def moe(self, h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
         """The sparse block's output [T, hidden] for this rank's rows h [T, hidden] (T may be 0)."""
