@@ -98,6 +98,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefill_delayer_stall_ticks: int = 10
     prefill_delayer_queue_max_ticks: int = 50
     dp_lockstep: bool = False
+    # MoE models: the DP ranks share the experts, each holds 1/N (atomd/model/expert_parallel.py)
+    enable_expert_parallel: bool = False
     dp_collective_timeout_s: float = 60.0
     dp_master_port: int | None = None  # the ranks' gloo group; picked by the API process
     # speculative decoding, vLLM's JSON shape: '{"method": "ngram", "num_speculative_tokens": 4,
@@ -196,7 +198,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         load_profile(self.hardware)  # ValueError naming what is wrong, in the API process
         if self.kv_link is not None:
             resolve_link(self.kv_link)
-        for name in ("speculative_config", "dp_lockstep"):
+        for name in ("speculative_config", "dp_lockstep", "enable_expert_parallel"):
             if getattr(self, name):
                 raise ValueError(f"{name} is not simulated (model_runner simulated)")
 
@@ -377,7 +379,10 @@ HELP = {
     "kv_events_buffer_steps": "KV event batches (engine steps) kept for replay",
     "prefill_delayer": "keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)",
     "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
-    "dp_collective_timeout_s": "a DP collective not done by then fails open and the group is given up",
+    "enable_expert_parallel": "MoE models: each DP rank holds 1/N of every sparse layer's experts and the "
+                              "ranks exchange tokens per layer (all-to-all), stepping in lockstep",
+    "dp_collective_timeout_s": "a DP collective not done by then fails open and the group is given up "
+                               "(expert parallel: the engine fails, its requests error)",
     "model_runner": "real: run the model; simulated: the real scheduler, KV cache accounting, connector and "
                     "server around a forward that sleeps --hardware's predicted step time and makes "
                     "deterministic tokens (--model gives the tokenizer and vocabulary only)",
@@ -390,7 +395,7 @@ HELP = {
 }
 INTERNAL_FIELDS = ("dp_master_port",)  # set by the API process for its DP ranks, never by a user
 _SIZE_FIELDS = ("kv_cache_memory", "num_kvcache_blocks")  # one or the other
-_DP_FIELDS = ("dp_lockstep", "dp_collective_timeout_s")
+_DP_FIELDS = ("dp_lockstep", "enable_expert_parallel", "dp_collective_timeout_s")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

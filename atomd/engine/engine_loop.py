@@ -212,6 +212,8 @@ class EngineLoop:
             for update in self.scheduler.postprocess(batch, output):
                 outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
                                              update.finished))
+        else:
+            self._idle_step()
         if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
             self.scheduler.update_from_kv_connector_output(self._kv_connector_output())
             for update in self.scheduler.take_first_tokens():
@@ -225,6 +227,10 @@ class EngineLoop:
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
         raise NotImplementedError
+
+    def _idle_step(self) -> None:
+        """A step without a forward: a rank whose model's layers exchange with the other ranks
+        (expert parallelism) still takes its part."""
 
     def _check_grammar(self, grammar: StructuredOutputsParams) -> None:
         """ValueError (a 400) when this engine cannot follow `grammar`."""

@@ -95,6 +95,7 @@ class DecoderModel:
     # the torch decode path's workspace (atomd/engine/runner.py) copies this model's cache as k, v
     # heads; False: the model's cache has another layout (MLA's latent) and it gathers what it reads
     paged_kv_heads = True
+    ep: Any = field(init=False, default=None)  # the ranks' ExpertParallel (use_expert_parallel)
 
     # ------------------------------------------------------------------ the family's part
 
@@ -116,6 +117,7 @@ class DecoderModel:
             post_norm=src.get(p + "post_attention_layernorm.weight", dtype), gate_up=None, down=None)
         if i in cfg.sparse_layers:
             w.moe = cls.load_moe(src, cfg, p, dtype)
+            w.moe.first_expert = cfg.local_experts.start
         else:
             gate_up = [mlp + "gate_proj", mlp + "up_proj"]
             w.gate_up, w.down = cat(src, [n + ".weight" for n in gate_up], dtype), src.get(mlp + "down_proj.weight", dtype)
@@ -236,6 +238,8 @@ class DecoderModel:
         slot_rows = kv_cache.slot_rows(meta)
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)  # rows a tile
+        if self.ep is not None:  # one exchange per sparse layer and step on every rank: one tile
+            step = x.shape[0]
         for i, w in enumerate(self.layers):
             qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
@@ -247,6 +251,22 @@ class DecoderModel:
                 tile = slice(rows, rows + step)
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
         return self.logits(self.norm_rows(x[logits_indices], self.norm))
+
+    def use_expert_parallel(self, ep: Any) -> None:
+        """Run the sparse layers across the ranks through `ep` (atomd/model/expert_parallel.py);
+        this model holds its slice of the experts (load_model's expert_shard)."""
+        self.ep = ep
+        for w in self.layers:
+            if w.moe is not None:
+                w.moe.ep = ep
+
+    def idle_forward(self) -> None:
+        """A rank with nothing to run this step: its part in every sparse layer's exchange
+        (no tokens of its own, its experts for the others'), so the ranks' collectives match."""
+        empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype)
+        for w in self.layers:
+            if w.moe is not None:
+                self.ep.moe(empty, w.moe)
 
     def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Each token's row of the RoPE tables: its position, or with longrope's long rows

@@ -6,6 +6,7 @@ file it was expected in.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -82,13 +83,22 @@ class _TensorSource:
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
                max_positions: int | None = None, quantization: str | None = None,
-               activations: str = "float32") -> DecoderModel:
+               activations: str = "float32", expert_shard: tuple[int, int] | None = None) -> DecoderModel:
     """The checkpoint's model; RoPE tables cover `max_positions` (default: the model's own).
     A checkpoint with quantization_config loads its packed linears as they are;
     `quantization` (int8, int4) quantises a float checkpoint's (atomd/model/quant_formats.py);
-    `activations` int8: the quantized linears quantise their activations (quant.use_int8_activations)."""
+    `activations` int8: the quantized linears quantise their activations (quant.use_int8_activations).
+    `expert_shard` (rank, ranks): load only rank's slice of each sparse layer's experts."""
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
+    if expert_shard is not None:
+        rank, ranks = expert_shard
+        if not cfg.sparse_layers:
+            raise ValueError(f"expert parallelism needs an MoE model; {cfg.architecture} has no sparse layers")
+        if cfg.num_experts % ranks:
+            raise ValueError(f"expert parallelism: {cfg.num_experts} experts do not split evenly over "
+                             f"data_parallel_size={ranks} ranks")
+        cfg = dataclasses.replace(cfg, expert_rank=rank, expert_ranks=ranks)
     cls = registry.model_class(cfg.architecture)
     gguf = read_hf_config(model_dir).get("gguf_file")  # a GGUF file's directory (atomd/model/gguf_file.py)
     src = gguf_weights.GGUFSource(gguf, cfg) if gguf else _TensorSource(model_dir)
