@@ -26,7 +26,7 @@ import numpy as np
 
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, resolve_model_dir
-from atomd.sim.hardware import Link, Profile, StepShape, load_profile
+from atomd.sim.hardware import Calibrated, Link, Profile, StepShape, load_profile
 from atomd.tokenizer import Tokenizer
 from kv_transfer.connector import KVConnectorOutput
 from kv_transfer.params import KVTransferParams, compat_fingerprint
@@ -63,6 +63,9 @@ class SimulatedEngine(EngineLoop):
                                          shape.num_layers, shape.num_kv_heads, shape.head_dim, SIM_KV_LAYOUT_VERSION)
         kv_blocks = np.zeros((num_blocks, 1), dtype=np.uint8)  # what the side channel moves: a byte a block
         self.forward_seconds = 0.0  # simulated forward time so far (GET /debug/stats `sim`)
+        step = self.profile.step  # a served profile's measured spread, drawn per step (seeded)
+        self._spread = {True: step.prefill_spread, False: step.decode_spread} if isinstance(step, Calibrated) else {}
+        self._spread_rng = np.random.default_rng(config.seed)
         self.forward_steps = 0
         self._start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)
 
@@ -92,6 +95,9 @@ class SimulatedEngine(EngineLoop):
         started = time.perf_counter()
         seconds = self.profile.step_seconds(StepShape.of(
             batch.is_prefill, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens.tolist()))
+        spread = self._spread.get(batch.is_prefill)
+        if spread:
+            seconds *= spread[self._spread_rng.integers(len(spread))]
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None
