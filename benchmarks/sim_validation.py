@@ -2,18 +2,19 @@
 """Does a simulated engine reproduce the real one here? (issue #38's validation)
 
 Two calibrations of the built-in model on this machine (one torch thread, as the engines
-serve): `grid`, `atomd profile` timing the forward alone over its grid; `served`, a
-calibration run of each real setup with $ATOMD_STEP_SAMPLES (the workload with another seed)
-and `atomd profile --from-servers` on each of its engines (colocated; P and D apart): the
-forwards as they ran beside the API processes, the other engine, the router and the client.
-Then each round runs the same seeded Poisson workload (`atomd bench serve`) against the
-setups, each started fresh: a colocated engine and 1P+1D behind the router, real and
-simulated (`--model-runner simulated --hardware PROFILE`, the loopback link) with each
-profile. The report takes each setup's median over the rounds of TTFT p50 / p99, TPOT p50 and
-output throughput, the simulated / real ratio (target: within 15%), and the real engines'
-own round-to-round spread (max / min over the rounds). The setup order alternates per round.
-
-    .venv/bin/python -m benchmarks.sim_validation --rounds 3
+serve): `grid`, `atomd profile` timing the forward alone over its grid, once; `served`, per
+round: the real engines of the round ran with $ATOMD_STEP_SAMPLES, and `atomd profile
+--from-servers` fits a profile from their forwards (colocated; P's prefills and D's decodes
+for 1P+1D) as they ran beside the API processes, the other engine, the router, the client
+and whatever else loaded the machine then; that round's simulated run uses it. So `served`
+checks the simulator's scheduling, queueing, KV and HTTP paths given the step times the real
+engines had (the machine is shared, and its load moves more between minutes than 15%), and
+`grid` checks the whole, step model included. Each round runs the same seeded Poisson
+workload (`atomd bench serve`, seed = round) against the setups, each started fresh: a
+colocated engine and 1P+1D behind the router, real and simulated (`--model-runner simulated
+--hardware PROFILE`, the loopback link). The report takes each setup's median over the
+rounds of TTFT p50 / p99, TPOT p50 and output throughput, the simulated / real ratio
+(target: within 15%), and the real engines' own round-to-round spread (max / min).
 """
 from __future__ import annotations
 
@@ -90,23 +91,11 @@ def bench(url: str, args, seed: int, out: pathlib.Path) -> dict:
     return {m: float(result[m]) for m in METRICS}
 
 
-CALIBRATION_SEED = 1000
-
-
-def calibrate_served(args, work: pathlib.Path) -> dict[str, pathlib.Path]:
-    """One calibration run of each real setup, its engines keeping their step samples: a
-    served profile of the colocated engine, one of P's prefills and D's decodes for both."""
-    env = dict(os.environ, ATOMD_STEP_SAMPLES="20000")
-    real = {role: [] for role in ("colocated", "p", "d")}
-    out = {}
-    for kind in ("colocated", "pd"):
-        with setup(kind, real, work, env=env) as (url, engines):
-            bench(url, args, seed=CALIBRATION_SEED, out=work / f"calibrate-{kind}.json")
-            path = work / f"served-{kind}.json"
-            subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers", *engines.values(),
-                            "--name", f"served-{kind}", "-o", str(path)], cwd=REPO, check=True)
-            out[kind] = path
-    return out
+def served_profile(engines: dict[str, str], path: pathlib.Path) -> list[str]:
+    """`atomd profile --from-servers` on a real setup's engines; the simulated flags using it."""
+    subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers", *engines.values(),
+                    "--name", path.stem, "-o", str(path)], cwd=REPO, check=True)
+    return simulated(path)
 
 
 def served_summary(role: str, path: pathlib.Path) -> str:
@@ -134,24 +123,27 @@ def main() -> int:
     if not args.profile and not args.no_grid:
         subprocess.run([sys.executable, "-m", "atomd", "profile", "--num-threads", "1", "--max-model-len", "1024",
                         "-o", str(profile)], cwd=REPO, check=True)
-    served = calibrate_served(args, work)
-    sims = {"served": {"colocated": simulated(served["colocated"]), "p": simulated(served["pd"]),
-                       "d": simulated(served["pd"])}}
-    if not args.no_grid:
-        sims["grid"] = {role: simulated(profile) for role in ("colocated", "p", "d")}
+    grid = {role: simulated(profile) for role in ("colocated", "p", "d")} if not args.no_grid else None
     real = {role: [] for role in ("colocated", "p", "d")}
-    setups = [(kind, name, runner) for kind in ("colocated", "pd")
-              for name, runner in (("real", real), *sims.items())]
-    results: dict[tuple[str, str], list[dict]] = {(k, n): [] for k, n, _ in setups}
-    loads = []
+    env = dict(os.environ, ATOMD_STEP_SAMPLES="20000")
+    names = ["real", "served"] + ([] if args.no_grid else ["grid"])
+    results: dict[tuple[str, str], list[dict]] = {(k, n): [] for k in ("colocated", "pd") for n in names}
+    loads, served = [], {}
     for r in range(args.rounds):
-        order = setups if r % 2 == 0 else list(reversed(setups))
-        for kind, name, runner in order:
-            with setup(kind, runner, work) as (url, _):
-                got = bench(url, args, seed=r, out=work / f"{kind}-{name}-{r}.json")
-            results[kind, name].append(got)
+        for kind in (("colocated", "pd") if r % 2 == 0 else ("pd", "colocated")):
+            with setup(kind, real, work, env=env) as (url, engines):
+                results[kind, "real"].append(bench(url, args, seed=r, out=work / f"{kind}-real-{r}.json"))
+                served[kind] = work / f"served-{kind}-{r}.json"
+                flags = served_profile(engines, served[kind])
+            runs = [("served", {"colocated": flags, "p": flags, "d": flags})] + ([] if grid is None else [("grid", grid)])
+            for name, runner in (runs if r % 2 == 0 else runs[::-1]):
+                with setup(kind, runner, work) as (url, _):
+                    results[kind, name].append(bench(url, args, seed=r, out=work / f"{kind}-{name}-{r}.json"))
             loads.append(loadavg())
-            print(f"round {r} {kind:>9} {name}: " + ", ".join(f"{m} {v:.2f}" for m, v in got.items()), flush=True)
+            for name in names:
+                got = results[kind, name][-1]
+                print(f"round {r} {kind:>9} {name}: " + ", ".join(f"{m} {v:.2f}" for m, v in got.items()), flush=True)
+    sims = names[1:]
     rows = []
     worst = {name: 0.0 for name in sims}
     for kind in ("colocated", "pd"):
@@ -177,9 +169,9 @@ def main() -> int:
 
 `python -m benchmarks.sim_validation --rounds {args.rounds} --num-prompts {args.num_prompts} --rate {args.rate} \\
 --input-len {args.input_len} --output-len {args.output_len}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())};
-{cpu_name()} ({platform.machine()}), load before {load_before}, after each setup: {', '.join(loads)}.
-{grid}Served profiles (`atomd profile --from-servers`, from a calibration run of each real setup with seed
-{CALIBRATION_SEED}; the 1P+1D one fits P's prefills and D's decodes): {'; '.join(served_summary(role, path) for role, path in served.items())}.
+{cpu_name()} ({platform.machine()}), load before {load_before}, after each setup kind's real and simulated runs: {', '.join(loads)}.
+{grid}Served profiles (`atomd profile --from-servers` on each round's real engines; the 1P+1D one fits P's prefills and
+D's decodes), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
 Link loopback; every engine one torch thread. Real rows: medians of {args.rounds} rounds and (spread) max / min over
 the rounds; simulated rows: medians and (simulated / real); target within 15% (0.85-1.15x).
 
