@@ -426,3 +426,38 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(tmp_path, monkeypatch):
+    """On a fake clock the loop's own gap between forwards is 0: every forward after a busy
+    one sleeps the prediction plus the whole served gap; the first (after idle) none of it."""
+    import atomd.sim.engine as sim_engine
+    from atomd.sim.hardware import Calibrated
+
+    base = load_profile(str(default_model_profile(tmp_path / "p.json")))
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, step_gap_s=0.02)
+    path = tmp_path / "gap.json"
+    path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
+    clock = [1000.0]
+    slept = []
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+        @staticmethod
+        def monotonic():
+            return clock[0]
+
+        @staticmethod
+        def sleep(s):
+            slept.append(s)
+            clock[0] += s
+
+    monkeypatch.setattr(sim_engine, "time", FakeTime)
+    engine = make_engine(path)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True))})
+    want = [base.step_seconds(StepShape.of(True, [20], [0]))] + \
+        [base.step_seconds(StepShape.of(False, [1], [c])) + 0.02 for c in (20, 21)]
+    assert slept == pytest.approx(want)

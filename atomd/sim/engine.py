@@ -9,6 +9,10 @@ distribution: sampling knobs other than allowed_token_ids and min_tokens change 
 structured outputs, prompt logprobs and speculative decoding are refused (a 400 / a start-up
 error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
 
+Step time: the profile's prediction for the step's shape; with a served profile (`atomd
+profile --from-servers`) times a ratio drawn from its measured spread, plus whatever of the
+served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves.
+
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
 connector moves one byte per block over its real side channel (leases, heartbeats, aborts
 as in production), and `SimulatedLink` holds each landed pull back until the profile's link
@@ -66,6 +70,10 @@ class SimulatedEngine(EngineLoop):
         step = self.profile.step  # a served profile's measured spread, drawn per step (seeded)
         self._spread = {True: step.prefill_spread, False: step.decode_spread} if isinstance(step, Calibrated) else {}
         self._spread_rng = np.random.default_rng(config.seed)
+        # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
+        self._gap_s = step.step_gap_s if isinstance(step, Calibrated) else 0.0
+        self._own_gap_s: float | None = None
+        self._last_forward_end: float | None = None
         self.forward_steps = 0
         self._start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)
 
@@ -98,6 +106,11 @@ class SimulatedEngine(EngineLoop):
         spread = self._spread.get(batch.is_prefill)
         if spread:
             seconds *= spread[self._spread_rng.integers(len(spread))]
+        wait = 0.0
+        if self._gap_s and self._last_forward_end is not None:
+            gap = started - self._last_forward_end
+            self._own_gap_s = gap if self._own_gap_s is None else self._own_gap_s + 0.1 * (gap - self._own_gap_s)
+            wait = max(0.0, self._gap_s - self._own_gap_s)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None
@@ -118,9 +131,10 @@ class SimulatedEngine(EngineLoop):
                     fork_entries[i].append(entry)
         self.forward_steps += 1
         self.forward_seconds += seconds
-        remaining = started + seconds - time.perf_counter()
+        remaining = started + seconds + wait - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+        self._last_forward_end = time.perf_counter() if self.scheduler.running else None
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
                                     fork_logprobs=fork_entries)
 

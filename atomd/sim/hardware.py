@@ -195,6 +195,11 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     # (the preemptions of a shared machine included); empty: every step takes the fit's time.
     prefill_spread: list[float] = []
     decode_spread: list[float] = []
+    # ... and the served engine's mean time from a forward's end to the next one's start while
+    # it had sequences running (scheduling, outputs, IPC, its API process: under the load it
+    # had); a simulated engine waits out what its own loop, sleeping through its forwards,
+    # does not take of it (atomd/sim/engine.py)
+    step_gap_s: float = 0.0
 
 
 class Derived(msgspec.Struct, frozen=True, kw_only=True, tag="derived"):
@@ -294,6 +299,8 @@ def check_profile(p: Profile) -> None:
         for spread in (p.step.prefill_spread, p.step.decode_spread):
             if len(spread) > MAX_SPREAD or not all(0 <= v < 1e3 for v in spread):
                 raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} ratios in [0, 1000)")
+        if not 0 <= p.step.step_gap_s < 10:
+            raise ValueError(f"hardware {p.name}: step_gap_s must be in [0, 10) seconds")
     for shape in (StepShape(True, 1, 1, 1.0, 1), StepShape(False, 1, 1, 1.0, 1)):
         if not math.isfinite(p.step_seconds(shape)):
             raise ValueError(f"hardware {p.name}: the step model is not finite")

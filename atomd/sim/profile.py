@@ -50,7 +50,8 @@ SPREAD_QUANTILES = 50
 
 
 def served_samples(urls: list[str]) -> list[tuple]:
-    """(StepShape, forward seconds) of every step the engines at `urls` kept."""
+    """(StepShape, forward seconds, busy gap seconds or -1) of every step the engines at
+    `urls` kept."""
     import urllib.request
 
     from atomd.sim.hardware import StepShape
@@ -61,9 +62,9 @@ def served_samples(urls: list[str]) -> list[tuple]:
             stats = json.loads(r.read())
         if "step_samples" not in stats:
             raise ValueError(f"{url} keeps no step samples (start it with $ATOMD_STEP_SAMPLES=N)")
-        for is_prefill, tokens, seqs, attention, context, seconds, _gap in stats["step_samples"]:
+        for is_prefill, tokens, seqs, attention, context, seconds, gap in stats["step_samples"]:
             samples.append((StepShape(bool(is_prefill), int(tokens), int(seqs), float(attention), int(context)),
-                            float(seconds)))
+                            float(seconds), float(gap)))
     return samples
 
 
@@ -205,8 +206,9 @@ def run_from_servers(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, dtype=args.dtype)
         config.check_model_dir()
         samples = served_samples(args.from_servers)
-        fits = {kind: fit_served([(s, t) for s, t in samples if s.is_prefill == (kind == "prefill")], kind)
+        fits = {kind: fit_served([(s, t) for s, t, _ in samples if s.is_prefill == (kind == "prefill")], kind)
                 for kind in ("prefill", "decode")}
+        gaps = [g for _, _, g in samples if g >= 0]
     except (ValueError, OSError) as e:
         print(f"atomd profile: error: {e}", file=sys.stderr)
         return 2
@@ -218,8 +220,10 @@ def run_from_servers(args: argparse.Namespace) -> int:
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
+    gap = float(np.mean(gaps)) if gaps else 0.0
+    print(f"busy gap between forwards: mean {gap * 1e3:.2f} ms over {len(gaps)} steps")
     step = Calibrated(prefill=fits["prefill"][0], decode=fits["decode"][0], source=source,
-                      prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1])
+                      prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1], step_gap_s=gap)
     write_profile(args, config, name, step, link)
     return 0
 
