@@ -13,6 +13,8 @@ cumulative logprob once all are done (`ranked_choices`).
 """
 from __future__ import annotations
 
+import collections
+import os
 import pathlib
 import time
 from typing import Any
@@ -23,6 +25,7 @@ from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.engine.kv_events import KVEventPublisher, offset_port
 from atomd.messages import RequestOutput
 from atomd.model import hub
+from atomd.sim.hardware import StepShape
 from kv_transfer.connector import KVConnectorConfig, KVConnectorOutput
 from kv_transfer.factory import create_connector
 from kv_transfer.params import KVTransferParams
@@ -31,6 +34,20 @@ from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
 from contracts.sampling import SamplingParams, StructuredOutputsParams, check_in_vocabulary
 from scheduler.sequence import Sequence
+
+# N > 0: the engine keeps its last N forwards' shapes and wall times (and the loop's busy
+# gaps) for GET /debug/stats `step_samples`, from which `atomd profile --from-servers` fits a
+# profile of the engine as it serves (atomd/sim/profile.py).
+STEP_SAMPLES_ENV = "ATOMD_STEP_SAMPLES"
+MAX_STEP_SAMPLES = 100_000
+
+
+def step_sample_buffer() -> collections.deque | None:
+    try:
+        n = int(os.environ.get(STEP_SAMPLES_ENV) or 0)
+    except ValueError:
+        raise ValueError(f"{STEP_SAMPLES_ENV} must be an integer") from None
+    return collections.deque(maxlen=min(n, MAX_STEP_SAMPLES)) if n > 0 else None
 
 
 def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
@@ -75,6 +92,8 @@ class EngineLoop:
         self.kv_events = self._make_kv_events(model_dir)  # None without --kv-events-endpoint
         self._requests: dict[str, _Request] = {}
         self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
+        self.step_samples = step_sample_buffer()
+        self._busy_since: float | None = None  # the last forward's end while sequences still ran
 
     def _make_connector(self, kv_blocks: Any):
         """The PD connector of a producer or consumer (None when colocated): both halves in one."""
@@ -205,6 +224,8 @@ class EngineLoop:
             started = time.perf_counter()
             output = self._forward(batch)
             elapsed = time.perf_counter() - started
+            if self.step_samples is not None:
+                self._sample_step(batch, started, elapsed)
             if batch.is_prefill:  # what a prompt token costs: the time cap of local prefills
                 self.scheduler.observe_prefill_step(batch.num_tokens, elapsed)
             elif self.proposer is not None:  # what a decode step costs per scheduled token: when drafts pay
@@ -224,6 +245,17 @@ class EngineLoop:
         if self.kv_events is not None:  # after the forward that wrote (and indexed) the blocks
             self.kv_events.publish(self.scheduler.block_manager.take_events())
         return outputs
+
+    def _sample_step(self, batch: ScheduledBatch, started: float, elapsed: float) -> None:
+        """[is_prefill, tokens, seqs, attention, context, forward s, gap s]: the gap is the
+        loop's time since the previous forward ended (scheduling, outputs, IPC), or -1 when
+        the engine was idle in between."""
+        shape = StepShape.of(batch.is_prefill, batch.num_scheduled_tokens.tolist(),
+                             batch.num_computed_tokens.tolist())
+        gap = -1.0 if self._busy_since is None else started - self._busy_since
+        self.step_samples.append([shape.is_prefill, shape.tokens, shape.seqs, shape.attention, shape.context,
+                                  elapsed, gap])
+        self._busy_since = started + elapsed if self.scheduler.running else None
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
         raise NotImplementedError
@@ -314,6 +346,7 @@ class EngineLoop:
                 "prefix_cache_queries": s.cache_stats.queries, "prefix_cache_hits": s.cache_stats.hits,
                 "num_preemptions": s.num_preemptions, "num_window_released_blocks": bm.num_window_released,
                 **self._spec_stats(),
+                **({} if self.step_samples is None else {"step_samples": list(self.step_samples)}),
                 "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
 
     def _spec_stats(self) -> dict[str, Any]:
