@@ -238,6 +238,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     parallel_tool_calls: bool | None = None
     chat_template: str | None = None  # atomd/api/chat_templates.py (with --trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content (--reasoning-parser) from the answer
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")
