@@ -168,3 +168,127 @@ def test_which_tokenizers_give_a_span(tags):
     prompt = with_tags.encode("<|user|>\nhi<|end|>\n<|assistant|>\n<think>\n", add_special_tokens=False)
     assert grammar_after_reasoning(with_tags, "qwen3", SO(regex="a"), prompt).reasoning == ReasoningSpan(end_token_id=end)
     assert grammar_after_reasoning(with_tags, "qwen3", SO(regex="a"), prompt[:-2]).reasoning.start_token_id == start
+
+
+# ---------------------------------------------------------------------------- end to end
+
+# thinking=true: the template opens <think> itself (the output starts inside the reasoning)
+THINK_TEMPLATE = ("{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}<|end|>\n{% endfor %}"
+                  "{% if add_generation_prompt %}<|assistant|>\n{% if thinking is defined and thinking %}<think>\n"
+                  "{% endif %}{% endif %}")
+MESSAGES = [{"role": "user", "content": "Say something."}]
+NAME = "think-model"
+
+
+@pytest.fixture(scope="module")
+def think_model(tmp_path_factory):
+    """The built-in model with `<think>` / `</think>` as added (not special) tokens, as Qwen3's
+    tokenizer has them: two more embedding and head rows (random), written by transformers."""
+    import torch
+    import transformers
+
+    out = tmp_path_factory.mktemp("think-model")
+    tok = transformers.AutoTokenizer.from_pretrained(default_model_dir())
+    tok.add_tokens(["<think>", "</think>"])
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_pretrained(default_model_dir())
+    model.resize_token_embeddings(len(tok), mean_resizing=False)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "think.jinja").write_text(THINK_TEMPLATE)
+    return out, tok
+
+
+@pytest.fixture(scope="module")
+def server(think_model):
+    from tests.server_fixtures import start_server
+
+    path, _ = think_model
+    srv = start_server(path, "--served-model-name", NAME, "--reasoning-parser", "qwen3",
+                       "--chat-template", str(path / "think.jinja"))
+    free = srv.stats()["num_free_blocks"]
+    yield srv
+    try:
+        srv.wait_idle(free)  # no block leaked
+    finally:
+        srv.stop()
+
+
+def prompt_ids(think_model, **kwargs) -> list[int]:
+    _, tok = think_model
+    text = tok.apply_chat_template(MESSAGES, chat_template=THINK_TEMPLATE, add_generation_prompt=True,
+                                   tokenize=False, **kwargs)
+    return tok(text, add_special_tokens=False).input_ids
+
+
+def raw_text(srv, ids: list[int], **params) -> str:
+    """What the model writes after these prompt ids (/v1/completions parses nothing)."""
+    from launch.process import http
+
+    status, body = http("POST", srv.url + "/v1/completions", {"prompt": ids, **params})
+    assert status == 200, body
+    return json.loads(body)["choices"][0]["text"]
+
+
+def chat(srv, stream: bool, **extra):
+    """(reasoning, content, finish_reason) through the official openai client; deltas joined."""
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    kw = {k: extra.pop(k) for k in ("temperature", "seed", "max_tokens", "logit_bias") if k in extra}
+    resp = client.chat.completions.create(model=NAME, messages=MESSAGES, stream=stream, extra_body=extra, **kw)
+    if not stream:
+        choice = resp.choices[0]
+        return choice.message.model_extra.get("reasoning_content"), choice.message.content, choice.finish_reason
+    reasoning = content = ""
+    reason = None
+    for chunk in resp:
+        for choice in chunk.choices:
+            reasoning += (choice.delta.model_extra or {}).get("reasoning_content") or ""
+            content += choice.delta.content or ""
+            reason = choice.finish_reason or reason
+    return reasoning or None, content or None, reason
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_reasoning_runs_free_and_the_answer_follows_the_grammar(server, think_model, seed):
+    """The prompt opened <think>: the model reasons unconstrained (the same tokens it writes
+    without any grammar, same seed), closes the block, and the answer fullmatches the regex."""
+    _, tok = think_model
+    end = tok.convert_tokens_to_ids("</think>")
+    params = dict(temperature=1.0, seed=seed, max_tokens=96, logit_bias={str(end): 9.0})
+    raw = raw_text(server, prompt_ids(think_model, thinking=True), **params)
+    assert "</think>" in raw, raw  # (the bias makes the model close the block soon)
+    want_reasoning = raw.split("</think>")[0]
+    assert not re.fullmatch(REGEX, want_reasoning.strip())  # free text: the grammar would not allow it
+    answers = {}
+    for stream in (False, True):
+        reasoning, content, reason = chat(server, stream, chat_template_kwargs={"thinking": True},
+                                          guided_regex=REGEX, **params)
+        assert reasoning == (want_reasoning or None) and reason == "stop", (reasoning, content)
+        assert re.fullmatch(REGEX, content), content
+        answers[stream] = content
+        # include_reasoning false: the same answer, no reasoning
+        assert chat(server, stream, chat_template_kwargs={"thinking": True}, guided_regex=REGEX,
+                    include_reasoning=False, **params) == (None, content, "stop")
+    assert answers[False] == answers[True]
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(300)
+def test_an_output_that_does_not_open_a_block_is_the_grammars_from_its_first_token(server, think_model):
+    """qwen3's rule: reasoning only when the output opens with <think>. Greedy, the model does
+    not open one here, so the answer is what the grammar alone gives (the same request on
+    /v1/completions) and there is no reasoning."""
+    raw = raw_text(server, prompt_ids(think_model), temperature=0.0, max_tokens=40, guided_regex=REGEX)
+    assert re.fullmatch(REGEX, raw), raw
+    for stream in (False, True):
+        assert chat(server, stream, temperature=0.0, max_tokens=40, guided_regex=REGEX) == (None, raw, "stop")
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+        "required": ["n"], "additionalProperties": False}}}
+    # a json_schema answer after reasoning (response_format takes the same path)
+    reasoning, content, reason = chat(server, False, temperature=1.0, seed=0, max_tokens=60,
+                                      response_format=response_format, chat_template_kwargs={"thinking": True},
+                                      logit_bias={str(think_model[1].convert_tokens_to_ids("</think>")): 9.0})
+    assert reason == "stop" and 0 <= json.loads(content)["n"] <= 99, (reasoning, content)
