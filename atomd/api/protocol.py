@@ -181,6 +181,10 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
+    # OpenAI's other part types: declared so that one is refused by name (text models only)
+    image_url: Any = msgspec.UNSET
+    input_audio: Any = msgspec.UNSET
+    file: Any = msgspec.UNSET
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):

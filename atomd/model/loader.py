@@ -88,7 +88,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
     cls = registry.model_class(cfg.architecture)
-    src = _TensorSource(model_dir)
+    src = cls.tensor_source(_TensorSource(model_dir), cfg)
     method = cfg.quantization["quant_method"] if cfg.quantization else quantization
     if method is not None:
         if cfg.quantization and quantization:
