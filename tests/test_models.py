@@ -165,12 +165,15 @@ def test_moe_block_with_idle_experts_and_all_tokens_on_one():
 
 
 def test_batch1_reads_only_the_chosen_experts(monkeypatch):
-    """One token: the experts run are exactly its top-k (the others' weights are not read)."""
+    """One token: the experts run are exactly its top-k (the others' weights are not read):
+    handed to the one-call C path (layer_ops.moe_experts) where it is built, else run one by one."""
     w = random_moe(seed=5)
     h = torch.randn(1, 32, generator=torch.Generator().manual_seed(6))
     ran = []
-    real = moe_mod.expert
+    real, real_c = moe_mod.expert, moe_mod.layer_ops.moe_experts
     monkeypatch.setattr(moe_mod, "expert", lambda x, w_, e: ran.append(e) or real(x, w_, e))
+    monkeypatch.setattr(moe_mod.layer_ops, "moe_experts",
+                        lambda x, gu, dn, ids, *rest: ran.extend(ids.tolist()) or real_c(x, gu, dn, ids, *rest))
     moe(h, w)
     assert sorted(ran) == sorted(moe_mod.route(h, w)[1][0].tolist())
 
