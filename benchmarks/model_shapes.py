@@ -8,6 +8,9 @@ decodes to nothing would look like an empty stream to a client).
     dim 64), intermediate 1536, vocabulary 49152, tied embeddings, float32 (~540 MB).
     A 512-token prefill there costs dozens of decode steps, as on real deployments; on
     the built-in model (hidden 256, 4 layers) it costs a few.
+    qwen3-0.6b: Qwen3-0.6B's shape (Qwen3ForCausalLM: q/k norm): hidden 1024, 28 layers, 16
+    query / 8 KV heads of 128, intermediate 3072, vocabulary 151936, tied, float32 (~3 GB;
+    the issue's dense comparison shape).
 """
 from __future__ import annotations
 
@@ -24,6 +27,10 @@ SHAPES = {
     "smollm-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                         max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0),
+    "qwen3-0.6b": dict(architecture="Qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0),
 }
 CHOICES = ["builtin", *SHAPES]
 
@@ -47,7 +54,7 @@ def model_dir(shape: str) -> pathlib.Path:
     if (target / "model.safetensors").is_file():
         return target
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    import transformers
 
     print(f"writing a random-weight {shape}-shaped checkpoint to {target} (once)", file=sys.stderr, flush=True)
     builtin = default_model_dir()
@@ -55,9 +62,11 @@ def model_dir(shape: str) -> pathlib.Path:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         torch.manual_seed(0)
-        config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                             torch_dtype="float32")
-        LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+        fields = dict(SHAPES[shape])
+        arch = fields.pop("architecture", "Llama")
+        config = getattr(transformers, f"{arch}Config")(**fields, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                                        torch_dtype="float32")
+        getattr(transformers, f"{arch}ForCausalLM")(config).save_pretrained(tmp, safe_serialization=True)
         shutil.copyfile(builtin / "tokenizer_config.json", tmp / "tokenizer_config.json")
         write_tokenizer(builtin / "tokenizer.json", tmp / "tokenizer.json", config.vocab_size)
         os.chmod(tmp, 0o755)
