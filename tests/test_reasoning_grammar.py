@@ -8,10 +8,11 @@ the text after `</think>`), every phase, speculative drafts across the boundary,
 
 End to end: a tiny checkpoint whose tokenizer has `<think>` / `</think>` as added tokens
 (the built-in model with two more embedding rows, written with transformers) behind
-`atomd serve --reasoning-parser qwen3`, read with the official openai client: the
-reasoning equals what the model writes unconstrained with the same seed (a reasoning row is
-not masked), the answer fullmatches the regex; `include_reasoning: false` drops the
-reasoning streamed and not."""
+`atomd serve --reasoning-parser qwen3`, colocated and as a prefill / decode pair behind the
+router, read with the official openai client: the reasoning equals what the model writes
+unconstrained with the same seed (a reasoning row is not masked), the answer fullmatches the
+regex, PD answers as colocated; `include_reasoning: false` drops the reasoning streamed and
+not."""
 from __future__ import annotations
 
 import json
@@ -200,18 +201,20 @@ def think_model(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def server(think_model):
-    from tests.server_fixtures import start_server
+def cluster(think_model):
+    """A colocated engine `ref` and a prefill / decode pair behind a router, all with the flags."""
+    from tests.pd_fixtures import ref_and_pd
 
     path, _ = think_model
-    srv = start_server(path, "--served-model-name", NAME, "--reasoning-parser", "qwen3",
-                       "--chat-template", str(path / "think.jinja"))
-    free = srv.stats()["num_free_blocks"]
-    yield srv
-    try:
-        srv.wait_idle(free)  # no block leaked
-    finally:
-        srv.stop()
+    with ref_and_pd("--served-model-name", NAME, "--reasoning-parser", "qwen3", "--chat-template",
+                    str(path / "think.jinja"), model=path) as cluster:
+        yield cluster
+        cluster.assert_settled()  # no block leaked, nothing left pinned on P
+
+
+@pytest.fixture(scope="module")
+def server(cluster):
+    return cluster["ref"]
 
 
 def prompt_ids(think_model, **kwargs) -> list[int]:
@@ -232,7 +235,7 @@ def raw_text(srv, ids: list[int], **params) -> str:
 
 def chat(srv, stream: bool, **extra):
     """(reasoning, content, finish_reason) through the official openai client; deltas joined."""
-    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key="unused", max_retries=0)  # an engine or the router
     kw = {k: extra.pop(k) for k in ("temperature", "seed", "max_tokens", "logit_bias") if k in extra}
     resp = client.chat.completions.create(model=NAME, messages=MESSAGES, stream=stream, extra_body=extra, **kw)
     if not stream:
@@ -251,9 +254,10 @@ def chat(srv, stream: bool, **extra):
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("seed", [0, 1])
-def test_the_reasoning_runs_free_and_the_answer_follows_the_grammar(server, think_model, seed):
+def test_the_reasoning_runs_free_and_the_answer_follows_the_grammar(server, cluster, think_model, seed):
     """The prompt opened <think>: the model reasons unconstrained (the same tokens it writes
-    without any grammar, same seed), closes the block, and the answer fullmatches the regex."""
+    without any grammar, same seed), closes the block, and the answer fullmatches the regex.
+    Through PD the same answer: P samples T0 under the same span, D replays it."""
     _, tok = think_model
     end = tok.convert_tokens_to_ids("</think>")
     params = dict(temperature=1.0, seed=seed, max_tokens=96, logit_bias={str(end): 9.0})
@@ -271,6 +275,8 @@ def test_the_reasoning_runs_free_and_the_answer_follows_the_grammar(server, thin
         # include_reasoning false: the same answer, no reasoning
         assert chat(server, stream, chat_template_kwargs={"thinking": True}, guided_regex=REGEX,
                     include_reasoning=False, **params) == (None, content, "stop")
+        assert chat(cluster.router, stream, chat_template_kwargs={"thinking": True}, guided_regex=REGEX,
+                    **params) == (want_reasoning or None, content, "stop")
     assert answers[False] == answers[True]
 
 
