@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import chat_templates
 from atomd.api import limits as L
-from atomd.api import protocol, responses, validation
+from atomd.api import protocol, reasoning, responses, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.metrics import ServerMetrics
@@ -353,6 +353,9 @@ class Server:
                                         self.args.trust_request_chat_template, self.limits.max_prompt_chars)
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
+        if self.args.reasoning_parser and checked.structured_outputs is not None and not checked.forced_tool_call:
+            checked.structured_outputs = reasoning.grammar_after_reasoning(  # the grammar waits for </think>
+                self.tokenizer, self.args.reasoning_parser, checked.structured_outputs, ids)
         params = validation.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
         self.check_vocabulary(params)
         return req, checked, ids, params
