@@ -37,7 +37,7 @@ from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_wei
 from atomd.model.mla import LatentUp, mla_decode, mla_prefill, store_latent
 from atomd.model.moe import MoeWeights, load_experts, moe
 from atomd.model.quant import QuantizedWeight
-from atomd.model.rotary import rope_kind, rope_tables, yarn_mscale
+from atomd.model.rotary import rope_kind, rope_tables, yarn_factor, yarn_mscale
 
 MLA_KV_LAYOUT_VERSION = "atomd-mla-kv-1"  # block-major [layers, 1, block_size, 1, kv_lora_rank + qk_rope_head_dim]
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -72,7 +72,7 @@ class DeepseekConfig(ModelConfig):
         scale = self.qk_head_dim ** -0.5
         scaling = self.rope_scaling or {}
         if rope_kind(self) != "default" and scaling.get("mscale_all_dim"):
-            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+            scale *= yarn_mscale(yarn_factor(self), scaling["mscale_all_dim"]) ** 2
         return scale
 
 
