@@ -37,7 +37,7 @@ from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_wei
 from atomd.model.mla import LatentUp, mla_decode, mla_prefill, store_latent
 from atomd.model.moe import MoeWeights, load_experts, moe
 from atomd.model.quant import QuantizedWeight
-from atomd.model.rotary import rope_kind, rope_tables, yarn_mscale
+from atomd.model.rotary import rope_kind, rope_tables, yarn_factor, yarn_mscale
 
 MLA_KV_LAYOUT_VERSION = "atomd-mla-kv-1"  # block-major [layers, 1, block_size, 1, kv_lora_rank + qk_rope_head_dim]
 V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
@@ -72,7 +72,7 @@ class DeepseekConfig(ModelConfig):
         scale = self.qk_head_dim ** -0.5
         scaling = self.rope_scaling or {}
         if rope_kind(self) != "default" and scaling.get("mscale_all_dim"):
-            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+            scale *= yarn_mscale(yarn_factor(self), scaling["mscale_all_dim"]) ** 2
         return scale
 
 
@@ -165,15 +165,18 @@ class DeepseekModel(DecoderModel):
         method = "noaux_tc" if v3 else hf.get("topk_method") or "greedy"
         if not v3 and method not in V2_TOPK_METHODS:
             raise ValueError(f"{arch}: topk_method {method!r} is not supported (supported: {', '.join(V2_TOPK_METHODS)})")
-        groups = hf.get("n_group") or 1
-        if experts and experts % groups:
-            raise ValueError(f"{arch}: n_routed_experts={experts} is not a multiple of n_group={groups}")
+        groups, chosen_groups, top_k = hf.get("n_group") or 1, hf.get("topk_group") or 1, hf.get("num_experts_per_tok") or 0
+        if experts and (experts % groups or not 1 <= chosen_groups <= groups
+                        or not 1 <= top_k <= experts // groups * chosen_groups or v3 and experts // groups < 2):
+            raise ValueError(f"{arch}: n_routed_experts={experts}, n_group={groups}, topk_group={chosen_groups}, "
+                             f"num_experts_per_tok={top_k} do not make groups to route within (V3 scores a group "
+                             f"by its two best experts)")
         rope = hf["qk_rope_head_dim"]
         if rope % 2:
             raise ValueError(f"{arch}: qk_rope_head_dim {rope} must be even")
         return DeepseekConfig.from_hf(
             {**hf, "head_dim": rope, "num_key_value_heads": 1}, arch, sparse_layers=sparse, num_experts=experts,
-            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            num_experts_per_tok=top_k,
             moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
             norm_topk_prob=bool(hf.get("norm_topk_prob", v3)), q_lora_rank=hf.get("q_lora_rank"),
             kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=rope,
@@ -181,7 +184,7 @@ class DeepseekModel(DecoderModel):
             n_shared_experts=hf.get("n_shared_experts") or 0,
             routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
             scoring="sigmoid" if v3 else "softmax", topk_method=method, n_group=groups,
-            topk_group=hf.get("topk_group") or 1)
+            topk_group=chosen_groups)
 
     @classmethod
     def load_layer(cls, src: TensorSource, cfg: DeepseekConfig, i: int, dtype: torch.dtype) -> MlaLayerWeights:
