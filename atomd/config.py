@@ -179,10 +179,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.model is not None:
             hub.model_path(self.model)  # a directory, or a hub id in the local cache: ValueError if neither
         self._check_simulated()
+        if self.enable_expert_parallel and self.data_parallel_size > 1 and self.model_runner == "real":
+            self._check_expert_split()
         spec = self.speculative()
         if spec is not None and spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
             raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {spec.num_speculative_tokens + 1} "
                              f"> max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    def _check_expert_split(self) -> None:
+        """At start-up, in the API process: the model has experts that split evenly over the ranks
+        (the loader checks it again in each rank; from there the message reaches the log only)."""
+        from atomd.model.default import default_model_dir
+
+        path = hub.model_path(self.model) if self.model is not None else default_model_dir()
+        try:
+            hf = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return  # the loader names what is wrong with the checkpoint
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        if not experts:
+            raise ValueError(f"enable_expert_parallel needs an MoE model; {self.model or 'the built-in model'} "
+                             f"has no experts")
+        if experts % self.data_parallel_size:
+            raise ValueError(f"enable_expert_parallel: {experts} experts do not split evenly over "
+                             f"data_parallel_size={self.data_parallel_size} ranks")
 
     def _check_simulated(self) -> None:
         _choice("model_runner", self.model_runner, MODEL_RUNNERS)

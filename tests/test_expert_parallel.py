@@ -129,9 +129,14 @@ def test_load_holds_only_this_ranks_experts_and_refuses_what_does_not_split(chec
 
 
 @pytest.mark.unit
-def test_expert_parallel_is_not_simulated():
-    with pytest.raises(ValueError, match="enable_expert_parallel"):
+def test_a_config_ep_cannot_run_is_refused_at_start_naming_why(checkpoints):
+    with pytest.raises(ValueError, match="enable_expert_parallel is not simulated"):
         EngineConfig(model_runner="simulated", hardware="h100:llama3-8b", enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="enable_expert_parallel needs an MoE model; the built-in model has no"):
+        EngineConfig(data_parallel_size=2, enable_expert_parallel=True)
+    with pytest.raises(ValueError, match="16 experts do not split evenly over data_parallel_size=3"):
+        EngineConfig(model=str(checkpoints["mixtral"]), data_parallel_size=3, enable_expert_parallel=True)
+    EngineConfig(model=str(checkpoints["mixtral"]), data_parallel_size=4, enable_expert_parallel=True)
 
 
 # ---------------------------------------------------------------- two engines, one thread each
