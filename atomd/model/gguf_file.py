@@ -93,6 +93,8 @@ class GGUFFile:
             for _ in range(n_tensors):
                 name = _string(f)
                 n_dims = _unpack(f, "I")
+                if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS
+                    raise ValueError(f"{self.path}: tensor {name} has {n_dims} dimensions: not a sane GGUF file")
                 dims = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
                 infos.append((name, tuple(reversed(dims)), _unpack(f, "I"), _unpack(f, "Q")))
             align = int(self.metadata.get("general.alignment", 32))
