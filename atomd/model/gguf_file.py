@@ -95,7 +95,7 @@ class GGUFFile:
                 n_dims = _unpack(f, "I")
                 if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS
                     raise ValueError(f"{self.path}: tensor {name} has {n_dims} dimensions: not a sane GGUF file")
-                dims = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
+                dims = struct.unpack(f"<{n_dims}Q", _read(f, 8 * n_dims))
                 infos.append((name, tuple(reversed(dims)), _unpack(f, "I"), _unpack(f, "Q")))
             align = int(self.metadata.get("general.alignment", 32))
             start = -(-f.tell() // align) * align
@@ -122,18 +122,21 @@ class GGUFFile:
 
 
 def _unpack(f: BinaryIO, code: str) -> Any:
-    size = struct.calcsize("<" + code)
-    data = f.read(size)
-    if len(data) != size:
-        raise ValueError("GGUF file ends inside its header")
-    return struct.unpack("<" + code, data)[0]
+    return struct.unpack("<" + code, _read(f, struct.calcsize("<" + code)))[0]
 
 
 def _string(f: BinaryIO) -> str:
     n = _unpack(f, "Q")
     if n > 1 << 28:
         raise ValueError(f"GGUF string of {n} bytes: not a sane file")
-    return f.read(n).decode("utf-8", errors="replace")
+    return _read(f, n).decode("utf-8", errors="replace")
+
+
+def _read(f: BinaryIO, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise ValueError("GGUF file ends inside its header (truncated?)")
+    return data
 
 
 def _value(f: BinaryIO, kind: int) -> Any:
@@ -146,7 +149,7 @@ def _value(f: BinaryIO, kind: int) -> Any:
         if n > MAX_METADATA_ITEMS:
             raise ValueError(f"GGUF array of {n} items: not a sane file")
         if item in _NUMPY:  # numbers in one read (token scores, types)
-            return np.frombuffer(f.read(n * np.dtype(_NUMPY[item]).itemsize), _NUMPY[item]).tolist()
+            return np.frombuffer(_read(f, n * np.dtype(_NUMPY[item]).itemsize), _NUMPY[item]).tolist()
         return [_value(f, item) for _ in range(n)]
     raise ValueError(f"GGUF metadata value of unknown type {kind}")
 
