@@ -57,11 +57,12 @@ def cpu_kind() -> str:
     return platform.processor()
 
 
-def engines(path: pathlib.Path, threads: int) -> dict:
+def engines(path: pathlib.Path, threads: int, names: list[str]) -> dict:
     from atomd import LLM, SamplingParams
 
     out = {}
-    for name, (dtype, quantization, activations) in ENGINES.items():
+    for name in names:
+        dtype, quantization, activations = ENGINES[name]
         llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False, dtype=dtype,
                   quantization=quantization, quantized_activations=activations)
 
@@ -200,6 +201,7 @@ def main() -> int:
     p.add_argument("--no-linears", action="store_true")
     p.add_argument("--no-engines", action="store_true", help="the linears alone")
     p.add_argument("--pairs-only", action="store_true", help="the llama.cpp pairs alone (implies --llama-cpp)")
+    p.add_argument("--engines", default=",".join(ENGINES), help="comma-separated ENGINES to run (default: all)")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args()
     from benchmarks.model_shapes import model_dir
@@ -219,7 +221,7 @@ def main() -> int:
     if args.no_engines:
         print(json.dumps(result, indent=1))
         return 0
-    gens = engines(path, args.threads)
+    gens = engines(path, args.threads, args.engines.split(","))
     result["bytes_per_token"] = {name: dict(zip(("streamed", "linears"), weight_bytes(llm.engine.model)))
                                  for name, (llm, _) in gens.items()}
     result["atomd"] = run_engines(gens, cfg["vocab_size"], args.rounds)

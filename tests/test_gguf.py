@@ -317,3 +317,23 @@ def test_serve_a_gguf_file(checkpoints, tmp_path):
             [{"role": "user", "content": "hi"}]))
     finally:
         srv.stop()
+
+
+def test_broken_files_are_refused_with_the_reason(checkpoints, tmp_path):
+    from atomd.model.hub import model_path
+
+    (tmp_path / "junk.gguf").write_bytes(b"not a gguf file at all")
+    with pytest.raises(ValueError, match="is not a GGUF file"):
+        model_path(str(tmp_path / "junk.gguf"))
+    write_gguf(checkpoints["qwen3"], tmp_path / "m.gguf", "qwen3", {"linear": Q.Q8_0, "embed": Q.F32})
+    data = (tmp_path / "m.gguf").read_bytes()
+    for cut, message in ((100, "ends inside its header"), (len(data) - 1000, "runs past the end of the file")):
+        (tmp_path / "cut" / str(cut)).mkdir(parents=True)
+        (tmp_path / "cut" / str(cut) / "m.gguf").write_bytes(data[:cut])
+        with pytest.raises(ValueError, match=message):
+            gguf_file.GGUFFile(tmp_path / "cut" / str(cut) / "m.gguf")
+    (tmp_path / "two").mkdir()
+    for name in ("a.gguf", "b.gguf"):
+        (tmp_path / "two" / name).write_bytes(data)
+    with pytest.raises(ValueError, match="holds 2 .gguf files"):
+        model_path(str(tmp_path / "two"))

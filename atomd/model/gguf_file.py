@@ -93,7 +93,9 @@ class GGUFFile:
             for _ in range(n_tensors):
                 name = _string(f)
                 n_dims = _unpack(f, "I")
-                dims = struct.unpack(f"<{n_dims}Q", f.read(8 * n_dims))
+                if not 1 <= n_dims <= 4:  # GGML_MAX_DIMS
+                    raise ValueError(f"{self.path}: tensor {name} has {n_dims} dimensions: not a sane GGUF file")
+                dims = struct.unpack(f"<{n_dims}Q", _read(f, 8 * n_dims))
                 infos.append((name, tuple(reversed(dims)), _unpack(f, "I"), _unpack(f, "Q")))
             align = int(self.metadata.get("general.alignment", 32))
             start = -(-f.tell() // align) * align
@@ -120,18 +122,21 @@ class GGUFFile:
 
 
 def _unpack(f: BinaryIO, code: str) -> Any:
-    size = struct.calcsize("<" + code)
-    data = f.read(size)
-    if len(data) != size:
-        raise ValueError("GGUF file ends inside its header")
-    return struct.unpack("<" + code, data)[0]
+    return struct.unpack("<" + code, _read(f, struct.calcsize("<" + code)))[0]
 
 
 def _string(f: BinaryIO) -> str:
     n = _unpack(f, "Q")
     if n > 1 << 28:
         raise ValueError(f"GGUF string of {n} bytes: not a sane file")
-    return f.read(n).decode("utf-8", errors="replace")
+    return _read(f, n).decode("utf-8", errors="replace")
+
+
+def _read(f: BinaryIO, n: int) -> bytes:
+    data = f.read(n)
+    if len(data) != n:
+        raise ValueError("GGUF file ends inside its header (truncated?)")
+    return data
 
 
 def _value(f: BinaryIO, kind: int) -> Any:
@@ -144,7 +149,7 @@ def _value(f: BinaryIO, kind: int) -> Any:
         if n > MAX_METADATA_ITEMS:
             raise ValueError(f"GGUF array of {n} items: not a sane file")
         if item in _NUMPY:  # numbers in one read (token scores, types)
-            return np.frombuffer(f.read(n * np.dtype(_NUMPY[item]).itemsize), _NUMPY[item]).tolist()
+            return np.frombuffer(_read(f, n * np.dtype(_NUMPY[item]).itemsize), _NUMPY[item]).tolist()
         return [_value(f, item) for _ in range(n)]
     raise ValueError(f"GGUF metadata value of unknown type {kind}")
 
@@ -216,10 +221,9 @@ def hf_config(gg: GGUFFile) -> dict[str, Any]:
     embed = gg.tensors.get("token_embd.weight")
     if embed is None:
         raise ValueError(f"{gg.path} has no token_embd.weight")
-    tokens = gg.get("tokenizer.ggml.tokens")
     hf: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch,
-        "vocab_size": int(m("vocab_size", embed.shape[0])), "hidden_size": hidden,
+        "vocab_size": embed.shape[0], "hidden_size": hidden,  # the embedding's rows (a vocabulary may be shorter)
         "intermediate_size": int(m("feed_forward_length")), "num_hidden_layers": int(m("block_count")),
         "num_attention_heads": heads, "num_key_value_heads": int(m("attention.head_count_kv", heads)),
         "head_dim": head_dim, "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
@@ -230,8 +234,6 @@ def hf_config(gg: GGUFFile) -> dict[str, Any]:
         "bos_token_id": gg.get("tokenizer.ggml.bos_token_id"), "eos_token_id": gg.get("tokenizer.ggml.eos_token_id"),
         "gguf_file": str(gg.path.resolve()),
     }
-    if tokens is not None and len(tokens) != hf["vocab_size"]:
-        hf["vocab_size"] = max(hf["vocab_size"], embed.shape[0])
     if arch == "qwen2":  # Qwen2's q / k / v always have a bias, its o_proj none (ModelConfig's qkv_bias)
         hf["attention_bias"] = False
     return hf
@@ -259,6 +261,8 @@ def tokenizer_json(gg: GGUFFile) -> dict[str, Any]:
     if pre not in PRE_TOKENIZERS:
         raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported ({', '.join(PRE_TOKENIZERS)}){hint}")
     tokens, merges = gg.get("tokenizer.ggml.tokens"), gg.get("tokenizer.ggml.merges") or []
+    if not tokens:
+        raise ValueError(f"GGUF file has no vocabulary (tokenizer.ggml.tokens){hint}")
     types = gg.get("tokenizer.ggml.token_type") or [1] * len(tokens)
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": kind == TOKEN_CONTROL}
@@ -269,7 +273,7 @@ def tokenizer_json(gg: GGUFFile) -> dict[str, Any]:
         {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}, byte_level]}
     post = None
     bos = gg.get("tokenizer.ggml.bos_token_id")
-    if gg.get("tokenizer.ggml.add_bos_token", False) and isinstance(bos, int):
+    if gg.get("tokenizer.ggml.add_bos_token", False) and isinstance(bos, int) and 0 <= bos < len(tokens):
         post = {"type": "TemplateProcessing",
                 "single": [{"SpecialToken": {"id": tokens[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
                 "pair": [{"SpecialToken": {"id": tokens[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
