@@ -10,8 +10,9 @@ structured outputs, prompt logprobs and speculative decoding are refused (a 400 
 error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
 
 Step time: the profile's prediction for the step's shape; with a served profile (`atomd
-profile --from-servers`) times a ratio drawn from its measured spread, plus whatever of the
-served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves.
+profile --from-servers`) plus a residual drawn from its measured spread, plus whatever of the
+served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves;
+a step that woke late (a shared machine) shortens the next busy one by as much.
 
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
 connector moves one byte per block over its real side channel (leases, heartbeats, aborts
@@ -41,6 +42,7 @@ from scheduler.sequence import Sequence
 
 SIM_KV_LAYOUT_VERSION = "atomd-sim-kv-1"  # one byte per block: never pairs with a real engine
 TOKEN_CONTEXT = 8  # last tokens a simulated token depends on
+MAX_LATE_S = 1.0  # lateness carried to the next step at most
 
 
 class SimulatedEngine(EngineLoop):
@@ -74,6 +76,7 @@ class SimulatedEngine(EngineLoop):
         self._gap_s = step.step_gap_s if isinstance(step, Calibrated) else 0.0
         self._own_gap_s: float | None = None
         self._last_forward_end: float | None = None
+        self._late_s = 0.0  # how much later than its target the last busy step ended
         self.forward_steps = 0
         self._start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)
 
@@ -105,7 +108,7 @@ class SimulatedEngine(EngineLoop):
             batch.is_prefill, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens.tolist()))
         spread = self._spread.get(batch.is_prefill)
         if spread:
-            seconds *= spread[self._spread_rng.integers(len(spread))]
+            seconds = max(0.0, seconds + spread[self._spread_rng.integers(len(spread))])
         wait = 0.0
         if self._gap_s and self._last_forward_end is not None:
             gap = started - self._last_forward_end
@@ -131,10 +134,16 @@ class SimulatedEngine(EngineLoop):
                     fork_entries[i].append(entry)
         self.forward_steps += 1
         self.forward_seconds += seconds
-        remaining = started + seconds + wait - time.perf_counter()
+        # a shared machine wakes a sleeper late: the lateness is paid back from the next busy
+        # steps, so a busy engine's steps add up to the profile's times
+        target = started + seconds + wait - self._late_s
+        remaining = target - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
-        self._last_forward_end = time.perf_counter() if self.scheduler.running else None
+        end = time.perf_counter()
+        busy = bool(self.scheduler.running)
+        self._late_s = min(max(0.0, end - target), MAX_LATE_S) if busy else 0.0
+        self._last_forward_end = end if busy else None
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
                                     fork_logprobs=fork_entries)
 

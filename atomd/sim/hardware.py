@@ -189,10 +189,10 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     prefill: LinearStep
     decode: LinearStep
     source: str = ""  # where and how it was measured
-    # A profile fitted from served steps (`atomd profile --from-servers`): measured / fitted
-    # step time at evenly spaced quantiles, prefill and decode apart. A simulated engine
-    # multiplies each step by one drawn at random, so its steps spread as the served ones did
-    # (the preemptions of a shared machine included); empty: every step takes the fit's time.
+    # A profile fitted from served steps (`atomd profile --from-servers`): measured - fitted
+    # step seconds at evenly spaced quantiles (mean 0), prefill and decode apart. A simulated
+    # engine adds one drawn at random to each step (at least 0 in all), so its steps spread as
+    # the served ones did (a shared machine's preemptions included); empty: the fit's time.
     prefill_spread: list[float] = []
     decode_spread: list[float] = []
     # ... and the served engine's mean time from a forward's end to the next one's start while
@@ -297,8 +297,8 @@ def check_profile(p: Profile) -> None:
         raise ValueError(f"hardware {p.name}: kv_cache_bytes must be > 0")
     if isinstance(p.step, Calibrated):
         for spread in (p.step.prefill_spread, p.step.decode_spread):
-            if len(spread) > MAX_SPREAD or not all(0 <= v < 1e3 for v in spread):
-                raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} ratios in [0, 1000)")
+            if len(spread) > MAX_SPREAD or not all(abs(v) < 60 for v in spread):
+                raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} values in (-60, 60) s")
         if not 0 <= p.step.step_gap_s < 10:
             raise ValueError(f"hardware {p.name}: step_gap_s must be in [0, 10) seconds")
     for shape in (StepShape(True, 1, 1, 1.0, 1), StepShape(False, 1, 1, 1.0, 1)):
