@@ -435,12 +435,13 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
 
 def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(tmp_path, monkeypatch):
     """On a fake clock the loop's own gap between forwards is 0: every forward after a busy
-    one sleeps the prediction plus the whole served gap; the first (after idle) none of it."""
+    one sleeps the prediction plus the whole served gap of its kind (decode here); the first
+    (a prefill after idle) none of it."""
     import atomd.sim.engine as sim_engine
     from atomd.sim.hardware import Calibrated
 
     base = load_profile(str(default_model_profile(tmp_path / "p.json")))
-    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, step_gap_s=0.02)
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, prefill_gap_s=0.5, decode_gap_s=0.02)
     path = tmp_path / "gap.json"
     path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
     clock = [1000.0]

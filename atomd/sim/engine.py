@@ -73,8 +73,8 @@ class SimulatedEngine(EngineLoop):
         self._spread = {True: step.prefill_spread, False: step.decode_spread} if isinstance(step, Calibrated) else {}
         self._spread_rng = np.random.default_rng(config.seed)
         # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
-        self._gap_s = step.step_gap_s if isinstance(step, Calibrated) else 0.0
-        self._own_gap_s: float | None = None
+        self._gap_s = {True: step.prefill_gap_s, False: step.decode_gap_s} if isinstance(step, Calibrated) else {}
+        self._own_gap_s: dict[bool, float] = {}  # is_prefill -> this loop's gap (EWMA)
         self._last_forward_end: float | None = None
         self._late_s = 0.0  # how much later than its target the last busy step ended
         self.forward_steps = 0
@@ -110,10 +110,12 @@ class SimulatedEngine(EngineLoop):
         if spread:
             seconds = max(0.0, seconds + spread[self._spread_rng.integers(len(spread))])
         wait = 0.0
-        if self._gap_s and self._last_forward_end is not None:
+        served_gap = self._gap_s.get(batch.is_prefill)
+        if served_gap and self._last_forward_end is not None:
             gap = started - self._last_forward_end
-            self._own_gap_s = gap if self._own_gap_s is None else self._own_gap_s + 0.1 * (gap - self._own_gap_s)
-            wait = max(0.0, self._gap_s - self._own_gap_s)
+            own = self._own_gap_s.get(batch.is_prefill)
+            own = self._own_gap_s[batch.is_prefill] = gap if own is None else own + 0.1 * (gap - own)
+            wait = max(0.0, served_gap - own)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None

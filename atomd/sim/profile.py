@@ -211,7 +211,8 @@ def run_from_servers(args: argparse.Namespace) -> int:
         samples = served_samples(args.from_servers)
         fits = {kind: fit_served([(s, t) for s, t, _ in samples if s.is_prefill == (kind == "prefill")], kind)
                 for kind in ("prefill", "decode")}
-        gaps = [g for _, _, g in samples if g >= 0]
+        gaps = {kind: [g for s, _, g in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
+                for kind in ("prefill", "decode")}
     except (ValueError, OSError) as e:
         print(f"atomd profile: error: {e}", file=sys.stderr)
         return 2
@@ -223,10 +224,12 @@ def run_from_servers(args: argparse.Namespace) -> int:
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
-    gap = float(np.mean(gaps)) if gaps else 0.0
-    print(f"busy gap between forwards: mean {gap * 1e3:.2f} ms over {len(gaps)} steps")
+    gap = {kind: float(np.mean(g)) if g else 0.0 for kind, g in gaps.items()}
+    for kind, g in gaps.items():
+        print(f"busy gap before a {kind} forward: mean {gap[kind] * 1e3:.2f} ms over {len(g)} steps")
     step = Calibrated(prefill=fits["prefill"][0], decode=fits["decode"][0], source=source,
-                      prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1], step_gap_s=gap)
+                      prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1],
+                      prefill_gap_s=gap["prefill"], decode_gap_s=gap["decode"])
     write_profile(args, config, name, step, link)
     return 0
 
