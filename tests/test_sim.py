@@ -345,41 +345,46 @@ def test_an_engine_keeps_its_step_samples_only_when_asked(profile, monkeypatch):
 
 
 def test_a_served_fit_recovers_the_mean_step_and_its_spread():
-    """Steps of a known model times a known noise (uniform in [0.5, 1.5], mean 1, like a
-    shared machine's): the mean fit finds the model, the spread the noise's quantiles."""
+    """Steps of a known model plus a known delay (exponential, mean 4 ms, like a shared
+    machine's time slices): the mean fit finds the model with the delay's mean in its base,
+    the spread the delay's quantiles less that mean."""
     from atomd.sim.profile import SPREAD_QUANTILES, fit_served
 
     rng = np.random.default_rng(0)
     steps = [StepShape(False, int(b), int(b), 0.0, int(c))
-             for b, c in zip(rng.integers(1, 32, 4000), rng.integers(64, 8192, 4000))]
+             for b, c in zip(rng.integers(1, 32, 20000), rng.integers(64, 8192, 20000))]
     truth = (2e-3, 100e-6, 500e-9)
-    noise = rng.uniform(0.5, 1.5, len(steps))
-    samples = [(s, (truth[0] + truth[1] * s.tokens + truth[2] * s.context) * r) for s, r in zip(steps, noise)]
+    delay = rng.exponential(4e-3, len(steps))
+    samples = [(s, truth[0] + truth[1] * s.tokens + truth[2] * s.context + d) for s, d in zip(steps, delay)]
     fit, spread = fit_served(samples, "decode")
-    np.testing.assert_allclose([fit.base_s, fit.per_token_s, fit.per_attention_s], truth, rtol=0.05)
-    want = 0.5 + (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES  # the uniform's quantiles
-    np.testing.assert_allclose(spread, want, atol=0.03)
+    np.testing.assert_allclose([fit.base_s, fit.per_token_s, fit.per_attention_s],
+                               [truth[0] + 4e-3, truth[1], truth[2]], rtol=0.05)
+    q = (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES
+    want = -4e-3 * np.log1p(-q)  # the exponential's quantiles
+    np.testing.assert_allclose(spread, want - want.mean(), atol=1e-3)
+    assert abs(np.mean(spread)) < 1e-6
     with pytest.raises(ValueError, match="too few"):
         fit_served(samples[:2], "decode")
 
 
-def test_a_simulated_step_is_the_fit_times_a_draw_from_the_spread(tmp_path):
+def test_a_simulated_step_is_the_fit_plus_a_draw_from_the_spread(tmp_path):
     from atomd.sim.hardware import Calibrated
 
     base = load_profile(str(default_model_profile(tmp_path / "p.json")))
-    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, prefill_spread=[2.0], decode_spread=[3.0])
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, prefill_spread=[0.02],
+                      decode_spread=[-1.0])
     path = tmp_path / "spread.json"
     path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
     engine = make_engine(path)
     run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True))})
-    want = 2 * base.step_seconds(StepShape.of(True, [20], [0])) + \
-        3 * sum(base.step_seconds(StepShape.of(False, [1], [c])) for c in (20, 21))
+    want = base.step_seconds(StepShape.of(True, [20], [0])) + 0.02  # decode steps: max(0, fit - 1 s)
     assert engine.stats()["sim"]["forward_seconds"] == pytest.approx(want)
     raw = json.loads(path.read_text())
-    raw["step"]["decode_spread"] = [1.0] * 1001
-    path.write_text(json.dumps(raw))
-    with pytest.raises(ValueError, match="spread holds at most"):
-        load_profile(str(path))
+    for bad in ([0.0] * 1001, [61.0]):
+        raw["step"]["decode_spread"] = bad
+        path.write_text(json.dumps(raw))
+        with pytest.raises(ValueError, match="spread holds at most"):
+            load_profile(str(path))
 
 
 def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
@@ -419,7 +424,8 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
                                    [0.004, 50e-6, 20e-9], rtol=1e-6)
         np.testing.assert_allclose([step.decode.base_s, step.decode.per_token_s, step.decode.per_attention_s],
                                    [0.003, 200e-6, 100e-9], rtol=1e-6)
-        assert step.decode_spread == pytest.approx([1.0] * 50)
+        assert step.decode_spread == pytest.approx([0.0] * 50, abs=1e-9)
+        assert step.decode_gaps == pytest.approx([0.001] * 50) and step.prefill_gaps == []
         bad = subprocess.run([*cmd[:5], url + "/without", "-o", str(out)], cwd=REPO, capture_output=True,
                              text=True, timeout=120)
         assert bad.returncode == 2 and "ATOMD_STEP_SAMPLES" in bad.stderr
@@ -430,12 +436,13 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
 
 def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(tmp_path, monkeypatch):
     """On a fake clock the loop's own gap between forwards is 0: every forward after a busy
-    one sleeps the prediction plus the whole served gap; the first (after idle) none of it."""
+    one sleeps the prediction plus the whole served gap of its kind (decode here); the first
+    (a prefill after idle) none of it."""
     import atomd.sim.engine as sim_engine
     from atomd.sim.hardware import Calibrated
 
     base = load_profile(str(default_model_profile(tmp_path / "p.json")))
-    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, step_gap_s=0.02)
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, prefill_gaps=[0.5], decode_gaps=[0.02])
     path = tmp_path / "gap.json"
     path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
     clock = [1000.0]

@@ -10,8 +10,9 @@ structured outputs, prompt logprobs and speculative decoding are refused (a 400 
 error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
 
 Step time: the profile's prediction for the step's shape; with a served profile (`atomd
-profile --from-servers`) times a ratio drawn from its measured spread, plus whatever of the
-served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves.
+profile --from-servers`) plus a residual drawn from its measured spread, plus whatever of the
+served engine's busy gap (drawn from its quantiles) this loop's own gap (EWMA) leaves;
+a step that woke late (a shared machine) shortens the next busy one by as much.
 
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
 connector moves one byte per block over its real side channel (leases, heartbeats, aborts
@@ -42,6 +43,7 @@ from contracts.logprobs import Logprob
 
 SIM_KV_LAYOUT_VERSION = "atomd-sim-kv-1"  # one byte per block: never pairs with a real engine
 TOKEN_CONTEXT = 8  # last tokens a simulated token depends on
+MAX_LATE_S = 1.0  # lateness carried to the next step at most
 
 
 class SimulatedEngine(EngineLoop):
@@ -72,9 +74,10 @@ class SimulatedEngine(EngineLoop):
         self._spread = {True: step.prefill_spread, False: step.decode_spread} if isinstance(step, Calibrated) else {}
         self._spread_rng = np.random.default_rng(config.seed)
         # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
-        self._gap_s = step.step_gap_s if isinstance(step, Calibrated) else 0.0
-        self._own_gap_s: float | None = None
+        self._gaps = {True: step.prefill_gaps, False: step.decode_gaps} if isinstance(step, Calibrated) else {}
+        self._own_gap_s: dict[bool, float] = {}  # is_prefill -> this loop's gap (EWMA)
         self._last_forward_end: float | None = None
+        self._late_s = 0.0  # how much later than its target the last busy step ended
         self.forward_steps = 0
         self._start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)
 
@@ -106,12 +109,14 @@ class SimulatedEngine(EngineLoop):
             batch.is_prefill, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens.tolist()))
         spread = self._spread.get(batch.is_prefill)
         if spread:
-            seconds *= spread[self._spread_rng.integers(len(spread))]
+            seconds = max(0.0, seconds + spread[self._spread_rng.integers(len(spread))])
         wait = 0.0
-        if self._gap_s and self._last_forward_end is not None:
+        gaps = self._gaps.get(batch.is_prefill)
+        if gaps and self._last_forward_end is not None:
             gap = started - self._last_forward_end
-            self._own_gap_s = gap if self._own_gap_s is None else self._own_gap_s + 0.1 * (gap - self._own_gap_s)
-            wait = max(0.0, self._gap_s - self._own_gap_s)
+            own = self._own_gap_s.get(batch.is_prefill)
+            own = self._own_gap_s[batch.is_prefill] = gap if own is None else own + 0.1 * (gap - own)
+            wait = max(0.0, gaps[self._spread_rng.integers(len(gaps))] - own)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None
@@ -132,10 +137,16 @@ class SimulatedEngine(EngineLoop):
                     fork_entries[i].append(entry)
         self.forward_steps += 1
         self.forward_seconds += seconds
-        remaining = started + seconds + wait - time.perf_counter()
+        # a shared machine wakes a sleeper late: the lateness is paid back from the next busy
+        # steps, so a busy engine's steps add up to the profile's times
+        target = started + seconds + wait - self._late_s
+        remaining = target - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
-        self._last_forward_end = time.perf_counter() if self.scheduler.running else None
+        end = time.perf_counter()
+        busy = bool(self.scheduler.running)
+        self._late_s = min(max(0.0, end - target), MAX_LATE_S) if busy else 0.0
+        self._last_forward_end = end if busy else None
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
                                     fork_logprobs=fork_entries)
 

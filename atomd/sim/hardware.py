@@ -189,17 +189,20 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     prefill: LinearStep
     decode: LinearStep
     source: str = ""  # where and how it was measured
-    # A profile fitted from served steps (`atomd profile --from-servers`): measured / fitted
-    # step time at evenly spaced quantiles, prefill and decode apart. A simulated engine
-    # multiplies each step by one drawn at random, so its steps spread as the served ones did
-    # (the preemptions of a shared machine included); empty: every step takes the fit's time.
+    # A profile fitted from served steps (`atomd profile --from-servers`): measured - fitted
+    # step seconds at evenly spaced quantiles (mean 0), prefill and decode apart. A simulated
+    # engine adds one drawn at random to each step (at least 0 in all), so its steps spread as
+    # the served ones did (a shared machine's preemptions included); empty: the fit's time.
     prefill_spread: list[float] = []
     decode_spread: list[float] = []
-    # ... and the served engine's mean time from a forward's end to the next one's start while
-    # it had sequences running (scheduling, outputs, IPC, its API process: under the load it
-    # had); a simulated engine waits out what its own loop, sleeping through its forwards,
-    # does not take of it (atomd/sim/engine.py)
-    step_gap_s: float = 0.0
+    # ... and the served engine's time from a forward's end to the next prefill / decode
+    # forward's start while it had sequences running (scheduling, outputs, IPC, its API
+    # process: under the load it had), seconds at evenly spaced quantiles: a simulated engine
+    # draws one per busy step and waits out what its own loop, sleeping through its forwards,
+    # does not take of it (atomd/sim/engine.py). Quantiles, not a mean: a rare long gap slows
+    # a few requests, a mean spread over every step would slow them all.
+    prefill_gaps: list[float] = []
+    decode_gaps: list[float] = []
 
 
 class Derived(msgspec.Struct, frozen=True, kw_only=True, tag="derived"):
@@ -297,10 +300,11 @@ def check_profile(p: Profile) -> None:
         raise ValueError(f"hardware {p.name}: kv_cache_bytes must be > 0")
     if isinstance(p.step, Calibrated):
         for spread in (p.step.prefill_spread, p.step.decode_spread):
-            if len(spread) > MAX_SPREAD or not all(0 <= v < 1e3 for v in spread):
-                raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} ratios in [0, 1000)")
-        if not 0 <= p.step.step_gap_s < 10:
-            raise ValueError(f"hardware {p.name}: step_gap_s must be in [0, 10) seconds")
+            if len(spread) > MAX_SPREAD or not all(abs(v) < 60 for v in spread):
+                raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} values in (-60, 60) s")
+        for gaps in (p.step.prefill_gaps, p.step.decode_gaps):
+            if len(gaps) > MAX_SPREAD or not all(0 <= v < 60 for v in gaps):
+                raise ValueError(f"hardware {p.name}: step gaps hold at most {MAX_SPREAD} values in [0, 60) s")
     for shape in (StepShape(True, 1, 1, 1.0, 1), StepShape(False, 1, 1, 1.0, 1)):
         if not math.isfinite(p.step_seconds(shape)):
             raise ValueError(f"hardware {p.name}: the step model is not finite")

@@ -12,8 +12,8 @@ with $ATOMD_STEP_SAMPLES=N keeps its last N forwards' shapes and wall times (GET
 /debug/stats `step_samples`; atomd/engine/engine_loop.py). A served forward shares the
 cores with its API process, the other engines, a router and the client, which a grid timed
 alone does not see; the fit is in seconds (the mean, slow steps included) and the profile
-carries the measured / fitted spread (hardware.Calibrated) that a simulated engine draws
-from. Run the servers under the traffic you mean to simulate; the fit is as good as the
+carries the spread of measured - fitted seconds (hardware.Calibrated) that a simulated
+engine draws from. Run the servers under the traffic you mean to simulate; the fit is as good as the
 shapes they saw.
 """
 from __future__ import annotations
@@ -69,15 +69,18 @@ def served_samples(urls: list[str]) -> list[tuple]:
 
 
 def fit_served(samples: list[tuple], kind: str):
-    """The mean fit of one kind's served steps and the measured / fitted spread's quantiles."""
+    """The mean fit of one kind's served steps and the quantiles of measured - fitted
+    seconds, at mean 0. Additive, not a ratio: a shared machine delays a step by a time
+    slice whatever its size, and a ratio learnt from short steps would stretch long ones."""
     from atomd.sim.hardware import fit_linear
 
     if len(samples) < 3:
         raise ValueError(f"{len(samples)} {kind} steps served: too few to fit (send traffic first)")
     fit = fit_linear([s for s, _ in samples], [t for _, t in samples], relative=False)
-    ratios = np.array([t / max(fit.seconds(s), 1e-6) for s, t in samples])
-    spread = np.quantile(ratios, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
-    return fit, [round(float(v), 4) for v in spread]
+    residuals = np.array([t - fit.seconds(s) for s, t in samples])
+    spread = np.quantile(residuals, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
+    spread -= spread.mean()  # at mean 0: a simulated step's mean is the fit's
+    return fit, [round(float(v), 6) for v in spread]
 
 
 class StepTimer:
@@ -208,22 +211,28 @@ def run_from_servers(args: argparse.Namespace) -> int:
         samples = served_samples(args.from_servers)
         fits = {kind: fit_served([(s, t) for s, t, _ in samples if s.is_prefill == (kind == "prefill")], kind)
                 for kind in ("prefill", "decode")}
-        gaps = [g for _, _, g in samples if g >= 0]
+        gaps = {kind: [g for s, _, g in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
+                for kind in ("prefill", "decode")}
     except (ValueError, OSError) as e:
         print(f"atomd profile: error: {e}", file=sys.stderr)
         return 2
     for kind, (fit, spread) in fits.items():
         print(f"{kind} fit (served, mean): {fit.base_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.3f} us/token + "
               f"{fit.per_attention_s * 1e9:.4f} ns/{'pair' if kind == 'prefill' else 'context token'}; "
-              f"measured / fitted p10 {spread[len(spread) // 10]:.2f}, p50 {spread[len(spread) // 2]:.2f}, "
-              f"p90 {spread[len(spread) * 9 // 10]:.2f}")
+              f"measured - fitted p10 {spread[len(spread) // 10] * 1e3:.2f} ms, p50 "
+              f"{spread[len(spread) // 2] * 1e3:.2f} ms, p90 {spread[len(spread) * 9 // 10] * 1e3:.2f} ms")
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
-    gap = float(np.mean(gaps)) if gaps else 0.0
-    print(f"busy gap between forwards: mean {gap * 1e3:.2f} ms over {len(gaps)} steps")
+    quantiles = (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES
+    gap = {kind: [round(float(v), 6) for v in np.quantile(g, quantiles)] if g else [] for kind, g in gaps.items()}
+    for kind, g in gaps.items():
+        if g:
+            print(f"busy gap before a {kind} forward: mean {np.mean(g) * 1e3:.2f} ms, median "
+                  f"{np.median(g) * 1e3:.2f} ms over {len(g)} steps")
     step = Calibrated(prefill=fits["prefill"][0], decode=fits["decode"][0], source=source,
-                      prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1], step_gap_s=gap)
+                      prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1],
+                      prefill_gaps=gap["prefill"], decode_gaps=gap["decode"])
     write_profile(args, config, name, step, link)
     return 0
 
