@@ -48,6 +48,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     signature: str | None = None  # the router's HMAC of the other fields (kv_transfer/trust.py)
     # P's prompt logprobs (asked by `prompt_logprobs` or echo + logprobs): D returns them
     prompt_logprobs: list[dict[str, Any] | None] | None = None
+    # the LoRA adapter P computed the prompt's KV under (None: the base model): D serves the
+    # pull only for a request under the same adapter, loaded there
+    lora_name: Ident | None = None
 
     def __post_init__(self) -> None:
         # A producer's logprob entries are indexed by the consumer's scheduler and renderer:
