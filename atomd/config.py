@@ -203,7 +203,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} is not simulated (model_runner simulated)")
 
     def _check_lora(self) -> None:
-        from atomd.engine.lora_registry import parse_lora_modules
+        from contracts.lora import parse_lora_modules
 
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
@@ -214,7 +214,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """--lora-modules as (name, path) pairs."""
-        from atomd.engine.lora_registry import parse_lora_modules
+        from contracts.lora import parse_lora_modules
 
         return parse_lora_modules(self.lora_modules)
 

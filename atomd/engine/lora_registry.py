@@ -12,11 +12,9 @@ requests get a 404) and drops its weights when the last request holding it ends.
 from __future__ import annotations
 
 import collections
-import re
 from typing import Any, Callable
 
-MAX_NAME_CHARS = 256
-_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*")
+from contracts.lora import check_name
 
 
 class LoraBusy(RuntimeError):
@@ -91,23 +89,3 @@ class LoraRegistry:
     def _drop(self, name: str) -> None:
         self.resident.pop(name, None)
         self.ids.pop(name, None)
-
-
-def check_name(name: Any) -> None:
-    if not isinstance(name, str) or not 0 < len(name) <= MAX_NAME_CHARS or _NAME.fullmatch(name) is None:
-        raise ValueError(f"LoRA adapter name must be 1-{MAX_NAME_CHARS} characters of letters, digits and ._:/- "
-                         f"(starting with a letter or digit), got {name!r}")
-
-
-def parse_lora_modules(items: list[str]) -> list[tuple[str, str]]:
-    """`--lora-modules name=path ...` -> [(name, path)]; ValueError naming a bad item."""
-    out: list[tuple[str, str]] = []
-    for item in items:
-        name, sep, path = item.partition("=")
-        if not sep or not path:
-            raise ValueError(f"lora_modules: {item!r} is not name=path")
-        check_name(name)
-        if any(name == n for n, _ in out):
-            raise ValueError(f"lora_modules: {name!r} is named twice")
-        out.append((name, path))
-    return out

@@ -1,0 +1,148 @@
+"""LoRA serving against PEFT, the reference: tiny random adapters written by `peft` on tiny
+random Llama and Qwen2 checkpoints; every request's greedy ids equal transformers + PeftModel
+(and the merged model) for 48 tokens, in one batch that mixes three adapters and the base model;
+the prefix cache keeps adapters apart; the registry never evicts an adapter in use."""
+from __future__ import annotations
+
+import pathlib
+
+import peft
+import pytest
+import torch
+
+from atomd.engine.lora_registry import LoraBusy, LoraRegistry
+from atomd.llm import LLM
+from contracts.block_hash import block_hashes
+from contracts.sampling import SamplingParams
+from tests.test_model_hf import hf_model, make_checkpoint, prompts_of
+
+pytestmark = [pytest.mark.unit, pytest.mark.timeout(300)]
+TOKENS = 48
+ALL = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+# (name, r, alpha, rsLoRA, targets): every target kind, two ranks, both scalings
+ADAPTERS = [("sql", 8, 16, False, ALL), ("poet", 4, 8, True, ALL), ("attn", 8, 32, False, ["q_proj", "v_proj", "o_proj"])]
+
+
+def make_adapter(base: pathlib.Path, out: pathlib.Path, r: int, alpha: int, rslora: bool, targets: list[str],
+                 seed: int) -> pathlib.Path:
+    """A random PEFT LoRA adapter (B random too: PEFT's default B = 0 would be the base model)."""
+    torch.manual_seed(seed)
+    model = peft.get_peft_model(hf_model_copy(base), peft.LoraConfig(
+        r=r, lora_alpha=alpha, use_rslora=rslora, target_modules=targets, init_lora_weights=False))
+    with torch.no_grad():  # PEFT's random init is tiny for B: scale it so the adapters steer the tokens
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.mul_(40.0 / max(1.0, p.abs().mean().item() * 1000))
+    model.save_pretrained(out)
+    return out
+
+
+def hf_model_copy(base: pathlib.Path) -> torch.nn.Module:
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+
+
+def hf_greedy_with(model: torch.nn.Module, prompt: list[int], n: int) -> list[int]:
+    ids: list[int] = []
+    with torch.inference_mode():
+        seq = list(prompt)
+        for _ in range(n):  # no cache: PeftModel and the merged model take the same path
+            ids.append(int(model(torch.tensor([seq])).logits[0, -1].argmax()))
+            seq.append(ids[-1])
+    return ids
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def setup(request, tmp_path_factory):
+    kind = request.param
+    root = tmp_path_factory.mktemp(f"lora_{kind}")
+    base = make_checkpoint(root / "base", kind, seed=5)
+    adapters = {name: make_adapter(base, root / name, r, a, rs, t, seed=i + 11)
+                for i, (name, r, a, rs, t) in enumerate(ADAPTERS)}
+    return base, adapters
+
+
+def reference(base: pathlib.Path, adapter: pathlib.Path | None, prompt: list[int], merged: bool = False) -> list[int]:
+    if adapter is None:
+        return hf_greedy_with(hf_model(base), prompt, TOKENS)
+    model = peft.PeftModel.from_pretrained(hf_model_copy(base), adapter).eval()
+    if merged:
+        model = model.merge_and_unload()
+    return hf_greedy_with(model, prompt, TOKENS)
+
+
+def test_mixed_batch_equals_peft(setup):
+    base, adapters = setup
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"{n}={p}" for n, p in adapters.items()],
+              max_loras=3, max_lora_rank=8, num_threads=1, max_num_batched_tokens=64)
+    names = [None, "sql", "poet", "attn", "sql", None]
+    # one block, many blocks (chunked over steps by the 64-token budget), one token: tiles and groups
+    prompts = prompts_of([5, 16, 37, 1, 70, 23], seed=3)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
+    got = [o.outputs[0].token_ids for o in outs]
+    for prompt, name, ids in zip(prompts, names, got):
+        want = reference(base, adapters.get(name), prompt)
+        assert ids == want, (name, len(prompt))
+    # the adapters change the output (so equality above says something), and merging gives the same
+    assert got[1] != reference(base, None, prompts[1])
+    assert got[2] == reference(base, adapters["poet"], prompts[2], merged=True)
+    assert llm.engine.loras.in_use == {}  # every request gave its adapter back
+
+
+def test_prefix_cache_keeps_adapters_apart(setup):
+    base, adapters = setup
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"sql={adapters['sql']}", f"attn={adapters['attn']}"],
+              max_loras=2, max_lora_rank=8, num_threads=1)
+    prompt = prompts_of([40], seed=9)[0]
+    sp = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    bm = llm.engine.scheduler.block_manager
+    runs = {}
+    for name in ["sql", "attn", None, "sql"]:
+        out = llm.generate([{"prompt_token_ids": prompt}], sp, lora_name=name)[0]
+        runs.setdefault(name, []).append(out)
+    # a second run under the same adapter hits its own chain; the others computed theirs
+    assert runs["sql"][1].num_cached_tokens == 32 and runs["attn"][0].num_cached_tokens == 0
+    assert runs[None][0].num_cached_tokens == 0
+    assert runs["sql"][1].outputs[0].token_ids == reference(base, adapters["sql"], prompt)[:4]
+    chains = {name: block_hashes(prompt, 16, lora_name=name) for name in ["sql", "attn", None]}
+    assert len({h for c in chains.values() for h in c}) == 6  # three chains of 2, no block shared
+    for chain in chains.values():
+        assert all(h in bm.pool.index for h in chain)
+
+
+def test_registry_evicts_lru_never_one_in_use():
+    loaded = []
+    reg = LoraRegistry(2, lambda name, path: loaded.append(name) or name)
+    reg.add("a", "pa")
+    reg.add("b", "pb")
+    reg.acquire("a")  # a in use, b least recently used and free
+    reg.add("c", "pc")  # evicts b
+    assert list(reg.resident) == ["a", "c"]
+    reg.acquire("c")
+    with pytest.raises(LoraBusy):  # a and c held: b cannot come back
+        reg.acquire("b")
+    reg.release("c")
+    assert reg.acquire("b") == "b" and list(reg.resident) == ["a", "b"] and loaded[-1] == "b"
+    reg.remove("a")  # in use: the name goes now, the weights when the request ends
+    with pytest.raises(KeyError):
+        reg.acquire("a")
+    assert "a" in reg.resident
+    reg.release("a")
+    assert "a" not in reg.resident
+
+
+def test_bad_adapters_are_refused_by_name(setup, tmp_path):
+    base, adapters = setup
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=4, num_threads=1)
+    res = llm.engine.load_lora_adapter("sql", str(adapters["sql"]))  # rank 8 > 4
+    assert res["status"] == 400 and "rank 8 is above --max-lora-rank 4" in res["error"]
+    res = llm.engine.load_lora_adapter("none", str(tmp_path))
+    assert res["status"] == 400 and "not a PEFT adapter directory" in res["error"]
+    assert llm.engine.load_lora_adapter("poet", str(adapters["poet"])) == {"name": "poet"}
+    with pytest.raises(LookupError, match="'sql' is not loaded"):
+        llm.generate([{"prompt_token_ids": [3, 4, 5]}], lora_name="sql")
+    assert llm.engine.unload_lora_adapter("poet") == {"name": "poet"}
+    assert llm.engine.unload_lora_adapter("poet")["status"] == 404
+    assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.block_manager.num_total_blocks
