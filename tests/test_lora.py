@@ -59,13 +59,14 @@ def setup(request, tmp_path_factory):
     return base, adapters
 
 
-def reference(base: pathlib.Path, adapter: pathlib.Path | None, prompt: list[int], merged: bool = False) -> list[int]:
+def reference(base: pathlib.Path, adapter: pathlib.Path | None, prompt: list[int], merged: bool = False,
+              tokens: int = TOKENS) -> list[int]:
     if adapter is None:
-        return hf_greedy_with(hf_model(base), prompt, TOKENS)
+        return hf_greedy_with(hf_model(base), prompt, tokens)
     model = peft.PeftModel.from_pretrained(hf_model_copy(base), adapter).eval()
     if merged:
         model = model.merge_and_unload()
-    return hf_greedy_with(model, prompt, TOKENS)
+    return hf_greedy_with(model, prompt, tokens)
 
 
 def test_mixed_batch_equals_peft(setup):

@@ -109,11 +109,12 @@ def test_unload_while_streaming_then_load_again(cluster, models, tokenizer):
     base, adapters = models
     url = cluster["ref"].url
     prompt = prompts_of([30], seed=77)[0]
-    want = reference(base, adapters["poet"], prompt)
+    long = 200  # long enough to be running when the unload lands (checked below)
+    want = reference(base, adapters["poet"], prompt, tokens=long)
     target = urlparse(url)
     conn = httpclient.HTTPConnection(target.hostname, target.port, timeout=60)
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body(prompt, "poet", stream=True)),
+        conn.request("POST", "/v1/completions", json.dumps(body(prompt, "poet", stream=True, max_tokens=long)),
                      {"Content-Type": "application/json"})
         resp = conn.getresponse()
         assert resp.status == 200
@@ -121,6 +122,7 @@ def test_unload_while_streaming_then_load_again(cluster, models, tokenizer):
         assert first.startswith(b"data: ")
         status, raw = http("POST", url + "/v1/unload_lora_adapter", {"lora_name": "poet"})
         assert status == 200, raw
+        assert cluster["ref"].stats()["num_running"] == 1  # so the unload came while it ran
         status, answer = complete(url, body(prompt, "poet"))
         assert status == 404 and "'poet'" in answer["error"]["message"]
         events = [first] + resp.read().split(b"\n")
@@ -132,7 +134,7 @@ def test_unload_while_streaming_then_load_again(cluster, models, tokenizer):
     status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "poet2", "lora_path": str(adapters["poet"])})
     assert status == 200, raw
     status, answer = complete(url, body(prompt, "poet2"))
-    assert status == 200 and text_of(answer) == tokenizer.decode(want)
+    assert status == 200 and text_of(answer) == tokenizer.decode(want[:TOKENS])
     status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(base)})
     assert status == 400 and b"not a PEFT adapter directory" in raw
     cluster.assert_settled()
