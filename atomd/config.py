@@ -431,8 +431,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif field == "kv_cache_memory":
             kw["type"] = _bytes_arg
-        elif field == "lora_modules":
-            kw.update(nargs="+", type=str, metavar="NAME=PATH")
+        elif field == "lora_modules":  # the field's default is a msgspec factory: the flag's is a list
+            kw.update(nargs="+", type=str, metavar="NAME=PATH", default=[])
         else:
             kw["type"] = kind
             if field in CHOICES:
