@@ -7,6 +7,7 @@ and new requests naming it get a 404."""
 from __future__ import annotations
 
 import concurrent.futures
+import time
 import http.client as httpclient
 import json
 import uuid
@@ -14,8 +15,9 @@ from urllib.parse import urlparse
 
 import pytest
 
-from launch.process import http
+from launch.process import RouterServer, http
 from tests.pd_fixtures import ref_and_pd
+from tests.server_fixtures import REPO, START_TIMEOUT_S, server_log
 from tests.test_lora import ADAPTERS, TOKENS, make_adapter, reference
 from tests.test_model_hf import make_checkpoint
 from tests.test_model_hf import prompts_of as random_prompts
@@ -137,4 +139,43 @@ def test_unload_while_streaming_then_load_again(cluster, models, tokenizer):
     assert status == 200 and text_of(answer) == tokenizer.decode(want[:TOKENS])
     status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "bad", "lora_path": str(base)})
     assert status == 400 and b"not a PEFT adapter directory" in raw
+    cluster.assert_settled()
+
+
+def test_router_places_adapter_requests_where_the_adapter_is_loaded(cluster, models, tokenizer):
+    """Two colocated workers, one serving the adapters (ref) and one without --enable-lora:
+    every `model: sql` request lands on ref (the other would answer 404), base requests on
+    either; /workers shows each worker's adapters, and follows a run-time load."""
+    base, adapters = models
+    cluster.start_engines(plain=[])
+    cluster.baseline["plain"] = cluster["plain"].stats()["num_total_blocks"]
+    router = RouterServer((), (), "--worker", cluster["ref"].url, "--worker", cluster["plain"].url,
+                          "--policy", "round_robin", "--health-interval-s", "0.3", log=server_log(), cwd=REPO)
+    cluster.routers.append(router)
+    router.wait_ready(START_TIMEOUT_S)
+    deadline = time.monotonic() + 30
+    while True:  # both in rotation, their adapters known
+        status, raw = http("GET", router.url + "/workers")
+        loras = {w["url"]: w.get("loras") for w in json.loads(raw)["workers"]} if status == 200 else {}
+        if len(loras) == 2 and loras.get(cluster["ref"].url) and all(
+                w["healthy"] for w in json.loads(raw)["workers"]):
+            break
+        assert time.monotonic() < deadline, raw
+        time.sleep(0.1)
+    assert loras[cluster["plain"].url] is None and {"sql", "attn"} <= set(loras[cluster["ref"].url])
+    prompt = prompts_of([12], seed=8)[0]
+    want = tokenizer.decode(reference(base, adapters["sql"], prompt))
+    for _ in range(4):  # round robin would send every other one to plain
+        status, answer = complete(router.url, body(prompt, "sql"))
+        assert status == 200 and text_of(answer) == want
+    # an adapter loaded at run time shows up at the next health round
+    status, raw = http("POST", cluster["ref"].url + "/v1/load_lora_adapter",
+                       {"lora_name": "late", "lora_path": str(adapters["attn"])})
+    assert status == 200, raw
+    while "late" not in (next(w for w in json.loads(http("GET", router.url + "/workers")[1])["workers"]
+                              if w["url"] == cluster["ref"].url)["loras"] or []):
+        assert time.monotonic() < deadline + 30
+        time.sleep(0.1)
+    status, answer = complete(router.url, body(prompt, "late"))
+    assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["attn"], prompt))
     cluster.assert_settled()
