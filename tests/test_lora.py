@@ -169,3 +169,34 @@ def test_bf16_adapter_rows_track_peft_fp32(setup):
     sql_err = (ours["sql"] - want_sql).abs().max().item()
     assert sql_err <= 2 * base_err + 0.05, (sql_err, base_err)
     assert (want_sql - want_base).abs().max().item() > 10 * (sql_err + 0.05)
+
+
+@pytest.mark.parametrize("kind,targets", [
+    ("qwen3", ALL), ("gemma3", ALL), ("phi3", ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]),
+    ("qwen3_moe", ["q_proj", "k_proj", "v_proj", "o_proj"])])
+def test_every_family_equals_peft(tmp_path, kind, targets):
+    """The deltas are a property of the shared layers: each family, one adapter row beside a
+    base row (phi3: its fused checkpoint names; an MoE: attention targets)."""
+    overrides = {"mlp_only_layers": [1]} if kind == "qwen3_moe" else {}
+    base = make_checkpoint(tmp_path / "base", kind, seed=7, **overrides)
+    adapter = make_adapter(base, tmp_path / "a", 8, 16, False, targets, seed=3)
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"a={adapter}"], max_loras=1, max_lora_rank=8,
+              num_threads=1)
+    prompts = prompts_of([19, 9], seed=13)
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=16, temperature=0, ignore_eos=True), lora_name=["a", None])
+    assert outs[0].outputs[0].token_ids == reference(base, adapter, prompts[0], tokens=16)
+    assert outs[1].outputs[0].token_ids == reference(base, None, prompts[1], tokens=16)
+
+
+def test_speculative_decoding_under_adapters_equals_peft(setup):
+    """ngram drafts verified in rows of their sequence's adapter: greedy output unchanged."""
+    base, adapters = setup
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"sql={adapters['sql']}"], max_loras=1, max_lora_rank=8,
+              num_threads=1, speculative_config={"method": "ngram", "num_speculative_tokens": 3})
+    prompt = prompts_of([12], seed=2)[0] * 3  # repeats: the proposer finds drafts
+    outs = llm.generate([{"prompt_token_ids": prompt}] * 2, SamplingParams(max_tokens=TOKENS, temperature=0,
+                                                                           ignore_eos=True), lora_name=["sql", None])
+    assert outs[0].outputs[0].token_ids == reference(base, adapters["sql"], prompt)
+    assert outs[1].outputs[0].token_ids == reference(base, None, prompt)
+    assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
