@@ -32,6 +32,7 @@ class ModelRunner:
         self.block_size = kv_cache.block_size
         self.workspace: DecodeWorkspace | None = None
         self.loras = None  # --enable-lora: the engine's LoraRegistry (name -> resident adapter weights)
+        self._lora_stack = None  # the last step's adapters side by side (atomd/model/lora.py)
         self.kernels = None  # the native attention kernels; None: torch SDPA (decode over a workspace)
         dtype = kv_cache.kv.dtype
         if attention_backend == "native" and dtype not in KERNEL_DTYPES:
@@ -100,7 +101,10 @@ class ModelRunner:
         if self.loras is None or all(s.lora_name is None for s in batch.seqs):
             return None
         resident = self.loras.resident
-        return LoraStep([None if s.lora_name is None else resident[s.lora_name] for s in batch.seqs], num_sched)
+        step = LoraStep([None if s.lora_name is None else resident[s.lora_name] for s in batch.seqs], num_sched,
+                        self._lora_stack)
+        self._lora_stack = step.stack  # the next step's, while it uses the same adapters
+        return step
 
     def _prefill_slices(self, block_tables: list[list[int]], starts: np.ndarray, ends: np.ndarray,
                         computed: np.ndarray) -> list[SeqSlice]:

@@ -1,5 +1,5 @@
 """LoRA adapters on the decoder's fused linears: PEFT adapter directories read into per-layer
-low-rank pairs, and the batched delta of one step (rows grouped by adapter).
+low-rank pairs, and the batched delta of one step (a batch mixes adapters and the base model).
 
 An adapter directory is what PEFT's `save_pretrained` writes: adapter_config.json
 (`r`, `lora_alpha`, `use_rslora`, `target_modules`) and adapter_model.safetensors
@@ -8,9 +8,9 @@ PEFT's delta of a target is `x @ A.T @ B.T * scale`, scale = alpha / r (alpha / 
 with rsLoRA). The decoder runs q/k/v as one QKV matmul and gate/up as one (decoder.py), so
 an adapter's targets of one fused linear are stacked: A [sum of r, in] and a B [out, sum of
 r] that is zero outside each target's own rows and rank columns (scale folded in). A step
-then adds, per adapter group of rows, two small matmuls per fused linear; rows of the base
-model get nothing. The simplest correct batching (one pass per adapter group);
-benchmarks/lora_overhead.py measures what it costs.
+puts the adapters its rows use side by side (`LoraStack`) and masks each row to its own
+adapter's columns (`LoraStep`): three ops per fused linear, base-model rows adding zeros.
+benchmarks/lora_overhead.py measures what it costs against one pass per adapter group.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ TARGETS = {"q_proj": ("qkv", "q"), "k_proj": ("qkv", "k"), "v_proj": ("qkv", "v"
            "o_proj": ("o", None), "gate_proj": ("gate_up", "gate"), "up_proj": ("gate_up", "up"),
            "gate_up_proj": ("gate_up", None), "down_proj": ("down", None)}
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
+FUSED = ("qkv", "o", "gate_up", "down")
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
 
@@ -138,60 +139,97 @@ def load_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, dtype: t
     return LoraAdapter(name, str(path), r, layers)
 
 
-class LoraStep:
-    """One forward's rows by adapter: `groups` pairs an adapter with the token rows it serves
-    (a slice where they are contiguous, else an index tensor); rows of no adapter are absent."""
+class LoraStack:
+    """The pairs of a set of adapters side by side, per layer and fused linear: A [C, in] (each
+    adapter's rows in turn; zeros where an adapter has no pair in that layer) and B [out, C].
+    Built once per set of adapters a step uses (ModelRunner keeps the last one: a decode batch
+    keeps its set for many steps)."""
 
-    def __init__(self, token_adapters: list[LoraAdapter | None], counts: np.ndarray):
-        """token_adapters[i]: sequence i's adapter (None: the base model); counts[i]: its rows."""
-        ends = np.cumsum(counts)
-        self.num_rows = int(ends[-1]) if len(ends) else 0
-        rows: dict[int, tuple[LoraAdapter, list[np.ndarray]]] = {}
-        for adapter, end, n in zip(token_adapters, ends.tolist(), counts.tolist()):
-            if adapter is not None and n:
-                rows.setdefault(id(adapter), (adapter, []))[1].append(np.arange(end - n, end))
-        self.groups = [(adapter, np.concatenate(parts)) for adapter, parts in rows.values()]
+    def __init__(self, adapters: tuple[LoraAdapter, ...]):
+        self.adapters = adapters
+        self.cols: dict[str, list[tuple[int, int]]] = {}  # fused linear -> each adapter's columns
+        self.layers: list[dict[str, LoraLinear]] = [{} for _ in adapters[0].layers]
+        for fused in FUSED:
+            pairs = [p for a in adapters for layer in a.layers if (p := layer.get(fused)) is not None]
+            if not pairs:
+                continue
+            widths = [max((layer[fused].a.shape[0] for layer in a.layers if fused in layer), default=0)
+                      for a in adapters]
+            ends = np.cumsum(widths).tolist()
+            self.cols[fused] = [(e - w, e) for e, w in zip(ends, widths)]
+            (_, fan_in), (fan_out, _), dtype = pairs[0].a.shape, pairs[0].b.shape, pairs[0].a.dtype
+            for i, stacked in enumerate(self.layers):
+                a, b = torch.zeros(ends[-1], fan_in, dtype=dtype), torch.zeros(fan_out, ends[-1], dtype=dtype)
+                for adapter, (lo, hi) in zip(adapters, self.cols[fused]):
+                    pair = adapter.layers[i].get(fused)
+                    if pair is not None:
+                        a[lo:lo + pair.a.shape[0]], b[:, lo:lo + pair.a.shape[0]] = pair.a, pair.b
+                stacked[fused] = LoraLinear(a, b)
+
+    def serves(self, adapters: tuple[LoraAdapter, ...]) -> bool:
+        return len(adapters) == len(self.adapters) and all(x is y for x, y in zip(adapters, self.adapters))
+
+
+class LoraStep:
+    """One forward's LoRA: the stack of the adapters its rows use and, per fused linear, a
+    [rows, C] 0/1 mask that keeps each row's own adapter's columns (none for a base-model row).
+    A fused linear then adds ((x @ A.T) * mask) @ B.T: three ops whatever the number of
+    adapters, against two matmuls and a gather / scatter per adapter group when each group ran
+    its own pass (2x-5x the step of a small model at 4-16 adapters: benchmarks/results/lora.md)."""
+
+    def __init__(self, token_adapters: list[LoraAdapter | None], counts: np.ndarray,
+                 stack: LoraStack | None = None):
+        """token_adapters[i]: sequence i's adapter (None: the base model); counts[i]: its rows;
+        `stack`: the previous step's, reused when it holds the same adapters."""
+        active: dict[int, LoraAdapter] = {}
+        for adapter in token_adapters:
+            if adapter is not None:
+                active.setdefault(id(adapter), adapter)
+        self.groups = tuple(active.values())  # empty: no adapter row in this step
+        if not self.groups:
+            self.stack = stack
+            return
+        self.stack = stack if stack is not None and stack.serves(self.groups) else LoraStack(self.groups)
+        slot = {id(a): j for j, a in enumerate(self.groups)}
+        row_slot = np.repeat([-1 if a is None else slot[id(a)] for a in token_adapters], counts)
+        self.masks: dict[str, torch.Tensor] = {}
+        for fused, cols in self.stack.cols.items():
+            mask = np.zeros((len(row_slot), cols[-1][1]), dtype=np.float32)
+            for j, (lo, hi) in enumerate(cols):
+                mask[row_slot == j, lo:hi] = 1.0
+            self.masks[fused] = torch.from_numpy(mask).to(self.dtype_of(fused))
+        self.row_slot = row_slot
+
+    def dtype_of(self, fused: str) -> torch.dtype:
+        return self.stack.layers[0][fused].a.dtype
 
     def tile(self, start: int, stop: int) -> "LoraRows | None":
-        """The groups restricted to rows [start, stop), renumbered from 0; None: no adapter row there."""
-        out = []
-        for adapter, idx in self.groups:
-            sel = idx[(idx >= start) & (idx < stop)] - start
-            if len(sel):
-                out.append((adapter, _rows(sel)))
-        return LoraRows(out) if out else None
-
-
-def _rows(idx: np.ndarray) -> slice | torch.Tensor:
-    if idx[-1] - idx[0] + 1 == len(idx):  # contiguous: a view, no gather / scatter
-        return slice(int(idx[0]), int(idx[-1]) + 1)
-    return torch.from_numpy(idx.astype(np.int64))
+        """Rows [start, stop) of the step; None: no adapter row there."""
+        if not self.groups or (self.row_slot[start:stop] < 0).all():
+            return None
+        return LoraRows(self.stack, {f: m[start:stop] for f, m in self.masks.items()})
 
 
 class LoraRows:
-    """The adapter groups of one tile of rows."""
+    """A tile of rows of one step: the stack and the tile's masks."""
 
-    def __init__(self, groups: list[tuple[LoraAdapter, slice | torch.Tensor]]):
-        self.groups = groups
+    def __init__(self, stack: LoraStack, masks: dict[str, torch.Tensor]):
+        self.stack, self.masks = stack, masks
 
     def layer(self, i: int) -> "LayerLora":
-        return LayerLora(self.groups, i)
+        return LayerLora(self, i)
 
 
 class LayerLora:
-    """The adapter groups of one tile at one layer; `add` puts a fused linear's delta on its output."""
+    """A tile at one layer; `add` puts a fused linear's deltas on its output."""
 
-    def __init__(self, groups: list[tuple[LoraAdapter, slice | torch.Tensor]], layer: int):
-        self.groups, self.index = groups, layer
+    def __init__(self, rows: LoraRows, layer: int):
+        self.rows, self.index = rows, layer
 
     def add(self, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-        """out (x's projection by `fused`) plus each group's delta, in place; returns out."""
-        for adapter, rows in self.groups:
-            pair = adapter.layers[self.index].get(fused)
-            if pair is None:
-                continue
-            if isinstance(rows, slice):
-                out[rows] += (x[rows] @ pair.a.T) @ pair.b.T
-            else:
-                out.index_add_(0, rows, (x[rows] @ pair.a.T) @ pair.b.T)
-        return out
+        """out (x's projection by `fused`) plus each row's adapter delta, in place; returns out."""
+        pair = self.rows.stack.layers[self.index].get(fused)
+        if pair is None:
+            return out
+        xa = (x @ pair.a.T).mul_(self.rows.masks[fused])
+        return out.addmm_(xa, pair.b.T)
