@@ -10,7 +10,7 @@ import peft
 import pytest
 import torch
 
-from atomd.engine.lora_registry import LoraBusy, LoraRegistry
+from atomd.engine.lora_registry import MAX_KNOWN, LoraBusy, LoraRegistry
 from atomd.llm import LLM
 from contracts.block_hash import block_hashes
 from contracts.sampling import SamplingParams
@@ -129,6 +129,10 @@ def test_registry_evicts_lru_never_one_in_use():
     assert "a" in reg.resident
     reg.release("a")
     assert "a" not in reg.resident
+    for i in range(MAX_KNOWN - len(reg.paths)):  # names are bounded (the admin API adds them)
+        reg.paths[f"n{i}"] = "p"
+    with pytest.raises(ValueError, match=f"{MAX_KNOWN} LoRA adapters are loaded already"):
+        reg.add("one-more", "p")
 
 
 def test_bad_adapters_are_refused_by_name(setup, tmp_path):

@@ -16,6 +16,8 @@ from typing import Any, Callable
 
 from contracts.lora import check_name
 
+MAX_KNOWN = 1024  # adapter names one engine keeps (each load by the admin API adds one)
+
 
 class LoraBusy(RuntimeError):
     """Every resident adapter slot is held by a running request."""
@@ -39,6 +41,8 @@ class LoraRegistry:
             raise ValueError(f"LoRA adapter {name!r} is already loaded")
         if name in self.resident:  # unloaded while requests still hold it
             raise ValueError(f"LoRA adapter {name!r} is still in use by running requests after its unload")
+        if len(self.paths) >= MAX_KNOWN:
+            raise ValueError(f"{MAX_KNOWN} LoRA adapters are loaded already: unload one first")
         weights = self._load(name, path)
         self._make_room()
         self.paths[name] = path

@@ -9,7 +9,7 @@ with rsLoRA). The decoder runs q/k/v as one QKV matmul and gate/up as one (decod
 an adapter's targets of one fused linear are stacked: A [sum of r, in] and a B [out, sum of
 r] that is zero outside each target's own rows and rank columns (scale folded in). A step
 puts the adapters its rows use side by side (`LoraStack`) and masks each row to its own
-adapter's columns (`LoraStep`): three ops per fused linear, base-model rows adding zeros.
+adapter's columns (`LoraStep`): two matmuls and a mask per fused linear, base-model rows adding zeros.
 benchmarks/lora_overhead.py measures what it costs against one pass per adapter group.
 """
 from __future__ import annotations
@@ -43,6 +43,14 @@ class LoraLinear:
 
     a: torch.Tensor  # [R, in]
     b: torch.Tensor  # [out, R], scale folded in
+
+
+@dataclass
+class StackedLinear:
+    """A fused linear's pairs of a LoraStack, laid out for the step's two matmuls (no transposes)."""
+
+    a_t: torch.Tensor  # [in, C]: x @ a_t
+    b_t: torch.Tensor  # [C, out]: (x @ a_t) @ b_t
 
 
 @dataclass
@@ -148,7 +156,7 @@ class LoraStack:
     def __init__(self, adapters: tuple[LoraAdapter, ...]):
         self.adapters = adapters
         self.cols: dict[str, list[tuple[int, int]]] = {}  # fused linear -> each adapter's columns
-        self.layers: list[dict[str, LoraLinear]] = [{} for _ in adapters[0].layers]
+        self.layers: list[dict[str, StackedLinear]] = [{} for _ in adapters[0].layers]
         for fused in FUSED:
             pairs = [p for a in adapters for layer in a.layers if (p := layer.get(fused)) is not None]
             if not pairs:
@@ -164,7 +172,7 @@ class LoraStack:
                     pair = adapter.layers[i].get(fused)
                     if pair is not None:
                         a[lo:lo + pair.a.shape[0]], b[:, lo:lo + pair.a.shape[0]] = pair.a, pair.b
-                stacked[fused] = LoraLinear(a, b)
+                stacked[fused] = StackedLinear(a.T.contiguous(), b.T.contiguous())
 
     def serves(self, adapters: tuple[LoraAdapter, ...]) -> bool:
         return len(adapters) == len(self.adapters) and all(x is y for x, y in zip(adapters, self.adapters))
@@ -192,8 +200,11 @@ class LoraStep:
         self.stack = stack if stack is not None and stack.serves(self.groups) else LoraStack(self.groups)
         slot = {id(a): j for j, a in enumerate(self.groups)}
         row_slot = np.repeat([-1 if a is None else slot[id(a)] for a in token_adapters], counts)
-        self.masks: dict[str, torch.Tensor] = {}
+        self.masks: dict[str, torch.Tensor | None] = {}
         for fused, cols in self.stack.cols.items():
+            if (row_slot == 0).all() and len(cols) == 1:  # every row under the one adapter: nothing to mask
+                self.masks[fused] = None
+                continue
             mask = np.zeros((len(row_slot), cols[-1][1]), dtype=np.float32)
             for j, (lo, hi) in enumerate(cols):
                 mask[row_slot == j, lo:hi] = 1.0
@@ -201,19 +212,19 @@ class LoraStep:
         self.row_slot = row_slot
 
     def dtype_of(self, fused: str) -> torch.dtype:
-        return self.stack.layers[0][fused].a.dtype
+        return self.stack.layers[0][fused].a_t.dtype
 
     def tile(self, start: int, stop: int) -> "LoraRows | None":
         """Rows [start, stop) of the step; None: no adapter row there."""
         if not self.groups or (self.row_slot[start:stop] < 0).all():
             return None
-        return LoraRows(self.stack, {f: m[start:stop] for f, m in self.masks.items()})
+        return LoraRows(self.stack, {f: None if m is None else m[start:stop] for f, m in self.masks.items()})
 
 
 class LoraRows:
     """A tile of rows of one step: the stack and the tile's masks."""
 
-    def __init__(self, stack: LoraStack, masks: dict[str, torch.Tensor]):
+    def __init__(self, stack: LoraStack, masks: dict[str, torch.Tensor | None]):
         self.stack, self.masks = stack, masks
 
     def layer(self, i: int) -> "LayerLora":
@@ -231,5 +242,8 @@ class LayerLora:
         pair = self.rows.stack.layers[self.index].get(fused)
         if pair is None:
             return out
-        xa = (x @ pair.a.T).mul_(self.rows.masks[fused])
-        return out.addmm_(xa, pair.b.T)
+        xa = torch.mm(x, pair.a_t)
+        mask = self.rows.masks[fused]
+        if mask is not None:
+            xa.mul_(mask)
+        return out.addmm_(xa, pair.b_t)
