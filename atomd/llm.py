@@ -9,6 +9,7 @@ import msgspec
 
 from atomd.config import EngineConfig
 from atomd.engine.llm_engine import LLMEngine, ranked_choices
+from atomd.engine.lora_registry import LoraNotLoaded
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
 from contracts.sampling import SamplingParams
@@ -85,7 +86,7 @@ class LLM:
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
                 requests[request_id] = (text, self.engine.add_request(request_id, ids, sp, lora_name=lora))
-        except (ValueError, LookupError):  # a bad prompt or adapter: the batch is refused whole, the engine left clean
+        except (ValueError, LoraNotLoaded):  # a bad prompt or adapter: the batch is refused whole, the engine left clean
             for request_id in requests:
                 self.engine.abort_request(request_id)
             raise

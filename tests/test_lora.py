@@ -10,7 +10,7 @@ import peft
 import pytest
 import torch
 
-from atomd.engine.lora_registry import MAX_KNOWN, LoraBusy, LoraRegistry
+from atomd.engine.lora_registry import MAX_KNOWN, LoraBusy, LoraNotLoaded, LoraRegistry
 from atomd.llm import LLM
 from contracts.block_hash import block_hashes
 from contracts.sampling import SamplingParams
@@ -124,7 +124,7 @@ def test_registry_evicts_lru_never_one_in_use():
     reg.release("c")
     assert reg.acquire("b") == "b" and list(reg.resident) == ["a", "b"] and loaded[-1] == "b"
     reg.remove("a")  # in use: the name goes now, the weights when the request ends
-    with pytest.raises(KeyError):
+    with pytest.raises(LoraNotLoaded):
         reg.acquire("a")
     assert "a" in reg.resident
     reg.release("a")
@@ -143,7 +143,7 @@ def test_bad_adapters_are_refused_by_name(setup, tmp_path):
     res = llm.engine.load_lora_adapter("none", str(tmp_path))
     assert res["status"] == 400 and "not a PEFT adapter directory" in res["error"]
     assert llm.engine.load_lora_adapter("poet", str(adapters["poet"])) == {"name": "poet"}
-    with pytest.raises(LookupError, match="'sql' is not loaded"):
+    with pytest.raises(LoraNotLoaded, match="'sql' is not loaded"):
         llm.generate([{"prompt_token_ids": [3, 4, 5]}], lora_name="sql")
     assert llm.engine.unload_lora_adapter("poet") == {"name": "poet"}
     assert llm.engine.unload_lora_adapter("poet")["status"] == 404

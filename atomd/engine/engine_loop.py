@@ -21,7 +21,7 @@ import msgspec
 
 from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.engine.kv_events import KVEventPublisher, offset_port
-from atomd.engine.lora_registry import LoraBusy, LoraRegistry
+from atomd.engine.lora_registry import LoraBusy, LoraNotLoaded, LoraRegistry
 from atomd.messages import RequestOutput
 from atomd.model import hub
 from kv_transfer.connector import KVConnectorConfig, KVConnectorOutput
@@ -126,7 +126,7 @@ class EngineLoop:
                     kv_transfer_params: KVTransferParams | dict | None = None,
                     arrival_time: float | None = None, lora_name: str | None = None) -> Sequence:
         """ValueError (the API's 400) for a duplicate id, a token outside the vocabulary, or
-        kv_transfer_params that do not parse or do not fit this prompt; LookupError for an
+        kv_transfer_params that do not parse or do not fit this prompt; LoraNotLoaded for an
         adapter this engine does not know (404), LoraBusy when no adapter slot is free (503).
         `lora_name`: the LoRA adapter the request runs under (None: the base model)."""
         if request_id in self._requests:
@@ -161,8 +161,8 @@ class EngineLoop:
         """The adapter is one this engine knows, and a pull's KV was computed under it (P's
         params name P's adapter: another one's KV would be read as this one's)."""
         if lora_name is not None and (self.loras is None or lora_name not in self.loras.paths):
-            raise LookupError(f"LoRA adapter {lora_name!r} is not loaded on this engine" if self.loras is not None
-                              else f"LoRA adapter {lora_name!r}: this engine runs without --enable-lora")
+            raise LoraNotLoaded(f"LoRA adapter {lora_name!r} is not loaded on this engine" if self.loras is not None
+                                else f"LoRA adapter {lora_name!r}: this engine runs without --enable-lora")
         if kv_params is not None and kv_params.do_remote_prefill and kv_params.lora_name != lora_name:
             raise ValueError(f"kv_transfer_params: the prefill ran under LoRA adapter {kv_params.lora_name!r}, "
                              f"this request asks for {lora_name!r}")

@@ -23,6 +23,10 @@ class LoraBusy(RuntimeError):
     """Every resident adapter slot is held by a running request."""
 
 
+class LoraNotLoaded(Exception):
+    """A request names an adapter this engine does not know (its 404)."""
+
+
 class LoraRegistry:
     def __init__(self, max_loras: int, load: Callable[[str, str], Any]):
         """load(name, path) -> the adapter's weights (ValueError naming what is wrong)."""
@@ -57,9 +61,9 @@ class LoraRegistry:
             self._drop(name)
 
     def acquire(self, name: str) -> Any:
-        """The weights of `name` for one request (KeyError: unknown; LoraBusy: no slot free)."""
+        """The weights of `name` for one request (LoraNotLoaded: unknown; LoraBusy: no slot free)."""
         if name not in self.paths:
-            raise KeyError(name)
+            raise LoraNotLoaded(f"LoRA adapter {name!r} is not loaded on this engine")
         if name not in self.resident:
             weights = self._load(name, self.paths[name])
             self._make_room()
