@@ -4,7 +4,8 @@
 A batch of 16 requests decoding together (128 prompt tokens each), in process (LLMEngine),
 with no adapter (the base model) and with 1, 4 and 16 distinct adapters (request i under
 adapter i mod k, so an adapter's rows are not contiguous: the gather / index_add path), at
-rank 8 and rank 64, every target (q, k, v, o, gate, up, down). Random adapters in PEFT's
+rank 8 and rank 64, every target (q, k, v, o, gate, up, down), in both forms of atomd/model/lora.py's LoraStep
+(stacked with a mask, grouped by adapter) where more than one adapter runs. Random adapters in PEFT's
 file format, written here. Each round runs every configuration back to back on the same
 prompts and takes the median step time (the engine thread's CPU time, 1 torch thread: the
 wall clock of a shared 2-core machine mostly measures the other jobs) over --steps decode
@@ -33,6 +34,7 @@ from safetensors.torch import save_file
 from atomd.config import EngineConfig
 from atomd.engine.llm_engine import LLMEngine
 from atomd.model.config import ModelConfig
+from atomd.model.lora import LoraStep
 from atomd.model.loader import read_config
 from benchmarks.machine import loadavg
 from benchmarks.model_shapes import CHOICES, model_dir
@@ -97,6 +99,8 @@ def main() -> int:
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--modes", nargs="+", default=["stacked", "grouped"],
+                    help="LoraStep forms compared at more than one adapter (atomd/model/lora.py)")
     args = ap.parse_args()
     model = model_dir(args.model_shape)
     cfg = read_config(model)
@@ -110,15 +114,18 @@ def main() -> int:
                                         enable_prefix_caching=False, max_model_len=512))
         rng = np.random.default_rng(0)
         prompts = [[int(t) for t in rng.integers(10, cfg.vocab_size, 128)] for _ in range(BATCH)]
-        configs = {"base": [None] * BATCH}
+        configs = {"base": ([None] * BATCH, "stacked")}
         for rank in args.ranks:
             for k in args.adapters:
-                configs[f"{k} x rank {rank}"] = [f"r{rank}-{i % k}" for i in range(BATCH)]
+                for mode in args.modes if k > 1 else args.modes[:1]:
+                    configs[f"{k} x rank {rank}" + (f" {mode}" if k > 1 else "")] = \
+                        ([f"r{rank}-{i % k}" for i in range(BATCH)], mode)
         ratios: dict[str, list[float]] = {name: [] for name in configs}
         steps: dict[str, list[float]] = {name: [] for name in configs}
         for r in range(args.rounds):
             base = None
-            for name, loras in configs.items():
+            for name, (loras, mode) in configs.items():
+                LoraStep.mode = mode
                 ms = decode_step_ms(engine, prompts, loras, args.steps, f"r{r}-{name}")
                 base = ms if base is None else base
                 steps[name].append(ms)

@@ -204,3 +204,29 @@ def test_speculative_decoding_under_adapters_equals_peft(setup):
     assert outs[0].outputs[0].token_ids == reference(base, adapters["sql"], prompt)
     assert outs[1].outputs[0].token_ids == reference(base, None, prompt)
     assert llm.engine.scheduler.spec_stats.num_draft_tokens > 0
+
+
+def test_router_places_by_adapter_and_kv_aware_scores_the_adapters_chain():
+    """with_adapter keeps the workers serving the request's adapter; kv_aware then hashes the
+    prompt as the engines do under it (a worker holding the base model's blocks of the same
+    prompt scores no hit)."""
+    from router.pd import with_adapter
+    from router.policies import KVAware, RouteRequest
+    from tests.test_router_policies import FakeIndex, workers
+
+    ws = workers(3)
+    ws[0].loras, ws[1].loras, ws[2].loras = frozenset({"sql"}), frozenset({"sql", "poet"}), None
+    tokens = list(range(1, 42))
+    index = FakeIndex()
+    index.hold(ws[0].url, 0, block_hashes(tokens, 4)[:9])  # the base model's chain
+    index.hold(ws[1].url, 0, block_hashes(tokens, 4, lora_name="sql")[:5])
+    index.hold(ws[2].url, 0, block_hashes(tokens, 4, lora_name="sql"))  # serves no adapter: never chosen
+    p = KVAware(kv_index=index)
+    p.role = "decode"
+    route = RouteRequest({"prompt": tokens, "model": "sql"}, {})
+    candidates = with_adapter(ws, route)
+    assert candidates == ws[:2] and route.lora == "sql"
+    assert p.choose(candidates, route) is ws[1] and route.expected_hit == {"decode": 20}
+    assert with_adapter(ws, RouteRequest({"prompt": tokens, "model": "poet"}, {})) == [ws[1]]
+    assert with_adapter(ws, RouteRequest({"prompt": tokens, "model": "nope"}, {})) == ws  # the engines' 404
+    assert with_adapter(ws, RouteRequest({"prompt": tokens}, {})) == ws

@@ -39,18 +39,11 @@ MAX_CONFIG_BYTES = 1 << 20
 
 @dataclass
 class LoraLinear:
-    """One fused linear's low-rank pair: delta = (x @ a.T) @ b.T."""
+    """One fused linear's low-rank pair, laid out for the two matmuls (no transposes):
+    delta = (x @ a_t) @ b_t (PEFT's x @ A.T @ B.T * scale)."""
 
-    a: torch.Tensor  # [R, in]
-    b: torch.Tensor  # [out, R], scale folded in
-
-
-@dataclass
-class StackedLinear:
-    """A fused linear's pairs of a LoraStack, laid out for the step's two matmuls (no transposes)."""
-
-    a_t: torch.Tensor  # [in, C]: x @ a_t
-    b_t: torch.Tensor  # [C, out]: (x @ a_t) @ b_t
+    a_t: torch.Tensor  # [in, R]
+    b_t: torch.Tensor  # [R, out], scale folded in
 
 
 @dataclass
@@ -143,7 +136,7 @@ def load_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, dtype: t
         b = torch.zeros(out, a.shape[0])
         for j, ((lo, hi), _, bt) in enumerate(items):
             b[lo:hi, j * r:(j + 1) * r] = bt
-        layers[layer][fused] = LoraLinear(a.to(dtype).contiguous(), b.to(dtype).contiguous())
+        layers[layer][fused] = LoraLinear(a.T.to(dtype).contiguous(), b.T.to(dtype).contiguous())
     return LoraAdapter(name, str(path), r, layers)
 
 
@@ -156,34 +149,42 @@ class LoraStack:
     def __init__(self, adapters: tuple[LoraAdapter, ...]):
         self.adapters = adapters
         self.cols: dict[str, list[tuple[int, int]]] = {}  # fused linear -> each adapter's columns
-        self.layers: list[dict[str, StackedLinear]] = [{} for _ in adapters[0].layers]
+        self.layers: list[dict[str, LoraLinear]] = [{} for _ in adapters[0].layers]
         for fused in FUSED:
             pairs = [p for a in adapters for layer in a.layers if (p := layer.get(fused)) is not None]
             if not pairs:
                 continue
-            widths = [max((layer[fused].a.shape[0] for layer in a.layers if fused in layer), default=0)
+            widths = [max((layer[fused].a_t.shape[1] for layer in a.layers if fused in layer), default=0)
                       for a in adapters]
             ends = np.cumsum(widths).tolist()
             self.cols[fused] = [(e - w, e) for e, w in zip(ends, widths)]
-            (_, fan_in), (fan_out, _), dtype = pairs[0].a.shape, pairs[0].b.shape, pairs[0].a.dtype
+            (fan_in, _), (_, fan_out), dtype = pairs[0].a_t.shape, pairs[0].b_t.shape, pairs[0].a_t.dtype
             for i, stacked in enumerate(self.layers):
-                a, b = torch.zeros(ends[-1], fan_in, dtype=dtype), torch.zeros(fan_out, ends[-1], dtype=dtype)
+                a_t, b_t = torch.zeros(fan_in, ends[-1], dtype=dtype), torch.zeros(ends[-1], fan_out, dtype=dtype)
                 for adapter, (lo, hi) in zip(adapters, self.cols[fused]):
                     pair = adapter.layers[i].get(fused)
                     if pair is not None:
-                        a[lo:lo + pair.a.shape[0]], b[:, lo:lo + pair.a.shape[0]] = pair.a, pair.b
-                stacked[fused] = StackedLinear(a.T.contiguous(), b.T.contiguous())
+                        w = pair.a_t.shape[1]
+                        a_t[:, lo:lo + w], b_t[lo:lo + w] = pair.a_t, pair.b_t
+                stacked[fused] = LoraLinear(a_t, b_t)
 
     def serves(self, adapters: tuple[LoraAdapter, ...]) -> bool:
         return len(adapters) == len(self.adapters) and all(x is y for x, y in zip(adapters, self.adapters))
 
 
 class LoraStep:
-    """One forward's LoRA: the stack of the adapters its rows use and, per fused linear, a
-    [rows, C] 0/1 mask that keeps each row's own adapter's columns (none for a base-model row).
-    A fused linear then adds ((x @ A.T) * mask) @ B.T: three ops whatever the number of
-    adapters, against two matmuls and a gather / scatter per adapter group when each group ran
-    its own pass (2x-5x the step of a small model at 4-16 adapters: benchmarks/results/lora.md)."""
+    """One forward's LoRA, in one of two forms (`mode`; benchmarks/lora_overhead.py compares them):
+
+    - stacked: the adapters the rows use side by side (LoraStack) and, per fused linear, a
+      [rows, C] 0/1 mask keeping each row to its own adapter's columns: ((x @ A) * mask) @ B,
+      three ops whatever the number of adapters, but k adapters' columns for every row;
+    - grouped: the adapter rows sorted by adapter once per tile, then per fused linear one
+      gather, one matmul pair per adapter on its contiguous rows, one scatter-add: only each
+      row's own columns, 2k + 2 ops.
+
+    One adapter (or rows of one adapter only) is the stacked form without a mask either way."""
+
+    mode = "stacked"
 
     def __init__(self, token_adapters: list[LoraAdapter | None], counts: np.ndarray,
                  stack: LoraStack | None = None):
@@ -194,35 +195,69 @@ class LoraStep:
             if adapter is not None:
                 active.setdefault(id(adapter), adapter)
         self.groups = tuple(active.values())  # empty: no adapter row in this step
+        self.stack = stack
         if not self.groups:
-            self.stack = stack
+            return
+        slot = {id(a): j for j, a in enumerate(self.groups)}
+        self.row_slot = np.repeat([-1 if a is None else slot[id(a)] for a in token_adapters], counts)
+        self.grouped = self.mode == "grouped" and len(self.groups) > 1
+        if self.grouped:
             return
         self.stack = stack if stack is not None and stack.serves(self.groups) else LoraStack(self.groups)
-        slot = {id(a): j for j, a in enumerate(self.groups)}
-        row_slot = np.repeat([-1 if a is None else slot[id(a)] for a in token_adapters], counts)
         self.masks: dict[str, torch.Tensor | None] = {}
         for fused, cols in self.stack.cols.items():
-            if (row_slot == 0).all() and len(cols) == 1:  # every row under the one adapter: nothing to mask
+            if (self.row_slot == 0).all() and len(cols) == 1:  # every row under the one adapter: nothing to mask
                 self.masks[fused] = None
                 continue
-            mask = np.zeros((len(row_slot), cols[-1][1]), dtype=np.float32)
+            mask = np.zeros((len(self.row_slot), cols[-1][1]), dtype=np.float32)
             for j, (lo, hi) in enumerate(cols):
-                mask[row_slot == j, lo:hi] = 1.0
-            self.masks[fused] = torch.from_numpy(mask).to(self.dtype_of(fused))
-        self.row_slot = row_slot
+                mask[self.row_slot == j, lo:hi] = 1.0
+            self.masks[fused] = torch.from_numpy(mask).to(self.stack.layers[0][fused].a_t.dtype)
 
-    def dtype_of(self, fused: str) -> torch.dtype:
-        return self.stack.layers[0][fused].a_t.dtype
-
-    def tile(self, start: int, stop: int) -> "LoraRows | None":
+    def tile(self, start: int, stop: int) -> "LoraRows | GroupedRows | None":
         """Rows [start, stop) of the step; None: no adapter row there."""
-        if not self.groups or (self.row_slot[start:stop] < 0).all():
+        if not self.groups:
             return None
-        return LoraRows(self.stack, {f: None if m is None else m[start:stop] for f, m in self.masks.items()})
+        slots = self.row_slot[start:stop]
+        if (slots < 0).all():
+            return None
+        if not self.grouped:
+            return LoraRows(self.stack, {f: None if m is None else m[start:stop] for f, m in self.masks.items()})
+        order = np.argsort(slots, kind="stable")
+        order = order[slots[order] >= 0]  # adapter rows, by adapter
+        sorted_slots = slots[order]
+        bounds = [(j, int(np.searchsorted(sorted_slots, j)), int(np.searchsorted(sorted_slots, j, "right")))
+                  for j in range(len(self.groups))]
+        return GroupedRows(self.groups, torch.from_numpy(order.astype(np.int64)), bounds)
+
+
+class GroupedRows:
+    """A tile's adapter rows sorted by adapter: `idx` (tile row of each), each adapter's [lo, hi)."""
+
+    def __init__(self, groups: tuple[LoraAdapter, ...], idx: torch.Tensor, bounds: list[tuple[int, int, int]]):
+        self.groups, self.idx, self.bounds = groups, idx, [b for b in bounds if b[1] < b[2]]
+
+    def layer(self, i: int) -> "GroupedLayer":
+        return GroupedLayer(self, i)
+
+
+class GroupedLayer:
+    def __init__(self, rows: GroupedRows, layer: int):
+        self.rows, self.index = rows, layer
+
+    def add(self, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        rows = self.rows
+        xs = x.index_select(0, rows.idx)
+        delta = out.new_zeros((len(rows.idx), out.shape[1]))
+        for j, lo, hi in rows.bounds:
+            pair = rows.groups[j].layers[self.index].get(fused)
+            if pair is not None:
+                torch.mm(torch.mm(xs[lo:hi], pair.a_t), pair.b_t, out=delta[lo:hi])
+        return out.index_add_(0, rows.idx, delta)
 
 
 class LoraRows:
-    """A tile of rows of one step: the stack and the tile's masks."""
+    """A tile of rows of one step (stacked form): the stack and the tile's masks."""
 
     def __init__(self, stack: LoraStack, masks: dict[str, torch.Tensor | None]):
         self.stack, self.masks = stack, masks
@@ -232,7 +267,7 @@ class LoraRows:
 
 
 class LayerLora:
-    """A tile at one layer; `add` puts a fused linear's deltas on its output."""
+    """A tile at one layer (stacked form); `add` puts a fused linear's deltas on its output."""
 
     def __init__(self, rows: LoraRows, layer: int):
         self.rows, self.index = rows, layer
