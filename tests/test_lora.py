@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import pathlib
 
+import numpy as np
 import peft
 import pytest
 import torch
@@ -230,3 +231,31 @@ def test_router_places_by_adapter_and_kv_aware_scores_the_adapters_chain():
     assert with_adapter(ws, RouteRequest({"prompt": tokens, "model": "poet"}, {})) == [ws[1]]
     assert with_adapter(ws, RouteRequest({"prompt": tokens, "model": "nope"}, {})) == ws  # the engines' 404
     assert with_adapter(ws, RouteRequest({"prompt": tokens}, {})) == ws
+
+
+@pytest.mark.parametrize("mode", ["stacked", "grouped"])
+def test_both_step_forms_add_each_rows_own_delta(monkeypatch, mode):
+    """A step mixing two adapters and base rows, whole and in tiles: every row gets
+    x @ A_t @ B_t of its own adapter (computed row by row here), base rows nothing."""
+    from atomd.model.lora import LoraAdapter, LoraLinear, LoraStep
+
+    monkeypatch.setattr(LoraStep, "mode", mode)
+    g = torch.Generator().manual_seed(0)
+
+    def adapter(name: str) -> LoraAdapter:
+        return LoraAdapter(name, "p", 4, [{"qkv": LoraLinear(torch.randn(8, 4, generator=g), torch.randn(4, 6, generator=g))}])
+
+    a, b = adapter("a"), adapter("b")
+    seqs, counts = [a, None, b, a, b], np.array([2, 1, 3, 1, 2])
+    x = torch.randn(9, 8, generator=g)
+    owner = [seqs[i] for i in np.repeat(np.arange(5), counts)]
+    want = torch.stack([torch.zeros(6) if o is None else x[r] @ o.layers[0]["qkv"].a_t @ o.layers[0]["qkv"].b_t
+                        for r, o in enumerate(owner)])
+    step = LoraStep(seqs, counts)
+    for lo, hi in [(0, 9), (0, 4), (4, 9), (2, 3)]:
+        out = torch.zeros(hi - lo, 6)
+        rows = step.tile(lo, hi)
+        if rows is not None:
+            rows.layer(0).add("qkv", x[lo:hi], out)
+        torch.testing.assert_close(out, want[lo:hi])
+    assert step.tile(2, 3) is None  # the base row alone
