@@ -13,6 +13,7 @@ import torch
 
 from atomd.engine.lora_registry import MAX_KNOWN, LoraBusy, LoraNotLoaded, LoraRegistry
 from atomd.llm import LLM
+from atomd.model.lora import LoraStep
 from contracts.block_hash import block_hashes
 from contracts.sampling import SamplingParams
 from tests.test_model_hf import hf_model, make_checkpoint, prompts_of
@@ -70,7 +71,7 @@ def reference(base: pathlib.Path, adapter: pathlib.Path | None, prompt: list[int
     return hf_greedy_with(model, prompt, tokens)
 
 
-def test_mixed_batch_equals_peft(setup):
+def test_mixed_batch_equals_peft(setup, monkeypatch):
     base, adapters = setup
     llm = LLM(str(base), enable_lora=True, lora_modules=[f"{n}={p}" for n, p in adapters.items()],
               max_loras=3, max_lora_rank=8, num_threads=1, max_num_batched_tokens=64)
@@ -80,9 +81,14 @@ def test_mixed_batch_equals_peft(setup):
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
     got = [o.outputs[0].token_ids for o in outs]
-    for prompt, name, ids in zip(prompts, names, got):
-        want = reference(base, adapters.get(name), prompt)
+    wants = [reference(base, adapters.get(name), prompt) for prompt, name in zip(prompts, names)]
+    for prompt, name, ids, want in zip(prompts, names, got, wants):
         assert ids == want, (name, len(prompt))
+    # the grouped form (more than STACKED_MAX adapters in a step) on the same batch
+    monkeypatch.setattr(LoraStep, "mode", "grouped")
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                        SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
+    assert [o.outputs[0].token_ids for o in outs] == wants
     # every adapter changes the output (so equality above says something), and merging gives the same
     for i in (1, 2, 3):
         assert got[i] != reference(base, None, prompts[i])
