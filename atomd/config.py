@@ -105,6 +105,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # speculative decoding, vLLM's JSON shape: '{"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 5}' (atomd/engine/spec_decode.py); None: off
     speculative_config: str | None = None
+    # LoRA adapters (atomd/model/lora.py, atomd/engine/lora_registry.py): PEFT directories as name=path,
+    # chosen per request by `model`; at most max_loras resident, each of rank <= max_lora_rank
+    enable_lora: bool = False
+    lora_modules: list[str] = []
+    max_loras: int = 4
+    max_lora_rank: int = 16
     # simulated engines (atomd/sim/): the forward sleeps the hardware profile's step time
     model_runner: str = "real"
     hardware: str | None = None  # a profile file, or ACCELERATOR:MODEL (atomd/sim/hardware.py)
@@ -135,6 +141,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             except MooncakeUnavailable as e:
                 raise ValueError(str(e)) from None
         _choice("kv_load_failure_policy", self.kv_load_failure_policy, KV_LOAD_FAILURE_POLICIES)
+        self._check_lora()
         for name in ("kv_lease_s", "kv_recv_timeout_s"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
@@ -221,6 +228,22 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         for name in ("speculative_config", "dp_lockstep", "enable_expert_parallel"):
             if getattr(self, name):
                 raise ValueError(f"{name} is not simulated (model_runner simulated)")
+
+    def _check_lora(self) -> None:
+        from contracts.lora import parse_lora_modules
+
+        if self.lora_modules and not self.enable_lora:
+            raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        if self.max_loras < 1 or self.max_lora_rank < 1:
+            raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
+        if len(parse_lora_modules(self.lora_modules)) > self.max_loras:
+            raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters; max_loras is {self.max_loras}")
+
+    def lora_adapters(self) -> list[tuple[str, str]]:
+        """--lora-modules as (name, path) pairs."""
+        from contracts.lora import parse_lora_modules
+
+        return parse_lora_modules(self.lora_modules)
 
     def speculative(self) -> "SpeculativeConfig | None":
         """The parsed speculative_config (ValueError naming the bad key), or None when off."""
@@ -410,6 +433,12 @@ HELP = {
                 "(h100, h200, mi300x : llama3-8b, qwen3-30b-a3b)",
     "kv_link": "model_runner simulated: the KV link a pull is timed on (nvlink, rdma400, tcp, loopback; "
                "default: the profile's)",
+    "enable_lora": "serve LoRA adapters on the base model: --lora-modules at start, POST /v1/load_lora_adapter at "
+                   "run time; a request picks one by its model name",
+    "lora_modules": "LoRA adapters to load at start: name=path (a PEFT adapter directory) ...",
+    "max_loras": "LoRA adapters resident at once; loading another evicts the least recently used one no "
+                 "request holds",
+    "max_lora_rank": "the largest LoRA rank an adapter may have",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}'",
 }
@@ -436,6 +465,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif field == "kv_cache_memory":
             kw["type"] = _bytes_arg
+        elif field == "lora_modules":  # the field's default is a msgspec factory: the flag's is a list
+            kw.update(nargs="+", type=str, metavar="NAME=PATH", default=[])
         else:
             kw["type"] = kind
             if field in CHOICES:

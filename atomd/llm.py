@@ -9,6 +9,7 @@ import msgspec
 
 from atomd.config import EngineConfig
 from atomd.engine.llm_engine import LLMEngine, ranked_choices
+from atomd.engine.lora_registry import LoraNotLoaded
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
 from contracts.sampling import SamplingParams
@@ -68,21 +69,25 @@ class LLM:
 
     def generate(self, prompts: str | dict | Iterable[str | dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
-                 use_tqdm: bool = True) -> list[GenerationOutput]:
+                 use_tqdm: bool = True, lora_name: str | list[str | None] | None = None) -> list[GenerationOutput]:
+        """`lora_name`: the LoRA adapter (of `lora_modules`) of every prompt, or one per prompt."""
         if isinstance(prompts, (str, dict)):
             prompts = [prompts]
         prompts = list(prompts)
         params = sampling_params if isinstance(sampling_params, list) else [sampling_params or SamplingParams()] * len(prompts)
         if len(params) != len(prompts):
             raise ValueError(f"sampling_params: {len(params)} given for {len(prompts)} prompts")
+        loras = lora_name if isinstance(lora_name, list) else [lora_name] * len(prompts)
+        if len(loras) != len(prompts):
+            raise ValueError(f"lora_name: {len(loras)} given for {len(prompts)} prompts")
         requests: dict[str, tuple[str | None, Sequence]] = {}
         try:
-            for prompt, sp in zip(prompts, params):
+            for prompt, sp, lora in zip(prompts, params, loras):
                 text, ids = self._prompt_ids(prompt)
                 request_id = f"offline-{self._counter}"
                 self._counter += 1
-                requests[request_id] = (text, self.engine.add_request(request_id, ids, sp))
-        except ValueError:  # a bad prompt: the batch is refused whole, the engine left clean
+                requests[request_id] = (text, self.engine.add_request(request_id, ids, sp, lora_name=lora))
+        except (ValueError, LoraNotLoaded):  # a bad prompt or adapter: the batch is refused whole, the engine left clean
             for request_id in requests:
                 self.engine.abort_request(request_id)
             raise

@@ -57,6 +57,7 @@ class AddRequest(msgspec.Struct, tag="add"):
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
     kv_transfer_params: KVTransferParams | None = None  # parsed once, by the API
+    lora_name: str | None = None  # the LoRA adapter the request's `model` names; None: the base model
 
 
 class AbortRequests(msgspec.Struct, tag="abort"):
@@ -90,4 +91,5 @@ class CoreError(msgspec.Struct, tag="error"):
 
 InputMessage = AddRequest | AbortRequests | UtilityCall
 OutputMessage = Ready | StepOutputs | UtilityResult | CoreError
-UTILITY_METHODS = ("stats", "reset_prefix_cache", "kv_transfer_info", "kv_transfer_abort")
+UTILITY_METHODS = ("stats", "reset_prefix_cache", "kv_transfer_info", "kv_transfer_abort",
+                   "load_lora_adapter", "unload_lora_adapter", "list_lora_adapters")

@@ -71,6 +71,7 @@ class Sequence(Protocol):
     logprobs: list[Any]
     prompt_logprobs: list[Any] | None
     spec_token_ids: list[int]
+    lora_name: str | None
 
     @property
     def error(self) -> str | None: ...

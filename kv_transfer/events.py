@@ -23,6 +23,8 @@ class BlockStored(KVCacheEvent):
     block_size: int
     lora_id: int | None = None
     medium: str | None = None
+    # vLLM's newer field: the adapter by name (lora_id is engine-local); a six-field frame decodes with None
+    lora_name: str | None = None
 
 
 class BlockRemoved(KVCacheEvent):

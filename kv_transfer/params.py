@@ -50,6 +50,9 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     # P's prompt logprobs (asked by `prompt_logprobs` or echo + logprobs): D returns them
     # (a producer's logprob entries are typed, so a bad one is this request's 400, never D's crash)
     prompt_logprobs: list[Logprob | None] | None = None
+    # the LoRA adapter P computed the prompt's KV under (None: the base model): D serves the
+    # pull only for a request under the same adapter, loaded there
+    lora_name: Ident | None = None
 
     def __post_init__(self) -> None:
         if self.num_computed_blocks > len(self.remote_block_ids):

@@ -156,7 +156,7 @@ class ZmqProducer(_ZmqConnector):
             first_token_logprobs=seq.logprobs[0] if seq.logprobs else None, prompt_logprobs=seq.prompt_logprobs,
             draft_token_ids=list(seq.spec_token_ids),  # P's drafts after T0 (speculative decoding), for D to verify
             prefix_cache_hit_tokens=seq.num_cached_tokens, access_token=token, lease_s=lease_s,
-            compat=self.config.compat, dp_rank=self.config.dp_rank)
+            compat=self.config.compat, dp_rank=self.config.dp_rank, lora_name=seq.lora_name)
 
     def request_aborted(self, seq: Sequence) -> None:
         transfer_id = self.params_of(seq).transfer_id

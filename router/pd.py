@@ -219,7 +219,7 @@ class PDRelay:
             if last_error is not None:
                 raise LegError(502, last_error)
             raise LegError(503, f"no healthy {name} worker", type="service_unavailable", code=f"no_{name}_worker")
-        return self.policies[role].choose(candidates, route)
+        return self.policies[role].choose(with_adapter(candidates, route), route)
 
     def backoff(self, attempt: int) -> float:
         """Full jitter: uniform in [0, base * 2^attempt], capped."""
@@ -683,3 +683,17 @@ def blame(suspects: list[tuple[Worker, str]]) -> None:
     """Another worker served the request these answered with a 5xx: theirs was a fault."""
     for worker, message in suspects:
         worker.failed(message)
+
+
+def with_adapter(candidates: list[Worker], route: RouteRequest) -> list[Worker]:
+    """Adapter-aware placement: a request whose `model` is a LoRA adapter some candidate serves
+    goes to one of those (the policy picks among them; `route.lora` names the adapter for
+    kv_aware's hashes); otherwise every candidate (an unknown name gets the engine's 404)."""
+    model = route.body.get("model")
+    if not isinstance(model, str):
+        return candidates
+    serving = [w for w in candidates if w.loras is not None and model in w.loras]
+    if not serving:
+        return candidates
+    route.lora = model
+    return serving

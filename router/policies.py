@@ -54,7 +54,8 @@ PROMPT_KEY_CHARS = 256
 class RouteRequest:
     """What a policy may look at. Text and tokens are computed once, on first use."""
 
-    __slots__ = ("body", "headers", "tokenizer", "dp_rank", "expected_hit", "_text", "_tokens", "_tokenized", "_est")
+    __slots__ = ("body", "headers", "tokenizer", "dp_rank", "expected_hit", "lora", "_text", "_tokens", "_tokenized",
+                 "_est")
 
     def __init__(self, body: dict, headers: dict | None = None, tokenizer: RouterTokenizer | None = None):
         self.body = body
@@ -62,6 +63,7 @@ class RouteRequest:
         self.tokenizer = tokenizer
         self.dp_rank: dict[str, int] = {}  # role -> DP rank a policy pinned the leg to
         self.expected_hit: dict[str, int] = {}  # role -> prompt tokens kv_aware expects cached there
+        self.lora: str | None = None  # the LoRA adapter `model` names (a worker serves it), else None
         self._text: str | None = None
         self._tokens: list[int] | None = None
         self._tokenized = False
@@ -264,7 +266,7 @@ class KVAware(RoutingPolicy):
                     bs = st.block_size
                     hs = hashes_by_bs.get(bs)
                     if hs is None:  # the engine never reuses the block holding the last token
-                        hs = hashes_by_bs[bs] = block_hashes(tokens, bs, (n - 1) // bs)
+                        hs = hashes_by_bs[bs] = block_hashes(tokens, bs, (n - 1) // bs, lora_name=req.lora)
                     hit = self.index.match(st, hs) * bs
                 cost = (n - hit) + load / dp
                 key = (cost, load, self._rng.random())

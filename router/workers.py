@@ -38,6 +38,8 @@ HEALTH_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 
 
+MAX_LORAS_SEEN = 4096  # adapter names kept per worker (a bound on what a worker can make us hold)
+
 class CircuitBreaker:
     """closed -> open after `failure_threshold` consecutive failures; open refuses traffic
     for `cooldown_s`; then half-open lets exactly one trial request through, whose success
@@ -122,6 +124,9 @@ class Worker:
         self.dp_size = 1
         self.vocab_size: int | None = None  # the model's, when /kv_transfer_info says (router/kv_check.py)
         self.engine_stats: dict | None = None  # from its /metrics, for the dashboard
+        # the LoRA adapters it serves (/kv_transfer_info `loras`, refreshed each health round);
+        # None: an engine without --enable-lora (or one that does not say)
+        self.loras: frozenset[str] | None = None
         self._retired = False
 
     @property
@@ -206,6 +211,9 @@ class Worker:
             self.dp_size = int(info.get("dp_size") or 1)
             vocab = info.get("vocab_size")
             self.vocab_size = vocab if type(vocab) is int and vocab > 0 else None
+            loras = info.get("loras")
+            self.loras = frozenset(n for n in loras[:MAX_LORAS_SEEN] if isinstance(n, str)) \
+                if isinstance(loras, list) else None
         return self.kv_info
 
     def describe(self) -> dict:
@@ -213,7 +221,7 @@ class Worker:
                 "circuit_breaker": CircuitBreaker.NAMES[self.breaker.state],
                 "in_flight": self.in_flight, "in_flight_tokens": self.in_flight_tokens,
                 "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
-                "dp_size": self.dp_size}
+                "dp_size": self.dp_size, "loras": sorted(self.loras) if self.loras is not None else None}
 
 
 def describe(e: BaseException) -> str:
@@ -300,6 +308,8 @@ class WorkerRegistry:
                 result = listener(worker)
                 if asyncio.iscoroutine(result):
                     await result
+        elif ok and worker.loras is not None:  # adapters load and unload at run time: follow them
+            await worker.fetch_kv_info()
         return ok
 
     async def check_all(self) -> None:

@@ -34,7 +34,7 @@ from __future__ import annotations
 import heapq
 from collections import OrderedDict
 
-from contracts.block_hash import chain_hash  # the names KV events carry: one definition
+from contracts.block_hash import chain_hash, lora_seed  # the names KV events carry: one definition
 from kv_transfer.events import AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
 from scheduler.sequence import Sequence
 
@@ -173,7 +173,7 @@ class BlockManager:
         """seq.block_hashes extended to at least `num_blocks` full blocks."""
         hashes = seq.block_hashes
         while len(hashes) < num_blocks:
-            parent = hashes[-1] if hashes else None
+            parent = hashes[-1] if hashes else lora_seed(seq.lora_name)
             hashes.append(chain_hash(parent, self._block_tokens(seq, len(hashes))))
         return hashes
 
@@ -342,7 +342,7 @@ class BlockManager:
             block_hashes=[hashes[i] for i in run],
             parent_block_hash=hashes[first - 1] if first > 0 else None,
             token_ids=seq.token_ids[first * bs:(run[-1] + 1) * bs],
-            block_size=bs))
+            block_size=bs, lora_id=seq.lora_id, lora_name=seq.lora_name))
 
     def clear_index(self) -> None:
         """Forget every hash (reset_prefix_cache); blocks in use keep their KV."""

@@ -51,7 +51,8 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, *,
                  request_id: str | None = None, arrive_time: float | None = None,
-                 kv_transfer_params: KVTransferParams | None = None):
+                 kv_transfer_params: KVTransferParams | None = None,
+                 lora_name: str | None = None, lora_id: int | None = None):
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.id: int = next(_ids)
@@ -63,7 +64,10 @@ class Sequence:
         self.type = SequenceType.PREFILL
         self.num_computed_tokens = 0  # tokens whose KV is computed (position of the next one)
         self.block_table: list[int] = []
-        self.block_hashes: list[int] = []  # chained hash of each full block, a pure function of tokens
+        # the LoRA adapter it runs under (None: the base model): by name (block hashes, PD) and the
+        # engine's int id (KV events)
+        self.lora_name, self.lora_id = lora_name, lora_id
+        self.block_hashes: list[int] = []  # chained hash of each full block, a pure function of tokens and adapter
         self.num_published_blocks = 0  # blocks of block_table already in the prefix index
         self.num_released_blocks = 0  # leading blocks released as outside the sliding window (FREED in the table)
         self.spec_token_ids: list[int] = []  # drafts to verify in the next decode step

@@ -1,5 +1,5 @@
-"""Admin routes of an engine (`--admin-api-key`): /reset_prefix_cache, /kv_transfer/abort and
-/debug/* take the admin key and never a client key; client routes never take the admin key;
+"""Admin routes of an engine (`--admin-api-key`): /reset_prefix_cache, /kv_transfer/abort, the
+LoRA load / unload routes and /debug/* take the admin key and never a client key; client routes never take the admin key;
 the router carries the engines' admin key on its aborts (`--engine-admin-api-key`)."""
 from __future__ import annotations
 
@@ -35,6 +35,18 @@ def test_admin_routes_take_only_the_admin_key(engine, method, path, body):
         assert status == 401 and b"invalid_admin_key" in raw, (headers, raw)
     status, raw = http(method, engine.url + path, body, headers=bearer(ADMIN))
     assert status == 200, raw
+
+
+@pytest.mark.integration
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("path", ["/v1/load_lora_adapter", "/v1/unload_lora_adapter"])
+def test_lora_admin_routes_take_only_the_admin_key(engine, path):
+    body = {"lora_name": "a", "lora_path": "/nonexistent"}
+    for headers in ({}, bearer(CLIENT)):
+        status, raw = http("POST", engine.url + path, body, headers=headers)
+        assert status == 401 and b"invalid_admin_key" in raw, (headers, raw)
+    status, raw = http("POST", engine.url + path, body, headers=bearer(ADMIN))  # past auth: this engine has no LoRA
+    assert status == 400 and b"without --enable-lora" in raw, raw
 
 
 @pytest.mark.integration

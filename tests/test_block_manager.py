@@ -153,3 +153,26 @@ def test_append_slots_grows_the_table_only_at_block_boundaries():
     assert bm.append_slots(seq, 1) and len(seq.block_table) == 2
     seq.num_computed_tokens = 8
     assert not bm.append_slots(seq, 4 * 7) and len(seq.block_table) == 2  # 7 more do not fit: none taken
+
+
+def test_an_adapter_chains_from_its_seed_and_never_shares_the_base_models_blocks():
+    """The same prompt under a LoRA adapter: its first block's parent is the adapter's seed
+    (xxh64 of b"lora:" + name), so neither a hit on the base model's chain nor another
+    adapter's; its BlockStored names the adapter."""
+    bm = BlockManager(16, BS, enable_events=True)
+    tokens = list(range(100, 109))  # 2 full blocks + 1 token
+    admit(bm, tokens)
+    bm.take_events()
+    seq = Sequence(tokens, lora_name="sql", lora_id=3)
+    assert bm.can_allocate(seq) == 0  # no hit on the base model's blocks
+    bm.allocate(seq, 0)
+    seq.num_computed_tokens = seq.num_tokens
+    bm.publish(seq)
+    seed = xxhash.xxh64(b"lora:sql").intdigest()
+    first = xxhash.xxh64(seed.to_bytes(8, "little") + np.asarray(tokens[:4], dtype="<i8").tobytes()).intdigest()
+    assert seq.block_hashes[0] == first
+    (stored,) = bm.take_events()
+    assert stored.block_hashes == seq.block_hashes[:2] and stored.lora_id == 3 and stored.lora_name == "sql"
+    assert stored.parent_block_hash is None
+    assert bm.can_allocate(Sequence(tokens, lora_name="sql")) == 2  # its own chain hits
+    assert bm.can_allocate(Sequence(tokens, lora_name="poet")) == 0

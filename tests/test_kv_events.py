@@ -166,9 +166,10 @@ def test_frames_are_topic_seq_and_a_vllm_event_batch(pub):
         assert st.block_size == 4 and st.parent_block_hash is None and st.lora_id is None and st.medium is None
         assert isinstance(rm, VBlockRemoved) and rm.block_hashes == [5]
         assert isinstance(cl, VAllBlocksCleared)
-        # every field is on the wire (a strict decoder that requires lora_id/medium accepts it)
+        # every field is on the wire (a strict decoder that requires lora_id/medium accepts it); the
+        # six-field decoder above (vLLM's older BlockStored) read the frame, which has lora_name too
         raw = msgspec.msgpack.decode(next(p for q, p in pub.buffer if q == seq))
-        assert raw[2] == 3 and raw[1][0] == ["BlockStored", [7], None, [0, 1, 2, 3], 4, None, None]
+        assert raw[2] == 3 and raw[1][0] == ["BlockStored", [7], None, [0, 1, 2, 3], 4, None, None, None]
     finally:
         s.close()
 
@@ -460,3 +461,16 @@ def fuzz_pub():
     yield pub, s, dealer
     s.close()
     pub.close()
+
+
+def test_block_stored_carries_the_adapter_and_reads_the_older_six_field_form():
+    """vLLM's newer BlockStored names the LoRA adapter (lora_name, after medium); a frame in the
+    older six-field form still decodes (lora_name None)."""
+    ours = BlockStored(block_hashes=[1], parent_block_hash=None, token_ids=[5] * 4, block_size=4, lora_id=2,
+                       lora_name="sql")
+    frame = msgspec.msgpack.encode(ours)
+    assert msgspec.msgpack.decode(frame)[-3:] == [2, None, "sql"]
+    older = msgspec.msgpack.encode(["BlockStored", [1], None, [5] * 4, 4, 2, None])
+    got = msgspec.msgpack.decode(older, type=BlockStored)
+    assert got.lora_id == 2 and got.lora_name is None and got.block_hashes == [1]
+    assert msgspec.msgpack.decode(frame, type=VBlockStored).lora_id == 2  # an older consumer reads ours

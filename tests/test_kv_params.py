@@ -21,7 +21,7 @@ DESIGN_FIELDS = {
     "do_remote_decode", "do_remote_prefill", "transfer_id", "remote_engine_id", "remote_host", "remote_port",
     "remote_block_ids", "num_prompt_tokens", "first_token_id", "first_token_logprobs", "draft_token_ids",
     "prefix_cache_hit_tokens", "access_token", "lease_s", "compat", "dp_rank", "num_computed_blocks", "signature",
-    "prompt_logprobs",
+    "prompt_logprobs", "lora_name",
 }
 
 

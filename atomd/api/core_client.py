@@ -84,7 +84,7 @@ class EngineClient(Protocol):
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer_params: KVTransferParams | None = None,
-                    dp_rank: int | None = None) -> RequestStream: ...
+                    dp_rank: int | None = None, lora_name: str | None = None) -> RequestStream: ...
 
     def abort(self, request_id: str) -> None: ...
 
@@ -146,10 +146,10 @@ class EngineCoreClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer_params: KVTransferParams | None = None,
-                    dp_rank: int | None = None) -> RequestStream:
+                    dp_rank: int | None = None, lora_name: str | None = None) -> RequestStream:
         """`dp_rank`: this client is one rank; the server checked that any rank asked for is 0."""
         stream = RequestStream()
-        self.send(AddRequest(request_id, prompt_token_ids, params, kv_transfer_params))
+        self.send(AddRequest(request_id, prompt_token_ids, params, kv_transfer_params, lora_name))
         if not self.streams:  # an idle core owes nothing: its silence counts from now
             self.last_heard = time.monotonic()
         self.streams[request_id] = stream
@@ -334,9 +334,9 @@ class DPEngineClient:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams,
                     kv_transfer_params: KVTransferParams | None = None,
-                    dp_rank: int | None = None) -> RequestStream:
+                    dp_rank: int | None = None, lora_name: str | None = None) -> RequestStream:
         return self.ranks[self.place(dp_rank)].add_request(request_id, prompt_token_ids, params,
-                                                           kv_transfer_params)
+                                                           kv_transfer_params, lora_name=lora_name)
 
     def rank_of(self, request_id: str) -> int | None:
         return next((r for r, c in enumerate(self.ranks) if request_id in c.streams), None)
@@ -349,9 +349,12 @@ class DPEngineClient:
     async def call(self, method: str, *args: Any, timeout_s: float = 5.0) -> Any:
         """`stats`: the ranks' sums plus `ranks`, each rank's own; `kv_transfer_info`: rank 0's
         answer plus `ranks` (each rank has its own side channel); `kv_transfer_abort`: True when
-        the rank holding the transfer revoked it; any other utility (e.g. reset_prefix_cache)
-        runs on every rank and answers True when every rank did."""
+        the rank holding the transfer revoked it; the LoRA ones: the first rank's error, else rank
+        0's answer; any other utility (e.g. reset_prefix_cache) runs on every rank and answers
+        True when every rank did."""
         results = await asyncio.gather(*(c.call(method, *args, timeout_s=timeout_s) for c in self.ranks))
+        if "lora" in method:
+            return next((r for r in results if isinstance(r, dict) and r.get("error")), results[0])
         if method == "kv_transfer_info":
             return {**results[0], "ranks": results}
         if method == "kv_transfer_abort":

@@ -46,6 +46,7 @@ from atomd.api import limits as L
 from atomd.api import protocol, reasoning, responses, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
+from atomd.api.lora_routes import LORA_PATHS, LoraNames, engine_error
 from atomd.api.metrics import ServerMetrics
 from atomd.api.renderers import ChatRenderer, CompletionRenderer, RequestRenderer
 from atomd.messages import RequestOutput
@@ -67,7 +68,7 @@ OPEN_PATHS = ("/health", "/ready", "/metrics", "/openapi.json")
 PROBE_PATHS = ("/health", "/ready", "/metrics")  # not in the access log unless --access-log-probes
 
 
-ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort")  # and everything under /debug/
+ADMIN_PATHS = ("/reset_prefix_cache", "/kv_transfer/abort", *LORA_PATHS)  # and everything under /debug/
 
 
 RANK_HEADER = "X-data-parallel-rank"
@@ -79,7 +80,9 @@ PARSER_THREADS = 2  # requests parsed and tokenized at once (tokenizers drop the
 ERROR_STATUS = {ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
                 ErrorCode.UNSCHEDULABLE: (400, "invalid_request_error"),
                 ErrorCode.KV_TRANSFER_FAILED: (503, "service_unavailable"),
-                ErrorCode.KV_PARAMS_UNTRUSTED: (403, "permission_error")}
+                ErrorCode.KV_PARAMS_UNTRUSTED: (403, "permission_error"),
+                ErrorCode.MODEL_NOT_FOUND: (404, "not_found_error"),
+                ErrorCode.LORA_BUSY: (503, "service_unavailable")}
 
 
 def unschedulable_param(code: ErrorCode | None, req: Any, params: Any, max_num_seqs: int) -> str | None:
@@ -111,6 +114,7 @@ class Server:
         self.metrics: ServerMetrics | None = None
         self.watchdog: asyncio.Task | None = None  # watch_core(), once the core is up
         self.max_model_len = config.max_model_len
+        self.loras = LoraNames(config)  # the LoRA adapters a request's `model` may name
         limits = L.from_args(args)
         self.limits = msgspec.structs.replace(limits, max_prompt_chars=limits.prompt_chars(config.max_model_len))
         # Parsing, validation and tokenization of a request run here, off the event loop:
@@ -129,6 +133,8 @@ class Server:
         app.router.add_get("/kv_transfer_info", self.kv_transfer_info)
         app.router.add_post("/kv_transfer/abort", self.kv_transfer_abort)
         app.router.add_get("/openapi.json", self.openapi)
+        app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
+        app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
         app.on_response_prepare.append(echo_request_id)
         self.app = app
 
@@ -296,7 +302,27 @@ class Server:
     async def models(self, request: web.Request) -> web.Response:
         self.require_engine()
         card = responses.ModelCard(id=self.model_name, created=int(time.time()), max_model_len=self.max_model_len)
-        return json_response(responses.ModelList([card]))
+        return json_response(responses.ModelList([card, *self.loras.cards(self.model_name, self.max_model_len)]))
+
+    async def load_lora_adapter(self, request: web.Request) -> web.Response:
+        """vLLM's route: {"lora_name", "lora_path"} -> 200 text; every DP rank loads it."""
+        self.require_engine()
+        req = self.loras.parse(await self.read_request(request), self.model_name, load=True)
+        error = engine_error(await self.client.call("load_lora_adapter", req.lora_name, req.lora_path, timeout_s=60.0))
+        if error is not None:
+            raise error
+        self.loras.paths[req.lora_name] = req.lora_path
+        return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: web.Request) -> web.Response:
+        """{"lora_name"}: new requests naming it get a 404; running ones finish under it."""
+        self.require_engine()
+        req = self.loras.parse(await self.read_request(request), self.model_name, load=False)
+        self.loras.paths.pop(req.lora_name, None)  # before the engine: no new request races in
+        error = engine_error(await self.client.call("unload_lora_adapter", req.lora_name))
+        if error is not None:
+            raise error
+        return web.Response(text=f"Success: LoRA adapter '{req.lora_name}' removed successfully.")
 
     def require_engine(self) -> None:
         if self.client.dead is not None:
@@ -314,9 +340,10 @@ class Server:
         return await request.read()
 
     def check_model(self, req) -> None:
-        if req.model and req.model != self.model_name:
+        if not self.loras.enabled and req.model and req.model != self.model_name:
             raise protocol.APIError(404, f"model {req.model!r} does not exist; this server serves {self.model_name!r}",
                              param="model", code="model_not_found")
+        self.loras.of(req.model, self.model_name)  # a 404 naming an adapter not loaded
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_request(request)
@@ -402,7 +429,8 @@ class Server:
     async def generate(self, request: web.Request, req, checked: validation.Checked, ids: list[int], params,
                        out: "RequestRenderer"):
         stream = self.client.add_request(out.id, ids, params, checked.kv_transfer_params,
-                                         dp_rank=self.requested_dp_rank(request, req))
+                                         dp_rank=self.requested_dp_rank(request, req),
+                                         lora_name=self.loras.of(req.model, self.model_name))
         try:
             first = await stream.next_batch()
             head = first[0]

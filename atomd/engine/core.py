@@ -29,6 +29,7 @@ import zmq
 from atomd.messages import (UTILITY_METHODS, AbortRequests, AddRequest, CoreError, InputMessage, OutputMessage,
                             Ready, RequestOutput, StepOutputs, UtilityCall, UtilityResult)
 from kv_transfer import faults
+from atomd.engine.lora_registry import LoraBusy, LoraNotLoaded
 from kv_transfer.trust import UntrustedKVParams
 from contracts.errors import ErrorCode
 
@@ -98,9 +99,12 @@ class EngineCore:
         if isinstance(msg, AddRequest):
             try:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
-                                        kv_transfer_params=msg.kv_transfer_params)
+                                        kv_transfer_params=msg.kv_transfer_params, lora_name=msg.lora_name)
             except Exception as e:  # refused on arrival: that request's error, never the core's death
-                if isinstance(e, ValueError):  # the API answers a 4xx with the message
+                if isinstance(e, (LoraNotLoaded, LoraBusy)):  # an adapter not loaded here / no adapter slot free
+                    code = ErrorCode.LORA_BUSY if isinstance(e, LoraBusy) else ErrorCode.MODEL_NOT_FOUND
+                    error = str(e)
+                elif isinstance(e, ValueError):  # the API answers a 4xx with the message
                     code = ErrorCode.KV_PARAMS_UNTRUSTED if isinstance(e, UntrustedKVParams) \
                         else ErrorCode.INVALID_REQUEST
                     error = str(e)

@@ -23,6 +23,7 @@ import msgspec
 
 from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.engine.kv_events import KVEventPublisher, offset_port
+from atomd.engine.lora_registry import LoraBusy, LoraNotLoaded, LoraRegistry
 from atomd.messages import RequestOutput
 from atomd.model import hub
 from atomd.sim.hardware import StepShape
@@ -65,6 +66,7 @@ class EngineLoop:
 
     proposer: Any = None
     spec_control: Any = None
+    loras: LoraRegistry | None = None  # --enable-lora: the adapters (a subclass that runs them sets it)
 
     def _start(self, num_blocks: int, kv_blocks: Any, eos: int | None, prefill_delayer: PrefillDelayer | None,
                model_dir: pathlib.Path, *, prefix_caching: bool | None = None, kv_window: int | None = None) -> None:
@@ -141,17 +143,20 @@ class EngineLoop:
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
                     kv_transfer_params: KVTransferParams | None = None,
-                    arrival_time: float | None = None) -> Sequence:
+                    arrival_time: float | None = None, lora_name: str | None = None) -> Sequence:
         """ValueError (the API's 400) for a duplicate id, a token outside the vocabulary, or
-        kv_transfer_params that do not fit this prompt."""
+        kv_transfer_params that do not fit this prompt; LoraNotLoaded for an adapter this
+        engine does not know (404), LoraBusy when no adapter slot is free (503).
+        `lora_name`: the LoRA adapter the request runs under (None: the base model)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         check_in_vocabulary("prompt_token_ids", prompt_token_ids, self.vocab_size)
         if kv_transfer_params is not None:
             self._check_producer_tokens(kv_transfer_params, self.vocab_size)
         params = self._prepare_params(sampling_params or SamplingParams(), kv_transfer_params)
+        self._check_lora_params(lora_name, kv_transfer_params)
         seq = Sequence(list(prompt_token_ids), params, request_id=request_id,
-                       arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
+                       arrive_time=arrival_time, kv_transfer_params=kv_transfer_params, lora_name=lora_name)
         if kv_transfer_params is not None and kv_transfer_params.do_remote_prefill \
                 and seq.prompt_logprobs is not None:  # P computed them in its prefill
             if kv_transfer_params.prompt_logprobs is None:
@@ -159,10 +164,26 @@ class EngineLoop:
             seq.prompt_logprobs = list(kv_transfer_params.prompt_logprobs)
         if self.kv_connector is not None:  # ValueError: kv_transfer_params do not fit this prompt
             self.kv_connector.request_added(seq)
+        if lora_name is not None:  # last: nothing after it can refuse the request (it holds the adapter)
+            self.loras.acquire(lora_name)
+            seq.lora_id = self.loras.lora_id(lora_name)
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq)
         return seq
 
+    def _check_lora_params(self, lora_name: str | None, kv_params: KVTransferParams | None) -> None:
+        """The adapter is one this engine knows, and a pull's KV was computed under it (P's
+        params name P's adapter: another one's KV would be read as this one's)."""
+        if lora_name is not None and (self.loras is None or lora_name not in self.loras.paths):
+            raise LoraNotLoaded(f"LoRA adapter {lora_name!r} is not loaded on this engine" if self.loras is not None
+                                else f"LoRA adapter {lora_name!r}: this engine runs without --enable-lora")
+        if kv_params is not None and kv_params.do_remote_prefill and kv_params.lora_name != lora_name:
+            raise ValueError(f"kv_transfer_params: the prefill ran under LoRA adapter {kv_params.lora_name!r}, "
+                             f"this request asks for {lora_name!r}")
+
+    def _release_lora(self, seq: Sequence) -> None:
+        if seq.lora_name is not None and self.loras is not None:
+            self.loras.release(seq.lora_name)
     @staticmethod
     def _check_producer_tokens(p: KVTransferParams, vocab: int) -> None:
         """The token ids a producer sent (T0, drafts, logprob tops) are in this vocabulary:
@@ -291,6 +312,7 @@ class EngineLoop:
         done = req.num_finished == len(parent.group)
         if done:
             del self._requests[seq.request_id]
+            self._release_lora(parent)
         if parent.sampling_params.ranked:
             return self._ranked_outputs(parent, seq) if done else []
         out = RequestOutput(seq.request_id, list(new_token_ids), new_logprobs, done,
@@ -328,7 +350,8 @@ class EngineLoop:
             self.spec_control.forget(seq_id)
 
     def _aborted_output(self, seq: Sequence) -> RequestOutput:
-        self._requests.pop(seq.request_id, None)
+        if self._requests.pop(seq.request_id, None) is not None:
+            self._release_lora(seq)
         for s in seq.group:
             self._forget(s.id)
         out = RequestOutput(seq.request_id, [], None, True, "abort", seq.num_prompt_tokens, seq.num_cached_tokens)
@@ -373,7 +396,31 @@ class EngineLoop:
             info.update(self.kv_connector.info())
         return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend,
                     kv_events=self.kv_events.info() if self.kv_events is not None else None,
-                    kernels=self.kernels_info())
+                    kernels=self.kernels_info(), loras=list(self.loras.paths) if self.loras is not None else None)
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """POST /v1/load_lora_adapter: {"name"} or {"error", "status"} (400 a bad adapter or a name
+        taken, 503 every slot held by running requests)."""
+        if self.loras is None:
+            return {"error": "this engine runs without --enable-lora", "status": 400}
+        try:
+            self.loras.add(name, path)
+        except LoraBusy as e:
+            return {"error": str(e), "status": 503}
+        except ValueError as e:
+            return {"error": str(e), "status": 400}
+        return {"name": name}
+
+    def unload_lora_adapter(self, name: str) -> dict[str, Any]:
+        """POST /v1/unload_lora_adapter: {"name"} or {"error", "status": 404}; requests running
+        under it finish under it (atomd/engine/lora_registry.py)."""
+        if self.loras is None or name not in self.loras.paths:
+            return {"error": f"LoRA adapter {name!r} is not loaded", "status": 404}
+        self.loras.remove(name)
+        return {"name": name}
+
+    def list_lora_adapters(self) -> list[dict[str, Any]]:
+        return self.loras.info() if self.loras is not None else []
 
     def kv_transfer_abort(self, transfer_id: str) -> bool:
         """The router gave up a transfer D never pulled: free P's pinned blocks now."""

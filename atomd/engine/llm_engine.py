@@ -22,6 +22,8 @@ from atomd.engine.allocator import retain_freed_memory
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, ranked_choices, resolve_model_dir
 from atomd.engine.kv_cache import KVCache
+from atomd.engine.lora_registry import LoraRegistry
+from atomd.model.lora import load_adapter
 from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
 from atomd.model.rotary import has_long_rows
@@ -69,6 +71,10 @@ class LLMEngine(EngineLoop):
         self.kv_cache = KVCache(self._pool_blocks(per_block), mcfg.num_layers, config.block_size, kv.heads,
                                 kv.head_dim, self.model.dtype, kv.planes)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
+        if config.enable_lora:  # adapters by name; the runner groups each step's rows by adapter
+            self.loras = self.runner.loras = LoraRegistry(config.max_loras, self._load_adapter)
+            for name, path in config.lora_adapters():
+                self.loras.add(name, path)
         # weights quantised at load give other KV than the checkpoint's: another model to a peer
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
         if config.quantized_activations != "float32":  # other numerics, other KV
@@ -95,6 +101,15 @@ class LLMEngine(EngineLoop):
             prefix_caching = False
         self._start(self.kv_cache.num_blocks, self.kv_cache.as_numpy_blocks(), eos, prefill_delayer, model_dir,
                     prefix_caching=prefix_caching, kv_window=max(mcfg.layer_windows) if mcfg.all_windowed else None)
+
+    def _load_adapter(self, name: str, path: str):
+        """A PEFT adapter for this model (ValueError naming what is wrong, also an unreadable file)."""
+        try:
+            return load_adapter(name, path, self.model.config, self.model.dtype, self.config.max_lora_rank)
+        except ValueError:
+            raise
+        except Exception as e:  # a missing or corrupt file: the caller's 400, not the engine's death
+            raise ValueError(f"LoRA adapter {name!r} at {path}: {type(e).__name__}: {e}") from None
 
     def _check_grammar(self, grammar: StructuredOutputsParams) -> None:
         try:  # compiled once per distinct grammar (cached)

@@ -16,6 +16,7 @@ from atomd import config
 from atomd.engine.kv_cache import AttentionMetadata, DecodeWorkspace, KVCache, SeqSlice
 from atomd.model.attention import causal_mask
 from atomd.model.decoder import DecoderModel
+from atomd.model.lora import LoraStep
 from atomd.kernels.native import KERNEL_DTYPES, attention_kernels, bf16_path
 
 log = logging.getLogger(__name__)
@@ -30,6 +31,8 @@ class ModelRunner:
         self.model, self.kv_cache = model, kv_cache
         self.block_size = kv_cache.block_size
         self.workspace: DecodeWorkspace | None = None
+        self.loras = None  # --enable-lora: the engine's LoraRegistry (name -> resident adapter weights)
+        self._lora_stack = None  # the last step's adapters side by side (atomd/model/lora.py)
         self.kernels = None  # the native attention kernels; None: torch SDPA (decode over a workspace)
         dtype = kv_cache.kv.dtype
         if attention_backend == "native" and dtype not in KERNEL_DTYPES:
@@ -90,7 +93,17 @@ class ModelRunner:
             logits_indices = torch.from_numpy((ends - 1)[batch.needs_sample])
         input_ids = torch.from_numpy(batch.token_ids.astype(np.int64))
         return self.model.forward(input_ids, torch.from_numpy(positions), meta, self.kv_cache,
-                                  logits_indices)
+                                  logits_indices, self._lora_step(batch, num_sched))
+
+    def _lora_step(self, batch, num_sched: np.ndarray) -> LoraStep | None:
+        """The step's rows by adapter (a request holds its adapter resident while it runs)."""
+        if self.loras is None or all(s.lora_name is None for s in batch.seqs):
+            return None
+        resident = self.loras.resident
+        step = LoraStep([None if s.lora_name is None else resident[s.lora_name] for s in batch.seqs], num_sched,
+                        self._lora_stack)
+        self._lora_stack = step.stack  # the next step's, while it uses the same adapters
+        return step
 
     def _prefill_slices(self, block_tables: list[list[int]], starts: np.ndarray, ends: np.ndarray,
                         computed: np.ndarray) -> list[SeqSlice]:

@@ -23,6 +23,7 @@ from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
+from atomd.model.lora import LayerLora, LoraStep
 from atomd.model.moe import MoeWeights, moe
 from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import long_rope_positions, rope_tables
@@ -227,17 +228,21 @@ class DecoderModel:
         return self.embed.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
+                kv_cache: KVCache, logits_indices: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
         """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`.
         Each residual add is fused with the RMSNorm after it (atomd/model/layer_ops.py):
-        h holds the normed input of the next matmul, x the residual stream."""
+        h holds the normed input of the next matmul, x the residual stream. `lora`: the
+        step's rows by adapter (atomd/model/lora.py); their deltas go onto every linear."""
         cfg = self.config
         if positions.numel() and int(positions.max()) >= self.max_positions:  # the C RoPE reads its tables there
             raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
         x = self.embed_tokens(input_ids)
         h = self.norm_rows(x, self.layers[0].input_norm)
         positions = self.rope_rows(positions.contiguous(), meta)  # from here on: rows of the RoPE tables
-        if self.decode_layer is not None and x.shape[0] == 1 and meta.kernels is not None and not meta.is_prefill:
+        if lora is not None and not lora.groups:
+            lora = None
+        if (self.decode_layer is not None and lora is None and x.shape[0] == 1 and meta.kernels is not None
+                and not meta.is_prefill):
             self._decode_one_row(x, h, positions, meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
                           self.lm_head_rows)
@@ -245,17 +250,18 @@ class DecoderModel:
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)  # rows a tile
         if self.ep is not None:  # one exchange per sparse layer and step on every rank: one tile
-            step = x.shape[0]
+            step = max(x.shape[0], 1)
+        tiles = [(slice(r, r + step), lora and lora.tile(r, r + step)) for r in range(0, x.shape[0], step)]
+        every_row = lora and lora.tile(0, x.shape[0])
         for i, w in enumerate(self.layers):
-            qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)
+            qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache, every_row and every_row.layer(i))
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
             k = qkv[:, q_end:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim)
             v = qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim)
             attn = paged_attention(q, k, v, kv_cache, i, meta, cfg.window(i), cfg.attn_scale)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            for rows in range(0, x.shape[0], step):
-                tile = slice(rows, rows + step)
-                self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
+            for tile, rows in tiles:
+                self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i))
         return self.logits(self.norm_rows(x[logits_indices], self.norm))
 
     def use_expert_parallel(self, ep: Any) -> None:
@@ -297,11 +303,14 @@ class DecoderModel:
         return linear(x, self.lm_head, None, self.lm_head_rows)
 
     def _qkv_stored(self, h: torch.Tensor, w: LayerWeights, i: int, positions: torch.Tensor,
-                    slot_rows: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
-        """qkv [T, width] of the rows h: projected, q/k normed where the family has it, RoPE'd,
-        and its key and value rows stored in layer i's cache slots."""
+                    slot_rows: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                    lora: LayerLora | None = None) -> torch.Tensor:
+        """qkv [T, width] of the rows h: projected (plus the LoRA deltas), q/k normed where the
+        family has it, RoPE'd, and its key and value rows stored in layer i's cache slots."""
         cfg = self.config
         qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
+        if lora is not None:
+            lora.add("qkv", h, qkv)
         if w.q_norm is not None:
             self.qk_norm_(qkv, w)
         cos, sin = self.rope(i)
@@ -335,21 +344,28 @@ class DecoderModel:
             fused.tail(attn, x, w.rows, w.post_norm, next_norm, h)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
-                          next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
+                          next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
         """The rest of the layer after attention on these rows: the residual x updated in
         place, and (unless this is the last layer) the next layer's normed input written to
-        next_h."""
+        next_h. `lora`: these rows' adapter deltas (a tile's rows, this layer)."""
         eps = self.config.rms_norm_eps
         rows = w.rows or (None,) * 4
-        h = rms_norm(x, w.post_norm, eps, delta=linear(attn, w.o, w.o_bias, rows[1]))
+        h = rms_norm(x, w.post_norm, eps, delta=lora_linear(lora, "o", attn, w.o, w.o_bias, rows[1]))
         if w.moe is not None:
             down = moe(h, w.moe)
         else:
-            down = linear(silu_mul(linear(h, w.gate_up, w.gate_up_bias, rows[2])), w.down, w.down_bias, rows[3])
+            act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
+            down = lora_linear(lora, "down", act, w.down, w.down_bias, rows[3])
         if next_norm is None:
             x.add_(down)
         else:
             rms_norm(x, next_norm, eps, delta=down, out=next_h)
+
+
+def lora_linear(lora: LayerLora | None, fused: str, x: torch.Tensor, weight, bias, rows) -> torch.Tensor:
+    """linear(x, weight, bias, rows) plus the LoRA deltas of the fused linear `fused`, if any."""
+    out = linear(x, weight, bias, rows)
+    return out if lora is None else lora.add(fused, x, out)
 
 
 def step_last_positions(positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -32,9 +32,9 @@ import torch
 import torch.nn.functional as F
 
 from atomd.model.config import ModelConfig, windows_of_types
-from atomd.model.decoder import DecoderModel, LayerWeights, TensorSource
+from atomd.model.decoder import DecoderModel, LayerWeights, TensorSource, lora_linear
 from atomd.model.layer_ops import rms_norm
-from atomd.model.linear import linear
+from atomd.model.lora import LayerLora
 from atomd.model.rotary import rope_tables
 
 ACT = "gelu_pytorch_tanh"
@@ -190,14 +190,14 @@ class Gemma3Model(DecoderModel):
         return logits if cap is None else torch.tanh(logits / cap) * cap
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
-                          next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
+                          next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
         """x += post_norm(o(attn)); x += post_mlp_norm(mlp(pre_mlp_norm(x))); next_h = next_norm(x)."""
         eps, rows = self.config.rms_norm_eps, w.rows or (None,) * 4
-        x.add_(gemma_rms_norm(linear(attn, w.o, None, rows[1]), w.post_norm, eps))
+        x.add_(gemma_rms_norm(lora_linear(lora, "o", attn, w.o, None, rows[1]), w.post_norm, eps))
         h = gemma_rms_norm(x, w.pre_mlp_norm, eps)
-        gate, up = linear(h, w.gate_up, None, rows[2]).chunk(2, dim=-1)
-        x.add_(gemma_rms_norm(linear(F.gelu(gate, approximate="tanh").mul_(up), w.down, None, rows[3]),
-                              w.post_mlp_norm, eps))
+        gate, up = lora_linear(lora, "gate_up", h, w.gate_up, None, rows[2]).chunk(2, dim=-1)
+        x.add_(gemma_rms_norm(lora_linear(lora, "down", F.gelu(gate, approximate="tanh").mul_(up), w.down, None,
+                                          rows[3]), w.post_mlp_norm, eps))
         if next_norm is not None:
             next_h.copy_(gemma_rms_norm(x, next_norm, eps))
 
