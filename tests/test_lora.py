@@ -172,7 +172,7 @@ def test_bf16_adapter_rows_track_peft_fp32(setup):
               max_loras=1, max_lora_rank=8, num_threads=1)
     prompt = prompts_of([40], seed=21)[0]
     sp = SamplingParams(max_tokens=1, temperature=0, prompt_logprobs=0)
-    ours = {name: torch.tensor([e["logprob"] for e in out.prompt_logprobs[1:]]) for name, out in zip(
+    ours = {name: torch.tensor([e.logprob for e in out.prompt_logprobs[1:]]) for name, out in zip(
         ["sql", None], [llm.generate([{"prompt_token_ids": prompt}], sp, lora_name=n)[0] for n in ["sql", None]])}
     want_base = hf_prompt_logprobs(hf_model(base), prompt)
     want_sql = hf_prompt_logprobs(peft.PeftModel.from_pretrained(hf_model_copy(base), adapters["sql"]).eval(), prompt)
