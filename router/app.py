@@ -1,6 +1,7 @@
 """The router: OpenAI routes relayed over two legs (or one, colocated), plus operations.
 
-  POST /v1/completions, /v1/chat/completions   the relay (router/pd.py), stream or not
+  POST /v1/completions, /v1/chat/completions   the relay (router/pd.py), stream or not; a completions
+                       request of several prompts is one relay per prompt (router/multi_prompt.py)
   GET  /v1/models      from a decode (or colocated) worker
   GET  /health         200 while the router runs (no API key)
   GET  /ready          200 when a prefill and a decode worker, or a colocated one, are in rotation
@@ -40,6 +41,7 @@ from router.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_PE
 from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
+from router.multi_prompt import MultiPrompt, several_prompts
 from router.openapi import AddWorker, RemoveWorker, openapi_json
 from router.pd import LegError, PDRelay, RelayConfig, error_body
 from router.adaptive import PD_MODES
@@ -91,6 +93,7 @@ class RouterConfig:
     client_body_timeout_s: float = BODY_TIMEOUT_S
     max_pending_body_bytes: int = MAX_PENDING_BODY_BYTES
     max_upstream_event_bytes: int = 16 << 20  # a longer SSE event from a worker ends its stream (error event)
+    max_prompts: int = 256  # prompts in one completions request (router/multi_prompt.py), as the engines' flag
     max_concurrent_requests: int = 0  # 0: no cap
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
@@ -137,7 +140,7 @@ class RouterConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         for name in ("max_request_body_bytes", "max_upstream_event_bytes", "breaker_failures", "max_prefill_tries",
-                     "max_pending_body_bytes"):
+                     "max_pending_body_bytes", "max_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("max_concurrent_requests", "max_queued_requests", "retry_backoff_s", "retry_after_s",
@@ -363,6 +366,10 @@ class Router:
         if stream is not False and not isinstance(stream, bool):
             return json_error(resp, 400, f"stream must be a boolean, got {clip(stream)}", code="invalid_value",
                               param="stream")
+        prompts = several_prompts(body) if endpoint == "completions" else None
+        if prompts is not None and len(prompts) > self.config.max_prompts:
+            return json_error(resp, 400, f"prompt: {len(prompts)} prompts; the limit is {self.config.max_prompts} "
+                                         "(--max-prompts)", code="limit_exceeded", param="prompt")
         admission = self.admission
         try:
             await admission.enter()
@@ -372,7 +379,10 @@ class Router:
             return json_error(resp, 429, f"the router is at capacity ({e.reason.replace('_', ' ')}); retry later",
                               "rate_limit_error", e.reason, b"Retry-After: %d\r\n" % self.config.retry_after_s)
         try:
-            await self.relay.handle(req, resp, endpoint, body, raw)
+            if prompts is not None:  # each prompt its own relay (its own two legs), answers merged
+                await MultiPrompt(self.relay, req, resp, body, prompts).run(endpoint)
+            else:
+                await self.relay.handle(req, resp, endpoint, body, raw)
         finally:
             admission.leave()
 

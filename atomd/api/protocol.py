@@ -170,8 +170,8 @@ class SamplingFields(UnsupportedFields, kw_only=True, forbid_unknown_fields=True
 
 
 class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
-    # A string, a list of token ids, or a list of one string / one token list:
-    # msgspec cannot express that union, `prompt_input` checks it.
+    # A string, a list of token ids, or a list of strings / token-id lists (several prompts):
+    # msgspec cannot express that union, `validation.prompt_inputs` checks it.
     prompt: str | list[Any]
     max_tokens: int | None = 16
     logprobs: int | None = None

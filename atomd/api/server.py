@@ -43,7 +43,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import chat_templates
 from atomd.api import limits as L
-from atomd.api import protocol, responses, validation
+from atomd.api import multi_prompt, protocol, responses, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.metrics import ServerMetrics
@@ -319,22 +319,31 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_request(request)
-        req, checked, ids, params, prompt = await asyncio.get_running_loop().run_in_executor(
+        req, checked, prompts = await asyncio.get_running_loop().run_in_executor(
             self.parser, self.parse_completion, body)
-        out = CompletionRenderer(self, f"cmpl-{uuid.uuid4().hex}", req, checked, ids,
-                                 prompt if isinstance(prompt, str) else None)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if len(prompts) > 1:  # several prompts: each its own engine request (atomd/api/multi_prompt.py)
+            return await multi_prompt.generate(self, request, request_id, req, checked, prompts)
+        (ids, params, prompt), = prompts
+        out = CompletionRenderer(self, request_id, req, checked, ids, prompt if isinstance(prompt, str) else None)
         return await self.generate(request, req, checked, ids, params, out)
 
     def parse_completion(self, body: bytes):
-        """Body -> (request, checks, prompt ids, sampling params, prompt): on a parser thread."""
+        """Body -> (request, checks, [(prompt ids, sampling params, prompt)] one per prompt): on a
+        parser thread."""
         req = protocol.decode_request(body, protocol.CompletionRequest)
         self.check_model(req)
         checked = validation.validate_completion_request(req, self.limits)
-        prompt = validation.prompt_input(req.prompt)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
+        prompts = validation.prompt_inputs(req.prompt, self.limits.max_prompts)
+        if len(prompts) > 1 and checked.kv_transfer_params is not None:
+            raise protocol.invalid("kv_transfer_params", "kv_transfer_params go with one prompt per request")
         self.check_sampling_token_ids(req, checked)
-        params = validation.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
-        return req, checked, ids, params, prompt
+        parsed = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
+            params = validation.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
+            parsed.append((ids, params, prompt))
+        return req, checked, parsed
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_request(request)
@@ -408,10 +417,7 @@ class Server:
             first = await stream.next_batch()
             head = first[0]
             if head.error is not None:  # refused or rejected by the engine, or a failed KV pull
-                status, kind = ERROR_STATUS.get(head.error_code, (500, "server_error"))
-                code = head.error_code.value if head.error_code is not None else None
-                raise protocol.APIError(status, head.error, type=kind, code=code,
-                                 param=unschedulable_param(head.error_code, req, params, self.config.max_num_seqs))
+                raise self.engine_error(head, req, params)
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
             batch = first
@@ -422,6 +428,13 @@ class Server:
                 batch = await stream.next_batch()
         finally:
             self.client.abort(out.id)  # no-op once finished; frees the blocks of a gone client
+
+    def engine_error(self, head: RequestOutput, req, params) -> protocol.APIError:
+        """The answer to a request the engine refused or rejected, or whose KV pull failed."""
+        status, kind = ERROR_STATUS.get(head.error_code, (500, "server_error"))
+        code = head.error_code.value if head.error_code is not None else None
+        return protocol.APIError(status, head.error, type=kind, code=code,
+                                 param=unschedulable_param(head.error_code, req, params, self.config.max_num_seqs))
 
     async def stream_response(self, request: web.Request, stream: RequestStream,
                               batch: list[RequestOutput], out: "RequestRenderer") -> web.StreamResponse:
