@@ -3,6 +3,7 @@
   POST /v1/completions, /v1/chat/completions   the relay (router/pd.py), stream or not; a completions
                        request of several prompts is one relay per prompt (router/multi_prompt.py)
   GET  /v1/models      from a decode (or colocated) worker
+  POST /tokenize, /detokenize; GET /tokenizer_info   relayed to one engine (any role: all share the tokenizer)
   GET  /health         200 while the router runs (no API key)
   GET  /ready          200 when a prefill and a decode worker, or a colocated one, are in rotation
   GET  /metrics        Prometheus text, `atomd_router:` names (no API key; the per-worker series, which
@@ -254,6 +255,9 @@ class Router:
         routes.add("POST", "/v1/completions", self.completions)
         routes.add("POST", "/v1/chat/completions", self.chat_completions)
         routes.add("GET", "/v1/models", self.models)
+        routes.add("POST", "/tokenize", self.tokenizer_route)
+        routes.add("POST", "/detokenize", self.tokenizer_route)
+        routes.add("GET", "/tokenizer_info", self.tokenizer_route)
         routes.add("GET", "/health", self.health)
         routes.add("GET", "/ready", self.ready)
         routes.add("GET", "/metrics", self.metrics_route)
@@ -387,17 +391,32 @@ class Router:
             admission.leave()
 
     async def models(self, req: Request, resp: Response) -> None:
-        workers = self.registry.available("decode") or self.registry.available("worker")
+        await self.forward(req, resp, ("decode", "worker"))
+
+    async def tokenizer_route(self, req: Request, resp: Response) -> None:
+        """/tokenize, /detokenize, /tokenizer_info: every engine has the model's tokenizer."""
+        await self.forward(req, resp, ("decode", "worker", "prefill"))
+
+    async def forward(self, req: Request, resp: Response, roles: tuple[str, ...]) -> None:
+        """The request as it came to a worker of the first of `roles` with one in rotation,
+        and its answer back."""
+        if req.body is None:
+            return json_error(resp, 413, f"request body is larger than {self.config.max_request_body_bytes} bytes")
+        workers = next((w for w in (self.registry.available(r) for r in roles) if w), None)
         if not workers:
             return json_error(resp, 503, "no healthy decode worker", "service_unavailable", "no_decode_worker")
         worker = workers[0]
         auth = req.headers.get("authorization")
         headers = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
+        if req.method == "POST":
+            headers += b"Content-Type: application/json\r\n"
         try:
-            status, ctype, body = await worker.pool.fetch(b"GET", b"/v1/models", headers,
+            status, ctype, body = await worker.pool.fetch(req.method.encode(), req.path.encode(), headers,
+                                                          req.body if req.method == "POST" else None,
                                                           timeout_s=self.config.request_timeout_s)
         except (UpstreamError, OSError) as e:
-            return LegError(502, f"decode worker {worker.url} did not answer /v1/models: {describe(e)}").send(resp)
+            return LegError(502, f"{worker.role} worker {worker.url} did not answer {clip(req.path)}: "
+                                 f"{describe(e)}").send(resp)
         resp.send(status, body, (ctype or "application/json").encode())
 
     # ---------------------------------------------------------------- operations

@@ -70,7 +70,9 @@ def openapi_document() -> dict[str, Any]:
     paths: dict[str, Any] = copy.deepcopy(surface["paths"])
     for path in ("/v1/completions", "/v1/chat/completions"):
         paths[path]["post"]["responses"].update(ROUTER_ERRORS)
-    paths["/v1/models"]["get"]["responses"].update({k: ROUTER_ERRORS[k] for k in ("401", "502", "503")})
+    for path, method in (("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
+                         ("/tokenizer_info", "get")):
+        paths[path][method]["responses"].update({k: ROUTER_ERRORS[k] for k in ("401", "502", "503")})
     (add, remove), own = msgspec.json.schema_components([AddWorker, RemoveWorker], ref_template=REF)
     schemas = {**surface["components"]["schemas"], **own}
 

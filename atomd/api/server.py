@@ -6,6 +6,7 @@ ids (atomd/engine/core.py, reached through atomd/api/core_client.py). Routes:
 
   POST /v1/completions, /v1/chat/completions   JSON or SSE (`stream: true`)
   GET  /v1/models
+  POST /tokenize, /detokenize; GET /tokenizer_info   vLLM's shapes (atomd/api/tokenize.py)
   GET  /health     200 while the engine core process lives (503 once it died); no API key
   GET  /ready      200 once the engine is loaded and answers a stats call within 2 s
   GET  /metrics    Prometheus text
@@ -43,7 +44,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import chat_templates
 from atomd.api import limits as L
-from atomd.api import multi_prompt, protocol, responses, validation
+from atomd.api import multi_prompt, protocol, responses, tokenize, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.metrics import ServerMetrics
@@ -128,6 +129,7 @@ class Server:
         app.router.add_get("/kv_transfer_info", self.kv_transfer_info)
         app.router.add_post("/kv_transfer/abort", self.kv_transfer_abort)
         app.router.add_get("/openapi.json", self.openapi)
+        tokenize.add_routes(app, self)  # /tokenize, /detokenize, /tokenizer_info (vLLM's shapes)
         app.on_response_prepare.append(echo_request_id)
         self.app = app
 
