@@ -55,7 +55,8 @@ def map_body(ctx, body):
 
 
 OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
-              ("/health", "GET"), ("/ready", "GET")]
+              ("/health", "GET"), ("/ready", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
+              ("/tokenizer_info", "GET")]
 
 
 @pytest.mark.parametrize("path,method", OPERATIONS)

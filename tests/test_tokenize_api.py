@@ -152,8 +152,8 @@ def lm_eval_samples(url: str, batch_size: int, task_dir: pathlib.Path) -> dict:
     out = lm_eval.simple_evaluate(
         model="local-completions", model_args={"base_url": url + "/v1/completions", "max_length": MAX_MODEL_LEN,
                                                "num_concurrent": 1, "max_retries": 1},
-        tasks=sorted(TASKS), batch_size=batch_size, task_manager=TaskManager(include_path=str(task_dir)),
-        log_samples=True)
+        tasks=sorted(TASKS), batch_size=batch_size,
+        task_manager=TaskManager(include_path=str(task_dir), include_defaults=False), log_samples=True)
     assert out["config"]["model_args"]["base_url"].startswith(url)
     return {task: [s["resps"] for s in sorted(samples, key=lambda s: s["doc_id"])]
             for task, samples in out["samples"].items()}
