@@ -2,6 +2,7 @@
 
   POST /v1/completions, /v1/chat/completions   the relay (router/pd.py), stream or not; a completions
                        request of several prompts is one relay per prompt (router/multi_prompt.py)
+  POST /v1/responses   relayed like chat; previous_response_id to the engine that stored it (router/responses.py)
   GET  /v1/models      from a decode (or colocated) worker
   POST /tokenize, /detokenize; GET /tokenizer_info   relayed to one engine (any role: all share the tokenizer)
   GET  /health         200 while the router runs (no API key)
@@ -43,6 +44,7 @@ from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
 from router.multi_prompt import MultiPrompt, several_prompts
+from router.responses import ResponseAffinity, relay_response
 from router.openapi import AddWorker, RemoveWorker, openapi_json
 from router.pd import LegError, PDRelay, RelayConfig, error_body
 from router.adaptive import PD_MODES
@@ -238,6 +240,7 @@ class Router:
             self.tokenizer = RouterTokenizer(config.tokenizer, config.chat_template)
         self.registry.on_ready.append(self._worker_ready)
         self.registry.on_removed.append(self._worker_removed)
+        self.affinity = ResponseAffinity()
         self.relay = PDRelay(self.registry, self.policies, self.metrics, RelayConfig(
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             total_timeout_s=config.total_timeout_s, max_prefill_tries=config.max_prefill_tries,
@@ -254,6 +257,7 @@ class Router:
         routes = self.routes = RouteTable()
         routes.add("POST", "/v1/completions", self.completions)
         routes.add("POST", "/v1/chat/completions", self.chat_completions)
+        routes.add("POST", "/v1/responses", self.responses)
         routes.add("GET", "/v1/models", self.models)
         routes.add("POST", "/tokenize", self.tokenizer_route)
         routes.add("POST", "/detokenize", self.tokenizer_route)
@@ -354,6 +358,9 @@ class Router:
     async def chat_completions(self, req: Request, resp: Response) -> None:
         await self.generate(req, resp, "chat_completions")
 
+    async def responses(self, req: Request, resp: Response) -> None:
+        await self.generate(req, resp, "responses")
+
     async def generate(self, req: Request, resp: Response, endpoint: str) -> None:
         raw = req.body
         if raw is None:
@@ -385,6 +392,8 @@ class Router:
         try:
             if prompts is not None:  # each prompt its own relay (its own two legs), answers merged
                 await MultiPrompt(self.relay, req, resp, body, prompts).run(endpoint)
+            elif endpoint == "responses":  # the router mints the id; a continuation goes where it is stored
+                await relay_response(self.relay, self.affinity, req, resp, body)
             else:
                 await self.relay.handle(req, resp, endpoint, body, raw)
         finally:

@@ -68,7 +68,7 @@ def version() -> str:
 def openapi_document() -> dict[str, Any]:
     surface = json.loads(SURFACE.read_text())
     paths: dict[str, Any] = copy.deepcopy(surface["paths"])
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         paths[path]["post"]["responses"].update(ROUTER_ERRORS)
     for path, method in (("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
                          ("/tokenizer_info", "get")):

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from atomd.api import protocol, responses, tokenize
+from atomd.api import protocol, responses, responses_api, tokenize
 
 REF = "#/components/schemas/{name}"
 ROUTER_SURFACE = pathlib.Path(__file__).resolve().parents[2] / "router" / "openapi_surface.json"
@@ -55,11 +55,12 @@ def openai_surface() -> dict[str, Any]:
     """The OpenAI routes (paths) and the schemas they name (components.schemas), from the
     structs that validate the bodies: what engines and router both serve."""
     (completion_req, chat_req, completion, chat, models, _, tok_prompt, tok_chat, tokenized, detok_req,
-     detokenized), components = msgspec.json.schema_components(
+     detokenized, responses_req), components = msgspec.json.schema_components(
         [protocol.CompletionRequest, protocol.ChatCompletionRequest, responses.CompletionResponse,
          responses.ChatCompletionResponse,
          responses.ModelList, ErrorBody, tokenize.TokenizeCompletionRequest, tokenize.TokenizeChatRequest,
-         tokenize.TokenizeResponse, tokenize.DetokenizeRequest, tokenize.DetokenizeResponse], ref_template=REF)
+         tokenize.TokenizeResponse, tokenize.DetokenizeRequest, tokenize.DetokenizeResponse,
+         responses_api.ResponsesRequest], ref_template=REF)
 
     def generate(summary: str, request: dict, response: dict) -> dict:
         return {"post": {
@@ -80,6 +81,8 @@ def openai_surface() -> dict[str, Any]:
         "paths": {
             "/v1/completions": generate("Create a completion", completion_req, completion),
             "/v1/chat/completions": generate("Create a chat completion", chat_req, chat),
+            "/v1/responses": generate("Create a response (OpenAI's Responses API)", responses_req,
+                                      {"type": "object"}),
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "ok", "content": _json(models)}, **_errors(401, 503)}}},
             # vLLM's tokenizer routes (atomd/api/tokenize.py)

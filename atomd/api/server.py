@@ -5,6 +5,7 @@ detokenization, stop strings) and the metrics; the engine core process only sees
 ids (atomd/engine/core.py, reached through atomd/api/core_client.py). Routes:
 
   POST /v1/completions, /v1/chat/completions   JSON or SSE (`stream: true`)
+  POST /v1/responses   OpenAI's Responses API over the chat pipeline (atomd/api/responses_api.py)
   GET  /v1/models
   POST /tokenize, /detokenize; GET /tokenizer_info   vLLM's shapes (atomd/api/tokenize.py)
   GET  /health     200 while the engine core process lives (503 once it died); no API key
@@ -44,7 +45,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import chat_templates
 from atomd.api import limits as L
-from atomd.api import multi_prompt, protocol, responses, tokenize, validation
+from atomd.api import multi_prompt, protocol, responses, responses_api, tokenize, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.metrics import ServerMetrics
@@ -130,6 +131,7 @@ class Server:
         app.router.add_post("/kv_transfer/abort", self.kv_transfer_abort)
         app.router.add_get("/openapi.json", self.openapi)
         tokenize.add_routes(app, self)  # /tokenize, /detokenize, /tokenizer_info (vLLM's shapes)
+        responses_api.add_routes(app, self)  # /v1/responses over the chat pipeline
         app.on_response_prepare.append(echo_request_id)
         self.app = app
 
@@ -357,6 +359,10 @@ class Server:
     def parse_chat(self, body: bytes):
         """As parse_completion, for a chat request."""
         req = protocol.decode_request(body, protocol.ChatCompletionRequest)
+        return (req, *self.prepare_chat(req))
+
+    def prepare_chat(self, req: protocol.ChatCompletionRequest):
+        """A decoded chat request -> (checks, prompt ids, sampling params); /v1/responses too."""
         self.check_model(req)
         checked = validation.validate_chat_request(req, self.limits, self.args.tool_call_parser)
         ids = chat_templates.prompt_ids(self.tokenizer, req, validation.chat_messages(req), checked.tools,
@@ -365,7 +371,7 @@ class Server:
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         self.check_sampling_token_ids(req, checked)
         params = validation.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
-        return req, checked, ids, params
+        return checked, ids, params
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.tokenizer.vocab_size
