@@ -58,6 +58,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] = []  # derived from bad_words by the engine's tokenizer
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus top-k
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained decoding
+    # vLLM's request priority (lower runs first) under --scheduling-policy priority; not a sampling
+    # knob, but it travels with the request to the scheduler like the stops do
+    priority: int = 0
 
     def __post_init__(self) -> None:
         for name, types in _FIELD_TYPES:

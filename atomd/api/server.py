@@ -342,6 +342,7 @@ class Server:
         if len(prompts) > 1 and checked.kv_transfer_params is not None:
             raise protocol.invalid("kv_transfer_params", "kv_transfer_params go with one prompt per request")
         self.check_sampling_token_ids(req, checked)
+        self.check_priority(req)
         parsed = []
         for prompt in prompts:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
@@ -370,8 +371,15 @@ class Server:
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         self.check_sampling_token_ids(req, checked)
+        self.check_priority(req)
         params = validation.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
         return checked, ids, params
+
+    def check_priority(self, req) -> None:
+        """As vLLM: a priority other than 0 needs --scheduling-policy priority."""
+        if req.priority != 0 and self.config.scheduling_policy != "priority":
+            raise protocol.invalid("priority", f"priority={req.priority} needs --scheduling-policy priority "
+                                               "(this server schedules first come first served)")
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         vocab = self.tokenizer.vocab_size

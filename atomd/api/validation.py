@@ -394,7 +394,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, checked: Checked) -> S
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=checked.logit_bias or None, bad_words=list(req.bad_words or []),
             allowed_token_ids=req.allowed_token_ids, prompt_logprobs=checked.prompt_logprobs,
-            structured_outputs=checked.structured_outputs)
+            structured_outputs=checked.structured_outputs, priority=req.priority)
     except ValueError as e:  # SamplingParams starts its message with the field's name
         field = str(e).split(" ", 1)[0]
         raise invalid(field if field in SamplingParams.__struct_fields__ else None, str(e)) from None

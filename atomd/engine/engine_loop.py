@@ -70,7 +70,8 @@ class EngineLoop:
             max_local_prefill_tokens_per_step=config.max_local_prefill_tokens_per_step,
             max_local_prefill_ms_per_step=config.max_local_prefill_ms_per_step,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            enable_kv_events=config.kv_events_endpoint is not None),
+            enable_kv_events=config.kv_events_endpoint is not None,
+            scheduling_policy=config.scheduling_policy),
             kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)
         self.kv_events = self._make_kv_events(model_dir)  # None without --kv-events-endpoint
         self._requests: dict[str, _Request] = {}
