@@ -49,6 +49,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     timing: tuple[float | None, float | None, float | None, float | None] | None = None
     index: int = 0
     prompt_logprobs: list[Any] | None = None  # [None, {"logprob", "rank", "top": [[id, lp], ...]}, ...]
+    embedding: list[float] | None = None  # a pooling request's vector, on its finished output
 
 
 class AddRequest(msgspec.Struct, tag="add"):

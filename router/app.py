@@ -5,6 +5,7 @@
   POST /v1/responses   relayed like chat; previous_response_id to the engine that stored it (router/responses.py)
   GET  /v1/models      from a decode (or colocated) worker
   POST /tokenize, /detokenize; GET /tokenizer_info   relayed to one engine (any role: all share the tokenizer)
+  POST /v1/embeddings  relayed to one engine (colocated, else prefill, else decode), in turn
   GET  /health         200 while the router runs (no API key)
   GET  /ready          200 when a prefill and a decode worker, or a colocated one, are in rotation
   GET  /metrics        Prometheus text, `atomd_router:` names (no API key; the per-worker series, which
@@ -241,6 +242,7 @@ class Router:
         self.registry.on_ready.append(self._worker_ready)
         self.registry.on_removed.append(self._worker_removed)
         self.affinity = ResponseAffinity()
+        self._forwarded = 0  # requests forward() relayed (it takes the workers in turn)
         self.relay = PDRelay(self.registry, self.policies, self.metrics, RelayConfig(
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             total_timeout_s=config.total_timeout_s, max_prefill_tries=config.max_prefill_tries,
@@ -259,6 +261,7 @@ class Router:
         routes.add("POST", "/v1/chat/completions", self.chat_completions)
         routes.add("POST", "/v1/responses", self.responses)
         routes.add("GET", "/v1/models", self.models)
+        routes.add("POST", "/v1/embeddings", self.embeddings)
         routes.add("POST", "/tokenize", self.tokenizer_route)
         routes.add("POST", "/detokenize", self.tokenizer_route)
         routes.add("GET", "/tokenizer_info", self.tokenizer_route)
@@ -402,6 +405,10 @@ class Router:
     async def models(self, req: Request, resp: Response) -> None:
         await self.forward(req, resp, ("decode", "worker"))
 
+    async def embeddings(self, req: Request, resp: Response) -> None:
+        """Prefill only, no KV moves: any engine serves it (started with --task embed)."""
+        await self.forward(req, resp, ("worker", "prefill", "decode"))
+
     async def tokenizer_route(self, req: Request, resp: Response) -> None:
         """/tokenize, /detokenize, /tokenizer_info: every engine has the model's tokenizer."""
         await self.forward(req, resp, ("decode", "worker", "prefill"))
@@ -414,7 +421,8 @@ class Router:
         workers = next((w for w in (self.registry.available(r) for r in roles) if w), None)
         if not workers:
             return json_error(resp, 503, "no healthy decode worker", "service_unavailable", "no_decode_worker")
-        worker = workers[0]
+        self._forwarded += 1
+        worker = workers[self._forwarded % len(workers)]  # in turn
         auth = req.headers.get("authorization")
         headers = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
         if req.method == "POST":

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from atomd.api import protocol, responses, responses_api, tokenize
+from atomd.api import embeddings, protocol, responses, responses_api, tokenize
 
 REF = "#/components/schemas/{name}"
 ROUTER_SURFACE = pathlib.Path(__file__).resolve().parents[2] / "router" / "openapi_surface.json"
@@ -55,12 +55,13 @@ def openai_surface() -> dict[str, Any]:
     """The OpenAI routes (paths) and the schemas they name (components.schemas), from the
     structs that validate the bodies: what engines and router both serve."""
     (completion_req, chat_req, completion, chat, models, _, tok_prompt, tok_chat, tokenized, detok_req,
-     detokenized, responses_req), components = msgspec.json.schema_components(
+     detokenized, responses_req, embedding_req, embedding), components = msgspec.json.schema_components(
         [protocol.CompletionRequest, protocol.ChatCompletionRequest, responses.CompletionResponse,
          responses.ChatCompletionResponse,
          responses.ModelList, ErrorBody, tokenize.TokenizeCompletionRequest, tokenize.TokenizeChatRequest,
          tokenize.TokenizeResponse, tokenize.DetokenizeRequest, tokenize.DetokenizeResponse,
-         responses_api.ResponsesRequest], ref_template=REF)
+         responses_api.ResponsesRequest, embeddings.EmbeddingRequest, embeddings.EmbeddingResponse],
+        ref_template=REF)
 
     def generate(summary: str, request: dict, response: dict) -> dict:
         return {"post": {
@@ -86,6 +87,8 @@ def openai_surface() -> dict[str, Any]:
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "ok", "content": _json(models)}, **_errors(401, 503)}}},
             # vLLM's tokenizer routes (atomd/api/tokenize.py)
+            "/v1/embeddings": plain("Create embeddings (an engine started with --task embed)", embedding_req,
+                                    embedding),
             "/tokenize": plain("Tokenize a prompt, or chat messages through the chat template",
                                {"anyOf": [tok_prompt, tok_chat]}, tokenized),
             "/detokenize": plain("Token ids back to text", detok_req, detokenized),

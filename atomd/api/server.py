@@ -6,6 +6,7 @@ ids (atomd/engine/core.py, reached through atomd/api/core_client.py). Routes:
 
   POST /v1/completions, /v1/chat/completions   JSON or SSE (`stream: true`)
   POST /v1/responses   OpenAI's Responses API over the chat pipeline (atomd/api/responses_api.py)
+  POST /v1/embeddings  with --task embed: pooled hidden states (atomd/api/embeddings.py)
   GET  /v1/models
   POST /tokenize, /detokenize; GET /tokenizer_info   vLLM's shapes (atomd/api/tokenize.py)
   GET  /health     200 while the engine core process lives (503 once it died); no API key
@@ -45,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import chat_templates
 from atomd.api import limits as L
-from atomd.api import multi_prompt, protocol, responses, responses_api, tokenize, validation
+from atomd.api import embeddings, multi_prompt, protocol, responses, responses_api, tokenize, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.metrics import ServerMetrics
@@ -132,6 +133,7 @@ class Server:
         app.router.add_get("/openapi.json", self.openapi)
         tokenize.add_routes(app, self)  # /tokenize, /detokenize, /tokenizer_info (vLLM's shapes)
         responses_api.add_routes(app, self)  # /v1/responses over the chat pipeline
+        embeddings.add_routes(app, self)  # /v1/embeddings (with --task embed)
         app.on_response_prepare.append(echo_request_id)
         self.app = app
 

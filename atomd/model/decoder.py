@@ -207,8 +207,10 @@ class DecoderModel:
         return self.embed.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`.
+                kv_cache: KVCache, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
+        """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`; with
+        `hidden_indices` (a prefill pooling embeddings), (logits, the final-normed hidden states
+        [len(hidden_indices), hidden] of those tokens).
         Each residual add is fused with the RMSNorm after it (atomd/model/layer_ops.py):
         h holds the normed input of the next matmul, x the residual stream."""
         cfg = self.config
@@ -234,7 +236,10 @@ class DecoderModel:
             for rows in range(0, x.shape[0], step):
                 tile = slice(rows, rows + step)
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
-        return self.logits(self.norm_rows(x[logits_indices], self.norm))
+        logits = self.logits(self.norm_rows(x[logits_indices], self.norm))
+        if hidden_indices is not None:
+            return logits, self.norm_rows(x[hidden_indices], self.norm)
+        return logits
 
     def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Each token's row of the RoPE tables: its position, or with longrope's long rows
