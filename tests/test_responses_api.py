@@ -13,6 +13,7 @@ import re
 
 import jsonschema
 import openai
+import openai.types.responses
 import pytest
 
 from launch.process import http
@@ -73,6 +74,9 @@ def test_text_in_text_out_equals_chat(pd):
         length = want["choices"][0]["finish_reason"] == "length"
         assert r.status == ("incomplete" if length else "completed")
         assert [item.type for item in r.output] == ["message"]
+        status, raw = http("POST", url + "/v1/responses", {"input": QUESTION, "max_output_tokens": 4})
+        assert status == 200
+        openai.types.responses.Response.model_validate_json(raw)  # every field the type requires, strictly
 
 
 def test_message_items_and_sampling_fields(pd):

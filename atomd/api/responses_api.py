@@ -291,7 +291,9 @@ class ResponsesRenderer(ChatRenderer):
             reasoning = "".join(t["text"] for it in output if it["type"] == "reasoning" for t in it["content"])
             u = self.usage()
             body["usage"] = {"input_tokens": u.prompt_tokens,
-                             "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens},
+                             # cache_write_tokens: OpenAI's billed prompt-cache writes; none here
+                             "input_tokens_details": {"cached_tokens": u.prompt_tokens_details.cached_tokens,
+                                                      "cache_write_tokens": 0},
                              "output_tokens": u.completion_tokens,
                              "output_tokens_details": {"reasoning_tokens": len(
                                  self.tokenizer.encode(reasoning, add_special_tokens=False)) if reasoning else 0},
