@@ -56,7 +56,7 @@ def map_body(ctx, body):
 
 OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
               ("/health", "GET"), ("/ready", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
-              ("/tokenizer_info", "GET"), ("/v1/responses", "POST")]
+              ("/tokenizer_info", "GET"), ("/v1/responses", "POST"), ("/v1/embeddings", "POST")]
 
 
 @pytest.mark.parametrize("path,method", OPERATIONS)
