@@ -204,6 +204,7 @@ def test_previous_response_evicted_or_unknown_is_404(pd):
     ({"input": "x", "unknown": 1}, "unknown", "unknown_field"),
     ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", "limit_exceeded"),
     ({"input": "x", "request_id": "bad id"}, "request_id", "invalid_value"),
+    ({"input": "x " * 900, "instructions": "be brief"}, "input", "unschedulable"),  # longer than the context
 ])
 def test_bad_requests_are_400_naming_the_field(pd, body, param, code):
     for url in where(pd):

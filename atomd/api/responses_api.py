@@ -44,10 +44,11 @@ UNSUPPORTED = {"reasoning": (None, {}), "truncation": (None, "disabled"), "inclu
                "background": (None, False), "service_tier": (None, "auto", "default"), "top_logprobs": (None, 0),
                "max_tool_calls": (None,), "prompt": (None,), "prompt_cache_key": (None,),
                "safety_identifier": (None,), "conversation": (None,), "stream_options": (None,)}
-# a chat field's name in a Responses request (errors name what the client sent)
-PARAM_NAMES = {"messages": "input", "max_completion_tokens": "max_output_tokens",
-               "response_format.json_schema.schema": "text.format.schema", "response_format": "text.format",
-               "tool_choice": "tool_choice", "tools": "tools"}
+# a chat field's name in a Responses request (errors name what the client sent); a message's
+# index is not the input item's (instructions and a previous response come first), so
+# `messages[i]...` becomes plain `input`
+PARAM_NAMES = {"max_completion_tokens": "max_output_tokens",
+               "response_format.json_schema.schema": "text.format.schema", "response_format": "text.format"}
 
 
 class TextFormat(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -247,12 +248,12 @@ def to_chat(req: ResponsesRequest, store: ResponseStore, limits: L.RequestLimits
 
 def renamed(e: protocol.APIError) -> protocol.APIError:
     """A chat check's error, naming the Responses field."""
-    if e.param is not None:
-        head = e.param.split("[")[0]
-        for chat_name, name in PARAM_NAMES.items():
-            if e.param == chat_name or head == chat_name:
-                e.param = name + e.param[len(chat_name):] if e.param.startswith(chat_name) else name
-                break
+    if e.param is None:
+        return e
+    if e.param.split("[")[0].split(".")[0] == "messages":
+        e.param = "input"
+    else:
+        e.param = PARAM_NAMES.get(e.param, e.param)
     return e
 
 
