@@ -14,6 +14,7 @@ from atomd.tokenizer import Tokenizer
 from contracts.sampling import SamplingParams
 from scheduler.sequence import Sequence
 from scheduler.stop import cut_at_stop
+from contracts.logprobs import Logprob
 
 TQDM_MIN_PROMPTS = 16  # a progress bar only where the wait is long enough to want one
 
@@ -24,7 +25,7 @@ class CompletionOutput(msgspec.Struct):
     token_ids: list[int]
     finish_reason: str | None
     stop_reason: int | str | None = None
-    logprobs: list[Any] | None = None  # per token {"logprob": lp, "top": [[id, lp], ...]}
+    logprobs: list[Logprob | None] | None = None  # per token (contracts/logprobs.py)
     cumulative_logprob: float | None = None  # of the sampled tokens (raw model logprobs)
 
 
@@ -38,7 +39,7 @@ class GenerationOutput(msgspec.Struct):
     finished: bool = True
     num_cached_tokens: int = 0
     error: str | None = None
-    prompt_logprobs: list[Any] | None = None  # per prompt token (None for the first), when asked
+    prompt_logprobs: list[Logprob | None] | None = None  # per prompt token (None for the first), when asked
 
 
 class LLM:

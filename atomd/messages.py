@@ -22,6 +22,7 @@ import msgspec
 from kv_transfer.params import KVTransferParams
 from contracts.errors import ErrorCode
 from contracts.sampling import SamplingParams
+from contracts.logprobs import Logprob
 
 
 class RequestOutput(msgspec.Struct, array_like=True):
@@ -37,18 +38,18 @@ class RequestOutput(msgspec.Struct, array_like=True):
 
     request_id: str
     new_token_ids: list[int]
-    new_logprobs: list[Any] | None
+    new_logprobs: list[Logprob | None] | None
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
     num_cached_tokens: int  # prompt tokens served from a prefix cache (ours or, in PD, P's)
-    kv_transfer_params: dict[str, Any] | None = None
+    kv_transfer_params: KVTransferParams | None = None  # P's, for D (a struct on the wire, JSON at the HTTP edge)
     error: str | None = None
     error_code: ErrorCode | None = None  # how the API answers `error` (atomd/api/server.py)
     # engine clock, on the finished output only: (arrival, first_scheduled, first_token, finished)
     timing: tuple[float | None, float | None, float | None, float | None] | None = None
     index: int = 0
-    prompt_logprobs: list[Any] | None = None  # [None, {"logprob", "rank", "top": [[id, lp], ...]}, ...]
+    prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, None for the first
     embedding: list[float] | None = None  # a pooling request's vector, on its finished output
 
 

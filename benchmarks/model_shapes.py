@@ -8,6 +8,10 @@ decodes to nothing would look like an empty stream to a client).
     dim 64), intermediate 1536, vocabulary 49152, tied embeddings, float32 (~540 MB).
     A 512-token prefill there costs dozens of decode steps, as on real deployments; on
     the built-in model (hidden 256, 4 layers) it costs a few.
+    qwen3-moe-small: Qwen3-MoE with the built-in model's attention (hidden 256, 4 layers, 8
+    query / 4 KV heads of 32, vocabulary 4096) and a sparse MLP on every layer: 16 experts of
+    intermediate 172, top-4 (Qwen3-30B-A3B's 128 / top-8 ratio scaled down; the 4 chosen
+    together as wide as the built-in's dense 688), float32 (~60 MB).
 """
 from __future__ import annotations
 
@@ -24,6 +28,10 @@ SHAPES = {
     "smollm-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                         max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0),
+    "qwen3-moe-small": dict(arch="qwen3_moe", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+                            num_key_value_heads=4, head_dim=32, intermediate_size=688, num_experts=16,
+                            num_experts_per_tok=4, moe_intermediate_size=172, norm_topk_prob=True,
+                            vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-5),
 }
 CHOICES = ["builtin", *SHAPES]
 
@@ -47,7 +55,7 @@ def model_dir(shape: str) -> pathlib.Path:
     if (target / "model.safetensors").is_file():
         return target
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
 
     print(f"writing a random-weight {shape}-shaped checkpoint to {target} (once)", file=sys.stderr, flush=True)
     builtin = default_model_dir()
@@ -55,9 +63,10 @@ def model_dir(shape: str) -> pathlib.Path:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         torch.manual_seed(0)
-        config = LlamaConfig(**SHAPES[shape], bos_token_id=1, eos_token_id=2, pad_token_id=0,
-                             torch_dtype="float32")
-        LlamaForCausalLM(config).save_pretrained(tmp, safe_serialization=True)
+        shape_kw = dict(SHAPES[shape])
+        kind = Qwen3MoeConfig if shape_kw.pop("arch", "llama") == "qwen3_moe" else LlamaConfig
+        config = kind(**shape_kw, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
+        AutoModelForCausalLM.from_config(config).save_pretrained(tmp, safe_serialization=True)
         shutil.copyfile(builtin / "tokenizer_config.json", tmp / "tokenizer_config.json")
         write_tokenizer(builtin / "tokenizer.json", tmp / "tokenizer.json", config.vocab_size)
         os.chmod(tmp, 0o755)

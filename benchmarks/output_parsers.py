@@ -28,7 +28,7 @@ from atomd.api.reasoning import ReasoningParser
 from atomd.api.tool_parsers import HermesParser, Llama3JsonParser
 from atomd.model.default import default_model_dir
 from atomd.tokenizer import Tokenizer
-from benchmarks.machine import loadavg
+from benchmarks.machine import cpu_model, loadavg
 
 WORDS = "the sum of two and two is four so the answer must be four because counting gives it".split()
 
@@ -65,11 +65,6 @@ def per_token_us(tokenizer: Tokenizer, ids: list[int], name: str) -> float:
     for tid in ids:
         step(detok.step(tid))
     return (time.perf_counter() - t0) / len(ids) * 1e6
-
-
-def cpu_model() -> str:
-    with open("/proc/cpuinfo") as f:
-        return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "?")
 
 
 def main() -> None:

@@ -11,6 +11,16 @@ Modes are interleaved per round; the table reports each mode and its ratio to `o
 same round, plus the delayer's decisions from /metrics.
 
     .venv/bin/python -m benchmarks.prefill_delayer --rounds 1
+
+With `--expert-parallel` (an MoE shape, `--shape qwen3-moe-small`) the coupling is real
+instead of emulated: `--enable-expert-parallel` in place of `--dp-lockstep`, each rank holding
+half the experts and exchanging tokens per sparse layer; mode `replicas` is the same model as
+two independent DP replicas (every expert on each, no group), at the same cores. The table
+then adds each rank's time in the all-to-alls per exchange (a sparse layer's three) and as a
+share of the run.
+
+    .venv/bin/python -m benchmarks.prefill_delayer --shape qwen3-moe-small --expert-parallel \
+        --modes off,align,coalesce,replicas --rounds 3
 """
 from __future__ import annotations
 
@@ -20,11 +30,13 @@ import pathlib
 import subprocess
 import sys
 import tempfile
+import time
 from collections import Counter
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from atomd.model.default import default_model_dir
+from benchmarks.machine import cpu_model, loadavg
+from benchmarks.model_shapes import CHOICES, model_dir
 from launch.process import EngineServer, http
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -46,14 +58,26 @@ def delayer_outcomes(url: str) -> Counter:
     return out
 
 
+def exchange_stats(url: str) -> list[dict]:
+    """Each rank's expert-parallel exchange counters (/debug/stats)."""
+    status, body = http("GET", url + "/debug/stats")
+    assert status == 200, body
+    return [r.get("expert_parallel") or {} for r in json.loads(body).get("ranks", [])]
+
+
 def run_mode(mode: str, args: argparse.Namespace, work: pathlib.Path, rnd: int) -> dict:
     # a pool the load fills past the delayer's 10% low watermark, as a loaded GPU server would
     engine = ["--max-model-len", "1024", "--num-threads", "1", "--max-num-seqs", "64", "--num-kvcache-blocks", "512",
-              "--data-parallel-size", "2", "--dp-lockstep", "--prefill-delayer", mode]
-    server = EngineServer(default_model_dir(), *engine, log=work / f"{mode}-{rnd}.log", cwd=REPO)
+              "--data-parallel-size", "2"]
+    if mode == "replicas":  # two independent replicas: no group, no coupling
+        engine += ["--prefill-delayer", "off"]
+    else:
+        engine += ["--enable-expert-parallel" if args.expert_parallel else "--dp-lockstep", "--prefill-delayer", mode]
+    server = EngineServer(model_dir(args.shape), *engine, log=work / f"{mode}-{rnd}.log", cwd=REPO)
     try:
         server.wait_ready()
         result_path = work / f"{mode}-{rnd}.json"
+        started = time.monotonic()
         subprocess.run([sys.executable, "-m", "atomd", "bench", "serve", "--base-url", server.url,
                         "--dataset", "random", "--num-prompts", str(args.num_prompts),
                         "--input-len", str(args.input_len), "--range-ratio", str(args.range_ratio),
@@ -62,7 +86,9 @@ def run_mode(mode: str, args: argparse.Namespace, work: pathlib.Path, rnd: int) 
                         "--metric-percentiles", "50,99", "--result-json", str(result_path), "--disable-tqdm"],
                        cwd=REPO, check=True, stdout=subprocess.DEVNULL)
         result = json.loads(result_path.read_text())
-        result["delayer"] = delayer_outcomes(server.url) if mode != "off" else Counter()
+        result["wall_s"] = time.monotonic() - started
+        result["delayer"] = delayer_outcomes(server.url) if mode not in ("off", "replicas") else Counter()
+        result["exchange"] = exchange_stats(server.url) if args.expert_parallel and mode != "replicas" else []
         return result
     finally:
         server.stop()
@@ -78,22 +104,38 @@ def main() -> None:
     ap.add_argument("--request-rate", type=float, default=8.0)
     ap.add_argument("--burstiness", type=float, default=0.25, help="gamma shape; < 1 is burstier than Poisson")
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shape", choices=CHOICES, default="builtin", help="benchmarks/model_shapes.py")
+    ap.add_argument("--expert-parallel", action="store_true",
+                    help="--enable-expert-parallel (an MoE --shape) instead of --dp-lockstep")
+    ap.add_argument("--modes", default=",".join(MODES), help=f"comma-separated, of {MODES} and replicas "
+                    "(two independent replicas; with --expert-parallel)")
     args = ap.parse_args()
+    modes = args.modes.split(",")
+    if "off" not in modes or not set(modes) <= {*MODES, "replicas"}:
+        ap.error(f"--modes: off and any of {MODES[1:]} and replicas")
     work = pathlib.Path(tempfile.mkdtemp(prefix="atomd-delayer-bench-"))
-    rows = []
+    print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
+    rows, ratios = [], {m: [] for m in modes}
     for rnd in range(args.rounds):
-        results = {mode: run_mode(mode, args, work, rnd) for mode in MODES}
-        for mode in MODES:
+        results = {mode: run_mode(mode, args, work, rnd) for mode in modes}
+        for mode in modes:
             r = results[mode]
             ratio = r["output_throughput"] / results["off"]["output_throughput"]
-            rows.append([str(rnd), mode] + [f"{r[k]:.1f}" for k, _ in KEYS] + [f"{ratio:.2f}",
+            ratios[mode].append(ratio)
+            exchange = "; ".join(f"{1000 * e['exchange_s'] / max(e['num_exchanges'], 1):.2f} ms, "
+                                 f"{e['exchange_s'] / r['wall_s']:.0%}" for e in r["exchange"] if e) or "-"
+            rows.append([str(rnd), mode] + [f"{r[k]:.1f}" for k, _ in KEYS] + [f"{ratio:.2f}", exchange,
                         ", ".join(f"{k} {v}" for k, v in sorted(r["delayer"].items())) or "-"])
-    header = ["round", "delayer"] + [name for _, name in KEYS] + ["tok/s vs off", "rank 0 decisions"]
+        print(f"round {rnd} done; load average: {loadavg()}", file=sys.stderr, flush=True)
+    header = ["round", "mode"] + [name for _, name in KEYS] + ["tok/s vs off", "all-to-all per exchange, "
+                                                               "share of run (rank 0; 1)", "rank 0 decisions"]
     print("| " + " | ".join(header) + " |")
     print("|" + "---|" * len(header))
     for row in rows:
         print("| " + " | ".join(row) + " |")
-    print(f"\nlogs and result JSON: {work}")
+    print("\nmedian tok/s vs off: " + ", ".join(f"{m} {sorted(v)[len(v) // 2]:.2f}x" for m, v in ratios.items()))
+    print(f"load average after: {loadavg()}")
+    print(f"logs and result JSON: {work}")
 
 
 if __name__ == "__main__":

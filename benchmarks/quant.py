@@ -26,6 +26,7 @@ the output / embedding tensor).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import platform
@@ -40,8 +41,9 @@ import torch
 from benchmarks.machine import loadavg
 from benchmarks.offline import prompts, timed
 
-ENGINES = {"float32": ("float32", None), "bfloat16": ("bfloat16", None), "int8": ("float32", "int8"),
-           "int4": ("float32", "int4")}
+ENGINES = {"float32": ("float32", None, "float32"), "bfloat16": ("bfloat16", None, "float32"),
+           "int8": ("float32", "int8", "float32"), "int4": ("float32", "int4", "float32"),
+           "int8-a8": ("float32", "int8", "int8"), "int4-a8": ("float32", "int4", "int8")}  # a8: int8 activations
 # name -> (prompts, prompt length, new tokens, seed)
 WORKLOADS = {"batch1": (1, 128, 128, 1), "batch1_first": (1, 128, 1, 1), "batch16": (16, 128, 128, 2),
              "batch16_first": (16, 128, 1, 2), "prefill": (8, 512, 1, 3)}
@@ -59,9 +61,9 @@ def engines(path: pathlib.Path, threads: int) -> dict:
     from atomd import LLM, SamplingParams
 
     out = {}
-    for name, (dtype, quantization) in ENGINES.items():
+    for name, (dtype, quantization, activations) in ENGINES.items():
         llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False, dtype=dtype,
-                  quantization=quantization)
+                  quantization=quantization, quantized_activations=activations)
 
         def gen(batch, new, llm=llm):
             llm.generate([{"prompt_token_ids": p} for p in batch],
@@ -117,6 +119,9 @@ def linears(cfg: dict, threads: int, repeats: int = 5) -> list[dict]:
     ws = [torch.randn(n, k) * 0.02 for n, k in shapes]
     packed = [pack_linear_weight(w) for w in ws]
     qs = {m: [quant.quantize(w, m) for w in ws] for m in ("int8", "int4")}
+    for m in ("int8", "int4"):  # the same weights with int8 activations (--quantized-activations int8)
+        qs[f"{m}_a8"] = [dataclasses.replace(w, _ref=None) for w in qs[m]]
+        quant.use_int8_activations(qs[f"{m}_a8"])
     rows = []
     for m in LINEAR_MS:
         xs = [torch.randn(m, k) for _, k in shapes]
@@ -138,7 +143,8 @@ def linears(cfg: dict, threads: int, repeats: int = 5) -> list[dict]:
 
 
 def llama_cpp(path: pathlib.Path, threads: int, rounds: int) -> dict:
-    """Same-run pairs at batch 1: atomd float32 / int8 / int4 and llama.cpp F32 / Q8_0 / Q4_0,
+    """Same-run pairs at batch 1: atomd float32 / int8 / int4 (float and int8 activations, and
+    int8 activations on llama.cpp's own Q8_0 / Q4_0 files) and llama.cpp F32 / Q8_0 / Q4_0,
     alternating in every round (one llama-bench repetition each): tok/s of a 128-token prompt
     + 128 new (batch1) and of the decode steps alone (tg: atomd's full run less a 1-token one,
     llama-bench's tg128); medians of `rounds`."""
@@ -152,8 +158,15 @@ def llama_cpp(path: pathlib.Path, threads: int, rounds: int) -> dict:
     lc.convert(src, path, "q8_0", ggufs["Q8_0"])
     subprocess.run([str(binary.parent / "llama-quantize"), str(ggufs["F32"]), str(ggufs["Q4_0"]), "Q4_0",
                     str(threads)], check=True, capture_output=True)
-    llms = {m: LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False, quantization=q)
-            for m, q in (("float32", None), ("int8", "int8"), ("int4", "int4"))}
+    for f in ("tokenizer.json", "tokenizer_config.json"):  # atomd reads the GGUFs' vocabulary from beside them
+        shutil.copyfile(path / f, tmp / f)
+    common = dict(num_threads=threads, max_model_len=1024, enable_prefix_caching=False)
+    llms = {m: LLM(str(path), quantization=q, quantized_activations=a, **common)
+            for m, q, a in (("float32", None, "float32"), ("int8", "int8", "float32"), ("int4", "int4", "float32"),
+                            ("int8-a8", "int8", "int8"), ("int4-a8", "int4", "int8"))}
+    # atomd on llama.cpp's own files (atomd/model/gguf_weights.py): the very same integers and scales
+    llms.update({f"gguf-{name}-a8": LLM(str(ggufs[name]), quantized_activations="int8", **common)
+                 for name in ("Q8_0", "Q4_0")})
     batch = prompts(1, 128, 1, 49152)
 
     def run(llm, new):
@@ -186,6 +199,7 @@ def main() -> int:
     p.add_argument("--llama-cpp", action="store_true")
     p.add_argument("--no-linears", action="store_true")
     p.add_argument("--no-engines", action="store_true", help="the linears alone")
+    p.add_argument("--pairs-only", action="store_true", help="the llama.cpp pairs alone (implies --llama-cpp)")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args()
     from benchmarks.model_shapes import model_dir
@@ -193,6 +207,13 @@ def main() -> int:
     path = model_dir("smollm-135m")
     cfg = json.loads((path / "config.json").read_text())
     result: dict = {"cpu": cpu_kind(), "threads": args.threads, "rounds": args.rounds, "load_before": loadavg()}
+    if args.pairs_only:
+        result["llama_cpp_pairs"] = llama_cpp(path, args.threads, args.rounds)
+        result["load_after"] = loadavg()
+        print(json.dumps(result, indent=1))
+        if args.out:
+            args.out.write_text(json.dumps(result, indent=1))
+        return 0
     if not args.no_linears:
         result["linears_us"] = linears(cfg, args.threads)
     if args.no_engines:

@@ -3,7 +3,7 @@ Shared by the API process and the engine; msgspec only."""
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Iterable
 
 import msgspec
 
@@ -109,6 +109,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _require(self.prompt_logprobs is None or (isinstance(self.prompt_logprobs, int) and self.prompt_logprobs >= 0),
                  "prompt_logprobs", f"must be None or >= 0, got {self.prompt_logprobs}")
 
+    def check_vocabulary(self, vocab: int) -> None:
+        """logit_bias keys and allowed_token_ids are ids of a vocabulary of `vocab` tokens
+        (ValueError naming the field): what only the engine's model can tell."""
+        check_in_vocabulary("logit_bias", self.logit_bias or (), vocab)
+        check_in_vocabulary("allowed_token_ids", self.allowed_token_ids or (), vocab)
+
     @property
     def num_samples(self) -> int:
         """Sequences the prompt forks into: best_of, else n."""
@@ -130,6 +136,14 @@ _FIELD_TYPES = (("max_tokens", int), ("min_tokens", int), ("temperature", (int, 
                 ("top_p", (int, float)), ("top_k", int), ("n", int), ("presence_penalty", (int, float)),
                 ("frequency_penalty", (int, float)), ("repetition_penalty", (int, float)),
                 ("min_p", (int, float)))
+
+
+def check_in_vocabulary(field: str, ids: Iterable[int], vocab: int) -> None:
+    """ValueError naming `field` for its first token id outside [0, vocab): the one message the
+    API (a 400 before the engine) and the engine (offline callers, a producer's tokens) give."""
+    bad = next((t for t in ids if not 0 <= t < vocab), None)
+    if bad is not None:
+        raise ValueError(f"{field}: token id {bad} is outside the vocabulary [0, {vocab})")
 
 
 def _require(ok: bool, field: str, message: str) -> None:

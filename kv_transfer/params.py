@@ -17,11 +17,12 @@ from typing import Annotated, Any
 
 import msgspec
 
+from contracts.logprobs import Logprob
+
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
-MAX_TOP_LOGPROBS = 64  # entries of one position's "top" a producer may send (the API asks for <= 20)
 COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "version")
 
 
@@ -37,7 +38,7 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     remote_block_ids: list[NonNegInt] = []
     num_prompt_tokens: NonNegInt = 0
     first_token_id: NonNegInt | None = None
-    first_token_logprobs: dict[str, Any] | None = None
+    first_token_logprobs: Logprob | None = None
     draft_token_ids: list[NonNegInt] = []
     prefix_cache_hit_tokens: NonNegInt = 0
     access_token: Ident | None = None
@@ -47,16 +48,10 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     num_computed_blocks: NonNegInt = 0
     signature: str | None = None  # the router's HMAC of the other fields (kv_transfer/trust.py)
     # P's prompt logprobs (asked by `prompt_logprobs` or echo + logprobs): D returns them
-    prompt_logprobs: list[dict[str, Any] | None] | None = None
+    # (a producer's logprob entries are typed, so a bad one is this request's 400, never D's crash)
+    prompt_logprobs: list[Logprob | None] | None = None
 
     def __post_init__(self) -> None:
-        # A producer's logprob entries are indexed by the consumer's scheduler and renderer:
-        # their shape is checked here, so a bad one is this request's 400, never D's crash.
-        if self.first_token_logprobs is not None:
-            check_logprob_entry(self.first_token_logprobs, "first_token_logprobs")
-        for i, entry in enumerate(self.prompt_logprobs or ()):
-            if entry is not None:
-                check_logprob_entry(entry, f"prompt_logprobs[{i}]")
         if self.num_computed_blocks > len(self.remote_block_ids):
             raise ValueError(
                 f"num_computed_blocks ({self.num_computed_blocks}) exceeds "
@@ -75,25 +70,6 @@ class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     def to_json_obj(self) -> dict[str, Any]:
         """Plain dict for a JSON body; fields at their default are left out."""
         return msgspec.to_builtins(self)
-
-
-def _number(x: Any) -> bool:
-    return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-
-def check_logprob_entry(entry: dict[str, Any], name: str) -> None:
-    """`{"logprob": float, "top": [[token id, logprob], ...], "rank"?: int}` (atomd/engine/sampler.py)
-    or ValueError naming the field."""
-    if not _number(entry.get("logprob")):
-        raise ValueError(f"{name}.logprob must be a number")
-    top = entry.get("top", [])
-    if not isinstance(top, list) or len(top) > MAX_TOP_LOGPROBS or not all(
-            isinstance(t, (list, tuple)) and len(t) == 2 and isinstance(t[0], int) and t[0] >= 0 and _number(t[1]) for t in top):
-        raise ValueError(f"{name}.top must be at most {MAX_TOP_LOGPROBS} "
-                         "[token id, logprob] pairs")
-    rank = entry.get("rank")
-    if rank is not None and type(rank) is not int:
-        raise ValueError(f"{name}.rank must be an integer")
 
 
 def new_transfer_id() -> str:

@@ -102,7 +102,7 @@ class _ZmqConnector(KVConnectorScheduler, KVConnectorWorker):
     def build_connector_meta(self) -> KVConnectorMetadata:
         return ZmqConnectorMeta([])
 
-    def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, seq: Sequence) -> tuple[bool, KVTransferParams | None]:
         return False, None
 
     def start_load_kv(self, meta: KVConnectorMetadata) -> None:
@@ -134,7 +134,7 @@ class ZmqProducer(_ZmqConnector):
     def register_kv_caches(self, buffer) -> None:
         self.sender = self.make_sender(buffer)
 
-    def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, seq: Sequence) -> tuple[bool, KVTransferParams | None]:
         """(True, params D pulls with) for a finished remote-decode prompt, whose blocks then
         stay pinned until the transfer is released; else (False, None)."""
         params = self.params_of(seq)
@@ -156,7 +156,7 @@ class ZmqProducer(_ZmqConnector):
             first_token_logprobs=seq.logprobs[0] if seq.logprobs else None, prompt_logprobs=seq.prompt_logprobs,
             draft_token_ids=list(seq.spec_token_ids),  # P's drafts after T0 (speculative decoding), for D to verify
             prefix_cache_hit_tokens=seq.num_cached_tokens, access_token=token, lease_s=lease_s,
-            compat=self.config.compat, dp_rank=self.config.dp_rank).to_json_obj()
+            compat=self.config.compat, dp_rank=self.config.dp_rank)
 
     def request_aborted(self, seq: Sequence) -> None:
         transfer_id = self.params_of(seq).transfer_id
@@ -293,7 +293,7 @@ class ZmqConsumer(_ZmqConnector):
         if self.seq_of_transfer.pop(transfer_id, None) is not None:
             self.receiver.abort(transfer_id)
 
-    def request_finished(self, seq: Sequence) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, seq: Sequence) -> tuple[bool, KVTransferParams | None]:
         """Rejected while still holding P's blocks (e.g. unschedulable): free them on P."""
         self._release_hold(self.params_of(seq).transfer_id)
         return False, None

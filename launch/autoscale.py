@@ -30,6 +30,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
+from contracts.roles import Role
 from launch.process import EngineServer, http
 
 log = logging.getLogger("atomd.autoscale")
@@ -71,7 +72,7 @@ class ProcessLauncher:
         self.servers: dict[str, EngineServer] = {}
 
     def start(self, role: str) -> str:
-        kv_role = "producer" if role == "prefill" else "consumer"
+        kv_role = Role(role).kv_role
         n = len(self.servers)
         logfile = f"{self.log_dir}/{role}-{n}.log" if self.log_dir else None
         server = EngineServer(self.model, "--kv-role", kv_role, *self.flags.get(role, []), log=logfile)

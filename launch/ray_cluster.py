@@ -21,6 +21,11 @@ kills its actors, and every child dies with its actor (PR_SET_PDEATHSIG).
 
 Every Ray wait has a timeout: a placement group or actor that cannot be placed fails
 with the missing resources named instead of waiting forever.
+
+Scaling. `RayCluster.add_engine(role)` / `remove_engine(url)` start one more engine (its
+placement group and actor; the actor registers with the router) and stop one; `RayLauncher`
+hands them to the online planner (launch/autoscale.py), which drains an engine before it
+calls `remove_engine`.
 """
 from __future__ import annotations
 
@@ -30,6 +35,7 @@ import os
 import secrets
 import signal
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -37,12 +43,12 @@ import ray
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, PlacementGroupSchedulingStrategy
 
+from contracts.roles import Role
 from kv_transfer.trust import SECRET_ENV
 from launch.process import EngineServer, RouterServer, free_port, http
 from launch.ray_config import ClusterConfig, RouterSpec, check_fits, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
-KV_ROLE = {"prefill": "producer", "decode": "consumer"}
 READY_LINE = "atomd ray cluster ready:"
 PROBE_INTERVAL_S = 0.25
 HTTP_TIMEOUT_S = 2.0
@@ -74,8 +80,9 @@ def with_secret(kv_params_secret: str) -> dict:
 def engine_flags(role: str, config: ClusterConfig, host: str) -> list[str]:
     """`atomd serve` flags of a `role` engine listening on `host`, past --host, --port and --model."""
     group = getattr(config, role)
-    return ["--kv-role", KV_ROLE[role], "--num-threads", str(group.num_threads),
+    return ["--kv-role", Role(role).kv_role, "--num-threads", str(group.num_threads),
             "--data-parallel-size", str(group.data_parallel_size),
+            *(["--enable-expert-parallel"] if group.enable_expert_parallel else []),
             "--kv-transfer-backend", config.kv_transfer_backend,
             "--kv-side-channel-host", host,  # decode engines on other nodes pull from here
             *group.extra_args]
@@ -151,6 +158,7 @@ class RayCluster:
         # the router signs the kv_transfer_params it forwards with it; the engines pull only
         # for params signed with it (docs/design.md "Trust"); fresh per cluster
         self.kv_params_secret = secrets.token_hex(32)
+        self._lock = threading.Lock()  # slots, pgs, engines: the planner's thread adds and removes
 
     def start(self) -> list[dict]:
         """Start the router, place the engines, start them; returns the engines' info."""
@@ -170,13 +178,7 @@ class RayCluster:
                                f"within {c.timeouts.placement_s:g} s; free CPU there or lower router.num_cpus") from None
         self._place()
         for (role, i), pg in zip(self.slots, self.pgs):
-            group = getattr(c, role)
-            actor = EngineActor.options(
-                name=f"atomd-{role}-{i}", num_cpus=group.num_cpus, resources=group.resources,
-                max_restarts=group.max_restarts, max_task_retries=0,
-                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-            ).remote(role, c, self.router_url, self.kv_params_secret)
-            self.engines.append((role, actor))
+            self.engines.append((role, self._engine_actor(role, i, pg)))
         calls = {a.info.remote(): slot for (_, a), slot in zip(self.engines, self.slots)}
         _, pending = ray.wait(list(calls), num_returns=len(calls), timeout=c.timeouts.ready_s)
         if pending:
@@ -184,6 +186,57 @@ class RayCluster:
             raise TimeoutError(f"engines not ready within timeouts.ready_s={c.timeouts.ready_s:g} s: {late} "
                                "(their logs are in `ray job logs`)")
         return ray.get(list(calls), timeout=c.timeouts.ready_s)  # raises why an engine died
+
+    def _engine_actor(self, role: str, i: int, pg):
+        group = getattr(self.config, role)
+        return EngineActor.options(
+            name=f"atomd-{role}-{i}", num_cpus=group.num_cpus, resources=group.resources,
+            max_restarts=group.max_restarts, max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
+        ).remote(role, self.config, self.router_url, self.kv_params_secret)
+
+    def add_engine(self, role: str) -> dict:
+        """One more `role` engine: its placement group, then its actor (which registers with
+        the router); its info once it serves. Nothing is left behind when it fails."""
+        timeouts = self.config.timeouts
+        with self._lock:
+            i = 1 + max((j for r, j in self.slots if r == role), default=-1)
+        pg = placement_group([getattr(self.config, role).bundle()], strategy="STRICT_PACK", name=f"atomd-{role}-{i}")
+        actor = None
+        try:
+            if not ray.wait([pg.ready()], timeout=timeouts.placement_s)[0]:
+                raise TimeoutError(f"{role}-{i}'s placement group was not placed within {timeouts.placement_s:g} s; "
+                                   f"the cluster has {ray.available_resources()} free")
+            actor = self._engine_actor(role, i, pg)
+            info = ray.get(actor.info.remote(), timeout=timeouts.ready_s)
+        except BaseException:
+            if actor is not None:
+                ray.kill(actor, no_restart=True)
+            remove_placement_group(pg)
+            raise
+        with self._lock:
+            self.slots.append((role, i))
+            self.pgs.append(pg)
+            self.engines.append((role, actor))
+        return info
+
+    def remove_engine(self, url: str) -> None:
+        """Stop the engine serving `url` (the planner drained it first): its child, its actor,
+        its placement group. KeyError when no engine serves it."""
+        with self._lock:
+            entries = list(zip(self.engines, self.pgs, self.slots))
+        infos = ray.get([a.info.remote() for (_, a), _, _ in entries], timeout=30)
+        match = [entry for entry, info in zip(entries, infos) if info["url"] == url]
+        if not match:
+            raise KeyError(f"no engine of this cluster serves {url}")
+        (role, actor), pg, slot = match[0]
+        grace_s = self.config.timeouts.shutdown_s
+        ray.wait([actor.shutdown.remote(grace_s * 0.8)], timeout=grace_s)
+        ray.kill(actor, no_restart=True)
+        remove_placement_group(pg)
+        with self._lock:
+            k = self.slots.index(slot)
+            del self.engines[k], self.pgs[k], self.slots[k]
 
     def _place(self) -> None:
         """One STRICT_PACK placement group per engine, all ready within timeouts.placement_s."""
@@ -216,7 +269,9 @@ class RayCluster:
         A role is pruned only when every actor of it answered (a restarting actor's new
         URL is unknown until it does), and only entries the router already marks unhealthy.
         """
-        calls = {a.info.remote(): (role, f"{role}-{i}") for (role, a), (_, i) in zip(self.engines, self.slots)}
+        with self._lock:
+            engines = list(zip(self.engines, self.slots))
+        calls = {a.info.remote(): (role, f"{role}-{i}") for (role, a), (_, i) in engines}
         done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         current, unsure = set(), {calls[ref][0] for ref in pending}
         gone = {calls[ref][1]: f"no answer within {timeout_s:g} s (Ray is restarting its actor, or its node "
@@ -255,6 +310,20 @@ class RayCluster:
             ray.kill(a, no_restart=True)
         for pg in self.pgs:
             remove_placement_group(pg)
+
+
+class RayLauncher:
+    """The online planner's launcher (launch/autoscale.py `Launcher`) over a started
+    RayCluster: engines are its actors."""
+
+    def __init__(self, cluster: RayCluster):
+        self.cluster = cluster
+
+    def start(self, role: str) -> str:
+        return self.cluster.add_engine(role)["url"]
+
+    def stop(self, url: str) -> None:
+        self.cluster.remove_engine(url)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -29,6 +29,7 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
     count: int = 1
     data_parallel_size: int = 1
+    enable_expert_parallel: bool = False  # MoE: the engine's DP ranks share the experts
     num_cpus: float = 1.0          # Ray logical CPUs reserved per engine (all its DP ranks)
     resources: dict[str, float] = {}  # extra Ray resources per engine, e.g. {"prefill_node": 1}
     num_threads: int = 1           # torch threads per DP rank (`--num-threads`)
@@ -38,6 +39,8 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _at_least("count", self.count, 1)
         _at_least("data_parallel_size", self.data_parallel_size, 1)
+        if self.enable_expert_parallel and self.data_parallel_size < 2:
+            raise ValueError("enable_expert_parallel: needs data_parallel_size >= 2 (the ranks share the experts)")
         _at_least("num_threads", self.num_threads, 1)
         _at_least("max_restarts", self.max_restarts, -1)
         if self.num_cpus <= 0:

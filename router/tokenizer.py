@@ -4,28 +4,24 @@ kv_aware scores a worker by the chained block hashes of the request's tokens
 (contracts/block_hash.py), so the router must see the same token ids the engine will:
 a completion prompt is encoded with the special tokens (atomd/tokenizer.py `encode`), a
 token-id prompt is taken as is, chat messages are rendered with the checkpoint's chat
-template (or the engines' --chat-template, given to the router by the same flag; the
-environment transformers uses) and the request's `chat_template_kwargs`,
+template (or the engines' --chat-template, given to the router by the same flag) in the
+engines' own environment (contracts/chat_template.py) and the request's `chat_template_kwargs`,
 and encoded without special tokens; a request that brings its own `chat_template` is not
 rendered here (the engines run one only with --trust-request-chat-template). Only
-`tokenizers` and jinja2, never the engine's code (the router does not import atomd).
+`tokenizers` and contracts/, never the engine's code (the router does not import atomd).
 
 A wrong guess costs only a worse placement, never a wrong answer: the engines tokenize
 for themselves.
 """
 from __future__ import annotations
 
-import datetime
-import json
 import logging
 import pathlib
 from typing import Any
 
+from contracts.chat_template import SPECIAL_TOKENS, read_tokenizer_config, render, special_token_text
+
 logger = logging.getLogger("atomd.router.tokenizer")
-
-
-def _token_text(value: Any) -> str | None:
-    return value.get("content") if isinstance(value, dict) else value
 
 
 class RouterTokenizer:
@@ -39,16 +35,12 @@ class RouterTokenizer:
             raise ValueError(f"tokenizer: no tokenizer.json at {path}")
         self.path = str(path)
         self._tok = tokenizers.Tokenizer.from_file(str(tok_file))
-        cfg_file = tok_file.parent / "tokenizer_config.json"
-        config = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
+        config = read_tokenizer_config(tok_file.parent)
         template = config.get("chat_template")
-        if template is None and (tok_file.parent / "chat_template.jinja").is_file():
-            template = (tok_file.parent / "chat_template.jinja").read_text()
         if chat_template is not None:
             template = _file_or_text(chat_template)
         self._template_source = template
-        self._template = None
-        self._specials = {k: _token_text(config.get(k)) for k in ("bos_token", "eos_token", "pad_token", "unk_token")}
+        self._specials = {k: special_token_text(config.get(k)) for k in SPECIAL_TOKENS}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
@@ -56,19 +48,7 @@ class RouterTokenizer:
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True, **extra: Any) -> list[int] | None:
         if self._template_source is None:
             return None
-        if self._template is None:
-            import jinja2.sandbox
-
-            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                                               extensions=["jinja2.ext.loopcontrols"])
-            env.filters["tojson"] = lambda x, indent=None, **kw: json.dumps(x, ensure_ascii=False, indent=indent)
-            env.globals["raise_exception"] = _raise
-            env.globals["strftime_now"] = lambda fmt: datetime.datetime.now().strftime(fmt)
-            self._template = env.from_string(self._template_source)
-        sp = self._specials
-        text = self._template.render(messages=messages, add_generation_prompt=add_generation_prompt,
-                                     bos_token=sp["bos_token"] or "", eos_token=sp["eos_token"] or "",
-                                     pad_token=sp["pad_token"], unk_token=sp["unk_token"], **extra)
+        text = render(self._template_source, messages, add_generation_prompt, self._specials, **extra)
         return self.encode(text, add_special_tokens=False)
 
     def token_ids(self, body: dict) -> list[int] | None:
@@ -93,10 +73,6 @@ def _file_or_text(value: str) -> str:
         return pathlib.Path(value).read_text()
     except OSError:  # no such file (or a name no path can have): inline
         return value
-
-
-def _raise(message: str) -> None:
-    raise ValueError(message)
 
 
 def prompt_token_ids(prompt: Any, tokenizer: RouterTokenizer | None) -> list[int] | None:

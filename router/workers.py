@@ -26,13 +26,14 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from contracts.roles import Role
 from router.errors import clip
 from router.http import Pool, UpstreamError
 
 logger = logging.getLogger("atomd.router.workers")
 
-ROLES = ("prefill", "decode", "worker")
-PD_ROLES = ("prefill", "decode")
+ROLES = tuple(r.value for r in Role)  # plain strings: they key dicts and JSON
+PD_ROLES = (Role.PREFILL.value, Role.DECODE.value)
 HEALTH_TIMEOUT_S = 2.0
 CONNECT_TIMEOUT_S = 5.0
 

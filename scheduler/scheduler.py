@@ -46,6 +46,7 @@ from contracts.errors import ErrorCode
 from scheduler.sequence import Sequence, SequenceStatus, SequenceType
 from scheduler.stop import find_stop_string
 from scheduler.stats import CacheStats, SpecStats
+from contracts.logprobs import Logprob
 
 logger = logging.getLogger("atomd.scheduler")
 
@@ -529,7 +530,7 @@ class Scheduler:
 
     def _reject(self, seq: Sequence, reason: str) -> None:
         logger.warning("request %s rejected: %s", seq.request_id, reason)
-        self._finish(seq, f"unschedulable: {reason}", ErrorCode.UNSCHEDULABLE)
+        self._finish(seq, "unschedulable", ErrorCode.UNSCHEDULABLE, f"unschedulable: {reason}")
         self._rejected.append(seq)
 
     def _passed_delay(self, now: float) -> bool:
@@ -684,11 +685,13 @@ class Scheduler:
 
     # ------------------------------------------------------------------ finishing
 
-    def _finish(self, seq: Sequence, reason: str, error_code: ErrorCode | None = None) -> None:
-        """The one place a sequence finishes: request_finished once, then free or defer."""
+    def _finish(self, seq: Sequence, reason: str, error_code: ErrorCode | None = None,
+                error: str | None = None) -> None:
+        """The one place a sequence finishes: request_finished once, then free or defer.
+        `reason`: a leave_reason code; `error`: the message of one that ended in an error."""
         seq.status = SequenceStatus.FINISHED
         seq.leave_reason = reason
-        seq.error_code = error_code
+        seq.error_code, seq.error = error_code, error
         self._live.pop(seq.id, None)
         self._forget(seq)
         delay_free = False
@@ -737,16 +740,16 @@ class Scheduler:
             seq.status = SequenceStatus.WAITING
             self._enqueue(seq, front=True)
             return
-        self._finish(seq, "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine",
-                     ErrorCode.KV_TRANSFER_FAILED)
+        self._finish(seq, "kv_transfer_failed", ErrorCode.KV_TRANSFER_FAILED,
+                     "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine")
         self._rejected.append(seq)
 
-    def _record_logprobs(self, seq: Sequence, entries: list[Any]) -> list[Any] | None:
+    def _record_logprobs(self, seq: Sequence, entries: list[Logprob | None]) -> list[Logprob | None] | None:
         """Account new tokens' logprob entries (None where not computed): the cumulative
         logprob that ranks best_of candidates, and the entries the request asked for."""
         for entry in entries:
             if entry is not None:
-                seq.cumulative_logprob += entry["logprob"]
+                seq.cumulative_logprob += entry.logprob
         if seq.sampling_params.logprobs is None:
             return None
         seq.logprobs.extend(entries)

@@ -21,6 +21,7 @@ from typing import Any
 from contracts.errors import ErrorCode
 from contracts.sampling import SamplingParams
 from kv_transfer.params import KVTransferParams
+from contracts.logprobs import Logprob
 
 
 class SequenceStatus(enum.Enum):
@@ -36,9 +37,10 @@ class SequenceType(enum.Enum):
     DECODE = enum.auto()
 
 
-# leave_reason -> OpenAI finish_reason
+# leave_reason (a code, never a message: the message is `error`) -> OpenAI finish_reason
 _FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop",
-                   "max_tokens": "length", "max_model_len": "length", "aborted": "abort"}
+                   "max_tokens": "length", "max_model_len": "length", "aborted": "abort",
+                   "unschedulable": "abort", "kv_transfer_failed": "abort"}
 
 
 _ids = itertools.count()
@@ -49,7 +51,7 @@ class Sequence:
 
     def __init__(self, token_ids: list[int], sampling_params: SamplingParams | None = None, *,
                  request_id: str | None = None, arrive_time: float | None = None,
-                 kv_transfer_params: KVTransferParams | dict[str, Any] | None = None):
+                 kv_transfer_params: KVTransferParams | None = None):
         if not token_ids:
             raise ValueError("prompt_token_ids must not be empty")
         self.id: int = next(_ids)
@@ -65,15 +67,14 @@ class Sequence:
         self.num_published_blocks = 0  # blocks of block_table already in the prefix index
         self.num_released_blocks = 0  # leading blocks released as outside the sliding window (FREED in the table)
         self.spec_token_ids: list[int] = []  # drafts to verify in the next decode step
-        self.leave_reason: str | None = None
+        self.leave_reason: str | None = None  # why it left: a key of _FINISH_REASONS
+        self.error: str | None = None  # the message when it ended without generating (error_code set)
         self.error_code: ErrorCode | None = None  # set when it ended without generating
         self.stop_reason: int | str | None = None
-        self.logprobs: list[Any] = []
+        self.logprobs: list[Logprob | None] = []
         self.num_cached_tokens = 0  # prompt tokens served from a prefix cache (ours or, in PD, P's)
-        if isinstance(kv_transfer_params, dict):  # parsed once, here; ValueError names the field
-            kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
-        self.kv_transfer_params: KVTransferParams | None = kv_transfer_params
-        self.kv_transfer_params_output: dict[str, Any] | None = None
+        self.kv_transfer_params = kv_transfer_params  # parsed once, at the API's edge
+        self.kv_transfer_params_output: KVTransferParams | None = None  # P's, for D (the connector's)
         self.arrive_time = arrive_time if arrive_time is not None else time.time()
         self.first_scheduled_time: float | None = None
         self.first_token_time: float | None = None
@@ -84,7 +85,7 @@ class Sequence:
         self.group: list[Sequence] = [self]
         self.cumulative_logprob = 0.0  # sum of the sampled tokens' logprobs (ranks best_of)
         # prompt_logprobs: entry i for prompt token i ({"logprob", "rank", "top"}; None for token 0)
-        self.prompt_logprobs: list[Any] | None = [None] if self.sampling_params.prompt_logprobs is not None else None
+        self.prompt_logprobs: list[Logprob | None] | None = [None] if self.sampling_params.prompt_logprobs is not None else None
 
     def fork(self, index: int) -> "Sequence":
         """Choice `index` of this request: the same tokens and computed KV (the caller shares
@@ -129,9 +130,4 @@ class Sequence:
         """OpenAI's finish_reason: "stop" | "length" | "abort" | None (running)."""
         if self.leave_reason is None:
             return None
-        return _FINISH_REASONS.get(self.leave_reason, "abort")
-
-    @property
-    def error(self) -> str | None:
-        """The message for a sequence that ended without generating (rejected, failed pull)."""
-        return self.leave_reason if self.error_code is not None else None
+        return _FINISH_REASONS[self.leave_reason]

@@ -235,11 +235,11 @@ class FakeConnector(KVConnectorScheduler, KVConnectorWorker):
         tid = params.transfer_id
         self.serving[tid] = list(seq.block_table)
         self.seq_of_transfer[tid] = seq.id
-        return True, {"do_remote_prefill": True, "transfer_id": tid,
-                "remote_block_ids": list(seq.block_table),
-                "num_prompt_tokens": seq.num_prompt_tokens,
-                "first_token_id": seq.completion_token_ids[0],
-                "prefix_cache_hit_tokens": seq.num_cached_tokens}
+        return True, KVTransferParams(do_remote_prefill=True, transfer_id=tid,
+                                      remote_block_ids=list(seq.block_table),
+                                      num_prompt_tokens=seq.num_prompt_tokens,
+                                      first_token_id=seq.completion_token_ids[0],
+                                      prefix_cache_hit_tokens=seq.num_cached_tokens)
 
     def request_aborted(self, seq):
         self.aborted_calls[seq.id] = self.aborted_calls.get(seq.id, 0) + 1

@@ -1,10 +1,11 @@
 """N simulated DP ranks in one process (one thread per rank): the PrefillDelayer's
-Collective for tests, without gloo or processes."""
+Collective and expert parallelism's all-to-all for tests, without gloo or processes."""
 from __future__ import annotations
 
 import threading
 
 import numpy as np
+import torch
 
 from scheduler.prefill_delayer import Collective
 
@@ -33,10 +34,27 @@ class InProcessGroup:
         self._barrier.wait(self.timeout_s)  # nobody overwrites _result before all have read it
         return result
 
+    def _all_to_all(self, r: int, out, inp, out_splits: list[int], in_splits: list[int]) -> None:
+        """torch.distributed.all_to_all_single's contract: inp's in_splits[d] rows to rank d."""
+        self._slots[r] = list(inp.split(in_splits))
+        self._barrier.wait(self.timeout_s)
+        chunks = [self._slots[s][r] for s in range(self.world_size)]
+        assert [c.shape[0] for c in chunks] == out_splits, (r, out_splits)
+        if chunks:
+            out.copy_(torch.cat(chunks))
+        self._barrier.wait(self.timeout_s)  # nobody overwrites a slot before all have read it
+
 
 class InProcessCollective(Collective):
     def __init__(self, group: InProcessGroup, rank: int):
         self.group, self.rank, self.world_size = group, rank, group.world_size
+        self.num_collectives = self.num_all_to_all = 0
+        self.broken = None
 
     def all_reduce_sum(self, vec: np.ndarray) -> np.ndarray:
+        self.num_collectives += 1
         return self.group._all_reduce(self.rank, vec)
+
+    def all_to_all(self, out, inp, out_splits: list[int], in_splits: list[int]) -> None:
+        self.num_all_to_all += 1
+        self.group._all_to_all(self.rank, out, inp, out_splits, in_splits)

@@ -18,6 +18,7 @@ from atomd.api import core_client
 from atomd import messages as M
 from kv_transfer.params import KVTransferParams
 from contracts.errors import ErrorCode
+from contracts.logprobs import Logprob
 from contracts.sampling import SamplingParams
 from tests.server_fixtures import ENGINE_ARGS, model_dir
 
@@ -30,7 +31,7 @@ def test_wire_messages_round_trip():
     params = SamplingParams(max_tokens=3, temperature=0.0, stop=["\n"], logprobs=2)
     add = M.AddRequest("r1", [1, 2, 3], params, KVTransferParams(transfer_id="t"))
     assert msgspec.msgpack.decode(enc.encode(add), type=M.InputMessage) == add
-    delta = M.RequestOutput("r1", [5], [{"logprob": -0.1, "top": [[5, -0.1]]}], True, "length", 3, 0,
+    delta = M.RequestOutput("r1", [5], [Logprob(-0.1, [(5, -0.1)])], True, "length", 3, 0,
                             timing=(1.0, 2.0, 3.0, 4.0))
     failed = M.RequestOutput("r2", [], None, True, "abort", 3, 0, error="kv_transfer_failed: no",
                              error_code=ErrorCode.KV_TRANSFER_FAILED)

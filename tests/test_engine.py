@@ -100,9 +100,9 @@ def test_logprobs_equal_transformers(llm, llama_dir):
     for entry, logits in zip(out.logprobs, res.logits):
         ref = torch.log_softmax(logits[0].double(), -1)
         top = ref.topk(3)
-        assert entry["logprob"] == pytest.approx(top.values[0].item(), abs=1e-4)
-        assert [t for t, _ in entry["top"]] == top.indices.tolist()
-        assert [lp for _, lp in entry["top"]] == pytest.approx(top.values.tolist(), abs=1e-4)
+        assert entry.logprob == pytest.approx(top.values[0].item(), abs=1e-4)
+        assert [t for t, _ in entry.top] == top.indices.tolist()
+        assert [lp for _, lp in entry.top] == pytest.approx(top.values.tolist(), abs=1e-4)
 
 
 @pytest.mark.unit

@@ -47,7 +47,7 @@ def test_seeded_n_equals_single_requests_with_derived_seeds(llm):
         single = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.95, seed=5 + i, ignore_eos=True, logprobs=1)
         alone = llm.generate([ids(prompt)], single)[0].outputs[0]
         assert o.token_ids == alone.token_ids
-        assert o.cumulative_logprob == pytest.approx(sum(e["logprob"] for e in o.logprobs), abs=1e-4)
+        assert o.cumulative_logprob == pytest.approx(sum(e.logprob for e in o.logprobs), abs=1e-4)
     assert len({tuple(o.token_ids) for o in out}) == 3
     assert_idle(llm)
 
@@ -60,7 +60,7 @@ def test_best_of_returns_the_best_n_by_cumulative_logprob(llm):
     for i in range(5):
         single = SamplingParams(max_tokens=8, temperature=1.5, seed=11 + i, ignore_eos=True, logprobs=0)
         alone = llm.generate([ids(prompt)], single)[0].outputs[0]
-        candidates.append((-sum(e["logprob"] for e in alone.logprobs), i, alone.token_ids))
+        candidates.append((-sum(e.logprob for e in alone.logprobs), i, alone.token_ids))
     best = sorted(candidates)[:2]
     assert [o.token_ids for o in out] == [c[2] for c in best]
     assert [o.index for o in out] == [0, 1] and out[0].cumulative_logprob >= out[1].cumulative_logprob
@@ -105,10 +105,10 @@ def test_prompt_logprobs_equal_transformers(llama_dir, budget):
     assert len(entries) == len(prompt) and entries[0] is None and res.num_cached_tokens == 0
     for pos in range(1, len(prompt)):
         row, token = ref[pos - 1], prompt[pos]
-        assert entries[pos]["logprob"] == pytest.approx(row[token].item(), abs=1e-4)
-        assert entries[pos]["rank"] == int((row > row[token]).sum()) + 1
+        assert entries[pos].logprob == pytest.approx(row[token].item(), abs=1e-4)
+        assert entries[pos].rank == int((row > row[token]).sum()) + 1
         top = row.topk(3)
-        assert [t for t, _ in entries[pos]["top"]] == top.indices.tolist()
+        assert [t for t, _ in entries[pos].top] == top.indices.tolist()
     assert_idle(llm)
 
 

@@ -61,6 +61,7 @@ def test_app_version_is_the_package_version():
 def test_values_have_the_documented_names():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     for dotted in ("prefill.replicas", "decode.replicas", "prefill.dataParallelSize", "decode.dataParallelSize",
+                   "prefill.expertParallel", "decode.expertParallel",
                    "prefill.numThreads", "prefill.resources", "prefill.extraArgs", "prefill.nodeSelector",
                    "prefill.tolerations", "prefill.affinity", "router.replicas", "router.policy", "ingress.enabled",
                    "ingress.host", "apiKey.existingSecret", "adminApiKey.enabled", "adminApiKey.existingSecret",
@@ -269,6 +270,7 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
         if name == "all-features":
             assert cfg.model.endswith("/qwen2-0.5b") and args.served_model_name == "qwen2-0.5b"
             assert cfg.dtype == "bfloat16" and cfg.max_model_len == 4096 and args.max_num_seqs == 64
+        assert cfg.enable_expert_parallel == (name == "all-features" and role == "decode")
 
 
 @pytest.mark.integration

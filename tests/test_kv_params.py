@@ -67,7 +67,7 @@ def test_p_response_round_trips_through_json_text():
     obj = p_response()
     params = KVTransferParams.from_json_obj(json.loads(json.dumps(obj)))
     assert json.loads(json.dumps(params.to_json_obj())) == obj
-    assert params.remote_block_ids == [7, 3, 9] and params.first_token_logprobs["top"][1] == [5, -2.0]
+    assert params.remote_block_ids == [7, 3, 9] and params.first_token_logprobs.top[1] == (5, -2.0)
 
 
 def test_unknown_fields_are_ignored():

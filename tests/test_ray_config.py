@@ -91,6 +91,19 @@ def test_engine_bigger_than_any_node_fails_even_when_the_sum_fits():
         check_fits(c, {"CPU": 8.0}, [{"CPU": 4.0}, {"CPU": 4.0}])
 
 
+def test_expert_parallel_reaches_the_engine_flags_and_needs_two_ranks():
+    from launch.ray_cluster import engine_flags
+    from tests.helm_tools import engine_parser
+
+    c = parse_config({"decode": {"data_parallel_size": 2, "num_cpus": 2, "enable_expert_parallel": True}})
+    flags = {role: engine_parser().parse_args(["--model", "m", *engine_flags(role, c, "10.0.0.1")])
+             for role in ("prefill", "decode")}
+    assert (flags["prefill"].enable_expert_parallel, flags["decode"].enable_expert_parallel) == (False, True)
+    assert flags["decode"].data_parallel_size == 2
+    with pytest.raises(ValueError, match="enable_expert_parallel: needs data_parallel_size >= 2"):
+        parse_config({"prefill": {"enable_expert_parallel": True}})
+
+
 def test_every_engine_kv_backend_is_a_ray_config_choice():
     from atomd.config import KV_TRANSFER_BACKENDS
 

@@ -266,19 +266,19 @@ def test_logprobs_are_raw_log_softmax_with_top_k():
     tokens, entries = Sampler().sample(logits, seqs)
     ref = torch.log_softmax(logits.double(), -1)
     for row, (token, entry) in enumerate(zip(tokens, entries)):
-        assert math.isclose(entry["logprob"], ref[row, token].item(), abs_tol=1e-5)
+        assert math.isclose(entry.logprob, ref[row, token].item(), abs_tol=1e-5)
     top = ref[0].topk(3)
-    assert [t for t, _ in entries[0]["top"]] == top.indices.tolist()
-    assert [lp for _, lp in entries[0]["top"]] == pytest.approx(top.values.tolist(), abs=1e-5)
-    assert entries[1]["top"] == []
+    assert [t for t, _ in entries[0].top] == top.indices.tolist()
+    assert [lp for _, lp in entries[0].top] == pytest.approx(top.values.tolist(), abs=1e-5)
+    assert entries[1].top == []
 
 
 def test_best_of_rows_get_a_logprob_without_asking():
     logits = torch.randn(2, 30, generator=torch.Generator().manual_seed(6))
     seqs = [seq_with([1], [], SamplingParams(temperature=0.0, n=1, best_of=2)), seq_with([1], [], SamplingParams())]
     tokens, entries = Sampler().sample(logits, seqs)
-    assert entries[1] is None and entries[0]["top"] == []
-    assert math.isclose(entries[0]["logprob"], torch.log_softmax(logits[0].double(), -1)[tokens[0]].item(),
+    assert entries[1] is None and entries[0].top == []
+    assert math.isclose(entries[0].logprob, torch.log_softmax(logits[0].double(), -1)[tokens[0]].item(),
                         abs_tol=1e-5)
 
 

@@ -81,8 +81,8 @@ def test_unschedulable_requests_are_rejected_with_a_reason_and_surface_as_finish
     assert batch.seqs == [good]  # the rejected one does not block the queue
     assert not sched.is_finished()
     rejected = sched.take_rejected()
-    assert rejected == [bad] and match in bad.leave_reason
-    assert bad.leave_reason.startswith("unschedulable: ") and bad.error == bad.leave_reason
+    assert rejected == [bad] and match in bad.error
+    assert bad.leave_reason == "unschedulable" and bad.error.startswith("unschedulable: ")
     assert bad.status is SequenceStatus.FINISHED and bad.finish_reason == "abort"
     assert sched.take_rejected() == []
 

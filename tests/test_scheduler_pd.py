@@ -6,10 +6,12 @@ output is the colocated greedy completion computed by hand.
 """
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from scheduler.scheduler import Scheduler
 from contracts.sampling import SamplingParams
+from kv_transfer.params import KVTransferParams
 from scheduler.sequence import Sequence, SequenceStatus
 from tests.fake_connector import FakeConnector, add_all, scheduler_config, FakeKV, FakeModel, prompt, reference_completion, step
 
@@ -43,7 +45,7 @@ class Engine:
 
 def prefill_on_p(p: Engine, tokens, transfer_id="t1"):
     seq = Sequence(tokens, SamplingParams(max_tokens=1),
-                   kv_transfer_params={"do_remote_decode": True, "transfer_id": transfer_id})
+                   kv_transfer_params=KVTransferParams(do_remote_decode=True, transfer_id=transfer_id))
     p.sched.add(seq)
     while seq.status is not SequenceStatus.FINISHED:
         p.step()
@@ -56,7 +58,7 @@ def test_consumer_parks_is_promoted_on_finished_recving_injects_t0_and_never_pre
     tokens = prompt(1, 10)
     pseq = prefill_on_p(p, tokens)
     params = pseq.kv_transfer_params_output
-    assert params["first_token_id"] == reference_completion(tokens, 1)[0]
+    assert params.first_token_id == reference_completion(tokens, 1)[0]
     dseq = Sequence(tokens, SamplingParams(max_tokens=8), kv_transfer_params=params)
     d.sched.add(dseq)
     batch = d.sched.schedule()  # admission: blocks allocated, parked, pull described in meta
@@ -67,12 +69,12 @@ def test_consumer_parks_is_promoted_on_finished_recving_injects_t0_and_never_pre
     d.sched.update_from_kv_connector_output(d.conn.get_finished())
     assert dseq.status is SequenceStatus.RUNNING  # promoted as the pull is reported ...
     (first,) = d.sched.take_first_tokens()  # ... and T0 goes out then, before any forward of it
-    assert first.seq is dseq and first.new_token_ids == [params["first_token_id"]] and not first.finished
+    assert first.seq is dseq and first.new_token_ids == [params.first_token_id] and not first.finished
     assert d.sched.take_first_tokens() == []
     d.out[dseq.id] = list(first.new_token_ids)
     batch, updates = d.step()
     assert not batch.is_prefill and batch.num_computed_tokens.tolist() == [10]
-    assert batch.token_ids.tolist() == [params["first_token_id"]]
+    assert batch.token_ids.tolist() == [params.first_token_id]
     assert updates[0].new_token_ids == reference_completion(tokens, 2)[1:]  # T1 alone
     d.run()
     assert d.out[dseq.id] == reference_completion(tokens, 8)
@@ -172,7 +174,7 @@ def test_drafts_from_the_producer_are_verified_in_the_first_decode():
     tokens = prompt(7, 9)
     pseq = prefill_on_p(p, tokens)
     ref = reference_completion(tokens, 10)
-    params = dict(pseq.kv_transfer_params_output, draft_token_ids=ref[1:3])
+    params = msgspec.structs.replace(pseq.kv_transfer_params_output, draft_token_ids=ref[1:3])
     dseq = Sequence(tokens, SamplingParams(max_tokens=10), kv_transfer_params=params)
     d.sched.add(dseq)
     _, updates = d.step()  # the pull lands: T0 out
@@ -228,7 +230,7 @@ def test_failed_pull_with_policy_fail_finishes_with_an_error():
     d.sched.add(dseq)
     d.step()
     assert d.sched.take_rejected() == [dseq]
-    assert dseq.leave_reason.startswith("kv_transfer_failed") and dseq.error is not None
+    assert dseq.leave_reason == "kv_transfer_failed" and dseq.error.startswith("kv_transfer_failed: ")
     assert d.sched.block_manager.num_free_blocks == NB and d.sched.num_recv_failures == 1
     assert d.conn.finished_calls == {dseq.id: 1}
 

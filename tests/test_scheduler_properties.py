@@ -19,6 +19,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, ru
 from scheduler.block_manager import NO_HASH
 from scheduler.scheduler import Scheduler
 from contracts.sampling import SamplingParams
+from kv_transfer.params import KVTransferParams
 from scheduler.sequence import Sequence, SequenceStatus
 from tests.fake_connector import (FakeConnector, scheduler_config, FakeKV, FakeModel, next_token, prompt,
                                   reference_choice, step)
@@ -36,13 +37,13 @@ class StubProducer:
         self.kv = FakeKV(2048, BS)
         self._next = 0
 
-    def params_for(self, prompt: list[int], tid: str) -> dict:
+    def params_for(self, prompt: list[int], tid: str) -> KVTransferParams:
         n = (len(prompt) + BS - 1) // BS
         blocks = list(range(self._next, self._next + n))
         self._next += n
         self.kv.write(blocks, 0, prompt)
-        return {"do_remote_prefill": True, "transfer_id": tid, "remote_block_ids": blocks,
-                "first_token_id": next_token(prompt)}
+        return KVTransferParams(do_remote_prefill=True, transfer_id=tid, remote_block_ids=blocks,
+                                first_token_id=next_token(prompt))
 
     def release(self, transfer_id):
         pass
@@ -84,7 +85,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         if pd and self.stub is not None and length <= MAX_MODEL_LEN:
             params = self.stub.params_for(tokens, tid)
         elif pd and self.conn is not None and self.conn.role == "producer":
-            params, max_tokens = {"do_remote_decode": True, "transfer_id": tid}, 1
+            params, max_tokens = KVTransferParams(do_remote_decode=True, transfer_id=tid), 1
             choices, extra = 1, 0  # the engine runs a prefill leg as one sequence
         sp = SamplingParams(max_tokens=max_tokens, n=choices, best_of=choices + extra if extra else None)
         seq = Sequence(tokens, sp, kv_transfer_params=params)

@@ -4,8 +4,8 @@ from __future__ import annotations
 import msgspec
 import pytest
 
-from contracts.errors import ErrorCode
 from contracts.sampling import SamplingParams
+from kv_transfer.params import KVTransferParams
 from scheduler.sequence import Sequence, SequenceStatus
 
 pytestmark = pytest.mark.unit
@@ -41,7 +41,7 @@ def test_sampling_params_roundtrip_msgpack_and_validate_on_decode():
 
 
 def test_sequence_views_and_unique_ids():
-    a = Sequence([5, 6, 7], SamplingParams(), request_id="r1", kv_transfer_params={"transfer_id": "t1"})
+    a = Sequence([5, 6, 7], SamplingParams(), request_id="r1", kv_transfer_params=KVTransferParams(transfer_id="t1"))
     b = Sequence([5])
     assert a.id != b.id and a.request_id == "r1" and b.request_id == str(b.id)
     a.token_ids += [8, 9]
@@ -54,12 +54,9 @@ def test_sequence_views_and_unique_ids():
 
 @pytest.mark.parametrize("leave, finish", [
     ("eos", "stop"), ("stop_token", "stop"), ("stop_string", "stop"), ("max_tokens", "length"),
-    ("max_model_len", "length"), ("aborted", "abort"), ("unschedulable: too long", "abort"),
+    ("max_model_len", "length"), ("aborted", "abort"), ("unschedulable", "abort"), ("kv_transfer_failed", "abort"),
 ])
 def test_finish_reason_maps_leave_reason_to_openai(leave, finish):
     seq = Sequence([1])
     seq.leave_reason = leave
-    if leave.startswith("unschedulable"):  # the scheduler sets both when it rejects
-        seq.error_code = ErrorCode.UNSCHEDULABLE
     assert seq.finish_reason == finish
-    assert (seq.error is not None) == leave.startswith("unschedulable")

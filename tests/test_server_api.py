@@ -102,7 +102,7 @@ def test_completion_logprobs_equal_offline(client, offline):
     ref = offline_run(offline, PROMPTS[:1], max_tokens=6, temperature=0.0, logprobs=3)[0]
     resp = client.completions.create(model=NAME, prompt=PROMPTS[0], max_tokens=6, temperature=0, logprobs=3)
     lp = resp.choices[0].logprobs
-    want = [entry["logprob"] for entry in ref.logprobs]
+    want = [entry.logprob for entry in ref.logprobs]
     assert lp.token_logprobs == pytest.approx(want, abs=1e-4)
     assert all(len(top) == 3 for top in lp.top_logprobs)
     # greedy: the sampled token is the most likely one
@@ -129,7 +129,7 @@ def test_chat_stream_and_logprobs(client, offline, hf_tokenizer):
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == ref.text
     content = [t for c in chunks if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.content]
-    assert [t.logprob for t in content] == pytest.approx([e["logprob"] for e in ref.logprobs], abs=1e-4)
+    assert [t.logprob for t in content] == pytest.approx([e.logprob for e in ref.logprobs], abs=1e-4)
     assert all(len(t.top_logprobs) == 2 for t in content)
     # greedy: the sampled token is the first of the top list
     assert all(t.top_logprobs[0].logprob == pytest.approx(t.logprob, abs=1e-6) for t in content)

@@ -180,7 +180,7 @@ def test_tokens_are_a_function_of_the_request_and_its_seed(profile):
     assert len(set(tokens["a"])) > 6 and all(0 <= t < 4096 for t in tokens["a"])
     assert sorted(first["choices"]) == [0, 1, 2] and len({tuple(c) for c in first["choices"].values()}) == 3
     for token, entry in first["a"][0]:
-        assert entry["top"][0] == [token, entry["logprob"]] and len(entry["top"]) == 2 and entry["logprob"] < 0
+        assert entry.top[0] == (token, entry.logprob) and len(entry.top) == 2 and entry.logprob < 0
 
 
 def test_allowed_token_ids_and_min_tokens_hold(profile):
@@ -317,3 +317,147 @@ def test_the_offline_llm_runs_the_simulated_engine_too(profile):
     got = llm.generate([{"prompt_token_ids": prompt(9, 30)}], params)[0].outputs[0].token_ids
     want = [t for t, _ in run(make_engine(profile), {"r": (prompt(9, 30), params)})["r"][0]]
     assert got == want
+
+
+# ---------------------------------------------------------------- served profiles
+
+
+def test_an_engine_keeps_its_step_samples_only_when_asked(profile, monkeypatch):
+    from atomd.engine.engine_loop import STEP_SAMPLES_ENV
+
+    assert "step_samples" not in make_engine(profile).stats()
+    monkeypatch.setenv(STEP_SAMPLES_ENV, "100")
+    engine = make_engine(profile)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=4, ignore_eos=True))})
+    samples = engine.stats()["step_samples"]
+    # [is_prefill, tokens, seqs, attention pairs, context, forward s, gap s]: the prefill after
+    # an idle engine, then three decode rows reading 20, 21, 22 tokens of KV plus their own
+    assert [s[:5] for s in samples] == [[True, 20, 1, 20 * 21 / 2, 20]] + \
+        [[False, 1, 1, c + 1, c + 1] for c in (20, 21, 22)]
+    assert samples[0][6] == -1 and all(s[6] >= 0 for s in samples[1:]) and all(s[5] > 0 for s in samples)
+    monkeypatch.setenv(STEP_SAMPLES_ENV, "2")  # a ring of the last N
+    engine = make_engine(profile)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=6, ignore_eos=True))})
+    assert [s[4] for s in engine.stats()["step_samples"]] == [24, 25]
+    monkeypatch.setenv(STEP_SAMPLES_ENV, "many")
+    with pytest.raises(ValueError, match=STEP_SAMPLES_ENV):
+        make_engine(profile)
+
+
+def test_a_served_fit_recovers_the_mean_step_and_its_spread():
+    """Steps of a known model times a known noise (uniform in [0.5, 1.5], mean 1, like a
+    shared machine's): the mean fit finds the model, the spread the noise's quantiles."""
+    from atomd.sim.profile import SPREAD_QUANTILES, fit_served
+
+    rng = np.random.default_rng(0)
+    steps = [StepShape(False, int(b), int(b), 0.0, int(c))
+             for b, c in zip(rng.integers(1, 32, 4000), rng.integers(64, 8192, 4000))]
+    truth = (2e-3, 100e-6, 500e-9)
+    noise = rng.uniform(0.5, 1.5, len(steps))
+    samples = [(s, (truth[0] + truth[1] * s.tokens + truth[2] * s.context) * r) for s, r in zip(steps, noise)]
+    fit, spread = fit_served(samples, "decode")
+    np.testing.assert_allclose([fit.base_s, fit.per_token_s, fit.per_attention_s], truth, rtol=0.05)
+    want = 0.5 + (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES  # the uniform's quantiles
+    np.testing.assert_allclose(spread, want, atol=0.03)
+    with pytest.raises(ValueError, match="too few"):
+        fit_served(samples[:2], "decode")
+
+
+def test_a_simulated_step_is_the_fit_times_a_draw_from_the_spread(tmp_path):
+    from atomd.sim.hardware import Calibrated
+
+    base = load_profile(str(default_model_profile(tmp_path / "p.json")))
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, prefill_spread=[2.0], decode_spread=[3.0])
+    path = tmp_path / "spread.json"
+    path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
+    engine = make_engine(path)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True))})
+    want = 2 * base.step_seconds(StepShape.of(True, [20], [0])) + \
+        3 * sum(base.step_seconds(StepShape.of(False, [1], [c])) for c in (20, 21))
+    assert engine.stats()["sim"]["forward_seconds"] == pytest.approx(want)
+    raw = json.loads(path.read_text())
+    raw["step"]["decode_spread"] = [1.0] * 1001
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="spread holds at most"):
+        load_profile(str(path))
+
+
+def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
+    """Against a stand-in /debug/stats (the engine side is tested above): the written profile
+    holds the mean fit of the prefill and decode samples; a server keeping none is an error."""
+    import http.server
+    import threading
+
+    rng = np.random.default_rng(1)
+    samples = []
+    for _ in range(200):
+        n, c, b = int(rng.integers(8, 400)), int(rng.integers(20, 900)), int(rng.integers(1, 9))
+        samples.append([True, n, 1, n * (n + 1) / 2, n, 0.004 + 50e-6 * n + 20e-9 * n * (n + 1) / 2, -1])
+        samples.append([False, b, b, b * c, b * c, 0.003 + 200e-6 * b + 100e-9 * b * c, 0.001])
+    bodies = {"/with/debug/stats": {"num_running": 0, "step_samples": samples}, "/without/debug/stats": {}}
+
+    class Stats(http.server.BaseHTTPRequestHandler):
+        def do_GET(self):
+            body = json.dumps(bodies[self.path]).encode()
+            self.send_response(200)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Stats)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        url = f"http://127.0.0.1:{server.server_address[1]}"
+        out = tmp_path / "served.json"
+        cmd = [sys.executable, "-m", "atomd", "profile", "--from-servers", url + "/with", "-o", str(out)]
+        subprocess.run(cmd, cwd=REPO, check=True, capture_output=True, timeout=120)
+        step = load_profile(str(out)).step
+        np.testing.assert_allclose([step.prefill.base_s, step.prefill.per_token_s, step.prefill.per_attention_s],
+                                   [0.004, 50e-6, 20e-9], rtol=1e-6)
+        np.testing.assert_allclose([step.decode.base_s, step.decode.per_token_s, step.decode.per_attention_s],
+                                   [0.003, 200e-6, 100e-9], rtol=1e-6)
+        assert step.decode_spread == pytest.approx([1.0] * 50)
+        bad = subprocess.run([*cmd[:5], url + "/without", "-o", str(out)], cwd=REPO, capture_output=True,
+                             text=True, timeout=120)
+        assert bad.returncode == 2 and "ATOMD_STEP_SAMPLES" in bad.stderr
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(tmp_path, monkeypatch):
+    """On a fake clock the loop's own gap between forwards is 0: every forward after a busy
+    one sleeps the prediction plus the whole served gap; the first (after idle) none of it."""
+    import atomd.sim.engine as sim_engine
+    from atomd.sim.hardware import Calibrated
+
+    base = load_profile(str(default_model_profile(tmp_path / "p.json")))
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, step_gap_s=0.02)
+    path = tmp_path / "gap.json"
+    path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
+    clock = [1000.0]
+    slept = []
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+        @staticmethod
+        def monotonic():
+            return clock[0]
+
+        @staticmethod
+        def sleep(s):
+            slept.append(s)
+            clock[0] += s
+
+    monkeypatch.setattr(sim_engine, "time", FakeTime)
+    engine = make_engine(path)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True))})
+    want = [base.step_seconds(StepShape.of(True, [20], [0]))] + \
+        [base.step_seconds(StepShape.of(False, [1], [c])) + 0.02 for c in (20, 21)]
+    assert slept == pytest.approx(want)

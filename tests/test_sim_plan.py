@@ -107,6 +107,89 @@ def test_the_written_layout_loads_in_the_ray_launcher_and_the_helm_chart(tmp_pat
     assert values["prefill"]["replicas"] == 3 and values["decode"]["replicas"] == 2
 
 
+def test_lockstep_ranks_step_together_the_slowest_ranks_time():
+    """Two ranks of one lockstep group: the short prompt's prefill waits for the long one's
+    (its TTFT is the long prefill's time), and a decode row waits out the other rank's
+    prefill; without lockstep each engine keeps its own times."""
+    p = toy_profile(LinearStep(base_s=0.01, per_token_s=1e-3, per_attention_s=0.0),
+                    LinearStep(base_s=0.005, per_token_s=0.0, per_attention_s=0.0))
+    long_, short = Request(0.0, list(range(10, 110)), 3), Request(0.0, list(range(10, 20)), 3)
+    alone = Fleet(p, Layout("colocated", 0, 2)).run([long_, short])
+    assert [o.ttft for o in alone] == pytest.approx([0.01 + 0.1, 0.01 + 0.01])
+    lockstep = Fleet(p, Layout("colocated", 0, 2, dp_lockstep=2)).run([long_, short])
+    assert [o.ttft for o in lockstep] == pytest.approx([0.11, 0.11])
+    assert [o.tpot for o in lockstep] == pytest.approx([0.005, 0.005])
+    # a prompt arriving while the other rank decodes (steps end at 0.02 + k x 5 ms): it waits
+    # for the step in flight, then the decoding rank's next step lasts the prefill
+    late = Request(0.052, list(range(10, 110)), 2)
+    first, second = Fleet(p, Layout("colocated", 0, 2, dp_lockstep=2)).run([Request(0.0, [10] * 10, 20), late])
+    assert second.ttft == pytest.approx(0.11 + (0.055 - 0.052))
+    assert first.finish_s - first.first_token_s == pytest.approx(19 * 0.005 + 0.11 - 0.005)
+
+
+def test_adaptive_pd_prefills_short_prompts_on_d_and_long_ones_on_p():
+    """The router's rule with its priors (2000 tokens/s, 10 ms transfers): a prompt of at most
+    256 tokens prefills on D (no pull: D's own prefill time), a longer one on an idle P."""
+    p = toy_profile(LinearStep(base_s=0.01, per_token_s=1e-4, per_attention_s=0.0),
+                    LinearStep(base_s=0.005, per_token_s=1e-3, per_attention_s=0.0), link="tcp")
+    layout = Layout("pd", 1, 1, adaptive=True)
+    (short,) = Fleet(p, layout).run([Request(0.0, list(range(10, 110)), 3)])
+    assert short.ttft == pytest.approx(0.01 + 100 * 1e-4)
+    fleet = Fleet(p, layout)
+    (long_,) = fleet.run([Request(0.0, [7] * 400, 3)])
+    pull = LINKS["tcp"].latency_s + 25 * SHAPE.kv_bytes_per_token * 16 / LINKS["tcp"].bandwidth
+    assert long_.ttft == pytest.approx(0.01 + 400 * 1e-4 + pull)
+    assert fleet.decider.rate["p0"].samples == 1 and fleet.decider.transfer["p0"].samples == 1
+
+
+def test_adaptive_pd_with_only_short_prompts_is_its_decode_pool_colocated():
+    """Every prompt under the local threshold: the P idles and the D engines serve as a
+    colocated pool of their size would, request for request."""
+    p = toy_profile(LinearStep(base_s=2e-3, per_token_s=1e-4, per_attention_s=0.0),
+                    LinearStep(base_s=2e-3, per_token_s=2e-4, per_attention_s=0.0))
+    requests = Workload(input_len=100, output_len=20, num_requests=60).requests(rate=300.0, vocab=4096)
+    adaptive = Fleet(p, Layout("pd", 1, 2, adaptive=True))
+    got = adaptive.run(requests)
+    want = Fleet(p, Layout("colocated", 0, 2)).run(requests)
+    assert [t for o in got for t in (o.first_token_s, o.finish_s)] == \
+        pytest.approx([t for o in want for t in (o.first_token_s, o.finish_s)])
+    assert adaptive.prefill[0].scheduler.block_manager.num_free_blocks == \
+        adaptive.prefill[0].scheduler.block_manager.num_total_blocks
+    for e in adaptive.decode:
+        assert e.scheduler.block_manager.num_free_blocks == e.scheduler.block_manager.num_total_blocks
+
+
+def test_the_planner_searches_adaptive_pd_and_lockstep_layouts():
+    slo = SLO(ttft_s=1.0, tpot_s=0.2)
+    workload = Workload(input_len=256, output_len=8, num_requests=10)
+    ranked = plan(PREFILL_BOUND, workload, slo, max_gpus=4, min_gpus=4, decode_max_seqs=[256], iterations=3,
+                  adaptive=(False, True), dp_lockstep=2)
+    labels = {(r.layout.kind, r.layout.num_prefill, r.layout.adaptive, r.layout.dp_lockstep) for r in ranked}
+    assert labels == {("colocated", 0, False, 2), ("pd", 2, False, 2), ("pd", 2, True, 2)}
+    with pytest.raises(ValueError, match="multiple of dp_lockstep"):
+        Fleet(PREFILL_BOUND, Layout("pd", 1, 2, dp_lockstep=2))
+    with pytest.raises(ValueError, match="adaptive PD needs a pd layout"):
+        Fleet(PREFILL_BOUND, Layout("colocated", 0, 2, adaptive=True))
+
+
+def test_an_adaptive_lockstep_layout_loads_in_the_ray_launcher_and_the_helm_chart(tmp_path):
+    from launch.ray_config import load_config
+
+    layout = Layout("pd", 2, 4, decode_max_num_seqs=64, adaptive=True, dp_lockstep=2)
+    path = tmp_path / "ray.yaml"
+    path.write_text(yaml.safe_dump(ray_config(layout, None)))
+    config = load_config(str(path))
+    assert (config.prefill.count, config.decode.count) == (1, 2)
+    assert config.prefill.data_parallel_size == config.decode.data_parallel_size == 2
+    assert config.decode.extra_args == ["--max-num-seqs", "64", "--dp-lockstep"]
+    assert config.router.extra_args == ["--pd-mode", "adaptive"]
+    chart = yaml.safe_load(pathlib.Path(REPO, "helm/atomd/values.yaml").read_text())
+    values = helm_values(layout)
+    for role in ("prefill", "decode", "router"):
+        assert set(values[role]) <= set(chart[role])
+    assert (values["decode"]["replicas"], values["decode"]["dataParallelSize"]) == (2, 2)
+
+
 def test_step_shapes_of_a_prefill_chunk_count_its_causal_pairs():
     s = StepShape.of(True, [4, 2], [0, 10])  # 4 fresh tokens: 1+2+3+4; 2 after 10: 11+12
     assert (s.tokens, s.seqs, s.attention, s.context) == (6, 2, 10 + 23, 16)

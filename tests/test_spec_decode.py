@@ -210,7 +210,7 @@ CASES = [
 
 
 def outputs(llm: LLM, params: SamplingParams) -> list:
-    return [(c.token_ids, c.text, c.finish_reason, [e["logprob"] for e in c.logprobs or []])
+    return [(c.token_ids, c.text, c.finish_reason, [e.logprob for e in c.logprobs or []])
             for o in llm.generate(PROMPTS, params, use_tqdm=False) for c in o.outputs]
 
 

@@ -168,7 +168,7 @@ def sample_constrained_rows(compiler) -> list[list[int]]:
             break
         logits = torch.from_numpy(rng.standard_normal((len(live) + 1, VOCAB)).astype(np.float32) * 3)
         tokens, logprobs = sampler.sample(logits, live + live[:1])
-        out.append([tokens, [lp["top"] for lp in logprobs]])
+        out.append([tokens, [lp.top for lp in logprobs]])
         for s, t in zip(live, tokens):
             s.token_ids.append(t)
     return out

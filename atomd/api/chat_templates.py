@@ -1,13 +1,13 @@
 """Which chat template renders a chat request, and with what (issue 34), as vLLM does:
 
-- the checkpoint's (tokenizer_config.json or chat_template.jinja; atomd/tokenizer.py renders
-  it the way transformers.apply_chat_template does), unless
+- the checkpoint's (tokenizer_config.json or chat_template.jinja; contracts/chat_template.py
+  renders it the way transformers.apply_chat_template does), unless
 - `--chat-template` replaces it for every request: a file path, or the template itself
   inline (a value that is no file and contains a jinja tag); a bad one stops the server at
   start with the template's syntax error;
 - a request's `chat_template` replaces it for that request, only when the server runs with
   `--trust-request-chat-template` (vLLM's flag: a template is code the server runs; jinja's
-  sandbox and atomd/tokenizer.py bound what `range` and `*` build, but loops over the
+  sandbox and contracts/chat_template.py bound what `range` and `*` build, but loops over the
   request's own lists still multiply), at most --max-chat-template-chars long;
 - a request's `chat_template_kwargs` (e.g. `{"enable_thinking": false}` for Qwen3) become
   more variables of the template, next to `messages`, `tools`, `add_generation_prompt` and
@@ -25,8 +25,9 @@ from typing import Any
 import jinja2
 
 from atomd.api import protocol, validation
+from contracts.chat_template import compiled_template
 
-# the variables the server passes itself (atomd/tokenizer.py), which chat_template_kwargs may not replace
+# the variables the server passes itself (contracts/chat_template.py render), which chat_template_kwargs may not replace
 RESERVED_KWARGS = ("messages", "tools", "add_generation_prompt", "bos_token", "eos_token", "pad_token", "unk_token",
                    "chat_template", "range")
 
@@ -51,16 +52,10 @@ def load_chat_template(value: str) -> str:
     return source
 
 
-def compile_template(source: str) -> jinja2.Template:
-    from atomd.tokenizer import compiled_template
-
-    return compiled_template(source)
-
-
 def compile_error(source: str) -> str | None:
     """Why `source` does not compile (None: it does)."""
     try:
-        compile_template(source)
+        compiled_template(source)
     except jinja2.TemplateSyntaxError as e:
         return f"the template does not compile: {e.message} (line {e.lineno})"
     except RecursionError:  # jinja's parser recurses per nesting level

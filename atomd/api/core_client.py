@@ -10,7 +10,8 @@
   it stays on that rank for its lifetime (its stream lives in that rank's client, aborts
   follow it). The server is ready only while every rank lives: a DP engine with a dead
   rank is dead as a unit (vLLM's rule), though the requests already on the live ranks run
-  to their end.
+  to their end; with expert parallelism the live ranks cannot (they share the experts): one
+  rank's death fails every rank's requests at once.
 """
 from __future__ import annotations
 
@@ -105,6 +106,7 @@ class EngineCoreClient:
         self.calls: dict[int, asyncio.Future] = {}
         self.call_ids = itertools.count()
         self.dead: str | None = None  # why the core is gone
+        self.on_dead: Callable[[str], None] | None = None  # called once, when this core is found dead
         self.last_heard = time.monotonic()  # the core's last message, or the start of its work
         self.ready: asyncio.Future[Ready] | None = None
         self.proc: multiprocessing.process.BaseProcess | None = None
@@ -223,11 +225,12 @@ class EngineCoreClient:
 
     def fail(self, reason: str) -> None:
         """Fail everything waiting on the core, now and from here on."""
-        if self.dead is None:
+        first = self.dead is None
+        if first:
             logger.error("engine core is dead: %s", reason)
         self.dead = reason
         err = EngineDeadError(reason)
-        if not self.ready.done():
+        if self.ready is not None and not self.ready.done():
             self.ready.set_exception(err)
         for stream in self.streams.values():
             stream.queue.put_nowait(err)
@@ -236,6 +239,8 @@ class EngineCoreClient:
         for fut in self.calls.values():
             if not fut.done():
                 fut.set_exception(err)
+        if first and self.on_dead is not None:
+            self.on_dead(reason)
 
     async def shutdown(self, timeout_s: float = 5.0) -> None:
         self.dead = self.dead or "engine core shut down"  # an expected exit, not an error to log
@@ -290,6 +295,14 @@ class DPEngineClient:
         self.config = config
         self.ranks = [EngineCoreClient(rank_config(config, r, port), on_abort_confirmed=on_abort_confirmed)
                       for r in range(config.data_parallel_size)]
+        if config.enable_expert_parallel:
+            for r, c in enumerate(self.ranks):
+                c.on_dead = lambda reason, r=r: self.fail_all(f"expert-parallel DP rank {r} failed: {reason}")
+
+    def fail_all(self, reason: str) -> None:
+        """Every rank's requests fail now: an expert-parallel rank cannot step without the others."""
+        for c in self.ranks:
+            c.fail(reason)
 
     async def start(self, timeout_s: float = 600.0) -> Ready:
         readies = await asyncio.gather(*(c.start(timeout_s) for c in self.ranks))

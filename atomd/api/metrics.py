@@ -129,6 +129,7 @@ class ServerMetrics:
         self.engine = EngineStatsCollector(labels)
         self.registry.register(self.engine)
         self.registry.register(PrefillDelayerCollector(self.engine, model_name))
+        self.registry.register(ExpertLoadCollector(self.engine, model_name))
 
         def hist(name: str, doc: str, buckets=LATENCY_BUCKETS):
             return Histogram(f"atomd:{name}", doc, LABELS, buckets=buckets,
@@ -211,3 +212,30 @@ class PrefillDelayerCollector:
             holds.add_metric(lv, buckets, sum_value=sum(h * n for h, n in counts.items()))
         yield outcomes
         yield holds
+
+
+class ExpertLoadCollector:
+    """MoE models: `atomd:expert_tokens_total{expert}` per dp_rank, the (token, choice) pairs
+    each expert held on that rank ran (summed over the sparse layers), so imbalance shows;
+    with expert parallelism `atomd:expert_parallel_exchange_seconds_total` too, the time a
+    rank spent in the sparse layers' all-to-alls (waiting on the slowest rank included)."""
+
+    def __init__(self, engine_stats: Any, model_name: str):
+        self.engine_stats, self.model_name = engine_stats, model_name
+
+    def collect(self):
+        labels = ["model_name", "dp_rank"]
+        tokens = CounterMetricFamily("atomd:expert_tokens", "(token, choice) pairs an expert ran, over the "
+                                     "sparse layers, per rank holding it.", labels=labels + ["expert"])
+        exchange = CounterMetricFamily("atomd:expert_parallel_exchange_seconds", "Seconds a rank spent in "
+                                       "the expert-parallel all-to-alls.", labels=labels)
+        stats = self.engine_stats.stats or {}
+        for rank_stats in stats.get("ranks", [stats]):
+            lv = [self.model_name, str(rank_stats.get("dp_rank", 0))]
+            for expert, n in rank_stats.get("expert_tokens") or ():
+                tokens.add_metric(lv + [str(expert)], n)
+            ep = rank_stats.get("expert_parallel")
+            if ep:
+                exchange.add_metric(lv, ep["exchange_s"])
+        yield tokens
+        yield exchange

@@ -15,6 +15,7 @@ from atomd.api.reasoning import ReasoningParser, prompt_opens_reasoning
 from atomd.api.tool_parsers import TOOL_CALL_PARSERS
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
+from kv_transfer.params import KVTransferParams
 from scheduler.stop import cut_at_stop
 
 PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened <think> (<= 7 tokens + whitespace)
@@ -69,7 +70,7 @@ class RequestRenderer:
         self.finished = False
         self.finish_reason: str | None = None
         self.num_prompt_tokens = self.num_cached_tokens = 0
-        self.kv_transfer_params: dict | None = None
+        self.kv_transfer_params: KVTransferParams | None = None  # P's, for D
         self.t_arrival = self.t_last = time.perf_counter()
         self.first_token_seen = False
         self.index_base = 0  # several prompts in one request: this prompt's first choice index (prompt-major)
@@ -180,8 +181,8 @@ class RequestRenderer:
                 out.append(None)
                 continue
             tid = self.prompt_ids[pos]
-            tokens = {str(tid): responses.PromptLogprob(entry["logprob"], entry["rank"], self.token_text(tid))}
-            for rank, (t, lp) in enumerate(entry["top"], start=1):
+            tokens = {str(tid): responses.PromptLogprob(entry.logprob, entry.rank, self.token_text(tid))}
+            for rank, (t, lp) in enumerate(entry.top, start=1):
                 tokens.setdefault(str(t), responses.PromptLogprob(lp, rank, self.token_text(t)))
             out.append(tokens)
         return out
@@ -204,15 +205,15 @@ class CompletionRenderer(RequestRenderer):
                 entry = entries[pos] if pos < len(entries) else None
                 text = self.token_text(tid)
                 tokens.append(text)
-                lps.append(entry["logprob"] if entry else None)
-                tops.append({self.token_text(t): lp for t, lp in entry["top"]} if entry else None)
+                lps.append(entry.logprob if entry else None)
+                tops.append({self.token_text(t): lp for t, lp in entry.top} if entry else None)
                 offsets.append(offset)
                 offset += len(text)
         for tid, entry in items:
             text = self.token_text(tid)
             tokens.append(text)
-            lps.append(entry["logprob"])
-            tops.append({self.token_text(t): lp for t, lp in entry.get("top") or []})
+            lps.append(entry.logprob)
+            tops.append({self.token_text(t): lp for t, lp in entry.top})
             offsets.append(offset)
             offset += len(text)
         return responses.CompletionLogprobs(tokens, lps, tops, offsets)
@@ -294,8 +295,8 @@ class ChatRenderer(RequestRenderer):
 
         content = []
         for tid, entry in items:
-            tops = [responses.TopLogprob(*entry_of(t, lp)) for t, lp in (entry.get("top") or [])]
-            content.append(responses.TokenLogprob(*entry_of(tid, entry["logprob"]), top_logprobs=tops))
+            tops = [responses.TopLogprob(*entry_of(t, lp)) for t, lp in entry.top]
+            content.append(responses.TokenLogprob(*entry_of(tid, entry.logprob), top_logprobs=tops))
         return responses.ChatLogprobs(content)
 
     def chunk_of(self, index: int, delta: responses.ChatDelta, items, finish_reason, **extra) -> bytes:

@@ -6,6 +6,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from kv_transfer.params import KVTransferParams
+
 
 class PromptTokensDetails(msgspec.Struct):
     cached_tokens: int = 0
@@ -53,7 +55,7 @@ class CompletionResponse(msgspec.Struct):
     choices: list[CompletionChoice]
     object: Literal["text_completion"] = "text_completion"
     usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
-    kv_transfer_params: dict | None | msgspec.UnsetType = msgspec.UNSET
+    kv_transfer_params: KVTransferParams | None | msgspec.UnsetType = msgspec.UNSET
 
 
 class TopLogprob(msgspec.Struct):
@@ -108,7 +110,7 @@ class ChatCompletionResponse(msgspec.Struct):
     choices: list[ChatChoice]
     usage: Usage
     object: Literal["chat.completion"] = "chat.completion"
-    kv_transfer_params: dict | None | msgspec.UnsetType = msgspec.UNSET
+    kv_transfer_params: KVTransferParams | None | msgspec.UnsetType = msgspec.UNSET
     prompt_logprobs: PromptLogprobs | None | msgspec.UnsetType = msgspec.UNSET  # vLLM: top level for chat
 
 
@@ -119,7 +121,7 @@ class ChatCompletionChunk(msgspec.Struct):
     choices: list[ChatChunkChoice]
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
     usage: Usage | None | msgspec.UnsetType = msgspec.UNSET
-    kv_transfer_params: dict | None | msgspec.UnsetType = msgspec.UNSET
+    kv_transfer_params: KVTransferParams | None | msgspec.UnsetType = msgspec.UNSET
     prompt_logprobs: PromptLogprobs | None | msgspec.UnsetType = msgspec.UNSET
 
 

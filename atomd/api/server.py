@@ -53,6 +53,7 @@ from atomd.api.metrics import ServerMetrics
 from atomd.api.renderers import ChatRenderer, CompletionRenderer, RequestRenderer
 from atomd.messages import RequestOutput
 from contracts.errors import ErrorCode
+from contracts.sampling import SamplingParams, check_in_vocabulary
 
 logger = logging.getLogger("atomd.api.server")
 access_logger = logging.getLogger("atomd.access")
@@ -343,12 +344,12 @@ class Server:
         prompts = validation.prompt_inputs(req.prompt, self.limits.max_prompts)
         if len(prompts) > 1 and checked.kv_transfer_params is not None:
             raise protocol.invalid("kv_transfer_params", "kv_transfer_params go with one prompt per request")
-        self.check_sampling_token_ids(req, checked)
         self.check_priority(req)
         parsed = []
         for prompt in prompts:
             ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
             params = validation.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
+            self.check_vocabulary(params)
             parsed.append((ids, params, prompt))
         return req, checked, parsed
 
@@ -372,9 +373,9 @@ class Server:
                                         self.args.trust_request_chat_template, self.limits.max_prompt_chars)
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
-        self.check_sampling_token_ids(req, checked)
         self.check_priority(req)
         params = validation.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
+        self.check_vocabulary(params)
         return checked, ids, params
 
     def check_priority(self, req) -> None:
@@ -384,23 +385,18 @@ class Server:
                                                "(this server schedules first come first served)")
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
-        vocab = self.tokenizer.vocab_size
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise protocol.invalid(param, f"token id {bad} is outside the vocabulary [0, {vocab})")
+        try:
+            check_in_vocabulary(param, ids, self.tokenizer.vocab_size)
+        except ValueError as e:
+            raise protocol.invalid(param, str(e)) from None
         return ids
 
-    def check_sampling_token_ids(self, req, checked: validation.Checked) -> None:
-        """logit_bias keys and allowed_token_ids must be token ids of this vocabulary."""
-        if checked.logit_bias:
-            self.check_token_ids(list(checked.logit_bias), "logit_bias")
-        if req.allowed_token_ids is not None:
-            if not req.allowed_token_ids:
-                raise protocol.invalid("allowed_token_ids", "allowed_token_ids must not be empty")
-            if len(req.allowed_token_ids) > self.tokenizer.vocab_size:
-                raise protocol.invalid("allowed_token_ids", f"allowed_token_ids has {len(req.allowed_token_ids)} ids; "
-                                                     f"the vocabulary has {self.tokenizer.vocab_size}")
-            self.check_token_ids(req.allowed_token_ids, "allowed_token_ids")
+    def check_vocabulary(self, params: SamplingParams) -> None:
+        """A 400 here rather than the engine's refusal after the stream's headers."""
+        try:
+            params.check_vocabulary(self.tokenizer.vocab_size)
+        except ValueError as e:  # the message starts with the field's name
+            raise protocol.invalid(str(e).split(":", 1)[0], str(e)) from None
 
     def max_tokens(self, ids: list[int], requested: int | None, param: str, default: int | None) -> int:
         """The max_tokens the engine gets, or a 400 when the request cannot fit (see module doc)."""

@@ -207,11 +207,12 @@ def _check_common(req: SamplingFields, limits: L.RequestLimits) -> tuple[KVTrans
             kv_params = KVTransferParams.from_json_obj(req.kv_transfer_params)
         except ValueError as e:
             raise invalid("kv_transfer_params", str(e)) from None
-    if not 1 <= req.n <= MAX_N:
-        raise invalid("n", f"n must be in [1, {MAX_N}], got {req.n}")
+    # SamplingParams owns n >= 1, best_of >= n and logit_bias's ranges; the API adds its bounds
+    if req.n > MAX_N:
+        raise invalid("n", f"n must be at most {MAX_N}, got {req.n}")
     if req.best_of is not None:
-        if not req.n <= req.best_of <= MAX_N:
-            raise invalid("best_of", f"best_of must be in [n={req.n}, {MAX_N}], got {req.best_of}")
+        if req.best_of > MAX_N:
+            raise invalid("best_of", f"best_of must be at most {MAX_N}, got {req.best_of}")
         if req.stream and req.best_of > req.n:
             raise invalid("best_of", "best_of > n cannot be streamed (the best choices are known only at the end)")
     if req.stream_options is not None and not req.stream:
@@ -222,15 +223,10 @@ def _check_common(req: SamplingFields, limits: L.RequestLimits) -> tuple[KVTrans
     if req.logit_bias is not None:
         logit_bias = {}
         for key, bias in req.logit_bias.items():
-            try:
-                token = int(key)
+            try:  # JSON keys are strings
+                logit_bias[int(key)] = bias
             except ValueError:
                 raise invalid("logit_bias", f"logit_bias keys must be token ids, got {key!r}") from None
-            if token < 0:
-                raise invalid("logit_bias", f"logit_bias keys must be token ids >= 0, got {key!r}")
-            if not -100.0 <= bias <= 100.0:
-                raise invalid("logit_bias", f"logit_bias values must be in [-100, 100], got {bias} for token {key}")
-            logit_bias[token] = bias
     return kv_params, logit_bias
 
 

@@ -9,11 +9,13 @@ The core blocks on its input socket while idle (no spin) and drains it without b
 between steps, so aborts land before the next forward; a step with no output (a chunk of
 a long prefill, or nothing runnable yet) is followed by a 1 ms wait on the socket.
 
-Data parallelism (`DPEngineCore`): with `--prefill-delayer` or `--dp-lockstep` the ranks
-join one gloo group (atomd/engine/dp_collective.py) and every rank steps every tick, an idle rank
-an empty pass, because each tick holds exactly one delayer collective (and one lockstep
-all-reduce) that every rank must join. So the loop never blocks on its socket longer than
-IDLE_TICK_MS.
+Data parallelism (`DPEngineCore`): with `--prefill-delayer`, `--dp-lockstep` or
+`--enable-expert-parallel` the ranks join one gloo group (atomd/engine/dp_collective.py) and
+every rank steps every tick, an idle rank an empty pass, because each tick holds exactly one
+delayer collective (and one lockstep all-reduce, or each sparse layer's expert-parallel
+all-to-alls: an idle rank's are the model's idle_forward) that every rank must join. So the
+loop never blocks on its socket longer than IDLE_TICK_MS. An expert-parallel rank whose group
+broke cannot run alone (it lacks the others' experts): its core fails, its requests error.
 """
 from __future__ import annotations
 
@@ -39,7 +41,8 @@ IDLE_TICK_MS = 5  # a DP rank that ticks with its group: its wait on the socket 
 
 
 def ticks_every_rank(config: Any) -> bool:
-    return config.data_parallel_size > 1 and (config.prefill_delayer != "off" or config.dp_lockstep)
+    return config.data_parallel_size > 1 and (config.prefill_delayer != "off" or config.dp_lockstep
+                                              or config.enable_expert_parallel)
 
 
 class EngineCore:
@@ -138,7 +141,8 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
     try:
         engine_class = engine_class_of(config)
         group = DPGroup.join(config)  # None without DP ticking or a delayer
-        engine = engine_class(config, prefill_delayer=group.delayer if group else None)
+        kwargs = {"expert_group": group.collective} if group and group.expert_parallel else {}
+        engine = engine_class(config, prefill_delayer=group.delayer if group else None, **kwargs)
         if group is None:
             core = EngineCore(engine, inp, out, parent_pid)
         else:
@@ -180,11 +184,14 @@ def engine_class_of(config: Any) -> type:
 
 class DPGroup:
     """This rank's place in the DP group: the collective, the PrefillDelayer over it (given
-    to the engine's scheduler when it is built) and the lockstep emulation."""
+    to the engine's scheduler when it is built), the lockstep emulation, and whether the
+    engine's sparse layers run expert-parallel over it."""
 
-    def __init__(self, rank: int, ticks: bool, collective: Any, delayer: Any, lockstep: Any):
+    def __init__(self, rank: int, ticks: bool, collective: Any, delayer: Any, lockstep: Any,
+                 expert_parallel: bool = False):
         self.rank, self.ticks = rank, ticks
         self.collective, self.delayer, self.lockstep = collective, delayer, lockstep
+        self.expert_parallel = expert_parallel
 
     @classmethod
     def join(cls, cfg: Any) -> "DPGroup | None":
@@ -199,7 +206,8 @@ class DPGroup:
                                     timeout_s=cfg.dp_collective_timeout_s) if ticks else SingleRank()
         delayer = make_prefill_delayer(cfg, collective) if cfg.prefill_delayer != "off" else None
         lockstep = Lockstep(collective) if cfg.dp_lockstep and ticks else None
-        return cls(cfg.data_parallel_rank, ticks, collective, delayer, lockstep)
+        return cls(cfg.data_parallel_rank, ticks, collective, delayer, lockstep,
+                   expert_parallel=cfg.enable_expert_parallel and ticks)
 
     def wait_for_every_rank(self) -> None:
         """Returns once every rank got here (its engine built), under the join timeout: the
@@ -230,6 +238,9 @@ class DPEngineCore(EngineCore):
                 group.lockstep.end_of_step()
             if outputs:
                 self.send(StepOutputs(outputs))
+        if group.expert_parallel:  # the other ranks' experts are gone with them
+            raise RuntimeError(f"DP rank {group.rank}: the expert-parallel group is broken "
+                               f"({group.collective.broken})")
         # A peer is gone (its failure was counted): serve what this rank has, alone and
         # without the delayer, rather than fail open (and log it) on every tick from here on.
         logger.error("DP rank %d: the DP group is broken (%s); running alone", group.rank,

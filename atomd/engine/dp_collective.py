@@ -1,8 +1,11 @@
-"""The DP ranks' gloo process group: the PrefillDelayer's Collective and the lockstep barrier.
+"""The DP ranks' gloo process group: the PrefillDelayer's Collective, the lockstep barrier
+and the expert-parallel all-to-alls.
 
 Each engine-core rank joins one `torch.distributed` gloo group on 127.0.0.1 (CPU, no
 NCCL). The delayer sums a small int64 vector over it once per tick; `--dp-lockstep`
-adds one all-reduce at the end of every tick, as MoE expert parallelism forces on GPUs.
+adds one all-reduce at the end of every tick, as MoE expert parallelism forces on GPUs;
+`--enable-expert-parallel` runs three all-to-alls per sparse layer and step
+(atomd/model/expert_parallel.py), after the tick's delayer collective: one group, one order.
 
 Every collective has a deadline (the group's timeout). A collective that fails (a rank
 died, or one rank skipped a call and the counts diverged) marks the group broken: from
@@ -45,6 +48,7 @@ class GlooCollective(Collective):
                                 timeout=datetime.timedelta(seconds=join_timeout_s))
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
         self.num_collectives = 0  # calls made, failed ones included: equal on every rank per tick
+        self.num_all_to_all = 0  # expert parallelism's, counted apart from the delayer's
         self.broken: str | None = None
 
     def all_reduce_sum(self, vec: np.ndarray) -> np.ndarray:
@@ -59,6 +63,21 @@ class GlooCollective(Collective):
             logger.error("DP rank %d: collective failed, the group is broken: %s", self.rank, self.broken)
             raise
         return t.numpy()
+
+    def all_to_all(self, out: torch.Tensor, inp: torch.Tensor, out_splits: list[int],
+                   in_splits: list[int]) -> None:
+        """Rows inp[in_splits[r] chunk] to rank r, rank r's chunk for this rank into out; a
+        failure breaks the group and raises CollectiveBroken (an expert-parallel rank cannot go
+        on alone: it lacks the other ranks' experts)."""
+        self.num_all_to_all += 1
+        if self.broken is not None:
+            raise CollectiveBroken(self.broken)
+        try:
+            dist.all_to_all_single(out, inp, out_splits, in_splits, group=self.group)
+        except Exception as exc:
+            self.broken = f"{type(exc).__name__}: {exc}"
+            logger.error("DP rank %d: all-to-all failed, the group is broken: %s", self.rank, self.broken)
+            raise CollectiveBroken(self.broken) from exc
 
     def barrier(self) -> None:
         """Wait for every rank, under the join timeout (the default group's)."""

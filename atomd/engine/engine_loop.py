@@ -13,6 +13,8 @@ cumulative logprob once all are done (`ranked_choices`).
 """
 from __future__ import annotations
 
+import collections
+import os
 import pathlib
 import time
 from typing import Any
@@ -23,14 +25,29 @@ from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.engine.kv_events import KVEventPublisher, offset_port
 from atomd.messages import RequestOutput
 from atomd.model import hub
+from atomd.sim.hardware import StepShape
 from kv_transfer.connector import KVConnectorConfig, KVConnectorOutput
 from kv_transfer.factory import create_connector
 from kv_transfer.params import KVTransferParams
 from kv_transfer.trust import load_secret
 from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput, Scheduler, SchedulerConfig
-from contracts.sampling import SamplingParams, StructuredOutputsParams
+from contracts.sampling import SamplingParams, StructuredOutputsParams, check_in_vocabulary
 from scheduler.sequence import Sequence
+
+# N > 0: the engine keeps its last N forwards' shapes and wall times (and the loop's busy
+# gaps) for GET /debug/stats `step_samples`, from which `atomd profile --from-servers` fits a
+# profile of the engine as it serves (atomd/sim/profile.py).
+STEP_SAMPLES_ENV = "ATOMD_STEP_SAMPLES"
+MAX_STEP_SAMPLES = 100_000
+
+
+def step_sample_buffer() -> collections.deque | None:
+    try:
+        n = int(os.environ.get(STEP_SAMPLES_ENV) or 0)
+    except ValueError:
+        raise ValueError(f"{STEP_SAMPLES_ENV} must be an integer") from None
+    return collections.deque(maxlen=min(n, MAX_STEP_SAMPLES)) if n > 0 else None
 
 
 def resolve_model_dir(config: EngineConfig) -> pathlib.Path:
@@ -77,6 +94,8 @@ class EngineLoop:
         self._requests: dict[str, _Request] = {}
         self._embeddings: dict[str, list[float]] = {}  # pooled vectors by request id, until the last output
         self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
+        self.step_samples = step_sample_buffer()
+        self._busy_since: float | None = None  # the last forward's end while sequences still ran
 
     def _make_connector(self, kv_blocks: Any):
         """The PD connector of a producer or consumer (None when colocated): both halves in one."""
@@ -123,20 +142,15 @@ class EngineLoop:
     # ------------------------------------------------------------------ requests
 
     def add_request(self, request_id: str, prompt_token_ids: list[int], sampling_params: SamplingParams | None = None,
-                    kv_transfer_params: KVTransferParams | dict | None = None,
+                    kv_transfer_params: KVTransferParams | None = None,
                     arrival_time: float | None = None) -> Sequence:
         """ValueError (the API's 400) for a duplicate id, a token outside the vocabulary, or
-        kv_transfer_params that do not parse or do not fit this prompt."""
+        kv_transfer_params that do not fit this prompt."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
-        vocab = self.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= int(t) < vocab), None)
-        if bad is not None:
-            raise ValueError(f"prompt_token_ids: token id {bad} is outside the vocabulary [0, {vocab})")
-        if isinstance(kv_transfer_params, dict):  # ValueError names the field
-            kv_transfer_params = KVTransferParams.from_json_obj(kv_transfer_params)
+        check_in_vocabulary("prompt_token_ids", prompt_token_ids, self.vocab_size)
         if kv_transfer_params is not None:
-            self._check_producer_tokens(kv_transfer_params, vocab)
+            self._check_producer_tokens(kv_transfer_params, self.vocab_size)
         params = self._prepare_params(sampling_params or SamplingParams(), kv_transfer_params)
         seq = Sequence(list(prompt_token_ids), params, request_id=request_id,
                        arrive_time=arrival_time, kv_transfer_params=kv_transfer_params)
@@ -158,19 +172,13 @@ class EngineLoop:
         ids = [] if p.first_token_id is None else [p.first_token_id]
         ids += p.draft_token_ids
         for entry in [p.first_token_logprobs, *(p.prompt_logprobs or ())]:
-            ids += [t[0] for t in (entry or {}).get("top", ())]
-        bad = next((t for t in ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise ValueError(f"kv_transfer_params: token id {bad} is outside the vocabulary [0, {vocab})")
+            ids += [t[0] for t in (entry.top if entry is not None else ())]
+        check_in_vocabulary("kv_transfer_params", ids, vocab)
 
     def _prepare_params(self, sp: SamplingParams, kv_params: KVTransferParams | None) -> SamplingParams:
         """Check token ids against the vocabulary, tokenize bad_words; a prefill leg for a
         remote decode (P) runs one sequence: the decode engine makes the choices."""
-        vocab = self.vocab_size
-        for name, ids in (("logit_bias", sp.logit_bias or ()), ("allowed_token_ids", sp.allowed_token_ids or ())):
-            bad = next((t for t in ids if not 0 <= t < vocab), None)
-            if bad is not None:
-                raise ValueError(f"{name}: token id {bad} is outside the vocabulary [0, {vocab})")
+        sp.check_vocabulary(self.vocab_size)
         if sp.structured_outputs is not None:
             self._check_grammar(sp.structured_outputs)
         changes: dict[str, Any] = {}
@@ -218,6 +226,8 @@ class EngineLoop:
             started = time.perf_counter()
             output = self._forward(batch)
             elapsed = time.perf_counter() - started
+            if self.step_samples is not None:
+                self._sample_step(batch, started, elapsed)
             if batch.is_prefill:  # what a prompt token costs: the time cap of local prefills
                 self.scheduler.observe_prefill_step(batch.num_tokens, elapsed)
             elif self.proposer is not None:  # what a decode step costs per scheduled token: when drafts pay
@@ -225,6 +235,8 @@ class EngineLoop:
             for update in self.scheduler.postprocess(batch, output):
                 outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
                                              update.finished))
+        else:
+            self._idle_step()
         if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
             self.scheduler.update_from_kv_connector_output(self._kv_connector_output())
             for update in self.scheduler.take_first_tokens():
@@ -236,8 +248,23 @@ class EngineLoop:
             self.kv_events.publish(self.scheduler.block_manager.take_events())
         return outputs
 
+    def _sample_step(self, batch: ScheduledBatch, started: float, elapsed: float) -> None:
+        """[is_prefill, tokens, seqs, attention, context, forward s, gap s]: the gap is the
+        loop's time since the previous forward ended (scheduling, outputs, IPC), or -1 when
+        the engine was idle in between."""
+        shape = StepShape.of(batch.is_prefill, batch.num_scheduled_tokens.tolist(),
+                             batch.num_computed_tokens.tolist())
+        gap = -1.0 if self._busy_since is None else started - self._busy_since
+        self.step_samples.append([shape.is_prefill, shape.tokens, shape.seqs, shape.attention, shape.context,
+                                  elapsed, gap])
+        self._busy_since = started + elapsed if self.scheduler.running else None
+
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
         raise NotImplementedError
+
+    def _idle_step(self) -> None:
+        """A step without a forward: a rank whose model's layers exchange with the other ranks
+        (expert parallelism) still takes its part."""
 
     def _check_grammar(self, grammar: StructuredOutputsParams) -> None:
         """ValueError (a 400) when this engine cannot follow `grammar`."""
@@ -322,6 +349,7 @@ class EngineLoop:
                 "prefix_cache_queries": s.cache_stats.queries, "prefix_cache_hits": s.cache_stats.hits,
                 "num_preemptions": s.num_preemptions, "num_window_released_blocks": bm.num_window_released,
                 **self._spec_stats(),
+                **({} if self.step_samples is None else {"step_samples": list(self.step_samples)}),
                 "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
 
     def _spec_stats(self) -> dict[str, Any]:

@@ -5,7 +5,8 @@
 so one block of every layer is one contiguous byte range, which the KV transfer moves as
 a single frame (`as_numpy_blocks`). Per layer, `kv[:, layer, 0]` is a strided view
 [num_blocks, block_size, kv_heads, head_dim]; writes scatter by (block, offset), reads
-gather whole blocks.
+gather whole blocks. A model with another cache layout (MLA's latent: one plane, one
+"head" per token, atomd/model/mla.py) says so in its `KVGeometry`: `planes` 1 instead of k, v.
 """
 from __future__ import annotations
 
@@ -51,21 +52,32 @@ class AttentionMetadata:
     fresh_lens: torch.Tensor | None = None  # prefill with kernels: its rows this step
 
 
+@dataclass(frozen=True)
+class KVGeometry:
+    """What a model caches per token and layer: `planes` tensors (2: k and v) of `heads` x
+    `head_dim` values; `version` names the layout in the KV compatibility fingerprint."""
+
+    planes: int
+    heads: int
+    head_dim: int
+    version: str
+
+
 class KVCache:
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32):
+                 head_dim: int, dtype: torch.dtype = torch.float32, planes: int = 2):
         # zeros, not empty: padded (masked) slots are read too, and garbage NaNs would
         # survive a zero attention weight (0 * nan = nan)
-        self.kv = torch.zeros(num_blocks, num_layers, 2, block_size, num_kv_heads, head_dim, dtype=dtype)
+        self.kv = torch.zeros(num_blocks, num_layers, planes, block_size, num_kv_heads, head_dim, dtype=dtype)
         self.num_blocks, self.num_layers, self.block_size = num_blocks, num_layers, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self._k = [self.kv[:, i, 0] for i in range(num_layers)]
-        self._v = [self.kv[:, i, 1] for i in range(num_layers)]
+        self._v = [self.kv[:, i, 1] for i in range(num_layers)] if planes == 2 else []
 
     @staticmethod
     def bytes_per_block(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int,
-                        dtype: torch.dtype) -> int:
-        return num_layers * 2 * block_size * num_kv_heads * head_dim * dtype.itemsize
+                        dtype: torch.dtype, planes: int = 2) -> int:
+        return num_layers * planes * block_size * num_kv_heads * head_dim * dtype.itemsize
 
     @property
     def block_bytes(self) -> int:

@@ -22,6 +22,7 @@ from atomd.engine.allocator import retain_freed_memory
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, ranked_choices, resolve_model_dir
 from atomd.engine.kv_cache import KVCache
+from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
 from atomd.model.rotary import has_long_rows
 from atomd.engine.runner import ModelRunner
@@ -37,35 +38,44 @@ from contracts.sampling import StructuredOutputsParams
 __all__ = ["LLMEngine", "ranked_choices", "resolve_model_dir"]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]
 
 
 log = logging.getLogger(__name__)
 
 
 class LLMEngine(EngineLoop):
-    def __init__(self, config: EngineConfig, prefill_delayer: PrefillDelayer | None = None):
-        """`prefill_delayer`: the DP group's (atomd/engine/core.py builds it), asked every tick."""
+    def __init__(self, config: EngineConfig, prefill_delayer: PrefillDelayer | None = None,
+                 expert_group: Any = None):
+        """`prefill_delayer`: the DP group's (atomd/engine/core.py builds it), asked every tick;
+        `expert_group`: the DP group the sparse layers' experts are sharded over (its
+        all_to_all), None: this engine holds every expert."""
         self.config = config
         torch.set_num_threads(config.num_threads_or_all())
         retain_freed_memory()  # a prefill's activations reuse their pages (atomd/engine/allocator.py)
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
+        shard = None if expert_group is None else (config.data_parallel_rank, config.data_parallel_size)
         self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len,
-                                quantization=config.quantization)
+                                quantization=config.quantization, activations=config.quantized_activations,
+                                expert_shard=shard)
+        if expert_group is not None:
+            self.model.use_expert_parallel(ExpertParallel(expert_group, *shard))
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.tokenizer = Tokenizer.from_dir(model_dir)
-        per_block = KVCache.bytes_per_block(mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
-                                            mcfg.head_dim, self.model.dtype)
-        self.kv_cache = KVCache(self._pool_blocks(per_block), mcfg.num_layers, config.block_size, mcfg.num_kv_heads,
-                                mcfg.head_dim, self.model.dtype)
+        kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
+        per_block = KVCache.bytes_per_block(mcfg.num_layers, config.block_size, kv.heads, kv.head_dim,
+                                            self.model.dtype, kv.planes)
+        self.kv_cache = KVCache(self._pool_blocks(per_block), mcfg.num_layers, config.block_size, kv.heads,
+                                kv.head_dim, self.model.dtype, kv.planes)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         self._pool_sums: dict[int, tuple[torch.Tensor, int]] = {}  # mean pooling: (sum, rows) by sequence id
         # weights quantised at load give other KV than the checkpoint's: another model to a peer
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
+        if config.quantized_activations != "float32":  # other numerics, other KV
+            model_id += f"+a{config.quantized_activations}"
         self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, mcfg.num_layers,
-                                         mcfg.num_kv_heads, mcfg.head_dim, KV_LAYOUT_VERSION)
+                                         kv.heads, kv.head_dim, kv.version)
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id
@@ -148,7 +158,26 @@ class LLMEngine(EngineLoop):
     def kernels_info(self) -> Any:
         return cbuild.kernel_paths()
 
+    def _idle_step(self) -> None:
+        ep = self.model.ep
+        if ep is not None and ep.anyone_has_rows(False):  # the others' tokens still need this rank's experts
+            self.model.idle_forward()
+
+    def stats(self) -> dict[str, Any]:
+        """Plus the expert load counters: (token, choice) pairs each expert held here ran,
+        summed over the sparse layers (`expert_tokens`: [[expert id, n], ...])."""
+        sparse = [w.moe for w in self.model.layers if w.moe is not None]
+        out = super().stats()
+        if sparse:
+            first, total = sparse[0].first_expert, sum(m.routed for m in sparse).tolist()
+            out["expert_tokens"] = [[first + e, n] for e, n in enumerate(total)]
+        if self.model.ep is not None:
+            out["expert_parallel"] = self.model.ep.stats()
+        return out
+
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
+        if self.model.ep is not None:  # the step's expert-parallel gate: this rank has rows
+            self.model.ep.anyone_has_rows(True)
         if batch.block_copies:  # copy-on-write of blocks shared by forked choices, before any write
             src, dst = zip(*batch.block_copies)
             kv = self.kv_cache.kv

@@ -35,8 +35,7 @@ class ModelRunner:
         if attention_backend == "native" and dtype not in KERNEL_DTYPES:
             raise ValueError(f"attention_backend native runs float32 and bfloat16, not {dtype}")
         if attention_backend != "torch" and dtype in KERNEL_DTYPES:  # the KV cache is read in its own dtype
-            cfg = model.config
-            self.kernels = attention_kernels(cfg.head_dim, cfg.num_heads // cfg.num_kv_heads)
+            self.kernels = attention_kernels(*model.attention_shape())
             if self.kernels is not None and dtype == torch.bfloat16:
                 log.info("bfloat16 attention: native kernels, %s", bf16_path(self.kernels))
         # Fresh prompts: the native prefill kernel, except in bf16 on an AMX CPU where the build
@@ -121,6 +120,8 @@ class ModelRunner:
         if (context_lens != max_context).any():
             keys = torch.arange(max_context)
             meta.decode_mask = (keys.unsqueeze(0) < torch.from_numpy(context_lens).unsqueeze(1))[:, None, None, :]
+        if not self.model.paged_kv_heads:  # no k, v heads to copy into a workspace
+            return
         ws = self.workspace
         if ws is not None and ws.continues(seq_ids, context_lens):
             ws.context_lens = context_lens

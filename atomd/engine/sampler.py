@@ -61,6 +61,7 @@ import torch
 from atomd.structured import GrammarCompiler, apply_bitmask, apply_bitmask_at, bitmask_kernel
 from contracts.sampling import SamplingParams
 from scheduler.sequence import Sequence
+from contracts.logprobs import Logprob
 
 _MASK64 = (1 << 64) - 1
 NEG_INF = float("-inf")
@@ -178,9 +179,9 @@ class Sampler:
     @torch.inference_mode()
     def sample(self, logits: torch.Tensor, seqs: list[Sequence],
                params: list[SamplingParams] | None = None,
-               extra: list[list[int]] | None = None) -> tuple[list[int], list[Any] | None]:
-        """Token per row and, when any row asks, its logprobs entry
-        `{"logprob": lp, "top": [[id, lp], ...]}` (None for rows that did not ask).
+               extra: list[list[int]] | None = None) -> tuple[list[int], list[Logprob | None] | None]:
+        """Token per row and, when any row asks, its logprobs entry (None for rows that did
+        not ask).
 
         Row i samples for `seqs[i]` with `params[i]` (default: the sequence's own); a
         sequence about to fork appears once per choice, with that choice's params. Rows
@@ -470,7 +471,7 @@ def apply_top_k_top_p(logits: torch.Tensor, top_k: list[int], top_p: list[float]
     return logits.scatter(1, order, sorted_logits.masked_fill(drop, NEG_INF))
 
 
-def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[Any]:
+def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingParams]) -> list[Logprob | None]:
     logprobs = logits.log_softmax(dim=-1)
     chosen = logprobs.gather(1, tokens.unsqueeze(1)).squeeze(1).tolist()
     k_max = max(p.logprobs or 0 for p in params)
@@ -478,20 +479,20 @@ def _logprobs(logits: torch.Tensor, tokens: torch.Tensor, params: list[SamplingP
     if k_max > 0:
         top_vals, top_ids = logprobs.topk(k_max, dim=-1)
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    out: list[Any] = []
+    out: list[Logprob | None] = []
     for i, p in enumerate(params):
         if p.logprobs is None and not p.ranked:
             out.append(None)
             continue
         k = p.logprobs or 0
-        top = [[top_ids[i][j], top_vals[i][j]] for j in range(k)] if k else []
-        out.append({"logprob": chosen[i], "top": top})
+        top = [(top_ids[i][j], top_vals[i][j]) for j in range(k)] if k else []
+        out.append(Logprob(chosen[i], top))
     return out
 
 
-def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[Any]:
-    """Entries for prompt tokens `next_ids`, logits row j predicting next_ids[j]:
-    `{"logprob", "rank" (1 = most likely), "top": [[id, lp], ...] (k of them)}`."""
+def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[Logprob]:
+    """Entries for prompt tokens `next_ids`, logits row j predicting next_ids[j], with their
+    rank and k top entries."""
     logprobs = logits.float().log_softmax(dim=-1)
     target = torch.tensor(next_ids)
     chosen = logprobs.gather(1, target.unsqueeze(1))
@@ -501,6 +502,5 @@ def prompt_logprobs(logits: torch.Tensor, next_ids: list[int], k: int) -> list[A
     if k > 0:
         top_vals, top_ids = logprobs.topk(k, dim=-1)
         top_vals, top_ids = top_vals.tolist(), top_ids.tolist()
-    return [{"logprob": chosen[j], "rank": ranks[j],
-             "top": [[top_ids[j][m], top_vals[j][m]] for m in range(k)] if k else []}
+    return [Logprob(chosen[j], [(top_ids[j][m], top_vals[j][m]) for m in range(k)] if k else [], ranks[j])
             for j in range(len(next_ids))]

@@ -97,7 +97,8 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
     (its last token and its drafts), each seeing the keys up to its own position (causal).
     window: a sliding window, each row sees only its last `window` keys (blocks before them
     are not read: they may be freed); None: all. scale: the score scale (default head_dim ** -0.5).
-    `lib` is attention_kernels(head_dim, heads // kv_heads)."""
+    A one-plane cache (MLA's latent, KVGeometry) is read as its own values: out holds the
+    weighted sums of the whole rows. `lib` is attention_kernels(head_dim, heads // kv_heads)."""
     c = kv_cache
     rows, heads, head_dim = q.shape
     batch = context_lens.shape[0]
@@ -112,14 +113,16 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
         assert query_starts.dtype == torch.int64 and query_starts.is_contiguous() and len(query_starts) == batch + 1
     q = q.contiguous()
     out = torch.empty_like(q)
-    row = c.num_kv_heads * head_dim
-    block_stride = c.num_layers * 2 * c.block_size * row
+    row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
+    block_stride = c.num_layers * planes * c.block_size * row
+    # one plane (MLA's latent): the values are the key rows themselves (their leading dims count)
+    v_offset = c.block_size * row if planes == 2 else 0
     kernel = lib.atomd_decode_attention if q.dtype == torch.float32 else lib.atomd_decode_attention_bf16
     _check_status(kernel(
         q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         None if query_starts is None else query_starts.data_ptr(), out.data_ptr(), batch,
-        heads, c.num_kv_heads, c.block_size, block_tables.shape[1], block_stride, layer * 2 * c.block_size * row,
-        c.block_size * row, head_dim ** -0.5 if scale is None else scale, _window(window), torch.get_num_threads()),
+        heads, c.num_kv_heads, c.block_size, block_tables.shape[1], block_stride, layer * planes * c.block_size * row,
+        v_offset, head_dim ** -0.5 if scale is None else scale, _window(window), torch.get_num_threads()),
         "decode attention")
     return out.view(rows, heads * head_dim)
 

@@ -40,7 +40,17 @@ class ModelConfig:
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = True  # renormalise the top-k routing weights to sum to 1
+    # expert parallelism (atomd/model/expert_parallel.py): this rank holds experts
+    # [expert_rank * E / expert_ranks, (expert_rank + 1) * E / expert_ranks)
+    expert_rank: int = 0
+    expert_ranks: int = 1
     quantization: dict[str, Any] | None = None  # the checkpoint's quantization_config (QUANT_METHODS)
+
+    @property
+    def local_experts(self) -> range:
+        """The experts this rank loads and runs (every one without expert parallelism)."""
+        per = self.num_experts // self.expert_ranks
+        return range(self.expert_rank * per, (self.expert_rank + 1) * per)
 
     @classmethod
     def from_hf(cls, hf: dict[str, Any], arch: str, qkv_bias: bool = False, sliding_by_default: bool = False,

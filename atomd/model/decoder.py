@@ -17,7 +17,7 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 
-from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
 from atomd.model import layer_ops, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 # processes, 135M shape bf16: 1024 rows 5.9k tok/s, 2048 6.9k, 4096 6.8k; small shape 25.3k /
 # 30.2k / 28.9k; float32 512 / 1024 / 2048 rows within 2% (benchmarks/results/offline.md)
 ROW_TILE = 512
+KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]
 
 
 class TensorSource(Protocol):
@@ -91,6 +92,10 @@ class DecoderModel:
     sin: torch.Tensor = field(init=False)
     lm_head_rows: torch.Tensor | None = field(init=False, default=None)  # plain lm_head, batch-1 decode
     decode_layer: layer_ops.DecodeLayer | None = field(init=False, default=None)  # batch-1 decode in C
+    # the torch decode path's workspace (atomd/engine/runner.py) copies this model's cache as k, v
+    # heads; False: the model's cache has another layout (MLA's latent) and it gathers what it reads
+    paged_kv_heads = True
+    ep: Any = field(init=False, default=None)  # the ranks' ExpertParallel (use_expert_parallel)
 
     # ------------------------------------------------------------------ the family's part
 
@@ -112,6 +117,7 @@ class DecoderModel:
             post_norm=src.get(p + "post_attention_layernorm.weight", dtype), gate_up=None, down=None)
         if i in cfg.sparse_layers:
             w.moe = cls.load_moe(src, cfg, p, dtype)
+            w.moe.first_expert = cfg.local_experts.start
         else:
             gate_up = [mlp + "gate_proj", mlp + "up_proj"]
             w.gate_up, w.down = cat(src, [n + ".weight" for n in gate_up], dtype), src.get(mlp + "down_proj.weight", dtype)
@@ -166,6 +172,14 @@ class DecoderModel:
         if first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
             return "o_proj / MLP bias"
         return None
+
+    def kv_geometry(self) -> KVGeometry:
+        """What the paged cache holds per token and layer: a key and a value per KV head."""
+        return KVGeometry(2, self.config.num_kv_heads, self.config.head_dim, KV_LAYOUT_VERSION)
+
+    def attention_shape(self) -> tuple[int, int]:
+        """(head size, query heads per KV head) of the native attention kernels this model runs."""
+        return self.config.head_dim, self.config.num_heads // self.config.num_kv_heads
 
     def rope(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The cos, sin tables of layer `layer` (one pair for every layer here)."""
@@ -226,6 +240,8 @@ class DecoderModel:
         slot_rows = kv_cache.slot_rows(meta)
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)  # rows a tile
+        if self.ep is not None:  # one exchange per sparse layer and step on every rank: one tile
+            step = x.shape[0]
         for i, w in enumerate(self.layers):
             qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)
             q = qkv[:, :q_end].view(-1, cfg.num_heads, cfg.head_dim)
@@ -240,6 +256,22 @@ class DecoderModel:
         if hidden_indices is not None:
             return logits, self.norm_rows(x[hidden_indices], self.norm)
         return logits
+
+    def use_expert_parallel(self, ep: Any) -> None:
+        """Run the sparse layers across the ranks through `ep` (atomd/model/expert_parallel.py);
+        this model holds its slice of the experts (load_model's expert_shard)."""
+        self.ep = ep
+        for w in self.layers:
+            if w.moe is not None:
+                w.moe.ep = ep
+
+    def idle_forward(self) -> None:
+        """A rank with nothing to run this step: its part in every sparse layer's exchange
+        (no tokens of its own, its experts for the others'), so the ranks' collectives match."""
+        empty = torch.empty(0, self.config.hidden_size, dtype=self.dtype)
+        for w in self.layers:
+            if w.moe is not None:
+                self.ep.moe(empty, w.moe)
 
     def rope_rows(self, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """Each token's row of the RoPE tables: its position, or with longrope's long rows

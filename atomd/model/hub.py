@@ -1,6 +1,7 @@
 """`--model` as a vLLM user types it: a local checkpoint directory, or a Hugging Face hub id
 (`Qwen/Qwen3-0.6B`) found in the local hub cache, offline (nothing is downloaded).
-Stdlib only: the API process resolves it too, without torch."""
+Stdlib only (a GGUF file's directory is made by atomd/model/gguf_file.py, numpy): the API process
+resolves it too, without torch."""
 from __future__ import annotations
 
 import os
@@ -19,10 +20,30 @@ def hub_cache() -> pathlib.Path:
     return pathlib.Path(xdg).expanduser() / "huggingface" / "hub"
 
 
+def _gguf(path: pathlib.Path) -> pathlib.Path | None:
+    """The GGUF file `--model path` names: itself, or the one .gguf of a directory without a
+    config.json; None for anything else."""
+    if path.is_file() and path.suffix == ".gguf":
+        return path
+    if path.is_dir() and not (path / "config.json").is_file():
+        found = sorted(path.glob("*.gguf"))
+        if len(found) > 1:
+            raise ValueError(f"model directory {path} holds {len(found)} .gguf files "
+                             f"({', '.join(p.name for p in found)}): give --model the one to serve")
+        return found[0] if found else None
+    return None
+
+
 def model_path(model: str) -> pathlib.Path:
-    """The checkpoint directory of `model`: itself when it is a directory, else the cached
+    """The checkpoint directory of `model`: a GGUF file's (or a directory holding one .gguf)
+    made by atomd/model/gguf_file.py; a directory itself; else the cached
     snapshot of that hub id (the one refs/main names, or the only one); ValueError saying
     where it looked otherwise."""
+    gguf = _gguf(pathlib.Path(model))
+    if gguf is not None:  # llama.cpp's file: a checkpoint directory made from it, cached
+        from atomd.model import gguf_file
+
+        return gguf_file.checkpoint_dir(gguf)
     if os.path.isdir(model):
         return pathlib.Path(model)
     parts = model.split("/")

@@ -6,6 +6,7 @@ file it was expected in.
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import pathlib
@@ -13,7 +14,7 @@ import pathlib
 import torch
 from safetensors import safe_open
 
-from atomd.model import quant, quant_formats, registry
+from atomd.model import gguf_weights, quant, quant_formats, registry
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import DecoderModel
 
@@ -81,14 +82,28 @@ class _TensorSource:
 
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
-               max_positions: int | None = None, quantization: str | None = None) -> DecoderModel:
+               max_positions: int | None = None, quantization: str | None = None,
+               activations: str = "float32", expert_shard: tuple[int, int] | None = None) -> DecoderModel:
     """The checkpoint's model; RoPE tables cover `max_positions` (default: the model's own).
     A checkpoint with quantization_config loads its packed linears as they are;
-    `quantization` (int8, int4) quantises a float checkpoint's (atomd/model/quant_formats.py)."""
+    `quantization` (int8, int4) quantises a float checkpoint's (atomd/model/quant_formats.py);
+    `activations` int8: the quantized linears quantise their activations (quant.use_int8_activations).
+    `expert_shard` (rank, ranks): load only rank's slice of each sparse layer's experts."""
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
+    if expert_shard is not None:
+        rank, ranks = expert_shard
+        if not cfg.sparse_layers:
+            raise ValueError(f"expert parallelism needs an MoE model; {cfg.architecture} has no sparse layers")
+        if cfg.num_experts % ranks:
+            raise ValueError(f"expert parallelism: {cfg.num_experts} experts do not split evenly over "
+                             f"data_parallel_size={ranks} ranks")
+        cfg = dataclasses.replace(cfg, expert_rank=rank, expert_ranks=ranks)
     cls = registry.model_class(cfg.architecture)
-    src = _TensorSource(model_dir)
+    gguf = read_hf_config(model_dir).get("gguf_file")  # a GGUF file's directory (atomd/model/gguf_file.py)
+    src = gguf_weights.GGUFSource(gguf, cfg) if gguf else _TensorSource(model_dir)
+    if gguf and src.quantized and quantization:
+        raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized (GGUF {gguf})")
     method = cfg.quantization["quant_method"] if cfg.quantization else quantization
     if method is not None:
         if cfg.quantization and quantization:
@@ -103,12 +118,22 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         src = quant_formats.CheckpointSource(src, cfg.quantization) if cfg.quantization else \
             quant_formats.RoundToNearest(src, quantization)
     embed = src.get("model.embed_tokens.weight", dtype)
-    if cfg.tie_word_embeddings:
-        lm_head = embed
+    if cfg.tie_word_embeddings:  # a GGUF's packed token_embd stays packed as the head (llama.cpp's choice)
+        lm_head = src.tied_head(embed) if gguf else embed
     else:
         lm_head = src.get("lm_head.weight", dtype)
     if quantization is not None:  # batch-1 decode reads it whole every token: SmolLM2-135M's is 113 of 540 MB
         lm_head = quant.quantize(lm_head, quant.LM_HEAD_QUANTIZATION)
-    return cls(config=cfg, embed=embed, layers=[cls.load_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)],
+    layers = [cls.load_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)]
+    if activations == "int8":
+        packed = [t for w in layers for t in w.linears() if isinstance(t, quant.QuantizedWeight)]
+        packed += [lm_head] if isinstance(lm_head, quant.QuantizedWeight) else []
+        if not packed:
+            raise ValueError("--quantized-activations int8 needs quantized linears (--quantization, a GPTQ / AWQ / "
+                             "compressed-tensors checkpoint or a quantized GGUF file)")
+        switched = quant.use_int8_activations(packed)
+        log.info("int8 activations: %d of %d quantized linears (the rest: inputs or groups not whole blocks of %d)",
+                 switched, len(packed), quant.Q8_BLOCK)
+    return cls(config=cfg, embed=embed, layers=layers,
                norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
                max_positions=max_positions or cfg.max_position_embeddings)

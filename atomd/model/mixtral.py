@@ -22,7 +22,7 @@ class MixtralModel(DecoderModel):
 
     @classmethod
     def load_moe(cls, src: TensorSource, cfg: ModelConfig, prefix: str, dtype: torch.dtype) -> MoeWeights:
-        gate_up, down = load_experts(src, prefix + "block_sparse_moe.experts.", cfg.num_experts, "w1", "w3", "w2",
-                                     dtype)
+        gate_up, down = load_experts(src, prefix + "block_sparse_moe.experts.", cfg.local_experts, "w1", "w3",
+                                     "w2", dtype)
         return MoeWeights(router=src.get(prefix + "block_sparse_moe.gate.weight", dtype), gate_up=gate_up,
                           down=down, top_k=cfg.num_experts_per_tok, norm_topk_prob=True, cast_weights=False)

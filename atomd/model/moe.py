@@ -2,11 +2,13 @@
 the tokens grouped by expert (one argsort) and one GEMM per active expert over its tokens,
 scaled by their routing weights and scattered back. No per-token Python loop: the loop is
 over the experts that got a token (batch-1 decode: the k chosen ones, whose weight rows
-alone are read)."""
+alone are read). With expert parallelism the weights hold this rank's slice of the experts
+and `ep` runs the block across the ranks (atomd/model/expert_parallel.py)."""
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -18,27 +20,33 @@ from atomd.model.linear import GEMV_ENV, linear
 
 @dataclass
 class MoeWeights:
-    router: torch.Tensor  # [E, hidden]
-    gate_up: torch.Tensor  # [E, 2 * inter, hidden]: each expert's gate and up stacked, experts stacked
-    down: torch.Tensor  # [E, hidden, inter]
+    router: torch.Tensor  # [E, hidden]: every expert's row, also under expert parallelism
+    gate_up: torch.Tensor  # [E_local, 2 * inter, hidden]: each expert's gate and up stacked, experts stacked
+    down: torch.Tensor  # [E_local, hidden, inter]
     top_k: int
     norm_topk_prob: bool  # renormalise the k chosen weights to sum to 1 (Mixtral always does)
     # the routing weights cast to the model's dtype before they scale an expert's output
     # (Qwen3-MoE); False: the product in float32, then rounded (transformers 5's Mixtral)
     cast_weights: bool = True
+    first_expert: int = 0  # gate_up[0]'s expert id (expert parallelism: this rank's first)
+    ep: Any = None  # the ranks' ExpertParallel when this rank holds a slice of the experts
+    # (token, choice) pairs each local expert ran, since load: the expert load counters
+    routed: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         # one row through an expert: the GEMV kernel on its slice of the stacked tensor
         self.gemv = os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(self.gate_up.dtype)
+        self.routed = torch.zeros(self.gate_up.shape[0], dtype=torch.int64)
 
 
-def load_experts(src, prefix: str, count: int, gate: str, up: str, down: str,
+def load_experts(src, prefix: str, experts: range, gate: str, up: str, down: str,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """From src (decoder.TensorSource), the per-expert tensors `{prefix}{e}.{gate|up|down}.weight` stacked: ([E, 2 * inter, hidden]
-    with each expert's gate then up rows, [E, hidden, inter])."""
+    """From src (decoder.TensorSource), the tensors `{prefix}{e}.{gate|up|down}.weight` of the
+    experts e in `experts` (ModelConfig.local_experts: this rank's) stacked: ([E, 2 * inter,
+    hidden] with each expert's gate then up rows, [E, hidden, inter])."""
     gate_up = torch.stack([torch.cat([src.get(f"{prefix}{e}.{gate}.weight", dtype),
-                                      src.get(f"{prefix}{e}.{up}.weight", dtype)]) for e in range(count)])
-    return gate_up, torch.stack([src.get(f"{prefix}{e}.{down}.weight", dtype) for e in range(count)])
+                                      src.get(f"{prefix}{e}.{up}.weight", dtype)]) for e in experts])
+    return gate_up, torch.stack([src.get(f"{prefix}{e}.{down}.weight", dtype) for e in experts])
 
 
 def route(h: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -51,16 +59,21 @@ def route(h: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
     return (top.to(h.dtype) if w.cast_weights else top), ids
 
 
-def moe(h: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+def moe(h: torch.Tensor, w: MoeWeights,
+        routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """The block's output [T, hidden] for the normed input h [T, hidden]. Each (token, choice)
     pair's weighted expert output goes to its own row, then each token's k rows are summed
     (float32 sums, one rounding): transformers' default (grouped_mm) experts to the bit in
-    bf16, where an index_add_ in bf16 would round after every expert."""
-    weights, ids = route(h, w)
+    bf16, where an index_add_ in bf16 would round after every expert. `routed`: the (weights,
+    ids) of a family's own router (DeepSeek's grouped top-k, atomd/model/deepseek.py)."""
+    if w.ep is not None:  # expert parallelism: the rows go to the ranks that own their experts
+        return w.ep.moe(h, w, routed)
+    weights, ids = routed if routed is not None else route(h, w)
     rows, k = h.shape[0], w.top_k
     flat = ids.flatten()
     order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order kept within
     counts = torch.bincount(flat, minlength=w.gate_up.shape[0])
+    w.routed += counts
     scales = weights.flatten()[order].unsqueeze(1)
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
     ends, sizes = counts.cumsum(0).tolist(), counts.tolist()

@@ -34,15 +34,23 @@ INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a l
 # kernel 2.5-2.8 ms against 9.7-10.3 ms for 16 MiB tiles, at M = 64 17.4 against 9.9-11.5;
 # benchmarks/results/quant.md)
 QGEMM_MAX_M = 16
+# the same cut-over with int8 activations (csrc/quant.h): their integer dots stay ahead of the tiles to
+# M = 32 (135M shape's gate_up / down, one thread, int8 and int4: 0.8-0.96x the tiles' time at M = 32,
+# 0.3-1.07x at 64; benchmarks/RESULTS.md, #35 int8 activations)
+QGEMM_Q8_MAX_M = 32
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 PATHS = {2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_path
+Q8_PATHS = {3: "AVX512-VNNI", 2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_q8_path
+Q8_BLOCK = 32  # int8 activations: one scale per 32 inputs (csrc/quant.h)
+ACTIVATIONS = ("float32", "int8")  # --quantized-activations
 
 
 class _QWeightStruct(ctypes.Structure):
-    _fields_ = [("q", _PTR), ("scales", _PTR), ("offsets", _PTR), ("group", _I64), ("bits", _I64)]
+    _fields_ = [("q", _PTR), ("scales", _PTR), ("offsets", _PTR), ("group", _I64), ("bits", _I64),
+                ("xq", _PTR), ("xd", _PTR), ("xsg", _PTR)]
 
 
 @dataclass
@@ -54,7 +62,11 @@ class QuantizedWeight:
     group_size: int
     in_features: int
     perm: torch.Tensor | None = None  # int64 [K]: kernel column c is the checkpoint's input perm[c]
+    # the activations quantised to int8 per block of Q8_BLOCK, integer dot products (csrc/quant.h):
+    # set by use_int8_activations where int8_activations_fit
+    int8_activations: bool = False
     _ref: Any = field(default=None, repr=False, compare=False)  # its atomd_qweight (data_ptr)
+    _scratch: Any = field(default=None, repr=False, compare=False)  # xq, xd, xsg of one row (the fused layer's)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -64,9 +76,17 @@ class QuantizedWeight:
         """The address of this weight's atomd_qweight (csrc/quant.h), what the fused batch-1
         decode layer (layer_ops.DecodeLayer) takes where a float weight passes its data."""
         if self._ref is None:
+            scratch = (None, None, None)
+            if self.int8_activations:
+                self._scratch = _q8_scratch(1, self.in_features)
+                scratch = tuple(t.data_ptr() for t in self._scratch)
             self._ref = _QWeightStruct(self.q.data_ptr(), self.scales.data_ptr(), _ptr(self.offsets),
-                                       self.group_size, self.bits)
+                                       self.group_size, self.bits, *scratch)
         return ctypes.addressof(self._ref)
+
+    def int8_activations_fit(self) -> bool:
+        """Whether int8 activations can run: inputs and groups whole blocks of Q8_BLOCK."""
+        return self.in_features % Q8_BLOCK == 0 and self.group_size % Q8_BLOCK == 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets) if t is not None)
@@ -132,6 +152,17 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
     return pack(q, scale, -zero * scale, 4, group)
 
 
+def use_int8_activations(weights: list[QuantizedWeight]) -> int:
+    """`--quantized-activations int8`: these weights' matmuls up to QGEMM_MAX_M rows quantise x
+    to int8 (csrc/quant.h); those whose shape does not fit keep float activations. Returns how many switched."""
+    switched = 0
+    for w in weights:
+        if w.int8_activations_fit():
+            w.int8_activations, w._ref = True, None
+            switched += 1
+    return switched
+
+
 def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights of one input stacked along their outputs (q, k, v; gate, up)."""
     first = weights[0]
@@ -143,26 +174,40 @@ def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
                              "(bits, group size, zero points, act-order permutation)")
     return QuantizedWeight(first.bits, torch.cat([w.q for w in weights]), torch.cat([w.scales for w in weights]),
                            None if first.offsets is None else torch.cat([w.offsets for w in weights]),
-                           first.group_size, first.in_features, first.perm)
+                           first.group_size, first.in_features, first.perm, first.int8_activations)
 
 
 @functools.cache
-def build_kernels(isa: str) -> ctypes.CDLL | None:
-    """The library built for `isa` (atomd.kernels.cbuild.ISA_FLAGS), or None (torch) with the reason logged."""
-    lib = cbuild.load(*cbuild.quant_kernel(), log, "int8 / int4 linears dequantise tiles with torch", isa)
+def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
+    """The library built for `isa` (atomd.kernels.cbuild.ISA_FLAGS), or None (torch) with the
+    reason logged. vnni False: without the AVX512-VNNI int8 path (what an AVX-512 CPU without
+    VNNI runs; tests)."""
+    source, flags, name = cbuild.quant_kernel()
+    if not vnni:
+        flags, name = [*flags, "-DATOMD_NO_VNNI"], name + "-novnni"
+    lib = cbuild.load(source, flags, name, log, "int8 / int4 linears dequantise tiles with torch", isa)
     if lib is None:
         return None
     for bits in (8, 4):
         gemm, deq = getattr(lib, f"atomd_qgemm_i{bits}"), getattr(lib, f"atomd_qdequant_i{bits}")
         gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int], None
         deq.argtypes, deq.restype = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int], None
-    lib.atomd_quant_path.restype = ctypes.c_int
-    log.info("int8 / int4 linears: %s kernels", PATHS[lib.atomd_quant_path()])
+    lib.atomd_qgemm_q8.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
+                                   _PTR, _PTR, _PTR, ctypes.c_int]
+    lib.atomd_qgemm_q8.restype = None
+    lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
+    log.info("int8 / int4 linears: %s kernels (int8 activations: %s)", PATHS[lib.atomd_quant_path()],
+             Q8_PATHS[lib.atomd_quant_q8_path()])
     return lib
 
 
 def kernels() -> ctypes.CDLL | None:
     return build_kernels(cbuild.kernel_isa())
+
+
+def _q8_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xq, xd, xsg of m quantised rows of k inputs (csrc/quant.h: Q8_XD, Q8_XSG)."""
+    return torch.empty(m, k, dtype=torch.int8), torch.empty(m, -(-k // (2 * Q8_BLOCK)) * 16), torch.empty(m, k // Q8_BLOCK)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -172,8 +217,9 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
             lib: ctypes.CDLL | None | str = "auto") -> torch.Tensor:
     """x [M, K] @ dequantised(w).T (+ bias) in float32, returned in x's dtype. Up to
-    QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*); more rows, or
-    no kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
+    QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*), up to
+    QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8); more rows, or no kernels (lib
+    None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
     if w.perm is not None:
@@ -181,7 +227,12 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     xf = xf.contiguous()
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
-    if lib is not None and m <= QGEMM_MAX_M:
+    if lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
+        out = torch.empty(m, n, dtype=torch.float32)
+        xq, xd, xsg = _q8_scratch(m, k)
+        lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
+                           w.group_size, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), threads)
+    elif lib is not None and m <= QGEMM_MAX_M:
         out = torch.empty(m, n, dtype=torch.float32)
         getattr(lib, f"atomd_qgemm_i{w.bits}")(xf.data_ptr(), k, m, w.q.data_ptr(), w.scales.data_ptr(),
                                                _ptr(w.offsets), n, k, w.group_size, out.data_ptr(), n, threads)

@@ -26,7 +26,7 @@ class Qwen3MoeModel(DecoderModel):
 
     @classmethod
     def load_moe(cls, src: TensorSource, cfg: ModelConfig, prefix: str, dtype: torch.dtype) -> MoeWeights:
-        gate_up, down = load_experts(src, prefix + "mlp.experts.", cfg.num_experts, "gate_proj", "up_proj",
+        gate_up, down = load_experts(src, prefix + "mlp.experts.", cfg.local_experts, "gate_proj", "up_proj",
                                      "down_proj", dtype)
         return MoeWeights(router=src.get(prefix + "mlp.gate.weight", dtype), gate_up=gate_up, down=down,
                           top_k=cfg.num_experts_per_tok, norm_topk_prob=cfg.norm_topk_prob)

@@ -14,6 +14,8 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "atomd.model.mixtral:MixtralModel",
     "Phi3ForCausalLM": "atomd.model.phi3:Phi3Model",
     "Gemma3ForCausalLM": "atomd.model.gemma3:Gemma3Model",
+    "DeepseekV2ForCausalLM": "atomd.model.deepseek:DeepseekModel",
+    "DeepseekV3ForCausalLM": "atomd.model.deepseek:DeepseekModel",
 }
 # checkpoints of a family served here whose layout is not: why, said instead of "unsupported"
 REFUSED = {

@@ -1,4 +1,4 @@
-"""RoPE as transformers computes it: inverse frequencies (default, linear, llama3 and
+"""RoPE as transformers computes it: inverse frequencies (default, linear, llama3, yarn and
 longrope scaling) and the cos / sin tables the kernels read.
 
 longrope past original_max_position_embeddings: transformers picks the long factors for a
@@ -22,7 +22,7 @@ def rope_tables(cfg: ModelConfig, max_positions: int, dtype: torch.dtype) -> tup
     kinds = [False, True] if has_long_rows(cfg, max_positions) else [False]
     positions = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.cat([torch.outer(positions, rope_inv_freq(cfg, long)) for long in kinds])
-    scale = longrope_attention_factor(cfg) if rope_kind(cfg) == "longrope" else 1.0
+    scale = {"longrope": longrope_attention_factor, "yarn": yarn_attention_factor}.get(rope_kind(cfg), lambda _: 1.0)(cfg)
     return (freqs.cos() * scale).to(dtype), (freqs.sin() * scale).to(dtype)
 
 
@@ -54,6 +54,52 @@ def longrope_attention_factor(cfg: ModelConfig) -> float:
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
 
+def yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    """YaRN's magnitude scale 0.1 * mscale * ln(factor) + 1 (1 for factor <= 1)."""
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def yarn_attention_factor(cfg: ModelConfig) -> float:
+    """What yarn multiplies cos and sin by: the config's attention_factor, else
+    mscale(mscale) / mscale(mscale_all_dim) where both are set (DeepSeek), else mscale(1)."""
+    scaling = cfg.rope_scaling
+    if scaling.get("attention_factor") is not None:
+        return scaling["attention_factor"]
+    factor = yarn_factor(cfg)
+    mscale, all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+    if mscale and all_dim:
+        return yarn_mscale(factor, mscale) / yarn_mscale(factor, all_dim)
+    return yarn_mscale(factor)
+
+
+def yarn_factor(cfg: ModelConfig) -> float:
+    scaling = cfg.rope_scaling
+    return scaling.get("factor") or cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+
+
+def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """YaRN's blend of the interpolated (/ factor) and the original frequencies: original above
+    beta_fast rotations over the original length, interpolated below beta_slow, a linear ramp
+    between (transformers' _compute_yarn_parameters, `truncate` included)."""
+    scaling, dim, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
+    original = scaling["original_max_position_embeddings"]
+    beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    extrapolation = 1 - ramp
+    pos_freqs = base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    return 1.0 / (yarn_factor(cfg) * pos_freqs) * (1 - extrapolation) + 1.0 / pos_freqs * extrapolation
+
+
 def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2]; long: longrope's long factors."""
     dim = cfg.head_dim
@@ -73,8 +119,10 @@ def rope_inv_freq(cfg: ModelConfig, long: bool = False) -> torch.Tensor:
         smoothed = (1 - smooth) * scaled / factor + smooth * scaled
         medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
         return torch.where(medium, smoothed, scaled)
+    if kind == "yarn":
+        return yarn_inv_freq(cfg)
     if kind == "longrope":
         shape = torch.arange(0, dim, 2, dtype=torch.int64).float() / dim
         factors = scaling["long_factor" if long else "short_factor"]
         return 1.0 / (torch.tensor(factors, dtype=torch.float32) * cfg.rope_theta ** shape)
-    raise ValueError(f"unsupported rope_scaling rope_type {kind!r} (supported: default, linear, llama3, longrope)")
+    raise ValueError(f"unsupported rope_scaling rope_type {kind!r} (supported: default, linear, llama3, longrope, yarn)")

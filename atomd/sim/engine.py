@@ -9,6 +9,10 @@ distribution: sampling knobs other than allowed_token_ids and min_tokens change 
 structured outputs, prompt logprobs and speculative decoding are refused (a 400 / a start-up
 error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
 
+Step time: the profile's prediction for the step's shape; with a served profile (`atomd
+profile --from-servers`) times a ratio drawn from its measured spread, plus whatever of the
+served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves.
+
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
 connector moves one byte per block over its real side channel (leases, heartbeats, aborts
 as in production), and `SimulatedLink` holds each landed pull back until the profile's link
@@ -26,7 +30,7 @@ import numpy as np
 
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, resolve_model_dir
-from atomd.sim.hardware import Link, Profile, StepShape, load_profile
+from atomd.sim.hardware import Calibrated, Link, Profile, StepShape, load_profile
 from atomd.tokenizer import Tokenizer
 from kv_transfer.connector import KVConnectorOutput
 from kv_transfer.params import KVTransferParams, compat_fingerprint
@@ -34,6 +38,7 @@ from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput
 from contracts.sampling import SamplingParams, StructuredOutputsParams
 from scheduler.sequence import Sequence
+from contracts.logprobs import Logprob
 
 SIM_KV_LAYOUT_VERSION = "atomd-sim-kv-1"  # one byte per block: never pairs with a real engine
 TOKEN_CONTEXT = 8  # last tokens a simulated token depends on
@@ -63,6 +68,13 @@ class SimulatedEngine(EngineLoop):
                                          shape.num_layers, shape.num_kv_heads, shape.head_dim, SIM_KV_LAYOUT_VERSION)
         kv_blocks = np.zeros((num_blocks, 1), dtype=np.uint8)  # what the side channel moves: a byte a block
         self.forward_seconds = 0.0  # simulated forward time so far (GET /debug/stats `sim`)
+        step = self.profile.step  # a served profile's measured spread, drawn per step (seeded)
+        self._spread = {True: step.prefill_spread, False: step.decode_spread} if isinstance(step, Calibrated) else {}
+        self._spread_rng = np.random.default_rng(config.seed)
+        # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
+        self._gap_s = step.step_gap_s if isinstance(step, Calibrated) else 0.0
+        self._own_gap_s: float | None = None
+        self._last_forward_end: float | None = None
         self.forward_steps = 0
         self._start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)
 
@@ -92,6 +104,14 @@ class SimulatedEngine(EngineLoop):
         started = time.perf_counter()
         seconds = self.profile.step_seconds(StepShape.of(
             batch.is_prefill, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens.tolist()))
+        spread = self._spread.get(batch.is_prefill)
+        if spread:
+            seconds *= spread[self._spread_rng.integers(len(spread))]
+        wait = 0.0
+        if self._gap_s and self._last_forward_end is not None:
+            gap = started - self._last_forward_end
+            self._own_gap_s = gap if self._own_gap_s is None else self._own_gap_s + 0.1 * (gap - self._own_gap_s)
+            wait = max(0.0, self._gap_s - self._own_gap_s)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None
@@ -112,9 +132,10 @@ class SimulatedEngine(EngineLoop):
                     fork_entries[i].append(entry)
         self.forward_steps += 1
         self.forward_seconds += seconds
-        remaining = started + seconds - time.perf_counter()
+        remaining = started + seconds + wait - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
+        self._last_forward_end = time.perf_counter() if self.scheduler.running else None
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
                                     fork_logprobs=fork_entries)
 
@@ -134,8 +155,8 @@ class SimulatedEngine(EngineLoop):
             return token, None
         logprob = -((h >> 32) % 16384) / 1024.0 - 1e-3  # in [-16, 0)
         k = params.logprobs or 0
-        top = [[token, logprob]] + [[(token + j * 7919) % self.vocab_size, logprob - j] for j in range(1, k)]
-        return token, {"logprob": logprob, "top": top[:k]}
+        top = [(token, logprob)] + [((token + j * 7919) % self.vocab_size, logprob - j) for j in range(1, k)]
+        return token, Logprob(logprob, top[:k])
 
 
 def simulated_hash(seed: int, index: int, length: int, tail: list[int]) -> int:

@@ -8,8 +8,19 @@ P's leg (max_tokens 1) on the prefill engine with the fewest prompt tokens queue
 admitted on the decode engine with the fewest sequences (parked, its blocks allocated as
 the real consumer does), whose link takes latency + prompt blocks x block bytes / bandwidth
 (pulls queue on that D's link); its first token goes out when the pull lands, as on a real
-decode engine (scheduler.take_first_tokens). What is not modelled: P keeps no blocks pinned
-while D pulls, adaptive PD, the router's own time, retries and failures.
+decode engine (scheduler.take_first_tokens).
+
+Adaptive PD (`Layout.adaptive`): each request asks the router's own rule
+(router/adaptive.PDDecider, its default priors) whether to prefill on the least busy D
+itself (one leg, no pull) or remotely; the decider learns as in the router: each P's rate
+from its legs (the tokens queued ahead plus the leg's, over the leg's time), the transfer
+from P's answer to D's first token, D's local rate from local legs. DP lockstep
+(`Layout.dp_lockstep` = g): each pool's engines step in groups of g ranks, as `--dp-lockstep`
+engines do: a group's step starts when every rank is free, every rank takes its batch (an
+idle rank an empty pass) and the step lasts the slowest rank's time.
+
+What is not modelled: P keeps no blocks pinned while D pulls, the adaptive rule's ITL bound
+(`--local-prefill-max-itl-ms`, off by default), the router's own time, retries and failures.
 """
 from __future__ import annotations
 
@@ -26,6 +37,7 @@ from atomd.sim.hardware import Profile, StepShape
 from kv_transfer.connector import KVConnectorMetadata, KVConnectorOutput, KVConnectorScheduler, RemotePrefill
 from scheduler.scheduler import ScheduledBatchOutput, Scheduler, SchedulerConfig
 from contracts.sampling import SamplingParams
+from router.adaptive import LocalPrefill, PDDecider
 from scheduler.sequence import Sequence
 
 SIM_TOKEN = 11  # every simulated output token: the planner counts tokens, it never reads them
@@ -39,15 +51,29 @@ class Layout(msgspec.Struct, frozen=True):
     num_decode: int
     decode_max_num_seqs: int = 256
     prefill_max_num_batched_tokens: int = 8192
+    adaptive: bool = False  # pd: the router's --pd-mode adaptive per request
+    local_prefill_max_tokens: int = 256  # adaptive: the router's --local-prefill-max-tokens
+    dp_lockstep: int = 1  # ranks per lockstep group in each pool (1: every engine steps alone)
 
     @property
     def num_engines(self) -> int:
         return self.num_prefill + self.num_decode
 
     def label(self) -> str:
+        extra = (", adaptive" if self.adaptive else "") + \
+            (f", DP{self.dp_lockstep} lockstep" if self.dp_lockstep > 1 else "")
         if self.kind == "colocated":
-            return f"{self.num_decode} colocated (max_num_seqs {self.decode_max_num_seqs})"
-        return f"{self.num_prefill}P{self.num_decode}D (D max_num_seqs {self.decode_max_num_seqs})"
+            return f"{self.num_decode} colocated (max_num_seqs {self.decode_max_num_seqs}{extra})"
+        return f"{self.num_prefill}P{self.num_decode}D (D max_num_seqs {self.decode_max_num_seqs}{extra})"
+
+    def check(self) -> None:
+        if self.kind not in ("pd", "colocated") or self.num_decode < 1 or \
+                (self.kind == "pd") != (self.num_prefill >= 1):
+            raise ValueError(f"layout {self.label()}: pd needs P >= 1 and D >= 1, colocated no P and D >= 1")
+        if self.adaptive and self.kind != "pd":
+            raise ValueError("adaptive PD needs a pd layout")
+        if self.dp_lockstep < 1 or any(n % self.dp_lockstep for n in (self.num_prefill, self.num_decode)):
+            raise ValueError(f"layout {self.label()}: each pool's size must be a multiple of dp_lockstep")
 
 
 class Request(msgspec.Struct, frozen=True):
@@ -114,35 +140,49 @@ class VirtualPull(KVConnectorScheduler):
         return RemotePrefill(first_token_id=self.remote.pop(seq.id))
 
 
-@dataclass
+@dataclass(eq=False)
 class _Engine:
     scheduler: Scheduler
+    url: str  # its name for the adaptive decider
     pull: VirtualPull | None = None
     busy: bool = False
     link_free_s: float = 0.0
     queued_tokens: int = 0  # prompt tokens sent and not yet prefilled (P's queue)
     owners: dict[int, int] = field(default_factory=dict)  # seq id -> request index
 
+    @property
+    def in_flight_tokens(self) -> int:  # what the router's Worker counts for the decider
+        return self.queued_tokens
+
 
 class Fleet:
     def __init__(self, profile: Profile, layout: Layout, max_model_len: int = 8192, block_size: int = 16,
                  max_num_batched_tokens: int = 8192):
+        layout.check()
         self.profile, self.layout = profile, layout
         self.block_bytes = profile.model.kv_bytes_per_token * block_size
         pool = (profile.kv_cache_bytes or (1 << 30)) // self.block_bytes
 
-        def engine(max_num_seqs: int, pull: VirtualPull | None, batched: int) -> _Engine:
+        def engine(url: str, max_num_seqs: int, pull: VirtualPull | None, batched: int) -> _Engine:
             # as the engine sizes its pool: never more than every sequence at full length
             blocks = min(pool, max_num_seqs * -(-max_model_len // block_size))
             cfg = SchedulerConfig(num_kvcache_blocks=int(blocks), max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=batched, max_model_len=max_model_len,
                                   block_size=block_size, enable_prefix_caching=True, enable_chunked_prefill=True,
                                   scheduler_delay_factor=0.0, long_prefill_token_threshold=0)
-            return _Engine(Scheduler(cfg, kv_connector=pull), pull)
+            return _Engine(Scheduler(cfg, kv_connector=pull), url, pull)
 
-        self.prefill = [engine(256, None, layout.prefill_max_num_batched_tokens) for _ in range(layout.num_prefill)]
-        self.decode = [engine(layout.decode_max_num_seqs, VirtualPull(block_size) if layout.kind == "pd" else None,
-                              max_num_batched_tokens) for _ in range(layout.num_decode)]
+        self.prefill = [engine(f"p{k}", 256, None, layout.prefill_max_num_batched_tokens)
+                        for k in range(layout.num_prefill)]
+        self.decode = [engine(f"d{k}", layout.decode_max_num_seqs,
+                              VirtualPull(block_size) if layout.kind == "pd" else None, max_num_batched_tokens)
+                       for k in range(layout.num_decode)]
+        g = layout.dp_lockstep
+        self.groups = [pool[k:k + g] for pool in (self.prefill, self.decode) for k in range(0, len(pool), g)]
+        self.decider = PDDecider(local_prefill_max_tokens=layout.local_prefill_max_tokens) \
+            if layout.adaptive else None
+        self._legs: dict[int, Any] = {}  # request index -> its LocalPrefill, or (P, answered at)
+        self._p_legs: dict[int, tuple[float, int]] = {}  # request index -> (P leg start, tokens ahead + own)
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._order = itertools.count()
         self.now = 0.0
@@ -156,9 +196,11 @@ class Fleet:
         while self._events:
             self.now, _, fn = heapq.heappop(self._events)
             fn()
-            for e in (*self.prefill, *self.decode):
-                if not e.busy:
-                    self._step(e)
+            while self._events and self._events[0][0] == self.now:  # what happens at once, then the steps
+                heapq.heappop(self._events)[2]()
+            for group in self.groups:
+                if not any(e.busy for e in group):
+                    self._step(group)
         return self.outcomes
 
     def _at(self, t: float, fn: Callable[[], None]) -> None:
@@ -168,10 +210,23 @@ class Fleet:
         if self.layout.kind == "colocated":
             e = min(self.decode, key=lambda e: len(e.scheduler.running) + len(e.scheduler.waiting))
             self._add(e, i, r.prompt, r.max_tokens)
-        else:
-            e = min(self.prefill, key=lambda e: e.queued_tokens)
-            e.queued_tokens += len(r.prompt)
-            self._add(e, i, r.prompt, 1)
+            return
+        if self.decider is not None:
+            d = self._least_busy_decode()
+            decision, _ = self.decider.decide(len(r.prompt), self.prefill, d.url, len(d.owners))
+            if decision == "local_prefill":
+                leg = self._legs[i] = LocalPrefill(self.decider, d.url, len(r.prompt))
+                leg.leg_started(self.now)
+                self._add(d, i, r.prompt, r.max_tokens)
+                return
+        e = min(self.prefill, key=lambda e: e.queued_tokens)
+        self._p_legs[i] = (self.now, e.queued_tokens + len(r.prompt))
+        e.queued_tokens += len(r.prompt)
+        self._add(e, i, r.prompt, 1)
+
+    def _least_busy_decode(self) -> _Engine:
+        return min(self.decode, key=lambda d: len(d.scheduler.running) + len(d.scheduler.waiting)
+                   + len(d.scheduler.parked))
 
     def _add(self, e: _Engine, i: int, prompt: list[int], max_tokens: int, first_token: int | None = None) -> None:
         seq = Sequence(list(prompt), SamplingParams(max_tokens=max_tokens, ignore_eos=True), request_id=str(i))
@@ -180,19 +235,34 @@ class Fleet:
             e.pull.remote[seq.id] = first_token
         e.scheduler.add(seq)
 
-    def _step(self, e: _Engine) -> None:
-        batch = e.scheduler.schedule()
-        if e.pull is not None:
-            self._start_pulls(e)
-        for seq in e.scheduler.take_rejected():  # unschedulable (longer than the pool)
-            self.outcomes[e.owners.pop(seq.id)].failed = True
-        if batch is None or not batch.seqs:
+    def _step(self, group: list[_Engine]) -> None:
+        """One step of a lockstep group (one engine without lockstep): it lasts the slowest
+        rank's batch; ranks with nothing to run wait it out."""
+        batches, seconds = [], 0.0
+        for e in group:
+            batch = e.scheduler.schedule()
+            if e.pull is not None:
+                self._start_pulls(e)
+            for seq in e.scheduler.take_rejected():  # unschedulable (longer than the pool)
+                self.outcomes[e.owners.pop(seq.id)].failed = True
+            if batch is None or not batch.seqs:
+                continue
+            seconds = max(seconds, self.profile.step_seconds(StepShape.of(
+                batch.is_prefill, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens.tolist())))
+            output = ScheduledBatchOutput(batch.seq_ids,
+                                          [[SIM_TOKEN] if s else [] for s in batch.needs_sample.tolist()])
+            batches.append((e, batch, output))
+        if not batches:
             return
-        seconds = self.profile.step_seconds(StepShape.of(batch.is_prefill, batch.num_scheduled_tokens.tolist(),
-                                                         batch.num_computed_tokens.tolist()))
-        e.busy = True
-        output = ScheduledBatchOutput(batch.seq_ids, [[SIM_TOKEN] if s else [] for s in batch.needs_sample.tolist()])
-        self._at(self.now + seconds, lambda: self._step_done(e, batch, output))
+        for e in group:
+            e.busy = True
+        self._at(self.now + seconds, lambda: self._group_done(group, batches))
+
+    def _group_done(self, group: list[_Engine], batches: list) -> None:
+        for e in group:
+            e.busy = False
+        for e, batch, output in batches:
+            self._step_done(e, batch, output)
 
     def _step_done(self, e: _Engine, batch, output) -> None:
         e.busy = False
@@ -209,13 +279,20 @@ class Fleet:
         if e in self.prefill:  # P's leg is done: to the least busy D
             if update.finished:
                 del e.owners[update.seq.id]
-                d = min(self.decode, key=lambda d: len(d.scheduler.running) + len(d.scheduler.waiting)
-                        + len(d.scheduler.parked))
-                self._add(d, i, update.seq.token_ids[:update.seq.num_prompt_tokens], out.num_tokens,
-                          first_token=SIM_TOKEN)
+                started, tokens = self._p_legs.pop(i)
+                if self.decider is not None:  # as the router learns P's rate, then the transfer
+                    self.decider.observe_prefill(e.url, tokens, self.now - started)
+                    self._legs[i] = (e.url, self.now)
+                self._add(self._least_busy_decode(), i, update.seq.token_ids[:update.seq.num_prompt_tokens],
+                          out.num_tokens, first_token=SIM_TOKEN)
             return
         if update.new_token_ids and out.first_token_s is None:
             out.first_token_s = self.now
+            leg = self._legs.pop(i, None)
+            if isinstance(leg, LocalPrefill):
+                leg.first_event(self.now)
+            elif leg is not None:
+                self.decider.observe_transfer(leg[0], self.now - leg[1])
         if update.finished:
             del e.owners[update.seq.id]
             out.finish_s = self.now

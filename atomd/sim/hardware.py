@@ -189,6 +189,17 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     prefill: LinearStep
     decode: LinearStep
     source: str = ""  # where and how it was measured
+    # A profile fitted from served steps (`atomd profile --from-servers`): measured / fitted
+    # step time at evenly spaced quantiles, prefill and decode apart. A simulated engine
+    # multiplies each step by one drawn at random, so its steps spread as the served ones did
+    # (the preemptions of a shared machine included); empty: every step takes the fit's time.
+    prefill_spread: list[float] = []
+    decode_spread: list[float] = []
+    # ... and the served engine's mean time from a forward's end to the next one's start while
+    # it had sequences running (scheduling, outputs, IPC, its API process: under the load it
+    # had); a simulated engine waits out what its own loop, sleeping through its forwards,
+    # does not take of it (atomd/sim/engine.py)
+    step_gap_s: float = 0.0
 
 
 class Derived(msgspec.Struct, frozen=True, kw_only=True, tag="derived"):
@@ -254,7 +265,8 @@ def derived_profile(accelerator: str, model: str, link: str = "rdma400") -> Prof
                    link=resolve_link(link), kv_cache_bytes=kv)
 
 
-MAX_PROFILE_BYTES = 1 << 20  # a profile file is a few hundred bytes
+MAX_PROFILE_BYTES = 1 << 20  # a profile file is a few hundred bytes (a few KB with spreads)
+MAX_SPREAD = 1000  # quantiles in a calibrated step spread
 
 
 def load_profile(spec: str) -> Profile:
@@ -283,20 +295,29 @@ def check_profile(p: Profile) -> None:
         raise ValueError(f"hardware {p.name}: the model shape holds no KV")
     if p.kv_cache_bytes is not None and p.kv_cache_bytes <= 0:
         raise ValueError(f"hardware {p.name}: kv_cache_bytes must be > 0")
+    if isinstance(p.step, Calibrated):
+        for spread in (p.step.prefill_spread, p.step.decode_spread):
+            if len(spread) > MAX_SPREAD or not all(0 <= v < 1e3 for v in spread):
+                raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} ratios in [0, 1000)")
+        if not 0 <= p.step.step_gap_s < 10:
+            raise ValueError(f"hardware {p.name}: step_gap_s must be in [0, 10) seconds")
     for shape in (StepShape(True, 1, 1, 1.0, 1), StepShape(False, 1, 1, 1.0, 1)):
         if not math.isfinite(p.step_seconds(shape)):
             raise ValueError(f"hardware {p.name}: the step model is not finite")
 
 
-def fit_linear(steps: list[StepShape], seconds: list[float]) -> LinearStep:
-    """Least squares of `LinearStep` over measured steps (all prefill or all decode) in
-    relative error (a 2 ms step counts as much as a 100 ms one), no coefficient negative: a
-    term whose fitted coefficient is < 0 is dropped and the rest refit."""
+def fit_linear(steps: list[StepShape], seconds: list[float], relative: bool = True) -> LinearStep:
+    """Least squares of `LinearStep` over measured steps (all prefill or all decode), no
+    coefficient negative: a term whose fitted coefficient is < 0 is dropped and the rest
+    refit. `relative`: in relative error (a 2 ms step counts as much as a 100 ms one: grid
+    medians); else in seconds, the conditional mean (served steps, whose slow outliers are
+    part of what a simulation must reproduce)."""
     if not steps:
         raise ValueError("no steps to fit")
     y = np.asarray(seconds, dtype=np.float64)
-    x = np.array([[1.0, s.tokens, s.attention if s.is_prefill else s.context] for s in steps]) / y[:, None]
-    y = np.ones_like(y)
+    x = np.array([[1.0, s.tokens, s.attention if s.is_prefill else s.context] for s in steps])
+    if relative:
+        x, y = x / y[:, None], np.ones_like(y)
     keep = [0, 1, 2]
     while True:
         coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)

@@ -5,7 +5,9 @@ as Helm values.
 For every accelerator count G up to --max-gpus the planner simulates G colocated engines and
 the xPyD layouts (x + y = G) near the split the profile predicts (x / G = a prompt's prefill
 time over a prompt's prefill time plus its decode time at a full batch: the layouts one
-either side of it), for each decode --decode-max-seqs; --exhaustive simulates every x. Each
+either side of it), for each decode --decode-max-seqs, with the router's adaptive PD off and
+on (--adaptive); --dp-lockstep G groups each pool's engines into DP servers of G lockstep
+ranks (pool sizes multiples of G); --exhaustive simulates every x. Each
 layout's goodput is DistServe's: the highest Poisson rate at which --attainment of the
 requests meet both the TTFT and the TPOT SLO. Layouts are ranked by goodput per accelerator.
 """
@@ -58,6 +60,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--min-duration-s", type=float, default=None,
                         help="a simulated run lasts at least this long (default: 10 x the TTFT SLO), so a "
                              "rate past capacity builds the queue it would")
+    parser.add_argument("--adaptive", choices=("off", "on", "both"), default="both",
+                        help="xPyD layouts with the router's --pd-mode adaptive off, on, or both")
+    parser.add_argument("--dp-lockstep", type=int, default=1,
+                        help="engines per DP server stepping in lockstep (--dp-lockstep; 1: none)")
     parser.add_argument("--exhaustive", action="store_true", help="simulate every xPyD split")
     parser.add_argument("--top", type=int, default=5)
     parser.add_argument("--model", default=None, help="the checkpoint the written configs serve (default: built-in)")
@@ -77,27 +83,34 @@ def predicted_prefill_share(profile: Profile, workload: Workload, decode_batch: 
 
 
 def candidate_layouts(profile: Profile, workload: Workload, max_gpus: int, decode_max_seqs: list[int],
-                      exhaustive: bool, min_gpus: int = 1) -> list[Layout]:
+                      exhaustive: bool, min_gpus: int = 1, adaptive: tuple[bool, ...] = (False,),
+                      dp_lockstep: int = 1) -> list[Layout]:
+    """Pool sizes in multiples of `dp_lockstep` (each lockstep group one DP server)."""
     out = []
+    k = dp_lockstep
     for seqs in decode_max_seqs:
         share = predicted_prefill_share(profile, workload, min(seqs, 64))
-        for g in range(min_gpus, max_gpus + 1):
-            out.append(Layout("colocated", 0, g, decode_max_num_seqs=seqs))
-            if g < 2:
+        for g in range(max(min_gpus, k), max_gpus + 1, k):
+            out.append(Layout("colocated", 0, g, decode_max_num_seqs=seqs, dp_lockstep=k))
+            if g < 2 * k:
                 continue
-            guess = min(g - 1, max(1, round(share * g)))
-            splits = range(1, g) if exhaustive else sorted({x for x in (guess - 1, guess, guess + 1) if 1 <= x < g})
-            out += [Layout("pd", x, g - x, decode_max_num_seqs=seqs) for x in splits]
+            guess = min(g - k, max(k, k * round(share * g / k)))
+            splits = range(k, g, k) if exhaustive else \
+                sorted({x for x in (guess - k, guess, guess + k) if k <= x < g})
+            out += [Layout("pd", x, g - x, decode_max_num_seqs=seqs, adaptive=a, dp_lockstep=k)
+                    for x in splits for a in adaptive]
     return out
 
 
 def plan(profile: Profile, workload: Workload, slo: SLO, max_gpus: int, decode_max_seqs: list[int],
-         exhaustive: bool = False, progress=None, min_gpus: int = 1, iterations: int = 12) -> list[Ranked]:
+         exhaustive: bool = False, progress=None, min_gpus: int = 1, iterations: int = 12,
+         adaptive: tuple[bool, ...] = (False,), dp_lockstep: int = 1) -> list[Ranked]:
     """Every candidate layout of min_gpus..max_gpus accelerators with its goodput (the rate
     bisected `iterations` times), best goodput per accelerator first."""
     max_len = 2 * (workload.input_len + workload.output_len) + 16
     ranked = []
-    for layout in candidate_layouts(profile, workload, max_gpus, decode_max_seqs, exhaustive, min_gpus):
+    for layout in candidate_layouts(profile, workload, max_gpus, decode_max_seqs, exhaustive, min_gpus, adaptive,
+                                    dp_lockstep):
         # as many requests per engine at every size: a short trace flatters a large layout
         scaled = msgspec.structs.replace(workload, num_requests=workload.num_requests * layout.num_engines)
         ranked.append(Ranked(layout, max_goodput(profile, layout, scaled, slo, max_model_len=max_len,
@@ -109,15 +122,25 @@ def plan(profile: Profile, workload: Workload, slo: SLO, max_gpus: int, decode_m
 
 def ray_config(layout: Layout, model: str | None) -> dict:
     """The Ray launcher's config for `layout` (launch/ray_config.py's schema; the rest its
-    defaults). Written as plain data: atomd never imports launch, which starts it."""
-    return {"model": model, "prefill": {"count": layout.num_prefill},
-            "decode": {"count": layout.num_decode, "extra_args": ["--max-num-seqs", str(layout.decode_max_num_seqs)]}}
+    defaults). Written as plain data: atomd never imports launch, which starts it. A
+    lockstep group is one engine of data_parallel_size ranks with --dp-lockstep."""
+    k, dp = layout.dp_lockstep, (["--dp-lockstep"] if layout.dp_lockstep > 1 else [])
+    out = {"model": model, "prefill": {"count": layout.num_prefill // k, "data_parallel_size": k, "extra_args": dp},
+           "decode": {"count": layout.num_decode // k, "data_parallel_size": k,
+                      "extra_args": ["--max-num-seqs", str(layout.decode_max_num_seqs), *dp]}}
+    if layout.adaptive:
+        out["router"] = {"extra_args": ["--pd-mode", "adaptive"]}
+    return out
 
 
 def helm_values(layout: Layout) -> dict:
-    return {"prefill": {"replicas": layout.num_prefill},
-            "decode": {"replicas": layout.num_decode,
-                       "extraArgs": ["--max-num-seqs", str(layout.decode_max_num_seqs)]}}
+    k, dp = layout.dp_lockstep, (["--dp-lockstep"] if layout.dp_lockstep > 1 else [])
+    out = {"prefill": {"replicas": layout.num_prefill // k, "dataParallelSize": k, "extraArgs": dp},
+           "decode": {"replicas": layout.num_decode // k, "dataParallelSize": k,
+                      "extraArgs": ["--max-num-seqs", str(layout.decode_max_num_seqs), *dp]}}
+    if layout.adaptive:
+        out["router"] = {"extraArgs": ["--pd-mode", "adaptive"]}
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -128,9 +151,9 @@ def run(args: argparse.Namespace) -> int:
                             prefix_share=args.prefix_share, num_requests=args.num_requests,
                             min_duration_s=min_duration)
         slo = SLO(args.ttft_ms / 1e3, args.tpot_ms / 1e3, args.attainment)
-        if not (args.max_gpus >= 1 and 0 <= args.spread < 1 and 0 <= args.prefix_share <= 1
+        if not (args.max_gpus >= 1 and args.dp_lockstep >= 1 and 0 <= args.spread < 1 and 0 <= args.prefix_share <= 1
                 and 0 < args.attainment <= 1 and args.input_len >= 1 and args.output_len >= 1):
-            raise ValueError("need --max-gpus >= 1, 0 <= --spread < 1, 0 <= --prefix-share <= 1, "
+            raise ValueError("need --max-gpus >= 1, --dp-lockstep >= 1, 0 <= --spread < 1, 0 <= --prefix-share <= 1, "
                              "0 < --attainment <= 1, lengths >= 1")
     except ValueError as e:
         print(f"atomd plan: error: {e}", file=sys.stderr)
@@ -142,7 +165,9 @@ def run(args: argparse.Namespace) -> int:
 
     print(f"simulating on {profile.name} (link {profile.link.name}): {args.input_len} in / {args.output_len} out, "
           f"TTFT {args.ttft_ms} ms, TPOT {args.tpot_ms} ms at {args.attainment:.0%}", flush=True)
-    ranked = plan(profile, workload, slo, args.max_gpus, args.decode_max_seqs, args.exhaustive, progress)
+    adaptive = {"off": (False,), "on": (True,), "both": (False, True)}[args.adaptive]
+    ranked = plan(profile, workload, slo, args.max_gpus, args.decode_max_seqs, args.exhaustive, progress,
+                  adaptive=adaptive, dp_lockstep=args.dp_lockstep)
     pd = [r for r in ranked if r.layout.kind == "pd"]
     colocated = [r for r in ranked if r.layout.kind == "colocated"]
     print(f"\nbest by goodput per accelerator ({time.monotonic() - started:.0f} s):")

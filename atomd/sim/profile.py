@@ -6,6 +6,15 @@ model (atomd/sim/hardware.py) and write it as a profile for `--hardware`.
 Each grid point runs `--rounds` times after one warm-up request; prefix caching is off so
 every prefill computes its whole prompt. The default grid runs in about a minute on the
 built-in model with one thread.
+
+`--from-servers URL...` fits the profile from engines as they serve instead: each started
+with $ATOMD_STEP_SAMPLES=N keeps its last N forwards' shapes and wall times (GET
+/debug/stats `step_samples`; atomd/engine/engine_loop.py). A served forward shares the
+cores with its API process, the other engines, a router and the client, which a grid timed
+alone does not see; the fit is in seconds (the mean, slow steps included) and the profile
+carries the measured / fitted spread (hardware.Calibrated) that a simulated engine draws
+from. Run the servers under the traffic you mean to simulate; the fit is as good as the
+shapes they saw.
 """
 from __future__ import annotations
 
@@ -33,6 +42,42 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--link", default="loopback", help="the KV link the profile names (atomd/sim/hardware.py)")
     parser.add_argument("--name", default=None, help="the profile's name (default: model, dtype, threads)")
     parser.add_argument("--output", "-o", required=True, help="where to write the profile (JSON)")
+    parser.add_argument("--from-servers", nargs="+", default=None, metavar="URL",
+                        help="fit from these engines' served steps (started with $ATOMD_STEP_SAMPLES) instead of a grid")
+
+
+SPREAD_QUANTILES = 50
+
+
+def served_samples(urls: list[str]) -> list[tuple]:
+    """(StepShape, forward seconds, busy gap seconds or -1) of every step the engines at
+    `urls` kept."""
+    import urllib.request
+
+    from atomd.sim.hardware import StepShape
+
+    samples = []
+    for url in urls:
+        with urllib.request.urlopen(url.rstrip("/") + "/debug/stats", timeout=30) as r:
+            stats = json.loads(r.read())
+        if "step_samples" not in stats:
+            raise ValueError(f"{url} keeps no step samples (start it with $ATOMD_STEP_SAMPLES=N)")
+        for is_prefill, tokens, seqs, attention, context, seconds, gap in stats["step_samples"]:
+            samples.append((StepShape(bool(is_prefill), int(tokens), int(seqs), float(attention), int(context)),
+                            float(seconds), float(gap)))
+    return samples
+
+
+def fit_served(samples: list[tuple], kind: str):
+    """The mean fit of one kind's served steps and the measured / fitted spread's quantiles."""
+    from atomd.sim.hardware import fit_linear
+
+    if len(samples) < 3:
+        raise ValueError(f"{len(samples)} {kind} steps served: too few to fit (send traffic first)")
+    fit = fit_linear([s for s, _ in samples], [t for _, t in samples], relative=False)
+    ratios = np.array([t / max(fit.seconds(s), 1e-6) for s, t in samples])
+    spread = np.quantile(ratios, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
+    return fit, [round(float(v), 4) for v in spread]
 
 
 class StepTimer:
@@ -83,13 +128,15 @@ def run_batch(engine, rng, batch: int, length: int, max_tokens: int) -> None:
 def run(args: argparse.Namespace) -> int:
     from atomd.config import EngineConfig
     from atomd.engine.llm_engine import LLMEngine
-    from atomd.sim.hardware import Calibrated, ModelShape, Profile, fit_linear, resolve_link
+    from atomd.sim.hardware import Calibrated, fit_linear, resolve_link
 
     longest = max(args.prefill_lens + [c + args.decode_steps + 1 for c in args.decode_contexts])
     if longest > args.max_model_len:
         print(f"atomd profile: error: the grid needs {longest} tokens > --max-model-len {args.max_model_len}",
               file=sys.stderr)
         return 2
+    if args.from_servers:
+        return run_from_servers(args)
     try:
         link = resolve_link(args.link)
         config = EngineConfig(model=args.model, dtype=args.dtype, num_threads=args.num_threads,
@@ -130,19 +177,54 @@ def run(args: argparse.Namespace) -> int:
         print(f"{name} fit: {fit.base_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.3f} us/token + "
               f"{fit.per_attention_s * 1e9:.4f} ns/{'pair' if name == 'prefill' else 'context token'}; "
               f"median error {100 * err:.1f}% over {len(samples)} grid points")
-    from atomd.engine.engine_loop import resolve_model_dir
-
-    model_name = engine.model_name
-    hf = json.loads((resolve_model_dir(config) / "config.json").read_text())
-    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
-    name = args.name or f"{model_name}-{config.dtype}-{config.num_threads}t"
+    name = args.name or f"{engine.model_name}-{config.dtype}-{config.num_threads}t"
     source = (f"atomd profile on {cpu_name()}, {config.num_threads} thread(s), {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(prefill)} prefill and {len(decode)} decode grid points, median step times")
-    profile = Profile(name=name, model=ModelShape.from_hf_config(model_name, hf, dtype_bytes),
-                      step=Calibrated(prefill=fits["prefill"], decode=fits["decode"], source=source), link=link)
+    write_profile(args, config, name, Calibrated(prefill=fits["prefill"], decode=fits["decode"], source=source), link)
+    return 0
+
+
+def write_profile(args, config, name: str, step, link) -> None:
+    from atomd.engine.engine_loop import resolve_model_dir
+    from atomd.sim.hardware import ModelShape, Profile
+
+    model_name = config.model or "atomd-default"
+    hf = json.loads((resolve_model_dir(config) / "config.json").read_text())
+    dtype_bytes = {"float32": 4, "bfloat16": 2, "float16": 2}[config.dtype]
+    profile = Profile(name=name, model=ModelShape.from_hf_config(model_name, hf, dtype_bytes), step=step, link=link)
     with open(args.output, "wb") as f:
         f.write(profile.to_json())
     print(f"wrote {args.output}")
+
+
+def run_from_servers(args: argparse.Namespace) -> int:
+    from atomd.config import EngineConfig
+    from atomd.sim.hardware import Calibrated, resolve_link
+
+    try:
+        link = resolve_link(args.link)
+        config = EngineConfig(model=args.model, dtype=args.dtype)
+        config.check_model_dir()
+        samples = served_samples(args.from_servers)
+        fits = {kind: fit_served([(s, t) for s, t, _ in samples if s.is_prefill == (kind == "prefill")], kind)
+                for kind in ("prefill", "decode")}
+        gaps = [g for _, _, g in samples if g >= 0]
+    except (ValueError, OSError) as e:
+        print(f"atomd profile: error: {e}", file=sys.stderr)
+        return 2
+    for kind, (fit, spread) in fits.items():
+        print(f"{kind} fit (served, mean): {fit.base_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.3f} us/token + "
+              f"{fit.per_attention_s * 1e9:.4f} ns/{'pair' if kind == 'prefill' else 'context token'}; "
+              f"measured / fitted p10 {spread[len(spread) // 10]:.2f}, p50 {spread[len(spread) // 2]:.2f}, "
+              f"p90 {spread[len(spread) * 9 // 10]:.2f}")
+    name = args.name or f"{config.model or 'atomd-default'}-served"
+    source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
+              f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
+    gap = float(np.mean(gaps)) if gaps else 0.0
+    print(f"busy gap between forwards: mean {gap * 1e3:.2f} ms over {len(gaps)} steps")
+    step = Calibrated(prefill=fits["prefill"][0], decode=fits["decode"][0], source=source,
+                      prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1], step_gap_s=gap)
+    write_profile(args, config, name, step, link)
     return 0
 
 

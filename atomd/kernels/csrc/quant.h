@@ -4,6 +4,7 @@
  * to QGEMM_ROWS rows of float32 activations. */
 #ifndef ATOMD_QUANT_H
 #define ATOMD_QUANT_H
+#include <math.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -123,11 +124,208 @@ static inline __attribute__((always_inline)) void row_i4(const float *x, int64_t
 }
 
 
-/* One packed weight as the fused decode layer takes it (atomd/model/quant.py's QuantizedWeight) */
+/* ---- int8 activations (llama.cpp's Q8_0 of the activation row): integer dot products ----
+ *
+ * x is quantised once per linear in blocks of Q8_BLOCK: amax = max |x|, d = amax / 127,
+ * xq = rint(x * (127 / amax)) (0 for an all-zero block); per weight group g of G inputs
+ * xsg_g = sum_{b in g} d_b * sum(xq_b) (in block order). Then
+ *   y[n] = sum_g s[n, g] * sum_{b in g} d_b * (q[n, b] . xq_b) + o[n, g] * xsg_g
+ * with each q . xq an exact int32 (the weight's integers as stored). Only the rounding of x
+ * to 8 bits and the order of the float sums differ from the float-activation rows above. K
+ * and G must be multiples of Q8_BLOCK (the caller checks). A row's scratch: xq [K] int8,
+ * xd [Q8_XD(K)] and xsg [Q8_XSG(K)] floats. Paths (Q8_PATH): 3 AVX512-VNNI, two blocks a
+ * vpdpbusd (u8 x s8: int4 nibbles as they are; int8 weights + 128, taken back as
+ * 128 * s * xsg, so -128 stays exact), up to Q8_ROWS rows of x per weight load, xd one
+ * 16-float vector per pair of blocks; 2 AVX-512 BW and 1 AVX2 (int16 widening, vpmaddwd)
+ * and 0 scalar, a block at a time, xd one float a block. */
+#define Q8_BLOCK 32
+#define Q8_ROWS 4
+#define Q8_XD(K) (((K) / Q8_BLOCK + 1) / 2 * 16)  /* one 16-float vector per pair of blocks */
+#define Q8_XSG(K) ((K) / Q8_BLOCK)
+#if QUANT_PATH == 2 && defined(__AVX512VNNI__) && !defined(ATOMD_NO_VNNI)
+#define Q8_PATH 3
+#else
+#define Q8_PATH QUANT_PATH
+#endif
+
+static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int8_t *xq, float *xd, float *xsg) {
+    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK;
+    for (int64_t b = 0; b < nb; b++) {
+        const float *xb = x + b * Q8_BLOCK;
+        float amax = 0.0f;
+        for (int i = 0; i < Q8_BLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < Q8_BLOCK; i++) {
+            const int8_t v = (int8_t)nearbyintf(xb[i] * id);
+            xq[b * Q8_BLOCK + i] = v;
+            sum += v;
+        }
+#if Q8_PATH == 3
+        for (int i = 0; i < 8; i++) xd[(b / 2) * 16 + (b % 2) * 8 + i] = d;
+#else
+        xd[b] = d;
+#endif
+        if (b % per == 0) xsg[b / per] = 0.0f;
+        xsg[b / per] += d * (float)sum;
+    }
+#if Q8_PATH == 3
+    if (nb % 2)
+        for (int i = 0; i < 8; i++) xd[(nb / 2) * 16 + 8 + i] = 0.0f;
+#endif
+}
+
+/* the part that does not depend on the products: sum_g (o_g - bias * s_g) * xsg_g */
+static inline float q8_rest(const float *s, const float *o, int64_t groups, const float *xsg, float bias) {
+    vf acc = VZERO();
+    int64_t g = 0;
+    for (; g + LANES <= groups; g += LANES) {  /* groups of 32 (Q4_0, Q8_0): one term per 32 weights */
+        vf c = o ? VLOAD(o + g) : VZERO();
+        if (bias != 0.0f) c = VFMA(VSET1(-bias), VLOAD(s + g), c);
+        acc = VFMA(c, VLOAD(xsg + g), acc);
+    }
+    float rest = VSUM(acc);
+    for (; g < groups; g++) rest += ((o ? o[g] : 0.0f) - bias * s[g]) * xsg[g];
+    return rest;
+}
+
+#if Q8_PATH == 3
+/* two blocks of weights as 64 unsigned bytes (full 0: the second block is past K, zeros) */
+static inline __m512i pair_u8(const void *q, int64_t b, int bits, int full) {
+    if (bits == 8) {
+        const int8_t *p = (const int8_t *)q + b * Q8_BLOCK;
+        const __m512i w = full ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, p);
+        return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
+    }
+    const uint8_t *p = (const uint8_t *)q + b * (Q8_BLOCK / 2);
+    const __m256i v = full ? _mm256_loadu_si256((const __m256i *)p) : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
+    const __m512i t = _mm512_castsi256_si512(v);
+    const __m512i lanes = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(1, 1, 0, 0));  /* block 0, 0, 1, 1 */
+    return _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, lanes, _mm512_srli_epi16(lanes, 4)), _mm512_set1_epi8(15));
+}
+
+/* one weight row against mb (a constant after inlining) quantised rows of x: y[m * ldy] */
+static inline __attribute__((always_inline)) void rows_q8(const void *q, int bits, const float *s, const float *o,
+                                                          int64_t K, int64_t G, const int8_t *xq, const float *xd,
+                                                          const float *xsg, float *y, int64_t ldy, const int mb) {
+    __m512 acc[Q8_ROWS];
+    for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
+    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK;
+    if (per % 2 == 0) {  /* groups of whole pairs (per channel, 64, 128): the weight scale once per group */
+        for (int64_t g = 0; g < K / G; g++) {
+            __m512 gacc[Q8_ROWS];
+            for (int m = 0; m < mb; m++) gacc[m] = _mm512_setzero_ps();
+            for (int64_t b = g * per; b < (g + 1) * per; b += 2) {
+                const __m512i w = pair_u8(q, b, bits, 1);
+                for (int m = 0; m < mb; m++) {
+                    const __m512i xv = _mm512_loadu_si512(xq + m * K + b * Q8_BLOCK);
+                    gacc[m] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv)),
+                                              _mm512_loadu_ps(xd + m * Q8_XD(K) + (b / 2) * 16), gacc[m]);
+                }
+            }
+            const __m512 sv = _mm512_set1_ps(s[g]);
+            for (int m = 0; m < mb; m++) acc[m] = _mm512_fmadd_ps(gacc[m], sv, acc[m]);
+        }
+    }
+    int64_t g = 0, left = per;  /* the group of block b, and its blocks from b on */
+    for (int64_t b = per % 2 == 0 ? nb : 0; b < nb; b += 2) {
+        const int full = b + 1 < nb;
+        const __m512i w = pair_u8(q, b, bits, full);
+        const float s0 = s[g];
+        if (--left == 0) g++, left = per;
+        const float s1 = full ? s[g] : 0.0f;
+        if (full && --left == 0) g++, left = per;
+        const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+        for (int m = 0; m < mb; m++) {
+            const int8_t *xr = xq + m * K + b * Q8_BLOCK;
+            const __m512i xv = full ? _mm512_loadu_si512(xr) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xr);
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), w, xv));
+            acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_loadu_ps(xd + m * Q8_XD(K) + (b / 2) * 16)), sv, acc[m]);
+        }
+    }
+    for (int m = 0; m < mb; m++)
+        y[m * ldy] = _mm512_reduce_add_ps(acc[m]) + q8_rest(s, o, K / G, xsg + m * Q8_XSG(K), bits == 8 ? 128.0f : 0.0f);
+}
+#else
+/* sum_k q[k] * xq[k] over one block: int32 partial sums as floats (lanes summed by VQSUM) */
+#if Q8_PATH == 2
+typedef __m512 vq;
+#define VQZERO() _mm512_setzero_ps()
+#define VQFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
+#define VQSET1(a) _mm512_set1_ps(a)
+#define VQSUM(a) _mm512_reduce_add_ps(a)
+static inline vq dot_block(const void *q, int64_t b, int bits, const int8_t *xq) {
+    const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)xq));
+    if (bits == 8)
+        return _mm512_cvtepi32_ps(_mm512_madd_epi16(
+            _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)q + b * Q8_BLOCK))), x));
+    const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * (Q8_BLOCK / 2))), low = _mm_set1_epi8(15);
+    const __m256i w8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_cvtepu8_epi16(w8), x));
+}
+#elif Q8_PATH == 1
+typedef __m256 vq;
+#define VQZERO() _mm256_setzero_ps()
+#define VQFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
+#define VQSET1(a) _mm256_set1_ps(a)
+#define VQSUM(a) VSUM(a)
+static inline vq dot_block(const void *q, int64_t b, int bits, const int8_t *xq) {
+    const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xq));
+    const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + 16)));
+    __m256i w0, w1;
+    if (bits == 8) {
+        const int8_t *p = (const int8_t *)q + b * Q8_BLOCK;
+        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
+        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+    } else {
+        const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * (Q8_BLOCK / 2))), low = _mm_set1_epi8(15);
+        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(p, low));
+        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), low));
+    }
+    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
+}
+#else
+typedef float vq;
+#define VQZERO() 0.0f
+#define VQFMA(a, b, c) ((a) * (b) + (c))
+#define VQSET1(a) (a)
+#define VQSUM(a) (a)
+static inline vq dot_block(const void *q, int64_t b, int bits, const int8_t *xq) {
+    int32_t sum = 0;
+    if (bits == 8) {
+        const int8_t *p = (const int8_t *)q + b * Q8_BLOCK;
+        for (int i = 0; i < Q8_BLOCK; i++) sum += (int32_t)p[i] * xq[i];
+    } else {
+        const uint8_t *p = (const uint8_t *)q + b * (Q8_BLOCK / 2);
+        for (int i = 0; i < 16; i++) sum += (int32_t)(p[i] & 15) * xq[i] + (int32_t)(p[i] >> 4) * xq[i + 16];
+    }
+    return (float)sum;
+}
+#endif
+
+static inline __attribute__((always_inline)) void rows_q8(const void *q, int bits, const float *s, const float *o,
+                                                          int64_t K, int64_t G, const int8_t *xq, const float *xd,
+                                                          const float *xsg, float *y, int64_t ldy, const int mb) {
+    const int64_t per = G / Q8_BLOCK;
+    for (int m = 0; m < mb; m++) {
+        const int8_t *xr = xq + m * K;
+        const float *dr = xd + m * Q8_XD(K);
+        vq acc = VQZERO();
+        for (int64_t b = 0; b < K / Q8_BLOCK; b++)
+            acc = VQFMA(dot_block(q, b, bits, xr + b * Q8_BLOCK), VQSET1(s[b / per] * dr[b]), acc);
+        y[m * ldy] = VQSUM(acc) + q8_rest(s, o, K / G, xsg + m * Q8_XSG(K), 0.0f);
+    }
+}
+#endif
+
+/* One packed weight as the fused decode layer takes it (atomd/model/quant.py's QuantizedWeight);
+ * xq non-NULL: int8 activations (above), xq / xd / xsg its scratch for one quantised row */
 typedef struct {
     const void *q;
     const float *scales, *offsets;  /* offsets NULL: symmetric */
     int64_t group, bits;
+    int8_t *xq;
+    float *xd, *xsg;
 } atomd_qweight;
 
 /* y[n] = w[n] . x (+ bias[n]) for the N rows of w, K inputs: an orphaned `omp for` (the
@@ -135,10 +333,17 @@ typedef struct {
 static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, const float *bias, float *y, int64_t K,
                                     int64_t N) {
     const int64_t groups = (K + w->group - 1) / w->group;
+    if (w->xq) {
+        _Pragma("omp single")  /* its barrier: every thread's rows read the whole quantised x */
+        quantize_row_q8(x, K, w->group, w->xq, w->xd, w->xsg);
+    }
     _Pragma("omp for schedule(static)")
     for (int64_t n = 0; n < N; n++) {
         const float *s = w->scales + n * groups, *o = w->offsets ? w->offsets + n * groups : NULL;
-        if (w->bits == 8)
+        if (w->xq)
+            rows_q8((const int8_t *)w->q + n * (w->bits == 8 ? K : K / 2), (int)w->bits, s, o, K, w->group, w->xq,
+                    w->xd, w->xsg, y + n, 1, 1);
+        else if (w->bits == 8)
             row_i8(x, K, (const int8_t *)w->q + n * K, s, o, K, w->group, y + n, 1, 1);
         else
             row_i4(x, K, (const uint8_t *)w->q + n * (K / 2), s, o, K, w->group, y + n, 1, 1);

@@ -114,6 +114,9 @@ StatefulSet. {root, role}
 {{- if $r.numThreads }}
 {{- $_ := set $cfg "num_threads" (int $r.numThreads) }}
 {{- end }}
+{{- if $r.expertParallel }}
+{{- $_ := set $cfg "enable_expert_parallel" true }}
+{{- end }}
 {{- $model := include "atomd.modelPath" .root }}
 {{- if $model }}
 {{- $_ := set $cfg "model" $model }}
@@ -142,6 +145,10 @@ StatefulSet. {root, role}
 {{- range $val }}
 - {{ $flag | quote }}
 - {{ . | toString | quote }}
+{{- end }}
+{{- else if kindIs "bool" $val }}
+{{- if $val }}
+- {{ $flag | quote }}
 {{- end }}
 {{- else }}
 - {{ $flag | quote }}

@@ -1,0 +1,252 @@
+/* Part of attention.c's one translation unit (one library per model shape: HEAD_DIM and GROUP
+ * are macros there), included by it only. */
+/* HEAD_DIM and GROUP are fixed at build time (atomd/native.py builds one library per model
+ * shape) so the per-row loops unroll and the group's queries and accumulators stay in registers. */
+
+/* q, out: [batch, num_heads, HEAD_DIM] contiguous. kv: the cache's base pointer; the K row of
+ * token t of sequence b, KV head h is at
+ *   kv + table[b][t / block_size] * block_stride + k_offset + ((t % block_size) * num_kv_heads + h) * HEAD_DIM
+ * and its V row v_offset elements further. block_tables: [batch, table_width]. query_starts:
+ * NULL (query row b is sequence b's one token), or [batch + 1] row offsets: sequence b owns
+ * query rows query_starts[b] .. query_starts[b + 1] - 1, its last ones, so row r sees the keys
+ * 0 .. context_lens[b] - (query_starts[b + 1] - r) (causal inside the run: a sequence's last
+ * token and its drafts, verified in one step). num_threads: torch's intra-op count of the
+ * calling thread (OpenMP's own default is per thread).
+ * Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
+int atomd_decode_attention(const float *restrict q, const float *restrict kv,
+                            const int64_t *restrict block_tables, const int64_t *restrict context_lens,
+                            const int64_t *restrict query_starts, float *restrict out, int64_t batch,
+                            int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
+                            int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
+                            int64_t window, int num_threads) {
+    const int64_t row_stride = num_kv_heads * HEAD_DIM;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < batch * num_kv_heads; item++) {
+        const int64_t b = item / num_kv_heads, h = item % num_kv_heads, full_ctx = context_lens[b];
+        const int64_t *table = block_tables + b * table_width;
+        const int64_t r_begin = query_starts ? query_starts[b] : b, r_end = query_starts ? query_starts[b + 1] : b + 1;
+        float *scores = malloc(sizeof(float) * GROUP * (full_ctx > 0 ? full_ctx : 1));  /* [GROUP, ctx], reused per row */
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        /* one row after the other: the context a later row reads again is still in cache */
+        for (int64_t r = r_begin; r < r_end; r++) {
+            const int64_t ctx = full_ctx - (r_end - 1 - r);
+            const float *qh = q + (r * num_heads + h * GROUP) * HEAD_DIM;  /* the group's query heads */
+            float qs[GROUP][HEAD_DIM], m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM];
+            for (int g = 0; g < GROUP; g++) {
+                m[g] = -INFINITY;
+                sum[g] = 0.0f;
+                for (int d = 0; d < HEAD_DIM; d++) {
+                    qs[g][d] = qh[g * HEAD_DIM + d] * scale;
+                    acc[g][d] = 0.0f;
+                }
+            }
+            /* scores: each K row is read once for all the query heads of its group; block by block
+             * from the window's first key (no division per token) */
+            const int64_t lo = window_start(ctx, window);
+            for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
+                const int64_t off = t0 % block_size;
+                const float *k = kv + table[t0 / block_size] * block_stride + k_offset + off * row_stride + h * HEAD_DIM;
+                n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
+                if (t0 - off + block_size < ctx)
+                    prefetch_rows(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
+                                  block_size, row_stride);
+                prefetch_rows(k + v_offset, n, row_stride);  /* this block's V rows, for the second pass */
+#if defined(__AVX512F__)
+                /* 16 keys at a time: a K row's products for each query head in float32 lanes,
+                 * then one transposing tree for the 16 keys' sums (as the bf16 path) */
+                for (int64_t i0 = 0; i0 < n; i0 += 16) {
+                    const int64_t c = n - i0 < 16 ? n - i0 : 16;
+                    __m512 part[GROUP][16];
+                    for (int64_t i = 0; i < 16; i++)
+                        for (int g = 0; g < GROUP; g++) {
+                            __m512 a = _mm512_setzero_ps();
+                            if (i < c)
+                                for (int w = 0; w < NW; w++)
+                                    a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes16(w), qs[g] + w * 16),
+                                                        _mm512_maskz_loadu_ps(lanes16(w), k + (i0 + i) * row_stride + w * 16), a);
+                            part[g][i] = a;
+                        }
+                    for (int g = 0; g < GROUP; g++) {
+                        float sv[16];
+                        _mm512_storeu_ps(sv, sum_lanes16(part[g]));
+                        for (int64_t i = 0; i < c; i++) {
+                            scores[g * ctx + t0 + i0 + i] = sv[i];
+                            m[g] = sv[i] > m[g] ? sv[i] : m[g];
+                        }
+                    }
+                }
+#else
+                for (int64_t i = 0; i < n; i++, k += row_stride) {
+                    for (int g = 0; g < GROUP; g++) {
+                        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+                        for (int d = 0; d < HEAD_DIM; d++) s += qs[g][d] * k[d];
+                        scores[g * ctx + t0 + i] = s;
+                        m[g] = s > m[g] ? s : m[g];
+                    }
+                }
+#endif
+            }
+            for (int g = 0; g < GROUP; g++) {
+                float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
+#pragma omp simd reduction(+ : total)
+                for (int64_t t = lo; t < ctx; t++) {
+                    sg[t] = exp_nonpositive(sg[t] - mg);
+                    total += sg[t];
+                }
+                sum[g] = total;
+            }
+            /* weighted values: each V row read once, the group's accumulators in registers */
+            for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
+                const int64_t off = t0 % block_size;
+                const float *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + off * row_stride + h * HEAD_DIM;
+                n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
+                for (int64_t i = 0; i < n; i++, v += row_stride)  /* prefetched by the score pass */
+                    for (int g = 0; g < GROUP; g++) {
+                        const float p = scores[g * ctx + t0 + i];
+#pragma omp simd
+                        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * v[d];
+                    }
+            }
+            float *o = out + (r * num_heads + h * GROUP) * HEAD_DIM;
+            for (int g = 0; g < GROUP; g++)
+                for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = acc[g][d] / sum[g];
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Prefill work items: RB query rows of one KV head share each key tile load; QT tokens x GROUP
+ * heads rows per item (a multiple of RB), KT keys per tile. */
+#define RB 4
+#define QT ((32 / GROUP) >= 4 ? (32 / GROUP) / 4 * 4 : 4)
+#define KT 64
+
+/* One work item: query tokens [r0, r0 + nrows) of a sequence whose rows start at q, k, v, KV
+ * head h. Keys 0 .. r0 + nrows - 1, causally masked per row. */
+static void prefill_item(const float *restrict q, const float *restrict kt, const float *restrict v,
+                         float *restrict out, int64_t r0, int64_t nrows, int64_t h, int64_t num_heads,
+                         int64_t q_stride, int64_t kt_stride, int64_t v_stride, float scale, int64_t window) {
+    float qs[GROUP * QT][HEAD_DIM], acc[GROUP * QT][HEAD_DIM], m[GROUP * QT], l[GROUP * QT];
+    float sc[GROUP * QT][KT];
+    for (int64_t r = 0; r < QT; r++)  /* rows past the chunk's end compute on zeros, unused */
+        for (int g = 0; g < GROUP; g++) {
+            const int64_t row = g * QT + r;
+            for (int d = 0; d < HEAD_DIM; d++) {
+                qs[row][d] = r < nrows ? q[(r0 + r) * q_stride + (h * GROUP + g) * HEAD_DIM + d] * scale : 0.0f;
+                acc[row][d] = 0.0f;
+            }
+            m[row] = -INFINITY;
+            l[row] = 0.0f;
+        }
+    const int64_t nkeys = r0 + nrows, lo = window_start(r0 + 1, window);  /* row r0's first key */
+    for (int64_t j0 = lo / KT * KT; j0 < nkeys; j0 += KT) {
+        const int64_t nk = nkeys - j0 < KT ? nkeys - j0 : KT;
+        for (int64_t b0 = 0; b0 < GROUP * QT; b0 += RB) {
+            float sb[RB][KT] = {{0}};
+            for (int d = 0; d < HEAD_DIM; d++) {
+                const float *kd = kt + d * kt_stride + j0;  /* keys past nk: padding or the next prompt, masked */
+                for (int rb = 0; rb < RB; rb++) {
+                    const float qd = qs[b0 + rb][d];
+#pragma omp simd
+                    for (int j = 0; j < KT; j++) sb[rb][j] += qd * kd[j];
+                }
+            }
+            for (int rb = 0; rb < RB; rb++) {  /* online softmax: rescale what came before */
+                const int64_t row = b0 + rb, pos = r0 + row % QT;
+                float *srow = sb[rb], mx = m[row], sum = 0.0f;
+                for (int j = 0; j < KT; j++) {
+                    if (j >= nk || j0 + j > pos || j0 + j < window_start(pos + 1, window)) srow[j] = -INFINITY;
+                    mx = srow[j] > mx ? srow[j] : mx;
+                }
+                /* first tile: m = -inf, acc = 0; a row whose window starts past this tile: all -inf */
+                const float alpha = mx == -INFINITY ? 1.0f : exp_nonpositive(m[row] - mx);
+#pragma omp simd reduction(+ : sum)
+                for (int j = 0; j < KT; j++) {
+                    const float p = srow[j] == -INFINITY ? 0.0f : exp_nonpositive(srow[j] - mx);
+                    sc[row][j] = p;
+                    sum += p;
+                }
+                l[row] = l[row] * alpha + sum;
+                m[row] = mx;
+#pragma omp simd
+                for (int d = 0; d < HEAD_DIM; d++) acc[row][d] *= alpha;
+            }
+        }
+        for (int64_t b0 = 0; b0 < GROUP * QT; b0 += RB) {  /* RB accumulators stay in registers */
+            float ab[RB][HEAD_DIM];
+            for (int rb = 0; rb < RB; rb++)
+                for (int d = 0; d < HEAD_DIM; d++) ab[rb][d] = acc[b0 + rb][d];
+            for (int64_t j = 0; j < nk; j++) {
+                const float *vr = v + (j0 + j) * v_stride + h * HEAD_DIM;
+                for (int rb = 0; rb < RB; rb++) {
+                    const float p = sc[b0 + rb][j];
+#pragma omp simd
+                    for (int d = 0; d < HEAD_DIM; d++) ab[rb][d] += p * vr[d];
+                }
+            }
+            for (int rb = 0; rb < RB; rb++)
+                for (int d = 0; d < HEAD_DIM; d++) acc[b0 + rb][d] = ab[rb][d];
+        }
+    }
+    for (int64_t r = 0; r < nrows; r++)
+        for (int g = 0; g < GROUP; g++) {
+            const int64_t row = g * QT + r;
+            float *dst = out + (r0 + r) * num_heads * HEAD_DIM + (h * GROUP + g) * HEAD_DIM;
+            const float inv = 1.0f / l[row];
+            for (int d = 0; d < HEAD_DIM; d++) dst[d] = acc[row][d] * inv;
+        }
+}
+
+/* Causal attention of fresh sequences packed back to back. q [T, num_heads, HEAD_DIM], k, v
+ * [T, num_kv_heads, HEAD_DIM], each with its own token stride (they are views into the QKV
+ * projection); out [T, num_heads * HEAD_DIM] contiguous. Sequence s is rows
+ * [seq_starts[s], seq_starts[s] + seq_lens[s]). Returns 0, or -1 when its buffers could not
+ * be allocated (out untouched). */
+int atomd_prefill_attention(const float *restrict q, const float *restrict k, const float *restrict v,
+                             float *restrict out, const int64_t *restrict seq_starts,
+                             const int64_t *restrict seq_lens, int64_t num_seqs, int64_t num_heads,
+                             int64_t num_kv_heads, int64_t q_stride, int64_t k_stride, int64_t v_stride,
+                             float scale, int64_t window, int num_threads) {
+    int64_t rows = 0;  /* keys are read up to the furthest sequence end */
+    for (int64_t s = 0; s < num_seqs; s++)
+        rows = seq_starts[s] + seq_lens[s] > rows ? seq_starts[s] + seq_lens[s] : rows;
+    const int64_t kt_stride = rows + KT;
+    /* every key transposed once, [kv_head][d][token] (+ KT padding): the score loops become axpys
+     * over contiguous keys, and no query tile transposes the same keys again */
+    float *kt = calloc((size_t)num_kv_heads * HEAD_DIM * kt_stride, sizeof(float));
+    int64_t *first = malloc(sizeof(int64_t) * (num_seqs + 1));  /* first work item of each sequence */
+    if (kt == NULL || first == NULL) {
+        free(kt);
+        free(first);
+        return -1;
+    }
+    first[0] = 0;
+    for (int64_t s = 0; s < num_seqs; s++)
+        first[s + 1] = first[s] + num_kv_heads * ((seq_lens[s] + QT - 1) / QT);
+#pragma omp parallel for num_threads(num_threads)
+    for (int64_t t = 0; t < rows; t++)
+        for (int64_t h = 0; h < num_kv_heads; h++)
+            for (int d = 0; d < HEAD_DIM; d++)
+                kt[(h * HEAD_DIM + d) * kt_stride + t] = k[t * k_stride + h * HEAD_DIM + d];
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = first[num_seqs] - 1; item >= 0; item--) {  /* the longest (last) tiles first */
+        int64_t s = 0;
+        while (first[s + 1] <= item) s++;
+        const int64_t tiles = (seq_lens[s] + QT - 1) / QT, h = (item - first[s]) / tiles;
+        const int64_t r0 = (item - first[s]) % tiles * QT, n = seq_lens[s] - r0 < QT ? seq_lens[s] - r0 : QT;
+        const int64_t base = seq_starts[s];
+        prefill_item(q + base * q_stride, kt + h * HEAD_DIM * kt_stride + base, v + base * v_stride,
+                     out + base * num_heads * HEAD_DIM, r0, n, h, num_heads, q_stride, kt_stride, v_stride, scale,
+                     window);
+    }
+    free(kt);
+    free(first);
+    return 0;
+}

@@ -1,0 +1,329 @@
+"""DeepSeek V2 / V3 (`DeepseekV2ForCausalLM`, `DeepseekV3ForCausalLM`), as transformers computes them:
+
+- multi-head latent attention (atomd/model/mla.py) over a latent cache, q through q_a_proj,
+  q_a_layernorm, q_b_proj (q_lora_rank set) or one q_proj; the KV latent through
+  kv_a_proj_with_mqa and kv_a_layernorm. The q and latent projections run as one matmul.
+  RoPE only on the qk_rope_head_dim part: in interleaved pairs (V2 always, V3 with
+  rope_interleave), which here become halves at load (the rope rows of q and of the latent
+  permuted once: both sides of every dot product alike), so the plain rotate-half RoPE runs.
+  Scores scaled by qk_head_dim ** -0.5 times yarn's mscale(factor, mscale_all_dim) squared.
+- DeepSeekMoE on layers from first_k_dense_replace on (every moe_layer_freq-th, as DeepSeek's
+  own code; transformers ignores moe_layer_freq, every released config has 1): n_shared_experts
+  always-on experts beside the routed ones. Routing in float32 on a float32 router weight:
+  V2 softmax, top-k greedy or group_limited_greedy (the n_group groups with the largest best
+  score, top-k among their experts); V3 sigmoid, chosen by score + e_score_correction_bias
+  within the topk_group groups with the largest sum of two best biased scores (noaux_tc),
+  weighed by the unbiased scores, renormalised with norm_topk_prob. Then x routed_scaling_factor.
+  V2's norm_topk_prob is not read (transformers' DeepseekV2 does not either; V2 configs set it false).
+
+Not here yet: the MTP module of V3 checkpoints (model.layers.{num_hidden_layers}: not loaded),
+quantized weights.
+"""
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
+from atomd.model import layer_ops
+from atomd.model.config import ModelConfig
+from atomd.model.decoder import ROW_TILE, DecoderModel, TensorSource, cat
+from atomd.model.layer_ops import rms_norm, silu_mul
+from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
+from atomd.model.mla import LatentUp, mla_decode, mla_prefill, store_latent
+from atomd.model.moe import MoeWeights, load_experts, moe
+from atomd.model.quant import QuantizedWeight
+from atomd.model.rotary import rope_kind, rope_tables, yarn_mscale
+
+MLA_KV_LAYOUT_VERSION = "atomd-mla-kv-1"  # block-major [layers, 1, block_size, 1, kv_lora_rank + qk_rope_head_dim]
+V2_TOPK_METHODS = ("greedy", "group_limited_greedy")
+
+
+@dataclass
+class DeepseekConfig(ModelConfig):
+    q_lora_rank: int | None = None
+    kv_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0  # also head_dim: RoPE's tables are this wide
+    v_head_dim: int = 0
+    rope_interleave: bool = True
+    n_shared_experts: int = 0
+    routed_scaling_factor: float = 1.0
+    scoring: str = "softmax"  # V2; V3: sigmoid (noaux_tc)
+    topk_method: str = "greedy"
+    n_group: int = 1
+    topk_group: int = 1
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def latent_dim(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def mla_scale(self) -> float:
+        """The scores' scale: qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) ** 2."""
+        scale = self.qk_head_dim ** -0.5
+        scaling = self.rope_scaling or {}
+        if rope_kind(self) != "default" and scaling.get("mscale_all_dim"):
+            scale *= yarn_mscale(scaling["factor"], scaling["mscale_all_dim"]) ** 2
+        return scale
+
+
+@dataclass
+class DeepseekRouting:
+    """One sparse layer's router (module docstring)."""
+
+    weight: torch.Tensor  # [E, hidden] float32
+    correction_bias: torch.Tensor | None  # [E] float32, V3
+    cfg: DeepseekConfig
+
+    def __call__(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] float32, expert ids [T, k])."""
+        cfg, k = self.cfg, self.cfg.num_experts_per_tok
+        logits = F.linear(h.float(), self.weight)
+        if cfg.scoring == "sigmoid":
+            scores = logits.sigmoid()
+            choice = scores + self.correction_bias
+            groups = choice.view(h.shape[0], cfg.n_group, -1).topk(2, dim=-1)[0].sum(dim=-1)
+            choice = choice.masked_fill(~group_mask(groups, cfg.topk_group, choice.shape[1]), float("-inf"))
+            ids = choice.topk(k, dim=-1, sorted=False)[1]
+            weights = scores.gather(1, ids)
+            if cfg.norm_topk_prob:
+                weights /= weights.sum(dim=-1, keepdim=True) + 1e-20
+        else:
+            scores = logits.softmax(dim=-1)
+            if cfg.topk_method == "group_limited_greedy":
+                groups = scores.view(h.shape[0], cfg.n_group, -1).max(dim=-1).values
+                scores = scores.masked_fill(~group_mask(groups, cfg.topk_group, scores.shape[1]), 0.0)
+            weights, ids = scores.topk(k, dim=-1, sorted=False)
+        return weights * cfg.routed_scaling_factor, ids
+
+
+def group_mask(group_scores: torch.Tensor, topk_group: int, experts: int) -> torch.Tensor:
+    """[T, E] bool: the experts of each token's topk_group best groups."""
+    chosen = group_scores.topk(topk_group, dim=-1, sorted=False)[1]
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen, True)
+    return mask.repeat_interleave(experts // group_scores.shape[1], dim=1)
+
+
+@dataclass
+class MlaLayerWeights:
+    input_norm: torch.Tensor
+    post_norm: torch.Tensor
+    qkv_a: torch.Tensor  # [q_lora_rank (or heads * qk_head_dim) + kv_lora_rank + rope, hidden]
+    qkv_a_bias: torch.Tensor | None
+    q_a_norm: torch.Tensor | None  # q_lora only
+    q_b: torch.Tensor | None  # [heads * qk_head_dim, q_lora_rank], q_lora only
+    kv_a_norm: torch.Tensor
+    up: LatentUp
+    o: torch.Tensor
+    o_bias: torch.Tensor | None
+    gate_up: torch.Tensor | None = None  # a dense layer's MLP
+    down: torch.Tensor | None = None
+    moe: MoeWeights | None = None  # a sparse layer's routed experts, shared ones below
+    routing: DeepseekRouting | None = None
+    shared_gate_up: torch.Tensor | None = None
+    shared_down: torch.Tensor | None = None
+    rows: dict[str, torch.Tensor] | None = None  # plain copies of the linears for batch-1 decode (GEMV)
+
+    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x through the linear `name`: the GEMV kernel on its plain rows for one row, if kept."""
+        return linear(x, getattr(self, name), bias, self.rows.get(name) if self.rows else None)
+
+
+LINEARS = ("qkv_a", "q_b", "o", "gate_up", "down", "shared_gate_up", "shared_down")
+
+
+def _interleaved_to_halves(rope_dim: int) -> torch.Tensor:
+    """Row order that turns pairs (x0, x1), (x2, x3), ... into (x0, x2, ..., x1, x3, ...)."""
+    return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+def _weight(src: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
+    t = src.get(name, dtype)
+    if isinstance(t, QuantizedWeight):
+        raise ValueError(f"{name}: quantized weights are not supported for DeepSeek (MLA) models")
+    return t
+
+
+class DeepseekModel(DecoderModel):
+    paged_kv_heads = False  # the latent cache: atomd/model/mla.py attends over it
+
+    @classmethod
+    def config_from_hf(cls, hf: dict[str, Any], arch: str) -> ModelConfig:
+        v3 = arch == "DeepseekV3ForCausalLM"
+        layers, experts = hf["num_hidden_layers"], hf.get("n_routed_experts") or 0
+        first, freq = hf.get("first_k_dense_replace", 3 if v3 else 0), hf.get("moe_layer_freq", 1)
+        sparse = tuple(i for i in range(layers) if experts and i >= first and i % freq == 0)
+        method = "noaux_tc" if v3 else hf.get("topk_method") or "greedy"
+        if not v3 and method not in V2_TOPK_METHODS:
+            raise ValueError(f"{arch}: topk_method {method!r} is not supported (supported: {', '.join(V2_TOPK_METHODS)})")
+        groups = hf.get("n_group") or 1
+        if experts and experts % groups:
+            raise ValueError(f"{arch}: n_routed_experts={experts} is not a multiple of n_group={groups}")
+        rope = hf["qk_rope_head_dim"]
+        if rope % 2:
+            raise ValueError(f"{arch}: qk_rope_head_dim {rope} must be even")
+        return DeepseekConfig.from_hf(
+            {**hf, "head_dim": rope, "num_key_value_heads": 1}, arch, sparse_layers=sparse, num_experts=experts,
+            num_experts_per_tok=hf.get("num_experts_per_tok") or 0,
+            moe_intermediate_size=hf.get("moe_intermediate_size") or 0,
+            norm_topk_prob=bool(hf.get("norm_topk_prob", v3)), q_lora_rank=hf.get("q_lora_rank"),
+            kv_lora_rank=hf["kv_lora_rank"], qk_nope_head_dim=hf["qk_nope_head_dim"], qk_rope_head_dim=rope,
+            v_head_dim=hf["v_head_dim"], rope_interleave=bool(hf.get("rope_interleave", True)) if v3 else True,
+            n_shared_experts=hf.get("n_shared_experts") or 0,
+            routed_scaling_factor=float(hf.get("routed_scaling_factor", 1.0)),
+            scoring="sigmoid" if v3 else "softmax", topk_method=method, n_group=groups,
+            topk_group=hf.get("topk_group") or 1)
+
+    @classmethod
+    def load_layer(cls, src: TensorSource, cfg: DeepseekConfig, i: int, dtype: torch.dtype) -> MlaLayerWeights:
+        p = f"model.layers.{i}."
+        attn, mlp = p + "self_attn.", p + "mlp."
+        heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        get = lambda name: _weight(src, name, dtype)  # noqa: E731
+        halves = _interleaved_to_halves(rope) if cfg.rope_interleave else torch.arange(rope)
+        # per head: its nope rows, then its rope rows in halves order
+        q_rows = torch.cat([h * (nope + rope) + torch.cat([torch.arange(nope), nope + halves]) for h in range(heads)])
+        kv_a_rows = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + halves])
+        kv_a = get(attn + "kv_a_proj_with_mqa.weight")[kv_a_rows]
+        bias = cfg.qkv_bias  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj have one
+        if cfg.q_lora_rank:
+            q_first, q_b = get(attn + "q_a_proj.weight"), get(attn + "q_b_proj.weight")[q_rows]
+            q_bias = get(attn + "q_a_proj.bias") if bias else None
+        else:
+            q_first, q_b, q_bias = get(attn + "q_proj.weight")[q_rows], None, None
+            if bias:
+                q_bias = torch.zeros(q_first.shape[0], dtype=dtype)  # transformers' q_proj has none
+        w = MlaLayerWeights(
+            input_norm=get(p + "input_layernorm.weight"), post_norm=get(p + "post_attention_layernorm.weight"),
+            qkv_a=torch.cat([q_first, kv_a]).contiguous(),
+            qkv_a_bias=torch.cat([q_bias, get(attn + "kv_a_proj_with_mqa.bias")[kv_a_rows]]) if bias else None,
+            q_a_norm=get(attn + "q_a_layernorm.weight") if cfg.q_lora_rank else None, q_b=q_b,
+            kv_a_norm=get(attn + "kv_a_layernorm.weight"),
+            up=LatentUp.of(get(attn + "kv_b_proj.weight"), heads, nope, cfg.v_head_dim, pack=False),
+            o=get(attn + "o_proj.weight"), o_bias=get(attn + "o_proj.bias") if bias else None)
+        if i in cfg.sparse_layers:
+            gate_up, down = load_experts(src, mlp + "experts.", cfg.num_experts, "gate_proj", "up_proj",
+                                         "down_proj", dtype)
+            w.moe = MoeWeights(router=torch.empty(0), gate_up=gate_up, down=down, top_k=cfg.num_experts_per_tok,
+                               norm_topk_prob=cfg.norm_topk_prob, cast_weights=False)
+            bias_name = mlp + "gate.e_score_correction_bias"
+            w.routing = DeepseekRouting(src.get(mlp + "gate.weight", torch.float32),
+                                        src.get(bias_name, torch.float32) if cfg.scoring == "sigmoid" else None, cfg)
+            if cfg.n_shared_experts:
+                shared = mlp + "shared_experts."
+                w.shared_gate_up = cat(src, [shared + "gate_proj.weight", shared + "up_proj.weight"], dtype)
+                w.shared_down = get(shared + "down_proj.weight")
+        else:
+            w.gate_up = cat(src, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], dtype)
+            w.down = get(mlp + "down_proj.weight")
+        return w
+
+    def __post_init__(self) -> None:
+        cfg = self.config
+        self.cos, self.sin = rope_tables(cfg, self.max_positions, self.embed.dtype)
+        layer_ops.kernels()
+        if self._keep_rows():  # batch-1 decode: the GEMV kernel on plain rows (DecoderModel._pack_weights)
+            self.lm_head_rows = self.lm_head.contiguous()
+            for w in self.layers:
+                w.rows = {name: getattr(w, name).contiguous() for name in LINEARS if getattr(w, name) is not None}
+        if self.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available() and (
+                self.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
+            # oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)
+            self.lm_head = pack_linear_weight(self.lm_head)
+            for w in self.layers:
+                for name in LINEARS:
+                    if getattr(w, name) is not None:
+                        setattr(w, name, pack_linear_weight(getattr(w, name)))
+                w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
+
+    def _keep_rows(self) -> bool:
+        """decoder.keep_rows' rule: the GEMV kernel runs this dtype, $ATOMD_GEMV is not 0, the
+        copies stay under GEMV_MAX_BYTES."""
+        if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(self.dtype):
+            return False
+        size = self.lm_head.numel() + sum(getattr(w, n).numel() for w in self.layers for n in LINEARS
+                                          if getattr(w, n) is not None)
+        return size * self.embed.element_size() <= GEMV_MAX_BYTES
+
+    def attention_shape(self) -> tuple[int, int]:
+        """The absorbed decode's (atomd/model/mla.py): one latent "head" for all the query heads."""
+        return self.config.latent_dim, self.config.num_heads
+
+    def kv_geometry(self) -> KVGeometry:
+        """One latent row per token and layer: kv_lora_rank + qk_rope_head_dim values."""
+        return KVGeometry(1, 1, self.config.latent_dim, MLA_KV_LAYOUT_VERSION)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv_cache: KVCache, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
+        """DecoderModel.forward's contract (hidden_indices too: embeddings); attention over the
+        latent cache (atomd/model/mla.py)."""
+        if positions.numel() and int(positions.max()) >= self.max_positions:
+            raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
+        x = self.embed_tokens(input_ids)
+        h = self.norm_rows(x, self.layers[0].input_norm)
+        positions = self.rope_rows(positions.contiguous(), meta)
+        step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)
+        for i, w in enumerate(self.layers):
+            attn = self._attention(h, w, i, positions, meta, kv_cache)
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+            for rows in range(0, x.shape[0], step):
+                tile = slice(rows, rows + step)
+                self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
+        logits = self.logits(self.norm_rows(x[logits_indices], self.norm))
+        if hidden_indices is not None:
+            return logits, self.norm_rows(x[hidden_indices], self.norm)
+        return logits
+
+    def _attention(self, h: torch.Tensor, w: MlaLayerWeights, i: int, positions: torch.Tensor,
+                   meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+        """Layer i's attention output [T, heads * v_head_dim] before o_proj; the rows' latents stored."""
+        cfg = self.config
+        heads, rope, rank = cfg.num_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
+        qkv_a = w.linear("qkv_a", h, w.qkv_a_bias)
+        q_end = qkv_a.shape[1] - cfg.latent_dim
+        if w.q_b is not None:
+            q = w.linear("q_b", rms_norm(qkv_a[:, :q_end], w.q_a_norm, cfg.rms_norm_eps))
+        else:
+            q = qkv_a[:, :q_end]
+        q = q.reshape(-1, heads, cfg.qk_head_dim)
+        latent = torch.cat([rms_norm(qkv_a[:, q_end:q_end + rank], w.kv_a_norm, cfg.rms_norm_eps),
+                            qkv_a[:, q_end + rank:]], dim=1)
+        cos, sin = self.cos[positions], self.sin[positions]
+        q[..., -rope:] = rotate_half_rope(q[..., -rope:], cos.unsqueeze(1), sin.unsqueeze(1))
+        latent[:, rank:] = rotate_half_rope(latent[:, rank:], cos, sin)
+        store_latent(kv_cache, i, meta, latent)
+        if meta.is_prefill:
+            return mla_prefill(q, latent, kv_cache, i, meta, w.up, cfg.mla_scale)
+        return mla_decode(q, kv_cache, i, meta, w.up, cfg.mla_scale)
+
+    def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: MlaLayerWeights,
+                          next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
+        """DecoderModel's, with DeepSeekMoE: routed experts plus the shared ones."""
+        eps = self.config.rms_norm_eps
+        h = rms_norm(x, w.post_norm, eps, delta=w.linear("o", attn, w.o_bias))
+        if w.moe is not None:
+            down = moe(h, w.moe, w.routing(h))
+            if w.shared_gate_up is not None:
+                down = down + w.linear("shared_down", silu_mul(w.linear("shared_gate_up", h)))
+        else:
+            down = w.linear("down", silu_mul(w.linear("gate_up", h)))
+        if next_norm is None:
+            x.add_(down)
+        else:
+            rms_norm(x, next_norm, eps, delta=down, out=next_h)
+
+
+def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [..., rope] rotated: halves (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    return torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1)

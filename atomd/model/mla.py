@@ -1,0 +1,110 @@
+"""Multi-head latent attention (DeepSeek V2 / V3) over a latent paged cache.
+
+The cache holds, per token and layer, one row of kv_lora_rank + qk_rope_head_dim values: the
+normed compressed KV (c) and the RoPE'd key part shared by every head (k_pe); KVCache with one
+plane and one "head" of that width (KVGeometry in atomd/model/deepseek.py). Per head h,
+kv_b_proj splits into W_UK[h] [nope, rank] and W_UV[h] [v, rank]:
+
+    k_h = [W_UK[h] c ; k_pe]        v_h = W_UV[h] c
+
+Prefill up-projects each sequence's latent context into k, v (the work is per context token
+anyway) and runs SDPA. Decode runs the absorbed form, reading only the latent: the query goes
+into latent space once per token (q_h W_UK[h], [rank]), scores against the cached rows are
+[q_h W_UK[h] ; q_pe_h] . [c ; k_pe], and the probability-weighted latent sum goes through
+W_UV[h] once per token: no per-context-token up-projection, and every head reads the same rows
+(one KV head, MQA over rank + rope values). That is the native decode kernel's shape (heads of
+rank + rope values, all query heads in one group) with the rows as their own values: it reads
+the paged latent in place; the rope part of its output is dropped.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.kernels.native import decode_attention
+from atomd.model.linear import linear, pack_linear_weight
+
+
+@dataclass
+class LatentUp:
+    """kv_b_proj of one layer, as prefill and decode read it."""
+
+    kv_b: torch.Tensor  # [heads * (nope + v), rank], packed for the prefill up-projection
+    # per head, as the left operand of a batched matmul (a matrix-vector product per head at
+    # batch 1: ~2.5x the [1, nope] x [nope, rank] form there)
+    uk_t: torch.Tensor  # [heads, rank, nope]: W_UK[h] transposed, the query's absorption into latent space
+    uv: torch.Tensor  # [heads, v, rank]: W_UV[h], latent -> value space
+    nope: int
+    v: int
+
+    @classmethod
+    def of(cls, kv_b: torch.Tensor, heads: int, nope: int, v: int, pack: bool) -> "LatentUp":
+        """From kv_b_proj's plain weight; pack: the prefill copy in oneDNN's layout."""
+        per_head = kv_b.view(heads, nope + v, -1)
+        return cls(pack_linear_weight(kv_b) if pack else kv_b, per_head[:, :nope].transpose(1, 2).contiguous(),
+                   per_head[:, nope:].contiguous(), nope, v)
+
+
+def store_latent(kv_cache: KVCache, layer: int, meta: AttentionMetadata, latent: torch.Tensor) -> None:
+    """The batch's new latent rows [T, rank + rope] into their slots of layer `layer`."""
+    kv_cache.kv[:, layer, 0][meta.slot_blocks, meta.slot_offsets] = latent.unsqueeze(1)
+
+
+def gather_latent(kv_cache: KVCache, layer: int, block_ids: torch.Tensor) -> torch.Tensor:
+    """The latent rows of the blocks `block_ids` ([..., n]) as [..., n * block_size, rank + rope]."""
+    rows = kv_cache.kv[:, layer, 0].index_select(0, block_ids.reshape(-1))
+    return rows.view(*block_ids.shape[:-1], -1, kv_cache.head_dim)
+
+
+def up_project(latent: torch.Tensor, up: LatentUp, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """k [heads, n, nope + rope], v [heads, n, v] of latent rows [n, rank + rope]."""
+    kv = linear(latent[:, :rank].contiguous(), up.kv_b).view(latent.shape[0], -1, up.nope + up.v)
+    heads = kv.shape[1]
+    k = torch.cat([kv[..., :up.nope], latent[:, None, rank:].expand(-1, heads, -1)], dim=-1)
+    return k.transpose(0, 1), kv[..., up.nope:].transpose(0, 1)
+
+
+def mla_prefill(q: torch.Tensor, latent: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata,
+                up: LatentUp, scale: float) -> torch.Tensor:
+    """Causal attention [T, heads * v] of the packed queries q [T, heads, nope + rope] (RoPE'd)
+    over their sequences' contexts: a fresh prompt's from its own new latent rows [T, rank +
+    rope], one with cached tokens (chunked prefill, prefix hit, drafts to verify) from the cache
+    (this step's rows stored already). One SDPA per sequence over the up-projected k, v."""
+    rank = kv_cache.head_dim - (q.shape[2] - up.nope)
+    out = torch.empty(q.shape[0], q.shape[1] * up.v, dtype=q.dtype)
+    for s in meta.seqs:
+        if s.num_computed == 0:
+            context, mask = latent[s.start:s.end], None
+        else:
+            context, mask = gather_latent(kv_cache, layer, s.block_ids)[:s.context_len], s.mask
+        k, v = up_project(context, up, rank)
+        o = F.scaled_dot_product_attention(q[s.start:s.end].transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
+                                           v.unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale)
+        out[s.start:s.end] = o[0].transpose(0, 1).reshape(s.end - s.start, -1)
+    return out
+
+
+def mla_decode(q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata, up: LatentUp,
+               scale: float) -> torch.Tensor:
+    """Decode query rows q [R, heads, nope + rope] (RoPE'd) over their cached latent contexts in
+    the absorbed form: [R, heads * v]. With the native kernels (meta.kernels: built for heads of
+    rank + rope values, every query head on the one latent "head") straight from the paged
+    cache, also several rows a sequence (drafts, meta.query_starts); else one row a sequence,
+    contexts gathered, batched matmuls."""
+    rank = kv_cache.head_dim - (q.shape[2] - up.nope)
+    q_latent = torch.bmm(up.uk_t, q[..., :up.nope].permute(1, 2, 0))  # [heads, rank, R]
+    query = torch.cat([q_latent.permute(2, 0, 1), q[..., up.nope:]], dim=-1)  # [R, heads, rank + rope]
+    if meta.kernels is not None:
+        o = decode_attention(meta.kernels, query, kv_cache, layer, meta.block_tables, meta.context_lens,
+                             meta.query_starts, scale=scale).view(q.shape[0], q.shape[1], -1)[..., :rank]
+    else:  # batched matmuls over the one latent "head" (SDPA's GQA path would copy it per query head)
+        context = gather_latent(kv_cache, layer, meta.block_tables)[:, :meta.max_context]  # [B, L, rank + rope]
+        scores = torch.bmm(query, context.transpose(1, 2)).mul_(scale)  # [B, heads, L]
+        if meta.decode_mask is not None:
+            scores.masked_fill_(~meta.decode_mask[:, 0], float("-inf"))
+        o = torch.bmm(torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype), context[..., :rank])
+    out = torch.bmm(up.uv, o.permute(1, 2, 0))  # [heads, v, R]
+    return out.permute(2, 0, 1).reshape(q.shape[0], -1)

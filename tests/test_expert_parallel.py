@@ -1,0 +1,399 @@
+"""Expert parallelism over DP ranks (`--enable-expert-parallel`, atomd/model/expert_parallel.py):
+the sharded block against the whole one, two sharded engines (one thread each, the exchange
+in process) against Hugging Face and a DP=1 engine under uneven schedules, the delayer's
+and the exchanges' collective counts equal on every rank after random schedules, and the real
+thing (`atomd serve`, two rank processes over gloo): greedy equal to HF, expert load in
+/metrics, a rank killed or stopped mid-step failing every request within the group timeout."""
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+from prometheus_client.parser import text_string_to_metric_families
+
+from atomd.config import EngineConfig
+from atomd.engine.dp_collective import make_prefill_delayer
+from atomd.engine.llm_engine import LLMEngine
+from atomd.model.expert_parallel import ExpertParallel
+from atomd.model.loader import load_model
+from atomd.model.moe import MoeWeights, moe
+from contracts.sampling import SamplingParams
+from launch.process import http
+from tests.in_process_group import InProcessGroup
+from tests.server_fixtures import start_server
+from tests.test_model_hf import BLOCK, hf_greedy, make_checkpoint, prompts_of
+from tests.test_models import random_moe
+
+torch.set_num_threads(1)
+pytestmark = pytest.mark.timeout(240)
+
+# 2 ranks: qwen3_moe with 8 experts (4 a rank), mixtral with 16 (8 a rank); both top-2
+MODELS = {"qwen3_moe": ("qwen3_moe", {}), "mixtral": ("mixtral", {"num_local_experts": 16})}
+GREEDY = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
+    return {name: make_checkpoint(tmp_path_factory.mktemp(name), kind, seed=40 + i, **kw)
+            for i, (name, (kind, kw)) in enumerate(MODELS.items())}
+
+
+def on_ranks(n: int, fn) -> list:
+    """fn(rank) on n threads at once (the in-process group's ranks); the first error re-raised."""
+    results, errors = [None] * n, []
+
+    def run(r: int) -> None:
+        try:
+            results[r] = fn(r)
+        except BaseException as e:  # the peers then time out on the group's barrier
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return results
+
+
+def shard(w: MoeWeights, rank: int, ranks: int) -> MoeWeights:
+    per = w.gate_up.shape[0] // ranks
+    mine = slice(rank * per, (rank + 1) * per)
+    return MoeWeights(router=w.router, gate_up=w.gate_up[mine], down=w.down[mine], top_k=w.top_k,
+                      norm_topk_prob=w.norm_topk_prob, cast_weights=w.cast_weights, first_expert=rank * per)
+
+
+# ---------------------------------------------------------------- the block
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("experts,ranks", [(8, 2), (16, 2), (8, 4)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cast", [True, False])
+def test_the_sharded_block_equals_the_whole_block(experts, ranks, dtype, cast):
+    """Each rank's rows (none on rank 0: its part is the exchange alone) through the sharded
+    block equal the whole block's on the same rows: bit-equal in bf16 (the same roundings),
+    float32 to its last bits (an expert's GEMM over other rows)."""
+    w = random_moe(experts=experts, dtype=dtype, seed=experts + ranks)
+    w.cast_weights = cast
+    g = torch.Generator().manual_seed(1)
+    rows = [0, 1, 7, 40][:ranks] if ranks > 2 else [0, 9]
+    hs = [torch.randn(n, 32, generator=g).to(dtype) for n in rows]
+    group = InProcessGroup(ranks)
+
+    def rank(r: int) -> tuple[torch.Tensor, MoeWeights]:
+        mine = shard(w, r, ranks)
+        mine.ep = ExpertParallel(group.rank(r), r, ranks)
+        return moe(hs[r], mine), mine
+
+    got = on_ranks(ranks, rank)
+    assert got[0][0].shape == (0, 32)
+    for (out, _), h in zip(got[1:], hs[1:]):
+        want = moe(h, w)
+        if dtype == torch.bfloat16:
+            assert torch.equal(out, want)
+        else:
+            torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
+    # each expert's load counted once, on the rank holding it: every (token, choice) pair
+    assert torch.equal(torch.cat([m.routed for _, m in got]), w.routed)
+    assert int(w.routed.sum()) == 2 * sum(rows[1:])
+
+
+@pytest.mark.unit
+def test_load_holds_only_this_ranks_experts_and_refuses_what_does_not_split(checkpoints, tmp_path):
+    path = checkpoints["mixtral"]
+    whole = load_model(path)
+    for rank in (0, 1):
+        part = load_model(path, expert_shard=(rank, 2))
+        for w, m in zip(whole.layers, part.layers):
+            assert m.moe.first_expert == 8 * rank and m.moe.gate_up.shape[0] == 8
+            assert torch.equal(m.moe.gate_up, w.moe.gate_up[8 * rank:8 * rank + 8])
+            assert torch.equal(m.moe.down, w.moe.down[8 * rank:8 * rank + 8])
+            assert torch.equal(m.moe.router, w.moe.router)
+    with pytest.raises(ValueError, match="16 experts do not split evenly over data_parallel_size=3"):
+        load_model(path, expert_shard=(0, 3))
+    dense = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=1)
+    with pytest.raises(ValueError, match="needs an MoE model"):
+        load_model(dense, expert_shard=(0, 2))
+
+
+@pytest.mark.unit
+def test_expert_parallel_is_not_simulated():
+    with pytest.raises(ValueError, match="enable_expert_parallel"):
+        EngineConfig(model_runner="simulated", hardware="h100:llama3-8b", enable_expert_parallel=True)
+
+
+# ---------------------------------------------------------------- two engines, one thread each
+
+
+class Ranks:
+    """Two expert-parallel LLMEngines of one checkpoint over an in-process group, stepped
+    tick by tick on one thread each (as DPEngineCore steps them: every tick, idle or not)."""
+
+    def __init__(self, path: pathlib.Path, policy: str = "off", ranks: int = 2):
+        self.group = InProcessGroup(ranks, timeout_s=60)
+        self.colls = [self.group.rank(r) for r in range(ranks)]
+        self.ran: list[str] = ["idle"] * ranks  # what each rank's forward ran this tick
+
+        def build(r: int) -> LLMEngine:
+            cfg = EngineConfig(model=str(path), data_parallel_size=ranks, data_parallel_rank=r,
+                               enable_expert_parallel=True, prefill_delayer=policy, num_threads=1,
+                               max_model_len=256)
+            delayer = make_prefill_delayer(cfg, self.colls[r]) if policy != "off" else None
+            engine = LLMEngine(cfg, prefill_delayer=delayer, expert_group=self.colls[r])
+            forward = engine._forward
+
+            def observed(batch):
+                self.ran[r] = "prefill" if batch.is_prefill else "decode"
+                return forward(batch)
+            engine._forward = observed
+            return engine
+
+        self.engines = on_ranks(ranks, build)
+
+    def decisions(self) -> list[int]:
+        return [sum(n for *_, n in e.scheduler.prefill_delayer.stats()["outcomes"]) for e in self.engines]
+
+    def run(self, arrivals: list[dict[int, list[tuple[str, list[int]]]]], params=GREEDY,
+            max_ticks: int = 400) -> tuple[dict[str, list[int]], list[list[str]]]:
+        """arrivals[rank][tick]: (request id, prompt) added before that tick's step. Every rank
+        steps until no rank has work left (decided together: a rank alone must not stop).
+        Returns the tokens by request id and, per rank, what each tick's forward ran (prefill,
+        decode, or idle: the exchange alone)."""
+        last = max((t for a in arrivals for t in a), default=0)
+        tokens: dict[str, list[int]] = {}
+        kinds: list[list[str]] = [[] for _ in self.engines]
+        busy = [True] * len(self.engines)
+        sync = threading.Barrier(len(self.engines))
+
+        def rank(r: int) -> None:
+            engine = self.engines[r]
+            for tick in range(max_ticks):
+                for rid, prompt in arrivals[r].get(tick, []):
+                    engine.add_request(rid, prompt, params)
+                self.ran[r] = "idle"
+                for out in engine.step():
+                    tokens.setdefault(out.request_id, []).extend(out.new_token_ids)
+                kinds[r].append(self.ran[r])
+                busy[r] = engine.has_unfinished_requests()
+                sync.wait(60)  # every rank has set busy
+                done = tick >= last and not any(busy)
+                sync.wait(60)  # every rank has read it
+                if done:
+                    return
+            raise AssertionError("ranks still busy after max_ticks")
+
+        before = [(c.num_collectives, c.num_all_to_all) for c in self.colls]
+        on_ranks(len(self.engines), rank)
+        self.counts = [(c.num_collectives - b[0], c.num_all_to_all - b[1]) for c, b in zip(self.colls, before)]
+        return tokens, kinds
+
+
+def busy_ticks(kinds: list[list[str]]) -> int:
+    """Ticks where some rank ran a forward (the others exchanged with it)."""
+    return sum(any(k != "idle" for k in tick) for tick in zip(*kinds))
+
+
+@pytest.fixture(scope="module")
+def reference(checkpoints):
+    """HF's greedy tokens, memoised per (model, prompt)."""
+    memo: dict[tuple[str, tuple[int, ...]], list[int]] = {}
+
+    def greedy(name: str, prompt: list[int], n: int = 8) -> list[int]:
+        key = (name, tuple(prompt))
+        if key not in memo:
+            memo[key] = hf_greedy(checkpoints[name], prompt, n)
+        return memo[key]
+    return greedy
+
+
+@pytest.fixture(scope="module")
+def ep_ranks(checkpoints):
+    """Ranks per (model, delayer policy), built once."""
+    memo: dict[tuple[str, str], Ranks] = {}
+
+    def get(name: str, policy: str = "off") -> Ranks:
+        if (name, policy) not in memo:
+            memo[name, policy] = Ranks(checkpoints[name], policy)
+        return memo[name, policy]
+    return get
+
+
+PROMPTS = prompts_of([5, 3 * BLOCK + 7, 1, 2 * BLOCK, 40], seed=5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("schedule", ["one_idle", "prefill_while_decoding", "both_busy"])
+def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, checkpoints, ep_ranks, reference):
+    ranks = ep_ranks(name)
+    if schedule == "one_idle":  # rank 1 never has a request: its every tick is the exchange alone
+        arrivals = [{0: [(f"p{i}", p) for i, p in enumerate(PROMPTS)]}, {}]
+    elif schedule == "prefill_while_decoding":  # rank 0 decodes; rank 1's prompts land mid-way
+        arrivals = [{0: [("p0", PROMPTS[0]), ("p2", PROMPTS[2])]}, {3: [("p1", PROMPTS[1])], 6: [("p4", PROMPTS[4])]}]
+    else:
+        arrivals = [{0: [("p0", PROMPTS[0]), ("p1", PROMPTS[1])], 2: [("p3", PROMPTS[3])]},
+                    {0: [("p2", PROMPTS[2]), ("p4", PROMPTS[4])]}]
+    tokens, kinds = ranks.run(arrivals)
+    placed = {rid: p for a in arrivals for batch in a.values() for rid, p in batch}
+    for rid, prompt in placed.items():
+        assert tokens[rid] == reference(name, prompt), rid
+    dp1 = LLMEngine(EngineConfig(model=str(checkpoints[name]), num_threads=1, max_model_len=256))
+    for rid, prompt in placed.items():
+        dp1.add_request(rid, prompt, GREEDY)
+    alone: dict[str, list[int]] = {}
+    while dp1.has_unfinished_requests():
+        for out in dp1.step():
+            alone.setdefault(out.request_id, []).extend(out.new_token_ids)
+    assert alone == {rid: tokens[rid] for rid in placed}
+    pairs = set(zip(*kinds))
+    if schedule == "one_idle":
+        assert set(kinds[1]) == {"idle"} and ("prefill", "idle") in pairs and ("decode", "idle") in pairs
+    if schedule == "prefill_while_decoding":
+        assert ("decode", "prefill") in pairs, kinds
+    # every tick: the gate's all-reduce, then where any rank has rows 3 all-to-alls per sparse
+    # layer on every rank, idle or not
+    (c0, a0), (c1, a1) = ranks.counts
+    assert c0 == c1 == len(kinds[0])
+    assert a0 == a1 == 3 * len(ranks.engines[0].model.config.sparse_layers) * busy_ticks(kinds)
+    for engine in ranks.engines:  # every block back
+        bm = engine.scheduler.block_manager
+        assert bm.num_free_blocks == bm.num_total_blocks
+
+
+@pytest.mark.unit
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
+                                                                 HealthCheck.too_slow])
+@given(policy=st.sampled_from(["align", "coalesce"]), max_tokens=st.integers(1, 6),
+       schedule=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 12), st.integers(0, len(PROMPTS) - 1)),
+                         min_size=1, max_size=6))
+def test_collective_counts_equal_on_every_rank_after_random_schedules(policy, max_tokens, schedule, ep_ranks,
+                                                                       reference):
+    """Random arrivals (rank, tick, prompt): every rank made one delayer decision per tick and
+    the same number of all-to-alls, and every request got HF's greedy tokens."""
+    ranks = ep_ranks("qwen3_moe", policy)
+    arrivals: list[dict[int, list]] = [{}, {}]
+    for i, (rank, tick, p) in enumerate(schedule):
+        arrivals[rank].setdefault(tick, []).append((f"h{i}", PROMPTS[p]))
+    decided = ranks.decisions()
+    tokens, kinds = ranks.run(arrivals, params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                               ignore_eos=True))
+    for rid, prompt in ((rid, p) for a in arrivals for b in a.values() for rid, p in b):
+        assert tokens[rid] == reference("qwen3_moe", prompt)[:max_tokens]
+    (c0, a0), (c1, a1) = ranks.counts  # the delayer's all-reduce and the gate's, every tick
+    ticks = len(kinds[0])
+    layers = len(ranks.engines[0].model.config.sparse_layers)
+    assert c0 == c1 == 2 * ticks and a0 == a1 == 3 * layers * busy_ticks(kinds)
+    assert [now - then for now, then in zip(ranks.decisions(), decided)] == [ticks, ticks]
+    for engine in ranks.engines:
+        assert engine.scheduler.prefill_delayer.stats()["collective_errors"] == 0
+
+
+# ---------------------------------------------------------------- atomd serve: two rank processes over gloo
+
+EP_SERVE = ["--data-parallel-size", "2", "--enable-expert-parallel", "--prefill-delayer", "align",
+            "--dp-collective-timeout-s", "5"]
+
+
+def complete(server, prompt: list[int], max_tokens: int = 8, rank: int | None = None) -> tuple[int, dict]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
+    if rank is not None:
+        body["data_parallel_rank"] = rank
+    status, raw = http("POST", server.url + "/v1/completions", body, timeout=60)
+    return status, json.loads(raw)
+
+
+def hf_text(path: pathlib.Path, ids: list[int]) -> str:
+    from tokenizers import Tokenizer
+
+    return Tokenizer.from_file(str(path / "tokenizer.json")).decode(ids)
+
+
+@pytest.fixture(scope="module")
+def ep_server(checkpoints):
+    server = start_server(checkpoints["qwen3_moe"], *EP_SERVE)
+    yield server
+    server.stop()
+
+
+@pytest.mark.integration
+def test_served_ep2_greedy_equals_hf_on_either_rank_and_metrics_show_each_ranks_experts(ep_server, reference,
+                                                                                         checkpoints):
+    prompts = [[t % 297 + 3 for t in p] for p in PROMPTS[:4]]  # in the tokenizer's 300 ids (the model has 320)
+    with ThreadPoolExecutor(4) as pool:  # rank 0 gets three, rank 1 one (pinned): uneven
+        answers = list(pool.map(lambda ip: complete(ep_server, ip[1], rank=0 if ip[0] < 3 else 1),
+                                enumerate(prompts)))
+    for (status, body), prompt in zip(answers, prompts):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == hf_text(checkpoints["qwen3_moe"], reference("qwen3_moe", prompt))
+    status, raw = http("GET", ep_server.url + "/metrics")
+    assert status == 200
+    families = {f.name: f for f in text_string_to_metric_families(raw.decode())}
+    tokens = [s for s in families["atomd:expert_tokens"].samples if s.name.endswith("_total")]
+    experts = {(s.labels["dp_rank"], s.labels["expert"]) for s in tokens}
+    assert experts == {("0", str(e)) for e in range(4)} | {("1", str(e)) for e in range(4, 8)}
+    # every (token, choice) pair of every sparse layer ran on exactly one rank: 2 choices x 2 layers per token
+    computed = sum(len(p) + 8 - 1 for p in prompts)
+    assert sum(s.value for s in tokens) == 2 * 2 * computed
+    exchange = families["atomd:expert_parallel_exchange_seconds"].samples
+    assert {s.labels["dp_rank"] for s in exchange} == {"0", "1"}
+
+
+def fail_a_rank_mid_step(server, sig: int) -> None:
+    """Long requests on both ranks; one rank's process stopped (or killed) while both step: the
+    other rank's next all-to-all fails within --dp-collective-timeout-s (5 s), its core exits,
+    and the API fails every request of both ranks (the stopped one's too: an expert-parallel
+    engine is one unit), reports unhealthy, and keeps answering."""
+    victim = None
+    try:
+        prompt = [t % 297 + 3 for t in PROMPTS[0]]
+        with ThreadPoolExecutor(2) as pool:
+            futures = [pool.submit(complete, server, prompt, 240, rank) for rank in (0, 1)]
+            deadline = time.monotonic() + 30
+            while not all(r["num_running"] for r in server.stats()["ranks"]):
+                assert time.monotonic() < deadline and not any(f.done() for f in futures), "not both running"
+                time.sleep(0.02)
+            victim = max(server.engine_pids())
+            os.kill(victim, sig)
+            hit = time.monotonic()
+            answers = [f.result(timeout=30) for f in futures]
+            failed_after = time.monotonic() - hit
+        for status, body in answers:
+            assert status == 503 and body["error"]["code"] == "engine_dead", body
+        if sig == signal.SIGSTOP:  # the stopped rank never exits: its request failed with its peer
+            assert any("expert-parallel DP rank" in body["error"]["message"] for _, body in answers), answers
+        assert failed_after < 5 + 10, failed_after  # the group timeout, plus the core's exit and the API's notice
+        status, raw = http("GET", server.url + "/health")
+        assert status == 503 and json.loads(raw)["status"] == "engine dead"
+        status, body = complete(server, prompt, 2)
+        assert status == 503, body
+        assert server.proc.poll() is None  # the API process lives on and answers
+    finally:
+        if victim is not None and sig == signal.SIGSTOP:
+            os.kill(victim, signal.SIGKILL)  # a stopped process would never see the server's SIGTERM
+
+
+@pytest.mark.integration
+def test_a_rank_stopped_mid_step_fails_every_request_within_the_group_timeout(checkpoints):
+    server = start_server(checkpoints["qwen3_moe"], *EP_SERVE)
+    try:
+        fail_a_rank_mid_step(server, signal.SIGSTOP)
+    finally:
+        server.stop()
+
+
+@pytest.mark.integration
+def test_a_rank_killed_mid_step_fails_every_request(ep_server):
+    """Last in the file: the module's server is dead after it."""
+    fail_a_rank_mid_step(ep_server, signal.SIGKILL)
