@@ -51,7 +51,7 @@ import llguidance
 import numpy as np
 
 from atomd.kernels import cbuild
-from contracts.sampling import StructuredOutputsParams
+from contracts.sampling import ReasoningSpan, StructuredOutputsParams
 
 log = logging.getLogger(__name__)
 JSON_OPTIONS = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
@@ -117,20 +117,46 @@ def check(so: StructuredOutputsParams) -> None:
         raise ValueError(error)
 
 
+# where a sequence is relative to its reasoning block (ReasoningSpan); a grammar without
+# one is always in _GRAMMAR
+_GRAMMAR, _OPENING, _REASONING = 0, 1, 2  # the grammar's tokens; the first token; free text
+
+
 class GrammarMatcher:
-    """One sequence's position in its grammar."""
+    """One sequence's position in its grammar. With a `ReasoningSpan` the grammar starts
+    after the reasoning block (vLLM's rule): while the sequence is inside it every token is
+    allowed and none is fed to the grammar; the token that ends it is not the grammar's
+    either; at the first token of a span that may open the block (`start_token_id`), the
+    grammar's tokens and that one are allowed."""
 
-    __slots__ = ("matcher", "num_consumed", "end_mask")
+    __slots__ = ("matcher", "num_consumed", "end_mask", "span", "phase")
 
-    def __init__(self, matcher: "llguidance.LLMatcher", end_mask: np.ndarray):
+    def __init__(self, matcher: "llguidance.LLMatcher", end_mask: np.ndarray, span: ReasoningSpan | None = None):
         self.matcher = matcher
-        self.num_consumed = 0  # completion tokens fed to the matcher so far
+        self.num_consumed = 0  # completion tokens taken so far (the grammar's and the reasoning's)
         self.end_mask = end_mask  # the bitmask row allowing only the end tokens
+        self.span = span
+        self.phase = _GRAMMAR if span is None else _REASONING if span.start_token_id is None else _OPENING
+
+    def _split(self, tokens: Seq[int]) -> tuple[int, Seq[int]]:
+        """The phase after `tokens` and the part of them that is the grammar's (pure)."""
+        phase = self.phase
+        if phase == _GRAMMAR or not tokens:
+            return phase, tokens
+        if phase == _OPENING:
+            if tokens[0] != self.span.start_token_id:
+                return _GRAMMAR, tokens
+            tokens = tokens[1:]
+        for k, t in enumerate(tokens):
+            if t == self.span.end_token_id:
+                return _GRAMMAR, tokens[k + 1:]
+        return _REASONING, ()
 
     def advance(self, tokens: Seq[int]) -> bool:
         """Feed the tokens the sequence accepted since the last call; False when one broke
         the grammar (the matcher then allows only the end tokens: the sequence stops)."""
         self.num_consumed += len(tokens)
+        self.phase, tokens = self._split(tokens)
         if tokens and not self.matcher.is_error():
             return self.matcher.consume_tokens(list(tokens))
         return not self.matcher.is_error()
@@ -142,17 +168,28 @@ class GrammarMatcher:
     def fill_at(self, bitmask: np.ndarray, j: int, address: int) -> None:
         """fill(bitmask[j]) without making the row's view (the sampler's loop: numpy's
         `.ctypes` is slow): `bitmask` int32, C-contiguous, `address` the data pointer of its row j."""
-        if self.matcher.is_error():
+        if self.phase == _REASONING:
+            bitmask[j] = -1  # every token
+        elif self.matcher.is_error():
             bitmask[j] = self.end_mask
         else:
             self.matcher.unsafe_compute_mask_ptr(address, bitmask.strides[0])
+            if self.phase == _OPENING:
+                t = self.span.start_token_id
+                bitmask[j].view(np.uint32)[t // 32] |= np.uint32(1 << (t % 32))
 
     def fill_after(self, tokens: Seq[int], row: np.ndarray) -> None:
         """fill() as it would be after `tokens` (speculative drafts), the state left as it
         was; the end tokens only when `tokens` break the grammar."""
+        phase, tokens = self._split(tokens)
+        if phase == _REASONING:
+            row[:] = -1
+            return
         n = 0 if self.matcher.is_error() else self.matcher.try_consume_tokens(list(tokens))
         if n == len(tokens):
+            saved, self.phase = self.phase, phase
             self.fill(row)
+            self.phase = saved
         else:
             row[:] = self.end_mask
         if n:
@@ -161,16 +198,12 @@ class GrammarMatcher:
     def sync(self, token_ids: list[int], num_prompt_tokens: int) -> None:
         """advance() by what a sequence with these tokens accepted since the last sync."""
         start = num_prompt_tokens + self.num_consumed
-        if len(token_ids) == start + 1:  # the common case, one decode step: no slice, no list
+        if len(token_ids) == start + 1 and self.phase == _GRAMMAR:  # one decode step: no slice, no list
             self.num_consumed += 1
             if not self.matcher.is_error():
                 self.matcher.consume_token(token_ids[-1])
         elif len(token_ids) > start:
             self.advance(token_ids[start:])
-
-    def valid_prefix(self, tokens: Seq[int]) -> int:
-        """How many of `tokens` (e.g. speculative drafts) the grammar accepts from here."""
-        return 0 if self.matcher.is_error() else self.matcher.validate_tokens(list(tokens))
 
 
 class GrammarCompiler:
@@ -199,7 +232,12 @@ class GrammarCompiler:
         return self._tokenizer
 
     def compile(self, so: StructuredOutputsParams) -> "llguidance.LLMatcher":
-        """The pristine matcher of `so`'s grammar; ValueError when it does not compile."""
+        """The pristine matcher of `so`'s grammar; ValueError when it does not compile (or
+        its reasoning span names a token outside the vocabulary)."""
+        span = so.reasoning
+        if span is not None and max(span.end_token_id, span.start_token_id or 0) >= self.vocab_size:
+            raise ValueError(f"the reasoning tags' token ids ({span.start_token_id}, {span.end_token_id}) "
+                             f"lie outside the vocabulary of {self.vocab_size}")
         try:
             key = grammar_text(so)
         except ValueError as e:
@@ -219,7 +257,7 @@ class GrammarCompiler:
         return matcher
 
     def matcher(self, so: StructuredOutputsParams) -> GrammarMatcher:
-        return GrammarMatcher(self.compile(so).deep_copy(), self.end_mask)
+        return GrammarMatcher(self.compile(so).deep_copy(), self.end_mask, so.reasoning)
 
     def new_bitmask(self, rows: int) -> np.ndarray:
         return np.zeros((rows, self.words), dtype=np.int32)

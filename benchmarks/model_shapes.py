@@ -12,6 +12,9 @@ decodes to nothing would look like an empty stream to a client).
     query / 4 KV heads of 32, vocabulary 4096) and a sparse MLP on every layer: 16 experts of
     intermediate 172, top-4 (Qwen3-30B-A3B's 128 / top-8 ratio scaled down; the 4 chosen
     together as wide as the built-in's dense 688), float32 (~60 MB).
+    qwen3-0.6b: Qwen3-0.6B's shape (Qwen3ForCausalLM: q/k norm): hidden 1024, 28 layers, 16
+    query / 8 KV heads of 128, intermediate 3072, vocabulary 151936, tied, float32 (~3 GB;
+    the issue's dense comparison shape).
 """
 from __future__ import annotations
 
@@ -28,10 +31,14 @@ SHAPES = {
     "smollm-135m": dict(hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
                         head_dim=64, intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True,
                         max_position_embeddings=2048, rms_norm_eps=1e-5, rope_theta=100000.0),
-    "qwen3-moe-small": dict(arch="qwen3_moe", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
+    "qwen3-moe-small": dict(architecture="Qwen3Moe", hidden_size=256, num_hidden_layers=4, num_attention_heads=8,
                             num_key_value_heads=4, head_dim=32, intermediate_size=688, num_experts=16,
                             num_experts_per_tok=4, moe_intermediate_size=172, norm_topk_prob=True,
                             vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    "qwen3-0.6b": dict(architecture="Qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
+                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
+                       tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                       rope_theta=1000000.0),
 }
 CHOICES = ["builtin", *SHAPES]
 
@@ -55,7 +62,7 @@ def model_dir(shape: str) -> pathlib.Path:
     if (target / "model.safetensors").is_file():
         return target
     import torch
-    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen3MoeConfig
+    import transformers
 
     print(f"writing a random-weight {shape}-shaped checkpoint to {target} (once)", file=sys.stderr, flush=True)
     builtin = default_model_dir()
@@ -63,10 +70,11 @@ def model_dir(shape: str) -> pathlib.Path:
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=f".{target.name}.", dir=target.parent))
     try:
         torch.manual_seed(0)
-        shape_kw = dict(SHAPES[shape])
-        kind = Qwen3MoeConfig if shape_kw.pop("arch", "llama") == "qwen3_moe" else LlamaConfig
-        config = kind(**shape_kw, bos_token_id=1, eos_token_id=2, pad_token_id=0, torch_dtype="float32")
-        AutoModelForCausalLM.from_config(config).save_pretrained(tmp, safe_serialization=True)
+        fields = dict(SHAPES[shape])
+        arch = fields.pop("architecture", "Llama")
+        config = getattr(transformers, f"{arch}Config")(**fields, bos_token_id=1, eos_token_id=2, pad_token_id=0,
+                                                        torch_dtype="float32")
+        getattr(transformers, f"{arch}ForCausalLM")(config).save_pretrained(tmp, safe_serialization=True)
         shutil.copyfile(builtin / "tokenizer_config.json", tmp / "tokenizer_config.json")
         write_tokenizer(builtin / "tokenizer.json", tmp / "tokenizer.json", config.vocab_size)
         os.chmod(tmp, 0o755)

@@ -38,7 +38,7 @@ from benchmarks.machine import loadavg
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1408, vocab_size=4096, tie_word_embeddings=False, max_position_embeddings=2048)
-SHAPE_CHOICES = ("small", "smollm-135m")
+SHAPE_CHOICES = ("small", "smollm-135m", "qwen3-0.6b")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -112,14 +112,16 @@ WORKLOADS = {"batch1": (1, 128, 128, 1), "batch16": (16, 128, 128, 2), "batch16_
              "prefill": (8, 512, 1, 3)}
 
 
-def run_workloads(gens: dict, vocab_size: int = SHAPE["vocab_size"], rounds: int = 1) -> dict[str, dict[str, float]]:
-    """tokens/s per engine per workload, the median over `rounds`; the engines alternate per
-    workload so that all see the same background load on a shared machine."""
+def run_workloads(gens: dict, vocab_size: int = SHAPE["vocab_size"], rounds: int = 1,
+                  workloads: tuple[str, ...] = tuple(WORKLOADS)) -> dict[str, dict[str, float]]:
+    """tokens/s per engine per workload (of `workloads`), the median over `rounds`; the engines
+    alternate per workload so that all see the same background load on a shared machine."""
     for gen in gens.values():
         gen(prompts(2, 16, 9, vocab_size), 4)  # warm-up
-    runs: dict[str, dict[str, list[float]]] = {name: {w: [] for w in WORKLOADS} for name in gens}
+    runs: dict[str, dict[str, list[float]]] = {name: {w: [] for w in workloads} for name in gens}
     for r in range(rounds):
-        for workload, (n, length, new, seed) in WORKLOADS.items():
+        for workload in workloads:
+            n, length, new, seed = WORKLOADS[workload]
             batch = prompts(n, length, seed, vocab_size)
             tokens = n * length if workload == "prefill" else n * new
             for name, gen in gens.items():
@@ -128,9 +130,11 @@ def run_workloads(gens: dict, vocab_size: int = SHAPE["vocab_size"], rounds: int
     out: dict[str, dict[str, float]] = {}
     for name, per in runs.items():
         # decode alone: each round's batch 16 run minus its prefill and first token
-        decode = [16 * 127 / (16 * 128 / full - 16 / first) for full, first in zip(per["batch16"], per.pop("batch16_first"))]
+        decode = [16 * 127 / (16 * 128 / full - 16 / first)
+                  for full, first in zip(per.get("batch16", []), per.pop("batch16_first", []))]
         out[name] = {w: statistics.median(v) for w, v in per.items()}
-        out[name]["batch16_decode"] = statistics.median(decode)
+        if decode:
+            out[name]["batch16_decode"] = statistics.median(decode)
     return out
 
 
@@ -181,6 +185,8 @@ def main() -> int:
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the figures as JSON")
     p.add_argument("--with-torch-attention", action="store_true",
                    help="also run atomd with --attention-backend torch (the native kernel's ablation)")
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
+                   help="a subset (batch16_first goes with batch16; the GFLOP/s lines need batch16 and prefill)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     load_before = loadavg()
@@ -192,15 +198,18 @@ def main() -> int:
             gens[f"atomd_{dtype}"] = atomd_generator(path, args.threads, dtype=dtype)
             if args.with_torch_attention:
                 gens[f"atomd_{dtype}_torch_attention"] = atomd_generator(path, args.threads, "torch", dtype)
-        results = run_workloads(gens, cfg["vocab_size"], args.rounds)
+        results = run_workloads(gens, cfg["vocab_size"], args.rounds, tuple(args.workloads))
     torch.set_num_threads(args.threads)
+    full = {"batch16", "batch16_first", "prefill"} <= set(args.workloads)
     mm = {d: (matmul_gflops(cfg, 16, DTYPES[d]), matmul_gflops(cfg, 512, DTYPES[d], with_head=False))
-          for d in args.dtype}
+          for d in args.dtype} if full else {}
     print(f"shape={args.model_shape} threads={args.threads} rounds={args.rounds} (medians) "
           f"load {load_before} -> {loadavg()}")
     names = list(results)
     print(f"{'metric':26} " + " ".join(f"{n:>16}" for n in names) + ("  vs HF" if "hf" in results else ""))
     for key, label in ROWS:
+        if key not in results[names[0]]:
+            continue
         ratios = " ".join(f"{results[n][key] / results['hf'][key]:.2f}x" for n in names if n != "hf") \
             if "hf" in results else ""
         print(f"{label:26} " + " ".join(f"{results[n][key]:16.1f}" for n in names) + f"  {ratios}")
@@ -209,7 +218,7 @@ def main() -> int:
     batch16_flops = (16 * 128 * flops_per_token(cfg, 64, with_head=False) + 16 * 2 * cfg["vocab_size"]
                      * cfg["hidden_size"] + 16 * 128 * flops_per_token(cfg, 192))
     gflops = {}
-    for dtype in args.dtype:
+    for dtype in (args.dtype if full else ()):
         ours = results[f"atomd_{dtype}"]
         decode = batch16_flops / (16 * 128 / ours["batch16"]) / 1e9
         prefill = ours["prefill"] * flops_per_token(cfg, 256, with_head=False) / 1e9

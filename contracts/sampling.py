@@ -8,17 +8,37 @@ from typing import Any, Iterable
 import msgspec
 
 
+class ReasoningSpan(msgspec.Struct, kw_only=True, frozen=True):
+    """Where a reasoning block (`<think>...</think>`) lies in the output, by token ids, so a
+    grammar can start after it (vLLM's structured outputs with a reasoning parser): the
+    output is free text up to and including `end_token_id`, the grammar shapes what follows.
+    `start_token_id` None: the output starts inside the block (the prompt opened it); else it
+    may open one with that token as its very first token, and any other first token is the
+    grammar's (no reasoning at all)."""
+
+    end_token_id: int
+    start_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        ids = [self.end_token_id] + ([] if self.start_token_id is None else [self.start_token_id])
+        _require(all(isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in ids)
+                 and len(set(ids)) == len(ids), "reasoning", f"must name distinct token ids, got {ids}")
+
+
 class StructuredOutputsParams(msgspec.Struct, kw_only=True, omit_defaults=True):
     """Grammar-constrained decoding (vLLM's names): exactly one of `json` (a JSON schema, as
     an object or as JSON text), `regex`, `choice` (one of these strings), `grammar` (Lark,
     or llama.cpp's GBNF) or `json_object` (any JSON object). atomd/structured.py compiles it
-    (llguidance); the sampler masks every token the grammar does not allow."""
+    (llguidance); the sampler masks every token the grammar does not allow. `reasoning`
+    (set by the server under --reasoning-parser, never by a client): the grammar starts
+    after the reasoning block."""
 
     json: str | dict[str, Any] | None = None
     regex: str | None = None
     choice: list[str] | None = None
     grammar: str | None = None
     json_object: bool = False
+    reasoning: ReasoningSpan | None = None
 
     def __post_init__(self) -> None:
         given = [n for n in ("json", "regex", "choice", "grammar") if getattr(self, n) is not None]

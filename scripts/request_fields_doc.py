@@ -35,7 +35,7 @@ VLLM_EXTRAS = ["top_k", "min_p", "repetition_penalty", "length_penalty", "stop_t
                "guided_whitespace_pattern", "priority", "request_id", "kv_transfer_params", "cache_salt",
                "vllm_xargs", "add_special_tokens", "response_format", "echo", "add_generation_prompt",
                "continue_final_message", "chat_template", "chat_template_kwargs", "documents",
-               "mm_processor_kwargs", "prompt_embeds", "data_parallel_rank"]
+               "mm_processor_kwargs", "prompt_embeds", "data_parallel_rank", "include_reasoning"]
 OPENAI_RESPONSES = ["background", "conversation", "include", "input", "instructions", "max_output_tokens",
                     "max_tool_calls", "metadata", "model", "parallel_tool_calls", "previous_response_id", "prompt",
                     "prompt_cache_key", "reasoning", "safety_identifier", "service_tier", "store", "stream",

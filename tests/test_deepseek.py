@@ -252,7 +252,7 @@ def test_bf16_is_as_close_to_float32_as_hf_bf16(name, checkpoints):
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     for prompt in prompts_of([1, 5 * BLOCK + 3], seed=4):
         out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
-        ours = torch.tensor([lp["logprob"] for lp in out.logprobs])
+        ours = torch.tensor([lp.logprob for lp in out.logprobs])
         rows, ids = torch.arange(len(prompt) - 1, len(prompt) + 23), torch.tensor(out.token_ids)
         with torch.inference_mode():
             ref = {dtype: torch.log_softmax(m(torch.tensor([prompt + out.token_ids])).logits[0].float(), -1)[rows, ids]

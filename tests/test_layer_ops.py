@@ -248,3 +248,27 @@ def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype,
     fused = run()
     model.decode_layer = None  # the per-op path
     assert run() == fused
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("cast_weights", [True, False])  # Qwen3-MoE's bf16 products; Mixtral's float32 ones
+def test_moe_experts_in_one_call_equal_the_ops_one_by_one(isa, dtype, cast_weights):
+    """Batch-1 decode of an MoE block (atomd/model/moe.py): its k experts in one C call where the
+    GEMV kernel is built (layer_ops.moe_experts), the bits of expert() (GEMV, SiLU-and-mul,
+    GEMV), the scaling and the float32 sum run op by op; odd sizes (masked tails)."""
+    from atomd.model import moe
+    from atomd.model.moe import MoeWeights
+
+    g = torch.Generator().manual_seed(7)
+    experts, hidden, inter = 8, 72, 40
+    w = MoeWeights(router=torch.randn(experts, hidden, generator=g).to(dtype),
+                   gate_up=(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
+                   down=(torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype), top_k=3,
+                   norm_topk_prob=cast_weights, cast_weights=cast_weights)
+    assert w.gemv == layer_ops.has_gemv(dtype)
+    for _ in range(12):
+        h = torch.randn(1, hidden, generator=g).to(dtype)
+        weights, ids = moe.route(h, w)
+        pairs = torch.stack([moe.expert(h, w, e)[0] * weights[0, j:j + 1] for j, e in enumerate(ids[0].tolist())])
+        want = pairs.view(1, 3, -1).sum(dim=1).to(dtype)
+        assert torch.equal(moe.moe(h, w), want)

@@ -109,6 +109,10 @@ CASES = {
     "empty_messages": ("/v1/chat/completions", {"messages": []}, 400, "messages"),
     "unknown_role": ("/v1/chat/completions", {"messages": [{"role": "wizard", "content": "hi"}]}, 400,
                      "messages[0].role"),
+    "image_part": ("/v1/chat/completions", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}]}, 400,
+                   "messages[0].content[1]"),
     "message_without_role": ("/v1/chat/completions", {"messages": [{"content": "hi"}]}, 400,
                              "messages[0].role"),
     # prompt + max_tokens past the context: a 400 (vLLM's choice), not a silent clamp

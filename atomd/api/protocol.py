@@ -181,6 +181,10 @@ class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True
 class ContentPart(msgspec.Struct, forbid_unknown_fields=True):
     type: str
     text: str | None = None
+    # OpenAI's other part types: declared so that one is refused by name (text models only)
+    image_url: Any = msgspec.UNSET
+    input_audio: Any = msgspec.UNSET
+    file: Any = msgspec.UNSET
 
 
 class FunctionCall(msgspec.Struct, forbid_unknown_fields=True):
@@ -238,6 +242,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=
     parallel_tool_calls: bool | None = None
     chat_template: str | None = None  # atomd/api/chat_templates.py (with --trust-request-chat-template)
     chat_template_kwargs: dict[str, Any] | None = None  # more variables for the template
+    include_reasoning: bool = True  # vLLM's: false drops reasoning_content (--reasoning-parser) from the answer
 
 
 _AT = re.compile(r"at `\$\.?([^`]*)`")

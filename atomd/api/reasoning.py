@@ -16,17 +16,26 @@ kept as the model wrote it (no whitespace trimmed), so the streamed reasoning an
 concatenate to the non-streamed ones. Only the first `</think>` ends reasoning; later tags
 are content. Tool calls are parsed from the content part only (as vLLM does).
 
-A grammar constrains the whole output here (atomd does not hold the grammar back until
-`</think>`, as vLLM's structured outputs do): so under a grammar both parsers take the
-qwen3 rule (reasoning only if the output opens with `<think>`), and a forced tool call is
-not parsed for reasoning at all (the output is the call).
+Under a grammar (`response_format`, `structured_outputs`, `guided_*`) the grammar starts
+after the reasoning, as vLLM's structured outputs do: the server gives the grammar a
+`ReasoningSpan` (`reasoning_span`: the tags' token ids) and the engine's matcher
+(atomd/structured.py) lets the reasoning run free, then holds the output to the grammar
+from the token after `</think>`; the parsers keep their rules. That takes tags that are
+one non-special token each (Qwen3's, DeepSeek-R1's); with any other tokenizer the grammar
+spans the whole output and both parsers take the qwen3 rule (reasoning only if the output
+opens with `<think>`, which the grammar must then allow). A forced tool call is not parsed
+for reasoning at all (the output is the call).
 """
 from __future__ import annotations
 
+import msgspec
+
 from atomd.api.tool_parsers import partial_suffix
+from contracts.sampling import ReasoningSpan, StructuredOutputsParams
 
 REASONING_PARSERS = ("qwen3", "deepseek_r1")
 START, END = "<think>", "</think>"
+PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened <think> (<= 7 tokens + whitespace)
 
 _OPENING, _INSIDE, _AFTER = "opening", "inside", "after"  # before the first text; in reasoning; content
 
@@ -42,8 +51,9 @@ class ReasoningParser:
     @classmethod
     def for_request(cls, name: str, constrained: bool, prompt_opened: bool = False) -> "ReasoningParser":
         """The parser `--reasoning-parser name` uses for one choice (`constrained`: a grammar
-        shapes the output, so it starts where the grammar says; `prompt_opened`: the rendered
-        prompt ends with `<think>`; see the module doc)."""
+        shapes the whole output, so it starts where the grammar says (not so for a grammar
+        with a ReasoningSpan); `prompt_opened`: the rendered prompt ends with `<think>`; see
+        the module doc)."""
         if name not in REASONING_PARSERS:
             raise ValueError(f"unknown reasoning parser {name!r}; expected one of {', '.join(REASONING_PARSERS)}")
         return cls(starts_inside=(name == "deepseek_r1" or prompt_opened) and not constrained)
@@ -90,3 +100,35 @@ class ReasoningParser:
 def prompt_opens_reasoning(prompt_tail: str) -> bool:
     """Whether a rendered chat prompt (its last characters suffice) leaves a think block open."""
     return prompt_tail.rstrip().endswith(START)
+
+
+def prompt_ids_open_reasoning(tokenizer, prompt_ids: list[int]) -> bool:
+    """prompt_opens_reasoning of a tokenized prompt (the template opened `<think>` itself:
+    Qwen3-Thinking, DeepSeek-R1): its last few tokens hold the tag."""
+    return prompt_opens_reasoning(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+
+
+def grammar_after_reasoning(tokenizer, name: str, so: StructuredOutputsParams, prompt_ids: list[int]
+                            ) -> StructuredOutputsParams:
+    """`so` with the ReasoningSpan the grammar waits for (unchanged where the tags are no
+    single tokens: the grammar then spans the whole output)."""
+    span = reasoning_span(tokenizer, name, prompt_ids_open_reasoning(tokenizer, prompt_ids))
+    return so if span is None else msgspec.structs.replace(so, reasoning=span)
+
+
+def reasoning_span(tokenizer, name: str, prompt_opened: bool) -> ReasoningSpan | None:
+    """Where the engine lets `--reasoning-parser name`'s reasoning run before a grammar takes
+    over, the parser's own rule in token ids: inside from the start (deepseek_r1, or a prompt
+    that opened `<think>`), else a block the first token may open; None when a tag it needs
+    is not one token that decodes to itself (a special token's text is dropped from the
+    output, the parser could not see it)."""
+    def single(tag: str) -> int | None:
+        ids = tokenizer.encode(tag, add_special_tokens=False)
+        return ids[0] if len(ids) == 1 and tokenizer.decode(ids, skip_special_tokens=True) == tag else None
+
+    end = single(END)
+    inside = name == "deepseek_r1" or prompt_opened
+    start = None if inside else single(START)
+    if end is None or (not inside and start is None):
+        return None
+    return ReasoningSpan(end_token_id=end, start_token_id=start)

@@ -11,14 +11,13 @@ import msgspec
 
 from atomd.api import responses, validation
 from atomd.api.metrics import ServerMetrics
-from atomd.api.reasoning import ReasoningParser, prompt_opens_reasoning
+from atomd.api.reasoning import ReasoningParser, prompt_ids_open_reasoning
 from atomd.api.tool_parsers import TOOL_CALL_PARSERS
 from atomd.messages import RequestOutput
 from atomd.tokenizer import Tokenizer
 from kv_transfer.params import KVTransferParams
 from scheduler.stop import cut_at_stop
 
-PROMPT_TAIL_TOKENS = 16  # decoded to see whether the chat template opened <think> (<= 7 tokens + whitespace)
 
 
 class RendererHost(Protocol):
@@ -276,11 +275,12 @@ class ChatRenderer(RequestRenderer):
         # messages carry reasoning_content (maybe null) whenever the server parses reasoning
         self.reasoning_field = None if server.args.reasoning_parser else msgspec.UNSET
         self.reasoning = server.args.reasoning_parser if not checked.forced_tool_call else None  # output: the call
-        self.constrained = checked.structured_outputs is not None
-        # the template opened <think> itself (Qwen3-Thinking, DeepSeek-R1): a few tokens hold the tag
-        self.prompt_opened = bool(self.reasoning) and prompt_opens_reasoning(
-            server.tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:], skip_special_tokens=False))
+        # a grammar over the whole output (not one that waits for the reasoning to end)
+        so = checked.structured_outputs
+        self.constrained = so is not None and so.reasoning is None
+        self.prompt_opened = bool(self.reasoning) and prompt_ids_open_reasoning(server.tokenizer, prompt_ids)
         self.reasoning_parsers = [self.new_reasoning_parser() for _ in self.choices] if self.reasoning else None
+        self.include_reasoning = req.include_reasoning  # false: the reasoning is parsed out and dropped
 
     def new_reasoning_parser(self) -> ReasoningParser:
         return ReasoningParser.for_request(self.reasoning, self.constrained, self.prompt_opened)
@@ -339,6 +339,8 @@ class ChatRenderer(RequestRenderer):
             if c.finished:
                 more_reasoning, more_text = parser.finish()
                 reasoning, text = reasoning + more_reasoning, text + more_text
+            if not self.include_reasoning:
+                reasoning = ""
         calls, num_calls = [], 0
         if self.tool_parsers is not None:
             tools = self.tool_parsers[c.index]
@@ -361,6 +363,8 @@ class ChatRenderer(RequestRenderer):
         reasoning, content = self.reasoning_field, c.text
         if self.reasoning_parsers is not None:
             reasoning, content = self.new_reasoning_parser().parse(c.text)
+            if not self.include_reasoning:
+                reasoning = None
         calls = []
         if self.tool_parser is not None:
             content, calls = self.tool_parser.parse(content or "")

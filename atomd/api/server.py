@@ -46,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import chat_templates
 from atomd.api import limits as L
-from atomd.api import embeddings, multi_prompt, protocol, responses, responses_api, tokenize, validation
+from atomd.api import embeddings, multi_prompt, protocol, reasoning, responses, responses_api, tokenize, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.metrics import ServerMetrics
@@ -374,6 +374,9 @@ class Server:
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
         self.check_priority(req)
+        if self.args.reasoning_parser and checked.structured_outputs is not None and not checked.forced_tool_call:
+            checked.structured_outputs = reasoning.grammar_after_reasoning(  # the grammar waits for </think>
+                self.tokenizer, self.args.reasoning_parser, checked.structured_outputs, ids)
         params = validation.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
         self.check_vocabulary(params)
         return checked, ids, params

@@ -48,8 +48,13 @@ def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
             raise invalid(f"messages[{i}].role",
                           f"unknown role {m.role!r}; expected one of {', '.join(CHAT_ROLES)}")
         if isinstance(m.content, list):
-            if any(p.type != "text" or p.text is None for p in m.content):
-                raise invalid(f"messages[{i}].content", "only text content parts are supported")
+            for j, p in enumerate(m.content):
+                if p.type != "text":  # a vision-language checkpoint (Gemma 3) is served as its text model
+                    raise APIError(400, f"{p.type!r} content parts are not supported: this server runs text "
+                                        f"models only (no image, audio or file inputs); send text parts",
+                                   param=f"messages[{i}].content[{j}]", code="unsupported_content")
+            if any(p.text is None for p in m.content):
+                raise invalid(f"messages[{i}].content", "a text content part needs its text")
             content = "".join(p.text for p in m.content)
         else:
             content = m.content or ""

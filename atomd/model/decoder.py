@@ -104,6 +104,12 @@ class DecoderModel:
         return ModelConfig.from_hf(hf, arch)
 
     @classmethod
+    def tensor_source(cls, src: TensorSource, cfg: ModelConfig) -> TensorSource:
+        """The checkpoint's tensors under HF's text-model names (a family whose checkpoints
+        nest them elsewhere maps them)."""
+        return src
+
+    @classmethod
     def load_layer(cls, src: TensorSource, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
         """Layer i under HF's Llama names (model.layers.i.self_attn.q_proj, mlp.gate_proj, ...);
         a sparse layer's MLP through load_moe."""

@@ -211,10 +211,11 @@ class DeepseekModel(DecoderModel):
             up=LatentUp.of(get(attn + "kv_b_proj.weight"), heads, nope, cfg.v_head_dim, pack=False),
             o=get(attn + "o_proj.weight"), o_bias=get(attn + "o_proj.bias") if bias else None)
         if i in cfg.sparse_layers:
-            gate_up, down = load_experts(src, mlp + "experts.", cfg.num_experts, "gate_proj", "up_proj",
+            gate_up, down = load_experts(src, mlp + "experts.", cfg.local_experts, "gate_proj", "up_proj",
                                          "down_proj", dtype)
             w.moe = MoeWeights(router=torch.empty(0), gate_up=gate_up, down=down, top_k=cfg.num_experts_per_tok,
-                               norm_topk_prob=cfg.norm_topk_prob, cast_weights=False)
+                               norm_topk_prob=cfg.norm_topk_prob, cast_weights=False,
+                               first_expert=cfg.local_experts.start)
             bias_name = mlp + "gate.e_score_correction_bias"
             w.routing = DeepseekRouting(src.get(mlp + "gate.weight", torch.float32),
                                         src.get(bias_name, torch.float32) if cfg.scoring == "sigmoid" else None, cfg)

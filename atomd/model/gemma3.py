@@ -12,10 +12,15 @@ computes them:
   scores scaled by query_pre_attn_scalar ** -0.5, logits soft-capped by
   final_logit_softcapping where the config sets it; tied LM head.
 
+`Gemma3ForConditionalGeneration` (the vision-language checkpoints, gemma-3-4b/12b/27b): its text
+model is served: the config's nested `text_config` (with Gemma3TextConfig's defaults for the
+fields a hub config leaves out) and the weights under `language_model.model.` (the hub's
+layout, as transformers writes it) or `model.language_model.`; no logit soft-capping (its
+transformers class has none); the vision tower and projector are never read, and a request
+with an image part is a 400 (atomd/api/validation.py).
+
 Refused with the reason: attn_logit_softcapping (no Gemma 3 checkpoint sets it; it would need a
-tanh inside every attention kernel), bidirectional attention (EmbeddingGemma), and
-`Gemma3ForConditionalGeneration` (the vision-language checkpoint: its text weights live under
-another prefix beside the vision tower).
+tanh inside every attention kernel) and bidirectional attention (EmbeddingGemma).
 """
 from __future__ import annotations
 
@@ -56,9 +61,66 @@ def _scaling(params: dict[str, Any]) -> dict[str, Any] | None:
     return scaling if scaling.get("rope_type", scaling.get("type", "default")) != "default" else None
 
 
+VISION_LANGUAGE = "Gemma3ForConditionalGeneration"
+# transformers' Gemma3TextConfig defaults: a vision-language config.json's text_config leaves
+# out the fields that equal them (google/gemma-3-4b-it's gives 5)
+TEXT_DEFAULTS = {"vocab_size": 262208, "hidden_size": 2304, "intermediate_size": 9216, "num_hidden_layers": 26,
+                 "num_attention_heads": 8, "num_key_value_heads": 4, "head_dim": 256, "hidden_activation": ACT,
+                 "max_position_embeddings": 131072, "rms_norm_eps": 1e-6, "rope_theta": 1_000_000.0,
+                 "rope_local_base_freq": 10_000.0, "query_pre_attn_scalar": 256, "sliding_window": 4096,
+                 "bos_token_id": 2, "eos_token_id": 1, "pad_token_id": 0, "tie_word_embeddings": True}
+
+
+def text_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A vision-language config.json's text model config, flat as a Gemma3ForCausalLM's."""
+    text = hf.get("text_config")
+    if not isinstance(text, dict):
+        raise ValueError(f"{VISION_LANGUAGE}: config.json has no text_config object")
+    top = {k: hf[k] for k in ("quantization_config", "tie_word_embeddings") if k in hf}
+    # transformers' Gemma3ForConditionalGeneration never soft-caps its logits (every Gemma 3
+    # checkpoint leaves final_logit_softcapping null anyway)
+    return {**TEXT_DEFAULTS, **text, **top, "final_logit_softcapping": None}
+
+
+class TextModelSource:
+    """A vision-language checkpoint's text model under the names a text-only one uses
+    (`model.*`, `lm_head.weight`)."""
+
+    LAYOUTS = (("language_model.model.", "language_model.lm_head.weight"),  # the hub's (transformers writes it)
+               ("model.language_model.", "lm_head.weight"))
+
+    def __init__(self, src: TensorSource):
+        for body, head in self.LAYOUTS:
+            if body + "embed_tokens.weight" in src:
+                self.src, self.body, self.head = src, body, head
+                return
+        raise ValueError(f"{VISION_LANGUAGE}: no text model weights in the checkpoint (looked for "
+                         f"{' and '.join(b + 'embed_tokens.weight' for b, _ in self.LAYOUTS)})")
+
+    def name(self, name: str) -> str:
+        if name.startswith("model."):
+            return self.body + name[len("model."):]
+        return self.head if name == "lm_head.weight" else name
+
+    def __contains__(self, name: str) -> bool:
+        return self.name(name) in self.src
+
+    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self.src.get(self.name(name), dtype)
+
+    def stored_dtype(self, name: str) -> str:
+        return self.src.stored_dtype(self.name(name))
+
+
 class Gemma3Model(DecoderModel):
     @classmethod
+    def tensor_source(cls, src: TensorSource, cfg: ModelConfig) -> TensorSource:
+        return TextModelSource(src) if cfg.architecture == VISION_LANGUAGE else src
+
+    @classmethod
     def config_from_hf(cls, hf: dict[str, Any], arch: str) -> ModelConfig:
+        if arch == VISION_LANGUAGE:
+            hf = text_config(hf)
         if hf.get("attn_logit_softcapping") is not None:
             raise ValueError(f"{arch}: attn_logit_softcapping={hf['attn_logit_softcapping']} is not supported "
                              f"(Gemma 3 checkpoints leave it null)")

@@ -53,6 +53,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             head, tail = getattr(lib, f"atomd_decode_layer_head_{suffix}"), getattr(lib, f"atomd_decode_layer_tail_{suffix}")
             head.argtypes, head.restype = [_PTR] * 8 + [_I64] * 4 + [ctypes.c_int], None
             tail.argtypes, tail.restype = [_PTR] * 9 + [_I64] * 3 + [ctypes.c_float, ctypes.c_int], None
+            experts = getattr(lib, f"atomd_moe_experts_{suffix}")
+            experts.argtypes, experts.restype = [_PTR] * 6 + [ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
     if lib.gemv_kinds & 1:  # the layer over int8 / int4 linears (csrc/quant.h), built beside the float32 one
         lib.atomd_decode_layer_head_q_f32.argtypes = lib.atomd_decode_layer_head_f32.argtypes
         lib.atomd_decode_layer_tail_q_f32.argtypes = lib.atomd_decode_layer_tail_f32.argtypes
@@ -165,6 +167,20 @@ def gemv(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     getattr(lib, f"atomd_gemv_{_SUFFIX[x.dtype]}")(x.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[1],
                                                   rows.shape[0], torch.get_num_threads())
     return out
+
+
+def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids: torch.Tensor,
+                scales: torch.Tensor, pairs: torch.Tensor) -> None:
+    """pairs[j] = (silu_mul(x @ gate_up[ids[j]].T) @ down[ids[j]].T) * scales[j] for one token
+    x [1, hidden] (has_gemv(x.dtype)) over stacked contiguous expert weights, ids int64 [k],
+    scales [k] and pairs [k, hidden] contiguous, both float32 or both x's dtype: the batch-1
+    MoE experts (atomd/model/moe.py) in one C call, the bits of those ops one by one."""
+    lib, inter = kernels(), down.shape[2]
+    scratch = torch.empty(3 * inter + x.shape[1], dtype=x.dtype)
+    getattr(lib, f"atomd_moe_experts_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(), scales.data_ptr(), pairs.data_ptr(),
+        int(pairs.dtype == torch.float32), scratch.data_ptr(), x.shape[1], inter, ids.shape[0],
+        torch.get_num_threads())
 
 
 class DecodeLayer:

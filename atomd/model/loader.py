@@ -101,7 +101,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         cfg = dataclasses.replace(cfg, expert_rank=rank, expert_ranks=ranks)
     cls = registry.model_class(cfg.architecture)
     gguf = read_hf_config(model_dir).get("gguf_file")  # a GGUF file's directory (atomd/model/gguf_file.py)
-    src = gguf_weights.GGUFSource(gguf, cfg) if gguf else _TensorSource(model_dir)
+    src = gguf_weights.GGUFSource(gguf, cfg) if gguf else cls.tensor_source(_TensorSource(model_dir), cfg)
     if gguf and src.quantized and quantization:
         raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized (GGUF {gguf})")
     method = cfg.quantization["quant_method"] if cfg.quantization else quantization

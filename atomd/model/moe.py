@@ -69,6 +69,8 @@ def moe(h: torch.Tensor, w: MoeWeights,
     if w.ep is not None:  # expert parallelism: the rows go to the ranks that own their experts
         return w.ep.moe(h, w, routed)
     weights, ids = routed if routed is not None else route(h, w)
+    if h.shape[0] == 1:
+        return _moe_one(h, w, weights, ids)
     rows, k = h.shape[0], w.top_k
     flat = ids.flatten()
     order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order kept within
@@ -82,6 +84,24 @@ def moe(h: torch.Tensor, w: MoeWeights,
         x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
         pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
     return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
+
+
+def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """moe() of one token (batch-1 decode): its k experts in turn, without the grouping (an
+    argsort, a bincount and a scatter per expert: ~0.4 ms a block, benchmarks/moe_decode.py),
+    in one C call where the GEMV kernel runs (layer_ops.moe_experts); the same products in
+    the same rows and the same float32 sum, so the same bits."""
+    k = w.top_k
+    w.routed[ids[0]] += 1  # the expert load counters (a token's k experts are distinct)
+    pairs = torch.empty(k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
+    if w.gemv:  # one C call for the k experts (the per-op loop below was ~0.2 ms of calls a block)
+        layer_ops.moe_experts(h.contiguous(), w.gate_up, w.down, ids[0].contiguous(),
+                              weights[0].contiguous(), pairs)
+        return pairs.view(1, k, -1).sum(dim=1).to(h.dtype)
+    for j, e in enumerate(ids[0].tolist()):
+        # weights[0, j:j + 1], not a 0-d scalar: float32 weights promote a bf16 product as before
+        torch.mul(expert(h, w, e), weights[0, j:j + 1], out=pairs[j:j + 1])
+    return pairs.view(1, k, -1).sum(dim=1).to(h.dtype)
 
 
 def expert(x: torch.Tensor, w: MoeWeights, e: int) -> torch.Tensor:

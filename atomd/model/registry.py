@@ -14,13 +14,9 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "atomd.model.mixtral:MixtralModel",
     "Phi3ForCausalLM": "atomd.model.phi3:Phi3Model",
     "Gemma3ForCausalLM": "atomd.model.gemma3:Gemma3Model",
+    "Gemma3ForConditionalGeneration": "atomd.model.gemma3:Gemma3Model",  # its text model (text inputs only)
     "DeepseekV2ForCausalLM": "atomd.model.deepseek:DeepseekModel",
     "DeepseekV3ForCausalLM": "atomd.model.deepseek:DeepseekModel",
-}
-# checkpoints of a family served here whose layout is not: why, said instead of "unsupported"
-REFUSED = {
-    "Gemma3ForConditionalGeneration": "the vision-language Gemma 3 (text weights beside a vision tower, under "
-                                      "another prefix) is not supported; a text-only Gemma3ForCausalLM is",
 }
 
 
@@ -28,9 +24,6 @@ def architecture(hf: dict[str, Any]) -> str:
     """The first of the config's `architectures` atomd serves; ValueError naming them if none."""
     archs = hf.get("architectures") or []
     arch = next((a for a in archs if a in ARCHITECTURES), None)
-    if arch is None and any(a in REFUSED for a in archs):
-        refused = next(a for a in archs if a in REFUSED)
-        raise ValueError(f"unsupported architecture {refused}: {REFUSED[refused]}")
     if arch is None:
         raise ValueError(f"unsupported architecture {archs or hf.get('model_type')!r}: "
                          f"supported are {', '.join(ARCHITECTURES)}")

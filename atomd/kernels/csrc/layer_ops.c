@@ -390,6 +390,38 @@ DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const float *, atomd_gem
 #if GEMV_KINDS & 2
 DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, const bf16_t *, atomd_gemv_bf16_rows)
 #endif
+/* Batch-1 decode of an MoE block's experts (atomd/model/moe.py's _moe_one) in one call: for
+ * each of the token's k experts e = ids[j], gu = x @ gate_up[e]^T, a = silu(gate) * up,
+ * y = a @ down[e]^T and pairs[j] = y * scales[j] (pairs and scales float32 when f32_pairs,
+ * else the model's dtype), every intermediate rounded where the per-op path rounds it: the
+ * same bits. Why: per op that is ~5 Python-level calls an expert, each with its OpenMP fork
+ * (benchmarks/moe_decode.py). gate_up [E, 2 * inter, hidden], down [E, hidden, inter]
+ * stacked and contiguous; scratch: 3 * inter + hidden elements. */
+#define MOE_EXPERTS(SUFFIX, elem_t, IS_BF16, SILU_ROW, GEMV_ROWS)                                                  \
+    void atomd_moe_experts_##SUFFIX(const elem_t *x, const elem_t *gate_up, const elem_t *down, const int64_t *ids, \
+                                    const void *scales, void *pairs, int f32_pairs, elem_t *scratch,                \
+                                    int64_t hidden, int64_t inter, int64_t k, int num_threads) {                    \
+        elem_t *gu = scratch, *a = gu + 2 * inter, *y = a + inter;                                                 \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        for (int64_t j = 0; j < k; j++) {                                                                          \
+            GEMV_ROWS(x, gate_up + ids[j] * 2 * inter * hidden, NULL, gu, hidden, 2 * inter);                      \
+            _Pragma("omp single")                                                                                  \
+            SILU_ROW(gu, a, inter);                                                                                \
+            GEMV_ROWS(a, down + ids[j] * hidden * inter, NULL, y, inter, hidden);                                  \
+            _Pragma("omp for schedule(static)")                                                                    \
+            for (int64_t i = 0; i < hidden; i++) {                                                                 \
+                if (f32_pairs)                                                                                     \
+                    ((float *)pairs)[j * hidden + i] = load(y, i, IS_BF16) * ((const float *)scales)[j];           \
+                else                                                                                               \
+                    store(pairs, j * hidden + i, load(y, i, IS_BF16) * load(scales, j, IS_BF16), IS_BF16);         \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
+MOE_EXPERTS(f32, float, 0, SILU_ROW_F32, atomd_gemv_f32_rows)
+#if GEMV_KINDS & 2
+MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16_rows)
+#endif
 /* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
 #include "quant.h"
 DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *, atomd_qgemv_rows)
