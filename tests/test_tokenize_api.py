@@ -6,7 +6,6 @@ in vLLM's shapes, against the Hugging Face tokenizer of the same checkpoint; the
 from __future__ import annotations
 
 import json
-import os
 import pathlib
 
 import pytest
@@ -145,7 +144,6 @@ def task_dir(tmp_path_factory) -> pathlib.Path:
 
 def lm_eval_samples(url: str, batch_size: int, task_dir: pathlib.Path) -> dict:
     """lm-eval's answers per task and doc, run in this process as `lm_eval --model local-completions`."""
-    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
     import lm_eval
     from lm_eval.tasks import TaskManager
 
@@ -159,8 +157,10 @@ def lm_eval_samples(url: str, batch_size: int, task_dir: pathlib.Path) -> dict:
             for task, samples in out["samples"].items()}
 
 
-def test_lm_eval_batch_4_equals_batch_1_on_pd_and_colocated(pd, task_dir):
+def test_lm_eval_batch_4_equals_batch_1_on_pd_and_colocated(pd, task_dir, monkeypatch):
     from lm_eval.models.openai_completions import LocalCompletionsAPI
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")  # the task's data is a local file; nothing is fetched
 
     probe = LocalCompletionsAPI(base_url=pd.router.url + "/v1/completions")
     assert probe.tokenizer_backend == "remote"  # its default probe found /tokenizer_info and /tokenize
