@@ -12,6 +12,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "serve": ("atomd.api.serve", "start an OpenAI-compatible engine server"),
     "generate": ("atomd.generate", "offline generation for a prompt"),
+    "run-batch": ("atomd.api.run_batch", "answer an OpenAI batch file (JSON lines) with an in-process engine"),
     "bench": ("atomd.bench.cli", "serving benchmarks (bench serve | bench compare)"),
     "profile": ("atomd.sim.profile", "time the real engine's steps, fit a simulated-hardware profile"),
     "plan": ("atomd.sim.plan", "pick a prefill:decode layout by simulation, write Ray / Helm configs"),

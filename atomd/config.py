@@ -30,6 +30,7 @@ KV_MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
+SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 QUANTIZATIONS = ("int8", "int4")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
 QUANTIZED_ACTIVATIONS = ("float32", "int8")  # --quantized-activations (atomd/model/quant.py, csrc/quant.h)
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
@@ -62,6 +63,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     max_local_prefill_tokens_per_step: int = 0
     max_local_prefill_ms_per_step: float = 0.0
     scheduler_delay_factor: float = 0.0
+    # fcfs: arrival order, the newest running sequence preempted first; priority: requests'
+    # `priority` (lower first, as vLLM), then arrival, for admission and preemption
+    scheduling_policy: str = "fcfs"
     kv_cache_memory: int | None = None  # bytes; ignored when num_kvcache_blocks is set
     num_kvcache_blocks: int | None = None
     kv_role: str = "both"
@@ -122,6 +126,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             self.dtype, reason = auto_dtype()
             log.info("dtype auto: %s (%s)", self.dtype, reason)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
+        _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.quantization is not None:
             _choice("quantization", self.quantization, QUANTIZATIONS)
         _choice("quantized_activations", self.quantized_activations, QUANTIZED_ACTIVATIONS)
@@ -369,8 +374,11 @@ CHOICES = {"dtype": DTYPE_CHOICES, "attention_backend": ATTENTION_BACKENDS, "kv_
            "quantization": QUANTIZATIONS, "quantized_activations": QUANTIZED_ACTIVATIONS,
            "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
            "kv_mooncake_protocol": KV_MOONCAKE_PROTOCOLS,
-           "prefill_delayer": PREFILL_DELAYERS, "model_runner": MODEL_RUNNERS}
+           "prefill_delayer": PREFILL_DELAYERS, "model_runner": MODEL_RUNNERS,
+           "scheduling_policy": SCHEDULING_POLICIES}
 HELP = {
+    "scheduling_policy": "fcfs: first come first served, the newest running request preempted first; priority: "
+                         "by the request's `priority` (lower first), then arrival, in admission and preemption",
     "model": "local Hugging Face checkpoint directory, a llama.cpp .gguf file (or a directory holding one), or a "
              "hub id (Qwen/Qwen3-0.6B) in the local Hugging Face cache (HF_HOME; nothing is downloaded) (default: "
              "the built-in default model)",

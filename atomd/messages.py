@@ -50,6 +50,7 @@ class RequestOutput(msgspec.Struct, array_like=True):
     timing: tuple[float | None, float | None, float | None, float | None] | None = None
     index: int = 0
     prompt_logprobs: list[Logprob | None] | None = None  # one per prompt token, None for the first
+    embedding: list[float] | None = None  # a pooling request's vector, on its finished output
 
 
 class AddRequest(msgspec.Struct, tag="add"):

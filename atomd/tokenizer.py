@@ -51,6 +51,10 @@ class Tokenizer:
     def token_to_id(self, token: str | None) -> int | None:
         return None if token is None else self._tok.token_to_id(token)
 
+    def id_to_token(self, token_id: int) -> str | None:
+        """The vocabulary's string for an id (byte-level pieces as stored, e.g. "Ġhello")."""
+        return self._tok.id_to_token(token_id)
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if len(text) > GIL_FREE_CHARS:  # encode() holds the GIL throughout, encode_batch() drops it
             return self._tok.encode_batch([text], add_special_tokens=add_special_tokens)[0].ids

@@ -78,6 +78,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     bad_words_token_ids: list[list[int]] = []  # derived from bad_words by the engine's tokenizer
     prompt_logprobs: int | None = None  # None: none; k >= 0: each prompt token's logprob plus top-k
     structured_outputs: StructuredOutputsParams | None = None  # grammar-constrained decoding
+    # vLLM's request priority (lower runs first) under --scheduling-policy priority; not a sampling
+    # knob, but it travels with the request to the scheduler like the stops do
+    priority: int = 0
+    # an embedding request (/v1/embeddings): the engine pools the final-normed hidden states of
+    # the prompt ("last": the last token's; "mean": the mean over every prompt token) and
+    # returns them on the request's last output (RequestOutput.embedding); None: generation
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         for name, types in _FIELD_TYPES:
@@ -98,6 +105,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         _require(all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids),
                  "stop_token_ids", "must be a list of non-negative token ids")
         _require(self.n >= 1, "n", f"must be >= 1, got {self.n}")
+        _require(self.pooling in (None, "last", "mean"), "pooling", f"must be None, 'last' or 'mean', got {self.pooling!r}")
         _require(self.best_of is None or (isinstance(self.best_of, int) and not isinstance(self.best_of, bool)
                                           and self.best_of >= self.n),
                  "best_of", f"must be an integer >= n={self.n}, got {self.best_of!r}")

@@ -128,6 +128,9 @@ def parse_command_line(argv: list[str] | None) -> tuple[RouterConfig, bool]:
                      help="longest wait for a slot before 429")
     rel.add_argument("--retry-after-s", type=int, default=d.retry_after_s,
                      help="the Retry-After a 429 carries")
+    rel.add_argument("--max-prompts", type=int, default=d.max_prompts,
+                     help="most prompts in one completions request (each is relayed as its own request); "
+                          "more is a 400")
     rel.add_argument("--max-request-body-bytes", type=int, default=d.max_request_body_bytes,
                      help="a bigger request body is refused with 413")
     cli = p.add_argument_group("client connections (what a client owes the router; past it: 408 and close)")

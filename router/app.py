@@ -1,7 +1,11 @@
 """The router: OpenAI routes relayed over two legs (or one, colocated), plus operations.
 
-  POST /v1/completions, /v1/chat/completions   the relay (router/pd.py), stream or not
+  POST /v1/completions, /v1/chat/completions   the relay (router/pd.py), stream or not; a completions
+                       request of several prompts is one relay per prompt (router/multi_prompt.py)
+  POST /v1/responses   relayed like chat; previous_response_id to the engine that stored it (router/responses.py)
   GET  /v1/models      from a decode (or colocated) worker
+  POST /tokenize, /detokenize; GET /tokenizer_info   relayed to one engine (any role: all share the tokenizer)
+  POST /v1/embeddings  relayed to one engine (colocated, else prefill, else decode), in turn
   GET  /health         200 while the router runs (no API key)
   GET  /ready          200 when a prefill and a decode worker, or a colocated one, are in rotation
   GET  /metrics        Prometheus text, `atomd_router:` names (no API key; the per-worker series, which
@@ -40,6 +44,8 @@ from router.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_PE
 from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
+from router.multi_prompt import MultiPrompt, several_prompts
+from router.responses import ResponseAffinity, relay_response
 from router.openapi import AddWorker, RemoveWorker, openapi_json
 from router.pd import LegError, PDRelay, RelayConfig, error_body
 from router.adaptive import PD_MODES
@@ -91,6 +97,7 @@ class RouterConfig:
     client_body_timeout_s: float = BODY_TIMEOUT_S
     max_pending_body_bytes: int = MAX_PENDING_BODY_BYTES
     max_upstream_event_bytes: int = 16 << 20  # a longer SSE event from a worker ends its stream (error event)
+    max_prompts: int = 256  # prompts in one completions request (router/multi_prompt.py), as the engines' flag
     max_concurrent_requests: int = 0  # 0: no cap
     max_queued_requests: int = 1024
     queue_timeout_s: float = 30.0
@@ -137,7 +144,7 @@ class RouterConfig:
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be > 0, got {value!r}")
         for name in ("max_request_body_bytes", "max_upstream_event_bytes", "breaker_failures", "max_prefill_tries",
-                     "max_pending_body_bytes"):
+                     "max_pending_body_bytes", "max_prompts"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)!r}")
         for name in ("max_concurrent_requests", "max_queued_requests", "retry_backoff_s", "retry_after_s",
@@ -234,6 +241,8 @@ class Router:
             self.tokenizer = RouterTokenizer(config.tokenizer, config.chat_template)
         self.registry.on_ready.append(self._worker_ready)
         self.registry.on_removed.append(self._worker_removed)
+        self.affinity = ResponseAffinity()
+        self._forwarded = 0  # requests forward() relayed (it takes the workers in turn)
         self.relay = PDRelay(self.registry, self.policies, self.metrics, RelayConfig(
             request_timeout_s=config.request_timeout_s, prefill_timeout_s=config.prefill_timeout_s,
             total_timeout_s=config.total_timeout_s, max_prefill_tries=config.max_prefill_tries,
@@ -250,7 +259,12 @@ class Router:
         routes = self.routes = RouteTable()
         routes.add("POST", "/v1/completions", self.completions)
         routes.add("POST", "/v1/chat/completions", self.chat_completions)
+        routes.add("POST", "/v1/responses", self.responses)
         routes.add("GET", "/v1/models", self.models)
+        routes.add("POST", "/v1/embeddings", self.embeddings)
+        routes.add("POST", "/tokenize", self.tokenizer_route)
+        routes.add("POST", "/detokenize", self.tokenizer_route)
+        routes.add("GET", "/tokenizer_info", self.tokenizer_route)
         routes.add("GET", "/health", self.health)
         routes.add("GET", "/ready", self.ready)
         routes.add("GET", "/metrics", self.metrics_route)
@@ -347,6 +361,9 @@ class Router:
     async def chat_completions(self, req: Request, resp: Response) -> None:
         await self.generate(req, resp, "chat_completions")
 
+    async def responses(self, req: Request, resp: Response) -> None:
+        await self.generate(req, resp, "responses")
+
     async def generate(self, req: Request, resp: Response, endpoint: str) -> None:
         raw = req.body
         if raw is None:
@@ -363,6 +380,10 @@ class Router:
         if stream is not False and not isinstance(stream, bool):
             return json_error(resp, 400, f"stream must be a boolean, got {clip(stream)}", code="invalid_value",
                               param="stream")
+        prompts = several_prompts(body) if endpoint == "completions" else None
+        if prompts is not None and len(prompts) > self.config.max_prompts:
+            return json_error(resp, 400, f"prompt: {len(prompts)} prompts; the limit is {self.config.max_prompts} "
+                                         "(--max-prompts)", code="limit_exceeded", param="prompt")
         admission = self.admission
         try:
             await admission.enter()
@@ -372,22 +393,47 @@ class Router:
             return json_error(resp, 429, f"the router is at capacity ({e.reason.replace('_', ' ')}); retry later",
                               "rate_limit_error", e.reason, b"Retry-After: %d\r\n" % self.config.retry_after_s)
         try:
-            await self.relay.handle(req, resp, endpoint, body, raw)
+            if prompts is not None:  # each prompt its own relay (its own two legs), answers merged
+                await MultiPrompt(self.relay, req, resp, body, prompts).run(endpoint)
+            elif endpoint == "responses":  # the router mints the id; a continuation goes where it is stored
+                await relay_response(self.relay, self.affinity, req, resp, body)
+            else:
+                await self.relay.handle(req, resp, endpoint, body, raw)
         finally:
             admission.leave()
 
     async def models(self, req: Request, resp: Response) -> None:
-        workers = self.registry.available("decode") or self.registry.available("worker")
+        await self.forward(req, resp, ("decode", "worker"))
+
+    async def embeddings(self, req: Request, resp: Response) -> None:
+        """Prefill only, no KV moves: any engine serves it (started with --task embed)."""
+        await self.forward(req, resp, ("worker", "prefill", "decode"))
+
+    async def tokenizer_route(self, req: Request, resp: Response) -> None:
+        """/tokenize, /detokenize, /tokenizer_info: every engine has the model's tokenizer."""
+        await self.forward(req, resp, ("decode", "worker", "prefill"))
+
+    async def forward(self, req: Request, resp: Response, roles: tuple[str, ...]) -> None:
+        """The request as it came to a worker of the first of `roles` with one in rotation,
+        and its answer back."""
+        if req.body is None:
+            return json_error(resp, 413, f"request body is larger than {self.config.max_request_body_bytes} bytes")
+        workers = next((w for w in (self.registry.available(r) for r in roles) if w), None)
         if not workers:
             return json_error(resp, 503, "no healthy decode worker", "service_unavailable", "no_decode_worker")
-        worker = workers[0]
+        self._forwarded += 1
+        worker = workers[self._forwarded % len(workers)]  # in turn
         auth = req.headers.get("authorization")
         headers = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
+        if req.method == "POST":
+            headers += b"Content-Type: application/json\r\n"
         try:
-            status, ctype, body = await worker.pool.fetch(b"GET", b"/v1/models", headers,
+            status, ctype, body = await worker.pool.fetch(req.method.encode(), req.path.encode(), headers,
+                                                          req.body if req.method == "POST" else None,
                                                           timeout_s=self.config.request_timeout_s)
         except (UpstreamError, OSError) as e:
-            return LegError(502, f"decode worker {worker.url} did not answer /v1/models: {describe(e)}").send(resp)
+            return LegError(502, f"{worker.role} worker {worker.url} did not answer {clip(req.path)}: "
+                                 f"{describe(e)}").send(resp)
         resp.send(status, body, (ctype or "application/json").encode())
 
     # ---------------------------------------------------------------- operations

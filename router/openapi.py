@@ -68,9 +68,11 @@ def version() -> str:
 def openapi_document() -> dict[str, Any]:
     surface = json.loads(SURFACE.read_text())
     paths: dict[str, Any] = copy.deepcopy(surface["paths"])
-    for path in ("/v1/completions", "/v1/chat/completions"):
+    for path in ("/v1/completions", "/v1/chat/completions", "/v1/responses"):
         paths[path]["post"]["responses"].update(ROUTER_ERRORS)
-    paths["/v1/models"]["get"]["responses"].update({k: ROUTER_ERRORS[k] for k in ("401", "502", "503")})
+    for path, method in (("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
+                         ("/tokenizer_info", "get"), ("/v1/embeddings", "post")):
+        paths[path][method]["responses"].update({k: ROUTER_ERRORS[k] for k in ("401", "502", "503")})
     (add, remove), own = msgspec.json.schema_components([AddWorker, RemoveWorker], ref_template=REF)
     schemas = {**surface["components"]["schemas"], **own}
 

@@ -133,8 +133,10 @@ def error_event_is_fault(data: bytes) -> bool:
         return True
 
 
-def prefill_body(body: dict, transfer_id: str) -> dict:
+def prefill_body(body: dict, transfer_id: str, endpoint: str = "completions") -> dict:
     kv = KVTransferParams(do_remote_decode=True, transfer_id=transfer_id).to_json_obj()
+    if endpoint == "responses":  # its own names; P's one-token answer is not stored
+        return dict(body, max_output_tokens=1, stream=False, store=False, kv_transfer_params=kv)
     leg = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params=kv)
     leg.pop("stream_options", None)
     leg.pop("min_tokens", None)  # would contradict max_tokens=1
@@ -262,7 +264,7 @@ class PDRequest:
 
     __slots__ = ("relay", "metrics", "series", "req", "resp", "endpoint", "path", "body", "raw", "route",
                  "request_id", "headers", "echo", "arrival", "last_send", "first_event_sent", "prefill_worker",
-                 "transfer_id", "pulled", "deadline_hit", "_deadline", "reason", "learning")
+                 "transfer_id", "pulled", "deadline_hit", "_deadline", "reason", "learning", "pinned", "served_by")
 
     def __init__(self, relay: PDRelay, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes):
         self.relay = relay
@@ -289,6 +291,10 @@ class PDRequest:
         self.reason: str | None = None  # why two legs (adaptive / strict); None: --pd-mode always
         # adaptive: what D's first event teaches the decider (router/adaptive.py); None otherwise
         self.learning: LocalPrefill | RemotePrefill | None = None
+        # a worker that must serve the request alone (one leg; router/responses.py: the engine that
+        # stored a previous response), and the worker whose answer the client got
+        self.pinned: Worker | None = None
+        self.served_by: Worker | None = None
 
     def leg_headers(self, role: str) -> bytes:
         rank = self.route.dp_rank.get(role)
@@ -337,6 +343,9 @@ class PDRequest:
         """Two legs while a decode worker is in rotation (or no colocated worker exists);
         else one leg on a colocated worker."""
         registry, strict = self.relay.registry, self.relay.config.strict_pd
+        if self.pinned is not None:
+            await self.one_leg(self.pinned.role, self.raw, self.pinned)
+            return
         pd_registered = bool(registry.workers("prefill") or registry.workers("decode"))
         colocated = bool(registry.workers("worker"))
         if not colocated or (registry.any_available("decode") and pd_registered) or \
@@ -421,7 +430,7 @@ class PDRequest:
     async def prefill_on(self, worker: Worker) -> dict | None:
         """P's kv_transfer_params. Raises Disconnected (the connection dropped before any
         answer), LegError (anything else)."""
-        data = _encode(prefill_body(self.body, self.transfer_id))
+        data = _encode(prefill_body(self.body, self.transfer_id, self.endpoint))
         started = time.perf_counter()
         tokens = self.route.leg_tokens("prefill")
         ahead = worker.in_flight_tokens  # what P has to prefill before this leg
@@ -568,6 +577,7 @@ class PDRequest:
                     raise
                 blame(suspects)
                 self.metrics.legs[role].observe(time.perf_counter() - started)
+                self.served_by = worker
                 return
             finally:
                 worker.done(trial, tokens)
@@ -598,7 +608,7 @@ class PDRequest:
                 raise LegError(504, f"{role} worker {worker.url} timed out mid-answer", type="timeout")
             raise LegError(502, f"{role} worker {worker.url} sent a broken body: {describe(e)}")
         conn.release()
-        if not isinstance(parsed, dict) or "error" in parsed:
+        if not isinstance(parsed, dict) or parsed.get("error") is not None:  # a Response has "error": null
             worker.failed("a 200 with an error body")
             self.metrics.upstream_errors.inc((role, "error_body"))
             raise LegError(502, f"{role} worker {worker.url} answered 200 with: {upstream_message(answer)}")

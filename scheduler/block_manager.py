@@ -179,7 +179,9 @@ class BlockManager:
 
     def _cached_prefix(self, seq: Sequence) -> list[Block]:
         """Cached blocks that hold this sequence's leading full blocks, the last token's excepted."""
-        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None:
+        # prompt logprobs and mean pooling need every prompt position forwarded
+        if not self.enable_prefix_caching or seq.sampling_params.prompt_logprobs is not None \
+                or seq.sampling_params.pooling == "mean":
             return []
         limit = (seq.num_tokens - 1) // self.block_size
         hashes = self._hashes(seq, limit)

@@ -1,7 +1,8 @@
 """The scheduler of one engine: which sequences run in the next forward, and what came out.
 
-Queues: `waiting` (FIFO; preempted sequences go back to its front), `running` (admitted,
-oldest first), `parked` (consumer side: blocks allocated, prompt KV being pulled) and
+Queues: `waiting` (FIFO, preempted sequences back to its front; with the priority policy
+ordered by (priority, arrival) instead), `running` (admitted, oldest first; with the priority
+policy sorted most urgent first before each decode step, so the least urgent is preempted), `parked` (consumer side: blocks allocated, prompt KV being pulled) and
 `deferred_free_blocks` (producer side: finished, blocks pinned until the consumer has
 pulled them). A sequence is in exactly one of them until it finishes.
 
@@ -87,6 +88,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     # blocks wholly before it are returned to the pool (BlockManager.release_outside_window);
     # None: a model with a global layer, which reads every block to the end
     kv_window: int | None = None
+    # fcfs | priority (atomd.config.SCHEDULING_POLICIES): see `Scheduler._enqueue`
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self) -> None:
         for name in ("num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -159,6 +162,11 @@ class ScheduledBatchOutput(msgspec.Struct):
     prompt_logprobs: list[list[Any] | None] | None = None
 
 
+def priority_key(seq: Sequence) -> tuple[int, float, int]:
+    """--scheduling-policy priority's order: the request's priority (lower first), then arrival."""
+    return seq.sampling_params.priority, seq.arrive_time, seq.id
+
+
 class SeqUpdate(msgspec.Struct):
     """What one step changed for one sequence, after stop cuts."""
 
@@ -211,7 +219,20 @@ class Scheduler:
             raise ValueError(f"sequence {seq.id} was already added")
         seq.status = SequenceStatus.WAITING
         self._live[seq.id] = seq
-        self.waiting.append(seq)
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Into `waiting`: fcfs, at the back (a new request) or the front (a preempted one);
+        priority, in (priority, arrival) order, preempted or not (vLLM's priority queue), so a
+        more urgent request is admitted first and a preempted one waits behind it."""
+        if self.config.scheduling_policy != "priority":
+            self.waiting.appendleft(seq) if front else self.waiting.append(seq)
+            return
+        key = priority_key(seq)
+        i = len(self.waiting)
+        while i > 0 and priority_key(self.waiting[i - 1]) > key:
+            i -= 1
+        self.waiting.insert(i, seq)
 
     def abort(self, seq_id: int) -> Sequence | None:
         """Stop a sequence; its blocks are freed exactly once (for a parked one, after its pull
@@ -419,6 +440,10 @@ class Scheduler:
 
     def _schedule_decode(self) -> ScheduledBatch | None:
         cfg, bm, running, prefilling = self.config, self.block_manager, self.running, self._prefilling
+        if cfg.scheduling_policy == "priority":
+            # most urgent first (stable: arrival order within a priority), so the slots go to
+            # them first and _make_room preempts the least urgent, newest one
+            running.sort(key=priority_key)
         seqs: list[Sequence] = []
         num_scheduled, computed, token_ids, spec = [], [], [], []
         budget = cfg.max_num_batched_tokens
@@ -477,7 +502,7 @@ class Scheduler:
         self.block_manager.deallocate(seq)
         seq.spec_token_ids = []
         seq.status = SequenceStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_preemptions += 1
 
     # ------------------------------------------------------------------ admission checks
@@ -713,7 +738,7 @@ class Scheduler:
             self.block_manager.deallocate(seq)  # the pull has stopped; its blocks hold garbage
             self._local_only.add(seq.id)
             seq.status = SequenceStatus.WAITING
-            self.waiting.appendleft(seq)
+            self._enqueue(seq, front=True)
             return
         self._finish(seq, "kv_transfer_failed", ErrorCode.KV_TRANSFER_FAILED,
                      "kv_transfer_failed: the prompt KV could not be loaded from the prefill engine")

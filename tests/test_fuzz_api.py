@@ -45,7 +45,7 @@ def api_schema(server):
 def map_body(ctx, body):
     """Keep generated generation requests cheap (small max_tokens, n, best_of)."""
     if isinstance(body, dict):
-        for key in ("max_tokens", "max_completion_tokens"):
+        for key in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
             if isinstance(body.get(key), int) and body[key] > MAX_TOKENS_CAP:
                 body[key] = MAX_TOKENS_CAP
         for key in ("n", "best_of"):
@@ -55,7 +55,8 @@ def map_body(ctx, body):
 
 
 OPERATIONS = [("/v1/completions", "POST"), ("/v1/chat/completions", "POST"), ("/v1/models", "GET"),
-              ("/health", "GET"), ("/ready", "GET")]
+              ("/health", "GET"), ("/ready", "GET"), ("/tokenize", "POST"), ("/detokenize", "POST"),
+              ("/tokenizer_info", "GET"), ("/v1/responses", "POST"), ("/v1/embeddings", "POST")]
 
 
 @pytest.mark.parametrize("path,method", OPERATIONS)

@@ -9,7 +9,7 @@ import runpy
 
 import pytest
 
-from atomd.api import protocol, validation
+from atomd.api import protocol, responses_api, validation
 
 pytestmark = pytest.mark.unit
 
@@ -27,12 +27,19 @@ def test_the_table_is_generated_from_the_code():
 
 
 def base(endpoint: str) -> dict:
+    if endpoint == "/v1/responses":
+        return {"input": "x"}
     return {"prompt": "x"} if endpoint == "/v1/completions" else {"messages": [{"role": "user", "content": "x"}]}
 
 
 def validate(endpoint: str, body: dict) -> None:
     import msgspec
 
+    if endpoint == "/v1/responses":  # what the server does with one: to_chat, then the chat checks
+        req = protocol.decode_request(msgspec.json.encode(body), responses_api.ResponsesRequest)
+        chat, _ = responses_api.to_chat(req, responses_api.ResponseStore(1), responses_api.L.DEFAULT)
+        validation.validate_chat_request(chat)
+        return
     kind = protocol.CompletionRequest if endpoint == "/v1/completions" else protocol.ChatCompletionRequest
     req = protocol.decode_request(msgspec.json.encode(body), kind)
     validate = (validation.validate_completion_request if kind is protocol.CompletionRequest
@@ -47,5 +54,6 @@ def test_every_unimplemented_field_is_a_400_naming_it(endpoint, field, outcome):
     assert e.value.status == 400 and (e.value.param or "").split(".")[0] == field
     assert e.value.code == re.search(r"400 `(\w+)`", outcome).group(1)  # the code the table promises
     if "unknown_field" not in outcome:  # a known field: its no-op values pass
-        for noop in protocol.UNSUPPORTED[field]:
+        unsupported = responses_api.UNSUPPORTED if endpoint == "/v1/responses" else protocol.UNSUPPORTED
+        for noop in unsupported[field]:
             validate(endpoint, dict(base(endpoint), **{field: noop}))

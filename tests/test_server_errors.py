@@ -59,7 +59,9 @@ CASES = {
     "missing_prompt": ("/v1/completions", {"max_tokens": 3}, 400, "prompt"),
     "missing_messages": ("/v1/chat/completions", {"max_tokens": 3}, 400, "messages"),
     "empty_prompt": ("/v1/completions", {"prompt": ""}, 400, "prompt"),
-    "prompt_batch": ("/v1/completions", {"prompt": ["a", "b"]}, 400, "prompt"),
+    # several prompts are served (tests/test_multi_prompt.py); one bad among them refuses all
+    "prompt_batch_one_empty": ("/v1/completions", {"prompt": ["a", ""]}, 400, "prompt"),
+    "prompt_batch_mixed": ("/v1/completions", {"prompt": ["a", [1, "b"]]}, 400, "prompt"),
     "token_out_of_vocab": ("/v1/completions", {"prompt": [1, 10 ** 9]}, 400, "prompt"),
     "max_tokens_zero": ("/v1/completions", {"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
     "max_tokens_negative": ("/v1/completions", {"prompt": "hi", "max_tokens": -5}, 400, "max_tokens"),

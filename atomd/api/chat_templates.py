@@ -64,8 +64,11 @@ def compile_error(source: str) -> str | None:
 
 
 def prompt_ids(tokenizer: Any, req: protocol.ChatCompletionRequest, messages: list[dict[str, Any]],
-               tools: list[dict[str, Any]] | None, trust_request_template: bool, max_prompt_chars: int) -> list[int]:
-    """The chat request's prompt token ids, or a 400 naming what is wrong."""
+               tools: list[dict[str, Any]] | None, trust_request_template: bool, max_prompt_chars: int,
+               add_special_tokens: bool = False) -> list[int]:
+    """The chat request's prompt token ids, or a 400 naming what is wrong. The template
+    writes the special tokens itself; `add_special_tokens` adds the tokenizer's too (vLLM's
+    /tokenize field)."""
     template = req.chat_template
     if template is not None:
         if not trust_request_template:
@@ -89,7 +92,7 @@ def prompt_ids(tokenizer: Any, req: protocol.ChatCompletionRequest, messages: li
     if len(text) > max_prompt_chars:
         raise validation.too_large("messages", f"the rendered chat prompt has {len(text)} characters", max_prompt_chars,
                           "max-prompt-chars")
-    ids = tokenizer.encode(text, add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=add_special_tokens)
     if not ids:
         raise protocol.invalid("chat_template" if template is not None else "messages",
                         "the chat template rendered an empty prompt")

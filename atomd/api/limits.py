@@ -24,6 +24,7 @@ class RequestLimits(msgspec.Struct, frozen=True, kw_only=True):
     max_json_depth: int = 64  # nesting of any JSON object or array a client sends (schemas, tools, ...)
     # a request's own chat template (Qwen3's is 4 KiB, Llama 3.1's 5 KiB, the largest common ones ~20 KiB)
     max_chat_template_chars: int = 64 << 10
+    max_prompts: int = 256  # prompts in one completions request (each its own engine request)
 
     def prompt_chars(self, max_model_len: int) -> int:
         return self.max_prompt_chars or max(1 << 20, 16 * max_model_len)
@@ -48,6 +49,9 @@ def add_arguments(group: argparse._ArgumentGroup) -> None:
                             "guided_json given as a string)")
     group.add_argument("--max-chat-template-chars", type=int, default=DEFAULT.max_chat_template_chars,
                        help="longest chat_template a chat request may bring (with --trust-request-chat-template)")
+    group.add_argument("--max-prompts", type=int, default=DEFAULT.max_prompts,
+                       help="most prompts in one completions request (a list of strings or of token-id lists; "
+                            "each runs as its own request)")
 
 
 def from_args(args: argparse.Namespace) -> RequestLimits:

@@ -18,7 +18,7 @@ from typing import Any
 
 import msgspec
 
-from atomd.api import protocol, responses
+from atomd.api import embeddings, protocol, responses, responses_api, tokenize
 
 REF = "#/components/schemas/{name}"
 ROUTER_SURFACE = pathlib.Path(__file__).resolve().parents[2] / "router" / "openapi_surface.json"
@@ -54,10 +54,14 @@ ERROR_REF = {"$ref": REF.format(name="ErrorBody")}
 def openai_surface() -> dict[str, Any]:
     """The OpenAI routes (paths) and the schemas they name (components.schemas), from the
     structs that validate the bodies: what engines and router both serve."""
-    (completion_req, chat_req, completion, chat, models, _), components = msgspec.json.schema_components(
+    (completion_req, chat_req, completion, chat, models, _, tok_prompt, tok_chat, tokenized, detok_req,
+     detokenized, responses_req, embedding_req, embedding), components = msgspec.json.schema_components(
         [protocol.CompletionRequest, protocol.ChatCompletionRequest, responses.CompletionResponse,
          responses.ChatCompletionResponse,
-         responses.ModelList, ErrorBody], ref_template=REF)
+         responses.ModelList, ErrorBody, tokenize.TokenizeCompletionRequest, tokenize.TokenizeChatRequest,
+         tokenize.TokenizeResponse, tokenize.DetokenizeRequest, tokenize.DetokenizeResponse,
+         responses_api.ResponsesRequest, embeddings.EmbeddingRequest, embeddings.EmbeddingResponse],
+        ref_template=REF)
 
     def generate(summary: str, request: dict, response: dict) -> dict:
         return {"post": {
@@ -69,12 +73,29 @@ def openai_surface() -> dict[str, Any]:
                         "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}}},
                 **_errors(400, 401, 403, 404, 413, 503)}}}
 
+    def plain(summary: str, request: dict, response: dict) -> dict:
+        return {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(request)},
+                         "responses": {"200": {"description": "ok", "content": _json(response)},
+                                       **_errors(400, 401, 404, 413, 503)}}}
+
     return {
         "paths": {
             "/v1/completions": generate("Create a completion", completion_req, completion),
             "/v1/chat/completions": generate("Create a chat completion", chat_req, chat),
+            "/v1/responses": generate("Create a response (OpenAI's Responses API)", responses_req,
+                                      {"type": "object"}),
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "ok", "content": _json(models)}, **_errors(401, 503)}}},
+            # vLLM's tokenizer routes (atomd/api/tokenize.py)
+            "/v1/embeddings": plain("Create embeddings (an engine started with --task embed)", embedding_req,
+                                    embedding),
+            "/tokenize": plain("Tokenize a prompt, or chat messages through the chat template",
+                               {"anyOf": [tok_prompt, tok_chat]}, tokenized),
+            "/detokenize": plain("Token ids back to text", detok_req, detokenized),
+            "/tokenizer_info": {"get": {"summary": "The tokenizer's config, special tokens and chat template",
+                                        "responses": {"200": {"description": "ok",
+                                                              "content": _json({"type": "object"})},
+                                                      **_errors(401, 503)}}},
         },
         "components": {"schemas": components},
     }
@@ -97,7 +118,8 @@ def openapi_document(version: str) -> dict[str, Any]:
     return {
         "openapi": "3.1.0",
         "info": {"title": "atomd serve", "version": version,
-                 "description": "OpenAI-compatible completions and chat completions of one atomd engine."},
+                 "description": "OpenAI-compatible completions and chat completions of one atomd engine, "
+                                "and vLLM's tokenizer routes."},
         "paths": {
             **surface["paths"],
             "/health": status("200 while the engine core process lives"),

@@ -34,7 +34,7 @@ UNSUPPORTED: dict[str, tuple[Any, ...]] = {
     "skip_special_tokens": (None, True), "spaces_between_special_tokens": (None, True),
     "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
     "logits_processors": (None, []), "chat_template": (None,), "chat_template_kwargs": (None, {}),
-    "documents": (None,), "continue_final_message": (None, False), "priority": (None, 0),
+    "documents": (None,), "continue_final_message": (None, False),
     "cache_salt": (None,), "vllm_xargs": (None, {}),
 }
 CHAT_ROLES = ("system", "developer", "user", "assistant", "tool")
@@ -100,7 +100,6 @@ class UnsupportedFields(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     chat_template_kwargs: Any = msgspec.UNSET
     documents: Any = msgspec.UNSET
     continue_final_message: Any = msgspec.UNSET
-    priority: Any = msgspec.UNSET
     cache_salt: Any = msgspec.UNSET
     vllm_xargs: Any = msgspec.UNSET
 
@@ -160,6 +159,7 @@ class SamplingFields(UnsupportedFields, kw_only=True, forbid_unknown_fields=True
     kv_transfer_params: dict[str, Any] | None = None  # parsed by validate_*_request
     user: str | None = None
     data_parallel_rank: int | None = None  # vLLM's: pin the request to one DP rank
+    priority: int = 0  # vLLM's: lower runs first, with --scheduling-policy priority (else only 0)
     # structured outputs (atomd/structured.py): at most one of these
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputsRequest | None = None
@@ -170,8 +170,8 @@ class SamplingFields(UnsupportedFields, kw_only=True, forbid_unknown_fields=True
 
 
 class CompletionRequest(SamplingFields, kw_only=True, forbid_unknown_fields=True):
-    # A string, a list of token ids, or a list of one string / one token list:
-    # msgspec cannot express that union, `prompt_input` checks it.
+    # A string, a list of token ids, or a list of strings / token-id lists (several prompts):
+    # msgspec cannot express that union, `validation.prompt_inputs` checks it.
     prompt: str | list[Any]
     max_tokens: int | None = 16
     logprobs: int | None = None

@@ -72,6 +72,7 @@ class RequestRenderer:
         self.kv_transfer_params: KVTransferParams | None = None  # P's, for D
         self.t_arrival = self.t_last = time.perf_counter()
         self.first_token_seen = False
+        self.index_base = 0  # several prompts in one request: this prompt's first choice index (prompt-major)
 
     def add(self, deltas: list[RequestOutput]) -> list[bytes]:
         """Fold `deltas` in; return the stream chunks for what is new (one per choice that has
@@ -232,19 +233,23 @@ class CompletionRenderer(RequestRenderer):
         kv = self.kv_transfer_params if final else msgspec.UNSET
         plp = self.vllm_prompt_logprobs() if not c.started else msgspec.UNSET
         return [msgspec.json.encode(responses.CompletionResponse(
-            self.id, self.created, self.model, [responses.CompletionChoice(c.index, text, lp, finish_reason, plp)],
+            self.id, self.created, self.model,
+            [responses.CompletionChoice(self.index_base + c.index, text, lp, finish_reason, plp)],
             usage=usage, kv_transfer_params=kv))]
 
-    def full_response(self) -> bytes:
+    def response(self) -> responses.CompletionResponse:
         echo = self.req.echo
         plp = self.vllm_prompt_logprobs()
         choices = []
         for c in self.choices:
             lp = self.logprobs_block(c.logprobs, 0, echo) if self.num_logprobs is not None else None
             text = self.echo_text() + c.text if echo else c.text
-            choices.append(responses.CompletionChoice(c.index, text, lp, c.finish_reason, plp))
-        return msgspec.json.encode(responses.CompletionResponse(
-            self.id, self.created, self.model, choices, usage=self.usage(), kv_transfer_params=self.kv_transfer_params))
+            choices.append(responses.CompletionChoice(self.index_base + c.index, text, lp, c.finish_reason, plp))
+        return responses.CompletionResponse(self.id, self.created, self.model, choices, usage=self.usage(),
+                                            kv_transfer_params=self.kv_transfer_params)
+
+    def full_response(self) -> bytes:
+        return msgspec.json.encode(self.response())
 
     def stream_end(self) -> list[bytes]:
         if not self.include_usage():

@@ -63,6 +63,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "output opens with <think>), deepseek_r1 (the template opened it: output starts in it)")
     g.add_argument("--chat-template", default=None, metavar="PATH_OR_TEMPLATE",
                    help="a chat template (a jinja file, or the template inline) instead of the checkpoint's")
+    g.add_argument("--task", choices=("generate", "embed"), default="generate",
+                   help="embed: also serve /v1/embeddings (vLLM's --task embed; generation routes stay)")
+    g.add_argument("--pooling-type", choices=("last", "mean"), default="last",
+                   help="--task embed: an embedding is the last prompt token's final-normed hidden state, or the "
+                        "mean over the prompt's tokens")
+    g.add_argument("--max-stored-responses", type=int, default=1024,
+                   help="/v1/responses kept in memory for previous_response_id (the oldest evicted first; 0: none)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat request's own chat_template (it runs in jinja's sandbox, but can loop; "
                         "off: such a request is a 400)")

@@ -5,7 +5,10 @@ detokenization, stop strings) and the metrics; the engine core process only sees
 ids (atomd/engine/core.py, reached through atomd/api/core_client.py). Routes:
 
   POST /v1/completions, /v1/chat/completions   JSON or SSE (`stream: true`)
+  POST /v1/responses   OpenAI's Responses API over the chat pipeline (atomd/api/responses_api.py)
+  POST /v1/embeddings  with --task embed: pooled hidden states (atomd/api/embeddings.py)
   GET  /v1/models
+  POST /tokenize, /detokenize; GET /tokenizer_info   vLLM's shapes (atomd/api/tokenize.py)
   GET  /health     200 while the engine core process lives (503 once it died); no API key
   GET  /ready      200 once the engine is loaded and answers a stats call within 2 s
   GET  /metrics    Prometheus text
@@ -43,7 +46,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from atomd.api import chat_templates
 from atomd.api import limits as L
-from atomd.api import protocol, reasoning, responses, validation
+from atomd.api import embeddings, multi_prompt, protocol, reasoning, responses, responses_api, tokenize, validation
 from atomd.api.core_client import EngineClient, EngineDeadError, RequestStream, make_engine_client
 from atomd.api.http import SSE_HEADERS, error_response, json_response, sse
 from atomd.api.lora_routes import LORA_PATHS, LoraNames, engine_error
@@ -135,6 +138,9 @@ class Server:
         app.router.add_get("/openapi.json", self.openapi)
         app.router.add_post("/v1/load_lora_adapter", self.load_lora_adapter)
         app.router.add_post("/v1/unload_lora_adapter", self.unload_lora_adapter)
+        tokenize.add_routes(app, self)  # /tokenize, /detokenize, /tokenizer_info (vLLM's shapes)
+        responses_api.add_routes(app, self)  # /v1/responses over the chat pipeline
+        embeddings.add_routes(app, self)  # /v1/embeddings (with --task embed)
         app.on_response_prepare.append(echo_request_id)
         self.app = app
 
@@ -347,22 +353,32 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_request(request)
-        req, checked, ids, params, prompt = await asyncio.get_running_loop().run_in_executor(
+        req, checked, prompts = await asyncio.get_running_loop().run_in_executor(
             self.parser, self.parse_completion, body)
-        out = CompletionRenderer(self, f"cmpl-{uuid.uuid4().hex}", req, checked, ids,
-                                 prompt if isinstance(prompt, str) else None)
+        request_id = f"cmpl-{uuid.uuid4().hex}"
+        if len(prompts) > 1:  # several prompts: each its own engine request (atomd/api/multi_prompt.py)
+            return await multi_prompt.generate(self, request, request_id, req, checked, prompts)
+        (ids, params, prompt), = prompts
+        out = CompletionRenderer(self, request_id, req, checked, ids, prompt if isinstance(prompt, str) else None)
         return await self.generate(request, req, checked, ids, params, out)
 
     def parse_completion(self, body: bytes):
-        """Body -> (request, checks, prompt ids, sampling params, prompt): on a parser thread."""
+        """Body -> (request, checks, [(prompt ids, sampling params, prompt)] one per prompt): on a
+        parser thread."""
         req = protocol.decode_request(body, protocol.CompletionRequest)
         self.check_model(req)
         checked = validation.validate_completion_request(req, self.limits)
-        prompt = validation.prompt_input(req.prompt)
-        ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
-        params = validation.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
-        self.check_vocabulary(params)
-        return req, checked, ids, params, prompt
+        prompts = validation.prompt_inputs(req.prompt, self.limits.max_prompts)
+        if len(prompts) > 1 and checked.kv_transfer_params is not None:
+            raise protocol.invalid("kv_transfer_params", "kv_transfer_params go with one prompt per request")
+        self.check_priority(req)
+        parsed = []
+        for prompt in prompts:
+            ids = self.tokenizer.encode(prompt) if isinstance(prompt, str) else self.check_token_ids(prompt)
+            params = validation.sampling_params(req, self.max_tokens(ids, req.max_tokens, "max_tokens", 16), checked)
+            self.check_vocabulary(params)
+            parsed.append((ids, params, prompt))
+        return req, checked, parsed
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_request(request)
@@ -374,18 +390,29 @@ class Server:
     def parse_chat(self, body: bytes):
         """As parse_completion, for a chat request."""
         req = protocol.decode_request(body, protocol.ChatCompletionRequest)
+        return (req, *self.prepare_chat(req))
+
+    def prepare_chat(self, req: protocol.ChatCompletionRequest):
+        """A decoded chat request -> (checks, prompt ids, sampling params); /v1/responses too."""
         self.check_model(req)
         checked = validation.validate_chat_request(req, self.limits, self.args.tool_call_parser)
         ids = chat_templates.prompt_ids(self.tokenizer, req, validation.chat_messages(req), checked.tools,
                                         self.args.trust_request_chat_template, self.limits.max_prompt_chars)
         requested, param = (req.max_completion_tokens, "max_completion_tokens") \
             if req.max_completion_tokens is not None else (req.max_tokens, "max_tokens")
+        self.check_priority(req)
         if self.args.reasoning_parser and checked.structured_outputs is not None and not checked.forced_tool_call:
             checked.structured_outputs = reasoning.grammar_after_reasoning(  # the grammar waits for </think>
                 self.tokenizer, self.args.reasoning_parser, checked.structured_outputs, ids)
         params = validation.sampling_params(req, self.max_tokens(ids, requested, param, None), checked)
         self.check_vocabulary(params)
-        return req, checked, ids, params
+        return checked, ids, params
+
+    def check_priority(self, req) -> None:
+        """As vLLM: a priority other than 0 needs --scheduling-policy priority."""
+        if req.priority != 0 and self.config.scheduling_policy != "priority":
+            raise protocol.invalid("priority", f"priority={req.priority} needs --scheduling-policy priority "
+                                               "(this server schedules first come first served)")
 
     def check_token_ids(self, ids: list[int], param: str = "prompt") -> list[int]:
         try:
@@ -435,10 +462,7 @@ class Server:
             first = await stream.next_batch()
             head = first[0]
             if head.error is not None:  # refused or rejected by the engine, or a failed KV pull
-                status, kind = ERROR_STATUS.get(head.error_code, (500, "server_error"))
-                code = head.error_code.value if head.error_code is not None else None
-                raise protocol.APIError(status, head.error, type=kind, code=code,
-                                 param=unschedulable_param(head.error_code, req, params, self.config.max_num_seqs))
+                raise self.engine_error(head, req, params)
             if req.stream:
                 return await self.stream_response(request, stream, first, out)
             batch = first
@@ -449,6 +473,13 @@ class Server:
                 batch = await stream.next_batch()
         finally:
             self.client.abort(out.id)  # no-op once finished; frees the blocks of a gone client
+
+    def engine_error(self, head: RequestOutput, req, params) -> protocol.APIError:
+        """The answer to a request the engine refused or rejected, or whose KV pull failed."""
+        status, kind = ERROR_STATUS.get(head.error_code, (500, "server_error"))
+        code = head.error_code.value if head.error_code is not None else None
+        return protocol.APIError(status, head.error, type=kind, code=code,
+                                 param=unschedulable_param(head.error_code, req, params, self.config.max_num_seqs))
 
     async def stream_response(self, request: web.Request, stream: RequestStream,
                               batch: list[RequestOutput], out: "RequestRenderer") -> web.StreamResponse:

@@ -15,21 +15,27 @@ from contracts.sampling import SamplingParams, StructuredOutputsParams
 from kv_transfer.params import KVTransferParams
 
 
-def prompt_input(prompt: str | list[Any]) -> str | list[int]:
-    """The single prompt of a completion request: text or token ids."""
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
+def prompt_inputs(prompt: str | list[Any], max_prompts: int = L.DEFAULT.max_prompts) -> list[str | list[int]]:
+    """The prompts of a completion request, each text or token ids: a string, a list of token
+    ids, or a list of several of either (OpenAI's batch form; each its own sequences)."""
+    if isinstance(prompt, list) and prompt and all(isinstance(p, (str, list)) for p in prompt):
+        if len(prompt) > max_prompts:
+            raise too_large("prompt", f"{len(prompt)} prompts", max_prompts, "max-prompts")
+        return [_one_prompt(p, f"prompt[{i}]" if len(prompt) > 1 else "prompt") for i, p in enumerate(prompt)]
+    return [_one_prompt(prompt, "prompt")]
+
+
+def _one_prompt(prompt: Any, where: str) -> str | list[int]:
     if isinstance(prompt, str):
         if not prompt:
-            raise invalid("prompt", "prompt must not be empty")
+            raise invalid("prompt", f"{where} must not be empty")
         return prompt
     if not prompt:
-        raise invalid("prompt", "prompt must not be empty")
+        raise invalid("prompt", f"{where} must not be empty")
     if all(type(t) is int for t in prompt):
         return prompt
-    if all(isinstance(t, (str, list)) for t in prompt):
-        raise invalid("prompt", "a batch of several prompts is not supported; send one prompt per request")
-    raise invalid("prompt", "prompt must be a string, a list of token ids, or a list of one string")
+    raise invalid("prompt", "prompt must be a string, a list of token ids, or a list of strings or of token-id "
+                            f"lists; {where} is neither")
 
 
 def chat_messages(req: ChatCompletionRequest) -> list[dict[str, str]]:
@@ -389,7 +395,7 @@ def sampling_params(req: SamplingFields, max_tokens: int, checked: Checked) -> S
             repetition_penalty=1.0 if req.repetition_penalty is None else req.repetition_penalty,
             logit_bias=checked.logit_bias or None, bad_words=list(req.bad_words or []),
             allowed_token_ids=req.allowed_token_ids, prompt_logprobs=checked.prompt_logprobs,
-            structured_outputs=checked.structured_outputs)
+            structured_outputs=checked.structured_outputs, priority=req.priority)
     except ValueError as e:  # SamplingParams starts its message with the field's name
         field = str(e).split(" ", 1)[0]
         raise invalid(field if field in SamplingParams.__struct_fields__ else None, str(e)) from None

@@ -89,10 +89,12 @@ class EngineLoop:
             max_local_prefill_tokens_per_step=config.max_local_prefill_tokens_per_step,
             max_local_prefill_ms_per_step=config.max_local_prefill_ms_per_step,
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
-            enable_kv_events=config.kv_events_endpoint is not None),
+            enable_kv_events=config.kv_events_endpoint is not None,
+            scheduling_policy=config.scheduling_policy),
             kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)
         self.kv_events = self._make_kv_events(model_dir)  # None without --kv-events-endpoint
         self._requests: dict[str, _Request] = {}
+        self._embeddings: dict[str, list[float]] = {}  # pooled vectors by request id, until the last output
         self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
         self.step_samples = step_sample_buffer()
         self._busy_since: float | None = None  # the last forward's end while sequences still ran
@@ -340,6 +342,7 @@ class EngineLoop:
     def _finish_output(self, out: RequestOutput, parent: Sequence, last: Sequence) -> None:
         """The request's last output: its params for D, the error, the engine's timing."""
         out.kv_transfer_params = parent.kv_transfer_params_output
+        out.embedding = self._embeddings.pop(parent.request_id, None)
         out.error, out.error_code = last.error, last.error_code
         out.timing = (parent.arrive_time, parent.first_scheduled_time, parent.first_token_time, time.time())
 

@@ -75,6 +75,7 @@ class LLMEngine(EngineLoop):
             self.loras = self.runner.loras = LoraRegistry(config.max_loras, self._load_adapter)
             for name, path in config.lora_adapters():
                 self.loras.add(name, path)
+        self._pool_sums: dict[int, tuple[torch.Tensor, int]] = {}  # mean pooling: (sum, rows) by sequence id
         # weights quantised at load give other KV than the checkpoint's: another model to a peer
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
         if config.quantized_activations != "float32":  # other numerics, other KV
@@ -119,7 +120,55 @@ class LLMEngine(EngineLoop):
 
     def _forget(self, seq_id: int) -> None:
         self.sampler.forget(seq_id)
+        self._pool_sums.pop(seq_id, None)
         super()._forget(seq_id)
+
+    # ------------------------------------------------------------------ embeddings (pooling)
+
+    def _pooling_rows(self, batch: ScheduledBatch) -> tuple[torch.Tensor, list[tuple[int, int, int]]] | None:
+        """The packed rows whose hidden states embedding sequences pool in this prefill, and
+        per such sequence (batch index, first of its rows in the result, how many): mean, every
+        row it forwards; last, its last row once its prompt is done."""
+        parts, spans, at = [], [], 0
+        ends = np.cumsum(batch.num_scheduled_tokens)
+        for i, seq in enumerate(batch.seqs):
+            pooling = seq.sampling_params.pooling
+            if pooling is None:
+                continue
+            end = int(ends[i])
+            start = end - int(batch.num_scheduled_tokens[i])
+            if pooling == "mean":
+                rows = np.arange(start, end)
+            elif batch.needs_sample[i]:
+                rows = np.array([end - 1])
+            else:
+                continue
+            parts.append(rows)
+            spans.append((i, at, len(rows)))
+            at += len(rows)
+        if not parts:
+            return None
+        return torch.from_numpy(np.concatenate(parts)), spans
+
+    def _pool(self, batch: ScheduledBatch, spans: list[tuple[int, int, int]], hidden: torch.Tensor) -> None:
+        """Fold this chunk's rows into each sequence's pooled vector (float32; a chunk that
+        starts at position 0, a first pass or a recompute after preemption, starts over); the
+        last chunk leaves the vector for the request's last output."""
+        for i, first, count in spans:
+            seq = batch.seqs[i]
+            rows = hidden[first:first + count].float()
+            if seq.sampling_params.pooling == "mean":
+                total, n = self._pool_sums.get(seq.id, (None, 0)) if batch.num_computed_tokens[i] else (None, 0)
+                chunk = rows.sum(dim=0)
+                total, n = (chunk if total is None else total + chunk), n + count
+                self._pool_sums[seq.id] = (total, n)
+                if not batch.needs_sample[i]:
+                    continue
+                vector = total / n
+                del self._pool_sums[seq.id]
+            else:
+                vector = rows[-1]
+            self._embeddings[seq.request_id] = vector.tolist()
 
     def kernels_info(self) -> Any:
         return cbuild.kernel_paths()
@@ -152,7 +201,12 @@ class LLMEngine(EngineLoop):
         # speculative decoding: the runner returns every scheduled row's logits; row j of a
         # sequence samples the token after its j-th draft, as if drafts[:j] were accepted
         verify = not batch.is_prefill and any(batch.spec_token_ids)
-        logits = self.runner.execute(batch, all_logits=want_prompt)
+        pooled = self._pooling_rows(batch) if batch.is_prefill else None
+        if pooled is not None:
+            logits, hidden = self.runner.execute(batch, all_logits=want_prompt, hidden_indices=pooled[0])
+            self._pool(batch, pooled[1], hidden)
+        else:
+            logits = self.runner.execute(batch, all_logits=want_prompt)
         prompt_entries = None
         if want_prompt:
             logits, prompt_entries = self._prompt_logprobs(batch, logits)

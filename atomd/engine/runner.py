@@ -56,9 +56,10 @@ class ModelRunner:
                                "(see the warning above); use --attention-backend torch")
 
     @torch.inference_mode()
-    def execute(self, batch, all_logits: bool = False) -> torch.Tensor:
+    def execute(self, batch, all_logits: bool = False, hidden_indices: torch.Tensor | None = None):
         """Logits [num sampled rows, vocab], batch order (the last token of each sampling
-        sequence); with all_logits, logits of every scheduled token (for prompt logprobs). A
+        sequence); with all_logits, logits of every scheduled token (for prompt logprobs); with
+        `hidden_indices` (a prefill batch), (logits, those rows' final-normed hidden states). A
         decode batch with drafts returns the logits of every scheduled token too: row j of a
         sequence predicts the token after its j-th draft (atomd/engine/spec_decode.py verifies them)."""
         num_sched = batch.num_scheduled_tokens.astype(np.int64)
@@ -92,8 +93,10 @@ class ModelRunner:
         else:
             logits_indices = torch.from_numpy((ends - 1)[batch.needs_sample])
         input_ids = torch.from_numpy(batch.token_ids.astype(np.int64))
-        return self.model.forward(input_ids, torch.from_numpy(positions), meta, self.kv_cache,
-                                  logits_indices, self._lora_step(batch, num_sched))
+        # only what this step uses: a family without LoRA (DeepSeek) takes no `lora`
+        extra = {"lora": self._lora_step(batch, num_sched), "hidden_indices": hidden_indices}
+        return self.model.forward(input_ids, torch.from_numpy(positions), meta, self.kv_cache, logits_indices,
+                                  **{k: v for k, v in extra.items() if v is not None})
 
     def _lora_step(self, batch, num_sched: np.ndarray) -> LoraStep | None:
         """The step's rows by adapter (a request holds its adapter resident while it runs)."""

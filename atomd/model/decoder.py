@@ -228,8 +228,11 @@ class DecoderModel:
         return self.embed.dtype
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, logits_indices: torch.Tensor, lora: LoraStep | None = None) -> torch.Tensor:
-        """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`.
+                kv_cache: KVCache, logits_indices: torch.Tensor, lora: LoraStep | None = None,
+                hidden_indices: torch.Tensor | None = None):
+        """Logits [len(logits_indices), vocab] of the packed tokens at `logits_indices`; with
+        `hidden_indices` (a prefill pooling embeddings), (logits, the final-normed hidden states
+        [len(hidden_indices), hidden] of those tokens).
         Each residual add is fused with the RMSNorm after it (atomd/model/layer_ops.py):
         h holds the normed input of the next matmul, x the residual stream. `lora`: the
         step's rows by adapter (atomd/model/lora.py); their deltas go onto every linear."""
@@ -262,7 +265,10 @@ class DecoderModel:
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
             for tile, rows in tiles:
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i))
-        return self.logits(self.norm_rows(x[logits_indices], self.norm))
+        logits = self.logits(self.norm_rows(x[logits_indices], self.norm))
+        if hidden_indices is not None:
+            return logits, self.norm_rows(x[hidden_indices], self.norm)
+        return logits
 
     def use_expert_parallel(self, ep: Any) -> None:
         """Run the sparse layers across the ranks through `ep` (atomd/model/expert_parallel.py);

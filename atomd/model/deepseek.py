@@ -267,8 +267,9 @@ class DeepseekModel(DecoderModel):
         return KVGeometry(1, 1, self.config.latent_dim, MLA_KV_LAYOUT_VERSION)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, logits_indices: torch.Tensor) -> torch.Tensor:
-        """DecoderModel.forward's contract; attention over the latent cache (atomd/model/mla.py)."""
+                kv_cache: KVCache, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
+        """DecoderModel.forward's contract (hidden_indices too: embeddings); attention over the
+        latent cache (atomd/model/mla.py)."""
         if positions.numel() and int(positions.max()) >= self.max_positions:
             raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
         x = self.embed_tokens(input_ids)
@@ -281,7 +282,10 @@ class DeepseekModel(DecoderModel):
             for rows in range(0, x.shape[0], step):
                 tile = slice(rows, rows + step)
                 self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
-        return self.logits(self.norm_rows(x[logits_indices], self.norm))
+        logits = self.logits(self.norm_rows(x[logits_indices], self.norm))
+        if hidden_indices is not None:
+            return logits, self.norm_rows(x[hidden_indices], self.norm)
+        return logits
 
     def _attention(self, h: torch.Tensor, w: MlaLayerWeights, i: int, positions: torch.Tensor,
                    meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:

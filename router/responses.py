@@ -1,0 +1,54 @@
+"""`/v1/responses` through the router: relayed like chat (router/pd.py: two legs in PD, P's
+leg with `max_output_tokens=1` and `store: false`), with one addition for
+`previous_response_id`.
+
+A response's conversation is stored by the engine that rendered it (atomd/api/responses_api.py):
+D in PD, the worker when colocated. So the router mints each response's id (vLLM's
+`request_id` field; a client's own is kept), remembers which engine answered it (bounded,
+oldest forgotten first), and sends a request continuing that response to that engine alone,
+as one leg (D prefills it locally, the earlier turns likely in its prefix cache). An id this
+router never relayed (or forgot) takes the usual legs; the engine that lacks it answers 404
+`previous_response_not_found`.
+"""
+from __future__ import annotations
+
+import collections
+import os
+
+import msgspec
+
+from router.http import Request, Response
+from router.pd import PDRelay, PDRequest
+
+MAX_REMEMBERED = 1 << 16  # response ids -> engine URL (~100 bytes each)
+
+
+class ResponseAffinity:
+    def __init__(self, capacity: int = MAX_REMEMBERED):
+        self.capacity = capacity
+        self.by_id: collections.OrderedDict[str, str] = collections.OrderedDict()
+
+    def remember(self, response_id: str, url: str) -> None:
+        self.by_id[response_id] = url
+        self.by_id.move_to_end(response_id)
+        while len(self.by_id) > self.capacity:
+            self.by_id.popitem(last=False)
+
+    def url_of(self, response_id: object) -> str | None:
+        return self.by_id.get(response_id) if isinstance(response_id, str) else None
+
+
+async def relay_response(relay: PDRelay, affinity: ResponseAffinity, req: Request, resp: Response, body: dict) -> None:
+    if "kv_transfer_params" in body:  # only the router writes those (as PDRelay.handle)
+        del body["kv_transfer_params"]
+        relay.metrics.client_kv_params_dropped += 1
+    if not isinstance(body.get("request_id"), str):
+        body["request_id"] = "resp_" + os.urandom(16).hex()
+    one = PDRequest(relay, req, resp, "responses", body, msgspec.json.encode(body))
+    url = affinity.url_of(body.get("previous_response_id"))
+    if url is not None:
+        one.pinned = next((w for w in relay.registry.workers() if w.url == url and w.role in ("decode", "worker")
+                           and w.available()), None)
+    await one.run()
+    if one.served_by is not None and resp.status == 200:
+        affinity.remember(body["request_id"], one.served_by.url)

@@ -1,0 +1,215 @@
+"""/v1/responses (issue 40) through the official `openai` client's `responses.create`, stream
+and not, on a colocated engine and through the router's PD pair (`--reasoning-parser qwen3`,
+the hermes tool parser, the built-in model). The reference is /v1/chat/completions on the
+colocated engine with the same conversation (itself tested against Hugging Face elsewhere):
+a response's text, reasoning, function calls and token counts must be the chat answer's;
+streamed events must add up to the non-streamed response; previous_response_id must
+continue the stored conversation (its prompt is the chat prompt of the whole conversation)
+and an evicted one is a clear 404. After every test each engine is idle with its pool free."""
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import openai.types.responses
+import pytest
+
+from launch.process import http
+from tests.pd_fixtures import ref_and_pd
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+STORED = 3  # --max-stored-responses
+INSTRUCTIONS = "Answer in Python."
+QUESTION = "def fibonacci(n):"
+ADD = {"type": "object", "properties": {"a": {"type": "integer", "minimum": 0, "maximum": 9},
+                                        "b": {"type": "integer", "minimum": 0, "maximum": 9}},
+       "required": ["a", "b"], "additionalProperties": False}
+TOOL = {"type": "function", "name": "add", "description": "Add two digits.", "parameters": ADD}
+THINK = r"<think>([a-z]{3,8}(?: [a-z]{3,8}){0,2})</think>([a-z]{3,8}(?: [a-z]{3,8}){0,2})"
+
+
+@pytest.fixture(scope="module")
+def pd():
+    # a prompt with tools is ~220 tokens
+    with ref_and_pd("--reasoning-parser", "qwen3", "--max-stored-responses", str(STORED), "--max-model-len", "768") \
+            as cluster:
+        yield cluster
+
+
+@pytest.fixture(autouse=True)
+def settled(pd):
+    yield
+    pd.assert_settled()
+
+
+def client(url: str) -> openai.OpenAI:
+    return openai.OpenAI(base_url=url + "/v1", api_key="none", max_retries=0)
+
+
+def chat(pd, messages: list[dict], **kw) -> dict:
+    status, raw = http("POST", pd["ref"].url + "/v1/chat/completions", {"messages": messages, **kw})
+    assert status == 200, raw
+    return json.loads(raw)
+
+
+def where(pd) -> list[str]:
+    return [pd["ref"].url, pd.router.url]
+
+
+BASE = [{"role": "system", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}]
+
+
+def test_text_in_text_out_equals_chat(pd):
+    want = chat(pd, BASE, max_completion_tokens=12, temperature=0)
+    for url in where(pd):
+        r = client(url).responses.create(input=QUESTION, instructions=INSTRUCTIONS, max_output_tokens=12,
+                                         temperature=0)
+        assert r.object == "response" and r.id.startswith("resp_")
+        assert r.output_text == want["choices"][0]["message"]["content"]
+        assert r.usage.input_tokens == want["usage"]["prompt_tokens"]
+        assert r.usage.output_tokens == want["usage"]["completion_tokens"]
+        length = want["choices"][0]["finish_reason"] == "length"
+        assert r.status == ("incomplete" if length else "completed")
+        assert [item.type for item in r.output] == ["message"]
+        status, raw = http("POST", url + "/v1/responses", {"input": QUESTION, "max_output_tokens": 4})
+        assert status == 200
+        openai.types.responses.Response.model_validate_json(raw)  # every field the type requires, strictly
+
+
+def test_message_items_and_sampling_fields(pd):
+    items = [{"role": "developer", "content": INSTRUCTIONS},
+             {"type": "message", "role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]
+    want = chat(pd, [{"role": "developer", "content": INSTRUCTIONS}, {"role": "user", "content": QUESTION}],
+                max_completion_tokens=10, temperature=0.8, top_p=0.9, seed=5)
+    for url in where(pd):
+        r = client(url).responses.create(input=items, max_output_tokens=10, temperature=0.8, top_p=0.9,
+                                         extra_body={"seed": 5})
+        assert r.output_text == want["choices"][0]["message"]["content"]
+
+
+def collect(stream) -> tuple[list, object]:
+    events = list(stream)
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    assert events[0].type == "response.created" and events[1].type == "response.in_progress"
+    assert events[-1].type == "response.completed"
+    return events, events[-1].response
+
+
+def test_stream_events_add_up_to_the_response(pd):
+    for url in where(pd):
+        c = client(url)
+        whole = c.responses.create(input=QUESTION, instructions=INSTRUCTIONS, max_output_tokens=12, temperature=0)
+        events, final = collect(c.responses.create(input=QUESTION, instructions=INSTRUCTIONS, max_output_tokens=12,
+                                                   temperature=0, stream=True))
+        text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+        assert text == whole.output_text == final.output_text
+        done = [e for e in events if e.type == "response.output_text.done"]
+        assert len(done) == 1 and done[0].text == text
+        kinds = [e.type for e in events]
+        assert kinds.index("response.output_item.added") < kinds.index("response.content_part.added") < \
+            kinds.index("response.output_text.delta") < kinds.index("response.output_item.done")
+        assert final.usage.output_tokens == whole.usage.output_tokens
+
+
+def test_reasoning_items(pd):
+    """A grammar makes the output `<think>...</think>...`: the reasoning item and the message
+    are chat's reasoning_content and content, streamed or not."""
+    so = {"structured_outputs": {"regex": THINK}, "seed": 3}
+    want = chat(pd, [{"role": "user", "content": QUESTION}], max_completion_tokens=40, temperature=1.0, **so)
+    message = want["choices"][0]["message"]
+    assert message["reasoning_content"] and message["content"]
+    for url in where(pd):
+        c = client(url)
+        r = c.responses.create(input=QUESTION, max_output_tokens=40, temperature=1.0, extra_body=so)
+        assert [item.type for item in r.output] == ["reasoning", "message"]
+        assert r.output[0].content[0].text == message["reasoning_content"]
+        assert r.output_text == message["content"]
+        assert r.usage.output_tokens_details.reasoning_tokens > 0
+        events, final = collect(c.responses.create(input=QUESTION, max_output_tokens=40, temperature=1.0,
+                                                   extra_body=so, stream=True))
+        assert "".join(e.delta for e in events if e.type == "response.reasoning_text.delta") == \
+            message["reasoning_content"]
+        assert "".join(e.delta for e in events if e.type == "response.output_text.delta") == message["content"]
+        assert [item.type for item in final.output] == ["reasoning", "message"]
+
+
+def test_function_calls_and_the_conversation_continued(pd):
+    """tool_choice required: a function_call item (chat's tool call); its output sent back with
+    previous_response_id: the prompt is the chat prompt of the whole conversation."""
+    want = chat(pd, [{"role": "user", "content": "add 2 and 3"}], tools=[{"type": "function", "function": {
+        "name": "add", "description": "Add two digits.", "parameters": ADD}}], tool_choice="required",
+        parallel_tool_calls=False, max_completion_tokens=60, temperature=0)
+    call = want["choices"][0]["message"]["tool_calls"][0]["function"]
+    for url in where(pd):
+        for stream in (False, True):
+            c = client(url)
+            kw = dict(input="add 2 and 3", tools=[TOOL], tool_choice="required", parallel_tool_calls=False,
+                      max_output_tokens=60, temperature=0)
+            r = collect(c.responses.create(stream=True, **kw))[1] if stream else c.responses.create(**kw)
+            calls = [item for item in r.output if item.type == "function_call"]
+            assert calls and (calls[0].name, json.loads(calls[0].arguments)) == (call["name"],
+                                                                                  json.loads(call["arguments"]))
+            jsonschema.validate(json.loads(calls[0].arguments), ADD)
+            follow = c.responses.create(previous_response_id=r.id, input=[
+                {"type": "function_call_output", "call_id": calls[0].call_id, "output": "5"}], tools=[TOOL],
+                max_output_tokens=4, temperature=0)
+            history = [{"role": "user", "content": "add 2 and 3"},
+                       {"role": "assistant", "content": r.output_text or None, "tool_calls": [
+                           {"id": calls[0].call_id, "type": "function",
+                            "function": {"name": calls[0].name, "arguments": calls[0].arguments}}]},
+                       {"role": "tool", "tool_call_id": calls[0].call_id, "content": "5"}]
+            ref = chat(pd, history, tools=[{"type": "function", "function": {
+                "name": "add", "description": "Add two digits.", "parameters": ADD}}], max_completion_tokens=4,
+                temperature=0)
+            assert follow.usage.input_tokens == ref["usage"]["prompt_tokens"]
+            assert follow.output_text == (ref["choices"][0]["message"]["content"] or "")
+
+
+def test_json_schema_format(pd):
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 99}},
+              "required": ["n"], "additionalProperties": False}
+    for url in where(pd):
+        r = client(url).responses.create(input="a number", max_output_tokens=30, temperature=0, text={
+            "format": {"type": "json_schema", "name": "num", "schema": schema, "strict": True}})
+        jsonschema.validate(json.loads(r.output_text), schema)
+
+
+def test_previous_response_evicted_or_unknown_is_404(pd):
+    for url in where(pd):
+        c = client(url)
+        first = c.responses.create(input="x = 1", max_output_tokens=2, temperature=0)
+        second = c.responses.create(previous_response_id=first.id, input="y = 2", max_output_tokens=2, temperature=0)
+        assert second.usage.input_tokens > first.usage.input_tokens  # the first turn is in its prompt
+        for _ in range(STORED):
+            c.responses.create(input="z = 3", max_output_tokens=1, temperature=0)
+        with pytest.raises(openai.NotFoundError) as e:
+            c.responses.create(previous_response_id=first.id, input="again", max_output_tokens=1)
+        assert e.value.body["code"] == "previous_response_not_found"
+        assert e.value.body["param"] == "previous_response_id"
+        unstored = c.responses.create(input="w", max_output_tokens=1, store=False)
+        with pytest.raises(openai.NotFoundError):
+            c.responses.create(previous_response_id=unstored.id, input="again", max_output_tokens=1)
+
+
+@pytest.mark.parametrize("body,param,code", [
+    ({"input": "x", "reasoning": {"effort": "high"}}, "reasoning", "unsupported_field"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools[0]", "unsupported_field"),
+    ({"input": [{"type": "image", "url": "x"}]}, "input[0].type", "invalid_value"),
+    ({"input": [{"role": "user", "content": [{"type": "input_image"}]}]}, "input[0].content[0]", "invalid_value"),
+    ({"input": "x", "max_output_tokens": 0}, "max_output_tokens", "invalid_value"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "text.format.schema", "invalid_value"),
+    ({"input": "x", "unknown": 1}, "unknown", "unknown_field"),
+    ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", "limit_exceeded"),
+    ({"input": "x", "request_id": "bad id"}, "request_id", "invalid_value"),
+    ({"input": "x " * 900, "instructions": "be brief"}, "input", "unschedulable"),  # longer than the context
+])
+def test_bad_requests_are_400_naming_the_field(pd, body, param, code):
+    for url in where(pd):
+        status, raw = http("POST", url + "/v1/responses", body)
+        assert status == 400, raw
+        error = json.loads(raw)["error"]
+        assert (error["param"], error["code"]) == (param, code), error
+        assert re.search(r"Traceback|/work|\.py", error["message"]) is None
