@@ -10,10 +10,9 @@ structured outputs, prompt logprobs and speculative decoding are refused (a 400 
 error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
 
 Step time: the profile's prediction for the step's shape; with a served profile (`atomd
-profile --from-servers`) plus a residual drawn from its measured spread, and the time from the
-previous busy forward's end is a served busy gap drawn from its quantiles: the loop's own gap
-is paid from it, the rest waited. Whatever is not paid in a step (its own gap beyond the drawn
-one, a late wake-up on a shared machine) carries to the next busy step (at most 1 s).
+profile --from-servers`) plus a residual drawn from its measured spread, plus whatever of the
+served engine's busy gap (drawn from its quantiles) this loop's own gap (EWMA) leaves;
+a step that woke late (a shared machine) shortens the next busy one by as much.
 
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
 connector moves one byte per block over its real side channel (leases, heartbeats, aborts
@@ -73,10 +72,11 @@ class SimulatedEngine(EngineLoop):
         step = self.profile.step  # a served profile's measured spread, drawn per step (seeded)
         self._spread = {True: step.prefill_spread, False: step.decode_spread} if isinstance(step, Calibrated) else {}
         self._spread_rng = np.random.default_rng(config.seed)
-        # a served profile's busy gaps: one is drawn per busy step, and this loop's own gap is paid from it
+        # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
         self._gaps = {True: step.prefill_gaps, False: step.decode_gaps} if isinstance(step, Calibrated) else {}
+        self._own_gap_s: dict[bool, float] = {}  # is_prefill -> this loop's gap (EWMA)
         self._last_forward_end: float | None = None
-        self._late_s = 0.0  # how much later than its target the last busy step ended (the debt carried)
+        self._late_s = 0.0  # how much later than its target the last busy step ended
         self.forward_steps = 0
         self._start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)
 
@@ -107,14 +107,15 @@ class SimulatedEngine(EngineLoop):
         seconds = self.profile.step_seconds(StepShape.of(
             batch.is_prefill, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens.tolist()))
         spread = self._spread.get(batch.is_prefill)
-        if spread:  # may go below 0: the debt below pays it back
-            seconds += spread[self._spread_rng.integers(len(spread))]
-        # debt: how far this busy engine is behind the profile: the last step's late wake-up,
-        # and the loop's own gap since that step beyond the served gap drawn for this one
-        debt = self._late_s
+        if spread:
+            seconds = max(0.0, seconds + spread[self._spread_rng.integers(len(spread))])
+        wait = 0.0
         gaps = self._gaps.get(batch.is_prefill)
         if gaps and self._last_forward_end is not None:
-            debt += started - self._last_forward_end - gaps[self._spread_rng.integers(len(gaps))]
+            gap = started - self._last_forward_end
+            own = self._own_gap_s.get(batch.is_prefill)
+            own = self._own_gap_s[batch.is_prefill] = gap if own is None else own + 0.1 * (gap - own)
+            wait = max(0.0, gaps[self._spread_rng.integers(len(gaps))] - own)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None
@@ -134,10 +135,10 @@ class SimulatedEngine(EngineLoop):
                     fork_ids[i].append(token)
                     fork_entries[i].append(entry)
         self.forward_steps += 1
-        self.forward_seconds += max(0.0, seconds)
-        # what is not paid back now (a late wake-up, a step shorter than the debt) carries to
-        # the next busy step, so a busy engine's steps and gaps add up to the profile's
-        target = started + seconds - debt
+        self.forward_seconds += seconds
+        # a shared machine wakes a sleeper late: the lateness is paid back from the next busy
+        # steps, so a busy engine's steps add up to the profile's times
+        target = started + seconds + wait - self._late_s
         remaining = target - time.perf_counter()
         if remaining > 0:
             time.sleep(remaining)
