@@ -7,6 +7,7 @@ group and router entry are gone."""
 from __future__ import annotations
 
 import json
+import shutil
 import tempfile
 import threading
 
@@ -33,6 +34,7 @@ def local_ray():
         yield ray
     finally:
         ray.shutdown()
+        shutil.rmtree(temp_dir, ignore_errors=True)
 
 
 def workers(router_url: str, role: str) -> list[str]:

@@ -11,7 +11,7 @@ error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
 
 Step time: the profile's prediction for the step's shape; with a served profile (`atomd
 profile --from-servers`) plus a residual drawn from its measured spread, plus whatever of the
-served engine's busy gap (drawn from its quantiles) this loop's own gap (EWMA) leaves;
+served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves;
 a step that woke late (a shared machine) shortens the next busy one by as much.
 
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
@@ -74,7 +74,7 @@ class SimulatedEngine(EngineLoop):
         self._spread = {True: step.prefill_spread, False: step.decode_spread} if isinstance(step, Calibrated) else {}
         self._spread_rng = np.random.default_rng(config.seed)
         # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
-        self._gaps = {True: step.prefill_gaps, False: step.decode_gaps} if isinstance(step, Calibrated) else {}
+        self._gap_s = {True: step.prefill_gap_s, False: step.decode_gap_s} if isinstance(step, Calibrated) else {}
         self._own_gap_s: dict[bool, float] = {}  # is_prefill -> this loop's gap (EWMA)
         self._last_forward_end: float | None = None
         self._late_s = 0.0  # how much later than its target the last busy step ended
@@ -111,12 +111,12 @@ class SimulatedEngine(EngineLoop):
         if spread:
             seconds = max(0.0, seconds + spread[self._spread_rng.integers(len(spread))])
         wait = 0.0
-        gaps = self._gaps.get(batch.is_prefill)
-        if gaps and self._last_forward_end is not None:
+        served_gap = self._gap_s.get(batch.is_prefill)
+        if served_gap and self._last_forward_end is not None:
             gap = started - self._last_forward_end
             own = self._own_gap_s.get(batch.is_prefill)
             own = self._own_gap_s[batch.is_prefill] = gap if own is None else own + 0.1 * (gap - own)
-            wait = max(0.0, gaps[self._spread_rng.integers(len(gaps))] - own)
+            wait = max(0.0, served_gap - own)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None

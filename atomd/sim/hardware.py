@@ -195,14 +195,12 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     # the served ones did (a shared machine's preemptions included); empty: the fit's time.
     prefill_spread: list[float] = []
     decode_spread: list[float] = []
-    # ... and the served engine's time from a forward's end to the next prefill / decode
+    # ... and the served engine's mean time from a forward's end to the next prefill / decode
     # forward's start while it had sequences running (scheduling, outputs, IPC, its API
-    # process: under the load it had), seconds at evenly spaced quantiles: a simulated engine
-    # draws one per busy step and waits out what its own loop, sleeping through its forwards,
-    # does not take of it (atomd/sim/engine.py). Quantiles, not a mean: a rare long gap slows
-    # a few requests, a mean spread over every step would slow them all.
-    prefill_gaps: list[float] = []
-    decode_gaps: list[float] = []
+    # process: under the load it had); a simulated engine waits out what its own loop,
+    # sleeping through its forwards, does not take of it (atomd/sim/engine.py)
+    prefill_gap_s: float = 0.0
+    decode_gap_s: float = 0.0
 
 
 class Derived(msgspec.Struct, frozen=True, kw_only=True, tag="derived"):
@@ -302,9 +300,8 @@ def check_profile(p: Profile) -> None:
         for spread in (p.step.prefill_spread, p.step.decode_spread):
             if len(spread) > MAX_SPREAD or not all(abs(v) < 60 for v in spread):
                 raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} values in (-60, 60) s")
-        for gaps in (p.step.prefill_gaps, p.step.decode_gaps):
-            if len(gaps) > MAX_SPREAD or not all(0 <= v < 60 for v in gaps):
-                raise ValueError(f"hardware {p.name}: step gaps hold at most {MAX_SPREAD} values in [0, 60) s")
+        if not (0 <= p.step.prefill_gap_s < 10 and 0 <= p.step.decode_gap_s < 10):
+            raise ValueError(f"hardware {p.name}: prefill_gap_s and decode_gap_s must be in [0, 10) seconds")
     for shape in (StepShape(True, 1, 1, 1.0, 1), StepShape(False, 1, 1, 1.0, 1)):
         if not math.isfinite(p.step_seconds(shape)):
             raise ValueError(f"hardware {p.name}: the step model is not finite")

@@ -224,15 +224,12 @@ def run_from_servers(args: argparse.Namespace) -> int:
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
-    quantiles = (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES
-    gap = {kind: [round(float(v), 6) for v in np.quantile(g, quantiles)] if g else [] for kind, g in gaps.items()}
+    gap = {kind: float(np.mean(g)) if g else 0.0 for kind, g in gaps.items()}
     for kind, g in gaps.items():
-        if g:
-            print(f"busy gap before a {kind} forward: mean {np.mean(g) * 1e3:.2f} ms, median "
-                  f"{np.median(g) * 1e3:.2f} ms over {len(g)} steps")
+        print(f"busy gap before a {kind} forward: mean {gap[kind] * 1e3:.2f} ms over {len(g)} steps")
     step = Calibrated(prefill=fits["prefill"][0], decode=fits["decode"][0], source=source,
                       prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1],
-                      prefill_gaps=gap["prefill"], decode_gaps=gap["decode"])
+                      prefill_gap_s=gap["prefill"], decode_gap_s=gap["decode"])
     write_profile(args, config, name, step, link)
     return 0
 
