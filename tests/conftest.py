@@ -66,14 +66,20 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [item for item in items if "netns_full" not in item.keywords]
 
 
+RAY_FILES = ("tests/test_ray_e2e.py", "tests/test_ray_autoscale.py")
+
+
 def _group_for_xdist(items) -> None:
     """`make test` runs on both cores (pytest-xdist, `--dist loadgroup`): a file's tests stay on
     one worker (its module fixtures start once), and the network-namespace tests share one
-    worker (each cluster picks a free subnet; two at once could pick the same one)."""
+    worker (each cluster picks a free subnet; two at once could pick the same one), and so do
+    the files that start a local Ray (run at once on two workers, the `ray start` head's job API
+    did not come up within 180 s: two Ray instances on one host share fixed default ports)."""
     for item in items:
         if item.get_closest_marker("xdist_group"):  # a test that chose its own
             continue
-        group = "netns" if "netns" in item.keywords else item.nodeid.split("::")[0]
+        path = item.nodeid.split("::")[0]
+        group = "netns" if "netns" in item.keywords else "ray" if path in RAY_FILES else path
         item.add_marker(pytest.mark.xdist_group(group))
 
 

@@ -72,8 +72,8 @@ def test_unsupported_architecture_is_named(llama_dir, tmp_path):
 @pytest.mark.unit
 def test_unsupported_rope_type_is_named(llama_dir, tmp_path):
     shutil.copytree(llama_dir, tmp_path / "m")
-    _edit_config(tmp_path / "m", rope_parameters={"rope_type": "yarn", "factor": 2.0, "rope_theta": 1e4})
-    with pytest.raises(ValueError, match="rope_type 'yarn'"):
+    _edit_config(tmp_path / "m", rope_parameters={"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4})
+    with pytest.raises(ValueError, match="rope_type 'dynamic'"):
         load_model(tmp_path / "m")
 
 

@@ -49,7 +49,7 @@ def longrope_attention_factor(cfg: ModelConfig) -> float:
     scaling = cfg.rope_scaling
     if scaling.get("attention_factor") is not None:
         return scaling["attention_factor"]
-    original = scaling["original_max_position_embeddings"]
+    original = yarn_original_length(cfg)
     factor = scaling.get("factor") or cfg.max_position_embeddings / original
     return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
 
@@ -74,7 +74,12 @@ def yarn_attention_factor(cfg: ModelConfig) -> float:
 
 def yarn_factor(cfg: ModelConfig) -> float:
     scaling = cfg.rope_scaling
-    return scaling.get("factor") or cfg.max_position_embeddings / scaling["original_max_position_embeddings"]
+    return scaling.get("factor") or cfg.max_position_embeddings / yarn_original_length(cfg)
+
+
+def yarn_original_length(cfg: ModelConfig) -> int:
+    """The pre-training context yarn extends (transformers: max_position_embeddings without one)."""
+    return cfg.rope_scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
 
 
 def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
@@ -82,7 +87,7 @@ def yarn_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     beta_fast rotations over the original length, interpolated below beta_slow, a linear ramp
     between (transformers' _compute_yarn_parameters, `truncate` included)."""
     scaling, dim, base = cfg.rope_scaling, cfg.head_dim, cfg.rope_theta
-    original = scaling["original_max_position_embeddings"]
+    original = yarn_original_length(cfg)
     beta_fast, beta_slow = scaling.get("beta_fast") or 32, scaling.get("beta_slow") or 1
 
     def correction_dim(rotations: float) -> float:
