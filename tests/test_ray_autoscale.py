@@ -7,6 +7,7 @@ group and router entry are gone."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import tempfile
 import threading
@@ -27,6 +28,10 @@ pytestmark = [pytest.mark.e2e, pytest.mark.timeout(600)]
 def local_ray():
     ray = pytest.importorskip("ray")
     temp_dir = tempfile.mkdtemp(prefix="atomd-ray-", dir="/tmp")  # short: Ray's socket paths
+    # no token auth: a local ray.init with the mode unset writes ~/.ray/auth_token, which then
+    # turns token auth on for every later Ray on this machine (test_ray_e2e's head answered 401)
+    auth_mode = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
     ray.init(address="local", num_cpus=4, include_dashboard=False, _node_ip_address="127.0.0.1",
              _temp_dir=temp_dir, object_store_memory=100 << 20, log_to_driver=False,
              configure_logging=False)
@@ -35,6 +40,10 @@ def local_ray():
     finally:
         ray.shutdown()
         shutil.rmtree(temp_dir, ignore_errors=True)
+        if auth_mode is None:
+            os.environ.pop("RAY_AUTH_MODE", None)
+        else:
+            os.environ["RAY_AUTH_MODE"] = auth_mode
 
 
 def workers(router_url: str, role: str) -> list[str]:

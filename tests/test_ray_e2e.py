@@ -34,7 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 # The job's `python` is the first on the PATH `ray start` had: this venv's.
 RAY_ENV = {**os.environ, "PATH": f"{VENV_BIN}{os.pathsep}{os.environ.get('PATH', '')}",
-           "RAY_USAGE_STATS_ENABLED": "0"}
+           "RAY_USAGE_STATS_ENABLED": "0",
+           # Ray >= 2.5x turns token auth on when ~/.ray/auth_token exists (an earlier local
+           # ray.init may have written one): its job API then answers this test's probes 401
+           "RAY_AUTH_MODE": "disabled"}
 HEAD_START_TIMEOUT_S = 180.0
 JOB_READY_TIMEOUT_S = 600.0
 RECOVERY_TIMEOUT_S = 180.0
