@@ -12,6 +12,7 @@ import os
 import signal
 import time
 
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from launch.process import RouterServer, http
@@ -114,3 +115,17 @@ def sse_events(body: bytes) -> list:
         if line.startswith("data: ") and line != "data: [DONE]":
             events.append(json.loads(line[6:]))
     return events
+
+
+@pytest.fixture(scope="module")
+def pd():
+    """The reference engine and a PD pair behind a router (ref_and_pd), for a module's tests;
+    a module imports it with `settled`, which checks after each test that nothing is left."""
+    with ref_and_pd() as cluster:
+        yield cluster
+
+
+@pytest.fixture(autouse=True)  # autouse where imported: pd_fixtures is no plugin
+def settled(pd):
+    yield
+    pd.assert_settled()

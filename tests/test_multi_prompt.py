@@ -12,24 +12,12 @@ import openai
 import pytest
 
 from launch.process import http
-from tests.pd_fixtures import ref_and_pd, sse_events
+from tests.pd_fixtures import pd, settled, sse_events  # noqa: F401 (fixtures)
 from tests.server_fixtures import MAX_MODEL_LEN
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 PROMPTS = ["def fibonacci(n):\n    ", "import os\nimport", "class Stack:\n    def"]
-
-
-@pytest.fixture(scope="module")
-def pd():
-    with ref_and_pd() as cluster:
-        yield cluster
-
-
-@pytest.fixture(autouse=True)
-def settled(pd):
-    yield
-    pd.assert_settled()
 
 
 def post(url: str, body: dict) -> tuple[int, dict | list]:

@@ -10,24 +10,12 @@ import numpy as np
 import pytest
 
 from launch.process import http
-from tests.pd_fixtures import ref_and_pd, sse_events
+from tests.pd_fixtures import pd, settled, sse_events  # noqa: F401 (fixtures)
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 PROMPT = "def fibonacci(n):\n    "
 LOOP = "import os\nimport os\nimport os\nimport os\nimport"  # the model loops on it
-
-
-@pytest.fixture(scope="module")
-def pd():
-    with ref_and_pd() as cluster:
-        yield cluster
-
-
-@pytest.fixture(autouse=True)
-def settled(pd):
-    yield
-    pd.assert_settled()
 
 
 def complete(url: str, body: dict, path: str = "/v1/completions"):

@@ -12,25 +12,13 @@ import pytest
 import transformers
 
 from launch.process import http
-from tests.pd_fixtures import ref_and_pd
+from tests.pd_fixtures import pd, settled  # noqa: F401 (fixtures)
 from tests.server_fixtures import MAX_MODEL_LEN, model_dir
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 TEXTS = ["def fibonacci(n):\n    return n", "héllo wörld, ünïcode ✓", "  leading spaces\tand\ttabs\n\n"]
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hi."}]
-
-
-@pytest.fixture(scope="module")
-def pd():
-    with ref_and_pd() as cluster:
-        yield cluster
-
-
-@pytest.fixture(autouse=True)
-def settled(pd):
-    yield
-    pd.assert_settled()
 
 
 @pytest.fixture(scope="module")

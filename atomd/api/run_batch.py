@@ -124,11 +124,7 @@ async def run_batch(config: Any, args: argparse.Namespace) -> int:
               file=sys.stderr)
         return 0
     finally:
-        if server.watchdog is not None:
-            server.watchdog.cancel()
-        await runner.cleanup()
-        await server.client.shutdown()
-        server.parser.shutdown(wait=False)
+        await server.stop(runner)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -127,8 +127,4 @@ async def serve(config: Any, args: argparse.Namespace) -> int:
         print(f"atomd serve: failed to start: {type(e).__name__}: {e}", file=sys.stderr)
         return 1
     finally:
-        if server.watchdog is not None:
-            server.watchdog.cancel()
-        await runner.cleanup()
-        await server.client.shutdown()
-        server.parser.shutdown(wait=False)
+        await server.stop(runner)

@@ -150,10 +150,16 @@ class Server:
         self.tokenizer = await asyncio.to_thread(load_tokenizer, self.config)
         if self.args.chat_template is not None:
             self.tokenizer.chat_template = self.args.chat_template
-        if self.args.chat_template is not None:
-            self.tokenizer.chat_template = self.args.chat_template
         self.metrics = ServerMetrics(self.model_name, self.config.data_parallel_rank)
         self.watchdog = asyncio.get_running_loop().create_task(self.watch_core())
+
+    async def stop(self, runner: web.AppRunner) -> None:
+        """Stop serving: the core watchdog, the HTTP side, the engine core, the parser thread."""
+        if self.watchdog is not None:
+            self.watchdog.cancel()
+        await runner.cleanup()
+        await self.client.shutdown()
+        self.parser.shutdown(wait=False)
 
     def on_abort_confirmed(self) -> None:
         if self.metrics is not None:
