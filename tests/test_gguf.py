@@ -182,6 +182,8 @@ CASES = {  # id -> (arch, types)
     "llama-Q4_K_M-like": ("llama", {"linear": Q.Q4_K, "v": Q.Q6_K, "down": Q.Q5_K, "embed": Q.Q4_K,
                                     "output": Q.Q6_K}),
     "llama-F16": ("llama", {"linear": Q.F16, "embed": Q.F16, "output": Q.F16}),
+    # the legacy types: Q4_1 with a Q5_1 v (q / k / v then int8), a Q5_0 down, a Q5_1 head
+    "llama-Q4_1-Q5": ("llama", {"linear": Q.Q4_1, "v": Q.Q5_1, "down": Q.Q5_0, "embed": Q.F32, "output": Q.Q5_1}),
     "qwen2-Q8_0": ("qwen2", {"linear": Q.Q8_0, "embed": Q.Q8_0}),  # tied: the packed embedding is the head too
     "qwen3-Q4_0": ("qwen3", {"linear": Q.Q4_0, "embed": Q.BF16, "output": Q.Q8_0}),
 }
@@ -198,7 +200,7 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
     if types["linear"] in (Q.F16, Q.BF16):
         assert not any(isinstance(t, QuantizedWeight) for t in layer.linears())
     else:  # packed as stored: int4 for the 4-bit types, int8 for the rest (and siblings of mixed types)
-        bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_K: 4}[types["linear"]]
+        bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4}[types["linear"]]
         assert isinstance(layer.o, QuantizedWeight) and layer.o.bits == bits
         assert isinstance(layer.gate_up, QuantizedWeight) and layer.gate_up.bits == bits
         assert isinstance(layer.qkv, QuantizedWeight) and layer.qkv.bits == (8 if "v" in types else bits)
@@ -259,7 +261,7 @@ def test_a_tokenizer_json_beside_the_file_is_used(checkpoints, tmp_path):
     assert len(out.token_ids) == 48 and isinstance(out.text, str)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_blocks_unpack_to_what_ggml_dequantises_and_the_kernel_multiplies(qtype):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 40, 512
@@ -276,13 +278,13 @@ def test_blocks_unpack_to_what_ggml_dequantises_and_the_kernel_multiplies(qtype)
 
 
 @pytest.mark.parametrize("edit,message", [
-    ("q5_0", "GGUF tensor .* is Q5_0: atomd reads F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"),
+    ("tq1_0", "GGUF tensor .* is TQ1_0: atomd reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"),
     ("arch", "GGUF architecture 'gemma' is not supported"),
     ("t5", "GGUF tokenizer model 't5' is not supported .*tokenizer.json beside"),
 ])
 def test_unsupported_files_are_refused_by_name(edit, message, checkpoints, tmp_path):
     path = tmp_path / "m.gguf"
-    write_gguf(checkpoints["qwen3"], path, "qwen3", {"linear": Q.Q5_0 if edit == "q5_0" else Q.Q8_0, "embed": Q.F32},
+    write_gguf(checkpoints["qwen3"], path, "qwen3", {"linear": Q.TQ1_0 if edit == "tq1_0" else Q.Q8_0, "embed": Q.F32},
                tokenizer="t5" if edit == "t5" else "gpt2")
     if edit == "arch":  # general.architecture's value, the first 'qwen3' in the file (same length)
         path.write_bytes(path.read_bytes().replace(b"qwen3", b"gemma", 1))

@@ -53,6 +53,10 @@ PRE_TOKENIZERS: dict[str, str | None] = {
 }
 MAX_METADATA_ITEMS = 1 << 24  # an array or count past this is a broken file, not a vocabulary
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values that are added tokens
+# the others, by name only (refused by name: atomd reads none of them)
+OTHER_GGML_TYPES = {16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+                    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
+                    35: "TQ2_0", 39: "MXFP4"}
 
 
 @dataclass
@@ -64,7 +68,8 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return GGML_TYPES.get(self.type, (f"ggml type {self.type}",))[0]
+        known = GGML_TYPES.get(self.type)
+        return known[0] if known else OTHER_GGML_TYPES.get(self.type, f"ggml type {self.type}")
 
     @property
     def nbytes(self) -> int:

@@ -6,6 +6,9 @@ integers and scales, exactly (w = q * scale + offset reproduces ggml's dequantis
 - Q8_0 (blocks of 32: fp16 d, 32 int8): int8, group 32, w = d * q;
 - Q4_0 (blocks of 32: fp16 d, 16 bytes of nibbles, value i low / i + 16 high, as quant.py's
   int4 runs): int4, group 32, offset -8 d;
+- Q4_1 (as Q4_0 with an fp16 minimum m after d): int4, group 32, offset m;
+- Q5_0 / Q5_1 (as Q4_0 / Q4_1 with each value's fifth bit in a 32-bit qh before the nibbles):
+  int8, group 32, w = d * (q - 16) / d * q + m;
 - Q4_K (super-blocks of 256: fp16 d, dmin, 12 bytes of eight 6-bit scales and mins, 128
   bytes of nibbles, each 64 values in 32 bytes, first 32 low): int4, group 32, scale d * sc,
   offset -dmin * m;
@@ -37,7 +40,7 @@ from atomd.model.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
 FLOAT_TYPES = ("F32", "F16", "BF16")
-PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q4_K", "Q5_K", "Q6_K")
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -114,14 +117,24 @@ def int_weight(info: TensorInfo, raw: np.ndarray) -> IntWeight:
     """A packed 2-D tensor's integers and scales (module docstring)."""
     n, k = info.shape
     kind = info.type_name
-    if kind in ("Q8_0", "Q4_0"):
-        blocks = raw.reshape(n, k // 32, 34 if kind == "Q8_0" else 18)
+    if kind in SMALL_BLOCK_BYTES:  # blocks of 32 values
+        blocks = raw.reshape(n, k // 32, SMALL_BLOCK_BYTES[kind])
         d = _f16(blocks[..., 0:2])
         if kind == "Q8_0":
             return IntWeight(blocks[..., 2:].view(np.int8).reshape(n, k).astype(np.int16), d, None, 8, 32)
-        qs = blocks[..., 2:]
-        values = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k).astype(np.int16)
-        return IntWeight(values, d, -8 * d, 4, 32)
+        m = _f16(blocks[..., 2:4]) if kind in ("Q4_1", "Q5_1") else None  # the block's minimum
+        qs = blocks[..., -16:]  # value j in the low nibble of byte j, value j + 16 in its high one
+        values = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k // 32, 32).astype(np.int16)
+        if kind == "Q4_0":
+            return IntWeight(values.reshape(n, k), d, -8 * d, 4, 32)
+        if kind == "Q4_1":
+            return IntWeight(values.reshape(n, k), d, m, 4, 32)
+        # Q5_0 / Q5_1: bit j of the 32-bit qh (little-endian, before qs) is value j's fifth bit
+        qh = blocks[..., -20:-16].copy().view("<u4").astype(np.int64)  # [n, k / 32, 1]
+        values = values | (((qh >> np.arange(32)) & 1) << 4).astype(np.int16)
+        if kind == "Q5_0":  # w = d (q - 16)
+            return IntWeight(values.reshape(n, k) - 16, d, None, 8, 32)
+        return IntWeight(values.reshape(n, k), d, m, 8, 32)
     blocks = raw.reshape(n, k // 256, GGUF_BLOCK_BYTES[kind])
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks[..., 0:2])[..., None], _f16(blocks[..., 2:4])[..., None]
@@ -147,6 +160,7 @@ def int_weight(info: TensorInfo, raw: np.ndarray) -> IntWeight:
 
 
 GGUF_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+SMALL_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 
 
 def float_array(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
