@@ -39,7 +39,7 @@ LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 KINDS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
          "ffn_down": "down"}  # write_gguf's `types` keys of the layer linears
-K_BLOCKS = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+K_BLOCKS = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
 
 def gguf_names(name: str) -> str:
@@ -68,6 +68,11 @@ def random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
     if qtype == Q.Q6_K:
         b[..., 208:210] = (rng.uniform(1e-5, 3e-5, (rows, cols // 256, 1))).astype(np.float16).view(np.uint8)
+    elif qtype == Q.Q3_K:
+        b[..., 108:110] = (rng.uniform(1e-4, 3e-4, (rows, cols // 256, 1))).astype(np.float16).view(np.uint8)
+    elif qtype == Q.Q2_K:
+        d = rng.uniform(5e-4, 1e-3, (rows, cols // 256, 2)).astype(np.float16)
+        b[..., 80:84] = d.view(np.uint8)
     else:
         d = rng.uniform(2e-5 if qtype == Q.Q5_K else 5e-5, 1e-4, (rows, cols // 256, 2)).astype(np.float16)
         b[..., 0:4] = d.view(np.uint8)
@@ -184,6 +189,7 @@ CASES = {  # id -> (arch, types)
     "llama-F16": ("llama", {"linear": Q.F16, "embed": Q.F16, "output": Q.F16}),
     # the legacy types: Q4_1 with a Q5_1 v (q / k / v then int8), a Q5_0 down, a Q5_1 head
     "llama-Q4_1-Q5": ("llama", {"linear": Q.Q4_1, "v": Q.Q5_1, "down": Q.Q5_0, "embed": Q.F32, "output": Q.Q5_1}),
+    "llama-Q3_K_M-like": ("llama", {"linear": Q.Q3_K, "v": Q.Q5_K, "down": Q.Q2_K, "embed": Q.F32, "output": Q.Q6_K}),
     "qwen2-Q8_0": ("qwen2", {"linear": Q.Q8_0, "embed": Q.Q8_0}),  # tied: the packed embedding is the head too
     "qwen3-Q4_0": ("qwen3", {"linear": Q.Q4_0, "embed": Q.BF16, "output": Q.Q8_0}),
 }
@@ -200,7 +206,7 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
     if types["linear"] in (Q.F16, Q.BF16):
         assert not any(isinstance(t, QuantizedWeight) for t in layer.linears())
     else:  # packed as stored: int4 for the 4-bit types, int8 for the rest (and siblings of mixed types)
-        bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4}[types["linear"]]
+        bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q3_K: 8, Q.Q4_K: 4}[types["linear"]]
         assert isinstance(layer.o, QuantizedWeight) and layer.o.bits == bits
         assert isinstance(layer.gate_up, QuantizedWeight) and layer.gate_up.bits == bits
         assert isinstance(layer.qkv, QuantizedWeight) and layer.qkv.bits == (8 if "v" in types else bits)
@@ -261,7 +267,7 @@ def test_a_tokenizer_json_beside_the_file_is_used(checkpoints, tmp_path):
     assert len(out.token_ids) == 48 and isinstance(out.text, str)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_blocks_unpack_to_what_ggml_dequantises_and_the_kernel_multiplies(qtype):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 40, 512
@@ -278,7 +284,7 @@ def test_blocks_unpack_to_what_ggml_dequantises_and_the_kernel_multiplies(qtype)
 
 
 @pytest.mark.parametrize("edit,message", [
-    ("tq1_0", "GGUF tensor .* is TQ1_0: atomd reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K"),
+    ("tq1_0", "GGUF tensor .* is TQ1_0: atomd reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K"),
     ("arch", "GGUF architecture 'gemma' is not supported"),
     ("t5", "GGUF tokenizer model 't5' is not supported .*tokenizer.json beside"),
 ])
