@@ -206,6 +206,18 @@ def hf_on(float_dir, weights: dict[str, np.ndarray]):
     return model
 
 
+def assert_equals_hf_on(llm: LLM, hf) -> None:
+    """Prompt logits within 2e-4 of HF's (on the weights as gguf's dequantisers read them) and
+    48 greedy ids equal."""
+    prompt = prompts_of([2 * 16 + 7], seed=12)[0]
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
+    prompts = prompts_of([1, 20], seed=13)
+    for p, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(hf, p, 48)
+
+
 CASES = {  # id -> (arch, types)
     "llama-Q8_0": ("llama", {"linear": Q.Q8_0, "embed": Q.F32, "output": Q.Q8_0}),
     "llama-Q4_0": ("llama", {"linear": Q.Q4_0, "embed": Q.F16, "output": Q.Q4_0}),
@@ -239,14 +251,7 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
     head = llm.engine.model.lm_head
     packed_head = types.get("output" if "output" in types else "embed") not in (Q.F32, Q.F16, Q.BF16)
     assert isinstance(head, QuantizedWeight) == packed_head
-    hf = hf_on(float_dir, weights)
-    prompt = prompts_of([2 * 16 + 7], seed=12)[0]
-    with torch.inference_mode():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
-    prompts = prompts_of([1, 20], seed=13)
-    for p, ids in zip(prompts, greedy(llm, prompts)):
-        assert ids == hf_greedy(hf, p, 48)
+    assert_equals_hf_on(llm, hf_on(float_dir, weights))
 
 
 def test_q8_0_file_is_close_to_the_float_model(checkpoints, tmp_path):
@@ -465,14 +470,7 @@ def test_moe_gguf_equals_hf_on_its_dequantised_weights(case, moe_checkpoints, tm
     moe = model.layers[0].moe
     assert moe.quantized and len(moe.gate_up) == 8 and all(isinstance(w, QuantizedWeight) for w in moe.gate_up)
     assert moe.gate_up[0].bits == (8 if types["linear"] == Q.Q8_0 else 4) and moe.down[0].bits == 8
-    hf = hf_from_files(float_dir, weights, tmp_path / "hf")
-    prompt = prompts_of([2 * 16 + 7], seed=12)[0]
-    with torch.inference_mode():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
-    prompts = prompts_of([1, 20], seed=13)
-    for p, ids in zip(prompts, greedy(llm, prompts)):
-        assert ids == hf_greedy(hf, p, 48)
+    assert_equals_hf_on(llm, hf_from_files(float_dir, weights, tmp_path / "hf"))
 
 
 def test_expert_parallel_over_quantized_experts_is_refused(moe_checkpoints, tmp_path):
