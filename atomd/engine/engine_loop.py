@@ -399,7 +399,8 @@ class EngineLoop:
             info.update(self.kv_connector.info())
         return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend,
                     kv_events=self.kv_events.info() if self.kv_events is not None else None,
-                    kernels=self.kernels_info(), loras=list(self.loras.paths) if self.loras is not None else None)
+                    kernels=self.kernels_info(), loras=list(self.loras.paths) if self.loras is not None else None,
+                    loras_resident=list(self.loras.resident) if self.loras is not None else None)
 
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         """POST /v1/load_lora_adapter: {"name"} or {"error", "status"} (400 a bad adapter or a name
