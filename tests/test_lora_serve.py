@@ -3,7 +3,8 @@ serving three PEFT adapters and the base model at once; each request's greedy id
 transformers + PeftModel (tests/test_lora.py's references); /v1/models lists the adapters
 with their parent; an unknown adapter is a 404 naming it; D refuses KV computed under
 another adapter; an adapter unloaded while a request streams under it finishes that request,
-and new requests naming it get a 404."""
+and new requests naming it get a 404; the router loads / unloads an adapter on a pool (a
+partial failure named), and D loads a missing adapter by --lora-load-policy load."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -178,4 +179,98 @@ def test_router_places_adapter_requests_where_the_adapter_is_loaded(cluster, mod
         time.sleep(0.1)
     status, answer = complete(router.url, body(prompt, "late"))
     assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["attn"], prompt))
+    cluster.assert_settled()
+
+
+def model_ids(url: str) -> set[str]:
+    status, raw = http("GET", url + "/v1/models")
+    assert status == 200, raw
+    return {c["id"] for c in json.loads(raw)["data"]}
+
+
+def test_router_loads_and_unloads_an_adapter_on_the_pd_pool(cluster, models, tokenizer):
+    """Through the router: an adapter loaded on D alone is not servable (P lacks it), so
+    /v1/models leaves it out; loaded on every role it is listed and served equal to PEFT; an
+    unload of every role makes it a 404 again. Every engine's result is in the answer."""
+    base, adapters = models
+    url, p, d = cluster.router.url, cluster["P"].url, cluster["D"].url
+    status, raw = http("POST", url + "/v1/load_lora_adapter",
+                       {"lora_name": "pool", "lora_path": str(adapters["sql"]), "role": "decode"})
+    assert status == 200, raw
+    assert [(r["url"], r["ok"]) for r in json.loads(raw)["results"]] == [(d, True)]
+    assert "pool" not in model_ids(url) and "sql" in model_ids(url)
+    status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "pool", "lora_path": str(adapters["sql"])})
+    assert status == 200, raw
+    results = {r["url"]: r for r in json.loads(raw)["results"]}
+    assert set(results) == {p, d} and results[p]["message"] == "done" and results[d]["message"] == "already loaded"
+    assert "pool" in model_ids(url)
+    prompt = prompts_of([14], seed=19)[0]
+    status, answer = complete(url, body(prompt, "pool"))
+    assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["sql"], prompt))
+    status, raw = http("POST", url + "/v1/unload_lora_adapter", {"lora_name": "pool"})
+    assert status == 200 and all(r["ok"] for r in json.loads(raw)["results"]), raw
+    assert "pool" not in model_ids(url)
+    status, answer = complete(url, body(prompt, "pool"))
+    assert status == 404 and "'pool'" in answer["error"]["message"]
+    # every engine refuses the same way: their 400, each engine named
+    status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": str(base)})
+    err = json.loads(raw)
+    assert status == 400 and err["error"]["code"] == "lora_load_refused" and p in err["error"]["message"] \
+        and d in err["error"]["message"] and not any(r["ok"] for r in err["results"])
+    cluster.assert_settled()
+
+
+def test_router_load_that_fails_on_one_engine_is_a_partial_failure(cluster, models, tokenizer):
+    """Two colocated workers, one without --enable-lora: the load succeeds on one and the
+    answer is a 502 naming the other; the adapter is listed and served where it loaded."""
+    base, adapters = models
+    if "plain" not in cluster.engines:
+        cluster.start_engines(plain=[])
+        cluster.baseline["plain"] = cluster["plain"].stats()["num_total_blocks"]
+    router = RouterServer((), (), "--worker", cluster["ref"].url, "--worker", cluster["plain"].url,
+                          "--health-interval-s", "0.3", log=server_log(), cwd=REPO)
+    cluster.routers.append(router)
+    router.wait_ready(START_TIMEOUT_S)
+    status, raw = http("POST", router.url + "/v1/load_lora_adapter",
+                       {"lora_name": "half", "lora_path": str(adapters["poet"]), "role": "worker"})
+    err = json.loads(raw)
+    assert status == 502 and err["error"]["code"] == "lora_partial_failure", raw
+    assert cluster["plain"].url in err["error"]["message"] and cluster["ref"].url not in err["error"]["message"]
+    results = {r["url"]: r for r in err["results"]}
+    assert results[cluster["ref"].url]["ok"] and not results[cluster["plain"].url]["ok"]
+    assert "--enable-lora" in results[cluster["plain"].url]["message"]
+    assert "half" in model_ids(router.url)
+    prompt = prompts_of([9], seed=23)[0]
+    for _ in range(2):  # placement: only ref serves it
+        status, answer = complete(router.url, body(prompt, "half"))
+        assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["poet"], prompt))
+    assert http("POST", cluster["ref"].url + "/v1/unload_lora_adapter", {"lora_name": "half"})[0] == 200
+    cluster.assert_settled()
+
+
+def test_decode_loads_a_missing_adapter_by_policy(cluster, models, tokenizer):
+    """D with --lora-load-policy load and a path map: a pull for an adapter it has not loaded
+    loads it first (two requests at once: both wait for one load; a second load of the name
+    would be refused), then decodes equal to PEFT; a name the map lacks is still a 404."""
+    base, adapters = models
+    cluster.start_engines(D2=["--kv-role", "consumer", "--enable-lora", "--max-lora-rank", "8",
+                              "--lora-load-policy", "load", "--lora-path-map", f"sql={adapters['sql']}"])
+    cluster.baseline["D2"] = cluster["D2"].stats()["num_total_blocks"]
+    assert "sql" not in model_ids(cluster["D2"].url)
+    prompts = prompts_of([21, 13], seed=31)
+
+    def pd_request(prompt):
+        status, first = complete(cluster["P"].url, body(prompt, "sql", max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "transfer_id": uuid.uuid4().hex}))
+        assert status == 200, first
+        return complete(cluster["D2"].url, body(prompt, "sql", kv_transfer_params=first["kv_transfer_params"]))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(pd_request, prompts))
+    for prompt, (status, answer) in zip(prompts, answers):
+        assert status == 200, answer
+        assert text_of(answer) == tokenizer.decode(reference(base, adapters["sql"], prompt))
+    assert "sql" in model_ids(cluster["D2"].url)
+    status, answer = complete(cluster["D2"].url, body(prompts[0], "poet"))
+    assert status == 404 and "'poet'" in answer["error"]["message"]
     cluster.assert_settled()
