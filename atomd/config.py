@@ -487,7 +487,8 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         elif field == "kv_cache_memory":
             kw["type"] = _bytes_arg
         elif field in ("lora_modules", "lora_path_map"):  # the default is a msgspec factory: the flag's a list
-            kw.update(nargs="+", type=str, metavar="NAME=PATH", default=[])
+            # extend: `--lora-modules a=x b=y` and `--lora-modules a=x --lora-modules b=y` (the chart) alike
+            kw.update(nargs="+", action="extend", type=str, metavar="NAME=PATH", default=[])
         else:
             kw["type"] = kind
             if field in CHOICES:
