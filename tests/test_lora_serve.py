@@ -274,3 +274,69 @@ def test_decode_loads_a_missing_adapter_by_policy(cluster, models, tokenizer):
     status, answer = complete(cluster["D2"].url, body(prompts[0], "poet"))
     assert status == 404 and "'poet'" in answer["error"]["message"]
     cluster.assert_settled()
+
+
+RECORD = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "n", "tag"], "additionalProperties": False}
+# the engines' documented JSON form (atomd/structured.py): no free whitespace, Python's separators
+JSON_FORM = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def constrained_reference(base, adapter, prompt: list[int], schema: dict, max_tokens: int) -> tuple[list[int], bool]:
+    """Greedy under the grammar, the reference way: transformers + PeftModel's logits, llguidance's
+    mask of the tokens the schema allows next (from the checkpoint's tokenizer.json); the argmax
+    of the allowed ones, until an end token. (ids, whether it ended)."""
+    import llguidance
+    import llguidance.numpy as lgnp
+    import numpy as np
+    import peft
+    import torch
+    from tokenizers import Tokenizer
+
+    from tests.test_lora import hf_model_copy
+    from tests.test_model_hf import VOCAB
+
+    ends = sorted({2, Tokenizer.from_file(str(base / "tokenizer.json")).token_to_id("<|eos|>")} - {None})
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer((base / "tokenizer.json").read_text(), n_vocab=VOCAB,
+                                                          eos_token=ends),
+                                   llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORM))
+    model = peft.PeftModel.from_pretrained(hf_model_copy(base), adapter).eval()
+    mask = lgnp.allocate_token_bitmask(1, VOCAB)
+    seq, out = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            lgnp.fill_next_token_bitmask(matcher, mask, 0)
+            allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+            logits = model(torch.tensor([seq])).logits[0, -1].numpy()
+            token = int(np.where(allowed, logits, -np.inf).argmax())
+            if token in ends:
+                return out, True
+            assert matcher.consume_token(token)
+            out.append(token)
+            seq.append(token)
+    return out, False
+
+
+def test_json_schema_under_an_adapter_equals_constrained_peft(cluster, models, tokenizer):
+    """response_format json_schema under a LoRA adapter, through the official openai client,
+    colocated and through PD: the output parses and validates, and its tokens are the
+    reference's (PEFT's greedy over the tokens the schema allows), ending where it ends."""
+    import jsonschema
+    import openai
+
+    base, adapters = models
+    prompt = prompts_of([17], seed=59)[0]
+    want, ended = constrained_reference(base, adapters["sql"], prompt, RECORD, 64)
+    assert ended  # the schema's object closed within the budget: the test compares a whole answer
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD}}
+    for url in (cluster["ref"].url, cluster.router.url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="sql", prompt=prompt, max_tokens=64, temperature=0,
+                                           extra_body={"response_format": fmt})
+        text = answer.choices[0].text
+        jsonschema.validate(json.loads(text), RECORD)
+        assert text == tokenizer.decode(want) and answer.choices[0].finish_reason == "stop", url
+        assert answer.usage.completion_tokens == len(want) + 1  # and the end token
+    cluster.assert_settled()
