@@ -130,6 +130,7 @@ def test_registry_evicts_lru_never_one_in_use():
         reg.acquire("b")
     reg.release("c")
     assert reg.acquire("b") == "b" and list(reg.resident) == ["a", "b"] and loaded[-1] == "b"
+    assert reg.request_loads == 1  # b's load back, the one a request waited for (the refused one did not land)
     reg.remove("a")  # in use: the name goes now, the weights when the request ends
     with pytest.raises(LoraNotLoaded):
         reg.acquire("a")

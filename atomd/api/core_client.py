@@ -41,7 +41,7 @@ logger = logging.getLogger("atomd.api.core_client")
 
 _SUMMED = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries",
            "prefix_cache_hits", "num_preemptions", "num_window_released_blocks", "spec_decode_num_drafts",
-           "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+           "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "lora_request_loads")
 
 
 class EngineDeadError(RuntimeError):

@@ -373,6 +373,7 @@ class EngineLoop:
                 "num_preemptions": s.num_preemptions, "num_window_released_blocks": bm.num_window_released,
                 **self._spec_stats(),
                 **({} if self.step_samples is None else {"step_samples": list(self.step_samples)}),
+                "lora_request_loads": self.loras.request_loads if self.loras is not None else 0,
                 "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
 
     def _spec_stats(self) -> dict[str, Any]:
