@@ -158,15 +158,16 @@ def main() -> int:
             router.stop()
         for e in engines:
             e.stop()
-    base = statistics.median(p50 for _, p50, _ in results["any"])
     print(f"\n{args.requests} requests x {args.rounds} rounds, 8 adapters over engines with {SLOTS} slots; "
-          f"medians over rounds (latency ratio vs `any`, the adapter-blind router):")
+          f"medians over rounds (p50 latency ratio: the median of each round's ratio to `any`, the adapter-blind "
+          f"router, measured in the same round):")
     for name, rows in results.items():
         waited = statistics.median(w for w, _, _ in rows)
         p50 = statistics.median(p for _, p, _ in rows)
         p99 = statistics.median(p for _, _, p in rows)
+        ratio = statistics.median(row[1] / base[1] for row, base in zip(rows, results["any"]))
         print(f"  {name:9s} loads waited for {waited:5.0f} ({waited / args.requests:.0%} of requests)  "
-              f"p50 {p50 * 1e3:6.0f} ms ({p50 / base:.2f}x)  p99 {p99 * 1e3:6.0f} ms")
+              f"p50 {p50 * 1e3:6.0f} ms ({ratio:.2f}x)  p99 {p99 * 1e3:6.0f} ms")
     print(f"load after: {loadavg()}", flush=True)
     return 0
 

@@ -164,3 +164,28 @@ def test_the_load_answer_names_every_engine_that_failed():
 def test_a_bad_load_body_is_a_value_error_naming_it(body):
     with pytest.raises(ValueError):
         lora_admin.parse(body, load=True)
+
+
+def test_the_routers_lora_routes_take_only_the_admin_key():
+    from launch.process import http
+    from router.app import Router, RouterConfig
+
+    async def main():
+        router = Router(RouterConfig(port=0, api_key="client-key", admin_api_key="admin-key"))
+        url = await router.start()
+        loop = asyncio.get_running_loop()
+        body = {"lora_name": "sql", "lora_path": "/adapters/sql"}
+        try:
+            answers = {}
+            for who, key in (("none", None), ("client", "client-key"), ("admin", "admin-key")):
+                headers = {"Authorization": f"Bearer {key}"} if key else None
+                answers[who] = await loop.run_in_executor(None, lambda h=headers: http(
+                    "POST", url + "/v1/load_lora_adapter", body, h, timeout=10))
+            return answers
+        finally:
+            await router.stop()
+
+    answers = asyncio.run(main())
+    assert answers["none"][0] == 401 and answers["client"][0] == 401
+    status, raw = answers["admin"]  # past the door: no worker to load it on, named
+    assert status == 400 and msgspec.json.decode(raw)["error"]["code"] == "no_worker"
