@@ -340,3 +340,45 @@ def test_json_schema_under_an_adapter_equals_constrained_peft(cluster, models, t
         assert text == tokenizer.decode(want) and answer.choices[0].finish_reason == "stop", url
         assert answer.usage.completion_tokens == len(want) + 1  # and the end token
     cluster.assert_settled()
+
+
+def test_a_dp_load_one_rank_refuses_leaves_the_ranks_alike(cluster, models, tokenizer):
+    """DP=2, one slot per rank: while a request under `sql` runs on rank 0, loading another
+    adapter has no slot there (every one held: 503) and a free one on rank 1, which loads it
+    and then unloads it again: the answer names rank 0 and both ranks serve the same
+    adapters. Once the request is done the load lands on both."""
+    base, adapters = models
+    cluster.start_engines(dp=["--data-parallel-size", "2", "--num-threads", "1", "--enable-lora", "--max-loras", "1",
+                              "--max-lora-rank", "8", "--lora-modules", f"sql={adapters['sql']}"])
+    cluster.baseline["dp"] = cluster["dp"].stats()["num_total_blocks"]
+    url = cluster["dp"].url
+
+    def rank_loras() -> list[tuple[list, list]]:
+        info = json.loads(http("GET", url + "/kv_transfer_info")[1])
+        return [(sorted(r["loras"]), sorted(r["loras_resident"])) for r in info["ranks"]]
+
+    assert rank_loras() == [(["sql"], ["sql"])] * 2
+    prompt = prompts_of([30], seed=77)[0]
+    target = urlparse(url)
+    conn = httpclient.HTTPConnection(target.hostname, target.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body(prompt, "sql", stream=True, max_tokens=200)),
+                     {"Content-Type": "application/json", "X-data-parallel-rank": "0"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")  # running under sql on rank 0
+        status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(adapters["poet"])})
+        assert cluster["dp"].stats()["num_running"] == 1  # so the load came while it ran
+        err = json.loads(raw)["error"]
+        assert status == 503 and "DP rank 0" in err["message"] and "no rank keeps" in err["message"], raw
+        assert rank_loras() == [(["sql"], ["sql"]), (["sql"], [])]  # rank 1 evicted sql for poet, then dropped poet
+        resp.read()
+    finally:
+        conn.close()
+    status, answer = complete(url, body(prompt, "poet"))
+    assert status == 404  # the API never listed it
+    status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(adapters["poet"])})
+    assert status == 200, raw
+    assert [known for known, _ in rank_loras()] == [["poet", "sql"]] * 2
+    status, answer = complete(url, body(prompt, "poet"))
+    assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["poet"], prompt))
+    cluster.assert_settled()
