@@ -224,6 +224,8 @@ def test_router_places_by_adapter_and_kv_aware_scores_the_adapters_chain():
 
     ws = workers(3)
     ws[0].loras, ws[1].loras, ws[2].loras = frozenset({"sql"}), frozenset({"sql", "poet"}), None
+    for w in ws:
+        w.loras_resident = frozenset()  # what /kv_transfer_info says is in memory: nothing here
     tokens = list(range(1, 42))
     index = FakeIndex()
     index.hold(ws[0].url, 0, block_hashes(tokens, 4)[:9])  # the base model's chain
