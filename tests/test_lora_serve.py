@@ -248,14 +248,26 @@ def test_router_load_that_fails_on_one_engine_is_a_partial_failure(cluster, mode
     cluster.assert_settled()
 
 
-def test_decode_loads_a_missing_adapter_by_policy(cluster, models, tokenizer):
+@pytest.fixture(scope="module")
+def more_engines(cluster, models):
+    """Started together (each start is mostly a model load): D2, a decode engine that loads
+    adapters on demand, and dp, a DP=2 engine with one adapter slot per rank."""
+    adapters = models[1]
+    cluster.start_engines(
+        D2=["--kv-role", "consumer", "--enable-lora", "--max-lora-rank", "8", "--lora-load-policy", "load",
+            "--lora-path-map", f"sql={adapters['sql']}"],
+        dp=["--data-parallel-size", "2", "--num-threads", "1", "--enable-lora", "--max-loras", "1",
+            "--max-lora-rank", "8", "--lora-modules", f"sql={adapters['sql']}"])
+    for name in ("D2", "dp"):
+        cluster.baseline[name] = cluster[name].stats()["num_total_blocks"]
+    return cluster
+
+
+def test_decode_loads_a_missing_adapter_by_policy(more_engines, models, tokenizer):
     """D with --lora-load-policy load and a path map: a pull for an adapter it has not loaded
     loads it first (two requests at once: both wait for one load; a second load of the name
     would be refused), then decodes equal to PEFT; a name the map lacks is still a 404."""
-    base, adapters = models
-    cluster.start_engines(D2=["--kv-role", "consumer", "--enable-lora", "--max-lora-rank", "8",
-                              "--lora-load-policy", "load", "--lora-path-map", f"sql={adapters['sql']}"])
-    cluster.baseline["D2"] = cluster["D2"].stats()["num_total_blocks"]
+    cluster, (base, adapters) = more_engines, models
     assert "sql" not in model_ids(cluster["D2"].url)
     prompts = prompts_of([21, 13], seed=31)
 
@@ -342,15 +354,12 @@ def test_json_schema_under_an_adapter_equals_constrained_peft(cluster, models, t
     cluster.assert_settled()
 
 
-def test_a_dp_load_one_rank_refuses_leaves_the_ranks_alike(cluster, models, tokenizer):
+def test_a_dp_load_one_rank_refuses_leaves_the_ranks_alike(more_engines, models, tokenizer):
     """DP=2, one slot per rank: while a request under `sql` runs on rank 0, loading another
     adapter has no slot there (every one held: 503) and a free one on rank 1, which loads it
     and then unloads it again: the answer names rank 0 and both ranks serve the same
     adapters. Once the request is done the load lands on both."""
-    base, adapters = models
-    cluster.start_engines(dp=["--data-parallel-size", "2", "--num-threads", "1", "--enable-lora", "--max-loras", "1",
-                              "--max-lora-rank", "8", "--lora-modules", f"sql={adapters['sql']}"])
-    cluster.baseline["dp"] = cluster["dp"].stats()["num_total_blocks"]
+    cluster, (base, adapters) = more_engines, models
     url = cluster["dp"].url
 
     def rank_loras() -> list[tuple[list, list]]:
