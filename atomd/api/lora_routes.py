@@ -7,8 +7,8 @@ The engine core holds the weights (atomd/engine/lora_registry.py); this side kee
 names (name -> path) so a request's `model` is checked without a round trip: a name the
 engine has not loaded is a 404 naming it. Loads and unloads go to every DP rank.
 
-`--lora-load-policy load` with `--lora-path-map name=path ...`: a request (or a decode leg's KV
-pull) naming an adapter of the map that this engine has not loaded loads it first (requests
+`--lora-load-policy load` with `--lora-path-map name=path ...`: a completions or chat request (a
+decode leg's KV pull too) naming an adapter of the map that this engine has not loaded loads it first (requests
 for it meanwhile wait for that one load); `refuse`, the default, answers the 404.
 """
 from __future__ import annotations
