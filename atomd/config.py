@@ -28,6 +28,7 @@ KV_ROLES = ("both", "producer", "consumer")
 KV_TRANSFER_BACKENDS = ("zmq", "mooncake")  # mooncake: the ZMQ control plane, Mooncake's TransferEngine for the bytes
 KV_MOONCAKE_PROTOCOLS = ("tcp", "rdma")
 KV_LOAD_FAILURE_POLICIES = ("fail", "recompute")
+LORA_LOAD_POLICIES = ("refuse", "load")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
@@ -120,6 +121,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     lora_modules: list[str] = []
     max_loras: int = 4
     max_lora_rank: int = 16
+    # a request (or a KV pull) naming an adapter this engine has not loaded: a 404 (refuse), or
+    # load it first (load) when lora_path_map names its directory (atomd/api/lora_routes.py)
+    lora_load_policy: str = "refuse"
+    lora_path_map: list[str] = []
     # simulated engines (atomd/sim/): the forward sleeps the hardware profile's step time
     model_runner: str = "real"
     hardware: str | None = None  # a profile file, or ACCELERATOR:MODEL (atomd/sim/hardware.py)
@@ -267,6 +272,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
 
         if self.lora_modules and not self.enable_lora:
             raise ValueError("lora_modules needs enable_lora (--enable-lora)")
+        _choice("lora_load_policy", self.lora_load_policy, LORA_LOAD_POLICIES)
+        if self.lora_path_map and not (self.enable_lora and self.lora_load_policy == "load"):
+            raise ValueError("lora_path_map needs enable_lora and lora_load_policy load")
+        parse_lora_modules(self.lora_path_map, "lora_path_map")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
         if len(parse_lora_modules(self.lora_modules)) > self.max_loras:
@@ -403,7 +412,7 @@ CHOICES = {"dtype": DTYPE_CHOICES, "attention_backend": ATTENTION_BACKENDS, "kv_
            "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
            "kv_mooncake_protocol": KV_MOONCAKE_PROTOCOLS,
            "prefill_delayer": PREFILL_DELAYERS, "model_runner": MODEL_RUNNERS,
-           "scheduling_policy": SCHEDULING_POLICIES}
+           "scheduling_policy": SCHEDULING_POLICIES, "lora_load_policy": LORA_LOAD_POLICIES}
 HELP = {
     "scheduling_policy": "fcfs: first come first served, the newest running request preempted first; priority: "
                          "by the request's `priority` (lower first), then arrival, in admission and preemption",
@@ -480,6 +489,10 @@ HELP = {
     "max_loras": "LoRA adapters resident at once; loading another evicts the least recently used one no "
                  "request holds",
     "max_lora_rank": "the largest LoRA rank an adapter may have",
+    "lora_load_policy": "a request (or a KV pull) naming an adapter not loaded here: refuse (404), or load it "
+                        "first from --lora-path-map",
+    "lora_path_map": "LoRA adapters this engine may load when a request names one (--lora-load-policy load): "
+                     "name=path ...",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}'",
 }
@@ -507,8 +520,9 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
         elif field == "kv_cache_memory":
             kw["type"] = _bytes_arg
-        elif field == "lora_modules":  # the field's default is a msgspec factory: the flag's is a list
-            kw.update(nargs="+", type=str, metavar="NAME=PATH", default=[])
+        elif field in ("lora_modules", "lora_path_map"):  # the default is a msgspec factory: the flag's a list
+            # extend: `--lora-modules a=x b=y` and `--lora-modules a=x --lora-modules b=y` (the chart) alike
+            kw.update(nargs="+", action="extend", type=str, metavar="NAME=PATH", default=[])
         else:
             kw["type"] = kind
             if field in CHOICES:

@@ -16,15 +16,16 @@ def check_name(name: Any) -> None:
                          f"(starting with a letter or digit), got {name!r}")
 
 
-def parse_lora_modules(items: list[str]) -> list[tuple[str, str]]:
-    """`--lora-modules name=path ...` -> [(name, path)]; ValueError naming a bad item."""
+def parse_lora_modules(items: list[str], flag: str = "lora_modules") -> list[tuple[str, str]]:
+    """`--lora-modules name=path ...` (or another flag of that form) -> [(name, path)]; ValueError
+    naming a bad item."""
     out: list[tuple[str, str]] = []
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not path:
-            raise ValueError(f"lora_modules: {item!r} is not name=path")
+            raise ValueError(f"{flag}: {item!r} is not name=path")
         check_name(name)
         if any(name == n for n, _ in out):
-            raise ValueError(f"lora_modules: {name!r} is named twice")
+            raise ValueError(f"{flag}: {name!r} is named twice")
         out.append((name, path))
     return out

@@ -85,7 +85,15 @@ def engine_flags(role: str, config: ClusterConfig, host: str) -> list[str]:
             *(["--enable-expert-parallel"] if group.enable_expert_parallel else []),
             "--kv-transfer-backend", config.kv_transfer_backend,
             "--kv-side-channel-host", host,  # decode engines on other nodes pull from here
-            *group.extra_args]
+            *lora_flags(role, config), *group.extra_args]
+
+
+def lora_flags(role: str, config: ClusterConfig) -> list[str]:
+    lora, modules = config.lora, config.lora_modules(role)
+    if not lora.enabled:
+        return []
+    return ["--enable-lora", "--max-loras", str(lora.max_loras), "--max-lora-rank", str(lora.max_lora_rank),
+            *(["--lora-modules", *(f"{n}={p}" for n, p in sorted(modules.items()))] if modules else [])]
 
 
 @ray.remote

@@ -19,6 +19,7 @@ from typing import Literal
 import msgspec
 import yaml
 
+from contracts.lora import check_name
 from router.policies import POLICIES
 
 KVTransport = Literal["zmq", "mooncake"]  # --kv-transfer-backend of every engine
@@ -34,6 +35,7 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     resources: dict[str, float] = {}  # extra Ray resources per engine, e.g. {"prefill_node": 1}
     num_threads: int = 1           # torch threads per DP rank (`--num-threads`)
     max_restarts: int = 3          # Ray restarts of a dead engine actor; -1 = forever
+    lora_modules: dict[str, str] = {}  # LoRA adapters this role loads at start besides lora.modules
     extra_args: list[str] = []     # more `atomd serve` flags, passed through verbatim
 
     def __post_init__(self) -> None:
@@ -49,10 +51,27 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             if amount <= 0 or name in ("CPU", "GPU", "memory"):
                 raise ValueError(f"resources.{name}: must be a custom resource with an amount > 0 "
                                  f"(use num_cpus for CPU), got {amount}")
+        _check_modules("lora_modules", self.lora_modules)
 
     def bundle(self) -> dict[str, float]:
         """The one placement-group bundle of an engine: all its DP ranks share a node."""
         return {"CPU": float(self.num_cpus), **self.resources}
+
+
+class LoraSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """LoRA adapters on every engine (`--enable-lora`, `--max-loras`, `--max-lora-rank`); PD needs
+    an adapter on both roles: `modules` (name -> PEFT directory on every node) load on every
+    engine at start, a role's `lora_modules` on that role's engines as well."""
+
+    enabled: bool = False
+    max_loras: int = 4
+    max_lora_rank: int = 16
+    modules: dict[str, str] = {}
+
+    def __post_init__(self) -> None:
+        _at_least("max_loras", self.max_loras, 1)
+        _at_least("max_lora_rank", self.max_lora_rank, 1)
+        _check_modules("modules", self.modules)
 
 
 class RouterSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -98,7 +117,21 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     decode: EngineGroup = msgspec.field(default_factory=EngineGroup)
     router: RouterSpec = msgspec.field(default_factory=RouterSpec)
     timeouts: Timeouts = msgspec.field(default_factory=Timeouts)
+    lora: LoraSpec = msgspec.field(default_factory=LoraSpec)
     check_resources: bool = True   # off for autoscaling clusters, where nodes arrive later
+
+    def __post_init__(self) -> None:
+        for role in ("prefill", "decode"):
+            modules = self.lora_modules(role)
+            if modules and not self.lora.enabled:
+                raise ValueError(f"{role}.lora_modules: LoRA adapters need lora.enabled")
+            if len(modules) > self.lora.max_loras:
+                raise ValueError(f"{role}.lora_modules: {len(modules)} adapters with lora.modules; "
+                                 f"lora.max_loras is {self.lora.max_loras}")
+
+    def lora_modules(self, role: str) -> dict[str, str]:
+        """The adapters a `role` engine loads at start: every engine's, then the role's own."""
+        return {**self.lora.modules, **getattr(self, role).lora_modules}
 
     def demand(self) -> dict[str, float]:
         """Total Ray resources the whole cluster reserves."""
@@ -112,6 +145,16 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 def _at_least(field: str, value: int, low: int) -> None:
     if value < low:
         raise ValueError(f"{field}: must be >= {low}, got {value}")
+
+
+def _check_modules(field: str, modules: dict[str, str]) -> None:
+    for name, path in modules.items():
+        try:
+            check_name(name)
+        except ValueError as e:
+            raise ValueError(f"{field}: {e}") from None
+        if not path:
+            raise ValueError(f"{field}: {name!r} needs a path (a PEFT adapter directory)")
 
 
 def _field_error(e: msgspec.ValidationError) -> ValueError:

@@ -3,7 +3,9 @@
   POST /v1/completions, /v1/chat/completions   the relay (router/pd.py), stream or not; a completions
                        request of several prompts is one relay per prompt (router/multi_prompt.py)
   POST /v1/responses   relayed like chat; previous_response_id to the engine that stored it (router/responses.py)
-  GET  /v1/models      from a decode (or colocated) worker
+  GET  /v1/models      from a decode (or colocated) worker; LoRA adapters where servable (router/lora_admin.py)
+  POST /v1/load_lora_adapter, /v1/unload_lora_adapter   an adapter on every worker of a role, or all
+                       (router/lora_admin.py; behind --admin-api-key when set, else --api-key)
   POST /tokenize, /detokenize; GET /tokenizer_info   relayed to one engine (any role: all share the tokenizer)
   POST /v1/embeddings  relayed to one engine (colocated, else prefill, else decode), in turn
   GET  /health         200 while the router runs (no API key)
@@ -42,6 +44,7 @@ from router.errors import clip
 from router.http import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, IDLE_TIMEOUT_S, MAX_PENDING_BODY_BYTES, HTTPServer, \
     Request, Response, UpstreamError
 from router.kv_index import KVIndex
+from router import lora_admin
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
 from router.multi_prompt import MultiPrompt, several_prompts
@@ -56,7 +59,7 @@ from router.workers import PD_ROLES, ROLES, Worker, WorkerRegistry, describe
 logger = logging.getLogger("atomd.router")
 
 OPEN_PATHS = ("/health", "/ready", "/metrics", "/dashboard", "/openapi.json")
-ADMIN_PATHS = ("/workers", "/dashboard/state")
+ADMIN_PATHS = ("/workers", "/dashboard/state", "/v1/load_lora_adapter", "/v1/unload_lora_adapter")
 DASHBOARD = pathlib.Path(__file__).with_name("dashboard.html")
 ENGINE_STATS_MAX_AGE_S = 2.0
 ENGINE_SERIES = ("atomd:kv_cache_usage_perc", "atomd:num_requests_running", "atomd:num_requests_waiting")
@@ -262,6 +265,8 @@ class Router:
         routes.add("POST", "/v1/responses", self.responses)
         routes.add("GET", "/v1/models", self.models)
         routes.add("POST", "/v1/embeddings", self.embeddings)
+        routes.add("POST", "/v1/load_lora_adapter", self.load_lora_adapter)
+        routes.add("POST", "/v1/unload_lora_adapter", self.unload_lora_adapter)
         routes.add("POST", "/tokenize", self.tokenizer_route)
         routes.add("POST", "/detokenize", self.tokenizer_route)
         routes.add("GET", "/tokenizer_info", self.tokenizer_route)
@@ -403,7 +408,36 @@ class Router:
             admission.leave()
 
     async def models(self, req: Request, resp: Response) -> None:
-        await self.forward(req, resp, ("decode", "worker"))
+        await self.forward(req, resp, ("decode", "worker"), lambda body: lora_admin.models_body(body, self.registry))
+
+    async def load_lora_adapter(self, req: Request, resp: Response) -> None:
+        await self.lora_adapter(req, resp, load=True)
+
+    async def unload_lora_adapter(self, req: Request, resp: Response) -> None:
+        await self.lora_adapter(req, resp, load=False)
+
+    async def lora_adapter(self, req: Request, resp: Response, load: bool) -> None:
+        """Load / unload an adapter on every worker of a role (router/lora_admin.py)."""
+        if req.body is None:
+            return json_error(resp, 413, f"request body is larger than {self.config.max_request_body_bytes} bytes")
+        try:
+            spec = lora_admin.parse(req.body, load)
+        except ValueError as e:
+            return json_error(resp, 400, str(e), code="invalid_value")
+        workers = lora_admin.targets(self.registry, spec.role)
+        if not workers:
+            which = "" if spec.role == "all" else f"{spec.role} "
+            return json_error(resp, 400, f"no {which}worker is registered", code="no_worker", param="role")
+        key = self.config.engine_admin_api_key or self.config.api_key  # the engines' admin routes
+        auth = f"Authorization: Bearer {key}\r\n".encode("latin-1") if key else b""
+        results = await lora_admin.apply(workers, spec, load, auth)
+        failed = lora_admin.failure(spec, load, results)
+        if failed is None:
+            return json_response(resp, {"lora_name": spec.lora_name, "results": results})
+        status, code, message = failed
+        json_response(resp, {"error": {"message": message, "type": "upstream_error" if status == 502 else
+                                       "invalid_request_error", "param": None, "code": code},
+                             "lora_name": spec.lora_name, "results": results}, status)
 
     async def embeddings(self, req: Request, resp: Response) -> None:
         """Prefill only, no KV moves: any engine serves it (started with --task embed)."""
@@ -413,9 +447,10 @@ class Router:
         """/tokenize, /detokenize, /tokenizer_info: every engine has the model's tokenizer."""
         await self.forward(req, resp, ("decode", "worker", "prefill"))
 
-    async def forward(self, req: Request, resp: Response, roles: tuple[str, ...]) -> None:
+    async def forward(self, req: Request, resp: Response, roles: tuple[str, ...],
+                      rewrite: Callable[[bytes], bytes] | None = None) -> None:
         """The request as it came to a worker of the first of `roles` with one in rotation,
-        and its answer back."""
+        and its answer back (a 200's body through `rewrite` when given)."""
         if req.body is None:
             return json_error(resp, 413, f"request body is larger than {self.config.max_request_body_bytes} bytes")
         workers = next((w for w in (self.registry.available(r) for r in roles) if w), None)
@@ -434,6 +469,8 @@ class Router:
         except (UpstreamError, OSError) as e:
             return LegError(502, f"{worker.role} worker {worker.url} did not answer {clip(req.path)}: "
                                  f"{describe(e)}").send(resp)
+        if rewrite is not None and status == 200:
+            body = rewrite(body)
         resp.send(status, body, (ctype or "application/json").encode())
 
     # ---------------------------------------------------------------- operations

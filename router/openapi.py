@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 import msgspec
 
+from router.lora_admin import LoraAdapterRequest
+
 SURFACE = pathlib.Path(__file__).with_name("openapi_surface.json")
 REF = "#/components/schemas/{name}"
 ERROR_REF = {"$ref": REF.format(name="ErrorBody")}  # defined by the surface (atomd/api/openapi.py)
@@ -73,7 +75,8 @@ def openapi_document() -> dict[str, Any]:
     for path, method in (("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
                          ("/tokenizer_info", "get"), ("/v1/embeddings", "post")):
         paths[path][method]["responses"].update({k: ROUTER_ERRORS[k] for k in ("401", "502", "503")})
-    (add, remove), own = msgspec.json.schema_components([AddWorker, RemoveWorker], ref_template=REF)
+    (add, remove, lora), own = msgspec.json.schema_components([AddWorker, RemoveWorker, LoraAdapterRequest],
+                                                              ref_template=REF)
     schemas = {**surface["components"]["schemas"], **own}
 
     def get(summary: str, content_type: str = "application/json", *errors: str, **more: dict) -> dict:
@@ -92,6 +95,15 @@ def openapi_document() -> dict[str, Any]:
         "/dashboard": get("the status page", "text/html"),
         "/dashboard/state": get("what the status page shows", "application/json", *admin),
         "/openapi.json": get("this document"),
+        **{path: {"post": {"summary": f"{verb} a LoRA adapter on every worker of `role` (default all), each "
+                                      "engine's result in `results` (the admin key when one is set)",
+                           "requestBody": {"required": True, "content": _json(lora)},
+                           "responses": {"200": {"description": "done on every engine", "content": _json({"type": "object"})},
+                                         "400": _error("a bad body, no worker of the role, or every engine "
+                                                       "refused it"),
+                                         "502": _error("some engine failed (`results` names each)"),
+                                         **{e: ROUTER_ERRORS[e] for e in admin}}}}
+           for verb, path in (("load", "/v1/load_lora_adapter"), ("unload", "/v1/unload_lora_adapter"))},
         "/workers": {
             **get("the registered workers, their health and load", "application/json", *admin),
             "post": {"summary": "register a worker (the admin key when one is set)",

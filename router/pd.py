@@ -697,8 +697,9 @@ def blame(suspects: list[tuple[Worker, str]]) -> None:
 
 def with_adapter(candidates: list[Worker], route: RouteRequest) -> list[Worker]:
     """Adapter-aware placement: a request whose `model` is a LoRA adapter some candidate serves
-    goes to one of those (the policy picks among them; `route.lora` names the adapter for
-    kv_aware's hashes); otherwise every candidate (an unknown name gets the engine's 404)."""
+    goes to one of those, and to those holding it in memory when any does (no load to wait
+    for); the policy picks among them (`route.lora` names the adapter for cache_aware's tree and
+    kv_aware's hashes). Otherwise every candidate (an unknown name gets the engine's 404)."""
     model = route.body.get("model")
     if not isinstance(model, str):
         return candidates
@@ -706,4 +707,4 @@ def with_adapter(candidates: list[Worker], route: RouteRequest) -> list[Worker]:
     if not serving:
         return candidates
     route.lora = model
-    return serving
+    return [w for w in serving if model in w.loras_resident] or serving

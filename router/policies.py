@@ -11,8 +11,8 @@ tree or a session table is per role. Every choice is counted in
 - random           uniformly.
 - power_of_two     two random candidates, the one with fewer prompt tokens in flight wins
                    (then fewer legs in flight).
-- cache_aware      sgl-router's: an approximate prefix tree over request text per role
-                   (router/prefix_tree.py). When the load is imbalanced (max - min legs in
+- cache_aware      sgl-router's: an approximate prefix tree over request text per role and
+                   LoRA adapter (router/prefix_tree.py). When the load is imbalanced (max - min legs in
                    flight > balance_abs_threshold and max > min * balance_rel_threshold) the
                    least loaded worker wins; otherwise the worker that has seen the longest
                    prefix of the text, if it covers more than cache_threshold of it, else the
@@ -190,6 +190,9 @@ class PowerOfTwo(RoutingPolicy):
 
 
 class CacheAware(RoutingPolicy):
+    """One prefix tree per LoRA adapter (None: the base model): the engines never share a
+    block between adapters, so the same text under two adapters shares no prefix."""
+
     name = "cache_aware"
 
     def __init__(self, cache_threshold: float = 0.3, balance_abs_threshold: int = 64,
@@ -202,12 +205,20 @@ class CacheAware(RoutingPolicy):
         self.max_tree_size = max_tree_size
         self.eviction_interval_s = eviction_interval_s
         self.clock = clock
-        self.tree = PrefixTree(clock)
+        # adapter -> its tree; the adapters are names some worker serves (router/pd.py with_adapter)
+        self.trees: dict[str | None, PrefixTree] = {None: PrefixTree(clock)}
         self._next_eviction = clock() + eviction_interval_s
+
+    @property
+    def tree(self) -> PrefixTree:  # the base model's
+        return self.trees[None]
 
     def choose(self, workers, request):
         req = as_request(request)
         text = req.text
+        tree = self.trees.get(req.lora)
+        if tree is None:
+            tree = self.trees[req.lora] = PrefixTree(self.clock)
         loads = [w.in_flight for w in workers]
         lo, hi = min(loads), max(loads)
         if hi - lo > self.balance_abs_threshold and hi > lo * self.balance_rel_threshold:
@@ -215,23 +226,27 @@ class CacheAware(RoutingPolicy):
             decision = "load_balance"
         else:
             by_url = {w.url: w for w in workers}
-            tenant, matched = self.tree.match(text, by_url)
+            tenant, matched = tree.match(text, by_url)
             if tenant is not None and text and matched / len(text) > self.cache_threshold:
                 chosen, decision = by_url[tenant], "cache_hit"
             else:
-                chosen = min(workers, key=lambda w: (self.tree.size(w.url), w.in_flight))
+                chosen = min(workers, key=lambda w: (sum(t.size(w.url) for t in self.trees.values()), w.in_flight))
                 decision = "cache_miss"
         self.decide(self.name, decision)
         if text:
-            self.tree.insert(text, chosen.url)
+            tree.insert(text, chosen.url)
         now = self.clock()
         if now >= self._next_eviction:
             self._next_eviction = now + self.eviction_interval_s
-            self.tree.evict(self.max_tree_size)
+            for name, t in list(self.trees.items()):
+                t.evict(self.max_tree_size)
+                if name is not None and not t.chars:
+                    del self.trees[name]  # an adapter no request named lately
         return chosen
 
     def forget(self, url: str) -> None:
-        self.tree.remove_tenant(url)
+        for t in self.trees.values():
+            t.remove_tenant(url)
 
 
 class KVAware(RoutingPolicy):

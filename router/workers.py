@@ -127,6 +127,7 @@ class Worker:
         # the LoRA adapters it serves (/kv_transfer_info `loras`, refreshed each health round);
         # None: an engine without --enable-lora (or one that does not say)
         self.loras: frozenset[str] | None = None
+        self.loras_resident: frozenset[str] = frozenset()  # of those, the ones in memory (no load to wait for)
         self._retired = False
 
     @property
@@ -214,6 +215,9 @@ class Worker:
             loras = info.get("loras")
             self.loras = frozenset(n for n in loras[:MAX_LORAS_SEEN] if isinstance(n, str)) \
                 if isinstance(loras, list) else None
+            resident = info.get("loras_resident")
+            self.loras_resident = frozenset(n for n in resident[:MAX_LORAS_SEEN] if isinstance(n, str)) \
+                if isinstance(resident, list) and self.loras is not None else frozenset()
         return self.kv_info
 
     def describe(self) -> dict:
@@ -221,7 +225,8 @@ class Worker:
                 "circuit_breaker": CircuitBreaker.NAMES[self.breaker.state],
                 "in_flight": self.in_flight, "in_flight_tokens": self.in_flight_tokens,
                 "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
-                "dp_size": self.dp_size, "loras": sorted(self.loras) if self.loras is not None else None}
+                "dp_size": self.dp_size, "loras": sorted(self.loras) if self.loras is not None else None,
+                "loras_resident": sorted(self.loras_resident)}
 
 
 def describe(e: BaseException) -> str:

@@ -61,7 +61,8 @@ def test_app_version_is_the_package_version():
 def test_values_have_the_documented_names():
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     for dotted in ("prefill.replicas", "decode.replicas", "prefill.dataParallelSize", "decode.dataParallelSize",
-                   "prefill.expertParallel", "decode.expertParallel",
+                   "prefill.expertParallel", "decode.expertParallel", "engine.lora.enabled", "engine.lora.maxLoras",
+                   "engine.lora.maxLoraRank", "engine.lora.modules", "prefill.loraModules", "decode.loraModules",
                    "prefill.numThreads", "prefill.resources", "prefill.extraArgs", "prefill.nodeSelector",
                    "prefill.tolerations", "prefill.affinity", "router.replicas", "router.policy", "ingress.enabled",
                    "ingress.host", "apiKey.existingSecret", "adminApiKey.enabled", "adminApiKey.existingSecret",
@@ -161,6 +162,9 @@ def test_install_dry_run_client(name):
     ({"prefill.replica": 2}, "at '/prefill': additional properties 'replica' not allowed"),
     ({"prefill.resources": {"limits": {"cpu": "2cores"}}}, "at '/prefill/resources/limits/cpu'"),
     ({"model.pvc": "ckpts", "model.path": "/data/m"}, 'model.path "/data/m" must lie under model.mountPath'),
+    ({"decode.loraModules": {"sql": "/models/sql"}}, "decode.loraModules / engine.lora.modules need engine.lora.enabled"),
+    ({"engine.lora.modules": {"bad name": "/models/x"}}, "invalid propertyName 'bad name'"),
+    ({"engine.lora.maxLoras": 0}, "at '/engine/lora/maxLoras': minimum: got 0, want 1"),
 ])
 def test_bad_values_are_refused_with_a_clear_message(set_values, message):
     proc = helm("template", *template_args(set_values=set_values), check=False)
@@ -271,6 +275,12 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
             assert cfg.model.endswith("/qwen2-0.5b") and args.served_model_name == "qwen2-0.5b"
             assert cfg.dtype == "bfloat16" and cfg.max_model_len == 4096 and args.max_num_seqs == 64
         assert cfg.enable_expert_parallel == (name == "all-features" and role == "decode")
+        values = yaml.safe_load(ALL_FEATURES.read_text()) if name == "all-features" else {}
+        lora = values.get("engine", {}).get("lora", {})
+        assert cfg.enable_lora == bool(lora.get("enabled"))
+        if cfg.enable_lora:  # every engine's adapters and the role's own, each flag repeated per adapter
+            assert (cfg.max_loras, cfg.max_lora_rank) == (lora["maxLoras"], lora["maxLoraRank"])
+            assert dict(cfg.lora_adapters()) == {**lora["modules"], **values[role].get("loraModules", {})}
 
 
 @pytest.mark.integration

@@ -130,6 +130,7 @@ def test_registry_evicts_lru_never_one_in_use():
         reg.acquire("b")
     reg.release("c")
     assert reg.acquire("b") == "b" and list(reg.resident) == ["a", "b"] and loaded[-1] == "b"
+    assert reg.request_loads == 1  # b's load back, the one a request waited for (the refused one did not land)
     reg.remove("a")  # in use: the name goes now, the weights when the request ends
     with pytest.raises(LoraNotLoaded):
         reg.acquire("a")
@@ -223,6 +224,8 @@ def test_router_places_by_adapter_and_kv_aware_scores_the_adapters_chain():
 
     ws = workers(3)
     ws[0].loras, ws[1].loras, ws[2].loras = frozenset({"sql"}), frozenset({"sql", "poet"}), None
+    for w in ws:
+        w.loras_resident = frozenset()  # what /kv_transfer_info says is in memory: nothing here
     tokens = list(range(1, 42))
     index = FakeIndex()
     index.hold(ws[0].url, 0, block_hashes(tokens, 4)[:9])  # the base model's chain

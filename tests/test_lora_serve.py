@@ -3,7 +3,8 @@ serving three PEFT adapters and the base model at once; each request's greedy id
 transformers + PeftModel (tests/test_lora.py's references); /v1/models lists the adapters
 with their parent; an unknown adapter is a 404 naming it; D refuses KV computed under
 another adapter; an adapter unloaded while a request streams under it finishes that request,
-and new requests naming it get a 404."""
+and new requests naming it get a 404; the router loads / unloads an adapter on a pool (a
+partial failure named), and D loads a missing adapter by --lora-load-policy load."""
 from __future__ import annotations
 
 import concurrent.futures
@@ -178,4 +179,215 @@ def test_router_places_adapter_requests_where_the_adapter_is_loaded(cluster, mod
         time.sleep(0.1)
     status, answer = complete(router.url, body(prompt, "late"))
     assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["attn"], prompt))
+    cluster.assert_settled()
+
+
+def model_ids(url: str) -> set[str]:
+    status, raw = http("GET", url + "/v1/models")
+    assert status == 200, raw
+    return {c["id"] for c in json.loads(raw)["data"]}
+
+
+def test_router_loads_and_unloads_an_adapter_on_the_pd_pool(cluster, models, tokenizer):
+    """Through the router: an adapter loaded on D alone is not servable (P lacks it), so
+    /v1/models leaves it out; loaded on every role it is listed and served equal to PEFT; an
+    unload of every role makes it a 404 again. Every engine's result is in the answer."""
+    base, adapters = models
+    url, p, d = cluster.router.url, cluster["P"].url, cluster["D"].url
+    status, raw = http("POST", url + "/v1/load_lora_adapter",
+                       {"lora_name": "pool", "lora_path": str(adapters["sql"]), "role": "decode"})
+    assert status == 200, raw
+    assert [(r["url"], r["ok"]) for r in json.loads(raw)["results"]] == [(d, True)]
+    assert "pool" not in model_ids(url) and "sql" in model_ids(url)
+    status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "pool", "lora_path": str(adapters["sql"])})
+    assert status == 200, raw
+    results = {r["url"]: r for r in json.loads(raw)["results"]}
+    assert set(results) == {p, d} and results[p]["message"] == "done" and results[d]["message"] == "already loaded"
+    assert "pool" in model_ids(url)
+    prompt = prompts_of([14], seed=19)[0]
+    status, answer = complete(url, body(prompt, "pool"))
+    assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["sql"], prompt))
+    status, raw = http("POST", url + "/v1/unload_lora_adapter", {"lora_name": "pool"})
+    assert status == 200 and all(r["ok"] for r in json.loads(raw)["results"]), raw
+    assert "pool" not in model_ids(url)
+    status, answer = complete(url, body(prompt, "pool"))
+    assert status == 404 and "'pool'" in answer["error"]["message"]
+    # every engine refuses the same way: their 400, each engine named
+    status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "nope", "lora_path": str(base)})
+    err = json.loads(raw)
+    assert status == 400 and err["error"]["code"] == "lora_load_refused" and p in err["error"]["message"] \
+        and d in err["error"]["message"] and not any(r["ok"] for r in err["results"])
+    cluster.assert_settled()
+
+
+def test_router_load_that_fails_on_one_engine_is_a_partial_failure(cluster, models, tokenizer):
+    """Two colocated workers, one without --enable-lora: the load succeeds on one and the
+    answer is a 502 naming the other; the adapter is listed and served where it loaded."""
+    base, adapters = models
+    if "plain" not in cluster.engines:
+        cluster.start_engines(plain=[])
+        cluster.baseline["plain"] = cluster["plain"].stats()["num_total_blocks"]
+    router = RouterServer((), (), "--worker", cluster["ref"].url, "--worker", cluster["plain"].url,
+                          "--health-interval-s", "0.3", log=server_log(), cwd=REPO)
+    cluster.routers.append(router)
+    router.wait_ready(START_TIMEOUT_S)
+    status, raw = http("POST", router.url + "/v1/load_lora_adapter",
+                       {"lora_name": "half", "lora_path": str(adapters["poet"]), "role": "worker"})
+    err = json.loads(raw)
+    assert status == 502 and err["error"]["code"] == "lora_partial_failure", raw
+    assert cluster["plain"].url in err["error"]["message"] and cluster["ref"].url not in err["error"]["message"]
+    results = {r["url"]: r for r in err["results"]}
+    assert results[cluster["ref"].url]["ok"] and not results[cluster["plain"].url]["ok"]
+    assert "--enable-lora" in results[cluster["plain"].url]["message"]
+    assert "half" in model_ids(router.url)
+    prompt = prompts_of([9], seed=23)[0]
+    for _ in range(2):  # placement: only ref serves it
+        status, answer = complete(router.url, body(prompt, "half"))
+        assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["poet"], prompt))
+    assert http("POST", cluster["ref"].url + "/v1/unload_lora_adapter", {"lora_name": "half"})[0] == 200
+    cluster.assert_settled()
+
+
+@pytest.fixture(scope="module")
+def more_engines(cluster, models):
+    """Started together (each start is mostly a model load): D2, a decode engine that loads
+    adapters on demand, and dp, a DP=2 engine with one adapter slot per rank."""
+    adapters = models[1]
+    cluster.start_engines(
+        D2=["--kv-role", "consumer", "--enable-lora", "--max-lora-rank", "8", "--lora-load-policy", "load",
+            "--lora-path-map", f"sql={adapters['sql']}"],
+        dp=["--data-parallel-size", "2", "--num-threads", "1", "--enable-lora", "--max-loras", "1",
+            "--max-lora-rank", "8", "--lora-modules", f"sql={adapters['sql']}"])
+    for name in ("D2", "dp"):
+        cluster.baseline[name] = cluster[name].stats()["num_total_blocks"]
+    return cluster
+
+
+def test_decode_loads_a_missing_adapter_by_policy(more_engines, models, tokenizer):
+    """D with --lora-load-policy load and a path map: a pull for an adapter it has not loaded
+    loads it first (two requests at once: both wait for one load; a second load of the name
+    would be refused), then decodes equal to PEFT; a name the map lacks is still a 404."""
+    cluster, (base, adapters) = more_engines, models
+    assert "sql" not in model_ids(cluster["D2"].url)
+    prompts = prompts_of([21, 13], seed=31)
+
+    def pd_request(prompt):
+        status, first = complete(cluster["P"].url, body(prompt, "sql", max_tokens=1, kv_transfer_params={
+            "do_remote_decode": True, "transfer_id": uuid.uuid4().hex}))
+        assert status == 200, first
+        return complete(cluster["D2"].url, body(prompt, "sql", kv_transfer_params=first["kv_transfer_params"]))
+
+    with concurrent.futures.ThreadPoolExecutor(2) as pool:
+        answers = list(pool.map(pd_request, prompts))
+    for prompt, (status, answer) in zip(prompts, answers):
+        assert status == 200, answer
+        assert text_of(answer) == tokenizer.decode(reference(base, adapters["sql"], prompt))
+    assert "sql" in model_ids(cluster["D2"].url)
+    status, answer = complete(cluster["D2"].url, body(prompts[0], "poet"))
+    assert status == 404 and "'poet'" in answer["error"]["message"]
+    cluster.assert_settled()
+
+
+RECORD = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 99},
+                                           "tag": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "n", "tag"], "additionalProperties": False}
+# the engines' documented JSON form (atomd/structured.py): no free whitespace, Python's separators
+JSON_FORM = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+
+
+def constrained_reference(base, adapter, prompt: list[int], schema: dict, max_tokens: int) -> tuple[list[int], bool]:
+    """Greedy under the grammar, the reference way: transformers + PeftModel's logits, llguidance's
+    mask of the tokens the schema allows next (from the checkpoint's tokenizer.json); the argmax
+    of the allowed ones, until an end token. (ids, whether it ended)."""
+    import llguidance
+    import llguidance.numpy as lgnp
+    import numpy as np
+    import peft
+    import torch
+    from tokenizers import Tokenizer
+
+    from tests.test_lora import hf_model_copy
+    from tests.test_model_hf import VOCAB
+
+    ends = sorted({2, Tokenizer.from_file(str(base / "tokenizer.json")).token_to_id("<|eos|>")} - {None})
+    matcher = llguidance.LLMatcher(llguidance.LLTokenizer((base / "tokenizer.json").read_text(), n_vocab=VOCAB,
+                                                          eos_token=ends),
+                                   llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_FORM))
+    model = peft.PeftModel.from_pretrained(hf_model_copy(base), adapter).eval()
+    mask = lgnp.allocate_token_bitmask(1, VOCAB)
+    seq, out = list(prompt), []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            lgnp.fill_next_token_bitmask(matcher, mask, 0)
+            allowed = np.unpackbits(mask.view(np.uint8), bitorder="little")[:VOCAB].astype(bool)
+            logits = model(torch.tensor([seq])).logits[0, -1].numpy()
+            token = int(np.where(allowed, logits, -np.inf).argmax())
+            if token in ends:
+                return out, True
+            assert matcher.consume_token(token)
+            out.append(token)
+            seq.append(token)
+    return out, False
+
+
+def test_json_schema_under_an_adapter_equals_constrained_peft(cluster, models, tokenizer):
+    """response_format json_schema under a LoRA adapter, through the official openai client,
+    colocated and through PD: the output parses and validates, and its tokens are the
+    reference's (PEFT's greedy over the tokens the schema allows), ending where it ends."""
+    import jsonschema
+    import openai
+
+    base, adapters = models
+    prompt = prompts_of([17], seed=59)[0]
+    want, ended = constrained_reference(base, adapters["sql"], prompt, RECORD, 64)
+    assert ended  # the schema's object closed within the budget: the test compares a whole answer
+    fmt = {"type": "json_schema", "json_schema": {"name": "record", "schema": RECORD}}
+    for url in (cluster["ref"].url, cluster.router.url):
+        client = openai.OpenAI(base_url=url + "/v1", api_key="unused", max_retries=0)
+        answer = client.completions.create(model="sql", prompt=prompt, max_tokens=64, temperature=0,
+                                           extra_body={"response_format": fmt})
+        text = answer.choices[0].text
+        jsonschema.validate(json.loads(text), RECORD)
+        assert text == tokenizer.decode(want) and answer.choices[0].finish_reason == "stop", url
+        assert answer.usage.completion_tokens == len(want) + 1  # and the end token
+    cluster.assert_settled()
+
+
+def test_a_dp_load_one_rank_refuses_leaves_the_ranks_alike(more_engines, models, tokenizer):
+    """DP=2, one slot per rank: while a request under `sql` runs on rank 0, loading another
+    adapter has no slot there (every one held: 503) and a free one on rank 1, which loads it
+    and then unloads it again: the answer names rank 0 and both ranks serve the same
+    adapters. Once the request is done the load lands on both."""
+    cluster, (base, adapters) = more_engines, models
+    url = cluster["dp"].url
+
+    def rank_loras() -> list[tuple[list, list]]:
+        info = json.loads(http("GET", url + "/kv_transfer_info")[1])
+        return [(sorted(r["loras"]), sorted(r["loras_resident"])) for r in info["ranks"]]
+
+    assert rank_loras() == [(["sql"], ["sql"])] * 2
+    prompt = prompts_of([30], seed=77)[0]
+    target = urlparse(url)
+    conn = httpclient.HTTPConnection(target.hostname, target.port, timeout=60)
+    try:
+        conn.request("POST", "/v1/completions", json.dumps(body(prompt, "sql", stream=True, max_tokens=200)),
+                     {"Content-Type": "application/json", "X-data-parallel-rank": "0"})
+        resp = conn.getresponse()
+        assert resp.status == 200 and resp.readline().startswith(b"data: ")  # running under sql on rank 0
+        status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(adapters["poet"])})
+        assert cluster["dp"].stats()["num_running"] == 1  # so the load came while it ran
+        err = json.loads(raw)["error"]
+        assert status == 503 and "DP rank 0" in err["message"] and "no rank keeps" in err["message"], raw
+        assert rank_loras() == [(["sql"], ["sql"]), (["sql"], [])]  # rank 1 evicted sql for poet, then dropped poet
+        resp.read()
+    finally:
+        conn.close()
+    status, answer = complete(url, body(prompt, "poet"))
+    assert status == 404  # the API never listed it
+    status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(adapters["poet"])})
+    assert status == 200, raw
+    assert [known for known, _ in rank_loras()] == [["poet", "sql"]] * 2
+    status, answer = complete(url, body(prompt, "poet"))
+    assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["poet"], prompt))
     cluster.assert_settled()

@@ -44,6 +44,13 @@ def test_empty_config_is_one_prefill_one_decode():
     ({"router": {"health_interval_s": 0}}, "router.health_interval_s"),
     ({"timeouts": {"placement_s": -1}}, "timeouts.placement_s"),
     ({"prefill": {"extra_args": "--max-num-seqs 8"}}, "prefill.extra_args"),
+    ({"lora": {"max_loras": 0}}, "lora.max_loras"),
+    ({"lora": {"enabled": True, "modules": {"bad name": "/a"}}}, "lora.modules"),
+    ({"lora": {"enabled": True, "modules": {"sql": ""}}}, "lora.modules"),
+    ({"decode": {"lora_modules": {"sql": "/a"}}}, "decode.lora_modules"),
+    ({"lora": {"enabled": True, "max_loras": 1, "modules": {"a": "/a"}}, "prefill": {"lora_modules": {"b": "/b"}}},
+     "prefill.lora_modules"),
+    ({"lora": {"enabled": "yes"}}, "lora.enabled"),
 ])
 def test_bad_field_is_named(data, field):
     with pytest.raises(ValueError) as e:
@@ -102,6 +109,26 @@ def test_expert_parallel_reaches_the_engine_flags_and_needs_two_ranks():
     assert flags["decode"].data_parallel_size == 2
     with pytest.raises(ValueError, match="enable_expert_parallel: needs data_parallel_size >= 2"):
         parse_config({"prefill": {"enable_expert_parallel": True}})
+
+
+def test_lora_reaches_the_engine_flags_per_role(tmp_path):
+    """lora.modules on every engine, a role's lora_modules on its own: the flags parse with
+    `atomd serve`'s parser into the EngineConfig an engine would run."""
+    from atomd.config import EngineConfig
+    from launch.ray_cluster import engine_flags
+    from tests.helm_tools import engine_parser
+
+    data = {"lora": {"enabled": True, "max_loras": 3, "max_lora_rank": 32, "modules": {"sql": "/adapters/sql"}},
+            "decode": {"lora_modules": {"poet": "/adapters/poet", "sql": "/adapters/sql-v2"}}}
+    c = parse_config(data)
+    for role, want in (("prefill", {"sql": "/adapters/sql"}), ("decode", {"sql": "/adapters/sql-v2",
+                                                                          "poet": "/adapters/poet"})):
+        args = engine_parser().parse_args(["--model", str(tmp_path), *engine_flags(role, c, "10.0.0.1")])
+        cfg = EngineConfig.from_args(args)
+        assert cfg.enable_lora and (cfg.max_loras, cfg.max_lora_rank) == (3, 32)
+        assert dict(cfg.lora_adapters()) == want
+    off = engine_parser().parse_args(["--model", "m", *engine_flags("decode", parse_config({}), "10.0.0.1")])
+    assert not off.enable_lora and off.lora_modules == []
 
 
 def test_every_engine_kv_backend_is_a_ray_config_choice():

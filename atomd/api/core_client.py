@@ -41,7 +41,7 @@ logger = logging.getLogger("atomd.api.core_client")
 
 _SUMMED = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries",
            "prefix_cache_hits", "num_preemptions", "num_window_released_blocks", "spec_decode_num_drafts",
-           "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens")
+           "spec_decode_num_draft_tokens", "spec_decode_num_accepted_tokens", "lora_request_loads")
 
 
 class EngineDeadError(RuntimeError):
@@ -352,6 +352,8 @@ class DPEngineClient:
         the rank holding the transfer revoked it; the LoRA ones: the first rank's error, else rank
         0's answer; any other utility (e.g. reset_prefix_cache) runs on every rank and answers
         True when every rank did."""
+        if method == "load_lora_adapter":
+            return await self._load_lora_everywhere(*args, timeout_s=timeout_s)
         results = await asyncio.gather(*(c.call(method, *args, timeout_s=timeout_s) for c in self.ranks))
         if "lora" in method:
             return next((r for r in results if isinstance(r, dict) and r.get("error")), results[0])
@@ -365,6 +367,26 @@ class DPEngineClient:
         total["kv_cache_usage"] = sum(s["kv_cache_usage"] for s in results) / len(results)
         total["ranks"] = results
         return total
+
+    async def _load_lora_everywhere(self, name: str, path: str, timeout_s: float) -> Any:
+        """Every rank loads the adapter, or none keeps it: when one rank refuses (or does not
+        answer) the others unload it again, so the ranks never differ; the answer is the first
+        rank's error. A rank that did not answer may still load it: its unload queues behind."""
+        results = await asyncio.gather(*(c.call("load_lora_adapter", name, path, timeout_s=timeout_s)
+                                         for c in self.ranks), return_exceptions=True)
+        refused = [isinstance(r, dict) and bool(r.get("error")) for r in results]
+        failed = next(((rank, r) for rank, r in enumerate(results) if refused[rank] or isinstance(r, BaseException)),
+                      None)
+        if failed is None:
+            return results[0]
+        undo = [c for c, no in zip(self.ranks, refused) if not no]
+        await asyncio.gather(*(c.call("unload_lora_adapter", name, timeout_s=timeout_s) for c in undo),
+                             return_exceptions=True)
+        rank, error = failed
+        if isinstance(error, BaseException):
+            return {"error": f"DP rank {rank} did not load LoRA adapter {name!r} "
+                             f"({type(error).__name__}: {error}); no rank keeps it", "status": 503}
+        return dict(error, error=f"DP rank {rank}: {error['error']} (no rank keeps the adapter)")
 
     def silent_s(self) -> float:
         return max(c.silent_s() for c in self.ranks)

@@ -6,16 +6,21 @@
 The engine core holds the weights (atomd/engine/lora_registry.py); this side keeps the
 names (name -> path) so a request's `model` is checked without a round trip: a name the
 engine has not loaded is a 404 naming it. Loads and unloads go to every DP rank.
+
+`--lora-load-policy load` with `--lora-path-map name=path ...`: a completions or chat request (a
+decode leg's KV pull too) naming an adapter of the map that this engine has not loaded loads it first (requests
+for it meanwhile wait for that one load); `refuse`, the default, answers the 404.
 """
 from __future__ import annotations
 
+import asyncio
 import time
-from typing import Any
+from typing import Any, Awaitable, Callable
 
 import msgspec
 
 from atomd.api import protocol, responses
-from contracts.lora import check_name
+from contracts.lora import check_name, parse_lora_modules
 
 MAX_PATH_CHARS = 4096
 LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # admin routes (--admin-api-key)
@@ -24,6 +29,12 @@ LORA_PATHS = ("/v1/load_lora_adapter", "/v1/unload_lora_adapter")  # admin route
 class LoadLoraRequest(msgspec.Struct, forbid_unknown_fields=True):
     lora_name: str
     lora_path: str | None = None  # unload: ignored, as vLLM
+
+
+class ModelOnly(msgspec.Struct):
+    """A request body's `model` alone (the rest is parsed later, on the parser thread)."""
+
+    model: Any = None
 
 
 class LoraCard(responses.ModelCard):
@@ -35,6 +46,34 @@ class LoraNames:
     def __init__(self, config: Any):
         self.enabled = bool(getattr(config, "enable_lora", False))
         self.paths: dict[str, str] = dict(config.lora_adapters()) if self.enabled else {}
+        on_demand = self.enabled and getattr(config, "lora_load_policy", "refuse") == "load"
+        self.on_demand: dict[str, str] = dict(parse_lora_modules(config.lora_path_map, "lora_path_map")) \
+            if on_demand else {}
+        self._loading: dict[str, asyncio.Task] = {}
+
+    async def load_missing(self, body: bytes, base: str, call: Callable[..., Awaitable[Any]]) -> None:
+        """--lora-load-policy load: the adapter a request body names, when the path map has it
+        and this engine has not loaded it, is loaded now (module docstring)."""
+        if not self.on_demand:
+            return
+        try:
+            model = msgspec.json.decode(body, type=ModelOnly).model
+        except (msgspec.DecodeError, msgspec.ValidationError, RecursionError):
+            return  # the parser answers the body's error
+        if not isinstance(model, str) or model == base or model in self.paths or model not in self.on_demand:
+            return
+        task = self._loading.get(model)
+        if task is None:
+            task = self._loading[model] = asyncio.ensure_future(self._load(model, call))
+            task.add_done_callback(lambda _: self._loading.pop(model, None))
+        await asyncio.shield(task)
+
+    async def _load(self, name: str, call: Callable[..., Awaitable[Any]]) -> None:
+        path = self.on_demand[name]
+        error = engine_error(await call("load_lora_adapter", name, path, timeout_s=60.0))
+        if error is not None:
+            raise error
+        self.paths[name] = path
 
     def of(self, model: str | None, base: str) -> str | None:
         """The adapter a request's `model` names (None: the base model); a 404 naming an unknown one."""

@@ -359,6 +359,7 @@ class Server:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_request(request)
+        await self.loras.load_missing(body, self.model_name, self.client.call)  # --lora-load-policy load
         req, checked, prompts = await asyncio.get_running_loop().run_in_executor(
             self.parser, self.parse_completion, body)
         request_id = f"cmpl-{uuid.uuid4().hex}"
@@ -388,6 +389,7 @@ class Server:
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         body = await self.read_request(request)
+        await self.loras.load_missing(body, self.model_name, self.client.call)  # --lora-load-policy load
         req, checked, ids, params = await asyncio.get_running_loop().run_in_executor(
             self.parser, self.parse_chat, body)
         out = ChatRenderer(self, f"chatcmpl-{uuid.uuid4().hex}", req, checked, ids)

@@ -373,6 +373,7 @@ class EngineLoop:
                 "num_preemptions": s.num_preemptions, "num_window_released_blocks": bm.num_window_released,
                 **self._spec_stats(),
                 **({} if self.step_samples is None else {"step_samples": list(self.step_samples)}),
+                "lora_request_loads": self.loras.request_loads if self.loras is not None else 0,
                 "kv_transfer": self.kv_connector.stats() if self.kv_connector is not None else None}
 
     def _spec_stats(self) -> dict[str, Any]:
@@ -399,7 +400,8 @@ class EngineLoop:
             info.update(self.kv_connector.info())
         return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend,
                     kv_events=self.kv_events.info() if self.kv_events is not None else None,
-                    kernels=self.kernels_info(), loras=list(self.loras.paths) if self.loras is not None else None)
+                    kernels=self.kernels_info(), loras=list(self.loras.paths) if self.loras is not None else None,
+                    loras_resident=list(self.loras.resident) if self.loras is not None else None)
 
     def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
         """POST /v1/load_lora_adapter: {"name"} or {"error", "status"} (400 a bad adapter or a name

@@ -36,6 +36,7 @@ class LoraRegistry:
         self.ids: dict[str, int] = {}  # name -> int id (vLLM's lora_int_id; KV events' lora_id), 1-based
         self.resident: collections.OrderedDict[str, Any] = collections.OrderedDict()  # LRU first
         self.in_use: collections.Counter[str] = collections.Counter()
+        self.request_loads = 0  # loads a request waited for (its adapter had been evicted)
         self._next_id = 1
 
     def add(self, name: str, path: str) -> None:
@@ -68,6 +69,7 @@ class LoraRegistry:
             weights = self._load(name, self.paths[name])
             self._make_room()
             self.resident[name] = weights
+            self.request_loads += 1
         self.resident.move_to_end(name)
         self.in_use[name] += 1
         return self.resident[name]

@@ -117,6 +117,22 @@ StatefulSet. {root, role}
 {{- if $r.expertParallel }}
 {{- $_ := set $cfg "enable_expert_parallel" true }}
 {{- end }}
+{{- $lora := $v.engine.lora }}
+{{- $modules := merge (dict) ($r.loraModules | default dict) ($lora.modules | default dict) }}
+{{- if $lora.enabled }}
+{{- $_ := set $cfg "enable_lora" true }}
+{{- $_ := set $cfg "max_loras" (int $lora.maxLoras) }}
+{{- $_ := set $cfg "max_lora_rank" (int $lora.maxLoraRank) }}
+{{- if $modules }}
+{{- $items := list }}
+{{- range $name := keys $modules | sortAlpha }}
+{{- $items = append $items (printf "%s=%s" $name (index $modules $name)) }}
+{{- end }}
+{{- $_ := set $cfg "lora_modules" $items }}
+{{- end }}
+{{- else if $modules }}
+{{- fail (printf "%s.loraModules / engine.lora.modules need engine.lora.enabled" .role) }}
+{{- end }}
 {{- $model := include "atomd.modelPath" .root }}
 {{- if $model }}
 {{- $_ := set $cfg "model" $model }}
