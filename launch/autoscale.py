@@ -232,7 +232,15 @@ class Autoscaler:
         self._record()
 
     def _resync(self) -> None:
-        """Re-register an engine of the pools that the router does not list (it restarted)."""
+        """Follow engines the launcher says moved (a restarted pod's new IP), and re-register
+        an engine of the pools that the router does not list (it restarted)."""
+        refresh = getattr(self.launcher, "refresh", None)
+        for role, pool in self.pools.items():
+            for old, new in (refresh(role) if refresh else {}).items():
+                log.warning("%s engine %s came back as %s: swapping it in the router", role, old, new)
+                pool.urls[pool.urls.index(old)] = new
+                http("DELETE", self.router_url + "/workers", {"url": old, "role": role}, headers=self.headers)
+                self._register(role, new)
         status, body = http("GET", self.router_url + "/workers", headers=self.headers)
         if status != 200:
             return

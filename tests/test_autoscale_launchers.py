@@ -29,6 +29,7 @@ class FakeAPI:
         self.replicas = dict(replicas)  # set name -> spec.replicas
         self.polls: dict[str, int] = {}  # pod -> GETs so far
         self.polls_until_ready = polls_until_ready
+        self.restarts: dict[str, int] = {}  # pod -> times it came back (with a new IP)
         self.calls: list[tuple[str, str, dict | None, str | None, str | None]] = []
         api = self
 
@@ -80,7 +81,7 @@ class FakeAPI:
             self.polls[pod] = self.polls.get(pod, 0) + 1
             ready = self.polls[pod] > self.polls_until_ready
             return 200, {"kind": "Pod", "status": {
-                "podIP": f"10.1.{list(self.replicas).index(name)}.{ordinal}",
+                "podIP": f"10.{1 + self.restarts.get(pod, 0)}.{list(self.replicas).index(name)}.{ordinal}",
                 "conditions": [{"type": "Ready", "status": "True" if ready else "False"}]}}
         return 404, {"kind": "Status", "code": 404}
 
@@ -193,8 +194,9 @@ class RouterStandIn:
     `schedule[role]`) and the engines (/debug/stats: idle), every call recorded. No sockets:
     the pod URLs the fake API hands out are never dialled."""
 
-    def __init__(self, schedule: dict[str, list[float]], status: int = 200, forget_at: int | None = None):
-        self.schedule, self.status, self.forget_at = schedule, status, forget_at
+    def __init__(self, schedule: dict[str, list[float]], status: int = 200, forget_at: int | None = None,
+                 on_read=None):
+        self.schedule, self.status, self.forget_at, self.on_read = schedule, status, forget_at, on_read
         self.workers: set[tuple[str, str]] = set()
         self.counts = {role: dict.fromkeys(LES, 0) for role in ("prefill", "decode")}
         self.reads = 0
@@ -219,6 +221,8 @@ class RouterStandIn:
             self.reads += 1
             if self.reads == self.forget_at:
                 self.workers.clear()  # the router restarted
+            if self.on_read:
+                self.on_read(self.reads)
             lines = []
             for role, name in autoscale.SIGNALS.items():
                 seq = self.schedule[role]
@@ -278,6 +282,25 @@ def test_the_cli_adopts_the_running_pods_scales_up_and_drains_down(ready_api, mo
     assert "prefill 1 engine, TTFT p90 0.025 s (SLO 1 s)" in windows[0]
     assert "decode 2 engines, ITL p90 0.005 s (SLO 0.05 s) -> drained, down to 1" in windows[2]
     assert "the router does not list" in err and "stopping after 3 windows with 1 prefill and 1 decode" in err
+
+
+def test_a_pod_that_comes_back_with_a_new_ip_is_swapped_in_the_router(ready_api, monkeypatch, capsys):
+    """Without DNS discovery only the planner can tell the router a restarted pod's address."""
+    from launch import autoscale_cli
+
+    def restart_decode_0(reads):
+        if reads == 2:
+            ready_api.restarts["atomd-decode-0"] = 1
+
+    router = RouterStandIn({"prefill": [0.01], "decode": [0.01]}, on_read=restart_decode_0)
+    monkeypatch.setattr(autoscale, "http", router.http)
+    monkeypatch.setattr(autoscale_cli, "http", router.http)
+    assert autoscale_cli.main(cli(ready_api, "--windows", "3", "--down", "0.01")) == 0
+    old, new = "http://10.1.1.0:8000", "http://10.2.1.0:8000"
+    assert [c[2] for c in router.calls if c[0] == "DELETE"] == [{"url": old, "role": "decode"}]
+    assert router.workers == {("prefill", "http://10.1.0.0:8000"), ("decode", new)}
+    assert f"decode engine {old} came back as {new}" in capsys.readouterr().err
+    assert [c for c in ready_api.calls if c[0] == "PATCH"] == []
 
 
 def test_a_dry_run_decides_but_changes_nothing(ready_api, monkeypatch, capsys):
