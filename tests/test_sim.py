@@ -467,3 +467,94 @@ def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(
     want = [base.step_seconds(StepShape.of(True, [20], [0]))] + \
         [base.step_seconds(StepShape.of(False, [1], [c])) + 0.02 for c in (20, 21)]
     assert slept == pytest.approx(want)
+
+
+# ---------------------------------------------------------------- embeddings, nested configs
+
+
+def pooled(engine, prompts: list[list[int]], pooling: str) -> list[list[float]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"e{i}", p, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling))
+    got = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.embedding
+    return [got[f"e{i}"] for i in range(len(prompts))]
+
+
+def test_a_pooling_request_gets_a_deterministic_vector_of_the_hidden_size(profile):
+    """--task embed on a simulated engine: the vector has the model's hidden size (its
+    config.json's), depends on the input and the pooling only (not on batching or chunking),
+    and its steps are timed as the same prompt's prefill is; no block leaks."""
+    from tests.server_fixtures import model_dir
+
+    hidden = json.loads((model_dir() / "config.json").read_text())["hidden_size"]
+    prompts = [prompt(21, 40), prompt(22, 7), prompt(21, 40)]
+    engine = make_engine(profile)
+    last = pooled(engine, prompts, "last")
+    chunked = make_engine(profile, max_num_batched_tokens=16, max_num_seqs=1)
+    assert pooled(chunked, prompts, "last") == last  # other batching, a chunked prefill
+    assert all(len(v) == hidden and np.isfinite(v).all() for v in last)
+    assert last[0] == last[2] and last[0] != last[1]
+    mean = pooled(make_engine(profile), prompts, "mean")
+    assert mean[0] != last[0] and len(mean[0]) == hidden
+    v = np.array(last[0])
+    assert abs(v.mean()) < 0.2 and 0.8 < v.std() < 1.2  # no degenerate vector for the API to normalise
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    timed = make_engine(profile)
+    pooled(timed, [prompts[0]], "last")
+    generated = make_engine(profile)
+    run(generated, {"g": (prompts[0], SamplingParams(max_tokens=1, temperature=0.0))})
+    assert timed.forward_steps == generated.forward_steps == 1
+    assert timed.forward_seconds == generated.forward_seconds == load_profile(str(profile)).step_seconds(
+        StepShape.of(True, [40], [0]))
+
+
+@pytest.fixture(scope="module")
+def gemma3_vl_dir(tmp_path_factory):
+    """A Gemma 3 vision-language config.json written by transformers (no weights: a simulated
+    engine reads the config and the tokenizer only), with the built-in model's tokenizer."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from tests.server_fixtures import model_dir
+
+    text = transformers.Gemma3TextConfig(vocab_size=5000, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=24)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       architectures=["Gemma3ForConditionalGeneration"])  # as a model's save does
+    path = tmp_path_factory.mktemp("gemma3-vl-config")
+    config.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir() / name, path / name)
+    return path, config.text_config
+
+
+def test_the_simulator_reads_a_nested_text_config_as_transformers_does(gemma3_vl_dir, profile):
+    transformers = pytest.importorskip("transformers")
+    from atomd.sim.engine import SimulatedEngine
+    from atomd.sim.hardware import ModelShape
+
+    path, text = gemma3_vl_dir
+    hf = json.loads((path / "config.json").read_text())
+    assert "num_hidden_layers" not in hf  # nested
+    # google/gemma-3-4b-it's config.json gives only what differs from Gemma3TextConfig's defaults
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    for config, want in ((hf, text), (hub, transformers.Gemma3Config.from_dict(hub).text_config)):
+        shape = ModelShape.from_hf_config("g", config, 2)
+        assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                shape.intermediate_size, shape.vocab_size, shape.tie_word_embeddings) == \
+            (want.num_hidden_layers, want.hidden_size, want.num_attention_heads, want.num_key_value_heads,
+             want.head_dim, want.intermediate_size, want.vocab_size, want.tie_word_embeddings)
+    engine = SimulatedEngine(EngineConfig(model=str(path), model_runner="simulated", hardware=str(profile),
+                                          max_model_len=256))
+    assert engine.vocab_size == text.vocab_size == 5000
+    tokens = [t for t, _ in run(engine, {"r": (prompt(3, 12), SamplingParams(max_tokens=40, ignore_eos=True))})["r"][0]]
+    assert len(tokens) == 40 and all(0 <= t < 5000 for t in tokens) and max(tokens) > 4096  # the text vocabulary

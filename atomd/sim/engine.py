@@ -9,6 +9,11 @@ distribution: sampling knobs other than allowed_token_ids and min_tokens change 
 structured outputs, prompt logprobs and speculative decoding are refused (a 400 / a start-up
 error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
 
+Embeddings (`--task embed`): a request that pools gets, when its prompt is done, a standard
+normal vector of the profile's hidden size seeded by a hash of its prompt tokens and pooling
+type: the same input gives the same vector on any engine, for any batching or chunking. Its
+steps are prefill steps, timed by the profile like any prefill.
+
 Step time: the profile's prediction for the step's shape; with a served profile (`atomd
 profile --from-servers`) plus a residual drawn from its measured spread, plus whatever of the
 served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves;
@@ -31,6 +36,7 @@ import numpy as np
 
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, resolve_model_dir
+from atomd.model.text_config import text_model_config
 from atomd.sim.hardware import Calibrated, Link, Profile, StepShape, load_profile
 from atomd.tokenizer import Tokenizer
 from kv_transfer.connector import KVConnectorOutput
@@ -52,7 +58,7 @@ class SimulatedEngine(EngineLoop):
         self.profile: Profile = load_profile(config.hardware).with_link(config.kv_link)
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
-        hf = json.loads((model_dir / "config.json").read_text())
+        hf = text_model_config(json.loads((model_dir / "config.json").read_text()))  # nested: as the loader
         self.vocab_size = int(hf["vocab_size"])
         self.tokenizer = Tokenizer.from_dir(model_dir)
         eos = self.tokenizer.eos_token_id
@@ -119,6 +125,8 @@ class SimulatedEngine(EngineLoop):
             wait = max(0.0, served_gap - own)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
+        if batch.is_prefill:
+            self._pool(batch)
         fork_ids: list[list[int]] | None = None
         fork_entries: list[list[Any]] | None = None
         for i in np.flatnonzero(batch.needs_sample).tolist():
@@ -150,6 +158,15 @@ class SimulatedEngine(EngineLoop):
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
                                     fork_logprobs=fork_entries)
 
+    def _pool(self, batch: ScheduledBatch) -> None:
+        """A pooling request's vector once its prompt is done (the real engine's last output
+        carries it; engine_loop pops it there)."""
+        for i, seq in enumerate(batch.seqs):
+            pooling = seq.sampling_params.pooling
+            if pooling is not None and batch.needs_sample[i]:
+                self._embeddings[seq.request_id] = pseudo_embedding(
+                    seq.prompt_token_ids, pooling, self.profile.model.hidden_size).tolist()
+
     def _sample(self, seq: Sequence, params: SamplingParams, index: int) -> tuple[int, dict | None]:
         """The next token of `seq` as choice `index`, and its logprobs entry when asked (or
         when best_of candidates are ranked)."""
@@ -168,6 +185,13 @@ class SimulatedEngine(EngineLoop):
         k = params.logprobs or 0
         top = [(token, logprob)] + [((token + j * 7919) % self.vocab_size, logprob - j) for j in range(1, k)]
         return token, Logprob(logprob, top[:k])
+
+
+def pseudo_embedding(prompt: list[int], pooling: str, size: int) -> np.ndarray:
+    """A float32 standard normal vector of `size`, a function of the prompt and the pooling."""
+    h = hashlib.blake2b(pooling.encode(), digest_size=8)
+    h.update(np.asarray(prompt, dtype=np.int64).tobytes())
+    return np.random.default_rng(int.from_bytes(h.digest(), "little")).standard_normal(size, dtype=np.float32)
 
 
 def simulated_hash(seed: int, index: int, length: int, tail: list[int]) -> int:

@@ -27,6 +27,8 @@ import os
 import msgspec
 import numpy as np
 
+from atomd.model.text_config import text_model_config
+
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     """What the step time and the KV size depend on (an HF config.json's numbers)."""
@@ -79,6 +81,8 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_hf_config(cls, name: str, hf: dict, dtype_bytes: int) -> "ModelShape":
+        """A checkpoint's config.json (a nested one, Gemma 3's text_config, read as the loader does)."""
+        hf = text_model_config(hf)
         heads = hf["num_attention_heads"]
         experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
         return cls(name=name, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_heads=heads,
