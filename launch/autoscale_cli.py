@@ -161,7 +161,8 @@ def ray_autoscaler(args, prefill: PoolPolicy, decode: PoolPolicy):
 
     from launch.ray_cluster import RayCluster, RayLauncher
 
-    ray.init(address=args.ray_address)
+    if not ray.is_initialized():  # a caller (a test, a notebook) may have joined already
+        ray.init(address=args.ray_address)
     cluster = RayCluster(config)
     try:
         infos = cluster.start()
@@ -169,6 +170,9 @@ def ray_autoscaler(args, prefill: PoolPolicy, decode: PoolPolicy):
                             drain_timeout_s=args.drain_timeout_s, dry_run=args.dry_run)
         for role in ("prefill", "decode"):  # the actors registered themselves: the pools only
             scaler.pools[role].urls.extend(i["url"] for i in infos if i["role"] == role)
+    except ray.exceptions.RayError as e:
+        cluster.stop()
+        raise RuntimeError(f"ray: {e}") from None
     except BaseException:
         cluster.stop()
         raise
