@@ -335,6 +335,8 @@ def test_an_engine_keeps_its_step_samples_only_when_asked(profile, monkeypatch):
     assert [s[:5] for s in samples] == [[True, 20, 1, 20 * 21 / 2, 20]] + \
         [[False, 1, 1, c + 1, c + 1] for c in (20, 21, 22)]
     assert samples[0][6] == -1 and all(s[6] >= 0 for s in samples[1:]) and all(s[5] > 0 for s in samples)
+    # the loop's work before each: the request added, then the last forward's one output each
+    assert [s[7:] for s in samples] == [[0, 0, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
     monkeypatch.setenv(STEP_SAMPLES_ENV, "2")  # a ring of the last N
     engine = make_engine(profile)
     run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=6, ignore_eos=True))})
@@ -398,7 +400,9 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
     for _ in range(200):
         n, c, b = int(rng.integers(8, 400)), int(rng.integers(20, 900)), int(rng.integers(1, 9))
         samples.append([True, n, 1, n * (n + 1) / 2, n, 0.004 + 50e-6 * n + 20e-9 * n * (n + 1) / 2, -1])
-        samples.append([False, b, b, b * c, b * c, 0.003 + 200e-6 * b + 100e-9 * b * c, 0.001])
+        outputs, pulls, added = b, int(rng.integers(0, 3)), int(rng.integers(0, 4))
+        samples.append([False, b, b, b * c, b * c, 0.003 + 200e-6 * b + 100e-9 * b * c,
+                        0.001 + 300e-6 * outputs + 4e-3 * pulls + 150e-6 * added, outputs, pulls, added])
     bodies = {"/with/debug/stats": {"num_running": 0, "step_samples": samples}, "/without/debug/stats": {}}
 
     class Stats(http.server.BaseHTTPRequestHandler):
@@ -425,6 +429,9 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
         np.testing.assert_allclose([step.decode.base_s, step.decode.per_token_s, step.decode.per_attention_s],
                                    [0.003, 200e-6, 100e-9], rtol=1e-6)
         assert step.decode_spread == pytest.approx([0.0] * 50, abs=1e-9)
+        assert step.prefill_gap is None  # no busy gap before a prefill was served
+        np.testing.assert_allclose(msgspec.structs.astuple(step.decode_gap), [0.001, 300e-6, 4e-3, 150e-6],
+                                   rtol=1e-6)
         bad = subprocess.run([*cmd[:5], url + "/without", "-o", str(out)], cwd=REPO, capture_output=True,
                              text=True, timeout=120)
         assert bad.returncode == 2 and "ATOMD_STEP_SAMPLES" in bad.stderr
@@ -558,3 +565,62 @@ def test_the_simulator_reads_a_nested_text_config_as_transformers_does(gemma3_vl
     assert engine.vocab_size == text.vocab_size == 5000
     tokens = [t for t, _ in run(engine, {"r": (prompt(3, 12), SamplingParams(max_tokens=40, ignore_eos=True))})["r"][0]]
     assert len(tokens) == 40 and all(0 <= t < 5000 for t in tokens) and max(tokens) > 4096  # the text vocabulary
+
+
+def test_the_gap_fit_recovers_known_coefficients_without_negatives():
+    from atomd.sim.hardware import fit_gap
+
+    rng = np.random.default_rng(3)
+    work = [(int(o), int(p), int(a)) for o, p, a in zip(rng.integers(1, 64, 5000), rng.integers(0, 3, 5000),
+                                                        rng.integers(0, 5, 5000))]
+    gaps = [0.002 + 100e-6 * o + 6e-3 * p + 0.0 * a + d for (o, p, a), d in zip(work, rng.exponential(1e-3, 5000))]
+    fit = fit_gap(work, gaps)
+    np.testing.assert_allclose([fit.base_s, fit.per_output_s, fit.per_pull_s], [0.003, 100e-6, 6e-3], rtol=0.05)
+    assert 0 <= fit.per_request_s < 5e-5  # no work of its own: near 0, never negative
+    # a gap that shrinks with work is clamped: the term goes, the rest refit
+    clamped = fit_gap([(o, 0, 0) for o, _, _ in work], [0.01 - 1e-5 * o for o, _, _ in work])
+    assert clamped.per_output_s == 0 and clamped.base_s > 0
+
+
+def test_a_simulated_engine_waits_out_its_gap_model_for_the_work_in_the_gap(tmp_path, monkeypatch):
+    """With a gap model the wait before a busy forward is the model's gap for the loop's work
+    since the last forward (here the outputs of the last forward's two sequences) less the
+    loop's own gap (0 on a fake clock); the mean gaps are not used."""
+    import atomd.sim.engine as sim_engine
+    from atomd.sim.hardware import Calibrated, LinearGap
+
+    base = load_profile(str(default_model_profile(tmp_path / "p.json")))
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, prefill_gap_s=0.5, decode_gap_s=0.5,
+                      prefill_gap=LinearGap(0.1, 0.0, 0.0, 0.0), decode_gap=LinearGap(0.004, 0.003, 0.0, 0.0))
+    path = tmp_path / "gap-model.json"
+    path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
+    clock = [1000.0]
+    slept = []
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+        @staticmethod
+        def monotonic():
+            return clock[0]
+
+        @staticmethod
+        def sleep(s):
+            slept.append(s)
+            clock[0] += s
+
+    monkeypatch.setattr(sim_engine, "time", FakeTime)
+    engine = make_engine(path)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True)),
+                 "b": (prompt(2, 10), SamplingParams(max_tokens=2, ignore_eos=True))})
+    want = [base.step_seconds(StepShape.of(True, [20, 10], [0, 0])),  # after idle: no gap
+            base.step_seconds(StepShape.of(False, [1, 1], [20, 10])) + 0.004 + 2 * 0.003,
+            base.step_seconds(StepShape.of(False, [1], [21])) + 0.004 + 2 * 0.003]  # b ended in the last one
+    assert slept == pytest.approx(want)
+    raw = json.loads(path.read_text())
+    raw["step"]["decode_gap"]["per_pull_s"] = -1.0
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="gap model"):
+        load_profile(str(path))

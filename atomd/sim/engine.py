@@ -81,6 +81,8 @@ class SimulatedEngine(EngineLoop):
         self._spread_rng = np.random.default_rng(config.seed)
         # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
         self._gap_s = {True: step.prefill_gap_s, False: step.decode_gap_s} if isinstance(step, Calibrated) else {}
+        # ... or, when the profile has one, its gap model given the loop's work since the last forward
+        self._gap_model = {True: step.prefill_gap, False: step.decode_gap} if isinstance(step, Calibrated) else {}
         self._own_gap_s: dict[bool, float] = {}  # is_prefill -> this loop's gap (EWMA)
         self._last_forward_end: float | None = None
         self._late_s = 0.0  # how much later than its target the last busy step ended
@@ -118,7 +120,11 @@ class SimulatedEngine(EngineLoop):
             seconds = max(0.0, seconds + spread[self._spread_rng.integers(len(spread))])
         wait = 0.0
         served_gap = self._gap_s.get(batch.is_prefill)
-        if served_gap and self._last_forward_end is not None:
+        model = self._gap_model.get(batch.is_prefill)
+        if model is not None and self._last_forward_end is not None:
+            # the served gap for this gap's work, less the time this loop already spent in it
+            wait = max(0.0, model.seconds(*self.gap_work) - (started - self._last_forward_end))
+        elif served_gap and self._last_forward_end is not None:
             gap = started - self._last_forward_end
             own = self._own_gap_s.get(batch.is_prefill)
             own = self._own_gap_s[batch.is_prefill] = gap if own is None else own + 0.1 * (gap - own)
