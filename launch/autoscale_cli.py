@@ -45,7 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--router-url", default=None,
                    help="the router (kubernetes: required; ray: the cluster's own router is used)")
     p.add_argument("--admin-api-key", default=None,
-                   help="the router's and engines' admin key (/workers, /debug/stats), when they have one")
+                   help="the key the router's /workers and the engines' /debug/stats take: their admin key, or "
+                        "their API key when they have no admin key")
     k8s = p.add_argument_group("kubernetes")
     k8s.add_argument("--namespace", default=None, help="the StatefulSets' namespace (default: this pod's)")
     k8s.add_argument("--prefill-statefulset", default=None, help="the prefill engines' StatefulSet")

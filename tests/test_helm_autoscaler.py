@@ -98,6 +98,22 @@ def test_the_command_line_parses_with_atomd_autoscale_and_names_the_release(objs
     assert args.interval_s == 15
 
 
+@pytest.mark.parametrize("keys,env", [({"adminApiKey.enabled": False}, "ATOMD_API_KEY"),
+                                      ({"adminApiKey.enabled": False, "apiKey.enabled": False}, None)])
+def test_without_an_admin_key_it_sends_what_the_admin_routes_then_take(tmp_path, keys, env):
+    """No admin key: the router's /workers and the engines' /debug/stats take the API key (or
+    nothing at all)."""
+    from launch.autoscale_cli import parser
+
+    objs = render(values=(VALUES,), namespace=NS, set_values=keys)
+    assert semantic_problems(objs) == []
+    pod = autoscaler_pod(objs, tmp_path)
+    args = parser().parse_args(pod.argv()[1:])
+    engine = Pod(objs, sets_by_role(objs)["decode"], tmp_path / "engine")
+    assert args.admin_api_key == (engine.env[env] if env else None)
+    assert "ATOMD_ADMIN_API_KEY" not in engine.env
+
+
 def rbac_of(method: str, path: str) -> tuple[str, str, str, str]:
     """(apiGroup, resource[/subresource], verb, name) of one call on a named object."""
     parts = path.strip("/").split("/")
