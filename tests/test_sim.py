@@ -337,6 +337,13 @@ def test_an_engine_keeps_its_step_samples_only_when_asked(profile, monkeypatch):
     assert samples[0][6] == -1 and all(s[6] >= 0 for s in samples[1:]) and all(s[5] > 0 for s in samples)
     # the loop's work before each: the request added, then the last forward's one output each
     assert [s[7:] for s in samples] == [[0, 0, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    # a step without a forward in between (the loop waited: for input, a pull): no busy gap
+    engine = make_engine(profile)
+    schedule = engine.scheduler.schedule
+    calls = []
+    engine.scheduler.schedule = lambda: None if len(calls.append(0) or calls) == 3 else schedule()
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=4, ignore_eos=True))})
+    assert [s[6] >= 0 for s in engine.stats()["step_samples"]] == [False, True, False, True]
     monkeypatch.setenv(STEP_SAMPLES_ENV, "2")  # a ring of the last N
     engine = make_engine(profile)
     run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=6, ignore_eos=True))})

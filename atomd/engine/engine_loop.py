@@ -261,7 +261,8 @@ class EngineLoop:
             for update in self.scheduler.postprocess(batch, output):
                 outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
                                              update.finished))
-        else:
+        else:  # the loop will wait (for input, a pull, a release): the gap to the next forward is not busy
+            self._busy_since = None
             self._idle_step()
         if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
             finished = self._kv_connector_output()
@@ -279,7 +280,8 @@ class EngineLoop:
     def _sample_step(self, batch: ScheduledBatch, started: float, elapsed: float) -> None:
         """[is_prefill, tokens, seqs, attention, context, forward s, gap s, outputs, pulls,
         added]: the gap is the loop's time since the previous forward ended (scheduling,
-        outputs, IPC), or -1 when the engine was idle in between; the last three its work
+        outputs, IPC), or -1 when the engine was idle in between (a step without a forward:
+        the loop waited for input, a pull, a release); the last three its work
         then (`gap_work`)."""
         shape = StepShape.of(batch.is_prefill, batch.num_scheduled_tokens.tolist(),
                              batch.num_computed_tokens.tolist())

@@ -173,6 +173,9 @@ class SimulatedEngine(EngineLoop):
                 self._embeddings[seq.request_id] = pseudo_embedding(
                     seq.prompt_token_ids, pooling, self.profile.model.hidden_size).tolist()
 
+    def _idle_step(self) -> None:
+        self._last_forward_end = None  # the loop waits now: no served busy gap follows (engine_loop)
+
     def _sample(self, seq: Sequence, params: SamplingParams, index: int) -> tuple[int, dict | None]:
         """The next token of `seq` as choice `index`, and its logprobs entry when asked (or
         when best_of candidates are ranked)."""
