@@ -626,6 +626,15 @@ def test_a_simulated_engine_waits_out_its_gap_model_for_the_work_in_the_gap(tmp_
             base.step_seconds(StepShape.of(False, [1, 1], [20, 10])) + 0.004 + 2 * 0.003,
             base.step_seconds(StepShape.of(False, [1], [21])) + 0.004 + 2 * 0.003]  # b ended in the last one
     assert slept == pytest.approx(want)
+    # a step without a forward (the loop waited) between the decodes: the next one waits no gap
+    slept.clear()
+    engine = make_engine(path)
+    schedule = engine.scheduler.schedule
+    calls = []
+    engine.scheduler.schedule = lambda: None if len(calls.append(0) or calls) == 3 else schedule()
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True)),
+                 "b": (prompt(2, 10), SamplingParams(max_tokens=2, ignore_eos=True))})
+    assert slept == pytest.approx(want[:2] + [base.step_seconds(StepShape.of(False, [1], [21]))])
     raw = json.loads(path.read_text())
     raw["step"]["decode_gap"]["per_pull_s"] = -1.0
     path.write_text(json.dumps(raw))
