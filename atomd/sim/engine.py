@@ -121,14 +121,13 @@ class SimulatedEngine(EngineLoop):
         wait = 0.0
         served_gap = self._gap_s.get(batch.is_prefill)
         model = self._gap_model.get(batch.is_prefill)
-        if model is not None and self._last_forward_end is not None:
-            # the served gap for this gap's work, less the time this loop already spent in it
-            wait = max(0.0, model.seconds(*self.gap_work) - (started - self._last_forward_end))
-        elif served_gap and self._last_forward_end is not None:
+        if (model is not None or served_gap) and self._last_forward_end is not None:
+            # the served gap (for this gap's work, with a model) less this loop's own (EWMA: a
+            # step's own gap, spikes included, would make max(0, served - own) biased upward)
             gap = started - self._last_forward_end
             own = self._own_gap_s.get(batch.is_prefill)
             own = self._own_gap_s[batch.is_prefill] = gap if own is None else own + 0.1 * (gap - own)
-            wait = max(0.0, served_gap - own)
+            wait = max(0.0, (served_gap if model is None else model.seconds(*self.gap_work)) - own)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
         if batch.is_prefill:
