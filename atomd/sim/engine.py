@@ -16,7 +16,8 @@ steps are prefill steps, timed by the profile like any prefill.
 
 Step time: the profile's prediction for the step's shape; with a served profile (`atomd
 profile --from-servers`) plus a residual drawn from its measured spread, plus whatever of the
-served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves;
+served engine's busy gap between forwards (its gap model's, for the work this loop did since
+its last forward; else the mean) this loop's own gap (measured, EWMA) leaves;
 a step that woke late (a shared machine) shortens the next busy one by as much.
 
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
