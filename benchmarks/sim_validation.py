@@ -91,19 +91,28 @@ def bench(url: str, args, seed: int, out: pathlib.Path) -> dict:
     return {m: float(result[m]) for m in METRICS}
 
 
-def served_profile(engines: dict[str, str], path: pathlib.Path) -> list[str]:
-    """`atomd profile --from-servers` on a real setup's engines; the simulated flags using it."""
+def served_profile(engines: dict[str, str], path: pathlib.Path) -> tuple[list[str], list[str]]:
+    """`atomd profile --from-servers` on a real setup's engines; the simulated flags using it,
+    and using it without its gap models (the mean busy gaps instead: the A/B of the gap model)."""
     subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers", *engines.values(),
                     "--name", path.stem, "-o", str(path)], cwd=REPO, check=True)
-    return simulated(path)
+    raw = json.loads(path.read_text())
+    raw["step"]["prefill_gap"] = raw["step"]["decode_gap"] = None
+    means = path.with_name(path.stem + "-mean-gap.json")
+    means.write_text(json.dumps(raw))
+    return simulated(path), simulated(means)
 
 
 def served_summary(role: str, path: pathlib.Path) -> str:
     step = json.loads(path.read_text())["step"]
     p, d = step["prefill"], step["decode"]
+    gaps = "".join(f", {kind} gap {g['base_s'] * 1e3:.2f} ms + {g['per_output_s'] * 1e3:.3f} ms/output + "
+                   f"{g['per_pull_s'] * 1e3:.2f} ms/pull + {g['per_request_s'] * 1e3:.2f} ms/request "
+                   f"(mean {step[kind + '_gap_s'] * 1e3:.2f} ms)"
+                   for kind, g in (("prefill", step.get("prefill_gap")), ("decode", step.get("decode_gap"))) if g)
     return (f"{role} prefill {p['base_s'] * 1e3:.2f} ms + {p['per_token_s'] * 1e6:.1f} us/token + "
             f"{p['per_attention_s'] * 1e9:.1f} ns/pair, decode {d['base_s'] * 1e3:.2f} ms + "
-            f"{d['per_token_s'] * 1e6:.1f} us/row + {d['per_attention_s'] * 1e9:.1f} ns/context token")
+            f"{d['per_token_s'] * 1e6:.1f} us/row + {d['per_attention_s'] * 1e9:.1f} ns/context token{gaps}")
 
 
 def main() -> int:
@@ -126,7 +135,7 @@ def main() -> int:
     grid = {role: simulated(profile) for role in ("colocated", "p", "d")} if not args.no_grid else None
     real = {role: [] for role in ("colocated", "p", "d")}
     env = dict(os.environ, ATOMD_STEP_SAMPLES="20000")
-    names = ["real", "served"] + ([] if args.no_grid else ["grid"])
+    names = ["real", "served", "served-mean-gap"] + ([] if args.no_grid else ["grid"])
     results: dict[tuple[str, str], list[dict]] = {(k, n): [] for k in ("colocated", "pd") for n in names}
     loads, served = [], {}
     for r in range(args.rounds):
@@ -134,8 +143,10 @@ def main() -> int:
             with setup(kind, real, work, env=env) as (url, engines):
                 results[kind, "real"].append(bench(url, args, seed=r, out=work / f"{kind}-real-{r}.json"))
                 served[kind] = work / f"served-{kind}-{r}.json"
-                flags = served_profile(engines, served[kind])
-            runs = [("served", {"colocated": flags, "p": flags, "d": flags})] + ([] if grid is None else [("grid", grid)])
+                flags, mean_flags = served_profile(engines, served[kind])
+            runs = [("served", {"colocated": flags, "p": flags, "d": flags}),
+                    ("served-mean-gap", {"colocated": mean_flags, "p": mean_flags, "d": mean_flags})] + \
+                ([] if grid is None else [("grid", grid)])
             for name, runner in (runs if r % 2 == 0 else runs[::-1]):
                 with setup(kind, runner, work) as (url, _):
                     results[kind, name].append(bench(url, args, seed=r, out=work / f"{kind}-{name}-{r}.json"))
@@ -171,7 +182,8 @@ def main() -> int:
 --input-len {args.input_len} --output-len {args.output_len}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())};
 {cpu_name()} ({platform.machine()}), load before {load_before}, after each setup kind's real and simulated runs: {', '.join(loads)}.
 {grid}Served profiles (`atomd profile --from-servers` on each round's real engines; the 1P+1D one fits P's prefills and
-D's decodes), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
+D's decodes; `served` waits each busy gap from the gap model (the loop's work since the last forward: outputs,
+pulls landed, requests added), `served-mean-gap` the same profile with the mean gaps instead), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
 Link loopback; every engine one torch thread. Real rows: medians of {args.rounds} rounds and (spread) max / min over
 the rounds; simulated rows: medians and (simulated / real); target within 15% (0.85-1.15x).
 

@@ -16,10 +16,12 @@ upper bound of the bucket holding the 90th percentile). Per pool, with its SLO:
   happens (the hysteresis band).
 
 Engines come from a `Launcher`: `ProcessLauncher` starts `atomd serve` children on this
-host (tests, one-machine clusters, simulated fleets). The Ray launcher and Kubernetes are
-not wired: on Kubernetes the intent is a scale call on each StatefulSet (the chart's
-prefill / decode sets, whose DNS discovery already adds and drops engines), not an HPA,
-because a scale-down must drain first and an HPA cannot wait for that.
+host (tests, one-machine clusters, simulated fleets), `RayLauncher` (launch/ray_cluster.py)
+engine actors, `StatefulSetLauncher` (launch/kubernetes.py) StatefulSet pods; engines that
+already run join by `adopt`. The planner owns the router's membership of its pools: every
+window it re-registers an engine of its pools the router lost (a restarted router).
+`dry_run` reads and decides but changes nothing. `atomd-autoscale` (launch/autoscale_cli.py)
+runs it from the command line.
 """
 from __future__ import annotations
 
@@ -37,6 +39,7 @@ log = logging.getLogger("atomd.autoscale")
 
 ROLES = ("prefill", "decode")
 SIGNALS = {"prefill": "atomd_router:time_to_first_token_seconds", "decode": "atomd_router:inter_token_latency_seconds"}
+SIGNAL_NAMES = {"prefill": "TTFT", "decode": "ITL"}
 
 
 @dataclass
@@ -138,8 +141,8 @@ def histogram_buckets(text: str, name: str) -> dict[float, float]:
 class Autoscaler:
     def __init__(self, router_url: str, launcher: Launcher, prefill: PoolPolicy, decode: PoolPolicy,
                  window_s: float = 5.0, admin_key: str | None = None, drain_timeout_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic):
-        self.router_url, self.launcher, self.window_s = router_url, launcher, window_s
+                 clock: Callable[[], float] = time.monotonic, dry_run: bool = False):
+        self.router_url, self.launcher, self.window_s, self.dry_run = router_url, launcher, window_s, dry_run
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.drain_timeout_s, self.clock = drain_timeout_s, clock
         self.pools = {"prefill": _Pool(prefill), "decode": _Pool(decode)}
@@ -154,15 +157,34 @@ class Autoscaler:
     def start_minimum(self) -> None:
         for role, pool in self.pools.items():
             while len(pool.urls) < pool.policy.min:
+                if self.dry_run:
+                    log.info("dry run: would start %s engines up to min %d (has %d)", role, pool.policy.min,
+                             len(pool.urls))
+                    break
                 self._add(role)
         self._record()
 
-    def _add(self, role: str) -> None:
-        url = self.launcher.start(role)
+    def adopt(self, role: str, urls: list[str]) -> None:
+        """Engines already running join the pool (oldest first: the newest drains first) and
+        the router's rotation."""
+        for url in urls:
+            if not self.dry_run:
+                self._register(role, url)
+            self.pools[role].urls.append(url)
+            log.info("adopted %s engine %s", role, url)
+
+    def _register(self, role: str, url: str) -> None:
         status, body = http("POST", self.router_url + "/workers", {"url": url, "role": role}, headers=self.headers)
         if status not in (200, 201):
-            self.launcher.stop(url)
             raise RuntimeError(f"the router refused {role} worker {url}: {status} {body[:200]!r}")
+
+    def _add(self, role: str) -> None:
+        url = self.launcher.start(role)
+        try:
+            self._register(role, url)
+        except (RuntimeError, OSError):
+            self.launcher.stop(url)
+            raise
         self.pools[role].urls.append(url)
         log.info("scaled %s up to %d: %s", role, len(self.pools[role].urls), url)
 
@@ -173,7 +195,7 @@ class Autoscaler:
         http("DELETE", self.router_url + "/workers", {"url": url, "role": role}, headers=self.headers)
         deadline = time.monotonic() + self.drain_timeout_s
         while True:
-            stats = json.loads(http("GET", url + "/debug/stats")[1])
+            stats = json.loads(http("GET", url + "/debug/stats", headers=self.headers)[1])
             kv = stats.get("kv_transfer") or {}
             idle = stats["num_running"] == 0 and stats["num_waiting"] == 0 and \
                 stats.get("api_requests_in_flight", 0) == 0 and kv.get("blocks_pinned", 0) == 0
@@ -194,29 +216,66 @@ class Autoscaler:
             log.warning("router /metrics answered %d: no decision this window", status)
             return
         text = body.decode()
+        if not self.dry_run:
+            self._resync()
         now = self.clock()
+        report = []
         for role, pool in self.pools.items():
             buckets = histogram_buckets(text, SIGNALS[role])
             p90 = window_quantile(self._last.get(role, {}), buckets, 0.9)
             self._last[role] = buckets
-            self._decide(role, pool, p90, now)
+            n = len(pool.urls)
+            action = self._decide(role, pool, p90, now)
+            report.append(f"{role} {n} engine{'s' * (n != 1)}, {SIGNAL_NAMES[role]} p90 "
+                          f"{'-' if p90 is None else f'{p90:g} s'} (SLO {pool.policy.slo_s:g} s){action}")
+        log.info("window: %s", "; ".join(report))
         self._record()
 
-    def _decide(self, role: str, pool: _Pool, p90: float | None, now: float) -> None:
+    def _resync(self) -> None:
+        """Follow engines the launcher says moved (a restarted pod's new IP), and re-register
+        an engine of the pools that the router does not list (it restarted)."""
+        refresh = getattr(self.launcher, "refresh", None)
+        for role, pool in self.pools.items():
+            for old, new in (refresh(role) if refresh else {}).items():
+                log.warning("%s engine %s came back as %s: swapping it in the router", role, old, new)
+                pool.urls[pool.urls.index(old)] = new
+                http("DELETE", self.router_url + "/workers", {"url": old, "role": role}, headers=self.headers)
+                self._register(role, new)
+        status, body = http("GET", self.router_url + "/workers", headers=self.headers)
+        if status != 200:
+            return
+        listed = {(w["role"], w["url"].rstrip("/")) for w in json.loads(body).get("workers", [])}
+        for role, pool in self.pools.items():
+            for url in pool.urls:
+                if (role, url.rstrip("/")) not in listed:
+                    log.warning("the router does not list %s engine %s: registering it again", role, url)
+                    self._register(role, url)
+
+    def _decide(self, role: str, pool: _Pool, p90: float | None, now: float) -> str:
+        """Act on one pool's window; what it did, for the progress line ("" when nothing)."""
         p = pool.policy
         hot = p90 is not None and p90 > p.up * p.slo_s
         cold = p90 is None or p90 < p.down * p.slo_s
         pool.above = pool.above + 1 if hot else 0
         pool.below = pool.below + 1 if cold else 0
         if now - pool.changed_at < p.cooldown_s:
-            return
+            return " [cooldown]" if hot or cold else ""
         if pool.above >= p.up_windows and len(pool.urls) < p.max:
-            self._add(role)
+            action = f" -> up to {len(pool.urls) + 1}"
+            if self.dry_run:
+                action = " -> would scale up (dry run)"
+            else:
+                self._add(role)
         elif pool.below >= p.down_windows and len(pool.urls) > p.min:
-            self._drain(role)
+            action = f" -> drained, down to {len(pool.urls) - 1}"
+            if self.dry_run:
+                action = " -> would drain one (dry run)"
+            else:
+                self._drain(role)
         else:
-            return
+            return ""
         pool.changed_at, pool.above, pool.below = self.clock(), 0, 0
+        return action
 
     def _record(self) -> None:
         self.history.append((self.clock(), len(self.pools["prefill"].urls), len(self.pools["decode"].urls)))

@@ -12,7 +12,9 @@ is: DELETE /workers, wait until idle, PATCH replicas - 1.
 `start(role)`: read the set's scale, PATCH replicas + 1, wait until pod NAME-n is Ready with
 an IP, return http://POD_IP:PORT (the URL the router's DNS discovery would form for it; the
 planner registers it by POST /workers). `stop(url)`: that pod must be the set's highest
-ordinal; PATCH replicas - 1. With the planner owning membership, run the router without
+ordinal; PATCH replicas - 1. `adopt(role)`: the set's pods as they are (GET scale, GET each
+pod), for a planner that starts or restarts beside a running set. `refresh(role)`: the pods
+that came back with a new IP (the planner swaps them in the router every window). With the planner owning membership, run the router without
 --prefill-dns / --decode-dns for the pools it scales: DNS discovery re-adds a pod removed by
 DELETE /workers while DNS still names it (router/discovery.py), which would end the drain's
 quiet. RBAC: get and patch on `statefulsets/scale`, get on `pods`, in the release namespace.
@@ -106,19 +108,45 @@ class StatefulSetLauncher:
 
     # ------------------------------------------------------------------ Launcher
 
-    def start(self, role: str) -> str:
-        n = self.replicas(role)
-        self._set_replicas(role, n + 1)
-        pod = f"{self.statefulsets[role]}-{n}"
+    def _wait_ready(self, role: str, ordinal: int) -> str:
+        """Pod NAME-ordinal's engine URL once it is Ready."""
+        pod = f"{self.statefulsets[role]}-{ordinal}"
         deadline = time.monotonic() + self.ready_timeout_s
         while (ip := self._ready_ip(pod)) is None:
             if time.monotonic() > deadline:
                 raise KubernetesError(f"pod {pod} not Ready within {self.ready_timeout_s:g} s "
-                                      f"(the StatefulSet stays at {n + 1} replicas)")
+                                      f"(the StatefulSet stays at {self.replicas(role)} replicas)")
             time.sleep(self.poll_s)
-        url = f"http://[{ip}]:{self.port}" if ":" in ip else f"http://{ip}:{self.port}"
-        self.pods[url] = (role, n)
+        url = self._url(ip)
+        self.pods[url] = (role, ordinal)
         return url
+
+    def _url(self, ip: str) -> str:
+        return f"http://[{ip}]:{self.port}" if ":" in ip else f"http://{ip}:{self.port}"
+
+    def adopt(self, role: str) -> list[str]:
+        """The engines the set already runs (pods 0 .. replicas - 1, each once Ready), oldest
+        first: what the planner starts from, e.g. after its own restart."""
+        return [self._wait_ready(role, i) for i in range(self.replicas(role))]
+
+    def refresh(self, role: str) -> dict[str, str]:
+        """{old URL: new URL} for this role's pods that came back with another IP (a restart,
+        a rolling update, a lost node): the router has only the old address, and without DNS
+        discovery nothing else tells it. A pod not Ready yet keeps its old URL until it is."""
+        moved = {}
+        for url, (r, ordinal) in list(self.pods.items()):
+            ip = self._ready_ip(f"{self.statefulsets[role]}-{ordinal}") if r == role else None
+            new = ip and self._url(ip)
+            if new and new != url:
+                del self.pods[url]
+                self.pods[new] = (role, ordinal)
+                moved[url] = new
+        return moved
+
+    def start(self, role: str) -> str:
+        n = self.replicas(role)
+        self._set_replicas(role, n + 1)
+        return self._wait_ready(role, n)
 
     def stop(self, url: str) -> None:
         """Scale the set down by its highest ordinal, which must be `url`'s (drained before)."""

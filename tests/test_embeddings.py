@@ -125,3 +125,38 @@ def test_bad_inputs_are_400(servers, body, param, code):
         assert status == 400, raw
         error = json.loads(raw)["error"]
         assert (error["param"], error["code"]) == (param, code), error
+
+
+def test_a_simulated_engine_serves_embeddings(tmp_path):
+    """`--model-runner simulated --task embed`: the official client gets a unit vector of the
+    model's hidden size for each input, the one the simulated engine pools in-process (its
+    pseudo-embedding, normalised here by numpy), the same for the same input."""
+    from atomd.config import EngineConfig
+    from atomd.sim.engine import SimulatedEngine
+    from contracts.sampling import SamplingParams
+    from tests.sim_fixtures import default_model_profile, sim_flags
+
+    profile = default_model_profile(tmp_path / "profile.json")
+    hidden = json.loads((model_dir() / "config.json").read_text())["hidden_size"]
+    srv = ServerUnderTest(model_dir(), *sim_flags(profile), "--task", "embed")
+    try:
+        srv.wait_ready()
+        baseline = srv.stats()["num_total_blocks"]
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key="none", max_retries=0)
+        got = client.embeddings.create(model=None, input=[TEXTS[0], TEXTS[1], TEXTS[0]])
+        vectors = [np.array(d.embedding) for d in got.data]
+        assert all(v.shape == (hidden,) and abs(np.linalg.norm(v) - 1) < 1e-5 for v in vectors)
+        np.testing.assert_array_equal(vectors[0], vectors[2])
+        assert not np.allclose(vectors[0], vectors[1])
+        assert got.usage.prompt_tokens > 0
+        srv.wait_idle(baseline)
+    finally:
+        srv.stop()
+    tok = transformers.AutoTokenizer.from_pretrained(str(model_dir()))
+    engine = SimulatedEngine(EngineConfig(model_runner="simulated", hardware=str(profile)))
+    engine.add_request("x", tok(TEXTS[0])["input_ids"], SamplingParams(max_tokens=1, temperature=0.0, pooling="last"))
+    while engine.has_unfinished_requests():
+        out = [o for o in engine.step() if o.finished]
+        if out:
+            want = np.array(out[0].embedding, dtype=np.float64)
+    np.testing.assert_allclose(vectors[0], want / np.linalg.norm(want), rtol=1e-5, atol=1e-6)

@@ -104,3 +104,36 @@ def test_the_planner_adds_and_drains_ray_engine_actors(local_ray, tmp_path):
         assert len(live_pgs) == 2
     finally:
         cluster.stop()
+
+
+def test_atomd_autoscale_drives_a_ray_cluster_and_stops_it(local_ray, tmp_path, capsys, monkeypatch):
+    """`atomd-autoscale --launcher ray`: it starts the config's cluster (router, 1P1D), brings
+    the prefill pool to --prefill-min 2 through the Ray launcher (the new engine registers with
+    the router), reports its windows, and on exit stops every engine, actor and group."""
+    import yaml
+    from launch import autoscale_cli
+    from ray.util import placement_group_table
+
+    profile = default_model_profile(tmp_path / "profile.json")
+    engine = {"count": 1, "num_cpus": 1, "extra_args": [*ENGINE_ARGS[:2], "--max-num-seqs", "8", *sim_flags(profile)]}
+    config = tmp_path / "cluster.yaml"
+    config.write_text(yaml.safe_dump({"engine_host": "127.0.0.1", "prefill": engine, "decode": engine,
+                                      "router": {"host": "127.0.0.1", "port": free_port(), "health_interval_s": 0.5},
+                                      "timeouts": {"placement_s": 60, "ready_s": 240, "shutdown_s": 5},
+                                      "check_resources": False}))
+    seen = {}
+    real_tick = Autoscaler.tick
+
+    def tick(self):  # what the router lists while the cluster runs
+        seen["prefill"] = workers(self.router_url, "prefill")
+        real_tick(self)
+
+    monkeypatch.setattr(Autoscaler, "tick", tick)
+    rc = autoscale_cli.main(["--launcher", "ray", "--ray-config", str(config), "--prefill-min", "2",
+                             "--prefill-max", "2", "--windows", "1", "--interval-s", "0.2"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert len(seen["prefill"]) == 2
+    assert "scaled prefill up to 2" in err and "window: prefill 2 engines" in err
+    assert "stopping after 1 windows with 2 prefill and 1 decode engines" in err
+    assert [pg for pg in placement_group_table().values() if pg["state"] != "REMOVED"] == []

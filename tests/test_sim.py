@@ -335,6 +335,15 @@ def test_an_engine_keeps_its_step_samples_only_when_asked(profile, monkeypatch):
     assert [s[:5] for s in samples] == [[True, 20, 1, 20 * 21 / 2, 20]] + \
         [[False, 1, 1, c + 1, c + 1] for c in (20, 21, 22)]
     assert samples[0][6] == -1 and all(s[6] >= 0 for s in samples[1:]) and all(s[5] > 0 for s in samples)
+    # the loop's work before each: the request added, then the last forward's one output each
+    assert [s[7:] for s in samples] == [[0, 0, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    # a step without a forward in between (the loop waited: for input, a pull): no busy gap
+    engine = make_engine(profile)
+    schedule = engine.scheduler.schedule
+    calls = []
+    engine.scheduler.schedule = lambda: None if len(calls.append(0) or calls) == 3 else schedule()
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=4, ignore_eos=True))})
+    assert [s[6] >= 0 for s in engine.stats()["step_samples"]] == [False, True, False, True]
     monkeypatch.setenv(STEP_SAMPLES_ENV, "2")  # a ring of the last N
     engine = make_engine(profile)
     run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=6, ignore_eos=True))})
@@ -398,7 +407,9 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
     for _ in range(200):
         n, c, b = int(rng.integers(8, 400)), int(rng.integers(20, 900)), int(rng.integers(1, 9))
         samples.append([True, n, 1, n * (n + 1) / 2, n, 0.004 + 50e-6 * n + 20e-9 * n * (n + 1) / 2, -1])
-        samples.append([False, b, b, b * c, b * c, 0.003 + 200e-6 * b + 100e-9 * b * c, 0.001])
+        outputs, pulls, added = b, int(rng.integers(0, 3)), int(rng.integers(0, 4))
+        samples.append([False, b, b, b * c, b * c, 0.003 + 200e-6 * b + 100e-9 * b * c,
+                        0.001 + 300e-6 * outputs + 4e-3 * pulls + 150e-6 * added, outputs, pulls, added])
     bodies = {"/with/debug/stats": {"num_running": 0, "step_samples": samples}, "/without/debug/stats": {}}
 
     class Stats(http.server.BaseHTTPRequestHandler):
@@ -425,6 +436,9 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
         np.testing.assert_allclose([step.decode.base_s, step.decode.per_token_s, step.decode.per_attention_s],
                                    [0.003, 200e-6, 100e-9], rtol=1e-6)
         assert step.decode_spread == pytest.approx([0.0] * 50, abs=1e-9)
+        assert step.prefill_gap is None  # no busy gap before a prefill was served
+        np.testing.assert_allclose(msgspec.structs.astuple(step.decode_gap), [0.001, 300e-6, 4e-3, 150e-6],
+                                   rtol=1e-6)
         bad = subprocess.run([*cmd[:5], url + "/without", "-o", str(out)], cwd=REPO, capture_output=True,
                              text=True, timeout=120)
         assert bad.returncode == 2 and "ATOMD_STEP_SAMPLES" in bad.stderr
@@ -467,3 +481,162 @@ def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(
     want = [base.step_seconds(StepShape.of(True, [20], [0]))] + \
         [base.step_seconds(StepShape.of(False, [1], [c])) + 0.02 for c in (20, 21)]
     assert slept == pytest.approx(want)
+
+
+# ---------------------------------------------------------------- embeddings, nested configs
+
+
+def pooled(engine, prompts: list[list[int]], pooling: str) -> list[list[float]]:
+    for i, p in enumerate(prompts):
+        engine.add_request(f"e{i}", p, SamplingParams(max_tokens=1, temperature=0.0, pooling=pooling))
+    got = {}
+    while engine.has_unfinished_requests():
+        for o in engine.step():
+            if o.finished:
+                got[o.request_id] = o.embedding
+    return [got[f"e{i}"] for i in range(len(prompts))]
+
+
+def test_a_pooling_request_gets_a_deterministic_vector_of_the_hidden_size(profile):
+    """--task embed on a simulated engine: the vector has the model's hidden size (its
+    config.json's), depends on the input and the pooling only (not on batching or chunking),
+    and its steps are timed as the same prompt's prefill is; no block leaks."""
+    from tests.server_fixtures import model_dir
+
+    hidden = json.loads((model_dir() / "config.json").read_text())["hidden_size"]
+    prompts = [prompt(21, 40), prompt(22, 7), prompt(21, 40)]
+    engine = make_engine(profile)
+    last = pooled(engine, prompts, "last")
+    chunked = make_engine(profile, max_num_batched_tokens=16, max_num_seqs=1)
+    assert pooled(chunked, prompts, "last") == last  # other batching, a chunked prefill
+    assert all(len(v) == hidden and np.isfinite(v).all() for v in last)
+    assert last[0] == last[2] and last[0] != last[1]
+    mean = pooled(make_engine(profile), prompts, "mean")
+    assert mean[0] != last[0] and len(mean[0]) == hidden
+    v = np.array(last[0])
+    assert abs(v.mean()) < 0.2 and 0.8 < v.std() < 1.2  # no degenerate vector for the API to normalise
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+    timed = make_engine(profile)
+    pooled(timed, [prompts[0]], "last")
+    generated = make_engine(profile)
+    run(generated, {"g": (prompts[0], SamplingParams(max_tokens=1, temperature=0.0))})
+    assert timed.forward_steps == generated.forward_steps == 1
+    assert timed.forward_seconds == generated.forward_seconds == load_profile(str(profile)).step_seconds(
+        StepShape.of(True, [40], [0]))
+
+
+@pytest.fixture(scope="module")
+def gemma3_vl_dir(tmp_path_factory):
+    """A Gemma 3 vision-language config.json written by transformers (no weights: a simulated
+    engine reads the config and the tokenizer only), with the built-in model's tokenizer."""
+    import shutil
+
+    transformers = pytest.importorskip("transformers")
+    from tests.server_fixtures import model_dir
+
+    text = transformers.Gemma3TextConfig(vocab_size=5000, hidden_size=96, intermediate_size=192, num_hidden_layers=3,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=24)
+    vision = transformers.SiglipVisionConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                             num_attention_heads=2, image_size=32, patch_size=8)
+    config = transformers.Gemma3Config(text_config=text.to_dict(), vision_config=vision.to_dict(),
+                                       architectures=["Gemma3ForConditionalGeneration"])  # as a model's save does
+    path = tmp_path_factory.mktemp("gemma3-vl-config")
+    config.save_pretrained(path)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(model_dir() / name, path / name)
+    return path, config.text_config
+
+
+def test_the_simulator_reads_a_nested_text_config_as_transformers_does(gemma3_vl_dir, profile):
+    transformers = pytest.importorskip("transformers")
+    from atomd.sim.engine import SimulatedEngine
+    from atomd.sim.hardware import ModelShape
+
+    path, text = gemma3_vl_dir
+    hf = json.loads((path / "config.json").read_text())
+    assert "num_hidden_layers" not in hf  # nested
+    # google/gemma-3-4b-it's config.json gives only what differs from Gemma3TextConfig's defaults
+    hub = {"architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
+           "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                           "num_hidden_layers": 34, "sliding_window": 1024},
+           "vision_config": {"model_type": "siglip_vision_model"}}
+    for config, want in ((hf, text), (hub, transformers.Gemma3Config.from_dict(hub).text_config)):
+        shape = ModelShape.from_hf_config("g", config, 2)
+        assert (shape.num_layers, shape.hidden_size, shape.num_heads, shape.num_kv_heads, shape.head_dim,
+                shape.intermediate_size, shape.vocab_size, shape.tie_word_embeddings) == \
+            (want.num_hidden_layers, want.hidden_size, want.num_attention_heads, want.num_key_value_heads,
+             want.head_dim, want.intermediate_size, want.vocab_size, want.tie_word_embeddings)
+    engine = SimulatedEngine(EngineConfig(model=str(path), model_runner="simulated", hardware=str(profile),
+                                          max_model_len=256))
+    assert engine.vocab_size == text.vocab_size == 5000
+    tokens = [t for t, _ in run(engine, {"r": (prompt(3, 12), SamplingParams(max_tokens=40, ignore_eos=True))})["r"][0]]
+    assert len(tokens) == 40 and all(0 <= t < 5000 for t in tokens) and max(tokens) > 4096  # the text vocabulary
+
+
+def test_the_gap_fit_recovers_known_coefficients_without_negatives():
+    from atomd.sim.hardware import fit_gap
+
+    rng = np.random.default_rng(3)
+    work = [(int(o), int(p), int(a)) for o, p, a in zip(rng.integers(1, 64, 5000), rng.integers(0, 3, 5000),
+                                                        rng.integers(0, 5, 5000))]
+    gaps = [0.002 + 100e-6 * o + 6e-3 * p + 0.0 * a + d for (o, p, a), d in zip(work, rng.exponential(1e-3, 5000))]
+    fit = fit_gap(work, gaps)
+    np.testing.assert_allclose([fit.base_s, fit.per_output_s, fit.per_pull_s], [0.003, 100e-6, 6e-3], rtol=0.05)
+    assert 0 <= fit.per_request_s < 5e-5  # no work of its own: near 0, never negative
+    # a gap that shrinks with work is clamped: the term goes, the rest refit
+    clamped = fit_gap([(o, 0, 0) for o, _, _ in work], [0.01 - 1e-5 * o for o, _, _ in work])
+    assert clamped.per_output_s == 0 and clamped.base_s > 0
+
+
+def test_a_simulated_engine_waits_out_its_gap_model_for_the_work_in_the_gap(tmp_path, monkeypatch):
+    """With a gap model the wait before a busy forward is the model's gap for the loop's work
+    since the last forward (here the outputs of the last forward's two sequences) less the
+    loop's own gap (0 on a fake clock); the mean gaps are not used."""
+    import atomd.sim.engine as sim_engine
+    from atomd.sim.hardware import Calibrated, LinearGap
+
+    base = load_profile(str(default_model_profile(tmp_path / "p.json")))
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, prefill_gap_s=0.5, decode_gap_s=0.5,
+                      prefill_gap=LinearGap(0.1, 0.0, 0.0, 0.0), decode_gap=LinearGap(0.004, 0.003, 0.0, 0.0))
+    path = tmp_path / "gap-model.json"
+    path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
+    clock = [1000.0]
+    slept = []
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+        @staticmethod
+        def monotonic():
+            return clock[0]
+
+        @staticmethod
+        def sleep(s):
+            slept.append(s)
+            clock[0] += s
+
+    monkeypatch.setattr(sim_engine, "time", FakeTime)
+    engine = make_engine(path)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True)),
+                 "b": (prompt(2, 10), SamplingParams(max_tokens=2, ignore_eos=True))})
+    want = [base.step_seconds(StepShape.of(True, [20, 10], [0, 0])),  # after idle: no gap
+            base.step_seconds(StepShape.of(False, [1, 1], [20, 10])) + 0.004 + 2 * 0.003,
+            base.step_seconds(StepShape.of(False, [1], [21])) + 0.004 + 2 * 0.003]  # b ended in the last one
+    assert slept == pytest.approx(want)
+    # a step without a forward (the loop waited) between the decodes: the next one waits no gap
+    slept.clear()
+    engine = make_engine(path)
+    schedule = engine.scheduler.schedule
+    calls = []
+    engine.scheduler.schedule = lambda: None if len(calls.append(0) or calls) == 3 else schedule()
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True)),
+                 "b": (prompt(2, 10), SamplingParams(max_tokens=2, ignore_eos=True))})
+    assert slept == pytest.approx(want[:2] + [base.step_seconds(StepShape.of(False, [1], [21]))])
+    raw = json.loads(path.read_text())
+    raw["step"]["decode_gap"]["per_pull_s"] = -1.0
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="gap model"):
+        load_profile(str(path))

@@ -127,7 +127,7 @@ def add_routes(app: web.Application, server: Any) -> None:
                         raise _as_input(server.engine_error(last, req, params))
                     if last.finished:
                         break
-                if last.embedding is None:  # an engine that does not pool (the simulated runner)
+                if last.embedding is None:  # an engine that did not pool (a bug: every runner pools)
                     raise protocol.APIError(500, "the engine returned no embedding", type="server_error",
                                             code="no_embedding")
                 data.append(EmbeddingData(i, encode(last.embedding, req.normalize, req.encoding_format)))

@@ -98,6 +98,9 @@ class EngineLoop:
         self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
         self.step_samples = step_sample_buffer()
         self._busy_since: float | None = None  # the last forward's end while sequences still ran
+        # what the loop did since the last forward: the sequences whose outputs it handled (that
+        # forward's), the KV pulls that landed, the requests added: a busy gap's explanation
+        self.gap_work = [0, 0, 0]
 
     def _make_connector(self, kv_blocks: Any):
         """The PD connector of a producer or consumer (None when colocated): both halves in one."""
@@ -171,6 +174,7 @@ class EngineLoop:
             seq.lora_id = self.loras.lora_id(lora_name)
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq)
+        self.gap_work[2] += 1
         return seq
 
     def _check_lora_params(self, lora_name: str | None, kv_params: KVTransferParams | None) -> None:
@@ -249,6 +253,7 @@ class EngineLoop:
             elapsed = time.perf_counter() - started
             if self.step_samples is not None:
                 self._sample_step(batch, started, elapsed)
+            self.gap_work = [len(batch.seqs), 0, 0]
             if batch.is_prefill:  # what a prompt token costs: the time cap of local prefills
                 self.scheduler.observe_prefill_step(batch.num_tokens, elapsed)
             elif self.proposer is not None:  # what a decode step costs per scheduled token: when drafts pay
@@ -256,10 +261,13 @@ class EngineLoop:
             for update in self.scheduler.postprocess(batch, output):
                 outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
                                              update.finished))
-        else:
+        else:  # the loop will wait (for input, a pull, a release): the gap to the next forward is not busy
+            self._busy_since = None
             self._idle_step()
         if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
-            self.scheduler.update_from_kv_connector_output(self._kv_connector_output())
+            finished = self._kv_connector_output()
+            self.gap_work[1] += len(finished.finished_recving)
+            self.scheduler.update_from_kv_connector_output(finished)
             for update in self.scheduler.take_first_tokens():
                 outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
                                              update.finished))
@@ -270,14 +278,16 @@ class EngineLoop:
         return outputs
 
     def _sample_step(self, batch: ScheduledBatch, started: float, elapsed: float) -> None:
-        """[is_prefill, tokens, seqs, attention, context, forward s, gap s]: the gap is the
-        loop's time since the previous forward ended (scheduling, outputs, IPC), or -1 when
-        the engine was idle in between."""
+        """[is_prefill, tokens, seqs, attention, context, forward s, gap s, outputs, pulls,
+        added]: the gap is the loop's time since the previous forward ended (scheduling,
+        outputs, IPC), or -1 when the engine was idle in between (a step without a forward:
+        the loop waited for input, a pull, a release); the last three its work
+        then (`gap_work`)."""
         shape = StepShape.of(batch.is_prefill, batch.num_scheduled_tokens.tolist(),
                              batch.num_computed_tokens.tolist())
         gap = -1.0 if self._busy_since is None else started - self._busy_since
         self.step_samples.append([shape.is_prefill, shape.tokens, shape.seqs, shape.attention, shape.context,
-                                  elapsed, gap])
+                                  elapsed, gap, *self.gap_work])
         self._busy_since = started + elapsed if self.scheduler.running else None
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:

@@ -9,9 +9,15 @@ distribution: sampling knobs other than allowed_token_ids and min_tokens change 
 structured outputs, prompt logprobs and speculative decoding are refused (a 400 / a start-up
 error). Logprobs are hash-made numbers in [-16, 0), the same on every engine.
 
+Embeddings (`--task embed`): a request that pools gets, when its prompt is done, a standard
+normal vector of the profile's hidden size seeded by a hash of its prompt tokens and pooling
+type: the same input gives the same vector on any engine, for any batching or chunking. Its
+steps are prefill steps, timed by the profile like any prefill.
+
 Step time: the profile's prediction for the step's shape; with a served profile (`atomd
 profile --from-servers`) plus a residual drawn from its measured spread, plus whatever of the
-served engine's mean busy gap between forwards this loop's own gap (measured, EWMA) leaves;
+served engine's busy gap between forwards (its gap model's, for the work this loop did since
+its last forward; else the mean) this loop's own gap (measured, EWMA) leaves;
 a step that woke late (a shared machine) shortens the next busy one by as much.
 
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
@@ -31,6 +37,7 @@ import numpy as np
 
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, resolve_model_dir
+from atomd.model.text_config import text_model_config
 from atomd.sim.hardware import Calibrated, Link, Profile, StepShape, load_profile
 from atomd.tokenizer import Tokenizer
 from kv_transfer.connector import KVConnectorOutput
@@ -52,7 +59,7 @@ class SimulatedEngine(EngineLoop):
         self.profile: Profile = load_profile(config.hardware).with_link(config.kv_link)
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
-        hf = json.loads((model_dir / "config.json").read_text())
+        hf = text_model_config(json.loads((model_dir / "config.json").read_text()))  # nested: as the loader
         self.vocab_size = int(hf["vocab_size"])
         self.tokenizer = Tokenizer.from_dir(model_dir)
         eos = self.tokenizer.eos_token_id
@@ -75,6 +82,8 @@ class SimulatedEngine(EngineLoop):
         self._spread_rng = np.random.default_rng(config.seed)
         # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
         self._gap_s = {True: step.prefill_gap_s, False: step.decode_gap_s} if isinstance(step, Calibrated) else {}
+        # ... or, when the profile has one, its gap model given the loop's work since the last forward
+        self._gap_model = {True: step.prefill_gap, False: step.decode_gap} if isinstance(step, Calibrated) else {}
         self._own_gap_s: dict[bool, float] = {}  # is_prefill -> this loop's gap (EWMA)
         self._last_forward_end: float | None = None
         self._late_s = 0.0  # how much later than its target the last busy step ended
@@ -112,13 +121,18 @@ class SimulatedEngine(EngineLoop):
             seconds = max(0.0, seconds + spread[self._spread_rng.integers(len(spread))])
         wait = 0.0
         served_gap = self._gap_s.get(batch.is_prefill)
-        if served_gap and self._last_forward_end is not None:
+        model = self._gap_model.get(batch.is_prefill)
+        if (model is not None or served_gap) and self._last_forward_end is not None:
+            # the served gap (for this gap's work, with a model) less this loop's own (EWMA: a
+            # step's own gap, spikes included, would make max(0, served - own) biased upward)
             gap = started - self._last_forward_end
             own = self._own_gap_s.get(batch.is_prefill)
             own = self._own_gap_s[batch.is_prefill] = gap if own is None else own + 0.1 * (gap - own)
-            wait = max(0.0, served_gap - own)
+            wait = max(0.0, (served_gap if model is None else model.seconds(*self.gap_work)) - own)
         token_ids: list[list[int]] = [[] for _ in batch.seqs]
         logprobs: list[list[Any]] | None = None
+        if batch.is_prefill:
+            self._pool(batch)
         fork_ids: list[list[int]] | None = None
         fork_entries: list[list[Any]] | None = None
         for i in np.flatnonzero(batch.needs_sample).tolist():
@@ -150,6 +164,18 @@ class SimulatedEngine(EngineLoop):
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
                                     fork_logprobs=fork_entries)
 
+    def _pool(self, batch: ScheduledBatch) -> None:
+        """A pooling request's vector once its prompt is done (the real engine's last output
+        carries it; engine_loop pops it there)."""
+        for i, seq in enumerate(batch.seqs):
+            pooling = seq.sampling_params.pooling
+            if pooling is not None and batch.needs_sample[i]:
+                self._embeddings[seq.request_id] = pseudo_embedding(
+                    seq.prompt_token_ids, pooling, self.profile.model.hidden_size).tolist()
+
+    def _idle_step(self) -> None:
+        self._last_forward_end = None  # the loop waits now: no served busy gap follows (engine_loop)
+
     def _sample(self, seq: Sequence, params: SamplingParams, index: int) -> tuple[int, dict | None]:
         """The next token of `seq` as choice `index`, and its logprobs entry when asked (or
         when best_of candidates are ranked)."""
@@ -168,6 +194,13 @@ class SimulatedEngine(EngineLoop):
         k = params.logprobs or 0
         top = [(token, logprob)] + [((token + j * 7919) % self.vocab_size, logprob - j) for j in range(1, k)]
         return token, Logprob(logprob, top[:k])
+
+
+def pseudo_embedding(prompt: list[int], pooling: str, size: int) -> np.ndarray:
+    """A float32 standard normal vector of `size`, a function of the prompt and the pooling."""
+    h = hashlib.blake2b(pooling.encode(), digest_size=8)
+    h.update(np.asarray(prompt, dtype=np.int64).tobytes())
+    return np.random.default_rng(int.from_bytes(h.digest(), "little")).standard_normal(size, dtype=np.float32)
 
 
 def simulated_hash(seed: int, index: int, length: int, tail: list[int]) -> int:

@@ -27,6 +27,8 @@ import os
 import msgspec
 import numpy as np
 
+from atomd.model.text_config import text_model_config
+
 
 class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
     """What the step time and the KV size depend on (an HF config.json's numbers)."""
@@ -79,6 +81,8 @@ class ModelShape(msgspec.Struct, frozen=True, kw_only=True):
 
     @classmethod
     def from_hf_config(cls, name: str, hf: dict, dtype_bytes: int) -> "ModelShape":
+        """A checkpoint's config.json (a nested one, Gemma 3's text_config, read as the loader does)."""
+        hf = text_model_config(hf)
         heads = hf["num_attention_heads"]
         experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
         return cls(name=name, num_layers=hf["num_hidden_layers"], hidden_size=hf["hidden_size"], num_heads=heads,
@@ -185,6 +189,20 @@ class LinearStep(msgspec.Struct, frozen=True, kw_only=True):
             self.per_attention_s * (step.attention if step.is_prefill else step.context)
 
 
+class LinearGap(msgspec.Struct, frozen=True):
+    """A served engine's busy gap before a forward (its loop's time since the last forward
+    ended) from what the loop did in it: base_s + per_output_s x the last forward's sequences
+    (their outputs) + per_pull_s x KV pulls landed + per_request_s x requests added."""
+
+    base_s: float
+    per_output_s: float
+    per_pull_s: float
+    per_request_s: float
+
+    def seconds(self, outputs: int, pulls: int, added: int) -> float:
+        return self.base_s + self.per_output_s * outputs + self.per_pull_s * pulls + self.per_request_s * added
+
+
 class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     prefill: LinearStep
     decode: LinearStep
@@ -201,6 +219,11 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     # sleeping through its forwards, does not take of it (atomd/sim/engine.py)
     prefill_gap_s: float = 0.0
     decode_gap_s: float = 0.0
+    # ... and, fitted from the same steps, that gap given the loop's work in it (outputs of
+    # the last forward, pulls landed, requests added); when set, a simulated engine waits
+    # this model's gap for its own work less its own gap, instead of the means above
+    prefill_gap: LinearGap | None = None
+    decode_gap: LinearGap | None = None
 
 
 class Derived(msgspec.Struct, frozen=True, kw_only=True, tag="derived"):
@@ -302,6 +325,9 @@ def check_profile(p: Profile) -> None:
                 raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} values in (-60, 60) s")
         if not (0 <= p.step.prefill_gap_s < 10 and 0 <= p.step.decode_gap_s < 10):
             raise ValueError(f"hardware {p.name}: prefill_gap_s and decode_gap_s must be in [0, 10) seconds")
+        for gap in (p.step.prefill_gap, p.step.decode_gap):
+            if gap is not None and not all(0 <= v < 10 for v in msgspec.structs.astuple(gap)):
+                raise ValueError(f"hardware {p.name}: a gap model's coefficients must be in [0, 10) seconds")
     for shape in (StepShape(True, 1, 1, 1.0, 1), StepShape(False, 1, 1, 1.0, 1)):
         if not math.isfinite(p.step_seconds(shape)):
             raise ValueError(f"hardware {p.name}: the step model is not finite")
@@ -319,13 +345,29 @@ def fit_linear(steps: list[StepShape], seconds: list[float], relative: bool = Tr
     x = np.array([[1.0, s.tokens, s.attention if s.is_prefill else s.context] for s in steps])
     if relative:
         x, y = x / y[:, None], np.ones_like(y)
-    keep = [0, 1, 2]
+    base, per_token, per_attention = nonnegative_lstsq(x, y)
+    return LinearStep(base_s=base, per_token_s=per_token, per_attention_s=per_attention)
+
+
+def fit_gap(work: list[tuple[int, int, int]], gaps: list[float]) -> LinearGap:
+    """The served busy gaps' conditional mean given the loop's work (LinearGap), least
+    squares in seconds, no coefficient negative."""
+    if not work:
+        raise ValueError("no gaps to fit")
+    x = np.array([[1.0, *w] for w in work], dtype=np.float64)
+    return LinearGap(*nonnegative_lstsq(x, np.asarray(gaps, dtype=np.float64)))
+
+
+def nonnegative_lstsq(x: np.ndarray, y: np.ndarray) -> list[float]:
+    """Least squares coefficients of x's columns, none negative: a column whose coefficient
+    comes out < 0 is dropped (0) and the rest refit."""
+    keep = list(range(x.shape[1]))
     while True:
         coef, *_ = np.linalg.lstsq(x[:, keep], y, rcond=None)
         if (coef >= 0).all() or len(keep) == 1:
             break
         keep.pop(int(np.argmin(coef)))
-    full = [0.0, 0.0, 0.0]
+    full = [0.0] * x.shape[1]
     for k, c in zip(keep, coef):
         full[k] = max(0.0, float(c))
-    return LinearStep(base_s=full[0], per_token_s=full[1], per_attention_s=full[2])
+    return full

@@ -50,8 +50,9 @@ SPREAD_QUANTILES = 50
 
 
 def served_samples(urls: list[str]) -> list[tuple]:
-    """(StepShape, forward seconds, busy gap seconds or -1) of every step the engines at
-    `urls` kept."""
+    """(StepShape, forward seconds, busy gap seconds or -1, the loop's work in the gap:
+    (outputs, pulls, added), or None from an engine that does not record it) of every step
+    the engines at `urls` kept."""
     import urllib.request
 
     from atomd.sim.hardware import StepShape
@@ -62,9 +63,9 @@ def served_samples(urls: list[str]) -> list[tuple]:
             stats = json.loads(r.read())
         if "step_samples" not in stats:
             raise ValueError(f"{url} keeps no step samples (start it with $ATOMD_STEP_SAMPLES=N)")
-        for is_prefill, tokens, seqs, attention, context, seconds, gap in stats["step_samples"]:
+        for is_prefill, tokens, seqs, attention, context, seconds, gap, *work in stats["step_samples"]:
             samples.append((StepShape(bool(is_prefill), int(tokens), int(seqs), float(attention), int(context)),
-                            float(seconds), float(gap)))
+                            float(seconds), float(gap), tuple(int(w) for w in work[:3]) if len(work) >= 3 else None))
     return samples
 
 
@@ -202,16 +203,16 @@ def write_profile(args, config, name: str, step, link) -> None:
 
 def run_from_servers(args: argparse.Namespace) -> int:
     from atomd.config import EngineConfig
-    from atomd.sim.hardware import Calibrated, resolve_link
+    from atomd.sim.hardware import Calibrated, fit_gap, resolve_link
 
     try:
         link = resolve_link(args.link)
         config = EngineConfig(model=args.model, dtype=args.dtype)
         config.check_model_dir()
         samples = served_samples(args.from_servers)
-        fits = {kind: fit_served([(s, t) for s, t, _ in samples if s.is_prefill == (kind == "prefill")], kind)
+        fits = {kind: fit_served([(s, t) for s, t, *_ in samples if s.is_prefill == (kind == "prefill")], kind)
                 for kind in ("prefill", "decode")}
-        gaps = {kind: [g for s, _, g in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
+        gaps = {kind: [(g, w) for s, _, g, w in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
                 for kind in ("prefill", "decode")}
     except (ValueError, OSError) as e:
         print(f"atomd profile: error: {e}", file=sys.stderr)
@@ -224,12 +225,18 @@ def run_from_servers(args: argparse.Namespace) -> int:
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
-    gap = {kind: float(np.mean(g)) if g else 0.0 for kind, g in gaps.items()}
+    gap = {kind: float(np.mean([v for v, _ in g])) if g else 0.0 for kind, g in gaps.items()}
+    models = {kind: fit_gap([w for _, w in g], [v for v, _ in g]) if g and all(w for _, w in g) else None
+              for kind, g in gaps.items()}
     for kind, g in gaps.items():
-        print(f"busy gap before a {kind} forward: mean {gap[kind] * 1e3:.2f} ms over {len(g)} steps")
+        m = models[kind]
+        print(f"busy gap before a {kind} forward: mean {gap[kind] * 1e3:.2f} ms over {len(g)} steps" +
+              ("" if m is None else f"; {m.base_s * 1e3:.2f} ms + {m.per_output_s * 1e3:.3f} ms/output + "
+                                    f"{m.per_pull_s * 1e3:.2f} ms/pull landed + {m.per_request_s * 1e3:.2f} ms/request"))
     step = Calibrated(prefill=fits["prefill"][0], decode=fits["decode"][0], source=source,
                       prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1],
-                      prefill_gap_s=gap["prefill"], decode_gap_s=gap["decode"])
+                      prefill_gap_s=gap["prefill"], decode_gap_s=gap["decode"],
+                      prefill_gap=models["prefill"], decode_gap=models["decode"])
     write_profile(args, config, name, step, link)
     return 0
 

@@ -149,7 +149,13 @@ StatefulSet. {root, role}
 {{/* The router's settings as RouterConfig fields (router/app.py), as JSON. */}}
 {{- define "atomd.routerConfig" -}}
 {{- $r := .Values.router }}
-{{- $cfg := dict "policy" $r.policy "prefill_dns" (list (include "atomd.engineDNS" (dict "root" . "role" "prefill"))) "decode_dns" (list (include "atomd.engineDNS" (dict "root" . "role" "decode"))) "dns_refresh_s" $r.dnsRefreshSeconds "health_interval_s" $r.healthIntervalSeconds "request_timeout_s" $r.requestTimeoutSeconds "kv_params_secret_file" (printf "%s/key" (include "atomd.kvParamsSecretDir" .)) }}
+{{- $cfg := dict "policy" $r.policy "health_interval_s" $r.healthIntervalSeconds "request_timeout_s" $r.requestTimeoutSeconds "kv_params_secret_file" (printf "%s/key" (include "atomd.kvParamsSecretDir" .)) }}
+{{- /* with the autoscaler the planner registers the engines (DNS would re-add a draining one) */}}
+{{- if not .Values.autoscaler.enabled }}
+{{- $_ := set $cfg "prefill_dns" (list (include "atomd.engineDNS" (dict "root" . "role" "prefill"))) }}
+{{- $_ := set $cfg "decode_dns" (list (include "atomd.engineDNS" (dict "root" . "role" "decode"))) }}
+{{- $_ := set $cfg "dns_refresh_s" $r.dnsRefreshSeconds }}
+{{- end }}
 {{- toJson $cfg }}
 {{- end }}
 
