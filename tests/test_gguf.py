@@ -473,6 +473,18 @@ def test_moe_gguf_equals_hf_on_its_dequantised_weights(case, moe_checkpoints, tm
     assert_equals_hf_on(llm, hf_from_files(float_dir, weights, tmp_path / "hf"))
 
 
+def test_moe_file_whose_expert_count_disagrees_with_its_tensors_is_refused(moe_checkpoints, tmp_path):
+    write_gguf(moe_checkpoints["qwen3_moe"], tmp_path / "m.gguf", "qwen3moe", {"linear": Q.Q8_0, "embed": Q.F32})
+    key = b"qwen3moe.expert_count"
+    raw = bytearray((tmp_path / "m.gguf").read_bytes())
+    at = raw.index(key) + len(key) + 4  # then the value type (uint32), then the count
+    assert int.from_bytes(raw[at:at + 4], "little") == 8
+    raw[at:at + 4] = (16).to_bytes(4, "little")
+    (tmp_path / "m.gguf").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"ffn_gate_exps.weight has shape \(8, 64, 256\): expected \[16 experts"):
+        LLM(str(tmp_path / "m.gguf"), num_threads=1, max_model_len=64)
+
+
 def test_expert_parallel_over_quantized_experts_is_refused(moe_checkpoints, tmp_path):
     from atomd.model.expert_parallel import ExpertParallel
 

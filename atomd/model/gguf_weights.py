@@ -275,6 +275,9 @@ class GGUFSource:
         raw = self.file.raw(info.name)
         expert = expert_of(name)
         if expert is not None:  # its slice of the layer's stacked experts
+            if len(info.shape) != 3 or info.shape[0] != self.cfg.num_experts:
+                raise ValueError(f"GGUF tensor {info.name} has shape {info.shape}: expected "
+                                 f"[{self.cfg.num_experts} experts, out, in] (expert_count)")
             size = info.nbytes // info.shape[0]
             raw = raw[expert * size:(expert + 1) * size]
             info = TensorInfo(info.name, info.shape[1:], info.type, info.offset + expert * size)
