@@ -45,7 +45,7 @@ from router.kv_index import KVIndex
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
 from router.multi_prompt import MultiPrompt, several_prompts
-from router.responses import ResponseAffinity, relay_response
+from router.responses import RESPONSE, ResponseAffinity, relay_response
 from router.openapi import AddWorker, RemoveWorker, openapi_json
 from router.pd import LegError, PDRelay, RelayConfig, error_body
 from router.adaptive import PD_MODES
@@ -183,15 +183,30 @@ class Resource(NamedTuple):
 
 
 class RouteTable:
-    """(method, path) -> handler; `routes()` lists them (aiohttp's shape: .method, .resource.canonical)."""
+    """(method, path) -> handler; `routes()` lists them (aiohttp's shape: .method, .resource.canonical).
+    A path may have `{name}` segments (one segment each): `canonical()` finds its template."""
 
     def __init__(self) -> None:
         self.table: dict[tuple[str, str], Callable] = {}
         self.paths: dict[str, list[str]] = {}
+        self.templates: list[tuple[list[str], str]] = []  # (segments, the template)
 
     def add(self, method: str, path: str, handler: Callable) -> None:
         self.table[(method, path)] = handler
         self.paths.setdefault(path, []).append(method)
+        if "{" in path and self.paths[path] == [method]:
+            self.templates.append((path.split("/"), path))
+
+    def canonical(self, path: str) -> str:
+        """The route `path` is served by: itself, or the template it fills in."""
+        if path in self.paths:
+            return path
+        parts = path.split("/")
+        for segments, template in self.templates:
+            if len(segments) == len(parts) and all(
+                    s == p or (s.startswith("{") and p) for s, p in zip(segments, parts)):
+                return template
+        return path
 
     def routes(self) -> list[Route]:
         return [Route(m, Resource(p), h) for (m, p), h in self.table.items()]
@@ -260,6 +275,9 @@ class Router:
         routes.add("POST", "/v1/completions", self.completions)
         routes.add("POST", "/v1/chat/completions", self.chat_completions)
         routes.add("POST", "/v1/responses", self.responses)
+        for method, path in (("GET", RESPONSE), ("DELETE", RESPONSE), ("POST", RESPONSE + "/cancel"),
+                             ("GET", RESPONSE + "/input_items")):
+            routes.add(method, path, self.stored_response)
         routes.add("GET", "/v1/models", self.models)
         routes.add("POST", "/v1/embeddings", self.embeddings)
         routes.add("POST", "/tokenize", self.tokenizer_route)
@@ -332,9 +350,10 @@ class Router:
     # ---------------------------------------------------------------- dispatch
 
     async def handle(self, req: Request, resp: Response) -> None:
-        handler = self.routes.table.get((req.method, req.path))
+        route = self.routes.canonical(req.path)
+        handler = self.routes.table.get((req.method, route))
         if handler is None:
-            methods = self.routes.paths.get(req.path)
+            methods = self.routes.paths.get(route)
             if methods is None:
                 return json_error(resp, 404, f"no route {clip(req.path)}", code="not_found")
             return json_error(resp, 405, f"{req.method} {clip(req.path)} is not allowed (allowed: {', '.join(methods)})")
@@ -402,6 +421,19 @@ class Router:
         finally:
             admission.leave()
 
+    async def stored_response(self, req: Request, resp: Response) -> None:
+        """GET / DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items: to the engine
+        that stored the response (router/responses.py)."""
+        response_id = req.path.split("/")[3]
+        worker = self.affinity.worker_of(response_id, self.registry)
+        if isinstance(worker, str):
+            return json_error(resp, 404 if worker == "response_not_found" else 503, self.affinity.explain(
+                response_id, worker), "invalid_request_error" if worker == "response_not_found" else
+                "service_unavailable", worker)
+        await self.forward_to(worker, req, resp)
+        if req.method == "DELETE" and resp.status == 200:
+            self.affinity.forget(response_id)
+
     async def models(self, req: Request, resp: Response) -> None:
         await self.forward(req, resp, ("decode", "worker"))
 
@@ -422,13 +454,16 @@ class Router:
         if not workers:
             return json_error(resp, 503, "no healthy decode worker", "service_unavailable", "no_decode_worker")
         self._forwarded += 1
-        worker = workers[self._forwarded % len(workers)]  # in turn
+        await self.forward_to(workers[self._forwarded % len(workers)], req, resp)  # in turn
+
+    async def forward_to(self, worker: Worker, req: Request, resp: Response) -> None:
         auth = req.headers.get("authorization")
         headers = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
         if req.method == "POST":
             headers += b"Content-Type: application/json\r\n"
         try:
-            status, ctype, body = await worker.pool.fetch(req.method.encode(), req.path.encode(), headers,
+            target = req.path + ("?" + req.query_string if req.query_string else "")
+            status, ctype, body = await worker.pool.fetch(req.method.encode(), target.encode(), headers,
                                                           req.body if req.method == "POST" else None,
                                                           timeout_s=self.config.request_timeout_s)
         except (UpstreamError, OSError) as e:

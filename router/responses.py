@@ -9,6 +9,13 @@ oldest forgotten first), and sends a request continuing that response to that en
 as one leg (D prefills it locally, the earlier turns likely in its prefix cache). An id this
 router never relayed (or forgot) takes the usual legs; the engine that lacks it answers 404
 `previous_response_not_found`.
+
+The same memory serves `GET` / `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`
+and `GET /v1/responses/{id}/input_items` (router/app.py): relayed to the engine that stored
+the response; an id the router does not know is its own 404 `response_not_found`.
+Background mode (`background: true`) in PD: P's leg runs as always (not in the background),
+then D gets the request with the KV params and answers at once `queued`, generating on; so the
+client's answer waits for the prompt's prefill on P, not for the output.
 """
 from __future__ import annotations
 
@@ -17,10 +24,13 @@ import os
 
 import msgspec
 
+from router.errors import clip
 from router.http import Request, Response
 from router.pd import PDRelay, PDRequest
+from router.workers import Worker, WorkerRegistry
 
 MAX_REMEMBERED = 1 << 16  # response ids -> engine URL (~100 bytes each)
+RESPONSE = "/v1/responses/{response_id}"  # GET, DELETE; + /cancel (POST), /input_items (GET)
 
 
 class ResponseAffinity:
@@ -36,6 +46,23 @@ class ResponseAffinity:
 
     def url_of(self, response_id: object) -> str | None:
         return self.by_id.get(response_id) if isinstance(response_id, str) else None
+
+    def forget(self, response_id: str) -> None:
+        self.by_id.pop(response_id, None)
+
+    def worker_of(self, response_id: str, registry: WorkerRegistry) -> Worker | str:
+        """The engine that stored the response, in rotation; else why not (an error code)."""
+        url = self.url_of(response_id)
+        if url is None:
+            return "response_not_found"
+        worker = next((w for w in registry.workers() if w.url == url and w.role in ("decode", "worker")), None)
+        return worker if worker is not None and worker.available() else "response_engine_unavailable"
+
+    def explain(self, response_id: str, code: str) -> str:
+        if code == "response_not_found":
+            return (f"response {clip(response_id)} not found: this router did not relay it, or forgot it (it "
+                    f"remembers the last {self.capacity})")
+        return f"the engine that stored response {clip(response_id)} ({self.by_id.get(response_id)}) is not in rotation"
 
 
 async def relay_response(relay: PDRelay, affinity: ResponseAffinity, req: Request, resp: Response, body: dict) -> None:
