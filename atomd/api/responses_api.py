@@ -101,6 +101,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # stored it), a seed, and structured outputs as on chat (regex, choice, grammar, json)
     request_id: str | None = None
     seed: int | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower runs first (as on chat)
     structured_outputs: protocol.StructuredOutputsRequest | None = None
     reasoning: Reasoning | None = None  # effort: the chat template's `reasoning_effort`, as vLLM
     include: list[str] | None = None  # INCLUDABLE only
@@ -280,7 +281,7 @@ def to_chat(req: ResponsesRequest, store: ResponseStore, limits: L.RequestLimits
         messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, stream=req.stream, tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=response_format, user=req.user, kv_transfer_params=req.kv_transfer_params, seed=req.seed,
-        structured_outputs=req.structured_outputs, chat_template_kwargs=reasoning_kwargs(req, template),
+        structured_outputs=req.structured_outputs, priority=req.priority, chat_template_kwargs=reasoning_kwargs(req, template),
         **({"logprobs": True, "top_logprobs": req.top_logprobs or 0} if wants_logprobs(req) else {}))
     return chat, conversation
 
