@@ -404,8 +404,9 @@ class Router:
             return json_error(resp, 400, f"prompt: {len(prompts)} prompts; the limit is {self.config.max_prompts} "
                                          "(--max-prompts)", code="limit_exceeded", param="prompt")
         admission = self.admission
+        priority = body.get("priority", 0)  # the queue's order (the engines check the value)
         try:
-            await admission.enter()
+            slots = await admission.enter(priority if type(priority) is int else 0, len(prompts) if prompts else 1)
         except Rejected as e:
             self.metrics.rejected.inc((e.reason,))
             self.metrics.requests.inc((endpoint, "429"))
@@ -419,7 +420,7 @@ class Router:
             else:
                 await self.relay.handle(req, resp, endpoint, body, raw)
         finally:
-            admission.leave()
+            admission.leave(slots)
 
     async def stored_response(self, req: Request, resp: Response) -> None:
         """GET / DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items: to the engine
@@ -438,8 +439,14 @@ class Router:
         await self.forward(req, resp, ("decode", "worker"))
 
     async def embeddings(self, req: Request, resp: Response) -> None:
-        """Prefill only, no KV moves: any engine serves it (started with --task embed)."""
-        await self.forward(req, resp, ("worker", "prefill", "decode"))
+        """Prefill only, no KV moves: any engine serves it (started with --task embed); counted in
+        atomd_router:requests and e2e_request_latency_seconds under endpoint="embeddings"."""
+        arrival = time.perf_counter()
+        try:
+            await self.forward(req, resp, ("worker", "prefill", "decode"))
+        finally:
+            self.metrics.requests.inc(("embeddings", str(resp.status) if resp.status else "client_disconnect"))
+            self.metrics.endpoint("embeddings").request_latency.observe(time.perf_counter() - arrival)
 
     async def tokenizer_route(self, req: Request, resp: Response) -> None:
         """/tokenize, /detokenize, /tokenizer_info: every engine has the model's tokenizer."""
