@@ -321,6 +321,8 @@ def test_background_cancel_frees_the_request_and_the_bound_is_a_429(pd):
         with pytest.raises(openai.BadRequestError) as e:
             c.responses.create(previous_response_id=running[0].id, input="x", max_output_tokens=1)
         assert e.value.body["code"] == "previous_response_not_completed"
+        early = c.responses.create(input="b", max_output_tokens=700, background=True, extra_body=LONG)
+        assert c.responses.cancel(early.id).status == "cancelled"  # at once: queued, or just started
         again = c.responses.create(input="a", max_output_tokens=3, temperature=0, background=True)
         assert until(lambda: c.responses.retrieve(again.id).status, lambda s: s not in ("queued", "in_progress")) \
             in ("completed", "incomplete")
