@@ -17,7 +17,6 @@ import openai
 import openai.types.responses
 import pytest
 
-from atomd.api import protocol, responses_api
 from atomd.model.default import default_model_dir
 from launch.process import http
 from tests.pd_fixtures import ref_and_pd
@@ -363,13 +362,3 @@ def test_reasoning_effort_is_the_templates_reasoning_effort(pd):
         assert r.usage.input_tokens == want["usage"]["prompt_tokens"]
         assert r.output_text == want["choices"][0]["message"]["content"]
         assert r.reasoning.effort == "low"
-
-
-@pytest.mark.unit
-def test_reasoning_effort_is_refused_where_the_template_does_not_read_it():
-    req = responses_api.ResponsesRequest(input="x", reasoning=responses_api.Reasoning(effort="high"))
-    for template in (None, "{{ messages[0]['content'] }}"):
-        with pytest.raises(protocol.APIError) as e:
-            responses_api.reasoning_kwargs(req, template)
-        assert (e.value.status, e.value.param) == (400, "reasoning.effort")
-    assert responses_api.reasoning_kwargs(req, "{{ reasoning_effort }}") == {"reasoning_effort": "high"}

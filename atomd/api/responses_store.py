@@ -248,6 +248,15 @@ def add_routes(app: web.Application, server: Any, store: ResponseStore) -> None:
     async def list_input_items(request: web.Request) -> web.Response:
         return json_response(page(entry_of(request).input_items, request.query))
 
+    async def cancel_running(app: web.Application) -> None:
+        """Shutdown: running background responses abort their engine requests (the core still runs)."""
+        tasks = [e.task for e in store.items.values() if e.task is not None]
+        for task in tasks:
+            task.cancel()
+        if tasks:
+            await asyncio.wait(tasks, timeout=5.0)
+
+    app.on_shutdown.append(cancel_running)
     app.router.add_get("/v1/responses/{response_id}", retrieve)
     app.router.add_delete("/v1/responses/{response_id}", delete)
     app.router.add_post("/v1/responses/{response_id}/cancel", cancel)
