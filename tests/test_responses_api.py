@@ -298,6 +298,16 @@ def test_background_polled_until_completed(pd):
         with pytest.raises(openai.BadRequestError) as e:
             c.responses.cancel(r.id)  # finished
         assert e.value.body["code"] == "response_not_cancellable"
+    # a prompt longer than the context: the engine's scheduler refuses it after the answer, so the
+    # colocated engine's background response ends failed; through PD, P's leg refuses it first (a 400)
+    too_long = dict(input="x " * 900, max_output_tokens=4, background=True)
+    failed = client(pd["ref"].url).responses.create(**too_long)
+    assert failed.status in ("queued", "in_progress")
+    failed = until(lambda: client(pd["ref"].url).responses.retrieve(failed.id), lambda x: x.status == "failed")
+    assert failed.error.code == "invalid_prompt" and "max_model_len" in failed.error.message, failed.error
+    with pytest.raises(openai.BadRequestError) as e:
+        client(pd.router.url).responses.create(**too_long)
+    assert e.value.body["code"] == "unschedulable"
 
 
 def test_background_cancel_frees_the_request_and_the_bound_is_a_429(pd):
