@@ -25,6 +25,7 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
 STORED = 3  # --max-stored-responses
 BACKGROUND = 2  # --max-background-responses
+CONTEXT = 2048  # --max-model-len: room for a long background response (cancelled long before its end)
 # the default model's template, reading `reasoning_effort` (as gpt-oss's does) for reasoning.effort
 EFFORT_TEMPLATE = "{% if reasoning_effort %}<|system|>\nReasoning: {{ reasoning_effort }}<|end|>\n{% endif %}" + \
     json.loads((default_model_dir() / "tokenizer_config.json").read_text())["chat_template"]
@@ -41,7 +42,7 @@ THINK = r"<think>([a-z]{3,8}(?: [a-z]{3,8}){0,2})</think>([a-z]{3,8}(?: [a-z]{3,
 @pytest.fixture(scope="module")
 def pd():
     # a prompt with tools is ~220 tokens
-    with ref_and_pd("--reasoning-parser", "qwen3", "--max-stored-responses", str(STORED), "--max-model-len", "768",
+    with ref_and_pd("--reasoning-parser", "qwen3", "--max-stored-responses", str(STORED), "--max-model-len", str(CONTEXT),
                     "--max-background-responses", str(BACKGROUND), "--chat-template", EFFORT_TEMPLATE) as cluster:
         yield cluster
 
@@ -225,7 +226,7 @@ def test_previous_response_evicted_or_unknown_is_404(pd):
     ({"input": "x", "unknown": 1}, "unknown", "unknown_field"),
     ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", "limit_exceeded"),
     ({"input": "x", "request_id": "bad id"}, "request_id", "invalid_value"),
-    ({"input": "x " * 900, "instructions": "be brief"}, "input", "unschedulable"),  # longer than the context
+    ({"input": "x " * (CONTEXT + 100), "instructions": "be brief"}, "input", "unschedulable"),  # longer than the context
 ])
 def test_bad_requests_are_400_naming_the_field(pd, body, param, code):
     for url in where(pd):
@@ -300,7 +301,7 @@ def test_background_polled_until_completed(pd):
         assert e.value.body["code"] == "response_not_cancellable"
     # a prompt longer than the context: the engine's scheduler refuses it after the answer, so the
     # colocated engine's background response ends failed; through PD, P's leg refuses it first (a 400)
-    too_long = dict(input="x " * 900, max_output_tokens=4, background=True)
+    too_long = dict(input="x " * (CONTEXT + 100), max_output_tokens=4, background=True)
     failed = client(pd["ref"].url).responses.create(**too_long)
     assert failed.status in ("queued", "in_progress")
     failed = until(lambda: client(pd["ref"].url).responses.retrieve(failed.id), lambda x: x.status == "failed")
@@ -315,7 +316,7 @@ def test_background_cancel_frees_the_request_and_the_bound_is_a_429(pd):
     past --max-background-responses running, a 429."""
     for url in where(pd):
         c = client(url)
-        running = [c.responses.create(input="a", max_output_tokens=700, temperature=0, background=True,
+        running = [c.responses.create(input="a", max_output_tokens=2000, temperature=0, background=True,
                                       extra_body=LONG) for _ in range(BACKGROUND)]
         with pytest.raises(openai.RateLimitError) as e:
             c.responses.create(input="a", max_output_tokens=4, background=True)
@@ -330,7 +331,7 @@ def test_background_cancel_frees_the_request_and_the_bound_is_a_429(pd):
         with pytest.raises(openai.BadRequestError) as e:
             c.responses.create(previous_response_id=running[0].id, input="x", max_output_tokens=1)
         assert e.value.body["code"] == "previous_response_not_completed"
-        early = c.responses.create(input="b", max_output_tokens=700, background=True, extra_body=LONG)
+        early = c.responses.create(input="b", max_output_tokens=2000, background=True, extra_body=LONG)
         assert c.responses.cancel(early.id).status == "cancelled"  # at once: queued, or just started
         again = c.responses.create(input="a", max_output_tokens=3, temperature=0, background=True)
         assert until(lambda: c.responses.retrieve(again.id).status, lambda s: s not in ("queued", "in_progress")) \
