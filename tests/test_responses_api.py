@@ -42,7 +42,8 @@ THINK = r"<think>([a-z]{3,8}(?: [a-z]{3,8}){0,2})</think>([a-z]{3,8}(?: [a-z]{3,
 @pytest.fixture(scope="module")
 def pd():
     # a prompt with tools is ~220 tokens
-    with ref_and_pd("--reasoning-parser", "qwen3", "--max-stored-responses", str(STORED), "--max-model-len", str(CONTEXT),
+    with ref_and_pd("--reasoning-parser", "qwen3", "--max-stored-responses", str(STORED),
+                    "--max-model-len", str(CONTEXT),
                     "--max-background-responses", str(BACKGROUND), "--chat-template", EFFORT_TEMPLATE) as cluster:
         yield cluster
 
@@ -226,7 +227,8 @@ def test_previous_response_evicted_or_unknown_is_404(pd):
     ({"input": "x", "unknown": 1}, "unknown", "unknown_field"),
     ({"input": [{"role": "user", "content": "x"}] * 1025}, "input", "limit_exceeded"),
     ({"input": "x", "request_id": "bad id"}, "request_id", "invalid_value"),
-    ({"input": "x " * (CONTEXT + 100), "instructions": "be brief"}, "input", "unschedulable"),  # longer than the context
+    # longer than the context
+    ({"input": "x " * (CONTEXT + 100), "instructions": "be brief"}, "input", "unschedulable"),
 ])
 def test_bad_requests_are_400_naming_the_field(pd, body, param, code):
     for url in where(pd):
@@ -235,7 +237,8 @@ def test_bad_requests_are_400_naming_the_field(pd, body, param, code):
         error = json.loads(raw)["error"]
         assert (error["param"], error["code"]) == (param, code), error
         assert re.search(r"Traceback|/work|\.py", error["message"]) is None
-        if code == "unsupported_field" and ("tools" in body or "include" in body):  # the message names the tool type / the value refused
+        # the message names the tool type / the value refused
+        if code == "unsupported_field" and ("tools" in body or "include" in body):
             assert (body["tools"][0]["type"] if "tools" in body else body["include"][0]) in error["message"]
 
 

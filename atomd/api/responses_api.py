@@ -20,9 +20,12 @@ its `sequence_number`, then `data: [DONE]` (which the openai client and the rout
 its instructions, and its output) goes before this request's input. The store is in memory,
 per engine, bounded (`--max-stored-responses`, oldest evicted first); `store: false` keeps
 a response out of it. An unknown or evicted id is a 404 `previous_response_not_found`.
-Fields of OpenAI's schema this server does not implement are accepted only at the value
-that asks for nothing (`reasoning` null or {}, `truncation` "disabled", `include` [], ...),
-else a 400 `unsupported_field`, as on the other routes.
+`include`: `message.output_text.logprobs` (with `top_logprobs`); `reasoning.effort`: the chat
+template's `reasoning_effort` (vLLM's mapping); built-in tools: a 400 naming the type; stored
+responses, GET / DELETE / cancel and background mode: atomd/api/responses_store.py. Fields of
+OpenAI's schema this server does not implement are accepted only at the value that asks for
+nothing (`truncation` "disabled", `service_tier` "auto", ...), else a 400 `unsupported_field`,
+as on the other routes.
 """
 from __future__ import annotations
 
@@ -40,8 +43,9 @@ from atomd.api.renderers import Choice, ChatRenderer
 from atomd.api.responses_store import ResponseStore
 
 # Responses fields not implemented, with the values that ask for nothing more
-UNSUPPORTED = {"truncation": (None, "disabled"), "service_tier": (None, "auto", "default"), "max_tool_calls": (None,), "prompt": (None,), "prompt_cache_key": (None,),
-               "safety_identifier": (None,), "conversation": (None,), "stream_options": (None,)}
+UNSUPPORTED = {"truncation": (None, "disabled"), "service_tier": (None, "auto", "default"), "max_tool_calls": (None,),
+               "prompt": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,), "conversation": (None,),
+               "stream_options": (None,)}
 # a chat field's name in a Responses request (errors name what the client sent); a message's
 # index is not the input item's (instructions and a previous response come first), so
 # `messages[i]...` becomes plain `input`
@@ -281,7 +285,8 @@ def to_chat(req: ResponsesRequest, store: ResponseStore, limits: L.RequestLimits
         messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, stream=req.stream, tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=response_format, user=req.user, kv_transfer_params=req.kv_transfer_params, seed=req.seed,
-        structured_outputs=req.structured_outputs, priority=req.priority, chat_template_kwargs=reasoning_kwargs(req, template),
+        structured_outputs=req.structured_outputs, priority=req.priority,
+        chat_template_kwargs=reasoning_kwargs(req, template),
         **({"logprobs": True, "top_logprobs": req.top_logprobs or 0} if wants_logprobs(req) else {}))
     return chat, conversation
 
@@ -321,7 +326,8 @@ class ResponsesRenderer(ChatRenderer):
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {}, "output": output,
             "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
             "reasoning": {"effort": r.reasoning.effort, "summary": None} if r.reasoning is not None else None,
-            "background": r.background, "top_logprobs": r.top_logprobs or 0, "store": r.store, "temperature": r.temperature, "top_p": r.top_p,
+            "background": r.background, "top_logprobs": r.top_logprobs or 0, "store": r.store,
+            "temperature": r.temperature, "top_p": r.top_p,
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
             "tool_choice": msgspec.to_builtins(r.tool_choice) if r.tool_choice is not None else "auto",
             "tools": [msgspec.to_builtins(t) for t in r.tools or ()], "truncation": "disabled", "user": r.user,
