@@ -424,15 +424,34 @@ class Router:
 
     async def stored_response(self, req: Request, resp: Response) -> None:
         """GET / DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items: to the engine
-        that stored the response (router/responses.py)."""
+        that stored the response (router/responses.py). An id this router does not know (another
+        router relayed it, or this one before a restart) is asked of each decode and colocated
+        engine in rotation in turn, the first that knows it answers (and is remembered)."""
         response_id = req.path.split("/")[3]
         worker = self.affinity.worker_of(response_id, self.registry)
-        if isinstance(worker, str):
-            return json_error(resp, 404 if worker == "response_not_found" else 503, self.affinity.explain(
-                response_id, worker), "invalid_request_error" if worker == "response_not_found" else
-                "service_unavailable", worker)
-        await self.forward_to(worker, req, resp)
-        if req.method == "DELETE" and resp.status == 200:
+        if isinstance(worker, Worker):
+            answer = await self.fetch_from(worker, req)
+        elif worker == "response_engine_unavailable":
+            return json_error(resp, 503, self.affinity.explain(response_id, worker), "service_unavailable", worker)
+        else:
+            answer = failed = None
+            for candidate in self.registry.available("decode") + self.registry.available("worker"):
+                got = await self.fetch_from(candidate, req)
+                if isinstance(got, LegError):
+                    failed = got  # that engine may hold it: unless another has it, a 502
+                elif got[0] != 404:
+                    answer = got
+                    self.affinity.remember(response_id, candidate.url)
+                    break
+            if answer is None:
+                if failed is not None:
+                    return failed.send(resp)
+                return json_error(resp, 404, self.affinity.explain(response_id, worker), code=worker)
+        if isinstance(answer, LegError):
+            return answer.send(resp)
+        status, ctype, body = answer
+        resp.send(status, body, (ctype or "application/json").encode())
+        if req.method == "DELETE" and status == 200:
             self.affinity.forget(response_id)
 
     async def models(self, req: Request, resp: Response) -> None:
@@ -464,6 +483,14 @@ class Router:
         await self.forward_to(workers[self._forwarded % len(workers)], req, resp)  # in turn
 
     async def forward_to(self, worker: Worker, req: Request, resp: Response) -> None:
+        answer = await self.fetch_from(worker, req)
+        if isinstance(answer, LegError):
+            return answer.send(resp)
+        status, ctype, body = answer
+        resp.send(status, body, (ctype or "application/json").encode())
+
+    async def fetch_from(self, worker: Worker, req: Request) -> tuple[int, str, bytes] | LegError:
+        """The request as it came, sent to `worker`: its (status, content type, body), or the 502."""
         auth = req.headers.get("authorization")
         headers = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
         if req.method == "POST":
@@ -475,8 +502,8 @@ class Router:
                                                           timeout_s=self.config.request_timeout_s)
         except (UpstreamError, OSError) as e:
             return LegError(502, f"{worker.role} worker {worker.url} did not answer {clip(req.path)}: "
-                                 f"{describe(e)}").send(resp)
-        resp.send(status, body, (ctype or "application/json").encode())
+                                 f"{describe(e)}")
+        return status, ctype, body
 
     # ---------------------------------------------------------------- operations
 

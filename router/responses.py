@@ -12,7 +12,9 @@ router never relayed (or forgot) takes the usual legs; the engine that lacks it 
 
 The same memory serves `GET` / `DELETE /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`
 and `GET /v1/responses/{id}/input_items` (router/app.py): relayed to the engine that stored
-the response; an id the router does not know is its own 404 `response_not_found`.
+the response; an id the router does not know (another router replica relayed it, or this one
+before a restart) is asked of each decode and colocated engine in turn, the first that has it
+answers; none: a 404 `response_not_found`.
 Background mode (`background: true`) in PD: P's leg runs as always (not in the background),
 then D gets the request with the KV params and answers at once `queued`, generating on; so the
 client's answer waits for the prompt's prefill on P, not for the output.
@@ -61,8 +63,8 @@ class ResponseAffinity:
 
     def explain(self, response_id: str, code: str) -> str:
         if code == "response_not_found":
-            return (f"response {clip(response_id)} not found: this router did not relay it, or forgot it (it "
-                    f"remembers the last {self.capacity})")
+            return (f"response {clip(response_id)} not found on any decode or colocated engine in rotation "
+                    "(never stored, store: false, deleted or evicted)")
         return f"the engine that stored response {clip(response_id)} ({self.by_id.get(response_id)}) is not in rotation"
 
 

@@ -270,6 +270,14 @@ def test_retrieve_input_items_and_delete(pd):
         assert [i.role for i in page.data] == ["developer"] and page.has_more
         after = c.responses.input_items.list(r.id, order="asc", after=page.data[0].id)
         assert [i.role for i in after.data] == ["user"] and not after.has_more
+        if url == pd.router.url:  # a router that did not relay it (a replica, a restart) asks the engines
+            other = client(pd.start_router("P", "D").url)
+            assert other.responses.retrieve(r.id).model_dump() == r.model_dump()
+            assert [i.id for i in other.responses.input_items.list(r.id, order="asc").data] == \
+                [i.id for i in listed.data]
+            with pytest.raises(openai.NotFoundError) as e:
+                other.responses.retrieve("resp_unknown")
+            assert e.value.body["code"] == "response_not_found"
         c.responses.delete(r.id)
         for call in (lambda: c.responses.retrieve(r.id), lambda: c.responses.delete(r.id),
                      lambda: c.responses.input_items.list(r.id)):
