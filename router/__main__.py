@@ -121,7 +121,8 @@ def parse_command_line(argv: list[str] | None) -> tuple[RouterConfig, bool]:
     rel.add_argument("--breaker-cooldown-s", type=float, default=d.breaker_cooldown_s,
                      help="seconds an open breaker refuses traffic before one trial request")
     rel.add_argument("--max-concurrent-requests", type=int, default=d.max_concurrent_requests,
-                     help="requests routed at once (0: no cap); more wait in a queue")
+                     help="requests routed at once (0: no cap; a completions request of several prompts counts "
+                          "one per prompt); more wait in a queue, lower `priority` first, then arrival")
     rel.add_argument("--max-queued-requests", type=int, default=d.max_queued_requests,
                      help="requests waiting for a slot; beyond it a request gets 429 + Retry-After")
     rel.add_argument("--queue-timeout-s", type=float, default=d.queue_timeout_s,

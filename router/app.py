@@ -48,7 +48,7 @@ from router import lora_admin
 from router.limits import Admission, Rejected
 from router.metrics import RouterMetrics, percentile
 from router.multi_prompt import MultiPrompt, several_prompts
-from router.responses import ResponseAffinity, relay_response
+from router.responses import RESPONSE, ResponseAffinity, relay_response
 from router.openapi import AddWorker, RemoveWorker, openapi_json
 from router.pd import LegError, PDRelay, RelayConfig, error_body
 from router.adaptive import PD_MODES
@@ -186,15 +186,30 @@ class Resource(NamedTuple):
 
 
 class RouteTable:
-    """(method, path) -> handler; `routes()` lists them (aiohttp's shape: .method, .resource.canonical)."""
+    """(method, path) -> handler; `routes()` lists them (aiohttp's shape: .method, .resource.canonical).
+    A path may have `{name}` segments (one segment each): `canonical()` finds its template."""
 
     def __init__(self) -> None:
         self.table: dict[tuple[str, str], Callable] = {}
         self.paths: dict[str, list[str]] = {}
+        self.templates: list[tuple[list[str], str]] = []  # (segments, the template)
 
     def add(self, method: str, path: str, handler: Callable) -> None:
         self.table[(method, path)] = handler
         self.paths.setdefault(path, []).append(method)
+        if "{" in path and self.paths[path] == [method]:
+            self.templates.append((path.split("/"), path))
+
+    def canonical(self, path: str) -> str:
+        """The route `path` is served by: itself, or the template it fills in."""
+        if path in self.paths:
+            return path
+        parts = path.split("/")
+        for segments, template in self.templates:
+            if len(segments) == len(parts) and all(
+                    s == p or (s.startswith("{") and p) for s, p in zip(segments, parts)):
+                return template
+        return path
 
     def routes(self) -> list[Route]:
         return [Route(m, Resource(p), h) for (m, p), h in self.table.items()]
@@ -263,6 +278,9 @@ class Router:
         routes.add("POST", "/v1/completions", self.completions)
         routes.add("POST", "/v1/chat/completions", self.chat_completions)
         routes.add("POST", "/v1/responses", self.responses)
+        for method, path in (("GET", RESPONSE), ("DELETE", RESPONSE), ("POST", RESPONSE + "/cancel"),
+                             ("GET", RESPONSE + "/input_items")):
+            routes.add(method, path, self.stored_response)
         routes.add("GET", "/v1/models", self.models)
         routes.add("POST", "/v1/embeddings", self.embeddings)
         routes.add("POST", "/v1/load_lora_adapter", self.load_lora_adapter)
@@ -337,9 +355,10 @@ class Router:
     # ---------------------------------------------------------------- dispatch
 
     async def handle(self, req: Request, resp: Response) -> None:
-        handler = self.routes.table.get((req.method, req.path))
+        route = self.routes.canonical(req.path)
+        handler = self.routes.table.get((req.method, route))
         if handler is None:
-            methods = self.routes.paths.get(req.path)
+            methods = self.routes.paths.get(route)
             if methods is None:
                 return json_error(resp, 404, f"no route {clip(req.path)}", code="not_found")
             return json_error(resp, 405, f"{req.method} {clip(req.path)} is not allowed (allowed: {', '.join(methods)})")
@@ -390,8 +409,9 @@ class Router:
             return json_error(resp, 400, f"prompt: {len(prompts)} prompts; the limit is {self.config.max_prompts} "
                                          "(--max-prompts)", code="limit_exceeded", param="prompt")
         admission = self.admission
+        priority = body.get("priority", 0)  # the queue's order (the engines check the value)
         try:
-            await admission.enter()
+            slots = await admission.enter(priority if type(priority) is int else 0, len(prompts) if prompts else 1)
         except Rejected as e:
             self.metrics.rejected.inc((e.reason,))
             self.metrics.requests.inc((endpoint, "429"))
@@ -405,7 +425,39 @@ class Router:
             else:
                 await self.relay.handle(req, resp, endpoint, body, raw)
         finally:
-            admission.leave()
+            admission.leave(slots)
+
+    async def stored_response(self, req: Request, resp: Response) -> None:
+        """GET / DELETE /v1/responses/{id}, POST .../cancel, GET .../input_items: to the engine
+        that stored the response (router/responses.py). An id this router does not know (another
+        router relayed it, or this one before a restart) is asked of each decode and colocated
+        engine in rotation in turn, the first that knows it answers (and is remembered)."""
+        response_id = req.path.split("/")[3]
+        worker = self.affinity.worker_of(response_id, self.registry)
+        if isinstance(worker, Worker):
+            answer = await self.fetch_from(worker, req)
+        elif worker == "response_engine_unavailable":
+            return json_error(resp, 503, self.affinity.explain(response_id, worker), "service_unavailable", worker)
+        else:
+            answer = failed = None
+            for candidate in self.registry.available("decode") + self.registry.available("worker"):
+                got = await self.fetch_from(candidate, req)
+                if isinstance(got, LegError):
+                    failed = got  # that engine may hold it: unless another has it, a 502
+                elif got[0] != 404:
+                    answer = got
+                    self.affinity.remember(response_id, candidate.url)
+                    break
+            if answer is None:
+                if failed is not None:
+                    return failed.send(resp)
+                return json_error(resp, 404, self.affinity.explain(response_id, worker), code=worker)
+        if isinstance(answer, LegError):
+            return answer.send(resp)
+        status, ctype, body = answer
+        resp.send(status, body, (ctype or "application/json").encode())
+        if req.method == "DELETE" and status == 200:
+            self.affinity.forget(response_id)
 
     async def models(self, req: Request, resp: Response) -> None:
         await self.forward(req, resp, ("decode", "worker"), lambda body: lora_admin.models_body(body, self.registry))
@@ -440,8 +492,14 @@ class Router:
                              "lora_name": spec.lora_name, "results": results}, status)
 
     async def embeddings(self, req: Request, resp: Response) -> None:
-        """Prefill only, no KV moves: any engine serves it (started with --task embed)."""
-        await self.forward(req, resp, ("worker", "prefill", "decode"))
+        """Prefill only, no KV moves: any engine serves it (started with --task embed); counted in
+        atomd_router:requests and e2e_request_latency_seconds under endpoint="embeddings"."""
+        arrival = time.perf_counter()
+        try:
+            await self.forward(req, resp, ("worker", "prefill", "decode"))
+        finally:
+            self.metrics.requests.inc(("embeddings", str(resp.status) if resp.status else "client_disconnect"))
+            self.metrics.endpoint("embeddings").request_latency.observe(time.perf_counter() - arrival)
 
     async def tokenizer_route(self, req: Request, resp: Response) -> None:
         """/tokenize, /detokenize, /tokenizer_info: every engine has the model's tokenizer."""
@@ -457,21 +515,33 @@ class Router:
         if not workers:
             return json_error(resp, 503, "no healthy decode worker", "service_unavailable", "no_decode_worker")
         self._forwarded += 1
-        worker = workers[self._forwarded % len(workers)]  # in turn
+        await self.forward_to(workers[self._forwarded % len(workers)], req, resp, rewrite)  # in turn
+
+    async def forward_to(self, worker: Worker, req: Request, resp: Response,
+                         rewrite: Callable[[bytes], bytes] | None = None) -> None:
+        answer = await self.fetch_from(worker, req)
+        if isinstance(answer, LegError):
+            return answer.send(resp)
+        status, ctype, body = answer
+        if rewrite is not None and status == 200:
+            body = rewrite(body)
+        resp.send(status, body, (ctype or "application/json").encode())
+
+    async def fetch_from(self, worker: Worker, req: Request) -> tuple[int, str, bytes] | LegError:
+        """The request as it came, sent to `worker`: its (status, content type, body), or the 502."""
         auth = req.headers.get("authorization")
         headers = b"Authorization: " + auth.encode("latin-1") + b"\r\n" if auth else b""
         if req.method == "POST":
             headers += b"Content-Type: application/json\r\n"
         try:
-            status, ctype, body = await worker.pool.fetch(req.method.encode(), req.path.encode(), headers,
+            target = req.path + ("?" + req.query_string if req.query_string else "")
+            status, ctype, body = await worker.pool.fetch(req.method.encode(), target.encode(), headers,
                                                           req.body if req.method == "POST" else None,
                                                           timeout_s=self.config.request_timeout_s)
         except (UpstreamError, OSError) as e:
             return LegError(502, f"{worker.role} worker {worker.url} did not answer {clip(req.path)}: "
-                                 f"{describe(e)}").send(resp)
-        if rewrite is not None and status == 200:
-            body = rewrite(body)
-        resp.send(status, body, (ctype or "application/json").encode())
+                                 f"{describe(e)}")
+        return status, ctype, body
 
     # ---------------------------------------------------------------- operations
 

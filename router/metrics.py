@@ -204,7 +204,8 @@ class RouterMetrics:
         dropped.add_metric([], self.client_kv_params_dropped)
         yield dropped
         active, queued = self.queue_state()
-        g = GaugeMetricFamily(P + "requests_active", "requests being routed (under --max-concurrent-requests)")
+        g = GaugeMetricFamily(P + "requests_active", "routing slots in use (under --max-concurrent-requests; "
+                              "a completions request of several prompts takes one per prompt)")
         g.add_metric([], active)
         yield g
         g = GaugeMetricFamily(P + "requests_queued", "requests waiting for a routing slot")

@@ -75,6 +75,10 @@ def openapi_document() -> dict[str, Any]:
     for path, method in (("/v1/models", "get"), ("/tokenize", "post"), ("/detokenize", "post"),
                          ("/tokenizer_info", "get"), ("/v1/embeddings", "post")):
         paths[path][method]["responses"].update({k: ROUTER_ERRORS[k] for k in ("401", "502", "503")})
+    for path, item in paths.items():  # a stored response: to the engine that stored it
+        if path.startswith("/v1/responses/"):
+            for op in item.values():
+                op["responses"].update({k: ROUTER_ERRORS[k] for k in ("401", "502", "503")})
     (add, remove, lora), own = msgspec.json.schema_components([AddWorker, RemoveWorker, LoraAdapterRequest],
                                                               ref_template=REF)
     schemas = {**surface["components"]["schemas"], **own}

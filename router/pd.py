@@ -135,8 +135,8 @@ def error_event_is_fault(data: bytes) -> bool:
 
 def prefill_body(body: dict, transfer_id: str, endpoint: str = "completions") -> dict:
     kv = KVTransferParams(do_remote_decode=True, transfer_id=transfer_id).to_json_obj()
-    if endpoint == "responses":  # its own names; P's one-token answer is not stored
-        return dict(body, max_output_tokens=1, stream=False, store=False, kv_transfer_params=kv)
+    if endpoint == "responses":  # its own names; P's one-token answer is not stored (nor run in the background)
+        return dict(body, max_output_tokens=1, stream=False, store=False, background=False, kv_transfer_params=kv)
     leg = dict(body, max_tokens=1, stream=False, n=1, kv_transfer_params=kv)
     leg.pop("stream_options", None)
     leg.pop("min_tokens", None)  # would contradict max_tokens=1

@@ -184,3 +184,29 @@ def test_completions_have_no_chat_template():
         with pytest.raises(protocol.APIError) as info:
             validation.validate_completion_request(req)
         assert info.value.param == field and info.value.code == "unsupported_field"
+
+
+@pytest.mark.parametrize("body", [
+    {"input": "add 2 and 3"},
+    {"instructions": "Be brief.", "reasoning": {"effort": "low"}, "input": [
+        {"role": "user", "content": [{"type": "input_text", "text": "add 2 and 3"}]},
+        {"type": "reasoning", "id": "rs_1", "summary": []},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{\"a\": 2, \"b\": 3}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "5"},
+        {"role": "user", "content": "thanks"}]}])
+def test_the_router_renders_a_responses_request_to_the_engines_prompt(ours, body):
+    """kv_aware places /v1/responses by the chat prompt it becomes (router/responses.py
+    routing_view): the ids the engine renders (responses_api.to_chat, then the chat template)."""
+    from atomd.api import responses_api
+    from atomd.api.responses_store import ResponseStore
+    from router.responses import routing_view
+
+    template = "{% if reasoning_effort is defined %}Reasoning: {{ reasoning_effort }}\n{% endif %}" + ours.chat_template
+    engine = Tokenizer.from_dir(default_model_dir())
+    engine.chat_template = template
+    rreq = protocol.decode_request(msgspec.json.encode(body), responses_api.ResponsesRequest)
+    chat, _ = responses_api.to_chat(rreq, ResponseStore(0), LIMITS, template)
+    want = CT.prompt_ids(engine, chat, validation.chat_messages(chat), None, False, 1 << 20)
+    assert RouterTokenizer(default_model_dir(), template).token_ids(routing_view(body)) == want
+    if "reasoning" in body:
+        assert engine.decode(want, skip_special_tokens=False).count("Reasoning: low") == 1

@@ -110,6 +110,30 @@ def test_openai_client(servers, hf, where):
     np.testing.assert_allclose(floats.data[0].embedding, got.data[0].embedding, rtol=1e-6)
 
 
+def test_inputs_count_in_the_request_metrics_of_engine_and_router(servers, hf):
+    """Each input is a finished request in atomd:request_success (reason stop, as vLLM's pooling
+    requests) with its tokens (the HF tokenizer's count) in atomd:prompt_tokens; the router counts
+    the request under endpoint="embeddings"."""
+    from tests.pd_fixtures import metric
+
+    tok, _ = hf
+    engine, router = servers["last"], servers["router"]
+
+    def counts():
+        return (metric(engine, "atomd:request_success_total", finished_reason="stop"),
+                metric(engine, "atomd:prompt_tokens_total"),
+                metric(router, "atomd_router:requests_total", endpoint="embeddings", status="200"),
+                metric(router, "atomd_router:requests_total", endpoint="embeddings", status="400"))
+    before = counts()
+    for base in (engine.url, router.url):
+        status, raw = http("POST", base + "/v1/embeddings", {"input": TEXTS[:2]})
+        assert status == 200, raw
+    assert http("POST", router.url + "/v1/embeddings", {"input": ""})[0] == 400
+    after = counts()
+    tokens = sum(len(tok(t)["input_ids"]) for t in TEXTS[:2])
+    assert [a - b for a, b in zip(after, before)] == [4, 2 * tokens, 1, 1]
+
+
 @pytest.mark.parametrize("body,param,code", [
     ({"input": "x", "dimensions": 8}, "dimensions", "unsupported_field"),
     ({"input": ["x"] * 257}, "input", "limit_exceeded"),

@@ -258,6 +258,55 @@ def test_a_queued_request_waits_at_most_queue_timeout(make, loop):
     assert loop.run(go()) == (200, 429, "queue_timeout")
 
 
+def test_the_queue_admits_by_priority_then_arrival(make, loop):
+    """Behind --max-concurrent-requests the router's queue is in `priority` order (lower first,
+    as the engines' priority scheduling), then arrival: the reference is that sort."""
+    c = make(max_concurrent_requests=1, max_queued_requests=8, queue_timeout_s=30)
+    d = c.decode[0]
+    d.gate.clear()
+    waiting = [("p5", 5), ("p0a", 0), ("p3", 3), ("p0b", 0), ("pm1", -1)]
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            tasks = [asyncio.create_task(s.post(c.url + "/v1/completions", json=dict(COMPLETION, prompt="hold")))]
+            await wait_async(lambda: d.requests)
+            for n, (prompt, priority) in enumerate(waiting, start=1):
+                tasks.append(asyncio.create_task(s.post(c.url + "/v1/completions", json=dict(
+                    COMPLETION, prompt=prompt, priority=priority))))
+                await wait_async(lambda: c.router.admission.state() == (1, n))
+            d.gate.set()
+            return [r.status for r in await asyncio.gather(*tasks)]
+    assert loop.run(go()) == [200] * 6
+    order = [b["prompt"] for path, b in d.requests]
+    assert order == ["hold"] + [p for p, _ in sorted(waiting, key=lambda w: (w[1], waiting.index(w)))]
+
+
+def test_a_request_of_several_prompts_takes_a_slot_per_prompt(make, loop):
+    """Three prompts take three of four slots; a later single request waits behind a waiting
+    two-prompt one (nothing overtakes the head), and all run once slots free."""
+    c = make(max_concurrent_requests=4, max_queued_requests=8, queue_timeout_s=30)
+    d = c.decode[0]
+    d.gate.clear()
+
+    async def go():
+        async with aiohttp.ClientSession() as s:
+            def post(prompt):
+                return asyncio.create_task(s.post(c.url + "/v1/completions", json=dict(COMPLETION, prompt=prompt)))
+            tasks = [post(["a", "b", "c"])]
+            await wait_async(lambda: c.router.admission.state() == (3, 0) and len(d.requests) == 3)
+            tasks.append(post(["d", "e"]))
+            await wait_async(lambda: c.router.admission.state() == (3, 1))
+            tasks.append(post("f"))  # one slot is free, but the two-prompt request is first
+            await wait_async(lambda: c.router.admission.state() == (3, 2))
+            assert len(d.requests) == 3
+            d.gate.set()
+            statuses = [r.status for r in await asyncio.gather(*tasks)]
+            await wait_async(lambda: c.router.admission.state() == (0, 0))
+            return statuses
+    assert loop.run(go()) == [200, 200, 200]
+    assert sorted(b["prompt"] for _, b in d.requests) == list("abcdef")
+
+
 def test_total_timeout_before_and_after_the_first_byte(make):
     c = make(total_timeout_s=0.3)
     d = c.decode[0]

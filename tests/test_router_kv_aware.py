@@ -133,6 +133,21 @@ def complete(loop, router: Router, prompt: str) -> dict:
     return r.json()
 
 
+send_completion = complete
+
+
+def send_response(loop, router: Router, text: str) -> dict:
+    """A /v1/responses request whose instructions are `text` but its last line (the input), its
+    usage in chat's names."""
+    instructions, _, question = text.rpartition("\n")
+    r = loop.run(http("POST", router.url + "/v1/responses", {
+        "instructions": instructions, "input": question, "max_output_tokens": 2, "temperature": 0}), timeout=60)
+    assert r.status == 200, r.body
+    u = r.json()["usage"]
+    return {"usage": {"prompt_tokens": u["input_tokens"],
+                      "prompt_tokens_details": {"cached_tokens": u["input_tokens_details"]["cached_tokens"]}}}
+
+
 def prefill_counts(engines) -> dict[str, int]:
     return {name: json.loads(sync_http("GET", e.url + "/debug/stats")[1])["prefix_cache_queries"]
             for name, e in (("p0", engines.p0), ("p1", engines.p1))}
@@ -171,9 +186,12 @@ def test_a_plain_subscriber_to_a_keyed_engine_fails_its_handshake_and_hears_noth
         ctx.destroy(linger=0)
 
 
-@pytest.mark.parametrize("policy", ["kv_aware", "cache_aware"])
-def test_a_repeated_long_prefix_goes_to_the_engine_that_holds_it(engines, loop, policy):
+@pytest.mark.parametrize("policy,endpoint", [("kv_aware", "completions"), ("cache_aware", "completions"),
+                                             ("kv_aware", "responses")])
+def test_a_repeated_long_prefix_goes_to_the_engine_that_holds_it(engines, loop, policy, endpoint):
+    """/v1/responses: the prefix is its `instructions`, placed by the chat prompt it renders to."""
     router = start_router(loop, engines, policy)
+    complete = send_completion if endpoint == "completions" else send_response
     try:
         for e in (engines.p0, engines.p1):
             assert sync_http("POST", e.url + "/reset_prefix_cache")[0] == 200
@@ -181,7 +199,7 @@ def test_a_repeated_long_prefix_goes_to_the_engine_that_holds_it(engines, loop, 
             wait_until(lambda: len(router.kv_index.ranks) == 3, 20, "subscriptions to 3 ranks")
             wait_until(lambda: all(not st.hashes and st.last_seq is not None
                                    for st in router.kv_index.ranks.values()), 20, "the reset to be seen")
-        prefix = PREFIX + policy
+        prefix = PREFIX + policy + endpoint
         before = prefill_counts(engines)
         first = complete(loop, router, prefix + "\n# first")
         home = placed(engines, before)
@@ -196,6 +214,8 @@ def test_a_repeated_long_prefix_goes_to_the_engine_that_holds_it(engines, loop, 
             hits.append(out["usage"]["prompt_tokens_details"]["cached_tokens"])
         assert first["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert min(hits) >= 16 * ((first["usage"]["prompt_tokens"] - 1) // 16) - 32, hits
+        if endpoint == "responses":
+            assert router.tokenizer is not None  # rendered and tokenized, not placed by load
         decisions = router.metrics.decisions
         want = "kv_hit" if policy == "kv_aware" else "cache_hit"
         assert decisions.get(("prefill", policy, want), 0) >= 4

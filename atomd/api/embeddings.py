@@ -10,7 +10,8 @@ prompt token, which then takes no prefix-cache hit) and returns the vector on th
 last output. The request samples one token on the way (the scheduler's normal end of a
 prefill; discarded) and its blocks are freed at once. The vector is L2-normalised here unless
 `normalize: false`, and sent as floats or (`encoding_format: base64`) as the base64 of its
-little-endian float32 bytes, as OpenAI does.
+little-endian float32 bytes, as OpenAI does. Each input counts in the `atomd:` request metrics
+(request_success with reason stop, prompt_tokens, e2e latency and the engine's phase times).
 """
 from __future__ import annotations
 
@@ -117,6 +118,7 @@ def add_routes(app: web.Application, server: Any) -> None:
         request_id = f"embd-{uuid.uuid4().hex}"
         params = SamplingParams(max_tokens=1, temperature=0.0, pooling=server.args.pooling_type)
         ids = [f"{request_id}-{i}" for i in range(len(inputs))]
+        t0 = time.perf_counter()
         streams = [server.client.add_request(rid, tokens, params) for rid, tokens in zip(ids, inputs)]
         try:
             data = []
@@ -127,6 +129,9 @@ def add_routes(app: web.Application, server: Any) -> None:
                         raise _as_input(server.engine_error(last, req, params))
                     if last.finished:
                         break
+                # an input is a finished request in atomd:request_success (reason stop, as vLLM's pooling
+                # requests) and atomd:prompt_tokens; its one sampled token is no generation
+                server.metrics.on_finished("stop", len(inputs[i]), time.perf_counter() - t0, last.timing)
                 if last.embedding is None:  # an engine that did not pool (a bug: every runner pools)
                     raise protocol.APIError(500, "the engine returned no embedding", type="server_error",
                                             code="no_embedding")

@@ -45,7 +45,8 @@ def _errors(*statuses: int) -> dict:
     return {str(s): {"description": desc, "content": _json(ERROR_REF)} for s, desc in
             ((400, "invalid request, naming the field"), (401, "missing or wrong API key"),
              (403, "kv_transfer_params from an untrusted producer"), (404, "unknown model"),
-             (413, "body too large"), (503, "engine loading, dead, or a failed KV pull")) if s in statuses}
+             (413, "body too large"), (429, "too many background responses running"),
+             (503, "engine loading, dead, or a failed KV pull")) if s in statuses}
 
 
 ERROR_REF = {"$ref": REF.format(name="ErrorBody")}
@@ -73,6 +74,16 @@ def openai_surface() -> dict[str, Any]:
                         "content": {**_json(response), "text/event-stream": {"schema": {"type": "string"}}}},
                 **_errors(400, 401, 403, 404, 413, 503)}}}
 
+    create_response = generate("Create a response (OpenAI's Responses API)", responses_req, {"type": "object"})
+    create_response["post"]["responses"].update(_errors(429))  # background: true past the bound
+    response_id = {"name": "response_id", "in": "path", "required": True, "schema": {"type": "string"}}
+
+    def stored(summary: str, *errors: int, query: tuple[str, ...] = ()) -> dict:
+        params = [response_id] + [{"name": q, "in": "query", "required": False, "schema": {"type": "string"}}
+                                  for q in query]
+        return {"summary": summary, "parameters": params, "responses": {
+            "200": {"description": "ok", "content": _json({"type": "object"})}, **_errors(401, 404, 503, *errors)}}
+
     def plain(summary: str, request: dict, response: dict) -> dict:
         return {"post": {"summary": summary, "requestBody": {"required": True, "content": _json(request)},
                          "responses": {"200": {"description": "ok", "content": _json(response)},
@@ -82,8 +93,15 @@ def openai_surface() -> dict[str, Any]:
         "paths": {
             "/v1/completions": generate("Create a completion", completion_req, completion),
             "/v1/chat/completions": generate("Create a chat completion", chat_req, chat),
-            "/v1/responses": generate("Create a response (OpenAI's Responses API)", responses_req,
-                                      {"type": "object"}),
+            "/v1/responses": create_response,
+            # stored responses (atomd/api/responses_store.py)
+            "/v1/responses/{response_id}": {
+                "get": stored("A stored response (background: its state so far)", 400, query=("stream",)),
+                "delete": stored("Delete a stored response (a running background one is cancelled)")},
+            "/v1/responses/{response_id}/cancel": {
+                "post": stored("Cancel a background response (queued or in progress)", 400)},
+            "/v1/responses/{response_id}/input_items": {
+                "get": stored("A stored response's input items", 400, query=("order", "after", "limit"))},
             "/v1/models": {"get": {"summary": "The served model", "responses": {
                 "200": {"description": "ok", "content": _json(models)}, **_errors(401, 503)}}},
             # vLLM's tokenizer routes (atomd/api/tokenize.py)

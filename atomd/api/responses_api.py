@@ -20,14 +20,16 @@ its `sequence_number`, then `data: [DONE]` (which the openai client and the rout
 its instructions, and its output) goes before this request's input. The store is in memory,
 per engine, bounded (`--max-stored-responses`, oldest evicted first); `store: false` keeps
 a response out of it. An unknown or evicted id is a 404 `previous_response_not_found`.
-Fields of OpenAI's schema this server does not implement are accepted only at the value
-that asks for nothing (`reasoning` null or {}, `truncation` "disabled", `include` [], ...),
-else a 400 `unsupported_field`, as on the other routes.
+`include`: `message.output_text.logprobs` (with `top_logprobs`); `reasoning.effort`: the chat
+template's `reasoning_effort` (vLLM's mapping); built-in tools: a 400 naming the type; stored
+responses, GET / DELETE / cancel and background mode: atomd/api/responses_store.py. Fields of
+OpenAI's schema this server does not implement are accepted only at the value that asks for
+nothing (`truncation` "disabled", `service_tier` "auto", ...), else a 400 `unsupported_field`,
+as on the other routes.
 """
 from __future__ import annotations
 
 import asyncio
-import collections
 import re
 import uuid
 from typing import Any, Literal
@@ -35,15 +37,15 @@ from typing import Any, Literal
 import msgspec
 from aiohttp import web
 
-from atomd.api import protocol, validation
+from atomd.api import protocol, responses_store, validation
 from atomd.api import limits as L
 from atomd.api.renderers import Choice, ChatRenderer
+from atomd.api.responses_store import ResponseStore
 
 # Responses fields not implemented, with the values that ask for nothing more
-UNSUPPORTED = {"reasoning": (None, {}), "truncation": (None, "disabled"), "include": (None, []),
-               "background": (None, False), "service_tier": (None, "auto", "default"), "top_logprobs": (None, 0),
-               "max_tool_calls": (None,), "prompt": (None,), "prompt_cache_key": (None,),
-               "safety_identifier": (None,), "conversation": (None,), "stream_options": (None,)}
+UNSUPPORTED = {"truncation": (None, "disabled"), "service_tier": (None, "auto", "default"), "max_tool_calls": (None,),
+               "prompt": (None,), "prompt_cache_key": (None,), "safety_identifier": (None,), "conversation": (None,),
+               "stream_options": (None,)}
 # a chat field's name in a Responses request (errors name what the client sent); a message's
 # index is not the input item's (instructions and a previous response come first), so
 # `messages[i]...` becomes plain `input`
@@ -64,7 +66,7 @@ class TextConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
 
 
 class FunctionTool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
-    type: str  # "function" only (OpenAI's built-in tools are not served)
+    type: Literal["function"]  # OpenAI's built-in tools (web_search, ...) are not served: a 400 naming them
     name: str | None = None
     description: str | None = None
     parameters: dict[str, Any] | None = None
@@ -76,6 +78,12 @@ class ToolChoiceFunction(msgspec.Struct, forbid_unknown_fields=True):
     name: str
 
 
+class Reasoning(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
+    summary: Literal["auto", "concise", "detailed"] | None = None  # a summary is not written here: refused
+    generate_summary: Literal["auto", "concise", "detailed"] | None = None  # summary's old name
+
+
 class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     input: str | list[dict[str, Any]]
     model: str | None = None
@@ -85,7 +93,7 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     top_p: float | None = None
     stream: bool = False
     text: TextConfig | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[dict[str, Any]] | None = None  # function tools (FunctionTool); a built-in one is a 400 naming it
     tool_choice: Literal["none", "auto", "required"] | ToolChoiceFunction | None = None
     parallel_tool_calls: bool | None = None
     previous_response_id: str | None = None
@@ -97,43 +105,20 @@ class ResponsesRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     # stored it), a seed, and structured outputs as on chat (regex, choice, grammar, json)
     request_id: str | None = None
     seed: int | None = None
+    priority: int = 0  # with --scheduling-policy priority: lower runs first (as on chat)
     structured_outputs: protocol.StructuredOutputsRequest | None = None
-    reasoning: Any = msgspec.UNSET
+    reasoning: Reasoning | None = None  # effort: the chat template's `reasoning_effort`, as vLLM
+    include: list[str] | None = None  # INCLUDABLE only
+    top_logprobs: int | None = None  # with include message.output_text.logprobs
+    background: bool = False  # atomd/api/responses_store.py
     truncation: Any = msgspec.UNSET
-    include: Any = msgspec.UNSET
-    background: Any = msgspec.UNSET
     service_tier: Any = msgspec.UNSET
-    top_logprobs: Any = msgspec.UNSET
     max_tool_calls: Any = msgspec.UNSET
     prompt: Any = msgspec.UNSET
     prompt_cache_key: Any = msgspec.UNSET
     safety_identifier: Any = msgspec.UNSET
     conversation: Any = msgspec.UNSET
     stream_options: Any = msgspec.UNSET
-
-
-class ResponseStore:
-    """Conversations of finished responses, by id, for `previous_response_id`: at most
-    `capacity`, the oldest evicted first."""
-
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self.items: collections.OrderedDict[str, list[protocol.ChatMessage]] = collections.OrderedDict()
-
-    def put(self, response_id: str, conversation: list[protocol.ChatMessage]) -> None:
-        if self.capacity <= 0:
-            return
-        self.items[response_id] = conversation
-        while len(self.items) > self.capacity:
-            self.items.popitem(last=False)
-
-    def get(self, response_id: str) -> list[protocol.ChatMessage]:
-        found = self.items.get(response_id)
-        if found is None:
-            raise protocol.APIError(404, f"previous response {response_id!r} not found (never stored, stored by "
-                                         f"another engine, or evicted: this engine keeps the last {self.capacity})",
-                                    param="previous_response_id", code="previous_response_not_found")
-        return found
 
 
 def _text_of(content: Any, where: str) -> str:
@@ -206,13 +191,77 @@ def check_unsupported(req: ResponsesRequest) -> None:
                                     param=name, code="unsupported_field")
 
 
+# `include` values this server honours; OpenAI's others need what it has not (built-in tools'
+# results, images, encrypted reasoning)
+INCLUDABLE = ("message.output_text.logprobs",)
+# OpenAI's built-in tool types: no tool server runs them here (vLLM without one says the same)
+BUILTIN_TOOLS = ("web_search", "web_search_preview", "file_search", "code_interpreter", "computer_use",
+                 "computer_use_preview", "image_generation", "mcp", "local_shell", "shell", "apply_patch", "custom")
+
+
+def wants_logprobs(req: ResponsesRequest) -> bool:
+    return bool(req.include) and "message.output_text.logprobs" in req.include
+
+
+def check_include(req: ResponsesRequest) -> None:
+    if req.top_logprobs is not None and not 0 <= req.top_logprobs <= validation.MAX_LOGPROBS:
+        raise protocol.invalid("top_logprobs", f"top_logprobs must be in [0, {validation.MAX_LOGPROBS}], "
+                                               f"got {req.top_logprobs}")
+    for i, value in enumerate(req.include or ()):
+        if value not in INCLUDABLE:
+            raise protocol.APIError(400, f"include[{i}]: {value!r} cannot be included by this server (it has no "
+                                         f"built-in tools, images or encrypted reasoning); it can include "
+                                         f"{', '.join(INCLUDABLE)}", param="include", code="unsupported_field")
+
+
+def reasoning_kwargs(req: ResponsesRequest, template: str | None) -> dict[str, Any] | None:
+    """`reasoning.effort` as the chat template's `reasoning_effort` variable (vLLM's mapping);
+    a 400 when the template does not read it (the effort would do nothing) or for a summary."""
+    r = req.reasoning
+    if r is None:
+        return None
+    if r.summary is not None or r.generate_summary is not None:
+        raise protocol.APIError(400, "reasoning.summary: this server does not summarise reasoning (the reasoning "
+                                     "item carries the reasoning text itself); leave it out",
+                                param="reasoning.summary", code="unsupported_field")
+    if r.effort is None:
+        return None
+    if template is None or "reasoning_effort" not in template:
+        raise protocol.APIError(400, f"reasoning.effort={r.effort!r}: this model's chat template does not read "
+                                     "reasoning_effort, so the effort would change nothing; leave it out (or serve "
+                                     "a --chat-template that reads it)", param="reasoning.effort",
+                                code="unsupported_field")
+    return {"reasoning_effort": r.effort}
+
+
+def function_tools(tools: list[dict[str, Any]]) -> list[protocol.ToolDefinition]:
+    out = []
+    for i, t in enumerate(tools):
+        kind = t.get("type")
+        if kind != "function":
+            what = f"the built-in tool {kind!r} is not available: this deployment has no tool server" \
+                if kind in BUILTIN_TOOLS else f"tool type {kind!r} is not supported"
+            raise protocol.APIError(400, f"tools[{i}]: {what}; only function tools are served",
+                                    param=f"tools[{i}].type", code="unsupported_field")
+        try:
+            f = msgspec.convert(t, FunctionTool)
+        except msgspec.ValidationError as e:
+            raise protocol.invalid(f"tools[{i}]", f"tools[{i}]: {e}") from None
+        if not f.name:
+            raise protocol.invalid(f"tools[{i}].name", f"tools[{i}]: a function tool needs a name")
+        out.append(protocol.ToolDefinition("function", protocol.FunctionDefinition(
+            name=f.name, description=f.description, parameters=f.parameters, strict=f.strict)))
+    return out
+
+
 REQUEST_ID = re.compile(r"[\x21-\x7e]{1,200}")
 
 
-def to_chat(req: ResponsesRequest, store: ResponseStore, limits: L.RequestLimits
+def to_chat(req: ResponsesRequest, store: ResponseStore, limits: L.RequestLimits, template: str | None = None
             ) -> tuple[protocol.ChatCompletionRequest, list[protocol.ChatMessage]]:
     """(the chat request, the conversation to store: history and input, no instructions)."""
     check_unsupported(req)
+    check_include(req)
     if req.request_id is not None and not REQUEST_ID.fullmatch(req.request_id):
         raise protocol.invalid("request_id", "request_id must be 1-200 printable ASCII characters")
     history = list(store.get(req.previous_response_id)) if req.previous_response_id is not None else []
@@ -220,15 +269,9 @@ def to_chat(req: ResponsesRequest, store: ResponseStore, limits: L.RequestLimits
     if not conversation:
         raise protocol.invalid("input", "input must not be empty")
     messages = ([protocol.ChatMessage("system", req.instructions)] if req.instructions else []) + conversation
-    tools = None
-    if req.tools is not None:
-        tools = []
-        for i, t in enumerate(req.tools):
-            if t.type != "function" or not t.name:
-                raise protocol.APIError(400, f"tools[{i}]: only function tools with a name are supported",
-                                        param=f"tools[{i}]", code="unsupported_field")
-            tools.append(protocol.ToolDefinition("function", protocol.FunctionDefinition(
-                name=t.name, description=t.description, parameters=t.parameters, strict=t.strict)))
+    if len(req.tools or ()) > limits.max_list_items:
+        raise validation.too_large("tools", f"{len(req.tools)} tools", limits.max_list_items, "max-list-items")
+    tools = function_tools(req.tools) if req.tools is not None else None
     choice = req.tool_choice
     if isinstance(choice, ToolChoiceFunction):
         choice = protocol.NamedToolChoice("function", protocol.ToolChoiceFunction(choice.name))
@@ -242,7 +285,9 @@ def to_chat(req: ResponsesRequest, store: ResponseStore, limits: L.RequestLimits
         messages=messages, model=req.model, max_completion_tokens=req.max_output_tokens, temperature=req.temperature,
         top_p=req.top_p, stream=req.stream, tools=tools, tool_choice=choice, parallel_tool_calls=req.parallel_tool_calls,
         response_format=response_format, user=req.user, kv_transfer_params=req.kv_transfer_params, seed=req.seed,
-        structured_outputs=req.structured_outputs)
+        structured_outputs=req.structured_outputs, priority=req.priority,
+        chat_template_kwargs=reasoning_kwargs(req, template),
+        **({"logprobs": True, "top_logprobs": req.top_logprobs or 0} if wants_logprobs(req) else {}))
     return chat, conversation
 
 
@@ -264,6 +309,7 @@ class ResponsesRenderer(ChatRenderer):
                  rreq: ResponsesRequest, conversation: list[protocol.ChatMessage], store: ResponseStore):
         super().__init__(server, request_id, req, checked, prompt_ids)
         self.rreq, self.conversation, self.store = rreq, conversation, store
+        self.input_items = responses_store.input_items(rreq.input)
         self.seq = 0
         self.items: list[dict[str, Any]] = []  # finished output items, in order (streaming)
         self.open: dict[str, Any] | None = None  # the item being streamed (reasoning or message)
@@ -279,7 +325,9 @@ class ResponsesRenderer(ChatRenderer):
             "error": None, "incomplete_details": None, "instructions": r.instructions,
             "max_output_tokens": r.max_output_tokens, "metadata": r.metadata or {}, "output": output,
             "parallel_tool_calls": r.parallel_tool_calls is not False, "previous_response_id": r.previous_response_id,
-            "reasoning": None, "store": r.store, "temperature": r.temperature, "top_p": r.top_p,
+            "reasoning": {"effort": r.reasoning.effort, "summary": None} if r.reasoning is not None else None,
+            "background": r.background, "top_logprobs": r.top_logprobs or 0, "store": r.store,
+            "temperature": r.temperature, "top_p": r.top_p,
             "text": {"format": msgspec.to_builtins(fmt) if fmt is not None else {"type": "text"}},
             "tool_choice": msgspec.to_builtins(r.tool_choice) if r.tool_choice is not None else "auto",
             "tools": [msgspec.to_builtins(t) for t in r.tools or ()], "truncation": "disabled", "user": r.user,
@@ -301,18 +349,35 @@ class ResponsesRenderer(ChatRenderer):
                              "total_tokens": u.total_tokens}
             if self.kv_transfer_params is not None:  # P's answer in PD (the router reads it)
                 body["kv_transfer_params"] = self.kv_transfer_params
-            self.remember(output)
+            self.remember(body, output)
         return body
 
-    def remember(self, output: list[dict[str, Any]]) -> None:
+    def remember(self, body: dict[str, Any], output: list[dict[str, Any]]) -> None:
         if not self.rreq.store or self.response_stored or self.kv_transfer_params is not None:
             return
         self.response_stored = True
         text = "".join(p["text"] for it in output if it["type"] == "message" for p in it["content"])
         calls = [protocol.ToolCallIn(id=it["call_id"], function=protocol.FunctionCall(it["name"], it["arguments"]))
                  for it in output if it["type"] == "function_call"]
-        self.store.put(self.id, self.conversation + [protocol.ChatMessage("assistant", text or None,
-                                                                           tool_calls=calls or None)])
+        self.store.completed(self.id, body, self.conversation + [protocol.ChatMessage(
+            "assistant", text or None, tool_calls=calls or None)], self.input_items)
+
+    def text_logprobs(self, c: Choice, text: str) -> list[dict[str, Any]]:
+        """include message.output_text.logprobs: the logprobs of the tokens that make up `text`
+        (the output after the reasoning and tool-call parsers took theirs out)."""
+        if self.num_logprobs is None or not text:
+            return []
+        items = c.logprobs
+        start = c.text.rfind(text)
+        if start > 0:  # reasoning (or a call) came first: the tokens from the text's first character on
+            pos, first = 0, len(items)
+            for k, (tid, _) in enumerate(items):
+                if pos >= start:
+                    first = k
+                    break
+                pos += len(self.token_text(tid))
+            items = items[first:]
+        return msgspec.to_builtins(self.logprobs_block(items).content)
 
     @staticmethod
     def reasoning_item(text: str, status: str = "completed") -> dict[str, Any]:
@@ -320,9 +385,9 @@ class ResponsesRenderer(ChatRenderer):
                 "content": [{"type": "reasoning_text", "text": text}], "status": status}
 
     @staticmethod
-    def message_item(text: str, status: str = "completed") -> dict[str, Any]:
+    def message_item(text: str, status: str = "completed", logprobs: list | None = None) -> dict[str, Any]:
         return {"type": "message", "id": f"msg_{uuid.uuid4().hex}", "status": status, "role": "assistant",
-                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": []}]}
+                "content": [{"type": "output_text", "text": text, "annotations": [], "logprobs": logprobs or []}]}
 
     @staticmethod
     def call_item(call: dict[str, Any], status: str = "completed") -> dict[str, Any]:
@@ -335,7 +400,8 @@ class ResponsesRenderer(ChatRenderer):
         if message.reasoning_content:
             output.append(self.reasoning_item(message.reasoning_content))
         if message.content:
-            output.append(self.message_item(message.content))
+            output.append(self.message_item(message.content,
+                                            logprobs=self.text_logprobs(self.choices[0], message.content)))
         output.extend(self.call_item(call) for call in (message.tool_calls or ()))
         return msgspec.json.encode(self.response("completed", output))
 
@@ -405,8 +471,9 @@ class ResponsesRenderer(ChatRenderer):
                                   content_index=0, text=item["content"][0]["text"]))
         elif item["type"] == "message":
             part = item["content"][0]
+            part["logprobs"] = self.text_logprobs(self.choices[0], part["text"])  # whole, at the end
             out.append(self.event("response.output_text.done", item_id=item["id"], output_index=index,
-                                  content_index=0, text=part["text"], logprobs=[]))
+                                  content_index=0, text=part["text"], logprobs=part["logprobs"]))
             out.append(self.event("response.content_part.done", item_id=item["id"], output_index=index,
                                   content_index=0, part=part))
         out.append(self.event("response.output_item.done", output_index=index, item=item))
@@ -419,12 +486,12 @@ class ResponsesRenderer(ChatRenderer):
 
 def add_routes(app: web.Application, server: Any) -> None:
     """`server`: atomd/api/server.py's Server (not imported: it imports this module)."""
-    store = ResponseStore(server.args.max_stored_responses)
+    store = ResponseStore(server.args.max_stored_responses, server.args.max_background_responses)
 
     def parse(body: bytes):
         rreq = protocol.decode_request(body, ResponsesRequest)
         try:
-            chat, conversation = to_chat(rreq, store, server.limits)
+            chat, conversation = to_chat(rreq, store, server.limits, server.tokenizer.chat_template)
             return (rreq, chat, conversation, *server.prepare_chat(chat))
         except protocol.APIError as e:
             raise renamed(e) from None
@@ -436,8 +503,11 @@ def add_routes(app: web.Application, server: Any) -> None:
         out = ResponsesRenderer(server, rreq.request_id or f"resp_{uuid.uuid4().hex}", chat, checked, ids, rreq,
                                 conversation, store)
         try:
+            if rreq.background:
+                return responses_store.start_background(server, request, store, out, chat, checked, ids, params)
             return await server.generate(request, chat, checked, ids, params, out)
         except protocol.APIError as e:
             raise renamed(e) from None
 
     app.router.add_post("/v1/responses", create)
+    responses_store.add_routes(app, server, store)  # GET / DELETE /v1/responses/{id}, .../cancel, .../input_items

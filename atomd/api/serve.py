@@ -69,7 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="--task embed: an embedding is the last prompt token's final-normed hidden state, or the "
                         "mean over the prompt's tokens")
     g.add_argument("--max-stored-responses", type=int, default=1024,
-                   help="/v1/responses kept in memory for previous_response_id (the oldest evicted first; 0: none)")
+                   help="/v1/responses kept in memory for previous_response_id and GET /v1/responses/{id} (the "
+                        "oldest evicted first; 0: none)")
+    g.add_argument("--max-background-responses", type=int, default=64,
+                   help="/v1/responses with background: true running at once (a 429 past it)")
     g.add_argument("--trust-request-chat-template", action="store_true",
                    help="render a chat request's own chat_template (it runs in jinja's sandbox, but can loop; "
                         "off: such a request is a 400)")
