@@ -208,6 +208,8 @@ class LLMEngine(EngineLoop):
             out["expert_tokens"] = [[first + e, n] for e, n in enumerate(total)]
         if self.model.ep is not None:
             out["expert_parallel"] = self.model.ep.stats()
+        if self.tp_workers is not None:
+            out["tensor_parallel"] = {"size": self.config.tensor_parallel_size, "worker_pids": self.tp_workers.pids}
         return out
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
