@@ -6,7 +6,7 @@ a worker SIGKILLed under a real `atomd serve` failing its engine cleanly (errors
 no process left)."""
 from __future__ import annotations
 
-import http.client
+from http.client import HTTPConnection
 import json
 import os
 import pathlib
@@ -30,8 +30,9 @@ from tests.test_models import hf_both
 
 torch.set_num_threads(1)
 
-# every family of the registry but DeepSeek (MLA is not split yet); each 4 query heads, 2 KV heads
-FAMILIES = {"llama": {}, "qwen2": {}, "mistral": {}, "qwen3": {}, "qwen3_moe": {"mlp_only_layers": [1]},
+# every family of the registry but DeepSeek (MLA is not split yet; Mistral is Llama's class); each 4 query
+# heads, 2 KV heads
+FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {"mlp_only_layers": [1]},
             "mixtral": {}, "phi3": {}, "gemma3": {"num_hidden_layers": 3}}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
@@ -109,7 +110,8 @@ def test_kv_heads_replicated_tp4_chunked_prefix_hits_and_ngram_drafts(checkpoint
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind", ["llama", "qwen3"])
+# (llama's and qwen2's checkpoints here: HF's own bf16 leaves its fp32 within 6 tokens, too few to compare)
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
 def test_tp2_bf16_greedy_follows_hf_bf16(kind, checkpoints, closing):
     path = checkpoints[kind]
     tp = tp_llm(path, 2, dtype="bfloat16")
@@ -123,7 +125,7 @@ def test_tp2_bf16_greedy_follows_hf_bf16(kind, checkpoints, closing):
 
 def _post(url: str, body: dict, timeout_s: float) -> tuple[int, dict]:
     host, port = url.removeprefix("http://").split(":")
-    conn = http.client.HTTPConnection(host, int(port), timeout=timeout_s)
+    conn = HTTPConnection(host, int(port), timeout=timeout_s)
     try:
         conn.request("POST", "/v1/completions", json.dumps(body), {"Content-Type": "application/json"})
         resp = conn.getresponse()
@@ -146,13 +148,13 @@ def _gone(pids: list[int], timeout_s: float) -> list[int]:
 def test_killed_worker_fails_the_engine_cleanly(checkpoints, tmp_path):
     timeout_s = 3.0
     server = start_server(checkpoints["llama"], "--tensor-parallel-size", "4", "--tp-collective-timeout-s",
-                          str(timeout_s), "--max-model-len", "2048", log_path=tmp_path / "serve.log")
+                          str(timeout_s), "--max-model-len", "512", log_path=tmp_path / "serve.log")
     try:
         core = server.engine_pid()
         workers = server.stats()["tensor_parallel"]["worker_pids"]
         assert len(workers) == 3
         model = json.loads(http("GET", server.url + "/v1/models")[1])
-        body = {"model": model["data"][0]["id"], "prompt": prompts_of([20], seed=1)[0], "max_tokens": 2000,
+        body = {"model": model["data"][0]["id"], "prompt": "def main():", "max_tokens": 480,
                 "temperature": 0, "ignore_eos": True}
         answers: list[tuple[int, dict]] = []
         threads = [threading.Thread(target=lambda: answers.append(_post(server.url, body, 120))) for _ in range(2)]
