@@ -12,6 +12,8 @@ worker 0 only (the others' is zero), so the sum adds it once.
 """
 from __future__ import annotations
 
+import time
+
 import torch
 import torch.nn.functional as F
 
@@ -95,12 +97,17 @@ class TensorParallel:
 
     def __init__(self, comm, split: TPSplit):
         self.comm, self.split = comm, split
-        self.num_all_reduce = self.num_all_gather = 0  # calls, for the benchmark's cost per step
+        # calls and seconds inside them (waits for the slowest worker included): benchmarks/tensor_parallel.py
+        self.num_all_reduce = self.num_all_gather = 0
+        self.collective_s = 0.0
 
     def reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """The sum of every worker's partial `t` (a row-parallel linear's output)."""
         self.num_all_reduce += 1
-        return self.comm.all_reduce_(t if t.is_contiguous() else t.contiguous())
+        start = time.perf_counter()
+        out = self.comm.all_reduce_(t if t.is_contiguous() else t.contiguous())
+        self.collective_s += time.perf_counter() - start
+        return out
 
     def embed(self, input_ids: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
         """Rows of the whole vocabulary's embedding from this worker's slice `table`."""
@@ -114,5 +121,7 @@ class TensorParallel:
     def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """[T, vocab] from every worker's [T, vocab_rows] (the padding rows cut)."""
         self.num_all_gather += 1
+        start = time.perf_counter()
         out = self.comm.all_gather(logits.contiguous())
+        self.collective_s += time.perf_counter() - start
         return out if out.shape[1] == self.split.vocab_size else out[:, :self.split.vocab_size].contiguous()
