@@ -177,3 +177,26 @@ def test_killed_worker_fails_the_engine_cleanly(checkpoints, tmp_path):
         assert not [f for f in os.listdir("/dev/shm") if f.startswith(f"atomd-tp-kv-{core}-")]
     finally:
         server.stop()
+
+
+@pytest.mark.integration
+def test_dp2_x_tp2_serve_equals_one_process(tmp_path):
+    """`atomd serve --data-parallel-size 2 --tensor-parallel-size 2` (two engine cores, each rank 0
+    of its own two workers) on the built-in model: each DP rank's greedy text equals one process's."""
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n", "class Stack:\n    def"]
+    params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
+    want = [o.outputs[0].text for o in LLM(None, num_threads=1, max_model_len=256).generate(prompts, params)]
+    server = start_server(None, "--data-parallel-size", "2", "--tensor-parallel-size", "2",
+                          log_path=tmp_path / "serve.log")
+    try:
+        ranks = server.stats()["ranks"]
+        assert [len(r["tensor_parallel"]["worker_pids"]) for r in ranks] == [1, 1]
+        model = json.loads(http("GET", server.url + "/v1/models")[1])["data"][0]["id"]
+        for rank in (0, 1):
+            for prompt, text in zip(prompts, want):
+                status, answer = _post(server.url, {"model": model, "prompt": prompt, "max_tokens": 24,
+                                                    "temperature": 0, "ignore_eos": True,
+                                                    "data_parallel_rank": rank}, 60)
+                assert status == 200 and answer["choices"][0]["text"] == text, (rank, prompt, answer)
+    finally:
+        server.stop()
