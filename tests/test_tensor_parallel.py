@@ -94,6 +94,16 @@ def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
 
 
 @pytest.mark.unit
+def test_gloo_communicator_gives_the_same_tokens(checkpoints, closing):
+    """--tp-communicator gloo (the one that crosses hosts) in place of shared memory."""
+    path = checkpoints["qwen3_moe"]
+    prompts = prompts_of(MIXED[:3], seed=4)
+    tp = tp_llm(path, 2, tp_communicator="gloo")
+    closing(tp)
+    assert_equals_hf(path, prompts, engine_greedy(tp, prompts, GREEDY), n=GREEDY.max_tokens)
+
+
+@pytest.mark.unit
 def test_kv_heads_replicated_tp4_chunked_prefix_hits_and_ngram_drafts(checkpoints, closing):
     """N = 4 > 2 KV heads (each replicated on two workers); chunked prefill, prefix-cache hits
     and speculative verify rows on the same workers."""
