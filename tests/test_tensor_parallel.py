@@ -210,3 +210,22 @@ def test_dp2_x_tp2_serve_equals_one_process(tmp_path):
                 assert status == 200 and answer["choices"][0]["text"] == text, (rank, prompt, answer)
     finally:
         server.stop()
+
+
+@pytest.mark.unit
+def test_a_worker_that_dies_loading_fails_the_start_at_once(checkpoints, tmp_path):
+    """A worker exits before the join (here: its checkpoint directory is gone): rank 0's start
+    raises naming the rank and exit code, instead of waiting out the join timeout; nothing is left."""
+    from atomd.engine.tp_workers import TPWorkers
+    from atomd.model.loader import read_config, tp_split
+
+    config = EngineConfig(model=str(checkpoints["llama"]), num_threads=1, tensor_parallel_size=2)
+    workers = TPWorkers(config, tmp_path / "missing", (4, 2, 2, BLOCK, 1, 16), torch.float32)
+    try:
+        with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 1 while loading"):
+            workers.join(tp_split(read_config(checkpoints["llama"]), 0, 2))
+        assert not os.path.exists(workers.kv_path)
+    finally:
+        pids = workers.pids
+        workers.close()
+    assert _gone(pids, 10) == []
