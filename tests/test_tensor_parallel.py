@@ -208,6 +208,16 @@ def test_dp2_x_tp2_serve_equals_one_process(tmp_path):
                                                     "temperature": 0, "ignore_eos": True,
                                                     "data_parallel_rank": rank}, 60)
                 assert status == 200 and answer["choices"][0]["text"] == text, (rank, prompt, answer)
+        # a worker of an idle engine dies: the core finds out by itself (no request needed)
+        worker = ranks[1]["tensor_parallel"]["worker_pids"][0]
+        core = int(pathlib.Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+        assert core in server.engine_pids()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while http("GET", server.url + "/health")[0] != 503:
+            assert time.monotonic() < deadline, "/health still 200 after a TP worker of an idle engine died"
+            time.sleep(0.05)
+        assert _gone([worker, core], 30) == []
     finally:
         server.stop()
 

@@ -123,6 +123,10 @@ class LLMEngine(EngineLoop):
         if self.tp_workers is not None:
             self.tp_workers.close()
 
+    def check_alive(self) -> None:
+        if self.tp_workers is not None:
+            self.tp_workers.check_alive()
+
     def _load_adapter(self, name: str, path: str):
         """A PEFT adapter for this model (ValueError naming what is wrong, also an unreadable file)."""
         try:

@@ -178,17 +178,26 @@ class TPWorkers:
             _unlink(self.kv_path)  # mapped by every rank that joined; a failed join leaves no file either
         return TensorParallel(self.comm, split)
 
+    def check_alive(self) -> None:
+        """RuntimeError naming the first worker that has exited."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor parallelism: worker rank {rank} (pid {proc.pid}) exited with code "
+                                   f"{proc.returncode}")
+
     def broadcast(self, step: TPStep) -> None:
         self.comm.broadcast_bytes(msgspec.msgpack.encode(step))
 
     def close(self) -> None:
         """Stop the workers (a stop message while the group works, then SIGKILL by PID)."""
+        told = False
         if self.comm is not None and getattr(self.comm, "broken", None) is None:
             try:
                 self.broadcast(TPStep(stop=True))
-            except Exception as e:  # a broken group: the kill below
+                told = True
+            except Exception as e:  # a broken group: killed at once below
                 log.warning("tensor parallelism: stop message not delivered: %s", e)
-        deadline = time.monotonic() + STOP_DEADLINE_S
+        deadline = time.monotonic() + (STOP_DEADLINE_S if told else 0)
         for p in self.procs:
             try:
                 p.wait(max(deadline - time.monotonic(), 0.01))
