@@ -114,9 +114,10 @@ def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
         for p in parts[2:]:
             out.add_(p)
         return
-    acc = parts[0].float()
+    acc = torch.empty(out.shape, dtype=torch.float32)
+    acc.copy_(parts[0])
     for p in parts[1:]:
-        acc.add_(p.float())
+        acc.add_(p)  # fp32 += bf16: the bf16 operand is widened exactly, no temporary
     out.copy_(acc)
 
 
