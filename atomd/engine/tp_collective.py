@@ -6,7 +6,7 @@ Two communicators, one interface (`TPCommunicator`):
 
 - `ShmCommunicator` (`--tp-communicator shm`, one host): one shared-memory segment in
   /dev/shm, named by rank 0. It holds a header (one 64-byte line per rank: its `arrive` and
-  `done` round counters, its pid, the bytes it wrote) and one slot per rank. A round: wait
+  `done` round counters, its pid, the size of the call's whole tensor or payload) and one slot per rank. A round: wait
   until every peer is `done` with the previous round (so this rank's slot is free), copy this
   rank's part into its slot, publish `arrive`, wait for every peer's `arrive`, read the
   slots, publish `done`. Tensors larger than a slot take several rounds (chunks).
@@ -114,9 +114,10 @@ def _sum_in_rank_order(parts: list[torch.Tensor], out: torch.Tensor) -> None:
         for p in parts[2:]:
             out.add_(p)
         return
-    acc = parts[0].float()
+    acc = torch.empty(out.shape, dtype=torch.float32)
+    acc.copy_(parts[0])
     for p in parts[1:]:
-        acc.add_(p.float())
+        acc.add_(p)  # fp32 += bf16: the bf16 operand is widened exactly, no temporary
     out.copy_(acc)
 
 
@@ -161,7 +162,10 @@ class ShmCommunicator(TPCommunicator):
             self.header[0] = _MAGIC
         self.lines[rank][_PID] = os.getpid()
         try:
-            self._round(None, lambda: None, timeout_s=join_timeout_s, what="join")
+            self._round(0, lambda slot: None, lambda: None, timeout_s=join_timeout_s, what="join")
+            for r, line in enumerate(self.lines):  # arrived, then died before this rank came
+                if not _pid_alive(int(line[_PID])):
+                    self._fail(_ARRIVE, math.inf, "join", "exited", [r])
         except CollectiveBroken:
             self._unlink()
             raise
@@ -194,6 +198,7 @@ class ShmCommunicator(TPCommunicator):
                 finally:
                     os.close(fd)
             if time.monotonic() > deadline:
+                self._unlink()  # rank 0 created it and died before it was ready
                 raise CollectiveTimeout(f"tp rank {self.rank}: rank 0 did not create {self.path} "
                                         f"within {join_timeout_s} s", [0])
             time.sleep(0.005)
@@ -226,23 +231,24 @@ class ShmCommunicator(TPCommunicator):
                     if pid and not _pid_alive(pid):
                         self._fail(field, value, what, "exited")
 
-    def _fail(self, field: int, value: int, what: str, why: str) -> None:
-        late = [r for r, line in enumerate(self.lines) if line[field] < value]
+    def _fail(self, field: int, value: float, what: str, why: str, late: list[int] | None = None) -> None:
+        if late is None:
+            late = [r for r, line in enumerate(self.lines) if line[field] < value]
         pids = [int(self.lines[r][_PID]) for r in late]
-        self.broken = (f"tp rank {self.rank}: {what} (round {value}): rank(s) {late} (pid {pids}) {why}; "
+        self.broken = (f"tp rank {self.rank}: {what} (round {self.seq}): rank(s) {late} (pid {pids}) {why}; "
                        f"the TP group is broken")
         raise CollectiveTimeout(self.broken, late)
 
-    def _round(self, write, read, *, timeout_s: float, what: str):
-        """One round: write this rank's slot (write(slot) -> bytes written, or None), then
-        read() once every rank has written."""
+    def _round(self, nbytes: int, write, read, *, timeout_s: float, what: str):
+        """One round: publish `nbytes` (the call's whole size), write(slot) this rank's part,
+        then read() once every rank has written."""
         if self.broken is not None:
             raise CollectiveTimeout(self.broken)
         self.seq += 1
         seq, me = self.seq, self.lines[self.rank]
         self._wait(_DONE, seq - 1, timeout_s, what)  # every peer is done reading my slot
-        if write is not None:
-            me[_NBYTES] = write(self.slots[self.rank])
+        me[_NBYTES] = nbytes
+        write(self.slots[self.rank])
         me[_ARRIVE] = seq
         self._wait(_ARRIVE, seq, timeout_s, what)
         try:
@@ -255,42 +261,44 @@ class ShmCommunicator(TPCommunicator):
     def all_reduce_(self, t: torch.Tensor) -> torch.Tensor:
         _check_reducible(t)
         flat = t.view(-1)
+        total = flat.numel() * t.element_size()
         per_round = self.slot_bytes // t.element_size()
         for at in range(0, flat.numel(), per_round):
             part = flat[at:at + per_round]
-            n = part.numel()
+            nb = part.numel() * t.element_size()
 
-            def write(slot, part=part):
-                slot[:n * part.element_size()].view(part.dtype).copy_(part)
-                return n * part.element_size()
+            def write(slot, part=part, nb=nb):
+                slot[:nb].view(part.dtype).copy_(part)
 
-            def read(part=part):
-                self._check_same_sizes(n * part.element_size(), "all_reduce_")
-                _sum_in_rank_order([s[:n * part.element_size()].view(part.dtype) for s in self.slots], part)
+            def read(part=part, nb=nb, first=at == 0):
+                if first:
+                    self._check_same_sizes(total, "all_reduce_")
+                _sum_in_rank_order([s[:nb].view(part.dtype) for s in self.slots], part)
 
-            self._round(write, read, timeout_s=self.timeout_s, what="all_reduce_")
+            self._round(total, write, read, timeout_s=self.timeout_s, what="all_reduce_")
         return t
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         src = t.contiguous().view(-1).view(torch.uint8)
         parts = [torch.empty_like(src) for _ in range(self.world_size)]
         for at in range(0, max(src.numel(), 1), self.slot_bytes):
-            n = min(self.slot_bytes, src.numel() - at)
+            nb = min(self.slot_bytes, src.numel() - at)
 
-            def write(slot, at=at, n=n):
-                slot[:n].copy_(src[at:at + n])
-                return n
+            def write(slot, at=at, nb=nb):
+                slot[:nb].copy_(src[at:at + nb])
 
-            def read(at=at, n=n):
-                self._check_same_sizes(n, "all_gather")
+            def read(at=at, nb=nb):
+                if at == 0:
+                    self._check_same_sizes(src.numel(), "all_gather")
                 for r, s in enumerate(self.slots):
-                    parts[r][at:at + n].copy_(s[:n])
+                    parts[r][at:at + nb].copy_(s[:nb])
 
-            self._round(write, read, timeout_s=self.timeout_s, what="all_gather")
+            self._round(src.numel(), write, read, timeout_s=self.timeout_s, what="all_gather")
         return torch.cat([p.view(t.dtype).view(t.shape) for p in parts], dim=-1)
 
     def _check_same_sizes(self, nbytes: int, what: str) -> None:
-        """Every rank sees every rank's size, so all raise together and stay in step."""
+        """In a call's first round: every rank sees every rank's size, so all raise together
+        and stay in step."""
         sizes = [int(line[_NBYTES]) for line in self.lines]
         if any(s != nbytes for s in sizes):
             raise ValueError(f"{what}: the ranks' tensors differ in size ({sizes} bytes by rank)")
@@ -302,33 +310,31 @@ class ShmCommunicator(TPCommunicator):
                 raise ValueError("rank 0 broadcasts a payload")
             if len(payload) > MAX_BROADCAST_BYTES:
                 raise ValueError(f"broadcast of {len(payload)} bytes > {MAX_BROADCAST_BYTES}")
-            view = memoryview(payload)
+            src = np.frombuffer(payload, np.uint8)
         elif payload is not None:
             raise ValueError("only rank 0 broadcasts a payload; the others pass None")
-        # round 1 carries the total length and the first chunk; the others wait for it as long
-        # as asked (an idle worker), later rounds under the communicator's timeout
+        # the first round tells the length; the others wait for it as long as asked (an idle
+        # worker), later rounds under the communicator's timeout
         out = bytearray()
         total = None
         while total is None or len(out) < total:
             at = len(out)
 
             def write(slot, at=at):
-                if self.rank != 0:
-                    return 0
-                chunk = view[at:at + self.slot_bytes - 8]
-                slot[:8].view(torch.int64)[0] = len(payload)
-                slot[8:8 + len(chunk)].numpy()[:] = np.frombuffer(chunk, np.uint8)
-                return 8 + len(chunk)
+                if self.rank == 0:
+                    nb = min(self.slot_bytes, len(payload) - at)
+                    slot[:nb].numpy()[:] = src[at:at + nb]
 
-            def read():
-                n0 = int(self.lines[0][_NBYTES]) - 8
-                return int(self.slots[0][:8].view(torch.int64)[0]), bytes(self.slots[0][8:8 + n0].numpy())
+            def read(at=at):
+                n = int(self.lines[0][_NBYTES])
+                if not 0 <= n <= MAX_BROADCAST_BYTES:  # a corrupt header, never a real step
+                    self.broken = f"tp rank {self.rank}: broadcast of {n} bytes announced"
+                    raise CollectiveBroken(self.broken)
+                return n, bytes(self.slots[0][:min(self.slot_bytes, n - at)].numpy())
 
-            total, chunk = self._round(write, read, timeout_s=timeout_s if total is None else self.timeout_s,
+            total, chunk = self._round(len(payload) if self.rank == 0 else 0, write, read,
+                                       timeout_s=timeout_s if total is None else self.timeout_s,
                                        what="broadcast_bytes")
-            if total > MAX_BROADCAST_BYTES:  # a corrupt header, never a real step
-                self.broken = f"tp rank {self.rank}: broadcast of {total} bytes announced"
-                raise CollectiveBroken(self.broken)
             out += chunk
         return payload if self.rank == 0 else bytes(out)
 
