@@ -239,3 +239,38 @@ def test_a_worker_that_dies_loading_fails_the_start_at_once(checkpoints, tmp_pat
         pids = workers.pids
         workers.close()
     assert _gone(pids, 10) == []
+
+
+# ---------------------------------------------------------------- PD with different TP sizes
+
+@pytest.fixture(scope="module")
+def hetero_pd():
+    """A colocated TP=1 reference, P TP=1 -> D TP=2 and P TP=2 -> D TP=1 behind two routers
+    (built-in model: 8 query / 4 KV heads)."""
+    from tests.pd_fixtures import PDCluster
+
+    cluster = PDCluster()
+    try:
+        tp2 = ["--tensor-parallel-size", "2"]
+        cluster.start_engines(ref=[], P1=["--kv-role", "producer"], D2=[*tp2, "--kv-role", "consumer"],
+                              P2=[*tp2, "--kv-role", "producer"], D1=["--kv-role", "consumer"])
+        cluster.routers_by_pair = {"P1->D2": cluster.start_router("P1", "D2"), "P2->D1": cluster.start_router("P2", "D1")}
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pair", ["P1->D2", "P2->D1"])
+def test_pd_with_different_tp_sizes_equals_colocated(hetero_pd, pair):
+    prompts = ["def fibonacci(n):\n    " * 6, "import os\nimport sys\n\nclass Stack:\n    def"]  # several blocks
+    model = json.loads(http("GET", hetero_pd["ref"].url + "/v1/models")[1])["data"][0]["id"]
+    router = hetero_pd.routers_by_pair[pair]
+    for prompt in prompts:
+        body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        status, want = _post(hetero_pd["ref"].url, body, 60)
+        assert status == 200, want
+        status, got = _post(router.url, body, 60)
+        assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"], (pair, got, want)
+    decode = hetero_pd["D2" if pair == "P1->D2" else "D1"].stats()["kv_transfer"]
+    assert decode["bytes"] > 0 and not decode["failures"] and not decode["fallbacks"], decode  # pulled, not recomputed
