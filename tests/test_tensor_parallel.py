@@ -78,6 +78,27 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("n,kv_heads", [(2, 4), (4, 2)])  # split, replicated
+def test_pd_staging_gathers_and_scatters_every_worker_slice(n, kv_heads):
+    """atomd/engine/tp_pd.py against a full-heads reference: P's gather makes the TP=1 block,
+    D's scatter gives every worker (each replica) its heads."""
+    from atomd.engine.tp_pd import TPKVStaging
+    from atomd.model.tp_split import TPSplit
+
+    full = torch.randn(3, 2, 2, 4, kv_heads, 8)  # blocks, layers, k|v, block, heads, head_dim
+    heads = [TPSplit(w, n, 4, kv_heads, 8, 100).kv_heads() for w in range(n)]
+    kv_all = torch.stack([full[..., h.start:h.stop, :] for h in heads]).contiguous()
+    staging = TPKVStaging(kv_all, kv_heads, "float32")
+    staging.gather([0, 2])
+    rows = torch.from_numpy(staging.blocks).view(torch.float32).view(full.shape)
+    assert torch.equal(rows[[0, 2]], full[[0, 2]]) and not rows[1].any()
+    want = kv_all.clone()
+    kv_all.zero_()
+    staging.scatter([0, 2])
+    assert torch.equal(kv_all[:, [0, 2]], want[:, [0, 2]]) and not kv_all[:, 1].any()
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
     """Mixed lengths (one token .. many blocks, a batch, then batch-1 decode alone)."""
