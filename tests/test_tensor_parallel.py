@@ -66,8 +66,8 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
         check_split(4, 2, [102], 4)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the 4 attention heads"):
         EngineConfig(model=str(checkpoints["llama"]), tensor_parallel_size=3)  # the API process's check
-    with pytest.raises(ValueError, match="does not run with kv_role"):
-        EngineConfig(model=str(checkpoints["llama"]), tensor_parallel_size=2, kv_role="producer")
+    with pytest.raises(ValueError, match="does not run with enable_lora"):
+        EngineConfig(model=str(checkpoints["llama"]), tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="tp_communicator must be one of shm, gloo"):
         EngineConfig(tensor_parallel_size=2, tp_communicator="nccl")
     # replicated KV heads: the one each worker's query heads read (GQA groups of 2 query heads)
@@ -266,14 +266,15 @@ def test_a_worker_that_dies_loading_fails_the_start_at_once(checkpoints, tmp_pat
 
 @pytest.fixture(scope="module")
 def hetero_pd():
-    """A colocated TP=1 reference, P TP=1 -> D TP=2 and P TP=2 -> D TP=1 behind two routers
-    (built-in model: 8 query / 4 KV heads)."""
+    """P TP=1 -> D TP=2 and P TP=2 -> D TP=1 behind two routers (built-in model: 8 query / 4 KV
+    heads); the colocated reference is D TP=1 asked directly (a request without kv_transfer_params
+    runs its whole prompt there)."""
     from tests.pd_fixtures import PDCluster
 
     cluster = PDCluster()
     try:
         tp2 = ["--tensor-parallel-size", "2"]
-        cluster.start_engines(ref=[], P1=["--kv-role", "producer"], D2=[*tp2, "--kv-role", "consumer"],
+        cluster.start_engines(P1=["--kv-role", "producer"], D2=[*tp2, "--kv-role", "consumer"],
                               P2=[*tp2, "--kv-role", "producer"], D1=["--kv-role", "consumer"])
         cluster.routers_by_pair = {"P1->D2": cluster.start_router("P1", "D2"), "P2->D1": cluster.start_router("P2", "D1")}
         yield cluster
@@ -285,13 +286,14 @@ def hetero_pd():
 @pytest.mark.parametrize("pair", ["P1->D2", "P2->D1"])
 def test_pd_with_different_tp_sizes_equals_colocated(hetero_pd, pair):
     prompts = ["def fibonacci(n):\n    " * 6, "import os\nimport sys\n\nclass Stack:\n    def"]  # several blocks
-    model = json.loads(http("GET", hetero_pd["ref"].url + "/v1/models")[1])["data"][0]["id"]
+    ref = hetero_pd["D1"]
+    model = json.loads(http("GET", ref.url + "/v1/models")[1])["data"][0]["id"]
     router = hetero_pd.routers_by_pair[pair]
     for prompt in prompts:
         body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
-        status, want = _post(hetero_pd["ref"].url, body, 60)
+        status, want = _post(ref.url, body, 60)
         assert status == 200, want
         status, got = _post(router.url, body, 60)
         assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"], (pair, got, want)
     decode = hetero_pd["D2" if pair == "P1->D2" else "D1"].stats()["kv_transfer"]
-    assert decode["bytes"] > 0 and not decode["failures"] and not decode["fallbacks"], decode  # pulled, not recomputed
+    assert decode["fallbacks"] == {} and decode["bytes"] > 0 and not decode["failures"], decode  # pulled, not recomputed
