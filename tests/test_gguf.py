@@ -9,12 +9,15 @@ prompt logits within 2e-4 (both float32, summation order apart), 48 greedy ids e
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
+from tokenizers import SentencePieceBPETokenizer
 from tokenizers import Tokenizer as HFTokenizer
 
 from atomd.llm import LLM
@@ -37,10 +40,16 @@ LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 KINDS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
          "ffn_down": "down"}  # write_gguf's `types` keys of the layer linears
-K_BLOCKS = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+K_BLOCKS = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+
+
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
 
 
 def gguf_names(name: str) -> str:
+    if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):  # the MoE router
+        return f"blk.{name.split('.')[2]}.ffn_gate_inp.weight"
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "model.norm.weight":
@@ -66,6 +75,11 @@ def random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
     if qtype == Q.Q6_K:
         b[..., 208:210] = (rng.uniform(1e-5, 3e-5, (rows, cols // 256, 1))).astype(np.float16).view(np.uint8)
+    elif qtype == Q.Q3_K:
+        b[..., 108:110] = (rng.uniform(1e-4, 3e-4, (rows, cols // 256, 1))).astype(np.float16).view(np.uint8)
+    elif qtype == Q.Q2_K:
+        d = rng.uniform(5e-4, 1e-3, (rows, cols // 256, 2)).astype(np.float16)
+        b[..., 80:84] = d.view(np.uint8)
     else:
         d = rng.uniform(2e-5 if qtype == Q.Q5_K else 5e-5, 1e-4, (rows, cols // 256, 2)).astype(np.float16)
         b[..., 0:4] = d.view(np.uint8)
@@ -91,16 +105,27 @@ def write_gguf(float_dir, path, arch: str, types: dict[str, object], rng_seed: i
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     w.add_rope_freq_base(10000.0)
-    if "head_dim" in hf:
+    if hf.get("head_dim"):
         w.add_key_length(hf["head_dim"])
         w.add_value_length(hf["head_dim"])
     if tokenizer:
         add_vocabulary(w, float_dir, tokenizer)
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if experts:  # llama.cpp's MoE keys; each layer's experts stacked [experts, out, in] per linear
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hf["num_experts_per_tok"])
+        if "moe_intermediate_size" in hf:
+            w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     seen = {}
+    stacks: dict[tuple[str, str], dict[int, tuple[str, np.ndarray]]] = {}
     for name, t in sorted(tensors.items()):
+        m = EXPERT.fullmatch(name)
+        if m:
+            stacks.setdefault((m.group(1), EXPERT_KINDS[m.group(3)]), {})[int(m.group(2))] = (name, t)
+            continue
         g = gguf_names(name)
         kind = ("embed" if g == "token_embd.weight" else "output" if g == "output.weight"
-                else KINDS[g.split(".")[2]] if t.ndim == 2 else None)
+                else KINDS.get(g.split(".")[2]) if t.ndim == 2 else None)  # None: F32 (norms, the router)
         qtype = Q.F32 if kind is None else types.get(kind, types["linear"])
         rows_permuted = arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k")
         n_heads = heads if ".attn_q." in g else kv_heads
@@ -112,6 +137,13 @@ def write_gguf(float_dir, path, arch: str, types: dict[str, object], rng_seed: i
         w.add_tensor(g, raw, raw_dtype=qtype)
         back = gguf.quants.dequantize(raw, qtype).reshape(t.shape).astype(np.float32)
         seen[name] = unpermute(back, n_heads) if rows_permuted else back
+    for (layer, kind), by_expert in sorted(stacks.items()):
+        names, ts = zip(*(by_expert[e] for e in range(experts)))
+        qtype = types.get(kind, types["linear"])
+        raw = gguf.quants.quantize(np.ascontiguousarray(np.stack(ts), np.float32), qtype)
+        w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=qtype)
+        back = gguf.quants.dequantize(raw, qtype).reshape(len(ts), *ts[0].shape).astype(np.float32)
+        seen.update(zip(names, back))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -174,12 +206,27 @@ def hf_on(float_dir, weights: dict[str, np.ndarray]):
     return model
 
 
+def assert_equals_hf_on(llm: LLM, hf) -> None:
+    """Prompt logits within 2e-4 of HF's (on the weights as gguf's dequantisers read them) and
+    48 greedy ids equal."""
+    prompt = prompts_of([2 * 16 + 7], seed=12)[0]
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
+    prompts = prompts_of([1, 20], seed=13)
+    for p, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(hf, p, 48)
+
+
 CASES = {  # id -> (arch, types)
     "llama-Q8_0": ("llama", {"linear": Q.Q8_0, "embed": Q.F32, "output": Q.Q8_0}),
     "llama-Q4_0": ("llama", {"linear": Q.Q4_0, "embed": Q.F16, "output": Q.Q4_0}),
     "llama-Q4_K_M-like": ("llama", {"linear": Q.Q4_K, "v": Q.Q6_K, "down": Q.Q5_K, "embed": Q.Q4_K,
                                     "output": Q.Q6_K}),
     "llama-F16": ("llama", {"linear": Q.F16, "embed": Q.F16, "output": Q.F16}),
+    # the legacy types: Q4_1 with a Q5_1 v (q / k / v then int8), a Q5_0 down, a Q5_1 head
+    "llama-Q4_1-Q5": ("llama", {"linear": Q.Q4_1, "v": Q.Q5_1, "down": Q.Q5_0, "embed": Q.F32, "output": Q.Q5_1}),
+    "llama-Q3_K_M-like": ("llama", {"linear": Q.Q3_K, "v": Q.Q5_K, "down": Q.Q2_K, "embed": Q.F32, "output": Q.Q6_K}),
     "qwen2-Q8_0": ("qwen2", {"linear": Q.Q8_0, "embed": Q.Q8_0}),  # tied: the packed embedding is the head too
     "qwen3-Q4_0": ("qwen3", {"linear": Q.Q4_0, "embed": Q.BF16, "output": Q.Q8_0}),
 }
@@ -196,7 +243,7 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
     if types["linear"] in (Q.F16, Q.BF16):
         assert not any(isinstance(t, QuantizedWeight) for t in layer.linears())
     else:  # packed as stored: int4 for the 4-bit types, int8 for the rest (and siblings of mixed types)
-        bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_K: 4}[types["linear"]]
+        bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q3_K: 8, Q.Q4_K: 4}[types["linear"]]
         assert isinstance(layer.o, QuantizedWeight) and layer.o.bits == bits
         assert isinstance(layer.gate_up, QuantizedWeight) and layer.gate_up.bits == bits
         assert isinstance(layer.qkv, QuantizedWeight) and layer.qkv.bits == (8 if "v" in types else bits)
@@ -204,14 +251,7 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
     head = llm.engine.model.lm_head
     packed_head = types.get("output" if "output" in types else "embed") not in (Q.F32, Q.F16, Q.BF16)
     assert isinstance(head, QuantizedWeight) == packed_head
-    hf = hf_on(float_dir, weights)
-    prompt = prompts_of([2 * 16 + 7], seed=12)[0]
-    with torch.inference_mode():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
-    prompts = prompts_of([1, 20], seed=13)
-    for p, ids in zip(prompts, greedy(llm, prompts)):
-        assert ids == hf_greedy(hf, p, 48)
+    assert_equals_hf_on(llm, hf_on(float_dir, weights))
 
 
 def test_q8_0_file_is_close_to_the_float_model(checkpoints, tmp_path):
@@ -257,7 +297,7 @@ def test_a_tokenizer_json_beside_the_file_is_used(checkpoints, tmp_path):
     assert len(out.token_ids) == 48 and isinstance(out.text, str)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_blocks_unpack_to_what_ggml_dequantises_and_the_kernel_multiplies(qtype):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 40, 512
@@ -274,14 +314,14 @@ def test_blocks_unpack_to_what_ggml_dequantises_and_the_kernel_multiplies(qtype)
 
 
 @pytest.mark.parametrize("edit,message", [
-    ("q5_0", "GGUF tensor .* is Q5_0: atomd reads F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"),
+    ("tq1_0", "GGUF tensor .* is TQ1_0: atomd reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K"),
     ("arch", "GGUF architecture 'gemma' is not supported"),
-    ("spm", "GGUF tokenizer model 'llama' is not supported .*tokenizer.json beside"),
+    ("t5", "GGUF tokenizer model 't5' is not supported .*tokenizer.json beside"),
 ])
 def test_unsupported_files_are_refused_by_name(edit, message, checkpoints, tmp_path):
     path = tmp_path / "m.gguf"
-    write_gguf(checkpoints["qwen3"], path, "qwen3", {"linear": Q.Q5_0 if edit == "q5_0" else Q.Q8_0, "embed": Q.F32},
-               tokenizer="llama" if edit == "spm" else "gpt2")
+    write_gguf(checkpoints["qwen3"], path, "qwen3", {"linear": Q.TQ1_0 if edit == "tq1_0" else Q.Q8_0, "embed": Q.F32},
+               tokenizer="t5" if edit == "t5" else "gpt2")
     if edit == "arch":  # general.architecture's value, the first 'qwen3' in the file (same length)
         path.write_bytes(path.read_bytes().replace(b"qwen3", b"gemma", 1))
     with pytest.raises(ValueError, match=message):
@@ -337,3 +377,118 @@ def test_broken_files_are_refused_with_the_reason(checkpoints, tmp_path):
         (tmp_path / "two" / name).write_bytes(data)
     with pytest.raises(ValueError, match="holds 2 .gguf files"):
         model_path(str(tmp_path / "two"))
+
+
+def write_sentencepiece_gguf(path) -> list[str]:
+    """A GGUF holding only a SentencePiece vocabulary as llama.cpp writes Llama 2's (model llama:
+    unk / bos / eos, the 256 <0xNN> byte pieces, pieces with scores, no merges), plus a
+    user-defined <think>; the pieces learned by tokenizers' SentencePiece BPE on CORPUS."""
+    spm = SentencePieceBPETokenizer()
+    spm.train_from_iterator(CORPUS + ["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=200,
+                            min_frequency=2, show_progress=False, special_tokens=["<unk>"])
+    learned = json.loads(spm.to_str())["model"]["vocab"]
+    pieces = [t for t, _ in sorted(learned.items(), key=lambda kv: kv[1]) if t != "<unk>"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["<think>"] + pieces
+    T = gguf.TokenType
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(pieces))])  # earlier pieces merge first
+    w.add_token_types([T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.USER_DEFINED] + [T.NORMAL] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_transformers_reads_the_file(tmp_path):
+    """transformers' own GGUF tokenizer (AutoTokenizer with gguf_file) is the reference: the same
+    ids (bos first, merges recovered from the scores, bytes outside the vocabulary as <0xNN>,
+    <think> whole) and the same text back."""
+    write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours = HFTokenizer.from_str(json.dumps(gguf_file.tokenizer_json(gguf_file.GGUFFile(tmp_path / "spm.gguf"))))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    texts = ["hello world", " leading space", "  two  spaces  ", "the quick brown fox", "naïve café 日本語 🙂 ☃",
+             "<think>why</think> so", "def main():\n\tprint(1)\n", ""]
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == ref(text)["input_ids"], text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("naïve ☃").tokens[-3:] == ["<0xE2>", "<0x98>", "<0x83>"]  # byte fallback: not in CORPUS
+
+
+def test_sentencepiece_without_scores_is_refused(tmp_path):
+    tokens = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    raw = (tmp_path / "spm.gguf").read_bytes().replace(b"tokenizer.ggml.scores", b"tokenizer.ggml.xxxxxx", 1)
+    (tmp_path / "spm.gguf").write_bytes(raw)
+    assert len(tokens) > 260
+    with pytest.raises(ValueError, match="SentencePiece vocabulary without merges or one score per token"):
+        gguf_file.tokenizer_json(gguf_file.GGUFFile(tmp_path / "spm.gguf"))
+
+
+def hf_from_files(float_dir, weights: dict[str, np.ndarray], out):
+    """HF's model from a copy of float_dir whose tensors are `weights` (by checkpoint name: how
+    transformers turns per-expert tensors into its own layout is then its business)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(float_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors.update({name: np.ascontiguousarray(w, np.float32) for name, w in weights.items()})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+MOE_CASES = {  # the experts stored packed, the routers F32 (as llama.cpp keeps ffn_gate_inp)
+    "qwen3moe-Q8_0": ("qwen3_moe", "qwen3moe", {"linear": Q.Q8_0, "embed": Q.F32, "output": Q.Q8_0}),
+    "mixtral-Q4_0-Q8_0-down": ("mixtral", "llama", {"linear": Q.Q4_0, "down": Q.Q8_0, "embed": Q.F16,
+                                                     "output": Q.Q4_0}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-moe")
+    # llama.cpp renormalises the k routing weights (its qwen3moe always does): so does the reference
+    return {"qwen3_moe": make_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=24, head_dim=64, norm_topk_prob=True,
+                                         moe_intermediate_size=64, **SHAPE),
+            "mixtral": make_checkpoint(root / "mixtral", "mixtral", seed=25, **SHAPE, **ROPE)}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_gguf_equals_hf_on_its_dequantised_weights(case, moe_checkpoints, tmp_path):
+    kind, arch, types = MOE_CASES[case]
+    float_dir = moe_checkpoints[kind]
+    weights = write_gguf(float_dir, tmp_path / "m.gguf", arch, types)
+    llm = LLM(str(tmp_path / "m.gguf"), num_threads=1, max_model_len=256)
+    model = llm.engine.model
+    assert type(model).__name__ == {"qwen3_moe": "Qwen3MoeModel", "mixtral": "MixtralModel"}[kind]
+    moe = model.layers[0].moe
+    assert moe.quantized and len(moe.gate_up) == 8 and all(isinstance(w, QuantizedWeight) for w in moe.gate_up)
+    assert moe.gate_up[0].bits == (8 if types["linear"] == Q.Q8_0 else 4) and moe.down[0].bits == 8
+    assert_equals_hf_on(llm, hf_from_files(float_dir, weights, tmp_path / "hf"))
+
+
+def test_moe_file_whose_expert_count_disagrees_with_its_tensors_is_refused(moe_checkpoints, tmp_path):
+    write_gguf(moe_checkpoints["qwen3_moe"], tmp_path / "m.gguf", "qwen3moe", {"linear": Q.Q8_0, "embed": Q.F32})
+    key = b"qwen3moe.expert_count"
+    raw = bytearray((tmp_path / "m.gguf").read_bytes())
+    at = raw.index(key) + len(key) + 4  # then the value type (uint32), then the count
+    assert int.from_bytes(raw[at:at + 4], "little") == 8
+    raw[at:at + 4] = (16).to_bytes(4, "little")
+    (tmp_path / "m.gguf").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"ffn_gate_exps.weight has shape \(8, 64, 256\): expected \[16 experts"):
+        LLM(str(tmp_path / "m.gguf"), num_threads=1, max_model_len=64)
+
+
+def test_expert_parallel_over_quantized_experts_is_refused(moe_checkpoints, tmp_path):
+    from atomd.model.expert_parallel import ExpertParallel
+
+    write_gguf(moe_checkpoints["mixtral"], tmp_path / "m.gguf", "llama", {"linear": Q.Q8_0, "embed": Q.F32})
+    model = LLM(str(tmp_path / "m.gguf"), num_threads=1, max_model_len=64).engine.model
+    with pytest.raises(ValueError, match="expert parallelism over quantized experts"):
+        model.use_expert_parallel(ExpertParallel(None, 0, 2))

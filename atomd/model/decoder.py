@@ -278,6 +278,7 @@ class DecoderModel:
         for w in self.layers:
             if w.moe is not None:
                 w.moe.ep = ep
+                ep.attach(w.moe)
 
     def use_tensor_parallel(self, tp: Any) -> None:
         """Run as one worker of tensor parallelism through `tp` (atomd/model/tensor_parallel.py);
