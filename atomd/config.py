@@ -37,6 +37,7 @@ QUANTIZED_ACTIVATIONS = ("float32", "int8")  # --quantized-activations (atomd/mo
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 SPECULATIVE_METHODS = ("ngram",)
 MODEL_RUNNERS = ("real", "simulated")  # simulated: atomd/sim/engine.py
+TP_COMMUNICATORS = ("shm", "gloo")  # atomd/engine/tp_collective.py's (which imports torch: not here)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -112,6 +113,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     eplb_step_interval: int = 3000
     dp_collective_timeout_s: float = 60.0
     dp_master_port: int | None = None  # the ranks' gloo group; picked by the API process
+    # tensor parallelism (atomd/engine/tp_workers.py): the engine core drives N - 1 worker processes,
+    # each holding 1/N of every layer's heads and MLP rows; their collectives over shm or gloo
+    tensor_parallel_size: int = 1
+    tp_communicator: str = "shm"
+    tp_collective_timeout_s: float = 5.0
     # speculative decoding, vLLM's JSON shape: '{"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 5}' (atomd/engine/spec_decode.py); None: off
     speculative_config: str | None = None
@@ -201,6 +207,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.model is not None:
             hub.model_path(self.model)  # a directory, or a hub id in the local cache: ValueError if neither
         self._check_simulated()
+        self._check_tensor_parallel()
         self._check_eplb()
         if self.enable_expert_parallel and self.data_parallel_size > 1 and self.model_runner == "real":
             self._check_expert_split()
@@ -248,6 +255,34 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.enable_eplb and replicas > others:
             raise ValueError(f"enable_eplb: {replicas} replica slots a rank but only {others} experts it does not "
                              f"own (num_redundant_experts={self.num_redundant_experts})")
+
+    def _check_tensor_parallel(self) -> None:
+        """At start-up, in the API process: N splits the model's heads and MLP (atomd/model/tp_split.py)
+        and nothing asks for what TP does not run yet."""
+        from atomd.model.tp_split import check_hf_config
+
+        _choice("tp_communicator", self.tp_communicator, TP_COMMUNICATORS)
+        if not self.tp_collective_timeout_s > 0:
+            raise ValueError(f"tp_collective_timeout_s must be > 0, got {self.tp_collective_timeout_s}")
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size == 1 or self.model_runner != "real":
+            return
+        for name, on in (("enable_lora", self.enable_lora),
+                         ("enable_expert_parallel", self.enable_expert_parallel),
+                         ("quantization", self.quantization is not None)):
+            if on:
+                raise ValueError(f"tensor_parallel_size > 1 does not run with {name} yet")
+        from atomd.model.default import default_model_dir
+
+        path = hub.model_path(self.model) if self.model is not None else default_model_dir()
+        try:
+            hf = json.loads((path / "config.json").read_text())
+        except (OSError, ValueError):
+            return  # the loader names what is wrong with the checkpoint
+        if hf.get("kv_lora_rank") or hf.get("quantization_config") or hf.get("gguf_file"):
+            raise ValueError("tensor_parallel_size > 1 does not split MLA (DeepSeek) or quantized checkpoints yet")
+        check_hf_config(hf, self.tensor_parallel_size, self.model or "the built-in model")
 
     def _check_simulated(self) -> None:
         _choice("model_runner", self.model_runner, MODEL_RUNNERS)
@@ -407,7 +442,7 @@ def _bytes_arg(text: str) -> int:
 # `atomd serve` / `atomd generate` flags: one per EngineConfig field (its name with dashes,
 # its default), so every default is written once, on the field. What a flag needs beyond
 # that is keyed by field here.
-CHOICES = {"dtype": DTYPE_CHOICES, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
+CHOICES = {"dtype": DTYPE_CHOICES, "tp_communicator": TP_COMMUNICATORS, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
            "quantization": QUANTIZATIONS, "quantized_activations": QUANTIZED_ACTIVATIONS,
            "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
            "kv_mooncake_protocol": KV_MOONCAKE_PROTOCOLS,
@@ -493,6 +528,12 @@ HELP = {
                         "first from --lora-path-map",
     "lora_path_map": "LoRA adapters this engine may load when a request names one (--lora-load-policy load): "
                      "name=path ...",
+    "tensor_parallel_size": "tensor parallelism: worker processes of this engine (the engine core and N - 1 it "
+                            "starts), each with 1/N of every layer's attention heads (KV heads replicated where N "
+                            "exceeds them), MLP rows and vocabulary; N must divide the heads",
+    "tp_communicator": "tensor parallelism's collectives: shm (shared memory, one host) or gloo",
+    "tp_collective_timeout_s": "a TP collective not done by then (a worker died or hangs) fails the engine: "
+                               "/health 503, its requests error",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}'",
 }

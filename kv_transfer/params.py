@@ -7,7 +7,9 @@ wrong type or out of range raises ValueError naming the field, which a server an
 with a 400.
 
 The compat fingerprint pins what the raw block bytes mean: two engines may exchange KV
-only if every field matches, otherwise the bytes would be silently misread.
+only if every field of COMPAT_FIELDS matches, otherwise the bytes would be silently misread.
+`tp_size` (absent: 1) is not compared exactly: engines of different TP sizes exchange KV
+when one layout maps onto the other (contracts/kv_layout.py), checked before any byte moves.
 """
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from typing import Annotated, Any
 
 import msgspec
 
+from contracts.kv_layout import TPKVLayout, check_mappable
 from contracts.logprobs import Logprob
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -86,10 +89,12 @@ def new_access_token() -> str:
 
 
 def compat_fingerprint(
-    model_id: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, version: str
+    model_id: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, version: str,
+    tp_size: int = 1,
 ) -> dict[str, Any]:
-    """What must be equal on both engines for block bytes to be interchangeable."""
-    return {
+    """What must be equal on both engines for block bytes to be interchangeable, and the TP
+    size their blocks are split by (`num_kv_heads`: the model's, all TP workers' together)."""
+    fp = {
         "model_id": model_id,
         "dtype": dtype,
         "block_size": block_size,
@@ -98,14 +103,36 @@ def compat_fingerprint(
         "head_dim": head_dim,
         "version": version,
     }
+    if tp_size != 1:  # left out at 1, so a TP=1 engine's fingerprint is what it always was
+        fp["tp_size"] = tp_size
+    return fp
 
 
-def compat_mismatch(expected: dict[str, Any] | None, got: dict[str, Any] | None) -> str | None:
-    """None when compatible, else a message naming the first field that differs."""
+def tp_layout(fp: dict[str, Any], planes: int = 2) -> TPKVLayout:
+    """The TP KV layout a fingerprint describes (`planes`: the cache's, 1 for MLA's latent;
+    equal on two engines whose versions match). ValueError when a field is malformed."""
+    try:
+        return TPKVLayout(fp.get("tp_size", 1), fp.get("num_kv_heads"), fp.get("head_dim"), planes,
+                          fp.get("num_layers"), fp.get("block_size"), fp.get("dtype"))
+    except (TypeError, ValueError) as exc:
+        raise ValueError(f"malformed KV layout in the fingerprint: {exc}") from None
+
+
+def compat_mismatch(expected: dict[str, Any] | None, got: dict[str, Any] | None, *,
+                    peer: str = "producer") -> str | None:
+    """None when compatible, else a message naming the first field that differs, or both TP
+    layouts when they cannot map. `expected`: this engine's; `got`: the peer's, whose role
+    (`peer`: producer on D, consumer on P) orders the layouts in the message."""
     if not isinstance(got, dict):
         return f"compat fingerprint missing (got {got!r})"
     expected = expected or {}
     for name in COMPAT_FIELDS:
         if expected.get(name) != got.get(name):
             return f"compat mismatch on {name}: expected {expected.get(name)!r}, got {got.get(name)!r}"
+    if expected.get("tp_size", 1) != got.get("tp_size", 1):
+        try:
+            mine, theirs = tp_layout(expected), tp_layout(got)
+            check_mappable(theirs, mine) if peer == "producer" else check_mappable(mine, theirs)
+        except ValueError as exc:
+            return f"compat mismatch on tp_size: {exc}"
     return None

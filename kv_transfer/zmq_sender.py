@@ -271,7 +271,7 @@ class KVSender(IOLoop):
         if not hmac.compare_digest(msg.access_token.encode(), grant.token):
             self._refuse(rid, tid, BAD_TOKEN)
             return
-        mismatch = compat_mismatch(self._compat, msg.compat)
+        mismatch = compat_mismatch(self._compat, msg.compat, peer="consumer")
         if mismatch:
             self._refuse(rid, tid, COMPAT_MISMATCH, mismatch)
             return

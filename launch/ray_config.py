@@ -1,7 +1,7 @@
 """The YAML config of a Ray-launched atomd cluster, validated with msgspec.
 
 One file says everything `launch/ray_cluster.py` needs: the model, how many prefill and
-decode engines, the data-parallel size and Ray resources of each, the router's port and
+decode engines, the data- and tensor-parallel sizes and Ray resources of each, the router's port and
 policy, and the KV transport. Every error names the field (`prefill.count: ...`), so a
 typo fails before Ray is even contacted.
 
@@ -31,7 +31,8 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     count: int = 1
     data_parallel_size: int = 1
     enable_expert_parallel: bool = False  # MoE: the engine's DP ranks share the experts
-    num_cpus: float = 1.0          # Ray logical CPUs reserved per engine (all its DP ranks)
+    tensor_parallel_size: int = 1  # processes per DP rank (`--tensor-parallel-size`), one node
+    num_cpus: float = 1.0          # Ray logical CPUs per engine process: the engine reserves x TP
     resources: dict[str, float] = {}  # extra Ray resources per engine, e.g. {"prefill_node": 1}
     num_threads: int = 1           # torch threads per DP rank (`--num-threads`)
     max_restarts: int = 3          # Ray restarts of a dead engine actor; -1 = forever
@@ -41,6 +42,7 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         _at_least("count", self.count, 1)
         _at_least("data_parallel_size", self.data_parallel_size, 1)
+        _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.enable_expert_parallel and self.data_parallel_size < 2:
             raise ValueError("enable_expert_parallel: needs data_parallel_size >= 2 (the ranks share the experts)")
         _at_least("num_threads", self.num_threads, 1)
@@ -54,8 +56,9 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _check_modules("lora_modules", self.lora_modules)
 
     def bundle(self) -> dict[str, float]:
-        """The one placement-group bundle of an engine: all its DP ranks share a node."""
-        return {"CPU": float(self.num_cpus), **self.resources}
+        """The one placement-group bundle of an engine: all its DP ranks and TP processes share
+        a node (TP's collectives and KV cache are shared memory), num_cpus for each TP process."""
+        return {"CPU": float(self.num_cpus) * self.tensor_parallel_size, **self.resources}
 
 
 class LoraSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

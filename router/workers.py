@@ -39,6 +39,7 @@ CONNECT_TIMEOUT_S = 5.0
 
 
 MAX_LORAS_SEEN = 4096  # adapter names kept per worker (a bound on what a worker can make us hold)
+MAX_TP_SIZE = 1024  # an engine's tp_size past this is a bad answer, shown as 1
 
 class CircuitBreaker:
     """closed -> open after `failure_threshold` consecutive failures; open refuses traffic
@@ -122,6 +123,7 @@ class Worker:
         self.pool = Pool(url, CONNECT_TIMEOUT_S)
         self.kv_info: dict | None = None  # GET /kv_transfer_info, fetched when it enters rotation
         self.dp_size = 1
+        self.tp_size = 1  # processes per DP rank (its --tensor-parallel-size), shown in /workers
         self.vocab_size: int | None = None  # the model's, when /kv_transfer_info says (router/kv_check.py)
         self.engine_stats: dict | None = None  # from its /metrics, for the dashboard
         # the LoRA adapters it serves (/kv_transfer_info `loras`, refreshed each health round);
@@ -210,6 +212,8 @@ class Worker:
         if isinstance(info, dict):
             self.kv_info = info
             self.dp_size = int(info.get("dp_size") or 1)
+            tp = info.get("tp_size")
+            self.tp_size = tp if type(tp) is int and 1 <= tp <= MAX_TP_SIZE else 1
             vocab = info.get("vocab_size")
             self.vocab_size = vocab if type(vocab) is int and vocab > 0 else None
             loras = info.get("loras")
@@ -225,7 +229,8 @@ class Worker:
                 "circuit_breaker": CircuitBreaker.NAMES[self.breaker.state],
                 "in_flight": self.in_flight, "in_flight_tokens": self.in_flight_tokens,
                 "requests": self.requests, "failures": self.failures, "last_error": self.last_error,
-                "dp_size": self.dp_size, "loras": sorted(self.loras) if self.loras is not None else None,
+                "dp_size": self.dp_size, "tp_size": self.tp_size,
+                "loras": sorted(self.loras) if self.loras is not None else None,
                 "loras_resident": sorted(self.loras_resident)}
 
 

@@ -63,6 +63,7 @@ def test_values_have_the_documented_names():
     for dotted in ("prefill.replicas", "decode.replicas", "prefill.dataParallelSize", "decode.dataParallelSize",
                    "prefill.expertParallel", "decode.expertParallel", "engine.lora.enabled", "engine.lora.maxLoras",
                    "engine.lora.maxLoraRank", "engine.lora.modules", "prefill.loraModules", "decode.loraModules",
+                   "prefill.tensorParallelSize", "decode.tensorParallelSize",
                    "prefill.numThreads", "prefill.resources", "prefill.extraArgs", "prefill.nodeSelector",
                    "prefill.tolerations", "prefill.affinity", "router.replicas", "router.policy", "ingress.enabled",
                    "ingress.host", "apiKey.existingSecret", "adminApiKey.enabled", "adminApiKey.existingSecret",
@@ -153,6 +154,7 @@ def test_install_dry_run_client(name):
 @pytest.mark.parametrize("set_values,message", [
     ({"prefill.replicas": -1}, "at '/prefill/replicas': minimum: got -1, want 0"),
     ({"decode.dataParallelSize": 0}, "at '/decode/dataParallelSize': minimum: got 0, want 1"),
+    ({"prefill.tensorParallelSize": 0}, "at '/prefill/tensorParallelSize': minimum: got 0, want 1"),
     ({"kvTransfer.backend": "rdma"}, "at '/kvTransfer/backend': value must be 'zmq'"),
     ({"image.repository": None}, "at '/image': missing property 'repository'"),
     ({"image.repository": ""}, "at '/image/repository': minLength: got 0, want 1"),
@@ -236,15 +238,20 @@ def pods(objs: list[dict], tmp_path: pathlib.Path) -> dict[str, Pod]:
     return out
 
 
-def parse_engine(pod: Pod):
-    from atomd.config import EngineConfig
-
+def engine_args(pod: Pod):
+    """The engine container's command line, parsed by `atomd serve`'s parser."""
     argv = pod.argv()
     assert argv[:2] == ["atomd", "serve"]
     args = local_argv(pod, argv[2:])
     if not secret_flag_known(pod.local_path("/etc/atomd/kv-params-secret/key")):
         args = strip_flag(args, SECRET_FLAG)
-    parsed = engine_parser().parse_args(args)
+    return engine_parser().parse_args(args)
+
+
+def parse_engine(pod: Pod):
+    from atomd.config import EngineConfig
+
+    parsed = engine_args(pod)
     return parsed, EngineConfig.from_args(parsed)
 
 
@@ -281,6 +288,26 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
         if cfg.enable_lora:  # every engine's adapters and the role's own, each flag repeated per adapter
             assert (cfg.max_loras, cfg.max_lora_rank) == (lora["maxLoras"], lora["maxLoraRank"])
             assert dict(cfg.lora_adapters()) == {**lora["modules"], **values[role].get("loraModules", {})}
+
+
+@pytest.mark.integration
+def test_tensor_parallel_size_per_role_is_the_engine_flag_and_scales_the_cpu(tmp_path):
+    """prefill.tensorParallelSize / decode.tensorParallelSize: `--tensor-parallel-size` on that
+    role's engines; the values' resources are per TP process, the pod's CPU is them x TP."""
+    objs = render(set_values={"prefill.tensorParallelSize": 2, "decode.tensorParallelSize": 4,
+                              "decode.resources": {"requests": {"cpu": "500m", "memory": "2Gi"},
+                                                   "limits": {"cpu": "1.5", "memory": "4Gi"}}})
+    assert semantic_problems(objs) == []
+    ps = pods(objs, tmp_path)
+    for role, tp, requests, limits, memory in (("prefill", 2, "4", "4", "4Gi"), ("decode", 4, "2000m", "6", "4Gi")):
+        assert engine_args(ps[role]).tensor_parallel_size == tp
+        res = ps[role].container["resources"]
+        assert (res["requests"]["cpu"], res["limits"]["cpu"], res["limits"]["memory"]) == (requests, limits, memory)
+    default = pods(render(), tmp_path / "default")
+    for role in ("prefill", "decode"):  # TP=1: no flag, the resources as given
+        assert engine_args(default[role]).tensor_parallel_size == 1
+        assert "--tensor-parallel-size" not in default[role].argv()
+        assert default[role].container["resources"]["limits"]["cpu"] == "2"
 
 
 @pytest.mark.integration

@@ -309,6 +309,7 @@ def test_an_engine_publishes_what_its_prefix_cache_indexed_after_the_forward(req
     request.addfinalizer(llm.engine.close)
     info = llm.engine.kv_transfer_info()["kv_events"]
     assert info["block_size"] == 16 and info["hash"] == "xxh64_chain_le_int64" and info["topic"] == "atomd"
+    assert info["tp_size"] == 1 and llm.engine.kv_transfer_info()["tp_size"] == 1  # the engine's shape
     pub = llm.engine.kv_events
     s = Sub(pub)
     request.addfinalizer(s.close)

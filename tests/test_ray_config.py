@@ -131,6 +131,25 @@ def test_lora_reaches_the_engine_flags_per_role(tmp_path):
     assert not off.enable_lora and off.lora_modules == []
 
 
+def test_tensor_parallel_size_per_role_reaches_the_flags_and_scales_the_cpu_bundle():
+    from launch.ray_cluster import engine_flags
+    from tests.helm_tools import engine_parser
+
+    c = parse_config({"prefill": {"tensor_parallel_size": 2, "num_cpus": 1.5, "resources": {"nic": 1}},
+                      "decode": {"count": 2, "tensor_parallel_size": 4, "num_cpus": 1}})
+    flags = {role: engine_parser().parse_args(["--model", "m", *engine_flags(role, c, "10.0.0.1")])
+             for role in ("prefill", "decode")}
+    assert (flags["prefill"].tensor_parallel_size, flags["decode"].tensor_parallel_size) == (2, 4)
+    assert "--tensor-parallel-size" not in engine_flags("prefill", parse_config({}), "10.0.0.1")
+    # num_cpus is per TP process; custom resources mark nodes and stay as given
+    assert c.prefill.bundle() == {"CPU": 3.0, "nic": 1} and c.decode.bundle() == {"CPU": 4.0}
+    assert c.demand() == {"CPU": 3.0 + 2 * 4.0 + 0.5, "nic": 1.0}
+    with pytest.raises(ValueError, match=r"^decode: .*CPU=4 on a single node"):  # one engine, one node
+        check_fits(c, {"CPU": 12.0}, [{"CPU": 3.0, "nic": 1}, {"CPU": 3.0}, {"CPU": 3.0}, {"CPU": 3.0}])
+    with pytest.raises(ValueError, match="decode.tensor_parallel_size"):
+        parse_config({"decode": {"tensor_parallel_size": 0}})
+
+
 def test_every_engine_kv_backend_is_a_ray_config_choice():
     from atomd.config import KV_TRANSFER_BACKENDS
 

@@ -215,6 +215,26 @@ def test_workers_can_be_registered_and_removed_at_run_time(loop, request):
 
 @pytest.mark.unit
 @pytest.mark.timeout(60)
+def test_workers_show_each_engines_dp_and_tp_size(loop, request):
+    """/workers shows the engine shape /kv_transfer_info tells (tp_size: 1 from an engine that
+    does not say, or says something that is not a TP size)."""
+    c = cluster_of(loop, request, n_decode=0, health_interval_s=60)
+    shapes = {"tp4": {"dp_size": 2, "tp_size": 4}, "old": {"dp_size": 1}, "bad": {"dp_size": 1, "tp_size": "2"}}
+    urls = {}
+    for name, info in shapes.items():
+        d = FakeEngine("decode")
+        d.kv_info = {"role": "consumer", **info}
+        loop.run(d.start())
+        request.addfinalizer(lambda d=d: loop.run(d.stop()))
+        assert c.post("/workers", {"url": d.url, "role": "decode"}).status == 201
+        urls[d.url] = name
+    seen = {urls[w["url"]]: (w["dp_size"], w["tp_size"]) for w in c.get("/workers").json()["workers"]
+            if w["url"] in urls}
+    assert seen == {"tp4": (2, 4), "old": (1, 1), "bad": (1, 1)}
+
+
+@pytest.mark.unit
+@pytest.mark.timeout(60)
 def test_ready_needs_a_healthy_prefill_and_decode_worker(loop, request):
     c = cluster_of(loop, request, health_interval_s=0.05)
     assert c.get("/ready").status == 200 and c.get("/health").status == 200

@@ -127,7 +127,8 @@ class EngineLoop:
                                                                     cfg.data_parallel_rank),
                                 cfg.kv_events_topic, cfg.kv_events_buffer_steps, cfg.data_parallel_rank,
                                 cfg.block_size, extra_info={"tokenizer": str(model_dir),
-                                                            "prefix_caching": cfg.enable_prefix_caching},
+                                                            "prefix_caching": cfg.enable_prefix_caching,
+                                                            "tp_size": cfg.tensor_parallel_size},
                                 secret=load_secret(path=cfg.kv_params_secret_file))
 
     def _pool_blocks(self, bytes_per_block: int) -> int:
@@ -238,6 +239,10 @@ class EngineLoop:
 
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or not self.scheduler.is_finished()
+
+    def check_alive(self) -> None:
+        """Raise if a part of this engine outside the process is gone (LLMEngine: a TP worker); the
+        idle core asks, so the engine is reported dead without waiting for a request to find out."""
 
     # ------------------------------------------------------------------ the loop
 
@@ -401,14 +406,14 @@ class EngineLoop:
         return not (s.running or s.waiting or self._aborted) and not s.parked
 
     def kv_transfer_info(self) -> dict[str, Any]:
-        """Role, side channel, DP size, compat fingerprint and how each C kernel runs
+        """Role, side channel, DP and TP sizes, compat fingerprint and how each C kernel runs
         (`kernels`: prebuilt, built here or a fallback; GET /kv_transfer_info)."""
         cfg = self.config
         info = {"role": cfg.kv_role, "side_channel": None, "engine_id": None, "compat": self.compat,
                 "dp_rank": cfg.data_parallel_rank}
         if self.kv_connector is not None:
             info.update(self.kv_connector.info())
-        return dict(info, dp_size=cfg.data_parallel_size, backend=cfg.kv_transfer_backend,
+        return dict(info, dp_size=cfg.data_parallel_size, tp_size=cfg.tensor_parallel_size, backend=cfg.kv_transfer_backend,
                     kv_events=self.kv_events.info() if self.kv_events is not None else None,
                     kernels=self.kernels_info(), loras=list(self.loras.paths) if self.loras is not None else None,
                     loras_resident=list(self.loras.resident) if self.loras is not None else None)

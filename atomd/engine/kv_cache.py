@@ -65,10 +65,15 @@ class KVGeometry:
 
 class KVCache:
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, planes: int = 2):
+                 head_dim: int, dtype: torch.dtype = torch.float32, planes: int = 2, kv: torch.Tensor | None = None):
+        """`kv`: the zeroed tensor to hold the cache in (a tensor-parallel worker's slice of the
+        shared-memory cache, atomd/engine/tp_workers.py), else a new one."""
         # zeros, not empty: padded (masked) slots are read too, and garbage NaNs would
         # survive a zero attention weight (0 * nan = nan)
-        self.kv = torch.zeros(num_blocks, num_layers, planes, block_size, num_kv_heads, head_dim, dtype=dtype)
+        shape = (num_blocks, num_layers, planes, block_size, num_kv_heads, head_dim)
+        if kv is not None and (tuple(kv.shape) != shape or kv.dtype != dtype or not kv.is_contiguous()):
+            raise ValueError(f"KV cache tensor {tuple(kv.shape)} {kv.dtype}, expected {shape} {dtype} contiguous")
+        self.kv = kv if kv is not None else torch.zeros(shape, dtype=dtype)
         self.num_blocks, self.num_layers, self.block_size = num_blocks, num_layers, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self._k = [self.kv[:, i, 0] for i in range(num_layers)]

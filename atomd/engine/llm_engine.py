@@ -28,6 +28,8 @@ from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
 from atomd.model.rotary import has_long_rows
 from atomd.engine.runner import ModelRunner
+from atomd.engine.tp_pd import TPKVStaging, TPStagedConnector, written_blocks
+from atomd.engine.tp_workers import TPRunner, start_workers
 from atomd.engine.sampler import Sampler, prompt_logprobs
 from atomd.engine.spec_decode import NgramProposer, SpecController, accept
 from atomd.structured import GrammarCompiler
@@ -57,9 +59,19 @@ class LLMEngine(EngineLoop):
         model_dir = resolve_model_dir(config)
         self.model_name = config.model or "atomd-default"
         shard = None if expert_group is None else (config.data_parallel_rank, config.data_parallel_size)
-        self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len,
-                                quantization=config.quantization, activations=config.quantized_activations,
-                                expert_shard=shard)
+        self.tp_workers = split = None
+        if config.tensor_parallel_size > 1:  # rank 0 of N (atomd/engine/tp_workers.py): the workers load meanwhile
+            self.tp_workers, split = start_workers(config, model_dir, DTYPES[config.dtype], self._pool_blocks)
+        try:
+            self.model = load_model(model_dir, DTYPES[config.dtype], max_positions=config.max_model_len,
+                                    quantization=config.quantization, activations=config.quantized_activations,
+                                    expert_shard=shard, tp=split)
+            if self.tp_workers is not None:
+                self.model.use_tensor_parallel(self.tp_workers.join(split))
+        except BaseException:
+            if self.tp_workers is not None:
+                self.tp_workers.close()
+            raise
         if expert_group is not None:
             self.model.use_expert_parallel(ExpertParallel(
                 expert_group, *shard, redundant_experts=config.num_redundant_experts if config.enable_eplb else 0,
@@ -70,9 +82,13 @@ class LLMEngine(EngineLoop):
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
         per_block = KVCache.bytes_per_block(mcfg.num_layers, config.block_size, kv.heads, kv.head_dim,
                                             self.model.dtype, kv.planes)
-        self.kv_cache = KVCache(self._pool_blocks(per_block), mcfg.num_layers, config.block_size, kv.heads,
-                                kv.head_dim, self.model.dtype, kv.planes)
+        kv_all = None if self.tp_workers is None else self.tp_workers.kv_all  # every rank's, shared memory
+        self.kv_cache = KVCache(self._pool_blocks(per_block) if kv_all is None else kv_all.shape[1], mcfg.num_layers,
+                                config.block_size, kv.heads, kv.head_dim, self.model.dtype, kv.planes,
+                                kv=None if kv_all is None else kv_all[0])
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
+        if self.tp_workers is not None:
+            self.runner = TPRunner(self.runner, self.tp_workers)
         if config.enable_lora:  # adapters by name; the runner groups each step's rows by adapter
             self.loras = self.runner.loras = LoraRegistry(config.max_loras, self._load_adapter)
             for name, path in config.lora_adapters():
@@ -82,8 +98,13 @@ class LLMEngine(EngineLoop):
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
         if config.quantized_activations != "float32":  # other numerics, other KV
             model_id += f"+a{config.quantized_activations}"
+        # a TP engine's blocks go on the wire in the TP=1 layout (atomd/engine/tp_pd.py): every KV head
+        kv_heads = kv.heads if split is None else split.num_kv_heads
         self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, mcfg.num_layers,
-                                         kv.heads, kv.head_dim, kv.version)
+                                         kv_heads, kv.head_dim, kv.version)
+        self.tp_staging = None
+        if self.tp_workers is not None and config.kv_role != "both":
+            self.tp_staging = TPKVStaging(self.tp_workers.kv_all, kv_heads, config.dtype)
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id
@@ -102,8 +123,20 @@ class LLMEngine(EngineLoop):
             log.warning("longrope past original_max_position_embeddings=%d (max_model_len=%d): prefix caching is off",
                         mcfg.rope_scaling["original_max_position_embeddings"], config.max_model_len)
             prefix_caching = False
-        self._start(self.kv_cache.num_blocks, self.kv_cache.as_numpy_blocks(), eos, prefill_delayer, model_dir,
+        kv_blocks = self.kv_cache.as_numpy_blocks() if self.tp_staging is None else self.tp_staging.blocks
+        self._start(self.kv_cache.num_blocks, kv_blocks, eos, prefill_delayer, model_dir,
                     prefix_caching=prefix_caching, kv_window=max(mcfg.layer_windows) if mcfg.all_windowed else None)
+        if self.tp_staging is not None and config.kv_role == "consumer":  # landed pulls -> the workers' slices
+            self.kv_connector = TPStagedConnector(self.kv_connector, self.tp_staging)
+
+    def close(self) -> None:
+        super().close()
+        if self.tp_workers is not None:
+            self.tp_workers.close()
+
+    def check_alive(self) -> None:
+        if self.tp_workers is not None:
+            self.tp_workers.check_alive()
 
     def _load_adapter(self, name: str, path: str):
         """A PEFT adapter for this model (ValueError naming what is wrong, also an unreadable file)."""
@@ -193,6 +226,8 @@ class LLMEngine(EngineLoop):
             out["expert_tokens"] = [[e, n] for e, n in enumerate(total) if n or first <= e < first + owned]
         if self.model.ep is not None:
             out["expert_parallel"] = self.model.ep.stats()
+        if self.tp_workers is not None:
+            out["tensor_parallel"] = {"size": self.config.tensor_parallel_size, "worker_pids": self.tp_workers.pids}
         return out
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:
@@ -212,6 +247,8 @@ class LLMEngine(EngineLoop):
             self._pool(batch, pooled[1], hidden)
         else:
             logits = self.runner.execute(batch, all_logits=want_prompt)
+        if self.tp_staging is not None and self.config.kv_role == "producer":  # what D may pull, in its wire layout
+            self.tp_staging.gather(written_blocks(batch, self.config.block_size))
         prompt_entries = None
         if want_prompt:
             logits, prompt_entries = self._prompt_logprobs(batch, logits)

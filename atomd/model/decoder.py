@@ -97,6 +97,7 @@ class DecoderModel:
     # heads; False: the model's cache has another layout (MLA's latent) and it gathers what it reads
     paged_kv_heads = True
     ep: Any = field(init=False, default=None)  # the ranks' ExpertParallel (use_expert_parallel)
+    tp: Any = field(init=False, default=None)  # this worker's TensorParallel (use_tensor_parallel)
 
     # ------------------------------------------------------------------ the family's part
 
@@ -279,6 +280,19 @@ class DecoderModel:
                 w.moe.ep = ep
                 ep.attach(w.moe)
 
+    def use_tensor_parallel(self, tp: Any) -> None:
+        """Run as one worker of tensor parallelism through `tp` (atomd/model/tensor_parallel.py);
+        this model holds its shard (load_model's tp_split). The fused batch-1 C layer does a whole
+        layer in one call, with no place for the all-reduces: batch-1 decode runs per op."""
+        self.tp = tp
+        if self.decode_layer is not None:
+            log.info("tensor parallelism: batch-1 decode runs per op (the fused C layer has no all-reduce)")
+            self.decode_layer = None
+
+    def reduce_(self, t: torch.Tensor) -> torch.Tensor:
+        """A row-parallel linear's output summed over the TP workers (as it is without TP)."""
+        return t if self.tp is None else self.tp.reduce_(t)
+
     def idle_forward(self) -> None:
         """A rank with nothing to run this step: its part in every sparse layer's exchange
         (no tokens of its own, its experts for the others'), so the ranks' collectives match."""
@@ -299,6 +313,8 @@ class DecoderModel:
         return long_rope_positions(positions, step_last_positions(positions, meta), original, self.max_positions)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp is not None:  # this worker's vocabulary rows
+            return self.tp.embed(input_ids, self.embed)
         return F.embedding(input_ids, self.embed)
 
     def norm_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -306,8 +322,9 @@ class DecoderModel:
         return rms_norm(x, weight, self.config.rms_norm_eps)
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
-        """LM head of the final-normed rows x."""
-        return linear(x, self.lm_head, None, self.lm_head_rows)
+        """LM head of the final-normed rows x (with TP: every worker's vocabulary rows gathered)."""
+        logits = linear(x, self.lm_head, None, self.lm_head_rows)
+        return logits if self.tp is None else self.tp.gather_logits(logits)
 
     def _qkv_stored(self, h: torch.Tensor, w: LayerWeights, i: int, positions: torch.Tensor,
                     slot_rows: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
@@ -357,12 +374,14 @@ class DecoderModel:
         next_h. `lora`: these rows' adapter deltas (a tile's rows, this layer)."""
         eps = self.config.rms_norm_eps
         rows = w.rows or (None,) * 4
-        h = rms_norm(x, w.post_norm, eps, delta=lora_linear(lora, "o", attn, w.o, w.o_bias, rows[1]))
+        o = self.reduce_(lora_linear(lora, "o", attn, w.o, w.o_bias, rows[1]))
+        h = rms_norm(x, w.post_norm, eps, delta=o)
         if w.moe is not None:
             down = moe(h, w.moe)
         else:
             act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
             down = lora_linear(lora, "down", act, w.down, w.down_bias, rows[3])
+        down = self.reduce_(down)
         if next_norm is None:
             x.add_(down)
         else:

@@ -151,7 +151,7 @@ class Gemma3Model(DecoderModel):
         return (self.cos, self.sin) if self.config.window(layer) is None else (self.local_cos, self.local_sin)
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.embed) * self.embed_scale
+        return super().embed_tokens(input_ids) * self.embed_scale
 
     def norm_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, weight, self.config.rms_norm_eps)
@@ -172,11 +172,11 @@ class Gemma3Model(DecoderModel):
                           next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
         """x += post_norm(o(attn)); x += post_mlp_norm(mlp(pre_mlp_norm(x))); next_h = next_norm(x)."""
         eps, rows = self.config.rms_norm_eps, w.rows or (None,) * 4
-        x.add_(gemma_rms_norm(lora_linear(lora, "o", attn, w.o, None, rows[1]), w.post_norm, eps))
+        x.add_(gemma_rms_norm(self.reduce_(lora_linear(lora, "o", attn, w.o, None, rows[1])), w.post_norm, eps))
         h = gemma_rms_norm(x, w.pre_mlp_norm, eps)
         gate, up = lora_linear(lora, "gate_up", h, w.gate_up, None, rows[2]).chunk(2, dim=-1)
-        x.add_(gemma_rms_norm(lora_linear(lora, "down", F.gelu(gate, approximate="tanh").mul_(up), w.down, None,
-                                          rows[3]), w.post_mlp_norm, eps))
+        down = lora_linear(lora, "down", F.gelu(gate, approximate="tanh").mul_(up), w.down, None, rows[3])
+        x.add_(gemma_rms_norm(self.reduce_(down), w.post_mlp_norm, eps))
         if next_norm is not None:
             next_h.copy_(gemma_rms_norm(x, next_norm, eps))
 

@@ -17,6 +17,8 @@ from safetensors import safe_open
 from atomd.model import gguf_weights, quant, quant_formats, registry
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import DecoderModel
+from atomd.model.tensor_parallel import ShardedSource
+from atomd.model.tp_split import TPSplit, check_split, shard_config
 
 log = logging.getLogger(__name__)
 SINGLE_FILE = "model.safetensors"
@@ -83,14 +85,23 @@ class _TensorSource:
 
 def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32,
                max_positions: int | None = None, quantization: str | None = None,
-               activations: str = "float32", expert_shard: tuple[int, int] | None = None) -> DecoderModel:
+               activations: str = "float32", expert_shard: tuple[int, int] | None = None,
+               tp: TPSplit | None = None) -> DecoderModel:
     """The checkpoint's model; RoPE tables cover `max_positions` (default: the model's own).
     A checkpoint with quantization_config loads its packed linears as they are;
     `quantization` (int8, int4) quantises a float checkpoint's (atomd/model/quant_formats.py);
     `activations` int8: the quantized linears quantise their activations (quant.use_int8_activations).
-    `expert_shard` (rank, ranks): load only rank's slice of each sparse layer's experts."""
+    `expert_shard` (rank, ranks): load only rank's slice of each sparse layer's experts.
+    `tp` (tp_split's): load that tensor-parallel worker's shard (atomd/model/tensor_parallel.py);
+    its config has that worker's heads and MLP rows."""
     model_dir = pathlib.Path(model_dir)
     cfg = read_config(model_dir)
+    split = tp
+    if split is not None:
+        if cfg.quantization or quantization or read_hf_config(model_dir).get("gguf_file"):
+            raise ValueError("tensor parallelism: quantized weights (GGUF, --quantization, a quantized "
+                             "checkpoint) are not split yet")
+        cfg = shard_config(cfg, split)
     if expert_shard is not None:
         rank, ranks = expert_shard
         if not cfg.sparse_layers:
@@ -102,6 +113,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     cls = registry.model_class(cfg.architecture)
     gguf = read_hf_config(model_dir).get("gguf_file")  # a GGUF file's directory (atomd/model/gguf_file.py)
     src = gguf_weights.GGUFSource(gguf, cfg) if gguf else cls.tensor_source(_TensorSource(model_dir), cfg)
+    if split is not None:
+        src = ShardedSource(src, split)
     if gguf and src.quantized and quantization:
         raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized (GGUF {gguf})")
     method = cfg.quantization["quant_method"] if cfg.quantization else quantization
@@ -137,3 +150,13 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     return cls(config=cfg, embed=embed, layers=layers,
                norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
                max_positions=max_positions or cfg.max_position_embeddings)
+
+
+def tp_split(cfg: ModelConfig, rank: int, size: int) -> TPSplit:
+    """Worker rank's part of this model under tensor parallelism (ValueError naming the numbers
+    when `size` workers cannot split it)."""
+    if getattr(cfg, "kv_lora_rank", 0):
+        raise ValueError(f"tensor parallelism: {cfg.architecture} (MLA) is not split yet")
+    inters = [cfg.intermediate_size] + ([cfg.moe_intermediate_size] if cfg.sparse_layers else [])
+    check_split(cfg.num_heads, cfg.num_kv_heads, inters, size, cfg.architecture)
+    return TPSplit(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)

@@ -133,6 +133,9 @@ StatefulSet. {root, role}
 {{- else if $modules }}
 {{- fail (printf "%s.loraModules / engine.lora.modules need engine.lora.enabled" .role) }}
 {{- end }}
+{{- if gt (int $r.tensorParallelSize) 1 }}
+{{- $_ := set $cfg "tensor_parallel_size" (int $r.tensorParallelSize) }}
+{{- end }}
 {{- $model := include "atomd.modelPath" .root }}
 {{- if $model }}
 {{- $_ := set $cfg "model" $model }}
@@ -230,4 +233,30 @@ failureThreshold: {{ .settings.failureThreshold }}
 {{- else }}
 {{- randAlphaNum 48 | b64enc }}
 {{- end }}
+{{- end }}
+
+{{/*
+One engine role's container resources: the values' are per TP process, so the CPU requests
+and limits are them x tensorParallelSize ("500m" x 2 = "1000m", "2" x 2 = "4"). {role values}
+*/}}
+{{- define "atomd.engineResources" -}}
+{{- $tp := int .tensorParallelSize }}
+{{- $out := dict }}
+{{- range $kind, $res := .resources }}
+{{- $scaled := dict }}
+{{- range $name, $q := $res }}
+{{- if and (eq $name "cpu") (gt $tp 1) }}
+{{- $s := toString $q }}
+{{- if hasSuffix "m" $s }}
+{{- $_ := set $scaled $name (printf "%dm" (mul (int (trimSuffix "m" $s)) $tp)) }}
+{{- else }}
+{{- $_ := set $scaled $name (toString (mulf (float64 $s) $tp)) }}
+{{- end }}
+{{- else }}
+{{- $_ := set $scaled $name $q }}
+{{- end }}
+{{- end }}
+{{- $_ := set $out $kind $scaled }}
+{{- end }}
+{{- toYaml $out }}
 {{- end }}

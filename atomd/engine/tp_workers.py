@@ -1,0 +1,299 @@
+"""Tensor parallelism across processes: the engine core is TP rank 0 and drives N - 1 worker
+processes it starts (`TPWorkers`), each running `python -m atomd.engine.tp_workers` (`main`).
+
+Who does what. Rank 0 schedules, samples and talks to the API; before each forward it
+broadcasts the step's inputs (`TPStep`: packed token ids, counts, block tables, the blocks to
+copy) over the TP communicator (atomd/engine/tp_collective.py), then every rank runs its shard
+of the same forward (atomd/model/tensor_parallel.py: two all-reduces a layer, the logits
+gathered); the workers drop their logits. Only rank 0 has a scheduler: a worker's state is its
+weights and its KV cache.
+
+Where the KV lives. Every rank's cache (its own KV heads, an ordinary KVCache to its attention
+kernels) is one slice of a single shared-memory tensor [N, blocks, layers, k|v, block, heads,
+head_dim] that rank 0 creates in /dev/shm before it starts the workers and maps too; the name is
+unlinked once every rank has mapped it. So rank 0 can read or write any worker's slice of a block
+(`TPWorkers.kv_all`).
+
+Lifetimes. A worker dies with rank 0 (PR_SET_PDEATHSIG, and its wait for the next step notices
+rank 0's exit); rank 0 stops its workers on close (a stop message, then SIGKILL by PID after a
+deadline). A worker that dies makes rank 0's next collective raise CollectiveTimeout within the
+TP timeout (the communicator checks its peers' PIDs): the step fails, the engine core reports
+itself dead (the API answers 503 and errors the requests in flight) and kills the other workers.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import math
+import mmap
+import os
+import pickle
+import secrets
+import select
+import signal
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+import numpy as np
+import torch
+
+from atomd.engine.tp_collective import TPGroup, new_tp_group
+from atomd.model.tensor_parallel import TensorParallel
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+STOP_DEADLINE_S = 5.0  # a worker told to stop exits by then, or is killed
+JOIN_TIMEOUT_S = 600.0  # every rank loads its shard before the join
+LOADED = b"atomd-tp-worker-loaded"
+
+
+class TPStep(msgspec.Struct, array_like=True):
+    """One forward's inputs as the workers need them (a ScheduledBatch's arrays, as bytes)."""
+
+    stop: bool = False
+    is_prefill: bool = False
+    token_ids: bytes = b""  # int32
+    num_scheduled: bytes = b""  # int32
+    num_computed: bytes = b""  # int32
+    needs_sample: bytes = b""  # bool
+    block_tables: list[list[int]] = []
+    seq_ids: list[int] = []
+    all_logits: bool = False
+    hidden_indices: bytes | None = None  # int64
+    block_copies: list[tuple[int, int]] = []
+
+
+class StepBatch:
+    """A TPStep as the ModelRunner reads a ScheduledBatch (no sequences: no LoRA with TP)."""
+
+    def __init__(self, step: TPStep):
+        self.is_prefill = step.is_prefill
+        self.token_ids = np.frombuffer(step.token_ids, np.int32)
+        self.num_scheduled_tokens = np.frombuffer(step.num_scheduled, np.int32)
+        self.num_computed_tokens = np.frombuffer(step.num_computed, np.int32)
+        self.needs_sample = np.frombuffer(step.needs_sample, np.bool_)
+        self.block_tables, self.seq_ids, self.seqs = step.block_tables, step.seq_ids, []
+
+
+def step_of(batch: Any, all_logits: bool, hidden_indices: torch.Tensor | None) -> TPStep:
+    return TPStep(is_prefill=batch.is_prefill, token_ids=batch.token_ids.astype(np.int32).tobytes(),
+                  num_scheduled=batch.num_scheduled_tokens.astype(np.int32).tobytes(),
+                  num_computed=batch.num_computed_tokens.astype(np.int32).tobytes(),
+                  needs_sample=batch.needs_sample.astype(np.bool_).tobytes(), block_tables=batch.block_tables,
+                  seq_ids=batch.seq_ids, all_logits=all_logits,
+                  hidden_indices=None if hidden_indices is None else hidden_indices.numpy().astype(np.int64).tobytes(),
+                  block_copies=list(batch.block_copies))
+
+
+def map_kv(path: str, shape: tuple[int, ...], dtype: torch.dtype, create: bool) -> tuple[mmap.mmap, torch.Tensor]:
+    """The shared KV tensor of `shape` in file `path` (created zeroed by rank 0)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600) if create else os.open(path, os.O_RDWR)
+    try:
+        if create:
+            os.ftruncate(fd, nbytes)
+        elif os.fstat(fd).st_size != nbytes:
+            raise ValueError(f"{path} is {os.fstat(fd).st_size} bytes, expected {nbytes}")
+        mm = mmap.mmap(fd, nbytes)
+    finally:
+        os.close(fd)
+    return mm, torch.frombuffer(mm, dtype=torch.uint8).view(dtype).view(shape)
+
+
+@dataclass
+class WorkerSpec:
+    """What rank 0 hands a worker on its stdin (pickled)."""
+
+    config: Any  # the EngineConfig
+    model_dir: str
+    rank: int
+    group: TPGroup
+    kv_path: str
+    kv_shape: tuple[int, ...]
+    dtype: torch.dtype
+    parent_pid: int
+
+
+class TPWorkers:
+    """Rank 0's side: the shared KV cache, the worker processes, the communicator."""
+
+    def __init__(self, config: Any, model_dir: str, kv_shape: tuple[int, ...], dtype: torch.dtype):
+        """kv_shape: one rank's cache [blocks, layers, planes, block, heads, head_dim]."""
+        size = config.tensor_parallel_size
+        self.group = new_tp_group(config.tp_communicator, size, timeout_s=config.tp_collective_timeout_s,
+                                  join_timeout_s=JOIN_TIMEOUT_S)
+        self.kv_path = os.path.join(SHM_DIR, f"atomd-tp-kv-{os.getpid()}-{secrets.token_hex(8)}")
+        self._mm, self.kv_all = map_kv(self.kv_path, (size, *kv_shape), dtype, create=True)
+        self.comm = None
+        self.procs: list[subprocess.Popen] = []
+        try:
+            for rank in range(1, size):
+                proc = subprocess.Popen([sys.executable, "-m", "atomd.engine.tp_workers"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
+                self.procs.append(proc)
+                spec = WorkerSpec(config, str(model_dir), rank, self.group, self.kv_path, (size, *kv_shape), dtype,
+                                  os.getpid())
+                proc.stdin.write(pickle.dumps(spec))
+                proc.stdin.close()
+        except BaseException:
+            self.close()
+            raise
+        log.info("tensor parallelism: %d ranks over %s, workers pid %s", size, config.tp_communicator,
+                 [p.pid for p in self.procs])
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self.procs]
+
+    def wait_loaded(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Until every worker says it loaded its shard (a line on its stdout); RuntimeError naming the
+        rank at once if one exits first (a worker that never reached the join would otherwise be
+        waited for the whole join timeout: the communicator only watches ranks that joined)."""
+        deadline = time.monotonic() + timeout_s
+        for rank, proc in enumerate(self.procs, start=1):
+            while True:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor parallelism: worker rank {rank} (pid {proc.pid}) did not load "
+                                       f"its shard within {timeout_s} s")
+                if not select.select([proc.stdout], [], [], 0.1)[0]:
+                    continue
+                line = proc.stdout.readline()
+                if line.strip() == LOADED:
+                    break
+                if not line:  # end of file: the worker exited
+                    raise RuntimeError(f"tensor parallelism: worker rank {rank} (pid {proc.pid}) exited with code "
+                                       f"{proc.wait()} while loading its shard (its log says why)")
+
+    def join(self, split: Any) -> TensorParallel:
+        """Rank 0's TensorParallel, once every worker has loaded its shard and mapped the cache."""
+        try:
+            self.wait_loaded()
+            self.comm = self.group.join(0)
+        finally:
+            _unlink(self.kv_path)  # mapped by every rank that joined; a failed join leaves no file either
+        return TensorParallel(self.comm, split)
+
+    def check_alive(self) -> None:
+        """RuntimeError naming the first worker that has exited."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor parallelism: worker rank {rank} (pid {proc.pid}) exited with code "
+                                   f"{proc.returncode}")
+
+    def broadcast(self, step: TPStep) -> None:
+        self.comm.broadcast_bytes(msgspec.msgpack.encode(step))
+
+    def close(self) -> None:
+        """Stop the workers (a stop message while the group works, then SIGKILL by PID)."""
+        told = False
+        if self.comm is not None and getattr(self.comm, "broken", None) is None:
+            try:
+                self.broadcast(TPStep(stop=True))
+                told = True
+            except Exception as e:  # a broken group: killed at once below
+                log.warning("tensor parallelism: stop message not delivered: %s", e)
+        deadline = time.monotonic() + (STOP_DEADLINE_S if told else 0)
+        for p in self.procs:
+            try:
+                p.wait(max(deadline - time.monotonic(), 0.01))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+        self.procs = []
+        if self.comm is not None:
+            self.comm.close()
+            self.comm = None
+        _unlink(self.kv_path)
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: Any) -> tuple[TPWorkers, Any]:
+    """Rank 0, before it loads its own shard: its TPSplit and the started workers (loading theirs
+    meanwhile). pool_blocks(bytes per block of the whole engine) -> KV blocks (EngineLoop's)."""
+    from atomd.engine.kv_cache import KVCache
+    from atomd.model.loader import read_config, tp_split
+    from atomd.model.tp_split import shard_config
+
+    full = read_config(model_dir)
+    split = tp_split(full, 0, config.tensor_parallel_size)
+    local = shard_config(full, split)
+    per_rank = KVCache.bytes_per_block(local.num_layers, config.block_size, local.num_kv_heads, local.head_dim, dtype)
+    blocks = pool_blocks(per_rank * split.size)  # --kv-cache-memory is the whole engine's
+    shape = (blocks, local.num_layers, 2, config.block_size, local.num_kv_heads, local.head_dim)
+    return TPWorkers(config, model_dir, shape, dtype), split
+
+
+class TPRunner:
+    """Rank 0's ModelRunner: each forward's inputs to the workers first, then its own shard."""
+
+    def __init__(self, runner: Any, workers: TPWorkers):
+        self.runner, self.workers = runner, workers
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.runner, name)
+
+    def execute(self, batch: Any, all_logits: bool = False, hidden_indices: torch.Tensor | None = None):
+        self.workers.broadcast(step_of(batch, all_logits, hidden_indices))
+        return self.runner.execute(batch, all_logits=all_logits, hidden_indices=hidden_indices)
+
+
+def _die_with_parent() -> None:
+    try:  # Linux: SIGKILL when the process that started this one exits
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def main() -> None:
+    """A worker: load this rank's shard, map its cache slice, join, then run every step rank 0 sends."""
+    _die_with_parent()
+    spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    if os.getppid() != spec.parent_pid:  # rank 0 died before the death signal was armed
+        return
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{spec.rank} %(name)s: %(message)s")
+    from atomd.engine.kv_cache import KVCache
+    from atomd.engine.runner import ModelRunner
+    from atomd.model.loader import load_model, read_config, tp_split
+
+    cfg = spec.config
+    torch.set_num_threads(cfg.num_threads_or_all())
+    size = cfg.tensor_parallel_size
+    split = tp_split(read_config(spec.model_dir), spec.rank, size)
+    model = load_model(spec.model_dir, spec.dtype, max_positions=cfg.max_model_len, tp=split)
+    _mm, kv_all = map_kv(spec.kv_path, spec.kv_shape, spec.dtype, create=False)
+    _, blocks, layers, planes, block_size, heads, head_dim = spec.kv_shape
+    kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.dtype, planes, kv=kv_all[spec.rank])
+    runner = ModelRunner(model, kv_cache, cfg.attention_backend)
+    sys.stdout.buffer.write(LOADED + b"\n")  # TPWorkers.wait_loaded
+    sys.stdout.buffer.flush()
+    comm = spec.group.join(spec.rank)
+    model.use_tensor_parallel(TensorParallel(comm, split))
+    decoder = msgspec.msgpack.Decoder(TPStep)
+    log.info("tensor parallelism: rank %d of %d ready (%d KV heads of each layer)", spec.rank, size, heads)
+    with torch.inference_mode():
+        while True:
+            step = decoder.decode(comm.broadcast_bytes(None, timeout_s=math.inf))
+            if step.stop:
+                break
+            if step.block_copies:
+                src, dst = zip(*step.block_copies)
+                kv_cache.kv[list(dst)] = kv_cache.kv[list(src)]
+            hidden = None if step.hidden_indices is None else torch.from_numpy(
+                np.frombuffer(step.hidden_indices, np.int64).copy())
+            runner.execute(StepBatch(step), all_logits=step.all_logits, hidden_indices=hidden)
+    comm.close()
+
+
+if __name__ == "__main__":
+    main()
