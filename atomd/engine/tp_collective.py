@@ -62,6 +62,11 @@ _SPIN = 64  # polls before the first sleep: a peer on another core answers in mi
 # a sleep, not sched_yield: with more runnable processes than cores a yielding waiter still
 # takes turns from the peer it waits for (benchmarks/shm_all_to_all.py)
 _POLL_SLEEP_S = 20e-6
+# past this without progress (an idle worker waiting for the next step) the sleep doubles up to
+# _IDLE_SLEEP_S: a thousand wake-ups a second instead of tens of thousands, and a step after an
+# idle spell starts at most that much later
+_BACKOFF_AFTER_S = 0.01
+_IDLE_SLEEP_S = 1e-3
 _LIVENESS_EVERY_S = 0.1
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -215,14 +220,16 @@ class ShmCommunicator(TPCommunicator):
         """Until every rank's `field` >= value, or CollectiveTimeout naming the late ranks."""
         start = time.monotonic()
         next_liveness = start + _LIVENESS_EVERY_S
-        spins = 0
+        spins, sleep_s = 0, _POLL_SLEEP_S
         for r, line in enumerate(self.lines):
             while line[field] < value:
                 spins += 1
                 if spins <= _SPIN:
                     continue
-                time.sleep(_POLL_SLEEP_S)
+                time.sleep(sleep_s)
                 now = time.monotonic()
+                if now - start > _BACKOFF_AFTER_S:
+                    sleep_s = min(2 * sleep_s, _IDLE_SLEEP_S)
                 if now - start > timeout_s:
                     self._fail(field, value, what, f"did not arrive within {timeout_s} s")
                 if now > next_liveness:
