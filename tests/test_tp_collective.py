@@ -24,7 +24,7 @@ DEADLINE_S = 120.0
 # (op, dtype, shape or payload length)
 CASES = [
     ("reduce", torch.float32, (7,)),
-    ("reduce", torch.float32, (16, 1000)),  # 16 rounds, the last one partial
+    ("reduce", torch.float32, (16, 1000)),  # 16 chunks, the last one partial; each summed share by share
     ("reduce", torch.bfloat16, (3, 1111)),
     ("reduce", torch.float16, (5, 3)),
     ("gather", torch.float32, (2, 3, 5)),
@@ -187,7 +187,8 @@ def assert_same(got, want):
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_equal_a_torch_reference_on_both_communicators(ctx, world):
     before = shm_names()
-    groups = [new_tp_group("shm", world, slot_bytes=SLOT, timeout_s=30), new_tp_group("gloo", world, timeout_s=30)]
+    groups = [new_tp_group("shm", world, slot_bytes=SLOT, timeout_s=30, scatter_min_bytes=SLOT // 4),
+              new_tp_group("gloo", world, timeout_s=30)]
     ranks = Ranks(ctx, groups, world)
     try:
         ranks.collect("joined")
