@@ -267,18 +267,22 @@ def test_rank_0_crash_before_the_join_completes_leaves_nothing_in_dev_shm(ctx):
     assert group.address not in shm_names()
 
 
-def test_gloo_peer_killed_raises_collective_timeout(ctx):
-    group = new_tp_group("gloo", 2, timeout_s=2.0)
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_gloo_peer_killed_or_stopped_raises_collective_timeout(ctx, how):
+    timeout = 2.0
+    group = new_tp_group("gloo", 2, timeout_s=timeout)
     ranks = Ranks(ctx, [group], 2, victim_op="reduce")
     try:
         pids = ranks.collect("joined")
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         ranks.go(0)
         done = ranks.collect("done", 0)
     finally:
         ranks.stop()
-    kind, _, message, _ = done[0]
+    kind, _, message, elapsed = done[0]
     assert kind == "timeout" and "gloo all_reduce_ failed" in message
+    if how == "stop":
+        assert elapsed >= timeout * 0.9  # gloo's own deadline, not a connection error
 
 
 def test_bad_arguments_are_refused_before_any_round():
