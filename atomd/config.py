@@ -235,7 +235,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size == 1 or self.model_runner != "real":
             return
-        for name, on in (("kv_role producer / consumer (PD)", self.kv_role != "both"), ("enable_lora", self.enable_lora),
+        for name, on in (("enable_lora", self.enable_lora),
                          ("enable_expert_parallel", self.enable_expert_parallel),
                          ("quantization", self.quantization is not None)):
             if on:

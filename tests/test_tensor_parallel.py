@@ -78,6 +78,27 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("n,kv_heads", [(2, 4), (4, 2)])  # split, replicated
+def test_pd_staging_gathers_and_scatters_every_worker_slice(n, kv_heads):
+    """atomd/engine/tp_pd.py against a full-heads reference: P's gather makes the TP=1 block,
+    D's scatter gives every worker (each replica) its heads."""
+    from atomd.engine.tp_pd import TPKVStaging
+    from atomd.model.tp_split import TPSplit
+
+    full = torch.randn(3, 2, 2, 4, kv_heads, 8)  # blocks, layers, k|v, block, heads, head_dim
+    heads = [TPSplit(w, n, 4, kv_heads, 8, 100).kv_heads() for w in range(n)]
+    kv_all = torch.stack([full[..., h.start:h.stop, :] for h in heads]).contiguous()
+    staging = TPKVStaging(kv_all, kv_heads, "float32")
+    staging.gather([0, 2])
+    rows = torch.from_numpy(staging.blocks).view(torch.float32).view(full.shape)
+    assert torch.equal(rows[[0, 2]], full[[0, 2]]) and not rows[1].any()
+    want = kv_all.clone()
+    kv_all.zero_()
+    staging.scatter([0, 2])
+    assert torch.equal(kv_all[:, [0, 2]], want[:, [0, 2]]) and not kv_all[:, 1].any()
+
+
+@pytest.mark.unit
 @pytest.mark.parametrize("kind", FAMILIES)
 def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
     """Mixed lengths (one token .. many blocks, a batch, then batch-1 decode alone)."""
@@ -91,6 +112,16 @@ def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
     assert engine_greedy(tp, prompts[2:3], GREEDY) == one[2:3]
     assert_equals_hf(path, prompts, two, n=GREEDY.max_tokens)
     assert tp.engine.stats()["tensor_parallel"]["size"] == 2
+
+
+@pytest.mark.unit
+def test_gloo_communicator_gives_the_same_tokens(checkpoints, closing):
+    """--tp-communicator gloo (the one that crosses hosts) in place of shared memory."""
+    path = checkpoints["qwen3_moe"]
+    prompts = prompts_of(MIXED[:3], seed=4)
+    tp = tp_llm(path, 2, tp_communicator="gloo")
+    closing(tp)
+    assert_equals_hf(path, prompts, engine_greedy(tp, prompts, GREEDY), n=GREEDY.max_tokens)
 
 
 @pytest.mark.unit
@@ -198,5 +229,69 @@ def test_dp2_x_tp2_serve_equals_one_process(tmp_path):
                                                     "temperature": 0, "ignore_eos": True,
                                                     "data_parallel_rank": rank}, 60)
                 assert status == 200 and answer["choices"][0]["text"] == text, (rank, prompt, answer)
+        # a worker of an idle engine dies: the core finds out by itself (no request needed)
+        worker = ranks[1]["tensor_parallel"]["worker_pids"][0]
+        core = int(pathlib.Path(f"/proc/{worker}/stat").read_text().rsplit(")", 1)[1].split()[1])  # its parent
+        assert core in server.engine_pids()
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while http("GET", server.url + "/health")[0] != 503:
+            assert time.monotonic() < deadline, "/health still 200 after a TP worker of an idle engine died"
+            time.sleep(0.05)
+        assert _gone([worker, core], 30) == []
     finally:
         server.stop()
+
+
+@pytest.mark.unit
+def test_a_worker_that_dies_loading_fails_the_start_at_once(checkpoints, tmp_path):
+    """A worker exits before the join (here: its checkpoint directory is gone): rank 0's start
+    raises naming the rank and exit code, instead of waiting out the join timeout; nothing is left."""
+    from atomd.engine.tp_workers import TPWorkers
+    from atomd.model.loader import read_config, tp_split
+
+    config = EngineConfig(model=str(checkpoints["llama"]), num_threads=1, tensor_parallel_size=2)
+    workers = TPWorkers(config, tmp_path / "missing", (4, 2, 2, BLOCK, 1, 16), torch.float32)
+    try:
+        with pytest.raises(RuntimeError, match=r"worker rank 1 \(pid \d+\) exited with code 1 while loading"):
+            workers.join(tp_split(read_config(checkpoints["llama"]), 0, 2))
+        assert not os.path.exists(workers.kv_path)
+    finally:
+        pids = workers.pids
+        workers.close()
+    assert _gone(pids, 10) == []
+
+
+# ---------------------------------------------------------------- PD with different TP sizes
+
+@pytest.fixture(scope="module")
+def hetero_pd():
+    """A colocated TP=1 reference, P TP=1 -> D TP=2 and P TP=2 -> D TP=1 behind two routers
+    (built-in model: 8 query / 4 KV heads)."""
+    from tests.pd_fixtures import PDCluster
+
+    cluster = PDCluster()
+    try:
+        tp2 = ["--tensor-parallel-size", "2"]
+        cluster.start_engines(ref=[], P1=["--kv-role", "producer"], D2=[*tp2, "--kv-role", "consumer"],
+                              P2=[*tp2, "--kv-role", "producer"], D1=["--kv-role", "consumer"])
+        cluster.routers_by_pair = {"P1->D2": cluster.start_router("P1", "D2"), "P2->D1": cluster.start_router("P2", "D1")}
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pair", ["P1->D2", "P2->D1"])
+def test_pd_with_different_tp_sizes_equals_colocated(hetero_pd, pair):
+    prompts = ["def fibonacci(n):\n    " * 6, "import os\nimport sys\n\nclass Stack:\n    def"]  # several blocks
+    model = json.loads(http("GET", hetero_pd["ref"].url + "/v1/models")[1])["data"][0]["id"]
+    router = hetero_pd.routers_by_pair[pair]
+    for prompt in prompts:
+        body = {"model": model, "prompt": prompt, "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        status, want = _post(hetero_pd["ref"].url, body, 60)
+        assert status == 200, want
+        status, got = _post(router.url, body, 60)
+        assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"], (pair, got, want)
+    decode = hetero_pd["D2" if pair == "P1->D2" else "D1"].stats()["kv_transfer"]
+    assert decode["bytes"] > 0 and not decode["failures"] and not decode["fallbacks"], decode  # pulled, not recomputed

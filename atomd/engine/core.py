@@ -67,6 +67,8 @@ class EngineCore:
             elif not busy and os.getppid() != self.parent_pid:
                 logger.warning("engine core: API process %d is gone, exiting", self.parent_pid)
                 return
+            elif not busy:
+                self.engine.check_alive()
             if self.engine.has_unfinished_requests():
                 outputs = self.engine.step()
                 stalled = not outputs

@@ -236,6 +236,10 @@ class EngineLoop:
     def has_unfinished_requests(self) -> bool:
         return bool(self._requests) or not self.scheduler.is_finished()
 
+    def check_alive(self) -> None:
+        """Raise if a part of this engine outside the process is gone (LLMEngine: a TP worker); the
+        idle core asks, so the engine is reported dead without waiting for a request to find out."""
+
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:

@@ -28,6 +28,7 @@ from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
 from atomd.model.rotary import has_long_rows
 from atomd.engine.runner import ModelRunner
+from atomd.engine.tp_pd import TPKVStaging, TPStagedConnector, written_blocks
 from atomd.engine.tp_workers import TPRunner, start_workers
 from atomd.engine.sampler import Sampler, prompt_logprobs
 from atomd.engine.spec_decode import NgramProposer, SpecController, accept
@@ -95,8 +96,13 @@ class LLMEngine(EngineLoop):
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
         if config.quantized_activations != "float32":  # other numerics, other KV
             model_id += f"+a{config.quantized_activations}"
+        # a TP engine's blocks go on the wire in the TP=1 layout (atomd/engine/tp_pd.py): every KV head
+        kv_heads = kv.heads if split is None else split.num_kv_heads
         self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, mcfg.num_layers,
-                                         kv.heads, kv.head_dim, kv.version)
+                                         kv_heads, kv.head_dim, kv.version)
+        self.tp_staging = None
+        if self.tp_workers is not None and config.kv_role != "both":
+            self.tp_staging = TPKVStaging(self.tp_workers.kv_all, kv_heads, config.dtype)
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id
@@ -115,13 +121,20 @@ class LLMEngine(EngineLoop):
             log.warning("longrope past original_max_position_embeddings=%d (max_model_len=%d): prefix caching is off",
                         mcfg.rope_scaling["original_max_position_embeddings"], config.max_model_len)
             prefix_caching = False
-        self._start(self.kv_cache.num_blocks, self.kv_cache.as_numpy_blocks(), eos, prefill_delayer, model_dir,
+        kv_blocks = self.kv_cache.as_numpy_blocks() if self.tp_staging is None else self.tp_staging.blocks
+        self._start(self.kv_cache.num_blocks, kv_blocks, eos, prefill_delayer, model_dir,
                     prefix_caching=prefix_caching, kv_window=max(mcfg.layer_windows) if mcfg.all_windowed else None)
+        if self.tp_staging is not None and config.kv_role == "consumer":  # landed pulls -> the workers' slices
+            self.kv_connector = TPStagedConnector(self.kv_connector, self.tp_staging)
 
     def close(self) -> None:
         super().close()
         if self.tp_workers is not None:
             self.tp_workers.close()
+
+    def check_alive(self) -> None:
+        if self.tp_workers is not None:
+            self.tp_workers.check_alive()
 
     def _load_adapter(self, name: str, path: str):
         """A PEFT adapter for this model (ValueError naming what is wrong, also an unreadable file)."""
@@ -229,6 +242,8 @@ class LLMEngine(EngineLoop):
             self._pool(batch, pooled[1], hidden)
         else:
             logits = self.runner.execute(batch, all_logits=want_prompt)
+        if self.tp_staging is not None and self.config.kv_role == "producer":  # what D may pull, in its wire layout
+            self.tp_staging.gather(written_blocks(batch, self.config.block_size))
         prompt_entries = None
         if want_prompt:
             logits, prompt_entries = self._prompt_logprobs(batch, logits)

@@ -29,6 +29,7 @@ import mmap
 import os
 import pickle
 import secrets
+import select
 import signal
 import subprocess
 import sys
@@ -48,6 +49,7 @@ log = logging.getLogger(__name__)
 SHM_DIR = "/dev/shm"
 STOP_DEADLINE_S = 5.0  # a worker told to stop exits by then, or is killed
 JOIN_TIMEOUT_S = 600.0  # every rank loads its shard before the join
+LOADED = b"atomd-tp-worker-loaded"
 
 
 class TPStep(msgspec.Struct, array_like=True):
@@ -131,7 +133,8 @@ class TPWorkers:
         self.procs: list[subprocess.Popen] = []
         try:
             for rank in range(1, size):
-                proc = subprocess.Popen([sys.executable, "-m", "atomd.engine.tp_workers"], stdin=subprocess.PIPE)
+                proc = subprocess.Popen([sys.executable, "-m", "atomd.engine.tp_workers"], stdin=subprocess.PIPE,
+                                        stdout=subprocess.PIPE)
                 self.procs.append(proc)
                 spec = WorkerSpec(config, str(model_dir), rank, self.group, self.kv_path, (size, *kv_shape), dtype,
                                   os.getpid())
@@ -147,25 +150,54 @@ class TPWorkers:
     def pids(self) -> list[int]:
         return [p.pid for p in self.procs]
 
+    def wait_loaded(self, timeout_s: float = JOIN_TIMEOUT_S) -> None:
+        """Until every worker says it loaded its shard (a line on its stdout); RuntimeError naming the
+        rank at once if one exits first (a worker that never reached the join would otherwise be
+        waited for the whole join timeout: the communicator only watches ranks that joined)."""
+        deadline = time.monotonic() + timeout_s
+        for rank, proc in enumerate(self.procs, start=1):
+            while True:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"tensor parallelism: worker rank {rank} (pid {proc.pid}) did not load "
+                                       f"its shard within {timeout_s} s")
+                if not select.select([proc.stdout], [], [], 0.1)[0]:
+                    continue
+                line = proc.stdout.readline()
+                if line.strip() == LOADED:
+                    break
+                if not line:  # end of file: the worker exited
+                    raise RuntimeError(f"tensor parallelism: worker rank {rank} (pid {proc.pid}) exited with code "
+                                       f"{proc.wait()} while loading its shard (its log says why)")
+
     def join(self, split: Any) -> TensorParallel:
         """Rank 0's TensorParallel, once every worker has loaded its shard and mapped the cache."""
         try:
+            self.wait_loaded()
             self.comm = self.group.join(0)
         finally:
             _unlink(self.kv_path)  # mapped by every rank that joined; a failed join leaves no file either
         return TensorParallel(self.comm, split)
+
+    def check_alive(self) -> None:
+        """RuntimeError naming the first worker that has exited."""
+        for rank, proc in enumerate(self.procs, start=1):
+            if proc.poll() is not None:
+                raise RuntimeError(f"tensor parallelism: worker rank {rank} (pid {proc.pid}) exited with code "
+                                   f"{proc.returncode}")
 
     def broadcast(self, step: TPStep) -> None:
         self.comm.broadcast_bytes(msgspec.msgpack.encode(step))
 
     def close(self) -> None:
         """Stop the workers (a stop message while the group works, then SIGKILL by PID)."""
+        told = False
         if self.comm is not None and getattr(self.comm, "broken", None) is None:
             try:
                 self.broadcast(TPStep(stop=True))
-            except Exception as e:  # a broken group: the kill below
+                told = True
+            except Exception as e:  # a broken group: killed at once below
                 log.warning("tensor parallelism: stop message not delivered: %s", e)
-        deadline = time.monotonic() + STOP_DEADLINE_S
+        deadline = time.monotonic() + (STOP_DEADLINE_S if told else 0)
         for p in self.procs:
             try:
                 p.wait(max(deadline - time.monotonic(), 0.01))
@@ -243,6 +275,8 @@ def main() -> None:
     _, blocks, layers, planes, block_size, heads, head_dim = spec.kv_shape
     kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.dtype, planes, kv=kv_all[spec.rank])
     runner = ModelRunner(model, kv_cache, cfg.attention_backend)
+    sys.stdout.buffer.write(LOADED + b"\n")  # TPWorkers.wait_loaded
+    sys.stdout.buffer.flush()
     comm = spec.group.join(spec.rank)
     model.use_tensor_parallel(TensorParallel(comm, split))
     decoder = msgspec.msgpack.Decoder(TPStep)

@@ -1,0 +1,84 @@
+"""PD with tensor parallelism: a TP engine's KV blocks on the wire in the TP=1 layout.
+
+A TP=N engine's block is N per-worker slices in separate regions of its shared-memory cache
+(atomd/engine/tp_workers.py), while the connector moves each block as one contiguous row of
+a uint8 [blocks, block_bytes] array (zero-copy sends, kv_transfer/zmq_transport.check_kv). So
+a TP engine in a PD role gives the connector a staging array of its blocks in the TP=1 layout
+([layers, planes, block, every KV head, head_dim]) and converts locally with
+contracts/kv_layout.convert_block:
+
+- producer: after every forward, the blocks that forward wrote are gathered from the workers'
+  slices into the staging rows (a served block is finished and pinned: no later forward
+  writes it, so the sender thread reads settled bytes);
+- consumer: when a pull lands (the connector reports it in get_finished), the blocks it wrote
+  are scattered from the staging rows to every worker's slice (a replicated KV head to each
+  worker holding it), before any forward reads them.
+
+Every engine therefore shows its peers the TP=1 layout (its fingerprint is a TP=1 engine's),
+and P with TP=a pairs with D with TP=b for any a, b that split the model. The price: a second
+copy of the KV memory in a PD role and a copy of each moved block on each side.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+import torch
+
+from contracts.kv_layout import TPKVLayout, convert_block
+
+
+class TPKVStaging:
+    """The staging rows of a TP engine's cache `kv_all` [N, blocks, layers, planes, block, heads, head_dim]."""
+
+    def __init__(self, kv_all: torch.Tensor, kv_heads: int, dtype: str):
+        n, blocks, layers, planes, block_size, _, head_dim = kv_all.shape
+        self.kv_all = kv_all
+        self.layout = TPKVLayout(n, kv_heads, head_dim, planes, layers, block_size, dtype)
+        self.wire = TPKVLayout(1, kv_heads, head_dim, planes, layers, block_size, dtype)
+        self.blocks = np.zeros((blocks, self.wire.slice_bytes(0)), dtype=np.uint8)  # the connector's kv_blocks
+        self._slices = [kv_all[w].view(blocks, -1).view(torch.uint8).numpy() for w in range(n)]
+
+    def gather(self, block_ids) -> None:
+        """The workers' slices of these blocks -> their staging rows."""
+        for b in block_ids:
+            convert_block(self.layout, self.wire, [s[b] for s in self._slices], out=[self.blocks[b]])
+
+    def scatter(self, block_ids) -> None:
+        """Staging rows of these blocks -> every worker's slice."""
+        for b in block_ids:
+            convert_block(self.wire, self.layout, [self.blocks[b]], out=[s[b] for s in self._slices])
+
+
+def written_blocks(batch: Any, block_size: int) -> list[int]:
+    """The blocks a forward of `batch` writes KV into (each sequence's scheduled positions)."""
+    out: list[int] = []
+    for table, done, n in zip(batch.block_tables, batch.num_computed_tokens.tolist(),
+                              batch.num_scheduled_tokens.tolist()):
+        out += [b for b in table[done // block_size:(done + n - 1) // block_size + 1] if b >= 0]
+    return out
+
+
+class TPStagedConnector:
+    """A consumer's connector whose landed pulls are scattered to the workers before the
+    scheduler sees them (everything else is the wrapped connector's)."""
+
+    def __init__(self, connector: Any, staging: TPKVStaging):
+        self.connector, self.staging = connector, staging
+        self._pulls: dict[int, list[int]] = {}  # sequence id -> the blocks its pull writes
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connector, name)
+
+    def start_load_kv(self, meta: Any) -> None:
+        for load in getattr(meta, "loads", ()):
+            self._pulls[load.seq_id] = list(load.local_block_ids)
+        self.connector.start_load_kv(meta)
+
+    def get_finished(self) -> Any:
+        out = self.connector.get_finished()
+        for seq_id in out.finished_recving:
+            self.staging.scatter(self._pulls.pop(seq_id, ()))
+        for seq_id in out.failed_recving:
+            self._pulls.pop(seq_id, None)
+        return out
