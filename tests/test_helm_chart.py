@@ -277,7 +277,11 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
             sides = [p.port(f"kv-side-{r}") for r in range(dp)]
             assert cfg.kv_side_channel_port == sides[0] and sides == list(range(sides[0], sides[0] + dp))
         cpu = p.container["resources"]["limits"]["cpu"]
-        assert cfg.num_threads * dp <= float(cpu), f"{role}: {dp} x {cfg.num_threads} threads > {cpu} CPUs"
+        tp = cfg.tensor_parallel_size
+        assert tp == (2 if (name, role) == ("all-features", "prefill") else 1)
+        if tp > 1:  # the values' per-process CPUs x TP
+            assert p.container["resources"]["requests"]["cpu"] == cpu == "8"
+        assert cfg.num_threads * dp * tp <= float(cpu), f"{role}: {dp} x {tp} x {cfg.num_threads} threads > {cpu} CPUs"
         if name == "all-features":
             assert cfg.model.endswith("/qwen2-0.5b") and args.served_model_name == "qwen2-0.5b"
             assert cfg.dtype == "bfloat16" and cfg.max_model_len == 4096 and args.max_num_seqs == 64

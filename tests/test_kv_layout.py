@@ -53,6 +53,16 @@ def test_every_split_and_replicate_combination_converts_like_the_reference(heads
         assert [g.tobytes() for g in got] == slices(full, dst_tp), (heads, src_tp, dst_tp)
 
 
+def test_worker_heads_are_the_heads_the_engines_split_gives_each_worker():
+    """The layout's slices are the engine's KV caches: the same heads per worker as the model
+    split (atomd/model/tp_split.py) loads, for every even combination."""
+    from atomd.model.tp_split import TPSplit
+    for heads, tp in itertools.product(HEADS, TPS):
+        for w in range(tp):
+            split = TPSplit(rank=w, size=tp, num_heads=8 * heads, num_kv_heads=heads, head_dim=8, vocab_size=64)
+            assert layout(tp, heads).worker_heads(w) == split.kv_heads(), (heads, tp, w)
+
+
 def test_replicas_come_from_the_first_worker_that_holds_the_head():
     src, dst = layout(4, 2, "float32"), layout(1, 2, "float32")  # workers 0,1 hold head 0; 2,3 head 1
     full = full_block(src, seed=7)

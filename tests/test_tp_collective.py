@@ -24,7 +24,7 @@ DEADLINE_S = 120.0
 # (op, dtype, shape or payload length)
 CASES = [
     ("reduce", torch.float32, (7,)),
-    ("reduce", torch.float32, (16, 1000)),  # 16 rounds, the last one partial
+    ("reduce", torch.float32, (16, 1000)),  # 16 chunks, the last one partial; each summed share by share
     ("reduce", torch.bfloat16, (3, 1111)),
     ("reduce", torch.float16, (5, 3)),
     ("gather", torch.float32, (2, 3, 5)),
@@ -187,7 +187,8 @@ def assert_same(got, want):
 @pytest.mark.parametrize("world", [2, 3])
 def test_collectives_equal_a_torch_reference_on_both_communicators(ctx, world):
     before = shm_names()
-    groups = [new_tp_group("shm", world, slot_bytes=SLOT, timeout_s=30), new_tp_group("gloo", world, timeout_s=30)]
+    groups = [new_tp_group("shm", world, slot_bytes=SLOT, timeout_s=30, scatter_min_bytes=SLOT // 4),
+              new_tp_group("gloo", world, timeout_s=30)]
     ranks = Ranks(ctx, groups, world)
     try:
         ranks.collect("joined")
@@ -266,18 +267,22 @@ def test_rank_0_crash_before_the_join_completes_leaves_nothing_in_dev_shm(ctx):
     assert group.address not in shm_names()
 
 
-def test_gloo_peer_killed_raises_collective_timeout(ctx):
-    group = new_tp_group("gloo", 2, timeout_s=2.0)
+@pytest.mark.parametrize("how", ["kill", "stop"])
+def test_gloo_peer_killed_or_stopped_raises_collective_timeout(ctx, how):
+    timeout = 2.0
+    group = new_tp_group("gloo", 2, timeout_s=timeout)
     ranks = Ranks(ctx, [group], 2, victim_op="reduce")
     try:
         pids = ranks.collect("joined")
-        os.kill(pids[1], signal.SIGKILL)
+        os.kill(pids[1], signal.SIGKILL if how == "kill" else signal.SIGSTOP)
         ranks.go(0)
         done = ranks.collect("done", 0)
     finally:
         ranks.stop()
-    kind, _, message, _ = done[0]
+    kind, _, message, elapsed = done[0]
     assert kind == "timeout" and "gloo all_reduce_ failed" in message
+    if how == "stop":
+        assert elapsed >= timeout * 0.9  # gloo's own deadline, not a connection error
 
 
 def test_bad_arguments_are_refused_before_any_round():

@@ -50,6 +50,9 @@ from atomd.engine.dp_collective import CollectiveBroken
 
 DEFAULT_TIMEOUT_S = 5.0
 DEFAULT_SLOT_BYTES = 4 << 20  # per rank; a bigger tensor takes several rounds
+# an all-reduce chunk at least this big is summed share by share (each rank its 1/N, then
+# every rank copies the shares: two rounds, 1/N of the arithmetic); smaller ones in one round
+SCATTER_MIN_BYTES = 256 << 10
 MAX_BROADCAST_BYTES = 256 << 20  # one step's inputs; more is a bug, not a step
 SHM_DIR = "/dev/shm"
 COMMUNICATORS = ("shm", "gloo")
@@ -62,6 +65,11 @@ _SPIN = 64  # polls before the first sleep: a peer on another core answers in mi
 # a sleep, not sched_yield: with more runnable processes than cores a yielding waiter still
 # takes turns from the peer it waits for (benchmarks/shm_all_to_all.py)
 _POLL_SLEEP_S = 20e-6
+# past this without progress (an idle worker waiting for the next step) the sleep doubles up to
+# _IDLE_SLEEP_S: a thousand wake-ups a second instead of tens of thousands, and a step after an
+# idle spell starts at most that much later
+_BACKOFF_AFTER_S = 0.01
+_IDLE_SLEEP_S = 1e-3
 _LIVENESS_EVERY_S = 0.1
 _REDUCIBLE = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -137,9 +145,11 @@ class ShmCommunicator(TPCommunicator):
     the others map it; see the module docstring)."""
 
     def __init__(self, name: str, rank: int, world_size: int, *, timeout_s: float = DEFAULT_TIMEOUT_S,
-                 slot_bytes: int = DEFAULT_SLOT_BYTES, join_timeout_s: float = 60.0):
+                 slot_bytes: int = DEFAULT_SLOT_BYTES, join_timeout_s: float = 60.0,
+                 scatter_min_bytes: int = SCATTER_MIN_BYTES):
         if not 0 <= rank < world_size:
             raise ValueError(f"tp rank must be in [0, {world_size}), got {rank}")
+        self.scatter_min_bytes = scatter_min_bytes
         if slot_bytes < 64 or slot_bytes % 64:
             raise ValueError(f"slot_bytes must be a positive multiple of 64, got {slot_bytes}")
         if "/" in name or not name:
@@ -215,14 +225,16 @@ class ShmCommunicator(TPCommunicator):
         """Until every rank's `field` >= value, or CollectiveTimeout naming the late ranks."""
         start = time.monotonic()
         next_liveness = start + _LIVENESS_EVERY_S
-        spins = 0
+        spins, sleep_s = 0, _POLL_SLEEP_S
         for r, line in enumerate(self.lines):
             while line[field] < value:
                 spins += 1
                 if spins <= _SPIN:
                     continue
-                time.sleep(_POLL_SLEEP_S)
+                time.sleep(sleep_s)
                 now = time.monotonic()
+                if now - start > _BACKOFF_AFTER_S:
+                    sleep_s = min(2 * sleep_s, _IDLE_SLEEP_S)
                 if now - start > timeout_s:
                     self._fail(field, value, what, f"did not arrive within {timeout_s} s")
                 if now > next_liveness:
@@ -270,12 +282,34 @@ class ShmCommunicator(TPCommunicator):
             def write(slot, part=part, nb=nb):
                 slot[:nb].view(part.dtype).copy_(part)
 
-            def read(part=part, nb=nb, first=at == 0):
+            if nb < self.scatter_min_bytes or self.world_size == 1:
+                def read(part=part, nb=nb, first=at == 0):
+                    if first:
+                        self._check_same_sizes(total, "all_reduce_")
+                    _sum_in_rank_order([s[:nb].view(part.dtype) for s in self.slots], part)
+
+                self._round(total, write, read, timeout_s=self.timeout_s, what="all_reduce_")
+                continue
+            # big: each rank sums its share of the elements into the same place of its own slot
+            # (no peer reads there: they read their own shares), then every rank copies the shares
+            n, size = part.numel(), self.world_size
+            bounds = [n * r // size for r in range(size + 1)]
+            lo, hi = bounds[self.rank], bounds[self.rank + 1]
+
+            def reduce_share(part=part, nb=nb, lo=lo, hi=hi, first=at == 0):
                 if first:
                     self._check_same_sizes(total, "all_reduce_")
-                _sum_in_rank_order([s[:nb].view(part.dtype) for s in self.slots], part)
+                views = [s[:nb].view(part.dtype) for s in self.slots]
+                share = torch.empty(hi - lo, dtype=part.dtype)  # not in place: this slot is an operand
+                _sum_in_rank_order([v[lo:hi] for v in views], share)
+                views[self.rank][lo:hi].copy_(share)
 
-            self._round(total, write, read, timeout_s=self.timeout_s, what="all_reduce_")
+            def gather_shares(part=part, nb=nb, bounds=bounds):
+                for r, s in enumerate(self.slots):
+                    part[bounds[r]:bounds[r + 1]].copy_(s[:nb].view(part.dtype)[bounds[r]:bounds[r + 1]])
+
+            self._round(total, write, reduce_share, timeout_s=self.timeout_s, what="all_reduce_")
+            self._round(total, lambda slot: None, gather_shares, timeout_s=self.timeout_s, what="all_reduce_")
         return t
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
@@ -443,13 +477,15 @@ class TPGroup:
     timeout_s: float = DEFAULT_TIMEOUT_S
     slot_bytes: int = DEFAULT_SLOT_BYTES
     join_timeout_s: float = 60.0
+    scatter_min_bytes: int = SCATTER_MIN_BYTES
 
     def join(self, rank: int) -> TPCommunicator:
         """This process's rank; blocks until every rank joined (rank 0 may join before or after
         spawning its workers: a worker waits for the segment)."""
         if self.communicator == "shm":
             return ShmCommunicator(self.address, rank, self.world_size, timeout_s=self.timeout_s,
-                                   slot_bytes=self.slot_bytes, join_timeout_s=self.join_timeout_s)
+                                   slot_bytes=self.slot_bytes, join_timeout_s=self.join_timeout_s,
+                                   scatter_min_bytes=self.scatter_min_bytes)
         host, _, port = self.address.rpartition(":")
         return GlooCommunicator(host, int(port), rank, self.world_size, timeout_s=self.timeout_s,
                                 join_timeout_s=self.join_timeout_s)
@@ -457,7 +493,7 @@ class TPGroup:
 
 def new_tp_group(communicator: str, world_size: int, *, host: str = "127.0.0.1", port: int | None = None,
                  timeout_s: float = DEFAULT_TIMEOUT_S, slot_bytes: int = DEFAULT_SLOT_BYTES,
-                 join_timeout_s: float = 60.0) -> TPGroup:
+                 join_timeout_s: float = 60.0, scatter_min_bytes: int = SCATTER_MIN_BYTES) -> TPGroup:
     """Rank 0's new group (`--tp-communicator`): shm, a fresh unique segment name; gloo, rank
     0's store at host:port (a free loopback port when none is given)."""
     if communicator not in COMMUNICATORS:
@@ -475,4 +511,4 @@ def new_tp_group(communicator: str, world_size: int, *, host: str = "127.0.0.1",
                 s.bind((host, 0))
                 port = s.getsockname()[1]
         address = f"{host}:{port}"
-    return TPGroup(communicator, world_size, address, timeout_s, slot_bytes, join_timeout_s)
+    return TPGroup(communicator, world_size, address, timeout_s, slot_bytes, join_timeout_s, scatter_min_bytes)
