@@ -30,6 +30,8 @@ from atomd.model.rotary import has_long_rows
 from atomd.engine.runner import ModelRunner
 from atomd.engine.sampler import Sampler, prompt_logprobs
 from atomd.engine.spec_decode import NgramProposer, SpecController, accept
+from atomd.engine.mtp_proposer import MtpProposer
+from atomd.model.deepseek_mtp import load_mtp
 from atomd.structured import GrammarCompiler
 from atomd.tokenizer import Tokenizer
 from kv_transfer.params import compat_fingerprint
@@ -65,10 +67,15 @@ class LLMEngine(EngineLoop):
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        spec = config.speculative()  # speculative decoding (atomd/engine/spec_decode.py), None: off
+        mtp = None  # DeepSeek V3's MTP layer as the drafter: one more latent layer in the cache
+        if spec is not None and spec.method == "mtp":
+            mtp = load_mtp(model_dir, self.model)
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
-        per_block = KVCache.bytes_per_block(mcfg.num_layers, config.block_size, kv.heads, kv.head_dim,
+        kv_layers = mcfg.num_layers + (mtp is not None)
+        per_block = KVCache.bytes_per_block(kv_layers, config.block_size, kv.heads, kv.head_dim,
                                             self.model.dtype, kv.planes)
-        self.kv_cache = KVCache(self._pool_blocks(per_block), mcfg.num_layers, config.block_size, kv.heads,
+        self.kv_cache = KVCache(self._pool_blocks(per_block), kv_layers, config.block_size, kv.heads,
                                 kv.head_dim, self.model.dtype, kv.planes)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         if config.enable_lora:  # adapters by name; the runner groups each step's rows by adapter
@@ -80,7 +87,7 @@ class LLMEngine(EngineLoop):
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
         if config.quantized_activations != "float32":  # other numerics, other KV
             model_id += f"+a{config.quantized_activations}"
-        self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, mcfg.num_layers,
+        self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, kv_layers,
                                          kv.heads, kv.head_dim, kv.version)
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
@@ -88,10 +95,12 @@ class LLMEngine(EngineLoop):
         self._end_token_ids = [t for t in [eos, *self.tokenizer.stop_token_ids] if t is not None]
         grammars = GrammarCompiler((model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self._end_token_ids)
         self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
-        spec = config.speculative()  # speculative decoding (atomd/engine/spec_decode.py), None: off
-        if spec is not None:
+        if mtp is not None:
+            self.proposer = MtpProposer(self.model, mtp)
+        elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)
+        if spec is not None:
             self.spec_control = SpecController(spec.num_speculative_tokens)
         prefix_caching = config.enable_prefix_caching
         if prefix_caching and has_long_rows(mcfg, config.max_model_len):
@@ -202,7 +211,13 @@ class LLMEngine(EngineLoop):
         # sequence samples the token after its j-th draft, as if drafts[:j] were accepted
         verify = not batch.is_prefill and any(batch.spec_token_ids)
         pooled = self._pooling_rows(batch) if batch.is_prefill else None
-        if pooled is not None:
+        mtp = self.proposer if isinstance(self.proposer, MtpProposer) else None
+        if mtp is not None:  # the MTP layer reads every row's hidden state
+            logits, hidden = self.runner.execute(batch, all_logits=want_prompt,
+                                                 hidden_indices=torch.arange(batch.num_tokens))
+            if pooled is not None:
+                self._pool(batch, pooled[1], hidden[pooled[0]])
+        elif pooled is not None:
             logits, hidden = self.runner.execute(batch, all_logits=want_prompt, hidden_indices=pooled[0])
             self._pool(batch, pooled[1], hidden)
         else:
@@ -215,6 +230,7 @@ class LLMEngine(EngineLoop):
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None
         fork_entries: list[list[Any]] | None = None
+        sampled: list[list[int]] = [[] for _ in batch.seqs]  # every row's sample (the MTP's next tokens)
         if rows:
             drafts = batch.spec_token_ids if verify else [[] for _ in batch.seqs]
             first_row = (np.cumsum(batch.num_scheduled_tokens) - batch.num_scheduled_tokens).tolist() if verify else None
@@ -243,6 +259,7 @@ class LLMEngine(EngineLoop):
             at = 0
             for i in rows:
                 k, n = batch.seqs[i].num_forks, len(drafts[i])
+                sampled[i] = tokens[at:at + n + 1]
                 token_ids[i] = accept(tokens[at:at + n + 1], drafts[i]) if n else [tokens[at]]
                 if entries is not None:
                     logprobs[i] = entries[at:at + len(token_ids[i])]
@@ -255,6 +272,8 @@ class LLMEngine(EngineLoop):
                     fork_ids[i] = tokens[at:at + k]
                     fork_entries[i] = entries[at:at + k] if entries is not None else [None] * k
                 at += k
+        if mtp is not None:
+            mtp.run(batch, hidden, *self.runner.last_step, self.kv_cache, sampled, token_ids)
         next_drafts = None
         if self.proposer is not None and rows:
             next_drafts = self._propose(batch, rows, token_ids)

@@ -16,7 +16,7 @@
   weighed by the unbiased scores, renormalised with norm_topk_prob. Then x routed_scaling_factor.
   V2's norm_topk_prob is not read (transformers' DeepseekV2 does not either; V2 configs set it false).
 
-Not here yet: the MTP module of V3 checkpoints (model.layers.{num_hidden_layers}: not loaded),
+Not here: the MTP module of V3 checkpoints (atomd/model/deepseek_mtp.py loads it for drafts),
 quantized weights.
 """
 from __future__ import annotations
