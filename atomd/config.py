@@ -208,7 +208,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             hf = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             return  # the loader names what is wrong with the checkpoint
-        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        # Qwen3-MoE, Mixtral, DeepSeek's names
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
         if not experts:
             raise ValueError(f"enable_expert_parallel needs an MoE model; {self.model or 'the built-in model'} "
                              f"has no experts")

@@ -16,8 +16,8 @@
   weighed by the unbiased scores, renormalised with norm_topk_prob. Then x routed_scaling_factor.
   V2's norm_topk_prob is not read (transformers' DeepseekV2 does not either; V2 configs set it false).
 
-Not here: the MTP module of V3 checkpoints (atomd/model/deepseek_mtp.py loads it for drafts),
-quantized weights.
+V3's MTP layer (model.layers.{num_hidden_layers}) is atomd/model/deepseek_mtp.py's (drafts).
+Not here yet: quantized weights.
 """
 from __future__ import annotations
 
