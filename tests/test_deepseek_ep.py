@@ -21,6 +21,7 @@ torch.set_num_threads(1)
 
 NAMES = ["v2-lite", "v3"]  # 8 routed experts in 4 groups, 2 groups chosen: 4 experts a rank
 PROMPTS = prompts_of([5, 3 * BLOCK + 7, 1, 40], seed=15)
+LONG = prompts_of([200] * 3, seed=16)  # one 600-row prefill: more rows than a tile (decoder.ROW_TILE)
 
 
 @pytest.fixture(scope="module")
@@ -37,8 +38,10 @@ def test_ep2_greedy_equals_hf_and_dp1(name, checkpoints):
         sparse = [w for w in engine.model.layers if w.moe is not None]
         assert sparse and all(w.moe.gate_up.shape[0] == 4 and w.moe.ep is engine.model.ep for w in sparse)
         assert all(w.shared_gate_up is not None for w in sparse)
-    # rank 0 decodes while rank 1's prompts land mid-way; then rank 1 idles while rank 0 still runs
-    arrivals = [{0: [("p0", PROMPTS[0]), ("p2", PROMPTS[2])], 5: [("p3", PROMPTS[3])]},
+    # rank 0 decodes while rank 1's prompts land mid-way; then rank 1 idles while rank 0 still
+    # runs, and prefills 600 rows in a step (one exchange a sparse layer all the same)
+    arrivals = [{0: [("p0", PROMPTS[0]), ("p2", PROMPTS[2])], 5: [("p3", PROMPTS[3])],
+                 12: [(f"long{i}", p) for i, p in enumerate(LONG)]},
                 {2: [("p1", PROMPTS[1])]}]
     tokens, kinds = ranks.run(arrivals)
     placed = {rid: p for a in arrivals for batch in a.values() for rid, p in batch}

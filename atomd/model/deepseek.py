@@ -276,6 +276,8 @@ class DeepseekModel(DecoderModel):
         h = self.norm_rows(x, self.layers[0].input_norm)
         positions = self.rope_rows(positions.contiguous(), meta)
         step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)
+        if self.ep is not None:  # one exchange per sparse layer and step on every rank: one tile
+            step = max(x.shape[0], 1)
         for i, w in enumerate(self.layers):
             attn = self._attention(h, w, i, positions, meta, kv_cache)
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
