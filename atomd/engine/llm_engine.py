@@ -23,6 +23,8 @@ from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, ranked_choices, resolve_model_dir
 from atomd.engine.kv_cache import KVCache
 from atomd.engine.lora_registry import LoraRegistry
+from atomd.model.deepseek import DeepseekModel
+from atomd.model.deepseek_lora import load_deepseek_adapter
 from atomd.model.lora import load_adapter
 from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
@@ -115,7 +117,8 @@ class LLMEngine(EngineLoop):
     def _load_adapter(self, name: str, path: str):
         """A PEFT adapter for this model (ValueError naming what is wrong, also an unreadable file)."""
         try:
-            return load_adapter(name, path, self.model.config, self.model.dtype, self.config.max_lora_rank)
+            load = load_deepseek_adapter if isinstance(self.model, DeepseekModel) else load_adapter  # MLA's linears
+            return load(name, path, self.model.config, self.model.dtype, self.config.max_lora_rank)
         except ValueError:
             raise
         except Exception as e:  # a missing or corrupt file: the caller's 400, not the engine's death

@@ -94,7 +94,7 @@ class ModelRunner:
         else:
             logits_indices = torch.from_numpy((ends - 1)[batch.needs_sample])
         input_ids = torch.from_numpy(batch.token_ids.astype(np.int64))
-        # only what this step uses: a family without LoRA (DeepSeek) takes no `lora`
+        # only what this step uses
         extra = {"lora": self._lora_step(batch, num_sched), "hidden_indices": hidden_indices}
         self.last_step = (torch.from_numpy(positions), meta)
         return self.model.forward(input_ids, self.last_step[0], meta, self.kv_cache, logits_indices,
