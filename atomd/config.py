@@ -104,6 +104,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     dp_lockstep: bool = False
     # MoE models: the DP ranks share the experts, each holds 1/N (atomd/model/expert_parallel.py)
     enable_expert_parallel: bool = False
+    # its load balancer (vLLM's EPLB flags): num_redundant_experts replica slots per sparse layer over
+    # the ranks, refilled with the hottest experts every eplb_step_interval steps
+    enable_eplb: bool = False
+    num_redundant_experts: int = 0
+    eplb_step_interval: int = 3000
     dp_collective_timeout_s: float = 60.0
     dp_master_port: int | None = None  # the ranks' gloo group; picked by the API process
     # speculative decoding, vLLM's JSON shape: '{"method": "ngram", "num_speculative_tokens": 4,
@@ -191,12 +196,30 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.model is not None:
             hub.model_path(self.model)  # a directory, or a hub id in the local cache: ValueError if neither
         self._check_simulated()
+        self._check_eplb()
         if self.enable_expert_parallel and self.data_parallel_size > 1 and self.model_runner == "real":
             self._check_expert_split()
         spec = self.speculative()
         if spec is not None and spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
             raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {spec.num_speculative_tokens + 1} "
                              f"> max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    def _check_eplb(self) -> None:
+        if self.num_redundant_experts < 0 or self.eplb_step_interval < 1:
+            raise ValueError(f"num_redundant_experts must be >= 0 and eplb_step_interval >= 1, got "
+                             f"{self.num_redundant_experts} and {self.eplb_step_interval}")
+        if self.num_redundant_experts and not self.enable_eplb:
+            raise ValueError("num_redundant_experts needs enable_eplb (the replicas follow the load)")
+        if not self.enable_eplb:
+            return
+        if not (self.enable_expert_parallel and self.data_parallel_size > 1):
+            raise ValueError("enable_eplb balances expert parallelism: it needs enable_expert_parallel and "
+                             "data_parallel_size > 1")
+        n = self.data_parallel_size
+        if self.num_redundant_experts < n or self.num_redundant_experts % n:
+            raise ValueError(f"enable_eplb: num_redundant_experts={self.num_redundant_experts} must be a positive "
+                             f"multiple of data_parallel_size={n} (each rank holds the same number of replicas; "
+                             f"the experts each rank owns stay where they are)")
 
     def _check_expert_split(self) -> None:
         """At start-up, in the API process: the model has experts that split evenly over the ranks
@@ -216,6 +239,11 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if experts % self.data_parallel_size:
             raise ValueError(f"enable_expert_parallel: {experts} experts do not split evenly over "
                              f"data_parallel_size={self.data_parallel_size} ranks")
+        replicas, others = self.num_redundant_experts // self.data_parallel_size, \
+            experts - experts // self.data_parallel_size
+        if self.enable_eplb and replicas > others:
+            raise ValueError(f"enable_eplb: {replicas} replica slots a rank but only {others} experts it does not "
+                             f"own (num_redundant_experts={self.num_redundant_experts})")
 
     def _check_simulated(self) -> None:
         _choice("model_runner", self.model_runner, MODEL_RUNNERS)
@@ -437,6 +465,11 @@ HELP = {
     "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
     "enable_expert_parallel": "MoE models: each DP rank holds 1/N of every sparse layer's experts and the "
                               "ranks exchange tokens per layer (all-to-all), stepping in lockstep",
+    "enable_eplb": "expert parallelism's load balancer: replicas of the hottest experts on the least loaded "
+                   "ranks, moved every --eplb-step-interval steps by the load the ranks saw",
+    "num_redundant_experts": "with --enable-eplb: replica slots per sparse layer, over all ranks (a multiple "
+                             "of --data-parallel-size)",
+    "eplb_step_interval": "with --enable-eplb: engine steps between rebalances (the load counted since the last)",
     "dp_collective_timeout_s": "a DP collective not done by then fails open and the group is given up "
                                "(expert parallel: the engine fails, its requests error)",
     "model_runner": "real: run the model; simulated: the real scheduler, KV cache accounting, connector and "
@@ -457,7 +490,8 @@ HELP = {
 }
 INTERNAL_FIELDS = ("dp_master_port",)  # set by the API process for its DP ranks, never by a user
 _SIZE_FIELDS = ("kv_cache_memory", "num_kvcache_blocks")  # one or the other
-_DP_FIELDS = ("dp_lockstep", "enable_expert_parallel", "dp_collective_timeout_s")
+_DP_FIELDS = ("dp_lockstep", "enable_expert_parallel", "enable_eplb", "num_redundant_experts", "eplb_step_interval",
+              "dp_collective_timeout_s")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import pathlib
 import signal
 import time
 
@@ -100,9 +101,12 @@ def metric(server, name: str, **labels: str) -> float:
     return metrics(server).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def block_bytes() -> int:
-    """Bytes of one KV block of the default model, from its config.json (float32, 16 tokens)."""
-    cfg = json.loads((model_dir() / "config.json").read_text())
+def block_bytes(model: os.PathLike | None = None) -> int:
+    """Bytes of one float32 KV block (16 tokens) of `model` (default: the built-in one), from its
+    config.json: k and v of every KV head, or MLA's one latent row (DeepSeek) a token and layer."""
+    cfg = json.loads((pathlib.Path(model or model_dir()) / "config.json").read_text())
+    if "kv_lora_rank" in cfg:
+        return cfg["num_hidden_layers"] * 16 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
     return cfg["num_hidden_layers"] * 2 * 16 * cfg.get("num_key_value_heads", heads) * head_dim * 4

@@ -3,7 +3,7 @@ transformers' DeepseekV2 / DeepseekV3 on tiny random checkpoints written by `sav
 V2-Lite-shaped (no q_lora, a dense first layer, group_limited_greedy routing, yarn with
 mscale / mscale_all_dim), V2 with q_lora, greedy routing and attention biases, V3-shaped
 (q_lora, sigmoid noaux_tc grouped routing with a random correction bias, yarn, interleaved
-RoPE) and V3 with rope_interleave off and every layer sparse. And the absorbed MLA decode
+RoPE) and V3 with rope_interleave off and every layer sparse (tests/families.py). And the absorbed MLA decode
 against the naive up-projected attention on the same latent cache."""
 from __future__ import annotations
 
@@ -23,53 +23,21 @@ from atomd.model.deepseek import MLA_KV_LAYOUT_VERSION, DeepseekModel, DeepseekR
 from atomd.model.loader import read_config
 from atomd.model.mla import LatentUp, mla_decode, store_latent
 from contracts.sampling import SamplingParams
-from tests.test_model_hf import (BLOCK, MIXED, VOCAB, _prompt_logits, assert_equals_hf, engine_greedy, hf_model,
-                                 prompts_of, write_tokenizer)
+from tests.families import DEEPSEEK, DEEPSEEK_COMMON, FAMILIES, write_families
+from tests.test_model_hf import BLOCK, assert_equals_hf, engine_greedy, prompts_of
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
 
-COMMON = dict(hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=3,
-              num_attention_heads=4, num_key_value_heads=4, vocab_size=VOCAB, n_routed_experts=8, n_shared_experts=1,
-              num_experts_per_tok=2, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=12,
-              max_position_embeddings=512, initializer_range=0.1, bos_token_id=1, eos_token_id=2, pad_token_id=0,
-              routed_scaling_factor=1.5)
-YARN = {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 128, "mscale": 0.8,
-        "mscale_all_dim": 0.7, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0}
-# name -> (transformers config class, overrides)
-CASES = {
-    "v2-lite": ("DeepseekV2Config", dict(q_lora_rank=None, first_k_dense_replace=1, topk_method="group_limited_greedy",
-                                         n_group=4, topk_group=2, rope_parameters=YARN)),
-    "v2-qlora-bias": ("DeepseekV2Config", dict(q_lora_rank=24, first_k_dense_replace=1, topk_method="greedy",
-                                               attention_bias=True, num_hidden_layers=2)),
-    "v3": ("DeepseekV3Config", dict(q_lora_rank=24, first_k_dense_replace=1, n_group=4, topk_group=2,
-                                    rope_parameters=YARN)),
-    "v3-halves-all-sparse": ("DeepseekV3Config", dict(q_lora_rank=24, first_k_dense_replace=0, n_group=2,
-                                                      topk_group=1, rope_interleave=False, num_hidden_layers=2)),
-}
-SPARSE = {"v2-lite": (1, 2), "v2-qlora-bias": (1,), "v3": (1, 2), "v3-halves-all-sparse": (0, 1)}
+# the DeepSeek checkpoints of tests/families.py, by their short names ("v2-lite", "v3", ...); the
+# prompt-logits and 48-token greedy checks every family shares are in tests/test_models.py
+CASES = [name.removeprefix("deepseek-") for name in DEEPSEEK]
 GREEDY48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
-
-
-def make_deepseek(path: pathlib.Path, config_class: str, seed: int, **overrides) -> pathlib.Path:
-    config = getattr(transformers, config_class)(**{**COMMON, **overrides})
-    torch.manual_seed(seed)
-    model = transformers.AutoModelForCausalLM.from_config(config).eval()
-    g = torch.Generator().manual_seed(seed)
-    with torch.no_grad():  # biases and V3's correction bias start at zero: random, so they are tested
-        for name, t in [*model.named_parameters(), *model.named_buffers()]:
-            if name.endswith(".bias") or name.endswith("e_score_correction_bias"):
-                t.copy_(torch.randn(t.shape, generator=g) * 0.3)
-    path.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(path)
-    write_tokenizer(path)
-    return path
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
-    return {name: make_deepseek(tmp_path_factory.mktemp(name), cls, seed=i + 40, **overrides)
-            for i, (name, (cls, overrides)) in enumerate(CASES.items())}
+    return {name.removeprefix("deepseek-"): path for name, path in write_families(tmp_path_factory, DEEPSEEK).items()}
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -77,7 +45,7 @@ def test_layers_and_latent_cache_are_what_the_config_says(name, checkpoints):
     llm = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128)
     model, cfg = llm.engine.model, llm.engine.model.config
     assert isinstance(model, DeepseekModel)
-    assert tuple(i for i, w in enumerate(model.layers) if w.moe is not None) == SPARSE[name] == cfg.sparse_layers
+    assert tuple(i for i, w in enumerate(model.layers) if w.moe is not None) == FAMILIES[f"deepseek-{name}"].sparse == cfg.sparse_layers
     assert all((w.gate_up is None) == (w.moe is not None) for w in model.layers)
     assert all((w.q_b is not None) == (cfg.q_lora_rank is not None) for w in model.layers)
     # one latent row per token and layer: kv_lora_rank + qk_rope_head_dim values, no k / v heads
@@ -90,39 +58,6 @@ def test_layers_and_latent_cache_are_what_the_config_says(name, checkpoints):
     kernels = llm.engine.runner.kernels
     assert kernels is None or (kernels.head_dim, kernels.group) == (40, 4)
     assert llm.engine.runner.workspace is None
-
-
-@pytest.mark.parametrize("name", CASES)
-@pytest.mark.parametrize("chunk", [None, BLOCK])
-def test_prompt_logits_match_hf(name, chunk, checkpoints):
-    path = checkpoints[name]
-    args = {"max_num_batched_tokens": chunk} if chunk else {}
-    llm = LLM(str(path), num_threads=1, max_model_len=256, **args)
-    prompt = prompts_of([4 * BLOCK + 5], seed=3)[0]
-    got = _prompt_logits(llm, prompt)
-    with torch.inference_mode():
-        want = hf_model(path)(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
-
-
-# the absorbed decode on the native kernel (auto), and on torch SDPA for one case
-@pytest.mark.parametrize("name,backend", [*((name, "auto") for name in CASES), ("v2-lite", "torch")])
-def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, backend, checkpoints):
-    path = checkpoints[name]
-    prompts = prompts_of(MIXED, seed=4)
-    llm = LLM(str(path), num_threads=1, max_model_len=256, attention_backend=backend)
-    assert_equals_hf(path, prompts, engine_greedy(llm, prompts, GREEDY48), n=48)
-    alone = prompts[2:3]  # batch-1 decode
-    assert_equals_hf(path, alone, engine_greedy(llm, alone, GREEDY48), n=48)
-    # a shared 3-block prefix: the second run reads its latent rows from the cache
-    shared = prompts_of([3 * BLOCK], seed=5)[0]
-    prompts = [shared + tail for tail in prompts_of([5, 1], seed=6)]
-    chunked = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK, attention_backend=backend)
-    first = engine_greedy(chunked, prompts, GREEDY48)
-    hits = chunked.engine.stats()["prefix_cache_hits"]
-    assert engine_greedy(chunked, prompts, GREEDY48) == first
-    assert chunked.engine.stats()["prefix_cache_hits"] - hits >= 2 * 3 * BLOCK
-    assert_equals_hf(path, prompts, first, n=48)
 
 
 @pytest.mark.parametrize("name,backend", [("v2-lite", "auto"), ("v3", "auto"), ("v3", "torch")])
@@ -220,7 +155,7 @@ def test_routing_equals_transformers_router(config_class, extra):
     from transformers.models.deepseek_v2.modeling_deepseek_v2 import DeepseekV2TopkRouter
     from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3TopkRouter
 
-    hf_config = getattr(transformers, config_class)(**{**COMMON, **extra})
+    hf_config = getattr(transformers, config_class)(**{**DEEPSEEK_COMMON, **extra})
     v3 = config_class == "DeepseekV3Config"
     hf = (DeepseekV3TopkRouter if v3 else DeepseekV2TopkRouter)(hf_config)
     g = torch.Generator().manual_seed(7)

@@ -106,7 +106,9 @@ def test_the_sharded_block_equals_the_whole_block(experts, ranks, dtype, cast):
         else:
             torch.testing.assert_close(out, want, atol=1e-6, rtol=1e-6)
     # each expert's load counted once, on the rank holding it: every (token, choice) pair
-    assert torch.equal(torch.cat([m.routed for _, m in got]), w.routed)
+    per = experts // ranks
+    assert torch.equal(sum(m.routed for _, m in got), w.routed)
+    assert all(not m.routed[:r * per].any() and not m.routed[(r + 1) * per:].any() for r, (_, m) in enumerate(got))
     assert int(w.routed.sum()) == 2 * sum(rows[1:])
 
 
@@ -146,7 +148,7 @@ class Ranks:
     """Two expert-parallel LLMEngines of one checkpoint over an in-process group, stepped
     tick by tick on one thread each (as DPEngineCore steps them: every tick, idle or not)."""
 
-    def __init__(self, path: pathlib.Path, policy: str = "off", ranks: int = 2):
+    def __init__(self, path: pathlib.Path, policy: str = "off", ranks: int = 2, **config):
         self.group = InProcessGroup(ranks, timeout_s=60)
         self.colls = [self.group.rank(r) for r in range(ranks)]
         self.ran: list[str] = ["idle"] * ranks  # what each rank's forward ran this tick
@@ -154,7 +156,7 @@ class Ranks:
         def build(r: int) -> LLMEngine:
             cfg = EngineConfig(model=str(path), data_parallel_size=ranks, data_parallel_rank=r,
                                enable_expert_parallel=True, prefill_delayer=policy, num_threads=1,
-                               max_model_len=256)
+                               max_model_len=256, **config)
             delayer = make_prefill_delayer(cfg, self.colls[r]) if policy != "off" else None
             engine = LLMEngine(cfg, prefill_delayer=delayer, expert_group=self.colls[r])
             forward = engine._forward

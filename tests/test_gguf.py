@@ -15,6 +15,8 @@ import gguf
 import numpy as np
 import pytest
 import torch
+import transformers
+from tokenizers import SentencePieceBPETokenizer
 from tokenizers import Tokenizer as HFTokenizer
 
 from atomd.llm import LLM
@@ -37,7 +39,7 @@ LAYER = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.
          "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm"}
 KINDS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_gate": "gate", "ffn_up": "up",
          "ffn_down": "down"}  # write_gguf's `types` keys of the layer linears
-K_BLOCKS = {Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
+K_BLOCKS = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
 
 def gguf_names(name: str) -> str:
@@ -66,6 +68,11 @@ def random_k_blocks(qtype, rows: int, cols: int, rng) -> np.ndarray:
     b = rng.integers(0, 256, (rows, cols // 256, size), dtype=np.uint8)
     if qtype == Q.Q6_K:
         b[..., 208:210] = (rng.uniform(1e-5, 3e-5, (rows, cols // 256, 1))).astype(np.float16).view(np.uint8)
+    elif qtype == Q.Q3_K:
+        b[..., 108:110] = (rng.uniform(1e-4, 3e-4, (rows, cols // 256, 1))).astype(np.float16).view(np.uint8)
+    elif qtype == Q.Q2_K:
+        d = rng.uniform(5e-4, 1e-3, (rows, cols // 256, 2)).astype(np.float16)
+        b[..., 80:84] = d.view(np.uint8)
     else:
         d = rng.uniform(2e-5 if qtype == Q.Q5_K else 5e-5, 1e-4, (rows, cols // 256, 2)).astype(np.float16)
         b[..., 0:4] = d.view(np.uint8)
@@ -180,6 +187,9 @@ CASES = {  # id -> (arch, types)
     "llama-Q4_K_M-like": ("llama", {"linear": Q.Q4_K, "v": Q.Q6_K, "down": Q.Q5_K, "embed": Q.Q4_K,
                                     "output": Q.Q6_K}),
     "llama-F16": ("llama", {"linear": Q.F16, "embed": Q.F16, "output": Q.F16}),
+    # the legacy types: Q4_1 with a Q5_1 v (q / k / v then int8), a Q5_0 down, a Q5_1 head
+    "llama-Q4_1-Q5": ("llama", {"linear": Q.Q4_1, "v": Q.Q5_1, "down": Q.Q5_0, "embed": Q.F32, "output": Q.Q5_1}),
+    "llama-Q3_K_M-like": ("llama", {"linear": Q.Q3_K, "v": Q.Q5_K, "down": Q.Q2_K, "embed": Q.F32, "output": Q.Q6_K}),
     "qwen2-Q8_0": ("qwen2", {"linear": Q.Q8_0, "embed": Q.Q8_0}),  # tied: the packed embedding is the head too
     "qwen3-Q4_0": ("qwen3", {"linear": Q.Q4_0, "embed": Q.BF16, "output": Q.Q8_0}),
 }
@@ -196,7 +206,7 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
     if types["linear"] in (Q.F16, Q.BF16):
         assert not any(isinstance(t, QuantizedWeight) for t in layer.linears())
     else:  # packed as stored: int4 for the 4-bit types, int8 for the rest (and siblings of mixed types)
-        bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_K: 4}[types["linear"]]
+        bits = {Q.Q8_0: 8, Q.Q4_0: 4, Q.Q4_1: 4, Q.Q3_K: 8, Q.Q4_K: 4}[types["linear"]]
         assert isinstance(layer.o, QuantizedWeight) and layer.o.bits == bits
         assert isinstance(layer.gate_up, QuantizedWeight) and layer.gate_up.bits == bits
         assert isinstance(layer.qkv, QuantizedWeight) and layer.qkv.bits == (8 if "v" in types else bits)
@@ -257,7 +267,7 @@ def test_a_tokenizer_json_beside_the_file_is_used(checkpoints, tmp_path):
     assert len(out.token_ids) == 48 and isinstance(out.text, str)
 
 
-@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_K, Q.Q5_K, Q.Q6_K])
+@pytest.mark.parametrize("qtype", [Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q2_K, Q.Q3_K, Q.Q4_K, Q.Q5_K, Q.Q6_K])
 def test_blocks_unpack_to_what_ggml_dequantises_and_the_kernel_multiplies(qtype):
     rng = np.random.default_rng(int(qtype))
     rows, cols = 40, 512
@@ -274,14 +284,14 @@ def test_blocks_unpack_to_what_ggml_dequantises_and_the_kernel_multiplies(qtype)
 
 
 @pytest.mark.parametrize("edit,message", [
-    ("q5_0", "GGUF tensor .* is Q5_0: atomd reads F32, F16, BF16, Q8_0, Q4_0, Q4_K, Q5_K, Q6_K"),
+    ("tq1_0", "GGUF tensor .* is TQ1_0: atomd reads F32, F16, BF16, Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q2_K, Q3_K, Q4_K"),
     ("arch", "GGUF architecture 'gemma' is not supported"),
-    ("spm", "GGUF tokenizer model 'llama' is not supported .*tokenizer.json beside"),
+    ("t5", "GGUF tokenizer model 't5' is not supported .*tokenizer.json beside"),
 ])
 def test_unsupported_files_are_refused_by_name(edit, message, checkpoints, tmp_path):
     path = tmp_path / "m.gguf"
-    write_gguf(checkpoints["qwen3"], path, "qwen3", {"linear": Q.Q5_0 if edit == "q5_0" else Q.Q8_0, "embed": Q.F32},
-               tokenizer="llama" if edit == "spm" else "gpt2")
+    write_gguf(checkpoints["qwen3"], path, "qwen3", {"linear": Q.TQ1_0 if edit == "tq1_0" else Q.Q8_0, "embed": Q.F32},
+               tokenizer="t5" if edit == "t5" else "gpt2")
     if edit == "arch":  # general.architecture's value, the first 'qwen3' in the file (same length)
         path.write_bytes(path.read_bytes().replace(b"qwen3", b"gemma", 1))
     with pytest.raises(ValueError, match=message):
@@ -337,3 +347,55 @@ def test_broken_files_are_refused_with_the_reason(checkpoints, tmp_path):
         (tmp_path / "two" / name).write_bytes(data)
     with pytest.raises(ValueError, match="holds 2 .gguf files"):
         model_path(str(tmp_path / "two"))
+
+
+def write_sentencepiece_gguf(path) -> list[str]:
+    """A GGUF holding only a SentencePiece vocabulary as llama.cpp writes Llama 2's (model llama:
+    unk / bos / eos, the 256 <0xNN> byte pieces, pieces with scores, no merges), plus a
+    user-defined <think>; the pieces learned by tokenizers' SentencePiece BPE on CORPUS."""
+    spm = SentencePieceBPETokenizer()
+    spm.train_from_iterator(CORPUS + ["the quick brown fox jumps over the lazy dog"] * 20, vocab_size=200,
+                            min_frequency=2, show_progress=False, special_tokens=["<unk>"])
+    learned = json.loads(spm.to_str())["model"]["vocab"]
+    pieces = [t for t, _ in sorted(learned.items(), key=lambda kv: kv[1]) if t != "<unk>"]
+    tokens = ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)] + ["<think>"] + pieces
+    T = gguf.TokenType
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_tokenizer_model("llama")
+    w.add_token_list(tokens)
+    w.add_token_scores([0.0] * 260 + [-float(i) for i in range(len(pieces))])  # earlier pieces merge first
+    w.add_token_types([T.UNKNOWN, T.CONTROL, T.CONTROL] + [T.BYTE] * 256 + [T.USER_DEFINED] + [T.NORMAL] * len(pieces))
+    w.add_bos_token_id(1)
+    w.add_eos_token_id(2)
+    w.add_unk_token_id(0)
+    w.add_tensor("token_embd.weight", np.zeros((len(tokens), 8), np.float32))
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return tokens
+
+
+def test_sentencepiece_vocabulary_tokenizes_as_transformers_reads_the_file(tmp_path):
+    """transformers' own GGUF tokenizer (AutoTokenizer with gguf_file) is the reference: the same
+    ids (bos first, merges recovered from the scores, bytes outside the vocabulary as <0xNN>,
+    <think> whole) and the same text back."""
+    write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    ours = HFTokenizer.from_str(json.dumps(gguf_file.tokenizer_json(gguf_file.GGUFFile(tmp_path / "spm.gguf"))))
+    ref = transformers.AutoTokenizer.from_pretrained(str(tmp_path), gguf_file="spm.gguf")
+    texts = ["hello world", " leading space", "  two  spaces  ", "the quick brown fox", "naïve café 日本語 🙂 ☃",
+             "<think>why</think> so", "def main():\n\tprint(1)\n", ""]
+    for text in texts:
+        ids = ours.encode(text).ids
+        assert ids == ref(text)["input_ids"], text
+        assert ours.decode(ids) == ref.decode(ids, skip_special_tokens=True), text
+    assert ours.encode("naïve ☃").tokens[-3:] == ["<0xE2>", "<0x98>", "<0x83>"]  # byte fallback: not in CORPUS
+
+
+def test_sentencepiece_without_scores_is_refused(tmp_path):
+    tokens = write_sentencepiece_gguf(tmp_path / "spm.gguf")
+    raw = (tmp_path / "spm.gguf").read_bytes().replace(b"tokenizer.ggml.scores", b"tokenizer.ggml.xxxxxx", 1)
+    (tmp_path / "spm.gguf").write_bytes(raw)
+    assert len(tokens) > 260
+    with pytest.raises(ValueError, match="SentencePiece vocabulary without merges or one score per token"):
+        gguf_file.tokenizer_json(gguf_file.GGUFFile(tmp_path / "spm.gguf"))

@@ -1,8 +1,9 @@
-"""The model registry's newer families against Hugging Face transformers, on tiny random
-checkpoints written by `save_pretrained` (tests/test_model_hf.py's make_checkpoint):
-Qwen3 (q/k norm; tied and untied head), Qwen3-MoE (dense and sparse layers mixed through
-mlp_only_layers / decoder_sparse_step; norm_topk_prob both ways) and Mixtral; and the MoE
-block against a per-token reference on chosen routings."""
+"""The model registry's families against Hugging Face transformers, on the tiny random
+checkpoints of tests/families.py: Qwen3 (q/k norm; tied and untied head), Qwen3-MoE (dense and
+sparse layers mixed through mlp_only_layers / decoder_sparse_step; norm_topk_prob both ways),
+Mixtral, Phi-3 and DeepSeek V2 / V3 (MLA) share the prompt-logits and 48-token greedy checks;
+then what is particular to the MoE block, against a per-token reference on chosen routings.
+(Llama / Qwen2: tests/test_model_hf.py; DeepSeek's latent cache: tests/test_deepseek.py.)"""
 from __future__ import annotations
 
 import json
@@ -22,39 +23,26 @@ from atomd.model.loader import load_model
 from atomd.model.moe import MoeWeights, moe
 from contracts.sampling import SamplingParams
 from tests.test_bf16 import _hf_greedy, assert_greedy_follows_hf_bf16, first_difference
+from tests.families import DEEPSEEK, FAMILIES, write_families
 from tests.test_model_hf import (BLOCK, MIXED, _prompt_logits, assert_equals_hf, engine_greedy, hf_model,
                                  make_checkpoint, prompts_of)
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
 
-# name -> (kind, overrides); each a GQA model (4 query heads, 2 KV heads)
-CASES = {
-    "qwen3-untied": ("qwen3", {}),
-    "qwen3-tied": ("qwen3", {"tie_word_embeddings": True, "num_hidden_layers": 3}),
-    # layers 0, 2, 3 sparse, 1 dense; top-2 weights renormalised
-    "qwen3_moe-mlp_only": ("qwen3_moe", {"num_hidden_layers": 4, "mlp_only_layers": [1], "norm_topk_prob": True}),
-    # decoder_sparse_step 2: layer 1 sparse, 0 and 2 dense; top-2 weights as the softmax gave them
-    "qwen3_moe-step2": ("qwen3_moe", {"num_hidden_layers": 3, "decoder_sparse_step": 2, "norm_topk_prob": False,
-                                      "tie_word_embeddings": True}),
-    "mixtral": ("mixtral", {}),
-    "phi3": ("phi3", {}),  # longrope, attention factor sqrt(1 + ln 2 / ln 256)
-}
-SPARSE = {"qwen3-untied": (), "qwen3-tied": (), "qwen3_moe-mlp_only": (0, 2, 3), "qwen3_moe-step2": (1,),
-          "mixtral": (0, 1), "phi3": ()}
+NON_MLA = [name for name in FAMILIES if name not in DEEPSEEK]
 GREEDY48 = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
-    return {name: make_checkpoint(tmp_path_factory.mktemp(name), kind, seed=i + 20, **overrides)
-            for i, (name, (kind, overrides)) in enumerate(CASES.items())}
+    return write_families(tmp_path_factory)
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", NON_MLA)  # DeepSeek's layers: tests/test_deepseek.py
 def test_layers_are_what_the_config_says(name, checkpoints):
     model = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128).engine.model
-    assert tuple(i for i, w in enumerate(model.layers) if w.moe is not None) == SPARSE[name]
+    assert tuple(i for i, w in enumerate(model.layers) if w.moe is not None) == FAMILIES[name].sparse
     assert all((w.gate_up is None) == (w.moe is not None) for w in model.layers)
     assert all((w.q_norm is not None) == name.startswith("qwen3") for w in model.layers)
     for w in model.layers:
@@ -62,7 +50,7 @@ def test_layers_are_what_the_config_says(name, checkpoints):
             assert w.moe.gate_up.shape[0] == 8 and w.moe.top_k == 2
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", FAMILIES)
 @pytest.mark.parametrize("chunk", [None, BLOCK])
 def test_prompt_logits_match_hf(name, chunk, checkpoints):
     path = checkpoints[name]
@@ -75,18 +63,20 @@ def test_prompt_logits_match_hf(name, chunk, checkpoints):
     torch.testing.assert_close(got, want, atol=1e-4, rtol=0)
 
 
-@pytest.mark.parametrize("name", CASES)
-def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, checkpoints):
+# DeepSeek's absorbed MLA decode on the native kernel (auto), and on torch SDPA for one case
+@pytest.mark.parametrize("name,backend", [*((name, "auto") for name in FAMILIES), ("deepseek-v2-lite", "torch")])
+def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, backend, checkpoints):
     path = checkpoints[name]
     prompts = prompts_of(MIXED, seed=4)
-    llm = LLM(str(path), num_threads=1, max_model_len=256)
+    llm = LLM(str(path), num_threads=1, max_model_len=256, attention_backend=backend)
     assert_equals_hf(path, prompts, engine_greedy(llm, prompts, GREEDY48), n=48)
     alone = prompts[2:3]  # batch-1 decode: the fused layer, or what the family falls back to
     assert_equals_hf(path, alone, engine_greedy(llm, alone, GREEDY48), n=48)
-    # a shared 3-block prefix: the second run reads it from the cache
+    # a shared 3-block prefix: the second run reads it (k / v rows, or latent rows) from the cache
     shared = prompts_of([3 * BLOCK], seed=5)[0]
     prompts = [shared + tail for tail in prompts_of([5, 1], seed=6)]
-    chunked = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK)
+    chunked = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=BLOCK,
+                  attention_backend=backend)
     first = engine_greedy(chunked, prompts, GREEDY48)
     hits = chunked.engine.stats()["prefix_cache_hits"]
     assert engine_greedy(chunked, prompts, GREEDY48) == first
@@ -284,7 +274,7 @@ def test_bf16_moe_greedy_follows_hf_bf16_up_to_routing_ties(name, checkpoints, m
     hf32, hf16 = hf[torch.float32], hf[torch.bfloat16]
     compared = 0
     for prompt in prompts_of([BLOCK + 5, 40, 7], seed=11):
-        ids, routing = engine_greedy_and_routing(llm, prompt, len(SPARSE[name]), monkeypatch)
+        ids, routing = engine_greedy_and_routing(llm, prompt, len(FAMILIES[name].sparse), monkeypatch)
         flip = first_routing_flip(hf, prompt + ids[:-1], routing)  # the last id was never forwarded
         assert flip is None or flip[1], (len(prompt), flip)  # only at a near-tie
         flip_at = len(ids) if flip is None else flip[0] - len(prompt)  # the first id computed after it
@@ -315,7 +305,7 @@ def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints):
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=dtype).eval()
     model = load_model(checkpoints[name], dtype)
     g = torch.Generator().manual_seed(0)
-    for i in SPARSE[name]:
+    for i in FAMILIES[name].sparse:
         for rows in (1, 5, 40):
             h = torch.randn(rows, 64, generator=g).to(dtype)
             with torch.inference_mode():

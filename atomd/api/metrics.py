@@ -218,7 +218,8 @@ class ExpertLoadCollector:
     """MoE models: `atomd:expert_tokens_total{expert}` per dp_rank, the (token, choice) pairs
     each expert held on that rank ran (summed over the sparse layers), so imbalance shows;
     with expert parallelism `atomd:expert_parallel_exchange_seconds_total` too, the time a
-    rank spent in the sparse layers' all-to-alls (waiting on the slowest rank included)."""
+    rank spent in the sparse layers' all-to-alls (waiting on the slowest rank included), and
+    with --enable-eplb `atomd:expert_parallel_rebalances_total` (replica placements computed)."""
 
     def __init__(self, engine_stats: Any, model_name: str):
         self.engine_stats, self.model_name = engine_stats, model_name
@@ -229,6 +230,8 @@ class ExpertLoadCollector:
                                      "sparse layers, per rank holding it.", labels=labels + ["expert"])
         exchange = CounterMetricFamily("atomd:expert_parallel_exchange_seconds", "Seconds a rank spent in "
                                        "the expert-parallel all-to-alls.", labels=labels)
+        rebalances = CounterMetricFamily("atomd:expert_parallel_rebalances", "Hot-expert replica placements "
+                                         "computed (--enable-eplb).", labels=labels)
         stats = self.engine_stats.stats or {}
         for rank_stats in stats.get("ranks", [stats]):
             lv = [self.model_name, str(rank_stats.get("dp_rank", 0))]
@@ -237,5 +240,7 @@ class ExpertLoadCollector:
             ep = rank_stats.get("expert_parallel")
             if ep:
                 exchange.add_metric(lv, ep["exchange_s"])
+                rebalances.add_metric(lv, ep["num_rebalances"])
         yield tokens
         yield exchange
+        yield rebalances

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import msgspec
 import zmq
@@ -33,6 +33,12 @@ from atomd.engine.lora_registry import LoraBusy, LoraNotLoaded
 from kv_transfer.trust import UntrustedKVParams
 from contracts.errors import ErrorCode
 
+if TYPE_CHECKING:  # the API process imports this module to spawn the core: no torch, no gloo there
+    from atomd.config import EngineConfig
+    from atomd.engine.dp_collective import Lockstep, ObservedPrefillDelayer
+    from atomd.engine.engine_loop import EngineLoop
+    from scheduler.prefill_delayer import Collective
+
 logger = logging.getLogger("atomd.engine.core")
 
 IDLE_POLL_MS = 1000  # how often an idle core wakes to check its parent is still alive
@@ -41,7 +47,7 @@ SERVING_POLL_MS = 10  # a producer whose only work is pinned blocks: poll for th
 IDLE_TICK_MS = 5  # a DP rank that ticks with its group: its wait on the socket between (empty) ticks
 
 
-def ticks_every_rank(config: Any) -> bool:
+def ticks_every_rank(config: EngineConfig) -> bool:
     return config.data_parallel_size > 1 and (config.prefill_delayer != "off" or config.dp_lockstep
                                               or config.enable_expert_parallel)
 
@@ -49,7 +55,7 @@ def ticks_every_rank(config: Any) -> bool:
 class EngineCore:
     """Runs `engine` against the two sockets until the parent goes away."""
 
-    def __init__(self, engine: Any, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
+    def __init__(self, engine: EngineLoop, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
         self.engine, self.inp, self.out, self.parent_pid = engine, inp, out, parent_pid
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.encoder = msgspec.msgpack.Encoder()
@@ -130,7 +136,7 @@ class EngineCore:
             return UtilityResult(call.call_id, error=f"{type(e).__name__}: {e}")
 
 
-def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: int) -> None:
+def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, parent_pid: int) -> None:
     """Entry point of the core process (multiprocessing spawn target)."""
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     ctx = zmq.Context()
@@ -170,7 +176,7 @@ def run_engine_core(config: Any, input_addr: str, output_addr: str, parent_pid: 
         ctx.term()
 
 
-def engine_class_of(config: Any) -> type:
+def engine_class_of(config: EngineConfig) -> type[EngineLoop]:
     """The engine this core runs: the model (torch), or the simulated runner, which never
     imports torch (atomd/sim/engine.py)."""
     if getattr(config, "model_runner", "real") == "simulated":
@@ -191,14 +197,14 @@ class DPGroup:
     to the engine's scheduler when it is built), the lockstep emulation, and whether the
     engine's sparse layers run expert-parallel over it."""
 
-    def __init__(self, rank: int, ticks: bool, collective: Any, delayer: Any, lockstep: Any,
-                 expert_parallel: bool = False):
+    def __init__(self, rank: int, ticks: bool, collective: Collective, delayer: ObservedPrefillDelayer | None,
+                 lockstep: Lockstep | None, expert_parallel: bool = False):
         self.rank, self.ticks = rank, ticks
         self.collective, self.delayer, self.lockstep = collective, delayer, lockstep
         self.expert_parallel = expert_parallel
 
     @classmethod
-    def join(cls, cfg: Any) -> "DPGroup | None":
+    def join(cls, cfg: EngineConfig) -> "DPGroup | None":
         """Join the ranks' gloo group when they tick together; None when nothing needs a group."""
         ticks = ticks_every_rank(cfg)
         if cfg.prefill_delayer == "off" and not ticks:
@@ -223,7 +229,7 @@ class DPGroup:
 class DPEngineCore(EngineCore):
     """A rank that steps with its group every tick (see the module docstring)."""
 
-    def __init__(self, engine: Any, inp: Any, out: Any, parent_pid: int, group: DPGroup):
+    def __init__(self, engine: EngineLoop, inp: zmq.Socket, out: zmq.Socket, parent_pid: int, group: DPGroup):
         super().__init__(engine, inp, out, parent_pid)
         self.group = group
 

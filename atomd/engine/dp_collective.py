@@ -17,13 +17,16 @@ from __future__ import annotations
 import datetime
 import logging
 from collections import defaultdict
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
 import torch.distributed as dist
 
 from scheduler.prefill_delayer import DELAYER_KNOBS, Collective, PrefillDelayer
+
+if TYPE_CHECKING:
+    from atomd.config import EngineConfig
 
 logger = logging.getLogger("atomd.engine.dp_collective")
 
@@ -124,7 +127,7 @@ class ObservedPrefillDelayer(PrefillDelayer):
                 "num_collectives": getattr(self.collective, "num_collectives", None)}
 
 
-def make_prefill_delayer(config: Any, collective: Collective) -> ObservedPrefillDelayer:
+def make_prefill_delayer(config: EngineConfig, collective: Collective) -> ObservedPrefillDelayer:
     """The delayer `--prefill-delayer` asks for, with the knobs from `config`
     (EngineConfig field `prefill_delayer_<knob>` for each of DELAYER_KNOBS)."""
     knobs = {k: getattr(config, f"prefill_delayer_{k}") for k in DELAYER_KNOBS}

@@ -65,7 +65,9 @@ class LLMEngine(EngineLoop):
                                 quantization=config.quantization, activations=config.quantized_activations,
                                 expert_shard=shard)
         if expert_group is not None:
-            self.model.use_expert_parallel(ExpertParallel(expert_group, *shard))
+            self.model.use_expert_parallel(ExpertParallel(
+                expert_group, *shard, redundant_experts=config.num_redundant_experts if config.enable_eplb else 0,
+                rebalance_every=config.eplb_step_interval))
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.tokenizer = Tokenizer.from_dir(model_dir)
@@ -191,13 +193,16 @@ class LLMEngine(EngineLoop):
             self.model.idle_forward()
 
     def stats(self) -> dict[str, Any]:
-        """Plus the expert load counters: (token, choice) pairs each expert held here ran,
-        summed over the sparse layers (`expert_tokens`: [[expert id, n], ...])."""
+        """Plus the expert load counters: (token, choice) pairs each expert ran here, summed
+        over the sparse layers (`expert_tokens`: [[expert id, n], ...], the experts this rank
+        owns, and any other a replica slot ran)."""
         sparse = [w.moe for w in self.model.layers if w.moe is not None]
         out = super().stats()
         if sparse:
-            first, total = sparse[0].first_expert, sum(m.routed for m in sparse).tolist()
-            out["expert_tokens"] = [[first + e, n] for e, n in enumerate(total)]
+            first, owned = sparse[0].first_expert, sparse[0].gate_up.shape[0] - (
+                self.model.ep.replica_slots if self.model.ep is not None else 0)
+            total = sum(m.routed for m in sparse).tolist()
+            out["expert_tokens"] = [[e, n] for e, n in enumerate(total) if n or first <= e < first + owned]
         if self.model.ep is not None:
             out["expert_parallel"] = self.model.ep.stats()
         return out

@@ -277,6 +277,7 @@ class DecoderModel:
         for w in self.layers:
             if w.moe is not None:
                 w.moe.ep = ep
+                ep.attach(w.moe)
 
     def idle_forward(self) -> None:
         """A rank with nothing to run this step: its part in every sparse layer's exchange

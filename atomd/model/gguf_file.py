@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-FORMAT_VERSION = "atomd-gguf-1"  # in the cache key: a change to what is written here rebuilds the directories
+FORMAT_VERSION = "atomd-gguf-2"  # in the cache key: a change to what is written here rebuilds the directories
 # metadata value types: struct code, or None for string (8), array (9)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -53,6 +53,10 @@ PRE_TOKENIZERS: dict[str, str | None] = {
 }
 MAX_METADATA_ITEMS = 1 << 24  # an array or count past this is a broken file, not a vocabulary
 TOKEN_CONTROL, TOKEN_USER_DEFINED = 3, 4  # tokenizer.ggml.token_type values that are added tokens
+# the others, by name only (refused by name: atomd reads none of them)
+OTHER_GGML_TYPES = {16: "IQ2_XXS", 17: "IQ2_XS", 18: "IQ3_XXS", 19: "IQ1_S", 20: "IQ4_NL", 21: "IQ3_S", 22: "IQ2_S",
+                    23: "IQ4_XS", 24: "I8", 25: "I16", 26: "I32", 27: "I64", 28: "F64", 29: "IQ1_M", 34: "TQ1_0",
+                    35: "TQ2_0", 39: "MXFP4"}
 
 
 @dataclass
@@ -64,7 +68,8 @@ class TensorInfo:
 
     @property
     def type_name(self) -> str:
-        return GGML_TYPES.get(self.type, (f"ggml type {self.type}",))[0]
+        known = GGML_TYPES.get(self.type)
+        return known[0] if known else OTHER_GGML_TYPES.get(self.type, f"ggml type {self.type}")
 
     @property
     def nbytes(self) -> int:
@@ -251,14 +256,17 @@ def tokenizer_config(gg: GGUFFile) -> dict[str, Any]:
 
 def tokenizer_json(gg: GGUFFile) -> dict[str, Any]:
     """A Hugging Face tokenizer.json for the metadata's vocabulary: byte-level BPE
-    (tokenizer.ggml.model gpt2), its pre-tokenizer by tokenizer.ggml.pre (PRE_TOKENIZERS),
-    control / user-defined tokens as added tokens, bos prepended when add_bos_token says so.
-    Others (SentencePiece's llama, ...) are refused: put the model's tokenizer.json beside the file."""
+    (tokenizer.ggml.model gpt2) with its pre-tokenizer by tokenizer.ggml.pre (PRE_TOKENIZERS), or
+    SentencePiece's BPE (model llama: Llama 2, Mistral, ...; `sentencepiece_bpe`); control /
+    user-defined tokens as added tokens, bos prepended when add_bos_token says so (SentencePiece:
+    unless it says not, as llama.cpp). Others are refused: put the model's tokenizer.json beside
+    the file."""
     model, pre = gg.get("tokenizer.ggml.model"), gg.get("tokenizer.ggml.pre", "default")
     hint = "; put the model's tokenizer.json beside the .gguf file"
-    if model != "gpt2":
-        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (byte-level BPE, gpt2){hint}")
-    if pre not in PRE_TOKENIZERS:
+    if model not in ("gpt2", "llama"):
+        raise ValueError(f"GGUF tokenizer model {model!r} is not supported (byte-level BPE gpt2, SentencePiece "
+                         f"BPE llama){hint}")
+    if model == "gpt2" and pre not in PRE_TOKENIZERS:
         raise ValueError(f"GGUF pre-tokenizer {pre!r} is not supported ({', '.join(PRE_TOKENIZERS)}){hint}")
     tokens, merges = gg.get("tokenizer.ggml.tokens"), gg.get("tokenizer.ggml.merges") or []
     if not tokens:
@@ -267,22 +275,52 @@ def tokenizer_json(gg: GGUFFile) -> dict[str, Any]:
     added = [{"id": i, "content": t, "single_word": False, "lstrip": False, "rstrip": False, "normalized": False,
               "special": kind == TOKEN_CONTROL}
              for i, (t, kind) in enumerate(zip(tokens, types)) if kind in (TOKEN_CONTROL, TOKEN_USER_DEFINED)]
-    regex = PRE_TOKENIZERS[pre]
-    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": regex is None}
-    pre_tokenizer = byte_level if regex is None else {"type": "Sequence", "pretokenizers": [
-        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}, byte_level]}
     post = None
     bos = gg.get("tokenizer.ggml.bos_token_id")
-    if gg.get("tokenizer.ggml.add_bos_token", False) and isinstance(bos, int) and 0 <= bos < len(tokens):
+    if gg.get("tokenizer.ggml.add_bos_token", model == "llama") and isinstance(bos, int) and 0 <= bos < len(tokens):
         post = {"type": "TemplateProcessing",
                 "single": [{"SpecialToken": {"id": tokens[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
                 "pair": [{"SpecialToken": {"id": tokens[bos], "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}},
                          {"Sequence": {"id": "B", "type_id": 1}}],
                 "special_tokens": {tokens[bos]: {"id": tokens[bos], "ids": [bos], "tokens": [tokens[bos]]}}}
-    return {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "normalizer": None,
-            "pre_tokenizer": pre_tokenizer, "post_processor": post,
+    head = {"version": "1.0", "truncation": None, "padding": None, "added_tokens": added, "post_processor": post}
+    if model == "llama":
+        return {**head, **sentencepiece_bpe(tokens, merges, gg.get("tokenizer.ggml.scores"), hint)}
+    regex = PRE_TOKENIZERS[pre]
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": regex is None}
+    pre_tokenizer = byte_level if regex is None else {"type": "Sequence", "pretokenizers": [
+        {"type": "Split", "pattern": {"Regex": regex}, "behavior": "Isolated", "invert": False}, byte_level]}
+    return {**head, "normalizer": None, "pre_tokenizer": pre_tokenizer,
             "decoder": {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True, "use_regex": True},
             "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
                       "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
                       "ignore_merges": pre in ("llama-bpe", "llama3"),
                       "vocab": {t: i for i, t in enumerate(tokens)}, "merges": list(merges)}}
+
+
+def sentencepiece_bpe(tokens: list[str], merges: list[str], scores: list[float] | None, hint: str) -> dict[str, Any]:
+    """The parts of a SentencePiece BPE tokenizer.json, as transformers' LlamaTokenizer builds it
+    ("\u2581" for spaces, one prepended to the text, bytes outside the vocabulary as <0xNN>
+    tokens). A SentencePiece GGUF lists no merges: they are recovered from the vocabulary as
+    transformers' generate_merges does: every split of a token into two tokens, by the token's
+    score, highest first (then the longer left, then the longer right piece; ties in
+    vocabulary order)."""
+    vocab = {t: i for i, t in enumerate(tokens)}
+    if not merges:
+        if scores is None or len(scores) != len(tokens):
+            raise ValueError(f"GGUF SentencePiece vocabulary without merges or one score per token{hint}")
+        pairs = []
+        for token, score in zip(tokens, scores):
+            splits = [(token[:i], token[i:], float(score)) for i in range(1, len(token))
+                      if token[:i] in vocab and token[i:] in vocab]
+            pairs.extend(sorted(splits, key=lambda p: (vocab[p[0]], vocab[p[1]])))
+        pairs.sort(key=lambda p: (p[2], len(p[0]), len(p[1])), reverse=True)
+        merges = [f"{left} {right}" for left, right, _ in pairs]
+    return {"normalizer": None,
+            "pre_tokenizer": {"type": "Metaspace", "replacement": "\u2581", "prepend_scheme": "first", "split": False},
+            "decoder": {"type": "Sequence", "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "}, {"type": "ByteFallback"},
+                {"type": "Fuse"}, {"type": "Strip", "content": " ", "start": 1, "stop": 0}]},
+            "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                      "end_of_word_suffix": None, "fuse_unk": True, "byte_fallback": True, "ignore_merges": False,
+                      "vocab": vocab, "merges": list(merges)}}

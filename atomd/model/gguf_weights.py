@@ -6,10 +6,18 @@ integers and scales, exactly (w = q * scale + offset reproduces ggml's dequantis
 - Q8_0 (blocks of 32: fp16 d, 32 int8): int8, group 32, w = d * q;
 - Q4_0 (blocks of 32: fp16 d, 16 bytes of nibbles, value i low / i + 16 high, as quant.py's
   int4 runs): int4, group 32, offset -8 d;
+- Q4_1 (as Q4_0 with an fp16 minimum m after d): int4, group 32, offset m;
+- Q5_0 / Q5_1 (as Q4_0 / Q4_1 with each value's fifth bit in a 32-bit qh before the nibbles):
+  int8, group 32, w = d * (q - 16) / d * q + m;
 - Q4_K (super-blocks of 256: fp16 d, dmin, 12 bytes of eight 6-bit scales and mins, 128
   bytes of nibbles, each 64 values in 32 bytes, first 32 low): int4, group 32, scale d * sc,
   offset -dmin * m;
 - Q5_K (as Q4_K with a fifth bit per value in 32 more bytes): int8, group 32, same scale / offset;
+- Q2_K (super-blocks of 256: 16 bytes of 4-bit scale / min pairs, 64 bytes of 2-bit values,
+  fp16 d, dmin): int8, group 16, scale d * sc, offset -dmin * m;
+- Q3_K (super-blocks of 256: 32 bytes of each value's third bit, 64 of 2-bit values, twelve
+  bytes of sixteen 6-bit scales, fp16 d): int8, group 16, w = d * (sc - 32) * (q - 4 if the
+  bit is clear);
 - Q6_K (super-blocks of 256: 128 bytes of low nibbles, 64 of high 2-bit pairs, 16 int8 scales,
   fp16 d): int8, group 16, w = d * sc * (q - 32).
 Linears that share an input (q / k / v, gate / up) must be packed alike (quant.cat): when a
@@ -37,7 +45,7 @@ from atomd.model.quant import QuantizedWeight
 
 log = logging.getLogger(__name__)
 FLOAT_TYPES = ("F32", "F16", "BF16")
-PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K")
+PACKED_TYPES = ("Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K")
 _GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
            "lm_head.weight": "output.weight"}
 _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
@@ -114,14 +122,24 @@ def int_weight(info: TensorInfo, raw: np.ndarray) -> IntWeight:
     """A packed 2-D tensor's integers and scales (module docstring)."""
     n, k = info.shape
     kind = info.type_name
-    if kind in ("Q8_0", "Q4_0"):
-        blocks = raw.reshape(n, k // 32, 34 if kind == "Q8_0" else 18)
+    if kind in SMALL_BLOCK_BYTES:  # blocks of 32 values
+        blocks = raw.reshape(n, k // 32, SMALL_BLOCK_BYTES[kind])
         d = _f16(blocks[..., 0:2])
         if kind == "Q8_0":
             return IntWeight(blocks[..., 2:].view(np.int8).reshape(n, k).astype(np.int16), d, None, 8, 32)
-        qs = blocks[..., 2:]
-        values = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k).astype(np.int16)
-        return IntWeight(values, d, -8 * d, 4, 32)
+        m = _f16(blocks[..., 2:4]) if kind in ("Q4_1", "Q5_1") else None  # the block's minimum
+        qs = blocks[..., -16:]  # value j in the low nibble of byte j, value j + 16 in its high one
+        values = np.concatenate([qs & 15, qs >> 4], axis=-1).reshape(n, k // 32, 32).astype(np.int16)
+        if kind == "Q4_0":
+            return IntWeight(values.reshape(n, k), d, -8 * d, 4, 32)
+        if kind == "Q4_1":
+            return IntWeight(values.reshape(n, k), d, m, 4, 32)
+        # Q5_0 / Q5_1: bit j of the 32-bit qh (little-endian, before qs) is value j's fifth bit
+        qh = blocks[..., -20:-16].copy().view("<u4").astype(np.int64)  # [n, k / 32, 1]
+        values = values | (((qh >> np.arange(32)) & 1) << 4).astype(np.int16)
+        if kind == "Q5_0":  # w = d (q - 16)
+            return IntWeight(values.reshape(n, k) - 16, d, None, 8, 32)
+        return IntWeight(values.reshape(n, k), d, m, 8, 32)
     blocks = raw.reshape(n, k // 256, GGUF_BLOCK_BYTES[kind])
     if kind in ("Q4_K", "Q5_K"):
         d, dmin = _f16(blocks[..., 0:2])[..., None], _f16(blocks[..., 2:4])[..., None]
@@ -134,6 +152,28 @@ def int_weight(info: TensorInfo, raw: np.ndarray) -> IntWeight:
             values = values | (bits.reshape(n, k // 256, 256) << 4)
         scales, offsets = (d * sc).reshape(n, -1), (-dmin * mn).reshape(n, -1)
         return IntWeight(values.reshape(n, k), scales, offsets, 4 if kind == "Q4_K" else 8, 32)
+    if kind in ("Q2_K", "Q3_K"):
+        # 2-bit values: per 128, 32 bytes, bits 2s..2s+1 of byte l are value 32 s + l; 16 groups of 16
+        at = 16 if kind == "Q2_K" else 32
+        qs = blocks[..., at:at + 64].reshape(n, k // 256, 2, 1, 32).astype(np.int16)
+        low = ((qs >> (2 * np.arange(4, dtype=np.int16))[:, None]) & 3).reshape(n, k // 256, 256)
+        if kind == "Q2_K":  # a byte per group: low nibble its scale, high nibble its min; then d, dmin
+            sm = blocks[..., 0:16].astype(np.float32)
+            d, dmin = _f16(blocks[..., 80:82])[..., None], _f16(blocks[..., 82:84])[..., None]
+            scales, offsets = (d * (sm % 16)).reshape(n, -1), (-dmin * (sm // 16)).reshape(n, -1)
+            return IntWeight(low.reshape(n, k), scales, offsets, 8, 16)
+        # Q3_K: the third bit of value 32 b + l is bit b of hmask[l], and a clear bit means minus 4;
+        # sixteen 6-bit scales (offset 32): low nibbles in bytes 0..7 (groups 0..7 low, 8..15 high
+        # nibble), top 2 bits of group g at bits 2 (g // 4) of byte 8 + g % 4
+        hm = blocks[..., 0:32].reshape(n, k // 256, 1, 32).astype(np.int16)
+        high = ((hm >> np.arange(8, dtype=np.int16)[:, None]) & 1).reshape(n, k // 256, 256)
+        packed = blocks[..., 96:108].astype(np.int16)
+        g = np.arange(16)
+        lo = (packed[..., g % 8] >> (4 * (g // 8))) & 15
+        hi = (packed[..., 8 + g % 4] >> (2 * (g // 4))) & 3
+        d = _f16(blocks[..., 108:110])[..., None]
+        scales = (d * ((lo | (hi << 4)) - 32)).reshape(n, -1)
+        return IntWeight((low - 4 * (1 - high)).reshape(n, k), scales, None, 8, 16)
     # Q6_K: per 128 values, ql 64 bytes (l: values l, l + 64 low / high nibble; l + 32: 32 + l, 96 + l)
     # and qh 32 bytes (bits 0-1: value l, 2-3: l + 32, 4-5: l + 64, 6-7: l + 96)
     ql = blocks[..., 0:128].reshape(n, k // 256, 2, 2, 32).astype(np.int16)
@@ -146,7 +186,9 @@ def int_weight(info: TensorInfo, raw: np.ndarray) -> IntWeight:
     return IntWeight(values.reshape(n, k), (d * sc).reshape(n, -1), None, 8, 16)
 
 
-GGUF_BLOCK_BYTES = {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+GGUF_BLOCK_BYTES = {"Q2_K": 84, "Q3_K": 110, "Q4_K": 144, "Q5_K": 176, "Q6_K": 210}
+GROUPS_OF_16 = {"Q2_K", "Q3_K", "Q6_K"}  # the types whose scales cover 16 values, not 32
+SMALL_BLOCK_BYTES = {"Q8_0": 34, "Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24}
 
 
 def float_array(info: TensorInfo, raw: np.ndarray) -> np.ndarray:
@@ -218,7 +260,7 @@ class GGUFSource:
             if not kinds & set(FLOAT_TYPES):
                 w = int_weight(info, self.file.raw(info.name))
                 if len(kinds) > 1:  # stored differently from the linears it is concatenated with
-                    w = w.as_int8(min(16 if "Q6_K" in kinds else 32, w.group))
+                    w = w.as_int8(min(16 if kinds & GROUPS_OF_16 else 32, w.group))
                 return (w if order is None else w.rows(order)).packed()
         w = float_array(info, self.file.raw(info.name))
         if order is not None:

@@ -30,13 +30,16 @@ class MoeWeights:
     cast_weights: bool = True
     first_expert: int = 0  # gate_up[0]'s expert id (expert parallelism: this rank's first)
     ep: Any = None  # the ranks' ExpertParallel when this rank holds a slice of the experts
-    # (token, choice) pairs each local expert ran, since load: the expert load counters
+    # (token, choice) pairs each expert ran here since load, by expert id: the expert load counters
     routed: torch.Tensor = field(init=False)
+    # the expert id in each slot of gate_up / down (expert parallelism adds replica slots: -1 empty)
+    slot_experts: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
         # one row through an expert: the GEMV kernel on its slice of the stacked tensor
         self.gemv = os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(self.gate_up.dtype)
-        self.routed = torch.zeros(self.gate_up.shape[0], dtype=torch.int64)
+        self.routed = torch.zeros(self.router.shape[0], dtype=torch.int64)
+        self.slot_experts = torch.arange(self.first_expert, self.first_expert + self.gate_up.shape[0])
 
 
 def load_experts(src, prefix: str, experts: range, gate: str, up: str, down: str,
