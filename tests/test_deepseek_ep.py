@@ -12,7 +12,7 @@ import torch
 
 from atomd.config import EngineConfig
 from atomd.engine.llm_engine import LLMEngine
-from tests.test_deepseek import CASES, make_deepseek
+from tests.families import FAMILIES
 from tests.test_expert_parallel import GREEDY, Ranks, busy_ticks
 from tests.test_model_hf import BLOCK, hf_greedy, prompts_of
 
@@ -26,8 +26,7 @@ LONG = prompts_of([200] * 3, seed=16)  # one 600-row prefill: more rows than a t
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
-    return {name: make_deepseek(tmp_path_factory.mktemp(name), CASES[name][0], seed=60 + i, **CASES[name][1])
-            for i, name in enumerate(NAMES)}
+    return {name: FAMILIES[f"deepseek-{name}"].write(tmp_path_factory.mktemp(name)) for name in NAMES}
 
 
 @pytest.mark.parametrize("name", NAMES)

@@ -1,6 +1,6 @@
 """LoRA on DeepSeek V2 / V3 (atomd/model/deepseek_lora.py) against transformers + PEFT: random
 adapters written by `peft` on the tiny V2-Lite-shaped (no q_lora, yarn) and V3-shaped (q_lora,
-interleaved RoPE) checkpoints of tests/test_deepseek.py; one batch mixing the base model and
+interleaved RoPE) checkpoints of tests/families.py; one batch mixing the base model and
 two adapters (MLA's projections; the dense MLP and the shared experts) gives PeftModel's
 greedy ids, prefill and absorbed decode. kv_b_proj, which the absorbed decode folds into the
 query and output, is refused by name."""
@@ -16,7 +16,7 @@ from peft.utils import transformers_weight_conversion
 
 from atomd.llm import LLM
 from contracts.sampling import SamplingParams
-from tests.test_deepseek import CASES, make_deepseek
+from tests.families import FAMILIES
 from tests.test_lora import hf_greedy_with, hf_model_copy, make_adapter
 from tests.test_model_hf import hf_model, prompts_of
 
@@ -45,7 +45,7 @@ def peft_on_linears():
 def setup(request, tmp_path_factory):
     name = request.param
     root = tmp_path_factory.mktemp(f"lora_{name}")
-    base = make_deepseek(root / "base", CASES[name][0], seed=70, **CASES[name][1])
+    base = FAMILIES[f"deepseek-{name}"].write(root / "base")
     adapters = {"attn": make_adapter(base, root / "attn", 8, 16, False, ATTENTION[name], seed=1),
                 "kv_b": make_adapter(base, root / "kv_b", 4, 8, False, ["kv_b_proj"], seed=3),
                 "experts": make_adapter(base, root / "experts", 4, 8, False, MLP, seed=4)}  # PEFT's own mapping

@@ -19,7 +19,7 @@ from safetensors.torch import load_file, save_file
 from atomd.engine.mtp_proposer import MtpProposer
 from atomd.llm import LLM
 from contracts.sampling import SamplingParams
-from tests.test_deepseek import COMMON, YARN
+from tests.families import DEEPSEEK_COMMON as COMMON, YARN, make_deepseek
 from tests.test_model_hf import (BLOCK, assert_equals_hf, engine_greedy, make_checkpoint, prompts_of,
                                  write_tokenizer)
 
@@ -182,8 +182,6 @@ def test_mtp_drafts_are_accepted_and_counted(mimic):
 
 
 def test_mtp_refused_with_the_reason(tmp_path, ckpt):
-    from tests.test_deepseek import make_deepseek
-
     # transformers writes num_nextn_predict_layers 1 (its default) and drops the weights
     plain = make_deepseek(tmp_path / "v3", "DeepseekV3Config", seed=3, **V3)
     with pytest.raises(ValueError, match="num_nextn_predict_layers is 1 but the checkpoint has no "

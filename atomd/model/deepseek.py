@@ -227,12 +227,13 @@ class DeepseekModel(DecoderModel):
         if i in cfg.sparse_layers:
             gate_up, down = load_experts(src, mlp + "experts.", cfg.local_experts, "gate_proj", "up_proj",
                                          "down_proj", dtype)
-            w.moe = MoeWeights(router=torch.empty(0), gate_up=gate_up, down=down, top_k=cfg.num_experts_per_tok,
-                               norm_topk_prob=cfg.norm_topk_prob, cast_weights=False,
-                               first_expert=cfg.local_experts.start)
             bias_name = mlp + "gate.e_score_correction_bias"
             w.routing = DeepseekRouting(src.get(mlp + "gate.weight", torch.float32),
                                         src.get(bias_name, torch.float32) if cfg.scoring == "sigmoid" else None, cfg)
+            # the router's rows size the load counters (MoeWeights.routed); w.routing routes
+            w.moe = MoeWeights(router=w.routing.weight, gate_up=gate_up, down=down, top_k=cfg.num_experts_per_tok,
+                               norm_topk_prob=cfg.norm_topk_prob, cast_weights=False,
+                               first_expert=cfg.local_experts.start)
             if cfg.n_shared_experts:
                 shared = mlp + "shared_experts."
                 w.shared_gate_up = cat(src, [shared + "gate_proj.weight", shared + "up_proj.weight"], dtype)

@@ -88,4 +88,6 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     h = rms_norm(x, w.input_norm, eps)
     attn = model._attention(h, w, mtp.kv_layer, model.rope_rows(positions.contiguous(), meta), meta, kv_cache)
     model._attn_out_and_mlp(x, attn, w, None, h)  # x += attention out, then += the MLP's (in place)
+    if not len(logits_rows):  # a prefill chunk that samples nothing: only the MTP's KV rows
+        return x.new_empty(0, model.config.vocab_size)
     return linear(rms_norm(x[logits_rows], mtp.head_norm, eps), mtp.head)
