@@ -247,19 +247,29 @@ class DeepseekModel(DecoderModel):
         cfg = self.config
         self.cos, self.sin = rope_tables(cfg, self.max_positions, self.embed.dtype)
         layer_ops.kernels()
-        if self._keep_rows():  # batch-1 decode: the GEMV kernel on plain rows (DecoderModel._pack_weights)
+        self.keeps_rows = self._keep_rows()
+        if self.keeps_rows:  # batch-1 decode: the GEMV kernel on plain rows (DecoderModel._pack_weights)
             self.lm_head_rows = self.lm_head.contiguous()
-            for w in self.layers:
-                w.rows = {name: getattr(w, name).contiguous() for name in LINEARS if getattr(w, name) is not None}
-        if self.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available() and (
-                self.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            # oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)
+        if self.packs():
             self.lm_head = pack_linear_weight(self.lm_head)
-            for w in self.layers:
-                for name in LINEARS:
-                    if getattr(w, name) is not None:
-                        setattr(w, name, pack_linear_weight(getattr(w, name)))
-                w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
+        for w in self.layers:
+            self.pack_layer(w)
+
+    def packs(self) -> bool:
+        """oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)."""
+        return self.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available() and (
+            self.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+    def pack_layer(self, w: MlaLayerWeights) -> None:
+        """A layer's linears as the forward reads them: plain rows for the GEMV kernel (when the
+        model keeps them), oneDNN's layout for the rest (also the MTP layer's, deepseek_mtp.py)."""
+        if self.keeps_rows:
+            w.rows = {name: getattr(w, name).contiguous() for name in LINEARS if getattr(w, name) is not None}
+        if self.packs():
+            for name in LINEARS:
+                if getattr(w, name) is not None:
+                    setattr(w, name, pack_linear_weight(getattr(w, name)))
+            w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
 
     def _keep_rows(self) -> bool:
         """decoder.keep_rows' rule: the GEMV kernel runs this dtype, $ATOMD_GEMV is not 0, the

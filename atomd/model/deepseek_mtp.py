@@ -28,7 +28,7 @@ import torch
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
 from atomd.model.deepseek import DeepseekModel, MlaLayerWeights
 from atomd.model.layer_ops import rms_norm
-from atomd.model.linear import linear
+from atomd.model.linear import linear, pack_linear_weight
 from atomd.model.loader import _TensorSource, read_hf_config
 
 
@@ -68,10 +68,13 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
     layer_cfg = dataclasses.replace(cfg, sparse_layers=cfg.sparse_layers + ((i,) if sparse else ()))
     get = lambda name: src.get(p + name, dtype)  # noqa: E731
     own = lambda name, main: get(name) if p + name in src else main  # noqa: E731
-    return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=get("eh_proj.weight"),
-                    layer=DeepseekModel.load_layer(src, layer_cfg, i, dtype),
-                    head_norm=get("shared_head.norm.weight"), embed=own("embed_tokens.weight", model.embed),
-                    head=own("shared_head.head.weight", model.lm_head), kv_layer=i)
+    pack = pack_linear_weight if model.packs() else (lambda t: t)
+    layer = DeepseekModel.load_layer(src, layer_cfg, i, dtype)
+    model.pack_layer(layer)  # as the main layers run
+    head = pack(get("shared_head.head.weight")) if p + "shared_head.head.weight" in src else model.lm_head
+    return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=pack(get("eh_proj.weight")),
+                    layer=layer, head_norm=get("shared_head.norm.weight"),
+                    embed=own("embed_tokens.weight", model.embed), head=head, kv_layer=i)
 
 
 def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hidden: torch.Tensor,
