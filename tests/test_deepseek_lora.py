@@ -51,6 +51,11 @@ def setup(request, tmp_path_factory):
                 "experts": make_adapter(base, root / "experts", 4, 8, False, MLP, seed=4)}  # PEFT's own mapping
     with peft_on_linears():
         adapters["mlp"] = make_adapter(base, root / "mlp", 4, 8, True, MLP, seed=2)
+    torch.manual_seed(5)  # o_proj of the last layer only: a linear no adapter has in layer 0
+    peft.get_peft_model(hf_model_copy(base), peft.LoraConfig(
+        r=4, lora_alpha=8, target_modules=["o_proj"], layers_to_transform=[2], init_lora_weights=False,
+    )).save_pretrained(root / "late")
+    adapters["late"] = root / "late"
     return base, adapters
 
 
@@ -65,16 +70,16 @@ def reference(base: pathlib.Path, adapter: pathlib.Path | None, prompt: list[int
 @pytest.mark.parametrize("backend", ["auto", "torch"])
 def test_mixed_batch_equals_peft(setup, backend):
     base, adapters = setup
-    llm = LLM(str(base), enable_lora=True, lora_modules=[f"{n}={adapters[n]}" for n in ("attn", "mlp")],
-              max_loras=2, max_lora_rank=8, num_threads=1, max_num_batched_tokens=64, attention_backend=backend)
-    names = [None, "attn", "mlp", "attn", None]
-    prompts = prompts_of([5, 37, 1, 70, 16], seed=3)  # one token, chunked over steps by the 64-token budget
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"{n}={adapters[n]}" for n in ("attn", "mlp", "late")],
+              max_loras=3, max_lora_rank=8, num_threads=1, max_num_batched_tokens=64, attention_backend=backend)
+    names = [None, "attn", "mlp", "attn", None, "late"]
+    prompts = prompts_of([5, 37, 1, 70, 16, 9], seed=3)  # one token, chunked over steps by the 64-token budget
     outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
                         SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
     got = [o.outputs[0].token_ids for o in outs]
     for prompt, name, ids in zip(prompts, names, got):
         assert ids == reference(base, adapters.get(name), prompt), (name, len(prompt))
-    for i in (1, 2):  # each adapter changes the output: the equality above says something
+    for i in (1, 2, 5):  # each adapter changes the output: the equality above says something
         assert got[i] != reference(base, None, prompts[i])
     alone = llm.generate([{"prompt_token_ids": prompts[1]}],  # batch-1 decode (the GEMV rows) under an adapter
                          SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name="attn")

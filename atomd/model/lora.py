@@ -228,7 +228,8 @@ class LoraStep:
             mask = np.zeros((len(self.row_slot), cols[-1][1]), dtype=np.float32)
             for j, (lo, hi) in enumerate(cols):
                 mask[self.row_slot == j, lo:hi] = 1.0
-            self.masks[fused] = torch.from_numpy(mask).to(self.stack.layers[0][fused].a_t.dtype)
+            dtype = next(layer[fused] for layer in self.stack.layers if fused in layer).a_t.dtype
+            self.masks[fused] = torch.from_numpy(mask).to(dtype)
 
     def tile(self, start: int, stop: int) -> "LoraRows | GroupedRows | None":
         """Rows [start, stop) of the step; None: no adapter row there."""
