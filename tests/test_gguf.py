@@ -9,6 +9,7 @@ prompt logits within 2e-4 (both float32, summation order apart), 48 greedy ids e
 from __future__ import annotations
 
 import json
+import re
 import shutil
 
 import gguf
@@ -42,7 +43,13 @@ KINDS = {"attn_q": "q", "attn_k": "k", "attn_v": "v", "attn_output": "o", "ffn_g
 K_BLOCKS = {Q.Q2_K: 84, Q.Q3_K: 110, Q.Q4_K: 144, Q.Q5_K: 176, Q.Q6_K: 210}
 
 
+EXPERT = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+EXPERT_KINDS = {"gate_proj": "gate", "up_proj": "up", "down_proj": "down", "w1": "gate", "w3": "up", "w2": "down"}
+
+
 def gguf_names(name: str) -> str:
+    if name.endswith((".mlp.gate.weight", ".block_sparse_moe.gate.weight")):  # the MoE router
+        return f"blk.{name.split('.')[2]}.ffn_gate_inp.weight"
     if name == "model.embed_tokens.weight":
         return "token_embd.weight"
     if name == "model.norm.weight":
@@ -98,16 +105,27 @@ def write_gguf(float_dir, path, arch: str, types: dict[str, object], rng_seed: i
     w.add_head_count_kv(kv_heads)
     w.add_layer_norm_rms_eps(hf["rms_norm_eps"])
     w.add_rope_freq_base(10000.0)
-    if "head_dim" in hf:
+    if hf.get("head_dim"):
         w.add_key_length(hf["head_dim"])
         w.add_value_length(hf["head_dim"])
     if tokenizer:
         add_vocabulary(w, float_dir, tokenizer)
+    experts = int(hf.get("num_experts") or hf.get("num_local_experts") or 0)
+    if experts:  # llama.cpp's MoE keys; each layer's experts stacked [experts, out, in] per linear
+        w.add_expert_count(experts)
+        w.add_expert_used_count(hf["num_experts_per_tok"])
+        if "moe_intermediate_size" in hf:
+            w.add_expert_feed_forward_length(hf["moe_intermediate_size"])
     seen = {}
+    stacks: dict[tuple[str, str], dict[int, tuple[str, np.ndarray]]] = {}
     for name, t in sorted(tensors.items()):
+        m = EXPERT.fullmatch(name)
+        if m:
+            stacks.setdefault((m.group(1), EXPERT_KINDS[m.group(3)]), {})[int(m.group(2))] = (name, t)
+            continue
         g = gguf_names(name)
         kind = ("embed" if g == "token_embd.weight" else "output" if g == "output.weight"
-                else KINDS[g.split(".")[2]] if t.ndim == 2 else None)
+                else KINDS.get(g.split(".")[2]) if t.ndim == 2 else None)  # None: F32 (norms, the router)
         qtype = Q.F32 if kind is None else types.get(kind, types["linear"])
         rows_permuted = arch == "llama" and g.split(".")[-2] in ("attn_q", "attn_k")
         n_heads = heads if ".attn_q." in g else kv_heads
@@ -119,6 +137,13 @@ def write_gguf(float_dir, path, arch: str, types: dict[str, object], rng_seed: i
         w.add_tensor(g, raw, raw_dtype=qtype)
         back = gguf.quants.dequantize(raw, qtype).reshape(t.shape).astype(np.float32)
         seen[name] = unpermute(back, n_heads) if rows_permuted else back
+    for (layer, kind), by_expert in sorted(stacks.items()):
+        names, ts = zip(*(by_expert[e] for e in range(experts)))
+        qtype = types.get(kind, types["linear"])
+        raw = gguf.quants.quantize(np.ascontiguousarray(np.stack(ts), np.float32), qtype)
+        w.add_tensor(f"blk.{layer}.ffn_{kind}_exps.weight", raw, raw_dtype=qtype)
+        back = gguf.quants.dequantize(raw, qtype).reshape(len(ts), *ts[0].shape).astype(np.float32)
+        seen.update(zip(names, back))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
@@ -181,6 +206,18 @@ def hf_on(float_dir, weights: dict[str, np.ndarray]):
     return model
 
 
+def assert_equals_hf_on(llm: LLM, hf) -> None:
+    """Prompt logits within 2e-4 of HF's (on the weights as gguf's dequantisers read them) and
+    48 greedy ids equal."""
+    prompt = prompts_of([2 * 16 + 7], seed=12)[0]
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
+    prompts = prompts_of([1, 20], seed=13)
+    for p, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(hf, p, 48)
+
+
 CASES = {  # id -> (arch, types)
     "llama-Q8_0": ("llama", {"linear": Q.Q8_0, "embed": Q.F32, "output": Q.Q8_0}),
     "llama-Q4_0": ("llama", {"linear": Q.Q4_0, "embed": Q.F16, "output": Q.Q4_0}),
@@ -214,14 +251,7 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
     head = llm.engine.model.lm_head
     packed_head = types.get("output" if "output" in types else "embed") not in (Q.F32, Q.F16, Q.BF16)
     assert isinstance(head, QuantizedWeight) == packed_head
-    hf = hf_on(float_dir, weights)
-    prompt = prompts_of([2 * 16 + 7], seed=12)[0]
-    with torch.inference_mode():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
-    prompts = prompts_of([1, 20], seed=13)
-    for p, ids in zip(prompts, greedy(llm, prompts)):
-        assert ids == hf_greedy(hf, p, 48)
+    assert_equals_hf_on(llm, hf_on(float_dir, weights))
 
 
 def test_q8_0_file_is_close_to_the_float_model(checkpoints, tmp_path):
@@ -399,3 +429,66 @@ def test_sentencepiece_without_scores_is_refused(tmp_path):
     assert len(tokens) > 260
     with pytest.raises(ValueError, match="SentencePiece vocabulary without merges or one score per token"):
         gguf_file.tokenizer_json(gguf_file.GGUFFile(tmp_path / "spm.gguf"))
+
+
+def hf_from_files(float_dir, weights: dict[str, np.ndarray], out):
+    """HF's model from a copy of float_dir whose tensors are `weights` (by checkpoint name: how
+    transformers turns per-expert tensors into its own layout is then its business)."""
+    from safetensors.numpy import load_file, save_file
+
+    shutil.copytree(float_dir, out)
+    tensors = load_file(out / "model.safetensors")
+    tensors.update({name: np.ascontiguousarray(w, np.float32) for name, w in weights.items()})
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+MOE_CASES = {  # the experts stored packed, the routers F32 (as llama.cpp keeps ffn_gate_inp)
+    "qwen3moe-Q8_0": ("qwen3_moe", "qwen3moe", {"linear": Q.Q8_0, "embed": Q.F32, "output": Q.Q8_0}),
+    "mixtral-Q4_0-Q8_0-down": ("mixtral", "llama", {"linear": Q.Q4_0, "down": Q.Q8_0, "embed": Q.F16,
+                                                     "output": Q.Q4_0}),
+}
+
+
+@pytest.fixture(scope="module")
+def moe_checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("gguf-moe")
+    # llama.cpp renormalises the k routing weights (its qwen3moe always does): so does the reference
+    return {"qwen3_moe": make_checkpoint(root / "qwen3_moe", "qwen3_moe", seed=24, head_dim=64, norm_topk_prob=True,
+                                         moe_intermediate_size=64, **SHAPE),
+            "mixtral": make_checkpoint(root / "mixtral", "mixtral", seed=25, **SHAPE, **ROPE)}
+
+
+@pytest.mark.parametrize("case", list(MOE_CASES))
+def test_moe_gguf_equals_hf_on_its_dequantised_weights(case, moe_checkpoints, tmp_path):
+    kind, arch, types = MOE_CASES[case]
+    float_dir = moe_checkpoints[kind]
+    weights = write_gguf(float_dir, tmp_path / "m.gguf", arch, types)
+    llm = LLM(str(tmp_path / "m.gguf"), num_threads=1, max_model_len=256)
+    model = llm.engine.model
+    assert type(model).__name__ == {"qwen3_moe": "Qwen3MoeModel", "mixtral": "MixtralModel"}[kind]
+    moe = model.layers[0].moe
+    assert moe.quantized and len(moe.gate_up) == 8 and all(isinstance(w, QuantizedWeight) for w in moe.gate_up)
+    assert moe.gate_up[0].bits == (8 if types["linear"] == Q.Q8_0 else 4) and moe.down[0].bits == 8
+    assert_equals_hf_on(llm, hf_from_files(float_dir, weights, tmp_path / "hf"))
+
+
+def test_moe_file_whose_expert_count_disagrees_with_its_tensors_is_refused(moe_checkpoints, tmp_path):
+    write_gguf(moe_checkpoints["qwen3_moe"], tmp_path / "m.gguf", "qwen3moe", {"linear": Q.Q8_0, "embed": Q.F32})
+    key = b"qwen3moe.expert_count"
+    raw = bytearray((tmp_path / "m.gguf").read_bytes())
+    at = raw.index(key) + len(key) + 4  # then the value type (uint32), then the count
+    assert int.from_bytes(raw[at:at + 4], "little") == 8
+    raw[at:at + 4] = (16).to_bytes(4, "little")
+    (tmp_path / "m.gguf").write_bytes(bytes(raw))
+    with pytest.raises(ValueError, match=r"ffn_gate_exps.weight has shape \(8, 64, 256\): expected \[16 experts"):
+        LLM(str(tmp_path / "m.gguf"), num_threads=1, max_model_len=64)
+
+
+def test_expert_parallel_over_quantized_experts_is_refused(moe_checkpoints, tmp_path):
+    from atomd.model.expert_parallel import ExpertParallel
+
+    write_gguf(moe_checkpoints["mixtral"], tmp_path / "m.gguf", "llama", {"linear": Q.Q8_0, "embed": Q.F32})
+    model = LLM(str(tmp_path / "m.gguf"), num_threads=1, max_model_len=64).engine.model
+    with pytest.raises(ValueError, match="expert parallelism over quantized experts"):
+        model.use_expert_parallel(ExpertParallel(None, 0, 2))

@@ -12,6 +12,7 @@ import json
 import numpy as np
 import pytest
 import torch
+import transformers
 from tokenizers import Tokenizer
 
 from atomd.config import EngineConfig
@@ -176,3 +177,41 @@ def test_int4_keeps_int8_for_inputs_not_a_multiple_of_32(caplog):
     layer = model.layers[0]
     assert (layer.qkv.bits, layer.gate_up.bits, layer.down.bits) == (4, 4, 8) and layer.down.in_features == 688
     assert caplog.text.count("not a multiple of 32") == 1
+
+
+def hf_rtn_from_files(path, method: str, out) -> torch.nn.Module:
+    """HF's model from a copy of the checkpoint whose decoder linears, experts included, are their
+    numpy round-to-nearest and the LM head its int8 one (how transformers lays out the experts
+    then is its business)."""
+    import shutil
+
+    from safetensors.numpy import load_file, save_file
+
+    from atomd.model.quant_formats import is_layer_linear
+
+    shutil.copytree(path, out)
+    tensors = load_file(out / "model.safetensors")
+    for name, w in tensors.items():
+        if is_layer_linear(name) or name == "lm_head.weight":
+            tensors[name] = numpy_rtn(w, method if name != "lm_head.weight" else "int8").astype(np.float32)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind,method", [("qwen3_moe", "int8"), ("mixtral", "int4")])
+def test_moe_experts_quantised_equal_hf_on_dequantised_weights(kind, method, tmp_path):
+    # hidden 64, expert intermediate 32 (Qwen3-MoE) / 128 (Mixtral): int4 groups of 32 everywhere
+    path = make_checkpoint(tmp_path / kind, kind, seed=9, **({"moe_intermediate_size": 32} if kind == "qwen3_moe" else {}))
+    llm = LLM(str(path), num_threads=1, max_model_len=256, quantization=method)
+    moe = llm.engine.model.layers[0].moe
+    assert moe.quantized and all(isinstance(w, QuantizedWeight) and w.bits == int(method[3:])
+                                 for w in [*moe.gate_up, *moe.down])
+    hf = hf_rtn_from_files(path, method, tmp_path / "hf")
+    prompt = prompts_of([2 * 16 + 5], seed=4)[0]
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
+    prompts = prompts_of([1, 20], seed=5)
+    for p, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(hf, p, 48)

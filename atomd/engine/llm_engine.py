@@ -199,7 +199,7 @@ class LLMEngine(EngineLoop):
         sparse = [w.moe for w in self.model.layers if w.moe is not None]
         out = super().stats()
         if sparse:
-            first, owned = sparse[0].first_expert, sparse[0].gate_up.shape[0] - (
+            first, owned = sparse[0].first_expert, len(sparse[0].gate_up) - (
                 self.model.ep.replica_slots if self.model.ep is not None else 0)
             total = sum(m.routed for m in sparse).tolist()
             out["expert_tokens"] = [[e, n] for e, n in enumerate(total) if n or first <= e < first + owned]

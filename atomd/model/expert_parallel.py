@@ -128,6 +128,8 @@ class ExpertParallel:
     def attach(self, w: MoeWeights) -> None:
         """A sparse layer of this rank joins: its global slot table, and its replica slots (empty
         until the first rebalance). A global slot is rank * slots_per_rank + local slot."""
+        if w.quantized:
+            raise ValueError("expert parallelism over quantized experts (a GGUF's) is not supported")
         per, r = w.gate_up.shape[0], self.replica_slots
         self.layers.append(w)
         w.slot_experts = torch.arange(w.first_expert, w.first_expert + per)

@@ -28,7 +28,7 @@ from typing import Any, BinaryIO
 
 import numpy as np
 
-FORMAT_VERSION = "atomd-gguf-2"  # in the cache key: a change to what is written here rebuilds the directories
+FORMAT_VERSION = "atomd-gguf-3"  # in the cache key: a change to what is written here rebuilds the directories
 # metadata value types: struct code, or None for string (8), array (9)
 _SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
 _NUMPY = {0: np.uint8, 1: np.int8, 2: np.uint16, 3: np.int16, 4: np.uint32, 5: np.int32, 6: np.float32,
@@ -40,7 +40,8 @@ GGML_TYPES = {0: ("F32", 1, 4), 1: ("F16", 1, 2), 2: ("Q4_0", 32, 18), 3: ("Q4_1
               15: ("Q8_K", 256, 292), 30: ("BF16", 1, 2)}
 # general.architecture -> the HF architecture it loads as; llama.cpp writes Llama's q / k rows
 # permuted for its interleaved rotary (convert_hf_to_gguf.py's `permute`), undone at load
-ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM",
+                 "qwen3moe": "Qwen3MoeForCausalLM"}  # llama with experts: Mixtral
 PERMUTED_QK = frozenset({"llama"})
 # tokenizer.ggml.pre -> the split before byte-level BPE, as the HF tokenizers llama.cpp names them
 # (None: GPT-2's own, ByteLevel's use_regex)
@@ -229,7 +230,7 @@ def hf_config(gg: GGUFFile) -> dict[str, Any]:
     hf: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]], "model_type": arch,
         "vocab_size": embed.shape[0], "hidden_size": hidden,  # the embedding's rows (a vocabulary may be shorter)
-        "intermediate_size": int(m("feed_forward_length")), "num_hidden_layers": int(m("block_count")),
+        "intermediate_size": int(m("feed_forward_length", 0)), "num_hidden_layers": int(m("block_count")),
         "num_attention_heads": heads, "num_key_value_heads": int(m("attention.head_count_kv", heads)),
         "head_dim": head_dim, "rms_norm_eps": float(m("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": float(m("rope.freq_base", 10000.0)),
@@ -241,6 +242,17 @@ def hf_config(gg: GGUFFile) -> dict[str, Any]:
     }
     if arch == "qwen2":  # Qwen2's q / k / v always have a bias, its o_proj none (ModelConfig's qkv_bias)
         hf["attention_bias"] = False
+    experts = int(m("expert_count", 0))
+    if experts:  # llama.cpp's MoE: softmax top-k, the k weights renormalised (its qwen3moe always does)
+        if m("expert_shared_count", 0) or m("expert_gating_func", 1) != 1:
+            raise ValueError(f"GGUF {arch} with shared experts or a gating function but softmax is not supported")
+        hf.update(num_experts_per_tok=int(m("expert_used_count")), norm_topk_prob=True)
+        if arch == "llama":
+            hf.update(architectures=["MixtralForCausalLM"], model_type="mixtral", num_local_experts=experts,
+                      sliding_window=None)
+        else:
+            hf.update(num_experts=experts, moe_intermediate_size=int(m("expert_feed_forward_length")),
+                      decoder_sparse_step=1, mlp_only_layers=[])
     return hf
 
 

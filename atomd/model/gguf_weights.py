@@ -52,9 +52,16 @@ _LAYER = {"input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"
           "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
           "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
           "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down"}
-_SIBLINGS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"))
+_SIBLINGS = (("attn_q", "attn_k", "attn_v"), ("ffn_gate", "ffn_up"), ("ffn_gate_exps", "ffn_up_exps"))
 _LAYER_NAME = re.compile(r"model\.layers\.(\d+)\.(.+)\.(weight|bias)")
-LAYER_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down")
+LAYER_LINEARS = ("attn_q", "attn_k", "attn_v", "attn_output", "ffn_gate", "ffn_up", "ffn_down",
+                 "ffn_gate_exps", "ffn_up_exps", "ffn_down_exps")
+# MoE: the router, and each expert's linear as one slice of the layer's stacked [experts, out, in]
+# tensor (Qwen3-MoE's and Mixtral's HF names)
+_ROUTERS = ("mlp.gate", "block_sparse_moe.gate")
+_EXPERT_NAME = re.compile(r"model\.layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.(\w+)\.weight")
+_EXPERT_LINEARS = {"gate_proj": "ffn_gate_exps", "up_proj": "ffn_up_exps", "down_proj": "ffn_down_exps",
+                   "w1": "ffn_gate_exps", "w3": "ffn_up_exps", "w2": "ffn_down_exps"}
 
 
 def _module(gguf: str) -> str | None:
@@ -64,13 +71,25 @@ def _module(gguf: str) -> str | None:
 
 
 def gguf_name(name: str) -> str | None:
-    """The GGUF tensor name of an HF one (None: no counterpart)."""
+    """The GGUF tensor name of an HF one (None: no counterpart); an expert's: its layer's stacked
+    tensor (expert_of says which slice)."""
     if name in _GLOBAL:
         return _GLOBAL[name]
+    m = _EXPERT_NAME.fullmatch(name)
+    if m is not None:
+        return f"blk.{m.group(1)}.{_EXPERT_LINEARS[m.group(3)]}.weight" if m.group(3) in _EXPERT_LINEARS else None
     m = _LAYER_NAME.fullmatch(name)
+    if m is not None and m.group(2) in _ROUTERS and m.group(3) == "weight":
+        return f"blk.{m.group(1)}.ffn_gate_inp.weight"
     if m is None or m.group(2) not in _LAYER:
         return None
     return f"blk.{m.group(1)}.{_LAYER[m.group(2)]}.{m.group(3)}"
+
+
+def expert_of(name: str) -> int | None:
+    """The expert an HF expert weight's name names (None: not an expert's)."""
+    m = _EXPERT_NAME.fullmatch(name)
+    return None if m is None else int(m.group(2))
 
 
 @dataclass
@@ -253,16 +272,25 @@ class GGUFSource:
         module = _module(info.name)
         layer_linear = module in LAYER_LINEARS and name.endswith(".weight")
         packed_head = info.name == "output.weight"
+        raw = self.file.raw(info.name)
+        expert = expert_of(name)
+        if expert is not None:  # its slice of the layer's stacked experts
+            if len(info.shape) != 3 or info.shape[0] != self.cfg.num_experts:
+                raise ValueError(f"GGUF tensor {info.name} has shape {info.shape}: expected "
+                                 f"[{self.cfg.num_experts} experts, out, in] (expert_count)")
+            size = info.nbytes // info.shape[0]
+            raw = raw[expert * size:(expert + 1) * size]
+            info = TensorInfo(info.name, info.shape[1:], info.type, info.offset + expert * size)
         if info.type_name in PACKED_TYPES and (layer_linear or packed_head):
             siblings = next((s for s in _SIBLINGS if module in s), ()) if layer_linear else ()
             names = [f"blk.{info.name.split('.')[1]}.{s}.weight" for s in siblings]
             kinds = {self.file.tensors[n].type_name for n in names if n in self.file.tensors} | {info.type_name}
             if not kinds & set(FLOAT_TYPES):
-                w = int_weight(info, self.file.raw(info.name))
+                w = int_weight(info, raw)
                 if len(kinds) > 1:  # stored differently from the linears it is concatenated with
                     w = w.as_int8(min(16 if kinds & GROUPS_OF_16 else 32, w.group))
                 return (w if order is None else w.rows(order)).packed()
-        w = float_array(info, self.file.raw(info.name))
+        w = float_array(info, raw)
         if order is not None:
             w = w[order]
         return torch.from_numpy(np.array(w, dtype=np.float32)).to(dtype)

@@ -108,8 +108,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     if method is not None:
         if cfg.quantization and quantization:
             raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized ({method})")
-        if cfg.sparse_layers:
-            raise ValueError(f"{cfg.architecture}: quantized weights ({method}) are not supported for MoE models")
+        if cfg.sparse_layers and cfg.quantization:  # --quantization's round-to-nearest covers experts
+            raise ValueError(f"{cfg.architecture}: quantized checkpoints ({method}) are not supported for MoE models")
     # the run's dtype is --dtype's, whatever the checkpoint's: said, since a cast changes speed
     log.info("weights stored as %s, run as %s", src.stored_dtype("model.embed_tokens.weight"),
              str(dtype).removeprefix("torch."))

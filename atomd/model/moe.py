@@ -13,16 +13,19 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from atomd.model import layer_ops
+from atomd.model import layer_ops, quant
 from atomd.model.layer_ops import silu_mul
 from atomd.model.linear import GEMV_ENV, linear
+from atomd.model.quant import QuantizedWeight
 
 
 @dataclass
 class MoeWeights:
     router: torch.Tensor  # [E, hidden]: every expert's row, also under expert parallelism
-    gate_up: torch.Tensor  # [E_local, 2 * inter, hidden]: each expert's gate and up stacked, experts stacked
-    down: torch.Tensor  # [E_local, hidden, inter]
+    # [E_local, 2 * inter, hidden]: each expert's gate and up stacked, experts stacked (quantized: a
+    # list of E_local QuantizedWeight)
+    gate_up: torch.Tensor | list
+    down: torch.Tensor | list  # [E_local, hidden, inter]
     top_k: int
     norm_topk_prob: bool  # renormalise the k chosen weights to sum to 1 (Mixtral always does)
     # the routing weights cast to the model's dtype before they scale an expert's output
@@ -36,20 +39,27 @@ class MoeWeights:
     slot_experts: torch.Tensor = field(init=False)
 
     def __post_init__(self) -> None:
-        # one row through an expert: the GEMV kernel on its slice of the stacked tensor
-        self.gemv = os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(self.gate_up.dtype)
+        # one row through an expert: the GEMV kernel on its slice of the stacked tensor (quantized
+        # experts, a list of QuantizedWeight: quant.py's kernels, expert by expert)
+        self.quantized = isinstance(self.gate_up, list)
+        self.gemv = not self.quantized and os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(self.gate_up.dtype)
         self.routed = torch.zeros(self.router.shape[0], dtype=torch.int64)
-        self.slot_experts = torch.arange(self.first_expert, self.first_expert + self.gate_up.shape[0])
+        self.slot_experts = torch.arange(self.first_expert, self.first_expert + len(self.gate_up))
 
 
 def load_experts(src, prefix: str, experts: range, gate: str, up: str, down: str,
-                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | tuple[list, list]:
     """From src (decoder.TensorSource), the tensors `{prefix}{e}.{gate|up|down}.weight` of the
     experts e in `experts` (ModelConfig.local_experts: this rank's) stacked: ([E, 2 * inter,
-    hidden] with each expert's gate then up rows, [E, hidden, inter])."""
-    gate_up = torch.stack([torch.cat([src.get(f"{prefix}{e}.{gate}.weight", dtype),
-                                      src.get(f"{prefix}{e}.{up}.weight", dtype)]) for e in experts])
-    return gate_up, torch.stack([src.get(f"{prefix}{e}.{down}.weight", dtype) for e in experts])
+    hidden] with each expert's gate then up rows, [E, hidden, inter]). Quantized experts (a
+    GGUF's): a list of QuantizedWeight per expert each, the gate's and up's rows joined."""
+    gates = [(src.get(f"{prefix}{e}.{gate}.weight", dtype), src.get(f"{prefix}{e}.{up}.weight", dtype)) for e in experts]
+    downs = [src.get(f"{prefix}{e}.{down}.weight", dtype) for e in experts]
+    if isinstance(downs[0], QuantizedWeight) or isinstance(gates[0][0], QuantizedWeight):
+        if not all(isinstance(w, QuantizedWeight) for pair in gates for w in pair):
+            raise ValueError(f"{prefix}: experts with quantized and float linears mixed are not supported")
+        return [quant.cat(list(pair)) for pair in gates], downs
+    return torch.stack([torch.cat(pair) for pair in gates]), torch.stack(downs)
 
 
 def route(h: torch.Tensor, w: MoeWeights) -> tuple[torch.Tensor, torch.Tensor]:
@@ -77,7 +87,7 @@ def moe(h: torch.Tensor, w: MoeWeights,
     rows, k = h.shape[0], w.top_k
     flat = ids.flatten()
     order = flat.argsort(stable=True)  # (token, choice) pairs grouped by expert, token order kept within
-    counts = torch.bincount(flat, minlength=w.gate_up.shape[0])
+    counts = torch.bincount(flat, minlength=len(w.gate_up))
     w.routed += counts
     scales = weights.flatten()[order].unsqueeze(1)
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)

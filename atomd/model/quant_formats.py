@@ -24,6 +24,7 @@ QuantizedWeights (atomd/model/quant.py) for its linears.
 from __future__ import annotations
 
 import logging
+import re
 from typing import Any
 
 import torch
@@ -35,9 +36,12 @@ log = logging.getLogger(__name__)
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # the output column of each nibble of an AWQ int32, low bits first
 
 
+_EXPERT_WEIGHT = re.compile(r"model\.layers\.\d+\.\S+\.experts\.\d+\.(\w+_proj|w[123])\.weight")
+
+
 def is_layer_linear(name: str) -> bool:
-    """A decoder layer's dense linear weight (q/k/v/o, gate/up/down, Phi-3's fused ones)."""
-    return name.startswith("model.layers.") and name.endswith("_proj.weight") and ".experts." not in name
+    """A decoder layer's linear weight (q/k/v/o, gate/up/down, Phi-3's fused ones, an MoE expert's)."""
+    return name.startswith("model.layers.") and name.endswith("_proj.weight") or bool(_EXPERT_WEIGHT.fullmatch(name))
 
 
 def _unpack(packed: torch.Tensor, bits: int, dim: int) -> torch.Tensor:
