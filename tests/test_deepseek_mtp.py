@@ -18,6 +18,8 @@ from safetensors.torch import load_file, save_file
 
 from atomd.engine.mtp_proposer import MtpProposer
 from atomd.llm import LLM
+from atomd.model.deepseek_mtp import load_mtp
+from atomd.model.loader import load_model
 from contracts.sampling import SamplingParams
 from tests.families import DEEPSEEK_COMMON as COMMON, YARN, make_deepseek
 from tests.test_model_hf import (BLOCK, assert_equals_hf, engine_greedy, make_checkpoint, prompts_of,
@@ -196,3 +198,6 @@ def test_mtp_refused_with_the_reason(tmp_path, ckpt):
         LLM(str(llama), num_threads=1, max_model_len=64, speculative_config=MTP)
     with pytest.raises(ValueError, match="num_speculative_tokens must be 1"):
         LLM(str(ckpt[0]), num_threads=1, max_model_len=64, speculative_config={**MTP, "num_speculative_tokens": 2})
+    sharded = load_model(ckpt[0], expert_shard=(0, 2))  # an expert-parallel rank's model
+    with pytest.raises(ValueError, match="mtp is not supported with --enable-expert-parallel"):
+        load_mtp(ckpt[0], sharded)
