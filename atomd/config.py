@@ -35,7 +35,7 @@ SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 QUANTIZATIONS = ("int8", "int4")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
 QUANTIZED_ACTIVATIONS = ("float32", "int8")  # --quantized-activations (atomd/model/quant.py, csrc/quant.h)
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "mtp")
 MODEL_RUNNERS = ("real", "simulated")  # simulated: atomd/sim/engine.py
 TP_COMMUNICATORS = ("shm", "gloo")  # atomd/engine/tp_collective.py's (which imports torch: not here)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
@@ -243,7 +243,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             hf = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             return  # the loader names what is wrong with the checkpoint
-        experts = hf.get("num_experts") or hf.get("num_local_experts") or 0
+        # Qwen3-MoE, Mixtral, DeepSeek's names
+        experts = hf.get("num_experts") or hf.get("num_local_experts") or hf.get("n_routed_experts") or 0
         if not experts:
             raise ValueError(f"enable_expert_parallel needs an MoE model; {self.model or 'the built-in model'} "
                              f"has no experts")
@@ -360,7 +361,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
     """`speculative_config`, parsed (vLLM's keys and defaults). ngram (prompt lookup): up to
     `num_speculative_tokens` drafts copied from the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens, n from prompt_lookup_max down to
-    prompt_lookup_min (one missing: the other; both: 5)."""
+    prompt_lookup_min (one missing: the other; both: 5). mtp: DeepSeek V3's MTP layer drafts
+    one token (atomd/model/deepseek_mtp.py); the prompt_lookup keys are not read."""
 
     method: str
     num_speculative_tokens: int
@@ -389,6 +391,9 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
             value = raw.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}")
+        if raw["method"] == "mtp" and raw["num_speculative_tokens"] != 1:  # atomd/model/deepseek_mtp.py
+            raise ValueError(f"speculative_config: method mtp drafts one token a step (the checkpoint's first MTP "
+                             f"layer); num_speculative_tokens must be 1, got {raw['num_speculative_tokens']!r}")
         low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         low, high = (low or high or 5), (high or low or 5)
         if low > high:

@@ -23,6 +23,8 @@ from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, ranked_choices, resolve_model_dir
 from atomd.engine.kv_cache import KVCache
 from atomd.engine.lora_registry import LoraRegistry
+from atomd.model.deepseek import DeepseekModel
+from atomd.model.deepseek_lora import load_deepseek_adapter
 from atomd.model.lora import load_adapter
 from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
@@ -32,6 +34,8 @@ from atomd.engine.tp_pd import TPKVStaging, TPStagedConnector, written_blocks
 from atomd.engine.tp_workers import TPRunner, start_workers
 from atomd.engine.sampler import Sampler, prompt_logprobs
 from atomd.engine.spec_decode import NgramProposer, SpecController, accept
+from atomd.engine.mtp_proposer import MtpProposer
+from atomd.model.deepseek_mtp import load_mtp
 from atomd.structured import GrammarCompiler
 from atomd.tokenizer import Tokenizer
 from kv_transfer.params import compat_fingerprint
@@ -79,13 +83,18 @@ class LLMEngine(EngineLoop):
         mcfg = self.model.config
         self.vocab_size = mcfg.vocab_size
         self.tokenizer = Tokenizer.from_dir(model_dir)
+        spec = config.speculative()  # speculative decoding (atomd/engine/spec_decode.py), None: off
+        mtp = None  # DeepSeek V3's MTP layer as the drafter: one more latent layer in the cache
+        if spec is not None and spec.method == "mtp":
+            mtp = load_mtp(model_dir, self.model)
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
-        per_block = KVCache.bytes_per_block(mcfg.num_layers, config.block_size, kv.heads, kv.head_dim,
+        kv_layers = mcfg.num_layers + (mtp is not None)
+        per_block = KVCache.bytes_per_block(kv_layers, config.block_size, kv.heads, kv.head_dim,
                                             self.model.dtype, kv.planes)
         kv_all = None if self.tp_workers is None else self.tp_workers.kv_all  # every rank's, shared memory
-        self.kv_cache = KVCache(self._pool_blocks(per_block) if kv_all is None else kv_all.shape[1], mcfg.num_layers,
+        self.kv_cache = KVCache(self._pool_blocks(per_block) if kv_all is None else kv_all.shape[1], kv_layers,
                                 config.block_size, kv.heads, kv.head_dim, self.model.dtype, kv.planes,
-                                kv=None if kv_all is None else kv_all[0])
+                                kv=None if kv_all is None else kv_all[0])  # (no MTP layer under TP: refused)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         if self.tp_workers is not None:
             self.runner = TPRunner(self.runner, self.tp_workers)
@@ -100,7 +109,7 @@ class LLMEngine(EngineLoop):
             model_id += f"+a{config.quantized_activations}"
         # a TP engine's blocks go on the wire in the TP=1 layout (atomd/engine/tp_pd.py): every KV head
         kv_heads = kv.heads if split is None else split.num_kv_heads
-        self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, mcfg.num_layers,
+        self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, kv_layers,
                                          kv_heads, kv.head_dim, kv.version)
         self.tp_staging = None
         if self.tp_workers is not None and config.kv_role != "both":
@@ -111,10 +120,12 @@ class LLMEngine(EngineLoop):
         self._end_token_ids = [t for t in [eos, *self.tokenizer.stop_token_ids] if t is not None]
         grammars = GrammarCompiler((model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self._end_token_ids)
         self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
-        spec = config.speculative()  # speculative decoding (atomd/engine/spec_decode.py), None: off
-        if spec is not None:
+        if mtp is not None:
+            self.proposer = MtpProposer(self.model, mtp)
+        elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)
+        if spec is not None:
             self.spec_control = SpecController(spec.num_speculative_tokens)
         prefix_caching = config.enable_prefix_caching
         if prefix_caching and has_long_rows(mcfg, config.max_model_len):
@@ -141,7 +152,8 @@ class LLMEngine(EngineLoop):
     def _load_adapter(self, name: str, path: str):
         """A PEFT adapter for this model (ValueError naming what is wrong, also an unreadable file)."""
         try:
-            return load_adapter(name, path, self.model.config, self.model.dtype, self.config.max_lora_rank)
+            load = load_deepseek_adapter if isinstance(self.model, DeepseekModel) else load_adapter  # MLA's linears
+            return load(name, path, self.model.config, self.model.dtype, self.config.max_lora_rank)
         except ValueError:
             raise
         except Exception as e:  # a missing or corrupt file: the caller's 400, not the engine's death
@@ -242,7 +254,13 @@ class LLMEngine(EngineLoop):
         # sequence samples the token after its j-th draft, as if drafts[:j] were accepted
         verify = not batch.is_prefill and any(batch.spec_token_ids)
         pooled = self._pooling_rows(batch) if batch.is_prefill else None
-        if pooled is not None:
+        mtp = self.proposer if isinstance(self.proposer, MtpProposer) else None
+        if mtp is not None:  # the MTP layer reads every row's hidden state
+            logits, hidden = self.runner.execute(batch, all_logits=want_prompt,
+                                                 hidden_indices=torch.arange(batch.num_tokens))
+            if pooled is not None:
+                self._pool(batch, pooled[1], hidden[pooled[0]])
+        elif pooled is not None:
             logits, hidden = self.runner.execute(batch, all_logits=want_prompt, hidden_indices=pooled[0])
             self._pool(batch, pooled[1], hidden)
         else:
@@ -257,6 +275,7 @@ class LLMEngine(EngineLoop):
         logprobs: list[list[Any]] | None = None
         fork_ids: list[list[int]] | None = None
         fork_entries: list[list[Any]] | None = None
+        sampled: list[list[int]] = [[] for _ in batch.seqs]  # every row's sample (the MTP's next tokens)
         if rows:
             drafts = batch.spec_token_ids if verify else [[] for _ in batch.seqs]
             first_row = (np.cumsum(batch.num_scheduled_tokens) - batch.num_scheduled_tokens).tolist() if verify else None
@@ -285,6 +304,7 @@ class LLMEngine(EngineLoop):
             at = 0
             for i in rows:
                 k, n = batch.seqs[i].num_forks, len(drafts[i])
+                sampled[i] = tokens[at:at + n + 1]
                 token_ids[i] = accept(tokens[at:at + n + 1], drafts[i]) if n else [tokens[at]]
                 if entries is not None:
                     logprobs[i] = entries[at:at + len(token_ids[i])]
@@ -297,6 +317,8 @@ class LLMEngine(EngineLoop):
                     fork_ids[i] = tokens[at:at + k]
                     fork_entries[i] = entries[at:at + k] if entries is not None else [None] * k
                 at += k
+        if mtp is not None:
+            mtp.run(batch, hidden, *self.runner.last_step, self.kv_cache, sampled, token_ids)
         next_drafts = None
         if self.proposer is not None and rows:
             next_drafts = self._propose(batch, rows, token_ids)

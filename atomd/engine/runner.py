@@ -33,6 +33,7 @@ class ModelRunner:
         self.workspace: DecodeWorkspace | None = None
         self.loras = None  # --enable-lora: the engine's LoraRegistry (name -> resident adapter weights)
         self._lora_stack = None  # the last step's adapters side by side (atomd/model/lora.py)
+        self.last_step = None  # (positions, metadata) of the last forward: the MTP drafter runs on them
         self.kernels = None  # the native attention kernels; None: torch SDPA (decode over a workspace)
         dtype = kv_cache.kv.dtype
         if attention_backend == "native" and dtype not in KERNEL_DTYPES:
@@ -93,9 +94,10 @@ class ModelRunner:
         else:
             logits_indices = torch.from_numpy((ends - 1)[batch.needs_sample])
         input_ids = torch.from_numpy(batch.token_ids.astype(np.int64))
-        # only what this step uses: a family without LoRA (DeepSeek) takes no `lora`
+        # only what this step uses
         extra = {"lora": self._lora_step(batch, num_sched), "hidden_indices": hidden_indices}
-        return self.model.forward(input_ids, torch.from_numpy(positions), meta, self.kv_cache, logits_indices,
+        self.last_step = (torch.from_numpy(positions), meta)
+        return self.model.forward(input_ids, self.last_step[0], meta, self.kv_cache, logits_indices,
                                   **{k: v for k, v in extra.items() if v is not None})
 
     def _lora_step(self, batch, num_sched: np.ndarray) -> LoraStep | None:

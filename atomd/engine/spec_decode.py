@@ -1,4 +1,5 @@
-"""Speculative decoding with a model-free drafter: n-gram prompt lookup (vLLM's `ngram`).
+"""Speculative decoding with a model-free drafter: n-gram prompt lookup (vLLM's `ngram`); the
+verify, accept and SpecController parts serve DeepSeek's MTP drafter too (mtp_proposer.py).
 
 `--speculative-config '{"method": "ngram", "num_speculative_tokens": k, "prompt_lookup_min": 2,
 "prompt_lookup_max": 5}'` (atomd.config.SpeculativeConfig). Each step:

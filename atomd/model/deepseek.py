@@ -16,8 +16,8 @@
   weighed by the unbiased scores, renormalised with norm_topk_prob. Then x routed_scaling_factor.
   V2's norm_topk_prob is not read (transformers' DeepseekV2 does not either; V2 configs set it false).
 
-Not here yet: the MTP module of V3 checkpoints (model.layers.{num_hidden_layers}: not loaded),
-quantized weights.
+V3's MTP layer (model.layers.{num_hidden_layers}) is atomd/model/deepseek_mtp.py's (drafts).
+Not here yet: quantized weights.
 """
 from __future__ import annotations
 
@@ -34,6 +34,7 @@ from atomd.model.config import ModelConfig
 from atomd.model.decoder import ROW_TILE, DecoderModel, TensorSource, cat
 from atomd.model.layer_ops import rms_norm, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
+from atomd.model.lora import LayerLora, LoraStep
 from atomd.model.mla import LatentUp, mla_decode, mla_prefill, store_latent
 from atomd.model.moe import MoeWeights, load_experts, moe
 from atomd.model.quant import QuantizedWeight
@@ -133,17 +134,30 @@ class MlaLayerWeights:
     shared_down: torch.Tensor | None = None
     rows: dict[str, torch.Tensor] | None = None  # plain copies of the linears for batch-1 decode (GEMV)
 
-    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x through the linear `name`: the GEMV kernel on its plain rows for one row, if kept."""
-        return linear(x, getattr(self, name), bias, self.rows.get(name) if self.rows else None)
+    def linear(self, name: str, x: torch.Tensor, bias: torch.Tensor | None = None,
+               lora: LayerLora | None = None) -> torch.Tensor:
+        """x through the linear `name`: the GEMV kernel on its plain rows for one row, if kept;
+        plus the rows' LoRA deltas (the shared experts' under the dense MLP's names, LORA_NAMES)."""
+        out = linear(x, getattr(self, name), bias, self.rows.get(name) if self.rows else None)
+        return out if lora is None else lora.add(LORA_NAMES.get(name, name), x, out)
 
 
 LINEARS = ("qkv_a", "q_b", "o", "gate_up", "down", "shared_gate_up", "shared_down")
+LORA_NAMES = {"shared_gate_up": "gate_up", "shared_down": "down"}  # a layer has one or the other
 
 
 def _interleaved_to_halves(rope_dim: int) -> torch.Tensor:
     """Row order that turns pairs (x0, x1), (x2, x3), ... into (x0, x2, ..., x1, x3, ...)."""
     return torch.cat([torch.arange(0, rope_dim, 2), torch.arange(1, rope_dim, 2)])
+
+
+def rope_row_orders(cfg: DeepseekConfig) -> tuple[torch.Tensor, torch.Tensor]:
+    """The row orders load_layer gives q (q_proj / q_b_proj: per head its nope rows, then its rope
+    rows in halves order) and kv_a_proj_with_mqa (the latent, then the rope rows in halves order)."""
+    heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+    halves = _interleaved_to_halves(rope) if cfg.rope_interleave else torch.arange(rope)
+    q_rows = torch.cat([h * (nope + rope) + torch.cat([torch.arange(nope), nope + halves]) for h in range(heads)])
+    return q_rows, torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + halves])
 
 
 def _weight(src: TensorSource, name: str, dtype: torch.dtype) -> torch.Tensor:
@@ -190,12 +204,9 @@ class DeepseekModel(DecoderModel):
     def load_layer(cls, src: TensorSource, cfg: DeepseekConfig, i: int, dtype: torch.dtype) -> MlaLayerWeights:
         p = f"model.layers.{i}."
         attn, mlp = p + "self_attn.", p + "mlp."
-        heads, nope, rope = cfg.num_heads, cfg.qk_nope_head_dim, cfg.qk_rope_head_dim
+        heads, nope = cfg.num_heads, cfg.qk_nope_head_dim
         get = lambda name: _weight(src, name, dtype)  # noqa: E731
-        halves = _interleaved_to_halves(rope) if cfg.rope_interleave else torch.arange(rope)
-        # per head: its nope rows, then its rope rows in halves order
-        q_rows = torch.cat([h * (nope + rope) + torch.cat([torch.arange(nope), nope + halves]) for h in range(heads)])
-        kv_a_rows = torch.cat([torch.arange(cfg.kv_lora_rank), cfg.kv_lora_rank + halves])
+        q_rows, kv_a_rows = rope_row_orders(cfg)
         kv_a = get(attn + "kv_a_proj_with_mqa.weight")[kv_a_rows]
         bias = cfg.qkv_bias  # attention_bias: q_a_proj, kv_a_proj_with_mqa and o_proj have one
         if cfg.q_lora_rank:
@@ -216,12 +227,13 @@ class DeepseekModel(DecoderModel):
         if i in cfg.sparse_layers:
             gate_up, down = load_experts(src, mlp + "experts.", cfg.local_experts, "gate_proj", "up_proj",
                                          "down_proj", dtype)
-            w.moe = MoeWeights(router=torch.empty(0), gate_up=gate_up, down=down, top_k=cfg.num_experts_per_tok,
-                               norm_topk_prob=cfg.norm_topk_prob, cast_weights=False,
-                               first_expert=cfg.local_experts.start)
             bias_name = mlp + "gate.e_score_correction_bias"
             w.routing = DeepseekRouting(src.get(mlp + "gate.weight", torch.float32),
                                         src.get(bias_name, torch.float32) if cfg.scoring == "sigmoid" else None, cfg)
+            # the router's rows size the load counters (MoeWeights.routed); w.routing routes
+            w.moe = MoeWeights(router=w.routing.weight, gate_up=gate_up, down=down, top_k=cfg.num_experts_per_tok,
+                               norm_topk_prob=cfg.norm_topk_prob, cast_weights=False,
+                               first_expert=cfg.local_experts.start)
             if cfg.n_shared_experts:
                 shared = mlp + "shared_experts."
                 w.shared_gate_up = cat(src, [shared + "gate_proj.weight", shared + "up_proj.weight"], dtype)
@@ -235,19 +247,29 @@ class DeepseekModel(DecoderModel):
         cfg = self.config
         self.cos, self.sin = rope_tables(cfg, self.max_positions, self.embed.dtype)
         layer_ops.kernels()
-        if self._keep_rows():  # batch-1 decode: the GEMV kernel on plain rows (DecoderModel._pack_weights)
+        self.keeps_rows = self._keep_rows()
+        if self.keeps_rows:  # batch-1 decode: the GEMV kernel on plain rows (DecoderModel._pack_weights)
             self.lm_head_rows = self.lm_head.contiguous()
-            for w in self.layers:
-                w.rows = {name: getattr(w, name).contiguous() for name in LINEARS if getattr(w, name) is not None}
-        if self.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available() and (
-                self.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported()):
-            # oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)
+        if self.packs():
             self.lm_head = pack_linear_weight(self.lm_head)
-            for w in self.layers:
-                for name in LINEARS:
-                    if getattr(w, name) is not None:
-                        setattr(w, name, pack_linear_weight(getattr(w, name)))
-                w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
+        for w in self.layers:
+            self.pack_layer(w)
+
+    def packs(self) -> bool:
+        """oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)."""
+        return self.dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available() and (
+            self.dtype == torch.float32 or torch.ops.mkldnn._is_mkldnn_bf16_supported())
+
+    def pack_layer(self, w: MlaLayerWeights) -> None:
+        """A layer's linears as the forward reads them: plain rows for the GEMV kernel (when the
+        model keeps them), oneDNN's layout for the rest (also the MTP layer's, deepseek_mtp.py)."""
+        if self.keeps_rows:
+            w.rows = {name: getattr(w, name).contiguous() for name in LINEARS if getattr(w, name) is not None}
+        if self.packs():
+            for name in LINEARS:
+                if getattr(w, name) is not None:
+                    setattr(w, name, pack_linear_weight(getattr(w, name)))
+            w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
 
     def _keep_rows(self) -> bool:
         """decoder.keep_rows' rule: the GEMV kernel runs this dtype, $ATOMD_GEMV is not 0, the
@@ -267,35 +289,41 @@ class DeepseekModel(DecoderModel):
         return KVGeometry(1, 1, self.config.latent_dim, MLA_KV_LAYOUT_VERSION)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv_cache: KVCache, logits_indices: torch.Tensor, hidden_indices: torch.Tensor | None = None):
-        """DecoderModel.forward's contract (hidden_indices too: embeddings); attention over the
-        latent cache (atomd/model/mla.py)."""
+                kv_cache: KVCache, logits_indices: torch.Tensor, lora: LoraStep | None = None,
+                hidden_indices: torch.Tensor | None = None):
+        """DecoderModel.forward's contract (LoRA and hidden_indices too); attention over the
+        latent cache (atomd/model/mla.py). LoRA deltas on the linears atomd/model/deepseek_lora.py
+        maps adapters onto (qkv_a, q_b, o, the dense MLP's or shared experts' gate_up / down)."""
         if positions.numel() and int(positions.max()) >= self.max_positions:
             raise IndexError(f"position {int(positions.max())} past the {self.max_positions} the model was loaded for")
         x = self.embed_tokens(input_ids)
         h = self.norm_rows(x, self.layers[0].input_norm)
         positions = self.rope_rows(positions.contiguous(), meta)
         step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)
+        if self.ep is not None:  # one exchange per sparse layer and step on every rank: one tile
+            step = max(x.shape[0], 1)
+        lora = lora if lora is not None and lora.groups else None
+        tiles = [(slice(r, r + step), lora and lora.tile(r, r + step)) for r in range(0, x.shape[0], step)]
+        every_row = lora and lora.tile(0, x.shape[0])
         for i, w in enumerate(self.layers):
-            attn = self._attention(h, w, i, positions, meta, kv_cache)
+            attn = self._attention(h, w, i, positions, meta, kv_cache, every_row and every_row.layer(i))
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            for rows in range(0, x.shape[0], step):
-                tile = slice(rows, rows + step)
-                self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile])
+            for tile, rows in tiles:
+                self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i))
         logits = self.logits(self.norm_rows(x[logits_indices], self.norm))
         if hidden_indices is not None:
             return logits, self.norm_rows(x[hidden_indices], self.norm)
         return logits
 
     def _attention(self, h: torch.Tensor, w: MlaLayerWeights, i: int, positions: torch.Tensor,
-                   meta: AttentionMetadata, kv_cache: KVCache) -> torch.Tensor:
+                   meta: AttentionMetadata, kv_cache: KVCache, lora: LayerLora | None = None) -> torch.Tensor:
         """Layer i's attention output [T, heads * v_head_dim] before o_proj; the rows' latents stored."""
         cfg = self.config
         heads, rope, rank = cfg.num_heads, cfg.qk_rope_head_dim, cfg.kv_lora_rank
-        qkv_a = w.linear("qkv_a", h, w.qkv_a_bias)
+        qkv_a = w.linear("qkv_a", h, w.qkv_a_bias, lora)
         q_end = qkv_a.shape[1] - cfg.latent_dim
         if w.q_b is not None:
-            q = w.linear("q_b", rms_norm(qkv_a[:, :q_end], w.q_a_norm, cfg.rms_norm_eps))
+            q = w.linear("q_b", rms_norm(qkv_a[:, :q_end], w.q_a_norm, cfg.rms_norm_eps), None, lora)
         else:
             q = qkv_a[:, :q_end]
         q = q.reshape(-1, heads, cfg.qk_head_dim)
@@ -310,16 +338,18 @@ class DeepseekModel(DecoderModel):
         return mla_decode(q, kv_cache, i, meta, w.up, cfg.mla_scale)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: MlaLayerWeights,
-                          next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
-        """DecoderModel's, with DeepSeekMoE: routed experts plus the shared ones."""
+                          next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
+        """DecoderModel's, with DeepSeekMoE: routed experts plus the shared ones (LoRA's gate_up /
+        down deltas on the shared experts in a sparse layer, on the MLP in a dense one)."""
         eps = self.config.rms_norm_eps
-        h = rms_norm(x, w.post_norm, eps, delta=w.linear("o", attn, w.o_bias))
+        h = rms_norm(x, w.post_norm, eps, delta=w.linear("o", attn, w.o_bias, lora))
         if w.moe is not None:
             down = moe(h, w.moe, w.routing(h))
             if w.shared_gate_up is not None:
-                down = down + w.linear("shared_down", silu_mul(w.linear("shared_gate_up", h)))
+                shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
+                down = down + w.linear("shared_down", shared, None, lora)
         else:
-            down = w.linear("down", silu_mul(w.linear("gate_up", h)))
+            down = w.linear("down", silu_mul(w.linear("gate_up", h, None, lora)), None, lora)
         if next_norm is None:
             x.add_(down)
         else:

@@ -32,7 +32,6 @@ TARGETS = {"q_proj": ("qkv", "q"), "k_proj": ("qkv", "k"), "v_proj": ("qkv", "v"
            "o_proj": ("o", None), "gate_proj": ("gate_up", "gate"), "up_proj": ("gate_up", "up"),
            "gate_up_proj": ("gate_up", None), "down_proj": ("down", None)}
 _KEY = re.compile(r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+)\.lora_([AB])(?:\.[\w-]+)?\.weight$")
-FUSED = ("qkv", "o", "gate_up", "down")
 STACKED_MAX = 4  # adapters in one step the stacked form takes (LoraStep, mode auto)
 CONFIG_FILE, WEIGHTS_FILE = "adapter_config.json", "adapter_model.safetensors"
 MAX_CONFIG_BYTES = 1 << 20
@@ -88,7 +87,8 @@ def read_adapter_config(path: pathlib.Path, max_rank: int) -> tuple[int, float]:
     if not isinstance(alpha, (int, float)) or isinstance(alpha, bool):
         raise ValueError(f"{cfg_file}: lora_alpha must be a number, got {alpha!r}")
     # what would change the delta's form: refused rather than served wrong
-    for key, ok in (("use_dora", not conf.get("use_dora")), ("bias", conf.get("bias", "none") == "none"),
+    for key, ok in (("target_parameters", not conf.get("target_parameters")),  # LoRA on fused expert weights
+                    ("use_dora", not conf.get("use_dora")), ("bias", conf.get("bias", "none") == "none"),
                     ("modules_to_save", not conf.get("modules_to_save")),
                     ("fan_in_fan_out", not conf.get("fan_in_fan_out")),
                     ("rank_pattern", not conf.get("rank_pattern")), ("alpha_pattern", not conf.get("alpha_pattern"))):
@@ -130,15 +130,24 @@ def load_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, dtype: t
             raise ValueError(f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
                              f"fit rank {r} and this model ({_in_features(cfg, fused)} in, {hi - lo} out)")
         parts.setdefault((layer, fused), []).append(((lo, hi), a, b * scale))
-    layers: list[dict[str, LoraLinear]] = [{} for _ in range(cfg.num_layers)]
+    out_sizes = {key: slices[key[1]][None][1] for key in parts}
+    return LoraAdapter(name, str(path), r, fuse_pairs(parts, out_sizes, r, cfg.num_layers, dtype))
+
+
+def fuse_pairs(parts: dict[tuple[int, str], list[tuple[tuple[int, int], torch.Tensor, torch.Tensor]]],
+               out_sizes: dict[tuple[int, str], int], r: int, num_layers: int,
+               dtype: torch.dtype) -> list[dict[str, LoraLinear]]:
+    """Per layer, each fused linear's pair from its targets' (out rows [lo, hi), A, scaled B):
+    the A's stacked, B [out_sizes[layer, fused], ...] zero outside each target's rows and rank
+    columns (module docstring)."""
+    layers: list[dict[str, LoraLinear]] = [{} for _ in range(num_layers)]
     for (layer, fused), items in parts.items():
-        out = slices[fused][None][1]
         a = torch.cat([p[1] for p in items])
-        b = torch.zeros(out, a.shape[0])
+        b = torch.zeros(out_sizes[layer, fused], a.shape[0])
         for j, ((lo, hi), _, bt) in enumerate(items):
             b[lo:hi, j * r:(j + 1) * r] = bt
         layers[layer][fused] = LoraLinear(a.T.to(dtype).contiguous(), b.T.to(dtype).contiguous())
-    return LoraAdapter(name, str(path), r, layers)
+    return layers
 
 
 class LoraStack:
@@ -151,19 +160,20 @@ class LoraStack:
         self.adapters = adapters
         self.cols: dict[str, list[tuple[int, int]]] = {}  # fused linear -> each adapter's columns
         self.layers: list[dict[str, LoraLinear]] = [{} for _ in adapters[0].layers]
-        for fused in FUSED:
-            pairs = [p for a in adapters for layer in a.layers if (p := layer.get(fused)) is not None]
-            if not pairs:
-                continue
+        for fused in dict.fromkeys(f for a in adapters for layer in a.layers for f in layer):
             widths = [max((layer[fused].a_t.shape[1] for layer in a.layers if fused in layer), default=0)
                       for a in adapters]
             ends = np.cumsum(widths).tolist()
             self.cols[fused] = [(e - w, e) for e, w in zip(ends, widths)]
-            (fan_in, _), (_, fan_out), dtype = pairs[0].a_t.shape, pairs[0].b_t.shape, pairs[0].a_t.dtype
             for i, stacked in enumerate(self.layers):
-                a_t, b_t = torch.zeros(fan_in, ends[-1], dtype=dtype), torch.zeros(ends[-1], fan_out, dtype=dtype)
-                for adapter, (lo, hi) in zip(adapters, self.cols[fused]):
-                    pair = adapter.layers[i].get(fused)
+                here = [a.layers[i].get(fused) for a in adapters]
+                first = next((p for p in here if p is not None), None)
+                if first is None:  # no adapter has it in this layer (its shape may differ there: DeepSeek's MLPs)
+                    continue
+                dtype = first.a_t.dtype
+                a_t = torch.zeros(first.a_t.shape[0], ends[-1], dtype=dtype)
+                b_t = torch.zeros(ends[-1], first.b_t.shape[1], dtype=dtype)
+                for pair, (lo, hi) in zip(here, self.cols[fused]):
                     if pair is not None:
                         w = pair.a_t.shape[1]
                         a_t[:, lo:lo + w], b_t[lo:lo + w] = pair.a_t, pair.b_t
@@ -218,7 +228,8 @@ class LoraStep:
             mask = np.zeros((len(self.row_slot), cols[-1][1]), dtype=np.float32)
             for j, (lo, hi) in enumerate(cols):
                 mask[self.row_slot == j, lo:hi] = 1.0
-            self.masks[fused] = torch.from_numpy(mask).to(self.stack.layers[0][fused].a_t.dtype)
+            dtype = next(layer[fused] for layer in self.stack.layers if fused in layer).a_t.dtype
+            self.masks[fused] = torch.from_numpy(mask).to(dtype)
 
     def tile(self, start: int, stop: int) -> "LoraRows | GroupedRows | None":
         """Rows [start, stop) of the step; None: no adapter row there."""

@@ -1,0 +1,96 @@
+"""DeepSeek V3's multi-token prediction (MTP) module, as the speculative drafter
+(`--speculative-config '{"method": "mtp", "num_speculative_tokens": 1}'`).
+
+A V3 checkpoint with `num_nextn_predict_layers` = n keeps n MTP layers after the main ones,
+model.layers.{num_hidden_layers + j}: `enorm`, `hnorm`, `eh_proj` [hidden, 2 * hidden], a full
+decoder layer (MLA + DeepSeekMoE, loaded as the main layers are), `shared_head.norm`, and
+optionally its own `embed_tokens` and `shared_head.head` (released checkpoints copy the main
+ones there; without them the main ones are used, as SGLang shares them). At position p it reads
+the main model's final-normed hidden state h_p and the embedding of the token at p + 1:
+
+    x = eh_proj([enorm(embed(t_{p+1})) ; hnorm(h_p)])      (embedding first: the checkpoints' order,
+    x = decoder_layer(x) at position p                      vLLM's and SGLang's)
+    logits = head(shared_head.norm(x))                      -> the token at p + 2
+
+Its attention has its own latent KV cache over the sequence shifted by one: the engine's cache
+gets one more layer (index num_hidden_layers) in the same blocks, written at the same positions
+and slots as the main layers, so the block tables, PD transfer and preemption need nothing more.
+Only the first MTP layer drafts here (one draft a step, DeepSeek V3's own setting).
+"""
+from __future__ import annotations
+
+import dataclasses
+import pathlib
+from dataclasses import dataclass
+
+import torch
+
+from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.model.deepseek import DeepseekModel, MlaLayerWeights
+from atomd.model.layer_ops import rms_norm
+from atomd.model.linear import linear, pack_linear_weight
+from atomd.model.loader import _TensorSource, read_hf_config
+
+
+@dataclass
+class MtpLayer:
+    enorm: torch.Tensor
+    hnorm: torch.Tensor
+    eh_proj: torch.Tensor  # [hidden, 2 * hidden]: embedding half first, hidden-state half second
+    layer: MlaLayerWeights
+    head_norm: torch.Tensor
+    embed: torch.Tensor  # its own embed_tokens, or the main model's
+    head: torch.Tensor  # shared_head.head, or the main model's lm_head
+    kv_layer: int  # its layer in the engine's KV cache: num_hidden_layers
+
+
+def mtp_layer_count(hf: dict) -> int:
+    return int(hf.get("num_nextn_predict_layers") or 0)
+
+
+def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
+    """The first MTP layer of a DeepSeek checkpoint (ValueError saying why there is none)."""
+    cfg, hf = model.config, read_hf_config(model_dir)
+    if not isinstance(model, DeepseekModel) or not mtp_layer_count(hf):
+        raise ValueError(f"speculative_config method mtp: the checkpoint ({cfg.architecture}) has no MTP module "
+                         f"(DeepSeek V3's num_nextn_predict_layers is {mtp_layer_count(hf)}); use method ngram")
+    if cfg.expert_ranks > 1:
+        raise ValueError("speculative_config method mtp is not supported with --enable-expert-parallel "
+                         "(the MTP layer's experts are not sharded)")
+    i, dtype = cfg.num_layers, model.dtype
+    src = type(model).tensor_source(_TensorSource(model_dir), cfg)
+    p = f"model.layers.{i}."
+    if p + "eh_proj.weight" not in src:
+        raise ValueError(f"speculative_config method mtp: num_nextn_predict_layers is {mtp_layer_count(hf)} but the "
+                         f"checkpoint has no {p}eh_proj.weight (its MTP weights were dropped)")
+    first, freq = hf.get("first_k_dense_replace", 3), hf.get("moe_layer_freq", 1)
+    sparse = cfg.num_experts and i >= first and i % freq == 0  # DeepSeek's rule, as for the main layers
+    layer_cfg = dataclasses.replace(cfg, sparse_layers=cfg.sparse_layers + ((i,) if sparse else ()))
+    get = lambda name: src.get(p + name, dtype)  # noqa: E731
+    own = lambda name, main: get(name) if p + name in src else main  # noqa: E731
+    pack = pack_linear_weight if model.packs() else (lambda t: t)
+    layer = DeepseekModel.load_layer(src, layer_cfg, i, dtype)
+    model.pack_layer(layer)  # as the main layers run
+    head = pack(get("shared_head.head.weight")) if p + "shared_head.head.weight" in src else model.lm_head
+    return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=pack(get("eh_proj.weight")),
+                    layer=layer, head_norm=get("shared_head.norm.weight"),
+                    embed=own("embed_tokens.weight", model.embed), head=head, kv_layer=i)
+
+
+def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hidden: torch.Tensor,
+                positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
+                logits_rows: torch.Tensor) -> torch.Tensor:
+    """Logits [len(logits_rows), vocab] of the MTP layer over the step's rows: next_ids [T] the
+    token after each row's, hidden [T, hidden] the main model's final-normed states of the
+    rows, at the main forward's positions and metadata (its latent rows stored in the MTP's
+    cache layer for every row)."""
+    eps = model.config.rms_norm_eps
+    e = rms_norm(torch.nn.functional.embedding(next_ids, mtp.embed), mtp.enorm, eps)
+    x = linear(torch.cat([e, rms_norm(hidden, mtp.hnorm, eps)], dim=1), mtp.eh_proj)
+    w = mtp.layer
+    h = rms_norm(x, w.input_norm, eps)
+    attn = model._attention(h, w, mtp.kv_layer, model.rope_rows(positions.contiguous(), meta), meta, kv_cache)
+    model._attn_out_and_mlp(x, attn, w, None, h)  # x += attention out, then += the MLP's (in place)
+    if not len(logits_rows):  # a prefill chunk that samples nothing: only the MTP's KV rows
+        return x.new_empty(0, model.config.vocab_size)
+    return linear(rms_norm(x[logits_rows], mtp.head_norm, eps), mtp.head)
