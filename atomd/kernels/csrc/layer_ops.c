@@ -275,13 +275,23 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
 /* Batch-1 decode linears: y[n] = sum_k x[k] w[n, k] over a plain row-major weight [N, K]
  * (atomd_gemv_*), for one row of activations. Why: at M = 1 a linear only streams its
  * weight once, and oneDNN's packed matmul reads it at ~15-17 GB/s here where this loop
- * reaches the machine's read bandwidth (benchmarks/results/offline.md, session 6). Four
- * weight rows at a time share each load of x; float32 sums; bf16 output rounded to nearest
- * even. Built where the vector ISA is (atomd_gemv_kinds: bit 0 float32 with AVX-512F, bit 1
- * bfloat16 with AVX512_BF16's dot product); the Python side uses oneDNN elsewhere. */
+ * reaches the machine's read bandwidth (benchmarks/results/offline.md, session 6). One weight
+ * row at a time (one read stream), two accumulators, and the row GEMV_PREFETCH bytes ahead
+ * prefetched into L2: one thread streams memory only as fast as it keeps misses in flight
+ * (135M shape's linears, one thread: four rows sharing each x load 12-13 GB/s, one row 15-18,
+ * one row + this prefetch 20-21, a plain sum of the same bytes 16-19; benchmarks/RESULTS.md
+ * #35 decode step profile). Float32 sums; bf16 output rounded to nearest even. Built where
+ * the vector ISA is (atomd_gemv_kinds: bit 0 float32 with AVX-512F, bit 1 bfloat16 with
+ * AVX512_BF16's dot product); the Python side uses oneDNN elsewhere. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define GEMV_ROWS 4
+#define GEMV_PREFETCH 4096
+/* the two cache lines GEMV_PREFETCH bytes past p, into L2 (past the weight's end: harmless, a prefetch never faults) */
+#define PREFETCH_AHEAD(p)                                                          \
+    do {                                                                          \
+        _mm_prefetch((const char *)(p) + GEMV_PREFETCH, _MM_HINT_T1);             \
+        _mm_prefetch((const char *)(p) + GEMV_PREFETCH + 64, _MM_HINT_T1);        \
+    } while (0)
 
 /* One instance per dtype: VEC / STEP the vector of x and w elements, VLOAD a masked load
  * (all lanes but in K's tail), VFMA acc += x * w summed into float32 lanes. NAME##_rows is
@@ -292,25 +302,22 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
                             int64_t N) {                                                                         \
         const mask_t all = (mask_t)~(mask_t)0, tail = (mask_t)((1ull << (K % STEP)) - 1u);                        \
         _Pragma("omp for schedule(static)")                                                                      \
-        for (int64_t n0 = 0; n0 < N; n0 += GEMV_ROWS) {                                                          \
-            const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;                                     \
-            const elem_t *w0 = w + n0 * K, *w1 = w + (n0 + (rows > 1)) * K, *w2 = w + (n0 + 2 * (rows > 2)) * K, \
-                         *w3 = w + (n0 + 3 * (rows > 3)) * K;                                                    \
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                          \
-            for (int64_t k = 0; k < K; k += STEP) {                                                              \
+        for (int64_t n = 0; n < N; n++) {                                                                        \
+            const elem_t *wn = w + n * K;                                                                        \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                            \
+            int64_t k = 0;                                                                                       \
+            for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                           \
+                PREFETCH_AHEAD(wn + k);                                                                          \
+                a0 = VFMA(a0, VLOAD(all, x + k), VLOAD(all, wn + k));                                            \
+                a1 = VFMA(a1, VLOAD(all, x + k + STEP), VLOAD(all, wn + k + STEP));                              \
+            }                                                                                                    \
+            for (; k < K; k += STEP) {                                                                           \
                 const mask_t mk = K - k >= STEP ? all : tail;                                                    \
-                const VEC xv = VLOAD(mk, x + k);                                                                 \
-                a0 = VFMA(a0, xv, VLOAD(mk, w0 + k));                                                            \
-                a1 = VFMA(a1, xv, VLOAD(mk, w1 + k));                                                            \
-                a2 = VFMA(a2, xv, VLOAD(mk, w2 + k));                                                            \
-                a3 = VFMA(a3, xv, VLOAD(mk, w3 + k));                                                            \
+                a0 = VFMA(a0, VLOAD(mk, x + k), VLOAD(mk, wn + k));                                              \
             }                                                                                                    \
-            const float r[GEMV_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),                      \
-                                        _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};                     \
-            for (int i = 0; i < rows; i++) {  /* the bias added to the rounded product, as torch's add_ */       \
-                store(y, n0 + i, r[i], IS_BF16);                                                                 \
-                if (bias) store(y, n0 + i, load(y, n0 + i, IS_BF16) + load(bias, n0 + i, IS_BF16), IS_BF16);     \
-            }                                                                                                    \
+            /* the bias added to the rounded product, as torch's add_ */                                         \
+            store(y, n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), IS_BF16);                                   \
+            if (bias) store(y, n, load(y, n, IS_BF16) + load(bias, n, IS_BF16), IS_BF16);                        \
         }                                                                                                        \
     }                                                                                                            \
     void NAME(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t N, int num_threads) {             \

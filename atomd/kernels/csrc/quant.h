@@ -90,6 +90,9 @@ static inline float b16_to_float(uint16_t v) {  /* bf16 -> float32: exact, the b
 static inline vf load_b16(const uint16_t *p) { return b16_to_float(*p); }
 #endif
 
+/* a weight row's bytes this far ahead prefetched into L2 as it streams (layer_ops.c's GEMV_PREFETCH: why) */
+#define QPREFETCH(p) __builtin_prefetch((const char *)(p) + 4096, 0, 2)
+
 #define QGEMM_ROWS 8  /* rows of x per pass: 8 accumulators + the weight vector stay in registers */
 #define I4_VECS (32 / LANES)
 
@@ -109,6 +112,7 @@ static inline __attribute__((always_inline)) void row_i8(const float *x, int64_t
         const vf vs = VSET1(sc), vo = VSET1(of);
         int64_t k = g0;
         for (; k + LANES <= g1; k += LANES) {
+            QPREFETCH(q + k);
             const vf w = VFMA(load_i8(q + k), vs, vo);
             for (int m = 0; m < mb; m++) acc[m] = VFMA(VLOAD(x + m * ldx + k), w, acc[m]);
         }
@@ -129,6 +133,7 @@ static inline __attribute__((always_inline)) void row_i4(const float *x, int64_t
         const vf vs = VSET1(s[gi]), vo = VSET1(o ? o[gi] : 0.0f);
         for (int64_t k = g0; k < g0 + G; k += 32) {
             vf w[I4_VECS];
+            QPREFETCH(q + k / 2);
             load_i4(q + k / 2, w);
             for (int v = 0; v < I4_VECS; v++) {
                 const vf wv = VFMA(w[v], vs, vo);
@@ -152,6 +157,7 @@ static inline __attribute__((always_inline)) void row_b16(const float *x, int64_
     }
     int64_t k = 0;
     for (; k + 2 * LANES <= K; k += 2 * LANES) {
+        QPREFETCH(q + k);
         const vf w0 = load_b16(q + k), w1 = load_b16(q + k + LANES);
         for (int m = 0; m < mb; m++) {
             acc[m] = VFMA(VLOAD(x + m * ldx + k), w0, acc[m]);
@@ -257,6 +263,7 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
             __m512 gacc[Q8_ROWS];
             for (int m = 0; m < mb; m++) gacc[m] = _mm512_setzero_ps();
             for (int64_t b = g * per; b < (g + 1) * per; b += 2) {
+                QPREFETCH((const uint8_t *)q + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
                 const __m512i w = pair_u8(q, b, bits, 1);
                 for (int m = 0; m < mb; m++) {
                     const __m512i xv = _mm512_loadu_si512(xq + m * K + b * Q8_BLOCK);
