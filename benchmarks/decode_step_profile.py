@@ -18,9 +18,10 @@ the neighbours' load on a shared machine moves it far less than the wall clock; 
 `read_GBps`: a plain one-thread read of the same bytes as the C layers' weights (a float32 sum
 over a buffer of that size, min of 5): the weight-read bound the C layers could reach.
 `--llama-cpp`: llama-bench's tg128 on the matching GGUF (F32 for float32, BF16 for bf16-weights,
-Q8_0 for int8, Q4_0 for int4) with the same thread count, its tokens/s times the GGUF's
-size as its bytes/s (it reads every tensor but the embedding rows once a token; the tied
-output tensor is read whole). The engines and llama-bench alternate in every round; medians of
+Q8_0 for int8, Q4_0 for int4) with the same thread count, in wall and CPU time (llama_bench()),
+its tokens/s times the GGUF's size as its bytes/s (it reads every tensor but the embedding rows
+once a token; the tied output tensor is read whole). Its tg128 decodes from an empty context,
+atomd's steps after a 128-token prompt (atomd's attention reads 1.5x the cache on average). The engines and llama-bench alternate in every round; medians of
 --rounds.
 
     nice -n 19 .venv/bin/python -m benchmarks.decode_step_profile [--rounds 3] [--threads 1]
@@ -32,6 +33,7 @@ import argparse
 import collections
 import json
 import pathlib
+import resource
 import shutil
 import statistics
 import subprocess
@@ -160,23 +162,34 @@ def read_bound(nbytes: int, repeats: int = 5) -> float:
     return nbytes / best
 
 
-def llama_bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int) -> float:
-    """llama-bench's tg128 tokens/s (one repetition after its warm-up)."""
-    out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json", "-p", "0",
-                          "-n", "128"], check=True, capture_output=True, text=True).stdout
-    t = json.loads(out)[0]
-    return 128 / (statistics.median(t["samples_ns"]) / 1e9)
+def llama_bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int) -> tuple[float, float]:
+    """llama-bench's tg128: (tokens/s of the wall clock, median of 3 repetitions; tokens/s of
+    its CPU time: a 3-repetition run's user + sys less a 1-repetition run's (the load and the
+    warm-up cancel), over the 256 tokens between them; with one thread, comparable to atomd's
+    thread CPU time)."""
+    def run(reps: int) -> tuple[list, float]:
+        before = resource.getrusage(resource.RUSAGE_CHILDREN)
+        out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
+                              "-p", "0", "-n", "128"], check=True, capture_output=True, text=True).stdout
+        after = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return json.loads(out)[0]["samples_ns"], (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
+    samples, cpu3 = run(3)
+    _, cpu1 = run(1)
+    return 128 / (statistics.median(samples) / 1e9), 256 / max(cpu3 - cpu1, 1e-9)
 
 
-def ggufs(path: pathlib.Path, names: list[str], threads: int) -> tuple[pathlib.Path, dict[str, pathlib.Path]]:
+def ggufs(path: pathlib.Path, names: list[str], threads: int,
+          keep: pathlib.Path | None) -> tuple[pathlib.Path, dict[str, pathlib.Path]]:
+    """The GGUFs of `names`, written into `keep` (reused when there) or a temporary folder."""
     from benchmarks import llama_cpp as lc
 
     src, binary = lc.ensure_build(2)
-    tmp = pathlib.Path(tempfile.mkdtemp())
+    tmp = keep or pathlib.Path(tempfile.mkdtemp())
+    tmp.mkdir(parents=True, exist_ok=True)
     out = {}
     for kind in dict.fromkeys(GGUF[n] for n in names):
         f = tmp / f"{kind.lower()}.gguf"
-        if kind == "Q4_0":
+        if not f.exists() and kind == "Q4_0":
             f32 = tmp / "f32.gguf"
             if not f32.exists():
                 lc.convert(src, path, "f32", f32)
@@ -194,6 +207,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--engines", default="float32,bf16-weights,int8,int8-a8,int4-a8")
     p.add_argument("--llama-cpp", action="store_true")
+    p.add_argument("--gguf-dir", type=pathlib.Path, default=None, help="keep (and reuse) the GGUFs here")
     p.add_argument("--out", type=pathlib.Path, default=None)
     args = p.parse_args()
     import atomd.model.decoder as decoder
@@ -209,7 +223,7 @@ def main() -> int:
             for n in names}
     vocab = llms[names[0]].engine.model.config.vocab_size
     batch = prompts(1, PROMPT, 1, vocab)
-    binary, files = ggufs(path, names, args.threads) if args.llama_cpp else (None, {})
+    binary, files = ggufs(path, names, args.threads, args.gguf_dir) if args.llama_cpp else (None, {})
     result: dict = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "load_before": loadavg(),
                     "bytes": {n: linear_bytes(llm.engine.model) for n, llm in llms.items()},
                     "gguf_bytes": {k: f.stat().st_size for k, f in files.items()}}
@@ -222,7 +236,9 @@ def main() -> int:
                 samples[n][part].append(us)
             samples[n]["read_GBps"].append(read_bound(result["bytes"][n]))
         for kind, f in files.items():
-            samples[kind]["tok_s"].append(llama_bench(binary, f, args.threads))
+            wall, cpu = llama_bench(binary, f, args.threads)
+            samples[kind]["tok_s"].append(wall)
+            samples[kind]["tok_s_cpu"].append(cpu)
         print(f"round {r + 1} done (load {loadavg()})", file=sys.stderr, flush=True)
     med = {n: {part: round(statistics.median(v), 2) for part, v in d.items()} for n, d in samples.items()}
     for n in names:
@@ -232,11 +248,13 @@ def main() -> int:
         m["tok_s_wall"] = round(1e6 / m["total_wall"], 1)
         if GGUF[n] in files:
             m["llama_cpp_tok_s"] = med[GGUF[n]]["tok_s"]
-            m["llama_cpp_GBps"] = round(med[GGUF[n]]["tok_s"] * result["gguf_bytes"][GGUF[n]] / 1e9, 2)
+            m["llama_cpp_tok_s_cpu"] = med[GGUF[n]]["tok_s_cpu"]
+            m["llama_cpp_GBps_cpu"] = round(med[GGUF[n]]["tok_s_cpu"] * result["gguf_bytes"][GGUF[n]] / 1e9, 2)
             m["vs_llama_cpp_wall"] = round(m["tok_s_wall"] / m["llama_cpp_tok_s"], 2)
+            m["vs_llama_cpp_cpu"] = round(m["tok_s_cpu"] / m["llama_cpp_tok_s_cpu"], 2)
     result["per_token_us"] = {n: med[n] for n in names}
     result["load_after"] = loadavg()
-    if files:
+    if files and args.gguf_dir is None:
         shutil.rmtree(next(iter(files.values())).parent, ignore_errors=True)
     text = json.dumps(result, indent=1)
     print(text)
