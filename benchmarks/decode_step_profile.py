@@ -3,7 +3,8 @@ SmolLM2-135M shape (random weights), its step split into
 
 - `c_layers`: the fused C layer calls (layer_ops.DecodeLayer head + tail: every layer linear,
   norms, RoPE, SiLU), with their weight bytes / time as `c_layers_GBps`;
-- `attention`: the C decode attention over the paged cache;
+- `attention`: the C decode attention over the paged cache (inside `c_layers` where every layer
+  runs in one C call, DecodeLayer.run_layers: then 0 here, and `c_layers_GBps` is understated);
 - `lm_head`: the final norm's linear over the vocabulary;
 - `forward_python`: the rest of the model's forward (embedding, the first norm, the RoPE rows,
   the per-layer Python loop between the C calls);
@@ -81,6 +82,8 @@ def instrument(llm, clock: Clock) -> None:
     assert model.decode_layer is not None, "the fused batch-1 C layer is not in use: nothing to split"
     fused = model.decode_layer
     fused.head, fused.tail = clock.wrap("c_layers", fused.head), clock.wrap("c_layers", fused.tail)
+    if hasattr(fused, "run_layers"):  # every layer in one C call: attention inside it
+        fused.run_layers = clock.wrap("c_layers", fused.run_layers)
     engine.step = clock.wrap("step", engine.step)
     engine._forward = clock.wrap("forward_and_sampling", engine._forward)
     engine.runner.execute = clock.wrap("runner_execute", engine.runner.execute)
@@ -97,7 +100,7 @@ def uninstrument(llm) -> None:
     for name, fn in ORIGINAL.items():
         setattr(decoder, name, fn)
     fused, engine = llm.engine.model.decode_layer, llm.engine
-    for obj, names in ((fused, ("head", "tail")), (engine, ("step", "_forward")), (engine.runner, ("execute",)),
+    for obj, names in ((fused, ("head", "tail", "run_layers")), (engine, ("step", "_forward")), (engine.runner, ("execute",)),
                        (llm.engine.model, ("forward",)), (engine.sampler, ("sample",))):
         for n in names:
             obj.__dict__.pop(n, None)

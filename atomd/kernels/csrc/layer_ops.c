@@ -351,6 +351,30 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
  * tail: x += attn @ w_o^T (attn: q_size = query heads x head_dim); h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
  * x += a @ w_down^T; next_h = RMSNorm(x) * next_w (next_w NULL, the last layer: the add
  * alone). scratch: hidden + hidden + 3 * inter elements. */
+/* The whole model's layers at batch 1 in one call (atomd_decode_layers_*): per layer the head,
+ * the decode attention kernel (atomd/kernels/csrc/attention.c, built per shape in its own
+ * library: called through the pointer the caller passes) and the tail. Why: the per-layer
+ * Python loop around the three calls (argument checks, ctypes conversions) was ~1.5-2 ms of a
+ * ~12 ms int8 step on the 135M shape (benchmarks/decode_step_profile.py). `layers` holds each
+ * layer's weights (next_norm NULL on the last) and sliding window (0: none); the attention
+ * arguments are the step's (one sequence: block_tables its one row). */
+typedef int (*decode_attention_fn)(const void *q, const void *kv, const int64_t *block_tables,
+                                   const int64_t *context_lens, const int64_t *query_starts, void *out, int64_t batch,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
+                                   int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
+                                   int64_t window, int num_threads);
+typedef struct {
+    const void *qkv, *bias, *o, *post_norm, *gate_up, *down, *next_norm;
+    int64_t window;
+} decode_layer_weights;
+typedef struct {
+    decode_attention_fn fn;
+    const void *kv;
+    const int64_t *block_tables, *context_lens;
+    int64_t block_size, table_width, block_stride, layer_stride, v_offset;  /* elements; layer_stride: k_offset per layer */
+    float scale;
+} decode_attention_args;
+
 #define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                                 \
     void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, elem_t *qkv,  \
                                           const elem_t *cos, const elem_t *sin, elem_t *k_dst, elem_t *v_dst,     \
@@ -389,6 +413,27 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
+    }                                                                                                              \
+    int atomd_decode_layers_##SUFFIX(const decode_layer_weights *layers, int64_t num_layers,                       \
+                                     const decode_attention_args *att, elem_t *h, elem_t *x, elem_t *qkv,           \
+                                     elem_t *attn, const elem_t *cos, const elem_t *sin, char *k_dst, char *v_dst,  \
+                                     int64_t layer_bytes, elem_t *scratch, int64_t hidden, int64_t q_heads,         \
+                                     int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,                 \
+                                     int num_threads) {                                                             \
+        for (int64_t i = 0; i < num_layers; i++) {                                                                 \
+            const decode_layer_weights *w = layers + i;                                                            \
+            atomd_decode_layer_head_##SUFFIX(h, (w_t)w->qkv, (const elem_t *)w->bias, qkv, cos, sin,               \
+                                             (elem_t *)(k_dst + i * layer_bytes), (elem_t *)(v_dst + i * layer_bytes), \
+                                             hidden, q_heads, kv_heads, head_dim, num_threads);                    \
+            const int status = att->fn(qkv, att->kv, att->block_tables, att->context_lens, NULL, attn, 1, q_heads, \
+                                       kv_heads, att->block_size, att->table_width, att->block_stride,              \
+                                       i * att->layer_stride, att->v_offset, att->scale, w->window, num_threads);   \
+            if (status != 0) return status;                                                                        \
+            atomd_decode_layer_tail_##SUFFIX(attn, x, (w_t)w->o, (const elem_t *)w->post_norm, (w_t)w->gate_up,    \
+                                             (w_t)w->down, (const elem_t *)w->next_norm, h, scratch, hidden,       \
+                                             q_heads * head_dim, inter, eps, num_threads);                         \
+        }                                                                                                          \
+        return 0;                                                                                                  \
     }
 
 #define NORM_ROW_F32(x, d, w, o, hidden, eps) rms_norm_row((char *)(x), (const char *)(d), w, (char *)(o), hidden, eps, 0)
