@@ -21,8 +21,8 @@ over a buffer of that size, min of 5): the weight-read bound the C layers could 
 `--llama-cpp`: llama-bench's tg128 on the matching GGUF (F32 for float32, BF16 for bf16-weights,
 Q8_0 for int8, Q4_0 for int4) with the same thread count, in wall and CPU time (llama_bench()),
 its tokens/s times the GGUF's size as its bytes/s (it reads every tensor but the embedding rows
-once a token; the tied output tensor is read whole). Its tg128 decodes from an empty context,
-atomd's steps after a 128-token prompt (atomd's attention reads 1.5x the cache on average). The engines and llama-bench alternate in every round; medians of
+once a token; the tied output tensor is read whole). Its tg128 runs at depth 128 (`-d`): the
+same context lengths as atomd's 128 steps after the prompt. The engines and llama-bench alternate in every round; medians of
 --rounds.
 
     nice -n 19 .venv/bin/python -m benchmarks.decode_step_profile [--rounds 3] [--threads 1]
@@ -166,19 +166,20 @@ def read_bound(nbytes: int, repeats: int = 5) -> float:
 
 
 def llama_bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int) -> tuple[float, float]:
-    """llama-bench's tg128: (tokens/s of the wall clock, median of 3 repetitions; tokens/s of
+    """llama-bench's tg128 at depth 128 (NEW tokens after PROMPT already in its cache, as
+    atomd's steps here): (tokens/s of the wall clock, median of 3 repetitions; tokens/s of
     its CPU time: a 3-repetition run's user + sys less a 1-repetition run's (the load and the
     warm-up cancel), over the 256 tokens between them; with one thread, comparable to atomd's
     thread CPU time)."""
     def run(reps: int) -> tuple[list, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
-                              "-p", "0", "-n", "128"], check=True, capture_output=True, text=True).stdout
+                              "-p", "0", "-n", str(NEW), "-d", str(PROMPT)], check=True, capture_output=True, text=True).stdout
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         return json.loads(out)[0]["samples_ns"], (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     samples, cpu3 = run(3)
     _, cpu1 = run(1)
-    return 128 / (statistics.median(samples) / 1e9), 256 / max(cpu3 - cpu1, 1e-9)
+    return NEW / (statistics.median(samples) / 1e9), 2 * NEW / max(cpu3 - cpu1, 1e-9)
 
 
 def ggufs(path: pathlib.Path, names: list[str], threads: int,
