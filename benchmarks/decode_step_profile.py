@@ -167,19 +167,23 @@ def read_bound(nbytes: int, repeats: int = 5) -> float:
 
 def llama_bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int) -> tuple[float, float]:
     """llama-bench's tg128 at depth 128 (NEW tokens after PROMPT already in its cache, as
-    atomd's steps here): (tokens/s of the wall clock, median of 3 repetitions; tokens/s of
-    its CPU time: a 3-repetition run's user + sys less a 1-repetition run's (the load and the
-    warm-up cancel), over the 256 tokens between them; with one thread, comparable to atomd's
-    thread CPU time)."""
-    def run(reps: int) -> tuple[list, float]:
+    atomd's steps here): (tokens/s of the wall clock, median of 3 repetitions; tokens/s of its
+    CPU time: a 3-repetition run's user + sys less a 1-repetition run's (the load and the
+    warm-up cancel), less the same difference for pp128 (each repetition fills its depth-128
+    context first, untimed by llama-bench but on the CPU clock), over the 2 x NEW tokens left;
+    with one thread, comparable to atomd's thread CPU time)."""
+    def run(reps: int, test: list[str]) -> tuple[list, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
-        out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
-                              "-p", "0", "-n", str(NEW), "-d", str(PROMPT)], check=True, capture_output=True, text=True).stdout
+        out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json", *test],
+                             check=True, capture_output=True, text=True).stdout
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         return json.loads(out)[0]["samples_ns"], (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
-    samples, cpu3 = run(3)
-    _, cpu1 = run(1)
-    return NEW / (statistics.median(samples) / 1e9), 2 * NEW / max(cpu3 - cpu1, 1e-9)
+    tg = ["-p", "0", "-n", str(NEW), "-d", str(PROMPT)]
+    pp = ["-p", str(PROMPT), "-n", "0"]
+    samples, cpu3 = run(3, tg)
+    cpu1 = run(1, tg)[1]
+    fill = run(3, pp)[1] - run(1, pp)[1]
+    return NEW / (statistics.median(samples) / 1e9), 2 * NEW / max(cpu3 - cpu1 - fill, 1e-9)
 
 
 def ggufs(path: pathlib.Path, names: list[str], threads: int,
