@@ -202,8 +202,7 @@ static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int8_t 
         int32_t sum = 0;
 #if QUANT_PATH == 2
         /* the scalar loop below in 16 lanes: the same products, rounded to nearest even (the
-         * default rounding mode, as nearbyintf), |v| <= 127 so the narrowing never saturates
-         * (~0.5 ms a token of the 135M shape's int8-activation step ran the scalar one) */
+         * default rounding mode, as nearbyintf), |v| <= 127 so the narrowing never saturates */
         const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
         const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
