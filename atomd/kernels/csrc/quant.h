@@ -199,28 +199,15 @@ static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int8_t 
     const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * Q8_BLOCK;
-        int32_t sum = 0;
-#if QUANT_PATH == 2
-        /* the scalar loop below in 16 lanes: the same products, rounded to nearest even (the
-         * default rounding mode, as nearbyintf), |v| <= 127 so the narrowing never saturates */
-        const __m512 x0 = _mm512_loadu_ps(xb), x1 = _mm512_loadu_ps(xb + 16);
-        const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(x0), _mm512_abs_ps(x1)));
-        const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
-        const __m512i v0 = _mm512_cvtps_epi32(_mm512_mul_ps(x0, _mm512_set1_ps(id)));
-        const __m512i v1 = _mm512_cvtps_epi32(_mm512_mul_ps(x1, _mm512_set1_ps(id)));
-        _mm_storeu_si128((__m128i *)(xq + b * Q8_BLOCK), _mm512_cvtsepi32_epi8(v0));
-        _mm_storeu_si128((__m128i *)(xq + b * Q8_BLOCK + 16), _mm512_cvtsepi32_epi8(v1));
-        sum = _mm512_reduce_add_epi32(_mm512_add_epi32(v0, v1));
-#else
         float amax = 0.0f;
         for (int i = 0; i < Q8_BLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t sum = 0;
         for (int i = 0; i < Q8_BLOCK; i++) {
             const int8_t v = (int8_t)nearbyintf(xb[i] * id);
             xq[b * Q8_BLOCK + i] = v;
             sum += v;
         }
-#endif
 #if Q8_PATH == 3
         for (int i = 0; i < 8; i++) xd[(b / 2) * 16 + (b % 2) * 8 + i] = d;
 #else
