@@ -32,7 +32,7 @@ LORA_LOAD_POLICIES = ("refuse", "load")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
-QUANTIZATIONS = ("int8", "int4")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
+QUANTIZATIONS = ("int8", "int4", "bf16")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
 QUANTIZED_ACTIVATIONS = ("float32", "int8")  # --quantized-activations (atomd/model/quant.py, csrc/quant.h)
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 SPECULATIVE_METHODS = ("ngram", "mtp")
@@ -466,7 +466,8 @@ HELP = {
     "attention_backend": "prefill and decode attention: native C kernels (float32 and bfloat16, prebuilt or built at first use), "
                          "torch SDPA, or auto (native where they build)",
     "quantization": "weight-only quantization at load of a float checkpoint, round-to-nearest: int8 (per output "
-                    "channel, symmetric) or int4 (groups of 128, else 64 or 32 inputs, with zero points); activations "
+                    "channel, symmetric) or int4 (groups of 128, else 64 or 32 inputs, with zero points), or bf16 (16-bit "
+                    "weights widened to float32 in registers: half float32's bytes on CPUs without AVX512_BF16); activations "
                     "stay --dtype. GPTQ, AWQ and compressed-tensors checkpoints and GGUF files load quantized without it",
     "quantized_activations": "int8: the quantized linears' activations quantised to int8 per block of 32 for "
                              "batch 1 to 32 rows (integer dot products, AVX512-VNNI where present; ~0.5%% rms error against "

@@ -1,4 +1,4 @@
-"""`--quantization int8|int4` through the engine against Hugging Face run on the dequantised
+"""`--quantization int8|int4|bf16` through the engine against Hugging Face run on the dequantised
 weights: the test's own numpy round-to-nearest (tests/test_quant_kernels.py's numpy_rtn, float32
 like the engine's) written into HF's linears. Prompt logits within 2e-4 (both float32 on the
 same dequantised weights: summation order, and the dequantisation's q * s + offset rounding
@@ -43,13 +43,13 @@ _HF_DEQUANT: dict = {}
 
 def hf_dequantised(path, method: str) -> torch.nn.Module:
     """HF's model with every decoder linear replaced by its numpy round-to-nearest, the LM
-    head by its int8 one (quant.LM_HEAD_QUANTIZATION, whatever the method)."""
+    head by its int8 one (int4's too, as llama.cpp keeps its output tensor above Q4_0), bf16's by bf16."""
     if (path, method) not in _HF_DEQUANT:
         model = copy.deepcopy(hf_model(path))
         with torch.no_grad():
             for name, module in model.named_modules():
                 if name.startswith("model.layers.") and name.endswith("_proj") or name == "lm_head":
-                    w = numpy_rtn(module.weight.numpy(), method if name != "lm_head" else "int8")
+                    w = numpy_rtn(module.weight.numpy(), method if name != "lm_head" or method == "bf16" else "int8")
                     module.weight.copy_(torch.from_numpy(w.astype(np.float32)))
         _HF_DEQUANT[path, method] = model
     return _HF_DEQUANT[path, method]
@@ -69,7 +69,7 @@ def greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY_4
     return [o.outputs[0].token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
 
 
-@pytest.fixture(scope="module", params=["int8", "int4"])
+@pytest.fixture(scope="module", params=["int8", "int4", "bf16"])
 def quantized(request, llama_dir):
     return request.param, LLM(str(llama_dir), num_threads=1, max_model_len=256, quantization=request.param)
 
@@ -79,11 +79,11 @@ def test_linears_are_packed_not_float(quantized):
     method, llm = quantized
     layer = llm.engine.model.layers[0]
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
-        assert isinstance(w, QuantizedWeight) and w.bits == (8 if method == "int8" else 4)
+        assert isinstance(w, QuantizedWeight) and w.bits == {"int8": 8, "int4": 4, "bf16": 16}[method]
     # batch-1 decode in the fused C layer over the packed weights where it builds (AVX-512)
     assert (llm.engine.model.decode_layer is not None) == layer_ops.has_gemv(torch.float32)
     lm_head = llm.engine.model.lm_head
-    assert isinstance(lm_head, QuantizedWeight) and lm_head.bits == 8
+    assert isinstance(lm_head, QuantizedWeight) and lm_head.bits == (16 if method == "bf16" else 8)
 
 
 @pytest.mark.unit
@@ -95,7 +95,7 @@ def test_prompt_logits_match_hf_on_dequantised_weights(quantized, llama_dir):
         want = hf_dequantised(llama_dir, method)(torch.tensor([prompt])).logits[0]
         plain = hf_model(llama_dir)(torch.tensor([prompt])).logits[0]
     torch.testing.assert_close(got, want, atol=2e-4, rtol=0)
-    assert (got - plain).abs().max() > 1e-3  # the weights really are quantised
+    assert (got - plain).abs().max() > (1e-4 if method == "bf16" else 1e-3)  # the weights really are quantised
 
 
 @pytest.mark.unit
@@ -129,7 +129,7 @@ def test_prefix_cache_and_speculative_decoding_keep_the_ids(quantized, llama_dir
 
 @pytest.mark.unit
 def test_quantization_flag_is_checked():
-    with pytest.raises(ValueError, match="quantization must be one of int8, int4"):
+    with pytest.raises(ValueError, match="quantization must be one of int8, int4, bf16"):
         EngineConfig(quantization="int3")
 
 

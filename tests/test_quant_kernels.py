@@ -101,10 +101,18 @@ def test_bf16_activations_come_back_in_bf16(lib):
     np.testing.assert_allclose(out.float().numpy(), ref, rtol=1e-2, atol=1e-2 * np.abs(ref).max())
 
 
+def numpy_bf16(w):
+    """float32 -> bfloat16 round to nearest even, back as float32 (the top 16 bits kept; no NaNs here)."""
+    u = np.ascontiguousarray(w, dtype=np.float32).view(np.uint32).astype(np.uint64)
+    return (((u + 0x7FFF + ((u >> 16) & 1)) >> 16) << 16).astype(np.uint32).view(np.float32)
+
+
 def numpy_rtn(w, method):
     """Round-to-nearest as documented on quant.quantize, written again in numpy, dequantised;
     float32 like the engine's, so every rounding decision is the same."""
     w = w.astype(np.float32)
+    if method == "bf16":
+        return numpy_bf16(w)
     if method == "int8":
         s = np.abs(w).max(axis=1, keepdims=True) / np.float32(127)
         s[s == 0] = 1

@@ -74,7 +74,7 @@ def bf16_path(lib: ctypes.CDLL) -> str:
     return BF16_PATHS[lib.bf16_path]
 
 
-def _check_shape(lib: ctypes.CDLL, heads: int, kv_heads: int, head_dim: int) -> None:
+def check_shape(lib: ctypes.CDLL, heads: int, kv_heads: int, head_dim: int) -> None:
     """The C code trusts its compiled shape: a mismatch would read out of bounds, not fail."""
     if head_dim != lib.head_dim or heads != kv_heads * lib.group:
         raise ValueError(f"attention kernel built for head_dim {lib.head_dim}, group {lib.group}; "
@@ -102,7 +102,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
     c = kv_cache
     rows, heads, head_dim = q.shape
     batch = context_lens.shape[0]
-    _check_shape(lib, heads, c.num_kv_heads, head_dim)
+    check_shape(lib, heads, c.num_kv_heads, head_dim)
     assert q.dtype == c.kv.dtype and q.dtype in KERNEL_DTYPES, (q.dtype, c.kv.dtype)
     assert block_tables.dtype == context_lens.dtype == torch.int64
     assert c.kv.is_contiguous() and block_tables.is_contiguous() and context_lens.is_contiguous()
@@ -134,7 +134,7 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
     their rows of out [T, heads * head_dim]. q [T, heads, head_dim], k, v [T, kv_heads, head_dim]
     (all float32 or all bfloat16, out too) may be views with any token stride; seq_starts, seq_lens: int64 [num_seqs]."""
     heads, head_dim = q.shape[1], q.shape[2]
-    _check_shape(lib, heads, k.shape[1], head_dim)
+    check_shape(lib, heads, k.shape[1], head_dim)
     assert q.dtype in KERNEL_DTYPES, q.dtype
     for t in (q, k, v, out):
         assert t.dtype == q.dtype, (t.dtype, q.dtype)

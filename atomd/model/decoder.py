@@ -348,19 +348,22 @@ class DecoderModel:
 
     def _decode_one_row(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         kv_cache: KVCache) -> None:
-        """Batch-1 decode through layer_ops.DecodeLayer: per layer one C call before attention
-        (QKV, RoPE, the KV write; per op where the family has a q/k norm) and one after it
-        (the rest of the layer); x ends as the last layer's residual stream."""
+        """Batch-1 decode through layer_ops.DecodeLayer: every layer in one C call (QKV, RoPE,
+        the KV write, attention, the rest of the layer); where the family has a q/k norm, per
+        layer QKV and the norm per op, attention, then one C call for the rest. x ends as the
+        last layer's residual stream."""
         cfg, fused = self.config, self.decode_layer
         half, position = cfg.head_dim // 2 * self.cos.element_size(), int(positions[0])
         cos, sin = self.cos.data_ptr() + position * half, self.sin.data_ptr() + position * half
         k_dst, v_dst, layer_bytes = kv_cache.slot_addresses(int(meta.slot_blocks[0]), int(meta.slot_offsets[0]))
-        slot_rows = kv_cache.slot_rows(meta) if cfg.qk_norm else None
+        if not cfg.qk_norm:  # every layer in one C call
+            fused.run_layers(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x, cos, sin, k_dst,
+                             v_dst, layer_bytes, meta.kernels, kv_cache, meta.block_tables, meta.context_lens,
+                             cfg.attn_scale)
+            return
+        slot_rows = kv_cache.slot_rows(meta)
         for i, w in enumerate(self.layers):
-            if cfg.qk_norm:
-                qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)
-            else:
-                qkv = fused.head(h, w.rows[0], w.qkv_bias, cos, sin, k_dst + i * layer_bytes, v_dst + i * layer_bytes)
+            qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)  # the q/k norm per op
             q = qkv[:, :cfg.q_size].view(1, cfg.num_heads, cfg.head_dim)
             attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens,
                                     window=cfg.window(i), scale=cfg.attn_scale)

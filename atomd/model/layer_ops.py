@@ -25,6 +25,19 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+class _LayerWeights(ctypes.Structure):  # csrc/layer_ops.c decode_layer_weights
+    _fields_ = [(n, _PTR) for n in ("qkv", "bias", "o", "post_norm", "gate_up", "down", "next_norm")] + [("window", _I64)]
+
+
+class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_args
+    _fields_ = [("fn", _PTR), ("kv", _PTR), ("block_tables", _PTR), ("context_lens", _PTR), ("block_size", _I64),
+                ("table_width", _I64), ("block_stride", _I64), ("layer_stride", _I64), ("v_offset", _I64),
+                ("scale", ctypes.c_float)]
+
+
+_LAYERS_ARGTYPES = [_PTR, _I64, _PTR] + [_PTR] * 8 + [_I64] + [_PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
+
+
 _FORCE_TORCH = os.environ.get(ENV, "native") == "torch"  # read once: kernels() runs ~17 times a decode step
 
 
@@ -53,11 +66,14 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             head, tail = getattr(lib, f"atomd_decode_layer_head_{suffix}"), getattr(lib, f"atomd_decode_layer_tail_{suffix}")
             head.argtypes, head.restype = [_PTR] * 8 + [_I64] * 4 + [ctypes.c_int], None
             tail.argtypes, tail.restype = [_PTR] * 9 + [_I64] * 3 + [ctypes.c_float, ctypes.c_int], None
+            every = getattr(lib, f"atomd_decode_layers_{suffix}")
+            every.argtypes, every.restype = _LAYERS_ARGTYPES, ctypes.c_int
             experts = getattr(lib, f"atomd_moe_experts_{suffix}")
             experts.argtypes, experts.restype = [_PTR] * 6 + [ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
     if lib.gemv_kinds & 1:  # the layer over int8 / int4 linears (csrc/quant.h), built beside the float32 one
         lib.atomd_decode_layer_head_q_f32.argtypes = lib.atomd_decode_layer_head_f32.argtypes
         lib.atomd_decode_layer_tail_q_f32.argtypes = lib.atomd_decode_layer_tail_f32.argtypes
+        lib.atomd_decode_layers_q_f32.argtypes, lib.atomd_decode_layers_q_f32.restype = _LAYERS_ARGTYPES, ctypes.c_int
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                               ctypes.c_float, ctypes.c_int]
@@ -197,6 +213,10 @@ class DecodeLayer:
         suffix = "q_f32" if quantized else _SUFFIX[dtype]
         self.head_fn = getattr(lib, f"atomd_decode_layer_head_{suffix}")
         self.tail_fn = getattr(lib, f"atomd_decode_layer_tail_{suffix}")
+        self.layers_fn = getattr(lib, f"atomd_decode_layers_{suffix}")
+        self.attn = torch.empty(1, q_heads * head_dim, dtype=dtype)
+        self.weights: ctypes.Array | None = None  # every layer's pointers, made at the first run_layers
+        self.args = _AttentionArgs()
         self.dims = (hidden, q_heads, kv_heads, head_dim)
         self.hidden, self.q_size, self.inter, self.eps = hidden, q_heads * head_dim, inter, eps
         self.qkv = torch.empty(1, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
@@ -217,3 +237,45 @@ class DecodeLayer:
         self.tail_fn(attn.data_ptr(), x.data_ptr(), rows[1].data_ptr(), post_norm.data_ptr(), rows[2].data_ptr(),
                      rows[3].data_ptr(), None if next_norm is None else next_norm.data_ptr(), next_h.data_ptr(),
                      self.scratch.data_ptr(), self.hidden, self.q_size, self.inter, self.eps, torch.get_num_threads())
+
+    def run_layers(self, layers: list, windows: list[int | None], h: torch.Tensor, x: torch.Tensor, cos: int,
+                   sin: int, k_dst: int, v_dst: int, layer_bytes: int, attention: ctypes.CDLL, kv_cache,
+                   block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> None:
+        """Every layer of one decoding sequence in one C call (atomd_decode_layers_*): head,
+        the decode attention kernel `attention` (atomd.kernels.native, this model's shape) over
+        kv_cache, tail; x ends as the last layer's residual stream, h its input norm's output
+        on the way. `layers`: the model's LayerWeights (their rows, biases and norms do not
+        move after load: their pointers are taken once)."""
+        from atomd.kernels.native import KERNEL_DTYPES, check_shape
+
+        hidden, q_heads, kv_heads, head_dim = self.dims
+        c = kv_cache
+        check_shape(attention, q_heads, c.num_kv_heads, head_dim)
+        assert c.kv.dtype == h.dtype in KERNEL_DTYPES and c.kv.is_contiguous()
+        assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.shape[0] == 1 == len(context_lens)
+        assert block_tables.is_contiguous() and context_lens.is_contiguous()
+        if self.weights is None:
+            self.weights = (_LayerWeights * len(layers))(*(
+                _LayerWeights(w.rows[0].data_ptr(), _ptr(w.qkv_bias), w.rows[1].data_ptr(), w.post_norm.data_ptr(),
+                              w.rows[2].data_ptr(), w.rows[3].data_ptr(),
+                              layers[i + 1].input_norm.data_ptr() if i + 1 < len(layers) else None,
+                              0 if windows[i] is None else windows[i])
+                for i, w in enumerate(layers)))
+        row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
+        a = self.args
+        a.fn = ctypes.cast(attention.atomd_decode_attention if h.dtype == torch.float32
+                           else attention.atomd_decode_attention_bf16, _PTR).value
+        a.kv, a.block_tables, a.context_lens = c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr()
+        a.block_size, a.table_width = c.block_size, block_tables.shape[1]
+        a.block_stride, a.layer_stride = c.num_layers * planes * c.block_size * row, planes * c.block_size * row
+        a.v_offset, a.scale = c.block_size * row if planes == 2 else 0, scale
+        status = self.layers_fn(self.weights, len(layers), ctypes.byref(a), h.data_ptr(), x.data_ptr(),
+                                self.qkv.data_ptr(), self.attn.data_ptr(), cos, sin, k_dst, v_dst, layer_bytes,
+                                self.scratch.data_ptr(), hidden, q_heads, kv_heads, head_dim, self.inter, self.eps,
+                                torch.get_num_threads())
+        if status != 0:
+            raise MemoryError("decode attention: the attention kernel could not allocate its scratch memory")
+
+
+def _ptr(t: torch.Tensor | None) -> int | None:
+    return None if t is None else t.data_ptr()

@@ -136,7 +136,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     else:
         lm_head = src.get("lm_head.weight", dtype)
     if quantization is not None:  # batch-1 decode reads it whole every token: SmolLM2-135M's is 113 of 540 MB
-        lm_head = quant.quantize(lm_head, quant.LM_HEAD_QUANTIZATION)
+        lm_head = quant.quantize(lm_head, quant.LM_HEAD_QUANTIZATION[quantization])
     layers = [cls.load_layer(src, cfg, i, dtype) for i in range(cfg.num_layers)]
     if activations == "int8":
         packed = [t for w in layers for t in w.linears() if isinstance(t, quant.QuantizedWeight)]

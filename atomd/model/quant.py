@@ -7,7 +7,10 @@ Every format becomes w[n, k] = q[n, k] * scale[n, g] + offset[n, g], g = k // gr
 (offset = -zero_point * scale; None where the format is symmetric), float32 scales and
 offsets. int8: q int8 [N, K], per channel (group_size = K) or per group. int4: q 0..15 in
 uint8 [N, K / 2], each run of 32 values in 16 bytes (llama.cpp's Q4_0 order, one load and a
-mask/shift give the run in order), group_size a multiple of 32. GPTQ's act-order (desc_act)
+mask/shift give the run in order), group_size a multiple of 32. `--quantization bf16` (bits 16): the float weight rounded to bfloat16 and kept as 16 bits, no scales,
+widened to float32 in registers (exact) with float32 activations and sums: half float32's bytes on
+any CPU, bf16 arithmetic not needed (what llama.cpp's BF16 does on CPUs without AVX512_BF16).
+GPTQ's act-order (desc_act)
 checkpoints keep their groups contiguous by permuting the input columns once at load:
 `perm`, and x's columns are gathered in that order before each matmul.
 """
@@ -25,9 +28,9 @@ from atomd.kernels import cbuild
 from atomd.config import QUANTIZATIONS
 
 log = logging.getLogger(__name__)
-# --quantization's LM head (a tied one: its own copy, the embedding lookup keeps the floats):
-# int8 for int4 too, as llama.cpp keeps its output tensor above Q4_0 (Q6_K)
-LM_HEAD_QUANTIZATION = "int8"
+# --quantization's LM head by method (a tied one: its own copy, the embedding lookup keeps the
+# floats): int8 for int4 too, as llama.cpp keeps its output tensor above Q4_0 (Q6_K)
+LM_HEAD_QUANTIZATION = {"int8": "int8", "int4": "int8", "bf16": "bf16"}
 INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a linear's input size
 # rows of x up to which the C kernel dequantises in registers; past it, float tiles of the
 # weight go to torch's BLAS (135M shape's layer linears, one thread, two runs: at M = 16 the
@@ -55,9 +58,9 @@ class _QWeightStruct(ctypes.Structure):
 
 @dataclass
 class QuantizedWeight:
-    bits: int  # 8 or 4
-    q: torch.Tensor  # int8 [N, K] or uint8 [N, K // 2] (module docstring)
-    scales: torch.Tensor  # float32 [N, groups]
+    bits: int  # 8, 4 or 16 (bf16)
+    q: torch.Tensor  # int8 [N, K], uint8 [N, K // 2] or bfloat16 [N, K] (module docstring)
+    scales: torch.Tensor | None  # float32 [N, groups]; None for bf16
     offsets: torch.Tensor | None  # float32 [N, groups]; None: symmetric
     group_size: int
     in_features: int
@@ -80,13 +83,13 @@ class QuantizedWeight:
             if self.int8_activations:
                 self._scratch = _q8_scratch(1, self.in_features)
                 scratch = tuple(t.data_ptr() for t in self._scratch)
-            self._ref = _QWeightStruct(self.q.data_ptr(), self.scales.data_ptr(), _ptr(self.offsets),
+            self._ref = _QWeightStruct(self.q.data_ptr(), _ptr(self.scales), _ptr(self.offsets),
                                        self.group_size, self.bits, *scratch)
         return ctypes.addressof(self._ref)
 
     def int8_activations_fit(self) -> bool:
         """Whether int8 activations can run: inputs and groups whole blocks of Q8_BLOCK."""
-        return self.in_features % Q8_BLOCK == 0 and self.group_size % Q8_BLOCK == 0
+        return self.bits != 16 and self.in_features % Q8_BLOCK == 0 and self.group_size % Q8_BLOCK == 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets) if t is not None)
@@ -100,6 +103,8 @@ class QuantizedWeight:
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weight [N, K] (rows of it), in the checkpoint's column order."""
+        if self.bits == 16:
+            return self.q[rows].float()
         w = self.int_values()[rows].float()
         groups = lambda t: t[rows].repeat_interleave(self.group_size, dim=1)[:, :self.in_features]  # noqa: E731
         w = w * groups(self.scales) + (0 if self.offsets is None else groups(self.offsets))
@@ -132,6 +137,8 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
     (scale = max|w| / 127); int4 asymmetric per group of INT4_GROUPS (the range [min, max]
     of each group, widened to hold 0 as GPTQ's quantiser does, in 15 steps; zero point =
     round(-min / scale))."""
+    if method == "bf16":  # rounded to nearest even once, here; widened exactly at every use
+        return QuantizedWeight(16, w.to(torch.bfloat16).contiguous(), None, None, w.shape[1], w.shape[1])
     w = w.float()
     n, k = w.shape
     if method == "int8":
@@ -172,7 +179,8 @@ def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
                 or (w.offsets is None) != (first.offsets is None):
             raise ValueError("linears that share an input (q/k/v, gate/up) must be quantised alike "
                              "(bits, group size, zero points, act-order permutation)")
-    return QuantizedWeight(first.bits, torch.cat([w.q for w in weights]), torch.cat([w.scales for w in weights]),
+    return QuantizedWeight(first.bits, torch.cat([w.q for w in weights]),
+                           None if first.scales is None else torch.cat([w.scales for w in weights]),
                            None if first.offsets is None else torch.cat([w.offsets for w in weights]),
                            first.group_size, first.in_features, first.perm, first.int8_activations)
 
@@ -195,6 +203,9 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_qgemm_q8.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
                                    _PTR, _PTR, _PTR, ctypes.c_int]
     lib.atomd_qgemm_q8.restype = None
+    lib.atomd_qgemm_b16.argtypes, lib.atomd_qgemm_b16.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
+                                                                 ctypes.c_int], None
+    lib.atomd_qdequant_b16.argtypes, lib.atomd_qdequant_b16.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
     log.info("int8 / int4 linears: %s kernels (int8 activations: %s)", PATHS[lib.atomd_quant_path()],
              Q8_PATHS[lib.atomd_quant_q8_path()])
@@ -232,6 +243,9 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
                            w.group_size, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), threads)
+    elif lib is not None and m <= QGEMM_MAX_M and w.bits == 16:
+        out = torch.empty(m, n, dtype=torch.float32)
+        lib.atomd_qgemm_b16(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n, threads)
     elif lib is not None and m <= QGEMM_MAX_M:
         out = torch.empty(m, n, dtype=torch.float32)
         getattr(lib, f"atomd_qgemm_i{w.bits}")(xf.data_ptr(), k, m, w.q.data_ptr(), w.scales.data_ptr(),
@@ -243,7 +257,10 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         plain = QuantizedWeight(w.bits, w.q, w.scales, w.offsets, w.group_size, k)  # kernel column order
         for n0 in range(0, n, step):
             n1 = min(n0 + step, n)
-            if lib is not None:
+            if lib is not None and w.bits == 16:
+                lib.atomd_qdequant_b16(w.q.data_ptr(), k, n0, n1, tile.data_ptr(), threads)
+                t = tile[:n1 - n0]
+            elif lib is not None:
                 getattr(lib, f"atomd_qdequant_i{w.bits}")(w.q.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets), k,
                                                           w.group_size, n0, n1, tile.data_ptr(), threads)
                 t = tile[:n1 - n0]

@@ -275,13 +275,23 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
 /* Batch-1 decode linears: y[n] = sum_k x[k] w[n, k] over a plain row-major weight [N, K]
  * (atomd_gemv_*), for one row of activations. Why: at M = 1 a linear only streams its
  * weight once, and oneDNN's packed matmul reads it at ~15-17 GB/s here where this loop
- * reaches the machine's read bandwidth (benchmarks/results/offline.md, session 6). Four
- * weight rows at a time share each load of x; float32 sums; bf16 output rounded to nearest
- * even. Built where the vector ISA is (atomd_gemv_kinds: bit 0 float32 with AVX-512F, bit 1
- * bfloat16 with AVX512_BF16's dot product); the Python side uses oneDNN elsewhere. */
+ * reaches the machine's read bandwidth (benchmarks/results/offline.md, session 6). One weight
+ * row at a time (one read stream), two accumulators, and the row GEMV_PREFETCH bytes ahead
+ * prefetched into L2: one thread streams memory only as fast as it keeps misses in flight
+ * (135M shape's linears, one thread: four rows sharing each x load 12-13 GB/s, one row 15-18,
+ * one row + this prefetch 20-21, a plain sum of the same bytes 16-19; benchmarks/RESULTS.md
+ * #35 decode step profile). Float32 sums; bf16 output rounded to nearest even. Built where
+ * the vector ISA is (atomd_gemv_kinds: bit 0 float32 with AVX-512F, bit 1 bfloat16 with
+ * AVX512_BF16's dot product); the Python side uses oneDNN elsewhere. */
 #if defined(__AVX512F__)
 #include <immintrin.h>
-#define GEMV_ROWS 4
+#define GEMV_PREFETCH 4096
+/* the two cache lines GEMV_PREFETCH bytes past p, into L2 (past the weight's end: harmless, a prefetch never faults) */
+#define PREFETCH_AHEAD(p)                                                          \
+    do {                                                                          \
+        _mm_prefetch((const char *)(p) + GEMV_PREFETCH, _MM_HINT_T1);             \
+        _mm_prefetch((const char *)(p) + GEMV_PREFETCH + 64, _MM_HINT_T1);        \
+    } while (0)
 
 /* One instance per dtype: VEC / STEP the vector of x and w elements, VLOAD a masked load
  * (all lanes but in K's tail), VFMA acc += x * w summed into float32 lanes. NAME##_rows is
@@ -292,25 +302,22 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
                             int64_t N) {                                                                         \
         const mask_t all = (mask_t)~(mask_t)0, tail = (mask_t)((1ull << (K % STEP)) - 1u);                        \
         _Pragma("omp for schedule(static)")                                                                      \
-        for (int64_t n0 = 0; n0 < N; n0 += GEMV_ROWS) {                                                          \
-            const int rows = N - n0 < GEMV_ROWS ? (int)(N - n0) : GEMV_ROWS;                                     \
-            const elem_t *w0 = w + n0 * K, *w1 = w + (n0 + (rows > 1)) * K, *w2 = w + (n0 + 2 * (rows > 2)) * K, \
-                         *w3 = w + (n0 + 3 * (rows > 3)) * K;                                                    \
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;                                          \
-            for (int64_t k = 0; k < K; k += STEP) {                                                              \
+        for (int64_t n = 0; n < N; n++) {                                                                        \
+            const elem_t *wn = w + n * K;                                                                        \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                            \
+            int64_t k = 0;                                                                                       \
+            for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                           \
+                PREFETCH_AHEAD(wn + k);                                                                          \
+                a0 = VFMA(a0, VLOAD(all, x + k), VLOAD(all, wn + k));                                            \
+                a1 = VFMA(a1, VLOAD(all, x + k + STEP), VLOAD(all, wn + k + STEP));                              \
+            }                                                                                                    \
+            for (; k < K; k += STEP) {                                                                           \
                 const mask_t mk = K - k >= STEP ? all : tail;                                                    \
-                const VEC xv = VLOAD(mk, x + k);                                                                 \
-                a0 = VFMA(a0, xv, VLOAD(mk, w0 + k));                                                            \
-                a1 = VFMA(a1, xv, VLOAD(mk, w1 + k));                                                            \
-                a2 = VFMA(a2, xv, VLOAD(mk, w2 + k));                                                            \
-                a3 = VFMA(a3, xv, VLOAD(mk, w3 + k));                                                            \
+                a0 = VFMA(a0, VLOAD(mk, x + k), VLOAD(mk, wn + k));                                              \
             }                                                                                                    \
-            const float r[GEMV_ROWS] = {_mm512_reduce_add_ps(a0), _mm512_reduce_add_ps(a1),                      \
-                                        _mm512_reduce_add_ps(a2), _mm512_reduce_add_ps(a3)};                     \
-            for (int i = 0; i < rows; i++) {  /* the bias added to the rounded product, as torch's add_ */       \
-                store(y, n0 + i, r[i], IS_BF16);                                                                 \
-                if (bias) store(y, n0 + i, load(y, n0 + i, IS_BF16) + load(bias, n0 + i, IS_BF16), IS_BF16);     \
-            }                                                                                                    \
+            /* the bias added to the rounded product, as torch's add_ */                                         \
+            store(y, n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), IS_BF16);                                   \
+            if (bias) store(y, n, load(y, n, IS_BF16) + load(bias, n, IS_BF16), IS_BF16);                        \
         }                                                                                                        \
     }                                                                                                            \
     void NAME(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t N, int num_threads) {             \
@@ -344,6 +351,30 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
  * tail: x += attn @ w_o^T (attn: q_size = query heads x head_dim); h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
  * x += a @ w_down^T; next_h = RMSNorm(x) * next_w (next_w NULL, the last layer: the add
  * alone). scratch: hidden + hidden + 3 * inter elements. */
+/* The whole model's layers at batch 1 in one call (atomd_decode_layers_*): per layer the head,
+ * the decode attention kernel (atomd/kernels/csrc/attention.c, built per shape in its own
+ * library: called through the pointer the caller passes) and the tail. Why: the per-layer
+ * Python loop around the three calls (argument checks, ctypes conversions) was ~1.5-2 ms of a
+ * ~12 ms int8 step on the 135M shape (benchmarks/decode_step_profile.py). `layers` holds each
+ * layer's weights (next_norm NULL on the last) and sliding window (0: none); the attention
+ * arguments are the step's (one sequence: block_tables its one row). */
+typedef int (*decode_attention_fn)(const void *q, const void *kv, const int64_t *block_tables,
+                                   const int64_t *context_lens, const int64_t *query_starts, void *out, int64_t batch,
+                                   int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
+                                   int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
+                                   int64_t window, int num_threads);
+typedef struct {
+    const void *qkv, *bias, *o, *post_norm, *gate_up, *down, *next_norm;
+    int64_t window;
+} decode_layer_weights;
+typedef struct {
+    decode_attention_fn fn;
+    const void *kv;
+    const int64_t *block_tables, *context_lens;
+    int64_t block_size, table_width, block_stride, layer_stride, v_offset;  /* elements; layer_stride: k_offset per layer */
+    float scale;
+} decode_attention_args;
+
 #define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                                 \
     void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, elem_t *qkv,  \
                                           const elem_t *cos, const elem_t *sin, elem_t *k_dst, elem_t *v_dst,     \
@@ -382,6 +413,27 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
                 }                                                                                                  \
             }                                                                                                      \
         }                                                                                                          \
+    }                                                                                                              \
+    int atomd_decode_layers_##SUFFIX(const decode_layer_weights *layers, int64_t num_layers,                       \
+                                     const decode_attention_args *att, elem_t *h, elem_t *x, elem_t *qkv,           \
+                                     elem_t *attn, const elem_t *cos, const elem_t *sin, char *k_dst, char *v_dst,  \
+                                     int64_t layer_bytes, elem_t *scratch, int64_t hidden, int64_t q_heads,         \
+                                     int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,                 \
+                                     int num_threads) {                                                             \
+        for (int64_t i = 0; i < num_layers; i++) {                                                                 \
+            const decode_layer_weights *w = layers + i;                                                            \
+            atomd_decode_layer_head_##SUFFIX(h, (w_t)w->qkv, (const elem_t *)w->bias, qkv, cos, sin,               \
+                                             (elem_t *)(k_dst + i * layer_bytes), (elem_t *)(v_dst + i * layer_bytes), \
+                                             hidden, q_heads, kv_heads, head_dim, num_threads);                    \
+            const int status = att->fn(qkv, att->kv, att->block_tables, att->context_lens, NULL, attn, 1, q_heads, \
+                                       kv_heads, att->block_size, att->table_width, att->block_stride,              \
+                                       i * att->layer_stride, att->v_offset, att->scale, w->window, num_threads);   \
+            if (status != 0) return status;                                                                        \
+            atomd_decode_layer_tail_##SUFFIX(attn, x, (w_t)w->o, (const elem_t *)w->post_norm, (w_t)w->gate_up,    \
+                                             (w_t)w->down, (const elem_t *)w->next_norm, h, scratch, hidden,       \
+                                             q_heads * head_dim, inter, eps, num_threads);                         \
+        }                                                                                                          \
+        return 0;                                                                                                  \
     }
 
 #define NORM_ROW_F32(x, d, w, o, hidden, eps) rms_norm_row((char *)(x), (const char *)(d), w, (char *)(o), hidden, eps, 0)

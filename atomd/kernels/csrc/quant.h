@@ -28,6 +28,10 @@ static inline void load_i4(const uint8_t *p, vf out[32 / LANES]) {
     out[0] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(b, low)));
     out[1] = _mm512_cvtepi32_ps(_mm512_cvtepu8_epi32(_mm_and_si128(_mm_srli_epi16(b, 4), low)));
 }
+/* LANES bf16 weights widened to float32: the 16 bits moved to the top of each lane (exact) */
+static inline vf load_b16(const uint16_t *p) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
+}
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_PATH 1
@@ -55,6 +59,9 @@ static inline void load_i4(const uint8_t *p, vf out[32 / LANES]) {
     out[2] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(hi));
     out[3] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(_mm_srli_si128(hi, 8)));
 }
+static inline vf load_b16(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
 #else
 #define QUANT_PATH 0
 #define LANES 1
@@ -73,6 +80,18 @@ static inline void load_i4(const uint8_t *p, vf out[32]) {
     }
 }
 #endif
+
+static inline float b16_to_float(uint16_t v) {  /* bf16 -> float32: exact, the bits moved up */
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)v << 16;
+    return c.f;
+}
+#if QUANT_PATH == 0
+static inline vf load_b16(const uint16_t *p) { return b16_to_float(*p); }
+#endif
+
+/* a weight row's bytes this far ahead prefetched into L2 as it streams (layer_ops.c's GEMV_PREFETCH: why) */
+#define QPREFETCH(p) __builtin_prefetch((const char *)(p) + 4096, 0, 2)
 
 #define QGEMM_ROWS 8  /* rows of x per pass: 8 accumulators + the weight vector stay in registers */
 #define I4_VECS (32 / LANES)
@@ -93,6 +112,7 @@ static inline __attribute__((always_inline)) void row_i8(const float *x, int64_t
         const vf vs = VSET1(sc), vo = VSET1(of);
         int64_t k = g0;
         for (; k + LANES <= g1; k += LANES) {
+            QPREFETCH(q + k);
             const vf w = VFMA(load_i8(q + k), vs, vo);
             for (int m = 0; m < mb; m++) acc[m] = VFMA(VLOAD(x + m * ldx + k), w, acc[m]);
         }
@@ -113,6 +133,7 @@ static inline __attribute__((always_inline)) void row_i4(const float *x, int64_t
         const vf vs = VSET1(s[gi]), vo = VSET1(o ? o[gi] : 0.0f);
         for (int64_t k = g0; k < g0 + G; k += 32) {
             vf w[I4_VECS];
+            QPREFETCH(q + k / 2);
             load_i4(q + k / 2, w);
             for (int v = 0; v < I4_VECS; v++) {
                 const vf wv = VFMA(w[v], vs, vo);
@@ -123,6 +144,32 @@ static inline __attribute__((always_inline)) void row_i4(const float *x, int64_t
     for (int m = 0; m < mb; m++) y[m * ldy] = VSUM(acc[m]);
 }
 
+/* bf16 weights (bits 16: q uint16 [N, K] of bfloat16 values, no scales) widened in registers,
+ * float32 activations and sums: half the bytes of a float32 weight, any ISA (no bf16 arithmetic
+ * needed). Two accumulators per row of x: the loop is a load, a widen and an FMA per vector. */
+static inline __attribute__((always_inline)) void row_b16(const float *x, int64_t ldx, const uint16_t *q, int64_t K,
+                                                          float *y, int64_t ldy, const int mb) {
+    vf acc[QGEMM_ROWS], acc2[QGEMM_ROWS];
+    float tail[QGEMM_ROWS];
+    for (int m = 0; m < mb; m++) {
+        acc[m] = acc2[m] = VZERO();
+        tail[m] = 0.0f;
+    }
+    int64_t k = 0;
+    for (; k + 2 * LANES <= K; k += 2 * LANES) {
+        QPREFETCH(q + k);
+        const vf w0 = load_b16(q + k), w1 = load_b16(q + k + LANES);
+        for (int m = 0; m < mb; m++) {
+            acc[m] = VFMA(VLOAD(x + m * ldx + k), w0, acc[m]);
+            acc2[m] = VFMA(VLOAD(x + m * ldx + k + LANES), w1, acc2[m]);
+        }
+    }
+    for (; k < K; k++) {
+        const float w = b16_to_float(q[k]);
+        for (int m = 0; m < mb; m++) tail[m] += x[m * ldx + k] * w;
+    }
+    for (int m = 0; m < mb; m++) y[m * ldy] = VSUM(acc[m]) + VSUM(acc2[m]) + tail[m];
+}
 
 /* ---- int8 activations (llama.cpp's Q8_0 of the activation row): integer dot products ----
  *
@@ -216,6 +263,7 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
             __m512 gacc[Q8_ROWS];
             for (int m = 0; m < mb; m++) gacc[m] = _mm512_setzero_ps();
             for (int64_t b = g * per; b < (g + 1) * per; b += 2) {
+                QPREFETCH((const uint8_t *)q + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
                 const __m512i w = pair_u8(q, b, bits, 1);
                 for (int m = 0; m < mb; m++) {
                     const __m512i xv = _mm512_loadu_si512(xq + m * K + b * Q8_BLOCK);
@@ -323,7 +371,7 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
 typedef struct {
     const void *q;
     const float *scales, *offsets;  /* offsets NULL: symmetric */
-    int64_t group, bits;
+    int64_t group, bits;  /* bits 16: bf16 weights, scales / offsets unused */
     int8_t *xq;
     float *xd, *xsg;
 } atomd_qweight;
@@ -343,6 +391,8 @@ static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, cons
         if (w->xq)
             rows_q8((const int8_t *)w->q + n * (w->bits == 8 ? K : K / 2), (int)w->bits, s, o, K, w->group, w->xq,
                     w->xd, w->xsg, y + n, 1, 1);
+        else if (w->bits == 16)
+            row_b16(x, K, (const uint16_t *)w->q + n * K, K, y + n, 1, 1);
         else if (w->bits == 8)
             row_i8(x, K, (const int8_t *)w->q + n * K, s, o, K, w->group, y + n, 1, 1);
         else
