@@ -5,6 +5,8 @@ the prefix cache keeps adapters apart; the registry never evicts an adapter in u
 from __future__ import annotations
 
 import pathlib
+import re
+import shutil
 
 import numpy as np
 import peft
@@ -156,6 +158,38 @@ def test_bad_adapters_are_refused_by_name(setup, tmp_path):
     assert llm.engine.unload_lora_adapter("poet") == {"name": "poet"}
     assert llm.engine.unload_lora_adapter("poet")["status"] == 404
     assert llm.engine.scheduler.block_manager.num_free_blocks == llm.engine.scheduler.block_manager.num_total_blocks
+
+
+@pytest.mark.parametrize("edit,message", [
+    ("unknown", r"tensor '.*\.mlp\.fc_proj\.lora_A\.weight' is not a LoRA weight of q_proj"),
+    ("layer", "the model has 2 layers"),
+    ("missing", "has lora_B missing"),
+    ("shape", r"lora_A \(\d+, 5\) / lora_B .* do not fit rank"),
+])
+def test_adapter_tensors_that_do_not_fit_are_refused_naming_them(setup, tmp_path, edit, message):
+    """lora.read_pairs / checked_pair (shared with DeepSeek's loader) on a copy of a PEFT adapter
+    with one tensor renamed, moved past the last layer, dropped or cut."""
+    from safetensors.torch import load_file, save_file
+
+    from atomd.model.lora import WEIGHTS_FILE
+
+    base, adapters = setup
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["poet"], bad)
+    tensors = load_file(bad / WEIGHTS_FILE)
+    key = next(k for k in sorted(tensors) if "layers.0." in k and ".lora_A." in k)
+    if edit == "unknown":
+        tensors[re.sub(r"(self_attn|mlp)\.\w+\.lora_A", "mlp.fc_proj.lora_A", key)] = tensors.pop(key)
+    elif edit == "layer":
+        tensors[key.replace("layers.0.", "layers.7.")] = tensors.pop(key)
+    elif edit == "missing":
+        tensors.pop(key.replace(".lora_A.", ".lora_B."))
+    else:
+        tensors[key] = tensors[key][:, :5].contiguous()
+    save_file(tensors, bad / WEIGHTS_FILE)
+    llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=64, num_threads=1)
+    res = llm.engine.load_lora_adapter("bad", str(bad))
+    assert res["status"] == 400 and re.search(message, res["error"]), res
 
 
 def hf_prompt_logprobs(model: torch.nn.Module, prompt: list[int]) -> torch.Tensor:

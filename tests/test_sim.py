@@ -396,6 +396,30 @@ def test_a_simulated_step_is_the_fit_plus_a_draw_from_the_spread(tmp_path):
             load_profile(str(path))
 
 
+def fake_sim_clock(monkeypatch) -> list[float]:
+    """The simulated engine's clock, advanced only by its sleeps: the list of those sleeps."""
+    import atomd.sim.engine as sim_engine
+
+    clock, slept = [1000.0], []
+
+    class FakeTime:
+        @staticmethod
+        def perf_counter():
+            return clock[0]
+
+        @staticmethod
+        def monotonic():
+            return clock[0]
+
+        @staticmethod
+        def sleep(s):
+            slept.append(s)
+            clock[0] += s
+
+    monkeypatch.setattr(sim_engine, "time", FakeTime)
+    return slept
+
+
 def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
     """Against a stand-in /debug/stats (the engine side is tested above): the written profile
     holds the mean fit of the prefill and decode samples; a server keeping none is an error."""
@@ -451,31 +475,13 @@ def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(
     """On a fake clock the loop's own gap between forwards is 0: every forward after a busy
     one sleeps the prediction plus the whole served gap of its kind (decode here); the first
     (a prefill after idle) none of it."""
-    import atomd.sim.engine as sim_engine
     from atomd.sim.hardware import Calibrated
 
     base = load_profile(str(default_model_profile(tmp_path / "p.json")))
     step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, prefill_gap_s=0.5, decode_gap_s=0.02)
     path = tmp_path / "gap.json"
     path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
-    clock = [1000.0]
-    slept = []
-
-    class FakeTime:
-        @staticmethod
-        def perf_counter():
-            return clock[0]
-
-        @staticmethod
-        def monotonic():
-            return clock[0]
-
-        @staticmethod
-        def sleep(s):
-            slept.append(s)
-            clock[0] += s
-
-    monkeypatch.setattr(sim_engine, "time", FakeTime)
+    slept = fake_sim_clock(monkeypatch)
     engine = make_engine(path)
     run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True))})
     want = [base.step_seconds(StepShape.of(True, [20], [0]))] + \
@@ -593,7 +599,6 @@ def test_a_simulated_engine_waits_out_its_gap_model_for_the_work_in_the_gap(tmp_
     """With a gap model the wait before a busy forward is the model's gap for the loop's work
     since the last forward (here the outputs of the last forward's two sequences) less the
     loop's own gap (0 on a fake clock); the mean gaps are not used."""
-    import atomd.sim.engine as sim_engine
     from atomd.sim.hardware import Calibrated, LinearGap
 
     base = load_profile(str(default_model_profile(tmp_path / "p.json")))
@@ -601,24 +606,7 @@ def test_a_simulated_engine_waits_out_its_gap_model_for_the_work_in_the_gap(tmp_
                       prefill_gap=LinearGap(0.1, 0.0, 0.0, 0.0), decode_gap=LinearGap(0.004, 0.003, 0.0, 0.0))
     path = tmp_path / "gap-model.json"
     path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
-    clock = [1000.0]
-    slept = []
-
-    class FakeTime:
-        @staticmethod
-        def perf_counter():
-            return clock[0]
-
-        @staticmethod
-        def monotonic():
-            return clock[0]
-
-        @staticmethod
-        def sleep(s):
-            slept.append(s)
-            clock[0] += s
-
-    monkeypatch.setattr(sim_engine, "time", FakeTime)
+    slept = fake_sim_clock(monkeypatch)
     engine = make_engine(path)
     run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True)),
                  "b": (prompt(2, 10), SamplingParams(max_tokens=2, ignore_eos=True))})

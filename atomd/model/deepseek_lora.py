@@ -20,10 +20,9 @@ import pathlib
 import re
 
 import torch
-from safetensors import safe_open
 
 from atomd.model.deepseek import DeepseekConfig, rope_row_orders
-from atomd.model.lora import WEIGHTS_FILE, LoraAdapter, fuse_pairs, read_adapter_config
+from atomd.model.lora import LoraAdapter, checked_pair, fuse_pairs, read_adapter_config, read_pairs
 
 # PEFT module (under self_attn. or mlp. / mlp.shared_experts.) -> (the model's linear, which part of its rows)
 ATTENTION = {"q_proj": ("qkv_a", "q"), "q_a_proj": ("qkv_a", "q"), "kv_a_proj_with_mqa": ("qkv_a", "kv"),
@@ -69,21 +68,12 @@ def load_deepseek_adapter(name: str, path: str | pathlib.Path, cfg: DeepseekConf
     """lora.load_adapter's contract for a DeepSeek model (module docstring)."""
     path = pathlib.Path(path)
     r, scale = read_adapter_config(path, max_rank)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-        for key in f.keys():
-            m = _KEY.search(key)
-            if m is None:
-                raise ValueError(f"{path}: tensor {key!r} is not a LoRA weight of a decoder layer")
-            layer, module = int(m.group(1)), m.group(2)
-            if not 0 <= layer < cfg.num_layers:
-                raise ValueError(f"{path}: {key!r}: the model has {cfg.num_layers} layers")
-            target = _target(cfg, layer, module)
-            if isinstance(target, str):
-                raise ValueError(f"{path}: {key!r}: {target}")
-            pairs.setdefault((layer, module), {})[m.group(3)] = f.get_tensor(key).to(torch.float32)
-    if not pairs:
-        raise ValueError(f"{path}: no LoRA weights in {WEIGHTS_FILE}")
+
+    def refuse(layer: int, module: str) -> str | None:
+        target = _target(cfg, layer, module) if 0 <= layer < cfg.num_layers else None
+        return f": {target}" if isinstance(target, str) else None
+
+    pairs = read_pairs(path, _KEY, cfg.num_layers, refuse)
     q_rows, kv_a_rows = rope_row_orders(cfg)
     parts: dict = {}
     out_sizes: dict[tuple[int, str], int] = {}
@@ -91,12 +81,7 @@ def load_deepseek_adapter(name: str, path: str | pathlib.Path, cfg: DeepseekConf
         fused, part = _target(cfg, layer, module)
         fan_in, slices = _shapes(cfg, layer in cfg.sparse_layers)[fused]
         (lo, hi), short = slices[part], module.rpartition(".")[2]
-        a, b = ab.get("A"), ab.get("B")
-        if a is None or b is None:
-            raise ValueError(f"{path}: layer {layer} {module} has lora_{'A' if a is None else 'B'} missing")
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (r, fan_in) or b.shape != (hi - lo, r):
-            raise ValueError(f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do "
-                             f"not fit rank {r} and this model ({fan_in} in, {hi - lo} out)")
+        a, b = checked_pair(path, layer, module, ab, r, fan_in, hi - lo)
         if short in ("q_proj", "q_b_proj"):
             b = b[q_rows]
         elif short == "kv_a_proj_with_mqa":

@@ -18,6 +18,7 @@ import json
 import math
 import pathlib
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -98,37 +99,60 @@ def read_adapter_config(path: pathlib.Path, max_rank: int) -> tuple[int, float]:
     return r, float(scale)
 
 
+def read_pairs(path: pathlib.Path, key_pattern: re.Pattern, num_layers: int,
+               refuse: Callable[[int, str], str | None]) -> dict[tuple[int, str], dict[str, torch.Tensor]]:
+    """Each (layer, module)'s lora_A / lora_B tensors (float32) from the adapter's weights file, by
+    `key_pattern` (groups: layer, module, A or B); ValueError naming a key that is not a LoRA weight,
+    a layer the model has not, or what `refuse(layer, module)` says of a module it cannot take."""
+    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
+    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
+        for key in f.keys():
+            m = key_pattern.search(key)
+            why = None if m is None else refuse(int(m.group(1)), m.group(2))
+            if m is None or why is not None:
+                raise ValueError(f"{path}: tensor {key!r} " + (why or "is not a LoRA weight of a decoder layer"))
+            layer = int(m.group(1))
+            if not 0 <= layer < num_layers:
+                raise ValueError(f"{path}: {key!r}: the model has {num_layers} layers")
+            pairs.setdefault((layer, m.group(2)), {})[m.group(3)] = f.get_tensor(key).to(torch.float32)
+    if not pairs:
+        raise ValueError(f"{path}: no LoRA weights in {WEIGHTS_FILE}")
+    return pairs
+
+
+def checked_pair(path: pathlib.Path, layer: int, module: str, ab: dict[str, torch.Tensor], r: int, fan_in: int,
+                 fan_out: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(lora_A [r, fan_in], lora_B [fan_out, r]); ValueError naming the one missing or a shape that does not fit."""
+    a, b = ab.get("A"), ab.get("B")
+    if a is None or b is None:
+        raise ValueError(f"{path}: layer {layer} {module} has lora_{'A' if a is None else 'B'} missing")
+    if a.ndim != 2 or b.ndim != 2 or a.shape != (r, fan_in) or b.shape != (fan_out, r):
+        raise ValueError(f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
+                         f"fit rank {r} and this model ({fan_in} in, {fan_out} out)")
+    return a, b
+
+
 def load_adapter(name: str, path: str | pathlib.Path, cfg: ModelConfig, dtype: torch.dtype,
                  max_rank: int) -> LoraAdapter:
     """The adapter at `path` for a model of `cfg`, in `dtype`; ValueError naming the problem
     (not an adapter, rank above max_rank, a target this model has not, a shape that does not fit)."""
     path = pathlib.Path(path)
     r, scale = read_adapter_config(path, max_rank)
-    pairs: dict[tuple[int, str], dict[str, torch.Tensor]] = {}
-    with safe_open(str(path / WEIGHTS_FILE), framework="pt") as f:
-        for key in f.keys():
-            m = _KEY.search(key)
-            if m is None or m.group(2) not in TARGETS:
-                raise ValueError(f"{path}: tensor {key!r} is not a LoRA weight of {', '.join(TARGETS)}")
-            layer, module, ab = int(m.group(1)), m.group(2), m.group(3)
-            if not 0 <= layer < cfg.num_layers:
-                raise ValueError(f"{path}: {key!r}: the model has {cfg.num_layers} layers")
-            if TARGETS[module][0] in ("gate_up", "down") and layer in cfg.sparse_layers:
-                raise ValueError(f"{path}: {key!r}: layer {layer} is an MoE block (LoRA on experts is not supported)")
-            pairs.setdefault((layer, module), {})[ab] = f.get_tensor(key).to(torch.float32)
-    if not pairs:
-        raise ValueError(f"{path}: no LoRA weights in {WEIGHTS_FILE}")
+
+    def refuse(layer: int, module: str) -> str | None:
+        if module not in TARGETS:
+            return f"is not a LoRA weight of {', '.join(TARGETS)}"
+        if TARGETS[module][0] in ("gate_up", "down") and layer in cfg.sparse_layers:
+            return f"is in layer {layer}, an MoE block (LoRA on experts is not supported)"
+        return None
+
+    pairs = read_pairs(path, _KEY, cfg.num_layers, refuse)
     slices = _out_slices(cfg)
     parts: dict[tuple[int, str], list[tuple[tuple[int, int], torch.Tensor, torch.Tensor]]] = {}
     for (layer, module), ab in sorted(pairs.items()):
         fused, part = TARGETS[module]
         lo, hi = slices[fused][part]
-        a, b = ab.get("A"), ab.get("B")
-        if a is None or b is None:
-            raise ValueError(f"{path}: layer {layer} {module} has lora_{'A' if a is None else 'B'} missing")
-        if a.ndim != 2 or b.ndim != 2 or a.shape != (r, _in_features(cfg, fused)) or b.shape != (hi - lo, r):
-            raise ValueError(f"{path}: layer {layer} {module}: lora_A {tuple(a.shape)} / lora_B {tuple(b.shape)} do not "
-                             f"fit rank {r} and this model ({_in_features(cfg, fused)} in, {hi - lo} out)")
+        a, b = checked_pair(path, layer, module, ab, r, _in_features(cfg, fused), hi - lo)
         parts.setdefault((layer, fused), []).append(((lo, hi), a, b * scale))
     out_sizes = {key: slices[key[1]][None][1] for key in parts}
     return LoraAdapter(name, str(path), r, fuse_pairs(parts, out_sizes, r, cfg.num_layers, dtype))
