@@ -219,6 +219,10 @@ def outputs(llm: LLM, params: SamplingParams) -> list:
 def test_output_with_speculation_equals_output_without(backend, capsys):
     args = dict(num_threads=1, max_model_len=512, attention_backend=backend)
     plain, spec = LLM(None, **args), LLM(None, speculative_config=SPEC_JSON, **args)
+    # the controller's cost fit is timed (on a loaded machine drafts can look unpaying, and the
+    # draft counts below fell to 6 in one full-suite run): pinned to "drafts pay"; what this test
+    # checks is the outputs and the drafts' own acceptance (the controller: its own tests)
+    spec.engine.spec_control.cost.threshold = lambda batch: 0.0
     rates = []
     for params in CASES:
         want, got = outputs(plain, params), outputs(spec, params)
