@@ -110,6 +110,10 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--short", action="store_true", help="the _short workloads (same counts for every engine)")
     p.add_argument("--int8", action="store_true", help="also atomd int8 weights + int8 activations")
+    p.add_argument("--atomd-dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                   help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's")
+    p.add_argument("--gguf-dir", type=pathlib.Path, default=None,
+                   help="keep the GGUF files here (reused when present) instead of a temporary folder")
     p.add_argument("--vllm-python", type=pathlib.Path, default=pathlib.Path("/tmp/vllm-venv/bin/python"))
     p.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--no-vllm", action="store_true")
@@ -127,12 +131,17 @@ def main() -> int:
     runs: dict[str, list[dict]] = {}
     cpu: dict[str, list[float]] = {}
     with tempfile.TemporaryDirectory() as tmp:
-        ggufs = {name: pathlib.Path(tmp) / f"model-{t}.gguf" for name, t in GGUFS.items() if name in args.gguf}
+        folder = args.gguf_dir or pathlib.Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        ggufs = {name: folder / f"{args.model_shape}-{t}.gguf" for name, t in GGUFS.items() if name in args.gguf}
         for name, gguf in ggufs.items():
-            lc.convert(src, path, GGUFS[name], gguf)
+            if not gguf.is_file():
+                part = gguf.with_name(f"{gguf.stem}.part.gguf")
+                lc.convert(src, path, GGUFS[name], part)
+                part.rename(gguf)
         try:
             cmd = [sys.executable, "-m", "benchmarks.offline", "--model-shape", args.model_shape, "--no-hf",
-                   "--dtype", "float32", "bfloat16", "--threads", str(args.threads), "--workloads", *workloads,
+                   "--dtype", *args.atomd_dtype, "--threads", str(args.threads), "--workloads", *workloads,
                    "--stdin-rounds", *(["--int8"] if args.int8 else [])]
             workers.append(Worker("atomd", cmd))
             if not args.no_vllm:

@@ -108,7 +108,8 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or project_checkpoint(args.project_python, args.model_shape, pathlib.Path(tmp))
         vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
-        digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+        with open(path / "model.safetensors", "rb") as f:  # in pieces: a 6 GB checkpoint is not read whole
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
         import vllm
 
         if args.stdin_rounds:
