@@ -4,7 +4,9 @@
         [--dtype bfloat16] [--threads 2] [--workloads batch1_short batch16_short] [--top 12]
 
 One atomd LLM (in this process: cProfile sees the engine loop, the model's Python and every
-C or torch call it makes), a warm-up, then each workload once under cProfile. Prints, per
+C or torch call it makes), a warm-up, then each workload once under cProfile (`--warm`: after
+one unprofiled run of it: a fresh process's first pass over a MoE's experts runs several
+times slower, RESULTS.md's #34 engine benchmark). Prints, per
 workload, the functions with the most self time (time not in a profiled callee: for a
 ctypes kernel or a torch op, the kernel itself) as a share of the run, and the CPU seconds
 of the run (this machine is shared: wall time includes waits for a core). cProfile's own
@@ -33,6 +35,7 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["batch1_short", "batch16_short"])
     p.add_argument("--top", type=int, default=12)
+    p.add_argument("--warm", action="store_true", help="run each workload once unprofiled first")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
@@ -43,6 +46,8 @@ def main() -> int:
     for w in args.workloads:
         n, length, new, seed = WORKLOADS[w]
         batch = prompts(n, length, seed, vocab)
+        if args.warm:
+            gen(batch, new)  # the same run once unprofiled: a fresh process's first pass costs more
         prof = cProfile.Profile()
         wall, cpu = time.perf_counter(), time.process_time()
         prof.runcall(gen, batch, new)
