@@ -10,10 +10,8 @@ import pathlib
 import pytest
 import torch
 
-from atomd.config import EngineConfig
-from atomd.engine.llm_engine import LLMEngine
 from tests.families import FAMILIES
-from tests.test_expert_parallel import GREEDY, Ranks, busy_ticks
+from tests.test_expert_parallel import Ranks, busy_ticks, one_engine_greedy
 from tests.test_model_hf import BLOCK, hf_greedy, prompts_of
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(240)]
@@ -46,13 +44,7 @@ def test_ep2_greedy_equals_hf_and_dp1(name, checkpoints):
     placed = {rid: p for a in arrivals for batch in a.values() for rid, p in batch}
     for rid, prompt in placed.items():
         assert tokens[rid] == hf_greedy(path, prompt, 8), rid
-    dp1 = LLMEngine(EngineConfig(model=str(path), num_threads=1, max_model_len=256))
-    for rid, prompt in placed.items():
-        dp1.add_request(rid, prompt, GREEDY)
-    alone: dict[str, list[int]] = {}
-    while dp1.has_unfinished_requests():
-        for out in dp1.step():
-            alone.setdefault(out.request_id, []).extend(out.new_token_ids)
+    alone, dp1 = one_engine_greedy(path, placed)
     assert alone == {rid: tokens[rid] for rid in placed}
     pairs = set(zip(*kinds))
     assert ("decode", "prefill") in pairs or ("prefill", "decode") in pairs, kinds

@@ -207,6 +207,18 @@ class Ranks:
         return tokens, kinds
 
 
+def one_engine_greedy(path: pathlib.Path, placed: dict[str, list[int]]) -> tuple[dict[str, list[int]], LLMEngine]:
+    """The same requests on one DP=1 engine, all at once: the tokens by request id, and the engine."""
+    dp1 = LLMEngine(EngineConfig(model=str(path), num_threads=1, max_model_len=256))
+    for rid, prompt in placed.items():
+        dp1.add_request(rid, prompt, GREEDY)
+    alone: dict[str, list[int]] = {}
+    while dp1.has_unfinished_requests():
+        for out in dp1.step():
+            alone.setdefault(out.request_id, []).extend(out.new_token_ids)
+    return alone, dp1
+
+
 def busy_ticks(kinds: list[list[str]]) -> int:
     """Ticks where some rank ran a forward (the others exchanged with it)."""
     return sum(any(k != "idle" for k in tick) for tick in zip(*kinds))
@@ -256,14 +268,7 @@ def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, checkpoi
     placed = {rid: p for a in arrivals for batch in a.values() for rid, p in batch}
     for rid, prompt in placed.items():
         assert tokens[rid] == reference(name, prompt), rid
-    dp1 = LLMEngine(EngineConfig(model=str(checkpoints[name]), num_threads=1, max_model_len=256))
-    for rid, prompt in placed.items():
-        dp1.add_request(rid, prompt, GREEDY)
-    alone: dict[str, list[int]] = {}
-    while dp1.has_unfinished_requests():
-        for out in dp1.step():
-            alone.setdefault(out.request_id, []).extend(out.new_token_ids)
-    assert alone == {rid: tokens[rid] for rid in placed}
+    assert one_engine_greedy(checkpoints[name], placed)[0] == {rid: tokens[rid] for rid in placed}
     pairs = set(zip(*kinds))
     if schedule == "one_idle":
         assert set(kinds[1]) == {"idle"} and ("prefill", "idle") in pairs and ("decode", "idle") in pairs

@@ -26,7 +26,7 @@ from atomd.model.quant import QuantizedWeight, qlinear
 from atomd.tokenizer import Tokenizer
 from contracts.sampling import SamplingParams
 from tests.test_model_hf import CORPUS, _prompt_logits, hf_model, make_checkpoint, prompts_of
-from tests.test_quant_engine import greedy, hf_greedy
+from tests.test_quant_engine import assert_equals_hf_on, hf_from_files, hf_greedy
 
 pytestmark = pytest.mark.unit
 torch.set_num_threads(1)
@@ -206,18 +206,6 @@ def hf_on(float_dir, weights: dict[str, np.ndarray]):
     return model
 
 
-def assert_equals_hf_on(llm: LLM, hf) -> None:
-    """Prompt logits within 2e-4 of HF's (on the weights as gguf's dequantisers read them) and
-    48 greedy ids equal."""
-    prompt = prompts_of([2 * 16 + 7], seed=12)[0]
-    with torch.inference_mode():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
-    prompts = prompts_of([1, 20], seed=13)
-    for p, ids in zip(prompts, greedy(llm, prompts)):
-        assert ids == hf_greedy(hf, p, 48)
-
-
 CASES = {  # id -> (arch, types)
     "llama-Q8_0": ("llama", {"linear": Q.Q8_0, "embed": Q.F32, "output": Q.Q8_0}),
     "llama-Q4_0": ("llama", {"linear": Q.Q4_0, "embed": Q.F16, "output": Q.Q4_0}),
@@ -251,7 +239,7 @@ def test_gguf_file_equals_hf_on_its_dequantised_weights(case, checkpoints, tmp_p
     head = llm.engine.model.lm_head
     packed_head = types.get("output" if "output" in types else "embed") not in (Q.F32, Q.F16, Q.BF16)
     assert isinstance(head, QuantizedWeight) == packed_head
-    assert_equals_hf_on(llm, hf_on(float_dir, weights))
+    assert_equals_hf_on(llm, hf_on(float_dir, weights), 2 * 16 + 7, seed=12)
 
 
 def test_q8_0_file_is_close_to_the_float_model(checkpoints, tmp_path):
@@ -431,18 +419,6 @@ def test_sentencepiece_without_scores_is_refused(tmp_path):
         gguf_file.tokenizer_json(gguf_file.GGUFFile(tmp_path / "spm.gguf"))
 
 
-def hf_from_files(float_dir, weights: dict[str, np.ndarray], out):
-    """HF's model from a copy of float_dir whose tensors are `weights` (by checkpoint name: how
-    transformers turns per-expert tensors into its own layout is then its business)."""
-    from safetensors.numpy import load_file, save_file
-
-    shutil.copytree(float_dir, out)
-    tensors = load_file(out / "model.safetensors")
-    tensors.update({name: np.ascontiguousarray(w, np.float32) for name, w in weights.items()})
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-    return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
-
-
 MOE_CASES = {  # the experts stored packed, the routers F32 (as llama.cpp keeps ffn_gate_inp)
     "qwen3moe-Q8_0": ("qwen3_moe", "qwen3moe", {"linear": Q.Q8_0, "embed": Q.F32, "output": Q.Q8_0}),
     "mixtral-Q4_0-Q8_0-down": ("mixtral", "llama", {"linear": Q.Q4_0, "down": Q.Q8_0, "embed": Q.F16,
@@ -470,7 +446,7 @@ def test_moe_gguf_equals_hf_on_its_dequantised_weights(case, moe_checkpoints, tm
     moe = model.layers[0].moe
     assert moe.quantized and len(moe.gate_up) == 8 and all(isinstance(w, QuantizedWeight) for w in moe.gate_up)
     assert moe.gate_up[0].bits == (8 if types["linear"] == Q.Q8_0 else 4) and moe.down[0].bits == 8
-    assert_equals_hf_on(llm, hf_from_files(float_dir, weights, tmp_path / "hf"))
+    assert_equals_hf_on(llm, hf_from_files(float_dir, weights, tmp_path / "hf"), 2 * 16 + 7, seed=12)
 
 
 def test_moe_file_whose_expert_count_disagrees_with_its_tensors_is_refused(moe_checkpoints, tmp_path):

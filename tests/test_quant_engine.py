@@ -179,23 +179,43 @@ def test_int4_keeps_int8_for_inputs_not_a_multiple_of_32(caplog):
     assert caplog.text.count("not a multiple of 32") == 1
 
 
-def hf_rtn_from_files(path, method: str, out) -> torch.nn.Module:
-    """HF's model from a copy of the checkpoint whose decoder linears, experts included, are their
-    numpy round-to-nearest and the LM head its int8 one (how transformers lays out the experts
-    then is its business)."""
+def hf_from_files(float_dir, weights: dict[str, np.ndarray], out) -> torch.nn.Module:
+    """HF's model from a copy of float_dir whose tensors are `weights` (by checkpoint name: how
+    transformers turns per-expert tensors into its own layout is then its business)."""
     import shutil
 
     from safetensors.numpy import load_file, save_file
 
-    from atomd.model.quant_formats import is_layer_linear
-
-    shutil.copytree(path, out)
+    shutil.copytree(float_dir, out)
     tensors = load_file(out / "model.safetensors")
-    for name, w in tensors.items():
-        if is_layer_linear(name) or name == "lm_head.weight":
-            tensors[name] = numpy_rtn(w, method if name != "lm_head.weight" else "int8").astype(np.float32)
+    tensors.update({name: np.ascontiguousarray(w, np.float32) for name, w in weights.items()})
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
     return transformers.AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+
+
+def hf_rtn_from_files(path, method: str, out) -> torch.nn.Module:
+    """hf_from_files with the decoder linears, experts included, as their numpy round-to-nearest
+    and the LM head as its int8 one."""
+    from safetensors.numpy import load_file
+
+    from atomd.model.quant_formats import is_layer_linear
+
+    tensors = load_file(path / "model.safetensors")
+    return hf_from_files(path, {name: numpy_rtn(w, method if name != "lm_head.weight" else "int8")
+                                for name, w in tensors.items() if is_layer_linear(name) or name == "lm_head.weight"},
+                         out)
+
+
+def assert_equals_hf_on(llm: LLM, hf: torch.nn.Module, prompt_len: int, seed: int) -> None:
+    """Prompt logits within 2e-4 of `hf`'s (the same dequantised weights) for one prompt of
+    prompt_len tokens, and 48 greedy ids equal for prompts of 1 and 20 tokens (seed + 1)."""
+    prompt = prompts_of([prompt_len], seed=seed)[0]
+    with torch.inference_mode():
+        want = hf(torch.tensor([prompt])).logits[0]
+    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
+    prompts = prompts_of([1, 20], seed=seed + 1)
+    for p, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(hf, p, 48)
 
 
 @pytest.mark.unit
@@ -207,11 +227,4 @@ def test_moe_experts_quantised_equal_hf_on_dequantised_weights(kind, method, tmp
     moe = llm.engine.model.layers[0].moe
     assert moe.quantized and all(isinstance(w, QuantizedWeight) and w.bits == int(method[3:])
                                  for w in [*moe.gate_up, *moe.down])
-    hf = hf_rtn_from_files(path, method, tmp_path / "hf")
-    prompt = prompts_of([2 * 16 + 5], seed=4)[0]
-    with torch.inference_mode():
-        want = hf(torch.tensor([prompt])).logits[0]
-    torch.testing.assert_close(_prompt_logits(llm, prompt), want, atol=2e-4, rtol=0)
-    prompts = prompts_of([1, 20], seed=5)
-    for p, ids in zip(prompts, greedy(llm, prompts)):
-        assert ids == hf_greedy(hf, p, 48)
+    assert_equals_hf_on(llm, hf_rtn_from_files(path, method, tmp_path / "hf"), 2 * 16 + 5, seed=4)
