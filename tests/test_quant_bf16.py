@@ -12,19 +12,9 @@ import torch
 
 from atomd.kernels import cbuild
 from atomd.model import quant
-from tests.test_quant_kernels import numpy_bf16
+from tests.test_quant_kernels import lib, numpy_bf16  # noqa: F401 (lib: the kernels per ISA path, a fixture)
 
 pytestmark = pytest.mark.unit
-PATHS = [*cbuild.ISA_FLAGS, "torch"]
-
-
-@pytest.fixture(params=PATHS)
-def lib(request):
-    if request.param == "torch":
-        return None
-    built = quant.build_kernels(request.param)
-    assert built is not None, f"the quant kernels did not build for {request.param}"
-    return built
 
 
 def bf16_weight(rng, n, k):
