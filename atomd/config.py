@@ -112,7 +112,13 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     num_redundant_experts: int = 0
     eplb_step_interval: int = 3000
     dp_collective_timeout_s: float = 60.0
-    dp_master_port: int | None = None  # the ranks' gloo group; picked by the API process
+    # the ranks' gloo group: rank 0's address and port (port unset: the API process picks one on
+    # loopback); a group over hosts runs data_parallel_size_local ranks from data_parallel_start_rank
+    # on each host (vLLM's flags), every host with the same address and port
+    data_parallel_address: str = "127.0.0.1"
+    dp_master_port: int | None = None
+    data_parallel_size_local: int | None = None  # None: all of them, here
+    data_parallel_start_rank: int = 0
     # tensor parallelism (atomd/engine/tp_workers.py): the engine core drives N - 1 worker processes,
     # each holding 1/N of every layer's heads and MLP rows; their collectives over shm or gloo
     tensor_parallel_size: int = 1
@@ -202,6 +208,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.data_parallel_rank >= self.data_parallel_size:
             raise ValueError(f"data_parallel_rank must be < data_parallel_size={self.data_parallel_size}, "
                              f"got {self.data_parallel_rank}")
+        self._check_dp_hosts()
         if self.kv_params_secret_file is not None and not os.path.isfile(self.kv_params_secret_file):
             raise ValueError(f"kv_params_secret_file {self.kv_params_secret_file!r} is not a file")
         if self.model is not None:
@@ -215,6 +222,28 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if spec is not None and spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
             raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {spec.num_speculative_tokens + 1} "
                              f"> max_num_batched_tokens={self.max_num_batched_tokens}")
+
+    @property
+    def local_dp_ranks(self) -> range:
+        """The DP ranks this server runs (all of them unless the group spans hosts)."""
+        local = self.data_parallel_size if self.data_parallel_size_local is None else self.data_parallel_size_local
+        return range(self.data_parallel_start_rank, self.data_parallel_start_rank + local)
+
+    def _check_dp_hosts(self) -> None:
+        local, size = self.data_parallel_size_local, self.data_parallel_size
+        if local is not None and not 1 <= local <= size:
+            raise ValueError(f"data_parallel_size_local must be in [1, data_parallel_size={size}], got {local}")
+        if not 0 <= self.data_parallel_start_rank or self.local_dp_ranks.stop > size:
+            raise ValueError(f"data_parallel_start_rank={self.data_parallel_start_rank} + data_parallel_size_local="
+                             f"{len(self.local_dp_ranks)} must be <= data_parallel_size={size}")
+        if self.dp_master_port is not None and not 1 <= self.dp_master_port <= 65535:
+            raise ValueError(f"dp_master_port must be in [1, 65535], got {self.dp_master_port}")
+        if not self.data_parallel_address or len(self.data_parallel_address) > 253:
+            raise ValueError(f"data_parallel_address must be a host name or address, got "
+                             f"{self.data_parallel_address!r}")
+        if len(self.local_dp_ranks) < size and self.dp_master_port is None:
+            raise ValueError("a DP group over hosts (data_parallel_size_local < data_parallel_size) needs "
+                             "dp_master_port: every host joins rank 0's group at data_parallel_address:dp_master_port")
 
     def _check_eplb(self) -> None:
         if self.num_redundant_experts < 0 or self.eplb_step_interval < 1:
@@ -515,6 +544,13 @@ HELP = {
     "num_redundant_experts": "with --enable-eplb: replica slots per sparse layer, over all ranks (a multiple "
                              "of --data-parallel-size)",
     "eplb_step_interval": "with --enable-eplb: engine steps between rebalances (the load counted since the last)",
+    "data_parallel_address": "rank 0's address: the DP ranks' gloo group meets there (every host of a group "
+                             "over hosts gives the same one)",
+    "dp_master_port": "the DP ranks' gloo group port on --data-parallel-address (default: a free loopback port; "
+                      "needed when the ranks span hosts)",
+    "data_parallel_size_local": "DP ranks this server runs (default: all); the others run on other hosts, each "
+                                "server with its own --data-parallel-start-rank",
+    "data_parallel_start_rank": "the first DP rank this server runs (a group over hosts)",
     "dp_collective_timeout_s": "a DP collective not done by then fails open and the group is given up "
                                "(expert parallel: the engine fails, its requests error)",
     "model_runner": "real: run the model; simulated: the real scheduler, KV cache accounting, connector and "
@@ -543,10 +579,10 @@ HELP = {
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
                           "\"num_speculative_tokens\": 4, \"prompt_lookup_min\": 2, \"prompt_lookup_max\": 5}'",
 }
-INTERNAL_FIELDS = ("dp_master_port",)  # set by the API process for its DP ranks, never by a user
 _SIZE_FIELDS = ("kv_cache_memory", "num_kvcache_blocks")  # one or the other
 _DP_FIELDS = ("dp_lockstep", "enable_expert_parallel", "enable_eplb", "num_redundant_experts", "eplb_step_interval",
-              "dp_collective_timeout_s")
+              "dp_collective_timeout_s", "data_parallel_address", "dp_master_port", "data_parallel_size_local",
+              "data_parallel_start_rank")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
@@ -556,8 +592,6 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
     size = engine.add_mutually_exclusive_group()
     hints = typing.get_type_hints(EngineConfig)
     for field, default in zip(EngineConfig.__struct_fields__, EngineConfig.__struct_defaults__):
-        if field in INTERNAL_FIELDS:
-            continue
         group = delayer if field.startswith("prefill_delayer") or field in _DP_FIELDS else \
             size if field in _SIZE_FIELDS else engine
         flag = "--" + field.replace("_", "-")

@@ -56,6 +56,34 @@ def test_placement_is_least_loaded_with_ties_to_the_lower_rank_and_skips_dead_ra
     assert client.rank_of("c") == 1
 
 
+@pytest.mark.unit
+def test_a_server_of_a_group_over_hosts_runs_its_ranks_and_places_by_global_rank():
+    """`--data-parallel-size 4 --data-parallel-size-local 2 --data-parallel-start-rank 2`: this
+    host's server runs ranks 2 and 3 of the group meeting at rank 0's address and port."""
+    cfg = EngineConfig(data_parallel_size=4, data_parallel_size_local=2, data_parallel_start_rank=2,
+                       data_parallel_address="10.0.0.1", dp_master_port=29500)
+    client = DPEngineClient(cfg)
+    assert [c.config.data_parallel_rank for c in client.ranks] == [2, 3]
+    assert {(c.config.data_parallel_address, c.config.dp_master_port) for c in client.ranks} == {("10.0.0.1", 29500)}
+    assert client.place(3) == 1 and client.place(None) == 0
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kw,match", [
+    ({"data_parallel_size_local": 0}, r"data_parallel_size_local must be in \[1, data_parallel_size=2\]"),
+    ({"data_parallel_size_local": 3}, r"data_parallel_size_local must be in \[1, data_parallel_size=2\]"),
+    ({"data_parallel_size_local": 1, "data_parallel_start_rank": 2, "dp_master_port": 1},
+     r"data_parallel_start_rank=2 \+ data_parallel_size_local=1 must be <= data_parallel_size=2"),
+    ({"data_parallel_start_rank": 1, "dp_master_port": 1}, "data_parallel_start_rank=1"),
+    ({"data_parallel_start_rank": -1}, "data_parallel_start_rank=-1"),
+    ({"data_parallel_size_local": 1}, "needs dp_master_port"),
+    ({"dp_master_port": 70000}, r"dp_master_port must be in \[1, 65535\]"),
+    ({"data_parallel_address": ""}, "data_parallel_address must be a host name or address")])
+def test_a_group_over_hosts_that_cannot_form_is_refused_naming_the_flag(kw, match):
+    with pytest.raises(ValueError, match=match):
+        EngineConfig(data_parallel_size=2, **kw)
+
+
 @pytest.fixture(scope="module")
 def single():
     server = start_server(model_dir())

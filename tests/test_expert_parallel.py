@@ -362,21 +362,23 @@ def test_served_ep2_greedy_equals_hf_on_either_rank_and_metrics_show_each_ranks_
     assert {s.labels["dp_rank"] for s in exchange} == {"0", "1"}
 
 
-def fail_a_rank_mid_step(server, sig: int) -> None:
-    """Long requests on both ranks; one rank's process stopped (or killed) while both step: the
-    other rank's next all-to-all fails within --dp-collective-timeout-s (5 s), its core exits,
-    and the API fails every request of both ranks (the stopped one's too: an expert-parallel
-    engine is one unit), reports unhealthy, and keeps answering."""
+def fail_a_rank_mid_step(servers: list, sig: int) -> None:
+    """Long requests on both ranks (`servers`: one running both, or one a rank, on two hosts);
+    the last server's rank process stopped (or killed) while both step: the other rank's next
+    all-to-all fails within --dp-collective-timeout-s (5 s), its core exits, and every server
+    fails every request of both ranks (the stopped one's too: an expert-parallel engine is one
+    unit), reports unhealthy, and keeps answering."""
     victim = None
     try:
         prompt = [t % 297 + 3 for t in PROMPTS[0]]
+        at = [servers[rank % len(servers)] for rank in (0, 1)]
         with ThreadPoolExecutor(2) as pool:
-            futures = [pool.submit(complete, server, prompt, 240, rank) for rank in (0, 1)]
+            futures = [pool.submit(complete, server, prompt, 240, rank) for rank, server in enumerate(at)]
             deadline = time.monotonic() + 30
-            while not all(r["num_running"] for r in server.stats()["ranks"]):
+            while not all(r["num_running"] for server in servers for r in server.stats()["ranks"]):
                 assert time.monotonic() < deadline and not any(f.done() for f in futures), "not both running"
                 time.sleep(0.02)
-            victim = max(server.engine_pids())
+            victim = max(servers[-1].engine_pids())
             os.kill(victim, sig)
             hit = time.monotonic()
             answers = [f.result(timeout=30) for f in futures]
@@ -386,11 +388,12 @@ def fail_a_rank_mid_step(server, sig: int) -> None:
         if sig == signal.SIGSTOP:  # the stopped rank never exits: its request failed with its peer
             assert any("expert-parallel DP rank" in body["error"]["message"] for _, body in answers), answers
         assert failed_after < 5 + 10, failed_after  # the group timeout, plus the core's exit and the API's notice
-        status, raw = http("GET", server.url + "/health")
-        assert status == 503 and json.loads(raw)["status"] == "engine dead"
-        status, body = complete(server, prompt, 2)
-        assert status == 503, body
-        assert server.proc.poll() is None  # the API process lives on and answers
+        for server in servers:
+            status, raw = http("GET", server.url + "/health")
+            assert status == 503 and json.loads(raw)["status"] == "engine dead"
+            status, body = complete(server, prompt, 2)
+            assert status == 503, body
+            assert server.proc.poll() is None  # the API process lives on and answers
     finally:
         if victim is not None and sig == signal.SIGSTOP:
             os.kill(victim, signal.SIGKILL)  # a stopped process would never see the server's SIGTERM
@@ -400,12 +403,71 @@ def fail_a_rank_mid_step(server, sig: int) -> None:
 def test_a_rank_stopped_mid_step_fails_every_request_within_the_group_timeout(checkpoints):
     server = start_server(checkpoints["qwen3_moe"], *EP_SERVE)
     try:
-        fail_a_rank_mid_step(server, signal.SIGSTOP)
+        fail_a_rank_mid_step([server], signal.SIGSTOP)
     finally:
         server.stop()
 
 
 @pytest.mark.integration
 def test_a_rank_killed_mid_step_fails_every_request(ep_server):
-    """Last in the file: the module's server is dead after it."""
-    fail_a_rank_mid_step(ep_server, signal.SIGKILL)
+    """After it the module's server is dead."""
+    fail_a_rank_mid_step([ep_server], signal.SIGKILL)
+
+
+# ---------------------------------------------------------------- EP=2 over two hosts
+
+
+@pytest.fixture(scope="module")
+def ep_over_hosts(checkpoints):
+    """Rank 0's `atomd serve` on test host a, rank 1's on host b (network namespaces on one
+    bridge, tests/netns.py): their gloo group meets at a's address, and the hosts reach each
+    other only over the bridge."""
+    from tests.netns import HostEngine, hosts, next_port
+
+    with hosts(2) as net:
+        a, b = net.hosts
+        group = [*EP_SERVE, "--data-parallel-size-local", "1", "--data-parallel-address", a.ip,
+                 "--dp-master-port", str(next_port(net, a))]
+        servers = [HostEngine(net, a, checkpoints["qwen3_moe"], *group),
+                   HostEngine(net, b, checkpoints["qwen3_moe"], *group, "--data-parallel-start-rank", "1")]
+        try:
+            for server in servers:
+                server.wait_ready()
+            yield servers
+        finally:
+            for server in servers:
+                server.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.netns
+def test_ep2_over_two_hosts_equals_hf_and_each_host_holds_its_experts(ep_over_hosts, reference, checkpoints):
+    """Uneven: three requests on host a's rank, one on b's, at once; each equals HF (and so the
+    DP=1 engine, above); each host's /metrics count only its own experts; a server refuses a
+    rank it does not run."""
+    prompts = [[t % 297 + 3 for t in p] for p in PROMPTS[:4]]
+    with ThreadPoolExecutor(4) as pool:
+        answers = list(pool.map(lambda ip: complete(ep_over_hosts[ip[0] // 3], ip[1]), enumerate(prompts)))
+    for (status, body), prompt in zip(answers, prompts):
+        assert status == 200, body
+        assert body["choices"][0]["text"] == hf_text(checkpoints["qwen3_moe"], reference("qwen3_moe", prompt))
+    routed = 0
+    for rank, server in enumerate(ep_over_hosts):
+        status, raw = http("GET", server.url + "/metrics")
+        assert status == 200
+        families = {f.name: f for f in text_string_to_metric_families(raw.decode())}
+        tokens = [s for s in families["atomd:expert_tokens"].samples if s.name.endswith("_total")]
+        assert {(s.labels["dp_rank"], s.labels["expert"]) for s in tokens} == \
+            {(str(rank), str(e)) for e in range(4 * rank, 4 * rank + 4)}
+        routed += sum(s.value for s in tokens)
+        status, body = complete(server, prompts[0], 2, rank=1 - rank)
+        assert status == 400 and body["error"]["param"] == "data_parallel_rank", body
+    # every (token, choice) pair of every sparse layer ran on exactly one host: 2 choices x 2 layers per token
+    assert routed == 2 * 2 * sum(len(p) + 8 - 1 for p in prompts)
+
+
+@pytest.mark.integration
+@pytest.mark.netns
+def test_a_rank_killed_on_the_other_host_fails_both_hosts_within_the_group_timeout(ep_over_hosts):
+    """After it the module's servers are dead."""
+    fail_a_rank_mid_step(ep_over_hosts, signal.SIGKILL)

@@ -293,10 +293,11 @@ class DPEngineClient:
     def __init__(self, config: Any, on_abort_confirmed: Callable[[], None] | None = None):
         port = config.dp_master_port or _unused_loopback_port()
         self.config = config
+        self.first_rank = config.local_dp_ranks.start  # self.ranks[i] is DP rank first_rank + i
         self.ranks = [EngineCoreClient(rank_config(config, r, port), on_abort_confirmed=on_abort_confirmed)
-                      for r in range(config.data_parallel_size)]
-        if config.enable_expert_parallel:
-            for r, c in enumerate(self.ranks):
+                      for r in config.local_dp_ranks]
+        if config.enable_expert_parallel:  # a rank on another host failing reaches here as our ranks' failure
+            for r, c in zip(config.local_dp_ranks, self.ranks):
                 c.on_dead = lambda reason, r=r: self.fail_all(f"expert-parallel DP rank {r} failed: {reason}")
 
     def fail_all(self, reason: str) -> None:
@@ -325,8 +326,10 @@ class DPEngineClient:
         return set().union(*(c.aborting for c in self.ranks))
 
     def place(self, dp_rank: int | None) -> int:
+        """The index in self.ranks of DP rank `dp_rank` (the server checked it runs here), or of
+        the least busy live rank."""
         if dp_rank is not None:
-            return dp_rank
+            return dp_rank - self.first_rank
         live = [r for r, c in enumerate(self.ranks) if c.dead is None]
         if not live:
             raise EngineDeadError(self.dead)

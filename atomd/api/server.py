@@ -456,9 +456,10 @@ class Server:
                 rank = int(request.headers[RANK_HEADER])
             except ValueError:
                 raise protocol.invalid("data_parallel_rank", f"{RANK_HEADER} must be an integer") from None
-        size = self.config.data_parallel_size
-        if rank is not None and not 0 <= rank < size:
-            raise protocol.invalid("data_parallel_rank", f"data_parallel_rank must be in [0, {size}), got {rank}")
+        here = self.config.local_dp_ranks
+        if rank is not None and rank not in here:
+            raise protocol.invalid("data_parallel_rank", f"data_parallel_rank must be in [{here.start}, {here.stop}) "
+                                   f"(the DP ranks this server runs), got {rank}")
         return rank
 
     async def generate(self, request: web.Request, req, checked: validation.Checked, ids: list[int], params,

@@ -215,6 +215,7 @@ class DPGroup:
         from scheduler.prefill_delayer import SingleRank
 
         collective = GlooCollective(cfg.data_parallel_rank, cfg.data_parallel_size, cfg.dp_master_port,
+                                    address=cfg.data_parallel_address,
                                     timeout_s=cfg.dp_collective_timeout_s) if ticks else SingleRank()
         delayer = make_prefill_delayer(cfg, collective) if cfg.prefill_delayer != "off" else None
         lockstep = Lockstep(collective) if cfg.dp_lockstep and ticks else None

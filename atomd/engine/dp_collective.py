@@ -1,8 +1,9 @@
 """The DP ranks' gloo process group: the PrefillDelayer's Collective, the lockstep barrier
 and the expert-parallel all-to-alls.
 
-Each engine-core rank joins one `torch.distributed` gloo group on 127.0.0.1 (CPU, no
-NCCL). The delayer sums a small int64 vector over it once per tick; `--dp-lockstep`
+Each engine-core rank joins one `torch.distributed` gloo group at rank 0's address
+(`--data-parallel-address`, 127.0.0.1 unless the ranks span hosts; CPU, no NCCL), its
+traffic on the interface that reaches that address. The delayer sums a small int64 vector over it once per tick; `--dp-lockstep`
 adds one all-reduce at the end of every tick, as MoE expert parallelism forces on GPUs;
 `--enable-expert-parallel` runs three all-to-alls per sparse layer and step
 (atomd/model/expert_parallel.py), after the tick's delayer collective: one group, one order.
@@ -15,7 +16,11 @@ and nothing ever waits on a dead peer again.
 from __future__ import annotations
 
 import datetime
+import fcntl
 import logging
+import os
+import socket
+import struct
 from collections import defaultdict
 from typing import TYPE_CHECKING, Any
 
@@ -30,7 +35,24 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("atomd.engine.dp_collective")
 
-HOST = "127.0.0.1"
+SIOCGIFADDR = 0x8915  # linux: an interface's IPv4 address
+
+
+def interface_towards(address: str) -> str:
+    """The network interface this host reaches `address` through (lo for a loopback address):
+    gloo's, where each rank listens for its peers. Without it gloo takes the address the host
+    name resolves to, which a host inside a network namespace (or a container) may not have."""
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((socket.gethostbyname(address), 9))  # a UDP connect sends nothing: the kernel picks the route
+        local = s.getsockname()[0]
+        for _, name in socket.if_nameindex():
+            try:
+                ifaddr = fcntl.ioctl(s.fileno(), SIOCGIFADDR, struct.pack("256s", name.encode()[:15]))
+            except OSError:  # no IPv4 address
+                continue
+            if socket.inet_ntoa(ifaddr[20:24]) == local:
+                return name
+    raise RuntimeError(f"no network interface has {local}, the address that reaches {address}")
 
 
 class CollectiveBroken(RuntimeError):
@@ -40,13 +62,15 @@ class CollectiveBroken(RuntimeError):
 class GlooCollective(Collective):
     """This process's rank of the DP group."""
 
-    def __init__(self, rank: int, world_size: int, port: int, *, timeout_s: float = 60.0,
-                 join_timeout_s: float = 600.0):
+    def __init__(self, rank: int, world_size: int, port: int, *, address: str = "127.0.0.1",
+                 timeout_s: float = 60.0, join_timeout_s: float = 600.0):
         if not 0 <= rank < world_size:
             raise ValueError(f"data_parallel_rank must be in [0, {world_size}), got {rank}")
         self.rank, self.world_size = rank, world_size
-        # Joining waits for the slowest rank's model load; a tick waits only for one step.
-        dist.init_process_group("gloo", init_method=f"tcp://{HOST}:{port}", rank=rank,
+        if not os.environ.get("GLOO_SOCKET_IFNAME"):  # one the user set wins
+            os.environ["GLOO_SOCKET_IFNAME"] = interface_towards(address)
+        # Joining waits for the slowest rank's model load (on every host); a tick waits only for one step.
+        dist.init_process_group("gloo", init_method=f"tcp://{address}:{port}", rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=join_timeout_s))
         self.group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=timeout_s))
