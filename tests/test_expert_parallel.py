@@ -334,7 +334,9 @@ def hf_text(path: pathlib.Path, ids: list[int]) -> str:
 
 @pytest.fixture(scope="module")
 def ep_server(checkpoints):
-    server = start_server(checkpoints["qwen3_moe"], *EP_SERVE)
+    with pytest.MonkeyPatch.context() as mp:  # the ranks keep their ticks (idle ones too: 200 a second)
+        mp.setenv("ATOMD_STEP_SAMPLES", "100000")
+        server = start_server(checkpoints["qwen3_moe"], *EP_SERVE)
     yield server
     server.stop()
 
@@ -360,6 +362,16 @@ def test_served_ep2_greedy_equals_hf_on_either_rank_and_metrics_show_each_ranks_
     assert sum(s.value for s in tokens) == 2 * 2 * computed
     exchange = families["atomd:expert_parallel_exchange_seconds"].samples
     assert {s.labels["dp_rank"] for s in exchange} == {"0", "1"}
+    # the tick trace: each rank's prompt tokens prefilled and 7 decode tokens a request, and
+    # tick i of one rank overlapping tick i of the other (their collectives meet)
+    ticks = [r["tick_samples"] for r in ep_server.stats()["ranks"]]
+    for rank, mine in enumerate([prompts[:3], prompts[3:]]):
+        assert sum(t for *_, kind, t in ticks[rank] if kind == 1) == sum(map(len, mine))
+        assert sum(t for *_, kind, t in ticks[rank] if kind == 0) == 7 * len(mine)
+        assert all(cpu <= wall + 1e-3 for _, wall, cpu, *_ in ticks[rank])
+    assert abs(len(ticks[0]) - len(ticks[1])) <= 1  # read between ticks
+    for (s0, w0, *_), (s1, w1, *_) in zip(*ticks):
+        assert s0 <= s1 + w1 and s1 <= s0 + w0
 
 
 def fail_a_rank_mid_step(servers: list, sig: int) -> None:

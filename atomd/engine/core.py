@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from typing import TYPE_CHECKING
 
 import msgspec
@@ -204,6 +205,19 @@ class DPGroup:
         self.rank, self.ticks = rank, ticks
         self.collective, self.delayer, self.lockstep = collective, delayer, lockstep
         self.expert_parallel = expert_parallel
+        # $ATOMD_STEP_SAMPLES=N: the last N ticks, for GET /debug/stats `tick_samples` (see record_tick)
+        from atomd.engine.engine_loop import step_sample_buffer
+
+        self.tick_samples = step_sample_buffer() if ticks else None
+
+    def record_tick(self, started: float, cpu: float, forward: tuple[bool, int] | None) -> None:
+        """[start s, wall s, this thread's CPU s, kind, tokens] of the tick that began at perf
+        counter `started` and thread time `cpu`: kind 1 prefill, 0 decode, -1 no forward (the
+        exchanges alone). Ticks line up across ranks (tick i is every rank's i-th), and the CPU
+        time leaves out the waits in the collectives, so the per-tick maximum over the ranks is
+        the step's critical path however loaded the machine (benchmarks/prefill_delayer.py)."""
+        kind, tokens = (-1, 0) if forward is None else (int(forward[0]), forward[1])
+        self.tick_samples.append([started, time.perf_counter() - started, time.thread_time() - cpu, kind, tokens])
 
     @classmethod
     def join(cls, cfg: EngineConfig) -> "DPGroup | None":
@@ -246,7 +260,10 @@ class DPEngineCore(EngineCore):
                 self.drain_input()
             elif not busy and os.getppid() != self.parent_pid:
                 return
+            started, cpu = time.perf_counter(), time.thread_time()
             outputs = self.engine.step()  # every tick, idle or not: the group's collectives need every rank
+            if group.tick_samples is not None:
+                group.record_tick(started, cpu, self.engine.last_forward)
             if group.lockstep is not None:
                 group.lockstep.end_of_step()
             if outputs:
@@ -265,6 +282,8 @@ class DPEngineCore(EngineCore):
         res = super().call_utility(call)
         if call.method == "stats" and res.error is None:
             group = self.group
+            if group.tick_samples is not None:
+                res.result["tick_samples"] = list(group.tick_samples)
             res.result = dict(res.result, dp_rank=group.rank,
                               prefill_delayer=group.delayer.stats() if group.delayer else None,
                               lockstep_errors=group.lockstep.num_errors if group.lockstep else 0)

@@ -97,6 +97,7 @@ class EngineLoop:
         self._embeddings: dict[str, list[float]] = {}  # pooled vectors by request id, until the last output
         self._aborted: list[Sequence] = []  # surfaced as finished outputs by the next step()
         self.step_samples = step_sample_buffer()
+        self.last_forward: tuple[bool, int] | None = None  # the last step's (is_prefill, tokens); None: no forward
         self._busy_since: float | None = None  # the last forward's end while sequences still ran
         # what the loop did since the last forward: the sequences whose outputs it handled (that
         # forward's), the KV pulls that landed, the requests added: a busy gap's explanation
@@ -252,6 +253,7 @@ class EngineLoop:
         batch = self.scheduler.schedule()
         if batch is not None and self.kv_connector is not None:
             self.kv_connector.start_load_kv(batch.connector_meta)  # an empty batch may carry a pull
+        self.last_forward = (batch.is_prefill, batch.num_tokens) if batch is not None and batch.seqs else None
         if batch is not None and batch.seqs:
             started = time.perf_counter()
             output = self._forward(batch)
