@@ -100,6 +100,31 @@ def tick_view(url: str, keep: pathlib.Path) -> dict:
             "prefill_ticks": sum(1 in k for k in kinds)}
 
 
+KIND = {1: "P", 0: "D", -1: "-"}
+
+
+def tick_breakdown(work: pathlib.Path) -> None:
+    """Where each mode's critical path went, over every kept tick trace of the run: per pair of
+    the ranks' tick kinds (P prefill, D decode, - none), the ticks and their critical seconds."""
+    by_mode: dict[tuple[str, str], Counter] = {}
+    for path in sorted(work.glob("*-ticks.json")):
+        mode, _, b = path.name[:-len("-ticks.json")].split("-")
+        ticks, seconds = by_mode.setdefault((b[1:], mode), Counter()), by_mode.setdefault((b[1:], mode + "_s"), Counter())
+        for tick in zip(*json.loads(path.read_text())):
+            pair = "".join(sorted(KIND[kind] for *_, kind, _ in tick))
+            if pair != "--":
+                ticks[pair] += 1
+                seconds[pair] += max(cpu for _, _, cpu, *_ in tick)
+    pairs = ["PP", "DP", "-P", "DD", "-D"]
+    print("\nWhere the critical path went (all rounds; ticks, critical s), per pair of the ranks' tick kinds "
+          "(P prefill, D decode, - no forward):\n")
+    print("| burstiness | mode | " + " | ".join(pairs) + " |\n|---|---|" + "---|" * len(pairs))
+    for (b, mode), ticks in sorted(by_mode.items()):
+        if not mode.endswith("_s"):
+            seconds = by_mode[b, mode + "_s"]
+            print(f"| {b} | {mode} | " + " | ".join(f"{ticks[p]}, {seconds[p]:.2f} s" for p in pairs) + " |")
+
+
 def run_mode(mode: str, args: argparse.Namespace, work: pathlib.Path, rnd: int, burstiness: float) -> dict:
     # a pool the load fills past the delayer's 10% low watermark, as a loaded GPU server would
     engine = ["--max-model-len", "1024", "--num-threads", "1", "--max-num-seqs", "64", "--num-kvcache-blocks", "512",
@@ -195,6 +220,7 @@ def main() -> None:
     print("\n| burstiness | mode | wall tok/s vs off | critical-path tok/s vs off | ITL p99 vs off |\n|---|---|---|---|---|")
     for (b, m), v in ratios.items():
         print(f"| {b:g} | {m} | {median(v['wall'])} | {median(v['critical'])} | {median(v['itl'])} |")
+    tick_breakdown(work)
     print(f"load average after: {loadavg()}")
     print(f"logs and result JSON: {work}")
 

@@ -1,0 +1,200 @@
+#!/usr/bin/env python
+"""The PrefillDelayer on expert-parallel coupling, timed on a virtual clock: what the delayer
+buys two ranks on cores of their own, measured on a loaded shared machine.
+
+Two rank processes (one torch thread each) each run an expert-parallel LLMEngine of `--shape`
+over a gloo group, as `atomd serve --data-parallel-size 2 --enable-expert-parallel` does, with
+this loop in place of the engine core's. Time is virtual: every tick each rank takes its
+thread's CPU time in the step (a wait in a collective is not CPU), the ranks all-reduce it
+and the clock advances by the slower rank's, the tick's critical path: what the tick would
+take on two cores of its own, the transport's latency left out. Requests arrive on that clock
+(gamma inter-arrival times: shape 1 is Poisson, < 1 bursts; prompts of mixed lengths, exactly
+--output-len tokens each), go to the rank with fewer unfinished requests (ties to rank 0, as
+DPEngineClient places them), and their TTFT and inter-token gaps are read on it; when no rank
+has work the clock jumps to the next arrival. The machine's other load changes how long a run
+takes, not what it reports.
+
+Round 0 first floods the ranks (every request at 0, delayer off) for their capacity in
+requests per virtual second; every run then offers --load x that capacity. Per round each
+arrival pattern runs every policy in turn (the order rotating by round); one engine per rank
+serves all runs (its prefix cache reset between them), so no run pays a fresh process's warm-up.
+
+    .venv/bin/python -m benchmarks.delayer_virtual_clock --rounds 3
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import socket
+import statistics
+import sys
+import tempfile
+import time
+
+import numpy as np
+import torch
+import torch.multiprocessing as mp
+
+from benchmarks.machine import cpu_model, loadavg
+from benchmarks.model_shapes import CHOICES, model_dir
+
+POLICIES = ("off", "align", "coalesce")
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def workload(args: dict, seed: int, rate: float | None, burstiness: float) -> list[tuple[float, list[int]]]:
+    """(virtual arrival s, prompt) per request, the same on every rank; rate None: all at 0."""
+    rng = np.random.default_rng(seed)
+    n, length, spread = args["num_prompts"], args["input_len"], args["range_ratio"]
+    lengths = rng.integers(int(length * (1 - spread)), int(length * (1 + spread)) + 1, n)
+    prompts = [[int(t) for t in rng.integers(10, args["vocab_size"], m)] for m in lengths]
+    if rate is None:
+        return [(0.0, p) for p in prompts]
+    gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
+    return list(zip(np.cumsum(gaps) - gaps[0], prompts))
+
+
+def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[int]]], output_len: int) -> dict:
+    """Every request through the ranks on the virtual clock; this rank's requests' timings."""
+    from contracts.sampling import SamplingParams
+
+    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
+    now, nxt, unfinished = 0.0, 0, [0] * world
+    arrival: dict[str, float] = {}
+    times: dict[str, list[float]] = {}
+    ticks = prefill_ticks = 0
+    wall = time.perf_counter()
+    while nxt < len(requests) or any(unfinished):
+        if not any(unfinished) and requests[nxt][0] > now:
+            now = requests[nxt][0]  # nobody has work: the clock jumps to the next arrival
+        while nxt < len(requests) and requests[nxt][0] <= now:
+            to = min(range(world), key=lambda r: (unfinished[r], r))
+            unfinished[to] += 1
+            if to == rank:
+                rid = f"r{nxt}"
+                engine.add_request(rid, requests[nxt][1], params)
+                arrival[rid] = requests[nxt][0]
+            nxt += 1
+        cpu = time.thread_time()
+        outputs = engine.step()
+        cpu = time.thread_time() - cpu
+        prefill_ticks += engine.last_forward is not None and engine.last_forward[0]
+        vec = np.zeros(2 * world, dtype=np.int64)
+        vec[rank], vec[world + rank] = int(cpu * 1e6), sum(engine.scheduler.get_request_counts())
+        sums = coll.all_reduce_sum(vec)
+        now += int(sums[:world].max()) / 1e6
+        unfinished = [int(u) for u in sums[world:]]
+        ticks += 1
+        for out in outputs:
+            times.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
+    return {"end": now, "ticks": ticks, "prefill_ticks": int(prefill_ticks), "wall_s": time.perf_counter() - wall,
+            "ttft": [times[rid][0] - arrival[rid] for rid in arrival],
+            "itl": [b - a for rid in arrival for a, b in zip(times[rid], times[rid][1:])],
+            "tokens": sum(len(t) for t in times.values())}
+
+
+def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
+    torch.set_num_threads(1)
+    from atomd.config import EngineConfig
+    from atomd.engine.dp_collective import GlooCollective, make_prefill_delayer
+    from atomd.engine.llm_engine import LLMEngine
+
+    coll = GlooCollective(rank, world, port, timeout_s=600, join_timeout_s=600)
+    configs = {p: EngineConfig(model=args["model"], data_parallel_size=world, data_parallel_rank=rank,
+                               enable_expert_parallel=True, prefill_delayer=p, num_threads=1, max_model_len=1024,
+                               max_num_seqs=64, num_kvcache_blocks=512) for p in POLICIES}
+    engine = LLMEngine(configs["off"], expert_group=coll)
+    coll.barrier()
+    flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0), args["output_len"])
+    capacity = args["num_prompts"] / flood["end"]  # the same on every rank: the clock is shared
+    runs = [{"round": -1, "burstiness": 0, "policy": "flood", **flood}]
+    for rnd in range(args["rounds"]):
+        for b in args["burstiness"]:
+            requests = workload(args, rnd * 100 + int(b * 10), args["load"] * capacity, b)
+            order = POLICIES[rnd % 3:] + POLICIES[:rnd % 3]
+            for policy in order:
+                engine.reset_prefix_cache()
+                engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
+                                                    if policy != "off" else None)
+                result = serve(engine, coll, rank, world, requests, args["output_len"])
+                delayer = engine.scheduler.prefill_delayer
+                runs.append({"round": rnd, "burstiness": b, "policy": policy, "rate": args["load"] * capacity,
+                             "delayer": delayer.stats()["outcomes"] if delayer else [], **result})
+                print(f"rank {rank}: round {rnd} burstiness {b:g} {policy} done ({result['wall_s']:.0f} s wall)",
+                      file=sys.stderr, flush=True)
+    with open(out, "w") as f:
+        json.dump(runs, f)
+    coll.close()
+
+
+def pct(values: list[float], q: float) -> float:
+    return float(np.percentile(values, q)) if values else float("nan")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=48)
+    ap.add_argument("--input-len", type=int, default=384)
+    ap.add_argument("--range-ratio", type=float, default=0.9, help="prompt lengths in L*(1 -+ r)")
+    ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the flood's capacity")
+    ap.add_argument("--burstiness", default="1,0.25", help="gamma shapes, comma-separated: 1 Poisson, < 1 bursts")
+    ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
+    a = ap.parse_args()
+    model = model_dir(a.shape)
+    vocab = json.loads((model / "config.json").read_text())["vocab_size"]
+    args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
+            "range_ratio": a.range_ratio, "output_len": a.output_len, "load": a.load, "rounds": a.rounds,
+            "burstiness": [float(b) for b in a.burstiness.split(",")]}
+    print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
+    work = tempfile.mkdtemp(prefix="atomd-delayer-vclock-")
+    outs = [os.path.join(work, f"rank{r}.json") for r in range(2)]
+    port = free_port()
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, outs[r])) for r in range(2)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join()
+    if any(p.exitcode for p in procs):
+        sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    ranks = [json.load(open(o)) for o in outs]
+    rows, ratios = [], {}
+    flood = ranks[0][0]
+    print(f"flood (delayer off, every request at 0): {a.num_prompts} requests in {flood['end']:.2f} virtual s "
+          f"-> capacity {a.num_prompts / flood['end']:.2f} req/s; offered {a.load:g}x that")
+    runs = list(zip(*ranks))[1:]
+    by_key = {(r0["round"], r0["burstiness"], r0["policy"]): (r0, r1) for r0, r1 in runs}
+    for (rnd, b, policy), (r0, r1) in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1], POLICIES.index(kv[0][2]))):
+        tput = (r0["tokens"] + r1["tokens"]) / r0["end"]
+        ttft, itl = r0["ttft"] + r1["ttft"], r0["itl"] + r1["itl"]
+        off = by_key[rnd, b, "off"]
+        off_tput = (off[0]["tokens"] + off[1]["tokens"]) / off[0]["end"]
+        off_itl = pct(off[0]["itl"] + off[1]["itl"], 99)
+        ratios.setdefault((b, policy), []).append((tput / off_tput, pct(itl, 99) / off_itl))
+        decisions = ", ".join(f"{o}/{why} {n}" for _, o, why, n in r0["delayer"]) or "-"
+        rows.append(f"| {rnd} | {b:g} | {policy} | {tput:.1f} | {tput / off_tput:.2f} | {1e3 * pct(ttft, 50):.0f} | "
+                    f"{1e3 * pct(ttft, 99):.0f} | {1e3 * pct(itl, 50):.1f} | {1e3 * pct(itl, 99):.1f} | "
+                    f"{pct(itl, 99) / off_itl:.2f} | {r0['ticks']} | {r0['prefill_ticks']} + {r1['prefill_ticks']} | "
+                    f"{r0['wall_s']:.0f} | {decisions} |")
+    print("\n| round | burstiness | policy | out tok per virtual s | vs off | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
+          "ITL p99 ms | ITL p99 vs off | ticks | prefill ticks (rank 0 + 1) | wall s | rank 0 decisions |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+    print("\n| burstiness | policy | tok/s vs off, median (range) | ITL p99 vs off, median (range) |\n|---|---|---|---|")
+    for (b, policy), v in sorted(ratios.items()):
+        t, i = [x for x, _ in v], [y for _, y in v]
+        print(f"| {b:g} | {policy} | {statistics.median(t):.2f}x ({min(t):.2f}-{max(t):.2f}) | "
+              f"{statistics.median(i):.2f}x ({min(i):.2f}-{max(i):.2f}) |")
+    print(f"\nload average after: {loadavg()}; per-rank JSON: {work}")
+
+
+if __name__ == "__main__":
+    main()
