@@ -68,7 +68,8 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
     now, nxt, unfinished = 0.0, 0, [0] * world
     arrival: dict[str, float] = {}
     times: dict[str, list[float]] = {}
-    ticks = prefill_ticks = 0
+    kinds: list[int] = []  # per tick: 1 prefill, 0 decode, -1 no forward
+    critical: list[float] = []  # per tick: the slower rank's CPU s
     wall = time.perf_counter()
     while nxt < len(requests) or any(unfinished):
         if not any(unfinished) and requests[nxt][0] > now:
@@ -84,16 +85,17 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
         cpu = time.thread_time()
         outputs = engine.step()
         cpu = time.thread_time() - cpu
-        prefill_ticks += engine.last_forward is not None and engine.last_forward[0]
+        kinds.append(-1 if engine.last_forward is None else int(engine.last_forward[0]))
         vec = np.zeros(2 * world, dtype=np.int64)
         vec[rank], vec[world + rank] = int(cpu * 1e6), sum(engine.scheduler.get_request_counts())
         sums = coll.all_reduce_sum(vec)
-        now += int(sums[:world].max()) / 1e6
+        critical.append(int(sums[:world].max()) / 1e6)
+        now += critical[-1]
         unfinished = [int(u) for u in sums[world:]]
-        ticks += 1
         for out in outputs:
             times.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
-    return {"end": now, "ticks": ticks, "prefill_ticks": int(prefill_ticks), "wall_s": time.perf_counter() - wall,
+    return {"end": now, "ticks": len(kinds), "prefill_ticks": kinds.count(1), "kinds": kinds, "critical": critical,
+            "wall_s": time.perf_counter() - wall,
             "ttft": [times[rid][0] - arrival[rid] for rid in arrival],
             "itl": [b - a for rid in arrival for a, b in zip(times[rid], times[rid][1:])],
             "tokens": sum(len(t) for t in times.values())}
@@ -108,7 +110,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     coll = GlooCollective(rank, world, port, timeout_s=600, join_timeout_s=600)
     configs = {p: EngineConfig(model=args["model"], data_parallel_size=world, data_parallel_rank=rank,
                                enable_expert_parallel=True, prefill_delayer=p, num_threads=1, max_model_len=1024,
-                               max_num_seqs=64, num_kvcache_blocks=512) for p in POLICIES}
+                               max_num_seqs=args["max_num_seqs"], num_kvcache_blocks=512) for p in POLICIES}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
     flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0), args["output_len"])
@@ -144,6 +146,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=384)
     ap.add_argument("--range-ratio", type=float, default=0.9, help="prompt lengths in L*(1 -+ r)")
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--max-num-seqs", type=int, default=64, help="per rank: below the requests in flight, the "
+                    "ranks run full batches and admit a prefill whenever one of theirs finishes")
     ap.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the flood's capacity")
     ap.add_argument("--burstiness", default="1,0.25", help="gamma shapes, comma-separated: 1 Poisson, < 1 bursts")
     ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
@@ -151,7 +155,7 @@ def main() -> None:
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
-            "range_ratio": a.range_ratio, "output_len": a.output_len, "load": a.load, "rounds": a.rounds,
+            "range_ratio": a.range_ratio, "output_len": a.output_len, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds,
             "burstiness": [float(b) for b in a.burstiness.split(",")]}
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
     work = tempfile.mkdtemp(prefix="atomd-delayer-vclock-")
@@ -193,7 +197,26 @@ def main() -> None:
         t, i = [x for x, _ in v], [y for _, y in v]
         print(f"| {b:g} | {policy} | {statistics.median(t):.2f}x ({min(t):.2f}-{max(t):.2f}) | "
               f"{statistics.median(i):.2f}x ({min(i):.2f}-{max(i):.2f}) |")
+    breakdown(by_key)
     print(f"\nload average after: {loadavg()}; per-rank JSON: {work}")
+
+
+def breakdown(by_key: dict) -> None:
+    """Where each policy's virtual time went, all rounds: per pair of the ranks' tick kinds
+    (P prefill, D decode, - no forward), the ticks and their critical-path seconds."""
+    pairs = ["PP", "DP", "-P", "DD", "-D", "--"]
+    table: dict[tuple[float, str], dict[str, list[float]]] = {}
+    for (_, b, policy), (r0, r1) in by_key.items():
+        cell = table.setdefault((b, policy), {p: [0, 0.0] for p in pairs})
+        for k0, k1, cpu in zip(r0["kinds"], r1["kinds"], r0["critical"]):
+            pair = "".join(sorted("-DP"[k + 1] for k in (k0, k1)))
+            cell[pair][0] += 1
+            cell[pair][1] += cpu
+    print("\nWhere the virtual time went (all rounds; ticks, seconds), per pair of the ranks' tick kinds "
+          "(P prefill, D decode, - no forward):\n")
+    print("| burstiness | policy | " + " | ".join(pairs) + " |\n|---|---|" + "---|" * len(pairs))
+    for (b, policy), cell in sorted(table.items()):
+        print(f"| {b:g} | {policy} | " + " | ".join(f"{n}, {sec:.2f} s" for n, sec in cell.values()) + " |")
 
 
 if __name__ == "__main__":
