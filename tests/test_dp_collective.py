@@ -179,3 +179,13 @@ def test_a_rank_that_dies_makes_the_others_fail_open(tmp_path):
     assert after["decisions"] == [True] * 4  # every tick after the death allows prefill
     assert after["reasons"] == {"allow/collective_error": 4}
     assert after["errors"] == 4 and after["collectives"] == 4
+
+
+@pytest.mark.unit
+def test_the_group_listens_on_the_interface_that_routes_to_rank_0():
+    """gloo's device: lo for a loopback group (another host's address: test_expert_parallel's
+    group over two network namespaces, where each host's is its eth0)."""
+    from atomd.engine.dp_collective import interface_towards
+
+    assert interface_towards("127.0.0.1") == "lo"
+    assert interface_towards("localhost") == "lo"
