@@ -189,3 +189,5 @@ def test_the_group_listens_on_the_interface_that_routes_to_rank_0():
 
     assert interface_towards("127.0.0.1") == "lo"
     assert interface_towards("localhost") == "lo"
+    with pytest.raises(RuntimeError, match="data_parallel_address 'no-such-host.invalid' cannot be reached"):
+        interface_towards("no-such-host.invalid")

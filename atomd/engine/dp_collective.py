@@ -43,7 +43,10 @@ def interface_towards(address: str) -> str:
     gloo's, where each rank listens for its peers. Without it gloo takes the address the host
     name resolves to, which a host inside a network namespace (or a container) may not have."""
     with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
-        s.connect((socket.gethostbyname(address), 9))  # a UDP connect sends nothing: the kernel picks the route
+        try:
+            s.connect((socket.gethostbyname(address), 9))  # a UDP connect sends nothing: the kernel picks the route
+        except OSError as e:
+            raise RuntimeError(f"data_parallel_address {address!r} cannot be reached from this host: {e}") from None
         local = s.getsockname()[0]
         for _, name in socket.if_nameindex():
             try:
