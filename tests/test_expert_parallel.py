@@ -453,6 +453,7 @@ def ep_over_hosts(checkpoints):
 
 @pytest.mark.integration
 @pytest.mark.netns
+@pytest.mark.netns_full  # ~30 s of start-ups: `make e2e-netns`
 def test_ep2_over_two_hosts_equals_hf_and_each_host_holds_its_experts(ep_over_hosts, reference, checkpoints):
     """Uneven: three requests on host a's rank, one on b's, at once; each equals HF (and so the
     DP=1 engine, above); each host's /metrics count only its own experts; a server refuses a
@@ -480,6 +481,7 @@ def test_ep2_over_two_hosts_equals_hf_and_each_host_holds_its_experts(ep_over_ho
 
 @pytest.mark.integration
 @pytest.mark.netns
+@pytest.mark.netns_full  # ~30 s of start-ups: `make e2e-netns`
 def test_a_rank_killed_on_the_other_host_fails_both_hosts_within_the_group_timeout(ep_over_hosts):
     """After it the module's servers are dead."""
     fail_a_rank_mid_step(ep_over_hosts, signal.SIGKILL)
