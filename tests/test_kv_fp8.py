@@ -4,13 +4,19 @@ float8 casts are the rounding), under every ATOMD_KERNEL_ISA narrowing, both for
 write and read paths; the flag's validation."""
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from atomd.config import EngineConfig
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, kv_dtype_name, kv_storage_dtype, to_fp8
 from atomd.kernels import cbuild, native
+from tests.families import FAMILIES
+from tests.test_model_hf import BLOCK, MIXED, _prompt_logits, make_checkpoint, prompts_of
+from tests.test_quant_engine import greedy, hf_greedy
 from tests.test_sliding_window import windowed_reference
+from atomd.llm import LLM
 
 ISAS = list(cbuild.ISA_FLAGS)
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
@@ -129,3 +135,133 @@ def test_kv_cache_dtype_names():
     assert to_fp8(torch.tensor([1e9]), torch.float8_e5m2).float().item() == 57344.0
     with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
         EngineConfig(kv_cache_dtype="int8")
+
+
+# ---------------------------------------------------------------------------------------------- the engine
+
+def _fp8_sdpa(dtype: torch.dtype):
+    """transformers' SDPA attention on keys and values rounded to fp8 `dtype` as the cache stores
+    them (after RoPE, saturated at the format's largest value, widened back): the reference."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    def attention(module, query, key, value, *args, **kwargs):
+        return sdpa_attention_forward(module, query, to_fp8(key, dtype).to(key.dtype),
+                                      to_fp8(value, dtype).to(value.dtype), *args, **kwargs)
+    return attention
+
+
+@pytest.fixture(scope="module")
+def fp8_llama(tmp_path_factory):
+    """A tiny Llama (GQA 4 / 2 heads of 16) and, per fp8 format, HF on it with the KV rounded."""
+    import transformers
+
+    path = make_checkpoint(tmp_path_factory.mktemp("llama_fp8"), "llama", seed=5)
+    refs = {}
+    for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
+        transformers.AttentionInterface.register(f"atomd_{name}", _fp8_sdpa(dtype))
+        refs[name] = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=f"atomd_{name}").eval()
+    return path, refs
+
+
+def _llm(path, **kw) -> LLM:
+    return LLM(str(path), num_threads=1, max_model_len=256, **kw)
+
+
+def _hf_logits(model, prompt: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        return model(torch.tensor([prompt])).logits[0]
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("backend,chunk", [("native", None), ("native", BLOCK), ("torch", BLOCK)])
+def test_prompt_logits_equal_hf_on_fp8_rounded_kv(fp8_llama, kv, backend, chunk):
+    """Prompt logits equal HF's with K and V rounded to fp8 (float32 tolerance): one prefill, and in
+    16-token chunks (each chunk reads the earlier ones back from the fp8 cache)."""
+    path, refs = fp8_llama
+    llm = _llm(path, kv_cache_dtype=kv, attention_backend=backend,
+               **({"max_num_batched_tokens": chunk} if chunk else {}))
+    assert llm.engine.kv_cache.kv.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    prompt = prompts_of([4 * BLOCK + 5], seed=3)[0]
+    torch.testing.assert_close(_prompt_logits(llm, prompt), _hf_logits(refs[kv], prompt), atol=1e-4, rtol=0)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("backend", ["native", "torch"])
+def test_greedy_equals_hf_on_fp8_rounded_kv(fp8_llama, kv, backend):
+    """48 greedy ids of mixed-length prompts (batched decode, batch-1 decode per op) equal HF's on
+    the same rounding; then again through prefix-cache hits, and with n-gram speculative decoding."""
+    path, refs = fp8_llama
+    ref = refs["fp8_e4m3" if kv == "fp8" else kv]
+    prompts = prompts_of(MIXED, seed=7)
+    want = [hf_greedy(ref, p, 48) for p in prompts]
+    llm = _llm(path, kv_cache_dtype=kv, attention_backend=backend)
+    assert greedy(llm, prompts) == want
+    hits = llm.engine.stats()["prefix_cache_hits"]
+    assert greedy(llm, prompts[2:3]) == want[2:3]  # a prefix hit: its 5 blocks read back from the cache
+    assert llm.engine.stats()["prefix_cache_hits"] - hits >= 5 * BLOCK
+    spec = _llm(path, kv_cache_dtype=kv, attention_backend=backend, speculative_config=json.dumps(
+        {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1, "prompt_lookup_max": 3}))
+    assert greedy(spec, prompts) == want
+
+
+@pytest.mark.unit
+def test_preemption_by_a_tiny_pool_equals_hf_on_fp8_rounded_kv(fp8_llama):
+    path, refs = fp8_llama
+    prompts = prompts_of([40, 33, 50], seed=11)
+    llm = _llm(path, kv_cache_dtype="fp8_e4m3", num_kvcache_blocks=8)  # 3 x (prompt + 48) > 8 blocks: preempts
+    assert greedy(llm, prompts) == [hf_greedy(refs["fp8_e4m3"], p, 48) for p in prompts]
+
+
+@pytest.mark.unit
+def test_fp8_cache_holds_four_times_float32s_tokens_and_stays_near_it(fp8_llama):
+    """Memory: --kv-cache-memory gives 4x the blocks of float32 (2x bfloat16's). Accuracy against the
+    unquantised cache (float32 model): the prompt logits' rms error relative to their rms under 6%
+    (e4m3, 3 mantissa bits; measured 4.1%) and 12% (e5m2, 2 bits; measured 8.2%). fp8 does change
+    outputs: greedy ids are checked against HF on the same rounding (above), not against float32."""
+    path, _ = fp8_llama
+    memory = 1 << 20
+    f32, e4, e5 = (_llm(path, kv_cache_memory=memory, kv_cache_dtype=kv) for kv in ("auto", "fp8", "fp8_e5m2"))
+    assert e4.engine.kv_cache.num_blocks == e5.engine.kv_cache.num_blocks == 4 * f32.engine.kv_cache.num_blocks
+    assert e4.engine.kv_cache.block_bytes * 4 == f32.engine.kv_cache.block_bytes
+    prompt = prompts_of([3 * BLOCK], seed=9)[0]
+    exact = _prompt_logits(f32, prompt)
+    for llm, bound in ((e4, 0.06), (e5, 0.12)):
+        assert 0 < float((_prompt_logits(llm, prompt) - exact).norm() / exact.norm()) < bound
+
+
+@pytest.mark.unit
+def test_bfloat16_model_over_an_fp8_cache(fp8_llama):
+    """A bfloat16 model reads the fp8 cache widened to bf16: its logits within bf16's tolerance of HF's
+    float32 on the same rounding (test_bf16's 0.25)."""
+    path, refs = fp8_llama
+    llm = _llm(path, dtype="bfloat16", kv_cache_dtype="fp8")
+    assert llm.engine.kv_cache.block_bytes * 2 == KVCache.bytes_per_block(2, BLOCK, 2, 16, torch.bfloat16)
+    prompt = prompts_of([2 * BLOCK + 3], seed=4)[0]
+    torch.testing.assert_close(_prompt_logits(llm, prompt).float(), _hf_logits(refs["fp8_e4m3"], prompt),
+                               atol=0.25, rtol=0)
+    assert len(greedy(llm, [prompt])[0]) == 48
+
+
+@pytest.mark.unit
+def test_fingerprint_names_the_kv_cache_dtype(fp8_llama):
+    from kv_transfer.params import compat_mismatch
+
+    path, _ = fp8_llama
+    fp8, plain = _llm(path, kv_cache_dtype="fp8").engine.compat, _llm(path).engine.compat
+    assert fp8["kv_cache_dtype"] == "fp8_e4m3" and plain["kv_cache_dtype"] == "float32" == plain["dtype"]
+    assert compat_mismatch(plain, fp8) == "compat mismatch on kv_cache_dtype: expected 'float32', got 'fp8_e4m3'"
+    assert compat_mismatch(fp8, _llm(path, kv_cache_dtype="fp8_e4m3").engine.compat) is None  # fp8 is e4m3
+
+
+@pytest.mark.unit
+def test_what_fp8_does_not_run_is_refused_by_name(tmp_path):
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with kv_cache_dtype fp8 yet"):
+        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8_e5m2 needs model_runner real"):
+        EngineConfig(kv_cache_dtype="fp8_e5m2", model_runner="simulated", hardware="h100:llama3-8b")
+    path = FAMILIES["deepseek-v3"].write(tmp_path / "deepseek")
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8: DeepseekV3ForCausalLM's MLA latent cache is not built in fp8"):
+        _llm(path, kv_cache_dtype="fp8")
