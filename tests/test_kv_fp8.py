@@ -139,29 +139,28 @@ def test_kv_cache_dtype_names():
 
 # ---------------------------------------------------------------------------------------------- the engine
 
-def _fp8_sdpa(dtype: torch.dtype):
-    """transformers' SDPA attention on keys and values rounded to fp8 `dtype` as the cache stores
-    them (after RoPE, saturated at the format's largest value, widened back): the reference."""
+def hf_on_fp8_kv(path, dtype: torch.dtype):
+    """transformers' float32 model at `path` whose SDPA attention reads keys and values rounded to
+    fp8 `dtype` as the cache stores them (after RoPE, saturated at the format's largest value,
+    widened back): the reference. Its masks (causal, sliding window) are SDPA's own."""
+    import transformers
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.masking_utils import sdpa_mask
 
     def attention(module, query, key, value, *args, **kwargs):
         return sdpa_attention_forward(module, query, to_fp8(key, dtype).to(key.dtype),
                                       to_fp8(value, dtype).to(value.dtype), *args, **kwargs)
-    return attention
+    name = f"atomd_{kv_dtype_name(dtype)}"
+    transformers.AttentionInterface.register(name, attention)
+    transformers.AttentionMaskInterface.register(name, sdpa_mask)
+    return transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=name).eval()
 
 
 @pytest.fixture(scope="module")
 def fp8_llama(tmp_path_factory):
     """A tiny Llama (GQA 4 / 2 heads of 16) and, per fp8 format, HF on it with the KV rounded."""
-    import transformers
-
     path = make_checkpoint(tmp_path_factory.mktemp("llama_fp8"), "llama", seed=5)
-    refs = {}
-    for name, dtype in (("fp8_e4m3", torch.float8_e4m3fn), ("fp8_e5m2", torch.float8_e5m2)):
-        transformers.AttentionInterface.register(f"atomd_{name}", _fp8_sdpa(dtype))
-        refs[name] = transformers.AutoModelForCausalLM.from_pretrained(
-            path, dtype=torch.float32, attn_implementation=f"atomd_{name}").eval()
-    return path, refs
+    return path, {kv_dtype_name(d): hf_on_fp8_kv(path, d) for d in FP8}
 
 
 def _llm(path, **kw) -> LLM:
