@@ -137,6 +137,20 @@ def test_kv_cache_dtype_names():
         EngineConfig(kv_cache_dtype="int8")
 
 
+@pytest.mark.unit
+def test_the_serve_flag_takes_vllms_names_and_refuses_others(capsys):
+    from tests.test_serve_flags import serve_parser
+
+    parser = serve_parser()
+    for name in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+        args = parser.parse_args(["--kv-cache-dtype", name])
+        assert EngineConfig.from_args(args).kv_cache_dtype == name
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--kv-cache-dtype", "fp8_e4m3fn"])
+    assert e.value.code == 2
+    assert "argument --kv-cache-dtype: invalid choice: 'fp8_e4m3fn'" in capsys.readouterr().err
+
+
 # ---------------------------------------------------------------------------------------------- the engine
 
 def hf_on_fp8_kv(path, dtype: torch.dtype):
