@@ -51,19 +51,20 @@ def _filled_cache(lens: list[int], layers: int, kv_heads: int, head_dim: int, dt
 def test_every_fp8_byte_widens_as_torch_casts_it(isa, dtype):
     """One key per sequence: the output is its V row itself, so each of the 256 bytes comes out as
     the kernel widens it (infinities and NaNs included)."""
-    head_dim, lib = 64, _kernels(isa, 64, 1)
+    head_dim, lib = 64, _kernels(isa, 64, 2)  # a shape the other kernel tests build too
     cache = KVCache(4, 1, 16, 1, head_dim, dtype)
     cache.kv.view(torch.uint8)[:, 0, 1, 0, 0] = torch.arange(256, dtype=torch.uint8).view(4, head_dim)
     tables = torch.arange(4).view(4, 1).contiguous()
-    got = native.decode_attention(lib, torch.randn(4, 1, head_dim), cache, 0, tables, torch.ones(4, dtype=torch.int64))
-    want = cache.kv[:, 0, 1, 0, 0].float().reshape(4, head_dim)
-    torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
+    got = native.decode_attention(lib, torch.randn(4, 2, head_dim), cache, 0, tables, torch.ones(4, dtype=torch.int64))
+    want = cache.kv[:, 0, 1, 0, 0].float().reshape(4, 1, head_dim).expand(4, 2, head_dim)
+    torch.testing.assert_close(got.view(4, 2, head_dim), want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (14, 2, 80), (3, 1, 8), (6, 3, 40), (8, 1, 128)])
+# head sizes under one vector (8), of whole vectors (32, 80, 128) and with a partial last one (40)
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (14, 2, 80), (3, 1, 8), (6, 3, 40), (16, 1, 128)])
 @pytest.mark.parametrize("window", [None, 37])
 def test_decode_kernel_over_fp8_equals_reference(isa, dtype, heads, kv_heads, head_dim, window):
     torch.manual_seed(heads * head_dim + (window or 0))
@@ -88,7 +89,7 @@ def test_decode_kernel_over_fp8_with_drafts_scales_and_bf16(isa, dtype):
     """Speculative verify rows (causal inside a sequence's run), per-tensor scales other than 1,
     and a bfloat16 model (q widened, the output rounded back to bf16)."""
     torch.manual_seed(3)
-    heads, kv_heads, head_dim, lens = 4, 2, 48, [5, 40, 70]
+    heads, kv_heads, head_dim, lens = 4, 2, 32, [5, 40, 70]
     cache, tables = _filled_cache(lens, 1, kv_heads, head_dim, dtype, compute=torch.bfloat16)
     cache.k_scale, cache.v_scale = 0.5, 3.0  # applied on read: the stored bytes stand for 0.5x / 3x
     starts = torch.tensor([0, 1, 4, 7], dtype=torch.int64)  # 1, 3 and 3 rows
