@@ -9,7 +9,7 @@ import json
 import pytest
 import torch
 
-from atomd.config import EngineConfig
+from atomd.config import EngineConfig, cpu_flags
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, kv_dtype_name, kv_storage_dtype, to_fp8
 from atomd.kernels import cbuild, native
 from tests.families import FAMILIES
@@ -52,6 +52,8 @@ def test_every_fp8_byte_widens_as_torch_casts_it(isa, dtype):
     """One key per sequence: the output is its V row itself, so each of the 256 bytes comes out as
     the kernel widens it (infinities and NaNs included)."""
     head_dim, lib = 64, _kernels(isa, 64, 2)  # a shape the other kernel tests build too
+    avx512 = isa != "no-avx512" and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
+    assert lib.fp8_path == native.FP8_PATHS[int(avx512)]  # each narrowing runs the path it names
     cache = KVCache(4, 1, 16, 1, head_dim, dtype)
     cache.kv.view(torch.uint8)[:, 0, 1, 0, 0] = torch.arange(256, dtype=torch.uint8).view(4, head_dim)
     tables = torch.arange(4).view(4, 1).contiguous()

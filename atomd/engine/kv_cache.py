@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from atomd.config import KV_CACHE_DTYPES
 
 # --kv-cache-dtype (auto: the model's dtype); fp8 is vLLM's alias of fp8_e4m3

@@ -42,6 +42,8 @@ class ModelRunner:
             self.kernels = attention_kernels(*model.attention_shape())
             if self.kernels is not None and dtype == torch.bfloat16:
                 log.info("bfloat16 attention: native kernels, %s", bf16_path(self.kernels))
+            if self.kernels is not None and kv_cache.fp8:
+                log.info("%s KV cache: native decode kernel, %s", kv_cache.kv.dtype, self.kernels.fp8_path)
         # Fresh prompts: the native prefill kernel, except in bf16 on an AMX CPU where the build
         # has no AMX path (an older compiler, or Linux refused the tiles): torch's flash SDPA
         # reaches the tiles through oneDNN there and runs ~4x the AVX512_BF16 loop (8 x 512
