@@ -65,9 +65,10 @@ def test_every_fp8_byte_widens_as_torch_casts_it(isa, dtype):
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", FP8)
-# head sizes under one vector (8), of whole vectors (32, 80, 128) and with a partial last one (40)
-@pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 2, 32), (14, 2, 80), (3, 1, 8), (6, 3, 40), (16, 1, 128)])
-@pytest.mark.parametrize("window", [None, 37])
+# head sizes under one vector (8), of whole vectors (32, 80, 128) and with a partial last one (40);
+# a sliding window on some
+@pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(4, 2, 32, None), (14, 2, 80, 37), (3, 1, 8, 37),
+                                                            (6, 3, 40, None), (16, 1, 128, 37)])
 def test_decode_kernel_over_fp8_equals_reference(isa, dtype, heads, kv_heads, head_dim, window):
     torch.manual_seed(heads * head_dim + (window or 0))
     lens = [1, 15, 16, 17, 100]  # partial, exact and many blocks; inside and past the window
