@@ -34,6 +34,7 @@ ATTENTION_BACKENDS = ("auto", "native", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 QUANTIZATIONS = ("int8", "int4", "bf16")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
 QUANTIZED_ACTIVATIONS = ("float32", "int8")  # --quantized-activations (atomd/model/quant.py, csrc/quant.h)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # --kv-cache-dtype (atomd/engine/kv_cache.py)
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 SPECULATIVE_METHODS = ("ngram", "mtp")
 MODEL_RUNNERS = ("real", "simulated")  # simulated: atomd/sim/engine.py
@@ -55,6 +56,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # the activations of the quantized linears' small-M matmuls: int8 = quantised per block of 32
     # with integer dot products (VNNI where the CPU has it), float32 = as they are
     quantized_activations: str = "float32"
+    # the paged KV cache's values: auto = the model's dtype; fp8 (= fp8_e4m3) / fp8_e5m2: one byte each,
+    # per-tensor scale 1.0 (atomd/engine/kv_cache.py)
+    kv_cache_dtype: str = "auto"
     max_model_len: int = 2048
     max_num_seqs: int = 256
     max_num_batched_tokens: int = 8192
@@ -154,6 +158,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         _choice("quantized_activations", self.quantized_activations, QUANTIZED_ACTIVATIONS)
         if self.attention_backend == "native" and self.dtype not in ("float32", "bfloat16"):
             raise ValueError(f"attention_backend native runs float32 and bfloat16, got dtype {self.dtype!r}")
+        _choice("kv_cache_dtype", self.kv_cache_dtype, KV_CACHE_DTYPES)
+        if self.kv_cache_dtype != "auto" and self.model_runner != "real":
+            raise ValueError(f"kv_cache_dtype {self.kv_cache_dtype} needs model_runner real (a hardware profile's "
+                             f"KV bytes per token are the model dtype's)")
         _choice("kv_role", self.kv_role, KV_ROLES)
         _choice("kv_transfer_backend", self.kv_transfer_backend, KV_TRANSFER_BACKENDS)
         _choice("kv_mooncake_protocol", self.kv_mooncake_protocol, KV_MOONCAKE_PROTOCOLS)
@@ -300,7 +308,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         for name, on in (("enable_lora", self.enable_lora),
                          ("enable_expert_parallel", self.enable_expert_parallel),
-                         ("quantization", self.quantization is not None)):
+                         ("quantization", self.quantization is not None),
+                         ("kv_cache_dtype fp8", self.kv_cache_dtype != "auto")):
             if on:
                 raise ValueError(f"tensor_parallel_size > 1 does not run with {name} yet")
         from atomd.model.default import default_model_dir
@@ -478,6 +487,7 @@ def _bytes_arg(text: str) -> int:
 # that is keyed by field here.
 CHOICES = {"dtype": DTYPE_CHOICES, "tp_communicator": TP_COMMUNICATORS, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
            "quantization": QUANTIZATIONS, "quantized_activations": QUANTIZED_ACTIVATIONS,
+           "kv_cache_dtype": KV_CACHE_DTYPES,
            "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
            "kv_mooncake_protocol": KV_MOONCAKE_PROTOCOLS,
            "prefill_delayer": PREFILL_DELAYERS, "model_runner": MODEL_RUNNERS,
@@ -501,6 +511,9 @@ HELP = {
     "quantized_activations": "int8: the quantized linears' activations quantised to int8 per block of 32 for "
                              "batch 1 to 32 rows (integer dot products, AVX512-VNNI where present; ~0.5%% rms error against "
                              "float32 on a linear's output); float32: as they are",
+    "kv_cache_dtype": "the paged KV cache's values: auto (the model's --dtype), or fp8 / fp8_e4m3 / fp8_e5m2: one "
+                      "byte a value (scale 1.0, saturating), a quarter of float32's memory and PD bytes, half of "
+                      "bfloat16's; P and D must agree",
     "max_model_len": "prompt + completion tokens",
     "max_num_seqs": "sequences per step",
     "max_num_batched_tokens": "tokens per step",

@@ -26,7 +26,7 @@ NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
 Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 Ident = Annotated[str, msgspec.Meta(min_length=1, max_length=256)]
 
-COMPAT_FIELDS = ("model_id", "dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "version")
+COMPAT_FIELDS = ("model_id", "dtype", "kv_cache_dtype", "block_size", "num_layers", "num_kv_heads", "head_dim", "version")
 
 
 class KVTransferParams(msgspec.Struct, kw_only=True, omit_defaults=True):
@@ -90,13 +90,15 @@ def new_access_token() -> str:
 
 def compat_fingerprint(
     model_id: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, version: str,
-    tp_size: int = 1,
+    tp_size: int = 1, kv_cache_dtype: str | None = None,
 ) -> dict[str, Any]:
     """What must be equal on both engines for block bytes to be interchangeable, and the TP
-    size their blocks are split by (`num_kv_heads`: the model's, all TP workers' together)."""
+    size their blocks are split by (`num_kv_heads`: the model's, all TP workers' together).
+    `kv_cache_dtype`: what the cache stores (fp8_e4m3, fp8_e5m2; default: `dtype`, the model's)."""
     fp = {
         "model_id": model_id,
         "dtype": dtype,
+        "kv_cache_dtype": kv_cache_dtype or dtype,
         "block_size": block_size,
         "num_layers": num_layers,
         "num_kv_heads": num_kv_heads,

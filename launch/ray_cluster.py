@@ -84,7 +84,7 @@ def engine_flags(role: str, config: ClusterConfig, host: str) -> list[str]:
             "--data-parallel-size", str(group.data_parallel_size),
             *(["--enable-expert-parallel"] if group.enable_expert_parallel else []),
             *(["--tensor-parallel-size", str(group.tensor_parallel_size)] if group.tensor_parallel_size > 1 else []),
-            "--kv-transfer-backend", config.kv_transfer_backend,
+            "--kv-transfer-backend", config.kv_transfer_backend, "--kv-cache-dtype", config.kv_cache_dtype,
             "--kv-side-channel-host", host,  # decode engines on other nodes pull from here
             *lora_flags(role, config), *group.extra_args]
 

@@ -23,6 +23,7 @@ from contracts.lora import check_name
 from router.policies import POLICIES
 
 KVTransport = Literal["zmq", "mooncake"]  # --kv-transfer-backend of every engine
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # --kv-cache-dtype of every engine (atomd.config's)
 
 
 class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -116,6 +117,7 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     engine_host: str | None = None  # engines' bind address; None = the node's IP (multi-node),
                                     # 127.0.0.1 keeps a one-machine cluster on loopback
     kv_transfer_backend: KVTransport = "zmq"
+    kv_cache_dtype: KVCacheDtype = "auto"  # both roles alike: P and D refuse to pair otherwise
     prefill: EngineGroup = msgspec.field(default_factory=EngineGroup)
     decode: EngineGroup = msgspec.field(default_factory=EngineGroup)
     router: RouterSpec = msgspec.field(default_factory=RouterSpec)

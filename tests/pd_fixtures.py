@@ -101,15 +101,16 @@ def metric(server, name: str, **labels: str) -> float:
     return metrics(server).get((name, tuple(sorted(labels.items()))), 0.0)
 
 
-def block_bytes(model: os.PathLike | None = None) -> int:
-    """Bytes of one float32 KV block (16 tokens) of `model` (default: the built-in one), from its
-    config.json: k and v of every KV head, or MLA's one latent row (DeepSeek) a token and layer."""
+def block_bytes(model: os.PathLike | None = None, value_bytes: int = 4) -> int:
+    """Bytes of one KV block (16 tokens) of `model` (default: the built-in one), from its
+    config.json: k and v of every KV head, or MLA's one latent row (DeepSeek) a token and layer;
+    `value_bytes` a value (4: float32, 2: bfloat16, 1: an fp8 cache)."""
     cfg = json.loads((pathlib.Path(model or model_dir()) / "config.json").read_text())
     if "kv_lora_rank" in cfg:
-        return cfg["num_hidden_layers"] * 16 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * 4
+        return cfg["num_hidden_layers"] * 16 * (cfg["kv_lora_rank"] + cfg["qk_rope_head_dim"]) * value_bytes
     heads = cfg["num_attention_heads"]
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // heads
-    return cfg["num_hidden_layers"] * 2 * 16 * cfg.get("num_key_value_heads", heads) * head_dim * 4
+    return cfg["num_hidden_layers"] * 2 * 16 * cfg.get("num_key_value_heads", heads) * head_dim * value_bytes
 
 
 def sse_events(body: bytes) -> list:

@@ -67,7 +67,7 @@ def test_values_have_the_documented_names():
                    "prefill.numThreads", "prefill.resources", "prefill.extraArgs", "prefill.nodeSelector",
                    "prefill.tolerations", "prefill.affinity", "router.replicas", "router.policy", "ingress.enabled",
                    "ingress.host", "apiKey.existingSecret", "adminApiKey.enabled", "adminApiKey.existingSecret",
-                   "kvParamsSecret.existingSecret", "model.pvc",
+                   "kvParamsSecret.existingSecret", "model.pvc", "engine.kvCacheDtype",
                    "model.path", "serviceMonitor.enabled", "networkPolicy.enabled", "image.repository", "image.tag",
                    "image.pullPolicy", "router.autoscaling.enabled", "grafanaDashboard.enabled"):
         node = values
@@ -78,7 +78,7 @@ def test_values_have_the_documented_names():
 
 @pytest.mark.unit
 def test_schema_choices_are_the_codes_choices():
-    from atomd.config import DTYPE_CHOICES, KV_TRANSFER_BACKENDS
+    from atomd.config import DTYPE_CHOICES, KV_CACHE_DTYPES, KV_TRANSFER_BACKENDS
     from router.policies import POLICIES
 
     props = json.loads((CHART / "values.schema.json").read_text())["properties"]
@@ -87,6 +87,7 @@ def test_schema_choices_are_the_codes_choices():
     backends = props["kvTransfer"]["properties"]["backend"]["enum"]
     assert "zmq" in backends and set(backends) <= set(KV_TRANSFER_BACKENDS)
     assert props["engine"]["properties"]["dtype"]["enum"] == list(DTYPE_CHOICES)
+    assert props["engine"]["properties"]["kvCacheDtype"]["enum"] == list(KV_CACHE_DTYPES)
 
 
 # ---------------------------------------------------------------------- helm itself
@@ -285,6 +286,7 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
         if name == "all-features":
             assert cfg.model.endswith("/qwen2-0.5b") and args.served_model_name == "qwen2-0.5b"
             assert cfg.dtype == "bfloat16" and cfg.max_model_len == 4096 and args.max_num_seqs == 64
+        assert cfg.kv_cache_dtype == ("fp8" if name == "all-features" else "auto")  # both roles alike
         assert cfg.enable_expert_parallel == (name == "all-features" and role == "decode")
         values = yaml.safe_load(ALL_FEATURES.read_text()) if name == "all-features" else {}
         lora = values.get("engine", {}).get("lora", {})

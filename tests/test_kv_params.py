@@ -127,8 +127,10 @@ def test_access_tokens_are_128_bit_hex_and_unique():
 def test_compat_fingerprint_has_every_design_field():
     fp = compat_fingerprint("m", "float32", 16, 6, 4, 32, "0.1.0")
     assert list(fp) == list(COMPAT_FIELDS)
-    assert fp == {"model_id": "m", "dtype": "float32", "block_size": 16, "num_layers": 6,
-                  "num_kv_heads": 4, "head_dim": 32, "version": "0.1.0"}
+    assert fp == {"model_id": "m", "dtype": "float32", "kv_cache_dtype": "float32", "block_size": 16,
+                  "num_layers": 6, "num_kv_heads": 4, "head_dim": 32, "version": "0.1.0"}
+    assert compat_fingerprint("m", "bfloat16", 16, 6, 4, 32, "0.1.0", kv_cache_dtype="fp8_e5m2")["kv_cache_dtype"] == \
+        "fp8_e5m2"  # what the cache stores, beside the model's dtype
     assert json.loads(json.dumps(fp)) == fp
 
 

@@ -1,11 +1,12 @@
 """launch/ray_config.py: the shipped configs load, bad input names its field, the fit check names what is missing."""
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
 
-from launch.ray_config import ClusterConfig, check_fits, load_config, parse_config
+from launch.ray_config import ClusterConfig, KVCacheDtype, check_fits, load_config, parse_config
 from router.policies import POLICIES
 
 CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
@@ -39,6 +40,7 @@ def test_empty_config_is_one_prefill_one_decode():
     ({"prefill": {"cuont": 1}}, "prefill.cuont"),
     ({"modle": "x"}, "modle"),
     ({"kv_transfer_backend": "carrier-pigeon"}, "kv_transfer_backend"),
+    ({"kv_cache_dtype": "int8"}, "kv_cache_dtype"),
     ({"router": {"port": 70000}}, "router.port"),
     ({"router": {"policy": "least_loved"}}, "router.policy"),
     ({"router": {"health_interval_s": 0}}, "router.health_interval_s"),
@@ -155,6 +157,17 @@ def test_every_engine_kv_backend_is_a_ray_config_choice():
 
     for backend in KV_TRANSFER_BACKENDS:
         assert parse_config({"kv_transfer_backend": backend}).kv_transfer_backend == backend
+
+
+def test_kv_cache_dtype_reaches_both_roles_engine_flags():
+    from launch.ray_cluster import engine_flags
+    from tests.helm_tools import engine_parser
+    from atomd.config import KV_CACHE_DTYPES
+
+    assert set(typing.get_args(KVCacheDtype)) == set(KV_CACHE_DTYPES)
+    c = parse_config({"kv_cache_dtype": "fp8_e5m2"})
+    for role in ("prefill", "decode"):
+        assert engine_parser().parse_args(["--model", "m", *engine_flags(role, c, "10.0.0.1")]).kv_cache_dtype == "fp8_e5m2"
 
 
 def test_router_host_and_port_from_the_command_line(tmp_path):

@@ -16,6 +16,34 @@ from typing import Any
 import numpy as np
 import torch
 
+from atomd.config import KV_CACHE_DTYPES
+
+# --kv-cache-dtype (auto: the model's dtype); fp8 is vLLM's alias of fp8_e4m3
+FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+FP8_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+
+
+def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The dtype the paged cache stores (--kv-cache-dtype; auto: the model's)."""
+    if kv_cache_dtype == "auto":
+        return model_dtype
+    if kv_cache_dtype not in FP8_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    return FP8_DTYPES[kv_cache_dtype]
+
+
+def kv_dtype_name(dtype: torch.dtype) -> str:
+    """A cache dtype's name in the KV compatibility fingerprint: fp8 as vLLM names it, else torch's."""
+    return FP8_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
+
+
+def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x / scale in fp8 `dtype`, saturated at its largest finite value (torch's cast gives e5m2
+    an inf past it), rounded to nearest even by torch's cast."""
+    limit = torch.finfo(dtype).max
+    y = x.float() if scale == 1.0 else x.float() / scale
+    return y.clamp_(-limit, limit).to(dtype)
+
 
 @dataclass
 class SeqSlice:
@@ -65,9 +93,11 @@ class KVGeometry:
 
 class KVCache:
     def __init__(self, num_blocks: int, num_layers: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.float32, planes: int = 2, kv: torch.Tensor | None = None):
+                 head_dim: int, dtype: torch.dtype = torch.float32, planes: int = 2, kv: torch.Tensor | None = None,
+                 compute_dtype: torch.dtype | None = None):
         """`kv`: the zeroed tensor to hold the cache in (a tensor-parallel worker's slice of the
-        shared-memory cache, atomd/engine/tp_workers.py), else a new one."""
+        shared-memory cache, atomd/engine/tp_workers.py), else a new one. `dtype`: what is
+        stored; `compute_dtype`: the model's, what readers get back (default: `dtype`; float32 for fp8)."""
         # zeros, not empty: padded (masked) slots are read too, and garbage NaNs would
         # survive a zero attention weight (0 * nan = nan)
         shape = (num_blocks, num_layers, planes, block_size, num_kv_heads, head_dim)
@@ -76,6 +106,9 @@ class KVCache:
         self.kv = kv if kv is not None else torch.zeros(shape, dtype=dtype)
         self.num_blocks, self.num_layers, self.block_size = num_blocks, num_layers, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.fp8 = dtype in FP8_NAMES
+        self.compute_dtype = compute_dtype or (torch.float32 if self.fp8 else dtype)
+        self.k_scale = self.v_scale = 1.0  # per-tensor fp8 scales (vLLM's default without calibration)
         self._k = [self.kv[:, i, 0] for i in range(num_layers)]
         self._v = [self.kv[:, i, 1] for i in range(num_layers)] if planes == 2 else []
 
@@ -93,9 +126,26 @@ class KVCache:
         return self.kv.view(torch.uint8).numpy().reshape(self.num_blocks, self.block_bytes)
 
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the batch's new k, v [T, kv_heads, head_dim] in their slots."""
-        self._k[layer][meta.slot_blocks, meta.slot_offsets] = k
-        self._v[layer][meta.slot_blocks, meta.slot_offsets] = v
+        """Store the batch's new k, v [T, kv_heads, head_dim] in their slots. In an fp8 cache
+        k and v are then overwritten in place with what the cache holds (rounded to fp8 and
+        widened back): this step's attention sees the keys every later step reads, so a
+        prompt attends alike fresh, chunked, after a prefix hit or pulled over PD."""
+        if not self.fp8:
+            self._k[layer][meta.slot_blocks, meta.slot_offsets] = k
+            self._v[layer][meta.slot_blocks, meta.slot_offsets] = v
+            return
+        stored_k, stored_v = to_fp8(k, self.kv.dtype, self.k_scale), to_fp8(v, self.kv.dtype, self.v_scale)
+        self._k[layer][meta.slot_blocks, meta.slot_offsets] = stored_k
+        self._v[layer][meta.slot_blocks, meta.slot_offsets] = stored_v
+        k.copy_(self.widen(stored_k, self.k_scale))
+        v.copy_(self.widen(stored_v, self.v_scale))
+
+    def widen(self, x: torch.Tensor, scale: float) -> torch.Tensor:
+        """Cached values x back in the model's dtype (fp8 times its scale; else x itself)."""
+        if not self.fp8:
+            return x
+        y = x.to(torch.float32 if scale != 1.0 else self.compute_dtype)
+        return y if scale == 1.0 else (y * scale).to(self.compute_dtype)
 
     def slot_rows(self, meta: AttentionMetadata) -> torch.Tensor:
         """Each new token's layer-0 K row in the cache seen as [rows, kv_heads * head_dim]
@@ -121,8 +171,8 @@ class KVCache:
     def gather(self, layer: int, block_ids: torch.Tensor, length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` cached k, v as [kv_heads, length, head_dim]."""
         shape = (-1, self.num_kv_heads, self.head_dim)
-        k = self._k[layer].index_select(0, block_ids).view(shape)[:length]
-        v = self._v[layer].index_select(0, block_ids).view(shape)[:length]
+        k = self.widen(self._k[layer].index_select(0, block_ids).view(shape)[:length], self.k_scale)
+        v = self.widen(self._v[layer].index_select(0, block_ids).view(shape)[:length], self.v_scale)
         return k.transpose(0, 1), v.transpose(0, 1)
 
     def gather_padded(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -130,8 +180,8 @@ class KVCache:
         b = block_tables.shape[0]
         shape = (b, -1, self.num_kv_heads, self.head_dim)
         flat = block_tables.view(-1)
-        k = self._k[layer].index_select(0, flat).view(shape)
-        v = self._v[layer].index_select(0, flat).view(shape)
+        k = self.widen(self._k[layer].index_select(0, flat).view(shape), self.k_scale)
+        v = self.widen(self._v[layer].index_select(0, flat).view(shape), self.v_scale)
         return k.transpose(1, 2), v.transpose(1, 2)
 
 

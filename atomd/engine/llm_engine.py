@@ -21,7 +21,7 @@ from atomd.kernels import cbuild
 from atomd.engine.allocator import retain_freed_memory
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, ranked_choices, resolve_model_dir
-from atomd.engine.kv_cache import KVCache
+from atomd.engine.kv_cache import KVCache, kv_dtype_name, kv_storage_dtype
 from atomd.engine.lora_registry import LoraRegistry
 from atomd.model.deepseek import DeepseekModel
 from atomd.model.deepseek_lora import load_deepseek_adapter
@@ -88,13 +88,20 @@ class LLMEngine(EngineLoop):
         if spec is not None and spec.method == "mtp":
             mtp = load_mtp(model_dir, self.model)
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)  # fp8: one byte a value
+        if kv_dtype != self.model.dtype and kv.planes != 2:
+            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: {mcfg.architecture}'s MLA latent cache is "
+                             f"not built in fp8 (its absorbed decode reads the latent in {config.dtype}); use auto")
         kv_layers = mcfg.num_layers + (mtp is not None)
-        per_block = KVCache.bytes_per_block(kv_layers, config.block_size, kv.heads, kv.head_dim,
-                                            self.model.dtype, kv.planes)
+        per_block = KVCache.bytes_per_block(kv_layers, config.block_size, kv.heads, kv.head_dim, kv_dtype, kv.planes)
         kv_all = None if self.tp_workers is None else self.tp_workers.kv_all  # every rank's, shared memory
         self.kv_cache = KVCache(self._pool_blocks(per_block) if kv_all is None else kv_all.shape[1], kv_layers,
-                                config.block_size, kv.heads, kv.head_dim, self.model.dtype, kv.planes,
-                                kv=None if kv_all is None else kv_all[0])  # (no MTP layer under TP: refused)
+                                config.block_size, kv.heads, kv.head_dim, kv_dtype, kv.planes,
+                                kv=None if kv_all is None else kv_all[0],  # (no MTP layer under TP: refused)
+                                compute_dtype=self.model.dtype)
+        if self.kv_cache.fp8 and getattr(self.model, "decode_layer", None) is not None:
+            log.info("kv_cache_dtype %s: batch-1 decode runs per op (the fused C layer writes the KV cache "
+                     "in the model's dtype)", config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         if self.tp_workers is not None:
             self.runner = TPRunner(self.runner, self.tp_workers)
@@ -110,7 +117,7 @@ class LLMEngine(EngineLoop):
         # a TP engine's blocks go on the wire in the TP=1 layout (atomd/engine/tp_pd.py): every KV head
         kv_heads = kv.heads if split is None else split.num_kv_heads
         self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, kv_layers,
-                                         kv_heads, kv.head_dim, kv.version)
+                                         kv_heads, kv.head_dim, kv.version, kv_cache_dtype=kv_dtype_name(kv_dtype))
         self.tp_staging = None
         if self.tp_workers is not None and config.kv_role != "both":
             self.tp_staging = TPKVStaging(self.tp_workers.kv_all, kv_heads, config.dtype)

@@ -4,7 +4,8 @@
 or with speculative decoding its last token and its drafts, causal inside that run) and `prefill_attention`
 (causal attention of fresh prompts over their own rows) for float32 and bfloat16 (q, KV cache
 and output in bf16, sums in float32; AVX512_BF16 dot products where the CPU has them, bf16
-widened to float32 where not: the build picks, `bf16_path()` says which).
+widened to float32 where not: the build picks, `bf16_path()` says which); decode also over an
+fp8 cache (e4m3 / e5m2, one byte a value, widened to float32 in registers; `lib.fp8_path`).
 
 `$ATOMD_KERNEL_ISA` (atomd.kernels.cbuild, or `attention_kernels(..., isa=)`) narrows what a build may
 use, for testing the fallbacks on a CPU that has everything: `native` (default: all this CPU has),
@@ -49,7 +50,7 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
     lib = cbuild.load(*cbuild.attention_kernel(head_dim, group), log, "attention uses torch SDPA", isa)
     if lib is None:
         return None
-    for name in ("atomd_decode_attention", "atomd_decode_attention_bf16"):
+    for name in ("atomd_decode_attention", "atomd_decode_attention_bf16", *FP8_KERNELS.values()):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
     for name in ("atomd_prefill_attention", "atomd_prefill_attention_bf16"):
@@ -57,9 +58,11 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
         getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, ctypes.c_int]
     lib.atomd_bf16_path.restype, lib.atomd_bf16_path.argtypes = ctypes.c_int, []
     lib.atomd_prefill_amx.restype, lib.atomd_prefill_amx.argtypes = ctypes.c_int, []
+    lib.atomd_fp8_path.restype, lib.atomd_fp8_path.argtypes = ctypes.c_int, []
     lib.head_dim, lib.group = head_dim, group  # the shape it was built for: checked at every call
     lib.bf16_path = lib.atomd_bf16_path()
     lib.prefill_amx = bool(lib.atomd_prefill_amx())  # the bf16 prefill on AMX tiles
+    lib.fp8_path = FP8_PATHS[lib.atomd_fp8_path()]
     if isa != "native":
         log.info("attention kernels built with %s=%s: bf16 path %s", ISA_ENV, isa, BF16_PATHS[lib.bf16_path])
     return lib
@@ -67,6 +70,9 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
 
 attention_kernels.cache_clear = _attention_kernels.cache_clear  # type: ignore[attr-defined]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
+# the decode kernel over an fp8 cache (csrc/attention_fp8.h): float32 q and out
+FP8_KERNELS = {torch.float8_e4m3fn: "atomd_decode_attention_fp8_e4m3", torch.float8_e5m2: "atomd_decode_attention_fp8_e5m2"}
+FP8_PATHS = {1: "fp8 widened to float32 through float16 on AVX-512", 0: "fp8 widened to float32 by a table"}
 
 
 def bf16_path(lib: ctypes.CDLL) -> str:
@@ -90,8 +96,8 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
                      block_tables: torch.Tensor, context_lens: torch.Tensor,
                      query_starts: torch.Tensor | None = None, window: int | None = None,
                      scale: float | None = None) -> torch.Tensor:
-    """Attention of q [R, heads, head_dim] (float32 or bfloat16, the cache's dtype) over the
-    paged cache, read through block_tables [B, width] (int64). Without query_starts, R == B:
+    """Attention of q [R, heads, head_dim] (float32 or bfloat16, the cache's compute dtype) over the
+    paged cache (stored in that dtype or in fp8), read through block_tables [B, width] (int64). Without query_starts, R == B:
     row b is sequence b's one token and sees its first context_lens[b] cached tokens. With query_starts [B + 1] (int64 offsets), sequence
     b owns rows query_starts[b] .. query_starts[b + 1] - 1, the last positions of its context
     (its last token and its drafts), each seeing the keys up to its own position (causal).
@@ -103,7 +109,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
     rows, heads, head_dim = q.shape
     batch = context_lens.shape[0]
     check_shape(lib, heads, c.num_kv_heads, head_dim)
-    assert q.dtype == c.kv.dtype and q.dtype in KERNEL_DTYPES, (q.dtype, c.kv.dtype)
+    assert q.dtype == c.compute_dtype and q.dtype in KERNEL_DTYPES, (q.dtype, c.kv.dtype)
     assert block_tables.dtype == context_lens.dtype == torch.int64
     assert c.kv.is_contiguous() and block_tables.is_contiguous() and context_lens.is_contiguous()
     assert block_tables.shape[0] == batch
@@ -111,20 +117,27 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
         assert rows == batch, "one query token per sequence (else pass query_starts)"
     else:  # its values (increasing, at most a context per sequence) are the caller's to check, once a step
         assert query_starts.dtype == torch.int64 and query_starts.is_contiguous() and len(query_starts) == batch + 1
+    scale = head_dim ** -0.5 if scale is None else scale
+    if c.fp8:  # float32 q and out (a bf16 model's widened and rounded back); k_scale folds into the scores'
+        q, scale = q.float(), scale * c.k_scale
+        kernel = getattr(lib, FP8_KERNELS[c.kv.dtype])
+    else:
+        kernel = lib.atomd_decode_attention if q.dtype == torch.float32 else lib.atomd_decode_attention_bf16
     q = q.contiguous()
     out = torch.empty_like(q)
     row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
     block_stride = c.num_layers * planes * c.block_size * row
     # one plane (MLA's latent): the values are the key rows themselves (their leading dims count)
     v_offset = c.block_size * row if planes == 2 else 0
-    kernel = lib.atomd_decode_attention if q.dtype == torch.float32 else lib.atomd_decode_attention_bf16
     _check_status(kernel(
         q.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr(),
         None if query_starts is None else query_starts.data_ptr(), out.data_ptr(), batch,
         heads, c.num_kv_heads, c.block_size, block_tables.shape[1], block_stride, layer * planes * c.block_size * row,
-        v_offset, head_dim ** -0.5 if scale is None else scale, _window(window), torch.get_num_threads()),
+        v_offset, scale, _window(window), torch.get_num_threads()),
         "decode attention")
-    return out.view(rows, heads * head_dim)
+    if c.fp8 and c.v_scale != 1.0:
+        out.mul_(c.v_scale)
+    return out.view(rows, heads * head_dim).to(c.compute_dtype)
 
 
 def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,

@@ -110,7 +110,7 @@ StatefulSet. {root, role}
 {{- define "atomd.engineConfig" -}}
 {{- $v := .root.Values }}
 {{- $r := index $v .role }}
-{{- $cfg := dict "kv_role" (ternary "producer" "consumer" (eq .role "prefill")) "kv_transfer_backend" $v.kvTransfer.backend "max_model_len" (int $v.engine.maxModelLen) "dtype" $v.engine.dtype "data_parallel_size" (int $r.dataParallelSize) "kv_params_secret_file" (printf "%s/key" (include "atomd.kvParamsSecretDir" .root)) }}
+{{- $cfg := dict "kv_role" (ternary "producer" "consumer" (eq .role "prefill")) "kv_transfer_backend" $v.kvTransfer.backend "max_model_len" (int $v.engine.maxModelLen) "dtype" $v.engine.dtype "kv_cache_dtype" ($v.engine.kvCacheDtype | default "auto") "data_parallel_size" (int $r.dataParallelSize) "kv_params_secret_file" (printf "%s/key" (include "atomd.kvParamsSecretDir" .root)) }}
 {{- if $r.numThreads }}
 {{- $_ := set $cfg "num_threads" (int $r.numThreads) }}
 {{- end }}
