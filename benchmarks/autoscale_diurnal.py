@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import http.client as httpclient
 import json
+import logging
 import pathlib
 import sys
 import tempfile
@@ -125,6 +126,23 @@ def score(results, args) -> tuple[float, list[float]]:
     return sum(g for _, g in ok) / len(ok), windows
 
 
+def window_counts(results, args) -> list[int]:
+    return [sum(1 for t, *_ in results if w <= t < w + args.window_s) for w in np.arange(0, args.day_s, args.window_s)]
+
+
+def window_layouts(history, started: float, args) -> list[str]:
+    """Each window's pool sizes over it (min-max of P and D), from the scaler's history."""
+    out = []
+    for w in np.arange(0, args.day_s, args.window_s):
+        lo, hi = started + w, started + w + args.window_s
+        before = [(p, d) for t, p, d in history if t <= lo]
+        inside = before[-1:] + [(p, d) for t, p, d in history if lo < t < hi]
+        ps, ds = [p for p, _ in inside], [d for _, d in inside]
+        span = lambda v: f"{min(v)}" if min(v) == max(v) else f"{min(v)}-{max(v)}"
+        out.append(f"{span(ps)}P{span(ds)}D")
+    return out
+
+
 def run_setup(name: str, args, times, profile: pathlib.Path, logs: pathlib.Path) -> dict:
     flags = [*ENGINE, "--model-runner", "simulated", "--hardware", str(profile)]
     launcher = ProcessLauncher(None, {"prefill": flags, "decode": flags}, log_dir=str(logs))
@@ -156,8 +174,10 @@ def run_setup(name: str, args, times, profile: pathlib.Path, logs: pathlib.Path)
         points = [(started, before[-1] if before else hist[0][1]), *hist, (ended, hist[-1][1])]
         engine_s = sum(n * (t2 - t1) for (t1, n), (t2, _) in zip(points, points[1:]))
         overall, windows = score(results, args)
+        layouts = window_layouts(scaler.history, started, args)
         leaked = [d for d in scaler.drained if d.free_blocks != d.total_blocks]
         return {"setup": name, "attainment": overall, "min_window": min(windows), "windows": windows,
+                "layouts": layouts, "counts": window_counts(results, args),
                 "engine_s": engine_s, "requests": len(results), "drains": len(scaler.drained),
                 "leaked": len(leaked), "max_engines": max(p + d for _, p, d in scaler.history)}
     finally:
@@ -180,11 +200,13 @@ def main() -> int:
     ap.add_argument("--control-s", type=float, default=2.0, help="the autoscaler's window")
     ap.add_argument("--cooldown-s", type=float, default=10.0)
     ap.add_argument("--max-pool", type=int, default=3)
-    ap.add_argument("--static", nargs="+", default=["1P1D", "1P2D", "2P2D", "2P3D"])
+    ap.add_argument("--static", nargs="*", default=["1P1D", "1P2D", "2P2D", "2P3D"])
     ap.add_argument("--report", default=str(REPO / "benchmarks/results/autoscale_diurnal.md"))
     args = ap.parse_args()
     logs = pathlib.Path(tempfile.mkdtemp(prefix="autoscale-diurnal-"))
     profile = logs / "slow.json"
+    logging.basicConfig(filename=str(logs / "autoscale.log"), level=logging.INFO, format="%(asctime)s %(message)s")
+    print(f"logs in {logs}", flush=True)
     profile.write_bytes(slow_profile().to_json())
     times = arrivals(args.day_s, args.peak, args.base, seed=0)
     load = loadavg()
@@ -193,12 +215,16 @@ def main() -> int:
         r = run_setup(name, args, times, profile, logs)
         loads.append(loadavg())
         rows.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "windows"}), flush=True)
+        print(json.dumps(r), flush=True)
     holding = [r for r in rows[1:] if r["min_window"] >= 0.9]
     smallest = min(holding, key=lambda r: r["engine_s"]) if holding else None
     table = "\n".join(f"| {r['setup']} | {r['attainment']:.1%} | {r['min_window']:.1%} | {r['engine_s']:.0f} | "
                       f"{r['max_engines']} | {r['drains']} | {r['leaked']} |" for r in rows)
     auto = rows[0]
+    per_window = "\n".join(
+        f"| {w * args.window_s:.0f}-{(w + 1) * args.window_s:.0f} s | {auto['counts'][w]} | "
+        + " | ".join(f"{r['windows'][w]:.1%}" + (f" ({r['layouts'][w]})" if r is auto else "") for r in rows) + " |"
+        for w in range(len(auto["windows"])))
     verdict = ("no static layout held 90% in every window" if smallest is None else
                f"smallest static layout holding 90% in every window: {smallest['setup']}, {smallest['engine_s']:.0f} "
                f"engine-s; autoscaler {auto['engine_s']:.0f} engine-s ({auto['engine_s'] / smallest['engine_s']:.2f}x), "
@@ -219,6 +245,12 @@ windows, down below 0.3 x SLO for 3, cooldown {args.cooldown_s:g} s. Engine-seco
 {table}
 
 {verdict}.
+
+Per window (requests arriving in it; attainment, and the autoscaler's pool sizes over it):
+
+| window | requests | {' | '.join(r['setup'] for r in rows)} |
+|---|---|{'---|' * len(rows)}
+{per_window}
 """
     pathlib.Path(args.report).write_text(text)
     print(text)

@@ -337,6 +337,10 @@ def test_an_engine_keeps_its_step_samples_only_when_asked(profile, monkeypatch):
     assert samples[0][6] == -1 and all(s[6] >= 0 for s in samples[1:]) and all(s[5] > 0 for s in samples)
     # the loop's work before each: the request added, then the last forward's one output each
     assert [s[7:] for s in samples] == [[0, 0, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    # "a" done, the engine is idle (its core waits for input without stepping): the next
+    # request's prefill follows a wait, not a busy gap
+    run(engine, {"b": (prompt(2, 20), SamplingParams(max_tokens=2, ignore_eos=True))})
+    assert [s[6] >= 0 for s in engine.stats()["step_samples"][4:]] == [False, True]
     # a step without a forward in between (the loop waited: for input, a pull): no busy gap
     engine = make_engine(profile)
     schedule = engine.scheduler.schedule
@@ -487,6 +491,9 @@ def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(
     want = [base.step_seconds(StepShape.of(True, [20], [0]))] + \
         [base.step_seconds(StepShape.of(False, [1], [c])) + 0.02 for c in (20, 21)]
     assert slept == pytest.approx(want)
+    # idle once "a" is done: the next prefill waits none of the served prefill gap
+    run(engine, {"b": (prompt(2, 20), SamplingParams(max_tokens=1, ignore_eos=True))})
+    assert slept[3:] == pytest.approx([base.step_seconds(StepShape.of(True, [20], [0]))])
 
 
 # ---------------------------------------------------------------- embeddings, nested configs

@@ -173,7 +173,8 @@ class SimulatedEngine(EngineLoop):
                 self._embeddings[seq.request_id] = pseudo_embedding(
                     seq.prompt_token_ids, pooling, self.profile.model.hidden_size).tolist()
 
-    def _idle_step(self) -> None:
+    def _busy_span_ended(self) -> None:
+        super()._busy_span_ended()
         self._last_forward_end = None  # the loop waits now: no served busy gap follows (engine_loop)
 
     def _sample(self, seq: Sequence, params: SamplingParams, index: int) -> tuple[int, dict | None]:
