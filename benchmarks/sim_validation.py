@@ -170,6 +170,13 @@ def main() -> int:
             worst[name] = max(worst[name], *(abs(v - 1) for v in ratios.values()))
             rows.append(f"| {label} | simulated, {name} profile | "
                         + " | ".join(f"{sim_med[m]:.1f} ({ratios[m]:.2f}x)" for m in METRICS) + " |")
+    per_round = []
+    for kind in ("colocated", "pd"):
+        for name in sims:
+            ratios = [{m: sim[m] / real[m] for m in METRICS} for sim, real in zip(results[kind, name], results[kind, "real"])]
+            cells = [" / ".join(f"{r[m]:.2f}" for m in METRICS) for r in ratios]
+            med = " / ".join(f"{np.median([r[m] for r in ratios]):.2f}" for m in METRICS)
+            per_round.append(f"| {'1P+1D' if kind == 'pd' else 'colocated'} | {name} | " + " | ".join(cells) + f" | {med} |")
     fit = json.loads(profile.read_text())["step"] if not args.no_grid else None
     grid = "" if fit is None else f"""Grid profile: `atomd profile --num-threads 1` on this machine (prefill {fit['prefill']['base_s'] * 1e3:.2f} ms +
 {fit['prefill']['per_token_s'] * 1e6:.1f} us/token + {fit['prefill']['per_attention_s'] * 1e9:.1f} ns/pair; decode
@@ -190,6 +197,13 @@ the rounds; simulated rows: medians and (simulated / real); target within 15% (0
 | setup | engines | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | output tok/s |
 |---|---|---|---|---|---|
 {chr(10).join(rows)}
+
+Per round, simulated / real of the same round (TTFT p50 / p99 / TPOT p50 / output tok/s; each round
+runs its real setup, then the simulated ones on that round's served profile, then the other setup kind):
+
+| setup | profile | {' | '.join(f'round {r}' for r in range(args.rounds))} | median of the rounds |
+|---|---|{'---|' * args.rounds}---|
+{chr(10).join(per_round)}
 
 Worst deviation: {'; '.join(f"{name} profile {100 * w:.0f}% ({'within' if w <= 0.15 else 'outside'} the 15% target)"
                             for name, w in worst.items())}.

@@ -52,6 +52,9 @@ class PoolPolicy:
     up_windows: int = 2
     down_windows: int = 3
     cooldown_s: float = 30.0
+    # after a change, how long before the next scale-up (None: cooldown_s): on a ramp one more
+    # engine may not be enough, and a fresh up_windows of hot windows already waited for it
+    up_cooldown_s: float | None = None
 
     def __post_init__(self) -> None:
         if not 1 <= self.min <= self.max:
@@ -258,15 +261,18 @@ class Autoscaler:
         cold = p90 is None or p90 < p.down * p.slo_s
         pool.above = pool.above + 1 if hot else 0
         pool.below = pool.below + 1 if cold else 0
-        if now - pool.changed_at < p.cooldown_s:
+        since = now - pool.changed_at
+        up_cooldown = p.cooldown_s if p.up_cooldown_s is None else p.up_cooldown_s
+        can_up, can_down = since >= up_cooldown, since >= p.cooldown_s
+        if not (can_up and hot or can_down and cold):
             return " [cooldown]" if hot or cold else ""
-        if pool.above >= p.up_windows and len(pool.urls) < p.max:
+        if can_up and pool.above >= p.up_windows and len(pool.urls) < p.max:
             action = f" -> up to {len(pool.urls) + 1}"
             if self.dry_run:
                 action = " -> would scale up (dry run)"
             else:
                 self._add(role)
-        elif pool.below >= p.down_windows and len(pool.urls) > p.min:
+        elif can_down and pool.below >= p.down_windows and len(pool.urls) > p.min:
             action = f" -> drained, down to {len(pool.urls) - 1}"
             if self.dry_run:
                 action = " -> would drain one (dry run)"

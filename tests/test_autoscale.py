@@ -80,6 +80,15 @@ def test_hysteresis_and_cooldown(monkeypatch):
     assert [window(None), window(0.1), window(0.1)] == [3, 3, 2]  # three cold windows: one drained
     assert a.drained[-1].free_blocks == a.drained[-1].total_blocks
     assert ("DELETE", "http://router/workers") in calls
+    # one window suffices, but the 10 s cooldown after any change holds every other one back ...
+    policy.up_windows, policy.down_windows, policy.max = 1, 1, 6
+    assert [window(2.0) for _ in range(4)] == [2, 3, 3, 4]
+    assert [window(0.1) for _ in range(3)] == [4, 3, 3]
+    # ... while with a short up-cooldown each hot window adds one (a ramp), and a drain still
+    # waits out the whole cooldown after any change
+    policy.up_cooldown_s = 0.0
+    assert [window(2.0) for _ in range(3)] == [4, 5, 6]
+    assert [window(0.1) for _ in range(3)] == [6, 5, 5]
 
 
 # ---------------------------------------------------------------- a ramp on simulated engines
