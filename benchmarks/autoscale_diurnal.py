@@ -155,10 +155,10 @@ def run_setup(name: str, args, times, profile: pathlib.Path, logs: pathlib.Path)
         else:
             x, y = (int(v) for v in name.rstrip("D").split("P"))
             lo = hi = None
-        policies = (PoolPolicy(min=lo or x, max=hi or x, slo_s=args.ttft_s, cooldown_s=args.cooldown_s,
-                               up_windows=2, down_windows=3),
-                    PoolPolicy(min=lo or y, max=hi or y, slo_s=args.tpot_s, cooldown_s=args.cooldown_s,
-                               up_windows=2, down_windows=3))
+        knobs = dict(cooldown_s=args.cooldown_s, up_cooldown_s=args.up_cooldown_s, up=args.up, down=args.down,
+                     up_windows=args.up_windows, down_windows=args.down_windows, learn_rates=args.learn_rates)
+        policies = (PoolPolicy(min=lo or x, max=hi or x, slo_s=args.ttft_s, **knobs),
+                    PoolPolicy(min=lo or y, max=hi or y, slo_s=args.tpot_s, **knobs))
         scaler = Autoscaler(router.url, launcher, *policies, window_s=args.control_s)
         scaler.start_minimum()
         time.sleep(1.0)  # the router's health check puts them in rotation
@@ -200,6 +200,12 @@ def main() -> int:
     ap.add_argument("--control-s", type=float, default=2.0, help="the autoscaler's window")
     ap.add_argument("--cooldown-s", type=float, default=10.0)
     ap.add_argument("--max-pool", type=int, default=3)
+    ap.add_argument("--up", type=float, default=0.9)
+    ap.add_argument("--down", type=float, default=0.3)
+    ap.add_argument("--up-windows", type=int, default=2)
+    ap.add_argument("--down-windows", type=int, default=3)
+    ap.add_argument("--up-cooldown-s", type=float, default=None, help="(default: --cooldown-s)")
+    ap.add_argument("--learn-rates", action="store_true", help="PoolPolicy.learn_rates (launch/autoscale.py)")
     ap.add_argument("--static", nargs="*", default=["1P1D", "1P2D", "2P2D", "2P3D"])
     ap.add_argument("--report", default=str(REPO / "benchmarks/results/autoscale_diurnal.md"))
     args = ap.parse_args()
@@ -231,14 +237,14 @@ def main() -> int:
                f"its worst window {auto['min_window']:.1%}")
     text = f"""## Online planner on a diurnal trace (issue #38, benchmark 3)
 
-`python -m benchmarks.autoscale_diurnal --day-s {args.day_s:g} --peak {args.peak:g} --ttft-s {args.ttft_s:g} --tpot-s \
-{args.tpot_s:g} --window-s {args.window_s:g} --static {' '.join(args.static)}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load
+`python -m benchmarks.autoscale_diurnal {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load
 before {load}, after each setup {', '.join(loads)}. Simulated engines (built-in model's shape; prefill 20 ms + 1 ms/token,
 decode 10 ms + 5 ms/row: a pair serves a few req/s), a real router, {len(times)} Poisson arrivals over a {args.day_s:g} s
 "day" (rate {args.peak:g} x ({args.base:g} + {1 - args.base:g} sin^2), {args.input_len} in / {args.output_len} out tokens,
 streamed), SLO TTFT {args.ttft_s * 1e3:.0f} ms and TPOT {args.tpot_s * 1e3:.0f} ms measured by the client, attainment per
-{args.window_s:g} s window. Autoscaler: pools 1..{args.max_pool}, control window {args.control_s:g} s, up above 0.9 x SLO for 2
-windows, down below 0.3 x SLO for 3, cooldown {args.cooldown_s:g} s. Engine-seconds: engines in the cluster x time (GPU-seconds).
+{args.window_s:g} s window. Autoscaler: pools 1..{args.max_pool}, control window {args.control_s:g} s, up above {args.up:g} x SLO for {args.up_windows}
+windows, down below {args.down:g} x SLO for {args.down_windows}, cooldown {args.cooldown_s:g} s (before another scale-up
+{args.cooldown_s if args.up_cooldown_s is None else args.up_cooldown_s:g} s){', learnt rates' if args.learn_rates else ''}. Engine-seconds: engines in the cluster x time (GPU-seconds).
 
 | setup | attainment | worst window | engine-s | max engines | drains | drained with leaked blocks |
 |---|---|---|---|---|---|---|
