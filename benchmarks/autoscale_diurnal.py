@@ -159,7 +159,7 @@ def run_setup(name: str, args, times, profile: pathlib.Path, logs: pathlib.Path)
                      up_windows=args.up_windows, down_windows=args.down_windows, learn_rates=args.learn_rates)
         policies = (PoolPolicy(min=lo or x, max=hi or x, slo_s=args.ttft_s, **knobs),
                     PoolPolicy(min=lo or y, max=hi or y, slo_s=args.tpot_s, **knobs))
-        scaler = Autoscaler(router.url, launcher, *policies, window_s=args.control_s)
+        scaler = Autoscaler(router.url, launcher, *policies, window_s=args.control_s, rate_windows=args.rate_windows)
         scaler.start_minimum()
         time.sleep(1.0)  # the router's health check puts them in rotation
         started = scaler.clock()
@@ -206,6 +206,7 @@ def main() -> int:
     ap.add_argument("--down-windows", type=int, default=3)
     ap.add_argument("--up-cooldown-s", type=float, default=None, help="(default: --cooldown-s)")
     ap.add_argument("--learn-rates", action="store_true", help="PoolPolicy.learn_rates (launch/autoscale.py)")
+    ap.add_argument("--rate-windows", type=int, default=5, help="windows the request rate is averaged over")
     ap.add_argument("--static", nargs="*", default=["1P1D", "1P2D", "2P2D", "2P3D"])
     ap.add_argument("--report", default=str(REPO / "benchmarks/results/autoscale_diurnal.md"))
     args = ap.parse_args()
@@ -244,7 +245,7 @@ decode 10 ms + 5 ms/row: a pair serves a few req/s), a real router, {len(times)}
 streamed), SLO TTFT {args.ttft_s * 1e3:.0f} ms and TPOT {args.tpot_s * 1e3:.0f} ms measured by the client, attainment per
 {args.window_s:g} s window. Autoscaler: pools 1..{args.max_pool}, control window {args.control_s:g} s, up above {args.up:g} x SLO for {args.up_windows}
 windows, down below {args.down:g} x SLO for {args.down_windows}, cooldown {args.cooldown_s:g} s (before another scale-up
-{args.cooldown_s if args.up_cooldown_s is None else args.up_cooldown_s:g} s){', learnt rates' if args.learn_rates else ''}. Engine-seconds: engines in the cluster x time (GPU-seconds).
+{args.cooldown_s if args.up_cooldown_s is None else args.up_cooldown_s:g} s){f', learnt rates (over {args.rate_windows} windows)' if args.learn_rates else ''}. Engine-seconds: engines in the cluster x time (GPU-seconds).
 
 | setup | attainment | worst window | engine-s | max engines | drains | drained with leaked blocks |
 |---|---|---|---|---|---|---|
