@@ -170,7 +170,8 @@ class Fleet:
             blocks = min(pool, max_num_seqs * -(-max_model_len // block_size))
             cfg = SchedulerConfig(num_kvcache_blocks=int(blocks), max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=batched, max_model_len=max_model_len,
-                                  block_size=block_size, enable_prefix_caching=prefix_caching, enable_chunked_prefill=True,
+                                  block_size=block_size, enable_prefix_caching=prefix_caching,
+                                  enable_chunked_prefill=True,
                                   scheduler_delay_factor=0.0, long_prefill_token_threshold=0)
             return _Engine(Scheduler(cfg, kv_connector=pull), url, pull)
 
