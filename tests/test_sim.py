@@ -376,11 +376,17 @@ def test_a_served_fit_recovers_the_mean_step_and_its_spread():
     want = -4e-3 * np.log1p(-q)  # the exponential's quantiles
     np.testing.assert_allclose(spread, want - want.mean(), atol=1e-3)
     assert abs(np.mean(spread)) < 1e-6
+    # in served order: the last MAX_SPREAD residuals themselves (the delays less their mean)
+    from atomd.sim.hardware import MAX_SPREAD
+
+    _, ordered = fit_served(samples, "decode", in_order=True)
+    assert len(ordered) == MAX_SPREAD and abs(np.mean(ordered)) < 1e-6
+    np.testing.assert_allclose(ordered, delay[-MAX_SPREAD:] - delay[-MAX_SPREAD:].mean(), atol=2e-4)
     with pytest.raises(ValueError, match="too few"):
         fit_served(samples[:2], "decode")
 
 
-def test_a_simulated_step_is_the_fit_plus_a_draw_from_the_spread(tmp_path):
+def test_a_simulated_step_is_the_fit_plus_a_draw_from_the_spread(tmp_path, monkeypatch):
     from atomd.sim.hardware import Calibrated
 
     base = load_profile(str(default_model_profile(tmp_path / "p.json")))
@@ -392,6 +398,17 @@ def test_a_simulated_step_is_the_fit_plus_a_draw_from_the_spread(tmp_path):
     run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True))})
     want = base.step_seconds(StepShape.of(True, [20], [0])) + 0.02  # decode steps: max(0, fit - 1 s)
     assert engine.stats()["sim"]["forward_seconds"] == pytest.approx(want)
+    # in served order: the steps walk the residuals from a seeded start, wrapping around
+    slept = fake_sim_clock(monkeypatch)
+    residuals = [0.001, 0.002, 0.003, 0.004]
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, decode_spread=residuals,
+                      spread_in_order=True)
+    path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
+    engine = make_engine(path)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=7, ignore_eos=True))})
+    drawn = [t - base.step_seconds(StepShape.of(False, [1], [c])) for t, c in zip(slept[1:], range(20, 26))]
+    start = residuals.index(pytest.approx(drawn[0]))
+    assert drawn == pytest.approx([residuals[(start + k) % 4] for k in range(6)])
     raw = json.loads(path.read_text())
     for bad in ([0.0] * 1001, [61.0]):
         raw["step"]["decode_spread"] = bad

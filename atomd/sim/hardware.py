@@ -213,6 +213,12 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     # the served ones did (a shared machine's preemptions included); empty: the fit's time.
     prefill_spread: list[float] = []
     decode_spread: list[float] = []
+    # ... or, when True, the served steps' own residuals in the order they were served (the
+    # last MAX_SPREAD, mean 0), which a simulated engine walks from a seeded start: a shared
+    # machine's slow stretches stay stretches (the served steps' times are autocorrelated;
+    # independent draws give every request the mean slowness, too high a median latency and
+    # too low a tail)
+    spread_in_order: bool = False
     # ... and the served engine's mean time from a forward's end to the next prefill / decode
     # forward's start while it had sequences running (scheduling, outputs, IPC, its API
     # process: under the load it had); a simulated engine waits out what its own loop,
@@ -290,7 +296,7 @@ def derived_profile(accelerator: str, model: str, link: str = "rdma400") -> Prof
 
 
 MAX_PROFILE_BYTES = 1 << 20  # a profile file is a few hundred bytes (a few KB with spreads)
-MAX_SPREAD = 1000  # quantiles in a calibrated step spread
+MAX_SPREAD = 1000  # values in a calibrated step spread (quantiles, or residuals in served order)
 
 
 def load_profile(spec: str) -> Profile:
