@@ -9,7 +9,9 @@ each runs the same seeded arrivals. Per setup: SLO attainment (TTFT and TPOT, cl
 over each --window-s window and over the whole run, and engine-seconds (GPU-seconds: each
 engine's time in the cluster; for the autoscaler from its history). The claim to check: the
 autoscaler holds >= 90% in every window with fewer engine-seconds than the smallest static
-layout that holds 90% at the peak.
+layout that holds 90% at the peak. The report lists every window's attainment per setup and
+the autoscaler's pool sizes over it; the scaler's log (one line a control window, with the
+request rate) is kept in the printed log directory.
 
     .venv/bin/python -m benchmarks.autoscale_diurnal --day-s 180 --peak 10
 """
