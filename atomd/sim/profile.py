@@ -77,7 +77,7 @@ def fit_served(samples: list[tuple], kind: str, in_order: bool = False):
     seconds, at mean 0 (in_order: the last MAX_SPREAD residuals themselves, in served order,
     at mean 0). Additive, not a ratio: a shared machine delays a step by a time slice
     whatever its size, and a ratio learnt from short steps would stretch long ones."""
-    from atomd.sim.hardware import MAX_SPREAD, fit_linear
+    from atomd.sim.hardware import MAX_SPREAD, MAX_SPREAD_S, fit_linear
 
     if len(samples) < 3:
         raise ValueError(f"{len(samples)} {kind} steps served: too few to fit (send traffic first)")
@@ -86,6 +86,8 @@ def fit_served(samples: list[tuple], kind: str, in_order: bool = False):
     spread = residuals[-MAX_SPREAD:] if in_order else \
         np.quantile(residuals, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
     spread = spread - spread.mean()  # at mean 0: a simulated step's mean is the fit's
+    # a stalled machine's minute-long step would make a profile the loader refuses: kept at its bound
+    spread = np.clip(spread, -0.999 * MAX_SPREAD_S, 0.999 * MAX_SPREAD_S)
     return fit, [round(float(v), 6) for v in spread]
 
 
