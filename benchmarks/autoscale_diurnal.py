@@ -9,7 +9,9 @@ each runs the same seeded arrivals. Per setup: SLO attainment (TTFT and TPOT, cl
 over each --window-s window and over the whole run, and engine-seconds (GPU-seconds: each
 engine's time in the cluster; for the autoscaler from its history). The claim to check: the
 autoscaler holds >= 90% in every window with fewer engine-seconds than the smallest static
-layout that holds 90% at the peak.
+layout that holds 90% at the peak. The report lists every window's attainment per setup and
+the autoscaler's pool sizes over it; the scaler's log (one line a control window, with the
+request rate) is kept in the printed log directory.
 
     .venv/bin/python -m benchmarks.autoscale_diurnal --day-s 180 --peak 10
 """
@@ -18,6 +20,7 @@ from __future__ import annotations
 import argparse
 import http.client as httpclient
 import json
+import logging
 import pathlib
 import sys
 import tempfile
@@ -125,6 +128,23 @@ def score(results, args) -> tuple[float, list[float]]:
     return sum(g for _, g in ok) / len(ok), windows
 
 
+def window_counts(results, args) -> list[int]:
+    return [sum(1 for t, *_ in results if w <= t < w + args.window_s) for w in np.arange(0, args.day_s, args.window_s)]
+
+
+def window_layouts(history, started: float, args) -> list[str]:
+    """Each window's pool sizes over it (min-max of P and D), from the scaler's history."""
+    out = []
+    for w in np.arange(0, args.day_s, args.window_s):
+        lo, hi = started + w, started + w + args.window_s
+        before = [(p, d) for t, p, d in history if t <= lo]
+        inside = before[-1:] + [(p, d) for t, p, d in history if lo < t < hi]
+        ps, ds = [p for p, _ in inside], [d for _, d in inside]
+        span = lambda v: f"{min(v)}" if min(v) == max(v) else f"{min(v)}-{max(v)}"
+        out.append(f"{span(ps)}P{span(ds)}D")
+    return out
+
+
 def run_setup(name: str, args, times, profile: pathlib.Path, logs: pathlib.Path) -> dict:
     flags = [*ENGINE, "--model-runner", "simulated", "--hardware", str(profile)]
     launcher = ProcessLauncher(None, {"prefill": flags, "decode": flags}, log_dir=str(logs))
@@ -137,11 +157,11 @@ def run_setup(name: str, args, times, profile: pathlib.Path, logs: pathlib.Path)
         else:
             x, y = (int(v) for v in name.rstrip("D").split("P"))
             lo = hi = None
-        policies = (PoolPolicy(min=lo or x, max=hi or x, slo_s=args.ttft_s, cooldown_s=args.cooldown_s,
-                               up_windows=2, down_windows=3),
-                    PoolPolicy(min=lo or y, max=hi or y, slo_s=args.tpot_s, cooldown_s=args.cooldown_s,
-                               up_windows=2, down_windows=3))
-        scaler = Autoscaler(router.url, launcher, *policies, window_s=args.control_s)
+        knobs = dict(cooldown_s=args.cooldown_s, up_cooldown_s=args.up_cooldown_s, up=args.up, down=args.down,
+                     up_windows=args.up_windows, down_windows=args.down_windows, learn_rates=args.learn_rates)
+        policies = (PoolPolicy(min=lo or x, max=hi or x, slo_s=args.ttft_s, **knobs),
+                    PoolPolicy(min=lo or y, max=hi or y, slo_s=args.tpot_s, **knobs))
+        scaler = Autoscaler(router.url, launcher, *policies, window_s=args.control_s, rate_windows=args.rate_windows)
         scaler.start_minimum()
         time.sleep(1.0)  # the router's health check puts them in rotation
         started = scaler.clock()
@@ -156,8 +176,10 @@ def run_setup(name: str, args, times, profile: pathlib.Path, logs: pathlib.Path)
         points = [(started, before[-1] if before else hist[0][1]), *hist, (ended, hist[-1][1])]
         engine_s = sum(n * (t2 - t1) for (t1, n), (t2, _) in zip(points, points[1:]))
         overall, windows = score(results, args)
+        layouts = window_layouts(scaler.history, started, args)
         leaked = [d for d in scaler.drained if d.free_blocks != d.total_blocks]
         return {"setup": name, "attainment": overall, "min_window": min(windows), "windows": windows,
+                "layouts": layouts, "counts": window_counts(results, args),
                 "engine_s": engine_s, "requests": len(results), "drains": len(scaler.drained),
                 "leaked": len(leaked), "max_engines": max(p + d for _, p, d in scaler.history)}
     finally:
@@ -180,11 +202,20 @@ def main() -> int:
     ap.add_argument("--control-s", type=float, default=2.0, help="the autoscaler's window")
     ap.add_argument("--cooldown-s", type=float, default=10.0)
     ap.add_argument("--max-pool", type=int, default=3)
-    ap.add_argument("--static", nargs="+", default=["1P1D", "1P2D", "2P2D", "2P3D"])
+    ap.add_argument("--up", type=float, default=0.9)
+    ap.add_argument("--down", type=float, default=0.3)
+    ap.add_argument("--up-windows", type=int, default=2)
+    ap.add_argument("--down-windows", type=int, default=3)
+    ap.add_argument("--up-cooldown-s", type=float, default=None, help="(default: --cooldown-s)")
+    ap.add_argument("--learn-rates", action="store_true", help="PoolPolicy.learn_rates (launch/autoscale.py)")
+    ap.add_argument("--rate-windows", type=int, default=5, help="windows the request rate is averaged over")
+    ap.add_argument("--static", nargs="*", default=["1P1D", "1P2D", "2P2D", "2P3D"])
     ap.add_argument("--report", default=str(REPO / "benchmarks/results/autoscale_diurnal.md"))
     args = ap.parse_args()
     logs = pathlib.Path(tempfile.mkdtemp(prefix="autoscale-diurnal-"))
     profile = logs / "slow.json"
+    logging.basicConfig(filename=str(logs / "autoscale.log"), level=logging.INFO, format="%(asctime)s %(message)s")
+    print(f"logs in {logs}", flush=True)
     profile.write_bytes(slow_profile().to_json())
     times = arrivals(args.day_s, args.peak, args.base, seed=0)
     load = loadavg()
@@ -193,32 +224,42 @@ def main() -> int:
         r = run_setup(name, args, times, profile, logs)
         loads.append(loadavg())
         rows.append(r)
-        print(json.dumps({k: v for k, v in r.items() if k != "windows"}), flush=True)
+        print(json.dumps(r), flush=True)
     holding = [r for r in rows[1:] if r["min_window"] >= 0.9]
     smallest = min(holding, key=lambda r: r["engine_s"]) if holding else None
     table = "\n".join(f"| {r['setup']} | {r['attainment']:.1%} | {r['min_window']:.1%} | {r['engine_s']:.0f} | "
                       f"{r['max_engines']} | {r['drains']} | {r['leaked']} |" for r in rows)
     auto = rows[0]
+    per_window = "\n".join(
+        f"| {w * args.window_s:.0f}-{(w + 1) * args.window_s:.0f} s | {auto['counts'][w]} | "
+        + " | ".join(f"{r['windows'][w]:.1%}" + (f" ({r['layouts'][w]})" if r is auto else "") for r in rows) + " |"
+        for w in range(len(auto["windows"])))
     verdict = ("no static layout held 90% in every window" if smallest is None else
                f"smallest static layout holding 90% in every window: {smallest['setup']}, {smallest['engine_s']:.0f} "
                f"engine-s; autoscaler {auto['engine_s']:.0f} engine-s ({auto['engine_s'] / smallest['engine_s']:.2f}x), "
                f"its worst window {auto['min_window']:.1%}")
     text = f"""## Online planner on a diurnal trace (issue #38, benchmark 3)
 
-`python -m benchmarks.autoscale_diurnal --day-s {args.day_s:g} --peak {args.peak:g} --ttft-s {args.ttft_s:g} --tpot-s \
-{args.tpot_s:g} --window-s {args.window_s:g} --static {' '.join(args.static)}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load
+`python -m benchmarks.autoscale_diurnal {' '.join(sys.argv[1:])}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, load
 before {load}, after each setup {', '.join(loads)}. Simulated engines (built-in model's shape; prefill 20 ms + 1 ms/token,
 decode 10 ms + 5 ms/row: a pair serves a few req/s), a real router, {len(times)} Poisson arrivals over a {args.day_s:g} s
 "day" (rate {args.peak:g} x ({args.base:g} + {1 - args.base:g} sin^2), {args.input_len} in / {args.output_len} out tokens,
 streamed), SLO TTFT {args.ttft_s * 1e3:.0f} ms and TPOT {args.tpot_s * 1e3:.0f} ms measured by the client, attainment per
-{args.window_s:g} s window. Autoscaler: pools 1..{args.max_pool}, control window {args.control_s:g} s, up above 0.9 x SLO for 2
-windows, down below 0.3 x SLO for 3, cooldown {args.cooldown_s:g} s. Engine-seconds: engines in the cluster x time (GPU-seconds).
+{args.window_s:g} s window. Autoscaler: pools 1..{args.max_pool}, control window {args.control_s:g} s, up above {args.up:g} x SLO for {args.up_windows}
+windows, down below {args.down:g} x SLO for {args.down_windows}, cooldown {args.cooldown_s:g} s (before another scale-up
+{args.cooldown_s if args.up_cooldown_s is None else args.up_cooldown_s:g} s){f', learnt rates (over {args.rate_windows} windows)' if args.learn_rates else ''}. Engine-seconds: engines in the cluster x time (GPU-seconds).
 
 | setup | attainment | worst window | engine-s | max engines | drains | drained with leaked blocks |
 |---|---|---|---|---|---|---|
 {table}
 
 {verdict}.
+
+Per window (requests arriving in it; attainment, and the autoscaler's pool sizes over it):
+
+| window | requests | {' | '.join(r['setup'] for r in rows)} |
+|---|---|{'---|' * len(rows)}
+{per_window}
 """
     pathlib.Path(args.report).write_text(text)
     print(text)

@@ -36,6 +36,7 @@ def main() -> int:
     ap.add_argument("--models", nargs="+", default=["llama3-8b", "qwen3-30b-a3b"])
     ap.add_argument("--requests-per-engine", type=int, default=30)
     ap.add_argument("--iterations", type=int, default=6)
+    ap.add_argument("--workloads", nargs="+", default=list(WORKLOADS), choices=list(WORKLOADS))
     ap.add_argument("--slos", nargs="+", default=["tight", "loose"], choices=["tight", "loose"])
     ap.add_argument("--duration-ttfts", type=float, default=5.0,
                     help="every simulated trace lasts at least this many TTFT SLOs (atomd/sim/fleet.py Workload)")
@@ -45,14 +46,18 @@ def main() -> int:
     rows = []
     for model in args.models:
         profile = load_profile(f"h100:{model}")
-        for wname, (inp, out) in WORKLOADS.items():
+        for wname in args.workloads:
+            inp, out = WORKLOADS[wname]
             for tight in args.slos:
                 slo = SLOS[wname, tight]
                 workload = Workload(input_len=inp, output_len=out, num_requests=args.requests_per_engine,
                                     min_duration_s=args.duration_ttfts * slo.ttft_s)
                 for g in args.gpus:
+                    t0 = time.monotonic()
                     ranked = plan(profile, workload, slo, max_gpus=g, min_gpus=g, decode_max_seqs=[256],
-                                  iterations=args.iterations)
+                                  iterations=args.iterations,
+                                  progress=lambda r: print(f"  {r.layout.label()}: {r.per_gpu:.2f} req/s/GPU "
+                                                           f"({time.monotonic() - t0:.0f} s)", flush=True))
                     pd = next(r for r in ranked if r.layout.kind == "pd")
                     co = next(r for r in ranked if r.layout.kind == "colocated")
                     ratio = pd.per_gpu / co.per_gpu if co.per_gpu else float("inf")
@@ -64,7 +69,7 @@ def main() -> int:
     text = f"""## Simulated H100: best xPyD vs best colocated (issue #38, benchmark 2)
 
 `python -m benchmarks.sim_plan --gpus {' '.join(map(str, args.gpus))} --requests-per-engine \\
-{args.requests_per_engine} --iterations {args.iterations} --slos {' '.join(args.slos)} --duration-ttfts {args.duration_ttfts:g}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, \\
+{args.requests_per_engine} --iterations {args.iterations} --models {' '.join(args.models)} --workloads {' '.join(args.workloads)} --slos {' '.join(args.slos)} --duration-ttfts {args.duration_ttfts:g}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}, \\
 load {load} (virtual time: the load does not change the numbers, only the {time.monotonic() - started:.0f} s it took).
 Profile `h100:MODEL` (989 TFLOPS x 0.6, 3.35 TB/s x 0.8, 1 ms a step, 80 GB x 0.9 less the
 weights for KV), RDMA 400G link; workloads chat {WORKLOADS['chat'][0]} in / {WORKLOADS['chat'][1]} out and

@@ -92,15 +92,16 @@ def bench(url: str, args, seed: int, out: pathlib.Path) -> dict:
 
 
 def served_profile(engines: dict[str, str], path: pathlib.Path) -> tuple[list[str], list[str]]:
-    """`atomd profile --from-servers` on a real setup's engines; the simulated flags using it,
-    and using it without its gap models (the mean busy gaps instead: the A/B of the gap model)."""
+    """`atomd profile --from-servers --spread-in-order` on a real setup's engines; the
+    simulated flags using it, and using the same residuals drawn independently (the A/B of
+    walking them in served order)."""
     subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers", *engines.values(),
-                    "--name", path.stem, "-o", str(path)], cwd=REPO, check=True)
+                    "--spread-in-order", "--name", path.stem, "-o", str(path)], cwd=REPO, check=True)
     raw = json.loads(path.read_text())
-    raw["step"]["prefill_gap"] = raw["step"]["decode_gap"] = None
-    means = path.with_name(path.stem + "-mean-gap.json")
-    means.write_text(json.dumps(raw))
-    return simulated(path), simulated(means)
+    raw["step"]["spread_in_order"] = False
+    iid = path.with_name(path.stem + "-iid.json")
+    iid.write_text(json.dumps(raw))
+    return simulated(path), simulated(iid)
 
 
 def served_summary(role: str, path: pathlib.Path) -> str:
@@ -135,7 +136,7 @@ def main() -> int:
     grid = {role: simulated(profile) for role in ("colocated", "p", "d")} if not args.no_grid else None
     real = {role: [] for role in ("colocated", "p", "d")}
     env = dict(os.environ, ATOMD_STEP_SAMPLES="20000")
-    names = ["real", "served", "served-mean-gap"] + ([] if args.no_grid else ["grid"])
+    names = ["real", "served", "served-iid"] + ([] if args.no_grid else ["grid"])
     results: dict[tuple[str, str], list[dict]] = {(k, n): [] for k in ("colocated", "pd") for n in names}
     loads, served = [], {}
     for r in range(args.rounds):
@@ -143,9 +144,9 @@ def main() -> int:
             with setup(kind, real, work, env=env) as (url, engines):
                 results[kind, "real"].append(bench(url, args, seed=r, out=work / f"{kind}-real-{r}.json"))
                 served[kind] = work / f"served-{kind}-{r}.json"
-                flags, mean_flags = served_profile(engines, served[kind])
+                flags, iid_flags = served_profile(engines, served[kind])
             runs = [("served", {"colocated": flags, "p": flags, "d": flags}),
-                    ("served-mean-gap", {"colocated": mean_flags, "p": mean_flags, "d": mean_flags})] + \
+                    ("served-iid", {"colocated": iid_flags, "p": iid_flags, "d": iid_flags})] + \
                 ([] if grid is None else [("grid", grid)])
             for name, runner in (runs if r % 2 == 0 else runs[::-1]):
                 with setup(kind, runner, work) as (url, _):
@@ -170,6 +171,13 @@ def main() -> int:
             worst[name] = max(worst[name], *(abs(v - 1) for v in ratios.values()))
             rows.append(f"| {label} | simulated, {name} profile | "
                         + " | ".join(f"{sim_med[m]:.1f} ({ratios[m]:.2f}x)" for m in METRICS) + " |")
+    per_round = []
+    for kind in ("colocated", "pd"):
+        for name in sims:
+            ratios = [{m: sim[m] / real[m] for m in METRICS} for sim, real in zip(results[kind, name], results[kind, "real"])]
+            cells = [" / ".join(f"{r[m]:.2f}" for m in METRICS) for r in ratios]
+            med = " / ".join(f"{np.median([r[m] for r in ratios]):.2f}" for m in METRICS)
+            per_round.append(f"| {'1P+1D' if kind == 'pd' else 'colocated'} | {name} | " + " | ".join(cells) + f" | {med} |")
     fit = json.loads(profile.read_text())["step"] if not args.no_grid else None
     grid = "" if fit is None else f"""Grid profile: `atomd profile --num-threads 1` on this machine (prefill {fit['prefill']['base_s'] * 1e3:.2f} ms +
 {fit['prefill']['per_token_s'] * 1e6:.1f} us/token + {fit['prefill']['per_attention_s'] * 1e9:.1f} ns/pair; decode
@@ -182,14 +190,22 @@ def main() -> int:
 --input-len {args.input_len} --output-len {args.output_len}`, {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())};
 {cpu_name()} ({platform.machine()}), load before {load_before}, after each setup kind's real and simulated runs: {', '.join(loads)}.
 {grid}Served profiles (`atomd profile --from-servers` on each round's real engines; the 1P+1D one fits P's prefills and
-D's decodes; `served` waits each busy gap from the gap model (the loop's work since the last forward: outputs,
-pulls landed, requests added), `served-mean-gap` the same profile with the mean gaps instead), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
+D's decodes; each busy gap from the gap model (the loop's work since the last forward: outputs, pulls landed,
+requests added); `served` walks the served residuals in their order from a seeded start, `served-iid` draws the same
+residuals independently), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
 Link loopback; every engine one torch thread. Real rows: medians of {args.rounds} rounds and (spread) max / min over
 the rounds; simulated rows: medians and (simulated / real); target within 15% (0.85-1.15x).
 
 | setup | engines | TTFT p50 ms | TTFT p99 ms | TPOT p50 ms | output tok/s |
 |---|---|---|---|---|---|
 {chr(10).join(rows)}
+
+Per round, simulated / real of the same round (TTFT p50 / p99 / TPOT p50 / output tok/s; each round
+runs its real setup, then the simulated ones on that round's served profile, then the other setup kind):
+
+| setup | profile | {' | '.join(f'round {r}' for r in range(args.rounds))} | median of the rounds |
+|---|---|{'---|' * args.rounds}---|
+{chr(10).join(per_round)}
 
 Worst deviation: {'; '.join(f"{name} profile {100 * w:.0f}% ({'within' if w <= 0.15 else 'outside'} the 15% target)"
                             for name, w in worst.items())}.

@@ -12,8 +12,14 @@ upper bound of the bucket holding the 90th percentile). Per pool, with its SLO:
   router lets its requests in flight finish), the loop waits until the engine has nothing
   running, waiting, in flight or pinned for a consumer, records that its whole KV pool is
   free, then stops it;
-* after any change the pool holds still for `cooldown_s`; between `down` and `up` nothing
-  happens (the hysteresis band).
+* after any change the pool holds still for `cooldown_s` (for a scale-up, `up_cooldown_s`
+  when set: a ramp adds engines a window apart); between `down` and `up` nothing happens
+  (the hysteresis band);
+* `learn_rates`: the arrival rate (the router's answered requests a second, over the last
+  `rate_windows` windows) at which a pool size scaled up on latency is remembered; at
+  `rate_margin` x that rate the same size counts as hot before its latency shows it, and a
+  pool never drains into a size that ran hot at that rate (with coarse latency buckets, one
+  engine fewer can go from "cold" straight to past the SLO: drain, queue, re-add).
 
 Engines come from a `Launcher`: `ProcessLauncher` starts `atomd serve` children on this
 host (tests, one-machine clusters, simulated fleets), `RayLauncher` (launch/ray_cluster.py)
@@ -40,6 +46,7 @@ log = logging.getLogger("atomd.autoscale")
 ROLES = ("prefill", "decode")
 SIGNALS = {"prefill": "atomd_router:time_to_first_token_seconds", "decode": "atomd_router:inter_token_latency_seconds"}
 SIGNAL_NAMES = {"prefill": "TTFT", "decode": "ITL"}
+REQUESTS = "atomd_router:requests"  # the arrival rate's proxy: requests answered
 
 
 @dataclass
@@ -52,6 +59,15 @@ class PoolPolicy:
     up_windows: int = 2
     down_windows: int = 3
     cooldown_s: float = 30.0
+    # after a change, how long before the next scale-up (None: cooldown_s): on a ramp one more
+    # engine may not be enough, and a fresh up_windows of hot windows already waited for it
+    up_cooldown_s: float | None = None
+    # learn, per pool size, the arrival rate at which it ran hot (a scale-up on latency), and
+    # use it ahead of the latency: above rate_margin x that rate at the present size, scale up
+    # (the rate's trend reaches it before the queue does); never drain to a size that ran hot
+    # at rate_margin x the present rate or less (a drain, then a re-add after its queue built)
+    learn_rates: bool = False
+    rate_margin: float = 0.9
 
     def __post_init__(self) -> None:
         if not 1 <= self.min <= self.max:
@@ -109,6 +125,7 @@ class _Pool:
     above: int = 0
     below: int = 0
     changed_at: float = float("-inf")
+    hot_rate: dict[int, float] = field(default_factory=dict)  # pool size -> lowest rate it ran hot at
 
 
 def window_quantile(before: dict[float, float], after: dict[float, float], q: float) -> float | None:
@@ -123,6 +140,14 @@ def window_quantile(before: dict[float, float], after: dict[float, float], q: fl
         if count >= q * total:
             return le
     return les[-1]
+
+
+def counter_total(text: str, name: str) -> float:
+    """Counter `name` summed over its label sets (0 when absent)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return sum(s.value for family in text_string_to_metric_families(text) for s in family.samples
+               if s.name == name + "_total")
 
 
 def histogram_buckets(text: str, name: str) -> dict[float, float]:
@@ -141,7 +166,7 @@ def histogram_buckets(text: str, name: str) -> dict[float, float]:
 class Autoscaler:
     def __init__(self, router_url: str, launcher: Launcher, prefill: PoolPolicy, decode: PoolPolicy,
                  window_s: float = 5.0, admin_key: str | None = None, drain_timeout_s: float = 120.0,
-                 clock: Callable[[], float] = time.monotonic, dry_run: bool = False):
+                 clock: Callable[[], float] = time.monotonic, dry_run: bool = False, rate_windows: int = 5):
         self.router_url, self.launcher, self.window_s, self.dry_run = router_url, launcher, window_s, dry_run
         self.headers = {"Authorization": f"Bearer {admin_key}"} if admin_key else {}
         self.drain_timeout_s, self.clock = drain_timeout_s, clock
@@ -149,6 +174,9 @@ class Autoscaler:
         self.drained: list[Drained] = []
         self.history: list[tuple[float, int, int]] = []  # (time, prefill engines, decode engines)
         self._last: dict[str, dict[float, float]] = {}
+        self._answered: tuple[float, float] | None = None  # (time, the router's answered requests)
+        self._rates: list[float] = []  # the last rate_windows windows' rates (req/s)
+        self.rate_windows = rate_windows
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -219,16 +247,17 @@ class Autoscaler:
         if not self.dry_run:
             self._resync()
         now = self.clock()
+        rate = self._rate(now, counter_total(text, REQUESTS))
         report = []
         for role, pool in self.pools.items():
             buckets = histogram_buckets(text, SIGNALS[role])
             p90 = window_quantile(self._last.get(role, {}), buckets, 0.9)
             self._last[role] = buckets
             n = len(pool.urls)
-            action = self._decide(role, pool, p90, now)
+            action = self._decide(role, pool, p90, now, rate)
             report.append(f"{role} {n} engine{'s' * (n != 1)}, {SIGNAL_NAMES[role]} p90 "
                           f"{'-' if p90 is None else f'{p90:g} s'} (SLO {pool.policy.slo_s:g} s){action}")
-        log.info("window: %s", "; ".join(report))
+        log.info("window: %s%s", "; ".join(report), "" if rate is None else f"; {rate:.2f} req/s")
         self._record()
 
     def _resync(self) -> None:
@@ -251,22 +280,40 @@ class Autoscaler:
                     log.warning("the router does not list %s engine %s: registering it again", role, url)
                     self._register(role, url)
 
-    def _decide(self, role: str, pool: _Pool, p90: float | None, now: float) -> str:
+    def _rate(self, now: float, answered: float) -> float | None:
+        """The router's answered requests a second over the last rate_windows windows (None
+        until two reads)."""
+        last, self._answered = self._answered, (now, answered)
+        if last is None or now <= last[0] or answered < last[1]:  # first read, or a restarted router
+            return None
+        self._rates = (self._rates + [(answered - last[1]) / (now - last[0])])[-self.rate_windows:]
+        return sum(self._rates) / len(self._rates)
+
+    def _decide(self, role: str, pool: _Pool, p90: float | None, now: float, rate: float | None = None) -> str:
         """Act on one pool's window; what it did, for the progress line ("" when nothing)."""
         p = pool.policy
-        hot = p90 is not None and p90 > p.up * p.slo_s
-        cold = p90 is None or p90 < p.down * p.slo_s
+        n = len(pool.urls)
+        slow = p90 is not None and p90 > p.up * p.slo_s
+        learnt = p.learn_rates and rate is not None
+        hot = slow or learnt and rate >= p.rate_margin * pool.hot_rate.get(n, float("inf"))
+        cold = (p90 is None or p90 < p.down * p.slo_s) and \
+            not (learnt and rate >= p.rate_margin * pool.hot_rate.get(n - 1, float("inf")))
         pool.above = pool.above + 1 if hot else 0
         pool.below = pool.below + 1 if cold else 0
-        if now - pool.changed_at < p.cooldown_s:
+        since = now - pool.changed_at
+        up_cooldown = p.cooldown_s if p.up_cooldown_s is None else p.up_cooldown_s
+        can_up, can_down = since >= up_cooldown, since >= p.cooldown_s
+        if not (can_up and hot or can_down and cold):
             return " [cooldown]" if hot or cold else ""
-        if pool.above >= p.up_windows and len(pool.urls) < p.max:
+        if can_up and pool.above >= p.up_windows and len(pool.urls) < p.max:
+            if slow and learnt:  # this size could not hold this rate
+                pool.hot_rate[n] = min(pool.hot_rate.get(n, float("inf")), rate)
             action = f" -> up to {len(pool.urls) + 1}"
             if self.dry_run:
                 action = " -> would scale up (dry run)"
             else:
                 self._add(role)
-        elif pool.below >= p.down_windows and len(pool.urls) > p.min:
+        elif can_down and pool.below >= p.down_windows and len(pool.urls) > p.min:
             action = f" -> drained, down to {len(pool.urls) - 1}"
             if self.dry_run:
                 action = " -> would drain one (dry run)"

@@ -72,6 +72,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     pol.add_argument("--up-windows", type=int, default=2, help="windows in a row above before a scale-up")
     pol.add_argument("--down-windows", type=int, default=3, help="windows in a row below before a scale-down")
     pol.add_argument("--cooldown-s", type=float, default=30.0, help="a pool holds still this long after a change")
+    pol.add_argument("--up-cooldown-s", type=float, default=None,
+                     help="... but may scale up again this soon after one (default: --cooldown-s)")
+    pol.add_argument("--learn-rates", action="store_true",
+                     help="learn the request rate each pool size ran hot at: scale up ahead of it, never drain into it")
     p.add_argument("--interval-s", type=float, default=5.0, help="the window: one read and decision per interval")
     p.add_argument("--drain-timeout-s", type=float, default=120.0,
                    help="a draining engine is stopped after this long even if it still works")
@@ -83,7 +87,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def policies(args) -> tuple[PoolPolicy, PoolPolicy]:
     shared = dict(up=args.up, down=args.down, up_windows=args.up_windows, down_windows=args.down_windows,
-                  cooldown_s=args.cooldown_s)
+                  cooldown_s=args.cooldown_s, up_cooldown_s=args.up_cooldown_s,
+                  learn_rates=args.learn_rates)
     out = []
     for role, lo, hi, slo, flag in (("prefill", args.prefill_min, args.prefill_max, args.ttft_slo_s, "--ttft-slo-s"),
                                     ("decode", args.decode_min, args.decode_max, args.itl_slo_s, "--itl-slo-s")):

@@ -80,6 +80,47 @@ def test_hysteresis_and_cooldown(monkeypatch):
     assert [window(None), window(0.1), window(0.1)] == [3, 3, 2]  # three cold windows: one drained
     assert a.drained[-1].free_blocks == a.drained[-1].total_blocks
     assert ("DELETE", "http://router/workers") in calls
+    # one window suffices, but the 10 s cooldown after any change holds every other one back ...
+    policy.up_windows, policy.down_windows, policy.max = 1, 1, 6
+    assert [window(2.0) for _ in range(4)] == [2, 3, 3, 4]
+    assert [window(0.1) for _ in range(3)] == [4, 3, 3]
+    # ... while with a short up-cooldown each hot window adds one (a ramp), and a drain still
+    # waits out the whole cooldown after any change
+    policy.up_cooldown_s = 0.0
+    assert [window(2.0) for _ in range(3)] == [4, 5, 6]
+    assert [window(0.1) for _ in range(3)] == [6, 5, 5]
+
+
+def test_a_learnt_rate_keeps_a_drain_from_a_size_that_ran_hot_and_scales_up_ahead(monkeypatch):
+    """learn_rates: the rate at which a size ran hot (a scale-up on latency) blocks draining
+    back to it at rate_margin x that rate, and scales up ahead of the latency there; the rate
+    is the router's answered requests a second over the last windows."""
+    idle = {"num_running": 0, "num_waiting": 0, "api_requests_in_flight": 0, "num_free_blocks": 8,
+            "num_total_blocks": 8, "kv_transfer": {"blocks_pinned": 0}}
+    monkeypatch.setattr(autoscale, "http", lambda method, url, body=None, headers=None, timeout=60.0:
+                        (200, json.dumps(idle).encode()) if url.endswith("/debug/stats") else (201, b"{}"))
+    policy = PoolPolicy(min=1, max=3, slo_s=1.0, up_windows=1, down_windows=1, cooldown_s=0, learn_rates=True)
+    a = Autoscaler("http://router", FakeLauncher(), policy, PoolPolicy(min=1, max=1, slo_s=1.0), clock=lambda: 0.0)
+    a.start_minimum()
+    pool = a.pools["prefill"]
+
+    def window(p90, rate):
+        a._decide("prefill", pool, p90, 0.0, rate)
+        return len(pool.urls)
+
+    assert window(2.0, 4.0) == 2 and pool.hot_rate == {1: 4.0}  # 1 engine ran hot at 4 req/s
+    assert window(0.1, 4.0) == 2  # cold, but 1 engine ran hot at this rate: no drain
+    assert window(0.1, 3.0) == 1  # under 0.9 x 4: drained
+    assert window(0.5, 3.7) == 2 and pool.hot_rate == {1: 4.0}  # latency in the band, the rate there: up ahead
+    # without learn_rates the same windows only follow the latency
+    policy.learn_rates = False
+    assert [window(0.1, 4.0), window(0.5, 3.7)] == [1, 1]
+    # the rate itself: the counter's delta over the time between reads, averaged over the windows
+    text = "# TYPE atomd_router:requests counter\natomd_router:requests_total{endpoint=\"a\",status=\"200\"} %d\n" \
+        "atomd_router:requests_total{endpoint=\"b\",status=\"200\"} 5\n"
+    assert autoscale.counter_total(text % 10, "atomd_router:requests") == 15
+    assert a._rate(0.0, 15) is None and a._rate(2.0, 25) == 5.0 and a._rate(4.0, 29) == 3.5
+    assert a._rate(6.0, 3) is None  # a restarted router's counter: no rate this window
 
 
 # ---------------------------------------------------------------- a ramp on simulated engines

@@ -337,6 +337,10 @@ def test_an_engine_keeps_its_step_samples_only_when_asked(profile, monkeypatch):
     assert samples[0][6] == -1 and all(s[6] >= 0 for s in samples[1:]) and all(s[5] > 0 for s in samples)
     # the loop's work before each: the request added, then the last forward's one output each
     assert [s[7:] for s in samples] == [[0, 0, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    # "a" done, the engine is idle (its core waits for input without stepping): the next
+    # request's prefill follows a wait, not a busy gap
+    run(engine, {"b": (prompt(2, 20), SamplingParams(max_tokens=2, ignore_eos=True))})
+    assert [s[6] >= 0 for s in engine.stats()["step_samples"][4:]] == [False, True]
     # a step without a forward in between (the loop waited: for input, a pull): no busy gap
     engine = make_engine(profile)
     schedule = engine.scheduler.schedule
@@ -372,11 +376,20 @@ def test_a_served_fit_recovers_the_mean_step_and_its_spread():
     want = -4e-3 * np.log1p(-q)  # the exponential's quantiles
     np.testing.assert_allclose(spread, want - want.mean(), atol=1e-3)
     assert abs(np.mean(spread)) < 1e-6
+    # in served order: the last MAX_SPREAD residuals themselves (the delays less their mean)
+    from atomd.sim.hardware import MAX_SPREAD
+
+    _, ordered = fit_served(samples, "decode", in_order=True)
+    assert len(ordered) == MAX_SPREAD and abs(np.mean(ordered)) < 1e-6
+    np.testing.assert_allclose(ordered, delay[-MAX_SPREAD:] - delay[-MAX_SPREAD:].mean(), atol=2e-4)
+    # a step stalled for minutes (a machine out of memory) stays within what a profile may hold
+    stalled = samples[:-1] + [(samples[-1][0], 100.0)]
+    assert max(abs(v) for v in fit_served(stalled, "decode", in_order=True)[1]) < 60
     with pytest.raises(ValueError, match="too few"):
         fit_served(samples[:2], "decode")
 
 
-def test_a_simulated_step_is_the_fit_plus_a_draw_from_the_spread(tmp_path):
+def test_a_simulated_step_is_the_fit_plus_a_draw_from_the_spread(tmp_path, monkeypatch):
     from atomd.sim.hardware import Calibrated
 
     base = load_profile(str(default_model_profile(tmp_path / "p.json")))
@@ -388,6 +401,17 @@ def test_a_simulated_step_is_the_fit_plus_a_draw_from_the_spread(tmp_path):
     run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=3, ignore_eos=True))})
     want = base.step_seconds(StepShape.of(True, [20], [0])) + 0.02  # decode steps: max(0, fit - 1 s)
     assert engine.stats()["sim"]["forward_seconds"] == pytest.approx(want)
+    # in served order: the steps walk the residuals from a seeded start, wrapping around
+    slept = fake_sim_clock(monkeypatch)
+    residuals = [0.001, 0.002, 0.003, 0.004]
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, decode_spread=residuals,
+                      spread_in_order=True)
+    path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
+    engine = make_engine(path)
+    run(engine, {"a": (prompt(1, 20), SamplingParams(max_tokens=7, ignore_eos=True))})
+    drawn = [t - base.step_seconds(StepShape.of(False, [1], [c])) for t, c in zip(slept[1:], range(20, 26))]
+    start = residuals.index(pytest.approx(drawn[0]))
+    assert drawn == pytest.approx([residuals[(start + k) % 4] for k in range(6)])
     raw = json.loads(path.read_text())
     for bad in ([0.0] * 1001, [61.0]):
         raw["step"]["decode_spread"] = bad
@@ -487,6 +511,9 @@ def test_a_simulated_engine_waits_out_the_served_gap_its_own_loop_does_not_take(
     want = [base.step_seconds(StepShape.of(True, [20], [0]))] + \
         [base.step_seconds(StepShape.of(False, [1], [c])) + 0.02 for c in (20, 21)]
     assert slept == pytest.approx(want)
+    # idle once "a" is done: the next prefill waits none of the served prefill gap
+    run(engine, {"b": (prompt(2, 20), SamplingParams(max_tokens=1, ignore_eos=True))})
+    assert slept[3:] == pytest.approx([base.step_seconds(StepShape.of(True, [20], [0]))])
 
 
 # ---------------------------------------------------------------- embeddings, nested configs

@@ -91,6 +91,25 @@ def test_the_planners_best_is_within_5_percent_of_an_exhaustive_sweep():
     assert attainment(fleet.run(scaled.requests(best.goodput)), slo) >= slo.attainment
 
 
+def test_a_run_stopped_once_its_slo_is_out_of_reach_answers_as_the_whole_run():
+    """Goodput's search stops a run when too many requests already missed (TTFT passed with
+    no first token, TPOT deadline passed unfinished, or ended outside): the same held / not
+    held as the whole run at every rate, and the overloaded runs stop with requests left."""
+    profile = load_profile("h100:qwen3-30b-a3b")
+    slo = SLO(ttft_s=0.25, tpot_s=0.025)
+    workload = Workload(input_len=512, output_len=64, num_requests=60)
+    stopped_early = 0
+    for layout in (Layout("colocated", 0, 2), Layout("pd", 1, 1)):
+        for rate in (20.0, 40.0, 60.0, 90.0, 140.0):
+            whole = attainment(Fleet(profile, layout).run(workload.requests(rate)), slo)
+            cut = Fleet(profile, layout).run(workload.requests(rate), stop_below=slo)
+            assert (attainment(cut, slo) >= slo.attainment) == (whole >= slo.attainment), (layout, rate, whole)
+            stopped_early += any(o.finish_s is None for o in cut)
+            if whole >= slo.attainment:
+                assert all(o.finish_s is not None for o in cut)
+    assert stopped_early >= 2
+
+
 def test_the_written_layout_loads_in_the_ray_launcher_and_the_helm_chart(tmp_path):
     from launch.ray_config import load_config
 

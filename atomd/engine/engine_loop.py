@@ -269,7 +269,7 @@ class EngineLoop:
                 outputs.extend(self._outputs(update.seq, update.new_token_ids, update.new_logprobs,
                                              update.finished))
         else:  # the loop will wait (for input, a pull, a release): the gap to the next forward is not busy
-            self._busy_since = None
+            self._busy_span_ended()
             self._idle_step()
         if self.kv_connector is not None:  # pulls landed, blocks released: before take_rejected
             finished = self._kv_connector_output()
@@ -282,7 +282,13 @@ class EngineLoop:
             outputs.extend(self._outputs(seq, [], None, True))
         if self.kv_events is not None:  # after the forward that wrote (and indexed) the blocks
             self.kv_events.publish(self.scheduler.block_manager.take_events())
+        if not self.has_unfinished_requests():  # the core waits for input without stepping: not busy
+            self._busy_span_ended()
         return outputs
+
+    def _busy_span_ended(self) -> None:
+        """The loop goes on to wait: the time to the next forward is no busy gap (step samples)."""
+        self._busy_since = None
 
     def _sample_step(self, batch: ScheduledBatch, started: float, elapsed: float) -> None:
         """[is_prefill, tokens, seqs, attention, context, forward s, gap s, outputs, pulls,

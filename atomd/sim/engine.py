@@ -15,7 +15,8 @@ type: the same input gives the same vector on any engine, for any batching or ch
 steps are prefill steps, timed by the profile like any prefill.
 
 Step time: the profile's prediction for the step's shape; with a served profile (`atomd
-profile --from-servers`) plus a residual drawn from its measured spread, plus whatever of the
+profile --from-servers`) plus a residual drawn from its measured spread (or, with
+`spread_in_order`, the next of the served residuals, walked from a seeded start), plus whatever of the
 served engine's busy gap between forwards (its gap model's, for the work this loop did since
 its last forward; else the mean) this loop's own gap (measured, EWMA) leaves;
 a step that woke late (a shared machine) shortens the next busy one by as much.
@@ -80,6 +81,9 @@ class SimulatedEngine(EngineLoop):
         step = self.profile.step  # a served profile's measured spread, drawn per step (seeded)
         self._spread = {True: step.prefill_spread, False: step.decode_spread} if isinstance(step, Calibrated) else {}
         self._spread_rng = np.random.default_rng(config.seed)
+        # in served order: each kind walks its residuals from a seeded start (hardware.Calibrated)
+        self._spread_at = {kind: int(self._spread_rng.integers(len(v))) for kind, v in self._spread.items() if v} \
+            if isinstance(step, Calibrated) and step.spread_in_order else None
         # a served profile's busy gap: this loop's own (EWMA) is measured and the rest waited out
         self._gap_s = {True: step.prefill_gap_s, False: step.decode_gap_s} if isinstance(step, Calibrated) else {}
         # ... or, when the profile has one, its gap model given the loop's work since the last forward
@@ -118,7 +122,12 @@ class SimulatedEngine(EngineLoop):
             batch.is_prefill, batch.num_scheduled_tokens.tolist(), batch.num_computed_tokens.tolist()))
         spread = self._spread.get(batch.is_prefill)
         if spread:
-            seconds = max(0.0, seconds + spread[self._spread_rng.integers(len(spread))])
+            if self._spread_at is None:
+                k = self._spread_rng.integers(len(spread))
+            else:
+                k = self._spread_at[batch.is_prefill]
+                self._spread_at[batch.is_prefill] = (k + 1) % len(spread)
+            seconds = max(0.0, seconds + spread[k])
         wait = 0.0
         served_gap = self._gap_s.get(batch.is_prefill)
         model = self._gap_model.get(batch.is_prefill)
@@ -173,7 +182,8 @@ class SimulatedEngine(EngineLoop):
                 self._embeddings[seq.request_id] = pseudo_embedding(
                     seq.prompt_token_ids, pooling, self.profile.model.hidden_size).tolist()
 
-    def _idle_step(self) -> None:
+    def _busy_span_ended(self) -> None:
+        super()._busy_span_ended()
         self._last_forward_end = None  # the loop waits now: no served busy gap follows (engine_loop)
 
     def _sample(self, seq: Sequence, params: SamplingParams, index: int) -> tuple[int, dict | None]:

@@ -157,7 +157,9 @@ class _Engine:
 
 class Fleet:
     def __init__(self, profile: Profile, layout: Layout, max_model_len: int = 8192, block_size: int = 16,
-                 max_num_batched_tokens: int = 8192):
+                 max_num_batched_tokens: int = 8192, prefix_caching: bool = True):
+        """prefix_caching False: no block hashing, a third of a long-prompt run's time; the
+        same times when no two prompts share a block (Workload.prefix_share 0)."""
         layout.check()
         self.profile, self.layout = profile, layout
         self.block_bytes = profile.model.kv_bytes_per_token * block_size
@@ -168,7 +170,8 @@ class Fleet:
             blocks = min(pool, max_num_seqs * -(-max_model_len // block_size))
             cfg = SchedulerConfig(num_kvcache_blocks=int(blocks), max_num_seqs=max_num_seqs,
                                   max_num_batched_tokens=batched, max_model_len=max_model_len,
-                                  block_size=block_size, enable_prefix_caching=True, enable_chunked_prefill=True,
+                                  block_size=block_size, enable_prefix_caching=prefix_caching,
+                                  enable_chunked_prefill=True,
                                   scheduler_delay_factor=0.0, long_prefill_token_threshold=0)
             return _Engine(Scheduler(cfg, kv_connector=pull), url, pull)
 
@@ -184,16 +187,23 @@ class Fleet:
         self._legs: dict[int, Any] = {}  # request index -> its LocalPrefill, or (P, answered at)
         self._p_legs: dict[int, tuple[float, int]] = {}  # request index -> (P leg start, tokens ahead + own)
         self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._misses: _Misses | None = None
         self._order = itertools.count()
         self.now = 0.0
 
     # ------------------------------------------------------------------ the loop
 
-    def run(self, requests: list[Request]) -> list[Outcome]:
+    def run(self, requests: list[Request], stop_below: SLO | None = None) -> list[Outcome]:
+        """Every request's outcome; with `stop_below`, the run stops (outcomes left unfinished)
+        as soon as so many requests missed it that its attainment cannot be reached: past
+        capacity the queue grows to the end, and goodput's search only asks whether it held."""
         self.outcomes = [Outcome(r.arrival_s, r.max_tokens) for r in requests]
         for i, r in enumerate(requests):
             self._at(r.arrival_s, lambda i=i, r=r: self._arrive(i, r))
+        self._misses = misses = _Misses(self.outcomes, stop_below) if stop_below is not None else None
         while self._events:
+            if misses is not None and misses.hopeless(self.now):
+                break
             self.now, _, fn = heapq.heappop(self._events)
             fn()
             while self._events and self._events[0][0] == self.now:  # what happens at once, then the steps
@@ -244,7 +254,7 @@ class Fleet:
             if e.pull is not None:
                 self._start_pulls(e)
             for seq in e.scheduler.take_rejected():  # unschedulable (longer than the pool)
-                self.outcomes[e.owners.pop(seq.id)].failed = True
+                self._end(e.owners.pop(seq.id), failed=True)
             if batch is None or not batch.seqs:
                 continue
             seconds = max(seconds, self.profile.step_seconds(StepShape.of(
@@ -288,6 +298,8 @@ class Fleet:
             return
         if update.new_token_ids and out.first_token_s is None:
             out.first_token_s = self.now
+            if self._misses is not None:
+                self._misses.first_token(i)
             leg = self._legs.pop(i, None)
             if isinstance(leg, LocalPrefill):
                 leg.first_event(self.now)
@@ -296,6 +308,12 @@ class Fleet:
         if update.finished:
             del e.owners[update.seq.id]
             out.finish_s = self.now
+            self._end(i)
+
+    def _end(self, i: int, failed: bool = False) -> None:
+        self.outcomes[i].failed |= failed
+        if self._misses is not None:
+            self._misses.ended(i)
 
     def _start_pulls(self, e: _Engine) -> None:
         for seq, blocks in e.pull.started:
@@ -356,10 +374,49 @@ class SLO(msgspec.Struct, frozen=True):
     attainment: float = 0.9  # DistServe's: the share of requests that must meet both
 
 
+def meets(o: Outcome, slo: SLO) -> bool:
+    return not o.failed and o.finish_s is not None and o.ttft <= slo.ttft_s and o.tpot <= slo.tpot_s
+
+
 def attainment(outcomes: list[Outcome], slo: SLO) -> float:
-    ok = sum(1 for o in outcomes if not o.failed and o.finish_s is not None
-             and o.ttft <= slo.ttft_s and o.tpot <= slo.tpot_s)
-    return ok / len(outcomes)
+    return sum(1 for o in outcomes if meets(o, slo)) / len(outcomes)
+
+
+class _Misses:
+    """Counts the requests that can no longer meet the SLO at virtual time `now`: finished
+    (or failed) outside it, or still without a first token past their TTFT SLO. Each
+    request is judged by TTFT in arrival order (outcomes are in arrival order), by TPOT once
+    unfinished past its TPOT deadline (first token + TPOT SLO x its other tokens), and when
+    it ends."""
+
+    def __init__(self, outcomes: list[Outcome], slo: SLO) -> None:
+        self.outcomes, self.slo = outcomes, slo
+        self.allowed = len(outcomes) - math.ceil(slo.attainment * len(outcomes) - 1e-9)
+        self.judged_ttft = 0  # outcomes[:judged_ttft] passed their TTFT check or count as missed
+        self.missed: set[int] = set()
+        self.deadlines: list[tuple[float, int]] = []  # (TPOT deadline, request) heap
+
+    def hopeless(self, now: float) -> bool:
+        while self.judged_ttft < len(self.outcomes):
+            o = self.outcomes[self.judged_ttft]
+            if o.arrival_s + self.slo.ttft_s >= now and o.first_token_s is None:
+                break  # may still make it
+            if o.first_token_s is None or o.ttft > self.slo.ttft_s:
+                self.missed.add(self.judged_ttft)
+            self.judged_ttft += 1
+        while self.deadlines and self.deadlines[0][0] < now:
+            i = heapq.heappop(self.deadlines)[1]
+            if self.outcomes[i].finish_s is None:
+                self.missed.add(i)
+        return len(self.missed) > self.allowed
+
+    def first_token(self, i: int) -> None:
+        o = self.outcomes[i]
+        heapq.heappush(self.deadlines, (o.first_token_s + self.slo.tpot_s * max(0, o.num_tokens - 1), i))
+
+    def ended(self, i: int) -> None:
+        if not meets(self.outcomes[i], self.slo):
+            self.missed.add(i)
 
 
 def max_goodput(profile: Profile, layout: Layout, workload: Workload, slo: SLO, max_model_len: int = 8192,
@@ -367,8 +424,8 @@ def max_goodput(profile: Profile, layout: Layout, workload: Workload, slo: SLO, 
     """The highest request rate (req/s) whose simulated SLO attainment is >= slo.attainment
     (DistServe's goodput): doubling to bracket it, then bisection."""
     def holds(rate: float) -> bool:
-        fleet = Fleet(profile, layout, max_model_len=max_model_len)
-        return attainment(fleet.run(workload.requests(rate)), slo) >= slo.attainment
+        fleet = Fleet(profile, layout, max_model_len=max_model_len, prefix_caching=workload.prefix_share > 0)
+        return attainment(fleet.run(workload.requests(rate), stop_below=slo), slo) >= slo.attainment
 
     rate = 1.0
     if holds(rate):

@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, help="where to write the profile (JSON)")
     parser.add_argument("--from-servers", nargs="+", default=None, metavar="URL",
                         help="fit from these engines' served steps (started with $ATOMD_STEP_SAMPLES) instead of a grid")
+    parser.add_argument("--spread-in-order", action="store_true",
+                        help="--from-servers: keep the residuals in served order (walked in order by a simulated "
+                             "engine: slow stretches stay stretches) instead of their quantiles (drawn independently)")
 
 
 SPREAD_QUANTILES = 50
@@ -69,18 +72,22 @@ def served_samples(urls: list[str]) -> list[tuple]:
     return samples
 
 
-def fit_served(samples: list[tuple], kind: str):
+def fit_served(samples: list[tuple], kind: str, in_order: bool = False):
     """The mean fit of one kind's served steps and the quantiles of measured - fitted
-    seconds, at mean 0. Additive, not a ratio: a shared machine delays a step by a time
-    slice whatever its size, and a ratio learnt from short steps would stretch long ones."""
-    from atomd.sim.hardware import fit_linear
+    seconds, at mean 0 (in_order: the last MAX_SPREAD residuals themselves, in served order,
+    at mean 0). Additive, not a ratio: a shared machine delays a step by a time slice
+    whatever its size, and a ratio learnt from short steps would stretch long ones."""
+    from atomd.sim.hardware import MAX_SPREAD, MAX_SPREAD_S, fit_linear
 
     if len(samples) < 3:
         raise ValueError(f"{len(samples)} {kind} steps served: too few to fit (send traffic first)")
     fit = fit_linear([s for s, _ in samples], [t for _, t in samples], relative=False)
     residuals = np.array([t - fit.seconds(s) for s, t in samples])
-    spread = np.quantile(residuals, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
-    spread -= spread.mean()  # at mean 0: a simulated step's mean is the fit's
+    spread = residuals[-MAX_SPREAD:] if in_order else \
+        np.quantile(residuals, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
+    spread = spread - spread.mean()  # at mean 0: a simulated step's mean is the fit's
+    # a stalled machine's minute-long step would make a profile the loader refuses: kept at its bound
+    spread = np.clip(spread, -0.999 * MAX_SPREAD_S, 0.999 * MAX_SPREAD_S)
     return fit, [round(float(v), 6) for v in spread]
 
 
@@ -210,7 +217,8 @@ def run_from_servers(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, dtype=args.dtype)
         config.check_model_dir()
         samples = served_samples(args.from_servers)
-        fits = {kind: fit_served([(s, t) for s, t, *_ in samples if s.is_prefill == (kind == "prefill")], kind)
+        fits = {kind: fit_served([(s, t) for s, t, *_ in samples if s.is_prefill == (kind == "prefill")], kind,
+                                 in_order=args.spread_in_order)
                 for kind in ("prefill", "decode")}
         gaps = {kind: [(g, w) for s, _, g, w in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
                 for kind in ("prefill", "decode")}
@@ -220,8 +228,7 @@ def run_from_servers(args: argparse.Namespace) -> int:
     for kind, (fit, spread) in fits.items():
         print(f"{kind} fit (served, mean): {fit.base_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.3f} us/token + "
               f"{fit.per_attention_s * 1e9:.4f} ns/{'pair' if kind == 'prefill' else 'context token'}; "
-              f"measured - fitted p10 {spread[len(spread) // 10] * 1e3:.2f} ms, p50 "
-              f"{spread[len(spread) // 2] * 1e3:.2f} ms, p90 {spread[len(spread) * 9 // 10] * 1e3:.2f} ms")
+              "measured - fitted p10 %.2f ms, p50 %.2f ms, p90 %.2f ms" % tuple(np.quantile(spread, (0.1, 0.5, 0.9)) * 1e3))
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
@@ -235,6 +242,7 @@ def run_from_servers(args: argparse.Namespace) -> int:
                                     f"{m.per_pull_s * 1e3:.2f} ms/pull landed + {m.per_request_s * 1e3:.2f} ms/request"))
     step = Calibrated(prefill=fits["prefill"][0], decode=fits["decode"][0], source=source,
                       prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1],
+                      spread_in_order=args.spread_in_order,
                       prefill_gap_s=gap["prefill"], decode_gap_s=gap["decode"],
                       prefill_gap=models["prefill"], decode_gap=models["decode"])
     write_profile(args, config, name, step, link)
