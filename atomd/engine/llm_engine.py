@@ -121,7 +121,8 @@ class LLMEngine(EngineLoop):
         grammars = GrammarCompiler((model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self._end_token_ids)
         self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
         if mtp is not None:
-            self.proposer = MtpProposer(self.model, mtp)
+            self.proposer = MtpProposer(self.model, mtp, spec.num_speculative_tokens, config.max_model_len,
+                                        self.kv_cache, self.runner.kernels)
         elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)
@@ -137,6 +138,8 @@ class LLMEngine(EngineLoop):
         kv_blocks = self.kv_cache.as_numpy_blocks() if self.tp_staging is None else self.tp_staging.blocks
         self._start(self.kv_cache.num_blocks, kv_blocks, eos, prefill_delayer, model_dir,
                     prefix_caching=prefix_caching, kv_window=max(mcfg.layer_windows) if mcfg.all_windowed else None)
+        if mtp is not None:  # chained drafts past a sequence's blocks borrow scratch blocks there
+            self.proposer.pool = self.scheduler.block_manager.pool
         if self.tp_staging is not None and config.kv_role == "consumer":  # landed pulls -> the workers' slices
             self.kv_connector = TPStagedConnector(self.kv_connector, self.tp_staging)
 

@@ -15,7 +15,9 @@ the main model's final-normed hidden state h_p and the embedding of the token at
 Its attention has its own latent KV cache over the sequence shifted by one: the engine's cache
 gets one more layer (index num_hidden_layers) in the same blocks, written at the same positions
 and slots as the main layers, so the block tables, PD transfer and preemption need nothing more.
-Only the first MTP layer drafts here (one draft a step, DeepSeek V3's own setting).
+Only the first MTP layer is loaded; k > 1 drafts chain it on its own output (x before
+shared_head's norm, in place of h, and its own draft as the next token, one position on: what
+vLLM and SGLang do with V3's one layer; atomd/engine/mtp_proposer.py).
 """
 from __future__ import annotations
 
@@ -79,11 +81,12 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
 
 def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hidden: torch.Tensor,
                 positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
-                logits_rows: torch.Tensor) -> torch.Tensor:
-    """Logits [len(logits_rows), vocab] of the MTP layer over the step's rows: next_ids [T] the
-    token after each row's, hidden [T, hidden] the main model's final-normed states of the
-    rows, at the main forward's positions and metadata (its latent rows stored in the MTP's
-    cache layer for every row)."""
+                logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [len(logits_rows), vocab] of the MTP layer over the step's rows, and those rows'
+    output states [len(logits_rows), hidden] (before shared_head's norm: what a chained draft
+    reads as its `hidden`): next_ids [T] the token after each row's, hidden [T, hidden] the main
+    model's final-normed states of the rows (or a chained draft's MTP states), at the forward's
+    positions and metadata (its latent rows stored in the MTP's cache layer for every row)."""
     eps = model.config.rms_norm_eps
     e = rms_norm(torch.nn.functional.embedding(next_ids, mtp.embed), mtp.enorm, eps)
     x = linear(torch.cat([e, rms_norm(hidden, mtp.hnorm, eps)], dim=1), mtp.eh_proj)
@@ -92,5 +95,6 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     attn = model._attention(h, w, mtp.kv_layer, model.rope_rows(positions.contiguous(), meta), meta, kv_cache)
     model._attn_out_and_mlp(x, attn, w, None, h)  # x += attention out, then += the MLP's (in place)
     if not len(logits_rows):  # a prefill chunk that samples nothing: only the MTP's KV rows
-        return x.new_empty(0, model.config.vocab_size)
-    return linear(rms_norm(x[logits_rows], mtp.head_norm, eps), mtp.head)
+        return x.new_empty(0, model.config.vocab_size), x[:0]
+    states = x[logits_rows]
+    return linear(rms_norm(states, mtp.head_norm, eps), mtp.head), states
