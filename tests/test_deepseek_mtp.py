@@ -147,16 +147,21 @@ def chains_of(trace: list, request_id: str) -> list[tuple[int, torch.Tensor]]:
     return [(p, torch.stack(rows)) for p, rows in out]
 
 
-def assert_chains_equal_the_reference(llm, outs, prompts, ref, atol=1e-4) -> int:
-    """Every draft chain of every request against the reference; how many drafts were checked."""
+def assert_chains_equal_the_reference(trace: list, finals: dict[str, list[int]], ref, atol=1e-4) -> int:
+    """Every draft chain in `trace` of every request (its final sequence, prompt included, in
+    `finals`) against the reference; how many drafts were checked."""
     checked = 0
-    for out, prompt in zip(outs, prompts):
-        want = ref(prompt + out.outputs[0].token_ids)
-        for p, logits in chains_of(llm.engine.proposer.trace, out.request_id):
+    for request_id, tokens in finals.items():
+        want = ref(tokens)
+        for p, logits in chains_of(trace, request_id):
             drafts = logits.argmax(dim=-1).tolist()[:-1]  # the tokens the chain was fed
             torch.testing.assert_close(logits.float(), want(p, drafts), atol=atol, rtol=0)
             checked += len(logits)
     return checked
+
+
+def finals_of(outs, prompts) -> dict[str, list[int]]:
+    return {o.request_id: p + o.outputs[0].token_ids for o, p in zip(outs, prompts)}
 
 
 @pytest.mark.parametrize("backend", ["auto", "torch"])
@@ -177,7 +182,8 @@ def test_mtp_logits_equal_the_reference_and_greedy_is_unchanged(backend, ckpt):
     assert engine_greedy(plain, prompts, GREEDY) == got
     depths = [d for d, *_ in llm.engine.proposer.trace]
     assert {1, 2, 3} <= set(depths)
-    assert assert_chains_equal_the_reference(llm, outs, prompts, lambda t: reference_mtp(path, full, mtp, t)) >= 60
+    ref = lambda t: reference_mtp(path, full, mtp, t)  # noqa: E731
+    assert assert_chains_equal_the_reference(llm.engine.proposer.trace, finals_of(outs, prompts), ref) >= 60
     stats = llm.engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
 
@@ -192,7 +198,8 @@ def test_mtp_in_bfloat16_is_near_the_float32_reference(ckpt):
     out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=16, temperature=0.0,
                                                                       ignore_eos=True))[0]
     assert all(logits.dtype == torch.bfloat16 for *_, logits in llm.engine.proposer.trace)
-    assert assert_chains_equal_the_reference(llm, [out], [prompt], lambda t: reference_mtp(path, full, mtp, t),
+    ref = lambda t: reference_mtp(path, full, mtp, t)  # noqa: E731
+    assert assert_chains_equal_the_reference(llm.engine.proposer.trace, finals_of([out], [prompt]), ref,
                                              atol=0.1) >= 16
 
 
@@ -214,7 +221,8 @@ def test_mtp_drafts_are_accepted_and_counted(mimic, monkeypatch):
                         SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
     got = [o.outputs[0].token_ids for o in outs]
     assert_equals_hf(path, prompts, got, n=40)
-    assert assert_chains_equal_the_reference(llm, outs, prompts, lambda t: reference_mtp(path, full, mtp, t)) > 100
+    ref = lambda t: reference_mtp(path, full, mtp, t)  # noqa: E731
+    assert assert_chains_equal_the_reference(llm.engine.proposer.trace, finals_of(outs, prompts), ref) > 100
     stats = llm.engine.stats()
     print(stats["spec_decode"], stats["num_preemptions"], len(borrowed), borrowed.count(None))
     assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == 9
@@ -238,6 +246,6 @@ def test_mtp_refused_with_the_reason(tmp_path, ckpt):
     llama = make_checkpoint(tmp_path / "llama", "llama")
     with pytest.raises(ValueError, match=r"\(LlamaForCausalLM\) has no MTP module"):
         LLM(str(llama), num_threads=1, max_model_len=64, speculative_config=MTP)
-    sharded = load_model(ckpt[0], expert_shard=(0, 2))  # an expert-parallel rank's model
-    with pytest.raises(ValueError, match="mtp is not supported with --enable-expert-parallel"):
+    sharded = load_model(ckpt[0], expert_shard=(0, 2))  # an expert-parallel rank's model, not in its group yet
+    with pytest.raises(ValueError, match="MTP layer loads after use_expert_parallel"):
         load_mtp(ckpt[0], sharded)

@@ -227,6 +227,8 @@ class LLMEngine(EngineLoop):
         ep = self.model.ep
         if ep is not None and ep.anyone_has_rows(False):  # the others' tokens still need this rank's experts
             self.model.idle_forward()
+            if isinstance(self.proposer, MtpProposer):  # and the MTP layer's, each pass
+                self.proposer.idle()
 
     def stats(self) -> dict[str, Any]:
         """Plus the expert load counters: (token, choice) pairs each expert ran here, summed
@@ -325,6 +327,8 @@ class LLMEngine(EngineLoop):
         next_drafts = None
         if self.proposer is not None and rows:
             next_drafts = self._propose(batch, rows, token_ids)
+        if mtp is not None:
+            mtp.end_step()
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, draft_token_ids=next_drafts,
                                     fork_token_ids=fork_ids, fork_logprobs=fork_entries,
                                     prompt_logprobs=prompt_entries)

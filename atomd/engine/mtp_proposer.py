@@ -23,6 +23,10 @@ sequence's blocks go to scratch blocks borrowed from the pool's vacant ones (nev
 prefix) and returned at once; with none free the chain stops at the sequence's last block.
 The drafts go out under the SpecController's limit, as the n-gram proposer's do; the verify
 step keeps each only if the main model samples it.
+
+Expert parallelism: the MTP layer's MoE exchanges across the ranks, so every rank runs exactly
+k MTP passes each step any rank runs (the first pass, the chain, then empty exchanges for the
+depths it did not reach: `end_step`; an idle rank all k: `idle`).
 """
 from __future__ import annotations
 
@@ -32,7 +36,7 @@ import numpy as np
 import torch
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
-from atomd.model.deepseek_mtp import MtpLayer, mtp_forward
+from atomd.model.deepseek_mtp import MtpLayer, mtp_exchange_idle, mtp_forward
 
 
 @dataclass
@@ -53,6 +57,7 @@ class MtpProposer:
         self.k, self.max_model_len = num_speculative_tokens, max_model_len
         self.pool = None  # the scheduler's BlockPool (set once it exists): chained rows' scratch blocks
         self.chains: dict[int, _Chain] = {}  # seq id -> its first draft, from the last forward
+        self.passes = 0  # MTP passes this step (expert parallelism: k on every rank)
         # tests and debugging: [] records every drafting pass as (depth, request ids, positions, logits)
         self.trace: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] | None = None
 
@@ -77,6 +82,7 @@ class MtpProposer:
                                    else start + n - 1)
                 drafting.append(i)
         rows = torch.tensor(logits_rows, dtype=torch.int64)
+        self.passes = 1
         logits, states = mtp_forward(self.model, self.mtp, torch.from_numpy(next_ids), hidden, positions, meta,
                                      kv_cache, rows)
         at = positions[rows].tolist()
@@ -118,6 +124,7 @@ class MtpProposer:
                 chains = [self.chains[s] for s in live]
                 positions = torch.tensor([c.position + 1 for c in chains], dtype=torch.int64)
                 meta = self._decode_meta([c.table for c in chains], positions)
+                self.passes += 1
                 logits, states = mtp_forward(self.model, self.mtp, torch.tensor([c.drafts[-1] for c in chains]),
                                              torch.stack([c.state for c in chains]), positions, meta, self.kv_cache,
                                              torch.arange(len(chains)))
@@ -129,6 +136,17 @@ class MtpProposer:
         finally:
             for block in borrowed:
                 self.pool.release(block)
+
+    def end_step(self) -> None:
+        """After the step's drafts: the passes it did not run, as empty exchanges (expert parallelism)."""
+        for _ in range(self.k - self.passes):
+            mtp_exchange_idle(self.model, self.mtp)
+        self.passes = self.k
+
+    def idle(self) -> None:
+        """A rank with no rows while another runs a step: its part in that step's k MTP passes."""
+        self.passes = 0
+        self.end_step()
 
     def _decode_meta(self, tables: list[list[int]], positions: torch.Tensor) -> AttentionMetadata:
         """One decode row a sequence at `positions`, over its blocks `tables`."""

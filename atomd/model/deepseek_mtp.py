@@ -17,7 +17,9 @@ gets one more layer (index num_hidden_layers) in the same blocks, written at the
 and slots as the main layers, so the block tables, PD transfer and preemption need nothing more.
 Only the first MTP layer is loaded; k > 1 drafts chain it on its own output (x before
 shared_head's norm, in place of h, and its own draft as the next token, one position on: what
-vLLM and SGLang do with V3's one layer; atomd/engine/mtp_proposer.py).
+vLLM and SGLang do with V3's one layer; atomd/engine/mtp_proposer.py). Under expert parallelism
+its experts are sharded and exchanged as a main sparse layer's; every rank runs k MTP passes a
+step in lockstep (empty ones where it has nothing to draft), so the collective counts match.
 """
 from __future__ import annotations
 
@@ -56,9 +58,8 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
     if not isinstance(model, DeepseekModel) or not mtp_layer_count(hf):
         raise ValueError(f"speculative_config method mtp: the checkpoint ({cfg.architecture}) has no MTP module "
                          f"(DeepSeek V3's num_nextn_predict_layers is {mtp_layer_count(hf)}); use method ngram")
-    if cfg.expert_ranks > 1:
-        raise ValueError("speculative_config method mtp is not supported with --enable-expert-parallel "
-                         "(the MTP layer's experts are not sharded)")
+    if cfg.expert_ranks > 1 and model.ep is None:  # the layer's experts would be a slice with nothing to exchange
+        raise ValueError("an expert-parallel rank's MTP layer loads after use_expert_parallel")
     i, dtype = cfg.num_layers, model.dtype
     src = type(model).tensor_source(_TensorSource(model_dir), cfg)
     p = f"model.layers.{i}."
@@ -71,12 +72,22 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
     get = lambda name: src.get(p + name, dtype)  # noqa: E731
     own = lambda name, main: get(name) if p + name in src else main  # noqa: E731
     pack = pack_linear_weight if model.packs() else (lambda t: t)
-    layer = DeepseekModel.load_layer(src, layer_cfg, i, dtype)
+    layer = DeepseekModel.load_layer(src, layer_cfg, i, dtype)  # this rank's experts under expert parallelism
     model.pack_layer(layer)  # as the main layers run
+    if model.ep is not None and layer.moe is not None:  # its MoE exchanges as the main sparse layers' do
+        layer.moe.ep = model.ep
+        model.ep.attach(layer.moe)
     head = pack(get("shared_head.head.weight")) if p + "shared_head.head.weight" in src else model.lm_head
     return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=pack(get("eh_proj.weight")),
                     layer=layer, head_norm=get("shared_head.norm.weight"),
                     embed=own("embed_tokens.weight", model.embed), head=head, kv_layer=i)
+
+
+def mtp_exchange_idle(model: DeepseekModel, mtp: MtpLayer) -> None:
+    """Expert parallelism: one MTP pass's part in the exchange with no rows of this rank's own
+    (a rank with no drafting pass to run while another runs one), so the collectives match."""
+    if model.ep is not None and mtp.layer.moe is not None:
+        model.ep.moe(torch.empty(0, model.config.hidden_size, dtype=model.dtype), mtp.layer.moe)
 
 
 def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hidden: torch.Tensor,
