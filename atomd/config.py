@@ -400,7 +400,8 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
     `num_speculative_tokens` drafts copied from the tokens that followed the latest earlier
     occurrence of the sequence's last n tokens, n from prompt_lookup_max down to
     prompt_lookup_min (one missing: the other; both: 5). mtp: DeepSeek V3's MTP layer drafts
-    one token (atomd/model/deepseek_mtp.py); the prompt_lookup keys are not read."""
+    one token, chained on its own output for each further one (atomd/engine/mtp_proposer.py);
+    the prompt_lookup keys are not read."""
 
     method: str
     num_speculative_tokens: int
@@ -429,9 +430,6 @@ class SpeculativeConfig(msgspec.Struct, frozen=True):
             value = raw.get(key)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
                 raise ValueError(f"speculative_config: {key} must be an integer >= 1, got {value!r}")
-        if raw["method"] == "mtp" and raw["num_speculative_tokens"] != 1:  # atomd/model/deepseek_mtp.py
-            raise ValueError(f"speculative_config: method mtp drafts one token a step (the checkpoint's first MTP "
-                             f"layer); num_speculative_tokens must be 1, got {raw['num_speculative_tokens']!r}")
         low, high = raw.get("prompt_lookup_min"), raw.get("prompt_lookup_max")
         low, high = (low or high or 5), (high or low or 5)
         if low > high:

@@ -19,6 +19,13 @@ decodes to nothing would look like an empty stream to a client).
     qwen3-0.6b: Qwen3-0.6B's shape (Qwen3ForCausalLM: q/k norm): hidden 1024, 28 layers, 16
     query / 8 KV heads of 128, intermediate 3072, vocabulary 151936, tied, float32 (~3 GB;
     the issue's dense comparison shape).
+    deepseek-v2-lite: issue #37's benchmark shape, DeepSeek-V2-Lite sized for this machine:
+    V2-Lite's attention as it is (MLA, 16 heads, no q_lora, kv_lora_rank 512, qk_nope 128,
+    qk_rope 64, v 128, yarn factor 40 with mscale 0.707) and its 26 or 27 layers (llama.cpp
+    reads a deepseek2 GGUF without q_lora only at those counts): hidden 1024 (V2-Lite: 2048),
+    26 layers, the first dense (intermediate 2816), then DeepSeekMoE of 16 routed experts of
+    128 (V2-Lite: 64 of 1408) top-6 softmax greedy plus 2 shared, vocabulary 32000 (V2-Lite:
+    102400), untied; 0.46B parameters, ~0.32B active a token (head included), float32 (~1.8 GB).
 """
 from __future__ import annotations
 
@@ -48,6 +55,16 @@ SHAPES = {
                        num_key_value_heads=8, head_dim=128, intermediate_size=3072, vocab_size=151936,
                        tie_word_embeddings=True, max_position_embeddings=40960, rms_norm_eps=1e-6,
                        rope_theta=1000000.0),
+    "deepseek-v2-lite": dict(architecture="DeepseekV2", hidden_size=1024, num_hidden_layers=26,
+                             num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+                             qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=2816,
+                             moe_intermediate_size=128, n_routed_experts=16, n_shared_experts=2,
+                             num_experts_per_tok=6, first_k_dense_replace=1, topk_method="greedy", n_group=1,
+                             topk_group=1, routed_scaling_factor=1.0, norm_topk_prob=False, vocab_size=32000,
+                             tie_word_embeddings=False, max_position_embeddings=163840, rms_norm_eps=1e-6,
+                             rope_parameters={"rope_type": "yarn", "factor": 40.0, "rope_theta": 10000.0,
+                                              "original_max_position_embeddings": 4096, "mscale": 0.707,
+                                              "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
 }
 CHOICES = ["builtin", *SHAPES]
 

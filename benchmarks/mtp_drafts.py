@@ -11,7 +11,7 @@ decoder layer; the checkpoint is written as tests/test_deepseek_mtp.py writes on
 
 Then, same run, alternating, --rounds rounds: greedy batch-1 generation of --new tokens after
 64-token prompts cut from the held-out files, with no speculation, n-gram (k = 1 and k = 3) and
-MTP (k = 1). Reported: decode tokens/s (medians), the ratio to no speculation, the acceptance
+MTP (k = 1 and k = 3: the one layer chained). Reported: decode tokens/s (medians), the ratio to no speculation, the acceptance
 rate (accepted / drafted, the engine's spec_decode counters).
 
     .venv/bin/python benchmarks/mtp_drafts.py --minutes 4 --rounds 3
@@ -130,7 +130,8 @@ def train(out: pathlib.Path, layers: int, minutes: float, seq: int, batch: int, 
 
 
 SPECS = {"none": None, "ngram-k1": {"method": "ngram", "num_speculative_tokens": 1},
-         "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3}, "mtp-k1": {"method": "mtp", "num_speculative_tokens": 1}}
+         "ngram-k3": {"method": "ngram", "num_speculative_tokens": 3}, "mtp-k1": {"method": "mtp", "num_speculative_tokens": 1},
+         "mtp-k3": {"method": "mtp", "num_speculative_tokens": 3}}
 
 
 def main() -> int:

@@ -38,7 +38,7 @@ from benchmarks.machine import loadavg
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
              intermediate_size=1408, vocab_size=4096, tie_word_embeddings=False, max_position_embeddings=2048)
-SHAPE_CHOICES = ("small", "smollm-135m", "qwen3-0.6b", "qwen3-moe-small", "qwen3-moe")
+SHAPE_CHOICES = ("small", "smollm-135m", "qwen3-0.6b", "qwen3-moe-small", "qwen3-moe", "deepseek-v2-lite")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 

@@ -69,12 +69,20 @@ class BlockPool:
 
     def take(self) -> Block:
         """A free block for new content; evicts the least recently freed cached block."""
-        if self.vacant:
-            block = self.blocks[heapq.heappop(self.vacant)]
-        else:
+        block = self.take_vacant()
+        if block is None:
             block_id, _ = self.cached_free.popitem(last=False)
             block = self.blocks[block_id]
             self._unindex(block)
+            block.ref_count = 1
+        return block
+
+    def take_vacant(self) -> Block | None:
+        """A free block that names no prefix, or None: never evicts a cached one (the MTP
+        drafter's scratch rows past a sequence's blocks, released within the step)."""
+        if not self.vacant:
+            return None
+        block = self.blocks[heapq.heappop(self.vacant)]
         block.ref_count = 1
         return block
 

@@ -2,7 +2,8 @@
 layer, both with `--speculative-config '{"method": "mtp", ...}'`, behind the router, answer as the
 colocated MTP engine does and as Hugging Face does; D pulls whole blocks with the MTP's latent
 layer in them (P's MTP rows over the prompt are D's), and D's drafts are accepted (the mimicking
-MTP layer of tests/test_deepseek_mtp.py drafts the token the main model repeats)."""
+MTP layer of tests/test_deepseek_mtp.py drafts the token the main model repeats). Three drafts a
+step: P's chain runs past the prompt's last block (a borrowed scratch block, not moved)."""
 from __future__ import annotations
 
 import json
@@ -11,7 +12,7 @@ import pytest
 from tokenizers import Tokenizer
 
 from tests.pd_fixtures import block_bytes, metric, ref_and_pd
-from tests.test_deepseek_mtp import LAYERS, MTP, write_v3_with_mtp
+from tests.test_deepseek_mtp import LAYERS, MTP3, write_v3_with_mtp
 from tests.test_model_hf import BLOCK, hf_greedy, prompts_of
 from tests.test_pd_e2e import complete
 
@@ -21,13 +22,13 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory):
     path, _, _ = write_v3_with_mtp(tmp_path_factory.mktemp("v3mimic"), seed=51, own_head=False, mimic=True)
-    with ref_and_pd("--max-model-len", "256", "--speculative-config", json.dumps(MTP), model=path) as pd:
+    with ref_and_pd("--max-model-len", "256", "--speculative-config", json.dumps(MTP3), model=path) as pd:
         yield path, pd
 
 
 def test_pd_with_mtp_drafts_equals_colocated_and_hf(cluster):
     path, pd = cluster
-    n = 3 * BLOCK + 5
+    n = 4 * BLOCK - 1  # P's chained drafts' rows: the last prompt block's last slot, then past it
     prompt = [t % 297 + 3 for t in prompts_of([n], seed=21)[0]]  # in the tokenizer's 300 ids
     body = {"prompt": prompt, "max_tokens": 40, "temperature": 0, "ignore_eos": True}
     status, want = complete(pd["ref"].url, body)

@@ -207,9 +207,10 @@ class Ranks:
         return tokens, kinds
 
 
-def one_engine_greedy(path: pathlib.Path, placed: dict[str, list[int]]) -> tuple[dict[str, list[int]], LLMEngine]:
+def one_engine_greedy(path: pathlib.Path, placed: dict[str, list[int]],
+                      **config) -> tuple[dict[str, list[int]], LLMEngine]:
     """The same requests on one DP=1 engine, all at once: the tokens by request id, and the engine."""
-    dp1 = LLMEngine(EngineConfig(model=str(path), num_threads=1, max_model_len=256))
+    dp1 = LLMEngine(EngineConfig(model=str(path), num_threads=1, max_model_len=256, **config))
     for rid, prompt in placed.items():
         dp1.add_request(rid, prompt, GREEDY)
     alone: dict[str, list[int]] = {}

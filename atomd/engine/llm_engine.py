@@ -128,7 +128,8 @@ class LLMEngine(EngineLoop):
         grammars = GrammarCompiler((model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self._end_token_ids)
         self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
         if mtp is not None:
-            self.proposer = MtpProposer(self.model, mtp)
+            self.proposer = MtpProposer(self.model, mtp, spec.num_speculative_tokens, config.max_model_len,
+                                        self.kv_cache, self.runner.kernels)
         elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)
@@ -144,6 +145,8 @@ class LLMEngine(EngineLoop):
         kv_blocks = self.kv_cache.as_numpy_blocks() if self.tp_staging is None else self.tp_staging.blocks
         self._start(self.kv_cache.num_blocks, kv_blocks, eos, prefill_delayer, model_dir,
                     prefix_caching=prefix_caching, kv_window=max(mcfg.layer_windows) if mcfg.all_windowed else None)
+        if mtp is not None:  # chained drafts past a sequence's blocks borrow scratch blocks there
+            self.proposer.pool = self.scheduler.block_manager.pool
         if self.tp_staging is not None and config.kv_role == "consumer":  # landed pulls -> the workers' slices
             self.kv_connector = TPStagedConnector(self.kv_connector, self.tp_staging)
 
@@ -231,6 +234,8 @@ class LLMEngine(EngineLoop):
         ep = self.model.ep
         if ep is not None and ep.anyone_has_rows(False):  # the others' tokens still need this rank's experts
             self.model.idle_forward()
+            if isinstance(self.proposer, MtpProposer):  # and the MTP layer's, each pass
+                self.proposer.idle()
 
     def stats(self) -> dict[str, Any]:
         """Plus the expert load counters: (token, choice) pairs each expert ran here, summed
@@ -329,6 +334,8 @@ class LLMEngine(EngineLoop):
         next_drafts = None
         if self.proposer is not None and rows:
             next_drafts = self._propose(batch, rows, token_ids)
+        if mtp is not None:
+            mtp.end_step()
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, draft_token_ids=next_drafts,
                                     fork_token_ids=fork_ids, fork_logprobs=fork_entries,
                                     prompt_logprobs=prompt_entries)

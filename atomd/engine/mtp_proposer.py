@@ -9,24 +9,57 @@ them). So the MTP's latent cache follows the sequence shifted by one, including 
 prefills, prefix hits (the hit blocks' MTP rows were computed with the next token of the
 sequence that stored them: a later sequence with another next token reads one stale MTP row
 at the boundary, which costs acceptance, never output) and preemption (recomputed). The
-draft of a sequence that sampled is the MTP's argmax at its last accepted row: the token
-after the one it just got. `propose` hands it out under the SpecController's limit, as the
-n-gram proposer does; the verify step keeps it only if the main model samples it.
+first draft of a sequence that sampled is the MTP's argmax at its last accepted row p: the
+token after the one it just got.
+
+k > 1 (num_speculative_tokens): `propose` chains the layer on its own output, as vLLM and
+SGLang do with V3's one MTP layer: draft j + 1 comes from the MTP's output state of draft j
+and draft j itself, one position on (p + j), as a decode row over the MTP's latent cache.
+Those chained rows write the MTP layer's KV at positions p + 1 .. p + k - 1, past every
+computed token: the rejected drafts' slots of this step, or slots no step wrote yet. The next
+step's MTP pass rewrites each of them before any row reads it (it writes its rows first, and
+computes positions in order), so a rejection leaves nothing stale. Chained rows past the
+sequence's blocks go to scratch blocks borrowed from the pool's vacant ones (never a cached
+prefix) and returned at once; with none free the chain stops at the sequence's last block.
+The drafts go out under the SpecController's limit, as the n-gram proposer's do; the verify
+step keeps each only if the main model samples it.
+
+Expert parallelism: the MTP layer's MoE exchanges across the ranks, so every rank runs exactly
+k MTP passes each step any rank runs (the first pass, the chain, then empty exchanges for the
+depths it did not reach: `end_step`; an idle rank all k: `idle`).
 """
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from atomd.model.deepseek_mtp import MtpLayer, mtp_forward
+from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.model.deepseek_mtp import MtpLayer, mtp_exchange_idle, mtp_forward
+
+
+@dataclass
+class _Chain:
+    """A sequence's drafts so far and where the next one starts."""
+
+    request_id: str
+    position: int  # the row of the last draft (p + len(drafts) - 1)
+    state: torch.Tensor  # [hidden] the MTP's output at that row
+    table: list[int]  # the sequence's blocks this step
+    drafts: list[int]
 
 
 class MtpProposer:
-    def __init__(self, model, mtp: MtpLayer):
-        self.model, self.mtp = model, mtp
-        self.drafts: dict[int, int] = {}  # seq id -> its draft, from the last forward
-        # the last run's drafting rows: (request ids, positions, MTP logits), for tests and debugging
-        self.last: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
+    def __init__(self, model, mtp: MtpLayer, num_speculative_tokens: int, max_model_len: int, kv_cache: KVCache,
+                 kernels=None):
+        self.model, self.mtp, self.kv_cache, self.kernels = model, mtp, kv_cache, kernels
+        self.k, self.max_model_len = num_speculative_tokens, max_model_len
+        self.pool = None  # the scheduler's BlockPool (set once it exists): chained rows' scratch blocks
+        self.chains: dict[int, _Chain] = {}  # seq id -> its first draft, from the last forward
+        self.passes = 0  # MTP passes this step (expert parallelism: k on every rank)
+        # tests and debugging: [] records every drafting pass as (depth, request ids, positions, logits)
+        self.trace: list[tuple[int, list[str], torch.Tensor, torch.Tensor]] | None = None
 
     def run(self, batch, hidden: torch.Tensor, positions: torch.Tensor, meta, kv_cache,
             sampled: list[list[int]], accepted: list[list[int]]) -> None:
@@ -37,7 +70,7 @@ class MtpProposer:
         ends = np.cumsum(num)
         computed = batch.num_computed_tokens.astype(np.int64)
         next_ids = np.zeros(int(ends[-1]), dtype=np.int64)
-        logits_rows, seq_ids, request_ids = [], [], []
+        logits_rows, drafting = [], []
         for i, seq in enumerate(batch.seqs):
             start, n, c = int(ends[i] - num[i]), int(num[i]), int(computed[i])
             known = seq.token_ids[c + 1:c + n + 1]  # the next token of each row, where the sequence has it
@@ -47,17 +80,87 @@ class MtpProposer:
             if accepted[i]:
                 logits_rows.append(start + n - len(sampled[i]) + len(accepted[i]) - 1 if len(sampled[i]) > 1
                                    else start + n - 1)
-                seq_ids.append(seq.id)
-                request_ids.append(seq.request_id)
+                drafting.append(i)
         rows = torch.tensor(logits_rows, dtype=torch.int64)
-        logits = mtp_forward(self.model, self.mtp, torch.from_numpy(next_ids), hidden, positions, meta, kv_cache, rows)
-        self.drafts = dict(zip(seq_ids, logits.argmax(dim=-1).tolist()))
-        self.last = (request_ids, positions[rows], logits)
+        self.passes = 1
+        logits, states = mtp_forward(self.model, self.mtp, torch.from_numpy(next_ids), hidden, positions, meta,
+                                     kv_cache, rows)
+        at = positions[rows].tolist()
+        self.chains = {batch.seqs[i].id: _Chain(batch.seqs[i].request_id, p, states[j], batch.block_tables[i], [d])
+                       for j, (i, p, d) in enumerate(zip(drafting, at, logits.argmax(dim=-1).tolist()))}
+        if self.trace is not None:
+            self.trace.append((1, [c.request_id for c in self.chains.values()], positions[rows], logits))
 
     def propose(self, seq_ids: list[int], token_ids: list[list[int]], new: list[list[int]],
                 limits: list[int]) -> list[list[int]]:
-        """NgramProposer.propose's contract: each sequence's draft (at most one) under its limit."""
-        return [[self.drafts[s]] if limit > 0 and s in self.drafts else [] for s, limit in zip(seq_ids, limits)]
+        """NgramProposer.propose's contract: each sequence's drafts (at most k) under its limit,
+        and never past max_model_len."""
+        depths = {}
+        for s, history, got, limit in zip(seq_ids, token_ids, new, limits):
+            if limit > 0 and s in self.chains:
+                depths[s] = max(1, min(limit, self.k, self.max_model_len - len(history) - len(got)))
+        if any(d > 1 for d in depths.values()):
+            self._chain(depths)
+        return [self.chains[s].drafts[:depths[s]] if s in depths else [] for s in seq_ids]
+
+    def _chain(self, depths: dict[int, int]) -> None:
+        """Drafts 2 .. depths[s] of each sequence: one decode row a sequence per depth."""
+        bs = self.kv_cache.block_size
+        borrowed = []
+        try:
+            for s in [s for s, d in depths.items() if d > 1]:
+                chain = self.chains[s]
+                chain.table = table = list(chain.table)
+                last = chain.position + depths[s] - 1  # the row of the last chained draft
+                while len(table) <= last // bs and self.pool is not None:
+                    block = self.pool.take_vacant()
+                    if block is None:
+                        break
+                    borrowed.append(block)
+                    table.append(block.block_id)
+                depths[s] = min(depths[s], len(table) * bs - chain.position)
+            for depth in range(2, max(depths.values()) + 1):
+                live = [s for s, d in depths.items() if d >= depth]
+                chains = [self.chains[s] for s in live]
+                positions = torch.tensor([c.position + 1 for c in chains], dtype=torch.int64)
+                meta = self._decode_meta([c.table for c in chains], positions)
+                self.passes += 1
+                logits, states = mtp_forward(self.model, self.mtp, torch.tensor([c.drafts[-1] for c in chains]),
+                                             torch.stack([c.state for c in chains]), positions, meta, self.kv_cache,
+                                             torch.arange(len(chains)))
+                for c, state, d in zip(chains, states, logits.argmax(dim=-1).tolist()):
+                    c.position, c.state = c.position + 1, state
+                    c.drafts.append(d)
+                if self.trace is not None:
+                    self.trace.append((depth, [c.request_id for c in chains], positions, logits))
+        finally:
+            for block in borrowed:
+                self.pool.release(block)
+
+    def end_step(self) -> None:
+        """After the step's drafts: the passes it did not run, as empty exchanges (expert parallelism)."""
+        for _ in range(self.k - self.passes):
+            mtp_exchange_idle(self.model, self.mtp)
+        self.passes = self.k
+
+    def idle(self) -> None:
+        """A rank with no rows while another runs a step: its part in that step's k MTP passes."""
+        self.passes = 0
+        self.end_step()
+
+    def _decode_meta(self, tables: list[list[int]], positions: torch.Tensor) -> AttentionMetadata:
+        """One decode row a sequence at `positions`, over its blocks `tables`."""
+        bs = self.kv_cache.block_size
+        lens = positions + 1
+        width = -(-int(lens.max()) // bs)
+        block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int64)
+        rows = torch.arange(len(tables))
+        meta = AttentionMetadata(False, block_tables[rows, positions // bs], positions % bs, [],
+                                 block_tables=block_tables, max_context=int(lens.max()), context_lens=lens,
+                                 kernels=self.kernels)
+        if self.kernels is None and bool((lens != lens.max()).any()):  # the torch path masks short contexts
+            meta.decode_mask = (torch.arange(int(lens.max()))[None] < lens[:, None])[:, None, None, :]
+        return meta
 
     def forget(self, seq_id: int) -> None:
-        self.drafts.pop(seq_id, None)
+        self.chains.pop(seq_id, None)

@@ -15,7 +15,11 @@ the main model's final-normed hidden state h_p and the embedding of the token at
 Its attention has its own latent KV cache over the sequence shifted by one: the engine's cache
 gets one more layer (index num_hidden_layers) in the same blocks, written at the same positions
 and slots as the main layers, so the block tables, PD transfer and preemption need nothing more.
-Only the first MTP layer drafts here (one draft a step, DeepSeek V3's own setting).
+Only the first MTP layer is loaded; k > 1 drafts chain it on its own output (x before
+shared_head's norm, in place of h, and its own draft as the next token, one position on: what
+vLLM and SGLang do with V3's one layer; atomd/engine/mtp_proposer.py). Under expert parallelism
+its experts are sharded and exchanged as a main sparse layer's; every rank runs k MTP passes a
+step in lockstep (empty ones where it has nothing to draft), so the collective counts match.
 """
 from __future__ import annotations
 
@@ -54,9 +58,8 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
     if not isinstance(model, DeepseekModel) or not mtp_layer_count(hf):
         raise ValueError(f"speculative_config method mtp: the checkpoint ({cfg.architecture}) has no MTP module "
                          f"(DeepSeek V3's num_nextn_predict_layers is {mtp_layer_count(hf)}); use method ngram")
-    if cfg.expert_ranks > 1:
-        raise ValueError("speculative_config method mtp is not supported with --enable-expert-parallel "
-                         "(the MTP layer's experts are not sharded)")
+    if cfg.expert_ranks > 1 and model.ep is None:  # the layer's experts would be a slice with nothing to exchange
+        raise ValueError("an expert-parallel rank's MTP layer loads after use_expert_parallel")
     i, dtype = cfg.num_layers, model.dtype
     src = type(model).tensor_source(_TensorSource(model_dir), cfg)
     p = f"model.layers.{i}."
@@ -69,21 +72,32 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
     get = lambda name: src.get(p + name, dtype)  # noqa: E731
     own = lambda name, main: get(name) if p + name in src else main  # noqa: E731
     pack = pack_linear_weight if model.packs() else (lambda t: t)
-    layer = DeepseekModel.load_layer(src, layer_cfg, i, dtype)
+    layer = DeepseekModel.load_layer(src, layer_cfg, i, dtype)  # this rank's experts under expert parallelism
     model.pack_layer(layer)  # as the main layers run
+    if model.ep is not None and layer.moe is not None:  # its MoE exchanges as the main sparse layers' do
+        layer.moe.ep = model.ep
+        model.ep.attach(layer.moe)
     head = pack(get("shared_head.head.weight")) if p + "shared_head.head.weight" in src else model.lm_head
     return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=pack(get("eh_proj.weight")),
                     layer=layer, head_norm=get("shared_head.norm.weight"),
                     embed=own("embed_tokens.weight", model.embed), head=head, kv_layer=i)
 
 
+def mtp_exchange_idle(model: DeepseekModel, mtp: MtpLayer) -> None:
+    """Expert parallelism: one MTP pass's part in the exchange with no rows of this rank's own
+    (a rank with no drafting pass to run while another runs one), so the collectives match."""
+    if model.ep is not None and mtp.layer.moe is not None:
+        model.ep.moe(torch.empty(0, model.config.hidden_size, dtype=model.dtype), mtp.layer.moe)
+
+
 def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hidden: torch.Tensor,
                 positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache,
-                logits_rows: torch.Tensor) -> torch.Tensor:
-    """Logits [len(logits_rows), vocab] of the MTP layer over the step's rows: next_ids [T] the
-    token after each row's, hidden [T, hidden] the main model's final-normed states of the
-    rows, at the main forward's positions and metadata (its latent rows stored in the MTP's
-    cache layer for every row)."""
+                logits_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits [len(logits_rows), vocab] of the MTP layer over the step's rows, and those rows'
+    output states [len(logits_rows), hidden] (before shared_head's norm: what a chained draft
+    reads as its `hidden`): next_ids [T] the token after each row's, hidden [T, hidden] the main
+    model's final-normed states of the rows (or a chained draft's MTP states), at the forward's
+    positions and metadata (its latent rows stored in the MTP's cache layer for every row)."""
     eps = model.config.rms_norm_eps
     e = rms_norm(torch.nn.functional.embedding(next_ids, mtp.embed), mtp.enorm, eps)
     x = linear(torch.cat([e, rms_norm(hidden, mtp.hnorm, eps)], dim=1), mtp.eh_proj)
@@ -92,5 +106,6 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     attn = model._attention(h, w, mtp.kv_layer, model.rope_rows(positions.contiguous(), meta), meta, kv_cache)
     model._attn_out_and_mlp(x, attn, w, None, h)  # x += attention out, then += the MLP's (in place)
     if not len(logits_rows):  # a prefill chunk that samples nothing: only the MTP's KV rows
-        return x.new_empty(0, model.config.vocab_size)
-    return linear(rms_norm(x[logits_rows], mtp.head_norm, eps), mtp.head)
+        return x.new_empty(0, model.config.vocab_size), x[:0]
+    states = x[logits_rows]
+    return linear(rms_norm(states, mtp.head_norm, eps), mtp.head), states
