@@ -270,8 +270,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.tensor_parallel_size == 1 or self.model_runner != "real":
             return
         for name, on in (("enable_lora", self.enable_lora),
-                         ("enable_expert_parallel", self.enable_expert_parallel),
-                         ("quantization", self.quantization is not None)):
+                         ("enable_expert_parallel", self.enable_expert_parallel)):
             if on:
                 raise ValueError(f"tensor_parallel_size > 1 does not run with {name} yet")
         from atomd.model.default import default_model_dir
@@ -281,8 +280,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             hf = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             return  # the loader names what is wrong with the checkpoint
-        if hf.get("kv_lora_rank") or hf.get("quantization_config") or hf.get("gguf_file"):
-            raise ValueError("tensor_parallel_size > 1 does not split MLA (DeepSeek) or quantized checkpoints yet")
+        if hf.get("kv_lora_rank"):
+            raise ValueError("tensor_parallel_size > 1 does not split MLA (DeepSeek) yet")
         check_hf_config(hf, self.tensor_parallel_size, self.model or "the built-in model")
 
     def _check_simulated(self) -> None:

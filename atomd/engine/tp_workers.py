@@ -270,7 +270,8 @@ def main() -> None:
     torch.set_num_threads(cfg.num_threads_or_all())
     size = cfg.tensor_parallel_size
     split = tp_split(read_config(spec.model_dir), spec.rank, size)
-    model = load_model(spec.model_dir, spec.dtype, max_positions=cfg.max_model_len, tp=split)
+    model = load_model(spec.model_dir, spec.dtype, max_positions=cfg.max_model_len, quantization=cfg.quantization,
+                       activations=cfg.quantized_activations, tp=split)
     _mm, kv_all = map_kv(spec.kv_path, spec.kv_shape, spec.dtype, create=False)
     _, blocks, layers, planes, block_size, heads, head_dim = spec.kv_shape
     kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.dtype, planes, kv=kv_all[spec.rank])

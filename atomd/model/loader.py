@@ -95,12 +95,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     `tp` (tp_split's): load that tensor-parallel worker's shard (atomd/model/tensor_parallel.py);
     its config has that worker's heads and MLP rows."""
     model_dir = pathlib.Path(model_dir)
-    cfg = read_config(model_dir)
+    cfg = whole = read_config(model_dir)  # whole: the checkpoint's sources read it unsplit, then it is sliced
     split = tp
     if split is not None:
-        if cfg.quantization or quantization or read_hf_config(model_dir).get("gguf_file"):
-            raise ValueError("tensor parallelism: quantized weights (GGUF, --quantization, a quantized "
-                             "checkpoint) are not split yet")
         cfg = shard_config(cfg, split)
     if expert_shard is not None:
         rank, ranks = expert_shard
@@ -112,9 +109,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         cfg = dataclasses.replace(cfg, expert_rank=rank, expert_ranks=ranks)
     cls = registry.model_class(cfg.architecture)
     gguf = read_hf_config(model_dir).get("gguf_file")  # a GGUF file's directory (atomd/model/gguf_file.py)
-    src = gguf_weights.GGUFSource(gguf, cfg) if gguf else cls.tensor_source(_TensorSource(model_dir), cfg)
-    if split is not None:
-        src = ShardedSource(src, split)
+    src = gguf_weights.GGUFSource(gguf, whole) if gguf else cls.tensor_source(_TensorSource(model_dir), whole)
     if gguf and src.quantized and quantization:
         raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized (GGUF {gguf})")
     method = cfg.quantization["quant_method"] if cfg.quantization else quantization
@@ -130,6 +125,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         log.info("linear weights: %s, activations %s", method, str(dtype).removeprefix("torch."))
         src = quant_formats.CheckpointSource(src, cfg.quantization) if cfg.quantization else \
             quant_formats.RoundToNearest(src, quantization)
+    if split is not None:  # sliced after quantising: each worker's part of the unsplit weight's integers and scales
+        src = ShardedSource(src, split, q8_aligned=activations == "int8")
     embed = src.get("model.embed_tokens.weight", dtype)
     if cfg.tie_word_embeddings:  # a GGUF's packed token_embd stays packed as the head (llama.cpp's choice)
         lm_head = src.tied_head(embed) if gguf else embed

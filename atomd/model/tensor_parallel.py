@@ -13,10 +13,12 @@ worker 0 only (the others' is zero), so the sum adds it once.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from atomd.model import quant
 from atomd.model.quant import QuantizedWeight
 from atomd.model.tp_split import TPSplit
 
@@ -27,10 +29,14 @@ VOCAB = ("embed_tokens", "lm_head")
 
 class ShardedSource:
     """A TensorSource (atomd/model/decoder.py) that returns worker `split.rank`'s slice of each
-    tensor, by the tensor's HF name."""
+    tensor, by the tensor's HF name. It wraps the quantising sources (atomd/model/quant_formats.py,
+    GGUF's), so a quantized weight is quantised whole and then sliced (`_rows`, `_columns`): every
+    worker's integers, scales and zero points are the unsplit weight's. `q8_aligned`: the linears
+    run with int8 activations (blocks of quant.Q8_BLOCK inputs, each its own scale), so a
+    row-parallel slice must start and end on a block boundary to quantise the same blocks."""
 
-    def __init__(self, src, split: TPSplit):
-        self.src, self.split = src, split
+    def __init__(self, src, split: TPSplit, q8_aligned: bool = False):
+        self.src, self.split, self.q8_aligned = src, split, q8_aligned
 
     def __contains__(self, name: str) -> bool:
         return name in self.src
@@ -38,26 +44,34 @@ class ShardedSource:
     def stored_dtype(self, name: str) -> str:
         return self.src.stored_dtype(name)
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def tied_head(self, embed):
+        """GGUF's tied LM head (packed token_embd where the file packs it): this worker's vocabulary rows."""
+        head = self.src.tied_head(embed)
+        return head if head is embed else self._vocab(head)
+
+    def get(self, name: str, dtype: torch.dtype):
         t = self.src.get(name, dtype)
         parts = name.split(".")
         kind, suffix = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
         if kind not in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_up_proj", *COLUMN, *ROW, *VOCAB):
             return t
-        if isinstance(t, QuantizedWeight):
-            raise ValueError(f"tensor parallelism: {name} is quantized; quantized weights are not split yet")
         s, d = self.split, self.split.head_dim
         if kind == "q_proj":
-            return _heads(t, s.q_heads(), d)
+            return _rows(t, s.q_heads().start * d, s.q_heads().stop * d)
         if kind in ("k_proj", "v_proj"):
-            return _heads(t, s.kv_heads(), d)
+            return _rows(t, s.kv_heads().start * d, s.kv_heads().stop * d)
         if kind == "qkv_proj":  # Phi-3: q, k, v stacked
-            q, k, v = t.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d])
-            return torch.cat([_heads(q, s.q_heads(), d), _heads(k, s.kv_heads(), d), _heads(v, s.kv_heads(), d)])
+            q, kv = s.num_heads * d, s.num_kv_heads * d
+            return _cat([_rows(t, s.q_heads().start * d, s.q_heads().stop * d),
+                         _rows(t, q + s.kv_heads().start * d, q + s.kv_heads().stop * d),
+                         _rows(t, q + kv + s.kv_heads().start * d, q + kv + s.kv_heads().stop * d)])
         if kind == "o_proj":
-            return _columns(t, s.q_heads().start * d, s.local_heads * d) if suffix == "weight" else _bias_once(t, s)
+            if suffix != "weight":
+                return _bias_once(t, s)
+            return _columns(t, s.q_heads().start * d, s.local_heads * d, name, self.q8_aligned)
         if kind == "gate_up_proj":  # Phi-3: gate then up
-            return torch.cat([_chunk(half, s, name) for half in t.chunk(2)])
+            half = t.shape[0] // 2
+            return _cat([_chunk(_rows(t, 0, half), s, name), _chunk(_rows(t, half, 2 * half), s, name)])
         if kind in COLUMN:
             return _chunk(t, s, name)
         if kind in ROW:
@@ -66,26 +80,82 @@ class ShardedSource:
             if t.shape[1] % s.size:
                 raise ValueError(f"tensor parallelism: {name} has {t.shape[1]} columns, not a multiple of {s.size}")
             n = t.shape[1] // s.size
-            return _columns(t, s.rank * n, n)
-        rows = t[s.vocab_start:s.vocab_start + s.vocab_rows]  # the vocabulary: padded to vocab_rows
-        if rows.shape[0] < s.vocab_rows:
-            rows = torch.cat([rows, rows.new_zeros(s.vocab_rows - rows.shape[0], *rows.shape[1:])])
-        return rows.contiguous()
+            return _columns(t, s.rank * n, n, name, self.q8_aligned)
+        return self._vocab(t)
+
+    def _vocab(self, t):
+        """This worker's vocabulary rows, padded to vocab_rows with zero rows."""
+        s = self.split
+        rows = _rows(t, s.vocab_start, min(s.vocab_start + s.vocab_rows, s.vocab_size))
+        return _pad_rows(rows, s.vocab_rows)
 
 
-def _heads(t: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
-    return t[heads.start * head_dim:heads.stop * head_dim].contiguous()
+def _rows(t, start: int, stop: int):
+    """Output rows start..stop of a weight (float or quantized: each row keeps its own scales) or a bias."""
+    if not isinstance(t, QuantizedWeight):
+        return t[start:stop].contiguous()
+    cut = lambda x: None if x is None else x[start:stop].contiguous()  # noqa: E731
+    return replace(t, q=cut(t.q), scales=cut(t.scales), offsets=cut(t.offsets), _ref=None, _scratch=None)
 
 
-def _columns(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return t[:, start:start + n].contiguous()
+def _cat(parts: list):
+    return quant.cat(parts) if isinstance(parts[0], QuantizedWeight) else torch.cat(parts).contiguous()
 
 
-def _chunk(t: torch.Tensor, s: TPSplit, name: str) -> torch.Tensor:
+def _pad_rows(t, rows: int):
+    """t with zero rows appended up to `rows` (a quantized one: q, scales and offsets 0, so w = 0)."""
+    missing = rows - t.shape[0]
+    if missing <= 0:
+        return t
+    pad = lambda x: None if x is None else torch.cat([x, x.new_zeros(missing, *x.shape[1:])])  # noqa: E731
+    if isinstance(t, QuantizedWeight):
+        return replace(t, q=pad(t.q), scales=pad(t.scales), offsets=pad(t.offsets), _ref=None, _scratch=None)
+    return pad(t).contiguous()
+
+
+def _columns(t, start: int, n: int, name: str, q8_aligned: bool = False):
+    """Input columns start..start+n of a row-parallel weight. A quantized one is cut at its
+    groups: the groups whole when n is a multiple of the group size, else the one group this
+    slice lies in (a per-channel scale, or a group of several slices) with n as its group size;
+    any other shape is refused naming the numbers. int4 packs runs of 32 inputs: slices of 32s.
+    GPTQ act-order (`perm`): the slice's kernel columns must be this slice's inputs."""
+    if not isinstance(t, QuantizedWeight):
+        return t[:, start:start + n].contiguous()
+    where = f"tensor parallelism: {name} ({t.in_features} inputs, {n} a worker)"
+    if t.bits == 16:  # bf16: no scales
+        return replace(t, q=t.q[:, start:start + n].contiguous(), group_size=n, in_features=n, _ref=None, _scratch=None)
+    g = t.group_size
+    if n % g == 0:
+        scales = slice(start // g, (start + n) // g)
+        group = g
+    elif g % n == 0:
+        scales = slice(start // g, start // g + 1)
+        group = n
+    else:
+        raise ValueError(f"{where}: quantization groups of {g} inputs neither divide a worker's {n} inputs "
+                         f"nor are a multiple of them")
+    if t.bits == 4 and n % 32:
+        raise ValueError(f"{where}: int4 packs runs of 32 inputs; {n} is not a multiple of 32")
+    if (q8_aligned or t.int8_activations) and n % quant.Q8_BLOCK:
+        raise ValueError(f"{where}: int8 activations quantise blocks of {quant.Q8_BLOCK} inputs; {n} is not a "
+                         f"multiple of {quant.Q8_BLOCK} (run with float activations)")
+    perm = None
+    if t.perm is not None:
+        perm = t.perm[start:start + n]
+        if not bool(((perm >= start) & (perm < start + n)).all()):
+            raise ValueError(f"{where}: GPTQ act-order (desc_act) groups mix inputs of different workers")
+        perm = None if torch.equal(perm, torch.arange(start, start + n)) else (perm - start).contiguous()
+    q = t.q[:, start:start + n] if t.bits == 8 else t.q[:, start // 2:(start + n) // 2]
+    cut = lambda x: None if x is None else x[:, scales].contiguous()  # noqa: E731
+    return replace(t, q=q.contiguous(), scales=cut(t.scales), offsets=cut(t.offsets), group_size=group,
+                   in_features=n, perm=perm, _ref=None, _scratch=None)
+
+
+def _chunk(t, s: TPSplit, name: str):
     if t.shape[0] % s.size:
         raise ValueError(f"tensor parallelism: {name} has {t.shape[0]} rows, not a multiple of {s.size}")
     n = t.shape[0] // s.size
-    return t[s.rank * n:(s.rank + 1) * n].contiguous()
+    return _rows(t, s.rank * n, (s.rank + 1) * n)
 
 
 def _bias_once(t: torch.Tensor, s: TPSplit) -> torch.Tensor:
