@@ -269,10 +269,8 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size == 1 or self.model_runner != "real":
             return
-        for name, on in (("enable_lora", self.enable_lora),
-                         ("enable_expert_parallel", self.enable_expert_parallel)):
-            if on:
-                raise ValueError(f"tensor_parallel_size > 1 does not run with {name} yet")
+        if self.enable_expert_parallel:
+            raise ValueError("tensor_parallel_size > 1 does not run with enable_expert_parallel yet")
         from atomd.model.default import default_model_dir
 
         path = hub.model_path(self.model) if self.model is not None else default_model_dir()

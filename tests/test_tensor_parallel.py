@@ -66,8 +66,9 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
         check_split(4, 2, [102], 4)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the 4 attention heads"):
         EngineConfig(model=str(checkpoints["llama"]), tensor_parallel_size=3)  # the API process's check
-    with pytest.raises(ValueError, match="does not run with enable_lora"):
-        EngineConfig(model=str(checkpoints["llama"]), tensor_parallel_size=2, enable_lora=True)
+    with pytest.raises(ValueError, match="does not run with enable_expert_parallel"):
+        EngineConfig(model=str(checkpoints["qwen3_moe"]), tensor_parallel_size=2, data_parallel_size=2,
+                     enable_expert_parallel=True)
     with pytest.raises(ValueError, match="tp_communicator must be one of shm, gloo"):
         EngineConfig(tensor_parallel_size=2, tp_communicator="nccl")
     # replicated KV heads: the one each worker's query heads read (GQA groups of 2 query heads)
@@ -150,6 +151,29 @@ def test_tp2_bf16_greedy_follows_hf_bf16(kind, checkpoints, closing):
     prompts = prompts_of([BLOCK + 5, 40], seed=11)
     assert_greedy_follows_hf_bf16(hf_both(path), prompts, engine_greedy(tp, prompts, GREEDY), n=GREEDY.max_tokens,
                                   min_compared=8)
+
+
+@pytest.mark.unit
+def test_tp2_lora_equals_peft(checkpoints, closing, tmp_path):
+    """PEFT adapters under TP=2 (tensor_parallel.shard_adapter): a batch mixing two adapters (every
+    target kind; attention only) and the base model, then a third adapter that evicts one (max_loras 2)
+    on rank 0 and on the worker: each request's greedy ids equal transformers + PeftModel's."""
+    from tests.test_lora import ADAPTERS, make_adapter, reference
+
+    base = checkpoints["llama"]
+    adapters = {name: make_adapter(base, tmp_path / name, r, a, rs, t, seed=i + 11)
+                for i, (name, r, a, rs, t) in enumerate(ADAPTERS)}
+    tp = tp_llm(base, 2, enable_lora=True, lora_modules=[f"{n}={adapters[n]}" for n in ("sql", "attn")],
+                max_loras=2, max_lora_rank=8)
+    closing(tp)
+    for names, lengths in ((["sql", None, "attn"], [5, 37, 1]), (["poet"], [20])):
+        if "poet" in names:  # loaded while serving (as POST /v1/load_lora_adapter does): evicts one
+            tp.engine.loras.add("poet", str(adapters["poet"]))
+        prompts = prompts_of(lengths, seed=len(names))
+        outs = tp.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_name=names)
+        for prompt, name, out in zip(prompts, names, outs):
+            assert out.outputs[0].token_ids == reference(base, adapters.get(name), prompt, tokens=GREEDY.max_tokens), \
+                (name, len(prompt))
 
 
 # ---------------------------------------------------------------- a worker dies under `atomd serve`

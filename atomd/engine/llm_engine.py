@@ -28,6 +28,7 @@ from atomd.model.deepseek_lora import load_deepseek_adapter
 from atomd.model.lora import load_adapter
 from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
+from atomd.model.tensor_parallel import load_tp_adapter
 from atomd.model.rotary import has_long_rows
 from atomd.engine.runner import ModelRunner
 from atomd.engine.tp_pd import TPKVStaging, TPStagedConnector, written_blocks
@@ -152,6 +153,9 @@ class LLMEngine(EngineLoop):
     def _load_adapter(self, name: str, path: str):
         """A PEFT adapter for this model (ValueError naming what is wrong, also an unreadable file)."""
         try:
+            if self.tp_workers is not None:  # checked against the whole model, then this rank's part
+                return load_tp_adapter(name, path, self.tp_workers.model_config, self.tp_workers.split,
+                                       self.model.dtype, self.config.max_lora_rank)
             load = load_deepseek_adapter if isinstance(self.model, DeepseekModel) else load_adapter  # MLA's linears
             return load(name, path, self.model.config, self.model.dtype, self.config.max_lora_rank)
         except ValueError:

@@ -22,6 +22,7 @@ itself dead (the API answers 503 and errors the requests in flight) and kills th
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import math
@@ -42,7 +43,7 @@ import numpy as np
 import torch
 
 from atomd.engine.tp_collective import TPGroup, new_tp_group
-from atomd.model.tensor_parallel import TensorParallel
+from atomd.model.tensor_parallel import TensorParallel, load_tp_adapter
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +67,18 @@ class TPStep(msgspec.Struct, array_like=True):
     all_logits: bool = False
     hidden_indices: bytes | None = None  # int64
     block_copies: list[tuple[int, int]] = []
+    lora_paths: list[str | None] = []  # each sequence's LoRA adapter directory (None: the base model); [] none
+
+
+class _Seq:
+    """What ModelRunner reads of a sequence on a worker: its adapter, named by its path (WorkerLoras)."""
+
+    def __init__(self, lora_name: str | None):
+        self.lora_name = lora_name
 
 
 class StepBatch:
-    """A TPStep as the ModelRunner reads a ScheduledBatch (no sequences: no LoRA with TP)."""
+    """A TPStep as the ModelRunner reads a ScheduledBatch (sequences only for their LoRA adapter)."""
 
     def __init__(self, step: TPStep):
         self.is_prefill = step.is_prefill
@@ -77,11 +86,34 @@ class StepBatch:
         self.num_scheduled_tokens = np.frombuffer(step.num_scheduled, np.int32)
         self.num_computed_tokens = np.frombuffer(step.num_computed, np.int32)
         self.needs_sample = np.frombuffer(step.needs_sample, np.bool_)
-        self.block_tables, self.seq_ids, self.seqs = step.block_tables, step.seq_ids, []
+        self.block_tables, self.seq_ids = step.block_tables, step.seq_ids
+        self.seqs = [_Seq(p) for p in step.lora_paths]
 
 
-def step_of(batch: Any, all_logits: bool, hidden_indices: torch.Tensor | None) -> TPStep:
-    return TPStep(is_prefill=batch.is_prefill, token_ids=batch.token_ids.astype(np.int32).tobytes(),
+class WorkerLoras:
+    """A worker's LoRA adapters by directory: loaded (its part: tensor_parallel.load_tp_adapter) the
+    first time a step names one, the least recently used dropped past `max_loras` (rank 0's
+    registry holds no more resident, and a step names only resident ones)."""
+
+    def __init__(self, load: Any, max_loras: int):
+        self.load, self.max_loras = load, max_loras
+        self.resident: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def hold(self, paths: list[str | None]) -> None:
+        needed = {p for p in paths if p is not None}
+        for path in needed:
+            if path not in self.resident:
+                self.resident[path] = self.load(path, path)
+            self.resident.move_to_end(path)
+        while len(self.resident) > max(self.max_loras, len(needed)):
+            self.resident.popitem(last=False)
+
+
+def step_of(batch: Any, all_logits: bool, hidden_indices: torch.Tensor | None, loras: Any = None) -> TPStep:
+    """`loras`: rank 0's LoraRegistry (None: LoRA off)."""
+    paths = [] if loras is None or all(s.lora_name is None for s in batch.seqs) else \
+        [None if s.lora_name is None else loras.resident[s.lora_name].path for s in batch.seqs]
+    return TPStep(lora_paths=paths, is_prefill=batch.is_prefill, token_ids=batch.token_ids.astype(np.int32).tobytes(),
                   num_scheduled=batch.num_scheduled_tokens.astype(np.int32).tobytes(),
                   num_computed=batch.num_computed_tokens.astype(np.int32).tobytes(),
                   needs_sample=batch.needs_sample.astype(np.bool_).tobytes(), block_tables=batch.block_tables,
@@ -121,6 +153,9 @@ class WorkerSpec:
 
 class TPWorkers:
     """Rank 0's side: the shared KV cache, the worker processes, the communicator."""
+
+    split: Any = None  # rank 0's TPSplit and the whole model's ModelConfig (start_workers)
+    model_config: Any = None
 
     def __init__(self, config: Any, model_dir: str, kv_shape: tuple[int, ...], dtype: torch.dtype):
         """kv_shape: one rank's cache [blocks, layers, planes, block, heads, head_dim]."""
@@ -231,7 +266,9 @@ def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: 
     per_rank = KVCache.bytes_per_block(local.num_layers, config.block_size, local.num_kv_heads, local.head_dim, dtype)
     blocks = pool_blocks(per_rank * split.size)  # --kv-cache-memory is the whole engine's
     shape = (blocks, local.num_layers, 2, config.block_size, local.num_kv_heads, local.head_dim)
-    return TPWorkers(config, model_dir, shape, dtype), split
+    workers = TPWorkers(config, model_dir, shape, dtype)
+    workers.split, workers.model_config = split, full
+    return workers, split
 
 
 class TPRunner:
@@ -243,8 +280,16 @@ class TPRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
+    @property
+    def loras(self) -> Any:  # the engine sets its LoraRegistry here: the ModelRunner's
+        return self.runner.loras
+
+    @loras.setter
+    def loras(self, registry: Any) -> None:
+        self.runner.loras = registry
+
     def execute(self, batch: Any, all_logits: bool = False, hidden_indices: torch.Tensor | None = None):
-        self.workers.broadcast(step_of(batch, all_logits, hidden_indices))
+        self.workers.broadcast(step_of(batch, all_logits, hidden_indices, self.loras))
         return self.runner.execute(batch, all_logits=all_logits, hidden_indices=hidden_indices)
 
 
@@ -276,6 +321,10 @@ def main() -> None:
     _, blocks, layers, planes, block_size, heads, head_dim = spec.kv_shape
     kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.dtype, planes, kv=kv_all[spec.rank])
     runner = ModelRunner(model, kv_cache, cfg.attention_backend)
+    if cfg.enable_lora:
+        whole = read_config(spec.model_dir)
+        runner.loras = WorkerLoras(lambda name, path: load_tp_adapter(name, path, whole, split, model.dtype,
+                                                                      cfg.max_lora_rank), cfg.max_loras)
     sys.stdout.buffer.write(LOADED + b"\n")  # TPWorkers.wait_loaded
     sys.stdout.buffer.flush()
     comm = spec.group.join(spec.rank)
@@ -292,6 +341,8 @@ def main() -> None:
                 kv_cache.kv[list(dst)] = kv_cache.kv[list(src)]
             hidden = None if step.hidden_indices is None else torch.from_numpy(
                 np.frombuffer(step.hidden_indices, np.int64).copy())
+            if step.lora_paths:
+                runner.loras.hold(step.lora_paths)
             runner.execute(StepBatch(step), all_logits=step.all_logits, hidden_indices=hidden)
     comm.close()
 

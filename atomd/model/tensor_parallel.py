@@ -195,3 +195,40 @@ class TensorParallel:
         out = self.comm.all_gather(logits.contiguous())
         self.collective_s += time.perf_counter() - start
         return out if out.shape[1] == self.split.vocab_size else out[:, :self.split.vocab_size].contiguous()
+
+
+def shard_adapter(adapter, split: TPSplit, cfg):
+    """A LoRA adapter (atomd/model/lora.py, loaded for the whole model `cfg`) as worker
+    `split.rank` runs it: a column-parallel linear's (qkv, gate_up) A whole and B's columns of
+    this worker's output rows; a row-parallel linear's (o, down) A's rows of this worker's inputs
+    and B whole. The row-parallel delta is then a partial sum like the base linear's output, and
+    the one all-reduce after attention / the MLP adds both."""
+    from atomd.model.lora import LoraAdapter, LoraLinear
+
+    s, d = split, split.head_dim
+    q, kv, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
+    mine = inter // s.size
+    qh, kh = s.q_heads(), s.kv_heads()
+    out_cols = {"qkv": [(qh.start * d, qh.stop * d), (q + kh.start * d, q + kh.stop * d),
+                        (q + kv + kh.start * d, q + kv + kh.stop * d)],
+                "gate_up": [(s.rank * mine, (s.rank + 1) * mine), (inter + s.rank * mine, inter + (s.rank + 1) * mine)]}
+    in_rows = {"o": (qh.start * d, qh.stop * d), "down": (s.rank * mine, (s.rank + 1) * mine)}
+    layers = []
+    for layer in adapter.layers:
+        out = {}
+        for fused, pair in layer.items():
+            if fused in out_cols:
+                b_t = torch.cat([pair.b_t[:, lo:hi] for lo, hi in out_cols[fused]], dim=1).contiguous()
+                out[fused] = LoraLinear(pair.a_t, b_t)
+            else:
+                lo, hi = in_rows[fused]
+                out[fused] = LoraLinear(pair.a_t[lo:hi].contiguous(), pair.b_t)
+        layers.append(out)
+    return LoraAdapter(adapter.name, adapter.path, adapter.rank, layers)
+
+
+def load_tp_adapter(name: str, path: str, cfg, split: TPSplit, dtype: torch.dtype, max_rank: int):
+    """The PEFT adapter at `path`, checked against the whole model `cfg`, as worker `split.rank` runs it."""
+    from atomd.model.lora import load_adapter
+
+    return shard_adapter(load_adapter(name, path, cfg, dtype, max_rank), split, cfg)
