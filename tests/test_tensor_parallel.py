@@ -25,22 +25,26 @@ from contracts.sampling import SamplingParams
 from launch.process import http
 from tests.server_fixtures import start_server
 from tests.test_bf16 import assert_greedy_follows_hf_bf16
-from tests.test_model_hf import BLOCK, MIXED, assert_equals_hf, engine_greedy, make_checkpoint, prompts_of
+from tests.test_model_hf import (BLOCK, MIXED, _prompt_logits, assert_equals_hf, engine_greedy, hf_model,
+                                  make_checkpoint, prompts_of)
 from tests.test_models import hf_both
 
 torch.set_num_threads(1)
 
-# every family of the registry but DeepSeek (MLA is not split yet; Mistral is Llama's class); each 4 query
-# heads, 2 KV heads
+# every family of the registry (Mistral is Llama's class); each 4 query heads, 2 KV heads, but DeepSeek's
+# (tests/families.py: MLA, 4 heads over one latent row a token, replicated on both workers)
 FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {"mlp_only_layers": [1]},
             "mixtral": {}, "phi3": {}, "gemma3": {"num_hidden_layers": 3}}
+DEEPSEEK = ["deepseek-v2-lite", "deepseek-v3"]
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory) -> dict[str, pathlib.Path]:
-    return {kind: make_checkpoint(tmp_path_factory.mktemp(kind), kind, seed=i + 40, **over)
-            for i, (kind, over) in enumerate(FAMILIES.items())}
+    from tests.families import write_families
+
+    return {**{kind: make_checkpoint(tmp_path_factory.mktemp(kind), kind, seed=i + 40, **over)
+               for i, (kind, over) in enumerate(FAMILIES.items())}, **write_families(tmp_path_factory, DEEPSEEK)}
 
 
 def tp_llm(path: pathlib.Path, size: int, **kw) -> LLM:
@@ -100,9 +104,10 @@ def test_pd_staging_gathers_and_scatters_every_worker_slice(n, kv_heads):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind", FAMILIES)
+@pytest.mark.parametrize("kind", [*FAMILIES, *DEEPSEEK])
 def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
-    """Mixed lengths (one token .. many blocks, a batch, then batch-1 decode alone)."""
+    """Mixed lengths (one token .. many blocks, a batch, then batch-1 decode alone); prompt logits
+    within 1e-4 of HF's (test_models' bound for TP=1)."""
     path = checkpoints[kind]
     prompts = prompts_of(MIXED, seed=4)
     one = engine_greedy(tp_llm(path, 1), prompts, GREEDY)
@@ -112,6 +117,10 @@ def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
     assert two == one
     assert engine_greedy(tp, prompts[2:3], GREEDY) == one[2:3]
     assert_equals_hf(path, prompts, two, n=GREEDY.max_tokens)
+    fresh = prompts_of([2 * BLOCK + 5], seed=14)[0]  # in no prefix cache: every position computed
+    with torch.inference_mode():
+        torch.testing.assert_close(_prompt_logits(tp, fresh), hf_model(path)(torch.tensor([fresh])).logits[0],
+                                   atol=1e-4, rtol=0)
     assert tp.engine.stats()["tensor_parallel"]["size"] == 2
 
 

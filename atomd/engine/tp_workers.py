@@ -263,9 +263,13 @@ def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: 
     full = read_config(model_dir)
     split = tp_split(full, 0, config.tensor_parallel_size)
     local = shard_config(full, split)
-    per_rank = KVCache.bytes_per_block(local.num_layers, config.block_size, local.num_kv_heads, local.head_dim, dtype)
+    # what a rank caches a token and layer: its K and V heads, or MLA's whole latent row (one plane; the
+    # same on every rank: each computes it from the unsplit kv_a_proj_with_mqa)
+    planes, heads, head_dim = (1, 1, full.latent_dim) if getattr(full, "kv_lora_rank", 0) else \
+        (2, local.num_kv_heads, local.head_dim)
+    per_rank = KVCache.bytes_per_block(local.num_layers, config.block_size, heads, head_dim, dtype, planes)
     blocks = pool_blocks(per_rank * split.size)  # --kv-cache-memory is the whole engine's
-    shape = (blocks, local.num_layers, 2, config.block_size, local.num_kv_heads, local.head_dim)
+    shape = (blocks, local.num_layers, planes, config.block_size, heads, head_dim)
     workers = TPWorkers(config, model_dir, shape, dtype)
     workers.split, workers.model_config = split, full
     return workers, split

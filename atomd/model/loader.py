@@ -126,7 +126,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         src = quant_formats.CheckpointSource(src, cfg.quantization) if cfg.quantization else \
             quant_formats.RoundToNearest(src, quantization)
     if split is not None:  # sliced after quantising: each worker's part of the unsplit weight's integers and scales
-        src = ShardedSource(src, split, q8_aligned=activations == "int8")
+        mla = (whole.qk_head_dim, whole.qk_nope_head_dim + whole.v_head_dim, whole.v_head_dim) \
+            if getattr(whole, "kv_lora_rank", 0) else None
+        src = ShardedSource(src, split, q8_aligned=activations == "int8", mla=mla)
     embed = src.get("model.embed_tokens.weight", dtype)
     if cfg.tie_word_embeddings:  # a GGUF's packed token_embd stays packed as the head (llama.cpp's choice)
         lm_head = src.tied_head(embed) if gguf else embed
@@ -152,8 +154,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
 def tp_split(cfg: ModelConfig, rank: int, size: int) -> TPSplit:
     """Worker rank's part of this model under tensor parallelism (ValueError naming the numbers
     when `size` workers cannot split it)."""
-    if getattr(cfg, "kv_lora_rank", 0):
-        raise ValueError(f"tensor parallelism: {cfg.architecture} (MLA) is not split yet")
     inters = [cfg.intermediate_size] + ([cfg.moe_intermediate_size] if cfg.sparse_layers else [])
-    check_split(cfg.num_heads, cfg.num_kv_heads, inters, size, cfg.architecture)
-    return TPSplit(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+    # MLA (DeepSeek): one latent "KV head" a token, replicated on every worker (each caches it whole)
+    kv_heads = 1 if getattr(cfg, "kv_lora_rank", 0) else cfg.num_kv_heads
+    check_split(cfg.num_heads, kv_heads, inters, size, cfg.architecture)
+    return TPSplit(rank, size, cfg.num_heads, kv_heads, cfg.head_dim, cfg.vocab_size)

@@ -25,6 +25,7 @@ from atomd.model.tp_split import TPSplit
 COLUMN = ("gate_proj", "up_proj", "w1", "w3")  # rows: intermediate (dense MLP, each expert)
 ROW = ("down_proj", "w2")  # columns: intermediate
 VOCAB = ("embed_tokens", "lm_head")
+MLA = ("q_b_proj", "kv_b_proj")  # DeepSeek's per-head linears beside q_proj / o_proj
 
 
 class ShardedSource:
@@ -35,8 +36,9 @@ class ShardedSource:
     run with int8 activations (blocks of quant.Q8_BLOCK inputs, each its own scale), so a
     row-parallel slice must start and end on a block boundary to quantise the same blocks."""
 
-    def __init__(self, src, split: TPSplit, q8_aligned: bool = False):
+    def __init__(self, src, split: TPSplit, q8_aligned: bool = False, mla: tuple[int, int, int] | None = None):
         self.src, self.split, self.q8_aligned = src, split, q8_aligned
+        self.mla = mla  # DeepSeek: rows a head of q_proj / q_b_proj, of kv_b_proj, o_proj's inputs a head
 
     def __contains__(self, name: str) -> bool:
         return name in self.src
@@ -53,9 +55,11 @@ class ShardedSource:
         t = self.src.get(name, dtype)
         parts = name.split(".")
         kind, suffix = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if kind not in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_up_proj", *COLUMN, *ROW, *VOCAB):
+        if kind not in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_up_proj", *COLUMN, *ROW, *VOCAB, *MLA):
             return t
         s, d = self.split, self.split.head_dim
+        if self.mla is not None and kind in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+            return self._mla(t, name, kind, suffix)
         if kind == "q_proj":
             return _rows(t, s.q_heads().start * d, s.q_heads().stop * d)
         if kind in ("k_proj", "v_proj"):
@@ -82,6 +86,18 @@ class ShardedSource:
             n = t.shape[1] // s.size
             return _columns(t, s.rank * n, n, name, self.q8_aligned)
         return self._vocab(t)
+
+    def _mla(self, t, name: str, kind: str, suffix: str):
+        """MLA's per-head linears: q (q_proj, or q_b_proj after the shared q_a_proj) and kv_b_proj
+        (the latent's up-projection to each head's k_nope and v) column-parallel by heads, o_proj
+        row-parallel by heads; q_a_proj and kv_a_proj_with_mqa (the latent) stay whole on every worker."""
+        q, kv_b, v = self.mla
+        heads = self.split.q_heads()
+        if kind == "o_proj":
+            return _bias_once(t, self.split) if suffix != "weight" else \
+                _columns(t, heads.start * v, len(heads) * v, name, self.q8_aligned)
+        d = kv_b if kind == "kv_b_proj" else q
+        return _rows(t, heads.start * d, heads.stop * d)
 
     def _vocab(self, t):
         """This worker's vocabulary rows, padded to vocab_rows with zero rows."""
