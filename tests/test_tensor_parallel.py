@@ -36,6 +36,10 @@ torch.set_num_threads(1)
 FAMILIES = {"llama": {}, "qwen2": {}, "qwen3": {}, "qwen3_moe": {"mlp_only_layers": [1]},
             "mixtral": {}, "phi3": {}, "gemma3": {"num_hidden_layers": 3}}
 DEEPSEEK = ["deepseek-v2-lite", "deepseek-v3"]
+# the TP=2 engine's extra flags for some families (one start each family, not one per feature): gloo (the
+# communicator that crosses hosts) in place of shared memory; n-gram drafts verified across both workers
+TP2_FLAGS = {"qwen3_moe": {"tp_communicator": "gloo"},
+             "gemma3": {"speculative_config": {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1}}}
 GREEDY = SamplingParams(max_tokens=16, temperature=0.0, ignore_eos=True)
 
 
@@ -111,27 +115,19 @@ def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
     path = checkpoints[kind]
     prompts = prompts_of(MIXED, seed=4)
     one = engine_greedy(tp_llm(path, 1), prompts, GREEDY)
-    tp = tp_llm(path, 2)
+    tp = tp_llm(path, 2, **TP2_FLAGS.get(kind, {}))
     closing(tp)
     two = engine_greedy(tp, prompts, GREEDY)
     assert two == one
     assert engine_greedy(tp, prompts[2:3], GREEDY) == one[2:3]
     assert_equals_hf(path, prompts, two, n=GREEDY.max_tokens)
+    if "speculative_config" in TP2_FLAGS.get(kind, {}):
+        assert tp.engine.scheduler.spec_stats.num_draft_tokens > 0
     fresh = prompts_of([2 * BLOCK + 5], seed=14)[0]  # in no prefix cache: every position computed
     with torch.inference_mode():
         torch.testing.assert_close(_prompt_logits(tp, fresh), hf_model(path)(torch.tensor([fresh])).logits[0],
                                    atol=1e-4, rtol=0)
     assert tp.engine.stats()["tensor_parallel"]["size"] == 2
-
-
-@pytest.mark.unit
-def test_gloo_communicator_gives_the_same_tokens(checkpoints, closing):
-    """--tp-communicator gloo (the one that crosses hosts) in place of shared memory."""
-    path = checkpoints["qwen3_moe"]
-    prompts = prompts_of(MIXED[:3], seed=4)
-    tp = tp_llm(path, 2, tp_communicator="gloo")
-    closing(tp)
-    assert_equals_hf(path, prompts, engine_greedy(tp, prompts, GREEDY), n=GREEDY.max_tokens)
 
 
 @pytest.mark.unit
@@ -151,8 +147,11 @@ def test_kv_heads_replicated_tp4_chunked_prefix_hits_and_ngram_drafts(checkpoint
 
 
 @pytest.mark.unit
-# (llama's and qwen2's checkpoints here: HF's own bf16 leaves its fp32 within 6 tokens, too few to compare)
-@pytest.mark.parametrize("kind", ["qwen3", "gemma3"])
+# (llama's and qwen2's checkpoints here: HF's own bf16 leaves its fp32 within 6 tokens, too few to compare.
+# phi3's TP=2 leaves HF bf16 at token 13 of its 21-token prompt where fp32's top-2 margin is 0.012, 1.6 bf16
+# ulps: each worker's row-parallel partial sum is rounded to bf16 before the all-reduce adds them, a rounding
+# TP=1 has not; its TP=1 follows HF bf16 on the same prompts)
+@pytest.mark.parametrize("kind", ["qwen3", "gemma3", "mixtral", "qwen3_moe", "deepseek-v3"])
 def test_tp2_bf16_greedy_follows_hf_bf16(kind, checkpoints, closing):
     path = checkpoints[kind]
     tp = tp_llm(path, 2, dtype="bfloat16")
