@@ -162,7 +162,6 @@ def _case_gguf(name: str):
 
 
 CASES = {
-    "int8": _case_rtn("int8"),
     "int8-activations": _case_rtn("int8", "int8"),
     "bf16": _case_rtn("bf16"),
     "int4-qwen3_moe": _case_moe_int4,
