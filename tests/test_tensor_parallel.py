@@ -1,9 +1,10 @@
 """Tensor parallelism inside an engine (atomd/engine/tp_workers.py, atomd/model/tensor_parallel.py):
-TP=2 greedy ids equal TP=1's and Hugging Face transformers' for every dense and MoE family of the
-registry on tiny random checkpoints (fp32; bf16 against HF bf16 with tests/test_bf16.py's tie
-rule), KV heads replicated when N exceeds them, the split checked with the numbers named, and
-a worker SIGKILLed under a real `atomd serve` failing its engine cleanly (errors, /health 503,
-no process left)."""
+TP=2 greedy ids equal TP=1's and Hugging Face transformers' for every family of the registry on
+tiny random checkpoints, DeepSeek's MLA included (fp32, prompt logits within 1e-4 of HF's; bf16
+against HF bf16 with tests/test_bf16.py's tie rule), n-gram drafts and the gloo communicator on
+one family each, LoRA against PEFT, KV heads replicated when N exceeds them, the split checked
+with the numbers named, and a worker SIGKILLed under a real `atomd serve` failing its engine
+cleanly (errors, /health 503, no process left). Quantized weights: tests/test_tensor_parallel_quant.py."""
 from __future__ import annotations
 
 from http.client import HTTPConnection
