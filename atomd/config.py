@@ -280,9 +280,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return  # the loader names what is wrong with the checkpoint
         if hf.get("kv_lora_rank") and self.enable_lora:
             raise ValueError("tensor_parallel_size > 1 does not run LoRA on MLA (DeepSeek) models yet")
-        spec = self.speculative()
-        if spec is not None and spec.method == "mtp":
-            raise ValueError("tensor_parallel_size > 1 does not run the mtp drafter (DeepSeek's MTP layer) yet")
         check_hf_config(hf, self.tensor_parallel_size, self.model or "the built-in model")
 
     def _check_simulated(self) -> None:

@@ -151,6 +151,34 @@ def test_mtp_logits_equal_the_reference_and_greedy_is_unchanged(backend, ckpt, m
     assert stats["spec_decode_num_draft_tokens"] > 0
 
 
+def test_mtp_under_tensor_parallelism_equals_the_reference(ckpt, monkeypatch):
+    """TP=2 (the MTP layer's MLA, experts, embedding and head split like the main layers'):
+    every draft's gathered MTP logits on rank 0 against the reference, greedy equal to HF's (which
+    the TP=1 test above equals on the same prompts), chunked prefill and verify steps included."""
+    path, full, mtp = ckpt
+    runs = record_mtp_runs(monkeypatch)
+    llm = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=2 * BLOCK,
+              tensor_parallel_size=2, speculative_config=MTP)
+    try:
+        assert llm.engine.kv_cache.num_layers == LAYERS + 1
+        prompts = prompts_of([3 * BLOCK + 5, 7, 1], seed=11)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert_equals_hf(path, prompts, got, n=24)
+        checked = 0
+        for out, prompt, tokens in zip(outs, prompts, got):
+            want = reference_mtp_logits(path, full, mtp, prompt + tokens)
+            for request_ids, positions, logits in runs:
+                for rid, pos, row in zip(request_ids, positions.tolist(), logits):
+                    if rid == out.request_id:
+                        torch.testing.assert_close(row, want[pos], atol=1e-4, rtol=0)
+                        checked += 1
+        assert checked >= 3 * 20
+        assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+    finally:
+        llm.engine.close()
+
+
 def test_mtp_in_bfloat16_is_near_the_float32_reference(ckpt, monkeypatch):
     """bfloat16 weights, latent cache (the MTP's layer too) and activations: the MTP logits of
     every draft within bf16's error of the float32 reference (seen: 0.03 on logits up to 3)."""

@@ -87,7 +87,7 @@ class LLMEngine(EngineLoop):
         spec = config.speculative()  # speculative decoding (atomd/engine/spec_decode.py), None: off
         mtp = None  # DeepSeek V3's MTP layer as the drafter: one more latent layer in the cache
         if spec is not None and spec.method == "mtp":
-            mtp = load_mtp(model_dir, self.model)
+            mtp = load_mtp(model_dir, self.model, split)
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
         kv_layers = mcfg.num_layers + (mtp is not None)
         per_block = KVCache.bytes_per_block(kv_layers, config.block_size, kv.heads, kv.head_dim,
@@ -95,7 +95,7 @@ class LLMEngine(EngineLoop):
         kv_all = None if self.tp_workers is None else self.tp_workers.kv_all  # every rank's, shared memory
         self.kv_cache = KVCache(self._pool_blocks(per_block) if kv_all is None else kv_all.shape[1], kv_layers,
                                 config.block_size, kv.heads, kv.head_dim, self.model.dtype, kv.planes,
-                                kv=None if kv_all is None else kv_all[0])  # (no MTP layer under TP: refused)
+                                kv=None if kv_all is None else kv_all[0])
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         if self.tp_workers is not None:
             self.runner = TPRunner(self.runner, self.tp_workers)
@@ -122,7 +122,7 @@ class LLMEngine(EngineLoop):
         grammars = GrammarCompiler((model_dir / "tokenizer.json").read_text(), mcfg.vocab_size, self._end_token_ids)
         self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
         if mtp is not None:
-            self.proposer = MtpProposer(self.model, mtp)
+            self.proposer = MtpProposer(self.model, mtp, None if self.tp_workers is None else self.tp_workers.send_mtp)
         elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)

@@ -22,8 +22,9 @@ from atomd.model.deepseek_mtp import MtpLayer, mtp_forward
 
 
 class MtpProposer:
-    def __init__(self, model, mtp: MtpLayer):
+    def __init__(self, model, mtp: MtpLayer, share=None):
         self.model, self.mtp = model, mtp
+        self.share = share  # under TP: share(next_ids, rows) sends them to the workers (TPWorkers.send_mtp)
         self.drafts: dict[int, int] = {}  # seq id -> its draft, from the last forward
         # the last run's drafting rows: (request ids, positions, MTP logits), for tests and debugging
         self.last: tuple[list[str], torch.Tensor, torch.Tensor] | None = None
@@ -50,6 +51,8 @@ class MtpProposer:
                 seq_ids.append(seq.id)
                 request_ids.append(seq.request_id)
         rows = torch.tensor(logits_rows, dtype=torch.int64)
+        if self.share is not None:
+            self.share(next_ids, rows)
         logits = mtp_forward(self.model, self.mtp, torch.from_numpy(next_ids), hidden, positions, meta, kv_cache, rows)
         self.drafts = dict(zip(seq_ids, logits.argmax(dim=-1).tolist()))
         self.last = (request_ids, positions[rows], logits)

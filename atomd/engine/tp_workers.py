@@ -28,6 +28,7 @@ import logging
 import math
 import mmap
 import os
+import pathlib
 import pickle
 import secrets
 import select
@@ -68,6 +69,14 @@ class TPStep(msgspec.Struct, array_like=True):
     hidden_indices: bytes | None = None  # int64
     block_copies: list[tuple[int, int]] = []
     lora_paths: list[str | None] = []  # each sequence's LoRA adapter directory (None: the base model); [] none
+
+
+class MtpStep(msgspec.Struct, array_like=True):
+    """After a step's sampling, with DeepSeek's MTP drafter (MtpProposer.run): each row's next token
+    and the rows that draft, for every rank's share of the MTP layer's forward."""
+
+    next_ids: bytes  # int64
+    rows: bytes  # int64
 
 
 class _Seq:
@@ -223,6 +232,11 @@ class TPWorkers:
     def broadcast(self, step: TPStep) -> None:
         self.comm.broadcast_bytes(msgspec.msgpack.encode(step))
 
+    def send_mtp(self, next_ids: np.ndarray, rows: torch.Tensor) -> None:
+        """The MTP layer's inputs of this step (MtpStep), before rank 0 runs its share of it."""
+        self.comm.broadcast_bytes(msgspec.msgpack.encode(MtpStep(next_ids.astype(np.int64).tobytes(),
+                                                                  rows.numpy().astype(np.int64).tobytes())))
+
     def close(self) -> None:
         """Stop the workers (a stop message while the group works, then SIGKILL by PID)."""
         told = False
@@ -253,6 +267,11 @@ def _unlink(path: str) -> None:
         pass
 
 
+def uses_mtp(config: Any) -> bool:
+    spec = config.speculative()
+    return spec is not None and spec.method == "mtp"
+
+
 def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: Any) -> tuple[TPWorkers, Any]:
     """Rank 0, before it loads its own shard: its TPSplit and the started workers (loading theirs
     meanwhile). pool_blocks(bytes per block of the whole engine) -> KV blocks (EngineLoop's)."""
@@ -267,9 +286,10 @@ def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: 
     # same on every rank: each computes it from the unsplit kv_a_proj_with_mqa)
     planes, heads, head_dim = (1, 1, full.latent_dim) if getattr(full, "kv_lora_rank", 0) else \
         (2, local.num_kv_heads, local.head_dim)
-    per_rank = KVCache.bytes_per_block(local.num_layers, config.block_size, heads, head_dim, dtype, planes)
+    layers = local.num_layers + uses_mtp(config)  # DeepSeek's MTP layer: one more latent layer
+    per_rank = KVCache.bytes_per_block(layers, config.block_size, heads, head_dim, dtype, planes)
     blocks = pool_blocks(per_rank * split.size)  # --kv-cache-memory is the whole engine's
-    shape = (blocks, local.num_layers, planes, config.block_size, heads, head_dim)
+    shape = (blocks, layers, planes, config.block_size, heads, head_dim)
     workers = TPWorkers(config, model_dir, shape, dtype)
     workers.split, workers.model_config = split, full
     return workers, split
@@ -325,6 +345,11 @@ def main() -> None:
     _, blocks, layers, planes, block_size, heads, head_dim = spec.kv_shape
     kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.dtype, planes, kv=kv_all[spec.rank])
     runner = ModelRunner(model, kv_cache, cfg.attention_backend)
+    mtp = None
+    if uses_mtp(cfg):  # its share of the MTP layer, run after every step (MtpStep)
+        from atomd.model.deepseek_mtp import load_mtp, mtp_forward
+        mtp = load_mtp(pathlib.Path(spec.model_dir), model, split)
+        mtp_decoder = msgspec.msgpack.Decoder(MtpStep)
     if cfg.enable_lora:
         whole = read_config(spec.model_dir)
         runner.loras = WorkerLoras(lambda name, path: load_tp_adapter(name, path, whole, split, model.dtype,
@@ -347,7 +372,11 @@ def main() -> None:
                 np.frombuffer(step.hidden_indices, np.int64).copy())
             if step.lora_paths:
                 runner.loras.hold(step.lora_paths)
-            runner.execute(StepBatch(step), all_logits=step.all_logits, hidden_indices=hidden)
+            out = runner.execute(StepBatch(step), all_logits=step.all_logits, hidden_indices=hidden)
+            if mtp is not None:
+                m = mtp_decoder.decode(comm.broadcast_bytes(None, timeout_s=math.inf))
+                mtp_forward(model, mtp, torch.from_numpy(np.frombuffer(m.next_ids, np.int64).copy()), out[1],
+                            *runner.last_step, kv_cache, torch.from_numpy(np.frombuffer(m.rows, np.int64).copy()))
     comm.close()
 
 

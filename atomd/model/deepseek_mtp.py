@@ -16,6 +16,11 @@ Its attention has its own latent KV cache over the sequence shifted by one: the 
 gets one more layer (index num_hidden_layers) in the same blocks, written at the same positions
 and slots as the main layers, so the block tables, PD transfer and preemption need nothing more.
 Only the first MTP layer drafts here (one draft a step, DeepSeek V3's own setting).
+
+Under tensor parallelism (`split`) the MTP layer is split as the main layers are (its MLA by
+heads, its experts by rows, its embedding and head by vocabulary rows; enorm / hnorm / eh_proj
+whole): every rank runs `mtp_forward` over the same rows (atomd/engine/tp_workers.py sends the
+workers each step's next tokens and drafting rows), its two all-reduces and the logits' gather.
 """
 from __future__ import annotations
 
@@ -29,7 +34,8 @@ from atomd.engine.kv_cache import AttentionMetadata, KVCache
 from atomd.model.deepseek import DeepseekModel, MlaLayerWeights
 from atomd.model.layer_ops import rms_norm
 from atomd.model.linear import linear, pack_linear_weight
-from atomd.model.loader import _TensorSource, read_hf_config
+from atomd.model.loader import _TensorSource, read_config, read_hf_config, sharded_source
+from atomd.model.tp_split import TPSplit
 
 
 @dataclass
@@ -48,8 +54,9 @@ def mtp_layer_count(hf: dict) -> int:
     return int(hf.get("num_nextn_predict_layers") or 0)
 
 
-def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
-    """The first MTP layer of a DeepSeek checkpoint (ValueError saying why there is none)."""
+def load_mtp(model_dir: pathlib.Path, model: DeepseekModel, split: TPSplit | None = None) -> MtpLayer:
+    """The first MTP layer of a DeepSeek checkpoint (ValueError saying why there is none); `split`:
+    tensor-parallel worker split.rank's slice of it (the model is that worker's shard)."""
     cfg, hf = model.config, read_hf_config(model_dir)
     if not isinstance(model, DeepseekModel) or not mtp_layer_count(hf):
         raise ValueError(f"speculative_config method mtp: the checkpoint ({cfg.architecture}) has no MTP module "
@@ -59,6 +66,8 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
                          "(the MTP layer's experts are not sharded)")
     i, dtype = cfg.num_layers, model.dtype
     src = type(model).tensor_source(_TensorSource(model_dir), cfg)
+    if split is not None:
+        src = sharded_source(src, read_config(model_dir), split)
     p = f"model.layers.{i}."
     if p + "eh_proj.weight" not in src:
         raise ValueError(f"speculative_config method mtp: num_nextn_predict_layers is {mtp_layer_count(hf)} but the "
@@ -85,7 +94,9 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     rows, at the main forward's positions and metadata (its latent rows stored in the MTP's
     cache layer for every row)."""
     eps = model.config.rms_norm_eps
-    e = rms_norm(torch.nn.functional.embedding(next_ids, mtp.embed), mtp.enorm, eps)
+    embed = torch.nn.functional.embedding(next_ids, mtp.embed) if model.tp is None else \
+        model.tp.embed(next_ids, mtp.embed)  # this worker's vocabulary rows, summed over the workers
+    e = rms_norm(embed, mtp.enorm, eps)
     x = linear(torch.cat([e, rms_norm(hidden, mtp.hnorm, eps)], dim=1), mtp.eh_proj)
     w = mtp.layer
     h = rms_norm(x, w.input_norm, eps)
@@ -93,4 +104,5 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     model._attn_out_and_mlp(x, attn, w, None, h)  # x += attention out, then += the MLP's (in place)
     if not len(logits_rows):  # a prefill chunk that samples nothing: only the MTP's KV rows
         return x.new_empty(0, model.config.vocab_size)
-    return linear(rms_norm(x[logits_rows], mtp.head_norm, eps), mtp.head)
+    logits = linear(rms_norm(x[logits_rows], mtp.head_norm, eps), mtp.head)
+    return logits if model.tp is None else model.tp.gather_logits(logits)

@@ -126,9 +126,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         src = quant_formats.CheckpointSource(src, cfg.quantization) if cfg.quantization else \
             quant_formats.RoundToNearest(src, quantization)
     if split is not None:  # sliced after quantising: each worker's part of the unsplit weight's integers and scales
-        mla = (whole.qk_head_dim, whole.qk_nope_head_dim + whole.v_head_dim, whole.v_head_dim) \
-            if getattr(whole, "kv_lora_rank", 0) else None
-        src = ShardedSource(src, split, q8_aligned=activations == "int8", mla=mla)
+        src = sharded_source(src, whole, split, q8_aligned=activations == "int8")
     embed = src.get("model.embed_tokens.weight", dtype)
     if cfg.tie_word_embeddings:  # a GGUF's packed token_embd stays packed as the head (llama.cpp's choice)
         lm_head = src.tied_head(embed) if gguf else embed
@@ -149,6 +147,13 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     return cls(config=cfg, embed=embed, layers=layers,
                norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
                max_positions=max_positions or cfg.max_position_embeddings)
+
+
+def sharded_source(src, whole: ModelConfig, split: TPSplit, q8_aligned: bool = False) -> ShardedSource:
+    """Worker split.rank's slice of `src` (a checkpoint of the whole model `whole`)."""
+    mla = (whole.qk_head_dim, whole.qk_nope_head_dim + whole.v_head_dim, whole.v_head_dim) \
+        if getattr(whole, "kv_lora_rank", 0) else None
+    return ShardedSource(src, split, q8_aligned=q8_aligned, mla=mla)
 
 
 def tp_split(cfg: ModelConfig, rank: int, size: int) -> TPSplit:

@@ -24,7 +24,7 @@ from atomd.model.tp_split import TPSplit
 
 COLUMN = ("gate_proj", "up_proj", "w1", "w3")  # rows: intermediate (dense MLP, each expert)
 ROW = ("down_proj", "w2")  # columns: intermediate
-VOCAB = ("embed_tokens", "lm_head")
+VOCAB = ("embed_tokens", "lm_head", "head")  # head: DeepSeek MTP's shared_head.head
 MLA = ("q_b_proj", "kv_b_proj")  # DeepSeek's per-head linears beside q_proj / o_proj
 
 
