@@ -278,8 +278,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             hf = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             return  # the loader names what is wrong with the checkpoint
-        if hf.get("kv_lora_rank") and self.enable_lora:
-            raise ValueError("tensor_parallel_size > 1 does not run LoRA on MLA (DeepSeek) models yet")
         check_hf_config(hf, self.tensor_parallel_size, self.model or "the built-in model")
 
     def _check_simulated(self) -> None:

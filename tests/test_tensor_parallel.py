@@ -78,8 +78,6 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
     with pytest.raises(ValueError, match="does not run with enable_expert_parallel"):
         EngineConfig(model=str(checkpoints["qwen3_moe"]), tensor_parallel_size=2, data_parallel_size=2,
                      enable_expert_parallel=True)
-    with pytest.raises(ValueError, match="does not run LoRA on MLA"):
-        EngineConfig(model=str(checkpoints["deepseek-v3"]), tensor_parallel_size=2, enable_lora=True)
     with pytest.raises(ValueError, match="tp_communicator must be one of shm, gloo"):
         EngineConfig(tensor_parallel_size=2, tp_communicator="nccl")
     # replicated KV heads: the one each worker's query heads read (GQA groups of 2 query heads)

@@ -221,16 +221,10 @@ def shard_adapter(adapter, split: TPSplit, cfg):
     the one all-reduce after attention / the MLP adds both."""
     from atomd.model.lora import LoraAdapter, LoraLinear
 
-    s, d = split, split.head_dim
-    q, kv, inter = cfg.num_heads * d, cfg.num_kv_heads * d, cfg.intermediate_size
-    mine = inter // s.size
-    qh, kh = s.q_heads(), s.kv_heads()
-    out_cols = {"qkv": [(qh.start * d, qh.stop * d), (q + kh.start * d, q + kh.stop * d),
-                        (q + kv + kh.start * d, q + kv + kh.stop * d)],
-                "gate_up": [(s.rank * mine, (s.rank + 1) * mine), (inter + s.rank * mine, inter + (s.rank + 1) * mine)]}
-    in_rows = {"o": (qh.start * d, qh.stop * d), "down": (s.rank * mine, (s.rank + 1) * mine)}
     layers = []
-    for layer in adapter.layers:
+    for i, layer in enumerate(adapter.layers):
+        out_cols, in_rows = _mla_lora_cuts(cfg, split, i) if getattr(cfg, "kv_lora_rank", 0) else \
+            _lora_cuts(cfg, split)
         out = {}
         for fused, pair in layer.items():
             if fused in out_cols:
@@ -243,8 +237,41 @@ def shard_adapter(adapter, split: TPSplit, cfg):
     return LoraAdapter(adapter.name, adapter.path, adapter.rank, layers)
 
 
+def _mlp_cuts(inter: int, s: TPSplit) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """gate_up's output columns (this worker's gate rows, then its up rows) and down's input rows."""
+    mine = inter // s.size
+    lo, hi = s.rank * mine, (s.rank + 1) * mine
+    return [(lo, hi), (inter + lo, inter + hi)], (lo, hi)
+
+
+def _lora_cuts(cfg, s: TPSplit) -> tuple[dict, dict]:
+    """(out columns of each column-parallel linear, in rows of each row-parallel one) of a decoder layer."""
+    d = s.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    qh, kh = s.q_heads(), s.kv_heads()
+    gate_up, down = _mlp_cuts(cfg.intermediate_size, s)
+    return ({"qkv": [(qh.start * d, qh.stop * d), (q + kh.start * d, q + kh.stop * d),
+                     (q + kv + kh.start * d, q + kv + kh.stop * d)], "gate_up": gate_up},
+            {"o": (qh.start * d, qh.stop * d), "down": down})
+
+
+def _mla_lora_cuts(cfg, s: TPSplit, i: int) -> tuple[dict, dict]:
+    """_lora_cuts for DeepSeek's linears (atomd/model/deepseek_lora.py): qkv_a whole but for q_proj's
+    heads (no q_lora), q_b by heads, o by heads' value inputs, the dense MLP's or shared experts' rows."""
+    qh, qk = s.q_heads(), cfg.qk_head_dim
+    q = cfg.q_lora_rank or cfg.num_heads * qk
+    qkv_a = [(0, q + cfg.latent_dim)] if cfg.q_lora_rank else \
+        [(qh.start * qk, qh.stop * qk), (q, q + cfg.latent_dim)]
+    inter = cfg.moe_intermediate_size * cfg.n_shared_experts if i in cfg.sparse_layers else cfg.intermediate_size
+    gate_up, down = _mlp_cuts(inter, s)
+    return ({"qkv_a": qkv_a, "q_b": [(qh.start * qk, qh.stop * qk)], "gate_up": gate_up},
+            {"o": (qh.start * cfg.v_head_dim, qh.stop * cfg.v_head_dim), "down": down})
+
+
 def load_tp_adapter(name: str, path: str, cfg, split: TPSplit, dtype: torch.dtype, max_rank: int):
     """The PEFT adapter at `path`, checked against the whole model `cfg`, as worker `split.rank` runs it."""
+    from atomd.model.deepseek_lora import load_deepseek_adapter
     from atomd.model.lora import load_adapter
 
-    return shard_adapter(load_adapter(name, path, cfg, dtype, max_rank), split, cfg)
+    load = load_deepseek_adapter if getattr(cfg, "kv_lora_rank", 0) else load_adapter  # MLA's linears
+    return shard_adapter(load(name, path, cfg, dtype, max_rank), split, cfg)
