@@ -56,6 +56,46 @@ def tp_llm(path: pathlib.Path, size: int, **kw) -> LLM:
     return LLM(str(path), num_threads=1, max_model_len=256, tensor_parallel_size=size, **kw)
 
 
+@pytest.fixture(scope="module")
+def llama_adapters(checkpoints, tmp_path_factory) -> dict[str, pathlib.Path]:
+    """test_lora's PEFT adapters on the llama checkpoint (its TP=2 engine starts with two of them)."""
+    from tests.test_lora import ADAPTERS, make_adapter
+
+    root = tmp_path_factory.mktemp("tp-lora")
+    return {name: make_adapter(checkpoints["llama"], root / name, r, a, rs, t, seed=i + 11)
+            for i, (name, r, a, rs, t) in enumerate(ADAPTERS)}
+
+
+class TP2Engines:
+    """The fp32 TP=2 engine of each family, started on first use with TP2_FLAGS' extras (llama's with
+    LoRA: the family test and the LoRA test after it share one start); `done` stops one."""
+
+    def __init__(self, checkpoints, adapters):
+        self.checkpoints, self.adapters, self.llms = checkpoints, adapters, {}
+
+    def __call__(self, kind: str) -> LLM:
+        if kind not in self.llms:
+            flags = dict(TP2_FLAGS.get(kind, {}))
+            if kind == "llama":
+                flags.update(enable_lora=True, max_loras=2, max_lora_rank=8,
+                             lora_modules=[f"{n}={self.adapters[n]}" for n in ("sql", "attn")])
+            self.llms[kind] = tp_llm(self.checkpoints[kind], 2, **flags)
+        return self.llms[kind]
+
+    def done(self, kind: str) -> None:
+        llm = self.llms.pop(kind, None)
+        if llm is not None:
+            llm.engine.close()
+
+
+@pytest.fixture(scope="module")
+def tp2_engines(checkpoints, llama_adapters):
+    engines = TP2Engines(checkpoints, llama_adapters)
+    yield engines
+    for kind in list(engines.llms):
+        engines.done(kind)
+
+
 @pytest.fixture
 def closing():
     """LLMs whose TP workers the test stops at its end."""
@@ -109,15 +149,14 @@ def test_pd_staging_gathers_and_scatters_every_worker_slice(n, kv_heads):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind", [*FAMILIES, *DEEPSEEK])
-def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
+@pytest.mark.parametrize("kind", [k for k in [*FAMILIES, *DEEPSEEK] if k != "llama"] + ["llama"])  # llama's: LoRA's next
+def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, tp2_engines):
     """Mixed lengths (one token .. many blocks, a batch, then batch-1 decode alone); prompt logits
     within 1e-4 of HF's (test_models' bound for TP=1)."""
     path = checkpoints[kind]
     prompts = prompts_of(MIXED, seed=4)
     one = engine_greedy(tp_llm(path, 1), prompts, GREEDY)
-    tp = tp_llm(path, 2, **TP2_FLAGS.get(kind, {}))
-    closing(tp)
+    tp = tp2_engines(kind)
     two = engine_greedy(tp, prompts, GREEDY)
     assert two == one
     assert engine_greedy(tp, prompts[2:3], GREEDY) == one[2:3]
@@ -129,6 +168,28 @@ def test_tp2_greedy_equals_tp1_and_hf(kind, checkpoints, closing):
         torch.testing.assert_close(_prompt_logits(tp, fresh), hf_model(path)(torch.tensor([fresh])).logits[0],
                                    atol=1e-4, rtol=0)
     assert tp.engine.stats()["tensor_parallel"]["size"] == 2
+    if kind != "llama":  # llama's serves the LoRA test next
+        tp2_engines.done(kind)
+
+
+@pytest.mark.unit
+def test_tp2_lora_equals_peft(checkpoints, tp2_engines, llama_adapters):
+    """PEFT adapters under TP=2 (tensor_parallel.shard_adapter): a batch mixing two adapters (every
+    target kind; attention only) and the base model, then a third adapter that evicts one (max_loras 2)
+    on rank 0 and on the worker: each request's greedy ids equal transformers + PeftModel's."""
+    from tests.test_lora import reference
+
+    base, adapters = checkpoints["llama"], llama_adapters
+    tp = tp2_engines("llama")
+    for names, lengths in ((["sql", None, "attn"], [5, 37, 1]), (["poet"], [20])):
+        if "poet" in names:  # loaded while serving (as POST /v1/load_lora_adapter does): evicts one
+            tp.engine.loras.add("poet", str(adapters["poet"]))
+        prompts = prompts_of(lengths, seed=len(names))
+        outs = tp.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_name=names)
+        for prompt, name, out in zip(prompts, names, outs):
+            assert out.outputs[0].token_ids == reference(base, adapters.get(name), prompt, tokens=GREEDY.max_tokens), \
+                (name, len(prompt))
+    tp2_engines.done("llama")
 
 
 @pytest.mark.unit
@@ -160,29 +221,6 @@ def test_tp2_bf16_greedy_follows_hf_bf16(kind, checkpoints, closing):
     prompts = prompts_of([BLOCK + 5, 40], seed=11)
     assert_greedy_follows_hf_bf16(hf_both(path), prompts, engine_greedy(tp, prompts, GREEDY), n=GREEDY.max_tokens,
                                   min_compared=8)
-
-
-@pytest.mark.unit
-def test_tp2_lora_equals_peft(checkpoints, closing, tmp_path):
-    """PEFT adapters under TP=2 (tensor_parallel.shard_adapter): a batch mixing two adapters (every
-    target kind; attention only) and the base model, then a third adapter that evicts one (max_loras 2)
-    on rank 0 and on the worker: each request's greedy ids equal transformers + PeftModel's."""
-    from tests.test_lora import ADAPTERS, make_adapter, reference
-
-    base = checkpoints["llama"]
-    adapters = {name: make_adapter(base, tmp_path / name, r, a, rs, t, seed=i + 11)
-                for i, (name, r, a, rs, t) in enumerate(ADAPTERS)}
-    tp = tp_llm(base, 2, enable_lora=True, lora_modules=[f"{n}={adapters[n]}" for n in ("sql", "attn")],
-                max_loras=2, max_lora_rank=8)
-    closing(tp)
-    for names, lengths in ((["sql", None, "attn"], [5, 37, 1]), (["poet"], [20])):
-        if "poet" in names:  # loaded while serving (as POST /v1/load_lora_adapter does): evicts one
-            tp.engine.loras.add("poet", str(adapters["poet"]))
-        prompts = prompts_of(lengths, seed=len(names))
-        outs = tp.generate([{"prompt_token_ids": p} for p in prompts], GREEDY, lora_name=names)
-        for prompt, name, out in zip(prompts, names, outs):
-            assert out.outputs[0].token_ids == reference(base, adapters.get(name), prompt, tokens=GREEDY.max_tokens), \
-                (name, len(prompt))
 
 
 # ---------------------------------------------------------------- a worker dies under `atomd serve`

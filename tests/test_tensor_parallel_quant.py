@@ -105,13 +105,19 @@ def test_groups_that_do_not_cut_on_a_worker_boundary_are_refused():
 
 # ---------------------------------------------------------------- the engine: TP=2 vs TP=1 vs HF
 
+_LLAMA: dict = {}  # id(tmp_path_factory) -> the checkpoint: written once for the module's cases
+
+
 def _llama(tmp_path_factory, hidden: int = 128, seed: int = 31):
     # 4 heads of 32, 2 KV heads: o_proj's 128 inputs are 64 a worker, down's 256 are 128 (int4 groups: one
     # group of 128 shared by both workers on o, a whole group a worker on down)
     from tests.test_model_hf import make_checkpoint
 
-    return make_checkpoint(tmp_path_factory.mktemp("tpq-llama"), "llama", seed=seed, hidden_size=hidden,
-                           intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2)
+    if id(tmp_path_factory) not in _LLAMA:
+        _LLAMA[id(tmp_path_factory)] = make_checkpoint(
+            tmp_path_factory.mktemp("tpq-llama"), "llama", seed=seed, hidden_size=hidden,
+            intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2)
+    return _LLAMA[id(tmp_path_factory)]
 
 
 def _case_rtn(method: str, activations: str = "float32"):
