@@ -306,10 +306,12 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size == 1 or self.model_runner != "real":
             return
-        for name, on in (("enable_lora", self.enable_lora),
-                         ("enable_expert_parallel", self.enable_expert_parallel),
-                         ("quantization", self.quantization is not None),
-                         ("kv_cache_dtype fp8", self.kv_cache_dtype != "auto")):
+        spec = self.speculative()
+        for name, on in (("enable_expert_parallel", self.enable_expert_parallel),
+                         ("kv_cache_dtype fp8", self.kv_cache_dtype != "auto"),
+                         # the workers run one MTP pass a step (MtpStep); a chain's passes stay on rank 0
+                         ("MTP num_speculative_tokens > 1", spec is not None and spec.method == "mtp"
+                          and spec.num_speculative_tokens > 1)):
             if on:
                 raise ValueError(f"tensor_parallel_size > 1 does not run with {name} yet")
         from atomd.model.default import default_model_dir
@@ -319,8 +321,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             hf = json.loads((path / "config.json").read_text())
         except (OSError, ValueError):
             return  # the loader names what is wrong with the checkpoint
-        if hf.get("kv_lora_rank") or hf.get("quantization_config") or hf.get("gguf_file"):
-            raise ValueError("tensor_parallel_size > 1 does not split MLA (DeepSeek) or quantized checkpoints yet")
         check_hf_config(hf, self.tensor_parallel_size, self.model or "the built-in model")
 
     def _check_simulated(self) -> None:

@@ -95,3 +95,23 @@ def test_kv_b_proj_and_routed_experts_refused_by_name(setup):
     with pytest.raises(ValueError, match=r"target_parameters=\[.*'gate_up_proj'.*\] is not supported"):
         LLM(str(base), enable_lora=True, lora_modules=[f"experts={adapters['experts']}"], max_lora_rank=8,
             num_threads=1, max_model_len=64)
+
+
+def test_tensor_parallel_equals_peft(setup):
+    """TP=2 (tensor_parallel.shard_adapter's MLA cuts: qkv_a whole but for q_proj's heads, q_b by
+    heads, o by the heads' value inputs, the dense MLP's and shared experts' rows): a batch mixing
+    the base model and the three adapters gives PeftModel's greedy ids."""
+    base, adapters = setup
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"{n}={adapters[n]}" for n in ("attn", "mlp", "late")],
+              max_loras=3, max_lora_rank=8, num_threads=1, max_model_len=256, tensor_parallel_size=2)
+    try:
+        names = [None, "attn", "mlp", "late"]
+        prompts = prompts_of([5, 37, 1, 9], seed=3)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
+        for prompt, name, out in zip(prompts, names, outs):
+            assert out.outputs[0].token_ids == reference(base, adapters.get(name), prompt), (name, len(prompt))
+            if name is not None:  # each adapter changes the output: the equality says something
+                assert out.outputs[0].token_ids != reference(base, None, prompt), name
+    finally:
+        llm.engine.close()

@@ -18,6 +18,7 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
+from atomd.config import EngineConfig
 from atomd.llm import LLM
 from atomd.model.deepseek_mtp import load_mtp
 from atomd.model.loader import load_model
@@ -186,6 +187,30 @@ def test_mtp_logits_equal_the_reference_and_greedy_is_unchanged(backend, ckpt):
     assert assert_chains_equal_the_reference(llm.engine.proposer.trace, finals_of(outs, prompts), ref) >= 60
     stats = llm.engine.stats()
     assert stats["spec_decode_num_draft_tokens"] > 0
+
+
+def test_mtp_under_tensor_parallelism_equals_the_reference(ckpt):
+    """TP=2 (the MTP layer's MLA, experts, embedding and head split like the main layers'):
+    every draft's gathered MTP logits on rank 0 against the reference, greedy equal to HF's (which
+    the TP=1 test above equals on the same prompts), chunked prefill and verify steps included.
+    One draft a step: chained drafts under TP are refused at start-up."""
+    path, full, mtp = ckpt
+    with pytest.raises(ValueError, match="MTP num_speculative_tokens > 1"):
+        EngineConfig(model=str(path), tensor_parallel_size=2, speculative_config=json.dumps(MTP3))
+    llm = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=2 * BLOCK,
+              tensor_parallel_size=2, speculative_config=MTP)
+    try:
+        llm.engine.proposer.trace = []
+        assert llm.engine.kv_cache.num_layers == LAYERS + 1
+        prompts = prompts_of([3 * BLOCK + 5, 7, 1], seed=11)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        got = [o.outputs[0].token_ids for o in outs]
+        assert_equals_hf(path, prompts, got, n=24)
+        ref = lambda t: reference_mtp(path, full, mtp, t)  # noqa: E731
+        assert assert_chains_equal_the_reference(llm.engine.proposer.trace, finals_of(outs, prompts), ref) >= 60
+        assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+    finally:
+        llm.engine.close()
 
 
 def test_mtp_in_bfloat16_is_near_the_float32_reference(ckpt):

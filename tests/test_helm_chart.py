@@ -156,8 +156,6 @@ def test_install_dry_run_client(name):
     ({"prefill.replicas": -1}, "at '/prefill/replicas': minimum: got -1, want 0"),
     ({"decode.dataParallelSize": 0}, "at '/decode/dataParallelSize': minimum: got 0, want 1"),
     ({"prefill.tensorParallelSize": 0}, "at '/prefill/tensorParallelSize': minimum: got 0, want 1"),
-    ({"decode.tensorParallelSize": 2, "engine.lora.enabled": True},
-     "decode.tensorParallelSize > 1 with engine.lora.enabled: the engine does not run LoRA under tensor parallelism"),
     ({"kvTransfer.backend": "rdma"}, "at '/kvTransfer/backend': value must be 'zmq'"),
     ({"image.repository": None}, "at '/image': missing property 'repository'"),
     ({"image.repository": ""}, "at '/image/repository': minLength: got 0, want 1"),
@@ -281,7 +279,7 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
             assert cfg.kv_side_channel_port == sides[0] and sides == list(range(sides[0], sides[0] + dp))
         cpu = p.container["resources"]["limits"]["cpu"]
         tp = cfg.tensor_parallel_size  # TP with the chart: test_tensor_parallel_size_per_role_is_the_engine_flag...
-        assert tp == 1  # (all-features enables LoRA, which TP does not run with yet)
+        assert tp == 1  # (neither values file sets TP)
         assert cfg.num_threads * dp * tp <= float(cpu), f"{role}: {dp} x {tp} x {cfg.num_threads} threads > {cpu} CPUs"
         if name == "all-features":
             assert cfg.model.endswith("/qwen2-0.5b") and args.served_model_name == "qwen2-0.5b"

@@ -28,6 +28,7 @@ from atomd.model.deepseek_lora import load_deepseek_adapter
 from atomd.model.lora import load_adapter
 from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
+from atomd.model.tensor_parallel import load_tp_adapter
 from atomd.model.rotary import has_long_rows
 from atomd.engine.runner import ModelRunner
 from atomd.engine.tp_pd import TPKVStaging, TPStagedConnector, written_blocks
@@ -86,7 +87,7 @@ class LLMEngine(EngineLoop):
         spec = config.speculative()  # speculative decoding (atomd/engine/spec_decode.py), None: off
         mtp = None  # DeepSeek V3's MTP layer as the drafter: one more latent layer in the cache
         if spec is not None and spec.method == "mtp":
-            mtp = load_mtp(model_dir, self.model)
+            mtp = load_mtp(model_dir, self.model, split)
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)  # fp8: one byte a value
         if kv_dtype != self.model.dtype and kv.planes != 2:
@@ -97,7 +98,7 @@ class LLMEngine(EngineLoop):
         kv_all = None if self.tp_workers is None else self.tp_workers.kv_all  # every rank's, shared memory
         self.kv_cache = KVCache(self._pool_blocks(per_block) if kv_all is None else kv_all.shape[1], kv_layers,
                                 config.block_size, kv.heads, kv.head_dim, kv_dtype, kv.planes,
-                                kv=None if kv_all is None else kv_all[0],  # (no MTP layer under TP: refused)
+                                kv=None if kv_all is None else kv_all[0],
                                 compute_dtype=self.model.dtype)
         if self.kv_cache.fp8 and getattr(self.model, "decode_layer", None) is not None:
             log.info("kv_cache_dtype %s: batch-1 decode runs per op (the fused C layer writes the KV cache "
@@ -129,7 +130,8 @@ class LLMEngine(EngineLoop):
         self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
         if mtp is not None:
             self.proposer = MtpProposer(self.model, mtp, spec.num_speculative_tokens, config.max_model_len,
-                                        self.kv_cache, self.runner.kernels)
+                                        self.kv_cache, self.runner.kernels,
+                                        None if self.tp_workers is None else self.tp_workers.send_mtp)
         elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)
@@ -162,6 +164,9 @@ class LLMEngine(EngineLoop):
     def _load_adapter(self, name: str, path: str):
         """A PEFT adapter for this model (ValueError naming what is wrong, also an unreadable file)."""
         try:
+            if self.tp_workers is not None:  # checked against the whole model, then this rank's part
+                return load_tp_adapter(name, path, self.tp_workers.model_config, self.tp_workers.split,
+                                       self.model.dtype, self.config.max_lora_rank)
             load = load_deepseek_adapter if isinstance(self.model, DeepseekModel) else load_adapter  # MLA's linears
             return load(name, path, self.model.config, self.model.dtype, self.config.max_lora_rank)
         except ValueError:

@@ -27,6 +27,10 @@ step keeps each only if the main model samples it.
 Expert parallelism: the MTP layer's MoE exchanges across the ranks, so every rank runs exactly
 k MTP passes each step any rank runs (the first pass, the chain, then empty exchanges for the
 depths it did not reach: `end_step`; an idle rank all k: `idle`).
+
+Tensor parallelism: `share` sends each step's next tokens and drafting rows to the workers
+(TPWorkers.send_mtp), which run their share of the first pass with rank 0; chained drafts
+(k > 1) are refused under TP (config.py), so there is no second pass to share.
 """
 from __future__ import annotations
 
@@ -52,8 +56,9 @@ class _Chain:
 
 class MtpProposer:
     def __init__(self, model, mtp: MtpLayer, num_speculative_tokens: int, max_model_len: int, kv_cache: KVCache,
-                 kernels=None):
+                 kernels=None, share=None):
         self.model, self.mtp, self.kv_cache, self.kernels = model, mtp, kv_cache, kernels
+        self.share = share  # under TP: share(next_ids, rows) sends them to the workers (TPWorkers.send_mtp)
         self.k, self.max_model_len = num_speculative_tokens, max_model_len
         self.pool = None  # the scheduler's BlockPool (set once it exists): chained rows' scratch blocks
         self.chains: dict[int, _Chain] = {}  # seq id -> its first draft, from the last forward
@@ -83,6 +88,8 @@ class MtpProposer:
                 drafting.append(i)
         rows = torch.tensor(logits_rows, dtype=torch.int64)
         self.passes = 1
+        if self.share is not None:
+            self.share(next_ids, rows)
         logits, states = mtp_forward(self.model, self.mtp, torch.from_numpy(next_ids), hidden, positions, meta,
                                      kv_cache, rows)
         at = positions[rows].tolist()

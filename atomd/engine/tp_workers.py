@@ -22,11 +22,13 @@ itself dead (the API answers 503 and errors the requests in flight) and kills th
 """
 from __future__ import annotations
 
+import collections
 import ctypes
 import logging
 import math
 import mmap
 import os
+import pathlib
 import pickle
 import secrets
 import select
@@ -42,7 +44,7 @@ import numpy as np
 import torch
 
 from atomd.engine.tp_collective import TPGroup, new_tp_group
-from atomd.model.tensor_parallel import TensorParallel
+from atomd.model.tensor_parallel import TensorParallel, load_tp_adapter
 
 log = logging.getLogger(__name__)
 
@@ -66,10 +68,26 @@ class TPStep(msgspec.Struct, array_like=True):
     all_logits: bool = False
     hidden_indices: bytes | None = None  # int64
     block_copies: list[tuple[int, int]] = []
+    lora_paths: list[str | None] = []  # each sequence's LoRA adapter directory (None: the base model); [] none
+
+
+class MtpStep(msgspec.Struct, array_like=True):
+    """After a step's sampling, with DeepSeek's MTP drafter (MtpProposer.run): each row's next token
+    and the rows that draft, for every rank's share of the MTP layer's forward."""
+
+    next_ids: bytes  # int64
+    rows: bytes  # int64
+
+
+class _Seq:
+    """What ModelRunner reads of a sequence on a worker: its adapter, named by its path (WorkerLoras)."""
+
+    def __init__(self, lora_name: str | None):
+        self.lora_name = lora_name
 
 
 class StepBatch:
-    """A TPStep as the ModelRunner reads a ScheduledBatch (no sequences: no LoRA with TP)."""
+    """A TPStep as the ModelRunner reads a ScheduledBatch (sequences only for their LoRA adapter)."""
 
     def __init__(self, step: TPStep):
         self.is_prefill = step.is_prefill
@@ -77,11 +95,34 @@ class StepBatch:
         self.num_scheduled_tokens = np.frombuffer(step.num_scheduled, np.int32)
         self.num_computed_tokens = np.frombuffer(step.num_computed, np.int32)
         self.needs_sample = np.frombuffer(step.needs_sample, np.bool_)
-        self.block_tables, self.seq_ids, self.seqs = step.block_tables, step.seq_ids, []
+        self.block_tables, self.seq_ids = step.block_tables, step.seq_ids
+        self.seqs = [_Seq(p) for p in step.lora_paths]
 
 
-def step_of(batch: Any, all_logits: bool, hidden_indices: torch.Tensor | None) -> TPStep:
-    return TPStep(is_prefill=batch.is_prefill, token_ids=batch.token_ids.astype(np.int32).tobytes(),
+class WorkerLoras:
+    """A worker's LoRA adapters by directory: loaded (its part: tensor_parallel.load_tp_adapter) the
+    first time a step names one, the least recently used dropped past `max_loras` (rank 0's
+    registry holds no more resident, and a step names only resident ones)."""
+
+    def __init__(self, load: Any, max_loras: int):
+        self.load, self.max_loras = load, max_loras
+        self.resident: collections.OrderedDict[str, Any] = collections.OrderedDict()
+
+    def hold(self, paths: list[str | None]) -> None:
+        needed = {p for p in paths if p is not None}
+        for path in needed:
+            if path not in self.resident:
+                self.resident[path] = self.load(path, path)
+            self.resident.move_to_end(path)
+        while len(self.resident) > max(self.max_loras, len(needed)):
+            self.resident.popitem(last=False)
+
+
+def step_of(batch: Any, all_logits: bool, hidden_indices: torch.Tensor | None, loras: Any = None) -> TPStep:
+    """`loras`: rank 0's LoraRegistry (None: LoRA off)."""
+    paths = [] if loras is None or all(s.lora_name is None for s in batch.seqs) else \
+        [None if s.lora_name is None else loras.resident[s.lora_name].path for s in batch.seqs]
+    return TPStep(lora_paths=paths, is_prefill=batch.is_prefill, token_ids=batch.token_ids.astype(np.int32).tobytes(),
                   num_scheduled=batch.num_scheduled_tokens.astype(np.int32).tobytes(),
                   num_computed=batch.num_computed_tokens.astype(np.int32).tobytes(),
                   needs_sample=batch.needs_sample.astype(np.bool_).tobytes(), block_tables=batch.block_tables,
@@ -121,6 +162,9 @@ class WorkerSpec:
 
 class TPWorkers:
     """Rank 0's side: the shared KV cache, the worker processes, the communicator."""
+
+    split: Any = None  # rank 0's TPSplit and the whole model's ModelConfig (start_workers)
+    model_config: Any = None
 
     def __init__(self, config: Any, model_dir: str, kv_shape: tuple[int, ...], dtype: torch.dtype):
         """kv_shape: one rank's cache [blocks, layers, planes, block, heads, head_dim]."""
@@ -188,6 +232,11 @@ class TPWorkers:
     def broadcast(self, step: TPStep) -> None:
         self.comm.broadcast_bytes(msgspec.msgpack.encode(step))
 
+    def send_mtp(self, next_ids: np.ndarray, rows: torch.Tensor) -> None:
+        """The MTP layer's inputs of this step (MtpStep), before rank 0 runs its share of it."""
+        self.comm.broadcast_bytes(msgspec.msgpack.encode(MtpStep(next_ids.astype(np.int64).tobytes(),
+                                                                  rows.numpy().astype(np.int64).tobytes())))
+
     def close(self) -> None:
         """Stop the workers (a stop message while the group works, then SIGKILL by PID)."""
         told = False
@@ -218,6 +267,11 @@ def _unlink(path: str) -> None:
         pass
 
 
+def uses_mtp(config: Any) -> bool:
+    spec = config.speculative()
+    return spec is not None and spec.method == "mtp"
+
+
 def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: Any) -> tuple[TPWorkers, Any]:
     """Rank 0, before it loads its own shard: its TPSplit and the started workers (loading theirs
     meanwhile). pool_blocks(bytes per block of the whole engine) -> KV blocks (EngineLoop's)."""
@@ -228,10 +282,17 @@ def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: 
     full = read_config(model_dir)
     split = tp_split(full, 0, config.tensor_parallel_size)
     local = shard_config(full, split)
-    per_rank = KVCache.bytes_per_block(local.num_layers, config.block_size, local.num_kv_heads, local.head_dim, dtype)
+    # what a rank caches a token and layer: its K and V heads, or MLA's whole latent row (one plane; the
+    # same on every rank: each computes it from the unsplit kv_a_proj_with_mqa)
+    planes, heads, head_dim = (1, 1, full.latent_dim) if getattr(full, "kv_lora_rank", 0) else \
+        (2, local.num_kv_heads, local.head_dim)
+    layers = local.num_layers + uses_mtp(config)  # DeepSeek's MTP layer: one more latent layer
+    per_rank = KVCache.bytes_per_block(layers, config.block_size, heads, head_dim, dtype, planes)
     blocks = pool_blocks(per_rank * split.size)  # --kv-cache-memory is the whole engine's
-    shape = (blocks, local.num_layers, 2, config.block_size, local.num_kv_heads, local.head_dim)
-    return TPWorkers(config, model_dir, shape, dtype), split
+    shape = (blocks, layers, planes, config.block_size, heads, head_dim)
+    workers = TPWorkers(config, model_dir, shape, dtype)
+    workers.split, workers.model_config = split, full
+    return workers, split
 
 
 class TPRunner:
@@ -243,8 +304,16 @@ class TPRunner:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.runner, name)
 
+    @property
+    def loras(self) -> Any:  # the engine sets its LoraRegistry here: the ModelRunner's
+        return self.runner.loras
+
+    @loras.setter
+    def loras(self, registry: Any) -> None:
+        self.runner.loras = registry
+
     def execute(self, batch: Any, all_logits: bool = False, hidden_indices: torch.Tensor | None = None):
-        self.workers.broadcast(step_of(batch, all_logits, hidden_indices))
+        self.workers.broadcast(step_of(batch, all_logits, hidden_indices, self.loras))
         return self.runner.execute(batch, all_logits=all_logits, hidden_indices=hidden_indices)
 
 
@@ -270,11 +339,21 @@ def main() -> None:
     torch.set_num_threads(cfg.num_threads_or_all())
     size = cfg.tensor_parallel_size
     split = tp_split(read_config(spec.model_dir), spec.rank, size)
-    model = load_model(spec.model_dir, spec.dtype, max_positions=cfg.max_model_len, tp=split)
+    model = load_model(spec.model_dir, spec.dtype, max_positions=cfg.max_model_len, quantization=cfg.quantization,
+                       activations=cfg.quantized_activations, tp=split)
     _mm, kv_all = map_kv(spec.kv_path, spec.kv_shape, spec.dtype, create=False)
     _, blocks, layers, planes, block_size, heads, head_dim = spec.kv_shape
     kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.dtype, planes, kv=kv_all[spec.rank])
     runner = ModelRunner(model, kv_cache, cfg.attention_backend)
+    mtp = None
+    if uses_mtp(cfg):  # its share of the MTP layer, run after every step (MtpStep)
+        from atomd.model.deepseek_mtp import load_mtp, mtp_forward
+        mtp = load_mtp(pathlib.Path(spec.model_dir), model, split)
+        mtp_decoder = msgspec.msgpack.Decoder(MtpStep)
+    if cfg.enable_lora:
+        whole = read_config(spec.model_dir)
+        runner.loras = WorkerLoras(lambda name, path: load_tp_adapter(name, path, whole, split, model.dtype,
+                                                                      cfg.max_lora_rank), cfg.max_loras)
     sys.stdout.buffer.write(LOADED + b"\n")  # TPWorkers.wait_loaded
     sys.stdout.buffer.flush()
     comm = spec.group.join(spec.rank)
@@ -291,9 +370,21 @@ def main() -> None:
                 kv_cache.kv[list(dst)] = kv_cache.kv[list(src)]
             hidden = None if step.hidden_indices is None else torch.from_numpy(
                 np.frombuffer(step.hidden_indices, np.int64).copy())
-            runner.execute(StepBatch(step), all_logits=step.all_logits, hidden_indices=hidden)
+            if step.lora_paths:
+                runner.loras.hold(step.lora_paths)
+            out = runner.execute(StepBatch(step), all_logits=step.all_logits, hidden_indices=hidden)
+            if mtp is not None:
+                m = mtp_decoder.decode(comm.broadcast_bytes(None, timeout_s=math.inf))
+                mtp_forward(model, mtp, torch.from_numpy(np.frombuffer(m.next_ids, np.int64).copy()), out[1],
+                            *runner.last_step, kv_cache, torch.from_numpy(np.frombuffer(m.rows, np.int64).copy()))
     comm.close()
 
 
 if __name__ == "__main__":
     main()
+    # nothing left to flush but the log: skip the interpreter's teardown of torch (1.5-2 s of a
+    # 2-core machine at load 20-30 per stop, which every engine close waited for)
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -342,7 +342,7 @@ class DeepseekModel(DecoderModel):
         """DecoderModel's, with DeepSeekMoE: routed experts plus the shared ones (LoRA's gate_up /
         down deltas on the shared experts in a sparse layer, on the MLP in a dense one)."""
         eps = self.config.rms_norm_eps
-        h = rms_norm(x, w.post_norm, eps, delta=w.linear("o", attn, w.o_bias, lora))
+        h = rms_norm(x, w.post_norm, eps, delta=self.reduce_(w.linear("o", attn, w.o_bias, lora)))
         if w.moe is not None:
             down = moe(h, w.moe, w.routing(h))
             if w.shared_gate_up is not None:
@@ -350,6 +350,7 @@ class DeepseekModel(DecoderModel):
                 down = down + w.linear("shared_down", shared, None, lora)
         else:
             down = w.linear("down", silu_mul(w.linear("gate_up", h, None, lora)), None, lora)
+        down = self.reduce_(down)  # under TP: routed and shared experts' partial sums in one all-reduce
         if next_norm is None:
             x.add_(down)
         else:

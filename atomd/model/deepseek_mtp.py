@@ -20,6 +20,12 @@ shared_head's norm, in place of h, and its own draft as the next token, one posi
 vLLM and SGLang do with V3's one layer; atomd/engine/mtp_proposer.py). Under expert parallelism
 its experts are sharded and exchanged as a main sparse layer's; every rank runs k MTP passes a
 step in lockstep (empty ones where it has nothing to draft), so the collective counts match.
+
+Under tensor parallelism (`split`) the MTP layer is split as the main layers are (its MLA by
+heads, its experts by rows, its embedding and head by vocabulary rows; enorm / hnorm / eh_proj
+whole): every rank runs `mtp_forward` over the same rows (atomd/engine/tp_workers.py sends the
+workers each step's next tokens and drafting rows), its two all-reduces and the logits' gather.
+One pass a step: chained drafts (k > 1) are refused under TP.
 """
 from __future__ import annotations
 
@@ -33,7 +39,8 @@ from atomd.engine.kv_cache import AttentionMetadata, KVCache
 from atomd.model.deepseek import DeepseekModel, MlaLayerWeights
 from atomd.model.layer_ops import rms_norm
 from atomd.model.linear import linear, pack_linear_weight
-from atomd.model.loader import _TensorSource, read_hf_config
+from atomd.model.loader import _TensorSource, read_config, read_hf_config, sharded_source
+from atomd.model.tp_split import TPSplit
 
 
 @dataclass
@@ -52,8 +59,9 @@ def mtp_layer_count(hf: dict) -> int:
     return int(hf.get("num_nextn_predict_layers") or 0)
 
 
-def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
-    """The first MTP layer of a DeepSeek checkpoint (ValueError saying why there is none)."""
+def load_mtp(model_dir: pathlib.Path, model: DeepseekModel, split: TPSplit | None = None) -> MtpLayer:
+    """The first MTP layer of a DeepSeek checkpoint (ValueError saying why there is none); `split`:
+    tensor-parallel worker split.rank's slice of it (the model is that worker's shard)."""
     cfg, hf = model.config, read_hf_config(model_dir)
     if not isinstance(model, DeepseekModel) or not mtp_layer_count(hf):
         raise ValueError(f"speculative_config method mtp: the checkpoint ({cfg.architecture}) has no MTP module "
@@ -62,6 +70,8 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel) -> MtpLayer:
         raise ValueError("an expert-parallel rank's MTP layer loads after use_expert_parallel")
     i, dtype = cfg.num_layers, model.dtype
     src = type(model).tensor_source(_TensorSource(model_dir), cfg)
+    if split is not None:
+        src = sharded_source(src, read_config(model_dir), split)
     p = f"model.layers.{i}."
     if p + "eh_proj.weight" not in src:
         raise ValueError(f"speculative_config method mtp: num_nextn_predict_layers is {mtp_layer_count(hf)} but the "
@@ -99,7 +109,9 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     model's final-normed states of the rows (or a chained draft's MTP states), at the forward's
     positions and metadata (its latent rows stored in the MTP's cache layer for every row)."""
     eps = model.config.rms_norm_eps
-    e = rms_norm(torch.nn.functional.embedding(next_ids, mtp.embed), mtp.enorm, eps)
+    embed = torch.nn.functional.embedding(next_ids, mtp.embed) if model.tp is None else \
+        model.tp.embed(next_ids, mtp.embed)  # this worker's vocabulary rows, summed over the workers
+    e = rms_norm(embed, mtp.enorm, eps)
     x = linear(torch.cat([e, rms_norm(hidden, mtp.hnorm, eps)], dim=1), mtp.eh_proj)
     w = mtp.layer
     h = rms_norm(x, w.input_norm, eps)
@@ -108,4 +120,5 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     if not len(logits_rows):  # a prefill chunk that samples nothing: only the MTP's KV rows
         return x.new_empty(0, model.config.vocab_size), x[:0]
     states = x[logits_rows]
-    return linear(rms_norm(states, mtp.head_norm, eps), mtp.head), states
+    logits = linear(rms_norm(states, mtp.head_norm, eps), mtp.head)
+    return (logits if model.tp is None else model.tp.gather_logits(logits)), states

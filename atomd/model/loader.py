@@ -95,12 +95,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     `tp` (tp_split's): load that tensor-parallel worker's shard (atomd/model/tensor_parallel.py);
     its config has that worker's heads and MLP rows."""
     model_dir = pathlib.Path(model_dir)
-    cfg = read_config(model_dir)
+    cfg = whole = read_config(model_dir)  # whole: the checkpoint's sources read it unsplit, then it is sliced
     split = tp
     if split is not None:
-        if cfg.quantization or quantization or read_hf_config(model_dir).get("gguf_file"):
-            raise ValueError("tensor parallelism: quantized weights (GGUF, --quantization, a quantized "
-                             "checkpoint) are not split yet")
         cfg = shard_config(cfg, split)
     if expert_shard is not None:
         rank, ranks = expert_shard
@@ -112,9 +109,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         cfg = dataclasses.replace(cfg, expert_rank=rank, expert_ranks=ranks)
     cls = registry.model_class(cfg.architecture)
     gguf = read_hf_config(model_dir).get("gguf_file")  # a GGUF file's directory (atomd/model/gguf_file.py)
-    src = gguf_weights.GGUFSource(gguf, cfg) if gguf else cls.tensor_source(_TensorSource(model_dir), cfg)
-    if split is not None:
-        src = ShardedSource(src, split)
+    src = gguf_weights.GGUFSource(gguf, whole) if gguf else cls.tensor_source(_TensorSource(model_dir), whole)
     if gguf and src.quantized and quantization:
         raise ValueError(f"--quantization {quantization}: the checkpoint is already quantized (GGUF {gguf})")
     method = cfg.quantization["quant_method"] if cfg.quantization else quantization
@@ -130,6 +125,8 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         log.info("linear weights: %s, activations %s", method, str(dtype).removeprefix("torch."))
         src = quant_formats.CheckpointSource(src, cfg.quantization) if cfg.quantization else \
             quant_formats.RoundToNearest(src, quantization)
+    if split is not None:  # sliced after quantising: each worker's part of the unsplit weight's integers and scales
+        src = sharded_source(src, whole, split, q8_aligned=activations == "int8")
     embed = src.get("model.embed_tokens.weight", dtype)
     if cfg.tie_word_embeddings:  # a GGUF's packed token_embd stays packed as the head (llama.cpp's choice)
         lm_head = src.tied_head(embed) if gguf else embed
@@ -152,11 +149,18 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
                max_positions=max_positions or cfg.max_position_embeddings)
 
 
+def sharded_source(src, whole: ModelConfig, split: TPSplit, q8_aligned: bool = False) -> ShardedSource:
+    """Worker split.rank's slice of `src` (a checkpoint of the whole model `whole`)."""
+    mla = (whole.qk_head_dim, whole.qk_nope_head_dim + whole.v_head_dim, whole.v_head_dim) \
+        if getattr(whole, "kv_lora_rank", 0) else None
+    return ShardedSource(src, split, q8_aligned=q8_aligned, mla=mla)
+
+
 def tp_split(cfg: ModelConfig, rank: int, size: int) -> TPSplit:
     """Worker rank's part of this model under tensor parallelism (ValueError naming the numbers
     when `size` workers cannot split it)."""
-    if getattr(cfg, "kv_lora_rank", 0):
-        raise ValueError(f"tensor parallelism: {cfg.architecture} (MLA) is not split yet")
     inters = [cfg.intermediate_size] + ([cfg.moe_intermediate_size] if cfg.sparse_layers else [])
-    check_split(cfg.num_heads, cfg.num_kv_heads, inters, size, cfg.architecture)
-    return TPSplit(rank, size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+    # MLA (DeepSeek): one latent "KV head" a token, replicated on every worker (each caches it whole)
+    kv_heads = 1 if getattr(cfg, "kv_lora_rank", 0) else cfg.num_kv_heads
+    check_split(cfg.num_heads, kv_heads, inters, size, cfg.architecture)
+    return TPSplit(rank, size, cfg.num_heads, kv_heads, cfg.head_dim, cfg.vocab_size)

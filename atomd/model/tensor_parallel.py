@@ -13,24 +13,32 @@ worker 0 only (the others' is zero), so the sum adds it once.
 from __future__ import annotations
 
 import time
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
 
+from atomd.model import quant
 from atomd.model.quant import QuantizedWeight
 from atomd.model.tp_split import TPSplit
 
 COLUMN = ("gate_proj", "up_proj", "w1", "w3")  # rows: intermediate (dense MLP, each expert)
 ROW = ("down_proj", "w2")  # columns: intermediate
-VOCAB = ("embed_tokens", "lm_head")
+VOCAB = ("embed_tokens", "lm_head", "head")  # head: DeepSeek MTP's shared_head.head
+MLA = ("q_b_proj", "kv_b_proj")  # DeepSeek's per-head linears beside q_proj / o_proj
 
 
 class ShardedSource:
     """A TensorSource (atomd/model/decoder.py) that returns worker `split.rank`'s slice of each
-    tensor, by the tensor's HF name."""
+    tensor, by the tensor's HF name. It wraps the quantising sources (atomd/model/quant_formats.py,
+    GGUF's), so a quantized weight is quantised whole and then sliced (`_rows`, `_columns`): every
+    worker's integers, scales and zero points are the unsplit weight's. `q8_aligned`: the linears
+    run with int8 activations (blocks of quant.Q8_BLOCK inputs, each its own scale), so a
+    row-parallel slice must start and end on a block boundary to quantise the same blocks."""
 
-    def __init__(self, src, split: TPSplit):
-        self.src, self.split = src, split
+    def __init__(self, src, split: TPSplit, q8_aligned: bool = False, mla: tuple[int, int, int] | None = None):
+        self.src, self.split, self.q8_aligned = src, split, q8_aligned
+        self.mla = mla  # DeepSeek: rows a head of q_proj / q_b_proj, of kv_b_proj, o_proj's inputs a head
 
     def __contains__(self, name: str) -> bool:
         return name in self.src
@@ -38,26 +46,36 @@ class ShardedSource:
     def stored_dtype(self, name: str) -> str:
         return self.src.stored_dtype(name)
 
-    def get(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+    def tied_head(self, embed):
+        """GGUF's tied LM head (packed token_embd where the file packs it): this worker's vocabulary rows."""
+        head = self.src.tied_head(embed)
+        return head if head is embed else self._vocab(head)
+
+    def get(self, name: str, dtype: torch.dtype):
         t = self.src.get(name, dtype)
         parts = name.split(".")
         kind, suffix = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")
-        if kind not in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_up_proj", *COLUMN, *ROW, *VOCAB):
+        if kind not in ("q_proj", "k_proj", "v_proj", "qkv_proj", "o_proj", "gate_up_proj", *COLUMN, *ROW, *VOCAB, *MLA):
             return t
-        if isinstance(t, QuantizedWeight):
-            raise ValueError(f"tensor parallelism: {name} is quantized; quantized weights are not split yet")
         s, d = self.split, self.split.head_dim
+        if self.mla is not None and kind in ("q_proj", "q_b_proj", "kv_b_proj", "o_proj"):
+            return self._mla(t, name, kind, suffix)
         if kind == "q_proj":
-            return _heads(t, s.q_heads(), d)
+            return _rows(t, s.q_heads().start * d, s.q_heads().stop * d)
         if kind in ("k_proj", "v_proj"):
-            return _heads(t, s.kv_heads(), d)
+            return _rows(t, s.kv_heads().start * d, s.kv_heads().stop * d)
         if kind == "qkv_proj":  # Phi-3: q, k, v stacked
-            q, k, v = t.split([s.num_heads * d, s.num_kv_heads * d, s.num_kv_heads * d])
-            return torch.cat([_heads(q, s.q_heads(), d), _heads(k, s.kv_heads(), d), _heads(v, s.kv_heads(), d)])
+            q, kv = s.num_heads * d, s.num_kv_heads * d
+            return _cat([_rows(t, s.q_heads().start * d, s.q_heads().stop * d),
+                         _rows(t, q + s.kv_heads().start * d, q + s.kv_heads().stop * d),
+                         _rows(t, q + kv + s.kv_heads().start * d, q + kv + s.kv_heads().stop * d)])
         if kind == "o_proj":
-            return _columns(t, s.q_heads().start * d, s.local_heads * d) if suffix == "weight" else _bias_once(t, s)
+            if suffix != "weight":
+                return _bias_once(t, s)
+            return _columns(t, s.q_heads().start * d, s.local_heads * d, name, self.q8_aligned)
         if kind == "gate_up_proj":  # Phi-3: gate then up
-            return torch.cat([_chunk(half, s, name) for half in t.chunk(2)])
+            half = t.shape[0] // 2
+            return _cat([_chunk(_rows(t, 0, half), s, name), _chunk(_rows(t, half, 2 * half), s, name)])
         if kind in COLUMN:
             return _chunk(t, s, name)
         if kind in ROW:
@@ -66,26 +84,94 @@ class ShardedSource:
             if t.shape[1] % s.size:
                 raise ValueError(f"tensor parallelism: {name} has {t.shape[1]} columns, not a multiple of {s.size}")
             n = t.shape[1] // s.size
-            return _columns(t, s.rank * n, n)
-        rows = t[s.vocab_start:s.vocab_start + s.vocab_rows]  # the vocabulary: padded to vocab_rows
-        if rows.shape[0] < s.vocab_rows:
-            rows = torch.cat([rows, rows.new_zeros(s.vocab_rows - rows.shape[0], *rows.shape[1:])])
-        return rows.contiguous()
+            return _columns(t, s.rank * n, n, name, self.q8_aligned)
+        return self._vocab(t)
+
+    def _mla(self, t, name: str, kind: str, suffix: str):
+        """MLA's per-head linears: q (q_proj, or q_b_proj after the shared q_a_proj) and kv_b_proj
+        (the latent's up-projection to each head's k_nope and v) column-parallel by heads, o_proj
+        row-parallel by heads; q_a_proj and kv_a_proj_with_mqa (the latent) stay whole on every worker."""
+        q, kv_b, v = self.mla
+        heads = self.split.q_heads()
+        if kind == "o_proj":
+            return _bias_once(t, self.split) if suffix != "weight" else \
+                _columns(t, heads.start * v, len(heads) * v, name, self.q8_aligned)
+        d = kv_b if kind == "kv_b_proj" else q
+        return _rows(t, heads.start * d, heads.stop * d)
+
+    def _vocab(self, t):
+        """This worker's vocabulary rows, padded to vocab_rows with zero rows."""
+        s = self.split
+        rows = _rows(t, s.vocab_start, min(s.vocab_start + s.vocab_rows, s.vocab_size))
+        return _pad_rows(rows, s.vocab_rows)
 
 
-def _heads(t: torch.Tensor, heads: range, head_dim: int) -> torch.Tensor:
-    return t[heads.start * head_dim:heads.stop * head_dim].contiguous()
+def _rows(t, start: int, stop: int):
+    """Output rows start..stop of a weight (float or quantized: each row keeps its own scales) or a bias."""
+    if not isinstance(t, QuantizedWeight):
+        return t[start:stop].contiguous()
+    cut = lambda x: None if x is None else x[start:stop].contiguous()  # noqa: E731
+    return replace(t, q=cut(t.q), scales=cut(t.scales), offsets=cut(t.offsets), _ref=None, _scratch=None)
 
 
-def _columns(t: torch.Tensor, start: int, n: int) -> torch.Tensor:
-    return t[:, start:start + n].contiguous()
+def _cat(parts: list):
+    return quant.cat(parts) if isinstance(parts[0], QuantizedWeight) else torch.cat(parts).contiguous()
 
 
-def _chunk(t: torch.Tensor, s: TPSplit, name: str) -> torch.Tensor:
+def _pad_rows(t, rows: int):
+    """t with zero rows appended up to `rows` (a quantized one: q, scales and offsets 0, so w = 0)."""
+    missing = rows - t.shape[0]
+    if missing <= 0:
+        return t
+    pad = lambda x: None if x is None else torch.cat([x, x.new_zeros(missing, *x.shape[1:])])  # noqa: E731
+    if isinstance(t, QuantizedWeight):
+        return replace(t, q=pad(t.q), scales=pad(t.scales), offsets=pad(t.offsets), _ref=None, _scratch=None)
+    return pad(t).contiguous()
+
+
+def _columns(t, start: int, n: int, name: str, q8_aligned: bool = False):
+    """Input columns start..start+n of a row-parallel weight. A quantized one is cut at its
+    groups: the groups whole when n is a multiple of the group size, else the one group this
+    slice lies in (a per-channel scale, or a group of several slices) with n as its group size;
+    any other shape is refused naming the numbers. int4 packs runs of 32 inputs: slices of 32s.
+    GPTQ act-order (`perm`): the slice's kernel columns must be this slice's inputs."""
+    if not isinstance(t, QuantizedWeight):
+        return t[:, start:start + n].contiguous()
+    where = f"tensor parallelism: {name} ({t.in_features} inputs, {n} a worker)"
+    if t.bits == 16:  # bf16: no scales
+        return replace(t, q=t.q[:, start:start + n].contiguous(), group_size=n, in_features=n, _ref=None, _scratch=None)
+    g = t.group_size
+    if n % g == 0:
+        scales = slice(start // g, (start + n) // g)
+        group = g
+    elif g % n == 0:
+        scales = slice(start // g, start // g + 1)
+        group = n
+    else:
+        raise ValueError(f"{where}: quantization groups of {g} inputs neither divide a worker's {n} inputs "
+                         f"nor are a multiple of them")
+    if t.bits == 4 and n % 32:
+        raise ValueError(f"{where}: int4 packs runs of 32 inputs; {n} is not a multiple of 32")
+    if (q8_aligned or t.int8_activations) and n % quant.Q8_BLOCK:
+        raise ValueError(f"{where}: int8 activations quantise blocks of {quant.Q8_BLOCK} inputs; {n} is not a "
+                         f"multiple of {quant.Q8_BLOCK} (run with float activations)")
+    perm = None
+    if t.perm is not None:
+        perm = t.perm[start:start + n]
+        if not bool(((perm >= start) & (perm < start + n)).all()):
+            raise ValueError(f"{where}: GPTQ act-order (desc_act) groups mix inputs of different workers")
+        perm = None if torch.equal(perm, torch.arange(start, start + n)) else (perm - start).contiguous()
+    q = t.q[:, start:start + n] if t.bits == 8 else t.q[:, start // 2:(start + n) // 2]
+    cut = lambda x: None if x is None else x[:, scales].contiguous()  # noqa: E731
+    return replace(t, q=q.contiguous(), scales=cut(t.scales), offsets=cut(t.offsets), group_size=group,
+                   in_features=n, perm=perm, _ref=None, _scratch=None)
+
+
+def _chunk(t, s: TPSplit, name: str):
     if t.shape[0] % s.size:
         raise ValueError(f"tensor parallelism: {name} has {t.shape[0]} rows, not a multiple of {s.size}")
     n = t.shape[0] // s.size
-    return t[s.rank * n:(s.rank + 1) * n].contiguous()
+    return _rows(t, s.rank * n, (s.rank + 1) * n)
 
 
 def _bias_once(t: torch.Tensor, s: TPSplit) -> torch.Tensor:
@@ -125,3 +211,67 @@ class TensorParallel:
         out = self.comm.all_gather(logits.contiguous())
         self.collective_s += time.perf_counter() - start
         return out if out.shape[1] == self.split.vocab_size else out[:, :self.split.vocab_size].contiguous()
+
+
+def shard_adapter(adapter, split: TPSplit, cfg):
+    """A LoRA adapter (atomd/model/lora.py, loaded for the whole model `cfg`) as worker
+    `split.rank` runs it: a column-parallel linear's (qkv, gate_up) A whole and B's columns of
+    this worker's output rows; a row-parallel linear's (o, down) A's rows of this worker's inputs
+    and B whole. The row-parallel delta is then a partial sum like the base linear's output, and
+    the one all-reduce after attention / the MLP adds both."""
+    from atomd.model.lora import LoraAdapter, LoraLinear
+
+    layers = []
+    for i, layer in enumerate(adapter.layers):
+        out_cols, in_rows = _mla_lora_cuts(cfg, split, i) if getattr(cfg, "kv_lora_rank", 0) else \
+            _lora_cuts(cfg, split)
+        out = {}
+        for fused, pair in layer.items():
+            if fused in out_cols:
+                b_t = torch.cat([pair.b_t[:, lo:hi] for lo, hi in out_cols[fused]], dim=1).contiguous()
+                out[fused] = LoraLinear(pair.a_t, b_t)
+            else:
+                lo, hi = in_rows[fused]
+                out[fused] = LoraLinear(pair.a_t[lo:hi].contiguous(), pair.b_t)
+        layers.append(out)
+    return LoraAdapter(adapter.name, adapter.path, adapter.rank, layers)
+
+
+def _mlp_cuts(inter: int, s: TPSplit) -> tuple[list[tuple[int, int]], tuple[int, int]]:
+    """gate_up's output columns (this worker's gate rows, then its up rows) and down's input rows."""
+    mine = inter // s.size
+    lo, hi = s.rank * mine, (s.rank + 1) * mine
+    return [(lo, hi), (inter + lo, inter + hi)], (lo, hi)
+
+
+def _lora_cuts(cfg, s: TPSplit) -> tuple[dict, dict]:
+    """(out columns of each column-parallel linear, in rows of each row-parallel one) of a decoder layer."""
+    d = s.head_dim
+    q, kv = cfg.num_heads * d, cfg.num_kv_heads * d
+    qh, kh = s.q_heads(), s.kv_heads()
+    gate_up, down = _mlp_cuts(cfg.intermediate_size, s)
+    return ({"qkv": [(qh.start * d, qh.stop * d), (q + kh.start * d, q + kh.stop * d),
+                     (q + kv + kh.start * d, q + kv + kh.stop * d)], "gate_up": gate_up},
+            {"o": (qh.start * d, qh.stop * d), "down": down})
+
+
+def _mla_lora_cuts(cfg, s: TPSplit, i: int) -> tuple[dict, dict]:
+    """_lora_cuts for DeepSeek's linears (atomd/model/deepseek_lora.py): qkv_a whole but for q_proj's
+    heads (no q_lora), q_b by heads, o by heads' value inputs, the dense MLP's or shared experts' rows."""
+    qh, qk = s.q_heads(), cfg.qk_head_dim
+    q = cfg.q_lora_rank or cfg.num_heads * qk
+    qkv_a = [(0, q + cfg.latent_dim)] if cfg.q_lora_rank else \
+        [(qh.start * qk, qh.stop * qk), (q, q + cfg.latent_dim)]
+    inter = cfg.moe_intermediate_size * cfg.n_shared_experts if i in cfg.sparse_layers else cfg.intermediate_size
+    gate_up, down = _mlp_cuts(inter, s)
+    return ({"qkv_a": qkv_a, "q_b": [(qh.start * qk, qh.stop * qk)], "gate_up": gate_up},
+            {"o": (qh.start * cfg.v_head_dim, qh.stop * cfg.v_head_dim), "down": down})
+
+
+def load_tp_adapter(name: str, path: str, cfg, split: TPSplit, dtype: torch.dtype, max_rank: int):
+    """The PEFT adapter at `path`, checked against the whole model `cfg`, as worker `split.rank` runs it."""
+    from atomd.model.deepseek_lora import load_deepseek_adapter
+    from atomd.model.lora import load_adapter
+
+    load = load_deepseek_adapter if getattr(cfg, "kv_lora_rank", 0) else load_adapter  # MLA's linears
+    return shard_adapter(load(name, path, cfg, dtype, max_rank), split, cfg)

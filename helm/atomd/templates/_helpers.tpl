@@ -134,9 +134,6 @@ StatefulSet. {root, role}
 {{- fail (printf "%s.loraModules / engine.lora.modules need engine.lora.enabled" .role) }}
 {{- end }}
 {{- if gt (int $r.tensorParallelSize) 1 }}
-{{- if $lora.enabled }}
-{{- fail (printf "%s.tensorParallelSize > 1 with engine.lora.enabled: the engine does not run LoRA under tensor parallelism yet" .role) }}
-{{- end }}
 {{- $_ := set $cfg "tensor_parallel_size" (int $r.tensorParallelSize) }}
 {{- end }}
 {{- $model := include "atomd.modelPath" .root }}
