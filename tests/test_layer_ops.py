@@ -199,26 +199,35 @@ def test_gemv_equals_a_float32_linear_to_the_dtypes_rounding(isa, dtype, k, n):
 
 
 def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
-    """One sequence decoding (M = 1) reads the plain weight copies through the GEMV kernel;
-    with ATOMD_GEMV=0 no copies are kept and oneDNN runs it. float32: the same greedy ids
-    (the sums differ only in order)."""
+    """One sequence decoding (M = 1) reads the plain weight rows through the GEMV kernel;
+    with ATOMD_GEMV=0 none are kept and oneDNN runs it. A model whose packed copies would pass
+    GEMV_MAX_BYTES packs the head and the first layers only: the rest run oneDNN on their plain
+    rows at M > 1 (the 70-token prompt). float32: the same greedy ids (sums differ in order)."""
     from atomd import LLM, SamplingParams
-    from atomd.model import linear
+    from atomd.model import decoder, linear
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
-    def run() -> tuple[bool, list[list[int]]]:
+    def run():
         llm = LLM(num_threads=2, dtype="float32", enable_prefix_caching=False)
         model = llm.engine.model
         ids = [llm.generate([{"prompt_token_ids": list(range(5, 5 + n))}], params, use_tqdm=False)[0]
                .outputs[0].token_ids for n in (3, 70)]
-        return model.lm_head_rows is not None and all(w.rows is not None for w in model.layers), ids
+        kept = model.lm_head_rows is not None and all(w.rows is not None for w in model.layers)
+        return kept, [model.lm_head.is_mkldnn] + [w.qkv.is_mkldnn for w in model.layers], ids, model
 
-    kept, gemv_ids = run()
-    assert kept == layer_ops.has_gemv(torch.float32)
+    kept, packed, gemv_ids, model = run()
+    assert kept == layer_ops.has_gemv(torch.float32) and all(packed)
+    if kept:  # room for the head's packed copy and one layer's
+        head, layer = model.lm_head_rows.nbytes, sum(t.nbytes for t in model.layers[0].rows)
+        monkeypatch.setattr(decoder, "GEMV_MAX_BYTES", head + layer)
+        _, packed_part, part_ids, _ = run()
+        assert packed_part == [True, True] + [False] * (len(packed_part) - 2)
+        assert part_ids == gemv_ids
+        monkeypatch.setattr(decoder, "GEMV_MAX_BYTES", linear.GEMV_MAX_BYTES)
     monkeypatch.setenv(linear.GEMV_ENV, "0")
-    kept_off, onednn_ids = run()
-    assert not kept_off
+    kept_off, packed_off, onednn_ids, _ = run()
+    assert not kept_off and all(packed_off)
     assert gemv_ids == onednn_ids
 
 
