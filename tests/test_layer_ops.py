@@ -261,12 +261,15 @@ def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cast_weights", [True, False])  # Qwen3-MoE's bf16 products; Mixtral's float32 ones
-def test_moe_experts_in_one_call_equal_the_ops_one_by_one(isa, dtype, cast_weights):
+@pytest.mark.parametrize("threads", [1, 2, 4])  # k = 3: whole experts a thread (one with two), rows shared at 4
+def test_moe_experts_in_one_call_equal_the_ops_one_by_one(isa, dtype, cast_weights, threads, monkeypatch):
     """Batch-1 decode of an MoE block (atomd/model/moe.py): its k experts in one C call where the
     GEMV kernel is built (layer_ops.moe_experts), the bits of expert() (GEMV, SiLU-and-mul,
     GEMV), the scaling and the float32 sum run op by op; odd sizes (masked tails)."""
     from atomd.model import moe
     from atomd.model.moe import MoeWeights
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the thread count the C call is given
 
     g = torch.Generator().manual_seed(7)
     experts, hidden, inter = 8, 72, 40
