@@ -8,6 +8,7 @@ there. float32: within a few float32 ulps (summation order, FMA contraction).
 """
 from __future__ import annotations
 
+import os
 import pytest
 import torch
 import torch.nn.functional as F
@@ -284,3 +285,18 @@ def test_moe_experts_in_one_call_equal_the_ops_one_by_one(isa, dtype, cast_weigh
         pairs = torch.stack([moe.expert(h, w, e)[0] * weights[0, j:j + 1] for j, e in enumerate(ids[0].tolist())])
         want = pairs.view(1, 3, -1).sum(dim=1).to(dtype)
         assert torch.equal(moe.moe(h, w), want)
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_openmp_threads_sleep_while_waiting_unless_the_user_says(policy):
+    """Importing atomd (before torch) makes OpenMP's waiting threads sleep, not spin (libgomp
+    reads OMP_WAIT_POLICY when torch loads it); a user's own OMP_WAIT_POLICY is kept."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run([sys.executable, "-c", "import atomd, os; print(os.environ['OMP_WAIT_POLICY'])"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert out == (policy or "PASSIVE")
