@@ -9,6 +9,7 @@ there. float32: within a few float32 ulps (summation order, FMA contraction).
 from __future__ import annotations
 
 import os
+
 import pytest
 import torch
 import torch.nn.functional as F
