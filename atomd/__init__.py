@@ -5,6 +5,16 @@ that `atomd --help` and the router never pay for torch.
 """
 from __future__ import annotations
 
+import os
+
+# OpenMP threads that wait (a barrier, the next parallel region) sleep instead of spinning:
+# read once, when torch loads libgomp, so set before any torch import. On a shared or loaded
+# CPU a spinning thread whose peer lost its core burns its whole time slice at every barrier:
+# 2-thread batch-1 decode of the Qwen3-0.6B shape at load ~25 took 680-1010 CPU ms a token
+# spinning against 70 sleeping (= its 1-thread CPU; benchmarks/RESULTS.md, #34). A user's own
+# OMP_WAIT_POLICY wins (ACTIVE: the lowest latency on dedicated cores).
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+
 __version__ = "0.1.0"
 __all__ = ["LLM", "SamplingParams", "__version__"]
 

@@ -32,6 +32,7 @@ import sys
 import tempfile
 import time
 
+import atomd  # noqa: F401  (before torch: its OpenMP wait policy, atomd/__init__.py)
 import torch
 
 from benchmarks.machine import loadavg

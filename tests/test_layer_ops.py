@@ -8,6 +8,8 @@ there. float32: within a few float32 ulps (summation order, FMA contraction).
 """
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -199,26 +201,35 @@ def test_gemv_equals_a_float32_linear_to_the_dtypes_rounding(isa, dtype, k, n):
 
 
 def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
-    """One sequence decoding (M = 1) reads the plain weight copies through the GEMV kernel;
-    with ATOMD_GEMV=0 no copies are kept and oneDNN runs it. float32: the same greedy ids
-    (the sums differ only in order)."""
+    """One sequence decoding (M = 1) reads the plain weight rows through the GEMV kernel;
+    with ATOMD_GEMV=0 none are kept and oneDNN runs it. A model whose packed copies would pass
+    GEMV_MAX_BYTES packs the head and the first layers only: the rest run oneDNN on their plain
+    rows at M > 1 (the 70-token prompt). float32: the same greedy ids (sums differ in order)."""
     from atomd import LLM, SamplingParams
-    from atomd.model import linear
+    from atomd.model import decoder, linear
 
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 
-    def run() -> tuple[bool, list[list[int]]]:
+    def run():
         llm = LLM(num_threads=2, dtype="float32", enable_prefix_caching=False)
         model = llm.engine.model
         ids = [llm.generate([{"prompt_token_ids": list(range(5, 5 + n))}], params, use_tqdm=False)[0]
                .outputs[0].token_ids for n in (3, 70)]
-        return model.lm_head_rows is not None and all(w.rows is not None for w in model.layers), ids
+        kept = model.lm_head_rows is not None and all(w.rows is not None for w in model.layers)
+        return kept, [model.lm_head.is_mkldnn] + [w.qkv.is_mkldnn for w in model.layers], ids, model
 
-    kept, gemv_ids = run()
-    assert kept == layer_ops.has_gemv(torch.float32)
+    kept, packed, gemv_ids, model = run()
+    assert kept == layer_ops.has_gemv(torch.float32) and all(packed)
+    if kept:  # room for the head's packed copy and one layer's
+        head, layer = model.lm_head_rows.nbytes, sum(t.nbytes for t in model.layers[0].rows)
+        monkeypatch.setattr(decoder, "GEMV_MAX_BYTES", head + layer)
+        _, packed_part, part_ids, _ = run()
+        assert packed_part == [True, True] + [False] * (len(packed_part) - 2)
+        assert part_ids == gemv_ids
+        monkeypatch.setattr(decoder, "GEMV_MAX_BYTES", linear.GEMV_MAX_BYTES)
     monkeypatch.setenv(linear.GEMV_ENV, "0")
-    kept_off, onednn_ids = run()
-    assert not kept_off
+    kept_off, packed_off, onednn_ids, _ = run()
+    assert not kept_off and all(packed_off)
     assert gemv_ids == onednn_ids
 
 
@@ -252,12 +263,15 @@ def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype,
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cast_weights", [True, False])  # Qwen3-MoE's bf16 products; Mixtral's float32 ones
-def test_moe_experts_in_one_call_equal_the_ops_one_by_one(isa, dtype, cast_weights):
+@pytest.mark.parametrize("threads", [1, 2, 4])  # k = 3: whole experts a thread (one with two), rows shared at 4
+def test_moe_experts_in_one_call_equal_the_ops_one_by_one(isa, dtype, cast_weights, threads, monkeypatch):
     """Batch-1 decode of an MoE block (atomd/model/moe.py): its k experts in one C call where the
     GEMV kernel is built (layer_ops.moe_experts), the bits of expert() (GEMV, SiLU-and-mul,
     GEMV), the scaling and the float32 sum run op by op; odd sizes (masked tails)."""
     from atomd.model import moe
     from atomd.model.moe import MoeWeights
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the thread count the C call is given
 
     g = torch.Generator().manual_seed(7)
     experts, hidden, inter = 8, 72, 40
@@ -272,3 +286,18 @@ def test_moe_experts_in_one_call_equal_the_ops_one_by_one(isa, dtype, cast_weigh
         pairs = torch.stack([moe.expert(h, w, e)[0] * weights[0, j:j + 1] for j, e in enumerate(ids[0].tolist())])
         want = pairs.view(1, 3, -1).sum(dim=1).to(dtype)
         assert torch.equal(moe.moe(h, w), want)
+
+
+@pytest.mark.parametrize("policy", [None, "ACTIVE"])
+def test_openmp_threads_sleep_while_waiting_unless_the_user_says(policy):
+    """Importing atomd (before torch) makes OpenMP's waiting threads sleep, not spin (libgomp
+    reads OMP_WAIT_POLICY when torch loads it); a user's own OMP_WAIT_POLICY is kept."""
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    if policy:
+        env["OMP_WAIT_POLICY"] = policy
+    out = subprocess.run([sys.executable, "-c", "import atomd, os; print(os.environ['OMP_WAIT_POLICY'])"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
+    assert out == (policy or "PASSIVE")

@@ -10,6 +10,7 @@ reads each sequence's context from the paged cache as described by `AttentionMet
 from __future__ import annotations
 
 import logging
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -198,18 +199,23 @@ class DecoderModel:
         qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
 
     def _pack_weights(self) -> None:
-        """Reorder every linear weight once, in place, into oneDNN's blocked layout: in
+        """Reorder the linear weights once, in place, into oneDNN's blocked layout: in
         float32 the packed matmul runs ~1.2x / 1.8x / 1.2x F.linear at M = 1 / 16 / 4096 on
         the AMD CPU kind (benchmarks/results/offline_vllm.md; on Sapphire Rapids ~1.5x at
         M = 16 but ~0.7x at M = 1, where MKL's gemv wins); in bfloat16 it is what reaches the
         AVX512_BF16 / AMX kernels at all: 2-4x F.linear at M = 1 / 16 on the 135M shape's
-        layers (F.linear in bf16 is slower than in float32 there). The plain copies are
-        dropped (a checkpoint's weights are held once); `dense()` reads a packed weight back.
-        A tied lm_head gets its own packed copy: the embedding lookup needs the plain table.
-        MoE experts stay plain, stacked [E, ...]: each expert's GEMM runs on its slice."""
+        layers (F.linear in bf16 is slower than in float32 there). Where batch-1 decode keeps
+        the plain rows (keep_rows) a packed weight is a second copy: the LM head, then layer
+        after layer, are packed while those copies stay within GEMV_MAX_BYTES; the others run
+        oneDNN on their plain rows at M > 1 (linear.linear: ~1.3x the packed time at M = 16,
+        ~1.03x at M = 512 on the 0.6B shape). Without plain rows the packed weight replaces the
+        plain one (held once). A tied lm_head gets its own packed copy: the embedding lookup
+        needs the plain table. MoE experts stay plain, stacked [E, ...]: each expert's GEMM
+        runs on its slice."""
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
-        if keep_rows(self):  # batch-1 decode reads plain rows (layer_ops.gemv): the copies stay too
+        rows = keep_rows(self)
+        if rows:  # the weights as loaded, no copy (a tied head's rows: the embedding table)
             self.lm_head_rows = None if isinstance(self.lm_head, QuantizedWeight) else self.lm_head.contiguous()
             for w in self.layers:
                 w.rows = tuple(t if t is None or isinstance(t, QuantizedWeight) else t.contiguous()
@@ -218,9 +224,17 @@ class DecoderModel:
             # oneDNN refuses to pack bf16 without AVX-512 (BW/VL/DQ) or AVX-NE-CONVERT: F.linear
             log.warning("bfloat16 weights stay unpacked: this CPU has no oneDNN bf16 path (float32 is faster here)")
             return
-        if not isinstance(self.lm_head, QuantizedWeight):
+        left = GEMV_MAX_BYTES if rows else math.inf  # bytes of second (packed) copies still allowed
+        if not isinstance(self.lm_head, QuantizedWeight) and self.lm_head.nbytes <= left:
+            left -= self.lm_head.nbytes
             self.lm_head = pack_linear_weight(self.lm_head)
-        for w in self.layers:  # quantized linears are packed already (atomd/model/quant.py)
+        for i, w in enumerate(self.layers):  # quantized linears are packed already (atomd/model/quant.py)
+            size = sum(t.nbytes for t in w.linears() if isinstance(t, torch.Tensor))
+            if size > left:
+                log.info("layers %d-%d stay plain (one copy): packing them would pass the %d MiB of second copies "
+                         "beside batch-1 decode's plain rows", i, len(self.layers) - 1, GEMV_MAX_BYTES >> 20)
+                break
+            left -= size
             w.qkv, w.o, w.gate_up, w.down = (t if t is None or isinstance(t, QuantizedWeight) else pack_linear_weight(t)
                                              for t in (w.qkv, w.o, w.gate_up, w.down))
 
@@ -408,11 +422,7 @@ def step_last_positions(positions: torch.Tensor, meta: AttentionMetadata) -> tor
 
 
 def keep_rows(model: DecoderModel) -> bool:
-    """Keep plain copies of the linear weights for batch-1 decode (layer_ops.gemv): where the
-    kernel runs the model's dtype, unless $ATOMD_GEMV=0 or the copies would pass 1 GiB (they
-    double the linears' memory: 540 MB more for the 135M shape in float32, 270 in bf16)."""
-    if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(model.dtype):
-        return False
-    floats = [t for w in model.layers for t in w.linears() if isinstance(t, torch.Tensor)]
-    size = sum(t.numel() for t in floats + [model.lm_head] if isinstance(t, torch.Tensor))
-    return size * model.embed.element_size() <= GEMV_MAX_BYTES
+    """Keep plain rows of the linear weights for batch-1 decode (layer_ops.gemv): where the
+    kernel runs the model's dtype, unless $ATOMD_GEMV=0. The rows are the weights as loaded,
+    no copy; DecoderModel._pack_weights bounds the packed copies beside them."""
+    return os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(model.dtype)

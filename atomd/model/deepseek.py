@@ -272,8 +272,9 @@ class DeepseekModel(DecoderModel):
             w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
 
     def _keep_rows(self) -> bool:
-        """decoder.keep_rows' rule: the GEMV kernel runs this dtype, $ATOMD_GEMV is not 0, the
-        copies stay under GEMV_MAX_BYTES."""
+        """The GEMV kernel runs this dtype, $ATOMD_GEMV is not 0, and all the linears' plain copies
+        stay under GEMV_MAX_BYTES (every one is packed too; DecoderModel._pack_weights instead
+        keeps the rows at any size and bounds the packed copies)."""
         if os.environ.get(GEMV_ENV) == "0" or not layer_ops.has_gemv(self.dtype):
             return False
         size = self.lm_head.numel() + sum(getattr(w, n).numel() for w in self.layers for n in LINEARS

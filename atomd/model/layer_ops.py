@@ -191,12 +191,11 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
     x [1, hidden] (has_gemv(x.dtype)) over stacked contiguous expert weights, ids int64 [k],
     scales [k] and pairs [k, hidden] contiguous, both float32 or both x's dtype: the batch-1
     MoE experts (atomd/model/moe.py) in one C call, the bits of those ops one by one."""
-    lib, inter = kernels(), down.shape[2]
-    scratch = torch.empty(3 * inter + x.shape[1], dtype=x.dtype)
+    lib, inter, threads = kernels(), down.shape[2], torch.get_num_threads()
+    scratch = torch.empty(threads * (3 * inter + x.shape[1]), dtype=x.dtype)  # one a thread: each runs whole experts
     getattr(lib, f"atomd_moe_experts_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(), scales.data_ptr(), pairs.data_ptr(),
-        int(pairs.dtype == torch.float32), scratch.data_ptr(), x.shape[1], inter, ids.shape[0],
-        torch.get_num_threads())
+        int(pairs.dtype == torch.float32), scratch.data_ptr(), x.shape[1], inter, ids.shape[0], threads)
 
 
 class DecodeLayer:

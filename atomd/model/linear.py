@@ -2,6 +2,8 @@
 (plain weight rows) or oneDNN (packed) or F.linear, or the int8 / int4 kernels (quant.py)."""
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.nn.functional as F
 
@@ -9,7 +11,7 @@ from atomd.model import layer_ops
 from atomd.model.quant import QuantizedWeight, qlinear
 
 GEMV_ENV = "ATOMD_GEMV"  # "0": batch-1 decode through oneDNN too, no plain copies kept
-GEMV_MAX_BYTES = 1 << 30  # the plain copies batch-1 decode may add, at most
+GEMV_MAX_BYTES = 1 << 30  # the packed copies kept beside batch-1 decode's plain rows, at most
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -33,6 +35,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     if rows is not None and x.shape[0] == 1:
         out = layer_ops.gemv(x, rows)
         return out if bias is None else out.add_(bias)
-    if weight.is_mkldnn:
+    if weight.is_mkldnn or (weight is rows and onednn_runs(weight.dtype)):
+        # a plain weight kept unpacked (decoder._pack_weights): oneDNN beats F.linear on it in float32 (~1.3x at M = 16)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
     return F.linear(x, weight, bias)
+
+
+@functools.cache
+def onednn_runs(dtype: torch.dtype) -> bool:
+    """Whether oneDNN's linear takes this dtype here (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
+    return torch.backends.mkldnn.is_available() and (
+        dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))

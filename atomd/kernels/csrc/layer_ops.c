@@ -15,6 +15,7 @@
  * results equal HF's up to float32 summation order; sums are float32.
  */
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <string.h>
@@ -296,29 +297,38 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
 /* One instance per dtype: VEC / STEP the vector of x and w elements, VLOAD a masked load
  * (all lanes but in K's tail), VFMA acc += x * w summed into float32 lanes. NAME##_rows is
  * an orphaned `omp for`: its rows are shared by the threads of the caller's parallel region
- * (atomd_decode_layer_*), or all run on the calling thread outside one. */
+ * (atomd_decode_layer_*), or all run on the calling thread outside one. NAME##_own runs them
+ * all on the calling thread inside a parallel region (a thread's own expert, MOE_EXPERTS). */
 #define GEMV(NAME, elem_t, mask_t, VEC, STEP, VLOAD, VFMA, IS_BF16)                                              \
+    static inline void NAME##_row(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *y, int64_t K,   \
+                                  int64_t n, mask_t tail) {                                                      \
+        const mask_t all = (mask_t)~(mask_t)0;                                                                   \
+        const elem_t *wn = w + n * K;                                                                            \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                                \
+        int64_t k = 0;                                                                                           \
+        for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                               \
+            PREFETCH_AHEAD(wn + k);                                                                              \
+            a0 = VFMA(a0, VLOAD(all, x + k), VLOAD(all, wn + k));                                                \
+            a1 = VFMA(a1, VLOAD(all, x + k + STEP), VLOAD(all, wn + k + STEP));                                  \
+        }                                                                                                        \
+        for (; k < K; k += STEP) {                                                                               \
+            const mask_t mk = K - k >= STEP ? all : tail;                                                        \
+            a0 = VFMA(a0, VLOAD(mk, x + k), VLOAD(mk, wn + k));                                                  \
+        }                                                                                                        \
+        /* the bias added to the rounded product, as torch's add_ */                                             \
+        store(y, n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), IS_BF16);                                       \
+        if (bias) store(y, n, load(y, n, IS_BF16) + load(bias, n, IS_BF16), IS_BF16);                            \
+    }                                                                                                            \
     static void NAME##_rows(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *y, int64_t K,         \
                             int64_t N) {                                                                         \
-        const mask_t all = (mask_t)~(mask_t)0, tail = (mask_t)((1ull << (K % STEP)) - 1u);                        \
+        const mask_t tail = (mask_t)((1ull << (K % STEP)) - 1u);                                                 \
         _Pragma("omp for schedule(static)")                                                                      \
-        for (int64_t n = 0; n < N; n++) {                                                                        \
-            const elem_t *wn = w + n * K;                                                                        \
-            __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                            \
-            int64_t k = 0;                                                                                       \
-            for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                           \
-                PREFETCH_AHEAD(wn + k);                                                                          \
-                a0 = VFMA(a0, VLOAD(all, x + k), VLOAD(all, wn + k));                                            \
-                a1 = VFMA(a1, VLOAD(all, x + k + STEP), VLOAD(all, wn + k + STEP));                              \
-            }                                                                                                    \
-            for (; k < K; k += STEP) {                                                                           \
-                const mask_t mk = K - k >= STEP ? all : tail;                                                    \
-                a0 = VFMA(a0, VLOAD(mk, x + k), VLOAD(mk, wn + k));                                              \
-            }                                                                                                    \
-            /* the bias added to the rounded product, as torch's add_ */                                         \
-            store(y, n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), IS_BF16);                                   \
-            if (bias) store(y, n, load(y, n, IS_BF16) + load(bias, n, IS_BF16), IS_BF16);                        \
-        }                                                                                                        \
+        for (int64_t n = 0; n < N; n++) NAME##_row(x, w, bias, y, K, n, tail);                                   \
+    }                                                                                                            \
+    static void NAME##_own(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *y, int64_t K,          \
+                           int64_t N) {                                                                          \
+        const mask_t tail = (mask_t)((1ull << (K % STEP)) - 1u);                                                 \
+        for (int64_t n = 0; n < N; n++) NAME##_row(x, w, bias, y, K, n, tail);                                   \
     }                                                                                                            \
     void NAME(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t N, int num_threads) {             \
         _Pragma("omp parallel num_threads(num_threads)")                                                         \
@@ -447,32 +457,56 @@ DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, const bf16_t
  * y = a @ down[e]^T and pairs[j] = y * scales[j] (pairs and scales float32 when f32_pairs,
  * else the model's dtype), every intermediate rounded where the per-op path rounds it: the
  * same bits. Why: per op that is ~5 Python-level calls an expert, each with its OpenMP fork
- * (benchmarks/moe_decode.py). gate_up [E, 2 * inter, hidden], down [E, hidden, inter]
- * stacked and contiguous; scratch: 3 * inter + hidden elements. */
-#define MOE_EXPERTS(SUFFIX, elem_t, IS_BF16, SILU_ROW, GEMV_ROWS)                                                  \
+ * (benchmarks/moe_decode.py). With k >= num_threads each thread runs whole experts on its
+ * own scratch (one barrier a call: the experts' rows shared between threads cost four an
+ * expert, and a barrier whose other thread lost its core spins for the rest of its time
+ * slice on a loaded machine); with fewer, every thread takes part of each expert's rows.
+ * gate_up [E, 2 * inter, hidden], down [E, hidden, inter] stacked and contiguous; scratch:
+ * num_threads * (3 * inter + hidden) elements. */
+#define MOE_EXPERT(j, gu, a, y, GEMV, SILU_ROW)                                                                    \
+    do {                                                                                                           \
+        GEMV(x, gate_up + ids[j] * 2 * inter * hidden, NULL, gu, hidden, 2 * inter);                               \
+        SILU_ROW(gu, a, inter);                                                                                    \
+        GEMV(a, down + ids[j] * hidden * inter, NULL, y, inter, hidden);                                           \
+    } while (0)
+#define MOE_SCALE(j, i, y, IS_BF16)                                                                                \
+    do {                                                                                                           \
+        if (f32_pairs)                                                                                             \
+            ((float *)pairs)[(j) * hidden + (i)] = load(y, i, IS_BF16) * ((const float *)scales)[j];               \
+        else                                                                                                       \
+            store(pairs, (j) * hidden + (i), load(y, i, IS_BF16) * load(scales, j, IS_BF16), IS_BF16);             \
+    } while (0)
+#define MOE_EXPERTS(SUFFIX, elem_t, IS_BF16, SILU_ROW, GEMV)                                                       \
     void atomd_moe_experts_##SUFFIX(const elem_t *x, const elem_t *gate_up, const elem_t *down, const int64_t *ids, \
                                     const void *scales, void *pairs, int f32_pairs, elem_t *scratch,                \
                                     int64_t hidden, int64_t inter, int64_t k, int num_threads) {                    \
+        if (k >= num_threads) {                                                                                    \
+            _Pragma("omp parallel num_threads(num_threads)")                                                       \
+            {                                                                                                      \
+                const int t = omp_get_thread_num(), threads = omp_get_num_threads();                              \
+                elem_t *gu = scratch + t * (3 * inter + hidden), *a = gu + 2 * inter, *y = a + inter;              \
+                for (int64_t j = t; j < k; j += threads) {                                                         \
+                    MOE_EXPERT(j, gu, a, y, GEMV##_own, SILU_ROW);                                                 \
+                    for (int64_t i = 0; i < hidden; i++) MOE_SCALE(j, i, y, IS_BF16);                              \
+                }                                                                                                  \
+            }                                                                                                      \
+            return;                                                                                                \
+        }                                                                                                          \
         elem_t *gu = scratch, *a = gu + 2 * inter, *y = a + inter;                                                 \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         for (int64_t j = 0; j < k; j++) {                                                                          \
-            GEMV_ROWS(x, gate_up + ids[j] * 2 * inter * hidden, NULL, gu, hidden, 2 * inter);                      \
+            GEMV##_rows(x, gate_up + ids[j] * 2 * inter * hidden, NULL, gu, hidden, 2 * inter);                    \
             _Pragma("omp single")                                                                                  \
             SILU_ROW(gu, a, inter);                                                                                \
-            GEMV_ROWS(a, down + ids[j] * hidden * inter, NULL, y, inter, hidden);                                  \
+            GEMV##_rows(a, down + ids[j] * hidden * inter, NULL, y, inter, hidden);                                \
             _Pragma("omp for schedule(static)")                                                                    \
-            for (int64_t i = 0; i < hidden; i++) {                                                                 \
-                if (f32_pairs)                                                                                     \
-                    ((float *)pairs)[j * hidden + i] = load(y, i, IS_BF16) * ((const float *)scales)[j];           \
-                else                                                                                               \
-                    store(pairs, j * hidden + i, load(y, i, IS_BF16) * load(scales, j, IS_BF16), IS_BF16);         \
-            }                                                                                                      \
+            for (int64_t i = 0; i < hidden; i++) MOE_SCALE(j, i, y, IS_BF16);                                      \
         }                                                                                                          \
     }
 
-MOE_EXPERTS(f32, float, 0, SILU_ROW_F32, atomd_gemv_f32_rows)
+MOE_EXPERTS(f32, float, 0, SILU_ROW_F32, atomd_gemv_f32)
 #if GEMV_KINDS & 2
-MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16_rows)
+MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
 #endif
 /* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
 #include "quant.h"
