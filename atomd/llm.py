@@ -3,6 +3,7 @@ driving an LLMEngine in this process.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Iterable
 
 import msgspec
@@ -66,6 +67,17 @@ class LLM:
 
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
+
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load LoRA adapter `name` now and wait for it: {"name"} or {"error", "status"} (the
+        engine reads it on its background thread, atomd/engine/lora_registry.py)."""
+        answer = self.engine.load_lora_adapter(name, path)
+        if not isinstance(answer, concurrent.futures.Future):
+            return answer
+        while not answer.done():
+            self.engine.loras.wait_for_loads()
+            self.engine.finish_lora_loads()
+        return answer.result()
 
     def generate(self, prompts: str | dict | Iterable[str | dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,

@@ -13,7 +13,7 @@ import peft
 import pytest
 import torch
 
-from atomd.engine.lora_registry import MAX_KNOWN, LoraBusy, LoraNotLoaded, LoraRegistry
+from atomd.engine.lora_registry import MAX_KNOWN, LoraLoadFailed, LoraNotLoaded, LoraRegistry
 from atomd.llm import LLM
 from atomd.model.lora import LoraStep
 from contracts.block_hash import block_hashes
@@ -119,26 +119,52 @@ def test_prefix_cache_keeps_adapters_apart(setup):
         assert all(h in bm.pool.index for h in chain)
 
 
-def test_registry_evicts_lru_never_one_in_use():
-    loaded = []
-    reg = LoraRegistry(2, lambda name, path: loaded.append(name) or name)
+def test_registry_evicts_lru_never_one_in_use_and_requests_wait():
+    loaded, broken = [], set()
+
+    def load(name, path):
+        if path in broken:
+            raise ValueError(f"LoRA adapter {name!r} at {path}: gone")
+        loaded.append(name)
+        return name
+
+    reg = LoraRegistry(2, load)
     reg.add("a", "pa")
     reg.add("b", "pb")
-    reg.acquire("a")  # a in use, b least recently used and free
-    reg.add("c", "pc")  # evicts b
-    assert list(reg.resident) == ["a", "c"]
-    reg.acquire("c")
-    with pytest.raises(LoraBusy):  # a and c held: b cannot come back
-        reg.acquire("b")
-    reg.release("c")
-    assert reg.acquire("b") == "b" and list(reg.resident) == ["a", "b"] and loaded[-1] == "b"
-    assert reg.request_loads == 1  # b's load back, the one a request waited for (the refused one did not land)
+    assert reg.admit("r1", "a")  # a pinned, b least recently used and free
+    answer = reg.start_add("c", "pc")  # read on the background thread
+    reg.wait_for_loads()
+    reg.finish_loads()
+    assert answer.result() == {"name": "c"} and list(reg.resident) == ["a", "c"]  # b evicted
+    assert reg.admit("r2", "c")
+    assert reg.admit("r3", "b") is False and not reg.loading  # a and c held: b waits, nothing evicted
+    reg.release("r2")  # c free: r3's next try evicts it and loads b into its slot
+    assert reg.admit("r3", "b") is False and list(reg.loading) == ["b"] and list(reg.resident) == ["a"]
+    assert reg.admit("r4", "b") is False  # a second request waits for the same load
+    reg.wait_for_loads()
+    reg.finish_loads()
+    assert reg.admit("r3", "b") and reg.admit("r4", "b") and list(reg.resident) == ["a", "b"]
+    assert loaded.count("b") == 2 and reg.request_loads == 1
+    assert reg.admit("r3", "b")  # a pinned request is admitted again (a preempted choice), no second pin
+    assert reg.in_use == {"a": 1, "b": 2}
     reg.remove("a")  # in use: the name goes now, the weights when the request ends
     with pytest.raises(LoraNotLoaded):
-        reg.acquire("a")
+        reg.admit("r5", "a")
     assert "a" in reg.resident
-    reg.release("a")
+    reg.release("r1")
     assert "a" not in reg.resident
+    # a failed load refuses the requests that waited for it, once; a later request tries again
+    reg.release("r3"), reg.release("r4")
+    broken.add("pc")  # c's file went bad since
+    assert reg.admit("r6", "c") is False  # c was evicted: its load takes the free slot
+    reg.wait_for_loads()
+    reg.finish_loads()
+    broken.discard("pc")
+    with pytest.raises(LoraLoadFailed, match="'c' at pc: gone"):
+        reg.admit("r6", "c")
+    assert reg.admit("r7", "c") is False and "c" in reg.loading and reg.failed == {}
+    reg.release("r7")  # it left while waiting: no pin, no wait entry left behind
+    assert reg.pins == {} and reg.in_use == {} and all(not load.waiters for load in reg.loading.values())
     for i in range(MAX_KNOWN - len(reg.paths)):  # names are bounded (the admin API adds them)
         reg.paths[f"n{i}"] = "p"
     with pytest.raises(ValueError, match=f"{MAX_KNOWN} LoRA adapters are loaded already"):
@@ -148,11 +174,11 @@ def test_registry_evicts_lru_never_one_in_use():
 def test_bad_adapters_are_refused_by_name(setup, tmp_path):
     base, adapters = setup
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=4, num_threads=1)
-    res = llm.engine.load_lora_adapter("sql", str(adapters["sql"]))  # rank 8 > 4
+    res = llm.load_lora_adapter("sql", str(adapters["sql"]))  # rank 8 > 4
     assert res["status"] == 400 and "rank 8 is above --max-lora-rank 4" in res["error"]
-    res = llm.engine.load_lora_adapter("none", str(tmp_path))
+    res = llm.load_lora_adapter("none", str(tmp_path))
     assert res["status"] == 400 and "not a PEFT adapter directory" in res["error"]
-    assert llm.engine.load_lora_adapter("poet", str(adapters["poet"])) == {"name": "poet"}
+    assert llm.load_lora_adapter("poet", str(adapters["poet"])) == {"name": "poet"}
     with pytest.raises(LoraNotLoaded, match="'sql' is not loaded"):
         llm.generate([{"prompt_token_ids": [3, 4, 5]}], lora_name="sql")
     assert llm.engine.unload_lora_adapter("poet") == {"name": "poet"}
@@ -188,7 +214,7 @@ def test_adapter_tensors_that_do_not_fit_are_refused_naming_them(setup, tmp_path
         tensors[key] = tensors[key][:, :5].contiguous()
     save_file(tensors, bad / WEIGHTS_FILE)
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=64, num_threads=1)
-    res = llm.engine.load_lora_adapter("bad", str(bad))
+    res = llm.load_lora_adapter("bad", str(bad))
     assert res["status"] == 400 and re.search(message, res["error"]), res
 
 
