@@ -123,6 +123,8 @@ class LLM:
             bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
         try:
             while len(done) < len(requests):
+                if not self.engine.scheduler.running and self.engine.lora_loads_pending():
+                    self.engine.loras.wait_for_loads()  # nothing runs until an adapter is read: no spinning
                 for out in self.engine.step():
                     if out.request_id not in requests:
                         continue

@@ -171,6 +171,86 @@ def test_registry_evicts_lru_never_one_in_use_and_requests_wait():
         reg.add("one-more", "p")
 
 
+def test_requests_wait_for_a_slot_and_a_load_without_stopping_others(setup):
+    """--max-loras 1: a request for an evicted adapter while the only slot is held waits in the
+    queue; requests behind it (the base model, the resident adapter) run meanwhile (no
+    head-of-line blocking). When the slot frees, its adapter is read on the background thread
+    (held here on an Event): the engine keeps producing other requests' tokens meanwhile; then
+    it runs equal to PEFT. A load that fails refuses its waiter with the error; no block leaks."""
+    import threading
+
+    from contracts.errors import ErrorCode
+
+    base, adapters = setup
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"sql={adapters['sql']}", f"poet={adapters['poet']}"],
+              max_loras=1, max_lora_rank=8, num_threads=1)
+    engine, loras = llm.engine, llm.engine.loras
+    assert list(loras.resident) == ["poet"]  # sql was evicted for poet at start-up
+    release, real_load, broken = threading.Event(), loras._load, set()
+
+    def held_load(name, path):  # the test's delay hook: the read waits for `release`
+        assert release.wait(60)
+        if name in broken:
+            raise ValueError(f"LoRA adapter {name!r} at {path}: no such file")
+        return real_load(name, path)
+
+    loras._load = held_load
+    sp = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = dict(zip("ABCDE", prompts_of([9, 14, 6, 11, 7], seed=17)))
+    tokens: dict[str, list[int]] = {k: [] for k in [*prompts, "F"]}
+    done: dict[str, object] = {}
+
+    def step(n=1):
+        for _ in range(n):
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    done[out.request_id] = out
+
+    engine.add_request("A", prompts["A"], sp, lora_name="poet")
+    step()  # A holds the only slot
+    engine.add_request("B", prompts["B"], sp, lora_name="sql")  # waits for it
+    engine.add_request("C", prompts["C"], short)  # behind B: the base model
+    engine.add_request("D", prompts["D"], short, lora_name="poet")  # behind B: the resident adapter
+    for _ in range(200):
+        step()
+        if "C" in done and "D" in done:
+            break
+    assert len(tokens["C"]) == len(tokens["D"]) == 8 and tokens["B"] == [] and "A" not in done
+    assert engine.stats()["num_waiting"] == 1 and not loras.loading  # B waits; nothing evicted under A
+    for _ in range(200):  # A ends: B's next admission evicts poet and starts reading sql (held)
+        step()
+        if loras.loading:
+            break
+    assert "A" in done and list(loras.loading) == ["sql"] and tokens["B"] == []
+    engine.add_request("E", prompts["E"], short)
+    step(40)  # the read is held: E runs to its end meanwhile
+    assert len(tokens["E"]) == 8 and "E" in done and tokens["B"] == [] and "sql" in loras.loading
+    release.set()
+    loras.wait_for_loads()  # the read lands between two steps (no timing: the test waits for it)
+    for _ in range(400):
+        step()
+        if "B" in done:
+            break
+    assert "B" in done and done["B"].error is None, (done.get("B"), loras.loading)
+    assert list(loras.resident) == ["sql"] and loras.request_loads == 1
+    for name, key in [("poet", "A"), ("sql", "B"), (None, "C"), ("poet", "D"), (None, "E")]:
+        want = reference(base, adapters.get(name), prompts[key], tokens=len(tokens[key]))
+        assert tokens[key] == want, key
+    broken.add("poet")  # poet's file went bad since it was evicted
+    engine.add_request("F", prompts["A"], short, lora_name="poet")
+    for _ in range(400):
+        step()
+        loras.wait_for_loads()
+        if "F" in done:
+            break
+    assert done["F"].error_code is ErrorCode.LORA_LOAD_FAILED and "'poet'" in done["F"].error and tokens["F"] == []
+    assert loras.pins == {} and loras.in_use == {}
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
 def test_bad_adapters_are_refused_by_name(setup, tmp_path):
     base, adapters = setup
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=4, num_threads=1)
