@@ -9,7 +9,9 @@ pulled them). A sequence is in exactly one of them until it finishes.
 Each `schedule()` returns one kind of batch (the seed's semantics):
 
 - prefill: Phase 1 resumes chunked prefills (`_prefilling`, admission order), Phase 2
-  admits from `waiting` FIFO and stops at the first sequence that does not fit. A chunk
+  admits from `waiting` FIFO and stops at the first sequence that does not fit. A sequence
+  the admission gate holds back (its LoRA adapter not resident yet) keeps its place while
+  the ones behind it are admitted. A chunk
   cut by the token budget ends on a block boundary, so a 16384-token budget never
   leaves a 10-token sliver; only an otherwise empty batch takes an unaligned chunk.
 - decode, when nothing prefills: every decode-ready running sequence schedules its last
