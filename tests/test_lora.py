@@ -86,11 +86,12 @@ def test_mixed_batch_equals_peft(setup, monkeypatch):
     wants = [reference(base, adapters.get(name), prompt) for prompt, name in zip(prompts, names)]
     for prompt, name, ids, want in zip(prompts, names, got, wants):
         assert ids == want, (name, len(prompt))
-    # the grouped form (more than STACKED_MAX adapters in a step) on the same batch
-    monkeypatch.setattr(LoraStep, "mode", "grouped")
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
-    assert [o.outputs[0].token_ids for o in outs] == wants
+    # the torch forms (grouped: more than STACKED_MAX adapters; bf16) on the same batch (float32 runs the SGMV kernel)
+    for mode in ("grouped", "stacked"):
+        monkeypatch.setattr(LoraStep, "mode", mode)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
+        assert [o.outputs[0].token_ids for o in outs] == wants, mode
     # every adapter changes the output (so equality above says something), and merging gives the same
     for i in (1, 2, 3):
         assert got[i] != reference(base, None, prompts[i])
@@ -382,7 +383,7 @@ def test_router_places_by_adapter_and_kv_aware_scores_the_adapters_chain():
     assert with_adapter(ws, RouteRequest({"prompt": tokens}, {})) == ws
 
 
-@pytest.mark.parametrize("mode", ["stacked", "grouped"])
+@pytest.mark.parametrize("mode", ["stacked", "grouped", "sgmv"])
 def test_both_step_forms_add_each_rows_own_delta(monkeypatch, mode):
     """A step mixing two adapters and base rows, whole and in tiles: every row gets
     x @ A_t @ B_t of its own adapter (computed row by row here), base rows nothing."""

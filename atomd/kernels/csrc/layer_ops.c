@@ -482,3 +482,30 @@ DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *,
 #endif
 
 int atomd_gemv_kinds(void) { return GEMV_KINDS; }
+
+/* LoRA of a step's rows under several adapters in one call (an SGMV, atomd/model/lora.py's sgmv form):
+   out[i] += (x[i] @ a[s]) @ b[s] for each row i whose slot s = slots[i] >= 0, a [adapters, k, w] and
+   b [adapters, w, n] contiguous (an adapter narrower than w padded with zeros). Each row does only its own
+   adapter's columns. The shrink keeps the w sums side by side over k and the expand runs over n: both
+   inner loops vectorise without reassociating a sum, on every ISA this file is built for. */
+void atomd_lora_sgmv_f32(const float *x, int64_t x_stride, const float *a, const float *b, const int64_t *slots,
+                         float *out, int64_t out_stride, int64_t rows, int64_t k, int64_t w, int64_t n) {
+    float t[w];
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        const float *xi = x + i * x_stride, *as = a + s * k * w, *bs = b + s * w * n;
+        float *oi = out + i * out_stride;
+        for (int64_t r = 0; r < w; r++) t[r] = 0.0f;
+        for (int64_t j = 0; j < k; j++) {
+            const float xj = xi[j];
+            const float *aj = as + j * w;
+            for (int64_t r = 0; r < w; r++) t[r] += xj * aj[r];
+        }
+        for (int64_t r = 0; r < w; r++) {
+            const float tr = t[r];
+            const float *br = bs + r * n;
+            for (int64_t c = 0; c < n; c++) oi[c] += tr * br[c];
+        }
+    }
+}
