@@ -218,8 +218,12 @@ class LoraStep:
       gather, one matmul pair per adapter on its contiguous rows, one scatter-add: only each
       row's own columns, 2k + 2 ops.
 
-    One adapter (or rows of one adapter only) is the stacked form without a mask either way.
-    `auto` (the default) stacks up to STACKED_MAX adapters and groups beyond: measured CPU time
+    - sgmv (float32 with the C kernels built): per fused linear one C call in which each row does
+      its own adapter's pair only (layer_ops.lora_sgmv): 1x the LoRA FLOPs, one call.
+
+    In the torch forms one adapter (or rows of one adapter only) is the stacked form without a mask.
+    `auto` (the default) runs sgmv where it can, else stacks up to STACKED_MAX adapters and
+    groups beyond: measured CPU time
     per batch-16 step, 4 adapters tie, at 16 the grouped form is 1.20x the base step against
     1.53x (135M shape, rank 8) and 3.1x against 4.7x (built-in model, rank 64)
     (benchmarks/results/lora.md)."""
@@ -227,7 +231,7 @@ class LoraStep:
     mode = "auto"  # "stacked" | "grouped" | "sgmv" | "auto"
 
     def __init__(self, token_adapters: list[LoraAdapter | None], counts: np.ndarray,
-                 stack: LoraStack | None = None):
+                 stack: "LoraStack | SgmvStack | None" = None):
         """token_adapters[i]: sequence i's adapter (None: the base model); counts[i]: its rows;
         `stack`: the previous step's, reused when it holds the same adapters."""
         active: dict[int, LoraAdapter] = {}
@@ -241,7 +245,7 @@ class LoraStep:
         slot = {id(a): j for j, a in enumerate(self.groups)}
         self.row_slot = np.repeat([-1 if a is None else slot[id(a)] for a in token_adapters], counts)
         dtype = next(pair.a_t.dtype for a in self.groups for layer in a.layers for pair in layer.values())
-        self.sgmv = self.mode == "sgmv" or (self.mode == "auto" and layer_ops.has_lora_sgmv(dtype))
+        self.sgmv = self.mode in ("sgmv", "auto") and layer_ops.has_lora_sgmv(dtype)
         if self.sgmv:
             self.stack = stack if isinstance(stack, SgmvStack) and stack.serves(self.groups) else SgmvStack(self.groups)
             self.slots = torch.from_numpy(self.row_slot.astype(np.int64))
