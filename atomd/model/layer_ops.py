@@ -87,17 +87,20 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     return lib
 
 
-def has_lora_sgmv(dtype: torch.dtype) -> bool:
-    """lora_sgmv runs for this dtype (float32, the kernels built)."""
-    return dtype == torch.float32 and kernels() is not None
+LORA_SGMV_MAX_WIDTH = 256  # csrc/layer_ops.c SGMV_MAX_W: a fused linear's summed ranks, at most
+
+
+def has_lora_sgmv(dtype: torch.dtype, width: int) -> bool:
+    """lora_sgmv runs for this dtype and fused width (float32, the kernels built)."""
+    return dtype == torch.float32 and width <= LORA_SGMV_MAX_WIDTH and kernels() is not None
 
 
 def lora_sgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
-    """out[i] += (x[i] @ a[slots[i]]) @ b[slots[i]] for the rows with slots[i] >= 0, in one C call:
-    x [T, k] and out [T, n] float32 with contiguous rows, a [adapters, k, w], b [adapters, w, n]
-    contiguous, slots int64 [T] (has_lora_sgmv). Returns out."""
+    """out[i] += (x[i] @ a[slots[i]].T) @ b[slots[i]] for the rows with slots[i] >= 0, in one C call:
+    x [T, k] and out [T, n] float32 with contiguous rows, a [adapters, w, k] (A's rank rows),
+    b [adapters, w, n] contiguous, slots int64 [T] (has_lora_sgmv). Returns out."""
     kernels().atomd_lora_sgmv_f32(x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(), slots.data_ptr(),
-                                  out.data_ptr(), out.stride(0), x.shape[0], a.shape[1], a.shape[2], b.shape[2])
+                                  out.data_ptr(), out.stride(0), x.shape[0], a.shape[2], a.shape[1], b.shape[2])
     return out
 
 

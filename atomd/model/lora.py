@@ -55,6 +55,11 @@ class LoraAdapter:
     rank: int
     layers: list[dict[str, LoraLinear]]  # per layer: fused linear name -> its pair (absent: untouched)
 
+    def __post_init__(self) -> None:
+        pairs = [pair for layer in self.layers for pair in layer.values()]
+        self.width = max((pair.a_t.shape[1] for pair in pairs), default=0)  # the widest fused pair's rank columns
+        self.dtype = pairs[0].a_t.dtype if pairs else torch.float32
+
 
 def _out_slices(cfg: ModelConfig) -> dict[str, dict[str | None, tuple[int, int]]]:
     q, kv, inter = cfg.q_size, cfg.kv_size, cfg.intermediate_size
@@ -244,8 +249,8 @@ class LoraStep:
             return
         slot = {id(a): j for j, a in enumerate(self.groups)}
         self.row_slot = np.repeat([-1 if a is None else slot[id(a)] for a in token_adapters], counts)
-        dtype = next(pair.a_t.dtype for a in self.groups for layer in a.layers for pair in layer.values())
-        self.sgmv = self.mode in ("sgmv", "auto") and layer_ops.has_lora_sgmv(dtype)
+        self.sgmv = self.mode in ("sgmv", "auto") and layer_ops.has_lora_sgmv(
+            self.groups[0].dtype, max(a.width for a in self.groups))
         if self.sgmv:
             self.stack = stack if isinstance(stack, SgmvStack) and stack.serves(self.groups) else SgmvStack(self.groups)
             self.slots = torch.from_numpy(self.row_slot.astype(np.int64))
@@ -287,8 +292,8 @@ class LoraStep:
 
 class SgmvStack:
     """The pairs of a set of adapters, per layer and fused linear, as the SGMV kernel reads them:
-    A [adapters, in, w] and B [adapters, w, out], w the widest adapter's (zeros past an adapter's
-    own width and for an adapter without that pair). Cached like LoraStack."""
+    A [adapters, w, in] (A's rank rows) and B [adapters, w, out], w the widest adapter's (zeros past
+    an adapter's own width and for an adapter without that pair). Cached like LoraStack."""
 
     def __init__(self, adapters: tuple[LoraAdapter, ...]):
         self.adapters = adapters
@@ -299,11 +304,11 @@ class SgmvStack:
                 pairs = [a.layers[i].get(fused) for a in adapters]
                 first = next(p for p in pairs if p is not None)
                 w = max(p.a_t.shape[1] for p in pairs if p is not None)
-                a_all = first.a_t.new_zeros(len(adapters), first.a_t.shape[0], w)
+                a_all = first.a_t.new_zeros(len(adapters), w, first.a_t.shape[0])
                 b_all = first.b_t.new_zeros(len(adapters), w, first.b_t.shape[1])
                 for j, pair in enumerate(pairs):
                     if pair is not None:
-                        a_all[j, :, :pair.a_t.shape[1]], b_all[j, :pair.b_t.shape[0]] = pair.a_t, pair.b_t
+                        a_all[j, :pair.a_t.shape[1]], b_all[j, :pair.b_t.shape[0]] = pair.a_t.T, pair.b_t
                 here[fused] = (a_all, b_all)
             self.layers.append(here)
 
