@@ -4,12 +4,13 @@
 A batch of 16 requests decoding together (128 prompt tokens each), in process (LLMEngine),
 with no adapter (the base model) and with 1, 4 and 16 distinct adapters (request i under
 adapter i mod k, so an adapter's rows are not contiguous: the gather / index_add path), at
-rank 8 and rank 64, every target (q, k, v, o, gate, up, down), in both forms of atomd/model/lora.py's LoraStep
-(stacked with a mask, grouped by adapter) where more than one adapter runs. Random adapters in PEFT's
+rank 8 and rank 64, every target (q, k, v, o, gate, up, down), in the forms of atomd/model/lora.py's LoraStep
+(`--modes`: sgmv, the C kernel float32 runs; stacked with a mask; grouped by adapter) where more than
+one adapter runs (one adapter: the first mode). Random adapters in PEFT's
 file format, written here. Each round runs every configuration back to back on the same
 prompts and takes the median step time (the engine thread's CPU time, 1 torch thread: the
 wall clock of a shared 2-core machine mostly measures the other jobs) over --steps decode
-steps; a configuration's ratio
+steps (and the wall time beside it); a configuration's ratio
 is its median over rounds of (its step / that round's base step). Target: <= 1.15x at 4
 adapters of rank 8. The load average is printed before and after (the machine is shared).
 
