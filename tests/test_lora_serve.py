@@ -30,7 +30,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_serve")
-    base = make_checkpoint(root / "base", "llama", seed=5)
+    # 4096 positions: room for a slot-holding stream that outlasts what the tests send meanwhile
+    # (llama3 rope reads original_max_position_embeddings, so the outputs do not change)
+    base = make_checkpoint(root / "base", "llama", seed=5, max_position_embeddings=4096)
     adapters = {name: make_adapter(base, root / name, r, a, rs, t, seed=i + 11)
                 for i, (name, r, a, rs, t) in enumerate(ADAPTERS)}
     return base, adapters
@@ -254,10 +256,10 @@ def more_engines(cluster, models):
     adapter slot that loads sql on demand, and dp, a DP=2 engine with one adapter slot per rank."""
     adapters = models[1]
     cluster.start_engines(
-        D2=["--kv-role", "consumer", "--max-model-len", "512", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
+        D2=["--kv-role", "consumer", "--max-model-len", "4096", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
             "--lora-modules", f"poet={adapters['poet']}", "--lora-load-policy", "load",
             "--lora-path-map", f"sql={adapters['sql']}"],
-        dp=["--data-parallel-size", "2", "--num-threads", "1", "--max-model-len", "512", "--enable-lora", "--max-loras", "1",
+        dp=["--data-parallel-size", "2", "--num-threads", "1", "--max-model-len", "4096", "--enable-lora", "--max-loras", "1",
             "--max-lora-rank", "8", "--lora-modules", f"sql={adapters['sql']}"])
     for name in ("D2", "dp"):
         cluster.baseline[name] = cluster[name].stats()["num_total_blocks"]
@@ -394,7 +396,8 @@ def test_json_schema_under_an_adapter_equals_constrained_peft(cluster, models, t
     cluster.assert_settled()
 
 
-HOLD_TOKENS = 470  # a stream holding an adapter slot: long enough to outlast the requests sent meanwhile
+HOLD_TOKENS = 4000  # a stream holding an adapter slot: ~4000 decode steps outlast the few requests sent meanwhile
+# (470 on a 512-position engine raced them under load: the stream ended first); aborted once they are done
 
 
 def wait_for(what, check, seconds: float = 60.0):
