@@ -352,8 +352,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         parse_lora_modules(self.lora_path_map, "lora_path_map")
         if self.max_loras < 1 or self.max_lora_rank < 1:
             raise ValueError(f"max_loras and max_lora_rank must be >= 1, got {self.max_loras}, {self.max_lora_rank}")
-        if len(parse_lora_modules(self.lora_modules)) > self.max_loras:
-            raise ValueError(f"lora_modules names {len(self.lora_modules)} adapters; max_loras is {self.max_loras}")
+        parse_lora_modules(self.lora_modules)  # more than max_loras is fine: the rest wait in a slot's turn
 
     def lora_adapters(self) -> list[tuple[str, str]]:
         """--lora-modules as (name, path) pairs."""

@@ -3,6 +3,7 @@ driving an LLMEngine in this process.
 """
 from __future__ import annotations
 
+import concurrent.futures
 from typing import Any, Iterable
 
 import msgspec
@@ -67,6 +68,17 @@ class LLM:
     def get_tokenizer(self) -> Tokenizer:
         return self.engine.tokenizer
 
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
+        """Load LoRA adapter `name` now and wait for it: {"name"} or {"error", "status"} (the
+        engine reads it on its background thread, atomd/engine/lora_registry.py)."""
+        answer = self.engine.load_lora_adapter(name, path)
+        if not isinstance(answer, concurrent.futures.Future):
+            return answer
+        while not answer.done():
+            self.engine.loras.wait_for_loads()
+            self.engine.finish_lora_loads()
+        return answer.result()
+
     def generate(self, prompts: str | dict | Iterable[str | dict],
                  sampling_params: SamplingParams | list[SamplingParams] | None = None,
                  use_tqdm: bool = True, lora_name: str | list[str | None] | None = None) -> list[GenerationOutput]:
@@ -111,6 +123,8 @@ class LLM:
             bar = tqdm(total=len(requests), desc="Processed prompts", dynamic_ncols=True)
         try:
             while len(done) < len(requests):
+                if not self.engine.scheduler.running and self.engine.lora_loads_pending():
+                    self.engine.loras.wait_for_loads()  # nothing runs until an adapter is read: no spinning
                 for out in self.engine.step():
                     if out.request_id not in requests:
                         continue

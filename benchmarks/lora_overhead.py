@@ -4,12 +4,13 @@
 A batch of 16 requests decoding together (128 prompt tokens each), in process (LLMEngine),
 with no adapter (the base model) and with 1, 4 and 16 distinct adapters (request i under
 adapter i mod k, so an adapter's rows are not contiguous: the gather / index_add path), at
-rank 8 and rank 64, every target (q, k, v, o, gate, up, down), in both forms of atomd/model/lora.py's LoraStep
-(stacked with a mask, grouped by adapter) where more than one adapter runs. Random adapters in PEFT's
+rank 8 and rank 64, every target (q, k, v, o, gate, up, down), in the forms of atomd/model/lora.py's LoraStep
+(`--modes`: sgmv, the C kernel float32 runs; stacked with a mask; grouped by adapter) where more than
+one adapter runs (one adapter: the first mode). Random adapters in PEFT's
 file format, written here. Each round runs every configuration back to back on the same
 prompts and takes the median step time (the engine thread's CPU time, 1 torch thread: the
 wall clock of a shared 2-core machine mostly measures the other jobs) over --steps decode
-steps; a configuration's ratio
+steps (and the wall time beside it); a configuration's ratio
 is its median over rounds of (its step / that round's base step). Target: <= 1.15x at 4
 adapters of rank 8. The load average is printed before and after (the machine is shared).
 
@@ -68,7 +69,8 @@ def write_adapter(path: pathlib.Path, cfg: ModelConfig, rank: int, seed: int) ->
 
 
 def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], loras: list[str | None], steps: int,
-                   tag: str) -> float:
+                   tag: str) -> tuple[float, float]:
+    """(median CPU ms, median wall ms) of a decode step of the batch under `loras`."""
     ids = [f"{tag}-{i}" for i in range(len(prompts))]
     sp = SamplingParams(max_tokens=steps + 64, temperature=0.0, ignore_eos=True)
     for rid, prompt, lora in zip(ids, prompts, loras):
@@ -78,17 +80,18 @@ def decode_step_ms(engine: LLMEngine, prompts: list[list[int]], loras: list[str 
         engine.step()
     for _ in range(5):
         engine.step()
-    times = []
+    times, walls = [], []
     for _ in range(steps):  # CPU time of this thread (torch runs the step on it with 1 thread):
-        t = time.thread_time()  # on a shared machine the wall clock mostly measures the neighbours
-        engine.step()
+        t, w = time.thread_time(), time.perf_counter()  # on a shared machine the wall clock mostly
+        engine.step()  # measures the neighbours
         times.append((time.thread_time() - t) * 1e3)
+        walls.append((time.perf_counter() - w) * 1e3)
     assert len(s.running) == len(prompts), "a request finished during the measurement"
     for rid in ids:
         engine.abort_request(rid)
     while engine.has_unfinished_requests():
         engine.step()
-    return statistics.median(times)
+    return statistics.median(times), statistics.median(walls)
 
 
 def main() -> int:
@@ -100,7 +103,8 @@ def main() -> int:
     ap.add_argument("--ranks", type=int, nargs="+", default=[8, 64])
     ap.add_argument("--adapters", type=int, nargs="+", default=[1, 4, 16])
     ap.add_argument("--modes", nargs="+", default=["stacked", "grouped"],
-                    help="LoraStep forms compared at more than one adapter (atomd/model/lora.py)")
+                    help="LoraStep forms compared at more than one adapter (atomd/model/lora.py; auto: "
+                         "the engine's own choice)")
     args = ap.parse_args()
     model = model_dir(args.model_shape)
     cfg = read_config(model)
@@ -121,20 +125,26 @@ def main() -> int:
                     configs[f"{k} x rank {rank}" + (f" {mode}" if k > 1 else "")] = \
                         ([f"r{rank}-{i % k}" for i in range(BATCH)], mode)
         ratios: dict[str, list[float]] = {name: [] for name in configs}
+        wall_ratios: dict[str, list[float]] = {name: [] for name in configs}
         steps: dict[str, list[float]] = {name: [] for name in configs}
+        walls: dict[str, list[float]] = {name: [] for name in configs}
         for r in range(args.rounds):
             base = None
             for name, (loras, mode) in configs.items():
                 LoraStep.mode = mode
-                ms = decode_step_ms(engine, prompts, loras, args.steps, f"r{r}-{name}")
-                base = ms if base is None else base
+                ms, wall = decode_step_ms(engine, prompts, loras, args.steps, f"r{r}-{name}")
+                base = (ms, wall) if base is None else base
                 steps[name].append(ms)
-                ratios[name].append(ms / base)
+                walls[name].append(wall)
+                ratios[name].append(ms / base[0])
+                wall_ratios[name].append(wall / base[1])
             print(f"round {r + 1}: " + ", ".join(f"{n} {steps[n][-1]:.2f} ms" for n in configs), flush=True)
     print(f"load after: {loadavg()}")
-    print("\n| adapters in the batch of 16 | step CPU (ms, median) | vs base (median of rounds) |\n|---|---:|---:|")
+    print("\n| adapters in the batch of 16 | step CPU (ms, median) | vs base, CPU | step wall (ms, median) "
+          "| vs base, wall |\n|---|---:|---:|---:|---:|")
     for name in configs:
-        print(f"| {name} | {statistics.median(steps[name]):.2f} | {statistics.median(ratios[name]):.3f}x |")
+        print(f"| {name} | {statistics.median(steps[name]):.2f} | {statistics.median(ratios[name]):.3f}x "
+              f"| {statistics.median(walls[name]):.2f} | {statistics.median(wall_ratios[name]):.3f}x |")
     return 0
 
 

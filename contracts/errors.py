@@ -13,4 +13,4 @@ class ErrorCode(enum.Enum):
     KV_TRANSFER_FAILED = "kv_transfer_failed"  # the prompt KV could not be pulled from P
     KV_PARAMS_UNTRUSTED = "kv_params_untrusted"  # names a producer this engine does not trust
     MODEL_NOT_FOUND = "model_not_found"  # a LoRA adapter this engine has not loaded
-    LORA_BUSY = "lora_slots_busy"  # every --max-loras slot is held by running requests
+    LORA_LOAD_FAILED = "lora_load_failed"  # loading the request's adapter (again) failed

@@ -130,9 +130,6 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
             modules = self.lora_modules(role)
             if modules and not self.lora.enabled:
                 raise ValueError(f"{role}.lora_modules: LoRA adapters need lora.enabled")
-            if len(modules) > self.lora.max_loras:
-                raise ValueError(f"{role}.lora_modules: {len(modules)} adapters with lora.modules; "
-                                 f"lora.max_loras is {self.lora.max_loras}")
 
     def lora_modules(self, role: str) -> dict[str, str]:
         """The adapters a `role` engine loads at start: every engine's, then the role's own."""

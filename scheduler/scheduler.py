@@ -9,7 +9,9 @@ pulled them). A sequence is in exactly one of them until it finishes.
 Each `schedule()` returns one kind of batch (the seed's semantics):
 
 - prefill: Phase 1 resumes chunked prefills (`_prefilling`, admission order), Phase 2
-  admits from `waiting` FIFO and stops at the first sequence that does not fit. A chunk
+  admits from `waiting` FIFO and stops at the first sequence that does not fit. A sequence
+  the admission gate holds back (its LoRA adapter not resident yet) keeps its place while
+  the ones behind it are admitted. A chunk
   cut by the token budget ends on a block boundary, so a 16384-token budget never
   leaves a 10-token sliver; only an otherwise empty batch takes an unaligned chunk.
 - decode, when nothing prefills: every decode-ready running sequence schedules its last
@@ -178,8 +180,13 @@ class SeqUpdate(msgspec.Struct):
 
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_connector: KVConnectorScheduler | None = None,
-                 prefill_delayer=None, detokenize: Callable[[list[int]], str] | None = None):
+                 prefill_delayer=None, detokenize: Callable[[list[int]], str] | None = None,
+                 admission_gate: Callable[[Sequence], bool | tuple[ErrorCode, str]] | None = None):
+        """`admission_gate(seq)`, asked before a waiting sequence is admitted: True admits it,
+        False leaves it waiting while the ones behind it are admitted (its LoRA adapter is being
+        loaded, or has no free slot: no head-of-line blocking), (code, message) refuses it."""
         self.config = config
+        self.admission_gate = admission_gate
         self.kv_connector = kv_connector
         self.prefill_delayer = prefill_delayer
         self.detokenize = detokenize
@@ -363,6 +370,13 @@ class Scheduler:
                 + sum(s.num_forks for s in self.parked.values()))
 
     def _admit_waiting(self, seqs: list[Sequence], chunks: list[int], budget: int) -> None:
+        held: list[Sequence] = []  # held back by the admission gate: back to the front, in order
+        try:
+            self._admit_from_queue(seqs, chunks, budget, held)
+        finally:
+            self.waiting.extendleft(reversed(held))
+
+    def _admit_from_queue(self, seqs: list[Sequence], chunks: list[int], budget: int, held: list[Sequence]) -> None:
         cfg, bm = self.config, self.block_manager
         seats = self._seats_taken() if self.waiting else 0
         while self.waiting and len(seqs) < cfg.max_num_seqs and budget > 0:
@@ -377,6 +391,14 @@ class Scheduler:
             num_cached_blocks = bm.can_allocate(seq)
             if num_cached_blocks < 0:
                 break
+            verdict = True if self.admission_gate is None else self.admission_gate(seq)
+            if verdict is False:
+                held.append(self.waiting.popleft())
+                continue
+            if verdict is not True:
+                self.waiting.popleft()
+                self._refuse(seq, *verdict)
+                continue
             asked = self.kv_connector is not None and seq.id not in self._local_only
             num_external, load_async = self._ask_connector(seq) if asked else (0, False)
             if load_async and seq.num_tokens >= cfg.max_model_len:
@@ -531,6 +553,12 @@ class Scheduler:
     def _reject(self, seq: Sequence, reason: str) -> None:
         logger.warning("request %s rejected: %s", seq.request_id, reason)
         self._finish(seq, "unschedulable", ErrorCode.UNSCHEDULABLE, f"unschedulable: {reason}")
+        self._rejected.append(seq)
+
+    def _refuse(self, seq: Sequence, code: ErrorCode, message: str) -> None:
+        """The admission gate refused a waiting sequence (e.g. its adapter's load failed)."""
+        logger.warning("request %s refused: %s", seq.request_id, message)
+        self._finish(seq, "refused", code, message)
         self._rejected.append(seq)
 
     def _passed_delay(self, now: float) -> bool:

@@ -40,7 +40,7 @@ class SequenceType(enum.Enum):
 # leave_reason (a code, never a message: the message is `error`) -> OpenAI finish_reason
 _FINISH_REASONS = {"eos": "stop", "stop_token": "stop", "stop_string": "stop",
                    "max_tokens": "length", "max_model_len": "length", "aborted": "abort",
-                   "unschedulable": "abort", "kv_transfer_failed": "abort"}
+                   "unschedulable": "abort", "refused": "abort", "kv_transfer_failed": "abort"}
 
 
 _ids = itertools.count()

@@ -301,3 +301,24 @@ def test_openmp_threads_sleep_while_waiting_unless_the_user_says(policy):
     out = subprocess.run([sys.executable, "-c", "import atomd, os; print(os.environ['OMP_WAIT_POLICY'])"],
                          env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
     assert out == (policy or "PASSIVE")
+
+
+def test_lora_sgmv_adds_each_rows_own_adapter_delta(isa):
+    """The LoRA SGMV kernel (atomd/model/lora.py's sgmv form) against float64 row by row: each row
+    gets (x @ A_s) @ B_s of its own adapter s, base rows (slot -1) nothing; odd sizes, strided x
+    and out rows (a tile of a wider tensor), an adapter padded with zero columns."""
+    g = torch.Generator().manual_seed(3)
+    rows, k, w, n = 7, 141, 5, 21  # k: two 64-lane chunks and a tail
+    a, b = torch.randn(3, w, k, generator=g), torch.randn(3, w, n, generator=g)
+    a[1, 3:], b[1, 3:] = 0, 0  # a rank-3 adapter among rank-5 ones
+    x = torch.randn(rows, k + 4, generator=g)[:, 2:k + 2]
+    out_all = torch.randn(rows, n + 3, generator=g)
+    out, before, tail = out_all[:, :n], out_all[:, :n].clone(), out_all[:, n:].clone()
+    slots = torch.tensor([0, -1, 2, 1, 0, -1, 2])
+    layer_ops.lora_sgmv(x, a, b, slots, out)
+    want = before.double()
+    for i, s in enumerate(slots.tolist()):
+        if s >= 0:
+            want[i] += (x[i].double() @ a[s].double().T) @ b[s].double()
+    torch.testing.assert_close(out.double(), want, rtol=1e-5, atol=1e-5)
+    assert torch.equal(out_all[:, n:], tail)  # nothing past each row's n outputs

@@ -13,7 +13,7 @@ import peft
 import pytest
 import torch
 
-from atomd.engine.lora_registry import MAX_KNOWN, LoraBusy, LoraNotLoaded, LoraRegistry
+from atomd.engine.lora_registry import MAX_KNOWN, LoraLoadFailed, LoraNotLoaded, LoraRegistry
 from atomd.llm import LLM
 from atomd.model.lora import LoraStep
 from contracts.block_hash import block_hashes
@@ -86,11 +86,12 @@ def test_mixed_batch_equals_peft(setup, monkeypatch):
     wants = [reference(base, adapters.get(name), prompt) for prompt, name in zip(prompts, names)]
     for prompt, name, ids, want in zip(prompts, names, got, wants):
         assert ids == want, (name, len(prompt))
-    # the grouped form (more than STACKED_MAX adapters in a step) on the same batch
-    monkeypatch.setattr(LoraStep, "mode", "grouped")
-    outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
-                        SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
-    assert [o.outputs[0].token_ids for o in outs] == wants
+    # the torch forms (grouped: more than STACKED_MAX adapters; bf16) on the same batch (float32 runs the SGMV kernel)
+    for mode in ("grouped", "stacked"):
+        monkeypatch.setattr(LoraStep, "mode", mode)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True), lora_name=names)
+        assert [o.outputs[0].token_ids for o in outs] == wants, mode
     # every adapter changes the output (so equality above says something), and merging gives the same
     for i in (1, 2, 3):
         assert got[i] != reference(base, None, prompts[i])
@@ -119,40 +120,146 @@ def test_prefix_cache_keeps_adapters_apart(setup):
         assert all(h in bm.pool.index for h in chain)
 
 
-def test_registry_evicts_lru_never_one_in_use():
-    loaded = []
-    reg = LoraRegistry(2, lambda name, path: loaded.append(name) or name)
+def test_registry_evicts_lru_never_one_in_use_and_requests_wait():
+    loaded, broken = [], set()
+
+    def load(name, path):
+        if path in broken:
+            raise ValueError(f"LoRA adapter {name!r} at {path}: gone")
+        loaded.append(name)
+        return name
+
+    reg = LoraRegistry(2, load)
     reg.add("a", "pa")
     reg.add("b", "pb")
-    reg.acquire("a")  # a in use, b least recently used and free
-    reg.add("c", "pc")  # evicts b
-    assert list(reg.resident) == ["a", "c"]
-    reg.acquire("c")
-    with pytest.raises(LoraBusy):  # a and c held: b cannot come back
-        reg.acquire("b")
-    reg.release("c")
-    assert reg.acquire("b") == "b" and list(reg.resident) == ["a", "b"] and loaded[-1] == "b"
-    assert reg.request_loads == 1  # b's load back, the one a request waited for (the refused one did not land)
+    assert reg.admit("r1", "a")  # a pinned, b least recently used and free
+    answer = reg.start_add("c", "pc")  # read on the background thread
+    reg.wait_for_loads()
+    reg.finish_loads()
+    assert answer.result() == {"name": "c"} and list(reg.resident) == ["a", "c"]  # b evicted
+    assert reg.admit("r2", "c")
+    assert reg.admit("r3", "b") is False and not reg.loading  # a and c held: b waits, nothing evicted
+    reg.release("r2")  # c free: r3's next try evicts it and loads b into its slot
+    assert reg.admit("r3", "b") is False and list(reg.loading) == ["b"] and list(reg.resident) == ["a"]
+    assert reg.admit("r4", "b") is False  # a second request waits for the same load
+    reg.wait_for_loads()
+    reg.finish_loads()
+    assert reg.admit("r3", "b") and reg.admit("r4", "b") and list(reg.resident) == ["a", "b"]
+    assert loaded.count("b") == 2 and reg.request_loads == 1
+    assert reg.admit("r3", "b")  # a pinned request is admitted again (a preempted choice), no second pin
+    assert reg.in_use == {"a": 1, "b": 2}
     reg.remove("a")  # in use: the name goes now, the weights when the request ends
     with pytest.raises(LoraNotLoaded):
-        reg.acquire("a")
+        reg.admit("r5", "a")
     assert "a" in reg.resident
-    reg.release("a")
+    reg.release("r1")
     assert "a" not in reg.resident
+    # a failed load refuses the requests that waited for it, once; a later request tries again
+    reg.release("r3"), reg.release("r4")
+    broken.add("pc")  # c's file went bad since
+    assert reg.admit("r6", "c") is False  # c was evicted: its load takes the free slot
+    reg.wait_for_loads()
+    reg.finish_loads()
+    broken.discard("pc")
+    with pytest.raises(LoraLoadFailed, match="'c' at pc: gone"):
+        reg.admit("r6", "c")
+    assert reg.admit("r7", "c") is False and "c" in reg.loading and reg.failed == {}
+    reg.release("r7")  # it left while waiting: no pin, no wait entry left behind
+    assert reg.pins == {} and reg.in_use == {} and all(not load.waiters for load in reg.loading.values())
     for i in range(MAX_KNOWN - len(reg.paths)):  # names are bounded (the admin API adds them)
         reg.paths[f"n{i}"] = "p"
     with pytest.raises(ValueError, match=f"{MAX_KNOWN} LoRA adapters are loaded already"):
         reg.add("one-more", "p")
 
 
+def test_requests_wait_for_a_slot_and_a_load_without_stopping_others(setup):
+    """--max-loras 1: a request for an evicted adapter while the only slot is held waits in the
+    queue; requests behind it (the base model, the resident adapter) run meanwhile (no
+    head-of-line blocking). When the slot frees, its adapter is read on the background thread
+    (held here on an Event): the engine keeps producing other requests' tokens meanwhile; then
+    it runs equal to PEFT. A load that fails refuses its waiter with the error; no block leaks."""
+    import threading
+
+    from contracts.errors import ErrorCode
+
+    base, adapters = setup
+    llm = LLM(str(base), enable_lora=True, lora_modules=[f"sql={adapters['sql']}", f"poet={adapters['poet']}"],
+              max_loras=1, max_lora_rank=8, num_threads=1)
+    engine, loras = llm.engine, llm.engine.loras
+    assert list(loras.resident) == ["poet"]  # sql was evicted for poet at start-up
+    release, real_load, broken = threading.Event(), loras._load, set()
+
+    def held_load(name, path):  # the test's delay hook: the read waits for `release`
+        assert release.wait(60)
+        if name in broken:
+            raise ValueError(f"LoRA adapter {name!r} at {path}: no such file")
+        return real_load(name, path)
+
+    loras._load = held_load
+    sp = SamplingParams(max_tokens=TOKENS, temperature=0, ignore_eos=True)
+    short = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    prompts = dict(zip("ABCDE", prompts_of([9, 14, 6, 11, 7], seed=17)))
+    tokens: dict[str, list[int]] = {k: [] for k in [*prompts, "F"]}
+    done: dict[str, object] = {}
+
+    def step(n=1):
+        for _ in range(n):
+            for out in engine.step():
+                tokens[out.request_id].extend(out.new_token_ids)
+                if out.finished:
+                    done[out.request_id] = out
+
+    engine.add_request("A", prompts["A"], sp, lora_name="poet")
+    step()  # A holds the only slot
+    engine.add_request("B", prompts["B"], sp, lora_name="sql")  # waits for it
+    engine.add_request("C", prompts["C"], short)  # behind B: the base model
+    engine.add_request("D", prompts["D"], short, lora_name="poet")  # behind B: the resident adapter
+    for _ in range(200):
+        step()
+        if "C" in done and "D" in done:
+            break
+    assert len(tokens["C"]) == len(tokens["D"]) == 8 and tokens["B"] == [] and "A" not in done
+    assert engine.stats()["num_waiting"] == 1 and not loras.loading  # B waits; nothing evicted under A
+    for _ in range(200):  # A ends: B's next admission evicts poet and starts reading sql (held)
+        step()
+        if loras.loading:
+            break
+    assert "A" in done and list(loras.loading) == ["sql"] and tokens["B"] == []
+    engine.add_request("E", prompts["E"], short)
+    step(40)  # the read is held: E runs to its end meanwhile
+    assert len(tokens["E"]) == 8 and "E" in done and tokens["B"] == [] and "sql" in loras.loading
+    release.set()
+    loras.wait_for_loads()  # the read lands between two steps (no timing: the test waits for it)
+    for _ in range(400):
+        step()
+        if "B" in done:
+            break
+    assert "B" in done and done["B"].error is None, (done.get("B"), loras.loading)
+    assert list(loras.resident) == ["sql"] and loras.request_loads == 1
+    for name, key in [("poet", "A"), ("sql", "B"), (None, "C"), ("poet", "D"), (None, "E")]:
+        want = reference(base, adapters.get(name), prompts[key], tokens=len(tokens[key]))
+        assert tokens[key] == want, key
+    broken.add("poet")  # poet's file went bad since it was evicted
+    engine.add_request("F", prompts["A"], short, lora_name="poet")
+    for _ in range(400):
+        step()
+        loras.wait_for_loads()
+        if "F" in done:
+            break
+    assert done["F"].error_code is ErrorCode.LORA_LOAD_FAILED and "'poet'" in done["F"].error and tokens["F"] == []
+    assert loras.pins == {} and loras.in_use == {}
+    bm = engine.scheduler.block_manager
+    assert bm.num_free_blocks == bm.num_total_blocks
+
+
 def test_bad_adapters_are_refused_by_name(setup, tmp_path):
     base, adapters = setup
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=4, num_threads=1)
-    res = llm.engine.load_lora_adapter("sql", str(adapters["sql"]))  # rank 8 > 4
+    res = llm.load_lora_adapter("sql", str(adapters["sql"]))  # rank 8 > 4
     assert res["status"] == 400 and "rank 8 is above --max-lora-rank 4" in res["error"]
-    res = llm.engine.load_lora_adapter("none", str(tmp_path))
+    res = llm.load_lora_adapter("none", str(tmp_path))
     assert res["status"] == 400 and "not a PEFT adapter directory" in res["error"]
-    assert llm.engine.load_lora_adapter("poet", str(adapters["poet"])) == {"name": "poet"}
+    assert llm.load_lora_adapter("poet", str(adapters["poet"])) == {"name": "poet"}
     with pytest.raises(LoraNotLoaded, match="'sql' is not loaded"):
         llm.generate([{"prompt_token_ids": [3, 4, 5]}], lora_name="sql")
     assert llm.engine.unload_lora_adapter("poet") == {"name": "poet"}
@@ -188,7 +295,7 @@ def test_adapter_tensors_that_do_not_fit_are_refused_naming_them(setup, tmp_path
         tensors[key] = tensors[key][:, :5].contiguous()
     save_file(tensors, bad / WEIGHTS_FILE)
     llm = LLM(str(base), enable_lora=True, max_loras=2, max_lora_rank=64, num_threads=1)
-    res = llm.engine.load_lora_adapter("bad", str(bad))
+    res = llm.load_lora_adapter("bad", str(bad))
     assert res["status"] == 400 and re.search(message, res["error"]), res
 
 
@@ -276,7 +383,7 @@ def test_router_places_by_adapter_and_kv_aware_scores_the_adapters_chain():
     assert with_adapter(ws, RouteRequest({"prompt": tokens}, {})) == ws
 
 
-@pytest.mark.parametrize("mode", ["stacked", "grouped"])
+@pytest.mark.parametrize("mode", ["stacked", "grouped", "sgmv"])
 def test_both_step_forms_add_each_rows_own_delta(monkeypatch, mode):
     """A step mixing two adapters and base rows, whole and in tiles: every row gets
     x @ A_t @ B_t of its own adapter (computed row by row here), base rows nothing."""

@@ -30,7 +30,9 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     root = tmp_path_factory.mktemp("lora_serve")
-    base = make_checkpoint(root / "base", "llama", seed=5)
+    # 4096 positions: room for a slot-holding stream that outlasts what the tests send meanwhile
+    # (llama3 rope reads original_max_position_embeddings, so the outputs do not change)
+    base = make_checkpoint(root / "base", "llama", seed=5, max_position_embeddings=4096)
     adapters = {name: make_adapter(base, root / name, r, a, rs, t, seed=i + 11)
                 for i, (name, r, a, rs, t) in enumerate(ADAPTERS)}
     return base, adapters
@@ -250,13 +252,14 @@ def test_router_load_that_fails_on_one_engine_is_a_partial_failure(cluster, mode
 
 @pytest.fixture(scope="module")
 def more_engines(cluster, models):
-    """Started together (each start is mostly a model load): D2, a decode engine that loads
-    adapters on demand, and dp, a DP=2 engine with one adapter slot per rank."""
+    """Started together (each start is mostly a model load): D2, a decode engine with one
+    adapter slot that loads sql on demand, and dp, a DP=2 engine with one adapter slot per rank."""
     adapters = models[1]
     cluster.start_engines(
-        D2=["--kv-role", "consumer", "--enable-lora", "--max-lora-rank", "8", "--lora-load-policy", "load",
+        D2=["--kv-role", "consumer", "--max-model-len", "4096", "--enable-lora", "--max-loras", "1", "--max-lora-rank", "8",
+            "--lora-modules", f"poet={adapters['poet']}", "--lora-load-policy", "load",
             "--lora-path-map", f"sql={adapters['sql']}"],
-        dp=["--data-parallel-size", "2", "--num-threads", "1", "--enable-lora", "--max-loras", "1",
+        dp=["--data-parallel-size", "2", "--num-threads", "1", "--max-model-len", "4096", "--enable-lora", "--max-loras", "1",
             "--max-lora-rank", "8", "--lora-modules", f"sql={adapters['sql']}"])
     for name in ("D2", "dp"):
         cluster.baseline[name] = cluster[name].stats()["num_total_blocks"]
@@ -283,8 +286,47 @@ def test_decode_loads_a_missing_adapter_by_policy(more_engines, models, tokenize
         assert status == 200, answer
         assert text_of(answer) == tokenizer.decode(reference(base, adapters["sql"], prompt))
     assert "sql" in model_ids(cluster["D2"].url)
-    status, answer = complete(cluster["D2"].url, body(prompts[0], "poet"))
-    assert status == 404 and "'poet'" in answer["error"]["message"]
+    status, answer = complete(cluster["D2"].url, body(prompts[0], "attn"))
+    assert status == 404 and "'attn'" in answer["error"]["message"]
+    cluster.assert_settled()
+
+
+def prefill_for(cluster, prompt: list[int], name: str | None) -> dict:
+    """P's leg of a PD request under `name`: the kv_transfer_params D pulls with."""
+    status, first = complete(cluster["P"].url, body(prompt, name, max_tokens=1, kv_transfer_params={
+        "do_remote_decode": True, "transfer_id": uuid.uuid4().hex}))
+    assert status == 200, first
+    return first["kv_transfer_params"]
+
+
+def test_decode_request_waits_for_a_slot_while_others_run(more_engines, models, tokenizer):
+    """PD, D2 with one adapter slot: while a stream under poet holds it, a PD request under sql
+    (loaded on demand: known, no room yet) waits in D2's queue with P's blocks pinned, and a base
+    request pulled after it runs past it; once the stream is aborted sql loads, D2 pulls and
+    decodes equal to PEFT, and P's blocks are released."""
+    cluster, (base, adapters) = more_engines, models
+    d2 = cluster["D2"].url
+    held, waiting_prompt, other = prompts_of([25, 17, 12], seed=61)
+    want_other = tokenizer.decode(reference(base, None, other, tokens=8))
+    want = tokenizer.decode(reference(base, adapters["sql"], waiting_prompt))
+    stream = open_stream(d2, body(held, "poet", max_tokens=HOLD_TOKENS, kv_transfer_params=prefill_for(cluster, held, "poet")))
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            params = prefill_for(cluster, waiting_prompt, "sql")
+            waiting = pool.submit(complete, d2, body(waiting_prompt, "sql", kv_transfer_params=params))
+            wait_for("sql's request queued on D2", lambda: cluster["D2"].stats()["num_waiting"] == 1)
+            status, answer = complete(d2, body(other, None, max_tokens=8,
+                                               kv_transfer_params=prefill_for(cluster, other, None)))
+            assert status == 200 and text_of(answer) == want_other
+            stats = cluster["D2"].stats()
+            assert not waiting.done() and stats["num_waiting"] == 1 and stats["num_running"] == 1  # still held
+            stream.close()  # the client goes: the stream is aborted, its slot frees
+            stream = None
+            status, answer = waiting.result()
+        assert status == 200 and text_of(answer) == want
+    finally:
+        if stream is not None:
+            stream.close()
     cluster.assert_settled()
 
 
@@ -354,11 +396,37 @@ def test_json_schema_under_an_adapter_equals_constrained_peft(cluster, models, t
     cluster.assert_settled()
 
 
-def test_a_dp_load_one_rank_refuses_leaves_the_ranks_alike(more_engines, models, tokenizer):
-    """DP=2, one slot per rank: while a request under `sql` runs on rank 0, loading another
-    adapter has no slot there (every one held: 503) and a free one on rank 1, which loads it
-    and then unloads it again: the answer names rank 0 and both ranks serve the same
-    adapters. Once the request is done the load lands on both."""
+HOLD_TOKENS = 4000  # a stream holding an adapter slot: ~4000 decode steps outlast the few requests sent meanwhile
+# (470 on a 512-position engine raced them under load: the stream ended first); aborted once they are done
+
+
+def wait_for(what, check, seconds: float = 60.0):
+    """Poll `check()` until it is truthy (a deadline, not a sleep); its value."""
+    deadline = time.monotonic() + seconds
+    while not (value := check()):
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+    return value
+
+
+def open_stream(url: str, body_: dict, headers: dict | None = None) -> httpclient.HTTPConnection:
+    """A streamed completion whose first chunk is out (so it is running); close it to abort it."""
+    target = urlparse(url)
+    conn = httpclient.HTTPConnection(target.hostname, target.port, timeout=60)
+    conn.request("POST", "/v1/completions", json.dumps(dict(body_, stream=True)),
+                 {"Content-Type": "application/json", **(headers or {})})
+    resp = conn.getresponse()
+    assert resp.status == 200, resp.read()
+    assert resp.readline().startswith(b"data: ")
+    return conn
+
+
+def test_dp_request_waits_for_a_slot_while_others_run(more_engines, models, tokenizer):
+    """DP=2, one adapter slot per rank. While a stream under `sql` holds rank 0's slot, a
+    run-time load of `poet` succeeds on both ranks (rank 0 knows it without room for it); a
+    request for poet on rank 0 waits in its queue (not a 503), and base and sql requests sent
+    after it on rank 0 run past it; once the stream is aborted (its client goes) poet loads
+    into the freed slot and the waiting request answers equal to PEFT."""
     cluster, (base, adapters) = more_engines, models
     url = cluster["dp"].url
 
@@ -368,26 +436,29 @@ def test_a_dp_load_one_rank_refuses_leaves_the_ranks_alike(more_engines, models,
 
     assert rank_loras() == [(["sql"], ["sql"])] * 2
     prompt = prompts_of([30], seed=77)[0]
-    target = urlparse(url)
-    conn = httpclient.HTTPConnection(target.hostname, target.port, timeout=60)
+    others = list(zip(prompts_of([11, 19], seed=3), [None, "sql"]))
+    wants = [tokenizer.decode(reference(base, adapters.get(name), other, tokens=8)) for other, name in others]
+    want = tokenizer.decode(reference(base, adapters["poet"], prompt))
+    stream = open_stream(url, body(prompt, "sql", max_tokens=HOLD_TOKENS), {"X-data-parallel-rank": "0"})
     try:
-        conn.request("POST", "/v1/completions", json.dumps(body(prompt, "sql", stream=True, max_tokens=200)),
-                     {"Content-Type": "application/json", "X-data-parallel-rank": "0"})
-        resp = conn.getresponse()
-        assert resp.status == 200 and resp.readline().startswith(b"data: ")  # running under sql on rank 0
         status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(adapters["poet"])})
-        assert cluster["dp"].stats()["num_running"] == 1  # so the load came while it ran
-        err = json.loads(raw)["error"]
-        assert status == 503 and "DP rank 0" in err["message"] and "no rank keeps" in err["message"], raw
-        assert rank_loras() == [(["sql"], ["sql"]), (["sql"], [])]  # rank 1 evicted sql for poet, then dropped poet
-        resp.read()
+        assert status == 200, raw
+        assert rank_loras() == [(["poet", "sql"], ["sql"]), (["poet", "sql"], ["poet"])]
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            waiting = pool.submit(complete, url, body(prompt, "poet", data_parallel_rank=0))
+            wait_for("poet's request queued on rank 0", lambda: cluster["dp"].stats()["num_waiting"] == 1)
+            for (other, name), other_want in zip(others, wants):  # sent after it, same rank: run past it
+                status, answer = complete(url, body(other, name, data_parallel_rank=0, max_tokens=8))
+                assert status == 200 and text_of(answer) == other_want
+            stats = cluster["dp"].stats()
+            assert not waiting.done() or waiting.result() is None, waiting.result()
+            assert stats["num_waiting"] == 1 and stats["num_running"] == 1  # still held
+            stream.close()  # the client goes: the stream is aborted, its slot frees
+            stream = None
+            status, answer = waiting.result()
+        assert status == 200 and text_of(answer) == want
     finally:
-        conn.close()
-    status, answer = complete(url, body(prompt, "poet"))
-    assert status == 404  # the API never listed it
-    status, raw = http("POST", url + "/v1/load_lora_adapter", {"lora_name": "poet", "lora_path": str(adapters["poet"])})
-    assert status == 200, raw
-    assert [known for known, _ in rank_loras()] == [["poet", "sql"]] * 2
-    status, answer = complete(url, body(prompt, "poet"))
-    assert status == 200 and text_of(answer) == tokenizer.decode(reference(base, adapters["poet"], prompt))
+        if stream is not None:
+            stream.close()
+    assert rank_loras()[0] == (["poet", "sql"], ["poet"])  # sql evicted for it once idle
     cluster.assert_settled()

@@ -50,8 +50,6 @@ def test_empty_config_is_one_prefill_one_decode():
     ({"lora": {"enabled": True, "modules": {"bad name": "/a"}}}, "lora.modules"),
     ({"lora": {"enabled": True, "modules": {"sql": ""}}}, "lora.modules"),
     ({"decode": {"lora_modules": {"sql": "/a"}}}, "decode.lora_modules"),
-    ({"lora": {"enabled": True, "max_loras": 1, "modules": {"a": "/a"}}, "prefill": {"lora_modules": {"b": "/b"}}},
-     "prefill.lora_modules"),
     ({"lora": {"enabled": "yes"}}, "lora.enabled"),
 ])
 def test_bad_field_is_named(data, field):

@@ -85,7 +85,7 @@ ERROR_STATUS = {ErrorCode.INVALID_REQUEST: (400, "invalid_request_error"),
                 ErrorCode.KV_TRANSFER_FAILED: (503, "service_unavailable"),
                 ErrorCode.KV_PARAMS_UNTRUSTED: (403, "permission_error"),
                 ErrorCode.MODEL_NOT_FOUND: (404, "not_found_error"),
-                ErrorCode.LORA_BUSY: (503, "service_unavailable")}
+                ErrorCode.LORA_LOAD_FAILED: (400, "invalid_request_error")}
 
 
 def unschedulable_param(code: ErrorCode | None, req: Any, params: Any, max_num_seqs: int) -> str | None:

@@ -19,6 +19,7 @@ broke cannot run alone (it lacks the others' experts): its core fails, its reque
 """
 from __future__ import annotations
 
+import concurrent.futures
 import logging
 import os
 import time
@@ -30,7 +31,7 @@ import zmq
 from atomd.messages import (UTILITY_METHODS, AbortRequests, AddRequest, CoreError, InputMessage, OutputMessage,
                             Ready, RequestOutput, StepOutputs, UtilityCall, UtilityResult)
 from kv_transfer import faults
-from atomd.engine.lora_registry import LoraBusy, LoraNotLoaded
+from atomd.engine.lora_registry import LoraNotLoaded
 from kv_transfer.trust import UntrustedKVParams
 from contracts.errors import ErrorCode
 
@@ -45,6 +46,7 @@ logger = logging.getLogger("atomd.engine.core")
 IDLE_POLL_MS = 1000  # how often an idle core wakes to check its parent is still alive
 STALLED_POLL_MS = 1  # busy but the last step had no output: wait on the socket, do not spin
 SERVING_POLL_MS = 10  # a producer whose only work is pinned blocks: poll for their release
+LOADING_POLL_MS = 5  # idle but a LoRA adapter is being read in the background: poll for its end
 IDLE_TICK_MS = 5  # a DP rank that ticks with its group: its wait on the socket between (empty) ticks
 
 
@@ -58,6 +60,7 @@ class EngineCore:
 
     def __init__(self, engine: EngineLoop, inp: zmq.Socket, out: zmq.Socket, parent_pid: int):
         self.engine, self.inp, self.out, self.parent_pid = engine, inp, out, parent_pid
+        self.pending: list[tuple[int, concurrent.futures.Future]] = []  # utility calls answered later
         self.decoder = msgspec.msgpack.Decoder(InputMessage)
         self.encoder = msgspec.msgpack.Encoder()
 
@@ -68,7 +71,9 @@ class EngineCore:
         stalled = False  # the last step produced nothing (e.g. every request waits for remote KV)
         while True:
             busy = self.engine.has_unfinished_requests()
-            timeout = (self.stalled_poll_ms() if stalled else 0) if busy else IDLE_POLL_MS
+            loading = self.engine.lora_loads_pending()  # a background read: poll for its end, do not sleep
+            timeout = (self.stalled_poll_ms() if stalled else 0) if busy else LOADING_POLL_MS if loading \
+                else IDLE_POLL_MS
             if self.inp.poll(timeout):
                 self.drain_input()
             elif not busy and os.getppid() != self.parent_pid:
@@ -83,6 +88,7 @@ class EngineCore:
                     if faults.ACTIVE:  # tests: kill / stop / delay before the API sees these
                         faults.engine_outputs(outputs)
                     self.send(StepOutputs(outputs))
+            self.answer_pending()
 
     def stalled_poll_ms(self) -> int:
         """A producer holding pinned blocks (up to a lease) need not wake every millisecond."""
@@ -110,9 +116,8 @@ class EngineCore:
                 self.engine.add_request(msg.request_id, msg.prompt_token_ids, msg.sampling_params,
                                         kv_transfer_params=msg.kv_transfer_params, lora_name=msg.lora_name)
             except Exception as e:  # refused on arrival: that request's error, never the core's death
-                if isinstance(e, (LoraNotLoaded, LoraBusy)):  # an adapter not loaded here / no adapter slot free
-                    code = ErrorCode.LORA_BUSY if isinstance(e, LoraBusy) else ErrorCode.MODEL_NOT_FOUND
-                    error = str(e)
+                if isinstance(e, LoraNotLoaded):  # an adapter not loaded here
+                    code, error = ErrorCode.MODEL_NOT_FOUND, str(e)
                 elif isinstance(e, ValueError):  # the API answers a 4xx with the message
                     code = ErrorCode.KV_PARAMS_UNTRUSTED if isinstance(e, UntrustedKVParams) \
                         else ErrorCode.INVALID_REQUEST
@@ -127,7 +132,24 @@ class EngineCore:
             for request_id in msg.request_ids:
                 self.engine.abort_request(request_id)
         else:
-            self.send(self.call_utility(msg))
+            self.handle_utility(msg)
+
+    def handle_utility(self, call: UtilityCall) -> None:
+        """Answer now, or once the engine's Future is done (an adapter read in the background)."""
+        result = self.call_utility(call)
+        if isinstance(result.result, concurrent.futures.Future):
+            self.pending.append((call.call_id, result.result))
+        else:
+            self.send(result)
+
+    def answer_pending(self) -> None:
+        """Between steps: the deferred utility calls whose work landed get their answers."""
+        if not self.pending:
+            return
+        self.engine.finish_lora_loads()
+        for entry in [p for p in self.pending if p[1].done()]:
+            self.pending.remove(entry)
+            self.send(UtilityResult(entry[0], result=entry[1].result()))
 
     def call_utility(self, call: UtilityCall) -> UtilityResult:
         if call.method not in UTILITY_METHODS:
@@ -268,6 +290,7 @@ class DPEngineCore(EngineCore):
                 group.lockstep.end_of_step()
             if outputs:
                 self.send(StepOutputs(outputs))
+            self.answer_pending()
         if group.expert_parallel:  # the other ranks' experts are gone with them
             raise RuntimeError(f"DP rank {group.rank}: the expert-parallel group is broken "
                                f"({group.collective.broken})")

@@ -14,6 +14,7 @@ cumulative logprob once all are done (`ranked_choices`).
 from __future__ import annotations
 
 import collections
+import concurrent.futures
 import os
 import pathlib
 import time
@@ -23,7 +24,8 @@ import msgspec
 
 from atomd.config import DEFAULT_KV_CACHE_MEMORY, EngineConfig
 from atomd.engine.kv_events import KVEventPublisher, offset_port
-from atomd.engine.lora_registry import LoraBusy, LoraNotLoaded, LoraRegistry
+from atomd.engine.lora_registry import LoraLoadFailed, LoraNotLoaded, LoraRegistry
+from contracts.errors import ErrorCode
 from atomd.messages import RequestOutput
 from atomd.model import hub
 from atomd.sim.hardware import StepShape
@@ -91,7 +93,8 @@ class EngineLoop:
             num_speculative_tokens=spec.num_speculative_tokens if spec is not None else 0,
             enable_kv_events=config.kv_events_endpoint is not None,
             scheduling_policy=config.scheduling_policy),
-            kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode)
+            kv_connector=self.kv_connector, prefill_delayer=prefill_delayer, detokenize=self.tokenizer.decode,
+            admission_gate=self._admit_lora if self.loras is not None else None)
         self.kv_events = self._make_kv_events(model_dir)  # None without --kv-events-endpoint
         self._requests: dict[str, _Request] = {}
         self._embeddings: dict[str, list[float]] = {}  # pooled vectors by request id, until the last output
@@ -153,8 +156,8 @@ class EngineLoop:
                     arrival_time: float | None = None, lora_name: str | None = None) -> Sequence:
         """ValueError (the API's 400) for a duplicate id, a token outside the vocabulary, or
         kv_transfer_params that do not fit this prompt; LoraNotLoaded for an adapter this
-        engine does not know (404), LoraBusy when no adapter slot is free (503).
-        `lora_name`: the LoRA adapter the request runs under (None: the base model)."""
+        engine does not know (404). `lora_name`: the LoRA adapter the request runs under (None:
+        the base model); the scheduler admits it once that adapter is resident (`_admit_lora`)."""
         if request_id in self._requests:
             raise ValueError(f"request_id {request_id!r} is already running")
         check_in_vocabulary("prompt_token_ids", prompt_token_ids, self.vocab_size)
@@ -171,8 +174,7 @@ class EngineLoop:
             seq.prompt_logprobs = list(kv_transfer_params.prompt_logprobs)
         if self.kv_connector is not None:  # ValueError: kv_transfer_params do not fit this prompt
             self.kv_connector.request_added(seq)
-        if lora_name is not None:  # last: nothing after it can refuse the request (it holds the adapter)
-            self.loras.acquire(lora_name)
+        if lora_name is not None:
             seq.lora_id = self.loras.lora_id(lora_name)
         self.scheduler.add(seq)
         self._requests[request_id] = _Request(seq)
@@ -189,9 +191,24 @@ class EngineLoop:
             raise ValueError(f"kv_transfer_params: the prefill ran under LoRA adapter {kv_params.lora_name!r}, "
                              f"this request asks for {lora_name!r}")
 
+    def _admit_lora(self, seq: Sequence) -> bool | tuple[ErrorCode, str]:
+        """The scheduler's admission gate: True once the sequence's adapter is resident and pinned
+        for its request, False while it waits for a load or a free slot (the scheduler admits
+        others past it), (code, message) when it can no longer run (unloaded: 404; its load
+        failed: 400)."""
+        if seq.lora_name is None:
+            return True
+        try:
+            return self.loras.admit(seq.request_id, seq.lora_name)
+        except LoraNotLoaded as e:
+            return ErrorCode.MODEL_NOT_FOUND, str(e)
+        except LoraLoadFailed as e:
+            return ErrorCode.LORA_LOAD_FAILED, str(e)
+
     def _release_lora(self, seq: Sequence) -> None:
         if seq.lora_name is not None and self.loras is not None:
-            self.loras.release(seq.lora_name)
+            self.loras.release(seq.request_id)
+
     @staticmethod
     def _check_producer_tokens(p: KVTransferParams, vocab: int) -> None:
         """The token ids a producer sent (T0, drafts, logprob tops) are in this vocabulary:
@@ -248,6 +265,8 @@ class EngineLoop:
     # ------------------------------------------------------------------ the loop
 
     def step(self) -> list[RequestOutput]:
+        if self.loras is not None:  # adapters read in the background since the last step become resident
+            self.loras.finish_loads()
         outputs = [self._aborted_output(seq) for seq in self._aborted]
         self._aborted = []
         batch = self.scheduler.schedule()
@@ -426,18 +445,25 @@ class EngineLoop:
                     kernels=self.kernels_info(), loras=list(self.loras.paths) if self.loras is not None else None,
                     loras_resident=list(self.loras.resident) if self.loras is not None else None)
 
-    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any]:
-        """POST /v1/load_lora_adapter: {"name"} or {"error", "status"} (400 a bad adapter or a name
-        taken, 503 every slot held by running requests)."""
+    def load_lora_adapter(self, name: str, path: str) -> dict[str, Any] | concurrent.futures.Future:
+        """POST /v1/load_lora_adapter: {"name"} or {"error", "status": 400} (a bad adapter or a
+        name taken); the read runs on a background thread while the engine steps, so the answer
+        is a Future the core sends once the load landed (`finish_lora_loads`)."""
         if self.loras is None:
             return {"error": "this engine runs without --enable-lora", "status": 400}
         try:
-            self.loras.add(name, path)
-        except LoraBusy as e:
-            return {"error": str(e), "status": 503}
+            return self.loras.start_add(name, path)
         except ValueError as e:
             return {"error": str(e), "status": 400}
-        return {"name": name}
+
+    def lora_loads_pending(self) -> bool:
+        """An adapter is being read: the core polls (finish_lora_loads) instead of sleeping."""
+        return self.loras is not None and bool(self.loras.loading)
+
+    def finish_lora_loads(self) -> None:
+        """Between steps: loads that landed become resident and answer their callers."""
+        if self.loras is not None:
+            self.loras.finish_loads()
 
     def unload_lora_adapter(self, name: str) -> dict[str, Any]:
         """POST /v1/unload_lora_adapter: {"name"} or {"error", "status": 404}; requests running
@@ -455,6 +481,8 @@ class EngineLoop:
         return self.kv_connector is not None and self.kv_connector.revoke(transfer_id)
 
     def close(self) -> None:
+        if self.loras is not None:
+            self.loras.close()
         if self.kv_connector is not None:
             self.kv_connector.close()
         if self.kv_events is not None:

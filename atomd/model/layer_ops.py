@@ -83,7 +83,25 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
                                                                 _PTR, _I64, _I64, _I64, ctypes.c_int]
         for op in ("rms_norm", "silu_mul", "rope", "rope_store"):
             getattr(lib, f"atomd_{op}_{suffix}").restype = None
+    lib.atomd_lora_sgmv_f32.argtypes, lib.atomd_lora_sgmv_f32.restype = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR] + [_I64] * 5, None
     return lib
+
+
+LORA_SGMV_MAX_WIDTH = 256  # csrc/layer_ops.c SGMV_MAX_W: a fused linear's summed ranks, at most
+
+
+def has_lora_sgmv(dtype: torch.dtype, width: int) -> bool:
+    """lora_sgmv runs for this dtype and fused width (float32, the kernels built)."""
+    return dtype == torch.float32 and width <= LORA_SGMV_MAX_WIDTH and kernels() is not None
+
+
+def lora_sgmv(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, slots: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """out[i] += (x[i] @ a[slots[i]].T) @ b[slots[i]] for the rows with slots[i] >= 0, in one C call:
+    x [T, k] and out [T, n] float32 with contiguous rows, a [adapters, w, k] (A's rank rows),
+    b [adapters, w, n] contiguous, slots int64 [T] (has_lora_sgmv). Returns out."""
+    kernels().atomd_lora_sgmv_f32(x.data_ptr(), x.stride(0), a.data_ptr(), b.data_ptr(), slots.data_ptr(),
+                                  out.data_ptr(), out.stride(0), x.shape[0], a.shape[2], a.shape[1], b.shape[2])
+    return out
 
 
 def _native(*tensors: torch.Tensor) -> ctypes.CDLL | None:

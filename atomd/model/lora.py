@@ -25,6 +25,7 @@ import numpy as np
 import torch
 from safetensors import safe_open
 
+from atomd.model import layer_ops
 from atomd.model.config import ModelConfig
 
 # PEFT module name -> (the decoder's fused linear, which part of its output rows); phi3's
@@ -53,6 +54,11 @@ class LoraAdapter:
     path: str
     rank: int
     layers: list[dict[str, LoraLinear]]  # per layer: fused linear name -> its pair (absent: untouched)
+
+    def __post_init__(self) -> None:
+        pairs = [pair for layer in self.layers for pair in layer.values()]
+        self.width = max((pair.a_t.shape[1] for pair in pairs), default=0)  # the widest fused pair's rank columns
+        self.dtype = pairs[0].a_t.dtype if pairs else torch.float32
 
 
 def _out_slices(cfg: ModelConfig) -> dict[str, dict[str | None, tuple[int, int]]]:
@@ -217,16 +223,20 @@ class LoraStep:
       gather, one matmul pair per adapter on its contiguous rows, one scatter-add: only each
       row's own columns, 2k + 2 ops.
 
-    One adapter (or rows of one adapter only) is the stacked form without a mask either way.
-    `auto` (the default) stacks up to STACKED_MAX adapters and groups beyond: measured CPU time
+    - sgmv (float32 with the C kernels built): per fused linear one C call in which each row does
+      its own adapter's pair only (layer_ops.lora_sgmv): 1x the LoRA FLOPs, one call.
+
+    In the torch forms one adapter (or rows of one adapter only) is the stacked form without a mask.
+    `auto` (the default) runs sgmv where it can, else stacks up to STACKED_MAX adapters and
+    groups beyond: measured CPU time
     per batch-16 step, 4 adapters tie, at 16 the grouped form is 1.20x the base step against
     1.53x (135M shape, rank 8) and 3.1x against 4.7x (built-in model, rank 64)
     (benchmarks/results/lora.md)."""
 
-    mode = "auto"  # "stacked" | "grouped" | "auto"
+    mode = "auto"  # "stacked" | "grouped" | "sgmv" | "auto"
 
     def __init__(self, token_adapters: list[LoraAdapter | None], counts: np.ndarray,
-                 stack: LoraStack | None = None):
+                 stack: "LoraStack | SgmvStack | None" = None):
         """token_adapters[i]: sequence i's adapter (None: the base model); counts[i]: its rows;
         `stack`: the previous step's, reused when it holds the same adapters."""
         active: dict[int, LoraAdapter] = {}
@@ -239,11 +249,17 @@ class LoraStep:
             return
         slot = {id(a): j for j, a in enumerate(self.groups)}
         self.row_slot = np.repeat([-1 if a is None else slot[id(a)] for a in token_adapters], counts)
+        self.sgmv = self.mode in ("sgmv", "auto") and layer_ops.has_lora_sgmv(
+            self.groups[0].dtype, max(a.width for a in self.groups))
+        if self.sgmv:
+            self.stack = stack if isinstance(stack, SgmvStack) and stack.serves(self.groups) else SgmvStack(self.groups)
+            self.slots = torch.from_numpy(self.row_slot.astype(np.int64))
+            return
         self.grouped = len(self.groups) > 1 and (
             self.mode == "grouped" or (self.mode == "auto" and len(self.groups) > STACKED_MAX))
         if self.grouped:
             return
-        self.stack = stack if stack is not None and stack.serves(self.groups) else LoraStack(self.groups)
+        self.stack = stack if isinstance(stack, LoraStack) and stack.serves(self.groups) else LoraStack(self.groups)
         self.masks: dict[str, torch.Tensor | None] = {}
         for fused, cols in self.stack.cols.items():
             if (self.row_slot == 0).all() and len(cols) == 1:  # every row under the one adapter: nothing to mask
@@ -262,6 +278,8 @@ class LoraStep:
         slots = self.row_slot[start:stop]
         if (slots < 0).all():
             return None
+        if self.sgmv:
+            return SgmvRows(self.stack, self.slots[start:stop])
         if not self.grouped:
             return LoraRows(self.stack, {f: None if m is None else m[start:stop] for f, m in self.masks.items()})
         order = np.argsort(slots, kind="stable")
@@ -270,6 +288,54 @@ class LoraStep:
         bounds = [(j, int(np.searchsorted(sorted_slots, j)), int(np.searchsorted(sorted_slots, j, "right")))
                   for j in range(len(self.groups))]
         return GroupedRows(self.groups, torch.from_numpy(order.astype(np.int64)), bounds)
+
+
+class SgmvStack:
+    """The pairs of a set of adapters, per layer and fused linear, as the SGMV kernel reads them:
+    A [adapters, w, in] (A's rank rows) and B [adapters, w, out], w the widest adapter's (zeros past
+    an adapter's own width and for an adapter without that pair). Cached like LoraStack."""
+
+    def __init__(self, adapters: tuple[LoraAdapter, ...]):
+        self.adapters = adapters
+        self.layers: list[dict[str, tuple[torch.Tensor, torch.Tensor]]] = []
+        for i in range(len(adapters[0].layers)):
+            here: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+            for fused in dict.fromkeys(f for a in adapters for f in a.layers[i]):
+                pairs = [a.layers[i].get(fused) for a in adapters]
+                first = next(p for p in pairs if p is not None)
+                w = max(p.a_t.shape[1] for p in pairs if p is not None)
+                a_all = first.a_t.new_zeros(len(adapters), w, first.a_t.shape[0])
+                b_all = first.b_t.new_zeros(len(adapters), w, first.b_t.shape[1])
+                for j, pair in enumerate(pairs):
+                    if pair is not None:
+                        a_all[j, :pair.a_t.shape[1]], b_all[j, :pair.b_t.shape[0]] = pair.a_t.T, pair.b_t
+                here[fused] = (a_all, b_all)
+            self.layers.append(here)
+
+    def serves(self, adapters: tuple[LoraAdapter, ...]) -> bool:
+        return len(adapters) == len(self.adapters) and all(x is y for x, y in zip(adapters, self.adapters))
+
+
+class SgmvRows:
+    """A tile of rows (sgmv form): the stack and each row's adapter slot (-1: the base model)."""
+
+    def __init__(self, stack: SgmvStack, slots: torch.Tensor):
+        self.stack, self.slots = stack, slots
+
+    def layer(self, i: int) -> "SgmvLayer":
+        return SgmvLayer(self, i)
+
+
+class SgmvLayer:
+    def __init__(self, rows: SgmvRows, layer: int):
+        self.rows, self.index = rows, layer
+
+    def add(self, fused: str, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """out plus each row's own adapter delta, in place (one C call); returns out."""
+        pair = self.rows.stack.layers[self.index].get(fused)
+        if pair is None:
+            return out
+        return layer_ops.lora_sgmv(x if x.stride(-1) == 1 else x.contiguous(), pair[0], pair[1], self.rows.slots, out)
 
 
 class GroupedRows:

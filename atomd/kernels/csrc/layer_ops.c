@@ -516,3 +516,43 @@ DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *,
 #endif
 
 int atomd_gemv_kinds(void) { return GEMV_KINDS; }
+
+/* LoRA of a step's rows under several adapters in one call (an SGMV, atomd/model/lora.py's sgmv form):
+   out[i] += (x[i] @ a[s].T) @ b[s] for each row i whose slot s = slots[i] >= 0, a [adapters, w, k] (each
+   rank's A row) and b [adapters, w, n] contiguous (an adapter narrower than w padded with zeros). Each row
+   does only its own adapter's columns. The shrink's dot products keep 64 partial sums (independent lanes:
+   they vectorise without reassociating, and four chains hide the FMA latency); the expand adds four
+   ranks per pass over the row's outputs. */
+#define SGMV_LANES 64
+#define SGMV_MAX_W 256
+void atomd_lora_sgmv_f32(const float *x, int64_t x_stride, const float *a, const float *b, const int64_t *slots,
+                         float *out, int64_t out_stride, int64_t rows, int64_t k, int64_t w, int64_t n) {
+    float t[SGMV_MAX_W + 3];
+    for (int64_t i = 0; i < rows; i++) {
+        const int64_t s = slots[i];
+        if (s < 0) continue;
+        const float *xi = x + i * x_stride, *as = a + s * w * k, *bs = b + s * w * n;
+        float *oi = out + i * out_stride;
+        for (int64_t r = 0; r < w; r++) {
+            const float *ar = as + r * k;
+            float acc[SGMV_LANES] = {0};
+            int64_t j = 0;
+            for (; j + SGMV_LANES <= k; j += SGMV_LANES)
+                for (int l = 0; l < SGMV_LANES; l++) acc[l] += xi[j + l] * ar[j + l];
+            float sum = 0.0f;
+            for (; j < k; j++) sum += xi[j] * ar[j];
+            for (int l = 0; l < SGMV_LANES; l++) sum += acc[l];
+            t[r] = sum;
+        }
+        int64_t r = 0;
+        for (; r + 4 <= w; r += 4) {
+            const float t0 = t[r], t1 = t[r + 1], t2 = t[r + 2], t3 = t[r + 3];
+            const float *b0 = bs + r * n, *b1 = b0 + n, *b2 = b1 + n, *b3 = b2 + n;
+            for (int64_t c = 0; c < n; c++) oi[c] += t0 * b0[c] + t1 * b1[c] + t2 * b2[c] + t3 * b3[c];
+        }
+        for (; r < w; r++) {
+            const float tr = t[r], *br = bs + r * n;
+            for (int64_t c = 0; c < n; c++) oi[c] += tr * br[c];
+        }
+    }
+}
