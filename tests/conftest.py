@@ -55,6 +55,12 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "xdist_group(name): tests that share one pytest-xdist worker")
 
 
+# tryfirst: pytest-xdist's worker reads each item's xdist_group mark in its own
+# collection_modifyitems (it appends the group to the node id, which --dist loadgroup
+# schedules by); marks added after it were silently ignored, so a file's tests went to both
+# workers and each worker started that file's module fixtures (measured: test_families_pd's
+# four clusters started eight times)
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     _group_for_xdist(items)
     if os.environ.get(NETNS_FULL_ENV) == "1":
