@@ -57,9 +57,9 @@ def pytest_configure(config):
 
 # tryfirst: pytest-xdist's worker reads each item's xdist_group mark in its own
 # collection_modifyitems (it appends the group to the node id, which --dist loadgroup
-# schedules by); marks added after it were silently ignored, so a file's tests went to both
-# workers and each worker started that file's module fixtures (measured: test_families_pd's
-# four clusters started eight times)
+# schedules by), so the marks must be on before it runs. (Under pytest 9 that rewrite has no
+# effect at all: pyproject.toml pins pytest < 9; a file's tests then went to both workers and
+# each started the module's fixtures: test_families_pd's four clusters started eight times.)
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     _group_for_xdist(items)
