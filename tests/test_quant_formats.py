@@ -157,19 +157,22 @@ def write_quantized(float_dir, out, fmt, legacy_file=False):
     return deq
 
 
-_HF: dict = {}
+_HF: dict = {}  # (float checkpoint, format) -> HF model on its dequantised weights
 
 
 def hf_on(float_dir, fmt, deq):
-    if fmt not in _HF:
+    # keyed by the checkpoint too: test_tensor_parallel_quant packs another float checkpoint in
+    # the same format (keyed by fmt alone, whichever ran first set the other's reference)
+    key = (str(float_dir), fmt)
+    if key not in _HF:
         import copy
         model = copy.deepcopy(hf_model(float_dir))
         with torch.no_grad():
             for name, module in model.named_modules():
                 if name in deq:
                     module.weight.copy_(torch.from_numpy(deq[name]))
-        _HF[fmt] = model
-    return _HF[fmt]
+        _HF[key] = model
+    return _HF[key]
 
 
 @pytest.mark.parametrize("fmt", list(FORMATS))
