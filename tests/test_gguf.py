@@ -171,8 +171,13 @@ def add_vocabulary(w, float_dir, model: str) -> None:
 
 @pytest.fixture(scope="module", autouse=True)
 def cache_dir(tmp_path_factory):
-    """GGUF checkpoint directories go to a cache of this module's own (servers started here
-    inherit it); the compiled kernels stay the machine's: one build, not one per test run."""
+    yield from module_cache_dir(tmp_path_factory)
+
+
+def module_cache_dir(tmp_path_factory):
+    """A module fixture's body: GGUF checkpoint directories go to a cache of the module's own
+    (servers and workers started there inherit it); the compiled kernels stay the machine's:
+    one build, not one per test run."""
     from atomd.model.default import cache_root
 
     kernels = cache_root() / "kernels"

@@ -171,21 +171,15 @@ def test_a_layout_that_cannot_map_is_refused_naming_both():
 def test_the_sender_refuses_a_read_whose_layout_cannot_map_before_any_byte(tmp_path):
     """P's side channel (the zmq sender) checks a READ's fingerprint: a TP layout that cannot
     map is an ERROR naming both layouts, and D's blocks stay untouched."""
-    from tests.test_zmq_transport import (NUM_BLOCKS, SENTINEL, TOKEN, Collector, assert_untouched,
-                                          make_receiver, make_sender, random_blocks)
+    from tests.test_zmq_transport import (SENTINEL, assert_pull_refused_before_any_byte, make_receiver,
+                                          make_sender, random_blocks)
     p_fp = compat_fingerprint("test-model", "float32", 16, 2, 6, 8, "0.1.0")
     d_fp = compat_fingerprint("test-model", "float32", 16, 2, 6, 8, "0.1.0", tp_size=4)
     src = random_blocks(3)
     dst = np.full_like(src, SENTINEL)
     sender, receiver = make_sender("zmq", src, p_fp), make_receiver("zmq", dst, d_fp)
     try:
-        seen = Collector(sender, receiver)
-        sender.grant("t1", list(range(NUM_BLOCKS)), TOKEN, lease_s=30)
-        receiver.start_pull("t1", *sender.address, TOKEN, list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)), 10)
-        seen.wait_reported()
-        assert seen.failed == [("t1", "compat_mismatch")]
-        assert_untouched(dst)
-        assert receiver.stats().bytes_received == 0 and sender.stats().failures == {"compat_mismatch": 1}
+        assert_pull_refused_before_any_byte(sender, receiver, dst)
     finally:
         receiver.close()
         sender.close()

@@ -181,16 +181,9 @@ N_TOKENS = 16
 @pytest.fixture(scope="module")
 def gguf_cache(tmp_path_factory):
     """GGUF checkpoint directories go to this module's own cache (the workers inherit it)."""
-    from atomd.model.default import cache_root
+    from tests.test_gguf import module_cache_dir
 
-    kernels = cache_root() / "kernels"
-    kernels.mkdir(parents=True, exist_ok=True)
-    root = tmp_path_factory.mktemp("cache")
-    (root / "kernels").symlink_to(kernels, target_is_directory=True)
-    mp = pytest.MonkeyPatch()
-    mp.setenv("ATOMD_CACHE_DIR", str(root))
-    yield root
-    mp.undo()
+    yield from module_cache_dir(tmp_path_factory)
 
 
 @pytest.mark.unit

@@ -319,12 +319,9 @@ def test_block_ids_not_granted_to_the_transfer_are_refused(pair):
 
 
 @pytest.mark.unit
-def test_compat_mismatch_is_refused_before_any_byte(closing, backend):
-    src = random_blocks(3)
-    dst = np.full_like(src, SENTINEL)
-    sender = closing(make_sender(backend, src, COMPAT))
-    other = {**COMPAT, "dtype": "bfloat16"}
-    receiver = closing(make_receiver(backend, dst, other))
+def assert_pull_refused_before_any_byte(sender, receiver, dst) -> None:
+    """A whole pull of the sender's blocks, refused as compat_mismatch: D's blocks untouched,
+    no byte received, the sender counting the one failure."""
     seen = Collector(sender, receiver)
     sender.grant("t1", list(range(NUM_BLOCKS)), TOKEN, lease_s=30)
     receiver.start_pull("t1", *sender.address, TOKEN, list(range(NUM_BLOCKS)), list(range(NUM_BLOCKS)), 10)
@@ -332,6 +329,15 @@ def test_compat_mismatch_is_refused_before_any_byte(closing, backend):
     assert seen.failed == [("t1", "compat_mismatch")]
     assert_untouched(dst)
     assert receiver.stats().bytes_received == 0 and sender.stats().failures == {"compat_mismatch": 1}
+
+
+def test_compat_mismatch_is_refused_before_any_byte(closing, backend):
+    src = random_blocks(3)
+    dst = np.full_like(src, SENTINEL)
+    sender = closing(make_sender(backend, src, COMPAT))
+    other = {**COMPAT, "dtype": "bfloat16"}
+    receiver = closing(make_receiver(backend, dst, other))
+    assert_pull_refused_before_any_byte(sender, receiver, dst)
     # On the wire the ERROR names the field that differs.
     peer = closing(zmq.Context.instance().socket(zmq.DEALER))
     peer.connect("tcp://%s:%d" % sender.address)
