@@ -40,6 +40,7 @@ import numpy as np
 import torch
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.engine.runner import decode_reads, pad_tables
 from atomd.model.deepseek_mtp import MtpLayer, mtp_exchange_idle, mtp_forward
 
 
@@ -158,15 +159,10 @@ class MtpProposer:
     def _decode_meta(self, tables: list[list[int]], positions: torch.Tensor) -> AttentionMetadata:
         """One decode row a sequence at `positions`, over its blocks `tables`."""
         bs = self.kv_cache.block_size
-        lens = positions + 1
-        width = -(-int(lens.max()) // bs)
-        block_tables = torch.tensor([t[:width] + [0] * (width - len(t[:width])) for t in tables], dtype=torch.int64)
-        rows = torch.arange(len(tables))
-        meta = AttentionMetadata(False, block_tables[rows, positions // bs], positions % bs, [],
-                                 block_tables=block_tables, max_context=int(lens.max()), context_lens=lens,
+        padded, at = pad_tables(tables), positions.numpy()
+        meta = AttentionMetadata(False, torch.from_numpy(padded[np.arange(len(tables)), at // bs]), positions % bs, [],
                                  kernels=self.kernels)
-        if self.kernels is None and bool((lens != lens.max()).any()):  # the torch path masks short contexts
-            meta.decode_mask = (torch.arange(int(lens.max()))[None] < lens[:, None])[:, None, None, :]
+        decode_reads(meta, padded, at + 1, bs)
         return meta
 
     def forget(self, seq_id: int) -> None:

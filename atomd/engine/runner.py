@@ -70,7 +70,7 @@ class ModelRunner:
         ends = np.cumsum(num_sched)
         starts = ends - num_sched
         positions = np.arange(int(ends[-1]), dtype=np.int64) - np.repeat(starts - computed, num_sched)
-        tables = _pad_tables(batch.block_tables)
+        tables = pad_tables(batch.block_tables)
         row = np.repeat(np.arange(len(num_sched)), num_sched)
         slot_blocks = tables[row, positions // self.block_size]
         # speculative decoding: a decode row with drafts verifies them all in this forward
@@ -126,16 +126,9 @@ class ModelRunner:
 
     def _decode_metadata(self, meta: AttentionMetadata, seq_ids: list[int], tables: np.ndarray,
                          context_lens: np.ndarray) -> None:
-        max_context = int(context_lens.max())
-        max_blocks = -(-max_context // self.block_size)
-        meta.block_tables = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks]))
-        meta.max_context = max_context
-        meta.context_lens = torch.from_numpy(context_lens)
-        if self.kernels is not None:  # reads the paged cache directly: no mask, no workspace
+        decode_reads(meta, tables, context_lens, self.block_size)
+        if self.kernels is not None:  # reads the paged cache directly: no workspace
             return
-        if (context_lens != max_context).any():
-            keys = torch.arange(max_context)
-            meta.decode_mask = (keys.unsqueeze(0) < torch.from_numpy(context_lens).unsqueeze(1))[:, None, None, :]
         if not self.model.paged_kv_heads:  # no k, v heads to copy into a workspace
             return
         ws = self.workspace
@@ -159,7 +152,21 @@ class ModelRunner:
         return DecodeWorkspace(seq_ids, context_lens, capacity, c.num_layers, c.num_kv_heads, c.head_dim, dtype)
 
 
-def _pad_tables(block_tables: list[list[int]]) -> np.ndarray:
+def decode_reads(meta: AttentionMetadata, tables: np.ndarray, context_lens: np.ndarray, block_size: int) -> None:
+    """What a decode row reads of the paged cache: its blocks (`tables`, pad_tables' form) up to
+    the longest context, its context length, and on the torch path (no kernels: it pads every row
+    to the longest) the mask of the shorter rows."""
+    max_context = int(context_lens.max())
+    max_blocks = -(-max_context // block_size)
+    meta.block_tables = torch.from_numpy(np.ascontiguousarray(tables[:, :max_blocks]))
+    meta.max_context = max_context
+    meta.context_lens = torch.from_numpy(context_lens)
+    if meta.kernels is None and (context_lens != max_context).any():
+        keys = torch.arange(max_context)
+        meta.decode_mask = (keys.unsqueeze(0) < torch.from_numpy(context_lens).unsqueeze(1))[:, None, None, :]
+
+
+def pad_tables(block_tables: list[list[int]]) -> np.ndarray:
     """Block tables as one int64 array, short rows padded with block 0 (masked when read), and
     so are the FREED entries before a sliding window (scheduler/block_manager.py)."""
     width = max(len(t) for t in block_tables)
