@@ -151,6 +151,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.dtype == "auto":  # resolved once, here: the engine, the KV compat fingerprint see the result
             self.dtype, reason = auto_dtype()
             log.info("dtype auto: %s (%s)", self.dtype, reason)
+            if self.dtype == "float32" and self.quantization is None and self.model_runner == "real":
+                self.quantization, reason = auto_weights(self.model)
+                log.info("dtype auto: weights %s (%s)", self.quantization or "as the checkpoint's", reason)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.quantization is not None:
@@ -459,6 +462,34 @@ def auto_dtype() -> tuple[str, str]:
     return "float32", f"the CPU has none of {', '.join(BF16_CPU_FLAGS)}"
 
 
+def auto_weights(model: str | None) -> tuple[str | None, str]:
+    """`--dtype auto` where it chose float32 compute: the weights read as 16 bits (bf16, widened
+    to float32 in registers: `--quantization bf16`), halving decode's bytes as llama.cpp's BF16
+    does on such CPUs; None (as stored) for a checkpoint already quantized, a GGUF file, or
+    float16 weights (bf16 would round them: exact fp16 widening is not built); and why."""
+    try:
+        path = hub.model_path(model) if model is not None else _default_checkpoint()
+        with open(path / "config.json") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:  # a bad --model is reported where the model loads
+        return None, f"the checkpoint's config could not be read: {e}"
+    if hf.get("gguf_file"):
+        return None, "a GGUF file keeps its own tensor types"
+    if "quantization_config" in hf or (path / "quantize_config.json").is_file():
+        return None, "the checkpoint is already quantized"
+    stored = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    if stored == "float16":
+        return None, "float16 weights stay float32: bf16 would round them"
+    return "bf16", (f"{stored} weights read as bf16 and widened to float32 in registers: half the bytes a "
+                    f"decoded token reads")
+
+
+def _default_checkpoint():
+    from atomd.model import default
+
+    return default.PACKAGED_CHECKPOINT
+
+
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{field} must be one of {', '.join(choices)}, got {value!r}")
@@ -496,7 +527,7 @@ HELP = {
              "hub id (Qwen/Qwen3-0.6B) in the local Hugging Face cache (HF_HOME; nothing is downloaded) (default: "
              "the built-in default model)",
     "dtype": "weights and KV cache dtype; auto: bfloat16 where the CPU has AVX512_BF16 or AMX-BF16, "
-             "else float32 (logged at start-up)",
+             "else float32 with a float checkpoint's weights read as bf16 (--quantization bf16; logged at start-up)",
     "seed": "seed of unseeded sampling",
     "num_threads": "torch threads of this engine (default: all cores)",
     "attention_backend": "prefill and decode attention: native C kernels (float32 and bfloat16, prebuilt or built at first use), "
