@@ -32,7 +32,7 @@ LORA_LOAD_POLICIES = ("refuse", "load")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
-QUANTIZATIONS = ("int8", "int4", "bf16")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
+QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
 QUANTIZED_ACTIVATIONS = ("float32", "int8")  # --quantized-activations (atomd/model/quant.py, csrc/quant.h)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # --kv-cache-dtype (atomd/engine/kv_cache.py)
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
@@ -463,10 +463,10 @@ def auto_dtype() -> tuple[str, str]:
 
 
 def auto_weights(model: str | None) -> tuple[str | None, str]:
-    """`--dtype auto` where it chose float32 compute: the weights read as 16 bits (bf16, widened
-    to float32 in registers: `--quantization bf16`), halving decode's bytes as llama.cpp's BF16
-    does on such CPUs; None (as stored) for a checkpoint already quantized, a GGUF file, or
-    float16 weights (bf16 would round them: exact fp16 widening is not built); and why."""
+    """`--dtype auto` where it chose float32 compute: the weights read as 16 bits, widened to
+    float32 in registers (`--quantization bf16`; fp16 for a float16 checkpoint, which bf16 would
+    round), halving decode's bytes as llama.cpp's BF16 / F16 do on such CPUs; None (as stored)
+    for a checkpoint already quantized or a GGUF file; and why."""
     try:
         path = hub.model_path(model) if model is not None else _default_checkpoint()
         with open(path / "config.json") as f:
@@ -478,8 +478,9 @@ def auto_weights(model: str | None) -> tuple[str | None, str]:
     if "quantization_config" in hf or (path / "quantize_config.json").is_file():
         return None, "the checkpoint is already quantized"
     stored = hf.get("torch_dtype") or hf.get("dtype") or "float32"
-    if stored == "float16":
-        return None, "float16 weights stay float32: bf16 would round them"
+    if stored == "float16":  # bf16 would round them
+        return "fp16", "float16 weights read as float16 and widened to float32 in registers: half the bytes a " \
+                       "decoded token reads"
     return "bf16", (f"{stored} weights read as bf16 and widened to float32 in registers: half the bytes a "
                     f"decoded token reads")
 
@@ -534,7 +535,8 @@ HELP = {
                          "torch SDPA, or auto (native where they build)",
     "quantization": "weight-only quantization at load of a float checkpoint, round-to-nearest: int8 (per output "
                     "channel, symmetric) or int4 (groups of 128, else 64 or 32 inputs, with zero points), or bf16 (16-bit "
-                    "weights widened to float32 in registers: half float32's bytes on CPUs without AVX512_BF16); activations "
+                    "weights widened to float32 in registers: half float32's bytes on CPUs without AVX512_BF16) or fp16 (the same "
+                    "with float16 values: a float16 checkpoint's weights exactly); activations "
                     "stay --dtype. GPTQ, AWQ and compressed-tensors checkpoints and GGUF files load quantized without it",
     "quantized_activations": "int8: the quantized linears' activations quantised to int8 per block of 32 for "
                              "batch 1 to 32 rows (integer dot products, AVX512-VNNI where present; ~0.5%% rms error against "

@@ -13,6 +13,7 @@ CPU time) and wall time. Workloads (offline.py's): batch 1 (128-token prompt, 32
 decode alone = that run less a 1-token run), one 512-token prefill.
 
     nice -n 19 .venv/bin/python -m benchmarks.dtype_auto --model-shape smollm-135m --rounds 3 [--threads 1]
+        [--float16]   # the checkpoint written as float16 first: auto then reads fp16 weights
 """
 from __future__ import annotations
 
@@ -31,7 +32,24 @@ EMULATED = {"ATOMD_KERNEL_ISA": "no-bf16-dot", "ONEDNN_MAX_CPU_ISA": "AVX512_COR
 WORKLOADS = ("batch1_short", "batch1_short_first", "prefill_1x512")
 
 
-def child(shape: str, engine: str, threads: int) -> None:
+def float16_copy(path, dest):
+    """`path`'s checkpoint with its tensors as float16 (config.json saying so) in `dest`."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in path.iterdir():
+        if f.suffix == ".safetensors":
+            save_file({k: v.half() for k, v in load_file(f).items()}, dest / f.name, metadata={"format": "pt"})
+        elif f.name == "config.json":
+            (dest / f.name).write_text(json.dumps({**json.loads(f.read_text()), "torch_dtype": "float16"}))
+        elif f.is_file():
+            shutil.copy(f, dest / f.name)
+    return dest
+
+
+def child(shape: str, engine: str, threads: int, half: bool) -> None:
     """Load one engine, then one round of WORKLOADS per line on stdin, a JSON line per round."""
     import tempfile
     import pathlib
@@ -39,7 +57,10 @@ def child(shape: str, engine: str, threads: int) -> None:
     from atomd.config import EngineConfig
     from benchmarks.offline import WORKLOADS as SPECS, atomd_generator, checkpoint, model_config, prompts
 
-    path = checkpoint(shape, pathlib.Path(tempfile.mkdtemp()))
+    tmp = pathlib.Path(tempfile.mkdtemp())
+    path = checkpoint(shape, tmp)
+    if half:
+        path = float16_copy(path, tmp / "float16")
     resolved = EngineConfig(model=str(path), **ENGINES[engine])  # what auto chose, for the report
     gen = atomd_generator(path, threads, dtype=resolved.dtype, quantization=resolved.quantization)
     vocab = model_config(path)["vocab_size"]
@@ -61,16 +82,18 @@ def main() -> int:
     p.add_argument("--model-shape", default="smollm-135m")
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--float16", action="store_true", help="run a float16 copy of the checkpoint")
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
-        child(args.model_shape, args.child, args.threads)
+        child(args.model_shape, args.child, args.threads, args.float16)
         return 0
     env = {**os.environ, **EMULATED}
     procs, chosen = {}, {}
     for name in ENGINES:
         procs[name] = subprocess.Popen([sys.executable, "-m", "benchmarks.dtype_auto", "--model-shape", args.model_shape,
-                                        "--threads", str(args.threads), "--child", name],
+                                        "--threads", str(args.threads), "--child", name,
+                                        *(["--float16"] if args.float16 else [])],
                                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         chosen[name] = json.loads(procs[name].stdout.readline())
     load = [loadavg()]
@@ -93,7 +116,7 @@ def main() -> int:
         return {"decode_ms": 1e3 * decode, "prefill_ms": 1e3 * run["prefill_1x512"][key] / 512}
 
     print(f"CPU: {cpu_model()}, emulated {EMULATED}, threads {args.threads}, shape {args.model_shape}, "
-          f"load {min(load)}-{max(load)}")
+          f"{'float16 checkpoint, ' if args.float16 else ''}load {min(load)}-{max(load)}")
     print("| engine (resolved) | decode CPU ms/token | prefill CPU ms/token | decode wall ms | prefill wall ms |")
     print("|---|---:|---:|---:|---:|")
     med = {}

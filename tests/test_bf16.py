@@ -228,7 +228,7 @@ def _checkpoint_config(tmp_path, **hf) -> str:
     ({"torch_dtype": "float32"}, "bf16", "float32 weights read as bf16"),
     ({"dtype": "bfloat16"}, "bf16", "bfloat16 weights read as bf16"),  # transformers 5 names it dtype
     ({}, "bf16", "float32 weights read as bf16"),
-    ({"torch_dtype": "float16"}, None, "float16 weights stay float32"),
+    ({"torch_dtype": "float16"}, "fp16", "float16 weights read as float16"),  # bf16 would round them
     ({"quantization_config": {"quant_method": "gptq"}}, None, "already quantized"),
     ({"gguf_file": "/models/x.gguf"}, None, "GGUF file keeps its own tensor types"),
 ])

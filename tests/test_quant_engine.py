@@ -129,6 +129,25 @@ def test_dtype_auto_on_a_cpu_without_bf16_dot_products_runs_bf16_weights(monkeyp
 
 
 @pytest.mark.unit
+def test_dtype_auto_keeps_a_float16_checkpoint_as_float16_weights(monkeypatch, llama_dir, tmp_path):
+    """A float16 checkpoint under `--dtype auto` without bf16 dot products: its weights as
+    stored (float16, widened exactly), so the engine follows HF float32 on the checkpoint."""
+    half = tmp_path / "fp16"
+    copy.deepcopy(hf_model(llama_dir)).half().save_pretrained(half)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (half / name).write_bytes((llama_dir / name).read_bytes())
+    assert json.loads((half / "config.json").read_text())["dtype"] == "float16"
+    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512_vnni"})
+    llm = LLM(str(half), num_threads=1, max_model_len=256, dtype="auto")
+    assert (llm.engine.model.dtype, llm.engine.config.quantization) == (torch.float32, "fp16")
+    assert all(w.q.dtype == torch.float16 for w in llm.engine.model.layers[0].linears())
+    reference = transformers.AutoModelForCausalLM.from_pretrained(half, dtype=torch.float32).eval()
+    prompts = prompts_of([1, 37], seed=5)
+    for prompt, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(reference, prompt, 48), f"prompt of {len(prompt)}"
+
+
+@pytest.mark.unit
 def test_prefix_cache_and_speculative_decoding_keep_the_ids(quantized, llama_dir):
     method, llm = quantized
     shared = prompts_of([40], seed=6)[0]
