@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 SPREAD_QUANTILES = 50
+MIN_BY_SEQS_STEPS = 20  # served steps of one batch size before its own mean residual is kept
 
 
 def served_samples(urls: list[str]) -> list[tuple]:
@@ -73,7 +74,8 @@ def served_samples(urls: list[str]) -> list[tuple]:
 
 
 def fit_served(samples: list[tuple], kind: str, in_order: bool = False):
-    """The mean fit of one kind's served steps and the quantiles of measured - fitted
+    """The mean fit of one kind's served steps; the mean residual per batch size where it
+    stands out of the noise (by_seqs); and the quantiles of what is left of measured - fitted
     seconds, at mean 0 (in_order: the last MAX_SPREAD residuals themselves, in served order,
     at mean 0). Additive, not a ratio: a shared machine delays a step by a time slice
     whatever its size, and a ratio learnt from short steps would stretch long ones."""
@@ -83,12 +85,21 @@ def fit_served(samples: list[tuple], kind: str, in_order: bool = False):
         raise ValueError(f"{len(samples)} {kind} steps served: too few to fit (send traffic first)")
     fit = fit_linear([s for s, _ in samples], [t for _, t in samples], relative=False)
     residuals = np.array([t - fit.seconds(s) for s, t in samples])
+    seqs = np.array([s.seqs for s, _ in samples])
+    by_seqs = {}
+    for n in np.unique(seqs).tolist():
+        r = residuals[seqs == n]
+        # a batch size seen often enough whose mean residual is beyond 3 standard errors: the
+        # line misses it (not noise); the rest keep the line
+        if len(r) >= MIN_BY_SEQS_STEPS and abs(r.mean()) > 3 * r.std(ddof=1) / np.sqrt(len(r)):
+            by_seqs[int(n)] = round(float(np.clip(r.mean(), -0.999 * MAX_SPREAD_S, 0.999 * MAX_SPREAD_S)), 9)
+    residuals = residuals - np.array([by_seqs.get(int(n), 0.0) for n in seqs])
     spread = residuals[-MAX_SPREAD:] if in_order else \
         np.quantile(residuals, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
     spread = spread - spread.mean()  # at mean 0: a simulated step's mean is the fit's
     # a stalled machine's minute-long step would make a profile the loader refuses: kept at its bound
     spread = np.clip(spread, -0.999 * MAX_SPREAD_S, 0.999 * MAX_SPREAD_S)
-    return fit, [round(float(v), 6) for v in spread]
+    return fit, [round(float(v), 6) for v in spread], by_seqs
 
 
 class StepTimer:
@@ -225,10 +236,11 @@ def run_from_servers(args: argparse.Namespace) -> int:
     except (ValueError, OSError) as e:
         print(f"atomd profile: error: {e}", file=sys.stderr)
         return 2
-    for kind, (fit, spread) in fits.items():
+    for kind, (fit, spread, by_seqs) in fits.items():
         print(f"{kind} fit (served, mean): {fit.base_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.3f} us/token + "
               f"{fit.per_attention_s * 1e9:.4f} ns/{'pair' if kind == 'prefill' else 'context token'}; "
-              "measured - fitted p10 %.2f ms, p50 %.2f ms, p90 %.2f ms" % tuple(np.quantile(spread, (0.1, 0.5, 0.9)) * 1e3))
+              "measured - fitted p10 %.2f ms, p50 %.2f ms, p90 %.2f ms" % tuple(np.quantile(spread, (0.1, 0.5, 0.9)) * 1e3)
+              + "".join(f"; {n} seq{'s' * (n > 1)} {v * 1e3:+.3f} ms" for n, v in sorted(by_seqs.items())))
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
@@ -244,7 +256,8 @@ def run_from_servers(args: argparse.Namespace) -> int:
                       prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1],
                       spread_in_order=args.spread_in_order,
                       prefill_gap_s=gap["prefill"], decode_gap_s=gap["decode"],
-                      prefill_gap=models["prefill"], decode_gap=models["decode"])
+                      prefill_gap=models["prefill"], decode_gap=models["decode"],
+                      prefill_by_seqs=fits["prefill"][2], decode_by_seqs=fits["decode"][2])
     write_profile(args, config, name, step, link)
     return 0
 
