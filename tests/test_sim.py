@@ -496,7 +496,11 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
         outputs, pulls, added = b, int(rng.integers(0, 3)), int(rng.integers(0, 4))
         samples.append([False, b, b, b * c, b * c, 0.003 + 200e-6 * b + 100e-9 * b * c,
                         0.001 + 300e-6 * outputs + 4e-3 * pulls + 150e-6 * added, outputs, pulls, added])
-    bodies = {"/with/debug/stats": {"num_running": 0, "step_samples": samples}, "/without/debug/stats": {}}
+    # the same steps whose busy gaps stray from their model by +-0.5 ms (a shared machine's gaps)
+    noisy = [x[:6] + [x[6] + (0.5e-3 if i % 4 == 1 else -0.5e-3)] + x[7:] if not x[0] else x
+             for i, x in enumerate(samples)]
+    bodies = {"/with/debug/stats": {"num_running": 0, "step_samples": samples}, "/without/debug/stats": {},
+              "/noisy/debug/stats": {"num_running": 0, "step_samples": noisy}}
 
     class Stats(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -528,6 +532,22 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
         bad = subprocess.run([*cmd[:5], url + "/without", "-o", str(out)], cwd=REPO, capture_output=True,
                              text=True, timeout=120)
         assert bad.returncode == 2 and "ATOMD_STEP_SAMPLES" in bad.stderr
+        # noisy gaps: the gap model stays their least-squares fit (numpy's), and each gap's deviation
+        # from it rides on its step's residual (in served order); --no-gap-in-spread leaves the spread at 0
+        dec = [x for x in noisy if not x[0]]
+        work = np.array([[1.0, *x[7:10]] for x in dec])
+        coef = np.linalg.lstsq(work, np.array([x[6] for x in dec]), rcond=None)[0]
+        deviation = np.array([x[6] for x in dec]) - work @ coef
+        noisy_cmd = [*cmd[:5], url + "/noisy", "--spread-in-order", "-o", str(out)]
+        subprocess.run(noisy_cmd, cwd=REPO, check=True, capture_output=True, timeout=120)
+        step = load_profile(str(out)).step
+        np.testing.assert_allclose(msgspec.structs.astuple(step.decode_gap), coef, rtol=1e-6, atol=1e-9)
+        # (the line, refit on step + deviation, takes a little of it: the outputs term follows the batch)
+        spread = np.array(step.decode_spread)
+        assert np.corrcoef(spread, deviation)[0, 1] > 0.95
+        assert np.std(spread) == pytest.approx(np.std(deviation), rel=0.15)
+        subprocess.run([*noisy_cmd, "--no-gap-in-spread"], cwd=REPO, check=True, capture_output=True, timeout=120)
+        assert load_profile(str(out)).step.decode_spread == pytest.approx([0.0] * len(dec), abs=1e-9)
     finally:
         server.shutdown()
         server.server_close()

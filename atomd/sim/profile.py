@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, help="where to write the profile (JSON)")
     parser.add_argument("--from-servers", nargs="+", default=None, metavar="URL",
                         help="fit from these engines' served steps (started with $ATOMD_STEP_SAMPLES) instead of a grid")
+    parser.add_argument("--gap-in-spread", action=argparse.BooleanOptionalAction, default=True,
+                        help="--from-servers: add each busy gap's deviation from the gap model to its step's "
+                             "residual (the spread), so a simulated step's gap varies as the served ones did")
     parser.add_argument("--spread-in-order", action="store_true",
                         help="--from-servers: keep the residuals in served order (walked in order by a simulated "
                              "engine: slow stretches stay stretches) instead of their quantiles (drawn independently)")
@@ -228,10 +231,24 @@ def run_from_servers(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, dtype=args.dtype)
         config.check_model_dir()
         samples = served_samples(args.from_servers)
-        fits = {kind: fit_served([(s, t) for s, t, *_ in samples if s.is_prefill == (kind == "prefill")], kind,
-                                 in_order=args.spread_in_order)
-                for kind in ("prefill", "decode")}
         gaps = {kind: [(g, w) for s, _, g, w in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
+                for kind in ("prefill", "decode")}
+        gap = {kind: float(np.mean([v for v, _ in g])) if g else 0.0 for kind, g in gaps.items()}
+        models = {kind: fit_gap([w for _, w in g], [v for v, _ in g]) if g and all(w for _, w in g) else None
+                  for kind, g in gaps.items()}
+
+        def step_time(s, t, g, w) -> float:
+            """The forward's seconds, plus (gap in spread) its busy gap's deviation from the
+            gap model: a simulated engine waits the model's gap, so the gap's spread rides on
+            the step's (a wait clamped at 0 per step would inflate its mean instead)."""
+            if not args.gap_in_spread or g < 0:
+                return t
+            kind = "prefill" if s.is_prefill else "decode"
+            model = models[kind]
+            return t + g - (gap[kind] if model is None else model.seconds(*w))
+
+        fits = {kind: fit_served([(s, step_time(s, t, g, w)) for s, t, g, w in samples
+                                  if s.is_prefill == (kind == "prefill")], kind, in_order=args.spread_in_order)
                 for kind in ("prefill", "decode")}
     except (ValueError, OSError) as e:
         print(f"atomd profile: error: {e}", file=sys.stderr)
@@ -243,10 +260,8 @@ def run_from_servers(args: argparse.Namespace) -> int:
               + "".join(f"; {n} seq{'s' * (n > 1)} {v * 1e3:+.3f} ms" for n, v in sorted(by_seqs.items())))
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
-              f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
-    gap = {kind: float(np.mean([v for v, _ in g])) if g else 0.0 for kind, g in gaps.items()}
-    models = {kind: fit_gap([w for _, w in g], [v for v, _ in g]) if g and all(w for _, w in g) else None
-              for kind, g in gaps.items()}
+              f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit"
+              + (", busy gaps' deviations in the spread" if args.gap_in_spread else ""))
     for kind, g in gaps.items():
         m = models[kind]
         print(f"busy gap before a {kind} forward: mean {gap[kind] * 1e3:.2f} ms over {len(g)} steps" +
