@@ -111,7 +111,10 @@ def served_summary(role: str, path: pathlib.Path) -> str:
                    for kind, g in (("prefill", step.get("prefill_gap")), ("decode", step.get("decode_gap"))) if g)
     return (f"{role} prefill {p['base_s'] * 1e3:.2f} ms + {p['per_token_s'] * 1e6:.1f} us/token + "
             f"{p['per_attention_s'] * 1e9:.1f} ns/pair, decode {d['base_s'] * 1e3:.2f} ms + "
-            f"{d['per_token_s'] * 1e6:.1f} us/row + {d['per_attention_s'] * 1e9:.1f} ns/context token{gaps}")
+            f"{d['per_token_s'] * 1e6:.1f} us/row + {d['per_attention_s'] * 1e9:.1f} ns/context token"
+            + "".join(f", decode at {n} seqs {v * 1e3:+.3f} ms"
+                      for n, v in sorted(step.get("decode_by_seqs", {}).items(), key=lambda kv: int(kv[0])))
+            + gaps)
 
 
 def main() -> int:
