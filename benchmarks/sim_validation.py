@@ -93,15 +93,13 @@ def bench(url: str, args, seed: int, out: pathlib.Path) -> dict:
 
 def served_profile(engines: dict[str, str], path: pathlib.Path) -> tuple[list[str], list[str]]:
     """`atomd profile --from-servers --spread-in-order` on a real setup's engines; the
-    simulated flags using it, and using the same residuals drawn independently (the A/B of
-    walking them in served order)."""
-    subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers", *engines.values(),
-                    "--spread-in-order", "--name", path.stem, "-o", str(path)], cwd=REPO, check=True)
-    raw = json.loads(path.read_text())
-    raw["step"]["spread_in_order"] = False
-    iid = path.with_name(path.stem + "-iid.json")
-    iid.write_text(json.dumps(raw))
-    return simulated(path), simulated(iid)
+    simulated flags using it, and using the same fit without the busy gaps' deviations in
+    its spread (`--no-gap-in-spread`: the A/B of that, session 5)."""
+    step_only = path.with_name(path.stem + "-step-spread.json")
+    for out, extra in ((path, []), (step_only, ["--no-gap-in-spread"])):
+        subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers", *engines.values(),
+                        "--spread-in-order", *extra, "--name", out.stem, "-o", str(out)], cwd=REPO, check=True)
+    return simulated(path), simulated(step_only)
 
 
 def served_summary(role: str, path: pathlib.Path) -> str:
@@ -113,7 +111,10 @@ def served_summary(role: str, path: pathlib.Path) -> str:
                    for kind, g in (("prefill", step.get("prefill_gap")), ("decode", step.get("decode_gap"))) if g)
     return (f"{role} prefill {p['base_s'] * 1e3:.2f} ms + {p['per_token_s'] * 1e6:.1f} us/token + "
             f"{p['per_attention_s'] * 1e9:.1f} ns/pair, decode {d['base_s'] * 1e3:.2f} ms + "
-            f"{d['per_token_s'] * 1e6:.1f} us/row + {d['per_attention_s'] * 1e9:.1f} ns/context token{gaps}")
+            f"{d['per_token_s'] * 1e6:.1f} us/row + {d['per_attention_s'] * 1e9:.1f} ns/context token"
+            + "".join(f", decode at {n} seqs {v * 1e3:+.3f} ms"
+                      for n, v in sorted(step.get("decode_by_seqs", {}).items(), key=lambda kv: int(kv[0])))
+            + gaps)
 
 
 def main() -> int:
@@ -136,7 +137,7 @@ def main() -> int:
     grid = {role: simulated(profile) for role in ("colocated", "p", "d")} if not args.no_grid else None
     real = {role: [] for role in ("colocated", "p", "d")}
     env = dict(os.environ, ATOMD_STEP_SAMPLES="20000")
-    names = ["real", "served", "served-iid"] + ([] if args.no_grid else ["grid"])
+    names = ["real", "served", "served-step-spread"] + ([] if args.no_grid else ["grid"])
     results: dict[tuple[str, str], list[dict]] = {(k, n): [] for k in ("colocated", "pd") for n in names}
     loads, served = [], {}
     for r in range(args.rounds):
@@ -144,9 +145,9 @@ def main() -> int:
             with setup(kind, real, work, env=env) as (url, engines):
                 results[kind, "real"].append(bench(url, args, seed=r, out=work / f"{kind}-real-{r}.json"))
                 served[kind] = work / f"served-{kind}-{r}.json"
-                flags, iid_flags = served_profile(engines, served[kind])
+                flags, step_flags = served_profile(engines, served[kind])
             runs = [("served", {"colocated": flags, "p": flags, "d": flags}),
-                    ("served-iid", {"colocated": iid_flags, "p": iid_flags, "d": iid_flags})] + \
+                    ("served-step-spread", {"colocated": step_flags, "p": step_flags, "d": step_flags})] + \
                 ([] if grid is None else [("grid", grid)])
             for name, runner in (runs if r % 2 == 0 else runs[::-1]):
                 with setup(kind, runner, work) as (url, _):
@@ -191,8 +192,9 @@ def main() -> int:
 {cpu_name()} ({platform.machine()}), load before {load_before}, after each setup kind's real and simulated runs: {', '.join(loads)}.
 {grid}Served profiles (`atomd profile --from-servers` on each round's real engines; the 1P+1D one fits P's prefills and
 D's decodes; each busy gap from the gap model (the loop's work since the last forward: outputs, pulls landed,
-requests added); `served` walks the served residuals in their order from a seeded start, `served-iid` draws the same
-residuals independently), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
+requests added), the served residuals walked in their order from a seeded start, each batch size's mean residual
+kept where a line misses it; `served` adds each busy gap's deviation from the gap model to its step's residual,
+`served-step-spread` does not), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
 Link loopback; every engine one torch thread. Real rows: medians of {args.rounds} rounds and (spread) max / min over
 the rounds; simulated rows: medians and (simulated / real); target within 15% (0.85-1.15x).
 

@@ -306,7 +306,9 @@ class Autoscaler:
         if not (can_up and hot or can_down and cold):
             return " [cooldown]" if hot or cold else ""
         if can_up and pool.above >= p.up_windows and len(pool.urls) < p.max:
-            if slow and learnt:  # this size could not hold this rate
+            # this size could not hold this rate; a window with nothing answered (a stalled
+            # pool, a burst of long prompts) says nothing, and a 0 req/s rate would block every drain
+            if slow and learnt and rate > 0:
                 pool.hot_rate[n] = min(pool.hot_rate.get(n, float("inf")), rate)
             action = f" -> up to {len(pool.urls) + 1}"
             if self.dry_run:

@@ -76,6 +76,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      help="... but may scale up again this soon after one (default: --cooldown-s)")
     pol.add_argument("--learn-rates", action="store_true",
                      help="learn the request rate each pool size ran hot at: scale up ahead of it, never drain into it")
+    pol.add_argument("--rate-windows", type=int, default=5,
+                     help="with --learn-rates: the arrival rate is the mean over this many windows")
     p.add_argument("--interval-s", type=float, default=5.0, help="the window: one read and decision per interval")
     p.add_argument("--drain-timeout-s", type=float, default=120.0,
                    help="a draining engine is stopped after this long even if it still works")
@@ -99,7 +101,7 @@ def policies(args) -> tuple[PoolPolicy, PoolPolicy]:
         except ValueError as e:
             raise UsageError(f"{role} pool (--{role}-min / --{role}-max, --up / --down): {e}") from None
     for flag, value in (("--up-windows", args.up_windows), ("--down-windows", args.down_windows),
-                        ("--interval-s", args.interval_s)):
+                        ("--rate-windows", args.rate_windows), ("--interval-s", args.interval_s)):
         if not value > 0:
             raise UsageError(f"{flag} must be > 0, got {value}")
     return out[0], out[1]
@@ -144,7 +146,7 @@ def kubernetes_autoscaler(args, prefill: PoolPolicy, decode: PoolPolicy) -> Auto
         raise UsageError(str(e)) from None
     router = args.router_url.rstrip("/")
     scaler = Autoscaler(router, launcher, prefill, decode, window_s=args.interval_s, admin_key=args.admin_api_key,
-                        drain_timeout_s=args.drain_timeout_s, dry_run=args.dry_run)
+                        drain_timeout_s=args.drain_timeout_s, dry_run=args.dry_run, rate_windows=args.rate_windows)
     wait_for_router(router, scaler.headers, args.router_timeout_s)
     for role in ("prefill", "decode"):
         scaler.adopt(role, launcher.adopt(role))
@@ -173,7 +175,8 @@ def ray_autoscaler(args, prefill: PoolPolicy, decode: PoolPolicy):
     try:
         infos = cluster.start()
         scaler = Autoscaler(cluster.router_url, RayLauncher(cluster), prefill, decode, window_s=args.interval_s,
-                            drain_timeout_s=args.drain_timeout_s, dry_run=args.dry_run)
+                            drain_timeout_s=args.drain_timeout_s, dry_run=args.dry_run,
+                            rate_windows=args.rate_windows)
         for role in ("prefill", "decode"):  # the actors registered themselves: the pools only
             scaler.pools[role].urls.extend(i["url"] for i in infos if i["role"] == role)
     except ray.exceptions.RayError as e:

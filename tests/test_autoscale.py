@@ -112,6 +112,9 @@ def test_a_learnt_rate_keeps_a_drain_from_a_size_that_ran_hot_and_scales_up_ahea
     assert window(0.1, 4.0) == 2  # cold, but 1 engine ran hot at this rate: no drain
     assert window(0.1, 3.0) == 1  # under 0.9 x 4: drained
     assert window(0.5, 3.7) == 2 and pool.hot_rate == {1: 4.0}  # latency in the band, the rate there: up ahead
+    # a hot window with nothing answered learns no rate (0 req/s would block every later drain)
+    assert window(2.0, 0.0) == 3 and pool.hot_rate == {1: 4.0}
+    assert window(0.1, 0.0) == 2
     # without learn_rates the same windows only follow the latency
     policy.learn_rates = False
     assert [window(0.1, 4.0), window(0.5, 3.7)] == [1, 1]

@@ -95,7 +95,28 @@ def test_the_command_line_parses_with_atomd_autoscale_and_names_the_release(objs
     prefill, decode = policies(args)
     assert (prefill.min, prefill.max, prefill.slo_s, decode.min, decode.max, decode.slo_s) == (1, 3, 1.5, 2, 5, 0.05)
     assert (decode.up, decode.down, decode.up_windows, decode.down_windows, decode.cooldown_s) == (0.8, 0.25, 2, 4, 45)
+    # the ramp knobs (benchmarks/autoscale_diurnal.py's policy) reach both pools
+    for pool in (prefill, decode):
+        assert (pool.up_cooldown_s, pool.learn_rates) == (5, True)
+    assert args.rate_windows == 8
     assert args.interval_s == 15
+
+
+def test_the_ramp_knobs_stay_off_by_default(tmp_path):
+    """Chart defaults: no --up-cooldown-s (a scale-up waits the whole cooldown) and no learnt
+    rates, as `atomd-autoscale` without the flags."""
+    from launch.autoscale_cli import parser, policies
+
+    objs = render(namespace=NS, set_values={"autoscaler.enabled": True})
+    argv = autoscaler_pod(objs, tmp_path).argv()
+    assert "--up-cooldown-s" not in argv and "--learn-rates" not in argv and "--rate-windows" not in argv
+    args = parser().parse_args(argv[1:])
+    for pool in policies(args):
+        assert (pool.up_cooldown_s, pool.learn_rates, pool.cooldown_s) == (None, False, 60)
+    # a zero up-cooldown is a value, not "unset"
+    objs = render(namespace=NS, set_values={"autoscaler.enabled": True, "autoscaler.policy.upCooldownSeconds": 0})
+    argv = autoscaler_pod(objs, tmp_path / "zero").argv()
+    assert argv[argv.index("--up-cooldown-s") + 1] == "0"
 
 
 @pytest.mark.parametrize("keys,env", [({"adminApiKey.enabled": False}, "ATOMD_API_KEY"),
@@ -134,14 +155,23 @@ def test_the_role_grants_exactly_the_calls_the_command_makes(objs, tmp_path, mon
     router = RouterStandIn({"prefill": [9.0, 9.0, 9.0, 0.001], "decode": [9.0, 9.0, 9.0, 0.001]})
     monkeypatch.setattr(autoscale, "http", router.http)
     monkeypatch.setattr(autoscale_cli, "http", router.http)
+    built = []
+
+    class Recorded(autoscale.Autoscaler):
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            built.append(self)
+
+    monkeypatch.setattr(autoscale_cli, "Autoscaler", Recorded)
     argv = autoscaler_pod(objs, tmp_path).argv()[1:] + [
-        "--kubernetes-api", api.url, "--router-timeout-s", "0", "--interval-s", "0.01", "--cooldown-s", "0",
+        "--kubernetes-api", api.url, "--router-timeout-s", "0", "--interval-s", "0.01", "--cooldown-s", "0", "--up-cooldown-s", "0",
         "--up-windows", "1", "--down-windows", "1", "--windows", "4"]
     try:
         assert autoscale_cli.main(argv) == 0
     finally:
         api.close()
     assert api.replicas == {sets["prefill"]["metadata"]["name"]: 2, sets["decode"]["metadata"]["name"]: 4}
+    assert len(built) == 1 and built[0].rate_windows == 8  # the chart's rateWindows reaches the running scaler
     used = {rbac_of(c[0], c[1]) for c in api.calls}
     role = one(objs, "Role", "-autoscaler")
     granted = {(g, r, v, n) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
@@ -171,6 +201,8 @@ def test_the_role_grants_exactly_the_calls_the_command_makes(objs, tmp_path, mon
     ({"autoscaler.policy.down": 0.9}, "autoscaler.policy: down 0.9 must be below up 0.8"),
     ({"autoscaler.prefill.max": 0}, "at '/autoscaler/prefill/max': minimum: got 0, want 1"),
     ({"autoscaler.replicas": 2}, "at '/autoscaler': additional properties 'replicas' not allowed"),
+    ({"autoscaler.policy.rateWindows": 0}, "at '/autoscaler/policy/rateWindows': minimum: got 0, want 1"),
+    ({"autoscaler.policy.upCooldownSeconds": -1}, "at '/autoscaler/policy/upCooldownSeconds': minimum: got -1"),
 ])
 def test_bad_autoscaler_values_are_refused_with_a_clear_message(set_values, message):
     proc = helm("template", *template_args(values=(VALUES,), set_values=set_values), check=False)

@@ -230,6 +230,13 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     # this model's gap for its own work less its own gap, instead of the means above
     prefill_gap: LinearGap | None = None
     decode_gap: LinearGap | None = None
+    # ... and the served steps' mean residual per batch size (sequences in the step), where it
+    # stands out of the noise: {seqs: seconds} added to the fit. A served step's time is not
+    # linear in its batch: on a shared machine a decode batch of 2 is one whose new request's
+    # prefill ran beside it on the other core (1P+1D here: 1.5 ms at 1 sequence, 4.9 ms at 2),
+    # and a line through both over-predicts the batch of 1 that most steps are
+    prefill_by_seqs: dict[int, float] = {}
+    decode_by_seqs: dict[int, float] = {}
 
 
 class Derived(msgspec.Struct, frozen=True, kw_only=True, tag="derived"):
@@ -249,7 +256,9 @@ class Profile(msgspec.Struct, frozen=True, kw_only=True):
 
     def step_seconds(self, step: StepShape) -> float:
         if isinstance(self.step, Calibrated):
-            return max(0.0, (self.step.prefill if step.is_prefill else self.step.decode).seconds(step))
+            fit, by_seqs = (self.step.prefill, self.step.prefill_by_seqs) if step.is_prefill else \
+                (self.step.decode, self.step.decode_by_seqs)
+            return max(0.0, fit.seconds(step) + by_seqs.get(step.seqs, 0.0))
         return roofline_seconds(self.step.accelerator, self.model, step)
 
     def with_link(self, link: str | None) -> "Profile":
@@ -331,6 +340,10 @@ def check_profile(p: Profile) -> None:
             if len(spread) > MAX_SPREAD or not all(abs(v) < MAX_SPREAD_S for v in spread):
                 raise ValueError(f"hardware {p.name}: a step spread holds at most {MAX_SPREAD} values in "
                                  f"(-{MAX_SPREAD_S:g}, {MAX_SPREAD_S:g}) s")
+        for by_seqs in (p.step.prefill_by_seqs, p.step.decode_by_seqs):
+            if len(by_seqs) > MAX_SPREAD or not all(k >= 1 and abs(v) < MAX_SPREAD_S for k, v in by_seqs.items()):
+                raise ValueError(f"hardware {p.name}: a per-batch-size residual table holds at most {MAX_SPREAD} "
+                                 f"batch sizes >= 1, each in (-{MAX_SPREAD_S:g}, {MAX_SPREAD_S:g}) s")
         if not (0 <= p.step.prefill_gap_s < 10 and 0 <= p.step.decode_gap_s < 10):
             raise ValueError(f"hardware {p.name}: prefill_gap_s and decode_gap_s must be in [0, 10) seconds")
         for gap in (p.step.prefill_gap, p.step.decode_gap):

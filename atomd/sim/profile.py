@@ -44,12 +44,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", "-o", required=True, help="where to write the profile (JSON)")
     parser.add_argument("--from-servers", nargs="+", default=None, metavar="URL",
                         help="fit from these engines' served steps (started with $ATOMD_STEP_SAMPLES) instead of a grid")
+    parser.add_argument("--gap-in-spread", action=argparse.BooleanOptionalAction, default=True,
+                        help="--from-servers: add each busy gap's deviation from the gap model to its step's "
+                             "residual (the spread), so a simulated step's gap varies as the served ones did")
     parser.add_argument("--spread-in-order", action="store_true",
                         help="--from-servers: keep the residuals in served order (walked in order by a simulated "
                              "engine: slow stretches stay stretches) instead of their quantiles (drawn independently)")
 
 
 SPREAD_QUANTILES = 50
+MIN_BY_SEQS_STEPS = 20  # served steps of one batch size before its own mean residual is kept
 
 
 def served_samples(urls: list[str]) -> list[tuple]:
@@ -73,7 +77,8 @@ def served_samples(urls: list[str]) -> list[tuple]:
 
 
 def fit_served(samples: list[tuple], kind: str, in_order: bool = False):
-    """The mean fit of one kind's served steps and the quantiles of measured - fitted
+    """The mean fit of one kind's served steps; the mean residual per batch size where it
+    stands out of the noise (by_seqs); and the quantiles of what is left of measured - fitted
     seconds, at mean 0 (in_order: the last MAX_SPREAD residuals themselves, in served order,
     at mean 0). Additive, not a ratio: a shared machine delays a step by a time slice
     whatever its size, and a ratio learnt from short steps would stretch long ones."""
@@ -83,12 +88,21 @@ def fit_served(samples: list[tuple], kind: str, in_order: bool = False):
         raise ValueError(f"{len(samples)} {kind} steps served: too few to fit (send traffic first)")
     fit = fit_linear([s for s, _ in samples], [t for _, t in samples], relative=False)
     residuals = np.array([t - fit.seconds(s) for s, t in samples])
+    seqs = np.array([s.seqs for s, _ in samples])
+    by_seqs = {}
+    for n in np.unique(seqs).tolist():
+        r = residuals[seqs == n]
+        # a batch size seen often enough whose mean residual is beyond 3 standard errors: the
+        # line misses it (not noise); the rest keep the line
+        if len(r) >= MIN_BY_SEQS_STEPS and abs(r.mean()) > 3 * r.std(ddof=1) / np.sqrt(len(r)):
+            by_seqs[int(n)] = round(float(np.clip(r.mean(), -0.999 * MAX_SPREAD_S, 0.999 * MAX_SPREAD_S)), 9)
+    residuals = residuals - np.array([by_seqs.get(int(n), 0.0) for n in seqs])
     spread = residuals[-MAX_SPREAD:] if in_order else \
         np.quantile(residuals, (np.arange(SPREAD_QUANTILES) + 0.5) / SPREAD_QUANTILES)
     spread = spread - spread.mean()  # at mean 0: a simulated step's mean is the fit's
     # a stalled machine's minute-long step would make a profile the loader refuses: kept at its bound
     spread = np.clip(spread, -0.999 * MAX_SPREAD_S, 0.999 * MAX_SPREAD_S)
-    return fit, [round(float(v), 6) for v in spread]
+    return fit, [round(float(v), 6) for v in spread], by_seqs
 
 
 class StepTimer:
@@ -217,24 +231,37 @@ def run_from_servers(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, dtype=args.dtype)
         config.check_model_dir()
         samples = served_samples(args.from_servers)
-        fits = {kind: fit_served([(s, t) for s, t, *_ in samples if s.is_prefill == (kind == "prefill")], kind,
-                                 in_order=args.spread_in_order)
-                for kind in ("prefill", "decode")}
         gaps = {kind: [(g, w) for s, _, g, w in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
+                for kind in ("prefill", "decode")}
+        gap = {kind: float(np.mean([v for v, _ in g])) if g else 0.0 for kind, g in gaps.items()}
+        models = {kind: fit_gap([w for _, w in g], [v for v, _ in g]) if g and all(w for _, w in g) else None
+                  for kind, g in gaps.items()}
+
+        def step_time(s, t, g, w) -> float:
+            """The forward's seconds, plus (gap in spread) its busy gap's deviation from the
+            gap model: a simulated engine waits the model's gap, so the gap's spread rides on
+            the step's (a wait clamped at 0 per step would inflate its mean instead)."""
+            if not args.gap_in_spread or g < 0:
+                return t
+            kind = "prefill" if s.is_prefill else "decode"
+            model = models[kind]
+            return t + g - (gap[kind] if model is None else model.seconds(*w))
+
+        fits = {kind: fit_served([(s, step_time(s, t, g, w)) for s, t, g, w in samples
+                                  if s.is_prefill == (kind == "prefill")], kind, in_order=args.spread_in_order)
                 for kind in ("prefill", "decode")}
     except (ValueError, OSError) as e:
         print(f"atomd profile: error: {e}", file=sys.stderr)
         return 2
-    for kind, (fit, spread) in fits.items():
+    for kind, (fit, spread, by_seqs) in fits.items():
         print(f"{kind} fit (served, mean): {fit.base_s * 1e3:.3f} ms + {fit.per_token_s * 1e6:.3f} us/token + "
               f"{fit.per_attention_s * 1e9:.4f} ns/{'pair' if kind == 'prefill' else 'context token'}; "
-              "measured - fitted p10 %.2f ms, p50 %.2f ms, p90 %.2f ms" % tuple(np.quantile(spread, (0.1, 0.5, 0.9)) * 1e3))
+              "measured - fitted p10 %.2f ms, p50 %.2f ms, p90 %.2f ms" % tuple(np.quantile(spread, (0.1, 0.5, 0.9)) * 1e3)
+              + "".join(f"; {n} seq{'s' * (n > 1)} {v * 1e3:+.3f} ms" for n, v in sorted(by_seqs.items())))
     name = args.name or f"{config.model or 'atomd-default'}-served"
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
-              f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit")
-    gap = {kind: float(np.mean([v for v, _ in g])) if g else 0.0 for kind, g in gaps.items()}
-    models = {kind: fit_gap([w for _, w in g], [v for v, _ in g]) if g and all(w for _, w in g) else None
-              for kind, g in gaps.items()}
+              f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit"
+              + (", busy gaps' deviations in the spread" if args.gap_in_spread else ""))
     for kind, g in gaps.items():
         m = models[kind]
         print(f"busy gap before a {kind} forward: mean {gap[kind] * 1e3:.2f} ms over {len(g)} steps" +
@@ -244,7 +271,8 @@ def run_from_servers(args: argparse.Namespace) -> int:
                       prefill_spread=fits["prefill"][1], decode_spread=fits["decode"][1],
                       spread_in_order=args.spread_in_order,
                       prefill_gap_s=gap["prefill"], decode_gap_s=gap["decode"],
-                      prefill_gap=models["prefill"], decode_gap=models["decode"])
+                      prefill_gap=models["prefill"], decode_gap=models["decode"],
+                      prefill_by_seqs=fits["prefill"][2], decode_by_seqs=fits["decode"][2])
     write_profile(args, config, name, step, link)
     return 0
 
