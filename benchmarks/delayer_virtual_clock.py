@@ -37,7 +37,7 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks.machine import cpu_model, loadavg
-from benchmarks.model_shapes import CHOICES, model_dir
+from benchmarks.model_shapes import CHOICES, flops_per_token, model_dir
 
 POLICIES = ("off", "align", "coalesce")
 
@@ -108,9 +108,13 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from atomd.engine.llm_engine import LLMEngine
 
     coll = GlooCollective(rank, world, port, timeout_s=600, join_timeout_s=600)
+    # room for every sequence of a full batch at the longest prompt: no preemption in any run
+    max_len = int(args["input_len"] * (1 + args["range_ratio"])) + args["output_len"] + 1
+    blocks = args["max_num_seqs"] * -(-max_len // 16) + 16
     configs = {p: EngineConfig(model=args["model"], data_parallel_size=world, data_parallel_rank=rank,
-                               enable_expert_parallel=True, prefill_delayer=p, num_threads=1, max_model_len=1024,
-                               max_num_seqs=args["max_num_seqs"], num_kvcache_blocks=512) for p in POLICIES}
+                               enable_expert_parallel=True, prefill_delayer=p, num_threads=1,
+                               max_model_len=max(1024, max_len), max_num_seqs=args["max_num_seqs"],
+                               num_kvcache_blocks=max(512, blocks)) for p in POLICIES}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
     flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0), args["output_len"])
@@ -158,6 +162,11 @@ def main() -> None:
             "range_ratio": a.range_ratio, "output_len": a.output_len, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds,
             "burstiness": [float(b) for b in a.burstiness.split(",")]}
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
+    config = json.loads((model / "config.json").read_text())
+    if config.get("num_experts"):  # a Qwen3-MoE shape: how much of a prefill EP spreads over the ranks
+        share = flops_per_token(config, a.input_len)["expert_share"]
+        print(f"{a.shape}: experts {100 * share:.0f} % of a {a.input_len}-token prefill's multiply-adds "
+              f"(per rank: attention, router, head {100 * (1 - share):.0f} %)", flush=True)
     work = tempfile.mkdtemp(prefix="atomd-delayer-vclock-")
     outs = [os.path.join(work, f"rank{r}.json") for r in range(2)]
     port = free_port()
