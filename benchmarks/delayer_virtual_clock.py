@@ -9,7 +9,7 @@ thread's CPU time in the step (a wait in a collective is not CPU), the ranks all
 and the clock advances by the slower rank's, the tick's critical path: what the tick would
 take on two cores of its own, the transport's latency left out. Requests arrive on that clock
 (gamma inter-arrival times: shape 1 is Poisson, < 1 bursts; prompts of mixed lengths, exactly
---output-len tokens each), go to the rank with fewer unfinished requests (ties to rank 0, as
+--output-len tokens each, or mixed output lengths with --output-range-ratio), go to the rank with fewer unfinished requests (ties to rank 0, as
 DPEngineClient places them), and their TTFT and inter-token gaps are read on it; when no rank
 has work the clock jumps to the next arrival. The machine's other load changes how long a run
 takes, not what it reports.
@@ -48,23 +48,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def workload(args: dict, seed: int, rate: float | None, burstiness: float) -> list[tuple[float, list[int]]]:
-    """(virtual arrival s, prompt) per request, the same on every rank; rate None: all at 0."""
+def workload(args: dict, seed: int, rate: float | None, burstiness: float) -> list[tuple[float, list[int], int]]:
+    """(virtual arrival s, prompt, output tokens) per request, the same on every rank; rate None: all at 0."""
     rng = np.random.default_rng(seed)
     n, length, spread = args["num_prompts"], args["input_len"], args["range_ratio"]
     lengths = rng.integers(int(length * (1 - spread)), int(length * (1 + spread)) + 1, n)
     prompts = [[int(t) for t in rng.integers(10, args["vocab_size"], m)] for m in lengths]
+    out, out_spread = args["output_len"], args["output_range_ratio"]
+    outputs = [out] * n if not out_spread else \
+        [int(m) for m in rng.integers(max(1, int(out * (1 - out_spread))), int(out * (1 + out_spread)) + 1, n)]
     if rate is None:
-        return [(0.0, p) for p in prompts]
+        return [(0.0, p, m) for p, m in zip(prompts, outputs)]
     gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
-    return list(zip(np.cumsum(gaps) - gaps[0], prompts))
+    return list(zip(np.cumsum(gaps) - gaps[0], prompts, outputs))
 
 
-def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[int]]], output_len: int) -> dict:
+def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[int], int]]) -> dict:
     """Every request through the ranks on the virtual clock; this rank's requests' timings."""
     from contracts.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     now, nxt, unfinished = 0.0, 0, [0] * world
     arrival: dict[str, float] = {}
     times: dict[str, list[float]] = {}
@@ -79,7 +81,8 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
             unfinished[to] += 1
             if to == rank:
                 rid = f"r{nxt}"
-                engine.add_request(rid, requests[nxt][1], params)
+                engine.add_request(rid, requests[nxt][1], SamplingParams(max_tokens=requests[nxt][2],
+                                                                         temperature=0.0, ignore_eos=True))
                 arrival[rid] = requests[nxt][0]
             nxt += 1
         cpu = time.thread_time()
@@ -109,15 +112,16 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
 
     coll = GlooCollective(rank, world, port, timeout_s=600, join_timeout_s=600)
     # room for every sequence of a full batch at the longest prompt: no preemption in any run
-    max_len = int(args["input_len"] * (1 + args["range_ratio"])) + args["output_len"] + 1
+    max_len = int(args["input_len"] * (1 + args["range_ratio"])) + int(args["output_len"] * (1 + args["output_range_ratio"])) + 1
     blocks = args["max_num_seqs"] * -(-max_len // 16) + 16
     configs = {p: EngineConfig(model=args["model"], data_parallel_size=world, data_parallel_rank=rank,
                                enable_expert_parallel=True, prefill_delayer=p, num_threads=1,
                                max_model_len=max(1024, max_len), max_num_seqs=args["max_num_seqs"],
-                               num_kvcache_blocks=max(512, blocks)) for p in POLICIES}
+                               num_kvcache_blocks=max(512, blocks),
+                               prefill_delayer_token_usage_low_watermark=args["low_watermark"]) for p in POLICIES}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
-    flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0), args["output_len"])
+    flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0))
     capacity = args["num_prompts"] / flood["end"]  # the same on every rank: the clock is shared
     runs = [{"round": -1, "burstiness": 0, "policy": "flood", **flood}]
     for rnd in range(args["rounds"]):
@@ -128,7 +132,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                 engine.reset_prefix_cache()
                 engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
                                                     if policy != "off" else None)
-                result = serve(engine, coll, rank, world, requests, args["output_len"])
+                result = serve(engine, coll, rank, world, requests)
                 delayer = engine.scheduler.prefill_delayer
                 runs.append({"round": rnd, "burstiness": b, "policy": policy, "rate": args["load"] * capacity,
                              "delayer": delayer.stats()["outcomes"] if delayer else [], **result})
@@ -150,8 +154,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=384)
     ap.add_argument("--range-ratio", type=float, default=0.9, help="prompt lengths in L*(1 -+ r)")
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--output-range-ratio", type=float, default=0.0, help="output lengths in O*(1 -+ r) (vLLM's "
+                    "random dataset draws both lengths so); 0: exactly --output-len each")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="per rank: below the requests in flight, the "
                     "ranks run full batches and admit a prefill whenever one of theirs finishes")
+    ap.add_argument("--low-watermark", type=float, default=None, help="align's valve: a held rank whose KV usage is "
+                    "under this prefills at once (--prefill-delayer-token-usage-low-watermark; default off)")
     ap.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the flood's capacity")
     ap.add_argument("--burstiness", default="1,0.25", help="gamma shapes, comma-separated: 1 Poisson, < 1 bursts")
     ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
@@ -159,7 +167,7 @@ def main() -> None:
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
-            "range_ratio": a.range_ratio, "output_len": a.output_len, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds,
+            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds,
             "burstiness": [float(b) for b in a.burstiness.split(",")]}
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
     config = json.loads((model / "config.json").read_text())
