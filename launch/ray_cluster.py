@@ -359,6 +359,9 @@ class RayLauncher:
         self.cluster = cluster
 
     def start(self, role: str) -> str:
+        if getattr(self.cluster.config, role).nodes > 1:  # the planner counts, drains and stops one URL an engine
+            raise ValueError(f"{role}: an engine over {getattr(self.cluster.config, role).nodes} nodes "
+                             "(data_parallel_size_local) is not scaled online")
         return self.cluster.add_engine(role)["url"]
 
     def stop(self, url: str) -> None:

@@ -218,3 +218,13 @@ def test_an_engine_over_nodes_gets_a_bundle_a_node_and_each_nodes_flags_its_rank
                                         "resources": {"decode_node": 1}}}), {"CPU": 12.0, "decode_node": 2.0}, nodes)
     with pytest.raises(ValueError, match=r"^decode: one decode engine spans 2 nodes .* only 1 node\(s\) have that"):
         check_fits(c, {"CPU": 12.0, "decode_node": 2.0}, nodes[1:])
+
+
+def test_the_online_planner_does_not_scale_an_engine_over_nodes():
+    from types import SimpleNamespace
+
+    from launch.ray_cluster import RayLauncher
+
+    cluster = SimpleNamespace(config=parse_config({"decode": {"data_parallel_size": 2, "data_parallel_size_local": 1}}))
+    with pytest.raises(ValueError, match="decode: an engine over 2 nodes .* is not scaled online"):
+        RayLauncher(cluster).start("decode")
