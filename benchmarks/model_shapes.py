@@ -16,9 +16,10 @@ decodes to nothing would look like an empty stream to a client).
     delayer shape): hidden 256, 4 layers each sparse, 8 query heads / 1 KV head of 64 (A3B: 32 /
     4 of 128, so queries 2x hidden, KV a quarter of it), 16 experts of 192 top-4 (the chosen
     experts together 3x hidden wide, as A3B's 8 of 768; half as many, twice as wide, so a CPU
-    expert matmul is not all overhead), vocabulary 4096, float32 (~40 MB). Its experts are ~50 %
-    of a 768-token prefill's FLOPs (`flops_per_token`), A3B's ~55 % at 2K-token prompts;
-    qwen3-moe-small's are ~65 % (its attention is narrower).
+    expert matmul is not all overhead), vocabulary 4096, float32 (~40 MB). Its experts are 46 %
+    of a 768-token prefill's multiply-adds (`flops_per_token`; the rest runs on the token's own
+    rank under expert parallelism), A3B's 58 % at 2K-token prompts and 42 % at 8K;
+    qwen3-moe-small's are 64 % at 384 tokens (its attention is narrower).
     qwen3-moe: issue #34's Qwen3-MoE benchmark shape (Qwen3-30B-A3B's MoE at 0.6B's width):
     hidden 1024, 24 layers, 0.6B's attention (16 query / 8 KV heads of 128), a sparse MLP on
     every layer of 64 experts of intermediate 256, top-8 (norm_topk_prob), vocabulary 151936,
