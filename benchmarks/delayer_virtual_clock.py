@@ -104,6 +104,21 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
             "tokens": sum(len(t) for t in times.values())}
 
 
+def probe_prefill_ticks(engine, coll, rank: int, world: int, args: dict, repeats: int = 5) -> dict:
+    """What merging two prefills saves, measured: the critical path of the prefill tick of one
+    --input-len prompt on rank 0 alone (rank 1 idle: it runs its share of the experts) and of one
+    such prompt on each rank at once (the aligned tick), `repeats` times each, alternating."""
+    rng = np.random.default_rng(7)
+    lone, paired = [], []
+    for _ in range(repeats):
+        for n, into in ((1, lone), (2, paired)):
+            prompts = [[int(t) for t in rng.integers(10, args["vocab_size"], args["input_len"])] for _ in range(n)]
+            engine.reset_prefix_cache()
+            result = serve(engine, coll, rank, world, [(0.0, p, 1) for p in prompts])
+            into.append(result["critical"][result["kinds"].index(1)] if rank == 0 else 0.0)
+    return {"round": -2, "policy": "probe", "lone": lone, "paired": paired}
+
+
 def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     torch.set_num_threads(1)
     from atomd.config import EngineConfig
@@ -123,7 +138,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     coll.barrier()
     flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0))
     capacity = args["num_prompts"] / flood["end"]  # the same on every rank: the clock is shared
-    runs = [{"round": -1, "burstiness": 0, "policy": "flood", **flood}]
+    runs = [{"round": -1, "burstiness": 0, "policy": "flood", **flood}, probe_prefill_ticks(engine, coll, rank, world, args)]
     for rnd in range(args["rounds"]):
         for b in args["burstiness"]:
             requests = workload(args, rnd * 100 + int(b * 10), args["load"] * capacity, b)
@@ -191,7 +206,13 @@ def main() -> None:
     flood = ranks[0][0]
     print(f"flood (delayer off, every request at 0): {a.num_prompts} requests in {flood['end']:.2f} virtual s "
           f"-> capacity {a.num_prompts / flood['end']:.2f} req/s; offered {a.load:g}x that")
-    runs = list(zip(*ranks))[1:]
+    probe = ranks[0][1]
+    lone, paired = statistics.median(probe["lone"]), statistics.median(probe["paired"])
+    print(f"prefill ticks of one {a.input_len}-token prompt (median of {len(probe['lone'])}): alone on a rank "
+          f"{1e3 * lone:.0f} ms, one on each rank at once {1e3 * paired:.0f} ms -> merging two lone prefills saves "
+          f"{100 * (1 - paired / (2 * lone)):.0f} % of their ticks (the experts' share of a prefill's time, from "
+          f"alone = A + E/2, at once = A + E: {100 * (2 - 2 * lone / paired):.0f} %)")
+    runs = list(zip(*ranks))[2:]
     by_key = {(r0["round"], r0["burstiness"], r0["policy"]): (r0, r1) for r0, r1 in runs}
     for (rnd, b, policy), (r0, r1) in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1], POLICIES.index(kv[0][2]))):
         tput = (r0["tokens"] + r1["tokens"]) / r0["end"]
