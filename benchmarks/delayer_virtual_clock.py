@@ -9,7 +9,7 @@ thread's CPU time in the step (a wait in a collective is not CPU), the ranks all
 and the clock advances by the slower rank's, the tick's critical path: what the tick would
 take on two cores of its own, the transport's latency left out. Requests arrive on that clock
 (gamma inter-arrival times: shape 1 is Poisson, < 1 bursts; prompts of mixed lengths, exactly
---output-len tokens each), go to the rank with fewer unfinished requests (ties to rank 0, as
+--output-len tokens each, or mixed output lengths with --output-range-ratio), go to the rank with fewer unfinished requests (ties to rank 0, as
 DPEngineClient places them), and their TTFT and inter-token gaps are read on it; when no rank
 has work the clock jumps to the next arrival. The machine's other load changes how long a run
 takes, not what it reports.
@@ -37,7 +37,7 @@ import torch
 import torch.multiprocessing as mp
 
 from benchmarks.machine import cpu_model, loadavg
-from benchmarks.model_shapes import CHOICES, model_dir
+from benchmarks.model_shapes import CHOICES, flops_per_token, model_dir
 
 POLICIES = ("off", "align", "coalesce")
 
@@ -48,23 +48,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def workload(args: dict, seed: int, rate: float | None, burstiness: float) -> list[tuple[float, list[int]]]:
-    """(virtual arrival s, prompt) per request, the same on every rank; rate None: all at 0."""
+def workload(args: dict, seed: int, rate: float | None, burstiness: float) -> list[tuple[float, list[int], int]]:
+    """(virtual arrival s, prompt, output tokens) per request, the same on every rank; rate None: all at 0."""
     rng = np.random.default_rng(seed)
     n, length, spread = args["num_prompts"], args["input_len"], args["range_ratio"]
     lengths = rng.integers(int(length * (1 - spread)), int(length * (1 + spread)) + 1, n)
     prompts = [[int(t) for t in rng.integers(10, args["vocab_size"], m)] for m in lengths]
+    out, out_spread = args["output_len"], args["output_range_ratio"]
+    outputs = [out] * n if not out_spread else \
+        [int(m) for m in rng.integers(max(1, int(out * (1 - out_spread))), int(out * (1 + out_spread)) + 1, n)]
     if rate is None:
-        return [(0.0, p) for p in prompts]
+        return [(0.0, p, m) for p, m in zip(prompts, outputs)]
     gaps = rng.gamma(burstiness, 1.0 / (rate * burstiness), n)
-    return list(zip(np.cumsum(gaps) - gaps[0], prompts))
+    return list(zip(np.cumsum(gaps) - gaps[0], prompts, outputs))
 
 
-def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[int]]], output_len: int) -> dict:
+def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[int], int]]) -> dict:
     """Every request through the ranks on the virtual clock; this rank's requests' timings."""
     from contracts.sampling import SamplingParams
 
-    params = SamplingParams(max_tokens=output_len, temperature=0.0, ignore_eos=True)
     now, nxt, unfinished = 0.0, 0, [0] * world
     arrival: dict[str, float] = {}
     times: dict[str, list[float]] = {}
@@ -79,7 +81,8 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
             unfinished[to] += 1
             if to == rank:
                 rid = f"r{nxt}"
-                engine.add_request(rid, requests[nxt][1], params)
+                engine.add_request(rid, requests[nxt][1], SamplingParams(max_tokens=requests[nxt][2],
+                                                                         temperature=0.0, ignore_eos=True))
                 arrival[rid] = requests[nxt][0]
             nxt += 1
         cpu = time.thread_time()
@@ -101,6 +104,21 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
             "tokens": sum(len(t) for t in times.values())}
 
 
+def probe_prefill_ticks(engine, coll, rank: int, world: int, args: dict, repeats: int = 5) -> dict:
+    """What merging two prefills saves, measured: the critical path of the prefill tick of one
+    --input-len prompt on rank 0 alone (rank 1 idle: it runs its share of the experts) and of one
+    such prompt on each rank at once (the aligned tick), `repeats` times each, alternating."""
+    rng = np.random.default_rng(7)
+    lone, paired = [], []
+    for _ in range(repeats):
+        for n, into in ((1, lone), (2, paired)):
+            prompts = [[int(t) for t in rng.integers(10, args["vocab_size"], args["input_len"])] for _ in range(n)]
+            engine.reset_prefix_cache()
+            result = serve(engine, coll, rank, world, [(0.0, p, 1) for p in prompts])
+            into.append(result["critical"][result["kinds"].index(1)] if rank == 0 else 0.0)
+    return {"round": -2, "policy": "probe", "lone": lone, "paired": paired}
+
+
 def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     torch.set_num_threads(1)
     from atomd.config import EngineConfig
@@ -108,14 +126,19 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from atomd.engine.llm_engine import LLMEngine
 
     coll = GlooCollective(rank, world, port, timeout_s=600, join_timeout_s=600)
+    # room for every sequence of a full batch at the longest prompt: no preemption in any run
+    max_len = int(args["input_len"] * (1 + args["range_ratio"])) + int(args["output_len"] * (1 + args["output_range_ratio"])) + 1
+    blocks = args["max_num_seqs"] * -(-max_len // 16) + 16
     configs = {p: EngineConfig(model=args["model"], data_parallel_size=world, data_parallel_rank=rank,
-                               enable_expert_parallel=True, prefill_delayer=p, num_threads=1, max_model_len=1024,
-                               max_num_seqs=args["max_num_seqs"], num_kvcache_blocks=512) for p in POLICIES}
+                               enable_expert_parallel=True, prefill_delayer=p, num_threads=1,
+                               max_model_len=max(1024, max_len), max_num_seqs=args["max_num_seqs"],
+                               num_kvcache_blocks=max(512, blocks),
+                               prefill_delayer_token_usage_low_watermark=args["low_watermark"]) for p in POLICIES}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
-    flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0), args["output_len"])
+    flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0))
     capacity = args["num_prompts"] / flood["end"]  # the same on every rank: the clock is shared
-    runs = [{"round": -1, "burstiness": 0, "policy": "flood", **flood}]
+    runs = [{"round": -1, "burstiness": 0, "policy": "flood", **flood}, probe_prefill_ticks(engine, coll, rank, world, args)]
     for rnd in range(args["rounds"]):
         for b in args["burstiness"]:
             requests = workload(args, rnd * 100 + int(b * 10), args["load"] * capacity, b)
@@ -124,7 +147,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                 engine.reset_prefix_cache()
                 engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
                                                     if policy != "off" else None)
-                result = serve(engine, coll, rank, world, requests, args["output_len"])
+                result = serve(engine, coll, rank, world, requests)
                 delayer = engine.scheduler.prefill_delayer
                 runs.append({"round": rnd, "burstiness": b, "policy": policy, "rate": args["load"] * capacity,
                              "delayer": delayer.stats()["outcomes"] if delayer else [], **result})
@@ -146,8 +169,12 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=384)
     ap.add_argument("--range-ratio", type=float, default=0.9, help="prompt lengths in L*(1 -+ r)")
     ap.add_argument("--output-len", type=int, default=32)
+    ap.add_argument("--output-range-ratio", type=float, default=0.0, help="output lengths in O*(1 -+ r) (vLLM's "
+                    "random dataset draws both lengths so); 0: exactly --output-len each")
     ap.add_argument("--max-num-seqs", type=int, default=64, help="per rank: below the requests in flight, the "
                     "ranks run full batches and admit a prefill whenever one of theirs finishes")
+    ap.add_argument("--low-watermark", type=float, default=None, help="align's valve: a held rank whose KV usage is "
+                    "under this prefills at once (--prefill-delayer-token-usage-low-watermark; default off)")
     ap.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the flood's capacity")
     ap.add_argument("--burstiness", default="1,0.25", help="gamma shapes, comma-separated: 1 Poisson, < 1 bursts")
     ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
@@ -155,9 +182,14 @@ def main() -> None:
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
-            "range_ratio": a.range_ratio, "output_len": a.output_len, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds,
+            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds,
             "burstiness": [float(b) for b in a.burstiness.split(",")]}
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
+    config = json.loads((model / "config.json").read_text())
+    if config.get("num_experts"):  # a Qwen3-MoE shape: how much of a prefill EP spreads over the ranks
+        share = flops_per_token(config, a.input_len)["expert_share"]
+        print(f"{a.shape}: experts {100 * share:.0f} % of a {a.input_len}-token prefill's multiply-adds "
+              f"(per rank: attention, router, head {100 * (1 - share):.0f} %)", flush=True)
     work = tempfile.mkdtemp(prefix="atomd-delayer-vclock-")
     outs = [os.path.join(work, f"rank{r}.json") for r in range(2)]
     port = free_port()
@@ -174,7 +206,13 @@ def main() -> None:
     flood = ranks[0][0]
     print(f"flood (delayer off, every request at 0): {a.num_prompts} requests in {flood['end']:.2f} virtual s "
           f"-> capacity {a.num_prompts / flood['end']:.2f} req/s; offered {a.load:g}x that")
-    runs = list(zip(*ranks))[1:]
+    probe = ranks[0][1]
+    lone, paired = statistics.median(probe["lone"]), statistics.median(probe["paired"])
+    print(f"prefill ticks of one {a.input_len}-token prompt (median of {len(probe['lone'])}): alone on a rank "
+          f"{1e3 * lone:.0f} ms, one on each rank at once {1e3 * paired:.0f} ms -> merging two lone prefills saves "
+          f"{100 * (1 - paired / (2 * lone)):.0f} % of their ticks (the experts' share of a prefill's time, from "
+          f"alone = A + E/2, at once = A + E: {100 * (2 - 2 * lone / paired):.0f} %)")
+    runs = list(zip(*ranks))[2:]
     by_key = {(r0["round"], r0["burstiness"], r0["policy"]): (r0, r1) for r0, r1 in runs}
     for (rnd, b, policy), (r0, r1) in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1], POLICIES.index(kv[0][2]))):
         tput = (r0["tokens"] + r1["tokens"]) / r0["end"]

@@ -12,6 +12,14 @@ decodes to nothing would look like an empty stream to a client).
     query / 4 KV heads of 32, vocabulary 4096) and a sparse MLP on every layer: 16 experts of
     intermediate 172, top-4 (Qwen3-30B-A3B's 128 / top-8 ratio scaled down; the 4 chosen
     together as wide as the built-in's dense 688), float32 (~60 MB).
+    qwen3-moe-a3b-small: Qwen3-30B-A3B's proportions at the built-in model's width (issue #36's
+    delayer shape): hidden 256, 4 layers each sparse, 8 query heads / 1 KV head of 64 (A3B: 32 /
+    4 of 128, so queries 2x hidden, KV a quarter of it), 16 experts of 192 top-4 (the chosen
+    experts together 3x hidden wide, as A3B's 8 of 768; half as many, twice as wide, so a CPU
+    expert matmul is not all overhead), vocabulary 4096, float32 (~40 MB). Its experts are 46 %
+    of a 768-token prefill's multiply-adds (`flops_per_token`; the rest runs on the token's own
+    rank under expert parallelism), A3B's 58 % at 2K-token prompts and 42 % at 8K;
+    qwen3-moe-small's are 64 % at 384 tokens (its attention is narrower).
     qwen3-moe: issue #34's Qwen3-MoE benchmark shape (Qwen3-30B-A3B's MoE at 0.6B's width):
     hidden 1024, 24 layers, 0.6B's attention (16 query / 8 KV heads of 128), a sparse MLP on
     every layer of 64 experts of intermediate 256, top-8 (norm_topk_prob), vocabulary 151936,
@@ -46,6 +54,11 @@ SHAPES = {
                             num_key_value_heads=4, head_dim=32, intermediate_size=688, num_experts=16,
                             num_experts_per_tok=4, moe_intermediate_size=172, norm_topk_prob=True,
                             vocab_size=4096, max_position_embeddings=2048, rms_norm_eps=1e-5),
+    "qwen3-moe-a3b-small": dict(architecture="Qwen3Moe", hidden_size=256, num_hidden_layers=4,
+                                num_attention_heads=8, num_key_value_heads=1, head_dim=64, intermediate_size=688,
+                                num_experts=16, num_experts_per_tok=4, moe_intermediate_size=192,
+                                norm_topk_prob=True, vocab_size=4096, max_position_embeddings=4096,
+                                rms_norm_eps=1e-6, rope_theta=1000000.0),
     "qwen3-moe": dict(architecture="Qwen3Moe", hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
                       num_key_value_heads=8, head_dim=128, intermediate_size=3072, num_experts=64,
                       num_experts_per_tok=8, moe_intermediate_size=256, norm_topk_prob=True, vocab_size=151936,
@@ -67,6 +80,21 @@ SHAPES = {
                                               "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
 }
 CHOICES = ["builtin", *SHAPES]
+
+
+def flops_per_token(fields: dict, prompt_len: int) -> dict[str, float]:
+    """Multiply-adds per prompt token of a prefill of `prompt_len` tokens, by part, for a Qwen3-MoE
+    shape (every layer sparse): what runs on the token's own rank under expert parallelism
+    (attention's projections, its scores and weighted sum at the mean causal context, the router)
+    and what is spread over the ranks (the chosen experts). The head runs for the last token only."""
+    h, layers = fields["hidden_size"], fields["num_hidden_layers"]
+    q = fields["num_attention_heads"] * fields["head_dim"]
+    kv = fields["num_key_value_heads"] * fields["head_dim"]
+    context = (prompt_len + 1) / 2
+    per_rank = layers * (h * (q + 2 * kv) + q * h + 2 * q * context + h * fields["num_experts"]) \
+        + h * fields["vocab_size"] / prompt_len
+    experts = layers * fields["num_experts_per_tok"] * 3 * h * fields["moe_intermediate_size"]
+    return {"per_rank": per_rank, "experts": experts, "expert_share": experts / (per_rank + experts)}
 
 
 def write_tokenizer(src: pathlib.Path, dest: pathlib.Path, vocab_size: int) -> None:

@@ -3,9 +3,11 @@
     ray job submit --working-dir . -- python -m launch.ray_cluster --config launch/configs/1p1d.yaml
     python -m launch.ray_cluster --config launch/configs/1p1d.yaml      # ray.init(address="auto")
 
-Shape. One placement group per engine (an engine's DP ranks are one `atomd serve`
-process tree, so they share a node), one EngineActor per engine, one RouterActor on the
-driver's node. Every actor owns one child process running the very CLI a user runs by
+Shape. One placement group per engine, one EngineActor per node of an engine, one
+RouterActor on the driver's node. An engine's DP ranks on one node are one `atomd serve`
+process tree (one bundle, STRICT_PACK); an engine over nodes (`data_parallel_size_local`)
+has a bundle a node (STRICT_SPREAD), and each node's actor runs `atomd serve` for its ranks
+with the group's rank 0 address and port, found on the first bundle's node before any starts. Every actor owns one child process running the very CLI a user runs by
 hand (`python -m atomd serve ...`, `python -m router ...`): there is no second data path,
 and a bug fixed in the server is fixed here.
 
@@ -46,7 +48,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy, Place
 from contracts.roles import Role
 from kv_transfer.trust import SECRET_ENV
 from launch.process import EngineServer, RouterServer, free_port, http
-from launch.ray_config import ClusterConfig, RouterSpec, check_fits, load_config
+from launch.ray_config import ClusterConfig, DPPlace, RouterSpec, check_fits, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
 READY_LINE = "atomd ray cluster ready:"
@@ -77,11 +79,12 @@ def with_secret(kv_params_secret: str) -> dict:
     return {**os.environ, SECRET_ENV: kv_params_secret}
 
 
-def engine_flags(role: str, config: ClusterConfig, host: str) -> list[str]:
-    """`atomd serve` flags of a `role` engine listening on `host`, past --host, --port and --model."""
+def engine_flags(role: str, config: ClusterConfig, host: str, place: DPPlace | None = None) -> list[str]:
+    """`atomd serve` flags of a `role` engine listening on `host`, past --host, --port and --model;
+    `place`: this node's share of an engine over nodes."""
     group = getattr(config, role)
     return ["--kv-role", Role(role).kv_role, "--num-threads", str(group.num_threads),
-            "--data-parallel-size", str(group.data_parallel_size),
+            "--data-parallel-size", str(group.data_parallel_size), *(place.flags() if place else []),
             *(["--enable-expert-parallel"] if group.enable_expert_parallel else []),
             *(["--tensor-parallel-size", str(group.tensor_parallel_size)] if group.tensor_parallel_size > 1 else []),
             "--kv-transfer-backend", config.kv_transfer_backend, "--kv-cache-dtype", config.kv_cache_dtype,
@@ -105,11 +108,12 @@ class EngineActor:
     dies with the actor (die_with_parent); so does the router's.
     """
 
-    def __init__(self, role: str, config: ClusterConfig, router_url: str, kv_params_secret: str):
+    def __init__(self, role: str, config: ClusterConfig, router_url: str, kv_params_secret: str,
+                 place: DPPlace | None = None):
         deadline = time.monotonic() + config.timeouts.ready_s
         host = config.engine_host or ray.util.get_node_ip_address()
         self.role = role
-        self.server = EngineServer(config.model or None, *engine_flags(role, config, host), host=host,
+        self.server = EngineServer(config.model or None, *engine_flags(role, config, host, place), host=host,
                                    port=free_port(host), name=f"{role} engine", die_with_parent=True,
                                    env=with_secret(kv_params_secret))
         try:
@@ -125,6 +129,14 @@ class EngineActor:
 
     def shutdown(self, grace_s: float) -> None:
         self.server.stop(grace_s)
+
+
+@ray.remote(num_cpus=0)
+def group_address(engine_host: str | None) -> tuple[str, int]:
+    """Rank 0's node address and a free port there: where an engine over nodes meets (run in
+    the bundle rank 0's node holds)."""
+    host = engine_host or ray.util.get_node_ip_address()
+    return host, free_port(host)
 
 
 @ray.remote
@@ -160,7 +172,7 @@ class RayCluster:
         self.config = config
         self.slots = [(role, i) for role in ("prefill", "decode") for i in range(getattr(config, role).count)]
         self.pgs: list = []
-        self.engines: list[tuple[str, ray.actor.ActorHandle]] = []
+        self.engines: list[tuple[str, list]] = []  # per slot: its role and its actors, one a node of the engine
         self.router: ray.actor.ActorHandle | None = None
         self.router_url = ""
         self.gone: dict[str, str] = {}  # engine slot ("decode-0") -> why it is gone, as last reported
@@ -187,8 +199,8 @@ class RayCluster:
                                f"within {c.timeouts.placement_s:g} s; free CPU there or lower router.num_cpus") from None
         self._place()
         for (role, i), pg in zip(self.slots, self.pgs):
-            self.engines.append((role, self._engine_actor(role, i, pg)))
-        calls = {a.info.remote(): slot for (_, a), slot in zip(self.engines, self.slots)}
+            self.engines.append((role, self._engine_actors(role, i, pg)))
+        calls = {a.info.remote(): slot for (_, actors), slot in zip(self.engines, self.slots) for a in actors}
         _, pending = ray.wait(list(calls), num_returns=len(calls), timeout=c.timeouts.ready_s)
         if pending:
             late = ", ".join(f"{role}-{i}" for role, i in (calls[ref] for ref in pending))
@@ -196,13 +208,30 @@ class RayCluster:
                                "(their logs are in `ray job logs`)")
         return ray.get(list(calls), timeout=c.timeouts.ready_s)  # raises why an engine died
 
-    def _engine_actor(self, role: str, i: int, pg):
+    def _engine_actors(self, role: str, i: int, pg) -> list:
+        """The actors of one engine, one per node (bundle). An engine over nodes: rank 0's node
+        address and a free port there first, then each node's actor with its start rank. Those
+        actors are not restarted alone: a rank restarted into a group whose other ranks have
+        failed (expert parallelism fails them all) would wait for a rendezvous that never comes."""
         group = getattr(self.config, role)
-        return EngineActor.options(
-            name=f"atomd-{role}-{i}", num_cpus=group.num_cpus, resources=group.resources,
-            max_restarts=group.max_restarts, max_task_retries=0,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0),
-        ).remote(role, self.config, self.router_url, self.kv_params_secret)
+        places: list[DPPlace | None] = [None]
+        if group.nodes > 1:
+            at_rank_0 = PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)
+            address, port = ray.get(group_address.options(scheduling_strategy=at_rank_0).remote(self.config.engine_host),
+                                    timeout=self.config.timeouts.placement_s)
+            places = group.places(address, port)
+        return [EngineActor.options(
+            name=f"atomd-{role}-{i}" + (f"-node{node}" if place else ""), num_cpus=group.num_cpus,
+            resources=group.resources, max_restarts=group.max_restarts if place is None else 0, max_task_retries=0,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=node),
+        ).remote(role, self.config, self.router_url, self.kv_params_secret, place)
+            for node, place in enumerate(places)]
+
+    def _placement_group(self, role: str, i: int):
+        """One engine's bundles: one a node, all on one node (STRICT_PACK) or each on its own (STRICT_SPREAD)."""
+        group = getattr(self.config, role)
+        return placement_group([group.bundle()] * group.nodes, name=f"atomd-{role}-{i}",
+                               strategy="STRICT_PACK" if group.nodes == 1 else "STRICT_SPREAD")
 
     def add_engine(self, role: str) -> dict:
         """One more `role` engine: its placement group, then its actor (which registers with
@@ -210,48 +239,48 @@ class RayCluster:
         timeouts = self.config.timeouts
         with self._lock:
             i = 1 + max((j for r, j in self.slots if r == role), default=-1)
-        pg = placement_group([getattr(self.config, role).bundle()], strategy="STRICT_PACK", name=f"atomd-{role}-{i}")
-        actor = None
+        pg = self._placement_group(role, i)
+        actors = []
         try:
             if not ray.wait([pg.ready()], timeout=timeouts.placement_s)[0]:
                 raise TimeoutError(f"{role}-{i}'s placement group was not placed within {timeouts.placement_s:g} s; "
                                    f"the cluster has {ray.available_resources()} free")
-            actor = self._engine_actor(role, i, pg)
-            info = ray.get(actor.info.remote(), timeout=timeouts.ready_s)
+            actors = self._engine_actors(role, i, pg)
+            infos = ray.get([a.info.remote() for a in actors], timeout=timeouts.ready_s)
         except BaseException:
-            if actor is not None:
+            for actor in actors:
                 ray.kill(actor, no_restart=True)
             remove_placement_group(pg)
             raise
         with self._lock:
             self.slots.append((role, i))
             self.pgs.append(pg)
-            self.engines.append((role, actor))
-        return info
+            self.engines.append((role, actors))
+        return {**infos[0], "urls": [info["url"] for info in infos]}
 
     def remove_engine(self, url: str) -> None:
         """Stop the engine serving `url` (the planner drained it first): its child, its actor,
         its placement group. KeyError when no engine serves it."""
         with self._lock:
             entries = list(zip(self.engines, self.pgs, self.slots))
-        infos = ray.get([a.info.remote() for (_, a), _, _ in entries], timeout=30)
-        match = [entry for entry, info in zip(entries, infos) if info["url"] == url]
+        infos = [ray.get([a.info.remote() for a in actors], timeout=30) for (_, actors), _, _ in entries]
+        match = [entry for entry, hosts in zip(entries, infos) if any(info["url"] == url for info in hosts)]
         if not match:
             raise KeyError(f"no engine of this cluster serves {url}")
-        (role, actor), pg, slot = match[0]
+        (role, actors), pg, slot = match[0]  # an engine over nodes goes whole
         grace_s = self.config.timeouts.shutdown_s
-        ray.wait([actor.shutdown.remote(grace_s * 0.8)], timeout=grace_s)
-        ray.kill(actor, no_restart=True)
+        ray.wait([a.shutdown.remote(grace_s * 0.8) for a in actors], num_returns=len(actors), timeout=grace_s)
+        for actor in actors:
+            ray.kill(actor, no_restart=True)
         remove_placement_group(pg)
         with self._lock:
             k = self.slots.index(slot)
             del self.engines[k], self.pgs[k], self.slots[k]
 
     def _place(self) -> None:
-        """One STRICT_PACK placement group per engine, all ready within timeouts.placement_s."""
+        """One placement group per engine (a bundle a node), all ready within timeouts.placement_s."""
         for role, i in self.slots:
-            bundle = getattr(self.config, role).bundle()
-            self.pgs.append(placement_group([bundle], strategy="STRICT_PACK", name=f"atomd-{role}-{i}"))
+            self.pgs.append(self._placement_group(role, i))
         waits = {pg.ready(): slot for pg, slot in zip(self.pgs, self.slots)}
         timeout_s = self.config.timeouts.placement_s
         _, pending = ray.wait(list(waits), num_returns=len(waits), timeout=timeout_s)
@@ -280,7 +309,8 @@ class RayCluster:
         """
         with self._lock:
             engines = list(zip(self.engines, self.slots))
-        calls = {a.info.remote(): (role, f"{role}-{i}") for (role, a), (_, i) in engines}
+        calls = {a.info.remote(): (role, f"{role}-{i}" + (f"/node{node}" if len(actors) > 1 else ""))
+                 for (role, actors), (_, i) in engines for node, a in enumerate(actors)}
         done, pending = ray.wait(list(calls), num_returns=len(calls), timeout=timeout_s)
         current, unsure = set(), {calls[ref][0] for ref in pending}
         gone = {calls[ref][1]: f"no answer within {timeout_s:g} s (Ray is restarting its actor, or its node "
@@ -311,7 +341,7 @@ class RayCluster:
 
     def stop(self) -> None:
         """Stop every child (bounded), kill every actor, remove every placement group."""
-        actors = [a for _, a in self.engines] + ([self.router] if self.router else [])
+        actors = [a for _, engine in self.engines for a in engine] + ([self.router] if self.router else [])
         grace_s = self.config.timeouts.shutdown_s
         calls = [a.shutdown.remote(grace_s * 0.8) for a in actors]
         ray.wait(calls, num_returns=len(calls), timeout=grace_s)
@@ -329,6 +359,9 @@ class RayLauncher:
         self.cluster = cluster
 
     def start(self, role: str) -> str:
+        if getattr(self.cluster.config, role).nodes > 1:  # the planner counts, drains and stops one URL an engine
+            raise ValueError(f"{role}: an engine over {getattr(self.cluster.config, role).nodes} nodes "
+                             "(data_parallel_size_local) is not scaled online")
         return self.cluster.add_engine(role)["url"]
 
     def stop(self, url: str) -> None:

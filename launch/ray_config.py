@@ -30,7 +30,8 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`count` identical engines of one role; each gets its own placement group."""
 
     count: int = 1
-    data_parallel_size: int = 1
+    data_parallel_size: int = 1    # the engine's DP ranks, over all its nodes
+    data_parallel_size_local: int | None = None  # ranks per node; None: all of them on one node
     enable_expert_parallel: bool = False  # MoE: the engine's DP ranks share the experts
     tensor_parallel_size: int = 1  # processes per DP rank (`--tensor-parallel-size`), one node
     num_cpus: float = 1.0          # Ray logical CPUs per engine process: the engine reserves x TP
@@ -46,6 +47,10 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         _at_least("tensor_parallel_size", self.tensor_parallel_size, 1)
         if self.enable_expert_parallel and self.data_parallel_size < 2:
             raise ValueError("enable_expert_parallel: needs data_parallel_size >= 2 (the ranks share the experts)")
+        local = self.data_parallel_size_local
+        if local is not None and (local < 1 or self.data_parallel_size % local):
+            raise ValueError(f"data_parallel_size_local: must divide data_parallel_size={self.data_parallel_size} "
+                             f"(the same number of ranks on every node), got {local}")
         _at_least("num_threads", self.num_threads, 1)
         _at_least("max_restarts", self.max_restarts, -1)
         if self.num_cpus <= 0:
@@ -56,10 +61,38 @@ class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
                                  f"(use num_cpus for CPU), got {amount}")
         _check_modules("lora_modules", self.lora_modules)
 
+    @property
+    def nodes(self) -> int:
+        """Nodes one engine spans: one `atomd serve` on each, data_parallel_size_local ranks apiece."""
+        return self.data_parallel_size // (self.data_parallel_size_local or self.data_parallel_size)
+
     def bundle(self) -> dict[str, float]:
-        """The one placement-group bundle of an engine: all its DP ranks and TP processes share
-        a node (TP's collectives and KV cache are shared memory), num_cpus for each TP process."""
+        """The placement-group bundle of one node of an engine: its DP ranks there and their TP
+        processes share it (TP's collectives and KV cache are shared memory), num_cpus for each
+        TP process. An engine over nodes has one bundle a node, each on another (STRICT_SPREAD)."""
         return {"CPU": float(self.num_cpus) * self.tensor_parallel_size, **self.resources}
+
+    def places(self, address: str, port: int) -> list["DPPlace"]:
+        """Where each node of an engine over nodes stands in its DP group: the node's first rank,
+        and rank 0's node address and group port, the same for all; [] for an engine on one node."""
+        if self.nodes == 1:
+            return []
+        local = self.data_parallel_size_local or self.data_parallel_size
+        return [DPPlace(node * local, local, address, port) for node in range(self.nodes)]
+
+
+class DPPlace(msgspec.Struct, frozen=True):
+    """One node's share of an engine's DP group: `atomd serve --data-parallel-start-rank start_rank
+    --data-parallel-size-local local --data-parallel-address address --dp-master-port port`."""
+
+    start_rank: int
+    local: int
+    address: str   # rank 0's node: the group's store listens there
+    port: int
+
+    def flags(self) -> list[str]:
+        return ["--data-parallel-size-local", str(self.local), "--data-parallel-start-rank", str(self.start_rank),
+                "--data-parallel-address", self.address, "--dp-master-port", str(self.port)]
 
 
 class LoraSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -140,7 +173,7 @@ class ClusterConfig(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
         total: dict[str, float] = {"CPU": self.router.num_cpus}
         for group in (self.prefill, self.decode):
             for name, amount in group.bundle().items():
-                total[name] = total.get(name, 0.0) + amount * group.count
+                total[name] = total.get(name, 0.0) + amount * group.count * group.nodes
         return total
 
 
@@ -209,17 +242,24 @@ def check_fits(config: ClusterConfig, available: dict[str, float],
     """Raise ValueError naming the missing resources when the config cannot be placed.
 
     `available` is the cluster's free resources now, `node_totals` each alive node's
-    total resources. An engine's bundle must fit on one node (its DP ranks are one
-    `atomd serve` process tree); the sum must fit in what is free.
+    total resources. An engine's bundle must fit on one node (its DP ranks there are one
+    `atomd serve` process tree), an engine over N nodes' bundles on N different nodes; the
+    sum must fit in what is free.
     """
     for role, group in (("prefill", config.prefill), ("decode", config.decode)):
         bundle = group.bundle()
-        if not any(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in node_totals):
+        fitting = sum(all(node.get(k, 0.0) >= v for k, v in bundle.items()) for node in node_totals)
+        if not fitting:
             largest = [_fmt({k: node.get(k, 0.0) for k in bundle}) for node in node_totals]
             raise ValueError(
                 f"{role}: one {role} engine needs {_fmt(bundle)} on a single node, but no node "
                 f"has that (nodes: {'; '.join(largest) or 'none alive'}); "
                 f"lower {role}.num_cpus / {role}.resources or add a bigger node")
+        if fitting < group.nodes:
+            raise ValueError(
+                f"{role}: one {role} engine spans {group.nodes} nodes (data_parallel_size "
+                f"{group.data_parallel_size} / data_parallel_size_local {group.data_parallel_size_local}) with "
+                f"{_fmt(bundle)} on each, but only {fitting} node(s) have that")
     demand = config.demand()
     missing = {k: v - available.get(k, 0.0) for k, v in demand.items() if v > available.get(k, 0.0) + 1e-9}
     if missing:

@@ -556,14 +556,15 @@ class Pod:
 
     def __init__(self, objs: list[dict], workload: dict, root: pathlib.Path, pod_ip: str = "127.0.0.1",
                  container: int = 0, secrets: dict[str, dict[str, bytes]] | None = None,
-                 claims: dict[str, pathlib.Path] | None = None):
+                 claims: dict[str, pathlib.Path] | None = None, ordinal: int = 0):
         self.objs, self.workload = objs, workload
         self.secrets, self.claims = secrets or {}, claims or {}
         self.spec = pod_spec(workload)
         self.container = self.spec["containers"][container]
         self.name = workload["metadata"]["name"]
+        self.pod_name = f"{self.name}-{ordinal}"  # a StatefulSet's pod; metadata.name
         self.pod_ip = ipaddress.ip_address(pod_ip).compressed
-        self.root = root / self.name
+        self.root = root / self.pod_name
         self.mounts = self._materialize()
         self.env = self._env()
 
@@ -596,7 +597,7 @@ class Pod:
             src = e["valueFrom"]
             if "fieldRef" in src:
                 field = src["fieldRef"]["fieldPath"]
-                env[e["name"]] = {"status.podIP": self.pod_ip, "metadata.name": f"{self.name}-0",
+                env[e["name"]] = {"status.podIP": self.pod_ip, "metadata.name": self.pod_name,
                                   "metadata.namespace": self.workload["metadata"].get("namespace", "default")}[field]
             elif "secretKeyRef" in src:
                 ref = src["secretKeyRef"]
@@ -612,8 +613,21 @@ class Pod:
         return self.secrets[name] if name in self.secrets else secret_data(self.objs, name)
 
     def argv(self) -> list[str]:
-        return [expand(str(a), self.env) for a in (self.container.get("command") or []) +
+        """The command line the container's program gets. A `sh -c LINE NAME ARGS...` command runs
+        LINE in a real sh with the pod's env, with `atomd` on the PATH a stub that prints its
+        argv: so the argv is what the line computed (an engine over pods: its ranks, rank 0)."""
+        argv = [expand(str(a), self.env) for a in (self.container.get("command") or []) +
                 (self.container.get("args") or [])]
+        if argv[:2] != ["sh", "-c"]:
+            return argv
+        stub = self.root / "bin" / "atomd"
+        stub.parent.mkdir(parents=True, exist_ok=True)
+        stub.write_text(f"#!/bin/sh\nexec {sys.executable} -c 'import json, sys; print(json.dumps(sys.argv[1:]))' \"$@\"\n")
+        stub.chmod(0o755)
+        proc = subprocess.run(["sh", *argv[1:]], capture_output=True, text=True, timeout=30,
+                              env={**self.env, "PATH": f"{stub.parent}:{os.environ['PATH']}"})
+        assert proc.returncode == 0, f"{self.pod_name}: sh -c failed: {proc.stderr}"
+        return ["atomd", *json.loads(proc.stdout)]
 
     def local_path(self, path: str) -> str:
         """A path inside the container -> the same file here (under a materialized mount)."""

@@ -24,7 +24,7 @@ import yaml
 
 from tests.helm_tools import (ALL_FEATURES, CHART, KUBE_VERSIONS, REPO, SECRET_FLAG, Pod, by_kind,
                               dashboard_metric_names, engine_parser, flag_value, helm, load_manifest, local_argv,
-                              one, pod_labels, render, render_text, secret_flag_known, semantic_problems,
+                              one, pod_labels, render, render_text, secret_flag_known, selects, semantic_problems,
                               strip_flag, template_args)
 
 MONITORING = "monitoring.coreos.com/v1"
@@ -168,6 +168,10 @@ def test_install_dry_run_client(name):
     ({"decode.loraModules": {"sql": "/models/sql"}}, "decode.loraModules / engine.lora.modules need engine.lora.enabled"),
     ({"engine.lora.modules": {"bad name": "/models/x"}}, "invalid propertyName 'bad name'"),
     ({"engine.lora.maxLoras": 0}, "at '/engine/lora/maxLoras': minimum: got 0, want 1"),
+    ({"decode.podsPerEngine": 0}, "at '/decode/podsPerEngine': minimum: got 0, want 1"),
+    ({"engine.ports.dpMaster": 70000}, "at '/engine/ports/dpMaster': maximum: got 70,000, want 65,535"),
+    ({"decode.podsPerEngine": 2, "autoscaler.enabled": True},
+     "decode.podsPerEngine > 1 does not go with autoscaler.enabled"),
 ])
 def test_bad_values_are_refused_with_a_clear_message(set_values, message):
     proc = helm("template", *template_args(set_values=set_values), check=False)
@@ -280,7 +284,8 @@ def test_engine_command_lines_parse_with_atomd_serve(variant, tmp_path):
         cpu = p.container["resources"]["limits"]["cpu"]
         tp = cfg.tensor_parallel_size  # TP with the chart: test_tensor_parallel_size_per_role_is_the_engine_flag...
         assert tp == 1  # (neither values file sets TP)
-        assert cfg.num_threads * dp * tp <= float(cpu), f"{role}: {dp} x {tp} x {cfg.num_threads} threads > {cpu} CPUs"
+        here = len(cfg.local_dp_ranks)  # the pod's own ranks (all of them unless the engine spans pods)
+        assert cfg.num_threads * here * tp <= float(cpu), f"{role}: {here} x {tp} x {cfg.num_threads} threads > {cpu} CPUs"
         if name == "all-features":
             assert cfg.model.endswith("/qwen2-0.5b") and args.served_model_name == "qwen2-0.5b"
             assert cfg.dtype == "bfloat16" and cfg.max_model_len == 4096 and args.max_num_seqs == 64
@@ -312,6 +317,61 @@ def test_tensor_parallel_size_per_role_is_the_engine_flag_and_scales_the_cpu(tmp
         assert engine_args(default[role]).tensor_parallel_size == 1
         assert "--tensor-parallel-size" not in default[role].argv()
         assert default[role].container["resources"]["limits"]["cpu"] == "2"
+
+
+@pytest.mark.integration
+def test_an_engine_over_pods_gets_its_ranks_and_rank_0s_address_and_port_per_pod(tmp_path):
+    """prefill.podsPerEngine / decode.podsPerEngine: each pod's command line, computed by its own
+    shell from its ordinal, parses into the EngineConfig of its share of the group: the engine's
+    pods split its ranks without overlap, all meet at the first pod's DNS name under the headless
+    Service (published before readiness) on the port that pod declares; the NetworkPolicy lets the
+    group's pods reach each other; the KV ports of every rank are declared and allowed."""
+    from atomd.config import EngineConfig
+
+    claim = tmp_path / "claim"  # the checkpoint's config is what EngineConfig checks the expert split against
+    (claim / "moe").mkdir(parents=True)
+    (claim / "moe" / "config.json").write_text(json.dumps({"architectures": ["Qwen3MoeForCausalLM"], "num_experts": 8}))
+    objs = render(set_values={"model.pvc": "ckpts", "model.path": "/models/moe",
+                              "prefill.replicas": 1, "prefill.podsPerEngine": 3, "prefill.dataParallelSize": 1,
+                              "decode.replicas": 2, "decode.podsPerEngine": 2, "decode.dataParallelSize": 2,
+                              "decode.expertParallel": True, "decode.numThreads": 1}, namespace="serving")
+    assert semantic_problems(objs, {"PersistentVolumeClaim": {"ckpts"}}) == []
+    for role, engines, pods_per_engine, local in (("prefill", 1, 3, 1), ("decode", 2, 2, 2)):
+        sts = one(objs, "StatefulSet", f"-{role}")
+        svc = one(objs, "Service", sts["spec"]["serviceName"])
+        assert svc["spec"]["clusterIP"] == "None" and svc["spec"]["publishNotReadyAddresses"] is True
+        assert sts["spec"]["replicas"] == engines * pods_per_engine
+        assert sts["spec"]["podManagementPolicy"] == "Parallel"  # a group's pods start together
+        size = local * pods_per_engine
+        groups: dict[str, list[range]] = {}
+        for i in range(sts["spec"]["replicas"]):
+            pod = Pod(objs, sts, tmp_path, pod_ip=f"10.1.2.{i + 1}", ordinal=i, claims={"ckpts": claim})
+            cfg = EngineConfig.from_args(engine_args(pod))  # validates start + local <= size, the port
+            assert cfg.data_parallel_size == size and len(cfg.local_dp_ranks) == local
+            assert cfg.enable_expert_parallel == (role == "decode")
+            assert cfg.dp_master_port == pod.port("dp-master") == 29500
+            first = f"{sts['metadata']['name']}-{i - i % pods_per_engine}"  # the engine's first pod
+            assert cfg.data_parallel_address == f"{first}.{svc['metadata']['name']}.serving.svc.cluster.local"
+            groups.setdefault(cfg.data_parallel_address, []).append(cfg.local_dp_ranks)
+            ports = "kv-side" if role == "prefill" else "kv-events"
+            assert [pod.port(f"{ports}-{r}") for r in range(size)] == \
+                [pod.port(f"{ports}-0") + r for r in range(size)]
+        assert len(groups) == engines
+        for ranks in groups.values():  # every rank of an engine on exactly one of its pods
+            assert sorted(r for rr in ranks for r in rr) == list(range(size))
+        policy = one(objs, "NetworkPolicy", f"-{role}")
+        peers = [rule for rule in policy["spec"]["ingress"] if "ports" not in rule]
+        assert len(peers) == 1 and selects(peers[0]["from"][0]["podSelector"], pod_labels(sts))
+        if role == "prefill":
+            side = next(rule for rule in policy["spec"]["ingress"]
+                        if any(p["port"] == "kv-side-0" for p in rule.get("ports", [])))
+            assert [p["port"] for p in side["ports"]] == [f"kv-side-{r}" for r in range(size)]
+    default = render()
+    for role in ("prefill", "decode"):  # one pod an engine: no shell, no group flags, no peer rule
+        pod = Pod(default, one(default, "StatefulSet", f"-{role}"), tmp_path / "default")
+        assert pod.container["command"] == ["atomd", "serve"]
+        assert not {"--data-parallel-start-rank", "--dp-master-port"} & set(pod.argv())
+        assert all("ports" in rule for rule in one(default, "NetworkPolicy", f"-{role}")["spec"]["ingress"])
 
 
 @pytest.mark.integration

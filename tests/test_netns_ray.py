@@ -281,6 +281,61 @@ def test_worker_node_killed_then_rejoining(ray2, job):
     poll("P to release every pinned block", lambda: metrics(p["url"])["atomd:kv_blocks_pinned"] == 0, 60)
 
 
+def test_an_expert_parallel_engine_over_both_nodes_serves_hf_greedy(ray2, tmp_path):
+    """A second job beside the first: its decode engine is EP=2 over the two nodes
+    (`data_parallel_size: 2`, `data_parallel_size_local: 1`): one actor a node, each node's
+    `atomd serve` running its rank, rank 0's address and port found on a's bundle; the router
+    gets both hosts' servers; requests through it equal HF's greedy tokens; each host's /metrics
+    counts its own experts only (4 of 8), some on each."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from tests.test_expert_parallel import hf_text
+    from tests.test_model_hf import hf_greedy, make_checkpoint, prompts_of
+
+    a, b = ray2.hosts
+    model = make_checkpoint(tmp_path / "qwen3_moe", "qwen3_moe", seed=40)  # 8 experts, top-2, 2 layers
+    config = {"model": str(model), "router": {"port": ROUTER_PORT + 1, "num_cpus": 0},
+              "prefill": {"num_cpus": 0.25, "extra_args": TEST_ENGINE_FLAGS},
+              "decode": {"data_parallel_size": 2, "data_parallel_size_local": 1, "enable_expert_parallel": True,
+                         "num_cpus": 0.25, "extra_args": [*TEST_ENGINE_FLAGS, "--dp-collective-timeout-s", "10"]}}
+    path = tmp_path / "ep-2nodes.yaml"
+    path.write_text(yaml.safe_dump(config))
+    ep = Job(ray2, f"atomd-netns-ep-{os.getpid()}-{time.monotonic_ns()}")
+    result = ray_cli("job", "submit", "--address", dashboard(ray2), "--no-wait", "--submission-id", ep.submission_id,
+                     "--working-dir", ".", "--", "python", "-m", "launch.ray_cluster", "--config", str(path))
+    assert result.returncode == 0, result.stdout + result.stderr
+    try:
+        def ready_line():
+            status = ep.status()
+            assert status in ("PENDING", "RUNNING"), f"job {status}:\n{ep.logs()[-5000:]}"
+            return any(READY_LINE in ln for ln in ep.logs().splitlines())
+        poll("the EP job's ready line", ready_line, JOB_READY_TIMEOUT_S, interval_s=1.0)
+        router_url = f"http://{a.ip}:{ROUTER_PORT + 1}"
+        nodes = [ep.alive(f"atomd-decode-0-node{n}") for n in range(2)]
+        assert all(nodes), [(x.name, x.state) for x in ep.actors()]
+        assert sorted(node_of(ray2, x) for x in nodes) == sorted([a.ip, b.ip])  # STRICT_SPREAD
+        decode = workers(router_url, "decode")
+        assert sorted(w["url"].split("//")[1].split(":")[0] for w in decode) == sorted([a.ip, b.ip])
+        prompts = [[t % 297 + 3 for t in p] for p in prompts_of([5, 23, 40, 17], seed=5)]
+        for prompt in prompts:  # round robin: both hosts' servers serve some
+            status, got = complete(router_url, {"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                "ignore_eos": True})
+            assert status == 200, got
+            assert got["choices"][0]["text"] == hf_text(model, hf_greedy(model, prompt, 8))
+        owned = []
+        for w in decode:
+            status, raw = http("GET", w["url"] + "/metrics", timeout=10)
+            assert status == 200
+            families = {f.name: f for f in text_string_to_metric_families(raw.decode())}
+            samples = [x for x in families["atomd:expert_tokens"].samples if x.name.endswith("_total")]
+            owned.append({(x.labels["dp_rank"], x.labels["expert"]) for x in samples})
+            assert sum(x.value for x in samples) > 0  # every decode step ran both hosts' experts
+        assert sorted(owned, key=sorted) == [{("0", str(e)) for e in range(4)}, {("1", str(e)) for e in range(4, 8)}]
+    finally:
+        ray_cli("job", "stop", "--address", dashboard(ray2), ep.submission_id)
+        poll("the EP job to stop", lambda: ep.status() in ("STOPPED", "FAILED", "SUCCEEDED"), 60)
+
+
 def test_clean_stop_leaves_no_process(ray2, job):
     actors = [x for x in job.actors() if x.state == "ALIVE"]
     assert {x.name for x in actors} >= {"atomd-router", "atomd-prefill-0", "atomd-decode-0"}

@@ -14,11 +14,13 @@ CONFIGS = Path(__file__).resolve().parents[1] / "launch" / "configs"
 pytestmark = pytest.mark.unit
 
 
-@pytest.mark.parametrize("name, prefill, decode, decode_dp", [
-    ("1p1d", 1, 1, 1), ("2p1d", 2, 1, 1), ("1p1d-dp2", 1, 1, 2), ("1p1d-2nodes", 1, 1, 1)])
-def test_shipped_configs_load(name, prefill, decode, decode_dp):
+@pytest.mark.parametrize("name, prefill, decode, decode_dp, decode_nodes", [
+    ("1p1d", 1, 1, 1, 1), ("2p1d", 2, 1, 1, 1), ("1p1d-dp2", 1, 1, 2, 1), ("1p1d-2nodes", 1, 1, 1, 1),
+    ("1p1d-ep-2nodes", 1, 1, 2, 2)])
+def test_shipped_configs_load(name, prefill, decode, decode_dp, decode_nodes):
     c = load_config(CONFIGS / f"{name}.yaml")
     assert (c.prefill.count, c.decode.count, c.decode.data_parallel_size) == (prefill, decode, decode_dp)
+    assert c.decode.nodes == decode_nodes
     assert c.router.policy in POLICIES
 
 
@@ -51,6 +53,8 @@ def test_empty_config_is_one_prefill_one_decode():
     ({"lora": {"enabled": True, "modules": {"sql": ""}}}, "lora.modules"),
     ({"decode": {"lora_modules": {"sql": "/a"}}}, "decode.lora_modules"),
     ({"lora": {"enabled": "yes"}}, "lora.enabled"),
+    ({"decode": {"data_parallel_size": 4, "data_parallel_size_local": 3}}, "decode.data_parallel_size_local"),
+    ({"decode": {"data_parallel_size": 4, "data_parallel_size_local": 0}}, "decode.data_parallel_size_local"),
 ])
 def test_bad_field_is_named(data, field):
     with pytest.raises(ValueError) as e:
@@ -180,3 +184,47 @@ def test_router_host_and_port_from_the_command_line(tmp_path):
     empty.write_text("")
     assert load_config(empty, {"port": 18001}).router.port == 18001
     assert load_config(empty, top={"engine_host": "127.0.0.1"}).engine_host == "127.0.0.1"
+
+
+def test_an_engine_over_nodes_gets_a_bundle_a_node_and_each_nodes_flags_its_ranks():
+    """decode.data_parallel_size_local: the engine's ranks over data_parallel_size / local nodes,
+    a bundle each on different nodes; each node's `atomd serve` flags parse into the EngineConfig
+    of its ranks, every node with rank 0's address and the group's port; fits only where that
+    many nodes can each hold a bundle."""
+    from atomd.config import EngineConfig
+    from launch.ray_cluster import engine_flags
+    from tests.helm_tools import engine_parser
+
+    c = parse_config({"decode": {"count": 2, "data_parallel_size": 4, "data_parallel_size_local": 2,
+                                 "enable_expert_parallel": True, "num_cpus": 2, "resources": {"decode_node": 1}}})
+    assert (c.prefill.nodes, c.decode.nodes) == (1, 2)
+    assert c.demand() == {"CPU": 1 + 2 * 2 * 2 + 0.5, "decode_node": 4.0}  # 2 engines x 2 nodes
+    assert c.prefill.places("10.0.0.1", 29500) == []  # one node: no group flags
+    assert "--data-parallel-start-rank" not in engine_flags("prefill", c, "10.0.0.1")
+    places = c.decode.places("10.0.0.1", 29517)
+    ranks = []
+    for node, (place, ip) in enumerate(zip(places, ("10.0.0.1", "10.0.0.2"))):
+        args = engine_parser().parse_args(["--model", "m", *engine_flags("decode", c, ip, place)])
+        cfg = EngineConfig.from_kwargs(**{k: v for k, v in vars(args).items() if k in {
+            "data_parallel_size", "data_parallel_size_local", "data_parallel_start_rank", "data_parallel_address",
+            "dp_master_port", "kv_side_channel_host"}})  # the DP group's own checks (start + local <= size)
+        assert (cfg.data_parallel_address, cfg.dp_master_port, cfg.data_parallel_size) == ("10.0.0.1", 29517, 4)
+        assert args.enable_expert_parallel and cfg.kv_side_channel_host == ip
+        ranks += list(cfg.local_dp_ranks)
+        assert list(cfg.local_dp_ranks) == [2 * node, 2 * node + 1]
+    assert ranks == [0, 1, 2, 3]  # every rank on exactly one node
+    nodes = [{"CPU": 4.0, "decode_node": 1}, {"CPU": 4.0, "decode_node": 1}, {"CPU": 4.0}]
+    check_fits(parse_config({"decode": {"data_parallel_size": 4, "data_parallel_size_local": 2, "num_cpus": 2,
+                                        "resources": {"decode_node": 1}}}), {"CPU": 12.0, "decode_node": 2.0}, nodes)
+    with pytest.raises(ValueError, match=r"^decode: one decode engine spans 2 nodes .* only 1 node\(s\) have that"):
+        check_fits(c, {"CPU": 12.0, "decode_node": 2.0}, nodes[1:])
+
+
+def test_the_online_planner_does_not_scale_an_engine_over_nodes():
+    from types import SimpleNamespace
+
+    from launch.ray_cluster import RayLauncher
+
+    cluster = SimpleNamespace(config=parse_config({"decode": {"data_parallel_size": 2, "data_parallel_size_local": 1}}))
+    with pytest.raises(ValueError, match="decode: an engine over 2 nodes .* is not scaled online"):
+        RayLauncher(cluster).start("decode")

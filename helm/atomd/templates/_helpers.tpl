@@ -110,7 +110,17 @@ StatefulSet. {root, role}
 {{- define "atomd.engineConfig" -}}
 {{- $v := .root.Values }}
 {{- $r := index $v .role }}
-{{- $cfg := dict "kv_role" (ternary "producer" "consumer" (eq .role "prefill")) "kv_transfer_backend" $v.kvTransfer.backend "max_model_len" (int $v.engine.maxModelLen) "dtype" $v.engine.dtype "kv_cache_dtype" ($v.engine.kvCacheDtype | default "auto") "data_parallel_size" (int $r.dataParallelSize) "kv_params_secret_file" (printf "%s/key" (include "atomd.kvParamsSecretDir" .root)) }}
+{{- $pods := int ($r.podsPerEngine | default 1) }}
+{{- $cfg := dict "kv_role" (ternary "producer" "consumer" (eq .role "prefill")) "kv_transfer_backend" $v.kvTransfer.backend "max_model_len" (int $v.engine.maxModelLen) "dtype" $v.engine.dtype "kv_cache_dtype" ($v.engine.kvCacheDtype | default "auto") "data_parallel_size" (mul (int $r.dataParallelSize) $pods) "kv_params_secret_file" (printf "%s/key" (include "atomd.kvParamsSecretDir" .root)) }}
+{{- if gt $pods 1 }}
+{{- /* an engine over pods: each runs dataParallelSize ranks; its start rank and rank 0's address
+     are the pod's own (atomd.multiHostServe), the group's port everyone's */}}
+{{- if $v.autoscaler.enabled }}
+{{- fail (printf "%s.podsPerEngine > 1 does not go with autoscaler.enabled: the autoscaler adds and removes one pod at a time, and an engine is %d pods" .role $pods) }}
+{{- end }}
+{{- $_ := set $cfg "data_parallel_size_local" (int $r.dataParallelSize) }}
+{{- $_ := set $cfg "dp_master_port" (int $v.engine.ports.dpMaster) }}
+{{- end }}
 {{- if $r.numThreads }}
 {{- $_ := set $cfg "num_threads" (int $r.numThreads) }}
 {{- end }}
@@ -147,6 +157,20 @@ StatefulSet. {root, role}
 {{- $_ := set $cfg "kv_events_endpoint" (printf "tcp://*:%d" (int $v.engine.ports.kvEvents)) }}
 {{- end }}
 {{- toJson $cfg }}
+{{- end }}
+
+{{/*
+The shell line an engine pod of a group over pods runs (`sh -c LINE atomd-serve ARGS...`): the
+StatefulSet's pods are numbered in rows of podsPerEngine, one row an engine; pod i runs DP
+ranks (i mod podsPerEngine) x dataParallelSize onwards, and its group meets at the row's first
+pod, by that pod's DNS name under the headless Service (published before it is ready). $$ is
+a $ past Kubernetes' $(VAR) expansion. {root, role}
+*/}}
+{{- define "atomd.multiHostServe" -}}
+{{- $r := index .root.Values .role }}
+{{- $pods := int $r.podsPerEngine }}
+{{- $svc := include "atomd.engineService" . }}
+{{- printf "i=${POD_NAME##*-}; exec atomd serve \"$@\" --data-parallel-start-rank $$((i %% %d * %d)) --data-parallel-address %s-$$((i - i %% %d)).%s.%s.svc.%s" $pods (int $r.dataParallelSize) $svc $pods $svc .root.Release.Namespace .root.Values.clusterDomain }}
 {{- end }}
 
 {{/* The router's settings as RouterConfig fields (router/app.py), as JSON. */}}
