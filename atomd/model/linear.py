@@ -41,16 +41,14 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     return F.linear(x, weight, bias)
 
 
-F32_KERNEL_MAX_ROWS = 16  # linear_f32: the C kernel up to this many rows, torch's float32 matmul beyond
-
-
 def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T (+ bias) in float32, unrounded, for bf16 x and a plain bf16 weight (a TP
     worker's row-parallel partial: the all-reduce adds the workers' float32 partials and the sum
     is rounded once, as TP=1's one dot is). torch has no bf16 matmul with a float32 output on the
-    CPU: a few rows run the C kernel (float32 sums of the exact bf16 products, the weight read as
-    it is); more rows torch's float32 matmul on upcast copies (the weight's upcast amortised)."""
-    if x.shape[0] <= F32_KERNEL_MAX_ROWS and layer_ops.has_gemv(torch.bfloat16):
+    CPU: the C kernel where it is built (float32 sums of the exact bf16 products, ~1.5x oneDNN's
+    bf16 matmul at 512 rows, benchmarks/tp_row_parallel.py), else torch's float32 matmul on
+    upcast copies (~2.3x)."""
+    if layer_ops.has_gemv(torch.bfloat16):
         out = layer_ops.gemm_bf16_f32(x, weight)
     else:
         out = F.linear(x.float(), dense(weight).float())
