@@ -308,7 +308,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         spec = self.speculative()
         for name, on in (("enable_expert_parallel", self.enable_expert_parallel),
-                         ("kv_cache_dtype fp8", self.kv_cache_dtype != "auto"),
                          # the workers run one MTP pass a step (MtpStep); a chain's passes stay on rank 0
                          ("MTP num_speculative_tokens > 1", spec is not None and spec.method == "mtp"
                           and spec.num_speculative_tokens > 1)):

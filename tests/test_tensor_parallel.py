@@ -128,19 +128,21 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("n,kv_heads", [(2, 4), (4, 2)])  # split, replicated
-def test_pd_staging_gathers_and_scatters_every_worker_slice(n, kv_heads):
+@pytest.mark.parametrize("n,kv_heads,dtype", [(2, 4, torch.float32), (4, 2, torch.float32),  # split, replicated
+                                              (2, 4, torch.float8_e4m3fn)])  # --kv-cache-dtype fp8: a byte a value
+def test_pd_staging_gathers_and_scatters_every_worker_slice(n, kv_heads, dtype):
     """atomd/engine/tp_pd.py against a full-heads reference: P's gather makes the TP=1 block,
     D's scatter gives every worker (each replica) its heads."""
+    from atomd.engine.kv_cache import kv_dtype_name
     from atomd.engine.tp_pd import TPKVStaging
     from atomd.model.tp_split import TPSplit
 
-    full = torch.randn(3, 2, 2, 4, kv_heads, 8)  # blocks, layers, k|v, block, heads, head_dim
+    full = torch.randn(3, 2, 2, 4, kv_heads, 8).to(dtype).view(torch.uint8 if dtype.itemsize == 1 else dtype)
     heads = [TPSplit(w, n, 4, kv_heads, 8, 100).kv_heads() for w in range(n)]
     kv_all = torch.stack([full[..., h.start:h.stop, :] for h in heads]).contiguous()
-    staging = TPKVStaging(kv_all, kv_heads, "float32")
+    staging = TPKVStaging(kv_all.view(dtype), kv_heads, kv_dtype_name(dtype))
     staging.gather([0, 2])
-    rows = torch.from_numpy(staging.blocks).view(torch.float32).view(full.shape)
+    rows = torch.from_numpy(staging.blocks).view(full.dtype).view(full.shape)
     assert torch.equal(rows[[0, 2]], full[[0, 2]]) and not rows[1].any()
     want = kv_all.clone()
     kv_all.zero_()
@@ -342,15 +344,16 @@ def test_a_worker_that_dies_loading_fails_the_start_at_once(checkpoints, tmp_pat
 @pytest.fixture(scope="module")
 def hetero_pd():
     """P TP=1 -> D TP=2 and P TP=2 -> D TP=1 behind two routers (built-in model: 8 query / 4 KV
-    heads); the colocated reference is D TP=1 asked directly (a request without kv_transfer_params
-    runs its whole prompt there)."""
+    heads), the second pair over fp8 KV caches (P's staging gathers and D's pull moves a byte a
+    value); the colocated reference is the pair's D asked directly (a request without
+    kv_transfer_params runs its whole prompt there)."""
     from tests.pd_fixtures import PDCluster
 
     cluster = PDCluster()
     try:
-        tp2 = ["--tensor-parallel-size", "2"]
+        tp2, fp8 = ["--tensor-parallel-size", "2"], ["--kv-cache-dtype", "fp8"]
         cluster.start_engines(P1=["--kv-role", "producer"], D2=[*tp2, "--kv-role", "consumer"],
-                              P2=[*tp2, "--kv-role", "producer"], D1=["--kv-role", "consumer"])
+                              P2=[*tp2, *fp8, "--kv-role", "producer"], D1=[*fp8, "--kv-role", "consumer"])
         cluster.routers_by_pair = {"P1->D2": cluster.start_router("P1", "D2"), "P2->D1": cluster.start_router("P2", "D1")}
         yield cluster
     finally:
@@ -361,7 +364,7 @@ def hetero_pd():
 @pytest.mark.parametrize("pair", ["P1->D2", "P2->D1"])
 def test_pd_with_different_tp_sizes_equals_colocated(hetero_pd, pair):
     prompts = ["def fibonacci(n):\n    " * 6, "import os\nimport sys\n\nclass Stack:\n    def"]  # several blocks
-    ref = hetero_pd["D1"]
+    ref = hetero_pd[pair.split("->")[0]]  # the pair's P asked directly: its D pulls every block, none cached
     model = json.loads(http("GET", ref.url + "/v1/models")[1])["data"][0]["id"]
     router = hetero_pd.routers_by_pair[pair]
     for prompt in prompts:

@@ -21,7 +21,7 @@ from atomd.kernels import cbuild
 from atomd.engine.allocator import retain_freed_memory
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, ranked_choices, resolve_model_dir
-from atomd.engine.kv_cache import KVCache, kv_dtype_name, kv_storage_dtype
+from atomd.engine.kv_cache import KVCache, check_kv_planes, kv_dtype_name, kv_storage_dtype
 from atomd.engine.lora_registry import LoraRegistry
 from atomd.model.deepseek import DeepseekModel
 from atomd.model.deepseek_lora import load_deepseek_adapter
@@ -90,9 +90,7 @@ class LLMEngine(EngineLoop):
             mtp = load_mtp(model_dir, self.model, split)
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)  # fp8: one byte a value
-        if kv_dtype != self.model.dtype and kv.planes != 2:
-            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: {mcfg.architecture}'s MLA latent cache is "
-                             f"not built in fp8 (its absorbed decode reads the latent in {config.dtype}); use auto")
+        check_kv_planes(kv_dtype, self.model.dtype, kv.planes, config.kv_cache_dtype, mcfg.architecture)
         kv_layers = mcfg.num_layers + (mtp is not None)
         per_block = KVCache.bytes_per_block(kv_layers, config.block_size, kv.heads, kv.head_dim, kv_dtype, kv.planes)
         kv_all = None if self.tp_workers is None else self.tp_workers.kv_all  # every rank's, shared memory
@@ -121,7 +119,7 @@ class LLMEngine(EngineLoop):
                                          kv_heads, kv.head_dim, kv.version, kv_cache_dtype=kv_dtype_name(kv_dtype))
         self.tp_staging = None
         if self.tp_workers is not None and config.kv_role != "both":
-            self.tp_staging = TPKVStaging(self.tp_workers.kv_all, kv_heads, config.dtype)
+            self.tp_staging = TPKVStaging(self.tp_workers.kv_all, kv_heads, kv_dtype_name(kv_dtype))
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id
