@@ -351,18 +351,22 @@ def hetero_pd():
 
     cluster = PDCluster()
     try:
-        tp2, fp8 = ["--tensor-parallel-size", "2"], ["--kv-cache-dtype", "fp8"]
+        tp2, fp8, direct = ["--tensor-parallel-size", "2"], ["--kv-cache-dtype", "fp8"], ["--tp-kv-transfer", "direct"]
         cluster.start_engines(P1=["--kv-role", "producer"], D2=[*tp2, "--kv-role", "consumer"],
-                              P2=[*tp2, *fp8, "--kv-role", "producer"], D1=[*fp8, "--kv-role", "consumer"])
-        cluster.routers_by_pair = {"P1->D2": cluster.start_router("P1", "D2"), "P2->D1": cluster.start_router("P2", "D1")}
+                              P2=[*tp2, *fp8, "--kv-role", "producer"], D1=[*fp8, "--kv-role", "consumer"],
+                              P2d=[*tp2, *direct, "--kv-role", "producer"], D2d=[*tp2, *direct, "--kv-role", "consumer"])
+        cluster.routers_by_pair = {pair: cluster.start_router(*pair.split("->"))
+                                   for pair in ("P1->D2", "P2->D1", "P2d->D2d")}
         yield cluster
     finally:
         cluster.stop()
 
 
 @pytest.mark.integration
-@pytest.mark.parametrize("pair", ["P1->D2", "P2->D1"])
+@pytest.mark.parametrize("pair", ["P1->D2", "P2->D1", "P2d->D2d"])
 def test_pd_with_different_tp_sizes_equals_colocated(hetero_pd, pair):
+    """P2d->D2d: TP=2 on both sides with --tp-kv-transfer direct: each worker's slices sent and pulled
+    as they lie (no staging copy on either side: kv_staging_bytes 0 where the staging pairs count theirs)."""
     prompts = ["def fibonacci(n):\n    " * 6, "import os\nimport sys\n\nclass Stack:\n    def"]  # several blocks
     ref = hetero_pd[pair.split("->")[0]]  # the pair's P asked directly: its D pulls every block, none cached
     model = json.loads(http("GET", ref.url + "/v1/models")[1])["data"][0]["id"]
@@ -373,5 +377,8 @@ def test_pd_with_different_tp_sizes_equals_colocated(hetero_pd, pair):
         assert status == 200, want
         status, got = _post(router.url, body, 60)
         assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"], (pair, got, want)
-    decode = hetero_pd["D2" if pair == "P1->D2" else "D1"].stats()["kv_transfer"]
+    producer, consumer = (hetero_pd[name].stats() for name in pair.split("->"))
+    decode = consumer["kv_transfer"]
     assert decode["fallbacks"] == {} and decode["bytes"] > 0 and not decode["failures"], decode  # pulled, not recomputed
+    staged = [s["tensor_parallel"]["kv_staging_bytes"] for s in (producer, consumer) if "tensor_parallel" in s]
+    assert all(n == 0 for n in staged) if pair == "P2d->D2d" else all(n > 0 for n in staged), staged
