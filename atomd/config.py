@@ -39,6 +39,7 @@ DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_
 SPECULATIVE_METHODS = ("ngram", "mtp")
 MODEL_RUNNERS = ("real", "simulated")  # simulated: atomd/sim/engine.py
 TP_COMMUNICATORS = ("shm", "gloo")  # atomd/engine/tp_collective.py's (which imports torch: not here)
+TP_KV_TRANSFERS = ("staging", "direct")  # a TP engine's blocks on the PD wire (atomd/engine/tp_pd.py)
 _UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -128,6 +129,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     tensor_parallel_size: int = 1
     tp_communicator: str = "shm"
     tp_collective_timeout_s: float = 5.0
+    # PD of a TP engine: staging (a TP=1-layout copy, pairs with any TP size) or direct (each worker's
+    # slice on the wire, no copy: the peer must be a direct engine of the same TP size)
+    tp_kv_transfer: str = "staging"
     # speculative decoding, vLLM's JSON shape: '{"method": "ngram", "num_speculative_tokens": 4,
     # "prompt_lookup_min": 2, "prompt_lookup_max": 5}' (atomd/engine/spec_decode.py); None: off
     speculative_config: str | None = None
@@ -303,6 +307,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         from atomd.model.tp_split import check_hf_config
 
         _choice("tp_communicator", self.tp_communicator, TP_COMMUNICATORS)
+        _choice("tp_kv_transfer", self.tp_kv_transfer, TP_KV_TRANSFERS)
         if not self.tp_collective_timeout_s > 0:
             raise ValueError(f"tp_collective_timeout_s must be > 0, got {self.tp_collective_timeout_s}")
         if self.tensor_parallel_size < 1:
@@ -311,7 +316,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             return
         spec = self.speculative()
         for name, on in (("enable_expert_parallel", self.enable_expert_parallel),
-                         ("kv_cache_dtype fp8", self.kv_cache_dtype != "auto"),
                          # the workers run one MTP pass a step (MtpStep); a chain's passes stay on rank 0
                          ("MTP num_speculative_tokens > 1", spec is not None and spec.method == "mtp"
                           and spec.num_speculative_tokens > 1)):
@@ -514,7 +518,7 @@ def _bytes_arg(text: str) -> int:
 # `atomd serve` / `atomd generate` flags: one per EngineConfig field (its name with dashes,
 # its default), so every default is written once, on the field. What a flag needs beyond
 # that is keyed by field here.
-CHOICES = {"dtype": DTYPE_CHOICES, "tp_communicator": TP_COMMUNICATORS, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
+CHOICES = {"dtype": DTYPE_CHOICES, "tp_communicator": TP_COMMUNICATORS, "tp_kv_transfer": TP_KV_TRANSFERS, "attention_backend": ATTENTION_BACKENDS, "kv_role": KV_ROLES,
            "quantization": QUANTIZATIONS, "quantized_activations": QUANTIZED_ACTIVATIONS,
            "kv_cache_dtype": KV_CACHE_DTYPES,
            "kv_transfer_backend": KV_TRANSFER_BACKENDS, "kv_load_failure_policy": KV_LOAD_FAILURE_POLICIES,
@@ -617,6 +621,9 @@ HELP = {
                             "starts), each with 1/N of every layer's attention heads (KV heads replicated where N "
                             "exceeds them), MLP rows and vocabulary; N must divide the heads",
     "tp_communicator": "tensor parallelism's collectives: shm (shared memory, one host) or gloo",
+    "tp_kv_transfer": "PD of a TP engine: staging (a TP=1-layout copy of the blocks, pairs with any TP size) or "
+                      "direct (each worker's slice sent and received in place, no copy; the peer runs direct at "
+                      "the same TP size)",
     "tp_collective_timeout_s": "a TP collective not done by then (a worker died or hangs) fails the engine: "
                                "/health 503, its requests error",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "

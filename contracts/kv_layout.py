@@ -17,7 +17,8 @@ from dataclasses import asdict, dataclass
 import numpy as np
 
 # bytes per element of the cache dtypes (numpy has no bfloat16: the bytes are moved, never read)
-ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "int8": 1, "uint8": 1}
+ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "fp8_e4m3": 1, "fp8_e5m2": 1, "int8": 1,
+            "uint8": 1}
 _WORD = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 

@@ -90,11 +90,13 @@ def new_access_token() -> str:
 
 def compat_fingerprint(
     model_id: str, dtype: str, block_size: int, num_layers: int, num_kv_heads: int, head_dim: int, version: str,
-    tp_size: int = 1, kv_cache_dtype: str | None = None,
+    tp_size: int = 1, kv_cache_dtype: str | None = None, tp_rows: int | None = None,
 ) -> dict[str, Any]:
     """What must be equal on both engines for block bytes to be interchangeable, and the TP
     size their blocks are split by (`num_kv_heads`: the model's, all TP workers' together).
-    `kv_cache_dtype`: what the cache stores (fp8_e4m3, fp8_e5m2; default: `dtype`, the model's)."""
+    `kv_cache_dtype`: what the cache stores (fp8_e4m3, fp8_e5m2; default: `dtype`, the model's).
+    `tp_rows`: a TP engine whose workers' slices travel as they lie (--tp-kv-transfer direct,
+    atomd/engine/tp_pd.py): its blocks per worker, the stride of its slice rows (not compared)."""
     fp = {
         "model_id": model_id,
         "dtype": dtype,
@@ -107,6 +109,8 @@ def compat_fingerprint(
     }
     if tp_size != 1:  # left out at 1, so a TP=1 engine's fingerprint is what it always was
         fp["tp_size"] = tp_size
+    if tp_rows is not None:
+        fp["tp_rows"] = tp_rows
     return fp
 
 
@@ -134,7 +138,12 @@ def compat_mismatch(expected: dict[str, Any] | None, got: dict[str, Any] | None,
     if expected.get("tp_size", 1) != got.get("tp_size", 1):
         try:
             mine, theirs = tp_layout(expected), tp_layout(got)
-            check_mappable(theirs, mine) if peer == "producer" else check_mappable(mine, theirs)
+            producer, consumer = (theirs, mine) if peer == "producer" else (mine, theirs)
+            check_mappable(producer, consumer)
         except ValueError as exc:
             return f"compat mismatch on tp_size: {exc}"
+        if "tp_rows" in expected or "tp_rows" in got:  # per-worker slices on the wire: nobody converts them
+            return (f"compat mismatch on tp_size: workers' slices travel as they lie (tp_kv_transfer direct) "
+                    f"only between equal TP sizes: producer TP={producer.tp_size}, consumer TP={consumer.tp_size} "
+                    f"(run both with tp_kv_transfer staging)")
     return None

@@ -263,6 +263,23 @@ def test_bfloat16_model_over_an_fp8_cache(fp8_llama):
 
 
 @pytest.mark.unit
+def test_tp2_over_fp8_caches_equals_tp1_and_hf_on_fp8_rounded_kv(fp8_llama):
+    """--tensor-parallel-size 2 with fp8: each worker's slice of the shared cache holds its KV head in
+    fp8 (a byte a value); greedy ids of mixed-length prompts (batched, then batch-1 decode alone) equal
+    TP=1's over fp8 and HF's on the same rounding; the whole engine's cache is fp8 on every rank."""
+    path, refs = fp8_llama
+    prompts = prompts_of(MIXED, seed=7)
+    want = [hf_greedy(refs["fp8_e4m3"], p, 48) for p in prompts]
+    tp = _llm(path, kv_cache_dtype="fp8", tensor_parallel_size=2)
+    try:
+        assert tp.engine.tp_workers.kv_all.dtype == torch.float8_e4m3fn and tp.engine.tp_workers.kv_all.shape[5] == 1
+        assert greedy(tp, prompts) == want == greedy(_llm(path, kv_cache_dtype="fp8"), prompts)
+        assert greedy(tp, prompts[2:3]) == want[2:3]
+    finally:
+        tp.engine.close()
+
+
+@pytest.mark.unit
 def test_fingerprint_names_the_kv_cache_dtype(fp8_llama):
     from kv_transfer.params import compat_mismatch
 
@@ -275,10 +292,10 @@ def test_fingerprint_names_the_kv_cache_dtype(fp8_llama):
 
 @pytest.mark.unit
 def test_what_fp8_does_not_run_is_refused_by_name(tmp_path):
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with kv_cache_dtype fp8 yet"):
-        EngineConfig(kv_cache_dtype="fp8", tensor_parallel_size=2)
     with pytest.raises(ValueError, match="kv_cache_dtype fp8_e5m2 needs model_runner real"):
         EngineConfig(kv_cache_dtype="fp8_e5m2", model_runner="simulated", hardware="h100:llama3-8b")
     path = FAMILIES["deepseek-v3"].write(tmp_path / "deepseek")
     with pytest.raises(ValueError, match="kv_cache_dtype fp8: DeepseekV3ForCausalLM's MLA latent cache is not built in fp8"):
         _llm(path, kv_cache_dtype="fp8")
+    with pytest.raises(ValueError, match="MLA latent cache is not built in fp8"):  # refused before any TP worker starts
+        _llm(path, kv_cache_dtype="fp8", tensor_parallel_size=2)

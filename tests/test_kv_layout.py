@@ -168,6 +168,19 @@ def test_a_layout_that_cannot_map_is_refused_naming_both():
         assert "malformed KV layout" in compat_mismatch(fp(1), {**fp(1), "tp_size": bad})
 
 
+def test_workers_slices_on_the_wire_pair_only_equal_tp_sizes():
+    """--tp-kv-transfer direct (fingerprint `tp_rows`: the slice rows' stride, not compared): equal TP
+    sizes pair whatever their pools; another size is refused both ways, naming both, as nobody converts
+    slices on the wire."""
+    direct = lambda tp, rows: compat_fingerprint("m", "bfloat16", 16, 6, 4, 32, "atomd-kv-1", tp_size=tp,  # noqa: E731
+                                                 tp_rows=rows)
+    assert compat_mismatch(direct(2, 100), direct(2, 37)) is None
+    for mine, theirs in ((direct(2, 10), fp(1)), (fp(1), direct(2, 10)), (direct(2, 10), direct(4, 10))):
+        message = compat_mismatch(mine, theirs)
+        assert message.startswith("compat mismatch on tp_size: workers' slices travel as they lie"), message
+        assert f"producer TP={theirs.get('tp_size', 1)}, consumer TP={mine.get('tp_size', 1)}" in message
+
+
 def test_the_sender_refuses_a_read_whose_layout_cannot_map_before_any_byte(tmp_path):
     """P's side channel (the zmq sender) checks a READ's fingerprint: a TP layout that cannot
     map is an ERROR naming both layouts, and D's blocks stay untouched."""

@@ -200,6 +200,25 @@ def test_gemv_equals_a_float32_linear_to_the_dtypes_rounding(isa, dtype, k, n):
         assert ((got.float() - want).abs() <= ulp + 1e-3).all()
 
 
+@pytest.mark.parametrize("m, k, n", [(1, 576, 96), (3, 577, 33), (16, 64, 5), (17, 96, 42)])
+def test_bf16_linear_with_float32_output_is_the_unrounded_sum(isa, m, k, n):
+    """linear_f32 (a TP worker's row-parallel partial): bf16 inputs, the float32 sum of the exact
+    products left unrounded (within float32 summation order of a float64 reference, far below a
+    bf16 ulp), through the C kernel where it is built (tiles of 4 x 4 rows: edges of every kind
+    here), else torch; a bias added in float32."""
+    from atomd.model.linear import linear_f32
+
+    g = torch.Generator().manual_seed(m * k + n)
+    x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
+    bias = torch.randn(n, generator=g).bfloat16()
+    want = x.double() @ w.double().T + bias.double()
+    got = linear_f32(x, w, bias)
+    assert got.dtype == torch.float32 and got.shape == (m, n)
+    assert (got.double() - want).abs().max() < k * 2.0 ** -20
+    if layer_ops.has_gemv(torch.bfloat16):
+        assert torch.equal(layer_ops.gemm_bf16_f32(x, w) + bias, got)
+
+
 def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
     """One sequence decoding (M = 1) reads the plain weight rows through the GEMV kernel;
     with ATOMD_GEMV=0 none are kept and oneDNN runs it. A model whose packed copies would pass

@@ -32,6 +32,14 @@ def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dty
     return FP8_DTYPES[kv_cache_dtype]
 
 
+def check_kv_planes(kv_dtype: torch.dtype, model_dtype: torch.dtype, planes: int, kv_cache_dtype: str,
+                    architecture: str) -> None:
+    """fp8 holds key and value planes only: MLA's latent cache (one plane) is refused."""
+    if kv_dtype != model_dtype and planes != 2:
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: {architecture}'s MLA latent cache is not built in fp8 "
+                         f"(its absorbed decode reads the latent in {str(model_dtype).removeprefix('torch.')}); use auto")
+
+
 def kv_dtype_name(dtype: torch.dtype) -> str:
     """A cache dtype's name in the KV compatibility fingerprint: fp8 as vLLM names it, else torch's."""
     return FP8_NAMES.get(dtype) or str(dtype).removeprefix("torch.")

@@ -21,7 +21,7 @@ from atomd.kernels import cbuild
 from atomd.engine.allocator import retain_freed_memory
 from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, ranked_choices, resolve_model_dir
-from atomd.engine.kv_cache import KVCache, kv_dtype_name, kv_storage_dtype
+from atomd.engine.kv_cache import KVCache, check_kv_planes, kv_dtype_name, kv_storage_dtype
 from atomd.engine.lora_registry import LoraRegistry
 from atomd.model.deepseek import DeepseekModel
 from atomd.model.deepseek_lora import load_deepseek_adapter
@@ -31,7 +31,7 @@ from atomd.model.loader import load_model
 from atomd.model.tensor_parallel import load_tp_adapter
 from atomd.model.rotary import has_long_rows
 from atomd.engine.runner import ModelRunner
-from atomd.engine.tp_pd import TPKVStaging, TPStagedConnector, written_blocks
+from atomd.engine.tp_pd import TPDirectConnector, TPKVStaging, TPStagedConnector, direct_rows, written_blocks
 from atomd.engine.tp_workers import TPRunner, start_workers
 from atomd.engine.sampler import Sampler, prompt_logprobs
 from atomd.engine.spec_decode import NgramProposer, SpecController, accept
@@ -90,9 +90,7 @@ class LLMEngine(EngineLoop):
             mtp = load_mtp(model_dir, self.model, split)
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
         kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)  # fp8: one byte a value
-        if kv_dtype != self.model.dtype and kv.planes != 2:
-            raise ValueError(f"kv_cache_dtype {config.kv_cache_dtype}: {mcfg.architecture}'s MLA latent cache is "
-                             f"not built in fp8 (its absorbed decode reads the latent in {config.dtype}); use auto")
+        check_kv_planes(kv_dtype, self.model.dtype, kv.planes, config.kv_cache_dtype, mcfg.architecture)
         kv_layers = mcfg.num_layers + (mtp is not None)
         per_block = KVCache.bytes_per_block(kv_layers, config.block_size, kv.heads, kv.head_dim, kv_dtype, kv.planes)
         kv_all = None if self.tp_workers is None else self.tp_workers.kv_all  # every rank's, shared memory
@@ -117,11 +115,14 @@ class LLMEngine(EngineLoop):
             model_id += f"+a{config.quantized_activations}"
         # a TP engine's blocks go on the wire in the TP=1 layout (atomd/engine/tp_pd.py): every KV head
         kv_heads = kv.heads if split is None else split.num_kv_heads
-        self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, kv_layers,
-                                         kv_heads, kv.head_dim, kv.version, kv_cache_dtype=kv_dtype_name(kv_dtype))
+        # --tp-kv-transfer direct: the workers' slices on the wire as they lie (tp_pd.direct_rows)
+        self.tp_direct = self.tp_workers is not None and config.kv_role != "both" and config.tp_kv_transfer == "direct"
+        tp_layout = {"tp_size": split.size, "tp_rows": self.kv_cache.num_blocks} if self.tp_direct else {}
+        self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, kv_layers, kv_heads, kv.head_dim,
+                                         kv.version, kv_cache_dtype=kv_dtype_name(kv_dtype), **tp_layout)
         self.tp_staging = None
-        if self.tp_workers is not None and config.kv_role != "both":
-            self.tp_staging = TPKVStaging(self.tp_workers.kv_all, kv_heads, config.dtype)
+        if self.tp_workers is not None and config.kv_role != "both" and not self.tp_direct:
+            self.tp_staging = TPKVStaging(self.tp_workers.kv_all, kv_heads, kv_dtype_name(kv_dtype))
         eos = self.tokenizer.eos_token_id
         if eos is None and isinstance(mcfg.eos_token_id, int):
             eos = mcfg.eos_token_id
@@ -144,13 +145,20 @@ class LLMEngine(EngineLoop):
             log.warning("longrope past original_max_position_embeddings=%d (max_model_len=%d): prefix caching is off",
                         mcfg.rope_scaling["original_max_position_embeddings"], config.max_model_len)
             prefix_caching = False
-        kv_blocks = self.kv_cache.as_numpy_blocks() if self.tp_staging is None else self.tp_staging.blocks
+        kv_blocks = self.kv_cache.as_numpy_blocks() if self.tp_workers is None or config.kv_role == "both" else \
+            direct_rows(self.tp_workers.kv_all) if self.tp_direct else self.tp_staging.blocks
         self._start(self.kv_cache.num_blocks, kv_blocks, eos, prefill_delayer, model_dir,
                     prefix_caching=prefix_caching, kv_window=max(mcfg.layer_windows) if mcfg.all_windowed else None)
         if mtp is not None:  # chained drafts past a sequence's blocks borrow scratch blocks there
             self.proposer.pool = self.scheduler.block_manager.pool
         if self.tp_staging is not None and config.kv_role == "consumer":  # landed pulls -> the workers' slices
             self.kv_connector = TPStagedConnector(self.kv_connector, self.tp_staging)
+
+    def _make_connector(self, kv_blocks: Any):
+        connector = super()._make_connector(kv_blocks)
+        if not self.tp_direct:
+            return connector
+        return TPDirectConnector(connector, self.config.tensor_parallel_size, self.kv_cache.num_blocks)
 
     def close(self) -> None:
         super().close()
@@ -256,7 +264,10 @@ class LLMEngine(EngineLoop):
         if self.model.ep is not None:
             out["expert_parallel"] = self.model.ep.stats()
         if self.tp_workers is not None:
-            out["tensor_parallel"] = {"size": self.config.tensor_parallel_size, "worker_pids": self.tp_workers.pids}
+            out["tensor_parallel"] = {"size": self.config.tensor_parallel_size, "worker_pids": self.tp_workers.pids,
+                                      "kv_transfer": "direct" if self.tp_direct else "staging",
+                                      # bytes the staging copies gathered / scattered (direct: none)
+                                      "kv_staging_bytes": 0 if self.tp_staging is None else self.tp_staging.copied_bytes}
         return out
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:

@@ -17,6 +17,12 @@ contracts/kv_layout.convert_block:
 Every engine therefore shows its peers the TP=1 layout (its fingerprint is a TP=1 engine's),
 and P with TP=a pairs with D with TP=b for any a, b that split the model. The price: a second
 copy of the KV memory in a PD role and a copy of each moved block on each side.
+
+`--tp-kv-transfer direct` (both sides the same TP size) skips the staging: the connector's rows
+are the workers' slices as they lie in the shared cache (`direct_rows`: worker w's slice of block
+b is row w * blocks + b), P grants and D pulls a block as its N slice rows (`TPDirectConnector`),
+each landing in the same worker's slice on D. The fingerprint carries `tp_size` and `tp_rows`
+(the blocks per worker, P's row stride), and a direct engine refuses a peer of another TP size.
 """
 from __future__ import annotations
 
@@ -38,16 +44,73 @@ class TPKVStaging:
         self.wire = TPKVLayout(1, kv_heads, head_dim, planes, layers, block_size, dtype)
         self.blocks = np.zeros((blocks, self.wire.slice_bytes(0)), dtype=np.uint8)  # the connector's kv_blocks
         self._slices = [kv_all[w].view(blocks, -1).view(torch.uint8).numpy() for w in range(n)]
+        self.copied_bytes = 0  # gathered and scattered: what --tp-kv-transfer direct does not copy
 
     def gather(self, block_ids) -> None:
         """The workers' slices of these blocks -> their staging rows."""
         for b in block_ids:
             convert_block(self.layout, self.wire, [s[b] for s in self._slices], out=[self.blocks[b]])
+        self.copied_bytes += len(block_ids) * self.blocks.shape[1]
 
     def scatter(self, block_ids) -> None:
         """Staging rows of these blocks -> every worker's slice."""
         for b in block_ids:
             convert_block(self.wire, self.layout, [self.blocks[b]], out=[s[b] for s in self._slices])
+        self.copied_bytes += len(block_ids) * self.blocks.shape[1]
+
+
+def direct_rows(kv_all: torch.Tensor) -> np.ndarray:
+    """The shared cache [N, blocks, ...] as the connector's uint8 rows, no copy: worker w's slice of
+    block b is row w * blocks + b (each worker's slice of a block is contiguous)."""
+    n, blocks = kv_all.shape[:2]
+    return kv_all.view(torch.uint8).view(n * blocks, -1).numpy()
+
+
+def slice_rows(block_ids, n: int, blocks: int) -> list[int]:
+    """Each block's N slice rows (direct_rows of an engine with `blocks` blocks a worker), block by block."""
+    return [w * blocks + b for b in block_ids for w in range(n)]
+
+
+class _SliceGrants:
+    """P's sender, granting every worker's slice row of the blocks it is asked to pin."""
+
+    def __init__(self, sender: Any, n: int, blocks: int):
+        self.sender, self.n, self.blocks = sender, n, blocks
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.sender, name)
+
+    def grant(self, transfer_id: str, block_ids: list[int], access_token: str, lease_s: float) -> None:
+        self.sender.grant(transfer_id, slice_rows(block_ids, self.n, self.blocks), access_token, lease_s)
+
+
+class TPDirectConnector:
+    """A connector over direct_rows (--tp-kv-transfer direct): P pins a block's N slice rows; D pulls
+    P's slice rows (at P's stride, its fingerprint's `tp_rows`) into its own, worker by worker.
+    It is what the scheduler holds (it sees each remote sequence's params before its pull)."""
+
+    def __init__(self, connector: Any, n: int, blocks: int):
+        self.connector, self.n, self.blocks = connector, n, blocks
+        self._producer_rows: dict[int, int] = {}  # sequence id -> P's blocks a worker
+        if connector.is_producer:
+            connector.sender = _SliceGrants(connector.sender, n, blocks)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.connector, name)
+
+    def update_state_after_alloc(self, seq: Any) -> None:
+        self.connector.update_state_after_alloc(seq)
+        compat = getattr(seq.kv_transfer_params, "compat", None)
+        if isinstance(compat, dict) and isinstance(compat.get("tp_rows"), int):
+            self._producer_rows[seq.id] = compat["tp_rows"]
+
+    def start_load_kv(self, meta: Any) -> None:
+        for load in getattr(meta, "loads", ()):
+            rows = self._producer_rows.pop(load.seq_id, None)
+            if load.refused is None and rows is not None:  # refused: compat_mismatch named the layouts
+                load.remote_block_ids = slice_rows(load.remote_block_ids, self.n, rows)
+                load.local_block_ids = slice_rows(load.local_block_ids, self.n, self.blocks)
+        self.connector.start_load_kv(meta)
 
 
 def written_blocks(batch: Any, block_size: int) -> list[int]:

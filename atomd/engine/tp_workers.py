@@ -158,6 +158,7 @@ class WorkerSpec:
     kv_shape: tuple[int, ...]
     dtype: torch.dtype
     parent_pid: int
+    kv_dtype: torch.dtype  # the cache's: the model's dtype, or fp8 (--kv-cache-dtype)
 
 
 class TPWorkers:
@@ -166,13 +167,15 @@ class TPWorkers:
     split: Any = None  # rank 0's TPSplit and the whole model's ModelConfig (start_workers)
     model_config: Any = None
 
-    def __init__(self, config: Any, model_dir: str, kv_shape: tuple[int, ...], dtype: torch.dtype):
-        """kv_shape: one rank's cache [blocks, layers, planes, block, heads, head_dim]."""
+    def __init__(self, config: Any, model_dir: str, kv_shape: tuple[int, ...], dtype: torch.dtype,
+                 kv_dtype: torch.dtype | None = None):
+        """kv_shape: one rank's cache [blocks, layers, planes, block, heads, head_dim] of kv_dtype (default dtype)."""
+        kv_dtype = kv_dtype or dtype
         size = config.tensor_parallel_size
         self.group = new_tp_group(config.tp_communicator, size, timeout_s=config.tp_collective_timeout_s,
                                   join_timeout_s=JOIN_TIMEOUT_S)
         self.kv_path = os.path.join(SHM_DIR, f"atomd-tp-kv-{os.getpid()}-{secrets.token_hex(8)}")
-        self._mm, self.kv_all = map_kv(self.kv_path, (size, *kv_shape), dtype, create=True)
+        self._mm, self.kv_all = map_kv(self.kv_path, (size, *kv_shape), kv_dtype, create=True)
         self.comm = None
         self.procs: list[subprocess.Popen] = []
         try:
@@ -181,7 +184,7 @@ class TPWorkers:
                                         stdout=subprocess.PIPE)
                 self.procs.append(proc)
                 spec = WorkerSpec(config, str(model_dir), rank, self.group, self.kv_path, (size, *kv_shape), dtype,
-                                  os.getpid())
+                                  os.getpid(), kv_dtype)
                 proc.stdin.write(pickle.dumps(spec))
                 proc.stdin.close()
         except BaseException:
@@ -275,7 +278,7 @@ def uses_mtp(config: Any) -> bool:
 def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: Any) -> tuple[TPWorkers, Any]:
     """Rank 0, before it loads its own shard: its TPSplit and the started workers (loading theirs
     meanwhile). pool_blocks(bytes per block of the whole engine) -> KV blocks (EngineLoop's)."""
-    from atomd.engine.kv_cache import KVCache
+    from atomd.engine.kv_cache import KVCache, check_kv_planes, kv_storage_dtype
     from atomd.model.loader import read_config, tp_split
     from atomd.model.tp_split import shard_config
 
@@ -286,11 +289,13 @@ def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: 
     # same on every rank: each computes it from the unsplit kv_a_proj_with_mqa)
     planes, heads, head_dim = (1, 1, full.latent_dim) if getattr(full, "kv_lora_rank", 0) else \
         (2, local.num_kv_heads, local.head_dim)
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)  # fp8: each worker's heads a byte a value
+    check_kv_planes(kv_dtype, dtype, planes, config.kv_cache_dtype, full.architecture)  # before any worker starts
     layers = local.num_layers + uses_mtp(config)  # DeepSeek's MTP layer: one more latent layer
-    per_rank = KVCache.bytes_per_block(layers, config.block_size, heads, head_dim, dtype, planes)
+    per_rank = KVCache.bytes_per_block(layers, config.block_size, heads, head_dim, kv_dtype, planes)
     blocks = pool_blocks(per_rank * split.size)  # --kv-cache-memory is the whole engine's
     shape = (blocks, layers, planes, config.block_size, heads, head_dim)
-    workers = TPWorkers(config, model_dir, shape, dtype)
+    workers = TPWorkers(config, model_dir, shape, dtype, kv_dtype)
     workers.split, workers.model_config = split, full
     return workers, split
 
@@ -341,9 +346,10 @@ def main() -> None:
     split = tp_split(read_config(spec.model_dir), spec.rank, size)
     model = load_model(spec.model_dir, spec.dtype, max_positions=cfg.max_model_len, quantization=cfg.quantization,
                        activations=cfg.quantized_activations, tp=split)
-    _mm, kv_all = map_kv(spec.kv_path, spec.kv_shape, spec.dtype, create=False)
+    _mm, kv_all = map_kv(spec.kv_path, spec.kv_shape, spec.kv_dtype, create=False)
     _, blocks, layers, planes, block_size, heads, head_dim = spec.kv_shape
-    kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.dtype, planes, kv=kv_all[spec.rank])
+    kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.kv_dtype, planes, kv=kv_all[spec.rank],
+                       compute_dtype=model.dtype)
     runner = ModelRunner(model, kv_cache, cfg.attention_backend)
     mtp = None
     if uses_mtp(cfg):  # its share of the MTP layer, run after every step (MtpStep)

@@ -23,7 +23,7 @@ from atomd.model import layer_ops, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
-from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
+from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, dense, linear, linear_f32, pack_linear_weight
 from atomd.model.lora import LayerLora, LoraStep
 from atomd.model.moe import MoeWeights, moe
 from atomd.model.quant import QuantizedWeight
@@ -302,10 +302,24 @@ class DecoderModel:
         if self.decode_layer is not None:
             log.info("tensor parallelism: batch-1 decode runs per op (the fused C layer has no all-reduce)")
             self.decode_layer = None
+        if self.dtype == torch.bfloat16:  # row_parallel's float32 partials read the plain weights: packed copies go
+            for w in self.layers:
+                w.o, w.down = (dense(t) if isinstance(t, torch.Tensor) else t for t in (w.o, w.down))
 
     def reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """A row-parallel linear's output summed over the TP workers (as it is without TP)."""
         return t if self.tp is None else self.tp.reduce_(t)
+
+    def row_parallel(self, lora: LayerLora | None, fused: str, x: torch.Tensor, weight, bias, rows) -> torch.Tensor:
+        """lora_linear of a row-parallel linear (o, down) summed over the TP workers. In bf16 each
+        worker's partial stays float32 into the all-reduce and the sum is rounded once, as TP=1's
+        one dot is: partials rounded to bf16 first leave TP=1's greedy ids (Phi-3)."""
+        if self.tp is None or x.dtype != torch.bfloat16 or not isinstance(weight, torch.Tensor):
+            return self.reduce_(lora_linear(lora, fused, x, weight, bias, rows))
+        out = linear_f32(x, weight, bias)
+        if lora is not None:  # the adapter's delta in bf16 (lora.add's dtype), added to the float32 partial
+            out.add_(lora.add(fused, x, x.new_zeros(out.shape)))
+        return self.tp.reduce_(out).to(x.dtype)
 
     def idle_forward(self) -> None:
         """A rank with nothing to run this step: its part in every sparse layer's exchange
@@ -391,14 +405,13 @@ class DecoderModel:
         next_h. `lora`: these rows' adapter deltas (a tile's rows, this layer)."""
         eps = self.config.rms_norm_eps
         rows = w.rows or (None,) * 4
-        o = self.reduce_(lora_linear(lora, "o", attn, w.o, w.o_bias, rows[1]))
+        o = self.row_parallel(lora, "o", attn, w.o, w.o_bias, rows[1])
         h = rms_norm(x, w.post_norm, eps, delta=o)
         if w.moe is not None:
-            down = moe(h, w.moe)
+            down = self.reduce_(moe(h, w.moe))
         else:
             act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
-            down = lora_linear(lora, "down", act, w.down, w.down_bias, rows[3])
-        down = self.reduce_(down)
+            down = self.row_parallel(lora, "down", act, w.down, w.down_bias, rows[3])
         if next_norm is None:
             x.add_(down)
         else:

@@ -172,11 +172,11 @@ class Gemma3Model(DecoderModel):
                           next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
         """x += post_norm(o(attn)); x += post_mlp_norm(mlp(pre_mlp_norm(x))); next_h = next_norm(x)."""
         eps, rows = self.config.rms_norm_eps, w.rows or (None,) * 4
-        x.add_(gemma_rms_norm(self.reduce_(lora_linear(lora, "o", attn, w.o, None, rows[1])), w.post_norm, eps))
+        x.add_(gemma_rms_norm(self.row_parallel(lora, "o", attn, w.o, None, rows[1]), w.post_norm, eps))
         h = gemma_rms_norm(x, w.pre_mlp_norm, eps)
         gate, up = lora_linear(lora, "gate_up", h, w.gate_up, None, rows[2]).chunk(2, dim=-1)
-        down = lora_linear(lora, "down", F.gelu(gate, approximate="tanh").mul_(up), w.down, None, rows[3])
-        x.add_(gemma_rms_norm(self.reduce_(down), w.post_mlp_norm, eps))
+        down = self.row_parallel(lora, "down", F.gelu(gate, approximate="tanh").mul_(up), w.down, None, rows[3])
+        x.add_(gemma_rms_norm(down, w.post_mlp_norm, eps))
         if next_norm is not None:
             next_h.copy_(gemma_rms_norm(x, next_norm, eps))
 

@@ -41,6 +41,20 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     return F.linear(x, weight, bias)
 
 
+def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x @ weight.T (+ bias) in float32, unrounded, for bf16 x and a plain bf16 weight (a TP
+    worker's row-parallel partial: the all-reduce adds the workers' float32 partials and the sum
+    is rounded once, as TP=1's one dot is). torch has no bf16 matmul with a float32 output on the
+    CPU: the C kernel where it is built (float32 sums of the exact bf16 products, ~1.5x oneDNN's
+    bf16 matmul at 512 rows, benchmarks/tp_row_parallel.py), else torch's float32 matmul on
+    upcast copies (~2.3x)."""
+    if layer_ops.has_gemv(torch.bfloat16):
+        out = layer_ops.gemm_bf16_f32(x, weight)
+    else:
+        out = F.linear(x.float(), dense(weight).float())
+    return out if bias is None else out.add_(bias)
+
+
 @functools.cache
 def onednn_runs(dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear takes this dtype here (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
