@@ -131,27 +131,37 @@ def decode_meta(tables: torch.Tensor, lens: list[int], kernels, query_starts: to
                              decode_mask=(torch.arange(max(lens)) < context[:, None])[:, None, None, :])
 
 
-def kernels_for(isa: str, width: int, heads: int):
-    kernels = attention_kernels(width, heads, isa)
+def kernels_for(isa: str, shape: tuple[int, int, int, int], heads: int):
+    nope, rope, v, rank = shape
+    kernels = attention_kernels(rank + rope, heads, isa)
     if kernels is None:
-        pytest.fail(f"the attention kernels for d{width} g{heads} did not build under {isa}")
-    if mla_kernels(32, 8, 16, 12, isa) is None:
+        pytest.fail(f"the attention kernels for d{rank + rope} g{heads} did not build under {isa}")
+    if mla_kernels(rank, rope, nope, v, isa) is None:
         pytest.fail(f"the MLA decode kernel did not build under {isa}")
     return kernels
+
+
+# (nope, rope, v, rank): dims the C kernel runs in plain C loops, and dims that are whole AVX-512
+# vectors but v (its AVX-512 path where the CPU has it, with a partial block of 16 value rows)
+MLA_SHAPES = {"odd": (16, 8, 12, 32), "vec": (16, 16, 20, 32)}
 
 
 # torch's batched matmuls; the one-call C kernel (csrc/mla.c) under every narrowing; the
 # attention kernel between torch's absorption matmuls (what an fp8 cache runs)
 @pytest.mark.parametrize("path", ["torch", *ISA_FLAGS, "attention-kernel"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("lens,heads", [([1], 4), ([5, 16, 17], 4), ([40, 3, 33, 64], 4), ([37], 20), ([9, 50], 20)])
-def test_absorbed_decode_equals_the_up_projected_attention(lens, heads, dtype, tol, path, monkeypatch):
+@pytest.mark.parametrize("lens,heads,shape", [([1], 4, "odd"), ([5, 16, 17], 4, "odd"), ([40, 3, 33, 64], 4, "odd"),
+                                              ([37], 20, "odd"), ([9, 50], 20, "odd"), ([1], 4, "vec"),
+                                              ([40, 3, 33, 64, 7], 4, "vec"), ([9, 50], 20, "vec")])
+def test_absorbed_decode_equals_the_up_projected_attention(lens, heads, shape, dtype, tol, path, monkeypatch):
     """Against float64 attention over k, v up-projected per token, and the C kernel against
-    torch's absorbed path too. 20 heads: more than the kernel's 16 a work item, chunked unevenly."""
-    nope, rope, v, rank, layers = 16, 8, 12, 32, 2
+    torch's absorbed path too. 20 heads: more than the kernel's 16 a work item, chunked unevenly;
+    5 rows: a block of 4 and one more through the weights."""
+    (nope, rope, v, rank), layers = MLA_SHAPES[shape], 2
     g = torch.Generator().manual_seed(sum(lens) + heads)
     cache, tables, latents = latent_cache(lens, rank, rope, dtype, layers, g)
-    kernels = None if path == "torch" else kernels_for("native" if path == "attention-kernel" else path, rank + rope, heads)
+    kernels = None if path == "torch" else kernels_for("native" if path == "attention-kernel" else path,
+                                                       MLA_SHAPES[shape], heads)
     if path == "attention-kernel":
         monkeypatch.setattr(mla, "fused_decode_kernels", lambda *args: None)
     decode, torch_path = decode_meta(tables, lens, kernels), decode_meta(tables, lens, None)
@@ -171,15 +181,16 @@ def test_absorbed_decode_equals_the_up_projected_attention(lens, heads, dtype, t
 
 
 @pytest.mark.parametrize("isa", ISA_FLAGS)
+@pytest.mark.parametrize("shape", MLA_SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-def test_absorbed_decode_kernel_verifies_drafts_causally(dtype, tol, isa):
+def test_absorbed_decode_kernel_verifies_drafts_causally(dtype, tol, shape, isa):
     """Several query rows a sequence (its last token and its drafts, meta.query_starts): row j of
     a sequence of n tokens with k rows sees its first n - (k - 1 - j) tokens."""
-    heads, nope, rope, v, rank, lens, runs = 4, 16, 8, 12, 32, [20, 4, 35], [3, 1, 4]
+    (nope, rope, v, rank), heads, lens, runs = MLA_SHAPES[shape], 4, [20, 4, 35], [3, 1, 4]
     g = torch.Generator().manual_seed(5)
     cache, tables, latents = latent_cache(lens, rank, rope, dtype, 1, g)
     starts = torch.tensor([0, *runs]).cumsum(0)
-    decode = decode_meta(tables, lens, kernels_for(isa, rank + rope, heads), starts)
+    decode = decode_meta(tables, lens, kernels_for(isa, MLA_SHAPES[shape], heads), starts)
     kv_b = (torch.randn(heads * (nope + v), rank, generator=g) * 0.2).to(dtype)
     q = torch.randn(sum(runs), heads, nope + rope, generator=g).to(dtype)
     got = mla_decode(q, cache, 0, decode, LatentUp.of(kv_b, heads, nope, v, pack=False), 0.3)

@@ -30,7 +30,7 @@
 #endif
 #define LAT (RANK + ROPE)   /* a latent row: c then k_pe */
 #define QDIM (NOPE + ROPE)  /* a query head: q_nope then q_pe (RoPE'd) */
-#define RB 8                /* query rows per pass over a head's weights (phases 1 and 3) */
+#define RB 32               /* query rows per pass over a head's weights (phases 1 and 3) */
 #define HC 16               /* at most this many heads per attention work item (its accumulators) */
 
 static inline float bf16_to_f32(uint16_t h) {
@@ -65,26 +65,190 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
 
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
+/* AVX-512 where every dot product runs over whole vectors: 16 dot products at once, their sums
+ * by one transposing tree (attention_common.h's) instead of a reduction each. */
+#if defined(__AVX512F__) && NOPE % 16 == 0 && ROPE % 16 == 0 && RANK % 16 == 0
+#define VEC16 1
+#include <immintrin.h>
+
+static inline __m512 sum_lanes16(const __m512 v[16]) {  /* lane j: the sum of v[j]'s lanes */
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++)
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++)
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+}
+#else
+#define VEC16 0
+#endif
+
+/* out[j] = w[j] . x, j < 16, for the rows w [16][n] (n a multiple of 16 on the AVX-512 path). */
+static inline void dots16(const float *restrict w, const float *restrict x, int n, float *restrict out) {
+#if VEC16
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + k);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + j * n + k), xv, acc[j]);
+    }
+    _mm512_storeu_ps(out, sum_lanes16(acc));
+#else
+    for (int j = 0; j < 16; j++) out[j] = dot(w + j * n, x, n);
+#endif
+}
+
+static inline void widen_rows16(const void *w, int64_t j0, int64_t rows, int bf16, float *restrict buf, int n);
+
+/* dots16 of the weights as stored (float32, or bf16 widened in registers), w at element `at`
+ * of `src`: for fewer rows than pay for widening a block once (batch 1: each weight read once). */
+static inline void dots16_stored(const void *src, int64_t at, int bf16, const float *restrict x, int n,
+                                 float *restrict out) {
+#if VEC16
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    if (bf16) {
+        const uint16_t *w = (const uint16_t *)src + at;
+        for (int k = 0; k < n; k += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + k);
+            for (int j = 0; j < 16; j++) {
+                const __m512i wi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + j * n + k)));
+                acc[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wi, 16)), xv, acc[j]);
+            }
+        }
+    } else {
+        const float *w = (const float *)src + at;
+        for (int k = 0; k < n; k += 16) {
+            const __m512 xv = _mm512_loadu_ps(x + k);
+            for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + j * n + k), xv, acc[j]);
+        }
+    }
+    _mm512_storeu_ps(out, sum_lanes16(acc));
+#else
+    float wb[16 * n > 0 ? 16 * n : 1];
+    widen_rows16(src, at / n, at / n + 16, bf16, wb, n);
+    dots16(wb, x, n, out);
+#endif
+}
+
+/* out[4 r + j] = w[j] . x[r], j, r < 4, for the rows w [4][n] and x [4][x_stride]: 4 + 4 loads
+ * per 16 products (dots16 takes 17), for blocks of 4 or more query rows. */
+static inline void dots4x4(const float *restrict w, const float *restrict x, int64_t x_stride, int n,
+                           float *restrict out) {
+#if VEC16
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) {
+        __m512 wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(w + j * n + k);
+        for (int r = 0; r < 4; r++) {
+            const __m512 xv = _mm512_loadu_ps(x + r * x_stride + k);
+            for (int j = 0; j < 4; j++) acc[4 * r + j] = _mm512_fmadd_ps(wv[j], xv, acc[4 * r + j]);
+        }
+    }
+    _mm512_storeu_ps(out, sum_lanes16(acc));
+#else
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) out[4 * r + j] = dot(w + j * n, x + r * x_stride, n);
+#endif
+}
+
+/* part[r][j] = w[j] . x[r] for the 16 rows w [16][n] and the nr rows x [nr][x_stride]. */
+static inline void dots_block(const float *restrict w, const float *restrict x, int64_t x_stride, int64_t nr, int n,
+                              float part[][16]) {
+    int64_t r = 0;
+    for (; r + 4 <= nr; r += 4)
+        for (int jq = 0; jq < 16; jq += 4) {
+            float out[16];
+            dots4x4(w + jq * n, x + r * x_stride, x_stride, n, out);
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) part[r + i][jq + j] = out[4 * i + j];
+        }
+    for (; r < nr; r++) dots16(w, x + r * x_stride, n, part[r]);
+}
+
+/* rows [j0, j0 + 16) of w [., n] (float32, or bf16 when bf16) as float32 into buf [16][n]; rows
+ * past `rows` zero. */
+static inline void widen_rows16(const void *w, int64_t j0, int64_t rows, int bf16, float *restrict buf, int n) {
+    for (int64_t j = 0; j < 16; j++) {
+        if (j0 + j < rows) {
+            const float *src = as_f32(w, (j0 + j) * n, bf16, buf + j * n, n);
+            if (src != buf + j * n) memcpy(buf + j * n, src, sizeof(float) * n);
+        } else {
+            memset(buf + j * n, 0, sizeof(float) * n);
+        }
+    }
+}
+
 /* Phase 1: ql [rows, heads, LAT] float32, the scaled queries in latent space. Work items: a
- * head and a block of RB rows, so each row of W_UK^T is widened once per block. */
+ * head and a block of RB rows; W_UK^T's rows widened 16 at a time, once per block. */
 static void absorb_queries(const void *q, const void *uk_t, float *restrict ql, int64_t rows, int64_t heads,
                            float scale, int bf16, int num_threads) {
     const int64_t blocks = (rows + RB - 1) / RB;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t item = 0; item < heads * blocks; item++) {
         const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
-        float qn[RB][NOPE], qb[QDIM], wb[NOPE];
+        float qn[RB][NOPE], qb[QDIM], wb[16 * NOPE], part[RB][16];
         for (int64_t r = 0; r < nr; r++) {
             const float *qr = as_f32(q, ((r0 + r) * heads + h) * QDIM, bf16, qb, QDIM);
             float *dst = ql + ((r0 + r) * heads + h) * LAT;
             memcpy(qn[r], qr, sizeof(float) * NOPE);
             for (int d = 0; d < ROPE; d++) dst[RANK + d] = scale * qr[NOPE + d];
         }
-        for (int j = 0; j < RANK; j++) {
-            const float *w = as_f32(uk_t, (h * RANK + j) * NOPE, bf16, wb, NOPE);
-            for (int64_t r = 0; r < nr; r++) ql[((r0 + r) * heads + h) * LAT + j] = scale * dot(w, qn[r], NOPE);
+        for (int64_t j0 = 0; j0 < RANK; j0 += 16) {
+            widen_rows16((const char *)uk_t + h * RANK * NOPE * (bf16 ? 2 : 4), j0, RANK, bf16, wb, NOPE);
+            dots_block(wb, qn[0], NOPE, nr, NOPE, part);
+            for (int64_t r = 0; r < nr; r++) {
+                float *dst = ql + ((r0 + r) * heads + h) * LAT + j0;
+                for (int64_t j = 0; j < 16 && j0 + j < RANK; j++) dst[j] = scale * part[r][j];
+            }
         }
     }
+}
+
+/* The latent rows of keys t0 .. t0 + n - 1 (n <= 16) of a sequence (its block table), their
+ * first `width` values as float32 into buf [16][width], rows past n zero. */
+static inline void latent_rows16(const void *kv, const int64_t *restrict table, int64_t t0, int64_t n,
+                                 int64_t block_size, int64_t block_stride, int64_t layer_offset, int bf16, int width,
+                                 float *restrict buf) {
+    for (int64_t i = 0; i < 16; i++) {
+        float *dst = buf + i * width;
+        if (i < n) {
+            const int64_t t = t0 + i;
+            const float *src = as_f32(kv, table[t / block_size] * block_stride + layer_offset + t % block_size * LAT,
+                                      bf16, dst, width);
+            if (src != dst) memcpy(dst, src, sizeof(float) * width);
+        } else {
+            memset(dst, 0, sizeof(float) * width);
+        }
+    }
+}
+
+/* acc [RANK] += sum over i < n of p[i] * rows[i] (rows [16][RANK]). */
+static inline void weighted_add(float *restrict acc, const float *restrict rows, const float *restrict p, int64_t n) {
+#if VEC16
+    for (int d0 = 0; d0 < RANK; d0 += 128) {  /* 8 vectors of the accumulator in registers */
+        const int nv = (RANK - d0) / 16 < 8 ? (RANK - d0) / 16 : 8;
+        __m512 a[8];
+        for (int v = 0; v < nv; v++) a[v] = _mm512_loadu_ps(acc + d0 + 16 * v);
+        for (int64_t i = 0; i < n; i++) {
+            const __m512 pv = _mm512_set1_ps(p[i]);
+            for (int v = 0; v < nv; v++) a[v] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(rows + i * RANK + d0 + 16 * v), a[v]);
+        }
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + d0 + 16 * v, a[v]);
+    }
+#else
+    for (int64_t i = 0; i < n; i++) {
+        const float pi = p[i];
+#pragma omp simd
+        for (int d = 0; d < RANK; d++) acc[d] += pi * rows[i * RANK + d];
+    }
+#endif
 }
 
 /* Phase 2: ol [rows, heads, RANK] float32, each row's softmax-weighted sum of its context's
@@ -113,19 +277,22 @@ static int attend(const float *restrict ql, const void *kv, const int64_t *restr
         /* one row after the other: the context a later row (a draft) reads again is still in cache */
         for (int64_t r = r_begin; r < r_end; r++) {
             const int64_t ctx = full_ctx - (r_end - 1 - r);
-            float m[HC], sum[HC], acc[HC][RANK], cb[LAT];
+            float m[HC], sum[HC], acc[HC][RANK], cb[16 * LAT], sc[16];
             for (int g = 0; g < nh; g++) {
                 m[g] = -INFINITY;
                 sum[g] = 0.0f;
                 memset(acc[g], 0, sizeof(float) * RANK);
             }
-            for (int64_t t = 0; t < ctx; t++) {
-                const float *c = as_f32(kv, table[t / block_size] * block_stride + layer_offset + t % block_size * LAT,
-                                        bf16, cb, LAT);
+            /* 16 keys at a time: their rows widened once for the chunk's heads */
+            for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+                const int64_t n = min64(16, ctx - t0);
+                latent_rows16(kv, table, t0, n, block_size, block_stride, layer_offset, bf16, LAT, cb);
                 for (int g = 0; g < nh; g++) {
-                    const float s = dot(ql + (r * heads + h0 + g) * LAT, c, LAT);
-                    scores[g * ctx + t] = s;
-                    m[g] = s > m[g] ? s : m[g];
+                    dots16(cb, ql + (r * heads + h0 + g) * LAT, LAT, sc);
+                    for (int64_t i = 0; i < n; i++) {
+                        scores[g * ctx + t0 + i] = sc[i];
+                        m[g] = sc[i] > m[g] ? sc[i] : m[g];
+                    }
                 }
             }
             for (int g = 0; g < nh; g++) {
@@ -137,14 +304,10 @@ static int attend(const float *restrict ql, const void *kv, const int64_t *restr
                 }
                 sum[g] = total;
             }
-            for (int64_t t = 0; t < ctx; t++) {  /* the rows again, from cache: only their c part */
-                const float *c = as_f32(kv, table[t / block_size] * block_stride + layer_offset + t % block_size * LAT,
-                                        bf16, cb, RANK);
-                for (int g = 0; g < nh; g++) {
-                    const float p = scores[g * ctx + t];
-#pragma omp simd
-                    for (int d = 0; d < RANK; d++) acc[g][d] += p * c[d];
-                }
+            for (int64_t t0 = 0; t0 < ctx; t0 += 16) {  /* the rows again, from cache: only their c part */
+                const int64_t n = min64(16, ctx - t0);
+                latent_rows16(kv, table, t0, n, block_size, block_stride, layer_offset, bf16, RANK, cb);
+                for (int g = 0; g < nh; g++) weighted_add(acc[g], cb, scores + g * ctx + t0, n);
             }
             for (int g = 0; g < nh; g++) {
                 float *o = ol + (r * heads + h0 + g) * RANK;
@@ -158,23 +321,30 @@ static int attend(const float *restrict ql, const void *kv, const int64_t *restr
 }
 
 /* Phase 3: out [rows, heads, VDIM] (float32 or bf16) = W_UV[h] o per row and head; work items
- * as phase 1's. */
+ * as phase 1's, W_UV's rows widened 16 at a time. */
 static void project_values(const float *restrict ol, const void *uv, void *out, int64_t rows, int64_t heads,
                            int bf16, int num_threads) {
     const int64_t blocks = (rows + RB - 1) / RB;
 #pragma omp parallel for schedule(static) num_threads(num_threads)
     for (int64_t item = 0; item < heads * blocks; item++) {
         const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
-        float wb[RANK];
-        for (int j = 0; j < VDIM; j++) {
-            const float *w = as_f32(uv, (h * VDIM + j) * RANK, bf16, wb, RANK);
+        float wb[16 * RANK], part[RB][16];
+        for (int64_t j0 = 0; j0 < VDIM; j0 += 16) {
+            if (VEC16 && nr < 4 && j0 + 16 <= VDIM) {
+                for (int64_t r = 0; r < nr; r++)
+                    dots16_stored(uv, (h * VDIM + j0) * RANK, bf16, ol + ((r0 + r) * heads + h) * RANK, RANK, part[r]);
+            } else {
+                widen_rows16((const char *)uv + h * VDIM * RANK * (bf16 ? 2 : 4), j0, VDIM, bf16, wb, RANK);
+                dots_block(wb, ol + (r0 * heads + h) * RANK, heads * RANK, nr, RANK, part);
+            }
             for (int64_t r = 0; r < nr; r++) {
-                const float o = dot(w, ol + ((r0 + r) * heads + h) * RANK, RANK);
-                const int64_t at = ((r0 + r) * heads + h) * VDIM + j;
-                if (bf16)
-                    ((uint16_t *)out)[at] = f32_to_bf16(o);
-                else
-                    ((float *)out)[at] = o;
+                const int64_t at = ((r0 + r) * heads + h) * VDIM + j0;
+                for (int64_t j = 0; j < 16 && j0 + j < VDIM; j++) {
+                    if (bf16)
+                        ((uint16_t *)out)[at + j] = f32_to_bf16(part[r][j]);
+                    else
+                        ((float *)out)[at + j] = part[r][j];
+                }
             }
         }
     }
