@@ -66,24 +66,10 @@ static inline float dot(const float *restrict a, const float *restrict b, int n)
 static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
 
 /* AVX-512 where every dot product runs over whole vectors: 16 dot products at once, their sums
- * by one transposing tree (attention_common.h's) instead of a reduction each. */
+ * by one transposing tree (lane_sums.h) instead of a reduction each. */
 #if defined(__AVX512F__) && NOPE % 16 == 0 && ROPE % 16 == 0 && RANK % 16 == 0
 #define VEC16 1
-#include <immintrin.h>
-
-static inline __m512 sum_lanes16(const __m512 v[16]) {  /* lane j: the sum of v[j]'s lanes */
-    __m512 a[8], b[4], c[2];
-    for (int i = 0; i < 8; i++)
-        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
-    for (int i = 0; i < 4; i++)
-        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
-    for (int i = 0; i < 2; i++)
-        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], _MM_SHUFFLE(3, 1, 3, 1)));
-    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
-}
+#include "lane_sums.h"
 #else
 #define VEC16 0
 #endif
