@@ -528,11 +528,20 @@ MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
     static inline void moe_dots16_##SUFFIX(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t nn) {   \
         __m512 acc[16];                                                                                             \
         for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();                                                  \
-        for (int64_t k = 0; k < K; k += STEP) {                                                                     \
-            const mask_t mk = K - k >= STEP ? (mask_t)~(mask_t)0 : (mask_t)((1ull << (K - k)) - 1u);                \
-            const VEC xv = VLOAD(mk, x + k);                                                                        \
-            for (int j = 0; j < 16; j++)                                                                            \
-                if (j < nn) acc[j] = VFMA(acc[j], xv, VLOAD(mk, w + j * K + k));                                    \
+        const mask_t all = (mask_t)~(mask_t)0, tail = (mask_t)((1ull << (K % STEP)) - 1u);                         \
+        for (int64_t j = 0; j < nn; j++) { /* one row at a time: two chains, x from L1 */                       \
+            const elem_t *wj = w + j * K;                                                                           \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                               \
+            int64_t k = 0;                                                                                          \
+            for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                              \
+                a0 = VFMA(a0, VLOAD(all, x + k), VLOAD(all, wj + k));                                               \
+                a1 = VFMA(a1, VLOAD(all, x + k + STEP), VLOAD(all, wj + k + STEP));                                 \
+            }                                                                                                       \
+            for (; k < K; k += STEP) {                                                                              \
+                const mask_t mk = K - k >= STEP ? all : tail;                                                       \
+                a0 = VFMA(a0, VLOAD(mk, x + k), VLOAD(mk, wj + k));                                                 \
+            }                                                                                                       \
+            acc[j] = _mm512_add_ps(a0, a1);                                                                         \
         }                                                                                                           \
         float sums[16];                                                                                             \
         _mm512_storeu_ps(sums, sum_lanes16(acc));                                                                   \
