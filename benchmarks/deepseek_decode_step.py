@@ -9,8 +9,8 @@ batch 16 (16 prompts of 32 tokens, 32 new). Variants, alternating within every r
 in the running engine (the same weights, the same prompts):
 - mla: `torch` (the absorption and W_UV as torch bmm around the attention kernel) vs `c`
   (csrc/mla.c, one call a layer); DeepSeek shapes only;
-- moe: `loop` (one torch linear per active expert, moe.py before the grouped call) vs
-  `grouped` (the MoE block's experts in one call).
+- moe: `loop` (one torch linear pair per active expert, moe.GROUPED off) vs `grouped`
+  (the MoE block's experts in one C call, layer_ops.moe_grouped).
 Each variant's figure: its mean per decode step in one run, medians over --rounds.
 
     flock /tmp/atomd-heavy.lock .venv/bin/python -m benchmarks.deepseek_decode_step \\
@@ -48,12 +48,11 @@ def variant(switch: str, name: str):
         finally:
             mla.fused_decode_kernels = saved
     elif switch == "moe" and name == "loop":
-        saved = moe.GROUPED_MIN_ROWS
-        moe.GROUPED_MIN_ROWS = 1 << 30
+        moe.GROUPED = False
         try:
             yield
         finally:
-            moe.GROUPED_MIN_ROWS = saved
+            moe.GROUPED = True
     else:
         yield
 
