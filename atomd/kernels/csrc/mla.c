@@ -97,22 +97,27 @@ static inline void dots16_stored(const void *src, int64_t at, int bf16, const fl
                                  float *restrict out) {
 #if VEC16
     __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    if (bf16) {
-        const uint16_t *w = (const uint16_t *)src + at;
-        for (int k = 0; k < n; k += 16) {
-            const __m512 xv = _mm512_loadu_ps(x + k);
-            for (int j = 0; j < 16; j++) {
-                const __m512i wi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + j * n + k)));
-                acc[j] = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(wi, 16)), xv, acc[j]);
+    /* one weight row at a time, two chains: a sequential read the prefetcher follows */
+    for (int j = 0; j < 16; j++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        if (bf16) {
+            const uint16_t *w = (const uint16_t *)src + at + j * n;
+            for (int k = 0; k < n; k += 32) {  /* n a multiple of 16: the second half may be past it */
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k)));
+                a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)), _mm512_loadu_ps(x + k), a0);
+                if (k + 16 < n) {
+                    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k + 16)));
+                    a1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)), _mm512_loadu_ps(x + k + 16), a1);
+                }
+            }
+        } else {
+            const float *w = (const float *)src + at + j * n;
+            for (int k = 0; k < n; k += 32) {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+                if (k + 16 < n) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
             }
         }
-    } else {
-        const float *w = (const float *)src + at;
-        for (int k = 0; k < n; k += 16) {
-            const __m512 xv = _mm512_loadu_ps(x + k);
-            for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + j * n + k), xv, acc[j]);
-        }
+        acc[j] = _mm512_add_ps(a0, a1);
     }
     _mm512_storeu_ps(out, sum_lanes16(acc));
 #else
