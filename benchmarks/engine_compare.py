@@ -173,6 +173,10 @@ def main() -> int:
                         lc.bench_round(binary, gguf, args.threads, {w: WORKLOADS[w] for w in workloads}))
                     cpu.setdefault(name, []).append(children_cpu() - before)
                 load.append(loadavg())
+                if args.out:  # every round's figures so far: a run cut short still leaves them
+                    args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads,
+                                                    "rounds_done": r + 1, "load": load, "errors": errors,
+                                                    "runs": runs, "cpu_seconds_per_round": cpu}, indent=2))
         finally:
             for w in workers:
                 w.close()
