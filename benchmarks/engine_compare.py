@@ -16,7 +16,8 @@ The two engine processes are loaded once and kept; every round runs atomd, vLLM,
 GGUF in turn (so all see the same background load), `--rounds` rounds, medians. Workloads:
 offline.py's batch1 / batch16 / prefill 8x512 or, with --short (for shapes too slow for those
 on 2 shared cores), batch1_short (128 + 32), batch16_short (16 x (32 + 32)), prefill_1x512
-(one 512-token prompt, llama-bench's pp512) -- the same counts for every engine. Each
+(one 512-token prompt, llama-bench's pp512) -- the same counts for every engine; --no-prefill
+leaves the prefill out (the batch 1 / batch 16 targets first, where a whole run does not fit). Each
 engine's CPU seconds per round (its whole process tree: vLLM's engine-core child included)
 are recorded beside the wall-clock figures: on a shared machine they show whether an engine
 was starved rather than slow.
@@ -119,8 +120,12 @@ def main() -> int:
     p.add_argument("--no-vllm", action="store_true")
     p.add_argument("--gguf", nargs="*", choices=list(GGUFS), default=list(GGUFS))
     p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--no-prefill", action="store_true",
+                   help="batch 1 and batch 16 only (the issue's targets), where a whole run does not fit")
     args = p.parse_args()
     workloads = SHORT if args.short else FULL
+    if args.no_prefill:
+        workloads = workloads[:4]
     path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
     cfg = model_config(path)
     load = [loadavg()]
@@ -168,6 +173,10 @@ def main() -> int:
                         lc.bench_round(binary, gguf, args.threads, {w: WORKLOADS[w] for w in workloads}))
                     cpu.setdefault(name, []).append(children_cpu() - before)
                 load.append(loadavg())
+                if args.out:  # every round's figures so far: a run cut short still leaves them
+                    args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads,
+                                                    "rounds_done": r + 1, "load": load, "errors": errors,
+                                                    "runs": runs, "cpu_seconds_per_round": cpu}, indent=2))
         finally:
             for w in workers:
                 w.close()
@@ -182,7 +191,7 @@ def main() -> int:
 
 def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, errors: dict) -> None:
     """Markdown: tok/s per engine (medians), then the issue's ratios."""
-    b1, b1_first, b16, _, pf = workloads
+    b1, b1_first, b16, _, pf = SHORT if args.short else FULL
     rows = [(b1, "batch 1 (prompt included)"), (f"{b1}_decode", "batch 1 decode only"),
             (b16, "batch 16 (prompt included)"), (f"{b16}_decode", "batch 16 decode only"),
             (pf, "prefill (prompt tok/s)")]
@@ -201,7 +210,8 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
         cells = []
         for key, _ in rows:
             best = max(atomd, key=lambda n: med[n].get(key, 0))
-            cells.append(f"{med[best][key] / med[vllm[0]][key]:.2f}x ({best[6:]})" if key in med[vllm[0]] else "")
+            cells.append(f"{med[best][key] / med[vllm[0]][key]:.2f}x ({best[6:]})"
+                         if key in med[vllm[0]] and key in med[best] else "")
         print(f"| atomd best / {vllm[0]} | " + " | ".join(cells) + " |")
     for ours, theirs in SAME_DTYPE.items():
         if ours in med and theirs in med:

@@ -220,18 +220,18 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
     out: dict[str, float] = {}
     workloads = {w: v for w, v in workloads.items() if not w.endswith("_first")}
     (b1,) = [w for w in workloads if w.startswith("batch1") and not w.startswith("batch16")]
-    (pf,) = [w for w in workloads if w.startswith("prefill")]
+    pf = next((w for w in workloads if w.startswith("prefill")), None)  # optional (engine_compare --no-prefill)
     _, b1_prompt, b1_new, _ = workloads[b1]
-    _, pf_len, _, _ = workloads[pf]
+    pf_len = workloads[pf][1] if pf else 0
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
-           "-p", f"0,{pf_len}", "-n", f"0,{b1_new}", "-pg", f"{b1_prompt},{b1_new}"]
+           "-p", f"0,{pf_len}" if pf else "0", "-n", f"0,{b1_new}", "-pg", f"{b1_prompt},{b1_new}"]
     for t in json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout):
         p, n, seconds = t["n_prompt"], t["n_gen"], statistics.median(t["samples_ns"]) / 1e9
         if p == 0 and n == b1_new:
             out[f"{b1}_decode"] = n / seconds
         elif p == b1_prompt and n == b1_new:
             out[b1] = n / seconds
-        elif p == pf_len and n == 0:
+        elif pf and p == pf_len and n == 0:
             out[pf] = p / seconds
     for w in [w for w in workloads if w.startswith("batch16") and not w.endswith("_first")]:
         n, length, new, _ = workloads[w]

@@ -17,10 +17,11 @@ import torch
 import transformers
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
-from atomd.kernels.native import ISA_FLAGS, attention_kernels
+from atomd.kernels.native import ISA_FLAGS, attention_kernels, mla_kernels
 from atomd.llm import LLM
 from atomd.model.deepseek import MLA_KV_LAYOUT_VERSION, DeepseekModel, DeepseekRouting
 from atomd.model.loader import read_config
+from atomd.model import mla
 from atomd.model.mla import LatentUp, mla_decode, store_latent
 from contracts.sampling import SamplingParams
 from tests.families import DEEPSEEK, DEEPSEEK_COMMON, FAMILIES, write_families
@@ -104,42 +105,101 @@ def naive_attention(q: torch.Tensor, latent: torch.Tensor, kv_b: torch.Tensor, h
     return torch.einsum("hl,lhv->hv", probs, kv[..., nope:]).reshape(-1)
 
 
-@pytest.mark.parametrize("isa", ["torch", *ISA_FLAGS])  # torch SDPA, the native kernel under every narrowing
-@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
-@pytest.mark.parametrize("lens", [[1], [5, 16, 17], [40, 3, 33, 64]])
-def test_absorbed_decode_equals_the_up_projected_attention(lens, dtype, tol, isa):
-    heads, nope, rope, v, rank, block, layers = 4, 16, 8, 12, 32, BLOCK, 2
-    g = torch.Generator().manual_seed(sum(lens))
-    width = -(-max(lens) // block)
-    cache = KVCache(len(lens) * width + 3, layers, block, 1, rank + rope, dtype, planes=1)
-    # each sequence on scattered blocks, the padding of short tables on block 0
+def latent_cache(lens: list[int], rank: int, rope: int, dtype: torch.dtype, layers: int, g: torch.Generator):
+    """A latent cache with `layers` layers of random rows for sequences of `lens` tokens, each on
+    scattered blocks (the padding of short tables on block 0): (cache, block tables, latents per layer)."""
+    width = -(-max(lens) // BLOCK)
+    cache = KVCache(len(lens) * width + 3, layers, BLOCK, 1, rank + rope, dtype, planes=1)
     order = torch.randperm(cache.num_blocks - 1, generator=g) + 1
     tables = torch.zeros(len(lens), width, dtype=torch.int64)
     for b, n in enumerate(lens):
-        tables[b, :-(-n // block)] = order[b * width:b * width + -(-n // block)]
+        tables[b, :-(-n // BLOCK)] = order[b * width:b * width + -(-n // BLOCK)]
     positions = torch.cat([torch.arange(n) for n in lens])
     rows = torch.repeat_interleave(torch.arange(len(lens)), torch.tensor(lens))
-    meta = AttentionMetadata(True, tables[rows, positions // block], positions % block, [])
+    meta = AttentionMetadata(True, tables[rows, positions // BLOCK], positions % BLOCK, [])
     latents = [torch.randn(sum(lens), rank + rope, generator=g).to(dtype) for _ in range(layers)]
     for layer in range(layers):
         store_latent(cache, layer, meta, latents[layer])
+    return cache, tables, latents
+
+
+def decode_meta(tables: torch.Tensor, lens: list[int], kernels, query_starts: torch.Tensor | None = None):
     context = torch.tensor(lens)
-    kernels = None if isa == "torch" else attention_kernels(rank + rope, heads, isa)
-    if isa != "torch" and kernels is None:
+    return AttentionMetadata(False, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), [],
+                             block_tables=tables, max_context=max(lens), context_lens=context, kernels=kernels,
+                             query_starts=query_starts,
+                             decode_mask=(torch.arange(max(lens)) < context[:, None])[:, None, None, :])
+
+
+def kernels_for(isa: str, shape: tuple[int, int, int, int], heads: int):
+    nope, rope, v, rank = shape
+    kernels = attention_kernels(rank + rope, heads, isa)
+    if kernels is None:
         pytest.fail(f"the attention kernels for d{rank + rope} g{heads} did not build under {isa}")
-    decode = AttentionMetadata(False, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), [],
-                               block_tables=tables, max_context=max(lens), context_lens=context, kernels=kernels,
-                               decode_mask=(torch.arange(max(lens)) < context[:, None])[:, None, None, :])
+    if mla_kernels(rank, rope, nope, v, isa) is None:
+        pytest.fail(f"the MLA decode kernel did not build under {isa}")
+    return kernels
+
+
+# (nope, rope, v, rank): dims the C kernel runs in plain C loops, and dims that are whole AVX-512
+# vectors but v (its AVX-512 path where the CPU has it, with a partial block of 16 value rows)
+MLA_SHAPES = {"odd": (16, 8, 12, 32), "vec": (16, 16, 20, 32)}
+
+
+# torch's batched matmuls; the one-call C kernel (csrc/mla.c) under every narrowing; the
+# attention kernel between torch's absorption matmuls (what an fp8 cache runs)
+@pytest.mark.parametrize("path", ["torch", *ISA_FLAGS, "attention-kernel"])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("lens,heads,shape", [([1], 4, "odd"), ([5, 16, 17], 4, "odd"), ([40, 3, 33, 64], 4, "odd"),
+                                              ([37], 20, "odd"), ([9, 50], 20, "odd"), ([1], 4, "vec"),
+                                              ([40, 3, 33, 64, 7], 4, "vec"), ([9, 50], 20, "vec")])
+def test_absorbed_decode_equals_the_up_projected_attention(lens, heads, shape, dtype, tol, path, monkeypatch):
+    """Against float64 attention over k, v up-projected per token, and the C kernel against
+    torch's absorbed path too. 20 heads: more than the kernel's 16 a work item, chunked unevenly;
+    5 rows: a block of 4 and one more through the weights."""
+    (nope, rope, v, rank), layers = MLA_SHAPES[shape], 2
+    g = torch.Generator().manual_seed(sum(lens) + heads)
+    cache, tables, latents = latent_cache(lens, rank, rope, dtype, layers, g)
+    kernels = None if path == "torch" else kernels_for("native" if path == "attention-kernel" else path,
+                                                       MLA_SHAPES[shape], heads)
+    if path == "attention-kernel":
+        monkeypatch.setattr(mla, "fused_decode_kernels", lambda *args: None)
+    decode, torch_path = decode_meta(tables, lens, kernels), decode_meta(tables, lens, None)
     scale = 0.3
     for layer in range(layers):
         kv_b = (torch.randn(heads * (nope + v), rank, generator=g) * 0.2).to(dtype)
         q = torch.randn(len(lens), heads, nope + rope, generator=g).to(dtype)
-        got = mla_decode(q, cache, layer, decode, LatentUp.of(kv_b, heads, nope, v, pack=False), scale)
+        up = LatentUp.of(kv_b, heads, nope, v, pack=False)
+        got = mla_decode(q, cache, layer, decode, up, scale)
         assert got.shape == (len(lens), heads * v) and got.dtype == dtype
         ends = torch.tensor(lens).cumsum(0)
         for b, n in enumerate(lens):
             want = naive_attention(q[b], latents[layer][ends[b] - n:ends[b]], kv_b, heads, nope, v, rank, scale)
             torch.testing.assert_close(got[b].double(), want, atol=tol, rtol=tol)
+        if path in ISA_FLAGS:
+            torch.testing.assert_close(got, mla_decode(q, cache, layer, torch_path, up, scale), atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("isa", ISA_FLAGS)
+@pytest.mark.parametrize("shape", MLA_SHAPES)
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
+def test_absorbed_decode_kernel_verifies_drafts_causally(dtype, tol, shape, isa):
+    """Several query rows a sequence (its last token and its drafts, meta.query_starts): row j of
+    a sequence of n tokens with k rows sees its first n - (k - 1 - j) tokens."""
+    (nope, rope, v, rank), heads, lens, runs = MLA_SHAPES[shape], 4, [20, 4, 35], [3, 1, 4]
+    g = torch.Generator().manual_seed(5)
+    cache, tables, latents = latent_cache(lens, rank, rope, dtype, 1, g)
+    starts = torch.tensor([0, *runs]).cumsum(0)
+    decode = decode_meta(tables, lens, kernels_for(isa, MLA_SHAPES[shape], heads), starts)
+    kv_b = (torch.randn(heads * (nope + v), rank, generator=g) * 0.2).to(dtype)
+    q = torch.randn(sum(runs), heads, nope + rope, generator=g).to(dtype)
+    got = mla_decode(q, cache, 0, decode, LatentUp.of(kv_b, heads, nope, v, pack=False), 0.3)
+    ends = torch.tensor(lens).cumsum(0)
+    for b, (n, k) in enumerate(zip(lens, runs)):
+        for j in range(k):
+            seen = latents[0][ends[b] - n:ends[b] - (k - 1 - j)]
+            want = naive_attention(q[starts[b] + j], seen, kv_b, heads, nope, v, rank, 0.3)
+            torch.testing.assert_close(got[starts[b] + j].double(), want, atol=tol, rtol=tol)
 
 
 # ---------------------------------------------------------------- routing

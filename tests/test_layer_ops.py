@@ -307,6 +307,47 @@ def test_moe_experts_in_one_call_equal_the_ops_one_by_one(isa, dtype, cast_weigh
         assert torch.equal(moe.moe(h, w), want)
 
 
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 0.1)])
+@pytest.mark.parametrize("cast_weights", [True, False])
+@pytest.mark.parametrize("tokens,threads", [(2, 1), (5, 2), (16, 3)])
+def test_moe_experts_of_several_tokens_in_one_call(isa, dtype, tol, cast_weights, tokens, threads, monkeypatch):
+    """An MoE block over several tokens (moe.py's grouped path, layer_ops.moe_grouped where the
+    GEMV kernel is built) against float64 SwiGLU experts and against one torch linear pair per
+    active expert (moe.GROUPED off): the same values to the dtype's rounding (the C sums in
+    another order), and in bf16 no further from float64 than the per-expert path (its rounded
+    intermediates alone put both ~0.05 off at values ~2); odd sizes (masked tails, a partial
+    block of 16 output rows)."""
+    from atomd.model import moe
+    from atomd.model.moe import MoeWeights
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(tokens)
+    experts, hidden, inter, k = 8, 72, 40, 3
+    w = MoeWeights(router=torch.randn(experts, hidden, generator=g).to(dtype),
+                   gate_up=(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).to(dtype),
+                   down=(torch.randn(experts, hidden, inter, generator=g) * 0.2).to(dtype), top_k=k,
+                   norm_topk_prob=cast_weights, cast_weights=cast_weights)
+    assert w.gemv == layer_ops.has_gemv(dtype)
+    for _ in range(3):
+        h = torch.randn(tokens, hidden, generator=g).to(dtype)
+        weights, ids = moe.route(h, w)
+        got = moe.moe(h, w, (weights, ids))
+        assert got.shape == h.shape and got.dtype == dtype
+        want = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for j, e in enumerate(ids[t].tolist()):
+                gate, up = (h[t].double() @ w.gate_up[e].double().T).split(inter)
+                want[t] += weights[t, j].double() * ((F.silu(gate) * up) @ w.down[e].double().T)
+        torch.testing.assert_close(got.double(), want, atol=tol, rtol=tol)
+        monkeypatch.setattr(moe, "GROUPED", False)
+        per_expert = moe.moe(h, w, (weights, ids))
+        monkeypatch.setattr(moe, "GROUPED", True)
+        torch.testing.assert_close(got, per_expert, atol=tol, rtol=tol)
+        error, per_expert_error = ((x.double() - want).abs().max() for x in (got, per_expert))
+        assert error <= 1.5 * per_expert_error + 1e-5, (error, per_expert_error)
+    assert int(w.routed.sum()) == 2 * 3 * tokens * k  # the load counters: each pass counted once
+
+
 @pytest.mark.parametrize("policy", [None, "ACTIVE"])
 def test_openmp_threads_sleep_while_waiting_unless_the_user_says(policy):
     """Importing atomd (before torch) makes OpenMP's waiting threads sleep, not spin (libgomp

@@ -297,11 +297,12 @@ def test_bf16_moe_greedy_follows_hf_bf16_up_to_routing_ties(name, checkpoints, m
 
 @pytest.mark.parametrize("name", ["qwen3_moe-mlp_only", "qwen3_moe-step2", "mixtral"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints):
-    """Each sparse layer as the engine loads it against the HF module on the same input: bit-equal
-    in bf16 for several rows (the same roundings: each expert's output and its weighted product,
-    then one float32 sum over the k); one row runs the GEMV kernel, whose sums go in another
-    order."""
+def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints, monkeypatch):
+    """Each sparse layer as the engine loads it against the HF module on the same input: the
+    per-expert torch path bit-equal in bf16 for several rows (the same roundings: each expert's
+    output and its weighted product, then one float32 sum over the k); the C kernels (one row:
+    the GEMV's, several: the grouped experts', moe.GROUPED) sum in another order: within bf16's
+    rounding."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=dtype).eval()
     model = load_model(checkpoints[name], dtype)
     g = torch.Generator().manual_seed(0)
@@ -311,12 +312,12 @@ def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints):
             with torch.inference_mode():
                 want = hf.model.layers[i].mlp(h.unsqueeze(0))
                 want = (want[0] if isinstance(want, tuple) else want).reshape(rows, 64)
-            got = moe(h, model.layers[i].moe)
+            tol = 1e-6 if dtype == torch.float32 else 2 ** -7
+            torch.testing.assert_close(moe(h, model.layers[i].moe), want, atol=tol, rtol=tol)
             if dtype == torch.bfloat16 and rows > 1:
-                assert torch.equal(got, want), (i, rows)
-            else:
-                tol = 1e-6 if dtype == torch.float32 else 2 ** -7
-                torch.testing.assert_close(got, want, atol=tol, rtol=tol)
+                monkeypatch.setattr(moe_mod, "GROUPED", False)
+                assert torch.equal(moe(h, model.layers[i].moe), want), (i, rows)
+                monkeypatch.setattr(moe_mod, "GROUPED", True)
 
 
 def test_phi3_partial_rotary_is_refused(tmp_path):  # longrope past the original length: tests/test_longrope.py

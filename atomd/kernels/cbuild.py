@@ -16,7 +16,8 @@ Two ways to a kernel, tried in this order by `load`:
 Where neither works `load` returns None and the caller's torch/numpy path runs. Every
 outcome is logged and kept in `kernel_paths()` (GET /kv_transfer_info's `kernels`). The
 users: atomd/kernels/native.py (attention), atomd/structured.py (the grammar bitmask),
-atomd/model/layer_ops.py (RMSNorm, SiLU, RoPE), atomd/model/quant.py (int8 / int4 linears).
+atomd/model/layer_ops.py (RMSNorm, SiLU, RoPE), atomd/model/quant.py (int8 / int4 linears),
+atomd/model/mla.py (the absorbed MLA decode, through native.py).
 """
 from __future__ import annotations
 
@@ -105,6 +106,12 @@ def attention_kernel(head_dim: int, group: int) -> tuple[pathlib.Path, list[str]
     """(source, flags, name) of the attention kernels for one shape (atomd/kernels/native.py)."""
     return (CSRC / "attention.c", [*BASE_FLAGS, "-fopenmp", f"-DHEAD_DIM={head_dim}", f"-DGROUP={group}"],
             f"attention-d{head_dim}-g{group}")
+
+
+def mla_kernel(rank: int, rope: int, nope: int, v: int) -> tuple[pathlib.Path, list[str], str]:
+    """(source, flags, name) of the absorbed MLA decode for one DeepSeek shape (atomd/kernels/native.py)."""
+    return (CSRC / "mla.c", [*BASE_FLAGS, "-fopenmp", "-mprefer-vector-width=512", f"-DRANK={rank}", f"-DROPE={rope}",
+                             f"-DNOPE={nope}", f"-DVDIM={v}"], f"mla-r{rank}-p{rope}-n{nope}-v{v}")
 
 
 def shipped_kernels() -> list[tuple[pathlib.Path, list[str], str]]:

@@ -60,6 +60,7 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
     lib.atomd_prefill_amx.restype, lib.atomd_prefill_amx.argtypes = ctypes.c_int, []
     lib.atomd_fp8_path.restype, lib.atomd_fp8_path.argtypes = ctypes.c_int, []
     lib.head_dim, lib.group = head_dim, group  # the shape it was built for: checked at every call
+    lib.isa = isa  # the absorbed MLA decode's kernel (mla_kernels) is built alike
     lib.bf16_path = lib.atomd_bf16_path()
     lib.prefill_amx = bool(lib.atomd_prefill_amx())  # the bf16 prefill on AMX tiles
     lib.fp8_path = FP8_PATHS[lib.atomd_fp8_path()]
@@ -161,6 +162,55 @@ def prefill_attention(lib: ctypes.CDLL, q: torch.Tensor, k: torch.Tensor, v: tor
         q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), seq_starts.data_ptr(), seq_lens.data_ptr(),
         len(seq_lens), heads, k.shape[1], q.stride(0), k.stride(0), v.stride(0),
         head_dim ** -0.5 if scale is None else scale, _window(window), torch.get_num_threads()), "prefill attention")
+
+
+def mla_kernels(rank: int, rope: int, nope: int, v: int, isa: str | None = None) -> ctypes.CDLL | None:
+    """The absorbed MLA decode (csrc/mla.c) for kv_lora_rank `rank`, qk_rope / qk_nope head dims
+    `rope` / `nope` and v_head_dim `v`, or None (mla.py's torch path then runs)."""
+    return _mla_kernels(rank, rope, nope, v, isa or cbuild.kernel_isa())
+
+
+@functools.cache
+def _mla_kernels(rank: int, rope: int, nope: int, v: int, isa: str) -> ctypes.CDLL | None:
+    lib = cbuild.load(*cbuild.mla_kernel(rank, rope, nope, v), log, "the absorbed MLA decode runs torch bmm", isa)
+    if lib is not None:
+        lib.atomd_mla_decode.restype = ctypes.c_int
+        lib.atomd_mla_decode.argtypes = [_PTR] * 8 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        lib.shape = (rank, rope, nope, v)
+    return lib
+
+
+def mla_decode(lib: ctypes.CDLL, q: torch.Tensor, uk_t: torch.Tensor, uv: torch.Tensor, kv_cache: KVCache,
+               layer: int, block_tables: torch.Tensor, context_lens: torch.Tensor,
+               query_starts: torch.Tensor | None, scale: float) -> torch.Tensor:
+    """The absorbed MLA decode of one layer ([R, heads * v], q's dtype): q [R, heads, nope + rope]
+    (RoPE'd) into latent space through uk_t [heads, rank, nope], attention over the paged latent
+    rows (rank + rope values, a one-plane cache in q's dtype), the weighted latents through uv
+    [heads, v, rank]. Rows and query_starts as decode_attention's."""
+    c = kv_cache
+    rows, heads, qdim = q.shape
+    rank, rope, nope, v = lib.shape
+    batch = context_lens.shape[0]
+    # the C code trusts its compiled shape: a mismatch would read out of bounds, not fail
+    assert (qdim, c.head_dim, c.num_kv_heads, c.kv.shape[2]) == (nope + rope, rank + rope, 1, 1), (q.shape, c.kv.shape)
+    assert uk_t.shape == (heads, rank, nope) and uv.shape == (heads, v, rank)
+    assert q.dtype == uk_t.dtype == uv.dtype == c.kv.dtype and q.dtype in KERNEL_DTYPES, (q.dtype, c.kv.dtype)
+    assert uk_t.is_contiguous() and uv.is_contiguous() and c.kv.is_contiguous()
+    assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.shape[0] == batch
+    assert block_tables.is_contiguous() and context_lens.is_contiguous()
+    if query_starts is None:
+        assert rows == batch, "one query token per sequence (else pass query_starts)"
+    else:
+        assert query_starts.dtype == torch.int64 and query_starts.is_contiguous() and len(query_starts) == batch + 1
+    q = q.contiguous()
+    out = torch.empty(rows, heads * v, dtype=q.dtype)
+    _check_status(lib.atomd_mla_decode(
+        q.data_ptr(), uk_t.data_ptr(), uv.data_ptr(), c.kv.data_ptr(), block_tables.data_ptr(),
+        context_lens.data_ptr(), None if query_starts is None else query_starts.data_ptr(), out.data_ptr(), batch,
+        rows, heads, c.block_size, block_tables.shape[1], c.num_layers * c.block_size * c.head_dim,
+        layer * c.block_size * c.head_dim, scale, int(q.dtype == torch.bfloat16), torch.get_num_threads()),
+        "MLA decode")
+    return out
 
 
 def _window(window: int | None) -> int:

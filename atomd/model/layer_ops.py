@@ -70,6 +70,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             every.argtypes, every.restype = _LAYERS_ARGTYPES, ctypes.c_int
             experts = getattr(lib, f"atomd_moe_experts_{suffix}")
             experts.argtypes, experts.restype = [_PTR] * 6 + [ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
+            grouped = getattr(lib, f"atomd_moe_grouped_{suffix}")
+            grouped.argtypes, grouped.restype = [_PTR] * 9 + [ctypes.c_int, _PTR] + [_I64] * 4 + [ctypes.c_int], None
     if lib.gemv_kinds & 2:
         lib.atomd_gemm_bf16_f32.argtypes, lib.atomd_gemm_bf16_f32.restype = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int], None
     if lib.gemv_kinds & 1:  # the layer over int8 / int4 linears (csrc/quant.h), built beside the float32 one
@@ -226,6 +228,24 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
     getattr(lib, f"atomd_moe_experts_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), ids.data_ptr(), scales.data_ptr(), pairs.data_ptr(),
         int(pairs.dtype == torch.float32), scratch.data_ptr(), x.shape[1], inter, ids.shape[0], threads)
+
+
+def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
+                starts: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, scales: torch.Tensor,
+                pairs: torch.Tensor) -> None:
+    """pairs[dest[i]] = (silu_mul(x[tokens[i]] @ gate_up[e].T) @ down[e].T) * scales[i] for the
+    pairs i in starts[g] .. starts[g + 1] - 1 of each expert e = experts[g]: an MoE block's
+    experts over several tokens x [T, hidden] (has_gemv(x.dtype)) in one C call, rounded where
+    the per-expert ops round. gate_up / down stacked and contiguous; experts, starts, tokens,
+    dest int64 contiguous; scales [pairs] and pairs [T * k, hidden] contiguous, both float32
+    or both x's dtype. The indices are trusted (moe.py makes them): out of range reads memory."""
+    lib, inter, threads = kernels(), down.shape[2], torch.get_num_threads()
+    max_rows = int((starts[1:] - starts[:-1]).max()) if len(experts) else 0
+    scratch = torch.empty(threads * max_rows * (3 * inter + x.shape[1]), dtype=x.dtype)  # one a thread
+    getattr(lib, f"atomd_moe_grouped_{_SUFFIX[x.dtype]}")(
+        x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), experts.data_ptr(), starts.data_ptr(), tokens.data_ptr(),
+        dest.data_ptr(), scales.data_ptr(), pairs.data_ptr(), int(pairs.dtype == torch.float32), scratch.data_ptr(),
+        x.shape[1], inter, len(experts), max_rows, threads)
 
 
 class DecodeLayer:

@@ -12,9 +12,11 @@ anyway) and runs SDPA. Decode runs the absorbed form, reading only the latent: t
 into latent space once per token (q_h W_UK[h], [rank]), scores against the cached rows are
 [q_h W_UK[h] ; q_pe_h] . [c ; k_pe], and the probability-weighted latent sum goes through
 W_UV[h] once per token: no per-context-token up-projection, and every head reads the same rows
-(one KV head, MQA over rank + rope values). That is the native decode kernel's shape (heads of
-rank + rope values, all query heads in one group) with the rows as their own values: it reads
-the paged latent in place; the rope part of its output is dropped.
+(one KV head, MQA over rank + rope values). With the native kernels all of that is one C call
+a layer (csrc/mla.c: the absorption, the attention over the paged latent in place, W_UV);
+over an fp8 cache, or where that kernel does not build, the absorption and W_UV are batched
+matmuls around the attention kernel built for heads of rank + rope values (all query heads in
+one group, the rows as their own values, the rope part of its output dropped).
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.kernels import native
 from atomd.kernels.native import decode_attention
 from atomd.model.linear import linear, pack_linear_weight
 
@@ -87,14 +90,27 @@ def mla_prefill(q: torch.Tensor, latent: torch.Tensor, kv_cache: KVCache, layer:
     return out
 
 
+def fused_decode_kernels(kernels, kv_cache: KVCache, rank: int, rope: int, up: LatentUp):
+    """The one-call absorbed decode (csrc/mla.c) when the native attention kernels run this
+    step (`kernels`, built under their ISA narrowing) over a cache in the model's dtype; else None."""
+    if kernels is None or kv_cache.fp8:
+        return None
+    return native.mla_kernels(rank, rope, up.nope, up.v, kernels.isa)
+
+
 def mla_decode(q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata, up: LatentUp,
                scale: float) -> torch.Tensor:
     """Decode query rows q [R, heads, nope + rope] (RoPE'd) over their cached latent contexts in
-    the absorbed form: [R, heads * v]. With the native kernels (meta.kernels: built for heads of
-    rank + rope values, every query head on the one latent "head") straight from the paged
-    cache, also several rows a sequence (drafts, meta.query_starts); else one row a sequence,
-    contexts gathered, batched matmuls."""
+    the absorbed form: [R, heads * v]. With the native kernels (meta.kernels) straight from the
+    paged cache, also several rows a sequence (drafts, meta.query_starts): one C call
+    (fused_decode_kernels), or over an fp8 cache the attention kernel built for heads of rank +
+    rope values, every query head on the one latent "head"; else one row a sequence, contexts
+    gathered, batched matmuls."""
     rank = kv_cache.head_dim - (q.shape[2] - up.nope)
+    lib = fused_decode_kernels(meta.kernels, kv_cache, rank, q.shape[2] - up.nope, up)
+    if lib is not None:
+        return native.mla_decode(lib, q, up.uk_t, up.uv, kv_cache, layer, meta.block_tables, meta.context_lens,
+                                 meta.query_starts, scale)
     q_latent = torch.bmm(up.uk_t, q[..., :up.nope].permute(1, 2, 0))  # [heads, rank, R]
     query = torch.cat([q_latent.permute(2, 0, 1), q[..., up.nope:]], dim=-1)  # [R, heads, rank + rope]
     if meta.kernels is not None:

@@ -1,8 +1,8 @@
-"""The sparse MoE block (Mixtral, Qwen3-MoE; no shared expert): softmax top-k routing, then
-the tokens grouped by expert (one argsort) and one GEMM per active expert over its tokens,
-scaled by their routing weights and scattered back. No per-token Python loop: the loop is
-over the experts that got a token (batch-1 decode: the k chosen ones, whose weight rows
-alone are read). With expert parallelism the weights hold this rank's slice of the experts
+"""The sparse MoE block (Mixtral, Qwen3-MoE, DeepSeekMoE's routed experts): softmax top-k
+routing, then the tokens grouped by expert (one argsort) and every active expert over its
+tokens, scaled by their routing weights and scattered back: one C call where the GEMV kernel
+runs the dtype (layer_ops.moe_experts for one token, moe_grouped for several), else one GEMM
+pair per active expert. No per-token Python loop; only the active experts' weights are read. With expert parallelism the weights hold this rank's slice of the experts
 and `ep` runs the block across the ranks (atomd/model/expert_parallel.py)."""
 from __future__ import annotations
 
@@ -17,6 +17,11 @@ from atomd.model import layer_ops, quant
 from atomd.model.layer_ops import silu_mul
 from atomd.model.linear import GEMV_ENV, linear
 from atomd.model.quant import QuantizedWeight
+
+
+# several tokens through the experts: one C call (layer_ops.moe_grouped) where the GEMV kernel
+# runs this dtype; False: one torch linear pair per active expert (the A/B of benchmarks/deepseek_decode_step.py)
+GROUPED = True
 
 
 @dataclass
@@ -91,6 +96,12 @@ def moe(h: torch.Tensor, w: MoeWeights,
     w.routed += counts
     scales = weights.flatten()[order].unsqueeze(1)
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
+    if w.gemv and GROUPED:  # every active expert in one C call
+        active = counts.nonzero().flatten()
+        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
+        layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order,
+                              scales.flatten().contiguous(), pairs)
+        return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
     ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
     for e in counts.nonzero().flatten().tolist():
         group = slice(ends[e] - sizes[e], ends[e])

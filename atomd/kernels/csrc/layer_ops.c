@@ -3,7 +3,8 @@
  * - atomd_rms_norm_*: out = RMSNorm(x) * w, optionally after x += delta in place (the
  *   residual add fused with the norm that follows it);
  * - atomd_silu_mul_*: out = silu(gate) * up of the fused gate/up projection's rows;
- * - atomd_rope_*: rotate-half RoPE in place on the query and key heads of the QKV rows.
+ * - atomd_rope_*: rotate-half RoPE in place on the query and key heads of the QKV rows;
+ * - atomd_moe_experts_* / atomd_moe_grouped_*: an MoE block's experts, one token / several.
  *
  * Why: torch runs RMSNorm as six passes (pow, mean, add, rsqrt, mul, mul), SiLU-and-mul as
  * two, RoPE as eight ops and a cat, each a call of ~5-20 us at decode sizes and a pass over
@@ -539,6 +540,82 @@ DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, const bf16_t
 MOE_EXPERTS(f32, float, 0, SILU_ROW_F32, atomd_gemv_f32)
 #if GEMV_KINDS & 2
 MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
+#endif
+
+/* An MoE block's experts over more than one token (atomd/model/moe.py's moe()) in one call:
+ * the (token, choice) pairs grouped by expert, for each active expert e = experts[g] its
+ * pairs starts[g] .. starts[g + 1] - 1 (token rows tokens[i] of x [T, hidden]) through
+ * gu = x @ gate_up[e]^T, a = silu(gate) * up, y = a @ down[e]^T, and pairs[dest[i]] = y *
+ * scales[i] (scales in pair order; pairs and scales float32 when f32_pairs, else the model's
+ * dtype), rounded where the per-expert torch ops round (the products' sums in another order).
+ * Why: the per-expert path is one torch linear pair per active expert (a batch-16 decode step
+ * of the deepseek-v2-lite shape made ~26k such calls, 31% of its time, each a small GEMM
+ * through oneDNN on an unpacked weight). Here each expert's weights are read in blocks of 16
+ * rows that stay in L1 while every one of its tokens passes over them, the 16 dot products
+ * summed by one transposing tree (lane_sums.h). Experts are the work items (dynamic: they get
+ * different token counts), each thread on its own scratch of max_rows * (3 * inter + hidden). */
+#include "lane_sums.h"
+#define MOE_GROUPED(SUFFIX, elem_t, mask_t, VEC, STEP, VLOAD, VFMA, IS_BF16, SILU_ROW)                             \
+    /* y[j] = x . w[j] for the rows w [nn <= 16][K], rounded as the model's dtype */                                \
+    static inline void moe_dots16_##SUFFIX(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t nn) {   \
+        __m512 acc[16];                                                                                             \
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();                                                  \
+        const mask_t all = (mask_t)~(mask_t)0, tail = (mask_t)((1ull << (K % STEP)) - 1u);                         \
+        for (int64_t j = 0; j < nn; j++) { /* one row at a time: two chains, x from L1 */                       \
+            const elem_t *wj = w + j * K;                                                                           \
+            __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                               \
+            int64_t k = 0;                                                                                          \
+            for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                              \
+                a0 = VFMA(a0, VLOAD(all, x + k), VLOAD(all, wj + k));                                               \
+                a1 = VFMA(a1, VLOAD(all, x + k + STEP), VLOAD(all, wj + k + STEP));                                 \
+            }                                                                                                       \
+            for (; k < K; k += STEP) {                                                                              \
+                const mask_t mk = K - k >= STEP ? all : tail;                                                       \
+                a0 = VFMA(a0, VLOAD(mk, x + k), VLOAD(mk, wj + k));                                                 \
+            }                                                                                                       \
+            acc[j] = _mm512_add_ps(a0, a1);                                                                         \
+        }                                                                                                           \
+        float sums[16];                                                                                             \
+        _mm512_storeu_ps(sums, sum_lanes16(acc));                                                                   \
+        for (int64_t j = 0; j < nn; j++) store(y, j, sums[j], IS_BF16);                                             \
+    }                                                                                                               \
+    void atomd_moe_grouped_##SUFFIX(const elem_t *x, const elem_t *gate_up, const elem_t *down,                    \
+                                    const int64_t *experts, const int64_t *starts, const int64_t *tokens,           \
+                                    const int64_t *dest, const void *scales, void *pairs, int f32_pairs,            \
+                                    elem_t *scratch, int64_t hidden, int64_t inter, int64_t n_experts,              \
+                                    int64_t max_rows, int num_threads) {                                            \
+        _Pragma("omp parallel num_threads(num_threads)")                                                            \
+        {                                                                                                           \
+            elem_t *gu = scratch + omp_get_thread_num() * max_rows * (3 * inter + hidden);                          \
+            elem_t *a = gu + max_rows * 2 * inter, *y = a + max_rows * inter;                                       \
+            _Pragma("omp for schedule(dynamic, 1)")                                                                 \
+            for (int64_t g = 0; g < n_experts; g++) {                                                               \
+                const int64_t p0 = starts[g], m = starts[g + 1] - p0;                                               \
+                const elem_t *wg = gate_up + experts[g] * 2 * inter * hidden, *wd = down + experts[g] * hidden * inter; \
+                for (int64_t n0 = 0; n0 < 2 * inter; n0 += 16)                                                      \
+                    for (int64_t r = 0; r < m; r++)                                                                 \
+                        moe_dots16_##SUFFIX(x + tokens[p0 + r] * hidden, wg + n0 * hidden, gu + r * 2 * inter + n0, \
+                                            hidden, 2 * inter - n0 < 16 ? 2 * inter - n0 : 16);                     \
+                for (int64_t r = 0; r < m; r++) SILU_ROW(gu + r * 2 * inter, a + r * inter, inter);                 \
+                for (int64_t n0 = 0; n0 < hidden; n0 += 16)                                                         \
+                    for (int64_t r = 0; r < m; r++)                                                                 \
+                        moe_dots16_##SUFFIX(a + r * inter, wd + n0 * inter, y + r * hidden + n0, inter,              \
+                                            hidden - n0 < 16 ? hidden - n0 : 16);                                   \
+                for (int64_t r = 0; r < m; r++)                                                                     \
+                    for (int64_t i = 0; i < hidden; i++) {                                                          \
+                        const float v = load(y, r * hidden + i, IS_BF16);                                           \
+                        if (f32_pairs)                                                                              \
+                            ((float *)pairs)[dest[p0 + r] * hidden + i] = v * ((const float *)scales)[p0 + r];     \
+                        else                                                                                        \
+                            store(pairs, dest[p0 + r] * hidden + i, v * load(scales, p0 + r, IS_BF16), IS_BF16);    \
+                    }                                                                                               \
+            }                                                                                                       \
+        }                                                                                                           \
+    }
+
+MOE_GROUPED(f32, float, __mmask16, __m512, 16, F32_LOAD, F32_FMA, 0, SILU_ROW_F32)
+#if GEMV_KINDS & 2
+MOE_GROUPED(bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_ps, 1, silu_mul_row_bf16)
 #endif
 /* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
 #include "quant.h"

@@ -1,0 +1,370 @@
+/* The absorbed decode of multi-head latent attention (DeepSeek V2 / V3, atomd/model/mla.py) in
+ * one call per layer, float32 and bfloat16, loaded by atomd/kernels/native.py (mla_kernels).
+ *
+ * Per query row r and head h, over the sequence's paged latent rows [c ; k_pe] (rank + rope
+ * values a token, one row per token and layer, block-major as atomd/engine/kv_cache.py keeps them):
+ *   1. the query into latent space: ql = scale * [W_UK[h]^T q_nope ; q_pe]      (uk_t [heads, rank, nope])
+ *   2. scores ql . [c ; k_pe] over the context, softmax, o = sum_t p_t c_t     ([rank], float32)
+ *   3. out = W_UV[h] o                                                         (uv [heads, v, rank])
+ * Why one kernel: torch ran 1 and 3 as two batched matmuls a layer (at batch 1 a matrix-vector
+ * product per head through its batched GEMM: a quarter of a deepseek-v2-lite batch-1 step), and
+ * the attention kernel between them kept every head of a sequence in one work item (one thread
+ * at batch 1) and summed the rope part of the values too, only to drop it. Here 1 and 3 read each
+ * head's weights once for a block of RB rows, 2 splits a sequence's heads over the threads, and the
+ * query and the weighted latent stay float32 between the phases (torch rounded both to bf16).
+ *
+ * Shape macros: RANK (kv_lora_rank), ROPE (qk_rope_head_dim), NOPE (qk_nope_head_dim), VDIM
+ * (v_head_dim): one library per model shape, so the inner loops have fixed trip counts. Plain C
+ * loops the compiler vectorises for whatever the build targets (every $ATOMD_KERNEL_ISA
+ * narrowing); bf16 is widened to float32 by a 16-bit shift (exact), every sum is float32.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "fast_exp.h"
+
+#if !defined(RANK) || !defined(ROPE) || !defined(NOPE) || !defined(VDIM)
+#error "build with -DRANK=<kv_lora_rank> -DROPE=<qk_rope_head_dim> -DNOPE=<qk_nope_head_dim> -DVDIM=<v_head_dim>"
+#endif
+#define LAT (RANK + ROPE)   /* a latent row: c then k_pe */
+#define QDIM (NOPE + ROPE)  /* a query head: q_nope then q_pe (RoPE'd) */
+#define RB 32               /* query rows per pass over a head's weights (phases 1 and 3) */
+#define HC 16               /* at most this many heads per attention work item (its accumulators) */
+
+static inline float bf16_to_f32(uint16_t h) {
+    union { uint32_t i; float f; } u;
+    u.i = (uint32_t)h << 16;
+    return u.f;
+}
+
+/* Round to nearest even, as torch's float -> bfloat16; a NaN stays a (quiet) NaN. */
+static inline uint16_t f32_to_bf16(float f) {
+    union { float f; uint32_t i; } u;
+    u.f = f;
+    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.i >> 16) | 0x40);
+    return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
+}
+
+/* n values at element `at` of src (float32, or bf16 when bf16) as float32: src itself, or widened into buf. */
+static inline const float *as_f32(const void *src, int64_t at, int bf16, float *restrict buf, int n) {
+    if (!bf16) return (const float *)src + at;
+    const uint16_t *s = (const uint16_t *)src + at;
+#pragma omp simd
+    for (int i = 0; i < n; i++) buf[i] = bf16_to_f32(s[i]);
+    return buf;
+}
+
+static inline float dot(const float *restrict a, const float *restrict b, int n) {
+    float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+    for (int i = 0; i < n; i++) s += a[i] * b[i];
+    return s;
+}
+
+static inline int64_t min64(int64_t a, int64_t b) { return a < b ? a : b; }
+
+/* AVX-512 where every dot product runs over whole vectors: 16 dot products at once, their sums
+ * by one transposing tree (lane_sums.h) instead of a reduction each. */
+#if defined(__AVX512F__) && NOPE % 16 == 0 && ROPE % 16 == 0 && RANK % 16 == 0
+#define VEC16 1
+#include "lane_sums.h"
+#else
+#define VEC16 0
+#endif
+
+/* out[j] = w[j] . x, j < 16, for the rows w [16][n] (n a multiple of 16 on the AVX-512 path). */
+static inline void dots16(const float *restrict w, const float *restrict x, int n, float *restrict out) {
+#if VEC16
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) {
+        const __m512 xv = _mm512_loadu_ps(x + k);
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(w + j * n + k), xv, acc[j]);
+    }
+    _mm512_storeu_ps(out, sum_lanes16(acc));
+#else
+    for (int j = 0; j < 16; j++) out[j] = dot(w + j * n, x, n);
+#endif
+}
+
+static inline void widen_rows16(const void *w, int64_t j0, int64_t rows, int bf16, float *restrict buf, int n);
+
+/* dots16 of the weights as stored (float32, or bf16 widened in registers), w at element `at`
+ * of `src`: for fewer rows than pay for widening a block once (batch 1: each weight read once). */
+static inline void dots16_stored(const void *src, int64_t at, int bf16, const float *restrict x, int n,
+                                 float *restrict out) {
+#if VEC16
+    __m512 acc[16];
+    /* one weight row at a time, two chains: a sequential read the prefetcher follows */
+    for (int j = 0; j < 16; j++) {
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0;
+        if (bf16) {
+            const uint16_t *w = (const uint16_t *)src + at + j * n;
+            for (int k = 0; k < n; k += 32) {  /* n a multiple of 16: the second half may be past it */
+                const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k)));
+                a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)), _mm512_loadu_ps(x + k), a0);
+                if (k + 16 < n) {
+                    const __m512i hi = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k + 16)));
+                    a1 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(hi, 16)), _mm512_loadu_ps(x + k + 16), a1);
+                }
+            }
+        } else {
+            const float *w = (const float *)src + at + j * n;
+            for (int k = 0; k < n; k += 32) {
+                a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
+                if (k + 16 < n) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
+            }
+        }
+        acc[j] = _mm512_add_ps(a0, a1);
+    }
+    _mm512_storeu_ps(out, sum_lanes16(acc));
+#else
+    float wb[16 * n > 0 ? 16 * n : 1];
+    widen_rows16(src, at / n, at / n + 16, bf16, wb, n);
+    dots16(wb, x, n, out);
+#endif
+}
+
+/* out[4 r + j] = w[j] . x[r], j, r < 4, for the rows w [4][n] and x [4][x_stride]: 4 + 4 loads
+ * per 16 products (dots16 takes 17), for blocks of 4 or more query rows. */
+static inline void dots4x4(const float *restrict w, const float *restrict x, int64_t x_stride, int n,
+                           float *restrict out) {
+#if VEC16
+    __m512 acc[16];
+    for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+    for (int k = 0; k < n; k += 16) {
+        __m512 wv[4];
+        for (int j = 0; j < 4; j++) wv[j] = _mm512_loadu_ps(w + j * n + k);
+        for (int r = 0; r < 4; r++) {
+            const __m512 xv = _mm512_loadu_ps(x + r * x_stride + k);
+            for (int j = 0; j < 4; j++) acc[4 * r + j] = _mm512_fmadd_ps(wv[j], xv, acc[4 * r + j]);
+        }
+    }
+    _mm512_storeu_ps(out, sum_lanes16(acc));
+#else
+    for (int r = 0; r < 4; r++)
+        for (int j = 0; j < 4; j++) out[4 * r + j] = dot(w + j * n, x + r * x_stride, n);
+#endif
+}
+
+/* part[r][j] = w[j] . x[r] for the 16 rows w [16][n] and the nr rows x [nr][x_stride]. */
+static inline void dots_block(const float *restrict w, const float *restrict x, int64_t x_stride, int64_t nr, int n,
+                              float part[][16]) {
+    int64_t r = 0;
+    for (; r + 4 <= nr; r += 4)
+        for (int jq = 0; jq < 16; jq += 4) {
+            float out[16];
+            dots4x4(w + jq * n, x + r * x_stride, x_stride, n, out);
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) part[r + i][jq + j] = out[4 * i + j];
+        }
+    for (; r < nr; r++) dots16(w, x + r * x_stride, n, part[r]);
+}
+
+/* rows [j0, j0 + 16) of w [., n] (float32, or bf16 when bf16) as float32 into buf [16][n]; rows
+ * past `rows` zero. */
+static inline void widen_rows16(const void *w, int64_t j0, int64_t rows, int bf16, float *restrict buf, int n) {
+    for (int64_t j = 0; j < 16; j++) {
+        if (j0 + j < rows) {
+            const float *src = as_f32(w, (j0 + j) * n, bf16, buf + j * n, n);
+            if (src != buf + j * n) memcpy(buf + j * n, src, sizeof(float) * n);
+        } else {
+            memset(buf + j * n, 0, sizeof(float) * n);
+        }
+    }
+}
+
+/* Phase 1: ql [rows, heads, LAT] float32, the scaled queries in latent space. Work items: a
+ * head and a block of RB rows; W_UK^T's rows widened 16 at a time, once per block. */
+static void absorb_queries(const void *q, const void *uk_t, float *restrict ql, int64_t rows, int64_t heads,
+                           float scale, int bf16, int num_threads) {
+    const int64_t blocks = (rows + RB - 1) / RB;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t item = 0; item < heads * blocks; item++) {
+        const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
+        float qn[RB][NOPE], qb[QDIM], wb[16 * NOPE], part[RB][16];
+        for (int64_t r = 0; r < nr; r++) {
+            const float *qr = as_f32(q, ((r0 + r) * heads + h) * QDIM, bf16, qb, QDIM);
+            float *dst = ql + ((r0 + r) * heads + h) * LAT;
+            memcpy(qn[r], qr, sizeof(float) * NOPE);
+            for (int d = 0; d < ROPE; d++) dst[RANK + d] = scale * qr[NOPE + d];
+        }
+        for (int64_t j0 = 0; j0 < RANK; j0 += 16) {
+            widen_rows16((const char *)uk_t + h * RANK * NOPE * (bf16 ? 2 : 4), j0, RANK, bf16, wb, NOPE);
+            dots_block(wb, qn[0], NOPE, nr, NOPE, part);
+            for (int64_t r = 0; r < nr; r++) {
+                float *dst = ql + ((r0 + r) * heads + h) * LAT + j0;
+                for (int64_t j = 0; j < 16 && j0 + j < RANK; j++) dst[j] = scale * part[r][j];
+            }
+        }
+    }
+}
+
+/* The latent rows of keys t0 .. t0 + n - 1 (n <= 16) of a sequence (its block table), their
+ * first `width` values as float32 into buf [16][width], rows past n zero. */
+static inline void latent_rows16(const void *kv, const int64_t *restrict table, int64_t t0, int64_t n,
+                                 int64_t block_size, int64_t block_stride, int64_t layer_offset, int bf16, int width,
+                                 float *restrict buf) {
+    for (int64_t i = 0; i < 16; i++) {
+        float *dst = buf + i * width;
+        if (i < n) {
+            const int64_t t = t0 + i;
+            const float *src = as_f32(kv, table[t / block_size] * block_stride + layer_offset + t % block_size * LAT,
+                                      bf16, dst, width);
+            if (src != dst) memcpy(dst, src, sizeof(float) * width);
+        } else {
+            memset(dst, 0, sizeof(float) * width);
+        }
+    }
+}
+
+/* acc [RANK] += sum over i < n of p[i] * rows[i] (rows [16][RANK]). */
+static inline void weighted_add(float *restrict acc, const float *restrict rows, const float *restrict p, int64_t n) {
+#if VEC16
+    for (int d0 = 0; d0 < RANK; d0 += 128) {  /* 8 vectors of the accumulator in registers */
+        const int nv = (RANK - d0) / 16 < 8 ? (RANK - d0) / 16 : 8;
+        __m512 a[8];
+        for (int v = 0; v < nv; v++) a[v] = _mm512_loadu_ps(acc + d0 + 16 * v);
+        for (int64_t i = 0; i < n; i++) {
+            const __m512 pv = _mm512_set1_ps(p[i]);
+            for (int v = 0; v < nv; v++) a[v] = _mm512_fmadd_ps(pv, _mm512_loadu_ps(rows + i * RANK + d0 + 16 * v), a[v]);
+        }
+        for (int v = 0; v < nv; v++) _mm512_storeu_ps(acc + d0 + 16 * v, a[v]);
+    }
+#else
+    for (int64_t i = 0; i < n; i++) {
+        const float pi = p[i];
+#pragma omp simd
+        for (int d = 0; d < RANK; d++) acc[d] += pi * rows[i * RANK + d];
+    }
+#endif
+}
+
+/* Phase 2: ol [rows, heads, RANK] float32, each row's softmax-weighted sum of its context's
+ * latents c. Work items: a sequence and a chunk of its heads (hc of them, at most HC), so a
+ * batch smaller than the threads still spreads; the chunk's heads share each latent row read. */
+static int attend(const float *restrict ql, const void *kv, const int64_t *restrict block_tables,
+                  const int64_t *restrict context_lens, const int64_t *restrict query_starts, float *restrict ol,
+                  int64_t batch, int64_t heads, int64_t block_size, int64_t table_width, int64_t block_stride,
+                  int64_t layer_offset, int bf16, int num_threads) {
+    int64_t chunks = (heads + HC - 1) / HC;
+    while (chunks < heads && batch * chunks < 2 * num_threads) chunks++;
+    const int64_t hc = (heads + chunks - 1) / chunks;
+    chunks = (heads + hc - 1) / hc;
+    int failed = 0;
+#pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
+    for (int64_t item = 0; item < batch * chunks; item++) {
+        const int64_t b = item / chunks, h0 = item % chunks * hc, nh = min64(hc, heads - h0);
+        const int64_t full_ctx = context_lens[b], *table = block_tables + b * table_width;
+        const int64_t r_begin = query_starts ? query_starts[b] : b, r_end = query_starts ? query_starts[b + 1] : b + 1;
+        float *scores = malloc(sizeof(float) * HC * (full_ctx > 0 ? full_ctx : 1));  /* [nh, ctx], reused per row */
+        if (scores == NULL) {
+#pragma omp atomic write
+            failed = 1;
+            continue;
+        }
+        /* one row after the other: the context a later row (a draft) reads again is still in cache */
+        for (int64_t r = r_begin; r < r_end; r++) {
+            const int64_t ctx = full_ctx - (r_end - 1 - r);
+            float m[HC], sum[HC], acc[HC][RANK], cb[16 * LAT], sc[16];
+            for (int g = 0; g < nh; g++) {
+                m[g] = -INFINITY;
+                sum[g] = 0.0f;
+                memset(acc[g], 0, sizeof(float) * RANK);
+            }
+            /* 16 keys at a time: their rows widened once for the chunk's heads */
+            for (int64_t t0 = 0; t0 < ctx; t0 += 16) {
+                const int64_t n = min64(16, ctx - t0);
+                latent_rows16(kv, table, t0, n, block_size, block_stride, layer_offset, bf16, LAT, cb);
+                for (int g = 0; g < nh; g++) {
+                    dots16(cb, ql + (r * heads + h0 + g) * LAT, LAT, sc);
+                    for (int64_t i = 0; i < n; i++) {
+                        scores[g * ctx + t0 + i] = sc[i];
+                        m[g] = sc[i] > m[g] ? sc[i] : m[g];
+                    }
+                }
+            }
+            for (int g = 0; g < nh; g++) {
+                float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
+#pragma omp simd reduction(+ : total)
+                for (int64_t t = 0; t < ctx; t++) {
+                    sg[t] = exp_nonpositive(sg[t] - mg);
+                    total += sg[t];
+                }
+                sum[g] = total;
+            }
+            for (int64_t t0 = 0; t0 < ctx; t0 += 16) {  /* the rows again, from cache: only their c part */
+                const int64_t n = min64(16, ctx - t0);
+                latent_rows16(kv, table, t0, n, block_size, block_stride, layer_offset, bf16, RANK, cb);
+                for (int g = 0; g < nh; g++) weighted_add(acc[g], cb, scores + g * ctx + t0, n);
+            }
+            for (int g = 0; g < nh; g++) {
+                float *o = ol + (r * heads + h0 + g) * RANK;
+                const float inv = ctx > 0 ? 1.0f / sum[g] : 0.0f;
+                for (int d = 0; d < RANK; d++) o[d] = acc[g][d] * inv;
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
+}
+
+/* Phase 3: out [rows, heads, VDIM] (float32 or bf16) = W_UV[h] o per row and head; work items
+ * as phase 1's, W_UV's rows widened 16 at a time. */
+static void project_values(const float *restrict ol, const void *uv, void *out, int64_t rows, int64_t heads,
+                           int bf16, int num_threads) {
+    const int64_t blocks = (rows + RB - 1) / RB;
+#pragma omp parallel for schedule(static) num_threads(num_threads)
+    for (int64_t item = 0; item < heads * blocks; item++) {
+        const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
+        float wb[16 * RANK], part[RB][16];
+        for (int64_t j0 = 0; j0 < VDIM; j0 += 16) {
+            if (VEC16 && nr < 4 && j0 + 16 <= VDIM) {
+                for (int64_t r = 0; r < nr; r++)
+                    dots16_stored(uv, (h * VDIM + j0) * RANK, bf16, ol + ((r0 + r) * heads + h) * RANK, RANK, part[r]);
+            } else {
+                widen_rows16((const char *)uv + h * VDIM * RANK * (bf16 ? 2 : 4), j0, VDIM, bf16, wb, RANK);
+                dots_block(wb, ol + (r0 * heads + h) * RANK, heads * RANK, nr, RANK, part);
+            }
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t at = ((r0 + r) * heads + h) * VDIM + j0;
+                for (int64_t j = 0; j < 16 && j0 + j < VDIM; j++) {
+                    if (bf16)
+                        ((uint16_t *)out)[at + j] = f32_to_bf16(part[r][j]);
+                    else
+                        ((float *)out)[at + j] = part[r][j];
+                }
+            }
+        }
+    }
+}
+
+/* The whole absorbed decode of one layer. q [rows, heads, NOPE + ROPE] (RoPE'd), uk_t [heads,
+ * RANK, NOPE], uv [heads, VDIM, RANK], out [rows, heads, VDIM]: all float32, or all bf16 (bf16
+ * != 0), as the cache. kv: the cache's base pointer; token t of sequence b's latent row is at
+ *   kv + block_tables[b][t / block_size] * block_stride + layer_offset + (t % block_size) * LAT
+ * query_starts: NULL (row b is sequence b's one token, rows == batch), or [batch + 1] row offsets:
+ * sequence b owns rows query_starts[b] .. query_starts[b + 1] - 1, the last positions of its
+ * context (its last token and its drafts), each seeing the keys up to its own (causal).
+ * num_threads: torch's intra-op count of the calling thread.
+ * Returns 0, or -1 when a scratch buffer could not be allocated (out is then incomplete). */
+int atomd_mla_decode(const void *q, const void *uk_t, const void *uv, const void *kv,
+                     const int64_t *block_tables, const int64_t *context_lens, const int64_t *query_starts,
+                     void *out, int64_t batch, int64_t rows, int64_t heads, int64_t block_size,
+                     int64_t table_width, int64_t block_stride, int64_t layer_offset, float scale, int bf16,
+                     int num_threads) {
+    float *ql = malloc(sizeof(float) * (rows > 0 ? rows : 1) * heads * LAT);
+    float *ol = malloc(sizeof(float) * (rows > 0 ? rows : 1) * heads * RANK);
+    int status = -1;
+    if (ql != NULL && ol != NULL) {
+        absorb_queries(q, uk_t, ql, rows, heads, scale, bf16, num_threads);
+        status = attend(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size, table_width,
+                        block_stride, layer_offset, bf16, num_threads);
+        if (status == 0) project_values(ol, uv, out, rows, heads, bf16, num_threads);
+    }
+    free(ql);
+    free(ol);
+    return status;
+}

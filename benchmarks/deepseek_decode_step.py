@@ -1,0 +1,138 @@
+"""CPU time per decode step, before / after a kernel (issue #37), on a benchmarks/model_shapes.py shape.
+
+One engine per shape (random weights, --dtype, --threads); its decode steps' model forwards
+(ModelRunner.execute on a batch of one token per sequence) are timed in the calling thread's
+CPU time (time.thread_time: at one thread the whole forward, and the machine's load moves it
+far less than the wall clock) and in the process's (time.process_time: every OpenMP thread,
+spin included), both reported. Workloads: batch 1 (one 128-token prompt, 32 new tokens) and
+batch 16 (16 prompts of 32 tokens, 32 new). Variants, alternating within every round, switched
+in the running engine (the same weights, the same prompts):
+- mla: `torch` (the absorption and W_UV as torch bmm around the attention kernel) vs `c`
+  (csrc/mla.c, one call a layer); DeepSeek shapes only;
+- moe: `loop` (one torch linear pair per active expert, moe.GROUPED off) vs `grouped`
+  (the MoE block's experts in one C call, layer_ops.moe_grouped).
+Each variant's figure: its mean per decode step in one run, medians over --rounds.
+
+    flock /tmp/atomd-heavy.lock .venv/bin/python -m benchmarks.deepseek_decode_step \\
+        --model-shape deepseek-v2-lite --dtype bfloat16 --rounds 3 --threads 1 --switch mla
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import time
+
+import torch
+
+from atomd.llm import LLM
+from atomd.model import mla, moe
+from benchmarks.machine import cpu_model, loadavg
+from benchmarks.model_shapes import SHAPES, model_dir
+from benchmarks.offline import prompts
+from contracts.sampling import SamplingParams
+
+WORKLOADS = {"batch1": (1, 128, 32), "batch16": (16, 32, 32)}  # sequences, prompt tokens, new tokens
+
+
+@contextlib.contextmanager
+def variant(switch: str, name: str):
+    """The engine's code path for `name` of `switch` while inside."""
+    if switch == "mla" and name == "torch":
+        saved = mla.fused_decode_kernels
+        mla.fused_decode_kernels = lambda *args: None
+        try:
+            yield
+        finally:
+            mla.fused_decode_kernels = saved
+    elif switch == "moe" and name == "loop":
+        moe.GROUPED = False
+        try:
+            yield
+        finally:
+            moe.GROUPED = True
+    else:
+        yield
+
+
+VARIANTS = {"mla": ("torch", "c"), "moe": ("loop", "grouped")}
+
+
+def timed_decode_steps(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float, int]:
+    """(thread CPU s, process CPU s, steps) of the decode steps' forwards of one generate."""
+    runner = llm.engine.runner
+    execute, spent = runner.execute, [0.0, 0.0, 0]
+
+    def timed(step, *args, **kwargs):
+        if not all(int(n) == 1 for n in step.num_scheduled_tokens):
+            return execute(step, *args, **kwargs)
+        t0, p0 = time.thread_time(), time.process_time()
+        out = execute(step, *args, **kwargs)
+        spent[0] += time.thread_time() - t0
+        spent[1] += time.process_time() - p0
+        spent[2] += 1
+        return out
+
+    runner.execute = timed
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in batch],
+                     SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        runner.execute = execute
+    return spent[0], spent[1], spent[2]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model-shape", default="deepseek-v2-lite", choices=list(SHAPES))
+    ap.add_argument("--dtype", default="bfloat16")
+    ap.add_argument("--switch", default="mla", choices=list(VARIANTS))
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--workloads", default="batch1,batch16")
+    ap.add_argument("--json", help="write the figures here too")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load = [loadavg()]
+    llm = LLM(str(model_dir(args.model_shape)), dtype=args.dtype, num_threads=args.threads, max_model_len=512)
+    vocab = llm.engine.model.config.vocab_size
+    names = VARIANTS[args.switch]
+    workloads = args.workloads.split(",")
+    with variant(args.switch, names[0]):  # warm: every path's first pass over the weights
+        for w in workloads:
+            timed_decode_steps(llm, prompts(WORKLOADS[w][0], WORKLOADS[w][1], 99, vocab), 4)
+    timed_decode_steps(llm, prompts(1, 16, 98, vocab), 4)
+    runs: dict[tuple[str, str], list[tuple[float, float]]] = {}
+    for r in range(args.rounds):
+        for w in workloads:
+            n, length, new = WORKLOADS[w]
+            batch = prompts(n, length, r, vocab)
+            for name in names if r % 2 == 0 else names[::-1]:
+                with variant(args.switch, name):
+                    thread_s, process_s, steps = timed_decode_steps(llm, batch, new)
+                runs.setdefault((w, name), []).append((thread_s / steps * 1e3, process_s / steps * 1e3))
+                print(f"round {r} {w} {name}: {thread_s / steps * 1e3:.2f} ms thread CPU, "
+                      f"{process_s / steps * 1e3:.2f} ms process CPU a step ({steps} steps), load {loadavg()}",
+                      file=sys.stderr, flush=True)
+        load.append(loadavg())
+    report = {"shape": args.model_shape, "dtype": args.dtype, "threads": args.threads, "cpu": cpu_model(),
+              "load": load, "rounds": args.rounds, "figures": {}}
+    print(f"{args.model_shape} {args.dtype}, {args.threads} thread(s), {cpu_model()}, load {load}")
+    print(f"| workload | {names[0]} thread ms | {names[1]} thread ms | ratio | {names[0]} process ms | "
+          f"{names[1]} process ms | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    for w in workloads:
+        before = [statistics.median(x[i] for x in runs[(w, names[0])]) for i in (0, 1)]
+        after = [statistics.median(x[i] for x in runs[(w, names[1])]) for i in (0, 1)]
+        report["figures"][w] = {names[0]: before, names[1]: after}
+        print(f"| {w} | {before[0]:.2f} | {after[0]:.2f} | {before[0] / after[0]:.2f}x | {before[1]:.2f} | "
+              f"{after[1]:.2f} | {before[1] / after[1]:.2f}x |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
