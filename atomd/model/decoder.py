@@ -28,7 +28,6 @@ from atomd.model.lora import LayerLora, LoraStep
 from atomd.model.moe import MoeWeights, moe
 from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import long_rope_positions, rope_tables
-from atomd.kernels.native import decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -169,9 +168,6 @@ class DecoderModel:
         self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
                                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                                   quantized=any(quantized))
-        if cfg.qk_norm:
-            log.info("%s: batch-1 decode runs QKV, the q/k norm and RoPE per op (the fused C layer's head has "
-                     "no q/k norm), the rest of each layer fused", cfg.architecture)
 
     def unfused_reason(self) -> str | None:
         """What this model has that the fused batch-1 C layer (layer_ops.DecodeLayer) does not, or None."""
@@ -362,27 +358,16 @@ class DecoderModel:
 
     def _decode_one_row(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         kv_cache: KVCache) -> None:
-        """Batch-1 decode through layer_ops.DecodeLayer: every layer in one C call (QKV, RoPE,
-        the KV write, attention, the rest of the layer); where the family has a q/k norm, per
-        layer QKV and the norm per op, attention, then one C call for the rest. x ends as the
-        last layer's residual stream."""
+        """Batch-1 decode through layer_ops.DecodeLayer: every layer in one C call (QKV, the q/k
+        norm where the family has one, RoPE, the KV write, attention, the rest of the layer).
+        x ends as the last layer's residual stream."""
         cfg, fused = self.config, self.decode_layer
         half, position = cfg.head_dim // 2 * self.cos.element_size(), int(positions[0])
         cos, sin = self.cos.data_ptr() + position * half, self.sin.data_ptr() + position * half
         k_dst, v_dst, layer_bytes = kv_cache.slot_addresses(int(meta.slot_blocks[0]), int(meta.slot_offsets[0]))
-        if not cfg.qk_norm:  # every layer in one C call
-            fused.run_layers(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x, cos, sin, k_dst,
-                             v_dst, layer_bytes, meta.kernels, kv_cache, meta.block_tables, meta.context_lens,
-                             cfg.attn_scale)
-            return
-        slot_rows = kv_cache.slot_rows(meta)
-        for i, w in enumerate(self.layers):
-            qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)  # the q/k norm per op
-            q = qkv[:, :cfg.q_size].view(1, cfg.num_heads, cfg.head_dim)
-            attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens,
-                                    window=cfg.window(i), scale=cfg.attn_scale)
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            fused.tail(attn, x, w.rows, w.post_norm, next_norm, h)
+        fused.run_layers(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x, cos, sin, k_dst,
+                         v_dst, layer_bytes, meta.kernels, kv_cache, meta.block_tables, meta.context_lens,
+                         cfg.attn_scale)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
                           next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:

@@ -26,7 +26,8 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class _LayerWeights(ctypes.Structure):  # csrc/layer_ops.c decode_layer_weights
-    _fields_ = [(n, _PTR) for n in ("qkv", "bias", "o", "post_norm", "gate_up", "down", "next_norm")] + [("window", _I64)]
+    _fields_ = ([(n, _PTR) for n in ("qkv", "bias", "o", "post_norm", "gate_up", "down", "next_norm")]
+                + [("window", _I64), ("q_norm", _PTR), ("k_norm", _PTR)])
 
 
 class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_args
@@ -64,7 +65,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             fn = getattr(lib, f"atomd_gemv_{suffix}")
             fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int], None
             head, tail = getattr(lib, f"atomd_decode_layer_head_{suffix}"), getattr(lib, f"atomd_decode_layer_tail_{suffix}")
-            head.argtypes, head.restype = [_PTR] * 8 + [_I64] * 4 + [ctypes.c_int], None
+            head.argtypes, head.restype = [_PTR] * 10 + [_I64] * 4 + [ctypes.c_float, ctypes.c_int], None
             tail.argtypes, tail.restype = [_PTR] * 9 + [_I64] * 3 + [ctypes.c_float, ctypes.c_int], None
             every = getattr(lib, f"atomd_decode_layers_{suffix}")
             every.argtypes, every.restype = _LAYERS_ARGTYPES, ctypes.c_int
@@ -240,11 +241,13 @@ class DecodeLayer:
         self.scratch = torch.empty(2 * hidden + 3 * inter, dtype=dtype)
 
     def head(self, h: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None, cos: int, sin: int,
-             k_dst: int, v_dst: int) -> torch.Tensor:
-        """qkv of the one row h [1, hidden], RoPE'd (cos, sin: the position's table rows),
-        its key and value rows stored at k_dst, v_dst (addresses); returns qkv [1, width]."""
-        self.head_fn(h.data_ptr(), w_qkv.data_ptr(), None if bias is None else bias.data_ptr(), self.qkv.data_ptr(),
-                     cos, sin, k_dst, v_dst, *self.dims, torch.get_num_threads())
+             k_dst: int, v_dst: int, q_norm: torch.Tensor | None = None,
+             k_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv of the one row h [1, hidden], its query and key heads RMSNormed by q_norm / k_norm
+        where given (Qwen3), RoPE'd (cos, sin: the position's table rows), its key and value
+        rows stored at k_dst, v_dst (addresses); returns qkv [1, width]."""
+        self.head_fn(h.data_ptr(), w_qkv.data_ptr(), _ptr(bias), _ptr(q_norm), _ptr(k_norm), self.qkv.data_ptr(),
+                     cos, sin, k_dst, v_dst, *self.dims, self.eps, torch.get_num_threads())
         return self.qkv
 
     def tail(self, attn: torch.Tensor, x: torch.Tensor, rows: tuple[torch.Tensor, ...], post_norm: torch.Tensor,
@@ -276,7 +279,7 @@ class DecodeLayer:
                 _LayerWeights(w.rows[0].data_ptr(), _ptr(w.qkv_bias), w.rows[1].data_ptr(), w.post_norm.data_ptr(),
                               w.rows[2].data_ptr(), w.rows[3].data_ptr(),
                               layers[i + 1].input_norm.data_ptr() if i + 1 < len(layers) else None,
-                              0 if windows[i] is None else windows[i])
+                              0 if windows[i] is None else windows[i], _ptr(w.q_norm), _ptr(w.k_norm))
                 for i, w in enumerate(layers)))
         row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
         a = self.args

@@ -355,7 +355,8 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
  * intermediate is rounded where the unfused ops round it (the GEMV's output, the bias add,
  * RoPE's products, the residual sums, the norm), so the two paths give the same bits.
  *
- * head: qkv = h @ w_qkv^T (+ bias), RoPE on its query and key heads at cos / sin (the
+ * head: qkv = h @ w_qkv^T (+ bias), each query / key head RMSNormed where q_norm / k_norm are
+ * given (Qwen3), RoPE on its query and key heads at cos / sin (the
  * position's rows), then the token's key and value rows copied to k_dst / v_dst (its slot
  * in the paged cache). qkv: [q_size + 2 * kv_size] out.
  * tail: x += attn @ w_o^T (attn: q_size = query heads x head_dim); h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
@@ -376,6 +377,7 @@ typedef int (*decode_attention_fn)(const void *q, const void *kv, const int64_t 
 typedef struct {
     const void *qkv, *bias, *o, *post_norm, *gate_up, *down, *next_norm;
     int64_t window;
+    const void *q_norm, *k_norm;  /* [head_dim] each, or NULL: no q/k norm (Qwen3 has one) */
 } decode_layer_weights;
 typedef struct {
     decode_attention_fn fn;
@@ -386,17 +388,23 @@ typedef struct {
 } decode_attention_args;
 
 #define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                                 \
-    void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, elem_t *qkv,  \
-                                          const elem_t *cos, const elem_t *sin, elem_t *k_dst, elem_t *v_dst,     \
-                                          int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,    \
-                                          int num_threads) {                                                      \
+    void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, const elem_t *q_norm,  \
+                                          const elem_t *k_norm, elem_t *qkv, const elem_t *cos, const elem_t *sin, \
+                                          elem_t *k_dst, elem_t *v_dst, int64_t hidden, int64_t q_heads,          \
+                                          int64_t kv_heads, int64_t head_dim, float eps, int num_threads) {       \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
             GEMV_ROWS(h, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                        \
             _Pragma("omp single")                                                                                  \
-            rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,         \
-                           (char *)k_dst, (char *)v_dst, IS_BF16);                                                 \
+            {                                                                                                      \
+                if (q_norm != NULL) /* Qwen3: RMSNorm of each query and key head, in place, before RoPE */        \
+                    for (int64_t j = 0; j < q_heads + kv_heads; j++)                                              \
+                        NORM_ROW(qkv + j * head_dim, NULL, j < q_heads ? q_norm : k_norm, qkv + j * head_dim,     \
+                                 head_dim, eps);                                                                  \
+                rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,     \
+                               (char *)k_dst, (char *)v_dst, IS_BF16);                                             \
+            }                                                                                                      \
         }                                                                                                          \
     }                                                                                                              \
     void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, w_t w_o, const elem_t *post_w, \
@@ -432,9 +440,10 @@ typedef struct {
                                      int num_threads) {                                                             \
         for (int64_t i = 0; i < num_layers; i++) {                                                                 \
             const decode_layer_weights *w = layers + i;                                                            \
-            atomd_decode_layer_head_##SUFFIX(h, (w_t)w->qkv, (const elem_t *)w->bias, qkv, cos, sin,               \
+            atomd_decode_layer_head_##SUFFIX(h, (w_t)w->qkv, (const elem_t *)w->bias, (const elem_t *)w->q_norm,  \
+                                             (const elem_t *)w->k_norm, qkv, cos, sin,                             \
                                              (elem_t *)(k_dst + i * layer_bytes), (elem_t *)(v_dst + i * layer_bytes), \
-                                             hidden, q_heads, kv_heads, head_dim, num_threads);                    \
+                                             hidden, q_heads, kv_heads, head_dim, eps, num_threads);               \
             const int status = att->fn(qkv, att->kv, att->block_tables, att->context_lens, NULL, attn, 1, q_heads, \
                                        kv_heads, att->block_size, att->table_width, att->block_stride,              \
                                        i * att->layer_stride, att->v_offset, att->scale, w->window, num_threads);   \
