@@ -22,6 +22,7 @@ from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
 from atomd.model import layer_ops, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
+from atomd.model.huge_pages import on_huge_pages, release_freed_memory
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
 from atomd.model.lora import LayerLora, LoraStep
@@ -211,7 +212,8 @@ class DecoderModel:
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
         rows = keep_rows(self)
-        if rows:  # the weights as loaded, no copy (a tied head's rows: the embedding table)
+        if rows:  # the weights as loaded, on huge pages (a tied head's rows: the embedding table)
+            self._rows_on_huge_pages()
             self.lm_head_rows = None if isinstance(self.lm_head, QuantizedWeight) else self.lm_head.contiguous()
             for w in self.layers:
                 w.rows = tuple(t if t is None or isinstance(t, QuantizedWeight) else t.contiguous()
@@ -233,6 +235,22 @@ class DecoderModel:
             left -= size
             w.qkv, w.o, w.gate_up, w.down = (t if t is None or isinstance(t, QuantizedWeight) else pack_linear_weight(t)
                                              for t in (w.qkv, w.o, w.gate_up, w.down))
+
+    def _rows_on_huge_pages(self) -> None:
+        """Move what batch-1 decode streams (every plain layer linear, the LM head) onto 2 MiB
+        pages (atomd/model/huge_pages.py: ~1.2x the GEMV's read rate), one tensor at a time,
+        every reference rebound (a tied head is the embedding table), then hand the freed
+        pages back to the system."""
+        def move(t):
+            return t if t is None or isinstance(t, QuantizedWeight) else on_huge_pages(t.contiguous())
+        if not isinstance(self.lm_head, QuantizedWeight):
+            tied = self.lm_head is self.embed
+            self.lm_head = move(self.lm_head)
+            if tied:
+                self.embed = self.lm_head
+        for w in self.layers:
+            w.qkv, w.o, w.gate_up, w.down = (move(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+        release_freed_memory()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -409,5 +427,5 @@ def step_last_positions(positions: torch.Tensor, meta: AttentionMetadata) -> tor
 def keep_rows(model: DecoderModel) -> bool:
     """Keep plain rows of the linear weights for batch-1 decode (layer_ops.gemv): where the
     kernel runs the model's dtype, unless $ATOMD_GEMV=0. The rows are the weights as loaded,
-    no copy; DecoderModel._pack_weights bounds the packed copies beside them."""
+    moved onto huge pages (held once); DecoderModel._pack_weights bounds the packed copies beside them."""
     return os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(model.dtype)
