@@ -237,17 +237,20 @@ class DecoderModel:
                                              for t in (w.qkv, w.o, w.gate_up, w.down))
 
     def _rows_on_huge_pages(self) -> None:
-        """Move what batch-1 decode streams (every plain layer linear, the LM head) onto 2 MiB
+        """Move what batch-1 decode streams (every layer linear, the LM head, plain or quantized) onto 2 MiB
         pages (atomd/model/huge_pages.py: ~1.2x the GEMV's read rate), one tensor at a time,
         every reference rebound (a tied head is the embedding table), then hand the freed
         pages back to the system."""
         def move(t):
-            return t if t is None or isinstance(t, QuantizedWeight) else on_huge_pages(t.contiguous())
-        if not isinstance(self.lm_head, QuantizedWeight):
-            tied = self.lm_head is self.embed
-            self.lm_head = move(self.lm_head)
-            if tied:
-                self.embed = self.lm_head
+            if isinstance(t, QuantizedWeight):  # its packed values and scales; its C struct made again
+                t.q, t.scales, t.offsets = (u if u is None else on_huge_pages(u) for u in (t.q, t.scales, t.offsets))
+                t._ref = None
+                return t
+            return t if t is None else on_huge_pages(t.contiguous())
+        tied = self.lm_head is self.embed
+        self.lm_head = move(self.lm_head)
+        if tied:
+            self.embed = self.lm_head
         for w in self.layers:
             w.qkv, w.o, w.gate_up, w.down = (move(t) for t in (w.qkv, w.o, w.gate_up, w.down))
         release_freed_memory()
