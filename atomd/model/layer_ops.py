@@ -238,7 +238,15 @@ class DecodeLayer:
         self.dims = (hidden, q_heads, kv_heads, head_dim)
         self.hidden, self.q_size, self.inter, self.eps = hidden, q_heads * head_dim, inter, eps
         self.qkv = torch.empty(1, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
-        self.scratch = torch.empty(2 * hidden + 3 * inter, dtype=dtype)
+        self.scratch = torch.empty(0, dtype=dtype)
+
+    def scratch_for(self, threads: int) -> int:
+        """The address of the C layer's scratch for `threads` threads (csrc/layer_ops.c: shared
+        rows, then each thread's copies of the residual, the normed row and the SiLU output)."""
+        size = self.hidden + 2 * self.inter + threads * (2 * self.hidden + self.inter)
+        if self.scratch.numel() < size:
+            self.scratch = torch.empty(size, dtype=self.scratch.dtype)
+        return self.scratch.data_ptr()
 
     def head(self, h: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None, cos: int, sin: int,
              k_dst: int, v_dst: int, q_norm: torch.Tensor | None = None,
@@ -254,9 +262,10 @@ class DecodeLayer:
              next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
         """The layer after attention: x (the residual, [1, hidden]) updated in place, next_h
         the next layer's normed input (next_norm None: the last layer, x only)."""
+        threads = torch.get_num_threads()
         self.tail_fn(attn.data_ptr(), x.data_ptr(), rows[1].data_ptr(), post_norm.data_ptr(), rows[2].data_ptr(),
                      rows[3].data_ptr(), None if next_norm is None else next_norm.data_ptr(), next_h.data_ptr(),
-                     self.scratch.data_ptr(), self.hidden, self.q_size, self.inter, self.eps, torch.get_num_threads())
+                     self.scratch_for(threads), self.hidden, self.q_size, self.inter, self.eps, threads)
 
     def run_layers(self, layers: list, windows: list[int | None], h: torch.Tensor, x: torch.Tensor, cos: int,
                    sin: int, k_dst: int, v_dst: int, layer_bytes: int, attention: ctypes.CDLL, kv_cache,
@@ -289,10 +298,11 @@ class DecodeLayer:
         a.block_size, a.table_width = c.block_size, block_tables.shape[1]
         a.block_stride, a.layer_stride = c.num_layers * planes * c.block_size * row, planes * c.block_size * row
         a.v_offset, a.scale = c.block_size * row if planes == 2 else 0, scale
+        threads = torch.get_num_threads()
         status = self.layers_fn(self.weights, len(layers), ctypes.byref(a), h.data_ptr(), x.data_ptr(),
                                 self.qkv.data_ptr(), self.attn.data_ptr(), cos, sin, k_dst, v_dst, layer_bytes,
-                                self.scratch.data_ptr(), hidden, q_heads, kv_heads, head_dim, self.inter, self.eps,
-                                torch.get_num_threads())
+                                self.scratch_for(threads), hidden, q_heads, kv_heads, head_dim, self.inter, self.eps,
+                                threads)
         if status != 0:
             raise MemoryError("decode attention: the attention kernel could not allocate its scratch memory")
 

@@ -361,7 +361,8 @@ GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_
  * in the paged cache). qkv: [q_size + 2 * kv_size] out.
  * tail: x += attn @ w_o^T (attn: q_size = query heads x head_dim); h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
  * x += a @ w_down^T; next_h = RMSNorm(x) * next_w (next_w NULL, the last layer: the add
- * alone). scratch: hidden + hidden + 3 * inter elements. */
+ * alone). scratch: hidden + 2 * inter + num_threads * (2 * hidden + inter) elements
+ * (DECODE_SCRATCH). */
 /* The whole model's layers at batch 1 in one call (atomd_decode_layers_*): per layer the head,
  * the decode attention kernel (atomd/kernels/csrc/attention.c, built per shape in its own
  * library: called through the pointer the caller passes) and the tail. Why: the per-layer
@@ -387,48 +388,66 @@ typedef struct {
     float scale;
 } decode_attention_args;
 
-#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                                 \
+/* Inside a parallel region: the layer's QKV from hh (+ bias) into qkv, then on one thread its
+ * q/k norm, RoPE and the key / value rows' store (HEAD_STEPS); the layer after attention
+ * (TAIL_STEPS). Each thread keeps its own copies of the residual x (xp), the normed row (hp) and
+ * the SiLU output (ap), computed alike on every thread (the same bits), so the norms and the SiLU
+ * need no barrier: the only ones are each GEMV's (its rows are shared), three a tail. d
+ * [hidden], gu [2 * inter] are shared. */
+#define HEAD_STEPS(hh, w_qkv, bias, q_norm, k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16)                  \
+    do {                                                                                                       \
+        GEMV_ROWS(hh, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                                         \
+        _Pragma("omp single")                                                                                  \
+        {                                                                                                      \
+            if ((q_norm) != NULL) /* Qwen3: RMSNorm of each query and key head, in place, before RoPE */       \
+                for (int64_t j = 0; j < q_heads + kv_heads; j++)                                               \
+                    NORM_ROW(qkv + j * head_dim, NULL, j < q_heads ? (q_norm) : (k_norm), qkv + j * head_dim,  \
+                             head_dim, eps);                                                                   \
+            rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,     \
+                           (char *)(k_dst), (char *)(v_dst), IS_BF16);                                         \
+        }                                                                                                      \
+    } while (0)
+#define TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16)                \
+    do {                                                                                                       \
+        GEMV_ROWS(attn, w_o, NULL, d, q_size, hidden);                                                         \
+        NORM_ROW(xp, d, post_w, hp, hidden, eps);                                                              \
+        GEMV_ROWS(hp, w_gate_up, NULL, gu, hidden, 2 * inter);                                                 \
+        SILU_ROW(gu, ap, inter);                                                                               \
+        GEMV_ROWS(ap, w_down, NULL, d, inter, hidden);                                                         \
+        if ((next_w) != NULL) {                                                                                \
+            NORM_ROW(xp, d, next_w, hp, hidden, eps);                                                          \
+        } else {                                                                                               \
+            for (int64_t i_ = 0; i_ < hidden; i_++)                                                            \
+                store(xp, i_, load(xp, i_, IS_BF16) + load(d, i_, IS_BF16), IS_BF16);                          \
+        }                                                                                                      \
+    } while (0)
+/* a thread's copies (TAIL_STEPS) in scratch after the shared d and gu; x copied in */
+#define THREAD_COPIES(elem_t)                                                                                  \
+    elem_t *xp = scratch + hidden + 2 * inter + omp_get_thread_num() * (2 * hidden + inter), *hp = xp + hidden, \
+           *ap = hp + hidden;                                                                                  \
+    memcpy(xp, x, hidden * sizeof(elem_t))
+
+#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                  \
     void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, const elem_t *q_norm,  \
                                           const elem_t *k_norm, elem_t *qkv, const elem_t *cos, const elem_t *sin, \
                                           elem_t *k_dst, elem_t *v_dst, int64_t hidden, int64_t q_heads,          \
                                           int64_t kv_heads, int64_t head_dim, float eps, int num_threads) {       \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
-        {                                                                                                          \
-            GEMV_ROWS(h, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                        \
-            _Pragma("omp single")                                                                                  \
-            {                                                                                                      \
-                if (q_norm != NULL) /* Qwen3: RMSNorm of each query and key head, in place, before RoPE */        \
-                    for (int64_t j = 0; j < q_heads + kv_heads; j++)                                              \
-                        NORM_ROW(qkv + j * head_dim, NULL, j < q_heads ? q_norm : k_norm, qkv + j * head_dim,     \
-                                 head_dim, eps);                                                                  \
-                rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,     \
-                               (char *)k_dst, (char *)v_dst, IS_BF16);                                             \
-            }                                                                                                      \
-        }                                                                                                          \
+        HEAD_STEPS(h, w_qkv, bias, q_norm, k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16);                   \
     }                                                                                                              \
-    void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, w_t w_o, const elem_t *post_w, \
-                                          w_t w_gate_up, w_t w_down, const elem_t *next_w,    \
+    void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, w_t w_o, const elem_t *post_w,            \
+                                          w_t w_gate_up, w_t w_down, const elem_t *next_w,                         \
                                           elem_t *next_h, elem_t *scratch, int64_t hidden, int64_t q_size,        \
                                           int64_t inter, float eps, int num_threads) {                            \
-        elem_t *d = scratch, *h = d + hidden, *gu = h + hidden, *a = gu + 2 * inter;                               \
+        elem_t *d = scratch, *gu = d + hidden;                                                                     \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
-            GEMV_ROWS(attn, w_o, NULL, d, q_size, hidden);                                        \
-            _Pragma("omp single")                                                                                  \
-            NORM_ROW(x, d, post_w, h, hidden, eps);                                                                \
-            GEMV_ROWS(h, w_gate_up, NULL, gu, hidden, 2 * inter);                                 \
-            _Pragma("omp single")                                                                                  \
-            SILU_ROW(gu, a, inter);                                                                                \
-            GEMV_ROWS(a, w_down, NULL, d, inter, hidden);                                         \
-            _Pragma("omp single")                                                                                  \
-            {                                                                                                      \
-                if (next_w != NULL) {                                                                              \
-                    NORM_ROW(x, d, next_w, next_h, hidden, eps);                                                   \
-                } else {                                                                                           \
-                    for (int64_t i = 0; i < hidden; i++)                                                           \
-                        store(x, i, load(x, i, IS_BF16) + load(d, i, IS_BF16), IS_BF16);                           \
-                }                                                                                                  \
+            THREAD_COPIES(elem_t);                                                                                 \
+            TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16);            \
+            if (omp_get_thread_num() == 0) {                                                                       \
+                memcpy(x, xp, hidden * sizeof(elem_t));                                                            \
+                if (next_w != NULL) memcpy(next_h, hp, hidden * sizeof(elem_t));                                   \
             }                                                                                                      \
         }                                                                                                          \
     }                                                                                                              \
@@ -438,19 +457,30 @@ typedef struct {
                                      int64_t layer_bytes, elem_t *scratch, int64_t hidden, int64_t q_heads,         \
                                      int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,                 \
                                      int num_threads) {                                                             \
+        const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
+        elem_t *d = scratch, *gu = d + hidden;                                                                     \
+        atomd_decode_layer_head_##SUFFIX(h, (w_t)layers->qkv, (const elem_t *)layers->bias,                        \
+                                         (const elem_t *)layers->q_norm, (const elem_t *)layers->k_norm, qkv, cos,  \
+                                         sin, (elem_t *)k_dst, (elem_t *)v_dst, hidden, q_heads, kv_heads,         \
+                                         head_dim, eps, num_threads);                                              \
         for (int64_t i = 0; i < num_layers; i++) {                                                                 \
-            const decode_layer_weights *w = layers + i;                                                            \
-            atomd_decode_layer_head_##SUFFIX(h, (w_t)w->qkv, (const elem_t *)w->bias, (const elem_t *)w->q_norm,  \
-                                             (const elem_t *)w->k_norm, qkv, cos, sin,                             \
-                                             (elem_t *)(k_dst + i * layer_bytes), (elem_t *)(v_dst + i * layer_bytes), \
-                                             hidden, q_heads, kv_heads, head_dim, eps, num_threads);               \
+            const decode_layer_weights *w = layers + i, *nw = i + 1 < num_layers ? w + 1 : NULL;                   \
             const int status = att->fn(qkv, att->kv, att->block_tables, att->context_lens, NULL, attn, 1, q_heads, \
                                        kv_heads, att->block_size, att->table_width, att->block_stride,              \
                                        i * att->layer_stride, att->v_offset, att->scale, w->window, num_threads);   \
             if (status != 0) return status;                                                                        \
-            atomd_decode_layer_tail_##SUFFIX(attn, x, (w_t)w->o, (const elem_t *)w->post_norm, (w_t)w->gate_up,    \
-                                             (w_t)w->down, (const elem_t *)w->next_norm, h, scratch, hidden,       \
-                                             q_heads * head_dim, inter, eps, num_threads);                         \
+            /* this layer's tail and the next one's head in one region: one fork a layer besides attention's */    \
+            _Pragma("omp parallel num_threads(num_threads)")                                                       \
+            {                                                                                                      \
+                THREAD_COPIES(elem_t);                                                                             \
+                TAIL_STEPS((w_t)w->o, (const elem_t *)w->post_norm, (w_t)w->gate_up, (w_t)w->down,                  \
+                           (const elem_t *)w->next_norm, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16);                  \
+                if (nw != NULL)                                                                                    \
+                    HEAD_STEPS(hp, (w_t)nw->qkv, (const elem_t *)nw->bias, (const elem_t *)nw->q_norm,              \
+                               (const elem_t *)nw->k_norm, k_dst + (i + 1) * layer_bytes,                          \
+                               v_dst + (i + 1) * layer_bytes, NORM_ROW, GEMV_ROWS, IS_BF16);                       \
+                if (omp_get_thread_num() == 0) memcpy(x, xp, hidden * sizeof(elem_t));                             \
+            }                                                                                                      \
         }                                                                                                          \
         return 0;                                                                                                  \
     }
