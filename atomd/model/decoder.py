@@ -150,6 +150,7 @@ class DecoderModel:
     def __post_init__(self) -> None:
         self.cos, self.sin = rope_tables(self.config, self.max_positions, self.embed.dtype)
         self._pack_weights()
+        release_freed_memory()  # load's float32 reads and the moved weights (engine/allocator.py keeps freed pages)
         layer_ops.kernels()  # compiled (once per machine) at load, not inside the first request
         cfg, first = self.config, self.layers[0]
         if first.rows is None:
@@ -239,8 +240,7 @@ class DecoderModel:
     def _rows_on_huge_pages(self) -> None:
         """Move what batch-1 decode streams (every layer linear, the LM head, plain or quantized) onto 2 MiB
         pages (atomd/model/huge_pages.py: ~1.2x the GEMV's read rate), one tensor at a time,
-        every reference rebound (a tied head is the embedding table), then hand the freed
-        pages back to the system."""
+        every reference rebound (a tied head is the embedding table)."""
         def move(t):
             if isinstance(t, QuantizedWeight):  # its packed values and scales; its C struct made again
                 t.q, t.scales, t.offsets = (u if u is None else on_huge_pages(u) for u in (t.q, t.scales, t.offsets))
@@ -253,7 +253,6 @@ class DecoderModel:
             self.embed = self.lm_head
         for w in self.layers:
             w.qkv, w.o, w.gate_up, w.down = (move(t) for t in (w.qkv, w.o, w.gate_up, w.down))
-        release_freed_memory()
 
     @property
     def dtype(self) -> torch.dtype:
@@ -277,7 +276,7 @@ class DecoderModel:
         if lora is not None and not lora.groups:
             lora = None
         if (self.decode_layer is not None and lora is None and x.shape[0] == 1 and meta.kernels is not None
-                and not meta.is_prefill and not kv_cache.fp8):  # the fused C layer writes the model's dtype
+                and not meta.is_prefill and (not kv_cache.fp8 or layer_ops.fused_kv_fp8(self.dtype, kv_cache))):
             self._decode_one_row(x, h, positions, meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
                           self.lm_head_rows)

@@ -41,9 +41,10 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
 
 
 def release_freed_memory() -> None:
-    """Give the pages of freed allocations back to the system (glibc's malloc_trim): load's
-    float32 reads and the weights moved onto huge pages leave freed chunks inside the heap that
-    glibc keeps otherwise."""
+    """Give the pages of freed allocations back to the system (glibc's malloc_trim), once after
+    load: its float32 reads and the weights moved onto huge pages leave freed chunks in the heap,
+    which the engine's allocator policy (atomd/engine/allocator.py: blocks up to 32 MiB from the
+    heap, never trimmed) keeps mapped otherwise."""
     try:
         ctypes.CDLL(None).malloc_trim(0)
     except (OSError, AttributeError):  # not glibc

@@ -238,13 +238,42 @@ void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t hea
  * value heads copied to its slot in the paged KV cache: the K row at cache + (slot_rows[r] +
  * layer_rows) * kv_heads * head_dim, the V row v_rows rows further (atomd/kv_cache.py's
  * layout). One pass over the rows where RoPE and the cache write were two calls. */
+/* float -> fp8 (E4M3FN: bias 7, 3 mantissa bits, no infinity; E5M2: bias 15, 2 bits) as
+ * atomd/engine/kv_cache.py's to_fp8 at scale 1: saturated at the format's largest finite value,
+ * rounded to nearest even, NaN kept (torch's cast). */
+static inline uint8_t float_to_fp8(float f, const int e5m2) {
+    union { float f; uint32_t u; } c = {f};
+    const uint8_t sign = (uint8_t)((c.u >> 24) & 0x80);
+    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const float limit = e5m2 ? 57344.0f : 448.0f, min_normal = e5m2 ? 0x1p-14f : 0x1p-6f;
+    if (f != f) return (uint8_t)(sign | (e5m2 ? 0x7f : 0x7f));
+    float a = fabsf(f);
+    if (a > limit) a = limit;
+    if (a < min_normal)  /* subnormal (or 0): a multiple of the smallest step, rounded to nearest even */
+        return (uint8_t)(sign | (uint8_t)nearbyintf(a * (e5m2 ? 0x1p16f : 0x1p9f)));
+    c.f = a;
+    const int shift = 23 - mbits;
+    uint32_t u = (c.u + ((1u << (shift - 1)) - 1u) + ((c.u >> shift) & 1u)) >> shift;
+    return (uint8_t)(sign | (uint8_t)(u - ((uint32_t)(127 - bias) << mbits)));
+}
+
 /* One row: RoPE on its q_heads + kv_heads heads, then its key and value heads copied to k / v
- * (the token's rows in the paged cache). Shared by atomd_rope_store_* and the batch-1 layer. */
+ * (the token's rows in the paged cache; kv_fp8 1 / 2: a float32 row stored as fp8 e4m3 / e5m2 at
+ * scale 1, as KVCache.write does). Shared by atomd_rope_store_* and the batch-1 layer. */
 static inline __attribute__((always_inline)) void rope_store_row(
         char *row, int64_t q_heads, int64_t kv_heads, int64_t head_dim, const char *c, const char *s, char *k,
-        char *v, const int is_bf16) {
-    const int64_t kv_bytes = kv_heads * head_dim * ELEM(is_bf16), q_bytes = q_heads * head_dim * ELEM(is_bf16);
+        char *v, const int is_bf16, const int kv_fp8) {
+    const int64_t kv_size = kv_heads * head_dim, kv_bytes = kv_size * ELEM(is_bf16);
+    const int64_t q_bytes = q_heads * head_dim * ELEM(is_bf16);
     rope_row(row, q_heads + kv_heads, head_dim, c, s, is_bf16);
+    if (kv_fp8 && !is_bf16) {
+        const float *kr = (const float *)(row + q_bytes), *vr = kr + kv_size;
+        for (int64_t i = 0; i < kv_size; i++) {
+            ((uint8_t *)k)[i] = float_to_fp8(kr[i], kv_fp8 == 2);
+            ((uint8_t *)v)[i] = float_to_fp8(vr[i], kv_fp8 == 2);
+        }
+        return;
+    }
     memcpy(k, row + q_bytes, kv_bytes);
     memcpy(v, row + q_bytes + kv_bytes, kv_bytes);
 }
@@ -257,7 +286,7 @@ static inline __attribute__((always_inline)) void rope_store_row(
         rope_store_row((char *)(qkv + r * row_stride), q_heads, kv_heads, head_dim,                            \
                        (const char *)(cos + positions[r] * (head_dim / 2)),                                    \
                        (const char *)(sin + positions[r] * (head_dim / 2)), k,                                 \
-                       k + v_rows * kv_size * ELEM(is_bf16), is_bf16);                                         \
+                       k + v_rows * kv_size * ELEM(is_bf16), is_bf16, 0);                                      \
     }
 
 void atomd_rope_store_f32(float *qkv, int64_t row_stride, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
@@ -386,6 +415,7 @@ typedef struct {
     const int64_t *block_tables, *context_lens;
     int64_t block_size, table_width, block_stride, layer_stride, v_offset;  /* elements; layer_stride: k_offset per layer */
     float scale;
+    int kv_fp8;  /* 0: the cache holds the model's dtype; 1 / 2: fp8 e4m3 / e5m2 at scale 1 (float32 models) */
 } decode_attention_args;
 
 /* Inside a parallel region: the layer's QKV from hh (+ bias) into qkv, then on one thread its
@@ -404,7 +434,7 @@ typedef struct {
                     NORM_ROW(qkv + j * head_dim, NULL, j < q_heads ? (q_norm) : (k_norm), qkv + j * head_dim,  \
                              head_dim, eps);                                                                   \
             rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,     \
-                           (char *)(k_dst), (char *)(v_dst), IS_BF16);                                         \
+                           (char *)(k_dst), (char *)(v_dst), IS_BF16, kv_fp8);                                 \
         }                                                                                                      \
     } while (0)
 #define TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16)                \
@@ -433,6 +463,7 @@ typedef struct {
                                           elem_t *k_dst, elem_t *v_dst, int64_t hidden, int64_t q_heads,          \
                                           int64_t kv_heads, int64_t head_dim, float eps, int num_threads) {       \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
+        const int kv_fp8 = 0;                                                                                      \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         HEAD_STEPS(h, w_qkv, bias, q_norm, k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16);                   \
     }                                                                                                              \
@@ -459,10 +490,10 @@ typedef struct {
                                      int num_threads) {                                                             \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
         elem_t *d = scratch, *gu = d + hidden;                                                                     \
-        atomd_decode_layer_head_##SUFFIX(h, (w_t)layers->qkv, (const elem_t *)layers->bias,                        \
-                                         (const elem_t *)layers->q_norm, (const elem_t *)layers->k_norm, qkv, cos,  \
-                                         sin, (elem_t *)k_dst, (elem_t *)v_dst, hidden, q_heads, kv_heads,         \
-                                         head_dim, eps, num_threads);                                              \
+        const int kv_fp8 = IS_BF16 ? 0 : att->kv_fp8;                                                              \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        HEAD_STEPS(h, (w_t)layers->qkv, (const elem_t *)layers->bias, (const elem_t *)layers->q_norm,              \
+                   (const elem_t *)layers->k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16);                    \
         for (int64_t i = 0; i < num_layers; i++) {                                                                 \
             const decode_layer_weights *w = layers + i, *nw = i + 1 < num_layers ? w + 1 : NULL;                   \
             const int status = att->fn(qkv, att->kv, att->block_tables, att->context_lens, NULL, attn, 1, q_heads, \
