@@ -1,13 +1,12 @@
 """Where a batch-1 decode step's time goes (issue #35): one sequence decoding on the
-SmolLM2-135M shape (random weights), its step split into
+SmolLM2-135M shape (or --model-shape; random weights), its step split into
 
-- `c_layers`: the fused C layer calls (layer_ops.DecodeLayer head + tail: every layer linear,
-  norms, RoPE, SiLU), with their weight bytes / time as `c_layers_GBps`;
-- `attention`: the C decode attention over the paged cache (inside `c_layers` where every layer
-  runs in one C call, DecodeLayer.run_layers: then 0 here, and `c_layers_GBps` is understated);
+- `c_layers`: the fused C call of every layer (layer_ops.DecodeLayer.run_layers: every layer
+  linear, norms, RoPE, SiLU and the decode attention over the paged cache), with their weight
+  bytes / time as `c_layers_GBps` (understated by the attention's share);
 - `lm_head`: the final norm's linear over the vocabulary;
 - `forward_python`: the rest of the model's forward (embedding, the first norm, the RoPE rows,
-  the per-layer Python loop between the C calls);
+  the arguments of the C call);
 - `runner`: ModelRunner.execute less the forward (the step's metadata, block tables);
 - `sampling`: Sampler.sample;
 - `engine_loop`: EngineLoop.step less the forward + sampling (scheduling, outputs, detokenizing);
@@ -81,16 +80,13 @@ def instrument(llm, clock: Clock) -> None:
     engine, model = llm.engine, llm.engine.model
     assert model.decode_layer is not None, "the fused batch-1 C layer is not in use: nothing to split"
     fused = model.decode_layer
-    fused.head, fused.tail = clock.wrap("c_layers", fused.head), clock.wrap("c_layers", fused.tail)
-    if hasattr(fused, "run_layers"):  # every layer in one C call: attention inside it
-        fused.run_layers = clock.wrap("c_layers", fused.run_layers)
+    fused.run_layers = clock.wrap("c_layers", fused.run_layers)
     engine.step = clock.wrap("step", engine.step)
     engine._forward = clock.wrap("forward_and_sampling", engine._forward)
     engine.runner.execute = clock.wrap("runner_execute", engine.runner.execute)
     model.forward = clock.wrap("model_forward", model.forward)
     engine.sampler.sample = clock.wrap("sampling", engine.sampler.sample)
     # the module's names: the batch-1 path calls them from DecoderModel (restored by uninstrument)
-    decoder.decode_attention = clock.wrap("attention", ORIGINAL["decode_attention"])
     decoder.linear = clock.wrap("lm_head", ORIGINAL["linear"])
 
 
@@ -100,7 +96,7 @@ def uninstrument(llm) -> None:
     for name, fn in ORIGINAL.items():
         setattr(decoder, name, fn)
     fused, engine = llm.engine.model.decode_layer, llm.engine
-    for obj, names in ((fused, ("head", "tail", "run_layers")), (engine, ("step", "_forward")), (engine.runner, ("execute",)),
+    for obj, names in ((fused, ("run_layers",)), (engine, ("step", "_forward")), (engine.runner, ("execute",)),
                        (llm.engine.model, ("forward",)), (engine.sampler, ("sample",))):
         for n in names:
             obj.__dict__.pop(n, None)
@@ -141,13 +137,13 @@ def profile_one(llm, batch: list[list[int]]) -> dict[str, float]:
 
     def per(part: str) -> float:
         return (full.cpu[part] - first.cpu[part]) / steps / 1e3
-    out = {part: per(part) for part in ("c_layers", "attention", "lm_head", "model_forward", "runner_execute",
+    out = {part: per(part) for part in ("c_layers", "lm_head", "model_forward", "runner_execute",
                                         "sampling", "forward_and_sampling", "step")}
     out["total_cpu"] = (full_cpu - first_cpu) / steps / 1e3
     out["total_wall"] = (full_wall - first_wall) / steps / 1e3
     return {
-        "c_layers": out["c_layers"], "attention": out["attention"], "lm_head": out["lm_head"],
-        "forward_python": out["model_forward"] - out["c_layers"] - out["attention"] - out["lm_head"],
+        "c_layers": out["c_layers"], "lm_head": out["lm_head"],
+        "forward_python": out["model_forward"] - out["c_layers"] - out["lm_head"],
         "runner": out["runner_execute"] - out["model_forward"], "sampling": out["sampling"],
         "engine_loop": out["step"] - out["runner_execute"] - out["sampling"],
         "outside_step": out["total_cpu"] - out["step"], "total_cpu": out["total_cpu"], "total_wall": out["total_wall"],
@@ -217,14 +213,15 @@ def main() -> int:
     p.add_argument("--llama-cpp", action="store_true")
     p.add_argument("--gguf-dir", type=pathlib.Path, default=None, help="keep (and reuse) the GGUFs here")
     p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--model-shape", default="smollm-135m", help="benchmarks/model_shapes.py's shape (random weights)")
     args = p.parse_args()
     import atomd.model.decoder as decoder
     from atomd import LLM
     from benchmarks.model_shapes import model_dir
 
-    ORIGINAL.update(decode_attention=decoder.decode_attention, linear=decoder.linear)
+    ORIGINAL.update(linear=decoder.linear)
     torch.set_num_threads(args.threads)
-    path = model_dir("smollm-135m")
+    path = model_dir(args.model_shape)
     names = args.engines.split(",")
     llms = {n: LLM(str(path), num_threads=args.threads, max_model_len=1024, enable_prefix_caching=False,
                    dtype=ENGINES[n][0], quantization=ENGINES[n][1], quantized_activations=ENGINES[n][2])
@@ -232,7 +229,7 @@ def main() -> int:
     vocab = llms[names[0]].engine.model.config.vocab_size
     batch = prompts(1, PROMPT, 1, vocab)
     binary, files = ggufs(path, names, args.threads, args.gguf_dir) if args.llama_cpp else (None, {})
-    result: dict = {"cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "load_before": loadavg(),
+    result: dict = {"shape": args.model_shape, "cpu": cpu_model(), "threads": args.threads, "rounds": args.rounds, "load_before": loadavg(),
                     "bytes": {n: linear_bytes(llm.engine.model) for n, llm in llms.items()},
                     "gguf_bytes": {k: f.stat().st_size for k, f in files.items()}}
     for llm in llms.values():

@@ -208,7 +208,8 @@ def test_prompt_logits_equal_hf_on_fp8_rounded_kv(fp8_llama, kv, backend, chunk)
 @pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_greedy_equals_hf_on_fp8_rounded_kv(fp8_llama, kv, backend):
-    """48 greedy ids of mixed-length prompts (batched decode, batch-1 decode per op) equal HF's on
+    """48 greedy ids of mixed-length prompts (batched decode, batch-1 decode: the fused C layer on the
+    native backend, per op on torch's) equal HF's on
     the same rounding; then again through prefix-cache hits, and with n-gram speculative decoding."""
     path, refs = fp8_llama
     ref = refs["fp8_e4m3" if kv == "fp8" else kv]

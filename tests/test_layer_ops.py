@@ -280,6 +280,36 @@ def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype,
     assert run() == fused
 
 
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+def test_batch1_decode_layer_over_an_fp8_cache_gives_the_per_op_paths_bits(kv, tmp_path):
+    """float32 over an fp8 KV cache: the fused layer stores each K / V row as fp8 (KVCache.write's
+    rounding and saturation at scale 1) and reads the cache through the fp8 decode kernel: the
+    per-op path's greedy ids and logprobs to the bit, every decode step in the one C call."""
+    from atomd import LLM, SamplingParams
+    from tests.test_model_hf import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=5)
+    llm = LLM(str(path), num_threads=2, dtype="float32", max_model_len=256, enable_prefix_caching=False,
+              kv_cache_dtype=kv)
+    model = llm.engine.model
+    if not layer_ops.has_gemv(torch.float32):
+        assert model.decode_layer is None
+        return
+    calls, run_layers = [], model.decode_layer.run_layers
+    model.decode_layer.run_layers = lambda *a, **k: calls.append(1) or run_layers(*a, **k)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run() -> list:
+        outs = [llm.generate([{"prompt_token_ids": list(range(7, 7 + n))}], params, use_tqdm=False)[0].outputs[0]
+                for n in (3, 40)]
+        return [(o.token_ids, o.logprobs) for o in outs]
+
+    fused = run()
+    assert len(calls) == 2 * 19  # every decode step after the prompt's
+    model.decode_layer = None  # the per-op path: KVCache.write's to_fp8, the fp8 kernel per layer
+    assert run() == fused
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("cast_weights", [True, False])  # Qwen3-MoE's bf16 products; Mixtral's float32 ones
 @pytest.mark.parametrize("threads", [1, 2, 4])  # k = 3: whole experts a thread (one with two), rows shared at 4

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 import transformers
 
 from atomd.llm import LLM
-from atomd.model import moe as moe_mod
+from atomd.model import huge_pages, moe as moe_mod
 from atomd.model.loader import load_model
 from atomd.model.moe import MoeWeights, moe
 from contracts.sampling import SamplingParams
@@ -85,15 +85,25 @@ def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, b
 
 
 @pytest.mark.parametrize("name,fused,said", [("qwen3_moe-step2", False, "has no MoE block"),
-                                             ("qwen3-tied", True, "RoPE per op")])
-def test_what_batch1_decode_cannot_fuse_is_said_once(name, fused, said, checkpoints, caplog):
+                                             ("qwen3-tied", True, None)])  # the q/k norm: in the fused head
+def test_what_batch1_decode_cannot_fuse_is_said_once(name, fused, said, checkpoints, caplog, monkeypatch):
+    """Also: with every weight big enough for huge pages (MIN_BYTES 0 here), batch-1 decode's
+    rows are moved onto 2 MiB-aligned memory and held once (a tied head is the embedding)."""
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
     with caplog.at_level(logging.INFO, logger="atomd.model.decoder"):
         model = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128).engine.model
     if model.layers[0].rows is None:  # no GEMV kernel here: no batch-1 path to fuse at all
         return
     lines = [r.getMessage() for r in caplog.records if "batch-1 decode" in r.getMessage()]
     assert (model.decode_layer is not None) == fused
-    assert len(lines) == 1 and model.config.architecture in lines[0] and said in lines[0], lines
+    if said is None:
+        assert lines == []
+    else:
+        assert len(lines) == 1 and model.config.architecture in lines[0] and said in lines[0], lines
+    assert all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for w in model.layers for t in w.rows if t is not None)
+    assert model.lm_head_rows.data_ptr() % huge_pages.HUGE_PAGE == 0
+    if model.config.tie_word_embeddings:
+        assert model.embed is model.lm_head_rows
 
 
 # ---------------------------------------------------------------- the MoE block
@@ -208,8 +218,10 @@ def test_bf16_prompt_logits_as_close_to_hf_bf16_as_hf_fp32_is(name, checkpoints)
                                                                             own.mean())
 
 
-def test_bf16_greedy_follows_hf_bf16_qwen3(checkpoints):
-    """tests/test_bf16.py's tie rule on Qwen3 dense (the MoE families: the next test)."""
+def test_bf16_greedy_follows_hf_bf16_qwen3(checkpoints, monkeypatch):
+    """tests/test_bf16.py's tie rule on Qwen3 dense (the MoE families: the next test); its
+    weights moved onto huge pages as a full-size model's are (MIN_BYTES 0: every one)."""
+    monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
     path = checkpoints["qwen3-untied"]
     llm = LLM(str(path), num_threads=1, max_model_len=256, dtype="bfloat16")
     # HF's own bf16 leaves its fp32 after ~20 tokens on this random model: compared from 8 on

@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 import atomd.config
 from atomd.config import EngineConfig
 from atomd.llm import LLM
-from atomd.model import layer_ops
+from atomd.model import huge_pages, layer_ops
 from atomd.model.quant import QuantizedWeight
 from launch.process import http
 from contracts.sampling import SamplingParams
@@ -72,7 +72,9 @@ def greedy(llm: LLM, prompts: list[list[int]], params: SamplingParams = GREEDY_4
 
 @pytest.fixture(scope="module", params=["int8", "int4", "bf16"])
 def quantized(request, llama_dir):
-    return request.param, LLM(str(llama_dir), num_threads=1, max_model_len=256, quantization=request.param)
+    with pytest.MonkeyPatch.context() as mp:  # every weight onto huge pages, as a full-size model's are
+        mp.setattr(huge_pages, "MIN_BYTES", 0)
+        return request.param, LLM(str(llama_dir), num_threads=1, max_model_len=256, quantization=request.param)
 
 
 @pytest.mark.unit
@@ -85,6 +87,9 @@ def test_linears_are_packed_not_float(quantized):
     assert (llm.engine.model.decode_layer is not None) == layer_ops.has_gemv(torch.float32)
     lm_head = llm.engine.model.lm_head
     assert isinstance(lm_head, QuantizedWeight) and lm_head.bits == (16 if method == "bf16" else 8)
+    if layer.rows is not None:  # batch-1 decode streams them: moved onto 2 MiB pages (huge_pages)
+        assert all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for w in (*layer.rows, lm_head)
+                   for t in (w.q, w.scales) if t is not None)
 
 
 @pytest.mark.unit

@@ -25,6 +25,7 @@ from atomd.engine.kv_cache import KVCache, check_kv_planes, kv_dtype_name, kv_st
 from atomd.engine.lora_registry import LoraRegistry
 from atomd.model.deepseek import DeepseekModel
 from atomd.model.deepseek_lora import load_deepseek_adapter
+from atomd.model import layer_ops
 from atomd.model.lora import load_adapter
 from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
@@ -98,9 +99,10 @@ class LLMEngine(EngineLoop):
                                 config.block_size, kv.heads, kv.head_dim, kv_dtype, kv.planes,
                                 kv=None if kv_all is None else kv_all[0],
                                 compute_dtype=self.model.dtype)
-        if self.kv_cache.fp8 and getattr(self.model, "decode_layer", None) is not None:
-            log.info("kv_cache_dtype %s: batch-1 decode runs per op (the fused C layer writes the KV cache "
-                     "in the model's dtype)", config.kv_cache_dtype)
+        if (self.kv_cache.fp8 and getattr(self.model, "decode_layer", None) is not None
+                and not layer_ops.fused_kv_fp8(self.model.dtype, self.kv_cache)):
+            log.info("kv_cache_dtype %s: batch-1 decode runs per op (the fused C layer takes an fp8 cache with "
+                     "float32 activations only)", config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         if self.tp_workers is not None:
             self.runner = TPRunner(self.runner, self.tp_workers)

@@ -22,13 +22,13 @@ from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
 from atomd.model import layer_ops, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
+from atomd.model.huge_pages import on_huge_pages, release_freed_memory
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, dense, linear, linear_f32, pack_linear_weight
 from atomd.model.lora import LayerLora, LoraStep
 from atomd.model.moe import MoeWeights, moe
 from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import long_rope_positions, rope_tables
-from atomd.kernels.native import decode_attention
 
 log = logging.getLogger(__name__)
 
@@ -150,6 +150,7 @@ class DecoderModel:
     def __post_init__(self) -> None:
         self.cos, self.sin = rope_tables(self.config, self.max_positions, self.embed.dtype)
         self._pack_weights()
+        release_freed_memory()  # load's float32 reads and the moved weights (engine/allocator.py keeps freed pages)
         layer_ops.kernels()  # compiled (once per machine) at load, not inside the first request
         cfg, first = self.config, self.layers[0]
         if first.rows is None:
@@ -169,9 +170,6 @@ class DecoderModel:
         self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
                                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                                   quantized=any(quantized))
-        if cfg.qk_norm:
-            log.info("%s: batch-1 decode runs QKV, the q/k norm and RoPE per op (the fused C layer's head has "
-                     "no q/k norm), the rest of each layer fused", cfg.architecture)
 
     def unfused_reason(self) -> str | None:
         """What this model has that the fused batch-1 C layer (layer_ops.DecodeLayer) does not, or None."""
@@ -215,7 +213,8 @@ class DecoderModel:
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
         rows = keep_rows(self)
-        if rows:  # the weights as loaded, no copy (a tied head's rows: the embedding table)
+        if rows:  # the weights as loaded, on huge pages (a tied head's rows: the embedding table)
+            self._rows_on_huge_pages()
             self.lm_head_rows = None if isinstance(self.lm_head, QuantizedWeight) else self.lm_head.contiguous()
             for w in self.layers:
                 w.rows = tuple(t if t is None or isinstance(t, QuantizedWeight) else t.contiguous()
@@ -237,6 +236,23 @@ class DecoderModel:
             left -= size
             w.qkv, w.o, w.gate_up, w.down = (t if t is None or isinstance(t, QuantizedWeight) else pack_linear_weight(t)
                                              for t in (w.qkv, w.o, w.gate_up, w.down))
+
+    def _rows_on_huge_pages(self) -> None:
+        """Move what batch-1 decode streams (every layer linear, the LM head, plain or quantized) onto 2 MiB
+        pages (atomd/model/huge_pages.py: ~1.2x the GEMV's read rate), one tensor at a time,
+        every reference rebound (a tied head is the embedding table)."""
+        def move(t):
+            if isinstance(t, QuantizedWeight):  # its packed values and scales; its C struct made again
+                t.q, t.scales, t.offsets = (u if u is None else on_huge_pages(u) for u in (t.q, t.scales, t.offsets))
+                t._ref = None
+                return t
+            return t if t is None else on_huge_pages(t.contiguous())
+        tied = self.lm_head is self.embed
+        self.lm_head = move(self.lm_head)
+        if tied:
+            self.embed = self.lm_head
+        for w in self.layers:
+            w.qkv, w.o, w.gate_up, w.down = (move(t) for t in (w.qkv, w.o, w.gate_up, w.down))
 
     @property
     def dtype(self) -> torch.dtype:
@@ -260,7 +276,7 @@ class DecoderModel:
         if lora is not None and not lora.groups:
             lora = None
         if (self.decode_layer is not None and lora is None and x.shape[0] == 1 and meta.kernels is not None
-                and not meta.is_prefill and not kv_cache.fp8):  # the fused C layer writes the model's dtype
+                and not meta.is_prefill and (not kv_cache.fp8 or layer_ops.fused_kv_fp8(self.dtype, kv_cache))):
             self._decode_one_row(x, h, positions, meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
                           self.lm_head_rows)
@@ -376,27 +392,16 @@ class DecoderModel:
 
     def _decode_one_row(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         kv_cache: KVCache) -> None:
-        """Batch-1 decode through layer_ops.DecodeLayer: every layer in one C call (QKV, RoPE,
-        the KV write, attention, the rest of the layer); where the family has a q/k norm, per
-        layer QKV and the norm per op, attention, then one C call for the rest. x ends as the
-        last layer's residual stream."""
+        """Batch-1 decode through layer_ops.DecodeLayer: every layer in one C call (QKV, the q/k
+        norm where the family has one, RoPE, the KV write, attention, the rest of the layer).
+        x ends as the last layer's residual stream."""
         cfg, fused = self.config, self.decode_layer
         half, position = cfg.head_dim // 2 * self.cos.element_size(), int(positions[0])
         cos, sin = self.cos.data_ptr() + position * half, self.sin.data_ptr() + position * half
         k_dst, v_dst, layer_bytes = kv_cache.slot_addresses(int(meta.slot_blocks[0]), int(meta.slot_offsets[0]))
-        if not cfg.qk_norm:  # every layer in one C call
-            fused.run_layers(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x, cos, sin, k_dst,
-                             v_dst, layer_bytes, meta.kernels, kv_cache, meta.block_tables, meta.context_lens,
-                             cfg.attn_scale)
-            return
-        slot_rows = kv_cache.slot_rows(meta)
-        for i, w in enumerate(self.layers):
-            qkv = self._qkv_stored(h, w, i, positions, slot_rows, meta, kv_cache)  # the q/k norm per op
-            q = qkv[:, :cfg.q_size].view(1, cfg.num_heads, cfg.head_dim)
-            attn = decode_attention(meta.kernels, q, kv_cache, i, meta.block_tables, meta.context_lens,
-                                    window=cfg.window(i), scale=cfg.attn_scale)
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            fused.tail(attn, x, w.rows, w.post_norm, next_norm, h)
+        fused.run_layers(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x, cos, sin, k_dst,
+                         v_dst, layer_bytes, meta.kernels, kv_cache, meta.block_tables, meta.context_lens,
+                         cfg.attn_scale)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
                           next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
@@ -437,5 +442,5 @@ def step_last_positions(positions: torch.Tensor, meta: AttentionMetadata) -> tor
 def keep_rows(model: DecoderModel) -> bool:
     """Keep plain rows of the linear weights for batch-1 decode (layer_ops.gemv): where the
     kernel runs the model's dtype, unless $ATOMD_GEMV=0. The rows are the weights as loaded,
-    no copy; DecoderModel._pack_weights bounds the packed copies beside them."""
+    moved onto huge pages (held once); DecoderModel._pack_weights bounds the packed copies beside them."""
     return os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(model.dtype)

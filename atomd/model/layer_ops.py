@@ -26,13 +26,14 @@ _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
 class _LayerWeights(ctypes.Structure):  # csrc/layer_ops.c decode_layer_weights
-    _fields_ = [(n, _PTR) for n in ("qkv", "bias", "o", "post_norm", "gate_up", "down", "next_norm")] + [("window", _I64)]
+    _fields_ = ([(n, _PTR) for n in ("qkv", "bias", "o", "post_norm", "gate_up", "down", "next_norm")]
+                + [("window", _I64), ("q_norm", _PTR), ("k_norm", _PTR)])
 
 
 class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_args
     _fields_ = [("fn", _PTR), ("kv", _PTR), ("block_tables", _PTR), ("context_lens", _PTR), ("block_size", _I64),
                 ("table_width", _I64), ("block_stride", _I64), ("layer_stride", _I64), ("v_offset", _I64),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("kv_fp8", ctypes.c_int)]
 
 
 _LAYERS_ARGTYPES = [_PTR, _I64, _PTR] + [_PTR] * 8 + [_I64] + [_PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -64,7 +65,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             fn = getattr(lib, f"atomd_gemv_{suffix}")
             fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int], None
             head, tail = getattr(lib, f"atomd_decode_layer_head_{suffix}"), getattr(lib, f"atomd_decode_layer_tail_{suffix}")
-            head.argtypes, head.restype = [_PTR] * 8 + [_I64] * 4 + [ctypes.c_int], None
+            head.argtypes, head.restype = [_PTR] * 10 + [_I64] * 4 + [ctypes.c_float, ctypes.c_int], None
             tail.argtypes, tail.restype = [_PTR] * 9 + [_I64] * 3 + [ctypes.c_float, ctypes.c_int], None
             every = getattr(lib, f"atomd_decode_layers_{suffix}")
             every.argtypes, every.restype = _LAYERS_ARGTYPES, ctypes.c_int
@@ -248,6 +249,12 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
         x.shape[1], inter, len(experts), max_rows, threads)
 
 
+def fused_kv_fp8(dtype: torch.dtype, kv_cache) -> bool:
+    """Whether the fused batch-1 layer (DecodeLayer) runs over this fp8 cache: float32 activations
+    (the fp8 decode kernel's q and out) and unit scales (it stores x as KVCache.write does at scale 1)."""
+    return dtype == torch.float32 and kv_cache.k_scale == kv_cache.v_scale == 1.0
+
+
 class DecodeLayer:
     """Batch-1 decode of a whole model's layers, two C calls a layer around attention
     (csrc/layer_ops.c, atomd_decode_layer_*): the same bits as the per-op path, without its
@@ -269,23 +276,34 @@ class DecodeLayer:
         self.dims = (hidden, q_heads, kv_heads, head_dim)
         self.hidden, self.q_size, self.inter, self.eps = hidden, q_heads * head_dim, inter, eps
         self.qkv = torch.empty(1, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
-        self.scratch = torch.empty(2 * hidden + 3 * inter, dtype=dtype)
+        self.scratch = torch.empty(0, dtype=dtype)
+
+    def scratch_for(self, threads: int) -> int:
+        """The address of the C layer's scratch for `threads` threads (csrc/layer_ops.c: shared
+        rows, then each thread's copies of the residual, the normed row and the SiLU output)."""
+        size = self.hidden + 2 * self.inter + threads * (2 * self.hidden + self.inter)
+        if self.scratch.numel() < size:
+            self.scratch = torch.empty(size, dtype=self.scratch.dtype)
+        return self.scratch.data_ptr()
 
     def head(self, h: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None, cos: int, sin: int,
-             k_dst: int, v_dst: int) -> torch.Tensor:
-        """qkv of the one row h [1, hidden], RoPE'd (cos, sin: the position's table rows),
-        its key and value rows stored at k_dst, v_dst (addresses); returns qkv [1, width]."""
-        self.head_fn(h.data_ptr(), w_qkv.data_ptr(), None if bias is None else bias.data_ptr(), self.qkv.data_ptr(),
-                     cos, sin, k_dst, v_dst, *self.dims, torch.get_num_threads())
+             k_dst: int, v_dst: int, q_norm: torch.Tensor | None = None,
+             k_norm: torch.Tensor | None = None) -> torch.Tensor:
+        """qkv of the one row h [1, hidden], its query and key heads RMSNormed by q_norm / k_norm
+        where given (Qwen3), RoPE'd (cos, sin: the position's table rows), its key and value
+        rows stored at k_dst, v_dst (addresses); returns qkv [1, width]."""
+        self.head_fn(h.data_ptr(), w_qkv.data_ptr(), _ptr(bias), _ptr(q_norm), _ptr(k_norm), self.qkv.data_ptr(),
+                     cos, sin, k_dst, v_dst, *self.dims, self.eps, torch.get_num_threads())
         return self.qkv
 
     def tail(self, attn: torch.Tensor, x: torch.Tensor, rows: tuple[torch.Tensor, ...], post_norm: torch.Tensor,
              next_norm: torch.Tensor | None, next_h: torch.Tensor) -> None:
         """The layer after attention: x (the residual, [1, hidden]) updated in place, next_h
         the next layer's normed input (next_norm None: the last layer, x only)."""
+        threads = torch.get_num_threads()
         self.tail_fn(attn.data_ptr(), x.data_ptr(), rows[1].data_ptr(), post_norm.data_ptr(), rows[2].data_ptr(),
                      rows[3].data_ptr(), None if next_norm is None else next_norm.data_ptr(), next_h.data_ptr(),
-                     self.scratch.data_ptr(), self.hidden, self.q_size, self.inter, self.eps, torch.get_num_threads())
+                     self.scratch_for(threads), self.hidden, self.q_size, self.inter, self.eps, threads)
 
     def run_layers(self, layers: list, windows: list[int | None], h: torch.Tensor, x: torch.Tensor, cos: int,
                    sin: int, k_dst: int, v_dst: int, layer_bytes: int, attention: ctypes.CDLL, kv_cache,
@@ -295,12 +313,12 @@ class DecodeLayer:
         kv_cache, tail; x ends as the last layer's residual stream, h its input norm's output
         on the way. `layers`: the model's LayerWeights (their rows, biases and norms do not
         move after load: their pointers are taken once)."""
-        from atomd.kernels.native import KERNEL_DTYPES, check_shape
+        from atomd.kernels.native import FP8_KERNELS, KERNEL_DTYPES, check_shape
 
         hidden, q_heads, kv_heads, head_dim = self.dims
         c = kv_cache
         check_shape(attention, q_heads, c.num_kv_heads, head_dim)
-        assert c.kv.dtype == h.dtype in KERNEL_DTYPES and c.kv.is_contiguous()
+        assert (fused_kv_fp8(h.dtype, c) if c.fp8 else c.kv.dtype == h.dtype in KERNEL_DTYPES) and c.kv.is_contiguous()
         assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.shape[0] == 1 == len(context_lens)
         assert block_tables.is_contiguous() and context_lens.is_contiguous()
         if self.weights is None:
@@ -308,20 +326,25 @@ class DecodeLayer:
                 _LayerWeights(w.rows[0].data_ptr(), _ptr(w.qkv_bias), w.rows[1].data_ptr(), w.post_norm.data_ptr(),
                               w.rows[2].data_ptr(), w.rows[3].data_ptr(),
                               layers[i + 1].input_norm.data_ptr() if i + 1 < len(layers) else None,
-                              0 if windows[i] is None else windows[i])
+                              0 if windows[i] is None else windows[i], _ptr(w.q_norm), _ptr(w.k_norm))
                 for i, w in enumerate(layers)))
         row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
         a = self.args
-        a.fn = ctypes.cast(attention.atomd_decode_attention if h.dtype == torch.float32
-                           else attention.atomd_decode_attention_bf16, _PTR).value
+        if c.fp8:  # the fp8 kernel (float32 q and out); the layer stores the K / V rows as fp8
+            kernel, a.kv_fp8 = getattr(attention, FP8_KERNELS[c.kv.dtype]), 2 if c.kv.dtype == torch.float8_e5m2 else 1
+        else:
+            kernel = attention.atomd_decode_attention if h.dtype == torch.float32 else attention.atomd_decode_attention_bf16
+            a.kv_fp8 = 0
+        a.fn = ctypes.cast(kernel, _PTR).value
         a.kv, a.block_tables, a.context_lens = c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr()
         a.block_size, a.table_width = c.block_size, block_tables.shape[1]
         a.block_stride, a.layer_stride = c.num_layers * planes * c.block_size * row, planes * c.block_size * row
         a.v_offset, a.scale = c.block_size * row if planes == 2 else 0, scale
+        threads = torch.get_num_threads()
         status = self.layers_fn(self.weights, len(layers), ctypes.byref(a), h.data_ptr(), x.data_ptr(),
                                 self.qkv.data_ptr(), self.attn.data_ptr(), cos, sin, k_dst, v_dst, layer_bytes,
-                                self.scratch.data_ptr(), hidden, q_heads, kv_heads, head_dim, self.inter, self.eps,
-                                torch.get_num_threads())
+                                self.scratch_for(threads), hidden, q_heads, kv_heads, head_dim, self.inter, self.eps,
+                                threads)
         if status != 0:
             raise MemoryError("decode attention: the attention kernel could not allocate its scratch memory")
 

@@ -239,13 +239,42 @@ void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t hea
  * value heads copied to its slot in the paged KV cache: the K row at cache + (slot_rows[r] +
  * layer_rows) * kv_heads * head_dim, the V row v_rows rows further (atomd/kv_cache.py's
  * layout). One pass over the rows where RoPE and the cache write were two calls. */
+/* float -> fp8 (E4M3FN: bias 7, 3 mantissa bits, no infinity; E5M2: bias 15, 2 bits) as
+ * atomd/engine/kv_cache.py's to_fp8 at scale 1: saturated at the format's largest finite value,
+ * rounded to nearest even, NaN kept (torch's cast). */
+static inline uint8_t float_to_fp8(float f, const int e5m2) {
+    union { float f; uint32_t u; } c = {f};
+    const uint8_t sign = (uint8_t)((c.u >> 24) & 0x80);
+    const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
+    const float limit = e5m2 ? 57344.0f : 448.0f, min_normal = e5m2 ? 0x1p-14f : 0x1p-6f;
+    if (f != f) return (uint8_t)(sign | (e5m2 ? 0x7f : 0x7f));
+    float a = fabsf(f);
+    if (a > limit) a = limit;
+    if (a < min_normal)  /* subnormal (or 0): a multiple of the smallest step, rounded to nearest even */
+        return (uint8_t)(sign | (uint8_t)nearbyintf(a * (e5m2 ? 0x1p16f : 0x1p9f)));
+    c.f = a;
+    const int shift = 23 - mbits;
+    uint32_t u = (c.u + ((1u << (shift - 1)) - 1u) + ((c.u >> shift) & 1u)) >> shift;
+    return (uint8_t)(sign | (uint8_t)(u - ((uint32_t)(127 - bias) << mbits)));
+}
+
 /* One row: RoPE on its q_heads + kv_heads heads, then its key and value heads copied to k / v
- * (the token's rows in the paged cache). Shared by atomd_rope_store_* and the batch-1 layer. */
+ * (the token's rows in the paged cache; kv_fp8 1 / 2: a float32 row stored as fp8 e4m3 / e5m2 at
+ * scale 1, as KVCache.write does). Shared by atomd_rope_store_* and the batch-1 layer. */
 static inline __attribute__((always_inline)) void rope_store_row(
         char *row, int64_t q_heads, int64_t kv_heads, int64_t head_dim, const char *c, const char *s, char *k,
-        char *v, const int is_bf16) {
-    const int64_t kv_bytes = kv_heads * head_dim * ELEM(is_bf16), q_bytes = q_heads * head_dim * ELEM(is_bf16);
+        char *v, const int is_bf16, const int kv_fp8) {
+    const int64_t kv_size = kv_heads * head_dim, kv_bytes = kv_size * ELEM(is_bf16);
+    const int64_t q_bytes = q_heads * head_dim * ELEM(is_bf16);
     rope_row(row, q_heads + kv_heads, head_dim, c, s, is_bf16);
+    if (kv_fp8 && !is_bf16) {
+        const float *kr = (const float *)(row + q_bytes), *vr = kr + kv_size;
+        for (int64_t i = 0; i < kv_size; i++) {
+            ((uint8_t *)k)[i] = float_to_fp8(kr[i], kv_fp8 == 2);
+            ((uint8_t *)v)[i] = float_to_fp8(vr[i], kv_fp8 == 2);
+        }
+        return;
+    }
     memcpy(k, row + q_bytes, kv_bytes);
     memcpy(v, row + q_bytes + kv_bytes, kv_bytes);
 }
@@ -258,7 +287,7 @@ static inline __attribute__((always_inline)) void rope_store_row(
         rope_store_row((char *)(qkv + r * row_stride), q_heads, kv_heads, head_dim,                            \
                        (const char *)(cos + positions[r] * (head_dim / 2)),                                    \
                        (const char *)(sin + positions[r] * (head_dim / 2)), k,                                 \
-                       k + v_rows * kv_size * ELEM(is_bf16), is_bf16);                                         \
+                       k + v_rows * kv_size * ELEM(is_bf16), is_bf16, 0);                                      \
     }
 
 void atomd_rope_store_f32(float *qkv, int64_t row_stride, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
@@ -388,12 +417,14 @@ void atomd_gemm_bf16_f32(const bf16_t *x, const bf16_t *w, float *y, int64_t M, 
  * intermediate is rounded where the unfused ops round it (the GEMV's output, the bias add,
  * RoPE's products, the residual sums, the norm), so the two paths give the same bits.
  *
- * head: qkv = h @ w_qkv^T (+ bias), RoPE on its query and key heads at cos / sin (the
+ * head: qkv = h @ w_qkv^T (+ bias), each query / key head RMSNormed where q_norm / k_norm are
+ * given (Qwen3), RoPE on its query and key heads at cos / sin (the
  * position's rows), then the token's key and value rows copied to k_dst / v_dst (its slot
  * in the paged cache). qkv: [q_size + 2 * kv_size] out.
  * tail: x += attn @ w_o^T (attn: q_size = query heads x head_dim); h = RMSNorm(x) * post_w; a = silu(h @ w_gate^T) * (h @ w_up^T);
  * x += a @ w_down^T; next_h = RMSNorm(x) * next_w (next_w NULL, the last layer: the add
- * alone). scratch: hidden + hidden + 3 * inter elements. */
+ * alone). scratch: hidden + 2 * inter + num_threads * (2 * hidden + inter) elements
+ * (DECODE_SCRATCH). */
 /* The whole model's layers at batch 1 in one call (atomd_decode_layers_*): per layer the head,
  * the decode attention kernel (atomd/kernels/csrc/attention.c, built per shape in its own
  * library: called through the pointer the caller passes) and the tail. Why: the per-layer
@@ -409,6 +440,7 @@ typedef int (*decode_attention_fn)(const void *q, const void *kv, const int64_t 
 typedef struct {
     const void *qkv, *bias, *o, *post_norm, *gate_up, *down, *next_norm;
     int64_t window;
+    const void *q_norm, *k_norm;  /* [head_dim] each, or NULL: no q/k norm (Qwen3 has one) */
 } decode_layer_weights;
 typedef struct {
     decode_attention_fn fn;
@@ -416,44 +448,70 @@ typedef struct {
     const int64_t *block_tables, *context_lens;
     int64_t block_size, table_width, block_stride, layer_stride, v_offset;  /* elements; layer_stride: k_offset per layer */
     float scale;
+    int kv_fp8;  /* 0: the cache holds the model's dtype; 1 / 2: fp8 e4m3 / e5m2 at scale 1 (float32 models) */
 } decode_attention_args;
 
-#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                                 \
-    void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, elem_t *qkv,  \
-                                          const elem_t *cos, const elem_t *sin, elem_t *k_dst, elem_t *v_dst,     \
-                                          int64_t hidden, int64_t q_heads, int64_t kv_heads, int64_t head_dim,    \
-                                          int num_threads) {                                                      \
+/* Inside a parallel region: the layer's QKV from hh (+ bias) into qkv, then on one thread its
+ * q/k norm, RoPE and the key / value rows' store (HEAD_STEPS); the layer after attention
+ * (TAIL_STEPS). Each thread keeps its own copies of the residual x (xp), the normed row (hp) and
+ * the SiLU output (ap), computed alike on every thread (the same bits), so the norms and the SiLU
+ * need no barrier: the only ones are each GEMV's (its rows are shared), three a tail. d
+ * [hidden], gu [2 * inter] are shared. */
+#define HEAD_STEPS(hh, w_qkv, bias, q_norm, k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16)                  \
+    do {                                                                                                       \
+        GEMV_ROWS(hh, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                                         \
+        _Pragma("omp single")                                                                                  \
+        {                                                                                                      \
+            if ((q_norm) != NULL) /* Qwen3: RMSNorm of each query and key head, in place, before RoPE */       \
+                for (int64_t j = 0; j < q_heads + kv_heads; j++)                                               \
+                    NORM_ROW(qkv + j * head_dim, NULL, j < q_heads ? (q_norm) : (k_norm), qkv + j * head_dim,  \
+                             head_dim, eps);                                                                   \
+            rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,     \
+                           (char *)(k_dst), (char *)(v_dst), IS_BF16, kv_fp8);                                 \
+        }                                                                                                      \
+    } while (0)
+#define TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16)                \
+    do {                                                                                                       \
+        GEMV_ROWS(attn, w_o, NULL, d, q_size, hidden);                                                         \
+        NORM_ROW(xp, d, post_w, hp, hidden, eps);                                                              \
+        GEMV_ROWS(hp, w_gate_up, NULL, gu, hidden, 2 * inter);                                                 \
+        SILU_ROW(gu, ap, inter);                                                                               \
+        GEMV_ROWS(ap, w_down, NULL, d, inter, hidden);                                                         \
+        if ((next_w) != NULL) {                                                                                \
+            NORM_ROW(xp, d, next_w, hp, hidden, eps);                                                          \
+        } else {                                                                                               \
+            for (int64_t i_ = 0; i_ < hidden; i_++)                                                            \
+                store(xp, i_, load(xp, i_, IS_BF16) + load(d, i_, IS_BF16), IS_BF16);                          \
+        }                                                                                                      \
+    } while (0)
+/* a thread's copies (TAIL_STEPS) in scratch after the shared d and gu; x copied in */
+#define THREAD_COPIES(elem_t)                                                                                  \
+    elem_t *xp = scratch + hidden + 2 * inter + omp_get_thread_num() * (2 * hidden + inter), *hp = xp + hidden, \
+           *ap = hp + hidden;                                                                                  \
+    memcpy(xp, x, hidden * sizeof(elem_t))
+
+#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                  \
+    void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, const elem_t *q_norm,  \
+                                          const elem_t *k_norm, elem_t *qkv, const elem_t *cos, const elem_t *sin, \
+                                          elem_t *k_dst, elem_t *v_dst, int64_t hidden, int64_t q_heads,          \
+                                          int64_t kv_heads, int64_t head_dim, float eps, int num_threads) {       \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
+        const int kv_fp8 = 0;                                                                                      \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
-        {                                                                                                          \
-            GEMV_ROWS(h, w_qkv, bias, qkv, hidden, q_size + 2 * kv_size);                        \
-            _Pragma("omp single")                                                                                  \
-            rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,         \
-                           (char *)k_dst, (char *)v_dst, IS_BF16);                                                 \
-        }                                                                                                          \
+        HEAD_STEPS(h, w_qkv, bias, q_norm, k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16);                   \
     }                                                                                                              \
-    void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, w_t w_o, const elem_t *post_w, \
-                                          w_t w_gate_up, w_t w_down, const elem_t *next_w,    \
+    void atomd_decode_layer_tail_##SUFFIX(const elem_t *attn, elem_t *x, w_t w_o, const elem_t *post_w,            \
+                                          w_t w_gate_up, w_t w_down, const elem_t *next_w,                         \
                                           elem_t *next_h, elem_t *scratch, int64_t hidden, int64_t q_size,        \
                                           int64_t inter, float eps, int num_threads) {                            \
-        elem_t *d = scratch, *h = d + hidden, *gu = h + hidden, *a = gu + 2 * inter;                               \
+        elem_t *d = scratch, *gu = d + hidden;                                                                     \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
-            GEMV_ROWS(attn, w_o, NULL, d, q_size, hidden);                                        \
-            _Pragma("omp single")                                                                                  \
-            NORM_ROW(x, d, post_w, h, hidden, eps);                                                                \
-            GEMV_ROWS(h, w_gate_up, NULL, gu, hidden, 2 * inter);                                 \
-            _Pragma("omp single")                                                                                  \
-            SILU_ROW(gu, a, inter);                                                                                \
-            GEMV_ROWS(a, w_down, NULL, d, inter, hidden);                                         \
-            _Pragma("omp single")                                                                                  \
-            {                                                                                                      \
-                if (next_w != NULL) {                                                                              \
-                    NORM_ROW(x, d, next_w, next_h, hidden, eps);                                                   \
-                } else {                                                                                           \
-                    for (int64_t i = 0; i < hidden; i++)                                                           \
-                        store(x, i, load(x, i, IS_BF16) + load(d, i, IS_BF16), IS_BF16);                           \
-                }                                                                                                  \
+            THREAD_COPIES(elem_t);                                                                                 \
+            TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16);            \
+            if (omp_get_thread_num() == 0) {                                                                       \
+                memcpy(x, xp, hidden * sizeof(elem_t));                                                            \
+                if (next_w != NULL) memcpy(next_h, hp, hidden * sizeof(elem_t));                                   \
             }                                                                                                      \
         }                                                                                                          \
     }                                                                                                              \
@@ -463,18 +521,30 @@ typedef struct {
                                      int64_t layer_bytes, elem_t *scratch, int64_t hidden, int64_t q_heads,         \
                                      int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,                 \
                                      int num_threads) {                                                             \
+        const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
+        elem_t *d = scratch, *gu = d + hidden;                                                                     \
+        const int kv_fp8 = IS_BF16 ? 0 : att->kv_fp8;                                                              \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        HEAD_STEPS(h, (w_t)layers->qkv, (const elem_t *)layers->bias, (const elem_t *)layers->q_norm,              \
+                   (const elem_t *)layers->k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16);                    \
         for (int64_t i = 0; i < num_layers; i++) {                                                                 \
-            const decode_layer_weights *w = layers + i;                                                            \
-            atomd_decode_layer_head_##SUFFIX(h, (w_t)w->qkv, (const elem_t *)w->bias, qkv, cos, sin,               \
-                                             (elem_t *)(k_dst + i * layer_bytes), (elem_t *)(v_dst + i * layer_bytes), \
-                                             hidden, q_heads, kv_heads, head_dim, num_threads);                    \
+            const decode_layer_weights *w = layers + i, *nw = i + 1 < num_layers ? w + 1 : NULL;                   \
             const int status = att->fn(qkv, att->kv, att->block_tables, att->context_lens, NULL, attn, 1, q_heads, \
                                        kv_heads, att->block_size, att->table_width, att->block_stride,              \
                                        i * att->layer_stride, att->v_offset, att->scale, w->window, num_threads);   \
             if (status != 0) return status;                                                                        \
-            atomd_decode_layer_tail_##SUFFIX(attn, x, (w_t)w->o, (const elem_t *)w->post_norm, (w_t)w->gate_up,    \
-                                             (w_t)w->down, (const elem_t *)w->next_norm, h, scratch, hidden,       \
-                                             q_heads * head_dim, inter, eps, num_threads);                         \
+            /* this layer's tail and the next one's head in one region: one fork a layer besides attention's */    \
+            _Pragma("omp parallel num_threads(num_threads)")                                                       \
+            {                                                                                                      \
+                THREAD_COPIES(elem_t);                                                                             \
+                TAIL_STEPS((w_t)w->o, (const elem_t *)w->post_norm, (w_t)w->gate_up, (w_t)w->down,                  \
+                           (const elem_t *)w->next_norm, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16);                  \
+                if (nw != NULL)                                                                                    \
+                    HEAD_STEPS(hp, (w_t)nw->qkv, (const elem_t *)nw->bias, (const elem_t *)nw->q_norm,              \
+                               (const elem_t *)nw->k_norm, k_dst + (i + 1) * layer_bytes,                          \
+                               v_dst + (i + 1) * layer_bytes, NORM_ROW, GEMV_ROWS, IS_BF16);                       \
+                if (omp_get_thread_num() == 0) memcpy(x, xp, hidden * sizeof(elem_t));                             \
+            }                                                                                                      \
         }                                                                                                          \
         return 0;                                                                                                  \
     }

@@ -1,0 +1,51 @@
+"""Weights that batch-1 decode streams, moved onto 2 MiB pages (transparent huge pages).
+
+Why: at batch 1 every linear streams its weight rows once a token, and with 4 KiB pages that
+stream takes a TLB miss every 4 KiB and the hardware prefetchers stop at each page's end. On
+the AMD EPYC here (THP `madvise` mode, so plain allocations get 4 KiB pages) the bf16 GEMV over
+the 0.6B shape's 311 MB LM head read 28-29 GB/s on 4 KiB pages and 34-35 GB/s on 2 MiB ones,
+one thread (benchmarks/RESULTS.md, #34 third session). So the rows are copied once at load into
+one anonymous mapping per tensor, aligned to 2 MiB and madvise(MADV_HUGEPAGE)d before the copy
+touches it; where the kernel has no THP (or `never`) the copy is plain memory, no slower.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import mmap
+
+import torch
+
+log = logging.getLogger(__name__)
+HUGE_PAGE = 2 << 20
+MIN_BYTES = HUGE_PAGE  # smaller tensors would not fill one huge page
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t in a 2 MiB-aligned MADV_HUGEPAGE mapping (t itself when smaller
+    than a huge page). The mapping lives as long as the returned tensor."""
+    if t.nbytes < MIN_BYTES or not t.is_contiguous():
+        return t
+    size = (t.nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+    region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+    offset = -address % HUGE_PAGE
+    if hasattr(mmap, "MADV_HUGEPAGE"):
+        try:
+            region.madvise(mmap.MADV_HUGEPAGE, offset, size)
+        except OSError as e:  # no THP in this kernel: plain pages
+            log.debug("madvise(MADV_HUGEPAGE): %s", e)
+    out = torch.frombuffer(region, dtype=torch.uint8, count=t.nbytes, offset=offset).view(t.dtype).view(t.shape)
+    out.copy_(t)
+    return out
+
+
+def release_freed_memory() -> None:
+    """Give the pages of freed allocations back to the system (glibc's malloc_trim), once after
+    load: its float32 reads and the weights moved onto huge pages leave freed chunks in the heap,
+    which the engine's allocator policy (atomd/engine/allocator.py: blocks up to 32 MiB from the
+    heap, never trimmed) keeps mapped otherwise."""
+    try:
+        ctypes.CDLL(None).malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
