@@ -115,9 +115,17 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
         check_split(4, 2, [102], 4)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the 4 attention heads"):
         EngineConfig(model=str(checkpoints["llama"]), tensor_parallel_size=3)  # the API process's check
-    with pytest.raises(ValueError, match="does not run with enable_expert_parallel"):
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with enable_expert_parallel yet"):
         EngineConfig(model=str(checkpoints["qwen3_moe"]), tensor_parallel_size=2, data_parallel_size=2,
                      enable_expert_parallel=True)
+    from tests.test_serve_flags import serve_parser  # the same refusal from `atomd serve`'s flags, naming both
+
+    flags = serve_parser().parse_args(["--model", str(checkpoints["qwen3_moe"]), "--tensor-parallel-size", "2",
+                                       "--data-parallel-size", "2", "--enable-expert-parallel"])
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with enable_expert_parallel yet"):
+        EngineConfig.from_args(flags)
+    with pytest.raises(ValueError, match="tp_kv_transfer must be one of staging, direct"):
+        EngineConfig(tensor_parallel_size=2, tp_kv_transfer="zero-copy")
     with pytest.raises(ValueError, match="tp_communicator must be one of shm, gloo"):
         EngineConfig(tensor_parallel_size=2, tp_communicator="nccl")
     # replicated KV heads: the one each worker's query heads read (GQA groups of 2 query heads)
@@ -356,7 +364,7 @@ def hetero_pd():
                               P2=[*tp2, *fp8, "--kv-role", "producer"], D1=[*fp8, "--kv-role", "consumer"],
                               P2d=[*tp2, *direct, "--kv-role", "producer"], D2d=[*tp2, *direct, "--kv-role", "consumer"])
         cluster.routers_by_pair = {pair: cluster.start_router(*pair.split("->"))
-                                   for pair in ("P1->D2", "P2->D1", "P2d->D2d")}
+                                   for pair in ("P1->D2", "P2->D1", "P2d->D2d", "P2d->D2")}
         yield cluster
     finally:
         cluster.stop()
@@ -382,3 +390,22 @@ def test_pd_with_different_tp_sizes_equals_colocated(hetero_pd, pair):
     assert decode["fallbacks"] == {} and decode["bytes"] > 0 and not decode["failures"], decode  # pulled, not recomputed
     staged = [s["tensor_parallel"]["kv_staging_bytes"] for s in (producer, consumer) if "tensor_parallel" in s]
     assert all(n == 0 for n in staged) if pair == "P2d->D2d" else all(n > 0 for n in staged), staged
+
+
+@pytest.mark.integration
+def test_direct_slices_to_a_staging_consumer_are_refused_before_any_byte(hetero_pd):
+    """A --tp-kv-transfer direct P (TP=2 slices on the wire) and a staging D (TP=2, the TP=1 layout on
+    the wire): D refuses P's params by their fingerprint before it connects (its 503 kv_transfer_failed,
+    the router's 502, as any compat mismatch; the message naming both TP sizes: tests/test_kv_layout.py);
+    nothing is pulled. (After the pairs above: D2's
+    failures count this one.)"""
+    d2 = hetero_pd["D2"]
+    before = d2.stats()["kv_transfer"]
+    model = json.loads(http("GET", d2.url + "/v1/models")[1])["data"][0]["id"]
+    body = {"model": model, "prompt": "def fibonacci(n):\n    " * 6, "max_tokens": 4, "temperature": 0}
+    status, err = _post(hetero_pd.routers_by_pair["P2d->D2"].url, body, 60)
+    assert status == 502 and "answered 503: kv_transfer_failed" in err["error"]["message"], (status, err)  # D's 503
+    after = d2.stats()["kv_transfer"]
+    assert after["failures"].get("compat_mismatch", 0) == before["failures"].get("compat_mismatch", 0) + 1, after
+    assert after["bytes"] == before["bytes"]
+

@@ -320,7 +320,9 @@ class DecoderModel:
             self.decode_layer = None
         if self.dtype == torch.bfloat16:  # row_parallel's float32 partials read the plain weights: packed copies go
             for w in self.layers:
-                w.o, w.down = (dense(t) if isinstance(t, torch.Tensor) else t for t in (w.o, w.down))
+                if isinstance(w, LayerWeights):  # (DeepSeek's MLA layers keep theirs: their partials stay bf16)
+                    rows = w.rows or (None,) * 4
+                    w.o, w.down = _plain(w.o, rows[1]), _plain(w.down, rows[3])
 
     def reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """A row-parallel linear's output summed over the TP workers (as it is without TP)."""
@@ -421,6 +423,14 @@ class DecoderModel:
             x.add_(down)
         else:
             rms_norm(x, next_norm, eps, delta=down, out=next_h)
+
+
+def _plain(weight, rows):
+    """A float weight as a plain tensor: its batch-1 rows where kept (the same weight, no copy), else
+    unpacked; a quantized weight or None as it is."""
+    if not isinstance(weight, torch.Tensor):
+        return weight
+    return rows if rows is not None else dense(weight)
 
 
 def lora_linear(lora: LayerLora | None, fused: str, x: torch.Tensor, weight, bias, rows) -> torch.Tensor:
