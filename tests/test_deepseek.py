@@ -143,7 +143,7 @@ def kernels_for(isa: str, shape: tuple[int, int, int, int], heads: int):
 
 # (nope, rope, v, rank): dims the C kernel runs in plain C loops, and dims that are whole AVX-512
 # vectors but v (its AVX-512 path where the CPU has it, with a partial block of 16 value rows)
-MLA_SHAPES = {"odd": (16, 8, 12, 32), "vec": (16, 16, 20, 32)}
+MLA_SHAPES = {"odd": (16, 8, 12, 32), "vec": (32, 16, 20, 32)}
 
 
 # torch's batched matmuls; the one-call C kernel (csrc/mla.c) under every narrowing; the
