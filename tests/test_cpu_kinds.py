@@ -27,8 +27,9 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 ENGINE_TESTS = ("hf or engine", ["tests/test_model_hf.py", "tests/test_bf16.py"])
 # every other family and weight format against HF, fp32 and bf16: Qwen3, Qwen3-MoE, Mixtral,
 # Phi-3 (longrope), Gemma 3, sliding windows, int8 / int4 / bf16 weights. Not DeepSeek's engine
-# tests (test_models runs them with the rest): its absorbed MLA decode is the GQA decode kernel
-# on a 576-wide head, checked under every narrowing in tests/test_deepseek.py
+# tests (test_models runs them with the rest): its absorbed MLA decode (csrc/mla.c, and the
+# attention kernel on a 576-wide head for fp8 caches) is checked under every narrowing in
+# tests/test_deepseek.py
 FAMILY_TESTS = ("hf and not deepseek", ["tests/test_models.py", "tests/test_gemma3.py", "tests/test_sliding_window.py",
                        "tests/test_quant_engine.py", "tests/test_longrope.py"])
 # AVX2-only is no machine of ours, but the kernels keep its path: the engine in fp32 against

@@ -165,6 +165,38 @@ static inline void dots_block(const float *restrict w, const float *restrict x, 
 
 /* rows [j0, j0 + 16) of w [., n] (float32, or bf16 when bf16) as float32 into buf [16][n]; rows
  * past `rows` zero. */
+/* bf16 blocks of 4 or more query rows through a head's weights with AVX512_BF16 dot products
+ * (pairs of exact bf16 products summed into float32): twice the products an instruction of the
+ * widened float32 path, and no widening. The query rows are bf16 already; the weighted latent
+ * is rounded to bf16 for it (as torch's path and the attention kernel's bf16 output did). */
+#if VEC16 && defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(ATOMD_NO_BF16_DOT) && NOPE % 32 == 0 && \
+    RANK % 32 == 0
+#define BF16_DOT 1
+/* part[r][jq + j] = w[jq + j] . x[r] for r < nr (a multiple of 4), j < 16: w bf16 [16][n], x bf16 [nr][x_stride]. */
+static inline void dots_block_bf16(const uint16_t *restrict w, const uint16_t *restrict x, int64_t x_stride, int64_t nr,
+                                   int n, float part[][16]) {
+    for (int64_t r = 0; r + 4 <= nr; r += 4)
+        for (int jq = 0; jq < 16; jq += 4) {
+            __m512 acc[16];
+            for (int i = 0; i < 16; i++) acc[i] = _mm512_setzero_ps();
+            for (int k = 0; k < n; k += 32) {
+                __m512bh wv[4];
+                for (int j = 0; j < 4; j++) wv[j] = (__m512bh)_mm512_loadu_si512(w + (jq + j) * n + k);
+                for (int i = 0; i < 4; i++) {
+                    const __m512bh xv = (__m512bh)_mm512_loadu_si512(x + (r + i) * x_stride + k);
+                    for (int j = 0; j < 4; j++) acc[4 * i + j] = _mm512_dpbf16_ps(acc[4 * i + j], wv[j], xv);
+                }
+            }
+            float out[16];
+            _mm512_storeu_ps(out, sum_lanes16(acc));
+            for (int i = 0; i < 4; i++)
+                for (int j = 0; j < 4; j++) part[r + i][jq + j] = out[4 * i + j];
+        }
+}
+#else
+#define BF16_DOT 0
+#endif
+
 static inline void widen_rows16(const void *w, int64_t j0, int64_t rows, int bf16, float *restrict buf, int n) {
     for (int64_t j = 0; j < 16; j++) {
         if (j0 + j < rows) {
@@ -191,9 +223,17 @@ static void absorb_queries(const void *q, const void *uk_t, float *restrict ql, 
             memcpy(qn[r], qr, sizeof(float) * NOPE);
             for (int d = 0; d < ROPE; d++) dst[RANK + d] = scale * qr[NOPE + d];
         }
+        const int64_t dot_rows = BF16_DOT && bf16 ? nr / 4 * 4 : 0;  /* the rows on AVX512_BF16 dot products */
         for (int64_t j0 = 0; j0 < RANK; j0 += 16) {
-            widen_rows16((const char *)uk_t + h * RANK * NOPE * (bf16 ? 2 : 4), j0, RANK, bf16, wb, NOPE);
-            dots_block(wb, qn[0], NOPE, nr, NOPE, part);
+#if BF16_DOT
+            if (dot_rows > 0)
+                dots_block_bf16((const uint16_t *)uk_t + (h * RANK + j0) * NOPE, (const uint16_t *)q + (r0 * heads + h) * QDIM,
+                                heads * QDIM, dot_rows, NOPE, part);
+#endif
+            if (dot_rows < nr) {
+                widen_rows16((const char *)uk_t + h * RANK * NOPE * (bf16 ? 2 : 4), j0, RANK, bf16, wb, NOPE);
+                dots_block(wb, qn[dot_rows], NOPE, nr - dot_rows, NOPE, part + dot_rows);
+            }
             for (int64_t r = 0; r < nr; r++) {
                 float *dst = ql + ((r0 + r) * heads + h) * LAT + j0;
                 for (int64_t j = 0; j < 16 && j0 + j < RANK; j++) dst[j] = scale * part[r][j];
@@ -320,7 +360,23 @@ static void project_values(const float *restrict ol, const void *uv, void *out, 
     for (int64_t item = 0; item < heads * blocks; item++) {
         const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
         float wb[16 * RANK], part[RB][16];
+        const int64_t dot_rows = BF16_DOT && bf16 ? nr / 4 * 4 : 0;  /* the rows on AVX512_BF16 dot products */
+#if BF16_DOT
+        uint16_t ob[RB][RANK];  /* their weighted latents rounded to bf16 */
+        for (int64_t r = 0; r < dot_rows; r++)
+            for (int d = 0; d < RANK; d++) ob[r][d] = f32_to_bf16(ol[((r0 + r) * heads + h) * RANK + d]);
+#endif
         for (int64_t j0 = 0; j0 < VDIM; j0 += 16) {
+#if BF16_DOT
+            if (dot_rows > 0 && j0 + 16 <= VDIM) {
+                dots_block_bf16((const uint16_t *)uv + (h * VDIM + j0) * RANK, ob[0], RANK, dot_rows, RANK, part);
+                if (dot_rows < nr) {
+                    widen_rows16((const char *)uv + h * VDIM * RANK * 2, j0, VDIM, bf16, wb, RANK);
+                    dots_block(wb, ol + ((r0 + dot_rows) * heads + h) * RANK, heads * RANK, nr - dot_rows, RANK,
+                               part + dot_rows);
+                }
+            } else
+#endif
             if (VEC16 && nr < 4 && j0 + 16 <= VDIM) {
                 for (int64_t r = 0; r < nr; r++)
                     dots16_stored(uv, (h * VDIM + j0) * RANK, bf16, ol + ((r0 + r) * heads + h) * RANK, RANK, part[r]);
