@@ -538,15 +538,21 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
         work = np.array([[1.0, *x[7:10]] for x in dec])
         coef = np.linalg.lstsq(work, np.array([x[6] for x in dec]), rcond=None)[0]
         deviation = np.array([x[6] for x in dec]) - work @ coef
-        noisy_cmd = [*cmd[:5], url + "/noisy", "--spread-in-order", "-o", str(out)]
-        subprocess.run(noisy_cmd, cwd=REPO, check=True, capture_output=True, timeout=120)
+        import argparse
+
+        from atomd.sim.profile import add_arguments, run_from_servers
+
+        parser = argparse.ArgumentParser()
+        add_arguments(parser)
+        noisy_args = ["--from-servers", url + "/noisy", "--spread-in-order", "-o", str(out)]
+        assert run_from_servers(parser.parse_args(noisy_args)) == 0  # in process: the CLI is run above
         step = load_profile(str(out)).step
         np.testing.assert_allclose(msgspec.structs.astuple(step.decode_gap), coef, rtol=1e-6, atol=1e-9)
         # (the line, refit on step + deviation, takes a little of it: the outputs term follows the batch)
         spread = np.array(step.decode_spread)
         assert np.corrcoef(spread, deviation)[0, 1] > 0.95
         assert np.std(spread) == pytest.approx(np.std(deviation), rel=0.15)
-        subprocess.run([*noisy_cmd, "--no-gap-in-spread"], cwd=REPO, check=True, capture_output=True, timeout=120)
+        assert run_from_servers(parser.parse_args([*noisy_args, "--no-gap-in-spread"])) == 0
         assert load_profile(str(out)).step.decode_spread == pytest.approx([0.0] * len(dec), abs=1e-9)
     finally:
         server.shutdown()
