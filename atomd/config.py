@@ -32,7 +32,7 @@ LORA_LOAD_POLICIES = ("refuse", "load")
 PREFILL_DELAYERS = ("off", "align", "coalesce")
 ATTENTION_BACKENDS = ("auto", "native", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
-QUANTIZATIONS = ("int8", "int4", "bf16")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
+QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
 QUANTIZED_ACTIVATIONS = ("float32", "int8")  # --quantized-activations (atomd/model/quant.py, csrc/quant.h)
 KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # --kv-cache-dtype (atomd/engine/kv_cache.py)
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
@@ -151,6 +151,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.dtype == "auto":  # resolved once, here: the engine, the KV compat fingerprint see the result
             self.dtype, reason = auto_dtype()
             log.info("dtype auto: %s (%s)", self.dtype, reason)
+            if self.dtype == "float32" and self.quantization is None and self.model_runner == "real":
+                self.quantization, reason = auto_weights(self.model)
+                log.info("dtype auto: weights %s (%s)", self.quantization or "as the checkpoint's", reason)
         _choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         _choice("scheduling_policy", self.scheduling_policy, SCHEDULING_POLICIES)
         if self.quantization is not None:
@@ -459,6 +462,35 @@ def auto_dtype() -> tuple[str, str]:
     return "float32", f"the CPU has none of {', '.join(BF16_CPU_FLAGS)}"
 
 
+def auto_weights(model: str | None) -> tuple[str | None, str]:
+    """`--dtype auto` where it chose float32 compute: the weights read as 16 bits, widened to
+    float32 in registers (`--quantization bf16`; fp16 for a float16 checkpoint, which bf16 would
+    round), halving decode's bytes as llama.cpp's BF16 / F16 do on such CPUs; None (as stored)
+    for a checkpoint already quantized or a GGUF file; and why."""
+    try:
+        path = hub.model_path(model) if model is not None else _default_checkpoint()
+        with open(path / "config.json") as f:
+            hf = json.load(f)
+    except (OSError, ValueError) as e:  # a bad --model is reported where the model loads
+        return None, f"the checkpoint's config could not be read: {e}"
+    if hf.get("gguf_file"):
+        return None, "a GGUF file keeps its own tensor types"
+    if "quantization_config" in hf or (path / "quantize_config.json").is_file():
+        return None, "the checkpoint is already quantized"
+    stored = hf.get("torch_dtype") or hf.get("dtype") or "float32"
+    if stored == "float16":  # bf16 would round them
+        return "fp16", "float16 weights read as float16 and widened to float32 in registers: half the bytes a " \
+                       "decoded token reads"
+    return "bf16", (f"{stored} weights read as bf16 and widened to float32 in registers: half the bytes a "
+                    f"decoded token reads")
+
+
+def _default_checkpoint():
+    from atomd.model import default
+
+    return default.PACKAGED_CHECKPOINT
+
+
 def _choice(field: str, value: str, choices: tuple[str, ...]) -> None:
     if value not in choices:
         raise ValueError(f"{field} must be one of {', '.join(choices)}, got {value!r}")
@@ -496,14 +528,15 @@ HELP = {
              "hub id (Qwen/Qwen3-0.6B) in the local Hugging Face cache (HF_HOME; nothing is downloaded) (default: "
              "the built-in default model)",
     "dtype": "weights and KV cache dtype; auto: bfloat16 where the CPU has AVX512_BF16 or AMX-BF16, "
-             "else float32 (logged at start-up)",
+             "else float32 with a float checkpoint's weights read as bf16 (--quantization bf16; logged at start-up)",
     "seed": "seed of unseeded sampling",
     "num_threads": "torch threads of this engine (default: all cores)",
     "attention_backend": "prefill and decode attention: native C kernels (float32 and bfloat16, prebuilt or built at first use), "
                          "torch SDPA, or auto (native where they build)",
     "quantization": "weight-only quantization at load of a float checkpoint, round-to-nearest: int8 (per output "
                     "channel, symmetric) or int4 (groups of 128, else 64 or 32 inputs, with zero points), or bf16 (16-bit "
-                    "weights widened to float32 in registers: half float32's bytes on CPUs without AVX512_BF16); activations "
+                    "weights widened to float32 in registers: half float32's bytes on CPUs without AVX512_BF16) or fp16 (the same "
+                    "with float16 values: a float16 checkpoint's weights exactly); activations "
                     "stay --dtype. GPTQ, AWQ and compressed-tensors checkpoints and GGUF files load quantized without it",
     "quantized_activations": "int8: the quantized linears' activations quantised to int8 per block of 32 for "
                              "batch 1 to 32 rows (integer dot products, AVX512-VNNI where present; ~0.5%% rms error against "

@@ -45,15 +45,14 @@ from train_default_model import corpus_files, read_source  # noqa: E402
 MTP_WEIGHT = 0.3  # DeepSeek-V3's lambda for the first 10T tokens
 
 
-HIDDEN = 64
-
-
-def config(vocab: int, layers: int) -> transformers.DeepseekV3Config:
+def config(vocab: int, layers: int, hidden: int) -> transformers.DeepseekV3Config:
+    """DeepSeek-V3's proportions scaled to `hidden` (64: 4 heads, q_lora 48, kv_lora 32)."""
+    heads = max(4, hidden // 32)
     return transformers.DeepseekV3Config(
-        vocab_size=vocab, hidden_size=HIDDEN, intermediate_size=4 * HIDDEN, moe_intermediate_size=HIDDEN,
-        num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=4, n_routed_experts=8,
+        vocab_size=vocab, hidden_size=hidden, intermediate_size=4 * hidden, moe_intermediate_size=hidden,
+        num_hidden_layers=layers, num_attention_heads=heads, num_key_value_heads=heads, n_routed_experts=8,
         n_shared_experts=1, num_experts_per_tok=2, n_group=4, topk_group=2, first_k_dense_replace=1,
-        q_lora_rank=48, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
+        q_lora_rank=3 * hidden // 4, kv_lora_rank=hidden // 2, qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16,
         max_position_embeddings=1024, bos_token_id=1, eos_token_id=2, pad_token_id=0, tie_word_embeddings=False)
 
 
@@ -61,7 +60,7 @@ def rms(x, w, eps=1e-6):
     return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
 
 
-def train(out: pathlib.Path, layers: int, minutes: float, seq: int, batch: int, seed: int) -> dict:
+def train(out: pathlib.Path, layers: int, hidden: int, minutes: float, seq: int, batch: int, seed: int) -> dict:
     tok_file = PACKAGED_CHECKPOINT / "tokenizer.json"
     from tokenizers import Tokenizer
 
@@ -72,8 +71,8 @@ def train(out: pathlib.Path, layers: int, minutes: float, seq: int, batch: int, 
     stream = torch.tensor(ids, dtype=torch.long)
     torch.manual_seed(seed)
     # the last layer: the MTP's; eager experts (grouped_mm's backward is slower on CPU)
-    full = transformers.AutoModelForCausalLM.from_config(config(vocab, layers + 1), experts_implementation="eager")
-    hidden = HIDDEN
+    full = transformers.AutoModelForCausalLM.from_config(config(vocab, layers + 1, hidden),
+                                                         experts_implementation="eager")
     mtp = torch.nn.ParameterDict({"enorm": torch.nn.Parameter(torch.ones(hidden)),
                                   "hnorm": torch.nn.Parameter(torch.ones(hidden)),
                                   "head_norm": torch.nn.Parameter(torch.ones(hidden)),
@@ -138,6 +137,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=4.0, help="training time")
     ap.add_argument("--layers", type=int, default=4, help="main layers")
+    ap.add_argument("--hidden", type=int, default=64, help="hidden size (heads, LoRA ranks scale with it)")
+    ap.add_argument("--train-only", action="store_true", help="train into --dir and stop (measure later, quiet)")
     ap.add_argument("--seq", type=int, default=64, help="training sequence length")
     ap.add_argument("--batch", type=int, default=8, help="training batch")
     ap.add_argument("--rounds", type=int, default=3)
@@ -153,8 +154,11 @@ def main() -> int:
     else:
         path = pathlib.Path(args.dir or tempfile.mkdtemp(prefix="mtp_bench_"))
         path.mkdir(parents=True, exist_ok=True)
-        info = train(path, args.layers, args.minutes, seq=args.seq, batch=args.batch, seed=0)
+        info = train(path, args.layers, args.hidden, args.minutes, seq=args.seq, batch=args.batch, seed=0)
         print(json.dumps(info))
+        (path / "training.json").write_text(json.dumps(info))
+    if args.train_only:
+        return 0
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))

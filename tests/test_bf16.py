@@ -20,6 +20,7 @@ Tolerances (stated once, here):
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import math
 
@@ -212,6 +213,46 @@ def test_dtype_auto_follows_the_cpu_flags(monkeypatch, caplog, flags, want):
     assert ("bf16" in caplog.text.split("the CPU has")[1].split("none of")[0]) == (want == "bfloat16")
     # resolved once: an engine core decoding the shipped config sees the dtype, not "auto"
     assert EngineConfig(**{f: getattr(config, f) for f in config.__struct_fields__}).dtype == want
+
+
+NO_BF16_DOT = {"fpu", "avx2", "fma", "avx512f", "avx512bw", "avx512_vnni"}  # e.g. Cascade Lake
+
+
+def _checkpoint_config(tmp_path, **hf) -> str:
+    (tmp_path / "config.json").write_text(json.dumps({"architectures": ["LlamaForCausalLM"], **hf}))
+    return str(tmp_path)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("hf,want,why", [
+    ({"torch_dtype": "float32"}, "bf16", "float32 weights read as bf16"),
+    ({"dtype": "bfloat16"}, "bf16", "bfloat16 weights read as bf16"),  # transformers 5 names it dtype
+    ({}, "bf16", "float32 weights read as bf16"),
+    ({"torch_dtype": "float16"}, "fp16", "float16 weights read as float16"),  # bf16 would round them
+    ({"quantization_config": {"quant_method": "gptq"}}, None, "already quantized"),
+    ({"gguf_file": "/models/x.gguf"}, None, "GGUF file keeps its own tensor types"),
+])
+def test_dtype_auto_without_bf16_dot_products_reads_float_weights_as_bf16(monkeypatch, caplog, tmp_path, hf, want,
+                                                                          why):
+    """Where auto computes in float32, a float checkpoint's weights are read as 16 bits
+    (`--quantization bf16`); a format of its own, or fp16 (bf16 would round it), is left alone."""
+    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: NO_BF16_DOT)
+    with caplog.at_level(logging.INFO, logger="atomd.config"):
+        config = EngineConfig(model=_checkpoint_config(tmp_path, **hf), dtype="auto")
+    assert (config.dtype, config.quantization) == ("float32", want)
+    assert "dtype auto: weights" in caplog.text and why in caplog.text
+
+
+@pytest.mark.unit
+def test_dtype_auto_keeps_an_explicit_quantization_and_bf16_cpus(monkeypatch, tmp_path):
+    model = _checkpoint_config(tmp_path, torch_dtype="float32")
+    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: NO_BF16_DOT)
+    assert EngineConfig(model=model, dtype="auto", quantization="int8").quantization == "int8"
+    assert EngineConfig(model=model, dtype="auto").quantization == "bf16"
+    assert EngineConfig(model=model, dtype="float32").quantization is None  # only auto chooses
+    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: NO_BF16_DOT | {"avx512_bf16"})
+    config = EngineConfig(model=model, dtype="auto")
+    assert (config.dtype, config.quantization) == ("bfloat16", None)
 
 
 @pytest.mark.unit

@@ -65,10 +65,14 @@ def shaped(tmp_path_factory):
 
 @pytest.fixture(autouse=True)
 def settled(shaped):
-    """After each test: a's link as configured, every engine idle with all blocks free."""
+    """After each test: a's link as configured, every engine idle with all blocks free, and
+    both routers seeing P healthy again (a router that still counts P down after a cut serves
+    its next request on D alone: no transfer for the next test to cut)."""
     yield
     shaped.restore("a")
     shaped.shape("a", LINK)
+    for router in (shaped.r_fail, shaped.r_rec):
+        router.wait_ready(60)
     for e in (shaped.p, shaped.d_fail, shaped.d_rec):
         e.wait_idle(shaped.baseline[e.url], timeout_s=60)
     assert metrics(shaped.p)["atomd:kv_blocks_pinned"] == 0

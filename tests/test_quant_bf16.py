@@ -1,9 +1,10 @@
-"""`--quantization bf16`: 16-bit weights widened to float32 in registers (csrc/quant.h row_b16),
-float32 activations and sums, against numpy under every ATOMD_KERNEL_ISA narrowing (the CPU
+"""`--quantization bf16` / `fp16`: 16-bit weights widened to float32 in registers (csrc/quant.h
+row_b16 / row_h16), float32 activations and sums, against numpy under every ATOMD_KERNEL_ISA narrowing (the CPU
 without AVX512_BF16 is the one this path is for) and with no kernels (torch): the widening
-exact (a one-hot input gives back the stored bf16 column bit for bit), the products within
-float32 summation order of float64 numpy on the same bf16 values, at batch 1, small M and the
-tiled path; the fused batch-1 decode layer over bf16 weights."""
+exact (a one-hot input gives back the stored column bit for bit: float16 subnormals and the
+vector loops' scalar tails included), the products within float32 summation order of float64
+numpy on the same 16-bit values, at batch 1, small M and the tiled path; the fused batch-1
+decode layer over 16-bit weights."""
 from __future__ import annotations
 
 import numpy as np
@@ -17,47 +18,70 @@ from tests.test_quant_kernels import lib, numpy_bf16  # noqa: F401 (lib: the ker
 pytestmark = pytest.mark.unit
 
 
-def bf16_weight(rng, n, k):
+FORMATS = ("bf16", "fp16")
+
+
+def numpy_16(w: np.ndarray, fmt: str) -> np.ndarray:
+    """The values the format stores, as float32 (numpy's own rounding, to nearest even)."""
+    return numpy_bf16(w) if fmt == "bf16" else w.astype(np.float16).astype(np.float32)
+
+
+def weight16(rng, n, k, fmt="bf16"):
     w = (rng.standard_normal((n, k)) * 0.05).astype(np.float32)
-    return w, quant.quantize(torch.from_numpy(w), "bf16")
+    w[:, -3:] *= 1e-4  # the last columns (a scalar tail): float16 subnormals (below 6.1e-5)
+    return w, quant.quantize(torch.from_numpy(w), fmt)
 
 
-def test_bf16_is_half_the_bytes_rounded_to_nearest_even():
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_16_bits_is_half_the_bytes_rounded_to_nearest_even(fmt):
     rng = np.random.default_rng(0)
-    w, packed = bf16_weight(rng, 33, 70)
-    assert packed.bits == 16 and packed.q.dtype == torch.bfloat16 and packed.nbytes() == w.nbytes // 2
-    np.testing.assert_array_equal(packed.dequantize().numpy(), numpy_bf16(w))
+    w, packed = weight16(rng, 33, 70, fmt)
+    assert packed.bits == 16 and packed.q.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt]
+    assert packed.nbytes() == w.nbytes // 2
+    np.testing.assert_array_equal(packed.dequantize().numpy(), numpy_16(w, fmt))
     assert not packed.int8_activations_fit()  # no integer path for 16-bit weights
 
 
+def test_fp16_refuses_values_beyond_its_range():
+    w = torch.zeros(4, 8)
+    w[1, 2] = 70000.0
+    with pytest.raises(ValueError, match="beyond float16's range.*use bf16"):
+        quant.quantize(w, "fp16")
+    assert quant.quantize(w, "bf16").bits == 16
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("n,k", [(37, 101), (16, 64), (45, 576), (7, 33), (5, 8)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
-def test_bf16_linear_equals_numpy_on_the_same_bf16_values(lib, n, k, m):
+def test_16_bit_linear_equals_numpy_on_the_same_values(lib, fmt, n, k, m):
     rng = np.random.default_rng(n * k + m)
-    w, packed = bf16_weight(rng, n, k)
+    w, packed = weight16(rng, n, k, fmt)
     x = rng.standard_normal((m, k)).astype(np.float32)
     bias = rng.standard_normal(n).astype(np.float32)
     out = quant.qlinear(torch.from_numpy(x), packed, torch.from_numpy(bias), lib=lib)
-    ref = x.astype(np.float64) @ numpy_bf16(w).astype(np.float64).T + bias
+    ref = x.astype(np.float64) @ numpy_16(w, fmt).astype(np.float64).T + bias
     assert out.shape == (m, n) and out.dtype == torch.float32
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m", [1, 5, quant.QGEMM_MAX_M + 1])
-def test_widening_is_exact(lib, m):
-    """x = one-hot rows: each output is one stored weight, widened; equal bit for bit."""
+def test_widening_is_exact(lib, fmt, m):
+    """x = one-hot rows: each output is one stored weight, widened; equal bit for bit (the
+    last columns, a scalar tail of the vector loop, hold float16 subnormals)."""
     rng = np.random.default_rng(m)
-    w, packed = bf16_weight(rng, 29, 83)
-    cols = rng.integers(0, 83, m)
+    w, packed = weight16(rng, 29, 83, fmt)
+    cols = np.concatenate([rng.integers(0, 80, m - min(m, 3)), [80, 81, 82][:min(m, 3)]])
     x = np.zeros((m, 83), np.float32)
     x[np.arange(m), cols] = 1.0
     out = quant.qlinear(torch.from_numpy(x), packed, lib=lib).numpy()
-    np.testing.assert_array_equal(out, numpy_bf16(w)[:, cols].T)
+    np.testing.assert_array_equal(out, numpy_16(w, fmt)[:, cols].T)
 
 
-def test_the_fused_decode_layer_reads_bf16_weights(monkeypatch):
-    """One decoder layer at batch 1 through atomd_decode_layer_*_q_f32 over bf16 weights equals
-    the per-op path (qlinear per linear) on the same weights, under every narrowing."""
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_the_fused_decode_layer_reads_16_bit_weights(monkeypatch, fmt):
+    """One decoder layer at batch 1 through atomd_decode_layer_*_q_f32 over 16-bit weights
+    equals numpy on the same widened weights, under every narrowing."""
     from atomd.model import layer_ops
     from atomd.model.default import default_model_dir
     from atomd.model.loader import load_model
@@ -66,9 +90,10 @@ def test_the_fused_decode_layer_reads_bf16_weights(monkeypatch):
         monkeypatch.setenv(cbuild.ISA_ENV, isa)
         if not layer_ops.has_gemv(torch.float32):  # the fused layer is AVX-512 only
             continue
-        model = load_model(default_model_dir(), quantization="bf16")
+        model = load_model(default_model_dir(), quantization=fmt)
         w, cfg = model.layers[0], model.config
         assert all(isinstance(t, quant.QuantizedWeight) and t.bits == 16 for t in w.linears())
+        assert all(t.q.dtype == {"bf16": torch.bfloat16, "fp16": torch.float16}[fmt] for t in w.linears())
         fused = layer_ops.DecodeLayer(torch.float32, cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
                                       cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps, quantized=True)
         rng = np.random.default_rng(1)

@@ -15,6 +15,7 @@ import torch
 import transformers
 from tokenizers import Tokenizer
 
+import atomd.config
 from atomd.config import EngineConfig
 from atomd.llm import LLM
 from atomd.model import huge_pages, layer_ops
@@ -117,6 +118,38 @@ def test_batch_1_decode_equals_hf_on_dequantised_weights(quantized, llama_dir):
     method, llm = quantized
     prompt = prompts_of([21], seed=10)[0]
     assert greedy(llm, [prompt]) == [hf_greedy(hf_dequantised(llama_dir, method), prompt, 48)]
+
+
+@pytest.mark.unit
+def test_dtype_auto_on_a_cpu_without_bf16_dot_products_runs_bf16_weights(monkeypatch, llama_dir):
+    """`--dtype auto` where the CPU has neither AVX512_BF16 nor AMX: float32 compute over the
+    weights read as bf16 (the engine against HF float32 on the bf16-rounded weights)."""
+    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: {"avx2", "fma", "avx512f", "avx512_vnni"})
+    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256, dtype="auto")
+    assert llm.engine.model.dtype == torch.float32 and llm.engine.config.quantization == "bf16"
+    assert all(isinstance(w, QuantizedWeight) and w.bits == 16 for w in llm.engine.model.layers[0].linears())
+    prompts = prompts_of([1, 37], seed=5)
+    for prompt, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(hf_dequantised(llama_dir, "bf16"), prompt, 48), f"prompt of {len(prompt)}"
+
+
+@pytest.mark.unit
+def test_dtype_auto_keeps_a_float16_checkpoint_as_float16_weights(monkeypatch, llama_dir, tmp_path):
+    """A float16 checkpoint under `--dtype auto` without bf16 dot products: its weights as
+    stored (float16, widened exactly), so the engine follows HF float32 on the checkpoint."""
+    half = tmp_path / "fp16"
+    copy.deepcopy(hf_model(llama_dir)).half().save_pretrained(half)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (half / name).write_bytes((llama_dir / name).read_bytes())
+    assert json.loads((half / "config.json").read_text())["dtype"] == "float16"
+    monkeypatch.setattr(atomd.config, "cpu_flags", lambda: {"avx2", "fma", "f16c", "avx512f", "avx512_vnni"})
+    llm = LLM(str(half), num_threads=1, max_model_len=256, dtype="auto")
+    assert (llm.engine.model.dtype, llm.engine.config.quantization) == (torch.float32, "fp16")
+    assert all(w.q.dtype == torch.float16 for w in llm.engine.model.layers[0].linears())
+    reference = transformers.AutoModelForCausalLM.from_pretrained(half, dtype=torch.float32).eval()
+    prompts = prompts_of([1, 37], seed=5)
+    for prompt, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(reference, prompt, 48), f"prompt of {len(prompt)}"
 
 
 @pytest.mark.unit

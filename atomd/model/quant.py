@@ -10,7 +10,8 @@ uint8 [N, K / 2], each run of 32 values in 16 bytes (llama.cpp's Q4_0 order, one
 mask/shift give the run in order), group_size a multiple of 32. `--quantization bf16` (bits 16): the float weight rounded to bfloat16 and kept as 16 bits, no scales,
 widened to float32 in registers (exact) with float32 activations and sums: half float32's bytes on
 any CPU, bf16 arithmetic not needed (what llama.cpp's BF16 does on CPUs without AVX512_BF16).
-GPTQ's act-order (desc_act)
+`--quantization fp16` the same with float16 values (a float16 checkpoint's weights as stored;
+widened exactly, F16C / AVX-512 conversions). GPTQ's act-order (desc_act)
 checkpoints keep their groups contiguous by permuting the input columns once at load:
 `perm`, and x's columns are gathered in that order before each matmul.
 """
@@ -30,7 +31,9 @@ from atomd.config import QUANTIZATIONS
 log = logging.getLogger(__name__)
 # --quantization's LM head by method (a tied one: its own copy, the embedding lookup keeps the
 # floats): int8 for int4 too, as llama.cpp keeps its output tensor above Q4_0 (Q6_K)
-LM_HEAD_QUANTIZATION = {"int8": "int8", "int4": "int8", "bf16": "bf16"}
+LM_HEAD_QUANTIZATION = {"int8": "int8", "int4": "int8", "bf16": "bf16", "fp16": "fp16"}
+QBITS_F16 = -16  # csrc/quant.h: the atomd_qweight `bits` of float16 weights (16: bfloat16)
+FLOAT16_MAX = 65504.0
 INT4_GROUPS = (128, 64, 32)  # --quantization int4: the largest that divides a linear's input size
 # rows of x up to which the C kernel dequantises in registers; past it, float tiles of the
 # weight go to torch's BLAS (135M shape's layer linears, one thread, two runs: at M = 16 the
@@ -58,9 +61,9 @@ class _QWeightStruct(ctypes.Structure):
 
 @dataclass
 class QuantizedWeight:
-    bits: int  # 8, 4 or 16 (bf16)
-    q: torch.Tensor  # int8 [N, K], uint8 [N, K // 2] or bfloat16 [N, K] (module docstring)
-    scales: torch.Tensor | None  # float32 [N, groups]; None for bf16
+    bits: int  # 8, 4 or 16 (bf16 or fp16: q's dtype says which)
+    q: torch.Tensor  # int8 [N, K], uint8 [N, K // 2], bfloat16 or float16 [N, K] (module docstring)
+    scales: torch.Tensor | None  # float32 [N, groups]; None for 16-bit weights
     offsets: torch.Tensor | None  # float32 [N, groups]; None: symmetric
     group_size: int
     in_features: int
@@ -84,7 +87,8 @@ class QuantizedWeight:
                 self._scratch = _q8_scratch(1, self.in_features)
                 scratch = tuple(t.data_ptr() for t in self._scratch)
             self._ref = _QWeightStruct(self.q.data_ptr(), _ptr(self.scales), _ptr(self.offsets),
-                                       self.group_size, self.bits, *scratch)
+                                       self.group_size, QBITS_F16 if self.q.dtype == torch.float16 else self.bits,
+                                       *scratch)
         return ctypes.addressof(self._ref)
 
     def int8_activations_fit(self) -> bool:
@@ -139,6 +143,11 @@ def quantize(w: torch.Tensor, method: str) -> QuantizedWeight:
     round(-min / scale))."""
     if method == "bf16":  # rounded to nearest even once, here; widened exactly at every use
         return QuantizedWeight(16, w.to(torch.bfloat16).contiguous(), None, None, w.shape[1], w.shape[1])
+    if method == "fp16":  # exact for a float16 checkpoint; a float32 one's values must fit the range
+        if w.dtype != torch.float16 and bool((w.abs() > FLOAT16_MAX).any()):
+            raise ValueError(f"--quantization fp16: a weight of shape {tuple(w.shape)} holds values beyond float16's "
+                             f"range (|w| up to {float(w.abs().max()):g} > {FLOAT16_MAX:g}): use bf16")
+        return QuantizedWeight(16, w.to(torch.float16).contiguous(), None, None, w.shape[1], w.shape[1])
     w = w.float()
     n, k = w.shape
     if method == "int8":
@@ -203,9 +212,10 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_qgemm_q8.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
                                    _PTR, _PTR, _PTR, ctypes.c_int]
     lib.atomd_qgemm_q8.restype = None
-    lib.atomd_qgemm_b16.argtypes, lib.atomd_qgemm_b16.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
-                                                                 ctypes.c_int], None
-    lib.atomd_qdequant_b16.argtypes, lib.atomd_qdequant_b16.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
+    for w16 in ("b16", "h16"):
+        gemm, deq = getattr(lib, f"atomd_qgemm_{w16}"), getattr(lib, f"atomd_qdequant_{w16}")
+        gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int], None
+        deq.argtypes, deq.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
     log.info("int8 / int4 linears: %s kernels (int8 activations: %s)", PATHS[lib.atomd_quant_path()],
              Q8_PATHS[lib.atomd_quant_q8_path()])
@@ -223,6 +233,11 @@ def _q8_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tenso
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def _w16(w: QuantizedWeight) -> str:
+    """The kernels' name of a 16-bit weight's values: b16 (bfloat16) or h16 (float16)."""
+    return "h16" if w.q.dtype == torch.float16 else "b16"
 
 
 def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = None,
@@ -245,7 +260,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
                            w.group_size, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), threads)
     elif lib is not None and m <= QGEMM_MAX_M and w.bits == 16:
         out = torch.empty(m, n, dtype=torch.float32)
-        lib.atomd_qgemm_b16(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n, threads)
+        getattr(lib, f"atomd_qgemm_{_w16(w)}")(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n, threads)
     elif lib is not None and m <= QGEMM_MAX_M:
         out = torch.empty(m, n, dtype=torch.float32)
         getattr(lib, f"atomd_qgemm_i{w.bits}")(xf.data_ptr(), k, m, w.q.data_ptr(), w.scales.data_ptr(),
@@ -258,7 +273,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         for n0 in range(0, n, step):
             n1 = min(n0 + step, n)
             if lib is not None and w.bits == 16:
-                lib.atomd_qdequant_b16(w.q.data_ptr(), k, n0, n1, tile.data_ptr(), threads)
+                getattr(lib, f"atomd_qdequant_{_w16(w)}")(w.q.data_ptr(), k, n0, n1, tile.data_ptr(), threads)
                 t = tile[:n1 - n0]
             elif lib is not None:
                 getattr(lib, f"atomd_qdequant_i{w.bits}")(w.q.data_ptr(), w.scales.data_ptr(), _ptr(w.offsets), k,

@@ -54,16 +54,26 @@
 QGEMM(8, int8_t, K)
 QGEMM(4, uint8_t, K / 2)
 
-/* bf16 weights (quant.h's row_b16): x [M, ldx], y [M, ldy] float32, q uint16 [N, K] */
-void atomd_qgemm_b16(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N, int64_t K, float *y,
-                     int64_t ldy, int num_threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m0 = 0; m0 < M; m0 += QGEMM_ROWS) {
-            const int mb = M - m0 < QGEMM_ROWS ? (int)(M - m0) : QGEMM_ROWS;
-            DISPATCH_ROWS(row_b16, x + m0 * ldx, ldx, q + n * K, K, y + m0 * ldy + n, ldy)
-        }
-}
+/* 16-bit float weights (quant.h's row_b16 / row_h16): x [M, ldx], y [M, ldy] float32, q uint16 [N, K];
+ * and rows n0..n1 of such a weight as float32 into out [n1 - n0, K] */
+#define QGEMM16(NAME, ROW, WIDEN)                                                                                \
+    void atomd_qgemm_##NAME(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N, int64_t K,     \
+                            float *y, int64_t ldy, int num_threads) {                                            \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")               \
+        for (int64_t n = 0; n < N; n++)                                                                          \
+            for (int64_t m0 = 0; m0 < M; m0 += QGEMM_ROWS) {                                                     \
+                const int mb = M - m0 < QGEMM_ROWS ? (int)(M - m0) : QGEMM_ROWS;                                 \
+                DISPATCH_ROWS(ROW, x + m0 * ldx, ldx, q + n * K, K, y + m0 * ldy + n, ldy)                       \
+            }                                                                                                    \
+    }                                                                                                            \
+    void atomd_qdequant_##NAME(const uint16_t *q, int64_t K, int64_t n0, int64_t n1, float *out, int num_threads) { \
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                                   \
+        for (int64_t n = n0; n < n1; n++)                                                                        \
+            for (int64_t k = 0; k < K; k++) out[(n - n0) * K + k] = WIDEN(q[n * K + k]);                         \
+    }
+
+QGEMM16(b16, row_b16, b16_to_float)
+QGEMM16(h16, row_h16, h16_to_float)
 
 /* rows n0..n1 of the weight as float32 into out [n1 - n0, K] */
 void atomd_qdequant_i8(const int8_t *q, const float *scales, const float *offsets, int64_t K, int64_t G, int64_t n0,
@@ -82,12 +92,6 @@ void atomd_qdequant_i8(const int8_t *q, const float *scales, const float *offset
             for (; k < g1; k++) dst[k] = (float)qn[k] * sc + of;
         }
     }
-}
-
-void atomd_qdequant_b16(const uint16_t *q, int64_t K, int64_t n0, int64_t n1, float *out, int num_threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t n = n0; n < n1; n++)
-        for (int64_t k = 0; k < K; k++) out[(n - n0) * K + k] = b16_to_float(q[n * K + k]);
 }
 
 void atomd_qdequant_i4(const uint8_t *q, const float *scales, const float *offsets, int64_t K, int64_t G,

@@ -32,6 +32,8 @@ static inline void load_i4(const uint8_t *p, vf out[32 / LANES]) {
 static inline vf load_b16(const uint16_t *p) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)p)), 16));
 }
+/* LANES float16 weights widened to float32 (exact, subnormals included) */
+static inline vf load_h16(const uint16_t *p) { return _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p)); }
 #elif defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
 #define QUANT_PATH 1
@@ -62,6 +64,11 @@ static inline void load_i4(const uint8_t *p, vf out[32 / LANES]) {
 static inline vf load_b16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
+#ifdef __F16C__ /* every AVX2 CPU has it (x86-64-v3); a build without the flag widens one value at a time */
+static inline vf load_h16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
+#else
+#define LOAD_H16_SCALAR 1
+#endif
 #else
 #define QUANT_PATH 0
 #define LANES 1
@@ -86,8 +93,29 @@ static inline float b16_to_float(uint16_t v) {  /* bf16 -> float32: exact, the b
     c.u = (uint32_t)v << 16;
     return c.f;
 }
+/* float16 -> float32: exact (normal, subnormal, zero, inf, NaN) */
+static inline float h16_to_float(uint16_t h) {
+    union { uint32_t u; float f; } c;
+    const uint32_t sign = (uint32_t)(h & 0x8000) << 16, exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (exp == 0x1f)
+        c.u = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0)
+        c.u = sign | ((exp + 112) << 23) | (man << 13);
+    else {  /* zero or subnormal: man x 2^-24, exact in float32 */
+        c.f = (float)man * 0x1p-24f;
+        c.u |= sign;
+    }
+    return c.f;
+}
 #if QUANT_PATH == 0
 static inline vf load_b16(const uint16_t *p) { return b16_to_float(*p); }
+static inline vf load_h16(const uint16_t *p) { return h16_to_float(*p); }
+#elif defined(LOAD_H16_SCALAR)
+static inline vf load_h16(const uint16_t *p) {
+    float f[LANES];
+    for (int i = 0; i < LANES; i++) f[i] = h16_to_float(p[i]);
+    return VLOAD(f);
+}
 #endif
 
 /* a weight row's bytes this far ahead prefetched into L2 as it streams (layer_ops.c's GEMV_PREFETCH: why) */
@@ -144,11 +172,13 @@ static inline __attribute__((always_inline)) void row_i4(const float *x, int64_t
     for (int m = 0; m < mb; m++) y[m * ldy] = VSUM(acc[m]);
 }
 
-/* bf16 weights (bits 16: q uint16 [N, K] of bfloat16 values, no scales) widened in registers,
- * float32 activations and sums: half the bytes of a float32 weight, any ISA (no bf16 arithmetic
- * needed). Two accumulators per row of x: the loop is a load, a widen and an FMA per vector. */
-static inline __attribute__((always_inline)) void row_b16(const float *x, int64_t ldx, const uint16_t *q, int64_t K,
-                                                          float *y, int64_t ldy, const int mb) {
+/* 16-bit float weights (q uint16 [N, K] of bfloat16 values, bits 16, or float16 values,
+ * bits QBITS_F16; no scales) widened in registers, float32 activations and sums: half the bytes
+ * of a float32 weight, any ISA (no 16-bit arithmetic needed). Two accumulators per row of x: the
+ * loop is a load, a widen and an FMA per vector. f16 is a constant after inlining. */
+#define QBITS_F16 (-16)
+static inline __attribute__((always_inline)) void row_w16(const float *x, int64_t ldx, const uint16_t *q, int64_t K,
+                                                          float *y, int64_t ldy, const int mb, const int f16) {
     vf acc[QGEMM_ROWS], acc2[QGEMM_ROWS];
     float tail[QGEMM_ROWS];
     for (int m = 0; m < mb; m++) {
@@ -158,17 +188,25 @@ static inline __attribute__((always_inline)) void row_b16(const float *x, int64_
     int64_t k = 0;
     for (; k + 2 * LANES <= K; k += 2 * LANES) {
         QPREFETCH(q + k);
-        const vf w0 = load_b16(q + k), w1 = load_b16(q + k + LANES);
+        const vf w0 = f16 ? load_h16(q + k) : load_b16(q + k), w1 = f16 ? load_h16(q + k + LANES) : load_b16(q + k + LANES);
         for (int m = 0; m < mb; m++) {
             acc[m] = VFMA(VLOAD(x + m * ldx + k), w0, acc[m]);
             acc2[m] = VFMA(VLOAD(x + m * ldx + k + LANES), w1, acc2[m]);
         }
     }
     for (; k < K; k++) {
-        const float w = b16_to_float(q[k]);
+        const float w = f16 ? h16_to_float(q[k]) : b16_to_float(q[k]);
         for (int m = 0; m < mb; m++) tail[m] += x[m * ldx + k] * w;
     }
     for (int m = 0; m < mb; m++) y[m * ldy] = VSUM(acc[m]) + VSUM(acc2[m]) + tail[m];
+}
+static inline __attribute__((always_inline)) void row_b16(const float *x, int64_t ldx, const uint16_t *q, int64_t K,
+                                                          float *y, int64_t ldy, const int mb) {
+    row_w16(x, ldx, q, K, y, ldy, mb, 0);
+}
+static inline __attribute__((always_inline)) void row_h16(const float *x, int64_t ldx, const uint16_t *q, int64_t K,
+                                                          float *y, int64_t ldy, const int mb) {
+    row_w16(x, ldx, q, K, y, ldy, mb, 1);
 }
 
 /* ---- int8 activations (llama.cpp's Q8_0 of the activation row): integer dot products ----
@@ -371,7 +409,7 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
 typedef struct {
     const void *q;
     const float *scales, *offsets;  /* offsets NULL: symmetric */
-    int64_t group, bits;  /* bits 16: bf16 weights, scales / offsets unused */
+    int64_t group, bits;  /* bits 16: bf16 weights, QBITS_F16: float16 ones; scales / offsets unused for both */
     int8_t *xq;
     float *xd, *xsg;
 } atomd_qweight;
@@ -393,6 +431,8 @@ static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, cons
                     w->xd, w->xsg, y + n, 1, 1);
         else if (w->bits == 16)
             row_b16(x, K, (const uint16_t *)w->q + n * K, K, y + n, 1, 1);
+        else if (w->bits == QBITS_F16)
+            row_h16(x, K, (const uint16_t *)w->q + n * K, K, y + n, 1, 1);
         else if (w->bits == 8)
             row_i8(x, K, (const int8_t *)w->q + n * K, s, o, K, w->group, y + n, 1, 1);
         else
