@@ -36,19 +36,7 @@ int atomd_bf16_path(void) {
 #endif
 }
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t i; float f; } u;
-    u.i = (uint32_t)h << 16;
-    return u.f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16; a NaN stays a (quiet) NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t i; } u;
-    u.f = f;
-    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.i >> 16) | 0x40);
-    return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
-}
+#include "bf16_convert.h"
 
 static inline void widen_row(const uint16_t *restrict src, float *restrict dst) {
 #pragma omp simd

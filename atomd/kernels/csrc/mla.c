@@ -33,19 +33,7 @@
 #define RB 32               /* query rows per pass over a head's weights (phases 1 and 3) */
 #define HC 16               /* at most this many heads per attention work item (its accumulators) */
 
-static inline float bf16_to_f32(uint16_t h) {
-    union { uint32_t i; float f; } u;
-    u.i = (uint32_t)h << 16;
-    return u.f;
-}
-
-/* Round to nearest even, as torch's float -> bfloat16; a NaN stays a (quiet) NaN. */
-static inline uint16_t f32_to_bf16(float f) {
-    union { float f; uint32_t i; } u;
-    u.f = f;
-    if ((u.i & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u.i >> 16) | 0x40);
-    return (uint16_t)((u.i + 0x7fffu + ((u.i >> 16) & 1u)) >> 16);
-}
+#include "bf16_convert.h"
 
 /* n values at element `at` of src (float32, or bf16 when bf16) as float32: src itself, or widened into buf. */
 static inline const float *as_f32(const void *src, int64_t at, int bf16, float *restrict buf, int n) {
