@@ -4,6 +4,7 @@ fp32 and rounded once), chunking past the segment, a killed or stopped peer rais
 CollectiveTimeout on the survivors, and no /dev/shm name left behind."""
 from __future__ import annotations
 
+import contextlib
 import math
 import multiprocessing as mp
 import os
@@ -158,8 +159,10 @@ class Ranks:
     def stop(self):
         for p in self.procs.values():
             if p.is_alive():
-                os.kill(p.pid, signal.SIGCONT)
-                p.kill()
+                # a forkserver child is reaped by the forkserver: it may be gone between the two lines
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(p.pid, signal.SIGCONT)
+                    p.kill()
             p.join(10)
 
 
