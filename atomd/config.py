@@ -472,14 +472,12 @@ def auto_weights(model: str | None) -> tuple[str | None, str]:
     round), halving decode's bytes as llama.cpp's BF16 / F16 do on such CPUs; None (as stored)
     for a checkpoint already quantized or a GGUF file; and why."""
     try:
-        path = hub.model_path(model) if model is not None else _default_checkpoint()
-        with open(path / "config.json") as f:
-            hf = json.load(f)
+        hf = hub.read_hf_config(hub.model_path(model) if model is not None else _default_checkpoint())
     except (OSError, ValueError) as e:  # a bad --model is reported where the model loads
         return None, f"the checkpoint's config could not be read: {e}"
     if hf.get("gguf_file"):
         return None, "a GGUF file keeps its own tensor types"
-    if "quantization_config" in hf or (path / "quantize_config.json").is_file():
+    if "quantization_config" in hf:
         return None, "the checkpoint is already quantized"
     stored = hf.get("torch_dtype") or hf.get("dtype") or "float32"
     if stored == "float16":  # bf16 would round them

@@ -4,6 +4,7 @@ Stdlib only (a GGUF file's directory is made by atomd/model/gguf_file.py, numpy)
 resolves it too, without torch."""
 from __future__ import annotations
 
+import json
 import os
 import pathlib
 
@@ -62,3 +63,18 @@ def model_path(model: str) -> pathlib.Path:
     raise ValueError(f"model {model!r} is neither a local directory nor usable from the hub cache ({why}: "
                      f"looked in {repo}; set HF_HOME or HF_HUB_CACHE, or download it first with "
                      f"`huggingface-cli download {model}`)")
+
+
+def read_hf_config(model_dir: str | pathlib.Path) -> dict:
+    """A checkpoint directory's config.json, with AutoGPTQ's quantize_config.json beside it
+    folded in as its quantization_config (atomd/model/loader.py, and --dtype auto's choice)."""
+    path = pathlib.Path(model_dir) / "config.json"
+    if not path.is_file():
+        raise ValueError(f"model directory {model_dir} has no config.json")
+    with path.open() as f:
+        hf = json.load(f)
+    legacy = pathlib.Path(model_dir) / "quantize_config.json"  # AutoGPTQ's file beside config.json
+    if legacy.is_file() and "quantization_config" not in hf:
+        with legacy.open() as f:
+            hf["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
+    return hf

@@ -15,6 +15,7 @@ import torch
 from safetensors import safe_open
 
 from atomd.model import gguf_weights, quant, quant_formats, registry
+from atomd.model.hub import read_hf_config
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import DecoderModel
 from atomd.model.tensor_parallel import ShardedSource
@@ -29,19 +30,6 @@ def read_config(model_dir: str | pathlib.Path) -> ModelConfig:
     hf = read_hf_config(model_dir)
     arch = registry.architecture(hf)
     return registry.model_class(arch).config_from_hf(hf, arch)
-
-
-def read_hf_config(model_dir: str | pathlib.Path) -> dict:
-    path = pathlib.Path(model_dir) / "config.json"
-    if not path.is_file():
-        raise ValueError(f"model directory {model_dir} has no config.json")
-    with path.open() as f:
-        hf = json.load(f)
-    legacy = pathlib.Path(model_dir) / "quantize_config.json"  # AutoGPTQ's file beside config.json
-    if legacy.is_file() and "quantization_config" not in hf:
-        with legacy.open() as f:
-            hf["quantization_config"] = {"quant_method": "gptq", **json.load(f)}
-    return hf
 
 
 class _TensorSource:
