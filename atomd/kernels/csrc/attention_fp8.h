@@ -179,24 +179,17 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
     return failed ? -1 : 0;
 }
 
-int atomd_decode_attention_fp8_e4m3(const float *restrict q, const uint8_t *restrict kv,
-                                    const int64_t *restrict block_tables, const int64_t *restrict context_lens,
-                                    const int64_t *restrict query_starts, float *restrict out, int64_t batch,
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
-                                    int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
-                                    int64_t window, int num_threads) {
-    return decode_attention_fp8(q, kv, block_tables, context_lens, query_starts, out, batch, num_heads, num_kv_heads,
-                                block_size, table_width, block_stride, k_offset, v_offset, scale, window,
-                                num_threads, 0);
-}
+/* The exported entry points, one per format (the format a constant in each) */
+#define FP8_DECODE_ENTRY(FORMAT, E5M2)                                                                           \
+    int atomd_decode_attention_fp8_##FORMAT(                                                                     \
+        const float *restrict q, const uint8_t *restrict kv, const int64_t *restrict block_tables,              \
+        const int64_t *restrict context_lens, const int64_t *restrict query_starts, float *restrict out,         \
+        int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,         \
+        int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale, int64_t window, int num_threads) { \
+        return decode_attention_fp8(q, kv, block_tables, context_lens, query_starts, out, batch, num_heads,       \
+                                    num_kv_heads, block_size, table_width, block_stride, k_offset, v_offset,     \
+                                    scale, window, num_threads, E5M2);                                           \
+    }
 
-int atomd_decode_attention_fp8_e5m2(const float *restrict q, const uint8_t *restrict kv,
-                                    const int64_t *restrict block_tables, const int64_t *restrict context_lens,
-                                    const int64_t *restrict query_starts, float *restrict out, int64_t batch,
-                                    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
-                                    int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
-                                    int64_t window, int num_threads) {
-    return decode_attention_fp8(q, kv, block_tables, context_lens, query_starts, out, batch, num_heads, num_kv_heads,
-                                block_size, table_width, block_stride, k_offset, v_offset, scale, window,
-                                num_threads, 1);
-}
+FP8_DECODE_ENTRY(e4m3, 0)
+FP8_DECODE_ENTRY(e5m2, 1)
