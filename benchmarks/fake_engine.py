@@ -81,6 +81,7 @@ class FakeEngine:
         app = web.Application()
         app.router.add_post("/v1/completions", self.generate)
         app.router.add_post("/v1/chat/completions", self.generate)
+        app.router.add_post("/v1/responses", self.generate)  # answered in chat's shape: the router relays bytes
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/ready", self.ready)

@@ -264,7 +264,7 @@ class PDRequest:
 
     __slots__ = ("relay", "metrics", "series", "req", "resp", "endpoint", "path", "body", "raw", "route",
                  "request_id", "headers", "echo", "arrival", "last_send", "first_event_sent", "prefill_worker",
-                 "transfer_id", "pulled", "deadline_hit", "_deadline", "reason", "learning", "pinned", "served_by")
+                 "transfer_id", "pulled", "deadline_hit", "_deadline", "reason", "learning", "pinned")
 
     def __init__(self, relay: PDRelay, req: Request, resp: Response, endpoint: str, body: dict, raw: bytes):
         self.relay = relay
@@ -292,9 +292,13 @@ class PDRequest:
         # adaptive: what D's first event teaches the decider (router/adaptive.py); None otherwise
         self.learning: LocalPrefill | RemotePrefill | None = None
         # a worker that must serve the request alone (one leg; router/responses.py: the engine that
-        # stored a previous response), and the worker whose answer the client got
+        # stored a previous response)
         self.pinned: Worker | None = None
-        self.served_by: Worker | None = None
+
+    def answered(self, worker: Worker) -> None:
+        """`worker` answers 200 and its answer is about to be relayed: the client may send its
+        next request (continuing this one) as soon as the last byte arrives, so whatever the
+        router must know of who answered is recorded now (router/responses.py), not after."""
 
     def leg_headers(self, role: str) -> bytes:
         rank = self.route.dp_rank.get(role)
@@ -571,13 +575,14 @@ class PDRequest:
                         last_error = str(err)
                         tried.append(worker)
                         continue
+                    if conn.status == 200:
+                        self.answered(worker)
                     await self.relay_answer(role, worker, conn)
                 except BaseException:
                     conn.abort()
                     raise
                 blame(suspects)
                 self.metrics.legs[role].observe(time.perf_counter() - started)
-                self.served_by = worker
                 return
             finally:
                 worker.done(trial, tokens)

@@ -125,12 +125,22 @@ async def relay_response(relay: PDRelay, affinity: ResponseAffinity, req: Reques
         relay.metrics.client_kv_params_dropped += 1
     if not isinstance(body.get("request_id"), str):
         body["request_id"] = "resp_" + os.urandom(16).hex()
-    one = PDRequest(relay, req, resp, "responses", body, msgspec.json.encode(body))
+    one = ResponseRequest(relay, req, resp, "responses", body, msgspec.json.encode(body))
+    one.affinity = affinity
     one.route = RouteRequest(routing_view(body), req.headers, relay.tokenizer)  # placed by its chat prompt
     url = affinity.url_of(body.get("previous_response_id"))
     if url is not None:
         one.pinned = next((w for w in relay.registry.workers() if w.url == url and w.role in ("decode", "worker")
                            and w.available()), None)
     await one.run()
-    if one.served_by is not None and resp.status == 200:
-        affinity.remember(body["request_id"], one.served_by.url)
+
+
+class ResponseRequest(PDRequest):
+    """A /v1/responses request: the engine that answers it stores the response, so the router
+    remembers which one before the answer reaches the client (whose next request may continue it
+    the moment the last byte arrives)."""
+
+    __slots__ = ("affinity",)
+
+    def answered(self, worker: Worker) -> None:
+        self.affinity.remember(self.body["request_id"], worker.url)

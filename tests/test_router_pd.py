@@ -10,6 +10,7 @@ import openai
 import pytest
 
 from tests.fake_workers import Cluster, LoopThread, wait_until
+from tests.fake_workers import http as fake_http
 
 pytestmark = [pytest.mark.unit, pytest.mark.timeout(60)]
 
@@ -333,3 +334,22 @@ async def raw_post(url: str, data: bytes) -> tuple[int, bytes]:
         async with s.post(url, data=data, headers={"Content-Type": "application/json"}) as r:
             return r.status, await r.read()
 
+
+
+def test_a_response_continued_before_its_stream_ends_goes_to_the_engine_that_stored_it(cluster, loop):
+    """The client may send `previous_response_id` as soon as it has read `response.completed`,
+    before D's stream (and so the router's relay) has ended: the router knows where the response
+    is stored from D's first byte on, so the continuation is one leg on that D, not a P leg that
+    lacks the response (a 404 in a real pair)."""
+    p, d = cluster.prefill[0], cluster.decode[0]
+    d.hold_after_first_event.clear()  # D streams one event, then waits
+    first = asyncio.run_coroutine_threadsafe(
+        fake_http("POST", cluster.url + "/v1/responses", {"input": "hi there", "stream": True}), loop.loop)
+    wait_until(lambda: d.streams and d.streams[0], what="D's first event")
+    stored = d.requests[0][1]["request_id"]
+    assert stored.startswith("resp_") and len(p.requests) == 1
+    follow = cluster.post("/v1/responses", {"input": "and again", "previous_response_id": stored})
+    assert follow.status == 200, follow.body
+    assert len(p.requests) == 1 and [b.get("previous_response_id") for _, b in d.requests] == [None, stored]
+    loop.loop.call_soon_threadsafe(d.hold_after_first_event.set)
+    assert first.result(20).status == 200
