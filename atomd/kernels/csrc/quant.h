@@ -407,6 +407,67 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
         y[m * ldy] = _mm512_reduce_add_ps(
             _mm512_add_ps(acc[m], q8_rest_v(s, o, groups, xsg + m * Q8_XSG(K), bits == 8 ? 128.0f : 0.0f)));
 }
+
+/* the sums of 4 vectors, lane r = sum of a[r] */
+static inline __m128 sum4_ps(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
+    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
+/* batch 1, groups of whole pairs: 4 weight rows (row r at q + r * rstride, scales / offsets
+ * at s / o + r * groups) against one quantised row of x, sharing its loads and one horizontal
+ * sum for the four: y[0..3] */
+#define Q8_R 4
+static inline __attribute__((always_inline)) void rows4_q8(const void *q, const int bits, int64_t rstride,
+                                                           const float *s, const float *o, int64_t K, int64_t G,
+                                                           const int8_t *xq, const float *xd, const float *xsg,
+                                                           float y[Q8_R]) {
+    const int64_t per = G / Q8_BLOCK, groups = K / G, pb = bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2;
+    const uint8_t *qr = (const uint8_t *)q;
+    __m512 acc[Q8_R];
+    for (int r = 0; r < Q8_R; r++) acc[r] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; g++) {
+        __m512 gacc[Q8_R];
+        for (int r = 0; r < Q8_R; r++) gacc[r] = _mm512_setzero_ps();
+        for (int64_t b = g * per; b < (g + 1) * per; b += 2) {
+            const __m512i xv = _mm512_loadu_si512(xq + b * Q8_BLOCK);
+            const __m512 dv = _mm512_loadu_ps(xd + (b / 2) * 16);
+            for (int r = 0; r < Q8_R; r++) {
+                QPREFETCH(qr + r * rstride + b * pb);
+                gacc[r] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_u8(qr + r * rstride, b, bits, 1), xv)),
+                    dv, gacc[r]);
+            }
+        }
+        for (int r = 0; r < Q8_R; r++) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(s[r * groups + g]), acc[r]);
+    }
+    for (int r = 0; r < Q8_R; r++)
+        acc[r] = _mm512_add_ps(acc[r], q8_rest_v(s + r * groups, o ? o + r * groups : NULL, groups, xsg,
+                                                 bits == 8 ? 128.0f : 0.0f));
+    _mm_storeu_ps(y, sum4_ps(acc[0], acc[1], acc[2], acc[3]));
+}
+
+/* rows 4i..4i+3 of an [N, K] weight (N >= 4; the last four rows for a short last set, each
+ * row's sum the same whichever set computes it) at batch 1 into y[4i..]: per-op and fused
+ * layer alike, so both give the same bits */
+static inline __attribute__((always_inline)) void gemv4_q8(const void *q, int bits, const float *scales,
+                                                           const float *offsets, int64_t N, int64_t K, int64_t G,
+                                                           const int8_t *xq, const float *xd, const float *xsg,
+                                                           int64_t i, float *y) {
+    const int64_t n0 = i * Q8_R, n = n0 + Q8_R <= N ? n0 : N - Q8_R, groups = K / G, rb = bits == 8 ? K : K / 2;
+    const float *s = scales + n * groups, *o = offsets ? offsets + n * groups : NULL;
+    float y4[Q8_R];
+    if (bits == 8)
+        rows4_q8((const uint8_t *)q + n * rb, 8, rb, s, o, K, G, xq, xd, xsg, y4);
+    else
+        rows4_q8((const uint8_t *)q + n * rb, 4, rb, s, o, K, G, xq, xd, xsg, y4);
+    for (int64_t j = n0; j < n0 + Q8_R && j < N; j++) y[j] = y4[j - n];
+}
+#define Q8_GEMV4(N, K, G) ((N) >= Q8_R && ((G) / Q8_BLOCK) % 2 == 0)  /* batch 1 through gemv4_q8 */
 #else
 /* sum_k q[k] * xq[k] over one block: int32 partial sums as floats (lanes summed by VQSUM) */
 #if Q8_PATH == 2
@@ -498,6 +559,16 @@ static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, cons
         _Pragma("omp single")  /* its barrier: every thread's rows read the whole quantised x */
         quantize_row_q8(x, K, w->group, (int)w->bits, w->xq, w->xd, w->xsg);
     }
+#if Q8_PATH == 3
+    if (w->xq && Q8_GEMV4(N, K, w->group)) {
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) {
+            gemv4_q8(w->q, (int)w->bits, w->scales, w->offsets, N, K, w->group, w->xq, w->xd, w->xsg, i, y);
+            for (int64_t n = i * Q8_R; bias && n < (i + 1) * Q8_R && n < N; n++) y[n] += bias[n];
+        }
+        return;
+    }
+#endif
     _Pragma("omp for schedule(static)")
     for (int64_t n = 0; n < N; n++) {
         const float *s = w->scales + n * groups, *o = w->offsets ? w->offsets + n * groups : NULL;
