@@ -137,7 +137,7 @@ void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64
     for (int64_t m = 0; m < M; m++)
         quantize_row_q8(x + m * ldx, K, G, (int)bits, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
 #if Q8_PATH == 3
-    if (M == 1 && Q8_GEMV4(N, K, G)) {  /* batch 1: as the fused layer's rows */
+    if (M == 1 && Q8_GEMV4(N)) {  /* batch 1: as the fused layer's rows */
         _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
         for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) gemv4_q8(q, (int)bits, scales, offsets, N, K, G, xq, xd, xsg, i, y);
         return;

@@ -418,7 +418,7 @@ static inline __m128 sum4_ps(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
     return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
 }
 
-/* batch 1, groups of whole pairs: 4 weight rows (row r at q + r * rstride, scales / offsets
+/* batch 1: 4 weight rows (row r at q + r * rstride, scales / offsets
  * at s / o + r * groups) against one quantised row of x, sharing its loads and one horizontal
  * sum for the four: y[0..3] */
 #define Q8_R 4
@@ -430,7 +430,23 @@ static inline __attribute__((always_inline)) void rows4_q8(const void *q, const 
     const uint8_t *qr = (const uint8_t *)q;
     __m512 acc[Q8_R];
     for (int r = 0; r < Q8_R; r++) acc[r] = _mm512_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
+    const int64_t nb = K / Q8_BLOCK;
+    for (int64_t b = per % 2 ? 0 : nb; b < nb; b += 2) {  /* groups of an odd count of blocks (32: Q4_0, Q8_0) */
+        const int full = b + 1 < nb;
+        const int8_t *xr = xq + b * Q8_BLOCK;
+        const __m512i xv = full ? _mm512_loadu_si512(xr) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xr);
+        const __m512 dv = _mm512_loadu_ps(xd + (b / 2) * 16);
+        const int64_t g0 = b / per, g1 = full ? (b + 1) / per : g0;
+        for (int r = 0; r < Q8_R; r++) {
+            QPREFETCH(qr + r * rstride + b * pb);
+            /* the second block's lanes: 8-15, or 4-7 and 12-15 in an int4 pair's mixed order (pair_u8) */
+            const __m512 sv = _mm512_mask_blend_ps(bits == 4 && full ? 0xF0F0 : 0xFF00, _mm512_set1_ps(s[r * groups + g0]),
+                                                   _mm512_set1_ps(s[r * groups + g1]));
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_u8(qr + r * rstride, b, bits, full), xv));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dv), sv, acc[r]);
+        }
+    }
+    for (int64_t g = 0; per % 2 == 0 && g < groups; g++) {  /* groups of whole pairs: the weight scale once a group */
         __m512 gacc[Q8_R];
         for (int r = 0; r < Q8_R; r++) gacc[r] = _mm512_setzero_ps();
         for (int64_t b = g * per; b < (g + 1) * per; b += 2) {
@@ -467,7 +483,7 @@ static inline __attribute__((always_inline)) void gemv4_q8(const void *q, int bi
         rows4_q8((const uint8_t *)q + n * rb, 4, rb, s, o, K, G, xq, xd, xsg, y4);
     for (int64_t j = n0; j < n0 + Q8_R && j < N; j++) y[j] = y4[j - n];
 }
-#define Q8_GEMV4(N, K, G) ((N) >= Q8_R && ((G) / Q8_BLOCK) % 2 == 0)  /* batch 1 through gemv4_q8 */
+#define Q8_GEMV4(N) ((N) >= Q8_R)  /* batch 1 through gemv4_q8 */
 #else
 /* sum_k q[k] * xq[k] over one block: int32 partial sums as floats (lanes summed by VQSUM) */
 #if Q8_PATH == 2
@@ -560,7 +576,7 @@ static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, cons
         quantize_row_q8(x, K, w->group, (int)w->bits, w->xq, w->xd, w->xsg);
     }
 #if Q8_PATH == 3
-    if (w->xq && Q8_GEMV4(N, K, w->group)) {
+    if (w->xq && Q8_GEMV4(N)) {
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) {
             gemv4_q8(w->q, (int)w->bits, w->scales, w->offsets, N, K, w->group, w->xq, w->xd, w->xsg, i, y);
