@@ -329,30 +329,6 @@ static inline __m512i pair_u8(const void *q, int64_t b, int bits, int full) {
     return _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, lanes, _mm512_srli_epi16(lanes, 4)), _mm512_set1_epi8(15));
 }
 
-/* sum over the pairs from block b0 to b1 of one row of x: (q . xq) per pair as floats times xd,
- * in two chains (alternate pairs) so the loop is not one FMA's latency per pair long */
-static inline __attribute__((always_inline)) __m512 pairs_q8(const void *q, int bits, int64_t b0, int64_t b1,
-                                                             const int8_t *xq, const float *xd) {
-    __m512 c0 = _mm512_setzero_ps(), c1 = _mm512_setzero_ps();
-    if (b1 - b0 == 2) {  /* groups of 64: one pair */
-        QPREFETCH((const uint8_t *)q + b0 * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
-        return _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_u8(q, b0, bits, 1),
-                                                                    _mm512_loadu_si512(xq + b0 * Q8_BLOCK))),
-                             _mm512_loadu_ps(xd + (b0 / 2) * 16));
-    }
-    for (int64_t b = b0; b < b1; b += 4) {
-        QPREFETCH((const uint8_t *)q + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
-        c0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_u8(q, b, bits, 1),
-                                                                    _mm512_loadu_si512(xq + b * Q8_BLOCK))),
-                             _mm512_loadu_ps(xd + (b / 2) * 16), c0);
-        if (b + 2 < b1)
-            c1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_u8(q, b + 2, bits, 1),
-                                                                        _mm512_loadu_si512(xq + (b + 2) * Q8_BLOCK))),
-                                 _mm512_loadu_ps(xd + (b / 2 + 1) * 16), c1);
-    }
-    return _mm512_add_ps(c0, c1);
-}
-
 /* one weight row against mb (a constant after inlining) quantised rows of x: y[m * ldy] */
 static inline __attribute__((always_inline)) void rows_q8(const void *q, int bits, const float *s, const float *o,
                                                           int64_t K, int64_t G, const int8_t *xq, const float *xd,
@@ -360,16 +336,7 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
     __m512 acc[Q8_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G;
-    if (per % 2 == 0 && mb == 1) {  /* batch 1: groups alternate between two chains as well */
-        __m512 acc1 = _mm512_setzero_ps();
-        for (int64_t g = 0; g < groups; g += 2) {
-            acc[0] = _mm512_fmadd_ps(pairs_q8(q, bits, g * per, (g + 1) * per, xq, xd), _mm512_set1_ps(s[g]), acc[0]);
-            if (g + 1 < groups)
-                acc1 = _mm512_fmadd_ps(pairs_q8(q, bits, (g + 1) * per, (g + 2) * per, xq, xd), _mm512_set1_ps(s[g + 1]),
-                                       acc1);
-        }
-        acc[0] = _mm512_add_ps(acc[0], acc1);
-    } else if (per % 2 == 0) {  /* groups of whole pairs (per channel, 64, 128): the weight scale once per group */
+    if (per % 2 == 0) {  /* groups of whole pairs (per channel, 64, 128): the weight scale once per group */
         for (int64_t g = 0; g < groups; g++) {
             __m512 gacc[Q8_ROWS];
             for (int m = 0; m < mb; m++) gacc[m] = _mm512_setzero_ps();
