@@ -364,3 +364,18 @@ def test_a_loaded_model_keeps_no_view_of_its_checkpoint_file(tmp_path):
     gc.collect()
     mapped = pathlib.Path("/proc/self/maps").read_text()
     assert model.layers and str(path.resolve()) not in mapped
+
+
+def test_small_weights_share_one_huge_page_mapping():
+    """huge_pages.side_by_side: tensors too small for a huge page of their own, copied in order
+    into one 2 MiB-aligned mapping, each from a 64-byte boundary, values unchanged."""
+    ts = [torch.randn(3, 5), torch.randint(0, 255, (7, 9), dtype=torch.uint8), torch.randn(2, 64).to(torch.bfloat16),
+          torch.randint(-128, 127, (33,), dtype=torch.int8)]
+    out = huge_pages.side_by_side(ts)
+    assert out[0].data_ptr() % huge_pages.HUGE_PAGE == 0
+    for t, u in zip(ts, out):
+        assert u.dtype == t.dtype and u.shape == t.shape and u.is_contiguous() and torch.equal(t, u)
+        assert u.data_ptr() % 64 == 0
+    ends = [u.data_ptr() + u.nbytes for u in out]
+    assert all(end <= nxt.data_ptr() for end, nxt in zip(ends, out[1:]))  # in order, not overlapping
+    assert out[-1].data_ptr() - out[0].data_ptr() < huge_pages.HUGE_PAGE

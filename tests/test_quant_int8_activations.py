@@ -68,6 +68,9 @@ def q8_reference(x, values, scales, offsets, group):
 CASES = [  # bits, N, K, group (K: per channel), zero points
     (8, 37, 96, 96, False), (8, 45, 256, 32, True), (8, 19, 192, 64, False), (8, 21, 384, 128, True),
     (4, 37, 96, 32, True), (4, 29, 192, 64, False), (4, 33, 256, 128, True), (4, 7, 160, 32, False),
+    # batch 1 (4 rows at once, a short last set): per channel of whole pairs, odd groups of 128, > 16 groups
+    (8, 13, 320, 320, False), (4, 11, 640, 128, True), (8, 9, 1088, 64, True), (4, 5, 1088, 64, True),
+    (4, 3, 128, 64, True),  # fewer rows than batch 1 takes at once
 ]
 
 

@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
-from atomd.model import layer_ops, quant
+from atomd.model import huge_pages, layer_ops, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
 from atomd.model.huge_pages import on_huge_pages, release_freed_memory
@@ -240,19 +240,32 @@ class DecoderModel:
     def _rows_on_huge_pages(self) -> None:
         """Move what batch-1 decode streams (every layer linear, the LM head, plain or quantized) onto 2 MiB
         pages (atomd/model/huge_pages.py: ~1.2x the GEMV's read rate), one tensor at a time,
-        every reference rebound (a tied head is the embedding table)."""
-        def move(t):
+        every reference rebound (a tied head is the embedding table); the tensors too small
+        for a huge page of their own share one mapping, in layer order (huge_pages.side_by_side)."""
+        small = []  # (owner, attribute) of each tensor left for the shared mapping
+
+        def move(owner, name):
+            t = getattr(owner, name)
             if isinstance(t, QuantizedWeight):  # its packed values and scales; its C struct made again
-                t.q, t.scales, t.offsets = (u if u is None else on_huge_pages(u) for u in (t.q, t.scales, t.offsets))
+                for part in ("q", "scales", "offsets"):
+                    move(t, part)
                 t._ref = None
-                return t
-            return t if t is None else on_huge_pages(t.contiguous())
+            elif t is not None:
+                t = t.contiguous()
+                setattr(owner, name, on_huge_pages(t))
+                if t.nbytes < huge_pages.MIN_BYTES:
+                    small.append((owner, name))
         tied = self.lm_head is self.embed
-        self.lm_head = move(self.lm_head)
+        move(self, "lm_head")
         if tied:
             self.embed = self.lm_head
+        small.clear()  # the head's small parts (an int8 head's scales) stay where they are
         for w in self.layers:
-            w.qkv, w.o, w.gate_up, w.down = (move(t) for t in (w.qkv, w.o, w.gate_up, w.down))
+            for name in ("qkv", "o", "gate_up", "down"):
+                move(w, name)
+        if small:
+            for (owner, name), t in zip(small, huge_pages.side_by_side([getattr(o, n) for o, n in small])):
+                setattr(owner, name, t)
 
     @property
     def dtype(self) -> torch.dtype:

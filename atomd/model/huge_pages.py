@@ -21,12 +21,10 @@ HUGE_PAGE = 2 << 20
 MIN_BYTES = HUGE_PAGE  # smaller tensors would not fill one huge page
 
 
-def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
-    """A contiguous copy of t in a 2 MiB-aligned MADV_HUGEPAGE mapping (t itself when smaller
-    than a huge page). The mapping lives as long as the returned tensor."""
-    if t.nbytes < MIN_BYTES or not t.is_contiguous():
-        return t
-    size = (t.nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
+def _region(nbytes: int) -> tuple[mmap.mmap, int]:
+    """An anonymous mapping with nbytes from a 2 MiB boundary on (that offset into it),
+    madvise(MADV_HUGEPAGE)d before anything touches it."""
+    size = (nbytes + HUGE_PAGE - 1) // HUGE_PAGE * HUGE_PAGE
     region = mmap.mmap(-1, size + HUGE_PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     address = ctypes.addressof(ctypes.c_char.from_buffer(region))
     offset = -address % HUGE_PAGE
@@ -35,8 +33,33 @@ def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
             region.madvise(mmap.MADV_HUGEPAGE, offset, size)
         except OSError as e:  # no THP in this kernel: plain pages
             log.debug("madvise(MADV_HUGEPAGE): %s", e)
-    out = torch.frombuffer(region, dtype=torch.uint8, count=t.nbytes, offset=offset).view(t.dtype).view(t.shape)
-    out.copy_(t)
+    return region, offset
+
+
+def on_huge_pages(t: torch.Tensor) -> torch.Tensor:
+    """A contiguous copy of t in a 2 MiB-aligned MADV_HUGEPAGE mapping (t itself when smaller
+    than a huge page). The mapping lives as long as the returned tensor."""
+    if t.nbytes < MIN_BYTES or not t.is_contiguous():
+        return t
+    return side_by_side([t])[0]
+
+
+def side_by_side(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Contiguous copies of `tensors`, in order, in one 2 MiB-aligned MADV_HUGEPAGE mapping,
+    each from a 64-byte boundary: tensors too small for a huge page of their own (most of a
+    135M model's linears) share them, in the order decode streams them. The mapping lives as
+    long as any returned tensor."""
+    starts, end = [], 0
+    for t in tensors:
+        starts.append(end)
+        end = (end + t.nbytes + 63) // 64 * 64
+    region, offset = _region(max(end, 1))
+    out = []
+    for t, start in zip(tensors, starts):
+        view = torch.frombuffer(region, dtype=torch.uint8, count=t.nbytes, offset=offset + start)
+        view = view.view(t.dtype).view(t.shape)
+        view.copy_(t)
+        out.append(view)
     return out
 
 

@@ -219,10 +219,14 @@ static inline __attribute__((always_inline)) void row_h16(const float *x, int64_
  * to 8 bits and the order of the float sums differ from the float-activation rows above. K
  * and G must be multiples of Q8_BLOCK (the caller checks). A row's scratch: xq [K] int8,
  * xd [Q8_XD(K)] and xsg [Q8_XSG(K)] floats. Paths (Q8_PATH): 3 AVX512-VNNI, two blocks a
- * vpdpbusd (u8 x s8: int4 nibbles as they are; int8 weights + 128, taken back as
- * 128 * s * xsg, so -128 stays exact), up to Q8_ROWS rows of x per weight load, xd one
- * 16-float vector per pair of blocks; 2 AVX-512 BW and 1 AVX2 (int16 widening, vpmaddwd)
- * and 0 scalar, a block at a time, xd one float a block. */
+ * vpdpbusd (u8 x s8; int8 weights + 128, taken back as 128 * s * xsg, so -128 stays exact),
+ * up to Q8_ROWS rows of x per weight load, xd one 16-float vector per pair of blocks; 2
+ * AVX-512 BW and 1 AVX2 (int16 widening, vpmaddwd) and 0 scalar, a block at a time, xd one
+ * float a block. Path 3's int4 pair: the pair's 32 bytes broadcast to both halves of a
+ * register and masked, low nibbles (& 0x0F) below and high ones left in place (& 0xF0, so
+ * 16 x the value) above: no shift or shuffle. x is stored to match (quantize_row_q8, bits 4:
+ * per pair [b0 0-15, b1 0-15, b0 16-31, b1 16-31]) and the upper lanes' xd is d / 16, which
+ * gives the same products exactly (16 x an int32 below 2^24, times a power of two). */
 #define Q8_BLOCK 32
 #define Q8_ROWS 4
 #define Q8_XD(K) (((K) / Q8_BLOCK + 1) / 2 * 16)  /* one 16-float vector per pair of blocks */
@@ -233,21 +237,38 @@ static inline __attribute__((always_inline)) void row_h16(const float *x, int64_
 #define Q8_PATH QUANT_PATH
 #endif
 
-static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int8_t *xq, float *xd, float *xsg) {
+static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int bits, int8_t *xq, float *xd,
+                                   float *xsg) {
     const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK;
+    (void)bits;
     for (int64_t b = 0; b < nb; b++) {
         const float *xb = x + b * Q8_BLOCK;
         float amax = 0.0f;
         for (int i = 0; i < Q8_BLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
+#if Q8_PATH == 3
+        /* int4 in a whole pair: halves interleaved with the pair's other block (the doc above) */
+        const int mix = bits == 4 && (b | 1) < nb;
+        int8_t *dst = xq + (b & ~(int64_t)1) * Q8_BLOCK + (mix ? (b % 2) * 16 : (b % 2) * Q8_BLOCK);
+#else
+        int8_t *dst = xq + b * Q8_BLOCK;
+#endif
         for (int i = 0; i < Q8_BLOCK; i++) {
             const int8_t v = (int8_t)nearbyintf(xb[i] * id);
-            xq[b * Q8_BLOCK + i] = v;
+#if Q8_PATH == 3
+            dst[mix && i >= 16 ? i + 16 : i] = v;
+#else
+            dst[i] = v;
+#endif
             sum += v;
         }
 #if Q8_PATH == 3
-        for (int i = 0; i < 8; i++) xd[(b / 2) * 16 + (b % 2) * 8 + i] = d;
+        float *dv = xd + (b / 2) * 16;
+        if (mix)
+            for (int i = 0; i < 4; i++) dv[(b % 2) * 4 + i] = d, dv[8 + (b % 2) * 4 + i] = d * 0.0625f;
+        else
+            for (int i = 0; i < 8; i++) dv[(b % 2) * 8 + i] = d;
 #else
         xd[b] = d;
 #endif
@@ -261,7 +282,9 @@ static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int8_t 
 }
 
 /* the part that does not depend on the products: sum_g (o_g - bias * s_g) * xsg_g */
-static inline float q8_rest(const float *s, const float *o, int64_t groups, const float *xsg, float bias) {
+static inline __attribute__((always_inline)) float q8_rest(const float *s, const float *o, int64_t groups,
+                                                           const float *xsg, const float bias) {
+    if (!o && bias == 0.0f) return 0.0f;
     vf acc = VZERO();
     int64_t g = 0;
     for (; g + LANES <= groups; g += LANES) {  /* groups of 32 (Q4_0, Q8_0): one term per 32 weights */
@@ -270,12 +293,27 @@ static inline float q8_rest(const float *s, const float *o, int64_t groups, cons
         acc = VFMA(c, VLOAD(xsg + g), acc);
     }
     float rest = VSUM(acc);
-    for (; g < groups; g++) rest += ((o ? o[g] : 0.0f) - bias * s[g]) * xsg[g];
+    for (; g < groups; g++) rest += (bias != 0.0f ? (o ? o[g] : 0.0f) - bias * s[g] : o[g]) * xsg[g];
     return rest;
 }
 
 #if Q8_PATH == 3
-/* two blocks of weights as 64 unsigned bytes (full 0: the second block is past K, zeros) */
+/* q8_rest's terms as one vector to add before the row's horizontal sum (masked loads: no scalar tail) */
+static inline __attribute__((always_inline)) __m512 q8_rest_v(const float *s, const float *o, int64_t groups,
+                                                              const float *xsg, const float bias) {
+    __m512 acc = _mm512_setzero_ps();
+    if (!o && bias == 0.0f) return acc;
+    for (int64_t g = 0; g < groups; g += 16) {
+        const __mmask16 k = groups - g >= 16 ? 0xFFFF : (__mmask16)((1u << (groups - g)) - 1);
+        __m512 c = o ? _mm512_maskz_loadu_ps(k, o + g) : _mm512_setzero_ps();
+        if (bias != 0.0f) c = _mm512_fnmadd_ps(_mm512_set1_ps(bias), _mm512_maskz_loadu_ps(k, s + g), c);
+        acc = _mm512_fmadd_ps(c, _mm512_maskz_loadu_ps(k, xsg + g), acc);
+    }
+    return acc;
+}
+
+/* two blocks of weights as 64 unsigned bytes (full 0: the second block is past K, zeros; an
+ * int4 pair in path 3's mixed order, a lone int4 block in order: low nibbles, high, zeros) */
 static inline __m512i pair_u8(const void *q, int64_t b, int bits, int full) {
     if (bits == 8) {
         const int8_t *p = (const int8_t *)q + b * Q8_BLOCK;
@@ -283,9 +321,11 @@ static inline __m512i pair_u8(const void *q, int64_t b, int bits, int full) {
         return _mm512_xor_si512(w, _mm512_set1_epi8((char)0x80));
     }
     const uint8_t *p = (const uint8_t *)q + b * (Q8_BLOCK / 2);
-    const __m256i v = full ? _mm256_loadu_si256((const __m256i *)p) : _mm256_zextsi128_si256(_mm_loadu_si128((const __m128i *)p));
-    const __m512i t = _mm512_castsi256_si512(v);
-    const __m512i lanes = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(1, 1, 0, 0));  /* block 0, 0, 1, 1 */
+    if (full)
+        return _mm512_and_si512(_mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)p)),
+                                _mm512_inserti64x4(_mm512_set1_epi8(15), _mm256_set1_epi8((char)0xF0), 1));
+    const __m512i t = _mm512_zextsi128_si512(_mm_loadu_si128((const __m128i *)p));
+    const __m512i lanes = _mm512_shuffle_i64x2(t, t, _MM_SHUFFLE(1, 1, 0, 0));  /* block 0, 0, then zeros */
     return _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, lanes, _mm512_srli_epi16(lanes, 4)), _mm512_set1_epi8(15));
 }
 
@@ -295,9 +335,9 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
                                                           const float *xsg, float *y, int64_t ldy, const int mb) {
     __m512 acc[Q8_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
-    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK;
+    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G;
     if (per % 2 == 0) {  /* groups of whole pairs (per channel, 64, 128): the weight scale once per group */
-        for (int64_t g = 0; g < K / G; g++) {
+        for (int64_t g = 0; g < groups; g++) {
             __m512 gacc[Q8_ROWS];
             for (int m = 0; m < mb; m++) gacc[m] = _mm512_setzero_ps();
             for (int64_t b = g * per; b < (g + 1) * per; b += 2) {
@@ -321,7 +361,8 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
         if (--left == 0) g++, left = per;
         const float s1 = full ? s[g] : 0.0f;
         if (full && --left == 0) g++, left = per;
-        const __m512 sv = _mm512_mask_blend_ps(0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
+        /* the lanes of the pair's second block: 8-15, or 4-7 and 12-15 in an int4 pair's mixed order */
+        const __m512 sv = _mm512_mask_blend_ps(bits == 4 && full ? 0xF0F0 : 0xFF00, _mm512_set1_ps(s0), _mm512_set1_ps(s1));
         for (int m = 0; m < mb; m++) {
             const int8_t *xr = xq + m * K + b * Q8_BLOCK;
             const __m512i xv = full ? _mm512_loadu_si512(xr) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xr);
@@ -330,8 +371,86 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
         }
     }
     for (int m = 0; m < mb; m++)
-        y[m * ldy] = _mm512_reduce_add_ps(acc[m]) + q8_rest(s, o, K / G, xsg + m * Q8_XSG(K), bits == 8 ? 128.0f : 0.0f);
+        y[m * ldy] = _mm512_reduce_add_ps(
+            _mm512_add_ps(acc[m], q8_rest_v(s, o, groups, xsg + m * Q8_XSG(K), bits == 8 ? 128.0f : 0.0f)));
 }
+
+/* the sums of 4 vectors, lane r = sum of a[r] */
+static inline __m128 sum4_ps(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
+    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
+/* batch 1: 4 weight rows (row r at q + r * rstride, scales / offsets
+ * at s / o + r * groups) against one quantised row of x, sharing its loads and one horizontal
+ * sum for the four: y[0..3] */
+#define Q8_R 4
+static inline __attribute__((always_inline)) void rows4_q8(const void *q, const int bits, int64_t rstride,
+                                                           const float *s, const float *o, int64_t K, int64_t G,
+                                                           const int8_t *xq, const float *xd, const float *xsg,
+                                                           float y[Q8_R]) {
+    const int64_t per = G / Q8_BLOCK, groups = K / G, pb = bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2;
+    const uint8_t *qr = (const uint8_t *)q;
+    __m512 acc[Q8_R];
+    for (int r = 0; r < Q8_R; r++) acc[r] = _mm512_setzero_ps();
+    const int64_t nb = K / Q8_BLOCK;
+    for (int64_t b = per % 2 ? 0 : nb; b < nb; b += 2) {  /* groups of an odd count of blocks (32: Q4_0, Q8_0) */
+        const int full = b + 1 < nb;
+        const int8_t *xr = xq + b * Q8_BLOCK;
+        const __m512i xv = full ? _mm512_loadu_si512(xr) : _mm512_maskz_loadu_epi8(0xFFFFFFFFull, xr);
+        const __m512 dv = _mm512_loadu_ps(xd + (b / 2) * 16);
+        const int64_t g0 = b / per, g1 = full ? (b + 1) / per : g0;
+        for (int r = 0; r < Q8_R; r++) {
+            QPREFETCH(qr + r * rstride + b * pb);
+            /* the second block's lanes: 8-15, or 4-7 and 12-15 in an int4 pair's mixed order (pair_u8) */
+            const __m512 sv = _mm512_mask_blend_ps(bits == 4 && full ? 0xF0F0 : 0xFF00, _mm512_set1_ps(s[r * groups + g0]),
+                                                   _mm512_set1_ps(s[r * groups + g1]));
+            const __m512 dot = _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_u8(qr + r * rstride, b, bits, full), xv));
+            acc[r] = _mm512_fmadd_ps(_mm512_mul_ps(dot, dv), sv, acc[r]);
+        }
+    }
+    for (int64_t g = 0; per % 2 == 0 && g < groups; g++) {  /* groups of whole pairs: the weight scale once a group */
+        __m512 gacc[Q8_R];
+        for (int r = 0; r < Q8_R; r++) gacc[r] = _mm512_setzero_ps();
+        for (int64_t b = g * per; b < (g + 1) * per; b += 2) {
+            const __m512i xv = _mm512_loadu_si512(xq + b * Q8_BLOCK);
+            const __m512 dv = _mm512_loadu_ps(xd + (b / 2) * 16);
+            for (int r = 0; r < Q8_R; r++) {
+                QPREFETCH(qr + r * rstride + b * pb);
+                gacc[r] = _mm512_fmadd_ps(
+                    _mm512_cvtepi32_ps(_mm512_dpbusd_epi32(_mm512_setzero_si512(), pair_u8(qr + r * rstride, b, bits, 1), xv)),
+                    dv, gacc[r]);
+            }
+        }
+        for (int r = 0; r < Q8_R; r++) acc[r] = _mm512_fmadd_ps(gacc[r], _mm512_set1_ps(s[r * groups + g]), acc[r]);
+    }
+    for (int r = 0; r < Q8_R; r++)
+        acc[r] = _mm512_add_ps(acc[r], q8_rest_v(s + r * groups, o ? o + r * groups : NULL, groups, xsg,
+                                                 bits == 8 ? 128.0f : 0.0f));
+    _mm_storeu_ps(y, sum4_ps(acc[0], acc[1], acc[2], acc[3]));
+}
+
+/* rows 4i..4i+3 of an [N, K] weight (N >= 4; the last four rows for a short last set, each
+ * row's sum the same whichever set computes it) at batch 1 into y[4i..]: per-op and fused
+ * layer alike, so both give the same bits */
+static inline __attribute__((always_inline)) void gemv4_q8(const void *q, int bits, const float *scales,
+                                                           const float *offsets, int64_t N, int64_t K, int64_t G,
+                                                           const int8_t *xq, const float *xd, const float *xsg,
+                                                           int64_t i, float *y) {
+    const int64_t n0 = i * Q8_R, n = n0 + Q8_R <= N ? n0 : N - Q8_R, groups = K / G, rb = bits == 8 ? K : K / 2;
+    const float *s = scales + n * groups, *o = offsets ? offsets + n * groups : NULL;
+    float y4[Q8_R];
+    if (bits == 8)
+        rows4_q8((const uint8_t *)q + n * rb, 8, rb, s, o, K, G, xq, xd, xsg, y4);
+    else
+        rows4_q8((const uint8_t *)q + n * rb, 4, rb, s, o, K, G, xq, xd, xsg, y4);
+    for (int64_t j = n0; j < n0 + Q8_R && j < N; j++) y[j] = y4[j - n];
+}
+#define Q8_GEMV4(N) ((N) >= Q8_R)  /* batch 1 through gemv4_q8 */
 #else
 /* sum_k q[k] * xq[k] over one block: int32 partial sums as floats (lanes summed by VQSUM) */
 #if Q8_PATH == 2
@@ -421,14 +540,25 @@ static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, cons
     const int64_t groups = (K + w->group - 1) / w->group;
     if (w->xq) {
         _Pragma("omp single")  /* its barrier: every thread's rows read the whole quantised x */
-        quantize_row_q8(x, K, w->group, w->xq, w->xd, w->xsg);
+        quantize_row_q8(x, K, w->group, (int)w->bits, w->xq, w->xd, w->xsg);
     }
+#if Q8_PATH == 3
+    if (w->xq && Q8_GEMV4(N)) {
+        _Pragma("omp for schedule(static)")
+        for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) {
+            gemv4_q8(w->q, (int)w->bits, w->scales, w->offsets, N, K, w->group, w->xq, w->xd, w->xsg, i, y);
+            for (int64_t n = i * Q8_R; bias && n < (i + 1) * Q8_R && n < N; n++) y[n] += bias[n];
+        }
+        return;
+    }
+#endif
     _Pragma("omp for schedule(static)")
     for (int64_t n = 0; n < N; n++) {
         const float *s = w->scales + n * groups, *o = w->offsets ? w->offsets + n * groups : NULL;
-        if (w->xq)
-            rows_q8((const int8_t *)w->q + n * (w->bits == 8 ? K : K / 2), (int)w->bits, s, o, K, w->group, w->xq,
-                    w->xd, w->xsg, y + n, 1, 1);
+        if (w->xq && w->bits == 8)  /* bits a constant in each call: its branches folded */
+            rows_q8((const int8_t *)w->q + n * K, 8, s, o, K, w->group, w->xq, w->xd, w->xsg, y + n, 1, 1);
+        else if (w->xq)
+            rows_q8((const int8_t *)w->q + n * (K / 2), 4, s, o, K, w->group, w->xq, w->xd, w->xsg, y + n, 1, 1);
         else if (w->bits == 16)
             row_b16(x, K, (const uint16_t *)w->q + n * K, K, y + n, 1, 1);
         else if (w->bits == QBITS_F16)
