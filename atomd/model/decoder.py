@@ -26,7 +26,7 @@ from atomd.model.huge_pages import on_huge_pages, release_freed_memory
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, dense, linear, linear_f32, pack_linear_weight
 from atomd.model.lora import LayerLora, LoraStep
-from atomd.model.moe import MoeWeights, moe
+from atomd.model.moe import MoeWeights, moe, moe_tp
 from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import long_rope_positions, rope_tables
 
@@ -415,7 +415,7 @@ class DecoderModel:
         o = self.row_parallel(lora, "o", attn, w.o, w.o_bias, rows[1])
         h = rms_norm(x, w.post_norm, eps, delta=o)
         if w.moe is not None:
-            down = self.reduce_(moe(h, w.moe))
+            down = moe(h, w.moe) if self.tp is None else moe_tp(h, w.moe, self.tp.reduce_)
         else:
             act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
             down = self.row_parallel(lora, "down", act, w.down, w.down_bias, rows[3])
