@@ -409,3 +409,44 @@ def test_direct_slices_to_a_staging_consumer_are_refused_before_any_byte(hetero_
     assert after["failures"].get("compat_mismatch", 0) == before["failures"].get("compat_mismatch", 0) + 1, after
     assert after["bytes"] == before["bytes"]
 
+
+
+@pytest.fixture(scope="module")
+def mla_direct_pd(checkpoints):
+    """DeepSeek's MLA (one latent row a token, every TP worker caching all of it) with --tp-kv-transfer
+    direct across TP sizes: P TP=1 -> D TP=2 direct and P TP=2 direct -> D TP=1, each behind a router."""
+    from tests.pd_fixtures import PDCluster
+
+    cluster = PDCluster(checkpoints["deepseek-v2-lite"])
+    try:
+        tp2d = ["--tensor-parallel-size", "2", "--tp-kv-transfer", "direct"]
+        cluster.start_engines(P1=["--kv-role", "producer"], D2d=[*tp2d, "--kv-role", "consumer"],
+                              P2d=[*tp2d, "--kv-role", "producer"], D1=["--kv-role", "consumer"])
+        cluster.routers_by_pair = {pair: cluster.start_router(*pair.split("->")) for pair in ("P1->D2d", "P2d->D1")}
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pair", ["P1->D2d", "P2d->D1"])
+def test_direct_pd_across_tp_sizes_equals_colocated(mla_direct_pd, pair):
+    """Direct slices between different TP sizes where every worker holds as many KV heads (MLA's latent
+    row): D pulls each block once into the worker first holding its heads and copies it to the worker
+    replicating them when it lands (P1->D2d: the local copy's bytes are the pulled bytes); a TP=1 D
+    pulls a direct P's worker-0 rows as its blocks. No staging on a direct side."""
+    prompt = [t % 297 + 3 for t in prompts_of([3 * BLOCK + 5], seed=23)[0]]  # several blocks, the tokenizer's ids
+    ref = mla_direct_pd[pair.split("->")[0]]  # the pair's P asked directly: its D pulls every block
+    model = json.loads(http("GET", ref.url + "/v1/models")[1])["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    status, want = _post(ref.url, body, 60)
+    assert status == 200, want
+    status, got = _post(mla_direct_pd.routers_by_pair[pair].url, body, 60)
+    assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"], (pair, got, want)
+    producer, consumer = (mla_direct_pd[name].stats() for name in pair.split("->"))
+    pulled = consumer["kv_transfer"]
+    assert pulled["fallbacks"] == {} and pulled["bytes"] > 0 and not pulled["failures"], pulled  # pulled, not recomputed
+    if pair == "P1->D2d":
+        assert consumer["tensor_parallel"]["kv_staging_bytes"] == pulled["bytes"]
+    else:
+        assert producer["tensor_parallel"]["kv_staging_bytes"] == 0
