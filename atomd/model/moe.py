@@ -158,9 +158,14 @@ def moe_tp(h: torch.Tensor, w: MoeWeights, reduce_) -> torch.Tensor:
     counts = torch.bincount(flat, minlength=len(w.gate_up))
     w.routed += counts
     partial = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
-    ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-    for e in counts.nonzero().flatten().tolist():
-        group = order[ends[e] - sizes[e]:ends[e]]
-        partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
+    if w.gemv and GROUPED:  # every active expert in one C call, the down sums left float32
+        active = counts.nonzero().flatten()
+        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
+        layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order, None, partial)
+    else:
+        ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
+        for e in counts.nonzero().flatten().tolist():
+            group = order[ends[e] - sizes[e]:ends[e]]
+            partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
     pairs = reduce_(partial).to(h.dtype) * weights.flatten().unsqueeze(1)  # TP=1's rounding, then its product
     return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
