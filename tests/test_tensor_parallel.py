@@ -224,7 +224,9 @@ def test_kv_heads_replicated_tp4_chunked_prefix_hits_and_ngram_drafts(checkpoint
 # after it (DecoderModel.row_parallel; phi3's 21-token prompt left TP=1 at token 13 when the partials were
 # rounded to bf16), and an MoE block all-reduces each (token, expert) pair's float32 down partial before
 # TP=1's rounding and routing weight (moe.moe_tp; the block's bf16 output partials left TP=1 at token 8
-# of mixtral's first prompt and in qwen3_moe's third). DeepSeek's MLA keeps bf16 partials: HF bf16 only.
+# of mixtral's first prompt and in qwen3_moe's third). DeepSeek: o_proj's, the dense MLP's and the shared
+# experts' down partials float32 too, the routed pairs' and the shared experts' in one all-reduce (its
+# bf16 partials left TP=1 at token 9 of deepseek-v3's second prompt).
 @pytest.mark.parametrize("kind", ["phi3", "qwen3", "gemma3", "mixtral", "qwen3_moe", "deepseek-v3"])
 def test_tp2_bf16_greedy_follows_hf_bf16_and_equals_tp1(kind, checkpoints, closing):
     path = checkpoints[kind]
@@ -232,8 +234,7 @@ def test_tp2_bf16_greedy_follows_hf_bf16_and_equals_tp1(kind, checkpoints, closi
     closing(tp)
     prompts = prompts_of([BLOCK + 5, 40, 21], seed=11)
     two = engine_greedy(tp, prompts, GREEDY)
-    if kind != "deepseek-v3":
-        assert two == engine_greedy(tp_llm(path, 1, dtype="bfloat16"), prompts, GREEDY)
+    assert two == engine_greedy(tp_llm(path, 1, dtype="bfloat16"), prompts, GREEDY)
     assert_greedy_follows_hf_bf16(hf_both(path), prompts, two, n=GREEDY.max_tokens, min_compared=8)
 
 

@@ -334,10 +334,7 @@ class DecoderModel:
         one dot is: partials rounded to bf16 first leave TP=1's greedy ids (Phi-3)."""
         if self.tp is None or x.dtype != torch.bfloat16 or not isinstance(weight, torch.Tensor):
             return self.reduce_(lora_linear(lora, fused, x, weight, bias, rows))
-        out = linear_f32(x, weight, bias)
-        if lora is not None:  # the adapter's delta in bf16 (lora.add's dtype), added to the float32 partial
-            out.add_(lora.add(fused, x, x.new_zeros(out.shape)))
-        return self.tp.reduce_(out).to(x.dtype)
+        return self.tp.reduce_(row_partial(lora, fused, x, weight, bias)).to(x.dtype)
 
     def idle_forward(self) -> None:
         """A rank with nothing to run this step: its part in every sparse layer's exchange
@@ -431,6 +428,15 @@ def _plain(weight, rows):
     if not isinstance(weight, torch.Tensor):
         return weight
     return rows if rows is not None else dense(weight)
+
+
+def row_partial(lora: LayerLora | None, fused: str, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """A TP worker's float32 partial of a row-parallel bf16 linear (a plain weight) plus its LoRA
+    delta (lora.add's bf16), for an all-reduce in float32 (DecoderModel.row_parallel)."""
+    out = linear_f32(x, weight, bias)
+    if lora is not None:
+        out.add_(lora.add(fused, x, x.new_zeros(out.shape)))
+    return out
 
 
 def lora_linear(lora: LayerLora | None, fused: str, x: torch.Tensor, weight, bias, rows) -> torch.Tensor:

@@ -140,18 +140,33 @@ def expert_act(x: torch.Tensor, w: MoeWeights, e: int) -> torch.Tensor:
     return silu_mul(linear(x, gate_up, None, gate_up if w.gemv else None))
 
 
-def moe_tp(h: torch.Tensor, w: MoeWeights, reduce_) -> torch.Tensor:
+def moe_tp(h: torch.Tensor, w: MoeWeights, reduce_,
+           routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """moe() of a tensor-parallel worker (each expert's intermediate rows a slice: its down output
     a partial sum), summed over the workers by `reduce_` (an all-reduce). Float bf16 experts: each
-    (token, choice) pair's down partial stays float32 into the all-reduce, and the sums are
-    rounded, weighted and added as TP=1's moe() does, so TP=2 computes TP=1's values (up to the
-    float32 summation order); partials rounded to bf16 and weighted before one all-reduce of the
-    block's output left TP=1's greedy ids (Mixtral, Qwen3-MoE). The price: the all-reduce moves
-    [T * k, hidden] float32, 2k times the block output's bf16 bytes (benchmarks/RESULTS.md "#41
-    MoE bf16 TP"). Other dtypes and quantized experts: the block's output partials, one all-reduce."""
-    if h.dtype != torch.bfloat16 or w.quantized:
-        return reduce_(moe(h, w))
-    weights, ids = route(h, w)
+    (token, choice) pair's down partial stays float32 into the all-reduce (tp_partials), and the
+    sums are rounded, weighted and added as TP=1's moe() does (from_tp_sums), so TP=2 computes
+    TP=1's values (up to the float32 summation order); partials rounded to bf16 and weighted before
+    one all-reduce of the block's output left TP=1's greedy ids (Mixtral, Qwen3-MoE). The price: the
+    all-reduce moves [T * k, hidden] float32, 2k times the block output's bf16 bytes
+    (benchmarks/RESULTS.md "#41 MoE in bf16 under TP"). Other dtypes and quantized experts: the
+    block's output partials, one all-reduce."""
+    if not tp_exact(h, w):
+        return reduce_(moe(h, w, routed))
+    partial, weights = tp_partials(h, w, routed)
+    return from_tp_sums(reduce_(partial), weights, w)
+
+
+def tp_exact(h: torch.Tensor, w: MoeWeights) -> bool:
+    """Whether moe_tp all-reduces the pairs' float32 partials (bf16, float experts)."""
+    return h.dtype == torch.bfloat16 and not w.quantized
+
+
+def tp_partials(h: torch.Tensor, w: MoeWeights,
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each (token, choice) pair's float32 down partial [T * k, hidden], the pairs' routing
+    weights [T * k]) of this worker's expert slices (moe_tp's, before the all-reduce)."""
+    weights, ids = routed if routed is not None else route(h, w)
     rows, k = h.shape[0], w.top_k
     flat = ids.flatten()
     order = flat.argsort(stable=True)
@@ -167,5 +182,12 @@ def moe_tp(h: torch.Tensor, w: MoeWeights, reduce_) -> torch.Tensor:
         for e in counts.nonzero().flatten().tolist():
             group = order[ends[e] - sizes[e]:ends[e]]
             partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
-    pairs = reduce_(partial).to(h.dtype) * weights.flatten().unsqueeze(1)  # TP=1's rounding, then its product
-    return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
+    return partial, weights.flatten()
+
+
+def from_tp_sums(sums: torch.Tensor, weights: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """The block's output from the all-reduced pair sums [T * k, hidden] (tp_partials'): each
+    rounded as TP=1 rounds an expert's output, times its routing weight into moe()'s pair dtype,
+    the k pairs of a token summed in float32, rounded once."""
+    pairs = (sums.to(torch.bfloat16) * weights.unsqueeze(1)).to(torch.bfloat16 if w.cast_weights else torch.float32)
+    return pairs.view(-1, w.top_k, sums.shape[1]).sum(dim=1).to(torch.bfloat16)
