@@ -320,9 +320,12 @@ class DecoderModel:
             self.decode_layer = None
         if self.dtype == torch.bfloat16:  # row_parallel's float32 partials read the plain weights: packed copies go
             for w in self.layers:
-                if isinstance(w, LayerWeights):  # (DeepSeek's MLA layers keep theirs: their partials stay bf16)
-                    rows = w.rows or (None,) * 4
-                    w.o, w.down = _plain(w.o, rows[1]), _plain(w.down, rows[3])
+                self.unpack_row_parallel(w)
+
+    def unpack_row_parallel(self, w: LayerWeights) -> None:
+        """A bf16 TP layer's row-parallel linears (o, down) as plain weights (their float32 partials)."""
+        rows = w.rows or (None,) * 4
+        w.o, w.down = _plain(w.o, rows[1]), _plain(w.down, rows[3])
 
     def reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """A row-parallel linear's output summed over the TP workers (as it is without TP)."""

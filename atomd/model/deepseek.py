@@ -143,7 +143,8 @@ class MlaLayerWeights:
 
 
     def plain(self, name: str) -> torch.Tensor:
-        """The float linear `name` as a plain tensor (its batch-1 rows where kept, else unpacked)."""
+        """The float linear `name` as a plain tensor (its batch-1 rows where kept, else unpacked: a
+        copy a call where use_tensor_parallel has not unpacked it, a worker's MTP layer)."""
         rows = self.rows.get(name) if self.rows else None
         return rows if rows is not None else dense(getattr(self, name))
 
@@ -276,6 +277,14 @@ class DeepseekModel(DecoderModel):
                 if getattr(w, name) is not None:
                     setattr(w, name, pack_linear_weight(getattr(w, name)))
             w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
+        if self.tp is not None and self.dtype == torch.bfloat16:  # (an MTP layer loaded after use_tensor_parallel)
+            self.unpack_row_parallel(w)
+
+    def unpack_row_parallel(self, w: MlaLayerWeights) -> None:
+        """DecoderModel's for MLA's row-parallel linears: o_proj, the dense MLP's or shared experts' down."""
+        for name in ("o", "down", "shared_down"):
+            if isinstance(getattr(w, name), torch.Tensor):
+                setattr(w, name, w.plain(name))
 
     def _keep_rows(self) -> bool:
         """The GEMV kernel runs this dtype, $ATOMD_GEMV is not 0, and all the linears' plain copies
