@@ -620,8 +620,8 @@ HELP = {
                             "exceeds them), MLP rows and vocabulary; N must divide the heads",
     "tp_communicator": "tensor parallelism's collectives: shm (shared memory, one host) or gloo",
     "tp_kv_transfer": "PD of a TP engine: staging (a TP=1-layout copy of the blocks, pairs with any TP size) or "
-                      "direct (each worker's slice sent and received in place, no copy; the peer runs direct at "
-                      "the same TP size)",
+                      "direct (each worker's slice sent and received in place, no copy; the peer's workers hold as "
+                      "many KV heads: the same TP size, TP sizes at least the KV heads, or MLA)",
     "tp_collective_timeout_s": "a TP collective not done by then (a worker died or hangs) fails the engine: "
                                "/health 503, its requests error",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "
