@@ -315,10 +315,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.tensor_parallel_size == 1 or self.model_runner != "real":
             return
         spec = self.speculative()
-        for name, on in (("enable_expert_parallel", self.enable_expert_parallel),
+        mtp = spec is not None and spec.method == "mtp"
+        for name, on in (("enable_expert_parallel and MTP drafts", self.enable_expert_parallel and mtp),
                          # the workers run one MTP pass a step (MtpStep); a chain's passes stay on rank 0
-                         ("MTP num_speculative_tokens > 1", spec is not None and spec.method == "mtp"
-                          and spec.num_speculative_tokens > 1)):
+                         ("MTP num_speculative_tokens > 1", mtp and spec.num_speculative_tokens > 1)):
             if on:
                 raise ValueError(f"tensor_parallel_size > 1 does not run with {name} yet")
         from atomd.model.default import default_model_dir

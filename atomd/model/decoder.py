@@ -99,6 +99,9 @@ class DecoderModel:
     paged_kv_heads = True
     ep: Any = field(init=False, default=None)  # the ranks' ExpertParallel (use_expert_parallel)
     tp: Any = field(init=False, default=None)  # this worker's TensorParallel (use_tensor_parallel)
+    # TP x EP (load_model): TP rank 0 holds its DP rank's routed experts whole and runs the exchange, the
+    # other TP ranks none (routed_experts)
+    tp_experts_rank0: bool = field(init=False, default=False)
 
     # ------------------------------------------------------------------ the family's part
 
@@ -339,6 +342,15 @@ class DecoderModel:
             return self.reduce_(lora_linear(lora, fused, x, weight, bias, rows))
         return self.tp.reduce_(row_partial(lora, fused, x, weight, bias)).to(x.dtype)
 
+    def routed_experts(self, h: torch.Tensor, w: MoeWeights,
+                       routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """moe(), but under TP x EP (tp_experts_rank0) zeros on a TP rank other than 0: rank 0's
+        block output (its exchange with the other DP ranks' rank 0) is then the all-reduce's sum,
+        to the bit (x + 0), so TP x EP computes EP's values."""
+        if self.tp_experts_rank0 and w.ep is None:
+            return torch.zeros_like(h)
+        return moe(h, w, routed)
+
     def idle_forward(self) -> None:
         """A rank with nothing to run this step: its part in every sparse layer's exchange
         (no tokens of its own, its experts for the others'), so the ranks' collectives match."""
@@ -415,7 +427,12 @@ class DecoderModel:
         o = self.row_parallel(lora, "o", attn, w.o, w.o_bias, rows[1])
         h = rms_norm(x, w.post_norm, eps, delta=o)
         if w.moe is not None:
-            down = moe(h, w.moe) if self.tp is None else moe_tp(h, w.moe, self.tp.reduce_)
+            if self.tp is None:
+                down = moe(h, w.moe)
+            elif self.tp_experts_rank0:
+                down = self.reduce_(self.routed_experts(h, w.moe))
+            else:
+                down = moe_tp(h, w.moe, self.tp.reduce_)
         else:
             act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
             down = self.row_parallel(lora, "down", act, w.down, w.down_bias, rows[3])

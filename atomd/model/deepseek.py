@@ -365,6 +365,14 @@ class DeepseekModel(DecoderModel):
         if w.moe is None:
             act = silu_mul(w.linear("gate_up", h, None, lora))
             return self.reduce_(row_partial(lora, "down", act, w.plain("down"), None)).to(h.dtype)
+        if self.tp_experts_rank0:  # TP x EP: rank 0's routed output (bf16, EP's bits) beside the shared partials
+            routed = self.routed_experts(h, w.moe, w.routing(h))
+            if w.shared_gate_up is None:
+                return self.reduce_(routed)
+            shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
+            sums = self.reduce_(torch.cat([routed.float(), row_partial(lora, "down", shared, w.plain("shared_down"),
+                                                                       None)]))
+            return sums[:len(h)].to(h.dtype) + sums[len(h):].to(h.dtype)
         if not tp_exact(h, w.moe):
             return self.reduce_(moe(h, w.moe, w.routing(h)) + (0 if w.shared_gate_up is None else w.linear(
                 "shared_down", silu_mul(w.linear("shared_gate_up", h, None, lora)), None, lora)))
@@ -385,7 +393,7 @@ class DeepseekModel(DecoderModel):
         else:
             h = rms_norm(x, w.post_norm, eps, delta=self.reduce_(w.linear("o", attn, w.o_bias, lora)))
             if w.moe is not None:
-                down = moe(h, w.moe, w.routing(h))
+                down = self.routed_experts(h, w.moe, w.routing(h))
                 if w.shared_gate_up is not None:
                     shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
                     down = down + w.linear("shared_down", shared, None, lora)
