@@ -140,8 +140,7 @@ def expert_act(x: torch.Tensor, w: MoeWeights, e: int) -> torch.Tensor:
     return silu_mul(linear(x, gate_up, None, gate_up if w.gemv else None))
 
 
-def moe_tp(h: torch.Tensor, w: MoeWeights, reduce_,
-           routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+def moe_tp(h: torch.Tensor, w: MoeWeights, reduce_) -> torch.Tensor:
     """moe() of a tensor-parallel worker (each expert's intermediate rows a slice: its down output
     a partial sum), summed over the workers by `reduce_` (an all-reduce). Float bf16 experts: each
     (token, choice) pair's down partial stays float32 into the all-reduce (tp_partials), and the
@@ -152,8 +151,8 @@ def moe_tp(h: torch.Tensor, w: MoeWeights, reduce_,
     (benchmarks/RESULTS.md "#41 MoE in bf16 under TP"). Other dtypes and quantized experts: the
     block's output partials, one all-reduce."""
     if not tp_exact(h, w):
-        return reduce_(moe(h, w, routed))
-    partial, weights = tp_partials(h, w, routed)
+        return reduce_(moe(h, w))
+    partial, weights = tp_partials(h, w)
     return from_tp_sums(reduce_(partial), weights, w)
 
 
