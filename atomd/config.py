@@ -315,10 +315,10 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.tensor_parallel_size == 1 or self.model_runner != "real":
             return
         spec = self.speculative()
-        for name, on in (("enable_expert_parallel", self.enable_expert_parallel),
+        mtp = spec is not None and spec.method == "mtp"
+        for name, on in (("enable_expert_parallel and MTP drafts", self.enable_expert_parallel and mtp),
                          # the workers run one MTP pass a step (MtpStep); a chain's passes stay on rank 0
-                         ("MTP num_speculative_tokens > 1", spec is not None and spec.method == "mtp"
-                          and spec.num_speculative_tokens > 1)):
+                         ("MTP num_speculative_tokens > 1", mtp and spec.num_speculative_tokens > 1)):
             if on:
                 raise ValueError(f"tensor_parallel_size > 1 does not run with {name} yet")
         from atomd.model.default import default_model_dir
@@ -620,8 +620,8 @@ HELP = {
                             "exceeds them), MLP rows and vocabulary; N must divide the heads",
     "tp_communicator": "tensor parallelism's collectives: shm (shared memory, one host) or gloo",
     "tp_kv_transfer": "PD of a TP engine: staging (a TP=1-layout copy of the blocks, pairs with any TP size) or "
-                      "direct (each worker's slice sent and received in place, no copy; the peer runs direct at "
-                      "the same TP size)",
+                      "direct (each worker's slice sent and received in place, no copy; the peer's workers hold as "
+                      "many KV heads: the same TP size, TP sizes at least the KV heads, or MLA)",
     "tp_collective_timeout_s": "a TP collective not done by then (a worker died or hangs) fails the engine: "
                                "/health 503, its requests error",
     "speculative_config": "speculative decoding, vLLM's JSON: '{\"method\": \"ngram\", "

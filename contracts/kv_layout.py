@@ -92,12 +92,19 @@ def check_mappable(producer: TPKVLayout, consumer: TPKVLayout) -> None:
                          f"consumer {consumer.describe()}")
 
 
-def _holder(layout: TPKVLayout, head: int) -> tuple[int, int]:
+def holder(layout: TPKVLayout, head: int) -> tuple[int, int]:
     """(the first worker holding `head`, its index in that worker's slice)."""
     if layout.tp_size <= layout.kv_heads:
         per = layout.kv_heads // layout.tp_size
         return head // per, head % per
     return head * (layout.tp_size // layout.kv_heads), 0
+
+
+def slices_match(producer: TPKVLayout, consumer: TPKVLayout) -> bool:
+    """Whether each of `consumer`'s worker slices is, byte for byte, one of `producer`'s (both
+    layouts' workers hold as many KV heads: equal TP sizes, both TP sizes at least the KV heads, or
+    one KV head as MLA's latent), so that blocks move between them as the workers' slices lie."""
+    return producer.even and consumer.even and producer.slice_bytes(0) == consumer.slice_bytes(0)
 
 
 def convert_block(src: TPKVLayout, dst: TPKVLayout, per_worker_src_bytes, out=None) -> list[np.ndarray]:
@@ -120,6 +127,6 @@ def convert_block(src: TPKVLayout, dst: TPKVLayout, per_worker_src_bytes, out=No
     for w, o in enumerate(out):
         view = o.reshape(-1).view(word).reshape(dst.slice_shape(w))
         for j, head in enumerate(dst.worker_heads(w)):
-            s, i = _holder(src, head)
+            s, i = holder(src, head)
             view[:, :, :, j] = srcs[s][:, :, :, i]
     return out

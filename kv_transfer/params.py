@@ -19,7 +19,7 @@ from typing import Annotated, Any
 
 import msgspec
 
-from contracts.kv_layout import TPKVLayout, check_mappable
+from contracts.kv_layout import TPKVLayout, check_mappable, slices_match
 from contracts.logprobs import Logprob
 
 NonNegInt = Annotated[int, msgspec.Meta(ge=0)]
@@ -142,8 +142,10 @@ def compat_mismatch(expected: dict[str, Any] | None, got: dict[str, Any] | None,
             check_mappable(producer, consumer)
         except ValueError as exc:
             return f"compat mismatch on tp_size: {exc}"
-        if "tp_rows" in expected or "tp_rows" in got:  # per-worker slices on the wire: nobody converts them
+        # per-worker slices on the wire (atomd/engine/tp_pd.py): D maps its workers' slices onto P's, but
+        # nobody converts one slice into another, so the workers on both sides must hold as many KV heads
+        if ("tp_rows" in expected or "tp_rows" in got) and not slices_match(producer, consumer):
             return (f"compat mismatch on tp_size: workers' slices travel as they lie (tp_kv_transfer direct) "
-                    f"only between equal TP sizes: producer TP={producer.tp_size}, consumer TP={consumer.tp_size} "
-                    f"(run both with tp_kv_transfer staging)")
+                    f"only between layouts whose workers hold as many KV heads: producer {producer.describe()}; "
+                    f"consumer {consumer.describe()} (run both with tp_kv_transfer staging)")
     return None

@@ -375,6 +375,28 @@ def test_served_ep2_greedy_equals_hf_on_either_rank_and_metrics_show_each_ranks_
         assert s0 <= s1 + w1 and s1 <= s0 + w0
 
 
+@pytest.mark.integration
+def test_served_ep2_x_tp2_greedy_equals_hf_on_either_rank(checkpoints, reference):
+    """TP inside each EP rank (`--tensor-parallel-size 2`): each DP rank's engine core (TP rank 0) holds
+    its 4 experts whole and runs the exchange, its worker the attention's and the dense MLP's halves and
+    no expert (a zero block output into the all-reduce): greedy equal to HF on both ranks, each rank's
+    expert load counted on its core."""
+    server = start_server(checkpoints["qwen3_moe"], *EP_SERVE, "--tensor-parallel-size", "2")
+    try:
+        ranks = server.stats()["ranks"]
+        assert [len(r["tensor_parallel"]["worker_pids"]) for r in ranks] == [1, 1]
+        prompts = [[t % 297 + 3 for t in p] for p in PROMPTS[:3]]
+        with ThreadPoolExecutor(3) as pool:  # rank 0 two, rank 1 one, at once
+            answers = list(pool.map(lambda ip: complete(server, ip[1], rank=ip[0] // 2), enumerate(prompts)))
+        for (status, body), prompt in zip(answers, prompts):
+            assert status == 200, body
+            assert body["choices"][0]["text"] == hf_text(checkpoints["qwen3_moe"], reference("qwen3_moe", prompt))
+        experts = [{e for e, n in r["expert_tokens"] if n} for r in server.stats()["ranks"]]
+        assert experts[0] <= set(range(4)) and experts[1] <= set(range(4, 8)) and experts[0] and experts[1]
+    finally:
+        server.stop()
+
+
 def fail_a_rank_mid_step(servers: list, sig: int) -> None:
     """Long requests on both ranks (`servers`: one running both, or one a rank, on two hosts);
     the last server's rank process stopped (or killed) while both step: the other rank's next

@@ -168,17 +168,48 @@ def test_a_layout_that_cannot_map_is_refused_naming_both():
         assert "malformed KV layout" in compat_mismatch(fp(1), {**fp(1), "tp_size": bad})
 
 
-def test_workers_slices_on_the_wire_pair_only_equal_tp_sizes():
+def test_workers_slices_on_the_wire_pair_where_the_workers_hold_as_many_heads():
     """--tp-kv-transfer direct (fingerprint `tp_rows`: the slice rows' stride, not compared): equal TP
-    sizes pair whatever their pools; another size is refused both ways, naming both, as nobody converts
-    slices on the wire."""
-    direct = lambda tp, rows: compat_fingerprint("m", "bfloat16", 16, 6, 4, 32, "atomd-kv-1", tp_size=tp,  # noqa: E731
-                                                 tp_rows=rows)
+    sizes pair whatever their pools, and so do other sizes (or a TP=1-layout peer: a TP=1 or staging
+    engine) whose workers hold as many KV heads (one each: TP >= the KV heads, MLA's latent); anything
+    else is refused both ways, naming both layouts, as nobody converts one slice into another."""
+    direct = lambda tp, rows, heads=4: compat_fingerprint("m", "bfloat16", 16, 6, heads, 32, "atomd-kv-1",  # noqa: E731
+                                                          tp_size=tp, tp_rows=rows)
     assert compat_mismatch(direct(2, 100), direct(2, 37)) is None
-    for mine, theirs in ((direct(2, 10), fp(1)), (fp(1), direct(2, 10)), (direct(2, 10), direct(4, 10))):
+    for mine, theirs in ((direct(4, 10, 2), direct(2, 7, 2)), (direct(2, 10, 2), direct(8, 7, 2)),
+                         (direct(2, 10, 1), fp(1, 1)), (fp(1, 1), direct(4, 10, 1)), (direct(4, 3, 4), direct(8, 5, 4))):
+        assert compat_mismatch(mine, theirs) is None and compat_mismatch(theirs, mine, peer="consumer") is None
+    for mine, theirs in ((direct(2, 10), fp(1)), (fp(1), direct(2, 10)), (direct(2, 10), direct(4, 10)),
+                         (fp(1, 2), direct(2, 10, 2))):  # (a staging TP=2 engine shows TP=1's layout)
         message = compat_mismatch(mine, theirs)
         assert message.startswith("compat mismatch on tp_size: workers' slices travel as they lie"), message
-        assert f"producer TP={theirs.get('tp_size', 1)}, consumer TP={mine.get('tp_size', 1)}" in message
+        assert f"producer TP={theirs.get('tp_size', 1)} x" in message and f"consumer TP={mine.get('tp_size', 1)} x" in message
+
+
+@pytest.mark.parametrize("p_tp,d_tp,heads", [(2, 2, 4), (2, 4, 2), (4, 2, 2), (1, 2, 1), (2, 1, 1), (4, 8, 4), (1, 3, 1)])
+def test_a_direct_pull_lands_each_worker_its_heads(p_tp, d_tp, heads):
+    """atomd/engine/tp_pd.direct_pull against convert_block: P's slice rows pulled as the transport
+    moves rows (row for row), then the replicas' local copies, give every D worker the heads it holds;
+    each set of heads crosses the wire once."""
+    from atomd.engine.tp_pd import direct_pull, slice_rows
+
+    def rows_of(layout, blocks):  # direct_rows: worker w's slice of block b is row w * blocks + b
+        return np.zeros((layout.tp_size * blocks, layout.slice_bytes(0)), dtype=np.uint8)
+
+    p, d = TPKVLayout(p_tp, heads, 4, 2, 3, 2, "float32"), TPKVLayout(d_tp, heads, 4, 2, 3, 2, "float32")
+    p_rows, d_rows = rows_of(p, 5), rows_of(d, 7)
+    p_rows[:] = np.random.default_rng(p_tp * 10 + d_tp).integers(0, 256, p_rows.shape, dtype=np.uint8)
+    remote_ids, local_ids = [4, 1, 2], [0, 6, 3]
+    remote, local, copies = direct_pull(p, d, remote_ids, local_ids, 5, 7)
+    assert set(remote) <= set(slice_rows(remote_ids, p_tp, 5))  # what P granted
+    assert len(remote) == len(local) == len(local_ids) * len({tuple(d.worker_heads(w)) for w in range(d_tp)})
+    d_rows[local] = p_rows[remote]  # the transport
+    for src, dst in copies:  # TPDirectConnector.get_finished
+        d_rows[[dst * 7 + b for b in local_ids]] = d_rows[[src * 7 + b for b in local_ids]]
+    for rb, lb in zip(remote_ids, local_ids):
+        want = convert_block(p, d, [p_rows[w * 5 + rb] for w in range(p_tp)])
+        assert all(np.array_equal(d_rows[w * 7 + lb], want[w]) for w in range(d_tp)), (rb, lb)
+    assert not d_rows[[w * 7 + b for w in range(d_tp) for b in set(range(7)) - set(local_ids)]].any()
 
 
 def test_the_sender_refuses_a_read_whose_layout_cannot_map_before_any_byte(tmp_path):

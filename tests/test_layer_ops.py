@@ -378,6 +378,50 @@ def test_moe_experts_of_several_tokens_in_one_call(isa, dtype, tol, cast_weights
     assert int(w.routed.sum()) == 2 * 3 * tokens * k  # the load counters: each pass counted once
 
 
+@pytest.mark.parametrize("cast_weights", [True, False])
+@pytest.mark.parametrize("tokens,threads", [(1, 1), (6, 2)])
+def test_moe_tp_float32_partials_give_tp1s_block_in_bf16(isa, cast_weights, tokens, threads, monkeypatch):
+    """moe.moe_tp in bf16 (the pairs' float32 down partials: layer_ops.moe_grouped with scales None
+    where the bf16 GEMV kernel is built, linear_f32 per expert elsewhere): one worker holding every
+    intermediate row gives moe()'s bits (the grouped kernel's same float sums, rounded in the same
+    place; other builds to bf16's rounding), and two workers' halves summed as the all-reduce sums
+    them give moe() of the whole experts to bf16's rounding, closer to float64 than bf16 partials
+    rounded before the sum are allowed to be (2^-7 relative)."""
+    from atomd.model import moe
+    from atomd.model.moe import MoeWeights
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(tokens + 40)
+    experts, hidden, inter, k = 8, 72, 48, 3
+    whole = dict(router=torch.randn(experts, hidden, generator=g).bfloat16(),
+                 gate_up=(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).bfloat16(),
+                 down=(torch.randn(experts, hidden, inter, generator=g) * 0.2).bfloat16(), top_k=k,
+                 norm_topk_prob=cast_weights, cast_weights=cast_weights)
+    w = MoeWeights(**whole)
+    halves = [MoeWeights(**{**whole, "gate_up": torch.cat([whole["gate_up"][:, r * 24:(r + 1) * 24],
+                                                           whole["gate_up"][:, inter + r * 24:inter + (r + 1) * 24]], 1),
+                            "down": whole["down"][:, :, r * 24:(r + 1) * 24].contiguous()}) for r in range(2)]
+    for _ in range(2):
+        h = torch.randn(tokens, hidden, generator=g).bfloat16()
+        want = moe.moe(h, w)
+        one = moe.moe_tp(h, w, lambda t: t)
+        if w.gemv and tokens > 1:  # moe() runs the same grouped kernel
+            assert torch.equal(one, want)
+        else:
+            torch.testing.assert_close(one, want, atol=2e-2, rtol=2e-2)
+        partials = []
+        moe.moe_tp(h, halves[0], lambda t: partials.append(t) or t)
+        two = moe.moe_tp(h, halves[1], lambda t: partials[0] + t)  # the all-reduce: rank order
+        torch.testing.assert_close(two, want, atol=2e-2, rtol=2e-2)
+        weights, ids = moe.route(h, w)
+        exact = torch.zeros(tokens, hidden, dtype=torch.float64)
+        for t in range(tokens):
+            for j, e in enumerate(ids[t].tolist()):
+                gate, up = (h[t].double() @ w.gate_up[e].double().T).split(inter)
+                exact[t] += weights[t, j].double() * ((F.silu(gate) * up) @ w.down[e].double().T)
+        assert ((two.double() - exact).abs() <= 2 ** -7 * exact.abs() + 5e-2).all()
+
+
 @pytest.mark.parametrize("policy", [None, "ACTIVE"])
 def test_openmp_threads_sleep_while_waiting_unless_the_user_says(policy):
     """Importing atomd (before torch) makes OpenMP's waiting threads sleep, not spin (libgomp

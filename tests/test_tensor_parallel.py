@@ -115,14 +115,17 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
         check_split(4, 2, [102], 4)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the 4 attention heads"):
         EngineConfig(model=str(checkpoints["llama"]), tensor_parallel_size=3)  # the API process's check
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with enable_expert_parallel yet"):
-        EngineConfig(model=str(checkpoints["qwen3_moe"]), tensor_parallel_size=2, data_parallel_size=2,
-                     enable_expert_parallel=True)
+    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with enable_expert_parallel and "
+                                         "MTP drafts yet"):
+        EngineConfig(model=str(checkpoints["deepseek-v3"]), tensor_parallel_size=2, data_parallel_size=2,
+                     enable_expert_parallel=True, speculative_config=mtp)
     from tests.test_serve_flags import serve_parser  # the same refusal from `atomd serve`'s flags, naming both
 
-    flags = serve_parser().parse_args(["--model", str(checkpoints["qwen3_moe"]), "--tensor-parallel-size", "2",
-                                       "--data-parallel-size", "2", "--enable-expert-parallel"])
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with enable_expert_parallel yet"):
+    flags = serve_parser().parse_args(["--model", str(checkpoints["deepseek-v3"]), "--tensor-parallel-size", "2",
+                                       "--data-parallel-size", "2", "--enable-expert-parallel",
+                                       "--speculative-config", mtp])
+    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with enable_expert_parallel and"):
         EngineConfig.from_args(flags)
     with pytest.raises(ValueError, match="tp_kv_transfer must be one of staging, direct"):
         EngineConfig(tensor_parallel_size=2, tp_kv_transfer="zero-copy")
@@ -220,20 +223,21 @@ def test_kv_heads_replicated_tp4_chunked_prefix_hits_and_ngram_drafts(checkpoint
 
 @pytest.mark.unit
 # (llama's and qwen2's checkpoints here: HF's own bf16 leaves its fp32 within 6 tokens, too few to compare.)
-# The dense families' TP=2 equals TP=1 in bf16: each worker's o / down partial stays float32 into the
-# all-reduce, rounded once after it (DecoderModel.row_parallel; phi3's 21-token prompt left TP=1 at token 13
-# when the partials were rounded to bf16). MoE blocks are not equal to TP=1: TP=1 and HF round each expert's
-# down output to bf16 before its routing weight scales it, a value that under TP exists only as the workers'
-# partials (the all-reduce comes after the weighted sum), so those follow HF bf16 only.
+# TP=2 equals TP=1 in bf16: each worker's o / down partial stays float32 into the all-reduce, rounded once
+# after it (DecoderModel.row_parallel; phi3's 21-token prompt left TP=1 at token 13 when the partials were
+# rounded to bf16), and an MoE block all-reduces each (token, expert) pair's float32 down partial before
+# TP=1's rounding and routing weight (moe.moe_tp; the block's bf16 output partials left TP=1 at token 8
+# of mixtral's first prompt and in qwen3_moe's third). DeepSeek: o_proj's, the dense MLP's and the shared
+# experts' down partials float32 too, the routed pairs' and the shared experts' in one all-reduce (its
+# bf16 partials left TP=1 at token 9 of deepseek-v3's second prompt).
 @pytest.mark.parametrize("kind", ["phi3", "qwen3", "gemma3", "mixtral", "qwen3_moe", "deepseek-v3"])
-def test_tp2_bf16_greedy_follows_hf_bf16_and_dense_equals_tp1(kind, checkpoints, closing):
+def test_tp2_bf16_greedy_follows_hf_bf16_and_equals_tp1(kind, checkpoints, closing):
     path = checkpoints[kind]
     tp = tp_llm(path, 2, dtype="bfloat16")
     closing(tp)
     prompts = prompts_of([BLOCK + 5, 40, 21], seed=11)
     two = engine_greedy(tp, prompts, GREEDY)
-    if kind in ("phi3", "qwen3", "gemma3"):
-        assert two == engine_greedy(tp_llm(path, 1, dtype="bfloat16"), prompts, GREEDY)
+    assert two == engine_greedy(tp_llm(path, 1, dtype="bfloat16"), prompts, GREEDY)
     assert_greedy_follows_hf_bf16(hf_both(path), prompts, two, n=GREEDY.max_tokens, min_compared=8)
 
 
@@ -409,3 +413,44 @@ def test_direct_slices_to_a_staging_consumer_are_refused_before_any_byte(hetero_
     assert after["failures"].get("compat_mismatch", 0) == before["failures"].get("compat_mismatch", 0) + 1, after
     assert after["bytes"] == before["bytes"]
 
+
+
+@pytest.fixture(scope="module")
+def mla_direct_pd(checkpoints):
+    """DeepSeek's MLA (one latent row a token, every TP worker caching all of it) with --tp-kv-transfer
+    direct across TP sizes: P TP=1 -> D TP=2 direct and P TP=2 direct -> D TP=1, each behind a router."""
+    from tests.pd_fixtures import PDCluster
+
+    cluster = PDCluster(checkpoints["deepseek-v2-lite"])
+    try:
+        tp2d = ["--tensor-parallel-size", "2", "--tp-kv-transfer", "direct"]
+        cluster.start_engines(P1=["--kv-role", "producer"], D2d=[*tp2d, "--kv-role", "consumer"],
+                              P2d=[*tp2d, "--kv-role", "producer"], D1=["--kv-role", "consumer"])
+        cluster.routers_by_pair = {pair: cluster.start_router(*pair.split("->")) for pair in ("P1->D2d", "P2d->D1")}
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.mark.integration
+@pytest.mark.parametrize("pair", ["P1->D2d", "P2d->D1"])
+def test_direct_pd_across_tp_sizes_equals_colocated(mla_direct_pd, pair):
+    """Direct slices between different TP sizes where every worker holds as many KV heads (MLA's latent
+    row): D pulls each block once into the worker first holding its heads and copies it to the worker
+    replicating them when it lands (P1->D2d: the local copy's bytes are the pulled bytes); a TP=1 D
+    pulls a direct P's worker-0 rows as its blocks. No staging on a direct side."""
+    prompt = [t % 297 + 3 for t in prompts_of([3 * BLOCK + 5], seed=23)[0]]  # several blocks, the tokenizer's ids
+    ref = mla_direct_pd[pair.split("->")[0]]  # the pair's P asked directly: its D pulls every block
+    model = json.loads(http("GET", ref.url + "/v1/models")[1])["data"][0]["id"]
+    body = {"model": model, "prompt": prompt, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
+    status, want = _post(ref.url, body, 60)
+    assert status == 200, want
+    status, got = _post(mla_direct_pd.routers_by_pair[pair].url, body, 60)
+    assert status == 200 and got["choices"][0]["text"] == want["choices"][0]["text"], (pair, got, want)
+    producer, consumer = (mla_direct_pd[name].stats() for name in pair.split("->"))
+    pulled = consumer["kv_transfer"]
+    assert pulled["fallbacks"] == {} and pulled["bytes"] > 0 and not pulled["failures"], pulled  # pulled, not recomputed
+    if pair == "P1->D2d":
+        assert consumer["tensor_parallel"]["kv_staging_bytes"] == pulled["bytes"]
+    else:
+        assert producer["tensor_parallel"]["kv_staging_bytes"] == 0

@@ -40,7 +40,7 @@ from atomd.engine.mtp_proposer import MtpProposer
 from atomd.model.deepseek_mtp import load_mtp
 from atomd.structured import GrammarCompiler
 from atomd.tokenizer import Tokenizer
-from kv_transfer.params import compat_fingerprint
+from kv_transfer.params import compat_fingerprint, tp_layout
 from scheduler.prefill_delayer import PrefillDelayer
 from scheduler.scheduler import ScheduledBatch, ScheduledBatchOutput
 from contracts.sampling import StructuredOutputsParams
@@ -119,10 +119,10 @@ class LLMEngine(EngineLoop):
         kv_heads = kv.heads if split is None else split.num_kv_heads
         # --tp-kv-transfer direct: the workers' slices on the wire as they lie (tp_pd.direct_rows)
         self.tp_direct = self.tp_workers is not None and config.kv_role != "both" and config.tp_kv_transfer == "direct"
-        tp_layout = {"tp_size": split.size, "tp_rows": self.kv_cache.num_blocks} if self.tp_direct else {}
+        direct = {"tp_size": split.size, "tp_rows": self.kv_cache.num_blocks} if self.tp_direct else {}
         self.compat = compat_fingerprint(model_id, config.dtype, config.block_size, kv_layers, kv_heads, kv.head_dim,
-                                         kv.version, kv_cache_dtype=kv_dtype_name(kv_dtype), **tp_layout)
-        self.tp_staging = None
+                                         kv.version, kv_cache_dtype=kv_dtype_name(kv_dtype), **direct)
+        self.tp_staging = self.tp_direct_connector = None
         if self.tp_workers is not None and config.kv_role != "both" and not self.tp_direct:
             self.tp_staging = TPKVStaging(self.tp_workers.kv_all, kv_heads, kv_dtype_name(kv_dtype))
         eos = self.tokenizer.eos_token_id
@@ -160,7 +160,9 @@ class LLMEngine(EngineLoop):
         connector = super()._make_connector(kv_blocks)
         if not self.tp_direct:
             return connector
-        return TPDirectConnector(connector, self.config.tensor_parallel_size, self.kv_cache.num_blocks)
+        self.tp_direct_connector = TPDirectConnector(
+            connector, tp_layout(self.compat, self.tp_workers.kv_all.shape[3]), self.kv_cache.num_blocks, kv_blocks)
+        return self.tp_direct_connector
 
     def close(self) -> None:
         super().close()
@@ -266,10 +268,12 @@ class LLMEngine(EngineLoop):
         if self.model.ep is not None:
             out["expert_parallel"] = self.model.ep.stats()
         if self.tp_workers is not None:
+            copies = self.tp_staging if self.tp_staging is not None else self.tp_direct_connector
             out["tensor_parallel"] = {"size": self.config.tensor_parallel_size, "worker_pids": self.tp_workers.pids,
                                       "kv_transfer": "direct" if self.tp_direct else "staging",
-                                      # bytes the staging copies gathered / scattered (direct: none)
-                                      "kv_staging_bytes": 0 if self.tp_staging is None else self.tp_staging.copied_bytes}
+                                      # bytes copied locally around the pulls: what the staging copies gathered /
+                                      # scattered; direct: a replicated KV head's copies on landing (else none)
+                                      "kv_staging_bytes": copies.copied_bytes if copies is not None else 0}
         return out
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:

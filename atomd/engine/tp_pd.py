@@ -31,7 +31,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from contracts.kv_layout import TPKVLayout, convert_block
+from contracts.kv_layout import TPKVLayout, convert_block, holder, slices_match
+from kv_transfer.params import tp_layout
 
 
 class TPKVStaging:
@@ -67,8 +68,31 @@ def direct_rows(kv_all: torch.Tensor) -> np.ndarray:
 
 
 def slice_rows(block_ids, n: int, blocks: int) -> list[int]:
-    """Each block's N slice rows (direct_rows of an engine with `blocks` blocks a worker), block by block."""
-    return [w * blocks + b for b in block_ids for w in range(n)]
+    """Each block's N slice rows (direct_rows of an engine with `blocks` blocks a worker), worker by worker."""
+    return [w * blocks + b for w in range(n) for b in block_ids]
+
+
+def direct_pull(producer: TPKVLayout, consumer: TPKVLayout, remote_ids, local_ids, producer_rows: int,
+                consumer_rows: int) -> tuple[list[int], list[int], list[tuple[int, int]]]:
+    """(P's rows, D's rows, replica copies) of a direct pull of P's blocks `remote_ids` into D's
+    `local_ids` (contracts/kv_layout.slices_match holds: each of D's slices is one of P's, byte for
+    byte). Each set of KV heads is pulled once, by the first of D's workers holding it, from the first
+    of P's (rows of `producer_rows` / `consumer_rows` blocks a worker; a TP=1 layout has one worker);
+    `copies` (from, to): D's workers that hold those heads too (replicated), copied locally on landing."""
+    remote: list[int] = []
+    local: list[int] = []
+    copies: list[tuple[int, int]] = []
+    first: dict[range, int] = {}
+    for w in range(consumer.tp_size):
+        heads = consumer.worker_heads(w)
+        if heads in first:
+            copies.append((first[heads], w))
+            continue
+        first[heads] = w
+        s = holder(producer, heads.start)[0]
+        remote += [s * producer_rows + b for b in remote_ids]
+        local += [w * consumer_rows + b for b in local_ids]
+    return remote, local, copies
 
 
 class _SliceGrants:
@@ -86,14 +110,19 @@ class _SliceGrants:
 
 class TPDirectConnector:
     """A connector over direct_rows (--tp-kv-transfer direct): P pins a block's N slice rows; D pulls
-    P's slice rows (at P's stride, its fingerprint's `tp_rows`) into its own, worker by worker.
-    It is what the scheduler holds (it sees each remote sequence's params before its pull)."""
+    into each of its workers' slices the slice of the P worker holding the same KV heads (P's TP size
+    and row stride from its fingerprint: `tp_size`, `tp_rows`; a peer without `tp_rows` has the TP=1
+    layout on the wire, one row a block), once per set of heads: D's workers that replicate those heads
+    get a local copy when the pull lands, before the scheduler sees it. It is what the scheduler holds
+    (it sees each remote sequence's params before its pull)."""
 
-    def __init__(self, connector: Any, n: int, blocks: int):
-        self.connector, self.n, self.blocks = connector, n, blocks
-        self._producer_rows: dict[int, int] = {}  # sequence id -> P's blocks a worker
+    def __init__(self, connector: Any, layout: TPKVLayout, blocks: int, rows: np.ndarray):
+        self.connector, self.layout, self.blocks, self.rows = connector, layout, blocks, rows
+        self._producers: dict[int, tuple[TPKVLayout, int]] = {}  # sequence id -> P's layout, blocks a worker
+        self._copies: dict[int, tuple[list[tuple[int, int]], list[int]]] = {}  # sequence id -> copies, blocks
+        self.copied_bytes = 0  # the replicas' local copies
         if connector.is_producer:
-            connector.sender = _SliceGrants(connector.sender, n, blocks)
+            connector.sender = _SliceGrants(connector.sender, layout.tp_size, blocks)
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.connector, name)
@@ -101,16 +130,36 @@ class TPDirectConnector:
     def update_state_after_alloc(self, seq: Any) -> None:
         self.connector.update_state_after_alloc(seq)
         compat = getattr(seq.kv_transfer_params, "compat", None)
-        if isinstance(compat, dict) and isinstance(compat.get("tp_rows"), int):
-            self._producer_rows[seq.id] = compat["tp_rows"]
+        if isinstance(compat, dict):
+            try:
+                producer = tp_layout(compat, self.layout.planes)
+            except ValueError:
+                return  # compat_mismatch refuses the load, naming the field
+            rows = compat.get("tp_rows", 0)
+            self._producers[seq.id] = (producer, rows if isinstance(rows, int) and rows >= 0 else 0)
 
     def start_load_kv(self, meta: Any) -> None:
         for load in getattr(meta, "loads", ()):
-            rows = self._producer_rows.pop(load.seq_id, None)
-            if load.refused is None and rows is not None:  # refused: compat_mismatch named the layouts
-                load.remote_block_ids = slice_rows(load.remote_block_ids, self.n, rows)
-                load.local_block_ids = slice_rows(load.local_block_ids, self.n, self.blocks)
+            producer, rows = self._producers.pop(load.seq_id, (None, 0))
+            # refused: compat_mismatch named the layouts (slices_match is checked there)
+            if load.refused is None and producer is not None and slices_match(producer, self.layout):
+                local = list(load.local_block_ids)
+                load.remote_block_ids, load.local_block_ids, copies = direct_pull(
+                    producer, self.layout, load.remote_block_ids, local, rows, self.blocks)
+                if copies:
+                    self._copies[load.seq_id] = (copies, local)
         self.connector.start_load_kv(meta)
+
+    def get_finished(self) -> Any:
+        out = self.connector.get_finished()
+        for seq_id in out.finished_recving:
+            copies, local = self._copies.pop(seq_id, ((), ()))
+            for src, dst in copies:
+                self.rows[[dst * self.blocks + b for b in local]] = self.rows[[src * self.blocks + b for b in local]]
+                self.copied_bytes += len(local) * self.rows.shape[1]
+        for seq_id in out.failed_recving:
+            self._copies.pop(seq_id, None)
+        return out
 
 
 def written_blocks(batch: Any, block_size: int) -> list[int]:

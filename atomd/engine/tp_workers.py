@@ -344,8 +344,10 @@ def main() -> None:
     torch.set_num_threads(cfg.num_threads_or_all())
     size = cfg.tensor_parallel_size
     split = tp_split(read_config(spec.model_dir), spec.rank, size)
+    ep = cfg.enable_expert_parallel and cfg.data_parallel_size > 1  # TP x EP: rank 0 runs the routed experts
     model = load_model(spec.model_dir, spec.dtype, max_positions=cfg.max_model_len, quantization=cfg.quantization,
-                       activations=cfg.quantized_activations, tp=split)
+                       activations=cfg.quantized_activations, tp=split,
+                       expert_shard=(cfg.data_parallel_rank, cfg.data_parallel_size) if ep else None)
     _mm, kv_all = map_kv(spec.kv_path, spec.kv_shape, spec.kv_dtype, create=False)
     _, blocks, layers, planes, block_size, heads, head_dim = spec.kv_shape
     kv_cache = KVCache(blocks, layers, block_size, heads, head_dim, spec.kv_dtype, planes, kv=kv_all[spec.rank],

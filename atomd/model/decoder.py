@@ -26,7 +26,7 @@ from atomd.model.huge_pages import on_huge_pages, release_freed_memory
 from atomd.model.layer_ops import rms_norm, rope_, rope_store_, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, dense, linear, linear_f32, pack_linear_weight
 from atomd.model.lora import LayerLora, LoraStep
-from atomd.model.moe import MoeWeights, moe
+from atomd.model.moe import MoeWeights, moe, moe_tp
 from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import long_rope_positions, rope_tables
 
@@ -99,6 +99,9 @@ class DecoderModel:
     paged_kv_heads = True
     ep: Any = field(init=False, default=None)  # the ranks' ExpertParallel (use_expert_parallel)
     tp: Any = field(init=False, default=None)  # this worker's TensorParallel (use_tensor_parallel)
+    # TP x EP (load_model): TP rank 0 holds its DP rank's routed experts whole and runs the exchange, the
+    # other TP ranks none (routed_experts)
+    tp_experts_rank0: bool = field(init=False, default=False)
 
     # ------------------------------------------------------------------ the family's part
 
@@ -333,9 +336,12 @@ class DecoderModel:
             self.decode_layer = None
         if self.dtype == torch.bfloat16:  # row_parallel's float32 partials read the plain weights: packed copies go
             for w in self.layers:
-                if isinstance(w, LayerWeights):  # (DeepSeek's MLA layers keep theirs: their partials stay bf16)
-                    rows = w.rows or (None,) * 4
-                    w.o, w.down = _plain(w.o, rows[1]), _plain(w.down, rows[3])
+                self.unpack_row_parallel(w)
+
+    def unpack_row_parallel(self, w: LayerWeights) -> None:
+        """A bf16 TP layer's row-parallel linears (o, down) as plain weights (their float32 partials)."""
+        rows = w.rows or (None,) * 4
+        w.o, w.down = _plain(w.o, rows[1]), _plain(w.down, rows[3])
 
     def reduce_(self, t: torch.Tensor) -> torch.Tensor:
         """A row-parallel linear's output summed over the TP workers (as it is without TP)."""
@@ -347,10 +353,16 @@ class DecoderModel:
         one dot is: partials rounded to bf16 first leave TP=1's greedy ids (Phi-3)."""
         if self.tp is None or x.dtype != torch.bfloat16 or not isinstance(weight, torch.Tensor):
             return self.reduce_(lora_linear(lora, fused, x, weight, bias, rows))
-        out = linear_f32(x, weight, bias)
-        if lora is not None:  # the adapter's delta in bf16 (lora.add's dtype), added to the float32 partial
-            out.add_(lora.add(fused, x, x.new_zeros(out.shape)))
-        return self.tp.reduce_(out).to(x.dtype)
+        return self.tp.reduce_(row_partial(lora, fused, x, weight, bias)).to(x.dtype)
+
+    def routed_experts(self, h: torch.Tensor, w: MoeWeights,
+                       routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        """moe(), but under TP x EP (tp_experts_rank0) zeros on a TP rank other than 0: rank 0's
+        block output (its exchange with the other DP ranks' rank 0) is then the all-reduce's sum,
+        to the bit (x + 0), so TP x EP computes EP's values."""
+        if self.tp_experts_rank0 and w.ep is None:
+            return torch.zeros_like(h)
+        return moe(h, w, routed)
 
     def idle_forward(self) -> None:
         """A rank with nothing to run this step: its part in every sparse layer's exchange
@@ -428,7 +440,12 @@ class DecoderModel:
         o = self.row_parallel(lora, "o", attn, w.o, w.o_bias, rows[1])
         h = rms_norm(x, w.post_norm, eps, delta=o)
         if w.moe is not None:
-            down = self.reduce_(moe(h, w.moe))
+            if self.tp is None:
+                down = moe(h, w.moe)
+            elif self.tp_experts_rank0:
+                down = self.reduce_(self.routed_experts(h, w.moe))
+            else:
+                down = moe_tp(h, w.moe, self.tp.reduce_)
         else:
             act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
             down = self.row_parallel(lora, "down", act, w.down, w.down_bias, rows[3])
@@ -444,6 +461,15 @@ def _plain(weight, rows):
     if not isinstance(weight, torch.Tensor):
         return weight
     return rows if rows is not None else dense(weight)
+
+
+def row_partial(lora: LayerLora | None, fused: str, x: torch.Tensor, weight: torch.Tensor, bias) -> torch.Tensor:
+    """A TP worker's float32 partial of a row-parallel bf16 linear (a plain weight) plus its LoRA
+    delta (lora.add's bf16), for an all-reduce in float32 (DecoderModel.row_parallel)."""
+    out = linear_f32(x, weight, bias)
+    if lora is not None:
+        out.add_(lora.add(fused, x, x.new_zeros(out.shape)))
+    return out
 
 
 def lora_linear(lora: LayerLora | None, fused: str, x: torch.Tensor, weight, bias, rows) -> torch.Tensor:

@@ -31,12 +31,12 @@ import torch.nn.functional as F
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
 from atomd.model import layer_ops
 from atomd.model.config import ModelConfig
-from atomd.model.decoder import ROW_TILE, DecoderModel, TensorSource, cat
+from atomd.model.decoder import ROW_TILE, DecoderModel, TensorSource, cat, row_partial
 from atomd.model.layer_ops import rms_norm, silu_mul
-from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, linear, pack_linear_weight
+from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, dense, linear, pack_linear_weight
 from atomd.model.lora import LayerLora, LoraStep
 from atomd.model.mla import LatentUp, mla_decode, mla_prefill, store_latent
-from atomd.model.moe import MoeWeights, load_experts, moe
+from atomd.model.moe import MoeWeights, from_tp_sums, load_experts, moe, tp_exact, tp_partials
 from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import rope_kind, rope_tables, yarn_factor, yarn_mscale
 
@@ -140,6 +140,13 @@ class MlaLayerWeights:
         plus the rows' LoRA deltas (the shared experts' under the dense MLP's names, LORA_NAMES)."""
         out = linear(x, getattr(self, name), bias, self.rows.get(name) if self.rows else None)
         return out if lora is None else lora.add(LORA_NAMES.get(name, name), x, out)
+
+
+    def plain(self, name: str) -> torch.Tensor:
+        """The float linear `name` as a plain tensor (its batch-1 rows where kept, else unpacked: a
+        copy a call where use_tensor_parallel has not unpacked it, a worker's MTP layer)."""
+        rows = self.rows.get(name) if self.rows else None
+        return rows if rows is not None else dense(getattr(self, name))
 
 
 LINEARS = ("qkv_a", "q_b", "o", "gate_up", "down", "shared_gate_up", "shared_down")
@@ -270,6 +277,14 @@ class DeepseekModel(DecoderModel):
                 if getattr(w, name) is not None:
                     setattr(w, name, pack_linear_weight(getattr(w, name)))
             w.up = replace(w.up, kv_b=pack_linear_weight(w.up.kv_b))
+        if self.tp is not None and self.dtype == torch.bfloat16:  # (an MTP layer loaded after use_tensor_parallel)
+            self.unpack_row_parallel(w)
+
+    def unpack_row_parallel(self, w: MlaLayerWeights) -> None:
+        """DecoderModel's for MLA's row-parallel linears: o_proj, the dense MLP's or shared experts' down."""
+        for name in ("o", "down", "shared_down"):
+            if isinstance(getattr(w, name), torch.Tensor):
+                setattr(w, name, w.plain(name))
 
     def _keep_rows(self) -> bool:
         """The GEMV kernel runs this dtype, $ATOMD_GEMV is not 0, and all the linears' plain copies
@@ -338,20 +353,53 @@ class DeepseekModel(DecoderModel):
             return mla_prefill(q, latent, kv_cache, i, meta, w.up, cfg.mla_scale)
         return mla_decode(q, kv_cache, i, meta, w.up, cfg.mla_scale)
 
+    def _tp_bf16_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: MlaLayerWeights,
+                             lora: LayerLora | None) -> torch.Tensor:
+        """_attn_out_and_mlp's MLP output of a bf16 TP worker (float weights), rounded where TP=1
+        rounds: o_proj's and the dense or shared experts' down partials float32 into the all-reduce
+        (DecoderModel.row_parallel's rule), the routed experts' per (token, expert) pair (moe.moe_tp);
+        in a sparse layer the pairs' and the shared experts' partials share one all-reduce. x gets the
+        attention output added (the residual, as rms_norm's delta does)."""
+        o = self.reduce_(row_partial(lora, "o", attn, w.plain("o"), w.o_bias)).to(attn.dtype)
+        h = rms_norm(x, w.post_norm, self.config.rms_norm_eps, delta=o)
+        if w.moe is None:
+            act = silu_mul(w.linear("gate_up", h, None, lora))
+            return self.reduce_(row_partial(lora, "down", act, w.plain("down"), None)).to(h.dtype)
+        if self.tp_experts_rank0:  # TP x EP: rank 0's routed output (bf16, EP's bits) beside the shared partials
+            routed = self.routed_experts(h, w.moe, w.routing(h))
+            if w.shared_gate_up is None:
+                return self.reduce_(routed)
+            shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
+            sums = self.reduce_(torch.cat([routed.float(), row_partial(lora, "down", shared, w.plain("shared_down"),
+                                                                       None)]))
+            return sums[:len(h)].to(h.dtype) + sums[len(h):].to(h.dtype)
+        if not tp_exact(h, w.moe):
+            return self.reduce_(moe(h, w.moe, w.routing(h)) + (0 if w.shared_gate_up is None else w.linear(
+                "shared_down", silu_mul(w.linear("shared_gate_up", h, None, lora)), None, lora)))
+        partial, weights = tp_partials(h, w.moe, w.routing(h))
+        if w.shared_gate_up is None:
+            return from_tp_sums(self.reduce_(partial), weights, w.moe)
+        shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
+        sums = self.reduce_(torch.cat([partial, row_partial(lora, "down", shared, w.plain("shared_down"), None)]))
+        return from_tp_sums(sums[:len(partial)], weights, w.moe) + sums[len(partial):].to(h.dtype)
+
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: MlaLayerWeights,
                           next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
         """DecoderModel's, with DeepSeekMoE: routed experts plus the shared ones (LoRA's gate_up /
         down deltas on the shared experts in a sparse layer, on the MLP in a dense one)."""
         eps = self.config.rms_norm_eps
-        h = rms_norm(x, w.post_norm, eps, delta=self.reduce_(w.linear("o", attn, w.o_bias, lora)))
-        if w.moe is not None:
-            down = moe(h, w.moe, w.routing(h))
-            if w.shared_gate_up is not None:
-                shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
-                down = down + w.linear("shared_down", shared, None, lora)
+        if self.tp is not None and attn.dtype == torch.bfloat16 and isinstance(w.o, torch.Tensor):
+            down = self._tp_bf16_out_and_mlp(x, attn, w, lora)
         else:
-            down = w.linear("down", silu_mul(w.linear("gate_up", h, None, lora)), None, lora)
-        down = self.reduce_(down)  # under TP: routed and shared experts' partial sums in one all-reduce
+            h = rms_norm(x, w.post_norm, eps, delta=self.reduce_(w.linear("o", attn, w.o_bias, lora)))
+            if w.moe is not None:
+                down = self.routed_experts(h, w.moe, w.routing(h))
+                if w.shared_gate_up is not None:
+                    shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
+                    down = down + w.linear("shared_down", shared, None, lora)
+            else:
+                down = w.linear("down", silu_mul(w.linear("gate_up", h, None, lora)), None, lora)
+            down = self.reduce_(down)  # under TP: routed and shared experts' partial sums in one all-reduce
         if next_norm is None:
             x.add_(down)
         else:

@@ -232,20 +232,23 @@ def moe_experts(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, ids:
 
 
 def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
-                starts: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, scales: torch.Tensor,
+                starts: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, scales: torch.Tensor | None,
                 pairs: torch.Tensor) -> None:
     """pairs[dest[i]] = (silu_mul(x[tokens[i]] @ gate_up[e].T) @ down[e].T) * scales[i] for the
     pairs i in starts[g] .. starts[g + 1] - 1 of each expert e = experts[g]: an MoE block's
     experts over several tokens x [T, hidden] (has_gemv(x.dtype)) in one C call, rounded where
     the per-expert ops round. gate_up / down stacked and contiguous; experts, starts, tokens,
     dest int64 contiguous; scales [pairs] and pairs [T * k, hidden] contiguous, both float32
-    or both x's dtype. The indices are trusted (moe.py makes them): out of range reads memory."""
+    or both x's dtype; scales None: pairs[dest[i]] = the float32 down output, unrounded and unscaled
+    (pairs float32; a TP worker's partial, moe.moe_tp). The indices are trusted (moe.py makes them):
+    out of range reads memory."""
     lib, inter, threads = kernels(), down.shape[2], torch.get_num_threads()
     max_rows = int((starts[1:] - starts[:-1]).max()) if len(experts) else 0
     scratch = torch.empty(threads * max_rows * (3 * inter + x.shape[1]), dtype=x.dtype)  # one a thread
     getattr(lib, f"atomd_moe_grouped_{_SUFFIX[x.dtype]}")(
         x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), experts.data_ptr(), starts.data_ptr(), tokens.data_ptr(),
-        dest.data_ptr(), scales.data_ptr(), pairs.data_ptr(), int(pairs.dtype == torch.float32), scratch.data_ptr(),
+        dest.data_ptr(), 0 if scales is None else scales.data_ptr(), pairs.data_ptr(),
+        2 if scales is None else int(pairs.dtype == torch.float32), scratch.data_ptr(),
         x.shape[1], inter, len(experts), max_rows, threads)
 
 

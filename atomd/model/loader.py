@@ -117,7 +117,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         src = quant_formats.CheckpointSource(src, cfg.quantization) if cfg.quantization else \
             quant_formats.RoundToNearest(src, quantization)
     if split is not None:  # sliced after quantising: each worker's part of the unsplit weight's integers and scales
-        src = sharded_source(src, whole, split, q8_aligned=activations == "int8")
+        # TP x EP: rank 0 runs its DP rank's experts whole (the exchange is its own), the others none
+        experts = "split" if expert_shard is None else "whole" if split.rank == 0 else "none"
+        src = sharded_source(src, whole, split, q8_aligned=activations == "int8", experts=experts)
     embed = src.get("model.embed_tokens.weight", dtype)
     if cfg.tie_word_embeddings:  # a GGUF's packed token_embd stays packed as the head (llama.cpp's choice)
         lm_head = src.tied_head(embed) if gguf else embed
@@ -135,16 +137,19 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
         switched = quant.use_int8_activations(packed)
         log.info("int8 activations: %d of %d quantized linears (the rest: inputs or groups not whole blocks of %d)",
                  switched, len(packed), quant.Q8_BLOCK)
-    return cls(config=cfg, embed=embed, layers=layers,
-               norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
-               max_positions=max_positions or cfg.max_position_embeddings)
+    model = cls(config=cfg, embed=embed, layers=layers,
+                norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
+                max_positions=max_positions or cfg.max_position_embeddings)
+    model.tp_experts_rank0 = split is not None and expert_shard is not None
+    return model
 
 
-def sharded_source(src, whole: ModelConfig, split: TPSplit, q8_aligned: bool = False) -> ShardedSource:
+def sharded_source(src, whole: ModelConfig, split: TPSplit, q8_aligned: bool = False,
+                   experts: str = "split") -> ShardedSource:
     """Worker split.rank's slice of `src` (a checkpoint of the whole model `whole`)."""
     mla = (whole.qk_head_dim, whole.qk_nope_head_dim + whole.v_head_dim, whole.v_head_dim) \
         if getattr(whole, "kv_lora_rank", 0) else None
-    return ShardedSource(src, split, q8_aligned=q8_aligned, mla=mla)
+    return ShardedSource(src, split, q8_aligned=q8_aligned, mla=mla, experts=experts)
 
 
 def tp_split(cfg: ModelConfig, rank: int, size: int) -> TPSplit:

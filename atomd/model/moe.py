@@ -15,7 +15,7 @@ import torch.nn.functional as F
 
 from atomd.model import layer_ops, quant
 from atomd.model.layer_ops import silu_mul
-from atomd.model.linear import GEMV_ENV, linear
+from atomd.model.linear import GEMV_ENV, linear, linear_f32
 from atomd.model.quant import QuantizedWeight
 
 
@@ -130,6 +130,63 @@ def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.T
 
 def expert(x: torch.Tensor, w: MoeWeights, e: int) -> torch.Tensor:
     """Expert e's SwiGLU MLP over the rows x [n, hidden]."""
-    gate_up, down = w.gate_up[e], w.down[e]
-    rows = (gate_up, down) if w.gemv else (None, None)
-    return linear(silu_mul(linear(x, gate_up, None, rows[0])), down, None, rows[1])
+    down = w.down[e]
+    return linear(expert_act(x, w, e), down, None, down if w.gemv else None)
+
+
+def expert_act(x: torch.Tensor, w: MoeWeights, e: int) -> torch.Tensor:
+    """Expert e's activations silu(gate) * up over the rows x [n, hidden] (its down projection's input)."""
+    gate_up = w.gate_up[e]
+    return silu_mul(linear(x, gate_up, None, gate_up if w.gemv else None))
+
+
+def moe_tp(h: torch.Tensor, w: MoeWeights, reduce_) -> torch.Tensor:
+    """moe() of a tensor-parallel worker (each expert's intermediate rows a slice: its down output
+    a partial sum), summed over the workers by `reduce_` (an all-reduce). Float bf16 experts: each
+    (token, choice) pair's down partial stays float32 into the all-reduce (tp_partials), and the
+    sums are rounded, weighted and added as TP=1's moe() does (from_tp_sums), so TP=2 computes
+    TP=1's values (up to the float32 summation order); partials rounded to bf16 and weighted before
+    one all-reduce of the block's output left TP=1's greedy ids (Mixtral, Qwen3-MoE). The price: the
+    all-reduce moves [T * k, hidden] float32, 2k times the block output's bf16 bytes
+    (benchmarks/RESULTS.md "#41 MoE in bf16 under TP"). Other dtypes and quantized experts: the
+    block's output partials, one all-reduce."""
+    if not tp_exact(h, w):
+        return reduce_(moe(h, w))
+    partial, weights = tp_partials(h, w)
+    return from_tp_sums(reduce_(partial), weights, w)
+
+
+def tp_exact(h: torch.Tensor, w: MoeWeights) -> bool:
+    """Whether moe_tp all-reduces the pairs' float32 partials (bf16, float experts)."""
+    return h.dtype == torch.bfloat16 and not w.quantized
+
+
+def tp_partials(h: torch.Tensor, w: MoeWeights,
+                routed: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each (token, choice) pair's float32 down partial [T * k, hidden], the pairs' routing
+    weights [T * k]) of this worker's expert slices (moe_tp's, before the all-reduce)."""
+    weights, ids = routed if routed is not None else route(h, w)
+    rows, k = h.shape[0], w.top_k
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=len(w.gate_up))
+    w.routed += counts
+    partial = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
+    if w.gemv and GROUPED:  # every active expert in one C call, the down sums left float32
+        active = counts.nonzero().flatten()
+        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
+        layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order, None, partial)
+    else:
+        ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
+        for e in counts.nonzero().flatten().tolist():
+            group = order[ends[e] - sizes[e]:ends[e]]
+            partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
+    return partial, weights.flatten()
+
+
+def from_tp_sums(sums: torch.Tensor, weights: torch.Tensor, w: MoeWeights) -> torch.Tensor:
+    """The block's output from the all-reduced pair sums [T * k, hidden] (tp_partials'): each
+    rounded as TP=1 rounds an expert's output, times its routing weight into moe()'s pair dtype,
+    the k pairs of a token summed in float32, rounded once."""
+    pairs = (sums.to(torch.bfloat16) * weights.unsqueeze(1)).to(torch.bfloat16 if w.cast_weights else torch.float32)
+    return pairs.view(-1, w.top_k, sums.shape[1]).sum(dim=1).to(torch.bfloat16)

@@ -36,9 +36,13 @@ class ShardedSource:
     run with int8 activations (blocks of quant.Q8_BLOCK inputs, each its own scale), so a
     row-parallel slice must start and end on a block boundary to quantise the same blocks."""
 
-    def __init__(self, src, split: TPSplit, q8_aligned: bool = False, mla: tuple[int, int, int] | None = None):
+    def __init__(self, src, split: TPSplit, q8_aligned: bool = False, mla: tuple[int, int, int] | None = None,
+                 experts: str = "split"):
         self.src, self.split, self.q8_aligned = src, split, q8_aligned
         self.mla = mla  # DeepSeek: rows a head of q_proj / q_b_proj, of kv_b_proj, o_proj's inputs a head
+        # the routed experts' tensors (".experts." in the name): split like the MLP, whole (rank 0 under
+        # expert parallelism: it runs them), or none (the other ranks then: an empty tensor, nothing read)
+        self.experts = experts
 
     def __contains__(self, name: str) -> bool:
         return name in self.src
@@ -52,6 +56,8 @@ class ShardedSource:
         return head if head is embed else self._vocab(head)
 
     def get(self, name: str, dtype: torch.dtype):
+        if self.experts != "split" and ".experts." in name:
+            return torch.empty(0, 0, dtype=dtype) if self.experts == "none" else self.src.get(name, dtype)
         t = self.src.get(name, dtype)
         parts = name.split(".")
         kind, suffix = (parts[-2], parts[-1]) if len(parts) >= 2 else ("", "")

@@ -658,6 +658,8 @@ MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
  * gu = x @ gate_up[e]^T, a = silu(gate) * up, y = a @ down[e]^T, and pairs[dest[i]] = y *
  * scales[i] (scales in pair order; pairs and scales float32 when f32_pairs, else the model's
  * dtype), rounded where the per-expert torch ops round (the products' sums in another order).
+ * f32_pairs == 2: pairs[dest[i]] = y in float32, unrounded and unscaled (a TP worker's partial of
+ * the pair's down output: moe.py's moe_tp all-reduces those before TP=1's rounding; scales unread).
  * Why: the per-expert path is one torch linear pair per active expert (a batch-16 decode step
  * of the deepseek-v2-lite shape made ~26k such calls, 31% of its time, each a small GEMM
  * through oneDNN on an unpacked weight). Here each expert's weights are read in blocks of 16
@@ -666,8 +668,9 @@ MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
  * different token counts), each thread on its own scratch of max_rows * (3 * inter + hidden). */
 #include "lane_sums.h"
 #define MOE_GROUPED(SUFFIX, elem_t, mask_t, VEC, STEP, VLOAD, VFMA, IS_BF16, SILU_ROW)                             \
-    /* y[j] = x . w[j] for the rows w [nn <= 16][K], rounded as the model's dtype */                                \
-    static inline void moe_dots16_##SUFFIX(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t nn) {   \
+    /* y[j] = x . w[j] for the rows w [nn <= 16][K], rounded as the model's dtype (yf: float32, unrounded) */       \
+    static inline void moe_dots16_##SUFFIX(const elem_t *x, const elem_t *w, elem_t *y, float *yf, int64_t K,      \
+                                           int64_t nn) {                                                            \
         __m512 acc[16];                                                                                             \
         for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();                                                  \
         const mask_t all = (mask_t)~(mask_t)0, tail = (mask_t)((1ull << (K % STEP)) - 1u);                         \
@@ -687,7 +690,12 @@ MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
         }                                                                                                           \
         float sums[16];                                                                                             \
         _mm512_storeu_ps(sums, sum_lanes16(acc));                                                                   \
-        for (int64_t j = 0; j < nn; j++) store(y, j, sums[j], IS_BF16);                                             \
+        for (int64_t j = 0; j < nn; j++) {                                                                          \
+            if (yf)                                                                                                 \
+                yf[j] = sums[j];                                                                                    \
+            else                                                                                                    \
+                store(y, j, sums[j], IS_BF16);                                                                      \
+        }                                                                                                           \
     }                                                                                                               \
     void atomd_moe_grouped_##SUFFIX(const elem_t *x, const elem_t *gate_up, const elem_t *down,                    \
                                     const int64_t *experts, const int64_t *starts, const int64_t *tokens,           \
@@ -705,13 +713,14 @@ MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
                 for (int64_t n0 = 0; n0 < 2 * inter; n0 += 16)                                                      \
                     for (int64_t r = 0; r < m; r++)                                                                 \
                         moe_dots16_##SUFFIX(x + tokens[p0 + r] * hidden, wg + n0 * hidden, gu + r * 2 * inter + n0, \
-                                            hidden, 2 * inter - n0 < 16 ? 2 * inter - n0 : 16);                     \
+                                            NULL, hidden, 2 * inter - n0 < 16 ? 2 * inter - n0 : 16);               \
                 for (int64_t r = 0; r < m; r++) SILU_ROW(gu + r * 2 * inter, a + r * inter, inter);                 \
                 for (int64_t n0 = 0; n0 < hidden; n0 += 16)                                                         \
                     for (int64_t r = 0; r < m; r++)                                                                 \
-                        moe_dots16_##SUFFIX(a + r * inter, wd + n0 * inter, y + r * hidden + n0, inter,              \
-                                            hidden - n0 < 16 ? hidden - n0 : 16);                                   \
-                for (int64_t r = 0; r < m; r++)                                                                     \
+                        moe_dots16_##SUFFIX(a + r * inter, wd + n0 * inter, y + r * hidden + n0,                   \
+                                            f32_pairs == 2 ? (float *)pairs + dest[p0 + r] * hidden + n0 : NULL,     \
+                                            inter, hidden - n0 < 16 ? hidden - n0 : 16);                            \
+                for (int64_t r = 0; r < m && f32_pairs != 2; r++)                                                   \
                     for (int64_t i = 0; i < hidden; i++) {                                                          \
                         const float v = load(y, r * hidden + i, IS_BF16);                                           \
                         if (f32_pairs)                                                                              \
