@@ -278,7 +278,10 @@ def test_bf16_greedy_follows_hf_bf16_qwen3(checkpoints, monkeypatch):
 
 def engine_greedy_and_routing(llm: LLM, prompt: list[int], layers: int, monkeypatch) -> tuple[list[int], list]:
     """The engine's 48 greedy ids for `prompt` and the experts it routed every position to as it
-    ran them (prefill, then each decode step): per sparse layer, [positions, k]."""
+    ran them (prefill, then each decode step): per sparse layer, [positions, k]. Batch-1 decode per op:
+    the fused layer routes in C, unrecorded (its routing and ids against the per-op path's:
+    test_fused_batch1_moe_layer_follows_the_per_op_path)."""
+    monkeypatch.setattr(llm.engine.model, "decode_layer", None)
     calls, real = [], moe_mod.route
     monkeypatch.setattr(moe_mod, "route", lambda h, w: (lambda r: calls.append(r[1].clone()) or r)(real(h, w)))
     ids = engine_greedy(llm, [prompt], GREEDY48)[0]
