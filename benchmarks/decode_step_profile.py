@@ -325,6 +325,8 @@ def main() -> int:
             samples[kind]["tok_s"].append(wall)
             samples[kind]["tok_s_cpu"].append(cpu)
         print(f"round {r + 1} done (load {loadavg()})", file=sys.stderr, flush=True)
+        if args.out:  # every round's samples so far: a run cut short still leaves them
+            args.out.write_text(json.dumps({**result, "rounds_done": r + 1, "samples": samples}, indent=1))
     med = {n: {part: round(statistics.median(v), 2) for part, v in d.items()} for n, d in samples.items()}
     for n in names:
         m = med[n]
