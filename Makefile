@@ -23,7 +23,7 @@ venv: $(VENV)/.installed
 XDIST := -n 2 --dist loadgroup
 
 test: venv
-	$(PY) -m pytest -q $(XDIST) $(PYTEST_ARGS)
+	$(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)
 
 test-unit: venv
 	$(PY) -m pytest -q -m unit $(PYTEST_ARGS)

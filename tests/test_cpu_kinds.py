@@ -29,8 +29,9 @@ ENGINE_TESTS = ("hf or engine", ["tests/test_model_hf.py", "tests/test_bf16.py"]
 # Phi-3 (longrope), Gemma 3, sliding windows, int8 / int4 / bf16 weights. Not DeepSeek's engine
 # tests (test_models runs them with the rest): its absorbed MLA decode (csrc/mla.c, and the
 # attention kernel on a 576-wide head for fp8 caches) is checked under every narrowing in
-# tests/test_deepseek.py
-FAMILY_TESTS = ("hf and not deepseek", ["tests/test_models.py", "tests/test_gemma3.py", "tests/test_sliding_window.py",
+# tests/test_deepseek.py. Nor the PD runs (a PD pair computes with the colocated engine's kernels:
+# the narrowing is checked by the colocated runs; ~10 s a narrowing)
+FAMILY_TESTS = ("hf and not deepseek and not pd_", ["tests/test_models.py", "tests/test_gemma3.py", "tests/test_sliding_window.py",
                        "tests/test_quant_engine.py", "tests/test_longrope.py"])
 # AVX2-only is no machine of ours, but the kernels keep its path: the engine in fp32 against
 # HF, and in bf16 (weights unpacked: oneDNN has no bf16 there) against its own torch ops. Not

@@ -30,7 +30,7 @@ Tolerances, and how they were chosen (runs on this 2-core machine, 8 workers, 90
   +0.2 to +1.2 MiB. Allowed 64 MiB for a core.
 
 `test_soak_bounded` (unmarked: runs in `make test`): 4 workers, ATOMD_SOAK_BOUNDED_SECONDS
-(default 32) of traffic, ~50 s with start-up. `test_soak_long` (marker `chaos`: `make chaos`):
+(default 20) of traffic, ~35 s with start-up. `test_soak_long` (marker `chaos`: `make chaos`):
 8 workers for ATOMD_SOAK_SECONDS (default 300).
 """
 from __future__ import annotations
@@ -86,7 +86,7 @@ def soak(tmp_path, seconds: float, workers: int) -> None:
 
 @pytest.mark.timeout(300)
 def test_soak_bounded(tmp_path):
-    soak(tmp_path, float(os.environ.get("ATOMD_SOAK_BOUNDED_SECONDS", "32")), workers=4)
+    soak(tmp_path, float(os.environ.get("ATOMD_SOAK_BOUNDED_SECONDS", "20")), workers=4)
 
 
 @pytest.mark.chaos

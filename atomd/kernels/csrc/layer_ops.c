@@ -57,6 +57,38 @@ static inline float silu(float g) {  /* g * sigmoid(g), exp of a non-positive ar
     return (g >= 0.0f ? g : g * e) / (1.0f + e);
 }
 
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#define F32_NORM_VEC 1
+
+static inline __mmask16 tail(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
+
+/* float32 RMSNorm of one row, 16 lanes at a time in one fixed order: the batch-1 fused layer
+ * and the per-op rms_norm must give the same bits, and `omp simd` leaves the sum's order to
+ * the compiler at each call site (GCC's tuning for some Intel cores split Qwen3's head-sized
+ * q/k norm rows differently in the two). */
+static inline void rms_norm_row_f32(float *x, const float *d, const float *w, float *o, int64_t hidden, float eps) {
+    __m512 acc = _mm512_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = tail(hidden - i);
+        __m512 v = _mm512_maskz_loadu_ps(m, x + i);
+        if (d) {
+            v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(m, d + i));
+            _mm512_mask_storeu_ps(x + i, m, v);
+        }
+        acc = _mm512_fmadd_ps(v, v, acc);  /* masked-off lanes loaded as 0 */
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(acc) / (float)hidden + eps));
+    for (int64_t i = 0; i < hidden; i += 16) {
+        const __mmask16 m = tail(hidden - i);
+        const __m512 n = _mm512_mul_ps(_mm512_maskz_loadu_ps(m, x + i), inv);
+        _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), n));
+    }
+}
+#else
+#define F32_NORM_VEC 0
+#endif
+
 #if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(ATOMD_NO_BF16_DOT)
 /* bf16 rows with AVX512_BF16's float -> bf16 conversion (vcvtneps2bf16: round to nearest
  * even, as float_to_bf16), 16 lanes at a time, the tail masked: the portable code's integer
@@ -73,8 +105,6 @@ static inline __m256i to_bf16(__m512 v) { return (__m256i)_mm512_cvtneps_pbh(v);
 static inline __m512 round16(__m512 v) {  /* v rounded to bf16 precision, as a float */
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16(v)), 16));
 }
-
-static inline __mmask16 tail(int64_t left) { return left >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << left) - 1u); }
 
 static void rms_norm_row_bf16(bf16_t *x, const bf16_t *d, const bf16_t *w, bf16_t *o, int64_t hidden, float eps) {
     __m512 acc = _mm512_setzero_ps();
@@ -165,7 +195,13 @@ static inline __attribute__((always_inline)) void rms_norm_row(
  * delta [rows, hidden] or NULL, w [hidden], out [rows, hidden] (row stride out_stride). */
 void atomd_rms_norm_f32(float *x, int64_t x_stride, const float *delta, int64_t delta_stride, const float *w,
                         float *out, int64_t out_stride, int64_t rows, int64_t hidden, float eps, int num_threads) {
+#if F32_NORM_VEC
+#pragma omp parallel for num_threads(num_threads) if (rows * hidden >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++)
+        rms_norm_row_f32(x + r * x_stride, delta ? delta + r * delta_stride : NULL, w, out + r * out_stride, hidden, eps);
+#else
     RMS_NORM(0)
+#endif
 }
 
 void atomd_rms_norm_bf16(bf16_t *x, int64_t x_stride, const bf16_t *delta, int64_t delta_stride, const bf16_t *w,
@@ -656,7 +692,11 @@ typedef struct {
         return 0;                                                                                                  \
     }
 
+#if F32_NORM_VEC
+#define NORM_ROW_F32 rms_norm_row_f32
+#else
 #define NORM_ROW_F32(x, d, w, o, hidden, eps) rms_norm_row((char *)(x), (const char *)(d), w, (char *)(o), hidden, eps, 0)
+#endif
 #define SILU_ROW_F32(g, o, inter) silu_mul_row((const char *)(g), (char *)(o), inter, 0)
 DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const float *, atomd_gemv_f32_rows, atomd_gemv_f32)
 #if GEMV_KINDS & 2
