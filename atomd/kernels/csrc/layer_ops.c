@@ -157,29 +157,24 @@ static void silu_mul_row_bf16(const bf16_t *g, bf16_t *o, int64_t inter) {
  * loop calls them: GCC outlines a parallel region before it propagates constants, so a
  * region shared by both dtypes would test is_bf16 per element and never vectorise. */
 
-/* The sum of squares in 16 fixed lanes (element i into lane i % 16), the lanes summed in one fixed
- * order: the same bits wherever the row is inlined and however it is aligned (an `omp simd`
- * reduction let GCC pick its vector width and alignment peeling per call site: on the Intel CPU
- * kind the fused layer's q/k norm and the per-op one summed in different orders). */
-#define NORM_LANES 16
 static inline __attribute__((always_inline)) void rms_norm_row(
         char *xr, const char *dr, const void *w, char *o, int64_t hidden, float eps, const int is_bf16) {
-    float lanes[NORM_LANES] = {0};
-    if (dr)  /* x += delta first (rounded to the dtype) */
-        for (int64_t i = 0; i < hidden; i++) store(xr, i, round_to(load(xr, i, is_bf16) + load(dr, i, is_bf16), is_bf16), is_bf16);
-    int64_t i = 0;
-    for (; i + NORM_LANES <= hidden; i += NORM_LANES)
-        for (int l = 0; l < NORM_LANES; l++) {
-            const float v = load(xr, i + l, is_bf16);
-            lanes[l] += v * v;
+    float sum = 0.0f;
+    if (dr) {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; i++) {
+            float v = round_to(load(xr, i, is_bf16) + load(dr, i, is_bf16), is_bf16);
+            store(xr, i, v, is_bf16);
+            sum += v * v;
         }
-    for (int l = 0; i + l < hidden; l++) {
-        const float v = load(xr, i + l, is_bf16);
-        lanes[l] += v * v;
+    } else {
+#pragma omp simd reduction(+ : sum)
+        for (int64_t i = 0; i < hidden; i++) {
+            float v = load(xr, i, is_bf16);
+            sum += v * v;
+        }
     }
-    for (int width = NORM_LANES / 2; width > 0; width /= 2)
-        for (int l = 0; l < width; l++) lanes[l] += lanes[l + width];
-    const float inv = 1.0f / sqrtf(lanes[0] / (float)hidden + eps);
+    const float inv = 1.0f / sqrtf(sum / (float)hidden + eps);
 #pragma omp simd
     for (int64_t i = 0; i < hidden; i++)
         store(o, i, load(w, i, is_bf16) * round_to(load(xr, i, is_bf16) * inv, is_bf16), is_bf16);
