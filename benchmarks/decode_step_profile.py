@@ -24,8 +24,11 @@ once a token; the tied output tensor is read whole). Its tg128 runs at depth 128
 same context lengths as atomd's 128 steps after the prompt. The engines and llama-bench alternate in every round; medians of
 --rounds.
 
+`--per-op`: each engine also with the fused layer off (the same weights through the per-op path).
+`--touched` (MoE models): the expert bytes a decode step touches, by page (expert_bytes_touched).
+
     nice -n 19 .venv/bin/python -m benchmarks.decode_step_profile [--rounds 3] [--threads 1]
-        [--engines float32,bf16-weights,int8,int8-a8,int4-a8] [--llama-cpp]
+        [--engines float32,bf16-weights,int8,int8-a8,int4-a8] [--llama-cpp] [--per-op] [--touched]
 """
 from __future__ import annotations
 
@@ -78,9 +81,9 @@ def instrument(llm, clock: Clock) -> None:
     import atomd.model.decoder as decoder
 
     engine, model = llm.engine, llm.engine.model
-    assert model.decode_layer is not None, "the fused batch-1 C layer is not in use: nothing to split"
-    fused = model.decode_layer
-    fused.run_layers = clock.wrap("c_layers", fused.run_layers)
+    fused = model.decode_layer  # None: the per-op path (--per-op), its total only
+    if fused is not None:
+        fused.run_layers = clock.wrap("c_layers", fused.run_layers)
     engine.step = clock.wrap("step", engine.step)
     engine._forward = clock.wrap("forward_and_sampling", engine._forward)
     engine.runner.execute = clock.wrap("runner_execute", engine.runner.execute)
@@ -98,6 +101,8 @@ def uninstrument(llm) -> None:
     fused, engine = llm.engine.model.decode_layer, llm.engine
     for obj, names in ((fused, ("run_layers",)), (engine, ("step", "_forward")), (engine.runner, ("execute",)),
                        (llm.engine.model, ("forward",)), (engine.sampler, ("sample",))):
+        if obj is None:
+            continue
         for n in names:
             obj.__dict__.pop(n, None)
 
@@ -106,14 +111,76 @@ ORIGINAL: dict = {}
 
 
 def linear_bytes(model) -> int:
-    """Bytes of every layer linear as loaded (what the C layers stream once a token)."""
+    """Bytes of every layer linear as loaded that the C layers stream once a token: of an MoE
+    layer, its router and top_k experts' rows (the chosen ones; all experts are the same size)."""
     total = 0
     for w in model.layers:
         for t in (w.rows or w.linears()):
             if t is None:
                 continue
             total += t.nbytes() if callable(getattr(t, "nbytes", None)) else t.numel() * t.element_size()
+        if w.moe is not None:
+            total += w.moe.router.nbytes + w.moe.top_k * (w.moe.gate_up[0].nbytes + w.moe.down[0].nbytes)
     return total
+
+
+def expert_bytes_touched(llm, batch: list[list[int]], steps: int = 16) -> dict[str, float]:
+    """What a batch-1 decode step of an MoE model reads of its experts, by the pages it touches:
+    every stacked expert tensor copied into its own 4 KiB-page mapping (huge pages would count
+    2 MiB at a time; guard pages keep the mappings apart), the pages' referenced bits cleared
+    (/proc/self/clear_refs) before each fused C call and counted after it (/proc/self/smaps);
+    against the chosen experts' bytes (top_k x (gate_up + down) a sparse layer). Medians over
+    `steps` decode steps. Done after the timed rounds: the engine's experts stay on 4 KiB pages."""
+    import ctypes
+    import mmap
+    import re
+
+    from atomd import SamplingParams
+
+    model, page = llm.engine.model, mmap.PAGESIZE
+    libc = ctypes.CDLL(None)
+    ranges, keep = [], []
+    for w in model.layers:
+        if w.moe is None:
+            continue
+        for name in ("gate_up", "down"):
+            t = getattr(w.moe, name)
+            size = (t.nbytes + page - 1) // page * page
+            region = mmap.mmap(-1, size + page, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+            address = ctypes.addressof(ctypes.c_char.from_buffer(region))
+            libc.mprotect(ctypes.c_void_p(address + size), ctypes.c_size_t(page), 0)  # the guard page
+            moved = torch.frombuffer(region, dtype=torch.uint8, count=t.nbytes).view(t.dtype).view(t.shape)
+            moved.copy_(t)
+            setattr(w.moe, name, moved)
+            ranges.append((address, address + size))
+            keep.append(region)
+    model.decode_layer.weights = None  # its pointers made again from the moved tensors
+
+    def touched() -> int:
+        total = 0
+        for block in re.split(r"\n(?=[0-9a-f]+-[0-9a-f]+ )", pathlib.Path("/proc/self/smaps").read_text()):
+            lo, hi = (int(x, 16) for x in block.split(None, 1)[0].split("-"))
+            if any(lo < b and a < hi for a, b in ranges):  # a mapping of the experts (maybe merged)
+                total += int(re.search(r"Referenced:\s+(\d+) kB", block).group(1)) * 1024
+        return total
+    samples, run_layers = [], model.decode_layer.run_layers
+
+    def counted(*args, **kwargs):
+        pathlib.Path("/proc/self/clear_refs").write_text("1")
+        run_layers(*args, **kwargs)
+        samples.append(touched())
+    model.decode_layer.run_layers = counted
+    try:
+        llm.generate([{"prompt_token_ids": p} for p in batch],
+                     SamplingParams(max_tokens=steps + 1, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    finally:
+        del model.decode_layer.run_layers
+    active = sum(w.moe.top_k * (w.moe.gate_up[0].nbytes + w.moe.down[0].nbytes) for w in model.layers if w.moe is not None)
+    every = sum(w.moe.gate_up.nbytes + w.moe.down.nbytes for w in model.layers if w.moe is not None)
+    med = statistics.median(samples)
+    return {"experts_touched_MB": round(med / 1e6, 2), "active_experts_MB": round(active / 1e6, 2),
+            "all_experts_MB": round(every / 1e6, 2), "touched_vs_active": round(med / active, 4),
+            "touched_min_max_MB": [round(min(samples) / 1e6, 2), round(max(samples) / 1e6, 2)], "steps": len(samples)}
 
 
 def profile_one(llm, batch: list[list[int]]) -> dict[str, float]:
@@ -214,6 +281,10 @@ def main() -> int:
     p.add_argument("--gguf-dir", type=pathlib.Path, default=None, help="keep (and reuse) the GGUFs here")
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--model-shape", default="smollm-135m", help="benchmarks/model_shapes.py's shape (random weights)")
+    p.add_argument("--per-op", action="store_true",
+                   help="also each engine with the fused layer off (NAME/per-op: the per-op path, its total only)")
+    p.add_argument("--touched", action="store_true",
+                   help="an MoE model: the expert bytes a decode step touches (expert_bytes_touched), after the rounds")
     args = p.parse_args()
     import atomd.model.decoder as decoder
     from atomd import LLM
@@ -234,17 +305,28 @@ def main() -> int:
                     "gguf_bytes": {k: f.stat().st_size for k, f in files.items()}}
     for llm in llms.values():
         profile_one(llm, batch)  # warm-up: kernels built, caches touched
-    samples: dict = {n: collections.defaultdict(list) for n in [*names, *files]}
+    per_op = [f"{n}/per-op" for n in names] if args.per_op else []
+    samples: dict = {n: collections.defaultdict(list) for n in [*names, *per_op, *files]}
     for r in range(args.rounds):
         for n, llm in llms.items():
             for part, us in profile_one(llm, batch).items():
                 samples[n][part].append(us)
             samples[n]["read_GBps"].append(read_bound(result["bytes"][n]))
+            if args.per_op:  # the same engine and weights, every op from Python
+                model = llm.engine.model
+                fused, model.decode_layer = model.decode_layer, None
+                try:
+                    for part in ("total_cpu", "total_wall"):
+                        samples[f"{n}/per-op"][part].append(profile_one(llm, batch)[part])
+                finally:
+                    model.decode_layer = fused
         for kind, f in files.items():
             wall, cpu = llama_bench(binary, f, args.threads)
             samples[kind]["tok_s"].append(wall)
             samples[kind]["tok_s_cpu"].append(cpu)
         print(f"round {r + 1} done (load {loadavg()})", file=sys.stderr, flush=True)
+        if args.out:  # every round's samples so far: a run cut short still leaves them
+            args.out.write_text(json.dumps({**result, "rounds_done": r + 1, "samples": samples}, indent=1))
     med = {n: {part: round(statistics.median(v), 2) for part, v in d.items()} for n, d in samples.items()}
     for n in names:
         m = med[n]
@@ -257,7 +339,14 @@ def main() -> int:
             m["llama_cpp_GBps_cpu"] = round(med[GGUF[n]]["tok_s_cpu"] * result["gguf_bytes"][GGUF[n]] / 1e9, 2)
             m["vs_llama_cpp_wall"] = round(m["tok_s_wall"] / m["llama_cpp_tok_s"], 2)
             m["vs_llama_cpp_cpu"] = round(m["tok_s_cpu"] / m["llama_cpp_tok_s_cpu"], 2)
-    result["per_token_us"] = {n: med[n] for n in names}
+    for n in per_op:
+        m = med[n]
+        m["tok_s_cpu"], m["tok_s_wall"] = round(1e6 / m["total_cpu"], 1), round(1e6 / m["total_wall"], 1)
+        m["fused_speedup_cpu"] = round(m["total_cpu"] / med[n.split("/")[0]]["total_cpu"], 3)
+    result["per_token_us"] = {n: med[n] for n in [*names, *per_op]}
+    if args.touched:
+        result["touched"] = {n: expert_bytes_touched(llm, batch) for n, llm in llms.items()
+                             if any(w.moe is not None for w in llm.engine.model.layers)}
     result["load_after"] = loadavg()
     if files and args.gguf_dir is None:
         shutil.rmtree(next(iter(files.values())).parent, ignore_errors=True)

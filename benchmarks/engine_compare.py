@@ -16,7 +16,8 @@ The two engine processes are loaded once and kept; every round runs atomd, vLLM,
 GGUF in turn (so all see the same background load), `--rounds` rounds, medians. Workloads:
 offline.py's batch1 / batch16 / prefill 8x512 or, with --short (for shapes too slow for those
 on 2 shared cores), batch1_short (128 + 32), batch16_short (16 x (32 + 32)), prefill_1x512
-(one 512-token prompt, llama-bench's pp512) -- the same counts for every engine; --no-prefill
+(one 512-token prompt, llama-bench's pp512) -- the same counts for every engine; --workloads mixes the
+two sets (five names in that order); --no-prefill
 leaves the prefill out (the batch 1 / batch 16 targets first, where a whole run does not fit). Each
 engine's CPU seconds per round (its whole process tree: vLLM's engine-core child included)
 are recorded beside the wall-clock figures: on a shared machine they show whether an engine
@@ -122,8 +123,11 @@ def main() -> int:
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--no-prefill", action="store_true",
                    help="batch 1 and batch 16 only (the issue's targets), where a whole run does not fit")
+    p.add_argument("--workloads", nargs=5, default=None, metavar=("B1", "B1_FIRST", "B16", "B16_FIRST", "PREFILL"),
+                   help="offline.py's workloads in FULL's order, mixed (e.g. batch1_short batch1_short_first "
+                        "batch16 batch16_first prefill: the full batch 16 and 8 x 512 with the short batch 1)")
     args = p.parse_args()
-    workloads = SHORT if args.short else FULL
+    workloads = tuple(args.workloads) if args.workloads else SHORT if args.short else FULL
     if args.no_prefill:
         workloads = workloads[:4]
     path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
@@ -191,7 +195,7 @@ def main() -> int:
 
 def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, errors: dict) -> None:
     """Markdown: tok/s per engine (medians), then the issue's ratios."""
-    b1, b1_first, b16, _, pf = SHORT if args.short else FULL
+    b1, b1_first, b16, _, pf = tuple(args.workloads) if args.workloads else SHORT if args.short else FULL
     rows = [(b1, "batch 1 (prompt included)"), (f"{b1}_decode", "batch 1 decode only"),
             (b16, "batch 16 (prompt included)"), (f"{b16}_decode", "batch 16 decode only"),
             (pf, "prefill (prompt tok/s)")]

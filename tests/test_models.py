@@ -84,14 +84,18 @@ def test_greedy_48_tokens_equal_hf_mixed_lengths_chunked_and_prefix_hits(name, b
     assert_equals_hf(path, prompts, first, n=48)
 
 
-@pytest.mark.parametrize("name,fused,said", [("qwen3_moe-step2", False, "has no MoE block"),
-                                             ("qwen3-tied", True, None)])  # the q/k norm: in the fused head
-def test_what_batch1_decode_cannot_fuse_is_said_once(name, fused, said, checkpoints, caplog, monkeypatch):
+@pytest.mark.parametrize("name,quantization,fused,said", [
+    ("qwen3_moe-step2", "int8", False, "has no MoE block with quantized experts"),
+    ("qwen3_moe-step2", None, True, None),  # the router, the routing and the k experts in the fused layer
+    ("qwen3-tied", None, True, None)])  # the q/k norm: in the fused head
+def test_what_batch1_decode_cannot_fuse_is_said_once(name, quantization, fused, said, checkpoints, caplog,
+                                                     monkeypatch):
     """Also: with every weight big enough for huge pages (MIN_BYTES 0 here), batch-1 decode's
-    rows are moved onto 2 MiB-aligned memory and held once (a tied head is the embedding)."""
+    rows (and float MoE experts) are moved onto 2 MiB-aligned memory and held once (a tied head
+    is the embedding)."""
     monkeypatch.setattr(huge_pages, "MIN_BYTES", 0)
     with caplog.at_level(logging.INFO, logger="atomd.model.decoder"):
-        model = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128).engine.model
+        model = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128, quantization=quantization).engine.model
     if model.layers[0].rows is None:  # no GEMV kernel here: no batch-1 path to fuse at all
         return
     lines = [r.getMessage() for r in caplog.records if "batch-1 decode" in r.getMessage()]
@@ -100,7 +104,11 @@ def test_what_batch1_decode_cannot_fuse_is_said_once(name, fused, said, checkpoi
         assert lines == []
     else:
         assert len(lines) == 1 and model.config.architecture in lines[0] and said in lines[0], lines
+    if quantization is not None:
+        return
     assert all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for w in model.layers for t in w.rows if t is not None)
+    assert all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for w in model.layers if w.moe is not None
+               for t in (w.moe.gate_up, w.moe.down))
     assert model.lm_head_rows.data_ptr() % huge_pages.HUGE_PAGE == 0
     if model.config.tie_word_embeddings:
         assert model.embed is model.lm_head_rows
@@ -178,6 +186,44 @@ def test_batch1_reads_only_the_chosen_experts(monkeypatch):
     assert sorted(ran) == sorted(moe_mod.route(h, w)[1][0].tolist())
 
 
+# Qwen3-MoE's scales rounded to bf16, two threads: a whole expert each; Mixtral's float32 scales; four
+# threads over top-2: each expert's rows shared by the threads
+@pytest.mark.parametrize("name,dtype,threads", [("qwen3_moe-mlp_only", "bfloat16", 2), ("mixtral", "bfloat16", 1),
+                                                ("qwen3_moe-mlp_only", "float32", 4)])
+def test_fused_batch1_moe_layer_follows_the_per_op_path(name, dtype, threads, checkpoints):
+    """Batch-1 decode with the MoE blocks inside the fused C layer (router GEMV, softmax top-k,
+    the k experts, their sum) against the per-op path (moe.route in torch, then the experts'
+    C call) on the same engine: the same greedy ids, logprobs within float32 rounding (the
+    router's sums and the softmax's exp in another order), and the same expert load counters.
+    Equality with HF through the fused path: test_greedy_48_tokens_equal_hf_... (its batch-1 run)."""
+    from atomd.model import layer_ops
+
+    llm = LLM(str(checkpoints[name]), num_threads=threads, dtype=dtype, max_model_len=128, enable_prefix_caching=False)
+    model = llm.engine.model
+    if not layer_ops.has_gemv(model.dtype):  # no GEMV kernel for this dtype here: nothing fused
+        assert model.decode_layer is None
+        return
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    def run() -> tuple[list, list]:
+        counts = torch.tensor(llm.engine.stats()["expert_tokens"])[:, 1]
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+                for p in prompts_of([3, 40], seed=11)]
+        return outs, torch.tensor(llm.engine.stats()["expert_tokens"])[:, 1] - counts
+    calls, run_layers = [], model.decode_layer.run_layers
+    model.decode_layer.run_layers = lambda *a, **k: calls.append(1) or run_layers(*a, **k)
+    fused, fused_counts = run()
+    assert len(calls) == 2 * 11  # every decode step after the prompt's
+    model.decode_layer = None
+    per_op, per_op_counts = run()
+    assert [o.token_ids for o in fused] == [o.token_ids for o in per_op]
+    for a, b in zip(fused, per_op):
+        for x, y in zip(a.logprobs, b.logprobs):
+            assert [t for t, _ in x.top] == [t for t, _ in y.top]
+            torch.testing.assert_close([v for _, v in x.top], [v for _, v in y.top], atol=1e-4, rtol=0)
+    assert torch.equal(fused_counts, per_op_counts) and int(fused_counts.sum()) > 0
+
+
 # ---------------------------------------------------------------- other engine paths
 
 
@@ -232,7 +278,10 @@ def test_bf16_greedy_follows_hf_bf16_qwen3(checkpoints, monkeypatch):
 
 def engine_greedy_and_routing(llm: LLM, prompt: list[int], layers: int, monkeypatch) -> tuple[list[int], list]:
     """The engine's 48 greedy ids for `prompt` and the experts it routed every position to as it
-    ran them (prefill, then each decode step): per sparse layer, [positions, k]."""
+    ran them (prefill, then each decode step): per sparse layer, [positions, k]. Batch-1 decode per op:
+    the fused layer routes in C, unrecorded (its routing and ids against the per-op path's:
+    test_fused_batch1_moe_layer_follows_the_per_op_path)."""
+    monkeypatch.setattr(llm.engine.model, "decode_layer", None)
     calls, real = [], moe_mod.route
     monkeypatch.setattr(moe_mod, "route", lambda h, w: (lambda r: calls.append(r[1].clone()) or r)(real(h, w)))
     ids = engine_greedy(llm, [prompt], GREEDY48)[0]

@@ -177,8 +177,11 @@ class DecoderModel:
     def unfused_reason(self) -> str | None:
         """What this model has that the fused batch-1 C layer (layer_ops.DecodeLayer) does not, or None."""
         first = self.layers[0]
-        if self.config.sparse_layers:
-            return "MoE block"
+        for m in (w.moe for w in self.layers if w.moe is not None):
+            if m.quantized or not m.gemv:
+                return "MoE block with quantized experts"
+            if m.router.shape[0] > layer_ops.MOE_MAX_EXPERTS or m.top_k > layer_ops.MOE_MAX_K:
+                return f"MoE block routing to more than {layer_ops.MOE_MAX_K} of {layer_ops.MOE_MAX_EXPERTS} experts"
         if first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
             return "o_proj / MLP bias"
         return None
@@ -241,7 +244,7 @@ class DecoderModel:
                                              for t in (w.qkv, w.o, w.gate_up, w.down))
 
     def _rows_on_huge_pages(self) -> None:
-        """Move what batch-1 decode streams (every layer linear, the LM head, plain or quantized) onto 2 MiB
+        """Move what batch-1 decode streams (every layer linear, float MoE experts, the LM head, plain or quantized) onto 2 MiB
         pages (atomd/model/huge_pages.py: ~1.2x the GEMV's read rate), one tensor at a time,
         every reference rebound (a tied head is the embedding table); the tensors too small
         for a huge page of their own share one mapping, in layer order (huge_pages.side_by_side)."""
@@ -266,6 +269,9 @@ class DecoderModel:
         for w in self.layers:
             for name in ("qkv", "o", "gate_up", "down"):
                 move(w, name)
+            if w.moe is not None and not w.moe.quantized:  # a token reads k experts' rows of these
+                move(w.moe, "gate_up")
+                move(w.moe, "down")
         if small:
             for (owner, name), t in zip(small, huge_pages.side_by_side([getattr(o, n) for o, n in small])):
                 setattr(owner, name, t)
@@ -321,6 +327,9 @@ class DecoderModel:
         """Run the sparse layers across the ranks through `ep` (atomd/model/expert_parallel.py);
         this model holds its slice of the experts (load_model's expert_shard)."""
         self.ep = ep
+        if self.decode_layer is not None:
+            log.info("expert parallelism: batch-1 decode runs per op (the fused C layer has no exchange)")
+            self.decode_layer = None
         for w in self.layers:
             if w.moe is not None:
                 w.moe.ep = ep

@@ -25,9 +25,17 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 _SUFFIX = {torch.float32: "f32", torch.bfloat16: "bf16"}
 
 
+class _MoeWeights(ctypes.Structure):  # csrc/layer_ops.c decode_moe_weights
+    _fields_ = ([(n, _PTR) for n in ("router", "gate_up", "down", "routed")] + [(n, _I64) for n in ("experts", "top_k", "inter")]
+                + [("norm_topk", ctypes.c_int), ("f32_pairs", ctypes.c_int)])
+
+
 class _LayerWeights(ctypes.Structure):  # csrc/layer_ops.c decode_layer_weights
     _fields_ = ([(n, _PTR) for n in ("qkv", "bias", "o", "post_norm", "gate_up", "down", "next_norm")]
-                + [("window", _I64), ("q_norm", _PTR), ("k_norm", _PTR)])
+                + [("window", _I64), ("q_norm", _PTR), ("k_norm", _PTR), ("moe", ctypes.POINTER(_MoeWeights))])
+
+
+MOE_MAX_EXPERTS, MOE_MAX_K = 1024, 64  # csrc/layer_ops.c: the fused layer's sparse block routes at most these
 
 
 class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_args
@@ -36,7 +44,7 @@ class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_arg
                 ("scale", ctypes.c_float), ("kv_fp8", ctypes.c_int)]
 
 
-_LAYERS_ARGTYPES = [_PTR, _I64, _PTR] + [_PTR] * 8 + [_I64] + [_PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
+_LAYERS_ARGTYPES = [_PTR, _I64, _PTR] + [_PTR] * 8 + [_I64] + [_PTR] * 2 + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
 
 
 _FORCE_TORCH = os.environ.get(ENV, "native") == "torch"  # read once: kernels() runs ~17 times a decode step
@@ -280,6 +288,8 @@ class DecodeLayer:
         self.hidden, self.q_size, self.inter, self.eps = hidden, q_heads * head_dim, inter, eps
         self.qkv = torch.empty(1, (q_heads + 2 * kv_heads) * head_dim, dtype=dtype)
         self.scratch = torch.empty(0, dtype=dtype)
+        self.moe: list[_MoeWeights] = []  # the sparse layers' structs (their pointers kept alive beside self.weights)
+        self.moe_scratch = torch.empty(0, dtype=torch.float32)
 
     def scratch_for(self, threads: int) -> int:
         """The address of the C layer's scratch for `threads` threads (csrc/layer_ops.c: shared
@@ -288,6 +298,17 @@ class DecodeLayer:
         if self.scratch.numel() < size:
             self.scratch = torch.empty(size, dtype=self.scratch.dtype)
         return self.scratch.data_ptr()
+
+    def moe_scratch_for(self, threads: int) -> int | None:
+        """The sparse block's float32 scratch (csrc/layer_ops.c MOE_STEPS): the logits, the k pairs,
+        shared rows, then each thread's; None for a dense model."""
+        if not self.moe:
+            return None
+        hidden = self.hidden
+        size = max(m.experts + m.top_k * hidden + (threads + 1) * (3 * m.inter + 2 * hidden) for m in self.moe)
+        if self.moe_scratch.numel() < size:
+            self.moe_scratch = torch.empty(size, dtype=torch.float32)
+        return self.moe_scratch.data_ptr()
 
     def head(self, h: torch.Tensor, w_qkv: torch.Tensor, bias: torch.Tensor | None, cos: int, sin: int,
              k_dst: int, v_dst: int, q_norm: torch.Tensor | None = None,
@@ -327,9 +348,10 @@ class DecodeLayer:
         if self.weights is None:
             self.weights = (_LayerWeights * len(layers))(*(
                 _LayerWeights(w.rows[0].data_ptr(), _ptr(w.qkv_bias), w.rows[1].data_ptr(), w.post_norm.data_ptr(),
-                              w.rows[2].data_ptr(), w.rows[3].data_ptr(),
+                              _ptr(w.rows[2]), _ptr(w.rows[3]),
                               layers[i + 1].input_norm.data_ptr() if i + 1 < len(layers) else None,
-                              0 if windows[i] is None else windows[i], _ptr(w.q_norm), _ptr(w.k_norm))
+                              0 if windows[i] is None else windows[i], _ptr(w.q_norm), _ptr(w.k_norm),
+                              self._moe_struct(w.moe, h.dtype))
                 for i, w in enumerate(layers)))
         row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
         a = self.args
@@ -346,10 +368,21 @@ class DecodeLayer:
         threads = torch.get_num_threads()
         status = self.layers_fn(self.weights, len(layers), ctypes.byref(a), h.data_ptr(), x.data_ptr(),
                                 self.qkv.data_ptr(), self.attn.data_ptr(), cos, sin, k_dst, v_dst, layer_bytes,
-                                self.scratch_for(threads), hidden, q_heads, kv_heads, head_dim, self.inter, self.eps,
+                                self.scratch_for(threads), self.moe_scratch_for(threads), hidden, q_heads, kv_heads, head_dim, self.inter, self.eps,
                                 threads)
         if status != 0:
             raise MemoryError("decode attention: the attention kernel could not allocate its scratch memory")
+
+    def _moe_struct(self, moe, dtype: torch.dtype):
+        """A sparse layer's decode_moe_weights (moe: atomd/model/moe.py MoeWeights, float experts stacked
+        and contiguous, every expert on this rank: DecoderModel.unfused_reason), or None for a dense one."""
+        if moe is None:
+            return None
+        m = _MoeWeights(moe.router.data_ptr(), moe.gate_up.data_ptr(), moe.down.data_ptr(), moe.routed.data_ptr(),
+                        moe.router.shape[0], moe.top_k, moe.down.shape[2], int(moe.norm_topk_prob),
+                        int(dtype == torch.float32 or not moe.cast_weights))
+        self.moe.append(m)
+        return ctypes.pointer(m)
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -2,7 +2,9 @@
 routing, then the tokens grouped by expert (one argsort) and every active expert over its
 tokens, scaled by their routing weights and scattered back: one C call where the GEMV kernel
 runs the dtype (layer_ops.moe_experts for one token, moe_grouped for several), else one GEMM
-pair per active expert. No per-token Python loop; only the active experts' weights are read. With expert parallelism the weights hold this rank's slice of the experts
+pair per active expert. No per-token Python loop; only the active experts' weights are read. Batch-1
+decode through the fused C layer (layer_ops.DecodeLayer) runs the whole block there, routing
+included, and skips this module. With expert parallelism the weights hold this rank's slice of the experts
 and `ep` runs the block across the ranks (atomd/model/expert_parallel.py)."""
 from __future__ import annotations
 

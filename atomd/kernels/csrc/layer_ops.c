@@ -473,11 +473,53 @@ typedef int (*decode_attention_fn)(const void *q, const void *kv, const int64_t 
                                    int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
                                    int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
                                    int64_t window, int num_threads);
+/* An MoE layer's sparse block (Qwen3-MoE, Mixtral) in the fused layer: the router's logits in
+ * the model's dtype (F.linear's), softmax in float32, the top_k (first index on ties), renormalised
+ * where norm_topk, each scale rounded to the dtype unless f32_pairs (moe.route's cast_weights);
+ * then atomd_moe_experts_*'s products and the k pairs summed in float32 in choice order, rounded
+ * once (moe.py's sum). Why here: per op, the block cost ~8 Python-level calls a layer (router,
+ * softmax, top-k, the experts, the sum, the residual norm), 24 layers a token on the Qwen3-MoE
+ * shape. routed: the expert load counters (MoeWeights.routed), one += a choice. */
+typedef struct {
+    const void *router, *gate_up, *down;  /* [E, hidden]; [E, 2 * inter, hidden]; [E, hidden, inter] */
+    int64_t *routed;                      /* [E] */
+    int64_t experts, top_k, inter;
+    int norm_topk, f32_pairs;
+} decode_moe_weights;
+#define MOE_MAX_EXPERTS 1024 /* the routing's probabilities live on each thread's stack */
+#define MOE_MAX_K 64
 typedef struct {
     const void *qkv, *bias, *o, *post_norm, *gate_up, *down, *next_norm;
     int64_t window;
     const void *q_norm, *k_norm;  /* [head_dim] each, or NULL: no q/k norm (Qwen3 has one) */
+    const decode_moe_weights *moe; /* NULL: the dense MLP (gate_up, down) */
 } decode_layer_weights;
+
+/* moe.route for one row of logits (see decode_moe_weights): ids [k] and their scales */
+static void moe_route(const void *logits, const int is_bf16, int64_t experts, int64_t k, int norm_topk,
+                      int round_scales, int64_t *ids, float *scales) {
+    float p[MOE_MAX_EXPERTS], top = -INFINITY, sum = 0.f;
+    for (int64_t e = 0; e < experts; e++) {
+        p[e] = load(logits, e, is_bf16);
+        top = p[e] > top ? p[e] : top;
+    }
+    for (int64_t e = 0; e < experts; e++) sum += (p[e] = expf(p[e] - top));
+    for (int64_t e = 0; e < experts; e++) p[e] /= sum;
+    float chosen = 0.f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t best = -1;
+        for (int64_t e = 0; e < experts; e++)
+            if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+        ids[j] = best;
+        scales[j] = p[best];
+        chosen += p[best];
+        p[best] = -1.f;  /* taken */
+    }
+    for (int64_t j = 0; j < k; j++) {
+        if (norm_topk) scales[j] /= chosen;
+        if (round_scales) scales[j] = round_to(scales[j], is_bf16);
+    }
+}
 typedef struct {
     decode_attention_fn fn;
     const void *kv;
@@ -506,27 +548,83 @@ typedef struct {
                            (char *)(k_dst), (char *)(v_dst), IS_BF16, kv_fp8);                                 \
         }                                                                                                      \
     } while (0)
-#define TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16)                \
+#define TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, moe_w, NORM_ROW, SILU_ROW, GEMV_ROWS, MOE_GEMV,      \
+                   IS_BF16, elem_t)                                                                            \
     do {                                                                                                       \
         GEMV_ROWS(attn, w_o, NULL, d, q_size, hidden);                                                         \
         NORM_ROW(xp, d, post_w, hp, hidden, eps);                                                              \
-        GEMV_ROWS(hp, w_gate_up, NULL, gu, hidden, 2 * inter);                                                 \
-        SILU_ROW(gu, ap, inter);                                                                               \
-        GEMV_ROWS(ap, w_down, NULL, d, inter, hidden);                                                         \
+        const elem_t *dd_ = d; /* the MLP's output: shared (dense) or the thread's own sum (MoE) */            \
+        if ((moe_w) != NULL) {                                                                                 \
+            MOE_STEPS(moe_w, MOE_GEMV, SILU_ROW, IS_BF16, elem_t, dd_);                                        \
+        } else {                                                                                               \
+            GEMV_ROWS(hp, w_gate_up, NULL, gu, hidden, 2 * inter);                                             \
+            SILU_ROW(gu, ap, inter);                                                                           \
+            GEMV_ROWS(ap, w_down, NULL, d, inter, hidden);                                                     \
+        }                                                                                                      \
         if ((next_w) != NULL) {                                                                                \
-            NORM_ROW(xp, d, next_w, hp, hidden, eps);                                                          \
+            NORM_ROW(xp, dd_, next_w, hp, hidden, eps);                                                        \
         } else {                                                                                               \
             for (int64_t i_ = 0; i_ < hidden; i_++)                                                            \
-                store(xp, i_, load(xp, i_, IS_BF16) + load(d, i_, IS_BF16), IS_BF16);                          \
+                store(xp, i_, load(xp, i_, IS_BF16) + load(dd_, i_, IS_BF16), IS_BF16);                        \
         }                                                                                                      \
     } while (0)
+/* The sparse block of TAIL_STEPS (decode_moe_weights) on the normed row hp: the router's GEMV
+ * (rows shared), the routing on every thread alike (the same bits, no barrier), the experts as
+ * atomd_moe_experts_* runs them (whole experts a thread when k >= threads, one barrier), then
+ * each thread sums the k pairs into its own row (dd). moe_scratch (floats): the logits [E], the
+ * pairs [k, hidden], shared rows [3 * inter + hidden], then each thread's [3 * inter + 2 * hidden]. */
+#define MOE_STEPS(mw, GEMV, SILU_ROW, IS_BF16, elem_t, dd)                                                     \
+    do {                                                                                                       \
+        const int64_t ne_ = (mw)->experts, k_ = (mw)->top_k, mi_ = (mw)->inter;                                \
+        const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();                                      \
+        elem_t *logits_ = (elem_t *)moe_scratch;                                                               \
+        float *pairs_ = moe_scratch + ne_, *shared_ = pairs_ + k_ * hidden;                                    \
+        elem_t *gu_ = (elem_t *)(shared_ + 3 * mi_ + hidden + t_ * (3 * mi_ + 2 * hidden)), *a_ = gu_ + 2 * mi_; \
+        elem_t *y_ = a_ + mi_;                                                                                 \
+        const elem_t *wg_ = (const elem_t *)(mw)->gate_up, *wd_ = (const elem_t *)(mw)->down;                  \
+        const int f32_ = (mw)->f32_pairs;                                                                      \
+        int64_t ids_[MOE_MAX_K];                                                                               \
+        float sc_[MOE_MAX_K];                                                                                  \
+        GEMV##_rows(hp, (const elem_t *)(mw)->router, NULL, logits_, hidden, ne_);                             \
+        moe_route(logits_, IS_BF16, ne_, k_, (mw)->norm_topk, !(mw)->f32_pairs, ids_, sc_);                    \
+        if (t_ == 0)                                                                                           \
+            for (int64_t j = 0; j < k_; j++) (mw)->routed[ids_[j]]++;                                          \
+        if (k_ >= nt_) {                                                                                       \
+            for (int64_t j = t_; j < k_; j += nt_) {                                                           \
+                GEMV##_own(hp, wg_ + ids_[j] * 2 * mi_ * hidden, NULL, gu_, hidden, 2 * mi_);                  \
+                SILU_ROW(gu_, a_, mi_);                                                                        \
+                GEMV##_own(a_, wd_ + ids_[j] * hidden * mi_, NULL, y_, mi_, hidden);                           \
+                for (int64_t i = 0; i < hidden; i++) MOE_PAIR(j, i, y_, IS_BF16, f32_);                              \
+            }                                                                                                  \
+            _Pragma("omp barrier")                                                                             \
+        } else {                                                                                               \
+            elem_t *sgu_ = (elem_t *)shared_, *sa_ = sgu_ + 2 * mi_, *sy_ = sa_ + mi_;                         \
+            for (int64_t j = 0; j < k_; j++) {                                                                 \
+                GEMV##_rows(hp, wg_ + ids_[j] * 2 * mi_ * hidden, NULL, sgu_, hidden, 2 * mi_);                \
+                _Pragma("omp single")                                                                          \
+                SILU_ROW(sgu_, sa_, mi_);                                                                      \
+                GEMV##_rows(sa_, wd_ + ids_[j] * hidden * mi_, NULL, sy_, mi_, hidden);                        \
+                _Pragma("omp for schedule(static)")                                                            \
+                for (int64_t i = 0; i < hidden; i++) MOE_PAIR(j, i, sy_, IS_BF16, f32_);                             \
+            }                                                                                                  \
+        }                                                                                                      \
+        for (int64_t i = 0; i < hidden; i++) {                                                                 \
+            float s_ = 0.f;                                                                                    \
+            for (int64_t j = 0; j < k_; j++) s_ += pairs_[j * hidden + i];                                     \
+            store(y_, i, s_, IS_BF16);                                                                         \
+        }                                                                                                      \
+        dd = y_;                                                                                               \
+    } while (0)
+/* pair j's value i: the expert's output times its scale, rounded to the dtype unless f32_pairs */
+#define MOE_PAIR(j, i, y, IS_BF16, f32)                                                                        \
+    pairs_[(j) * hidden + (i)] = (f32) ? load(y, i, IS_BF16) * sc_[j] : round_to(load(y, i, IS_BF16) * sc_[j], IS_BF16)
 /* a thread's copies (TAIL_STEPS) in scratch after the shared d and gu; x copied in */
 #define THREAD_COPIES(elem_t)                                                                                  \
     elem_t *xp = scratch + hidden + 2 * inter + omp_get_thread_num() * (2 * hidden + inter), *hp = xp + hidden, \
            *ap = hp + hidden;                                                                                  \
     memcpy(xp, x, hidden * sizeof(elem_t))
 
-#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS)                                  \
+#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS, MOE_GEMV)                        \
     void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, const elem_t *q_norm,  \
                                           const elem_t *k_norm, elem_t *qkv, const elem_t *cos, const elem_t *sin, \
                                           elem_t *k_dst, elem_t *v_dst, int64_t hidden, int64_t q_heads,          \
@@ -541,10 +639,12 @@ typedef struct {
                                           elem_t *next_h, elem_t *scratch, int64_t hidden, int64_t q_size,        \
                                           int64_t inter, float eps, int num_threads) {                            \
         elem_t *d = scratch, *gu = d + hidden;                                                                     \
+        float *moe_scratch = NULL; /* a dense layer */                                                             \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
             THREAD_COPIES(elem_t);                                                                                 \
-            TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16);            \
+            TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, (const decode_moe_weights *)NULL, NORM_ROW,         \
+                       SILU_ROW, GEMV_ROWS, MOE_GEMV, IS_BF16, elem_t);                                            \
             if (omp_get_thread_num() == 0) {                                                                       \
                 memcpy(x, xp, hidden * sizeof(elem_t));                                                            \
                 if (next_w != NULL) memcpy(next_h, hp, hidden * sizeof(elem_t));                                   \
@@ -554,7 +654,8 @@ typedef struct {
     int atomd_decode_layers_##SUFFIX(const decode_layer_weights *layers, int64_t num_layers,                       \
                                      const decode_attention_args *att, elem_t *h, elem_t *x, elem_t *qkv,           \
                                      elem_t *attn, const elem_t *cos, const elem_t *sin, char *k_dst, char *v_dst,  \
-                                     int64_t layer_bytes, elem_t *scratch, int64_t hidden, int64_t q_heads,         \
+                                     int64_t layer_bytes, elem_t *scratch, float *moe_scratch, int64_t hidden,     \
+                                     int64_t q_heads,                                                               \
                                      int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,                 \
                                      int num_threads) {                                                             \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
@@ -574,7 +675,8 @@ typedef struct {
             {                                                                                                      \
                 THREAD_COPIES(elem_t);                                                                             \
                 TAIL_STEPS((w_t)w->o, (const elem_t *)w->post_norm, (w_t)w->gate_up, (w_t)w->down,                  \
-                           (const elem_t *)w->next_norm, NORM_ROW, SILU_ROW, GEMV_ROWS, IS_BF16);                  \
+                           (const elem_t *)w->next_norm, w->moe, NORM_ROW, SILU_ROW, GEMV_ROWS, MOE_GEMV, IS_BF16,  \
+                           elem_t);                                                                                \
                 if (nw != NULL)                                                                                    \
                     HEAD_STEPS(hp, (w_t)nw->qkv, (const elem_t *)nw->bias, (const elem_t *)nw->q_norm,              \
                                (const elem_t *)nw->k_norm, k_dst + (i + 1) * layer_bytes,                          \
@@ -591,9 +693,10 @@ typedef struct {
 #define NORM_ROW_F32(x, d, w, o, hidden, eps) rms_norm_row((char *)(x), (const char *)(d), w, (char *)(o), hidden, eps, 0)
 #endif
 #define SILU_ROW_F32(g, o, inter) silu_mul_row((const char *)(g), (char *)(o), inter, 0)
-DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const float *, atomd_gemv_f32_rows)
+DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const float *, atomd_gemv_f32_rows, atomd_gemv_f32)
 #if GEMV_KINDS & 2
-DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, const bf16_t *, atomd_gemv_bf16_rows)
+DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, const bf16_t *, atomd_gemv_bf16_rows,
+             atomd_gemv_bf16)
 #endif
 /* Batch-1 decode of an MoE block's experts (atomd/model/moe.py's _moe_one) in one call: for
  * each of the token's k experts e = ids[j], gu = x @ gate_up[e]^T, a = silu(gate) * up,
@@ -738,7 +841,7 @@ MOE_GROUPED(bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_ps, 
 #endif
 /* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
 #include "quant.h"
-DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *, atomd_qgemv_rows)
+DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *, atomd_qgemv_rows, atomd_gemv_f32)
 #else
 #define GEMV_KINDS 0
 #endif
