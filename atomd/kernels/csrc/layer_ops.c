@@ -687,6 +687,198 @@ MOE_GROUPED(f32, float, __mmask16, __m512, 16, F32_LOAD, F32_FMA, 0, SILU_ROW_F3
 #if GEMV_KINDS & 2
 MOE_GROUPED(bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_ps, 1, silu_mul_row_bf16)
 #endif
+/* DeepSeek V2 / V3 batch-1 decode (atomd/model/deepseek.py), a layer in two calls around the
+ * absorbed MLA decode (csrc/mla.c, its own library per shape, called from Python between them):
+ *
+ * head: qa = h @ qkv_a^T ([q part ; latent ; rope key]); with q_lora the q part RMSNormed and
+ *   through q_b, else it is q; the latent RMSNormed (kv_a_norm); RoPE on each query head's rope
+ *   part and on the rope key; the token's latent row [c ; k_pe] written to its cache slot.
+ * tail: x += attn @ o^T; h = RMSNorm(x) * post_norm; then a dense layer's MLP, or DeepSeekMoE:
+ *   the router in float32 (softmax top-k, group-limited, or V3's sigmoid with the correction
+ *   bias within the best groups; x routed_scaling_factor), the k experts' outputs scaled in
+ *   float32 and summed (rounded once), plus the shared experts' MLP; x += that, next_h =
+ *   RMSNorm(x) * next_norm (NULL: the add alone).
+ * Why: the per-op layer was ~30 Python-level calls (each ~10-40 us with its OpenMP fork, ~8 ms of
+ * a ~64 ms deepseek-v2-lite token, benchmarks/RESULTS.md #37 third session). Every intermediate
+ * is rounded where the per-op path rounds it; the router's sums and its exp run in another order
+ * (float32, ulps), so the routing weights can differ from torch's in their last bits. */
+typedef struct {
+    const void *qkv_a, *q_a_norm, *q_b, *kv_a_norm, *o, *post_norm;
+    const void *gate_up, *down;  /* a dense layer's MLP, or a sparse layer's shared experts (NULL: none) */
+    const float *router, *correction;  /* sparse: [experts, hidden]; V3's correction bias [experts] or NULL */
+    const void *experts_gate_up, *experts_down;  /* [experts, 2 * moe_inter, hidden], [experts, hidden, moe_inter] */
+    int64_t *routed;  /* [experts]: the expert load counters, += 1 per chosen expert */
+    const void *next_norm;  /* NULL on the last layer */
+    int64_t inter;  /* gate_up's rows / 2: the dense MLP's or the shared experts' width */
+} mla_layer_weights;
+typedef struct {
+    int64_t hidden, heads, nope, rope, rank, v, q_lora, experts, moe_inter, top_k, n_group, topk_group, max_inter;
+    int scoring;  /* 0: softmax greedy, 1: softmax group_limited_greedy, 2: sigmoid noaux_tc (V3) */
+    int norm_topk_prob;
+    float routed_scaling_factor, eps;
+} mla_layer_config;
+
+/* elements of the model's dtype in the scratch the two calls share (atomd_mla_scratch_elems) */
+static int64_t mla_scratch_elems(const mla_layer_config *c, int num_threads) {
+    const int64_t qk = c->nope + c->rope, q_first = c->q_lora ? c->q_lora : c->heads * qk;
+    const int64_t head = q_first + c->rank + c->rope + c->q_lora;
+    const int64_t tail = 2 * c->hidden + 2 * c->max_inter + num_threads * (2 * c->hidden + 3 * c->max_inter + c->hidden)
+                         + 2 * (c->top_k * c->hidden + c->experts + 2 * c->top_k + 64);  /* float32 / int64 parts, in pairs */
+    return head > tail ? head : tail;
+}
+int64_t atomd_mla_scratch_elems(const mla_layer_config *c, int num_threads) { return mla_scratch_elems(c, num_threads); }
+
+/* the router of one token (one thread): ids [k] and float32 weights [k] (DeepseekRouting's) */
+static void mla_route(const mla_layer_config *c, const float *router, const float *correction, const float *hf,
+                      float *logits, int64_t *ids, float *wts) {
+    const int64_t E = c->experts, H = c->hidden, k = c->top_k, per_group = E / c->n_group;
+    for (int64_t e = 0; e < E; e++) {
+        const float *we = router + e * H;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < H; i++) s += hf[i] * we[i];
+        logits[e] = s;
+    }
+    float choice[E], scores[E];
+    if (c->scoring == 2) {
+        for (int64_t e = 0; e < E; e++) {
+            scores[e] = 1.0f / (1.0f + expf(-logits[e]));
+            choice[e] = scores[e] + correction[e];
+        }
+    } else {
+        float m = -INFINITY, total = 0.0f;
+        for (int64_t e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
+        for (int64_t e = 0; e < E; e++) total += scores[e] = expf(logits[e] - m);
+        for (int64_t e = 0; e < E; e++) choice[e] = scores[e] /= total;
+    }
+    if (c->scoring != 0 && c->n_group > 1) {  /* keep the topk_group best groups; the others' experts out */
+        float group[c->n_group];
+        for (int64_t g = 0; g < c->n_group; g++) {
+            float best = -INFINITY, second = -INFINITY;
+            for (int64_t e = g * per_group; e < (g + 1) * per_group; e++) {
+                if (choice[e] > best) { second = best; best = choice[e]; }
+                else if (choice[e] > second) second = choice[e];
+            }
+            group[g] = c->scoring == 2 ? best + second : best;  /* V3: the two best biased scores; V2: the best */
+        }
+        char keep[c->n_group];
+        memset(keep, 0, sizeof keep);
+        for (int64_t j = 0; j < c->topk_group; j++) {
+            int64_t at = -1;
+            for (int64_t g = 0; g < c->n_group; g++)
+                if (!keep[g] && (at < 0 || group[g] > group[at])) at = g;
+            keep[at] = 1;
+        }
+        for (int64_t e = 0; e < E; e++)
+            if (!keep[e / per_group]) choice[e] = c->scoring == 2 ? -INFINITY : 0.0f;
+    }
+    char taken[E];
+    memset(taken, 0, sizeof taken);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t at = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (at < 0 || choice[e] > choice[at])) at = e;
+        taken[at] = 1;
+        ids[j] = at;
+        wts[j] = c->scoring == 2 ? scores[at] : choice[at];
+        sum += wts[j];
+    }
+    for (int64_t j = 0; j < k; j++) {
+        if (c->scoring == 2 && c->norm_topk_prob) wts[j] /= sum + 1e-20f;
+        wts[j] *= c->routed_scaling_factor;
+    }
+}
+
+#define MLA_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, GEMV)                                                \
+    void atomd_mla_head_##SUFFIX(const mla_layer_weights *w, const mla_layer_config *c, const elem_t *h,           \
+                                 const elem_t *cos, const elem_t *sin, elem_t *latent_dst, elem_t *q,              \
+                                 elem_t *scratch, int num_threads) {                                               \
+        const int64_t qk = c->nope + c->rope, q_size = c->heads * qk, q_first = c->q_lora ? c->q_lora : q_size;    \
+        elem_t *qa = scratch, *qn = qa + q_first + c->rank + c->rope;                                              \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        {                                                                                                          \
+            GEMV##_rows(h, (const elem_t *)w->qkv_a, NULL, qa, c->hidden, q_first + c->rank + c->rope);            \
+            if (c->q_lora) {                                                                                       \
+                _Pragma("omp single")                                                                              \
+                NORM_ROW(qa, NULL, (const elem_t *)w->q_a_norm, qn, c->q_lora, c->eps);                            \
+                GEMV##_rows(qn, (const elem_t *)w->q_b, NULL, q, c->q_lora, q_size);                               \
+            }                                                                                                      \
+            _Pragma("omp single")                                                                                  \
+            {                                                                                                      \
+                if (!c->q_lora) memcpy(q, qa, q_size * sizeof(elem_t));                                            \
+                NORM_ROW(qa + q_first, NULL, (const elem_t *)w->kv_a_norm, latent_dst, c->rank, c->eps);           \
+                memcpy(latent_dst + c->rank, qa + q_first + c->rank, c->rope * sizeof(elem_t));                    \
+                rope_row((char *)(latent_dst + c->rank), 1, c->rope, (const char *)cos, (const char *)sin, IS_BF16); \
+                for (int64_t j = 0; j < c->heads; j++)                                                             \
+                    rope_row((char *)(q + j * qk + c->nope), 1, c->rope, (const char *)cos, (const char *)sin, IS_BF16); \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+    void atomd_mla_tail_##SUFFIX(const mla_layer_weights *w, const mla_layer_config *c, const elem_t *attn,       \
+                                 elem_t *x, elem_t *next_h, elem_t *scratch, int num_threads) {                    \
+        const int64_t H = c->hidden, k = c->top_k, mi = c->moe_inter, si = w->inter;                               \
+        elem_t *d = scratch, *sd = d + H, *gu = sd + H;                                                            \
+        elem_t *threads_at = gu + 2 * c->max_inter;                                                                \
+        float *pairs = (float *)(threads_at + num_threads * (2 * H + 3 * c->max_inter + H));                        \
+        float *logits = pairs + k * H, *wts = logits + c->experts;                                                 \
+        int64_t *ids = (int64_t *)(wts + k + (k & 1));                                                             \
+        const int sparse = w->experts_gate_up != NULL;                                                             \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        {                                                                                                          \
+            const int t = omp_get_thread_num(), threads = omp_get_num_threads();                                   \
+            elem_t *xp = threads_at + t * (2 * H + 3 * c->max_inter + H), *hp = xp + H, *ap = hp + H;              \
+            elem_t *egu = ap + c->max_inter, *ey = egu + 2 * c->max_inter;                                         \
+            memcpy(xp, x, H * sizeof(elem_t));                                                                     \
+            GEMV##_rows(attn, (const elem_t *)w->o, NULL, d, c->heads * c->v, H);                                  \
+            NORM_ROW(xp, d, (const elem_t *)w->post_norm, hp, H, c->eps);                                          \
+            if (sparse) {                                                                                          \
+                _Pragma("omp single")                                                                              \
+                {                                                                                                  \
+                    float hf[H];                                                                                   \
+                    for (int64_t i = 0; i < H; i++) hf[i] = load(hp, i, IS_BF16);                                  \
+                    mla_route(c, w->router, w->correction, hf, logits, ids, wts);                                  \
+                    for (int64_t j = 0; j < k; j++) w->routed[ids[j]] += 1;                                        \
+                }                                                                                                  \
+                for (int64_t j = t; j < k; j += threads) { /* a thread's own experts: no barrier inside */         \
+                    const elem_t *wg = (const elem_t *)w->experts_gate_up + ids[j] * 2 * mi * H;                   \
+                    GEMV##_own(hp, wg, NULL, egu, H, 2 * mi);                                                      \
+                    SILU_ROW(egu, ap, mi);                                                                         \
+                    GEMV##_own(ap, (const elem_t *)w->experts_down + ids[j] * H * mi, NULL, ey, mi, H);            \
+                    for (int64_t i = 0; i < H; i++) pairs[j * H + i] = load(ey, i, IS_BF16) * wts[j];              \
+                }                                                                                                  \
+            }                                                                                                      \
+            if (w->gate_up != NULL) {                                                                              \
+                GEMV##_rows(hp, (const elem_t *)w->gate_up, NULL, gu, H, 2 * si);                                  \
+                SILU_ROW(gu, ap, si); /* every thread its own copy */                                             \
+                GEMV##_rows(ap, (const elem_t *)w->down, NULL, sparse ? sd : d, si, H);                            \
+            }                                                                                                      \
+            if (sparse) {                                                                                          \
+                _Pragma("omp barrier")                                                                             \
+                _Pragma("omp for schedule(static)")                                                                \
+                for (int64_t i = 0; i < H; i++) {                                                                  \
+                    float s = 0.0f;                                                                                \
+                    for (int64_t j = 0; j < k; j++) s += pairs[j * H + i];                                         \
+                    const float routed = round_to(s, IS_BF16);                                                     \
+                    store(d, i, w->gate_up != NULL ? routed + load(sd, i, IS_BF16) : routed, IS_BF16);             \
+                }                                                                                                  \
+            }                                                                                                      \
+            if (w->next_norm != NULL) {                                                                            \
+                NORM_ROW(xp, d, (const elem_t *)w->next_norm, hp, H, c->eps);                                      \
+            } else {                                                                                               \
+                for (int64_t i = 0; i < H; i++) store(xp, i, load(xp, i, IS_BF16) + load(d, i, IS_BF16), IS_BF16); \
+            }                                                                                                      \
+            if (t == 0) {                                                                                          \
+                memcpy(x, xp, H * sizeof(elem_t));                                                                 \
+                if (w->next_norm != NULL) memcpy(next_h, hp, H * sizeof(elem_t));                                  \
+            }                                                                                                      \
+        }                                                                                                          \
+    }
+
+MLA_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, atomd_gemv_f32)
+#if GEMV_KINDS & 2
+MLA_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, atomd_gemv_bf16)
+#endif
 /* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
 #include "quant.h"
 DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *, atomd_qgemv_rows)
