@@ -418,6 +418,7 @@ class MlaDecodeLayers:
             topk_group=cfg.topk_group, max_inter=max(widths), scoring=scoring, norm_topk_prob=int(cfg.norm_topk_prob),
             routed_scaling_factor=cfg.routed_scaling_factor, eps=cfg.rms_norm_eps)
         self.q = torch.empty(1, cfg.num_heads, cfg.qk_head_dim, dtype=model.dtype)
+        self.attn = torch.empty(1, cfg.num_heads * cfg.v_head_dim, dtype=model.dtype)
         self.scratch: dict[int, torch.Tensor] = {}
 
     def runs(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, lora, model: "DeepseekModel") -> bool:
@@ -437,18 +438,25 @@ class MlaDecodeLayers:
             scratch = self.scratch[threads] = torch.empty(
                 int(self.lib.atomd_mla_scratch_elems(ctypes.byref(c), threads)), dtype=self.dtype)
         mla_lib = fused_decode_kernels(meta.kernels, kv_cache, c.rank, c.rope, model.layers[0].up)
-        position, half = int(positions[0]), c.rope // 2
-        cos, sin = model.cos[position], model.sin[position]
-        kv, elem = kv_cache.kv, kv_cache.kv.element_size()
+        position = int(positions[0])
+        cos, sin = model.cos[position].data_ptr(), model.sin[position].data_ptr()
+        kv, tables, lens = kv_cache.kv, meta.block_tables, meta.context_lens
+        # native.mla_decode's call without its per-call checks: this path made q, attn and the
+        # weights; the cache and the step's tables are the ones its checks accept (one row, one sequence)
+        assert kv.is_contiguous() and tables.is_contiguous() and lens.is_contiguous() and tables.shape[0] == 1
         block, offset = int(meta.slot_blocks[0]), int(meta.slot_offsets[0])
-        latent_row = lambda i: kv[block, i, 0, offset].data_ptr()  # noqa: E731
+        q, attn, scratch_at = self.q.data_ptr(), self.attn.data_ptr(), scratch.data_ptr()
+        x_at, h_at = x.data_ptr(), h.data_ptr()
+        layer_elems = kv_cache.block_size * kv_cache.head_dim
         for i, (w, s) in enumerate(zip(model.layers, self.structs)):
-            self.head(ctypes.byref(s), ctypes.byref(c), h.data_ptr(), cos.data_ptr(), sin.data_ptr(),
-                      latent_row(i), self.q.data_ptr(), scratch.data_ptr(), threads)
-            attn = native.mla_decode(mla_lib, self.q, w.up.uk_t, w.up.uv, kv_cache, i, meta.block_tables,
-                                     meta.context_lens, None, model.config.mla_scale)
-            self.tail(ctypes.byref(s), ctypes.byref(c), attn.data_ptr(), x.data_ptr(), h.data_ptr(),
-                      scratch.data_ptr(), threads)
+            s_ref = ctypes.byref(s)
+            self.head(s_ref, ctypes.byref(c), h_at, cos, sin, kv[block, i, 0, offset].data_ptr(), q, scratch_at,
+                      threads)
+            native._check_status(mla_lib.atomd_mla_decode(
+                q, w.up.uk_t.data_ptr(), w.up.uv.data_ptr(), kv.data_ptr(), tables.data_ptr(), lens.data_ptr(), None,
+                attn, 1, 1, c.heads, kv_cache.block_size, tables.shape[1], kv_cache.num_layers * layer_elems,
+                i * layer_elems, model.config.mla_scale, int(self.dtype == torch.bfloat16), threads), "MLA decode")
+            self.tail(s_ref, ctypes.byref(c), attn, x_at, h_at, scratch_at, threads)
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
