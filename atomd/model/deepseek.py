@@ -379,8 +379,9 @@ class MlaDecodeLayers:
     """Batch-1 decode of a DeepseekModel's layers: per layer csrc/layer_ops.c's atomd_mla_head
     (projections, norms, RoPE, the latent row stored), csrc/mla.c's absorbed decode and
     atomd_mla_tail (o_proj, the MLP or DeepSeekMoE's routing, experts and shared experts, the
-    norms): three C calls where the per-op layer made ~30. The ctypes structs are built once at
-    load over the layers' plain rows (held by the model); the scratch per thread count."""
+    norms), one C call for every layer where the per-op layer made ~30 calls a layer. The ctypes
+    structs are built once at load over the layers' plain rows (held by the model); the scratch
+    per thread count."""
 
     @staticmethod
     def takes(model: "DeepseekModel") -> bool:
@@ -391,7 +392,7 @@ class MlaDecodeLayers:
     def __init__(self, model: "DeepseekModel"):
         cfg, lib = model.config, layer_ops.kernels()
         suffix = "bf16" if model.dtype == torch.bfloat16 else "f32"
-        self.head, self.tail = getattr(lib, f"atomd_mla_head_{suffix}"), getattr(lib, f"atomd_mla_tail_{suffix}")
+        self.layers_fn = getattr(lib, f"atomd_mla_layers_{suffix}")
         self.lib, self.dtype = lib, model.dtype
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         widths = [cfg.moe_intermediate_size if cfg.sparse_layers else 0]
@@ -409,7 +410,8 @@ class MlaDecodeLayers:
                 experts_gate_up=moe and ptr(moe.gate_up), experts_down=moe and ptr(moe.down),
                 routed=moe and ptr(moe.routed),
                 next_norm=ptr(model.layers[i + 1].input_norm) if i + 1 < len(model.layers) else None,
-                inter=widths[-1]))
+                inter=widths[-1], uk_t=ptr(w.up.uk_t), uv=ptr(w.up.uv)))
+        self.structs = (layer_ops.MlaLayerWeights * len(self.structs))(*self.structs)
         scoring = 2 if cfg.scoring == "sigmoid" else int(cfg.topk_method == "group_limited_greedy")
         self.config = layer_ops.MlaLayerConfig(
             hidden=cfg.hidden_size, heads=cfg.num_heads, nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim,
@@ -431,7 +433,7 @@ class MlaDecodeLayers:
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: KVCache, model: "DeepseekModel") -> None:
-        """Every layer over the row x [1, hidden] (updated in place) from h, its first norm."""
+        """Every layer over the row x [1, hidden] (updated in place) from h, its first norm: one C call."""
         c, threads = self.config, torch.get_num_threads()
         scratch = self.scratch.get(threads)
         if scratch is None:
@@ -439,24 +441,20 @@ class MlaDecodeLayers:
                 int(self.lib.atomd_mla_scratch_elems(ctypes.byref(c), threads)), dtype=self.dtype)
         mla_lib = fused_decode_kernels(meta.kernels, kv_cache, c.rank, c.rope, model.layers[0].up)
         position = int(positions[0])
-        cos, sin = model.cos[position].data_ptr(), model.sin[position].data_ptr()
         kv, tables, lens = kv_cache.kv, meta.block_tables, meta.context_lens
-        # native.mla_decode's call without its per-call checks: this path made q, attn and the
-        # weights; the cache and the step's tables are the ones its checks accept (one row, one sequence)
+        # what native.mla_decode checks per call: this path made q, attn and the weights
         assert kv.is_contiguous() and tables.is_contiguous() and lens.is_contiguous() and tables.shape[0] == 1
-        block, offset = int(meta.slot_blocks[0]), int(meta.slot_offsets[0])
-        q, attn, scratch_at = self.q.data_ptr(), self.attn.data_ptr(), scratch.data_ptr()
-        x_at, h_at = x.data_ptr(), h.data_ptr()
         layer_elems = kv_cache.block_size * kv_cache.head_dim
-        for i, (w, s) in enumerate(zip(model.layers, self.structs)):
-            s_ref = ctypes.byref(s)
-            self.head(s_ref, ctypes.byref(c), h_at, cos, sin, kv[block, i, 0, offset].data_ptr(), q, scratch_at,
-                      threads)
-            native._check_status(mla_lib.atomd_mla_decode(
-                q, w.up.uk_t.data_ptr(), w.up.uv.data_ptr(), kv.data_ptr(), tables.data_ptr(), lens.data_ptr(), None,
-                attn, 1, 1, c.heads, kv_cache.block_size, tables.shape[1], kv_cache.num_layers * layer_elems,
-                i * layer_elems, model.config.mla_scale, int(self.dtype == torch.bfloat16), threads), "MLA decode")
-            self.tail(s_ref, ctypes.byref(c), attn, x_at, h_at, scratch_at, threads)
+        args = layer_ops.MlaAttentionArgs(
+            fn=ctypes.cast(mla_lib.atomd_mla_decode, ctypes.c_void_p).value, kv=kv.data_ptr(),
+            block_tables=tables.data_ptr(), context_lens=lens.data_ptr(), block_size=kv_cache.block_size,
+            table_width=tables.shape[1], block_stride=kv_cache.num_layers * layer_elems, layer_stride=layer_elems,
+            scale=model.config.mla_scale)
+        latent = kv[int(meta.slot_blocks[0]), 0, 0, int(meta.slot_offsets[0])]  # layer 0's slot of the token
+        native._check_status(self.layers_fn(
+            self.structs, len(self.structs), ctypes.byref(c), ctypes.byref(args), h.data_ptr(), x.data_ptr(),
+            model.cos[position].data_ptr(), model.sin[position].data_ptr(), latent.data_ptr(), self.q.data_ptr(),
+            self.attn.data_ptr(), scratch.data_ptr(), threads), "MLA decode")
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -39,7 +39,13 @@ class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_arg
 class MlaLayerWeights(ctypes.Structure):  # csrc/layer_ops.c mla_layer_weights (DeepSeek's batch-1 layer)
     _fields_ = ([(n, _PTR) for n in ("qkv_a", "q_a_norm", "q_b", "kv_a_norm", "o", "post_norm", "gate_up", "down",
                                      "router", "correction", "experts_gate_up", "experts_down", "routed", "next_norm")]
-                + [("inter", _I64)])
+                + [("inter", _I64), ("uk_t", _PTR), ("uv", _PTR)])
+
+
+class MlaAttentionArgs(ctypes.Structure):  # csrc/layer_ops.c mla_attention_args
+    _fields_ = ([("fn", _PTR), ("kv", _PTR), ("block_tables", _PTR), ("context_lens", _PTR)]
+                + [(n, _I64) for n in ("block_size", "table_width", "block_stride", "layer_stride")]
+                + [("scale", ctypes.c_float)])
 
 
 class MlaLayerConfig(ctypes.Structure):  # csrc/layer_ops.c mla_layer_config
@@ -87,6 +93,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             mla_head, mla_tail = getattr(lib, f"atomd_mla_head_{suffix}"), getattr(lib, f"atomd_mla_tail_{suffix}")
             mla_head.argtypes, mla_head.restype = [_PTR] * 8 + [ctypes.c_int], None
             mla_tail.argtypes, mla_tail.restype = [_PTR] * 6 + [ctypes.c_int], None
+            mla_layers = getattr(lib, f"atomd_mla_layers_{suffix}")
+            mla_layers.argtypes, mla_layers.restype = [_PTR, _I64] + [_PTR] * 10 + [ctypes.c_int], ctypes.c_int
             grouped = getattr(lib, f"atomd_moe_grouped_{suffix}")
             grouped.argtypes, grouped.restype = [_PTR] * 9 + [ctypes.c_int, _PTR] + [_I64] * 4 + [ctypes.c_int], None
     if lib.gemv_kinds:

@@ -710,7 +710,21 @@ typedef struct {
     int64_t *routed;  /* [experts]: the expert load counters, += 1 per chosen expert */
     const void *next_norm;  /* NULL on the last layer */
     int64_t inter;  /* gate_up's rows / 2: the dense MLP's or the shared experts' width */
+    const void *uk_t, *uv;  /* the absorbed decode's W_UK^T [heads, rank, nope] and W_UV [heads, v, rank] */
 } mla_layer_weights;
+/* csrc/mla.c's atomd_mla_decode (its library is built per shape: the caller passes the pointer) */
+typedef int (*mla_decode_fn)(const void *q, const void *uk_t, const void *uv, const void *kv,
+                             const int64_t *block_tables, const int64_t *context_lens, const int64_t *query_starts,
+                             void *out, int64_t batch, int64_t rows, int64_t heads, int64_t block_size,
+                             int64_t table_width, int64_t block_stride, int64_t layer_offset, float scale, int bf16,
+                             int num_threads);
+typedef struct {
+    mla_decode_fn fn;
+    const void *kv;  /* the cache's base */
+    const int64_t *block_tables, *context_lens;  /* the one sequence's */
+    int64_t block_size, table_width, block_stride, layer_stride;  /* elements; layer_stride: a layer's latent rows */
+    float scale;
+} mla_attention_args;
 typedef struct {
     int64_t hidden, heads, nope, rope, rank, v, q_lora, experts, moe_inter, top_k, n_group, topk_group, max_inter;
     int scoring;  /* 0: softmax greedy, 1: softmax group_limited_greedy, 2: sigmoid noaux_tc (V3) */
@@ -875,9 +889,32 @@ static void mla_route(const mla_layer_config *c, const float *router, const floa
         }                                                                                                          \
     }
 
+/* Every layer of the model in one call (the per-layer Python loop around the three calls was
+ * ~1-2 ms of a deepseek-v2-lite token): latent_dst is layer 0's slot for the token (layer i's
+ * is layer_stride elements further per layer), h the first layer's normed input. Returns
+ * atomd_mla_decode's status (0, or -1: no scratch memory; x and h are then incomplete). */
+#define MLA_LAYERS(SUFFIX, elem_t, IS_BF16)                                                                         \
+    int atomd_mla_layers_##SUFFIX(const mla_layer_weights *layers, int64_t num_layers, const mla_layer_config *c,  \
+                                  const mla_attention_args *a, elem_t *h, elem_t *x, const elem_t *cos,            \
+                                  const elem_t *sin, elem_t *latent_dst, elem_t *q, elem_t *attn, elem_t *scratch, \
+                                  int num_threads) {                                                               \
+        for (int64_t i = 0; i < num_layers; i++) {                                                                 \
+            atomd_mla_head_##SUFFIX(layers + i, c, h, cos, sin, latent_dst + i * a->layer_stride, q, scratch,      \
+                                    num_threads);                                                                  \
+            const int status = a->fn(q, layers[i].uk_t, layers[i].uv, a->kv, a->block_tables, a->context_lens,    \
+                                     NULL, attn, 1, 1, c->heads, a->block_size, a->table_width, a->block_stride,   \
+                                     i * a->layer_stride, a->scale, IS_BF16, num_threads);                         \
+            if (status != 0) return status;                                                                        \
+            atomd_mla_tail_##SUFFIX(layers + i, c, attn, x, h, scratch, num_threads);                              \
+        }                                                                                                          \
+        return 0;                                                                                                  \
+    }
+
 MLA_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, atomd_gemv_f32)
+MLA_LAYERS(f32, float, 0)
 #if GEMV_KINDS & 2
 MLA_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, atomd_gemv_bf16)
+MLA_LAYERS(bf16, bf16_t, 1)
 #endif
 /* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
 #include "quant.h"
