@@ -145,7 +145,8 @@ def cost(path: pathlib.Path, rounds: int, new: int) -> int:
 
     spent: dict[tuple, list[float]] = {}
     llms = {(fused, name): LLM(str(path), num_threads=1, max_model_len=512, enable_prefix_caching=False,
-                               speculative_config=SPECS[name]) for fused in (True, False) for name in ("none", "mtp-k1")}
+                               speculative_config=SPECS[name])
+            for fused in (True, False) for name in ("none", "mtp-k1")}
     prompt = list(range(100, 164))
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
     run = mtp_proposer.MtpProposer.run
