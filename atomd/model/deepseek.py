@@ -255,6 +255,8 @@ class DeepseekModel(DecoderModel):
             self.lm_head_rows = on_huge_pages(self.lm_head.contiguous())
         if self.packs():
             self.lm_head = pack_linear_weight(self.lm_head)
+        elif self.keeps_rows:
+            self.lm_head = self.lm_head_rows  # held once
         for w in self.layers:
             self.pack_layer(w)
         release_freed_memory()
@@ -271,6 +273,9 @@ class DeepseekModel(DecoderModel):
         if self.keeps_rows:  # the rows batch-1 decode streams on 2 MiB pages (huge_pages.py), held once
             w.rows = {name: on_huge_pages(getattr(w, name).contiguous()) for name in LINEARS
                       if getattr(w, name) is not None}
+            if not self.packs():  # the rows are the weights: held once
+                for name, rows in w.rows.items():
+                    setattr(w, name, rows)
             w.up = replace(w.up, uk_t=on_huge_pages(w.up.uk_t), uv=on_huge_pages(w.up.uv))
             if w.moe is not None and w.moe.gemv:
                 w.moe.gate_up, w.moe.down = on_huge_pages(w.moe.gate_up), on_huge_pages(w.moe.down)
