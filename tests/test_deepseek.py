@@ -334,3 +334,26 @@ def test_batch1_c_layer_not_taken_where_it_does_not_run(checkpoints):
     assert llm.engine.model.batch1 is None
     prompts = prompts_of([9], seed=6)
     assert_equals_hf(path, prompts, engine_greedy(llm, prompts))
+
+
+@pytest.mark.parametrize("name,dtype", [("v2-lite", "float32"), ("v3", "bfloat16")])
+def test_batch1_c_layer_verifies_drafts(name, dtype, checkpoints, monkeypatch):
+    """A verify step of one sequence (its token and n-gram drafts, up to 4 rows, causal) through
+    the C layer: the same greedy ids as the per-op layer (float32: HF's), drafts accepted."""
+    from atomd.model import deepseek
+
+    path = checkpoints[name]
+    llm = LLM(str(path), num_threads=1, max_model_len=256, dtype=dtype, enable_prefix_caching=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    rows = []
+    monkeypatch.setattr(deepseek.MlaDecodeLayers, "__call__",
+                        lambda self, x, *a, f=deepseek.MlaDecodeLayers.__call__: rows.append(len(x)) or f(self, x, *a))
+    prompt = prompts_of([12], seed=8)[0] * 4
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(deepseek, "FUSED", fused)
+        got[fused] = engine_greedy(llm, [prompt], GREEDY48)
+    assert got[True] == got[False]
+    assert max(rows) > 1 and llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    if dtype == "float32":
+        assert_equals_hf(path, [prompt], got[True], n=48)

@@ -375,6 +375,7 @@ class DeepseekModel(DecoderModel):
             rms_norm(x, next_norm, eps, delta=down, out=next_h)
 
 
+MAX_ROWS = 4  # MlaDecodeLayers: a sequence's token and up to 3 drafts
 # batch-1 decode through MlaDecodeLayers where it runs; False: the per-op layer (the A/B of
 # benchmarks/deepseek_decode_step.py --switch layer)
 FUSED = True
@@ -423,43 +424,47 @@ class MlaDecodeLayers:
             rank=cfg.kv_lora_rank, v=cfg.v_head_dim, q_lora=cfg.q_lora_rank or 0, experts=cfg.num_experts,
             moe_inter=cfg.moe_intermediate_size, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
             topk_group=cfg.topk_group, max_inter=max(widths), scoring=scoring, norm_topk_prob=int(cfg.norm_topk_prob),
-            routed_scaling_factor=cfg.routed_scaling_factor, eps=cfg.rms_norm_eps)
-        self.q = torch.empty(1, cfg.num_heads, cfg.qk_head_dim, dtype=model.dtype)
-        self.attn = torch.empty(1, cfg.num_heads * cfg.v_head_dim, dtype=model.dtype)
+            routed_scaling_factor=cfg.routed_scaling_factor, eps=cfg.rms_norm_eps, max_rows=MAX_ROWS)
+        self.q = torch.empty(MAX_ROWS, cfg.num_heads, cfg.qk_head_dim, dtype=model.dtype)
+        self.attn = torch.empty(MAX_ROWS, cfg.num_heads * cfg.v_head_dim, dtype=model.dtype)
         self.scratch: dict[int, torch.Tensor] = {}
 
     def runs(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, lora, model: "DeepseekModel") -> bool:
-        """This step is one decode row this path takes (no LoRA, TP, EP; the C absorbed decode
-        over a cache in the model's dtype)."""
-        return (FUSED and x.shape[0] == 1 and not meta.is_prefill and meta.query_starts is None and lora is None
+        """This step is one sequence's decode row, or its row and drafts (a verify step), this
+        path takes (no LoRA, TP, EP; the C absorbed decode over a cache in the model's dtype)."""
+        return (FUSED and x.shape[0] <= MAX_ROWS and not meta.is_prefill and meta.block_tables.shape[0] == 1
+                and (x.shape[0] == 1 or meta.query_starts is not None) and lora is None
                 and model.tp is None and model.ep is None and meta.kernels is not None
                 and fused_decode_kernels(meta.kernels, kv_cache, self.config.rank, self.config.rope,
                                          model.layers[0].up) is not None)
 
     def __call__(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: KVCache, model: "DeepseekModel") -> None:
-        """Every layer over the row x [1, hidden] (updated in place) from h, its first norm: one C call."""
-        c, threads = self.config, torch.get_num_threads()
+        """Every layer over the rows x [R, hidden] (updated in place) from h, their first norm: one C call."""
+        c, threads, rows = self.config, torch.get_num_threads(), x.shape[0]
         scratch = self.scratch.get(threads)
         if scratch is None:
             scratch = self.scratch[threads] = torch.empty(
                 int(self.lib.atomd_mla_scratch_elems(ctypes.byref(c), threads)), dtype=self.dtype)
         mla_lib = fused_decode_kernels(meta.kernels, kv_cache, c.rank, c.rope, model.layers[0].up)
-        position = int(positions[0])
         kv, tables, lens = kv_cache.kv, meta.block_tables, meta.context_lens
         # what native.mla_decode checks per call: this path made q, attn and the weights
-        assert kv.is_contiguous() and tables.is_contiguous() and lens.is_contiguous() and tables.shape[0] == 1
+        assert kv.is_contiguous() and tables.is_contiguous() and lens.is_contiguous() and positions.is_contiguous()
+        assert x.is_contiguous() and h.is_contiguous() and positions.dtype == torch.int64
         layer_elems = kv_cache.block_size * kv_cache.head_dim
+        block_elems = kv_cache.num_layers * layer_elems
+        slots = meta.slot_blocks * block_elems + meta.slot_offsets * kv_cache.head_dim  # layer 0's, from kv
+        starts = meta.query_starts
         args = layer_ops.MlaAttentionArgs(
             fn=ctypes.cast(mla_lib.atomd_mla_decode, ctypes.c_void_p).value, kv=kv.data_ptr(),
-            block_tables=tables.data_ptr(), context_lens=lens.data_ptr(), block_size=kv_cache.block_size,
-            table_width=tables.shape[1], block_stride=kv_cache.num_layers * layer_elems, layer_stride=layer_elems,
-            scale=model.config.mla_scale)
-        latent = kv[int(meta.slot_blocks[0]), 0, 0, int(meta.slot_offsets[0])]  # layer 0's slot of the token
+            block_tables=tables.data_ptr(), context_lens=lens.data_ptr(),
+            query_starts=None if rows == 1 else starts.data_ptr(), block_size=kv_cache.block_size,
+            table_width=tables.shape[1], block_stride=block_elems, layer_stride=layer_elems,
+            scale=model.config.mla_scale, slots=slots.data_ptr(), positions=positions.data_ptr())
         native._check_status(self.layers_fn(
-            self.structs, len(self.structs), ctypes.byref(c), ctypes.byref(args), h.data_ptr(), x.data_ptr(),
-            model.cos[position].data_ptr(), model.sin[position].data_ptr(), latent.data_ptr(), self.q.data_ptr(),
-            self.attn.data_ptr(), scratch.data_ptr(), threads), "MLA decode")
+            self.structs, len(self.structs), ctypes.byref(c), ctypes.byref(args), rows, h.data_ptr(), x.data_ptr(),
+            model.cos.data_ptr(), model.sin.data_ptr(), self.q.data_ptr(), self.attn.data_ptr(), scratch.data_ptr(),
+            threads), "MLA decode")
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -43,16 +43,16 @@ class MlaLayerWeights(ctypes.Structure):  # csrc/layer_ops.c mla_layer_weights (
 
 
 class MlaAttentionArgs(ctypes.Structure):  # csrc/layer_ops.c mla_attention_args
-    _fields_ = ([("fn", _PTR), ("kv", _PTR), ("block_tables", _PTR), ("context_lens", _PTR)]
+    _fields_ = ([(n, _PTR) for n in ("fn", "kv", "block_tables", "context_lens", "query_starts")]
                 + [(n, _I64) for n in ("block_size", "table_width", "block_stride", "layer_stride")]
-                + [("scale", ctypes.c_float)])
+                + [("scale", ctypes.c_float), ("slots", _PTR), ("positions", _PTR)])
 
 
 class MlaLayerConfig(ctypes.Structure):  # csrc/layer_ops.c mla_layer_config
     _fields_ = ([(n, _I64) for n in ("hidden", "heads", "nope", "rope", "rank", "v", "q_lora", "experts", "moe_inter",
                                      "top_k", "n_group", "topk_group", "max_inter")]
                 + [("scoring", ctypes.c_int), ("norm_topk_prob", ctypes.c_int),
-                   ("routed_scaling_factor", ctypes.c_float), ("eps", ctypes.c_float)])
+                   ("routed_scaling_factor", ctypes.c_float), ("eps", ctypes.c_float), ("max_rows", _I64)])
 
 
 _LAYERS_ARGTYPES = [_PTR, _I64, _PTR] + [_PTR] * 8 + [_I64] + [_PTR] + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
@@ -90,11 +90,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             every.argtypes, every.restype = _LAYERS_ARGTYPES, ctypes.c_int
             experts = getattr(lib, f"atomd_moe_experts_{suffix}")
             experts.argtypes, experts.restype = [_PTR] * 6 + [ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
-            mla_head, mla_tail = getattr(lib, f"atomd_mla_head_{suffix}"), getattr(lib, f"atomd_mla_tail_{suffix}")
-            mla_head.argtypes, mla_head.restype = [_PTR] * 8 + [ctypes.c_int], None
-            mla_tail.argtypes, mla_tail.restype = [_PTR] * 6 + [ctypes.c_int], None
             mla_layers = getattr(lib, f"atomd_mla_layers_{suffix}")
-            mla_layers.argtypes, mla_layers.restype = [_PTR, _I64] + [_PTR] * 10 + [ctypes.c_int], ctypes.c_int
+            mla_layers.argtypes = [_PTR, _I64, _PTR, _PTR, _I64] + [_PTR] * 7 + [ctypes.c_int]
+            mla_layers.restype = ctypes.c_int
             grouped = getattr(lib, f"atomd_moe_grouped_{suffix}")
             grouped.argtypes, grouped.restype = [_PTR] * 9 + [ctypes.c_int, _PTR] + [_I64] * 4 + [ctypes.c_int], None
     if lib.gemv_kinds:
