@@ -395,15 +395,19 @@ class MlaDecodeLayers:
         return (layer_ops.has_gemv(model.dtype) and not model.config.qkv_bias
                 and all(w.moe is None or w.moe.gemv and not w.moe.quantized for w in model.layers))
 
-    def __init__(self, model: "DeepseekModel"):
+    def __init__(self, model: "DeepseekModel", layers: list[MlaLayerWeights] | None = None, kv_layer: int = 0):
+        """Over `layers` (the model's by default; deepseek_mtp.py: its MTP layer), the first of them
+        at layer `kv_layer` of the cache."""
         cfg, lib = model.config, layer_ops.kernels()
+        layers = model.layers if layers is None else layers
+        self.kv_layer = kv_layer
         suffix = "bf16" if model.dtype == torch.bfloat16 else "f32"
         self.layers_fn = getattr(lib, f"atomd_mla_layers_{suffix}")
         self.lib, self.dtype = lib, model.dtype
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
         widths = [cfg.moe_intermediate_size if cfg.sparse_layers else 0]
         self.structs = []
-        for i, w in enumerate(model.layers):
+        for i, w in enumerate(layers):
             r, moe = w.rows, w.moe
             gate_up, down = r.get("gate_up", r.get("shared_gate_up")), r.get("down", r.get("shared_down"))
             widths.append(0 if gate_up is None else gate_up.shape[0] // 2)
@@ -415,7 +419,7 @@ class MlaDecodeLayers:
                 router=moe and ptr(w.routing.weight), correction=moe and ptr(w.routing.correction_bias),
                 experts_gate_up=moe and ptr(moe.gate_up), experts_down=moe and ptr(moe.down),
                 routed=moe and ptr(moe.routed),
-                next_norm=ptr(model.layers[i + 1].input_norm) if i + 1 < len(model.layers) else None,
+                next_norm=ptr(layers[i + 1].input_norm) if i + 1 < len(layers) else None,
                 inter=widths[-1], uk_t=ptr(w.up.uk_t), uv=ptr(w.up.uv)))
         self.structs = (layer_ops.MlaLayerWeights * len(self.structs))(*self.structs)
         scoring = 2 if cfg.scoring == "sigmoid" else int(cfg.topk_method == "group_limited_greedy")
@@ -456,7 +460,8 @@ class MlaDecodeLayers:
         slots = meta.slot_blocks * block_elems + meta.slot_offsets * kv_cache.head_dim  # layer 0's, from kv
         starts = meta.query_starts
         args = layer_ops.MlaAttentionArgs(
-            fn=ctypes.cast(mla_lib.atomd_mla_decode, ctypes.c_void_p).value, kv=kv.data_ptr(),
+            fn=ctypes.cast(mla_lib.atomd_mla_decode, ctypes.c_void_p).value,
+            kv=kv.data_ptr() + self.kv_layer * layer_elems * kv.element_size(),
             block_tables=tables.data_ptr(), context_lens=lens.data_ptr(),
             query_starts=None if rows == 1 else starts.data_ptr(), block_size=kv_cache.block_size,
             table_width=tables.shape[1], block_stride=block_elems, layer_stride=layer_elems,
