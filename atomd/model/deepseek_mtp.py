@@ -54,6 +54,7 @@ class MtpLayer:
     head: torch.Tensor  # shared_head.head, or the main model's lm_head
     kv_layer: int  # its layer in the engine's KV cache: num_hidden_layers
     batch1: MlaDecodeLayers | None = None  # its layer over one sequence's decode rows, as the main model's
+    head_rows: torch.Tensor | None = None  # the main model's plain lm_head rows when it shares that head (GEMV)
 
 
 def mtp_layer_count(hf: dict) -> int:
@@ -92,7 +93,8 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel, split: TPSplit | Non
     return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=pack(get("eh_proj.weight")),
                     layer=layer, head_norm=get("shared_head.norm.weight"),
                     embed=own("embed_tokens.weight", model.embed), head=head, kv_layer=i,
-                    batch1=MlaDecodeLayers(model, [layer], kv_layer=i) if model.batch1 is not None else None)
+                    batch1=MlaDecodeLayers(model, [layer], kv_layer=i) if model.batch1 is not None else None,
+                    head_rows=model.lm_head_rows if head is model.lm_head else None)
 
 
 def mtp_exchange_idle(model: DeepseekModel, mtp: MtpLayer) -> None:
@@ -126,5 +128,5 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     if not len(logits_rows):  # a prefill chunk that samples nothing: only the MTP's KV rows
         return x.new_empty(0, model.config.vocab_size), x[:0]
     states = x[logits_rows]
-    logits = linear(rms_norm(states, mtp.head_norm, eps), mtp.head)
+    logits = linear(rms_norm(states, mtp.head_norm, eps), mtp.head, None, mtp.head_rows)
     return (logits if model.tp is None else model.tp.gather_logits(logits)), states
