@@ -203,6 +203,7 @@ def main() -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dir", default=None, help="reuse a trained checkpoint directory")
     ap.add_argument("--cost", action="store_true", help="where a step's time goes, MTP k=1 vs none (module docstring)")
+    ap.add_argument("--per-op", action="store_true", help="the per-op DeepSeek layer (deepseek.FUSED off): the A/B")
     args = ap.parse_args()
     torch.set_num_threads(1)  # one thread: the shared machine's other processes make more threads wait
     info = {}
@@ -218,6 +219,9 @@ def main() -> int:
         return 0
     if args.cost:
         return cost(path, args.rounds, args.new)
+    if args.per_op:
+        import atomd.model.deepseek as deepseek
+        deepseek.FUSED = False
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))
