@@ -10,8 +10,14 @@ in the running engine (the same weights, the same prompts):
 - mla: `torch` (the absorption and W_UV as torch bmm around the attention kernel) vs `c`
   (csrc/mla.c, one call a layer); DeepSeek shapes only;
 - moe: `loop` (one torch linear pair per active expert, moe.GROUPED off) vs `grouped`
-  (the MoE block's experts in one C call, layer_ops.moe_grouped).
+  (the MoE block's experts in one C call, layer_ops.moe_grouped);
+- layer: `perop` (the batch-1 layer as ~30 Python-level calls, deepseek.FUSED off) vs `c`
+  (deepseek.MlaDecodeLayers: three C calls a layer).
 Each variant's figure: its mean per decode step in one run, medians over --rounds.
+`--llama-cpp`: llama-bench's tg128 at depth 128 on the shape's BF16 GGUF (the same checkpoint,
+benchmarks/decode_step_profile.py's llama_bench: its CPU time per token, comparable to the
+thread CPU time at one thread) in every round after the variants; the ratio llama.cpp ms /
+atomd ms per decode token (> 1: atomd faster).
 
     flock /tmp/atomd-heavy.lock .venv/bin/python -m benchmarks.deepseek_decode_step \\
         --model-shape deepseek-v2-lite --dtype bfloat16 --rounds 3 --threads 1 --switch mla
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import pathlib
 import statistics
 import sys
 import time
@@ -28,7 +35,7 @@ import time
 import torch
 
 from atomd.llm import LLM
-from atomd.model import mla, moe
+from atomd.model import deepseek, mla, moe
 from benchmarks.machine import cpu_model, loadavg
 from benchmarks.model_shapes import SHAPES, model_dir
 from benchmarks.offline import prompts
@@ -47,6 +54,12 @@ def variant(switch: str, name: str):
             yield
         finally:
             mla.fused_decode_kernels = saved
+    elif switch == "layer" and name == "perop":
+        deepseek.FUSED = False
+        try:
+            yield
+        finally:
+            deepseek.FUSED = True
     elif switch == "moe" and name == "loop":
         moe.GROUPED = False
         try:
@@ -57,7 +70,7 @@ def variant(switch: str, name: str):
         yield
 
 
-VARIANTS = {"mla": ("torch", "c"), "moe": ("loop", "grouped")}
+VARIANTS = {"mla": ("torch", "c"), "moe": ("loop", "grouped"), "layer": ("perop", "c")}
 
 
 def timed_decode_steps(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float, int]:
@@ -93,6 +106,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--workloads", default="batch1,batch16")
     ap.add_argument("--json", help="write the figures here too")
+    ap.add_argument("--llama-cpp", action="store_true", help="llama-bench tg128 (BF16 GGUF) in every round")
+    ap.add_argument("--gguf-dir", type=pathlib.Path, default=None, help="keep (and reuse) the GGUF here")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load = [loadavg()]
@@ -100,6 +115,11 @@ def main() -> None:
     vocab = llm.engine.model.config.vocab_size
     names = VARIANTS[args.switch]
     workloads = args.workloads.split(",")
+    gguf = None
+    if args.llama_cpp:
+        from benchmarks.decode_step_profile import ggufs, llama_bench
+        binary, files = ggufs(model_dir(args.model_shape), ["bfloat16"], args.threads, args.gguf_dir)
+        gguf = files["BF16"]
     with variant(args.switch, names[0]):  # warm: every path's first pass over the weights
         for w in workloads:
             timed_decode_steps(llm, prompts(WORKLOADS[w][0], WORKLOADS[w][1], 99, vocab), 4)
@@ -116,6 +136,11 @@ def main() -> None:
                 print(f"round {r} {w} {name}: {thread_s / steps * 1e3:.2f} ms thread CPU, "
                       f"{process_s / steps * 1e3:.2f} ms process CPU a step ({steps} steps), load {loadavg()}",
                       file=sys.stderr, flush=True)
+        if gguf is not None:
+            wall, cpu = llama_bench(binary, gguf, args.threads)
+            runs.setdefault(("llama.cpp", "tg128"), []).append((1e3 / cpu, 1e3 / wall))
+            print(f"round {r} llama.cpp BF16 tg128 at depth 128: {1e3 / cpu:.2f} ms CPU, {1e3 / wall:.2f} ms wall "
+                  f"a token, load {loadavg()}", file=sys.stderr, flush=True)
         load.append(loadavg())
     report = {"shape": args.model_shape, "dtype": args.dtype, "threads": args.threads, "cpu": cpu_model(),
               "load": load, "rounds": args.rounds, "figures": {}}
@@ -129,6 +154,16 @@ def main() -> None:
         report["figures"][w] = {names[0]: before, names[1]: after}
         print(f"| {w} | {before[0]:.2f} | {after[0]:.2f} | {before[0] / after[0]:.2f}x | {before[1]:.2f} | "
               f"{after[1]:.2f} | {before[1] / after[1]:.2f}x |")
+    if gguf is not None:
+        cpu, wall = (statistics.median(x[i] for x in runs[("llama.cpp", "tg128")]) for i in (0, 1))
+        report["figures"]["llama.cpp"] = {"cpu_ms": cpu, "wall_ms": wall}
+        print(f"llama.cpp BF16 tg128 (depth 128): {cpu:.2f} ms CPU ({wall:.2f} ms wall) a token")
+        for w in workloads:
+            if WORKLOADS[w][0] == 1:
+                for name in names:
+                    ours = report["figures"][w][name][0]
+                    print(f"{w} {name}: atomd {ours:.2f} ms thread CPU a decode step: llama.cpp / atomd = "
+                          f"{cpu / ours:.2f}x")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=1)

@@ -15,6 +15,11 @@ MTP (k = 1 and k = 3: the one layer chained). Reported: decode tokens/s (medians
 rate (accepted / drafted, the engine's spec_decode counters).
 
     .venv/bin/python benchmarks/mtp_drafts.py --minutes 4 --rounds 3
+
+`--cost`: instead, where a step's CPU time goes with and without MTP k=1 (acceptance aside: any
+checkpoint, trained or not): the engine's forwards by rows (1: plain decode, 2: a verify of one
+draft) and the MTP pass after each forward (MtpProposer.run), thread CPU per call, medians of
+--rounds, with atomd/model/deepseek.py's batch-1 C layer on and off (FUSED).
 """
 from __future__ import annotations
 
@@ -133,6 +138,57 @@ SPECS = {"none": None, "ngram-k1": {"method": "ngram", "num_speculative_tokens":
          "mtp-k3": {"method": "mtp", "num_speculative_tokens": 3}}
 
 
+def cost(path: pathlib.Path, rounds: int, new: int) -> int:
+    """--cost (module docstring)."""
+    import atomd.model.deepseek as deepseek
+    from atomd.engine import mtp_proposer
+
+    spent: dict[tuple, list[float]] = {}
+    llms = {(fused, name): LLM(str(path), num_threads=1, max_model_len=512, enable_prefix_caching=False,
+                               speculative_config=SPECS[name])
+            for fused in (True, False) for name in ("none", "mtp-k1")}
+    prompt = list(range(100, 164))
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    run = mtp_proposer.MtpProposer.run
+    load = [os.getloadavg()[0]]
+    for r in range(rounds + 1):  # round 0 warms every engine
+        for (fused, name), llm in (llms.items() if r % 2 else reversed(llms.items())):
+            totals: dict[str, list[float]] = {}
+
+            def timed(part, fn):
+                def wrapped(*a, **k):
+                    t = time.thread_time()
+                    try:
+                        return fn(*a, **k)
+                    finally:
+                        key = part(*a) if callable(part) else part
+                        totals.setdefault(key, []).append(time.thread_time() - t)
+                return wrapped
+            execute = llm.engine.runner.execute
+            llm.engine.runner.execute = timed(lambda step, *_: f"forward, {int(sum(step.num_scheduled_tokens))} rows",
+                                              execute)
+            mtp_proposer.MtpProposer.run = timed("MTP pass", run)
+            deepseek.FUSED = fused
+            try:
+                llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
+            finally:
+                llm.engine.runner.execute, mtp_proposer.MtpProposer.run, deepseek.FUSED = execute, run, True
+            if r:
+                for part, ts in totals.items():
+                    if not part.startswith("forward, 64"):  # the prompt's step
+                        spent.setdefault((fused, name, part), []).append(statistics.mean(ts) * 1e3)
+                        spent.setdefault((fused, name, part, "n"), []).append(len(ts))
+        load.append(os.getloadavg()[0])
+    print(f"one thread, {new} tokens after a 64-token prompt, {rounds} rounds, load {min(load):.1f}-{max(load):.1f}")
+    print("| batch-1 C layer | drafts | part | calls | CPU ms a call (median) |")
+    print("|---|---|---|---:|---:|")
+    for key in sorted(k for k in spent if len(k) == 3):
+        fused, name, part = key
+        print(f"| {'on' if fused else 'off'} | {name} | {part} | {statistics.median(spent[(*key, 'n')]):.0f} | "
+              f"{statistics.median(spent[key]):.3f} |")
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=4.0, help="training time")
@@ -146,6 +202,8 @@ def main() -> int:
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--dir", default=None, help="reuse a trained checkpoint directory")
+    ap.add_argument("--cost", action="store_true", help="where a step's time goes, MTP k=1 vs none (module docstring)")
+    ap.add_argument("--per-op", action="store_true", help="the per-op DeepSeek layer (deepseek.FUSED off): the A/B")
     args = ap.parse_args()
     torch.set_num_threads(1)  # one thread: the shared machine's other processes make more threads wait
     info = {}
@@ -159,6 +217,11 @@ def main() -> int:
         (path / "training.json").write_text(json.dumps(info))
     if args.train_only:
         return 0
+    if args.cost:
+        return cost(path, args.rounds, args.new)
+    if args.per_op:
+        import atomd.model.deepseek as deepseek
+        deepseek.FUSED = False
     from tokenizers import Tokenizer
 
     tok = Tokenizer.from_file(str(path / "tokenizer.json"))

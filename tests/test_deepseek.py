@@ -285,3 +285,75 @@ def test_kv_events_name_the_latent_blocks_by_their_tokens(request, checkpoints):
         time.sleep(0.01)
     (event,) = sub.replay(1)[0][1].events
     assert event.block_hashes == block_hashes(ids, BLOCK) and event.token_ids == ids[:2 * BLOCK]
+
+
+# ---------------------------------------------------------------- the batch-1 C layer
+
+
+@pytest.mark.parametrize("name,dtype,threads", [("v2-lite", "float32", 1), ("v2-lite", "bfloat16", 2),
+                                                ("v3", "float32", 3), ("v3", "bfloat16", 1),
+                                                ("v3-halves-all-sparse", "bfloat16", 2)])
+def test_batch1_c_layer_equals_the_per_op_layer(name, dtype, threads, checkpoints, monkeypatch):
+    """deepseek.MlaDecodeLayers (atomd_mla_head, mla.c, atomd_mla_tail) against the per-op layer
+    in the same engine: the same greedy ids, the same logprobs (bf16 to the bit; float32 within
+    the router's summation order), the same expert load counters; the C layer ran every decode
+    step (the prompt's step is the per-op path's). Threads: the tail's experts a thread each (1,
+    2) and with more threads than a layer has experts to spare (3)."""
+    from atomd.model import deepseek
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the C calls' thread count
+    # no prefix cache: both runs compute every prompt token (the load counters count them)
+    llm = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128, dtype=dtype, enable_prefix_caching=False)
+    model = llm.engine.model
+    assert model.batch1 is not None
+    ran = []
+    monkeypatch.setattr(deepseek.MlaDecodeLayers, "__call__",
+                        lambda self, *a, f=deepseek.MlaDecodeLayers.__call__: ran.append(1) or f(self, *a))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(deepseek, "FUSED", fused)
+        for w in model.layers:
+            if w.moe is not None:
+                w.moe.routed.zero_()
+        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+                for p in prompts_of([1, 2 * BLOCK + 3], seed=5)]
+        got[fused] = ([o.token_ids for o in outs], torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]),
+                      [w.moe.routed.clone() for w in model.layers if w.moe is not None])
+        assert len(ran) == 22  # 11 decode steps a prompt in the C layer's run, none in the per-op one
+    assert got[True][0] == got[False][0]
+    tol = 0.0 if dtype == "bfloat16" else 1e-5
+    torch.testing.assert_close(got[True][1], got[False][1], atol=tol, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(got[True][2], got[False][2]))
+
+
+def test_batch1_c_layer_not_taken_where_it_does_not_run(checkpoints):
+    """Attention biases (V2 with attention_bias): the per-op layer, still HF's greedy ids."""
+    path = checkpoints["v2-qlora-bias"]
+    llm = LLM(str(path), num_threads=1, max_model_len=128)
+    assert llm.engine.model.batch1 is None
+    prompts = prompts_of([9], seed=6)
+    assert_equals_hf(path, prompts, engine_greedy(llm, prompts))
+
+
+@pytest.mark.parametrize("name,dtype", [("v2-lite", "float32"), ("v3", "bfloat16")])
+def test_batch1_c_layer_verifies_drafts(name, dtype, checkpoints, monkeypatch):
+    """A verify step of one sequence (its token and n-gram drafts, up to 4 rows, causal) through
+    the C layer: the same greedy ids as the per-op layer (float32: HF's), drafts accepted."""
+    from atomd.model import deepseek
+
+    path = checkpoints[name]
+    llm = LLM(str(path), num_threads=1, max_model_len=256, dtype=dtype, enable_prefix_caching=False,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
+    rows = []
+    monkeypatch.setattr(deepseek.MlaDecodeLayers, "__call__",
+                        lambda self, x, *a, f=deepseek.MlaDecodeLayers.__call__: rows.append(len(x)) or f(self, x, *a))
+    prompt = prompts_of([12], seed=8)[0] * 4
+    got = {}
+    for fused in (True, False):
+        monkeypatch.setattr(deepseek, "FUSED", fused)
+        got[fused] = engine_greedy(llm, [prompt], GREEDY48)
+    assert got[True] == got[False]
+    assert max(rows) > 1 and llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    if dtype == "float32":
+        assert_equals_hf(path, [prompt], got[True], n=48)

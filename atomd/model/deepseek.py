@@ -21,6 +21,7 @@ Not here yet: quantized weights.
 """
 from __future__ import annotations
 
+import ctypes
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -29,13 +30,15 @@ import torch
 import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
+from atomd.kernels import native
 from atomd.model import layer_ops
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import ROW_TILE, DecoderModel, TensorSource, cat, row_partial
+from atomd.model.huge_pages import on_huge_pages, release_freed_memory
 from atomd.model.layer_ops import rms_norm, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, dense, linear, pack_linear_weight
 from atomd.model.lora import LayerLora, LoraStep
-from atomd.model.mla import LatentUp, mla_decode, mla_prefill, store_latent
+from atomd.model.mla import LatentUp, fused_decode_kernels, mla_decode, mla_prefill, store_latent
 from atomd.model.moe import MoeWeights, from_tp_sums, load_experts, moe, tp_exact, tp_partials
 from atomd.model.quant import QuantizedWeight
 from atomd.model.rotary import rope_kind, rope_tables, yarn_factor, yarn_mscale
@@ -256,11 +259,15 @@ class DeepseekModel(DecoderModel):
         layer_ops.kernels()
         self.keeps_rows = self._keep_rows()
         if self.keeps_rows:  # batch-1 decode: the GEMV kernel on plain rows (DecoderModel._pack_weights)
-            self.lm_head_rows = self.lm_head.contiguous()
+            self.lm_head_rows = on_huge_pages(self.lm_head.contiguous())
         if self.packs():
             self.lm_head = pack_linear_weight(self.lm_head)
+        elif self.keeps_rows:
+            self.lm_head = self.lm_head_rows  # held once
         for w in self.layers:
             self.pack_layer(w)
+        release_freed_memory()
+        self.batch1 = MlaDecodeLayers(self) if self.keeps_rows and MlaDecodeLayers.takes(self) else None
 
     def packs(self) -> bool:
         """oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)."""
@@ -270,8 +277,15 @@ class DeepseekModel(DecoderModel):
     def pack_layer(self, w: MlaLayerWeights) -> None:
         """A layer's linears as the forward reads them: plain rows for the GEMV kernel (when the
         model keeps them), oneDNN's layout for the rest (also the MTP layer's, deepseek_mtp.py)."""
-        if self.keeps_rows:
-            w.rows = {name: getattr(w, name).contiguous() for name in LINEARS if getattr(w, name) is not None}
+        if self.keeps_rows:  # the rows batch-1 decode streams on 2 MiB pages (huge_pages.py), held once
+            w.rows = {name: on_huge_pages(getattr(w, name).contiguous()) for name in LINEARS
+                      if getattr(w, name) is not None}
+            if not self.packs():  # the rows are the weights: held once
+                for name, rows in w.rows.items():
+                    setattr(w, name, rows)
+            w.up = replace(w.up, uk_t=on_huge_pages(w.up.uk_t), uv=on_huge_pages(w.up.uv))
+            if w.moe is not None and w.moe.gemv:
+                w.moe.gate_up, w.moe.down = on_huge_pages(w.moe.gate_up), on_huge_pages(w.moe.down)
         if self.packs():
             for name in LINEARS:
                 if getattr(w, name) is not None:
@@ -321,11 +335,14 @@ class DeepseekModel(DecoderModel):
         lora = lora if lora is not None and lora.groups else None
         tiles = [(slice(r, r + step), lora and lora.tile(r, r + step)) for r in range(0, x.shape[0], step)]
         every_row = lora and lora.tile(0, x.shape[0])
-        for i, w in enumerate(self.layers):
-            attn = self._attention(h, w, i, positions, meta, kv_cache, every_row and every_row.layer(i))
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
-            for tile, rows in tiles:
-                self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i))
+        if self.batch1 is not None and self.batch1.runs(x, meta, kv_cache, lora, self):
+            self.batch1(x, h, positions, meta, kv_cache, self)
+        else:
+            for i, w in enumerate(self.layers):
+                attn = self._attention(h, w, i, positions, meta, kv_cache, every_row and every_row.layer(i))
+                next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
+                for tile, rows in tiles:
+                    self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i))
         logits = self.logits(self.norm_rows(x[logits_indices], self.norm))
         if hidden_indices is not None:
             return logits, self.norm_rows(x[hidden_indices], self.norm)
@@ -404,6 +421,103 @@ class DeepseekModel(DecoderModel):
             x.add_(down)
         else:
             rms_norm(x, next_norm, eps, delta=down, out=next_h)
+
+
+MAX_ROWS = 4  # MlaDecodeLayers: a sequence's token and up to 3 drafts
+# batch-1 decode through MlaDecodeLayers where it runs; False: the per-op layer (the A/B of
+# benchmarks/deepseek_decode_step.py --switch layer)
+FUSED = True
+
+
+class MlaDecodeLayers:
+    """Batch-1 decode of a DeepseekModel's layers: per layer csrc/layer_ops.c's atomd_mla_head
+    (projections, norms, RoPE, the latent row stored), csrc/mla.c's absorbed decode and
+    atomd_mla_tail (o_proj, the MLP or DeepSeekMoE's routing, experts and shared experts, the
+    norms), one C call for every layer where the per-op layer made ~30 calls a layer. The ctypes
+    structs are built once at load over the layers' plain rows (held by the model); the scratch
+    per thread count."""
+
+    @staticmethod
+    def takes(model: "DeepseekModel") -> bool:
+        """The model's layers are what the C layer runs (plain rows, no biases, experts on the GEMV kernel)."""
+        return (layer_ops.has_gemv(model.dtype) and not model.config.qkv_bias
+                and all(w.moe is None or w.moe.gemv and not w.moe.quantized for w in model.layers))
+
+    def __init__(self, model: "DeepseekModel", layers: list[MlaLayerWeights] | None = None, kv_layer: int = 0):
+        """Over `layers` (the model's by default; deepseek_mtp.py: its MTP layer), the first of them
+        at layer `kv_layer` of the cache."""
+        cfg, lib = model.config, layer_ops.kernels()
+        layers = model.layers if layers is None else layers
+        self.kv_layer = kv_layer
+        suffix = "bf16" if model.dtype == torch.bfloat16 else "f32"
+        self.layers_fn = getattr(lib, f"atomd_mla_layers_{suffix}")
+        self.lib, self.dtype = lib, model.dtype
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        widths = [cfg.moe_intermediate_size if cfg.sparse_layers else 0]
+        self.structs = []
+        for i, w in enumerate(layers):
+            r, moe = w.rows, w.moe
+            gate_up, down = r.get("gate_up", r.get("shared_gate_up")), r.get("down", r.get("shared_down"))
+            widths.append(0 if gate_up is None else gate_up.shape[0] // 2)
+            if moe is not None:
+                assert moe.gate_up.is_contiguous() and moe.down.is_contiguous() and w.routing.weight.is_contiguous()
+            self.structs.append(layer_ops.MlaLayerWeights(
+                qkv_a=ptr(r["qkv_a"]), q_a_norm=ptr(w.q_a_norm), q_b=ptr(r.get("q_b")), kv_a_norm=ptr(w.kv_a_norm),
+                o=ptr(r["o"]), post_norm=ptr(w.post_norm), gate_up=ptr(gate_up), down=ptr(down),
+                router=moe and ptr(w.routing.weight), correction=moe and ptr(w.routing.correction_bias),
+                experts_gate_up=moe and ptr(moe.gate_up), experts_down=moe and ptr(moe.down),
+                routed=moe and ptr(moe.routed),
+                next_norm=ptr(layers[i + 1].input_norm) if i + 1 < len(layers) else None,
+                inter=widths[-1], uk_t=ptr(w.up.uk_t), uv=ptr(w.up.uv)))
+        self.structs = (layer_ops.MlaLayerWeights * len(self.structs))(*self.structs)
+        scoring = 2 if cfg.scoring == "sigmoid" else int(cfg.topk_method == "group_limited_greedy")
+        self.config = layer_ops.MlaLayerConfig(
+            hidden=cfg.hidden_size, heads=cfg.num_heads, nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim,
+            rank=cfg.kv_lora_rank, v=cfg.v_head_dim, q_lora=cfg.q_lora_rank or 0, experts=cfg.num_experts,
+            moe_inter=cfg.moe_intermediate_size, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+            topk_group=cfg.topk_group, max_inter=max(widths), scoring=scoring, norm_topk_prob=int(cfg.norm_topk_prob),
+            routed_scaling_factor=cfg.routed_scaling_factor, eps=cfg.rms_norm_eps, max_rows=MAX_ROWS)
+        self.q = torch.empty(MAX_ROWS, cfg.num_heads, cfg.qk_head_dim, dtype=model.dtype)
+        self.attn = torch.empty(MAX_ROWS, cfg.num_heads * cfg.v_head_dim, dtype=model.dtype)
+        self.scratch: dict[int, torch.Tensor] = {}
+
+    def runs(self, x: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, lora, model: "DeepseekModel") -> bool:
+        """This step is one sequence's decode row, or its row and drafts (a verify step), this
+        path takes (no LoRA, TP, EP; the C absorbed decode over a cache in the model's dtype)."""
+        return (FUSED and x.shape[0] <= MAX_ROWS and not meta.is_prefill and meta.block_tables.shape[0] == 1
+                and (x.shape[0] == 1 or meta.query_starts is not None) and lora is None
+                and model.tp is None and model.ep is None and meta.kernels is not None
+                and fused_decode_kernels(meta.kernels, kv_cache, self.config.rank, self.config.rope,
+                                         model.layers[0].up) is not None)
+
+    def __call__(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                 kv_cache: KVCache, model: "DeepseekModel") -> None:
+        """Every layer over the rows x [R, hidden] (updated in place) from h, their first norm: one C call."""
+        c, threads, rows = self.config, torch.get_num_threads(), x.shape[0]
+        scratch = self.scratch.get(threads)
+        if scratch is None:
+            scratch = self.scratch[threads] = torch.empty(
+                int(self.lib.atomd_mla_scratch_elems(ctypes.byref(c), threads)), dtype=self.dtype)
+        mla_lib = fused_decode_kernels(meta.kernels, kv_cache, c.rank, c.rope, model.layers[0].up)
+        kv, tables, lens = kv_cache.kv, meta.block_tables, meta.context_lens
+        # what native.mla_decode checks per call: this path made q, attn and the weights
+        assert kv.is_contiguous() and tables.is_contiguous() and lens.is_contiguous() and positions.is_contiguous()
+        assert x.is_contiguous() and h.is_contiguous() and positions.dtype == torch.int64
+        layer_elems = kv_cache.block_size * kv_cache.head_dim
+        block_elems = kv_cache.num_layers * layer_elems
+        slots = meta.slot_blocks * block_elems + meta.slot_offsets * kv_cache.head_dim  # layer 0's, from kv
+        starts = meta.query_starts
+        args = layer_ops.MlaAttentionArgs(
+            fn=ctypes.cast(mla_lib.atomd_mla_decode, ctypes.c_void_p).value,
+            kv=kv.data_ptr() + self.kv_layer * layer_elems * kv.element_size(),
+            block_tables=tables.data_ptr(), context_lens=lens.data_ptr(),
+            query_starts=None if rows == 1 else starts.data_ptr(), block_size=kv_cache.block_size,
+            table_width=tables.shape[1], block_stride=block_elems, layer_stride=layer_elems,
+            scale=model.config.mla_scale, slots=slots.data_ptr(), positions=positions.data_ptr())
+        native._check_status(self.layers_fn(
+            self.structs, len(self.structs), ctypes.byref(c), ctypes.byref(args), rows, h.data_ptr(), x.data_ptr(),
+            model.cos.data_ptr(), model.sin.data_ptr(), self.q.data_ptr(), self.attn.data_ptr(), scratch.data_ptr(),
+            threads), "MLA decode")
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

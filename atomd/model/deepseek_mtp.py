@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
-from atomd.model.deepseek import DeepseekModel, MlaLayerWeights
+from atomd.model.deepseek import DeepseekModel, MlaDecodeLayers, MlaLayerWeights
 from atomd.model.layer_ops import rms_norm
 from atomd.model.linear import linear, pack_linear_weight
 from atomd.model.loader import _TensorSource, read_config, read_hf_config, sharded_source
@@ -53,6 +53,8 @@ class MtpLayer:
     embed: torch.Tensor  # its own embed_tokens, or the main model's
     head: torch.Tensor  # shared_head.head, or the main model's lm_head
     kv_layer: int  # its layer in the engine's KV cache: num_hidden_layers
+    batch1: MlaDecodeLayers | None = None  # its layer over one sequence's decode rows, as the main model's
+    head_rows: torch.Tensor | None = None  # the main model's plain lm_head rows when it shares that head (GEMV)
 
 
 def mtp_layer_count(hf: dict) -> int:
@@ -90,7 +92,9 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel, split: TPSplit | Non
     head = pack(get("shared_head.head.weight")) if p + "shared_head.head.weight" in src else model.lm_head
     return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=pack(get("eh_proj.weight")),
                     layer=layer, head_norm=get("shared_head.norm.weight"),
-                    embed=own("embed_tokens.weight", model.embed), head=head, kv_layer=i)
+                    embed=own("embed_tokens.weight", model.embed), head=head, kv_layer=i,
+                    batch1=MlaDecodeLayers(model, [layer], kv_layer=i) if model.batch1 is not None else None,
+                    head_rows=model.lm_head_rows if head is model.lm_head else None)
 
 
 def mtp_exchange_idle(model: DeepseekModel, mtp: MtpLayer) -> None:
@@ -115,10 +119,14 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     x = linear(torch.cat([e, rms_norm(hidden, mtp.hnorm, eps)], dim=1), mtp.eh_proj)
     w = mtp.layer
     h = rms_norm(x, w.input_norm, eps)
-    attn = model._attention(h, w, mtp.kv_layer, model.rope_rows(positions.contiguous(), meta), meta, kv_cache)
-    model._attn_out_and_mlp(x, attn, w, None, h)  # x += attention out, then += the MLP's (in place)
+    positions = model.rope_rows(positions.contiguous(), meta)
+    if mtp.batch1 is not None and mtp.batch1.runs(x, meta, kv_cache, None, model):
+        mtp.batch1(x, h, positions, meta, kv_cache, model)  # one sequence's decode rows: the C layer
+    else:
+        attn = model._attention(h, w, mtp.kv_layer, positions, meta, kv_cache)
+        model._attn_out_and_mlp(x, attn, w, None, h)  # x += attention out, then += the MLP's (in place)
     if not len(logits_rows):  # a prefill chunk that samples nothing: only the MTP's KV rows
         return x.new_empty(0, model.config.vocab_size), x[:0]
     states = x[logits_rows]
-    logits = linear(rms_norm(states, mtp.head_norm, eps), mtp.head)
+    logits = linear(rms_norm(states, mtp.head_norm, eps), mtp.head, None, mtp.head_rows)
     return (logits if model.tp is None else model.tp.gather_logits(logits)), states

@@ -44,6 +44,25 @@ class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_arg
                 ("scale", ctypes.c_float), ("kv_fp8", ctypes.c_int)]
 
 
+class MlaLayerWeights(ctypes.Structure):  # csrc/layer_ops.c mla_layer_weights (DeepSeek's batch-1 layer)
+    _fields_ = ([(n, _PTR) for n in ("qkv_a", "q_a_norm", "q_b", "kv_a_norm", "o", "post_norm", "gate_up", "down",
+                                     "router", "correction", "experts_gate_up", "experts_down", "routed", "next_norm")]
+                + [("inter", _I64), ("uk_t", _PTR), ("uv", _PTR)])
+
+
+class MlaAttentionArgs(ctypes.Structure):  # csrc/layer_ops.c mla_attention_args
+    _fields_ = ([(n, _PTR) for n in ("fn", "kv", "block_tables", "context_lens", "query_starts")]
+                + [(n, _I64) for n in ("block_size", "table_width", "block_stride", "layer_stride")]
+                + [("scale", ctypes.c_float), ("slots", _PTR), ("positions", _PTR)])
+
+
+class MlaLayerConfig(ctypes.Structure):  # csrc/layer_ops.c mla_layer_config
+    _fields_ = ([(n, _I64) for n in ("hidden", "heads", "nope", "rope", "rank", "v", "q_lora", "experts", "moe_inter",
+                                     "top_k", "n_group", "topk_group", "max_inter")]
+                + [("scoring", ctypes.c_int), ("norm_topk_prob", ctypes.c_int),
+                   ("routed_scaling_factor", ctypes.c_float), ("eps", ctypes.c_float), ("max_rows", _I64)])
+
+
 _LAYERS_ARGTYPES = [_PTR, _I64, _PTR] + [_PTR] * 8 + [_I64] + [_PTR] * 2 + [_I64] * 5 + [ctypes.c_float, ctypes.c_int]
 
 
@@ -79,8 +98,13 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             every.argtypes, every.restype = _LAYERS_ARGTYPES, ctypes.c_int
             experts = getattr(lib, f"atomd_moe_experts_{suffix}")
             experts.argtypes, experts.restype = [_PTR] * 6 + [ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
+            mla_layers = getattr(lib, f"atomd_mla_layers_{suffix}")
+            mla_layers.argtypes = [_PTR, _I64, _PTR, _PTR, _I64] + [_PTR] * 7 + [ctypes.c_int]
+            mla_layers.restype = ctypes.c_int
             grouped = getattr(lib, f"atomd_moe_grouped_{suffix}")
             grouped.argtypes, grouped.restype = [_PTR] * 9 + [ctypes.c_int, _PTR] + [_I64] * 4 + [ctypes.c_int], None
+    if lib.gemv_kinds:
+        lib.atomd_mla_scratch_elems.argtypes, lib.atomd_mla_scratch_elems.restype = [_PTR, ctypes.c_int], _I64
     if lib.gemv_kinds & 2:
         lib.atomd_gemm_bf16_f32.argtypes, lib.atomd_gemm_bf16_f32.restype = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int], None
     if lib.gemv_kinds & 1:  # the layer over int8 / int4 linears (csrc/quant.h), built beside the float32 one

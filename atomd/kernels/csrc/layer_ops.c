@@ -391,6 +391,14 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
         _Pragma("omp for schedule(static)")                                                                      \
         for (int64_t n = 0; n < N; n++) NAME##_row(x, w, bias, y, K, n, tail);                                   \
     }                                                                                                            \
+    /* R rows of x [R][K] -> y [R][N]: each weight row once from memory, then from L1 for the other \
+     * rows (a verify step's rows); per row the same sums as NAME##_rows */                                     \
+    static void NAME##_rows_m(const elem_t *x, int64_t R, const elem_t *w, elem_t *y, int64_t K, int64_t N) {   \
+        const mask_t tail = (mask_t)((1ull << (K % STEP)) - 1u);                                                 \
+        _Pragma("omp for schedule(static)")                                                                      \
+        for (int64_t n = 0; n < N; n++)                                                                          \
+            for (int64_t r = 0; r < R; r++) NAME##_row(x + r * K, w, NULL, y + r * N, K, n, tail);               \
+    }                                                                                                            \
     static void NAME##_own(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *y, int64_t K,          \
                            int64_t N) {                                                                          \
         const mask_t tail = (mask_t)((1ull << (K % STEP)) - 1u);                                                 \
@@ -838,6 +846,245 @@ MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
 MOE_GROUPED(f32, float, __mmask16, __m512, 16, F32_LOAD, F32_FMA, 0, SILU_ROW_F32)
 #if GEMV_KINDS & 2
 MOE_GROUPED(bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_ps, 1, silu_mul_row_bf16)
+#endif
+/* DeepSeek V2 / V3 decode of one sequence's rows (atomd/model/deepseek.py MlaDecodeLayers): its
+ * token, or its token and drafts (a verify step, up to max_rows rows), every layer in one call
+ * (atomd_mla_layers), per layer:
+ *
+ * head: qa = h @ qkv_a^T ([q part ; latent ; rope key]); with q_lora the q part RMSNormed and
+ *   through q_b, else it is q; the latent RMSNormed (kv_a_norm); RoPE (at each row's position)
+ *   on each query head's rope part and on the rope key; each row's latent [c ; k_pe] written to
+ *   its cache slot.
+ * attention: csrc/mla.c's absorbed decode (its library is built per shape: by pointer), the rows
+ *   causal within the sequence.
+ * tail: x += attn @ o^T; h = RMSNorm(x) * post_norm; then a dense layer's MLP, or DeepSeekMoE:
+ *   the router in float32 (softmax top-k, group-limited, or V3's sigmoid with the correction
+ *   bias within the best groups; x routed_scaling_factor), each row's k experts' outputs scaled
+ *   in float32 and summed (rounded once), plus the shared experts' MLP; x += that, next_h =
+ *   RMSNorm(x) * next_norm (NULL: the add alone).
+ * Why: the per-op layer was ~30 Python-level calls (each ~10-40 us with its OpenMP fork: ~10 ms
+ * of a ~60 ms deepseek-v2-lite token, benchmarks/RESULTS.md #37 third session); a verify step's
+ * rows read each weight once (GEMV ..._rows_m). Every intermediate is rounded where the per-op
+ * path rounds it; the router's sums and its exp run in another order (float32 ulps). */
+typedef struct {
+    const void *qkv_a, *q_a_norm, *q_b, *kv_a_norm, *o, *post_norm;
+    const void *gate_up, *down;  /* a dense layer's MLP, or a sparse layer's shared experts (NULL: none) */
+    const float *router, *correction;  /* sparse: [experts, hidden]; V3's correction bias [experts] or NULL */
+    const void *experts_gate_up, *experts_down;  /* [experts, 2 * moe_inter, hidden], [experts, hidden, moe_inter] */
+    int64_t *routed;  /* [experts]: the expert load counters, += 1 per chosen expert */
+    const void *next_norm;  /* NULL on the last layer */
+    int64_t inter;  /* gate_up's rows / 2: the dense MLP's or the shared experts' width */
+    const void *uk_t, *uv;  /* the absorbed decode's W_UK^T [heads, rank, nope] and W_UV [heads, v, rank] */
+} mla_layer_weights;
+typedef struct {
+    int64_t hidden, heads, nope, rope, rank, v, q_lora, experts, moe_inter, top_k, n_group, topk_group, max_inter;
+    int scoring;  /* 0: softmax greedy, 1: softmax group_limited_greedy, 2: sigmoid noaux_tc (V3) */
+    int norm_topk_prob;
+    float routed_scaling_factor, eps;
+    int64_t max_rows;  /* the most rows a call takes (the scratch's size) */
+} mla_layer_config;
+typedef int (*mla_decode_fn)(const void *q, const void *uk_t, const void *uv, const void *kv,
+                             const int64_t *block_tables, const int64_t *context_lens, const int64_t *query_starts,
+                             void *out, int64_t batch, int64_t rows, int64_t heads, int64_t block_size,
+                             int64_t table_width, int64_t block_stride, int64_t layer_offset, float scale, int bf16,
+                             int num_threads);
+typedef struct {
+    mla_decode_fn fn;
+    const void *kv;  /* the cache's base */
+    const int64_t *block_tables, *context_lens, *query_starts;  /* the one sequence's; query_starts [0, rows] */
+    int64_t block_size, table_width, block_stride, layer_stride;  /* elements; layer_stride: a layer's latent rows */
+    float scale;
+    const int64_t *slots;  /* [rows]: each row's latent slot in layer 0, elements from kv */
+    const int64_t *positions;  /* [rows]: each row's RoPE table row */
+} mla_attention_args;
+
+/* elements of the model's dtype in the scratch of a call (float32 / int64 parts counted in pairs) */
+static int64_t mla_scratch_elems(const mla_layer_config *c, int num_threads) {
+    const int64_t R = c->max_rows, qk = c->nope + c->rope, q_first = c->q_lora ? c->q_lora : c->heads * qk;
+    const int64_t head = R * (q_first + c->rank + c->rope + c->q_lora);
+    const int64_t tail = 2 * R * c->hidden + 2 * R * c->max_inter
+                         + num_threads * (2 * R * c->hidden + R * c->max_inter + 2 * c->max_inter + c->hidden)
+                         + 2 * (R * c->top_k * c->hidden + c->experts + 2 * R * c->top_k + 64);
+    return head > tail ? head : tail;
+}
+int64_t atomd_mla_scratch_elems(const mla_layer_config *c, int num_threads) { return mla_scratch_elems(c, num_threads); }
+
+/* the router of one row (one thread): ids [k] and float32 weights [k] (DeepseekRouting's) */
+static void mla_route(const mla_layer_config *c, const float *router, const float *correction, const float *hf,
+                      float *logits, int64_t *ids, float *wts) {
+    const int64_t E = c->experts, H = c->hidden, k = c->top_k, per_group = E / c->n_group;
+    for (int64_t e = 0; e < E; e++) {
+        const float *we = router + e * H;
+        float s = 0.0f;
+#pragma omp simd reduction(+ : s)
+        for (int64_t i = 0; i < H; i++) s += hf[i] * we[i];
+        logits[e] = s;
+    }
+    float choice[E], scores[E];
+    if (c->scoring == 2) {
+        for (int64_t e = 0; e < E; e++) {
+            scores[e] = 1.0f / (1.0f + expf(-logits[e]));
+            choice[e] = scores[e] + correction[e];
+        }
+    } else {
+        float m = -INFINITY, total = 0.0f;
+        for (int64_t e = 0; e < E; e++) m = logits[e] > m ? logits[e] : m;
+        for (int64_t e = 0; e < E; e++) total += scores[e] = expf(logits[e] - m);
+        for (int64_t e = 0; e < E; e++) choice[e] = scores[e] /= total;
+    }
+    if (c->scoring != 0 && c->n_group > 1) {  /* keep the topk_group best groups; the others' experts out */
+        float group[c->n_group];
+        for (int64_t g = 0; g < c->n_group; g++) {
+            float best = -INFINITY, second = -INFINITY;
+            for (int64_t e = g * per_group; e < (g + 1) * per_group; e++) {
+                if (choice[e] > best) { second = best; best = choice[e]; }
+                else if (choice[e] > second) second = choice[e];
+            }
+            group[g] = c->scoring == 2 ? best + second : best;  /* V3: the two best biased scores; V2: the best */
+        }
+        char keep[c->n_group];
+        memset(keep, 0, sizeof keep);
+        for (int64_t j = 0; j < c->topk_group; j++) {
+            int64_t at = -1;
+            for (int64_t g = 0; g < c->n_group; g++)
+                if (!keep[g] && (at < 0 || group[g] > group[at])) at = g;
+            keep[at] = 1;
+        }
+        for (int64_t e = 0; e < E; e++)
+            if (!keep[e / per_group]) choice[e] = c->scoring == 2 ? -INFINITY : 0.0f;
+    }
+    char taken[E];
+    memset(taken, 0, sizeof taken);
+    float sum = 0.0f;
+    for (int64_t j = 0; j < k; j++) {
+        int64_t at = -1;
+        for (int64_t e = 0; e < E; e++)
+            if (!taken[e] && (at < 0 || choice[e] > choice[at])) at = e;
+        taken[at] = 1;
+        ids[j] = at;
+        wts[j] = c->scoring == 2 ? scores[at] : choice[at];
+        sum += wts[j];
+    }
+    for (int64_t j = 0; j < k; j++) {
+        if (c->scoring == 2 && c->norm_topk_prob) wts[j] /= sum + 1e-20f;
+        wts[j] *= c->routed_scaling_factor;
+    }
+}
+
+/* a thread's part of the tail's scratch: x, h copies [R][hidden], the SiLU rows [R][max_inter],
+ * one expert's gate/up [2 max_inter] and output [hidden] */
+#define MLA_THREAD_AT(t) (threads_at + (t) * (2 * R * H + R * c->max_inter + 2 * c->max_inter + H))
+
+#define MLA_LAYERS(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, GEMV)                                               \
+    static void mla_head_##SUFFIX(const mla_layer_weights *w, const mla_layer_config *c, int64_t R,              \
+                                  const elem_t *h, const elem_t *cos, const elem_t *sin, const int64_t *positions, \
+                                  elem_t *latent, const int64_t *slots, elem_t *q, elem_t *scratch, int num_threads) { \
+        const int64_t qk = c->nope + c->rope, q_size = c->heads * qk, q_first = c->q_lora ? c->q_lora : q_size;    \
+        const int64_t qa_w = q_first + c->rank + c->rope, half = c->rope / 2;                                     \
+        elem_t *qa = scratch, *qn = qa + R * qa_w;                                                                 \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        {                                                                                                          \
+            GEMV##_rows_m(h, R, (const elem_t *)w->qkv_a, qa, c->hidden, qa_w);                                    \
+            if (c->q_lora) {                                                                                       \
+                _Pragma("omp single")                                                                              \
+                for (int64_t r = 0; r < R; r++)                                                                    \
+                    NORM_ROW(qa + r * qa_w, NULL, (const elem_t *)w->q_a_norm, qn + r * c->q_lora, c->q_lora, c->eps); \
+                GEMV##_rows_m(qn, R, (const elem_t *)w->q_b, q, c->q_lora, q_size);                                \
+            }                                                                                                      \
+            _Pragma("omp single")                                                                                  \
+            for (int64_t r = 0; r < R; r++) {                                                                      \
+                elem_t *qr = q + r * q_size, *lat = latent + slots[r], *ar = qa + r * qa_w;                        \
+                const char *cr = (const char *)(cos + positions[r] * half), *sr = (const char *)(sin + positions[r] * half); \
+                if (!c->q_lora) memcpy(qr, ar, q_size * sizeof(elem_t));                                           \
+                NORM_ROW(ar + q_first, NULL, (const elem_t *)w->kv_a_norm, lat, c->rank, c->eps);                  \
+                memcpy(lat + c->rank, ar + q_first + c->rank, c->rope * sizeof(elem_t));                           \
+                rope_row((char *)(lat + c->rank), 1, c->rope, cr, sr, IS_BF16);                                    \
+                for (int64_t j = 0; j < c->heads; j++) rope_row((char *)(qr + j * qk + c->nope), 1, c->rope, cr, sr, IS_BF16); \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+    static void mla_tail_##SUFFIX(const mla_layer_weights *w, const mla_layer_config *c, int64_t R,              \
+                                  const elem_t *attn, elem_t *x, elem_t *next_h, elem_t *scratch, int num_threads) { \
+        const int64_t H = c->hidden, k = c->top_k, mi = c->moe_inter, si = w->inter, mx = c->max_inter;           \
+        elem_t *d = scratch, *sd = d + R * H, *gu = sd + R * H, *threads_at = gu + R * 2 * mx;                     \
+        float *pairs = (float *)MLA_THREAD_AT(num_threads), *logits = pairs + R * k * H, *wts = logits + c->experts; \
+        int64_t *ids = (int64_t *)(wts + R * k + (R * k & 1));                                                     \
+        const int sparse = w->experts_gate_up != NULL;                                                             \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        {                                                                                                          \
+            const int t = omp_get_thread_num(), threads = omp_get_num_threads();                                   \
+            elem_t *xp = MLA_THREAD_AT(t), *hp = xp + R * H, *ap = hp + R * H, *egu = ap + R * mx, *ey = egu + 2 * mx; \
+            memcpy(xp, x, R * H * sizeof(elem_t));                                                                 \
+            GEMV##_rows_m(attn, R, (const elem_t *)w->o, d, c->heads * c->v, H);                                   \
+            for (int64_t r = 0; r < R; r++)                                                                        \
+                NORM_ROW(xp + r * H, d + r * H, (const elem_t *)w->post_norm, hp + r * H, H, c->eps);              \
+            if (sparse) {                                                                                          \
+                _Pragma("omp single")                                                                              \
+                for (int64_t r = 0; r < R; r++) {                                                                  \
+                    float hf[H];                                                                                   \
+                    for (int64_t i = 0; i < H; i++) hf[i] = load(hp + r * H, i, IS_BF16);                          \
+                    mla_route(c, w->router, w->correction, hf, logits, ids + r * k, wts + r * k);                  \
+                    for (int64_t j = 0; j < k; j++) w->routed[ids[r * k + j]] += 1;                                \
+                }                                                                                                  \
+                for (int64_t p = t; p < R * k; p += threads) { /* a thread's own (row, expert) pairs: no barrier */ \
+                    const int64_t r = p / k;                                                                       \
+                    GEMV##_own(hp + r * H, (const elem_t *)w->experts_gate_up + ids[p] * 2 * mi * H, NULL, egu, H, 2 * mi); \
+                    SILU_ROW(egu, ap, mi);                                                                         \
+                    GEMV##_own(ap, (const elem_t *)w->experts_down + ids[p] * H * mi, NULL, ey, mi, H);            \
+                    for (int64_t i = 0; i < H; i++) pairs[p * H + i] = load(ey, i, IS_BF16) * wts[p];              \
+                }                                                                                                  \
+            }                                                                                                      \
+            if (w->gate_up != NULL) {                                                                              \
+                GEMV##_rows_m(hp, R, (const elem_t *)w->gate_up, gu, H, 2 * si);                                   \
+                for (int64_t r = 0; r < R; r++) SILU_ROW(gu + r * 2 * si, ap + r * si, si); /* a thread's own */   \
+                GEMV##_rows_m(ap, R, (const elem_t *)w->down, sparse ? sd : d, si, H);                             \
+            }                                                                                                      \
+            if (sparse) {                                                                                          \
+                _Pragma("omp barrier")                                                                             \
+                _Pragma("omp for schedule(static)")                                                                \
+                for (int64_t ri = 0; ri < R * H; ri++) {                                                           \
+                    const int64_t r = ri / H, i = ri % H;                                                          \
+                    float s = 0.0f;                                                                                \
+                    for (int64_t j = 0; j < k; j++) s += pairs[(r * k + j) * H + i];                               \
+                    const float routed = round_to(s, IS_BF16);                                                     \
+                    store(d, ri, w->gate_up != NULL ? routed + load(sd, ri, IS_BF16) : routed, IS_BF16);           \
+                }                                                                                                  \
+            }                                                                                                      \
+            for (int64_t r = 0; r < R; r++) {                                                                      \
+                if (w->next_norm != NULL) {                                                                        \
+                    NORM_ROW(xp + r * H, d + r * H, (const elem_t *)w->next_norm, hp + r * H, H, c->eps);          \
+                } else {                                                                                           \
+                    for (int64_t i = 0; i < H; i++)                                                                \
+                        store(xp, r * H + i, load(xp, r * H + i, IS_BF16) + load(d, r * H + i, IS_BF16), IS_BF16); \
+                }                                                                                                  \
+            }                                                                                                      \
+            if (t == 0) {                                                                                          \
+                memcpy(x, xp, R * H * sizeof(elem_t));                                                             \
+                if (w->next_norm != NULL) memcpy(next_h, hp, R * H * sizeof(elem_t));                              \
+            }                                                                                                      \
+        }                                                                                                          \
+    }                                                                                                              \
+    /* Every layer over the R rows x [R][hidden] (updated in place), h [R][hidden] the first layer's        \
+     * normed input (then each next layer's). Returns atomd_mla_decode's status (0, or -1: no scratch  \
+     * memory; x and h are then incomplete). */                                                                    \
+    int atomd_mla_layers_##SUFFIX(const mla_layer_weights *layers, int64_t num_layers, const mla_layer_config *c,  \
+                                  const mla_attention_args *a, int64_t R, elem_t *h, elem_t *x, const elem_t *cos, \
+                                  const elem_t *sin, elem_t *q, elem_t *attn, elem_t *scratch, int num_threads) {  \
+        for (int64_t i = 0; i < num_layers; i++) {                                                                 \
+            mla_head_##SUFFIX(layers + i, c, R, h, cos, sin, a->positions, (elem_t *)a->kv + i * a->layer_stride,  \
+                              a->slots, q, scratch, num_threads);                                                  \
+            const int status = a->fn(q, layers[i].uk_t, layers[i].uv, a->kv, a->block_tables, a->context_lens,    \
+                                     a->query_starts, attn, 1, R, c->heads, a->block_size, a->table_width,         \
+                                     a->block_stride, i * a->layer_stride, a->scale, IS_BF16, num_threads);        \
+            if (status != 0) return status;                                                                        \
+            mla_tail_##SUFFIX(layers + i, c, R, attn, x, h, scratch, num_threads);                                 \
+        }                                                                                                          \
+        return 0;                                                                                                  \
+    }
+
+MLA_LAYERS(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, atomd_gemv_f32)
+#if GEMV_KINDS & 2
+MLA_LAYERS(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, atomd_gemv_bf16)
 #endif
 /* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
 #include "quant.h"

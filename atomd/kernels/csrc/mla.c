@@ -81,6 +81,9 @@ static inline void widen_rows16(const void *w, int64_t j0, int64_t rows, int bf1
 
 /* dots16 of the weights as stored (float32, or bf16 widened in registers), w at element `at`
  * of `src`: for fewer rows than pay for widening a block once (batch 1: each weight read once). */
+/* bytes ahead of the weight row being read that dots16_stored prefetches: the rows are short
+ * (W_UK^T's NOPE values), and without it one thread waits on every line (~8 GB/s at batch 1) */
+#define MLA_PREFETCH 4096
 static inline void dots16_stored(const void *src, int64_t at, int bf16, const float *restrict x, int n,
                                  float *restrict out) {
 #if VEC16
@@ -91,6 +94,7 @@ static inline void dots16_stored(const void *src, int64_t at, int bf16, const fl
         if (bf16) {
             const uint16_t *w = (const uint16_t *)src + at + j * n;
             for (int k = 0; k < n; k += 32) {  /* n a multiple of 16: the second half may be past it */
+                _mm_prefetch((const char *)(w + k) + MLA_PREFETCH, _MM_HINT_T0);
                 const __m512i lo = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(w + k)));
                 a0 = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(lo, 16)), _mm512_loadu_ps(x + k), a0);
                 if (k + 16 < n) {
@@ -101,6 +105,8 @@ static inline void dots16_stored(const void *src, int64_t at, int bf16, const fl
         } else {
             const float *w = (const float *)src + at + j * n;
             for (int k = 0; k < n; k += 32) {
+                _mm_prefetch((const char *)(w + k) + MLA_PREFETCH, _MM_HINT_T0);
+                _mm_prefetch((const char *)(w + k) + MLA_PREFETCH + 64, _MM_HINT_T0);
                 a0 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k), _mm512_loadu_ps(x + k), a0);
                 if (k + 16 < n) a1 = _mm512_fmadd_ps(_mm512_loadu_ps(w + k + 16), _mm512_loadu_ps(x + k + 16), a1);
             }
@@ -218,7 +224,9 @@ static void absorb_queries(const void *q, const void *uk_t, float *restrict ql, 
                 dots_block_bf16((const uint16_t *)uk_t + (h * RANK + j0) * NOPE, (const uint16_t *)q + (r0 * heads + h) * QDIM,
                                 heads * QDIM, dot_rows, NOPE, part);
 #endif
-            if (dot_rows < nr) {
+            if (VEC16 && nr < 4) {  /* batch 1: the weights read as stored, not widened into a block first */
+                for (int64_t r = 0; r < nr; r++) dots16_stored(uk_t, (h * RANK + j0) * NOPE, bf16, qn[r], NOPE, part[r]);
+            } else if (dot_rows < nr) {
                 widen_rows16((const char *)uk_t + h * RANK * NOPE * (bf16 ? 2 : 4), j0, RANK, bf16, wb, NOPE);
                 dots_block(wb, qn[dot_rows], NOPE, nr - dot_rows, NOPE, part + dot_rows);
             }
