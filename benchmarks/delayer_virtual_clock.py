@@ -158,7 +158,15 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
         runs.append({"round": -1, "burstiness": 0, "policy": "flood+mixed" if mixed else "flood", **flood})
     engine.scheduler.config.enable_mixed_chunk = False
     runs.append(probe_prefill_ticks(engine, coll, rank, world, args))
+    started = time.monotonic()
     for rnd in range(args["rounds"]):
+        # --time-budget-s: no round starts that would end past it (at the last round's pace);
+        # decided together (rank 0's clock), so every rank runs the same runs
+        elapsed = time.monotonic() - started
+        over = args["time_budget_s"] > 0 and rnd > 0 and elapsed * (rnd + 1) / rnd > args["time_budget_s"]
+        if coll.all_reduce_sum(np.array([int(over and rank == 0)], dtype=np.int64))[0]:
+            print(f"rank {rank}: stopping after {rnd} rounds (--time-budget-s)", file=sys.stderr, flush=True)
+            break
         for b in args["burstiness"]:
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             for mode in order:
@@ -203,6 +211,8 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the flood's capacity")
     ap.add_argument("--burstiness", default="1,0.25", help="gamma shapes, comma-separated: 1 Poisson, < 1 bursts")
     ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
+    ap.add_argument("--time-budget-s", type=float, default=0, help="start no round that would end past this many "
+                    "seconds of the rounds' wall time (0: every round)")
     ap.add_argument("--modes", default="off,align,coalesce", help=f"comma-separated, of {','.join(MODES)}")
     a = ap.parse_args()
     modes = a.modes.split(",")
@@ -211,7 +221,7 @@ def main() -> None:
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
-            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds, "modes": modes,
+            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds, "modes": modes, "time_budget_s": a.time_budget_s,
             "burstiness": [float(b) for b in a.burstiness.split(",")]}
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
     config = json.loads((model / "config.json").read_text())
