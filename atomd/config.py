@@ -67,6 +67,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     enable_prefix_caching: bool = True
     enable_chunked_prefill: bool = True
     long_prefill_token_threshold: int = 0
+    # SGLang's --enable-mixed-chunk: the running streams' decode tokens ride in every prefill step
+    # (scheduler/scheduler.py); off: the seed's prefill-only or decode-only steps
+    enable_mixed_chunk: bool = False
     max_local_prefill_tokens_per_step: int = 0
     max_local_prefill_ms_per_step: float = 0.0
     scheduler_delay_factor: float = 0.0
@@ -234,6 +237,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
         if self.enable_expert_parallel and self.data_parallel_size > 1 and self.model_runner == "real":
             self._check_expert_split()
         spec = self.speculative()
+        if spec is not None and self.enable_mixed_chunk:
+            raise ValueError("enable_mixed_chunk does not run with speculative_config (a decode row would carry "
+                             "drafts to verify inside a prefill step)")
         if spec is not None and spec.num_speculative_tokens + 1 > self.max_num_batched_tokens:
             raise ValueError(f"speculative_config: num_speculative_tokens + 1 = {spec.num_speculative_tokens + 1} "
                              f"> max_num_batched_tokens={self.max_num_batched_tokens}")
@@ -551,6 +557,9 @@ HELP = {
     "max_num_batched_tokens": "tokens per step",
     "block_size": "tokens per KV block",
     "long_prefill_token_threshold": "largest prefill chunk of one sequence (0: off)",
+    "enable_mixed_chunk": "mixed steps (SGLang's): the running streams' decode tokens go into every prefill step, "
+                          "ahead of the prompt chunks in the token budget, so a prefill costs them no step (with "
+                          "expert parallelism a prefilling rank keeps decoding); off: a step prefills or decodes",
     "max_local_prefill_tokens_per_step": "while decodes run, prompt tokens one prefill step may carry, and a decode "
                                          "step after each such prefill step, so running streams are not stalled for a "
                                          "whole local prompt (e.g. a decode engine prefilling locally; 0: off)",

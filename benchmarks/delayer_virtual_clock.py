@@ -16,8 +16,14 @@ takes, not what it reports.
 
 Round 0 first floods the ranks (every request at 0, delayer off) for their capacity in
 requests per virtual second; every run then offers --load x that capacity. Per round each
-arrival pattern runs every policy in turn (the order rotating by round); one engine per rank
+arrival pattern runs every mode in turn (the order rotating by round); one engine per rank
 serves all runs (its prefix cache reset between them), so no run pays a fresh process's warm-up.
+
+--modes: a delayer policy (off, align, coalesce), with `+mixed` for mixed steps
+(--enable-mixed-chunk: decode rows ride in every prefill step). A `+mixed` mode has its own
+flood, offers --load x its own capacity and is compared with `off+mixed`; `off+mixed` itself
+also with `off`, on the arrivals of `off`'s rate, in the column "vs seed off" (same requests,
+same times).
 
     .venv/bin/python -m benchmarks.delayer_virtual_clock --rounds 3
 """
@@ -40,6 +46,12 @@ from benchmarks.machine import cpu_model, loadavg
 from benchmarks.model_shapes import CHOICES, flops_per_token, model_dir
 
 POLICIES = ("off", "align", "coalesce")
+MODES = POLICIES + tuple(f"{p}+mixed" for p in POLICIES)
+
+
+def baseline(mode: str) -> str:
+    """The mode a mode's ratios are taken against: off with the same kind of steps."""
+    return "off+mixed" if mode.endswith("+mixed") else "off"
 
 
 def free_port() -> int:
@@ -136,23 +148,44 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                                prefill_delayer_token_usage_low_watermark=args["low_watermark"]) for p in POLICIES}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
-    flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0))
-    capacity = args["num_prompts"] / flood["end"]  # the same on every rank: the clock is shared
-    runs = [{"round": -1, "burstiness": 0, "policy": "flood", **flood}, probe_prefill_ticks(engine, coll, rank, world, args)]
+    modes = args["modes"]
+    kinds = sorted({m.endswith("+mixed") for m in modes})  # False: the seed's steps, True: mixed
+    runs, capacity = [], {}
+    for mixed in kinds:
+        engine.scheduler.config.enable_mixed_chunk = mixed
+        flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0))
+        capacity[mixed] = args["num_prompts"] / flood["end"]  # the same on every rank: the clock is shared
+        runs.append({"round": -1, "burstiness": 0, "policy": "flood+mixed" if mixed else "flood", **flood})
+    engine.scheduler.config.enable_mixed_chunk = False
+    runs.append(probe_prefill_ticks(engine, coll, rank, world, args))
+    started = time.monotonic()
     for rnd in range(args["rounds"]):
+        # --time-budget-s: no round starts that would end past it (at the last round's pace);
+        # decided together (rank 0's clock), so every rank runs the same runs
+        elapsed = time.monotonic() - started
+        over = args["time_budget_s"] > 0 and rnd > 0 and elapsed * (rnd + 1) / rnd > args["time_budget_s"]
+        if coll.all_reduce_sum(np.array([int(over and rank == 0)], dtype=np.int64))[0]:
+            print(f"rank {rank}: stopping after {rnd} rounds (--time-budget-s)", file=sys.stderr, flush=True)
+            break
         for b in args["burstiness"]:
-            requests = workload(args, rnd * 100 + int(b * 10), args["load"] * capacity, b)
-            order = POLICIES[rnd % 3:] + POLICIES[:rnd % 3]
-            for policy in order:
-                engine.reset_prefix_cache()
-                engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
-                                                    if policy != "off" else None)
-                result = serve(engine, coll, rank, world, requests)
-                delayer = engine.scheduler.prefill_delayer
-                runs.append({"round": rnd, "burstiness": b, "policy": policy, "rate": args["load"] * capacity,
-                             "delayer": delayer.stats()["outcomes"] if delayer else [], **result})
-                print(f"rank {rank}: round {rnd} burstiness {b:g} {policy} done ({result['wall_s']:.0f} s wall)",
-                      file=sys.stderr, flush=True)
+            order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
+            for mode in order:
+                policy, mixed = mode.split("+")[0], mode.endswith("+mixed")
+                # off+mixed on the seed's rate too: what mixed steps buy on the same arrivals
+                for rate_of in ([mixed, False] if mode == "off+mixed" and False in kinds else [mixed]):
+                    rate = args["load"] * capacity[rate_of]
+                    requests = workload(args, rnd * 100 + int(b * 10), rate, b)
+                    engine.reset_prefix_cache()
+                    engine.scheduler.config.enable_mixed_chunk = mixed
+                    engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
+                                                        if policy != "off" else None)
+                    result = serve(engine, coll, rank, world, requests)
+                    delayer = engine.scheduler.prefill_delayer
+                    name = mode if rate_of == mixed else "off+mixed@seed"
+                    runs.append({"round": rnd, "burstiness": b, "policy": name, "rate": rate,
+                                 "delayer": delayer.stats()["outcomes"] if delayer else [], **result})
+                    print(f"rank {rank}: round {rnd} burstiness {b:g} {name} done ({result['wall_s']:.0f} s wall)",
+                          file=sys.stderr, flush=True)
     with open(out, "w") as f:
         json.dump(runs, f)
     coll.close()
@@ -178,11 +211,17 @@ def main() -> None:
     ap.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the flood's capacity")
     ap.add_argument("--burstiness", default="1,0.25", help="gamma shapes, comma-separated: 1 Poisson, < 1 bursts")
     ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
+    ap.add_argument("--time-budget-s", type=float, default=0, help="start no round that would end past this many "
+                    "seconds of the rounds' wall time (0: every round)")
+    ap.add_argument("--modes", default="off,align,coalesce", help=f"comma-separated, of {','.join(MODES)}")
     a = ap.parse_args()
+    modes = a.modes.split(",")
+    if not set(modes) <= set(MODES) or not {baseline(m) for m in modes} <= set(modes):
+        ap.error(f"--modes: of {MODES}, each with its baseline (off, off+mixed)")
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
-            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds,
+            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds, "modes": modes, "time_budget_s": a.time_budget_s,
             "burstiness": [float(b) for b in a.burstiness.split(",")]}
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
     config = json.loads((model / "config.json").read_text())
@@ -203,37 +242,43 @@ def main() -> None:
         sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
     ranks = [json.load(open(o)) for o in outs]
     rows, ratios = [], {}
-    flood = ranks[0][0]
-    print(f"flood (delayer off, every request at 0): {a.num_prompts} requests in {flood['end']:.2f} virtual s "
-          f"-> capacity {a.num_prompts / flood['end']:.2f} req/s; offered {a.load:g}x that")
-    probe = ranks[0][1]
+    for flood in (r for r in ranks[0] if r["round"] == -1):
+        print(f"{flood['policy']} (delayer off, every request at 0): {a.num_prompts} requests in {flood['end']:.2f} "
+              f"virtual s -> capacity {a.num_prompts / flood['end']:.2f} req/s; offered {a.load:g}x that")
+    probe = next(r for r in ranks[0] if r["round"] == -2)
     lone, paired = statistics.median(probe["lone"]), statistics.median(probe["paired"])
     print(f"prefill ticks of one {a.input_len}-token prompt (median of {len(probe['lone'])}): alone on a rank "
           f"{1e3 * lone:.0f} ms, one on each rank at once {1e3 * paired:.0f} ms -> merging two lone prefills saves "
           f"{100 * (1 - paired / (2 * lone)):.0f} % of their ticks (the experts' share of a prefill's time, from "
           f"alone = A + E/2, at once = A + E: {100 * (2 - 2 * lone / paired):.0f} %)")
-    runs = list(zip(*ranks))[2:]
+    runs = [(r0, r1) for r0, r1 in zip(*ranks) if r0["round"] >= 0]
     by_key = {(r0["round"], r0["burstiness"], r0["policy"]): (r0, r1) for r0, r1 in runs}
-    for (rnd, b, policy), (r0, r1) in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1], POLICIES.index(kv[0][2]))):
-        tput = (r0["tokens"] + r1["tokens"]) / r0["end"]
+    names = MODES + ("off+mixed@seed",)
+
+    def tput_itl(pair) -> tuple[float, float]:
+        return (pair[0]["tokens"] + pair[1]["tokens"]) / pair[0]["end"], pct(pair[0]["itl"] + pair[1]["itl"], 99)
+
+    for (rnd, b, mode), (r0, r1) in sorted(by_key.items(), key=lambda kv: (kv[0][0], kv[0][1], names.index(kv[0][2]))):
+        tput, itl99 = tput_itl((r0, r1))
         ttft, itl = r0["ttft"] + r1["ttft"], r0["itl"] + r1["itl"]
-        off = by_key[rnd, b, "off"]
-        off_tput = (off[0]["tokens"] + off[1]["tokens"]) / off[0]["end"]
-        off_itl = pct(off[0]["itl"] + off[1]["itl"], 99)
-        ratios.setdefault((b, policy), []).append((tput / off_tput, pct(itl, 99) / off_itl))
+        base = "off" if mode == "off+mixed@seed" else baseline(mode)
+        off_tput, off_itl = tput_itl(by_key[rnd, b, base])
+        ratios.setdefault((b, mode), []).append((tput / off_tput, itl99 / off_itl))
         decisions = ", ".join(f"{o}/{why} {n}" for _, o, why, n in r0["delayer"]) or "-"
-        rows.append(f"| {rnd} | {b:g} | {policy} | {tput:.1f} | {tput / off_tput:.2f} | {1e3 * pct(ttft, 50):.0f} | "
-                    f"{1e3 * pct(ttft, 99):.0f} | {1e3 * pct(itl, 50):.1f} | {1e3 * pct(itl, 99):.1f} | "
-                    f"{pct(itl, 99) / off_itl:.2f} | {r0['ticks']} | {r0['prefill_ticks']} + {r1['prefill_ticks']} | "
+        rows.append(f"| {rnd} | {b:g} | {mode} | {tput:.1f} | {tput / off_tput:.2f} ({base}) | {1e3 * pct(ttft, 50):.0f} | "
+                    f"{1e3 * pct(ttft, 99):.0f} | {1e3 * pct(itl, 50):.1f} | {1e3 * itl99:.1f} | "
+                    f"{itl99 / off_itl:.2f} | {r0['ticks']} | {r0['prefill_ticks']} + {r1['prefill_ticks']} | "
                     f"{r0['wall_s']:.0f} | {decisions} |")
-    print("\n| round | burstiness | policy | out tok per virtual s | vs off | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
-          "ITL p99 ms | ITL p99 vs off | ticks | prefill ticks (rank 0 + 1) | wall s | rank 0 decisions |")
+    print("\n| round | burstiness | mode | out tok per virtual s | vs baseline | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | "
+          "ITL p99 ms | ITL p99 vs baseline | ticks | prefill ticks (rank 0 + 1) | wall s | rank 0 decisions |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print("\n| burstiness | policy | tok/s vs off, median (range) | ITL p99 vs off, median (range) |\n|---|---|---|---|")
-    for (b, policy), v in sorted(ratios.items()):
+    print("\n| burstiness | mode | baseline | tok/s vs baseline, median (range) | ITL p99 vs baseline, median (range) |"
+          "\n|---|---|---|---|---|")
+    for (b, mode), v in sorted(ratios.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
         t, i = [x for x, _ in v], [y for _, y in v]
-        print(f"| {b:g} | {policy} | {statistics.median(t):.2f}x ({min(t):.2f}-{max(t):.2f}) | "
+        base = "off" if mode == "off+mixed@seed" else baseline(mode)
+        print(f"| {b:g} | {mode} | {base} | {statistics.median(t):.2f}x ({min(t):.2f}-{max(t):.2f}) | "
               f"{statistics.median(i):.2f}x ({min(i):.2f}-{max(i):.2f}) |")
     breakdown(by_key)
     print(f"\nload average after: {loadavg()}; per-rank JSON: {work}")

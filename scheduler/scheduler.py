@@ -22,6 +22,13 @@ Each `schedule()` returns one kind of batch (the seed's semantics):
   that many prompt tokens (or what fits in that many ms at the measured cost per prompt
   token) and the next step is a decode step, so a running stream waits at most one capped
   chunk between two of its tokens (a decode engine prefilling a prompt locally).
+- mixed steps (`enable_mixed_chunk`, SGLang's `--enable-mixed-chunk`; off by default, where
+  the seed's one-kind batches hold): every decode-ready sequence's next token goes first, then
+  the prefill chunks in what is left of the token budget, all in one prefill batch (a decode
+  row is a one-token chunk whose context is cached). A prefill step then costs the running
+  streams no tick: under expert parallelism, where every rank steps with the slowest, a rank
+  prefilling no longer stops its own decodes, and an aligned prefill no longer stops them on
+  every rank (benchmarks/RESULTS.md, "#36 mixed steps").
 
 Invariant of a decode-ready sequence: `num_computed_tokens == num_tokens - 1`; the KV of
 every token but the last is computed, and the last is the next one to forward.
@@ -92,6 +99,9 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
     kv_window: int | None = None
     # fcfs | priority (atomd.config.SCHEDULING_POLICIES): see `Scheduler._enqueue`
     scheduling_policy: str = "fcfs"
+    # mixed steps: the running streams' decode tokens ride in every prefill step (the module
+    # docstring); not with speculative decoding (a decode row would carry drafts to verify)
+    enable_mixed_chunk: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_kvcache_blocks", "max_num_seqs", "max_num_batched_tokens",
@@ -103,6 +113,8 @@ class SchedulerConfig(msgspec.Struct, kw_only=True):
                      "max_local_prefill_ms_per_step"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.enable_mixed_chunk and self.num_speculative_tokens:
+            raise ValueError("enable_mixed_chunk does not run with speculative decoding")
         if self.max_num_batched_tokens < self.num_speculative_tokens + 1:
             raise ValueError(f"max_num_batched_tokens must be >= num_speculative_tokens + 1 "
                              f"= {self.num_speculative_tokens + 1}, got {self.max_num_batched_tokens}")
@@ -291,12 +303,19 @@ class Scheduler:
         # running streams under a local prefill: capped prefill steps alternate with decode steps
         cap = self.local_prefill_cap()
         protect = cap > 0 and self.config.enable_chunked_prefill and len(self.running) > len(self._prefilling)
+        if self.config.enable_mixed_chunk:  # decodes ride in every step: none has to follow a capped prefill
+            rows = self._decode_rows()
+            batch = self._schedule_prefill(cap if protect else 0, rows) if allow_prefill else None
+            return self._finish_batch(batch or self._decode_batch(rows))
         batch = self._schedule_decode() if protect and self._capped_prefill_last else None
         if batch is None and allow_prefill:
             batch = self._schedule_prefill(cap if protect else 0)
         if batch is None:
             batch = self._schedule_decode()
         self._capped_prefill_last = protect and batch is not None and batch.is_prefill
+        return self._finish_batch(batch)
+
+    def _finish_batch(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
         if batch is None and self.kv_connector is not None:
             meta = self.kv_connector.build_connector_meta()
             if not meta.is_empty():
@@ -333,31 +352,35 @@ class Scheduler:
     def _connector_meta(self) -> KVConnectorMetadata | None:
         return self.kv_connector.build_connector_meta() if self.kv_connector is not None else None
 
-    def _schedule_prefill(self, cap: int = 0) -> ScheduledBatch | None:
-        """`cap` > 0: at most that many prompt tokens this step (running streams wait on it)."""
-        seqs: list[Sequence] = []
-        chunks: list[int] = []
-        budget = self.config.max_num_batched_tokens if cap <= 0 else min(cap, self.config.max_num_batched_tokens)
+    def _schedule_prefill(self, cap: int = 0, decode: list[Sequence] = ()) -> ScheduledBatch | None:
+        """`cap` > 0: at most that many prompt tokens this step (running streams wait on it).
+        `decode` (mixed steps): decode rows scheduled first, one token each, in the same batch."""
+        seqs: list[Sequence] = list(decode)
+        chunks: list[int] = [1] * len(seqs)
+        budget = self.config.max_num_batched_tokens - len(seqs)
+        if cap > 0:
+            budget = min(cap, budget)
         for seq in self._prefilling.values():  # Phase 1: resume chunked prefills
             if len(seqs) >= self.config.max_num_seqs or budget <= 0:
                 break
             chunk = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, seq.num_computed_tokens,
-                                     budget, not seqs)
+                                     budget, len(seqs) == len(decode))
             if chunk == 0:
                 break
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk
         if self.config.scheduler_delay_factor <= 0 or self._passed_delay(_now()):
-            self._admit_waiting(seqs, chunks, budget)  # Phase 2
-        if not seqs:
+            self._admit_waiting(seqs, chunks, budget, len(decode))  # Phase 2
+        if len(seqs) == len(decode):
             return None
         self._prev_prompt = True
         computed = [s.num_computed_tokens for s in seqs]
         token_ids: list[int] = []
         needs_sample = []
-        for seq, start, chunk in zip(seqs, computed, chunks):
-            seq.type = SequenceType.PREFILL
+        for i, (seq, start, chunk) in enumerate(zip(seqs, computed, chunks)):
+            if i >= len(decode):
+                seq.type = SequenceType.PREFILL
             token_ids.extend(seq.token_ids[start:start + chunk])
             needs_sample.append(start + chunk == seq.num_tokens)
         return ScheduledBatch(seqs=seqs, is_prefill=True, num_scheduled_tokens=chunks, num_computed_tokens=computed,
@@ -369,14 +392,16 @@ class Scheduler:
         return (len(self.running) + len(self.parked) + sum(s.num_forks for s in self.running)
                 + sum(s.num_forks for s in self.parked.values()))
 
-    def _admit_waiting(self, seqs: list[Sequence], chunks: list[int], budget: int) -> None:
+    def _admit_waiting(self, seqs: list[Sequence], chunks: list[int], budget: int, num_decode: int = 0) -> None:
+        """`num_decode`: the first rows of `seqs` are decode rows (mixed steps), not prefill chunks."""
         held: list[Sequence] = []  # held back by the admission gate: back to the front, in order
         try:
-            self._admit_from_queue(seqs, chunks, budget, held)
+            self._admit_from_queue(seqs, chunks, budget, held, num_decode)
         finally:
             self.waiting.extendleft(reversed(held))
 
-    def _admit_from_queue(self, seqs: list[Sequence], chunks: list[int], budget: int, held: list[Sequence]) -> None:
+    def _admit_from_queue(self, seqs: list[Sequence], chunks: list[int], budget: int, held: list[Sequence],
+                          num_decode: int) -> None:
         cfg, bm = self.config, self.block_manager
         seats = self._seats_taken() if self.waiting else 0
         while self.waiting and len(seqs) < cfg.max_num_seqs and budget > 0:
@@ -414,7 +439,7 @@ class Scheduler:
                 seats += 1 + seq.num_forks
                 continue
             start = min(num_cached_blocks * bm.block_size + num_external, seq.num_tokens - 1)
-            chunk = self._chunk_size(seq.num_tokens - start, start, budget, not seqs)
+            chunk = self._chunk_size(seq.num_tokens - start, start, budget, len(seqs) == num_decode)
             if chunk == 0:
                 break
             self.waiting.popleft()
@@ -461,13 +486,17 @@ class Scheduler:
         return limit if batch_empty else 0
 
     def _schedule_decode(self) -> ScheduledBatch | None:
+        return self._decode_batch(self._decode_rows())
+
+    def _decode_rows(self) -> list[Sequence]:
+        """Every decode-ready running sequence that fits this step, its slots taken (preempting
+        the newest when the pool is full); drafts in `spec_token_ids`."""
         cfg, bm, running, prefilling = self.config, self.block_manager, self.running, self._prefilling
         if cfg.scheduling_policy == "priority":
             # most urgent first (stable: arrival order within a priority), so the slots go to
             # them first and _make_room preempts the least urgent, newest one
             running.sort(key=priority_key)
         seqs: list[Sequence] = []
-        num_scheduled, computed, token_ids, spec = [], [], [], []
         budget = cfg.max_num_batched_tokens
         i = 0
         while i < len(running) and len(seqs) < cfg.max_num_seqs:
@@ -484,16 +513,20 @@ class Scheduler:
                     break
             seq.type = SequenceType.DECODE
             seqs.append(seq)
-            num_scheduled.append(n)
-            computed.append(seq.num_computed_tokens)
-            token_ids.append(seq.token_ids[-1])
-            if n > 1:
-                token_ids.extend(seq.spec_token_ids)
-            spec.append(seq.spec_token_ids)
             budget -= n
             i += 1
+        return seqs
+
+    def _decode_batch(self, seqs: list[Sequence]) -> ScheduledBatch | None:
         if not seqs:
             return None
+        num_scheduled, computed, token_ids, spec = [], [], [], []
+        for seq in seqs:
+            num_scheduled.append(1 + len(seq.spec_token_ids))
+            computed.append(seq.num_computed_tokens)
+            token_ids.append(seq.token_ids[-1])
+            token_ids.extend(seq.spec_token_ids)
+            spec.append(seq.spec_token_ids)
         return ScheduledBatch(seqs=seqs, is_prefill=False, num_scheduled_tokens=num_scheduled,
                               num_computed_tokens=computed, token_ids=token_ids, needs_sample=[True] * len(seqs),
                               spec_token_ids=spec, connector_meta=self._connector_meta())

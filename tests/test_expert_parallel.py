@@ -28,6 +28,7 @@ from atomd.model.loader import load_model
 from atomd.model.moe import MoeWeights, moe
 from contracts.sampling import SamplingParams
 from launch.process import http
+from scheduler.sequence import SequenceType
 from tests.in_process_group import InProcessGroup
 from tests.server_fixtures import start_server
 from tests.test_model_hf import BLOCK, hf_greedy, make_checkpoint, prompts_of
@@ -152,6 +153,7 @@ class Ranks:
         self.group = InProcessGroup(ranks, timeout_s=60)
         self.colls = [self.group.rank(r) for r in range(ranks)]
         self.ran: list[str] = ["idle"] * ranks  # what each rank's forward ran this tick
+        self.mixed = [0] * ranks  # prefill forwards that carried decode rows too (enable_mixed_chunk)
 
         def build(r: int) -> LLMEngine:
             cfg = EngineConfig(model=str(path), data_parallel_size=ranks, data_parallel_rank=r,
@@ -163,6 +165,7 @@ class Ranks:
 
             def observed(batch):
                 self.ran[r] = "prefill" if batch.is_prefill else "decode"
+                self.mixed[r] += batch.is_prefill and any(s.type is SequenceType.DECODE for s in batch.seqs)
                 return forward(batch)
             engine._forward = observed
             return engine
@@ -240,13 +243,13 @@ def reference(checkpoints):
 
 @pytest.fixture(scope="module")
 def ep_ranks(checkpoints):
-    """Ranks per (model, delayer policy), built once."""
-    memo: dict[tuple[str, str], Ranks] = {}
+    """Ranks per (model, delayer policy, mixed steps), built once."""
+    memo: dict[tuple[str, str, bool], Ranks] = {}
 
-    def get(name: str, policy: str = "off") -> Ranks:
-        if (name, policy) not in memo:
-            memo[name, policy] = Ranks(checkpoints[name], policy)
-        return memo[name, policy]
+    def get(name: str, policy: str = "off", mixed: bool = False) -> Ranks:
+        if (name, policy, mixed) not in memo:
+            memo[name, policy, mixed] = Ranks(checkpoints[name], policy, enable_mixed_chunk=mixed)
+        return memo[name, policy, mixed]
     return get
 
 
@@ -256,8 +259,12 @@ PROMPTS = prompts_of([5, 3 * BLOCK + 7, 1, 2 * BLOCK, 40], seed=5)
 @pytest.mark.unit
 @pytest.mark.parametrize("name", list(MODELS))
 @pytest.mark.parametrize("schedule", ["one_idle", "prefill_while_decoding", "both_busy"])
-def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, checkpoints, ep_ranks, reference):
-    ranks = ep_ranks(name)
+@pytest.mark.parametrize("mixed", [False, True], ids=["seed_steps", "mixed_steps"])
+def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, mixed, checkpoints, ep_ranks, reference):
+    """mixed_steps: --enable-mixed-chunk, where a rank's prefill forward carries its running
+    streams' decode rows (both_busy and prefill_while_decoding make one)."""
+    ranks = ep_ranks(name, mixed=mixed)
+    mixed_before = sum(ranks.mixed)
     if schedule == "one_idle":  # rank 1 never has a request: its every tick is the exchange alone
         arrivals = [{0: [(f"p{i}", p) for i, p in enumerate(PROMPTS)]}, {}]
     elif schedule == "prefill_while_decoding":  # rank 0 decodes; rank 1's prompts land mid-way
@@ -275,6 +282,7 @@ def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, checkpoi
         assert set(kinds[1]) == {"idle"} and ("prefill", "idle") in pairs and ("decode", "idle") in pairs
     if schedule == "prefill_while_decoding":
         assert ("decode", "prefill") in pairs, kinds
+    assert (sum(ranks.mixed) > mixed_before) == (mixed and schedule != "one_idle")
     # every tick: the gate's all-reduce, then where any rank has rows 3 all-to-alls per sparse
     # layer on every rank, idle or not
     (c0, a0), (c1, a1) = ranks.counts
@@ -288,14 +296,15 @@ def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, checkpoi
 @pytest.mark.unit
 @settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture,
                                                                  HealthCheck.too_slow])
-@given(policy=st.sampled_from(["align", "coalesce"]), max_tokens=st.integers(1, 6),
+@given(policy=st.sampled_from(["align", "coalesce"]), mixed=st.booleans(), max_tokens=st.integers(1, 6),
        schedule=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 12), st.integers(0, len(PROMPTS) - 1)),
                          min_size=1, max_size=6))
-def test_collective_counts_equal_on_every_rank_after_random_schedules(policy, max_tokens, schedule, ep_ranks,
+def test_collective_counts_equal_on_every_rank_after_random_schedules(policy, mixed, max_tokens, schedule, ep_ranks,
                                                                        reference):
     """Random arrivals (rank, tick, prompt): every rank made one delayer decision per tick and
-    the same number of all-to-alls, and every request got HF's greedy tokens."""
-    ranks = ep_ranks("qwen3_moe", policy)
+    the same number of all-to-alls, and every request got HF's greedy tokens, with the seed's
+    one-kind steps and with mixed steps."""
+    ranks = ep_ranks("qwen3_moe", policy, mixed)
     arrivals: list[dict[int, list]] = [{}, {}]
     for i, (rank, tick, p) in enumerate(schedule):
         arrivals[rank].setdefault(tick, []).append((f"h{i}", PROMPTS[p]))

@@ -286,7 +286,9 @@ def test_an_expert_parallel_engine_over_both_nodes_serves_hf_greedy(ray2, tmp_pa
     (`data_parallel_size: 2`, `data_parallel_size_local: 1`): one actor a node, each node's
     `atomd serve` running its rank, rank 0's address and port found on a's bundle; the router
     gets both hosts' servers; requests through it equal HF's greedy tokens; each host's /metrics
-    counts its own experts only (4 of 8), some on each."""
+    counts its own experts only (4 of 8), some on each. Then node b's actor is killed: the
+    engine fails whole and cleanly (host a's server unhealthy within the group timeout, the
+    router's request an error, not a hang; the driver names the lost share and lives on)."""
     from prometheus_client.parser import text_string_to_metric_families
 
     from tests.test_expert_parallel import hf_text
@@ -331,6 +333,23 @@ def test_an_expert_parallel_engine_over_both_nodes_serves_hf_greedy(ray2, tmp_pa
             owned.append({(x.labels["dp_rank"], x.labels["expert"]) for x in samples})
             assert sum(x.value for x in samples) > 0  # every decode step ran both hosts' experts
         assert sorted(owned, key=sorted) == [{("0", str(e)) for e in range(4)}, {("1", str(e)) for e in range(4, 8)}]
+
+        # node b's actor dies (its `atomd serve` dies with it): host a's rank fails its next
+        # collective within the group timeout (10 s), so the engine is down as a whole, cleanly:
+        # a's server says unhealthy, a request through the router errors instead of hanging,
+        # the driver names the lost node's share and keeps running
+        [on_b] = [x for x in nodes if node_of(ray2, x) == b.ip]
+        [url_a] = [w["url"] for w in decode if f"//{a.ip}:" in w["url"]]
+        os.kill(on_b.pid, signal.SIGKILL)
+        killed = time.monotonic()
+        poll("host a's rank to report the group dead", lambda: http("GET", url_a + "/health", timeout=10)[0] == 503,
+             10 + 20)
+        assert time.monotonic() - killed < 10 + 20
+        status, got = complete(router_url, {"prompt": prompts[0], "max_tokens": 8, "temperature": 0}, timeout=60)
+        assert status >= 500, got
+        poll("the job log to name node b's share as gone", lambda: "engine decode-0/node1 is gone" in ep.logs()
+             or "engine decode-0/node0 is gone" in ep.logs(), RECOVERY_TIMEOUT_S)
+        assert ep.status() == "RUNNING"
     finally:
         ray_cli("job", "stop", "--address", dashboard(ray2), ep.submission_id)
         poll("the EP job to stop", lambda: ep.status() in ("STOPPED", "FAILED", "SUCCEEDED"), 60)

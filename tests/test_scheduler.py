@@ -355,3 +355,37 @@ def test_config_validation_names_the_field():
         SchedulerConfig(num_kvcache_blocks=4, max_num_seqs=8, max_num_batched_tokens=64, block_size=4,
                         enable_prefix_caching=True, enable_chunked_prefill=True, scheduler_delay_factor=0.0,
                         long_prefill_token_threshold=0)
+
+
+def test_mixed_steps_carry_every_running_streams_token_in_each_prefill_step():
+    """enable_mixed_chunk: a decode-ready sequence gets a token every step, prefill steps included
+    (its row first, one token, then the prompt chunks in what is left of the budget), and the
+    tokens are the reference's; without it a prefill step carries no decode row (the seed's)."""
+    for mixed in (False, True):
+        sched, model = make(num_blocks=64, max_num_batched_tokens=16, max_num_seqs=4, enable_mixed_chunk=mixed)
+        seqs = [Sequence(prompt(i, 3 + 9 * i), SamplingParams(max_tokens=8)) for i in range(5)]
+        sched.add(seqs[0])
+        steps_with_both = 0
+        for t in range(60):
+            if 1 <= t <= 4:
+                sched.add(seqs[t])  # arrivals while seqs[0] decodes
+            ready = [s for s in sched.running if s.id not in sched._prefilling]
+            batch, _ = step(sched, model)
+            if batch is None:
+                break
+            assert batch.num_tokens <= 16
+            rows = batch.seqs[:len(ready)]
+            if mixed:
+                assert rows == ready[:4] and batch.num_scheduled_tokens[:len(rows)].tolist() == [1] * len(rows)
+            elif batch.is_prefill:
+                assert not set(batch.seqs) & set(ready)
+            steps_with_both += batch.is_prefill and bool(ready) and rows == ready
+        assert sched.is_finished() and sched.block_manager.num_free_blocks == 64
+        assert (steps_with_both > 0) == mixed
+        for seq in seqs:
+            assert seq.completion_token_ids == reference_completion(seq.prompt_token_ids, 8)
+
+
+def test_mixed_steps_refuse_speculative_decoding():
+    with pytest.raises(ValueError, match="enable_mixed_chunk"):
+        make(spec=2, enable_mixed_chunk=True)

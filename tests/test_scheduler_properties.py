@@ -7,7 +7,8 @@ rejected drafts' blocks go back (no sequence holds blocks past its tokens) and p
 blocks name accepted tokens only. Requests with n / best_of > 1 fork at their first sample into choices that share blocks
 (copy-on-write of the partial last block); the fake KV checks every read, so a shared
 block written by two choices shows up as stale KV. Aborts pick any sequence, single
-choices included, and the pool is back at its baseline once everything ended."""
+choices included, and the pool is back at its baseline once everything ended. Mixed steps
+(decode rows in prefill batches, without drafts) keep all of it."""
 from __future__ import annotations
 
 import itertools
@@ -53,12 +54,12 @@ class SchedulerMachine(RuleBasedStateMachine):
     @initialize(role=st.sampled_from(["none", "consumer", "producer"]),
                 policy=st.sampled_from(["fail", "recompute"]), spec=st.sampled_from([0, 2]),
                 num_blocks=st.integers(4, 40), budget=st.sampled_from([8, 16, 64]),
-                max_seqs=st.integers(1, 4), chunked=st.booleans(), prefix=st.booleans())
-    def setup(self, role, policy, spec, num_blocks, budget, max_seqs, chunked, prefix):
+                max_seqs=st.integers(1, 4), chunked=st.booleans(), prefix=st.booleans(), mixed=st.booleans())
+    def setup(self, role, policy, spec, num_blocks, budget, max_seqs, chunked, prefix, mixed):
         self.cfg = scheduler_config(num_kvcache_blocks=num_blocks, block_size=BS, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
                                    enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
-                                   num_speculative_tokens=spec)
+                                   num_speculative_tokens=spec, enable_mixed_chunk=mixed and not spec)
         self.kv = FakeKV(num_blocks, BS)
         self.stub = StubProducer() if role == "consumer" else None
         self.conn = None

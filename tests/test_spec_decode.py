@@ -65,6 +65,8 @@ def test_speculative_config_flag_kwargs_and_bad_keys():
             EngineConfig(speculative_config=json.dumps(bad))
     with pytest.raises(ValueError, match="must be a JSON object"):
         EngineConfig(speculative_config="ngram")
+    with pytest.raises(ValueError, match="enable_mixed_chunk does not run with speculative_config"):
+        EngineConfig(speculative_config=SPEC_JSON, enable_mixed_chunk=True)
 
 
 # ---------------------------------------------------------------------- the drafter

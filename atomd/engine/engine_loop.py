@@ -87,6 +87,7 @@ class EngineLoop:
             stop_token_ids=self.tokenizer.stop_token_ids,
             scheduler_delay_factor=config.scheduler_delay_factor,
             long_prefill_token_threshold=config.long_prefill_token_threshold,
+            enable_mixed_chunk=config.enable_mixed_chunk,
             kv_window=kv_window,
             max_local_prefill_tokens_per_step=config.max_local_prefill_tokens_per_step,
             max_local_prefill_ms_per_step=config.max_local_prefill_ms_per_step,
