@@ -256,7 +256,7 @@ class DecoderModel:
                 for part in ("q", "scales", "offsets"):
                     move(t, part)
                 t._ref = None
-            elif t is not None:
+            elif t is not None and t.numel():  # an empty one (a TP x EP worker's experts) stays
                 t = t.contiguous()
                 setattr(owner, name, on_huge_pages(t))
                 if t.nbytes < huge_pages.MIN_BYTES:
