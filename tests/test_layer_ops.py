@@ -378,6 +378,26 @@ def test_moe_experts_of_several_tokens_in_one_call(isa, dtype, tol, cast_weights
     assert int(w.routed.sum()) == 2 * 3 * tokens * k  # the load counters: each pass counted once
 
 
+def test_moe_with_many_pairs_an_expert_runs_a_gemm_pair_per_expert(monkeypatch):
+    """Past moe.GROUPED_MAX_PAIRS pairs an active expert on average (a prefill's experts), moe()
+    and the TP partials take one oneDNN GEMM pair per expert, not the grouped C call: the same
+    block as with moe.GROUPED off, and the grouped call never made."""
+    from atomd.model import moe
+    from atomd.model.moe import MoeWeights
+
+    g = torch.Generator().manual_seed(3)
+    bf16 = torch.bfloat16  # the TP partials are bf16's (moe.tp_exact)
+    w = MoeWeights(router=torch.randn(4, 32, generator=g).to(bf16),
+                   gate_up=(torch.randn(4, 48, 32, generator=g) * 0.2).to(bf16), down=(torch.randn(4, 32, 24, generator=g) * 0.2).to(bf16), top_k=2, norm_topk_prob=True)
+    h = torch.randn(40, 32, generator=g).to(bf16)  # 80 pairs over at most 4 experts: 20 an expert at least
+    assert moe.grouped(80, 4) and not moe.grouped(80 * moe.GROUPED_MAX_PAIRS, 4)
+    monkeypatch.setattr(moe, "GROUPED_MAX_PAIRS", 8)
+    monkeypatch.setattr(layer_ops, "moe_grouped", lambda *a: pytest.fail("the grouped call at 20 pairs an expert"))
+    got, (partial, _) = moe.moe(h, w), moe.tp_partials(h, w)
+    monkeypatch.setattr(moe, "GROUPED", False)
+    assert torch.equal(got, moe.moe(h, w)) and torch.equal(partial, moe.tp_partials(h, w)[0])
+
+
 @pytest.mark.parametrize("cast_weights", [True, False])
 @pytest.mark.parametrize("tokens,threads", [(1, 1), (6, 2)])
 def test_moe_tp_float32_partials_give_tp1s_block_in_bf16(isa, cast_weights, tokens, threads, monkeypatch):

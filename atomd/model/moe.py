@@ -24,6 +24,11 @@ from atomd.model.quant import QuantizedWeight
 # several tokens through the experts: one C call (layer_ops.moe_grouped) where the GEMV kernel
 # runs this dtype; False: one torch linear pair per active expert (the A/B of benchmarks/deepseek_decode_step.py)
 GROUPED = True
+# ... while its active experts average at most this many (token, choice) pairs: past it one oneDNN
+# GEMM pair per expert is faster (bf16, 64 experts top-8, hidden 1024, inter 256, one thread:
+# grouped / per-expert 0.53x at 16 tokens (2 pairs an expert), 0.86x at 128 (16), 1.02x at 256
+# (32), 1.13x at 512, 1.25x at 2048: a prefill's experts; benchmarks/RESULTS.md "MoE prefill")
+GROUPED_MAX_PAIRS = 32
 
 
 @dataclass
@@ -98,8 +103,8 @@ def moe(h: torch.Tensor, w: MoeWeights,
     w.routed += counts
     scales = weights.flatten()[order].unsqueeze(1)
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
-    if w.gemv and GROUPED:  # every active expert in one C call
-        active = counts.nonzero().flatten()
+    active = counts.nonzero().flatten()
+    if w.gemv and grouped(rows * k, len(active)):  # every active expert in one C call
         starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
         layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order,
                               scales.flatten().contiguous(), pairs)
@@ -110,6 +115,11 @@ def moe(h: torch.Tensor, w: MoeWeights,
         x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
         pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
     return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
+
+
+def grouped(pairs: int, active: int) -> bool:
+    """Whether several tokens' experts run as one grouped C call (else a GEMM pair per expert)."""
+    return GROUPED and pairs <= GROUPED_MAX_PAIRS * active
 
 
 def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -174,8 +184,8 @@ def tp_partials(h: torch.Tensor, w: MoeWeights,
     counts = torch.bincount(flat, minlength=len(w.gate_up))
     w.routed += counts
     partial = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
-    if w.gemv and GROUPED:  # every active expert in one C call, the down sums left float32
-        active = counts.nonzero().flatten()
+    active = counts.nonzero().flatten()
+    if w.gemv and grouped(rows * k, len(active)):  # every active expert in one C call, the down sums left float32
         starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
         layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order, None, partial)
     else:
