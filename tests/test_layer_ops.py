@@ -252,6 +252,13 @@ def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
     assert gemv_ids == onednn_ids
 
 
+def greedy_ids_and_logprobs(llm, params) -> list:
+    """(token ids, logprobs) of a 3- and a 40-token prompt: what the batch-1 layer tests compare."""
+    outs = [llm.generate([{"prompt_token_ids": list(range(7, 7 + n))}], params, use_tqdm=False)[0].outputs[0]
+            for n in (3, 40)]
+    return [(o.token_ids, o.logprobs) for o in outs]
+
+
 @pytest.mark.parametrize("kind,overrides", [("llama", {}), ("qwen2", {}),  # qwen2: the QKV projection's bias
                                              ("llama", {"head_dim": 32}),  # heads x head_dim != hidden
                                              ("qwen3", {})])  # q/k norm: the head per op, the tail fused
@@ -270,14 +277,9 @@ def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype,
     assert (model.decode_layer is not None) == layer_ops.has_gemv(dtype)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
 
-    def run() -> list:
-        outs = [llm.generate([{"prompt_token_ids": list(range(7, 7 + n))}], params, use_tqdm=False)[0].outputs[0]
-                for n in (3, 40)]
-        return [(o.token_ids, o.logprobs) for o in outs]
-
-    fused = run()
+    fused = greedy_ids_and_logprobs(llm, params)
     model.decode_layer = None  # the per-op path
-    assert run() == fused
+    assert greedy_ids_and_logprobs(llm, params) == fused
 
 
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
@@ -299,15 +301,10 @@ def test_batch1_decode_layer_over_an_fp8_cache_gives_the_per_op_paths_bits(kv, t
     model.decode_layer.run_layers = lambda *a, **k: calls.append(1) or run_layers(*a, **k)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
 
-    def run() -> list:
-        outs = [llm.generate([{"prompt_token_ids": list(range(7, 7 + n))}], params, use_tqdm=False)[0].outputs[0]
-                for n in (3, 40)]
-        return [(o.token_ids, o.logprobs) for o in outs]
-
-    fused = run()
+    fused = greedy_ids_and_logprobs(llm, params)
     assert len(calls) == 2 * 19  # every decode step after the prompt's
     model.decode_layer = None  # the per-op path: KVCache.write's to_fp8, the fp8 kernel per layer
-    assert run() == fused
+    assert greedy_ids_and_logprobs(llm, params) == fused
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
