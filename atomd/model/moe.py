@@ -110,7 +110,7 @@ def moe(h: torch.Tensor, w: MoeWeights,
                               scales.flatten().contiguous(), pairs)
         return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
     ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-    for e in counts.nonzero().flatten().tolist():
+    for e in active.tolist():
         group = slice(ends[e] - sizes[e], ends[e])
         x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
         pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
@@ -190,7 +190,7 @@ def tp_partials(h: torch.Tensor, w: MoeWeights,
         layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order, None, partial)
     else:
         ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-        for e in counts.nonzero().flatten().tolist():
+        for e in active.tolist():
             group = order[ends[e] - sizes[e]:ends[e]]
             partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
     return partial, weights.flatten()
