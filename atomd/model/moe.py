@@ -24,8 +24,8 @@ from atomd.model.quant import QuantizedWeight
 # several tokens through the experts: one C call (layer_ops.moe_grouped) where the GEMV kernel
 # runs this dtype; False: one torch linear pair per active expert (the A/B of benchmarks/deepseek_decode_step.py)
 GROUPED = True
-# ... while its active experts average at most this many (token, choice) pairs: past it one oneDNN
-# GEMM pair per expert is faster (bf16, 64 experts top-8, hidden 1024, inter 256, one thread:
+# ... each active expert with at most this many (token, choice) pairs: past it one oneDNN
+# GEMM pair for that expert is faster (bf16, 64 experts top-8, hidden 1024, inter 256, one thread:
 # grouped / per-expert 0.53x at 16 tokens (2 pairs an expert), 0.86x at 128 (16), 1.02x at 256
 # (32), 1.13x at 512, 1.25x at 2048: a prefill's experts; benchmarks/RESULTS.md "MoE prefill")
 GROUPED_MAX_PAIRS = 32
@@ -103,23 +103,36 @@ def moe(h: torch.Tensor, w: MoeWeights,
     w.routed += counts
     scales = weights.flatten()[order].unsqueeze(1)
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
-    active = counts.nonzero().flatten()
-    if w.gemv and grouped(rows * k, len(active)):  # every active expert in one C call
-        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
-        layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order,
-                              scales.flatten().contiguous(), pairs)
-        return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
     ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-    for e in active.tolist():
+    for e in grouped_experts(h, w, counts, order, k, scales.flatten().contiguous(), pairs):
         group = slice(ends[e] - sizes[e], ends[e])
-        x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
-        pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
+        pairs.index_copy_(0, order[group], expert(h[order[group] // k], w, e) * scales[group])
     return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
 
 
-def grouped(pairs: int, active: int) -> bool:
-    """Whether several tokens' experts run as one grouped C call (else a GEMM pair per expert)."""
-    return GROUPED and pairs <= GROUPED_MAX_PAIRS * active
+def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order: torch.Tensor, per_row: int,
+                    scales: torch.Tensor | None, out: torch.Tensor) -> list[int]:
+    """Runs the active experts with at most GROUPED_MAX_PAIRS pairs in one C call
+    (layer_ops.moe_grouped: out[order[i]] from the row x[order[i] // per_row] of each sorted pair i
+    of theirs, times scales[i]); returns the other active experts, for the caller's GEMM pair each.
+    `counts`: pairs per expert slot, `order`: the pairs sorted by slot. The rule is per expert, so a
+    whole block, its expert-parallel shards and its TP workers run each expert the same way (the
+    same bits whatever else is in the batch)."""
+    active = counts.nonzero().flatten()
+    if not (GROUPED and w.gemv):
+        return active.tolist()
+    few = counts[active] <= GROUPED_MAX_PAIRS
+    if bool(few.any()):
+        experts, sel = active[few], order
+        if not bool(few.all()):  # only their pairs: the sorted positions whose slot is grouped
+            member = torch.zeros(len(counts), dtype=torch.bool)
+            member[experts] = True
+            keep = member.repeat_interleave(counts)
+            sel, scales = order[keep], None if scales is None else scales[keep]
+        starts = torch.cat([counts.new_zeros(1), counts[experts].cumsum(0)])
+        layer_ops.moe_grouped(x.contiguous(), w.gate_up, w.down, experts, starts, sel // per_row, sel,
+                              scales, out)
+    return active[~few].tolist()
 
 
 def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -184,15 +197,10 @@ def tp_partials(h: torch.Tensor, w: MoeWeights,
     counts = torch.bincount(flat, minlength=len(w.gate_up))
     w.routed += counts
     partial = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
-    active = counts.nonzero().flatten()
-    if w.gemv and grouped(rows * k, len(active)):  # every active expert in one C call, the down sums left float32
-        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
-        layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order, None, partial)
-    else:
-        ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-        for e in active.tolist():
-            group = order[ends[e] - sizes[e]:ends[e]]
-            partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
+    ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
+    for e in grouped_experts(h, w, counts, order, k, None, partial):  # the grouped call: down sums left float32
+        group = order[ends[e] - sizes[e]:ends[e]]
+        partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
     return partial, weights.flatten()
 
 
