@@ -154,6 +154,8 @@ class Ranks:
         self.colls = [self.group.rank(r) for r in range(ranks)]
         self.ran: list[str] = ["idle"] * ranks  # what each rank's forward ran this tick
         self.mixed = [0] * ranks  # prefill forwards that carried decode rows too (enable_mixed_chunk)
+        # per rank: decode rows in those forwards, and of them the rows the decode kernel read (one call a layer)
+        self.mixed_rows = [[0, 0] for _ in range(ranks)]
 
         def build(r: int) -> LLMEngine:
             cfg = EngineConfig(model=str(path), data_parallel_size=ranks, data_parallel_rank=r,
@@ -165,8 +167,13 @@ class Ranks:
 
             def observed(batch):
                 self.ran[r] = "prefill" if batch.is_prefill else "decode"
-                self.mixed[r] += batch.is_prefill and any(s.type is SequenceType.DECODE for s in batch.seqs)
-                return forward(batch)
+                decode = [i for i, s in enumerate(batch.seqs) if s.type is SequenceType.DECODE]
+                self.mixed[r] += batch.is_prefill and bool(decode)
+                out = forward(batch)
+                if batch.is_prefill and decode:
+                    self.mixed_rows[r][0] += len(decode)
+                    self.mixed_rows[r][1] += decode_kernel_rows(engine, batch, decode)
+                return out
             engine._forward = observed
             return engine
 
@@ -208,6 +215,14 @@ class Ranks:
         on_ranks(len(self.engines), rank)
         self.counts = [(c.num_collectives - b[0], c.num_all_to_all - b[1]) for c, b in zip(self.colls, before)]
         return tokens, kinds
+
+
+def decode_kernel_rows(engine: LLMEngine, batch, decode: list[int]) -> int:
+    """How many of a prefill batch's decode rows (`decode`, batch indices) the last forward read
+    through the decode kernel (the runner's metadata: AttentionMetadata.decode_rows)."""
+    rows = engine.runner.last_step[1].decode_rows
+    starts = (batch.num_scheduled_tokens.cumsum() - batch.num_scheduled_tokens)[decode].tolist()
+    return 0 if rows is None else len(set(starts) & set(rows.tolist()))
 
 
 def one_engine_greedy(path: pathlib.Path, placed: dict[str, list[int]],
@@ -264,7 +279,7 @@ def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, mixed, c
     """mixed_steps: --enable-mixed-chunk, where a rank's prefill forward carries its running
     streams' decode rows (both_busy and prefill_while_decoding make one)."""
     ranks = ep_ranks(name, mixed=mixed)
-    mixed_before = sum(ranks.mixed)
+    mixed_before, rows_before = sum(ranks.mixed), [sum(n) for n in zip(*ranks.mixed_rows)]
     if schedule == "one_idle":  # rank 1 never has a request: its every tick is the exchange alone
         arrivals = [{0: [(f"p{i}", p) for i, p in enumerate(PROMPTS)]}, {}]
     elif schedule == "prefill_while_decoding":  # rank 0 decodes; rank 1's prompts land mid-way
@@ -283,6 +298,9 @@ def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, mixed, c
     if schedule == "prefill_while_decoding":
         assert ("decode", "prefill") in pairs, kinds
     assert (sum(ranks.mixed) > mixed_before) == (mixed and schedule != "one_idle")
+    # a mixed step's decode rows: every one read through the decode kernel (one call a layer)
+    in_mixed, through_kernel = (sum(n) - before for n, before in zip(zip(*ranks.mixed_rows), rows_before))
+    assert through_kernel == in_mixed and (in_mixed > 0) == (mixed and schedule != "one_idle")
     # every tick: the gate's all-reduce, then where any rank has rows 3 all-to-alls per sparse
     # layer on every rank, idle or not
     (c0, a0), (c1, a1) = ranks.counts
@@ -291,6 +309,45 @@ def test_ep2_greedy_equals_hf_and_dp1_under_uneven_load(name, schedule, mixed, c
     for engine in ranks.engines:  # every block back
         bm = engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_total_blocks
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("name", list(MODELS))
+def test_mixed_steps_decode_rows_through_the_decode_kernel_equal_one_kind_steps_and_hf(name, checkpoints, reference):
+    """DP=1, float32, --enable-mixed-chunk with a small token budget (prompts chunked while others
+    decode): the decode rows of every mixed step go through the decode kernel, and each request's
+    greedy tokens equal one-kind steps' (the seed's scheduler) and HF's, their logprobs within
+    float32 rounding of one-kind steps' (there a decode row is a decode step's)."""
+    params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True, logprobs=0)
+    runs = {}
+    for mixed in (False, True):
+        engine = LLMEngine(EngineConfig(model=str(checkpoints[name]), num_threads=1, max_model_len=256,
+                                        max_num_batched_tokens=32, enable_mixed_chunk=mixed))
+        forward, seen = engine._forward, [0, 0]  # decode rows in prefill forwards; of them, the kernel's
+
+        def observed(batch, engine=engine, forward=forward, seen=seen):
+            out = forward(batch)
+            decode = [i for i, s in enumerate(batch.seqs) if s.type is SequenceType.DECODE]
+            if batch.is_prefill and decode:
+                seen[0] += len(decode)
+                seen[1] += decode_kernel_rows(engine, batch, decode)
+            return out
+        engine._forward = observed
+        for i, prompt in enumerate(PROMPTS):
+            engine.add_request(f"p{i}", prompt, params)
+        got: dict[str, tuple[list[int], list[float]]] = {}
+        while engine.has_unfinished_requests():
+            for out in engine.step():
+                ids, lps = got.setdefault(out.request_id, ([], []))
+                ids.extend(out.new_token_ids)
+                lps.extend(lp.logprob for lp in out.new_logprobs)
+        runs[mixed] = got, seen
+    (seed, none), (mixed, seen) = runs[False], runs[True]
+    assert none[0] == 0 and seen[0] >= 8 and seen[1] == seen[0], (none, seen)
+    for i, prompt in enumerate(PROMPTS):
+        rid = f"p{i}"
+        assert mixed[rid][0] == seed[rid][0] == reference(name, prompt), rid
+        torch.testing.assert_close(mixed[rid][1], seed[rid][1], rtol=0, atol=1e-5)
 
 
 @pytest.mark.unit

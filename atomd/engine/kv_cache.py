@@ -63,6 +63,7 @@ class SeqSlice:
     context_len: int  # num_computed + chunk length
     block_ids: torch.Tensor | None  # blocks covering the context (only with num_computed > 0)
     mask: torch.Tensor | None  # [chunk, context_len] causal mask shifted by num_computed
+    decode_row: bool = False  # a one-token row over a cached context read by the decode kernel (decode_rows)
 
 
 @dataclass
@@ -86,6 +87,9 @@ class AttentionMetadata:
     query_starts: torch.Tensor | None = None  # decode with kernels and drafts: [B + 1] row offsets
     fresh_starts: torch.Tensor | None = None  # prefill with kernels: first row of each fresh prompt
     fresh_lens: torch.Tensor | None = None  # prefill with kernels: its rows this step
+    # prefill with kernels: the rows of one token over a cached context (a mixed step's decode rows),
+    # read by the decode kernel in one call; block_tables / context_lens / max_context are theirs
+    decode_rows: torch.Tensor | None = None
 
 
 @dataclass(frozen=True)

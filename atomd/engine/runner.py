@@ -85,6 +85,8 @@ class ModelRunner:
             if self.fresh_prefill_kernel and fresh.any():  # the kernel takes every fresh prompt at once
                 meta.fresh_starts = torch.from_numpy(starts[fresh])
                 meta.fresh_lens = torch.from_numpy(num_sched[fresh])
+            if self.kernels is not None and not verify:
+                self._decode_rows(meta, tables, starts, num_sched, computed)
             if verify:
                 self.workspace = None  # its contexts miss this step's KV
         else:
@@ -123,6 +125,19 @@ class ModelRunner:
                 mask = causal_mask(done, ctx)
             slices.append(SeqSlice(start, end, done, ctx, block_ids, mask))
         return slices
+
+    def _decode_rows(self, meta: AttentionMetadata, tables: np.ndarray, starts: np.ndarray, num_sched: np.ndarray,
+                     computed: np.ndarray) -> None:
+        """A prefill batch's one-token rows over a cached context (a mixed step's decode rows, a
+        pulled prompt's last token) read their contexts through the decode kernel, all in one
+        call, as in a decode step, instead of a gather and an SDPA each per layer."""
+        one = (num_sched == 1) & (computed > 0)
+        if not one.any():
+            return
+        meta.decode_rows = torch.from_numpy(starts[one])
+        decode_reads(meta, tables[one], computed[one] + 1, self.block_size)
+        for i in np.flatnonzero(one).tolist():
+            meta.seqs[i].decode_row = True
 
     def _decode_metadata(self, meta: AttentionMetadata, seq_ids: list[int], tables: np.ndarray,
                          context_lens: np.ndarray) -> None:

@@ -28,7 +28,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     Prefill: a sequence without cached prefix attends to its own fresh k/v (no gather):
     all of them in one call of the native kernel (atomd/kernels/native.py), else one SDPA each; one
     with a prefix (chunked prefill, prefix hit) reads its whole context from the cache, one
-    SDPA each. Decode: the native kernel reads each context straight from the paged cache
+    SDPA each, except its one-token rows over a cached context (a mixed step's decode rows): with
+    the native kernels those go through the decode kernel, all in one call. Decode: the native kernel reads each context straight from the paged cache
     (with speculative decoding several rows per sequence, causal inside its drafts; without
     the kernel the runner sends such a batch down the prefill path); without it, one SDPA over the batch, contexts gathered block by block and padded (into
     the decode workspace when there is one, which later steps extend instead of gathering
@@ -58,6 +59,11 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     if meta.fresh_lens is not None:
         prefill_attention(meta.kernels, q, k, v, out, meta.fresh_starts, meta.fresh_lens, window, scale)
         seqs = [s for s in seqs if s.num_computed > 0]
+    if meta.decode_rows is not None:  # one-token rows over a cached context: the decode kernel, one call
+        rows = meta.decode_rows
+        out[rows] = decode_attention(meta.kernels, q[rows], kv_cache, layer, meta.block_tables, meta.context_lens,
+                                     None, window, scale).view(len(rows), -1)
+        seqs = [s for s in seqs if not s.decode_row]
     for s in seqs:
         # 4-d inputs: with 3-d ones torch takes its (3x slower) math path on CPU
         qs = q[s.start:s.end].transpose(0, 1).unsqueeze(0)
