@@ -20,10 +20,16 @@ arrival pattern runs every mode in turn (the order rotating by round); one engin
 serves all runs (its prefix cache reset between them), so no run pays a fresh process's warm-up.
 
 --modes: a delayer policy (off, align, coalesce), with `+mixed` for mixed steps
-(--enable-mixed-chunk: decode rows ride in every prefill step). A `+mixed` mode has its own
-flood, offers --load x its own capacity and is compared with `off+mixed`; `off+mixed` itself
-also with `off`, on the arrivals of `off`'s rate, in the column "vs seed off" (same requests,
-same times).
+(--enable-mixed-chunk: decode rows ride in every prefill step) or `+mixed-gather` for mixed steps
+whose decode rows take the prefill path (a gather + SDPA each, atomd/engine/runner.py's
+DECODE_ROWS_KERNEL off: what mixed steps were before their decode rows went through the decode
+kernel). A mixed mode has its own flood, offers --load x its own capacity and is compared with
+`off` of its kind (`off+mixed`, `off+mixed-gather`); `off+mixed` itself also with `off`, on the
+arrivals of `off`'s rate, in the column "vs seed off" (same requests, same times).
+
+The ITL tail table: every gap at or over its run's ITL p99, which ticks it spanned, and of those
+the longest (the one that made it long): both ranks prefilling, the gap's own rank prefilling
+alone, the other rank prefilling alone, or no prefill.
 
     .venv/bin/python -m benchmarks.delayer_virtual_clock --rounds 3
 """
@@ -46,12 +52,25 @@ from benchmarks.machine import cpu_model, loadavg
 from benchmarks.model_shapes import CHOICES, flops_per_token, model_dir
 
 POLICIES = ("off", "align", "coalesce")
-MODES = POLICIES + tuple(f"{p}+mixed" for p in POLICIES)
+KINDS = ("", "mixed", "mixed-gather")  # the seed's one-kind steps; mixed steps; mixed, decode rows gathered
+MODES = tuple(p + (f"+{k}" if k else "") for k in KINDS for p in POLICIES)
+
+
+def kind_of(mode: str) -> str:
+    return mode.partition("+")[2]
 
 
 def baseline(mode: str) -> str:
     """The mode a mode's ratios are taken against: off with the same kind of steps."""
-    return "off+mixed" if mode.endswith("+mixed") else "off"
+    return "off" + (f"+{kind_of(mode)}" if kind_of(mode) else "")
+
+
+def set_kind(engine, kind: str) -> None:
+    """The engine's steps from now on: KINDS' `kind`."""
+    from atomd.engine import runner
+
+    engine.scheduler.config.enable_mixed_chunk = bool(kind)
+    runner.DECODE_ROWS_KERNEL = kind != "mixed-gather"
 
 
 def free_port() -> int:
@@ -82,6 +101,7 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
     now, nxt, unfinished = 0.0, 0, [0] * world
     arrival: dict[str, float] = {}
     times: dict[str, list[float]] = {}
+    tick_of: dict[str, list[int]] = {}  # per request: the tick of each token
     kinds: list[int] = []  # per tick: 1 prefill, 0 decode, -1 no forward
     critical: list[float] = []  # per tick: the slower rank's CPU s
     wall = time.perf_counter()
@@ -109,10 +129,12 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
         unfinished = [int(u) for u in sums[world:]]
         for out in outputs:
             times.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
+            tick_of.setdefault(out.request_id, []).extend([len(kinds) - 1] * len(out.new_token_ids))
     return {"end": now, "ticks": len(kinds), "prefill_ticks": kinds.count(1), "kinds": kinds, "critical": critical,
             "wall_s": time.perf_counter() - wall,
             "ttft": [times[rid][0] - arrival[rid] for rid in arrival],
             "itl": [b - a for rid in arrival for a, b in zip(times[rid], times[rid][1:])],
+            "itl_ticks": [(a, b) for rid in arrival for a, b in zip(tick_of[rid], tick_of[rid][1:])],
             "tokens": sum(len(t) for t in times.values())}
 
 
@@ -149,14 +171,14 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
     modes = args["modes"]
-    kinds = sorted({m.endswith("+mixed") for m in modes})  # False: the seed's steps, True: mixed
+    kinds = sorted({kind_of(m) for m in modes}, key=KINDS.index)
     runs, capacity = [], {}
-    for mixed in kinds:
-        engine.scheduler.config.enable_mixed_chunk = mixed
+    for kind in kinds:
+        set_kind(engine, kind)
         flood = serve(engine, coll, rank, world, workload(args, 999, None, 1.0))
-        capacity[mixed] = args["num_prompts"] / flood["end"]  # the same on every rank: the clock is shared
-        runs.append({"round": -1, "burstiness": 0, "policy": "flood+mixed" if mixed else "flood", **flood})
-    engine.scheduler.config.enable_mixed_chunk = False
+        capacity[kind] = args["num_prompts"] / flood["end"]  # the same on every rank: the clock is shared
+        runs.append({"round": -1, "burstiness": 0, "policy": "flood" + (f"+{kind}" if kind else ""), **flood})
+    set_kind(engine, "")
     runs.append(probe_prefill_ticks(engine, coll, rank, world, args))
     started = time.monotonic()
     for rnd in range(args["rounds"]):
@@ -170,18 +192,18 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
         for b in args["burstiness"]:
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             for mode in order:
-                policy, mixed = mode.split("+")[0], mode.endswith("+mixed")
+                policy, kind = mode.partition("+")[0], kind_of(mode)
                 # off+mixed on the seed's rate too: what mixed steps buy on the same arrivals
-                for rate_of in ([mixed, False] if mode == "off+mixed" and False in kinds else [mixed]):
+                for rate_of in ([kind, ""] if mode == "off+mixed" and "" in kinds else [kind]):
                     rate = args["load"] * capacity[rate_of]
                     requests = workload(args, rnd * 100 + int(b * 10), rate, b)
                     engine.reset_prefix_cache()
-                    engine.scheduler.config.enable_mixed_chunk = mixed
+                    set_kind(engine, kind)
                     engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
                                                         if policy != "off" else None)
                     result = serve(engine, coll, rank, world, requests)
                     delayer = engine.scheduler.prefill_delayer
-                    name = mode if rate_of == mixed else "off+mixed@seed"
+                    name = mode if rate_of == kind else "off+mixed@seed"
                     runs.append({"round": rnd, "burstiness": b, "policy": name, "rate": rate,
                                  "delayer": delayer.stats()["outcomes"] if delayer else [], **result})
                     print(f"rank {rank}: round {rnd} burstiness {b:g} {name} done ({result['wall_s']:.0f} s wall)",
@@ -263,7 +285,8 @@ def main() -> None:
         ttft, itl = r0["ttft"] + r1["ttft"], r0["itl"] + r1["itl"]
         base = "off" if mode == "off+mixed@seed" else baseline(mode)
         off_tput, off_itl = tput_itl(by_key[rnd, b, base])
-        ratios.setdefault((b, mode), []).append((tput / off_tput, itl99 / off_itl))
+        seed_tput, seed_itl = tput_itl(by_key[rnd, b, "off"]) if (rnd, b, "off") in by_key else (off_tput, off_itl)
+        ratios.setdefault((b, mode), []).append((tput / off_tput, itl99 / off_itl, tput / seed_tput, itl99 / seed_itl))
         decisions = ", ".join(f"{o}/{why} {n}" for _, o, why, n in r0["delayer"]) or "-"
         rows.append(f"| {rnd} | {b:g} | {mode} | {tput:.1f} | {tput / off_tput:.2f} ({base}) | {1e3 * pct(ttft, 50):.0f} | "
                     f"{1e3 * pct(ttft, 99):.0f} | {1e3 * pct(itl, 50):.1f} | {1e3 * itl99:.1f} | "
@@ -273,14 +296,17 @@ def main() -> None:
           "ITL p99 ms | ITL p99 vs baseline | ticks | prefill ticks (rank 0 + 1) | wall s | rank 0 decisions |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
-    print("\n| burstiness | mode | baseline | tok/s vs baseline, median (range) | ITL p99 vs baseline, median (range) |"
-          "\n|---|---|---|---|---|")
+    print("\n| burstiness | mode | baseline | tok/s vs baseline, median (range) | ITL p99 vs baseline, median (range) | "
+          "tok/s vs seed off, median (range) | ITL p99 vs seed off, median (range) |\n|---|---|---|---|---|---|---|")
+
+    def spread(values: list[float]) -> str:
+        return f"{statistics.median(values):.2f}x ({min(values):.2f}-{max(values):.2f})"
+
     for (b, mode), v in sorted(ratios.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
-        t, i = [x for x, _ in v], [y for _, y in v]
         base = "off" if mode == "off+mixed@seed" else baseline(mode)
-        print(f"| {b:g} | {mode} | {base} | {statistics.median(t):.2f}x ({min(t):.2f}-{max(t):.2f}) | "
-              f"{statistics.median(i):.2f}x ({min(i):.2f}-{max(i):.2f}) |")
+        print(f"| {b:g} | {mode} | {base} | " + " | ".join(spread([r[j] for r in v]) for j in range(4)) + " |")
     breakdown(by_key)
+    itl_tail(by_key)
     print(f"\nload average after: {loadavg()}; per-rank JSON: {work}")
 
 
@@ -300,6 +326,37 @@ def breakdown(by_key: dict) -> None:
     print("| burstiness | policy | " + " | ".join(pairs) + " |\n|---|---|" + "---|" * len(pairs))
     for (b, policy), cell in sorted(table.items()):
         print(f"| {b:g} | {policy} | " + " | ".join(f"{n}, {sec:.2f} s" for n, sec in cell.values()) + " |")
+
+
+
+def itl_tail(by_key: dict) -> None:
+    """Why ITL p99 is what it is: every gap at or over its run's ITL p99 (both ranks' streams),
+    all rounds, by the ticks it spanned and the longest of them (P prefill, D decode, - none)."""
+    table: dict[tuple[float, str], list[tuple[float, int, int, str]]] = {}
+    for (_, b, policy), pair in by_key.items():
+        kinds = [r["kinds"] for r in pair]
+        critical = pair[0]["critical"]
+        p99 = pct(pair[0]["itl"] + pair[1]["itl"], 99)
+        for rank, r in enumerate(pair):
+            own, other = kinds[rank], kinds[1 - rank]
+            for gap, (a, z) in zip(r["itl"], r["itl_ticks"]):
+                if gap < p99:
+                    continue
+                span = range(a + 1, z + 1)
+                top = max(span, key=lambda t: critical[t])
+                why = ("both prefill" if own[top] == other[top] == 1 else "own prefill alone" if own[top] == 1
+                       else "other's prefill alone" if other[top] == 1 else "no prefill")
+                table.setdefault((b, policy), []).append((gap, len(span), sum(own[t] == 1 for t in span), why))
+    whys = ["both prefill", "own prefill alone", "other's prefill alone", "no prefill"]
+    print("\nITL tail (all rounds): the gaps at or over their run's ITL p99, the ticks each spanned, and what "
+          "the longest of those ticks ran\n")
+    print("| burstiness | mode | gaps | ms, median | ticks a gap, median | own prefill ticks a gap, mean | longest tick: "
+          + " / ".join(whys) + " |\n|---|---|---|---|---|---|---|")
+    for (b, policy), gaps in sorted(table.items()):
+        n = len(gaps)
+        print(f"| {b:g} | {policy} | {n} | {1e3 * statistics.median(g[0] for g in gaps):.0f} | "
+              f"{statistics.median(g[1] for g in gaps):g} | {sum(g[2] for g in gaps) / n:.2f} | "
+              + " / ".join(str(sum(g[3] == w for g in gaps)) for w in whys) + " |")
 
 
 if __name__ == "__main__":

@@ -24,6 +24,9 @@ log = logging.getLogger(__name__)
 
 WORKSPACE_SLACK = 128  # decode steps a workspace can grow before it is rebuilt
 WORKSPACE_MAX_BYTES = 256 << 20  # larger decode batches gather from the paged cache every step
+# a prefill batch's one-token rows over a cached context through the decode kernel, one call a layer
+# (ModelRunner._decode_rows); False: a gather + SDPA each (the A/B of benchmarks/delayer_virtual_clock.py)
+DECODE_ROWS_KERNEL = True
 
 
 class ModelRunner:
@@ -85,7 +88,7 @@ class ModelRunner:
             if self.fresh_prefill_kernel and fresh.any():  # the kernel takes every fresh prompt at once
                 meta.fresh_starts = torch.from_numpy(starts[fresh])
                 meta.fresh_lens = torch.from_numpy(num_sched[fresh])
-            if self.kernels is not None and not verify:
+            if self.kernels is not None and not verify and DECODE_ROWS_KERNEL:
                 self._decode_rows(meta, tables, starts, num_sched, computed)
             if verify:
                 self.workspace = None  # its contexts miss this step's KV
