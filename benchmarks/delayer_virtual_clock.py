@@ -168,6 +168,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                                max_model_len=max(1024, max_len), max_num_seqs=args["max_num_seqs"],
                                num_kvcache_blocks=max(512, blocks),
                                prefill_delayer_token_usage_low_watermark=args["low_watermark"],
+                               max_local_prefill_tokens_per_step=args["prefill_cap"],
                                **({"prefill_delayer_max_delay_passes": args["max_delay"]} if args["max_delay"] else {}))
                for p in POLICIES}
     engine = LLMEngine(configs["off"], expert_group=coll)
@@ -234,6 +235,8 @@ def main() -> None:
                     "under this prefills at once (--prefill-delayer-token-usage-low-watermark; default off)")
     ap.add_argument("--max-delay", type=int, default=0, help="align's bound: ticks a prefill may be held "
                     "(--prefill-delayer-max-delay-passes; 0: the engine's default)")
+    ap.add_argument("--prefill-cap", type=int, default=0, help="prompt tokens a rank's step may carry while its "
+                    "streams run (--max-local-prefill-tokens-per-step, every mode; 0: off)")
     ap.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the flood's capacity")
     ap.add_argument("--burstiness", default="1,0.25", help="gamma shapes, comma-separated: 1 Poisson, < 1 bursts")
     ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
@@ -247,7 +250,7 @@ def main() -> None:
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
-            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "max_delay": a.max_delay, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds, "modes": modes, "time_budget_s": a.time_budget_s,
+            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "max_delay": a.max_delay, "prefill_cap": a.prefill_cap, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds, "modes": modes, "time_budget_s": a.time_budget_s,
             "burstiness": [float(b) for b in a.burstiness.split(",")]}
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
     config = json.loads((model / "config.json").read_text())
