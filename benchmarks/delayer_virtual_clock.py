@@ -23,9 +23,10 @@ serves all runs (its prefix cache reset between them), so no run pays a fresh pr
 (--enable-mixed-chunk: decode rows ride in every prefill step) or `+mixed-gather` for mixed steps
 whose decode rows take the prefill path (a gather + SDPA each, atomd/engine/runner.py's
 DECODE_ROWS_KERNEL off: what mixed steps were before their decode rows went through the decode
-kernel). A mixed mode has its own flood, offers --load x its own capacity and is compared with
-`off` of its kind (`off+mixed`, `off+mixed-gather`); `off+mixed` itself also with `off`, on the
-arrivals of `off`'s rate, in the column "vs seed off" (same requests, same times).
+kernel). A mixed mode has its own flood, offers --load x its own capacity (--same-arrivals: the
+seed steps', every mode then sees the same requests at the same times) and is compared with `off`
+of its kind (`off+mixed`, `off+mixed-gather`) and with the seed's `off`; `off+mixed` itself also
+runs on the arrivals of `off`'s rate (`off+mixed@seed`: same requests, same times).
 
 The ITL tail table: every gap at or over its run's ITL p99, which ticks it spanned, and of those
 the longest (the one that made it long): both ranks prefilling, the gap's own rank prefilling
@@ -197,7 +198,12 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
             for mode in order:
                 policy, kind = mode.partition("+")[0], kind_of(mode)
                 # off+mixed on the seed's rate too: what mixed steps buy on the same arrivals
-                for rate_of in ([kind, ""] if mode == "off+mixed" and "" in kinds else [kind]):
+                # (--same-arrivals: every mode on the seed's rate, so all of them see the same requests)
+                if args["same_arrivals"] and "" in kinds:
+                    rates_of = [""]
+                else:
+                    rates_of = [kind, ""] if mode == "off+mixed" and "" in kinds else [kind]
+                for rate_of in rates_of:
                     rate = args["load"] * capacity[rate_of]
                     requests = workload(args, rnd * 100 + int(b * 10), rate, b)
                     engine.reset_prefix_cache()
@@ -206,7 +212,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                                                         if policy != "off" else None)
                     result = serve(engine, coll, rank, world, requests)
                     delayer = engine.scheduler.prefill_delayer
-                    name = mode if rate_of == kind else "off+mixed@seed"
+                    name = mode if rate_of == kind or args["same_arrivals"] else "off+mixed@seed"
                     runs.append({"round": rnd, "burstiness": b, "policy": name, "rate": rate,
                                  "delayer": delayer.stats()["outcomes"] if delayer else [], **result})
                     print(f"rank {rank}: round {rnd} burstiness {b:g} {name} done ({result['wall_s']:.0f} s wall)",
@@ -237,6 +243,8 @@ def main() -> None:
                     "(--prefill-delayer-max-delay-passes; 0: the engine's default)")
     ap.add_argument("--prefill-cap", type=int, default=0, help="prompt tokens a rank's step may carry while its "
                     "streams run (--max-local-prefill-tokens-per-step, every mode; 0: off)")
+    ap.add_argument("--same-arrivals", action="store_true", help="every mode offered --load x the seed steps' "
+                    "capacity (the same requests at the same times), not its own kind's")
     ap.add_argument("--load", type=float, default=0.9, help="offered load, a fraction of the flood's capacity")
     ap.add_argument("--burstiness", default="1,0.25", help="gamma shapes, comma-separated: 1 Poisson, < 1 bursts")
     ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
@@ -250,7 +258,7 @@ def main() -> None:
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
-            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "max_delay": a.max_delay, "prefill_cap": a.prefill_cap, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds, "modes": modes, "time_budget_s": a.time_budget_s,
+            "range_ratio": a.range_ratio, "output_len": a.output_len, "output_range_ratio": a.output_range_ratio, "low_watermark": a.low_watermark, "max_delay": a.max_delay, "prefill_cap": a.prefill_cap, "same_arrivals": a.same_arrivals, "load": a.load, "max_num_seqs": a.max_num_seqs, "rounds": a.rounds, "modes": modes, "time_budget_s": a.time_budget_s,
             "burstiness": [float(b) for b in a.burstiness.split(",")]}
     print(f"CPU: {cpu_model()}; load average before: {loadavg()}", flush=True)
     config = json.loads((model / "config.json").read_text())
