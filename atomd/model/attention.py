@@ -29,7 +29,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, kv_cache:
     all of them in one call of the native kernel (atomd/kernels/native.py), else one SDPA each; one
     with a prefix (chunked prefill, prefix hit) reads its whole context from the cache, one
     SDPA each, except its one-token rows over a cached context (a mixed step's decode rows): with
-    the native kernels those go through the decode kernel, all in one call. Decode: the native kernel reads each context straight from the paged cache
+    the native kernels those go through the decode kernel, all in one call (`meta.decode_rows`).
+    Decode: the native kernel reads each context straight from the paged cache
     (with speculative decoding several rows per sequence, causal inside its drafts; without
     the kernel the runner sends such a batch down the prefill path); without it, one SDPA over the batch, contexts gathered block by block and padded (into
     the decode workspace when there is one, which later steps extend instead of gathering
