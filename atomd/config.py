@@ -308,8 +308,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                              f"own (num_redundant_experts={self.num_redundant_experts})")
 
     def _check_tensor_parallel(self) -> None:
-        """At start-up, in the API process: N splits the model's heads and MLP (atomd/model/tp_split.py)
-        and nothing asks for what TP does not run yet."""
+        """At start-up, in the API process: N splits the model's heads and MLP (atomd/model/tp_split.py)."""
         from atomd.model.tp_split import check_hf_config
 
         _choice("tp_communicator", self.tp_communicator, TP_COMMUNICATORS)
@@ -320,13 +319,6 @@ class EngineConfig(msgspec.Struct, kw_only=True):
             raise ValueError(f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
         if self.tensor_parallel_size == 1 or self.model_runner != "real":
             return
-        spec = self.speculative()
-        mtp = spec is not None and spec.method == "mtp"
-        for name, on in (("enable_expert_parallel and MTP drafts", self.enable_expert_parallel and mtp),
-                         # the workers run one MTP pass a step (MtpStep); a chain's passes stay on rank 0
-                         ("MTP num_speculative_tokens > 1", mtp and spec.num_speculative_tokens > 1)):
-            if on:
-                raise ValueError(f"tensor_parallel_size > 1 does not run with {name} yet")
         from atomd.model.default import default_model_dir
 
         path = hub.model_path(self.model) if self.model is not None else default_model_dir()

@@ -20,6 +20,14 @@ rate (accepted / drafted, the engine's spec_decode counters).
 checkpoint, trained or not): the engine's forwards by rows (1: plain decode, 2: a verify of one
 draft) and the MTP pass after each forward (MtpProposer.run), thread CPU per call, medians of
 --rounds, with atomd/model/deepseek.py's batch-1 C layer on and off (FUSED).
+
+`--tp N`: instead, chained MTP drafts under tensor parallelism (#41): no drafts, MTP k=1 and k=3
+at TP=N against the same at TP=1, one thread a rank, batch 1, alternating each round; reported per
+configuration the decode tokens per CPU second of the engine's processes together (rank 0 and its
+workers: /proc's utime + stime, the workers' waits in the collectives included) and per wall
+second, medians of --rounds, and the acceptance; greedy outputs asserted equal.
+
+    .venv/bin/python benchmarks/mtp_drafts.py --minutes 1 --tp 2 --rounds 3 --prompts 2 --new 48
 """
 from __future__ import annotations
 
@@ -189,6 +197,70 @@ def cost(path: pathlib.Path, rounds: int, new: int) -> int:
     return 0
 
 
+def _cpu_s(pids: list[int]) -> float:
+    """This process's CPU seconds plus those of `pids` (its TP workers) so far."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    total = time.process_time()
+    for pid in pids:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+        total += (int(fields[11]) + int(fields[12])) / ticks  # utime, stime
+    return total
+
+
+def tensor_parallel(path: pathlib.Path, tp: int, prompts: list[list[int]], rounds: int, new: int) -> int:
+    """--tp (module docstring)."""
+    from benchmarks.machine import cpu_model, loadavg
+
+    runs = {(size, name): LLM(str(path), num_threads=1, max_model_len=512, tensor_parallel_size=size,
+                              speculative_config=SPECS[name])
+            for size in (1, tp) for name in ("none", "mtp-k1", "mtp-k3")}
+    params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
+    cpu_rates: dict[tuple, list[float]] = {key: [] for key in runs}
+    wall_rates: dict[tuple, list[float]] = {key: [] for key in runs}
+    outputs: dict[tuple, list] = {}
+    load = [loadavg()]
+    try:
+        for r in range(rounds + 1):  # round 0 warms every engine up
+            for key, llm in (runs.items() if r % 2 else reversed(runs.items())):
+                pids = llm.engine.tp_workers.pids if llm.engine.tp_workers is not None else []
+                cpu = wall = 0.0
+                for prompt in prompts:  # batch 1: one request at a time
+                    llm.generate([{"prompt_token_ids": prompt}], SamplingParams(max_tokens=1, temperature=0.0),
+                                 use_tqdm=False)
+                    c, t = _cpu_s(pids), time.perf_counter()
+                    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+                    cpu, wall = cpu + _cpu_s(pids) - c, wall + time.perf_counter() - t
+                    outputs.setdefault(key, []).append(out.outputs[0].token_ids)
+                if r:
+                    cpu_rates[key].append(new * len(prompts) / cpu)
+                    wall_rates[key].append(new * len(prompts) / wall)
+            load.append(loadavg())
+        base = outputs[(1, "none")]
+        assert all(o == base for o in outputs.values()), "TP or speculation changed greedy output"
+        print(f"\nCPU: {cpu_model()}; one thread a rank, {len(prompts)} prompts x {new} tokens a round, "
+              f"{rounds} rounds; loadavg per round: {' | '.join(load)}")
+        print(f"greedy outputs: {len({t for o in base for t in o})} distinct tokens in {sum(map(len, base))}")
+        print("| TP | drafts | tok per CPU s (median) | rounds | tok per wall s (median) | acceptance |")
+        print("|---:|---|---:|---|---:|---:|")
+        for (size, name), llm in runs.items():
+            s = llm.engine.stats()
+            acc = (f"{s['spec_decode_num_accepted_tokens'] / s['spec_decode_num_draft_tokens']:.2f}"
+                   if SPECS[name] else "-")
+            print(f"| {size} | {name} | {statistics.median(cpu_rates[size, name]):.1f} | "
+                  f"{' / '.join(f'{x:.1f}' for x in cpu_rates[size, name])} | "
+                  f"{statistics.median(wall_rates[size, name]):.1f} | {acc} |")
+        med = {key: statistics.median(v) for key, v in cpu_rates.items()}
+        print(f"CPU-time ratios: TP={tp} k=3 / TP={tp} k=1 {med[tp, 'mtp-k3'] / med[tp, 'mtp-k1']:.2f}x, "
+              f"TP={tp} k=3 / TP=1 k=3 {med[tp, 'mtp-k3'] / med[1, 'mtp-k3']:.2f}x, "
+              f"TP={tp} k=3 / TP={tp} none {med[tp, 'mtp-k3'] / med[tp, 'none']:.2f}x, "
+              f"TP=1 k=3 / TP=1 none {med[1, 'mtp-k3'] / med[1, 'none']:.2f}x")
+    finally:
+        for llm in runs.values():
+            llm.engine.close()
+    return 0
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--minutes", type=float, default=4.0, help="training time")
@@ -204,6 +276,7 @@ def main() -> int:
     ap.add_argument("--dir", default=None, help="reuse a trained checkpoint directory")
     ap.add_argument("--cost", action="store_true", help="where a step's time goes, MTP k=1 vs none (module docstring)")
     ap.add_argument("--per-op", action="store_true", help="the per-op DeepSeek layer (deepseek.FUSED off): the A/B")
+    ap.add_argument("--tp", type=int, default=0, help="MTP k=1 / k=3 at this TP size against TP=1 (module docstring)")
     args = ap.parse_args()
     torch.set_num_threads(1)  # one thread: the shared machine's other processes make more threads wait
     info = {}
@@ -228,6 +301,8 @@ def main() -> int:
     _, held = corpus_files(pathlib.Path(sysconfig.get_paths()["stdlib"]))
     held_ids = [t for f in held for t in tok.encode(read_source(f)).ids]
     prompts = [held_ids[i * 997:i * 997 + 64] for i in range(args.prompts)]
+    if args.tp:
+        return tensor_parallel(path, args.tp, prompts, args.rounds, args.new)
     llms = {name: LLM(str(path), num_threads=args.threads, max_model_len=512, speculative_config=spec)
             for name, spec in SPECS.items()}
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)

@@ -65,17 +65,22 @@ def test_ep2_greedy_equals_hf_and_dp1(name, checkpoints):
         assert bm.num_free_blocks == bm.num_total_blocks
 
 
-def test_ep2_with_mtp_drafts_equals_hf_one_engine_and_the_reference(tmp_path):
+@pytest.mark.parametrize("tp", [1, 2])
+def test_ep2_with_mtp_drafts_equals_hf_one_engine_and_the_reference(tp, tmp_path):
     """Two EP ranks of a V3 checkpoint with its MTP layer (sparse: its experts split as the main
     ones), three chained drafts a step: greedy tokens equal HF's and a DP=1 MTP engine's, every
     rank's draft chains equal the reference MTP, drafts are accepted, and both ranks ran the same
-    collectives: 3 exchanges per sparse layer and per MTP pass (3 a step) every busy tick."""
+    collectives: 3 exchanges per sparse layer and per MTP pass (3 a step) every busy tick.
+    tp=2 (TP x EP, DeepSeek V3's dense, shared-expert and routed layers): each rank's engine core
+    (TP rank 0) holds its 4 experts of every sparse layer, the MTP layer's too, whole and runs the
+    exchange, its worker holds none and adds zeros; the same tokens, chains and counts."""
     path, full, mtp = write_v3_with_mtp(tmp_path / "v3mtp", seed=51, own_head=False, mimic=True, leak=0.05)
     spec = json.dumps(MTP3)
-    ranks = Ranks(path, speculative_config=spec)
+    ranks = Ranks(path, speculative_config=spec, tensor_parallel_size=tp)
     for engine in ranks.engines:
         layer = engine.proposer.mtp.layer
         assert layer.moe.gate_up.shape[0] == 4 and layer.moe.ep is engine.model.ep
+        assert layer.moe.gate_up.shape[1] == 2 * full.config.moe_intermediate_size  # whole under TP x EP
         engine.proposer.trace = []
     prompts = prompts_of([20, 9, 2 * BLOCK + 3], seed=12)
     arrivals = [{0: [("a", prompts[0])], 6: [("c", prompts[2])]}, {3: [("b", prompts[1])]}]
@@ -97,3 +102,4 @@ def test_ep2_with_mtp_drafts_equals_hf_one_engine_and_the_reference(tmp_path):
     for engine in ranks.engines:
         bm = engine.scheduler.block_manager
         assert bm.num_free_blocks == bm.num_total_blocks
+        engine.close()  # its TP workers

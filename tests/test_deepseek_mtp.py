@@ -18,7 +18,6 @@ import torch
 import transformers
 from safetensors.torch import load_file, save_file
 
-from atomd.config import EngineConfig
 from atomd.llm import LLM
 from atomd.model.deepseek_mtp import load_mtp
 from atomd.model.loader import load_model
@@ -41,7 +40,8 @@ GREEDY = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True)
 def write_v3_with_mtp(path: pathlib.Path, seed: int, own_head: bool, mimic: bool = False, leak: float = 0.0):
     """The checkpoint and the 3-layer HF model it came from. own_head: the MTP layer has its own
     embed_tokens and shared_head.head (random, unlike released checkpoints, so reading them is
-    tested); else the main ones are used. mimic: the MTP layer passes the hidden state through
+    tested; with mimic, copies of the main ones, as released checkpoints have); else the main ones
+    are used. mimic: the MTP layer passes the hidden state through
     (eh_proj = [0 | I], its attention and MLP outputs zero), so it drafts the main model's own
     next token again, and the main model leans to repeating its input token (its lm_head is
     its embedding): drafts accepted where it does. leak: the mimic's attention and MLP outputs
@@ -69,8 +69,10 @@ def write_v3_with_mtp(path: pathlib.Path, seed: int, own_head: bool, mimic: bool
            p + "eh_proj.weight": torch.randn(hidden, 2 * hidden, generator=g) * 0.1,
            p + "shared_head.norm.weight": 1 + 0.2 * torch.randn(hidden, generator=g)}
     if own_head:
-        mtp[p + "embed_tokens.weight"] = torch.randn(COMMON["vocab_size"], hidden, generator=g) * 0.1
-        mtp[p + "shared_head.head.weight"] = torch.randn(COMMON["vocab_size"], hidden, generator=g) * 0.1
+        mtp[p + "embed_tokens.weight"] = full.model.embed_tokens.weight.detach().clone() if mimic else \
+            torch.randn(COMMON["vocab_size"], hidden, generator=g) * 0.1
+        mtp[p + "shared_head.head.weight"] = full.lm_head.weight.detach().clone() if mimic else \
+            torch.randn(COMMON["vocab_size"], hidden, generator=g) * 0.1
     if mimic:
         for name in ("enorm.weight", "hnorm.weight", "shared_head.norm.weight"):
             mtp[p + name] = torch.ones(hidden)
@@ -189,26 +191,56 @@ def test_mtp_logits_equal_the_reference_and_greedy_is_unchanged(backend, ckpt):
     assert stats["spec_decode_num_draft_tokens"] > 0
 
 
-def test_mtp_under_tensor_parallelism_equals_the_reference(ckpt):
-    """TP=2 (the MTP layer's MLA, experts, embedding and head split like the main layers'):
-    every draft's gathered MTP logits on rank 0 against the reference, greedy equal to HF's (which
-    the TP=1 test above equals on the same prompts), chunked prefill and verify steps included.
-    One draft a step: chained drafts under TP are refused at start-up."""
-    path, full, mtp = ckpt
-    with pytest.raises(ValueError, match="MTP num_speculative_tokens > 1"):
-        EngineConfig(model=str(path), tensor_parallel_size=2, speculative_config=json.dumps(MTP3))
-    llm = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=2 * BLOCK,
-              tensor_parallel_size=2, speculative_config=MTP)
+def test_chained_mtp_under_tensor_parallelism_equals_the_reference(tmp_path):
+    """TP=2 with three chained drafts a step (the MTP layer's MLA, experts, embedding and head split
+    like the main layers'; every rank runs its share of each pass, announced by rank 0 right before
+    it runs it), on a mimicking checkpoint whose MTP layer has its own embedding and head (copies of
+    the main ones, as released checkpoints have), through chunked prefill, verify steps and
+    preemption by a tiny pool: greedy equal to HF's and to a TP=1 engine without drafts, every
+    draft's gathered MTP logits on rank 0 within 1e-4 of the reference chain, drafts accepted and
+    counted, chained rows on borrowed scratch blocks, chains cut short on rank 0 where no block was
+    vacant (every other borrow refused here: the workers ran exactly the passes rank 0 ran, or the
+    run would hang or time out), and every block back in the pool."""
+    path, full, mtp = write_v3_with_mtp(tmp_path / "v3mimic", seed=52, own_head=True, mimic=True, leak=0.05)
+    llm = LLM(str(path), num_threads=1, max_model_len=256, max_num_batched_tokens=2 * BLOCK, num_kvcache_blocks=9,
+              tensor_parallel_size=2, speculative_config=MTP3)
+    borrowed, refused = [], []
+
+    class EveryOther:
+        """The scheduler's pool as the drafter sees it: every other scratch block refused."""
+
+        def __init__(self, pool: BlockPool):
+            self.pool = pool
+
+        def __getattr__(self, name):
+            return getattr(self.pool, name)
+
+        def take_vacant(self):
+            if len(borrowed) > len(refused):
+                refused.append(None)
+                return None
+            borrowed.append(self.pool.take_vacant())
+            return borrowed[-1]
+    llm.engine.proposer.pool = EveryOther(llm.engine.proposer.pool)
     try:
         llm.engine.proposer.trace = []
         assert llm.engine.kv_cache.num_layers == LAYERS + 1
-        prompts = prompts_of([3 * BLOCK + 5, 7, 1], seed=11)
-        outs = llm.generate([{"prompt_token_ids": p} for p in prompts], GREEDY)
+        prompts = prompts_of([20, 9, 30], seed=12)
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
         got = [o.outputs[0].token_ids for o in outs]
-        assert_equals_hf(path, prompts, got, n=24)
+        assert_equals_hf(path, prompts, got, n=40)
+        assert engine_greedy(LLM(str(path), num_threads=1, max_model_len=256), prompts,
+                             SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)) == got
+        assert {1, 2, 3} <= {d for d, *_ in llm.engine.proposer.trace}
         ref = lambda t: reference_mtp(path, full, mtp, t)  # noqa: E731
-        assert assert_chains_equal_the_reference(llm.engine.proposer.trace, finals_of(outs, prompts), ref) >= 60
-        assert llm.engine.stats()["spec_decode_num_draft_tokens"] > 0
+        assert assert_chains_equal_the_reference(llm.engine.proposer.trace, finals_of(outs, prompts), ref) > 100
+        stats = llm.engine.stats()
+        assert stats["num_preemptions"] > 0 and stats["num_free_blocks"] == 9
+        assert any(b is not None for b in borrowed) and refused  # scratch blocks used, chains cut short
+        assert 0 < stats["spec_decode_num_accepted_tokens"] < stats["spec_decode_num_draft_tokens"]
+        kept = stats["spec_decode"]["distribution"]
+        assert stats["spec_decode_num_accepted_tokens"] == sum(n * steps for n, steps in kept.items())
     finally:
         llm.engine.close()
 

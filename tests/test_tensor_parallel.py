@@ -115,18 +115,13 @@ def test_split_is_checked_with_the_numbers_named(checkpoints):
         check_split(4, 2, [102], 4)
     with pytest.raises(ValueError, match="tensor_parallel_size=3 must divide the 4 attention heads"):
         EngineConfig(model=str(checkpoints["llama"]), tensor_parallel_size=3)  # the API process's check
-    mtp = json.dumps({"method": "mtp", "num_speculative_tokens": 1})
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with enable_expert_parallel and "
-                                         "MTP drafts yet"):
-        EngineConfig(model=str(checkpoints["deepseek-v3"]), tensor_parallel_size=2, data_parallel_size=2,
-                     enable_expert_parallel=True, speculative_config=mtp)
-    from tests.test_serve_flags import serve_parser  # the same refusal from `atomd serve`'s flags, naming both
+    from tests.test_serve_flags import serve_parser  # TP x EP with chained MTP drafts: accepted (test_deepseek_ep)
 
+    mtp3 = json.dumps({"method": "mtp", "num_speculative_tokens": 3})
     flags = serve_parser().parse_args(["--model", str(checkpoints["deepseek-v3"]), "--tensor-parallel-size", "2",
                                        "--data-parallel-size", "2", "--enable-expert-parallel",
-                                       "--speculative-config", mtp])
-    with pytest.raises(ValueError, match="tensor_parallel_size > 1 does not run with enable_expert_parallel and"):
-        EngineConfig.from_args(flags)
+                                       "--speculative-config", mtp3])
+    assert EngineConfig.from_args(flags).speculative().num_speculative_tokens == 3
     with pytest.raises(ValueError, match="tp_kv_transfer must be one of staging, direct"):
         EngineConfig(tensor_parallel_size=2, tp_kv_transfer="zero-copy")
     with pytest.raises(ValueError, match="tp_communicator must be one of shm, gloo"):

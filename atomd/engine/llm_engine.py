@@ -133,8 +133,7 @@ class LLMEngine(EngineLoop):
         self.sampler = Sampler(config.seed, self._end_token_ids, grammars)  # end tokens: banned before min_tokens
         if mtp is not None:
             self.proposer = MtpProposer(self.model, mtp, spec.num_speculative_tokens, config.max_model_len,
-                                        self.kv_cache, self.runner.kernels,
-                                        None if self.tp_workers is None else self.tp_workers.send_mtp)
+                                        self.kv_cache, self.runner.kernels, self.tp_workers)
         elif spec is not None:
             self.proposer = NgramProposer(spec.num_speculative_tokens, spec.prompt_lookup_min,
                                           spec.prompt_lookup_max, config.max_model_len)

@@ -28,9 +28,18 @@ Expert parallelism: the MTP layer's MoE exchanges across the ranks, so every ran
 k MTP passes each step any rank runs (the first pass, the chain, then empty exchanges for the
 depths it did not reach: `end_step`; an idle rank all k: `idle`).
 
-Tensor parallelism: `share` sends each step's next tokens and drafting rows to the workers
-(TPWorkers.send_mtp), which run their share of the first pass with rank 0; chained drafts
-(k > 1) are refused under TP (config.py), so there is no second pass to share.
+Tensor parallelism: every rank runs its share of every pass (the MTP layer split as the main
+ones), and rank 0 announces each pass to the workers just before it runs it: the first with the
+step's next tokens and drafting rows (`TPWorkers.send_mtp`), each chained one with its live
+chains' slots, last drafts, positions and block tables, scratch blocks included
+(`TPWorkers.send_mtp_pass`). A worker (`MtpShare`) runs exactly the passes announced, in their
+order, and expects none: it reads the next message whatever it is (the next step's, a pass), so a
+chain that stops early on rank 0 (a limit, max_model_len, no vacant block) has announced only the
+passes it ran and leaves no worker inside a collective. A chained pass reads each chain's state
+from the pass before on that rank (the same bits on every rank: the all-reduce hands every rank
+the same sum); the drafts rank 0 picked travel with the announcement. Under TP x EP only rank 0
+exchanges (the workers hold no routed expert of the MTP layer either and add zeros), so
+`end_step`'s empty passes concern rank 0 alone.
 """
 from __future__ import annotations
 
@@ -53,13 +62,14 @@ class _Chain:
     state: torch.Tensor  # [hidden] the MTP's output at that row
     table: list[int]  # the sequence's blocks this step
     drafts: list[int]
+    slot: int  # its row among the first pass's drafting rows (a TP worker's state of the chain: MtpShare)
 
 
 class MtpProposer:
     def __init__(self, model, mtp: MtpLayer, num_speculative_tokens: int, max_model_len: int, kv_cache: KVCache,
                  kernels=None, share=None):
         self.model, self.mtp, self.kv_cache, self.kernels = model, mtp, kv_cache, kernels
-        self.share = share  # under TP: share(next_ids, rows) sends them to the workers (TPWorkers.send_mtp)
+        self.share = share  # under TP: TPWorkers, which announces each pass to the workers (send_mtp, send_mtp_pass)
         self.k, self.max_model_len = num_speculative_tokens, max_model_len
         self.pool = None  # the scheduler's BlockPool (set once it exists): chained rows' scratch blocks
         self.chains: dict[int, _Chain] = {}  # seq id -> its first draft, from the last forward
@@ -90,11 +100,11 @@ class MtpProposer:
         rows = torch.tensor(logits_rows, dtype=torch.int64)
         self.passes = 1
         if self.share is not None:
-            self.share(next_ids, rows)
+            self.share.send_mtp(next_ids, rows)
         logits, states = mtp_forward(self.model, self.mtp, torch.from_numpy(next_ids), hidden, positions, meta,
                                      kv_cache, rows)
         at = positions[rows].tolist()
-        self.chains = {batch.seqs[i].id: _Chain(batch.seqs[i].request_id, p, states[j], batch.block_tables[i], [d])
+        self.chains = {batch.seqs[i].id: _Chain(batch.seqs[i].request_id, p, states[j], batch.block_tables[i], [d], j)
                        for j, (i, p, d) in enumerate(zip(drafting, at, logits.argmax(dim=-1).tolist()))}
         if self.trace is not None:
             self.trace.append((1, [c.request_id for c in self.chains.values()], positions[rows], logits))
@@ -131,11 +141,13 @@ class MtpProposer:
                 live = [s for s, d in depths.items() if d >= depth]
                 chains = [self.chains[s] for s in live]
                 positions = torch.tensor([c.position + 1 for c in chains], dtype=torch.int64)
-                meta = self._decode_meta([c.table for c in chains], positions)
+                tables, tokens = [c.table for c in chains], torch.tensor([c.drafts[-1] for c in chains])
+                meta = chain_meta(tables, positions, self.kv_cache.block_size, self.kernels)
+                if self.share is not None:  # announced right before it runs: a worker runs this pass and no other
+                    self.share.send_mtp_pass([c.slot for c in chains], tokens, positions, tables)
                 self.passes += 1
-                logits, states = mtp_forward(self.model, self.mtp, torch.tensor([c.drafts[-1] for c in chains]),
-                                             torch.stack([c.state for c in chains]), positions, meta, self.kv_cache,
-                                             torch.arange(len(chains)))
+                logits, states = mtp_forward(self.model, self.mtp, tokens, torch.stack([c.state for c in chains]),
+                                             positions, meta, self.kv_cache, torch.arange(len(chains)))
                 for c, state, d in zip(chains, states, logits.argmax(dim=-1).tolist()):
                     c.position, c.state = c.position + 1, state
                     c.drafts.append(d)
@@ -156,14 +168,36 @@ class MtpProposer:
         self.passes = 0
         self.end_step()
 
-    def _decode_meta(self, tables: list[list[int]], positions: torch.Tensor) -> AttentionMetadata:
-        """One decode row a sequence at `positions`, over its blocks `tables`."""
-        bs = self.kv_cache.block_size
-        padded, at = pad_tables(tables), positions.numpy()
-        meta = AttentionMetadata(False, torch.from_numpy(padded[np.arange(len(tables)), at // bs]), positions % bs, [],
-                                 kernels=self.kernels)
-        decode_reads(meta, padded, at + 1, bs)
-        return meta
-
     def forget(self, seq_id: int) -> None:
         self.chains.pop(seq_id, None)
+
+
+def chain_meta(tables: list[list[int]], positions: torch.Tensor, block_size: int, kernels) -> AttentionMetadata:
+    """A chained pass's metadata: one decode row a sequence at `positions`, over its blocks `tables`."""
+    padded, at = pad_tables(tables), positions.numpy()
+    meta = AttentionMetadata(False, torch.from_numpy(padded[np.arange(len(tables)), at // block_size]),
+                             positions % block_size, [], kernels=kernels)
+    decode_reads(meta, padded, at + 1, block_size)
+    return meta
+
+
+class MtpShare:
+    """A TP worker's share of the drafter (module docstring): the passes rank 0 announces, each run
+    when its announcement arrives; the first pass's output states kept for the chained ones."""
+
+    def __init__(self, model, mtp: MtpLayer, kv_cache: KVCache, kernels=None):
+        self.model, self.mtp, self.kv_cache, self.kernels = model, mtp, kv_cache, kernels
+        self.states: torch.Tensor | None = None  # [drafting rows, hidden]: each chain's state, by slot
+
+    def first(self, next_ids: torch.Tensor, rows: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata) -> None:
+        """The step's first pass over every row (MtpProposer.run's), after the step's forward."""
+        _, self.states = mtp_forward(self.model, self.mtp, next_ids, hidden, positions, meta, self.kv_cache, rows)
+
+    def chained(self, slots: torch.Tensor, token_ids: torch.Tensor, positions: torch.Tensor,
+                tables: list[list[int]]) -> None:
+        """One chained pass (MtpProposer._chain's) over the live chains `slots`."""
+        meta = chain_meta(tables, positions, self.kv_cache.block_size, self.kernels)
+        _, states = mtp_forward(self.model, self.mtp, token_ids, self.states[slots], positions, meta, self.kv_cache,
+                                torch.arange(len(slots)))
+        self.states[slots] = states

@@ -14,9 +14,9 @@ head_dim] that rank 0 creates in /dev/shm before it starts the workers and maps 
 unlinked once every rank has mapped it. So rank 0 can read or write any worker's slice of a block
 (`TPWorkers.kv_all`).
 
-Lifetimes. A worker dies with rank 0 (PR_SET_PDEATHSIG, and its wait for the next step notices
-rank 0's exit); rank 0 stops its workers on close (a stop message, then SIGKILL by PID after a
-deadline). A worker that dies makes rank 0's next collective raise CollectiveTimeout within the
+Lifetimes. A worker dies with rank 0 (PR_SET_PDEATHSIG, or a thread watching its parent where rank
+0 started it off its main thread, and its wait for the next step notices rank 0's exit); rank 0
+stops its workers on close (a stop message, then SIGKILL by PID after a deadline). A worker that dies makes rank 0's next collective raise CollectiveTimeout within the
 TP timeout (the communicator checks its peers' PIDs): the step fails, the engine core reports
 itself dead (the API answers 503 and errors the requests in flight) and kills the other workers.
 """
@@ -35,6 +35,7 @@ import select
 import signal
 import subprocess
 import sys
+import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -50,11 +51,12 @@ log = logging.getLogger(__name__)
 
 SHM_DIR = "/dev/shm"
 STOP_DEADLINE_S = 5.0  # a worker told to stop exits by then, or is killed
+PARENT_POLL_S = 0.5  # a worker started off rank 0's main thread checks its parent this often
 JOIN_TIMEOUT_S = 600.0  # every rank loads its shard before the join
 LOADED = b"atomd-tp-worker-loaded"
 
 
-class TPStep(msgspec.Struct, array_like=True):
+class TPStep(msgspec.Struct, array_like=True, tag=True):
     """One forward's inputs as the workers need them (a ScheduledBatch's arrays, as bytes)."""
 
     stop: bool = False
@@ -71,12 +73,28 @@ class TPStep(msgspec.Struct, array_like=True):
     lora_paths: list[str | None] = []  # each sequence's LoRA adapter directory (None: the base model); [] none
 
 
-class MtpStep(msgspec.Struct, array_like=True):
+class MtpStep(msgspec.Struct, array_like=True, tag=True):
     """After a step's sampling, with DeepSeek's MTP drafter (MtpProposer.run): each row's next token
-    and the rows that draft, for every rank's share of the MTP layer's forward."""
+    and the rows that draft, for every rank's share of the MTP layer's first pass."""
 
     next_ids: bytes  # int64
     rows: bytes  # int64
+
+
+class MtpPass(msgspec.Struct, array_like=True, tag=True):
+    """One chained MTP pass (MtpProposer._chain, k > 1), sent right before rank 0 runs it: the live
+    chains' slots (rows of the first pass's drafting rows), their last drafts, positions and block
+    tables (borrowed scratch blocks included)."""
+
+    slots: bytes  # int64
+    token_ids: bytes  # int64
+    positions: bytes  # int64
+    block_tables: list[list[int]]
+
+
+# what rank 0 broadcasts; a worker runs each message as it comes (with MTP: a step, its first pass, its
+# chained passes, as many as rank 0 announces)
+WorkerMessage = TPStep | MtpStep | MtpPass
 
 
 class _Seq:
@@ -158,6 +176,7 @@ class WorkerSpec:
     kv_shape: tuple[int, ...]
     dtype: torch.dtype
     parent_pid: int
+    started_on_main_thread: bool  # the death signal follows the starting thread (_die_with_parent)
     kv_dtype: torch.dtype  # the cache's: the model's dtype, or fp8 (--kv-cache-dtype)
 
 
@@ -184,7 +203,7 @@ class TPWorkers:
                                         stdout=subprocess.PIPE)
                 self.procs.append(proc)
                 spec = WorkerSpec(config, str(model_dir), rank, self.group, self.kv_path, (size, *kv_shape), dtype,
-                                  os.getpid(), kv_dtype)
+                                  os.getpid(), threading.current_thread() is threading.main_thread(), kv_dtype)
                 proc.stdin.write(pickle.dumps(spec))
                 proc.stdin.close()
         except BaseException:
@@ -239,6 +258,13 @@ class TPWorkers:
         """The MTP layer's inputs of this step (MtpStep), before rank 0 runs its share of it."""
         self.comm.broadcast_bytes(msgspec.msgpack.encode(MtpStep(next_ids.astype(np.int64).tobytes(),
                                                                   rows.numpy().astype(np.int64).tobytes())))
+
+    def send_mtp_pass(self, slots: list[int], token_ids: torch.Tensor, positions: torch.Tensor,
+                      tables: list[list[int]]) -> None:
+        """A chained MTP pass (MtpPass), before rank 0 runs its share of it."""
+        self.comm.broadcast_bytes(msgspec.msgpack.encode(MtpPass(
+            np.asarray(slots, np.int64).tobytes(), token_ids.numpy().astype(np.int64).tobytes(),
+            positions.numpy().astype(np.int64).tobytes(), tables)))
 
     def close(self) -> None:
         """Stop the workers (a stop message while the group works, then SIGKILL by PID)."""
@@ -322,17 +348,28 @@ class TPRunner:
         return self.runner.execute(batch, all_logits=all_logits, hidden_indices=hidden_indices)
 
 
-def _die_with_parent() -> None:
-    try:  # Linux: SIGKILL when the process that started this one exits
-        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
+def _die_with_parent(parent_pid: int, by_signal: bool) -> None:
+    """by_signal: SIGKILL when the thread that started this process exits (Linux's PR_SET_PDEATHSIG is
+    per thread: right where rank 0's main thread started it); else a watcher thread exits when the
+    parent process is gone (rank 0 built on a thread that ends before the engine does)."""
+    if by_signal:
+        try:
+            ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+            return
+        except (OSError, AttributeError):
+            pass
+
+    def watch() -> None:
+        while os.getppid() == parent_pid:
+            time.sleep(PARENT_POLL_S)
+        os._exit(1)
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main() -> None:
     """A worker: load this rank's shard, map its cache slice, join, then run every step rank 0 sends."""
-    _die_with_parent()
     spec: WorkerSpec = pickle.load(sys.stdin.buffer)
+    _die_with_parent(spec.parent_pid, spec.started_on_main_thread)
     if os.getppid() != spec.parent_pid:  # rank 0 died before the death signal was armed
         return
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s %(levelname)s tp{spec.rank} %(name)s: %(message)s")
@@ -354,10 +391,10 @@ def main() -> None:
                        compute_dtype=model.dtype)
     runner = ModelRunner(model, kv_cache, cfg.attention_backend)
     mtp = None
-    if uses_mtp(cfg):  # its share of the MTP layer, run after every step (MtpStep)
-        from atomd.model.deepseek_mtp import load_mtp, mtp_forward
-        mtp = load_mtp(pathlib.Path(spec.model_dir), model, split)
-        mtp_decoder = msgspec.msgpack.Decoder(MtpStep)
+    if uses_mtp(cfg):  # its share of the MTP layer's passes (MtpStep, MtpPass)
+        from atomd.engine.mtp_proposer import MtpShare
+        from atomd.model.deepseek_mtp import load_mtp
+        mtp = MtpShare(model, load_mtp(pathlib.Path(spec.model_dir), model, split), kv_cache, runner.kernels)
     if cfg.enable_lora:
         whole = read_config(spec.model_dir)
         runner.loras = WorkerLoras(lambda name, path: load_tp_adapter(name, path, whole, split, model.dtype,
@@ -366,25 +403,27 @@ def main() -> None:
     sys.stdout.buffer.flush()
     comm = spec.group.join(spec.rank)
     model.use_tensor_parallel(TensorParallel(comm, split))
-    decoder = msgspec.msgpack.Decoder(TPStep)
+    decoder = msgspec.msgpack.Decoder(WorkerMessage)
     log.info("tensor parallelism: rank %d of %d ready (%d KV heads of each layer)", spec.rank, size, heads)
+    ints = lambda raw: torch.from_numpy(np.frombuffer(raw, np.int64).copy())  # noqa: E731
     with torch.inference_mode():
         while True:
             step = decoder.decode(comm.broadcast_bytes(None, timeout_s=math.inf))
+            if isinstance(step, MtpStep):  # the MTP layer's first pass, over the last step's rows
+                mtp.first(ints(step.next_ids), ints(step.rows), out[1], *runner.last_step)
+                continue
+            if isinstance(step, MtpPass):
+                mtp.chained(ints(step.slots), ints(step.token_ids), ints(step.positions), step.block_tables)
+                continue
             if step.stop:
                 break
             if step.block_copies:
                 src, dst = zip(*step.block_copies)
                 kv_cache.kv[list(dst)] = kv_cache.kv[list(src)]
-            hidden = None if step.hidden_indices is None else torch.from_numpy(
-                np.frombuffer(step.hidden_indices, np.int64).copy())
+            hidden = None if step.hidden_indices is None else ints(step.hidden_indices)
             if step.lora_paths:
                 runner.loras.hold(step.lora_paths)
             out = runner.execute(StepBatch(step), all_logits=step.all_logits, hidden_indices=hidden)
-            if mtp is not None:
-                m = mtp_decoder.decode(comm.broadcast_bytes(None, timeout_s=math.inf))
-                mtp_forward(model, mtp, torch.from_numpy(np.frombuffer(m.next_ids, np.int64).copy()), out[1],
-                            *runner.last_step, kv_cache, torch.from_numpy(np.frombuffer(m.rows, np.int64).copy()))
     comm.close()
 
 

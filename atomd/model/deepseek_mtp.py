@@ -23,9 +23,10 @@ step in lockstep (empty ones where it has nothing to draft), so the collective c
 
 Under tensor parallelism (`split`) the MTP layer is split as the main layers are (its MLA by
 heads, its experts by rows, its embedding and head by vocabulary rows; enorm / hnorm / eh_proj
-whole): every rank runs `mtp_forward` over the same rows (atomd/engine/tp_workers.py sends the
-workers each step's next tokens and drafting rows), its two all-reduces and the logits' gather.
-One pass a step: chained drafts (k > 1) are refused under TP.
+whole): every rank runs `mtp_forward` over the same rows, its two all-reduces and the logits'
+gather, for each of the step's passes (atomd/engine/mtp_proposer.py: rank 0 announces each pass to
+the workers). Under TP x EP its routed experts follow the main layers' rule: TP rank 0 holds its DP
+rank's whole and exchanges, the other TP ranks hold none and add zeros.
 """
 from __future__ import annotations
 
@@ -68,12 +69,14 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel, split: TPSplit | Non
     if not isinstance(model, DeepseekModel) or not mtp_layer_count(hf):
         raise ValueError(f"speculative_config method mtp: the checkpoint ({cfg.architecture}) has no MTP module "
                          f"(DeepSeek V3's num_nextn_predict_layers is {mtp_layer_count(hf)}); use method ngram")
-    if cfg.expert_ranks > 1 and model.ep is None:  # the layer's experts would be a slice with nothing to exchange
+    # TP x EP (loader.load_model): TP rank 0 holds its DP rank's routed experts whole, the other TP ranks none
+    experts = "split" if not model.tp_experts_rank0 else "whole" if split.rank == 0 else "none"
+    if cfg.expert_ranks > 1 and model.ep is None and experts != "none":  # a slice with nothing to exchange
         raise ValueError("an expert-parallel rank's MTP layer loads after use_expert_parallel")
     i, dtype = cfg.num_layers, model.dtype
     src = type(model).tensor_source(_TensorSource(model_dir), cfg)
     if split is not None:
-        src = sharded_source(src, read_config(model_dir), split)
+        src = sharded_source(src, read_config(model_dir), split, experts=experts)
     p = f"model.layers.{i}."
     if p + "eh_proj.weight" not in src:
         raise ValueError(f"speculative_config method mtp: num_nextn_predict_layers is {mtp_layer_count(hf)} but the "
