@@ -103,10 +103,11 @@ def keep_stats(engines: dict[str, str], stem: pathlib.Path) -> None:
 
 def served_profile(engines: dict[str, str], path: pathlib.Path) -> tuple[list[str], list[str]]:
     """`atomd profile --from-servers --spread-in-order` on a real setup's engines; the
-    simulated flags using it, and using the same steps fitted without contention
-    (`--no-contention`: each engine alone, as before session 6; the A/B of that)."""
-    alone = path.with_name(path.stem + "-no-contention.json")
-    for out, extra in ((path, []), (alone, ["--no-contention"])):
+    simulated flags using it, and using the same steps fitted as before session 6
+    (`--no-contention --no-served-link`: each engine alone, pulls on the named link's
+    constants; the A/B of that)."""
+    alone = path.with_name(path.stem + "-as-before.json")
+    for out, extra in ((path, []), (alone, ["--no-contention", "--no-served-link"])):
         subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers",
                         *(u for role, u in engines.items() if role != "router"),
                         "--spread-in-order", *extra, "--name", out.stem, "-o", str(out)], cwd=REPO, check=True)
@@ -120,7 +121,9 @@ def served_summary(role: str, path: pathlib.Path) -> str:
                    f"{g['per_pull_s'] * 1e3:.2f} ms/pull + {g['per_request_s'] * 1e3:.2f} ms/request "
                    f"(mean {step[kind + '_gap_s'] * 1e3:.2f} ms)"
                    for kind, g in (("prefill", step.get("prefill_gap")), ("decode", step.get("decode_gap"))) if g)
-    return (f"{role} prefill {p['base_s'] * 1e3:.2f} ms + {p['per_token_s'] * 1e6:.1f} us/token + "
+    link = json.loads(path.read_text())["link"]
+    return (f"{role} link {link['name']} {link['bandwidth'] / 1e9:.3f} GB/s + {link['latency_s'] * 1e3:.2f} ms, "
+            f"prefill {p['base_s'] * 1e3:.2f} ms + {p['per_token_s'] * 1e6:.1f} us/token + "
             f"{p['per_attention_s'] * 1e9:.1f} ns/pair, decode {d['base_s'] * 1e3:.2f} ms + "
             f"{d['per_token_s'] * 1e6:.1f} us/row + {d['per_attention_s'] * 1e9:.1f} ns/context token"
             + "".join(f", decode at {n} seqs {v * 1e3:+.3f} ms"
@@ -151,7 +154,7 @@ def main() -> int:
     grid = {role: simulated(profile) for role in ("colocated", "p", "d")} if not args.no_grid else None
     real = {role: [] for role in ("colocated", "p", "d")}
     env = dict(os.environ, ATOMD_STEP_SAMPLES="20000")
-    names = ["real", "served", "served-no-contention"] + ([] if args.no_grid else ["grid"])
+    names = ["real", "served", "served-as-before"] + ([] if args.no_grid else ["grid"])
     results: dict[tuple[str, str], list[dict]] = {(k, n): [] for k in ("colocated", "pd") for n in names}
     loads, served = [], {}
     for r in range(args.rounds):
@@ -162,7 +165,7 @@ def main() -> int:
                 served[kind] = work / f"served-{kind}-{r}.json"
                 flags, alone_flags = served_profile(engines, served[kind])
             runs = [("served", {"colocated": flags, "p": flags, "d": flags}),
-                    ("served-no-contention", {"colocated": alone_flags, "p": alone_flags, "d": alone_flags})] + \
+                    ("served-as-before", {"colocated": alone_flags, "p": alone_flags, "d": alone_flags})] + \
                 ([] if grid is None else [("grid", grid)])
             for name, runner in (runs if r % 2 == 0 else runs[::-1]):
                 # the simulated engines of a setup share this machine's cores as the real ones did
@@ -213,7 +216,9 @@ D's decodes; each busy gap from the gap model (the loop's work since the last fo
 requests added), the served residuals walked in their order from a seeded start, each batch size's mean residual
 kept where a line misses it, each busy gap's deviation from the gap model added to its step's residual; `served`
 fits how much longer a forward is beside the other engine's (contention; the simulated engines share a board of
-their forwards, atomd/sim/shared_cores.py), `served-no-contention` fits each engine alone), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
+their forwards, atomd/sim/shared_cores.py) and times pulls on the link D served (the loopback's latency, the
+bandwidth of D's pulls), `served-as-before` fits each engine alone and times pulls on the loopback's constants),
+the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
 Link loopback; every engine one torch thread. Real rows: medians of {args.rounds} rounds and (spread) max / min over
 the rounds; simulated rows: medians and (simulated / real); target within 15% (0.85-1.15x).
 

@@ -501,8 +501,12 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
     # the same steps whose busy gaps stray from their model by +-0.5 ms (a shared machine's gaps)
     noisy = [x[:6] + [x[6] + (0.5e-3 if i % 4 == 1 else -0.5e-3)] + x[7:] if not x[0] else x
              for i, x in enumerate(samples)]
+    # a PD pair's consumer: 40 pulls of 1 MB in 2.5 ms each on average
+    pulls = {"role": "consumer", "bytes": 40 * 10**6, "seconds": {"buckets": [0.001, 0.01], "counts": [0, 40, 0],
+                                                                   "sum": 40 * 2.5e-3}}
     bodies = {"/with/debug/stats": {"num_running": 0, "step_samples": samples}, "/without/debug/stats": {},
-              "/noisy/debug/stats": {"num_running": 0, "step_samples": noisy}}
+              "/noisy/debug/stats": {"num_running": 0, "step_samples": noisy},
+              "/consumer/debug/stats": {"num_running": 0, "step_samples": samples, "kv_transfer": pulls}}
 
     class Stats(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -556,6 +560,16 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
         assert np.std(spread) == pytest.approx(np.std(deviation), rel=0.15)
         assert run_from_servers(parser.parse_args([*noisy_args, "--no-gap-in-spread"])) == 0
         assert load_profile(str(out)).step.decode_spread == pytest.approx([0.0] * len(dec), abs=1e-9)
+        # no consumer served: pulls keep the named link's constants; a consumer's pulls give the
+        # bandwidth at that latency (1 MB in 2.5 - 1 ms); --no-served-link keeps the constants
+        assert load_profile(str(out)).link == LINKS["loopback"]
+        assert run_from_servers(parser.parse_args(["--from-servers", url + "/consumer", "-o", str(out)])) == 0
+        link = load_profile(str(out)).link
+        assert link.latency_s == LINKS["loopback"].latency_s and link.bandwidth == pytest.approx(1e6 / 1.5e-3)
+        assert link.seconds(10**6) == pytest.approx(2.5e-3)
+        assert run_from_servers(parser.parse_args(["--from-servers", url + "/consumer", "--no-served-link",
+                                                   "-o", str(out)])) == 0
+        assert load_profile(str(out)).link == LINKS["loopback"]
     finally:
         server.shutdown()
         server.server_close()

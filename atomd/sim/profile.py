@@ -51,6 +51,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="--from-servers with engines that shared the host's cores: fit how much longer a "
                              "forward is beside another engine's (simulated engines apply it with "
                              "$ATOMD_SIM_SHARED_CORES, atomd/sim/shared_cores.py)")
+    parser.add_argument("--served-link", action=argparse.BooleanOptionalAction, default=True,
+                        help="--from-servers with a PD pair's consumer: time pulls on the link it served (--link's "
+                             "latency, the bandwidth its pulls' mean duration gives) instead of --link's constants")
     parser.add_argument("--spread-in-order", action="store_true",
                         help="--from-servers: keep the residuals in served order (walked in order by a simulated "
                              "engine: slow stretches stay stretches) instead of their quantiles (drawn independently)")
@@ -80,6 +83,32 @@ def served_samples(urls: list[str]) -> list[tuple]:
                             float(seconds), float(gap), tuple(int(w) for w in work[:3]) if len(work) >= 3 else None,
                             urls.index(url), float(work[3]) if len(work) >= 4 else None))
     return samples
+
+
+def served_link(base, urls: list[str]):
+    """The KV link the consumers at `urls` served (a PD pair's D): `base`'s latency and the
+    bandwidth their pulls' mean duration gives (the bytes pulled over their seconds less one
+    latency each: with pulls of one size the two cannot be told apart, and only their sum
+    matters to a simulated pull); None without a consumer's pull, or pulls no slower than the
+    latency."""
+    import urllib.request
+
+    from atomd.sim.hardware import Link
+
+    nbytes, seconds, pulls = 0, 0.0, 0
+    for url in urls:
+        with urllib.request.urlopen(url.rstrip("/") + "/debug/stats", timeout=30) as r:
+            kv = json.loads(r.read()).get("kv_transfer") or {}
+        if kv.get("role") == "consumer" and isinstance(kv.get("seconds"), dict):
+            nbytes += int(kv.get("bytes", 0))
+            seconds += float(kv["seconds"].get("sum", 0.0))
+            pulls += int(sum(kv["seconds"].get("counts", [])))
+    moving = seconds - pulls * base.latency_s
+    if not pulls or nbytes <= 0 or moving <= 0:
+        return None
+    return Link(name=f"{base.name}-served", bandwidth=nbytes / moving, latency_s=base.latency_s,
+                notes=f"{pulls} served pulls of {nbytes / pulls / 1e6:.2f} MB in {seconds / pulls * 1e3:.2f} ms "
+                      f"on average; {base.name}'s latency")
 
 
 MIN_CONTENTION_STEPS = 10  # steps alone and steps beside another engine's forward, each, to fit contention
@@ -287,6 +316,8 @@ def run_from_servers(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, dtype=args.dtype)
         config.check_model_dir()
         samples = served_samples(args.from_servers)
+        if args.served_link:
+            link = served_link(link, args.from_servers) or link
         overlap = overlaps(samples)
         contention = {kind: fit_contention([x for x in samples if x[0].is_prefill == (kind == "prefill")],
                                            overlap[[x[0].is_prefill == (kind == "prefill") for x in samples]])
@@ -325,6 +356,8 @@ def run_from_servers(args: argparse.Namespace) -> int:
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit"
               + (", busy gaps' deviations in the spread" if args.gap_in_spread else ""))
+    print(f"KV link: {link.name}, {link.bandwidth / 1e9:.3f} GB/s + {link.latency_s * 1e3:.2f} ms"
+          + (f" ({link.notes})" if link.notes else ""))
     for kind, q in contention.items():
         if q:
             print(f"{kind} contention: +{q:.3f} s per second another engine's forward ran beside it")
