@@ -801,6 +801,7 @@ def test_simulated_engines_sharing_cores_stretch_a_forward_beside_anothers(tmp_p
     import atomd.sim.engine as sim_engine
 
     engine = make_engine(path)
+    engine.cores.spin = False  # on the fake clock: sleeps, recorded (a spin is tested below)
     other = SharedCores(str(board))
     assert other.slot != engine.cores.slot
     params = SamplingParams(max_tokens=2, ignore_eos=True)
@@ -819,3 +820,29 @@ def test_simulated_engines_sharing_cores_stretch_a_forward_beside_anothers(tmp_p
     slept.clear()
     run(make_engine(path), {"c": (prompt(3, 20), params)})
     assert sum(slept) == pytest.approx(prefill + decode)
+
+
+def test_a_forward_on_shared_cores_spins_instead_of_sleeping():
+    """hold_core spins on the clock until the end (the core held, as a real forward holds it),
+    never sleeping but for sleep(0) every YIELD_S (the GIL to the engine's other threads);
+    without spin it sleeps the rest once."""
+    from atomd.sim.shared_cores import YIELD_S, hold_core
+
+    clock, reads, yields = [0.0], [], []
+
+    def tick():
+        reads.append(clock[0])
+        clock[0] += YIELD_S / 4
+        return clock[0]
+
+    def only_yield(s):
+        assert s == 0, "slept"
+        yields.append(clock[0])
+
+    hold_core(10.5 * YIELD_S, tick, only_yield, spin=True)
+    assert 10.5 * YIELD_S <= clock[0] < 10.5 * YIELD_S + YIELD_S / 4 + 1e-12  # to the end, no further
+    assert 9 <= len(yields) <= 10  # one every YIELD_S (on this clock: every 4th or 5th read)
+    assert all(YIELD_S * 0.999 <= b - a <= YIELD_S * 1.251 for a, b in zip(yields, yields[1:]))
+    slept = []
+    hold_core(clock[0] + 0.5, lambda: clock[0], slept.append, spin=False)
+    assert slept == [pytest.approx(0.5)]

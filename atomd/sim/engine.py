@@ -21,7 +21,8 @@ served engine's busy gap between forwards (its gap model's, for the work this lo
 its last forward; else the mean) this loop's own gap (measured, EWMA) leaves;
 a step that woke late (a shared machine) shortens the next busy one by as much. Simulated
 engines of one host ($ATOMD_SIM_SHARED_CORES, atomd/sim/shared_cores.py) also stretch a
-forward by the profile's contention x the seconds another one's forward ran inside it.
+forward by the profile's contention x the seconds another one's forward ran inside it, and
+spin through it (a real forward holds its core) instead of sleeping.
 
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
 connector moves one byte per block over its real side channel (leases, heartbeats, aborts
@@ -42,7 +43,7 @@ from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, resolve_model_dir
 from atomd.model.text_config import text_model_config
 from atomd.sim.hardware import Calibrated, Link, Profile, StepShape, load_profile
-from atomd.sim.shared_cores import MAX_RECHECKS, shared_cores_from_env
+from atomd.sim.shared_cores import MAX_RECHECKS, hold_core, shared_cores_from_env
 from atomd.tokenizer import Tokenizer
 from kv_transfer.connector import KVConnectorOutput
 from kv_transfer.params import KVTransferParams, compat_fingerprint
@@ -201,7 +202,7 @@ class SimulatedEngine(EngineLoop):
             self.cores.plan(end)
             if end <= now:
                 break
-            time.sleep(end - now)
+            hold_core(end, time.perf_counter, time.sleep, self.cores.spin)
         return end
 
     def _pool(self, batch: ScheduledBatch) -> None:

@@ -17,6 +17,12 @@ running forward's start and planned end) and stretch their own forward by q x th
 slots' forward seconds inside it, rechecking at its end (another engine may have started a
 forward meanwhile).
 
+While it waits out a forward such an engine spins on the clock instead of sleeping: the real
+forward holds a core, and the engine's API process, the router and the client then get less of
+the machine; a sleeping simulated forward handed them the core, and the real 1P+1D's first token
+took ~2.5 ms longer from D's core to the client than the simulated one's (RESULTS.md, #38
+session 6).
+
 A slot is written without a lock; a reader may, for the microseconds between two writes,
 see a forward both finished and running (or neither): an error of at most one forward's
 overlap, once.
@@ -34,13 +40,14 @@ SHARED_CORES_ENV = "ATOMD_SIM_SHARED_CORES"
 SLOTS = 64
 FIELDS = 4  # pid, done seconds, running forward's start (nan: none), its planned end
 MAX_RECHECKS = 8  # a forward re-reads the board at most this many times at its end
+YIELD_S = 2e-4  # a spinning forward lets the engine's other threads have the GIL this often
 
 
 class SharedCores:
     """One engine's slot on the board at `path` (created when missing)."""
 
-    def __init__(self, path: str):
-        self.path = path
+    def __init__(self, path: str, spin: bool = True):
+        self.path, self.spin = path, spin
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # claiming a slot: one engine at a time
@@ -86,6 +93,25 @@ class SharedCores:
     def end(self, start: float, end: float) -> None:
         self.board[self.slot, 2] = math.nan
         self.board[self.slot, 1] += end - start
+
+
+def hold_core(until: float, clock, sleep, spin: bool) -> None:
+    """Waits until `clock()` reaches `until`: spinning (the core held, as a real forward holds
+    it), or sleeping when not `spin`. A spin yields the GIL (sleep(0)) every YIELD_S: the
+    engine's connector threads serve and land pulls while a real forward computes (torch
+    releases the GIL), and a pure Python spin kept them out for up to the 5 ms switch
+    interval (measured: ~0.8 of a core held, other threads' wake-ups late by <= 0.4 ms)."""
+    if not spin:
+        remaining = until - clock()
+        if remaining > 0:
+            sleep(remaining)
+        return
+    yielded = now = clock()
+    while now < until:
+        if now - yielded >= YIELD_S:
+            sleep(0)
+            yielded = now
+        now = clock()
 
 
 def alive(pid: int) -> bool:
