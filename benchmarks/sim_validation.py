@@ -168,8 +168,10 @@ def main() -> int:
                     ("served-as-before", {"colocated": alone_flags, "p": alone_flags, "d": alone_flags})] + \
                 ([] if grid is None else [("grid", grid)])
             for name, runner in (runs if r % 2 == 0 else runs[::-1]):
-                # the simulated engines of a setup share this machine's cores as the real ones did
-                host = dict(env, ATOMD_SIM_SHARED_CORES=str(work / f"cores-{kind}-{name}-{r}"))
+                # `served`: the simulated engines of a setup share this machine's cores as the real
+                # ones did (a board of their forwards; spinning through them); as before: sleeping
+                host = dict(env, ATOMD_SIM_SHARED_CORES=str(work / f"cores-{kind}-{name}-{r}")) \
+                    if name == "served" else env
                 with setup(kind, runner, work, env=host) as (url, sim_engines):
                     results[kind, name].append(bench(url, args, seed=r, out=work / f"{kind}-{name}-{r}.json"))
                     keep_stats(sim_engines, work / f"{kind}-{name}-{r}")
@@ -216,9 +218,9 @@ D's decodes; each busy gap from the gap model (the loop's work since the last fo
 requests added), the served residuals walked in their order from a seeded start, each batch size's mean residual
 kept where a line misses it, each busy gap's deviation from the gap model added to its step's residual; `served`
 fits how much longer a forward is beside the other engine's (contention; the simulated engines share a board of
-their forwards, atomd/sim/shared_cores.py) and times pulls on the link D served (the loopback's latency, the
-bandwidth of D's pulls), `served-as-before` fits each engine alone and times pulls on the loopback's constants),
-the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
+their forwards, atomd/sim/shared_cores.py, spinning through each forward as a real one holds its core) and
+times pulls on the link D served (the loopback's latency, the bandwidth of D's pulls); `served-as-before` fits
+each engine alone, times pulls on the loopback's constants and sleeps through forwards), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
 Link loopback; every engine one torch thread. Real rows: medians of {args.rounds} rounds and (spread) max / min over
 the rounds; simulated rows: medians and (simulated / real); target within 15% (0.85-1.15x).
 
