@@ -14,7 +14,10 @@ workload (`atomd bench serve`, seed = round) against the setups, each started fr
 colocated engine and 1P+1D behind the router, real and simulated (`--model-runner simulated
 --hardware PROFILE`, the loopback link). The report takes each setup's median over the
 rounds of TTFT p50 / p99, TPOT p50 and output throughput, the simulated / real ratio
-(target: within 15%), and the real engines' own round-to-round spread (max / min).
+(target: within 15%), and the real engines' own round-to-round spread (max / min). The work
+directory (printed first) keeps every run's bench result and each engine's /debug/stats and
+/metrics; `python -m benchmarks.sim_trace DIR` compares a round's real and simulated runs step
+by step.
 """
 from __future__ import annotations
 
