@@ -820,6 +820,11 @@ def test_simulated_engines_sharing_cores_stretch_a_forward_beside_anothers(tmp_p
     slept.clear()
     run(make_engine(path), {"c": (prompt(3, 20), params)})
     assert sum(slept) == pytest.approx(prefill + decode)
+    raw = json.loads(path.read_text())
+    raw["step"]["decode_contention"] = 1.0  # no progress at all beside another forward: refused
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="contention"):
+        load_profile(str(path))
 
 
 def test_a_forward_on_shared_cores_spins_instead_of_sleeping():

@@ -188,7 +188,8 @@ class SimulatedEngine(EngineLoop):
                                     fork_logprobs=fork_entries)
 
     def _share_cores(self, started: float, target: float, contention: float) -> float:
-        """Sleeps to the forward's end on a host shared with other simulated engines: the
+        """Waits out the forward on a host shared with other simulated engines (spinning,
+        hold_core), to its end: the
         uncontended `target` plus `contention` x the other engines' forward seconds inside
         [started, end] (what ran so far, and what their running forwards plan ahead), read
         again at the end in case one started meanwhile. Returns the end planned last."""
