@@ -14,7 +14,10 @@ workload (`atomd bench serve`, seed = round) against the setups, each started fr
 colocated engine and 1P+1D behind the router, real and simulated (`--model-runner simulated
 --hardware PROFILE`, the loopback link). The report takes each setup's median over the
 rounds of TTFT p50 / p99, TPOT p50 and output throughput, the simulated / real ratio
-(target: within 15%), and the real engines' own round-to-round spread (max / min).
+(target: within 15%), and the real engines' own round-to-round spread (max / min). The work
+directory (printed first) keeps every run's bench result and each engine's /debug/stats and
+/metrics; `python -m benchmarks.sim_trace DIR` compares a round's real and simulated runs step
+by step.
 """
 from __future__ import annotations
 
@@ -71,7 +74,7 @@ def setup(kind: str, runner: dict[str, list[str]], logs: pathlib.Path, env: dict
             r = RouterServer([p.url], [d.url], "--health-interval-s", "0.5", log=logs / "router.log", cwd=REPO)
             procs.append(r)
             r.wait_ready(120)
-            url, engines = r.url, {"p": p.url, "d": d.url}
+            url, engines = r.url, {"p": p.url, "d": d.url, "router": r.url}
         for i in range(2):  # warm-up
             http("POST", url + "/v1/completions", {"prompt": list(range(10, 60 + i)), "max_tokens": 4})
         yield url, engines
@@ -91,15 +94,27 @@ def bench(url: str, args, seed: int, out: pathlib.Path) -> dict:
     return {m: float(result[m]) for m in METRICS}
 
 
+def keep_stats(engines: dict[str, str], stem: pathlib.Path) -> None:
+    """Each engine's GET /debug/stats (its step samples among them) beside the run's bench
+    result, for comparing a real run's steps with its simulated runs' (`stem`-ROLE.stats.json)."""
+    for role, url in engines.items():
+        for path, suffix in (("/debug/stats", "stats.json"), ("/metrics", "metrics.txt")):
+            status, body = http("GET", url + path)
+            if status == 200:
+                stem.with_name(f"{stem.name}-{role}.{suffix}").write_bytes(body)
+
+
 def served_profile(engines: dict[str, str], path: pathlib.Path) -> tuple[list[str], list[str]]:
     """`atomd profile --from-servers --spread-in-order` on a real setup's engines; the
-    simulated flags using it, and using the same fit without the busy gaps' deviations in
-    its spread (`--no-gap-in-spread`: the A/B of that, session 5)."""
-    step_only = path.with_name(path.stem + "-step-spread.json")
-    for out, extra in ((path, []), (step_only, ["--no-gap-in-spread"])):
-        subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers", *engines.values(),
+    simulated flags using it, and using the same steps fitted as before session 6
+    (`--no-contention --no-served-link`: each engine alone, pulls on the named link's
+    constants; the A/B of that)."""
+    alone = path.with_name(path.stem + "-as-before.json")
+    for out, extra in ((path, []), (alone, ["--no-contention", "--no-served-link"])):
+        subprocess.run([sys.executable, "-m", "atomd", "profile", "--from-servers",
+                        *(u for role, u in engines.items() if role != "router"),
                         "--spread-in-order", *extra, "--name", out.stem, "-o", str(out)], cwd=REPO, check=True)
-    return simulated(path), simulated(step_only)
+    return simulated(path), simulated(alone)
 
 
 def served_summary(role: str, path: pathlib.Path) -> str:
@@ -109,11 +124,15 @@ def served_summary(role: str, path: pathlib.Path) -> str:
                    f"{g['per_pull_s'] * 1e3:.2f} ms/pull + {g['per_request_s'] * 1e3:.2f} ms/request "
                    f"(mean {step[kind + '_gap_s'] * 1e3:.2f} ms)"
                    for kind, g in (("prefill", step.get("prefill_gap")), ("decode", step.get("decode_gap"))) if g)
-    return (f"{role} prefill {p['base_s'] * 1e3:.2f} ms + {p['per_token_s'] * 1e6:.1f} us/token + "
+    link = json.loads(path.read_text())["link"]
+    return (f"{role} link {link['name']} {link['bandwidth'] / 1e9:.3f} GB/s + {link['latency_s'] * 1e3:.2f} ms, "
+            f"prefill {p['base_s'] * 1e3:.2f} ms + {p['per_token_s'] * 1e6:.1f} us/token + "
             f"{p['per_attention_s'] * 1e9:.1f} ns/pair, decode {d['base_s'] * 1e3:.2f} ms + "
             f"{d['per_token_s'] * 1e6:.1f} us/row + {d['per_attention_s'] * 1e9:.1f} ns/context token"
             + "".join(f", decode at {n} seqs {v * 1e3:+.3f} ms"
                       for n, v in sorted(step.get("decode_by_seqs", {}).items(), key=lambda kv: int(kv[0])))
+            + "".join(f", {kind} contention +{step[kind + '_contention']:.3f} s/s" for kind in ("prefill", "decode")
+                      if step.get(kind + "_contention"))
             + gaps)
 
 
@@ -129,6 +148,7 @@ def main() -> int:
     ap.add_argument("--report", default=str(REPO / "benchmarks/results/sim_validation.md"))
     args = ap.parse_args()
     work = pathlib.Path(tempfile.mkdtemp(prefix="sim-validation-"))
+    print(f"work files (bench results, engines' stats, profiles): {work}", flush=True)
     profile = pathlib.Path(args.profile) if args.profile else work / "profile.json"
     load_before = loadavg()
     if not args.profile and not args.no_grid:
@@ -137,21 +157,27 @@ def main() -> int:
     grid = {role: simulated(profile) for role in ("colocated", "p", "d")} if not args.no_grid else None
     real = {role: [] for role in ("colocated", "p", "d")}
     env = dict(os.environ, ATOMD_STEP_SAMPLES="20000")
-    names = ["real", "served", "served-step-spread"] + ([] if args.no_grid else ["grid"])
+    names = ["real", "served", "served-as-before"] + ([] if args.no_grid else ["grid"])
     results: dict[tuple[str, str], list[dict]] = {(k, n): [] for k in ("colocated", "pd") for n in names}
     loads, served = [], {}
     for r in range(args.rounds):
         for kind in (("colocated", "pd") if r % 2 == 0 else ("pd", "colocated")):
             with setup(kind, real, work, env=env) as (url, engines):
                 results[kind, "real"].append(bench(url, args, seed=r, out=work / f"{kind}-real-{r}.json"))
+                keep_stats(engines, work / f"{kind}-real-{r}")
                 served[kind] = work / f"served-{kind}-{r}.json"
-                flags, step_flags = served_profile(engines, served[kind])
+                flags, alone_flags = served_profile(engines, served[kind])
             runs = [("served", {"colocated": flags, "p": flags, "d": flags}),
-                    ("served-step-spread", {"colocated": step_flags, "p": step_flags, "d": step_flags})] + \
+                    ("served-as-before", {"colocated": alone_flags, "p": alone_flags, "d": alone_flags})] + \
                 ([] if grid is None else [("grid", grid)])
             for name, runner in (runs if r % 2 == 0 else runs[::-1]):
-                with setup(kind, runner, work) as (url, _):
+                # `served`: the simulated engines of a setup share this machine's cores as the real
+                # ones did (a board of their forwards; spinning through them); as before: sleeping
+                host = dict(env, ATOMD_SIM_SHARED_CORES=str(work / f"cores-{kind}-{name}-{r}")) \
+                    if name == "served" else env
+                with setup(kind, runner, work, env=host) as (url, sim_engines):
                     results[kind, name].append(bench(url, args, seed=r, out=work / f"{kind}-{name}-{r}.json"))
+                    keep_stats(sim_engines, work / f"{kind}-{name}-{r}")
             loads.append(loadavg())
             for name in names:
                 got = results[kind, name][-1]
@@ -193,8 +219,11 @@ def main() -> int:
 {grid}Served profiles (`atomd profile --from-servers` on each round's real engines; the 1P+1D one fits P's prefills and
 D's decodes; each busy gap from the gap model (the loop's work since the last forward: outputs, pulls landed,
 requests added), the served residuals walked in their order from a seeded start, each batch size's mean residual
-kept where a line misses it; `served` adds each busy gap's deviation from the gap model to its step's residual,
-`served-step-spread` does not), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
+kept where a line misses it, each busy gap's deviation from the gap model added to its step's residual; `served`
+fits how much longer a forward is beside the other engine's (contention; the simulated engines share a board of
+their forwards, atomd/sim/shared_cores.py, spinning through each forward as a real one holds its core) and
+times pulls on the link D served (the loopback's latency, the bandwidth of D's pulls); `served-as-before` fits
+each engine alone, times pulls on the loopback's constants and sleeps through forwards), the last round's: {'; '.join(served_summary(kind, path) for kind, path in served.items())}.
 Link loopback; every engine one torch thread. Real rows: medians of {args.rounds} rounds and (spread) max / min over
 the rounds; simulated rows: medians and (simulated / real); target within 15% (0.85-1.15x).
 

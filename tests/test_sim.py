@@ -336,7 +336,9 @@ def test_an_engine_keeps_its_step_samples_only_when_asked(profile, monkeypatch):
         [[False, 1, 1, c + 1, c + 1] for c in (20, 21, 22)]
     assert samples[0][6] == -1 and all(s[6] >= 0 for s in samples[1:]) and all(s[5] > 0 for s in samples)
     # the loop's work before each: the request added, then the last forward's one output each
-    assert [s[7:] for s in samples] == [[0, 0, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    assert [s[7:10] for s in samples] == [[0, 0, 1], [1, 0, 0], [1, 0, 0], [1, 0, 0]]
+    # each forward's start on the host's monotonic clock: after the previous forward and its gap
+    assert all(b[10] == pytest.approx(a[10] + a[5] + b[6]) for a, b in zip(samples, samples[1:]))
     # "a" done, the engine is idle (its core waits for input without stepping): the next
     # request's prefill follows a wait, not a busy gap
     run(engine, {"b": (prompt(2, 20), SamplingParams(max_tokens=2, ignore_eos=True))})
@@ -499,8 +501,12 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
     # the same steps whose busy gaps stray from their model by +-0.5 ms (a shared machine's gaps)
     noisy = [x[:6] + [x[6] + (0.5e-3 if i % 4 == 1 else -0.5e-3)] + x[7:] if not x[0] else x
              for i, x in enumerate(samples)]
+    # a PD pair's consumer: 40 pulls of 1 MB in 2.5 ms each on average
+    pulls = {"role": "consumer", "bytes": 40 * 10**6, "seconds": {"buckets": [0.001, 0.01], "counts": [0, 40, 0],
+                                                                   "sum": 40 * 2.5e-3}}
     bodies = {"/with/debug/stats": {"num_running": 0, "step_samples": samples}, "/without/debug/stats": {},
-              "/noisy/debug/stats": {"num_running": 0, "step_samples": noisy}}
+              "/noisy/debug/stats": {"num_running": 0, "step_samples": noisy},
+              "/consumer/debug/stats": {"num_running": 0, "step_samples": samples, "kv_transfer": pulls}}
 
     class Stats(http.server.BaseHTTPRequestHandler):
         def do_GET(self):
@@ -554,6 +560,16 @@ def test_atomd_profile_from_servers_fits_what_they_report(tmp_path):
         assert np.std(spread) == pytest.approx(np.std(deviation), rel=0.15)
         assert run_from_servers(parser.parse_args([*noisy_args, "--no-gap-in-spread"])) == 0
         assert load_profile(str(out)).step.decode_spread == pytest.approx([0.0] * len(dec), abs=1e-9)
+        # no consumer served: pulls keep the named link's constants; a consumer's pulls give the
+        # bandwidth at that latency (1 MB in 2.5 - 1 ms); --no-served-link keeps the constants
+        assert load_profile(str(out)).link == LINKS["loopback"]
+        assert run_from_servers(parser.parse_args(["--from-servers", url + "/consumer", "-o", str(out)])) == 0
+        link = load_profile(str(out)).link
+        assert link.latency_s == LINKS["loopback"].latency_s and link.bandwidth == pytest.approx(1e6 / 1.5e-3)
+        assert link.seconds(10**6) == pytest.approx(2.5e-3)
+        assert run_from_servers(parser.parse_args(["--from-servers", url + "/consumer", "--no-served-link",
+                                                   "-o", str(out)])) == 0
+        assert load_profile(str(out)).link == LINKS["loopback"]
     finally:
         server.shutdown()
         server.server_close()
@@ -719,3 +735,119 @@ def test_a_simulated_engine_waits_out_its_gap_model_for_the_work_in_the_gap(tmp_
     path.write_text(json.dumps(raw))
     with pytest.raises(ValueError, match="gap model"):
         load_profile(str(path))
+
+
+# ---------------------------------------------------------------- engines sharing a host's cores
+
+
+def two_engines_steps(q: float, rng) -> list[tuple]:
+    """served_samples' tuples of two engines on one host: engine 0 a 30 ms prefill every
+    100 ms, engine 1 a decode step every 2 ms of 1 ms alone (+ 0.5 ms a second sequence),
+    stretched by q x the seconds engine 0's prefill ran inside it (processor sharing)."""
+    from atomd.sim.hardware import StepShape
+
+    out = []
+    prefills = [(t0, t0 + 0.03) for t0 in np.arange(0.0, 4.0, 0.1) + 0.013]
+    for start, end in prefills:
+        out.append((StepShape(True, 256, 1, 256 * 257 / 2, 256), end - start, -1.0, (0, 0, 1), 0, 1000.0 + start))
+    for k in range(2000):
+        start, seqs = k * 0.002, 1 + (k % 5 == 0)
+        work = 0.001 + 0.0005 * (seqs - 1) + rng.normal(0, 2e-5)
+        beside = sum(max(0.0, min(start + work / (1 - q), e) - max(start, s)) for s, e in prefills)
+        out.append((StepShape(False, seqs, seqs, 0.0, 100 * seqs), work + q * beside, 0.0002, (seqs, 0, 0), 1,
+                    1000.0 + start))
+    return out
+
+
+def test_a_served_fit_finds_how_much_longer_a_forward_is_beside_another_engines():
+    """Two engines' samples lined up by start time: the overlap of each step with the other
+    engine's forwards, the contention (0.25 s a second beside) recovered from steps alone
+    and beside, and none where every step ran alone or one engine is all there is."""
+    from atomd.sim.profile import fit_contention, overlaps
+
+    samples = two_engines_steps(0.25, np.random.default_rng(0))
+    overlap = overlaps(samples)
+    decode = [i for i, s in enumerate(samples) if not s[0].is_prefill]
+    for i, (_, seconds, _, _, engine, start) in enumerate(samples[:5] + samples[40:45]):
+        i = i if i < 5 else 35 + i  # each step's overlap: the other engine's forwards inside it, by brute force
+        want = sum(max(0.0, min(start + seconds, s[5] + s[1]) - max(start, s[5])) for s in samples if s[4] != engine)
+        assert overlap[i] == pytest.approx(want, abs=1e-12)
+    beside = [i for i in decode if overlap[i] > 0]
+    assert 0.25 * len(decode) < len(beside) < 0.4 * len(decode)  # 30 ms of every 100 (and the edges)
+    assert fit_contention([samples[i] for i in decode], overlap[decode]) == pytest.approx(0.25, abs=0.01)
+    alone = two_engines_steps(0.0, np.random.default_rng(0))
+    assert fit_contention([alone[i] for i in decode], overlaps(alone)[decode]) == pytest.approx(0.0, abs=0.01)
+    one_engine = [s for s in samples if s[4] == 1]
+    assert not overlaps(one_engine).any()
+    no_start = [s[:5] + (None,) for s in samples]  # an engine that does not record start times
+    assert not overlaps(no_start).any()
+
+
+def test_simulated_engines_sharing_cores_stretch_a_forward_beside_anothers(tmp_path, monkeypatch):
+    """On a fake clock, a simulated decode whose profile says 0.25 s longer a second beside
+    another engine's forward: alone it sleeps the prediction; while another engine on the
+    same board runs a long forward it sleeps the prediction / (1 - 0.25) (the whole step
+    beside it); and a board's finished forwards inside a step count as run beside it."""
+    from atomd.sim.hardware import Calibrated
+    from atomd.sim.shared_cores import SHARED_CORES_ENV, SharedCores
+
+    base = load_profile(str(default_model_profile(tmp_path / "p.json")))
+    step = Calibrated(prefill=base.step.prefill, decode=base.step.decode, decode_contention=0.25)
+    path = tmp_path / "contention.json"
+    path.write_bytes(msgspec.structs.replace(base, step=step).to_json())
+    board = tmp_path / "cores"
+    monkeypatch.setenv(SHARED_CORES_ENV, str(board))
+    slept = fake_sim_clock(monkeypatch)
+    import atomd.sim.engine as sim_engine
+
+    engine = make_engine(path)
+    engine.cores.spin = False  # on the fake clock: sleeps, recorded (a spin is tested below)
+    other = SharedCores(str(board))
+    assert other.slot != engine.cores.slot
+    params = SamplingParams(max_tokens=2, ignore_eos=True)
+    run(engine, {"a": (prompt(1, 20), params)})
+    prefill, decode = (base.step_seconds(StepShape.of(True, [20], [0])),
+                       base.step_seconds(StepShape.of(False, [1], [20])))
+    assert sum(slept) == pytest.approx(prefill + decode)  # alone: the predictions
+    now = sim_engine.time.perf_counter()
+    other.begin(now, now + 100.0)  # another engine's long forward, running
+    slept.clear()
+    run(engine, {"b": (prompt(2, 20), params)})
+    assert sum(slept) == pytest.approx(prefill + decode / 0.75, rel=1e-4)  # the prefill has no contention
+    other.end(now, now + 100.0)
+    # without the board (the old engine) the same steps sleep the predictions only
+    monkeypatch.delenv(SHARED_CORES_ENV)
+    slept.clear()
+    run(make_engine(path), {"c": (prompt(3, 20), params)})
+    assert sum(slept) == pytest.approx(prefill + decode)
+    raw = json.loads(path.read_text())
+    raw["step"]["decode_contention"] = 1.0  # no progress at all beside another forward: refused
+    path.write_text(json.dumps(raw))
+    with pytest.raises(ValueError, match="contention"):
+        load_profile(str(path))
+
+
+def test_a_forward_on_shared_cores_spins_instead_of_sleeping():
+    """hold_core spins on the clock until the end (the core held, as a real forward holds it),
+    never sleeping but for sleep(0) every YIELD_S (the GIL to the engine's other threads);
+    without spin it sleeps the rest once."""
+    from atomd.sim.shared_cores import YIELD_S, hold_core
+
+    clock, reads, yields = [0.0], [], []
+
+    def tick():
+        reads.append(clock[0])
+        clock[0] += YIELD_S / 4
+        return clock[0]
+
+    def only_yield(s):
+        assert s == 0, "slept"
+        yields.append(clock[0])
+
+    hold_core(10.5 * YIELD_S, tick, only_yield, spin=True)
+    assert 10.5 * YIELD_S <= clock[0] < 10.5 * YIELD_S + YIELD_S / 4 + 1e-12  # to the end, no further
+    assert 9 <= len(yields) <= 10  # one every YIELD_S (on this clock: every 4th or 5th read)
+    assert all(YIELD_S * 0.999 <= b - a <= YIELD_S * 1.251 for a, b in zip(yields, yields[1:]))
+    slept = []
+    hold_core(clock[0] + 0.5, lambda: clock[0], slept.append, spin=False)
+    assert slept == [pytest.approx(0.5)]

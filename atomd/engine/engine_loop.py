@@ -312,15 +312,17 @@ class EngineLoop:
 
     def _sample_step(self, batch: ScheduledBatch, started: float, elapsed: float) -> None:
         """[is_prefill, tokens, seqs, attention, context, forward s, gap s, outputs, pulls,
-        added]: the gap is the loop's time since the previous forward ended (scheduling,
-        outputs, IPC), or -1 when the engine was idle in between (a step without a forward:
-        the loop waited for input, a pull, a release); the last three its work
-        then (`gap_work`)."""
+        added, started]: the gap is the loop's time since the previous forward ended
+        (scheduling, outputs, IPC), or -1 when the engine was idle in between (a step without
+        a forward: the loop waited for input, a pull, a release); outputs, pulls and added its
+        work then (`gap_work`); started the forward's start on time.perf_counter's clock
+        (CLOCK_MONOTONIC on Linux, the same in every process of a host: atomd profile lines
+        up engines that shared the cores by it)."""
         shape = StepShape.of(batch.is_prefill, batch.num_scheduled_tokens.tolist(),
                              batch.num_computed_tokens.tolist())
         gap = -1.0 if self._busy_since is None else started - self._busy_since
         self.step_samples.append([shape.is_prefill, shape.tokens, shape.seqs, shape.attention, shape.context,
-                                  elapsed, gap, *self.gap_work])
+                                  elapsed, gap, *self.gap_work, started])
         self._busy_since = started + elapsed if self.scheduler.running else None
 
     def _forward(self, batch: ScheduledBatch) -> ScheduledBatchOutput:

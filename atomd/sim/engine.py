@@ -19,7 +19,10 @@ profile --from-servers`) plus a residual drawn from its measured spread (or, wit
 `spread_in_order`, the next of the served residuals, walked from a seeded start), plus whatever of the
 served engine's busy gap between forwards (its gap model's, for the work this loop did since
 its last forward; else the mean) this loop's own gap (measured, EWMA) leaves;
-a step that woke late (a shared machine) shortens the next busy one by as much.
+a step that woke late (a shared machine) shortens the next busy one by as much. Simulated
+engines of one host ($ATOMD_SIM_SHARED_CORES, atomd/sim/shared_cores.py) also stretch a
+forward by the profile's contention x the seconds another one's forward ran inside it, and
+spin through it (a real forward holds its core) instead of sleeping.
 
 KV: the pool is counted in blocks of the profile's model shape, never allocated; the
 connector moves one byte per block over its real side channel (leases, heartbeats, aborts
@@ -40,6 +43,7 @@ from atomd.config import EngineConfig
 from atomd.engine.engine_loop import EngineLoop, resolve_model_dir
 from atomd.model.text_config import text_model_config
 from atomd.sim.hardware import Calibrated, Link, Profile, StepShape, load_profile
+from atomd.sim.shared_cores import MAX_RECHECKS, hold_core, shared_cores_from_env
 from atomd.tokenizer import Tokenizer
 from kv_transfer.connector import KVConnectorOutput
 from kv_transfer.params import KVTransferParams, compat_fingerprint
@@ -91,6 +95,11 @@ class SimulatedEngine(EngineLoop):
         self._own_gap_s: dict[bool, float] = {}  # is_prefill -> this loop's gap (EWMA)
         self._last_forward_end: float | None = None
         self._late_s = 0.0  # how much later than its target the last busy step ended
+        # engines sharing a host's cores (atomd/sim/shared_cores.py): a forward is longer by the
+        # profile's contention x the seconds another engine's forward ran inside it
+        self.cores = shared_cores_from_env()
+        self._contention = {True: step.prefill_contention, False: step.decode_contention} \
+            if isinstance(step, Calibrated) else {}
         self.forward_steps = 0
         self._start(num_blocks, kv_blocks, eos, prefill_delayer, model_dir)
 
@@ -163,15 +172,39 @@ class SimulatedEngine(EngineLoop):
         # a shared machine wakes a sleeper late: the lateness is paid back from the next busy
         # steps, so a busy engine's steps add up to the profile's times
         target = started + seconds + wait - self._late_s
-        remaining = target - time.perf_counter()
-        if remaining > 0:
-            time.sleep(remaining)
+        if self.cores is None:
+            remaining = target - time.perf_counter()
+            if remaining > 0:
+                time.sleep(remaining)
+        else:
+            target = self._share_cores(started, target, self._contention.get(batch.is_prefill, 0.0))
         end = time.perf_counter()
+        if self.cores is not None:
+            self.cores.end(started, end)
         busy = bool(self.scheduler.running)
         self._late_s = min(max(0.0, end - target), MAX_LATE_S) if busy else 0.0
         self._last_forward_end = end if busy else None
         return ScheduledBatchOutput(batch.seq_ids, token_ids, logprobs, fork_token_ids=fork_ids,
                                     fork_logprobs=fork_entries)
+
+    def _share_cores(self, started: float, target: float, contention: float) -> float:
+        """Waits out the forward on a host shared with other simulated engines (spinning,
+        hold_core), to its end: the
+        uncontended `target` plus `contention` x the other engines' forward seconds inside
+        [started, end] (what ran so far, and what their running forwards plan ahead), read
+        again at the end in case one started meanwhile. Returns the end planned last."""
+        base = self.cores.begin(started, target)
+        end = target
+        for _ in range(MAX_RECHECKS):
+            now = time.perf_counter()
+            past = float((self.cores.busy(now) - base).sum())
+            for _ in range(4):  # the end depends on the overlap ahead of it: a few fixed-point steps
+                end = target + contention * (past + self.cores.ahead(now, end))
+            self.cores.plan(end)
+            if end <= now:
+                break
+            hold_core(end, time.perf_counter, time.sleep, self.cores.spin)
+        return end
 
     def _pool(self, batch: ScheduledBatch) -> None:
         """A pooling request's vector once its prompt is done (the real engine's last output

@@ -237,6 +237,13 @@ class Calibrated(msgspec.Struct, frozen=True, kw_only=True, tag="calibrated"):
     # and a line through both over-predicts the batch of 1 that most steps are
     prefill_by_seqs: dict[int, float] = {}
     decode_by_seqs: dict[int, float] = {}
+    # ... and, fitted from engines that shared a host's cores (1P+1D on a small machine), the
+    # seconds a forward is longer per second another engine's forward ran inside it (in
+    # [0, 1): processor sharing, it progresses at 1 - contention of its speed then); simulated
+    # engines apply it on a shared board (atomd/sim/shared_cores.py), the fit above is the
+    # forward alone
+    prefill_contention: float = 0.0
+    decode_contention: float = 0.0
 
 
 class Derived(msgspec.Struct, frozen=True, kw_only=True, tag="derived"):
@@ -344,6 +351,8 @@ def check_profile(p: Profile) -> None:
             if len(by_seqs) > MAX_SPREAD or not all(k >= 1 and abs(v) < MAX_SPREAD_S for k, v in by_seqs.items()):
                 raise ValueError(f"hardware {p.name}: a per-batch-size residual table holds at most {MAX_SPREAD} "
                                  f"batch sizes >= 1, each in (-{MAX_SPREAD_S:g}, {MAX_SPREAD_S:g}) s")
+        if not (0 <= p.step.prefill_contention < 1 and 0 <= p.step.decode_contention < 1):
+            raise ValueError(f"hardware {p.name}: prefill_contention and decode_contention must be in [0, 1)")
         if not (0 <= p.step.prefill_gap_s < 10 and 0 <= p.step.decode_gap_s < 10):
             raise ValueError(f"hardware {p.name}: prefill_gap_s and decode_gap_s must be in [0, 10) seconds")
         for gap in (p.step.prefill_gap, p.step.decode_gap):

@@ -47,6 +47,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gap-in-spread", action=argparse.BooleanOptionalAction, default=True,
                         help="--from-servers: add each busy gap's deviation from the gap model to its step's "
                              "residual (the spread), so a simulated step's gap varies as the served ones did")
+    parser.add_argument("--contention", action=argparse.BooleanOptionalAction, default=True,
+                        help="--from-servers with engines that shared the host's cores: fit how much longer a "
+                             "forward is beside another engine's (simulated engines apply it with "
+                             "$ATOMD_SIM_SHARED_CORES, atomd/sim/shared_cores.py)")
+    parser.add_argument("--served-link", action=argparse.BooleanOptionalAction, default=True,
+                        help="--from-servers with a PD pair's consumer: time pulls on the link it served (--link's "
+                             "latency, the bandwidth its pulls' mean duration gives) instead of --link's constants")
     parser.add_argument("--spread-in-order", action="store_true",
                         help="--from-servers: keep the residuals in served order (walked in order by a simulated "
                              "engine: slow stretches stay stretches) instead of their quantiles (drawn independently)")
@@ -58,8 +65,9 @@ MIN_BY_SEQS_STEPS = 20  # served steps of one batch size before its own mean res
 
 def served_samples(urls: list[str]) -> list[tuple]:
     """(StepShape, forward seconds, busy gap seconds or -1, the loop's work in the gap:
-    (outputs, pulls, added), or None from an engine that does not record it) of every step
-    the engines at `urls` kept."""
+    (outputs, pulls, added), or None from an engine that does not record it, the engine's
+    index in `urls`, the forward's start on the host's monotonic clock or None) of every
+    step the engines at `urls` kept."""
     import urllib.request
 
     from atomd.sim.hardware import StepShape
@@ -72,8 +80,85 @@ def served_samples(urls: list[str]) -> list[tuple]:
             raise ValueError(f"{url} keeps no step samples (start it with $ATOMD_STEP_SAMPLES=N)")
         for is_prefill, tokens, seqs, attention, context, seconds, gap, *work in stats["step_samples"]:
             samples.append((StepShape(bool(is_prefill), int(tokens), int(seqs), float(attention), int(context)),
-                            float(seconds), float(gap), tuple(int(w) for w in work[:3]) if len(work) >= 3 else None))
+                            float(seconds), float(gap), tuple(int(w) for w in work[:3]) if len(work) >= 3 else None,
+                            urls.index(url), float(work[3]) if len(work) >= 4 else None))
     return samples
+
+
+def served_link(base, urls: list[str]):
+    """The KV link the consumers at `urls` served (a PD pair's D): `base`'s latency and the
+    bandwidth their pulls' mean duration gives (the bytes pulled over their seconds less one
+    latency each: with pulls of one size the two cannot be told apart, and only their sum
+    matters to a simulated pull); None without a consumer's pull, or pulls no slower than the
+    latency."""
+    import urllib.request
+
+    from atomd.sim.hardware import Link
+
+    nbytes, seconds, pulls = 0, 0.0, 0
+    for url in urls:
+        with urllib.request.urlopen(url.rstrip("/") + "/debug/stats", timeout=30) as r:
+            kv = json.loads(r.read()).get("kv_transfer") or {}
+        if kv.get("role") == "consumer" and isinstance(kv.get("seconds"), dict):
+            nbytes += int(kv.get("bytes", 0))
+            seconds += float(kv["seconds"].get("sum", 0.0))
+            pulls += int(sum(kv["seconds"].get("counts", [])))
+    moving = seconds - pulls * base.latency_s
+    if not pulls or nbytes <= 0 or moving <= 0:
+        return None
+    return Link(name=f"{base.name}-served", bandwidth=nbytes / moving, latency_s=base.latency_s,
+                notes=f"{pulls} served pulls of {nbytes / pulls / 1e6:.2f} MB in {seconds / pulls * 1e3:.2f} ms "
+                      f"on average; {base.name}'s latency")
+
+
+MIN_CONTENTION_STEPS = 10  # steps alone and steps beside another engine's forward, each, to fit contention
+ALONE_FRACTION = 0.05  # a step with at most this fraction of it beside another engine's forward is alone
+
+
+def overlaps(samples: list[tuple]) -> np.ndarray:
+    """Per sample (served_samples'), the seconds of its forward during which another
+    engine's forward ran (engines told apart by index, lined up by start time); 0 where a
+    start time is missing."""
+    out = np.zeros(len(samples))
+    engines = sorted({s[4] for s in samples if s[5] is not None})
+    spans = {}
+    for e in engines:  # each engine's forwards: sorted starts, ends, and busy seconds before each
+        iv = sorted((s[5], s[5] + s[1]) for s in samples if s[4] == e and s[5] is not None)
+        starts, ends = np.array([a for a, _ in iv]), np.array([b for _, b in iv])
+        spans[e] = (starts, ends, np.concatenate([[0.0], np.cumsum(ends - starts)]))
+
+    def busy(e: int, t: float) -> float:  # engine e's forward seconds up to time t
+        starts, ends, before = spans[e]
+        k = int(np.searchsorted(starts, t, side="right")) - 1
+        return 0.0 if k < 0 else float(before[k] + min(max(t - starts[k], 0.0), ends[k] - starts[k]))
+
+    for i, (_, seconds, _, _, engine, started) in enumerate(samples):
+        if started is not None:
+            out[i] = sum(busy(e, started + seconds) - busy(e, started) for e in engines if e != engine)
+    return out
+
+
+def fit_contention(samples: list[tuple], overlap: np.ndarray) -> float:
+    """The seconds a forward is longer per second another engine's forward ran inside it
+    (hardware.Calibrated.prefill_contention / decode_contention), from one kind's steps:
+    a line fitted to the steps that ran alone (with each batch size's mean residual among
+    them), then the overlapped steps' time over it per overlapped second. 0 without enough
+    of either; within [0, 0.95]."""
+    from atomd.sim.hardware import fit_linear
+
+    seconds = np.array([s[1] for s in samples])
+    alone = overlap <= ALONE_FRACTION * seconds
+    if alone.sum() < MIN_CONTENTION_STEPS or (~alone).sum() < MIN_CONTENTION_STEPS:
+        return 0.0
+    shapes = [s[0] for s in samples]
+    line = fit_linear([shapes[i] for i in np.flatnonzero(alone)], seconds[alone].tolist(), relative=False)
+    expected = np.array([line.seconds(sh) for sh in shapes])
+    seqs = np.array([sh.seqs for sh in shapes])
+    for n in np.unique(seqs):
+        mine = alone & (seqs == n)
+        if mine.sum() >= 5:
+            expected[seqs == n] += (seconds[mine] - expected[mine]).mean()
+    return float(np.clip((seconds[~alone] - expected[~alone]).sum() / overlap[~alone].sum(), 0.0, 0.95))
 
 
 def fit_served(samples: list[tuple], kind: str, in_order: bool = False):
@@ -231,23 +316,32 @@ def run_from_servers(args: argparse.Namespace) -> int:
         config = EngineConfig(model=args.model, dtype=args.dtype)
         config.check_model_dir()
         samples = served_samples(args.from_servers)
-        gaps = {kind: [(g, w) for s, _, g, w in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
+        if args.served_link:
+            link = served_link(link, args.from_servers) or link
+        overlap = overlaps(samples)
+        contention = {kind: fit_contention([x for x in samples if x[0].is_prefill == (kind == "prefill")],
+                                           overlap[[x[0].is_prefill == (kind == "prefill") for x in samples]])
+                      if args.contention else 0.0 for kind in ("prefill", "decode")}
+        gaps = {kind: [(g, w) for s, _, g, w, *_ in samples if g >= 0 and s.is_prefill == (kind == "prefill")]
                 for kind in ("prefill", "decode")}
         gap = {kind: float(np.mean([v for v, _ in g])) if g else 0.0 for kind, g in gaps.items()}
         models = {kind: fit_gap([w for _, w in g], [v for v, _ in g]) if g and all(w for _, w in g) else None
                   for kind, g in gaps.items()}
 
-        def step_time(s, t, g, w) -> float:
-            """The forward's seconds, plus (gap in spread) its busy gap's deviation from the
-            gap model: a simulated engine waits the model's gap, so the gap's spread rides on
-            the step's (a wait clamped at 0 per step would inflate its mean instead)."""
+        def step_time(s, t, g, w, ov) -> float:
+            """The forward's seconds less what another engine's forward beside it cost it
+            (contention: the simulated engines of one host add it back, atomd/sim/shared_cores.py),
+            plus (gap in spread) its busy gap's deviation from the gap model: a simulated
+            engine waits the model's gap, so the gap's spread rides on the step's (a wait
+            clamped at 0 per step would inflate its mean instead)."""
+            kind = "prefill" if s.is_prefill else "decode"
+            t -= contention[kind] * ov
             if not args.gap_in_spread or g < 0:
                 return t
-            kind = "prefill" if s.is_prefill else "decode"
             model = models[kind]
             return t + g - (gap[kind] if model is None else model.seconds(*w))
 
-        fits = {kind: fit_served([(s, step_time(s, t, g, w)) for s, t, g, w in samples
+        fits = {kind: fit_served([(s, step_time(s, t, g, w, ov)) for (s, t, g, w, *_), ov in zip(samples, overlap)
                                   if s.is_prefill == (kind == "prefill")], kind, in_order=args.spread_in_order)
                 for kind in ("prefill", "decode")}
     except (ValueError, OSError) as e:
@@ -262,6 +356,11 @@ def run_from_servers(args: argparse.Namespace) -> int:
     source = (f"atomd profile --from-servers on {cpu_name()}, {time.strftime('%Y-%m-%d %H:%M')}, "
               f"{len(samples)} served steps of {len(args.from_servers)} engine(s), mean fit"
               + (", busy gaps' deviations in the spread" if args.gap_in_spread else ""))
+    print(f"KV link: {link.name}, {link.bandwidth / 1e9:.3f} GB/s + {link.latency_s * 1e3:.2f} ms"
+          + (f" ({link.notes})" if link.notes else ""))
+    for kind, q in contention.items():
+        if q:
+            print(f"{kind} contention: +{q:.3f} s per second another engine's forward ran beside it")
     for kind, g in gaps.items():
         m = models[kind]
         print(f"busy gap before a {kind} forward: mean {gap[kind] * 1e3:.2f} ms over {len(g)} steps" +
@@ -272,7 +371,8 @@ def run_from_servers(args: argparse.Namespace) -> int:
                       spread_in_order=args.spread_in_order,
                       prefill_gap_s=gap["prefill"], decode_gap_s=gap["decode"],
                       prefill_gap=models["prefill"], decode_gap=models["decode"],
-                      prefill_by_seqs=fits["prefill"][2], decode_by_seqs=fits["decode"][2])
+                      prefill_by_seqs=fits["prefill"][2], decode_by_seqs=fits["decode"][2],
+                      prefill_contention=contention["prefill"], decode_contention=contention["decode"])
     write_profile(args, config, name, step, link)
     return 0
 
