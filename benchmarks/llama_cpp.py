@@ -180,6 +180,23 @@ def convert(src: pathlib.Path, checkpoint: pathlib.Path, outtype: str, out: path
         raise SystemExit(f"convert_hf_to_gguf.py failed ({proc.returncode}) for {outtype}")
 
 
+def write_gguf(src: pathlib.Path, binary: pathlib.Path, checkpoint: pathlib.Path, outtype: str, out: pathlib.Path,
+               f32: pathlib.Path) -> None:
+    """`checkpoint` as GGUF `outtype`: the converter's types (GGUF_TYPES) directly; q4_0 (which
+    the converter does not write) by llama-quantize from the F32 file `f32` (written first
+    where missing; llama-quantize keeps its own type for the output / embedding tensor)."""
+    if outtype != "q4_0":
+        convert(src, checkpoint, outtype, out)
+        return
+    if not f32.is_file():
+        part = f32.with_name(f"{f32.stem}.part.gguf")
+        convert(src, checkpoint, "f32", part)
+        part.rename(f32)
+    log(f"llama-quantize {f32.name} -> Q4_0")
+    subprocess.run([*NICE, str(binary.parent / "llama-quantize"), str(f32), str(out), "Q4_0"], check=True,
+                   capture_output=True)
+
+
 def bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int, reps: int) -> dict[str, float]:
     """llama-bench's tg128, pp128+tg128 and pp512 tests; tokens/s from median sample times."""
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
