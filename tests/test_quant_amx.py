@@ -15,7 +15,7 @@ import torch
 
 from atomd.kernels import cbuild
 from atomd.model import quant
-from tests.test_quant_int8_activations import q8_reference, random_weight
+from tests.test_quant_int8_activations import numpy_checked
 
 pytestmark = pytest.mark.unit
 CPU_AMX = {"amx_tile", "amx_int8"} <= cbuild.cpu_flags()
@@ -54,54 +54,23 @@ CASES = [  # bits, N, K, group (K: per channel), zero points
 ]
 
 
-def packed(rng, bits, n, k, group, zero_points):
-    values, scales, offsets = random_weight(rng, bits, n, k, group, zero_points)
-    w = quant.pack(torch.from_numpy(values), torch.from_numpy(scales),
-                   None if offsets is None else torch.from_numpy(offsets), bits, group)
-    assert quant.use_int8_activations([w]) == 1
-    return w, values, scales, offsets
-
-
 @pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
 @pytest.mark.parametrize("m", [quant.QGEMM_AMX_MIN_M, 3, 17, 100])
 def test_tiles_equal_numpy_and_the_vnni_rows(amx, vnni, bits, n, k, group, zero_points, m):
-    rng = np.random.default_rng(n * k + m + bits)
-    w, values, scales, offsets = packed(rng, bits, n, k, group, zero_points)
-    x = rng.standard_normal((m, k)).astype(np.float32)
-    x[0, :32] = 0  # an all-zero block: scale 0
-    x[-1, 40] = 50.0  # an outlier: its block's other values round coarsely
-    out = quant.qlinear(torch.from_numpy(x), w, lib=amx).numpy()
-    ref, bound = q8_reference(x, values, scales, offsets, group)
-    assert np.all(np.abs(out - ref) <= 1e-5 * bound + 1e-6), np.abs(out - ref).max()
+    w, x, out, bound = numpy_checked(amx, bits, n, k, group, zero_points, m)
     if m <= quant.QGEMM_Q8_MAX_M:  # the VNNI rows (past it the no-amx build dequantises float tiles)
         rows = quant.qlinear(torch.from_numpy(x), w, lib=vnni).numpy()
         assert np.all(np.abs(out - rows) <= 2e-5 * bound + 1e-6), np.abs(out - rows).max()
 
 
-def test_int8_weights_of_minus_128_are_exact(amx):
-    k = 64
-    values = np.full((17, k), -128)
-    values[1] = 127
-    w = quant.pack(torch.from_numpy(values), torch.ones(17, 1), None, 8, k)
-    quant.use_int8_activations([w])
-    x = np.full((2, k), -1.0, np.float32)
-    out = quant.qlinear(torch.from_numpy(x), w, lib=amx).numpy()
-    expect = np.full((2, 17), 128.0 * k)
-    expect[:, 1] = -127.0 * k
-    np.testing.assert_array_equal(out, expect)
-
-
 def test_no_amx_takes_the_vnni_rows(vnni):
     """The no-AMX path (what a CPU without AMX runs, on any CPU): qlinear through atomd_qgemm_q8."""
-    rng = np.random.default_rng(5)
-    w, values, scales, offsets = packed(rng, 4, 21, 256, 64, True)
-    x = rng.standard_normal((5, 256)).astype(np.float32)
-    out = quant.qlinear(torch.from_numpy(x), w, lib=vnni)
+    w, x, out, _ = numpy_checked(vnni, 4, 21, 256, 64, True, 5)
     xq, xd, xsg = quant._q8_scratch(5, 256)
     direct = torch.empty(5, 21)
     vnni.atomd_qgemm_q8(x.ctypes.data, 256, 5, w.q.data_ptr(), 4, w.scales.data_ptr(), w.offsets.data_ptr(), 21, 256,
                         64, direct.data_ptr(), 21, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), 1)
-    assert torch.equal(out, direct)
+    assert torch.equal(torch.from_numpy(out), direct)
 
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
