@@ -45,8 +45,11 @@ QGEMM_MAX_M = 16
 # 0.3-1.07x at 64; benchmarks/RESULTS.md, #35 int8 activations)
 QGEMM_Q8_MAX_M = 32
 # int8 activations on a CPU with AMX-INT8 (csrc/quant_amx.h): from this many rows of x on, at any M, the
-# tile product instead of the VNNI rows (M < 32) and the float tiles (M >= 32); batch 1 stays on the rows
-QGEMM_AMX_MIN_M = 2
+# tile product instead of the VNNI rows (M <= 32) and the float tiles (past 32). A tile product costs the
+# same at M = 1..16 (the 16 x 16 block dots are stored and scaled whatever M is), the rows grow with M:
+# one thread, 135M / 0.6B linears, rows / tiles at M = 2 0.5-1.0x (tiles slower), at M = 4 0.8-1.4x,
+# at 16 3-5x (benchmarks/RESULTS.md, #35 AMX-INT8); batch 1 stays on the rows
+QGEMM_AMX_MIN_M = 4
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
