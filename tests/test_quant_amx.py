@@ -75,7 +75,7 @@ def test_no_amx_takes_the_vnni_rows(vnni):
 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
-    """Prefill in a 32-row chunk and batched decode (4 sequences: M = 4 a step) on the tiles
+    """Prefill in a 32-row chunk and batched decode (4 sequences: M = 4 = QGEMM_AMX_MIN_M) on the tiles
     against the VNNI rows (QGEMM_AMX_MIN_M past every M: what ran before the tiles). The first
     token's logprobs agree to 1e-4; the greedy ids are equal, or part only at a near-tie: the
     float sums' order moves a value by ~1e-7, which now and then flips x's rounding to 8 bits in

@@ -97,10 +97,11 @@ def test_int8_activations_equal_numpy_of_the_same_arithmetic(lib, bits, n, k, gr
     numpy_checked(lib, bits, n, k, group, zero_points, m)
 
 
-@pytest.mark.parametrize("m", [1, 2])
+@pytest.mark.parametrize("m", [1, quant.QGEMM_AMX_MIN_M])
 def test_int8_weights_of_minus_128_are_exact(lib, m):
-    """VNNI's u8 x s8 product takes the weight + 128: -128 must come back as -128 (M = 2: the
-    AMX tiles' signed product where the build has them; 17 rows: a partial 16-row tile)."""
+    """VNNI's u8 x s8 product takes the weight + 128: -128 must come back as -128 (M =
+    QGEMM_AMX_MIN_M: the AMX tiles' signed product where the build has them; 17 rows: a partial
+    16-row tile)."""
     k = 64
     values = np.full((17, k), -128)
     values[1] = 127
