@@ -121,6 +121,8 @@ def main() -> int:
     p.add_argument("--int4", action="store_true", help="also atomd int4 weights + int8 activations")
     p.add_argument("--no-amx-baseline", action="store_true",
                    help="also the --int8 / --int4 engines under ATOMD_KERNEL_ISA=no-amx, in a second process")
+    p.add_argument("--llama-no-repack", action="store_true",
+                   help="llama.cpp without weight repacking (llama_cpp.bench_round: it crashes on the AMX Xeon here)")
     p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's")
     p.add_argument("--gguf-dir", type=pathlib.Path, default=None,
@@ -189,7 +191,8 @@ def main() -> int:
                 for name, gguf in ggufs.items():
                     before = children_cpu()
                     runs.setdefault(name, []).append(
-                        lc.bench_round(binary, gguf, args.threads, {w: WORKLOADS[w] for w in workloads}))
+                        lc.bench_round(binary, gguf, args.threads, {w: WORKLOADS[w] for w in workloads},
+                                       repack=not args.llama_no_repack))
                     cpu.setdefault(name, []).append(children_cpu() - before)
                 load.append(loadavg())
                 if args.out:  # every round's figures so far: a run cut short still leaves them
