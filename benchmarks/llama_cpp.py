@@ -180,6 +180,23 @@ def convert(src: pathlib.Path, checkpoint: pathlib.Path, outtype: str, out: path
         raise SystemExit(f"convert_hf_to_gguf.py failed ({proc.returncode}) for {outtype}")
 
 
+def write_gguf(src: pathlib.Path, binary: pathlib.Path, checkpoint: pathlib.Path, outtype: str, out: pathlib.Path,
+               f32: pathlib.Path) -> None:
+    """`checkpoint` as GGUF `outtype`: the converter's types (GGUF_TYPES) directly; q4_0 (which
+    the converter does not write) by llama-quantize from the F32 file `f32` (written first
+    where missing; llama-quantize keeps its own type for the output / embedding tensor)."""
+    if outtype != "q4_0":
+        convert(src, checkpoint, outtype, out)
+        return
+    if not f32.is_file():
+        part = f32.with_name(f"{f32.stem}.part.gguf")
+        convert(src, checkpoint, "f32", part)
+        part.rename(f32)
+    log(f"llama-quantize {f32.name} -> Q4_0")
+    subprocess.run([*NICE, str(binary.parent / "llama-quantize"), str(f32), str(out), "Q4_0"], check=True,
+                   capture_output=True)
+
+
 def bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int, reps: int) -> dict[str, float]:
     """llama-bench's tg128, pp128+tg128 and pp512 tests; tokens/s from median sample times."""
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
@@ -211,12 +228,15 @@ def ensure_batched_bench(binary: pathlib.Path) -> pathlib.Path:
     return batched
 
 
-def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workloads: dict) -> dict[str, float]:
+def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workloads: dict,
+                repack: bool = True) -> dict[str, float]:
     """One sample of offline.py's `workloads` (name -> (prompts, prompt length, new, seed)) the
     way llama.cpp runs them: batch1* by llama-bench -pg (output tokens over prompt + decode
     time) and -n (decode alone, from an empty context); prefill* by -p at the prompt length
     (tok/s; one prompt at a time); a batch of n by llama-batched-bench -npl n (output tokens
-    n*new over prefill + decode time; "_decode": its decode phase alone, speed_tg)."""
+    n*new over prefill + decode time; "_decode": its decode phase alone, speed_tg). repack False:
+    without llama.cpp's weight repacking (--repack 0 / --no-repack), whose repacked path dies with a
+    general protection fault in prompt processing on the Intel Xeon with AMX here (build 11434)."""
     out: dict[str, float] = {}
     workloads = {w: v for w, v in workloads.items() if not w.endswith("_first")}
     (b1,) = [w for w in workloads if w.startswith("batch1") and not w.startswith("batch16")]
@@ -224,7 +244,8 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
     _, b1_prompt, b1_new, _ = workloads[b1]
     pf_len = workloads[pf][1] if pf else 0
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
-           "-p", f"0,{pf_len}" if pf else "0", "-n", f"0,{b1_new}", "-pg", f"{b1_prompt},{b1_new}"]
+           "-p", f"0,{pf_len}" if pf else "0", "-n", f"0,{b1_new}", "-pg", f"{b1_prompt},{b1_new}",
+           *([] if repack else ["--repack", "0"])]
     for t in json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout):
         p, n, seconds = t["n_prompt"], t["n_gen"], statistics.median(t["samples_ns"]) / 1e9
         if p == 0 and n == b1_new:
@@ -237,7 +258,7 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
         n, length, new, _ = workloads[w]
         cmd = [str(ensure_batched_bench(binary)), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
                "-c", str(max(4096, n * (length + new) + 64)), "-b", "2048", "-ub", "512", "-npp", str(length),
-               "-ntg", str(new), "-npl", str(n), "--output-format", "jsonl"]
+               "-ntg", str(new), "-npl", str(n), "--output-format", "jsonl", *([] if repack else ["--no-repack"])]
         proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"n_kv_max"')]
         if len(rows) != 1:

@@ -202,7 +202,8 @@ ROWS = (("batch1", "batch 1 (tok/s)"), ("batch16", "batch 16 (output tok/s)"),
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", choices=SHAPE_CHOICES, default="small")
-    p.add_argument("--dtype", nargs="+", choices=list(DTYPES), default=["float32"])
+    p.add_argument("--dtype", nargs="*", choices=list(DTYPES), default=["float32"],
+                   help="atomd's float dtypes (none: only --int8 / --int4)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate (the slowest engine)")
@@ -213,6 +214,8 @@ def main() -> int:
                    help="a subset (batch16_first goes with batch16; the GFLOP/s lines need batch16 and prefill)")
     p.add_argument("--int8", action="store_true",
                    help="also atomd with int8 weights and int8 activations (llama.cpp Q8_0's counterpart)")
+    p.add_argument("--int4", action="store_true",
+                   help="also atomd with int4 weights and int8 activations (llama.cpp Q4_0's counterpart)")
     p.add_argument("--stdin-rounds", action="store_true",
                    help="load the engines, then one round per stdin line, JSON out (serve_rounds)")
     args = p.parse_args()
@@ -228,6 +231,8 @@ def main() -> int:
                 gens[f"atomd_{dtype}_torch_attention"] = atomd_generator(path, args.threads, "torch", dtype)
         if args.int8:
             gens["atomd_int8"] = atomd_generator(path, args.threads, quantization="int8", quantized_activations="int8")
+        if args.int4:
+            gens["atomd_int4"] = atomd_generator(path, args.threads, quantization="int4", quantized_activations="int8")
         if args.stdin_rounds:
             serve_rounds(gens, cfg["vocab_size"], tuple(args.workloads))
             return 0

@@ -74,9 +74,9 @@ CASES = [  # bits, N, K, group (K: per channel), zero points
 ]
 
 
-@pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
-@pytest.mark.parametrize("m", [1, 5, 16, quant.QGEMM_Q8_MAX_M - 3])
-def test_int8_activations_equal_numpy_of_the_same_arithmetic(lib, bits, n, k, group, zero_points, m):
+def numpy_checked(lib, bits, n, k, group, zero_points, m):
+    """qlinear on `lib` of a random packed weight and x (an all-zero block, an outlier) against
+    q8_reference: within 1e-5 of the terms' magnitudes. Returns (w, x, out, bound)."""
     rng = np.random.default_rng(n * k + m + bits)
     values, scales, offsets = random_weight(rng, bits, n, k, group, zero_points)
     w = quant.pack(torch.from_numpy(values), torch.from_numpy(scales),
@@ -88,18 +88,30 @@ def test_int8_activations_equal_numpy_of_the_same_arithmetic(lib, bits, n, k, gr
     out = quant.qlinear(torch.from_numpy(x), w, lib=lib).numpy()
     ref, bound = q8_reference(x, values, scales, offsets, group)
     assert np.all(np.abs(out - ref) <= 1e-5 * bound + 1e-6), np.abs(out - ref).max()
+    return w, x, out, bound
 
 
-def test_int8_weights_of_minus_128_are_exact(lib):
-    """VNNI's u8 x s8 product takes the weight + 128: -128 must come back as -128."""
+@pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
+@pytest.mark.parametrize("m", [1, 5, 16, quant.QGEMM_Q8_MAX_M - 3])
+def test_int8_activations_equal_numpy_of_the_same_arithmetic(lib, bits, n, k, group, zero_points, m):
+    numpy_checked(lib, bits, n, k, group, zero_points, m)
+
+
+@pytest.mark.parametrize("m", [1, quant.QGEMM_AMX_MIN_M])
+def test_int8_weights_of_minus_128_are_exact(lib, m):
+    """VNNI's u8 x s8 product takes the weight + 128: -128 must come back as -128 (M =
+    QGEMM_AMX_MIN_M: the AMX tiles' signed product where the build has them; 17 rows: a partial
+    16-row tile)."""
     k = 64
-    values = np.full((3, k), -128)
+    values = np.full((17, k), -128)
     values[1] = 127
-    w = quant.pack(torch.from_numpy(values), torch.ones(3, 1), None, 8, k)
+    w = quant.pack(torch.from_numpy(values), torch.ones(17, 1), None, 8, k)
     quant.use_int8_activations([w])
-    x = np.full((1, k), -1.0, np.float32)
+    x = np.full((m, k), -1.0, np.float32)
     out = quant.qlinear(torch.from_numpy(x), w, lib=lib).numpy()
-    np.testing.assert_array_equal(out, [[128.0 * k, -127.0 * k, 128.0 * k]])
+    expect = np.full((m, 17), 128.0 * k)
+    expect[:, 1] = -127.0 * k
+    np.testing.assert_array_equal(out, expect)
 
 
 @pytest.mark.parametrize("bits", [8, 4])

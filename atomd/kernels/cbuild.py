@@ -59,7 +59,8 @@ TARGETS = {
     "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "bmi2", "f16c", "movbe")),
     "avx512": (["-march=x86-64-v4"], ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
     "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16"], ("avx512_bf16",)),
-    "amx": (["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16"], ("amx_tile", "amx_bf16")),
+    "amx": (["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+            ("amx_tile", "amx_bf16", "amx_int8")),
 }
 # the best target each narrowed build may take: the instructions that build would use
 ISA_TARGET_CAP = {"native": "amx", "no-amx": "avx512bf16", "no-bf16-dot": "avx512", "no-avx512": "avx2"}

@@ -44,6 +44,12 @@ QGEMM_MAX_M = 16
 # M = 32 (135M shape's gate_up / down, one thread, int8 and int4: 0.8-0.96x the tiles' time at M = 32,
 # 0.3-1.07x at 64; benchmarks/RESULTS.md, #35 int8 activations)
 QGEMM_Q8_MAX_M = 32
+# int8 activations on a CPU with AMX-INT8 (csrc/quant_amx.h): from this many rows of x on, at any M, the
+# tile product instead of the VNNI rows (M <= 32) and the float tiles (past 32). A tile product costs the
+# same at M = 1..16 (the 16 x 16 block dots are stored and scaled whatever M is), the rows grow with M:
+# one thread, 135M / 0.6B linears, rows / tiles at M = 2 0.5-1.0x (tiles slower), at M = 4 0.8-1.4x,
+# at 16 3-5x (benchmarks/RESULTS.md, #35 AMX-INT8); batch 1 stays on the rows
+QGEMM_AMX_MIN_M = 4
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
@@ -212,13 +218,16 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_qgemm_q8.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
                                    _PTR, _PTR, _PTR, ctypes.c_int]
     lib.atomd_qgemm_q8.restype = None
+    lib.atomd_qgemm_amx.argtypes = lib.atomd_qgemm_q8.argtypes
+    lib.atomd_qgemm_amx.restype = lib.atomd_quant_amx.restype = ctypes.c_int
+    lib.amx = bool(lib.atomd_quant_amx())  # int8 activations on AMX-INT8 tiles from QGEMM_AMX_MIN_M rows
     for w16 in ("b16", "h16"):
         gemm, deq = getattr(lib, f"atomd_qgemm_{w16}"), getattr(lib, f"atomd_qdequant_{w16}")
         gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int], None
         deq.argtypes, deq.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
-    log.info("int8 / int4 linears: %s kernels (int8 activations: %s)", PATHS[lib.atomd_quant_path()],
-             Q8_PATHS[lib.atomd_quant_q8_path()])
+    log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s)", PATHS[lib.atomd_quant_path()],
+             Q8_PATHS[lib.atomd_quant_q8_path()], f", AMX-INT8 tiles from {QGEMM_AMX_MIN_M} rows" if lib.amx else "")
     return lib
 
 
@@ -229,6 +238,13 @@ def kernels() -> ctypes.CDLL | None:
 def _q8_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """xq, xd, xsg of m quantised rows of k inputs (csrc/quant.h: Q8_XD, Q8_XSG)."""
     return torch.empty(m, k, dtype=torch.int8), torch.empty(m, -(-k // (2 * Q8_BLOCK)) * 16), torch.empty(m, k // Q8_BLOCK)
+
+
+def _amx_scratch(m: int, k: int, g: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """xt, dt, xsgt of m rows of x for the AMX product (csrc/quant_amx.h: QAMX_XT, QAMX_DT, QAMX_XSG)."""
+    tiles = -(-m // 16)
+    return (torch.empty(tiles * (k // Q8_BLOCK) * 512, dtype=torch.int8), torch.empty(tiles * (k // Q8_BLOCK) * 16),
+            torch.empty(tiles * (k // g) * 16))
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:
@@ -244,8 +260,9 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
             lib: ctypes.CDLL | None | str = "auto") -> torch.Tensor:
     """x [M, K] @ dequantised(w).T (+ bias) in float32, returned in x's dtype. Up to
     QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*), up to
-    QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8); more rows, or no kernels (lib
-    None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
+    QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8), and with int8 activations on a CPU with
+    AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx); more rows, or no
+    kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
     if w.perm is not None:
@@ -253,7 +270,15 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     xf = xf.contiguous()
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
-    if lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
+    if lib is not None and w.int8_activations and m >= QGEMM_AMX_MIN_M and lib.amx:
+        out = torch.empty(m, n, dtype=torch.float32)
+        xt, dt, xsgt = _amx_scratch(m, k, w.group_size)
+        rc = lib.atomd_qgemm_amx(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
+                                 k, w.group_size, out.data_ptr(), n, xt.data_ptr(), dt.data_ptr(), xsgt.data_ptr(),
+                                 threads)
+        if rc != 0:
+            raise MemoryError(f"AMX int8 product of {m} x {k} by {n} rows: out of memory")
+    elif lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
         out = torch.empty(m, n, dtype=torch.float32)
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,

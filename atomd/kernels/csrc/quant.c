@@ -20,6 +20,7 @@
  * dequantised weight to float32 rounding, not bit for bit.
  */
 #include "quant.h"
+#include "quant_amx.h"
 
 /* mb as a compile-time constant (1..QGEMM_ROWS) so acc[] stays in registers */
 #define DISPATCH_ROWS(ROW, ...)                       \
@@ -153,6 +154,30 @@ void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64
                         y + m0 * ldy + n, ldy)
         }
     }
+}
+
+/* The same product on AMX-INT8 tiles (quant_amx.h), M >= 2 rows of x: scratch xt [QAMX_XT bytes],
+ * dt [QAMX_DT floats], xsgt [QAMX_XSG floats]. 0 done; 1 no tiles here (not built with AMX-INT8,
+ * or Linux refuses them): the caller runs atomd_qgemm_q8; -1 out of memory. */
+int atomd_qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
+                    const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy, int8_t *xt,
+                    float *dt, float *xsgt, int num_threads) {
+#if QAMX_PATH
+    return qgemm_amx(x, ldx, M, q, (int)bits, scales, offsets, N, K, G, y, ldy, xt, dt, xsgt, num_threads);
+#else
+    (void)x, (void)ldx, (void)M, (void)q, (void)bits, (void)scales, (void)offsets, (void)N, (void)K, (void)G;
+    (void)y, (void)ldy, (void)xt, (void)dt, (void)xsgt, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* 1 when atomd_qgemm_amx runs on tiles here: built with AMX-INT8 and granted by Linux */
+int atomd_quant_amx(void) {
+#if QAMX_PATH
+    return amx_granted();
+#else
+    return 0;
+#endif
 }
 
 int atomd_quant_path(void) { return QUANT_PATH; }

@@ -1,0 +1,214 @@
+/* Part of quant.c: int8 / int4 weights times int8 activations as AMX-INT8 tile matmuls
+ * (Sapphire Rapids and later), for M >= 2 rows of x: batch decode and prefill alike.
+ *
+ * The same numbers as quant.h's int8-activation rows: x quantised per block of Q8_BLOCK
+ * exactly as quantize_row_q8 does (the same int8 values, d and xsg), each block's integer dot
+ * product q[n, b] . xq[m, b] an exact int32, then
+ *   y[m, n] = sum_g s[n, g] * sum_{b in g} d[m, b] * dot[m, n, b] + o[n, g] * xsg[m, g];
+ * only the order of the float sums differs from the VNNI rows (and no +128 bias: int8 weights
+ * are signed operands here, tdpbssd; int4's 0..15 unsigned ones, tdpbusd).
+ *
+ * Tiles, per 16 weight rows (an n-tile) and 16 rows of x (an m-tile), per block of 32 inputs:
+ * - A: the 16 weight rows' 32 int8 values (16 rows x 32 bytes). int8: loaded in place from
+ *   the row-major weight (tile row stride K); int4: unpacked once per n-tile into thread
+ *   scratch [block][16 rows][32] (low nibbles then high ones: Q4_0's run order is k order),
+ *   never to floats; a last n-tile of fewer than 16 rows also goes through the scratch,
+ *   zero-padded.
+ * - B: x's block in the tile B layout [8 rows of 4 inputs][16 rows of x][4] (512 bytes,
+ *   written by qamx_quantize; x rows past M are zeros with d = 0).
+ * - C: the 16 x 16 int32 dots; stored, converted and multiplied by the block's d (a vector
+ *   over the rows of x), summed in float per weight group, then scaled by s[n, g] (a scalar
+ *   per weight row) and the group's o[n, g] * xsg term added.
+ * Tiles 0-1 A, 2-3 B, 4-7 C (four blocks in flight). Each thread configures its tiles and
+ * releases them at the end of the call. */
+#if Q8_PATH == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__)  /* an AMX CPU has VNNI: a no-VNNI build has neither */
+#include <stdlib.h>
+#include <string.h>
+
+#include "amx.h"
+#define QAMX_PATH 1
+
+/* scratch of M rows of x, K inputs, groups of G (the caller's): bytes of the B tiles, floats
+ * of d (one 16-vector a block), floats of xsg (one 16-vector a group), per m-tile */
+#define QAMX_XT(M, K) (((M) + 15) / 16 * ((K) / Q8_BLOCK) * 512)
+#define QAMX_DT(M, K) (((M) + 15) / 16 * ((K) / Q8_BLOCK) * 16)
+#define QAMX_XSG(M, K, G) (((M) + 15) / 16 * ((K) / (G)) * 16)
+
+static void qamx_configure(void) {
+    tile_config c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 2; t++) c.rows[t] = 16, c.colsb[t] = 32;      /* A: 16 weight rows x 32 inputs */
+    for (int t = 2; t < 4; t++) c.rows[t] = 8, c.colsb[t] = 64;       /* B: 8 x (16 rows of x x 4 inputs) */
+    for (int t = 4; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;      /* C: 16 x 16 int32 */
+    _tile_loadconfig(&c);
+}
+
+/* x [M, ldx] -> the B tiles xt, d per block dt, xsg per group xsgt (layouts above); the int8
+ * values, d and xsg are quantize_row_q8's to the bit (the same float operations in the same
+ * order; cvtps rounds to nearest even as nearbyintf does) */
+static void qamx_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t G, int8_t *xt, float *dt,
+                          float *xsgt, int num_threads) {
+    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G, rows = (M + 15) / 16 * 16;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)")
+    for (int64_t m = 0; m < rows; m++) {
+        const int64_t mt = m / 16, c = m % 16;
+        int8_t *xb = xt + mt * nb * 512 + c * 4;
+        float *db = dt + mt * nb * 16 + c, *sg = xsgt + mt * groups * 16 + c;
+        for (int64_t g = 0; g < groups; g++) sg[g * 16] = 0.0f;
+        for (int64_t b = 0; b < nb; b++) {
+            int32_t words[8] = {0};
+            float d = 0.0f;
+            if (m < M) {
+                const __m512 v0 = _mm512_loadu_ps(x + m * ldx + b * Q8_BLOCK), v1 = _mm512_loadu_ps(x + m * ldx + b * Q8_BLOCK + 16);
+                const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v0), _mm512_abs_ps(v1)));
+                d = amax / 127.0f;
+                const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+                const __m512i i0 = _mm512_cvtps_epi32(_mm512_mul_ps(v0, id)), i1 = _mm512_cvtps_epi32(_mm512_mul_ps(v1, id));
+                _mm_storeu_si128((__m128i *)words, _mm512_cvtepi32_epi8(i0));
+                _mm_storeu_si128((__m128i *)(words + 4), _mm512_cvtepi32_epi8(i1));
+                sg[(b / per) * 16] += d * (float)_mm512_reduce_add_epi32(_mm512_add_epi32(i0, i1));
+            }
+            for (int k4 = 0; k4 < 8; k4++) memcpy(xb + b * 512 + k4 * 64, &words[k4], 4);
+            db[b * 16] = d;
+        }
+    }
+}
+
+/* rows n0 .. n0 + rows of the weight as int8 A tiles into a [nb][16][32] (rows past `rows` zero) */
+static void qamx_prepare(const void *q, int bits, int64_t n0, int64_t rows, int64_t K, int8_t *a) {
+    const int64_t nb = K / Q8_BLOCK;
+    if (rows < 16) memset(a, 0, (size_t)nb * 512);
+    if (bits == 8) {
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t b = 0; b < nb; b++) memcpy(a + b * 512 + r * 32, (const int8_t *)q + (n0 + r) * K + b * 32, 32);
+        return;
+    }
+    const uint8_t *q4 = (const uint8_t *)q + n0 * (K / 2);
+    const __m512i low = _mm512_set1_epi8(15);
+    const __m512i rows01 = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0), rows23 = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+    for (int64_t b = 0; b < nb; b++) {
+        int64_t r = 0;
+        for (; r + 4 <= rows; r += 4) {  /* 4 rows' 16 bytes: low nibbles are inputs 0-15, high ones 16-31 */
+            __m512i v = _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)(q4 + r * (K / 2) + b * 16)));
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q4 + (r + 1) * (K / 2) + b * 16)), 1);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q4 + (r + 2) * (K / 2) + b * 16)), 2);
+            v = _mm512_inserti32x4(v, _mm_loadu_si128((const __m128i *)(q4 + (r + 3) * (K / 2) + b * 16)), 3);
+            const __m512i lo = _mm512_and_si512(v, low), hi = _mm512_and_si512(_mm512_srli_epi16(v, 4), low);
+            _mm512_storeu_si512(a + b * 512 + r * 32, _mm512_permutex2var_epi64(lo, rows01, hi));
+            _mm512_storeu_si512(a + b * 512 + (r + 2) * 32, _mm512_permutex2var_epi64(lo, rows23, hi));
+        }
+        for (; r < rows; r++)
+            for (int i = 0; i < 16; i++) {
+                const uint8_t v = q4[r * (K / 2) + b * 16 + i];
+                a[b * 512 + r * 32 + i] = (int8_t)(v & 15);
+                a[b * 512 + r * 32 + 16 + i] = (int8_t)(v >> 4);
+            }
+    }
+}
+
+/* block b's product into C tile T (A tile TA, B tile TB): bits a constant, tdpbssd or tdpbusd */
+#define QAMX_DOT(T, TA, TB, b)                                 \
+    do {                                                       \
+        _tile_zero(T);                                         \
+        _tile_loadd(TA, a + (b) * bstride, astride);           \
+        _tile_loadd(TB, xt + (b) * 512, 64);                   \
+        if (bits == 8)                                         \
+            _tile_dpbssd(T, TA, TB);                           \
+        else                                                   \
+            _tile_dpbusd(T, TA, TB);                           \
+    } while (0)
+
+/* one n-tile (A: block b at a + b * bstride, tile rows astride apart) times one m-tile: out[r][m]
+ * = y[m, n0 + r] for the tile's 16 x 16; s, o: the n-tile's first row of scales / offsets,
+ * rows of them valid. Four blocks' products in flight (C tiles 4-7; a tile store waits for its
+ * product, and four stores in a row measured ~25 ns a block against ~31 for two), then each
+ * block's C stored, converted and times its d into the group sums ga, a group's last block
+ * folding ga into acc (times s[n, g], plus o[n, g] * xsg). bits a constant after inlining. */
+static inline __attribute__((always_inline)) void qamx_tile(const int bits, const int8_t *a, int64_t astride,
+                                                            int64_t bstride, const int8_t *xt, const float *dt,
+                                                            const float *xsg, const float *s, const float *o,
+                                                            int64_t rows, int64_t nb, int64_t per, int64_t groups,
+                                                            float out[16][16]) {
+    int32_t cbuf[4][256] __attribute__((aligned(64)));
+    __m512 acc[16], ga[16];
+    for (int r = 0; r < 16; r++) acc[r] = ga[r] = _mm512_setzero_ps();
+    for (int64_t b0 = 0; b0 < nb; b0 += 4) {
+        const int cnt = nb - b0 < 4 ? (int)(nb - b0) : 4;
+        QAMX_DOT(4, 0, 2, b0);
+        if (cnt > 1) QAMX_DOT(5, 1, 3, b0 + 1);
+        if (cnt > 2) QAMX_DOT(6, 0, 2, b0 + 2);
+        if (cnt > 3) QAMX_DOT(7, 1, 3, b0 + 3);
+        _tile_stored(4, cbuf[0], 64);
+        if (cnt > 1) _tile_stored(5, cbuf[1], 64);
+        if (cnt > 2) _tile_stored(6, cbuf[2], 64);
+        if (cnt > 3) _tile_stored(7, cbuf[3], 64);
+        for (int j = 0; j < cnt; j++) {
+            const int64_t b = b0 + j;
+            const __m512 dv = _mm512_loadu_ps(dt + b * 16);
+            for (int r = 0; r < 16; r++)
+                ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[j] + r * 16)), dv, ga[r]);
+            if ((b + 1) % per == 0) {  /* the group's last block */
+                const int64_t g = b / per;
+                const __m512 xg = _mm512_loadu_ps(xsg + g * 16);
+                for (int r = 0; r < rows; r++) {
+                    acc[r] = _mm512_fmadd_ps(ga[r], _mm512_set1_ps(s[r * groups + g]), acc[r]);
+                    if (o) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(o[r * groups + g]), xg, acc[r]);
+                }
+                for (int r = 0; r < 16; r++) ga[r] = _mm512_setzero_ps();
+            }
+        }
+    }
+    for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
+}
+
+/* y [M, ldy] = x [M, ldx] @ w^T on tiles; scratch as QAMX_XT / QAMX_DT / QAMX_XSG. Returns 0,
+ * 1 where Linux refuses this process the tiles (the caller runs the VNNI rows), -1 out of memory. */
+static int qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
+                     const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy, int8_t *xt,
+                     float *dt, float *xsgt, int num_threads) {
+    if (!amx_granted()) return 1;
+    qamx_quantize(x, ldx, M, K, G, xt, dt, xsgt, num_threads);
+    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G, mtiles = (M + 15) / 16, ntiles = (N + 15) / 16;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        int8_t *a = aligned_alloc(64, (size_t)nb * 512);
+        if (a == NULL) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        } else {
+            qamx_configure();
+        }
+        float out[16][16] __attribute__((aligned(64)));
+        _Pragma("omp for schedule(static)")
+        for (int64_t nt = 0; nt < ntiles; nt++) {
+            if (a == NULL) continue;
+            const int64_t n0 = nt * 16, rows = N - n0 < 16 ? N - n0 : 16;
+            const int8_t *ab = a;
+            int64_t astride = 32, bstride = 512;
+            if (bits == 8 && rows == 16) {  /* in place: 16 rows of the row-major weight */
+                ab = (const int8_t *)q + n0 * K, astride = K, bstride = 32;
+            } else {
+                qamx_prepare(q, bits, n0, rows, K, a);
+            }
+            const float *s = scales + n0 * groups, *o = offsets ? offsets + n0 * groups : NULL;
+            for (int64_t mt = 0; mt < mtiles; mt++) {
+                const int8_t *xb = xt + mt * nb * 512;
+                const float *db = dt + mt * nb * 16, *sg = xsgt + mt * groups * 16;
+                if (bits == 8)
+                    qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, out);
+                else
+                    qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, out);
+                const int64_t ms = M - mt * 16 < 16 ? M - mt * 16 : 16;
+                for (int64_t m = 0; m < ms; m++)
+                    for (int64_t r = 0; r < rows; r++) y[(mt * 16 + m) * ldy + n0 + r] = out[r][m];
+            }
+        }
+        if (a != NULL) _tile_release();
+        free(a);
+    }
+    return failed ? -1 : 0;
+}
+#else
+#define QAMX_PATH 0
+#endif

@@ -1,0 +1,111 @@
+"""int8 activations on AMX-INT8 tiles (atomd/kernels/csrc/quant_amx.h): from
+quant.QGEMM_AMX_MIN_M rows of x on, int8 / int4 weights times int8 activations run as tile
+products on a CPU with AMX. The same arithmetic as the VNNI rows (x quantised per block of 32
+to the same int8 values, exact int32 block dots, only the float sums in another order): checked
+against numpy of that arithmetic and against the VNNI rows (the no-amx build) within 1e-5 of the
+terms' magnitudes, on odd M, N not a multiple of 16, K not a multiple of 64, every group size,
+zero points; -128 weights exact (signed operands here); the engine's greedy ids equal to the VNNI
+rows'. On a CPU without AMX the tile tests skip with the reason, and the no-AMX path is checked:
+the kernels say so and qlinear takes the VNNI rows."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from atomd.kernels import cbuild
+from atomd.model import quant
+from tests.test_quant_int8_activations import numpy_checked
+
+pytestmark = pytest.mark.unit
+CPU_AMX = {"amx_tile", "amx_int8"} <= cbuild.cpu_flags()
+
+
+@pytest.fixture(scope="module")
+def amx():
+    lib = quant.build_kernels("native")
+    assert lib is not None
+    if not lib.amx:
+        pytest.skip("no AMX-INT8 tiles here: " + ("Linux refused the tile state" if CPU_AMX else
+                                                  "the CPU has no amx_tile / amx_int8 flags"))
+    return lib
+
+
+@pytest.fixture(scope="module")
+def vnni():
+    lib = quant.build_kernels("no-amx")
+    assert lib is not None and not lib.amx
+    return lib
+
+
+def test_amx_only_where_the_cpu_has_it(vnni):
+    """native: tiles where the CPU has AMX-INT8 (and Linux grants it); no-amx / no-VNNI builds: never."""
+    native = quant.build_kernels("native")
+    assert native.amx == CPU_AMX or (CPU_AMX and not native.amx)  # a refusal is the only other outcome
+    assert not vnni.amx and not quant.build_kernels("native", vnni=False).amx
+    no_tiles = vnni.atomd_qgemm_amx(None, 0, 0, None, 8, None, None, 0, 0, 32, None, 0, None, None, None, 1)
+    assert no_tiles == 1  # nothing read: "run the rows"
+
+
+CASES = [  # bits, N, K, group (K: per channel), zero points
+    (8, 37, 96, 96, False), (8, 45, 160, 32, True), (8, 16, 1088, 64, True), (8, 50, 384, 128, False),
+    (4, 37, 96, 32, True), (4, 29, 192, 64, False), (4, 33, 640, 128, True), (4, 7, 160, 32, False),
+    (4, 64, 1088, 64, True),
+]
+
+
+@pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
+@pytest.mark.parametrize("m", [quant.QGEMM_AMX_MIN_M, 3, 17, 100])
+def test_tiles_equal_numpy_and_the_vnni_rows(amx, vnni, bits, n, k, group, zero_points, m):
+    w, x, out, bound = numpy_checked(amx, bits, n, k, group, zero_points, m)
+    if m <= quant.QGEMM_Q8_MAX_M:  # the VNNI rows (past it the no-amx build dequantises float tiles)
+        rows = quant.qlinear(torch.from_numpy(x), w, lib=vnni).numpy()
+        assert np.all(np.abs(out - rows) <= 2e-5 * bound + 1e-6), np.abs(out - rows).max()
+
+
+def test_no_amx_takes_the_vnni_rows(vnni):
+    """The no-AMX path (what a CPU without AMX runs, on any CPU): qlinear through atomd_qgemm_q8."""
+    w, x, out, _ = numpy_checked(vnni, 4, 21, 256, 64, True, 5)
+    xq, xd, xsg = quant._q8_scratch(5, 256)
+    direct = torch.empty(5, 21)
+    vnni.atomd_qgemm_q8(x.ctypes.data, 256, 5, w.q.data_ptr(), 4, w.scales.data_ptr(), w.offsets.data_ptr(), 21, 256,
+                        64, direct.data_ptr(), 21, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), 1)
+    assert torch.equal(torch.from_numpy(out), direct)
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
+    """Prefill in a 32-row chunk and batched decode (4 sequences: M = 4 = QGEMM_AMX_MIN_M) on the tiles
+    against the VNNI rows (QGEMM_AMX_MIN_M past every M: what ran before the tiles). The first
+    token's logprobs agree to 1e-4; the greedy ids are equal, or part only at a near-tie: the
+    float sums' order moves a value by ~1e-7, which now and then flips x's rounding to 8 bits in
+    a later layer (a step of max|x| / 127) and moves a logprob by up to ~0.03 (measured on this
+    model: 7 of 8 sequences equal over 48 tokens, one parting at token 39 where the rows' top
+    two were 0.002 apart)."""
+    from atomd import SamplingParams
+    from atomd.llm import LLM
+    from tests.test_model_hf import make_checkpoint, prompts_of
+
+    path = make_checkpoint(tmp_path, "llama", seed=35, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                           num_key_value_heads=2)
+    params = SamplingParams(max_tokens=48, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([5, 9, 12, 6], seed=36)]
+
+    def run():
+        llm = LLM(str(path), num_threads=1, max_model_len=256, quantization=method, quantized_activations="int8",
+                  max_num_batched_tokens=32)
+        return [o.outputs[0] for o in llm.generate(prompts, params)]
+
+    tiles = run()
+    monkeypatch.setattr(quant, "QGEMM_AMX_MIN_M", 1 << 30)
+    rows = run()
+    equal = 0
+    for t, r in zip(tiles, rows):
+        assert abs(t.logprobs[0].logprob - r.logprobs[0].logprob) < 1e-4
+        part = next((i for i, (a, b) in enumerate(zip(t.token_ids, r.token_ids)) if a != b), None)
+        if part is None:
+            equal += 1
+            continue
+        (_, first), (_, second) = r.logprobs[part].top
+        assert first - second < 0.05, f"parted at token {part} where the rows' top two were {first - second:.3f} apart"
+    assert equal >= len(prompts) // 2
