@@ -29,6 +29,11 @@ GROUPED = True
 # grouped / per-expert 0.53x at 16 tokens (2 pairs an expert), 0.86x at 128 (16), 1.02x at 256
 # (32), 1.13x at 512, 1.25x at 2048: a prefill's experts; benchmarks/RESULTS.md "MoE prefill")
 GROUPED_MAX_PAIRS = 32
+# several tokens through the experts on AMX tiles (layer_ops.moe_amx, any number of pairs) where the
+# CPU has them: bf16 float experts packed for the tiles at their first such call (a second copy of
+# the experts: the batch-1 kernels read the plain rows), not under expert parallelism (which
+# rewrites the expert slots); False: the paths above (the A/B of benchmarks/moe_block.py)
+AMX = True
 
 
 @dataclass
@@ -49,6 +54,8 @@ class MoeWeights:
     routed: torch.Tensor = field(init=False)
     # the expert id in each slot of gate_up / down (expert parallelism adds replica slots: -1 empty)
     slot_experts: torch.Tensor = field(init=False)
+    # (gate_up, down) in layer_ops.pack_amx's layout once amx_weights made them; () where they do not apply
+    amx: tuple = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         # one row through an expert: the GEMV kernel on its slice of the stacked tensor (quantized
@@ -57,6 +64,16 @@ class MoeWeights:
         self.gemv = not self.quantized and os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(self.gate_up.dtype)
         self.routed = torch.zeros(self.router.shape[0], dtype=torch.int64)
         self.slot_experts = torch.arange(self.first_expert, self.first_expert + len(self.gate_up))
+
+    def amx_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts packed for layer_ops.moe_amx (made at the first call), or None where it does not run
+        them: quantized or non-bf16 experts, expert parallelism, shapes off the tiles, no AMX here."""
+        if self.amx is None:
+            fits = (not self.quantized and self.ep is None and self.gate_up.dtype == torch.bfloat16
+                    and self.gate_up.shape[2] % layer_ops.AMX_MULTIPLE == 0
+                    and self.down.shape[2] % layer_ops.AMX_MULTIPLE == 0 and layer_ops.has_moe_amx())
+            self.amx = (layer_ops.pack_amx(self.gate_up), layer_ops.pack_amx(self.down)) if fits else ()
+        return self.amx or None
 
 
 def load_experts(src, prefix: str, experts: range, gate: str, up: str, down: str,
@@ -104,10 +121,7 @@ def moe(h: torch.Tensor, w: MoeWeights,
     scales = weights.flatten()[order].unsqueeze(1)
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
     active = counts.nonzero().flatten()
-    if w.gemv and grouped(rows * k, len(active)):  # every active expert in one C call
-        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
-        layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order,
-                              scales.flatten().contiguous(), pairs)
+    if one_call(h, w, counts, active, order, scales.flatten().contiguous(), pairs):
         return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
     ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
     for e in active.tolist():
@@ -120,6 +134,25 @@ def moe(h: torch.Tensor, w: MoeWeights,
 def grouped(pairs: int, active: int) -> bool:
     """Whether several tokens' experts run as one grouped C call (else a GEMM pair per expert)."""
     return GROUPED and pairs <= GROUPED_MAX_PAIRS * active
+
+
+def one_call(h: torch.Tensor, w: MoeWeights, counts: torch.Tensor, active: torch.Tensor, order: torch.Tensor,
+             scales: torch.Tensor | None, pairs: torch.Tensor) -> bool:
+    """Every active expert of several tokens h in one C call, layer_ops.moe_grouped's arguments and
+    results (pairs in `order`, scales None: a TP worker's float32 partials): on AMX tiles where they
+    run (AMX), else the grouped kernel where it pays (grouped()). False: nothing done, the caller
+    runs one GEMM pair per expert."""
+    packed = w.amx_weights() if AMX else None
+    if packed is None and not (w.gemv and grouped(len(order), len(active))):
+        return False
+    starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
+    h, tokens = h.contiguous(), order // w.top_k
+    if packed is not None and layer_ops.moe_amx(h, *packed, active, starts, tokens, order, scales, pairs):
+        return True
+    if not (w.gemv and grouped(len(order), len(active))):
+        return False
+    layer_ops.moe_grouped(h, w.gate_up, w.down, active, starts, tokens, order, scales, pairs)
+    return True
 
 
 def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -185,10 +218,7 @@ def tp_partials(h: torch.Tensor, w: MoeWeights,
     w.routed += counts
     partial = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
     active = counts.nonzero().flatten()
-    if w.gemv and grouped(rows * k, len(active)):  # every active expert in one C call, the down sums left float32
-        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
-        layer_ops.moe_grouped(h.contiguous(), w.gate_up, w.down, active, starts, order // k, order, None, partial)
-    else:
+    if not one_call(h, w, counts, active, order, None, partial):  # one GEMM pair per expert, down sums float32
         ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
         for e in active.tolist():
             group = order[ends[e] - sizes[e]:ends[e]]

@@ -13,34 +13,8 @@
  * interleaved by key pairs [pair][dim][2] (B's layout). P is split into two bf16 terms,
  * hi = p's top 16 bits and lo = bf16(p - hi), both multiplied: the weights keep ~16 bits, as
  * accurate as the float32 weights of the loop above (one bf16 P would cost 3 digits). */
-#include <sys/syscall.h>
-#include <unistd.h>
+#include "amx_tiles.h"
 #define AMX_PATH 1
-#define ARCH_REQ_XCOMP_PERM 0x1023
-#define XFEATURE_XTILEDATA 18
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config;
-
-/* Linux hands AMX's tile state to a process that asks; 1 when granted (torch's oneDNN asks too). */
-static int amx_granted(void) {
-    static int granted = -1;
-    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
-    return granted;
-}
-
-static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
-    tile_config c = {0};
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
 
 /* The tile operands as stored, each tile 1 KB contiguous (strided tile rows miss the
  * prefetchers: a layout shared across tokens measured ~2x slower). Per KV head and sequence,

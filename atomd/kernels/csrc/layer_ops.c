@@ -1134,3 +1134,6 @@ void atomd_lora_sgmv_f32(const float *x, int64_t x_stride, const float *a, const
         }
     }
 }
+
+/* the MoE experts on AMX tiles (bf16) */
+#include "moe_amx.h"

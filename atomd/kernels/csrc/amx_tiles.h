@@ -1,0 +1,34 @@
+/* AMX tile state shared by the kernels that use tiles (attention_amx.h's bf16 prefill,
+ * moe_amx.h's MoE experts): included only under __AMX_TILE__ && __AMX_BF16__. */
+#ifndef ATOMD_AMX_TILES_H
+#define ATOMD_AMX_TILES_H
+#include <immintrin.h>
+#include <stdint.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#define ARCH_REQ_XCOMP_PERM 0x1023
+#define XFEATURE_XTILEDATA 18
+
+typedef struct {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+} tile_config;
+
+/* Linux hands AMX's tile state to a process that asks; 1 when granted (torch's oneDNN asks too). */
+static int amx_granted(void) {
+    static int granted = -1;
+    if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
+    return granted;
+}
+
+static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
+    tile_config c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+#endif
