@@ -13,7 +13,9 @@ issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --thread
 - llama.cpp: GGUF F32, BF16 and Q8_0 written from the same checkpoint by its converter
   (llama_cpp.convert), llama-bench and llama-batched-bench (llama_cpp.bench_round).
 The two engine processes are loaded once and kept; every round runs atomd, vLLM, then each
-GGUF in turn (so all see the same background load), `--rounds` rounds, medians. Workloads:
+GGUF in turn (so all see the same background load), `--rounds` rounds, medians
+(`--atomd-baseline-env`: a second atomd process under other settings, the before of an A/B, in
+the same rounds). Workloads:
 offline.py's batch1 / batch16 / prefill 8x512 or, with --short (for shapes too slow for those
 on 2 shared cores), batch1_short (128 + 32), batch16_short (16 x (32 + 32)), prefill_1x512
 (one 512-token prompt, llama-bench's pp512) -- the same counts for every engine; --workloads mixes the
@@ -73,8 +75,8 @@ def tree_cpu_seconds(pid: int) -> float:
 class Worker:
     """An engine process serving offline.serve_rounds: one round per line sent."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict | None = None):
-        self.name = name
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None, prefix: str = ""):
+        self.name, self.prefix = name, prefix  # prefix: before each engine name it reports
         log(f"starting {name}: {' '.join(cmd)}")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
@@ -119,6 +121,9 @@ def main() -> int:
     p.add_argument("--vllm-python", type=pathlib.Path, default=pathlib.Path("/tmp/vllm-venv/bin/python"))
     p.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--atomd-baseline-env", nargs="+", default=None, metavar="NAME=VALUE",
+                   help="also run atomd's engines in a second process with these environment settings (e.g. "
+                        "ATOMD_MOE_AMX=0), reported as baseline_*, alternated with the others round by round")
     p.add_argument("--gguf", nargs="*", choices=list(GGUFS), default=list(GGUFS))
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--no-prefill", action="store_true",
@@ -133,8 +138,10 @@ def main() -> int:
     path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
     cfg = model_config(path)
     load = [loadavg()]
-    src, binary = lc.ensure_build(2)
-    lc.ensure_batched_bench(binary)
+    src = binary = None
+    if args.gguf:  # llama.cpp built (minutes, once) only where a GGUF is measured
+        src, binary = lc.ensure_build(2)
+        lc.ensure_batched_bench(binary)
     workers: list[Worker] = []
     errors: dict[str, str] = {}
     runs: dict[str, list[dict]] = {}
@@ -153,6 +160,9 @@ def main() -> int:
                    "--dtype", *args.atomd_dtype, "--threads", str(args.threads), "--workloads", *workloads,
                    "--stdin-rounds", *(["--int8"] if args.int8 else [])]
             workers.append(Worker("atomd", cmd))
+            if args.atomd_baseline_env:  # the same engines under other settings (the before of an A/B)
+                env = dict(os.environ, **dict(kv.split("=", 1) for kv in args.atomd_baseline_env))
+                workers.append(Worker("atomd baseline", cmd, env=env, prefix="baseline_"))
             if not args.no_vllm:
                 cmd = [str(args.vllm_python), "-m", "benchmarks.offline_vllm", "--model-shape", args.model_shape,
                        "--model", str(path), "--dtype", args.vllm_dtype, "--threads", str(args.threads),
@@ -168,6 +178,7 @@ def main() -> int:
                 for w in workers:
                     out, seconds = w.round()
                     for name, figures in out.items():
+                        name = w.prefix + name
                         own = figures.pop("cpu_s")  # a lone engine: its whole process tree's
                         runs.setdefault(name, []).append(figures)
                         cpu.setdefault(name, []).append(seconds if len(out) == 1 else own)

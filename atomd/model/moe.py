@@ -30,10 +30,11 @@ GROUPED = True
 # (32), 1.13x at 512, 1.25x at 2048: a prefill's experts; benchmarks/RESULTS.md "MoE prefill")
 GROUPED_MAX_PAIRS = 32
 # several tokens through the experts on AMX tiles (layer_ops.moe_amx, any number of pairs) where the
-# CPU has them: bf16 float experts packed for the tiles at their first such call (a second copy of
-# the experts: the batch-1 kernels read the plain rows), not under expert parallelism (which
-# rewrites the expert slots); False: the paths above (the A/B of benchmarks/moe_block.py)
-AMX = True
+# CPU has them: bf16 float experts packed for the tiles at load (MoeWeights.amx_weights; a second
+# copy of the experts: the batch-1 kernels read the plain rows), not under expert parallelism
+# (which rewrites the expert slots); False (or $ATOMD_MOE_AMX=0 at import): the paths above (the A/B of
+# benchmarks/moe_block.py and engine-level runs)
+AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
 
 
 @dataclass
@@ -66,7 +67,7 @@ class MoeWeights:
         self.slot_experts = torch.arange(self.first_expert, self.first_expert + len(self.gate_up))
 
     def amx_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """The experts packed for layer_ops.moe_amx (made at the first call), or None where it does not run
+        """The experts packed for layer_ops.moe_amx (made at the first call: the model's load), or None where it does not run
         them: quantized or non-bf16 experts, expert parallelism, shapes off the tiles, no AMX here."""
         if self.amx is None:
             fits = (not self.quantized and self.ep is None and self.gate_up.dtype == torch.bfloat16
