@@ -31,4 +31,16 @@ static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
     }
     _tile_loadconfig(&c);
 }
+
+/* A thread's start inside a tile kernel's parallel region: its tiles configured when its scratch
+ * is ready, else the kernel marked failed (it returns -1). Returns `ready`. */
+static inline int amx_thread_ready(int ready, int *failed) {
+    if (ready) {
+        amx_configure();
+    } else {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return ready;
+}
 #endif

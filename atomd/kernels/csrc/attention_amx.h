@@ -212,13 +212,7 @@ static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, c
             }
         float *sc = malloc(sizeof(float) * 16 * longest);
         uint16_t *phi = malloc(sizeof(uint16_t) * 16 * longest), *plo = malloc(sizeof(uint16_t) * 16 * longest);
-        const int ready = sc != NULL && phi != NULL && plo != NULL;
-        if (ready) {
-            amx_configure();
-        } else {
-#pragma omp atomic write
-            failed = 1;
-        }
+        const int ready = amx_thread_ready(sc != NULL && phi != NULL && plo != NULL, &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = first[num_seqs] - 1; item >= 0; item--) {  /* the longest (last) rows first */
             if (!ready) continue;

@@ -73,14 +73,8 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
         /* thread-owned: the rows (xa), gate_up's output (gu), the activations (act), one block's sums */
         bf16_t *xa = malloc(sizeof(bf16_t) * AMX_CHUNK * (hidden + n_gu + inter));
         float *blk = malloc(sizeof(float) * 1024);
-        const int ready = xa != NULL && blk != NULL;
+        const int ready = amx_thread_ready(xa != NULL && blk != NULL, &failed);
         bf16_t *gu = xa + AMX_CHUNK * hidden, *act = gu + AMX_CHUNK * n_gu;
-        if (ready) {
-            amx_configure();
-        } else {
-#pragma omp atomic write
-            failed = 1;
-        }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!ready) continue;
