@@ -25,23 +25,24 @@
 #define MOE_AMX 1
 #define AMX_CHUNK 128 /* rows an item: an expert's weights are re-read from cache once a chunk */
 
-/* Rows [0, 16) (two == 0) or [0, 32) of a (row stride lda elements) times the 32 outputs of
- * B blocks b0 and b1 (each K / 32 consecutive 1 KB tiles) into out [4][16][16] floats: tile t =
- * (rows 16 * (t / 2), outputs 16 * (t % 2)). */
-static inline void amx_block(const bf16_t *a, int64_t lda, int two, const bf16_t *b0, const bf16_t *b1,
-                             int64_t chunks, float *out) {
+/* 16 rows (two == 0) or 32 of A times the 32 outputs of B blocks b0 and b1 into out [4][16][16]
+ * floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout: a's 16-row
+ * blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows: strided
+ * ones miss the prefetchers, attention_amx.h). */
+static inline void amx_block(const bf16_t *a, int two, const bf16_t *b0, const bf16_t *b1, int64_t chunks,
+                             float *out) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
-        _tile_loadd(4, a + c * 32, lda * 2);
+        _tile_loadd(4, a + c * 512, 64);
         _tile_loadd(6, b0 + c * 512, 64);
         _tile_loadd(7, b1 + c * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-            _tile_loadd(5, a + 16 * lda + c * 32, lda * 2);
+            _tile_loadd(5, a + (chunks + c) * 512, 64);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
@@ -51,6 +52,16 @@ static inline void amx_block(const bf16_t *a, int64_t lda, int two, const bf16_t
     if (two) {
         _tile_stored(2, out + 512, 64);
         _tile_stored(3, out + 768, 64);
+    }
+}
+
+/* Row r (K elements, or zeros where row is NULL) into the A tile layout at `tiles`:
+ * [rows / 16][K / 32][16][32] */
+static inline void amx_put_row(bf16_t *tiles, int64_t r, const bf16_t *row, int64_t K) {
+    bf16_t *dst = tiles + (r / 16) * K * 16 + (r % 16) * 32;
+    for (int64_t c = 0; c < K / 32; c++) {
+        if (row) memcpy(dst + c * 512, row + c * 32, 64);
+        else memset(dst + c * 512, 0, 64);
     }
 }
 
@@ -71,10 +82,10 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
 #pragma omp parallel num_threads(num_threads)
     {
         /* thread-owned: the rows (xa), gate_up's output (gu), the activations (act), one block's sums */
-        bf16_t *xa = malloc(sizeof(bf16_t) * AMX_CHUNK * (hidden + n_gu + inter));
+        bf16_t *xa = malloc(sizeof(bf16_t) * (AMX_CHUNK * (hidden + n_gu + inter) + inter));
         float *blk = malloc(sizeof(float) * 1024);
         const int ready = amx_thread_ready(xa != NULL && blk != NULL, &failed);
-        bf16_t *gu = xa + AMX_CHUNK * hidden, *act = gu + AMX_CHUNK * n_gu;
+        bf16_t *gu = xa + AMX_CHUNK * hidden, *act = gu + AMX_CHUNK * n_gu, *row = act + AMX_CHUNK * inter;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!ready) continue;
@@ -85,15 +96,12 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
             const int64_t m = starts[g + 1] - p0 < AMX_CHUNK ? starts[g + 1] - p0 : AMX_CHUNK;
             const int64_t m16 = (m + 15) / 16 * 16;
             const bf16_t *wg = gate_up + experts[g] * n_gu * hidden, *wd = down + experts[g] * hidden * inter;
-            for (int64_t r = 0; r < m16; r++) {  /* rows past m: zeros (their outputs are dropped) */
-                if (r < m) memcpy(xa + r * hidden, x + tokens[p0 + r] * hidden, sizeof(bf16_t) * hidden);
-                else memset(xa + r * hidden, 0, sizeof(bf16_t) * hidden);
-            }
+            for (int64_t r = 0; r < m16; r++)  /* rows past m: zeros (their outputs are dropped) */
+                amx_put_row(xa, r, r < m ? x + tokens[p0 + r] * hidden : NULL, hidden);
             for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* gate_up, rounded to bf16 as torch's linear */
                 const int two = m16 - m0 > 16;
                 for (int64_t nb = 0; nb < n_gu / 16; nb += 2) {
-                    amx_block(xa + m0 * hidden, hidden, two, wg + nb * kc_gu * 512, wg + (nb + 1) * kc_gu * 512, kc_gu,
-                              blk);
+                    amx_block(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (nb + 1) * kc_gu * 512, kc_gu, blk);
                     for (int t = 0; t < (two ? 4 : 2); t++)
                         for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++)
                             _mm256_storeu_si256((__m256i *)(gu + (m0 + 16 * (t / 2) + r) * n_gu + (nb + t % 2) * 16),
@@ -101,14 +109,14 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
                 }
             }
             for (int64_t r = 0; r < m16; r++) {
-                if (r < m) silu_mul_row_bf16(gu + r * n_gu, act + r * inter, inter);
-                else memset(act + r * inter, 0, sizeof(bf16_t) * inter);
+                if (r < m) silu_mul_row_bf16(gu + r * n_gu, row, inter);
+                amx_put_row(act, r, r < m ? row : NULL, inter);
             }
             for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* down, each pair's row rounded, scaled, rounded */
                 const int two = m16 - m0 > 16;
                 for (int64_t nb = 0; nb < hidden / 16; nb += 2) {
-                    amx_block(act + m0 * inter, inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512,
-                              kc_down, blk);
+                    amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down,
+                              blk);
                     for (int t = 0; t < (two ? 4 : 2); t++)
                         for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
                             const int64_t p = p0 + m0 + 16 * (t / 2) + r, col = dest[p] * hidden + (nb + t % 2) * 16;
