@@ -25,52 +25,33 @@
 #define MOE_AMX 1
 #define AMX_CHUNK 128 /* rows an item: an expert's weights are re-read from cache once a chunk */
 
-/* 16 rows (two == 0) or 32 of A times the 32 outputs of B blocks b0 and b1, over `chunks` 32-wide
- * chunks of K, into the float sums c (row stride ldc; tile t = rows 16 * (t / 2), outputs 16 *
- * (t % 2)), added to what c holds when `add`. A and B in tile layout, 1 KB contiguous tiles
- * (strided tile rows miss the prefetchers, attention_amx.h): a's second 16 rows a2 elements on. */
-static inline void amx_block(const bf16_t *a, int64_t a2, int two, const bf16_t *b0, const bf16_t *b1,
-                             int64_t chunks, float *c, int64_t ldc, int add) {
-    if (add) {
-        _tile_loadd(0, c, ldc * 4);
-        _tile_loadd(1, c + 16, ldc * 4);
-        _tile_loadd(2, c + 16 * ldc, ldc * 4);
-        _tile_loadd(3, c + 16 * ldc + 16, ldc * 4);
-    } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-    }
-    for (int64_t k = 0; k < chunks; k++) {
-        _tile_loadd(4, a + k * 512, 64);
-        _tile_loadd(6, b0 + k * 512, 64);
-        _tile_loadd(7, b1 + k * 512, 64);
+/* 16 rows (two == 0) or 32 of A times the 32 outputs of B blocks b0 and b1 into out [4][16][16]
+ * floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout: a's 16-row
+ * blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows: strided
+ * ones miss the prefetchers, attention_amx.h). */
+static inline void amx_block(const bf16_t *a, int two, const bf16_t *b0, const bf16_t *b1, int64_t chunks,
+                             float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; c++) {
+        _tile_loadd(4, a + c * 512, 64);
+        _tile_loadd(6, b0 + c * 512, 64);
+        _tile_loadd(7, b1 + c * 512, 64);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
-            _tile_loadd(5, a + a2 + k * 512, 64);
+            _tile_loadd(5, a + (chunks + c) * 512, 64);
             _tile_dpbf16ps(2, 5, 6);
             _tile_dpbf16ps(3, 5, 7);
         }
     }
-    _tile_stored(0, c, ldc * 4);
-    _tile_stored(1, c + 16, ldc * 4);
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + 256, 64);
     if (two) {
-        _tile_stored(2, c + 16 * ldc, ldc * 4);
-        _tile_stored(3, c + 16 * ldc + 16, ldc * 4);
-    }
-}
-
-#define AMX_K_BLOCK 16 /* chunks of K a pass: 32 rows' A block (32 KB) stays in L1 over every output pair */
-/* The float sums acc [32][N] of A (16 or 32 rows, tile layout, K = 32 * kc) times B (packed
- * [N / 16][kc][512]): K in blocks of AMX_K_BLOCK chunks, each block's A reused over all outputs. */
-static void amx_rows(const bf16_t *a, int two, const bf16_t *b, int64_t N, int64_t kc, float *acc) {
-    for (int64_t k0 = 0; k0 < kc; k0 += AMX_K_BLOCK) {
-        const int64_t chunks = kc - k0 < AMX_K_BLOCK ? kc - k0 : AMX_K_BLOCK;
-        for (int64_t nb = 0; nb < N / 16; nb += 2)
-            amx_block(a + k0 * 512, kc * 512, two, b + (nb * kc + k0) * 512, b + ((nb + 1) * kc + k0) * 512, chunks,
-                      acc + nb * 16, N, k0 > 0);
+        _tile_stored(2, out + 512, 64);
+        _tile_stored(3, out + 768, 64);
     }
 }
 
@@ -100,10 +81,10 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* thread-owned: the rows (xa), gate_up's output (gu), the activations (act) */
+        /* thread-owned: the rows (xa), gate_up's output (gu), the activations (act), one block's sums */
         bf16_t *xa = malloc(sizeof(bf16_t) * (AMX_CHUNK * (hidden + n_gu + inter) + inter));
-        float *acc = malloc(sizeof(float) * 32 * (n_gu > hidden ? n_gu : hidden));  /* 32 rows' float sums */
-        const int ready = amx_thread_ready(xa != NULL && acc != NULL, &failed);
+        float *blk = malloc(sizeof(float) * 1024);
+        const int ready = amx_thread_ready(xa != NULL && blk != NULL, &failed);
         bf16_t *gu = xa + AMX_CHUNK * hidden, *act = gu + AMX_CHUNK * n_gu, *row = act + AMX_CHUNK * inter;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
@@ -118,37 +99,44 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
             for (int64_t r = 0; r < m16; r++)  /* rows past m: zeros (their outputs are dropped) */
                 amx_put_row(xa, r, r < m ? x + tokens[p0 + r] * hidden : NULL, hidden);
             for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* gate_up, rounded to bf16 as torch's linear */
-                amx_rows(xa + m0 * hidden, m16 - m0 > 16, wg, n_gu, kc_gu, acc);
-                for (int64_t r = 0; r < 32 && m0 + r < m; r++)
-                    for (int64_t n = 0; n < n_gu; n += 16)
-                        _mm256_storeu_si256((__m256i *)(gu + (m0 + r) * n_gu + n), to_bf16(_mm512_loadu_ps(acc + r * n_gu + n)));
+                const int two = m16 - m0 > 16;
+                for (int64_t nb = 0; nb < n_gu / 16; nb += 2) {
+                    amx_block(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (nb + 1) * kc_gu * 512, kc_gu, blk);
+                    for (int t = 0; t < (two ? 4 : 2); t++)
+                        for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++)
+                            _mm256_storeu_si256((__m256i *)(gu + (m0 + 16 * (t / 2) + r) * n_gu + (nb + t % 2) * 16),
+                                                to_bf16(_mm512_loadu_ps(blk + t * 256 + r * 16)));
+                }
             }
             for (int64_t r = 0; r < m16; r++) {
                 if (r < m) silu_mul_row_bf16(gu + r * n_gu, row, inter);
                 amx_put_row(act, r, r < m ? row : NULL, inter);
             }
             for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* down, each pair's row rounded, scaled, rounded */
-                amx_rows(act + m0 * inter, m16 - m0 > 16, wd, hidden, kc_down, acc);
-                for (int64_t r = 0; r < 32 && m0 + r < m; r++) {
-                    const int64_t p = p0 + m0 + r;
-                    const __m512 scale = _mm512_set1_ps(f32_pairs == 2 ? 1.0f : f32_pairs ? ((const float *)scales)[p]
-                                                                      : bf16_to_float(((const bf16_t *)scales)[p]));
-                    for (int64_t n = 0; n < hidden; n += 16) {
-                        const __m512 y = _mm512_loadu_ps(acc + r * hidden + n);
-                        if (f32_pairs == 2)
-                            _mm512_storeu_ps((float *)pairs + dest[p] * hidden + n, y);
-                        else if (f32_pairs)
-                            _mm512_storeu_ps((float *)pairs + dest[p] * hidden + n, _mm512_mul_ps(round16(y), scale));
-                        else
-                            _mm256_storeu_si256((__m256i *)((bf16_t *)pairs + dest[p] * hidden + n),
-                                                to_bf16(_mm512_mul_ps(round16(y), scale)));
-                    }
+                const int two = m16 - m0 > 16;
+                for (int64_t nb = 0; nb < hidden / 16; nb += 2) {
+                    amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down,
+                              blk);
+                    for (int t = 0; t < (two ? 4 : 2); t++)
+                        for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
+                            const int64_t p = p0 + m0 + 16 * (t / 2) + r, col = dest[p] * hidden + (nb + t % 2) * 16;
+                            const __m512 y = _mm512_loadu_ps(blk + t * 256 + r * 16);
+                            if (f32_pairs == 2)
+                                _mm512_storeu_ps((float *)pairs + col, y);
+                            else if (f32_pairs)
+                                _mm512_storeu_ps((float *)pairs + col,
+                                                 _mm512_mul_ps(round16(y), _mm512_set1_ps(((const float *)scales)[p])));
+                            else
+                                _mm256_storeu_si256((__m256i *)((bf16_t *)pairs + col),
+                                                    to_bf16(_mm512_mul_ps(round16(y), _mm512_set1_ps(bf16_to_float(
+                                                                                          ((const bf16_t *)scales)[p])))));
+                        }
                 }
             }
         }
         if (ready) _tile_release();
         free(xa);
-        free(acc);
+        free(blk);
     }
     free(item_g);
     return failed ? -1 : 0;
