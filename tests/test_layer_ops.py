@@ -450,6 +450,18 @@ def test_moe_amx_experts_equal_the_per_expert_path(isa, hidden, inter, experts, 
         assert error <= 1.5 * per_expert_error + 1e-5, (error, per_expert_error)
 
 
+@pytest.mark.parametrize("pairs_dtype", [torch.bfloat16, torch.float32])
+def test_moe_sum_is_torchs_sum_of_the_pairs(isa, pairs_dtype):
+    """layer_ops.moe_sum (an MoE block's output from its pairs): torch's float32 sum over each
+    token's k rows rounded once, to the bit; odd widths (a partial 512-column block), k = 1."""
+    g = torch.Generator().manual_seed(5)
+    for tokens, k, hidden in [(3, 2, 72), (17, 8, 1024), (5, 3, 600), (4, 1, 32)]:
+        pairs = (torch.randn(tokens * k, hidden, generator=g) * 3).to(pairs_dtype)
+        want = pairs.view(tokens, k, hidden).sum(dim=1).to(torch.bfloat16)
+        assert torch.equal(layer_ops.moe_sum(pairs, k, torch.bfloat16), want)
+    assert torch.equal(layer_ops.moe_sum(pairs, k, torch.float32), pairs.view(tokens, k, hidden).sum(dim=1).float())
+
+
 def test_pack_amx_layout_and_refusals():
     """pack_amx puts w[e, n, k] at [e, n // 16, k // 32, (k % 32) // 2, n % 16, k % 2] (one 16 x 32 block
     a contiguous tile operand) and refuses what the kernel cannot take, naming it."""

@@ -122,6 +122,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             getattr(lib, f"atomd_{op}_{suffix}").restype = None
     lib.atomd_lora_sgmv_f32.argtypes, lib.atomd_lora_sgmv_f32.restype = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR] + [_I64] * 5, None
     lib.atomd_moe_amx_kind.argtypes, lib.atomd_moe_amx_kind.restype = [], ctypes.c_int
+    lib.atomd_moe_sum_bf16.argtypes, lib.atomd_moe_sum_bf16.restype = [_PTR, ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
     lib.atomd_moe_amx_bf16.argtypes = [_PTR] * 9 + [ctypes.c_int] + [_I64] * 3 + [ctypes.c_int]
     lib.atomd_moe_amx_bf16.restype = ctypes.c_int
     lib.moe_amx = bool(lib.atomd_moe_amx_kind())  # built with AMX tiles and granted their state
@@ -322,6 +323,20 @@ def moe_amx(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts:
     if status < 0:
         raise MemoryError("moe_amx: the AMX experts kernel could not allocate its scratch memory")
     return status == 0
+
+
+def moe_sum(pairs: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """An MoE block's output [T, hidden] in `dtype` from its pairs [T * k, hidden] (contiguous, in
+    (token, choice) order): the float32 sum of each token's k rows in choice order, rounded once
+    (pairs.view(T, k, hidden).sum(dim=1).to(dtype)); one C call for bf16 outputs."""
+    lib = kernels()
+    if lib is None or dtype != torch.bfloat16 or pairs.dtype not in _SUFFIX or not pairs.is_contiguous():
+        return pairs.view(-1, k, pairs.shape[1]).sum(dim=1).to(dtype)
+    rows, hidden = pairs.shape[0] // k, pairs.shape[1]
+    out = torch.empty(rows, hidden, dtype=dtype)
+    lib.atomd_moe_sum_bf16(pairs.data_ptr(), int(pairs.dtype == torch.float32), out.data_ptr(), rows, k, hidden,
+                           torch.get_num_threads())
+    return out
 
 
 def fused_kv_fp8(dtype: torch.dtype, kv_cache) -> bool:

@@ -123,13 +123,13 @@ def moe(h: torch.Tensor, w: MoeWeights,
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
     active = counts.nonzero().flatten()
     if one_call(h, w, counts, active, order, scales.flatten().contiguous(), pairs):
-        return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
+        return layer_ops.moe_sum(pairs, k, h.dtype)
     ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
     for e in active.tolist():
         group = slice(ends[e] - sizes[e], ends[e])
         x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
         pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
-    return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
+    return layer_ops.moe_sum(pairs, k, h.dtype)
 
 
 def grouped(pairs: int, active: int) -> bool:
