@@ -65,7 +65,7 @@ helm-check: venv
 # settings: PD output = offline LLM, kernels prebuilt, probes, docker stop drains. Fails
 # where Docker cannot be installed. Cache: ~/.cache/atomd-image-check ($$ATOMD_IMAGE_CACHE).
 image-check: venv
-	$(PY) -m pytest -q -s -m image tests/test_image.py $(PYTEST_ARGS)
+	$(PY) -m pytest -q -s -m image tests/test_dockerfile.py tests/test_image.py $(PYTEST_ARGS)
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache .cache

@@ -7,7 +7,8 @@ can drift is checked: the install steps are the Makefile's `venv` steps in the s
 base and the PyTorch CPU index and are the ones the image check passes, the image stage
 has no compiler, the package's directories and metadata are copied, the user is the
 chart's runAsUser, the entry points are the project's scripts, .dockerignore keeps nothing
-the build needs out; and the wheel built from what the Dockerfile copies ships the
+the build needs out; and (marker `image`, with `make image-check`: building every kernel
+for every target takes a minute) the wheel built from what the Dockerfile copies ships the
 built-in model and every kernel prebuilt, which a fresh environment without a compiler
 (no source tree on its path) loads, every one, for every ISA path this CPU can take.
 """
@@ -203,7 +204,7 @@ def wheel(tmp_path_factory) -> pathlib.Path:
     return next(tmp_path.glob("atomd-*.whl"))
 
 
-@pytest.mark.integration
+@pytest.mark.image  # built with every kernel for every target: ~30-70 s, with `make image-check`
 @pytest.mark.timeout(360)
 def test_pip_install_dot_ships_the_built_in_model_and_kernels(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
@@ -254,7 +255,7 @@ print(json.dumps({"file": atomd.__file__, "paths": cbuild.kernel_paths(), "wante
 PROMPT = "def fibonacci(n):"
 
 
-@pytest.mark.integration
+@pytest.mark.image
 @pytest.mark.timeout(360)
 def test_installed_package_loads_every_kernel_prebuilt_without_a_compiler(wheel, tmp_path):
     """The wheel installed into a fresh environment (no source tree on its path, run from an

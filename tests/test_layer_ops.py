@@ -375,24 +375,40 @@ def test_moe_experts_of_several_tokens_in_one_call(isa, dtype, tol, cast_weights
     assert int(w.routed.sum()) == 2 * 3 * tokens * k  # the load counters: each pass counted once
 
 
-def test_moe_with_many_pairs_an_expert_runs_a_gemm_pair_per_expert(monkeypatch):
-    """Past moe.GROUPED_MAX_PAIRS pairs an active expert on average (a prefill's experts), moe()
-    and the TP partials take one oneDNN GEMM pair per expert, not the grouped C call: the same
-    block as with moe.GROUPED off, and the grouped call never made."""
+def test_moe_experts_with_many_pairs_run_a_gemm_pair_each(monkeypatch):
+    """An active expert with more than moe.GROUPED_MAX_PAIRS (token, choice) pairs (a prefill's
+    experts) runs one oneDNN GEMM pair, the others stay in the grouped C call, in moe() and the TP
+    partials alike: the grouped call gets exactly the experts at or under the bound, the pairs of
+    the others are bit-equal to one torch linear pair per expert (moe.GROUPED off), the rest
+    within bf16's rounding; the bound at 0: the grouped call never made."""
     from atomd.model import moe
     from atomd.model.moe import MoeWeights
 
     g = torch.Generator().manual_seed(3)
     bf16 = torch.bfloat16  # the TP partials are bf16's (moe.tp_exact)
     w = MoeWeights(router=torch.randn(4, 32, generator=g).to(bf16),
-                   gate_up=(torch.randn(4, 48, 32, generator=g) * 0.2).to(bf16), down=(torch.randn(4, 32, 24, generator=g) * 0.2).to(bf16), top_k=2, norm_topk_prob=True)
-    h = torch.randn(40, 32, generator=g).to(bf16)  # 80 pairs over at most 4 experts: 20 an expert at least
-    assert moe.grouped(80, 4) and not moe.grouped(80 * moe.GROUPED_MAX_PAIRS, 4)
-    monkeypatch.setattr(moe, "GROUPED_MAX_PAIRS", 8)
-    monkeypatch.setattr(layer_ops, "moe_grouped", lambda *a: pytest.fail("the grouped call at 20 pairs an expert"))
-    got, (partial, _) = moe.moe(h, w), moe.tp_partials(h, w)
+                   gate_up=(torch.randn(4, 48, 32, generator=g) * 0.2).to(bf16),
+                   down=(torch.randn(4, 32, 24, generator=g) * 0.2).to(bf16), top_k=2, norm_topk_prob=True)
+    h = torch.randn(40, 32, generator=g).to(bf16)
+    weights = torch.full((40, 2), 0.5, dtype=bf16)
+    ids = torch.tensor([[0, 1]] * 30 + [[2, 3]] * 6 + [[1, 2]] * 4)  # pairs an expert: 30, 34, 10, 6
     monkeypatch.setattr(moe, "GROUPED", False)
-    assert torch.equal(got, moe.moe(h, w)) and torch.equal(partial, moe.tp_partials(h, w)[0])
+    per_expert = moe.moe(h, w, (weights, ids)), moe.tp_partials(h, w, (weights, ids))[0]
+    monkeypatch.setattr(moe, "GROUPED", True)
+    monkeypatch.setattr(moe, "GROUPED_MAX_PAIRS", 12)
+    calls, real = [], layer_ops.moe_grouped
+    monkeypatch.setattr(layer_ops, "moe_grouped", lambda x, gu, d, experts, *a: calls.append(experts.tolist())
+                        or real(x, gu, d, experts, *a))
+    got, partial = moe.moe(h, w, (weights, ids)), moe.tp_partials(h, w, (weights, ids))[0]
+    grouped_calls = [[2, 3], [2, 3]] if w.gemv else []  # no bf16 GEMV kernel here: a GEMM pair each
+    assert calls == grouped_calls
+    gemm_pairs = (ids.flatten() < 2).nonzero().flatten()  # experts 0 and 1: a GEMM pair each
+    assert torch.equal(partial[gemm_pairs], per_expert[1][gemm_pairs])
+    torch.testing.assert_close(partial, per_expert[1], atol=1e-2, rtol=1e-2)
+    torch.testing.assert_close(got, per_expert[0], atol=0.1, rtol=0.1)
+    monkeypatch.setattr(moe, "GROUPED_MAX_PAIRS", 0)
+    assert torch.equal(moe.moe(h, w, (weights, ids)), per_expert[0])
+    assert torch.equal(moe.tp_partials(h, w, (weights, ids))[0], per_expert[1]) and calls == grouped_calls
 
 
 def routings(g: torch.Generator, tokens: int, experts: int, k: int) -> list[torch.Tensor]:

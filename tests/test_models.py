@@ -290,22 +290,30 @@ def engine_greedy_and_routing(llm: LLM, prompt: list[int], layers: int, monkeypa
 
 
 def first_routing_flip(hf: dict, seq: list[int], engine: list[torch.Tensor]) -> tuple[int, bool] | None:
-    """The first (position, then layer) where the engine's experts differ from HF bf16's on
-    the same tokens, and whether HF fp32 has a near-tie there: its k-th and (k+1)-th router
-    logits closer than twice the largest error HF's own bf16 makes on that layer's router
-    logits over the sequence (a choice bf16 cannot make reliably: the engine, another bf16
-    implementation, errs as much, not at the same positions). None when the engine routed
-    every position as HF bf16."""
+    """The first (position, then layer) where the routing of the sequence is not settled, and
+    whether HF fp32 has a near-tie there: its k-th and (k+1)-th router logits closer than twice
+    the largest error HF's own bf16 makes on that layer's router logits over the sequence (a
+    choice bf16 cannot make reliably: the engine, another bf16 implementation, errs as much, not
+    at the same positions). Not settled: the engine's experts differ from HF bf16's on the same
+    tokens, or HF bf16's differ from HF fp32's at such a near-tie (HF bf16 itself routes it
+    either way: its generate's one-row decode steps round otherwise than this one forward over
+    the sequence, so its greedy ids after it are no reference). None when every position is
+    settled."""
     with torch.inference_mode():
         out32, out16 = (hf[dtype](torch.tensor([seq]), output_router_logits=True).router_logits for dtype in hf)
     flips = []
     for layer, (l32, l16, mine) in enumerate(zip(out32, out16, engine)):
         l32, l16, k = l32.float(), l16.float(), mine.shape[1]
-        differs = (l16.topk(k, dim=-1).indices.sort(dim=-1).values != mine).any(dim=-1)
+        top = l32.topk(k + 1, dim=-1).values
+        near = top[:, k - 1] - top[:, k] < 2 * (l16 - l32).abs().max()
+        experts16 = l16.topk(k, dim=-1).indices.sort(dim=-1).values
+        differs = (experts16 != mine).any(dim=-1)
+        hf_unsettled = near & (experts16 != l32.topk(k, dim=-1).indices.sort(dim=-1).values).any(dim=-1)
         if differs.any():
             pos = int(differs.nonzero()[0])
-            top = l32[pos].topk(k + 1).values
-            flips.append((pos, layer, bool(top[k - 1] - top[k] < 2 * (l16 - l32).abs().max())))
+            flips.append((pos, layer, bool(near[pos])))
+        if hf_unsettled.any():
+            flips.append((int(hf_unsettled.nonzero()[0]), layer, True))
     return min(flips)[0::2] if flips else None
 
 

@@ -136,7 +136,9 @@ def cut_mid_transfer(net, router_url: str, prompt: list[int]) -> tuple[int, byte
     sender.start()
     deadline = time.monotonic() + 60
     while net.link_bytes("b")[1] - rx_before < total // 4:
-        assert sender.is_alive(), f"the request ended before the cut: {answer}"
+        # seen once (a 200 whose KV never crossed the link): say which path the router took
+        assert sender.is_alive(), (f"the request ended before the cut: {answer}; the router's "
+                                   f"{router_paths(router_url)}; bytes at b: {net.link_bytes('b')[1] - rx_before}")
         assert time.monotonic() < deadline, "the KV never started to arrive at host b"
         time.sleep(0.02)
     net.cut("a")
@@ -146,6 +148,13 @@ def cut_mid_transfer(net, router_url: str, prompt: list[int]) -> tuple[int, byte
     assert not sender.is_alive(), "the request did not end after P's host was cut off"
     assert not isinstance(answer["result"], Exception), answer
     return answer["result"]
+
+
+def router_paths(router_url: str) -> dict[str, float]:
+    """The router's counters of how it served requests (decisions, fallbacks, retries)."""
+    status, body = http("GET", router_url + "/metrics")
+    return {name: value for name, value in prometheus(body).items()
+            if any(kind in name for kind in ("decision", "fallback", "retries"))} if status == 200 else {}
 
 
 def wait_unpinned_inside_a(net, before: dict[str, float]) -> dict[str, float]:

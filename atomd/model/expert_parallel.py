@@ -37,7 +37,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from atomd.model.moe import MoeWeights, expert, route
+from atomd.model.moe import MoeWeights, expert, grouped_experts, route
 
 
 def place_replicas(load: np.ndarray, per_rank: int, ranks: int, slots: int) -> np.ndarray:
@@ -242,9 +242,10 @@ class ExpertParallel:
             return out
         labels = torch.arange(per).repeat(n).repeat_interleave(recv_counts.flatten())
         order = labels.argsort(stable=True)  # rows grouped by local expert
-        ends, sizes = sizes.cumsum(0).tolist(), sizes.tolist()
-        for e in (e for e in range(per) if sizes[e]):
-            group = order[ends[e] - sizes[e]:ends[e]]
+        ones = torch.ones(len(order), dtype=out.dtype)  # unscaled: the source rank weights its pairs
+        ends, counts = sizes.cumsum(0).tolist(), sizes.tolist()
+        for e in grouped_experts(received, w, sizes, order, 1, ones, out):  # as the whole block runs each expert
+            group = order[ends[e] - counts[e]:ends[e]]
             out.index_copy_(0, group, expert(received[group], w, e))
         return out
 

@@ -24,8 +24,8 @@ from atomd.model.quant import QuantizedWeight
 # several tokens through the experts: one C call (layer_ops.moe_grouped) where the GEMV kernel
 # runs this dtype; False: one torch linear pair per active expert (the A/B of benchmarks/deepseek_decode_step.py)
 GROUPED = True
-# ... while its active experts average at most this many (token, choice) pairs: past it one oneDNN
-# GEMM pair per expert is faster (bf16, 64 experts top-8, hidden 1024, inter 256, one thread:
+# ... each active expert with at most this many (token, choice) pairs: past it one oneDNN
+# GEMM pair for that expert is faster (bf16, 64 experts top-8, hidden 1024, inter 256, one thread:
 # grouped / per-expert 0.53x at 16 tokens (2 pairs an expert), 0.86x at 128 (16), 1.02x at 256
 # (32), 1.13x at 512, 1.25x at 2048: a prefill's experts; benchmarks/RESULTS.md "MoE prefill")
 GROUPED_MAX_PAIRS = 32
@@ -121,39 +121,43 @@ def moe(h: torch.Tensor, w: MoeWeights,
     w.routed += counts
     scales = weights.flatten()[order].unsqueeze(1)
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
-    active = counts.nonzero().flatten()
-    if one_call(h, w, counts, active, order, scales.flatten().contiguous(), pairs):
-        return layer_ops.moe_sum(pairs, k, h.dtype)
     ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-    for e in active.tolist():
+    for e in grouped_experts(h, w, counts, order, k, scales.flatten().contiguous(), pairs):
         group = slice(ends[e] - sizes[e], ends[e])
-        x = h if rows == 1 else h[order[group] // k]  # batch 1: the token itself, no gather
-        pairs.index_copy_(0, order[group], expert(x, w, e) * scales[group])
+        pairs.index_copy_(0, order[group], expert(h[order[group] // k], w, e) * scales[group])
     return layer_ops.moe_sum(pairs, k, h.dtype)
 
 
-def grouped(pairs: int, active: int) -> bool:
-    """Whether several tokens' experts run as one grouped C call (else a GEMM pair per expert)."""
-    return GROUPED and pairs <= GROUPED_MAX_PAIRS * active
-
-
-def one_call(h: torch.Tensor, w: MoeWeights, counts: torch.Tensor, active: torch.Tensor, order: torch.Tensor,
-             scales: torch.Tensor | None, pairs: torch.Tensor) -> bool:
-    """Every active expert of several tokens h in one C call, layer_ops.moe_grouped's arguments and
-    results (pairs in `order`, scales None: a TP worker's float32 partials): on AMX tiles where they
-    run (AMX), else the grouped kernel where it pays (grouped()). False: nothing done, the caller
-    runs one GEMM pair per expert."""
+def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order: torch.Tensor, per_row: int,
+                    scales: torch.Tensor | None, out: torch.Tensor) -> list[int]:
+    """Runs the active experts with at most GROUPED_MAX_PAIRS pairs in one C call
+    (layer_ops.moe_grouped: out[order[i]] from the row x[order[i] // per_row] of each sorted pair i
+    of theirs, times scales[i]); returns the other active experts, for the caller's GEMM pair each.
+    `counts`: pairs per expert slot, `order`: the pairs sorted by slot. The rule is per expert, so a
+    whole block, its expert-parallel shards and its TP workers run each expert the same way (the
+    same bits whatever else is in the batch). Where the experts run on AMX tiles (AMX,
+    MoeWeights.amx_weights: not under expert parallelism) every active expert goes in one
+    layer_ops.moe_amx call instead, and none is returned."""
+    active = counts.nonzero().flatten()
     packed = w.amx_weights() if AMX else None
-    if packed is None and not (w.gemv and grouped(len(order), len(active))):
-        return False
-    starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
-    h, tokens = h.contiguous(), order // w.top_k
-    if packed is not None and layer_ops.moe_amx(h, *packed, active, starts, tokens, order, scales, pairs):
-        return True
-    if not (w.gemv and grouped(len(order), len(active))):
-        return False
-    layer_ops.moe_grouped(h, w.gate_up, w.down, active, starts, tokens, order, scales, pairs)
-    return True
+    if packed is not None:
+        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
+        if layer_ops.moe_amx(x.contiguous(), *packed, active, starts, order // per_row, order, scales, out):
+            return []
+    if not (GROUPED and w.gemv):
+        return active.tolist()
+    few = counts[active] <= GROUPED_MAX_PAIRS
+    if bool(few.any()):
+        experts, sel = active[few], order
+        if not bool(few.all()):  # only their pairs: the sorted positions whose slot is grouped
+            member = torch.zeros(len(counts), dtype=torch.bool)
+            member[experts] = True
+            keep = member.repeat_interleave(counts)
+            sel, scales = order[keep], None if scales is None else scales[keep]
+        starts = torch.cat([counts.new_zeros(1), counts[experts].cumsum(0)])
+        layer_ops.moe_grouped(x.contiguous(), w.gate_up, w.down, experts, starts, sel // per_row, sel,
+                              scales, out)
+    return active[~few].tolist()
 
 
 def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
@@ -218,12 +222,10 @@ def tp_partials(h: torch.Tensor, w: MoeWeights,
     counts = torch.bincount(flat, minlength=len(w.gate_up))
     w.routed += counts
     partial = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
-    active = counts.nonzero().flatten()
-    if not one_call(h, w, counts, active, order, None, partial):  # one GEMM pair per expert, down sums float32
-        ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-        for e in active.tolist():
-            group = order[ends[e] - sizes[e]:ends[e]]
-            partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
+    ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
+    for e in grouped_experts(h, w, counts, order, k, None, partial):  # the grouped call: down sums left float32
+        group = order[ends[e] - sizes[e]:ends[e]]
+        partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
     return partial, weights.flatten()
 
 
