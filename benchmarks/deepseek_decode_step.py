@@ -9,7 +9,7 @@ batch 16 (16 prompts of 32 tokens, 32 new). Variants, alternating within every r
 in the running engine (the same weights, the same prompts):
 - mla: `torch` (the absorption and W_UV as torch bmm around the attention kernel) vs `c`
   (csrc/mla.c, one call a layer); DeepSeek shapes only;
-- moe: `loop` (one torch linear pair per active expert, moe.GROUPED off) vs `grouped`
+- moe: `loop` (one torch linear pair per active expert, moe.GROUPED and moe.AMX off) vs `grouped`
   (the MoE block's experts in one C call, layer_ops.moe_grouped);
 - layer: `perop` (the batch-1 layer as ~30 Python-level calls, deepseek.FUSED off) vs `c`
   (deepseek.MlaDecodeLayers: three C calls a layer).
@@ -61,11 +61,11 @@ def variant(switch: str, name: str):
         finally:
             deepseek.FUSED = True
     elif switch == "moe" and name == "loop":
-        moe.GROUPED = False
+        moe.GROUPED, moe.AMX = False, False
         try:
             yield
         finally:
-            moe.GROUPED = True
+            moe.GROUPED, moe.AMX = True, True
     else:
         yield
 

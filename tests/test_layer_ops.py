@@ -411,6 +411,86 @@ def test_moe_experts_with_many_pairs_run_a_gemm_pair_each(monkeypatch):
     assert torch.equal(moe.tp_partials(h, w, (weights, ids))[0], per_expert[1]) and calls == grouped_calls
 
 
+def routings(g: torch.Generator, tokens: int, experts: int, k: int) -> list[torch.Tensor]:
+    """Expert ids [tokens, k] (each row k distinct experts): random; every token on experts 0 .. k - 1
+    (expert 0 gets every token); only k + 1 of the experts used (the others idle)."""
+    random = torch.rand(tokens, experts, generator=g).argsort(dim=1)[:, :k]
+    few = torch.rand(tokens, k + 1, generator=g).argsort(dim=1)[:, :k] * (experts // (k + 1))
+    return [random, torch.arange(k).repeat(tokens, 1), few]
+
+
+@pytest.mark.parametrize("isa", ["native", "no-amx"], indirect=True)  # the other narrowings: as no-amx here
+@pytest.mark.parametrize("hidden,inter,experts,k,tokens,threads", [(64, 32, 8, 2, 2, 1), (96, 64, 32, 8, 17, 2),
+                                                                    (128, 96, 16, 4, 150, 3)])
+@pytest.mark.parametrize("cast_weights", [True, False])
+def test_moe_amx_experts_equal_the_per_expert_path(isa, hidden, inter, experts, k, cast_weights, tokens, threads,
+                                                   monkeypatch):
+    """Several tokens' bf16 experts on AMX tiles (layer_ops.moe_amx over pack_amx's layout: moe.AMX;
+    it runs on the native build of a CPU with AMX, and every narrowed build must say it does not and
+    run the other paths) against one torch linear pair per active expert (moe.AMX and moe.GROUPED off)
+    and float64 SwiGLU experts: the same values to bf16's rounding (the tiles sum in another order),
+    no further from float64 than the per-expert path; random routings, experts left idle, every
+    token on one expert (150 tokens: two of the kernel's row chunks); the TP partials (float32 down
+    sums, scales None) alike."""
+    from atomd.model import moe
+    from atomd.model.moe import MoeWeights
+
+    amx = isa == "native" and {"amx_tile", "amx_bf16"} <= cpu_flags()
+    assert layer_ops.has_moe_amx() == amx
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+    g = torch.Generator().manual_seed(hidden + tokens)
+    w = MoeWeights(router=torch.randn(experts, hidden, generator=g).bfloat16(),
+                   gate_up=(torch.randn(experts, 2 * inter, hidden, generator=g) * 0.2).bfloat16(),
+                   down=(torch.randn(experts, hidden, inter, generator=g) * 0.2).bfloat16(), top_k=k,
+                   norm_topk_prob=cast_weights, cast_weights=cast_weights)
+    h = torch.randn(tokens, hidden, generator=g).bfloat16()
+    scales = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1)
+    for ids in routings(g, tokens, experts, k):
+        routed = (scales.bfloat16() if cast_weights else scales, ids)
+        got, (partial, _) = moe.moe(h, w, routed), moe.tp_partials(h, w, routed)
+        assert (w.amx_weights() is not None) == amx
+        monkeypatch.setattr(moe, "AMX", False)
+        monkeypatch.setattr(moe, "GROUPED", False)
+        per_expert, (per_expert_partial, _) = moe.moe(h, w, routed), moe.tp_partials(h, w, routed)
+        monkeypatch.setattr(moe, "AMX", True)
+        monkeypatch.setattr(moe, "GROUPED", True)
+        gate, up = torch.einsum("th,tkih->tki", h.double(), w.gate_up[ids].double()).split(inter, dim=-1)
+        down = torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, w.down[ids].double())
+        exact = (routed[0].double().unsqueeze(-1) * down).sum(dim=1)
+        torch.testing.assert_close(got, per_expert, atol=0.1, rtol=0.1)
+        error, per_expert_error = ((x.double() - exact).abs().max() for x in (got, per_expert))
+        assert error <= 1.5 * per_expert_error + 1e-5, (error, per_expert_error)
+        torch.testing.assert_close(partial, per_expert_partial, atol=2e-2, rtol=2e-2)
+        error, per_expert_error = ((x.view(tokens, k, hidden).double() - down).abs().max()
+                                   for x in (partial, per_expert_partial))
+        assert error <= 1.5 * per_expert_error + 1e-5, (error, per_expert_error)
+
+
+@pytest.mark.parametrize("pairs_dtype", [torch.bfloat16, torch.float32])
+def test_moe_sum_is_torchs_sum_of_the_pairs(isa, pairs_dtype):
+    """layer_ops.moe_sum (an MoE block's output from its pairs): torch's float32 sum over each
+    token's k rows rounded once, to the bit; odd widths (a partial 512-column block), k = 1."""
+    g = torch.Generator().manual_seed(5)
+    for tokens, k, hidden in [(3, 2, 72), (17, 8, 1024), (5, 3, 600), (4, 1, 32)]:
+        pairs = (torch.randn(tokens * k, hidden, generator=g) * 3).to(pairs_dtype)
+        want = pairs.view(tokens, k, hidden).sum(dim=1).to(torch.bfloat16)
+        assert torch.equal(layer_ops.moe_sum(pairs, k, torch.bfloat16), want)
+    assert torch.equal(layer_ops.moe_sum(pairs, k, torch.float32), pairs.view(tokens, k, hidden).sum(dim=1).float())
+
+
+def test_pack_amx_layout_and_refusals():
+    """pack_amx puts w[e, n, k] at [e, n // 16, k // 32, (k % 32) // 2, n % 16, k % 2] (one 16 x 32 block
+    a contiguous tile operand) and refuses what the kernel cannot take, naming it."""
+    w = torch.arange(2 * 64 * 96, dtype=torch.float32).view(2, 64, 96).bfloat16()
+    packed = layer_ops.pack_amx(w)
+    e, n, k = torch.meshgrid(torch.arange(2), torch.arange(64), torch.arange(96), indexing="ij")
+    assert torch.equal(packed[e, n // 16, k // 32, (k % 32) // 2, n % 16, k % 2], w)
+    with pytest.raises(ValueError, match=r"multiples of 32, got torch.bfloat16 \[2, 64, 72\]"):
+        layer_ops.pack_amx(w[:, :, :72])
+    with pytest.raises(ValueError, match="torch.float32"):
+        layer_ops.pack_amx(w.float())
+
+
 @pytest.mark.parametrize("cast_weights", [True, False])
 @pytest.mark.parametrize("tokens,threads", [(1, 1), (6, 2)])
 def test_moe_tp_float32_partials_give_tp1s_block_in_bf16(isa, cast_weights, tokens, threads, monkeypatch):

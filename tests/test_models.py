@@ -370,8 +370,8 @@ def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints, monkeypatc
     """Each sparse layer as the engine loads it against the HF module on the same input: the
     per-expert torch path bit-equal in bf16 for several rows (the same roundings: each expert's
     output and its weighted product, then one float32 sum over the k); the C kernels (one row:
-    the GEMV's, several: the grouped experts', moe.GROUPED) sum in another order: within bf16's
-    rounding."""
+    the GEMV's, several: the AMX tiles' (moe.AMX, where the CPU has them) or the grouped experts'
+    (moe.GROUPED)) sum in another order: within bf16's rounding."""
     hf = transformers.AutoModelForCausalLM.from_pretrained(checkpoints[name], dtype=dtype).eval()
     model = load_model(checkpoints[name], dtype)
     g = torch.Generator().manual_seed(0)
@@ -385,8 +385,10 @@ def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints, monkeypatc
             torch.testing.assert_close(moe(h, model.layers[i].moe), want, atol=tol, rtol=tol)
             if dtype == torch.bfloat16 and rows > 1:
                 monkeypatch.setattr(moe_mod, "GROUPED", False)
+                monkeypatch.setattr(moe_mod, "AMX", False)
                 assert torch.equal(moe(h, model.layers[i].moe), want), (i, rows)
                 monkeypatch.setattr(moe_mod, "GROUPED", True)
+                monkeypatch.setattr(moe_mod, "AMX", True)
 
 
 def test_phi3_partial_rotary_is_refused(tmp_path):  # longrope past the original length: tests/test_longrope.py

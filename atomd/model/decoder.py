@@ -19,7 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
-from atomd.model import huge_pages, layer_ops, quant
+from atomd.model import huge_pages, layer_ops, moe as moe_mod, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
 from atomd.model.huge_pages import on_huge_pages, release_freed_memory
@@ -215,7 +215,10 @@ class DecoderModel:
         ~1.03x at M = 512 on the 0.6B shape). Without plain rows the packed weight replaces the
         plain one (held once). A tied lm_head gets its own packed copy: the embedding lookup
         needs the plain table. MoE experts stay plain, stacked [E, ...]: each expert's GEMM
-        runs on its slice."""
+        runs on its slice (and, where moe_amx runs, a second copy in its tile layout: MoeWeights.amx_weights)."""
+        for w in self.layers:
+            if w.moe is not None and moe_mod.AMX:
+                w.moe.amx_weights()
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
         rows = keep_rows(self)
@@ -332,7 +335,7 @@ class DecoderModel:
             self.decode_layer = None
         for w in self.layers:
             if w.moe is not None:
-                w.moe.ep = ep
+                w.moe.ep, w.moe.amx = ep, ()  # the AMX copies freed: ep rewrites the expert slots
                 ep.attach(w.moe)
 
     def use_tensor_parallel(self, tp: Any) -> None:

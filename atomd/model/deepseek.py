@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
 from atomd.kernels import native
-from atomd.model import layer_ops
+from atomd.model import layer_ops, moe as moe_mod
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import ROW_TILE, DecoderModel, TensorSource, cat, row_partial
 from atomd.model.huge_pages import on_huge_pages, release_freed_memory
@@ -286,6 +286,8 @@ class DeepseekModel(DecoderModel):
             w.up = replace(w.up, uk_t=on_huge_pages(w.up.uk_t), uv=on_huge_pages(w.up.uv))
             if w.moe is not None and w.moe.gemv:
                 w.moe.gate_up, w.moe.down = on_huge_pages(w.moe.gate_up), on_huge_pages(w.moe.down)
+        if w.moe is not None and w.moe.ep is None and moe_mod.AMX:  # the experts in moe_amx's layout where it runs
+            w.moe.amx_weights()
         if self.packs():
             for name in LINEARS:
                 if getattr(w, name) is not None:

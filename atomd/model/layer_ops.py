@@ -121,6 +121,11 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
         for op in ("rms_norm", "silu_mul", "rope", "rope_store"):
             getattr(lib, f"atomd_{op}_{suffix}").restype = None
     lib.atomd_lora_sgmv_f32.argtypes, lib.atomd_lora_sgmv_f32.restype = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR] + [_I64] * 5, None
+    lib.atomd_moe_amx_kind.argtypes, lib.atomd_moe_amx_kind.restype = [], ctypes.c_int
+    lib.atomd_moe_sum_bf16.argtypes, lib.atomd_moe_sum_bf16.restype = [_PTR, ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
+    lib.atomd_moe_amx_bf16.argtypes = [_PTR] * 9 + [ctypes.c_int] + [_I64] * 3 + [ctypes.c_int]
+    lib.atomd_moe_amx_bf16.restype = ctypes.c_int
+    lib.moe_amx = bool(lib.atomd_moe_amx_kind())  # built with AMX tiles and granted their state
     return lib
 
 
@@ -282,6 +287,56 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, expe
         dest.data_ptr(), 0 if scales is None else scales.data_ptr(), pairs.data_ptr(),
         2 if scales is None else int(pairs.dtype == torch.float32), scratch.data_ptr(),
         x.shape[1], inter, len(experts), max_rows, threads)
+
+
+def has_moe_amx() -> bool:
+    """Whether moe_amx runs here: the kernels built with AMX tiles (not narrowed by
+    $ATOMD_KERNEL_ISA below `native`) and Linux granted this process the tile state."""
+    lib = kernels()
+    return lib is not None and lib.moe_amx
+
+
+AMX_MULTIPLE = 32  # hidden and an expert's intermediate size: multiples of this for pack_amx / moe_amx
+
+
+def pack_amx(w: torch.Tensor) -> torch.Tensor:
+    """Stacked bf16 weights [E, N, K] (N, K multiples of AMX_MULTIPLE) in moe_amx's tile layout:
+    [E, N / 16, K / 32, 16 k pairs, 16 n, 2], each 16 x 32 block one contiguous 1 KB tile operand."""
+    e, n, k = w.shape
+    if w.dtype != torch.bfloat16 or n % AMX_MULTIPLE or k % AMX_MULTIPLE:
+        raise ValueError(f"pack_amx takes bf16 [E, N, K] with N, K multiples of {AMX_MULTIPLE}, got {w.dtype} {list(w.shape)}")
+    return w.view(e, n // 16, 16, k // 32, 16, 2).permute(0, 1, 3, 4, 2, 5).contiguous()
+
+
+def moe_amx(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts: torch.Tensor,
+            starts: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, scales: torch.Tensor | None,
+            pairs: torch.Tensor) -> bool:
+    """moe_grouped's results (arguments alike; x bf16) on AMX tiles, gate_up [E, 2 * inter, hidden]
+    and down [E, hidden, inter] packed by pack_amx. False: nothing done (no AMX for this
+    process: the caller runs moe_grouped); MemoryError where its scratch cannot be allocated."""
+    hidden, inter = x.shape[1], gate_up.shape[1] * 16 // 2
+    status = kernels().atomd_moe_amx_bf16(
+        x.data_ptr(), gate_up.data_ptr(), down.data_ptr(), experts.data_ptr(), starts.data_ptr(), tokens.data_ptr(),
+        dest.data_ptr(), 0 if scales is None else scales.data_ptr(), pairs.data_ptr(),
+        2 if scales is None else int(pairs.dtype == torch.float32), hidden, inter, len(experts),
+        torch.get_num_threads())
+    if status < 0:
+        raise MemoryError("moe_amx: the AMX experts kernel could not allocate its scratch memory")
+    return status == 0
+
+
+def moe_sum(pairs: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
+    """An MoE block's output [T, hidden] in `dtype` from its pairs [T * k, hidden] (contiguous, in
+    (token, choice) order): the float32 sum of each token's k rows in choice order, rounded once
+    (pairs.view(T, k, hidden).sum(dim=1).to(dtype)); one C call for bf16 outputs."""
+    lib = kernels()
+    if lib is None or dtype != torch.bfloat16 or pairs.dtype not in _SUFFIX or not pairs.is_contiguous():
+        return pairs.view(-1, k, pairs.shape[1]).sum(dim=1).to(dtype)
+    rows, hidden = pairs.shape[0] // k, pairs.shape[1]
+    out = torch.empty(rows, hidden, dtype=dtype)
+    lib.atomd_moe_sum_bf16(pairs.data_ptr(), int(pairs.dtype == torch.float32), out.data_ptr(), rows, k, hidden,
+                           torch.get_num_threads())
+    return out
 
 
 def fused_kv_fp8(dtype: torch.dtype, kv_cache) -> bool:

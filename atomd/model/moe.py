@@ -29,6 +29,12 @@ GROUPED = True
 # grouped / per-expert 0.53x at 16 tokens (2 pairs an expert), 0.86x at 128 (16), 1.02x at 256
 # (32), 1.13x at 512, 1.25x at 2048: a prefill's experts; benchmarks/RESULTS.md "MoE prefill")
 GROUPED_MAX_PAIRS = 32
+# several tokens through the experts on AMX tiles (layer_ops.moe_amx, any number of pairs) where the
+# CPU has them: bf16 float experts packed for the tiles at load (MoeWeights.amx_weights; a second
+# copy of the experts: the batch-1 kernels read the plain rows), not under expert parallelism
+# (which rewrites the expert slots); False (or $ATOMD_MOE_AMX=0 at import): the paths above (the A/B of
+# benchmarks/moe_block.py and engine-level runs)
+AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
 
 
 @dataclass
@@ -49,6 +55,8 @@ class MoeWeights:
     routed: torch.Tensor = field(init=False)
     # the expert id in each slot of gate_up / down (expert parallelism adds replica slots: -1 empty)
     slot_experts: torch.Tensor = field(init=False)
+    # (gate_up, down) in layer_ops.pack_amx's layout once amx_weights made them; () where they do not apply
+    amx: tuple = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         # one row through an expert: the GEMV kernel on its slice of the stacked tensor (quantized
@@ -57,6 +65,16 @@ class MoeWeights:
         self.gemv = not self.quantized and os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(self.gate_up.dtype)
         self.routed = torch.zeros(self.router.shape[0], dtype=torch.int64)
         self.slot_experts = torch.arange(self.first_expert, self.first_expert + len(self.gate_up))
+
+    def amx_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The experts packed for layer_ops.moe_amx (made at the first call: the model's load), or None where it does not run
+        them: quantized or non-bf16 experts, expert parallelism, shapes off the tiles, no AMX here."""
+        if self.amx is None:
+            fits = (not self.quantized and self.ep is None and self.gate_up.dtype == torch.bfloat16
+                    and self.gate_up.shape[2] % layer_ops.AMX_MULTIPLE == 0
+                    and self.down.shape[2] % layer_ops.AMX_MULTIPLE == 0 and layer_ops.has_moe_amx())
+            self.amx = (layer_ops.pack_amx(self.gate_up), layer_ops.pack_amx(self.down)) if fits else ()
+        return self.amx or None
 
 
 def load_experts(src, prefix: str, experts: range, gate: str, up: str, down: str,
@@ -107,7 +125,7 @@ def moe(h: torch.Tensor, w: MoeWeights,
     for e in grouped_experts(h, w, counts, order, k, scales.flatten().contiguous(), pairs):
         group = slice(ends[e] - sizes[e], ends[e])
         pairs.index_copy_(0, order[group], expert(h[order[group] // k], w, e) * scales[group])
-    return pairs.view(rows, k, -1).sum(dim=1).to(h.dtype)
+    return layer_ops.moe_sum(pairs, k, h.dtype)
 
 
 def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order: torch.Tensor, per_row: int,
@@ -117,8 +135,15 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
     of theirs, times scales[i]); returns the other active experts, for the caller's GEMM pair each.
     `counts`: pairs per expert slot, `order`: the pairs sorted by slot. The rule is per expert, so a
     whole block, its expert-parallel shards and its TP workers run each expert the same way (the
-    same bits whatever else is in the batch)."""
+    same bits whatever else is in the batch). Where the experts run on AMX tiles (AMX,
+    MoeWeights.amx_weights: not under expert parallelism) every active expert goes in one
+    layer_ops.moe_amx call instead, and none is returned."""
     active = counts.nonzero().flatten()
+    packed = w.amx_weights() if AMX else None
+    if packed is not None:
+        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
+        if layer_ops.moe_amx(x.contiguous(), *packed, active, starts, order // per_row, order, scales, out):
+            return []
     if not (GROUPED and w.gemv):
         return active.tolist()
     few = counts[active] <= GROUPED_MAX_PAIRS

@@ -1,6 +1,7 @@
-/* AMX tile state (Sapphire Rapids and later), shared by attention_amx.h (bf16 prefill) and
- * quant_amx.h (int8 / int4 weights with int8 activations): the tile configuration record and
- * Linux's per-process permission. Include only where __AMX_TILE__ is defined. */
+/* AMX tile state (Sapphire Rapids and later), shared by attention_amx.h (bf16 prefill),
+ * moe_amx.h (bf16 MoE experts) and quant_amx.h (int8 / int4 weights with int8 activations): the
+ * tile configuration record, Linux's per-process permission, the all-16x64 tile set-up. Include
+ * only where __AMX_TILE__ is defined. */
 #ifndef ATOMD_AMX_H
 #define ATOMD_AMX_H
 #include <immintrin.h>
@@ -22,5 +23,27 @@ static int amx_granted(void) {
     static int granted = -1;
     if (granted < 0) granted = syscall(SYS_arch_prctl, ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA) == 0;
     return granted;
+}
+
+static inline void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
+    tile_config c = {0};
+    c.palette = 1;
+    for (int t = 0; t < 8; t++) {
+        c.rows[t] = 16;
+        c.colsb[t] = 64;
+    }
+    _tile_loadconfig(&c);
+}
+
+/* A thread's start inside a tile kernel's parallel region: its tiles configured when its scratch
+ * is ready, else the kernel marked failed (it returns -1). Returns `ready`. */
+static inline int amx_thread_ready(int ready, int *failed) {
+    if (ready) {
+        amx_configure();
+    } else {
+#pragma omp atomic write
+        *failed = 1;
+    }
+    return ready;
 }
 #endif

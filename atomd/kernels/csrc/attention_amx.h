@@ -16,16 +16,6 @@
 #include "amx.h"
 #define AMX_PATH 1
 
-static void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
-    tile_config c = {0};
-    c.palette = 1;
-    for (int t = 0; t < 8; t++) {
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
 /* The tile operands as stored, each tile 1 KB contiguous (strided tile rows miss the
  * prefetchers: a layout shared across tokens measured ~2x slower). Per KV head and sequence,
  * the sequence padded with zero keys to a multiple of 32:
@@ -222,13 +212,7 @@ static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, c
             }
         float *sc = malloc(sizeof(float) * 16 * longest);
         uint16_t *phi = malloc(sizeof(uint16_t) * 16 * longest), *plo = malloc(sizeof(uint16_t) * 16 * longest);
-        const int ready = sc != NULL && phi != NULL && plo != NULL;
-        if (ready) {
-            amx_configure();
-        } else {
-#pragma omp atomic write
-            failed = 1;
-        }
+        const int ready = amx_thread_ready(sc != NULL && phi != NULL && plo != NULL, &failed);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = first[num_seqs] - 1; item >= 0; item--) {  /* the longest (last) rows first */
             if (!ready) continue;

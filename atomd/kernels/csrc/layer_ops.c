@@ -1134,3 +1134,29 @@ void atomd_lora_sgmv_f32(const float *x, int64_t x_stride, const float *a, const
         }
     }
 }
+
+/* An MoE block's output from its (token, choice) pairs (atomd/model/moe.py moe()): out[r] = bf16(the
+ * float32 sum of pairs[r * k + j] over j = 0 .. k - 1, in that order), pairs bf16 or float32
+ * (f32_pairs): torch's pairs.view(rows, k, hidden).sum(dim=1) to the bit, which took ~10% of a
+ * 4096-token block on AMX (benchmarks/moe_block.py). */
+void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t rows, int64_t k, int64_t hidden,
+                        int num_threads) {
+#pragma omp parallel for num_threads(num_threads) if (rows * k * hidden >= PARALLEL_MIN_ELEMENTS)
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t i0 = 0; i0 < hidden; i0 += 512) {
+            const int64_t n = hidden - i0 < 512 ? hidden - i0 : 512;
+            float acc[512];
+            for (int64_t i = 0; i < n; i++) acc[i] = 0.0f;
+            for (int64_t j = 0; j < k; j++) {
+                const int64_t base = (r * k + j) * hidden + i0;
+                if (f32_pairs)
+                    for (int64_t i = 0; i < n; i++) acc[i] += ((const float *)pairs)[base + i];
+                else
+                    for (int64_t i = 0; i < n; i++) acc[i] += bf16_to_float(((const bf16_t *)pairs)[base + i]);
+            }
+            for (int64_t i = 0; i < n; i++) out[r * hidden + i0 + i] = float_to_bf16(acc[i]);
+        }
+}
+
+/* the MoE experts on AMX tiles (bf16) */
+#include "moe_amx.h"

@@ -1,0 +1,163 @@
+/* Part of layer_ops.c's translation unit, included by it only (after the bf16 row helpers:
+ * silu_mul_row_bf16, round16, to_bf16).
+ *
+ * atomd_moe_amx_bf16: an MoE block's experts over several tokens (atomd/model/moe.py moe()
+ * and the TP partials) as AMX tile matmuls, atomd_moe_grouped_bf16's arguments and results
+ * (rounded where the per-expert torch ops round: gate_up's output, silu's, the down output,
+ * the scaled pair) over expert weights packed once for the tiles (layer_ops.pack_amx):
+ * each [N, K] weight as [N / 16][K / 32][16 k pairs][16 n][2], so one 16 x 32 block of
+ * it is one 1 KB tile B operand, contiguous.
+ *
+ * Why: on an AMX CPU (Sapphire Rapids and later) one tile product multiplies 16 rows by
+ * 32 x 16 weights; the grouped GEMV kernel's dot products (AVX512_BF16) and torch's one
+ * oneDNN GEMM pair per expert (whose weights are reordered for the tiles at every call)
+ * both left the experts of a prefill and of a batch-16 decode step well below what the
+ * tiles do (benchmarks/moe_block.py). Work items are (expert, up to AMX_CHUNK of its rows):
+ * each gathers its token rows into a thread-owned buffer, runs gate_up over blocks of 32
+ * rows x 32 outputs (tiles 0-3 accumulate, 4-5 hold two 16-row A tiles, 6-7 two B tiles),
+ * SiLU-and-mul per row, then down the same way, and writes each pair's row.
+ * Returns 0, -1 (no scratch memory) or 1 (no AMX for this process: the caller runs the
+ * grouped kernel). hidden and inter: multiples of 32. */
+#if BF16_CVT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
+#include <stdlib.h>
+
+#include "amx.h"
+#define MOE_AMX 1
+#define AMX_CHUNK 128 /* rows an item: an expert's weights are re-read from cache once a chunk */
+
+/* 16 rows (two == 0) or 32 of A times the 32 outputs of B blocks b0 and b1 into out [4][16][16]
+ * floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout: a's 16-row
+ * blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows: strided
+ * ones miss the prefetchers, attention_amx.h). */
+static inline void amx_block(const bf16_t *a, int two, const bf16_t *b0, const bf16_t *b1, int64_t chunks,
+                             float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; c++) {
+        _tile_loadd(4, a + c * 512, 64);
+        _tile_loadd(6, b0 + c * 512, 64);
+        _tile_loadd(7, b1 + c * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + (chunks + c) * 512, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + 256, 64);
+    if (two) {
+        _tile_stored(2, out + 512, 64);
+        _tile_stored(3, out + 768, 64);
+    }
+}
+
+/* Row r (K elements, or zeros where row is NULL) into the A tile layout at `tiles`:
+ * [rows / 16][K / 32][16][32] */
+static inline void amx_put_row(bf16_t *tiles, int64_t r, const bf16_t *row, int64_t K) {
+    bf16_t *dst = tiles + (r / 16) * K * 16 + (r % 16) * 32;
+    for (int64_t c = 0; c < K / 32; c++) {
+        if (row) memcpy(dst + c * 512, row + c * 32, 64);
+        else memset(dst + c * 512, 0, 64);
+    }
+}
+
+int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *down, const int64_t *experts,
+                       const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales,
+                       void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
+                       int num_threads) {
+    if (!amx_granted()) return 1;
+    int64_t items = 0;
+    for (int64_t g = 0; g < n_experts; g++) items += (starts[g + 1] - starts[g] + AMX_CHUNK - 1) / AMX_CHUNK;
+    int64_t *item_g = malloc(sizeof(int64_t) * (items + 1));
+    if (item_g == NULL) return -1;
+    items = 0;
+    for (int64_t g = 0; g < n_experts; g++)
+        for (int64_t r = starts[g]; r < starts[g + 1]; r += AMX_CHUNK) item_g[items++] = g;
+    const int64_t n_gu = 2 * inter, kc_gu = hidden / 32, kc_down = inter / 32;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* thread-owned: the rows (xa), gate_up's output (gu), the activations (act), one block's sums */
+        bf16_t *xa = malloc(sizeof(bf16_t) * (AMX_CHUNK * (hidden + n_gu + inter) + inter));
+        float *blk = malloc(sizeof(float) * 1024);
+        const int ready = amx_thread_ready(xa != NULL && blk != NULL, &failed);
+        bf16_t *gu = xa + AMX_CHUNK * hidden, *act = gu + AMX_CHUNK * n_gu, *row = act + AMX_CHUNK * inter;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!ready) continue;
+            const int64_t g = item_g[it];
+            int64_t first = it;  /* this item's chunk of its expert's pairs */
+            while (first > 0 && item_g[first - 1] == g) first--;
+            const int64_t p0 = starts[g] + (it - first) * AMX_CHUNK;
+            const int64_t m = starts[g + 1] - p0 < AMX_CHUNK ? starts[g + 1] - p0 : AMX_CHUNK;
+            const int64_t m16 = (m + 15) / 16 * 16;
+            const bf16_t *wg = gate_up + experts[g] * n_gu * hidden, *wd = down + experts[g] * hidden * inter;
+            for (int64_t r = 0; r < m16; r++)  /* rows past m: zeros (their outputs are dropped) */
+                amx_put_row(xa, r, r < m ? x + tokens[p0 + r] * hidden : NULL, hidden);
+            for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* gate_up, rounded to bf16 as torch's linear */
+                const int two = m16 - m0 > 16;
+                for (int64_t nb = 0; nb < n_gu / 16; nb += 2) {
+                    amx_block(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (nb + 1) * kc_gu * 512, kc_gu, blk);
+                    for (int t = 0; t < (two ? 4 : 2); t++)
+                        for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++)
+                            _mm256_storeu_si256((__m256i *)(gu + (m0 + 16 * (t / 2) + r) * n_gu + (nb + t % 2) * 16),
+                                                to_bf16(_mm512_loadu_ps(blk + t * 256 + r * 16)));
+                }
+            }
+            for (int64_t r = 0; r < m16; r++) {
+                if (r < m) silu_mul_row_bf16(gu + r * n_gu, row, inter);
+                amx_put_row(act, r, r < m ? row : NULL, inter);
+            }
+            for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* down, each pair's row rounded, scaled, rounded */
+                const int two = m16 - m0 > 16;
+                for (int64_t nb = 0; nb < hidden / 16; nb += 2) {
+                    amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down,
+                              blk);
+                    for (int t = 0; t < (two ? 4 : 2); t++)
+                        for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
+                            const int64_t p = p0 + m0 + 16 * (t / 2) + r, col = dest[p] * hidden + (nb + t % 2) * 16;
+                            const __m512 y = _mm512_loadu_ps(blk + t * 256 + r * 16);
+                            if (f32_pairs == 2)
+                                _mm512_storeu_ps((float *)pairs + col, y);
+                            else if (f32_pairs)
+                                _mm512_storeu_ps((float *)pairs + col,
+                                                 _mm512_mul_ps(round16(y), _mm512_set1_ps(((const float *)scales)[p])));
+                            else
+                                _mm256_storeu_si256((__m256i *)((bf16_t *)pairs + col),
+                                                    to_bf16(_mm512_mul_ps(round16(y), _mm512_set1_ps(bf16_to_float(
+                                                                                          ((const bf16_t *)scales)[p])))));
+                        }
+                }
+            }
+        }
+        if (ready) _tile_release();
+        free(xa);
+        free(blk);
+    }
+    free(item_g);
+    return failed ? -1 : 0;
+}
+#else
+#define MOE_AMX 0
+int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *down, const int64_t *experts,
+                       const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales,
+                       void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
+                       int num_threads) {
+    (void)x, (void)gate_up, (void)down, (void)experts, (void)starts, (void)tokens, (void)dest, (void)scales;
+    (void)pairs, (void)f32_pairs, (void)hidden, (void)inter, (void)n_experts, (void)num_threads;
+    return 1;
+}
+#endif
+
+/* 1 where atomd_moe_amx_bf16 runs: built with AMX tiles and the process granted their state */
+int atomd_moe_amx_kind(void) {
+#if MOE_AMX
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
