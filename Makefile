@@ -57,8 +57,10 @@ HELM_CHECK_TESTS := tests/test_helm_chart.py tests/test_helm_autoscaler.py tests
 helm-check: venv
 	$(PY) -m pytest -q $(HELM_CHECK_TESTS) $(PYTEST_ARGS)
 
-# The image built from the Dockerfile and run (tests/test_image.py, marker `image`, not in
-# `make test`; .ci/run calls it): installs Debian's docker.io and debootstrap when missing,
+# The wheel `pip install .` builds, installed into a fresh environment without a compiler
+# (tests/test_dockerfile.py's two `image` tests: every kernel for every target), and the image
+# built from the Dockerfile and run (tests/test_image.py; marker `image`, not in `make test`;
+# .ci/run calls it): installs Debian's docker.io and debootstrap when missing,
 # starts a private dockerd (own socket and data root, no iptables, no bridge) and stops it
 # after, builds a Debian base (debootstrap, kept) and the image from a local package index,
 # runs the chart's prefill, decode and router as containers with the chart's security
