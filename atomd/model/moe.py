@@ -121,8 +121,9 @@ def moe(h: torch.Tensor, w: MoeWeights,
     w.routed += counts
     scales = weights.flatten()[order].unsqueeze(1)
     pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
-    ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-    for e in grouped_experts(h, w, counts, order, k, scales.flatten().contiguous(), pairs):
+    rest = grouped_experts(h, w, counts, order, k, scales.flatten().contiguous(), pairs)
+    ends, sizes = (counts.cumsum(0).tolist(), counts.tolist()) if rest else ((), ())
+    for e in rest:
         group = slice(ends[e] - sizes[e], ends[e])
         pairs.index_copy_(0, order[group], expert(h[order[group] // k], w, e) * scales[group])
     return layer_ops.moe_sum(pairs, k, h.dtype)
@@ -222,8 +223,9 @@ def tp_partials(h: torch.Tensor, w: MoeWeights,
     counts = torch.bincount(flat, minlength=len(w.gate_up))
     w.routed += counts
     partial = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
-    ends, sizes = counts.cumsum(0).tolist(), counts.tolist()
-    for e in grouped_experts(h, w, counts, order, k, None, partial):  # the grouped call: down sums left float32
+    rest = grouped_experts(h, w, counts, order, k, None, partial)  # the grouped call: down sums left float32
+    ends, sizes = (counts.cumsum(0).tolist(), counts.tolist()) if rest else ((), ())
+    for e in rest:
         group = order[ends[e] - sizes[e]:ends[e]]
         partial.index_copy_(0, group, linear_f32(expert_act(h[group // k], w, e), w.down[e]))
     return partial, weights.flatten()
