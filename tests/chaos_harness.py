@@ -13,6 +13,7 @@ import http.client as httpclient
 import json
 import os
 import pathlib
+import shutil
 import signal
 import socket
 import tempfile
@@ -239,6 +240,7 @@ class ChaosCluster:
     def stop(self) -> None:
         for proc in [*self.routers.values(), *self.engines.values()]:
             proc.stop()
+        shutil.rmtree(self.dir, ignore_errors=True)  # the fault specs and their logs
 
     # faults
 
