@@ -82,10 +82,11 @@ def tree_cpu_seconds(pid: int) -> float:
 class Worker:
     """An engine process serving offline.serve_rounds: one round per line sent."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict | None = None, prefix: str = ""):
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None, prefix: str = "",
+                 cwd: pathlib.Path = REPO):
         self.name, self.prefix = name, prefix  # prefix: before each engine name it reports
-        log(f"starting {name}: {' '.join(cmd)}")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        log(f"starting {name}{'' if cwd == REPO else f' in {cwd}'}: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
         line = self.proc.stdout.readline()
         if not line or not json.loads(line).get("ready"):
@@ -136,6 +137,10 @@ def main() -> int:
     p.add_argument("--atomd-baseline-env", nargs="+", default=None, metavar="NAME=VALUE",
                    help="also run atomd's engines in a second process with these environment settings (e.g. "
                         "ATOMD_MOE_AMX=0), reported as baseline_*, alternated with the others round by round")
+    p.add_argument("--atomd-baseline-tree", type=pathlib.Path, default=None, metavar="DIR",
+                   help="run the baseline process (--atomd-baseline-env's, or one with no settings) from another "
+                        "checkout of atomd, e.g. a worktree of main: the before of a branch, same venv (with --int8 / "
+                        "--int4: the int engines alone)")
     p.add_argument("--gguf", nargs="*", choices=list(GGUFS), default=list(GGUFS))
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--no-prefill", action="store_true",
@@ -174,11 +179,14 @@ def main() -> int:
                    "--stdin-rounds", *ints]
             workers.append(Worker("atomd", cmd))
             baseline_env = dict(kv.split("=", 1) for kv in args.atomd_baseline_env or [])
-            if args.no_amx_baseline and ints:
+            if (args.no_amx_baseline or args.atomd_baseline_tree) and ints:
                 cmd = [*cmd[:cmd.index("--dtype") + 1], *cmd[cmd.index("--threads"):]]  # the int engines alone
+            if args.no_amx_baseline and ints:
                 baseline_env["ATOMD_KERNEL_ISA"] = "no-amx"
-            if baseline_env:  # the same engines under other settings (the before of an A/B)
-                workers.append(Worker("atomd baseline", cmd, env=dict(os.environ, **baseline_env), prefix="baseline_"))
+            if baseline_env or args.atomd_baseline_tree:  # the same engines under other settings or code (an A/B's before)
+                tree = (args.atomd_baseline_tree or REPO).resolve()
+                workers.append(Worker("atomd baseline", cmd, env=dict(os.environ, **baseline_env, PYTHONPATH=str(tree)),
+                                      prefix="baseline_", cwd=tree))
             if not args.no_vllm:
                 cmd = [str(args.vllm_python), "-m", "benchmarks.offline_vllm", "--model-shape", args.model_shape,
                        "--model", str(path), "--dtype", args.vllm_dtype, "--threads", str(args.threads),
