@@ -34,7 +34,7 @@
 #define MOE_Q8_TILES 0
 #endif
 
-typedef struct {  /* one thread's scratch (sizes for Q8_CHUNK rows and K up to kmax) */
+typedef struct {  /* one thread's scratch (sizes for the largest item's rows and K up to kmax) */
     float *x, *gu, *act, *y;
     bf16_t *gu16, *act16;
     int8_t *xq, *xt, *a;
@@ -77,8 +77,12 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     int64_t *item_g = malloc(sizeof(int64_t) * (items + 1));
     if (item_g == NULL) return -1;
     items = 0;
-    for (int64_t g = 0; g < n_experts; g++)
+    int64_t ch = 1;  /* rows of the largest item: the scratch's */
+    for (int64_t g = 0; g < n_experts; g++) {
+        const int64_t rows = starts[g + 1] - starts[g];
+        ch = rows > ch ? (rows < Q8_CHUNK ? rows : Q8_CHUNK) : ch;
         for (int64_t r = starts[g]; r < starts[g + 1]; r += Q8_CHUNK) item_g[items++] = g;
+    }
     const int64_t n_gu = 2 * inter, kmax = hidden > inter ? hidden : inter;
 #if MOE_Q8_TILES
     const int granted = amx_granted();
@@ -89,17 +93,17 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
 #pragma omp parallel num_threads(items < num_threads ? (int)(items > 0 ? items : 1) : num_threads)
     {
         moe_q8_scratch s = {0};
-        const size_t floats = (size_t)Q8_CHUNK * (hidden + n_gu + inter + hidden + Q8_XD(kmax) + Q8_XSG(kmax));
+        const size_t floats = (size_t)ch * (hidden + n_gu + inter + hidden + Q8_XD(kmax) + Q8_XSG(kmax));
         s.x = malloc(sizeof(float) * floats);
-        s.xq = malloc((size_t)Q8_CHUNK * kmax);
-        s.gu16 = is_bf16 ? malloc(sizeof(bf16_t) * Q8_CHUNK * (n_gu + inter)) : NULL;
+        s.xq = malloc((size_t)ch * kmax);
+        s.gu16 = is_bf16 ? malloc(sizeof(bf16_t) * ch * (n_gu + inter)) : NULL;
         int ready = s.x != NULL && s.xq != NULL && (!is_bf16 || s.gu16 != NULL);
 #if MOE_Q8_TILES
         if (granted) {
-            s.xt = malloc(QAMX_XT(Q8_CHUNK, kmax));
+            s.xt = malloc(QAMX_XT(ch, kmax));
             s.a = aligned_alloc(64, (size_t)(kmax / Q8_BLOCK) * 512);
-            s.dt = malloc(sizeof(float) * 2 * QAMX_DT(Q8_CHUNK, kmax));  /* d per block; xsg per group (>= 32) */
-            s.xsgt = s.dt ? s.dt + QAMX_DT(Q8_CHUNK, kmax) : NULL;
+            s.dt = malloc(sizeof(float) * 2 * QAMX_DT(ch, kmax));  /* d per block; xsg per group (>= 32) */
+            s.xsgt = s.dt ? s.dt + QAMX_DT(ch, kmax) : NULL;
             ready = ready && s.xt != NULL && s.a != NULL && s.dt != NULL;
             if (ready) qamx_configure();
         }
@@ -108,9 +112,9 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
 #pragma omp atomic write
             failed = 1;
         } else {
-            s.gu = s.x + Q8_CHUNK * hidden, s.act = s.gu + Q8_CHUNK * n_gu, s.y = s.act + Q8_CHUNK * inter;
-            s.xd = s.y + Q8_CHUNK * hidden, s.xsg = s.xd + Q8_CHUNK * Q8_XD(kmax);
-            s.act16 = s.gu16 ? s.gu16 + Q8_CHUNK * n_gu : NULL;
+            s.gu = s.x + ch * hidden, s.act = s.gu + ch * n_gu, s.y = s.act + ch * inter;
+            s.xd = s.y + ch * hidden, s.xsg = s.xd + ch * Q8_XD(kmax);
+            s.act16 = s.gu16 ? s.gu16 + ch * n_gu : NULL;
         }
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
