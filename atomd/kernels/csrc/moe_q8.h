@@ -24,6 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "moe_items.h"
 #define Q8_CHUNK 128 /* rows an item */
 
 #if defined(__AVX512F__)
@@ -72,17 +73,9 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
                  const int64_t *experts, const int64_t *starts, const int64_t *tokens, const int64_t *dest,
                  const void *scales, void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
                  int64_t amx_min, int num_threads) {
-    int64_t items = 0;
-    for (int64_t g = 0; g < n_experts; g++) items += (starts[g + 1] - starts[g] + Q8_CHUNK - 1) / Q8_CHUNK;
-    int64_t *item_g = malloc(sizeof(int64_t) * (items + 1));
+    int64_t items, ch;  /* ch: the largest item's rows, the scratch's */
+    int64_t *item_g = moe_items(starts, n_experts, Q8_CHUNK, &items, &ch);
     if (item_g == NULL) return -1;
-    items = 0;
-    int64_t ch = 1;  /* rows of the largest item: the scratch's */
-    for (int64_t g = 0; g < n_experts; g++) {
-        const int64_t rows = starts[g + 1] - starts[g];
-        ch = rows > ch ? (rows < Q8_CHUNK ? rows : Q8_CHUNK) : ch;
-        for (int64_t r = starts[g]; r < starts[g + 1]; r += Q8_CHUNK) item_g[items++] = g;
-    }
     const int64_t n_gu = 2 * inter, kmax = hidden > inter ? hidden : inter;
 #if MOE_Q8_TILES
     const int granted = amx_granted();
@@ -120,10 +113,8 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
         for (int64_t it = 0; it < items; it++) {
             if (!ready) continue;
             const int64_t g = item_g[it];
-            int64_t first = it;  /* this item's chunk of its expert's pairs */
-            while (first > 0 && item_g[first - 1] == g) first--;
-            const int64_t p0 = starts[g] + (it - first) * Q8_CHUNK;
-            const int64_t m = starts[g + 1] - p0 < Q8_CHUNK ? starts[g + 1] - p0 : Q8_CHUNK;
+            int64_t p0;
+            const int64_t m = moe_item_rows(item_g, starts, it, Q8_CHUNK, &p0);
             const int tiles = granted && m >= amx_min;
             const atomd_qweight *wg = gate_up + experts[g], *wd = down + experts[g];
             for (int64_t r = 0; r < m; r++) {  /* the item's token rows, as float32 */
