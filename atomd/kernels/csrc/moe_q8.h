@@ -42,19 +42,20 @@ typedef struct {  /* one thread's scratch (sizes for the largest item's rows and
     float *xd, *xsg, *dt, *xsgt;
 } moe_q8_scratch;
 
-/* y [m, N] = x [m, K] @ w^T as qlinear runs it on m rows: tiles from amx_min rows, else the rows */
+/* y [m, N] = x [m, K] @ w^T as qlinear runs it on m rows: tiles from amx_min rows (x already quantised
+ * into s's tiles where `quantised`), else the rows */
 static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
-                          const moe_q8_scratch *s, int tiles) {
+                          const moe_q8_scratch *s, int tiles, int quantised) {
     const int bits = (int)w->bits;
 #if MOE_Q8_TILES
     if (tiles) {
-        qamx_quantize(x, K, m, K, w->group, s->xt, s->dt, s->xsgt, 1);
+        if (!quantised) qamx_quantize(x, K, m, K, w->group, s->xt, s->dt, s->xsgt, 1);
         for (int64_t nt = 0; nt < (N + 15) / 16; nt++)
             qamx_ntile(w->q, bits, w->scales, w->offsets, N, K, w->group, m, nt, s->xt, s->dt, s->xsgt, s->a, y, N);
         return;
     }
 #else
-    (void)tiles;
+    (void)tiles, (void)quantised;
 #endif
     for (int64_t r = 0; r < m; r++)
         quantize_row_q8(x + r * K, K, w->group, bits, s->xq + r * K, s->xd + r * Q8_XD(K), s->xsg + r * Q8_XSG(K));
@@ -69,6 +70,31 @@ static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int
         q8_weight_row(w->q, bits, w->scales, w->offsets, K, w->group, n, m, s->xq, s->xd, s->xsg, y, N);
 }
 
+#if MOE_Q8_TILES
+/* An item's m token rows (tok) in qamx_quantize's tile layout (xt, dt, xsgt; rows past m zero, d and
+ * xsg 0, as qamx_quantize leaves them), copied from every token's tiles (all_*: qamx_quantize's over
+ * all the block's tokens): the same bytes and floats as quantising the rows here */
+static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *all_xsg, const int64_t *tok,
+                        int64_t m, int64_t K, int64_t G, int8_t *xt, float *dt, float *xsgt) {
+    const int64_t nb = K / Q8_BLOCK, groups = K / G;
+    for (int64_t r = 0; r < (m + 15) / 16 * 16; r++) {
+        int8_t *xb = xt + (r / 16) * nb * 512 + (r % 16) * 4;
+        float *db = dt + (r / 16) * nb * 16 + r % 16, *sg = xsgt + (r / 16) * groups * 16 + r % 16;
+        const int64_t t = r < m ? tok[r] : 0;
+        const int8_t *sb = all_xt + (t / 16) * nb * 512 + (t % 16) * 4;
+        const float *sd = all_dt + (t / 16) * nb * 16 + t % 16, *ss = all_xsg + (t / 16) * groups * 16 + t % 16;
+        for (int64_t b = 0; b < nb; b++) {
+            for (int k4 = 0; k4 < 8; k4++) {
+                if (r < m) memcpy(xb + b * 512 + k4 * 64, sb + b * 512 + k4 * 64, 4);
+                else memset(xb + b * 512 + k4 * 64, 0, 4);
+            }
+            db[b * 16] = r < m ? sd[b * 16] : 0.0f;
+        }
+        for (int64_t g = 0; g < groups; g++) sg[g * 16] = r < m ? ss[g * 16] : 0.0f;
+    }
+}
+#endif
+
 int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const atomd_qweight *down,
                  const int64_t *experts, const int64_t *starts, const int64_t *tokens, const int64_t *dest,
                  const void *scales, void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
@@ -81,6 +107,35 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     const int granted = amx_granted();
 #else
     const int granted = 0;
+#endif
+    /* more tile rows than tokens (a prefill's k pairs a token): every token quantised once, in the tile
+     * layout, and each item's rows gathered from it, where each item would quantise its own rows (the
+     * same values: quantisation is per row); where every expert's gate_up has one group size */
+    int8_t *all_xt = NULL;
+    float *all_dt = NULL, *all_xf = NULL;
+    int64_t n_tok = 0, tile_rows = 0;
+#if MOE_Q8_TILES
+    const int64_t G = n_experts ? gate_up[experts[0]].group : Q8_BLOCK;
+    int one_group = 1;
+    for (int64_t g = 0; g < n_experts; g++) {
+        one_group &= gate_up[experts[g]].group == G;
+        for (int64_t r = starts[g]; r < starts[g + 1]; r += Q8_CHUNK)
+            tile_rows += starts[g + 1] - r >= amx_min ? (starts[g + 1] - r < Q8_CHUNK ? starts[g + 1] - r : Q8_CHUNK) : 0;
+    }
+    for (int64_t p = 0; p < starts[n_experts]; p++) n_tok = tokens[p] >= n_tok ? tokens[p] + 1 : n_tok;
+    if (granted && one_group && tile_rows > n_tok) {
+        all_xt = malloc(QAMX_XT(n_tok, hidden));
+        all_dt = malloc(sizeof(float) * 2 * QAMX_DT(n_tok, hidden));  /* d per block, then xsg per group */
+        all_xf = is_bf16 ? malloc(sizeof(float) * n_tok * hidden) : NULL;
+        if (all_xt == NULL || all_dt == NULL || (is_bf16 && all_xf == NULL)) {
+            free(all_xt), free(all_dt), free(all_xf), free(item_g);
+            return -1;
+        }
+        if (is_bf16)
+            for (int64_t i = 0; i < n_tok * hidden; i++) all_xf[i] = bf16_to_float(((const bf16_t *)x)[i]);
+        qamx_quantize(is_bf16 ? all_xf : (const float *)x, hidden, n_tok, hidden, G, all_xt, all_dt,
+                      all_dt + QAMX_DT(n_tok, hidden), num_threads);
+    }
 #endif
     int failed = 0;
 #pragma omp parallel num_threads(items < num_threads ? (int)(items > 0 ? items : 1) : num_threads)
@@ -117,14 +172,20 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             const int64_t m = moe_item_rows(item_g, starts, it, Q8_CHUNK, &p0);
             const int tiles = granted && m >= amx_min;
             const atomd_qweight *wg = gate_up + experts[g], *wd = down + experts[g];
-            for (int64_t r = 0; r < m; r++) {  /* the item's token rows, as float32 */
+            const int quantised = tiles && all_xt != NULL;
+#if MOE_Q8_TILES
+            if (quantised)
+                qamx_gather(all_xt, all_dt, all_dt + QAMX_DT(n_tok, hidden), tokens + p0, m, hidden, G, s.xt, s.dt,
+                            s.xsgt);
+#endif
+            for (int64_t r = 0; r < m && !quantised; r++) {  /* the item's token rows, as float32 */
                 const int64_t t = tokens[p0 + r];
                 if (is_bf16)
                     for (int64_t i = 0; i < hidden; i++) s.x[r * hidden + i] = bf16_to_float(((const bf16_t *)x)[t * hidden + i]);
                 else
                     memcpy(s.x + r * hidden, (const float *)x + t * hidden, sizeof(float) * hidden);
             }
-            moe_q8_linear(wg, s.x, m, n_gu, hidden, s.gu, &s, tiles);
+            moe_q8_linear(wg, s.x, m, n_gu, hidden, s.gu, &s, tiles, quantised);
             if (is_bf16) {  /* gate_up's output rounded (qlinear's .to(bf16)), silu's and the product too */
                 for (int64_t i = 0; i < m * n_gu; i++) s.gu16[i] = float_to_bf16(s.gu[i]);
                 for (int64_t r = 0; r < m; r++) {
@@ -139,7 +200,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
                 for (int64_t r = 0; r < m; r++)
                     silu_mul_row((const char *)(s.gu + r * n_gu), (char *)(s.act + r * inter), inter, 0);
             }
-            moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles);
+            moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0);
             for (int64_t r = 0; r < m; r++) {  /* each pair's row: (rounded,) scaled (, rounded) */
                 const int64_t p = p0 + r;
                 const float *y = s.y + r * hidden;
@@ -166,6 +227,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
         free(s.xq);
         free(s.gu16);
     }
+    free(all_xt), free(all_dt), free(all_xf);
     free(item_g);
     return failed ? -1 : 0;
 }
@@ -181,6 +243,31 @@ int atomd_moe_q8_kind(void) {
 }
 #else
 #define MOE_Q8 0
+#if MOE_Q8_TILES
+/* An item's m token rows (tok) in qamx_quantize's tile layout (xt, dt, xsgt; rows past m zero, d and
+ * xsg 0, as qamx_quantize leaves them), copied from every token's tiles (all_*: qamx_quantize's over
+ * all the block's tokens): the same bytes and floats as quantising the rows here */
+static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *all_xsg, const int64_t *tok,
+                        int64_t m, int64_t K, int64_t G, int8_t *xt, float *dt, float *xsgt) {
+    const int64_t nb = K / Q8_BLOCK, groups = K / G;
+    for (int64_t r = 0; r < (m + 15) / 16 * 16; r++) {
+        int8_t *xb = xt + (r / 16) * nb * 512 + (r % 16) * 4;
+        float *db = dt + (r / 16) * nb * 16 + r % 16, *sg = xsgt + (r / 16) * groups * 16 + r % 16;
+        const int64_t t = r < m ? tok[r] : 0;
+        const int8_t *sb = all_xt + (t / 16) * nb * 512 + (t % 16) * 4;
+        const float *sd = all_dt + (t / 16) * nb * 16 + t % 16, *ss = all_xsg + (t / 16) * groups * 16 + t % 16;
+        for (int64_t b = 0; b < nb; b++) {
+            for (int k4 = 0; k4 < 8; k4++) {
+                if (r < m) memcpy(xb + b * 512 + k4 * 64, sb + b * 512 + k4 * 64, 4);
+                else memset(xb + b * 512 + k4 * 64, 0, 4);
+            }
+            db[b * 16] = r < m ? sd[b * 16] : 0.0f;
+        }
+        for (int64_t g = 0; g < groups; g++) sg[g * 16] = r < m ? ss[g * 16] : 0.0f;
+    }
+}
+#endif
+
 int atomd_moe_q8(const void *x, int is_bf16, const void *gate_up, const void *down, const int64_t *experts,
                  const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales, void *pairs,
                  int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, int64_t amx_min, int num_threads) {
