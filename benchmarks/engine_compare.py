@@ -119,6 +119,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", default="qwen3-0.6b")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup-rounds", type=int, default=0,
+                   help="rounds of every engine first, not counted: a fresh atomd process runs the MoE shapes' first "
+                        "passes several times slower (RESULTS.md, #34), and these rounds let every engine settle")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--short", action="store_true", help="the _short workloads (same counts for every engine)")
     p.add_argument("--int8", action="store_true", help="also atomd int8 weights + int8 activations")
@@ -197,6 +200,10 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 -- reported, the others still run
                     errors["vllm"] = str(e)
                     log(f"vLLM-CPU skipped: {e}")
+            for r in range(args.warmup_rounds):
+                log(f"warm-up round {r + 1}/{args.warmup_rounds} (not counted), load {loadavg()}")
+                for w in workers:
+                    w.round()
             for r in range(args.rounds):
                 log(f"round {r + 1}/{args.rounds}, load {loadavg()}")
                 for w in workers:
@@ -237,7 +244,7 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
             (pf, "prefill (prompt tok/s)")]
     names = list(med)
     print(f"\n{args.model_shape} ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}), "
-          f"threads {args.threads}, {args.rounds} rounds (medians), workloads {', '.join(workloads)}; "
+          f"threads {args.threads}, {args.rounds} rounds (medians; {args.warmup_rounds} warm-up rounds not counted), workloads {', '.join(workloads)}; "
           f"load {' -> '.join(load)}; {cpu_model()}" + (f"; errors: {errors}" if errors else ""))
     print("\n| tok/s | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
     for key, label in rows:
