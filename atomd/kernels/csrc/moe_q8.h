@@ -243,31 +243,6 @@ int atomd_moe_q8_kind(void) {
 }
 #else
 #define MOE_Q8 0
-#if MOE_Q8_TILES
-/* An item's m token rows (tok) in qamx_quantize's tile layout (xt, dt, xsgt; rows past m zero, d and
- * xsg 0, as qamx_quantize leaves them), copied from every token's tiles (all_*: qamx_quantize's over
- * all the block's tokens): the same bytes and floats as quantising the rows here */
-static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *all_xsg, const int64_t *tok,
-                        int64_t m, int64_t K, int64_t G, int8_t *xt, float *dt, float *xsgt) {
-    const int64_t nb = K / Q8_BLOCK, groups = K / G;
-    for (int64_t r = 0; r < (m + 15) / 16 * 16; r++) {
-        int8_t *xb = xt + (r / 16) * nb * 512 + (r % 16) * 4;
-        float *db = dt + (r / 16) * nb * 16 + r % 16, *sg = xsgt + (r / 16) * groups * 16 + r % 16;
-        const int64_t t = r < m ? tok[r] : 0;
-        const int8_t *sb = all_xt + (t / 16) * nb * 512 + (t % 16) * 4;
-        const float *sd = all_dt + (t / 16) * nb * 16 + t % 16, *ss = all_xsg + (t / 16) * groups * 16 + t % 16;
-        for (int64_t b = 0; b < nb; b++) {
-            for (int k4 = 0; k4 < 8; k4++) {
-                if (r < m) memcpy(xb + b * 512 + k4 * 64, sb + b * 512 + k4 * 64, 4);
-                else memset(xb + b * 512 + k4 * 64, 0, 4);
-            }
-            db[b * 16] = r < m ? sd[b * 16] : 0.0f;
-        }
-        for (int64_t g = 0; g < groups; g++) sg[g * 16] = r < m ? ss[g * 16] : 0.0f;
-    }
-}
-#endif
-
 int atomd_moe_q8(const void *x, int is_bf16, const void *gate_up, const void *down, const int64_t *experts,
                  const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales, void *pairs,
                  int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, int64_t amx_min, int num_threads) {
