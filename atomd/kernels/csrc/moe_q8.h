@@ -28,7 +28,6 @@
 #define Q8_CHUNK 128 /* rows an item */
 
 #if defined(__AVX512F__)
-#define MOE_Q8 1
 #if QAMX_PATH
 #define MOE_Q8_TILES 1
 #else
@@ -242,7 +241,6 @@ int atomd_moe_q8_kind(void) {
 #endif
 }
 #else
-#define MOE_Q8 0
 int atomd_moe_q8(const void *x, int is_bf16, const void *gate_up, const void *down, const int64_t *experts,
                  const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales, void *pairs,
                  int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, int64_t amx_min, int num_threads) {
