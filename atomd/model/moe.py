@@ -83,7 +83,6 @@ class MoeWeights:
             self.amx = (layer_ops.pack_amx(self.gate_up), layer_ops.pack_amx(self.down)) if fits else ()
         return self.amx or None
 
-
     def q8_experts(self) -> tuple | None:
         """The quantized experts as layer_ops.moe_q8 takes them (made at the first call: after load, once
         int8 activations are set), or None where it does not run them: float experts, experts without int8
@@ -156,7 +155,9 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
     whole block, its expert-parallel shards and its TP workers run each expert the same way (the
     same bits whatever else is in the batch). Where the experts run on AMX tiles (AMX,
     MoeWeights.amx_weights: not under expert parallelism) every active expert goes in one
-    layer_ops.moe_amx call instead, and none is returned."""
+    layer_ops.moe_amx call instead, and none is returned. Quantized experts with int8 activations
+    (MoeWeights.q8_experts) go in one layer_ops.moe_q8 call: every active expert where it has the
+    AMX-INT8 tiles, else those of at most quant.QGEMM_Q8_MAX_M pairs (the others: a qlinear pair each)."""
     active = counts.nonzero().flatten()
     if w.quantized:
         q8 = w.q8_experts() if Q8 and x.dtype in (torch.float32, torch.bfloat16) else None
