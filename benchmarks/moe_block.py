@@ -6,7 +6,10 @@ The block of the issue's Qwen3-MoE benchmark shape (hidden 1024, 64 experts top-
 intermediate 256), bf16, random weights and router, a new random batch each call. Paths:
 `amx` (the AMX tile kernel over experts packed at load, layer_ops.moe_amx: where the CPU has
 AMX), `grouped` (the AVX512_BF16 grouped C call, layer_ops.moe_grouped), `per-expert` (one
-oneDNN GEMM pair per active expert), `default` (what moe() picks). Each round times every path
+oneDNN GEMM pair per active expert), `default` (what moe() picks); `int8` / `int4` (the same experts
+rounded as `--quantization int8|int4` rounds them, int8 activations, float32 x as that engine runs:
+layer_ops.moe_q8, AMX-INT8 tiles where the CPU has them) and `int8-per-expert` / `int4-per-expert`
+(moe.Q8 off: one qlinear pair per active expert, what ran before). Each round times every path
 in turn (alternating), --calls calls each, in this process's CPU time (both threads: the
 machine is shared, so wall time counts waits for a core) and wall time; medians over --rounds.
 
@@ -20,7 +23,7 @@ import time
 
 import torch
 
-from atomd.model import layer_ops, moe as moe_mod
+from atomd.model import layer_ops, moe as moe_mod, quant
 from atomd.model.moe import MoeWeights
 from benchmarks.machine import cpu_model, loadavg
 
@@ -30,6 +33,8 @@ PATHS = {  # (moe.AMX, moe.GROUPED, moe.GROUPED_MAX_PAIRS)
     "grouped": (False, True, 10**9),
     "per-expert": (False, False, 0),
 }
+QUANT_PATHS = {"int8": ("int8", True), "int4": ("int4", True), "int8-per-expert": ("int8", False),
+               "int4-per-expert": ("int4", False)}  # (--quantization, moe.Q8)
 
 
 def weights(seed: int = 0) -> MoeWeights:
@@ -38,6 +43,13 @@ def weights(seed: int = 0) -> MoeWeights:
                       gate_up=(torch.randn(EXPERTS, 2 * INTER, HIDDEN, generator=g) * 0.03).to(torch.bfloat16),
                       down=(torch.randn(EXPERTS, HIDDEN, INTER, generator=g) * 0.06).to(torch.bfloat16),
                       top_k=TOP_K, norm_topk_prob=True)
+
+
+def quantized(w: MoeWeights, method: str) -> MoeWeights:
+    """w's experts rounded as `--quantization method` rounds them (quant.quantize), int8 activations."""
+    gate_up, down = [quant.quantize(t.float(), method) for t in w.gate_up], [quant.quantize(t.float(), method) for t in w.down]
+    quant.use_int8_activations(gate_up + down)
+    return MoeWeights(router=w.router.float(), gate_up=gate_up, down=down, top_k=w.top_k, norm_topk_prob=True)
 
 
 def timed(fn, calls: int) -> tuple[float, float]:
@@ -55,8 +67,21 @@ def run(w: MoeWeights, tokens: int, rounds: int, calls: int, paths: list[str]) -
     g = torch.Generator().manual_seed(tokens)
     xs = [torch.randn(tokens, HIDDEN, generator=g).to(torch.bfloat16) for _ in range(max(calls, 2))]
     saved = moe_mod.AMX, moe_mod.GROUPED, moe_mod.GROUPED_MAX_PAIRS
+    qw = {m: quantized(w, m) for m in {QUANT_PATHS[p][0] for p in paths if p in QUANT_PATHS}}
 
     def with_path(name):
+        if name in QUANT_PATHS:
+            method, q8 = QUANT_PATHS[name]
+            xf = [x.float() for x in xs]
+
+            def call_q(i):
+                moe_mod.Q8 = q8
+                try:
+                    moe_mod.moe(xf[i % len(xf)], qw[method])
+                finally:
+                    moe_mod.Q8 = True
+            return call_q
+
         def call(i):
             moe_mod.AMX, moe_mod.GROUPED, moe_mod.GROUPED_MAX_PAIRS = PATHS[name] if name in PATHS else saved
             try:
@@ -81,12 +106,13 @@ def main() -> None:
     ap.add_argument("--threads", type=int, nargs="+", default=[1, 2])
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--calls", type=int, default=0, help="calls a round (0: ~64k tokens' worth, 3 at least)")
-    ap.add_argument("--paths", nargs="+", default=["default", *PATHS])
+    ap.add_argument("--paths", nargs="+", default=["default", *PATHS], choices=["default", *PATHS, *QUANT_PATHS])
     args = ap.parse_args()
     w = weights()
     paths = [p for p in args.paths if p != "amx" or layer_ops.has_moe_amx()]
     print(f"CPU: {cpu_model()}; load before: {loadavg()}; AMX kernel: {layer_ops.has_moe_amx()}")
-    print(f"block: hidden {HIDDEN}, {EXPERTS} experts top-{TOP_K}, inter {INTER}, bf16; medians of {args.rounds} "
+    print(f"block: hidden {HIDDEN}, {EXPERTS} experts top-{TOP_K}, inter {INTER}, bf16 (int8 / int4: float32 x); "
+          f"int8 experts' kernel: {layer_ops.moe_q8_kind()} (2: AMX-INT8 tiles); medians of {args.rounds} "
           f"rounds; ms per call, process CPU / wall")
     print("| threads | tokens | " + " | ".join(paths) + " | " + " | ".join(f"{p} / amx" for p in paths if p != "amx")
           + " |")

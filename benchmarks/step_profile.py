@@ -1,7 +1,7 @@
 """Where atomd's step time goes on a benchmark shape: cProfile over offline.py's workloads.
 
     nice -n 19 .venv/bin/python -m benchmarks.step_profile --model-shape qwen3-moe \\
-        [--dtype bfloat16] [--threads 2] [--workloads batch1_short batch16_short] [--top 12]
+        [--dtype bfloat16] [--quantization int8] [--threads 2] [--workloads batch1_short batch16_short] [--top 12]
 
 One atomd LLM (in this process: cProfile sees the engine loop, the model's Python and every
 C or torch call it makes), a warm-up, then each workload once under cProfile (`--warm`: after
@@ -36,13 +36,16 @@ def main() -> int:
     p.add_argument("--workloads", nargs="+", choices=list(WORKLOADS), default=["batch1_short", "batch16_short"])
     p.add_argument("--top", type=int, default=12)
     p.add_argument("--warm", action="store_true", help="run each workload once unprofiled first")
+    p.add_argument("--quantization", choices=["int8", "int4"],
+                   help="int8 / int4 weights with int8 activations (engine_compare's --int8 / --int4 engines)")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
     vocab = model_config(path)["vocab_size"]
-    gen = atomd_generator(path, args.threads, dtype=args.dtype)
+    quant = {"quantization": args.quantization, "quantized_activations": "int8"} if args.quantization else {}
+    gen = atomd_generator(path, args.threads, dtype=args.dtype, **quant)
     gen(prompts(2, 16, 9, vocab), 4)  # warm-up
-    print(f"{args.model_shape} atomd {args.dtype}, {args.threads} threads, {cpu_model()}, load {loadavg()}")
+    print(f"{args.model_shape} atomd {args.dtype}{' ' + args.quantization if args.quantization else ''}, {args.threads} threads, {cpu_model()}, load {loadavg()}")
     for w in args.workloads:
         n, length, new, seed = WORKLOADS[w]
         batch = prompts(n, length, seed, vocab)

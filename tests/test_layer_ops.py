@@ -466,6 +466,59 @@ def test_moe_amx_experts_equal_the_per_expert_path(isa, hidden, inter, experts, 
         assert error <= 1.5 * per_expert_error + 1e-5, (error, per_expert_error)
 
 
+@pytest.mark.parametrize("isa", ["native", "no-amx"], indirect=True)  # the other narrowings: the no-amx rows
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
+    """int8 / int4 experts with int8 activations in one C call (layer_ops.moe_q8: AMX-INT8 tiles from
+    QGEMM_AMX_MIN_M rows an expert on the native build of an AMX CPU, the int8-activation rows below it
+    and on every narrowed build) against one qlinear pair per active expert (moe.Q8 off, the same
+    narrowing for qlinear): the same bits (each expert's rows go through qlinear's own arithmetic),
+    float32 and bf16 models (bf16 rounds gate_up, silu, down and the scaled pair as the torch ops do;
+    Mixtral's float32 products too, cast_weights off); 1 token (moe()'s batch-1 form), 2, 17, 150 (two
+    row chunks); random routings, idle experts, every token on one expert (past QGEMM_Q8_MAX_M pairs
+    without the tiles: that expert a qlinear pair, the rest in the call); near float64 SwiGLU experts on
+    the dequantised weights (int8 activations: ~1% of the terms)."""
+    from atomd.model import moe, quant
+    from atomd.model.moe import MoeWeights
+
+    qlib = quant.build_kernels("native" if isa == "native" else "no-amx")
+    monkeypatch.setattr(quant, "kernels", lambda: qlib)
+    tiles = isa == "native" and {"amx_tile", "amx_int8"} <= cpu_flags()
+    assert layer_ops.moe_q8_kind() == (2 if tiles else 1)
+    calls, real = [], layer_ops.moe_q8
+    monkeypatch.setattr(layer_ops, "moe_q8", lambda x, gu, d, inter, experts, *a: calls.append(len(experts))
+                        or real(x, gu, d, inter, experts, *a))
+    for hidden, inter, experts, k, tokens, threads in [(64, 32, 8, 2, 1, 2), (96, 64, 16, 4, 2, 1),
+                                                        (128, 96, 32, 8, 17, 2), (64, 64, 8, 2, 150, 1)]:
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        g = torch.Generator().manual_seed(hidden + tokens)
+        gate_up = [quant.quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, method) for _ in range(experts)]
+        down = [quant.quantize(torch.randn(hidden, inter, generator=g) * 0.2, method) for _ in range(experts)]
+        quant.use_int8_activations(gate_up + down)
+        wg = torch.stack([q.dequantize() for q in gate_up]).double()
+        wd = torch.stack([q.dequantize() for q in down]).double()
+        scales = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1)
+        for dtype, cast in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
+            w = MoeWeights(router=torch.randn(experts, hidden, generator=g).to(dtype), gate_up=gate_up, down=down,
+                           top_k=k, norm_topk_prob=True, cast_weights=cast)
+            h = torch.randn(tokens, hidden, generator=g).to(dtype)
+            for ids in routings(g, tokens, experts, k)[:1 if tokens == 1 else 3]:
+                routed = (scales.to(dtype) if cast else scales, ids)
+                calls.clear()
+                got = moe.moe(h, w, routed)
+                counts = torch.bincount(ids.flatten())
+                in_call = int(((counts > 0) & (tiles | (counts <= quant.QGEMM_Q8_MAX_M))).sum())
+                assert calls == ([in_call] if in_call else []) and w.q8_experts() is not None
+                monkeypatch.setattr(moe, "Q8", False)
+                per_expert = moe.moe(h, w, routed)
+                monkeypatch.setattr(moe, "Q8", True)
+                assert torch.equal(got, per_expert), (hidden, tokens, dtype, cast)
+                gate, up = torch.einsum("th,tkih->tki", h.double(), wg[ids]).split(inter, dim=-1)
+                exact = (routed[0].double().unsqueeze(-1)
+                         * torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[ids])).sum(dim=1)
+                assert (got.double() - exact).abs().max() <= 0.05 * exact.abs().max() + 1e-3
+
+
 @pytest.mark.parametrize("pairs_dtype", [torch.bfloat16, torch.float32])
 def test_moe_sum_is_torchs_sum_of_the_pairs(isa, pairs_dtype):
     """layer_ops.moe_sum (an MoE block's output from its pairs): torch's float32 sum over each

@@ -266,3 +266,33 @@ def test_moe_experts_quantised_equal_hf_on_dequantised_weights(kind, method, tmp
     assert moe.quantized and all(isinstance(w, QuantizedWeight) and w.bits == int(method[3:])
                                  for w in [*moe.gate_up, *moe.down])
     assert_equals_hf_on(llm, hf_rtn_from_files(path, method, tmp_path / "hf"), 2 * 16 + 5, seed=4)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind,method", [("qwen3_moe", "int8"), ("mixtral", "int4")])
+def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypatch, tmp_path):
+    """int8 / int4 experts with int8 activations in one C call a block (layer_ops.moe_q8: AMX-INT8 tiles
+    from QGEMM_AMX_MIN_M rows an expert where the CPU has them, the int8-activation rows below; batch-1
+    decode too) against one qlinear pair per expert (moe.Q8 off: what ran before), through the engine:
+    prompts in 32-token chunks, batched decode of four sequences, then one alone: the same token ids
+    and logprobs (each expert's rows go through qlinear's own arithmetic, so the bits agree)."""
+    from atomd.model import moe
+
+    path = make_checkpoint(tmp_path / kind, kind, seed=11, **({"moe_intermediate_size": 32} if kind == "qwen3_moe" else {}))
+    params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=2)
+    calls, real = [], layer_ops.moe_q8
+    monkeypatch.setattr(layer_ops, "moe_q8", lambda *a: calls.append(len(a[4])) or real(*a))
+
+    def run() -> list:
+        llm = LLM(str(path), num_threads=1, max_model_len=256, quantization=method, quantized_activations="int8",
+                  max_num_batched_tokens=32)
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts_of([40, 9, 3, 17], 12)],
+                                                   params)]
+        outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompts_of([5], 13)[0]}], params)]
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+    fused = run()
+    assert calls and max(calls) > 2  # batched steps (several experts a call) and batch 1 (top-2)
+    monkeypatch.setattr(moe, "Q8", False)
+    calls.clear()
+    assert run() == fused and not calls

@@ -80,8 +80,8 @@ def kernels() -> ctypes.CDLL | None:
 def build_kernels(isa: str) -> ctypes.CDLL | None:
     """The library built with `isa` (atomd.kernels.cbuild.ISA_FLAGS: `native`, or narrowed to test
     the fallbacks on a CPU that has everything: `no-bf16-dot` drops the AVX512_BF16
-    conversions, `no-avx512` all of AVX-512, `no-amx` changes nothing here), or None with the
-    reason logged."""
+    conversions, `no-avx512` all of AVX-512, `no-amx` the AMX tiles of the MoE experts), or None
+    with the reason logged."""
     lib = cbuild.load(*cbuild.layer_ops_kernel(), log, "RMSNorm, SiLU and RoPE run as torch ops", isa)
     if lib is None:
         return None
@@ -126,6 +126,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib.atomd_moe_amx_bf16.argtypes = [_PTR] * 9 + [ctypes.c_int] + [_I64] * 3 + [ctypes.c_int]
     lib.atomd_moe_amx_bf16.restype = ctypes.c_int
     lib.moe_amx = bool(lib.atomd_moe_amx_kind())  # built with AMX tiles and granted their state
+    lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 4 + [ctypes.c_int]
+    lib.atomd_moe_q8.restype = lib.atomd_moe_q8_kind.restype = ctypes.c_int
+    lib.moe_q8_kind = lib.atomd_moe_q8_kind()
     return lib
 
 
@@ -322,6 +325,34 @@ def moe_amx(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts:
         torch.get_num_threads())
     if status < 0:
         raise MemoryError("moe_amx: the AMX experts kernel could not allocate its scratch memory")
+    return status == 0
+
+
+def moe_q8_kind() -> int:
+    """How moe_q8 runs here: 0 not built (no AVX-512 build: the experts one qlinear pair each), 1 on
+    the int8-activation rows (csrc/quant.h), 2 also on AMX-INT8 tiles from quant.QGEMM_AMX_MIN_M rows
+    an expert (csrc/quant_amx.h; built with them, not narrowed by $ATOMD_KERNEL_ISA, granted by Linux)."""
+    lib = kernels()
+    return 0 if lib is None else lib.moe_q8_kind
+
+
+def moe_q8(x: torch.Tensor, gate_up: ctypes.Array, down: ctypes.Array, inter: int, experts: torch.Tensor,
+           starts: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, scales: torch.Tensor | None,
+           pairs: torch.Tensor, amx_min: int) -> bool:
+    """moe_grouped's results (arguments alike; x float32 or bf16) for int8 / int4 experts with int8
+    activations (csrc/moe_q8.h): gate_up and down the experts' atomd_qweight arrays (quant.qweight_array;
+    inter: an expert's intermediate size),
+    each expert's linears run as qlinear runs them on its rows (tiles from amx_min rows where
+    moe_q8_kind() is 2), so the pairs equal the per-expert path's. False: not built here (nothing
+    done); MemoryError where its scratch cannot be allocated."""
+    status = kernels().atomd_moe_q8(
+        x.data_ptr(), int(x.dtype == torch.bfloat16), ctypes.addressof(gate_up), ctypes.addressof(down),
+        experts.data_ptr(), starts.data_ptr(), tokens.data_ptr(), dest.data_ptr(),
+        0 if scales is None else scales.data_ptr(), pairs.data_ptr(),
+        2 if scales is None else int(pairs.dtype == torch.float32), x.shape[1], inter, len(experts), amx_min,
+        torch.get_num_threads())
+    if status < 0:
+        raise MemoryError("moe_q8: the int8 experts kernel could not allocate its scratch memory")
     return status == 0
 
 

@@ -35,6 +35,11 @@ GROUPED_MAX_PAIRS = 32
 # (which rewrites the expert slots); False (or $ATOMD_MOE_AMX=0 at import): the paths above (the A/B of
 # benchmarks/moe_block.py and engine-level runs)
 AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
+# int8 / int4 experts with int8 activations in one C call a block (layer_ops.moe_q8: AMX-INT8 tiles from
+# quant.QGEMM_AMX_MIN_M rows an expert, the int8-activation rows below it), batch 1 included, where the
+# kernel is built; without the tiles only experts of at most quant.QGEMM_Q8_MAX_M pairs (qlinear's float tiles
+# past it); False (or $ATOMD_MOE_Q8=0 at import): one qlinear pair per expert (the A/B of engine-level runs)
+Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
 
 
 @dataclass
@@ -57,6 +62,8 @@ class MoeWeights:
     slot_experts: torch.Tensor = field(init=False)
     # (gate_up, down) in layer_ops.pack_amx's layout once amx_weights made them; () where they do not apply
     amx: tuple = field(init=False, default=None, repr=False)
+    # quantized experts: (gate_up, down) as quant.qweight_array once q8_experts made them; () where they do not apply
+    q8: tuple = field(init=False, default=None, repr=False)
 
     def __post_init__(self) -> None:
         # one row through an expert: the GEMV kernel on its slice of the stacked tensor (quantized
@@ -75,6 +82,16 @@ class MoeWeights:
                     and self.down.shape[2] % layer_ops.AMX_MULTIPLE == 0 and layer_ops.has_moe_amx())
             self.amx = (layer_ops.pack_amx(self.gate_up), layer_ops.pack_amx(self.down)) if fits else ()
         return self.amx or None
+
+    def q8_experts(self) -> tuple | None:
+        """The quantized experts as layer_ops.moe_q8 takes them (made at the first call: after load, once
+        int8 activations are set), or None where it does not run them: float experts, experts without int8
+        activations or with an act-order permutation, expert parallelism, no kernel here."""
+        if self.q8 is None:
+            fits = (self.quantized and self.ep is None and layer_ops.moe_q8_kind() > 0
+                    and all(q.int8_activations and q.perm is None for q in (*self.gate_up, *self.down)))
+            self.q8 = (quant.qweight_array(self.gate_up), quant.qweight_array(self.down)) if fits else ()
+        return self.q8 or None
 
 
 def load_experts(src, prefix: str, experts: range, gate: str, up: str, down: str,
@@ -138,16 +155,28 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
     whole block, its expert-parallel shards and its TP workers run each expert the same way (the
     same bits whatever else is in the batch). Where the experts run on AMX tiles (AMX,
     MoeWeights.amx_weights: not under expert parallelism) every active expert goes in one
-    layer_ops.moe_amx call instead, and none is returned."""
+    layer_ops.moe_amx call instead, and none is returned. Quantized experts with int8 activations
+    (MoeWeights.q8_experts) go in one layer_ops.moe_q8 call: every active expert where it has the
+    AMX-INT8 tiles, else those of at most quant.QGEMM_Q8_MAX_M pairs (the others: a qlinear pair each)."""
     active = counts.nonzero().flatten()
-    packed = w.amx_weights() if AMX else None
-    if packed is not None:
-        starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
-        if layer_ops.moe_amx(x.contiguous(), *packed, active, starts, order // per_row, order, scales, out):
-            return []
-    if not (GROUPED and w.gemv):
-        return active.tolist()
-    few = counts[active] <= GROUPED_MAX_PAIRS
+    if w.quantized:
+        q8 = w.q8_experts() if Q8 and x.dtype in (torch.float32, torch.bfloat16) else None
+        if q8 is None:
+            return active.tolist()
+        tiles = layer_ops.moe_q8_kind() == 2
+        few = torch.ones_like(active, dtype=torch.bool) if tiles else counts[active] <= quant.QGEMM_Q8_MAX_M
+        run = lambda *a: layer_ops.moe_q8(x.contiguous(), *q8, w.down[0].in_features, *a,  # noqa: E731
+                                          quant.QGEMM_AMX_MIN_M)
+    else:
+        packed = w.amx_weights() if AMX else None
+        if packed is not None:
+            starts = torch.cat([counts.new_zeros(1), counts[active].cumsum(0)])
+            if layer_ops.moe_amx(x.contiguous(), *packed, active, starts, order // per_row, order, scales, out):
+                return []
+        if not (GROUPED and w.gemv):
+            return active.tolist()
+        few = counts[active] <= GROUPED_MAX_PAIRS
+        run = lambda *a: layer_ops.moe_grouped(x.contiguous(), w.gate_up, w.down, *a)  # noqa: E731
     if bool(few.any()):
         experts, sel = active[few], order
         if not bool(few.all()):  # only their pairs: the sorted positions whose slot is grouped
@@ -156,8 +185,8 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
             keep = member.repeat_interleave(counts)
             sel, scales = order[keep], None if scales is None else scales[keep]
         starts = torch.cat([counts.new_zeros(1), counts[experts].cumsum(0)])
-        layer_ops.moe_grouped(x.contiguous(), w.gate_up, w.down, experts, starts, sel // per_row, sel,
-                              scales, out)
+        if run(experts, starts, sel // per_row, sel, scales, out) is False:
+            return active.tolist()
     return active[~few].tolist()
 
 
@@ -169,6 +198,13 @@ def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.T
     k = w.top_k
     w.routed[ids[0]] += 1  # the expert load counters (a token's k experts are distinct)
     pairs = torch.empty(k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
+    q8 = w.q8_experts() if w.quantized and Q8 and h.dtype in (torch.float32, torch.bfloat16) else None
+    if q8 is not None:  # one C call, each expert one row: only the k experts' bytes read
+        every = torch.arange(k + 1)
+        if layer_ops.moe_q8(h.contiguous(), *q8, w.down[0].in_features, ids[0].contiguous(), every,
+                            torch.zeros(k, dtype=torch.int64), every[:k], weights[0].contiguous(), pairs,
+                            quant.QGEMM_AMX_MIN_M):
+            return pairs.view(1, k, -1).sum(dim=1).to(h.dtype)
     if w.gemv:  # one C call for the k experts (the per-op loop below was ~0.2 ms of calls a block)
         layer_ops.moe_experts(h.contiguous(), w.gate_up, w.down, ids[0].contiguous(),
                               weights[0].contiguous(), pairs)

@@ -185,6 +185,14 @@ def use_int8_activations(weights: list[QuantizedWeight]) -> int:
     return switched
 
 
+def qweight_array(weights: list[QuantizedWeight]) -> ctypes.Array:
+    """The weights' atomd_qweight structs (csrc/quant.h) as one C array, pointing at their own integers
+    and scales, without scratch: the int8 MoE experts (layer_ops.moe_q8, which quantises x into its own).
+    The caller keeps the weights alive as long as the array."""
+    return (_QWeightStruct * len(weights))(*(_QWeightStruct(w.q.data_ptr(), _ptr(w.scales), _ptr(w.offsets),
+                                                            w.group_size, w.bits) for w in weights))
+
+
 def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     """Weights of one input stacked along their outputs (q, k, v; gate, up)."""
     first = weights[0]

@@ -22,6 +22,7 @@
 #include <stdlib.h>
 
 #include "amx.h"
+#include "moe_items.h"
 #define MOE_AMX 1
 #define AMX_CHUNK 128 /* rows an item: an expert's weights are re-read from cache once a chunk */
 
@@ -70,13 +71,9 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
                        void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
                        int num_threads) {
     if (!amx_granted()) return 1;
-    int64_t items = 0;
-    for (int64_t g = 0; g < n_experts; g++) items += (starts[g + 1] - starts[g] + AMX_CHUNK - 1) / AMX_CHUNK;
-    int64_t *item_g = malloc(sizeof(int64_t) * (items + 1));
+    int64_t items, max_rows;
+    int64_t *item_g = moe_items(starts, n_experts, AMX_CHUNK, &items, &max_rows);
     if (item_g == NULL) return -1;
-    items = 0;
-    for (int64_t g = 0; g < n_experts; g++)
-        for (int64_t r = starts[g]; r < starts[g + 1]; r += AMX_CHUNK) item_g[items++] = g;
     const int64_t n_gu = 2 * inter, kc_gu = hidden / 32, kc_down = inter / 32;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
@@ -90,10 +87,8 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
         for (int64_t it = 0; it < items; it++) {
             if (!ready) continue;
             const int64_t g = item_g[it];
-            int64_t first = it;  /* this item's chunk of its expert's pairs */
-            while (first > 0 && item_g[first - 1] == g) first--;
-            const int64_t p0 = starts[g] + (it - first) * AMX_CHUNK;
-            const int64_t m = starts[g + 1] - p0 < AMX_CHUNK ? starts[g + 1] - p0 : AMX_CHUNK;
+            int64_t p0;
+            const int64_t m = moe_item_rows(item_g, starts, it, AMX_CHUNK, &p0);
             const int64_t m16 = (m + 15) / 16 * 16;
             const bf16_t *wg = gate_up + experts[g] * n_gu * hidden, *wd = down + experts[g] * hidden * inter;
             for (int64_t r = 0; r < m16; r++)  /* rows past m: zeros (their outputs are dropped) */

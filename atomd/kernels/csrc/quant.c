@@ -115,26 +115,10 @@ void atomd_qdequant_i4(const uint8_t *q, const float *scales, const float *offse
 
 /* int8 activations (quant.h): x [M, ldx] quantised row by row into the caller's scratch (xq
  * [M, K], xd [M, Q8_XD(K)], xsg [M, Q8_XSG(K)]), then y [M, ldy] = x @ w^T, each weight row
- * read once for up to Q8_ROWS rows of x */
-#define Q8_DISPATCH_BITS(BITS, ...)                         \
-    switch (mb) {                                           \
-        case 1: rows_q8(qn, BITS, __VA_ARGS__, 1); break;   \
-        case 2: rows_q8(qn, BITS, __VA_ARGS__, 2); break;   \
-        case 3: rows_q8(qn, BITS, __VA_ARGS__, 3); break;   \
-        default: rows_q8(qn, BITS, __VA_ARGS__, 4); break;  \
-    }
-/* mb and bits as compile-time constants */
-#define Q8_DISPATCH(...)                                    \
-    if (bits == 8) {                                        \
-        Q8_DISPATCH_BITS(8, __VA_ARGS__)                    \
-    } else {                                                \
-        Q8_DISPATCH_BITS(4, __VA_ARGS__)                    \
-    }
-
+ * read once for up to Q8_ROWS rows of x (q8_weight_row) */
 void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
                     const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy, int8_t *xq,
                     float *xd, float *xsg, int num_threads) {
-    const int64_t groups = K / G, row_bytes = bits == 8 ? K : K / 2;
     for (int64_t m = 0; m < M; m++)
         quantize_row_q8(x + m * ldx, K, G, (int)bits, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
 #if Q8_PATH == 3
@@ -145,15 +129,7 @@ void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64
     }
 #endif
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
-    for (int64_t n = 0; n < N; n++) {
-        const uint8_t *qn = (const uint8_t *)q + n * row_bytes;
-        const float *sn = scales + n * groups, *on = offsets ? offsets + n * groups : NULL;
-        for (int64_t m0 = 0; m0 < M; m0 += Q8_ROWS) {
-            const int mb = M - m0 < Q8_ROWS ? (int)(M - m0) : Q8_ROWS;
-            Q8_DISPATCH(sn, on, K, G, xq + m0 * K, xd + m0 * Q8_XD(K), xsg + m0 * Q8_XSG(K),
-                        y + m0 * ldy + n, ldy)
-        }
-    }
+    for (int64_t n = 0; n < N; n++) q8_weight_row(q, (int)bits, scales, offsets, K, G, n, M, xq, xd, xsg, y, ldy);
 }
 
 /* The same product on AMX-INT8 tiles (quant_amx.h), M >= 2 rows of x: scratch xt [QAMX_XT bytes],

@@ -523,6 +523,34 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
 }
 #endif
 
+/* mb and bits as compile-time constants in rows_q8 */
+#define Q8_DISPATCH_BITS(BITS, ...)                         \
+    switch (mb) {                                           \
+        case 1: rows_q8(qn, BITS, __VA_ARGS__, 1); break;   \
+        case 2: rows_q8(qn, BITS, __VA_ARGS__, 2); break;   \
+        case 3: rows_q8(qn, BITS, __VA_ARGS__, 3); break;   \
+        default: rows_q8(qn, BITS, __VA_ARGS__, 4); break;  \
+    }
+
+/* weight row n (of int8 / int4 q with scales / offsets [N, K / G]) against M rows of x quantised
+ * by quantize_row_q8 (xq [M, K], xd [M, Q8_XD(K)], xsg [M, Q8_XSG(K)]), Q8_ROWS at a time, into
+ * y[m * ldy + n]: atomd_qgemm_q8's rows and the int8 MoE experts' (layer_ops.c, moe_q8.h) */
+static inline void q8_weight_row(const void *q, int bits, const float *scales, const float *offsets, int64_t K,
+                                 int64_t G, int64_t n, int64_t M, const int8_t *xq, const float *xd,
+                                 const float *xsg, float *y, int64_t ldy) {
+    const int64_t groups = K / G;
+    const uint8_t *qn = (const uint8_t *)q + n * (bits == 8 ? K : K / 2);
+    const float *sn = scales + n * groups, *on = offsets ? offsets + n * groups : NULL;
+    for (int64_t m0 = 0; m0 < M; m0 += Q8_ROWS) {
+        const int mb = M - m0 < Q8_ROWS ? (int)(M - m0) : Q8_ROWS;
+        if (bits == 8) {
+            Q8_DISPATCH_BITS(8, sn, on, K, G, xq + m0 * K, xd + m0 * Q8_XD(K), xsg + m0 * Q8_XSG(K), y + m0 * ldy + n, ldy)
+        } else {
+            Q8_DISPATCH_BITS(4, sn, on, K, G, xq + m0 * K, xd + m0 * Q8_XD(K), xsg + m0 * Q8_XSG(K), y + m0 * ldy + n, ldy)
+        }
+    }
+}
+
 /* One packed weight as the fused decode layer takes it (atomd/model/quant.py's QuantizedWeight);
  * xq non-NULL: int8 activations (above), xq / xd / xsg its scratch for one quantised row */
 typedef struct {

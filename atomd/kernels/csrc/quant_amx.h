@@ -1,5 +1,6 @@
-/* Part of quant.c: int8 / int4 weights times int8 activations as AMX-INT8 tile matmuls
- * (Sapphire Rapids and later), for M >= 2 rows of x: batch decode and prefill alike.
+/* Part of quant.c (and of layer_ops.c, whose int8 MoE experts, moe_q8.h, run its n-tiles): int8 /
+ * int4 weights times int8 activations as AMX-INT8 tile matmuls (Sapphire Rapids and later), for
+ * M >= 2 rows of x: batch decode and prefill alike.
  *
  * The same numbers as quant.h's int8-activation rows: x quantised per block of Q8_BLOCK
  * exactly as quantize_row_q8 does (the same int8 values, d and xsg), each block's integer dot
@@ -161,6 +162,37 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
     for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
 }
 
+/* n-tile nt (weight rows 16 nt ..) times every m-tile of M rows of x quantised by qamx_quantize (xt,
+ * dt, xsgt) into y [M, ldy]; a: the caller's [K / 32][16][32] int8 scratch (int4 unpacked, a short
+ * last n-tile). Tiles configured by qamx_configure. qgemm_amx's n-tiles and the int8 MoE experts'
+ * (layer_ops.c, moe_q8.h). */
+static inline void qamx_ntile(const void *q, int bits, const float *scales, const float *offsets, int64_t N,
+                              int64_t K, int64_t G, int64_t M, int64_t nt, const int8_t *xt, const float *dt,
+                              const float *xsgt, int8_t *a, float *y, int64_t ldy) {
+    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G, mtiles = (M + 15) / 16;
+    const int64_t n0 = nt * 16, rows = N - n0 < 16 ? N - n0 : 16;
+    float out[16][16] __attribute__((aligned(64)));
+    const int8_t *ab = a;
+    int64_t astride = 32, bstride = 512;
+    if (bits == 8 && rows == 16) {  /* in place: 16 rows of the row-major weight */
+        ab = (const int8_t *)q + n0 * K, astride = K, bstride = 32;
+    } else {
+        qamx_prepare(q, bits, n0, rows, K, a);
+    }
+    const float *s = scales + n0 * groups, *o = offsets ? offsets + n0 * groups : NULL;
+    for (int64_t mt = 0; mt < mtiles; mt++) {
+        const int8_t *xb = xt + mt * nb * 512;
+        const float *db = dt + mt * nb * 16, *sg = xsgt + mt * groups * 16;
+        if (bits == 8)
+            qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, out);
+        else
+            qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, out);
+        const int64_t ms = M - mt * 16 < 16 ? M - mt * 16 : 16;
+        for (int64_t m = 0; m < ms; m++)
+            for (int64_t r = 0; r < rows; r++) y[(mt * 16 + m) * ldy + n0 + r] = out[r][m];
+    }
+}
+
 /* y [M, ldy] = x [M, ldx] @ w^T on tiles; scratch as QAMX_XT / QAMX_DT / QAMX_XSG. Returns 0,
  * 1 where Linux refuses this process the tiles (the caller runs the VNNI rows), -1 out of memory. */
 static int qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
@@ -168,7 +200,7 @@ static int qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int 
                      float *dt, float *xsgt, int num_threads) {
     if (!amx_granted()) return 1;
     qamx_quantize(x, ldx, M, K, G, xt, dt, xsgt, num_threads);
-    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G, mtiles = (M + 15) / 16, ntiles = (N + 15) / 16;
+    const int64_t nb = K / Q8_BLOCK, ntiles = (N + 15) / 16;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
@@ -179,30 +211,10 @@ static int qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int 
         } else {
             qamx_configure();
         }
-        float out[16][16] __attribute__((aligned(64)));
         _Pragma("omp for schedule(static)")
         for (int64_t nt = 0; nt < ntiles; nt++) {
             if (a == NULL) continue;
-            const int64_t n0 = nt * 16, rows = N - n0 < 16 ? N - n0 : 16;
-            const int8_t *ab = a;
-            int64_t astride = 32, bstride = 512;
-            if (bits == 8 && rows == 16) {  /* in place: 16 rows of the row-major weight */
-                ab = (const int8_t *)q + n0 * K, astride = K, bstride = 32;
-            } else {
-                qamx_prepare(q, bits, n0, rows, K, a);
-            }
-            const float *s = scales + n0 * groups, *o = offsets ? offsets + n0 * groups : NULL;
-            for (int64_t mt = 0; mt < mtiles; mt++) {
-                const int8_t *xb = xt + mt * nb * 512;
-                const float *db = dt + mt * nb * 16, *sg = xsgt + mt * groups * 16;
-                if (bits == 8)
-                    qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, out);
-                else
-                    qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, out);
-                const int64_t ms = M - mt * 16 < 16 ? M - mt * 16 : 16;
-                for (int64_t m = 0; m < ms; m++)
-                    for (int64_t r = 0; r < rows; r++) y[(mt * 16 + m) * ldy + n0 + r] = out[r][m];
-            }
+            qamx_ntile(q, bits, scales, offsets, N, K, G, M, nt, xt, dt, xsgt, a, y, ldy);
         }
         if (a != NULL) _tile_release();
         free(a);

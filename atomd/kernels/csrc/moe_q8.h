@@ -1,0 +1,254 @@
+/* Part of layer_ops.c's translation unit, included by it only (after quant.h and the SiLU rows:
+ * silu_mul_row, silu_mul_row_bf16, float_to_bf16).
+ *
+ * atomd_moe_q8: an MoE block's int8 / int4 experts (atomd/model/quant.py's QuantizedWeights,
+ * `--quantization int8|int4 --quantized-activations int8`) over one or several tokens in one call
+ * (atomd/model/moe.py: moe(), its batch-1 form and grouped_experts), where each expert's two
+ * linears otherwise run as two qlinear calls and a SiLU call from Python. moe_grouped's arguments
+ * (experts, starts, tokens, dest, scales, pairs) and results, the weights as two arrays of
+ * atomd_qweight (one per expert slot, pointing at the experts' own packed integers and scales:
+ * no copy of the experts is made, and a token reads only its experts' bytes).
+ *
+ * Work items are (expert, up to Q8_CHUNK of its rows), shared dynamically by the threads; per item
+ * its token rows are gathered (bf16 widened), gate_up runs, SiLU-and-mul (layer_ops' own rows),
+ * down runs, and each pair's row is written (rounded and scaled where the per-expert torch ops
+ * round: bf16 models round gate_up's output, silu's, the down output and the scaled pair). Each
+ * linear runs as qlinear would run it on the item's rows: on AMX-INT8 tiles (quant_amx.h:
+ * qamx_quantize and qamx_ntile, x quantised per block of 32 as quantize_row_q8 does) from
+ * `amx_min` rows (quant.py's QGEMM_AMX_MIN_M) where the build and the process have them, else the
+ * int8-activation rows of quant.h (gemv4_q8 for one row on VNNI builds, q8_weight_row: VNNI,
+ * AVX-512 BW or AVX2 by the build). Every row's products and sums are those of a qlinear call over
+ * the expert's rows alone, so the pairs equal the per-expert path's to the bit.
+ * Returns 0, -1 (no scratch memory) or 1 (not built, atomd_moe_q8_kind 0: the caller runs the experts
+ * one by one). */
+#include <stdlib.h>
+#include <string.h>
+
+#include "moe_items.h"
+#define Q8_CHUNK 128 /* rows an item */
+
+#if defined(__AVX512F__)
+#if QAMX_PATH
+#define MOE_Q8_TILES 1
+#else
+#define MOE_Q8_TILES 0
+#endif
+
+typedef struct {  /* one thread's scratch (sizes for the largest item's rows and K up to kmax) */
+    float *x, *gu, *act, *y;
+    bf16_t *gu16, *act16;
+    int8_t *xq, *xt, *a;
+    float *xd, *xsg, *dt, *xsgt;
+} moe_q8_scratch;
+
+/* y [m, N] = x [m, K] @ w^T as qlinear runs it on m rows: tiles from amx_min rows (x already quantised
+ * into s's tiles where `quantised`), else the rows */
+static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
+                          const moe_q8_scratch *s, int tiles, int quantised) {
+    const int bits = (int)w->bits;
+#if MOE_Q8_TILES
+    if (tiles) {
+        if (!quantised) qamx_quantize(x, K, m, K, w->group, s->xt, s->dt, s->xsgt, 1);
+        for (int64_t nt = 0; nt < (N + 15) / 16; nt++)
+            qamx_ntile(w->q, bits, w->scales, w->offsets, N, K, w->group, m, nt, s->xt, s->dt, s->xsgt, s->a, y, N);
+        return;
+    }
+#else
+    (void)tiles, (void)quantised;
+#endif
+    for (int64_t r = 0; r < m; r++)
+        quantize_row_q8(x + r * K, K, w->group, bits, s->xq + r * K, s->xd + r * Q8_XD(K), s->xsg + r * Q8_XSG(K));
+#if Q8_PATH == 3
+    if (m == 1 && Q8_GEMV4(N)) {
+        for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++)
+            gemv4_q8(w->q, bits, w->scales, w->offsets, N, K, w->group, s->xq, s->xd, s->xsg, i, y);
+        return;
+    }
+#endif
+    for (int64_t n = 0; n < N; n++)
+        q8_weight_row(w->q, bits, w->scales, w->offsets, K, w->group, n, m, s->xq, s->xd, s->xsg, y, N);
+}
+
+#if MOE_Q8_TILES
+/* An item's m token rows (tok) in qamx_quantize's tile layout (xt, dt, xsgt; rows past m zero, d and
+ * xsg 0, as qamx_quantize leaves them), copied from every token's tiles (all_*: qamx_quantize's over
+ * all the block's tokens): the same bytes and floats as quantising the rows here */
+static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *all_xsg, const int64_t *tok,
+                        int64_t m, int64_t K, int64_t G, int8_t *xt, float *dt, float *xsgt) {
+    const int64_t nb = K / Q8_BLOCK, groups = K / G;
+    for (int64_t r = 0; r < (m + 15) / 16 * 16; r++) {
+        int8_t *xb = xt + (r / 16) * nb * 512 + (r % 16) * 4;
+        float *db = dt + (r / 16) * nb * 16 + r % 16, *sg = xsgt + (r / 16) * groups * 16 + r % 16;
+        const int64_t t = r < m ? tok[r] : 0;
+        const int8_t *sb = all_xt + (t / 16) * nb * 512 + (t % 16) * 4;
+        const float *sd = all_dt + (t / 16) * nb * 16 + t % 16, *ss = all_xsg + (t / 16) * groups * 16 + t % 16;
+        for (int64_t b = 0; b < nb; b++) {
+            for (int k4 = 0; k4 < 8; k4++) {
+                if (r < m) memcpy(xb + b * 512 + k4 * 64, sb + b * 512 + k4 * 64, 4);
+                else memset(xb + b * 512 + k4 * 64, 0, 4);
+            }
+            db[b * 16] = r < m ? sd[b * 16] : 0.0f;
+        }
+        for (int64_t g = 0; g < groups; g++) sg[g * 16] = r < m ? ss[g * 16] : 0.0f;
+    }
+}
+#endif
+
+int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const atomd_qweight *down,
+                 const int64_t *experts, const int64_t *starts, const int64_t *tokens, const int64_t *dest,
+                 const void *scales, void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
+                 int64_t amx_min, int num_threads) {
+    int64_t items, ch;  /* ch: the largest item's rows, the scratch's */
+    int64_t *item_g = moe_items(starts, n_experts, Q8_CHUNK, &items, &ch);
+    if (item_g == NULL) return -1;
+    const int64_t n_gu = 2 * inter, kmax = hidden > inter ? hidden : inter;
+#if MOE_Q8_TILES
+    const int granted = amx_granted();
+#else
+    const int granted = 0;
+#endif
+    /* more tile rows than tokens (a prefill's k pairs a token): every token quantised once, in the tile
+     * layout, and each item's rows gathered from it, where each item would quantise its own rows (the
+     * same values: quantisation is per row); where every expert's gate_up has one group size */
+    int8_t *all_xt = NULL;
+    float *all_dt = NULL, *all_xf = NULL;
+    int64_t n_tok = 0, tile_rows = 0;
+#if MOE_Q8_TILES
+    const int64_t G = n_experts ? gate_up[experts[0]].group : Q8_BLOCK;
+    int one_group = 1;
+    for (int64_t g = 0; g < n_experts; g++) {
+        one_group &= gate_up[experts[g]].group == G;
+        for (int64_t r = starts[g]; r < starts[g + 1]; r += Q8_CHUNK)
+            tile_rows += starts[g + 1] - r >= amx_min ? (starts[g + 1] - r < Q8_CHUNK ? starts[g + 1] - r : Q8_CHUNK) : 0;
+    }
+    for (int64_t p = 0; p < starts[n_experts]; p++) n_tok = tokens[p] >= n_tok ? tokens[p] + 1 : n_tok;
+    if (granted && one_group && tile_rows > n_tok) {
+        all_xt = malloc(QAMX_XT(n_tok, hidden));
+        all_dt = malloc(sizeof(float) * 2 * QAMX_DT(n_tok, hidden));  /* d per block, then xsg per group */
+        all_xf = is_bf16 ? malloc(sizeof(float) * n_tok * hidden) : NULL;
+        if (all_xt == NULL || all_dt == NULL || (is_bf16 && all_xf == NULL)) {
+            free(all_xt), free(all_dt), free(all_xf), free(item_g);
+            return -1;
+        }
+        if (is_bf16)
+            for (int64_t i = 0; i < n_tok * hidden; i++) all_xf[i] = bf16_to_float(((const bf16_t *)x)[i]);
+        qamx_quantize(is_bf16 ? all_xf : (const float *)x, hidden, n_tok, hidden, G, all_xt, all_dt,
+                      all_dt + QAMX_DT(n_tok, hidden), num_threads);
+    }
+#endif
+    int failed = 0;
+#pragma omp parallel num_threads(items < num_threads ? (int)(items > 0 ? items : 1) : num_threads)
+    {
+        moe_q8_scratch s = {0};
+        const size_t floats = (size_t)ch * (hidden + n_gu + inter + hidden + Q8_XD(kmax) + Q8_XSG(kmax));
+        s.x = malloc(sizeof(float) * floats);
+        s.xq = malloc((size_t)ch * kmax);
+        s.gu16 = is_bf16 ? malloc(sizeof(bf16_t) * ch * (n_gu + inter)) : NULL;
+        int ready = s.x != NULL && s.xq != NULL && (!is_bf16 || s.gu16 != NULL);
+#if MOE_Q8_TILES
+        if (granted) {
+            s.xt = malloc(QAMX_XT(ch, kmax));
+            s.a = aligned_alloc(64, (size_t)(kmax / Q8_BLOCK) * 512);
+            s.dt = malloc(sizeof(float) * 2 * QAMX_DT(ch, kmax));  /* d per block; xsg per group (>= 32) */
+            s.xsgt = s.dt ? s.dt + QAMX_DT(ch, kmax) : NULL;
+            ready = ready && s.xt != NULL && s.a != NULL && s.dt != NULL;
+            if (ready) qamx_configure();
+        }
+#endif
+        if (!ready) {
+#pragma omp atomic write
+            failed = 1;
+        } else {
+            s.gu = s.x + ch * hidden, s.act = s.gu + ch * n_gu, s.y = s.act + ch * inter;
+            s.xd = s.y + ch * hidden, s.xsg = s.xd + ch * Q8_XD(kmax);
+            s.act16 = s.gu16 ? s.gu16 + ch * n_gu : NULL;
+        }
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!ready) continue;
+            const int64_t g = item_g[it];
+            int64_t p0;
+            const int64_t m = moe_item_rows(item_g, starts, it, Q8_CHUNK, &p0);
+            const int tiles = granted && m >= amx_min;
+            const atomd_qweight *wg = gate_up + experts[g], *wd = down + experts[g];
+            const int quantised = tiles && all_xt != NULL;
+#if MOE_Q8_TILES
+            if (quantised)
+                qamx_gather(all_xt, all_dt, all_dt + QAMX_DT(n_tok, hidden), tokens + p0, m, hidden, G, s.xt, s.dt,
+                            s.xsgt);
+#endif
+            for (int64_t r = 0; r < m && !quantised; r++) {  /* the item's token rows, as float32 */
+                const int64_t t = tokens[p0 + r];
+                if (is_bf16)
+                    for (int64_t i = 0; i < hidden; i++) s.x[r * hidden + i] = bf16_to_float(((const bf16_t *)x)[t * hidden + i]);
+                else
+                    memcpy(s.x + r * hidden, (const float *)x + t * hidden, sizeof(float) * hidden);
+            }
+            moe_q8_linear(wg, s.x, m, n_gu, hidden, s.gu, &s, tiles, quantised);
+            if (is_bf16) {  /* gate_up's output rounded (qlinear's .to(bf16)), silu's and the product too */
+                for (int64_t i = 0; i < m * n_gu; i++) s.gu16[i] = float_to_bf16(s.gu[i]);
+                for (int64_t r = 0; r < m; r++) {
+#if BF16_CVT
+                    silu_mul_row_bf16(s.gu16 + r * n_gu, s.act16 + r * inter, inter);
+#else
+                    silu_mul_row((const char *)(s.gu16 + r * n_gu), (char *)(s.act16 + r * inter), inter, 1);
+#endif
+                }
+                for (int64_t i = 0; i < m * inter; i++) s.act[i] = bf16_to_float(s.act16[i]);
+            } else {
+                for (int64_t r = 0; r < m; r++)
+                    silu_mul_row((const char *)(s.gu + r * n_gu), (char *)(s.act + r * inter), inter, 0);
+            }
+            moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0);
+            for (int64_t r = 0; r < m; r++) {  /* each pair's row: (rounded,) scaled (, rounded) */
+                const int64_t p = p0 + r;
+                const float *y = s.y + r * hidden;
+                if (f32_pairs == 2) {
+                    memcpy((float *)pairs + dest[p] * hidden, y, sizeof(float) * hidden);
+                } else if (f32_pairs) {
+                    const float sc = ((const float *)scales)[p];
+                    float *o = (float *)pairs + dest[p] * hidden;
+                    for (int64_t i = 0; i < hidden; i++) o[i] = round_to(y[i], is_bf16) * sc;
+                } else {  /* bf16 pairs: bf16 scales, the product rounded */
+                    const float sc = bf16_to_float(((const bf16_t *)scales)[p]);
+                    bf16_t *o = (bf16_t *)pairs + dest[p] * hidden;
+                    for (int64_t i = 0; i < hidden; i++) o[i] = float_to_bf16(round_to(y[i], 1) * sc);
+                }
+            }
+        }
+#if MOE_Q8_TILES
+        if (granted && ready) _tile_release();
+        free(s.xt);
+        free(s.a);
+        free(s.dt);
+#endif
+        free(s.x);
+        free(s.xq);
+        free(s.gu16);
+    }
+    free(all_xt), free(all_dt), free(all_xf);
+    free(item_g);
+    return failed ? -1 : 0;
+}
+
+/* how atomd_moe_q8 runs here: 1 the int8-activation rows, 2 also AMX-INT8 tiles from amx_min rows
+ * (built with them and granted by Linux) */
+int atomd_moe_q8_kind(void) {
+#if MOE_Q8_TILES
+    return 1 + amx_granted();
+#else
+    return 1;
+#endif
+}
+#else
+int atomd_moe_q8(const void *x, int is_bf16, const void *gate_up, const void *down, const int64_t *experts,
+                 const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales, void *pairs,
+                 int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, int64_t amx_min, int num_threads) {
+    (void)x, (void)is_bf16, (void)gate_up, (void)down, (void)experts, (void)starts, (void)tokens, (void)dest;
+    (void)scales, (void)pairs, (void)f32_pairs, (void)hidden, (void)inter, (void)n_experts, (void)amx_min;
+    (void)num_threads;
+    return 1;
+}
+
+int atomd_moe_q8_kind(void) { return 0; }  /* not built: no AVX-512 */
+#endif
