@@ -211,6 +211,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                      "data_parallel_rank", "prefill_delayer_aligned_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefill_delayer_aligned_tokens and self.prefill_delayer == "off":
+            raise ValueError("prefill_delayer_aligned_tokens splits the ticks the delayer aligns: it needs "
+                             "prefill_delayer align or coalesce")
         if self.prefill_delayer_aligned_tokens and not self.enable_chunked_prefill:
             raise ValueError("prefill_delayer_aligned_tokens needs enable_chunked_prefill (a prompt longer than "
                              "its rank's share of an aligned tick goes in chunks)")
@@ -591,7 +594,7 @@ HELP = {
     "prefill_delayer_aligned_tokens": "a tick in which k >= 2 DP ranks prefill together carries at most this "
                                       "many prompt tokens, N / k a rank (what a rank cannot fit goes on at that "
                                       "share in its next ticks), so an aligned tick costs about one budget's "
-                                      "prefill, not every rank's held queue (0: off; chunked prefill only)",
+                                      "prefill, not every rank's held queue (0: off; needs --prefill-delayer and chunked prefill)",
     "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
     "enable_expert_parallel": "MoE models: each DP rank holds 1/N of every sparse layer's experts and the "
                               "ranks exchange tokens per layer (all-to-all), stepping in lockstep",

@@ -35,9 +35,11 @@ def test_bad_delayer_settings_are_a_value_error_naming_the_field(field, value):
 
 
 @pytest.mark.unit
-def test_an_aligned_budget_without_chunked_prefill_is_refused():
+def test_an_aligned_budget_without_a_delayer_or_chunked_prefill_is_refused():
+    with pytest.raises(ValueError, match="prefill_delayer_aligned_tokens .* needs prefill_delayer align or coalesce"):
+        EngineConfig(prefill_delayer_aligned_tokens=512)
     with pytest.raises(ValueError, match="prefill_delayer_aligned_tokens needs enable_chunked_prefill"):
-        EngineConfig(prefill_delayer_aligned_tokens=512, enable_chunked_prefill=False)
+        EngineConfig(prefill_delayer="align", prefill_delayer_aligned_tokens=512, enable_chunked_prefill=False)
 
 
 @pytest.mark.unit
