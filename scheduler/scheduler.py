@@ -314,7 +314,7 @@ class Scheduler:
         if self.config.enable_mixed_chunk:  # decodes ride in every step: none has to follow a capped prefill
             rows = self._decode_rows()
             batch = self._schedule_prefill(cap, rows, resume_only) if allow_prefill or resume_only else None
-            self._note_leftover(share)
+            self._note_leftover(share, resume_only)
             return self._finish_batch(batch or self._decode_batch(rows))
         batch = self._schedule_decode() if protect and self._capped_prefill_last else None
         if batch is None and (allow_prefill or resume_only):
@@ -322,7 +322,7 @@ class Scheduler:
         if batch is None:
             batch = self._schedule_decode()
         self._capped_prefill_last = protect and batch is not None and batch.is_prefill
-        self._note_leftover(share)
+        self._note_leftover(share, resume_only)
         return self._finish_batch(batch)
 
     def _aligned_share(self) -> int:
@@ -344,9 +344,10 @@ class Scheduler:
         self._leftover &= self._prefilling.keys()
         return self._leftover
 
-    def _note_leftover(self, share: int) -> None:
-        """After a step under an aligned share: every prompt in flight here continues at it."""
-        if share > 0:
+    def _note_leftover(self, share: int, resume_only: bool) -> None:
+        """After a step under an aligned share: every prompt in flight here continues at it
+        (a held step resumed the leftover alone: the others stay held)."""
+        if share > 0 and not resume_only:
             self._leftover = set(self._prefilling)
 
     def _finish_batch(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
