@@ -227,9 +227,8 @@ class Scheduler:
         self._prev_prompt = False
         self._last_prompt_latency = 0.0
         self._capped_prefill_last = False  # the last step was a capped prefill: decodes go next
-        # the prompts in flight when an aligned tick split its budget (the delayer's aligned_share):
-        # they go on at that share in the next ticks, held or not, until their prompts are done
-        self._leftover: set[int] = set()
+        # an aligned tick's leftover: the prompts in flight after a step under the delayer's
+        # aligned_share go on at that share in the next steps, held or not, until none is left
         self._leftover_share = 0
         self.prefill_s_per_token: float | None = None  # moving average over prefill steps (observe_prefill_step)
 
@@ -303,6 +302,8 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> ScheduledBatch | None:
+        if not self._prefilling:
+            self._leftover_share = 0  # the aligned tick's prompts are done (or preempted)
         allow_prefill = self._ask_prefill_delayer()  # every tick, before any early return
         # running streams under a local prefill: capped prefill steps alternate with decode steps
         cap = self.local_prefill_cap()
@@ -314,7 +315,6 @@ class Scheduler:
         if self.config.enable_mixed_chunk:  # decodes ride in every step: none has to follow a capped prefill
             rows = self._decode_rows()
             batch = self._schedule_prefill(cap, rows, resume_only) if allow_prefill or resume_only else None
-            self._note_leftover(share, resume_only)
             return self._finish_batch(batch or self._decode_batch(rows))
         batch = self._schedule_decode() if protect and self._capped_prefill_last else None
         if batch is None and (allow_prefill or resume_only):
@@ -322,33 +322,18 @@ class Scheduler:
         if batch is None:
             batch = self._schedule_decode()
         self._capped_prefill_last = protect and batch is not None and batch.is_prefill
-        self._note_leftover(share, resume_only)
         return self._finish_batch(batch)
 
     def _aligned_share(self) -> int:
         """Prompt tokens this step may carry under the delayer's aligned budget (0: no such
         limit): a new aligned tick's share, else the share of the aligned tick whose prompts
-        are still in flight here."""
+        are still in flight here (every prompt in flight then is its leftover: a held step
+        admits none, an allowed one admits under the share)."""
         share = self.prefill_delayer.aligned_share() if self.prefill_delayer is not None else 0
         if share > 0:
-            self._leftover_share = self._round_share(share)
-            return self._leftover_share
-        return self._leftover_share if self._live_leftover() else 0
-
-    def _round_share(self, share: int) -> int:
-        """A share on the block grid (chunks end on it), at least one block."""
-        bs = self.config.block_size
-        return max(bs, share // bs * bs)
-
-    def _live_leftover(self) -> set[int]:
-        self._leftover &= self._prefilling.keys()
-        return self._leftover
-
-    def _note_leftover(self, share: int, resume_only: bool) -> None:
-        """After a step under an aligned share: every prompt in flight here continues at it
-        (a held step resumed the leftover alone: the others stay held)."""
-        if share > 0 and not resume_only:
-            self._leftover = set(self._prefilling)
+            bs = self.config.block_size
+            self._leftover_share = max(bs, share // bs * bs)  # on the block grid chunks end on
+        return self._leftover_share
 
     def _finish_batch(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
         if batch is None and self.kv_connector is not None:
@@ -391,7 +376,8 @@ class Scheduler:
                           resume_only: bool = False) -> ScheduledBatch | None:
         """`cap` > 0: at most that many prompt tokens this step (running streams wait on it).
         `decode` (mixed steps): decode rows scheduled first, one token each, in the same batch.
-        `resume_only`: the delayer held this tick; only an aligned tick's leftover goes on."""
+        `resume_only`: the delayer held this tick; only an aligned tick's leftover (the chunked
+        prefills) goes on."""
         seqs: list[Sequence] = list(decode)
         chunks: list[int] = [1] * len(seqs)
         budget = self.config.max_num_batched_tokens - len(seqs)
@@ -400,8 +386,6 @@ class Scheduler:
         for seq in self._prefilling.values():  # Phase 1: resume chunked prefills
             if len(seqs) >= self.config.max_num_seqs or budget <= 0:
                 break
-            if resume_only and seq.id not in self._leftover:
-                continue
             chunk = self._chunk_size(seq.num_tokens - seq.num_computed_tokens, seq.num_computed_tokens,
                                      budget, len(seqs) == len(decode))
             if chunk == 0:
@@ -898,15 +882,15 @@ class Scheduler:
         num_ready, pending_tokens = self._admittable_head_prefills(limit=4)
         # an aligned tick's leftover goes on whatever the delayer decides: not a prefill to
         # align, but this rank prefills in the tick (alignment-ready), so others may join it
-        leftover = self._live_leftover()
-        partial = [s for s in self._prefilling.values() if s.id not in leftover]
+        leftover = self._leftover_share > 0 and bool(self._prefilling)
+        partial = [] if leftover else list(self._prefilling.values())
         has_partial = bool(partial)
         for seq in partial:
             pending_tokens += seq.num_tokens - seq.num_computed_tokens
         prefillable = num_ready > 0 or has_partial
         return self.prefill_delayer.should_allow_prefill(
             local_prefillable=prefillable, token_usage=self.block_manager.usage,
-            local_alignment_ready=prefillable or bool(leftover),
+            local_alignment_ready=prefillable or leftover,
             pending_tokens=min(pending_tokens, self.config.max_num_batched_tokens),
             num_decodes=len(self.running) - len(self._prefilling), has_partial=has_partial)
 

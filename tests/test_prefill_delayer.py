@@ -295,9 +295,10 @@ def test_single_rank_collective_and_bad_policy():
 
 @pytest.mark.parametrize("mixed", [False, True], ids=["seed_steps", "mixed_steps"])
 def test_an_aligned_tick_splits_its_budget_and_its_leftover_goes_on_while_held(mixed):
-    """Two ranks, align with aligned_tokens 16 (8 a rank in a tick both prefill): rank 0's two held
-    prompts go out with rank 1's in 8-token chunks; rank 0's leftover goes on while the delayer
-    holds its queued prompt (not admitted then); that prompt goes lone at max delay, whole."""
+    """Two ranks, align with aligned_tokens 16 (8 a rank in a tick both prefill): rank 0's held
+    prompt goes out with rank 1's in 8-token chunks; a leftover neither holds nor releases anybody,
+    and a new prompt on the other rank aligns with it; rank 0's leftover goes on while the delayer
+    holds its newly queued prompt (not admitted then); that prompt goes lone at max delay, whole."""
     group = InProcessGroup(2, timeout_s=5.0)
     scheds, models = [], []
     for r in range(2):
@@ -305,10 +306,11 @@ def test_an_aligned_tick_splits_its_budget_and_its_leftover_goes_on_while_held(m
         cfg = scheduler_config(num_kvcache_blocks=64, block_size=4, enable_mixed_chunk=mixed)
         scheds.append(Scheduler(cfg, prefill_delayer=d))
         models.append(FakeModel(FakeKV(64, 4)))
-    seqs = {"a": Sequence(list(range(2, 22)), SamplingParams(max_tokens=6)),
-            "b": Sequence(list(range(30, 42)), SamplingParams(max_tokens=6)),
-            "c": Sequence(list(range(50, 60)), SamplingParams(max_tokens=12))}
-    arrivals = {0: {0: ["a", "b"]}, 1: {2: ["c"]}}  # rank -> tick -> sequences
+    seqs = {"a": Sequence(list(range(2, 54)), SamplingParams(max_tokens=6)),
+            "b": Sequence(list(range(60, 72)), SamplingParams(max_tokens=6)),
+            "c": Sequence(list(range(80, 90)), SamplingParams(max_tokens=12)),
+            "d": Sequence(list(range(90, 100)), SamplingParams(max_tokens=12))}
+    arrivals = {0: {0: ["a"], 7: ["b"]}, 1: {2: ["c"], 4: ["d"]}}  # rank -> tick -> sequences
     chunks = [[], []]  # per rank, per tick: {sequence: prompt tokens} of its forward
     got = {}
 
@@ -329,11 +331,15 @@ def test_an_aligned_tick_splits_its_budget_and_its_leftover_goes_on_while_held(m
     [t.start() for t in threads]
     [t.join(20) for t in threads]
     prefills = [[(t, c) for t, c in enumerate(ticks) if c] for ticks in chunks]
-    # tick 2: aligned (8 each); tick 3: rank 1's leftover and rank 0's queue align again; tick 4:
-    # held (rank 1 decodes), rank 0's leftover goes on alone, b stays queued; tick 7: max delay, b whole
-    assert prefills[0] == [(2, {"a": 8}), (3, {"a": 8}), (4, {"a": 4}), (7, {"b": 12})]
-    assert prefills[1] == [(2, {"c": 8}), (3, {"c": 2})]
+    # tick 2: aligned, 8 each; 3: both leftovers, nothing to align ("none"), 8 each again; 4: d
+    # aligns with a's leftover ("all"); 5: leftovers ("none"); 6: a's leftover alone ("none", not a
+    # hold); 7-9: held (b queued, rank 1 decodes): a goes on, b is not admitted beside it (tick 8
+    # leaves room); 10: max delay, b whole (rank 0's own budget)
+    assert prefills[0] == [(2, {"a": 8}), (3, {"a": 8}), (4, {"a": 8}), (5, {"a": 8}), (6, {"a": 8}), (7, {"a": 8}),
+                           (8, {"a": 4}), (10, {"b": 12})]
+    assert prefills[1] == [(2, {"c": 8}), (3, {"c": 2}), (4, {"d": 8}), (5, {"d": 2})]
     d0 = scheds[0].prefill_delayer
-    assert d0.outcomes[("align", "allow", "max_delay")] == 1 and d0.outcomes[("align", "allow", "all")] == 2
+    assert d0.outcomes[("align", "allow", "all")] == 2 and d0.outcomes[("align", "allow", "max_delay")] == 1
+    assert d0.outcomes[("align", "delay", "mixed")] == 2 + 3  # ticks 0-1 (a alone), 7-9 (b alone)
     for s in seqs.values():
         assert got[s.id] == reference_completion(s.token_ids[:s.num_prompt_tokens], s.sampling_params.max_tokens)
