@@ -20,8 +20,8 @@ arrival pattern runs every mode in turn (the order rotating by round); one engin
 serves all runs (its prefix cache reset between them), so no run pays a fresh process's warm-up.
 
 --modes: a delayer policy (off, align, coalesce; `align:N` / `coalesce:N`: with an aligned tick's
-budget of N prompt tokens split between the ranks prefilling in it, --prefill-delayer-aligned-tokens N),
-with `+mixed` for mixed steps
+budget of N prompt tokens split between the ranks prefilling in it, --prefill-delayer-aligned-tokens N;
+any of them `/C`: --max-local-prefill-tokens-per-step C for that mode, e.g. `off/384`), with `+mixed` for mixed steps
 (--enable-mixed-chunk: decode rows ride in every prefill step) or `+mixed-gather` for mixed steps
 whose decode rows take the prefill path (a gather + SDPA each, atomd/engine/runner.py's
 DECODE_ROWS_KERNEL off: what mixed steps were before their decode rows went through the decode
@@ -63,15 +63,17 @@ def kind_of(mode: str) -> str:
     return mode.partition("+")[2]
 
 
-def policy_of(mode: str) -> tuple[str, int]:
-    """(delayer policy, aligned tokens: 0 off) of a mode such as `align:768+mixed`."""
-    policy, _, tokens = mode.partition("+")[0].partition(":")
-    return policy, int(tokens) if tokens.isdigit() else (0 if not tokens else -1)
+def policy_of(mode: str) -> tuple[str, int, int]:
+    """(delayer policy, aligned tokens, prompt-token cap; 0: off, -1: not a number) of a mode
+    such as `align:768+mixed` or `off/384+mixed`."""
+    head, _, cap = mode.partition("+")[0].partition("/")
+    policy, _, tokens = head.partition(":")
+    return (policy, *(int(n) if n.isdigit() else (0 if not n else -1) for n in (tokens, cap)))
 
 
 def valid_mode(mode: str) -> bool:
-    (policy, tokens), kind = policy_of(mode), kind_of(mode)
-    return policy in POLICIES and kind in KINDS and tokens >= 0 and not (tokens and policy == "off")
+    (policy, tokens, cap), kind = policy_of(mode), kind_of(mode)
+    return policy in POLICIES and kind in KINDS and tokens >= 0 and cap >= 0 and not (tokens and policy == "off")
 
 
 def baseline(mode: str) -> str:
@@ -185,7 +187,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                                max_local_prefill_tokens_per_step=args["prefill_cap"],
                                prefill_delayer_aligned_tokens=policy_of(p)[1],
                                **({"prefill_delayer_max_delay_passes": args["max_delay"]} if args["max_delay"] else {}))
-               for p in {"off"} | {m.partition("+")[0] for m in args["modes"]}}
+               for p in {"off"} | {m.partition("+")[0].partition("/")[0] for m in args["modes"]}}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
     modes = args["modes"]
@@ -222,6 +224,8 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                     requests = workload(args, rnd * 100 + int(b * 10), rate, b)
                     engine.reset_prefix_cache()
                     set_kind(engine, kind)
+                    engine.scheduler.config.max_local_prefill_tokens_per_step = policy_of(mode)[2] or args["prefill_cap"]
+                    policy = policy.partition("/")[0]
                     engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
                                                         if policy != "off" else None)
                     result = serve(engine, coll, rank, world, requests)
@@ -265,11 +269,12 @@ def main() -> None:
     ap.add_argument("--time-budget-s", type=float, default=0, help="start no round that would end past this many "
                     "seconds of the rounds' wall time (0: every round)")
     ap.add_argument("--modes", default="off,align,coalesce", help=f"comma-separated, of {','.join(MODES)}, and "
-                    "align:N / coalesce:N with any kind (N: --prefill-delayer-aligned-tokens)")
+                    "align:N / coalesce:N with any kind (N: --prefill-delayer-aligned-tokens), any policy with /C "
+                    "(--max-local-prefill-tokens-per-step C for that mode)")
     a = ap.parse_args()
     modes = a.modes.split(",")
     if not all(map(valid_mode, modes)) or not {baseline(m) for m in modes} <= set(modes):
-        ap.error(f"--modes: of {MODES} (align:N, coalesce:N too), each with its baseline (off, off+mixed)")
+        ap.error(f"--modes: of {MODES} (align:N, coalesce:N, /C too), each with its baseline (off, off+mixed)")
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
