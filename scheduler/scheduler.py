@@ -29,6 +29,10 @@ Each `schedule()` returns one kind of batch (the seed's semantics):
   streams no tick: under expert parallelism, where every rank steps with the slowest, a rank
   prefilling no longer stops its own decodes, and an aligned prefill no longer stops them on
   every rank (benchmarks/RESULTS.md, "#36 mixed steps").
+- an aligned tick's share (the PrefillDelayer's `aligned_share()`, `--prefill-delayer-aligned-tokens`):
+  a step in which several DP ranks prefill carries at most that many prompt tokens; the prompts
+  then in flight (the aligned leftover) go on at that share in the next steps, on a held tick
+  alone (nothing admitted), until none is left.
 
 Invariant of a decode-ready sequence: `num_computed_tokens == num_tokens - 1`; the KV of
 every token but the last is computed, and the last is the next one to forward.
