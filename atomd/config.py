@@ -111,6 +111,9 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     prefill_delayer_partial_max_ticks: int = 100
     prefill_delayer_stall_ticks: int = 10
     prefill_delayer_queue_max_ticks: int = 50
+    # an aligned tick's prompt-token budget, split between the ranks that prefill in it (0: off,
+    # each rank its own max_num_batched_tokens); chunked prefill only (scheduler/prefill_delayer.py)
+    prefill_delayer_aligned_tokens: int = 0
     dp_lockstep: bool = False
     # MoE models: the DP ranks share the experts, each holds 1/N (atomd/model/expert_parallel.py)
     enable_expert_parallel: bool = False
@@ -205,9 +208,15 @@ class EngineConfig(msgspec.Struct, kw_only=True):
                 raise ValueError(f"{name} must be >= 1, got {value}")
         for name in ("long_prefill_token_threshold", "max_local_prefill_tokens_per_step",
                      "max_local_prefill_ms_per_step", "scheduler_delay_factor",
-                     "data_parallel_rank"):
+                     "data_parallel_rank", "prefill_delayer_aligned_tokens"):
             if getattr(self, name) < 0:
                 raise ValueError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.prefill_delayer_aligned_tokens and self.prefill_delayer == "off":
+            raise ValueError("prefill_delayer_aligned_tokens splits the ticks the delayer aligns: it needs "
+                             "prefill_delayer align or coalesce")
+        if self.prefill_delayer_aligned_tokens and not self.enable_chunked_prefill:
+            raise ValueError("prefill_delayer_aligned_tokens needs enable_chunked_prefill (a prompt longer than "
+                             "its rank's share of an aligned tick goes in chunks)")
         for name in ("prefill_delayer_target_fill", "prefill_delayer_kv_high_watermark",
                      "prefill_delayer_kv_low_watermark", "prefill_delayer_token_usage_low_watermark"):
             value = getattr(self, name)
@@ -582,6 +591,11 @@ HELP = {
     "kv_events_topic": "topic frame of every KV events message",
     "kv_events_buffer_steps": "KV event batches (engine steps) kept for replay",
     "prefill_delayer": "keep the DP ranks' prefills in step: align (SGLang) or coalesce (ATOM)",
+    "prefill_delayer_aligned_tokens": "a tick in which k >= 2 DP ranks prefill together carries at most this "
+                                      "many prompt tokens, N / k a rank (what a rank cannot fit goes on at that "
+                                      "share in its next ticks), so an aligned tick costs about one budget's "
+                                      "prefill, not every rank's held queue (0: off; needs --prefill-delayer "
+                                      "and chunked prefill)",
     "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
     "enable_expert_parallel": "MoE models: each DP rank holds 1/N of every sparse layer's experts and the "
                               "ranks exchange tokens per layer (all-to-all), stepping in lockstep",

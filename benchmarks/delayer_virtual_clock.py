@@ -19,7 +19,9 @@ requests per virtual second; every run then offers --load x that capacity. Per r
 arrival pattern runs every mode in turn (the order rotating by round); one engine per rank
 serves all runs (its prefix cache reset between them), so no run pays a fresh process's warm-up.
 
---modes: a delayer policy (off, align, coalesce), with `+mixed` for mixed steps
+--modes: a delayer policy (off, align, coalesce; `align:N` / `coalesce:N`: with an aligned tick's
+budget of N prompt tokens split between the ranks prefilling in it, --prefill-delayer-aligned-tokens N;
+any of them `/C`: --max-local-prefill-tokens-per-step C for that mode, e.g. `off/384`), with `+mixed` for mixed steps
 (--enable-mixed-chunk: decode rows ride in every prefill step) or `+mixed-gather` for mixed steps
 whose decode rows take the prefill path (a gather + SDPA each, atomd/engine/runner.py's
 DECODE_ROWS_KERNEL off: what mixed steps were before their decode rows went through the decode
@@ -59,6 +61,19 @@ MODES = tuple(p + (f"+{k}" if k else "") for k in KINDS for p in POLICIES)
 
 def kind_of(mode: str) -> str:
     return mode.partition("+")[2]
+
+
+def policy_of(mode: str) -> tuple[str, int, int]:
+    """(delayer policy, aligned tokens, prompt-token cap; 0: off, -1: not a number) of a mode
+    such as `align:768+mixed` or `off/384+mixed`."""
+    head, _, cap = mode.partition("+")[0].partition("/")
+    policy, _, tokens = head.partition(":")
+    return (policy, *(int(n) if n.isdigit() else (0 if not n else -1) for n in (tokens, cap)))
+
+
+def valid_mode(mode: str) -> bool:
+    (policy, tokens, cap), kind = policy_of(mode), kind_of(mode)
+    return policy in POLICIES and kind in KINDS and tokens >= 0 and cap >= 0 and not (tokens and policy == "off")
 
 
 def baseline(mode: str) -> str:
@@ -165,13 +180,14 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     max_len = int(args["input_len"] * (1 + args["range_ratio"])) + int(args["output_len"] * (1 + args["output_range_ratio"])) + 1
     blocks = args["max_num_seqs"] * -(-max_len // 16) + 16
     configs = {p: EngineConfig(model=args["model"], data_parallel_size=world, data_parallel_rank=rank,
-                               enable_expert_parallel=True, prefill_delayer=p, num_threads=1,
+                               enable_expert_parallel=True, prefill_delayer=policy_of(p)[0], num_threads=1,
                                max_model_len=max(1024, max_len), max_num_seqs=args["max_num_seqs"],
                                num_kvcache_blocks=max(512, blocks),
                                prefill_delayer_token_usage_low_watermark=args["low_watermark"],
                                max_local_prefill_tokens_per_step=args["prefill_cap"],
+                               prefill_delayer_aligned_tokens=policy_of(p)[1],
                                **({"prefill_delayer_max_delay_passes": args["max_delay"]} if args["max_delay"] else {}))
-               for p in POLICIES}
+               for p in {"off"} | {m.partition("+")[0].partition("/")[0] for m in args["modes"]}}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
     modes = args["modes"]
@@ -196,7 +212,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
         for b in args["burstiness"]:
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             for mode in order:
-                policy, kind = mode.partition("+")[0], kind_of(mode)
+                policy, kind = mode.partition("+")[0], kind_of(mode)  # policy: e.g. align:768
                 # off+mixed on the seed's rate too: what mixed steps buy on the same arrivals
                 # (--same-arrivals: every mode on the seed's rate, so all of them see the same requests)
                 if args["same_arrivals"] and "" in kinds:
@@ -208,6 +224,8 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                     requests = workload(args, rnd * 100 + int(b * 10), rate, b)
                     engine.reset_prefix_cache()
                     set_kind(engine, kind)
+                    engine.scheduler.config.max_local_prefill_tokens_per_step = policy_of(mode)[2] or args["prefill_cap"]
+                    policy = policy.partition("/")[0]
                     engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
                                                         if policy != "off" else None)
                     result = serve(engine, coll, rank, world, requests)
@@ -250,11 +268,13 @@ def main() -> None:
     ap.add_argument("--shape", choices=CHOICES, default="qwen3-moe-small", help="benchmarks/model_shapes.py")
     ap.add_argument("--time-budget-s", type=float, default=0, help="start no round that would end past this many "
                     "seconds of the rounds' wall time (0: every round)")
-    ap.add_argument("--modes", default="off,align,coalesce", help=f"comma-separated, of {','.join(MODES)}")
+    ap.add_argument("--modes", default="off,align,coalesce", help=f"comma-separated, of {','.join(MODES)}, and "
+                    "align:N / coalesce:N with any kind (N: --prefill-delayer-aligned-tokens), any policy with /C "
+                    "(--max-local-prefill-tokens-per-step C for that mode)")
     a = ap.parse_args()
     modes = a.modes.split(",")
-    if not set(modes) <= set(MODES) or not {baseline(m) for m in modes} <= set(modes):
-        ap.error(f"--modes: of {MODES}, each with its baseline (off, off+mixed)")
+    if not all(map(valid_mode, modes)) or not {baseline(m) for m in modes} <= set(modes):
+        ap.error(f"--modes: of {MODES} (align:N, coalesce:N, /C too), each with its baseline (off, off+mixed)")
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
@@ -290,7 +310,7 @@ def main() -> None:
           f"alone = A + E/2, at once = A + E: {100 * (2 - 2 * lone / paired):.0f} %)")
     runs = [(r0, r1) for r0, r1 in zip(*ranks) if r0["round"] >= 0]
     by_key = {(r0["round"], r0["burstiness"], r0["policy"]): (r0, r1) for r0, r1 in runs}
-    names = MODES + ("off+mixed@seed",)
+    names = tuple(modes) + ("off+mixed@seed",)
 
     def tput_itl(pair) -> tuple[float, float]:
         return (pair[0]["tokens"] + pair[1]["tokens"]) / pair[0]["end"], pct(pair[0]["itl"] + pair[1]["itl"], 99)

@@ -17,6 +17,13 @@ Policies:
   the pending tokens stop growing for `stall_ticks`, or a rank's queue has been
   prefillable for `queue_max_ticks`.
 
+The aligned tick's budget (`aligned_tokens` > 0): a tick in which k >= 2 ranks prefill
+together gives each of them `aligned_share()` = aligned_tokens // k prompt tokens, so the
+tick's expert work is one budget's, not k ranks' whole queues (the prompts a hold gathered);
+what a rank could not fit continues at that share in its next ticks, held or not (the
+scheduler's aligned leftover). A rank counts as prefilling in a tick when it is alignment-ready
+(`local_alignment_ready`: new prompts or a leftover), so k is the same on every rank.
+
 Time is counted in ticks (calls), never in per-rank wall clock, which would diverge.
 A failing collective fails open (allow) and is counted. Every decision increments
 `outcomes[(policy, outcome, reason)]`.
@@ -56,16 +63,18 @@ class SingleRank(Collective):
 # The knobs, each an EngineConfig field `prefill_delayer_<knob>` (atomd/config.py holds the defaults)
 DELAYER_KNOBS = ("max_delay_passes", "token_usage_low_watermark", "target_fill", "kv_high_watermark",
                  "kv_low_watermark", "ttft_max_ticks", "partial_max_ticks", "stall_ticks",
-                 "queue_max_ticks")
+                 "queue_max_ticks", "aligned_tokens")
 
 
 class PrefillDelayer:
     def __init__(self, collective: Collective, policy: str, *, max_delay_passes: int,
                  token_usage_low_watermark: float | None, max_num_batched_tokens: int, target_fill: float,
                  kv_high_watermark: float, kv_low_watermark: float, ttft_max_ticks: int,
-                 partial_max_ticks: int, stall_ticks: int, queue_max_ticks: int):
+                 partial_max_ticks: int, stall_ticks: int, queue_max_ticks: int, aligned_tokens: int):
         if policy not in POLICIES:
             raise ValueError(f"policy must be one of {POLICIES}, got {policy!r}")
+        if aligned_tokens < 0:
+            raise ValueError(f"aligned_tokens must be >= 0 (0: off), got {aligned_tokens}")
         self.collective = collective
         self.policy = policy
         self.max_delay_passes = max_delay_passes
@@ -74,6 +83,9 @@ class PrefillDelayer:
         self.kv_high_watermark, self.kv_low_watermark = kv_high_watermark, kv_low_watermark
         self.ttft_max_ticks, self.partial_max_ticks = ttft_max_ticks, partial_max_ticks
         self.stall_ticks, self.queue_max_ticks = stall_ticks, queue_max_ticks
+        self.aligned_tokens = aligned_tokens
+        self.num_ready = 0  # the last tick: ranks alignment-ready (they prefill if it allows)
+        self.allowed = True  # the last tick's decision
         self.outcomes: dict[tuple[str, str, str], int] = defaultdict(int)
         self.num_collective_errors = 0
         self._held = 0  # consecutive ticks prefills were held (same on every rank)
@@ -92,17 +104,27 @@ class PrefillDelayer:
             vec = [local_prefillable, pending_tokens, num_decodes,
                    local_prefillable and token_usage >= self.kv_high_watermark,
                    local_prefillable and token_usage < self.kv_low_watermark,
-                   has_partial, self._local_ready_ticks >= self.queue_max_ticks]
+                   has_partial, self._local_ready_ticks >= self.queue_max_ticks, ready]
         try:
             sums = self.collective.all_reduce_sum(np.asarray(vec, dtype=np.int64))
         except Exception as exc:  # a broken group must not stall the engine: fail open
             self.num_collective_errors += 1
             logger.warning("prefill delayer collective failed, allowing prefill: %s", exc)
+            self.num_ready = 0  # unknown: no aligned share
             return self._decide(True, "collective_error")
         sums = [int(x) for x in sums]
+        self.num_ready = sums[0] if self.policy == "align" else sums.pop()
         if self.policy == "align":
             return self._decide(*self._align(*sums))
         return self._decide(*self._coalesce(*sums))
+
+    def aligned_share(self) -> int:
+        """Prompt tokens this rank's step may carry in the tick just decided: aligned_tokens
+        split between the k >= 2 ranks that prefill together in it; 0 (the rank's own budget)
+        when the delayer held, fewer than two ranks prefill, or aligned_tokens is 0."""
+        if not self.aligned_tokens or not self.allowed or self.num_ready < 2:
+            return 0
+        return max(1, self.aligned_tokens // self.num_ready)
 
     def _under_low_watermark(self, token_usage: float) -> bool:
         return self.token_usage_low_watermark is not None and token_usage < self.token_usage_low_watermark
@@ -142,6 +164,7 @@ class PrefillDelayer:
 
     def _decide(self, allow: bool, reason: str) -> bool:
         self.outcomes[(self.policy, "allow" if allow else "delay", reason)] += 1
+        self.allowed = allow
         if allow:
             self._held = self._stalled = 0
         else:

@@ -29,6 +29,10 @@ Each `schedule()` returns one kind of batch (the seed's semantics):
   streams no tick: under expert parallelism, where every rank steps with the slowest, a rank
   prefilling no longer stops its own decodes, and an aligned prefill no longer stops them on
   every rank (benchmarks/RESULTS.md, "#36 mixed steps").
+- an aligned tick's share (the PrefillDelayer's `aligned_share()`, `--prefill-delayer-aligned-tokens`):
+  a step in which several DP ranks prefill carries at most that many prompt tokens; the prompts
+  then in flight (the aligned leftover) go on at that share in the next steps, on a held tick
+  alone (nothing admitted), until none is left.
 
 Invariant of a decode-ready sequence: `num_computed_tokens == num_tokens - 1`; the KV of
 every token but the last is computed, and the last is the next one to forward.
@@ -227,6 +231,9 @@ class Scheduler:
         self._prev_prompt = False
         self._last_prompt_latency = 0.0
         self._capped_prefill_last = False  # the last step was a capped prefill: decodes go next
+        # an aligned tick's leftover: the prompts in flight after a step under the delayer's
+        # aligned_share go on at that share in the next steps, held or not, until none is left
+        self._leftover_share = 0
         self.prefill_s_per_token: float | None = None  # moving average over prefill steps (observe_prefill_step)
 
     # ------------------------------------------------------------------ requests in and out
@@ -299,21 +306,38 @@ class Scheduler:
     # ------------------------------------------------------------------ schedule
 
     def schedule(self) -> ScheduledBatch | None:
+        if not self._prefilling:
+            self._leftover_share = 0  # the aligned tick's prompts are done (or preempted)
         allow_prefill = self._ask_prefill_delayer()  # every tick, before any early return
         # running streams under a local prefill: capped prefill steps alternate with decode steps
         cap = self.local_prefill_cap()
         protect = cap > 0 and self.config.enable_chunked_prefill and len(self.running) > len(self._prefilling)
+        share = self._aligned_share()
+        # held, but an aligned tick's leftover goes on (its prompts only, at the share)
+        resume_only = not allow_prefill and share > 0
+        cap = min([c for c in (cap if protect else 0, share) if c > 0], default=0)
         if self.config.enable_mixed_chunk:  # decodes ride in every step: none has to follow a capped prefill
             rows = self._decode_rows()
-            batch = self._schedule_prefill(cap if protect else 0, rows) if allow_prefill else None
+            batch = self._schedule_prefill(cap, rows, resume_only) if allow_prefill or resume_only else None
             return self._finish_batch(batch or self._decode_batch(rows))
         batch = self._schedule_decode() if protect and self._capped_prefill_last else None
-        if batch is None and allow_prefill:
-            batch = self._schedule_prefill(cap if protect else 0)
+        if batch is None and (allow_prefill or resume_only):
+            batch = self._schedule_prefill(cap, resume_only=resume_only)
         if batch is None:
             batch = self._schedule_decode()
         self._capped_prefill_last = protect and batch is not None and batch.is_prefill
         return self._finish_batch(batch)
+
+    def _aligned_share(self) -> int:
+        """Prompt tokens this step may carry under the delayer's aligned budget (0: no such
+        limit): a new aligned tick's share, else the share of the aligned tick whose prompts
+        are still in flight here (every prompt in flight then is its leftover: a held step
+        admits none, an allowed one admits under the share)."""
+        share = self.prefill_delayer.aligned_share() if self.prefill_delayer is not None else 0
+        if share > 0:
+            bs = self.config.block_size
+            self._leftover_share = max(bs, share // bs * bs)  # on the block grid chunks end on
+        return self._leftover_share
 
     def _finish_batch(self, batch: ScheduledBatch | None) -> ScheduledBatch | None:
         if batch is None and self.kv_connector is not None:
@@ -352,9 +376,12 @@ class Scheduler:
     def _connector_meta(self) -> KVConnectorMetadata | None:
         return self.kv_connector.build_connector_meta() if self.kv_connector is not None else None
 
-    def _schedule_prefill(self, cap: int = 0, decode: list[Sequence] = ()) -> ScheduledBatch | None:
+    def _schedule_prefill(self, cap: int = 0, decode: list[Sequence] = (),
+                          resume_only: bool = False) -> ScheduledBatch | None:
         """`cap` > 0: at most that many prompt tokens this step (running streams wait on it).
-        `decode` (mixed steps): decode rows scheduled first, one token each, in the same batch."""
+        `decode` (mixed steps): decode rows scheduled first, one token each, in the same batch.
+        `resume_only`: the delayer held this tick; only an aligned tick's leftover (the chunked
+        prefills) goes on."""
         seqs: list[Sequence] = list(decode)
         chunks: list[int] = [1] * len(seqs)
         budget = self.config.max_num_batched_tokens - len(seqs)
@@ -370,7 +397,7 @@ class Scheduler:
             seqs.append(seq)
             chunks.append(chunk)
             budget -= chunk
-        if self.config.scheduler_delay_factor <= 0 or self._passed_delay(_now()):
+        if not resume_only and (self.config.scheduler_delay_factor <= 0 or self._passed_delay(_now())):
             self._admit_waiting(seqs, chunks, budget, len(decode))  # Phase 2
         if len(seqs) == len(decode):
             return None
@@ -857,13 +884,17 @@ class Scheduler:
         if self.prefill_delayer is None:
             return True
         num_ready, pending_tokens = self._admittable_head_prefills(limit=4)
-        has_partial = bool(self._prefilling)
-        for seq in self._prefilling.values():
+        # an aligned tick's leftover goes on whatever the delayer decides: not a prefill to
+        # align, but this rank prefills in the tick (alignment-ready), so others may join it
+        leftover = self._leftover_share > 0 and bool(self._prefilling)
+        partial = [] if leftover else list(self._prefilling.values())
+        has_partial = bool(partial)
+        for seq in partial:
             pending_tokens += seq.num_tokens - seq.num_computed_tokens
         prefillable = num_ready > 0 or has_partial
         return self.prefill_delayer.should_allow_prefill(
             local_prefillable=prefillable, token_usage=self.block_manager.usage,
-            local_alignment_ready=prefillable,
+            local_alignment_ready=prefillable or leftover,
             pending_tokens=min(pending_tokens, self.config.max_num_batched_tokens),
             num_decodes=len(self.running) - len(self._prefilling), has_partial=has_partial)
 

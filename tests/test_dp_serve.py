@@ -27,10 +27,19 @@ DP = ["--data-parallel-size", "2", "--prefill-delayer", "align", "--dp-collectiv
 
 @pytest.mark.unit
 @pytest.mark.parametrize("field,value", [("prefill_delayer", "nagle"), ("prefill_delayer_target_fill", 1.5),
-                                         ("prefill_delayer_stall_ticks", 0), ("dp_collective_timeout_s", 0.0)])
+                                         ("prefill_delayer_stall_ticks", 0), ("dp_collective_timeout_s", 0.0),
+                                         ("prefill_delayer_aligned_tokens", -1)])
 def test_bad_delayer_settings_are_a_value_error_naming_the_field(field, value):
     with pytest.raises(ValueError, match=field):
         EngineConfig(**{field: value})
+
+
+@pytest.mark.unit
+def test_an_aligned_budget_without_a_delayer_or_chunked_prefill_is_refused():
+    with pytest.raises(ValueError, match="prefill_delayer_aligned_tokens .* needs prefill_delayer align or coalesce"):
+        EngineConfig(prefill_delayer_aligned_tokens=512)
+    with pytest.raises(ValueError, match="prefill_delayer_aligned_tokens needs enable_chunked_prefill"):
+        EngineConfig(prefill_delayer="align", prefill_delayer_aligned_tokens=512, enable_chunked_prefill=False)
 
 
 @pytest.mark.unit

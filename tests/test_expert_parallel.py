@@ -358,19 +358,26 @@ def test_mixed_steps_decode_rows_through_the_decode_kernel_equal_one_kind_steps_
                                                                  HealthCheck.too_slow])
 @given(policy=st.sampled_from(["align", "coalesce"]), mixed=st.booleans(), max_tokens=st.integers(1, 6),
        schedule=st.lists(st.tuples(st.integers(0, 1), st.integers(0, 12), st.integers(0, len(PROMPTS) - 1)),
-                         min_size=1, max_size=6))
-def test_collective_counts_equal_on_every_rank_after_random_schedules(policy, mixed, max_tokens, schedule, ep_ranks,
-                                                                       reference):
+                         min_size=1, max_size=6), aligned_tokens=st.sampled_from([0, 2 * BLOCK]))
+def test_collective_counts_equal_on_every_rank_after_random_schedules(policy, mixed, max_tokens, schedule,
+                                                                       aligned_tokens, ep_ranks, reference):
     """Random arrivals (rank, tick, prompt): every rank made one delayer decision per tick and
     the same number of all-to-alls, and every request got HF's greedy tokens, with the seed's
-    one-kind steps and with mixed steps."""
+    one-kind steps and with mixed steps, with and without an aligned tick's budget split between
+    the ranks (--prefill-delayer-aligned-tokens: prompts chunked, leftovers going on while held)."""
     ranks = ep_ranks("qwen3_moe", policy, mixed)
     arrivals: list[dict[int, list]] = [{}, {}]
     for i, (rank, tick, p) in enumerate(schedule):
         arrivals[rank].setdefault(tick, []).append((f"h{i}", PROMPTS[p]))
     decided = ranks.decisions()
-    tokens, kinds = ranks.run(arrivals, params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                               ignore_eos=True))
+    for engine in ranks.engines:
+        engine.scheduler.prefill_delayer.aligned_tokens = aligned_tokens
+    try:
+        tokens, kinds = ranks.run(arrivals, params=SamplingParams(max_tokens=max_tokens, temperature=0.0,
+                                                                   ignore_eos=True))
+    finally:
+        for engine in ranks.engines:
+            engine.scheduler.prefill_delayer.aligned_tokens = 0
     for rid, prompt in ((rid, p) for a in arrivals for b in a.values() for rid, p in b):
         assert tokens[rid] == reference("qwen3_moe", prompt)[:max_tokens]
     (c0, a0), (c1, a1) = ranks.counts  # the delayer's all-reduce and the gate's, every tick

@@ -12,7 +12,7 @@ from tests.in_process_group import InProcessGroup
 from scheduler.scheduler import Scheduler
 from contracts.sampling import SamplingParams
 from scheduler.sequence import Sequence
-from tests.fake_connector import FakeKV, make_delayer, scheduler_config, FakeModel, step
+from tests.fake_connector import FakeKV, make_delayer, reference_completion, scheduler_config, FakeModel, step
 
 pytestmark = pytest.mark.unit
 
@@ -96,6 +96,27 @@ def test_align_alignment_ready_gates_the_all_case():
     delayers = ranks(2)
     half = dict(P, local_alignment_ready=False)
     assert decide(delayers, [P, half]) == [False, False]
+
+
+def test_aligned_share_splits_the_aligned_budget_between_the_ranks_that_prefill_together():
+    delayers = ranks(3, aligned_tokens=96)
+    assert decide(delayers, [P, P, P]) == [True] * 3
+    assert [d.aligned_share() for d in delayers] == [32] * 3
+    # an aligned tick's leftover: the rank prefills in the tick (ready) but has nothing to align
+    leftover = dict(IDLE, local_alignment_ready=True)
+    assert decide(delayers, [leftover, P, IDLE]) == [False] * 3  # align's meaning unchanged: mixed
+    assert [d.aligned_share() for d in delayers] == [0] * 3
+    assert decide(delayers, [leftover, IDLE, IDLE]) == [True] * 3  # "none"; one rank prefills: its own budget
+    assert [d.aligned_share() for d in delayers] == [0] * 3
+    two = ranks(2, aligned_tokens=96)
+    assert decide(two, [leftover, P]) == [True, True]  # the new prompt aligns with the leftover
+    assert outcome(two[0]) == ("align", "allow", "all") and [d.aligned_share() for d in two] == [48, 48]
+    fired = ranks(2, "coalesce", aligned_tokens=96, max_num_batched_tokens=1000)
+    idle = dict(local_prefillable=True, token_usage=0.5, pending_tokens=100, num_decodes=0)
+    assert decide(fired, [idle, idle]) == [True, True] and [d.aligned_share() for d in fired] == [48, 48]
+    assert [d.aligned_share() for d in ranks(2)] == [0, 0]  # aligned_tokens 0 (the default): off
+    with pytest.raises(ValueError, match="aligned_tokens must be >= 0"):
+        make_delayer(SingleRank(), aligned_tokens=-1)
 
 
 def C(prefillable=True, usage=0.5, pending=100, decodes=4, partial=False):
@@ -219,6 +240,9 @@ def test_a_veto_holds_new_and_chunked_prefills_but_decodes_go_on():
             self.calls.append(kw)
             return False
 
+        def aligned_share(self):
+            return 0
+
     cfg = scheduler_config(num_kvcache_blocks=32, block_size=4, max_num_batched_tokens=8)
     sched = Scheduler(cfg)
     model = FakeModel(FakeKV(32, 4))
@@ -267,3 +291,55 @@ def test_single_rank_collective_and_bad_policy():
     assert SingleRank().all_reduce_sum(np.array([1, 2])).tolist() == [1, 2]
     with pytest.raises(ValueError, match="policy"):
         make_delayer(SingleRank(), "greedy")
+
+
+@pytest.mark.parametrize("mixed", [False, True], ids=["seed_steps", "mixed_steps"])
+def test_an_aligned_tick_splits_its_budget_and_its_leftover_goes_on_while_held(mixed):
+    """Two ranks, align with aligned_tokens 16 (8 a rank in a tick both prefill): rank 0's held
+    prompt goes out with rank 1's in 8-token chunks; a leftover neither holds nor releases anybody,
+    and a new prompt on the other rank aligns with it; rank 0's leftover goes on while the delayer
+    holds its newly queued prompt (not admitted then); that prompt goes lone at max delay, whole."""
+    group = InProcessGroup(2, timeout_s=5.0)
+    scheds, models = [], []
+    for r in range(2):
+        d = make_delayer(group.rank(r), "align", max_delay_passes=3, aligned_tokens=16)
+        cfg = scheduler_config(num_kvcache_blocks=64, block_size=4, enable_mixed_chunk=mixed)
+        scheds.append(Scheduler(cfg, prefill_delayer=d))
+        models.append(FakeModel(FakeKV(64, 4)))
+    seqs = {"a": Sequence(list(range(2, 54)), SamplingParams(max_tokens=6)),
+            "b": Sequence(list(range(60, 72)), SamplingParams(max_tokens=6)),
+            "c": Sequence(list(range(80, 90)), SamplingParams(max_tokens=12)),
+            "d": Sequence(list(range(90, 100)), SamplingParams(max_tokens=12))}
+    arrivals = {0: {0: ["a"], 7: ["b"]}, 1: {2: ["c"], 4: ["d"]}}  # rank -> tick -> sequences
+    chunks = [[], []]  # per rank, per tick: {sequence: prompt tokens} of its forward
+    got = {}
+
+    def run(r):
+        for tick in range(40):
+            for name in arrivals[r].get(tick, []):
+                scheds[r].add(seqs[name])
+            batch, updates = step(scheds[r], models[r])
+            prompt_rows = {} if batch is None else {
+                name: n for name, s in seqs.items() for row, n, start in
+                zip(batch.seqs, batch.num_scheduled_tokens, batch.num_computed_tokens)
+                if row is s and start < s.num_prompt_tokens}
+            chunks[r].append(prompt_rows)
+            for u in updates:
+                got.setdefault(u.seq.id, []).extend(u.new_token_ids)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(2)]
+    [t.start() for t in threads]
+    [t.join(20) for t in threads]
+    prefills = [[(t, c) for t, c in enumerate(ticks) if c] for ticks in chunks]
+    # tick 2: aligned, 8 each; 3: both leftovers, nothing to align ("none"), 8 each again; 4: d
+    # aligns with a's leftover ("all"); 5: leftovers ("none"); 6: a's leftover alone ("none", not a
+    # hold); 7-9: held (b queued, rank 1 decodes): a goes on, b is not admitted beside it (tick 8
+    # leaves room); 10: max delay, b whole (rank 0's own budget)
+    assert prefills[0] == [(2, {"a": 8}), (3, {"a": 8}), (4, {"a": 8}), (5, {"a": 8}), (6, {"a": 8}), (7, {"a": 8}),
+                           (8, {"a": 4}), (10, {"b": 12})]
+    assert prefills[1] == [(2, {"c": 8}), (3, {"c": 2}), (4, {"d": 8}), (5, {"d": 2})]
+    d0 = scheds[0].prefill_delayer
+    assert d0.outcomes[("align", "allow", "all")] == 2 and d0.outcomes[("align", "allow", "max_delay")] == 1
+    assert d0.outcomes[("align", "delay", "mixed")] == 2 + 3  # ticks 0-1 (a alone), 7-9 (b alone)
+    for s in seqs.values():
+        assert got[s.id] == reference_completion(s.token_ids[:s.num_prompt_tokens], s.sampling_params.max_tokens)

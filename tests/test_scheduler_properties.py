@@ -8,7 +8,10 @@ blocks name accepted tokens only. Requests with n / best_of > 1 fork at their fi
 (copy-on-write of the partial last block); the fake KV checks every read, so a shared
 block written by two choices shows up as stale KV. Aborts pick any sequence, single
 choices included, and the pool is back at its baseline once everything ended. Mixed steps
-(decode rows in prefill batches, without drafts) keep all of it."""
+(decode rows in prefill batches, without drafts) keep all of it, and so does a PrefillDelayer
+stand-in that holds or allows at random with a random aligned share (chunked prefill): a step
+under a share carries at most that many prompt tokens, and a held step resumes only the
+aligned leftover."""
 from __future__ import annotations
 
 import itertools
@@ -21,7 +24,7 @@ from scheduler.block_manager import NO_HASH
 from scheduler.scheduler import Scheduler
 from contracts.sampling import SamplingParams
 from kv_transfer.params import KVTransferParams
-from scheduler.sequence import Sequence, SequenceStatus
+from scheduler.sequence import Sequence, SequenceStatus, SequenceType
 from tests.fake_connector import (FakeConnector, scheduler_config, FakeKV, FakeModel, next_token, prompt,
                                   reference_choice, step)
 
@@ -50,12 +53,24 @@ class StubProducer:
         pass
 
 
+class RandomDelayer:
+    """The delayer as the scheduler sees it, deciding what the test's rules say."""
+    allow, share = True, 0
+
+    def should_allow_prefill(self, **kw) -> bool:
+        return self.allow
+
+    def aligned_share(self) -> int:
+        return self.share if self.allow else 0
+
+
 class SchedulerMachine(RuleBasedStateMachine):
     @initialize(role=st.sampled_from(["none", "consumer", "producer"]),
                 policy=st.sampled_from(["fail", "recompute"]), spec=st.sampled_from([0, 2]),
                 num_blocks=st.integers(4, 40), budget=st.sampled_from([8, 16, 64]),
-                max_seqs=st.integers(1, 4), chunked=st.booleans(), prefix=st.booleans(), mixed=st.booleans())
-    def setup(self, role, policy, spec, num_blocks, budget, max_seqs, chunked, prefix, mixed):
+                max_seqs=st.integers(1, 4), chunked=st.booleans(), prefix=st.booleans(), mixed=st.booleans(),
+                delayer=st.booleans())
+    def setup(self, role, policy, spec, num_blocks, budget, max_seqs, chunked, prefix, mixed, delayer):
         self.cfg = scheduler_config(num_kvcache_blocks=num_blocks, block_size=BS, max_num_seqs=max_seqs,
                                    max_num_batched_tokens=budget, max_model_len=MAX_MODEL_LEN,
                                    enable_chunked_prefill=chunked, enable_prefix_caching=prefix,
@@ -66,7 +81,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         if role != "none":
             self.conn = FakeConnector(role, self.kv, self.stub, policy)
             self.conn.hold_pulls = True
-        self.sched = Scheduler(self.cfg, kv_connector=self.conn)
+        self.delayer = RandomDelayer() if delayer else None
+        self.sched = Scheduler(self.cfg, kv_connector=self.conn, prefill_delayer=self.delayer)
         self.model = FakeModel(self.kv, spec)
         self.seqs: dict[int, Sequence] = {}
         self.emitted: dict[int, list[int]] = {}
@@ -93,13 +109,31 @@ class SchedulerMachine(RuleBasedStateMachine):
         self.seqs[seq.id] = seq
         self.sched.add(seq)
 
+    @rule(allow=st.sampled_from([True, False, False]), share=st.sampled_from([0, 1, 4, 9]))
+    def delayer_decides(self, allow, share):
+        """The next steps' decision: held, or allowed with an aligned share (chunked prefill only,
+        as EngineConfig refuses it without)."""
+        if self.delayer is not None:
+            self.delayer.allow, self.delayer.share = allow, share if self.cfg.enable_chunked_prefill else 0
+
     @rule()
     def step(self):
+        s = self.sched
+        leftover = set(s._prefilling) if s._leftover_share else set()  # what a held step may resume
+        share = max(BS, self.delayer.share // BS * BS) if self.delayer and self.delayer.allow and self.delayer.share \
+            else s._leftover_share if leftover else 0
         batch, updates = step(self.sched, self.model, self.conn)
         if batch is not None:
             assert len(batch.seqs) <= self.cfg.max_num_seqs
             assert batch.num_tokens <= self.cfg.max_num_batched_tokens
             assert len(batch.seqs) == len({s.id for s in batch.seqs})
+        if batch is not None and batch.is_prefill:
+            prompt_rows = [(q, n) for q, n in zip(batch.seqs, batch.num_scheduled_tokens)
+                           if q.type is SequenceType.PREFILL]
+            if share:
+                assert sum(n for _, n in prompt_rows) <= share
+            if self.delayer is not None and not self.delayer.allow:
+                assert {q.id for q, _ in prompt_rows} <= leftover, "a held step prefilled more than the leftover"
         for u in updates:
             self.seqs.setdefault(u.seq.id, u.seq)  # a choice forked this step
             self.emitted.setdefault(u.seq.id, []).extend(u.new_token_ids)
@@ -179,6 +213,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             return
         if self.conn is not None:
             self.conn.hold_pulls = False
+        if self.delayer is not None:
+            self.delayer.allow = True
         for _ in range(2000):
             if self.sched.is_finished():
                 break
