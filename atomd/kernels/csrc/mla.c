@@ -393,6 +393,160 @@ static void project_values(const float *restrict ol, const void *uv, void *out, 
     }
 }
 
+/* AMX (Sapphire Rapids and later), bf16 at AMX_MIN_ROWS query rows or more: phases 1 and 3 as
+ * tile products that read each head's weights once per block of RB rows. The weights are the A
+ * operand as stored (a tile: 16 weight rows x 32 values, rows NOPE or RANK values apart: no packed
+ * copy to keep), the block's rows the B operand (phase 1: q_nope; phase 3: the weighted latents
+ * rounded to bf16, as the AVX512_BF16 path rounds them), packed per item into the tile's
+ * [value pair][row][2] layout; a C tile is 16 outputs x 16 rows, transposed on the way out. Sums
+ * float32 as the other paths (bf16 products exact), in another order. Fewer rows: the paths above
+ * (batch 1's weights read as stored with a prefetch, the batch-1 C layer's bits unchanged). */
+#if VEC16 && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && NOPE % 32 == 0 && \
+    RANK % 32 == 0 && VDIM % 16 == 0
+#include "amx.h"
+#define MLA_AMX 1
+#define AMX_MIN_ROWS 4
+
+/* 16 float32 lanes rounded to bf16 (to nearest even, a NaN quiet: f32_to_bf16's bits) */
+static inline __m256i bf16_of16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* rows [0, nr) (nr <= RB) of src (bf16 rows `stride` elements apart, or float32 ones rounded to
+ * bf16 when f32), their first n values, as B tiles: dst [RB / 16 row blocks][n / 32][16 pairs][16
+ * rows][2] (a row block's n / 32 tiles contiguous, 16 n values apart), rows past nr zero. Per tile
+ * the 16 rows' 16 value pairs (32-bit each) transposed in registers. */
+static inline void amx_pack_rows(const void *src, int f32, int64_t stride, int64_t nr, int n, uint16_t *restrict dst) {
+    for (int64_t r0 = 0; r0 < nr; r0 += 16)
+        for (int k = 0; k < n; k += 32) {
+            __m512 v[16];
+            for (int64_t i = 0; i < 16; i++) {
+                if (r0 + i >= nr) {
+                    v[i] = _mm512_setzero_ps();
+                } else if (f32) {
+                    const float *s = (const float *)src + (r0 + i) * stride + k;
+                    v[i] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(bf16_of16(_mm512_loadu_ps(s))),
+                                                                  bf16_of16(_mm512_loadu_ps(s + 16)), 1));
+                } else {
+                    v[i] = _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)src + (r0 + i) * stride + k));
+                }
+            }
+            transpose16(v);
+            uint16_t *tile = dst + r0 * n + k * 16;
+            for (int i = 0; i < 16; i++) _mm512_storeu_ps(tile + 32 * i, v[i]);
+        }
+}
+
+/* out [4][16 outputs][16 rows], tile t = (weight rows a + 16 (t % 2), packed row block t / 2):
+ * the weight rows a (16, or 32 when two_a; rows a_stride values apart) times the packed rows b
+ * (one row block, or two when two_b), over `chunks` chunks of 32 values. Tiles 0-3 accumulate,
+ * 4-5 the weights, 6-7 the rows. */
+static inline void amx_tiles(const uint16_t *a, int64_t a_stride, int two_a, const uint16_t *b, int64_t b_block,
+                             int two_b, int chunks, float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < chunks; c++) {
+        _tile_loadd(6, b + c * 512, 64);
+        for (int i = 0; i < 32; i++)  /* the next 32 weight rows' chunk c: strided tile rows miss the prefetchers */
+            _mm_prefetch((const char *)(a + (32 + i) * a_stride + c * 32), _MM_HINT_T0);
+        _tile_loadd(4, a + c * 32, a_stride * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_a) {
+            _tile_loadd(5, a + 16 * a_stride + c * 32, a_stride * 2);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (two_b) {
+            _tile_loadd(7, b + b_block + c * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            if (two_a) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, 64);
+    if (two_a) _tile_stored(1, out + 256, 64);
+    if (two_b) _tile_stored(2, out + 512, 64);
+    if (two_a && two_b) _tile_stored(3, out + 768, 64);
+}
+
+/* C tile t of amx_tiles' out, transposed: v[n] = row n's 16 outputs */
+static inline void amx_rows_of(const float *out, int t, __m512 v[16]) {
+    for (int j = 0; j < 16; j++) v[j] = _mm512_loadu_ps(out + t * 256 + j * 16);
+    transpose16(v);
+}
+
+/* Phase 1 on tiles: ql as absorb_queries', bf16 q and uk_t. */
+static void absorb_queries_amx(const uint16_t *q, const uint16_t *uk_t, float *restrict ql, int64_t rows,
+                               int64_t heads, float scale, int num_threads) {
+    const int64_t blocks = (rows + RB - 1) / RB;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t qb[RB * NOPE];
+        float c[4 * 256];
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < heads * blocks; item++) {
+            const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
+            for (int64_t r = 0; r < nr; r++) {
+                const uint16_t *qr = q + ((r0 + r) * heads + h) * QDIM + NOPE;
+                float *dst = ql + ((r0 + r) * heads + h) * LAT + RANK;
+                for (int d = 0; d < ROPE; d++) dst[d] = scale * bf16_to_f32(qr[d]);
+            }
+            amx_pack_rows(q + (r0 * heads + h) * QDIM, 0, heads * QDIM, nr, NOPE, qb);
+            for (int64_t j0 = 0; j0 < RANK; j0 += 32) {
+                amx_tiles(uk_t + (h * RANK + j0) * NOPE, NOPE, 1, qb, 16 * NOPE, nr > 16, NOPE / 32, c);
+                for (int t = 0; t < (nr > 16 ? 4 : 2); t++) {
+                    __m512 v[16];
+                    amx_rows_of(c, t, v);
+                    for (int64_t n = 0; n < 16 && t / 2 * 16 + n < nr; n++)
+                        _mm512_storeu_ps(ql + ((r0 + t / 2 * 16 + n) * heads + h) * LAT + j0 + t % 2 * 16,
+                                         _mm512_mul_ps(v[n], _mm512_set1_ps(scale)));
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* Phase 3 on tiles: out (bf16) as project_values'. */
+static void project_values_amx(const float *restrict ol, const uint16_t *uv, uint16_t *out, int64_t rows,
+                               int64_t heads, int num_threads) {
+    const int64_t blocks = (rows + RB - 1) / RB;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t ob[RB * RANK];
+        float c[4 * 256];
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < heads * blocks; item++) {
+            const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
+            amx_pack_rows(ol + (r0 * heads + h) * RANK, 1, heads * RANK, nr, RANK, ob);
+            for (int64_t j0 = 0; j0 < VDIM; j0 += 32) {
+                const int two_a = j0 + 16 < VDIM;
+                amx_tiles(uv + (h * VDIM + j0) * RANK, RANK, two_a, ob, 16 * RANK, nr > 16, RANK / 32, c);
+                for (int t = 0; t < (nr > 16 ? 4 : 2); t++) {
+                    if (t % 2 && !two_a) continue;
+                    __m512 v[16];
+                    amx_rows_of(c, t, v);
+                    for (int64_t n = 0; n < 16 && t / 2 * 16 + n < nr; n++)
+                        _mm256_storeu_si256((__m256i *)(out + ((r0 + t / 2 * 16 + n) * heads + h) * VDIM + j0 + t % 2 * 16),
+                                            bf16_of16(v[n]));
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+#else
+#define MLA_AMX 0
+#endif
+
 /* The whole absorbed decode of one layer. q [rows, heads, NOPE + ROPE] (RoPE'd), uk_t [heads,
  * RANK, NOPE], uv [heads, VDIM, RANK], out [rows, heads, VDIM]: all float32, or all bf16 (bf16
  * != 0), as the cache. kv: the cache's base pointer; token t of sequence b's latent row is at
@@ -410,10 +564,23 @@ int atomd_mla_decode(const void *q, const void *uk_t, const void *uv, const void
     float *ql = malloc(sizeof(float) * (rows > 0 ? rows : 1) * heads * LAT);
     float *ol = malloc(sizeof(float) * (rows > 0 ? rows : 1) * heads * RANK);
     int status = -1;
+#if MLA_AMX
+    const int amx = bf16 && rows >= AMX_MIN_ROWS && amx_granted();
+#endif
     if (ql != NULL && ol != NULL) {
-        absorb_queries(q, uk_t, ql, rows, heads, scale, bf16, num_threads);
+#if MLA_AMX
+        if (amx)
+            absorb_queries_amx(q, uk_t, ql, rows, heads, scale, num_threads);
+        else
+#endif
+            absorb_queries(q, uk_t, ql, rows, heads, scale, bf16, num_threads);
         status = attend(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size, table_width,
                         block_stride, layer_offset, bf16, num_threads);
+#if MLA_AMX
+        if (status == 0 && amx)
+            project_values_amx(ol, uv, out, rows, heads, num_threads);
+        else
+#endif
         if (status == 0) project_values(ol, uv, out, rows, heads, bf16, num_threads);
     }
     free(ql);
