@@ -16,7 +16,9 @@ import pytest
 import torch
 import transformers
 
+from atomd.config import cpu_flags
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.kernels import native
 from atomd.kernels.native import ISA_FLAGS, attention_kernels, mla_kernels
 from atomd.llm import LLM
 from atomd.model.deepseek import MLA_KV_LAYOUT_VERSION, DeepseekModel, DeepseekRouting
@@ -202,6 +204,49 @@ def test_absorbed_decode_kernel_verifies_drafts_causally(dtype, tol, shape, isa,
             seen = latents[0][ends[b] - n:ends[b] - (k - 1 - j)]
             want = naive_attention(q[starts[b] + j], seen, kv_b, heads, nope, v, rank, 0.3)
             torch.testing.assert_close(got[starts[b] + j].double(), want, atol=tol, rtol=tol)
+
+
+# (nope, rope, v, rank) of the AMX tile path (csrc/mla.c MLA_AMX: nope and rank whole tiles of 32,
+# v whole tiles of 16: 48 leaves an odd block of 16 value rows)
+TILE_SHAPE = (64, 32, 48, 64)
+
+
+@pytest.mark.parametrize("isa", ["native", "no-amx"])
+@pytest.mark.parametrize("lens,heads,runs", [([9] * 4, 16, None), ([5, 16, 17] * 6 + [3], 20, None),
+                                             ([30, 1, 17, 64, 40] * 8, 3, None), ([20, 4, 35, 18], 16, [3, 1, 4, 9])])
+def test_absorbed_decode_on_amx_tiles(lens, heads, runs, isa):
+    """bf16 blocks of 4 or more query rows (one block of 16, 19 rows and 20 heads: a full block
+    and a partial one, 40 rows: past the 32 a pass over the weights, drafts of 1-9 rows a
+    sequence): the tile path (on AMX CPUs under the native build) against float64 attention over
+    up-projected k, v and against the kernel's AVX-512 path on the same inputs. The kernel reports
+    the tiles where the CPU has them and the build keeps them, and the switch turns them off."""
+    (nope, rope, v, rank), dtype, scale = TILE_SHAPE, torch.bfloat16, 0.3
+    g = torch.Generator().manual_seed(len(lens) + heads)
+    cache, tables, latents = latent_cache(lens, rank, rope, dtype, 1, g)
+    starts = None if runs is None else torch.tensor([0, *runs]).cumsum(0)
+    decode = decode_meta(tables, lens, kernels_for(isa, TILE_SHAPE, heads), starts)
+    lib = mla_kernels(rank, rope, nope, v, isa)
+    kv_b = (torch.randn(heads * (nope + v), rank, generator=g) * 0.2).to(dtype)
+    q = torch.randn(len(lens) if runs is None else sum(runs), heads, nope + rope, generator=g).to(dtype)
+    up = LatentUp.of(kv_b, heads, nope, v, pack=False)
+    tiles = isa == "native" and {"amx_tile", "amx_bf16"} <= cpu_flags()
+    try:
+        assert native.mla_amx(lib, True) == tiles
+        got = mla_decode(q, cache, 0, decode, up, scale)
+        assert not native.mla_amx(lib, False)
+        avx512 = mla_decode(q, cache, 0, decode, up, scale)
+    finally:
+        native.mla_amx(lib, True)
+    ends = torch.tensor(lens).cumsum(0)
+    for b, n in enumerate(lens):
+        for j in range(1 if runs is None else runs[b]):
+            k = 1 if runs is None else runs[b]
+            row = b if runs is None else starts[b] + j
+            want = naive_attention(q[row], latents[0][ends[b] - n:ends[b] - (k - 1 - j)], kv_b, heads, nope, v, rank,
+                                   scale)
+            torch.testing.assert_close(got[row].double(), want, atol=3e-2, rtol=3e-2)
+    # the same bf16 products in another order: the outputs at most a bf16 rounding or two apart
+    torch.testing.assert_close(got, avx512, atol=2e-2, rtol=2e-2)
 
 
 # ---------------------------------------------------------------- routing

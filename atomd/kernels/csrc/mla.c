@@ -547,6 +547,19 @@ static void project_values_amx(const float *restrict ol, const uint16_t *uv, uin
 #define MLA_AMX 0
 #endif
 
+static int use_amx = 1; /* atomd_mla_amx: the tile path allowed (the A/B switch, $ATOMD_MLA_AMX) */
+
+/* 1 where the tile path runs: built with AMX tiles, the process granted their state and the path
+ * not switched off; on >= 0 first switches it on (1) or off (0): atomd/model/mla.py's AMX. */
+int atomd_mla_amx(int on) {
+    if (on >= 0) use_amx = on != 0;
+#if MLA_AMX
+    return use_amx && amx_granted();
+#else
+    return 0;
+#endif
+}
+
 /* The whole absorbed decode of one layer. q [rows, heads, NOPE + ROPE] (RoPE'd), uk_t [heads,
  * RANK, NOPE], uv [heads, VDIM, RANK], out [rows, heads, VDIM]: all float32, or all bf16 (bf16
  * != 0), as the cache. kv: the cache's base pointer; token t of sequence b's latent row is at
@@ -565,7 +578,7 @@ int atomd_mla_decode(const void *q, const void *uk_t, const void *uv, const void
     float *ol = malloc(sizeof(float) * (rows > 0 ? rows : 1) * heads * RANK);
     int status = -1;
 #if MLA_AMX
-    const int amx = bf16 && rows >= AMX_MIN_ROWS && amx_granted();
+    const int amx = bf16 && rows >= AMX_MIN_ROWS && use_amx && amx_granted();
 #endif
     if (ql != NULL && ol != NULL) {
 #if MLA_AMX
