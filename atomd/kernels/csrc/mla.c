@@ -418,29 +418,49 @@ static inline __m256i bf16_of16(__m512 x) {
     return _mm512_cvtepi32_epi16(r);
 }
 
-/* rows [0, nr) (nr <= RB) of src (bf16 rows `stride` elements apart, or float32 ones rounded to
- * bf16 when f32), their first n values, as B tiles: dst [RB / 16 row blocks][n / 32][16 pairs][16
- * rows][2] (a row block's n / 32 tiles contiguous, 16 n values apart), rows past nr zero. Per tile
- * the 16 rows' 16 value pairs (32-bit each) transposed in registers. */
-static inline void amx_pack_rows(const void *src, int f32, int64_t stride, int64_t nr, int n, uint16_t *restrict dst) {
-    for (int64_t r0 = 0; r0 < nr; r0 += 16)
-        for (int k = 0; k < n; k += 32) {
-            __m512 v[16];
-            for (int64_t i = 0; i < 16; i++) {
-                if (r0 + i >= nr) {
-                    v[i] = _mm512_setzero_ps();
-                } else if (f32) {
-                    const float *s = (const float *)src + (r0 + i) * stride + k;
-                    v[i] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(bf16_of16(_mm512_loadu_ps(s))),
-                                                                  bf16_of16(_mm512_loadu_ps(s + 16)), 1));
-                } else {
-                    v[i] = _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)src + (r0 + i) * stride + k));
-                }
+/* x as hi + lo, two bf16 vectors (hi = x rounded, lo = the rest rounded): ~16 significant bits
+ * through two tile products, where one bf16 operand would lose phase 2's float32 precision */
+static inline void split_bf16(__m512 x, uint16_t *hi, uint16_t *lo) {
+    const __m256i h = bf16_of16(x);
+    _mm256_storeu_si256((__m256i *)hi, h);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_storeu_si256((__m256i *)lo, bf16_of16(_mm512_sub_ps(x, hf)));
+}
+
+/* 16 rows (bf16, or float32 rounded to bf16 when f32; NULL: zeros), their first n values, as n / 32
+ * contiguous B tiles [16 pairs][16 rows][2] at dst: per tile the rows' 16 value pairs (32-bit
+ * each) transposed in registers. */
+static inline void amx_pack16(const void *const rows[16], int f32, int n, uint16_t *restrict dst) {
+    for (int k = 0; k < n; k += 32) {
+        __m512 v[16];
+        for (int i = 0; i < 16; i++) {
+            if (rows[i] == NULL) {
+                v[i] = _mm512_setzero_ps();
+            } else if (f32) {
+                const float *s = (const float *)rows[i] + k;
+                v[i] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(bf16_of16(_mm512_loadu_ps(s))),
+                                                              bf16_of16(_mm512_loadu_ps(s + 16)), 1));
+            } else {
+                v[i] = _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)rows[i] + k));
             }
-            transpose16(v);
-            uint16_t *tile = dst + r0 * n + k * 16;
-            for (int i = 0; i < 16; i++) _mm512_storeu_ps(tile + 32 * i, v[i]);
         }
+        transpose16(v);
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + k * 16 + 32 * i, v[i]);
+    }
+}
+
+/* rows [0, nr) (nr <= RB) of src (rows `stride` elements apart, f32 as amx_pack16's), as B tiles:
+ * dst [RB / 16 row blocks][n / 32][512] (a row block's tiles contiguous, 16 n values apart), rows
+ * past nr zero. */
+static inline void amx_pack_rows(const void *src, int f32, int64_t stride, int64_t nr, int n, uint16_t *restrict dst) {
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+        const void *rows[16];
+        for (int64_t i = 0; i < 16; i++)
+            rows[i] = r0 + i >= nr ? NULL
+                      : f32 ? (const void *)((const float *)src + (r0 + i) * stride)
+                            : (const void *)((const uint16_t *)src + (r0 + i) * stride);
+        amx_pack16(rows, f32, n, dst + r0 * n);
+    }
 }
 
 /* out [4][16 outputs][16 rows], tile t = (weight rows a + 16 (t % 2), packed row block t / 2):
@@ -512,6 +532,120 @@ static void absorb_queries_amx(const uint16_t *q, const uint16_t *uk_t, float *r
         }
         _tile_release();
     }
+}
+
+/* Phase 2 on tiles: ol as attend's, bf16 cache. A work item (a sequence and a chunk of at most
+ * 16 of its heads, as attend's) packs its context's latent rows once: keys as B tiles kt [t / 16]
+ * [LAT / 32][16 dim pairs][16 tokens][2], the c part as B tiles vt [RANK / 16][t / 32][16 token
+ * pairs][16 dims][2]. Per query row: the heads' queries rounded to bf16 (as torch's absorbed path
+ * rounds them) are the A operand [16 heads][LAT] of the scores (tiles of 16 heads x 16 keys), an
+ * exact float32 softmax per head, the probabilities normalised and rounded to bf16 (torch's path
+ * too) the A operand [16 heads][keys] of P V (tiles of 16 heads x 16 latent dims) into ol. */
+static int attend_amx(const float *restrict ql, const uint16_t *kv, const int64_t *restrict block_tables,
+                      const int64_t *restrict context_lens, const int64_t *restrict query_starts, float *restrict ol,
+                      int64_t batch, int64_t heads, int64_t block_size, int64_t table_width, int64_t block_stride,
+                      int64_t layer_offset, int num_threads) {
+    int64_t chunks = (heads + HC - 1) / HC;
+    while (chunks < heads && batch * chunks < 2 * num_threads) chunks++;
+    const int64_t hc = (heads + chunks - 1) / chunks;
+    chunks = (heads + hc - 1) / hc;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float c[4 * 256];
+        uint16_t qa[32 * LAT];
+        amx_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < batch * chunks; item++) {
+            const int64_t b = item / chunks, h0 = item % chunks * hc, nh = min64(hc, heads - h0);
+            const int64_t full_ctx = context_lens[b], *table = block_tables + b * table_width;
+            const int64_t r_begin = query_starts ? query_starts[b] : b, r_end = query_starts ? query_starts[b + 1] : b + 1;
+            const int64_t n16 = (full_ctx + 15) / 16 > 0 ? (full_ctx + 15) / 16 : 1, n32 = (n16 + 1) / 2;
+            /* kt, vt, then the scores [16][n16 * 16] (float) and the probabilities [16][n32 * 32] (bf16) */
+            uint16_t *kt = malloc(sizeof(uint16_t) * (n16 * 16 * LAT + n32 * 32 * RANK + 32 * n32 * 32) +
+                                  sizeof(float) * 16 * n16 * 16);
+            if (kt == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            uint16_t *vt = kt + n16 * 16 * LAT, *pb = vt + n32 * 32 * RANK;
+            float *sc = (float *)(pb + 32 * n32 * 32);
+            const uint16_t *row[32];
+            for (int64_t t0 = 0; t0 < n32 * 32; t0 += 32) {
+                for (int64_t i = 0; i < 32; i++) {
+                    const int64_t t = t0 + i;
+                    row[i] = t < full_ctx ? kv + table[t / block_size] * block_stride + layer_offset + t % block_size * LAT
+                                          : NULL;
+                }
+                amx_pack16((const void *const *)row, 0, LAT, kt + t0 * LAT);
+                if (t0 + 16 < n16 * 16) amx_pack16((const void *const *)(row + 16), 0, LAT, kt + (t0 + 16) * LAT);
+                /* values: tile row p = tokens 2p and 2p + 1 interleaved over 16 dims */
+                const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
+                                                     38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+                for (int64_t d0 = 0; d0 < RANK; d0 += 16) {
+                    uint16_t *tile = vt + (d0 / 16 * n32 + t0 / 32) * 512;
+                    for (int p = 0; p < 16; p++) {
+                        const __m512i lo = row[2 * p] ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row[2 * p] + d0)))
+                                                      : _mm512_setzero_si512();
+                        const __m512i hi = row[2 * p + 1]
+                                               ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row[2 * p + 1] + d0)))
+                                               : _mm512_setzero_si512();
+                        _mm512_storeu_si512(tile + 32 * p, _mm512_permutex2var_epi16(lo, idx, hi));
+                    }
+                }
+            }
+            for (int64_t r = r_begin; r < r_end; r++) {
+                const int64_t ctx = full_ctx - (r_end - 1 - r), k16 = (ctx + 15) / 16, k32 = (ctx + 31) / 32;
+                for (int g = 0; g < 16; g++)
+                    for (int d = 0; d < LAT; d += 16)
+                        split_bf16(g < nh ? _mm512_loadu_ps(ql + (r * heads + h0 + g) * LAT + d) : _mm512_setzero_ps(),
+                                   qa + g * LAT + d, qa + (16 + g) * LAT + d);
+                for (int64_t tb = 0; tb < k16; tb += 2) {  /* scores, 32 keys a pass: hi and lo halves summed */
+                    const int two = tb + 1 < k16;
+                    amx_tiles(qa, LAT, 1, kt + tb * 16 * LAT, 16 * LAT, two, LAT / 32, c);
+                    for (int g = 0; g < nh; g++) {
+                        _mm512_storeu_ps(sc + g * n16 * 16 + tb * 16,
+                                         _mm512_add_ps(_mm512_loadu_ps(c + g * 16), _mm512_loadu_ps(c + 256 + g * 16)));
+                        if (two)
+                            _mm512_storeu_ps(sc + g * n16 * 16 + tb * 16 + 16, _mm512_add_ps(_mm512_loadu_ps(c + 512 + g * 16),
+                                                                                             _mm512_loadu_ps(c + 768 + g * 16)));
+                    }
+                }
+                for (int g = 0; g < 16; g++) {
+                    uint16_t *pg = pb + g * n32 * 32, *pl = pb + (16 + g) * n32 * 32;
+                    if (g >= nh || ctx <= 0) {
+                        memset(pg, 0, sizeof(uint16_t) * n32 * 32);
+                        memset(pl, 0, sizeof(uint16_t) * n32 * 32);
+                        continue;
+                    }
+                    float *sg = sc + g * n16 * 16, m = -INFINITY, total = 0.0f;
+                    for (int64_t t = 0; t < ctx; t++) m = sg[t] > m ? sg[t] : m;
+#pragma omp simd reduction(+ : total)
+                    for (int64_t t = 0; t < ctx; t++) {
+                        sg[t] = exp_nonpositive(sg[t] - m);
+                        total += sg[t];
+                    }
+                    const __m512 inv = _mm512_set1_ps(1.0f / total);
+                    for (int64_t t = 0; t < n32 * 32; t += 16)
+                        split_bf16(_mm512_maskz_mul_ps(t + 16 <= ctx ? 0xffff : t < ctx ? (1u << (ctx - t)) - 1 : 0,
+                                                       _mm512_loadu_ps(sg + t), inv), pg + t, pl + t);
+                }
+                for (int64_t d0 = 0; d0 < RANK; d0 += 32) {  /* P V, 32 latent dims a pass */
+                    amx_tiles(pb, n32 * 32, 1, vt + d0 / 16 * n32 * 512, n32 * 512, 1, (int)k32, c);
+                    for (int g = 0; g < nh; g++) {
+                        float *o = ol + (r * heads + h0 + g) * RANK + d0;
+                        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(c + g * 16), _mm512_loadu_ps(c + 256 + g * 16)));
+                        _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_loadu_ps(c + 512 + g * 16),
+                                                               _mm512_loadu_ps(c + 768 + g * 16)));
+                    }
+                }
+            }
+            free(kt);
+        }
+        _tile_release();
+    }
+    return failed ? -1 : 0;
 }
 
 /* Phase 3 on tiles: out (bf16) as project_values'. */
@@ -587,8 +721,14 @@ int atomd_mla_decode(const void *q, const void *uk_t, const void *uv, const void
         else
 #endif
             absorb_queries(q, uk_t, ql, rows, heads, scale, bf16, num_threads);
-        status = attend(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size, table_width,
-                        block_stride, layer_offset, bf16, num_threads);
+#if MLA_AMX
+        if (amx)
+            status = attend_amx(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size,
+                                table_width, block_stride, layer_offset, num_threads);
+        else
+#endif
+            status = attend(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size,
+                            table_width, block_stride, layer_offset, bf16, num_threads);
 #if MLA_AMX
         if (status == 0 && amx)
             project_values_amx(ol, uv, out, rows, heads, num_threads);
