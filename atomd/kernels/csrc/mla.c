@@ -402,7 +402,7 @@ static void project_values(const float *restrict ol, const void *uv, void *out, 
  * float32 as the other paths (bf16 products exact), in another order. Fewer rows: the paths above
  * (batch 1's weights read as stored with a prefetch, the batch-1 C layer's bits unchanged). */
 #if VEC16 && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && NOPE % 32 == 0 && \
-    RANK % 32 == 0 && VDIM % 16 == 0
+    ROPE % 32 == 0 && RANK % 32 == 0 && VDIM % 16 == 0
 #include "amx.h"
 #define MLA_AMX 1
 #define AMX_MIN_ROWS 4
