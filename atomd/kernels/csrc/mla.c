@@ -501,37 +501,50 @@ static inline void amx_rows_of(const float *out, int t, __m512 v[16]) {
     transpose16(v);
 }
 
-/* Phase 1 on tiles: ql as absorb_queries', bf16 q and uk_t. */
-static void absorb_queries_amx(const uint16_t *q, const uint16_t *uk_t, float *restrict ql, int64_t rows,
-                               int64_t heads, float scale, int num_threads) {
+/* Phases 1 and 3 on tiles: per head h and row r, dst row (r, h) = scale * W[h] x row (r, h), for
+ * the rows x (bf16, or float32 rounded to bf16 when x_f32; row r's head h at (r * heads + h) *
+ * x_head) and the weights w [heads][n_out][k] bf16; dst float32 (r * heads + h) * dst_head + j,
+ * or bf16 when dst_bf16. Work items: a head and a block of RB rows (its weights read once). */
+static void heads_amx(const void *x, int x_f32, int64_t x_head, const uint16_t *w, int n_out, int k, void *dst,
+                      int dst_bf16, int64_t dst_head, float scale, int64_t rows, int64_t heads, int num_threads) {
     const int64_t blocks = (rows + RB - 1) / RB;
+    const size_t x_size = x_f32 ? sizeof(float) : sizeof(uint16_t);
 #pragma omp parallel num_threads(num_threads)
     {
-        uint16_t qb[RB * NOPE];
+        uint16_t xb[RB * (NOPE > RANK ? NOPE : RANK)];
         float c[4 * 256];
         amx_configure();
 #pragma omp for schedule(static)
         for (int64_t item = 0; item < heads * blocks; item++) {
             const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
-            for (int64_t r = 0; r < nr; r++) {
-                const uint16_t *qr = q + ((r0 + r) * heads + h) * QDIM + NOPE;
-                float *dst = ql + ((r0 + r) * heads + h) * LAT + RANK;
-                for (int d = 0; d < ROPE; d++) dst[d] = scale * bf16_to_f32(qr[d]);
-            }
-            amx_pack_rows(q + (r0 * heads + h) * QDIM, 0, heads * QDIM, nr, NOPE, qb);
-            for (int64_t j0 = 0; j0 < RANK; j0 += 32) {
-                amx_tiles(uk_t + (h * RANK + j0) * NOPE, NOPE, 1, qb, 16 * NOPE, nr > 16, NOPE / 32, c);
+            amx_pack_rows((const char *)x + (r0 * heads + h) * x_head * x_size, x_f32, heads * x_head, nr, k, xb);
+            for (int64_t j0 = 0; j0 < n_out; j0 += 32) {
+                const int two_a = j0 + 16 < n_out;
+                amx_tiles(w + (h * n_out + j0) * k, k, two_a, xb, 16 * k, nr > 16, k / 32, c);
                 for (int t = 0; t < (nr > 16 ? 4 : 2); t++) {
+                    if (t % 2 && !two_a) continue;
                     __m512 v[16];
                     amx_rows_of(c, t, v);
-                    for (int64_t n = 0; n < 16 && t / 2 * 16 + n < nr; n++)
-                        _mm512_storeu_ps(ql + ((r0 + t / 2 * 16 + n) * heads + h) * LAT + j0 + t % 2 * 16,
-                                         _mm512_mul_ps(v[n], _mm512_set1_ps(scale)));
+                    for (int64_t n = 0; n < 16 && t / 2 * 16 + n < nr; n++) {
+                        const int64_t at = ((r0 + t / 2 * 16 + n) * heads + h) * dst_head + j0 + t % 2 * 16;
+                        if (dst_bf16)
+                            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + at), bf16_of16(v[n]));
+                        else
+                            _mm512_storeu_ps((float *)dst + at, _mm512_mul_ps(v[n], _mm512_set1_ps(scale)));
+                    }
                 }
             }
         }
         _tile_release();
     }
+}
+
+/* Phase 1 on tiles: ql as absorb_queries', bf16 q and uk_t (the rope part copied, scaled). */
+static void absorb_queries_amx(const uint16_t *q, const uint16_t *uk_t, float *restrict ql, int64_t rows,
+                               int64_t heads, float scale, int num_threads) {
+    for (int64_t rh = 0; rh < rows * heads; rh++)
+        for (int d = 0; d < ROPE; d++) ql[rh * LAT + RANK + d] = scale * bf16_to_f32(q[rh * QDIM + NOPE + d]);
+    heads_amx(q, 0, QDIM, uk_t, RANK, NOPE, ql, 0, LAT, scale, rows, heads, num_threads);
 }
 
 /* Phase 2 on tiles: ol as attend's, bf16 cache. A work item (a sequence and a chunk of at most
@@ -651,31 +664,7 @@ static int attend_amx(const float *restrict ql, const uint16_t *kv, const int64_
 /* Phase 3 on tiles: out (bf16) as project_values'. */
 static void project_values_amx(const float *restrict ol, const uint16_t *uv, uint16_t *out, int64_t rows,
                                int64_t heads, int num_threads) {
-    const int64_t blocks = (rows + RB - 1) / RB;
-#pragma omp parallel num_threads(num_threads)
-    {
-        uint16_t ob[RB * RANK];
-        float c[4 * 256];
-        amx_configure();
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < heads * blocks; item++) {
-            const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
-            amx_pack_rows(ol + (r0 * heads + h) * RANK, 1, heads * RANK, nr, RANK, ob);
-            for (int64_t j0 = 0; j0 < VDIM; j0 += 32) {
-                const int two_a = j0 + 16 < VDIM;
-                amx_tiles(uv + (h * VDIM + j0) * RANK, RANK, two_a, ob, 16 * RANK, nr > 16, RANK / 32, c);
-                for (int t = 0; t < (nr > 16 ? 4 : 2); t++) {
-                    if (t % 2 && !two_a) continue;
-                    __m512 v[16];
-                    amx_rows_of(c, t, v);
-                    for (int64_t n = 0; n < 16 && t / 2 * 16 + n < nr; n++)
-                        _mm256_storeu_si256((__m256i *)(out + ((r0 + t / 2 * 16 + n) * heads + h) * VDIM + j0 + t % 2 * 16),
-                                            bf16_of16(v[n]));
-                }
-            }
-        }
-        _tile_release();
-    }
+    heads_amx(ol, 1, RANK, uv, VDIM, RANK, out, 1, VDIM, 1.0f, rows, heads, num_threads);
 }
 #else
 #define MLA_AMX 0
