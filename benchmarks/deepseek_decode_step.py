@@ -9,6 +9,8 @@ batch 16 (16 prompts of 32 tokens, 32 new). Variants, alternating within every r
 in the running engine (the same weights, the same prompts):
 - mla: `torch` (the absorption and W_UV as torch bmm around the attention kernel) vs `c`
   (csrc/mla.c, one call a layer); DeepSeek shapes only;
+- mla-amx: csrc/mla.c's `avx512` path (mla.AMX off) vs its AMX `tiles` (bf16, 4 or more rows:
+  batch 16; an AMX CPU);
 - moe: `loop` (one torch linear pair per active expert, moe.GROUPED and moe.AMX off) vs `grouped`
   (the MoE block's experts in one C call, layer_ops.moe_grouped);
 - layer: `perop` (the batch-1 layer as ~30 Python-level calls, deepseek.FUSED off) vs `c`
@@ -60,6 +62,12 @@ def variant(switch: str, name: str):
             yield
         finally:
             deepseek.FUSED = True
+    elif switch == "mla-amx" and name == "avx512":
+        mla.AMX = False
+        try:
+            yield
+        finally:
+            mla.AMX = True
     elif switch == "moe" and name == "loop":
         moe.GROUPED, moe.AMX = False, False
         try:
@@ -70,7 +78,7 @@ def variant(switch: str, name: str):
         yield
 
 
-VARIANTS = {"mla": ("torch", "c"), "moe": ("loop", "grouped"), "layer": ("perop", "c")}
+VARIANTS = {"mla": ("torch", "c"), "mla-amx": ("avx512", "tiles"), "moe": ("loop", "grouped"), "layer": ("perop", "c")}
 
 
 def timed_decode_steps(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float, int]:
