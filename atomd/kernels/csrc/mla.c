@@ -16,7 +16,8 @@
  * Shape macros: RANK (kv_lora_rank), ROPE (qk_rope_head_dim), NOPE (qk_nope_head_dim), VDIM
  * (v_head_dim): one library per model shape, so the inner loops have fixed trip counts. Plain C
  * loops the compiler vectorises for whatever the build targets (every $ATOMD_KERNEL_ISA
- * narrowing); bf16 is widened to float32 by a 16-bit shift (exact), every sum is float32.
+ * narrowing); bf16 is widened to float32 by a 16-bit shift (exact), every sum is float32. On AMX
+ * CPUs bf16 calls of AMX_MIN_ROWS rows or more run all three phases as tile products (MLA_AMX below).
  */
 #include <math.h>
 #include <stdint.h>
