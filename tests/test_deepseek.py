@@ -211,7 +211,7 @@ def test_absorbed_decode_kernel_verifies_drafts_causally(dtype, tol, shape, isa,
 TILE_SHAPE = (64, 32, 48, 64)
 
 
-@pytest.mark.parametrize("isa", ["native", "no-amx"])
+@pytest.mark.parametrize("isa", ISA_FLAGS)
 @pytest.mark.parametrize("lens,heads,runs", [([9] * 4, 16, None), ([5, 16, 17] * 6 + [3], 20, None),
                                              ([30, 1, 17, 64, 40] * 8, 3, None), ([20, 4, 35, 18], 16, [3, 1, 4, 9])])
 def test_absorbed_decode_on_amx_tiles(lens, heads, runs, isa, monkeypatch):

@@ -402,8 +402,9 @@ static void project_values(const float *restrict ol, const void *uv, void *out, 
  * [value pair][row][2] layout; a C tile is 16 outputs x 16 rows, transposed on the way out. Sums
  * float32 as the other paths (bf16 products exact), in another order. Fewer rows: the paths above
  * (batch 1's weights read as stored with a prefetch, the batch-1 C layer's bits unchanged). */
-#if VEC16 && defined(__AVX512BW__) && defined(__AMX_TILE__) && defined(__AMX_BF16__) && NOPE % 32 == 0 && \
-    ROPE % 32 == 0 && RANK % 32 == 0 && VDIM % 16 == 0
+#if BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && ROPE % 32 == 0 && VDIM % 16 == 0
+/* (BF16_DOT: AVX-512 BW and BF16 dots, NOPE and RANK multiples of 32; off in the no-bf16-dot build,
+ * which stands for an AVX-512 CPU without them, as every AMX path of the kernels) */
 #include "amx.h"
 #define MLA_AMX 1
 #define AMX_MIN_ROWS 4
