@@ -47,35 +47,29 @@ WORKLOADS = {"batch1": (1, 128, 32), "batch16": (16, 32, 32)}  # sequences, prom
 
 
 @contextlib.contextmanager
+def switched(module, **values):
+    """The module's attributes set to `values` while inside, restored after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def variant(switch: str, name: str):
     """The engine's code path for `name` of `switch` while inside."""
     if switch == "mla" and name == "torch":
-        saved = mla.fused_decode_kernels
-        mla.fused_decode_kernels = lambda *args: None
-        try:
-            yield
-        finally:
-            mla.fused_decode_kernels = saved
-    elif switch == "layer" and name == "perop":
-        deepseek.FUSED = False
-        try:
-            yield
-        finally:
-            deepseek.FUSED = True
-    elif switch == "mla-amx" and name == "avx512":
-        mla.AMX = False
-        try:
-            yield
-        finally:
-            mla.AMX = True
-    elif switch == "moe" and name == "loop":
-        moe.GROUPED, moe.AMX = False, False
-        try:
-            yield
-        finally:
-            moe.GROUPED, moe.AMX = True, True
-    else:
-        yield
+        return switched(mla, fused_decode_kernels=lambda *args: None)
+    if switch == "mla-amx" and name == "avx512":
+        return switched(mla, AMX=False)
+    if switch == "layer" and name == "perop":
+        return switched(deepseek, FUSED=False)
+    if switch == "moe" and name == "loop":
+        return switched(moe, GROUPED=False, AMX=False)
+    return contextlib.nullcontext()
 
 
 VARIANTS = {"mla": ("torch", "c"), "mla-amx": ("avx512", "tiles"), "moe": ("loop", "grouped"), "layer": ("perop", "c")}
