@@ -287,13 +287,13 @@ def test_routing_equals_transformers_router(config_class, extra):
     torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order), atol=1e-6, rtol=1e-6)
 
 
-def assert_bf16_as_close_as_hf_bf16(path: pathlib.Path, prompts: list[list[int]], batch: bool, threads: int = 1) -> None:
+def assert_bf16_as_close_as_hf_bf16(path: pathlib.Path, prompts: list[list[int]], batch: bool) -> None:
     """The engine's bf16 logprobs of its greedy tokens (the first from the prefill, 23 from the
     absorbed decode; the prompts one at a time, or in one generate call when batch) are, for nine
     in ten of them at least, as close to HF's float32 ones as HF's own bfloat16 run is."""
     hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
           for dtype in (torch.float32, torch.bfloat16)}
-    llm = LLM(str(path), num_threads=threads, max_model_len=256, dtype="bfloat16")
+    llm = LLM(str(path), num_threads=1, max_model_len=256, dtype="bfloat16")
     assert llm.engine.kv_cache.kv.dtype == torch.bfloat16
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
     requests = [{"prompt_token_ids": prompt} for prompt in prompts]
@@ -328,8 +328,7 @@ def test_bf16_batch_on_amx_tiles_is_as_close_to_float32_as_hf_bf16(tmp_path):
                          v_head_dim=32, kv_lora_rank=32)
     lib = mla_kernels(32, 32, 32, 32)
     assert native.mla_amx(lib, mla.AMX) == (mla.AMX and {"amx_tile", "amx_bf16"} <= cpu_flags())
-    assert_bf16_as_close_as_hf_bf16(path, prompts_of([3, 9, BLOCK, 2 * BLOCK + 5, 20, 7], seed=6), batch=True,
-                                    threads=1)
+    assert_bf16_as_close_as_hf_bf16(path, prompts_of([3, 9, BLOCK, 2 * BLOCK + 5, 20, 7], seed=6), batch=True)
 
 
 def test_kv_events_name_the_latent_blocks_by_their_tokens(request, checkpoints):

@@ -574,7 +574,8 @@ static int attend_amx(const float *restrict ql, const uint16_t *kv, const int64_
         for (int64_t item = 0; item < batch * chunks; item++) {
             const int64_t b = item / chunks, h0 = item % chunks * hc, nh = min64(hc, heads - h0);
             const int64_t full_ctx = context_lens[b], *table = block_tables + b * table_width;
-            const int64_t r_begin = query_starts ? query_starts[b] : b, r_end = query_starts ? query_starts[b + 1] : b + 1;
+            const int64_t r_begin = query_starts ? query_starts[b] : b;
+            const int64_t r_end = query_starts ? query_starts[b + 1] : b + 1;
             const int64_t n16 = (full_ctx + 15) / 16 > 0 ? (full_ctx + 15) / 16 : 1, n32 = (n16 + 1) / 2;
             /* kt, vt, then the scores [16][n16 * 16] (float) and the probabilities [16][n32 * 32] (bf16) */
             uint16_t *kt = malloc(sizeof(uint16_t) * (n16 * 16 * LAT + n32 * 32 * RANK + 32 * n32 * 32) +
@@ -590,23 +591,24 @@ static int attend_amx(const float *restrict ql, const uint16_t *kv, const int64_
             for (int64_t t0 = 0; t0 < n32 * 32; t0 += 32) {
                 for (int64_t i = 0; i < 32; i++) {
                     const int64_t t = t0 + i;
-                    row[i] = t < full_ctx ? kv + table[t / block_size] * block_stride + layer_offset + t % block_size * LAT
-                                          : NULL;
+                    row[i] = t >= full_ctx ? NULL
+                             : kv + table[t / block_size] * block_stride + layer_offset + t % block_size * LAT;
                 }
                 amx_pack16((const void *const *)row, 0, LAT, kt + t0 * LAT);
                 if (t0 + 16 < n16 * 16) amx_pack16((const void *const *)(row + 16), 0, LAT, kt + (t0 + 16) * LAT);
                 /* values: tile row p = tokens 2p and 2p + 1 interleaved over 16 dims */
-                const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7,
-                                                     38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+                const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                     39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
                 for (int64_t d0 = 0; d0 < RANK; d0 += 16) {
                     uint16_t *tile = vt + (d0 / 16 * n32 + t0 / 32) * 512;
                     for (int p = 0; p < 16; p++) {
-                        const __m512i lo = row[2 * p] ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row[2 * p] + d0)))
-                                                      : _mm512_setzero_si512();
-                        const __m512i hi = row[2 * p + 1]
-                                               ? _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(row[2 * p + 1] + d0)))
-                                               : _mm512_setzero_si512();
-                        _mm512_storeu_si512(tile + 32 * p, _mm512_permutex2var_epi16(lo, idx, hi));
+                        __m512i pair[2];
+                        for (int i = 0; i < 2; i++) {
+                            const uint16_t *src = row[2 * p + i];
+                            pair[i] = src == NULL ? _mm512_setzero_si512()
+                                                  : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(src + d0)));
+                        }
+                        _mm512_storeu_si512(tile + 32 * p, _mm512_permutex2var_epi16(pair[0], idx, pair[1]));
                     }
                 }
             }
@@ -619,13 +621,11 @@ static int attend_amx(const float *restrict ql, const uint16_t *kv, const int64_
                 for (int64_t tb = 0; tb < k16; tb += 2) {  /* scores, 32 keys a pass: hi and lo halves summed */
                     const int two = tb + 1 < k16;
                     amx_tiles(qa, LAT, 1, kt + tb * 16 * LAT, 16 * LAT, two, LAT / 32, c);
-                    for (int g = 0; g < nh; g++) {
-                        _mm512_storeu_ps(sc + g * n16 * 16 + tb * 16,
-                                         _mm512_add_ps(_mm512_loadu_ps(c + g * 16), _mm512_loadu_ps(c + 256 + g * 16)));
-                        if (two)
-                            _mm512_storeu_ps(sc + g * n16 * 16 + tb * 16 + 16, _mm512_add_ps(_mm512_loadu_ps(c + 512 + g * 16),
-                                                                                             _mm512_loadu_ps(c + 768 + g * 16)));
-                    }
+                    for (int g = 0; g < nh; g++)
+                        for (int k = 0; k < 1 + two; k++)  /* key block tb + k: its hi tile + its lo tile */
+                            _mm512_storeu_ps(sc + g * n16 * 16 + (tb + k) * 16,
+                                             _mm512_add_ps(_mm512_loadu_ps(c + 512 * k + g * 16),
+                                                           _mm512_loadu_ps(c + 512 * k + 256 + g * 16)));
                 }
                 for (int g = 0; g < 16; g++) {
                     uint16_t *pg = pb + g * n32 * 32, *pl = pb + (16 + g) * n32 * 32;
@@ -648,12 +648,11 @@ static int attend_amx(const float *restrict ql, const uint16_t *kv, const int64_
                 }
                 for (int64_t d0 = 0; d0 < RANK; d0 += 32) {  /* P V, 32 latent dims a pass */
                     amx_tiles(pb, n32 * 32, 1, vt + d0 / 16 * n32 * 512, n32 * 512, 1, (int)k32, c);
-                    for (int g = 0; g < nh; g++) {
-                        float *o = ol + (r * heads + h0 + g) * RANK + d0;
-                        _mm512_storeu_ps(o, _mm512_add_ps(_mm512_loadu_ps(c + g * 16), _mm512_loadu_ps(c + 256 + g * 16)));
-                        _mm512_storeu_ps(o + 16, _mm512_add_ps(_mm512_loadu_ps(c + 512 + g * 16),
-                                                               _mm512_loadu_ps(c + 768 + g * 16)));
-                    }
+                    for (int g = 0; g < nh; g++)
+                        for (int k = 0; k < 2; k++)  /* dims d0 + 16 k: hi tile + lo tile */
+                            _mm512_storeu_ps(ol + (r * heads + h0 + g) * RANK + d0 + 16 * k,
+                                             _mm512_add_ps(_mm512_loadu_ps(c + 512 * k + g * 16),
+                                                           _mm512_loadu_ps(c + 512 * k + 256 + g * 16)));
                 }
             }
             free(kt);
