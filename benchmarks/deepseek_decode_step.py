@@ -9,6 +9,8 @@ batch 16 (16 prompts of 32 tokens, 32 new). Variants, alternating within every r
 in the running engine (the same weights, the same prompts):
 - mla: `torch` (the absorption and W_UV as torch bmm around the attention kernel) vs `c`
   (csrc/mla.c, one call a layer); DeepSeek shapes only;
+- mla-amx: csrc/mla.c's `avx512` path (mla.AMX off) vs its AMX `tiles` (bf16, 4 or more rows:
+  batch 16; an AMX CPU);
 - moe: `loop` (one torch linear pair per active expert, moe.GROUPED and moe.AMX off) vs `grouped`
   (the MoE block's experts in one C call, layer_ops.moe_grouped);
 - layer: `perop` (the batch-1 layer as ~30 Python-level calls, deepseek.FUSED off) vs `c`
@@ -45,32 +47,32 @@ WORKLOADS = {"batch1": (1, 128, 32), "batch16": (16, 32, 32)}  # sequences, prom
 
 
 @contextlib.contextmanager
+def switched(module, **values):
+    """The module's attributes set to `values` while inside, restored after."""
+    saved = {name: getattr(module, name) for name in values}
+    for name, value in values.items():
+        setattr(module, name, value)
+    try:
+        yield
+    finally:
+        for name, value in saved.items():
+            setattr(module, name, value)
+
+
 def variant(switch: str, name: str):
     """The engine's code path for `name` of `switch` while inside."""
     if switch == "mla" and name == "torch":
-        saved = mla.fused_decode_kernels
-        mla.fused_decode_kernels = lambda *args: None
-        try:
-            yield
-        finally:
-            mla.fused_decode_kernels = saved
-    elif switch == "layer" and name == "perop":
-        deepseek.FUSED = False
-        try:
-            yield
-        finally:
-            deepseek.FUSED = True
-    elif switch == "moe" and name == "loop":
-        moe.GROUPED, moe.AMX = False, False
-        try:
-            yield
-        finally:
-            moe.GROUPED, moe.AMX = True, True
-    else:
-        yield
+        return switched(mla, fused_decode_kernels=lambda *args: None)
+    if switch == "mla-amx" and name == "avx512":
+        return switched(mla, AMX=False)
+    if switch == "layer" and name == "perop":
+        return switched(deepseek, FUSED=False)
+    if switch == "moe" and name == "loop":
+        return switched(moe, GROUPED=False, AMX=False)
+    return contextlib.nullcontext()
 
 
-VARIANTS = {"mla": ("torch", "c"), "moe": ("loop", "grouped"), "layer": ("perop", "c")}
+VARIANTS = {"mla": ("torch", "c"), "mla-amx": ("avx512", "tiles"), "moe": ("loop", "grouped"), "layer": ("perop", "c")}
 
 
 def timed_decode_steps(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float, int]:

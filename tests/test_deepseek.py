@@ -16,7 +16,9 @@ import pytest
 import torch
 import transformers
 
+from atomd.config import cpu_flags
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.kernels import native
 from atomd.kernels.native import ISA_FLAGS, attention_kernels, mla_kernels
 from atomd.llm import LLM
 from atomd.model.deepseek import MLA_KV_LAYOUT_VERSION, DeepseekModel, DeepseekRouting
@@ -24,7 +26,7 @@ from atomd.model.loader import read_config
 from atomd.model import mla
 from atomd.model.mla import LatentUp, mla_decode, store_latent
 from contracts.sampling import SamplingParams
-from tests.families import DEEPSEEK, DEEPSEEK_COMMON, FAMILIES, write_families
+from tests.families import DEEPSEEK, DEEPSEEK_COMMON, FAMILIES, YARN, make_deepseek, write_families
 from tests.test_model_hf import BLOCK, assert_equals_hf, engine_greedy, prompts_of
 
 pytestmark = pytest.mark.unit
@@ -204,6 +206,54 @@ def test_absorbed_decode_kernel_verifies_drafts_causally(dtype, tol, shape, isa,
             torch.testing.assert_close(got[starts[b] + j].double(), want, atol=tol, rtol=tol)
 
 
+# (nope, rope, v, rank) of the AMX tile path (csrc/mla.c MLA_AMX: nope and rank whole tiles of 32,
+# v whole tiles of 16: 48 leaves an odd block of 16 value rows)
+TILE_SHAPE = (64, 32, 48, 64)
+
+
+@pytest.mark.parametrize("isa", ISA_FLAGS)
+@pytest.mark.parametrize("lens,heads,runs", [([9] * 4, 16, None), ([5, 16, 17] * 6 + [3], 20, None),
+                                             ([30, 1, 17, 64, 40] * 8, 3, None), ([20, 4, 35, 18], 16, [3, 1, 4, 9])])
+def test_absorbed_decode_on_amx_tiles(lens, heads, runs, isa, monkeypatch):
+    """bf16 blocks of 4 or more query rows (one block of 16, 19 rows and 20 heads: a full block
+    and a partial one, 40 rows: past the 32 a pass over the weights, drafts of 1-9 rows a
+    sequence): the tile path (on AMX CPUs under the native build) against float64 attention over
+    up-projected k, v and against the kernel's AVX-512 path on the same inputs. The kernel reports
+    the tiles where the CPU has them and the build keeps them, and the switch turns them off. On
+    3 threads (each configures its own tiles)."""
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
+    (nope, rope, v, rank), dtype, scale = TILE_SHAPE, torch.bfloat16, 0.3
+    g = torch.Generator().manual_seed(len(lens) + heads)
+    cache, tables, latents = latent_cache(lens, rank, rope, dtype, 1, g)
+    starts = None if runs is None else torch.tensor([0, *runs]).cumsum(0)
+    lib = mla_kernels(rank, rope, nope, v, isa)
+    kv_b = (torch.randn(heads * (nope + v), rank, generator=g) * 0.2).to(dtype)
+    q = torch.randn(len(lens) if runs is None else sum(runs), heads, nope + rope, generator=g).to(dtype)
+    up = LatentUp.of(kv_b, heads, nope, v, pack=False)
+    tiles = isa == "native" and {"amx_tile", "amx_bf16"} <= cpu_flags()
+
+    def decode():
+        return native.mla_decode(lib, q, up.uk_t, up.uv, cache, 0, tables, torch.tensor(lens), starts, scale)
+
+    try:
+        assert native.mla_amx(lib, True) == tiles
+        got = decode()
+        assert not native.mla_amx(lib, False)
+        avx512 = decode()
+    finally:
+        native.mla_amx(lib, True)
+    ends = torch.tensor(lens).cumsum(0)
+    for b, n in enumerate(lens):
+        for j in range(1 if runs is None else runs[b]):
+            k = 1 if runs is None else runs[b]
+            row = b if runs is None else starts[b] + j
+            want = naive_attention(q[row], latents[0][ends[b] - n:ends[b] - (k - 1 - j)], kv_b, heads, nope, v, rank,
+                                   scale)
+            torch.testing.assert_close(got[row].double(), want, atol=3e-2, rtol=3e-2)
+    # the same bf16 products in another order: the outputs at most a bf16 rounding or two apart
+    torch.testing.assert_close(got, avx512, atol=2e-2, rtol=2e-2)
+
+
 # ---------------------------------------------------------------- routing
 
 
@@ -237,21 +287,18 @@ def test_routing_equals_transformers_router(config_class, extra):
     torch.testing.assert_close(weights.gather(1, order), want_weights.gather(1, want_order), atol=1e-6, rtol=1e-6)
 
 
-@pytest.mark.parametrize("name", ["v2-lite", "v3"])
-def test_bf16_is_as_close_to_float32_as_hf_bf16(name, checkpoints):
-    """bfloat16 weights, latent cache and activations (routing in float32, as transformers): the
-    logprob of the greedy tokens (the first from the prefill, 23 from the absorbed decode) is,
-    for nine in ten of them at least, as close to HF's float32 one as HF's own bfloat16 run is. (Greedy ids themselves are no test in
-    bf16 here: random tiny routers flip experts on a bf16 rounding, HF's own bf16 leaves its
-    float32 ids within a few tokens.)"""
-    path = checkpoints[name]
+def assert_bf16_as_close_as_hf_bf16(path: pathlib.Path, prompts: list[list[int]], batch: bool) -> None:
+    """The engine's bf16 logprobs of its greedy tokens (the first from the prefill, 23 from the
+    absorbed decode; the prompts one at a time, or in one generate call when batch) are, for nine
+    in ten of them at least, as close to HF's float32 ones as HF's own bfloat16 run is."""
     hf = {dtype: transformers.AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
           for dtype in (torch.float32, torch.bfloat16)}
     llm = LLM(str(path), num_threads=1, max_model_len=256, dtype="bfloat16")
     assert llm.engine.kv_cache.kv.dtype == torch.bfloat16
     params = SamplingParams(max_tokens=24, temperature=0.0, ignore_eos=True, logprobs=0)
-    for prompt in prompts_of([1, 5 * BLOCK + 3], seed=4):
-        out = llm.generate([{"prompt_token_ids": prompt}], params)[0].outputs[0]
+    requests = [{"prompt_token_ids": prompt} for prompt in prompts]
+    outs = llm.generate(requests, params) if batch else [llm.generate([r], params)[0] for r in requests]
+    for prompt, out in zip(prompts, (o.outputs[0] for o in outs)):
         ours = torch.tensor([lp.logprob for lp in out.logprobs])
         rows, ids = torch.arange(len(prompt) - 1, len(prompt) + 23), torch.tensor(out.token_ids)
         with torch.inference_mode():
@@ -262,6 +309,26 @@ def test_bf16_is_as_close_to_float32_as_hf_bf16(name, checkpoints):
         # all but a token in ten: a bf16 rounding of a router input can flip one token's expert
         # (met once, torch ops without the C kernels: 0.94 off at one of 24, the rest <= 0.03)
         assert within.float().mean() >= 0.9, (len(prompt), hf_error, ours - ref[torch.float32])
+
+
+@pytest.mark.parametrize("name", ["v2-lite", "v3"])
+def test_bf16_is_as_close_to_float32_as_hf_bf16(name, checkpoints):
+    """bfloat16 weights, latent cache and activations (routing in float32, as transformers), one
+    sequence at a time. (Greedy ids themselves are no test in bf16 here: random tiny routers flip
+    experts on a bf16 rounding, HF's own bf16 leaves its float32 ids within a few tokens.)"""
+    assert_bf16_as_close_as_hf_bf16(checkpoints[name], prompts_of([1, 5 * BLOCK + 3], seed=4), batch=False)
+
+
+def test_bf16_batch_on_amx_tiles_is_as_close_to_float32_as_hf_bf16(tmp_path):
+    """A V2-Lite-shaped checkpoint with head dims the kernel's AMX tile path takes (TILE_SHAPE's
+    kind: nope, rope, rank 32, v 32), six prompts decoded as one batch: on an AMX CPU
+    its bf16 decode runs csrc/mla.c's tiles (the kernel says so), as close to HF as above."""
+    path = make_deepseek(tmp_path / "v2-lite-tiles", "DeepseekV2Config", 40, q_lora_rank=None, first_k_dense_replace=1,
+                         topk_method="greedy", rope_parameters=YARN, qk_nope_head_dim=32, qk_rope_head_dim=32,
+                         v_head_dim=32, kv_lora_rank=32)
+    lib = mla_kernels(32, 32, 32, 32)
+    assert native.mla_amx(lib, mla.AMX) == (mla.AMX and {"amx_tile", "amx_bf16"} <= cpu_flags())
+    assert_bf16_as_close_as_hf_bf16(path, prompts_of([3, 9, BLOCK, 2 * BLOCK + 5, 20, 7], seed=6), batch=True)
 
 
 def test_kv_events_name_the_latent_blocks_by_their_tokens(request, checkpoints):

@@ -176,8 +176,19 @@ def _mla_kernels(rank: int, rope: int, nope: int, v: int, isa: str) -> ctypes.CD
     if lib is not None:
         lib.atomd_mla_decode.restype = ctypes.c_int
         lib.atomd_mla_decode.argtypes = [_PTR] * 8 + [_I64] * 7 + [ctypes.c_float, ctypes.c_int, ctypes.c_int]
+        lib.atomd_mla_amx.argtypes, lib.atomd_mla_amx.restype = [ctypes.c_int], ctypes.c_int
+        lib.amx_on = True  # the kernel's own default (mla_amx switches it)
         lib.shape = (rank, rope, nope, v)
     return lib
+
+
+def mla_amx(lib: ctypes.CDLL, on: bool) -> bool:
+    """Let the kernel's bf16 blocks of 4 or more rows run on AMX tiles (on), or keep them on the
+    AVX-512 path; True where the tiles then run (built with them, the process granted their state)."""
+    if lib.amx_on != on:
+        lib.amx_on = on
+        return bool(lib.atomd_mla_amx(int(on)))
+    return bool(lib.atomd_mla_amx(-1))
 
 
 def mla_decode(lib: ctypes.CDLL, q: torch.Tensor, uk_t: torch.Tensor, uv: torch.Tensor, kv_cache: KVCache,

@@ -16,10 +16,13 @@ W_UV[h] once per token: no per-context-token up-projection, and every head reads
 a layer (csrc/mla.c: the absorption, the attention over the paged latent in place, W_UV);
 over an fp8 cache, or where that kernel does not build, the absorption and W_UV are batched
 matmuls around the attention kernel built for heads of rank + rope values (all query heads in
-one group, the rows as their own values, the rope part of its output dropped).
+one group, the rows as their own values, the rope part of its output dropped). On AMX CPUs the
+kernel's bf16 blocks of 4 or more rows (a batch's decode) multiply their queries into latent
+space and their weighted latents through W_UV as tile products (AMX below).
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +32,11 @@ from atomd.engine.kv_cache import AttentionMetadata, KVCache
 from atomd.kernels import native
 from atomd.kernels.native import decode_attention
 from atomd.model.linear import linear, pack_linear_weight
+
+# csrc/mla.c's bf16 blocks of 4 or more query rows on AMX tiles where the CPU has them (W_UK and
+# W_UV read as stored, once per 32 rows); False (or $ATOMD_MLA_AMX=0 at import): its AVX-512 path
+# (the A/B of benchmarks/engine_compare.py --atomd-baseline-env). ATOMD_KERNEL_ISA=no-amx builds without tiles.
+AMX = os.environ.get("ATOMD_MLA_AMX") != "0"
 
 
 @dataclass
@@ -95,7 +103,10 @@ def fused_decode_kernels(kernels, kv_cache: KVCache, rank: int, rope: int, up: L
     step (`kernels`, built under their ISA narrowing) over a cache in the model's dtype; else None."""
     if kernels is None or kv_cache.fp8:
         return None
-    return native.mla_kernels(rank, rope, up.nope, up.v, kernels.isa)
+    lib = native.mla_kernels(rank, rope, up.nope, up.v, kernels.isa)
+    if lib is not None and lib.amx_on != AMX:
+        native.mla_amx(lib, AMX)
+    return lib
 
 
 def mla_decode(q: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata, up: LatentUp,

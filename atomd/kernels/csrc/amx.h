@@ -1,7 +1,7 @@
 /* AMX tile state (Sapphire Rapids and later), shared by attention_amx.h (bf16 prefill),
- * moe_amx.h (bf16 MoE experts) and quant_amx.h (int8 / int4 weights with int8 activations): the
- * tile configuration record, Linux's per-process permission, the all-16x64 tile set-up. Include
- * only where __AMX_TILE__ is defined. */
+ * moe_amx.h (bf16 MoE experts), quant_amx.h (int8 / int4 weights with int8 activations) and
+ * mla.c (the absorbed MLA decode of a batch): the tile configuration record, Linux's
+ * per-process permission, the all-16x64 tile set-up. Include only where __AMX_TILE__ is defined. */
 #ifndef ATOMD_AMX_H
 #define ATOMD_AMX_H
 #include <immintrin.h>

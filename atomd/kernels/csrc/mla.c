@@ -16,7 +16,8 @@
  * Shape macros: RANK (kv_lora_rank), ROPE (qk_rope_head_dim), NOPE (qk_nope_head_dim), VDIM
  * (v_head_dim): one library per model shape, so the inner loops have fixed trip counts. Plain C
  * loops the compiler vectorises for whatever the build targets (every $ATOMD_KERNEL_ISA
- * narrowing); bf16 is widened to float32 by a 16-bit shift (exact), every sum is float32.
+ * narrowing); bf16 is widened to float32 by a 16-bit shift (exact), every sum is float32. On AMX
+ * CPUs bf16 calls of AMX_MIN_ROWS rows or more run all three phases as tile products (MLA_AMX below).
  */
 #include <math.h>
 #include <stdint.h>
@@ -393,6 +394,296 @@ static void project_values(const float *restrict ol, const void *uv, void *out, 
     }
 }
 
+/* AMX (Sapphire Rapids and later), bf16 at AMX_MIN_ROWS query rows or more: phases 1 and 3 as
+ * tile products that read each head's weights once per block of RB rows. The weights are the A
+ * operand as stored (a tile: 16 weight rows x 32 values, rows NOPE or RANK values apart: no packed
+ * copy to keep), the block's rows the B operand (phase 1: q_nope; phase 3: the weighted latents
+ * rounded to bf16, as the AVX512_BF16 path rounds them), packed per item into the tile's
+ * [value pair][row][2] layout; a C tile is 16 outputs x 16 rows, transposed on the way out. Sums
+ * float32 as the other paths (bf16 products exact), in another order. Fewer rows: the paths above
+ * (batch 1's weights read as stored with a prefetch, the batch-1 C layer's bits unchanged). */
+#if BF16_DOT && defined(__AMX_TILE__) && defined(__AMX_BF16__) && ROPE % 32 == 0 && VDIM % 16 == 0
+/* (BF16_DOT: AVX-512 BW and BF16 dots, NOPE and RANK multiples of 32; off in the no-bf16-dot build,
+ * which stands for an AVX-512 CPU without them, as every AMX path of the kernels) */
+#include "amx.h"
+#define MLA_AMX 1
+#define AMX_MIN_ROWS 4
+
+/* 16 float32 lanes rounded to bf16 (to nearest even, a NaN quiet: f32_to_bf16's bits) */
+static inline __m256i bf16_of16(__m512 x) {
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
+    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
+                                                  _mm512_set1_epi32(0x7f800000));
+    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
+    return _mm512_cvtepi32_epi16(r);
+}
+
+/* x as hi + lo, two bf16 vectors (hi = x rounded, lo = the rest rounded): ~16 significant bits
+ * through two tile products, where one bf16 operand would lose phase 2's float32 precision */
+static inline void split_bf16(__m512 x, uint16_t *hi, uint16_t *lo) {
+    const __m256i h = bf16_of16(x);
+    _mm256_storeu_si256((__m256i *)hi, h);
+    const __m512 hf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    _mm256_storeu_si256((__m256i *)lo, bf16_of16(_mm512_sub_ps(x, hf)));
+}
+
+/* 16 rows (bf16, or float32 rounded to bf16 when f32; NULL: zeros), their first n values, as n / 32
+ * contiguous B tiles [16 pairs][16 rows][2] at dst: per tile the rows' 16 value pairs (32-bit
+ * each) transposed in registers. */
+static inline void amx_pack16(const void *const rows[16], int f32, int n, uint16_t *restrict dst) {
+    for (int k = 0; k < n; k += 32) {
+        __m512 v[16];
+        for (int i = 0; i < 16; i++) {
+            if (rows[i] == NULL) {
+                v[i] = _mm512_setzero_ps();
+            } else if (f32) {
+                const float *s = (const float *)rows[i] + k;
+                v[i] = _mm512_castsi512_ps(_mm512_inserti64x4(_mm512_castsi256_si512(bf16_of16(_mm512_loadu_ps(s))),
+                                                              bf16_of16(_mm512_loadu_ps(s + 16)), 1));
+            } else {
+                v[i] = _mm512_castsi512_ps(_mm512_loadu_si512((const uint16_t *)rows[i] + k));
+            }
+        }
+        transpose16(v);
+        for (int i = 0; i < 16; i++) _mm512_storeu_ps(dst + k * 16 + 32 * i, v[i]);
+    }
+}
+
+/* rows [0, nr) (nr <= RB) of src (rows `stride` elements apart, f32 as amx_pack16's), as B tiles:
+ * dst [RB / 16 row blocks][n / 32][512] (a row block's tiles contiguous, 16 n values apart), rows
+ * past nr zero. */
+static inline void amx_pack_rows(const void *src, int f32, int64_t stride, int64_t nr, int n, uint16_t *restrict dst) {
+    for (int64_t r0 = 0; r0 < nr; r0 += 16) {
+        const void *rows[16];
+        for (int64_t i = 0; i < 16; i++)
+            rows[i] = r0 + i >= nr ? NULL
+                      : f32 ? (const void *)((const float *)src + (r0 + i) * stride)
+                            : (const void *)((const uint16_t *)src + (r0 + i) * stride);
+        amx_pack16(rows, f32, n, dst + r0 * n);
+    }
+}
+
+/* out [4][16 outputs][16 rows], tile t = (weight rows a + 16 (t % 2), packed row block t / 2):
+ * the weight rows a (16, or 32 when two_a; rows a_stride values apart) times the packed rows b
+ * (one row block, or two when two_b), over `chunks` chunks of 32 values. Tiles 0-3 accumulate,
+ * 4-5 the weights, 6-7 the rows. */
+static inline void amx_tiles(const uint16_t *a, int64_t a_stride, int two_a, const uint16_t *b, int64_t b_block,
+                             int two_b, int chunks, float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int c = 0; c < chunks; c++) {
+        _tile_loadd(6, b + c * 512, 64);
+        for (int i = 0; i < 32; i++)  /* the next 32 weight rows' chunk c: strided tile rows miss the prefetchers */
+            _mm_prefetch((const char *)(a + (32 + i) * a_stride + c * 32), _MM_HINT_T0);
+        _tile_loadd(4, a + c * 32, a_stride * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (two_a) {
+            _tile_loadd(5, a + 16 * a_stride + c * 32, a_stride * 2);
+            _tile_dpbf16ps(1, 5, 6);
+        }
+        if (two_b) {
+            _tile_loadd(7, b + b_block + c * 512, 64);
+            _tile_dpbf16ps(2, 4, 7);
+            if (two_a) _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, 64);
+    if (two_a) _tile_stored(1, out + 256, 64);
+    if (two_b) _tile_stored(2, out + 512, 64);
+    if (two_a && two_b) _tile_stored(3, out + 768, 64);
+}
+
+/* C tile t of amx_tiles' out, transposed: v[n] = row n's 16 outputs */
+static inline void amx_rows_of(const float *out, int t, __m512 v[16]) {
+    for (int j = 0; j < 16; j++) v[j] = _mm512_loadu_ps(out + t * 256 + j * 16);
+    transpose16(v);
+}
+
+/* Phases 1 and 3 on tiles: per head h and row r, dst row (r, h) = scale * W[h] x row (r, h), for
+ * the rows x (bf16, or float32 rounded to bf16 when x_f32; row r's head h at (r * heads + h) *
+ * x_head) and the weights w [heads][n_out][k] bf16; dst float32 (r * heads + h) * dst_head + j,
+ * or bf16 when dst_bf16. Work items: a head and a block of RB rows (its weights read once). */
+static void heads_amx(const void *x, int x_f32, int64_t x_head, const uint16_t *w, int n_out, int k, void *dst,
+                      int dst_bf16, int64_t dst_head, float scale, int64_t rows, int64_t heads, int num_threads) {
+    const int64_t blocks = (rows + RB - 1) / RB;
+    const size_t x_size = x_f32 ? sizeof(float) : sizeof(uint16_t);
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint16_t xb[RB * (NOPE > RANK ? NOPE : RANK)];
+        float c[4 * 256];
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t item = 0; item < heads * blocks; item++) {
+            const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
+            amx_pack_rows((const char *)x + (r0 * heads + h) * x_head * x_size, x_f32, heads * x_head, nr, k, xb);
+            for (int64_t j0 = 0; j0 < n_out; j0 += 32) {
+                const int two_a = j0 + 16 < n_out;
+                amx_tiles(w + (h * n_out + j0) * k, k, two_a, xb, 16 * k, nr > 16, k / 32, c);
+                for (int t = 0; t < (nr > 16 ? 4 : 2); t++) {
+                    if (t % 2 && !two_a) continue;
+                    __m512 v[16];
+                    amx_rows_of(c, t, v);
+                    for (int64_t n = 0; n < 16 && t / 2 * 16 + n < nr; n++) {
+                        const int64_t at = ((r0 + t / 2 * 16 + n) * heads + h) * dst_head + j0 + t % 2 * 16;
+                        if (dst_bf16)
+                            _mm256_storeu_si256((__m256i *)((uint16_t *)dst + at), bf16_of16(v[n]));
+                        else
+                            _mm512_storeu_ps((float *)dst + at, _mm512_mul_ps(v[n], _mm512_set1_ps(scale)));
+                    }
+                }
+            }
+        }
+        _tile_release();
+    }
+}
+
+/* Phase 1 on tiles: ql as absorb_queries', bf16 q and uk_t (the rope part copied, scaled). */
+static void absorb_queries_amx(const uint16_t *q, const uint16_t *uk_t, float *restrict ql, int64_t rows,
+                               int64_t heads, float scale, int num_threads) {
+    for (int64_t rh = 0; rh < rows * heads; rh++)
+        for (int d = 0; d < ROPE; d++) ql[rh * LAT + RANK + d] = scale * bf16_to_f32(q[rh * QDIM + NOPE + d]);
+    heads_amx(q, 0, QDIM, uk_t, RANK, NOPE, ql, 0, LAT, scale, rows, heads, num_threads);
+}
+
+/* Phase 2 on tiles: ol as attend's, bf16 cache. A work item (a sequence and a chunk of at most
+ * 16 of its heads, as attend's) packs its context's latent rows once: keys as B tiles kt [t / 16]
+ * [LAT / 32][16 dim pairs][16 tokens][2], the c part as B tiles vt [RANK / 16][t / 32][16 token
+ * pairs][16 dims][2]. Per query row: the heads' queries rounded to bf16 (as torch's absorbed path
+ * rounds them) are the A operand [16 heads][LAT] of the scores (tiles of 16 heads x 16 keys), an
+ * exact float32 softmax per head, the probabilities normalised and rounded to bf16 (torch's path
+ * too) the A operand [16 heads][keys] of P V (tiles of 16 heads x 16 latent dims) into ol. */
+static int attend_amx(const float *restrict ql, const uint16_t *kv, const int64_t *restrict block_tables,
+                      const int64_t *restrict context_lens, const int64_t *restrict query_starts, float *restrict ol,
+                      int64_t batch, int64_t heads, int64_t block_size, int64_t table_width, int64_t block_stride,
+                      int64_t layer_offset, int num_threads) {
+    int64_t chunks = (heads + HC - 1) / HC;
+    while (chunks < heads && batch * chunks < 2 * num_threads) chunks++;
+    const int64_t hc = (heads + chunks - 1) / chunks;
+    chunks = (heads + hc - 1) / hc;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        float c[4 * 256];
+        uint16_t qa[32 * LAT];
+        amx_configure();
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < batch * chunks; item++) {
+            const int64_t b = item / chunks, h0 = item % chunks * hc, nh = min64(hc, heads - h0);
+            const int64_t full_ctx = context_lens[b], *table = block_tables + b * table_width;
+            const int64_t r_begin = query_starts ? query_starts[b] : b;
+            const int64_t r_end = query_starts ? query_starts[b + 1] : b + 1;
+            const int64_t n16 = (full_ctx + 15) / 16 > 0 ? (full_ctx + 15) / 16 : 1, n32 = (n16 + 1) / 2;
+            /* kt, vt, then the scores [16][n16 * 16] (float) and the probabilities [16][n32 * 32] (bf16) */
+            uint16_t *kt = malloc(sizeof(uint16_t) * (n16 * 16 * LAT + n32 * 32 * RANK + 32 * n32 * 32) +
+                                  sizeof(float) * 16 * n16 * 16);
+            if (kt == NULL) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
+            uint16_t *vt = kt + n16 * 16 * LAT, *pb = vt + n32 * 32 * RANK;
+            float *sc = (float *)(pb + 32 * n32 * 32);
+            const uint16_t *row[32];
+            for (int64_t t0 = 0; t0 < n32 * 32; t0 += 32) {
+                for (int64_t i = 0; i < 32; i++) {
+                    const int64_t t = t0 + i;
+                    row[i] = t >= full_ctx ? NULL
+                             : kv + table[t / block_size] * block_stride + layer_offset + t % block_size * LAT;
+                }
+                amx_pack16((const void *const *)row, 0, LAT, kt + t0 * LAT);
+                if (t0 + 16 < n16 * 16) amx_pack16((const void *const *)(row + 16), 0, LAT, kt + (t0 + 16) * LAT);
+                /* values: tile row p = tokens 2p and 2p + 1 interleaved over 16 dims */
+                const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                                     39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+                for (int64_t d0 = 0; d0 < RANK; d0 += 16) {
+                    uint16_t *tile = vt + (d0 / 16 * n32 + t0 / 32) * 512;
+                    for (int p = 0; p < 16; p++) {
+                        __m512i pair[2];
+                        for (int i = 0; i < 2; i++) {
+                            const uint16_t *src = row[2 * p + i];
+                            pair[i] = src == NULL ? _mm512_setzero_si512()
+                                                  : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(src + d0)));
+                        }
+                        _mm512_storeu_si512(tile + 32 * p, _mm512_permutex2var_epi16(pair[0], idx, pair[1]));
+                    }
+                }
+            }
+            for (int64_t r = r_begin; r < r_end; r++) {
+                const int64_t ctx = full_ctx - (r_end - 1 - r), k16 = (ctx + 15) / 16, k32 = (ctx + 31) / 32;
+                for (int g = 0; g < 16; g++)
+                    for (int d = 0; d < LAT; d += 16)
+                        split_bf16(g < nh ? _mm512_loadu_ps(ql + (r * heads + h0 + g) * LAT + d) : _mm512_setzero_ps(),
+                                   qa + g * LAT + d, qa + (16 + g) * LAT + d);
+                for (int64_t tb = 0; tb < k16; tb += 2) {  /* scores, 32 keys a pass: hi and lo halves summed */
+                    const int two = tb + 1 < k16;
+                    amx_tiles(qa, LAT, 1, kt + tb * 16 * LAT, 16 * LAT, two, LAT / 32, c);
+                    for (int g = 0; g < nh; g++)
+                        for (int k = 0; k < 1 + two; k++)  /* key block tb + k: its hi tile + its lo tile */
+                            _mm512_storeu_ps(sc + g * n16 * 16 + (tb + k) * 16,
+                                             _mm512_add_ps(_mm512_loadu_ps(c + 512 * k + g * 16),
+                                                           _mm512_loadu_ps(c + 512 * k + 256 + g * 16)));
+                }
+                for (int g = 0; g < 16; g++) {
+                    uint16_t *pg = pb + g * n32 * 32, *pl = pb + (16 + g) * n32 * 32;
+                    if (g >= nh || ctx <= 0) {
+                        memset(pg, 0, sizeof(uint16_t) * n32 * 32);
+                        memset(pl, 0, sizeof(uint16_t) * n32 * 32);
+                        continue;
+                    }
+                    float *sg = sc + g * n16 * 16, m = -INFINITY, total = 0.0f;
+                    for (int64_t t = 0; t < ctx; t++) m = sg[t] > m ? sg[t] : m;
+#pragma omp simd reduction(+ : total)
+                    for (int64_t t = 0; t < ctx; t++) {
+                        sg[t] = exp_nonpositive(sg[t] - m);
+                        total += sg[t];
+                    }
+                    const __m512 inv = _mm512_set1_ps(1.0f / total);
+                    for (int64_t t = 0; t < n32 * 32; t += 16)
+                        split_bf16(_mm512_maskz_mul_ps(t + 16 <= ctx ? 0xffff : t < ctx ? (1u << (ctx - t)) - 1 : 0,
+                                                       _mm512_loadu_ps(sg + t), inv), pg + t, pl + t);
+                }
+                for (int64_t d0 = 0; d0 < RANK; d0 += 32) {  /* P V, 32 latent dims a pass */
+                    amx_tiles(pb, n32 * 32, 1, vt + d0 / 16 * n32 * 512, n32 * 512, 1, (int)k32, c);
+                    for (int g = 0; g < nh; g++)
+                        for (int k = 0; k < 2; k++)  /* dims d0 + 16 k: hi tile + lo tile */
+                            _mm512_storeu_ps(ol + (r * heads + h0 + g) * RANK + d0 + 16 * k,
+                                             _mm512_add_ps(_mm512_loadu_ps(c + 512 * k + g * 16),
+                                                           _mm512_loadu_ps(c + 512 * k + 256 + g * 16)));
+                }
+            }
+            free(kt);
+        }
+        _tile_release();
+    }
+    return failed ? -1 : 0;
+}
+
+/* Phase 3 on tiles: out (bf16) as project_values'. */
+static void project_values_amx(const float *restrict ol, const uint16_t *uv, uint16_t *out, int64_t rows,
+                               int64_t heads, int num_threads) {
+    heads_amx(ol, 1, RANK, uv, VDIM, RANK, out, 1, VDIM, 1.0f, rows, heads, num_threads);
+}
+#else
+#define MLA_AMX 0
+#endif
+
+static int use_amx = 1; /* atomd_mla_amx: the tile path allowed (the A/B switch, $ATOMD_MLA_AMX) */
+
+/* 1 where the tile path runs: built with AMX tiles, the process granted their state and the path
+ * not switched off; on >= 0 first switches it on (1) or off (0): atomd/model/mla.py's AMX. */
+int atomd_mla_amx(int on) {
+    if (on >= 0) use_amx = on != 0;
+#if MLA_AMX
+    return use_amx && amx_granted();
+#else
+    return 0;
+#endif
+}
+
 /* The whole absorbed decode of one layer. q [rows, heads, NOPE + ROPE] (RoPE'd), uk_t [heads,
  * RANK, NOPE], uv [heads, VDIM, RANK], out [rows, heads, VDIM]: all float32, or all bf16 (bf16
  * != 0), as the cache. kv: the cache's base pointer; token t of sequence b's latent row is at
@@ -410,10 +701,29 @@ int atomd_mla_decode(const void *q, const void *uk_t, const void *uv, const void
     float *ql = malloc(sizeof(float) * (rows > 0 ? rows : 1) * heads * LAT);
     float *ol = malloc(sizeof(float) * (rows > 0 ? rows : 1) * heads * RANK);
     int status = -1;
+#if MLA_AMX
+    const int amx = bf16 && rows >= AMX_MIN_ROWS && use_amx && amx_granted();
+#endif
     if (ql != NULL && ol != NULL) {
-        absorb_queries(q, uk_t, ql, rows, heads, scale, bf16, num_threads);
-        status = attend(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size, table_width,
-                        block_stride, layer_offset, bf16, num_threads);
+#if MLA_AMX
+        if (amx)
+            absorb_queries_amx(q, uk_t, ql, rows, heads, scale, num_threads);
+        else
+#endif
+            absorb_queries(q, uk_t, ql, rows, heads, scale, bf16, num_threads);
+#if MLA_AMX
+        if (amx)
+            status = attend_amx(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size,
+                                table_width, block_stride, layer_offset, num_threads);
+        else
+#endif
+            status = attend(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size,
+                            table_width, block_stride, layer_offset, bf16, num_threads);
+#if MLA_AMX
+        if (status == 0 && amx)
+            project_values_amx(ol, uv, out, rows, heads, num_threads);
+        else
+#endif
         if (status == 0) project_values(ol, uv, out, rows, heads, bf16, num_threads);
     }
     free(ql);
