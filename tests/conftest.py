@@ -6,6 +6,11 @@ import os
 
 import pytest
 
+# first: importing atomd sets OMP_WAIT_POLICY=PASSIVE (atomd/__init__.py), which libgomp reads
+# once, when torch loads it; a test module that imports torch before atomd (most do) left this
+# process's OpenMP threads spinning at every barrier while the suite's other processes wanted
+# the cores
+import atomd  # noqa: F401
 from launch.process import free_port
 
 
