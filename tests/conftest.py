@@ -58,6 +58,7 @@ def pytest_configure(config):
     config.addinivalue_line("markers", "netns_full: a long cross-host test: `make e2e-netns` runs it, `make test` deselects it")
     # registered here too: a run without pytest-xdist (tests/test_cpu_kinds.py's) keeps --strict-markers
     config.addinivalue_line("markers", "xdist_group(name): tests that share one pytest-xdist worker")
+    config.pluginmanager.register(LongestGroupsFirst(), "atomd-longest-groups-first")
 
 
 # tryfirst: pytest-xdist's worker reads each item's xdist_group mark in its own
@@ -92,6 +93,59 @@ def _group_for_xdist(items) -> None:
         path = item.nodeid.split("::")[0]
         group = "netns" if "netns" in item.keywords else "ray" if path in RAY_FILES else path
         item.add_marker(pytest.mark.xdist_group(group))
+
+
+# The xdist groups that take longest, longest first (seconds of one worker in a `make test` on
+# the Intel Xeon with AMX, 2026-12-05, at load ~6; the cpu-* groups are test_cpu_kinds.py's
+# narrowings). `--dist loadgroup` hands the groups to the workers in collection order (Makefile:
+# --no-loadscope-reorder; xdist's own order is by test count, which left these single-test groups
+# for the end, one worker running them while the other had nothing left). Only the order of the
+# run changes: a group missing here (renamed, or a CPU kind without that narrowing) runs after
+# them, by test count as before.
+LONG_GROUPS = (
+    "tests/test_pd_e2e.py",  # 150
+    "tests/test_layer_ops.py",  # 146
+    "tests/test_tensor_parallel.py",  # 131
+    "ray",  # 66: tests/test_ray_e2e.py, tests/test_ray_autoscale.py
+    "tests/test_models.py",  # 62
+    "tests/test_sim_plan.py",  # 51
+    "cpu-avx512-bf16-1",  # 49
+    "cpu-avx512-vnni-1",  # 47
+    "tests/test_families_pd.py",  # 46
+    "tests/test_router_kv_aware.py",  # 44
+    "cpu-avx512-vnni-0",  # 43
+    "netns",  # 43
+    "tests/test_deepseek_lora.py",  # 39
+    "tests/test_tensor_parallel_quant.py",  # 38
+    "tests/test_helm_chart.py",  # 37
+    "tests/test_bf16.py",  # 37
+    "tests/test_responses_api.py",  # 36
+    "tests/test_chaos.py",  # 33
+    "cpu-avx512-bf16-0",  # 32
+    "tests/test_fuzz_api.py",  # 31
+    "tests/test_lora.py",  # 30
+    "tests/test_soak.py",  # 30
+    "tests/test_lora_serve.py",  # 30
+    "tests/test_expert_parallel.py",  # 25
+    "cpu-avx2-0",  # 24
+    "tests/test_helm_render_run.py",  # 20
+)
+
+
+class LongestGroupsFirst:
+    """Orders the collection by xdist group: LONG_GROUPS first in their order, then the others by
+    test count (most first), each group's tests together and in pytest's order. trylast: after
+    pytest has ordered the tests by fixture (a module's parametrized fixtures start once)."""
+
+    @pytest.hookimpl(trylast=True)
+    def pytest_collection_modifyitems(self, items):
+        groups: dict[str, list] = {}
+        for item in items:
+            mark = item.get_closest_marker("xdist_group")  # every test has one (_group_for_xdist)
+            groups.setdefault(mark.args[0] if mark.args else mark.kwargs["name"], []).append(item)
+        rank = {name: i for i, name in enumerate(LONG_GROUPS)}
+        order = sorted(groups, key=lambda name: (rank.get(name, len(rank)), -len(groups[name])))
+        items[:] = [item for name in order for item in groups[name]]
 
 
 def _silence_stderr_at_exit() -> None:
