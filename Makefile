@@ -19,8 +19,9 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
-# both cores: pytest-xdist, one file's tests on one worker (tests/conftest.py groups them)
-XDIST := -n 2 --dist loadgroup
+# both cores: pytest-xdist, one file's tests on one worker (tests/conftest.py groups them), the
+# groups handed out in the collection's order (tests/conftest.py: the longest first)
+XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
 
 test: venv
 	$(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)
