@@ -17,8 +17,8 @@ issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --thread
   (llama_cpp.convert), Q4_0 and Q4_K_M by llama-quantize from the F32 file (llama_cpp.write_gguf:
   its output tensor stays at llama.cpp's own choice, Q6_K), llama-bench and llama-batched-bench
   (llama_cpp.bench_round), once per `--llama-runs` entry (llama_cpp.RUNS: which build, weight
-  repacking on or off), reported as llama.cpp_TYPE_RUN; a run that fails is reported under
-  "errors" and left out of the later rounds.
+  repacking on or off), reported as llama.cpp_TYPE_RUN (F32 / BF16, which no build repacks: with the
+  first run alone); a run that fails is reported under "errors" and left out of the later rounds.
 The two engine processes are loaded once and kept; every round runs atomd, vLLM, then each
 GGUF in turn (so all see the same background load), `--rounds` rounds, medians
 (`--atomd-baseline-env`: a second atomd process under other settings, the before of an A/B, in
@@ -54,6 +54,7 @@ FULL = ("batch1", "batch1_first", "batch16", "batch16_first", "prefill")
 SHORT = ("batch1_short", "batch1_short_first", "batch16_short", "batch16_short_first", "prefill_1x512")
 GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0", "llama.cpp_Q4_0": "q4_0",
          "llama.cpp_Q4_K_M": "q4_k_m"}
+NOT_REPACKED = {"f32", "bf16"}  # GGUF types no llama.cpp build repacks (AMX, CPU_REPACK take quantized ones)
 SAME_DTYPE = {"atomd_float32": ["llama.cpp_F32"], "atomd_bfloat16": ["llama.cpp_BF16"],
               "atomd_int8": ["llama.cpp_Q8_0"], "atomd_int4": ["llama.cpp_Q4_0", "llama.cpp_Q4_K_M"],
               "baseline_atomd_int8": ["llama.cpp_Q8_0"], "baseline_atomd_int4": ["llama.cpp_Q4_0", "llama.cpp_Q4_K_M"]}
@@ -209,7 +210,7 @@ def main() -> int:
                         cpu.setdefault(name, []).append(seconds if len(out) == 1 else own)
                 for name, gguf in ggufs.items():
                     for run, run_binary in binaries.items():
-                        if f"{name}_{run}" in errors:
+                        if f"{name}_{run}" in errors or (GGUFS[name] in NOT_REPACKED and run != args.llama_runs[0]):
                             continue
                         before = children_cpu()
                         try:

@@ -82,26 +82,46 @@ AMX_TILE_CONFIG_NEW = """    // atomd (benchmarks/llama_cpp.py): a constant, so 
     alignas(64) static const tile_config_t tc = {1, 0, {0}, {64, 64, 32, 32, 64, 64, 64, 64},
                                                  {8, 8, 16, 16, 16, 16, 16, 16}};
 """
-PATCHES = {"amx-tile-config": ("ggml/src/ggml-cpu/amx/mmq.cpp", AMX_TILE_CONFIG_OLD, AMX_TILE_CONFIG_NEW)}
+# llama-batched-bench prints its figures through common's logger, whose worker thread writes them; the
+# logger is leaked on purpose (common/log.cpp: its destructor hung on Windows), so nothing waits for
+# that thread at exit and about half the runs here printed nothing (exit 0, stdout empty). The patch
+# drains the logger (common_log_pause: writes what is queued, joins the thread) before main returns.
+BATCHED_BENCH_OLD = """    llama_backend_free();
 
-# --llama-build NAME: (build folder under cache_dir(), extra cmake flags, source patches). Every one is
+    return 0;
+}
+"""
+BATCHED_BENCH_NEW = """    llama_backend_free();
+
+    common_log_pause(common_log_main());  // atomd (benchmarks/llama_cpp.py): write the queued figures
+    return 0;
+}
+"""
+PATCHES = {"amx-tile-config": ("ggml/src/ggml-cpu/amx/mmq.cpp", AMX_TILE_CONFIG_OLD, AMX_TILE_CONFIG_NEW),
+           "log-flush": ("tools/batched-bench/batched-bench.cpp", BATCHED_BENCH_OLD, BATCHED_BENCH_NEW)}
+
+# A llama.cpp build: (build folder under cache_dir(), extra cmake flags, source patches). Every one is
 # CMAKE_FLAGS' GGML_NATIVE build, so llama.cpp picks its own kernels for this CPU; on a CPU with AMX:
-# - native: the source as shipped. Its AMX path (weights repacked into the "AMX" buffer type for
-#   Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K / IQ4_XS) crashes here (see AMX_TILE_CONFIG_OLD), so it
-#   ran with repacking off (--repack 0 / --no-repack: weights as in the file, ggml's generic matmul:
-#   llamafile's sgemm for prompts, ggml_vec_dot rows for decode; no AMX, no CPU_REPACK);
-# - amxfix: the same with the tile configuration patched: llama.cpp's default fast path on an AMX CPU
-#   (AMX buffer for the types above, CPU_REPACK's AVX-512 layouts for the rest);
+# - native: the source as shipped (what every #35 figure before 2026-12-05 10:00 ran). Its AMX path
+#   (weights repacked into the "AMX" buffer type for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K /
+#   IQ4_XS) crashes here (see AMX_TILE_CONFIG_OLD), so it ran with repacking off (--repack 0 /
+#   --no-repack: weights as in the file, ggml's generic matmul: llamafile's sgemm for prompts,
+#   ggml_vec_dot rows for decode; no AMX, no CPU_REPACK); its batched-bench loses its output at
+#   random (BATCHED_BENCH_OLD);
+# - amxfix: the same with both patches: llama.cpp's default fast path on an AMX CPU (AMX buffer for
+#   the types above, CPU_REPACK's AVX-512 layouts for the rest); with repacking off ("norepack"
+#   below) it runs what native ran (the patched tile configuration is AMX-buffer code alone);
 # - noamx: the AMX ISA switched off (NO_AMX): CPU_REPACK alone (on x86 Q4_0 / Q4_K / Q2_K / IQ4_NL /
 #   MXFP4 interleaved 8 rows at a time for AVX2 / AVX-512; Q8_0, Q5_K, Q6_K stay as in the file), what
 #   a CPU with AVX-512 but no AMX runs.
 # On a CPU without AMX the three compile the same kernels.
 BUILDS = {"native": ("build", [], []),
-          "amxfix": ("build-amxfix", [], ["amx-tile-config"]),
-          "noamx": ("build-noamx", [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"], [])}
-# A llama.cpp run (engine_compare --llama-runs NAME...): (build, weight repacking on). "norepack" is the
-# shipped build with --repack 0 / --no-repack, the anchor every earlier #35 figure on the AMX CPU used.
-RUNS = {"native": ("native", True), "norepack": ("native", False), "amxfix": ("amxfix", True),
+          "amxfix": ("build-amxfix", [], ["amx-tile-config", "log-flush"]),
+          "noamx": ("build-noamx", [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"], ["log-flush"])}
+# A llama.cpp run (engine_compare --llama-runs NAME...): (build, weight repacking on). "norepack": with
+# --repack 0 / --no-repack, the anchor every earlier #35 figure on the AMX CPU used (on the amxfix
+# build: the same kernels as the shipped one there, and its batched-bench output is not lost).
+RUNS = {"native": ("native", True), "norepack": ("amxfix", False), "amxfix": ("amxfix", True),
         "noamx": ("noamx", True)}
 # GGUF types llama-quantize writes from the F32 file (the converter writes GGUF_TYPES' directly)
 QUANTIZE_TYPES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
@@ -147,11 +167,11 @@ def fetch_source(root: pathlib.Path) -> pathlib.Path:
 
 
 def patched_source(src: pathlib.Path, patches: list[str]) -> pathlib.Path:
-    """`src` with PATCHES applied, as a tree of hard links beside it (root/src-PATCH...) whose patched
+    """`src` with PATCHES applied, as a tree of hard links beside it (root/src+PATCH+...) whose patched
     files alone are real copies; made once. A patch whose text is not found is an error."""
     if not patches:
         return src
-    out = src.with_name(f"src-{'-'.join(patches)}")
+    out = src.with_name("+".join(["src", *patches]))
     if (out / ".atomd-patched").is_file():
         return out
     tmp = pathlib.Path(tempfile.mkdtemp(prefix=".src-patch.", dir=src.parent))
@@ -342,7 +362,8 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
         proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"n_kv_max"')]
         if len(rows) != 1:
-            raise RuntimeError(f"llama-batched-bench gave no figure: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"llama-batched-bench gave no figure: {' '.join(cmd)}\nstdout: {proc.stdout[-2000:]}\n"
+                               f"stderr: {proc.stderr[-2000:]}")
         (row,) = rows
         out[w] = n * new / row["t"]
         out[f"{w}_decode"] = row["speed_tg"]
