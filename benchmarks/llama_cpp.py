@@ -58,6 +58,73 @@ NICE = ["nice", "-n", "19"]
 CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=OFF", "-DLLAMA_OPENSSL=OFF",
                "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
+NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # GCC: explicit -mno-* win over -march=native's
+
+# ggml-cpu/amx/mmq.cpp's ggml_tile_config_init builds the AMX tile configuration in a stack struct
+# field by field and hands its address to _tile_loadconfig. GCC 12 (Debian 12's, here) treats the
+# field stores as dead: it zeroes 32 of the 64 bytes, sets palette_id, and never writes colsb /
+# rows, so `ldtilecfg` reads stack garbage and raises #GP ("general protection fault" in dmesg,
+# SIGSEGV) at the first AMX matmul, i.e. the first prompt of >= 32 tokens. The patch makes the
+# configuration a constant in .rodata (as llama.cpp's open PR 26954 does): same values.
+AMX_TILE_CONFIG_OLD = """    alignas(64) tile_config_t tc = {};
+    tc.palette_id = 1;
+    tc.start_row = 0;
+    tc.rows[0] = 8;   tc.colsb[0] = 64;
+    tc.rows[1] = 8;   tc.colsb[1] = 64;
+    tc.rows[2] = 16;  tc.colsb[2] = 32;
+    tc.rows[3] = 16;  tc.colsb[3] = 32;
+    tc.rows[4] = 16;  tc.colsb[4] = 64;
+    tc.rows[5] = 16;  tc.colsb[5] = 64;
+    tc.rows[6] = 16;  tc.colsb[6] = 64;
+    tc.rows[7] = 16;  tc.colsb[7] = 64;
+"""
+AMX_TILE_CONFIG_NEW = """    // atomd (benchmarks/llama_cpp.py): a constant, so no compiler drops its stores
+    alignas(64) static const tile_config_t tc = {1, 0, {0}, {64, 64, 32, 32, 64, 64, 64, 64},
+                                                 {8, 8, 16, 16, 16, 16, 16, 16}};
+"""
+# llama-batched-bench prints its figures through common's logger, whose worker thread writes them; the
+# logger is leaked on purpose (common/log.cpp: its destructor hung on Windows), so nothing waits for
+# that thread at exit and about half the runs here printed nothing (exit 0, stdout empty). The patch
+# drains the logger (common_log_pause: writes what is queued, joins the thread) before main returns.
+BATCHED_BENCH_OLD = """    llama_backend_free();
+
+    return 0;
+}
+"""
+BATCHED_BENCH_NEW = """    llama_backend_free();
+
+    common_log_pause(common_log_main());  // atomd (benchmarks/llama_cpp.py): write the queued figures
+    return 0;
+}
+"""
+PATCHES = {"amx-tile-config": ("ggml/src/ggml-cpu/amx/mmq.cpp", AMX_TILE_CONFIG_OLD, AMX_TILE_CONFIG_NEW),
+           "log-flush": ("tools/batched-bench/batched-bench.cpp", BATCHED_BENCH_OLD, BATCHED_BENCH_NEW)}
+
+# A llama.cpp build: (build folder under cache_dir(), extra cmake flags, source patches). Every one is
+# CMAKE_FLAGS' GGML_NATIVE build, so llama.cpp picks its own kernels for this CPU; on a CPU with AMX:
+# - native: the source as shipped (what every #35 figure before 2026-12-05 10:00 ran). Its AMX path
+#   (weights repacked into the "AMX" buffer type for Q4_0 / Q4_1 / Q8_0 / Q4_K / Q5_K / Q6_K /
+#   IQ4_XS) crashes here (see AMX_TILE_CONFIG_OLD), so it ran with repacking off (--repack 0 /
+#   --no-repack: weights as in the file, ggml's generic matmul: llamafile's sgemm for prompts,
+#   ggml_vec_dot rows for decode; no AMX, no CPU_REPACK); its batched-bench loses its output at
+#   random (BATCHED_BENCH_OLD);
+# - amxfix: the same with both patches: llama.cpp's default fast path on an AMX CPU (AMX buffer for
+#   the types above, CPU_REPACK's AVX-512 layouts for the rest); with repacking off ("norepack"
+#   below) it runs what native ran (the patched tile configuration is AMX-buffer code alone);
+# - noamx: the AMX ISA switched off (NO_AMX): CPU_REPACK alone (on x86 Q4_0 / Q4_K / Q2_K / IQ4_NL /
+#   MXFP4 interleaved 8 rows at a time for AVX2 / AVX-512; Q8_0, Q5_K, Q6_K stay as in the file), what
+#   a CPU with AVX-512 but no AMX runs.
+# On a CPU without AMX the three compile the same kernels.
+BUILDS = {"native": ("build", [], []),
+          "amxfix": ("build-amxfix", [], ["amx-tile-config", "log-flush"]),
+          "noamx": ("build-noamx", [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"], ["log-flush"])}
+# A llama.cpp run (engine_compare --llama-runs NAME...): (build, weight repacking on). "norepack": with
+# --repack 0 / --no-repack, the anchor every earlier #35 figure on the AMX CPU used (on the amxfix
+# build: the same kernels as the shipped one there, and its batched-bench output is not lost).
+RUNS = {"native": ("native", True), "norepack": ("amxfix", False), "amxfix": ("amxfix", True),
+        "noamx": ("noamx", True)}
+# GGUF types llama-quantize writes from the F32 file (the converter writes GGUF_TYPES' directly)
+QUANTIZE_TYPES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 
 
 def log(msg: str) -> None:
@@ -99,22 +166,53 @@ def fetch_source(root: pathlib.Path) -> pathlib.Path:
     return src
 
 
-def ensure_build(jobs: int) -> tuple[pathlib.Path, pathlib.Path]:
-    """(source dir, llama-bench binary), building it on first use."""
+def patched_source(src: pathlib.Path, patches: list[str]) -> pathlib.Path:
+    """`src` with PATCHES applied, as a tree of hard links beside it (root/src+PATCH+...) whose patched
+    files alone are real copies; made once. A patch whose text is not found is an error."""
+    if not patches:
+        return src
+    out = src.with_name("+".join(["src", *patches]))
+    if (out / ".atomd-patched").is_file():
+        return out
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix=".src-patch.", dir=src.parent))
+    try:
+        shutil.copytree(src, tmp, copy_function=os.link, dirs_exist_ok=True)
+        for name in patches:
+            rel, old, new = PATCHES[name]
+            text = (tmp / rel).read_text()
+            if text.count(old) != 1:
+                raise SystemExit(f"llama.cpp patch {name}: its text is not in {rel} (another llama.cpp version?)")
+            (tmp / rel).unlink()  # a hard link to src's file: write a copy, not through the link
+            (tmp / rel).write_text(text.replace(old, new))
+        (tmp / ".atomd-patched").write_text(" ".join(patches) + "\n")
+        shutil.rmtree(out, ignore_errors=True)
+        os.rename(tmp, out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    log(f"patched source ({', '.join(patches)}) in {out}")
+    return out
+
+
+def ensure_build(jobs: int, variant: str = "native") -> tuple[pathlib.Path, pathlib.Path]:
+    """(source dir, llama-bench binary) of the build `variant` (BUILDS), building it on first use."""
+    if variant not in BUILDS:
+        raise SystemExit(f"unknown llama.cpp build {variant!r}: one of {sorted(BUILDS)}")
+    folder, flags, patches = BUILDS[variant]
     root = cache_dir()
     src = fetch_source(root)
-    build = root / "build"
+    build_src = patched_source(src, patches)
+    build = root / folder
     binary = build / "bin" / "llama-bench"
     done = build / ".atomd-complete"
     if done.is_file() and binary.is_file() and (build / "bin" / "llama-quantize").is_file():
         return src, binary
     t0 = time.perf_counter()
-    log(f"configuring llama.cpp in {build}: {' '.join(CMAKE_FLAGS)}")
-    subprocess.run([*NICE, "cmake", "-S", str(src), "-B", str(build), *CMAKE_FLAGS], check=True,
+    log(f"configuring llama.cpp ({variant}) in {build}: {' '.join(CMAKE_FLAGS + flags)}")
+    subprocess.run([*NICE, "cmake", "-S", str(build_src), "-B", str(build), *CMAKE_FLAGS, *flags], check=True,
                    stdout=sys.stderr)
-    log(f"building llama-bench and llama-quantize with -j{jobs} under nice (minutes)")
-    subprocess.run([*NICE, "cmake", "--build", str(build), "--target", "llama-bench", "llama-quantize", "-j", str(jobs)],
-                   check=True, stdout=sys.stderr)
+    log(f"building llama-bench, llama-batched-bench and llama-quantize with -j{jobs} under nice (minutes)")
+    subprocess.run([*NICE, "cmake", "--build", str(build), "--target", "llama-bench", "llama-batched-bench",
+                    "llama-quantize", "-j", str(jobs)], check=True, stdout=sys.stderr)
     done.write_text(f"{time.perf_counter() - t0:.0f} s\n")
     log(f"built {binary} in {time.perf_counter() - t0:.0f} s")
     return src, binary
@@ -182,19 +280,20 @@ def convert(src: pathlib.Path, checkpoint: pathlib.Path, outtype: str, out: path
 
 def write_gguf(src: pathlib.Path, binary: pathlib.Path, checkpoint: pathlib.Path, outtype: str, out: pathlib.Path,
                f32: pathlib.Path) -> None:
-    """`checkpoint` as GGUF `outtype`: the converter's types (GGUF_TYPES) directly; q4_0 (which
-    the converter does not write) by llama-quantize from the F32 file `f32` (written first
-    where missing; llama-quantize keeps its own type for the output / embedding tensor)."""
-    if outtype != "q4_0":
+    """`checkpoint` as GGUF `outtype`: the converter's types (GGUF_TYPES) directly; QUANTIZE_TYPES
+    (which the converter does not write) by llama-quantize from the F32 file `f32` (written first
+    where missing; llama-quantize keeps its own types for the output / embedding tensor and, for
+    Q4_K_M, its mix: Q6_K for attn_v and half of ffn_down, Q4_K for the rest)."""
+    if outtype not in QUANTIZE_TYPES:
         convert(src, checkpoint, outtype, out)
         return
     if not f32.is_file():
         part = f32.with_name(f"{f32.stem}.part.gguf")
         convert(src, checkpoint, "f32", part)
         part.rename(f32)
-    log(f"llama-quantize {f32.name} -> Q4_0")
-    subprocess.run([*NICE, str(binary.parent / "llama-quantize"), str(f32), str(out), "Q4_0"], check=True,
-                   capture_output=True)
+    log(f"llama-quantize {f32.name} -> {QUANTIZE_TYPES[outtype]}")
+    subprocess.run([*NICE, str(binary.parent / "llama-quantize"), str(f32), str(out), QUANTIZE_TYPES[outtype]],
+                   check=True, capture_output=True)
 
 
 def bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int, reps: int) -> dict[str, float]:
@@ -235,8 +334,9 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
     time) and -n (decode alone, from an empty context); prefill* by -p at the prompt length
     (tok/s; one prompt at a time); a batch of n by llama-batched-bench -npl n (output tokens
     n*new over prefill + decode time; "_decode": its decode phase alone, speed_tg). repack False:
-    without llama.cpp's weight repacking (--repack 0 / --no-repack), whose repacked path dies with a
-    general protection fault in prompt processing on the Intel Xeon with AMX here (build 11434)."""
+    without llama.cpp's weight repacking (--repack 0 / --no-repack; RUNS["norepack"]), whose AMX path in
+    the shipped build dies with a general protection fault in prompt processing on an AMX CPU (see
+    AMX_TILE_CONFIG_OLD; the "amxfix" build runs it)."""
     out: dict[str, float] = {}
     workloads = {w: v for w, v in workloads.items() if not w.endswith("_first")}
     (b1,) = [w for w in workloads if w.startswith("batch1") and not w.startswith("batch16")]
@@ -262,7 +362,8 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
         proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"n_kv_max"')]
         if len(rows) != 1:
-            raise RuntimeError(f"llama-batched-bench gave no figure: {' '.join(cmd)}\n{proc.stderr[-2000:]}")
+            raise RuntimeError(f"llama-batched-bench gave no figure: {' '.join(cmd)}\nstdout: {proc.stdout[-2000:]}\n"
+                               f"stderr: {proc.stderr[-2000:]}")
         (row,) = rows
         out[w] = n * new / row["t"]
         out[f"{w}_decode"] = row["speed_tg"]

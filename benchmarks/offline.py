@@ -107,6 +107,7 @@ def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "
     def gen(batch: list[list[int]], new: int):
         llm.generate([{"prompt_token_ids": p} for p in batch],
                      SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)
+    gen.model = llm.engine.model  # serve_rounds: the bytes a batch-1 step streams
     return gen
 
 
@@ -151,8 +152,12 @@ def serve_rounds(gens: dict, vocab_size: int, workloads: tuple[str, ...]) -> Non
     """One round of `workloads` per line read on stdin, its figures (and each engine's CPU
     seconds, this process's: a child process's are not in them) as one JSON line on stdout:
     engine_compare.py keeps this process (its engines loaded) and the other engines' alive and
-    alternates them round by round."""
-    print(json.dumps({"ready": True}), flush=True)
+    alternates them round by round. The ready line carries each atomd engine's bytes streamed per
+    batch-1 step (benchmarks.quant.weight_bytes: counted from the loaded tensors)."""
+    from benchmarks.quant import weight_bytes
+
+    streamed = {name: weight_bytes(gen.model)[0] for name, gen in gens.items() if hasattr(gen, "model")}
+    print(json.dumps({"ready": True, "streamed_bytes": streamed}), flush=True)
     for _ in sys.stdin:
         out = {}
         for name, gen in gens.items():  # one engine after the other, each with its CPU seconds

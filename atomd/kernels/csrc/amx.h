@@ -25,6 +25,13 @@ static int amx_granted(void) {
     return granted;
 }
 
+/* ldtilecfg of the whole record. Not GCC 12's _tile_loadconfig: its asm names only the first 8 bytes
+ * as read, so the optimizer may drop the stores of rows / colsb and ldtilecfg then faults (#GP) on
+ * the stack's old bytes: what crashes llama.cpp 11434's AMX path here (benchmarks/llama_cpp.py). */
+static inline void amx_load_config(const tile_config *c) {
+    __asm__ volatile("ldtilecfg %0" : : "m"(*c));
+}
+
 static inline void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
     tile_config c = {0};
     c.palette = 1;
@@ -32,7 +39,7 @@ static inline void amx_configure(void) {  /* every tile 16 rows of 64 bytes */
         c.rows[t] = 16;
         c.colsb[t] = 64;
     }
-    _tile_loadconfig(&c);
+    amx_load_config(&c);
 }
 
 /* A thread's start inside a tile kernel's parallel region: its tiles configured when its scratch

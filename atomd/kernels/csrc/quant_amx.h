@@ -41,7 +41,7 @@ static void qamx_configure(void) {
     for (int t = 0; t < 2; t++) c.rows[t] = 16, c.colsb[t] = 32;      /* A: 16 weight rows x 32 inputs */
     for (int t = 2; t < 4; t++) c.rows[t] = 8, c.colsb[t] = 64;       /* B: 8 x (16 rows of x x 4 inputs) */
     for (int t = 4; t < 8; t++) c.rows[t] = 16, c.colsb[t] = 64;      /* C: 16 x 16 int32 */
-    _tile_loadconfig(&c);
+    amx_load_config(&c);
 }
 
 /* x [M, ldx] -> the B tiles xt, d per block dt, xsg per group xsgt (layouts above); the int8
