@@ -294,7 +294,7 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
 
 def report_bytes(b1: str, med: dict, streamed: dict, gguf_bytes: dict) -> None:
     """Markdown: per atomd engine the bytes a batch-1 step streams (counted from its loaded tensors:
-    benchmarks.quant.weight_bytes), the GGUF of the same format (llama.cpp's packed file: every
+    benchmarks.offline.weight_bytes), the GGUF of the same format (llama.cpp's packed file: every
     weight once), their ratio and the read rate the batch-1 decode figure implies."""
     if not streamed:
         return

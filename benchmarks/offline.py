@@ -148,14 +148,23 @@ def run_workloads(gens: dict, vocab_size: int = SHAPE["vocab_size"], rounds: int
     return out
 
 
+def weight_bytes(model) -> tuple[int, int]:
+    """(bytes a batch-1 step streams: every layer linear and the LM head once, as loaded;
+    the packed linears alone)."""
+    def size(t) -> int:
+        if hasattr(t, "nbytes") and callable(t.nbytes):
+            return t.nbytes()
+        return (t.to_dense() if t.is_mkldnn else t).numel() * t.element_size()
+    linears = sum(size(t) for w in model.layers for t in w.linears())
+    return linears + size(model.lm_head), linears
+
+
 def serve_rounds(gens: dict, vocab_size: int, workloads: tuple[str, ...]) -> None:
     """One round of `workloads` per line read on stdin, its figures (and each engine's CPU
     seconds, this process's: a child process's are not in them) as one JSON line on stdout:
     engine_compare.py keeps this process (its engines loaded) and the other engines' alive and
     alternates them round by round. The ready line carries each atomd engine's bytes streamed per
-    batch-1 step (benchmarks.quant.weight_bytes: counted from the loaded tensors)."""
-    from benchmarks.quant import weight_bytes
-
+    batch-1 step (weight_bytes: counted from the loaded tensors)."""
     streamed = {name: weight_bytes(gen.model)[0] for name, gen in gens.items() if hasattr(gen, "model")}
     print(json.dumps({"ready": True, "streamed_bytes": streamed}), flush=True)
     for _ in sys.stdin:

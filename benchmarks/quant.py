@@ -39,7 +39,7 @@ import tempfile
 import torch
 
 from benchmarks.machine import loadavg
-from benchmarks.offline import prompts, timed
+from benchmarks.offline import prompts, timed, weight_bytes
 
 ENGINES = {"float32": ("float32", None, "float32"), "bfloat16": ("bfloat16", None, "float32"),
            "int8": ("float32", "int8", "float32"), "int4": ("float32", "int4", "float32"),
@@ -71,17 +71,6 @@ def engines(path: pathlib.Path, threads: int, names: list[str]) -> dict:
                          SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)
         out[name] = (llm, gen)
     return out
-
-
-def weight_bytes(model) -> tuple[int, int]:
-    """(bytes a batch-1 step streams: every layer linear and the LM head once, as loaded;
-    the packed linears alone)."""
-    def size(t) -> int:
-        if hasattr(t, "nbytes") and callable(t.nbytes):
-            return t.nbytes()
-        return (t.to_dense() if t.is_mkldnn else t).numel() * t.element_size()
-    linears = sum(size(t) for w in model.layers for t in w.linears())
-    return linears + size(model.lm_head), linears
 
 
 def run_engines(gens: dict, vocab: int, rounds: int) -> dict[str, dict[str, float]]:
