@@ -129,12 +129,17 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
                                                             int64_t bstride, const int8_t *xt, const float *dt,
                                                             const float *xsg, const float *s, const float *o,
                                                             int64_t rows, int64_t nb, int64_t per, int64_t groups,
-                                                            float out[16][16]) {
+                                                            const int8_t *pf, float out[16][16]) {
     int32_t cbuf[4][256] __attribute__((aligned(64)));
     __m512 acc[16], ga[16];
     for (int r = 0; r < 16; r++) acc[r] = ga[r] = _mm512_setzero_ps();
     for (int64_t b0 = 0; b0 < nb; b0 += 4) {
         const int cnt = nb - b0 < 4 ? (int)(nb - b0) : 4;
+        if (pf)  /* the next n-tile's 16 rows, these 4 blocks' 2 lines each: strided tile rows miss the prefetchers */
+            for (int r = 0; r < 16; r++) {
+                _mm_prefetch((const char *)(pf + r * astride + b0 * 32), _MM_HINT_T0);
+                _mm_prefetch((const char *)(pf + r * astride + b0 * 32 + 64), _MM_HINT_T0);
+            }
         QAMX_DOT(4, 0, 2, b0);
         if (cnt > 1) QAMX_DOT(5, 1, 3, b0 + 1);
         if (cnt > 2) QAMX_DOT(6, 0, 2, b0 + 2);
@@ -180,13 +185,15 @@ static inline void qamx_ntile(const void *q, int bits, const float *scales, cons
         qamx_prepare(q, bits, n0, rows, K, a);
     }
     const float *s = scales + n0 * groups, *o = offsets ? offsets + n0 * groups : NULL;
+    /* in place, the next n-tile (a static schedule's next, or the next of this expert) fetched during the first m-tile */
+    const int8_t *next = ab != a && n0 + 32 <= N ? ab + 16 * K : NULL;
     for (int64_t mt = 0; mt < mtiles; mt++) {
         const int8_t *xb = xt + mt * nb * 512;
         const float *db = dt + mt * nb * 16, *sg = xsgt + mt * groups * 16;
         if (bits == 8)
-            qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, out);
+            qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt ? NULL : next, out);
         else
-            qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, out);
+            qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt ? NULL : next, out);
         const int64_t ms = M - mt * 16 < 16 ? M - mt * 16 : 16;
         for (int64_t m = 0; m < ms; m++)
             for (int64_t r = 0; r < rows; r++) y[(mt * 16 + m) * ldy + n0 + r] = out[r][m];
