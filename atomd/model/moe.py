@@ -94,6 +94,11 @@ class MoeWeights:
         return self.q8 or None
 
 
+def q8_experts(w: MoeWeights, dtype: torch.dtype) -> tuple | None:
+    """w's experts for layer_ops.moe_q8 where it runs them for activations of `dtype` (Q8 on), else None."""
+    return w.q8_experts() if w.quantized and Q8 and dtype in (torch.float32, torch.bfloat16) else None
+
+
 def load_experts(src, prefix: str, experts: range, gate: str, up: str, down: str,
                  dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor] | tuple[list, list]:
     """From src (decoder.TensorSource), the tensors `{prefix}{e}.{gate|up|down}.weight` of the
@@ -160,7 +165,7 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
     AMX-INT8 tiles, else those of at most quant.QGEMM_Q8_MAX_M pairs (the others: a qlinear pair each)."""
     active = counts.nonzero().flatten()
     if w.quantized:
-        q8 = w.q8_experts() if Q8 and x.dtype in (torch.float32, torch.bfloat16) else None
+        q8 = q8_experts(w, x.dtype)
         if q8 is None:
             return active.tolist()
         tiles = layer_ops.moe_q8_kind() == 2
@@ -198,7 +203,7 @@ def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.T
     k = w.top_k
     w.routed[ids[0]] += 1  # the expert load counters (a token's k experts are distinct)
     pairs = torch.empty(k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
-    q8 = w.q8_experts() if w.quantized and Q8 and h.dtype in (torch.float32, torch.bfloat16) else None
+    q8 = q8_experts(w, h.dtype)
     if q8 is not None:  # one C call, each expert one row: only the k experts' bytes read
         every = torch.arange(k + 1)
         if layer_ops.moe_q8(h.contiguous(), *q8, w.down[0].in_features, ids[0].contiguous(), every,
