@@ -19,9 +19,11 @@ $(VENV)/.installed: pyproject.toml Makefile
 
 venv: $(VENV)/.installed
 
-# both cores: pytest-xdist, one file's tests on one worker (tests/conftest.py groups them), the
-# groups handed out in the collection's order (tests/conftest.py: the longest first)
-XDIST := -n 2 --dist loadgroup --no-loadscope-reorder
+# pytest-xdist, one file's tests on one worker (tests/conftest.py groups them), the groups handed
+# out in the collection's order (tests/conftest.py: the longest first). Three workers on two
+# cores: with two the suite kept the cores ~2/3 busy (its tests wait on servers starting, leases,
+# timeouts); benchmarks/RESULTS.md "make test's time: a third worker"
+XDIST := -n 3 --dist loadgroup --no-loadscope-reorder
 
 test: venv
 	$(PY) -m pytest -q $(XDIST) --durations=25 $(PYTEST_ARGS)

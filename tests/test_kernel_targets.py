@@ -3,7 +3,10 @@ loads, under each ISA override, and that a prebuilt object is loaded without a c
 CPUs are given as /proc/cpuinfo flags, never taken from this machine."""
 from __future__ import annotations
 
+import concurrent.futures
 import logging
+import threading
+import time
 
 import pytest
 
@@ -83,3 +86,31 @@ def test_a_missing_prebuilt_kernel_without_a_compiler_is_a_logged_fallback(tmp_p
     warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert any(f"no prebuilt {name}" in m and cbuild.PREBUILD_ENV in m for m in warned) or cbuild.best_target() is None
     assert any("fallback" in m for m in warned)
+
+
+def test_engines_building_one_kernel_at_once_compile_it_once(tmp_path, monkeypatch):
+    """Processes started together on a fresh cache (a PD pair, TP workers) that want the same
+    kernel wait for the first one's compile (a lock per kernel) and load its object. Threads here:
+    each opens the lock file itself, and flock locks of separate opens exclude each other."""
+    compiler = cbuild.find_compiler()[0]
+    if compiler is None:
+        pytest.fail("this test compiles a kernel: it needs a C compiler")
+    monkeypatch.setenv("ATOMD_CACHE_DIR", str(tmp_path))
+    compiles, real = [], cbuild._compile
+
+    def slow_compile(*args):
+        compiles.append(args[-1])
+        time.sleep(0.3)  # the others arrive while this one compiles
+        return real(*args)
+
+    monkeypatch.setattr(cbuild, "_compile", slow_compile)
+    start = threading.Barrier(4)
+
+    def build():
+        start.wait()
+        return cbuild.build(compiler, *cbuild.bitmask_kernel())
+
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        libs = list(pool.map(lambda _: build(), range(4)))
+    assert len(compiles) == 1 and set(libs) == {compiles[0]} and compiles[0].is_file()
+    assert [p.name for p in (tmp_path / "kernels").iterdir()] == [compiles[0].name]  # no lock file left

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import ctypes
+import fcntl
 import functools
 import hashlib
 import logging
@@ -185,7 +186,19 @@ def build(compiler: str, source: pathlib.Path, flags: list[str], name: str) -> p
     from atomd.model.default import cache_root  # (here: setup.py loads this file alone)
 
     lib = cache_root() / "kernels" / f"{name}-{_key(source, compiler_id(compiler), *flags, cpu_id())}.so"
-    return lib if lib.is_file() else _compile(compiler, source, flags, lib)
+    if lib.is_file():
+        return lib
+    # one compile of a kernel at a time: engines started together on a fresh cache (a PD pair,
+    # TP workers, a test suite's processes) wait for the first one's build instead of each
+    # compiling the same source (on a fresh machine: layer_ops 4-5 CPU seconds each)
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    lock_path = lib.with_suffix(".lock")
+    with open(lock_path, "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            return lib if lib.is_file() else _compile(compiler, source, flags, lib)
+        finally:  # (who opens it after this finds the library, or compiles again after a failure)
+            lock_path.unlink(missing_ok=True)
 
 
 def prebuilt_path(source: pathlib.Path, flags: list[str], name: str, target: str,
