@@ -120,6 +120,10 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
     tick_of: dict[str, list[int]] = {}  # per request: the tick of each token
     kinds: list[int] = []  # per tick: 1 prefill, 0 decode, -1 no forward
     critical: list[float] = []  # per tick: the slower rank's CPU s
+    cpus: list[list[float]] = []  # per tick: every rank's CPU s (critical minus a rank's: its wait)
+    exchange: list[float] = []  # per tick: this rank's wall s inside the EP all-to-alls
+    step_wall: list[float] = []  # per tick: this rank's wall s in the step
+    ep = engine.model.ep
     wall = time.perf_counter()
     while nxt < len(requests) or any(unfinished):
         if not any(unfinished) and requests[nxt][0] > now:
@@ -133,20 +137,24 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
                                                                          temperature=0.0, ignore_eos=True))
                 arrival[rid] = requests[nxt][0]
             nxt += 1
-        cpu = time.thread_time()
+        cpu, in_exchange, started = time.thread_time(), ep.exchange_s if ep else 0.0, time.perf_counter()
         outputs = engine.step()
         cpu = time.thread_time() - cpu
+        step_wall.append(time.perf_counter() - started)
+        exchange.append((ep.exchange_s if ep else 0.0) - in_exchange)
         kinds.append(-1 if engine.last_forward is None else int(engine.last_forward[0]))
         vec = np.zeros(2 * world, dtype=np.int64)
         vec[rank], vec[world + rank] = int(cpu * 1e6), sum(engine.scheduler.get_request_counts())
         sums = coll.all_reduce_sum(vec)
         critical.append(int(sums[:world].max()) / 1e6)
+        cpus.append([int(c) / 1e6 for c in sums[:world]])
         now += critical[-1]
         unfinished = [int(u) for u in sums[world:]]
         for out in outputs:
             times.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
             tick_of.setdefault(out.request_id, []).extend([len(kinds) - 1] * len(out.new_token_ids))
     return {"end": now, "ticks": len(kinds), "prefill_ticks": kinds.count(1), "kinds": kinds, "critical": critical,
+            "cpus": cpus, "exchange": exchange, "step_wall": step_wall,
             "wall_s": time.perf_counter() - wall,
             "ttft": [times[rid][0] - arrival[rid] for rid in arrival],
             "itl": [b - a for rid in arrival for a, b in zip(times[rid], times[rid][1:])],
@@ -341,6 +349,7 @@ def main() -> None:
         base = "off" if mode == "off+mixed@seed" else baseline(mode)
         print(f"| {b:g} | {mode} | {base} | " + " | ".join(spread([r[j] for r in v]) for j in range(4)) + " |")
     breakdown(by_key)
+    waits(by_key)
     itl_tail(by_key)
     print(f"\nload average after: {loadavg()}; per-rank JSON: {work}")
 
@@ -362,6 +371,46 @@ def breakdown(by_key: dict) -> None:
     for (b, policy), cell in sorted(table.items()):
         print(f"| {b:g} | {policy} | " + " | ".join(f"{n}, {sec:.2f} s" for n, sec in cell.values()) + " |")
 
+
+def waits(by_key: dict) -> None:
+    """Where the ranks wait, all rounds: in a tick the faster rank waits out the slower one's
+    extra CPU (critical path minus its own CPU) in the EP all-to-alls. Per run kind: the lone
+    prefill ticks (one rank prefills, the other decodes or idles: DP, -P), the prefilling rank's
+    CPU, the other's, the other's wait against the tick, and its wall inside the all-to-alls
+    against its step's wall (both wall: noisy on a loaded machine); then every tick's wait
+    summed (the faster rank's, as a share of the run's virtual time) and the balanced bound:
+    the run's virtual time over what it would be if every tick's work were split evenly
+    between the ranks (time / sum of the ranks' mean CPU per tick), an upper bound on what any
+    reordering of the same work between ticks, a delayer's included, could buy."""
+    table: dict[tuple[float, str], dict[str, list[float]]] = {}
+    for (_, b, policy), (r0, r1) in by_key.items():
+        cell = table.setdefault((b, policy), {"lone": [], "pre": [], "other": [], "exch": [], "wall": [],
+                                              "time": [0.0], "wait": [0.0], "even": [0.0]})
+        for t, (k0, k1, crit) in enumerate(zip(r0["kinds"], r1["kinds"], r0["critical"])):
+            cpu = r0["cpus"][t]
+            cell["time"][0] += crit
+            cell["wait"][0] += crit - min(cpu)
+            cell["even"][0] += sum(cpu) / len(cpu)
+            if (k0 == 1) != (k1 == 1):  # a lone prefill tick
+                pre, other = (0, r1) if k0 == 1 else (1, r0)
+                cell["lone"].append(crit)
+                cell["pre"].append(cpu[pre])
+                cell["other"].append(cpu[1 - pre])
+                cell["exch"].append(other["exchange"][t])
+                cell["wall"].append(other["step_wall"][t])
+    print("\nWhere the ranks wait (all rounds): lone prefill ticks (the prefilling rank's CPU, the other's, the "
+          "other's wait = tick - its CPU), the other rank's wall in the EP all-to-alls / its step's wall; every "
+          "tick's faster-rank wait as a share of the run; the balanced bound (time / evenly split work)\n")
+    print("| burstiness | mode | lone ticks | tick ms, mean | prefilling rank CPU ms | other CPU ms | other waits, "
+          "% of tick | other's all-to-all wall / step wall | all ticks' wait, % of time | balanced bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (b, policy), c in sorted(table.items()):
+        n = max(len(c["lone"]), 1)
+        lone, other = sum(c["lone"]), sum(c["other"])
+        print(f"| {b:g} | {policy} | {len(c['lone'])} | {1e3 * lone / n:.0f} | {1e3 * sum(c['pre']) / n:.0f} | "
+              f"{1e3 * other / n:.0f} | {100 * (lone - other) / max(lone, 1e-9):.0f} % | "
+              f"{100 * sum(c['exch']) / max(sum(c['wall']), 1e-9):.0f} % | "
+              f"{100 * c['wait'][0] / c['time'][0]:.0f} % | {c['time'][0] / c['even'][0]:.3f}x |")
 
 
 def itl_tail(by_key: dict) -> None:
