@@ -279,10 +279,17 @@ def main() -> None:
     ap.add_argument("--modes", default="off,align,coalesce", help=f"comma-separated, of {','.join(MODES)}, and "
                     "align:N / coalesce:N with any kind (N: --prefill-delayer-aligned-tokens), any policy with /C "
                     "(--max-local-prefill-tokens-per-step C for that mode)")
+    ap.add_argument("--against", default="", help="comma-separated modes of --modes: every other mode's ratios "
+                    "against each of them too, per round (e.g. off/256+mixed: off with the same per-rank chunk)")
+    ap.add_argument("--report", metavar="DIR", help="run nothing: report the per-rank JSON a run left in DIR "
+                    "(with that run's arguments)")
     a = ap.parse_args()
     modes = a.modes.split(",")
     if not all(map(valid_mode, modes)) or not {baseline(m) for m in modes} <= set(modes):
         ap.error(f"--modes: of {MODES} (align:N, coalesce:N, /C too), each with its baseline (off, off+mixed)")
+    against = [m for m in a.against.split(",") if m]
+    if not set(against) <= set(modes):
+        ap.error(f"--against {a.against}: every one of them must be in --modes")
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
@@ -294,17 +301,18 @@ def main() -> None:
         share = flops_per_token(config, a.input_len)["expert_share"]
         print(f"{a.shape}: experts {100 * share:.0f} % of a {a.input_len}-token prefill's multiply-adds "
               f"(per rank: attention, router, head {100 * (1 - share):.0f} %)", flush=True)
-    work = tempfile.mkdtemp(prefix="atomd-delayer-vclock-")
+    work = a.report or tempfile.mkdtemp(prefix="atomd-delayer-vclock-")
     outs = [os.path.join(work, f"rank{r}.json") for r in range(2)]
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    if not a.report:
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, outs[r])) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
     ranks = [json.load(open(o)) for o in outs]
     rows, ratios = [], {}
     for flood in (r for r in ranks[0] if r["round"] == -1):
@@ -348,10 +356,34 @@ def main() -> None:
     for (b, mode), v in sorted(ratios.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
         base = "off" if mode == "off+mixed@seed" else baseline(mode)
         print(f"| {b:g} | {mode} | {base} | " + " | ".join(spread([r[j] for r in v]) for j in range(4)) + " |")
+    for base in against:
+        versus(by_key, base, names, tput_itl)
     breakdown(by_key)
     waits(by_key)
     itl_tail(by_key)
     print(f"\nload average after: {loadavg()}; per-rank JSON: {work}")
+
+
+def versus(by_key: dict, base: str, names: tuple, tput_itl) -> None:
+    """Every mode's throughput, ITL p99 and TTFT p50 against `base` (--against), run by run on
+    the same arrivals: the median of the rounds' ratios and each round's."""
+    ratios: dict[tuple[float, str], list[tuple[float, float, float]]] = {}
+    for (rnd, b, mode), pair in by_key.items():
+        if mode == base or (rnd, b, base) not in by_key:
+            continue
+        other = by_key[rnd, b, base]
+        (tput, itl99), (base_tput, base_itl) = tput_itl(pair), tput_itl(other)
+        ttft = pct(pair[0]["ttft"] + pair[1]["ttft"], 50) / pct(other[0]["ttft"] + other[1]["ttft"], 50)
+        ratios.setdefault((b, mode), []).append((rnd, tput / base_tput, itl99 / base_itl, ttft))
+    print(f"\nAgainst {base} (same arrivals; median of the rounds' ratios, then each round's in round order):\n")
+    print(f"| burstiness | mode | tok/s vs {base} | per round | ITL p99 vs {base} | per round | TTFT p50 vs {base} |")
+    print("|---|---|---|---|---|---|---|")
+    for (b, mode), v in sorted(ratios.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
+        v.sort()
+        cols = [[r[j] for r in v] for j in (1, 2, 3)]
+        print(f"| {b:g} | {mode} | {statistics.median(cols[0]):.2f}x | {' / '.join(f'{x:.2f}' for x in cols[0])} | "
+              f"{statistics.median(cols[1]):.2f}x | {' / '.join(f'{x:.2f}' for x in cols[1])} | "
+              f"{statistics.median(cols[2]):.2f}x |")
 
 
 def breakdown(by_key: dict) -> None:
