@@ -21,7 +21,8 @@ serves all runs (its prefix cache reset between them), so no run pays a fresh pr
 
 --modes: a delayer policy (off, align, coalesce; `align:N` / `coalesce:N`: with an aligned tick's
 budget of N prompt tokens split between the ranks prefilling in it, --prefill-delayer-aligned-tokens N;
-any of them `/C`: --max-local-prefill-tokens-per-step C for that mode, e.g. `off/384`), with `+mixed` for mixed steps
+any of them `/C`: --max-local-prefill-tokens-per-step C for that mode, e.g. `off/384`; a delayer
+policy `@D`: --prefill-delayer-max-delay-passes D for that mode, e.g. `align:512@4`), with `+mixed` for mixed steps
 (--enable-mixed-chunk: decode rows ride in every prefill step) or `+mixed-gather` for mixed steps
 whose decode rows take the prefill path (a gather + SDPA each, atomd/engine/runner.py's
 DECODE_ROWS_KERNEL off: what mixed steps were before their decode rows went through the decode
@@ -63,17 +64,19 @@ def kind_of(mode: str) -> str:
     return mode.partition("+")[2]
 
 
-def policy_of(mode: str) -> tuple[str, int, int]:
-    """(delayer policy, aligned tokens, prompt-token cap; 0: off, -1: not a number) of a mode
-    such as `align:768+mixed` or `off/384+mixed`."""
+def policy_of(mode: str) -> tuple[str, int, int, int]:
+    """(delayer policy, aligned tokens, prompt-token cap, max delay passes; 0: off / the default,
+    -1: not a number) of a mode such as `align:768+mixed`, `align:512@4+mixed` or `off/384+mixed`."""
     head, _, cap = mode.partition("+")[0].partition("/")
+    head, _, delay = head.partition("@")
     policy, _, tokens = head.partition(":")
-    return (policy, *(int(n) if n.isdigit() else (0 if not n else -1) for n in (tokens, cap)))
+    return (policy, *(int(n) if n.isdigit() else (0 if not n else -1) for n in (tokens, cap, delay)))
 
 
 def valid_mode(mode: str) -> bool:
-    (policy, tokens, cap), kind = policy_of(mode), kind_of(mode)
-    return policy in POLICIES and kind in KINDS and tokens >= 0 and cap >= 0 and not (tokens and policy == "off")
+    (policy, tokens, cap, delay), kind = policy_of(mode), kind_of(mode)
+    return (policy in POLICIES and kind in KINDS and min(tokens, cap, delay) >= 0
+            and not ((tokens or delay) and policy == "off") and "@0" not in mode)
 
 
 def baseline(mode: str) -> str:
@@ -194,7 +197,8 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                                prefill_delayer_token_usage_low_watermark=args["low_watermark"],
                                max_local_prefill_tokens_per_step=args["prefill_cap"],
                                prefill_delayer_aligned_tokens=policy_of(p)[1],
-                               **({"prefill_delayer_max_delay_passes": args["max_delay"]} if args["max_delay"] else {}))
+                               **({"prefill_delayer_max_delay_passes": policy_of(p)[3] or args["max_delay"]}
+                                  if policy_of(p)[3] or args["max_delay"] else {}))
                for p in {"off"} | {m.partition("+")[0].partition("/")[0] for m in args["modes"]}}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
@@ -278,7 +282,8 @@ def main() -> None:
                     "seconds of the rounds' wall time (0: every round)")
     ap.add_argument("--modes", default="off,align,coalesce", help=f"comma-separated, of {','.join(MODES)}, and "
                     "align:N / coalesce:N with any kind (N: --prefill-delayer-aligned-tokens), any policy with /C "
-                    "(--max-local-prefill-tokens-per-step C for that mode)")
+                    "(--max-local-prefill-tokens-per-step C for that mode), align / coalesce with @D "
+                    "(--prefill-delayer-max-delay-passes D for that mode)")
     ap.add_argument("--against", default="", help="comma-separated modes of --modes: every other mode's ratios "
                     "against each of them too, per round (e.g. off/256+mixed: off with the same per-rank chunk)")
     ap.add_argument("--report", metavar="DIR", help="run nothing: report the per-rank JSON a run left in DIR "
