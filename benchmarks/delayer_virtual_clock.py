@@ -66,17 +66,30 @@ def kind_of(mode: str) -> str:
 
 def policy_of(mode: str) -> tuple[str, int, int, int]:
     """(delayer policy, aligned tokens, prompt-token cap, max delay passes; 0: off / the default,
-    -1: not a number) of a mode such as `align:768+mixed`, `align:512@4+mixed` or `off/384+mixed`."""
-    head, _, cap = mode.partition("+")[0].partition("/")
+    -1: not a number) of a mode such as `align:768+mixed`, `align:512@4+mixed` or `off/384+mixed`
+    (`-own`, as in `align:512@4-own+mixed`, is own_release's)."""
+    head, _, cap = mode.partition("+")[0].removesuffix("-own").partition("/")
     head, _, delay = head.partition("@")
     policy, _, tokens = head.partition(":")
     return (policy, *(int(n) if n.isdigit() else (0 if not n else -1) for n in (tokens, cap, delay)))
 
 
+def head_of(mode: str) -> str:
+    """The part of a mode its delayer config is made of: `align:512@4` of `align:512@4/256-own+mixed`."""
+    return mode.partition("+")[0].removesuffix("-own").partition("/")[0]
+
+
+def own_release(mode: str) -> bool:
+    """`-own` (e.g. `align:512@4-own+mixed`): a lone release takes the rank's own budget, not
+    the aligned share (scheduler/prefill_delayer.py's RELEASE_SHARE off: before issue #36's s36f)."""
+    return mode.partition("+")[0].endswith("-own")
+
+
 def valid_mode(mode: str) -> bool:
     (policy, tokens, cap, delay), kind = policy_of(mode), kind_of(mode)
     return (policy in POLICIES and kind in KINDS and min(tokens, cap, delay) >= 0
-            and not ((tokens or delay) and policy == "off") and "@0" not in mode)
+            and not ((tokens or delay) and policy == "off") and "@0" not in mode
+            and not (own_release(mode) and not tokens))
 
 
 def baseline(mode: str) -> str:
@@ -185,6 +198,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from atomd.config import EngineConfig
     from atomd.engine.dp_collective import GlooCollective, make_prefill_delayer
     from atomd.engine.llm_engine import LLMEngine
+    from scheduler import prefill_delayer
 
     coll = GlooCollective(rank, world, port, timeout_s=600, join_timeout_s=600)
     # room for every sequence of a full batch at the longest prompt: no preemption in any run
@@ -199,7 +213,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                                prefill_delayer_aligned_tokens=policy_of(p)[1],
                                **({"prefill_delayer_max_delay_passes": policy_of(p)[3] or args["max_delay"]}
                                   if policy_of(p)[3] or args["max_delay"] else {}))
-               for p in {"off"} | {m.partition("+")[0].partition("/")[0] for m in args["modes"]}}
+               for p in {"off"} | {head_of(m) for m in args["modes"]}}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
     modes = args["modes"]
@@ -224,7 +238,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
         for b in args["burstiness"]:
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             for mode in order:
-                policy, kind = mode.partition("+")[0], kind_of(mode)  # policy: e.g. align:768
+                policy, kind = head_of(mode), kind_of(mode)  # policy: e.g. align:768@4
                 # off+mixed on the seed's rate too: what mixed steps buy on the same arrivals
                 # (--same-arrivals: every mode on the seed's rate, so all of them see the same requests)
                 if args["same_arrivals"] and "" in kinds:
@@ -237,9 +251,9 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                     engine.reset_prefix_cache()
                     set_kind(engine, kind)
                     engine.scheduler.config.max_local_prefill_tokens_per_step = policy_of(mode)[2] or args["prefill_cap"]
-                    policy = policy.partition("/")[0]
+                    prefill_delayer.RELEASE_SHARE = not own_release(mode)
                     engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
-                                                        if policy != "off" else None)
+                                                        if policy_of(mode)[0] != "off" else None)
                     result = serve(engine, coll, rank, world, requests)
                     delayer = engine.scheduler.prefill_delayer
                     name = mode if rate_of == kind or args["same_arrivals"] else "off+mixed@seed"
