@@ -594,7 +594,8 @@ HELP = {
     "prefill_delayer_aligned_tokens": "a tick in which k >= 2 DP ranks prefill together carries at most this "
                                       "many prompt tokens, N / k a rank (what a rank cannot fit goes on at that "
                                       "share in its next ticks), so an aligned tick costs about one budget's "
-                                      "prefill, not every rank's held queue (0: off; needs --prefill-delayer "
+                                      "prefill, not every rank's held queue; a rank released alone (max delay, "
+                                      "the valve) goes on at N / ranks (0: off; needs --prefill-delayer "
                                       "and chunked prefill)",
     "dp_lockstep": "benchmark emulation: every step ends with an all-reduce over the DP ranks (MoE EP)",
     "enable_expert_parallel": "MoE models: each DP rank holds 1/N of every sparse layer's experts and the "

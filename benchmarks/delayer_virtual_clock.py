@@ -21,7 +21,8 @@ serves all runs (its prefix cache reset between them), so no run pays a fresh pr
 
 --modes: a delayer policy (off, align, coalesce; `align:N` / `coalesce:N`: with an aligned tick's
 budget of N prompt tokens split between the ranks prefilling in it, --prefill-delayer-aligned-tokens N;
-any of them `/C`: --max-local-prefill-tokens-per-step C for that mode, e.g. `off/384`), with `+mixed` for mixed steps
+any of them `/C`: --max-local-prefill-tokens-per-step C for that mode, e.g. `off/384`; a delayer
+policy `@D`: --prefill-delayer-max-delay-passes D for that mode, e.g. `align:512@4`), with `+mixed` for mixed steps
 (--enable-mixed-chunk: decode rows ride in every prefill step) or `+mixed-gather` for mixed steps
 whose decode rows take the prefill path (a gather + SDPA each, atomd/engine/runner.py's
 DECODE_ROWS_KERNEL off: what mixed steps were before their decode rows went through the decode
@@ -63,17 +64,32 @@ def kind_of(mode: str) -> str:
     return mode.partition("+")[2]
 
 
-def policy_of(mode: str) -> tuple[str, int, int]:
-    """(delayer policy, aligned tokens, prompt-token cap; 0: off, -1: not a number) of a mode
-    such as `align:768+mixed` or `off/384+mixed`."""
-    head, _, cap = mode.partition("+")[0].partition("/")
+def policy_of(mode: str) -> tuple[str, int, int, int]:
+    """(delayer policy, aligned tokens, prompt-token cap, max delay passes; 0: off / the default,
+    -1: not a number) of a mode such as `align:768+mixed`, `align:512@4+mixed` or `off/384+mixed`
+    (`-own`, as in `align:512@4-own+mixed`, is own_release's)."""
+    head, _, cap = mode.partition("+")[0].removesuffix("-own").partition("/")
+    head, _, delay = head.partition("@")
     policy, _, tokens = head.partition(":")
-    return (policy, *(int(n) if n.isdigit() else (0 if not n else -1) for n in (tokens, cap)))
+    return (policy, *(int(n) if n.isdigit() else (0 if not n else -1) for n in (tokens, cap, delay)))
+
+
+def head_of(mode: str) -> str:
+    """The part of a mode its delayer config is made of: `align:512@4` of `align:512@4/256-own+mixed`."""
+    return mode.partition("+")[0].removesuffix("-own").partition("/")[0]
+
+
+def own_release(mode: str) -> bool:
+    """`-own` (e.g. `align:512@4-own+mixed`): a lone release takes the rank's own budget, not
+    the aligned share (scheduler/prefill_delayer.py's RELEASE_SHARE off: before issue #36's s36f)."""
+    return mode.partition("+")[0].endswith("-own")
 
 
 def valid_mode(mode: str) -> bool:
-    (policy, tokens, cap), kind = policy_of(mode), kind_of(mode)
-    return policy in POLICIES and kind in KINDS and tokens >= 0 and cap >= 0 and not (tokens and policy == "off")
+    (policy, tokens, cap, delay), kind = policy_of(mode), kind_of(mode)
+    return (policy in POLICIES and kind in KINDS and min(tokens, cap, delay) >= 0
+            and not ((tokens or delay) and policy == "off") and "@0" not in mode
+            and not (own_release(mode) and not tokens))
 
 
 def baseline(mode: str) -> str:
@@ -120,6 +136,10 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
     tick_of: dict[str, list[int]] = {}  # per request: the tick of each token
     kinds: list[int] = []  # per tick: 1 prefill, 0 decode, -1 no forward
     critical: list[float] = []  # per tick: the slower rank's CPU s
+    cpus: list[list[float]] = []  # per tick: every rank's CPU s (critical minus a rank's: its wait)
+    exchange: list[float] = []  # per tick: this rank's wall s inside the EP all-to-alls
+    step_wall: list[float] = []  # per tick: this rank's wall s in the step
+    ep = engine.model.ep
     wall = time.perf_counter()
     while nxt < len(requests) or any(unfinished):
         if not any(unfinished) and requests[nxt][0] > now:
@@ -133,20 +153,24 @@ def serve(engine, coll, rank: int, world: int, requests: list[tuple[float, list[
                                                                          temperature=0.0, ignore_eos=True))
                 arrival[rid] = requests[nxt][0]
             nxt += 1
-        cpu = time.thread_time()
+        cpu, in_exchange, started = time.thread_time(), ep.exchange_s if ep else 0.0, time.perf_counter()
         outputs = engine.step()
         cpu = time.thread_time() - cpu
+        step_wall.append(time.perf_counter() - started)
+        exchange.append((ep.exchange_s if ep else 0.0) - in_exchange)
         kinds.append(-1 if engine.last_forward is None else int(engine.last_forward[0]))
         vec = np.zeros(2 * world, dtype=np.int64)
         vec[rank], vec[world + rank] = int(cpu * 1e6), sum(engine.scheduler.get_request_counts())
         sums = coll.all_reduce_sum(vec)
         critical.append(int(sums[:world].max()) / 1e6)
+        cpus.append([int(c) / 1e6 for c in sums[:world]])
         now += critical[-1]
         unfinished = [int(u) for u in sums[world:]]
         for out in outputs:
             times.setdefault(out.request_id, []).extend([now] * len(out.new_token_ids))
             tick_of.setdefault(out.request_id, []).extend([len(kinds) - 1] * len(out.new_token_ids))
     return {"end": now, "ticks": len(kinds), "prefill_ticks": kinds.count(1), "kinds": kinds, "critical": critical,
+            "cpus": cpus, "exchange": exchange, "step_wall": step_wall,
             "wall_s": time.perf_counter() - wall,
             "ttft": [times[rid][0] - arrival[rid] for rid in arrival],
             "itl": [b - a for rid in arrival for a, b in zip(times[rid], times[rid][1:])],
@@ -174,6 +198,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
     from atomd.config import EngineConfig
     from atomd.engine.dp_collective import GlooCollective, make_prefill_delayer
     from atomd.engine.llm_engine import LLMEngine
+    from scheduler import prefill_delayer
 
     coll = GlooCollective(rank, world, port, timeout_s=600, join_timeout_s=600)
     # room for every sequence of a full batch at the longest prompt: no preemption in any run
@@ -186,8 +211,9 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                                prefill_delayer_token_usage_low_watermark=args["low_watermark"],
                                max_local_prefill_tokens_per_step=args["prefill_cap"],
                                prefill_delayer_aligned_tokens=policy_of(p)[1],
-                               **({"prefill_delayer_max_delay_passes": args["max_delay"]} if args["max_delay"] else {}))
-               for p in {"off"} | {m.partition("+")[0].partition("/")[0] for m in args["modes"]}}
+                               **({"prefill_delayer_max_delay_passes": policy_of(p)[3] or args["max_delay"]}
+                                  if policy_of(p)[3] or args["max_delay"] else {}))
+               for p in {"off"} | {head_of(m) for m in args["modes"]}}
     engine = LLMEngine(configs["off"], expert_group=coll)
     coll.barrier()
     modes = args["modes"]
@@ -212,7 +238,7 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
         for b in args["burstiness"]:
             order = modes[rnd % len(modes):] + modes[:rnd % len(modes)]
             for mode in order:
-                policy, kind = mode.partition("+")[0], kind_of(mode)  # policy: e.g. align:768
+                policy, kind = head_of(mode), kind_of(mode)  # policy: e.g. align:768@4
                 # off+mixed on the seed's rate too: what mixed steps buy on the same arrivals
                 # (--same-arrivals: every mode on the seed's rate, so all of them see the same requests)
                 if args["same_arrivals"] and "" in kinds:
@@ -225,9 +251,9 @@ def rank_main(rank: int, world: int, port: int, args: dict, out: str) -> None:
                     engine.reset_prefix_cache()
                     set_kind(engine, kind)
                     engine.scheduler.config.max_local_prefill_tokens_per_step = policy_of(mode)[2] or args["prefill_cap"]
-                    policy = policy.partition("/")[0]
+                    prefill_delayer.RELEASE_SHARE = not own_release(mode)
                     engine.scheduler.prefill_delayer = (make_prefill_delayer(configs[policy], coll)
-                                                        if policy != "off" else None)
+                                                        if policy_of(mode)[0] != "off" else None)
                     result = serve(engine, coll, rank, world, requests)
                     delayer = engine.scheduler.prefill_delayer
                     name = mode if rate_of == kind or args["same_arrivals"] else "off+mixed@seed"
@@ -270,11 +296,19 @@ def main() -> None:
                     "seconds of the rounds' wall time (0: every round)")
     ap.add_argument("--modes", default="off,align,coalesce", help=f"comma-separated, of {','.join(MODES)}, and "
                     "align:N / coalesce:N with any kind (N: --prefill-delayer-aligned-tokens), any policy with /C "
-                    "(--max-local-prefill-tokens-per-step C for that mode)")
+                    "(--max-local-prefill-tokens-per-step C for that mode), align / coalesce with @D "
+                    "(--prefill-delayer-max-delay-passes D for that mode)")
+    ap.add_argument("--against", default="", help="comma-separated modes of --modes: every other mode's ratios "
+                    "against each of them too, per round (e.g. off/256+mixed: off with the same per-rank chunk)")
+    ap.add_argument("--report", metavar="DIR", help="run nothing: report the per-rank JSON a run left in DIR "
+                    "(with that run's arguments)")
     a = ap.parse_args()
     modes = a.modes.split(",")
     if not all(map(valid_mode, modes)) or not {baseline(m) for m in modes} <= set(modes):
         ap.error(f"--modes: of {MODES} (align:N, coalesce:N, /C too), each with its baseline (off, off+mixed)")
+    against = [m for m in a.against.split(",") if m]
+    if not set(against) <= set(modes):
+        ap.error(f"--against {a.against}: every one of them must be in --modes")
     model = model_dir(a.shape)
     vocab = json.loads((model / "config.json").read_text())["vocab_size"]
     args = {"model": str(model), "vocab_size": vocab, "num_prompts": a.num_prompts, "input_len": a.input_len,
@@ -286,17 +320,18 @@ def main() -> None:
         share = flops_per_token(config, a.input_len)["expert_share"]
         print(f"{a.shape}: experts {100 * share:.0f} % of a {a.input_len}-token prefill's multiply-adds "
               f"(per rank: attention, router, head {100 * (1 - share):.0f} %)", flush=True)
-    work = tempfile.mkdtemp(prefix="atomd-delayer-vclock-")
+    work = a.report or tempfile.mkdtemp(prefix="atomd-delayer-vclock-")
     outs = [os.path.join(work, f"rank{r}.json") for r in range(2)]
-    port = free_port()
-    ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, outs[r])) for r in range(2)]
-    for p in procs:
-        p.start()
-    for p in procs:
-        p.join()
-    if any(p.exitcode for p in procs):
-        sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
+    if not a.report:
+        port = free_port()
+        ctx = mp.get_context("spawn")
+        procs = [ctx.Process(target=rank_main, args=(r, 2, port, args, outs[r])) for r in range(2)]
+        for p in procs:
+            p.start()
+        for p in procs:
+            p.join()
+        if any(p.exitcode for p in procs):
+            sys.exit(f"a rank failed (exit codes {[p.exitcode for p in procs]})")
     ranks = [json.load(open(o)) for o in outs]
     rows, ratios = [], {}
     for flood in (r for r in ranks[0] if r["round"] == -1):
@@ -340,9 +375,34 @@ def main() -> None:
     for (b, mode), v in sorted(ratios.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
         base = "off" if mode == "off+mixed@seed" else baseline(mode)
         print(f"| {b:g} | {mode} | {base} | " + " | ".join(spread([r[j] for r in v]) for j in range(4)) + " |")
+    for base in against:
+        versus(by_key, base, names, tput_itl)
     breakdown(by_key)
+    waits(by_key)
     itl_tail(by_key)
     print(f"\nload average after: {loadavg()}; per-rank JSON: {work}")
+
+
+def versus(by_key: dict, base: str, names: tuple, tput_itl) -> None:
+    """Every mode's throughput, ITL p99 and TTFT p50 against `base` (--against), run by run on
+    the same arrivals: the median of the rounds' ratios and each round's."""
+    ratios: dict[tuple[float, str], list[tuple[float, float, float]]] = {}
+    for (rnd, b, mode), pair in by_key.items():
+        if mode == base or (rnd, b, base) not in by_key:
+            continue
+        other = by_key[rnd, b, base]
+        (tput, itl99), (base_tput, base_itl) = tput_itl(pair), tput_itl(other)
+        ttft = pct(pair[0]["ttft"] + pair[1]["ttft"], 50) / pct(other[0]["ttft"] + other[1]["ttft"], 50)
+        ratios.setdefault((b, mode), []).append((rnd, tput / base_tput, itl99 / base_itl, ttft))
+    print(f"\nAgainst {base} (same arrivals; median of the rounds' ratios, then each round's in round order):\n")
+    print(f"| burstiness | mode | tok/s vs {base} | per round | ITL p99 vs {base} | per round | TTFT p50 vs {base} |")
+    print("|---|---|---|---|---|---|---|")
+    for (b, mode), v in sorted(ratios.items(), key=lambda kv: (kv[0][0], names.index(kv[0][1]))):
+        v.sort()
+        cols = [[r[j] for r in v] for j in (1, 2, 3)]
+        print(f"| {b:g} | {mode} | {statistics.median(cols[0]):.2f}x | {' / '.join(f'{x:.2f}' for x in cols[0])} | "
+              f"{statistics.median(cols[1]):.2f}x | {' / '.join(f'{x:.2f}' for x in cols[1])} | "
+              f"{statistics.median(cols[2]):.2f}x |")
 
 
 def breakdown(by_key: dict) -> None:
@@ -362,6 +422,46 @@ def breakdown(by_key: dict) -> None:
     for (b, policy), cell in sorted(table.items()):
         print(f"| {b:g} | {policy} | " + " | ".join(f"{n}, {sec:.2f} s" for n, sec in cell.values()) + " |")
 
+
+def waits(by_key: dict) -> None:
+    """Where the ranks wait, all rounds: in a tick the faster rank waits out the slower one's
+    extra CPU (critical path minus its own CPU) in the EP all-to-alls. Per run kind: the lone
+    prefill ticks (one rank prefills, the other decodes or idles: DP, -P), the prefilling rank's
+    CPU, the other's, the other's wait against the tick, and its wall inside the all-to-alls
+    against its step's wall (both wall: noisy on a loaded machine); then every tick's wait
+    summed (the faster rank's, as a share of the run's virtual time) and the balanced bound:
+    the run's virtual time over what it would be if every tick's work were split evenly
+    between the ranks (time / sum of the ranks' mean CPU per tick), an upper bound on what any
+    reordering of the same work between ticks, a delayer's included, could buy."""
+    table: dict[tuple[float, str], dict[str, list[float]]] = {}
+    for (_, b, policy), (r0, r1) in by_key.items():
+        cell = table.setdefault((b, policy), {"lone": [], "pre": [], "other": [], "exch": [], "wall": [],
+                                              "time": [0.0], "wait": [0.0], "even": [0.0]})
+        for t, (k0, k1, crit) in enumerate(zip(r0["kinds"], r1["kinds"], r0["critical"])):
+            cpu = r0["cpus"][t]
+            cell["time"][0] += crit
+            cell["wait"][0] += crit - min(cpu)
+            cell["even"][0] += sum(cpu) / len(cpu)
+            if (k0 == 1) != (k1 == 1):  # a lone prefill tick
+                pre, other = (0, r1) if k0 == 1 else (1, r0)
+                cell["lone"].append(crit)
+                cell["pre"].append(cpu[pre])
+                cell["other"].append(cpu[1 - pre])
+                cell["exch"].append(other["exchange"][t])
+                cell["wall"].append(other["step_wall"][t])
+    print("\nWhere the ranks wait (all rounds): lone prefill ticks (the prefilling rank's CPU, the other's, the "
+          "other's wait = tick - its CPU), the other rank's wall in the EP all-to-alls / its step's wall; every "
+          "tick's faster-rank wait as a share of the run; the balanced bound (time / evenly split work)\n")
+    print("| burstiness | mode | lone ticks | tick ms, mean | prefilling rank CPU ms | other CPU ms | other waits, "
+          "% of tick | other's all-to-all wall / step wall | all ticks' wait, % of time | balanced bound |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for (b, policy), c in sorted(table.items()):
+        n = max(len(c["lone"]), 1)
+        lone, other = sum(c["lone"]), sum(c["other"])
+        print(f"| {b:g} | {policy} | {len(c['lone'])} | {1e3 * lone / n:.0f} | {1e3 * sum(c['pre']) / n:.0f} | "
+              f"{1e3 * other / n:.0f} | {100 * (lone - other) / max(lone, 1e-9):.0f} % | "
+              f"{100 * sum(c['exch']) / max(sum(c['wall']), 1e-9):.0f} % | "
+              f"{100 * c['wait'][0] / c['time'][0]:.0f} % | {c['time'][0] / c['even'][0]:.3f}x |")
 
 
 def itl_tail(by_key: dict) -> None:

@@ -22,7 +22,9 @@ together gives each of them `aligned_share()` = aligned_tokens // k prompt token
 tick's expert work is one budget's, not k ranks' whole queues (the prompts a hold gathered);
 what a rank could not fit continues at that share in its next ticks, held or not (the
 scheduler's aligned leftover). A rank counts as prefilling in a tick when it is alignment-ready
-(`local_alignment_ready`: new prompts or a leftover), so k is the same on every rank.
+(`local_alignment_ready`: new prompts or a leftover), so k is the same on every rank. A rank
+released alone (max delay, the valve, coalesce firing for it) gets aligned_tokens // world_size
+and goes on as a leftover too, not held again between its chunks.
 
 Time is counted in ticks (calls), never in per-rank wall clock, which would diverge.
 A failing collective fails open (allow) and is counted. Every decision increments
@@ -39,6 +41,9 @@ import numpy as np
 logger = logging.getLogger("atomd.prefill_delayer")
 
 POLICIES = ("align", "coalesce")
+# a lone release's aligned share (aligned_share()); False: the rank's own budget, as before
+# (benchmarks/delayer_virtual_clock.py's `-own` modes: the A/B switch)
+RELEASE_SHARE = True
 
 
 class Collective(abc.ABC):
@@ -86,6 +91,7 @@ class PrefillDelayer:
         self.aligned_tokens = aligned_tokens
         self.num_ready = 0  # the last tick: ranks alignment-ready (they prefill if it allows)
         self.allowed = True  # the last tick's decision
+        self.reason = "none"  # and its reason
         self.outcomes: dict[tuple[str, str, str], int] = defaultdict(int)
         self.num_collective_errors = 0
         self._held = 0  # consecutive ticks prefills were held (same on every rank)
@@ -120,10 +126,17 @@ class PrefillDelayer:
 
     def aligned_share(self) -> int:
         """Prompt tokens this rank's step may carry in the tick just decided: aligned_tokens
-        split between the k >= 2 ranks that prefill together in it; 0 (the rank's own budget)
-        when the delayer held, fewer than two ranks prefill, or aligned_tokens is 0."""
-        if not self.aligned_tokens or not self.allowed or self.num_ready < 2:
+        split between the k >= 2 ranks that prefill together in it; a release of one rank alone
+        (max delay, the valve, coalesce firing for one rank) gets a share as if every rank
+        prefilled with it, aligned_tokens // world_size, so it goes on as a leftover, unheld
+        and at the size of an aligned tick's chunk; 0 (the rank's own budget) when the delayer
+        held, allowed with nothing to prefill ("none") or failed open, or aligned_tokens is 0."""
+        if not self.aligned_tokens or not self.allowed or self.num_ready < 1:
             return 0
+        if self.num_ready == 1:
+            if self.reason in ("none", "collective_error") or not RELEASE_SHARE:
+                return 0
+            return max(1, self.aligned_tokens // self.collective.world_size)
         return max(1, self.aligned_tokens // self.num_ready)
 
     def _under_low_watermark(self, token_usage: float) -> bool:
@@ -164,7 +177,7 @@ class PrefillDelayer:
 
     def _decide(self, allow: bool, reason: str) -> bool:
         self.outcomes[(self.policy, "allow" if allow else "delay", reason)] += 1
-        self.allowed = allow
+        self.allowed, self.reason = allow, reason
         if allow:
             self._held = self._stalled = 0
         else:

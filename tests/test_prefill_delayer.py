@@ -7,6 +7,7 @@ import threading
 import numpy as np
 import pytest
 
+from scheduler import prefill_delayer
 from scheduler.prefill_delayer import Collective, SingleRank
 from tests.in_process_group import InProcessGroup
 from scheduler.scheduler import Scheduler
@@ -117,6 +118,31 @@ def test_aligned_share_splits_the_aligned_budget_between_the_ranks_that_prefill_
     assert [d.aligned_share() for d in ranks(2)] == [0, 0]  # aligned_tokens 0 (the default): off
     with pytest.raises(ValueError, match="aligned_tokens must be >= 0"):
         make_delayer(SingleRank(), aligned_tokens=-1)
+
+
+def test_a_lone_release_gets_the_share_of_an_aligned_tick():
+    """A rank released alone (max delay, the valve, coalesce firing for it) prefills
+    aligned_tokens // world_size, the chunk it would have had beside every other rank, and so
+    goes on as a leftover (unheld); "none", a failed collective, RELEASE_SHARE off: no share."""
+    delayers = ranks(2, max_delay_passes=1, aligned_tokens=96)
+    assert decide(delayers, [P, IDLE]) == [False, False] and [d.aligned_share() for d in delayers] == [0, 0]
+    assert decide(delayers, [P, IDLE]) == [True, True] and delayers[0].reason == "max_delay"
+    assert [d.aligned_share() for d in delayers] == [48, 48]
+    assert decide(delayers, [dict(IDLE, local_alignment_ready=True), IDLE]) == [True, True]  # a leftover: "none"
+    assert [d.aligned_share() for d in delayers] == [0, 0]  # the leftover keeps the share it has
+    three = ranks(3, token_usage_low_watermark=0.2, aligned_tokens=96)
+    assert decide(three, [dict(P, token_usage=0.1), IDLE, IDLE]) == [True] * 3  # the valve
+    assert outcome(three[0]) == ("align", "allow", "low_watermark") and three[0].aligned_share() == 32
+    fired = coalesce(aligned_tokens=96)
+    assert decide(fired, [C(usage=0.95), C(prefillable=False)]) == [True, True]  # kv: rank 0 alone
+    assert [d.aligned_share() for d in fired] == [48, 48]
+    failed = make_delayer(Failing(), aligned_tokens=96)
+    assert failed.should_allow_prefill(**P) is True and failed.aligned_share() == 0
+    off = ranks(2, max_delay_passes=1, aligned_tokens=96)
+    decide(off, [P, IDLE])
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(prefill_delayer, "RELEASE_SHARE", False)
+        assert decide(off, [P, IDLE]) == [True, True] and [d.aligned_share() for d in off] == [0, 0]
 
 
 def C(prefillable=True, usage=0.5, pending=100, decodes=4, partial=False):
@@ -298,7 +324,8 @@ def test_an_aligned_tick_splits_its_budget_and_its_leftover_goes_on_while_held(m
     """Two ranks, align with aligned_tokens 16 (8 a rank in a tick both prefill): rank 0's held
     prompt goes out with rank 1's in 8-token chunks; a leftover neither holds nor releases anybody,
     and a new prompt on the other rank aligns with it; rank 0's leftover goes on while the delayer
-    holds its newly queued prompt (not admitted then); that prompt goes lone at max delay, whole."""
+    holds its newly queued prompt (not admitted then); that prompt goes lone at max delay, at the
+    share, and its leftover goes on unheld."""
     group = InProcessGroup(2, timeout_s=5.0)
     scheds, models = [], []
     for r in range(2):
@@ -334,9 +361,10 @@ def test_an_aligned_tick_splits_its_budget_and_its_leftover_goes_on_while_held(m
     # tick 2: aligned, 8 each; 3: both leftovers, nothing to align ("none"), 8 each again; 4: d
     # aligns with a's leftover ("all"); 5: leftovers ("none"); 6: a's leftover alone ("none", not a
     # hold); 7-9: held (b queued, rank 1 decodes): a goes on, b is not admitted beside it (tick 8
-    # leaves room); 10: max delay, b whole (rank 0's own budget)
+    # leaves room); 10: max delay, b alone at an aligned tick's share (16 // 2); 11: b's leftover goes
+    # on ("none", not held again as a chunked prefill would be)
     assert prefills[0] == [(2, {"a": 8}), (3, {"a": 8}), (4, {"a": 8}), (5, {"a": 8}), (6, {"a": 8}), (7, {"a": 8}),
-                           (8, {"a": 4}), (10, {"b": 12})]
+                           (8, {"a": 4}), (10, {"b": 8}), (11, {"b": 4})]
     assert prefills[1] == [(2, {"c": 8}), (3, {"c": 2}), (4, {"d": 8}), (5, {"d": 2})]
     d0 = scheds[0].prefill_delayer
     assert d0.outcomes[("align", "allow", "all")] == 2 and d0.outcomes[("align", "allow", "max_delay")] == 1
