@@ -98,30 +98,6 @@ static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *
 #define MOE_Q8_WIDE 1
 #define Q8_WIDE_CHUNK 512 /* rows an item where experts are widened: each item widens its expert once */
 
-/* 16 vectors of 16 dwords transposed: r[i] lane j <-> r[j] lane i */
-static inline void transpose16_epi32(__m512i r[16]) {
-    __m512i t[16];
-    for (int i = 0; i < 16; i += 2) {
-        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int i = 0; i < 16; i += 4) {  /* u[i + j], each 128-bit lane L: rows i..i+3 of column 4 L + j */
-        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
-        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
-        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
-        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
-    }
-    for (int j = 0; j < 4; j++) {
-        const __m512i a = _mm512_shuffle_i32x4(r[j], r[4 + j], 0x44), a2 = _mm512_shuffle_i32x4(r[j], r[4 + j], 0xEE);
-        const __m512i b = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0x44), b2 = _mm512_shuffle_i32x4(r[8 + j], r[12 + j], 0xEE);
-        t[j] = _mm512_shuffle_i32x4(a, b, 0x88);
-        t[4 + j] = _mm512_shuffle_i32x4(a, b, 0xDD);
-        t[8 + j] = _mm512_shuffle_i32x4(a2, b2, 0x88);
-        t[12 + j] = _mm512_shuffle_i32x4(a2, b2, 0xDD);
-    }
-    for (int i = 0; i < 16; i++) r[i] = t[i];
-}
-
 /* An int8 / int4 weight [N, K] dequantised as QuantizedWeight.dequantize does (q * s, then + o, in
  * float32) and rounded to bf16, into pack_amx's layout [N / 16][K / 32][16 k pairs][16 n][2] (moe_amx.h's
  * B operands). N a multiple of 16, K of 32. */
@@ -129,7 +105,7 @@ static void moe_q8_widen(const atomd_qweight *w, int64_t N, int64_t K, bf16_t *d
     const int64_t groups = K / w->group, per = w->group / Q8_BLOCK;
     for (int64_t nb = 0; nb < N / 16; nb++)
         for (int64_t c = 0; c < K / 32; c++) {
-            __m512i r[16];
+            __m512 r[16];
             for (int n = 0; n < 16; n++) {
                 const int64_t row = nb * 16 + n, g = row * groups + c / per;
                 __m512 lo, hi;
@@ -151,11 +127,11 @@ static void moe_q8_widen(const atomd_qweight *w, int64_t N, int64_t K, bf16_t *d
                     const __m512 o = _mm512_set1_ps(w->offsets[g]);
                     lo = _mm512_add_ps(lo, o), hi = _mm512_add_ps(hi, o);
                 }
-                r[n] = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);  /* dword k: inputs 2k, 2k + 1 */
+                r[n] = (__m512)_mm512_cvtne2ps_pbh(hi, lo);  /* 32-bit lane k: inputs 2k, 2k + 1 */
             }
-            transpose16_epi32(r);  /* r[k]: the 16 rows' pair k */
+            transpose16(r);  /* lane_sums.h; r[k]: the 16 rows' pair k */
             bf16_t *b = dst + (nb * (K / 32) + c) * 512;
-            for (int k = 0; k < 16; k++) _mm512_storeu_si512(b + k * 32, r[k]);
+            for (int k = 0; k < 16; k++) _mm512_storeu_ps((float *)(b + k * 32), r[k]);
         }
 }
 #else
