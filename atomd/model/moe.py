@@ -45,7 +45,7 @@ Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
 # bf16 activations (not int8), float32 sums: the AMX-INT8 tiles store and rescale every 32-input block's dot
 # (~5x a bf16 tile product), which left int prefill at ~0.4x bf16's (benchmarks/RESULTS.md "#34 seventh session");
 # 0 (or $ATOMD_MOE_WIDE=0 at import): every expert on int8 activations (the per-expert path's bits)
-Q8_WIDE_MIN_PAIRS = 0 if os.environ.get("ATOMD_MOE_WIDE") == "0" else 32
+Q8_WIDE_MIN_PAIRS = 0 if os.environ.get("ATOMD_MOE_WIDE") == "0" else 128
 
 
 @dataclass
