@@ -131,6 +131,8 @@ def main() -> int:
     p.add_argument("--short", action="store_true", help="the _short workloads (same counts for every engine)")
     p.add_argument("--int8", action="store_true", help="also atomd int8 weights + int8 activations")
     p.add_argument("--int4", action="store_true", help="also atomd int4 weights + int8 activations")
+    p.add_argument("--int-dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
+                   help="the int engines' model dtype(s) (offline.py's; the baseline tree's int engines: float32)")
     p.add_argument("--no-amx-baseline", action="store_true",
                    help="also the --int8 / --int4 engines under ATOMD_KERNEL_ISA=no-amx, in a second process")
     p.add_argument("--llama-runs", nargs="+", choices=list(lc.RUNS), default=["native"],
@@ -189,7 +191,8 @@ def main() -> int:
             cmd = [sys.executable, "-m", "benchmarks.offline", "--model-shape", args.model_shape, "--no-hf",
                    "--dtype", *args.atomd_dtype, "--threads", str(args.threads), "--workloads", *workloads,
                    "--stdin-rounds", *ints]
-            workers.append(Worker("atomd", cmd))
+            int_dtype = ["--int-dtype", *args.int_dtype] if ints and args.int_dtype != ["float32"] else []
+            workers.append(Worker("atomd", cmd + int_dtype))
             baseline_env = dict(kv.split("=", 1) for kv in args.atomd_baseline_env or [])
             if (args.no_amx_baseline or args.atomd_baseline_tree) and ints:
                 cmd = [*cmd[:cmd.index("--dtype") + 1], *cmd[cmd.index("--threads"):]]  # the int engines alone
@@ -283,8 +286,8 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
         print(f"| atomd best / {vllm[0]} | " + " | ".join(cells) + " |")
     pairs = [(ours, theirs) for ours, types in SAME_DTYPE.items() for t in types
              for theirs in names if theirs.startswith(f"{t}_")]
-    pairs += [(q, base) for q in ("atomd_int8", "atomd_int4") for base in (f"baseline_{q}", "atomd_float32",
-                                                                         "atomd_bfloat16")]
+    pairs += [(q + d, base) for q in ("atomd_int8", "atomd_int4") for d in ("", "_bfloat16")
+              for base in (f"baseline_{q}", "atomd_float32", "atomd_bfloat16")]
     for ours, theirs in pairs:
         if ours in med and theirs in med:
             print(f"| {ours} / {theirs} | " + " | ".join(

@@ -8,8 +8,9 @@ intermediate 256), bf16, random weights and router, a new random batch each call
 AMX), `grouped` (the AVX512_BF16 grouped C call, layer_ops.moe_grouped), `per-expert` (one
 oneDNN GEMM pair per active expert), `default` (what moe() picks); `int8` / `int4` (the same experts
 rounded as `--quantization int8|int4` rounds them, int8 activations, float32 x as that engine runs:
-layer_ops.moe_q8, AMX-INT8 tiles where the CPU has them) and `int8-per-expert` / `int4-per-expert`
-(moe.Q8 off: one qlinear pair per active expert, what ran before). Each round times every path
+layer_ops.moe_q8, AMX-INT8 tiles where the CPU has them, experts of many pairs widened to bf16 tiles),
+`int8-int` / `int4-int` (moe.Q8_WIDE_MIN_PAIRS 0: every expert on int8 activations) and `int8-per-expert` /
+`int4-per-expert` (moe.Q8 off: one qlinear pair per active expert, what ran before). Each round times every path
 in turn (alternating), --calls calls each, in this process's CPU time (both threads: the
 machine is shared, so wall time counts waits for a core) and wall time; medians over --rounds.
 
@@ -33,8 +34,9 @@ PATHS = {  # (moe.AMX, moe.GROUPED, moe.GROUPED_MAX_PAIRS)
     "grouped": (False, True, 10**9),
     "per-expert": (False, False, 0),
 }
-QUANT_PATHS = {"int8": ("int8", True), "int4": ("int4", True), "int8-per-expert": ("int8", False),
-               "int4-per-expert": ("int4", False)}  # (--quantization, moe.Q8)
+QUANT_PATHS = {"int8": ("int8", True, None), "int4": ("int4", True, None), "int8-per-expert": ("int8", False, None),
+               "int4-per-expert": ("int4", False, None), "int8-int": ("int8", True, 0),
+               "int4-int": ("int4", True, 0)}  # (--quantization, moe.Q8, moe.Q8_WIDE_MIN_PAIRS: None as set)
 
 
 def weights(seed: int = 0) -> MoeWeights:
@@ -71,15 +73,16 @@ def run(w: MoeWeights, tokens: int, rounds: int, calls: int, paths: list[str]) -
 
     def with_path(name):
         if name in QUANT_PATHS:
-            method, q8 = QUANT_PATHS[name]
+            method, q8, wide = QUANT_PATHS[name]
             xf = [x.float() for x in xs]
+            wide_set = moe_mod.Q8_WIDE_MIN_PAIRS
 
             def call_q(i):
-                moe_mod.Q8 = q8
+                moe_mod.Q8, moe_mod.Q8_WIDE_MIN_PAIRS = q8, wide_set if wide is None else wide
                 try:
                     moe_mod.moe(xf[i % len(xf)], qw[method])
                 finally:
-                    moe_mod.Q8 = True
+                    moe_mod.Q8, moe_mod.Q8_WIDE_MIN_PAIRS = True, wide_set
             return call_q
 
         def call(i):

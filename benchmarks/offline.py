@@ -230,6 +230,9 @@ def main() -> int:
                    help="also atomd with int8 weights and int8 activations (llama.cpp Q8_0's counterpart)")
     p.add_argument("--int4", action="store_true",
                    help="also atomd with int4 weights and int8 activations (llama.cpp Q4_0's counterpart)")
+    p.add_argument("--int-dtype", nargs="+", choices=list(DTYPES), default=["float32"],
+                   help="the --int8 / --int4 engines' model dtype (activations, attention, norms): atomd_int8 for "
+                        "float32, atomd_int8_bfloat16 for bfloat16, both where both are given")
     p.add_argument("--stdin-rounds", action="store_true",
                    help="load the engines, then one round per stdin line, JSON out (serve_rounds)")
     args = p.parse_args()
@@ -243,10 +246,10 @@ def main() -> int:
             gens[f"atomd_{dtype}"] = atomd_generator(path, args.threads, dtype=dtype)
             if args.with_torch_attention:
                 gens[f"atomd_{dtype}_torch_attention"] = atomd_generator(path, args.threads, "torch", dtype)
-        if args.int8:
-            gens["atomd_int8"] = atomd_generator(path, args.threads, quantization="int8", quantized_activations="int8")
-        if args.int4:
-            gens["atomd_int4"] = atomd_generator(path, args.threads, quantization="int4", quantized_activations="int8")
+        for method in [m for m in ("int8", "int4") if getattr(args, m)]:
+            for dtype in args.int_dtype:
+                gens[f"atomd_{method}" + ("" if dtype == "float32" else f"_{dtype}")] = atomd_generator(
+                    path, args.threads, dtype=dtype, quantization=method, quantized_activations="int8")
         if args.stdin_rounds:
             serve_rounds(gens, cfg["vocab_size"], tuple(args.workloads))
             return 0

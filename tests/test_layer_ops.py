@@ -481,6 +481,7 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
     from atomd.model import moe, quant
     from atomd.model.moe import MoeWeights
 
+    monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 0)  # every expert on int8 activations (the widened ones: below)
     qlib = quant.build_kernels("native" if isa == "native" else "no-amx")
     monkeypatch.setattr(quant, "kernels", lambda: qlib)
     tiles = isa == "native" and {"amx_tile", "amx_int8"} <= cpu_flags()
@@ -517,6 +518,63 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
                 exact = (routed[0].double().unsqueeze(-1)
                          * torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[ids])).sum(dim=1)
                 assert (got.double() - exact).abs().max() <= 0.05 * exact.abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("isa", ["native", "no-amx"], indirect=True)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_moe_q8_widened_experts_are_the_bf16_amx_experts_of_the_dequantised_weights(isa, method, monkeypatch):
+    """moe_q8's experts of at least moe.Q8_WIDE_MIN_PAIRS pairs where the bf16 AMX experts run
+    (layer_ops.has_moe_amx): their int8 / int4 weights dequantised and rounded to bf16 in the call,
+    bf16 tiles. A bf16 model's block then equals, to the bit, moe_amx's over those bf16 weights packed at
+    load (the same tile code and rounding points; pack_amx's layout from the kernel's own widening);
+    a float32 model's (gate_up and SiLU in float32) is near float64 experts on the bf16 weights and x,
+    nearer than int8 activations; a threshold that widens some experts and not others (two 512-row
+    items of one expert, 600 tokens) stays near float64. Builds without AMX ignore the threshold: the
+    int8-activation path's bits."""
+    from atomd.model import moe, quant
+    from atomd.model.moe import MoeWeights
+
+    wide = isa == "native" and {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags()
+    assert layer_ops.has_moe_amx() == wide
+    qlib = quant.build_kernels("native" if isa == "native" else "no-amx")
+    monkeypatch.setattr(quant, "kernels", lambda: qlib)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    hidden, inter, experts, k = 64, 32, 8, 2
+    g = torch.Generator().manual_seed(7)
+    gate_up = [quant.quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, method) for _ in range(experts)]
+    down = [quant.quantize(torch.randn(hidden, inter, generator=g) * 0.2, method) for _ in range(experts)]
+    quant.use_int8_activations(gate_up + down)
+    wg = torch.stack([q.dequantize() for q in gate_up]).bfloat16()
+    wd = torch.stack([q.dequantize() for q in down]).bfloat16()
+    bf16_experts = MoeWeights(router=torch.randn(experts, hidden, generator=g).bfloat16(), gate_up=wg, down=wd,
+                              top_k=k, norm_topk_prob=True)
+    for tokens in (40, 600):
+        scales = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1)
+        for ids in routings(g, tokens, experts, k)[:2]:
+            for dtype in (torch.bfloat16, torch.float32):
+                w = MoeWeights(router=bf16_experts.router.to(dtype), gate_up=gate_up, down=down, top_k=k,
+                               norm_topk_prob=True)
+                h = torch.randn(tokens, hidden, generator=g).to(dtype)
+                routed = (scales.to(dtype), ids)
+                monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 0)
+                int8_acts = moe.moe(h, w, routed)
+                monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 1)
+                got = moe.moe(h, w, routed)
+                if not wide:
+                    assert torch.equal(got, int8_acts)
+                    continue
+                hb = h.bfloat16()
+                gate, up = torch.einsum("th,tkih->tki", hb.double(), wg[ids].double()).split(inter, dim=-1)
+                exact = (routed[0].double().unsqueeze(-1)
+                         * torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[ids].double())).sum(dim=1)
+                error, int8_error = ((x.double() - exact).abs().max() for x in (got, int8_acts))
+                if dtype == torch.bfloat16:
+                    assert torch.equal(got, moe.moe(hb, bf16_experts, routed)), (method, tokens)
+                else:
+                    assert error <= 0.01 * exact.abs().max() and error < int8_error, (error, int8_error)
+                monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", tokens // 2)  # expert 0 of routing 1, or none
+                mixed = moe.moe(h, w, routed)
+                assert (mixed.double() - exact).abs().max() <= 0.03 * exact.abs().max()
 
 
 @pytest.mark.parametrize("pairs_dtype", [torch.bfloat16, torch.float32])

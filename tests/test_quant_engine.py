@@ -275,7 +275,9 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
     from QGEMM_AMX_MIN_M rows an expert where the CPU has them, the int8-activation rows below; batch-1
     decode too) against one qlinear pair per expert (moe.Q8 off: what ran before), through the engine:
     prompts in 32-token chunks, batched decode of four sequences, then one alone: the same token ids
-    and logprobs (each expert's rows go through qlinear's own arithmetic, so the bits agree)."""
+    and logprobs (each expert's rows go through qlinear's own arithmetic, so the bits agree). With
+    experts of 2+ pairs widened to bf16 tiles (moe.Q8_WIDE_MIN_PAIRS; where the CPU has AMX): the same
+    first tokens, logprobs within 0.05 (bf16 activations in place of int8 ones)."""
     from atomd.model import moe
 
     path = make_checkpoint(tmp_path / kind, kind, seed=11, **({"moe_intermediate_size": 32} if kind == "qwen3_moe" else {}))
@@ -291,8 +293,16 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
         outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompts_of([5], 13)[0]}], params)]
         return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
+    monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 0)  # every expert on int8 activations: the per-expert path's bits
     fused = run()
     assert calls and max(calls) > 2  # batched steps (several experts a call) and batch 1 (top-2)
     monkeypatch.setattr(moe, "Q8", False)
     calls.clear()
     assert run() == fused and not calls
+    # experts of several pairs widened to bf16 tiles where the CPU has them (bf16 activations in the prompt
+    # chunks and batched steps): the same first tokens, their logprobs near int8 activations' ones
+    monkeypatch.setattr(moe, "Q8", True)
+    monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 2)
+    widened = run()
+    for (ids, lps), (want_ids, want_lps) in zip(widened, fused):
+        assert ids[0] == want_ids[0] and abs(lps[0] - want_lps[0]) < 0.05

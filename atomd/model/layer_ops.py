@@ -126,7 +126,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib.atomd_moe_amx_bf16.argtypes = [_PTR] * 9 + [ctypes.c_int] + [_I64] * 3 + [ctypes.c_int]
     lib.atomd_moe_amx_bf16.restype = ctypes.c_int
     lib.moe_amx = bool(lib.atomd_moe_amx_kind())  # built with AMX tiles and granted their state
-    lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 4 + [ctypes.c_int]
+    lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 5 + [ctypes.c_int]
     lib.atomd_moe_q8.restype = lib.atomd_moe_q8_kind.restype = ctypes.c_int
     lib.moe_q8_kind = lib.atomd_moe_q8_kind()
     return lib
@@ -338,19 +338,21 @@ def moe_q8_kind() -> int:
 
 def moe_q8(x: torch.Tensor, gate_up: ctypes.Array, down: ctypes.Array, inter: int, experts: torch.Tensor,
            starts: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, scales: torch.Tensor | None,
-           pairs: torch.Tensor, amx_min: int) -> bool:
+           pairs: torch.Tensor, amx_min: int, wide_min: int = 0) -> bool:
     """moe_grouped's results (arguments alike; x float32 or bf16) for int8 / int4 experts with int8
     activations (csrc/moe_q8.h): gate_up and down the experts' atomd_qweight arrays (quant.qweight_array;
     inter: an expert's intermediate size),
     each expert's linears run as qlinear runs them on its rows (tiles from amx_min rows where
-    moe_q8_kind() is 2), so the pairs equal the per-expert path's. False: not built here (nothing
-    done); MemoryError where its scratch cannot be allocated."""
+    moe_q8_kind() is 2), so the pairs equal the per-expert path's. Experts with at least wide_min
+    pairs (0: none) where has_moe_amx(): their weights dequantised to bf16 a call, bf16 activations,
+    moe_amx's bf16 AMX tiles instead (float32 sums; a float32 x's gate_up and SiLU in float32). False:
+    not built here (nothing done); MemoryError where its scratch cannot be allocated."""
     status = kernels().atomd_moe_q8(
         x.data_ptr(), int(x.dtype == torch.bfloat16), ctypes.addressof(gate_up), ctypes.addressof(down),
         experts.data_ptr(), starts.data_ptr(), tokens.data_ptr(), dest.data_ptr(),
         0 if scales is None else scales.data_ptr(), pairs.data_ptr(),
         2 if scales is None else int(pairs.dtype == torch.float32), x.shape[1], inter, len(experts), amx_min,
-        torch.get_num_threads())
+        wide_min, torch.get_num_threads())
     if status < 0:
         raise MemoryError("moe_q8: the int8 experts kernel could not allocate its scratch memory")
     return status == 0

@@ -40,6 +40,12 @@ AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
 # kernel is built; without the tiles only experts of at most quant.QGEMM_Q8_MAX_M pairs (qlinear's float tiles
 # past it); False (or $ATOMD_MOE_Q8=0 at import): one qlinear pair per expert (the A/B of engine-level runs)
 Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
+# ... an expert with at least this many pairs in a block (a prompt's) on the bf16 AMX tiles instead, where the CPU
+# has them (layer_ops.has_moe_amx): its int8 / int4 weights dequantised to bf16 once a call (moe_q8's work item),
+# bf16 activations (not int8), float32 sums: the AMX-INT8 tiles store and rescale every 32-input block's dot
+# (~5x a bf16 tile product), which left int prefill at ~0.4x bf16's (benchmarks/RESULTS.md "#34 seventh session");
+# 0 (or $ATOMD_MOE_WIDE=0 at import): every expert on int8 activations (the per-expert path's bits)
+Q8_WIDE_MIN_PAIRS = 0 if os.environ.get("ATOMD_MOE_WIDE") == "0" else 128
 
 
 @dataclass
@@ -171,7 +177,7 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
         tiles = layer_ops.moe_q8_kind() == 2
         few = torch.ones_like(active, dtype=torch.bool) if tiles else counts[active] <= quant.QGEMM_Q8_MAX_M
         run = lambda *a: layer_ops.moe_q8(x.contiguous(), *q8, w.down[0].in_features, *a,  # noqa: E731
-                                          quant.QGEMM_AMX_MIN_M)
+                                          quant.QGEMM_AMX_MIN_M, Q8_WIDE_MIN_PAIRS)
     else:
         packed = w.amx_weights() if AMX else None
         if packed is not None:

@@ -21,7 +21,7 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 /* v[i][j] <- v[j][i]: a 16 x 16 matrix of 32-bit values in 16 vectors transposed in registers
- * (mla.c's tile operands and results: rows <-> the tile layout's columns). */
+ * (mla.c's tile operands and results: rows <-> the tile layout's columns; moe_q8.h's widened weights). */
 static inline void transpose16(__m512 v[16]) {
     __m512 t[16];
     for (int i = 0; i < 8; i++) {

@@ -66,6 +66,75 @@ static inline void amx_put_row(bf16_t *tiles, int64_t r, const bf16_t *row, int6
     }
 }
 
+/* Row r (K floats) rounded to bf16 into the A tile layout at `tiles`, as amx_put_row */
+static inline void amx_put_row_f32(bf16_t *tiles, int64_t r, const float *row, int64_t K) {
+    bf16_t *dst = tiles + (r / 16) * K * 16 + (r % 16) * 32;
+    for (int64_t c = 0; c < K / 32; c++)
+        _mm512_storeu_si512(dst + c * 512, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c * 32 + 16),
+                                                                       _mm512_loadu_ps(row + c * 32)));
+}
+
+/* One work item: m rows (already in xa's A tile layout, rows m.. up to a multiple of 16 zeros) through
+ * one expert's packed weights wg [2 inter, hidden] and wd [hidden, inter] (pack_amx's layout): gate_up,
+ * SiLU-and-mul, down, pair p0 + r's row into pairs (f32_pairs as atomd_moe_amx_bf16's). is_bf16 (a
+ * constant after inlining): rounded where the per-expert torch ops round (gate_up's output, silu's,
+ * the down output, the scaled pair); 0 (moe_q8.h's widened int8 / int4 experts of a float32 model):
+ * gate_up's output and SiLU-and-mul in float32, the product rounded to bf16 for the down tiles, the
+ * down output unrounded. Scratch: gu [m, 2 inter] (bf16, float32 where !is_bf16), act the products'
+ * A tiles, row inter floats then inter bf16, blk 1024 floats. Tiles as amx_configure sets them. */
+static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int64_t m, const bf16_t *wg,
+                                                           const bf16_t *wd, int64_t hidden, int64_t inter,
+                                                           const int is_bf16, void *gu, bf16_t *act, float *row,
+                                                           float *blk, int64_t p0, const int64_t *dest,
+                                                           const void *scales, void *pairs, int f32_pairs) {
+    const int64_t n_gu = 2 * inter, kc_gu = hidden / 32, kc_down = inter / 32, m16 = (m + 15) / 16 * 16;
+    bf16_t *row16 = (bf16_t *)(row + inter);
+    for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* gate_up (rounded to bf16 as torch's linear in bf16) */
+        const int two = m16 - m0 > 16;
+        for (int64_t nb = 0; nb < n_gu / 16; nb += 2) {
+            amx_block(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (nb + 1) * kc_gu * 512, kc_gu, blk);
+            for (int t = 0; t < (two ? 4 : 2); t++)
+                for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
+                    const int64_t at = (m0 + 16 * (t / 2) + r) * n_gu + (nb + t % 2) * 16;
+                    const __m512 v = _mm512_loadu_ps(blk + t * 256 + r * 16);
+                    if (is_bf16)
+                        _mm256_storeu_si256((__m256i *)((bf16_t *)gu + at), to_bf16(v));
+                    else
+                        _mm512_storeu_ps((float *)gu + at, v);
+                }
+        }
+    }
+    for (int64_t r = 0; r < m16; r++) {
+        if (r < m && is_bf16) {
+            silu_mul_row_bf16((const bf16_t *)gu + r * n_gu, row16, inter);
+        } else if (r < m) {
+            silu_mul_row((const char *)((const float *)gu + r * n_gu), (char *)row, inter, 0);
+            for (int64_t i = 0; i < inter; i += 16) _mm256_storeu_si256((__m256i *)(row16 + i), to_bf16(_mm512_loadu_ps(row + i)));
+        }
+        amx_put_row(act, r, r < m ? row16 : NULL, inter);
+    }
+    for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* down, each pair's row (rounded,) scaled (, rounded) */
+        const int two = m16 - m0 > 16;
+        for (int64_t nb = 0; nb < hidden / 16; nb += 2) {
+            amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down, blk);
+            for (int t = 0; t < (two ? 4 : 2); t++)
+                for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
+                    const int64_t p = p0 + m0 + 16 * (t / 2) + r, col = dest[p] * hidden + (nb + t % 2) * 16;
+                    const __m512 y = _mm512_loadu_ps(blk + t * 256 + r * 16);
+                    if (f32_pairs == 2)
+                        _mm512_storeu_ps((float *)pairs + col, y);
+                    else if (f32_pairs)
+                        _mm512_storeu_ps((float *)pairs + col, _mm512_mul_ps(is_bf16 ? round16(y) : y,
+                                                                             _mm512_set1_ps(((const float *)scales)[p])));
+                    else
+                        _mm256_storeu_si256((__m256i *)((bf16_t *)pairs + col),
+                                            to_bf16(_mm512_mul_ps(round16(y), _mm512_set1_ps(bf16_to_float(
+                                                                                  ((const bf16_t *)scales)[p])))));
+                }
+        }
+    }
+}
+
 int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *down, const int64_t *experts,
                        const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales,
                        void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
@@ -74,60 +143,25 @@ int atomd_moe_amx_bf16(const bf16_t *x, const bf16_t *gate_up, const bf16_t *dow
     int64_t items, max_rows;
     int64_t *item_g = moe_items(starts, n_experts, AMX_CHUNK, &items, &max_rows);
     if (item_g == NULL) return -1;
-    const int64_t n_gu = 2 * inter, kc_gu = hidden / 32, kc_down = inter / 32;
+    const int64_t n_gu = 2 * inter;
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        /* thread-owned: the rows (xa), gate_up's output (gu), the activations (act), one block's sums */
-        bf16_t *xa = malloc(sizeof(bf16_t) * (AMX_CHUNK * (hidden + n_gu + inter) + inter));
-        float *blk = malloc(sizeof(float) * 1024);
+        /* thread-owned: the rows (xa), gate_up's output (gu), the activations (act), one row, one block's sums */
+        bf16_t *xa = malloc(sizeof(bf16_t) * AMX_CHUNK * (hidden + n_gu + inter));
+        float *blk = malloc(sizeof(float) * (1024 + 2 * inter));
         const int ready = amx_thread_ready(xa != NULL && blk != NULL, &failed);
-        bf16_t *gu = xa + AMX_CHUNK * hidden, *act = gu + AMX_CHUNK * n_gu, *row = act + AMX_CHUNK * inter;
+        bf16_t *gu = xa + AMX_CHUNK * hidden, *act = gu + AMX_CHUNK * n_gu;
 #pragma omp for schedule(dynamic, 1)
         for (int64_t it = 0; it < items; it++) {
             if (!ready) continue;
             const int64_t g = item_g[it];
             int64_t p0;
             const int64_t m = moe_item_rows(item_g, starts, it, AMX_CHUNK, &p0);
-            const int64_t m16 = (m + 15) / 16 * 16;
-            const bf16_t *wg = gate_up + experts[g] * n_gu * hidden, *wd = down + experts[g] * hidden * inter;
-            for (int64_t r = 0; r < m16; r++)  /* rows past m: zeros (their outputs are dropped) */
+            for (int64_t r = 0; r < (m + 15) / 16 * 16; r++)  /* rows past m: zeros (their outputs are dropped) */
                 amx_put_row(xa, r, r < m ? x + tokens[p0 + r] * hidden : NULL, hidden);
-            for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* gate_up, rounded to bf16 as torch's linear */
-                const int two = m16 - m0 > 16;
-                for (int64_t nb = 0; nb < n_gu / 16; nb += 2) {
-                    amx_block(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (nb + 1) * kc_gu * 512, kc_gu, blk);
-                    for (int t = 0; t < (two ? 4 : 2); t++)
-                        for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++)
-                            _mm256_storeu_si256((__m256i *)(gu + (m0 + 16 * (t / 2) + r) * n_gu + (nb + t % 2) * 16),
-                                                to_bf16(_mm512_loadu_ps(blk + t * 256 + r * 16)));
-                }
-            }
-            for (int64_t r = 0; r < m16; r++) {
-                if (r < m) silu_mul_row_bf16(gu + r * n_gu, row, inter);
-                amx_put_row(act, r, r < m ? row : NULL, inter);
-            }
-            for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* down, each pair's row rounded, scaled, rounded */
-                const int two = m16 - m0 > 16;
-                for (int64_t nb = 0; nb < hidden / 16; nb += 2) {
-                    amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down,
-                              blk);
-                    for (int t = 0; t < (two ? 4 : 2); t++)
-                        for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
-                            const int64_t p = p0 + m0 + 16 * (t / 2) + r, col = dest[p] * hidden + (nb + t % 2) * 16;
-                            const __m512 y = _mm512_loadu_ps(blk + t * 256 + r * 16);
-                            if (f32_pairs == 2)
-                                _mm512_storeu_ps((float *)pairs + col, y);
-                            else if (f32_pairs)
-                                _mm512_storeu_ps((float *)pairs + col,
-                                                 _mm512_mul_ps(round16(y), _mm512_set1_ps(((const float *)scales)[p])));
-                            else
-                                _mm256_storeu_si256((__m256i *)((bf16_t *)pairs + col),
-                                                    to_bf16(_mm512_mul_ps(round16(y), _mm512_set1_ps(bf16_to_float(
-                                                                                          ((const bf16_t *)scales)[p])))));
-                        }
-                }
-            }
+            amx_item(xa, m, gate_up + experts[g] * n_gu * hidden, down + experts[g] * hidden * inter, hidden, inter,
+                     1, gu, act, blk + 1024, blk, p0, dest, scales, pairs, f32_pairs);
         }
         if (ready) _tile_release();
         free(xa);

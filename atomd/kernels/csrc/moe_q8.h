@@ -94,12 +94,71 @@ static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *
 }
 #endif
 
+#if MOE_Q8_TILES && MOE_AMX
+#define MOE_Q8_WIDE 1
+/* rows an item where experts are widened: each item widens its expert once, then runs moe_amx's items of
+ * AMX_CHUNK rows over it (bigger ones left the weights' L2 to the rows' A tiles: 4096 tokens 1.3x slower) */
+#define Q8_WIDE_CHUNK 1024
+
+/* An int8 / int4 weight [N, K] dequantised as QuantizedWeight.dequantize does (q * s, then + o, in
+ * float32) and rounded to bf16, into pack_amx's layout [N / 16][K / 32][16 k pairs][16 n][2] (moe_amx.h's
+ * B operands). N a multiple of 16, K of 32. */
+static void moe_q8_widen(const atomd_qweight *w, int64_t N, int64_t K, bf16_t *dst) {
+    const int64_t groups = K / w->group, per = w->group / Q8_BLOCK;
+    for (int64_t nb = 0; nb < N / 16; nb++)
+        for (int64_t c = 0; c < K / 32; c++) {
+            __m512 r[16];
+            for (int n = 0; n < 16; n++) {
+                const int64_t row = nb * 16 + n, g = row * groups + c / per;
+                __m512 lo, hi;
+                if (w->bits == 8) {
+                    const int8_t *p = (const int8_t *)w->q + row * K + c * 32;
+                    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
+                    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
+                } else {  /* a block's 16 bytes: low nibbles inputs 0-15, high ones 16-31 */
+                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)w->q + row * (K / 2) + c * 16)));
+                    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
+                    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                }
+                /* the product rounded before the offset's add, as torch's two ops (GCC would fuse _mm512_mul_ps
+                 * and _mm512_add_ps into one FMA: the rounding intrinsic keeps them apart) */
+                const __m512 s = _mm512_set1_ps(w->scales[g]);
+                lo = _mm512_mul_round_ps(lo, s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                hi = _mm512_mul_round_ps(hi, s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                if (w->offsets) {
+                    const __m512 o = _mm512_set1_ps(w->offsets[g]);
+                    lo = _mm512_add_ps(lo, o), hi = _mm512_add_ps(hi, o);
+                }
+                r[n] = (__m512)_mm512_cvtne2ps_pbh(hi, lo);  /* 32-bit lane k: inputs 2k, 2k + 1 */
+            }
+            transpose16(r);  /* lane_sums.h; r[k]: the 16 rows' pair k */
+            bf16_t *b = dst + (nb * (K / 32) + c) * 512;
+            for (int k = 0; k < 16; k++) _mm512_storeu_ps((float *)(b + k * 32), r[k]);
+        }
+}
+#else
+#define MOE_Q8_WIDE 0
+#endif
+
 int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const atomd_qweight *down,
                  const int64_t *experts, const int64_t *starts, const int64_t *tokens, const int64_t *dest,
                  const void *scales, void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
-                 int64_t amx_min, int num_threads) {
+                 int64_t amx_min, int64_t wide_min, int num_threads) {
+#if MOE_Q8_WIDE
+    const int wide_ok = wide_min > 0 && amx_granted();
+#else
+    const int wide_ok = 0;
+#endif
+#define Q8_WIDE_EXPERT(g) (wide_ok && starts[(g) + 1] - starts[(g)] >= wide_min)
+    int any_wide = 0;
+    for (int64_t g = 0; g < n_experts; g++) any_wide |= Q8_WIDE_EXPERT(g);
+#if MOE_Q8_WIDE
+    const int64_t chunk = any_wide ? Q8_WIDE_CHUNK : Q8_CHUNK;
+#else
+    const int64_t chunk = Q8_CHUNK;
+#endif
     int64_t items, ch;  /* ch: the largest item's rows, the scratch's */
-    int64_t *item_g = moe_items(starts, n_experts, Q8_CHUNK, &items, &ch);
+    int64_t *item_g = moe_items(starts, n_experts, chunk, &items, &ch);
     if (item_g == NULL) return -1;
     const int64_t n_gu = 2 * inter, kmax = hidden > inter ? hidden : inter;
 #if MOE_Q8_TILES
@@ -118,8 +177,8 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     int one_group = 1;
     for (int64_t g = 0; g < n_experts; g++) {
         one_group &= gate_up[experts[g]].group == G;
-        for (int64_t r = starts[g]; r < starts[g + 1]; r += Q8_CHUNK)
-            tile_rows += starts[g + 1] - r >= amx_min ? (starts[g + 1] - r < Q8_CHUNK ? starts[g + 1] - r : Q8_CHUNK) : 0;
+        for (int64_t r = starts[g]; r < starts[g + 1] && !Q8_WIDE_EXPERT(g); r += chunk)
+            tile_rows += starts[g + 1] - r >= amx_min ? (starts[g + 1] - r < chunk ? starts[g + 1] - r : chunk) : 0;
     }
     for (int64_t p = 0; p < starts[n_experts]; p++) n_tok = tokens[p] >= n_tok ? tokens[p] + 1 : n_tok;
     if (granted && one_group && tile_rows > n_tok) {
@@ -152,9 +211,22 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             s.dt = malloc(sizeof(float) * 2 * QAMX_DT(ch, kmax));  /* d per block; xsg per group (>= 32) */
             s.xsgt = s.dt ? s.dt + QAMX_DT(ch, kmax) : NULL;
             ready = ready && s.xt != NULL && s.a != NULL && s.dt != NULL;
-            if (ready) qamx_configure();
         }
 #endif
+#if MOE_Q8_WIDE
+        /* widened items: the expert's weights as bf16 tiles (gate_up, then down), the rows' A tiles, the
+         * products' A tiles; a row and one block's sums */
+        bf16_t *wbuf = NULL, *xa = NULL, *act = NULL;
+        float *blk = NULL;
+        int64_t have = -1;  /* the expert in wbuf */
+        if (any_wide) {
+            wbuf = aligned_alloc(64, sizeof(bf16_t) * ((n_gu + inter) * hidden + AMX_CHUNK * (hidden + inter)));
+            xa = wbuf ? wbuf + (n_gu + inter) * hidden : NULL, act = xa ? xa + AMX_CHUNK * hidden : NULL;
+            blk = malloc(sizeof(float) * (1024 + 2 * inter));
+            ready = ready && wbuf != NULL && blk != NULL;
+        }
+#endif
+        int config = 0;  /* the tiles' configuration: 1 amx_configure's (bf16), 2 qamx_configure's (int8) */
         if (!ready) {
 #pragma omp atomic write
             failed = 1;
@@ -168,9 +240,40 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             if (!ready) continue;
             const int64_t g = item_g[it];
             int64_t p0;
-            const int64_t m = moe_item_rows(item_g, starts, it, Q8_CHUNK, &p0);
+            const int64_t m = moe_item_rows(item_g, starts, it, chunk, &p0);
             const int tiles = granted && m >= amx_min;
             const atomd_qweight *wg = gate_up + experts[g], *wd = down + experts[g];
+#if MOE_Q8_WIDE
+            if (Q8_WIDE_EXPERT(g)) {  /* bf16 tiles over the dequantised weights (atomd_moe_q8_kind) */
+                if (config != 1) amx_configure(), config = 1;
+                if (have != experts[g]) {
+                    moe_q8_widen(wg, n_gu, hidden, wbuf);
+                    moe_q8_widen(wd, hidden, inter, wbuf + n_gu * hidden);
+                    have = experts[g];
+                }
+                for (int64_t s0 = 0; s0 < m; s0 += AMX_CHUNK) {
+                    const int64_t ms = m - s0 < AMX_CHUNK ? m - s0 : AMX_CHUNK, q0 = p0 + s0;
+                    for (int64_t r = 0; r < (ms + 15) / 16 * 16; r++) {
+                        const int64_t t = r < ms ? tokens[q0 + r] : 0;
+                        if (r >= ms) amx_put_row(xa, r, NULL, hidden);
+                        else if (is_bf16) amx_put_row(xa, r, (const bf16_t *)x + t * hidden, hidden);
+                        else amx_put_row_f32(xa, r, (const float *)x + t * hidden, hidden);
+                    }
+                    if (is_bf16)
+                        amx_item(xa, ms, wbuf, wbuf + n_gu * hidden, hidden, inter, 1, s.gu, act, blk + 1024, blk, q0,
+                                 dest, scales, pairs, f32_pairs);
+                    else
+                        amx_item(xa, ms, wbuf, wbuf + n_gu * hidden, hidden, inter, 0, s.gu, act, blk + 1024, blk, q0,
+                                 dest, scales, pairs, f32_pairs);
+                }
+                continue;
+            }
+#endif
+#if MOE_Q8_TILES
+            if (tiles && config != 2) qamx_configure(), config = 2;
+#else
+            (void)config;
+#endif
             const int quantised = tiles && all_xt != NULL;
 #if MOE_Q8_TILES
             if (quantised)
@@ -216,8 +319,12 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
                 }
             }
         }
+#if MOE_Q8_WIDE
+        free(wbuf);
+        free(blk);
+#endif
 #if MOE_Q8_TILES
-        if (granted && ready) _tile_release();
+        if (config) _tile_release();
         free(s.xt);
         free(s.a);
         free(s.dt);
@@ -229,6 +336,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     free(all_xt), free(all_dt), free(all_xf);
     free(item_g);
     return failed ? -1 : 0;
+#undef Q8_WIDE_EXPERT
 }
 
 /* how atomd_moe_q8 runs here: 1 the int8-activation rows, 2 also AMX-INT8 tiles from amx_min rows
@@ -243,8 +351,9 @@ int atomd_moe_q8_kind(void) {
 #else
 int atomd_moe_q8(const void *x, int is_bf16, const void *gate_up, const void *down, const int64_t *experts,
                  const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales, void *pairs,
-                 int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, int64_t amx_min, int num_threads) {
-    (void)x, (void)is_bf16, (void)gate_up, (void)down, (void)experts, (void)starts, (void)tokens, (void)dest;
+                 int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, int64_t amx_min, int64_t wide_min,
+                 int num_threads) {
+    (void)wide_min, (void)x, (void)is_bf16, (void)gate_up, (void)down, (void)experts, (void)starts, (void)tokens, (void)dest;
     (void)scales, (void)pairs, (void)f32_pairs, (void)hidden, (void)inter, (void)n_experts, (void)amx_min;
     (void)num_threads;
     return 1;
