@@ -119,6 +119,29 @@ static void qamx_prepare(const void *q, int bits, int64_t n0, int64_t rows, int6
             _tile_dpbusd(T, TA, TB);                           \
     } while (0)
 
+/* c[r] lane m -> c[m] lane r: a 16 x 16 float transpose in registers (32-bit, 64-bit, then two
+ * 128-bit interleaves) */
+static inline __attribute__((always_inline)) void qamx_transpose16(__m512 c[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_ps(c[i], c[i + 1]), t[i + 1] = _mm512_unpackhi_ps(c[i], c[i + 1]);
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; j++) {
+            const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + 2 + j]);
+            c[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            c[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    for (int h = 0; h < 16; h += 8)
+        for (int j = 0; j < 4; j++) {
+            t[h + j] = _mm512_shuffle_f32x4(c[h + j], c[h + 4 + j], 0x88);
+            t[h + 4 + j] = _mm512_shuffle_f32x4(c[h + j], c[h + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        c[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        c[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
 /* one n-tile (A: block b at a + b * bstride, tile rows astride apart) times one m-tile: out[r][m]
  * = y[m, n0 + r] for the tile's 16 x 16; s, o: the n-tile's first row of scales / offsets,
  * rows of them valid. Four blocks' products in flight (C tiles 4-7; a tile store waits for its
@@ -129,10 +152,11 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
                                                             int64_t bstride, const int8_t *xt, const float *dt,
                                                             const float *xsg, const float *s, const float *o,
                                                             int64_t rows, int64_t nb, int64_t per, int64_t groups,
-                                                            const int8_t *pf, float out[16][16]) {
+                                                            const int8_t *pf, float *y, int64_t ldy, int64_t ms) {
     int32_t cbuf[4][256] __attribute__((aligned(64)));
     __m512 acc[16], ga[16];
     for (int r = 0; r < 16; r++) acc[r] = ga[r] = _mm512_setzero_ps();
+    int64_t g = 0, left = per;  /* block b's group, and its blocks from b on (no division a block) */
     for (int64_t b0 = 0; b0 < nb; b0 += 4) {
         const int cnt = nb - b0 < 4 ? (int)(nb - b0) : 4;
         if (pf)  /* the next n-tile's 16 rows, these 4 blocks' 2 lines each: strided tile rows miss the prefetchers */
@@ -153,18 +177,20 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
             const __m512 dv = _mm512_loadu_ps(dt + b * 16);
             for (int r = 0; r < 16; r++)
                 ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[j] + r * 16)), dv, ga[r]);
-            if ((b + 1) % per == 0) {  /* the group's last block */
-                const int64_t g = b / per;
+            if (--left == 0) {  /* the group's last block */
                 const __m512 xg = _mm512_loadu_ps(xsg + g * 16);
                 for (int r = 0; r < rows; r++) {
                     acc[r] = _mm512_fmadd_ps(ga[r], _mm512_set1_ps(s[r * groups + g]), acc[r]);
                     if (o) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(o[r * groups + g]), xg, acc[r]);
                 }
                 for (int r = 0; r < 16; r++) ga[r] = _mm512_setzero_ps();
+                g++, left = per;
             }
         }
     }
-    for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
+    qamx_transpose16(acc);  /* acc[m]: row m of x's outputs for the tile's weight rows */
+    const __mmask16 k = (__mmask16)((1u << rows) - 1);
+    for (int64_t m = 0; m < ms; m++) _mm512_mask_storeu_ps(y + m * ldy, k, acc[m]);
 }
 
 /* n-tile nt (weight rows 16 nt ..) times every m-tile of M rows of x quantised by qamx_quantize (xt,
@@ -176,7 +202,6 @@ static inline void qamx_ntile(const void *q, int bits, const float *scales, cons
                               const float *xsgt, int8_t *a, float *y, int64_t ldy) {
     const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G, mtiles = (M + 15) / 16;
     const int64_t n0 = nt * 16, rows = N - n0 < 16 ? N - n0 : 16;
-    float out[16][16] __attribute__((aligned(64)));
     const int8_t *ab = a;
     int64_t astride = 32, bstride = 512;
     if (bits == 8 && rows == 16) {  /* in place: 16 rows of the row-major weight */
@@ -190,13 +215,12 @@ static inline void qamx_ntile(const void *q, int bits, const float *scales, cons
     for (int64_t mt = 0; mt < mtiles; mt++) {
         const int8_t *xb = xt + mt * nb * 512;
         const float *db = dt + mt * nb * 16, *sg = xsgt + mt * groups * 16;
-        if (bits == 8)
-            qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt ? NULL : next, out);
-        else
-            qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt ? NULL : next, out);
         const int64_t ms = M - mt * 16 < 16 ? M - mt * 16 : 16;
-        for (int64_t m = 0; m < ms; m++)
-            for (int64_t r = 0; r < rows; r++) y[(mt * 16 + m) * ldy + n0 + r] = out[r][m];
+        float *yt = y + mt * 16 * ldy + n0;
+        if (bits == 8)
+            qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt ? NULL : next, yt, ldy, ms);
+        else
+            qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt ? NULL : next, yt, ldy, ms);
     }
 }
 
