@@ -6,7 +6,8 @@ Checkpoints (`--model-shape`), random weights, float32 on disk, the same for eve
 - smollm-135m: SmolLM2-135M's shape (hidden 576, 30 layers, 9 / 3 heads, intermediate 1536,
   vocab 49152, tied; benchmarks/model_shapes.py, cached).
 
-Workloads (greedy, ignore_eos, prefix caching off):
+Workloads (greedy, ignore_eos, prefix caching off; atomd's KV pool holds the largest workload's
+sequences at full length, KV_BLOCKS, so that none is preempted):
 - batch 1: output tokens/s of one 128-token prompt generating 128 tokens;
 - batch 16: output tokens/s of 16 such prompts at once (HF: one batched generate, KV cache on),
   the prompts' prefill included; "decode only" subtracts a 1-token run of the same batch;
