@@ -6,7 +6,8 @@ Checkpoints (`--model-shape`), random weights, float32 on disk, the same for eve
 - smollm-135m: SmolLM2-135M's shape (hidden 576, 30 layers, 9 / 3 heads, intermediate 1536,
   vocab 49152, tied; benchmarks/model_shapes.py, cached).
 
-Workloads (greedy, ignore_eos, prefix caching off):
+Workloads (greedy, ignore_eos, prefix caching off; atomd's KV pool holds the largest workload's
+sequences at full length, KV_BLOCKS, so that none is preempted):
 - batch 1: output tokens/s of one 128-token prompt generating 128 tokens;
 - batch 16: output tokens/s of 16 such prompts at once (HF: one batched generate, KV cache on),
   the prompts' prefill included; "decode only" subtracts a 1-token run of the same batch;
@@ -35,6 +36,7 @@ import time
 import atomd  # noqa: F401  (before torch: its OpenMP wait policy, atomd/__init__.py)
 import torch
 
+from atomd.config import EngineConfig
 from benchmarks.machine import loadavg
 
 SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
@@ -102,7 +104,7 @@ def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "
 
     llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False,
               attention_backend=attention_backend, dtype=dtype, quantization=quantization,
-              quantized_activations=quantized_activations)
+              quantized_activations=quantized_activations, num_kvcache_blocks=KV_BLOCKS)
 
     def gen(batch: list[list[int]], new: int):
         llm.generate([{"prompt_token_ids": p} for p in batch],
@@ -119,6 +121,13 @@ WORKLOADS = {"batch1": (1, 128, 128, 1), "batch16": (16, 128, 128, 2), "batch16_
              "batch1_first": (1, 128, 1, 1), "batch1_short": (1, 128, 32, 1), "batch1_short_first": (1, 128, 1, 1),
              "batch16_short": (16, 32, 32, 2), "batch16_short_first": (16, 32, 1, 2),
              "prefill_1x512": (1, 512, 1, 3)}
+
+
+# the KV pool of every atomd engine here: the largest workload's sequences at full length at once, as
+# llama_cpp.py gives llama-batched-bench a context of n * (prompt + new) tokens. The default 256 MiB
+# holds 2340 bf16 tokens of Qwen3-0.6B (28 layers x 8 KV heads x 128): batch16's 16 x 256 preempted
+# and recomputed sequences there (#35, RESULTS.md "the 0.6B batch 16 was preempting")
+KV_BLOCKS = max(n * -(-(length + new + 1) // EngineConfig().block_size) for n, length, new, _ in WORKLOADS.values())
 
 
 def run_workloads(gens: dict, vocab_size: int = SHAPE["vocab_size"], rounds: int = 1,

@@ -55,12 +55,26 @@ CASES = [  # bits, N, K, group (K: per channel), zero points
 
 
 @pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
-@pytest.mark.parametrize("m", [quant.QGEMM_AMX_MIN_M, 3, 17, 100])
+@pytest.mark.parametrize("m", [quant.QGEMM_AMX_MIN_M, 3, 17, 100, 130])  # 130: 9 m-tiles, the chunked order
 def test_tiles_equal_numpy_and_the_vnni_rows(amx, vnni, bits, n, k, group, zero_points, m):
     w, x, out, bound = numpy_checked(amx, bits, n, k, group, zero_points, m)
     if m <= quant.QGEMM_Q8_MAX_M:  # the VNNI rows (past it the no-amx build dequantises float tiles)
         rows = quant.qlinear(torch.from_numpy(x), w, lib=vnni).numpy()
         assert np.all(np.abs(out - rows) <= 2e-5 * bound + 1e-6), np.abs(out - rows).max()
+
+
+@pytest.mark.parametrize("bits,n,k,group", [(8, 45, 160, 32), (4, 33, 640, 128), (8, 1200, 64, 64)])
+def test_a_row_gives_the_same_bits_at_any_m(amx, bits, n, k, group):
+    """From 8 m-tiles on the n-tiles go in chunks over every m-tile (quant_amx.h's QAMX_MANY_MT): the
+    same tile products and sums per row as n-tile by n-tile, so a row's output does not depend on
+    the rows beside it (a batch of prompts, the MoE experts' per-item products)."""
+    torch.manual_seed(7)
+    w = quant.quantize(torch.randn(n, k) * 0.05, "int8" if bits == 8 else "int4")
+    w.int8_activations = True
+    x = torch.randn(200, k)
+    whole = quant.qlinear(x, w, lib=amx)
+    for rows in (slice(0, 16), slice(37, 60), slice(192, 200)):
+        assert torch.equal(quant.qlinear(x[rows], w, lib=amx), whole[rows])
 
 
 def test_no_amx_takes_the_vnni_rows(vnni):

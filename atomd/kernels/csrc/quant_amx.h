@@ -21,7 +21,8 @@
  *   over the rows of x), summed in float per weight group, then scaled by s[n, g] (a scalar
  *   per weight row) and the group's o[n, g] * xsg term added.
  * Tiles 0-1 A, 2-3 B, 4-7 C (four blocks in flight). Each thread configures its tiles and
- * releases them at the end of the call. */
+ * releases them at the end of the call. Loop order: qgemm_amx below (few m-tiles: n-tile by
+ * n-tile; many: chunks of n-tiles over every m-tile). */
 #if Q8_PATH == 3 && defined(__AMX_TILE__) && defined(__AMX_INT8__)  /* an AMX CPU has VNNI: a no-VNNI build has neither */
 #include <stdlib.h>
 #include <string.h>
@@ -119,6 +120,29 @@ static void qamx_prepare(const void *q, int bits, int64_t n0, int64_t rows, int6
             _tile_dpbusd(T, TA, TB);                           \
     } while (0)
 
+/* c[r] lane m -> c[m] lane r: a 16 x 16 float transpose in registers (32-bit, 64-bit, then two
+ * 128-bit interleaves) */
+static inline __attribute__((always_inline)) void qamx_transpose16(__m512 c[16]) {
+    __m512 t[16];
+    for (int i = 0; i < 16; i += 2)
+        t[i] = _mm512_unpacklo_ps(c[i], c[i + 1]), t[i + 1] = _mm512_unpackhi_ps(c[i], c[i + 1]);
+    for (int i = 0; i < 16; i += 4)
+        for (int j = 0; j < 2; j++) {
+            const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + 2 + j]);
+            c[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
+            c[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
+        }
+    for (int h = 0; h < 16; h += 8)
+        for (int j = 0; j < 4; j++) {
+            t[h + j] = _mm512_shuffle_f32x4(c[h + j], c[h + 4 + j], 0x88);
+            t[h + 4 + j] = _mm512_shuffle_f32x4(c[h + j], c[h + 4 + j], 0xdd);
+        }
+    for (int j = 0; j < 8; j++) {
+        c[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
+        c[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
+    }
+}
+
 /* one n-tile (A: block b at a + b * bstride, tile rows astride apart) times one m-tile: out[r][m]
  * = y[m, n0 + r] for the tile's 16 x 16; s, o: the n-tile's first row of scales / offsets,
  * rows of them valid. Four blocks' products in flight (C tiles 4-7; a tile store waits for its
@@ -129,10 +153,11 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
                                                             int64_t bstride, const int8_t *xt, const float *dt,
                                                             const float *xsg, const float *s, const float *o,
                                                             int64_t rows, int64_t nb, int64_t per, int64_t groups,
-                                                            const int8_t *pf, float out[16][16]) {
+                                                            const int8_t *pf, float *y, int64_t ldy, int64_t ms) {
     int32_t cbuf[4][256] __attribute__((aligned(64)));
     __m512 acc[16], ga[16];
     for (int r = 0; r < 16; r++) acc[r] = ga[r] = _mm512_setzero_ps();
+    int64_t g = 0, left = per;  /* block b's group, and its blocks from b on (no division a block) */
     for (int64_t b0 = 0; b0 < nb; b0 += 4) {
         const int cnt = nb - b0 < 4 ? (int)(nb - b0) : 4;
         if (pf)  /* the next n-tile's 16 rows, these 4 blocks' 2 lines each: strided tile rows miss the prefetchers */
@@ -153,52 +178,85 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
             const __m512 dv = _mm512_loadu_ps(dt + b * 16);
             for (int r = 0; r < 16; r++)
                 ga[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_load_si512(cbuf[j] + r * 16)), dv, ga[r]);
-            if ((b + 1) % per == 0) {  /* the group's last block */
-                const int64_t g = b / per;
+            if (--left == 0) {  /* the group's last block */
                 const __m512 xg = _mm512_loadu_ps(xsg + g * 16);
                 for (int r = 0; r < rows; r++) {
                     acc[r] = _mm512_fmadd_ps(ga[r], _mm512_set1_ps(s[r * groups + g]), acc[r]);
                     if (o) acc[r] = _mm512_fmadd_ps(_mm512_set1_ps(o[r * groups + g]), xg, acc[r]);
                 }
                 for (int r = 0; r < 16; r++) ga[r] = _mm512_setzero_ps();
+                g++, left = per;
             }
         }
     }
-    for (int r = 0; r < 16; r++) _mm512_storeu_ps(out[r], acc[r]);
+    qamx_transpose16(acc);  /* acc[m]: row m of x's outputs for the tile's weight rows */
+    const __mmask16 k = (__mmask16)((1u << rows) - 1);
+    for (int64_t m = 0; m < ms; m++) _mm512_mask_storeu_ps(y + m * ldy, k, acc[m]);
+}
+
+/* n-tile nt's A tiles: in place (int8, 16 full rows: the row-major weight, tile rows K apart) or
+ * prepared into a ([K / 32][16][32]: int4 unpacked, a short last n-tile zero-padded); astride /
+ * bstride as qamx_tile takes them */
+static inline const int8_t *qamx_a(const void *q, int bits, int64_t N, int64_t K, int64_t nt, int8_t *a,
+                                   int64_t *astride, int64_t *bstride) {
+    const int64_t n0 = nt * 16, rows = N - n0 < 16 ? N - n0 : 16;
+    if (bits == 8 && rows == 16) {
+        *astride = K, *bstride = 32;
+        return (const int8_t *)q + n0 * K;
+    }
+    qamx_prepare(q, bits, n0, rows, K, a);
+    *astride = 32, *bstride = 512;
+    return a;
+}
+
+/* n-tile nt (A tiles ab) times m-tiles mt0 .. mt1 of x into y; pf: the next n-tile's in-place rows
+ * to prefetch during the first (NULL: none) */
+static inline void qamx_ntile_mt(int bits, const int8_t *ab, int64_t astride, int64_t bstride, const float *scales,
+                                 const float *offsets, int64_t N, int64_t K, int64_t G, int64_t M, int64_t nt,
+                                 const int8_t *xt, const float *dt, const float *xsgt, float *y, int64_t ldy,
+                                 int64_t mt0, int64_t mt1, const int8_t *pf) {
+    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G;
+    const int64_t n0 = nt * 16, rows = N - n0 < 16 ? N - n0 : 16;
+    const float *s = scales + n0 * groups, *o = offsets ? offsets + n0 * groups : NULL;
+    for (int64_t mt = mt0; mt < mt1; mt++) {
+        const int8_t *xb = xt + mt * nb * 512;
+        const float *db = dt + mt * nb * 16, *sg = xsgt + mt * groups * 16;
+        const int64_t ms = M - mt * 16 < 16 ? M - mt * 16 : 16;
+        float *yt = y + mt * 16 * ldy + n0;
+        if (bits == 8)
+            qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt > mt0 ? NULL : pf, yt, ldy, ms);
+        else
+            qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt > mt0 ? NULL : pf, yt, ldy, ms);
+    }
 }
 
 /* n-tile nt (weight rows 16 nt ..) times every m-tile of M rows of x quantised by qamx_quantize (xt,
  * dt, xsgt) into y [M, ldy]; a: the caller's [K / 32][16][32] int8 scratch (int4 unpacked, a short
- * last n-tile). Tiles configured by qamx_configure. qgemm_amx's n-tiles and the int8 MoE experts'
- * (layer_ops.c, moe_q8.h). */
+ * last n-tile). Tiles configured by qamx_configure. qgemm_amx's n-tiles at few rows and the int8 MoE
+ * experts' (layer_ops.c, moe_q8.h). */
 static inline void qamx_ntile(const void *q, int bits, const float *scales, const float *offsets, int64_t N,
                               int64_t K, int64_t G, int64_t M, int64_t nt, const int8_t *xt, const float *dt,
                               const float *xsgt, int8_t *a, float *y, int64_t ldy) {
-    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G, mtiles = (M + 15) / 16;
-    const int64_t n0 = nt * 16, rows = N - n0 < 16 ? N - n0 : 16;
-    float out[16][16] __attribute__((aligned(64)));
-    const int8_t *ab = a;
-    int64_t astride = 32, bstride = 512;
-    if (bits == 8 && rows == 16) {  /* in place: 16 rows of the row-major weight */
-        ab = (const int8_t *)q + n0 * K, astride = K, bstride = 32;
-    } else {
-        qamx_prepare(q, bits, n0, rows, K, a);
-    }
-    const float *s = scales + n0 * groups, *o = offsets ? offsets + n0 * groups : NULL;
+    int64_t astride, bstride;
+    const int8_t *ab = qamx_a(q, bits, N, K, nt, a, &astride, &bstride);
     /* in place, the next n-tile (a static schedule's next, or the next of this expert) fetched during the first m-tile */
-    const int8_t *next = ab != a && n0 + 32 <= N ? ab + 16 * K : NULL;
-    for (int64_t mt = 0; mt < mtiles; mt++) {
-        const int8_t *xb = xt + mt * nb * 512;
-        const float *db = dt + mt * nb * 16, *sg = xsgt + mt * groups * 16;
-        if (bits == 8)
-            qamx_tile(8, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt ? NULL : next, out);
-        else
-            qamx_tile(4, ab, astride, bstride, xb, db, sg, s, o, rows, nb, per, groups, mt ? NULL : next, out);
-        const int64_t ms = M - mt * 16 < 16 ? M - mt * 16 : 16;
-        for (int64_t m = 0; m < ms; m++)
-            for (int64_t r = 0; r < rows; r++) y[(mt * 16 + m) * ldy + n0 + r] = out[r][m];
-    }
+    const int8_t *next = ab != a && nt * 16 + 32 <= N ? ab + 16 * K : NULL;
+    qamx_ntile_mt(bits, ab, astride, bstride, scales, offsets, N, K, G, M, nt, xt, dt, xsgt, y, ldy, 0, (M + 15) / 16,
+                  next);
 }
+
+/* From QAMX_MANY_MT m-tiles of x on (prefill), a thread's n-tiles go in chunks of about QAMX_CHUNK
+ * bytes of weight (L2-resident, int4 unpacked once a chunk), each chunk times every m-tile in
+ * turn: one m-tile's B tiles stay in L1 across the chunk and y is written a row run at a time.
+ * n-tile by n-tile over every m-tile (the order below that) wrote y as 64-byte pieces of M rows
+ * and streamed all of x's tiles per n-tile: M = 2048 took 1.5-2x the time per tile product of
+ * M = 64 (Qwen3-0.6B linears, one thread). */
+#ifndef QAMX_MANY_MT
+#define QAMX_MANY_MT 8
+#endif
+#ifndef QAMX_CHUNK
+#define QAMX_CHUNK (512 << 10)
+#endif
 
 /* y [M, ldy] = x [M, ldx] @ w^T on tiles; scratch as QAMX_XT / QAMX_DT / QAMX_XSG. Returns 0,
  * 1 where Linux refuses this process the tiles (the caller runs the VNNI rows), -1 out of memory. */
@@ -207,11 +265,16 @@ static int qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int 
                      float *dt, float *xsgt, int num_threads) {
     if (!amx_granted()) return 1;
     qamx_quantize(x, ldx, M, K, G, xt, dt, xsgt, num_threads);
-    const int64_t nb = K / Q8_BLOCK, ntiles = (N + 15) / 16;
+    const int64_t nb = K / Q8_BLOCK, ntiles = (N + 15) / 16, mtiles = (M + 15) / 16;
+    const int many = mtiles >= QAMX_MANY_MT;
+    int64_t chunk = many ? QAMX_CHUNK / (16 * K) : 1;  /* n-tiles a chunk */
+    const int64_t fair = (ntiles + num_threads - 1) / num_threads;  /* every thread a chunk */
+    chunk = chunk < 1 ? 1 : chunk > fair ? fair : chunk;
+    const int64_t chunks = (ntiles + chunk - 1) / chunk;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
-        int8_t *a = aligned_alloc(64, (size_t)nb * 512);
+        int8_t *a = aligned_alloc(64, (size_t)chunk * nb * 512);
         if (a == NULL) {
             _Pragma("omp atomic write")
             failed = 1;
@@ -219,9 +282,22 @@ static int qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int 
             qamx_configure();
         }
         _Pragma("omp for schedule(static)")
-        for (int64_t nt = 0; nt < ntiles; nt++) {
+        for (int64_t c = 0; c < chunks; c++) {
             if (a == NULL) continue;
-            qamx_ntile(q, bits, scales, offsets, N, K, G, M, nt, xt, dt, xsgt, a, y, ldy);
+            const int64_t nt0 = c * chunk, nt1 = nt0 + chunk < ntiles ? nt0 + chunk : ntiles;
+            if (!many) {
+                for (int64_t nt = nt0; nt < nt1; nt++)
+                    qamx_ntile(q, bits, scales, offsets, N, K, G, M, nt, xt, dt, xsgt, a, y, ldy);
+                continue;
+            }
+            const int8_t *ab[nt1 - nt0];
+            int64_t astride[nt1 - nt0], bstride[nt1 - nt0];
+            for (int64_t nt = nt0; nt < nt1; nt++)
+                ab[nt - nt0] = qamx_a(q, bits, N, K, nt, a + (nt - nt0) * nb * 512, &astride[nt - nt0], &bstride[nt - nt0]);
+            for (int64_t mt = 0; mt < mtiles; mt++)
+                for (int64_t nt = nt0; nt < nt1; nt++)
+                    qamx_ntile_mt(bits, ab[nt - nt0], astride[nt - nt0], bstride[nt - nt0], scales, offsets, N, K, G, M,
+                                  nt, xt, dt, xsgt, y, ldy, mt, mt + 1, NULL);
         }
         if (a != NULL) _tile_release();
         free(a);
