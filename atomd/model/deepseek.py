@@ -268,6 +268,7 @@ class DeepseekModel(DecoderModel):
             self.pack_layer(w)
         release_freed_memory()
         self.batch1 = MlaDecodeLayers(self) if self.keeps_rows and MlaDecodeLayers.takes(self) else None
+        self.rows = MlaRows(self) if MlaRows.built(self) else None
 
     def packs(self) -> bool:
         """oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)."""
@@ -344,7 +345,8 @@ class DeepseekModel(DecoderModel):
                 attn = self._attention(h, w, i, positions, meta, kv_cache, every_row and every_row.layer(i))
                 next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
                 for tile, rows in tiles:
-                    self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i))
+                    self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i),
+                                           not meta.is_prefill)
         logits = self.logits(self.norm_rows(x[logits_indices], self.norm))
         if hidden_indices is not None:
             return logits, self.norm_rows(x[hidden_indices], self.norm)
@@ -361,6 +363,9 @@ class DeepseekModel(DecoderModel):
             q = w.linear("q_b", rms_norm(qkv_a[:, :q_end], w.q_a_norm, cfg.rms_norm_eps), None, lora)
         else:
             q = qkv_a[:, :q_end]
+        if self.rows is not None and self.rows.takes(h, meta, kv_cache):  # the glue below in one C call
+            return mla_decode(self.rows.head(qkv_a, q_end, q, w.kv_a_norm, positions, meta, kv_cache, i), kv_cache,
+                              i, meta, w.up, cfg.mla_scale)
         q = q.reshape(-1, heads, cfg.qk_head_dim)
         latent = torch.cat([rms_norm(qkv_a[:, q_end:q_end + rank], w.kv_a_norm, cfg.rms_norm_eps),
                             qkv_a[:, q_end + rank:]], dim=1)
@@ -403,16 +408,20 @@ class DeepseekModel(DecoderModel):
         return from_tp_sums(sums[:len(partial)], weights, w.moe) + sums[len(partial):].to(h.dtype)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: MlaLayerWeights,
-                          next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
+                          next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None,
+                          rows_moe: bool = False) -> None:
         """DecoderModel's, with DeepSeekMoE: routed experts plus the shared ones (LoRA's gate_up /
-        down deltas on the shared experts in a sparse layer, on the MLP in a dense one)."""
+        down deltas on the shared experts in a sparse layer, on the MLP in a dense one). rows_moe:
+        a decode step's rows, whose routed experts MlaRows.moe runs where it can."""
         eps = self.config.rms_norm_eps
         if self.tp is not None and attn.dtype == torch.bfloat16 and isinstance(w.o, torch.Tensor):
             down = self._tp_bf16_out_and_mlp(x, attn, w, lora)
         else:
             h = rms_norm(x, w.post_norm, eps, delta=self.reduce_(w.linear("o", attn, w.o_bias, lora)))
             if w.moe is not None:
-                down = self.routed_experts(h, w.moe, w.routing(h))
+                down = self.rows.moe(h, w) if self.rows is not None and rows_moe and self.tp is None else None
+                if down is None:
+                    down = self.routed_experts(h, w.moe, w.routing(h))
                 if w.shared_gate_up is not None:
                     shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
                     down = down + w.linear("shared_down", shared, None, lora)
@@ -472,13 +481,7 @@ class MlaDecodeLayers:
                 next_norm=ptr(layers[i + 1].input_norm) if i + 1 < len(layers) else None,
                 inter=widths[-1], uk_t=ptr(w.up.uk_t), uv=ptr(w.up.uv)))
         self.structs = (layer_ops.MlaLayerWeights * len(self.structs))(*self.structs)
-        scoring = 2 if cfg.scoring == "sigmoid" else int(cfg.topk_method == "group_limited_greedy")
-        self.config = layer_ops.MlaLayerConfig(
-            hidden=cfg.hidden_size, heads=cfg.num_heads, nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim,
-            rank=cfg.kv_lora_rank, v=cfg.v_head_dim, q_lora=cfg.q_lora_rank or 0, experts=cfg.num_experts,
-            moe_inter=cfg.moe_intermediate_size, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-            topk_group=cfg.topk_group, max_inter=max(widths), scoring=scoring, norm_topk_prob=int(cfg.norm_topk_prob),
-            routed_scaling_factor=cfg.routed_scaling_factor, eps=cfg.rms_norm_eps, max_rows=MAX_ROWS)
+        self.config = mla_layer_config(cfg, max(widths), MAX_ROWS)
         self.q = torch.empty(MAX_ROWS, cfg.num_heads, cfg.qk_head_dim, dtype=model.dtype)
         self.attn = torch.empty(MAX_ROWS, cfg.num_heads * cfg.v_head_dim, dtype=model.dtype)
         self.scratch: dict[int, torch.Tensor] = {}
@@ -520,6 +523,84 @@ class MlaDecodeLayers:
             self.structs, len(self.structs), ctypes.byref(c), ctypes.byref(args), rows, h.data_ptr(), x.data_ptr(),
             model.cos.data_ptr(), model.sin.data_ptr(), self.q.data_ptr(), self.attn.data_ptr(), scratch.data_ptr(),
             threads), "MLA decode")
+
+
+def mla_layer_config(cfg: DeepseekConfig, max_inter: int = 0, max_rows: int = 0) -> layer_ops.MlaLayerConfig:
+    """csrc/layer_ops.c's mla_layer_config of the model (max_inter, max_rows: the batch-1 layer's scratch)."""
+    scoring = 2 if cfg.scoring == "sigmoid" else int(cfg.topk_method == "group_limited_greedy")
+    return layer_ops.MlaLayerConfig(
+        hidden=cfg.hidden_size, heads=cfg.num_heads, nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim,
+        rank=cfg.kv_lora_rank, v=cfg.v_head_dim, q_lora=cfg.q_lora_rank or 0, experts=cfg.num_experts,
+        moe_inter=cfg.moe_intermediate_size, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+        topk_group=cfg.topk_group, max_inter=max_inter, scoring=scoring, norm_topk_prob=int(cfg.norm_topk_prob),
+        routed_scaling_factor=cfg.routed_scaling_factor, eps=cfg.rms_norm_eps, max_rows=max_rows)
+
+
+# a decode step's rows through MlaRows (the glue between the linears in C); False: the per-op glue
+# (the A/B of benchmarks/deepseek_decode_step.py --switch rows)
+ROWS = True
+
+
+class MlaRows:
+    """A decode step's rows (any batch; batch 1 where MlaDecodeLayers does not take it) with the
+    per-op layer's glue between oneDNN's linears in C (csrc/layer_ops.c): after qkv_a (and q_b),
+    atomd_mla_rows_head (q RoPE'd, the latent normed, RoPE'd and stored: ~15 torch ops a layer),
+    and a sparse layer's routed experts, atomd_mla_rows_moe_bf16 (router, pair sort, AMX experts,
+    the pairs' sum: ~20 calls a layer, where the experts run on AMX tiles). Why: at batch 16 about
+    a third of the per-op step was such serial glue between the parallel kernels (benchmarks/RESULTS.md #37)."""
+
+    @staticmethod
+    def built(model: "DeepseekModel") -> bool:
+        """The C glue is built for the model's dtype here (the batch-1 layer's kernels) and the layer
+        has every head locally (no tensor parallelism)."""
+        return layer_ops.has_gemv(model.dtype) and model.tp is None
+
+    def __init__(self, model: "DeepseekModel"):
+        self.model, self.lib, self.config = model, layer_ops.kernels(), mla_layer_config(model.config)
+        self.head_fn = getattr(self.lib, f"atomd_mla_rows_head_{layer_ops._SUFFIX[model.dtype]}")
+        self.slots: tuple[AttentionMetadata, torch.Tensor] | None = None  # the step's, reused by every layer
+
+    def takes(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
+        """A decode step (rows over cached contexts) over a contiguous cache in the model's dtype."""
+        return (ROWS and not meta.is_prefill and self.model.tp is None and kv_cache.kv.dtype == h.dtype
+                and kv_cache.kv.is_contiguous())
+
+    def head(self, qkv_a: torch.Tensor, q_end: int, q: torch.Tensor, kv_a_norm: torch.Tensor,
+             positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, layer: int) -> torch.Tensor:
+        """q [R, heads, nope + rope] RoPE'd (a new tensor) from q (qkv_a's first q_end columns or
+        q_b's output); the rows' latents from qkv_a's other columns, normed, RoPE'd, stored in layer `layer`."""
+        c, rows = self.config, qkv_a.shape[0]
+        assert qkv_a.stride(1) == q.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+        if self.slots is None or self.slots[0] is not meta:  # each row's latent slot in layer 0, elements from kv
+            layer_elems = kv_cache.block_size * kv_cache.head_dim
+            self.slots = meta, (meta.slot_blocks * (kv_cache.num_layers * layer_elems)
+                                + meta.slot_offsets * kv_cache.head_dim).contiguous()
+        out = torch.empty(rows, c.heads, c.nope + c.rope, dtype=qkv_a.dtype)
+        kv = kv_cache.kv
+        self.head_fn(ctypes.byref(c), rows, qkv_a.data_ptr(), qkv_a.stride(0), q_end, q.data_ptr(), q.stride(0),
+                     kv_a_norm.data_ptr(), self.model.cos.data_ptr(), self.model.sin.data_ptr(), positions.data_ptr(),
+                     kv.data_ptr() + layer * kv_cache.block_size * kv_cache.head_dim * kv.element_size(),
+                     self.slots[1].data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def moe(self, h: torch.Tensor, w: MlaLayerWeights) -> torch.Tensor | None:
+        """The routed experts' output [R, hidden] of the rows h (moe(h, w.moe, w.routing(h))'s values, its
+        load counters counted), or None where this call does not run them (not bf16 experts on AMX tiles)."""
+        packed = w.moe.amx_weights() if ROWS and moe_mod.AMX and h.dtype == torch.bfloat16 else None
+        if packed is None:
+            return None
+        c, rows, k = self.config, h.shape[0], w.moe.top_k
+        h = h.contiguous()
+        pairs = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
+        out = torch.empty_like(h)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        status = self.lib.atomd_mla_rows_moe_bf16(
+            ctypes.byref(c), w.routing.weight.data_ptr(), ptr(w.routing.correction_bias), packed[0].data_ptr(),
+            packed[1].data_ptr(), w.moe.routed.data_ptr(), h.data_ptr(), rows, pairs.data_ptr(), out.data_ptr(),
+            torch.get_num_threads())
+        if status < 0:
+            raise MemoryError("MLA rows MoE: no scratch memory")
+        return out if status == 0 else None
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
