@@ -377,21 +377,31 @@ def test_batch1_c_layer_equals_the_per_op_layer(name, dtype, threads, checkpoint
     monkeypatch.setattr(deepseek.MlaDecodeLayers, "__call__",
                         lambda self, *a, f=deepseek.MlaDecodeLayers.__call__: ran.append(1) or f(self, *a))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    got = {}
-    for fused in (True, False):
-        monkeypatch.setattr(deepseek, "FUSED", fused)
-        for w in model.layers:
-            if w.moe is not None:
-                w.moe.routed.zero_()
-        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
-                for p in prompts_of([1, 2 * BLOCK + 3], seed=5)]
-        got[fused] = ([o.token_ids for o in outs], torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]),
-                      [w.moe.routed.clone() for w in model.layers if w.moe is not None])
-        assert len(ran) == 22  # 11 decode steps a prompt in the C layer's run, none in the per-op one
+    got = runs_switched(model, monkeypatch, "FUSED", lambda: [
+        llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+        for p in prompts_of([1, 2 * BLOCK + 3], seed=5)])
+    assert len(ran) == 22  # 11 decode steps a prompt in the C layer's run, none in the per-op one
     assert got[True][0] == got[False][0]
     tol = 0.0 if dtype == "bfloat16" else 1e-5
     torch.testing.assert_close(got[True][1], got[False][1], atol=tol, rtol=0)
     assert all(torch.equal(a, b) for a, b in zip(got[True][2], got[False][2]))
+
+
+def runs_switched(model, monkeypatch, switch: str, generate) -> dict[bool, tuple]:
+    """With atomd.model.deepseek's `switch` on, then off: (greedy ids, logprobs, the expert load counters
+    from zero) of generate()'s completions."""
+    from atomd.model import deepseek
+
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(deepseek, switch, on)
+        for w in model.layers:
+            if w.moe is not None:
+                w.moe.routed.zero_()
+        outs = generate()
+        got[on] = ([o.token_ids for o in outs], torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]),
+                   [w.moe.routed.clone() for w in model.layers if w.moe is not None])
+    return got
 
 
 def test_batch1_c_layer_not_taken_where_it_does_not_run(checkpoints):
@@ -458,15 +468,8 @@ def test_decode_batch_c_glue_equals_the_per_op_layer(name, dtype, threads, isa, 
                                           or out)(moe_rows(self, *a)))
     params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
     requests = [{"prompt_token_ids": p} for p in prompts_of([1, 4, BLOCK + 2, 2 * BLOCK + 3, 7], seed=7)]
-    got = {}
-    for rows in (True, False):
-        monkeypatch.setattr(deepseek, "ROWS", rows)
-        for w in model.layers:
-            if w.moe is not None:
-                w.moe.routed.zero_()
-        outs = [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)]
-        got[rows] = ([o.token_ids for o in outs], torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]),
-                     [w.moe.routed.clone() for w in model.layers if w.moe is not None])
+    got = runs_switched(model, monkeypatch, "ROWS",
+                        lambda: [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)])
     sparse, built = sum(w.moe is not None for w in model.layers), isa != "no-avx512"
     assert (model.rows is not None) == built
     assert calls["head"] == (9 * len(model.layers) if built else 0)  # 9 decode steps of the batch, none per-op
