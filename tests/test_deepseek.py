@@ -444,7 +444,8 @@ def test_batch1_c_layer_verifies_drafts(name, dtype, checkpoints, monkeypatch):
     ("v2-lite", "bfloat16", 2, "no-amx"), ("v2-lite", "float32", 2, "no-bf16-dot"), ("v3", "float32", 1, "no-avx512")])
 def test_decode_batch_c_glue_equals_the_per_op_layer(name, dtype, threads, isa, checkpoints, monkeypatch):
     """deepseek.MlaRows (atomd_mla_rows_head between the projections and the absorbed decode;
-    atomd_mla_rows_moe_bf16: router, pair sort, AMX experts, the pairs' sum) against the per-op
+    atomd_mla_rows_moe_bf16: router, pair sort, AMX experts, the pairs' sum, the shared experts on
+    the tiles too) against the per-op
     glue in the same engine, five sequences decoded as one batch: the same greedy ids, the same
     expert load counters (the same experts chosen), the same logprobs up to float32 operation order
     (the router's sums, V3's weight normalisation, RoPE's products: bf16 1e-4, float32 1e-5, the
@@ -476,6 +477,8 @@ def test_decode_batch_c_glue_equals_the_per_op_layer(name, dtype, threads, isa, 
     amx = dtype == "bfloat16" and layer_ops.has_moe_amx()
     assert amx == (isa == "native" and dtype == "bfloat16" and {"amx_tile", "amx_bf16"} <= cpu_flags())
     assert calls["moe"] == (9 * sparse if amx else 0)
+    if amx:  # the shared experts ran on the tiles in the same call
+        assert len(model.rows.shared) == sparse and all(model.rows.shared.values())
     assert got[True][0] == got[False][0]
     torch.testing.assert_close(got[True][1], got[False][1], atol=1e-4 if dtype == "bfloat16" else 1e-5, rtol=0)
     assert all(torch.equal(a, b) for a, b in zip(got[True][2], got[False][2]))

@@ -419,10 +419,11 @@ class DeepseekModel(DecoderModel):
         else:
             h = rms_norm(x, w.post_norm, eps, delta=self.reduce_(w.linear("o", attn, w.o_bias, lora)))
             if w.moe is not None:
-                down = self.rows.moe(h, w) if self.rows is not None and rows_moe and self.tp is None else None
-                if down is None:
-                    down = self.routed_experts(h, w.moe, w.routing(h))
-                if w.shared_gate_up is not None:
+                # the routed experts (and the shared ones, without LoRA) in one C call where it runs them
+                rows = self.rows.moe(h, w, lora is None) if self.rows is not None and rows_moe and self.tp is None \
+                    else None
+                down = self.routed_experts(h, w.moe, w.routing(h)) if rows is None else rows
+                if w.shared_gate_up is not None and (rows is None or lora is not None):
                     shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
                     down = down + w.linear("shared_down", shared, None, lora)
             else:
@@ -545,8 +546,9 @@ class MlaRows:
     """A decode step's rows (any batch; batch 1 where MlaDecodeLayers does not take it) with the
     per-op layer's glue between oneDNN's linears in C (csrc/layer_ops.c): after qkv_a (and q_b),
     atomd_mla_rows_head (q RoPE'd, the latent normed, RoPE'd and stored: ~15 torch ops a layer),
-    and a sparse layer's routed experts, atomd_mla_rows_moe_bf16 (router, pair sort, AMX experts,
-    the pairs' sum: ~20 calls a layer, where the experts run on AMX tiles). Why: at batch 16 about
+    and a sparse layer's routed and shared experts, atomd_mla_rows_moe_bf16 (router, pair sort, AMX
+    experts, the pairs' sum, the shared MLP on the tiles too: ~25 calls a layer, where the experts
+    run on AMX tiles). Why: at batch 16 about
     a third of the per-op step was such serial glue between the parallel kernels (benchmarks/RESULTS.md #37)."""
 
     @staticmethod
@@ -559,6 +561,7 @@ class MlaRows:
         self.model, self.lib, self.config = model, layer_ops.kernels(), mla_layer_config(model.config)
         self.head_fn = getattr(self.lib, f"atomd_mla_rows_head_{layer_ops._SUFFIX[model.dtype]}")
         self.slots: tuple[AttentionMetadata, torch.Tensor] | None = None  # the step's, reused by every layer
+        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # shared_amx's, by id of the layer
 
     def takes(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
         """A decode step (rows over cached contexts) over a contiguous cache in the model's dtype."""
@@ -583,9 +586,11 @@ class MlaRows:
                      self.slots[1].data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
-    def moe(self, h: torch.Tensor, w: MlaLayerWeights) -> torch.Tensor | None:
+    def moe(self, h: torch.Tensor, w: MlaLayerWeights, shared: bool) -> torch.Tensor | None:
         """The routed experts' output [R, hidden] of the rows h (moe(h, w.moe, w.routing(h))'s values, its
-        load counters counted), or None where this call does not run them (not bf16 experts on AMX tiles)."""
+        load counters counted), plus the shared experts' (a bf16 add, as the per-op layer's) where
+        `shared` and the layer has them; None where this call does not run them (not bf16 experts on
+        AMX tiles)."""
         packed = w.moe.amx_weights() if ROWS and moe_mod.AMX and h.dtype == torch.bfloat16 else None
         if packed is None:
             return None
@@ -594,13 +599,25 @@ class MlaRows:
         pairs = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
         out = torch.empty_like(h)
         ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        both = self.shared_amx(w) if shared and w.shared_gate_up is not None else None
+        shared_out = torch.empty_like(h) if both is not None else None
         status = self.lib.atomd_mla_rows_moe_bf16(
             ctypes.byref(c), w.routing.weight.data_ptr(), ptr(w.routing.correction_bias), packed[0].data_ptr(),
             packed[1].data_ptr(), w.moe.routed.data_ptr(), h.data_ptr(), rows, pairs.data_ptr(), out.data_ptr(),
-            torch.get_num_threads())
+            *((None, None, 0) if both is None else (both[0].data_ptr(), both[1].data_ptr(), both[0].shape[1] * 8)),
+            ptr(shared_out), torch.get_num_threads())
         if status < 0:
             raise MemoryError("MLA rows MoE: no scratch memory")
         return out if status == 0 else None
+
+    def shared_amx(self, w: MlaLayerWeights) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's shared experts as one expert packed for the tiles (layer_ops.pack_amx; made at
+        the first call), or None where their width is off the tiles."""
+        if id(w) not in self.shared:
+            gate_up, down = w.plain("shared_gate_up"), w.plain("shared_down")
+            fits = gate_up.shape[0] // 2 % layer_ops.AMX_MULTIPLE == 0
+            self.shared[id(w)] = (layer_ops.pack_amx(gate_up[None]), layer_ops.pack_amx(down[None])) if fits else None
+        return self.shared[id(w)]
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

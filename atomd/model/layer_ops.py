@@ -127,7 +127,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib.atomd_moe_sum_bf16.argtypes, lib.atomd_moe_sum_bf16.restype = [_PTR, ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
     lib.atomd_moe_amx_bf16.argtypes = [_PTR] * 9 + [ctypes.c_int] + [_I64] * 3 + [ctypes.c_int]
     lib.atomd_moe_amx_bf16.restype = ctypes.c_int
-    lib.atomd_mla_rows_moe_bf16.argtypes = [_PTR] * 6 + [_PTR, _I64, _PTR, _PTR, ctypes.c_int]
+    lib.atomd_mla_rows_moe_bf16.argtypes = [_PTR] * 6 + [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
     lib.atomd_mla_rows_moe_bf16.restype = ctypes.c_int
     lib.moe_amx = bool(lib.atomd_moe_amx_kind())  # built with AMX tiles and granted their state
     lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 4 + [ctypes.c_int]

@@ -1193,17 +1193,21 @@ void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t r
  * expert (row order kept within: argsort(stable)), the experts on AMX tiles (atomd_moe_amx_bf16)
  * into float32 pairs [R * top_k][hidden] scaled by their weights, each row's pairs summed in choice
  * order and rounded once into out (atomd_moe_sum_bf16); routed [experts] += the pairs per expert.
+ * shared_gate_up / shared_down (packed as one expert of shared_inter, or NULL): the shared experts'
+ * MLP over every row on the tiles too (bf16 rows into shared [R][hidden]), added to out as a bf16
+ * add (routed + shared, as the per-op layer's `down + shared`).
  * Why: that was ~20 Python-level calls a layer (router, softmax, topk, argsort, bincount, index
  * math) at batch 16, a third of whose step was such serial glue (benchmarks/RESULTS.md #37).
  * Returns 0, -1 (no memory) or 1 (no AMX tiles here: nothing done, the counters untouched). */
 #if MOE_AMX
 int atomd_mla_rows_moe_bf16(const mla_layer_config *c, const float *router, const float *correction,
                             const bf16_t *gate_up, const bf16_t *down, int64_t *routed, const bf16_t *h, int64_t R,
-                            float *pairs, bf16_t *out, int num_threads) {
+                            float *pairs, bf16_t *out, const bf16_t *shared_gate_up, const bf16_t *shared_down,
+                            int64_t shared_inter, bf16_t *shared, int num_threads) {
     if (!amx_granted()) return 1;
     const int64_t k = c->top_k, E = c->experts, H = c->hidden, P = R * k;
-    int64_t *ids = malloc((size_t)(5 * P + 3 * E + 1) * sizeof(int64_t));
-    float *wts = malloc((size_t)(2 * P + E * num_threads) * sizeof(float));
+    int64_t *ids = malloc((size_t)(5 * P + 3 * E + 2 * R + 3) * sizeof(int64_t));
+    float *wts = malloc((size_t)(2 * P + E * num_threads + R) * sizeof(float));
     if (ids == NULL || wts == NULL) {
         free(ids);
         free(wts);
@@ -1234,11 +1238,21 @@ int atomd_mla_rows_moe_bf16(const mla_layer_config *c, const float *router, cons
         const int64_t s = at[ids[p]]++;
         tokens[s] = p / k, dest[s] = p, scales[s] = wts[p];
     }
-    const int status = atomd_moe_amx_bf16(h, gate_up, down, experts, starts, tokens, dest, scales, pairs, 1, H,
-                                          c->moe_inter, active, num_threads);
+    int status = atomd_moe_amx_bf16(h, gate_up, down, experts, starts, tokens, dest, scales, pairs, 1, H,
+                                    c->moe_inter, active, num_threads);
+    if (status == 0 && shared_gate_up != NULL) {  /* one expert, every row, scale 1: its rounded down output */
+        int64_t *rows = starts + active + 1, *one = rows + R;  /* rows [R], one: {0, 0, R} */
+        bf16_t *ones = (bf16_t *)(logits + E * num_threads);
+        for (int64_t r = 0; r < R; r++) rows[r] = r, ones[r] = float_to_bf16(1.0f);
+        one[0] = 0, one[1] = 0, one[2] = R;
+        status = atomd_moe_amx_bf16(h, shared_gate_up, shared_down, one, one + 1, rows, rows, ones, shared, 0, H,
+                                    shared_inter, 1, num_threads);
+    }
     if (status == 0) {
         for (int64_t e = 0; e < E; e++) routed[e] += counts[e];
         atomd_moe_sum_bf16(pairs, 1, out, R, k, H, num_threads);
+        if (shared_gate_up != NULL)
+            for (int64_t i = 0; i < R * H; i++) out[i] = float_to_bf16(bf16_to_float(out[i]) + bf16_to_float(shared[i]));
     }
     free(ids);
     free(wts);
@@ -1247,9 +1261,10 @@ int atomd_mla_rows_moe_bf16(const mla_layer_config *c, const float *router, cons
 #else
 int atomd_mla_rows_moe_bf16(const void *c, const float *router, const float *correction, const bf16_t *gate_up,
                             const bf16_t *down, int64_t *routed, const bf16_t *h, int64_t R, float *pairs, bf16_t *out,
-                            int num_threads) {
+                            const bf16_t *shared_gate_up, const bf16_t *shared_down, int64_t shared_inter,
+                            bf16_t *shared, int num_threads) {
     (void)c, (void)router, (void)correction, (void)gate_up, (void)down, (void)routed, (void)h, (void)R, (void)pairs;
-    (void)out, (void)num_threads;
+    (void)out, (void)shared_gate_up, (void)shared_down, (void)shared_inter, (void)shared, (void)num_threads;
     return 1;
 }
 #endif
