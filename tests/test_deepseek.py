@@ -449,8 +449,8 @@ def test_decode_batch_c_glue_equals_the_per_op_layer(name, dtype, threads, isa, 
     glue in the same engine, five sequences decoded as one batch: the same greedy ids, the same
     expert load counters (the same experts chosen), the same logprobs up to float32 operation order
     (the router's sums, V3's weight normalisation, RoPE's products: bf16 1e-4, float32 1e-5, the
-    batch-1 layer's bounds); the C glue ran in every decode step's every layer (the experts where
-    AMX runs them). Under every ISA narrowing: without AVX-512 (no batch-1 layer kernels) it is not taken."""
+    batch-1 layer's bounds); the C head ran in every step's every layer (the prompts' too), the C
+    experts in every decode step's sparse layers where AMX runs them. Under every ISA narrowing: without AVX-512 (no batch-1 layer kernels) it is not taken."""
     from atomd.model import deepseek, layer_ops
 
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the C calls' thread count
@@ -473,7 +473,7 @@ def test_decode_batch_c_glue_equals_the_per_op_layer(name, dtype, threads, isa, 
                         lambda: [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)])
     sparse, built = sum(w.moe is not None for w in model.layers), isa != "no-avx512"
     assert (model.rows is not None) == built
-    assert calls["head"] == (9 * len(model.layers) if built else 0)  # 9 decode steps of the batch, none per-op
+    assert calls["head"] == (10 * len(model.layers) if built else 0)  # the prompts' step, 9 decode steps; none per-op
     amx = dtype == "bfloat16" and layer_ops.has_moe_amx()
     assert amx == (isa == "native" and dtype == "bfloat16" and {"amx_tile", "amx_bf16"} <= cpu_flags())
     assert calls["moe"] == (9 * sparse if amx else 0)

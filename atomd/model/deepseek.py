@@ -364,8 +364,14 @@ class DeepseekModel(DecoderModel):
         else:
             q = qkv_a[:, :q_end]
         if self.rows is not None and self.rows.takes(h, meta, kv_cache):  # the glue below in one C call
-            return mla_decode(self.rows.head(qkv_a, q_end, q, w.kv_a_norm, positions, meta, kv_cache, i), kv_cache,
-                              i, meta, w.up, cfg.mla_scale)
+            if not meta.is_prefill:  # the latents straight into the cache
+                q = self.rows.head(qkv_a, q_end, q, w.kv_a_norm, positions, *self.rows.cache_slots(meta, kv_cache, i))
+                return mla_decode(q, kv_cache, i, meta, w.up, cfg.mla_scale)
+            latent = torch.empty(len(h), cfg.latent_dim, dtype=h.dtype)  # a fresh prompt's attention reads them
+            q = self.rows.head(qkv_a, q_end, q, w.kv_a_norm, positions, latent.data_ptr(),
+                               torch.arange(0, latent.numel(), cfg.latent_dim))
+            store_latent(kv_cache, i, meta, latent)
+            return mla_prefill(q, latent, kv_cache, i, meta, w.up, cfg.mla_scale)
         q = q.reshape(-1, heads, cfg.qk_head_dim)
         latent = torch.cat([rms_norm(qkv_a[:, q_end:q_end + rank], w.kv_a_norm, cfg.rms_norm_eps),
                             qkv_a[:, q_end + rank:]], dim=1)
@@ -543,12 +549,13 @@ ROWS = True
 
 
 class MlaRows:
-    """A decode step's rows (any batch; batch 1 where MlaDecodeLayers does not take it) with the
-    per-op layer's glue between oneDNN's linears in C (csrc/layer_ops.c): after qkv_a (and q_b),
-    atomd_mla_rows_head (q RoPE'd, the latent normed, RoPE'd and stored: ~15 torch ops a layer),
-    and a sparse layer's routed and shared experts, atomd_mla_rows_moe_bf16 (router, pair sort, AMX
-    experts, the pairs' sum, the shared MLP on the tiles too: ~25 calls a layer, where the experts
-    run on AMX tiles). Why: at batch 16 about
+    """A step's rows (a decode batch; batch 1 where MlaDecodeLayers does not take it; a prefill's head)
+    with the per-op layer's glue between oneDNN's linears in C (csrc/layer_ops.c): after qkv_a (and
+    q_b), atomd_mla_rows_head (q RoPE'd, the latent normed, RoPE'd and stored: ~15 torch ops a layer,
+    each a pass over a prefill's rows),
+    and a decode step's sparse layers' routed and shared experts, atomd_mla_rows_moe_bf16 (router,
+    pair sort, AMX experts, the pairs' sum, the shared MLP on the tiles too: ~25 calls a layer,
+    where the experts run on AMX tiles; a prefill's experts keep moe(): its router is one GEMM there). Why: at batch 16 about
     a third of the per-op step was such serial glue between the parallel kernels (benchmarks/RESULTS.md #37)."""
 
     @staticmethod
@@ -560,30 +567,36 @@ class MlaRows:
     def __init__(self, model: "DeepseekModel"):
         self.model, self.lib, self.config = model, layer_ops.kernels(), mla_layer_config(model.config)
         self.head_fn = getattr(self.lib, f"atomd_mla_rows_head_{layer_ops._SUFFIX[model.dtype]}")
-        self.slots: tuple[AttentionMetadata, torch.Tensor] | None = None  # the step's, reused by every layer
+        self.slots: tuple[AttentionMetadata, torch.Tensor] | None = None  # cache_slots'
         self.shared: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # shared_amx's, by id of the layer
 
     def takes(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
-        """A decode step (rows over cached contexts) over a contiguous cache in the model's dtype."""
-        return (ROWS and not meta.is_prefill and self.model.tp is None and kv_cache.kv.dtype == h.dtype
-                and kv_cache.kv.is_contiguous())
+        """Not under TP; a decode step (rows over cached contexts) over a contiguous cache in the model's
+        dtype (its latents go straight in), or a prefill step."""
+        return ROWS and self.model.tp is None and (meta.is_prefill or kv_cache.kv.dtype == h.dtype
+                                                   and kv_cache.kv.is_contiguous())
 
-    def head(self, qkv_a: torch.Tensor, q_end: int, q: torch.Tensor, kv_a_norm: torch.Tensor,
-             positions: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache, layer: int) -> torch.Tensor:
-        """q [R, heads, nope + rope] RoPE'd (a new tensor) from q (qkv_a's first q_end columns or
-        q_b's output); the rows' latents from qkv_a's other columns, normed, RoPE'd, stored in layer `layer`."""
-        c, rows = self.config, qkv_a.shape[0]
-        assert qkv_a.stride(1) == q.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
-        if self.slots is None or self.slots[0] is not meta:  # each row's latent slot in layer 0, elements from kv
+    def cache_slots(self, meta: AttentionMetadata, kv_cache: KVCache, layer: int) -> tuple[int, torch.Tensor]:
+        """(address of layer `layer`'s latent rows in the cache, each decode row's slot: elements from there)."""
+        if self.slots is None or self.slots[0] is not meta:  # the step's, reused by every layer
             layer_elems = kv_cache.block_size * kv_cache.head_dim
             self.slots = meta, (meta.slot_blocks * (kv_cache.num_layers * layer_elems)
                                 + meta.slot_offsets * kv_cache.head_dim).contiguous()
-        out = torch.empty(rows, c.heads, c.nope + c.rope, dtype=qkv_a.dtype)
         kv = kv_cache.kv
+        return kv.data_ptr() + layer * kv_cache.block_size * kv_cache.head_dim * kv.element_size(), self.slots[1]
+
+    def head(self, qkv_a: torch.Tensor, q_end: int, q: torch.Tensor, kv_a_norm: torch.Tensor,
+             positions: torch.Tensor, latents: int, slots: torch.Tensor) -> torch.Tensor:
+        """q [R, heads, nope + rope] RoPE'd (a new tensor) from q (qkv_a's first q_end columns or
+        q_b's output); the rows' latents from qkv_a's other columns, normed, RoPE'd, row r's written
+        slots[r] elements past the address `latents` (the cache's layer, or a [R, latent] tensor)."""
+        c, rows = self.config, qkv_a.shape[0]
+        assert qkv_a.stride(1) == q.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and len(slots) == rows == len(positions)
+        out = torch.empty(rows, c.heads, c.nope + c.rope, dtype=qkv_a.dtype)
         self.head_fn(ctypes.byref(c), rows, qkv_a.data_ptr(), qkv_a.stride(0), q_end, q.data_ptr(), q.stride(0),
                      kv_a_norm.data_ptr(), self.model.cos.data_ptr(), self.model.sin.data_ptr(), positions.data_ptr(),
-                     kv.data_ptr() + layer * kv_cache.block_size * kv_cache.head_dim * kv.element_size(),
-                     self.slots[1].data_ptr(), out.data_ptr(), torch.get_num_threads())
+                     latents, slots.data_ptr(), out.data_ptr(), torch.get_num_threads())
         return out
 
     def moe(self, h: torch.Tensor, w: MlaLayerWeights, shared: bool) -> torch.Tensor | None:
