@@ -145,6 +145,10 @@ class MlaLayerWeights:
         return out if lora is None else lora.add(LORA_NAMES.get(name, name), x, out)
 
 
+    def linears(self) -> list:
+        """The layer's linears as loaded (DecoderModel's LayerWeights.linears: benchmarks/offline.py's streamed bytes)."""
+        return [t for t in (getattr(self, n) for n in LINEARS) if t is not None]
+
     def plain(self, name: str) -> torch.Tensor:
         """The float linear `name` as a plain tensor (its batch-1 rows where kept, else unpacked: a
         copy a call where use_tensor_parallel has not unpacked it, a worker's MTP layer)."""
