@@ -984,7 +984,7 @@ static void mla_route(const mla_layer_config *c, const float *router, const floa
         const int64_t qk = c->nope + c->rope, half = c->rope / 2;                                              \
         const char *cr = (const char *)(cos + position * half), *sr = (const char *)(sin + position * half);  \
         if (q_src != qr) memcpy(qr, q_src, c->heads * qk * sizeof(elem_t));                                   \
-        NORM_ROW(ar, NULL, kv_a_norm, lat, c->rank, c->eps);                                                   \
+        NORM_ROW((elem_t *)ar, NULL, kv_a_norm, lat, c->rank, c->eps); /* x written only with a delta */      \
         memcpy(lat + c->rank, ar + c->rank, c->rope * sizeof(elem_t));                                         \
         rope_row((char *)(lat + c->rank), 1, c->rope, cr, sr, IS_BF16);                                         \
         for (int64_t j = 0; j < c->heads; j++) rope_row((char *)(qr + j * qk + c->nope), 1, c->rope, cr, sr, IS_BF16); \
