@@ -3,8 +3,8 @@
 One engine per shape (random weights, --dtype, --threads); its decode steps' model forwards
 (ModelRunner.execute on a batch of one token per sequence) are timed in the calling thread's
 CPU time (time.thread_time: at one thread the whole forward, and the machine's load moves it
-far less than the wall clock) and in the process's (time.process_time: every OpenMP thread,
-spin included), both reported. Workloads: batch 1 (one 128-token prompt, 32 new tokens) and
+far less than the wall clock), in the process's (time.process_time: every OpenMP thread,
+spin included) and in wall time (at 2 threads what a step takes when both cores are free), all reported. Workloads: batch 1 (one 128-token prompt, 32 new tokens) and
 batch 16 (16 prompts of 32 tokens, 32 new). Variants, alternating within every round, switched
 in the running engine (the same weights, the same prompts):
 - mla: `torch` (the absorption and W_UV as torch bmm around the attention kernel) vs `c`
@@ -14,7 +14,9 @@ in the running engine (the same weights, the same prompts):
 - moe: `loop` (one torch linear pair per active expert, moe.GROUPED and moe.AMX off) vs `grouped`
   (the MoE block's experts in one C call, layer_ops.moe_grouped);
 - layer: `perop` (the batch-1 layer as ~30 Python-level calls, deepseek.FUSED off) vs `c`
-  (deepseek.MlaDecodeLayers: three C calls a layer).
+  (deepseek.MlaDecodeLayers: three C calls a layer);
+- rows: `perop` (a decode batch's glue between the linears as torch ops, deepseek.ROWS off) vs `c`
+  (deepseek.MlaRows: the head's RoPE / norm / latent store and the routed experts one C call each).
 Each variant's figure: its mean per decode step in one run, medians over --rounds.
 `--llama-cpp`: llama-bench's tg128 at depth 128 on the shape's BF16 GGUF (the same checkpoint,
 benchmarks/decode_step_profile.py's llama_bench: its CPU time per token, comparable to the
@@ -67,27 +69,30 @@ def variant(switch: str, name: str):
         return switched(mla, AMX=False)
     if switch == "layer" and name == "perop":
         return switched(deepseek, FUSED=False)
+    if switch == "rows" and name == "perop":
+        return switched(deepseek, ROWS=False)
     if switch == "moe" and name == "loop":
         return switched(moe, GROUPED=False, AMX=False)
     return contextlib.nullcontext()
 
 
-VARIANTS = {"mla": ("torch", "c"), "mla-amx": ("avx512", "tiles"), "moe": ("loop", "grouped"), "layer": ("perop", "c")}
+VARIANTS = {"mla": ("torch", "c"), "mla-amx": ("avx512", "tiles"), "moe": ("loop", "grouped"), "layer": ("perop", "c"), "rows": ("perop", "c")}
 
 
-def timed_decode_steps(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float, int]:
-    """(thread CPU s, process CPU s, steps) of the decode steps' forwards of one generate."""
+def timed_decode_steps(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float, int, float]:
+    """(thread CPU s, process CPU s, steps, wall s) of the decode steps' forwards of one generate."""
     runner = llm.engine.runner
-    execute, spent = runner.execute, [0.0, 0.0, 0]
+    execute, spent = runner.execute, [0.0, 0.0, 0, 0.0]
 
     def timed(step, *args, **kwargs):
         if not all(int(n) == 1 for n in step.num_scheduled_tokens):
             return execute(step, *args, **kwargs)
-        t0, p0 = time.thread_time(), time.process_time()
+        t0, p0, w0 = time.thread_time(), time.process_time(), time.perf_counter()
         out = execute(step, *args, **kwargs)
         spent[0] += time.thread_time() - t0
         spent[1] += time.process_time() - p0
         spent[2] += 1
+        spent[3] += time.perf_counter() - w0
         return out
 
     runner.execute = timed
@@ -96,7 +101,7 @@ def timed_decode_steps(llm: LLM, batch: list[list[int]], new: int) -> tuple[floa
                      SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True), use_tqdm=False)
     finally:
         runner.execute = execute
-    return spent[0], spent[1], spent[2]
+    return spent[0], spent[1], spent[2], spent[3]
 
 
 def main() -> None:
@@ -133,10 +138,12 @@ def main() -> None:
             batch = prompts(n, length, r, vocab)
             for name in names if r % 2 == 0 else names[::-1]:
                 with variant(args.switch, name):
-                    thread_s, process_s, steps = timed_decode_steps(llm, batch, new)
-                runs.setdefault((w, name), []).append((thread_s / steps * 1e3, process_s / steps * 1e3))
+                    thread_s, process_s, steps, wall_s = timed_decode_steps(llm, batch, new)
+                runs.setdefault((w, name), []).append((thread_s / steps * 1e3, process_s / steps * 1e3,
+                                                       wall_s / steps * 1e3))
                 print(f"round {r} {w} {name}: {thread_s / steps * 1e3:.2f} ms thread CPU, "
-                      f"{process_s / steps * 1e3:.2f} ms process CPU a step ({steps} steps), load {loadavg()}",
+                      f"{process_s / steps * 1e3:.2f} ms process CPU, {wall_s / steps * 1e3:.2f} ms wall a step "
+                      f"({steps} steps), load {loadavg()}",
                       file=sys.stderr, flush=True)
         if gguf is not None:
             wall, cpu = llama_bench(binary, gguf, args.threads)
@@ -148,14 +155,14 @@ def main() -> None:
               "load": load, "rounds": args.rounds, "figures": {}}
     print(f"{args.model_shape} {args.dtype}, {args.threads} thread(s), {cpu_model()}, load {load}")
     print(f"| workload | {names[0]} thread ms | {names[1]} thread ms | ratio | {names[0]} process ms | "
-          f"{names[1]} process ms | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
+          f"{names[1]} process ms | ratio | {names[0]} wall ms | {names[1]} wall ms | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for w in workloads:
-        before = [statistics.median(x[i] for x in runs[(w, names[0])]) for i in (0, 1)]
-        after = [statistics.median(x[i] for x in runs[(w, names[1])]) for i in (0, 1)]
+        before = [statistics.median(x[i] for x in runs[(w, names[0])]) for i in (0, 1, 2)]
+        after = [statistics.median(x[i] for x in runs[(w, names[1])]) for i in (0, 1, 2)]
         report["figures"][w] = {names[0]: before, names[1]: after}
-        print(f"| {w} | {before[0]:.2f} | {after[0]:.2f} | {before[0] / after[0]:.2f}x | {before[1]:.2f} | "
-              f"{after[1]:.2f} | {before[1] / after[1]:.2f}x |")
+        print(f"| {w} | " + " | ".join(f"{before[i]:.2f} | {after[i]:.2f} | {before[i] / after[i]:.2f}x"
+                                       for i in (0, 1, 2)) + " |")
     if gguf is not None:
         cpu, wall = (statistics.median(x[i] for x in runs[("llama.cpp", "tg128")]) for i in (0, 1))
         report["figures"]["llama.cpp"] = {"cpu_ms": cpu, "wall_ms": wall}

@@ -377,21 +377,31 @@ def test_batch1_c_layer_equals_the_per_op_layer(name, dtype, threads, checkpoint
     monkeypatch.setattr(deepseek.MlaDecodeLayers, "__call__",
                         lambda self, *a, f=deepseek.MlaDecodeLayers.__call__: ran.append(1) or f(self, *a))
     params = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True, logprobs=0)
-    got = {}
-    for fused in (True, False):
-        monkeypatch.setattr(deepseek, "FUSED", fused)
-        for w in model.layers:
-            if w.moe is not None:
-                w.moe.routed.zero_()
-        outs = [llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
-                for p in prompts_of([1, 2 * BLOCK + 3], seed=5)]
-        got[fused] = ([o.token_ids for o in outs], torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]),
-                      [w.moe.routed.clone() for w in model.layers if w.moe is not None])
-        assert len(ran) == 22  # 11 decode steps a prompt in the C layer's run, none in the per-op one
+    got = runs_switched(model, monkeypatch, "FUSED", lambda: [
+        llm.generate([{"prompt_token_ids": p}], params, use_tqdm=False)[0].outputs[0]
+        for p in prompts_of([1, 2 * BLOCK + 3], seed=5)])
+    assert len(ran) == 22  # 11 decode steps a prompt in the C layer's run, none in the per-op one
     assert got[True][0] == got[False][0]
     tol = 0.0 if dtype == "bfloat16" else 1e-5
     torch.testing.assert_close(got[True][1], got[False][1], atol=tol, rtol=0)
     assert all(torch.equal(a, b) for a, b in zip(got[True][2], got[False][2]))
+
+
+def runs_switched(model, monkeypatch, switch: str, generate) -> dict[bool, tuple]:
+    """With atomd.model.deepseek's `switch` on, then off: (greedy ids, logprobs, the expert load counters
+    from zero) of generate()'s completions."""
+    from atomd.model import deepseek
+
+    got = {}
+    for on in (True, False):
+        monkeypatch.setattr(deepseek, switch, on)
+        for w in model.layers:
+            if w.moe is not None:
+                w.moe.routed.zero_()
+        outs = generate()
+        got[on] = ([o.token_ids for o in outs], torch.tensor([[lp.logprob for lp in o.logprobs] for o in outs]),
+                   [w.moe.routed.clone() for w in model.layers if w.moe is not None])
+    return got
 
 
 def test_batch1_c_layer_not_taken_where_it_does_not_run(checkpoints):
@@ -424,3 +434,51 @@ def test_batch1_c_layer_verifies_drafts(name, dtype, checkpoints, monkeypatch):
     assert max(rows) > 1 and llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
     if dtype == "float32":
         assert_equals_hf(path, [prompt], got[True], n=48)
+
+
+# ---------------------------------------------------------------- a decode batch's C glue
+
+
+@pytest.mark.parametrize("name,dtype,threads,isa", [
+    ("v2-lite", "bfloat16", 2, "native"), ("v3", "bfloat16", 1, "native"), ("v3-halves-all-sparse", "bfloat16", 3, "native"),
+    ("v2-lite", "bfloat16", 2, "no-amx"), ("v2-lite", "float32", 2, "no-bf16-dot"), ("v3", "float32", 1, "no-avx512")])
+def test_decode_batch_c_glue_equals_the_per_op_layer(name, dtype, threads, isa, checkpoints, monkeypatch):
+    """deepseek.MlaRows (atomd_mla_rows_head between the projections and the absorbed decode;
+    atomd_mla_rows_moe_bf16: router, pair sort, AMX experts, the pairs' sum, the shared experts on
+    the tiles too) against the per-op
+    glue in the same engine, five sequences decoded as one batch: the same greedy ids, the same
+    expert load counters (the same experts chosen), the same logprobs up to float32 operation order
+    (the router's sums, V3's weight normalisation, RoPE's products: bf16 1e-4, float32 1e-5, the
+    batch-1 layer's bounds); the C head ran in every step's every layer (the prompts' too), the C
+    experts in every decode step's sparse layers where AMX runs them. Under every ISA narrowing: without AVX-512 (no batch-1 layer kernels) it is not taken."""
+    from atomd.model import deepseek, layer_ops
+
+    monkeypatch.setattr(torch, "get_num_threads", lambda: threads)  # the C calls' thread count
+    monkeypatch.setenv("ATOMD_KERNEL_ISA", isa)  # every kernel of the engine narrowed
+    llm = LLM(str(checkpoints[name]), num_threads=1, max_model_len=128, dtype=dtype, enable_prefix_caching=False)
+    model = llm.engine.model
+    calls = {"head": 0, "moe": 0}
+
+    def counted(kind):
+        f = getattr(deepseek.MlaRows, kind)
+        return lambda self, *a: calls.__setitem__(kind, calls[kind] + 1) or f(self, *a)
+    monkeypatch.setattr(deepseek.MlaRows, "head", counted("head"))
+    moe_rows = deepseek.MlaRows.moe
+    monkeypatch.setattr(deepseek.MlaRows, "moe",
+                        lambda self, *a: (lambda out: calls.__setitem__("moe", calls["moe"] + (out is not None))
+                                          or out)(moe_rows(self, *a)))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=0)
+    requests = [{"prompt_token_ids": p} for p in prompts_of([1, 4, BLOCK + 2, 2 * BLOCK + 3, 7], seed=7)]
+    got = runs_switched(model, monkeypatch, "ROWS",
+                        lambda: [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)])
+    sparse, built = sum(w.moe is not None for w in model.layers), isa != "no-avx512"
+    assert (model.rows is not None) == built
+    assert calls["head"] == (10 * len(model.layers) if built else 0)  # the prompts' step, 9 decode steps; none per-op
+    amx = dtype == "bfloat16" and layer_ops.has_moe_amx()
+    assert amx == (isa == "native" and dtype == "bfloat16" and {"amx_tile", "amx_bf16"} <= cpu_flags())
+    assert calls["moe"] == (9 * sparse if amx else 0)
+    if amx:  # the shared experts ran on the tiles in the same call
+        assert len(model.rows.shared) == sparse and all(model.rows.shared.values())
+    assert got[True][0] == got[False][0]
+    torch.testing.assert_close(got[True][1], got[False][1], atol=1e-4 if dtype == "bfloat16" else 1e-5, rtol=0)
+    assert all(torch.equal(a, b) for a, b in zip(got[True][2], got[False][2]))

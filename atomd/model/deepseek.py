@@ -145,6 +145,10 @@ class MlaLayerWeights:
         return out if lora is None else lora.add(LORA_NAMES.get(name, name), x, out)
 
 
+    def linears(self) -> list:
+        """The layer's linears as loaded (DecoderModel's LayerWeights.linears: benchmarks/offline.py's streamed bytes)."""
+        return [t for t in (getattr(self, n) for n in LINEARS) if t is not None]
+
     def plain(self, name: str) -> torch.Tensor:
         """The float linear `name` as a plain tensor (its batch-1 rows where kept, else unpacked: a
         copy a call where use_tensor_parallel has not unpacked it, a worker's MTP layer)."""
@@ -268,6 +272,7 @@ class DeepseekModel(DecoderModel):
             self.pack_layer(w)
         release_freed_memory()
         self.batch1 = MlaDecodeLayers(self) if self.keeps_rows and MlaDecodeLayers.takes(self) else None
+        self.rows = MlaRows(self) if MlaRows.built(self) else None
 
     def packs(self) -> bool:
         """oneDNN's blocked layout for every other M (DecoderModel._pack_weights says why)."""
@@ -344,7 +349,8 @@ class DeepseekModel(DecoderModel):
                 attn = self._attention(h, w, i, positions, meta, kv_cache, every_row and every_row.layer(i))
                 next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else None
                 for tile, rows in tiles:
-                    self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i))
+                    self._attn_out_and_mlp(x[tile], attn[tile], w, next_norm, h[tile], rows and rows.layer(i),
+                                           not meta.is_prefill)
         logits = self.logits(self.norm_rows(x[logits_indices], self.norm))
         if hidden_indices is not None:
             return logits, self.norm_rows(x[hidden_indices], self.norm)
@@ -361,6 +367,15 @@ class DeepseekModel(DecoderModel):
             q = w.linear("q_b", rms_norm(qkv_a[:, :q_end], w.q_a_norm, cfg.rms_norm_eps), None, lora)
         else:
             q = qkv_a[:, :q_end]
+        if self.rows is not None and self.rows.takes(h, meta, kv_cache):  # the glue below in one C call
+            if not meta.is_prefill:  # the latents straight into the cache
+                q = self.rows.head(qkv_a, q_end, q, w.kv_a_norm, positions, *self.rows.cache_slots(meta, kv_cache, i))
+                return mla_decode(q, kv_cache, i, meta, w.up, cfg.mla_scale)
+            latent = torch.empty(len(h), cfg.latent_dim, dtype=h.dtype)  # a fresh prompt's attention reads them
+            q = self.rows.head(qkv_a, q_end, q, w.kv_a_norm, positions, latent.data_ptr(),
+                               torch.arange(0, latent.numel(), cfg.latent_dim))
+            store_latent(kv_cache, i, meta, latent)
+            return mla_prefill(q, latent, kv_cache, i, meta, w.up, cfg.mla_scale)
         q = q.reshape(-1, heads, cfg.qk_head_dim)
         latent = torch.cat([rms_norm(qkv_a[:, q_end:q_end + rank], w.kv_a_norm, cfg.rms_norm_eps),
                             qkv_a[:, q_end + rank:]], dim=1)
@@ -403,17 +418,22 @@ class DeepseekModel(DecoderModel):
         return from_tp_sums(sums[:len(partial)], weights, w.moe) + sums[len(partial):].to(h.dtype)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: MlaLayerWeights,
-                          next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:
+                          next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None,
+                          rows_moe: bool = False) -> None:
         """DecoderModel's, with DeepSeekMoE: routed experts plus the shared ones (LoRA's gate_up /
-        down deltas on the shared experts in a sparse layer, on the MLP in a dense one)."""
+        down deltas on the shared experts in a sparse layer, on the MLP in a dense one). rows_moe:
+        a decode step's rows, whose routed experts MlaRows.moe runs where it can."""
         eps = self.config.rms_norm_eps
         if self.tp is not None and attn.dtype == torch.bfloat16 and isinstance(w.o, torch.Tensor):
             down = self._tp_bf16_out_and_mlp(x, attn, w, lora)
         else:
             h = rms_norm(x, w.post_norm, eps, delta=self.reduce_(w.linear("o", attn, w.o_bias, lora)))
             if w.moe is not None:
-                down = self.routed_experts(h, w.moe, w.routing(h))
-                if w.shared_gate_up is not None:
+                # the routed experts (and the shared ones, without LoRA) in one C call where it runs them
+                rows = self.rows.moe(h, w, lora is None) if self.rows is not None and rows_moe and self.tp is None \
+                    else None
+                down = self.routed_experts(h, w.moe, w.routing(h)) if rows is None else rows
+                if w.shared_gate_up is not None and (rows is None or lora is not None):
                     shared = silu_mul(w.linear("shared_gate_up", h, None, lora))
                     down = down + w.linear("shared_down", shared, None, lora)
             else:
@@ -472,13 +492,7 @@ class MlaDecodeLayers:
                 next_norm=ptr(layers[i + 1].input_norm) if i + 1 < len(layers) else None,
                 inter=widths[-1], uk_t=ptr(w.up.uk_t), uv=ptr(w.up.uv)))
         self.structs = (layer_ops.MlaLayerWeights * len(self.structs))(*self.structs)
-        scoring = 2 if cfg.scoring == "sigmoid" else int(cfg.topk_method == "group_limited_greedy")
-        self.config = layer_ops.MlaLayerConfig(
-            hidden=cfg.hidden_size, heads=cfg.num_heads, nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim,
-            rank=cfg.kv_lora_rank, v=cfg.v_head_dim, q_lora=cfg.q_lora_rank or 0, experts=cfg.num_experts,
-            moe_inter=cfg.moe_intermediate_size, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
-            topk_group=cfg.topk_group, max_inter=max(widths), scoring=scoring, norm_topk_prob=int(cfg.norm_topk_prob),
-            routed_scaling_factor=cfg.routed_scaling_factor, eps=cfg.rms_norm_eps, max_rows=MAX_ROWS)
+        self.config = mla_layer_config(cfg, max(widths), MAX_ROWS)
         self.q = torch.empty(MAX_ROWS, cfg.num_heads, cfg.qk_head_dim, dtype=model.dtype)
         self.attn = torch.empty(MAX_ROWS, cfg.num_heads * cfg.v_head_dim, dtype=model.dtype)
         self.scratch: dict[int, torch.Tensor] = {}
@@ -520,6 +534,107 @@ class MlaDecodeLayers:
             self.structs, len(self.structs), ctypes.byref(c), ctypes.byref(args), rows, h.data_ptr(), x.data_ptr(),
             model.cos.data_ptr(), model.sin.data_ptr(), self.q.data_ptr(), self.attn.data_ptr(), scratch.data_ptr(),
             threads), "MLA decode")
+
+
+def mla_layer_config(cfg: DeepseekConfig, max_inter: int = 0, max_rows: int = 0) -> layer_ops.MlaLayerConfig:
+    """csrc/layer_ops.c's mla_layer_config of the model (max_inter, max_rows: the batch-1 layer's scratch)."""
+    scoring = 2 if cfg.scoring == "sigmoid" else int(cfg.topk_method == "group_limited_greedy")
+    return layer_ops.MlaLayerConfig(
+        hidden=cfg.hidden_size, heads=cfg.num_heads, nope=cfg.qk_nope_head_dim, rope=cfg.qk_rope_head_dim,
+        rank=cfg.kv_lora_rank, v=cfg.v_head_dim, q_lora=cfg.q_lora_rank or 0, experts=cfg.num_experts,
+        moe_inter=cfg.moe_intermediate_size, top_k=cfg.num_experts_per_tok, n_group=cfg.n_group,
+        topk_group=cfg.topk_group, max_inter=max_inter, scoring=scoring, norm_topk_prob=int(cfg.norm_topk_prob),
+        routed_scaling_factor=cfg.routed_scaling_factor, eps=cfg.rms_norm_eps, max_rows=max_rows)
+
+
+# a decode step's rows through MlaRows (the glue between the linears in C); False: the per-op glue
+# (the A/B of benchmarks/deepseek_decode_step.py --switch rows)
+ROWS = True
+
+
+class MlaRows:
+    """A step's rows (a decode batch; batch 1 where MlaDecodeLayers does not take it; a prefill's head)
+    with the per-op layer's glue between oneDNN's linears in C (csrc/layer_ops.c): after qkv_a (and
+    q_b), atomd_mla_rows_head (q RoPE'd, the latent normed, RoPE'd and stored: ~15 torch ops a layer,
+    each a pass over a prefill's rows),
+    and a decode step's sparse layers' routed and shared experts, atomd_mla_rows_moe_bf16 (router,
+    pair sort, AMX experts, the pairs' sum, the shared MLP on the tiles too: ~25 calls a layer,
+    where the experts run on AMX tiles; a prefill's experts keep moe(): its router is one GEMM there). Why: at batch 16 about
+    a third of the per-op step was such serial glue between the parallel kernels (benchmarks/RESULTS.md #37)."""
+
+    @staticmethod
+    def built(model: "DeepseekModel") -> bool:
+        """The C glue is built for the model's dtype here (the batch-1 layer's kernels) and the layer
+        has every head locally (no tensor parallelism)."""
+        return layer_ops.has_gemv(model.dtype) and model.tp is None
+
+    def __init__(self, model: "DeepseekModel"):
+        self.model, self.lib, self.config = model, layer_ops.kernels(), mla_layer_config(model.config)
+        self.head_fn = getattr(self.lib, f"atomd_mla_rows_head_{layer_ops._SUFFIX[model.dtype]}")
+        self.slots: tuple[AttentionMetadata, torch.Tensor] | None = None  # cache_slots'
+        self.shared: dict[int, tuple[torch.Tensor, torch.Tensor] | None] = {}  # shared_amx's, by id of the layer
+
+    def takes(self, h: torch.Tensor, meta: AttentionMetadata, kv_cache: KVCache) -> bool:
+        """Not under TP; a decode step (rows over cached contexts) over a contiguous cache in the model's
+        dtype (its latents go straight in), or a prefill step."""
+        return ROWS and self.model.tp is None and (meta.is_prefill or kv_cache.kv.dtype == h.dtype
+                                                   and kv_cache.kv.is_contiguous())
+
+    def cache_slots(self, meta: AttentionMetadata, kv_cache: KVCache, layer: int) -> tuple[int, torch.Tensor]:
+        """(address of layer `layer`'s latent rows in the cache, each decode row's slot: elements from there)."""
+        if self.slots is None or self.slots[0] is not meta:  # the step's, reused by every layer
+            layer_elems = kv_cache.block_size * kv_cache.head_dim
+            self.slots = meta, (meta.slot_blocks * (kv_cache.num_layers * layer_elems)
+                                + meta.slot_offsets * kv_cache.head_dim).contiguous()
+        kv = kv_cache.kv
+        return kv.data_ptr() + layer * kv_cache.block_size * kv_cache.head_dim * kv.element_size(), self.slots[1]
+
+    def head(self, qkv_a: torch.Tensor, q_end: int, q: torch.Tensor, kv_a_norm: torch.Tensor,
+             positions: torch.Tensor, latents: int, slots: torch.Tensor) -> torch.Tensor:
+        """q [R, heads, nope + rope] RoPE'd (a new tensor) from q (qkv_a's first q_end columns or
+        q_b's output); the rows' latents from qkv_a's other columns, normed, RoPE'd, row r's written
+        slots[r] elements past the address `latents` (the cache's layer, or a [R, latent] tensor)."""
+        c, rows = self.config, qkv_a.shape[0]
+        assert qkv_a.stride(1) == q.stride(1) == 1 and positions.dtype == torch.int64 and positions.is_contiguous()
+        assert slots.dtype == torch.int64 and slots.is_contiguous() and len(slots) == rows == len(positions)
+        out = torch.empty(rows, c.heads, c.nope + c.rope, dtype=qkv_a.dtype)
+        self.head_fn(ctypes.byref(c), rows, qkv_a.data_ptr(), qkv_a.stride(0), q_end, q.data_ptr(), q.stride(0),
+                     kv_a_norm.data_ptr(), self.model.cos.data_ptr(), self.model.sin.data_ptr(), positions.data_ptr(),
+                     latents, slots.data_ptr(), out.data_ptr(), torch.get_num_threads())
+        return out
+
+    def moe(self, h: torch.Tensor, w: MlaLayerWeights, shared: bool) -> torch.Tensor | None:
+        """The routed experts' output [R, hidden] of the rows h (moe(h, w.moe, w.routing(h))'s values, its
+        load counters counted), plus the shared experts' (a bf16 add, as the per-op layer's) where
+        `shared` and the layer has them; None where this call does not run them (not bf16 experts on
+        AMX tiles)."""
+        packed = w.moe.amx_weights() if ROWS and moe_mod.AMX and h.dtype == torch.bfloat16 else None
+        if packed is None:
+            return None
+        c, rows, k = self.config, h.shape[0], w.moe.top_k
+        h = h.contiguous()
+        pairs = torch.empty(rows * k, h.shape[1], dtype=torch.float32)
+        out = torch.empty_like(h)
+        ptr = lambda t: None if t is None else t.data_ptr()  # noqa: E731
+        both = self.shared_amx(w) if shared and w.shared_gate_up is not None else None
+        shared_out = torch.empty_like(h) if both is not None else None
+        status = self.lib.atomd_mla_rows_moe_bf16(
+            ctypes.byref(c), w.routing.weight.data_ptr(), ptr(w.routing.correction_bias), packed[0].data_ptr(),
+            packed[1].data_ptr(), w.moe.routed.data_ptr(), h.data_ptr(), rows, pairs.data_ptr(), out.data_ptr(),
+            *((None, None, 0) if both is None else (both[0].data_ptr(), both[1].data_ptr(), both[0].shape[1] * 8)),
+            ptr(shared_out), torch.get_num_threads())
+        if status < 0:
+            raise MemoryError("MLA rows MoE: no scratch memory")
+        return out if status == 0 else None
+
+    def shared_amx(self, w: MlaLayerWeights) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """The layer's shared experts as one expert packed for the tiles (layer_ops.pack_amx; made at
+        the first call), or None where their width is off the tiles."""
+        if id(w) not in self.shared:
+            gate_up, down = w.plain("shared_gate_up"), w.plain("shared_down")
+            fits = gate_up.shape[0] // 2 % layer_ops.AMX_MULTIPLE == 0
+            self.shared[id(w)] = (layer_ops.pack_amx(gate_up[None]), layer_ops.pack_amx(down[None])) if fits else None
+        return self.shared[id(w)]
 
 
 def rotate_half_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

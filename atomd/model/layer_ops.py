@@ -101,6 +101,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             mla_layers = getattr(lib, f"atomd_mla_layers_{suffix}")
             mla_layers.argtypes = [_PTR, _I64, _PTR, _PTR, _I64] + [_PTR] * 7 + [ctypes.c_int]
             mla_layers.restype = ctypes.c_int
+            rows_head = getattr(lib, f"atomd_mla_rows_head_{suffix}")
+            rows_head.argtypes, rows_head.restype = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 7 + [ctypes.c_int], None
             grouped = getattr(lib, f"atomd_moe_grouped_{suffix}")
             grouped.argtypes, grouped.restype = [_PTR] * 9 + [ctypes.c_int, _PTR] + [_I64] * 4 + [ctypes.c_int], None
     if lib.gemv_kinds:
@@ -125,6 +127,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib.atomd_moe_sum_bf16.argtypes, lib.atomd_moe_sum_bf16.restype = [_PTR, ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
     lib.atomd_moe_amx_bf16.argtypes = [_PTR] * 9 + [ctypes.c_int] + [_I64] * 3 + [ctypes.c_int]
     lib.atomd_moe_amx_bf16.restype = ctypes.c_int
+    lib.atomd_mla_rows_moe_bf16.argtypes = [_PTR] * 6 + [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
+    lib.atomd_mla_rows_moe_bf16.restype = ctypes.c_int
     lib.moe_amx = bool(lib.atomd_moe_amx_kind())  # built with AMX tiles and granted their state
     lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 5 + [ctypes.c_int]
     lib.atomd_moe_q8.restype = lib.atomd_moe_q8_kind.restype = ctypes.c_int

@@ -71,11 +71,17 @@ def gather_latent(kv_cache: KVCache, layer: int, block_ids: torch.Tensor) -> tor
 
 
 def up_project(latent: torch.Tensor, up: LatentUp, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """k [heads, n, nope + rope], v [heads, n, v] of latent rows [n, rank + rope]."""
+    """k [heads, n, nope + rope], v [heads, n, max(v, nope + rope)] of latent rows [n, rank + rope]:
+    v narrower than k padded with zeros (SDPA's flash kernel on CPU takes only one head size: with
+    V2-Lite's 128-wide v under 192-wide keys it fell back to its math path, ~13x slower at 512
+    tokens, bf16; the padded columns of the output are zeros, the others the same attention)."""
     kv = linear(latent[:, :rank].contiguous(), up.kv_b).view(latent.shape[0], -1, up.nope + up.v)
-    heads = kv.shape[1]
+    heads, qk = kv.shape[1], up.nope + latent.shape[1] - rank
     k = torch.cat([kv[..., :up.nope], latent[:, None, rank:].expand(-1, heads, -1)], dim=-1)
-    return k.transpose(0, 1), kv[..., up.nope:].transpose(0, 1)
+    v = kv[..., up.nope:]
+    if up.v < qk:
+        v = torch.cat([v, v.new_zeros(v.shape[0], heads, qk - up.v)], dim=-1)
+    return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def mla_prefill(q: torch.Tensor, latent: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata,
@@ -94,7 +100,7 @@ def mla_prefill(q: torch.Tensor, latent: torch.Tensor, kv_cache: KVCache, layer:
         k, v = up_project(context, up, rank)
         o = F.scaled_dot_product_attention(q[s.start:s.end].transpose(0, 1).unsqueeze(0), k.unsqueeze(0),
                                            v.unsqueeze(0), attn_mask=mask, is_causal=mask is None, scale=scale)
-        out[s.start:s.end] = o[0].transpose(0, 1).reshape(s.end - s.start, -1)
+        out[s.start:s.end] = o[0, ..., :up.v].transpose(0, 1).reshape(s.end - s.start, -1)
     return out
 
 

@@ -976,11 +976,39 @@ static void mla_route(const mla_layer_config *c, const float *router, const floa
 #define MLA_THREAD_AT(t) (threads_at + (t) * (2 * R * H + R * c->max_inter + 2 * c->max_inter + H))
 
 #define MLA_LAYERS(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, GEMV)                                               \
+    /* one row after its projections: q (from q_src: the qkv_a row or q_b's) and each head's rope part \
+     * RoPE'd; the latent (ar: the kv_a part of the qkv_a row) normed, its rope part RoPE'd, into lat */         \
+    static inline void mla_head_row_##SUFFIX(const mla_layer_config *c, const elem_t *q_src, elem_t *qr,         \
+                                             const elem_t *ar, const elem_t *kv_a_norm, elem_t *lat,             \
+                                             const elem_t *cos, const elem_t *sin, int64_t position) {          \
+        const int64_t qk = c->nope + c->rope, half = c->rope / 2;                                              \
+        const char *cr = (const char *)(cos + position * half), *sr = (const char *)(sin + position * half);  \
+        if (q_src != qr) memcpy(qr, q_src, c->heads * qk * sizeof(elem_t));                                   \
+        NORM_ROW((elem_t *)ar, NULL, kv_a_norm, lat, c->rank, c->eps); /* x written only with a delta */      \
+        memcpy(lat + c->rank, ar + c->rank, c->rope * sizeof(elem_t));                                         \
+        rope_row((char *)(lat + c->rank), 1, c->rope, cr, sr, IS_BF16);                                         \
+        for (int64_t j = 0; j < c->heads; j++) rope_row((char *)(qr + j * qk + c->nope), 1, c->rope, cr, sr, IS_BF16); \
+    }                                                                                                              \
+    /* A batch's decode rows between the linears (atomd/model/deepseek.py, the rows path: oneDNN runs  \
+     * the projections): mla_head_row of each row r, its q from q_src + r * q_stride (the qkv_a output \
+     * or q_b's) into q [R][heads][nope + rope], its latent from qa + r * qa_stride + q_first into the \
+     * cache at latent + slots[r]. One call where the per-op layer made ~15 (cat, slices, RoPE's muls). */ \
+    void atomd_mla_rows_head_##SUFFIX(const mla_layer_config *c, int64_t R, const elem_t *qa, int64_t qa_stride,  \
+                                      int64_t q_first, const elem_t *q_src, int64_t q_stride,                   \
+                                      const elem_t *kv_a_norm, const elem_t *cos, const elem_t *sin,            \
+                                      const int64_t *positions, elem_t *latent, const int64_t *slots, elem_t *q, \
+                                      int num_threads) {                                                        \
+        const int64_t q_size = c->heads * (c->nope + c->rope);                                                  \
+        _Pragma("omp parallel for num_threads(num_threads) if (R * q_size >= PARALLEL_MIN_ELEMENTS)")           \
+        for (int64_t r = 0; r < R; r++)                                                                         \
+            mla_head_row_##SUFFIX(c, q_src + r * q_stride, q + r * q_size, qa + r * qa_stride + q_first,       \
+                                  kv_a_norm, latent + slots[r], cos, sin, positions[r]);                        \
+    }                                                                                                              \
     static void mla_head_##SUFFIX(const mla_layer_weights *w, const mla_layer_config *c, int64_t R,              \
                                   const elem_t *h, const elem_t *cos, const elem_t *sin, const int64_t *positions, \
                                   elem_t *latent, const int64_t *slots, elem_t *q, elem_t *scratch, int num_threads) { \
         const int64_t qk = c->nope + c->rope, q_size = c->heads * qk, q_first = c->q_lora ? c->q_lora : q_size;    \
-        const int64_t qa_w = q_first + c->rank + c->rope, half = c->rope / 2;                                     \
+        const int64_t qa_w = q_first + c->rank + c->rope;                                                     \
         elem_t *qa = scratch, *qn = qa + R * qa_w;                                                                 \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
@@ -992,15 +1020,10 @@ static void mla_route(const mla_layer_config *c, const float *router, const floa
                 GEMV##_rows_m(qn, R, (const elem_t *)w->q_b, q, c->q_lora, q_size);                                \
             }                                                                                                      \
             _Pragma("omp single")                                                                                  \
-            for (int64_t r = 0; r < R; r++) {                                                                      \
-                elem_t *qr = q + r * q_size, *lat = latent + slots[r], *ar = qa + r * qa_w;                        \
-                const char *cr = (const char *)(cos + positions[r] * half), *sr = (const char *)(sin + positions[r] * half); \
-                if (!c->q_lora) memcpy(qr, ar, q_size * sizeof(elem_t));                                           \
-                NORM_ROW(ar + q_first, NULL, (const elem_t *)w->kv_a_norm, lat, c->rank, c->eps);                  \
-                memcpy(lat + c->rank, ar + q_first + c->rank, c->rope * sizeof(elem_t));                           \
-                rope_row((char *)(lat + c->rank), 1, c->rope, cr, sr, IS_BF16);                                    \
-                for (int64_t j = 0; j < c->heads; j++) rope_row((char *)(qr + j * qk + c->nope), 1, c->rope, cr, sr, IS_BF16); \
-            }                                                                                                      \
+            for (int64_t r = 0; r < R; r++)                                                                        \
+                mla_head_row_##SUFFIX(c, c->q_lora ? q + r * q_size : qa + r * qa_w, q + r * q_size,              \
+                                      qa + r * qa_w + q_first, (const elem_t *)w->kv_a_norm, latent + slots[r],   \
+                                      cos, sin, positions[r]);                                                     \
         }                                                                                                          \
     }                                                                                                              \
     static void mla_tail_##SUFFIX(const mla_layer_weights *w, const mla_layer_config *c, int64_t R,              \
@@ -1163,3 +1186,85 @@ void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t r
 /* int8 / int4 MoE experts: AMX-INT8 tiles (quant_amx.h) or the int8-activation rows (quant.h) */
 #include "quant_amx.h"
 #include "moe_q8.h"
+
+/* DeepSeekMoE's routed experts for the R rows h [R][hidden] of a batch (atomd/model/deepseek.py,
+ * the rows path) in one call: moe.moe()'s steps with DeepseekRouting's router: each row's router
+ * (mla_route, as the batch-1 layer: float32, the same choice), the (row, choice) pairs sorted by
+ * expert (row order kept within: argsort(stable)), the experts on AMX tiles (atomd_moe_amx_bf16)
+ * into float32 pairs [R * top_k][hidden] scaled by their weights, each row's pairs summed in choice
+ * order and rounded once into out (atomd_moe_sum_bf16); routed [experts] += the pairs per expert.
+ * shared_gate_up / shared_down (packed as one expert of shared_inter, or NULL): the shared experts'
+ * MLP over every row on the tiles too (bf16 rows into shared [R][hidden]), added to out as a bf16
+ * add (routed + shared, as the per-op layer's `down + shared`).
+ * Why: that was ~20 Python-level calls a layer (router, softmax, topk, argsort, bincount, index
+ * math) at batch 16, a third of whose step was such serial glue (benchmarks/RESULTS.md #37).
+ * Returns 0, -1 (no memory) or 1 (no AMX tiles here: nothing done, the counters untouched). */
+#if MOE_AMX
+int atomd_mla_rows_moe_bf16(const mla_layer_config *c, const float *router, const float *correction,
+                            const bf16_t *gate_up, const bf16_t *down, int64_t *routed, const bf16_t *h, int64_t R,
+                            float *pairs, bf16_t *out, const bf16_t *shared_gate_up, const bf16_t *shared_down,
+                            int64_t shared_inter, bf16_t *shared, int num_threads) {
+    if (!amx_granted()) return 1;
+    const int64_t k = c->top_k, E = c->experts, H = c->hidden, P = R * k;
+    int64_t *ids = malloc((size_t)(5 * P + 3 * E + 2 * R + 3) * sizeof(int64_t));
+    float *wts = malloc((size_t)(2 * P + E * num_threads + R) * sizeof(float));
+    if (ids == NULL || wts == NULL) {
+        free(ids);
+        free(wts);
+        return -1;
+    }
+    int64_t *tokens = ids + P, *dest = tokens + P, *counts = dest + P, *at = counts + E, *experts = at + E;
+    int64_t *starts = experts + E;  /* [active + 1] */
+    float *scales = wts + P, *logits = scales + P;
+#pragma omp parallel for num_threads(num_threads) if (R > 1)
+    for (int64_t r = 0; r < R; r++) {
+        float hf[H];
+        for (int64_t i = 0; i < H; i++) hf[i] = bf16_to_float(h[r * H + i]);
+        mla_route(c, router, correction, hf, logits + omp_get_thread_num() * E, ids + r * k, wts + r * k);
+    }
+    memset(counts, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++) counts[ids[p]]++;
+    int64_t active = 0;
+    starts[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        at[e] = starts[active];
+        if (counts[e]) {
+            experts[active] = e;
+            starts[active + 1] = starts[active] + counts[e];
+            active++;
+        }
+    }
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t s = at[ids[p]]++;
+        tokens[s] = p / k, dest[s] = p, scales[s] = wts[p];
+    }
+    int status = atomd_moe_amx_bf16(h, gate_up, down, experts, starts, tokens, dest, scales, pairs, 1, H,
+                                    c->moe_inter, active, num_threads);
+    if (status == 0 && shared_gate_up != NULL) {  /* one expert, every row, scale 1: its rounded down output */
+        int64_t *rows = starts + active + 1, *one = rows + R;  /* rows [R], one: {0, 0, R} */
+        bf16_t *ones = (bf16_t *)(logits + E * num_threads);
+        for (int64_t r = 0; r < R; r++) rows[r] = r, ones[r] = float_to_bf16(1.0f);
+        one[0] = 0, one[1] = 0, one[2] = R;
+        status = atomd_moe_amx_bf16(h, shared_gate_up, shared_down, one, one + 1, rows, rows, ones, shared, 0, H,
+                                    shared_inter, 1, num_threads);
+    }
+    if (status == 0) {
+        for (int64_t e = 0; e < E; e++) routed[e] += counts[e];
+        atomd_moe_sum_bf16(pairs, 1, out, R, k, H, num_threads);
+        if (shared_gate_up != NULL)
+            for (int64_t i = 0; i < R * H; i++) out[i] = float_to_bf16(bf16_to_float(out[i]) + bf16_to_float(shared[i]));
+    }
+    free(ids);
+    free(wts);
+    return status;
+}
+#else
+int atomd_mla_rows_moe_bf16(const void *c, const float *router, const float *correction, const bf16_t *gate_up,
+                            const bf16_t *down, int64_t *routed, const bf16_t *h, int64_t R, float *pairs, bf16_t *out,
+                            const bf16_t *shared_gate_up, const bf16_t *shared_down, int64_t shared_inter,
+                            bf16_t *shared, int num_threads) {
+    (void)c, (void)router, (void)correction, (void)gate_up, (void)down, (void)routed, (void)h, (void)R, (void)pairs;
+    (void)out, (void)shared_gate_up, (void)shared_down, (void)shared_inter, (void)shared, (void)num_threads;
+    return 1;
+}
+#endif
