@@ -135,9 +135,12 @@ def main() -> int:
                    help="the int engines' model dtype(s) (offline.py's; the baseline tree's int engines: float32)")
     p.add_argument("--no-amx-baseline", action="store_true",
                    help="also the --int8 / --int4 engines under ATOMD_KERNEL_ISA=no-amx, in a second process")
-    p.add_argument("--llama-runs", nargs="+", choices=list(lc.RUNS), default=["native"],
-                   help="llama.cpp builds / repacking to run each GGUF with (llama_cpp.RUNS; on the AMX Xeon here "
-                        "'native' crashes in prompts, 'amxfix' is its fast path patched, 'norepack' the old anchor)")
+    # amxfix by default: its two patches only mend bugs (the AMX tile config, batched-bench's lost
+    # output), so it is llama.cpp's own fast path on every CPU; the shipped build dies on an AMX CPU
+    p.add_argument("--llama-runs", nargs="+", choices=list(lc.RUNS), default=["amxfix"],
+                   help="llama.cpp builds / repacking to run each GGUF with (llama_cpp.RUNS; default amxfix, "
+                        "llama.cpp's fast path with the AMX tile-config and log-flush fixes; 'native' as shipped "
+                        "crashes in prompts on an AMX CPU; 'norepack' the old anchor)")
     p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's")
     p.add_argument("--gguf-dir", type=pathlib.Path, default=None,
