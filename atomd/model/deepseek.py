@@ -564,9 +564,10 @@ class MlaRows:
 
     @staticmethod
     def built(model: "DeepseekModel") -> bool:
-        """The C glue is built for the model's dtype here (the batch-1 layer's kernels) and the layer
-        has every head locally (no tensor parallelism)."""
-        return layer_ops.has_gemv(model.dtype) and model.tp is None
+        """The C glue is built for the model's dtype here (the batch-1 layer's kernels). Tensor
+        parallelism starts after the load (use_tensor_parallel), so takes() and the MoE call check it
+        a step, as MlaDecodeLayers.runs does."""
+        return layer_ops.has_gemv(model.dtype)
 
     def __init__(self, model: "DeepseekModel"):
         self.model, self.lib, self.config = model, layer_ops.kernels(), mla_layer_config(model.config)
