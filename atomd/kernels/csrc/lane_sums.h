@@ -1,4 +1,4 @@
-/* AVX-512 horizontal sums shared by the kernels (attention_common.h, mla.c, layer_ops.c). */
+/* AVX-512 horizontal sums shared by the kernels (attention_common.h, mla.c, layer_ops.c, quant_amx.h). */
 #ifndef ATOMD_LANE_SUMS_H
 #define ATOMD_LANE_SUMS_H
 #if defined(__AVX512F__)
@@ -21,7 +21,8 @@ static inline __m512 sum_lanes16(const __m512 v[16]) {
                          _mm512_shuffle_f32x4(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
 }
 /* v[i][j] <- v[j][i]: a 16 x 16 matrix of 32-bit values in 16 vectors transposed in registers
- * (mla.c's tile operands and results: rows <-> the tile layout's columns; moe_q8.h's widened weights). */
+ * (mla.c's tile operands and results: rows <-> the tile layout's columns; moe_q8.h's widened weights;
+ * quant_amx.h's tile results into y's rows). */
 static inline void transpose16(__m512 v[16]) {
     __m512 t[16];
     for (int i = 0; i < 8; i++) {

@@ -28,6 +28,7 @@
 #include <string.h>
 
 #include "amx.h"
+#include "lane_sums.h"  /* transpose16 */
 #define QAMX_PATH 1
 
 /* scratch of M rows of x, K inputs, groups of G (the caller's): bytes of the B tiles, floats
@@ -120,29 +121,6 @@ static void qamx_prepare(const void *q, int bits, int64_t n0, int64_t rows, int6
             _tile_dpbusd(T, TA, TB);                           \
     } while (0)
 
-/* c[r] lane m -> c[m] lane r: a 16 x 16 float transpose in registers (32-bit, 64-bit, then two
- * 128-bit interleaves) */
-static inline __attribute__((always_inline)) void qamx_transpose16(__m512 c[16]) {
-    __m512 t[16];
-    for (int i = 0; i < 16; i += 2)
-        t[i] = _mm512_unpacklo_ps(c[i], c[i + 1]), t[i + 1] = _mm512_unpackhi_ps(c[i], c[i + 1]);
-    for (int i = 0; i < 16; i += 4)
-        for (int j = 0; j < 2; j++) {
-            const __m512d a = _mm512_castps_pd(t[i + j]), b = _mm512_castps_pd(t[i + 2 + j]);
-            c[i + 2 * j] = _mm512_castpd_ps(_mm512_unpacklo_pd(a, b));
-            c[i + 2 * j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(a, b));
-        }
-    for (int h = 0; h < 16; h += 8)
-        for (int j = 0; j < 4; j++) {
-            t[h + j] = _mm512_shuffle_f32x4(c[h + j], c[h + 4 + j], 0x88);
-            t[h + 4 + j] = _mm512_shuffle_f32x4(c[h + j], c[h + 4 + j], 0xdd);
-        }
-    for (int j = 0; j < 8; j++) {
-        c[j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0x88);
-        c[8 + j] = _mm512_shuffle_f32x4(t[j], t[8 + j], 0xdd);
-    }
-}
-
 /* one n-tile (A: block b at a + b * bstride, tile rows astride apart) times one m-tile: out[r][m]
  * = y[m, n0 + r] for the tile's 16 x 16; s, o: the n-tile's first row of scales / offsets,
  * rows of them valid. Four blocks' products in flight (C tiles 4-7; a tile store waits for its
@@ -189,7 +167,7 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
             }
         }
     }
-    qamx_transpose16(acc);  /* acc[m]: row m of x's outputs for the tile's weight rows */
+    transpose16(acc);  /* acc[m]: row m of x's outputs for the tile's weight rows */
     const __mmask16 k = (__mmask16)((1u << rows) - 1);
     for (int64_t m = 0; m < ms; m++) _mm512_mask_storeu_ps(y + m * ldy, k, acc[m]);
 }
