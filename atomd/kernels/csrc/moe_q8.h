@@ -110,16 +110,14 @@ static void moe_q8_widen(const atomd_qweight *w, int64_t N, int64_t K, bf16_t *d
             __m512 r[16];
             for (int n = 0; n < 16; n++) {
                 const int64_t row = nb * 16 + n, g = row * groups + c / per;
-                __m512 lo, hi;
+                __m512 v[2];  /* the block's inputs 0-15 and 16-31 (quant.h's loads) */
                 if (w->bits == 8) {
                     const int8_t *p = (const int8_t *)w->q + row * K + c * 32;
-                    lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)p)));
-                    hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(p + 16))));
-                } else {  /* a block's 16 bytes: low nibbles inputs 0-15, high ones 16-31 */
-                    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)((const uint8_t *)w->q + row * (K / 2) + c * 16)));
-                    lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15)));
-                    hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+                    v[0] = load_i8(p), v[1] = load_i8(p + 16);
+                } else {
+                    load_i4((const uint8_t *)w->q + row * (K / 2) + c * 16, v);
                 }
+                __m512 lo = v[0], hi = v[1];
                 /* the product rounded before the offset's add, as torch's two ops (GCC would fuse _mm512_mul_ps
                  * and _mm512_add_ps into one FMA: the rounding intrinsic keeps them apart) */
                 const __m512 s = _mm512_set1_ps(w->scales[g]);
