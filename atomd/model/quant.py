@@ -20,6 +20,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
+import os
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +51,12 @@ QGEMM_Q8_MAX_M = 32
 # one thread, 135M / 0.6B linears, rows / tiles at M = 2 0.5-1.0x (tiles slower), at M = 4 0.8-1.4x,
 # at 16 3-5x (benchmarks/RESULTS.md, #35 AMX-INT8); batch 1 stays on the rows
 QGEMM_AMX_MIN_M = 4
+# ... and on a CPU with the bf16 AMX tiles, from this many rows of x on (prefill), the tile product widened
+# (atomd_qgemm_wide, csrc/quant_amx.h): each work item's weight rows dequantised and rounded to bf16 once,
+# x rounded to bf16, bf16 tiles with float32 sums over all of K: the int8 tiles store and rescale each
+# 32-input block's result (measured: benchmarks/RESULTS.md, #35 the dense int linears widened). Not the
+# int8-activation bits above it (docs/design.md). 0 (or $ATOMD_QLINEAR_WIDE=0 at import): never.
+QGEMM_WIDE_MIN_M = 0 if os.environ.get("ATOMD_QLINEAR_WIDE") == "0" else 128
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
@@ -229,13 +236,17 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_qgemm_amx.argtypes = lib.atomd_qgemm_q8.argtypes
     lib.atomd_qgemm_amx.restype = lib.atomd_quant_amx.restype = ctypes.c_int
     lib.amx = bool(lib.atomd_quant_amx())  # int8 activations on AMX-INT8 tiles from QGEMM_AMX_MIN_M rows
+    lib.atomd_qgemm_wide.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int]
+    lib.atomd_qgemm_wide.restype = lib.atomd_quant_wide.restype = ctypes.c_int
+    lib.wide = bool(lib.atomd_quant_wide())  # ... widened to bf16 tiles from QGEMM_WIDE_MIN_M rows
     for w16 in ("b16", "h16"):
         gemm, deq = getattr(lib, f"atomd_qgemm_{w16}"), getattr(lib, f"atomd_qdequant_{w16}")
         gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int], None
         deq.argtypes, deq.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
-    log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s)", PATHS[lib.atomd_quant_path()],
-             Q8_PATHS[lib.atomd_quant_q8_path()], f", AMX-INT8 tiles from {QGEMM_AMX_MIN_M} rows" if lib.amx else "")
+    log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s%s)", PATHS[lib.atomd_quant_path()],
+             Q8_PATHS[lib.atomd_quant_q8_path()], f", AMX-INT8 tiles from {QGEMM_AMX_MIN_M} rows" if lib.amx else "",
+             f", bf16 tiles from {QGEMM_WIDE_MIN_M} rows" if lib.wide and QGEMM_WIDE_MIN_M else "")
     return lib
 
 
@@ -269,8 +280,10 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     """x [M, K] @ dequantised(w).T (+ bias) in float32, returned in x's dtype. Up to
     QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*), up to
     QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8), and with int8 activations on a CPU with
-    AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx); more rows, or no
-    kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
+    AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx), from QGEMM_WIDE_MIN_M on
+    widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
+    int8-activation bits); more rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a
+    transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
     if w.perm is not None:
@@ -278,7 +291,13 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     xf = xf.contiguous()
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
-    if lib is not None and w.int8_activations and m >= QGEMM_AMX_MIN_M and lib.amx:
+    if lib is not None and w.int8_activations and 0 < QGEMM_WIDE_MIN_M <= m and lib.wide:
+        out = torch.empty(m, n, dtype=torch.float32)
+        rc = lib.atomd_qgemm_wide(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
+                                  k, w.group_size, out.data_ptr(), n, threads)
+        if rc != 0:
+            raise MemoryError(f"bf16 AMX product of {m} x {k} by {n} rows: out of memory")
+    elif lib is not None and w.int8_activations and m >= QGEMM_AMX_MIN_M and lib.amx:
         out = torch.empty(m, n, dtype=torch.float32)
         xt, dt, xsgt = _amx_scratch(m, k, w.group_size)
         rc = lib.atomd_qgemm_amx(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,

@@ -1,7 +1,8 @@
 /* AMX tile state (Sapphire Rapids and later), shared by attention_amx.h (bf16 prefill),
- * moe_amx.h (bf16 MoE experts), quant_amx.h (int8 / int4 weights with int8 activations) and
- * mla.c (the absorbed MLA decode of a batch): the tile configuration record, Linux's
- * per-process permission, the all-16x64 tile set-up. Include only where __AMX_TILE__ is defined. */
+ * moe_amx.h (bf16 MoE experts), quant_amx.h (int8 / int4 weights with int8 activations, or widened
+ * to bf16) and mla.c (the absorbed MLA decode of a batch): the tile configuration record, Linux's
+ * per-process permission, the all-16x64 tile set-up, the bf16 block product of moe_amx.h and
+ * quant_amx.h. Include only where __AMX_TILE__ is defined. */
 #ifndef ATOMD_AMX_H
 #define ATOMD_AMX_H
 #include <immintrin.h>
@@ -53,4 +54,49 @@ static inline int amx_thread_ready(int ready, int *failed) {
     }
     return ready;
 }
+
+#if defined(__AMX_BF16__)
+/* bf16 tile products over operands in tile layout (moe_amx.h's experts, quant_amx.h's widened int
+ * linears). 16 rows (two == 0) or 32 of A times the 32 outputs of B blocks b0 and b1 into out
+ * [4][16][16] floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout:
+ * a's 16-row blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows:
+ * strided ones miss the prefetchers, attention_amx.h). bf16 values as uint16_t. Tiles as
+ * amx_configure sets them. */
+static inline void amx_block(const uint16_t *a, int two, const uint16_t *b0, const uint16_t *b1, int64_t chunks,
+                             float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t c = 0; c < chunks; c++) {
+        _tile_loadd(4, a + c * 512, 64);
+        _tile_loadd(6, b0 + c * 512, 64);
+        _tile_loadd(7, b1 + c * 512, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        if (two) {
+            _tile_loadd(5, a + (chunks + c) * 512, 64);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+    }
+    _tile_stored(0, out, 64);
+    _tile_stored(1, out + 256, 64);
+    if (two) {
+        _tile_stored(2, out + 512, 64);
+        _tile_stored(3, out + 768, 64);
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* Row r (K floats, K a multiple of 32) rounded to bf16 (nearest even) into the A tile layout at
+ * `tiles`: [rows / 16][K / 32][16][32] */
+static inline void amx_put_row_f32(uint16_t *tiles, int64_t r, const float *row, int64_t K) {
+    uint16_t *dst = tiles + (r / 16) * K * 16 + (r % 16) * 32;
+    for (int64_t c = 0; c < K / 32; c++)
+        _mm512_storeu_si512(dst + c * 512, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c * 32 + 16),
+                                                                       _mm512_loadu_ps(row + c * 32)));
+}
+#endif
+#endif
 #endif

@@ -26,36 +26,6 @@
 #define MOE_AMX 1
 #define AMX_CHUNK 128 /* rows an item: an expert's weights are re-read from cache once a chunk */
 
-/* 16 rows (two == 0) or 32 of A times the 32 outputs of B blocks b0 and b1 into out [4][16][16]
- * floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout: a's 16-row
- * blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows: strided
- * ones miss the prefetchers, attention_amx.h). */
-static inline void amx_block(const bf16_t *a, int two, const bf16_t *b0, const bf16_t *b1, int64_t chunks,
-                             float *out) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t c = 0; c < chunks; c++) {
-        _tile_loadd(4, a + c * 512, 64);
-        _tile_loadd(6, b0 + c * 512, 64);
-        _tile_loadd(7, b1 + c * 512, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        if (two) {
-            _tile_loadd(5, a + (chunks + c) * 512, 64);
-            _tile_dpbf16ps(2, 5, 6);
-            _tile_dpbf16ps(3, 5, 7);
-        }
-    }
-    _tile_stored(0, out, 64);
-    _tile_stored(1, out + 256, 64);
-    if (two) {
-        _tile_stored(2, out + 512, 64);
-        _tile_stored(3, out + 768, 64);
-    }
-}
-
 /* Row r (K elements, or zeros where row is NULL) into the A tile layout at `tiles`:
  * [rows / 16][K / 32][16][32] */
 static inline void amx_put_row(bf16_t *tiles, int64_t r, const bf16_t *row, int64_t K) {
@@ -64,14 +34,6 @@ static inline void amx_put_row(bf16_t *tiles, int64_t r, const bf16_t *row, int6
         if (row) memcpy(dst + c * 512, row + c * 32, 64);
         else memset(dst + c * 512, 0, 64);
     }
-}
-
-/* Row r (K floats) rounded to bf16 into the A tile layout at `tiles`, as amx_put_row */
-static inline void amx_put_row_f32(bf16_t *tiles, int64_t r, const float *row, int64_t K) {
-    bf16_t *dst = tiles + (r / 16) * K * 16 + (r % 16) * 32;
-    for (int64_t c = 0; c < K / 32; c++)
-        _mm512_storeu_si512(dst + c * 512, (__m512i)_mm512_cvtne2ps_pbh(_mm512_loadu_ps(row + c * 32 + 16),
-                                                                       _mm512_loadu_ps(row + c * 32)));
 }
 
 /* One work item: m rows (already in xa's A tile layout, rows m.. up to a multiple of 16 zeros) through

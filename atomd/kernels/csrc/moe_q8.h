@@ -94,46 +94,12 @@ static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *
 }
 #endif
 
-#if MOE_Q8_TILES && MOE_AMX
+#if MOE_Q8_TILES && MOE_AMX && QAMX_WIDE
 #define MOE_Q8_WIDE 1
 /* rows an item where experts are widened: each item widens its expert once, then runs moe_amx's items of
  * AMX_CHUNK rows over it (bigger ones left the weights' L2 to the rows' A tiles: 4096 tokens 1.3x slower) */
 #define Q8_WIDE_CHUNK 1024
 
-/* An int8 / int4 weight [N, K] dequantised as QuantizedWeight.dequantize does (q * s, then + o, in
- * float32) and rounded to bf16, into pack_amx's layout [N / 16][K / 32][16 k pairs][16 n][2] (moe_amx.h's
- * B operands). N a multiple of 16, K of 32. */
-static void moe_q8_widen(const atomd_qweight *w, int64_t N, int64_t K, bf16_t *dst) {
-    const int64_t groups = K / w->group, per = w->group / Q8_BLOCK;
-    for (int64_t nb = 0; nb < N / 16; nb++)
-        for (int64_t c = 0; c < K / 32; c++) {
-            __m512 r[16];
-            for (int n = 0; n < 16; n++) {
-                const int64_t row = nb * 16 + n, g = row * groups + c / per;
-                __m512 v[2];  /* the block's inputs 0-15 and 16-31 (quant.h's loads) */
-                if (w->bits == 8) {
-                    const int8_t *p = (const int8_t *)w->q + row * K + c * 32;
-                    v[0] = load_i8(p), v[1] = load_i8(p + 16);
-                } else {
-                    load_i4((const uint8_t *)w->q + row * (K / 2) + c * 16, v);
-                }
-                __m512 lo = v[0], hi = v[1];
-                /* the product rounded before the offset's add, as torch's two ops (GCC would fuse _mm512_mul_ps
-                 * and _mm512_add_ps into one FMA: the rounding intrinsic keeps them apart) */
-                const __m512 s = _mm512_set1_ps(w->scales[g]);
-                lo = _mm512_mul_round_ps(lo, s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                hi = _mm512_mul_round_ps(hi, s, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-                if (w->offsets) {
-                    const __m512 o = _mm512_set1_ps(w->offsets[g]);
-                    lo = _mm512_add_ps(lo, o), hi = _mm512_add_ps(hi, o);
-                }
-                r[n] = (__m512)_mm512_cvtne2ps_pbh(hi, lo);  /* 32-bit lane k: inputs 2k, 2k + 1 */
-            }
-            transpose16(r);  /* lane_sums.h; r[k]: the 16 rows' pair k */
-            bf16_t *b = dst + (nb * (K / 32) + c) * 512;
-            for (int k = 0; k < 16; k++) _mm512_storeu_ps((float *)(b + k * 32), r[k]);
-        }
-}
 #else
 #define MOE_Q8_WIDE 0
 #endif
@@ -245,8 +211,9 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             if (Q8_WIDE_EXPERT(g)) {  /* bf16 tiles over the dequantised weights (atomd_moe_q8_kind) */
                 if (config != 1) amx_configure(), config = 1;
                 if (have != experts[g]) {
-                    moe_q8_widen(wg, n_gu, hidden, wbuf);
-                    moe_q8_widen(wd, hidden, inter, wbuf + n_gu * hidden);
+                    qamx_widen(wg->q, (int)wg->bits, wg->scales, wg->offsets, n_gu, hidden, wg->group, 0, n_gu / 16, wbuf);
+                    qamx_widen(wd->q, (int)wd->bits, wd->scales, wd->offsets, hidden, inter, wd->group, 0, hidden / 16,
+                               wbuf + n_gu * hidden);
                     have = experts[g];
                 }
                 for (int64_t s0 = 0; s0 < m; s0 += AMX_CHUNK) {

@@ -147,6 +147,29 @@ int atomd_qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int64
 #endif
 }
 
+/* The same product widened (quant_amx.h's qgemm_wide: x and the dequantised weight rounded to bf16, bf16
+ * AMX tiles, float32 sums), for many rows of x (quant.py's QGEMM_WIDE_MIN_M); K and G multiples of 32.
+ * 0 done; 1 not here (not built with the bf16 tiles, or Linux refuses them); -1 out of memory. */
+int atomd_qgemm_wide(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
+                     const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy, int num_threads) {
+#if QAMX_WIDE
+    return qgemm_wide(x, ldx, M, q, (int)bits, scales, offsets, N, K, G, y, ldy, num_threads);
+#else
+    (void)x, (void)ldx, (void)M, (void)q, (void)bits, (void)scales, (void)offsets, (void)N, (void)K, (void)G;
+    (void)y, (void)ldy, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* 1 when atomd_qgemm_wide runs here: built with the bf16 tiles and granted by Linux */
+int atomd_quant_wide(void) {
+#if QAMX_WIDE
+    return amx_granted();
+#else
+    return 0;
+#endif
+}
+
 /* 1 when atomd_qgemm_amx runs on tiles here: built with AMX-INT8 and granted by Linux */
 int atomd_quant_amx(void) {
 #if QAMX_PATH

@@ -282,6 +282,120 @@ static int qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int 
     }
     return failed ? -1 : 0;
 }
+/* Widened products (prefill): from quant.py's QGEMM_WIDE_MIN_M rows of x on, an int8 / int4 linear runs
+ * on bf16 AMX tiles instead: each work item (a chunk of n-tiles, about QWIDE_CHUNK bytes of bf16) has its
+ * weight rows dequantised as QuantizedWeight.dequantize does (q * s, then + o, float32) and rounded to
+ * bf16 straight into the tile B layout, once, in thread scratch (no copy kept past the call); x rounded
+ * to bf16 into the A tile layout once a call; then amx_block (amx.h, moe_amx.h's) over every 32 rows of
+ * x. Contract: bf16 activations and bf16-rounded weights, float32 sums (not the int8-activation bits;
+ * docs/design.md). Why: each int8 tile product's 16 x 16 int32 result is stored, converted and scaled
+ * every 32 inputs, which bounds the int8 tiles at ~0.34x atomd's bf16 prefill; a bf16 product
+ * accumulates over all of K in the tile. Built where the bf16 tiles and AVX512_BF16 are (not in the
+ * no-bf16-dot build: its bits stay the int8 tiles'). */
+#if defined(__AMX_BF16__) && defined(__AVX512BF16__) && !defined(ATOMD_NO_BF16_DOT)
+#define QAMX_WIDE 1
+#ifndef QWIDE_CHUNK
+#define QWIDE_CHUNK (1 << 20)
+#endif
+
+/* Weight rows 16 nt0 .. 16 nt1 (rows from N on zero) of an int8 / int4 weight [N, K] (K a multiple of
+ * 32, G of 32) dequantised as QuantizedWeight.dequantize does (q * s, then + o, in float32) and rounded
+ * to bf16 (nearest even), into pack_amx's layout [nt1 - nt0][K / 32][16 k pairs][16 n][2] at dst: each
+ * 16 x 32 block one tile B operand (amx_block's b0 / b1). The widened MoE experts' (moe_q8.h) too. */
+static void qamx_widen(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
+                       int64_t G, int64_t nt0, int64_t nt1, uint16_t *dst) {
+    const int64_t groups = (K + G - 1) / G, per = G / Q8_BLOCK;
+    for (int64_t nb = nt0; nb < nt1; nb++)
+        for (int64_t c = 0; c < K / 32; c++) {
+            __m512 r[16];
+            for (int n = 0; n < 16; n++) {
+                const int64_t row = nb * 16 + n, g = row * groups + c / per;
+                if (row >= N) {
+                    r[n] = _mm512_setzero_ps();
+                    continue;
+                }
+                __m512 v[2];  /* the block's inputs 0-15 and 16-31 (quant.h's loads) */
+                if (bits == 8) {
+                    const int8_t *p = (const int8_t *)q + row * K + c * 32;
+                    v[0] = load_i8(p), v[1] = load_i8(p + 16);
+                } else {
+                    load_i4((const uint8_t *)q + row * (K / 2) + c * 16, v);
+                }
+                __m512 lo = v[0], hi = v[1];
+                /* the product rounded before the offset's add, as torch's two ops (GCC would fuse _mm512_mul_ps
+                 * and _mm512_add_ps into one FMA: the rounding intrinsic keeps them apart) */
+                const __m512 sc = _mm512_set1_ps(scales[g]);
+                lo = _mm512_mul_round_ps(lo, sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                hi = _mm512_mul_round_ps(hi, sc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+                if (offsets) {
+                    const __m512 o = _mm512_set1_ps(offsets[g]);
+                    lo = _mm512_add_ps(lo, o), hi = _mm512_add_ps(hi, o);
+                }
+                r[n] = (__m512)_mm512_cvtne2ps_pbh(hi, lo);  /* 32-bit lane k: inputs 2k, 2k + 1 */
+            }
+            transpose16(r);  /* lane_sums.h; r[k]: the 16 rows' pair k */
+            uint16_t *b = dst + ((nb - nt0) * (K / 32) + c) * 512;
+            for (int k = 0; k < 16; k++) _mm512_storeu_ps((float *)(b + k * 32), r[k]);
+        }
+}
+
+/* y [M, ldy] = bf16(x [M, ldx]) @ bf16(dequantised w)^T on bf16 tiles (above); K a multiple of 32, G of
+ * 32. Returns 0, 1 where Linux refuses this process the tiles, -1 out of memory. */
+static int qgemm_wide(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
+                      const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy, int num_threads) {
+    if (!amx_granted()) return 1;
+    const int64_t kc = K / 32, m16 = (M + 15) / 16 * 16, ntiles = (N + 15) / 16;
+    uint16_t *xa = aligned_alloc(64, sizeof(uint16_t) * m16 * K);  /* x's A tiles [m16 / 16][K / 32][16][32] */
+    if (xa == NULL) return -1;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t r = 0; r < m16; r++) {
+        if (r < M) amx_put_row_f32(xa, r, x + r * ldx, K);
+        else
+            for (int64_t c = 0; c < kc; c++) memset(xa + (r / 16) * K * 16 + (r % 16) * 32 + c * 512, 0, 64);
+    }
+    int64_t chunk = QWIDE_CHUNK / (32 * K) / 2 * 2;  /* n-tiles an item, even (amx_block's pairs) */
+    const int64_t fair = (ntiles + num_threads - 1) / num_threads;  /* every thread an item */
+    chunk = chunk < 2 ? 2 : chunk > fair + fair % 2 ? fair + fair % 2 : chunk;
+    const int64_t chunks = (ntiles + chunk - 1) / chunk;
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        uint16_t *wb = aligned_alloc(64, sizeof(uint16_t) * chunk * 16 * K);
+        float *blk = aligned_alloc(64, sizeof(float) * 1024);
+        const int ready = amx_thread_ready(wb != NULL && blk != NULL, &failed);
+        _Pragma("omp for schedule(static)")
+        for (int64_t c = 0; c < chunks; c++) {
+            if (!ready) continue;
+            const int64_t nt0 = c * chunk, nt1 = nt0 + chunk < ntiles ? nt0 + chunk : ntiles;
+            qamx_widen(q, bits, scales, offsets, N, K, G, nt0, nt1, wb);
+            for (int64_t m0 = 0; m0 < m16; m0 += 32) {
+                const int two = m16 - m0 > 16;
+                for (int64_t nt = nt0; nt < nt1; nt += 2) {
+                    const uint16_t *b0 = wb + (nt - nt0) * kc * 512;
+                    const int pair = nt + 1 < nt1;  /* a last odd n-tile: b0 twice, the copy's outputs dropped */
+                    amx_block(xa + m0 * K, two, b0, pair ? b0 + kc * 512 : b0, kc, blk);
+                    for (int t = 0; t < (two ? 4 : 2); t++) {
+                        const int64_t n0 = (nt + t % 2) * 16, cols = N - n0 < 16 ? N - n0 : 16;
+                        if (t % 2 && !pair) continue;
+                        const __mmask16 k = (__mmask16)((1u << cols) - 1);
+                        for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < M; r++)
+                            _mm512_mask_storeu_ps(y + (m0 + 16 * (t / 2) + r) * ldy + n0, k,
+                                                  _mm512_load_ps(blk + t * 256 + r * 16));
+                    }
+                }
+            }
+        }
+        if (ready) _tile_release();
+        free(wb);
+        free(blk);
+    }
+    free(xa);
+    return failed ? -1 : 0;
+}
+#else
+#define QAMX_WIDE 0
+#endif
 #else
 #define QAMX_PATH 0
+#define QAMX_WIDE 0
 #endif
