@@ -5,8 +5,11 @@ to the same int8 values, exact int32 block dots, only the float sums in another 
 against numpy of that arithmetic and against the VNNI rows (the no-amx build) within 1e-5 of the
 terms' magnitudes, on odd M, N not a multiple of 16, K not a multiple of 64, every group size,
 zero points; -128 weights exact (signed operands here); the engine's greedy ids equal to the VNNI
-rows'. On a CPU without AMX the tile tests skip with the reason, and the no-AMX path is checked:
-the kernels say so and qlinear takes the VNNI rows."""
+rows'. From quant.QGEMM_WIDE_MIN_M rows on (prefill) the tiles are widened to bf16 (atomd_qgemm_wide):
+checked against float64 of the bf16-rounded x and weight, and through the engine against float32
+activations (nearer them than the int8 tiles); builds without the bf16 tiles never widen. On a CPU
+without AMX the tile tests skip with the reason, and the no-AMX path is checked: the kernels say so
+and qlinear takes the VNNI rows."""
 from __future__ import annotations
 
 import numpy as np
@@ -15,7 +18,7 @@ import torch
 
 from atomd.kernels import cbuild
 from atomd.model import quant
-from tests.test_quant_int8_activations import numpy_checked
+from tests.test_quant_int8_activations import numpy_checked, random_weight
 
 pytestmark = pytest.mark.unit
 CPU_AMX = {"amx_tile", "amx_int8"} <= cbuild.cpu_flags()
@@ -54,9 +57,15 @@ CASES = [  # bits, N, K, group (K: per channel), zero points
 ]
 
 
+@pytest.fixture
+def int8_tiles(monkeypatch):
+    """the AMX-INT8 tiles at every M (the bf16-widened products of QGEMM_WIDE_MIN_M rows off)"""
+    monkeypatch.setattr(quant, "QGEMM_WIDE_MIN_M", 0)
+
+
 @pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
 @pytest.mark.parametrize("m", [quant.QGEMM_AMX_MIN_M, 3, 17, 100, 130])  # 130: 9 m-tiles, the chunked order
-def test_tiles_equal_numpy_and_the_vnni_rows(amx, vnni, bits, n, k, group, zero_points, m):
+def test_tiles_equal_numpy_and_the_vnni_rows(amx, vnni, int8_tiles, bits, n, k, group, zero_points, m):
     w, x, out, bound = numpy_checked(amx, bits, n, k, group, zero_points, m)
     if m <= quant.QGEMM_Q8_MAX_M:  # the VNNI rows (past it the no-amx build dequantises float tiles)
         rows = quant.qlinear(torch.from_numpy(x), w, lib=vnni).numpy()
@@ -64,7 +73,7 @@ def test_tiles_equal_numpy_and_the_vnni_rows(amx, vnni, bits, n, k, group, zero_
 
 
 @pytest.mark.parametrize("bits,n,k,group", [(8, 45, 160, 32), (4, 33, 640, 128), (8, 1200, 64, 64)])
-def test_a_row_gives_the_same_bits_at_any_m(amx, bits, n, k, group):
+def test_a_row_gives_the_same_bits_at_any_m(amx, int8_tiles, bits, n, k, group):
     """From 8 m-tiles on the n-tiles go in chunks over every m-tile (quant_amx.h's QAMX_MANY_MT): the
     same tile products and sums per row as n-tile by n-tile, so a row's output does not depend on
     the rows beside it (a batch of prompts, the MoE experts' per-item products)."""
@@ -75,6 +84,43 @@ def test_a_row_gives_the_same_bits_at_any_m(amx, bits, n, k, group):
     whole = quant.qlinear(x, w, lib=amx)
     for rows in (slice(0, 16), slice(37, 60), slice(192, 200)):
         assert torch.equal(quant.qlinear(x[rows], w, lib=amx), whole[rows])
+
+
+@pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
+def test_widened_tiles_equal_float64_of_the_bf16_operands(amx, bits, n, k, group, zero_points, monkeypatch):
+    """From quant.QGEMM_WIDE_MIN_M rows on (prefill) the tiles are widened (atomd_qgemm_wide): x and the
+    dequantised weight rounded to bf16, bf16 tile products with float32 sums over K. Against float64 of
+    exactly those bf16 operands (the weight as QuantizedWeight.dequantize gives it, then rounded): within
+    1e-6 of the terms' magnitudes (float32 sums; K up to 1088 in k-blocks, N not a multiple of 16 or 32:
+    a short n-tile and an odd last one, rows not a multiple of 16 or 32). A row's bits do not depend on the
+    rows beside it or on M."""
+    lib = quant.build_kernels("native")
+    if not lib.wide:
+        pytest.skip("no bf16 AMX tiles here")
+    rng = np.random.default_rng(n * k + bits)
+    values, scales, offsets = random_weight(rng, bits, n, k, group, zero_points)
+    w = quant.pack(torch.from_numpy(values), torch.from_numpy(scales),
+                   None if offsets is None else torch.from_numpy(offsets), bits, group)
+    quant.use_int8_activations([w])
+    wb = w.dequantize().bfloat16().double()
+    x = torch.from_numpy(rng.standard_normal((quant.QGEMM_WIDE_MIN_M + 37, k)).astype(np.float32))
+    x[-1, 40] = 50.0
+    out = quant.qlinear(x, w, lib=lib)
+    xb = x.bfloat16().double()
+    ref, bound = xb @ wb.T, xb.abs() @ wb.abs().T
+    assert torch.all((out.double() - ref).abs() <= 1e-6 * bound + 1e-9), (out.double() - ref).abs().max()
+    monkeypatch.setattr(quant, "QGEMM_WIDE_MIN_M", 1)
+    for rows in (slice(0, 1), slice(3, 20), slice(100, 133)):
+        assert torch.equal(quant.qlinear(x[rows], w, lib=lib), out[rows])
+
+
+@pytest.mark.parametrize("isa", ["no-amx", "no-bf16-dot"])
+def test_no_widened_tiles_without_the_bf16_tiles(isa):
+    """Builds without AMX or AVX512_BF16 have no widened product (atomd_qgemm_wide answers 1, nothing read):
+    their qlinear keeps its path (the int8 tiles, the VNNI rows or the float tiles) at any M."""
+    lib = quant.build_kernels(isa)
+    assert not lib.wide
+    assert lib.atomd_qgemm_wide(None, 0, 0, None, 8, None, None, 0, 0, 32, None, 0, 1) == 1
 
 
 def test_no_amx_takes_the_vnni_rows(vnni):
@@ -123,3 +169,38 @@ def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
         (_, first), (_, second) = r.logprobs[part].top
         assert first - second < 0.05, f"parted at token {part} where the rows' top two were {first - second:.3f} apart"
     assert equal >= len(prompts) // 2
+
+
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_engine_widened_prefill_nearer_float_activations(amx, method, monkeypatch, tmp_path):
+    """Prompts prefilled in one chunk of more than QGEMM_WIDE_MIN_M rows (the widened bf16 tiles) against
+    the same engine on the int8 tiles (QGEMM_WIDE_MIN_M off) and against float32 activations on the same
+    weights (--quantized-activations float32: the dequantised weight, what both approximate): the same
+    first tokens as float32 activations, and the first tokens' logprobs nearer them than the int8 tiles'
+    (bf16 rounds x and the weight to 8 bits of mantissa, the int8 tiles x to a step of max|x| / 127 per
+    32 inputs)."""
+    if not quant.build_kernels("native").wide:
+        pytest.skip("no bf16 AMX tiles here")
+    from atomd import SamplingParams
+    from atomd.llm import LLM
+    from tests.test_model_hf import make_checkpoint, prompts_of
+
+    path = make_checkpoint(tmp_path, "llama", seed=35, hidden_size=128, intermediate_size=256, num_attention_heads=4,
+                           num_key_value_heads=2)
+    params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True, logprobs=2)
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([150, 90, 70, 60, 40], seed=37)]
+
+    def run(activations):
+        llm = LLM(str(path), num_threads=1, max_model_len=256, quantization=method, quantized_activations=activations,
+                  max_num_batched_tokens=512)
+        return [(o.outputs[0].token_ids[0], o.outputs[0].logprobs[0].logprob) for o in llm.generate(prompts, params)]
+
+    assert 150 + 90 + 70 + 60 + 40 >= quant.QGEMM_WIDE_MIN_M > 0
+    widened = run("int8")
+    monkeypatch.setattr(quant, "QGEMM_WIDE_MIN_M", 0)
+    int8_tiles, floats = run("int8"), run("float32")
+    assert [t for t, _ in widened] == [t for t, _ in floats]  # (the int8 tiles part at a near-tie here)
+    print("first tokens' logprobs: widened", widened, "int8 tiles", int8_tiles, "float32 activations", floats)
+    error = sum(abs(a - b) for (_, a), (_, b) in zip(widened, floats))
+    int8_error = sum(abs(a - b) for (_, a), (_, b) in zip(int8_tiles, floats))
+    assert error < int8_error, (error, int8_error)

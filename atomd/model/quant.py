@@ -56,7 +56,7 @@ QGEMM_AMX_MIN_M = 4
 # x rounded to bf16, bf16 tiles with float32 sums over all of K: the int8 tiles store and rescale each
 # 32-input block's result (measured: benchmarks/RESULTS.md, #35 the dense int linears widened). Not the
 # int8-activation bits above it (docs/design.md). 0 (or $ATOMD_QLINEAR_WIDE=0 at import): never.
-QGEMM_WIDE_MIN_M = 0 if os.environ.get("ATOMD_QLINEAR_WIDE") == "0" else 128
+QGEMM_WIDE_MIN_M = 0 if os.environ.get("ATOMD_QLINEAR_WIDE") == "0" else 256
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
