@@ -171,7 +171,7 @@ def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
     assert equal >= len(prompts) // 2
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int4"])  # int4 layers, an int8 LM head (quant.LM_HEAD_QUANTIZATION)
 def test_engine_widened_prefill_nearer_float_activations(amx, method, monkeypatch, tmp_path):
     """Prompts prefilled in one chunk of more than QGEMM_WIDE_MIN_M rows (the widened bf16 tiles) against
     the same engine on the int8 tiles (QGEMM_WIDE_MIN_M off) and against float32 activations on the same

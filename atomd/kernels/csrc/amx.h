@@ -60,23 +60,14 @@ static inline int amx_thread_ready(int ready, int *failed) {
  * linears). 16 rows (two == 0) or 32 of A times the 32 outputs of B blocks b0 and b1 into out
  * [4][16][16] floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout:
  * a's 16-row blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows:
- * strided ones miss the prefetchers, attention_amx.h). acc: out's sums so far are added to (a product
- * over K in several calls), else overwritten. bf16 values as uint16_t. Tiles as amx_configure sets them. */
+ * strided ones miss the prefetchers, attention_amx.h). bf16 values as uint16_t. Tiles as
+ * amx_configure sets them. */
 static inline void amx_block(const uint16_t *a, int two, const uint16_t *b0, const uint16_t *b1, int64_t chunks,
-                             float *out, int acc) {
-    if (acc) {
-        _tile_loadd(0, out, 64);
-        _tile_loadd(1, out + 256, 64);
-        if (two) {
-            _tile_loadd(2, out + 512, 64);
-            _tile_loadd(3, out + 768, 64);
-        }
-    } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-    }
+                             float *out) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
         _tile_loadd(4, a + c * 512, 64);
         _tile_loadd(6, b0 + c * 512, 64);

@@ -54,7 +54,7 @@ static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int
     for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* gate_up (rounded to bf16 as torch's linear in bf16) */
         const int two = m16 - m0 > 16;
         for (int64_t nb = 0; nb < n_gu / 16; nb += 2) {
-            amx_block(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (nb + 1) * kc_gu * 512, kc_gu, blk, 0);
+            amx_block(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (nb + 1) * kc_gu * 512, kc_gu, blk);
             for (int t = 0; t < (two ? 4 : 2); t++)
                 for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
                     const int64_t at = (m0 + 16 * (t / 2) + r) * n_gu + (nb + t % 2) * 16;
@@ -78,7 +78,7 @@ static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int
     for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* down, each pair's row (rounded,) scaled (, rounded) */
         const int two = m16 - m0 > 16;
         for (int64_t nb = 0; nb < hidden / 16; nb += 2) {
-            amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down, blk, 0);
+            amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down, blk);
             for (int t = 0; t < (two ? 4 : 2); t++)
                 for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
                     const int64_t p = p0 + m0 + 16 * (t / 2) + r, col = dest[p] * hidden + (nb + t % 2) * 16;

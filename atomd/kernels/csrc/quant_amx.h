@@ -340,30 +340,21 @@ static void qamx_widen(const void *q, int bits, const float *scales, const float
 }
 
 /* y [M, ldy] = bf16(x [M, ldx]) @ bf16(dequantised w)^T on bf16 tiles (above); K a multiple of 32, G of
- * 32. The sums over K go in k-blocks of QWIDE_KB inputs (every n-tile pair of the item per k-block, the
- * pairs' sums kept in the C tiles' scratch): a k-block of 32 rows of x (16 KB) stays in L1 across the
- * item's pairs, where all of K (64 KB at K = 1024) came from L2 for each pair. x's A tiles: per k-block
- * the layout [m16 / 16][chunks][16][32], so amx_block's second 16-row block is its `chunks` tiles on.
- * Returns 0, 1 where Linux refuses this process the tiles, -1 out of memory. */
-#ifndef QWIDE_KB
-#define QWIDE_KB 256
-#endif
+ * 32. Items of ~1 MB measured best against 256 KB and 2 MB; k-blocks of 256 inputs accumulated in the C
+ * tiles (x's block kept in L1 across the pairs) 0.8-1.1x: dropped. Returns 0, 1 where Linux refuses this
+ * process the tiles, -1 out of memory. */
 static int qgemm_wide(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
                       const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy, int num_threads) {
     if (!amx_granted()) return 1;
     const int64_t kc = K / 32, m16 = (M + 15) / 16 * 16, ntiles = (N + 15) / 16;
-    const int64_t kbc = QWIDE_KB > 0 && QWIDE_KB / 32 < kc ? QWIDE_KB / 32 : kc;  /* 32-input chunks a k-block */
-    uint16_t *xa = aligned_alloc(64, sizeof(uint16_t) * m16 * K);
+    uint16_t *xa = aligned_alloc(64, sizeof(uint16_t) * m16 * K);  /* x's A tiles [m16 / 16][K / 32][16][32] */
     if (xa == NULL) return -1;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t r = 0; r < m16; r++)
-        for (int64_t c0 = 0; c0 < kc; c0 += kbc) {
-            const int64_t len = kc - c0 < kbc ? kc - c0 : kbc;
-            uint16_t *tiles = xa + m16 * c0 * 32;  /* k-block c0's A tiles */
-            if (r < M) amx_put_row_f32(tiles, r, x + r * ldx + c0 * 32, len * 32);
-            else
-                for (int64_t c = 0; c < len; c++) memset(tiles + (r / 16) * len * 512 + (r % 16) * 32 + c * 512, 0, 64);
-        }
+    for (int64_t r = 0; r < m16; r++) {
+        if (r < M) amx_put_row_f32(xa, r, x + r * ldx, K);
+        else
+            for (int64_t c = 0; c < kc; c++) memset(xa + (r / 16) * K * 16 + (r % 16) * 32 + c * 512, 0, 64);
+    }
     int64_t chunk = QWIDE_CHUNK / (32 * K) / 2 * 2;  /* n-tiles an item, even (amx_block's pairs) */
     const int64_t fair = (ntiles + num_threads - 1) / num_threads;  /* every thread an item */
     chunk = chunk < 2 ? 2 : chunk > fair + fair % 2 ? fair + fair % 2 : chunk;
@@ -372,7 +363,7 @@ static int qgemm_wide(const float *x, int64_t ldx, int64_t M, const void *q, int
     _Pragma("omp parallel num_threads(num_threads)")
     {
         uint16_t *wb = aligned_alloc(64, sizeof(uint16_t) * chunk * 16 * K);
-        float *blk = aligned_alloc(64, sizeof(float) * 1024 * (chunk / 2));  /* each pair's 4 C tiles */
+        float *blk = aligned_alloc(64, sizeof(float) * 1024);
         const int ready = amx_thread_ready(wb != NULL && blk != NULL, &failed);
         _Pragma("omp for schedule(static)")
         for (int64_t c = 0; c < chunks; c++) {
@@ -381,21 +372,18 @@ static int qgemm_wide(const float *x, int64_t ldx, int64_t M, const void *q, int
             qamx_widen(q, bits, scales, offsets, N, K, G, nt0, nt1, wb);
             for (int64_t m0 = 0; m0 < m16; m0 += 32) {
                 const int two = m16 - m0 > 16;
-                for (int64_t c0 = 0; c0 < kc; c0 += kbc) {
-                    const int64_t len = kc - c0 < kbc ? kc - c0 : kbc;
-                    for (int64_t nt = nt0; nt < nt1; nt += 2) {
-                        const uint16_t *b0 = wb + ((nt - nt0) * kc + c0) * 512;
-                        /* a last odd n-tile: b0 twice, the copy's outputs dropped */
-                        amx_block(xa + m16 * c0 * 32 + (m0 / 16) * len * 512, two, b0, nt + 1 < nt1 ? b0 + kc * 512 : b0,
-                                  len, blk + (nt - nt0) / 2 * 1024, c0 > 0);
+                for (int64_t nt = nt0; nt < nt1; nt += 2) {
+                    const uint16_t *b0 = wb + (nt - nt0) * kc * 512;
+                    const int pair = nt + 1 < nt1;  /* a last odd n-tile: b0 twice, the copy's outputs dropped */
+                    amx_block(xa + m0 * K, two, b0, pair ? b0 + kc * 512 : b0, kc, blk);
+                    for (int t = 0; t < (two ? 4 : 2); t++) {
+                        const int64_t n0 = (nt + t % 2) * 16, cols = N - n0 < 16 ? N - n0 : 16;
+                        if (t % 2 && !pair) continue;
+                        const __mmask16 k = (__mmask16)((1u << cols) - 1);
+                        for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < M; r++)
+                            _mm512_mask_storeu_ps(y + (m0 + 16 * (t / 2) + r) * ldy + n0, k,
+                                                  _mm512_load_ps(blk + t * 256 + r * 16));
                     }
-                }
-                for (int64_t nt = nt0; nt < nt1; nt++) {
-                    const int64_t n0 = nt * 16, cols = N - n0 < 16 ? N - n0 : 16;
-                    const __mmask16 k = (__mmask16)((1u << cols) - 1);
-                    const float *t = blk + (nt - nt0) / 2 * 1024 + (nt - nt0) % 2 * 256;
-                    for (int64_t r = 0; r < 32 && m0 + r < M; r++)  /* rows 16-31: tiles 2 and 3 */
-                        _mm512_mask_storeu_ps(y + (m0 + r) * ldy + n0, k, _mm512_load_ps(t + (r / 16) * 512 + r % 16 * 16));
                 }
             }
         }
