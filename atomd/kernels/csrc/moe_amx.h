@@ -30,8 +30,7 @@
  * floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout: a's 16-row
  * blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows: strided
  * ones miss the prefetchers, attention_amx.h). */
-static inline void amx_block(const bf16_t *a, int two, const bf16_t *b0, const bf16_t *b1, int64_t chunks,
-                             float *out) {
+static inline void amx_products(const bf16_t *a, int two, const bf16_t *b0, const bf16_t *b1, int64_t chunks) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -48,12 +47,22 @@ static inline void amx_block(const bf16_t *a, int two, const bf16_t *b0, const b
             _tile_dpbf16ps(3, 5, 7);
         }
     }
+}
+
+/* the sums of amx_products into out, laid out as amx_block's */
+static inline void amx_store(int two, float *out) {
     _tile_stored(0, out, 64);
     _tile_stored(1, out + 256, 64);
     if (two) {
         _tile_stored(2, out + 512, 64);
         _tile_stored(3, out + 768, 64);
     }
+}
+
+static inline void amx_block(const bf16_t *a, int two, const bf16_t *b0, const bf16_t *b1, int64_t chunks,
+                             float *out) {
+    amx_products(a, two, b0, b1, chunks);
+    amx_store(two, out);
 }
 
 /* Row r (K elements, or zeros where row is NULL) into the A tile layout at `tiles`:
@@ -89,6 +98,36 @@ static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int
                                                            const void *scales, void *pairs, int f32_pairs) {
     const int64_t n_gu = 2 * inter, kc_gu = hidden / 32, kc_down = inter / 32, m16 = (m + 15) / 16 * 16;
     bf16_t *row16 = (bf16_t *)(row + inter);
+    /* Software-pipelined: a block's tile products are issued, then the previous block's sums (stored into the
+     * other half of bufs) are finished on the vector units while the tiles work, then this block's stored. */
+    float *bufs[2] = {blk, (float *)gu};
+    int64_t at = -1, prev_nb = 0, prev_m0 = 0;
+    if (is_bf16) {  /* gate block j beside up block j: SiLU-and-mul on the tile sums, straight into act's tiles */
+        for (int64_t nb = 0; nb <= inter / 16; nb++) {
+            for (int64_t m0 = 0; m0 < m16; m0 += 32) {
+                const int two = m16 - m0 > 16;
+                if (nb < inter / 16)
+                    amx_products(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (inter / 16 + nb) * kc_gu * 512,
+                                 kc_gu);
+                if (at >= 0) {
+                    const float *done = bufs[at & 1];
+                    for (int h = 0; h < (m16 - prev_m0 > 16 ? 2 : 1); h++) {
+                        /* rows prev_m0 + 16 h .. (past m: zero rows of xa, so zeros), outputs 16 prev_nb .. of act */
+                        bf16_t *dst = act + (prev_m0 + 16 * h) * inter + (prev_nb / 2) * 512 + (prev_nb % 2) * 16;
+                        for (int64_t r = 0; r < 16; r++) {
+                            const __m512 g = round16(_mm512_loadu_ps(done + 512 * h + r * 16));
+                            const __m512 u = round16(_mm512_loadu_ps(done + 512 * h + 256 + r * 16));
+                            _mm256_storeu_si256((__m256i *)(dst + r * 32),
+                                                to_bf16(_mm512_mul_ps(round16(silu16(g)), u)));
+                        }
+                    }
+                }
+                if (nb == inter / 16) break;
+                amx_store(two, bufs[++at & 1]);
+                prev_nb = nb, prev_m0 = m0;
+            }
+        }
+    } else {
     for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* gate_up (rounded to bf16 as torch's linear in bf16) */
         const int two = m16 - m0 > 16;
         for (int64_t nb = 0; nb < n_gu / 16; nb += 2) {
@@ -113,24 +152,41 @@ static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int
         }
         amx_put_row(act, r, r < m ? row16 : NULL, inter);
     }
-    for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* down, each pair's row (rounded,) scaled (, rounded) */
-        const int two = m16 - m0 > 16;
-        for (int64_t nb = 0; nb < hidden / 16; nb += 2) {
-            amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down, blk);
-            for (int t = 0; t < (two ? 4 : 2); t++)
-                for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
-                    const int64_t p = p0 + m0 + 16 * (t / 2) + r, col = dest[p] * hidden + (nb + t % 2) * 16;
-                    const __m512 y = _mm512_loadu_ps(blk + t * 256 + r * 16);
-                    if (f32_pairs == 2)
-                        _mm512_storeu_ps((float *)pairs + col, y);
-                    else if (f32_pairs)
-                        _mm512_storeu_ps((float *)pairs + col, _mm512_mul_ps(is_bf16 ? round16(y) : y,
-                                                                             _mm512_set1_ps(((const float *)scales)[p])));
-                    else
-                        _mm256_storeu_si256((__m256i *)((bf16_t *)pairs + col),
-                                            to_bf16(_mm512_mul_ps(round16(y), _mm512_set1_ps(bf16_to_float(
-                                                                                  ((const bf16_t *)scales)[p])))));
+    }
+    at = -1;
+    for (int64_t nb = 0; nb <= hidden / 16; nb += 2) {  /* down, each pair's row (rounded,) scaled (, rounded) */
+        for (int64_t m0 = 0; m0 < m16; m0 += 32) {
+            const int two = m16 - m0 > 16;
+            if (nb < hidden / 16)
+                amx_products(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down);
+            if (at >= 0) {
+                const float *done = bufs[at & 1];
+                const int64_t rows = m - prev_m0 < 32 ? m - prev_m0 : 32;
+                if (!f32_pairs) {  /* bf16 pairs: a row's two 16-output blocks are one 64-byte line of it */
+                    for (int64_t r = 0; r < rows; r++) {
+                        const int64_t p = p0 + prev_m0 + r;
+                        const float *y = done + (r / 16) * 512 + (r % 16) * 16;
+                        const __m512 s = _mm512_set1_ps(bf16_to_float(((const bf16_t *)scales)[p]));
+                        _mm512_storeu_si512((bf16_t *)pairs + dest[p] * hidden + prev_nb * 16,
+                                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(round16(_mm512_loadu_ps(y + 256)), s),
+                                                                         _mm512_mul_ps(round16(_mm512_loadu_ps(y)), s)));
+                    }
+                } else {
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int t = 0; t < 2; t++) {
+                            const int64_t p = p0 + prev_m0 + r, col = dest[p] * hidden + (prev_nb + t) * 16;
+                            const __m512 y = _mm512_loadu_ps(done + (r / 16) * 512 + t * 256 + (r % 16) * 16);
+                            if (f32_pairs == 2)
+                                _mm512_storeu_ps((float *)pairs + col, y);
+                            else
+                                _mm512_storeu_ps((float *)pairs + col, _mm512_mul_ps(is_bf16 ? round16(y) : y,
+                                                                                     _mm512_set1_ps(((const float *)scales)[p])));
+                        }
                 }
+            }
+            if (nb == hidden / 16) break;
+            amx_store(two, bufs[++at & 1]);
+            prev_nb = nb, prev_m0 = m0;
         }
     }
 }
