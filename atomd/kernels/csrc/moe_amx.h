@@ -14,8 +14,11 @@
  * both left the experts of a prefill and of a batch-16 decode step well below what the
  * tiles do (benchmarks/moe_block.py). Work items are (expert, up to AMX_CHUNK of its rows):
  * each gathers its token rows into a thread-owned buffer, runs gate_up over blocks of 32
- * rows x 32 outputs (tiles 0-3 accumulate, 4-5 hold two 16-row A tiles, 6-7 two B tiles),
- * SiLU-and-mul per row, then down the same way, and writes each pair's row.
+ * rows x 32 outputs (tiles 0-3 accumulate, 4-5 hold two 16-row A tiles, 6-7 two B tiles;
+ * in bf16 a block is 16 gate outputs and the matching 16 up ones, SiLU-and-mul on its sums
+ * straight into down's A tiles), then down the same way, and writes each pair's row; weight
+ * blocks the outer loop, a block's products issued before the previous block's sums are
+ * finished (amx_item).
  * Returns 0, -1 (no scratch memory) or 1 (no AMX for this process: the caller runs the
  * grouped kernel). hidden and inter: multiples of 32. */
 #if BF16_CVT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -89,8 +92,9 @@ static inline void amx_put_row_f32(bf16_t *tiles, int64_t r, const float *row, i
  * constant after inlining): rounded where the per-expert torch ops round (gate_up's output, silu's,
  * the down output, the scaled pair); 0 (moe_q8.h's widened int8 / int4 experts of a float32 model):
  * gate_up's output and SiLU-and-mul in float32, the product rounded to bf16 for the down tiles, the
- * down output unrounded. Scratch: gu [m, 2 inter] (bf16, float32 where !is_bf16), act the products'
- * A tiles, row inter floats then inter bf16, blk 1024 floats. Tiles as amx_configure sets them. */
+ * down output unrounded. Scratch: gu [m, 2 inter] (float32 where !is_bf16; at least 1024 floats: the second
+ * sum buffer), act the products' A tiles, row inter floats then inter bf16, blk 1024 floats. Tiles as
+ * amx_configure sets them. */
 static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int64_t m, const bf16_t *wg,
                                                            const bf16_t *wd, int64_t hidden, int64_t inter,
                                                            const int is_bf16, void *gu, bf16_t *act, float *row,
