@@ -169,7 +169,8 @@ def pairs_scratch(rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
     bufs = _PAIRS.__dict__.setdefault("by_dtype", {})
     buf = bufs.get(dtype)
     if buf is None or buf.numel() < rows * hidden:
-        buf = bufs[dtype] = torch.empty(rows * hidden, dtype=dtype)
+        with torch.inference_mode(False):  # a normal tensor: written in place in inference mode and outside it
+            buf = bufs[dtype] = torch.empty(rows * hidden, dtype=dtype)
     return buf[:rows * hidden].view(rows, hidden)
 
 

@@ -92,9 +92,9 @@ static inline void amx_put_row_f32(bf16_t *tiles, int64_t r, const float *row, i
  * constant after inlining): rounded where the per-expert torch ops round (gate_up's output, silu's,
  * the down output, the scaled pair); 0 (moe_q8.h's widened int8 / int4 experts of a float32 model):
  * gate_up's output and SiLU-and-mul in float32, the product rounded to bf16 for the down tiles, the
- * down output unrounded. Scratch: gu [m, 2 inter] (float32 where !is_bf16; at least 1024 floats: the second
- * sum buffer), act the products' A tiles, row inter floats then inter bf16, blk 1024 floats. Tiles as
- * amx_configure sets them. */
+ * down output unrounded. Scratch: gu [m, 2 inter] (float32 where !is_bf16; unused where is_bf16), act the
+ * products' A tiles, row inter floats then inter bf16, blk 1024 floats (the second sum buffer on the stack).
+ * Tiles as amx_configure sets them. */
 static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int64_t m, const bf16_t *wg,
                                                            const bf16_t *wd, int64_t hidden, int64_t inter,
                                                            const int is_bf16, void *gu, bf16_t *act, float *row,
@@ -104,7 +104,8 @@ static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int
     bf16_t *row16 = (bf16_t *)(row + inter);
     /* Software-pipelined: a block's tile products are issued, then the previous block's sums (stored into the
      * other half of bufs) are finished on the vector units while the tiles work, then this block's stored. */
-    float *bufs[2] = {blk, (float *)gu};
+    float spare[1024] __attribute__((aligned(64)));
+    float *bufs[2] = {blk, spare};
     int64_t at = -1, prev_nb = 0, prev_m0 = 0;
     if (is_bf16) {  /* gate block j beside up block j: SiLU-and-mul on the tile sums, straight into act's tiles */
         for (int64_t nb = 0; nb <= inter / 16; nb++) {
