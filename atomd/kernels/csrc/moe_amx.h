@@ -117,9 +117,13 @@ static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int
                 if (at >= 0) {
                     const float *done = bufs[at & 1];
                     for (int h = 0; h < (m16 - prev_m0 > 16 ? 2 : 1); h++) {
-                        /* rows prev_m0 + 16 h .. (past m: zero rows of xa, so zeros), outputs 16 prev_nb .. of act */
+                        /* rows prev_m0 + 16 h .., outputs 16 prev_nb .. of act (rows past m: zeros) */
                         bf16_t *dst = act + (prev_m0 + 16 * h) * inter + (prev_nb / 2) * 512 + (prev_nb % 2) * 16;
                         for (int64_t r = 0; r < 16; r++) {
+                            if (prev_m0 + 16 * h + r >= m) {  /* padding rows (a decode step's items: most of the 16) */
+                                _mm256_storeu_si256((__m256i *)(dst + r * 32), _mm256_setzero_si256());
+                                continue;
+                            }
                             const __m512 g = round16(_mm512_loadu_ps(done + 512 * h + r * 16));
                             const __m512 u = round16(_mm512_loadu_ps(done + 512 * h + 256 + r * 16));
                             _mm256_storeu_si256((__m256i *)(dst + r * 32),
