@@ -22,6 +22,7 @@ import sys
 import tempfile
 import time
 
+import atomd  # noqa: F401  (before torch: its OpenMP wait policy, atomd/__init__.py, as offline.py and the engines run)
 import torch
 
 from benchmarks.machine import cpu_model, loadavg

@@ -82,6 +82,27 @@ def test_rms_norm_with_and_without_the_residual_add(dtype, rows):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows,q_heads,kv_heads,head_dim", [(1, 4, 2, 64), (40, 16, 8, 128)])
+def test_qk_norm_in_one_call_is_rms_norm_of_each_head(dtype, rows, q_heads, kv_heads, head_dim):
+    """Qwen3's q / k norm in place in one C call (layer_ops.qk_norm_) equals rms_norm of the heads copied out (the
+    per-part path, what ran before) to the bit, and HF's RMSNorm per head; the value heads untouched."""
+    from atomd.model.attention import qk_norm_
+
+    g = torch.Generator().manual_seed(rows)
+    width = (q_heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(rows, width, generator=g).to(dtype)
+    q_w, k_w = ((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2))
+    want = qkv.clone()
+    for part, w in ((slice(0, q_heads * head_dim), q_w), (slice(q_heads * head_dim, (q_heads + kv_heads) * head_dim), k_w)):
+        want[:, part] = layer_ops.rms_norm(want[:, part].reshape(-1, head_dim), w, 1e-6).view(rows, -1)
+        close(want[:, part].reshape(-1, head_dim), hf_rms_norm(qkv[:, part].reshape(-1, head_dim), w, 1e-6))
+    got = qkv.clone()
+    qk_norm_(got, q_w, k_w, q_heads, kv_heads, head_dim, 1e-6)
+    assert torch.equal(got, want)
+    assert torch.equal(got[:, (q_heads + kv_heads) * head_dim:], qkv[:, (q_heads + kv_heads) * head_dim:])
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 16, 40])
 def test_silu_mul(dtype, rows):
     g = torch.Generator().manual_seed(rows)

@@ -6,13 +6,17 @@ import torch
 import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
+from atomd.model import layer_ops
 from atomd.model.layer_ops import rms_norm
 from atomd.kernels.native import decode_attention, prefill_attention
 
 
 def qk_norm_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, q_heads: int, kv_heads: int,
              head_dim: int, eps: float) -> None:
-    """RMSNorm over each query and key head of qkv [T, width] in place (Qwen3: before RoPE)."""
+    """RMSNorm over each query and key head of qkv [T, width] in place (Qwen3: before RoPE): one C call
+    (layer_ops.qk_norm_), else each part copied out, normed and copied back."""
+    if layer_ops.qk_norm_(qkv, q_norm, k_norm, q_heads, kv_heads, head_dim, eps):
+        return
     rows, q_end, k_end = qkv.shape[0], q_heads * head_dim, (q_heads + kv_heads) * head_dim
     for part, weight in ((slice(0, q_end), q_norm), (slice(q_end, k_end), k_norm)):
         qkv[:, part] = rms_norm(qkv[:, part].reshape(-1, head_dim), weight, eps).view(rows, -1)

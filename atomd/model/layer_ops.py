@@ -117,10 +117,11 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                               ctypes.c_float, ctypes.c_int]
         getattr(lib, f"atomd_silu_mul_{suffix}").argtypes = [_PTR, _PTR, _I64, _I64, ctypes.c_int]
+        getattr(lib, f"atomd_qk_norm_{suffix}").argtypes = [_PTR] + [_I64] * 5 + [_PTR, _PTR, ctypes.c_float, ctypes.c_int]
         getattr(lib, f"atomd_rope_{suffix}").argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
         getattr(lib, f"atomd_rope_store_{suffix}").argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
                                                                 _PTR, _I64, _I64, _I64, ctypes.c_int]
-        for op in ("rms_norm", "silu_mul", "rope", "rope_store"):
+        for op in ("rms_norm", "qk_norm", "silu_mul", "rope", "rope_store"):
             getattr(lib, f"atomd_{op}_{suffix}").restype = None
     lib.atomd_lora_sgmv_f32.argtypes, lib.atomd_lora_sgmv_f32.restype = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR] + [_I64] * 5, None
     lib.atomd_moe_amx_kind.argtypes, lib.atomd_moe_amx_kind.restype = [], ctypes.c_int
@@ -180,6 +181,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, delta: torch.Ten
        0 if delta is None else delta.stride(0), weight.data_ptr(), out.data_ptr(), out.stride(0),
        x.shape[0], x.shape[1], eps, torch.get_num_threads())
     return out
+
+
+def qk_norm_(qkv: torch.Tensor, q_norm: torch.Tensor, k_norm: torch.Tensor, q_heads: int, kv_heads: int,
+             head_dim: int, eps: float) -> bool:
+    """RMSNorm in place over each query and key head of qkv [T, width] (rows contiguous) in one C call, each head
+    as rms_norm normalises a row; False: not run here (no kernel for this dtype or layout: the caller's torch path)."""
+    lib = _native(qkv, q_norm, k_norm)
+    if lib is None or qkv.dim() != 2 or not (qkv.is_contiguous() and q_norm.is_contiguous() and k_norm.is_contiguous()):
+        return False
+    getattr(lib, f"atomd_qk_norm_{_SUFFIX[qkv.dtype]}")(qkv.data_ptr(), qkv.shape[0], qkv.shape[1], q_heads, kv_heads,
+                                                        head_dim, q_norm.data_ptr(), k_norm.data_ptr(), eps,
+                                                        torch.get_num_threads())
+    return True
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -9,6 +9,7 @@ and `ep` runs the block across the ranks (atomd/model/expert_parallel.py)."""
 from __future__ import annotations
 
 import os
+import threading
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,6 +47,11 @@ Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
 # (~5x a bf16 tile product), which left int prefill at ~0.4x bf16's (benchmarks/RESULTS.md "#34 seventh session");
 # 0 (or $ATOMD_MOE_WIDE=0 at import): every expert on int8 activations (the per-expert path's bits)
 Q8_WIDE_MIN_PAIRS = 0 if os.environ.get("ATOMD_MOE_WIDE") == "0" else 128
+# moe()'s pairs [T * k, hidden], kept from call to call (per thread and dtype; summed before moe() returns): a bf16
+# prefill tile's (2048 rows, top-8, hidden 1024) is 32 MiB, past glibc's largest mmap threshold, so a new one was
+# a new mapping every call whose pages the experts then faulted in (~9 ms of CPU a call, 48 a Qwen3-MoE prefill of
+# 8 x 512; benchmarks/RESULTS.md "#34 eighth session")
+_PAIRS = threading.local()
 
 
 @dataclass
@@ -148,13 +154,24 @@ def moe(h: torch.Tensor, w: MoeWeights,
     counts = torch.bincount(flat, minlength=len(w.gate_up))
     w.routed += counts
     scales = weights.flatten()[order].unsqueeze(1)
-    pairs = torch.empty(rows * k, h.shape[1], dtype=h.dtype if w.cast_weights else torch.float32)
+    pairs = pairs_scratch(rows * k, h.shape[1], h.dtype if w.cast_weights else torch.float32)
     rest = grouped_experts(h, w, counts, order, k, scales.flatten().contiguous(), pairs)
     ends, sizes = (counts.cumsum(0).tolist(), counts.tolist()) if rest else ((), ())
     for e in rest:
         group = slice(ends[e] - sizes[e], ends[e])
         pairs.index_copy_(0, order[group], expert(h[order[group] // k], w, e) * scales[group])
     return layer_ops.moe_sum(pairs, k, h.dtype)
+
+
+def pairs_scratch(rows: int, hidden: int, dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised [rows, hidden] tensor of `dtype` over this thread's pairs buffer (grown, never shrunk):
+    moe()'s, valid until its next call on this thread."""
+    bufs = _PAIRS.__dict__.setdefault("by_dtype", {})
+    buf = bufs.get(dtype)
+    if buf is None or buf.numel() < rows * hidden:
+        with torch.inference_mode(False):  # a normal tensor: written in place in inference mode and outside it
+            buf = bufs[dtype] = torch.empty(rows * hidden, dtype=dtype)
+    return buf[:rows * hidden].view(rows, hidden)
 
 
 def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order: torch.Tensor, per_row: int,

@@ -61,9 +61,9 @@ static inline int amx_thread_ready(int ready, int *failed) {
  * [4][16][16] floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout:
  * a's 16-row blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows:
  * strided ones miss the prefetchers, attention_amx.h). bf16 values as uint16_t. Tiles as
- * amx_configure sets them. */
-static inline void amx_block(const uint16_t *a, int two, const uint16_t *b0, const uint16_t *b1, int64_t chunks,
-                             float *out) {
+ * amx_configure sets them. amx_products leaves the sums in tiles 0-3. */
+static inline void amx_products(const uint16_t *a, int two, const uint16_t *b0, const uint16_t *b1,
+                                int64_t chunks) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -80,12 +80,23 @@ static inline void amx_block(const uint16_t *a, int two, const uint16_t *b0, con
             _tile_dpbf16ps(3, 5, 7);
         }
     }
+}
+
+/* the sums of amx_products into out, laid out as amx_block's (apart, so that a caller can run the
+ * next block's products before it stores and works on this one's: moe_amx.h's pipelined experts) */
+static inline void amx_store(int two, float *out) {
     _tile_stored(0, out, 64);
     _tile_stored(1, out + 256, 64);
     if (two) {
         _tile_stored(2, out + 512, 64);
         _tile_stored(3, out + 768, 64);
     }
+}
+
+static inline void amx_block(const uint16_t *a, int two, const uint16_t *b0, const uint16_t *b1, int64_t chunks,
+                             float *out) {
+    amx_products(a, two, b0, b1, chunks);
+    amx_store(two, out);
 }
 
 #if defined(__AVX512BF16__)

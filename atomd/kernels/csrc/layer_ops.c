@@ -210,6 +210,41 @@ void atomd_rms_norm_bf16(bf16_t *x, int64_t x_stride, const bf16_t *delta, int64
 #endif
 }
 
+/* Qwen3's per-head q / k RMSNorm in place: each row of qkv [rows, width] (row stride width), its first q_heads
+ * heads of head_dim by q_w, the next kv_heads by k_w, each head as atomd_rms_norm_* normalises a row (the same
+ * bits as that call on the heads copied out), without the copies: a prefill's strided copies out and back took
+ * ~36 ms a layer at 4096 rows (benchmarks/RESULTS.md "#34 eighth session"). The vector row functions sum in one
+ * fixed order, so a row loop here; the portable one (`omp simd`) may sum in another order at another call site:
+ * there, atomd_rms_norm_* itself, a head at a time. */
+#define QK_NORM(suffix, type, vec_row)                                                                         \
+    void atomd_qk_norm_##suffix(type *qkv, int64_t rows, int64_t width, int64_t q_heads, int64_t kv_heads,      \
+                                int64_t head_dim, const type *q_w, const type *k_w, float eps, int num_threads) { \
+        if (!(vec_row)) {                                                                                      \
+            for (int64_t h = 0; h < q_heads + kv_heads; h++)                                                   \
+                atomd_rms_norm_##suffix(qkv + h * head_dim, width, NULL, 0, h < q_heads ? q_w : k_w,           \
+                                        qkv + h * head_dim, width, rows, head_dim, eps, num_threads);          \
+            return;                                                                                            \
+        }                                                                                                      \
+        _Pragma("omp parallel for num_threads(num_threads) if (rows * width >= PARALLEL_MIN_ELEMENTS)")        \
+        for (int64_t r = 0; r < rows; r++)                                                                     \
+            for (int64_t h = 0; h < q_heads + kv_heads; h++) {                                                 \
+                type *x = qkv + r * width + h * head_dim;                                                      \
+                QK_NORM_ROW_##suffix(x, h < q_heads ? q_w : k_w, head_dim, eps);                               \
+            }                                                                                                  \
+    }
+#if F32_NORM_VEC
+#define QK_NORM_ROW_f32(x, w, n, eps) rms_norm_row_f32(x, NULL, w, x, n, eps)
+#else
+#define QK_NORM_ROW_f32(x, w, n, eps) (void)0
+#endif
+#if BF16_CVT
+#define QK_NORM_ROW_bf16(x, w, n, eps) rms_norm_row_bf16(x, NULL, w, x, n, eps)
+#else
+#define QK_NORM_ROW_bf16(x, w, n, eps) (void)0
+#endif
+QK_NORM(f32, float, F32_NORM_VEC)
+QK_NORM(bf16, bf16_t, BF16_CVT)
+
 static inline __attribute__((always_inline)) void silu_mul_row(const char *g, char *o, int64_t inter,
                                                               const int is_bf16) {
     const char *u = g + inter * ELEM(is_bf16);

@@ -14,8 +14,11 @@
  * both left the experts of a prefill and of a batch-16 decode step well below what the
  * tiles do (benchmarks/moe_block.py). Work items are (expert, up to AMX_CHUNK of its rows):
  * each gathers its token rows into a thread-owned buffer, runs gate_up over blocks of 32
- * rows x 32 outputs (tiles 0-3 accumulate, 4-5 hold two 16-row A tiles, 6-7 two B tiles),
- * SiLU-and-mul per row, then down the same way, and writes each pair's row.
+ * rows x 32 outputs (tiles 0-3 accumulate, 4-5 hold two 16-row A tiles, 6-7 two B tiles;
+ * in bf16 a block is 16 gate outputs and the matching 16 up ones, SiLU-and-mul on its sums
+ * straight into down's A tiles), then down the same way, and writes each pair's row; weight
+ * blocks the outer loop, a block's products issued before the previous block's sums are
+ * finished (amx_item).
  * Returns 0, -1 (no scratch memory) or 1 (no AMX for this process: the caller runs the
  * grouped kernel). hidden and inter: multiples of 32. */
 #if BF16_CVT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
@@ -42,8 +45,9 @@ static inline void amx_put_row(bf16_t *tiles, int64_t r, const bf16_t *row, int6
  * constant after inlining): rounded where the per-expert torch ops round (gate_up's output, silu's,
  * the down output, the scaled pair); 0 (moe_q8.h's widened int8 / int4 experts of a float32 model):
  * gate_up's output and SiLU-and-mul in float32, the product rounded to bf16 for the down tiles, the
- * down output unrounded. Scratch: gu [m, 2 inter] (bf16, float32 where !is_bf16), act the products'
- * A tiles, row inter floats then inter bf16, blk 1024 floats. Tiles as amx_configure sets them. */
+ * down output unrounded. Scratch: gu [m, 2 inter] (float32 where !is_bf16; unused where is_bf16), act the
+ * products' A tiles, row inter floats then inter bf16, blk 1024 floats (the second sum buffer on the stack).
+ * Tiles as amx_configure sets them. */
 static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int64_t m, const bf16_t *wg,
                                                            const bf16_t *wd, int64_t hidden, int64_t inter,
                                                            const int is_bf16, void *gu, bf16_t *act, float *row,
@@ -51,6 +55,41 @@ static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int
                                                            const void *scales, void *pairs, int f32_pairs) {
     const int64_t n_gu = 2 * inter, kc_gu = hidden / 32, kc_down = inter / 32, m16 = (m + 15) / 16 * 16;
     bf16_t *row16 = (bf16_t *)(row + inter);
+    /* Software-pipelined: a block's tile products are issued, then the previous block's sums (stored into the
+     * other half of bufs) are finished on the vector units while the tiles work, then this block's stored. */
+    float spare[1024] __attribute__((aligned(64)));
+    float *bufs[2] = {blk, spare};
+    int64_t at = -1, prev_nb = 0, prev_m0 = 0;
+    if (is_bf16) {  /* gate block j beside up block j: SiLU-and-mul on the tile sums, straight into act's tiles */
+        for (int64_t nb = 0; nb <= inter / 16; nb++) {
+            for (int64_t m0 = 0; m0 < m16; m0 += 32) {
+                const int two = m16 - m0 > 16;
+                if (nb < inter / 16)
+                    amx_products(xa + m0 * hidden, two, wg + nb * kc_gu * 512, wg + (inter / 16 + nb) * kc_gu * 512,
+                                 kc_gu);
+                if (at >= 0) {
+                    const float *done = bufs[at & 1];
+                    for (int h = 0; h < (m16 - prev_m0 > 16 ? 2 : 1); h++) {
+                        /* rows prev_m0 + 16 h .., outputs 16 prev_nb .. of act (rows past m: zeros) */
+                        bf16_t *dst = act + (prev_m0 + 16 * h) * inter + (prev_nb / 2) * 512 + (prev_nb % 2) * 16;
+                        for (int64_t r = 0; r < 16; r++) {
+                            if (prev_m0 + 16 * h + r >= m) {  /* padding rows (a decode step's items: most of the 16) */
+                                _mm256_storeu_si256((__m256i *)(dst + r * 32), _mm256_setzero_si256());
+                                continue;
+                            }
+                            const __m512 g = round16(_mm512_loadu_ps(done + 512 * h + r * 16));
+                            const __m512 u = round16(_mm512_loadu_ps(done + 512 * h + 256 + r * 16));
+                            _mm256_storeu_si256((__m256i *)(dst + r * 32),
+                                                to_bf16(_mm512_mul_ps(round16(silu16(g)), u)));
+                        }
+                    }
+                }
+                if (nb == inter / 16) break;
+                amx_store(two, bufs[++at & 1]);
+                prev_nb = nb, prev_m0 = m0;
+            }
+        }
+    } else {
     for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* gate_up (rounded to bf16 as torch's linear in bf16) */
         const int two = m16 - m0 > 16;
         for (int64_t nb = 0; nb < n_gu / 16; nb += 2) {
@@ -75,24 +114,41 @@ static inline __attribute__((always_inline)) void amx_item(const bf16_t *xa, int
         }
         amx_put_row(act, r, r < m ? row16 : NULL, inter);
     }
-    for (int64_t m0 = 0; m0 < m16; m0 += 32) {  /* down, each pair's row (rounded,) scaled (, rounded) */
-        const int two = m16 - m0 > 16;
-        for (int64_t nb = 0; nb < hidden / 16; nb += 2) {
-            amx_block(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down, blk);
-            for (int t = 0; t < (two ? 4 : 2); t++)
-                for (int64_t r = 0; r < 16 && m0 + 16 * (t / 2) + r < m; r++) {
-                    const int64_t p = p0 + m0 + 16 * (t / 2) + r, col = dest[p] * hidden + (nb + t % 2) * 16;
-                    const __m512 y = _mm512_loadu_ps(blk + t * 256 + r * 16);
-                    if (f32_pairs == 2)
-                        _mm512_storeu_ps((float *)pairs + col, y);
-                    else if (f32_pairs)
-                        _mm512_storeu_ps((float *)pairs + col, _mm512_mul_ps(is_bf16 ? round16(y) : y,
-                                                                             _mm512_set1_ps(((const float *)scales)[p])));
-                    else
-                        _mm256_storeu_si256((__m256i *)((bf16_t *)pairs + col),
-                                            to_bf16(_mm512_mul_ps(round16(y), _mm512_set1_ps(bf16_to_float(
-                                                                                  ((const bf16_t *)scales)[p])))));
+    }
+    at = -1;
+    for (int64_t nb = 0; nb <= hidden / 16; nb += 2) {  /* down, each pair's row (rounded,) scaled (, rounded) */
+        for (int64_t m0 = 0; m0 < m16; m0 += 32) {
+            const int two = m16 - m0 > 16;
+            if (nb < hidden / 16)
+                amx_products(act + m0 * inter, two, wd + nb * kc_down * 512, wd + (nb + 1) * kc_down * 512, kc_down);
+            if (at >= 0) {
+                const float *done = bufs[at & 1];
+                const int64_t rows = m - prev_m0 < 32 ? m - prev_m0 : 32;
+                if (!f32_pairs) {  /* bf16 pairs: a row's two 16-output blocks are one 64-byte line of it */
+                    for (int64_t r = 0; r < rows; r++) {
+                        const int64_t p = p0 + prev_m0 + r;
+                        const float *y = done + (r / 16) * 512 + (r % 16) * 16;
+                        const __m512 s = _mm512_set1_ps(bf16_to_float(((const bf16_t *)scales)[p]));
+                        _mm512_storeu_si512((bf16_t *)pairs + dest[p] * hidden + prev_nb * 16,
+                                            (__m512i)_mm512_cvtne2ps_pbh(_mm512_mul_ps(round16(_mm512_loadu_ps(y + 256)), s),
+                                                                         _mm512_mul_ps(round16(_mm512_loadu_ps(y)), s)));
+                    }
+                } else {
+                    for (int64_t r = 0; r < rows; r++)
+                        for (int t = 0; t < 2; t++) {
+                            const int64_t p = p0 + prev_m0 + r, col = dest[p] * hidden + (prev_nb + t) * 16;
+                            const __m512 y = _mm512_loadu_ps(done + (r / 16) * 512 + t * 256 + (r % 16) * 16);
+                            if (f32_pairs == 2)
+                                _mm512_storeu_ps((float *)pairs + col, y);
+                            else
+                                _mm512_storeu_ps((float *)pairs + col, _mm512_mul_ps(is_bf16 ? round16(y) : y,
+                                                                                     _mm512_set1_ps(((const float *)scales)[p])));
+                        }
                 }
+            }
+            if (nb == hidden / 16) break;
+            amx_store(two, bufs[++at & 1]);
+            prev_nb = nb, prev_m0 = m0;
         }
     }
 }
