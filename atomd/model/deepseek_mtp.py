@@ -38,6 +38,7 @@ import torch
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache
 from atomd.model.deepseek import DeepseekModel, MlaDecodeLayers, MlaLayerWeights
+from atomd.model.huge_pages import on_huge_pages
 from atomd.model.layer_ops import rms_norm
 from atomd.model.linear import linear, pack_linear_weight
 from atomd.model.loader import _TensorSource, read_config, read_hf_config, sharded_source
@@ -55,7 +56,8 @@ class MtpLayer:
     head: torch.Tensor  # shared_head.head, or the main model's lm_head
     kv_layer: int  # its layer in the engine's KV cache: num_hidden_layers
     batch1: MlaDecodeLayers | None = None  # its layer over one sequence's decode rows, as the main model's
-    head_rows: torch.Tensor | None = None  # the main model's plain lm_head rows when it shares that head (GEMV)
+    head_rows: torch.Tensor | None = None  # plain rows of `head` (the main model's when it shares that head): GEMV
+    eh_rows: torch.Tensor | None = None  # plain rows of eh_proj: a one-row pass's GEMV
 
 
 def mtp_layer_count(hf: dict) -> int:
@@ -87,17 +89,27 @@ def load_mtp(model_dir: pathlib.Path, model: DeepseekModel, split: TPSplit | Non
     get = lambda name: src.get(p + name, dtype)  # noqa: E731
     own = lambda name, main: get(name) if p + name in src else main  # noqa: E731
     pack = pack_linear_weight if model.packs() else (lambda t: t)
+
+    def rows_and_weight(t: torch.Tensor) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """A linear's plain rows for a one-row pass's GEMV (as the main model keeps them), and the
+        weight the other passes read (oneDNN's layout, or those rows: held once)."""
+        rows = on_huge_pages(t.contiguous()) if model.keeps_rows else None
+        return rows, pack(t) if model.packs() or rows is None else rows
     layer = DeepseekModel.load_layer(src, layer_cfg, i, dtype)  # this rank's experts under expert parallelism
     model.pack_layer(layer)  # as the main layers run
     if model.ep is not None and layer.moe is not None:  # its MoE exchanges as the main sparse layers' do
         layer.moe.ep = model.ep
         model.ep.attach(layer.moe)
-    head = pack(get("shared_head.head.weight")) if p + "shared_head.head.weight" in src else model.lm_head
-    return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=pack(get("eh_proj.weight")),
+    if p + "shared_head.head.weight" in src:
+        head_rows, head = rows_and_weight(get("shared_head.head.weight"))
+    else:
+        head, head_rows = model.lm_head, model.lm_head_rows
+    eh_rows, eh_proj = rows_and_weight(get("eh_proj.weight"))
+    return MtpLayer(enorm=get("enorm.weight"), hnorm=get("hnorm.weight"), eh_proj=eh_proj,
                     layer=layer, head_norm=get("shared_head.norm.weight"),
                     embed=own("embed_tokens.weight", model.embed), head=head, kv_layer=i,
                     batch1=MlaDecodeLayers(model, [layer], kv_layer=i) if model.batch1 is not None else None,
-                    head_rows=model.lm_head_rows if head is model.lm_head else None)
+                    head_rows=head_rows, eh_rows=eh_rows)
 
 
 def mtp_exchange_idle(model: DeepseekModel, mtp: MtpLayer) -> None:
@@ -115,11 +127,13 @@ def mtp_forward(model: DeepseekModel, mtp: MtpLayer, next_ids: torch.Tensor, hid
     reads as its `hidden`): next_ids [T] the token after each row's, hidden [T, hidden] the main
     model's final-normed states of the rows (or a chained draft's MTP states), at the forward's
     positions and metadata (its latent rows stored in the MTP's cache layer for every row)."""
-    eps = model.config.rms_norm_eps
+    eps, size = model.config.rms_norm_eps, hidden.shape[1]
     embed = torch.nn.functional.embedding(next_ids, mtp.embed) if model.tp is None else \
         model.tp.embed(next_ids, mtp.embed)  # this worker's vocabulary rows, summed over the workers
-    e = rms_norm(embed, mtp.enorm, eps)
-    x = linear(torch.cat([e, rms_norm(hidden, mtp.hnorm, eps)], dim=1), mtp.eh_proj)
+    eh = torch.empty(len(hidden), 2 * size, dtype=hidden.dtype)  # [enorm(e) ; hnorm(h)], normed in place
+    rms_norm(embed, mtp.enorm, eps, out=eh[:, :size])
+    rms_norm(hidden, mtp.hnorm, eps, out=eh[:, size:])
+    x = linear(eh, mtp.eh_proj, None, mtp.eh_rows)
     w = mtp.layer
     h = rms_norm(x, w.input_norm, eps)
     positions = model.rope_rows(positions.contiguous(), meta)
