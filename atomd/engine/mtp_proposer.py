@@ -3,9 +3,9 @@
 Every forward of the engine runs the MTP layer over the same rows, positions and KV slots
 as the main model, after sampling: row p gets the main model's hidden state h_p and the token
 at p + 1, which is known for every row whose output counts: a prompt token, or this step's
-sampled token (for a verify step's row j, the token sampled there; rows past the accepted
-drafts get that too and write KV at positions the next step rewrites before anything reads
-them). So the MTP's latent cache follows the sequence shifted by one, including chunked
+sampled token (for a verify step's row j, the token sampled there). A verify step's rows past
+its last accepted draft are left out (`trim_rows`: their KV would sit at positions the next
+step rewrites before anything reads them); under TP every rank runs all the rows, as announced. So the MTP's latent cache follows the sequence shifted by one, including chunked
 prefills, prefix hits (the hit blocks' MTP rows were computed with the next token of the
 sequence that stored them: a later sequence with another next token reads one stale MTP row
 at the boundary, which costs acceptance, never output) and preemption (recomputed). The
