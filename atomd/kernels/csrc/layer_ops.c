@@ -934,6 +934,12 @@ typedef struct {
     const int64_t *positions;  /* [rows]: each row's RoPE table row */
 } mla_attention_args;
 
+/* DeepSeek V3's MTP layer around its decoder layer (atomd_mtp_pass): plain row-major weights */
+typedef struct {
+    const void *embed, *enorm, *hnorm, *eh_proj, *input_norm, *head_norm, *head;  /* eh_proj [hidden][2 hidden] */
+    int64_t vocab;
+} mtp_weights;
+
 /* elements of the model's dtype in the scratch of a call (float32 / int64 parts counted in pairs) */
 static int64_t mla_scratch_elems(const mla_layer_config *c, int num_threads) {
     const int64_t R = c->max_rows, qk = c->nope + c->rope, q_first = c->q_lora ? c->q_lora : c->heads * qk;
@@ -1165,6 +1171,31 @@ static void mla_route(const mla_layer_config *c, const float *router, const floa
             if (status != 0) return status;                                                                        \
             mla_tail_##SUFFIX(layers + i, c, R, attn, x, h, scratch, num_threads);                                 \
         }                                                                                                          \
+        return 0;                                                                                                  \
+    }                                                                                                              \
+    /* DeepSeek V3's MTP pass over one sequence's R decode rows (atomd/model/deepseek_mtp.py's mtp_forward \
+     * in one call): eh [R][2 hidden] = [enorm(embed[next_ids[r]]) ; hnorm(hidden[r])], x = eh_proj(eh), \
+     * the MTP's layer over x (atomd_mla_layers: x left holding its output states), then logits [L][vocab] \
+     * = head(shared_head.norm(x[logits_rows[l]])). h [R][hidden] and eh: the caller's scratch. */           \
+    int atomd_mtp_pass_##SUFFIX(const mtp_weights *m, const mla_layer_weights *layer, const mla_layer_config *c,  \
+                                const mla_attention_args *a, int64_t R, const int64_t *next_ids,                  \
+                                const elem_t *hidden, elem_t *eh, elem_t *h, elem_t *x, int64_t L,                \
+                                const int64_t *logits_rows, elem_t *logits, const elem_t *cos, const elem_t *sin, \
+                                elem_t *q, elem_t *attn, elem_t *scratch, int num_threads) {                      \
+        const int64_t H = c->hidden;                                                                              \
+        for (int64_t r = 0; r < R; r++) {                                                                         \
+            NORM_ROW((elem_t *)m->embed + next_ids[r] * H, NULL, (const elem_t *)m->enorm, eh + r * 2 * H, H, c->eps); \
+            NORM_ROW((elem_t *)hidden + r * H, NULL, (const elem_t *)m->hnorm, eh + r * 2 * H + H, H, c->eps);     \
+        }                                                                                                          \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        GEMV##_rows_m(eh, R, (const elem_t *)m->eh_proj, x, 2 * H, H);                                             \
+        for (int64_t r = 0; r < R; r++) NORM_ROW(x + r * H, NULL, (const elem_t *)m->input_norm, h + r * H, H, c->eps); \
+        const int status = atomd_mla_layers_##SUFFIX(layer, 1, c, a, R, h, x, cos, sin, q, attn, scratch, num_threads); \
+        if (status != 0) return status;                                                                            \
+        for (int64_t l = 0; l < L; l++) /* the normed states into eh's first rows: L <= R */                      \
+            NORM_ROW(x + logits_rows[l] * H, NULL, (const elem_t *)m->head_norm, eh + l * H, H, c->eps);          \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        GEMV##_rows_m(eh, L, (const elem_t *)m->head, logits, H, m->vocab);                                        \
         return 0;                                                                                                  \
     }
 
