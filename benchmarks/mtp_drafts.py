@@ -18,8 +18,10 @@ rate (accepted / drafted, the engine's spec_decode counters).
 
 `--cost`: instead, where a step's CPU time goes with and without MTP k=1 (acceptance aside: any
 checkpoint, trained or not): the engine's forwards by rows (1: plain decode, 2: a verify of one
-draft) and the MTP pass after each forward (MtpProposer.run), thread CPU per call, medians of
---rounds, with atomd/model/deepseek.py's batch-1 C layer on and off (FUSED).
+draft) and the MTP pass after each forward (MtpProposer.run), thread CPU per call, and the engine
+steps' CPU per decoded token (which the acceptance moves), medians of --rounds, with
+atomd/model/deepseek.py's batch-1 C layer on and off (FUSED). `--dtype bfloat16`: every mode's
+engines in bf16.
 
 `--tp N`: instead, chained MTP drafts under tensor parallelism (#41): no drafts, MTP k=1 and k=3
 at TP=N against the same at TP=1, one thread a rank, batch 1, alternating each round; reported per
@@ -146,14 +148,14 @@ SPECS = {"none": None, "ngram-k1": {"method": "ngram", "num_speculative_tokens":
          "mtp-k3": {"method": "mtp", "num_speculative_tokens": 3}}
 
 
-def cost(path: pathlib.Path, rounds: int, new: int) -> int:
+def cost(path: pathlib.Path, rounds: int, new: int, dtype: str) -> int:
     """--cost (module docstring)."""
     import atomd.model.deepseek as deepseek
     from atomd.engine import mtp_proposer
 
     spent: dict[tuple, list[float]] = {}
     llms = {(fused, name): LLM(str(path), num_threads=1, max_model_len=512, enable_prefix_caching=False,
-                               speculative_config=SPECS[name])
+                               speculative_config=SPECS[name], dtype=dtype)
             for fused in (True, False) for name in ("none", "mtp-k1")}
     prompt = list(range(100, 164))
     params = SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True)
@@ -172,22 +174,28 @@ def cost(path: pathlib.Path, rounds: int, new: int) -> int:
                         key = part(*a) if callable(part) else part
                         totals.setdefault(key, []).append(time.thread_time() - t)
                 return wrapped
-            execute = llm.engine.runner.execute
+            execute, step = llm.engine.runner.execute, llm.engine.step
             llm.engine.runner.execute = timed(lambda step, *_: f"forward, {int(sum(step.num_scheduled_tokens))} rows",
                                               execute)
+            llm.engine.step = timed("engine step", step)
             mtp_proposer.MtpProposer.run = timed("MTP pass", run)
             deepseek.FUSED = fused
             try:
                 llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)
             finally:
                 llm.engine.runner.execute, mtp_proposer.MtpProposer.run, deepseek.FUSED = execute, run, True
+                del llm.engine.step  # the class's again
             if r:
+                steps, part = totals.pop("engine step")[1:], "a decoded token (every step's work)"  # after the prompt's
+                spent.setdefault((fused, name, part), []).append(sum(steps) / (new - 1) * 1e3)
+                spent.setdefault((fused, name, part, "n"), []).append(len(steps))
                 for part, ts in totals.items():
                     if not part.startswith("forward, 64"):  # the prompt's step
                         spent.setdefault((fused, name, part), []).append(statistics.mean(ts) * 1e3)
                         spent.setdefault((fused, name, part, "n"), []).append(len(ts))
         load.append(os.getloadavg()[0])
-    print(f"one thread, {new} tokens after a 64-token prompt, {rounds} rounds, load {min(load):.1f}-{max(load):.1f}")
+    print(f"{dtype}, one thread, {new} tokens after a 64-token prompt, {rounds} rounds, "
+          f"load {min(load):.1f}-{max(load):.1f}")
     print("| batch-1 C layer | drafts | part | calls | CPU ms a call (median) |")
     print("|---|---|---|---:|---:|")
     for key in sorted(k for k in spent if len(k) == 3):
@@ -273,6 +281,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--new", type=int, default=96)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="the engines' dtype")
     ap.add_argument("--dir", default=None, help="reuse a trained checkpoint directory")
     ap.add_argument("--cost", action="store_true", help="where a step's time goes, MTP k=1 vs none (module docstring)")
     ap.add_argument("--per-op", action="store_true", help="the per-op DeepSeek layer (deepseek.FUSED off): the A/B")
@@ -291,7 +300,7 @@ def main() -> int:
     if args.train_only:
         return 0
     if args.cost:
-        return cost(path, args.rounds, args.new)
+        return cost(path, args.rounds, args.new, args.dtype)
     if args.per_op:
         import atomd.model.deepseek as deepseek
         deepseek.FUSED = False
@@ -303,8 +312,8 @@ def main() -> int:
     prompts = [held_ids[i * 997:i * 997 + 64] for i in range(args.prompts)]
     if args.tp:
         return tensor_parallel(path, args.tp, prompts, args.rounds, args.new)
-    llms = {name: LLM(str(path), num_threads=args.threads, max_model_len=512, speculative_config=spec)
-            for name, spec in SPECS.items()}
+    llms = {name: LLM(str(path), num_threads=args.threads, max_model_len=512, speculative_config=spec,
+                      dtype=args.dtype) for name, spec in SPECS.items()}
     params = SamplingParams(max_tokens=args.new, temperature=0.0, ignore_eos=True)
     rates: dict[str, list[float]] = {name: [] for name in SPECS}
     outputs = {}
@@ -323,7 +332,8 @@ def main() -> int:
     base = outputs["none"]
     assert all(o == base for o in outputs.values()), "speculation changed greedy output"
     cpu = subprocess.run(["sh", "-c", "grep -m1 'model name' /proc/cpuinfo"], capture_output=True, text=True).stdout
-    print(f"\nCPU: {cpu.strip()}  ({platform.machine()}), threads {args.threads}, load {min(load):.1f}-{max(load):.1f}")
+    print(f"\nCPU: {cpu.strip()}  ({platform.machine()}), {args.dtype}, threads {args.threads}, "
+          f"load {min(load):.1f}-{max(load):.1f}")
     print(f"uptime: {subprocess.run(['uptime'], capture_output=True, text=True).stdout.strip()}")
     # a barely trained model loops: every drafter then accepts almost everything (say so)
     print(f"greedy outputs: {len({t for o in base for t in o})} distinct tokens in {sum(map(len, base))}")

@@ -416,24 +416,45 @@ def test_batch1_c_layer_not_taken_where_it_does_not_run(checkpoints):
 @pytest.mark.parametrize("name,dtype", [("v2-lite", "float32"), ("v3", "bfloat16")])
 def test_batch1_c_layer_verifies_drafts(name, dtype, checkpoints, monkeypatch):
     """A verify step of one sequence (its token and n-gram drafts, up to 4 rows, causal) through
-    the C layer: the same greedy ids as the per-op layer (float32: HF's), drafts accepted."""
+    the C layer: the same greedy ids as the per-op layer (float32: HF's), drafts accepted; and each
+    verify row whose token and earlier drafts were kept leaves the state that row got decoded alone,
+    to the bit (two rows share each load of a weight row, and of an expert both are routed to)."""
     from atomd.model import deepseek
 
     path = checkpoints[name]
     llm = LLM(str(path), num_threads=1, max_model_len=256, dtype=dtype, enable_prefix_caching=False,
               speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1})
-    rows = []
-    monkeypatch.setattr(deepseek.MlaDecodeLayers, "__call__",
-                        lambda self, x, *a, f=deepseek.MlaDecodeLayers.__call__: rows.append(len(x)) or f(self, x, *a))
+    calls = []  # (positions, input rows, output rows) of each C layer call
+
+    def record(self, x, h, positions, *a, f=deepseek.MlaDecodeLayers.__call__):
+        before = x.clone()
+        f(self, x, h, positions, *a)
+        calls.append((positions.tolist(), before, x.clone()))
+    monkeypatch.setattr(deepseek.MlaDecodeLayers, "__call__", record)
     prompt = prompts_of([12], seed=8)[0] * 4
     got = {}
     for fused in (True, False):
         monkeypatch.setattr(deepseek, "FUSED", fused)
         got[fused] = engine_greedy(llm, [prompt], GREEDY48)
     assert got[True] == got[False]
-    assert max(rows) > 1 and llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
+    assert max(len(c[0]) for c in calls) > 1 and llm.engine.stats()["spec_decode_num_accepted_tokens"] > 0
     if dtype == "float32":
         assert_equals_hf(path, [prompt], got[True], n=48)
+    verify, calls[:] = list(calls), []
+    monkeypatch.setattr(deepseek, "FUSED", True)
+    assert engine_greedy(LLM(str(path), num_threads=1, max_model_len=256, dtype=dtype, enable_prefix_caching=False),
+                         [prompt], GREEDY48) == got[True]
+    alone = {p[0]: out[0] for p, _, out in calls}  # one row a step: position -> its output state
+    assert len(alone) == 47
+    embed, final = llm.engine.model.embed, prompt + got[True][0]
+    compared = 0
+    for positions, before, out in verify:
+        for r, p in enumerate(positions):
+            if p >= len(final) - 1 or not torch.equal(before[r], embed[final[p]]):
+                break  # this row's token (a draft) was rejected: the rows after it are not the sequence's
+            assert torch.equal(out[r], alone[p]), (positions, r)
+            compared += 1
+    assert compared == 47 and len(verify) < 47  # every decoded token, in fewer steps
 
 
 # ---------------------------------------------------------------- a decode batch's C glue

@@ -260,6 +260,28 @@ def test_mtp_in_bfloat16_is_near_the_float32_reference(ckpt):
                                              atol=0.1) >= 16
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_mtp_pass_in_one_c_call_gives_the_per_op_passs_bits(dtype, ckpt):
+    """Batch 1: the MTP pass in one C call (deepseek_mtp.MtpPass: norms, eh_proj, the layer, the head)
+    against the same engine's pass made of separate calls: the same greedy ids, and the first draft's
+    logits at every position both drafted from bit for bit (one-row passes: the same GEMV sums)."""
+    path, _, _ = ckpt
+    llm = LLM(str(path), num_threads=1, max_model_len=256, dtype=dtype, enable_prefix_caching=False,
+              speculative_config=MTP3)
+    mtp = llm.engine.proposer.mtp
+    assert mtp.fused is not None
+    prompt = prompts_of([30], seed=13)[0]
+    got = {}
+    for fused in (mtp.fused, None):
+        mtp.fused, llm.engine.proposer.trace = fused, []
+        out = llm.generate([{"prompt_token_ids": prompt}], GREEDY, use_tqdm=False)[0].outputs[0].token_ids
+        got[fused is not None] = out, {int(at[-1]): logits[-1] for depth, _, at, logits in llm.engine.proposer.trace
+                                       if depth == 1 and len(at) == 1}
+    assert got[True][0] == got[False][0]
+    both = got[True][1].keys() & got[False][1].keys()
+    assert len(both) >= 8 and all(torch.equal(got[True][1][p], got[False][1][p]) for p in both)
+
+
 def test_mtp_drafts_are_accepted_and_counted(mimic, monkeypatch):
     """The mimicking MTP layer (its attention leaking into every logit) drafts the token the
     main model just produced, three times: accepted wherever the greedy output repeats a token,

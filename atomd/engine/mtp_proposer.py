@@ -3,9 +3,9 @@
 Every forward of the engine runs the MTP layer over the same rows, positions and KV slots
 as the main model, after sampling: row p gets the main model's hidden state h_p and the token
 at p + 1, which is known for every row whose output counts: a prompt token, or this step's
-sampled token (for a verify step's row j, the token sampled there; rows past the accepted
-drafts get that too and write KV at positions the next step rewrites before anything reads
-them). So the MTP's latent cache follows the sequence shifted by one, including chunked
+sampled token (for a verify step's row j, the token sampled there). A verify step's rows past
+its last accepted draft are left out (`trim_rows`: their KV would sit at positions the next
+step rewrites before anything reads them); under TP every rank runs all the rows, as announced. So the MTP's latent cache follows the sequence shifted by one, including chunked
 prefills, prefix hits (the hit blocks' MTP rows were computed with the next token of the
 sequence that stored them: a later sequence with another next token reads one stale MTP row
 at the boundary, which costs acceptance, never output) and preemption (recomputed). The
@@ -43,6 +43,7 @@ exchanges (the workers hold no routed expert of the MTP layer either and add zer
 """
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -87,6 +88,7 @@ class MtpProposer:
         computed = batch.num_computed_tokens.astype(np.int64)
         next_ids = np.zeros(int(ends[-1]), dtype=np.int64)
         logits_rows, drafting = [], []
+        kept = num.copy()  # each sequence's rows the pass runs: a verify step's up to its last accepted one
         for i, seq in enumerate(batch.seqs):
             start, n, c = int(ends[i] - num[i]), int(num[i]), int(computed[i])
             known = seq.token_ids[c + 1:c + n + 1]  # the next token of each row, where the sequence has it
@@ -94,9 +96,15 @@ class MtpProposer:
             row_ids = list(known) + list(tail)
             next_ids[start:start + len(row_ids)] = row_ids
             if accepted[i]:
-                logits_rows.append(start + n - len(sampled[i]) + len(accepted[i]) - 1 if len(sampled[i]) > 1
-                                   else start + n - 1)
+                if len(sampled[i]) > 1:
+                    kept[i] = n - len(sampled[i]) + len(accepted[i])
+                logits_rows.append(start + kept[i] - 1)
                 drafting.append(i)
+        if self.share is None and (kept < num).any() and not meta.is_prefill:
+            # the rows past a sequence's last accepted draft: their latent rows are rewritten by the
+            # next step before anything reads them, so they need no pass at all
+            hidden, positions, meta, next_ids, logits_rows = trim_rows(num, kept, hidden, positions, meta, next_ids,
+                                                                       logits_rows)
         rows = torch.tensor(logits_rows, dtype=torch.int64)
         self.passes = 1
         if self.share is not None:
@@ -170,6 +178,27 @@ class MtpProposer:
 
     def forget(self, seq_id: int) -> None:
         self.chains.pop(seq_id, None)
+
+
+def trim_rows(num: np.ndarray, kept: np.ndarray, hidden: torch.Tensor, positions: torch.Tensor,
+              meta: AttentionMetadata, next_ids: np.ndarray, logits_rows: list[int]):
+    """A decode step's rows cut to the first kept[i] of each sequence's num[i] (a verify step's
+    rows up to its last accepted draft): the rows' hidden states, positions, next tokens, their
+    decode metadata (each sequence's context ending at its last kept row) and the logits rows
+    renumbered."""
+    ends, dropped = np.cumsum(num), num - kept
+    keep = np.concatenate([np.arange(e - n, e - n + k) for e, n, k in zip(ends.tolist(), num.tolist(), kept.tolist())])
+    before = np.cumsum(dropped) - dropped  # rows dropped before each sequence's
+    at = torch.from_numpy(keep)
+    trimmed = dataclasses.replace(meta, slot_blocks=meta.slot_blocks[at], slot_offsets=meta.slot_offsets[at],
+                                  context_lens=meta.context_lens - torch.from_numpy(dropped),
+                                  query_starts=torch.from_numpy(np.concatenate([[0], np.cumsum(kept)]))
+                                  if (kept > 1).any() else None)
+    trimmed.verify = trimmed.query_starts is not None
+    trimmed.max_context = int(trimmed.context_lens.max())
+    rows = np.asarray(logits_rows, dtype=np.int64)
+    rows = (rows - before[np.searchsorted(ends, rows, side="right")]).tolist()
+    return hidden[at], positions[at], trimmed, next_ids[keep], rows
 
 
 def chain_meta(tables: list[list[int]], positions: torch.Tensor, block_size: int, kernels) -> AttentionMetadata:

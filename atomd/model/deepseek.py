@@ -509,6 +509,15 @@ class MlaDecodeLayers:
     def __call__(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                  kv_cache: KVCache, model: "DeepseekModel") -> None:
         """Every layer over the rows x [R, hidden] (updated in place) from h, their first norm: one C call."""
+        args, scratch, threads = self.call_args(x, h, positions, meta, kv_cache, model)
+        native._check_status(self.layers_fn(
+            self.structs, len(self.structs), ctypes.byref(self.config), ctypes.byref(args), x.shape[0], h.data_ptr(),
+            x.data_ptr(), model.cos.data_ptr(), model.sin.data_ptr(), self.q.data_ptr(), self.attn.data_ptr(),
+            scratch.data_ptr(), threads), "MLA decode")
+
+    def call_args(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                  kv_cache: KVCache, model: "DeepseekModel") -> tuple[layer_ops.MlaAttentionArgs, torch.Tensor, int]:
+        """A call's attention arguments, its scratch and thread count (also deepseek_mtp.py's MTP pass)."""
         c, threads, rows = self.config, torch.get_num_threads(), x.shape[0]
         scratch = self.scratch.get(threads)
         if scratch is None:
@@ -530,10 +539,8 @@ class MlaDecodeLayers:
             query_starts=None if rows == 1 else starts.data_ptr(), block_size=kv_cache.block_size,
             table_width=tables.shape[1], block_stride=block_elems, layer_stride=layer_elems,
             scale=model.config.mla_scale, slots=slots.data_ptr(), positions=positions.data_ptr())
-        native._check_status(self.layers_fn(
-            self.structs, len(self.structs), ctypes.byref(c), ctypes.byref(args), rows, h.data_ptr(), x.data_ptr(),
-            model.cos.data_ptr(), model.sin.data_ptr(), self.q.data_ptr(), self.attn.data_ptr(), scratch.data_ptr(),
-            threads), "MLA decode")
+        args.keep = slots  # the C call reads it
+        return args, scratch, threads
 
 
 def mla_layer_config(cfg: DeepseekConfig, max_inter: int = 0, max_rows: int = 0) -> layer_ops.MlaLayerConfig:

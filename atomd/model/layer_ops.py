@@ -50,6 +50,11 @@ class MlaLayerWeights(ctypes.Structure):  # csrc/layer_ops.c mla_layer_weights (
                 + [("inter", _I64), ("uk_t", _PTR), ("uv", _PTR)])
 
 
+class MtpWeights(ctypes.Structure):  # csrc/layer_ops.c mtp_weights (DeepSeek V3's MTP pass, batch 1)
+    _fields_ = ([(n, _PTR) for n in ("embed", "enorm", "hnorm", "eh_proj", "input_norm", "head_norm", "head")]
+                + [("vocab", _I64)])
+
+
 class MlaAttentionArgs(ctypes.Structure):  # csrc/layer_ops.c mla_attention_args
     _fields_ = ([(n, _PTR) for n in ("fn", "kv", "block_tables", "context_lens", "query_starts")]
                 + [(n, _I64) for n in ("block_size", "table_width", "block_stride", "layer_stride")]
@@ -101,6 +106,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             mla_layers = getattr(lib, f"atomd_mla_layers_{suffix}")
             mla_layers.argtypes = [_PTR, _I64, _PTR, _PTR, _I64] + [_PTR] * 7 + [ctypes.c_int]
             mla_layers.restype = ctypes.c_int
+            mtp_pass = getattr(lib, f"atomd_mtp_pass_{suffix}")
+            mtp_pass.argtypes = [_PTR] * 4 + [_I64] + [_PTR] * 5 + [_I64] + [_PTR] * 7 + [ctypes.c_int]
+            mtp_pass.restype = ctypes.c_int
             rows_head = getattr(lib, f"atomd_mla_rows_head_{suffix}")
             rows_head.argtypes, rows_head.restype = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 7 + [ctypes.c_int], None
             grouped = getattr(lib, f"atomd_moe_grouped_{suffix}")

@@ -426,18 +426,54 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
         _Pragma("omp for schedule(static)")                                                                      \
         for (int64_t n = 0; n < N; n++) NAME##_row(x, w, bias, y, K, n, tail);                                   \
     }                                                                                                            \
-    /* R rows of x [R][K] -> y [R][N]: each weight row once from memory, then from L1 for the other \
+    /* NAME##_row of two rows of x (x, x1 -> y[n], y1[n]) sharing each load of the weight row: per row \
+     * the same accumulators, in the same order, as NAME##_row (the same bits) */                              \
+    static inline void NAME##_row2(const elem_t *x, const elem_t *x1, const elem_t *w, elem_t *y, elem_t *y1,  \
+                                   int64_t K, int64_t n, mask_t tail) {                                         \
+        const mask_t all = (mask_t)~(mask_t)0;                                                                   \
+        const elem_t *wn = w + n * K;                                                                            \
+        __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                                              \
+        int64_t k = 0;                                                                                           \
+        for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                               \
+            PREFETCH_AHEAD(wn + k);                                                                              \
+            const VEC w0 = VLOAD(all, wn + k), w1 = VLOAD(all, wn + k + STEP);                                   \
+            a0 = VFMA(a0, VLOAD(all, x + k), w0);                                                                \
+            a1 = VFMA(a1, VLOAD(all, x + k + STEP), w1);                                                         \
+            b0 = VFMA(b0, VLOAD(all, x1 + k), w0);                                                               \
+            b1 = VFMA(b1, VLOAD(all, x1 + k + STEP), w1);                                                        \
+        }                                                                                                        \
+        for (; k < K; k += STEP) {                                                                               \
+            const mask_t mk = K - k >= STEP ? all : tail;                                                        \
+            const VEC w0 = VLOAD(mk, wn + k);                                                                    \
+            a0 = VFMA(a0, VLOAD(mk, x + k), w0);                                                                 \
+            b0 = VFMA(b0, VLOAD(mk, x1 + k), w0);                                                                \
+        }                                                                                                        \
+        store(y, n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), IS_BF16);                                       \
+        store(y1, n, _mm512_reduce_add_ps(_mm512_add_ps(b0, b1)), IS_BF16);                                      \
+    }                                                                                                            \
+    /* R rows of x [R][K] -> y [R][N]: each weight row once from memory, each load of it shared by two \
      * rows (a verify step's rows); per row the same sums as NAME##_rows */                                     \
+    static inline void NAME##_rows_m_n(const elem_t *x, int64_t R, const elem_t *w, elem_t *y, int64_t K,       \
+                                       int64_t N, int64_t n, mask_t tail) {                                      \
+        int64_t r = 0;                                                                                           \
+        for (; r + 2 <= R; r += 2) NAME##_row2(x + r * K, x + (r + 1) * K, w, y + r * N, y + (r + 1) * N, K, n, tail); \
+        if (r < R) NAME##_row(x + r * K, w, NULL, y + r * N, K, n, tail);                                        \
+    }                                                                                                            \
     static void NAME##_rows_m(const elem_t *x, int64_t R, const elem_t *w, elem_t *y, int64_t K, int64_t N) {   \
         const mask_t tail = (mask_t)((1ull << (K % STEP)) - 1u);                                                 \
         _Pragma("omp for schedule(static)")                                                                      \
-        for (int64_t n = 0; n < N; n++)                                                                          \
-            for (int64_t r = 0; r < R; r++) NAME##_row(x + r * K, w, NULL, y + r * N, K, n, tail);               \
+        for (int64_t n = 0; n < N; n++) NAME##_rows_m_n(x, R, w, y, K, N, n, tail);                              \
     }                                                                                                            \
     static void NAME##_own(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *y, int64_t K,          \
                            int64_t N) {                                                                          \
         const mask_t tail = (mask_t)((1ull << (K % STEP)) - 1u);                                                 \
         for (int64_t n = 0; n < N; n++) NAME##_row(x, w, bias, y, K, n, tail);                                   \
+    }                                                                                                            \
+    /* NAME##_own of two rows x, x1 -> y, y1 (two verify rows routed to the same expert) */                    \
+    static void NAME##_own2(const elem_t *x, const elem_t *x1, const elem_t *w, elem_t *y, elem_t *y1, int64_t K, \
+                            int64_t N) {                                                                         \
+        const mask_t tail = (mask_t)((1ull << (K % STEP)) - 1u);                                                 \
+        for (int64_t n = 0; n < N; n++) NAME##_row2(x, x1, w, y, y1, K, n, tail);                                \
     }                                                                                                            \
     void NAME(const elem_t *x, const elem_t *w, elem_t *y, int64_t K, int64_t N, int num_threads) {             \
         _Pragma("omp parallel num_threads(num_threads)")                                                         \
@@ -933,12 +969,18 @@ typedef struct {
     const int64_t *positions;  /* [rows]: each row's RoPE table row */
 } mla_attention_args;
 
+/* DeepSeek V3's MTP layer around its decoder layer (atomd_mtp_pass): plain row-major weights */
+typedef struct {
+    const void *embed, *enorm, *hnorm, *eh_proj, *input_norm, *head_norm, *head;  /* eh_proj [hidden][2 hidden] */
+    int64_t vocab;
+} mtp_weights;
+
 /* elements of the model's dtype in the scratch of a call (float32 / int64 parts counted in pairs) */
 static int64_t mla_scratch_elems(const mla_layer_config *c, int num_threads) {
     const int64_t R = c->max_rows, qk = c->nope + c->rope, q_first = c->q_lora ? c->q_lora : c->heads * qk;
     const int64_t head = R * (q_first + c->rank + c->rope + c->q_lora);
     const int64_t tail = 2 * R * c->hidden + 2 * R * c->max_inter
-                         + num_threads * (2 * R * c->hidden + R * c->max_inter + 2 * c->max_inter + c->hidden)
+                         + num_threads * (2 * R * c->hidden + R * c->max_inter + 4 * c->max_inter + 2 * c->hidden)
                          + 2 * (R * c->top_k * c->hidden + c->experts + 2 * R * c->top_k + 64);
     return head > tail ? head : tail;
 }
@@ -1007,8 +1049,8 @@ static void mla_route(const mla_layer_config *c, const float *router, const floa
 }
 
 /* a thread's part of the tail's scratch: x, h copies [R][hidden], the SiLU rows [R][max_inter],
- * one expert's gate/up [2 max_inter] and output [hidden] */
-#define MLA_THREAD_AT(t) (threads_at + (t) * (2 * R * H + R * c->max_inter + 2 * c->max_inter + H))
+ * one expert's gate/up [2 max_inter] and output [hidden] for each of two rows */
+#define MLA_THREAD_AT(t) (threads_at + (t) * (2 * R * H + R * c->max_inter + 4 * c->max_inter + 2 * H))
 
 #define MLA_LAYERS(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, GEMV)                                               \
     /* one row after its projections: q (from q_src: the qkv_a row or q_b's) and each head's rope part \
@@ -1068,27 +1110,54 @@ static void mla_route(const mla_layer_config *c, const float *router, const floa
         float *pairs = (float *)MLA_THREAD_AT(num_threads), *logits = pairs + R * k * H, *wts = logits + c->experts; \
         int64_t *ids = (int64_t *)(wts + R * k + (R * k & 1));                                                     \
         const int sparse = w->experts_gate_up != NULL;                                                             \
+        int64_t job[2 * R * k], jobs = 0; /* the experts' work: (pair, pair or -1), shared by the threads */      \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         {                                                                                                          \
             const int t = omp_get_thread_num(), threads = omp_get_num_threads();                                   \
             elem_t *xp = MLA_THREAD_AT(t), *hp = xp + R * H, *ap = hp + R * H, *egu = ap + R * mx, *ey = egu + 2 * mx; \
+            elem_t *egu1 = ey + H, *ey1 = egu1 + 2 * mx;                                                               \
             memcpy(xp, x, R * H * sizeof(elem_t));                                                                 \
             GEMV##_rows_m(attn, R, (const elem_t *)w->o, d, c->heads * c->v, H);                                   \
             for (int64_t r = 0; r < R; r++)                                                                        \
                 NORM_ROW(xp + r * H, d + r * H, (const elem_t *)w->post_norm, hp + r * H, H, c->eps);              \
             if (sparse) {                                                                                          \
                 _Pragma("omp single")                                                                              \
-                for (int64_t r = 0; r < R; r++) {                                                                  \
-                    float hf[H];                                                                                   \
-                    for (int64_t i = 0; i < H; i++) hf[i] = load(hp + r * H, i, IS_BF16);                          \
-                    mla_route(c, w->router, w->correction, hf, logits, ids + r * k, wts + r * k);                  \
-                    for (int64_t j = 0; j < k; j++) w->routed[ids[r * k + j]] += 1;                                \
+                {                                                                                                  \
+                    for (int64_t r = 0; r < R; r++) {                                                              \
+                        float hf[H];                                                                               \
+                        for (int64_t i = 0; i < H; i++) hf[i] = load(hp + r * H, i, IS_BF16);                      \
+                        mla_route(c, w->router, w->correction, hf, logits, ids + r * k, wts + r * k);              \
+                        for (int64_t j = 0; j < k; j++) w->routed[ids[r * k + j]] += 1;                            \
+                    }                                                                                              \
+                    /* jobs: (row, expert) pairs, two rows routed to the same expert in one (its weight read once) */ \
+                    char paired[R * k];                                                                            \
+                    memset(paired, 0, sizeof paired);                                                              \
+                    jobs = 0;                                                                                      \
+                    for (int64_t p = 0; p < R * k; p++) {                                                          \
+                        if (paired[p]) continue;                                                                   \
+                        int64_t other = -1;                                                                        \
+                        for (int64_t q = (p / k + 1) * k; q < R * k && other < 0; q++)                             \
+                            if (!paired[q] && ids[q] == ids[p]) other = q;                                         \
+                        if (other >= 0) paired[other] = 1;                                                         \
+                        job[2 * jobs] = p;                                                                         \
+                        job[2 * jobs++ + 1] = other;                                                               \
+                    }                                                                                              \
                 }                                                                                                  \
-                for (int64_t p = t; p < R * k; p += threads) { /* a thread's own (row, expert) pairs: no barrier */ \
-                    const int64_t r = p / k;                                                                       \
-                    GEMV##_own(hp + r * H, (const elem_t *)w->experts_gate_up + ids[p] * 2 * mi * H, NULL, egu, H, 2 * mi); \
-                    SILU_ROW(egu, ap, mi);                                                                         \
-                    GEMV##_own(ap, (const elem_t *)w->experts_down + ids[p] * H * mi, NULL, ey, mi, H);            \
+                for (int64_t j = t; j < jobs; j += threads) { /* a thread's own jobs: no barrier */                \
+                    const int64_t p = job[2 * j], q = job[2 * j + 1], e = ids[p];                                  \
+                    const elem_t *wg = (const elem_t *)w->experts_gate_up + e * 2 * mi * H;                        \
+                    const elem_t *wd = (const elem_t *)w->experts_down + e * H * mi;                               \
+                    if (q < 0) {                                                                                   \
+                        GEMV##_own(hp + p / k * H, wg, NULL, egu, H, 2 * mi);                                      \
+                        SILU_ROW(egu, ap, mi);                                                                     \
+                        GEMV##_own(ap, wd, NULL, ey, mi, H);                                                       \
+                    } else {                                                                                       \
+                        GEMV##_own2(hp + p / k * H, hp + q / k * H, wg, egu, egu1, H, 2 * mi);                     \
+                        SILU_ROW(egu, ap, mi);                                                                     \
+                        SILU_ROW(egu1, ap + mx, mi);                                                               \
+                        GEMV##_own2(ap, ap + mx, wd, ey, ey1, mi, H);                                              \
+                        for (int64_t i = 0; i < H; i++) pairs[q * H + i] = load(ey1, i, IS_BF16) * wts[q];         \
+                    }                                                                                              \
                     for (int64_t i = 0; i < H; i++) pairs[p * H + i] = load(ey, i, IS_BF16) * wts[p];              \
                 }                                                                                                  \
             }                                                                                                      \
@@ -1137,6 +1206,31 @@ static void mla_route(const mla_layer_config *c, const float *router, const floa
             if (status != 0) return status;                                                                        \
             mla_tail_##SUFFIX(layers + i, c, R, attn, x, h, scratch, num_threads);                                 \
         }                                                                                                          \
+        return 0;                                                                                                  \
+    }                                                                                                              \
+    /* DeepSeek V3's MTP pass over one sequence's R decode rows (atomd/model/deepseek_mtp.py's mtp_forward \
+     * in one call): eh [R][2 hidden] = [enorm(embed[next_ids[r]]) ; hnorm(hidden[r])], x = eh_proj(eh), \
+     * the MTP's layer over x (atomd_mla_layers: x left holding its output states), then logits [L][vocab] \
+     * = head(shared_head.norm(x[logits_rows[l]])). h [R][hidden] and eh: the caller's scratch. */           \
+    int atomd_mtp_pass_##SUFFIX(const mtp_weights *m, const mla_layer_weights *layer, const mla_layer_config *c,  \
+                                const mla_attention_args *a, int64_t R, const int64_t *next_ids,                  \
+                                const elem_t *hidden, elem_t *eh, elem_t *h, elem_t *x, int64_t L,                \
+                                const int64_t *logits_rows, elem_t *logits, const elem_t *cos, const elem_t *sin, \
+                                elem_t *q, elem_t *attn, elem_t *scratch, int num_threads) {                      \
+        const int64_t H = c->hidden;                                                                              \
+        for (int64_t r = 0; r < R; r++) {                                                                         \
+            NORM_ROW((elem_t *)m->embed + next_ids[r] * H, NULL, (const elem_t *)m->enorm, eh + r * 2 * H, H, c->eps); \
+            NORM_ROW((elem_t *)hidden + r * H, NULL, (const elem_t *)m->hnorm, eh + r * 2 * H + H, H, c->eps);     \
+        }                                                                                                          \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        GEMV##_rows_m(eh, R, (const elem_t *)m->eh_proj, x, 2 * H, H);                                             \
+        for (int64_t r = 0; r < R; r++) NORM_ROW(x + r * H, NULL, (const elem_t *)m->input_norm, h + r * H, H, c->eps); \
+        const int status = atomd_mla_layers_##SUFFIX(layer, 1, c, a, R, h, x, cos, sin, q, attn, scratch, num_threads); \
+        if (status != 0) return status;                                                                            \
+        for (int64_t l = 0; l < L; l++) /* the normed states into eh's first rows: L <= R */                      \
+            NORM_ROW(x + logits_rows[l] * H, NULL, (const elem_t *)m->head_norm, eh + l * H, H, c->eps);          \
+        _Pragma("omp parallel num_threads(num_threads)")                                                           \
+        GEMV##_rows_m(eh, L, (const elem_t *)m->head, logits, H, m->vocab);                                        \
         return 0;                                                                                                  \
     }
 
