@@ -220,7 +220,8 @@ def test_absorbed_decode_on_amx_tiles(lens, heads, runs, isa, monkeypatch):
     sequence): the tile path (on AMX CPUs under the native build) against float64 attention over
     up-projected k, v and against the kernel's AVX-512 path on the same inputs. The kernel reports
     the tiles where the CPU has them and the build keeps them, and the switch turns them off. On
-    3 threads (each configures its own tiles)."""
+    3 threads (each configures its own tiles and runs all three phases for its share of the heads),
+    bit-equal to one thread."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     (nope, rope, v, rank), dtype, scale = TILE_SHAPE, torch.bfloat16, 0.3
     g = torch.Generator().manual_seed(len(lens) + heads)
@@ -238,6 +239,9 @@ def test_absorbed_decode_on_amx_tiles(lens, heads, runs, isa, monkeypatch):
     try:
         assert native.mla_amx(lib, True) == tiles
         got = decode()
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # every head on one thread, 16 a pass
+        assert torch.equal(decode(), got)  # the heads' shares (3 threads: 8 or fewer a pass) change no bit
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
         assert not native.mla_amx(lib, False)
         avx512 = decode()
     finally:
