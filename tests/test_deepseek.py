@@ -182,6 +182,37 @@ def test_absorbed_decode_equals_the_up_projected_attention(lens, heads, shape, d
             torch.testing.assert_close(got, mla_decode(q, cache, layer, torch_path, up, scale), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("shape", MLA_SHAPES)
+def test_prefill_batches_fresh_prompts_of_one_length(shape):
+    """mla_prefill: the fresh prompts' rows up-projected in one matmul, each run of consecutive fresh
+    prompts of one length one batched SDPA (5, 5, 5; 5, 5 after a 7; a lone 1), a sequence with cached
+    tokens (a 4-token chunk after 9, the step's first rows) alone: every row against
+    float64 causal attention over its own sequence's up-projected latents."""
+    from atomd.engine.kv_cache import SeqSlice
+    from atomd.engine.runner import causal_mask
+
+    (nope, rope, v, rank), heads, scale, dtype = MLA_SHAPES[shape], 4, 0.3, torch.float32
+    lens, done = [13, 5, 5, 5, 7, 5, 5, 1], [9, 0, 0, 0, 0, 0, 0, 0]  # context lengths; tokens cached before
+    g = torch.Generator().manual_seed(11)
+    cache, tables, latents = latent_cache(lens, rank, rope, dtype, 1, g)
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    rows = torch.cat([torch.arange(e - n + d, e) for n, d, e in zip(lens, done, ends)])  # the step's rows
+    seqs, start = [], 0
+    for b, (n, d) in enumerate(zip(lens, done)):
+        ctx_blocks = tables[b, :-(-n // BLOCK)]
+        seqs.append(SeqSlice(start, start + n - d, d, n, ctx_blocks if d else None, causal_mask(d, n) if d else None))
+        start += n - d
+    meta = AttentionMetadata(True, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), seqs)
+    kv_b = (torch.randn(heads * (nope + v), rank, generator=g) * 0.2).to(dtype)
+    q = torch.randn(len(rows), heads, nope + rope, generator=g).to(dtype)
+    got = mla.mla_prefill(q, latents[0][rows], cache, 0, meta, LatentUp.of(kv_b, heads, nope, v, pack=False), scale)
+    for s, n, d, e in zip(seqs, lens, done, ends):
+        for i in range(s.end - s.start):
+            want = naive_attention(q[s.start + i], latents[0][e - n:e - n + d + i + 1], kv_b, heads, nope, v, rank,
+                                   scale)
+            torch.testing.assert_close(got[s.start + i].double(), want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("isa", ISA_FLAGS)
 @pytest.mark.parametrize("shape", MLA_SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
