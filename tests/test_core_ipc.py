@@ -6,7 +6,10 @@ import asyncio
 import os
 import pathlib
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import msgspec
 import pytest
@@ -21,6 +24,8 @@ from contracts.errors import ErrorCode
 from contracts.logprobs import Logprob
 from contracts.sampling import SamplingParams
 from tests.server_fixtures import ENGINE_ARGS, model_dir
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
 
 
 # ---------------------------------------------------------------- wire (unit)
@@ -196,6 +201,31 @@ def test_core_death_fails_waiters_at_once():
         assert not h.client.alive and "exit code -9" in h.client.dead
     finally:
         h.close()
+
+
+@pytest.mark.integration
+def test_a_killed_api_process_leaves_no_ipc_sockets():
+    """The API process SIGKILLed (no shutdown ran): its core exits on its own and removes the ipc
+    sockets' folder the API process made, as a clean shutdown does."""
+    api = subprocess.Popen([sys.executable, "-c", "import time\nfrom tests.test_core_ipc import CoreHarness\n"
+                            "h = CoreHarness()\nprint(h.client.ipc_dir, h.client.proc.pid, flush=True)\n"
+                            "time.sleep(600)"], cwd=REPO, stdout=subprocess.PIPE, text=True)
+    core_pid = None
+    try:
+        ipc_dir, core_pid = api.stdout.readline().split()
+        core_pid = int(core_pid)
+        assert sorted(os.listdir(ipc_dir)) == ["in", "out"]
+        api.kill()
+        api.wait(10)
+        deadline = time.monotonic() + 20  # the idle core checks its parent every IDLE_POLL_MS
+        while os.path.exists(ipc_dir) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not os.path.exists(ipc_dir)
+    finally:
+        api.kill()
+        api.wait(10)
+        if core_pid is not None and os.path.exists(f"/proc/{core_pid}"):
+            os.kill(core_pid, signal.SIGKILL)
 
 
 @pytest.mark.unit

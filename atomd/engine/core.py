@@ -22,6 +22,7 @@ from __future__ import annotations
 import concurrent.futures
 import logging
 import os
+import pathlib
 import time
 from typing import TYPE_CHECKING
 
@@ -199,6 +200,24 @@ def run_engine_core(config: EngineConfig, input_addr: str, output_addr: str, par
         out.close()
         inp.close(linger=0)
         ctx.term()
+        if os.getppid() != parent_pid:
+            remove_ipc_sockets(input_addr, output_addr)
+
+
+def remove_ipc_sockets(*addrs: str) -> None:
+    """The API process makes the two ipc sockets' folder and removes it when it shuts down; when it
+    died first (SIGKILL, OOM) its core, the survivor, removes them, so a crash leaves nothing in /tmp."""
+    folders = set()
+    for addr in addrs:
+        if addr.startswith("ipc://"):
+            path = pathlib.Path(addr[len("ipc://"):])
+            path.unlink(missing_ok=True)
+            folders.add(path.parent)
+    for folder in folders:
+        try:
+            folder.rmdir()  # only if empty: never more than what the API process made
+        except OSError:
+            pass
 
 
 def engine_class_of(config: EngineConfig) -> type[EngineLoop]:
