@@ -631,43 +631,48 @@ static void attend_amx(const float *restrict ql, const uint16_t *kv, const int64
     }
 }
 
-/* All three phases on tiles in one OpenMP region, split by heads: each thread takes a contiguous
- * share of the heads and runs phase 1 (ql: absorb_queries', the rope part copied, scaled), phase 2
- * (every sequence over its heads, at most 16 a pass) and phase 3 (out bf16, project_values') for
- * them alone: no phase reads another thread's heads, so no barrier between the phases. Why: three
- * regions a layer were three forks and joins (a wake-up of a sleeping thread each, 26 layers a
- * step); each sequence's latent rows are now packed once per thread (a 16-head V2-Lite layer on 2
- * threads: 8 heads a thread, both halves of the split queries in one tile). Returns 0 or -1 (no
- * scratch memory). */
+/* All three phases on tiles in one OpenMP region: phase 1 (ql: absorb_queries', the rope part
+ * copied, scaled) and phase 3 (out bf16, project_values') split by heads, each thread a contiguous
+ * share (its W_UK / W_UV rows read once per RB rows); between them phase 2 over work items of a
+ * sequence and a chunk of its heads (attend's: all of a sequence's heads, at most 16, where the batch
+ * keeps the threads busy; its latent rows packed once an item), shared dynamically. Why one region:
+ * three were three forks and joins a layer (a sleeping thread woken each, 26 layers a step); two
+ * barriers remain. Returns 0 or -1 (no scratch memory). */
 static int mla_decode_amx(const uint16_t *q, const uint16_t *uk_t, const uint16_t *uv, const uint16_t *kv,
                           const int64_t *restrict block_tables, const int64_t *restrict context_lens,
                           const int64_t *restrict query_starts, float *restrict ql, float *restrict ol, uint16_t *out,
                           int64_t batch, int64_t rows, int64_t heads, int64_t block_size, int64_t table_width,
                           int64_t block_stride, int64_t layer_offset, float scale, int num_threads) {
-    int64_t most = 0;
+    int64_t most = 0, chunks = (heads + HC - 1) / HC;
     for (int64_t b = 0; b < batch; b++) most = context_lens[b] > most ? context_lens[b] : most;
+    while (chunks < heads && batch * chunks < 2 * num_threads) chunks++;
+    const int64_t hc = (heads + chunks - 1) / chunks;
+    chunks = (heads + hc - 1) / hc;
     const size_t scratch = sizeof(uint16_t) * attend_amx_elems(most);
     int failed = 0;
-#pragma omp parallel num_threads(num_threads < heads ? num_threads : (int)heads)
+#pragma omp parallel num_threads(num_threads)
     {
         const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
         const int64_t h_lo = heads * t / n, h_hi = heads * (t + 1) / n;
         uint16_t *kt = malloc(scratch);
-        if (kt == NULL) {
-#pragma omp atomic write
-            failed = 1;
-        } else if (h_lo < h_hi) {
-            amx_configure();
+        const int ready = amx_thread_ready(kt != NULL, &failed);
+        if (ready) {
             for (int64_t r = 0; r < rows; r++)
                 for (int64_t h = h_lo; h < h_hi; h++)
                     for (int d = 0; d < ROPE; d++)
                         ql[(r * heads + h) * LAT + RANK + d] = scale * bf16_to_f32(q[(r * heads + h) * QDIM + NOPE + d]);
             heads_amx(q, 0, QDIM, uk_t, RANK, NOPE, ql, 0, LAT, scale, rows, heads, h_lo, h_hi);
-            for (int64_t b = 0; b < batch; b++)
-                for (int64_t h0 = h_lo; h0 < h_hi; h0 += HC)
-                    attend_amx(ql, kv, block_tables + b * table_width, context_lens[b],
-                               query_starts ? query_starts[b] : b, query_starts ? query_starts[b + 1] : b + 1, ol,
-                               heads, h0, min64(HC, h_hi - h0), block_size, block_stride, layer_offset, kt);
+        }
+#pragma omp barrier
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t item = 0; item < batch * chunks; item++) {
+            const int64_t b = item / chunks, h0 = item % chunks * hc;
+            if (ready)
+                attend_amx(ql, kv, block_tables + b * table_width, context_lens[b],
+                           query_starts ? query_starts[b] : b, query_starts ? query_starts[b + 1] : b + 1, ol, heads,
+                           h0, min64(hc, heads - h0), block_size, block_stride, layer_offset, kt);
+        }
+        if (ready) {
             heads_amx(ol, 1, RANK, uv, VDIM, RANK, out, 1, VDIM, 1.0f, rows, heads, h_lo, h_hi);
             _tile_release();
         }
