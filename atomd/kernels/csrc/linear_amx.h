@@ -1,4 +1,5 @@
-/* Part of layer_ops.c's translation unit, included by it only (after the bf16 row helpers: to_bf16).
+/* Part of layer_ops.c's translation unit, included by it only (after the bf16 row helpers: to_bf16,
+ * and moe_amx.h: amx_put_row, the rows' A tile layout).
  *
  * atomd_linear_amx_bf16: y [M][N] = x [M][K] @ W^T, bf16 in and out, float32 sums, for a few rows
  * (a batch's decode step) as AMX tile products over the weight as oneDNN packed it at load
@@ -13,10 +14,7 @@
  * Work: the output blocks shared statically by the threads, each thread packing the rows into A
  * tiles once per 32 rows. Returns 0, -1 (no scratch memory) or 1 (no AMX tiles here: nothing done).
  * K and N multiples of 32. */
-#if BF16_CVT && defined(__AMX_TILE__) && defined(__AMX_BF16__)
-#include <stdlib.h>
-
-#include "amx.h"
+#if MOE_AMX
 #define LINEAR_AMX 1
 
 int atomd_linear_amx_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *w, bf16_t *y, int64_t M, int64_t K,
@@ -32,13 +30,8 @@ int atomd_linear_amx_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *w, bf
         for (int64_t m0 = 0; m0 < M; m0 += 32) {
             const int64_t mr = M - m0 < 32 ? M - m0 : 32;
             const int two = mr > 16;
-            for (int64_t r = 0; ready && r < (two ? 32 : 16); r++) {  /* rows past mr: zeros (outputs dropped) */
-                bf16_t *dst = xa + (r / 16) * K * 16 + (r % 16) * 32;
-                for (int64_t k = 0; k < KB; k++) {
-                    if (r < mr) memcpy(dst + k * 512, x + (m0 + r) * x_stride + k * 32, 64);
-                    else memset(dst + k * 512, 0, 64);
-                }
-            }
+            for (int64_t r = 0; ready && r < (two ? 32 : 16); r++)  /* rows past mr: zeros (outputs dropped) */
+                amx_put_row(xa, r, r < mr ? x + (m0 + r) * x_stride : NULL, K);
 #pragma omp for schedule(static)
             for (int64_t j = 0; j < NB; j++) {
                 if (!ready) continue;
