@@ -182,14 +182,20 @@ def test_absorbed_decode_equals_the_up_projected_attention(lens, heads, shape, d
             torch.testing.assert_close(got, mla_decode(q, cache, layer, torch_path, up, scale), atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("shape", MLA_SHAPES)
-def test_prefill_batches_fresh_prompts_of_one_length(shape):
-    """mla_prefill: the fresh prompts' rows up-projected in one matmul, each run of consecutive fresh
-    prompts of one length one batched SDPA (5, 5, 5; 5, 5 after a 7; a lone 1), a sequence with cached
-    tokens (a 4-token chunk after 9, the step's first rows) alone: every row against
-    float64 causal attention over its own sequence's up-projected latents."""
+@pytest.mark.parametrize("shape,group_rows", [("odd", mla.PREFILL_GROUP_ROWS), ("vec", mla.PREFILL_GROUP_ROWS),
+                                              ("vec", 10)])
+def test_prefill_batches_fresh_prompts_of_one_length(shape, group_rows, monkeypatch):
+    """mla_prefill: consecutive fresh prompts of one length one up-projection and one batched SDPA
+    (5, 5, 5; 5, 5 after a 7; a lone 1; with groups of at most 10 rows the first run cut into 5, 5
+    and 5), a sequence with cached tokens (a 4-token chunk after 9, the step's first rows) alone:
+    every row against float64 causal attention over its own sequence's up-projected latents."""
     from atomd.engine.kv_cache import SeqSlice
     from atomd.engine.runner import causal_mask
+
+    monkeypatch.setattr(mla, "PREFILL_GROUP_ROWS", group_rows)
+    sdpa, batches = mla.F.scaled_dot_product_attention, []
+    monkeypatch.setattr(mla.F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: batches.append(q.shape[0]) or sdpa(q, *a, **k))
 
     (nope, rope, v, rank), heads, scale, dtype = MLA_SHAPES[shape], 4, 0.3, torch.float32
     lens, done = [13, 5, 5, 5, 7, 5, 5, 1], [9, 0, 0, 0, 0, 0, 0, 0]  # context lengths; tokens cached before
@@ -206,6 +212,7 @@ def test_prefill_batches_fresh_prompts_of_one_length(shape):
     kv_b = (torch.randn(heads * (nope + v), rank, generator=g) * 0.2).to(dtype)
     q = torch.randn(len(rows), heads, nope + rope, generator=g).to(dtype)
     got = mla.mla_prefill(q, latents[0][rows], cache, 0, meta, LatentUp.of(kv_b, heads, nope, v, pack=False), scale)
+    assert batches == ([1, 3, 1, 2, 1] if group_rows >= 15 else [1, 2, 1, 1, 2, 1])  # sequences an SDPA
     for s, n, d, e in zip(seqs, lens, done, ends):
         for i in range(s.end - s.start):
             want = naive_attention(q[s.start + i], latents[0][e - n:e - n + d + i + 1], kv_b, heads, nope, v, rank,

@@ -84,36 +84,35 @@ def up_project(latent: torch.Tensor, up: LatentUp, rank: int) -> tuple[torch.Ten
     return k, v
 
 
+# fresh prompts of one length share an up-projection and an SDPA up to this many rows together: kv_b
+# read once for them, their k, v still in cache for the attention (16 prompts of 32 tokens: two groups;
+# one group of 1024 rows or more was slower than a sequence at a time, its k, v out of cache)
+PREFILL_GROUP_ROWS = 256
+
+
 def mla_prefill(q: torch.Tensor, latent: torch.Tensor, kv_cache: KVCache, layer: int, meta: AttentionMetadata,
                 up: LatentUp, scale: float) -> torch.Tensor:
     """Causal attention [T, heads * v] of the packed queries q [T, heads, nope + rope] (RoPE'd)
     over their sequences' contexts: a fresh prompt's from its own new latent rows [T, rank +
     rope], one with cached tokens (chunked prefill, prefix hit, drafts to verify) from the cache
-    (this step's rows stored already). SDPA over the up-projected k, v: the fresh prompts' rows
-    up-projected in one matmul (kv_b read once a step, not once a sequence: 16 prompts of 32 tokens
-    read it 16 times), each run of consecutive fresh prompts of one length one batched SDPA; a
-    sequence with cached tokens its own up-projection and SDPA."""
+    (this step's rows stored already). SDPA over the up-projected k, v; consecutive fresh prompts of
+    one length in groups of up to PREFILL_GROUP_ROWS rows: one up-projection and one batched SDPA a
+    group (16 prompts of 32 tokens read kv_b's 4 MB 16 times a layer one at a time)."""
     rank, heads = kv_cache.head_dim - (q.shape[2] - up.nope), q.shape[1]
     out = torch.empty(q.shape[0], heads * up.v, dtype=q.dtype)
-    seqs, fresh = meta.seqs, [s for s in meta.seqs if s.num_computed == 0]
-    if fresh:
-        lo, hi = min(s.start for s in fresh), max(s.end for s in fresh)
-        k_new, v_new = up_project(latent[lo:hi], up, rank)  # [rows, heads, d]
-    i = 0
+    seqs, i = meta.seqs, 0
     while i < len(seqs):
         s, j = seqs[i], i + 1
         n = s.end - s.start
         if s.num_computed == 0:
-            while (j < len(seqs) and seqs[j].num_computed == 0 and seqs[j].end - seqs[j].start == n
-                   and seqs[j].start == seqs[j - 1].end):
+            while (j < len(seqs) and (j - i + 1) * n <= PREFILL_GROUP_ROWS and seqs[j].num_computed == 0
+                   and seqs[j].end - seqs[j].start == n and seqs[j].start == seqs[j - 1].end):
                 j += 1
-            start, end, batch = s.start, seqs[j - 1].end, j - i
-            k, v = (t[start - lo:end - lo].view(batch, n, heads, -1).transpose(1, 2) for t in (k_new, v_new))
-            mask = None
+            start, end, batch, mask, context = s.start, seqs[j - 1].end, j - i, None, latent[s.start:seqs[j - 1].end]
         else:
             start, end, batch, mask = s.start, s.end, 1, s.mask
-            k, v = (t.transpose(0, 1).unsqueeze(0) for t in up_project(
-                gather_latent(kv_cache, layer, s.block_ids)[:s.context_len], up, rank))
+            context = gather_latent(kv_cache, layer, s.block_ids)[:s.context_len]
+        k, v = (t.view(batch, -1, heads, t.shape[-1]).transpose(1, 2) for t in up_project(context, up, rank))
         o = F.scaled_dot_product_attention(q[start:end].view(batch, n, heads, -1).transpose(1, 2), k, v,
                                            attn_mask=mask, is_causal=mask is None, scale=scale)
         out[start:end] = o[..., :up.v].transpose(1, 2).reshape(end - start, -1)
