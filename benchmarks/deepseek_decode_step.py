@@ -16,7 +16,9 @@ in the running engine (the same weights, the same prompts):
 - layer: `perop` (the batch-1 layer as ~30 Python-level calls, deepseek.FUSED off) vs `c`
   (deepseek.MlaDecodeLayers: three C calls a layer);
 - rows: `perop` (a decode batch's glue between the linears as torch ops, deepseek.ROWS off) vs `c`
-  (deepseek.MlaRows: the head's RoPE / norm / latent store and the routed experts one C call each).
+  (deepseek.MlaRows: the head's RoPE / norm / latent store and the routed experts one C call each);
+- linear-amx: `onednn` (a batch's bf16 linears through oneDNN's call, linear.AMX off) vs `tiles`
+  (layer_ops.linear_amx on oneDNN's packed weights: the same bits; an AMX CPU).
 Each variant's figure: its mean per decode step in one run, medians over --rounds.
 `--llama-cpp`: llama-bench's tg128 at depth 128 on the shape's BF16 GGUF (the same checkpoint,
 benchmarks/decode_step_profile.py's llama_bench: its CPU time per token, comparable to the
@@ -39,7 +41,7 @@ import time
 import torch
 
 from atomd.llm import LLM
-from atomd.model import deepseek, mla, moe
+from atomd.model import deepseek, linear, mla, moe
 from benchmarks.machine import cpu_model, loadavg
 from benchmarks.model_shapes import SHAPES, model_dir
 from benchmarks.offline import prompts
@@ -71,12 +73,15 @@ def variant(switch: str, name: str):
         return switched(deepseek, FUSED=False)
     if switch == "rows" and name == "perop":
         return switched(deepseek, ROWS=False)
+    if switch == "linear-amx" and name == "onednn":
+        return switched(linear, AMX=False)
     if switch == "moe" and name == "loop":
         return switched(moe, GROUPED=False, AMX=False)
     return contextlib.nullcontext()
 
 
-VARIANTS = {"mla": ("torch", "c"), "mla-amx": ("avx512", "tiles"), "moe": ("loop", "grouped"), "layer": ("perop", "c"), "rows": ("perop", "c")}
+VARIANTS = {"mla": ("torch", "c"), "mla-amx": ("avx512", "tiles"), "moe": ("loop", "grouped"), "layer": ("perop", "c"), "rows": ("perop", "c"),
+            "linear-amx": ("onednn", "tiles")}
 
 
 def timed_decode_steps(llm: LLM, batch: list[list[int]], new: int) -> tuple[float, float, int, float]:

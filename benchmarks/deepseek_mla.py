@@ -150,7 +150,7 @@ def attention_ms(rounds: int) -> list[dict]:
             latent = gather_latent(cache, 0, tables)
             out = []
             for b in range(batch):
-                k, vv = up_project(latent[b], up, rank)
+                k, vv = (t.transpose(0, 1) for t in up_project(latent[b], up, rank))  # [heads, n, d]
                 out.append(F.scaled_dot_product_attention(q[b][None, :, None], k.unsqueeze(0), vv.unsqueeze(0),
                                                           scale=0.1))
             return out

@@ -182,6 +182,44 @@ def test_absorbed_decode_equals_the_up_projected_attention(lens, heads, shape, d
             torch.testing.assert_close(got, mla_decode(q, cache, layer, torch_path, up, scale), atol=tol, rtol=tol)
 
 
+@pytest.mark.parametrize("shape,group_rows", [("odd", mla.PREFILL_GROUP_ROWS), ("vec", mla.PREFILL_GROUP_ROWS),
+                                              ("vec", 10)])
+def test_prefill_batches_fresh_prompts_of_one_length(shape, group_rows, monkeypatch):
+    """mla_prefill: consecutive fresh prompts of one length one up-projection and one batched SDPA
+    (5, 5, 5; 5, 5 after a 7; a lone 1; with groups of at most 10 rows the first run cut into 5, 5
+    and 5), a sequence with cached tokens (a 4-token chunk after 9, the step's first rows) alone:
+    every row against float64 causal attention over its own sequence's up-projected latents."""
+    from atomd.engine.kv_cache import SeqSlice
+    from atomd.engine.runner import causal_mask
+
+    monkeypatch.setattr(mla, "PREFILL_GROUP_ROWS", group_rows)
+    sdpa, batches = mla.F.scaled_dot_product_attention, []
+    monkeypatch.setattr(mla.F, "scaled_dot_product_attention",
+                        lambda q, *a, **k: batches.append(q.shape[0]) or sdpa(q, *a, **k))
+
+    (nope, rope, v, rank), heads, scale, dtype = MLA_SHAPES[shape], 4, 0.3, torch.float32
+    lens, done = [13, 5, 5, 5, 7, 5, 5, 1], [9, 0, 0, 0, 0, 0, 0, 0]  # context lengths; tokens cached before
+    g = torch.Generator().manual_seed(11)
+    cache, tables, latents = latent_cache(lens, rank, rope, dtype, 1, g)
+    ends = torch.tensor(lens).cumsum(0).tolist()
+    rows = torch.cat([torch.arange(e - n + d, e) for n, d, e in zip(lens, done, ends)])  # the step's rows
+    seqs, start = [], 0
+    for b, (n, d) in enumerate(zip(lens, done)):
+        ctx_blocks = tables[b, :-(-n // BLOCK)]
+        seqs.append(SeqSlice(start, start + n - d, d, n, ctx_blocks if d else None, causal_mask(d, n) if d else None))
+        start += n - d
+    meta = AttentionMetadata(True, torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), seqs)
+    kv_b = (torch.randn(heads * (nope + v), rank, generator=g) * 0.2).to(dtype)
+    q = torch.randn(len(rows), heads, nope + rope, generator=g).to(dtype)
+    got = mla.mla_prefill(q, latents[0][rows], cache, 0, meta, LatentUp.of(kv_b, heads, nope, v, pack=False), scale)
+    assert batches == ([1, 3, 1, 2, 1] if group_rows >= 15 else [1, 2, 1, 1, 2, 1])  # sequences an SDPA
+    for s, n, d, e in zip(seqs, lens, done, ends):
+        for i in range(s.end - s.start):
+            want = naive_attention(q[s.start + i], latents[0][e - n:e - n + d + i + 1], kv_b, heads, nope, v, rank,
+                                   scale)
+            torch.testing.assert_close(got[s.start + i].double(), want, atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("isa", ISA_FLAGS)
 @pytest.mark.parametrize("shape", MLA_SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
@@ -220,7 +258,8 @@ def test_absorbed_decode_on_amx_tiles(lens, heads, runs, isa, monkeypatch):
     sequence): the tile path (on AMX CPUs under the native build) against float64 attention over
     up-projected k, v and against the kernel's AVX-512 path on the same inputs. The kernel reports
     the tiles where the CPU has them and the build keeps them, and the switch turns them off. On
-    3 threads (each configures its own tiles)."""
+    3 threads (each configures its own tiles and runs all three phases for its share of the heads),
+    bit-equal to one thread."""
     monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
     (nope, rope, v, rank), dtype, scale = TILE_SHAPE, torch.bfloat16, 0.3
     g = torch.Generator().manual_seed(len(lens) + heads)
@@ -238,6 +277,9 @@ def test_absorbed_decode_on_amx_tiles(lens, heads, runs, isa, monkeypatch):
     try:
         assert native.mla_amx(lib, True) == tiles
         got = decode()
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 1)  # every head on one thread, 16 a pass
+        assert torch.equal(decode(), got)  # the heads' shares (3 threads: 8 or fewer a pass) change no bit
+        monkeypatch.setattr(torch, "get_num_threads", lambda: 3)
         assert not native.mla_amx(lib, False)
         avx512 = decode()
     finally:

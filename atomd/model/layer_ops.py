@@ -139,6 +139,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib.atomd_mla_rows_moe_bf16.argtypes = [_PTR] * 6 + [_PTR, _I64, _PTR, _PTR, _PTR, _PTR, _I64, _PTR, ctypes.c_int]
     lib.atomd_mla_rows_moe_bf16.restype = ctypes.c_int
     lib.moe_amx = bool(lib.atomd_moe_amx_kind())  # built with AMX tiles and granted their state
+    lib.atomd_linear_amx_bf16.argtypes = [_PTR, _I64, _PTR, _PTR] + [_I64] * 3 + [ctypes.c_int]
+    lib.atomd_linear_amx_bf16.restype = lib.atomd_linear_amx_kind.restype = ctypes.c_int
+    lib.linear_amx = bool(lib.atomd_linear_amx_kind())
     lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 5 + [ctypes.c_int]
     lib.atomd_moe_q8.restype = lib.atomd_moe_q8_kind.restype = ctypes.c_int
     lib.moe_q8_kind = lib.atomd_moe_q8_kind()
@@ -326,6 +329,28 @@ def has_moe_amx() -> bool:
 
 
 AMX_MULTIPLE = 32  # hidden and an expert's intermediate size: multiples of this for pack_amx / moe_amx
+
+
+def has_linear_amx() -> bool:
+    """Whether linear_amx runs here: the kernels built with AMX tiles (not narrowed by $ATOMD_KERNEL_ISA)
+    and Linux granted this process the tile state."""
+    lib = kernels()
+    return lib is not None and lib.linear_amx
+
+
+def linear_amx(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """x [M, K] @ weight.T (bf16) on AMX tiles (csrc/linear_amx.h) over `weight` as oneDNN packed it
+    (a bf16 mkldnn tensor [N, K] in its AB16b32a2b layout; N, K multiples of AMX_MULTIPLE: the caller,
+    linear.py, checks the layout); None where the kernel does not run here. x's rows may be strided."""
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+    status = kernels().atomd_linear_amx_bf16(x.data_ptr(), x.stride(0), torch.ops.mkldnn.data_ptr(weight),
+                                             out.data_ptr(), x.shape[0], x.shape[1], weight.shape[0],
+                                             torch.get_num_threads())
+    if status < 0:
+        raise MemoryError("linear_amx: no scratch memory")
+    return out if status == 0 else None
 
 
 def pack_amx(w: torch.Tensor) -> torch.Tensor:

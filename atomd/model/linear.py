@@ -3,15 +3,22 @@
 from __future__ import annotations
 
 import functools
+import os
 
 import torch
 import torch.nn.functional as F
 
+from atomd.kernels import cbuild
 from atomd.model import layer_ops
 from atomd.model.quant import QuantizedWeight, qlinear
 
 GEMV_ENV = "ATOMD_GEMV"  # "0": batch-1 decode through oneDNN too, no plain copies kept
 GEMV_MAX_BYTES = 1 << 30  # the packed copies kept beside batch-1 decode's plain rows, at most
+# a bf16 x of 2 .. AMX_MAX_ROWS rows (a batch's decode step) through a packed weight without bias on AMX
+# tiles (layer_ops.linear_amx: oneDNN's bits, its packed weight read as tiles) where the CPU has them;
+# False (or $ATOMD_LINEAR_AMX=0 at import): oneDNN's call (the A/B)
+AMX = os.environ.get("ATOMD_LINEAR_AMX") != "0"
+AMX_MAX_ROWS = 32  # from 33 rows oneDNN's AMX kernel sums in another order (other bits): its call
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -35,6 +42,11 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     if rows is not None and x.shape[0] == 1:
         out = layer_ops.gemv(x, rows)
         return out if bias is None else out.add_(bias)
+    if (weight.is_mkldnn and bias is None and x.dtype == weight.dtype == torch.bfloat16
+            and 1 < x.shape[0] <= AMX_MAX_ROWS and AMX and reads_onednn_layout(*weight.shape, cbuild.kernel_isa())):
+        out = layer_ops.linear_amx(x, weight)
+        if out is not None:
+            return out
     if weight.is_mkldnn or (weight is rows and onednn_runs(weight.dtype)):
         # a plain weight kept unpacked (decoder._pack_weights): oneDNN beats F.linear on it in float32 (~1.3x at M = 16)
         return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
@@ -60,3 +72,24 @@ def onednn_runs(dtype: torch.dtype) -> bool:
     """Whether oneDNN's linear takes this dtype here (bf16 needs AVX-512 BW/VL/DQ or AVX-NE-CONVERT)."""
     return torch.backends.mkldnn.is_available() and (
         dtype == torch.float32 or (dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported()))
+
+
+@functools.cache
+def reads_onednn_layout(n: int, k: int, isa: str) -> bool:
+    """Whether layer_ops.linear_amx (the kernels built for `isa`) reads a bf16 weight [n, k] as
+    pack_linear_weight packs it here: AMX tiles in this process, n and k multiples of 32, oneDNN's
+    packed copy exactly n * k values (no padding), and the kernel's output bit-equal to oneDNN's on
+    random probes of 2 and AMX_MAX_ROWS rows (the layout is oneDNN's choice for the shape and CPU:
+    checked once a shape, never assumed)."""
+    if not (layer_ops.has_linear_amx() and n % 32 == 0 and k % 32 == 0 and onednn_runs(torch.bfloat16)):
+        return False
+    g = torch.Generator().manual_seed(n * 31 + k)
+    weight = pack_linear_weight(torch.randn(n, k, generator=g).to(torch.bfloat16))
+    if torch.ops.mkldnn._nbytes(weight) != n * k * 2:
+        return False
+    for rows in (2, AMX_MAX_ROWS):
+        x = torch.randn(rows, k, generator=g).to(torch.bfloat16)
+        got = layer_ops.linear_amx(x, weight)
+        if got is None or not torch.equal(got, torch.ops.mkldnn._linear_pointwise(x, weight, None, "none", [], "")):
+            return False
+    return True

@@ -1312,6 +1312,8 @@ void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t r
 
 /* the MoE experts on AMX tiles (bf16) */
 #include "moe_amx.h"
+/* a few rows through a oneDNN-packed bf16 linear on AMX tiles */
+#include "linear_amx.h"
 /* int8 / int4 MoE experts: AMX-INT8 tiles (quant_amx.h) or the int8-activation rows (quant.h) */
 #include "quant_amx.h"
 #include "moe_q8.h"
@@ -1319,33 +1321,43 @@ void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t r
 /* DeepSeekMoE's routed experts for the R rows h [R][hidden] of a batch (atomd/model/deepseek.py,
  * the rows path) in one call: moe.moe()'s steps with DeepseekRouting's router: each row's router
  * (mla_route, as the batch-1 layer: float32, the same choice), the (row, choice) pairs sorted by
- * expert (row order kept within: argsort(stable)), the experts on AMX tiles (atomd_moe_amx_bf16)
- * into float32 pairs [R * top_k][hidden] scaled by their weights, each row's pairs summed in choice
- * order and rounded once into out (atomd_moe_sum_bf16); routed [experts] += the pairs per expert.
- * shared_gate_up / shared_down (packed as one expert of shared_inter, or NULL): the shared experts'
- * MLP over every row on the tiles too (bf16 rows into shared [R][hidden]), added to out as a bf16
- * add (routed + shared, as the per-op layer's `down + shared`).
- * Why: that was ~20 Python-level calls a layer (router, softmax, topk, argsort, bincount, index
- * math) at batch 16, a third of whose step was such serial glue (benchmarks/RESULTS.md #37).
+ * expert (row order kept within: argsort(stable)), the experts on AMX tiles (moe_amx.h's amx_item,
+ * atomd_moe_amx_bf16's work) into float32 pairs [R * top_k][hidden] scaled by their weights, each
+ * row's pairs summed in choice order and rounded once into out (atomd_moe_sum_bf16's sum);
+ * routed [experts] += the pairs per expert. shared_gate_up / shared_down (packed as one expert of
+ * shared_inter, or NULL): the shared experts' MLP over every row on the tiles too (bf16 rows into
+ * shared [R][hidden], scale 1), added to out as a bf16 add (routed + shared, as the per-op layer's
+ * `down + shared`).
+ * One OpenMP region: the routed experts' items and the shared expert's (first: the largest) shared
+ * by the threads in one dynamic loop, then the rows' sums; the router and the pair sort run on the
+ * calling thread before it (a 16-row batch's router is ~0.3 M multiply-adds). Why: the per-op
+ * layer was ~25 Python-level calls a layer, then four parallel regions a call (router, routed
+ * experts, the shared expert alone on one thread while the other idled, the sum): each fork and
+ * join a wait for a sleeping thread, 26 layers a step (benchmarks/RESULTS.md #37).
  * Returns 0, -1 (no memory) or 1 (no AMX tiles here: nothing done, the counters untouched). */
 #if MOE_AMX
+#define MLA_ROUTE_PARALLEL_MIN (1 << 22) /* router multiply-adds from which its rows get their own region */
 int atomd_mla_rows_moe_bf16(const mla_layer_config *c, const float *router, const float *correction,
                             const bf16_t *gate_up, const bf16_t *down, int64_t *routed, const bf16_t *h, int64_t R,
                             float *pairs, bf16_t *out, const bf16_t *shared_gate_up, const bf16_t *shared_down,
                             int64_t shared_inter, bf16_t *shared, int num_threads) {
     if (!amx_granted()) return 1;
-    const int64_t k = c->top_k, E = c->experts, H = c->hidden, P = R * k;
+    const int64_t k = c->top_k, E = c->experts, H = c->hidden, P = R * k, I = c->moe_inter;
+    const int64_t shared_items = shared_gate_up != NULL ? (R + AMX_CHUNK - 1) / AMX_CHUNK : 0;
+    const int64_t inter_max = shared_items && shared_inter > I ? shared_inter : I;
     int64_t *ids = malloc((size_t)(5 * P + 3 * E + 2 * R + 3) * sizeof(int64_t));
-    float *wts = malloc((size_t)(2 * P + E * num_threads + R) * sizeof(float));
-    if (ids == NULL || wts == NULL) {
+    float *wts = malloc((size_t)(2 * P + E * num_threads) * sizeof(float));
+    bf16_t *ones = malloc((size_t)R * sizeof(bf16_t));
+    if (ids == NULL || wts == NULL || ones == NULL) {
         free(ids);
         free(wts);
+        free(ones);
         return -1;
     }
     int64_t *tokens = ids + P, *dest = tokens + P, *counts = dest + P, *at = counts + E, *experts = at + E;
     int64_t *starts = experts + E;  /* [active + 1] */
     float *scales = wts + P, *logits = scales + P;
-#pragma omp parallel for num_threads(num_threads) if (R > 1)
+#pragma omp parallel for num_threads(num_threads) if (R * E * H >= MLA_ROUTE_PARALLEL_MIN)
     for (int64_t r = 0; r < R; r++) {
         float hf[H];
         for (int64_t i = 0; i < H; i++) hf[i] = bf16_to_float(h[r * H + i]);
@@ -1367,25 +1379,64 @@ int atomd_mla_rows_moe_bf16(const mla_layer_config *c, const float *router, cons
         const int64_t s = at[ids[p]]++;
         tokens[s] = p / k, dest[s] = p, scales[s] = wts[p];
     }
-    int status = atomd_moe_amx_bf16(h, gate_up, down, experts, starts, tokens, dest, scales, pairs, 1, H,
-                                    c->moe_inter, active, num_threads);
-    if (status == 0 && shared_gate_up != NULL) {  /* one expert, every row, scale 1: its rounded down output */
-        int64_t *rows = starts + active + 1, *one = rows + R;  /* rows [R], one: {0, 0, R} */
-        bf16_t *ones = (bf16_t *)(logits + E * num_threads);
-        for (int64_t r = 0; r < R; r++) rows[r] = r, ones[r] = float_to_bf16(1.0f);
-        one[0] = 0, one[1] = 0, one[2] = R;
-        status = atomd_moe_amx_bf16(h, shared_gate_up, shared_down, one, one + 1, rows, rows, ones, shared, 0, H,
-                                    shared_inter, 1, num_threads);
+    int64_t *rows = starts + active + 1;  /* the shared expert's rows and pairs: 0 .. R - 1, scale 1 */
+    for (int64_t r = 0; r < R; r++) rows[r] = r, ones[r] = float_to_bf16(1.0f);
+    int64_t routed_items, most;
+    int64_t *item_g = moe_items(starts, active, AMX_CHUNK, &routed_items, &most);
+    if (item_g == NULL) {
+        free(ids);
+        free(wts);
+        free(ones);
+        return -1;
     }
-    if (status == 0) {
+    const int64_t items = shared_items + routed_items;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        /* thread-owned, as atomd_moe_amx_bf16's: the rows' tiles, gate_up's output, the activations; a row, a block */
+        bf16_t *xa = malloc(sizeof(bf16_t) * AMX_CHUNK * (H + 3 * inter_max));
+        float *blk = malloc(sizeof(float) * (1024 + 2 * inter_max));
+        const int ready = amx_thread_ready(xa != NULL && blk != NULL, &failed);
+        bf16_t *gu = xa + AMX_CHUNK * H, *act = gu + AMX_CHUNK * 2 * inter_max;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t it = 0; it < items; it++) {
+            if (!ready) continue;
+            if (it < shared_items) {  /* AMX_CHUNK rows of the shared expert: bf16 rows of shared, scale 1 */
+                const int64_t p0 = it * AMX_CHUNK, m = R - p0 < AMX_CHUNK ? R - p0 : AMX_CHUNK;
+                for (int64_t r = 0; r < (m + 15) / 16 * 16; r++)
+                    amx_put_row(xa, r, r < m ? h + (p0 + r) * H : NULL, H);
+                amx_item(xa, m, shared_gate_up, shared_down, H, shared_inter, 1, gu, act, blk + 1024, blk, p0, rows,
+                         ones, shared, 0);
+                continue;
+            }
+            const int64_t j = it - shared_items, g = item_g[j];
+            int64_t p0;
+            const int64_t m = moe_item_rows(item_g, starts, j, AMX_CHUNK, &p0);
+            for (int64_t r = 0; r < (m + 15) / 16 * 16; r++)  /* rows past m: zeros (their outputs are dropped) */
+                amx_put_row(xa, r, r < m ? h + tokens[p0 + r] * H : NULL, H);
+            amx_item(xa, m, gate_up + experts[g] * 2 * I * H, down + experts[g] * H * I, H, I, 1, gu, act,
+                     blk + 1024, blk, p0, dest, scales, pairs, 1);
+        }
+        if (ready) _tile_release();
+        free(xa);
+        free(blk);
+        if (!failed) {  /* (the loop's barrier passed: every pair written) each row's pairs summed, + shared */
+#pragma omp for schedule(static)
+            for (int64_t r = 0; r < R; r++) {
+                atomd_moe_sum_bf16(pairs + r * k * H, 1, out + r * H, 1, k, H, 1);
+                if (shared_items)
+                    for (int64_t i = r * H; i < (r + 1) * H; i++)
+                        out[i] = float_to_bf16(bf16_to_float(out[i]) + bf16_to_float(shared[i]));
+            }
+        }
+    }
+    if (!failed)
         for (int64_t e = 0; e < E; e++) routed[e] += counts[e];
-        atomd_moe_sum_bf16(pairs, 1, out, R, k, H, num_threads);
-        if (shared_gate_up != NULL)
-            for (int64_t i = 0; i < R * H; i++) out[i] = float_to_bf16(bf16_to_float(out[i]) + bf16_to_float(shared[i]));
-    }
+    free(item_g);
     free(ids);
     free(wts);
-    return status;
+    free(ones);
+    return failed ? -1 : 0;
 }
 #else
 int atomd_mla_rows_moe_bf16(const void *c, const float *router, const float *correction, const bf16_t *gate_up,

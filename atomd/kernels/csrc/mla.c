@@ -20,6 +20,7 @@
  * CPUs bf16 calls of AMX_MIN_ROWS rows or more run all three phases as tile products (MLA_AMX below).
  */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -503,22 +504,20 @@ static inline void amx_rows_of(const float *out, int t, __m512 v[16]) {
     transpose16(v);
 }
 
-/* Phases 1 and 3 on tiles: per head h and row r, dst row (r, h) = scale * W[h] x row (r, h), for
- * the rows x (bf16, or float32 rounded to bf16 when x_f32; row r's head h at (r * heads + h) *
- * x_head) and the weights w [heads][n_out][k] bf16; dst float32 (r * heads + h) * dst_head + j,
- * or bf16 when dst_bf16. Work items: a head and a block of RB rows (its weights read once). */
+/* Phases 1 and 3 on tiles, the heads h_lo .. h_hi - 1 (a thread's, its tiles configured): per head h
+ * and row r, dst row (r, h) = scale * W[h] x row (r, h), for the rows x (bf16, or float32 rounded to
+ * bf16 when x_f32; row r's head h at (r * heads + h) * x_head) and the weights w [heads][n_out][k]
+ * bf16; dst float32 (r * heads + h) * dst_head + j, or bf16 when dst_bf16. A head's weights are read
+ * once per block of RB rows. */
 static void heads_amx(const void *x, int x_f32, int64_t x_head, const uint16_t *w, int n_out, int k, void *dst,
-                      int dst_bf16, int64_t dst_head, float scale, int64_t rows, int64_t heads, int num_threads) {
-    const int64_t blocks = (rows + RB - 1) / RB;
+                      int dst_bf16, int64_t dst_head, float scale, int64_t rows, int64_t heads, int64_t h_lo,
+                      int64_t h_hi) {
     const size_t x_size = x_f32 ? sizeof(float) : sizeof(uint16_t);
-#pragma omp parallel num_threads(num_threads)
-    {
-        uint16_t xb[RB * (NOPE > RANK ? NOPE : RANK)];
-        float c[4 * 256];
-        amx_configure();
-#pragma omp for schedule(static)
-        for (int64_t item = 0; item < heads * blocks; item++) {
-            const int64_t h = item / blocks, r0 = item % blocks * RB, nr = min64(RB, rows - r0);
+    uint16_t xb[RB * (NOPE > RANK ? NOPE : RANK)];
+    float c[4 * 256];
+    for (int64_t h = h_lo; h < h_hi; h++)
+        for (int64_t r0 = 0; r0 < rows; r0 += RB) {
+            const int64_t nr = min64(RB, rows - r0);
             amx_pack_rows((const char *)x + (r0 * heads + h) * x_head * x_size, x_f32, heads * x_head, nr, k, xb);
             for (int64_t j0 = 0; j0 < n_out; j0 += 32) {
                 const int two_a = j0 + 16 < n_out;
@@ -537,135 +536,149 @@ static void heads_amx(const void *x, int x_f32, int64_t x_head, const uint16_t *
                 }
             }
         }
-        _tile_release();
+}
+
+/* The scratch (uint16_t elements) of attend_amx for a context of up to ctx keys: kt, vt, the
+ * probabilities (bf16), the scores (float) */
+static inline int64_t attend_amx_elems(int64_t ctx) {
+    const int64_t n16 = (ctx + 15) / 16 > 0 ? (ctx + 15) / 16 : 1, n32 = (n16 + 1) / 2;
+    return n16 * 16 * LAT + n32 * 32 * RANK + 32 * n32 * 32 + 2 * 16 * n16 * 16;
+}
+
+/* Phase 2 on tiles for sequence b and its heads h0 .. h0 + nh - 1 (nh <= 16; a thread's, its tiles
+ * configured): ol as attend's, bf16 cache, kt its scratch (attend_amx_elems of the context). The
+ * sequence's latent rows packed once: keys as B tiles kt [t / 16][LAT / 32][16 dim pairs][16 tokens]
+ * [2], the c part as B tiles vt [RANK / 16][t / 32][16 token pairs][16 dims][2]. Per query row: the
+ * heads' queries split into bf16 hi + lo halves (float32-like precision through the bf16 products)
+ * are the A operand of the scores (A row g: head g's hi, row L + g its lo; L = 8 where nh <= 8, so
+ * both halves share one 16-row tile, else 16), an exact float32 softmax per head, the probabilities
+ * normalised and split the same way the A operand of P V into ol. */
+static void attend_amx(const float *restrict ql, const uint16_t *kv, const int64_t *restrict table, int64_t full_ctx,
+                       int64_t r_begin, int64_t r_end, float *restrict ol, int64_t heads, int64_t h0, int64_t nh,
+                       int64_t block_size, int64_t block_stride, int64_t layer_offset, uint16_t *restrict kt) {
+    const int64_t n16 = (full_ctx + 15) / 16 > 0 ? (full_ctx + 15) / 16 : 1, n32 = (n16 + 1) / 2;
+    const int L = nh <= 8 ? 8 : 16, two_a = L == 16;
+    float c[4 * 256];
+    uint16_t qa[32 * LAT];
+    uint16_t *vt = kt + n16 * 16 * LAT, *pb = vt + n32 * 32 * RANK;
+    float *sc = (float *)(pb + 32 * n32 * 32);
+    const uint16_t *row[32];
+    for (int64_t t0 = 0; t0 < n32 * 32; t0 += 32) {
+        for (int64_t i = 0; i < 32; i++) {
+            const int64_t t = t0 + i;
+            row[i] = t >= full_ctx ? NULL : kv + table[t / block_size] * block_stride + layer_offset + t % block_size * LAT;
+        }
+        amx_pack16((const void *const *)row, 0, LAT, kt + t0 * LAT);
+        if (t0 + 16 < n16 * 16) amx_pack16((const void *const *)(row + 16), 0, LAT, kt + (t0 + 16) * LAT);
+        /* values: tile row p = tokens 2p and 2p + 1 interleaved over 16 dims */
+        const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
+                                             39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        for (int64_t d0 = 0; d0 < RANK; d0 += 16) {
+            uint16_t *tile = vt + (d0 / 16 * n32 + t0 / 32) * 512;
+            for (int p = 0; p < 16; p++) {
+                __m512i pair[2];
+                for (int i = 0; i < 2; i++) {
+                    const uint16_t *src = row[2 * p + i];
+                    pair[i] = src == NULL ? _mm512_setzero_si512()
+                                          : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(src + d0)));
+                }
+                _mm512_storeu_si512(tile + 32 * p, _mm512_permutex2var_epi16(pair[0], idx, pair[1]));
+            }
+        }
+    }
+    for (int64_t r = r_begin; r < r_end; r++) {
+        const int64_t ctx = full_ctx - (r_end - 1 - r), k16 = (ctx + 15) / 16, k32 = (ctx + 31) / 32;
+        for (int g = 0; g < L; g++)
+            for (int d = 0; d < LAT; d += 16)
+                split_bf16(g < nh ? _mm512_loadu_ps(ql + (r * heads + h0 + g) * LAT + d) : _mm512_setzero_ps(),
+                           qa + g * LAT + d, qa + (L + g) * LAT + d);
+        for (int64_t tb = 0; tb < k16; tb += 2) {  /* scores, 32 keys a pass: hi and lo halves summed */
+            const int two = tb + 1 < k16;
+            amx_tiles(qa, LAT, two_a, kt + tb * 16 * LAT, 16 * LAT, two, LAT / 32, c);
+            for (int g = 0; g < nh; g++)
+                for (int k = 0; k < 1 + two; k++)  /* key block tb + k: A rows g (hi) and L + g (lo) */
+                    _mm512_storeu_ps(sc + g * n16 * 16 + (tb + k) * 16,
+                                     _mm512_add_ps(_mm512_loadu_ps(c + 512 * k + g * 16),
+                                                   _mm512_loadu_ps(c + 512 * k + (L + g) * 16)));
+        }
+        for (int g = 0; g < L; g++) {
+            uint16_t *pg = pb + g * n32 * 32, *pl = pb + (L + g) * n32 * 32;
+            if (g >= nh || ctx <= 0) {
+                memset(pg, 0, sizeof(uint16_t) * n32 * 32);
+                memset(pl, 0, sizeof(uint16_t) * n32 * 32);
+                continue;
+            }
+            float *sg = sc + g * n16 * 16, m = -INFINITY, total = 0.0f;
+            for (int64_t t = 0; t < ctx; t++) m = sg[t] > m ? sg[t] : m;
+#pragma omp simd reduction(+ : total)
+            for (int64_t t = 0; t < ctx; t++) {
+                sg[t] = exp_nonpositive(sg[t] - m);
+                total += sg[t];
+            }
+            const __m512 inv = _mm512_set1_ps(1.0f / total);
+            for (int64_t t = 0; t < n32 * 32; t += 16)
+                split_bf16(_mm512_maskz_mul_ps(t + 16 <= ctx ? 0xffff : t < ctx ? (1u << (ctx - t)) - 1 : 0,
+                                               _mm512_loadu_ps(sg + t), inv), pg + t, pl + t);
+        }
+        for (int64_t d0 = 0; d0 < RANK; d0 += 32) {  /* P V, 32 latent dims a pass */
+            amx_tiles(pb, n32 * 32, two_a, vt + d0 / 16 * n32 * 512, n32 * 512, 1, (int)k32, c);
+            for (int g = 0; g < nh; g++)
+                for (int k = 0; k < 2; k++)  /* dims d0 + 16 k: hi row + lo row */
+                    _mm512_storeu_ps(ol + (r * heads + h0 + g) * RANK + d0 + 16 * k,
+                                     _mm512_add_ps(_mm512_loadu_ps(c + 512 * k + g * 16),
+                                                   _mm512_loadu_ps(c + 512 * k + (L + g) * 16)));
+        }
     }
 }
 
-/* Phase 1 on tiles: ql as absorb_queries', bf16 q and uk_t (the rope part copied, scaled). */
-static void absorb_queries_amx(const uint16_t *q, const uint16_t *uk_t, float *restrict ql, int64_t rows,
-                               int64_t heads, float scale, int num_threads) {
-    for (int64_t rh = 0; rh < rows * heads; rh++)
-        for (int d = 0; d < ROPE; d++) ql[rh * LAT + RANK + d] = scale * bf16_to_f32(q[rh * QDIM + NOPE + d]);
-    heads_amx(q, 0, QDIM, uk_t, RANK, NOPE, ql, 0, LAT, scale, rows, heads, num_threads);
-}
-
-/* Phase 2 on tiles: ol as attend's, bf16 cache. A work item (a sequence and a chunk of at most
- * 16 of its heads, as attend's) packs its context's latent rows once: keys as B tiles kt [t / 16]
- * [LAT / 32][16 dim pairs][16 tokens][2], the c part as B tiles vt [RANK / 16][t / 32][16 token
- * pairs][16 dims][2]. Per query row: the heads' queries rounded to bf16 (as torch's absorbed path
- * rounds them) are the A operand [16 heads][LAT] of the scores (tiles of 16 heads x 16 keys), an
- * exact float32 softmax per head, the probabilities normalised and rounded to bf16 (torch's path
- * too) the A operand [16 heads][keys] of P V (tiles of 16 heads x 16 latent dims) into ol. */
-static int attend_amx(const float *restrict ql, const uint16_t *kv, const int64_t *restrict block_tables,
-                      const int64_t *restrict context_lens, const int64_t *restrict query_starts, float *restrict ol,
-                      int64_t batch, int64_t heads, int64_t block_size, int64_t table_width, int64_t block_stride,
-                      int64_t layer_offset, int num_threads) {
-    int64_t chunks = (heads + HC - 1) / HC;
+/* All three phases on tiles in one OpenMP region: phase 1 (ql: absorb_queries', the rope part
+ * copied, scaled) and phase 3 (out bf16, project_values') split by heads, each thread a contiguous
+ * share (its W_UK / W_UV rows read once per RB rows); between them phase 2 over work items of a
+ * sequence and a chunk of its heads (attend's: all of a sequence's heads, at most 16, where the batch
+ * keeps the threads busy; its latent rows packed once an item), shared dynamically. Why one region:
+ * three were three forks and joins a layer (a sleeping thread woken each, 26 layers a step); two
+ * barriers remain. Returns 0 or -1 (no scratch memory). */
+static int mla_decode_amx(const uint16_t *q, const uint16_t *uk_t, const uint16_t *uv, const uint16_t *kv,
+                          const int64_t *restrict block_tables, const int64_t *restrict context_lens,
+                          const int64_t *restrict query_starts, float *restrict ql, float *restrict ol, uint16_t *out,
+                          int64_t batch, int64_t rows, int64_t heads, int64_t block_size, int64_t table_width,
+                          int64_t block_stride, int64_t layer_offset, float scale, int num_threads) {
+    int64_t most = 0, chunks = (heads + HC - 1) / HC;
+    for (int64_t b = 0; b < batch; b++) most = context_lens[b] > most ? context_lens[b] : most;
     while (chunks < heads && batch * chunks < 2 * num_threads) chunks++;
     const int64_t hc = (heads + chunks - 1) / chunks;
     chunks = (heads + hc - 1) / hc;
+    const size_t scratch = sizeof(uint16_t) * attend_amx_elems(most);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads)
     {
-        float c[4 * 256];
-        uint16_t qa[32 * LAT];
-        amx_configure();
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t h_lo = heads * t / n, h_hi = heads * (t + 1) / n;
+        uint16_t *kt = malloc(scratch);
+        const int ready = amx_thread_ready(kt != NULL, &failed);
+        if (ready) {
+            for (int64_t r = 0; r < rows; r++)
+                for (int64_t h = h_lo; h < h_hi; h++)
+                    for (int d = 0; d < ROPE; d++)
+                        ql[(r * heads + h) * LAT + RANK + d] = scale * bf16_to_f32(q[(r * heads + h) * QDIM + NOPE + d]);
+            heads_amx(q, 0, QDIM, uk_t, RANK, NOPE, ql, 0, LAT, scale, rows, heads, h_lo, h_hi);
+        }
+#pragma omp barrier
 #pragma omp for schedule(dynamic, 1)
         for (int64_t item = 0; item < batch * chunks; item++) {
-            const int64_t b = item / chunks, h0 = item % chunks * hc, nh = min64(hc, heads - h0);
-            const int64_t full_ctx = context_lens[b], *table = block_tables + b * table_width;
-            const int64_t r_begin = query_starts ? query_starts[b] : b;
-            const int64_t r_end = query_starts ? query_starts[b + 1] : b + 1;
-            const int64_t n16 = (full_ctx + 15) / 16 > 0 ? (full_ctx + 15) / 16 : 1, n32 = (n16 + 1) / 2;
-            /* kt, vt, then the scores [16][n16 * 16] (float) and the probabilities [16][n32 * 32] (bf16) */
-            uint16_t *kt = malloc(sizeof(uint16_t) * (n16 * 16 * LAT + n32 * 32 * RANK + 32 * n32 * 32) +
-                                  sizeof(float) * 16 * n16 * 16);
-            if (kt == NULL) {
-#pragma omp atomic write
-                failed = 1;
-                continue;
-            }
-            uint16_t *vt = kt + n16 * 16 * LAT, *pb = vt + n32 * 32 * RANK;
-            float *sc = (float *)(pb + 32 * n32 * 32);
-            const uint16_t *row[32];
-            for (int64_t t0 = 0; t0 < n32 * 32; t0 += 32) {
-                for (int64_t i = 0; i < 32; i++) {
-                    const int64_t t = t0 + i;
-                    row[i] = t >= full_ctx ? NULL
-                             : kv + table[t / block_size] * block_stride + layer_offset + t % block_size * LAT;
-                }
-                amx_pack16((const void *const *)row, 0, LAT, kt + t0 * LAT);
-                if (t0 + 16 < n16 * 16) amx_pack16((const void *const *)(row + 16), 0, LAT, kt + (t0 + 16) * LAT);
-                /* values: tile row p = tokens 2p and 2p + 1 interleaved over 16 dims */
-                const __m512i idx = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
-                                                     39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-                for (int64_t d0 = 0; d0 < RANK; d0 += 16) {
-                    uint16_t *tile = vt + (d0 / 16 * n32 + t0 / 32) * 512;
-                    for (int p = 0; p < 16; p++) {
-                        __m512i pair[2];
-                        for (int i = 0; i < 2; i++) {
-                            const uint16_t *src = row[2 * p + i];
-                            pair[i] = src == NULL ? _mm512_setzero_si512()
-                                                  : _mm512_castsi256_si512(_mm256_loadu_si256((const __m256i *)(src + d0)));
-                        }
-                        _mm512_storeu_si512(tile + 32 * p, _mm512_permutex2var_epi16(pair[0], idx, pair[1]));
-                    }
-                }
-            }
-            for (int64_t r = r_begin; r < r_end; r++) {
-                const int64_t ctx = full_ctx - (r_end - 1 - r), k16 = (ctx + 15) / 16, k32 = (ctx + 31) / 32;
-                for (int g = 0; g < 16; g++)
-                    for (int d = 0; d < LAT; d += 16)
-                        split_bf16(g < nh ? _mm512_loadu_ps(ql + (r * heads + h0 + g) * LAT + d) : _mm512_setzero_ps(),
-                                   qa + g * LAT + d, qa + (16 + g) * LAT + d);
-                for (int64_t tb = 0; tb < k16; tb += 2) {  /* scores, 32 keys a pass: hi and lo halves summed */
-                    const int two = tb + 1 < k16;
-                    amx_tiles(qa, LAT, 1, kt + tb * 16 * LAT, 16 * LAT, two, LAT / 32, c);
-                    for (int g = 0; g < nh; g++)
-                        for (int k = 0; k < 1 + two; k++)  /* key block tb + k: its hi tile + its lo tile */
-                            _mm512_storeu_ps(sc + g * n16 * 16 + (tb + k) * 16,
-                                             _mm512_add_ps(_mm512_loadu_ps(c + 512 * k + g * 16),
-                                                           _mm512_loadu_ps(c + 512 * k + 256 + g * 16)));
-                }
-                for (int g = 0; g < 16; g++) {
-                    uint16_t *pg = pb + g * n32 * 32, *pl = pb + (16 + g) * n32 * 32;
-                    if (g >= nh || ctx <= 0) {
-                        memset(pg, 0, sizeof(uint16_t) * n32 * 32);
-                        memset(pl, 0, sizeof(uint16_t) * n32 * 32);
-                        continue;
-                    }
-                    float *sg = sc + g * n16 * 16, m = -INFINITY, total = 0.0f;
-                    for (int64_t t = 0; t < ctx; t++) m = sg[t] > m ? sg[t] : m;
-#pragma omp simd reduction(+ : total)
-                    for (int64_t t = 0; t < ctx; t++) {
-                        sg[t] = exp_nonpositive(sg[t] - m);
-                        total += sg[t];
-                    }
-                    const __m512 inv = _mm512_set1_ps(1.0f / total);
-                    for (int64_t t = 0; t < n32 * 32; t += 16)
-                        split_bf16(_mm512_maskz_mul_ps(t + 16 <= ctx ? 0xffff : t < ctx ? (1u << (ctx - t)) - 1 : 0,
-                                                       _mm512_loadu_ps(sg + t), inv), pg + t, pl + t);
-                }
-                for (int64_t d0 = 0; d0 < RANK; d0 += 32) {  /* P V, 32 latent dims a pass */
-                    amx_tiles(pb, n32 * 32, 1, vt + d0 / 16 * n32 * 512, n32 * 512, 1, (int)k32, c);
-                    for (int g = 0; g < nh; g++)
-                        for (int k = 0; k < 2; k++)  /* dims d0 + 16 k: hi tile + lo tile */
-                            _mm512_storeu_ps(ol + (r * heads + h0 + g) * RANK + d0 + 16 * k,
-                                             _mm512_add_ps(_mm512_loadu_ps(c + 512 * k + g * 16),
-                                                           _mm512_loadu_ps(c + 512 * k + 256 + g * 16)));
-                }
-            }
-            free(kt);
+            const int64_t b = item / chunks, h0 = item % chunks * hc;
+            if (ready)
+                attend_amx(ql, kv, block_tables + b * table_width, context_lens[b],
+                           query_starts ? query_starts[b] : b, query_starts ? query_starts[b + 1] : b + 1, ol, heads,
+                           h0, min64(hc, heads - h0), block_size, block_stride, layer_offset, kt);
         }
-        _tile_release();
+        if (ready) {
+            heads_amx(ol, 1, RANK, uv, VDIM, RANK, out, 1, VDIM, 1.0f, rows, heads, h_lo, h_hi);
+            _tile_release();
+        }
+        free(kt);
     }
     return failed ? -1 : 0;
-}
-
-/* Phase 3 on tiles: out (bf16) as project_values'. */
-static void project_values_amx(const float *restrict ol, const uint16_t *uv, uint16_t *out, int64_t rows,
-                               int64_t heads, int num_threads) {
-    heads_amx(ol, 1, RANK, uv, VDIM, RANK, out, 1, VDIM, 1.0f, rows, heads, num_threads);
 }
 #else
 #define MLA_AMX 0
@@ -706,25 +719,17 @@ int atomd_mla_decode(const void *q, const void *uk_t, const void *uv, const void
 #endif
     if (ql != NULL && ol != NULL) {
 #if MLA_AMX
-        if (amx)
-            absorb_queries_amx(q, uk_t, ql, rows, heads, scale, num_threads);
-        else
+        if (amx) {
+            status = mla_decode_amx(q, uk_t, uv, kv, block_tables, context_lens, query_starts, ql, ol, out, batch, rows,
+                                    heads, block_size, table_width, block_stride, layer_offset, scale, num_threads);
+        } else
 #endif
+        {
             absorb_queries(q, uk_t, ql, rows, heads, scale, bf16, num_threads);
-#if MLA_AMX
-        if (amx)
-            status = attend_amx(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size,
-                                table_width, block_stride, layer_offset, num_threads);
-        else
-#endif
-            status = attend(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size,
-                            table_width, block_stride, layer_offset, bf16, num_threads);
-#if MLA_AMX
-        if (status == 0 && amx)
-            project_values_amx(ol, uv, out, rows, heads, num_threads);
-        else
-#endif
-        if (status == 0) project_values(ol, uv, out, rows, heads, bf16, num_threads);
+            status = attend(ql, kv, block_tables, context_lens, query_starts, ol, batch, heads, block_size, table_width,
+                            block_stride, layer_offset, bf16, num_threads);
+            if (status == 0) project_values(ol, uv, out, rows, heads, bf16, num_threads);
+        }
     }
     free(ql);
     free(ol);
