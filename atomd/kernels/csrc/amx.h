@@ -61,17 +61,18 @@ static inline int amx_thread_ready(int ready, int *failed) {
  * [4][16][16] floats: tile t = (rows 16 * (t / 2), outputs 16 * (t % 2)). A and B in tile layout:
  * a's 16-row blocks and each B block as `chunks` consecutive 1 KB tiles (contiguous tile rows:
  * strided ones miss the prefetchers, attention_amx.h). bf16 values as uint16_t. Tiles as
- * amx_configure sets them. amx_products leaves the sums in tiles 0-3. */
-static inline void amx_products(const uint16_t *a, int two, const uint16_t *b0, const uint16_t *b1,
-                                int64_t chunks) {
+ * amx_configure sets them. amx_products leaves the sums in tiles 0-3; amx_products_ld reads B tile c at
+ * b + c * b_step (in bf16 values) with rows b_ld bytes apart (linear_amx.h: oneDNN's packed blocks). */
+static inline void amx_products_ld(const uint16_t *a, int two, const uint16_t *b0, const uint16_t *b1,
+                                   int64_t chunks, int64_t b_step, int64_t b_ld) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t c = 0; c < chunks; c++) {
         _tile_loadd(4, a + c * 512, 64);
-        _tile_loadd(6, b0 + c * 512, 64);
-        _tile_loadd(7, b1 + c * 512, 64);
+        _tile_loadd(6, b0 + c * b_step, b_ld);
+        _tile_loadd(7, b1 + c * b_step, b_ld);
         _tile_dpbf16ps(0, 4, 6);
         _tile_dpbf16ps(1, 4, 7);
         if (two) {
@@ -80,6 +81,11 @@ static inline void amx_products(const uint16_t *a, int two, const uint16_t *b0, 
             _tile_dpbf16ps(3, 5, 7);
         }
     }
+}
+
+static inline void amx_products(const uint16_t *a, int two, const uint16_t *b0, const uint16_t *b1,
+                                int64_t chunks) {
+    amx_products_ld(a, two, b0, b1, chunks, 512, 64);
 }
 
 /* the sums of amx_products into out, laid out as amx_block's (apart, so that a caller can run the

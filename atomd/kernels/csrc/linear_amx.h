@@ -36,28 +36,8 @@ int atomd_linear_amx_bf16(const bf16_t *x, int64_t x_stride, const bf16_t *w, bf
             for (int64_t j = 0; j < NB; j++) {
                 if (!ready) continue;
                 const bf16_t *b = w + j * KB * 1024;
-                _tile_zero(0);
-                _tile_zero(1);
-                _tile_zero(2);
-                _tile_zero(3);
-                for (int64_t k = 0; k < KB; k++) {
-                    _tile_loadd(4, xa + k * 512, 64);
-                    _tile_loadd(6, b + k * 1024, 128);
-                    _tile_loadd(7, b + k * 1024 + 32, 128);
-                    _tile_dpbf16ps(0, 4, 6);
-                    _tile_dpbf16ps(1, 4, 7);
-                    if (two) {
-                        _tile_loadd(5, xa + (KB + k) * 512, 64);
-                        _tile_dpbf16ps(2, 5, 6);
-                        _tile_dpbf16ps(3, 5, 7);
-                    }
-                }
-                _tile_stored(0, c[0], 64);
-                _tile_stored(1, c[1], 64);
-                if (two) {
-                    _tile_stored(2, c[2], 64);
-                    _tile_stored(3, c[3], 64);
-                }
+                amx_products_ld(xa, two, b, b + 32, KB, 1024, 128);  /* the block's two B tiles side by side */
+                amx_store(two, c[0]);
                 for (int t = 0; t < (two ? 4 : 2); t++)  /* tile t: rows 16 (t / 2) .., outputs 16 (t % 2) .. */
                     for (int64_t r = 0; r < 16 && t / 2 * 16 + r < mr; r++)
                         _mm256_storeu_si256((__m256i *)(y + (m0 + t / 2 * 16 + r) * N + j * 32 + t % 2 * 16),
