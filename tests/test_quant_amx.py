@@ -35,6 +35,17 @@ def amx():
 
 
 @pytest.fixture(scope="module")
+def wide(amx):
+    """The AMX build with the widened bf16 tiles: every AMX CPU has amx_bf16 beside amx_int8, so there
+    they must be built; skipped only on a CPU that lacks the flag."""
+    if "amx_bf16" in cbuild.cpu_flags():
+        assert amx.wide, "a CPU with amx_bf16 built no widened tiles"
+    elif not amx.wide:
+        pytest.skip("the CPU has no amx_bf16 flag: no widened tiles")
+    return amx
+
+
+@pytest.fixture(scope="module")
 def vnni():
     lib = quant.build_kernels("no-amx")
     assert lib is not None and not lib.amx
@@ -87,16 +98,14 @@ def test_a_row_gives_the_same_bits_at_any_m(amx, int8_tiles, bits, n, k, group):
 
 
 @pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
-def test_widened_tiles_equal_float64_of_the_bf16_operands(amx, bits, n, k, group, zero_points, monkeypatch):
+def test_widened_tiles_equal_float64_of_the_bf16_operands(wide, bits, n, k, group, zero_points, monkeypatch):
     """From quant.QGEMM_WIDE_MIN_M rows on (prefill) the tiles are widened (atomd_qgemm_wide): x and the
     dequantised weight rounded to bf16, bf16 tile products with float32 sums over K. Against float64 of
     exactly those bf16 operands (the weight as QuantizedWeight.dequantize gives it, then rounded): within
     1e-6 of the terms' magnitudes (float32 sums; K up to 1088 in k-blocks, N not a multiple of 16 or 32:
     a short n-tile and an odd last one, rows not a multiple of 16 or 32). A row's bits do not depend on the
     rows beside it or on M."""
-    lib = quant.build_kernels("native")
-    if not lib.wide:
-        pytest.skip("no bf16 AMX tiles here")
+    lib = wide
     rng = np.random.default_rng(n * k + bits)
     values, scales, offsets = random_weight(rng, bits, n, k, group, zero_points)
     w = quant.pack(torch.from_numpy(values), torch.from_numpy(scales),
@@ -172,15 +181,13 @@ def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("method", ["int4"])  # int4 layers, an int8 LM head (quant.LM_HEAD_QUANTIZATION)
-def test_engine_widened_prefill_nearer_float_activations(amx, method, monkeypatch, tmp_path):
+def test_engine_widened_prefill_nearer_float_activations(wide, method, monkeypatch, tmp_path):
     """Prompts prefilled in one chunk of more than QGEMM_WIDE_MIN_M rows (the widened bf16 tiles) against
     the same engine on the int8 tiles (QGEMM_WIDE_MIN_M off) and against float32 activations on the same
     weights (--quantized-activations float32: the dequantised weight, what both approximate): the same
     first tokens as float32 activations, and the first tokens' logprobs nearer them than the int8 tiles'
     (bf16 rounds x and the weight to 8 bits of mantissa, the int8 tiles x to a step of max|x| / 127 per
     32 inputs)."""
-    if not quant.build_kernels("native").wide:
-        pytest.skip("no bf16 AMX tiles here")
     from atomd import SamplingParams
     from atomd.llm import LLM
     from tests.test_model_hf import make_checkpoint, prompts_of
