@@ -304,7 +304,12 @@ class KVIndex:
         dealer.connect(st.replay_endpoint)
         got: list[tuple[int, EventBatch]] = []
         try:
-            await dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            try:  # a refused CURVE handshake drops the DEALER's only pipe: its send would wait forever
+                await asyncio.wait_for(dealer.send_multipart([b"", start.to_bytes(8, "big")]), REPLAY_TIMEOUT_S)
+            except asyncio.TimeoutError:
+                logger.warning("KV events of %s rank %d: replay request not sent (handshake refused?)",
+                               st.worker, st.rank)
+                return []
             while True:
                 if not await dealer.poll(REPLAY_TIMEOUT_S * 1000):
                     logger.warning("KV events of %s rank %d: replay from %d timed out", st.worker, st.rank, start)

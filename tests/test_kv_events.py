@@ -102,10 +102,15 @@ class Sub:
 
     def replay(self, start: int, timeout_s: float = 10.0) -> list[tuple[int, VKVEventBatch]]:
         dealer = self.socket(zmq.DEALER)
+        # a refused CURVE handshake can drop the only pipe, and a DEALER with none blocks in send
+        dealer.setsockopt(zmq.SNDTIMEO, int(timeout_s * 1000))
         dealer.connect(self.pub.replay_endpoint)
-        dealer.send_multipart([b"", start.to_bytes(8, "big")])
         out = []
         try:
+            try:
+                dealer.send_multipart([b"", start.to_bytes(8, "big")])
+            except zmq.Again:
+                raise AssertionError("the replay did not end: its request could not be sent") from None
             while True:
                 assert dealer.poll(int(timeout_s * 1000)), "the replay did not end"
                 empty, seq, payload = dealer.recv_multipart()

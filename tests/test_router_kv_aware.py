@@ -336,3 +336,48 @@ def test_dashboard_state_shows_engine_kv_usage_and_event_state(engines, loop):
         assert state["policies"]["prefill"] == "kv_aware"
     finally:
         loop.run(router.stop())
+
+
+def test_a_replay_refused_by_the_handshake_gives_up_in_bounded_time(monkeypatch):
+    """An engine whose KV secret changed under the router refuses the replay DEALER's CURVE
+    handshake; libzmq then drops the DEALER's only pipe, and an unbounded send would wait for
+    ever, leaving that rank's subscription stuck. The replay must come back empty in bounded time."""
+    import asyncio
+    from atomd.engine.kv_events import KVEventPublisher
+    from router import kv_index
+    from router.kv_index import KVIndex, RankState
+    monkeypatch.setattr(kv_index, "REPLAY_TIMEOUT_S", 0.3)
+    tcp = lambda: f"tcp://127.0.0.1:{free_port()}"  # noqa: E731
+    pub = KVEventPublisher(tcp(), tcp(), heartbeat_s=0.05, secret=b"the engine's new secret")
+    index = KVIndex(secret=b"the secret the router was given")
+    # it knows the engine's server key but not the client key: ZAP refuses it (the case that drops the pipe)
+    index.keys = index.keys._replace(server_public=kv_events_curve_keys(b"the engine's new secret").server_public)
+    make_socket = index._socket
+
+    def handshake_over_before_use(kind, st):
+        """The DEALER as a descheduled router thread finds it: connected and already refused."""
+        sock = make_socket(kind, st)
+        connect = sock.connect
+
+        def connect_and_wait(endpoint):
+            sock.monitor(f"inproc://handshake-{id(sock)}", zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+            mon = zmq.Context.shadow(index.ctx.underlying).socket(zmq.PAIR)
+            mon.connect(f"inproc://handshake-{id(sock)}")
+            connect(endpoint)
+            assert mon.poll(5000), "the handshake was not refused"
+            assert recv_monitor_message(mon)["event"] == zmq.EVENT_HANDSHAKE_FAILED_AUTH
+            sock.disable_monitor()
+            mon.close(linger=0)
+        object.__setattr__(sock, "connect", connect_and_wait)
+        return sock
+    monkeypatch.setattr(index, "_socket", handshake_over_before_use)
+    try:
+        st = RankState("http://engine", 0, pub.endpoint, pub.replay_endpoint, "", 16, curve=True)
+
+        async def fetches():
+            return [await asyncio.wait_for(index._fetch(st, 0), 10) for _ in range(3)]
+        assert asyncio.run(fetches()) == [[]] * 3
+        assert st.replays == 3 and pub.num_auth_refused >= 3
+    finally:
+        index.ctx.destroy(linger=0)
+        pub.close()
