@@ -214,6 +214,7 @@ def test_a_killed_api_process_leaves_no_ipc_sockets():
     try:
         ipc_dir, core_pid = api.stdout.readline().split()
         core_pid = int(core_pid)
+        assert os.path.basename(ipc_dir).startswith(f"{core_client.IPC_PREFIX}{api.pid}-")  # see below
         assert sorted(os.listdir(ipc_dir)) == ["in", "out"]
         api.kill()
         api.wait(10)
@@ -259,3 +260,23 @@ def test_any_admission_failure_is_that_requests_error_and_the_core_lives(error):
             s.close(linger=0)
     finally:
         ctx.term()
+
+
+def test_the_ipc_folders_of_dead_api_processes_are_removed_at_the_next_start(tmp_path):
+    """A process group SIGKILLed at once (API and core) leaves its folder: the next API process's
+    start removes every folder whose API pid is gone, and nothing else."""
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait(10)
+    def folder(name: str, files=("in", "out")) -> pathlib.Path:
+        d = tmp_path / name
+        d.mkdir()
+        for f in files:
+            (d / f).touch()
+        return d
+    dead = folder(f"{core_client.IPC_PREFIX}{gone.pid}-k3j_x9")
+    live = folder(f"{core_client.IPC_PREFIX}{os.getpid()}-a8b_c1")
+    unnamed = folder(f"{core_client.IPC_PREFIX}q0w_e2r")  # not ours to judge
+    more = folder(f"{core_client.IPC_PREFIX}{gone.pid}-zz", ("in", "out", "someone's"))
+    core_client.remove_dead_ipc_folders(str(tmp_path))
+    assert not dead.exists() and live.exists() and unnamed.exists()
+    assert sorted(p.name for p in more.iterdir()) == ["someone's"]  # the sockets only, never more

@@ -31,13 +31,16 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from atomd.engine.core import run_engine_core
+from atomd.engine.core import remove_ipc_sockets, run_engine_core
+from atomd.sim.shared_cores import alive
 from atomd.messages import (AbortRequests, AddRequest, InputMessage, OutputMessage, Ready, RequestOutput,
                             StepOutputs, UtilityCall, UtilityResult)
 from kv_transfer.params import KVTransferParams
 from contracts.sampling import SamplingParams
 
 logger = logging.getLogger("atomd.api.core_client")
+IPC_PREFIX = "atomd-core-"  # + the API process's pid + "-": the API <-> core ipc sockets' folder in /tmp
+IPC_FOLDER = re.compile(re.escape(IPC_PREFIX) + r"(\d+)-\w+")
 
 _SUMMED = ("num_running", "num_waiting", "num_free_blocks", "num_total_blocks", "prefix_cache_queries",
            "prefix_cache_hits", "num_preemptions", "num_window_released_blocks", "spec_decode_num_drafts",
@@ -116,7 +119,8 @@ class EngineCoreClient:
     async def start(self, timeout_s: float = 600.0) -> Ready:
         """Spawn the core and wait for its Ready (or its death, or the deadline)."""
         loop = asyncio.get_running_loop()
-        self.ipc_dir = tempfile.mkdtemp(prefix="atomd-core-")
+        remove_dead_ipc_folders()
+        self.ipc_dir = tempfile.mkdtemp(prefix=f"{IPC_PREFIX}{os.getpid()}-")
         in_addr, out_addr = f"ipc://{self.ipc_dir}/in", f"ipc://{self.ipc_dir}/out"
         self.sync_ctx, self.async_ctx = zmq.Context(), zmq.asyncio.Context()
         self.inp = self.sync_ctx.socket(zmq.PUSH)
@@ -258,6 +262,19 @@ class EngineCoreClient:
         self.sync_ctx.term()
         self.async_ctx.term()
         shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def remove_dead_ipc_folders(tmp: str | None = None) -> None:
+    """The ipc folders of API processes that died together with their cores (a SIGKILLed process
+    group: neither could remove its folder). The folder names its API process's pid; one whose
+    process is gone holds only the two sockets, which nothing can connect to any more."""
+    tmp = tmp or tempfile.gettempdir()
+    for name in os.listdir(tmp):
+        m = IPC_FOLDER.fullmatch(name)
+        if m is None or alive(int(m.group(1))):
+            continue
+        folder = os.path.join(tmp, name)
+        remove_ipc_sockets(f"ipc://{folder}/in", f"ipc://{folder}/out")
 
 
 def rank_config(config: Any, rank: int, master_port: int) -> Any:
