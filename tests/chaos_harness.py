@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import signal
 import socket
+import sys
 import tempfile
 import threading
 import time
@@ -39,16 +40,37 @@ ROUTER_FLAGS = ["--health-interval-s", "0.5", "--prefill-timeout-s", "3", "--req
                 "--total-timeout-s", "15", "--max-prefill-tries", "2", "--retry-backoff-s", "0.05"]
 CLIENT_DEADLINE_S = 40.0  # no client waits longer: past it, the request hung
 SETTLE_TIMEOUT_S = 30.0  # leases (3 s) and receive timeouts (3 s) have long passed by then
+LOG_TAIL_LINES = 40  # of each server's log, in a failed scenario's report
 PROMPT = [int(t) for t in range(101, 141)]  # 40 tokens: 3 blocks, one DATA message
 BODY = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
 class ChaosEngine(ServerUnderTest):
-    """ServerUnderTest on a given port with a given environment (its fault spec file)."""
+    """ServerUnderTest on a given port with a given environment (its fault spec file), its
+    output in `log` (kept for the diagnosis of a failed scenario)."""
 
-    def __init__(self, *extra: str, port: int | None, env: dict):
+    def __init__(self, *extra: str, port: int | None, env: dict, log: pathlib.Path):
         EngineServer.__init__(self, model_dir(), *ENGINE_ARGS, *extra, port=port, env=env,
-                              log=server_log(), cwd=REPO)
+                              log=server_log(log), cwd=REPO)
+
+
+def log_tail(path: str | os.PathLike | None, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a server's log ("" when it went elsewhere)."""
+    if path is None or str(path) == os.devnull:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * lines * 4))
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def describe(name: str, proc: EngineServer | RouterServer) -> str:
+    """A server's PID, whether it lives (or its exit code) and its log's tail."""
+    code = proc.proc.poll()
+    state = "alive" if code is None else f"exited with code {code}"
+    return f"--- {name} (pid {proc.pid}, port {proc.port}): {state}; log {proc.log_path}\n{log_tail(proc.log_path)}"
 
 
 @dataclass
@@ -165,6 +187,14 @@ class ChaosCluster:
         self.routers: dict[str, RouterServer] = {}
         self.baseline: dict[str, int] = {}
         self.spec_n = 0
+        self.starts: dict[str, int] = {}  # by engine / router name: processes started (their logs' numbers)
+        self.replaced: list[tuple[str, EngineServer | RouterServer]] = []  # stopped or dead, by the last scenario
+        self.failed = False  # a scenario failed: stop() keeps self.dir (the logs) for the diagnosis
+
+    def _log(self, name: str) -> pathlib.Path:
+        """A new log file for the next process called `name` (D.1.log, D.2.log after a restart, ...)."""
+        self.starts[name] = self.starts.get(name, 0) + 1
+        return self.dir / f"{name}.{self.starts[name]}.log"
 
     # processes
 
@@ -173,7 +203,7 @@ class ChaosCluster:
         if not spec.exists():
             spec.write_text("{}")
         env = dict(os.environ, ATOMD_FAULTS_FILE=str(spec))
-        return ChaosEngine(*ENGINE_FLAGS[name], *COMMON, port=self.ports.get(name), env=env)
+        return ChaosEngine(*ENGINE_FLAGS[name], *COMMON, port=self.ports.get(name), env=env, log=self._log(name))
 
     def start(self, *names: str) -> None:
         """Start the engines (concurrently) and their routers; already running ones are kept."""
@@ -191,7 +221,7 @@ class ChaosCluster:
     def start_router(self, rname: str, port: int | None = None) -> RouterServer:
         p, d = ROUTERS[rname]
         router = RouterServer([self.engines[p].url], [self.engines[d].url], *ROUTER_FLAGS, port=port,
-                              log=server_log(), cwd=REPO)
+                              log=server_log(self._log(rname)), cwd=REPO)
         self.routers[rname] = router
         return router.wait_ready(START_TIMEOUT_S)
 
@@ -201,6 +231,7 @@ class ChaosCluster:
         old.proc.kill()
         old.proc.wait(10)
         old.stop()
+        self.replaced.append((rname, old))
         return self.start_router(rname, port=old.port)
 
     def kill(self, name: str) -> None:
@@ -230,6 +261,7 @@ class ChaosCluster:
                 engine.stop()  # its core is gone: the API process alone cannot serve
             else:
                 engine.stop()
+            self.replaced.append((name, engine))
             # a killed core's API process may linger a moment: the port must be free
             self.engines[name] = self._engine(name)
             restarted.append(name)
@@ -238,9 +270,22 @@ class ChaosCluster:
         return restarted
 
     def stop(self) -> None:
-        for proc in [*self.routers.values(), *self.engines.values()]:
-            proc.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)  # the fault specs and their logs
+        """Stop every server; remove the fault specs and the logs unless a scenario failed or
+        ATOMD_CHAOS_KEEP is set (then the folder is named on stderr)."""
+        try:
+            for proc in [*self.routers.values(), *self.engines.values()]:
+                proc.stop()
+        finally:
+            if self.failed or os.environ.get("ATOMD_CHAOS_KEEP"):
+                print(f"chaos: the servers' logs and fault records are kept in {self.dir}", file=sys.stderr)
+            else:
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+    def diagnose(self) -> str:
+        """Every server of the cluster and those the last scenario replaced: PID, alive or
+        exit code, the tail of its log."""
+        return "\n".join(describe(f"{name} (replaced)", proc) for name, proc in self.replaced) + "\n" + \
+            "\n".join(describe(name, proc) for name, proc in [*self.engines.items(), *self.routers.items()])
 
     # faults
 
@@ -344,7 +389,22 @@ class Scenario:
 
 def run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
     """Run `sc` against the cluster, then the checker; returns the report row (raises on a
-    failed check, after recovering the cluster so the next scenario starts clean)."""
+    failed check, after recovering the cluster so the next scenario starts clean). A failed
+    scenario marks the cluster failed (its logs are kept) and its row's "diagnosis" (or the
+    AssertionError raised) names every server's state and log tail."""
+    cluster.replaced.clear()
+    try:
+        row = _run_scenario(cluster, sc, reference)
+    except Exception as e:
+        cluster.failed = True
+        raise AssertionError(f"{sc.id}: {type(e).__name__}: {e}\n{cluster.diagnose()}") from e
+    if not row["ok"]:
+        cluster.failed = True
+        row["diagnosis"] = cluster.diagnose()
+    return row
+
+
+def _run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
     cluster.start(*sc.engines)
     for name in cluster.engines:
         spec = dict(sc.faults.get(name, {}), id=sc.id)
@@ -388,7 +448,7 @@ def run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
     settle_s = None
     try:
         settle_s = cluster.settle()
-    except AssertionError as e:
+    except (AssertionError, OSError) as e:  # OSError: a server gone (refused)
         settle_error = e
     leaked = cluster.leaked()
     after = cluster.snapshot()

@@ -243,8 +243,9 @@ def test_fault(chaos, sc):
     t0 = time.monotonic()
     row = run_scenario(chaos, sc, chaos.reference)
     row["scenario_s"] = round(time.monotonic() - t0, 2)
+    diagnosis = row.pop("diagnosis", "")
     report(row)
-    assert row["ok"], f"{sc.id}: {row['problems']}\n{json.dumps(row, indent=1)}"
+    assert row["ok"], f"{sc.id}: {row['problems']}\n{json.dumps(row, indent=1)}\n{diagnosis}"
 
 
 def test_faults_are_off_without_the_variables():
