@@ -84,6 +84,17 @@ def listens_on(pid: int, port: int) -> bool:
     return False
 
 
+def proc_start_time(pid: int) -> int | None:
+    """/proc start time (clock ticks) of a live, non-zombie process, None when it is gone or a
+    zombie (dead, not yet reaped); with the pid it names one process even if pids are reused."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
+
+
 def http(method: str, url: str, body: bytes | dict | list | None = None, headers: dict | None = None,
          timeout: float = 60.0) -> tuple[int, bytes]:
     """(status, body) of one request; error statuses are returned, not raised.
@@ -229,12 +240,14 @@ class EngineServer(ServerProcess):
         super().__init__(argv, _server_url(host, self.port, url_host), name, **kwargs)
 
     def engine_pids(self) -> list[int]:
-        """The engine cores (one per DP rank): the server's children but multiprocessing's resource tracker."""
+        """The engine cores (one per DP rank): the server's live children but multiprocessing's
+        resource tracker. A core that died and is not reaped yet (a zombie) is not one."""
         pid = self.proc.pid
         cores = []
         for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
             try:
-                if b"resource_tracker" not in pathlib.Path(f"/proc/{child}/cmdline").read_bytes():
+                if proc_start_time(int(child)) is not None and \
+                        b"resource_tracker" not in pathlib.Path(f"/proc/{child}/cmdline").read_bytes():
                     cores.append(int(child))
             except FileNotFoundError:
                 pass  # exited meanwhile

@@ -16,6 +16,7 @@ import pathlib
 import shutil
 import signal
 import socket
+import subprocess
 import sys
 import tempfile
 import threading
@@ -23,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from launch.process import EngineServer, RouterServer, http
+from launch.process import EngineServer, RouterServer, http, proc_start_time
 from tests.pd_fixtures import kill_engine, metrics
 from tests.server_fixtures import ENGINE_ARGS, REPO, START_TIMEOUT_S, ServerUnderTest, model_dir, server_log
 
@@ -41,6 +42,7 @@ ROUTER_FLAGS = ["--health-interval-s", "0.5", "--prefill-timeout-s", "3", "--req
 CLIENT_DEADLINE_S = 40.0  # no client waits longer: past it, the request hung
 SETTLE_TIMEOUT_S = 30.0  # leases (3 s) and receive timeouts (3 s) have long passed by then
 LOG_TAIL_LINES = 40  # of each server's log, in a failed scenario's report
+DEATH_TIMEOUT_S = 30.0  # a process a fault SIGKILLed is reaped by then, however loaded the machine
 PROMPT = [int(t) for t in range(101, 141)]  # 40 tokens: 3 blocks, one DATA message
 BODY = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
@@ -248,9 +250,37 @@ class ChaosCluster:
             except ProcessLookupError:
                 pass
 
-    def revive(self) -> list[str]:
-        """SIGCONT every engine (a no-op for running ones); restart those that died, on their
-        port. Returns the restarted names."""
+    def await_fault_deaths(self, fired: dict[str, list[dict]], timeout_s: float = DEATH_TIMEOUT_S) -> None:
+        """Wait until the processes the fired `kill` / `crash` / `exit` points take down are dead.
+
+        A point's record is written just before its signal, and a SIGKILLed process closes its
+        sockets (the router, and so the client, see the stream end) before its parent can reap
+        it: on a loaded machine the client's answer can come while the killed API process and
+        its core are still listed alive, and revive() would keep the dying engine (it refused
+        connections at settle). `kill` takes the engine (its API process and the core that
+        fired); `crash` / `exit` the firing process alone."""
+        deadline = time.monotonic() + timeout_s
+        for name, recs in fired.items():
+            engine = self.engines[name]
+            for rec in recs:
+                action = rec.get("action") if "point" in rec else None
+                if action == "kill":
+                    try:
+                        engine.proc.wait(max(0.0, deadline - time.monotonic()))
+                    except subprocess.TimeoutExpired:
+                        raise AssertionError(f"{name}'s API process (pid {engine.pid}) outlived the kill at "
+                                             f"{rec['point']} by {timeout_s:g} s") from None
+                if action in ("kill", "crash", "exit"):
+                    while proc_start_time(rec["pid"]) is not None:  # gone, or a zombie: dead
+                        assert time.monotonic() < deadline, \
+                            f"{name}'s process {rec['pid']} outlived the {action} at {rec['point']} by {timeout_s:g} s"
+                        time.sleep(0.02)
+
+    def revive(self, fired: dict[str, list[dict]]) -> list[str]:
+        """Once the fired kills have taken their processes (await_fault_deaths), SIGCONT every
+        engine (a no-op for running ones) and restart those that died, on their port. Returns
+        the restarted names."""
+        self.await_fault_deaths(fired)
         restarted = []
         for name, engine in list(self.engines.items()):
             if engine.alive():
@@ -443,7 +473,7 @@ def _run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
     t_fault = min([r["t"] for recs in fired.values() for r in recs] + [ctx.get("t_fault", float("inf"))])
     if t_fault == float("inf"):
         t_fault = t0
-    restarted = cluster.revive()
+    restarted = cluster.revive(fired)
     settle_error = None
     settle_s = None
     try:
