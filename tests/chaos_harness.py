@@ -250,7 +250,7 @@ class ChaosCluster:
             except ProcessLookupError:
                 pass
 
-    def await_fault_deaths(self, fired: dict[str, list[dict]], timeout_s: float = DEATH_TIMEOUT_S) -> None:
+    def await_fault_deaths(self, fired: dict[str, list[dict]], timeout_s: float = DEATH_TIMEOUT_S) -> list[str]:
         """Wait until the processes the fired `kill` / `crash` / `exit` points take down are dead.
 
         A point's record is written just before its signal, and a SIGKILLed process closes its
@@ -258,29 +258,32 @@ class ChaosCluster:
         it: on a loaded machine the client's answer can come while the killed API process and
         its core are still listed alive, and revive() would keep the dying engine (it refused
         connections at settle). `kill` takes the engine (its API process and the core that
-        fired); `crash` / `exit` the firing process alone."""
+        fired); `crash` / `exit` the firing process alone. Returns the names of the engines that
+        still had such a process alive (not reaped, or not a zombie yet) when it was called."""
         deadline = time.monotonic() + timeout_s
-        for name, recs in fired.items():
+        deaths = [(name, rec["action"], rec) for name, recs in fired.items() for rec in recs
+                  if "point" in rec and rec["action"] in ("kill", "crash", "exit")]
+        dying = sorted({name for name, action, rec in deaths if proc_start_time(rec["pid"]) is not None
+                        or action == "kill" and self.engines[name].proc.poll() is None})
+        for name, action, rec in deaths:
             engine = self.engines[name]
-            for rec in recs:
-                action = rec.get("action") if "point" in rec else None
-                if action == "kill":
-                    try:
-                        engine.proc.wait(max(0.0, deadline - time.monotonic()))
-                    except subprocess.TimeoutExpired:
-                        raise AssertionError(f"{name}'s API process (pid {engine.pid}) outlived the kill at "
-                                             f"{rec['point']} by {timeout_s:g} s") from None
-                if action in ("kill", "crash", "exit"):
-                    while proc_start_time(rec["pid"]) is not None:  # gone, or a zombie: dead
-                        assert time.monotonic() < deadline, \
-                            f"{name}'s process {rec['pid']} outlived the {action} at {rec['point']} by {timeout_s:g} s"
-                        time.sleep(0.02)
+            if action == "kill":
+                try:
+                    engine.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{name}'s API process (pid {engine.pid}) outlived the kill at "
+                                         f"{rec['point']} by {timeout_s:g} s") from None
+            while proc_start_time(rec["pid"]) is not None:  # gone, or a zombie: dead
+                assert time.monotonic() < deadline, \
+                    f"{name}'s process {rec['pid']} outlived the {action} at {rec['point']} by {timeout_s:g} s"
+                time.sleep(0.02)
+        return dying
 
-    def revive(self, fired: dict[str, list[dict]]) -> list[str]:
+    def revive(self, fired: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
         """Once the fired kills have taken their processes (await_fault_deaths), SIGCONT every
         engine (a no-op for running ones) and restart those that died, on their port. Returns
-        the restarted names."""
-        self.await_fault_deaths(fired)
+        the restarted names and those whose killed processes were still dying."""
+        dying = self.await_fault_deaths(fired)
         restarted = []
         for name, engine in list(self.engines.items()):
             if engine.alive():
@@ -297,7 +300,7 @@ class ChaosCluster:
             restarted.append(name)
         for name in restarted:
             self.engines[name].wait_ready()
-        return restarted
+        return restarted, dying
 
     def stop(self) -> None:
         """Stop every server; remove the fault specs and the logs unless a scenario failed or
@@ -473,7 +476,7 @@ def _run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
     t_fault = min([r["t"] for recs in fired.values() for r in recs] + [ctx.get("t_fault", float("inf"))])
     if t_fault == float("inf"):
         t_fault = t0
-    restarted = cluster.revive(fired)
+    restarted, dying = cluster.revive(fired)
     settle_error = None
     settle_s = None
     try:
@@ -502,7 +505,7 @@ def _run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
            "details": [o.detail for o in outcomes], "client_seconds": [round(o.seconds, 2) for o in outcomes],
            "fired": {n: [r.get("point") or f"{r.get('kind')}:{r.get('action')}" for r in recs]
                      for n, recs in fired.items() if recs},
-           "restarted": restarted, "leaked_after_settle": leaked,
+           "restarted": restarted, "still_dying_at_revive": dying, "leaked_after_settle": leaked,
            "settle_s": None if settle_s is None else round(settle_s, 2),
            "recover_s": round(t_recovered - t_fault, 2), "counters": {}}
     problems = []

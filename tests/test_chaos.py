@@ -356,10 +356,11 @@ def test_revive_waits_for_what_a_fired_kill_takes_down(request):
     request.addfinalizer(cluster.engines.clear)  # the fakes are stopped above
     cluster.engines.update(D=Engine(0.3), P=Engine(60))  # D's API process dies a moment after the record
     d_core, p_core = process(0.3), process(0.3)
-    cluster.await_fault_deaths({"D": [{"id": "s", "pid": d_core.pid, "point": "stream_mid", "action": "kill"}],
+    dying = cluster.await_fault_deaths({"D": [{"id": "s", "pid": d_core.pid, "point": "stream_mid", "action": "kill"}],
                                 "P": [{"id": "s", "pid": p_core.pid, "point": "before_answer", "action": "crash"},
                                       {"id": "s", "pid": 1, "channel": "kv-sender", "kind": "DONE",
                                        "action": "drop"}]})
     assert cluster.engines["D"].proc.poll() is not None  # kill: the API process is gone
     assert proc_start_time(d_core.pid) is None and proc_start_time(p_core.pid) is None  # the firing ones too
     assert cluster.engines["P"].proc.poll() is None  # crash: the core alone
+    assert dying == ["D", "P"]
