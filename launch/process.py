@@ -45,6 +45,23 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+def reserve_port(host: str = LOOPBACK) -> socket.socket:
+    """A TCP port held for a server that will be restarted on it (its number: the socket's
+    getsockname()[1]; close the socket when done): a socket bound with SO_REUSEADDR that never
+    listens. While it is open the kernel gives the port to no other bind(0) (free_port) and no
+    outgoing connection, so it is still free when the server comes back after a crash, yet a
+    server binding it with SO_REUSEADDR (asyncio's and aiohttp's default, the router's, ZMQ's)
+    can listen on it; a second listener still cannot."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind((host, 0))
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:
     """Whether binding `host`:`port` fails now (someone listens there)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:

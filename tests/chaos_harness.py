@@ -24,7 +24,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from launch.process import EngineServer, RouterServer, http, proc_start_time
+from launch.process import EngineServer, RouterServer, http, proc_start_time, reserve_port
 from tests.pd_fixtures import kill_engine, metrics
 from tests.server_fixtures import ENGINE_ARGS, REPO, START_TIMEOUT_S, ServerUnderTest, model_dir, server_log
 
@@ -185,13 +185,21 @@ class ChaosCluster:
     def __init__(self):
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="atomd-chaos-"))
         self.engines: dict[str, ChaosEngine] = {}
-        self.ports: dict[str, int] = {}
+        self.held: dict[str, socket.socket] = {}  # by server name: its port, reserved (reserve_port) until stop()
         self.routers: dict[str, RouterServer] = {}
         self.baseline: dict[str, int] = {}
         self.spec_n = 0
         self.starts: dict[str, int] = {}  # by engine / router name: processes started (their logs' numbers)
         self.replaced: list[tuple[str, EngineServer | RouterServer]] = []  # stopped or dead, by the last scenario
         self.failed = False  # a scenario failed: stop() keeps self.dir (the logs) for the diagnosis
+
+    def port(self, name: str) -> int:
+        """Server `name`'s port, the same for every restart: reserved for the cluster's life, so
+        that no other process (another xdist worker's server, an outgoing connection) takes it
+        while the server is down between a kill and its restart."""
+        if name not in self.held:
+            self.held[name] = reserve_port()
+        return self.held[name].getsockname()[1]
 
     def _log(self, name: str) -> pathlib.Path:
         """A new log file for the next process called `name` (D.1.log, D.2.log after a restart, ...)."""
@@ -205,14 +213,13 @@ class ChaosCluster:
         if not spec.exists():
             spec.write_text("{}")
         env = dict(os.environ, ATOMD_FAULTS_FILE=str(spec))
-        return ChaosEngine(*ENGINE_FLAGS[name], *COMMON, port=self.ports.get(name), env=env, log=self._log(name))
+        return ChaosEngine(*ENGINE_FLAGS[name], *COMMON, port=self.port(name), env=env, log=self._log(name))
 
     def start(self, *names: str) -> None:
         """Start the engines (concurrently) and their routers; already running ones are kept."""
         new = [n for n in names if n not in self.engines]
         for name in new:
             self.engines[name] = self._engine(name)
-            self.ports[name] = self.engines[name].port
         for name in new:
             self.engines[name].wait_ready()
             self.baseline[name] = self.engines[name].stats()["num_total_blocks"]
@@ -220,9 +227,9 @@ class ChaosCluster:
             if rname not in self.routers and p in self.engines and d in self.engines:
                 self.start_router(rname)
 
-    def start_router(self, rname: str, port: int | None = None) -> RouterServer:
+    def start_router(self, rname: str) -> RouterServer:
         p, d = ROUTERS[rname]
-        router = RouterServer([self.engines[p].url], [self.engines[d].url], *ROUTER_FLAGS, port=port,
+        router = RouterServer([self.engines[p].url], [self.engines[d].url], *ROUTER_FLAGS, port=self.port(rname),
                               log=server_log(self._log(rname)), cwd=REPO)
         self.routers[rname] = router
         return router.wait_ready(START_TIMEOUT_S)
@@ -234,7 +241,7 @@ class ChaosCluster:
         old.proc.wait(10)
         old.stop()
         self.replaced.append((rname, old))
-        return self.start_router(rname, port=old.port)
+        return self.start_router(rname)
 
     def kill(self, name: str) -> None:
         kill_engine(self.engines[name])
@@ -295,7 +302,7 @@ class ChaosCluster:
             else:
                 engine.stop()
             self.replaced.append((name, engine))
-            # a killed core's API process may linger a moment: the port must be free
+            # on its reserved port (ChaosCluster.port): nobody took it while the engine was down
             self.engines[name] = self._engine(name)
             restarted.append(name)
         for name in restarted:
@@ -309,6 +316,8 @@ class ChaosCluster:
             for proc in [*self.routers.values(), *self.engines.values()]:
                 proc.stop()
         finally:
+            for sock in self.held.values():
+                sock.close()
             if self.failed or os.environ.get("ATOMD_CHAOS_KEEP"):
                 print(f"chaos: the servers' logs and fault records are kept in {self.dir}", file=sys.stderr)
             else:

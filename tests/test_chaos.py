@@ -364,3 +364,33 @@ def test_revive_waits_for_what_a_fired_kill_takes_down(request):
     assert proc_start_time(d_core.pid) is None and proc_start_time(p_core.pid) is None  # the firing ones too
     assert cluster.engines["P"].proc.poll() is None  # crash: the core alone
     assert dying == ["D", "P"]
+
+
+def test_a_reserved_port_stays_ours_across_a_server_restart(request):
+    """The chaos cluster restarts a killed server on its port: reserve_port keeps the port out
+    of everyone else's hands meanwhile (another xdist worker's bind, an outgoing connection),
+    yet the server binds and listens on it, every time it starts (a second listener cannot)."""
+    import socket
+
+    from launch.process import reserve_port
+
+    held = reserve_port()
+    request.addfinalizer(held.close)
+    port = held.getsockname()[1]
+
+    def server() -> socket.socket:  # as asyncio / aiohttp / the router bind: SO_REUSEADDR
+        s = socket.socket()
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", port))
+        s.listen()
+        return s
+
+    for _ in range(2):  # start, "crash", restart on the same port
+        first = server()
+        with socket.create_connection(("127.0.0.1", port), timeout=10):
+            pass
+        with pytest.raises(OSError):
+            server()  # a second listener
+        first.close()
+        with socket.socket() as other, pytest.raises(OSError):
+            other.bind(("127.0.0.1", port))  # what free_port's bind(0) and connect() skip: the port is taken
