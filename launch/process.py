@@ -45,17 +45,18 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
-def reserve_port(host: str = LOOPBACK) -> socket.socket:
-    """A TCP port held for a server that will be restarted on it (its number: the socket's
-    getsockname()[1]; close the socket when done): a socket bound with SO_REUSEADDR that never
-    listens. While it is open the kernel gives the port to no other bind(0) (free_port) and no
-    outgoing connection, so it is still free when the server comes back after a crash, yet a
-    server binding it with SO_REUSEADDR (asyncio's and aiohttp's default, the router's, ZMQ's)
-    can listen on it; a second listener still cannot."""
+def reserve_port(port: int = 0, host: str = LOOPBACK) -> socket.socket:
+    """A TCP port held for a server that will start, and maybe restart, on it (`port`, or a
+    free one: the socket's getsockname()[1]; close the socket when done): a socket that never
+    listens, bound while no other socket had the port (OSError otherwise), then marked
+    SO_REUSEADDR. While it is open the kernel gives the port to no other bind (free_port's
+    included) and no outgoing connection, so it is still free when its server comes back after
+    a crash, yet a server binding it with SO_REUSEADDR (asyncio's and aiohttp's default, the
+    router's, ZMQ's) listens on it; a second listener still cannot."""
     s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind((host, 0))
+        s.bind((host, port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # after the bind: the port was ours alone
     except BaseException:
         s.close()
         raise

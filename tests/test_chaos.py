@@ -394,3 +394,5 @@ def test_a_reserved_port_stays_ours_across_a_server_restart(request):
         first.close()
         with socket.socket() as other, pytest.raises(OSError):
             other.bind(("127.0.0.1", port))  # what free_port's bind(0) and connect() skip: the port is taken
+        with pytest.raises(OSError):
+            reserve_port(port)  # nor can anyone reserve it again
