@@ -60,7 +60,7 @@ import sys
 import time
 from pathlib import Path
 
-from launch.process import set_parent_death_signal
+from launch.process import proc_start_time, set_parent_death_signal
 from launch.shaping import Shaping
 
 STATE_DIR = Path(os.environ.get("ATOMD_NETNS_STATE_DIR", "/run/atomd-netns"))
@@ -90,16 +90,6 @@ def _run(argv: list[str], check: bool = True, timeout: float = 30.0) -> subproce
 
 def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return _run(["ip", *args], check=check)
-
-
-def proc_start_time(pid: int) -> int | None:
-    """/proc start time (clock ticks) of a live, non-zombie process; with the pid it names one process."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def _alive(pid: int | None, start: int | None) -> bool:

@@ -45,6 +45,24 @@ def free_port(host: str = LOOPBACK) -> int:
         return s.getsockname()[1]
 
 
+def reserve_port(port: int = 0, host: str = LOOPBACK) -> socket.socket:
+    """A TCP port held for a server that will start, and maybe restart, on it (`port`, or a
+    free one: the socket's getsockname()[1]; close the socket when done): a socket that never
+    listens, bound while no other socket had the port (OSError otherwise), then marked
+    SO_REUSEADDR. While it is open the kernel gives the port to no other bind (free_port's
+    included) and no outgoing connection, so it is still free when its server comes back after
+    a crash, yet a server binding it with SO_REUSEADDR (asyncio's and aiohttp's default, the
+    router's, ZMQ's) listens on it; a second listener still cannot."""
+    s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        s.bind((host, port))
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # after the bind: the port was ours alone
+    except BaseException:
+        s.close()
+        raise
+    return s
+
+
 def port_in_use(port: int, host: str = LOOPBACK) -> bool:
     """Whether binding `host`:`port` fails now (someone listens there)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
@@ -82,6 +100,17 @@ def listens_on(pid: int, port: int) -> bool:
         if link.startswith("socket:[") and link[8:-1] in inodes:
             return True
     return False
+
+
+def proc_start_time(pid: int) -> int | None:
+    """/proc start time (clock ticks) of a live, non-zombie process, None when it is gone or a
+    zombie (dead, not yet reaped); with the pid it names one process even if pids are reused."""
+    try:
+        stat = pathlib.Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    fields = stat.rpartition(")")[2].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def http(method: str, url: str, body: bytes | dict | list | None = None, headers: dict | None = None,
@@ -229,12 +258,14 @@ class EngineServer(ServerProcess):
         super().__init__(argv, _server_url(host, self.port, url_host), name, **kwargs)
 
     def engine_pids(self) -> list[int]:
-        """The engine cores (one per DP rank): the server's children but multiprocessing's resource tracker."""
+        """The engine cores (one per DP rank): the server's live children but multiprocessing's
+        resource tracker. A core that died and is not reaped yet (a zombie) is not one."""
         pid = self.proc.pid
         cores = []
         for child in pathlib.Path(f"/proc/{pid}/task/{pid}/children").read_text().split():
             try:
-                if b"resource_tracker" not in pathlib.Path(f"/proc/{child}/cmdline").read_bytes():
+                if proc_start_time(int(child)) is not None and \
+                        b"resource_tracker" not in pathlib.Path(f"/proc/{child}/cmdline").read_bytes():
                     cores.append(int(child))
             except FileNotFoundError:
                 pass  # exited meanwhile

@@ -16,13 +16,15 @@ import pathlib
 import shutil
 import signal
 import socket
+import subprocess
+import sys
 import tempfile
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from launch.process import EngineServer, RouterServer, http
+from launch.process import EngineServer, RouterServer, http, proc_start_time, reserve_port
 from tests.pd_fixtures import kill_engine, metrics
 from tests.server_fixtures import ENGINE_ARGS, REPO, START_TIMEOUT_S, ServerUnderTest, model_dir, server_log
 
@@ -39,16 +41,38 @@ ROUTER_FLAGS = ["--health-interval-s", "0.5", "--prefill-timeout-s", "3", "--req
                 "--total-timeout-s", "15", "--max-prefill-tries", "2", "--retry-backoff-s", "0.05"]
 CLIENT_DEADLINE_S = 40.0  # no client waits longer: past it, the request hung
 SETTLE_TIMEOUT_S = 30.0  # leases (3 s) and receive timeouts (3 s) have long passed by then
+LOG_TAIL_LINES = 40  # of each server's log, in a failed scenario's report
+DEATH_TIMEOUT_S = 30.0  # a process a fault SIGKILLed is reaped by then, however loaded the machine
 PROMPT = [int(t) for t in range(101, 141)]  # 40 tokens: 3 blocks, one DATA message
 BODY = {"prompt": PROMPT, "max_tokens": 16, "temperature": 0, "ignore_eos": True}
 
 
 class ChaosEngine(ServerUnderTest):
-    """ServerUnderTest on a given port with a given environment (its fault spec file)."""
+    """ServerUnderTest on a given port with a given environment (its fault spec file), its
+    output in `log` (kept for the diagnosis of a failed scenario)."""
 
-    def __init__(self, *extra: str, port: int | None, env: dict):
+    def __init__(self, *extra: str, port: int | None, env: dict, log: pathlib.Path):
         EngineServer.__init__(self, model_dir(), *ENGINE_ARGS, *extra, port=port, env=env,
-                              log=server_log(), cwd=REPO)
+                              log=server_log(log), cwd=REPO)
+
+
+def log_tail(path: str | os.PathLike | None, lines: int = LOG_TAIL_LINES) -> str:
+    """The last `lines` lines of a server's log ("" when it went elsewhere)."""
+    if path is None or str(path) == os.devnull:
+        return ""
+    try:
+        with open(path, "rb") as f:
+            f.seek(max(0, os.fstat(f.fileno()).st_size - 64 * lines * 4))
+            return b"\n".join(f.read().splitlines()[-lines:]).decode(errors="replace")
+    except OSError as e:
+        return f"(no log: {e})"
+
+
+def describe(name: str, proc: EngineServer | RouterServer) -> str:
+    """A server's PID, whether it lives (or its exit code) and its log's tail."""
+    code = proc.proc.poll()
+    state = "alive" if code is None else f"exited with code {code}"
+    return f"--- {name} (pid {proc.pid}, port {proc.port}): {state}; log {proc.log_path}\n{log_tail(proc.log_path)}"
 
 
 @dataclass
@@ -161,10 +185,26 @@ class ChaosCluster:
     def __init__(self):
         self.dir = pathlib.Path(tempfile.mkdtemp(prefix="atomd-chaos-"))
         self.engines: dict[str, ChaosEngine] = {}
-        self.ports: dict[str, int] = {}
+        self.held: dict[str, socket.socket] = {}  # by server name: its port, reserved (reserve_port) until stop()
         self.routers: dict[str, RouterServer] = {}
         self.baseline: dict[str, int] = {}
         self.spec_n = 0
+        self.starts: dict[str, int] = {}  # by engine / router name: processes started (their logs' numbers)
+        self.replaced: list[tuple[str, EngineServer | RouterServer]] = []  # stopped or dead, by the last scenario
+        self.failed = False  # a scenario failed: stop() keeps self.dir (the logs) for the diagnosis
+
+    def port(self, name: str) -> int:
+        """Server `name`'s port, the same for every restart: reserved for the cluster's life, so
+        that no other process (another xdist worker's server, an outgoing connection) takes it
+        while the server is down between a kill and its restart."""
+        if name not in self.held:
+            self.held[name] = reserve_port()
+        return self.held[name].getsockname()[1]
+
+    def _log(self, name: str) -> pathlib.Path:
+        """A new log file for the next process called `name` (D.1.log, D.2.log after a restart, ...)."""
+        self.starts[name] = self.starts.get(name, 0) + 1
+        return self.dir / f"{name}.{self.starts[name]}.log"
 
     # processes
 
@@ -173,14 +213,13 @@ class ChaosCluster:
         if not spec.exists():
             spec.write_text("{}")
         env = dict(os.environ, ATOMD_FAULTS_FILE=str(spec))
-        return ChaosEngine(*ENGINE_FLAGS[name], *COMMON, port=self.ports.get(name), env=env)
+        return ChaosEngine(*ENGINE_FLAGS[name], *COMMON, port=self.port(name), env=env, log=self._log(name))
 
     def start(self, *names: str) -> None:
         """Start the engines (concurrently) and their routers; already running ones are kept."""
         new = [n for n in names if n not in self.engines]
         for name in new:
             self.engines[name] = self._engine(name)
-            self.ports[name] = self.engines[name].port
         for name in new:
             self.engines[name].wait_ready()
             self.baseline[name] = self.engines[name].stats()["num_total_blocks"]
@@ -188,10 +227,10 @@ class ChaosCluster:
             if rname not in self.routers and p in self.engines and d in self.engines:
                 self.start_router(rname)
 
-    def start_router(self, rname: str, port: int | None = None) -> RouterServer:
+    def start_router(self, rname: str) -> RouterServer:
         p, d = ROUTERS[rname]
-        router = RouterServer([self.engines[p].url], [self.engines[d].url], *ROUTER_FLAGS, port=port,
-                              log=server_log(), cwd=REPO)
+        router = RouterServer([self.engines[p].url], [self.engines[d].url], *ROUTER_FLAGS, port=self.port(rname),
+                              log=server_log(self._log(rname)), cwd=REPO)
         self.routers[rname] = router
         return router.wait_ready(START_TIMEOUT_S)
 
@@ -201,7 +240,8 @@ class ChaosCluster:
         old.proc.kill()
         old.proc.wait(10)
         old.stop()
-        return self.start_router(rname, port=old.port)
+        self.replaced.append((rname, old))
+        return self.start_router(rname)
 
     def kill(self, name: str) -> None:
         kill_engine(self.engines[name])
@@ -217,9 +257,40 @@ class ChaosCluster:
             except ProcessLookupError:
                 pass
 
-    def revive(self) -> list[str]:
-        """SIGCONT every engine (a no-op for running ones); restart those that died, on their
-        port. Returns the restarted names."""
+    def await_fault_deaths(self, fired: dict[str, list[dict]], timeout_s: float = DEATH_TIMEOUT_S) -> list[str]:
+        """Wait until the processes the fired `kill` / `crash` / `exit` points take down are dead.
+
+        A point's record is written just before its signal, and a SIGKILLed process closes its
+        sockets (the router, and so the client, see the stream end) before its parent can reap
+        it: on a loaded machine the client's answer can come while the killed API process and
+        its core are still listed alive, and revive() would keep the dying engine (it refused
+        connections at settle). `kill` takes the engine (its API process and the core that
+        fired); `crash` / `exit` the firing process alone. Returns the names of the engines that
+        still had such a process alive (not reaped, or not a zombie yet) when it was called."""
+        deadline = time.monotonic() + timeout_s
+        deaths = [(name, rec["action"], rec) for name, recs in fired.items() for rec in recs
+                  if "point" in rec and rec["action"] in ("kill", "crash", "exit")]
+        dying = sorted({name for name, action, rec in deaths if proc_start_time(rec["pid"]) is not None
+                        or action == "kill" and self.engines[name].proc.poll() is None})
+        for name, action, rec in deaths:
+            engine = self.engines[name]
+            if action == "kill":
+                try:
+                    engine.proc.wait(max(0.0, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    raise AssertionError(f"{name}'s API process (pid {engine.pid}) outlived the kill at "
+                                         f"{rec['point']} by {timeout_s:g} s") from None
+            while proc_start_time(rec["pid"]) is not None:  # gone, or a zombie: dead
+                assert time.monotonic() < deadline, \
+                    f"{name}'s process {rec['pid']} outlived the {action} at {rec['point']} by {timeout_s:g} s"
+                time.sleep(0.02)
+        return dying
+
+    def revive(self, fired: dict[str, list[dict]]) -> tuple[list[str], list[str]]:
+        """Once the fired kills have taken their processes (await_fault_deaths), SIGCONT every
+        engine (a no-op for running ones) and restart those that died, on their port. Returns
+        the restarted names and those whose killed processes were still dying."""
+        dying = self.await_fault_deaths(fired)
         restarted = []
         for name, engine in list(self.engines.items()):
             if engine.alive():
@@ -230,17 +301,33 @@ class ChaosCluster:
                 engine.stop()  # its core is gone: the API process alone cannot serve
             else:
                 engine.stop()
-            # a killed core's API process may linger a moment: the port must be free
+            self.replaced.append((name, engine))
+            # on its reserved port (ChaosCluster.port): nobody took it while the engine was down
             self.engines[name] = self._engine(name)
             restarted.append(name)
         for name in restarted:
             self.engines[name].wait_ready()
-        return restarted
+        return restarted, dying
 
     def stop(self) -> None:
-        for proc in [*self.routers.values(), *self.engines.values()]:
-            proc.stop()
-        shutil.rmtree(self.dir, ignore_errors=True)  # the fault specs and their logs
+        """Stop every server; remove the fault specs and the logs unless a scenario failed or
+        ATOMD_CHAOS_KEEP is set (then the folder is named on stderr)."""
+        try:
+            for proc in [*self.routers.values(), *self.engines.values()]:
+                proc.stop()
+        finally:
+            for sock in self.held.values():
+                sock.close()
+            if self.failed or os.environ.get("ATOMD_CHAOS_KEEP"):
+                print(f"chaos: the servers' logs and fault records are kept in {self.dir}", file=sys.stderr)
+            else:
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+    def diagnose(self) -> str:
+        """Every server of the cluster and those the last scenario replaced: PID, alive or
+        exit code, the tail of its log."""
+        return "\n".join(describe(f"{name} (replaced)", proc) for name, proc in self.replaced) + "\n" + \
+            "\n".join(describe(name, proc) for name, proc in [*self.engines.items(), *self.routers.items()])
 
     # faults
 
@@ -344,7 +431,22 @@ class Scenario:
 
 def run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
     """Run `sc` against the cluster, then the checker; returns the report row (raises on a
-    failed check, after recovering the cluster so the next scenario starts clean)."""
+    failed check, after recovering the cluster so the next scenario starts clean). A failed
+    scenario marks the cluster failed (its logs are kept) and its row's "diagnosis" (or the
+    AssertionError raised) names every server's state and log tail."""
+    cluster.replaced.clear()
+    try:
+        row = _run_scenario(cluster, sc, reference)
+    except Exception as e:
+        cluster.failed = True
+        raise AssertionError(f"{sc.id}: {type(e).__name__}: {e}\n{cluster.diagnose()}") from e
+    if not row["ok"]:
+        cluster.failed = True
+        row["diagnosis"] = cluster.diagnose()
+    return row
+
+
+def _run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
     cluster.start(*sc.engines)
     for name in cluster.engines:
         spec = dict(sc.faults.get(name, {}), id=sc.id)
@@ -383,12 +485,12 @@ def run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
     t_fault = min([r["t"] for recs in fired.values() for r in recs] + [ctx.get("t_fault", float("inf"))])
     if t_fault == float("inf"):
         t_fault = t0
-    restarted = cluster.revive()
+    restarted, dying = cluster.revive(fired)
     settle_error = None
     settle_s = None
     try:
         settle_s = cluster.settle()
-    except AssertionError as e:
+    except (AssertionError, OSError) as e:  # OSError: a server gone (refused)
         settle_error = e
     leaked = cluster.leaked()
     after = cluster.snapshot()
@@ -412,7 +514,7 @@ def run_scenario(cluster: ChaosCluster, sc: Scenario, reference: str) -> dict:
            "details": [o.detail for o in outcomes], "client_seconds": [round(o.seconds, 2) for o in outcomes],
            "fired": {n: [r.get("point") or f"{r.get('kind')}:{r.get('action')}" for r in recs]
                      for n, recs in fired.items() if recs},
-           "restarted": restarted, "leaked_after_settle": leaked,
+           "restarted": restarted, "still_dying_at_revive": dying, "leaked_after_settle": leaked,
            "settle_s": None if settle_s is None else round(settle_s, 2),
            "recover_s": round(t_recovered - t_fault, 2), "counters": {}}
     problems = []

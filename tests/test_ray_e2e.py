@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from launch.process import free_port, http
+from launch.process import free_port, http, proc_start_time
 from launch.ray_cluster import READY_LINE
 from tests.server_fixtures import ENGINE_ARGS, model_dir, start_server
 
@@ -65,16 +65,6 @@ def poll(what: str, check, timeout_s: float, interval_s: float = 0.5):
 
 
 # ------------------------------------------------------------------ processes by PID
-
-def proc_start_time(pid: int) -> int | None:
-    """/proc start time (clock ticks): with the pid, names one process even if pids are reused."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return None
-    fields = stat.rpartition(")")[2].split()
-    return None if fields[0] == "Z" else int(fields[19])
-
 
 def process_tree(pid: int) -> dict[int, int]:
     """{pid: start time} of `pid` and all its descendants, read from /proc."""

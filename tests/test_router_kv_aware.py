@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import json
 import pathlib
+import socket
 import time
 
 import pytest
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from launch.process import free_port, http as sync_http
+from launch.process import free_port, http as sync_http, reserve_port
 from kv_transfer.trust import kv_events_curve_keys
 from router.app import Router, RouterConfig
 from tests.fake_workers import LoopThread, http, wait_until
@@ -45,24 +46,22 @@ def events_flags(port: int, secret_file: pathlib.Path) -> list[str]:
             f"tcp://127.0.0.1:{port + 10}", "--kv-params-secret-file", str(secret_file)]
 
 
-def two_free_ports() -> int:
-    """p such that p, p+1 (the DP ranks' PUB) and p+10, p+11 (their replay) look free."""
+def event_ports(held: list[socket.socket]) -> int:
+    """p such that p, p+1 (the DP ranks' PUB) and p+10, p+11 (their replay) are reserved (their
+    sockets appended to `held`): free of every other process until the engines are stopped,
+    p0's restart included."""
     for _ in range(50):
-        p = free_port()
-        if p + 11 < 65536 and all(_free(q) for q in (p + 1, p + 10, p + 11)):
-            return p
-    raise RuntimeError("no free port block")
-
-
-def _free(port: int) -> bool:
-    import socket
-
-    with socket.socket() as s:
+        block = [reserve_port()]
+        p = block[0].getsockname()[1]
         try:
-            s.bind(("127.0.0.1", port))
-            return True
-        except OSError:
-            return False
+            block += [reserve_port(q) for q in (p + 1, p + 10, p + 11)]
+        except (OSError, OverflowError):  # one of them is taken (or past 65535): another block
+            for sock in block:
+                sock.close()
+            continue
+        held += block
+        return p
+    raise RuntimeError("no free port block")
 
 
 class Engines:
@@ -72,27 +71,35 @@ class Engines:
         self.runner = runner
         self.secret_file = logs / "kv-secret"
         self.secret_file.write_text(SECRET + "\n")
-        self.ports = {"p0": two_free_ports(), "p1": two_free_ports()}
-        self.p0 = ServerUnderTest(self.model, "--kv-role", "producer", *events_flags(self.ports["p0"], self.secret_file),
-                                  *runner, log_path=logs / "p0.log")
+        self.held: list[socket.socket] = []  # the reserved ports, released by stop()
+        self.ports = {"p0": event_ports(self.held), "p1": event_ports(self.held)}
+        self.p0_http = reserve_port()  # p0's HTTP port: it restarts on it
+        self.held.append(self.p0_http)
+        self.p0 = self.start_p0(logs / "p0.log")
         self.p1 = ServerUnderTest(self.model, "--kv-role", "producer", "--data-parallel-size", "2",
                                   *events_flags(self.ports["p1"], self.secret_file), *runner, log_path=logs / "p1.log")
         self.d = ServerUnderTest(self.model, "--kv-role", "consumer", *runner, log_path=logs / "d.log")
         for e in (self.p0, self.p1, self.d):
-            e.wait_ready()
+            e.wait_ready(START_TIMEOUT_S)
+
+    def start_p0(self, log: pathlib.Path) -> EngineServer:
+        return EngineServer(self.model, *ENGINE_ARGS, "--kv-role", "producer",
+                            *events_flags(self.ports["p0"], self.secret_file), *self.runner,
+                            port=self.p0_http.getsockname()[1], log=server_log(log), cwd=REPO)
 
     def restart_p0(self) -> None:
         """The same engine (HTTP port, event endpoints) back with an empty cache."""
-        port = self.p0.port
         self.p0.stop()
-        self.p0 = EngineServer(self.model, *ENGINE_ARGS, "--kv-role", "producer",
-                               *events_flags(self.ports["p0"], self.secret_file), *self.runner, port=port,
-                               log=server_log(self.logs / "p0-restarted.log"), cwd=REPO)
+        self.p0 = self.start_p0(self.logs / "p0-restarted.log")
         self.p0.wait_ready(START_TIMEOUT_S)
 
     def stop(self):
-        for e in (self.p0, self.p1, self.d):
-            e.stop()
+        try:
+            for e in (self.p0, self.p1, self.d):
+                e.stop()
+        finally:
+            for sock in self.held:
+                sock.close()
 
 
 @pytest.fixture(scope="module", params=["real", "simulated"])
