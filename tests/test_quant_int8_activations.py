@@ -198,6 +198,7 @@ def test_engine_fused_layer_equals_per_op_and_stays_near_float_activations(metho
     diff = (q8 - fl).abs()
     assert 1e-5 < diff.max() < 0.2 and diff.mean() < 0.04
     assert fused.engine.compat != floats.engine.compat
+    assert fused.engine.compat["model_id"].endswith("+aint8b256")  # the act-block contract (an older P: "+aint8")
 
 
 def test_int8_activations_without_quantized_weights_is_refused(llama_dir):
