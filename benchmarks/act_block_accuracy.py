@@ -7,7 +7,7 @@ by xq * d before the float-activation kernels): the same values the C kernels ta
 order (1e-6 of the terms, far below what is measured here). A block larger than a weight's group leaves
 that weight's x in float32 (int4's groups of 128: its rows at 256 are not int8 activations); "rule" is the
 shipped contract: each weight's act block its group, capped at 256. Models: the built-in default model (trained:
-real activations) with perplexity on its held-out stdlib files, and tiny random Llama / Qwen3 checkpoints.
+real activations) with perplexity on its held-out stdlib files, and benchmarks.offline's random Llama.
 Greedy agreement: tokens equal to float activations' over 64 generated tokens from each prompt.
 
     python -m benchmarks.act_block_accuracy [--tokens 512]
@@ -50,8 +50,16 @@ def set_block(block):
 
 
 def prompt_logits(llm: LLM, prompt: list[int]) -> torch.Tensor:
-    from tests.test_model_hf import _prompt_logits
-    return _prompt_logits(llm, prompt)
+    """Logits of every prompt position: one prefill step (max_num_batched_tokens covers the prompt)."""
+    from scheduler.scheduler import ScheduledBatchOutput
+    engine = llm.engine
+    engine.add_request("logits", prompt, SamplingParams(max_tokens=1, temperature=0.0))
+    batch = engine.scheduler.schedule()
+    logits = engine.runner.execute(batch, all_logits=True)
+    engine.scheduler.postprocess(batch, ScheduledBatchOutput(batch.seq_ids, [[3] for _ in batch.seq_ids]))
+    engine._requests.pop("logits")
+    assert logits.shape[0] == len(prompt)
+    return logits
 
 
 def measure(name: str, path: str, method: str, prompt: list[int], gen_prompts: list[list[int]]) -> None:
@@ -97,13 +105,14 @@ def main() -> None:
     gen = [ids[i:i + 24] for i in range(1000, 1000 + 8 * 300, 300)]
     for method in ("int8", "int4"):
         measure("default model (trained)", path, method, prompt, gen)
-    from tests.test_model_hf import make_checkpoint, prompts_of
+    from benchmarks.offline import SHAPE, make_checkpoint
+    g = torch.Generator().manual_seed(5)
     with tempfile.TemporaryDirectory() as tmp:
-        for kind in ("llama", "qwen3"):
-            p = make_checkpoint(pathlib.Path(tmp) / kind, kind, seed=31, hidden_size=256, intermediate_size=512,
-                                num_attention_heads=4, num_key_value_heads=2)
-            for method in ("int8", "int4"):
-                measure(f"tiny random {kind}", str(p), method, prompts_of([256], seed=5)[0], prompts_of([8] * 8, seed=6))
+        p = make_checkpoint(pathlib.Path(tmp) / "llama")
+        ids = torch.randint(3, SHAPE["vocab_size"], (256 + 8 * 8,), generator=g).tolist()
+        for method in ("int8", "int4"):
+            measure("random Llama (benchmarks.offline's)", str(p), method, ids[:256],
+                    [ids[256 + 8 * i:256 + 8 * i + 8] for i in range(8)])
 
 
 if __name__ == "__main__":
