@@ -139,6 +139,16 @@ static void qamx_prepare(const void *q, int bits, int64_t n0, int64_t rows, int6
             _tile_dpbusd(T, TA, TB);                           \
     } while (0)
 
+/* In place, the n-tile QAMX_PF_TILES ahead is prefetched into L2 during the first m-tile, in order, 16 kw
+ * bytes a product (strided tile rows miss the hardware prefetchers). Qwen3-0.6B's int8 linears at M = 16, one
+ * thread: one tile ahead into L1 (the order before) 7-9 GB/s, two ahead into L2 9-10 GB/s (RESULTS.md, #35
+ * the act block). */
+#ifndef QAMX_PF_TILES
+#define QAMX_PF_TILES 2
+#endif
+#ifndef QAMX_PF_HINT
+#define QAMX_PF_HINT _MM_HINT_T1
+#endif
 /* one n-tile (A: k-step c at a + c * bstride, tile rows astride apart) times one m-tile: out[r][m]
  * = y[m, n0 + r] for the tile's 16 x 16; s, o: the n-tile's first row of scales / offsets,
  * rows of them valid. Four act blocks' products in flight (C tiles 4-7, each the sum of its act
@@ -157,11 +167,9 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
     for (int r = 0; r < 16; r++) acc[r] = ga[r] = _mm512_setzero_ps();
     const int64_t na = K / AB, steps = AB / kw;  /* act blocks; k-steps an act block */
     int64_t g = 0, left = per;  /* act block a's group, and its act blocks from a on (no division a block) */
+    int64_t pfo = 0;  /* the next n-tile's bytes prefetched */
     for (int64_t a0 = 0; a0 < na; a0 += 4) {
         const int cnt = na - a0 < 4 ? (int)(na - a0) : 4;
-        if (pf)  /* the next n-tile's 16 rows, these act blocks' lines: strided tile rows miss the prefetchers */
-            for (int r = 0; r < 16; r++)
-                for (int64_t l = a0 * AB; l < (a0 + cnt) * AB; l += 64) _mm_prefetch((const char *)(pf + r * astride + l), _MM_HINT_T0);
         _tile_zero(4);
         if (cnt > 1) _tile_zero(5);
         if (cnt > 2) _tile_zero(6);
@@ -171,6 +179,8 @@ static inline __attribute__((always_inline)) void qamx_tile(const int bits, cons
             if (cnt > 1) QAMX_DOT(5, 1, 3, (a0 + 1) * steps + j);
             if (cnt > 2) QAMX_DOT(6, 0, 2, (a0 + 2) * steps + j);
             if (cnt > 3) QAMX_DOT(7, 1, 3, (a0 + 3) * steps + j);
+            /* a later n-tile (its 16 rows: 16 K contiguous bytes, in place) in order, 16 kw bytes a product */
+            for (int64_t l = 0; pf && l < cnt * 16 * kw; l += 64, pfo += 64) _mm_prefetch((const char *)(pf + pfo), QAMX_PF_HINT);
         }
         _tile_stored(4, cbuf[0], 64);
         if (cnt > 1) _tile_stored(5, cbuf[1], 64);
@@ -211,7 +221,7 @@ static inline const int8_t *qamx_a(const void *q, int bits, int kw, int64_t N, i
     return a;
 }
 
-/* n-tile nt (A tiles ab) times m-tiles mt0 .. mt1 of x into y; pf: the next n-tile's in-place rows
+/* n-tile nt (A tiles ab) times m-tiles mt0 .. mt1 of x into y; pf: a later n-tile's in-place rows
  * to prefetch during the first (NULL: none) */
 static inline void qamx_ntile_mt(int bits, const int8_t *ab, int64_t astride, int64_t bstride, const float *scales,
                                  const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, int64_t M, int64_t nt,
@@ -246,8 +256,8 @@ static inline void qamx_ntile(const void *q, int bits, const float *scales, cons
                               const float *xsgt, int8_t *a, float *y, int64_t ldy) {
     int64_t astride, bstride;
     const int8_t *ab = qamx_a(q, bits, QAMX_KW(AB), N, K, nt, a, &astride, &bstride);
-    /* in place, the next n-tile (a static schedule's next, or the next of this expert) fetched during the first m-tile */
-    const int8_t *next = ab != a && nt * 16 + 32 <= N ? ab + 16 * K : NULL;
+    /* in place, the n-tile QAMX_PF_TILES on (a static schedule's, or this expert's) fetched during the first m-tile */
+    const int8_t *next = ab != a && nt * 16 + 16 * (QAMX_PF_TILES + 1) <= N ? ab + 16 * QAMX_PF_TILES * K : NULL;
     qamx_ntile_mt(bits, ab, astride, bstride, scales, offsets, N, K, G, AB, M, nt, xt, dt, xsgt, y, ldy, 0,
                   (M + 15) / 16, next);
 }
