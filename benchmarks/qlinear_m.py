@@ -7,7 +7,8 @@ belong, against torch's bf16 linear (oneDNN) of the same shape.
 
 Paths: `int8-tiles` (QGEMM_WIDE_MIN_M off: the AMX-INT8 tiles from QGEMM_AMX_MIN_M rows, the VNNI rows
 below; act blocks by the weight, quant.act_block_of), `int8-tiles-b32` (the same with act blocks of 32: the
-contract before #35's act block, each 32 inputs' tile result stored and rescaled), `wide` (every M >= 1 through atomd_qgemm_wide), `bf16` (torch.nn.functional.linear on the
+contract before #35's act block, each 32 inputs' tile result stored and rescaled), `wide` (every weight, int8
+act blocks of 256 too: quant.QGEMM_WIDE_INT8_KEEP off) (every M >= 1 through atomd_qgemm_wide), `bf16` (torch.nn.functional.linear on the
 dequantised weight in bf16). Weights are random, quantised as --quantization does; each call takes the
 next of enough copies of the weight to pass --pool-mb (the decode case: weights streamed from memory, not
 L2 / L3). Per (linear, method, M): ms a call, median over --rounds rounds alternating the paths, each
@@ -75,6 +76,7 @@ def main() -> int:
                 for _ in range(a.rounds):
                     for path in a.paths:
                         quant.QGEMM_WIDE_MIN_M = {"int8-tiles": 0, "wide": 1}.get(path, 0)
+                        quant.QGEMM_WIDE_INT8_KEEP = 1 << 30  # "wide": every weight widened
                         for q in pool:
                             q.act_block = quant.Q8_BLOCK if path == "int8-tiles-b32" else quant.act_block_of(q.group_size)
                         calls = []

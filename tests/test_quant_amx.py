@@ -98,7 +98,10 @@ def test_a_row_gives_the_same_bits_at_any_m(amx, int8_tiles, bits, n, k, group):
         assert torch.equal(quant.qlinear(x[rows], w, lib=amx), whole[rows])
 
 
-@pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
+WIDENED = [c for c in CASES if not (c[0] == 8 and quant.act_block_of(c[3]) >= quant.QGEMM_WIDE_INT8_KEEP)]
+
+
+@pytest.mark.parametrize("bits,n,k,group,zero_points", WIDENED)
 def test_widened_tiles_equal_float64_of_the_bf16_operands(wide, bits, n, k, group, zero_points, monkeypatch):
     """From quant.QGEMM_WIDE_MIN_M rows on (prefill) the tiles are widened (atomd_qgemm_wide): x and the
     dequantised weight rounded to bf16, bf16 tile products with float32 sums over K. Against float64 of
@@ -122,6 +125,19 @@ def test_widened_tiles_equal_float64_of_the_bf16_operands(wide, bits, n, k, grou
     monkeypatch.setattr(quant, "QGEMM_WIDE_MIN_M", 1)
     for rows in (slice(0, 1), slice(3, 20), slice(100, 133)):
         assert torch.equal(quant.qlinear(x[rows], w, lib=lib), out[rows])
+
+
+def test_int8_weights_of_act_blocks_of_256_stay_on_the_int8_tiles(wide):
+    """int8 weights whose act block is 256 (per channel) keep the int8 tiles at any M (quant.widens): past
+    QGEMM_WIDE_MIN_M rows the same bits as below it; an int4 weight of the same shape is widened (other bits)."""
+    torch.manual_seed(9)
+    x = torch.randn(quant.QGEMM_WIDE_MIN_M + 5, 512)
+    for method, stays in (("int8", True), ("int4", False)):
+        w = quant.quantize(torch.randn(40, 512) * 0.05, method)
+        quant.use_int8_activations([w])
+        assert quant.widens(w, x.shape[0]) != stays
+        out = quant.qlinear(x, w, lib=wide)
+        assert torch.equal(out[:16], quant.qlinear(x[:16], w, lib=wide)) == stays
 
 
 @pytest.mark.parametrize("isa", ["no-amx", "no-bf16-dot"])

@@ -57,6 +57,11 @@ QGEMM_AMX_MIN_M = 4
 # 32-input block's result (measured: benchmarks/RESULTS.md, #35 the dense int linears widened). Not the
 # int8-activation bits above it (docs/design.md). 0 (or $ATOMD_QLINEAR_WIDE=0 at import): never.
 QGEMM_WIDE_MIN_M = 0 if os.environ.get("ATOMD_QLINEAR_WIDE") == "0" else 256
+# ... but int8 weights with act blocks of at least this many inputs (per channel: 256) stay on the int8 tiles at any M
+# (their int8-activation bits): the tiles sum an act block's 4 products before a store, and measured 0.70-1.13x
+# the widened tiles' time at M = 128..2048 (Qwen3-0.6B's qkv / gate_up / down, one thread; int4 groups of 128:
+# 0.9-1.2x, widened from 256 rows as before; RESULTS.md, #35 the act block)
+QGEMM_WIDE_INT8_KEEP = 256
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
@@ -286,6 +291,11 @@ def _amx_scratch(m: int, k: int, g: int) -> tuple[torch.Tensor, torch.Tensor, to
             torch.empty(tiles * (k // g) * 16))
 
 
+def widens(w: QuantizedWeight, m: int) -> bool:
+    """Whether an int8-activation product of m rows of x runs widened to bf16 tiles (where lib.wide)."""
+    return 0 < QGEMM_WIDE_MIN_M <= m and not (w.bits == 8 and w.act_block >= QGEMM_WIDE_INT8_KEEP)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -302,7 +312,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8), and with int8 activations on a CPU with
     AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx), from QGEMM_WIDE_MIN_M on
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
-    int8-activation bits); more rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a
+    int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); more rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a
     transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
@@ -311,7 +321,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     xf = xf.contiguous()
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
-    if lib is not None and w.int8_activations and 0 < QGEMM_WIDE_MIN_M <= m and lib.wide:
+    if lib is not None and w.int8_activations and widens(w, m) and lib.wide:
         out = torch.empty(m, n, dtype=torch.float32)
         rc = lib.atomd_qgemm_wide(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
                                   k, w.group_size, out.data_ptr(), n, threads)
