@@ -143,7 +143,7 @@ def main() -> int:
     p.add_argument("--int8", action="store_true", help="also atomd int8 weights + int8 activations")
     p.add_argument("--int4", action="store_true", help="also atomd int4 weights + int8 activations")
     p.add_argument("--int-dtype", nargs="+", choices=["float32", "bfloat16"], default=["float32"],
-                   help="the int engines' model dtype(s) (offline.py's; the baseline tree's int engines: float32)")
+                   help="the int engines' model dtype(s) (offline.py's; the baseline's int engines too)")
     p.add_argument("--no-amx-baseline", action="store_true",
                    help="also the --int8 / --int4 engines under ATOMD_KERNEL_ISA=no-amx, in a second process")
     # amxfix by default: its two patches only mend bugs (the AMX tile config, batched-bench's lost
@@ -213,7 +213,7 @@ def main() -> int:
                 workers.append(Worker(f"atomd{label}", base + flags))
             baseline_env = dict(kv.split("=", 1) for kv in args.atomd_baseline_env or [])
             if (args.no_amx_baseline or args.atomd_baseline_tree) and ints:
-                engines = atomd_engines([], ints, [], args.atomd_process)  # the int engines alone
+                engines = atomd_engines([], ints, int_dtype, args.atomd_process)  # the int engines alone
             if args.no_amx_baseline and ints:
                 baseline_env["ATOMD_KERNEL_ISA"] = "no-amx"
             if baseline_env or args.atomd_baseline_tree:  # the same engines under other settings or code (an A/B's before)

@@ -6,7 +6,9 @@ belong, against torch's bf16 linear (oneDNN) of the same shape.
         --ms 1 16 64 128 256 512 2048 --rounds 3 --threads 1
 
 Paths: `int8-tiles` (QGEMM_WIDE_MIN_M off: the AMX-INT8 tiles from QGEMM_AMX_MIN_M rows, the VNNI rows
-below), `wide` (every M >= 1 through atomd_qgemm_wide), `bf16` (torch.nn.functional.linear on the
+below; act blocks by the weight, quant.act_block_of), `int8-tiles-b32` (the same with act blocks of 32: the
+contract before #35's act block, each 32 inputs' tile result stored and rescaled), `wide` (every weight, int8
+act blocks of 256 too: quant.QGEMM_WIDE_INT8_KEEP off) (every M >= 1 through atomd_qgemm_wide), `bf16` (torch.nn.functional.linear on the
 dequantised weight in bf16). Weights are random, quantised as --quantization does; each call takes the
 next of enough copies of the weight to pass --pool-mb (the decode case: weights streamed from memory, not
 L2 / L3). Per (linear, method, M): ms a call, median over --rounds rounds alternating the paths, each
@@ -74,6 +76,9 @@ def main() -> int:
                 for _ in range(a.rounds):
                     for path in a.paths:
                         quant.QGEMM_WIDE_MIN_M = {"int8-tiles": 0, "wide": 1}.get(path, 0)
+                        quant.QGEMM_WIDE_INT8_KEEP = 1 << 30  # "wide": every weight widened
+                        for q in pool:
+                            q.act_block = quant.Q8_BLOCK if path == "int8-tiles-b32" else quant.act_block_of(q.group_size)
                         calls = []
                         for _ in range(a.reps + 1):
                             turn += 1
@@ -90,10 +95,12 @@ def main() -> int:
                 print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()), flush=True)
             del pool, bpool
     print(f"load after {loadavg()}")
-    print("\n| linear | method | M | " + " | ".join(f"{p} ms" for p in a.paths) + " | wide / int8-tiles |")
+    # the speed-up: of the act blocks over blocks of 32 where both ran, else of the widened tiles over the int8 tiles
+    fast, slow = ("int8-tiles", "int8-tiles-b32") if "int8-tiles-b32" in a.paths else ("wide", "int8-tiles")
+    print("\n| linear | method | M | " + " | ".join(f"{p} ms" for p in a.paths) + f" | {slow} / {fast} |")
     print("|---|---|---:|" + "---:|" * (len(a.paths) + 1))
     for r in rows:
-        ratio = r["int8-tiles"] / r["wide"] if "wide" in r and "int8-tiles" in r else float("nan")
+        ratio = r[slow] / r[fast] if slow in r and fast in r else float("nan")
         print(f"| {r['linear']} | {r['method']} | {r['m']} | " + " | ".join(f"{r[p]:.3f}" for p in a.paths)
               + f" | {ratio:.2f}x |")
     return 0

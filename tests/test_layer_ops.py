@@ -510,8 +510,10 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
     calls, real = [], layer_ops.moe_q8
     monkeypatch.setattr(layer_ops, "moe_q8", lambda x, gu, d, inter, experts, *a: calls.append(len(experts))
                         or real(x, gu, d, inter, experts, *a))
+    # act blocks (quant.act_block_of) 32 / 64 / 128 / 256, gate_up's and down's apart (the tiles' k-step changes)
     for hidden, inter, experts, k, tokens, threads in [(64, 32, 8, 2, 1, 2), (96, 64, 16, 4, 2, 1),
-                                                        (128, 96, 32, 8, 17, 2), (64, 64, 8, 2, 150, 1)]:
+                                                        (128, 96, 32, 8, 17, 2), (64, 64, 8, 2, 150, 1),
+                                                        (256, 128, 8, 2, 9, 1)]:
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         g = torch.Generator().manual_seed(hidden + tokens)
         gate_up = [quant.quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, method) for _ in range(experts)]

@@ -4,9 +4,9 @@ whole, then sliced, so every worker holds the unsplit weight's integers, scales 
 Unit: each worker's slice dequantises to exactly its rows / columns of the whole dequantised
 weight, and the workers' partial products sum to the whole product (float32 summation order
 apart: 1e-4) for int8 per channel, int4 in groups (whole groups a worker, and one group shared by
-the workers), bf16, int8 activations (blocks of 32 inputs: a slice on a block boundary quantises
-the same blocks, so the quantised activations are the unsplit ones) and GPTQ act-order; shapes that
-do not cut on a group refused naming the numbers.
+the workers), bf16, int8 activations (act blocks of the weight's group capped at 256: a slice on an
+act-block boundary quantises the same blocks, so the quantised activations are the unsplit ones; others
+refused) and GPTQ act-order; shapes that do not cut on a group refused naming the numbers.
 
 Engine: TP=2 greedy ids equal TP=1's and Hugging Face's run on the dequantised weights, and TP=2's
 prompt logits within 2e-4 of HF's (the bound test_quant_engine holds TP=1 to)."""
@@ -58,17 +58,21 @@ def test_row_parallel_slices_are_the_whole_weights_columns(method, k, size, rows
 @pytest.mark.parametrize("method", ["int8", "int4"])
 @pytest.mark.parametrize("rows", [1, 5])
 def test_int8_activations_quantise_the_same_blocks_on_each_worker(method, rows):
-    w = _weight(16, 256, method)
-    assert quant.use_int8_activations([w]) == 1
+    """A row-parallel slice keeps the unsplit weight's act block (int8 per channel of 512: 256; int4 groups of
+    128: 128) and must fall on its boundaries, so each worker quantises TP=1's blocks; else refused."""
+    w = _weight(16, 512, method)
+    assert quant.use_int8_activations([w]) == 1 and w.act_block == (256 if method == "int8" else 128)
     parts = _workers(w, 2, q8_aligned=True)
-    assert all(p.int8_activations for p in parts)
+    assert all(p.int8_activations and p.act_block == w.act_block for p in parts)
     _assert_split_exact(w, 2, rows, q8_aligned=True)
-    # a worker's 48 inputs would cut a block of 32: the quantised activations would differ, refused
-    w = _weight(16, 96, "int8")
-    quant.use_int8_activations([w])
-    with pytest.raises(ValueError, match=r"w \(96 inputs, 48 a worker\): int8 activations quantise blocks of 32"):
-        _workers(w, 2, q8_aligned=True)
-    _assert_split_exact(_weight(16, 96, "int8"), 2, rows)  # with float activations the same shape splits
+    # a worker's 48 inputs would cut a block of 32, 128 one of 256: the quantised activations would differ
+    for k, block in ((96, 32), (256, 256)):
+        w = _weight(16, k, "int8")
+        quant.use_int8_activations([w])
+        with pytest.raises(ValueError, match=rf"w \({k} inputs, {k // 2} a worker\): int8 activations quantise this "
+                                             rf"weight's inputs in act blocks of {block} \(its group of {k}"):
+            _workers(w, 2, q8_aligned=True)
+        _assert_split_exact(_weight(16, k, "int8"), 2, rows)  # with float activations the same shape splits
 
 
 @pytest.mark.unit
@@ -113,18 +117,19 @@ def _llama(tmp_path_factory, hidden: int = 128, seed: int = 31):
     # group of 128 shared by both workers on o, a whole group a worker on down)
     from tests.test_model_hf import make_checkpoint
 
-    if id(tmp_path_factory) not in _LLAMA:
-        _LLAMA[id(tmp_path_factory)] = make_checkpoint(
+    key = (id(tmp_path_factory), hidden, seed)
+    if key not in _LLAMA:
+        _LLAMA[key] = make_checkpoint(
             tmp_path_factory.mktemp("tpq-llama"), "llama", seed=seed, hidden_size=hidden,
             intermediate_size=2 * hidden, num_attention_heads=4, num_key_value_heads=2)
-    return _LLAMA[id(tmp_path_factory)]
+    return _LLAMA[key]
 
 
-def _case_rtn(method: str, activations: str = "float32"):
+def _case_rtn(method: str, activations: str = "float32", hidden: int = 128):
     def build(tmp_path_factory):
         from tests.test_quant_engine import hf_dequantised
 
-        path = _llama(tmp_path_factory)
+        path = _llama(tmp_path_factory, hidden)
         kw = {"quantization": method, "quantized_activations": activations}
         # int8 activations: HF has no counterpart; the reference is TP=1 with the same activation blocks
         return path, kw, None if activations == "int8" else hf_dequantised(path, method)
@@ -168,7 +173,9 @@ def _case_gguf(name: str):
 
 
 CASES = {
-    "int8-activations": _case_rtn("int8", "int8"),
+    # int4 groups of 128: act blocks of 128, whole ones a worker on o_proj's 256 inputs and down's 512 (int8 per
+    # channel of 128 inputs: one 128-input block, refused at 64 a worker; test_int8_activations_quantise_...)
+    "int8-activations": _case_rtn("int4", "int8", hidden=256),
     "bf16": _case_rtn("bf16"),
     "int4-qwen3_moe": _case_moe_int4,
     "gptq4-g32": _case_gptq,

@@ -25,7 +25,7 @@ from atomd.engine.kv_cache import KVCache, check_kv_planes, kv_dtype_name, kv_st
 from atomd.engine.lora_registry import LoraRegistry
 from atomd.model.deepseek import DeepseekModel
 from atomd.model.deepseek_lora import load_deepseek_adapter
-from atomd.model import layer_ops
+from atomd.model import layer_ops, quant
 from atomd.model.lora import load_adapter
 from atomd.model.expert_parallel import ExpertParallel
 from atomd.model.loader import load_model
@@ -115,6 +115,8 @@ class LLMEngine(EngineLoop):
         model_id = self.model_name if config.quantization is None else f"{self.model_name}+{config.quantization}"
         if config.quantized_activations != "float32":  # other numerics, other KV
             model_id += f"+a{config.quantized_activations}"
+            if config.quantized_activations == "int8":  # act blocks: the weight's group capped at 256 (#35)
+                model_id += f"b{quant.ACT_BLOCKS[0]}"
         # a TP engine's blocks go on the wire in the TP=1 layout (atomd/engine/tp_pd.py): every KV head
         kv_heads = kv.heads if split is None else split.num_kv_heads
         # --tp-kv-transfer direct: the workers' slices on the wire as they lie (tp_pd.direct_rows)

@@ -138,8 +138,9 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
             raise ValueError("--quantized-activations int8 needs quantized linears (--quantization, a GPTQ / AWQ / "
                              "compressed-tensors checkpoint or a quantized GGUF file)")
         switched = quant.use_int8_activations(packed)
-        log.info("int8 activations: %d of %d quantized linears (the rest: inputs or groups not whole blocks of %d)",
-                 switched, len(packed), quant.Q8_BLOCK)
+        blocks = sorted({t.act_block for t in packed if t.int8_activations})
+        log.info("int8 activations: %d of %d quantized linears, act blocks of %s inputs (the rest: inputs or groups "
+                 "not whole blocks of %d)", switched, len(packed), " / ".join(map(str, blocks)) or "-", quant.Q8_BLOCK)
     model = cls(config=cfg, embed=embed, layers=layers,
                 norm=src.get("model.norm.weight", dtype), lm_head=lm_head,
                 max_positions=max_positions or cfg.max_position_embeddings)

@@ -57,19 +57,34 @@ QGEMM_AMX_MIN_M = 4
 # 32-input block's result (measured: benchmarks/RESULTS.md, #35 the dense int linears widened). Not the
 # int8-activation bits above it (docs/design.md). 0 (or $ATOMD_QLINEAR_WIDE=0 at import): never.
 QGEMM_WIDE_MIN_M = 0 if os.environ.get("ATOMD_QLINEAR_WIDE") == "0" else 256
+# ... but int8 weights with act blocks of at least this many inputs (per channel: 256) stay on the int8 tiles at any M
+# (their int8-activation bits): the tiles sum an act block's 4 products before a store, and measured 0.70-1.13x
+# the widened tiles' time at M = 128..2048 (Qwen3-0.6B's qkv / gate_up / down, one thread; int4 groups of 128:
+# 0.9-1.2x, widened from 256 rows as before; RESULTS.md, #35 the act block)
+QGEMM_WIDE_INT8_KEEP = 256
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
 _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 PATHS = {2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_path
 Q8_PATHS = {3: "AVX512-VNNI", 2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_q8_path
-Q8_BLOCK = 32  # int8 activations: one scale per 32 inputs (csrc/quant.h)
+Q8_BLOCK = 32  # int8 activations: the smallest act block, the kernels' unit (csrc/quant.h)
+# int8 activations' act block by the weight's group: the largest of these that divides it (per channel: the
+# input size), one scale d per act block per row of x, so the AMX-INT8 tiles sum act_block / 64 products in
+# int32 before one store and rescale (csrc/quant_amx.h). 256 keeps a trained model's logits within 1.5x the
+# int8 weights' own rounding (benchmarks/act_block_accuracy.py; RESULTS.md, #35 the act block)
+ACT_BLOCKS = (256, 128, 64, Q8_BLOCK)
+
+
+def act_block_of(group_size: int) -> int:
+    """The int8 activations' block for a weight of groups of `group_size` inputs (0: none fits)."""
+    return next((a for a in ACT_BLOCKS if group_size % a == 0), 0)
 ACTIVATIONS = ("float32", "int8")  # --quantized-activations
 
 
 class _QWeightStruct(ctypes.Structure):
     _fields_ = [("q", _PTR), ("scales", _PTR), ("offsets", _PTR), ("group", _I64), ("bits", _I64),
-                ("xq", _PTR), ("xd", _PTR), ("xsg", _PTR)]
+                ("xq", _PTR), ("xd", _PTR), ("xsg", _PTR), ("ablock", _I64)]
 
 
 @dataclass
@@ -81,11 +96,18 @@ class QuantizedWeight:
     group_size: int
     in_features: int
     perm: torch.Tensor | None = None  # int64 [K]: kernel column c is the checkpoint's input perm[c]
-    # the activations quantised to int8 per block of Q8_BLOCK, integer dot products (csrc/quant.h):
+    # the activations quantised to int8 per act block, integer dot products (csrc/quant.h):
     # set by use_int8_activations where int8_activations_fit
     int8_activations: bool = False
     _ref: Any = field(default=None, repr=False, compare=False)  # its atomd_qweight (data_ptr)
     _scratch: Any = field(default=None, repr=False, compare=False)  # xq, xd, xsg of one row (the fused layer's)
+    # int8 activations' block (inputs per scale of x): act_block_of(group_size) where the weight is made, kept
+    # when a TP slice changes group_size (tensor_parallel._columns: a slice on act-block boundaries)
+    act_block: int = 0
+
+    def __post_init__(self):
+        if not self.act_block and self.bits != 16:
+            self.act_block = act_block_of(self.group_size)
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -101,12 +123,13 @@ class QuantizedWeight:
                 scratch = tuple(t.data_ptr() for t in self._scratch)
             self._ref = _QWeightStruct(self.q.data_ptr(), _ptr(self.scales), _ptr(self.offsets),
                                        self.group_size, QBITS_F16 if self.q.dtype == torch.float16 else self.bits,
-                                       *scratch)
+                                       *scratch, self.act_block)
         return ctypes.addressof(self._ref)
 
     def int8_activations_fit(self) -> bool:
-        """Whether int8 activations can run: inputs and groups whole blocks of Q8_BLOCK."""
-        return self.bits != 16 and self.in_features % Q8_BLOCK == 0 and self.group_size % Q8_BLOCK == 0
+        """Whether int8 activations can run: inputs and groups whole act blocks (of 32 inputs at least)."""
+        a = self.act_block
+        return self.bits != 16 and a in ACT_BLOCKS and self.in_features % a == 0 and self.group_size % a == 0
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets) if t is not None)
@@ -197,7 +220,7 @@ def qweight_array(weights: list[QuantizedWeight]) -> ctypes.Array:
     and scales, without scratch: the int8 MoE experts (layer_ops.moe_q8, which quantises x into its own).
     The caller keeps the weights alive as long as the array."""
     return (_QWeightStruct * len(weights))(*(_QWeightStruct(w.q.data_ptr(), _ptr(w.scales), _ptr(w.offsets),
-                                                            w.group_size, w.bits) for w in weights))
+                                                            w.group_size, w.bits, ablock=w.act_block) for w in weights))
 
 
 def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
@@ -205,14 +228,16 @@ def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
     first = weights[0]
     for w in weights[1:]:
         same_perm = (w.perm is None) == (first.perm is None) and (w.perm is None or torch.equal(w.perm, first.perm))
-        if (w.bits, w.group_size, w.in_features) != (first.bits, first.group_size, first.in_features) or not same_perm \
+        if (w.bits, w.group_size, w.in_features, w.act_block) != (first.bits, first.group_size, first.in_features,
+                                                                   first.act_block) or not same_perm \
                 or (w.offsets is None) != (first.offsets is None):
             raise ValueError("linears that share an input (q/k/v, gate/up) must be quantised alike "
-                             "(bits, group size, zero points, act-order permutation)")
+                             "(bits, group size, zero points, act-order permutation, act block)")
     return QuantizedWeight(first.bits, torch.cat([w.q for w in weights]),
                            None if first.scales is None else torch.cat([w.scales for w in weights]),
                            None if first.offsets is None else torch.cat([w.offsets for w in weights]),
-                           first.group_size, first.in_features, first.perm, first.int8_activations)
+                           first.group_size, first.in_features, first.perm, first.int8_activations,
+                           act_block=first.act_block)
 
 
 @functools.cache
@@ -230,7 +255,7 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
         gemm, deq = getattr(lib, f"atomd_qgemm_i{bits}"), getattr(lib, f"atomd_qdequant_i{bits}")
         gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int], None
         deq.argtypes, deq.restype = [_PTR, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, ctypes.c_int], None
-    lib.atomd_qgemm_q8.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64,
+    lib.atomd_qgemm_q8.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _I64, _PTR, _I64,
                                    _PTR, _PTR, _PTR, ctypes.c_int]
     lib.atomd_qgemm_q8.restype = None
     lib.atomd_qgemm_amx.argtypes = lib.atomd_qgemm_q8.argtypes
@@ -266,6 +291,11 @@ def _amx_scratch(m: int, k: int, g: int) -> tuple[torch.Tensor, torch.Tensor, to
             torch.empty(tiles * (k // g) * 16))
 
 
+def widens(w: QuantizedWeight, m: int) -> bool:
+    """Whether an int8-activation product of m rows of x runs widened to bf16 tiles (where lib.wide)."""
+    return 0 < QGEMM_WIDE_MIN_M <= m and not (w.bits == 8 and w.act_block >= QGEMM_WIDE_INT8_KEEP)
+
+
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
@@ -282,7 +312,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8), and with int8 activations on a CPU with
     AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx), from QGEMM_WIDE_MIN_M on
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
-    int8-activation bits); more rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a
+    int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); more rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a
     transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
@@ -291,7 +321,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     xf = xf.contiguous()
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
-    if lib is not None and w.int8_activations and 0 < QGEMM_WIDE_MIN_M <= m and lib.wide:
+    if lib is not None and w.int8_activations and widens(w, m) and lib.wide:
         out = torch.empty(m, n, dtype=torch.float32)
         rc = lib.atomd_qgemm_wide(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
                                   k, w.group_size, out.data_ptr(), n, threads)
@@ -301,15 +331,16 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         out = torch.empty(m, n, dtype=torch.float32)
         xt, dt, xsgt = _amx_scratch(m, k, w.group_size)
         rc = lib.atomd_qgemm_amx(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
-                                 k, w.group_size, out.data_ptr(), n, xt.data_ptr(), dt.data_ptr(), xsgt.data_ptr(),
-                                 threads)
+                                 k, w.group_size, w.act_block, out.data_ptr(), n, xt.data_ptr(), dt.data_ptr(),
+                                 xsgt.data_ptr(), threads)
         if rc != 0:
             raise MemoryError(f"AMX int8 product of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
         out = torch.empty(m, n, dtype=torch.float32)
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
-                           w.group_size, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), threads)
+                           w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(),
+                           threads)
     elif lib is not None and m <= QGEMM_MAX_M and w.bits == 16:
         out = torch.empty(m, n, dtype=torch.float32)
         getattr(lib, f"atomd_qgemm_{_w16(w)}")(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n, threads)

@@ -33,8 +33,9 @@ class ShardedSource:
     tensor, by the tensor's HF name. It wraps the quantising sources (atomd/model/quant_formats.py,
     GGUF's), so a quantized weight is quantised whole and then sliced (`_rows`, `_columns`): every
     worker's integers, scales and zero points are the unsplit weight's. `q8_aligned`: the linears
-    run with int8 activations (blocks of quant.Q8_BLOCK inputs, each its own scale), so a
-    row-parallel slice must start and end on a block boundary to quantise the same blocks."""
+    run with int8 activations (act blocks of QuantizedWeight.act_block inputs, each its own scale), so a
+    row-parallel slice must start and end on an act-block boundary to quantise the same blocks (the slice
+    keeps the unsplit weight's act block)."""
 
     def __init__(self, src, split: TPSplit, q8_aligned: bool = False, mla: tuple[int, int, int] | None = None,
                  experts: str = "split"):
@@ -158,9 +159,11 @@ def _columns(t, start: int, n: int, name: str, q8_aligned: bool = False):
                          f"nor are a multiple of them")
     if t.bits == 4 and n % 32:
         raise ValueError(f"{where}: int4 packs runs of 32 inputs; {n} is not a multiple of 32")
-    if (q8_aligned or t.int8_activations) and n % quant.Q8_BLOCK:
-        raise ValueError(f"{where}: int8 activations quantise blocks of {quant.Q8_BLOCK} inputs; {n} is not a "
-                         f"multiple of {quant.Q8_BLOCK} (run with float activations)")
+    a = t.act_block
+    if (q8_aligned or t.int8_activations) and a and (n % a or start % a):
+        raise ValueError(f"{where}: int8 activations quantise this weight's inputs in act blocks of {a} (its group "
+                         f"of {g}, capped at 256); a worker's {n} inputs from input {start} do not fall on act-block "
+                         f"boundaries (run with float activations)")
     perm = None
     if t.perm is not None:
         perm = t.perm[start:start + n]

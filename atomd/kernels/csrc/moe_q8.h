@@ -14,7 +14,7 @@
  * down runs, and each pair's row is written (rounded and scaled where the per-expert torch ops
  * round: bf16 models round gate_up's output, silu's, the down output and the scaled pair). Each
  * linear runs as qlinear would run it on the item's rows: on AMX-INT8 tiles (quant_amx.h:
- * qamx_quantize and qamx_ntile, x quantised per block of 32 as quantize_row_q8 does) from
+ * qamx_quantize and qamx_ntile, x quantised per act block as quantize_row_q8 does) from
  * `amx_min` rows (quant.py's QGEMM_AMX_MIN_M) where the build and the process have them, else the
  * int8-activation rows of quant.h (gemv4_q8 for one row on VNNI builds, q8_weight_row: VNNI,
  * AVX-512 BW or AVX2 by the build). Every row's products and sums are those of a qlinear call over
@@ -48,16 +48,18 @@ static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int
     const int bits = (int)w->bits;
 #if MOE_Q8_TILES
     if (tiles) {
-        if (!quantised) qamx_quantize(x, K, m, K, w->group, s->xt, s->dt, s->xsgt, 1);
+        if (!quantised) qamx_quantize(x, K, m, K, w->group, w->ablock, s->xt, s->dt, s->xsgt, 1);
         for (int64_t nt = 0; nt < (N + 15) / 16; nt++)
-            qamx_ntile(w->q, bits, w->scales, w->offsets, N, K, w->group, m, nt, s->xt, s->dt, s->xsgt, s->a, y, N);
+            qamx_ntile(w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, m, nt, s->xt, s->dt, s->xsgt, s->a,
+                       y, N);
         return;
     }
 #else
     (void)tiles, (void)quantised;
 #endif
     for (int64_t r = 0; r < m; r++)
-        quantize_row_q8(x + r * K, K, w->group, bits, s->xq + r * K, s->xd + r * Q8_XD(K), s->xsg + r * Q8_XSG(K));
+        quantize_row_q8(x + r * K, K, w->group, w->ablock, bits, s->xq + r * K, s->xd + r * Q8_XD(K),
+                        s->xsg + r * Q8_XSG(K));
 #if Q8_PATH == 3
     if (m == 1 && Q8_GEMV4(N)) {
         for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++)
@@ -137,10 +139,10 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     float *all_dt = NULL, *all_xf = NULL;
     int64_t n_tok = 0, tile_rows = 0;
 #if MOE_Q8_TILES
-    const int64_t G = n_experts ? gate_up[experts[0]].group : Q8_BLOCK;
+    const int64_t G = n_experts ? gate_up[experts[0]].group : Q8_BLOCK, AB = n_experts ? gate_up[experts[0]].ablock : Q8_BLOCK;
     int one_group = 1;
     for (int64_t g = 0; g < n_experts; g++) {
-        one_group &= gate_up[experts[g]].group == G;
+        one_group &= gate_up[experts[g]].group == G && gate_up[experts[g]].ablock == AB;
         for (int64_t r = starts[g]; r < starts[g + 1] && !Q8_WIDE_EXPERT(g); r += chunk)
             tile_rows += starts[g + 1] - r >= amx_min ? (starts[g + 1] - r < chunk ? starts[g + 1] - r : chunk) : 0;
     }
@@ -155,7 +157,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
         }
         if (is_bf16)
             for (int64_t i = 0; i < n_tok * hidden; i++) all_xf[i] = bf16_to_float(((const bf16_t *)x)[i]);
-        qamx_quantize(is_bf16 ? all_xf : (const float *)x, hidden, n_tok, hidden, G, all_xt, all_dt,
+        qamx_quantize(is_bf16 ? all_xf : (const float *)x, hidden, n_tok, hidden, G, AB, all_xt, all_dt,
                       all_dt + QAMX_DT(n_tok, hidden), num_threads);
     }
 #endif
@@ -190,7 +192,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             ready = ready && wbuf != NULL && blk != NULL;
         }
 #endif
-        int config = 0;  /* the tiles' configuration: 1 amx_configure's (bf16), 2 qamx_configure's (int8) */
+        int config = 0;  /* the tiles' configuration: 1 amx_configure's (bf16), else qamx_configure's k-step (int8) */
         if (!ready) {
 #pragma omp atomic write
             failed = 1;
@@ -235,7 +237,8 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             }
 #endif
 #if MOE_Q8_TILES
-            if (tiles && config != 2) qamx_configure(), config = 2;
+            const int kw = QAMX_KW(wg->ablock), kwd = QAMX_KW(wd->ablock);
+            if (tiles && config != kw) qamx_configure(kw), config = kw;
 #else
             (void)config;
 #endif
@@ -267,6 +270,9 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
                 for (int64_t r = 0; r < m; r++)
                     silu_mul_row((const char *)(s.gu + r * n_gu), (char *)(s.act + r * inter), inter, 0);
             }
+#if MOE_Q8_TILES
+            if (tiles && config != kwd) qamx_configure(kwd), config = kwd;  /* down's act block may differ */
+#endif
             moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0);
             for (int64_t r = 0; r < m; r++) {  /* each pair's row: (rounded,) scaled (, rounded) */
                 const int64_t p = p0 + r;

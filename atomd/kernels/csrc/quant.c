@@ -117,10 +117,10 @@ void atomd_qdequant_i4(const uint8_t *q, const float *scales, const float *offse
  * [M, K], xd [M, Q8_XD(K)], xsg [M, Q8_XSG(K)]), then y [M, ldy] = x @ w^T, each weight row
  * read once for up to Q8_ROWS rows of x (q8_weight_row) */
 void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
-                    const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy, int8_t *xq,
-                    float *xd, float *xsg, int num_threads) {
+                    const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
+                    int8_t *xq, float *xd, float *xsg, int num_threads) {
     for (int64_t m = 0; m < M; m++)
-        quantize_row_q8(x + m * ldx, K, G, (int)bits, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
+        quantize_row_q8(x + m * ldx, K, G, AB, (int)bits, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
 #if Q8_PATH == 3
     if (M == 1 && Q8_GEMV4(N)) {  /* batch 1: as the fused layer's rows */
         _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
@@ -136,12 +136,12 @@ void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64
  * dt [QAMX_DT floats], xsgt [QAMX_XSG floats]. 0 done; 1 no tiles here (not built with AMX-INT8,
  * or Linux refuses them): the caller runs atomd_qgemm_q8; -1 out of memory. */
 int atomd_qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
-                    const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy, int8_t *xt,
-                    float *dt, float *xsgt, int num_threads) {
+                    const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
+                    int8_t *xt, float *dt, float *xsgt, int num_threads) {
 #if QAMX_PATH
-    return qgemm_amx(x, ldx, M, q, (int)bits, scales, offsets, N, K, G, y, ldy, xt, dt, xsgt, num_threads);
+    return qgemm_amx(x, ldx, M, q, (int)bits, scales, offsets, N, K, G, AB, y, ldy, xt, dt, xsgt, num_threads);
 #else
-    (void)x, (void)ldx, (void)M, (void)q, (void)bits, (void)scales, (void)offsets, (void)N, (void)K, (void)G;
+    (void)x, (void)ldx, (void)M, (void)q, (void)bits, (void)scales, (void)offsets, (void)N, (void)K, (void)G, (void)AB;
     (void)y, (void)ldy, (void)xt, (void)dt, (void)xsgt, (void)num_threads;
     return 1;
 #endif

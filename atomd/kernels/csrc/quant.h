@@ -211,14 +211,17 @@ static inline __attribute__((always_inline)) void row_h16(const float *x, int64_
 
 /* ---- int8 activations (llama.cpp's Q8_0 of the activation row): integer dot products ----
  *
- * x is quantised once per linear in blocks of Q8_BLOCK: amax = max |x|, d = amax / 127,
+ * x is quantised once per linear in act blocks of AB inputs (the weight's: its group, capped at
+ * 256, quant.py's act_block_of; 32 = Q8_BLOCK is llama.cpp's Q8_0): amax = max |x|, d = amax / 127,
  * xq = rint(x * (127 / amax)) (0 for an all-zero block); per weight group g of G inputs
- * xsg_g = sum_{b in g} d_b * sum(xq_b) (in block order). Then
- *   y[n] = sum_g s[n, g] * sum_{b in g} d_b * (q[n, b] . xq_b) + o[n, g] * xsg_g
+ * xsg_g = sum_{a in g} d_a * sum(xq_a) (in act-block order, each sum(xq_a) an exact int32). Then
+ *   y[n] = sum_g s[n, g] * sum_{a in g} d_a * (q[n, a] . xq_a) + o[n, g] * xsg_g
  * with each q . xq an exact int32 (the weight's integers as stored). Only the rounding of x
  * to 8 bits and the order of the float sums differ from the float-activation rows above. K
- * and G must be multiples of Q8_BLOCK (the caller checks). A row's scratch: xq [K] int8,
- * xd [Q8_XD(K)] and xsg [Q8_XSG(K)] floats. Paths (Q8_PATH): 3 AVX512-VNNI, two blocks a
+ * and G must be multiples of AB, AB one of 32 / 64 / 128 / 256 (the caller checks). The kernels
+ * below work in blocks of Q8_BLOCK = 32 inputs (the weights' int4 runs, VNNI's pairs); xd holds
+ * each 32-block's d (its act block's, repeated). A row's scratch: xq [K] int8, xd [Q8_XD(K)] and
+ * xsg [Q8_XSG(K)] floats. Paths (Q8_PATH): 3 AVX512-VNNI, two blocks a
  * vpdpbusd (u8 x s8; int8 weights + 128, taken back as 128 * s * xsg, so -128 stays exact),
  * up to Q8_ROWS rows of x per weight load, xd one 16-float vector per pair of blocks; 2
  * AVX-512 BW and 1 AVX2 (int16 widening, vpmaddwd) and 0 scalar, a block at a time, xd one
@@ -237,43 +240,46 @@ static inline __attribute__((always_inline)) void row_h16(const float *x, int64_
 #define Q8_PATH QUANT_PATH
 #endif
 
-static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int bits, int8_t *xq, float *xd,
+static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int64_t AB, int bits, int8_t *xq, float *xd,
                                    float *xsg) {
-    const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK;
+    const int64_t nb = K / Q8_BLOCK, sub = AB / Q8_BLOCK, per = G / AB;
     (void)bits;
-    for (int64_t b = 0; b < nb; b++) {
-        const float *xb = x + b * Q8_BLOCK;
+    for (int64_t a = 0; a < K / AB; a++) {
+        const float *xa = x + a * AB;
         float amax = 0.0f;
-        for (int i = 0; i < Q8_BLOCK; i++) amax = fabsf(xb[i]) > amax ? fabsf(xb[i]) : amax;
+        for (int64_t i = 0; i < AB; i++) amax = fabsf(xa[i]) > amax ? fabsf(xa[i]) : amax;
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
+        for (int64_t b = a * sub; b < (a + 1) * sub; b++) {  /* its 32-blocks */
+            const float *xb = x + b * Q8_BLOCK;
 #if Q8_PATH == 3
-        /* int4 in a whole pair: halves interleaved with the pair's other block (the doc above) */
-        const int mix = bits == 4 && (b | 1) < nb;
-        int8_t *dst = xq + (b & ~(int64_t)1) * Q8_BLOCK + (mix ? (b % 2) * 16 : (b % 2) * Q8_BLOCK);
+            /* int4 in a whole pair: halves interleaved with the pair's other block (the doc above) */
+            const int mix = bits == 4 && (b | 1) < nb;
+            int8_t *dst = xq + (b & ~(int64_t)1) * Q8_BLOCK + (mix ? (b % 2) * 16 : (b % 2) * Q8_BLOCK);
 #else
-        int8_t *dst = xq + b * Q8_BLOCK;
+            int8_t *dst = xq + b * Q8_BLOCK;
 #endif
-        for (int i = 0; i < Q8_BLOCK; i++) {
-            const int8_t v = (int8_t)nearbyintf(xb[i] * id);
+            for (int i = 0; i < Q8_BLOCK; i++) {
+                const int8_t v = (int8_t)nearbyintf(xb[i] * id);
 #if Q8_PATH == 3
-            dst[mix && i >= 16 ? i + 16 : i] = v;
+                dst[mix && i >= 16 ? i + 16 : i] = v;
 #else
-            dst[i] = v;
+                dst[i] = v;
 #endif
-            sum += v;
+                sum += v;
+            }
+#if Q8_PATH == 3
+            float *dv = xd + (b / 2) * 16;
+            if (mix)
+                for (int i = 0; i < 4; i++) dv[(b % 2) * 4 + i] = d, dv[8 + (b % 2) * 4 + i] = d * 0.0625f;
+            else
+                for (int i = 0; i < 8; i++) dv[(b % 2) * 8 + i] = d;
+#else
+            xd[b] = d;
+#endif
         }
-#if Q8_PATH == 3
-        float *dv = xd + (b / 2) * 16;
-        if (mix)
-            for (int i = 0; i < 4; i++) dv[(b % 2) * 4 + i] = d, dv[8 + (b % 2) * 4 + i] = d * 0.0625f;
-        else
-            for (int i = 0; i < 8; i++) dv[(b % 2) * 8 + i] = d;
-#else
-        xd[b] = d;
-#endif
-        if (b % per == 0) xsg[b / per] = 0.0f;
-        xsg[b / per] += d * (float)sum;
+        if (a % per == 0) xsg[a / per] = 0.0f;
+        xsg[a / per] += d * (float)sum;
     }
 #if Q8_PATH == 3
     if (nb % 2)
@@ -559,6 +565,7 @@ typedef struct {
     int64_t group, bits;  /* bits 16: bf16 weights, QBITS_F16: float16 ones; scales / offsets unused for both */
     int8_t *xq;
     float *xd, *xsg;
+    int64_t ablock;  /* int8 activations' act block (the doc above) */
 } atomd_qweight;
 
 /* y[n] = w[n] . x (+ bias[n]) for the N rows of w, K inputs: an orphaned `omp for` (the
@@ -568,7 +575,7 @@ static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, cons
     const int64_t groups = (K + w->group - 1) / w->group;
     if (w->xq) {
         _Pragma("omp single")  /* its barrier: every thread's rows read the whole quantised x */
-        quantize_row_q8(x, K, w->group, (int)w->bits, w->xq, w->xd, w->xsg);
+        quantize_row_q8(x, K, w->group, w->ablock, (int)w->bits, w->xq, w->xd, w->xsg);
     }
 #if Q8_PATH == 3
     if (w->xq && Q8_GEMV4(N)) {
