@@ -131,10 +131,12 @@ def test_rope_in_place_on_the_query_and_key_heads_only(dtype, rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 300])
-def test_rope_store_equals_rope_then_the_cache_write(dtype, rows):
-    """One pass (RoPE, then each row's K and V into its paged slot) against rope_ followed by
-    KVCache.write: the same qkv and the same cache, to the bit; the other slots untouched."""
+@pytest.mark.parametrize("norm", [False, True])  # True: Qwen3's q / k norm in the same pass
+def test_rope_store_equals_rope_then_the_cache_write(dtype, rows, norm):
+    """One pass (the q / k norm, RoPE, then each row's K and V into its paged slot) against qk_norm_, rope_ and
+    KVCache.write one after another: the same qkv and the same cache, to the bit; the other slots untouched."""
     from atomd.engine.kv_cache import AttentionMetadata, KVCache
+    from atomd.model.attention import qk_norm_
 
     g = torch.Generator().manual_seed(rows)
     heads, kv_heads, head_dim, layers, block = 9, 3, 64, 3, 16
@@ -148,13 +150,17 @@ def test_rope_store_equals_rope_then_the_cache_write(dtype, rows):
     want_cache, got_cache = (KVCache(num_blocks, layers, block, kv_heads, head_dim, dtype) for _ in range(2))
     want_cache.kv.normal_(generator=g)
     got_cache.kv.copy_(want_cache.kv)
+    q_w, k_w = ((1 + 0.1 * torch.randn(head_dim, generator=g)).to(dtype) for _ in range(2))
     for layer in range(layers):
         want, got = qkv.clone(), qkv.clone()
+        if norm:
+            qk_norm_(want, q_w, k_w, heads, kv_heads, head_dim, 1e-6)
         layer_ops.rope_(want, heads + kv_heads, head_dim, cos, sin, positions)
         k, v = want[:, heads * head_dim:].view(rows, 2, kv_heads, head_dim).unbind(1)
         want_cache.write(layer, meta, k, v)
         assert layer_ops.rope_store_(got, heads, kv_heads, head_dim, cos, sin, positions, got_cache.kv,
-                                     got_cache.slot_rows(meta), layer * 2 * block, block)
+                                     got_cache.slot_rows(meta), layer * 2 * block, block,
+                                     (q_w, k_w, 1e-6) if norm else None)
         assert torch.equal(got, want)
         assert torch.equal(got_cache.kv, want_cache.kv)
 

@@ -148,6 +148,16 @@ def test_greedy_is_the_argmax_of_the_processed_logits(name):
     assert tokens == [int(np.argmax(ref_process(logits[0].numpy(), PROMPT, OUTPUT, params)))]
 
 
+def test_greedy_takes_the_first_of_equal_largest_logits_as_numpy_argmax():
+    """Ties (and a row with NaN: torch's and numpy's argmax both pick it) go to the first index, row by row."""
+    g = torch.Generator().manual_seed(5)
+    logits = torch.randint(0, 4, (6, VOCAB), generator=g).float()  # every row: many equal largest values
+    logits[2, VOCAB // 2] = float("nan")
+    seqs = [seq_with([1], [], SamplingParams(temperature=0.0)) for _ in range(6)]
+    tokens, _ = Sampler(0, END).sample(logits.clone(), seqs)
+    assert tokens == [int(np.argmax(row)) for row in logits.numpy()]
+
+
 def test_logit_bias_minus_100_removes_the_greedy_token():
     logits = torch.randn(1, VOCAB, generator=torch.Generator().manual_seed(4))
     best = int(logits.argmax())

@@ -198,6 +198,10 @@ class DecoderModel:
         """The cos, sin tables of layer `layer` (one pair for every layer here)."""
         return self.cos, self.sin
 
+    # qk_norm_ below is layer_ops.qk_norm_ (plain RMSNorm per head), which rope_store_ may run in its own
+    # pass; a family whose q / k norm is another (Gemma's (1 + w)) sets False
+    plain_qk_norm = True
+
     def qk_norm_(self, qkv: torch.Tensor, w: LayerWeights) -> None:
         cfg = self.config
         qk_norm_(qkv, w.q_norm, w.k_norm, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps)
@@ -418,11 +422,15 @@ class DecoderModel:
         qkv = linear(h, w.qkv, w.qkv_bias, w.rows and w.rows[0])
         if lora is not None:
             lora.add("qkv", h, qkv)
-        if w.q_norm is not None:
+        fused = w.q_norm is not None and self.plain_qk_norm  # the q / k norm inside rope_store_'s pass
+        if w.q_norm is not None and not fused:
             self.qk_norm_(qkv, w)
         cos, sin = self.rope(i)
         if not rope_store_(qkv, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cos, sin, positions,
-                           kv_cache.kv, slot_rows, i * 2 * kv_cache.block_size, kv_cache.block_size):
+                           kv_cache.kv, slot_rows, i * 2 * kv_cache.block_size, kv_cache.block_size,
+                           (w.q_norm, w.k_norm, cfg.rms_norm_eps) if fused else None):
+            if fused:
+                self.qk_norm_(qkv, w)
             rope_(qkv, cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, cos, sin, positions)
             k_end = cfg.q_size + cfg.kv_size
             kv_cache.write(i, meta, qkv[:, cfg.q_size:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim),

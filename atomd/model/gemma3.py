@@ -156,6 +156,8 @@ class Gemma3Model(DecoderModel):
     def norm_rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         return gemma_rms_norm(x, weight, self.config.rms_norm_eps)
 
+    plain_qk_norm = False  # its own (1 + w) norm below, not rope_store_'s
+
     def qk_norm_(self, qkv: torch.Tensor, w: LayerWeights) -> None:
         cfg = self.config
         rows, q_end, k_end = qkv.shape[0], cfg.q_size, cfg.q_size + cfg.kv_size

@@ -128,7 +128,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
         getattr(lib, f"atomd_qk_norm_{suffix}").argtypes = [_PTR] + [_I64] * 5 + [_PTR, _PTR, ctypes.c_float, ctypes.c_int]
         getattr(lib, f"atomd_rope_{suffix}").argtypes = [_PTR, _I64, _I64, _I64, _PTR, _PTR, _PTR, _I64, ctypes.c_int]
         getattr(lib, f"atomd_rope_store_{suffix}").argtypes = [_PTR, _I64, _I64, _I64, _I64, _PTR, _PTR, _PTR, _PTR,
-                                                                _PTR, _I64, _I64, _I64, ctypes.c_int]
+                                                                _PTR, _I64, _I64, _I64, _PTR, _PTR, ctypes.c_float,
+                                                                ctypes.c_int]
         for op in ("rms_norm", "qk_norm", "silu_mul", "rope", "rope_store"):
             getattr(lib, f"atomd_{op}_{suffix}").restype = None
     lib.atomd_lora_sgmv_f32.argtypes, lib.atomd_lora_sgmv_f32.restype = [_PTR, _I64, _PTR, _PTR, _PTR, _PTR] + [_I64] * 5, None
@@ -241,20 +242,26 @@ def rope_(qkv: torch.Tensor, heads: int, head_dim: int, cos: torch.Tensor, sin: 
 
 def rope_store_(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, cos: torch.Tensor,
                 sin: torch.Tensor, positions: torch.Tensor, cache: torch.Tensor, slot_rows: torch.Tensor,
-                layer_rows: int, v_rows: int) -> bool:
+                layer_rows: int, v_rows: int, qk_norm: tuple[torch.Tensor, torch.Tensor, float] | None = None) -> bool:
     """rope_ on the query and key heads of qkv [T, width], then each row's key and value heads
     stored in the paged cache: its K row at row slot_rows[t] + layer_rows of `cache` seen as
-    [rows, kv_heads * head_dim], its V row v_rows rows further (KVCache.slot_rows). One C call;
-    False (nothing done) where the kernels do not take these tensors: the caller runs rope_
-    and KVCache.write."""
-    lib = _native(qkv, cos, sin, cache)
+    [rows, kv_heads * head_dim], its V row v_rows rows further (KVCache.slot_rows). With
+    `qk_norm` (q_norm, k_norm, eps): qk_norm_ first, in the same pass (the same bits). One C call;
+    False (nothing done) where the kernels do not take these tensors: the caller runs qk_norm_,
+    rope_ and KVCache.write."""
+    q_w, k_w, eps = qk_norm or (None, None, 0.0)
+    lib = _native(qkv, cos, sin, cache, *(() if qk_norm is None else (q_w, k_w)))
     if lib is None or not (cos.is_contiguous() and sin.is_contiguous() and cache.is_contiguous()
                            and positions.is_contiguous() and slot_rows.is_contiguous()
                            and positions.dtype == slot_rows.dtype == torch.int64):
         return False
+    if qk_norm is not None and not (qkv.dim() == 2 and qkv.is_contiguous() and q_w.is_contiguous()
+                                    and k_w.is_contiguous()):
+        return False
     getattr(lib, f"atomd_rope_store_{_SUFFIX[qkv.dtype]}")(
         qkv.data_ptr(), qkv.stride(0), q_heads, kv_heads, head_dim, cos.data_ptr(), sin.data_ptr(),
         positions.data_ptr(), cache.data_ptr(), slot_rows.data_ptr(), layer_rows, v_rows, qkv.shape[0],
+        None if q_w is None else q_w.data_ptr(), None if k_w is None else k_w.data_ptr(), eps,
         torch.get_num_threads())
     return True
 

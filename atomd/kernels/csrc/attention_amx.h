@@ -32,6 +32,31 @@ static inline int64_t v_tile_index(int64_t t, int d) {
     return ((((t / 32) * V_CHUNKS + d / 16) * 16 + (t % 32) / 2) * 16 + d % 16) * 2 + (t & 1);
 }
 
+/* r[i][j] <-> r[j][i], 32-bit elements: 16 keys' 16 dim pairs become 16 dim pairs' keys (K's tile
+ * rows), 64 shuffles where a scatter a key cost ~3x as long */
+static inline void transpose16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {  /* pairs of rows interleaved by 32 bits, then 64 */
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 4; i++) {  /* r[i + 4g], lane l: rows 4g .. 4g + 3 of column 4l + i */
+        const __m512i a = _mm512_shuffle_i32x4(r[i], r[i + 4], 0x88), b = _mm512_shuffle_i32x4(r[i], r[i + 4], 0xdd);
+        const __m512i c = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0x88), d = _mm512_shuffle_i32x4(r[i + 8], r[i + 12], 0xdd);
+        t[i] = _mm512_shuffle_i32x4(a, c, 0x88);
+        t[i + 8] = _mm512_shuffle_i32x4(a, c, 0xdd);
+        t[i + 4] = _mm512_shuffle_i32x4(b, d, 0x88);
+        t[i + 12] = _mm512_shuffle_i32x4(b, d, 0xdd);
+    }
+    for (int i = 0; i < 16; i++) r[i] = t[i];
+}
+
 /* Query rows [r0, r0 + n) (n <= 16) of query head hq of one sequence (its rows start at q
  * and out; kb, vb: its KV head's tiles). sc: [16][nk32] floats, phi / plo: [16][nk32] bf16,
  * thread-owned scratch. */
@@ -174,8 +199,10 @@ static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, c
         return 0;
     }
     const int64_t per_head = keys[num_seqs] * HEAD_DIM;  /* elements of one KV head's tiles */
-    uint16_t *kt = calloc((size_t)num_kv_heads * per_head, sizeof(uint16_t));
-    uint16_t *vt = calloc((size_t)num_kv_heads * per_head, sizeof(uint16_t));
+    /* not calloc: every value is written below (padding keys zeroed), and a reused heap block
+     * would be cleared first (~1.5 ms a 0.6B-shape layer of 8 x 512) */
+    uint16_t *kt = malloc(sizeof(uint16_t) * num_kv_heads * per_head);
+    uint16_t *vt = malloc(sizeof(uint16_t) * num_kv_heads * per_head);
     if (kt == NULL || vt == NULL) {
         free(kt);
         free(vt);
@@ -190,14 +217,24 @@ static int prefill_amx(const uint16_t *restrict q, const uint16_t *restrict k, c
         for (int64_t s = 0; s < num_seqs; s++)
             for (int64_t h = 0; h < num_kv_heads; h++) {
                 uint16_t *kd = kt + h * per_head + keys[s] * HEAD_DIM, *vd = vt + h * per_head + keys[s] * HEAD_DIM;
-                const __m512i pairs = _mm512_mullo_epi32(_mm512_set_epi32(15, 14, 13, 12, 11, 10, 9, 8, 7, 6, 5, 4, 3, 2, 1, 0),
-                                                         _mm512_set1_epi32(16));  /* dim pair p -> its K tile row */
                 const __m512i interleave = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8,
                                                             39, 7, 38, 6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-                for (int64_t t = 0; t < seq_lens[s]; t++) {  /* K: each 32-dim chunk's 16 dim pairs scattered to their rows */
-                    const uint16_t *ks = k + (seq_starts[s] + t) * k_stride + h * HEAD_DIM;
-                    for (int c = 0; c < K_CHUNKS; c++)
-                        _mm512_i32scatter_epi32(kd + k_tile_index(t, c * 32), pairs, _mm512_loadu_si512(ks + c * 32), 4);
+                if (seq_lens[s] % 32) {  /* the last 32-key block's padding keys: zero (P @ V reads them) */
+                    const int64_t last = seq_lens[s] / 32 * 32 * HEAD_DIM;
+                    memset(kd + last, 0, sizeof(uint16_t) * 32 * HEAD_DIM);
+                    memset(vd + last, 0, sizeof(uint16_t) * 32 * HEAD_DIM);
+                }
+                for (int64_t t0 = 0; t0 < seq_lens[s]; t0 += 16) {  /* K: 16 keys x 16 dim pairs transposed a chunk */
+                    const int64_t nt = seq_lens[s] - t0 < 16 ? seq_lens[s] - t0 : 16;
+                    const uint16_t *ks = k + (seq_starts[s] + t0) * k_stride + h * HEAD_DIM;
+                    for (int c = 0; c < K_CHUNKS; c++) {
+                        __m512i r[16];
+                        for (int64_t i = 0; i < 16; i++)
+                            r[i] = i < nt ? _mm512_loadu_si512(ks + i * k_stride + c * 32) : _mm512_setzero_si512();
+                        transpose16_epi32(r);
+                        uint16_t *dst = kd + k_tile_index(t0, c * 32);  /* [dim pair][key][2]: 16 rows of 64 bytes */
+                        for (int p = 0; p < 16; p++) _mm512_storeu_si512(dst + p * 32, r[p]);
+                    }
                 }
                 for (int64_t t = 0; t < seq_lens[s]; t += 2) {  /* V: two tokens' rows interleaved, 16 dims a store */
                     const uint16_t *v0 = v + (seq_starts[s] + t) * v_stride + h * HEAD_DIM, *v1 = v0 + v_stride;

@@ -350,28 +350,41 @@ static inline __attribute__((always_inline)) void rope_store_row(
     memcpy(v, row + q_bytes + kv_bytes, kv_bytes);
 }
 
-#define ROPE_STORE(is_bf16)                                                                                    \
+/* With q_w (Qwen3's q / k norm): each row's query and key heads first normed in place as
+ * atomd_qk_norm_* norms them (the same bits), on the row while it is in cache: a prefill's
+ * separate pass over q and k cost ~3% of its time on the 0.6B shape (benchmarks/RESULTS.md, #34
+ * s34h). Where the vector row norm is not built, atomd_qk_norm_* runs first as its own call. */
+#define ROPE_STORE(is_bf16, suffix, vec_row)                                                                   \
     const int64_t kv_size = kv_heads * head_dim, q_size = q_heads * head_dim;                                  \
+    if (q_w != NULL && !(vec_row)) {                                                                           \
+        atomd_qk_norm_##suffix(qkv, rows, row_stride, q_heads, kv_heads, head_dim, q_w, k_w, eps, num_threads); \
+        q_w = NULL;                                                                                            \
+    }                                                                                                          \
     _Pragma("omp parallel for num_threads(num_threads) if (rows * (q_size + 2 * kv_size) >= PARALLEL_MIN_ELEMENTS)") \
     for (int64_t r = 0; r < rows; r++) {                                                                       \
         char *k = (char *)(cache + (slot_rows[r] + layer_rows) * kv_size);                                     \
+        if (q_w != NULL)                                                                                       \
+            for (int64_t h = 0; h < q_heads + kv_heads; h++)                                                   \
+                QK_NORM_ROW_##suffix(qkv + r * row_stride + h * head_dim, h < q_heads ? q_w : k_w, head_dim, eps); \
         rope_store_row((char *)(qkv + r * row_stride), q_heads, kv_heads, head_dim,                            \
                        (const char *)(cos + positions[r] * (head_dim / 2)),                                    \
                        (const char *)(sin + positions[r] * (head_dim / 2)), k,                                 \
                        k + v_rows * kv_size * ELEM(is_bf16), is_bf16, 0);                                      \
     }
 
+/* q_w, k_w: the q / k norm's weights (head_dim each), or NULL for none. */
 void atomd_rope_store_f32(float *qkv, int64_t row_stride, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                           const float *cos, const float *sin, const int64_t *positions, float *cache,
-                          const int64_t *slot_rows, int64_t layer_rows, int64_t v_rows, int64_t rows, int num_threads) {
-    ROPE_STORE(0)
+                          const int64_t *slot_rows, int64_t layer_rows, int64_t v_rows, int64_t rows,
+                          const float *q_w, const float *k_w, float eps, int num_threads) {
+    ROPE_STORE(0, f32, F32_NORM_VEC)
 }
 
 void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int64_t kv_heads, int64_t head_dim,
                            const bf16_t *cos, const bf16_t *sin, const int64_t *positions, bf16_t *cache,
                            const int64_t *slot_rows, int64_t layer_rows, int64_t v_rows, int64_t rows,
-                           int num_threads) {
-    ROPE_STORE(1)
+                           const bf16_t *q_w, const bf16_t *k_w, float eps, int num_threads) {
+    ROPE_STORE(1, bf16, BF16_CVT)
 }
 
 /* Batch-1 decode linears: y[n] = sum_k x[k] w[n, k] over a plain row-major weight [N, K]
