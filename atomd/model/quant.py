@@ -79,7 +79,6 @@ ACT_BLOCKS = (256, 128, 64, Q8_BLOCK)
 def act_block_of(group_size: int) -> int:
     """The int8 activations' block for a weight of groups of `group_size` inputs (0: none fits)."""
     return next((a for a in ACT_BLOCKS if group_size % a == 0), 0)
-ACTIVATIONS = ("float32", "int8")  # --quantized-activations
 
 
 class _QWeightStruct(ctypes.Structure):
@@ -312,8 +311,8 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8), and with int8 activations on a CPU with
     AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx), from QGEMM_WIDE_MIN_M on
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
-    int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); more rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a
-    transient buffer per call)."""
+    int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); more
+    rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
     if w.perm is not None:

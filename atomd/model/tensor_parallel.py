@@ -162,7 +162,7 @@ def _columns(t, start: int, n: int, name: str, q8_aligned: bool = False):
     a = t.act_block
     if (q8_aligned or t.int8_activations) and a and (n % a or start % a):
         raise ValueError(f"{where}: int8 activations quantise this weight's inputs in act blocks of {a} (its group "
-                         f"of {g}, capped at 256); a worker's {n} inputs from input {start} do not fall on act-block "
+                         f"of {g}, capped at {quant.ACT_BLOCKS[0]}); a worker's {n} inputs from input {start} do not fall on act-block "
                          f"boundaries (run with float activations)")
     perm = None
     if t.perm is not None:
