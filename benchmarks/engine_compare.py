@@ -48,14 +48,17 @@ import time
 from benchmarks import llama_cpp as lc
 from benchmarks.machine import cpu_model, loadavg
 from benchmarks.offline import WORKLOADS, checkpoint, model_config
+from atomd.kernels.cbuild import CPU_KIND_ENV
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
+# --cpu-kind -> the llama.cpp run of a build without the instructions that kind lacks (llama_cpp.BUILDS)
+KIND_LLAMA_RUN = {"native": "amxfix", "avx512-bf16": "noamx", "avx512-vnni": "vnni"}
 FULL = ("batch1", "batch1_first", "batch16", "batch16_first", "prefill")
 SHORT = ("batch1_short", "batch1_short_first", "batch16_short", "batch16_short_first", "prefill_1x512")
 GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0", "llama.cpp_Q4_0": "q4_0",
          "llama.cpp_Q4_K_M": "q4_k_m"}
 NOT_REPACKED = {"f32", "bf16"}  # GGUF types no llama.cpp build repacks (AMX, CPU_REPACK take quantized ones)
-SAME_DTYPE = {"atomd_float32": ["llama.cpp_F32"], "atomd_bfloat16": ["llama.cpp_BF16"],
+SAME_DTYPE = {"atomd_float32": ["llama.cpp_F32"], "atomd_bfloat16": ["llama.cpp_BF16"], "atomd_auto": ["llama.cpp_BF16"],
               "atomd_int8": ["llama.cpp_Q8_0"], "atomd_int4": ["llama.cpp_Q4_0", "llama.cpp_Q4_K_M"],
               "baseline_atomd_int8": ["llama.cpp_Q8_0"], "baseline_atomd_int4": ["llama.cpp_Q4_0", "llama.cpp_Q4_K_M"]}
 
@@ -148,12 +151,17 @@ def main() -> int:
                    help="also the --int8 / --int4 engines under ATOMD_KERNEL_ISA=no-amx, in a second process")
     # amxfix by default: its two patches only mend bugs (the AMX tile config, batched-bench's lost
     # output), so it is llama.cpp's own fast path on every CPU; the shipped build dies on an AMX CPU
-    p.add_argument("--llama-runs", nargs="+", choices=list(lc.RUNS), default=["amxfix"],
+    p.add_argument("--cpu-kind", choices=list(KIND_LLAMA_RUN), default="native",
+                   help="run as that kind of CPU (#35's targets hold on each): every atomd engine narrowed as "
+                        "tests/test_cpu_kinds.py does (cbuild.CPU_KIND_ENV), vLLM's oneDNN alike, and llama.cpp "
+                        "the build without the same instructions (KIND_LLAMA_RUN) unless --llama-runs says")
+    p.add_argument("--llama-runs", nargs="+", choices=list(lc.RUNS), default=None,
                    help="llama.cpp builds / repacking to run each GGUF with (llama_cpp.RUNS; default amxfix, "
                         "llama.cpp's fast path with the AMX tile-config and log-flush fixes; 'native' as shipped "
                         "crashes in prompts on an AMX CPU; 'norepack' the old anchor)")
-    p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16"],
-                   help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's")
+    p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "auto"],
+                   help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's; auto: "
+                        "what --dtype auto picks (float32 over bf16 weights where the CPU lacks bf16 dot products)")
     p.add_argument("--atomd-process", choices=["each", "one"], default="each",
                    help="each: every atomd engine (dtype, int8, int4) in its own offline.py process, loaded once and "
                         "kept (default); one: all in one process, as before session 11")
@@ -178,6 +186,8 @@ def main() -> int:
                         "batch16 batch16_first prefill: the full batch 16 and 8 x 512 with the short batch 1)")
     args = p.parse_args()
     workloads = tuple(args.workloads) if args.workloads else SHORT if args.short else FULL
+    args.llama_runs = args.llama_runs or [KIND_LLAMA_RUN[args.cpu_kind]]
+    kind_env = dict(os.environ, **CPU_KIND_ENV.get(args.cpu_kind, {}))
     if args.no_prefill:
         workloads = workloads[:4]
     path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
@@ -210,7 +220,7 @@ def main() -> int:
                     "--threads", str(args.threads), "--workloads", *workloads, "--stdin-rounds"]
             engines = atomd_engines(args.atomd_dtype, ints, int_dtype, args.atomd_process)
             for label, flags in engines:
-                workers.append(Worker(f"atomd{label}", base + flags))
+                workers.append(Worker(f"atomd{label}", base + flags, env=kind_env))
             baseline_env = dict(kv.split("=", 1) for kv in args.atomd_baseline_env or [])
             if (args.no_amx_baseline or args.atomd_baseline_tree) and ints:
                 engines = atomd_engines([], ints, int_dtype, args.atomd_process)  # the int engines alone
@@ -220,14 +230,14 @@ def main() -> int:
                 tree = (args.atomd_baseline_tree or REPO).resolve()
                 for label, flags in engines:
                     workers.append(Worker(f"atomd baseline{label}", base + flags,
-                                          env=dict(os.environ, **baseline_env, PYTHONPATH=str(tree)),
+                                          env=dict(kind_env, **baseline_env, PYTHONPATH=str(tree)),
                                           prefix="baseline_", cwd=tree))
             if not args.no_vllm:
                 cmd = [str(args.vllm_python), "-m", "benchmarks.offline_vllm", "--model-shape", args.model_shape,
                        "--model", str(path), "--dtype", args.vllm_dtype, "--threads", str(args.threads),
                        "--workloads", *workloads, "--stdin-rounds"]
                 try:
-                    workers.append(Worker("vllm", cmd, env={k: v for k, v in os.environ.items()
+                    workers.append(Worker("vllm", cmd, env={k: v for k, v in kind_env.items()
                                                              if k not in ("PYTHONPATH", "VIRTUAL_ENV")}))
                 except Exception as e:  # noqa: BLE001 -- reported, the others still run
                     errors["vllm"] = str(e)
@@ -289,7 +299,8 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
     names = list(med)
     print(f"\n{args.model_shape} ({cfg['num_hidden_layers']} layers, hidden {cfg['hidden_size']}), "
           f"threads {args.threads}, {args.rounds} rounds (medians; {args.warmup_rounds} warm-up rounds not counted), workloads {', '.join(workloads)}; "
-          f"load {' -> '.join(load)}; {cpu_model()}" + (f"; errors: {errors}" if errors else ""))
+          f"load {' -> '.join(load)}; {cpu_model()}"
+          + ("" if args.cpu_kind == "native" else f", run as the {args.cpu_kind} kind ({CPU_KIND_ENV[args.cpu_kind]})") + (f"; errors: {errors}" if errors else ""))
     print("\n| tok/s | " + " | ".join(names) + " |\n|---|" + "---:|" * len(names))
     for key, label in rows:
         print(f"| {label} | " + " | ".join(f"{med[n][key]:.1f}" if key in med[n] else "" for n in names) + " |")
@@ -307,7 +318,7 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
     pairs = [(ours, theirs) for ours, types in SAME_DTYPE.items() for t in types
              for theirs in names if theirs.startswith(f"{t}_")]
     pairs += [(q + d, base) for q in ("atomd_int8", "atomd_int4") for d in ("", "_bfloat16")
-              for base in (f"baseline_{q}", "atomd_float32", "atomd_bfloat16")]
+              for base in (f"baseline_{q}", "atomd_float32", "atomd_bfloat16")] + [("atomd_auto", "atomd_float32")]
     for ours, theirs in pairs:
         if ours in med and theirs in med:
             print(f"| {ours} / {theirs} | " + " | ".join(

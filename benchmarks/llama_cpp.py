@@ -59,6 +59,7 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
                "-DBUILD_SHARED_LIBS=OFF", "-DLLAMA_BUILD_TESTS=OFF", "-DLLAMA_BUILD_EXAMPLES=OFF",
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # GCC: explicit -mno-* win over -march=native's
+NO_BF16_DOT = f"{NO_AMX} -mno-avx512bf16"  # an AVX-512 / VNNI CPU without AVX512_BF16 (nor AMX)
 
 # ggml-cpu/amx/mmq.cpp's ggml_tile_config_init builds the AMX tile configuration in a stack struct
 # field by field and hands its address to _tile_loadconfig. GCC 12 (Debian 12's, here) treats the
@@ -113,16 +114,19 @@ PATCHES = {"amx-tile-config": ("ggml/src/ggml-cpu/amx/mmq.cpp", AMX_TILE_CONFIG_
 #   below) it runs what native ran (the patched tile configuration is AMX-buffer code alone);
 # - noamx: the AMX ISA switched off (NO_AMX): CPU_REPACK alone (on x86 Q4_0 / Q4_K / Q2_K / IQ4_NL /
 #   MXFP4 interleaved 8 rows at a time for AVX2 / AVX-512; Q8_0, Q5_K, Q6_K stay as in the file), what
-#   a CPU with AVX-512 but no AMX runs.
-# On a CPU without AMX the three compile the same kernels.
+#   a CPU with AVX-512 but no AMX runs (the AMD EPYC kind with AVX512_BF16);
+# - vnni: also without AVX512_BF16 (NO_BF16_DOT): the Intel Xeon kind with AVX-512 / VNNI alone, whose
+#   BF16 GGUF is widened to float32 in registers.
+# On a CPU without AMX the first three compile the same kernels.
 BUILDS = {"native": ("build", [], []),
           "amxfix": ("build-amxfix", [], ["amx-tile-config", "log-flush"]),
-          "noamx": ("build-noamx", [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"], ["log-flush"])}
+          "noamx": ("build-noamx", [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"], ["log-flush"]),
+          "vnni": ("build-vnni", [f"-DCMAKE_C_FLAGS={NO_BF16_DOT}", f"-DCMAKE_CXX_FLAGS={NO_BF16_DOT}"], ["log-flush"])}
 # A llama.cpp run (engine_compare --llama-runs NAME...): (build, weight repacking on). "norepack": with
 # --repack 0 / --no-repack, the anchor every earlier #35 figure on the AMX CPU used (on the amxfix
 # build: the same kernels as the shipped one there, and its batched-bench output is not lost).
 RUNS = {"native": ("native", True), "norepack": ("amxfix", False), "amxfix": ("amxfix", True),
-        "noamx": ("noamx", True)}
+        "noamx": ("noamx", True), "vnni": ("vnni", True)}
 # GGUF types llama-quantize writes from the F32 file (the converter writes GGUF_TYPES' directly)
 QUANTIZE_TYPES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 

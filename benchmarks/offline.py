@@ -225,8 +225,9 @@ ROWS = (("batch1", "batch 1 (tok/s)"), ("batch16", "batch 16 (output tok/s)"),
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", choices=SHAPE_CHOICES, default="small")
-    p.add_argument("--dtype", nargs="*", choices=list(DTYPES), default=["float32"],
-                   help="atomd's float dtypes (none: only --int8 / --int4)")
+    p.add_argument("--dtype", nargs="*", choices=[*DTYPES, "auto"], default=["float32"],
+                   help="atomd's float dtypes (none: only --int8 / --int4); auto: what `--dtype auto` picks for "
+                        "this CPU (float32 compute over bf16 weights where it lacks bf16 dot products)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate (the slowest engine)")
@@ -266,7 +267,7 @@ def main() -> int:
     torch.set_num_threads(args.threads)
     full = {"batch16", "batch16_first", "prefill"} <= set(args.workloads)
     mm = {d: (matmul_gflops(cfg, 16, DTYPES[d]), matmul_gflops(cfg, 512, DTYPES[d], with_head=False))
-          for d in args.dtype} if full else {}
+          for d in args.dtype if d in DTYPES} if full else {}
     print(f"shape={args.model_shape} threads={args.threads} rounds={args.rounds} (medians) "
           f"load {load_before} -> {loadavg()}")
     names = list(results)
@@ -282,7 +283,7 @@ def main() -> int:
     batch16_flops = (16 * 128 * flops_per_token(cfg, 64, with_head=False) + 16 * 2 * cfg["vocab_size"]
                      * cfg["hidden_size"] + 16 * 128 * flops_per_token(cfg, 192))
     gflops = {}
-    for dtype in (args.dtype if full else ()):
+    for dtype in (mm if full else ()):
         ours = results[f"atomd_{dtype}"]
         decode = batch16_flops / (16 * 128 / ours["batch16"]) / 1e9
         prefill = ours["prefill"] * flops_per_token(cfg, 256, with_head=False) / 1e9

@@ -43,14 +43,11 @@ AVX2_TESTS = ("(hf or engine) and not hf_bf16", [*ENGINE_TESTS[1], "tests/test_l
 TORCH_TESTS = ("hf and not native and not kernel and not sdpa and not hf_bf16", ["tests/test_model_hf.py"])
 KINDS = {
     # AVX512_BF16 without AMX tiles (AMD EPYC Zen 4)
-    "avx512-bf16": ({"ATOMD_KERNEL_ISA": "no-amx", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},
-                    [ENGINE_TESTS, FAMILY_TESTS]),
+    "avx512-bf16": (cbuild.CPU_KIND_ENV["avx512-bf16"], [ENGINE_TESTS, FAMILY_TESTS]),
     # AVX-512 and VNNI, no AVX512_BF16, no AMX (the Intel Xeon where #31's bf16 test failed)
-    "avx512-vnni": ({"ATOMD_KERNEL_ISA": "no-bf16-dot", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},
-                    [ENGINE_TESTS, FAMILY_TESTS]),
+    "avx512-vnni": (cbuild.CPU_KIND_ENV["avx512-vnni"], [ENGINE_TESTS, FAMILY_TESTS]),
     # the families pass here too (59 tests, checked by hand in #31) but no machine of ours is AVX2-only
-    "avx2": ({"ATOMD_KERNEL_ISA": "no-avx512", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
-             [AVX2_TESTS]),
+    "avx2": (cbuild.CPU_KIND_ENV["avx2"], [AVX2_TESTS]),
     "no-compiler": ({"CC": "/nonexistent/cc"}, [TORCH_TESTS]),  # torch ops and SDPA everywhere
 }
 
