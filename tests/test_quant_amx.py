@@ -149,6 +149,14 @@ def test_no_widened_tiles_without_the_bf16_tiles(isa):
     assert lib.atomd_qgemm_wide(None, 0, 0, None, 8, None, None, 0, 0, 32, None, 0, 1) == 1
 
 
+@pytest.mark.parametrize("isa", ["no-amx", "no-bf16-dot"])
+def test_no_int8_tiles_on_a_cpu_kind_without_amx(isa):
+    """The narrowings that stand for the CPU kinds without AMX (cbuild.CPU_KIND_ENV) build no AMX-INT8
+    product: their int8 activations take the VNNI rows, as on those CPUs (the no-bf16-dot build kept
+    the tiles until session 13, so its engine runs measured the AMX kind's int8 path)."""
+    assert not quant.build_kernels(isa).amx
+
+
 def test_no_amx_takes_the_vnni_rows(vnni):
     """The no-AMX path (what a CPU without AMX runs, on any CPU): qlinear through atomd_qgemm_q8."""
     w, x, out, _ = numpy_checked(vnni, 4, 21, 256, 64, True, 5)

@@ -44,7 +44,8 @@ BASE_FLAGS = ["-O3", "-fPIC", "-shared", "-fno-math-errno", "-fno-trapping-math"
 # AVX512_BF16 CPU such as AMD's EPYC), no AVX512_BF16 instructions (the kernels'
 # ATOMD_NO_BF16_DOT: an Intel Xeon with AVX-512/VNNI only), no AVX-512 at all (AVX2-only)
 NO_AMX = ["-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"]
-ISA_FLAGS = {"native": [], "no-amx": NO_AMX, "no-bf16-dot": ["-DATOMD_NO_BF16_DOT"], "no-avx512": ["-mno-avx512f"]}
+# (no-bf16-dot: no AMX either, as on that CPU: the kernels' AMX-INT8 paths test __AMX_INT8__ alone)
+ISA_FLAGS = {"native": [], "no-amx": NO_AMX, "no-bf16-dot": [*NO_AMX, "-DATOMD_NO_BF16_DOT"], "no-avx512": ["-mno-avx512f"]}
 # `$ATOMD_KERNEL_ISA` narrows every kernel of a process (built here or prebuilt: ISA_TARGET_CAP)
 # and the CPU flags the engine reads (atomd.config.cpu_flags) to one of ISA_FLAGS: what
 # tests/test_cpu_kinds.py runs
