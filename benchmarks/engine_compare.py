@@ -59,6 +59,7 @@ GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8
          "llama.cpp_Q4_K_M": "q4_k_m"}
 NOT_REPACKED = {"f32", "bf16"}  # GGUF types no llama.cpp build repacks (AMX, CPU_REPACK take quantized ones)
 SAME_DTYPE = {"atomd_float32": ["llama.cpp_F32"], "atomd_bfloat16": ["llama.cpp_BF16"], "atomd_auto": ["llama.cpp_BF16"],
+              "atomd_bf16w": ["llama.cpp_BF16"],
               "atomd_int8": ["llama.cpp_Q8_0"], "atomd_int4": ["llama.cpp_Q4_0", "llama.cpp_Q4_K_M"],
               "baseline_atomd_int8": ["llama.cpp_Q8_0"], "baseline_atomd_int4": ["llama.cpp_Q4_0", "llama.cpp_Q4_K_M"]}
 
@@ -159,9 +160,10 @@ def main() -> int:
                    help="llama.cpp builds / repacking to run each GGUF with (llama_cpp.RUNS; default amxfix, "
                         "llama.cpp's fast path with the AMX tile-config and log-flush fixes; 'native' as shipped "
                         "crashes in prompts on an AMX CPU; 'norepack' the old anchor)")
-    p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "auto"],
+    p.add_argument("--atomd-dtype", nargs="*", default=["float32", "bfloat16"], choices=["float32", "bfloat16", "auto", "bf16w"],
                    help="bfloat16 alone where both copies of a checkpoint do not fit in memory beside vLLM's; auto: "
-                        "what --dtype auto picks (float32 over bf16 weights where the CPU lacks bf16 dot products)")
+                        "what --dtype auto picks (float32 over bf16 weights where the CPU lacks bf16 dot products); "
+                        "bf16w: float32 compute over bf16 weights (--quantization bf16) on any CPU")
     p.add_argument("--atomd-process", choices=["each", "one"], default="each",
                    help="each: every atomd engine (dtype, int8, int4) in its own offline.py process, loaded once and "
                         "kept (default); one: all in one process, as before session 11")
@@ -318,7 +320,7 @@ def report(args, cfg: dict, workloads: tuple, med: dict, cpu: dict, load: list, 
     pairs = [(ours, theirs) for ours, types in SAME_DTYPE.items() for t in types
              for theirs in names if theirs.startswith(f"{t}_")]
     pairs += [(q + d, base) for q in ("atomd_int8", "atomd_int4") for d in ("", "_bfloat16")
-              for base in (f"baseline_{q}", "atomd_float32", "atomd_bfloat16")] + [("atomd_auto", "atomd_float32")]
+              for base in (f"baseline_{q}", "atomd_float32", "atomd_bfloat16")] + [(f, "atomd_float32") for f in ("atomd_auto", "atomd_bf16w", "atomd_bfloat16")]
     for ours, theirs in pairs:
         if ours in med and theirs in med:
             print(f"| {ours} / {theirs} | " + " | ".join(

@@ -43,6 +43,8 @@ SHAPE = dict(hidden_size=512, num_hidden_layers=8, num_attention_heads=8, num_ke
              intermediate_size=1408, vocab_size=4096, tie_word_embeddings=False, max_position_embeddings=2048)
 SHAPE_CHOICES = ("small", "smollm-135m", "qwen3-0.6b", "qwen3-moe-small", "qwen3-moe", "deepseek-v2-lite")
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+# --dtype names beyond DTYPES: (dtype, quantization) of that engine
+FLOAT_FORMATS = {"auto": ("auto", None), "bf16w": ("float32", "bf16")}
 
 
 def make_checkpoint(path: pathlib.Path) -> pathlib.Path:
@@ -225,9 +227,9 @@ ROWS = (("batch1", "batch 1 (tok/s)"), ("batch16", "batch 16 (output tok/s)"),
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model-shape", choices=SHAPE_CHOICES, default="small")
-    p.add_argument("--dtype", nargs="*", choices=[*DTYPES, "auto"], default=["float32"],
+    p.add_argument("--dtype", nargs="*", choices=[*DTYPES, *FLOAT_FORMATS], default=["float32"],
                    help="atomd's float dtypes (none: only --int8 / --int4); auto: what `--dtype auto` picks for "
-                        "this CPU (float32 compute over bf16 weights where it lacks bf16 dot products)")
+                        "this CPU; bf16w: float32 compute over bf16 weights (--quantization bf16)")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--no-hf", action="store_true", help="skip Hugging Face generate (the slowest engine)")
@@ -253,7 +255,8 @@ def main() -> int:
         cfg = model_config(path)
         gens = {} if args.no_hf else {"hf": hf_generator(path)}
         for dtype in args.dtype:
-            gens[f"atomd_{dtype}"] = atomd_generator(path, args.threads, dtype=dtype)
+            dtype_of, quantization = FLOAT_FORMATS.get(dtype, (dtype, None))
+            gens[f"atomd_{dtype}"] = atomd_generator(path, args.threads, dtype=dtype_of, quantization=quantization)
             if args.with_torch_attention:
                 gens[f"atomd_{dtype}_torch_attention"] = atomd_generator(path, args.threads, "torch", dtype)
         for method in [m for m in ("int8", "int4") if getattr(args, m)]:
