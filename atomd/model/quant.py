@@ -53,8 +53,9 @@ QGEMM_Q8_MAX_M = 32
 QGEMM_AMX_MIN_M = 4
 # int8 activations on a CPU with AVX512-VNNI but no AMX-INT8 tiles (csrc/quant_vnni.h): from this many rows of
 # x on, at any M, a register-blocked VNNI GEMM (each thread's weight columns packed per call into an L2 panel)
-# instead of the VNNI rows (M <= 32) and the float tiles (past 32)
-QGEMM_VNNI_MIN_M = int(os.environ.get("ATOMD_QGEMM_VNNI_MIN_M", "4"))
+# instead of the VNNI rows (M <= 32) and the float tiles (past 32). 2 threads, emulated AMD kind, 135M / 0.6B
+# linears: GEMM / rows at M = 2 0.8-1.2x the time, at M = 4 0.6-1.0x, at 8 0.5-0.7x (RESULTS.md, #35 the VNNI GEMM)
+QGEMM_VNNI_MIN_M = 4
 # ... and on a CPU with the bf16 AMX tiles, from this many rows of x on (prefill), the tile product widened
 # (atomd_qgemm_wide, csrc/quant_amx.h): each work item's weight rows dequantised and rounded to bf16 once,
 # x rounded to bf16, bf16 tiles with float32 sums over all of K: the int8 tiles store and rescale each
@@ -316,7 +317,8 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     """x [M, K] @ dequantised(w).T (+ bias) in float32, returned in x's dtype. Up to
     QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*), up to
     QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8), and with int8 activations on a CPU with
-    AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx), from QGEMM_WIDE_MIN_M on
+    AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx) (without the tiles, on a VNNI
+    CPU: any M from QGEMM_VNNI_MIN_M on as a VNNI GEMM, atomd_qgemm_vnni), from QGEMM_WIDE_MIN_M on
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
     int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); more
     rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""

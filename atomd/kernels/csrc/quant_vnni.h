@@ -2,8 +2,8 @@
  * for CPUs with VNNI but no AMX-INT8 (AMD EPYC, Intel Xeon before Sapphire Rapids) from quant.py's
  * QGEMM_VNNI_MIN_M rows of x on (batch decode and prefill).
  *
- * The same numbers as quant.h's int8-activation rows: x quantised per act block of AB inputs by
- * quantize_row_q8 itself (the same int8 values, d and xsg), each act block's integer dot product
+ * The same numbers as quant.h's int8-activation rows: x quantised per act block of AB inputs as
+ * quantize_row_q8 does (qv_quantize: the same int8 values, d and xsg), each act block's integer dot product
  * q[n, a] . xq[m, a] an exact int32, then
  *   y[m, n] = sum_g sum_{a in g} dot[m, n, a] * (s[n, g] * d[m, a]) + c[n, g] * xsg[m, g],
  * c = o (0 without offsets) - 128 s for int8 weights (their + 128, as the rows take it back), c = o for
@@ -80,13 +80,42 @@ static void qv_pack(const void *q, int bits, const float *scales, const float *o
             }
 }
 
-/* mr (a constant after inlining) rows of quantised x (xq rows K apart, xd rows Q8_XD(K) apart, xsg rows
- * K / 32 apart) times one packed strip (wp, its s / c at sc) into y[r * ldy + 0 .. cols) */
+/* x [M, ldx] quantised as quantize_row_q8 does (the same float operations in the same order, so the same
+ * int8 values, d and xsg to the bit; cvtps rounds to nearest even as nearbyintf does), vectorised, in plain
+ * input order: xq [M, K], d [M, K / AB] (one float an act block: QV_D(K, AB) a row), xsg [M, Q8_XSG(K)] */
+#define QV_D(K, AB) ((K) / (AB))
+static void qv_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t G, int64_t AB, int8_t *xq,
+                        float *d, float *xsg, int num_threads) {
+    const int64_t per = G / AB;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)")
+    for (int64_t m = 0; m < M; m++) {
+        const float *xr = x + m * ldx;
+        for (int64_t a = 0; a < K / AB; a++) {
+            __m512 mx = _mm512_setzero_ps();
+            for (int64_t i = 0; i < AB; i += 16) mx = _mm512_max_ps(mx, _mm512_abs_ps(_mm512_loadu_ps(xr + a * AB + i)));
+            const float amax = _mm512_reduce_max_ps(mx);
+            const __m512 id = _mm512_set1_ps(amax > 0.0f ? 127.0f / amax : 0.0f);
+            __m512i isum = _mm512_setzero_si512();
+            for (int64_t i = 0; i < AB; i += 16) {
+                const __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_loadu_ps(xr + a * AB + i), id));
+                _mm_storeu_si128((__m128i *)(xq + m * K + a * AB + i), _mm512_cvtepi32_epi8(v));
+                isum = _mm512_add_epi32(isum, v);
+            }
+            const float da = amax / 127.0f;
+            d[m * QV_D(K, AB) + a] = da;
+            if (a % per == 0) xsg[m * Q8_XSG(K) + a / per] = 0.0f;
+            xsg[m * Q8_XSG(K) + a / per] += da * (float)_mm512_reduce_add_epi32(isum);
+        }
+    }
+}
+
+/* mr (a constant after inlining) rows of quantised x (xq rows K apart, d rows QV_D(K, AB) apart, xsg rows
+ * Q8_XSG(K) apart) times one packed strip (wp, its s / c at sc) into y[r * ldy + 0 .. cols) */
 static inline __attribute__((always_inline)) void qv_kernel(const int mr, const uint8_t *wp, const float *sc,
                                                             const int8_t *xq, const float *xd, const float *xsg,
                                                             int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
                                                             int64_t cols) {
-    const int64_t groups = K / G, per = G / AB, sub = AB / Q8_BLOCK;
+    const int64_t groups = K / G, per = G / AB;
     __m512 f[QV_MR][2];
     for (int r = 0; r < mr; r++) f[r][0] = f[r][1] = _mm512_setzero_ps();
     int64_t g = 0, left = per;
@@ -107,9 +136,8 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
         }
         const float *sg = sc + g * QV_NR;
         const __m512 s0 = _mm512_loadu_ps(sg), s1 = _mm512_loadu_ps(sg + 16);
-        const int64_t b = a * sub;  /* the act block's first 32-block: its d at xd[(b / 2) 16 + (b % 2) 8] */
         for (int r = 0; r < mr; r++) {
-            const __m512 d = _mm512_set1_ps(xd[r * Q8_XD(K) + (b / 2) * 16 + (b % 2) * 8]);
+            const __m512 d = _mm512_set1_ps(xd[r * QV_D(K, AB) + a]);
             f[r][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][0]), _mm512_mul_ps(s0, d), f[r][0]);
             f[r][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(acc[r][1]), _mm512_mul_ps(s1, d), f[r][1]);
         }
@@ -132,19 +160,20 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
     }
 }
 
-/* y [M, ldy] = x [M, ldx] @ w^T; scratch xq [M, K], xd [M, Q8_XD(K)], xsg [M, Q8_XSG(K)] (the rows').
+/* y [M, ldy] = x [M, ldx] @ w^T; scratch the rows': xq [M, K], xd [M, Q8_XD(K)] (holds QV_D), xsg [M, Q8_XSG(K)].
  * Returns 0, or -1 out of memory. */
 static int qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
                       const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
                       int8_t *xq, float *xd, float *xsg, int num_threads) {
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)")
-    for (int64_t m = 0; m < M; m++)  /* plain input order (bits 8: quant.h's int4 pair order is the rows') */
-        quantize_row_q8(x + m * ldx, K, G, AB, 8, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
+    qv_quantize(x, ldx, M, K, G, AB, xq, xd, xsg, num_threads);
     const int64_t strips = (N + QV_NR - 1) / QV_NR, groups = K / G;
-    int64_t chunk = QV_PANEL / (QV_NR * K);  /* strips a panel */
-    const int64_t fair = (strips + num_threads - 1) / num_threads;  /* every thread a panel */
-    chunk = chunk < 1 ? 1 : chunk > fair ? fair : chunk;
-    const int64_t panels = (strips + chunk - 1) / chunk;
+    /* panels of at most QV_PANEL bytes (or one strip), as many for every thread (a static schedule): sizes
+     * that differ by one strip at most */
+    const int64_t most = QV_PANEL / (QV_NR * K) < 1 ? 1 : QV_PANEL / (QV_NR * K);
+    int64_t panels = (strips + most - 1) / most;
+    panels = (panels + num_threads - 1) / num_threads * num_threads;
+    panels = panels > strips ? strips : panels;
+    const int64_t chunk = (strips + panels - 1) / panels;  /* strips a panel, the last ones one fewer */
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
@@ -157,12 +186,12 @@ static int qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < panels; p++) {
             if (wp == NULL || sc == NULL) continue;
-            const int64_t s0 = p * chunk, s1 = s0 + chunk < strips ? s0 + chunk : strips;
+            const int64_t s0 = p * strips / panels, s1 = (p + 1) * strips / panels;
             qv_pack(q, bits, scales, offsets, N, K, G, s0 * QV_NR, s1 - s0, wp, sc);
             for (int64_t m0 = 0; m0 < M; m0 += QV_MR) {
                 const int mr = M - m0 < QV_MR ? (int)(M - m0) : QV_MR;
                 const int8_t *xr = xq + m0 * K;
-                const float *dr = xd + m0 * Q8_XD(K), *gr = xsg + m0 * Q8_XSG(K);
+                const float *dr = xd + m0 * QV_D(K, AB), *gr = xsg + m0 * Q8_XSG(K);
                 for (int64_t j = s0; j < s1; j++) {
                     const uint8_t *wj = wp + (j - s0) * QV_NR * K;
                     const float *sj = sc + (j - s0) * 2 * groups * QV_NR;
