@@ -160,13 +160,43 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
     }
 }
 
+/* strips s0 .. s1 of the weight (columns 32 s0 ..) packed into wp / sc (QV_PANEL_BYTES / QV_PANEL_FLOATS of
+ * s1 - s0 strips) and run against M rows of x quantised by qv_quantize (xq, d, xsg) into y [M, ldy]: one
+ * thread's work item (qgemm_vnni's panels) */
+#define QV_PANEL_BYTES(strips, K) ((size_t)(strips) * QV_NR * (K))
+#define QV_PANEL_FLOATS(strips, groups) ((size_t)(strips) * 2 * (groups) * QV_NR)
+static void qv_panel(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K, int64_t G,
+                     int64_t AB, int64_t M, int64_t s0, int64_t s1, const int8_t *xq, const float *d, const float *xsg,
+                     float *y, int64_t ldy, uint8_t *wp, float *sc) {
+    const int64_t groups = K / G;
+    qv_pack(q, bits, scales, offsets, N, K, G, s0 * QV_NR, s1 - s0, wp, sc);
+    for (int64_t m0 = 0; m0 < M; m0 += QV_MR) {  /* QV_MR rows of x (L1) against every strip of the panel (L2) */
+        const int mr = M - m0 < QV_MR ? (int)(M - m0) : QV_MR;
+        const int8_t *xr = xq + m0 * K;
+        const float *dr = d + m0 * QV_D(K, AB), *gr = xsg + m0 * Q8_XSG(K);
+        for (int64_t j = s0; j < s1; j++) {
+            const uint8_t *wj = wp + (j - s0) * QV_NR * K;
+            const float *sj = sc + (j - s0) * 2 * groups * QV_NR;
+            float *yj = y + m0 * ldy + j * QV_NR;
+            const int64_t cols = N - j * QV_NR;
+            switch (mr) {  /* mr a constant in each instance */
+#define QV_CASE(R) \
+    case R: qv_kernel(R < QV_MR ? R : QV_MR, wj, sj, xr, dr, gr, K, G, AB, yj, ldy, cols); break;
+                QV_CASE(1) QV_CASE(2) QV_CASE(3) QV_CASE(4) QV_CASE(5) QV_CASE(6) QV_CASE(7)
+                default: qv_kernel(QV_MR, wj, sj, xr, dr, gr, K, G, AB, yj, ldy, cols); break;
+#undef QV_CASE
+            }
+        }
+    }
+}
+
 /* y [M, ldy] = x [M, ldx] @ w^T; scratch the rows': xq [M, K], xd [M, Q8_XD(K)] (holds QV_D), xsg [M, Q8_XSG(K)].
  * Returns 0, or -1 out of memory. */
 static int qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
                       const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
                       int8_t *xq, float *xd, float *xsg, int num_threads) {
     qv_quantize(x, ldx, M, K, G, AB, xq, xd, xsg, num_threads);
-    const int64_t strips = (N + QV_NR - 1) / QV_NR, groups = K / G;
+    const int64_t strips = (N + QV_NR - 1) / QV_NR;
     /* panels of at most QV_PANEL bytes (or one strip), as many for every thread (a static schedule): sizes
      * that differ by one strip at most */
     const int64_t most = QV_PANEL / (QV_NR * K) < 1 ? 1 : QV_PANEL / (QV_NR * K);
@@ -177,36 +207,17 @@ static int qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
-        uint8_t *wp = aligned_alloc(64, (size_t)chunk * QV_NR * K);
-        float *sc = aligned_alloc(64, sizeof(float) * chunk * 2 * groups * QV_NR);
+        uint8_t *wp = aligned_alloc(64, QV_PANEL_BYTES(chunk, K));
+        float *sc = aligned_alloc(64, sizeof(float) * QV_PANEL_FLOATS(chunk, K / G));
         if (wp == NULL || sc == NULL) {
             _Pragma("omp atomic write")
             failed = 1;
         }
         _Pragma("omp for schedule(static)")
-        for (int64_t p = 0; p < panels; p++) {
-            if (wp == NULL || sc == NULL) continue;
-            const int64_t s0 = p * strips / panels, s1 = (p + 1) * strips / panels;
-            qv_pack(q, bits, scales, offsets, N, K, G, s0 * QV_NR, s1 - s0, wp, sc);
-            for (int64_t m0 = 0; m0 < M; m0 += QV_MR) {
-                const int mr = M - m0 < QV_MR ? (int)(M - m0) : QV_MR;
-                const int8_t *xr = xq + m0 * K;
-                const float *dr = xd + m0 * QV_D(K, AB), *gr = xsg + m0 * Q8_XSG(K);
-                for (int64_t j = s0; j < s1; j++) {
-                    const uint8_t *wj = wp + (j - s0) * QV_NR * K;
-                    const float *sj = sc + (j - s0) * 2 * groups * QV_NR;
-                    float *yj = y + m0 * ldy + j * QV_NR;
-                    const int64_t cols = N - j * QV_NR;
-                    switch (mr) {  /* mr a constant in each instance */
-#define QV_CASE(R) \
-    case R: qv_kernel(R < QV_MR ? R : QV_MR, wj, sj, xr, dr, gr, K, G, AB, yj, ldy, cols); break;
-                        QV_CASE(1) QV_CASE(2) QV_CASE(3) QV_CASE(4) QV_CASE(5) QV_CASE(6) QV_CASE(7)
-                        default: qv_kernel(QV_MR, wj, sj, xr, dr, gr, K, G, AB, yj, ldy, cols); break;
-#undef QV_CASE
-                    }
-                }
-            }
-        }
+        for (int64_t p = 0; p < panels; p++)
+            if (wp != NULL && sc != NULL)
+                qv_panel(q, bits, scales, offsets, N, K, G, AB, M, p * strips / panels, (p + 1) * strips / panels, xq,
+                         xd, xsg, y, ldy, wp, sc);
         free(wp);
         free(sc);
     }
