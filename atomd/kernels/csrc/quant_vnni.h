@@ -165,6 +165,8 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
  * thread's work item (qgemm_vnni's panels) */
 #define QV_PANEL_BYTES(strips, K) ((size_t)(strips) * QV_NR * (K))
 #define QV_PANEL_FLOATS(strips, groups) ((size_t)(strips) * 2 * (groups) * QV_NR)
+/* the most strips a panel of K inputs holds (QV_PANEL bytes, at least one) */
+#define QV_MOST(K) (QV_PANEL / (QV_NR * (K)) < 1 ? 1 : QV_PANEL / (QV_NR * (K)))
 static void qv_panel(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K, int64_t G,
                      int64_t AB, int64_t M, int64_t s0, int64_t s1, const int8_t *xq, const float *d, const float *xsg,
                      float *y, int64_t ldy, uint8_t *wp, float *sc) {
@@ -190,6 +192,19 @@ static void qv_panel(const void *q, int bits, const float *scales, const float *
     }
 }
 
+/* y [M, ldy] = x [M, ldx] @ w^T on one thread, panel after panel: the int8 MoE experts' (moe_q8.h), the same
+ * bits as qgemm_vnni's; scratch the rows' (xq, xd, xsg) and a panel's, wp [QV_PANEL_BYTES(QV_MOST(K), K)]
+ * and sc [QV_PANEL_FLOATS(QV_MOST(K), K / G)] */
+static inline void qv_gemm1(const float *x, int64_t M, const void *q, int bits, const float *scales,
+                            const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int8_t *xq,
+                            float *xd, float *xsg, uint8_t *wp, float *sc) {
+    qv_quantize(x, K, M, K, G, AB, xq, xd, xsg, 1);
+    const int64_t strips = (N + QV_NR - 1) / QV_NR;
+    for (int64_t s0 = 0; s0 < strips; s0 += QV_MOST(K))
+        qv_panel(q, bits, scales, offsets, N, K, G, AB, M, s0, s0 + QV_MOST(K) < strips ? s0 + QV_MOST(K) : strips, xq,
+                 xd, xsg, y, N, wp, sc);
+}
+
 /* y [M, ldy] = x [M, ldx] @ w^T; scratch the rows': xq [M, K], xd [M, Q8_XD(K)] (holds QV_D), xsg [M, Q8_XSG(K)].
  * Returns 0, or -1 out of memory. */
 static int qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
@@ -199,8 +214,7 @@ static int qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int
     const int64_t strips = (N + QV_NR - 1) / QV_NR;
     /* panels of at most QV_PANEL bytes (or one strip), as many for every thread (a static schedule): sizes
      * that differ by one strip at most */
-    const int64_t most = QV_PANEL / (QV_NR * K) < 1 ? 1 : QV_PANEL / (QV_NR * K);
-    int64_t panels = (strips + most - 1) / most;
+    int64_t panels = (strips + QV_MOST(K) - 1) / QV_MOST(K);
     panels = (panels + num_threads - 1) / num_threads * num_threads;
     panels = panels > strips ? strips : panels;
     const int64_t chunk = (strips + panels - 1) / panels;  /* strips a panel, the last ones one fewer */
