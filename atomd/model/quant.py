@@ -53,8 +53,8 @@ QGEMM_Q8_MAX_M = 32
 QGEMM_AMX_MIN_M = 4
 # int8 activations on a CPU with AVX512-VNNI but no AMX-INT8 tiles (csrc/quant_vnni.h): from this many rows of
 # x on, at any M, a register-blocked VNNI GEMM (each thread's weight columns packed per call into an L2 panel)
-# instead of the VNNI rows (M <= 32) and the float tiles (past 32). 2 threads, emulated AMD kind, 135M / 0.6B
-# linears: GEMM / rows at M = 2 0.8-1.2x the time, at M = 4 0.6-1.0x, at 8 0.5-0.7x (RESULTS.md, #35 the VNNI GEMM)
+# instead of the VNNI rows (M <= 32) and the float tiles (past 32). Both no-AMX kinds, 1 and 2 threads, 135M / 0.6B
+# linears: the GEMM 0.87-1.49x the rows' speed at M = 4 (0.8-1.2x at M = 2), 1.25-2.0x at 8 (RESULTS.md, #35 the VNNI GEMM)
 QGEMM_VNNI_MIN_M = 4
 # ... and on a CPU with the bf16 AMX tiles, from this many rows of x on (prefill), the tile product widened
 # (atomd_qgemm_wide, csrc/quant_amx.h): each work item's weight rows dequantised and rounded to bf16 once,
