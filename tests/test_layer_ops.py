@@ -497,13 +497,13 @@ def test_moe_amx_experts_equal_the_per_expert_path(isa, hidden, inter, experts, 
 @pytest.mark.parametrize("method", ["int8", "int4"])
 def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
     """int8 / int4 experts with int8 activations in one C call (layer_ops.moe_q8: AMX-INT8 tiles from
-    QGEMM_AMX_MIN_M rows an expert on the native build of an AMX CPU, the int8-activation rows below it
-    and on every narrowed build) against one qlinear pair per active expert (moe.Q8 off, the same
+    QGEMM_AMX_MIN_M rows an expert on the native build of an AMX CPU, the VNNI GEMM from QGEMM_VNNI_MIN_M
+    on the no-amx build, the int8-activation rows below them) against one qlinear pair per active expert (moe.Q8 off, the same
     narrowing for qlinear): the same bits (each expert's rows go through qlinear's own arithmetic),
     float32 and bf16 models (bf16 rounds gate_up, silu, down and the scaled pair as the torch ops do;
     Mixtral's float32 products too, cast_weights off); 1 token (moe()'s batch-1 form), 2, 17, 150 (two
     row chunks); random routings, idle experts, every token on one expert (past QGEMM_Q8_MAX_M pairs
-    without the tiles: that expert a qlinear pair, the rest in the call); near float64 SwiGLU experts on
+    without the tiles or the GEMM: that expert a qlinear pair, the rest in the call); near float64 SwiGLU experts on
     the dequantised weights (int8 activations: ~1% of the terms)."""
     from atomd.model import moe, quant
     from atomd.model.moe import MoeWeights
@@ -512,7 +512,8 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
     qlib = quant.build_kernels("native" if isa == "native" else "no-amx")
     monkeypatch.setattr(quant, "kernels", lambda: qlib)
     tiles = isa == "native" and {"amx_tile", "amx_int8"} <= cpu_flags()
-    assert layer_ops.moe_q8_kind() == (2 if tiles else 1)
+    gemm = not tiles and "avx512_vnni" in cpu_flags()  # the VNNI GEMM where no tiles (csrc/quant_vnni.h)
+    assert layer_ops.moe_q8_kind() == (2 if tiles else 3 if gemm else 1)
     calls, real = [], layer_ops.moe_q8
     monkeypatch.setattr(layer_ops, "moe_q8", lambda x, gu, d, inter, experts, *a: calls.append(len(experts))
                         or real(x, gu, d, inter, experts, *a))
@@ -537,7 +538,7 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
                 calls.clear()
                 got = moe.moe(h, w, routed)
                 counts = torch.bincount(ids.flatten())
-                in_call = int(((counts > 0) & (tiles | (counts <= quant.QGEMM_Q8_MAX_M))).sum())
+                in_call = int(((counts > 0) & (tiles | gemm | (counts <= quant.QGEMM_Q8_MAX_M))).sum())
                 assert calls == ([in_call] if in_call else []) and w.q8_experts() is not None
                 monkeypatch.setattr(moe, "Q8", False)
                 per_expert = moe.moe(h, w, routed)

@@ -2,14 +2,14 @@
 quant.QGEMM_AMX_MIN_M rows of x on, int8 / int4 weights times int8 activations run as tile
 products on a CPU with AMX. The same arithmetic as the VNNI rows (x quantised per act block to the
 same int8 values, exact int32 act-block dots summed in the tile, only the float sums in another order): checked
-against numpy of that arithmetic and against the VNNI rows (the no-amx build) within 1e-5 of the
+against numpy of that arithmetic and against the VNNI rows and GEMM (the no-amx build) within 1e-5 of the
 terms' magnitudes, on odd M, N not a multiple of 16, K not a multiple of 64, every group size,
 zero points; -128 weights exact (signed operands here); the engine's greedy ids equal to the VNNI
 rows'. From quant.QGEMM_WIDE_MIN_M rows on (prefill) the tiles are widened to bf16 (atomd_qgemm_wide):
 checked against float64 of the bf16-rounded x and weight, and through the engine against float32
 activations (nearer them than the int8 tiles); builds without the bf16 tiles never widen. On a CPU
 without AMX the tile tests skip with the reason, and the no-AMX path is checked: the kernels say so
-and qlinear takes the VNNI rows."""
+and qlinear takes the VNNI rows, then the VNNI GEMM."""
 from __future__ import annotations
 
 import numpy as np
@@ -79,9 +79,8 @@ def int8_tiles(monkeypatch):
 @pytest.mark.parametrize("m", [quant.QGEMM_AMX_MIN_M, 3, 17, 100, 130])  # 130: 9 m-tiles, the chunked order
 def test_tiles_equal_numpy_and_the_vnni_rows(amx, vnni, int8_tiles, bits, n, k, group, zero_points, m):
     w, x, out, bound = numpy_checked(amx, bits, n, k, group, zero_points, m)
-    if m <= quant.QGEMM_Q8_MAX_M:  # the VNNI rows (past it the no-amx build dequantises float tiles)
-        rows = quant.qlinear(torch.from_numpy(x), w, lib=vnni).numpy()
-        assert np.all(np.abs(out - rows) <= 2e-5 * bound + 1e-6), np.abs(out - rows).max()
+    rows = quant.qlinear(torch.from_numpy(x), w, lib=vnni).numpy()  # the VNNI rows, from QGEMM_VNNI_MIN_M the GEMM
+    assert np.all(np.abs(out - rows) <= 2e-5 * bound + 1e-6), np.abs(out - rows).max()
 
 
 @pytest.mark.parametrize("bits,n,k,group", [(8, 45, 160, 32), (4, 33, 640, 128), (8, 1200, 64, 64)])
@@ -143,7 +142,7 @@ def test_int8_weights_of_act_blocks_of_256_stay_on_the_int8_tiles(wide):
 @pytest.mark.parametrize("isa", ["no-amx", "no-bf16-dot"])
 def test_no_widened_tiles_without_the_bf16_tiles(isa):
     """Builds without AMX or AVX512_BF16 have no widened product (atomd_qgemm_wide answers 1, nothing read):
-    their qlinear keeps its path (the int8 tiles, the VNNI rows or the float tiles) at any M."""
+    their qlinear keeps its path (the int8 tiles, the VNNI rows and GEMM, or the float tiles) at any M."""
     lib = quant.build_kernels(isa)
     assert not lib.wide
     assert lib.atomd_qgemm_wide(None, 0, 0, None, 8, None, None, 0, 0, 32, None, 0, 1) == 1
@@ -152,18 +151,23 @@ def test_no_widened_tiles_without_the_bf16_tiles(isa):
 @pytest.mark.parametrize("isa", ["no-amx", "no-bf16-dot"])
 def test_no_int8_tiles_on_a_cpu_kind_without_amx(isa):
     """The narrowings that stand for the CPU kinds without AMX (cbuild.CPU_KIND_ENV) build no AMX-INT8
-    product: their int8 activations take the VNNI rows, as on those CPUs (the no-bf16-dot build kept
+    product: their int8 activations take the VNNI rows and GEMM, as on those CPUs (the no-bf16-dot build kept
     the tiles until session 13, so its engine runs measured the AMX kind's int8 path)."""
     assert not quant.build_kernels(isa).amx
 
 
-def test_no_amx_takes_the_vnni_rows(vnni):
-    """The no-AMX path (what a CPU without AMX runs, on any CPU): qlinear through atomd_qgemm_q8."""
-    w, x, out, _ = numpy_checked(vnni, 4, 21, 256, 64, True, 5)
-    xq, xd, xsg = quant._q8_scratch(5, 256)
-    direct = torch.empty(5, 21)
-    vnni.atomd_qgemm_q8(x.ctypes.data, 256, 5, w.q.data_ptr(), 4, w.scales.data_ptr(), w.offsets.data_ptr(), 21, 256,
-                        64, 64, direct.data_ptr(), 21, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), 1)
+@pytest.mark.parametrize("m,kernel", [(quant.QGEMM_VNNI_MIN_M - 1, "atomd_qgemm_q8"),
+                                      (quant.QGEMM_VNNI_MIN_M + 1, "atomd_qgemm_vnni")])
+def test_no_amx_takes_the_vnni_rows_then_the_vnni_gemm(vnni, m, kernel):
+    """The no-AMX path (what a CPU without AMX runs, on any CPU): qlinear through atomd_qgemm_q8 below
+    QGEMM_VNNI_MIN_M rows, atomd_qgemm_vnni (tests/test_quant_vnni.py) from it on."""
+    if kernel == "atomd_qgemm_vnni" and not vnni.vnni:
+        pytest.skip("the CPU has no AVX512-VNNI: the rows at any M")
+    w, x, out, _ = numpy_checked(vnni, 4, 21, 256, 64, True, m)
+    xq, xd, xsg = quant._q8_scratch(m, 256)
+    direct = torch.empty(m, 21)
+    getattr(vnni, kernel)(x.ctypes.data, 256, m, w.q.data_ptr(), 4, w.scales.data_ptr(), w.offsets.data_ptr(), 21, 256,
+                          64, 64, direct.data_ptr(), 21, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), 1)
     assert torch.equal(torch.from_numpy(out), direct)
 
 
@@ -193,6 +197,7 @@ def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
 
     tiles = run()
     monkeypatch.setattr(quant, "QGEMM_AMX_MIN_M", 1 << 30)
+    monkeypatch.setattr(quant, "QGEMM_VNNI_MIN_M", 1 << 30)  # (the VNNI GEMM: tests/test_quant_vnni.py)
     rows = run()
     equal = 0
     for t, r in zip(tiles, rows):

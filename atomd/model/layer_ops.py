@@ -392,7 +392,8 @@ def moe_amx(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts:
 def moe_q8_kind() -> int:
     """How moe_q8 runs here: 0 not built (no AVX-512 build: the experts one qlinear pair each), 1 on
     the int8-activation rows (csrc/quant.h), 2 also on AMX-INT8 tiles from quant.QGEMM_AMX_MIN_M rows
-    an expert (csrc/quant_amx.h; built with them, not narrowed by $ATOMD_KERNEL_ISA, granted by Linux)."""
+    an expert (csrc/quant_amx.h; built with them, not narrowed by $ATOMD_KERNEL_ISA, granted by Linux),
+    3 also on the VNNI GEMM from quant.QGEMM_VNNI_MIN_M rows an expert (csrc/quant_vnni.h; no tiles)."""
     lib = kernels()
     return 0 if lib is None else lib.moe_q8_kind
 
@@ -403,8 +404,8 @@ def moe_q8(x: torch.Tensor, gate_up: ctypes.Array, down: ctypes.Array, inter: in
     """moe_grouped's results (arguments alike; x float32 or bf16) for int8 / int4 experts with int8
     activations (csrc/moe_q8.h): gate_up and down the experts' atomd_qweight arrays (quant.qweight_array;
     inter: an expert's intermediate size),
-    each expert's linears run as qlinear runs them on its rows (tiles from amx_min rows where
-    moe_q8_kind() is 2), so the pairs equal the per-expert path's. Experts with at least wide_min
+    each expert's linears run as qlinear runs them on its rows (from amx_min rows an expert: tiles where
+    moe_q8_kind() is 2, the VNNI GEMM where it is 3), so the pairs equal the per-expert path's. Experts with at least wide_min
     pairs (0: none) where has_moe_amx(): their weights dequantised to bf16 a call, bf16 activations,
     moe_amx's bf16 AMX tiles instead (float32 sums; a float32 x's gate_up and SiLU in float32). False:
     not built here (nothing done); MemoryError where its scratch cannot be allocated."""

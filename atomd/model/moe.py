@@ -37,9 +37,9 @@ GROUPED_MAX_PAIRS = 32
 # benchmarks/moe_block.py and engine-level runs)
 AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
 # int8 / int4 experts with int8 activations in one C call a block (layer_ops.moe_q8: AMX-INT8 tiles from
-# quant.QGEMM_AMX_MIN_M rows an expert, the int8-activation rows below it), batch 1 included, where the
-# kernel is built; without the tiles only experts of at most quant.QGEMM_Q8_MAX_M pairs (qlinear's float tiles
-# past it); False (or $ATOMD_MOE_Q8=0 at import): one qlinear pair per expert (the A/B of engine-level runs)
+# quant.QGEMM_AMX_MIN_M rows an expert, without them the VNNI GEMM from quant.QGEMM_VNNI_MIN_M, the
+# int8-activation rows below), batch 1 included, where the kernel is built; with neither only experts of at
+# most quant.QGEMM_Q8_MAX_M pairs (qlinear's float tiles past it); False (or $ATOMD_MOE_Q8=0 at import): one qlinear pair per expert (the A/B of engine-level runs)
 Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
 # ... an expert with at least this many pairs in a block (a prompt's) on the bf16 AMX tiles instead, where the CPU
 # has them (layer_ops.has_moe_amx): its int8 / int4 weights dequantised to bf16 once a call (moe_q8's work item),
@@ -185,16 +185,18 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
     MoeWeights.amx_weights: not under expert parallelism) every active expert goes in one
     layer_ops.moe_amx call instead, and none is returned. Quantized experts with int8 activations
     (MoeWeights.q8_experts) go in one layer_ops.moe_q8 call: every active expert where it has the
-    AMX-INT8 tiles, else those of at most quant.QGEMM_Q8_MAX_M pairs (the others: a qlinear pair each)."""
+    AMX-INT8 tiles or the VNNI GEMM, else those of at most quant.QGEMM_Q8_MAX_M pairs (the others: a qlinear
+    pair each)."""
     active = counts.nonzero().flatten()
     if w.quantized:
         q8 = q8_experts(w, x.dtype)
         if q8 is None:
             return active.tolist()
-        tiles = layer_ops.moe_q8_kind() == 2
-        few = torch.ones_like(active, dtype=torch.bool) if tiles else counts[active] <= quant.QGEMM_Q8_MAX_M
+        kind = layer_ops.moe_q8_kind()  # 2: AMX-INT8 tiles, 3: the VNNI GEMM, any M; 1: the rows only
+        few = torch.ones_like(active, dtype=torch.bool) if kind >= 2 else counts[active] <= quant.QGEMM_Q8_MAX_M
         run = lambda *a: layer_ops.moe_q8(x.contiguous(), *q8, w.down[0].in_features, *a,  # noqa: E731
-                                          quant.QGEMM_AMX_MIN_M, Q8_WIDE_MIN_PAIRS)
+                                          quant.QGEMM_AMX_MIN_M if kind == 2 else quant.QGEMM_VNNI_MIN_M,
+                                          Q8_WIDE_MIN_PAIRS)
     else:
         packed = w.amx_weights() if AMX else None
         if packed is not None:

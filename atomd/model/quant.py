@@ -51,6 +51,11 @@ QGEMM_Q8_MAX_M = 32
 # one thread, 135M / 0.6B linears, rows / tiles at M = 2 0.5-1.0x (tiles slower), at M = 4 0.8-1.4x,
 # at 16 3-5x (benchmarks/RESULTS.md, #35 AMX-INT8); batch 1 stays on the rows
 QGEMM_AMX_MIN_M = 4
+# int8 activations on a CPU with AVX512-VNNI but no AMX-INT8 tiles (csrc/quant_vnni.h): from this many rows of
+# x on, at any M, a register-blocked VNNI GEMM (each thread's weight columns packed per call into an L2 panel)
+# instead of the VNNI rows (M <= 32) and the float tiles (past 32). Both no-AMX kinds, 1 and 2 threads, 135M / 0.6B
+# linears: the GEMM 0.87-1.49x the rows' speed at M = 4 (0.8-1.2x at M = 2), 1.25-2.0x at 8 (RESULTS.md, #35 the VNNI GEMM)
+QGEMM_VNNI_MIN_M = 4
 # ... and on a CPU with the bf16 AMX tiles, from this many rows of x on (prefill), the tile product widened
 # (atomd_qgemm_wide, csrc/quant_amx.h): each work item's weight rows dequantised and rounded to bf16 once,
 # x rounded to bf16, bf16 tiles with float32 sums over all of K: the int8 tiles store and rescale each
@@ -260,6 +265,9 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_qgemm_amx.argtypes = lib.atomd_qgemm_q8.argtypes
     lib.atomd_qgemm_amx.restype = lib.atomd_quant_amx.restype = ctypes.c_int
     lib.amx = bool(lib.atomd_quant_amx())  # int8 activations on AMX-INT8 tiles from QGEMM_AMX_MIN_M rows
+    lib.atomd_qgemm_vnni.argtypes = lib.atomd_qgemm_q8.argtypes
+    lib.atomd_qgemm_vnni.restype = lib.atomd_quant_vnni.restype = ctypes.c_int
+    lib.vnni = bool(lib.atomd_quant_vnni())  # int8 activations as the VNNI GEMM from QGEMM_VNNI_MIN_M rows (no tiles)
     lib.atomd_qgemm_wide.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int]
     lib.atomd_qgemm_wide.restype = lib.atomd_quant_wide.restype = ctypes.c_int
     lib.wide = bool(lib.atomd_quant_wide())  # ... widened to bf16 tiles from QGEMM_WIDE_MIN_M rows
@@ -309,7 +317,8 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     """x [M, K] @ dequantised(w).T (+ bias) in float32, returned in x's dtype. Up to
     QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*), up to
     QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8), and with int8 activations on a CPU with
-    AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx), from QGEMM_WIDE_MIN_M on
+    AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx) (without the tiles, on a VNNI
+    CPU: any M from QGEMM_VNNI_MIN_M on as a VNNI GEMM, atomd_qgemm_vnni), from QGEMM_WIDE_MIN_M on
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
     int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); more
     rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
@@ -334,6 +343,14 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
                                  xsgt.data_ptr(), threads)
         if rc != 0:
             raise MemoryError(f"AMX int8 product of {m} x {k} by {n} rows: out of memory")
+    elif lib is not None and w.int8_activations and m >= QGEMM_VNNI_MIN_M and lib.vnni:
+        out = torch.empty(m, n, dtype=torch.float32)
+        xq, xd, xsg = _q8_scratch(m, k)
+        rc = lib.atomd_qgemm_vnni(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets),
+                                  n, k, w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(),
+                                  xsg.data_ptr(), threads)
+        if rc != 0:
+            raise MemoryError(f"VNNI int8 product of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
         out = torch.empty(m, n, dtype=torch.float32)
         xq, xd, xsg = _q8_scratch(m, k)

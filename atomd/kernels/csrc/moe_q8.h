@@ -39,13 +39,24 @@ typedef struct {  /* one thread's scratch (sizes for the largest item's rows and
     bf16_t *gu16, *act16;
     int8_t *xq, *xt, *a;
     float *xd, *xsg, *dt, *xsgt;
+    uint8_t *wp;  /* the VNNI GEMM's panel (quant_vnni.h), its scales and offsets in sc */
+    float *sc;
 } moe_q8_scratch;
 
 /* y [m, N] = x [m, K] @ w^T as qlinear runs it on m rows: tiles from amx_min rows (x already quantised
- * into s's tiles where `quantised`), else the rows */
+ * into s's tiles where `quantised`), without them the VNNI GEMM from that many rows (`gemm`), else the rows */
 static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
-                          const moe_q8_scratch *s, int tiles, int quantised) {
+                          const moe_q8_scratch *s, int tiles, int quantised, int gemm) {
     const int bits = (int)w->bits;
+#if QV_PATH
+    if (gemm) {
+        qv_gemm1(x, m, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, s->xq, s->xd, s->xsg, s->wp,
+                 s->sc);
+        return;
+    }
+#else
+    (void)gemm;
+#endif
 #if MOE_Q8_TILES
     if (tiles) {
         if (!quantised) qamx_quantize(x, K, m, K, w->group, w->ablock, s->xt, s->dt, s->xsgt, 1);
@@ -144,7 +155,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     for (int64_t g = 0; g < n_experts; g++) {
         one_group &= gate_up[experts[g]].group == G && gate_up[experts[g]].ablock == AB;
         for (int64_t r = starts[g]; r < starts[g + 1] && !Q8_WIDE_EXPERT(g); r += chunk)
-            tile_rows += starts[g + 1] - r >= amx_min ? (starts[g + 1] - r < chunk ? starts[g + 1] - r : chunk) : 0;
+            tile_rows += starts[g + 1] - starts[g] >= amx_min ? (starts[g + 1] - r < chunk ? starts[g + 1] - r : chunk) : 0;
     }
     for (int64_t p = 0; p < starts[n_experts]; p++) n_tok = tokens[p] >= n_tok ? tokens[p] + 1 : n_tok;
     if (granted && one_group && tile_rows > n_tok) {
@@ -170,6 +181,16 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
         s.xq = malloc((size_t)ch * kmax);
         s.gu16 = is_bf16 ? malloc(sizeof(bf16_t) * ch * (n_gu + inter)) : NULL;
         int ready = s.x != NULL && s.xq != NULL && (!is_bf16 || s.gu16 != NULL);
+#if QV_PATH
+        if (!granted) {  /* a panel of either linear's (groups of 32 inputs at least) */
+            const size_t bytes_h = QV_PANEL_BYTES(QV_MOST(hidden), hidden), bytes_i = QV_PANEL_BYTES(QV_MOST(inter), inter);
+            const size_t floats_h = QV_PANEL_FLOATS(QV_MOST(hidden), hidden / Q8_BLOCK);
+            const size_t floats_i = QV_PANEL_FLOATS(QV_MOST(inter), inter / Q8_BLOCK);
+            s.wp = aligned_alloc(64, bytes_h > bytes_i ? bytes_h : bytes_i);
+            s.sc = aligned_alloc(64, sizeof(float) * (floats_h > floats_i ? floats_h : floats_i));
+            ready = ready && s.wp != NULL && s.sc != NULL;
+        }
+#endif
 #if MOE_Q8_TILES
         if (granted) {
             s.xt = malloc(QAMX_XT(ch, kmax));
@@ -207,7 +228,9 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             const int64_t g = item_g[it];
             int64_t p0;
             const int64_t m = moe_item_rows(item_g, starts, it, chunk, &p0);
-            const int tiles = granted && m >= amx_min;
+            /* by the expert's rows, as qlinear over them decides (an item's bits do not depend on its rows) */
+            const int64_t rows_g = starts[g + 1] - starts[g];
+            const int tiles = granted && rows_g >= amx_min, gemm = QV_PATH && !granted && rows_g >= amx_min;
             const atomd_qweight *wg = gate_up + experts[g], *wd = down + experts[g];
 #if MOE_Q8_WIDE
             if (Q8_WIDE_EXPERT(g)) {  /* bf16 tiles over the dequantised weights (atomd_moe_q8_kind) */
@@ -255,7 +278,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
                 else
                     memcpy(s.x + r * hidden, (const float *)x + t * hidden, sizeof(float) * hidden);
             }
-            moe_q8_linear(wg, s.x, m, n_gu, hidden, s.gu, &s, tiles, quantised);
+            moe_q8_linear(wg, s.x, m, n_gu, hidden, s.gu, &s, tiles, quantised, gemm);
             if (is_bf16) {  /* gate_up's output rounded (qlinear's .to(bf16)), silu's and the product too */
                 for (int64_t i = 0; i < m * n_gu; i++) s.gu16[i] = float_to_bf16(s.gu[i]);
                 for (int64_t r = 0; r < m; r++) {
@@ -273,7 +296,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
 #if MOE_Q8_TILES
             if (tiles && config != kwd) qamx_configure(kwd), config = kwd;  /* down's act block may differ */
 #endif
-            moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0);
+            moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0, gemm);
             for (int64_t r = 0; r < m; r++) {  /* each pair's row: (rounded,) scaled (, rounded) */
                 const int64_t p = p0 + r;
                 const float *y = s.y + r * hidden;
@@ -303,6 +326,8 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
         free(s.x);
         free(s.xq);
         free(s.gu16);
+        free(s.wp);
+        free(s.sc);
     }
     free(all_xt), free(all_dt), free(all_xf);
     free(item_g);
@@ -311,13 +336,12 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
 }
 
 /* how atomd_moe_q8 runs here: 1 the int8-activation rows, 2 also AMX-INT8 tiles from amx_min rows
- * (built with them and granted by Linux) */
+ * (built with them and granted by Linux), 3 also the VNNI GEMM from amx_min rows (no tiles) */
 int atomd_moe_q8_kind(void) {
 #if MOE_Q8_TILES
-    return 1 + amx_granted();
-#else
-    return 1;
+    if (amx_granted()) return 2;
 #endif
+    return QV_PATH ? 3 : 1;
 }
 #else
 int atomd_moe_q8(const void *x, int is_bf16, const void *gate_up, const void *down, const int64_t *experts,

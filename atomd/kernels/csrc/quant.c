@@ -21,6 +21,7 @@
  */
 #include "quant.h"
 #include "quant_amx.h"
+#include "quant_vnni.h"
 
 /* mb as a compile-time constant (1..QGEMM_ROWS) so acc[] stays in registers */
 #define DISPATCH_ROWS(ROW, ...)                       \
@@ -146,6 +147,24 @@ int atomd_qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int64
     return 1;
 #endif
 }
+
+/* The same product as a register-blocked AVX512-VNNI GEMM (quant_vnni.h), for CPUs without AMX-INT8, from
+ * quant.py's QGEMM_VNNI_MIN_M rows of x: the scratch of atomd_qgemm_q8. 0 done; 1 not built here (no VNNI):
+ * the caller runs atomd_qgemm_q8; -1 out of memory. */
+int atomd_qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
+                     const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
+                     int8_t *xq, float *xd, float *xsg, int num_threads) {
+#if QV_PATH
+    return qgemm_vnni(x, ldx, M, q, (int)bits, scales, offsets, N, K, G, AB, y, ldy, xq, xd, xsg, num_threads);
+#else
+    (void)x, (void)ldx, (void)M, (void)q, (void)bits, (void)scales, (void)offsets, (void)N, (void)K, (void)G, (void)AB;
+    (void)y, (void)ldy, (void)xq, (void)xd, (void)xsg, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* 1 when atomd_qgemm_vnni runs here (built with AVX512-VNNI) */
+int atomd_quant_vnni(void) { return QV_PATH; }
 
 /* The same product widened (quant_amx.h's qgemm_wide: x and the dequantised weight rounded to bf16, bf16
  * AMX tiles, float32 sums), for many rows of x (quant.py's QGEMM_WIDE_MIN_M); K and G multiples of 32.
