@@ -20,6 +20,7 @@ CPUS = {  # the three kinds of machine these sessions get, and two older ones
     "epyc (avx512_bf16)": (AVX512 + " avx512_bf16", "avx512bf16"),
     "xeon sapphire rapids (amx)": (AVX512 + " avx512_bf16 amx_tile amx_bf16 amx_int8", "amx"),
     "xeon (avx-512, vnni)": (AVX512, "avx512"),
+    "xeon skylake (avx-512, no vnni)": (AVX2 + " avx512f avx512bw avx512cd avx512dq avx512vl", "avx2"),
     "avx2 only": (AVX2, "avx2"),
     "older than avx2": ("sse4_2 avx", None),
 }

@@ -65,13 +65,16 @@ CPU_KIND_ENV = {
 }
 # The x86-64 targets a wheel ships every kernel for, worst first: each one's compiler flags
 # and the /proc/cpuinfo flags it needs on top of the targets before it. The kernels test the
-# compiler's macros (__AVX512F__, __AVX512BF16__, __AMX_TILE__), so these four builds are
-# the four paths a -march=native build can take on the three kinds of CPU we run on.
+# compiler's macros (__AVX512F__, __AVX512VNNI__, __AVX512BF16__, __AMX_TILE__), so these four
+# builds are the four paths a -march=native build can take on the three kinds of CPU we run on
+# (each has VNNI: the int8-activation rows and GEMM need it; an AVX-512 CPU without, such as
+# Skylake-SP, takes the AVX2 target)
 TARGETS = {
     "avx2": (["-march=x86-64-v3"], ("avx2", "fma", "bmi2", "f16c", "movbe")),
-    "avx512": (["-march=x86-64-v4"], ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl")),
-    "avx512bf16": (["-march=x86-64-v4", "-mavx512bf16"], ("avx512_bf16",)),
-    "amx": (["-march=x86-64-v4", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
+    "avx512": (["-march=x86-64-v4", "-mavx512vnni"], ("avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl",
+                                                      "avx512_vnni")),
+    "avx512bf16": (["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16"], ("avx512_bf16",)),
+    "amx": (["-march=x86-64-v4", "-mavx512vnni", "-mavx512bf16", "-mamx-tile", "-mamx-bf16", "-mamx-int8"],
             ("amx_tile", "amx_bf16", "amx_int8")),
 }
 # the best target each narrowed build may take: the instructions that build would use
