@@ -7,8 +7,9 @@ load, atomd.model.linear): where the packed panels (csrc/quant_w16.h, quant.QGEM
 
 (`--cpu-kind avx512-vnni` sets those two variables itself, as engine_compare does.)
 Paths: `f32` (oneDNN, float32 weight packed as the engine packs it), `panels` (atomd_qgemm_b16_panels /
-_h16_panels), `tiles` (the weight widened into float32 tiles of quant.TILE_FLOATS for torch.mm: the path
-before the panels, and the one where the CPU has no AVX-512). Weights random; per (linear, M): ms a call,
+_h16_panels, at any M), `before` (the path without them: up to quant.QGEMM_MAX_M rows the weight widened in
+registers, atomd_qgemm_b16; past it widened into float32 tiles of quant.TILE_FLOATS for torch.mm, still the path
+where the CPU has no AVX-512). Weights random; per (linear, M): ms a call,
 median over --rounds rounds alternating the paths, each round the median of --reps calls. Prints a markdown
 table (each path's time over f32's: > 1 slower) and the load (/proc/loadavg) before / after.
 """
@@ -20,7 +21,7 @@ import statistics
 import sys
 import time
 
-PATHS = ("f32", "panels", "tiles")
+PATHS = ("f32", "panels", "before")
 
 
 def main() -> int:
