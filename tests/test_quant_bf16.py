@@ -113,9 +113,9 @@ def test_the_fused_decode_layer_reads_16_bit_weights(monkeypatch, fmt):
 
 # ---- many rows: the packed, widened weight panels (csrc/quant_w16.h, atomd_qgemm_b16_panels / _h16_panels) ----
 PANEL_CASES = [  # m, n, k: rows of x not a multiple of the micro-kernel's 14 (and fewer than it), weight rows not a
-    # multiple of the 32-row panel (1, 37, 45), inputs not a multiple of the 16-input transposes (101, 33, 257, 8),
-    # several k-blocks (600 > W16_KC), several packed blocks of weight rows on one thread (1090 > W16_NC)
-    (1, 37, 101), (13, 32, 16), (17, 45, 576), (29, 1, 33), (31, 70, 600), (45, 1090, 40), (7, 5, 8), (20, 64, 257),
+    # multiple of the 32-row panel (1, 37, 45, 450), inputs not a multiple of the 16-input transposes (101, 33, 257, 8),
+    # two k-blocks (1100 > W16_KC), two packed blocks of panels a thread (600 inputs: 13 panels a 1 MiB block)
+    (1, 37, 101), (13, 32, 16), (17, 45, 576), (29, 1, 33), (31, 70, 1100), (45, 450, 600), (7, 5, 8), (20, 64, 257),
 ]
 
 
