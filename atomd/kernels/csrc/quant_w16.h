@@ -29,7 +29,7 @@
 #define W16_PANELS 1
 #define W16_MR 14     /* rows of x per micro-kernel: 28 accumulators + 2 weight vectors + a broadcast */
 #define W16_NR 32     /* weight rows per panel: two vectors */
-#define W16_KC 1024   /* inputs per k-block at most (256: 0.94-0.98x the time at K = 1536 / 3072, x packed to L1) */
+#define W16_KC 1024   /* inputs per k-block at most (blocks of 256 with x packed into L1: ~5% slower at K 1536 / 3072) */
 #define W16_BLOCK_FLOATS (1 << 18)  /* a packed block of panels: 1 MiB (L2) */
 #define W16_PREFETCH 1024  /* bytes of the panel ahead of the micro-kernel's loads (8 inputs) */
 
