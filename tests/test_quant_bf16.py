@@ -109,3 +109,84 @@ def test_the_fused_decode_layer_reads_16_bit_weights(monkeypatch, fmt):
         g, u = gu[:, :cfg.intermediate_size], gu[:, cfg.intermediate_size:]
         want = r + (g / (1 + np.exp(-g)) * u) @ dq(w.down).T
         np.testing.assert_allclose(x_fused.numpy(), want, rtol=1e-4, atol=1e-4 * np.abs(want).max())
+
+
+# ---- many rows: the packed, widened weight panels (csrc/quant_w16.h, atomd_qgemm_b16_panels / _h16_panels) ----
+PANEL_CASES = [  # m, n, k: rows of x not a multiple of the micro-kernel's 14 (and fewer than it), weight rows not a
+    # multiple of the 32-row panel (1, 37, 45, 450), inputs not a multiple of the 16-input transposes (101, 33, 257, 8),
+    # two k-blocks (1100 > W16_KC), two packed blocks of panels a thread (600 inputs: 13 panels a 1 MiB block)
+    (1, 37, 101), (13, 32, 16), (17, 45, 576), (29, 1, 33), (31, 70, 1100), (45, 450, 600), (7, 5, 8), (20, 64, 257),
+]
+
+
+@pytest.fixture(params=[isa for isa in cbuild.ISA_FLAGS if isa != "no-avx512"])
+def panels_lib(request):
+    """The kernels of each narrowing that keeps AVX-512 (the panels' ISA; test_no_panels_without_avx512 below)."""
+    if not {"avx512f", "avx512bw", "avx512vl"} <= cbuild.cpu_flags():
+        pytest.skip("this CPU has no AVX-512")
+    built = quant.build_kernels(request.param)
+    assert built.w16_panels
+    return built
+
+
+def test_no_panels_without_avx512_qlinear_widens_tiles(monkeypatch):
+    """The AVX2 build has no panels (its entry points answer 1) and qlinear's many rows go through the float32
+    tiles there, within float32 rounding of the same product."""
+    lib = quant.build_kernels("no-avx512")
+    assert not lib.w16_panels
+    out = torch.empty(3, 4)
+    assert lib.atomd_qgemm_b16_panels(0, 8, 3, 0, 4, 8, out.data_ptr(), 4, 1) == 1
+    rng = np.random.default_rng(3)
+    w, packed = weight16(rng, 37, 101)
+    x = rng.standard_normal((40, 101)).astype(np.float32)
+    calls, widen = [], lib.atomd_qdequant_b16
+    monkeypatch.setattr(lib, "atomd_qdequant_b16", lambda *a: calls.append(a) or widen(*a))
+    out = quant.qlinear(torch.from_numpy(x), packed, lib=lib).numpy()
+    assert calls
+    np.testing.assert_allclose(out, x.astype(np.float64) @ numpy_16(w, "bf16").astype(np.float64).T, rtol=1e-5, atol=1e-5)
+
+
+def panels(lib, x: np.ndarray, packed: quant.QuantizedWeight, threads: int) -> np.ndarray:
+    m, k = x.shape
+    n = packed.q.shape[0]
+    out = torch.full((m, n), float("nan"))
+    xt = torch.from_numpy(np.ascontiguousarray(x))
+    rc = getattr(lib, f"atomd_qgemm_{quant._w16(packed)}_panels")(xt.data_ptr(), k, m, packed.q.data_ptr(), n, k,
+                                                                  out.data_ptr(), n, threads)
+    assert rc == 0
+    return out.numpy()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", PANEL_CASES)
+def test_panels_equal_float64_numpy_within_the_float32_sum_bound(panels_lib, fmt, m, n, k):
+    """y within K * 2^-24 * sum_k |x||w| of float64 numpy on the same 16-bit values (the bound of a float32 chain
+    of FMAs, which is what each output is), every output written (NaN-filled before), at 1 and 2 threads
+    bit for bit alike, and each row of x alone giving the same bits as in the batch (nothing depends on M)."""
+    rng = np.random.default_rng(m * n + k)
+    w, packed = weight16(rng, n, k, fmt)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wv = numpy_16(w, fmt).astype(np.float64)
+    ref, scale = x.astype(np.float64) @ wv.T, np.abs(x).astype(np.float64) @ np.abs(wv).T
+    one = panels(panels_lib, x, packed, 1)
+    assert np.all(np.abs(one - ref) <= k * 2.0 ** -24 * scale + 1e-30)
+    np.testing.assert_array_equal(panels(panels_lib, x, packed, 2), one)
+    for r in {0, m // 2, m - 1}:
+        np.testing.assert_array_equal(panels(panels_lib, x[r:r + 1], packed, 1), one[r:r + 1])
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_panels_widen_exactly_and_qlinear_takes_them_from_their_threshold(panels_lib, fmt):
+    """One-hot rows of x give back the stored weights bit for bit (float16 subnormals in the last columns, which
+    are the packing's scalar tail); qlinear from QGEMM_W16_MIN_M rows returns the panels' bits, plus the bias."""
+    rng = np.random.default_rng(5)
+    m = max(quant.QGEMM_W16_MIN_M, quant.QGEMM_MAX_M + 1)
+    w, packed = weight16(rng, 41, 83, fmt)
+    cols = np.concatenate([rng.integers(0, 80, m - 3), [80, 81, 82]])
+    x = np.zeros((m, 83), np.float32)
+    x[np.arange(m), cols] = 1.0
+    np.testing.assert_array_equal(panels(panels_lib, x, packed, 2), numpy_16(w, fmt)[:, cols].T)
+    x = rng.standard_normal((m, 83)).astype(np.float32)
+    bias = torch.from_numpy(rng.standard_normal(41).astype(np.float32))
+    out = quant.qlinear(torch.from_numpy(x), packed, bias, lib=panels_lib)
+    np.testing.assert_array_equal(out.numpy(), (torch.from_numpy(panels(panels_lib, x, packed, 1)) + bias).numpy())

@@ -67,6 +67,10 @@ QGEMM_WIDE_MIN_M = 0 if os.environ.get("ATOMD_QLINEAR_WIDE") == "0" else 256
 # the widened tiles' time at M = 128..2048 (Qwen3-0.6B's qkv / gate_up / down, one thread; int4 groups of 128:
 # 0.9-1.2x, widened from 256 rows as before; RESULTS.md, #35 the act block)
 QGEMM_WIDE_INT8_KEEP = 256
+# 16-bit weights (bits 16) from this many rows of x on, where the kernels have AVX-512 (lib.w16_panels):
+# csrc/quant_w16.h's packed panels (each call widens and packs the weight once, a float32 micro-kernel over
+# every row of x) instead of the float32 tiles for torch's BLAS; 0: never (benchmarks/qlinear_16.py's A/B)
+QGEMM_W16_MIN_M = QGEMM_MAX_M + 1
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
@@ -275,10 +279,15 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
         gemm, deq = getattr(lib, f"atomd_qgemm_{w16}"), getattr(lib, f"atomd_qdequant_{w16}")
         gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int], None
         deq.argtypes, deq.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
+        panels = getattr(lib, f"atomd_qgemm_{w16}_panels")
+        panels.argtypes, panels.restype = gemm.argtypes, ctypes.c_int
+    lib.atomd_quant_w16_panels.restype = ctypes.c_int
+    lib.w16_panels = bool(lib.atomd_quant_w16_panels())  # 16-bit weights from QGEMM_W16_MIN_M rows: packed panels
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
-    log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s%s)", PATHS[lib.atomd_quant_path()],
+    log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s%s)%s", PATHS[lib.atomd_quant_path()],
              Q8_PATHS[lib.atomd_quant_q8_path()], f", AMX-INT8 tiles from {QGEMM_AMX_MIN_M} rows" if lib.amx else "",
-             f", bf16 tiles from {QGEMM_WIDE_MIN_M} rows" if lib.wide and QGEMM_WIDE_MIN_M else "")
+             f", bf16 tiles from {QGEMM_WIDE_MIN_M} rows" if lib.wide and QGEMM_WIDE_MIN_M else "",
+             f"; 16-bit weights as packed panels from {QGEMM_W16_MIN_M} rows" if lib.w16_panels and QGEMM_W16_MIN_M else "")
     return lib
 
 
@@ -320,8 +329,10 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx) (without the tiles, on a VNNI
     CPU: any M from QGEMM_VNNI_MIN_M on as a VNNI GEMM, atomd_qgemm_vnni), from QGEMM_WIDE_MIN_M on
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
-    int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); more
-    rows, or no kernels (lib None), go through float tiles of TILE_FLOATS (a transient buffer per call)."""
+    int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); 16-bit
+    weights from QGEMM_W16_MIN_M rows as packed float32 panels where the kernels have AVX-512
+    (atomd_qgemm_b16_panels / _h16_panels); more rows, or no kernels (lib None), go through float tiles of
+    TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
     if w.perm is not None:
@@ -357,6 +368,12 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
                            w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(),
                            threads)
+    elif lib is not None and w.bits == 16 and 0 < QGEMM_W16_MIN_M <= m and lib.w16_panels:
+        out = torch.empty(m, n, dtype=torch.float32)
+        rc = getattr(lib, f"atomd_qgemm_{_w16(w)}_panels")(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n,
+                                                           threads)
+        if rc != 0:
+            raise MemoryError(f"16-bit weight panels of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and m <= QGEMM_MAX_M and w.bits == 16:
         out = torch.empty(m, n, dtype=torch.float32)
         getattr(lib, f"atomd_qgemm_{_w16(w)}")(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n, threads)

@@ -22,6 +22,7 @@
 #include "quant.h"
 #include "quant_amx.h"
 #include "quant_vnni.h"
+#include "quant_w16.h"
 
 /* mb as a compile-time constant (1..QGEMM_ROWS) so acc[] stays in registers */
 #define DISPATCH_ROWS(ROW, ...)                       \
@@ -76,6 +77,23 @@ QGEMM(4, uint8_t, K / 2)
 
 QGEMM16(b16, row_b16, b16_to_float)
 QGEMM16(h16, row_h16, h16_to_float)
+
+/* The same product for many rows of x through packed, widened weight panels (quant_w16.h; quant.py's
+ * QGEMM_W16_MIN_M): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS); -1 out of memory */
+#define QGEMM16_PANELS(NAME, F16)                                                                                \
+    int atomd_qgemm_##NAME##_panels(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N,       \
+                                    int64_t K, float *y, int64_t ldy, int num_threads) {                         \
+        PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, num_threads)                                              \
+    }
+#ifdef W16_PANELS
+#define PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, t) return w16_gemm(x, ldx, M, q, F16, N, K, y, ldy, t);
+#else
+#define PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, t) \
+    (void)x, (void)ldx, (void)M, (void)q, (void)N, (void)K, (void)y, (void)ldy, (void)t; \
+    return 1;
+#endif
+QGEMM16_PANELS(b16, 0)
+QGEMM16_PANELS(h16, 1)
 
 /* rows n0..n1 of the weight as float32 into out [n1 - n0, K] */
 void atomd_qdequant_i8(const int8_t *q, const float *scales, const float *offsets, int64_t K, int64_t G, int64_t n0,
@@ -184,6 +202,15 @@ int atomd_qgemm_wide(const float *x, int64_t ldx, int64_t M, const void *q, int6
 int atomd_quant_wide(void) {
 #if QAMX_WIDE
     return amx_granted();
+#else
+    return 0;
+#endif
+}
+
+/* 1 when atomd_qgemm_b16_panels / _h16_panels run here (an AVX-512 build) */
+int atomd_quant_w16_panels(void) {
+#ifdef W16_PANELS
+    return 1;
 #else
     return 0;
 #endif
