@@ -19,7 +19,6 @@ import argparse
 import os
 import statistics
 import sys
-import time
 
 PATHS = ("f32", "panels", "before")
 
@@ -44,7 +43,7 @@ def main() -> int:
 
     from atomd.model import quant
     from atomd.model.linear import linear, pack_linear_weight
-    from benchmarks.machine import loadavg
+    from benchmarks.machine import loadavg, median_call_seconds
     from benchmarks.model_shapes import SHAPES
     from benchmarks.qlinear_m import linears
 
@@ -70,12 +69,7 @@ def main() -> int:
                 for path in a.paths:
                     quant.QGEMM_W16_MIN_M = 1 if path == "panels" else 0
                     call = (lambda: linear(x, packed)) if path == "f32" else (lambda: quant.qlinear(x, qw, lib=lib))
-                    calls = []
-                    for _ in range(a.reps + 1):
-                        t0 = time.perf_counter()
-                        call()
-                        calls.append(time.perf_counter() - t0)
-                    times[path].append(statistics.median(calls[1:]))
+                    times[path].append(median_call_seconds(call, a.reps))
             row = {"linear": f"{name} {n}x{k}", "m": m, **{path: statistics.median(v) * 1e3 for path, v in times.items()}}
             rows.append(row)
             print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()), flush=True)

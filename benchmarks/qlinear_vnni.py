@@ -18,12 +18,11 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import time
 
 import torch
 
 from atomd.model import quant
-from benchmarks.machine import loadavg
+from benchmarks.machine import loadavg, median_call_seconds
 from benchmarks.model_shapes import SHAPES
 from benchmarks.qlinear_m import linears
 
@@ -66,12 +65,7 @@ def main() -> int:
                             call = lambda: torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")  # noqa: E731
                         else:
                             call = lambda: quant.qlinear(x, w, lib=lib)  # noqa: E731
-                        calls = []
-                        for _ in range(a.reps + 1):
-                            t0 = time.perf_counter()
-                            call()
-                            calls.append(time.perf_counter() - t0)
-                        times[path].append(statistics.median(calls[1:]))
+                        times[path].append(median_call_seconds(call, a.reps))
                 row = {"linear": f"{name} {n}x{k}", "method": f"{method} ab{w.act_block}", "m": m,
                        **{path: statistics.median(v) * 1e3 for path, v in times.items()}}
                 results.append(row)
