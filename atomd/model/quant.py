@@ -340,14 +340,13 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     xf = xf.contiguous()
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
+    out = torch.empty(m, n, dtype=torch.float32)
     if lib is not None and w.int8_activations and widens(w, m) and lib.wide:
-        out = torch.empty(m, n, dtype=torch.float32)
         rc = lib.atomd_qgemm_wide(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
                                   k, w.group_size, out.data_ptr(), n, threads)
         if rc != 0:
             raise MemoryError(f"bf16 AMX product of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and w.int8_activations and m >= QGEMM_AMX_MIN_M and lib.amx:
-        out = torch.empty(m, n, dtype=torch.float32)
         xt, dt, xsgt = _amx_scratch(m, k, w.group_size)
         rc = lib.atomd_qgemm_amx(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
                                  k, w.group_size, w.act_block, out.data_ptr(), n, xt.data_ptr(), dt.data_ptr(),
@@ -355,7 +354,6 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         if rc != 0:
             raise MemoryError(f"AMX int8 product of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and w.int8_activations and m >= QGEMM_VNNI_MIN_M and lib.vnni:
-        out = torch.empty(m, n, dtype=torch.float32)
         xq, xd, xsg = _q8_scratch(m, k)
         rc = lib.atomd_qgemm_vnni(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets),
                                   n, k, w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(),
@@ -363,26 +361,21 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         if rc != 0:
             raise MemoryError(f"VNNI int8 product of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
-        out = torch.empty(m, n, dtype=torch.float32)
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
                            w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(),
                            threads)
     elif lib is not None and w.bits == 16 and 0 < QGEMM_W16_MIN_M <= m and lib.w16_panels:
-        out = torch.empty(m, n, dtype=torch.float32)
         rc = getattr(lib, f"atomd_qgemm_{_w16(w)}_panels")(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n,
                                                            threads)
         if rc != 0:
             raise MemoryError(f"16-bit weight panels of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and m <= QGEMM_MAX_M and w.bits == 16:
-        out = torch.empty(m, n, dtype=torch.float32)
         getattr(lib, f"atomd_qgemm_{_w16(w)}")(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n, threads)
     elif lib is not None and m <= QGEMM_MAX_M:
-        out = torch.empty(m, n, dtype=torch.float32)
         getattr(lib, f"atomd_qgemm_i{w.bits}")(xf.data_ptr(), k, m, w.q.data_ptr(), w.scales.data_ptr(),
                                                _ptr(w.offsets), n, k, w.group_size, out.data_ptr(), n, threads)
     else:
-        out = torch.empty(m, n, dtype=torch.float32)
         step = max(16, TILE_FLOATS // k)
         tile = torch.empty(min(step, n), k, dtype=torch.float32)
         plain = QuantizedWeight(w.bits, w.q, w.scales, w.offsets, w.group_size, k)  # kernel column order
