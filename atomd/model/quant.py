@@ -69,8 +69,11 @@ QGEMM_WIDE_MIN_M = 0 if os.environ.get("ATOMD_QLINEAR_WIDE") == "0" else 256
 QGEMM_WIDE_INT8_KEEP = 256
 # 16-bit weights (bits 16) from this many rows of x on, where the kernels have AVX-512 (lib.w16_panels):
 # csrc/quant_w16.h's packed panels (each call widens and packs the weight once, a float32 micro-kernel over
-# every row of x) instead of the float32 tiles for torch's BLAS; 0: never (benchmarks/qlinear_16.py's A/B)
-QGEMM_W16_MIN_M = QGEMM_MAX_M + 1
+# every row of x) instead of the rows widened in registers (up to QGEMM_MAX_M) and the float32 tiles for torch's
+# BLAS past it; 0: never (benchmarks/qlinear_16.py's A/B). At 16 rows (a batch-16 decode step) the panels take
+# 0.78-1.02x the rows' time (Qwen3-0.6B's linears, 2 threads, VNNI kind; SmolLM2 0.71-1.01x), at 8 1.07-1.52x
+# (RESULTS.md, #35 batch 16 with 16-bit weights)
+QGEMM_W16_MIN_M = 16
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
