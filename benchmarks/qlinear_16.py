@@ -6,8 +6,9 @@ load, atomd.model.linear): where the packed panels (csrc/quant_w16.h, quant.QGEM
         .venv/bin/python -m benchmarks.qlinear_16 --model-shape smollm-135m --ms 32 128 512 2048 --threads 2
 
 (`--cpu-kind avx512-vnni` sets those two variables itself, as engine_compare does.)
-Paths: `f32` (oneDNN, float32 weight packed as the engine packs it), `panels` (atomd_qgemm_b16_panels /
-_h16_panels, at any M), `before` (the path without them: up to quant.QGEMM_MAX_M rows the weight widened in
+Paths: `f32` (oneDNN, float32 weight packed as the engine packs it), `prepacked` (atomd_qgemm_b16_prepacked /
+_h16_prepacked on the weight's panels packed once, quant.prepack_panels, at any M), `panels` (atomd_qgemm_b16_panels /
+_h16_panels, packed each call, at any M), `before` (the path without them: up to quant.QGEMM_MAX_M rows the weight widened in
 registers, atomd_qgemm_b16; past it widened into float32 tiles of quant.TILE_FLOATS for torch.mm, still the path
 where the CPU has no AVX-512). Weights random; per (linear, M): ms a call,
 median over --rounds rounds alternating the paths, each round the median of --reps calls. Prints a markdown
@@ -20,7 +21,7 @@ import os
 import statistics
 import sys
 
-PATHS = ("f32", "panels", "before")
+PATHS = ("f32", "prepacked", "panels", "before")
 
 
 def main() -> int:
@@ -49,7 +50,7 @@ def main() -> int:
 
     torch.set_num_threads(a.threads)
     lib = quant.kernels()
-    if "panels" in a.paths:
+    if {"panels", "prepacked"} & set(a.paths):
         assert lib is not None and lib.w16_panels, "needs the AVX-512 quant kernels (atomd_quant_w16_panels)"
     shape = SHAPES[a.model_shape]
     isa = cbuild.kernel_isa()
@@ -62,12 +63,14 @@ def main() -> int:
         w = torch.randn(n, k) * 0.02
         qw = quant.quantize(w, a.format)
         packed = pack_linear_weight(qw.dequantize())  # the float32 engine's weight (same values)
+        prepacked = qw.panels if quant.prepack_panels(qw, lib) else None
         for m in a.ms:
             x = torch.randn(m, k)
             times = {path: [] for path in a.paths}
             for _ in range(a.rounds):
                 for path in a.paths:
-                    quant.QGEMM_W16_MIN_M = 1 if path == "panels" else 0
+                    quant.QGEMM_W16_MIN_M = 1 if path in ("panels", "prepacked") else 0
+                    qw.panels = prepacked if path == "prepacked" else None
                     call = (lambda: linear(x, packed)) if path == "f32" else (lambda: quant.qlinear(x, qw, lib=lib))
                     times[path].append(median_call_seconds(call, a.reps))
             row = {"linear": f"{name} {n}x{k}", "m": m, **{path: statistics.median(v) * 1e3 for path, v in times.items()}}

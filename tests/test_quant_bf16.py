@@ -136,8 +136,11 @@ def test_no_panels_without_avx512_qlinear_widens_tiles(monkeypatch):
     assert not lib.w16_panels
     out = torch.empty(3, 4)
     assert lib.atomd_qgemm_b16_panels(0, 8, 3, 0, 4, 8, out.data_ptr(), 4, 1) == 1
+    assert lib.atomd_qgemm_b16_prepacked(0, 8, 3, 0, 4, 8, out.data_ptr(), 4, 1) == 1
+    assert lib.atomd_qprepack_b16(0, 4, 8, 0, 1) == 1
     rng = np.random.default_rng(3)
     w, packed = weight16(rng, 37, 101)
+    assert quant.prepack_panels(packed, lib) == 0 and packed.panels is None
     x = rng.standard_normal((40, 101)).astype(np.float32)
     calls, widen = [], lib.atomd_qdequant_b16
     monkeypatch.setattr(lib, "atomd_qdequant_b16", lambda *a: calls.append(a) or widen(*a))
@@ -190,3 +193,51 @@ def test_panels_widen_exactly_and_qlinear_takes_them_from_their_threshold(panels
     bias = torch.from_numpy(rng.standard_normal(41).astype(np.float32))
     out = quant.qlinear(torch.from_numpy(x), packed, bias, lib=panels_lib)
     np.testing.assert_array_equal(out.numpy(), (torch.from_numpy(panels(panels_lib, x, packed, 1)) + bias).numpy())
+
+
+# ---- the panels packed once at load (quant.prepack_panels, atomd_qgemm_b16_prepacked / _h16_prepacked) ----
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", PANEL_CASES)
+def test_prepacked_panels_give_the_per_call_panels_bits(panels_lib, fmt, m, n, k):
+    """The weight packed once at load (16-bit, widened in registers) gives the per-call panels' bits (tested against
+    numpy above) at 1 and 2 threads: the same chain of FMAs over k per output, only the weight's layout differs;
+    qlinear takes them from QGEMM_W16_PREPACKED_MIN_M rows once they are there."""
+    rng = np.random.default_rng(m * n + k + 1)
+    w, packed = weight16(rng, n, k, fmt)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    want = panels(panels_lib, x, packed, 1)
+    assert quant.prepack_panels(packed, panels_lib) == (n + 31) // 32 * 32 * k * 2
+    xt = torch.from_numpy(x)
+    for threads in (1, 2):
+        out = torch.full((m, n), float("nan"))
+        rc = getattr(panels_lib, f"atomd_qgemm_{quant._w16(packed)}_prepacked")(
+            xt.data_ptr(), k, m, packed.panels.data_ptr(), n, k, out.data_ptr(), n, threads)
+        assert rc == 0
+        np.testing.assert_array_equal(out.numpy(), want)
+    if m >= quant.QGEMM_W16_PREPACKED_MIN_M:
+        np.testing.assert_array_equal(quant.qlinear(xt, packed, lib=panels_lib).numpy(), want)
+
+
+def test_a_16_bit_model_packs_its_panels_at_load_within_the_budget(monkeypatch):
+    """load_model with `--quantization bf16` at float32 packs every layer's weights and then the LM head once (where
+    the kernels have AVX-512), as many as the budget of second copies (linear.GEMV_MAX_BYTES) allows, layers first;
+    the rest stay packed per call. Prefill's linears give the same bits either way."""
+    from atomd.model import decoder
+    from atomd.model.default import default_model_dir
+    from atomd.model.loader import load_model
+
+    if not (quant.kernels() is not None and quant.kernels().w16_panels):
+        pytest.skip("this CPU has no AVX-512: no panels (test_no_panels_without_avx512_qlinear_widens_tiles)")
+    model = load_model(default_model_dir(), quantization="bf16")
+    weights = [t for w in model.layers for t in w.linears()] + [model.lm_head]
+    assert all(isinstance(t, quant.QuantizedWeight) and t.bits == 16 for t in weights)
+    assert all(t.panels is not None for t in weights)
+    first = weights[0]
+    monkeypatch.setattr(decoder, "GEMV_MAX_BYTES", first.panels.nbytes)
+    small = load_model(default_model_dir(), quantization="bf16")
+    kept = [t.panels is not None for w in small.layers for t in w.linears()] + [small.lm_head.panels is not None]
+    assert kept == [True] + [False] * (len(kept) - 1)
+    x = torch.randn(quant.QGEMM_W16_MIN_M + 3, first.in_features)  # where both take panels: the same sums
+    for a, b in zip(weights, [t for w in small.layers for t in w.linears()] + [small.lm_head]):
+        if a.in_features == first.in_features:
+            np.testing.assert_array_equal(quant.qlinear(x, a).numpy(), quant.qlinear(x, b).numpy())

@@ -237,6 +237,7 @@ class DecoderModel:
             log.warning("bfloat16 weights stay unpacked: this CPU has no oneDNN bf16 path (float32 is faster here)")
             return
         left = GEMV_MAX_BYTES if rows else math.inf  # bytes of second (packed) copies still allowed
+        left -= self._prepack_16bit_panels(GEMV_MAX_BYTES)
         if not isinstance(self.lm_head, QuantizedWeight) and self.lm_head.nbytes <= left:
             left -= self.lm_head.nbytes
             self.lm_head = pack_linear_weight(self.lm_head)
@@ -249,6 +250,25 @@ class DecoderModel:
             left -= size
             w.qkv, w.o, w.gate_up, w.down = (t if t is None or isinstance(t, QuantizedWeight) else pack_linear_weight(t)
                                              for t in (w.qkv, w.o, w.gate_up, w.down))
+
+    def _prepack_16bit_panels(self, budget: int) -> int:
+        """16-bit weights (`--quantization bf16 / fp16`, float32 compute): each layer's, then the LM head's, packed
+        once into the panels a batch's decode step and prefill read (quant.prepack_panels: a second copy beside the
+        rows batch-1 decode streams) while those copies stay within `budget` bytes; the rest are packed per call.
+        Returns the bytes kept."""
+        used, left_out = 0, 0
+        for t in [t for w in self.layers for t in w.linears()] + [self.lm_head]:
+            if isinstance(t, QuantizedWeight) and t.bits == 16:
+                size = (t.shape[0] + 31) // 32 * 32 * t.shape[1] * 2
+                if left_out or used + size > budget:
+                    left_out += 1
+                else:
+                    used += quant.prepack_panels(t)
+        if used or left_out:
+            log.info("16-bit weights: %d MiB of panels packed at load for batches and prefill%s", used >> 20,
+                     f"; {left_out} weights packed per call instead (the {budget >> 20} MiB of second copies)"
+                     if left_out else "")
+        return used
 
     def _rows_on_huge_pages(self) -> None:
         """Move what batch-1 decode streams (every layer linear, float MoE experts, the LM head, plain or quantized) onto 2 MiB

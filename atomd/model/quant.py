@@ -74,6 +74,11 @@ QGEMM_WIDE_INT8_KEEP = 256
 # 0.78-1.02x the rows' time (Qwen3-0.6B's linears, 2 threads, VNNI kind; SmolLM2 0.71-1.01x), at 8 1.07-1.52x
 # (RESULTS.md, #35 batch 16 with 16-bit weights)
 QGEMM_W16_MIN_M = 16
+# ... and from this many rows where the weight's panels were packed once at load (prepack_panels: 16-bit, widened
+# in registers, no per-call packing): 0.51-0.64x oneDNN float32's time at 2-8 rows and 0.76-0.88x at 16 on the
+# 135M / 0.6B linears, where the rows in registers take 0.58-1.1x and the per-call panels 1.0-1.3x; about level
+# with both at 128-2048 rows (RESULTS.md, #35 16-bit panels packed at load)
+QGEMM_W16_PREPACKED_MIN_M = 2
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
@@ -115,6 +120,9 @@ class QuantizedWeight:
     # int8 activations' block (inputs per scale of x): act_block_of(group_size) where the weight is made, kept
     # when a TP slice changes group_size (tensor_parallel._columns: a slice on act-block boundaries)
     act_block: int = 0
+    # a 16-bit weight's panels packed once at load (prepack_panels), read by qlinear from QGEMM_W16_MIN_M rows
+    # instead of packing the weight each call; None: packed per call
+    panels: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.act_block and self.bits != 16:
@@ -282,8 +290,10 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
         gemm, deq = getattr(lib, f"atomd_qgemm_{w16}"), getattr(lib, f"atomd_qdequant_{w16}")
         gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int], None
         deq.argtypes, deq.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
-        panels = getattr(lib, f"atomd_qgemm_{w16}_panels")
-        panels.argtypes, panels.restype = gemm.argtypes, ctypes.c_int
+        for panels in (getattr(lib, f"atomd_qgemm_{w16}_panels"), getattr(lib, f"atomd_qgemm_{w16}_prepacked")):
+            panels.argtypes, panels.restype = gemm.argtypes, ctypes.c_int
+        prepack = getattr(lib, f"atomd_qprepack_{w16}")
+        prepack.argtypes, prepack.restype = [_PTR, _I64, _I64, _PTR, ctypes.c_int], ctypes.c_int
     lib.atomd_quant_w16_panels.restype = ctypes.c_int
     lib.w16_panels = bool(lib.atomd_quant_w16_panels())  # 16-bit weights from QGEMM_W16_MIN_M rows: packed panels
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
@@ -319,6 +329,24 @@ def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
 
 
+def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> int:
+    """Pack a 16-bit weight once into the panels qlinear reads from QGEMM_W16_MIN_M rows (csrc/quant_w16.h
+    w16_prepack: per 32 weight rows, each input's 32 values in one 64-byte line, widened in registers), a second
+    copy beside the rows batch-1 decode streams: a batch's decode step and prefill skip the per-call widening and
+    transposing (#35: at 16 rows that was most of the linear's time). Returns the bytes kept (0: nothing done:
+    not a 16-bit weight, or no AVX-512 kernels)."""
+    lib = kernels() if lib == "auto" else lib
+    if lib is None or not lib.w16_panels or w.bits != 16:
+        return 0
+    n, k = w.shape
+    panels = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.int16)
+    rc = getattr(lib, f"atomd_qprepack_{_w16(w)}")(w.q.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
+    if rc != 0:
+        return 0
+    w.panels = panels
+    return panels.nbytes
+
+
 def _w16(w: QuantizedWeight) -> str:
     """The kernels' name of a 16-bit weight's values: b16 (bfloat16) or h16 (float16)."""
     return "h16" if w.q.dtype == torch.float16 else "b16"
@@ -334,7 +362,8 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
     int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); 16-bit
     weights from QGEMM_W16_MIN_M rows as packed float32 panels where the kernels have AVX-512
-    (atomd_qgemm_b16_panels / _h16_panels); more rows, or no kernels (lib None), go through float tiles of
+    (atomd_qgemm_b16_panels / _h16_panels), from QGEMM_W16_PREPACKED_MIN_M rows where prepack_panels packed them
+    at load (atomd_qgemm_b16_prepacked / _h16_prepacked); more rows, or no kernels (lib None), go through float tiles of
     TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
@@ -368,9 +397,11 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
                            w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(),
                            threads)
-    elif lib is not None and w.bits == 16 and 0 < QGEMM_W16_MIN_M <= m and lib.w16_panels:
-        rc = getattr(lib, f"atomd_qgemm_{_w16(w)}_panels")(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n,
-                                                           threads)
+    elif lib is not None and w.bits == 16 and lib.w16_panels and (
+            0 < QGEMM_W16_MIN_M <= m or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
+        packed, kind = (w.panels, "prepacked") if w.panels is not None else (w.q, "panels")
+        rc = getattr(lib, f"atomd_qgemm_{_w16(w)}_{kind}")(xf.data_ptr(), k, m, packed.data_ptr(), n, k,
+                                                           out.data_ptr(), n, threads)
         if rc != 0:
             raise MemoryError(f"16-bit weight panels of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and m <= QGEMM_MAX_M and w.bits == 16:

@@ -79,18 +79,25 @@ QGEMM16(b16, row_b16, b16_to_float)
 QGEMM16(h16, row_h16, h16_to_float)
 
 /* The same product for many rows of x through packed, widened weight panels (quant_w16.h; quant.py's
- * QGEMM_W16_MIN_M): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS); -1 out of memory */
+ * QGEMM_W16_MIN_M), packed per call or (_prepacked) once at load by atomd_qprepack_w16 into pre
+ * (uint16 [ceil(N / 32) * 32 * K]): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS);
+ * -1 out of memory */
 #define QGEMM16_PANELS(NAME, F16)                                                                                \
     int atomd_qgemm_##NAME##_panels(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N,       \
                                     int64_t K, float *y, int64_t ldy, int num_threads) {                         \
-        PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, num_threads)                                              \
+        PANELS_OR_NOT(w16_gemm(x, ldx, M, q, NULL, F16, N, K, y, ldy, num_threads))                              \
+    }                                                                                                            \
+    int atomd_qgemm_##NAME##_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,  \
+                                       int64_t K, float *y, int64_t ldy, int num_threads) {                      \
+        PANELS_OR_NOT(w16_gemm(x, ldx, M, NULL, pre, F16, N, K, y, ldy, num_threads))                            \
+    }                                                                                                            \
+    int atomd_qprepack_##NAME(const uint16_t *q, int64_t N, int64_t K, uint16_t *pre, int num_threads) {         \
+        PANELS_OR_NOT((w16_prepack(q, N, K, F16, pre, num_threads), 0))                                          \
     }
 #ifdef W16_PANELS
-#define PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, t) return w16_gemm(x, ldx, M, q, F16, N, K, y, ldy, t);
+#define PANELS_OR_NOT(call) return call;
 #else
-#define PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, t) \
-    (void)x, (void)ldx, (void)M, (void)q, (void)N, (void)K, (void)y, (void)ldy, (void)t; \
-    return 1;
+#define PANELS_OR_NOT(call) return 1;
 #endif
 QGEMM16_PANELS(b16, 0)
 QGEMM16_PANELS(h16, 1)

@@ -71,12 +71,15 @@ static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64
     }
 }
 
-/* y[0..MR, 0..32] (masks m0 / m1: the panel's weight rows below N) = (first ? 0 : y) + x . bp over kc
- * inputs (x: MR rows of stride ldx); yn: the next tile's first output, prefetched */
-#define W16_TILE(MR)                                                                                               \
-    static __attribute__((noinline)) void w16_tile_##MR(const float *x, int64_t ldx, const float *bp, int64_t kc,  \
-                                                         float *y, int64_t ldy, int first, __mmask16 m0,            \
-                                                         __mmask16 m1, const float *yn) {                           \
+/* y[0..MR, 0..32] (masks m0 / m1: the panel's weight rows below N) = (first ? 0 : y) + x . panel over kc
+ * inputs (x: MR rows of stride ldx); yn: the next tile's first output, prefetched. One instance per panel
+ * layout (B_T its element type, LOAD_B the two weight vectors of input k): the per-call float32 panels
+ * (w16_pack), or a weight's 16-bit panels packed once at load (w16_prepack, widened here in registers). */
+#define W16_TILE(NAME, MR, B_T, LOAD_B, PREFETCH_B)                                                                \
+    static __attribute__((noinline)) void NAME##_##MR(const float *x, int64_t ldx, const void *panel, int64_t kc,  \
+                                                       float *y, int64_t ldy, int first, __mmask16 m0,              \
+                                                       __mmask16 m1, const float *yn) {                             \
+        const B_T *bp = (const B_T *)panel;                                                                        \
         __m512 c0[MR], c1[MR];                                                                                     \
         const float *xr[MR];                                                                                       \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                    \
@@ -85,13 +88,13 @@ static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64
             c1[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + i * ldy + 16);                     \
         }                                                                                                          \
         for (int64_t k = 0; k < kc; k++) {                                                                         \
-            _mm_prefetch((const char *)(bp + k * W16_NR) + W16_PREFETCH, _MM_HINT_T0);                             \
-            _mm_prefetch((const char *)(bp + k * W16_NR) + W16_PREFETCH + 64, _MM_HINT_T0);                        \
+            PREFETCH_B(bp + k * W16_NR)                                                                            \
             if (k < MR) {                                                                                          \
                 _mm_prefetch((const char *)(yn + k * ldy), _MM_HINT_T0);                                           \
                 _mm_prefetch((const char *)(yn + k * ldy + 16), _MM_HINT_T0);                                      \
             }                                                                                                      \
-            const __m512 b0 = _mm512_load_ps(bp + k * W16_NR), b1 = _mm512_load_ps(bp + k * W16_NR + 16);           \
+            __m512 b0, b1;                                                                                         \
+            LOAD_B(bp + k * W16_NR, b0, b1)                                                                        \
             _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                \
                 const __m512 a = _mm512_set1_ps(xr[i][k]);                                                         \
                 c0[i] = _mm512_fmadd_ps(a, b0, c0[i]);                                                             \
@@ -103,47 +106,88 @@ static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64
             _mm512_mask_storeu_ps(y + i * ldy + 16, m1, c1[i]);                                                    \
         }                                                                                                          \
     }
-W16_TILE(1) W16_TILE(2) W16_TILE(3) W16_TILE(4) W16_TILE(5) W16_TILE(6) W16_TILE(7)
-W16_TILE(8) W16_TILE(9) W16_TILE(10) W16_TILE(11) W16_TILE(12) W16_TILE(13) W16_TILE(14)
-typedef void (*w16_tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, __mmask16,
+#define W16_TILES(NAME, B_T, LOAD_B, PREFETCH_B)                                                                   \
+    W16_TILE(NAME, 1, B_T, LOAD_B, PREFETCH_B) W16_TILE(NAME, 2, B_T, LOAD_B, PREFETCH_B)                          \
+    W16_TILE(NAME, 3, B_T, LOAD_B, PREFETCH_B) W16_TILE(NAME, 4, B_T, LOAD_B, PREFETCH_B)                          \
+    W16_TILE(NAME, 5, B_T, LOAD_B, PREFETCH_B) W16_TILE(NAME, 6, B_T, LOAD_B, PREFETCH_B)                          \
+    W16_TILE(NAME, 7, B_T, LOAD_B, PREFETCH_B) W16_TILE(NAME, 8, B_T, LOAD_B, PREFETCH_B)                          \
+    W16_TILE(NAME, 9, B_T, LOAD_B, PREFETCH_B) W16_TILE(NAME, 10, B_T, LOAD_B, PREFETCH_B)                         \
+    W16_TILE(NAME, 11, B_T, LOAD_B, PREFETCH_B) W16_TILE(NAME, 12, B_T, LOAD_B, PREFETCH_B)                        \
+    W16_TILE(NAME, 13, B_T, LOAD_B, PREFETCH_B) W16_TILE(NAME, 14, B_T, LOAD_B, PREFETCH_B)                        \
+    static const w16_tile_fn NAME##s[W16_MR + 1] = {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5,        \
+                                                    NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11,  \
+                                                    NAME##_12, NAME##_13, NAME##_14};
+typedef void (*w16_tile_fn)(const float *, int64_t, const void *, int64_t, float *, int64_t, int, __mmask16,
                             __mmask16, const float *);
-static const w16_tile_fn w16_tiles[W16_MR + 1] = {NULL, w16_tile_1, w16_tile_2, w16_tile_3, w16_tile_4,
-                                                  w16_tile_5, w16_tile_6, w16_tile_7, w16_tile_8, w16_tile_9,
-                                                  w16_tile_10, w16_tile_11, w16_tile_12, w16_tile_13, w16_tile_14};
+/* float32 panels [kc][32]: two vectors an input, two 64-byte lines prefetched */
+#define W16_LOAD_F32(p, b0, b1) b0 = _mm512_load_ps(p), b1 = _mm512_load_ps((p) + 16);
+#define W16_PREFETCH_F32(p)                                                         \
+    _mm_prefetch((const char *)(p) + W16_PREFETCH, _MM_HINT_T0);                    \
+    _mm_prefetch((const char *)(p) + W16_PREFETCH + 64, _MM_HINT_T0);
+/* bf16 panels packed at load, one 64-byte line an input: 32-bit lane j holds weight row j in its low half and
+ * row j + 16 in its high half, so each widens with one instruction (a bf16 is a float32's top 16 bits) */
+#define W16_LOAD_B16(p, b0, b1) {                                                                       \
+        const __m512i v = _mm512_load_si512((const void *)(p));                                          \
+        b0 = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));                                             \
+        b1 = _mm512_castsi512_ps(_mm512_and_si512(v, _mm512_set1_epi32((int)0xffff0000u))); }
+/* float16 panels packed at load: rows 0..31 in order */
+#define W16_LOAD_H16(p, b0, b1) b0 = load_h16(p), b1 = load_h16((p) + 16);
+#define W16_PREFETCH_16(p) _mm_prefetch((const char *)(p) + W16_PREFETCH / 2, _MM_HINT_T0);
+W16_TILES(w16_tile, float, W16_LOAD_F32, W16_PREFETCH_F32)
+W16_TILES(w16_tile_b16, uint16_t, W16_LOAD_B16, W16_PREFETCH_16)
+W16_TILES(w16_tile_h16, uint16_t, W16_LOAD_H16, W16_PREFETCH_16)
 
 static inline __mmask16 w16_mask(int64_t cols) { return cols >= 16 ? 0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1); }
 
-/* y [M, ldy] = x [M, ldx] @ w^T, w uint16 [N, K] of bf16 (f16 0) or float16 (f16 1) values.
+/* y [M, ldy] = x [M, ldx] @ w^T, w uint16 [N, K] of bf16 (f16 0) or float16 (f16 1) values; pre: the same weight
+ * as w16_prepack packed it (NULL: packed here, per k-block, into each thread's buffer). The same sums either way.
  * 0 done, -1 out of memory (a thread's 1 MiB buffer) */
-static int w16_gemm(const float *x, int64_t ldx, int64_t M, const uint16_t *q, const int f16, int64_t N, int64_t K,
-                    float *y, int64_t ldy, int num_threads) {
+static int w16_gemm(const float *x, int64_t ldx, int64_t M, const uint16_t *q, const uint16_t *pre, const int f16,
+                    int64_t N, int64_t K, float *y, int64_t ldy, int num_threads) {
     const int64_t panels = (N + W16_NR - 1) / W16_NR, nkb = (K + W16_KC - 1) / W16_KC;
     const int64_t kcs = (K + nkb - 1) / nkb, slivers = (M + W16_MR - 1) / W16_MR;  /* k-blocks of even size */
     const int64_t per_block = W16_BLOCK_FLOATS / (kcs * W16_NR) > 0 ? W16_BLOCK_FLOATS / (kcs * W16_NR) : 1;
+    const w16_tile_fn *tiles = pre == NULL ? w16_tiles : f16 ? w16_tile_h16s : w16_tile_b16s;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads) reduction(|: failed)") {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t pb = panels * t / nt, pe = panels * (t + 1) / nt;
-        float *bp = pe > pb ? w16_scratch((size_t)W16_BLOCK_FLOATS) : NULL;
-        if (pe > pb && bp == NULL) failed = 1;
-        for (int64_t k0 = 0; bp && k0 < K; k0 += kcs) {
+        float *bp = pe > pb && pre == NULL ? w16_scratch((size_t)W16_BLOCK_FLOATS) : NULL;
+        if (pe > pb && pre == NULL && bp == NULL) failed = 1;
+        for (int64_t k0 = 0; !failed && k0 < K; k0 += kcs) {
             const int64_t kc = K - k0 < kcs ? K - k0 : kcs;
             for (int64_t p0 = pb; p0 < pe; p0 += per_block) {
                 const int64_t p1 = p0 + per_block < pe ? p0 + per_block : pe;
                 const int64_t n0 = p0 * W16_NR, nn = (p1 * W16_NR < N ? p1 * W16_NR : N) - n0;
-                w16_pack(q + n0 * K, K, nn, k0, kc, f16, bp);
+                if (pre == NULL) w16_pack(q + n0 * K, K, nn, k0, kc, f16, bp);
                 for (int64_t s = 0; s < slivers; s++) {
                     const int64_t m0 = M * s / slivers, m1 = M * (s + 1) / slivers;
                     for (int64_t p = p0; p < p1; p++) {
                         const int64_t cols = N - p * W16_NR;
                         const float *yn = p + 1 < p1 ? y + m0 * ldy + (p + 1) * W16_NR : y + (m1 < M ? m1 : m0) * ldy + p0 * W16_NR;
-                        w16_tiles[m1 - m0](x + m0 * ldx + k0, ldx, bp + (p - p0) * kc * W16_NR, kc, y + m0 * ldy + p * W16_NR,
-                                           ldy, k0 == 0, w16_mask(cols), w16_mask(cols - 16), yn);
+                        const void *panel = pre ? (const void *)(pre + (p * K + k0) * W16_NR)
+                                                : (const void *)(bp + (p - p0) * kc * W16_NR);
+                        tiles[m1 - m0](x + m0 * ldx + k0, ldx, panel, kc, y + m0 * ldy + p * W16_NR, ldy, k0 == 0,
+                                       w16_mask(cols), w16_mask(cols - 16), yn);
                     }
                 }
             }
         }
     }
     return failed ? -1 : 0;
+}
+
+/* w uint16 [N, K] (bf16: f16 0, float16: 1) into out uint16 [ceil(N / 32)][K][32], w16_gemm's `pre`: per panel
+ * of 32 weight rows, each input's 32 values in one 64-byte line (bf16: row j and row j + 16 share lane j, as
+ * W16_LOAD_B16 reads them; float16: rows in order); rows past N zeros. Once, at load (quant.prepack_panels). */
+static void w16_prepack(const uint16_t *q, int64_t N, int64_t K, const int f16, uint16_t *out, int num_threads) {
+    const int64_t panels = (N + W16_NR - 1) / W16_NR;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t p = 0; p < panels; p++)
+        for (int64_t j = 0; j < W16_NR; j++) {
+            const int64_t n = p * W16_NR + j, slot = f16 ? j : j < 16 ? 2 * j : 2 * (j - 16) + 1;
+            uint16_t *dst = out + p * K * W16_NR + slot;
+            for (int64_t k = 0; k < K; k++) dst[k * W16_NR] = n < N ? q[n * K + k] : 0;
+        }
 }
 #endif
