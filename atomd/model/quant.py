@@ -21,7 +21,7 @@ import ctypes
 import functools
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -327,6 +327,12 @@ def widens(w: QuantizedWeight, m: int) -> bool:
 
 def _ptr(t: torch.Tensor | None) -> int | None:
     return None if t is None else t.data_ptr()
+
+
+def derived(w: QuantizedWeight, **changes) -> QuantizedWeight:
+    """A weight made from w with `changes` (a slice, padding: tensor_parallel), without w's state derived from its
+    tensors: the C struct, the scratch, the load-time panels."""
+    return replace(w, **changes, _ref=None, _scratch=None, panels=None)
 
 
 def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> int:

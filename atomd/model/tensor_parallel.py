@@ -13,7 +13,6 @@ worker 0 only (the others' is zero), so the sum adds it once.
 from __future__ import annotations
 
 import time
-from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -118,7 +117,7 @@ def _rows(t, start: int, stop: int):
     if not isinstance(t, QuantizedWeight):
         return t[start:stop].contiguous()
     cut = lambda x: None if x is None else x[start:stop].contiguous()  # noqa: E731
-    return replace(t, q=cut(t.q), scales=cut(t.scales), offsets=cut(t.offsets), _ref=None, _scratch=None)
+    return quant.derived(t, q=cut(t.q), scales=cut(t.scales), offsets=cut(t.offsets))
 
 
 def _cat(parts: list):
@@ -132,7 +131,7 @@ def _pad_rows(t, rows: int):
         return t
     pad = lambda x: None if x is None else torch.cat([x, x.new_zeros(missing, *x.shape[1:])])  # noqa: E731
     if isinstance(t, QuantizedWeight):
-        return replace(t, q=pad(t.q), scales=pad(t.scales), offsets=pad(t.offsets), _ref=None, _scratch=None)
+        return quant.derived(t, q=pad(t.q), scales=pad(t.scales), offsets=pad(t.offsets))
     return pad(t).contiguous()
 
 
@@ -146,7 +145,7 @@ def _columns(t, start: int, n: int, name: str, q8_aligned: bool = False):
         return t[:, start:start + n].contiguous()
     where = f"tensor parallelism: {name} ({t.in_features} inputs, {n} a worker)"
     if t.bits == 16:  # bf16: no scales
-        return replace(t, q=t.q[:, start:start + n].contiguous(), group_size=n, in_features=n, _ref=None, _scratch=None)
+        return quant.derived(t, q=t.q[:, start:start + n].contiguous(), group_size=n, in_features=n)
     g = t.group_size
     if n % g == 0:
         scales = slice(start // g, (start + n) // g)
@@ -172,8 +171,8 @@ def _columns(t, start: int, n: int, name: str, q8_aligned: bool = False):
         perm = None if torch.equal(perm, torch.arange(start, start + n)) else (perm - start).contiguous()
     q = t.q[:, start:start + n] if t.bits == 8 else t.q[:, start // 2:(start + n) // 2]
     cut = lambda x: None if x is None else x[:, scales].contiguous()  # noqa: E731
-    return replace(t, q=q.contiguous(), scales=cut(t.scales), offsets=cut(t.offsets), group_size=group,
-                   in_features=n, perm=perm, _ref=None, _scratch=None)
+    return quant.derived(t, q=q.contiguous(), scales=cut(t.scales), offsets=cut(t.offsets), group_size=group,
+                         in_features=n, perm=perm)
 
 
 def _chunk(t, s: TPSplit, name: str):
