@@ -281,7 +281,10 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
         deq.argtypes, deq.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
         panels = getattr(lib, f"atomd_qgemm_{w16}_panels")
         panels.argtypes, panels.restype = gemm.argtypes, ctypes.c_int
-    lib.atomd_quant_w16_panels.restype = ctypes.c_int
+    lib.atomd_quant_w16_panels.restype = lib.atomd_quant_bf16_panels.restype = ctypes.c_int
+    lib.atomd_gemm_bf16_panels.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
+    lib.atomd_gemm_bf16_panels.restype = ctypes.c_int
+    lib.bf16_panels = bool(lib.atomd_quant_bf16_panels())  # bf16 x bf16 -> float32 panels (gemm_bf16_f32)
     lib.w16_panels = bool(lib.atomd_quant_w16_panels())  # 16-bit weights from QGEMM_W16_MIN_M rows: packed panels
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
     log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s%s)%s", PATHS[lib.atomd_quant_path()],
@@ -293,6 +296,24 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
 
 def kernels() -> ctypes.CDLL | None:
     return build_kernels(cbuild.kernel_isa())
+
+
+def gemm_bf16_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None | str = "auto") -> torch.Tensor | None:
+    """x [M, K] @ weight.T as a new float32 [M, N], unrounded, for bf16 x (rows of any stride, unit column
+    stride) and a plain contiguous bf16 weight [N, K]: float32 sums of the exact bf16 products, each output one
+    chain of vdpbf16ps over K's pairs in order (its bits independent of M and the threads), through packed
+    weight panels (csrc/quant_w16.h, atomd_gemm_bf16_panels). None where the kernels lack AVX512_BF16."""
+    lib = kernels() if lib == "auto" else lib
+    if lib is None or not lib.bf16_panels:
+        return None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, (n, k) = x.shape[0], weight.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    if lib.atomd_gemm_bf16_panels(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n,
+                                  torch.get_num_threads()) != 0:
+        raise MemoryError(f"bf16 weight panels of {m} x {k} by {n} rows: out of memory")
+    return out
 
 
 def _q8_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -1,6 +1,11 @@
 /* Part of quant.c: 16-bit float weights (bfloat16 or float16, quant.h's row_w16 layout: uint16 [N, K])
  * times many rows of float32 x, float32 out, on AVX-512: prefill with `--quantization bf16 / fp16`
  * where the compute is float32 (a CPU without AVX512_BF16 / AMX; quant.py's QGEMM_W16_MIN_M).
+ * And, where the build has AVX512_BF16 (W16_BF16_PAIRS), bf16 x times bf16 weights with float32 sums of the
+ * exact products by vdpbf16ps (atomd_gemm_bf16_panels: a bf16 model's prefill on a CPU with AVX512_BF16 but no
+ * AMX tiles, linear.py's BF16_PANELS_MIN_M, and a TP worker's float32 row-parallel partial, linear_f32): the
+ * same loops over pairs of inputs, each packed 32-bit unit holding w[n][k], w[n][k + 1] (k even) and x's
+ * pair broadcast as one 32-bit value; an odd K's last pair padded with zero (x's lone value read as 16 bits).
  *
  * BLIS's loops with the roles turned round (the weight is the vector operand, x the broadcast one), x read
  * in place as oneDNN's brgemm reads its A:
@@ -15,7 +20,8 @@
  *   one x value per row broadcast from x's own rows, 2 x W16_MR FMAs; the next tile's output rows
  *   prefetched during the first W16_MR inputs.
  * The output is the accumulator: zeroed at the first k-block, loaded and stored at each later one (so
- * long k-blocks: K <= 1024 is one pass), so every y[m, n] is one chain of FMAs over k = 0..K-1 in order:
+ * long k-blocks: K <= 1024 is one pass; 2048 for bf16 pairs, the same bytes), so every y[m, n] is one chain of
+ * FMAs over k = 0..K-1 in order (of vdpbf16ps over the pairs in order):
  * its bits do not depend on M, the threads or the blocking (only on x's row and w's row). A BLAS sums in
  * another order: results agree with a float matmul to float32 rounding, not bit for bit. Edges: rows of x
  * past M are never computed (the micro-kernel's row count is a compile-time 1..W16_MR), weight rows past N
@@ -24,14 +30,22 @@
 #if QUANT_PATH == 2
 #include <omp.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "lane_sums.h" /* transpose16 */
 #define W16_PANELS 1
+#if defined(__AVX512BF16__) && !defined(ATOMD_NO_BF16_DOT)
+#define W16_BF16_PAIRS 1 /* atomd_gemm_bf16_panels: vdpbf16ps over packed bf16 pairs */
+#endif
 #define W16_MR 14     /* rows of x per micro-kernel: 28 accumulators + 2 weight vectors + a broadcast */
 #define W16_NR 32     /* weight rows per panel: two vectors */
-#define W16_KC 1024   /* inputs per k-block at most (blocks of 256 with x packed into L1: ~5% slower at K 1536 / 3072) */
-#define W16_BLOCK_FLOATS (1 << 18)  /* a packed block of panels: 1 MiB (L2) */
-#define W16_PREFETCH 1024  /* bytes of the panel ahead of the micro-kernel's loads (8 inputs) */
+#define W16_KC 1024   /* packed 32-bit units per k-block at most: inputs, or pairs of bf16 inputs (blocks of 256
+                         with x packed into L1: ~5% slower at K 1536 / 3072) */
+#define W16_BLOCK_FLOATS (1 << 18)  /* a packed block of panels, in 32-bit units: 1 MiB (L2) */
+#define W16_PREFETCH 1024  /* bytes of the panel ahead of the micro-kernel's loads (8 units) */
+/* what the weight's 16-bit values become in the packed panels: float32 (bf16 or float16 widened), or pairs of
+ * bf16 inputs kept as they are (vdpbf16ps's operand) */
+enum { W16_B16 = 0, W16_H16 = 1, W16_PAIRS = 2 };
 
 /* per thread: the packed weight block, kept between calls (a fresh 1 MiB malloc each
  * call would be mapped and faulted in again) */
@@ -47,44 +61,78 @@ static float *w16_scratch(size_t floats) {
     return w16_buf;
 }
 
-static inline __attribute__((always_inline)) __m512 w16_load(const uint16_t *p, const int f16) {
-    return f16 ? load_h16(p) : load_b16(p);
+/* 16 packed units of row p from unit u: 16 values widened, or 16 pairs (32 bf16) as they are */
+static inline __attribute__((always_inline)) __m512 w16_load(const uint16_t *p, int64_t u, const int kind) {
+    return kind == W16_PAIRS ? _mm512_castsi512_ps(_mm512_loadu_si512(p + 2 * u))
+           : kind == W16_H16 ? load_h16(p + u) : load_b16(p + u);
 }
 
-/* weight rows 0..nn (q: the block's first row, row stride K), inputs k0..k0 + kc, widened into bp as
- * panels [ceil(nn / 32)][kc][32]; rows past nn zeros */
-static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64_t kc, const int f16, float *bp) {
+/* unit u of row p (kc inputs) into *dst: one value widened, or the pair (p[2u], p[2u + 1]) with zero past kc */
+static inline void w16_unit(const uint16_t *p, int64_t u, int64_t kc, const int kind, float *dst) {
+    if (kind == W16_PAIRS)
+        *(uint32_t *)dst = p[2 * u] | (2 * u + 1 < kc ? (uint32_t)p[2 * u + 1] << 16 : 0u);
+    else
+        *dst = kind == W16_H16 ? h16_to_float(p[u]) : b16_to_float(p[u]);
+}
+
+static inline int64_t w16_units(int64_t kc, const int kind) { return kind == W16_PAIRS ? (kc + 1) / 2 : kc; }
+
+/* weight rows 0..nn (q: the block's first row, row stride K), inputs k0..k0 + kc, packed into bp as
+ * panels [ceil(nn / 32)][units][32] (units: w16_units); rows past nn zeros */
+static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64_t kc, const int kind, float *bp) {
+    const int64_t units = w16_units(kc, kind), full = kind == W16_PAIRS ? kc / 2 : kc;
     for (int64_t r0 = 0; r0 < (nn + W16_NR - 1) / W16_NR * W16_NR; r0 += 16) {
-        float *dst = bp + r0 / W16_NR * kc * W16_NR + r0 % W16_NR;
+        float *dst = bp + r0 / W16_NR * units * W16_NR + r0 % W16_NR;
         const int rows = nn - r0 < 16 ? (int)(nn - r0) : 16;
         const uint16_t *src = q + r0 * K + k0;
-        int64_t k = 0;
-        for (; k + 16 <= kc; k += 16) {
+        int64_t u = 0;
+        for (; u + 16 <= full; u += 16) {
             __m512 v[16];
-            for (int i = 0; i < 16; i++) v[i] = i < rows ? w16_load(src + i * K + k, f16) : _mm512_setzero_ps();
+            for (int i = 0; i < 16; i++) v[i] = i < rows ? w16_load(src + i * K, u, kind) : _mm512_setzero_ps();
             transpose16(v);
-            for (int i = 0; i < 16; i++) _mm512_store_ps(dst + (k + i) * W16_NR, v[i]);
+            for (int i = 0; i < 16; i++) _mm512_store_ps(dst + (u + i) * W16_NR, v[i]);
         }
-        for (; k < kc; k++)
-            for (int i = 0; i < 16; i++)
-                dst[k * W16_NR + i] = i >= rows ? 0.0f : f16 ? h16_to_float(src[i * K + k]) : b16_to_float(src[i * K + k]);
+        for (; u < units; u++)
+            for (int i = 0; i < 16; i++) {
+                if (i < rows)
+                    w16_unit(src + i * K, u, kc, kind, dst + u * W16_NR + i);
+                else
+                    dst[u * W16_NR + i] = 0.0f;  /* all bits zero: a zero pair too */
+            }
     }
 }
 
+/* x's unit u of a row (xr: its first input) broadcast: a float32 value, or a bf16 pair as one 32-bit value */
+static inline __attribute__((always_inline)) __m512 w16_bcast(const char *xr, int64_t u, const int pairs) {
+    if (!pairs) return _mm512_set1_ps(((const float *)xr)[u]);
+    uint32_t v;
+    memcpy(&v, xr + 4 * u, sizeof v);
+    return _mm512_castsi512_ps(_mm512_set1_epi32((int)v));
+}
+
+#ifdef W16_BF16_PAIRS
+#define W16_FMA(pairs, a, b, c) \
+    ((pairs) ? _mm512_dpbf16_ps(c, (__m512bh)(a), (__m512bh)(b)) : _mm512_fmadd_ps(a, b, c))
+#else
+#define W16_FMA(pairs, a, b, c) _mm512_fmadd_ps(a, b, c)
+#endif
+
 /* y[0..MR, 0..32] (masks m0 / m1: the panel's weight rows below N) = (first ? 0 : y) + x . bp over kc
- * inputs (x: MR rows of stride ldx); yn: the next tile's first output, prefetched */
-#define W16_TILE(MR)                                                                                               \
-    static __attribute__((noinline)) void w16_tile_##MR(const float *x, int64_t ldx, const float *bp, int64_t kc,  \
-                                                         float *y, int64_t ldy, int first, __mmask16 m0,            \
-                                                         __mmask16 m1, const float *yn) {                           \
+ * inputs (x: MR rows of stride ldx elements, float32 or, PAIRS, bf16); yn: the next tile's first output,
+ * prefetched */
+#define W16_TILE(NAME, PAIRS, MR)                                                                                  \
+    static __attribute__((noinline)) void NAME##_##MR(const void *x, int64_t ldx, const float *bp, int64_t kc,     \
+                                                      float *y, int64_t ldy, int first, __mmask16 m0,              \
+                                                      __mmask16 m1, const float *yn) {                             \
         __m512 c0[MR], c1[MR];                                                                                     \
-        const float *xr[MR];                                                                                       \
+        const char *xr[MR];                                                                                        \
+        const int64_t units = PAIRS ? kc / 2 : kc;                                                                 \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                    \
-            xr[i] = x + i * ldx;                                                                                   \
+            xr[i] = (const char *)x + i * ldx * (PAIRS ? 2 : 4);                                                   \
             c0[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + i * ldy);                          \
             c1[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + i * ldy + 16);                     \
         }                                                                                                          \
-        for (int64_t k = 0; k < kc; k++) {                                                                         \
+        for (int64_t k = 0; k < units; k++) {                                                                      \
             _mm_prefetch((const char *)(bp + k * W16_NR) + W16_PREFETCH, _MM_HINT_T0);                             \
             _mm_prefetch((const char *)(bp + k * W16_NR) + W16_PREFETCH + 64, _MM_HINT_T0);                        \
             if (k < MR) {                                                                                          \
@@ -93,9 +141,17 @@ static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64
             }                                                                                                      \
             const __m512 b0 = _mm512_load_ps(bp + k * W16_NR), b1 = _mm512_load_ps(bp + k * W16_NR + 16);           \
             _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                \
-                const __m512 a = _mm512_set1_ps(xr[i][k]);                                                         \
-                c0[i] = _mm512_fmadd_ps(a, b0, c0[i]);                                                             \
-                c1[i] = _mm512_fmadd_ps(a, b1, c1[i]);                                                             \
+                const __m512 a = w16_bcast(xr[i], k, PAIRS);                                                       \
+                c0[i] = W16_FMA(PAIRS, a, b0, c0[i]);                                                              \
+                c1[i] = W16_FMA(PAIRS, a, b1, c1[i]);                                                              \
+            }                                                                                                      \
+        }                                                                                                          \
+        if (PAIRS && (kc & 1)) { /* the last input alone: its pair (x, 0) against the packed (w, 0) */           \
+            const __m512 b0 = _mm512_load_ps(bp + units * W16_NR), b1 = _mm512_load_ps(bp + units * W16_NR + 16); \
+            _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                \
+                const __m512 a = _mm512_castsi512_ps(_mm512_set1_epi32(((const uint16_t *)xr[i])[kc - 1]));        \
+                c0[i] = W16_FMA(PAIRS, a, b0, c0[i]);                                                              \
+                c1[i] = W16_FMA(PAIRS, a, b1, c1[i]);                                                              \
             }                                                                                                      \
         }                                                                                                          \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                    \
@@ -103,23 +159,40 @@ static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64
             _mm512_mask_storeu_ps(y + i * ldy + 16, m1, c1[i]);                                                    \
         }                                                                                                          \
     }
-W16_TILE(1) W16_TILE(2) W16_TILE(3) W16_TILE(4) W16_TILE(5) W16_TILE(6) W16_TILE(7)
-W16_TILE(8) W16_TILE(9) W16_TILE(10) W16_TILE(11) W16_TILE(12) W16_TILE(13) W16_TILE(14)
-typedef void (*w16_tile_fn)(const float *, int64_t, const float *, int64_t, float *, int64_t, int, __mmask16,
+#define W16_TILES(NAME, PAIRS)                                                                                     \
+    W16_TILE(NAME, PAIRS, 1) W16_TILE(NAME, PAIRS, 2) W16_TILE(NAME, PAIRS, 3) W16_TILE(NAME, PAIRS, 4)            \
+    W16_TILE(NAME, PAIRS, 5) W16_TILE(NAME, PAIRS, 6) W16_TILE(NAME, PAIRS, 7) W16_TILE(NAME, PAIRS, 8)            \
+    W16_TILE(NAME, PAIRS, 9) W16_TILE(NAME, PAIRS, 10) W16_TILE(NAME, PAIRS, 11) W16_TILE(NAME, PAIRS, 12)         \
+    W16_TILE(NAME, PAIRS, 13) W16_TILE(NAME, PAIRS, 14)                                                            \
+    static const w16_tile_fn NAME[W16_MR + 1] = {NULL, NAME##_1, NAME##_2, NAME##_3, NAME##_4, NAME##_5,           \
+                                                 NAME##_6, NAME##_7, NAME##_8, NAME##_9, NAME##_10, NAME##_11,     \
+                                                 NAME##_12, NAME##_13, NAME##_14};
+typedef void (*w16_tile_fn)(const void *, int64_t, const float *, int64_t, float *, int64_t, int, __mmask16,
                             __mmask16, const float *);
-static const w16_tile_fn w16_tiles[W16_MR + 1] = {NULL, w16_tile_1, w16_tile_2, w16_tile_3, w16_tile_4,
-                                                  w16_tile_5, w16_tile_6, w16_tile_7, w16_tile_8, w16_tile_9,
-                                                  w16_tile_10, w16_tile_11, w16_tile_12, w16_tile_13, w16_tile_14};
+W16_TILES(w16_tiles, 0)
+#ifdef W16_BF16_PAIRS
+W16_TILES(w16_pair_tiles, 1)
+#endif
 
 static inline __mmask16 w16_mask(int64_t cols) { return cols >= 16 ? 0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1); }
 
-/* y [M, ldy] = x [M, ldx] @ w^T, w uint16 [N, K] of bf16 (f16 0) or float16 (f16 1) values.
+/* y [M, ldy] = x [M, ldx] @ w^T, w uint16 [N, K] of bf16 (kind W16_B16) or float16 (W16_H16) values and x
+ * float32, or (W16_PAIRS) bf16 values and x bf16 (W16_BF16_PAIRS builds only).
  * 0 done, -1 out of memory (a thread's 1 MiB buffer) */
-static int w16_gemm(const float *x, int64_t ldx, int64_t M, const uint16_t *q, const int f16, int64_t N, int64_t K,
+static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, const int kind, int64_t N, int64_t K,
                     float *y, int64_t ldy, int num_threads) {
-    const int64_t panels = (N + W16_NR - 1) / W16_NR, nkb = (K + W16_KC - 1) / W16_KC;
-    const int64_t kcs = (K + nkb - 1) / nkb, slivers = (M + W16_MR - 1) / W16_MR;  /* k-blocks of even size */
-    const int64_t per_block = W16_BLOCK_FLOATS / (kcs * W16_NR) > 0 ? W16_BLOCK_FLOATS / (kcs * W16_NR) : 1;
+    const int pairs = kind == W16_PAIRS;
+#ifdef W16_BF16_PAIRS
+    const w16_tile_fn *tiles = pairs ? w16_pair_tiles : w16_tiles;
+#else
+    const w16_tile_fn *tiles = w16_tiles;
+#endif
+    const int64_t xsize = pairs ? 2 : 4, kmax = pairs ? 2 * W16_KC : W16_KC;  /* x's element bytes, inputs a block */
+    const int64_t panels = (N + W16_NR - 1) / W16_NR, nkb = (K + kmax - 1) / kmax, slivers = (M + W16_MR - 1) / W16_MR;
+    int64_t kcs = (K + nkb - 1) / nkb;  /* k-blocks of even size (pairs: an even number, none split) */
+    kcs += pairs && kcs % 2 && kcs < K;
+    const int64_t per_block = W16_BLOCK_FLOATS / (w16_units(kcs, kind) * W16_NR) > 0
+                                  ? W16_BLOCK_FLOATS / (w16_units(kcs, kind) * W16_NR) : 1;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads) reduction(|: failed)") {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
@@ -127,18 +200,18 @@ static int w16_gemm(const float *x, int64_t ldx, int64_t M, const uint16_t *q, c
         float *bp = pe > pb ? w16_scratch((size_t)W16_BLOCK_FLOATS) : NULL;
         if (pe > pb && bp == NULL) failed = 1;
         for (int64_t k0 = 0; bp && k0 < K; k0 += kcs) {
-            const int64_t kc = K - k0 < kcs ? K - k0 : kcs;
+            const int64_t kc = K - k0 < kcs ? K - k0 : kcs, units = w16_units(kc, kind);
             for (int64_t p0 = pb; p0 < pe; p0 += per_block) {
                 const int64_t p1 = p0 + per_block < pe ? p0 + per_block : pe;
                 const int64_t n0 = p0 * W16_NR, nn = (p1 * W16_NR < N ? p1 * W16_NR : N) - n0;
-                w16_pack(q + n0 * K, K, nn, k0, kc, f16, bp);
+                w16_pack(q + n0 * K, K, nn, k0, kc, kind, bp);
                 for (int64_t s = 0; s < slivers; s++) {
                     const int64_t m0 = M * s / slivers, m1 = M * (s + 1) / slivers;
                     for (int64_t p = p0; p < p1; p++) {
                         const int64_t cols = N - p * W16_NR;
                         const float *yn = p + 1 < p1 ? y + m0 * ldy + (p + 1) * W16_NR : y + (m1 < M ? m1 : m0) * ldy + p0 * W16_NR;
-                        w16_tiles[m1 - m0](x + m0 * ldx + k0, ldx, bp + (p - p0) * kc * W16_NR, kc, y + m0 * ldy + p * W16_NR,
-                                           ldy, k0 == 0, w16_mask(cols), w16_mask(cols - 16), yn);
+                        tiles[m1 - m0]((const char *)x + (m0 * ldx + k0) * xsize, ldx, bp + (p - p0) * units * W16_NR, kc,
+                                       y + m0 * ldy + p * W16_NR, ldy, k0 == 0, w16_mask(cols), w16_mask(cols - 16), yn);
                     }
                 }
             }
