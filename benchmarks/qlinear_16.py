@@ -10,11 +10,12 @@ Paths: `f32` (oneDNN, float32 weight packed as the engine packs it), `panels` (a
 _h16_panels, at any M), `before` (the path without them: up to quant.QGEMM_MAX_M rows the weight widened in
 registers, atomd_qgemm_b16; past it widened into float32 tiles of quant.TILE_FLOATS for torch.mm, still the path
 where the CPU has no AVX-512). bf16 compute (the AVX512_BF16 kind's `--dtype auto`, #35): `bf16` (oneDNN, bf16
-weight packed as the engine packs it) and `bf16-panels` (csrc/quant_w16.h's vdpbf16ps panels over the plain bf16
-rows, quant.gemm_bf16_f32 rounded to bf16 as linear.linear routes bf16 prefill where the CPU has no AMX tiles):
+weight packed as the engine packs it), `bf16-panels` and `bf16-widened` (csrc/quant_w16.h's panels over the plain
+bf16 rows, quant.gemm_bf16_f32 by vdpbf16ps or by float32 FMAs on widened operands, rounded to bf16 as linear.linear
+routes bf16 prefill where the CPU has no AMX tiles):
 
     flock /tmp/atomd-heavy.lock nice -n 5 .venv/bin/python -m benchmarks.qlinear_16 --cpu-kind avx512-bf16 \
-        --paths f32 bf16 bf16-panels --ms 2 8 16 32 128 512 2048 --threads 2
+        --paths f32 bf16 bf16-panels bf16-widened --ms 2 8 16 32 128 512 2048 --threads 2
 
 Weights random; per (linear, M): ms a call,
 median over --rounds rounds alternating the paths, each round the median of --reps calls. Prints a markdown
@@ -27,7 +28,7 @@ import os
 import statistics
 import sys
 
-PATHS = ("f32", "panels", "before", "bf16", "bf16-panels")
+PATHS = ("f32", "panels", "before", "bf16", "bf16-panels", "bf16-widened")
 
 
 def main() -> int:
@@ -80,7 +81,8 @@ def main() -> int:
             x = torch.randn(m, k)
             xb = x.to(torch.bfloat16)
             calls = {"f32": lambda: linear(x, packed), "bf16": lambda: onednn(xb, packed_bf16),
-                     "bf16-panels": lambda: quant.gemm_bf16_f32(xb, wb, lib).to(torch.bfloat16)}
+                     "bf16-panels": lambda: quant.gemm_bf16_f32(xb, wb, lib, True).to(torch.bfloat16),
+                     "bf16-widened": lambda: quant.gemm_bf16_f32(xb, wb, lib, False).to(torch.bfloat16)}
             times = {path: [] for path in a.paths}
             for _ in range(a.rounds):
                 for path in a.paths:

@@ -192,7 +192,8 @@ def test_panels_widen_exactly_and_qlinear_takes_them_from_their_threshold(panels
     np.testing.assert_array_equal(out.numpy(), (torch.from_numpy(panels(panels_lib, x, packed, 1)) + bias).numpy())
 
 
-# ---- bf16 x bf16 -> float32: vdpbf16ps over packed pairs of inputs (csrc/quant_w16.h, atomd_gemm_bf16_panels) ----
+# ---- bf16 x bf16 -> float32 (csrc/quant_w16.h, atomd_gemm_bf16_panels): vdpbf16ps over packed pairs of inputs
+# (dot), or both widened, float32 FMAs ----
 PAIR_CASES = [  # m, n, k: every row tail 1..14 of the micro-kernel (m 1..15, 29, 45), odd K (its last pair padded:
     # 1, 3, 101, 2051), inputs past a k-block of 2048 (2051: two, 4100: three), weight rows not a multiple of 32
     *((m, 37, 101) for m in range(1, 16)), (29, 1, 3), (45, 70, 2051), (3, 33, 4100), (17, 450, 600), (2, 5, 1),
@@ -215,40 +216,46 @@ def bf16_values(rng, *shape) -> torch.Tensor:
     return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
 
 
+@pytest.mark.parametrize("dot", [True, False])
 @pytest.mark.parametrize("m,n,k", PAIR_CASES)
-def test_bf16_panels_equal_float64_numpy_within_the_float32_sum_bound(pairs_lib, m, n, k, monkeypatch):
+def test_bf16_panels_equal_float64_numpy_within_the_float32_sum_bound(pairs_lib, m, n, k, dot, monkeypatch):
     """y within K * 2^-24 * sum_k |x||w| of float64 numpy on the same bf16 values (each output one float32 chain
     over the exact products), at 1 and 2 threads bit for bit alike, each row of x alone (and x's rows strided)
-    giving the batch's bits."""
+    giving the batch's bits; both kernels."""
     rng = np.random.default_rng(m * n + k)
     x, w = bf16_values(rng, m, k), bf16_values(rng, n, k)
     ref, scale = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
-    one = quant.gemm_bf16_f32(x, w, pairs_lib)
+    one = quant.gemm_bf16_f32(x, w, pairs_lib, dot)
     assert one.dtype == torch.float32 and one.shape == (m, n)
     assert ((one.double() - ref).abs() <= k * 2.0 ** -24 * scale + 1e-30).all()
     for r in {0, m // 2, m - 1}:
-        assert torch.equal(quant.gemm_bf16_f32(x[r:r + 1], w, pairs_lib), one[r:r + 1])
+        assert torch.equal(quant.gemm_bf16_f32(x[r:r + 1], w, pairs_lib, dot), one[r:r + 1])
     monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
-    assert torch.equal(quant.gemm_bf16_f32(x, w, pairs_lib), one)
+    assert torch.equal(quant.gemm_bf16_f32(x, w, pairs_lib, dot), one)
     wide = torch.cat([x, x[:, :5]], 1)[:, :k]  # rows of stride k + 5
-    assert torch.equal(quant.gemm_bf16_f32(wide, w, pairs_lib), one)
+    assert torch.equal(quant.gemm_bf16_f32(wide, w, pairs_lib, dot), one)
 
 
 def test_bf16_panels_give_back_the_weights_and_are_not_built_without_avx512_bf16(pairs_lib):
-    """One-hot rows of x give back the stored bf16 columns bit for bit (the odd K's padded last pair included);
-    the builds without AVX512_BF16 answer 1 and quant.gemm_bf16_f32 None."""
+    """One-hot rows of x give back the stored bf16 columns bit for bit (the odd K's padded last pair included),
+    both kernels; the builds without AVX512_BF16 have the widened one only (vdpbf16ps: answer 1, None), the AVX2
+    build neither."""
     rng = np.random.default_rng(7)
     m, n, k = 30, 41, 83
     w = bf16_values(rng, n, k)
     cols = torch.from_numpy(np.concatenate([rng.integers(0, k, m - 3), [0, k - 2, k - 1]]))
     x = torch.zeros(m, k, dtype=torch.bfloat16)
     x[torch.arange(m), cols] = 1.0
-    assert torch.equal(quant.gemm_bf16_f32(x, w, pairs_lib), w.float()[:, cols].T)
-    for isa in ("no-bf16-dot", "no-avx512"):
-        lib = quant.build_kernels(isa)
-        assert not lib.bf16_panels and lib.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1) == 1
-        assert quant.gemm_bf16_f32(x, w, lib) is None
+    for dot in (True, False):
+        assert torch.equal(quant.gemm_bf16_f32(x, w, pairs_lib, dot), w.float()[:, cols].T)
+    no_dot = quant.build_kernels("no-bf16-dot")
+    assert not no_dot.bf16_panels and no_dot.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1, 1) == 1
+    assert quant.gemm_bf16_f32(x, w, no_dot, True) is None
+    assert torch.equal(quant.gemm_bf16_f32(x, w, no_dot, False), w.float()[:, cols].T)
+    no_avx512 = quant.build_kernels("no-avx512")
+    assert no_avx512.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1, 0) == 1
+    assert quant.gemm_bf16_f32(x, w, no_avx512, False) is None
 
 
 @pytest.mark.parametrize("isa", ["native", "no-amx", "no-bf16-dot"])

@@ -102,33 +102,37 @@ static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64
     }
 }
 
-/* x's unit u of a row (xr: its first input) broadcast: a float32 value, or a bf16 pair as one 32-bit value */
-static inline __attribute__((always_inline)) __m512 w16_bcast(const char *xr, int64_t u, const int pairs) {
-    if (!pairs) return _mm512_set1_ps(((const float *)xr)[u]);
+/* how the micro-kernel reads x: float32 values, bf16 pairs (vdpbf16ps), or bf16 values widened (float32 FMAs) */
+enum { W16_X_F32 = 0, W16_X_PAIRS = 1, W16_X_B16 = 2 };
+
+/* x's unit u of a row (xr: its first input) broadcast: a float32 value, a bf16 pair as one 32-bit value, or a
+ * bf16 value widened (exactly) */
+static inline __attribute__((always_inline)) __m512 w16_bcast(const char *xr, int64_t u, const int xk) {
+    if (xk == W16_X_F32) return _mm512_set1_ps(((const float *)xr)[u]);
+    if (xk == W16_X_B16) return _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)((const uint16_t *)xr)[u] << 16)));
     uint32_t v;
     memcpy(&v, xr + 4 * u, sizeof v);
     return _mm512_castsi512_ps(_mm512_set1_epi32((int)v));
 }
 
 #ifdef W16_BF16_PAIRS
-#define W16_FMA(pairs, a, b, c) \
-    ((pairs) ? _mm512_dpbf16_ps(c, (__m512bh)(a), (__m512bh)(b)) : _mm512_fmadd_ps(a, b, c))
+#define W16_FMA(xk, a, b, c) \
+    ((xk) == W16_X_PAIRS ? _mm512_dpbf16_ps(c, (__m512bh)(a), (__m512bh)(b)) : _mm512_fmadd_ps(a, b, c))
 #else
-#define W16_FMA(pairs, a, b, c) _mm512_fmadd_ps(a, b, c)
+#define W16_FMA(xk, a, b, c) _mm512_fmadd_ps(a, b, c)
 #endif
 
 /* y[0..MR, 0..32] (masks m0 / m1: the panel's weight rows below N) = (first ? 0 : y) + x . bp over kc
- * inputs (x: MR rows of stride ldx elements, float32 or, PAIRS, bf16); yn: the next tile's first output,
- * prefetched */
-#define W16_TILE(NAME, PAIRS, MR)                                                                                  \
+ * inputs (x: MR rows of stride ldx elements, read as XK says); yn: the next tile's first output, prefetched */
+#define W16_TILE(NAME, XK, MR)                                                                                  \
     static __attribute__((noinline)) void NAME##_##MR(const void *x, int64_t ldx, const float *bp, int64_t kc,     \
                                                       float *y, int64_t ldy, int first, __mmask16 m0,              \
                                                       __mmask16 m1, const float *yn) {                             \
         __m512 c0[MR], c1[MR];                                                                                     \
         const char *xr[MR];                                                                                        \
-        const int64_t units = PAIRS ? kc / 2 : kc;                                                                 \
+        const int64_t units = XK == W16_X_PAIRS ? kc / 2 : kc;                                                                 \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                    \
-            xr[i] = (const char *)x + i * ldx * (PAIRS ? 2 : 4);                                                   \
+            xr[i] = (const char *)x + i * ldx * (XK == W16_X_F32 ? 4 : 2);                                                   \
             c0[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m0, y + i * ldy);                          \
             c1[i] = first ? _mm512_setzero_ps() : _mm512_maskz_loadu_ps(m1, y + i * ldy + 16);                     \
         }                                                                                                          \
@@ -141,17 +145,17 @@ static inline __attribute__((always_inline)) __m512 w16_bcast(const char *xr, in
             }                                                                                                      \
             const __m512 b0 = _mm512_load_ps(bp + k * W16_NR), b1 = _mm512_load_ps(bp + k * W16_NR + 16);           \
             _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                \
-                const __m512 a = w16_bcast(xr[i], k, PAIRS);                                                       \
-                c0[i] = W16_FMA(PAIRS, a, b0, c0[i]);                                                              \
-                c1[i] = W16_FMA(PAIRS, a, b1, c1[i]);                                                              \
+                const __m512 a = w16_bcast(xr[i], k, XK);                                                          \
+                c0[i] = W16_FMA(XK, a, b0, c0[i]);                                                                 \
+                c1[i] = W16_FMA(XK, a, b1, c1[i]);                                                                 \
             }                                                                                                      \
         }                                                                                                          \
-        if (PAIRS && (kc & 1)) { /* the last input alone: its pair (x, 0) against the packed (w, 0) */           \
+        if (XK == W16_X_PAIRS && (kc & 1)) { /* the last input alone: its pair (x, 0) against the packed (w, 0) */           \
             const __m512 b0 = _mm512_load_ps(bp + units * W16_NR), b1 = _mm512_load_ps(bp + units * W16_NR + 16); \
             _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                \
                 const __m512 a = _mm512_castsi512_ps(_mm512_set1_epi32(((const uint16_t *)xr[i])[kc - 1]));        \
-                c0[i] = W16_FMA(PAIRS, a, b0, c0[i]);                                                              \
-                c1[i] = W16_FMA(PAIRS, a, b1, c1[i]);                                                              \
+                c0[i] = W16_FMA(XK, a, b0, c0[i]);                                                                 \
+                c1[i] = W16_FMA(XK, a, b1, c1[i]);                                                                 \
             }                                                                                                      \
         }                                                                                                          \
         _Pragma("GCC unroll 16") for (int i = 0; i < MR; i++) {                                                    \
@@ -169,25 +173,26 @@ static inline __attribute__((always_inline)) __m512 w16_bcast(const char *xr, in
                                                  NAME##_12, NAME##_13, NAME##_14};
 typedef void (*w16_tile_fn)(const void *, int64_t, const float *, int64_t, float *, int64_t, int, __mmask16,
                             __mmask16, const float *);
-W16_TILES(w16_tiles, 0)
+W16_TILES(w16_tiles, W16_X_F32)
+W16_TILES(w16_b16x_tiles, W16_X_B16)
 #ifdef W16_BF16_PAIRS
-W16_TILES(w16_pair_tiles, 1)
+W16_TILES(w16_pair_tiles, W16_X_PAIRS)
 #endif
 
 static inline __mmask16 w16_mask(int64_t cols) { return cols >= 16 ? 0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1); }
 
-/* y [M, ldy] = x [M, ldx] @ w^T, w uint16 [N, K] of bf16 (kind W16_B16) or float16 (W16_H16) values and x
- * float32, or (W16_PAIRS) bf16 values and x bf16 (W16_BF16_PAIRS builds only).
+/* y [M, ldy] = x [M, ldx] @ w^T, w uint16 [N, K] of bf16 (kind W16_B16) or float16 (W16_H16) values widened and x
+ * float32, or bf16 if x16; or (W16_PAIRS, W16_BF16_PAIRS builds only) bf16 values and x bf16 by vdpbf16ps.
  * 0 done, -1 out of memory (a thread's 1 MiB buffer) */
-static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, const int kind, int64_t N, int64_t K,
-                    float *y, int64_t ldy, int num_threads) {
+static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, const int kind, const int x16, int64_t N,
+                    int64_t K, float *y, int64_t ldy, int num_threads) {
     const int pairs = kind == W16_PAIRS;
 #ifdef W16_BF16_PAIRS
-    const w16_tile_fn *tiles = pairs ? w16_pair_tiles : w16_tiles;
+    const w16_tile_fn *tiles = pairs ? w16_pair_tiles : x16 ? w16_b16x_tiles : w16_tiles;
 #else
-    const w16_tile_fn *tiles = w16_tiles;
+    const w16_tile_fn *tiles = x16 ? w16_b16x_tiles : w16_tiles;
 #endif
-    const int64_t xsize = pairs ? 2 : 4, kmax = pairs ? 2 * W16_KC : W16_KC;  /* x's element bytes, inputs a block */
+    const int64_t xsize = pairs || x16 ? 2 : 4, kmax = pairs ? 2 * W16_KC : W16_KC;  /* x's element bytes, inputs a block */
     const int64_t panels = (N + W16_NR - 1) / W16_NR, nkb = (K + kmax - 1) / kmax, slivers = (M + W16_MR - 1) / W16_MR;
     int64_t kcs = (K + nkb - 1) / nkb;  /* k-blocks of even size (pairs: an even number, none split) */
     kcs += pairs && kcs % 2 && kcs < K;
