@@ -250,11 +250,11 @@ def test_bf16_panels_give_back_the_weights_and_are_not_built_without_avx512_bf16
     for dot in (True, False):
         assert torch.equal(quant.gemm_bf16_f32(x, w, pairs_lib, dot), w.float()[:, cols].T)
     no_dot = quant.build_kernels("no-bf16-dot")
-    assert not no_dot.bf16_panels and no_dot.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1, 1) == 1
+    assert not no_dot.bf16_panels and no_dot.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1) == 1
     assert quant.gemm_bf16_f32(x, w, no_dot, True) is None
     assert torch.equal(quant.gemm_bf16_f32(x, w, no_dot, False), w.float()[:, cols].T)
     no_avx512 = quant.build_kernels("no-avx512")
-    assert no_avx512.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1, 0) == 1
+    assert no_avx512.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1) == 1
     assert quant.gemm_bf16_f32(x, w, no_avx512, False) is None
 
 

@@ -288,7 +288,7 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
         panels = getattr(lib, f"atomd_qgemm_{w16}_panels")
         panels.argtypes, panels.restype = gemm.argtypes, ctypes.c_int
     lib.atomd_quant_w16_panels.restype = lib.atomd_quant_bf16_panels.restype = ctypes.c_int
-    lib.atomd_gemm_bf16_panels.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int, ctypes.c_int]
+    lib.atomd_gemm_bf16_panels.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
     lib.atomd_gemm_bf16_panels.restype = ctypes.c_int
     lib.bf16_panels = bool(lib.atomd_quant_bf16_panels())  # gemm_bf16_f32 by vdpbf16ps (AVX512_BF16 built)
     lib.w16_panels = bool(lib.atomd_quant_w16_panels())  # 16-bit weights from QGEMM_W16_MIN_M rows: packed panels
@@ -319,8 +319,13 @@ def gemm_bf16_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None
         x = x.contiguous()
     m, (n, k) = x.shape[0], weight.shape
     out = torch.empty(m, n, dtype=torch.float32)
-    if lib.atomd_gemm_bf16_panels(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n,
-                                  torch.get_num_threads(), int(dot)) != 0:
+    if not dot:  # x widened once (a GPR broadcast per input in the micro-kernel costs a port-5 uop an FMA needs)
+        x = x.float()
+    rc = lib.atomd_gemm_bf16_panels(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n,
+                                    torch.get_num_threads()) if dot else \
+        lib.atomd_qgemm_b16_panels(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n,
+                                   torch.get_num_threads())
+    if rc != 0:
         raise MemoryError(f"bf16 weight panels of {m} x {k} by {n} rows: out of memory")
     return out
 

@@ -86,7 +86,7 @@ QGEMM16(h16, row_h16, h16_to_float)
         PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, num_threads)                                              \
     }
 #ifdef W16_PANELS
-#define PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, t) return w16_gemm(x, ldx, M, q, F16, 0, N, K, y, ldy, t);
+#define PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, t) return w16_gemm(x, ldx, M, q, F16, N, K, y, ldy, t);
 #else
 #define PANELS_OR_NOT(x, ldx, M, q, F16, N, K, y, ldy, t) \
     (void)x, (void)ldx, (void)M, (void)q, (void)N, (void)K, (void)y, (void)ldy, (void)t; \
@@ -96,17 +96,15 @@ QGEMM16_PANELS(b16, W16_B16)
 QGEMM16_PANELS(h16, W16_H16)
 
 /* y [M, ldy] float32, unrounded = x [M, ldx] @ w^T for bf16 x and a bf16 weight w [N, K] (uint16 bits): float32
- * sums of the exact products (quant_w16.h; linear.py's bf16 prefill on a CPU without AMX tiles, and linear_f32),
- * dot 1: vdpbf16ps over packed pairs of inputs; dot 0: both widened, float32 FMAs. 0 done; 1 not built here (no
- * AVX-512; dot 1: no AVX512_BF16); -1 out of memory */
+ * sums of the exact products, vdpbf16ps over packed pairs of inputs (quant_w16.h; linear.py's bf16 prefill on a
+ * CPU without AMX tiles, and linear_f32, where quant.BF16_DOT). 0 done; 1 not built here (no AVX512_BF16); -1 out
+ * of memory */
 int atomd_gemm_bf16_panels(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *w, int64_t N, int64_t K,
-                           float *y, int64_t ldy, int num_threads, int dot) {
-#if defined(W16_BF16_PAIRS)
-    return w16_gemm(x, ldx, M, w, dot ? W16_PAIRS : W16_B16, 1, N, K, y, ldy, num_threads);
-#elif defined(W16_PANELS)
-    return dot ? 1 : w16_gemm(x, ldx, M, w, W16_B16, 1, N, K, y, ldy, num_threads);
+                           float *y, int64_t ldy, int num_threads) {
+#ifdef W16_BF16_PAIRS
+    return w16_gemm(x, ldx, M, w, W16_PAIRS, N, K, y, ldy, num_threads);
 #else
-    (void)x, (void)ldx, (void)M, (void)w, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads, (void)dot;
+    (void)x, (void)ldx, (void)M, (void)w, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
     return 1;
 #endif
 }

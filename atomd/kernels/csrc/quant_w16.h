@@ -102,14 +102,14 @@ static void w16_pack(const uint16_t *q, int64_t K, int64_t nn, int64_t k0, int64
     }
 }
 
-/* how the micro-kernel reads x: float32 values, bf16 pairs (vdpbf16ps), or bf16 values widened (float32 FMAs) */
-enum { W16_X_F32 = 0, W16_X_PAIRS = 1, W16_X_B16 = 2 };
+/* how the micro-kernel reads x: float32 values, or bf16 pairs (vdpbf16ps). (bf16 values widened at the
+ * broadcast: a GPR -> zmm broadcast a port-5 uop per input, 1.5x the float32 kernel's time; quant.gemm_bf16_f32
+ * widens x once instead) */
+enum { W16_X_F32 = 0, W16_X_PAIRS = 1 };
 
-/* x's unit u of a row (xr: its first input) broadcast: a float32 value, a bf16 pair as one 32-bit value, or a
- * bf16 value widened (exactly) */
+/* x's unit u of a row (xr: its first input) broadcast: a float32 value, or a bf16 pair as one 32-bit value */
 static inline __attribute__((always_inline)) __m512 w16_bcast(const char *xr, int64_t u, const int xk) {
     if (xk == W16_X_F32) return _mm512_set1_ps(((const float *)xr)[u]);
-    if (xk == W16_X_B16) return _mm512_castsi512_ps(_mm512_set1_epi32((int)((uint32_t)((const uint16_t *)xr)[u] << 16)));
     uint32_t v;
     memcpy(&v, xr + 4 * u, sizeof v);
     return _mm512_castsi512_ps(_mm512_set1_epi32((int)v));
@@ -174,7 +174,6 @@ static inline __attribute__((always_inline)) __m512 w16_bcast(const char *xr, in
 typedef void (*w16_tile_fn)(const void *, int64_t, const float *, int64_t, float *, int64_t, int, __mmask16,
                             __mmask16, const float *);
 W16_TILES(w16_tiles, W16_X_F32)
-W16_TILES(w16_b16x_tiles, W16_X_B16)
 #ifdef W16_BF16_PAIRS
 W16_TILES(w16_pair_tiles, W16_X_PAIRS)
 #endif
@@ -182,17 +181,17 @@ W16_TILES(w16_pair_tiles, W16_X_PAIRS)
 static inline __mmask16 w16_mask(int64_t cols) { return cols >= 16 ? 0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1); }
 
 /* y [M, ldy] = x [M, ldx] @ w^T, w uint16 [N, K] of bf16 (kind W16_B16) or float16 (W16_H16) values widened and x
- * float32, or bf16 if x16; or (W16_PAIRS, W16_BF16_PAIRS builds only) bf16 values and x bf16 by vdpbf16ps.
+ * float32, or (W16_PAIRS, W16_BF16_PAIRS builds only) bf16 values and x bf16 by vdpbf16ps.
  * 0 done, -1 out of memory (a thread's 1 MiB buffer) */
-static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, const int kind, const int x16, int64_t N,
-                    int64_t K, float *y, int64_t ldy, int num_threads) {
+static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, const int kind, int64_t N, int64_t K,
+                    float *y, int64_t ldy, int num_threads) {
     const int pairs = kind == W16_PAIRS;
 #ifdef W16_BF16_PAIRS
-    const w16_tile_fn *tiles = pairs ? w16_pair_tiles : x16 ? w16_b16x_tiles : w16_tiles;
+    const w16_tile_fn *tiles = pairs ? w16_pair_tiles : w16_tiles;
 #else
-    const w16_tile_fn *tiles = x16 ? w16_b16x_tiles : w16_tiles;
+    const w16_tile_fn *tiles = w16_tiles;
 #endif
-    const int64_t xsize = pairs || x16 ? 2 : 4, kmax = pairs ? 2 * W16_KC : W16_KC;  /* x's element bytes, inputs a block */
+    const int64_t xsize = pairs ? 2 : 4, kmax = pairs ? 2 * W16_KC : W16_KC;  /* x's element bytes, inputs a block */
     const int64_t panels = (N + W16_NR - 1) / W16_NR, nkb = (K + kmax - 1) / kmax, slivers = (M + W16_MR - 1) / W16_MR;
     int64_t kcs = (K + nkb - 1) / nkb;  /* k-blocks of even size (pairs: an even number, none split) */
     kcs += pairs && kcs % 2 && kcs < K;
