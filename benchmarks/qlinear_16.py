@@ -10,7 +10,15 @@ Paths: `f32` (oneDNN, float32 weight packed as the engine packs it), `prepacked`
 _h16_prepacked on the weight's panels packed once, quant.prepack_panels, at any M), `panels` (atomd_qgemm_b16_panels /
 _h16_panels, packed each call, at any M), `before` (the path without them: up to quant.QGEMM_MAX_M rows the weight widened in
 registers, atomd_qgemm_b16; past it widened into float32 tiles of quant.TILE_FLOATS for torch.mm, still the path
-where the CPU has no AVX-512). Weights random; per (linear, M): ms a call,
+where the CPU has no AVX-512). bf16 compute (the AVX512_BF16 kind's `--dtype auto`, #35): `bf16` (oneDNN, bf16
+weight packed as the engine packs it), `bf16-panels` and `bf16-widened` (csrc/quant_w16.h's panels over the plain
+bf16 rows, quant.gemm_bf16_f32 by vdpbf16ps or by float32 FMAs on widened operands, rounded to bf16 as linear.linear
+routes bf16 prefill where the CPU has no AMX tiles):
+
+    flock /tmp/atomd-heavy.lock nice -n 5 .venv/bin/python -m benchmarks.qlinear_16 --cpu-kind avx512-bf16 \
+        --paths f32 bf16 bf16-panels bf16-widened --ms 2 8 16 32 128 512 2048 --threads 2
+
+Weights random; per (linear, M): ms a call,
 median over --rounds rounds alternating the paths, each round the median of --reps calls. Prints a markdown
 table (each path's time over f32's: > 1 slower) and the load (/proc/loadavg) before / after.
 """
@@ -21,7 +29,7 @@ import os
 import statistics
 import sys
 
-PATHS = ("f32", "prepacked", "panels", "before")
+PATHS = ("f32", "prepacked", "panels", "before", "bf16", "bf16-panels", "bf16-widened")
 
 
 def main() -> int:
@@ -45,6 +53,9 @@ def main() -> int:
     from atomd.model import quant
     from atomd.model.linear import linear, pack_linear_weight
     from benchmarks.machine import loadavg, median_call_seconds
+
+    def onednn(x, w):  # oneDNN's linear itself (linear.linear takes the panels for bf16 prefill where they win)
+        return torch.ops.mkldnn._linear_pointwise(x, w, None, "none", [], "")
     from benchmarks.model_shapes import SHAPES
     from benchmarks.qlinear_m import linears
 
@@ -52,6 +63,8 @@ def main() -> int:
     lib = quant.kernels()
     if {"panels", "prepacked"} & set(a.paths):
         assert lib is not None and lib.w16_panels, "needs the AVX-512 quant kernels (atomd_quant_w16_panels)"
+    if "bf16-panels" in a.paths:
+        assert lib is not None and lib.bf16_panels, "needs the AVX512_BF16 quant kernels (atomd_quant_bf16_panels)"
     shape = SHAPES[a.model_shape]
     isa = cbuild.kernel_isa()
     print(f"load before {loadavg()}; {a.model_shape}, {a.format}, {a.threads} thread(s), kernels {isa}, "
@@ -64,15 +77,20 @@ def main() -> int:
         qw = quant.quantize(w, a.format)
         packed = pack_linear_weight(qw.dequantize())  # the float32 engine's weight (same values)
         prepacked = qw.panels if quant.prepack_panels(qw, lib) else None
+        wb = qw.dequantize().to(torch.bfloat16)  # the bf16 engine's weight: plain rows, and packed
+        packed_bf16 = pack_linear_weight(wb) if "bf16" in a.paths else None
         for m in a.ms:
             x = torch.randn(m, k)
+            xb = x.to(torch.bfloat16)
+            calls = {"f32": lambda: linear(x, packed), "bf16": lambda: onednn(xb, packed_bf16),
+                     "bf16-panels": lambda: quant.gemm_bf16_f32(xb, wb, lib, True).to(torch.bfloat16),
+                     "bf16-widened": lambda: quant.gemm_bf16_f32(xb, wb, lib, False).to(torch.bfloat16)}
             times = {path: [] for path in a.paths}
             for _ in range(a.rounds):
                 for path in a.paths:
                     quant.QGEMM_W16_MIN_M = 1 if path in ("panels", "prepacked") else 0
                     qw.panels = prepacked if path == "prepacked" else None
-                    call = (lambda: linear(x, packed)) if path == "f32" else (lambda: quant.qlinear(x, qw, lib=lib))
-                    times[path].append(median_call_seconds(call, a.reps))
+                    times[path].append(median_call_seconds(calls.get(path, lambda: quant.qlinear(x, qw, lib=lib)), a.reps))
             row = {"linear": f"{name} {n}x{k}", "m": m, **{path: statistics.median(v) * 1e3 for path, v in times.items()}}
             rows.append(row)
             print(" | ".join(f"{v:.3f}" if isinstance(v, float) else str(v) for v in row.values()), flush=True)

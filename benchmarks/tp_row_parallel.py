@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """The cost of tensor parallelism's float32 row-parallel partials in bf16 (DecoderModel.row_parallel):
-one TP worker's o_proj and down_proj as linear.linear_f32 runs them (the C kernel
-atomd_gemm_bf16_f32) against the bf16 linear
+one TP worker's o_proj and down_proj as linear.linear_f32 runs them (quant.gemm_bf16_f32, csrc/quant_w16.h's
+vdpbf16ps panels) against the bf16 linear
 they replace (oneDNN on the packed weight, output rounded to bf16), at several step sizes M, one
 thread, same run, alternating per round. The shapes: a worker's slice of the smollm-135m shape
 (hidden 576, intermediate 1536, 9 query heads of 64) at TP=3, the split that shape allows; the

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 
 from atomd.kernels import cbuild
 from atomd.config import cpu_flags
-from atomd.model import layer_ops
+from atomd.model import layer_ops, quant
 
 DTYPES = [torch.float32, torch.bfloat16]
 
@@ -228,13 +228,15 @@ def test_gemv_equals_a_float32_linear_to_the_dtypes_rounding(isa, dtype, k, n):
 
 
 @pytest.mark.parametrize("m, k, n", [(1, 576, 96), (3, 577, 33), (16, 64, 5), (17, 96, 42)])
-def test_bf16_linear_with_float32_output_is_the_unrounded_sum(isa, m, k, n):
+def test_bf16_linear_with_float32_output_is_the_unrounded_sum(isa, m, k, n, monkeypatch):
     """linear_f32 (a TP worker's row-parallel partial): bf16 inputs, the float32 sum of the exact
     products left unrounded (within float32 summation order of a float64 reference, far below a
-    bf16 ulp), through the C kernel where it is built (tiles of 4 x 4 rows: edges of every kind
-    here), else torch; a bias added in float32."""
+    bf16 ulp), through the vdpbf16ps panels where the kernels have AVX512_BF16 (quant.gemm_bf16_f32;
+    tests/test_quant_bf16.py checks their edges), else torch; a bias added in float32."""
     from atomd.model.linear import linear_f32
 
+    lib = quant.build_kernels(isa)
+    monkeypatch.setattr(quant, "kernels", lambda: lib)
     g = torch.Generator().manual_seed(m * k + n)
     x, w = torch.randn(m, k, generator=g).bfloat16(), torch.randn(n, k, generator=g).bfloat16()
     bias = torch.randn(n, generator=g).bfloat16()
@@ -242,8 +244,9 @@ def test_bf16_linear_with_float32_output_is_the_unrounded_sum(isa, m, k, n):
     got = linear_f32(x, w, bias)
     assert got.dtype == torch.float32 and got.shape == (m, n)
     assert (got.double() - want).abs().max() < k * 2.0 ** -20
-    if layer_ops.has_gemv(torch.bfloat16):
-        assert torch.equal(layer_ops.gemm_bf16_f32(x, w) + bias, got)
+    panels = quant.gemm_bf16_f32(x, w)
+    if panels is not None:
+        assert torch.equal(panels + bias, got)
 
 
 def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):

@@ -241,3 +241,99 @@ def test_a_16_bit_model_packs_its_panels_at_load_within_the_budget(monkeypatch):
     for a, b in zip(weights, [t for w in small.layers for t in w.linears()] + [small.lm_head]):
         if a.in_features == first.in_features:
             np.testing.assert_array_equal(quant.qlinear(x, a).numpy(), quant.qlinear(x, b).numpy())
+
+
+# ---- bf16 x bf16 -> float32 (csrc/quant_w16.h, atomd_gemm_bf16_panels): vdpbf16ps over packed pairs of inputs
+# (dot), or both widened, float32 FMAs ----
+PAIR_CASES = [  # m, n, k: every row tail 1..14 of the micro-kernel (m 1..15, 29, 45), odd K (its last pair padded:
+    # 1, 3, 101, 2051), inputs past a k-block of 2048 (2051: two, 4100: three), weight rows not a multiple of 32
+    *((m, 37, 101) for m in range(1, 16)), (29, 1, 3), (45, 70, 2051), (3, 33, 4100), (17, 450, 600), (2, 5, 1),
+]
+
+
+def bf16_built(isa: str) -> bool:
+    """Whether the kernels narrowed to `isa` have vdpbf16ps here (AVX512_BF16 on this CPU, not narrowed away)."""
+    return "avx512_bf16" in cbuild.cpu_flags() and isa in ("native", "no-amx")
+
+
+@pytest.fixture(scope="module")
+def pairs_lib():
+    if not bf16_built("no-amx"):
+        pytest.skip("this CPU has no AVX512_BF16")
+    return quant.build_kernels("no-amx")  # the native build's loops are the same code
+
+
+def bf16_values(rng, *shape) -> torch.Tensor:
+    return torch.from_numpy(rng.standard_normal(shape).astype(np.float32)).bfloat16()
+
+
+@pytest.mark.parametrize("dot", [True, False])
+@pytest.mark.parametrize("m,n,k", PAIR_CASES)
+def test_bf16_panels_equal_float64_numpy_within_the_float32_sum_bound(pairs_lib, m, n, k, dot, monkeypatch):
+    """y within K * 2^-24 * sum_k |x||w| of float64 numpy on the same bf16 values (each output one float32 chain
+    over the exact products), at 1 and 2 threads bit for bit alike, each row of x alone (and x's rows strided)
+    giving the batch's bits; both kernels."""
+    rng = np.random.default_rng(m * n + k)
+    x, w = bf16_values(rng, m, k), bf16_values(rng, n, k)
+    ref, scale = x.double() @ w.double().T, x.double().abs() @ w.double().abs().T
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    one = quant.gemm_bf16_f32(x, w, pairs_lib, dot)
+    assert one.dtype == torch.float32 and one.shape == (m, n)
+    assert ((one.double() - ref).abs() <= k * 2.0 ** -24 * scale + 1e-30).all()
+    for r in {0, m // 2, m - 1}:
+        assert torch.equal(quant.gemm_bf16_f32(x[r:r + 1], w, pairs_lib, dot), one[r:r + 1])
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert torch.equal(quant.gemm_bf16_f32(x, w, pairs_lib, dot), one)
+    wide = torch.cat([x, x[:, :5]], 1)[:, :k]  # rows of stride k + 5
+    assert torch.equal(quant.gemm_bf16_f32(wide, w, pairs_lib, dot), one)
+
+
+def test_bf16_panels_give_back_the_weights_and_are_not_built_without_avx512_bf16(pairs_lib):
+    """One-hot rows of x give back the stored bf16 columns bit for bit (the odd K's padded last pair included),
+    both kernels; the builds without AVX512_BF16 have the widened one only (vdpbf16ps: answer 1, None), the AVX2
+    build neither."""
+    rng = np.random.default_rng(7)
+    m, n, k = 30, 41, 83
+    w = bf16_values(rng, n, k)
+    cols = torch.from_numpy(np.concatenate([rng.integers(0, k, m - 3), [0, k - 2, k - 1]]))
+    x = torch.zeros(m, k, dtype=torch.bfloat16)
+    x[torch.arange(m), cols] = 1.0
+    for dot in (True, False):
+        assert torch.equal(quant.gemm_bf16_f32(x, w, pairs_lib, dot), w.float()[:, cols].T)
+    no_dot = quant.build_kernels("no-bf16-dot")
+    assert not no_dot.bf16_panels and no_dot.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1) == 1
+    assert quant.gemm_bf16_f32(x, w, no_dot, True) is None
+    assert torch.equal(quant.gemm_bf16_f32(x, w, no_dot, False), w.float()[:, cols].T)
+    no_avx512 = quant.build_kernels("no-avx512")
+    assert no_avx512.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1) == 1
+    assert quant.gemm_bf16_f32(x, w, no_avx512, False) is None
+
+
+@pytest.mark.parametrize("isa", ["native", "no-amx", "no-bf16-dot"])
+def test_linear_takes_the_bf16_panels_where_avx512_bf16_has_no_amx_tiles(isa, monkeypatch):
+    """linear() sends bf16 x of BF16_PANELS_MIN_M rows or more over a weight's plain rows to the panels (their
+    float32 sums plus the bias, rounded to bf16 once) only on the AMD EPYC kind: AVX512_BF16 without AMX tiles
+    (the no-amx narrowing); the AMX kind (native here) and the no-bf16-dot kind keep oneDNN; fewer rows too."""
+    from atomd.model import linear as linear_mod
+
+    monkeypatch.setenv(cbuild.ISA_ENV, isa)
+    lib = quant.build_kernels(isa)
+    monkeypatch.setattr(quant, "kernels", lambda: lib)
+    linear_mod.bf16_panels_run.cache_clear()
+    monkeypatch.setattr(linear_mod, "bf16_panels_run", linear_mod.bf16_panels_run.__wrapped__)
+    calls = []
+    monkeypatch.setattr(linear_mod, "gemm_bf16_f32", lambda *a: calls.append(a) or quant.gemm_bf16_f32(*a))
+    rng = np.random.default_rng(11)
+    m = max(linear_mod.BF16_PANELS_MIN_M, 2)
+    x, rows, bias = bf16_values(rng, m, 96), bf16_values(rng, 40, 96), bf16_values(rng, 40)
+    weight = linear_mod.pack_linear_weight(rows) if linear_mod.onednn_runs(torch.bfloat16) else rows
+    got = linear_mod.linear(x, weight, bias, rows)
+    takes = bf16_built(isa) and "amx_bf16" not in cbuild.narrow_flags(cbuild.cpu_flags(), isa)
+    assert bool(calls) == takes
+    if takes:
+        assert torch.equal(got, (quant.gemm_bf16_f32(x, rows, lib) + bias).bfloat16())
+        calls.clear()
+        linear_mod.linear(x[:linear_mod.BF16_PANELS_MIN_M - 1], weight, bias, rows)
+        assert not calls
+    want = (x.double() @ rows.double().T + bias.double())
+    assert ((got.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-2).all()

@@ -149,6 +149,15 @@ def cpu_id() -> str:
         return platform.processor() or platform.machine()
 
 
+def cpu_vendor() -> str:
+    """/proc/cpuinfo's vendor_id (GenuineIntel, AuthenticAMD); empty where there is none."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.partition(":")[2].strip() for ln in f if ln.startswith("vendor_id")), "")
+    except OSError:
+        return ""
+
+
 def cpu_flags() -> set[str]:
     return {f for ln in cpu_id().splitlines() if ln.startswith("flags") for f in ln.partition(":")[2].split()}
 

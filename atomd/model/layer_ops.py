@@ -115,8 +115,6 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             grouped.argtypes, grouped.restype = [_PTR] * 9 + [ctypes.c_int, _PTR] + [_I64] * 4 + [ctypes.c_int], None
     if lib.gemv_kinds:
         lib.atomd_mla_scratch_elems.argtypes, lib.atomd_mla_scratch_elems.restype = [_PTR, ctypes.c_int], _I64
-    if lib.gemv_kinds & 2:
-        lib.atomd_gemm_bf16_f32.argtypes, lib.atomd_gemm_bf16_f32.restype = [_PTR] * 3 + [_I64] * 3 + [ctypes.c_int], None
     if lib.gemv_kinds & 1:  # the layer over int8 / int4 linears (csrc/quant.h), built beside the float32 one
         lib.atomd_decode_layer_head_q_f32.argtypes = lib.atomd_decode_layer_head_f32.argtypes
         lib.atomd_decode_layer_tail_q_f32.argtypes = lib.atomd_decode_layer_tail_f32.argtypes
@@ -281,16 +279,6 @@ def gemv(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     out = torch.empty(1, rows.shape[0], dtype=x.dtype)
     getattr(lib, f"atomd_gemv_{_SUFFIX[x.dtype]}")(x.data_ptr(), rows.data_ptr(), out.data_ptr(), rows.shape[1],
                                                   rows.shape[0], torch.get_num_threads())
-    return out
-
-
-def gemm_bf16_f32(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [M, K] @ weight.T as a new float32 [M, N], unrounded, for bf16 x and a plain contiguous bf16
-    weight [N, K] (has_gemv(torch.bfloat16)): float32 sums of the exact bf16 products."""
-    x = x.contiguous()
-    out = torch.empty(x.shape[0], weight.shape[0], dtype=torch.float32)
-    kernels().atomd_gemm_bf16_f32(x.data_ptr(), weight.data_ptr(), out.data_ptr(), x.shape[0], weight.shape[1],
-                                  weight.shape[0], torch.get_num_threads())
     return out
 
 

@@ -8,9 +8,10 @@ import os
 import torch
 import torch.nn.functional as F
 
+from atomd import config
 from atomd.kernels import cbuild
 from atomd.model import layer_ops
-from atomd.model.quant import QuantizedWeight, qlinear
+from atomd.model.quant import QuantizedWeight, gemm_bf16_f32, qlinear, kernels as quant_kernels
 
 GEMV_ENV = "ATOMD_GEMV"  # "0": batch-1 decode through oneDNN too, no plain copies kept
 GEMV_MAX_BYTES = 1 << 30  # the packed copies kept beside batch-1 decode's plain rows, at most
@@ -19,6 +20,12 @@ GEMV_MAX_BYTES = 1 << 30  # the packed copies kept beside batch-1 decode's plain
 # False (or $ATOMD_LINEAR_AMX=0 at import): oneDNN's call (the A/B)
 AMX = os.environ.get("ATOMD_LINEAR_AMX") != "0"
 AMX_MAX_ROWS = 32  # from 33 rows oneDNN's AMX kernel sums in another order (other bits): its call
+# a bf16 x of at least this many rows over a bf16 weight's plain rows, on a CPU with AVX512_BF16 but no AMX
+# tiles (the AMD EPYC kind): quant.gemm_bf16_f32's panels (csrc/quant_w16.h; vdpbf16ps or widened float32 FMAs,
+# quant.BF16_DOT), rounded to bf16 once, instead of oneDNN's brg_matmul:avx512_core_bf16 on the packed copy
+# (0.63-0.66x oneDNN's own float32 there); below it oneDNN's bf16 is the faster;
+# measured: benchmarks/qlinear_16.py (RESULTS.md, #35 bf16 prefill on the AVX512_BF16 kind). 0: never
+BF16_PANELS_MIN_M = 0 if os.environ.get("ATOMD_LINEAR_PANELS") == "0" else 17
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:
@@ -36,12 +43,18 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     chunk) with the weight's plain `rows` kept: the GEMV kernel, which streams them at the
     read bandwidth (oneDNN's M = 1 path does not). Its sums run in another order than
     oneDNN's, so float32 logits of a row differ in the last bits between M = 1 and M > 1.
-    A quantized weight: atomd/model/quant.py's kernels at any M."""
+    A quantized weight: atomd/model/quant.py's kernels at any M. bf16 x of BF16_PANELS_MIN_M rows or more with
+    the plain `rows` kept, on a CPU with AVX512_BF16 and no AMX tiles: quant.gemm_bf16_f32's panels (float32
+    sums, the bias added, one rounding to bf16)."""
     if isinstance(weight, QuantizedWeight):
         return qlinear(x, weight, bias)
     if rows is not None and x.shape[0] == 1:
         out = layer_ops.gemv(x, rows)
         return out if bias is None else out.add_(bias)
+    if rows is not None and 0 < BF16_PANELS_MIN_M <= x.shape[0] and x.dtype == rows.dtype == torch.bfloat16 \
+            and bf16_panels_run():
+        out = gemm_bf16_f32(x, rows)
+        return (out if bias is None else out.add_(bias)).to(torch.bfloat16)
     if (weight.is_mkldnn and bias is None and x.dtype == weight.dtype == torch.bfloat16
             and 1 < x.shape[0] <= AMX_MAX_ROWS and AMX and reads_onednn_layout(*weight.shape, cbuild.kernel_isa())):
         out = layer_ops.linear_amx(x, weight)
@@ -57,14 +70,21 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
     """x @ weight.T (+ bias) in float32, unrounded, for bf16 x and a plain bf16 weight (a TP
     worker's row-parallel partial: the all-reduce adds the workers' float32 partials and the sum
     is rounded once, as TP=1's one dot is). torch has no bf16 matmul with a float32 output on the
-    CPU: the C kernel where it is built (float32 sums of the exact bf16 products, ~1.5x oneDNN's
-    bf16 matmul at 512 rows, benchmarks/tp_row_parallel.py), else torch's float32 matmul on
-    upcast copies (~2.3x)."""
-    if layer_ops.has_gemv(torch.bfloat16):
-        out = layer_ops.gemm_bf16_f32(x, weight)
-    else:
+    CPU: quant.gemm_bf16_f32's panels where the kernels have AVX-512 (float32 sums of the exact bf16
+    products; benchmarks/tp_row_parallel.py), else torch's float32 matmul on upcast copies."""
+    out = gemm_bf16_f32(x, weight) if not weight.is_mkldnn else None
+    if out is None:
         out = F.linear(x.float(), dense(weight).float())
     return out if bias is None else out.add_(bias)
+
+
+@functools.cache
+def bf16_panels_run() -> bool:
+    """Whether linear() takes bf16 x of BF16_PANELS_MIN_M rows or more to quant.gemm_bf16_f32's panels: the
+    kernels have AVX512_BF16 and the CPU (as narrowed: config.cpu_flags) no AMX-BF16 tiles, which oneDNN's bf16
+    kernel and layer_ops.linear_amx use instead."""
+    lib = quant_kernels()
+    return lib is not None and lib.bf16_panels and "amx_bf16" not in config.cpu_flags()
 
 
 @functools.cache

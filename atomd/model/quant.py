@@ -79,6 +79,12 @@ QGEMM_W16_MIN_M = 16
 # 135M / 0.6B linears, where the rows in registers take 0.58-1.1x and the per-call panels 1.0-1.3x; about level
 # with both at 128-2048 rows (RESULTS.md, #35 16-bit panels packed at load)
 QGEMM_W16_PREPACKED_MIN_M = 2
+# gemm_bf16_f32's products: by vdpbf16ps (True) or both operands widened, float32 FMAs (False). Measured on the Intel
+# Xeon with AMX here (register-only loop, 24 chains, 1 core): vdpbf16ps zmm 57 GMAC/s, vfmadd231ps zmm 111, so
+# the widened FMAs win on it (benchmarks/qlinear_16.py; RESULTS.md, #35 bf16 prefill on the AVX512_BF16 kind);
+# AMD's Zen 4 runs a zmm FMA as two 256-bit halves but vdpbf16ps at full width (not measured here): vdpbf16ps on
+# AMD CPUs. $ATOMD_BF16_DOT=0 / 1 at import overrides
+BF16_DOT = os.environ.get("ATOMD_BF16_DOT", "1" if cbuild.cpu_vendor() == "AuthenticAMD" else "0") == "1"
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
 TILE_FLOATS = 1 << 22
@@ -294,7 +300,10 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
             panels.argtypes, panels.restype = gemm.argtypes, ctypes.c_int
         prepack = getattr(lib, f"atomd_qprepack_{w16}")
         prepack.argtypes, prepack.restype = [_PTR, _I64, _I64, _PTR, ctypes.c_int], ctypes.c_int
-    lib.atomd_quant_w16_panels.restype = ctypes.c_int
+    lib.atomd_quant_w16_panels.restype = lib.atomd_quant_bf16_panels.restype = ctypes.c_int
+    lib.atomd_gemm_bf16_panels.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
+    lib.atomd_gemm_bf16_panels.restype = ctypes.c_int
+    lib.bf16_panels = bool(lib.atomd_quant_bf16_panels())  # gemm_bf16_f32 by vdpbf16ps (AVX512_BF16 built)
     lib.w16_panels = bool(lib.atomd_quant_w16_panels())  # 16-bit weights from QGEMM_W16_MIN_M rows: packed panels
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
     log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s%s)%s", PATHS[lib.atomd_quant_path()],
@@ -306,6 +315,32 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
 
 def kernels() -> ctypes.CDLL | None:
     return build_kernels(cbuild.kernel_isa())
+
+
+def gemm_bf16_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None | str = "auto",
+                  dot: bool | None = None) -> torch.Tensor | None:
+    """x [M, K] @ weight.T as a new float32 [M, N], unrounded, for bf16 x (rows of any stride, unit column
+    stride) and a plain contiguous bf16 weight [N, K]: float32 sums of the exact bf16 products through packed
+    weight panels (csrc/quant_w16.h, atomd_gemm_bf16_panels), each output one chain over K in order (its bits
+    independent of M and the threads): of vdpbf16ps over K's pairs (dot; default BF16_DOT), else of float32
+    FMAs on both operands widened. None where the kernels lack AVX-512 (dot: AVX512_BF16)."""
+    lib = kernels() if lib == "auto" else lib
+    dot = BF16_DOT if dot is None else dot
+    if lib is None or not lib.w16_panels or (dot and not lib.bf16_panels):
+        return None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, (n, k) = x.shape[0], weight.shape
+    out = torch.empty(m, n, dtype=torch.float32)
+    if not dot:  # x widened once (a GPR broadcast per input in the micro-kernel costs a port-5 uop an FMA needs)
+        x = x.float()
+    rc = lib.atomd_gemm_bf16_panels(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n,
+                                    torch.get_num_threads()) if dot else \
+        lib.atomd_qgemm_b16_panels(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n,
+                                   torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"bf16 weight panels of {m} x {k} by {n} rows: out of memory")
+    return out
 
 
 def _q8_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -501,38 +501,6 @@ GEMV(atomd_gemv_f32, float, __mmask16, __m512, 16, F32_LOAD, F32_FMA, 0)
 #define BF16_LOAD(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16(mask, p))
 GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_ps, 1)
 #define GEMV_KINDS 3
-
-/* y [M, N] float32 = x [M, K] @ w [N, K]^T for bf16 x and w, the float32 sums left unrounded:
- * a tensor-parallel worker's row-parallel partial (atomd/model/linear.py linear_f32), which the
- * all-reduce adds before the one rounding to bf16 that TP=1's single dot has (rounding each
- * worker's partial first changes greedy ids). Tiles of 4 x rows by 4 weight rows: 8 loads feed
- * 16 dot products (a tile past M or N repeats the last row, its sums not stored). */
-void atomd_gemm_bf16_f32(const bf16_t *x, const bf16_t *w, float *y, int64_t M, int64_t K, int64_t N,
-                         int num_threads) {
-    const __mmask32 all = (__mmask32)~0u, tail = (__mmask32)((1ull << (K % 32)) - 1u);
-    _Pragma("omp parallel for num_threads(num_threads) schedule(static)")
-    for (int64_t n = 0; n < N; n += 4) {
-        const bf16_t *wr[4];
-        for (int c = 0; c < 4; c++) wr[c] = w + (n + c < N ? n + c : N - 1) * K;
-        for (int64_t m = 0; m < M; m += 4) {
-            const bf16_t *xr[4];
-            for (int r = 0; r < 4; r++) xr[r] = x + (m + r < M ? m + r : M - 1) * K;
-            __m512 acc[4][4];
-            for (int r = 0; r < 4; r++)
-                for (int c = 0; c < 4; c++) acc[r][c] = _mm512_setzero_ps();
-            for (int64_t k = 0; k < K; k += 32) {
-                const __mmask32 mk = K - k >= 32 ? all : tail;
-                __m512bh wv[4], xv[4];
-                for (int c = 0; c < 4; c++) wv[c] = BF16_LOAD(mk, wr[c] + k);
-                for (int r = 0; r < 4; r++) xv[r] = BF16_LOAD(mk, xr[r] + k);
-                for (int r = 0; r < 4; r++)
-                    for (int c = 0; c < 4; c++) acc[r][c] = _mm512_dpbf16_ps(acc[r][c], xv[r], wv[c]);
-            }
-            for (int r = 0; r < 4 && m + r < M; r++)
-                for (int c = 0; c < 4 && n + c < N; c++) y[(m + r) * N + n + c] = _mm512_reduce_add_ps(acc[r][c]);
-        }
-    }
-}
 #else
 #define GEMV_KINDS 1
 #endif

@@ -80,7 +80,7 @@ QGEMM16(h16, row_h16, h16_to_float)
 
 /* The same product for many rows of x through packed, widened weight panels (quant_w16.h; quant.py's
  * QGEMM_W16_MIN_M), packed per call or (_prepacked) once at load by atomd_qprepack_w16 into pre
- * (uint16 [ceil(N / 32) * 32 * K]): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS);
+ * (uint16 [ceil(N / 32) * 32 * K]; kind W16_B16 or W16_H16): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS);
  * -1 out of memory */
 #define QGEMM16_PANELS(NAME, F16)                                                                                \
     int atomd_qgemm_##NAME##_panels(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N,       \
@@ -99,8 +99,22 @@ QGEMM16(h16, row_h16, h16_to_float)
 #else
 #define PANELS_OR_NOT(call) return 1;
 #endif
-QGEMM16_PANELS(b16, 0)
-QGEMM16_PANELS(h16, 1)
+QGEMM16_PANELS(b16, W16_B16)
+QGEMM16_PANELS(h16, W16_H16)
+
+/* y [M, ldy] float32, unrounded = x [M, ldx] @ w^T for bf16 x and a bf16 weight w [N, K] (uint16 bits): float32
+ * sums of the exact products, vdpbf16ps over packed pairs of inputs (quant_w16.h; linear.py's bf16 prefill on a
+ * CPU without AMX tiles, and linear_f32, where quant.BF16_DOT). 0 done; 1 not built here (no AVX512_BF16); -1 out
+ * of memory */
+int atomd_gemm_bf16_panels(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *w, int64_t N, int64_t K,
+                           float *y, int64_t ldy, int num_threads) {
+#ifdef W16_BF16_PAIRS
+    return w16_gemm(x, ldx, M, w, NULL, W16_PAIRS, N, K, y, ldy, num_threads);
+#else
+    (void)x, (void)ldx, (void)M, (void)w, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
+    return 1;
+#endif
+}
 
 /* rows n0..n1 of the weight as float32 into out [n1 - n0, K] */
 void atomd_qdequant_i8(const int8_t *q, const float *scales, const float *offsets, int64_t K, int64_t G, int64_t n0,
@@ -209,6 +223,15 @@ int atomd_qgemm_wide(const float *x, int64_t ldx, int64_t M, const void *q, int6
 int atomd_quant_wide(void) {
 #if QAMX_WIDE
     return amx_granted();
+#else
+    return 0;
+#endif
+}
+
+/* 1 when atomd_gemm_bf16_panels runs here (a build with AVX512_BF16) */
+int atomd_quant_bf16_panels(void) {
+#ifdef W16_BF16_PAIRS
+    return 1;
 #else
     return 0;
 #endif
