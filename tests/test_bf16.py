@@ -20,6 +20,7 @@ Tolerances (stated once, here):
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import logging
 import math
@@ -326,13 +327,24 @@ def _prompts(llm: LLM) -> list[list[int]]:
 def test_bf16_prompt_logits_match_hf_bf16(hf_default, chunk, path, monkeypatch):
     """Fresh prompts through the native kernel (AMX tiles where this CPU has them), its
     AVX512_BF16 loop (a build without AMX), and torch SDPA (the engine's path on an AMX CPU
-    whose kernel build has no AMX)."""
+    whose kernel build has no AMX). The build without AMX also runs a prompt of every text joined
+    (past linear.BF16_PANELS_MIN_M rows: the linears through quant.gemm_bf16_f32, unchunked)."""
+    from atomd.model import linear
+
+    calls = []
     if path == "kernel-no-amx":
         monkeypatch.setenv(native.ISA_ENV, "no-amx")
+        panels = linear.gemm_bf16_f32
+        monkeypatch.setattr(linear, "bf16_panels_run", functools.cache(linear.bf16_panels_run.__wrapped__))
+        monkeypatch.setattr(linear, "gemm_bf16_f32", lambda *a: calls.append(a) or panels(*a))
     args = {"max_num_batched_tokens": chunk} if chunk else {}
     llm = LLM(None, num_threads=1, max_model_len=512, dtype="bfloat16", attention_backend="native", **args)
     llm.engine.runner.fresh_prefill_kernel = path != "sdpa"  # the runner's choice: the next test
-    for prompt in _prompts(llm):
+    prompts = _prompts(llm)
+    if path == "kernel-no-amx":
+        prompts.append(llm.engine.tokenizer.encode("".join(TEXTS)))
+        assert len(prompts[-1]) >= linear.BF16_PANELS_MIN_M
+    for prompt in prompts:
         got = _prompt_logits(llm, prompt)
         assert got.dtype == torch.bfloat16
         with torch.inference_mode():
@@ -342,6 +354,8 @@ def test_bf16_prompt_logits_match_hf_bf16(hf_default, chunk, path, monkeypatch):
         assert diff.max() <= LOGIT_ATOL, (len(prompt), diff.max())
         assert diff.max() <= 2 * own.max() and diff.mean() <= 2 * own.mean(), (diff.max(), own.max(),
                                                                                 diff.mean(), own.mean())
+    bf16_avx512 = "avx512_bf16" in cpu_flags() and "amx_bf16" not in cpu_flags()  # as narrowed
+    assert bool(calls) == (path == "kernel-no-amx" and not chunk and bf16_avx512 and linear.BF16_PANELS_MIN_M > 0)
 
 
 def _hf_greedy(model, prompt: list[int], n: int) -> list[int]:

@@ -23,9 +23,11 @@ AMX_MAX_ROWS = 32  # from 33 rows oneDNN's AMX kernel sums in another order (oth
 # a bf16 x of at least this many rows over a bf16 weight's plain rows, on a CPU with AVX512_BF16 but no AMX
 # tiles (the AMD EPYC kind): quant.gemm_bf16_f32's panels (csrc/quant_w16.h; vdpbf16ps or widened float32 FMAs,
 # quant.BF16_DOT), rounded to bf16 once, instead of oneDNN's brg_matmul:avx512_core_bf16 on the packed copy
-# (0.63-0.66x oneDNN's own float32 there); below it oneDNN's bf16 is the faster;
-# measured: benchmarks/qlinear_16.py (RESULTS.md, #35 bf16 prefill on the AVX512_BF16 kind). 0: never
-BF16_PANELS_MIN_M = 0 if os.environ.get("ATOMD_LINEAR_PANELS") == "0" else 17
+# (0.63-0.66x oneDNN's own float32 there). The AMD kind emulated here (Intel Xeon with AMX narrowed, the widened
+# float32 FMAs), SmolLM2-135M / Qwen3-0.6B linears, 1 and 2 threads: the panels 0.64-0.90x oneDNN bf16's time from
+# 128 rows, 0.81-1.25x at 32, 1.0-3.0x at 2-16 (batch decode: oneDNN's bf16 stays there); 33-127 rows not measured
+# (benchmarks/qlinear_16.py; RESULTS.md, #35 bf16 prefill on the AVX512_BF16 kind). 0 ($ATOMD_LINEAR_PANELS=0): never
+BF16_PANELS_MIN_M = 0 if os.environ.get("ATOMD_LINEAR_PANELS") == "0" else 33
 
 
 def pack_linear_weight(weight: torch.Tensor) -> torch.Tensor:

@@ -82,8 +82,8 @@ QGEMM_W16_PREPACKED_MIN_M = 2
 # gemm_bf16_f32's products: by vdpbf16ps (True) or both operands widened, float32 FMAs (False). Measured on the Intel
 # Xeon with AMX here (register-only loop, 24 chains, 1 core): vdpbf16ps zmm 57 GMAC/s, vfmadd231ps zmm 111, so
 # the widened FMAs win on it (benchmarks/qlinear_16.py; RESULTS.md, #35 bf16 prefill on the AVX512_BF16 kind);
-# AMD's Zen 4 runs a zmm FMA as two 256-bit halves but vdpbf16ps at full width (not measured here): vdpbf16ps on
-# AMD CPUs. $ATOMD_BF16_DOT=0 / 1 at import overrides
+# on AMD's Zen 4 a zmm vdpbf16ps is reported to do 2x vfmadd231ps's multiply-adds a cycle (an assumption: no AMD CPU
+# here to measure; benchmarks/dot_rate.py does): vdpbf16ps on AMD CPUs. $ATOMD_BF16_DOT=0 / 1 at import overrides
 BF16_DOT = os.environ.get("ATOMD_BF16_DOT", "1" if cbuild.cpu_vendor() == "AuthenticAMD" else "0") == "1"
 # a dequantised tile, float32: up to 16 MiB, so a small model's linear is one BLAS call (135M
 # shape, M = 512, one thread: 4 MiB tiles 1.1-1.6x the time of 16 MiB ones; 1 MiB up to 2x)
