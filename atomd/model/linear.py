@@ -8,7 +8,6 @@ import os
 import torch
 import torch.nn.functional as F
 
-from atomd import config
 from atomd.kernels import cbuild
 from atomd.model import layer_ops
 from atomd.model.quant import QuantizedWeight, gemm_bf16_f32, qlinear, kernels as quant_kernels
@@ -83,10 +82,10 @@ def linear_f32(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None 
 @functools.cache
 def bf16_panels_run() -> bool:
     """Whether linear() takes bf16 x of BF16_PANELS_MIN_M rows or more to quant.gemm_bf16_f32's panels: the
-    kernels have AVX512_BF16 and the CPU (as narrowed: config.cpu_flags) no AMX-BF16 tiles, which oneDNN's bf16
+    kernels have AVX512_BF16 and the CPU (as $ATOMD_KERNEL_ISA narrows it) no AMX-BF16 tiles, which oneDNN's bf16
     kernel and layer_ops.linear_amx use instead."""
     lib = quant_kernels()
-    return lib is not None and lib.bf16_panels and "amx_bf16" not in config.cpu_flags()
+    return lib is not None and lib.bf16_panels and "amx_bf16" not in cbuild.narrow_flags(cbuild.cpu_flags())
 
 
 @functools.cache
