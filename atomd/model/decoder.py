@@ -259,8 +259,7 @@ class DecoderModel:
         used, left_out = 0, 0
         for t in [t for w in self.layers for t in w.linears()] + [self.lm_head]:
             if isinstance(t, QuantizedWeight) and t.bits == 16:
-                size = (t.shape[0] + 31) // 32 * 32 * t.shape[1] * 2
-                if left_out or used + size > budget:
+                if left_out or used + quant.panel_bytes(t) > budget:
                     left_out += 1
                 else:
                     used += quant.prepack_panels(t)

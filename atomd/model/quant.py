@@ -126,8 +126,8 @@ class QuantizedWeight:
     # int8 activations' block (inputs per scale of x): act_block_of(group_size) where the weight is made, kept
     # when a TP slice changes group_size (tensor_parallel._columns: a slice on act-block boundaries)
     act_block: int = 0
-    # a 16-bit weight's panels packed once at load (prepack_panels), read by qlinear from QGEMM_W16_MIN_M rows
-    # instead of packing the weight each call; None: packed per call
+    # a 16-bit weight's panels packed once at load (prepack_panels), read by qlinear from QGEMM_W16_PREPACKED_MIN_M
+    # rows instead of packing the weight each call; None: packed per call
     panels: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     def __post_init__(self):
@@ -370,8 +370,14 @@ def derived(w: QuantizedWeight, **changes) -> QuantizedWeight:
     return replace(w, **changes, _ref=None, _scratch=None, panels=None)
 
 
+def panel_bytes(w: QuantizedWeight) -> int:
+    """The bytes prepack_panels keeps for a 16-bit weight: its rows padded to whole 32-row panels."""
+    n, k = w.shape
+    return (n + 31) // 32 * 32 * k * 2
+
+
 def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> int:
-    """Pack a 16-bit weight once into the panels qlinear reads from QGEMM_W16_MIN_M rows (csrc/quant_w16.h
+    """Pack a 16-bit weight once into the panels qlinear reads from QGEMM_W16_PREPACKED_MIN_M rows (csrc/quant_w16.h
     w16_prepack: per 32 weight rows, each input's 32 values in one 64-byte line, widened in registers), a second
     copy beside the rows batch-1 decode streams: a batch's decode step and prefill skip the per-call widening and
     transposing (#35: at 16 rows that was most of the linear's time). Returns the bytes kept (0: nothing done:
@@ -380,7 +386,7 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     if lib is None or not lib.w16_panels or w.bits != 16:
         return 0
     n, k = w.shape
-    panels = torch.empty((n + 31) // 32 * 32 * k, dtype=torch.int16)
+    panels = torch.empty(panel_bytes(w) // 2, dtype=torch.int16)
     rc = getattr(lib, f"atomd_qprepack_{_w16(w)}")(w.q.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
     if rc != 0:
         return 0
