@@ -18,7 +18,7 @@ from tokenizers import Tokenizer
 import atomd.config
 from atomd.config import EngineConfig
 from atomd.llm import LLM
-from atomd.model import huge_pages, layer_ops
+from atomd.model import huge_pages, layer_ops, quant
 from atomd.model.quant import QuantizedWeight
 from launch.process import http
 from contracts.sampling import SamplingParams
@@ -306,3 +306,35 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
     widened = run()
     for (ids, lps), (want_ids, want_lps) in zip(widened, fused):
         assert ids[0] == want_ids[0] and abs(lps[0] - want_lps[0]) < 0.05
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("kind,method", [("qwen3_moe", "bf16"), ("mixtral", "fp16")])
+def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, method, monkeypatch, tmp_path):
+    """16-bit experts (`--quantization bf16|fp16`, what `--dtype auto` loads on a CPU without AVX512_BF16) in one
+    C call a block (layer_ops.moe_q8: each expert's rows through the rows kernel, from QGEMM_W16_MIN_M rows the
+    panels) against one qlinear pair per expert (moe.Q8 off): the same token ids and logprobs, prompts in
+    32-token chunks, batched decode, then batch 1; the panels' cut-over lowered so both kernels run."""
+    from atomd.model import moe
+
+    path = make_checkpoint(tmp_path / kind, kind, seed=12, **({"moe_intermediate_size": 32} if kind == "qwen3_moe" else {}))
+    params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+    calls, real = [], layer_ops.moe_q8
+    monkeypatch.setattr(layer_ops, "moe_q8", lambda *a: calls.append(len(a[4])) or real(*a))
+    monkeypatch.setattr(quant, "QGEMM_W16_MIN_M", 3)
+
+    def run() -> list:
+        llm = LLM(str(path), num_threads=2, max_model_len=256, quantization=method, max_num_batched_tokens=32)
+        moe_w = llm.engine.model.layers[0].moe
+        assert moe_w.quantized and {w.q.dtype for w in [*moe_w.gate_up, *moe_w.down]} == {
+            torch.bfloat16 if method == "bf16" else torch.float16}
+        outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts_of([40, 9, 3, 17], 14)],
+                                                   params)]
+        outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompts_of([5], 15)[0]}], params)]
+        return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
+
+    fused = run()
+    assert calls and max(calls) > 2  # batched steps (several experts a call) and batch 1
+    monkeypatch.setattr(moe, "Q8", False)
+    calls.clear()
+    assert run() == fused and not calls

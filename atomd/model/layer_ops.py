@@ -141,7 +141,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib.atomd_linear_amx_bf16.argtypes = [_PTR, _I64, _PTR, _PTR] + [_I64] * 3 + [ctypes.c_int]
     lib.atomd_linear_amx_bf16.restype = lib.atomd_linear_amx_kind.restype = ctypes.c_int
     lib.linear_amx = bool(lib.atomd_linear_amx_kind())
-    lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 5 + [ctypes.c_int]
+    lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 6 + [ctypes.c_int]
     lib.atomd_moe_q8.restype = lib.atomd_moe_q8_kind.restype = ctypes.c_int
     lib.moe_q8_kind = lib.atomd_moe_q8_kind()
     return lib
@@ -388,10 +388,11 @@ def moe_q8_kind() -> int:
 
 def moe_q8(x: torch.Tensor, gate_up: ctypes.Array, down: ctypes.Array, inter: int, experts: torch.Tensor,
            starts: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, scales: torch.Tensor | None,
-           pairs: torch.Tensor, amx_min: int, wide_min: int = 0) -> bool:
+           pairs: torch.Tensor, amx_min: int, wide_min: int = 0, w16_min: int = 0) -> bool:
     """moe_grouped's results (arguments alike; x float32 or bf16) for int8 / int4 experts with int8
-    activations (csrc/moe_q8.h): gate_up and down the experts' atomd_qweight arrays (quant.qweight_array;
-    inter: an expert's intermediate size),
+    activations, or 16-bit experts (csrc/moe_q8.h): gate_up and down the experts' atomd_qweight arrays
+    (quant.qweight_array; inter: an expert's intermediate size); a 16-bit expert's linears on the panels from
+    w16_min rows (0: never), else the rows, as qlinear runs them,
     each expert's linears run as qlinear runs them on its rows (from amx_min rows an expert: tiles where
     moe_q8_kind() is 2, the VNNI GEMM where it is 3), so the pairs equal the per-expert path's. Experts with at least wide_min
     pairs (0: none) where has_moe_amx(): their weights dequantised to bf16 a call, bf16 activations,
@@ -402,7 +403,7 @@ def moe_q8(x: torch.Tensor, gate_up: ctypes.Array, down: ctypes.Array, inter: in
         experts.data_ptr(), starts.data_ptr(), tokens.data_ptr(), dest.data_ptr(),
         0 if scales is None else scales.data_ptr(), pairs.data_ptr(),
         2 if scales is None else int(pairs.dtype == torch.float32), x.shape[1], inter, len(experts), amx_min,
-        wide_min, torch.get_num_threads())
+        wide_min, w16_min, torch.get_num_threads())
     if status < 0:
         raise MemoryError("moe_q8: the int8 experts kernel could not allocate its scratch memory")
     return status == 0

@@ -39,7 +39,10 @@ AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
 # int8 / int4 experts with int8 activations in one C call a block (layer_ops.moe_q8: AMX-INT8 tiles from
 # quant.QGEMM_AMX_MIN_M rows an expert, without them the VNNI GEMM from quant.QGEMM_VNNI_MIN_M, the
 # int8-activation rows below), batch 1 included, where the kernel is built; with neither only experts of at
-# most quant.QGEMM_Q8_MAX_M pairs (qlinear's float tiles past it); False (or $ATOMD_MOE_Q8=0 at import): one qlinear pair per expert (the A/B of engine-level runs)
+# most quant.QGEMM_Q8_MAX_M pairs (qlinear's float tiles past it); 16-bit experts (`--dtype auto` on a CPU
+# without AVX512_BF16) in the same call, each expert's linears as qlinear runs them (the panels from
+# quant.QGEMM_W16_MIN_M rows); False (or $ATOMD_MOE_Q8=0 at import): one qlinear pair per expert (the A/B of
+# engine-level runs)
 Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
 # ... an expert with at least this many pairs in a block (a prompt's) on the bf16 AMX tiles instead, where the CPU
 # has them (layer_ops.has_moe_amx): its int8 / int4 weights dequantised to bf16 once a call (moe_q8's work item),
@@ -97,11 +100,14 @@ class MoeWeights:
 
     def q8_experts(self) -> tuple | None:
         """The quantized experts as layer_ops.moe_q8 takes them (made at the first call: after load, once
-        int8 activations are set), or None where it does not run them: float experts, experts without int8
-        activations or with an act-order permutation, expert parallelism, no kernel here."""
+        int8 activations are set), or None where it does not run them: float experts, int8 / int4 experts
+        without int8 activations, 16-bit and int experts mixed, experts with an act-order permutation, expert
+        parallelism, no kernel here."""
         if self.q8 is None:
+            linears = (*self.gate_up, *self.down)  # all int8-activation ones or all 16-bit ones (the kernel's two kinds)
             fits = (self.quantized and self.ep is None and layer_ops.moe_q8_kind() > 0
-                    and all(q.int8_activations and q.perm is None for q in (*self.gate_up, *self.down)))
+                    and all(q.perm is None for q in linears)
+                    and (all(q.int8_activations for q in linears) or all(q.bits == 16 for q in linears)))
             self.q8 = (quant.qweight_array(self.gate_up), quant.qweight_array(self.down)) if fits else ()
         return self.q8 or None
 
@@ -184,7 +190,7 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
     same bits whatever else is in the batch). Where the experts run on AMX tiles (AMX,
     MoeWeights.amx_weights: not under expert parallelism) every active expert goes in one
     layer_ops.moe_amx call instead, and none is returned. Quantized experts with int8 activations
-    (MoeWeights.q8_experts) go in one layer_ops.moe_q8 call: every active expert where it has the
+    (MoeWeights.q8_experts) go in one layer_ops.moe_q8 call (16-bit experts too, every active one): every active expert where it has the
     AMX-INT8 tiles or the VNNI GEMM, else those of at most quant.QGEMM_Q8_MAX_M pairs (the others: a qlinear
     pair each)."""
     active = counts.nonzero().flatten()
@@ -193,10 +199,11 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
         if q8 is None:
             return active.tolist()
         kind = layer_ops.moe_q8_kind()  # 2: AMX-INT8 tiles, 3: the VNNI GEMM, any M; 1: the rows only
-        few = torch.ones_like(active, dtype=torch.bool) if kind >= 2 else counts[active] <= quant.QGEMM_Q8_MAX_M
+        any_m = kind >= 2 or w.down[0].bits == 16  # 16-bit experts: the panels past the rows
+        few = torch.ones_like(active, dtype=torch.bool) if any_m else counts[active] <= quant.QGEMM_Q8_MAX_M
         run = lambda *a: layer_ops.moe_q8(x.contiguous(), *q8, w.down[0].in_features, *a,  # noqa: E731
                                           quant.QGEMM_AMX_MIN_M if kind == 2 else quant.QGEMM_VNNI_MIN_M,
-                                          Q8_WIDE_MIN_PAIRS)
+                                          Q8_WIDE_MIN_PAIRS, quant.QGEMM_W16_MIN_M)
     else:
         packed = w.amx_weights() if AMX else None
         if packed is not None:
@@ -233,7 +240,7 @@ def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.T
         every = torch.arange(k + 1)
         if layer_ops.moe_q8(h.contiguous(), *q8, w.down[0].in_features, ids[0].contiguous(), every,
                             torch.zeros(k, dtype=torch.int64), every[:k], weights[0].contiguous(), pairs,
-                            quant.QGEMM_AMX_MIN_M):
+                            quant.QGEMM_AMX_MIN_M, 0, quant.QGEMM_W16_MIN_M):
             return pairs.view(1, k, -1).sum(dim=1).to(h.dtype)
     if w.gemv:  # one C call for the k experts (the per-op loop below was ~0.2 ms of calls a block)
         layer_ops.moe_experts(h.contiguous(), w.gate_up, w.down, ids[0].contiguous(),

@@ -147,9 +147,12 @@ class QuantizedWeight:
                 self._scratch = _q8_scratch(1, self.in_features)
                 scratch = tuple(t.data_ptr() for t in self._scratch)
             self._ref = _QWeightStruct(self.q.data_ptr(), _ptr(self.scales), _ptr(self.offsets),
-                                       self.group_size, QBITS_F16 if self.q.dtype == torch.float16 else self.bits,
-                                       *scratch, self.act_block)
+                                       self.group_size, self.c_bits(), *scratch, self.act_block)
         return ctypes.addressof(self._ref)
+
+    def c_bits(self) -> int:
+        """Its atomd_qweight's `bits`: 8, 4, 16 (bfloat16) or QBITS_F16 (float16)."""
+        return QBITS_F16 if self.q.dtype == torch.float16 else self.bits
 
     def int8_activations_fit(self) -> bool:
         """Whether int8 activations can run: inputs and groups whole act blocks (of 32 inputs at least)."""
@@ -242,10 +245,11 @@ def use_int8_activations(weights: list[QuantizedWeight]) -> int:
 
 def qweight_array(weights: list[QuantizedWeight]) -> ctypes.Array:
     """The weights' atomd_qweight structs (csrc/quant.h) as one C array, pointing at their own integers
-    and scales, without scratch: the int8 MoE experts (layer_ops.moe_q8, which quantises x into its own).
-    The caller keeps the weights alive as long as the array."""
+    and scales, without scratch: the int8 and 16-bit MoE experts (layer_ops.moe_q8, which quantises x into its
+    own). The caller keeps the weights alive as long as the array."""
     return (_QWeightStruct * len(weights))(*(_QWeightStruct(w.q.data_ptr(), _ptr(w.scales), _ptr(w.offsets),
-                                                            w.group_size, w.bits, ablock=w.act_block) for w in weights))
+                                                            w.group_size, w.c_bits(), ablock=w.act_block)
+                                             for w in weights))
 
 
 def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:

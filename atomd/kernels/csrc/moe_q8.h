@@ -19,6 +19,12 @@
  * int8-activation rows of quant.h (gemv4_q8 for one row on VNNI builds, q8_weight_row: VNNI,
  * AVX-512 BW or AVX2 by the build). Every row's products and sums are those of a qlinear call over
  * the expert's rows alone, so the pairs equal the per-expert path's to the bit.
+ * 16-bit experts (bf16 / float16 weights, `--quantization bf16|fp16` or `--dtype auto` on a CPU without
+ * AVX512_BF16: float activations, no int8) run in the same call: each linear as qlinear runs it on the
+ * item's expert's rows, from `w16_min` rows of the expert (quant.py's QGEMM_W16_MIN_M; 0 never) the panels
+ * packed per call (quant_w16.h's w16_gemm on this thread), below that the rows of quant.h (row_w16): the
+ * per-expert path's bits, without its two qlinear calls and a SiLU call an expert from Python (which left
+ * such experts slower than float32 ones at decode: benchmarks/RESULTS.md, #35 the MoE shape's 16-bit experts).
  * Returns 0, -1 (no scratch memory) or 1 (not built, atomd_moe_q8_kind 0: the caller runs the experts
  * one by one). */
 #include <stdlib.h>
@@ -43,7 +49,32 @@ typedef struct {  /* one thread's scratch (sizes for the largest item's rows and
     float *sc;
 } moe_q8_scratch;
 
-/* y [m, N] = x [m, K] @ w^T as qlinear runs it on m rows: tiles from amx_min rows (x already quantised
+#define QW_16BIT(w) ((w)->bits == 16 || (w)->bits == QBITS_F16)
+
+/* y [m, N] = x [m, K] @ w^T for a 16-bit weight as qlinear runs it on m rows: the panels from w16_min rows (0:
+ * never), else quant.h's rows. 0 done, -1 no scratch for the panels */
+static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
+                          int64_t w16_min) {
+    const int f16 = w->bits == QBITS_F16;
+    const uint16_t *q = (const uint16_t *)w->q;
+#ifdef W16_PANELS
+    if (w16_min > 0 && m >= w16_min) return w16_gemm(x, K, m, q, NULL, f16 ? W16_H16 : W16_B16, N, K, y, N, 1);
+#else
+    (void)w16_min;
+#endif
+    for (int64_t n = 0; n < N; n++)
+        for (int64_t m0 = 0; m0 < m; m0 += QGEMM_ROWS) {
+            const int mb = m - m0 < QGEMM_ROWS ? (int)(m - m0) : QGEMM_ROWS;
+            if (f16) {
+                DISPATCH_ROWS(row_h16, x + m0 * K, K, q + n * K, K, y + m0 * N + n, N)
+            } else {
+                DISPATCH_ROWS(row_b16, x + m0 * K, K, q + n * K, K, y + m0 * N + n, N)
+            }
+        }
+    return 0;
+}
+
+/* y [m, N] = x [m, K] @ w^T (int8 / int4 w) as qlinear runs it on m rows: tiles from amx_min rows (x already quantised
  * into s's tiles where `quantised`), without them the VNNI GEMM from that many rows (`gemm`), else the rows */
 static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
                           const moe_q8_scratch *s, int tiles, int quantised, int gemm) {
@@ -120,13 +151,13 @@ static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *
 int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const atomd_qweight *down,
                  const int64_t *experts, const int64_t *starts, const int64_t *tokens, const int64_t *dest,
                  const void *scales, void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
-                 int64_t amx_min, int64_t wide_min, int num_threads) {
+                 int64_t amx_min, int64_t wide_min, int64_t w16_min, int num_threads) {
 #if MOE_Q8_WIDE
     const int wide_ok = wide_min > 0 && amx_granted();
 #else
     const int wide_ok = 0;
 #endif
-#define Q8_WIDE_EXPERT(g) (wide_ok && starts[(g) + 1] - starts[(g)] >= wide_min)
+#define Q8_WIDE_EXPERT(g) (wide_ok && starts[(g) + 1] - starts[(g)] >= wide_min && !QW_16BIT(gate_up + experts[(g)]))
     int any_wide = 0;
     for (int64_t g = 0; g < n_experts; g++) any_wide |= Q8_WIDE_EXPERT(g);
 #if MOE_Q8_WIDE
@@ -155,7 +186,8 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     for (int64_t g = 0; g < n_experts; g++) {
         one_group &= gate_up[experts[g]].group == G && gate_up[experts[g]].ablock == AB;
         for (int64_t r = starts[g]; r < starts[g + 1] && !Q8_WIDE_EXPERT(g); r += chunk)
-            tile_rows += starts[g + 1] - starts[g] >= amx_min ? (starts[g + 1] - r < chunk ? starts[g + 1] - r : chunk) : 0;
+            tile_rows += starts[g + 1] - starts[g] >= amx_min && !QW_16BIT(gate_up + experts[g])
+                             ? (starts[g + 1] - r < chunk ? starts[g + 1] - r : chunk) : 0;
     }
     for (int64_t p = 0; p < starts[n_experts]; p++) n_tok = tokens[p] >= n_tok ? tokens[p] + 1 : n_tok;
     if (granted && one_group && tile_rows > n_tok) {
@@ -230,8 +262,9 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             const int64_t m = moe_item_rows(item_g, starts, it, chunk, &p0);
             /* by the expert's rows, as qlinear over them decides (an item's bits do not depend on its rows) */
             const int64_t rows_g = starts[g + 1] - starts[g];
-            const int tiles = granted && rows_g >= amx_min, gemm = QV_PATH && !granted && rows_g >= amx_min;
             const atomd_qweight *wg = gate_up + experts[g], *wd = down + experts[g];
+            const int w16 = QW_16BIT(wg);  /* 16-bit experts: float activations, neither tiles nor the VNNI GEMM */
+            const int tiles = !w16 && granted && rows_g >= amx_min, gemm = !w16 && QV_PATH && !granted && rows_g >= amx_min;
 #if MOE_Q8_WIDE
             if (Q8_WIDE_EXPERT(g)) {  /* bf16 tiles over the dequantised weights (atomd_moe_q8_kind) */
                 if (config != 1) amx_configure(), config = 1;
@@ -278,7 +311,13 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
                 else
                     memcpy(s.x + r * hidden, (const float *)x + t * hidden, sizeof(float) * hidden);
             }
-            moe_q8_linear(wg, s.x, m, n_gu, hidden, s.gu, &s, tiles, quantised, gemm);
+            if (!w16)
+                moe_q8_linear(wg, s.x, m, n_gu, hidden, s.gu, &s, tiles, quantised, gemm);
+            else if (moe_w16_linear(wg, s.x, m, n_gu, hidden, s.gu, w16_min) != 0) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
             if (is_bf16) {  /* gate_up's output rounded (qlinear's .to(bf16)), silu's and the product too */
                 for (int64_t i = 0; i < m * n_gu; i++) s.gu16[i] = float_to_bf16(s.gu[i]);
                 for (int64_t r = 0; r < m; r++) {
@@ -296,7 +335,13 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
 #if MOE_Q8_TILES
             if (tiles && config != kwd) qamx_configure(kwd), config = kwd;  /* down's act block may differ */
 #endif
-            moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0, gemm);
+            if (!w16)
+                moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0, gemm);
+            else if (moe_w16_linear(wd, s.act, m, hidden, inter, s.y, w16_min) != 0) {
+#pragma omp atomic write
+                failed = 1;
+                continue;
+            }
             for (int64_t r = 0; r < m; r++) {  /* each pair's row: (rounded,) scaled (, rounded) */
                 const int64_t p = p0 + r;
                 const float *y = s.y + r * hidden;
@@ -347,8 +392,8 @@ int atomd_moe_q8_kind(void) {
 int atomd_moe_q8(const void *x, int is_bf16, const void *gate_up, const void *down, const int64_t *experts,
                  const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales, void *pairs,
                  int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, int64_t amx_min, int64_t wide_min,
-                 int num_threads) {
-    (void)wide_min, (void)x, (void)is_bf16, (void)gate_up, (void)down, (void)experts, (void)starts, (void)tokens, (void)dest;
+                 int64_t w16_min, int num_threads) {
+    (void)wide_min, (void)w16_min, (void)x, (void)is_bf16, (void)gate_up, (void)down, (void)experts, (void)starts, (void)tokens, (void)dest;
     (void)scales, (void)pairs, (void)f32_pairs, (void)hidden, (void)inter, (void)n_experts, (void)amx_min;
     (void)num_threads;
     return 1;

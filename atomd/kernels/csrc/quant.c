@@ -24,19 +24,6 @@
 #include "quant_vnni.h"
 #include "quant_w16.h"
 
-/* mb as a compile-time constant (1..QGEMM_ROWS) so acc[] stays in registers */
-#define DISPATCH_ROWS(ROW, ...)                       \
-    switch (mb) {                                     \
-        case 1: ROW(__VA_ARGS__, 1); break;           \
-        case 2: ROW(__VA_ARGS__, 2); break;           \
-        case 3: ROW(__VA_ARGS__, 3); break;           \
-        case 4: ROW(__VA_ARGS__, 4); break;           \
-        case 5: ROW(__VA_ARGS__, 5); break;           \
-        case 6: ROW(__VA_ARGS__, 6); break;           \
-        case 7: ROW(__VA_ARGS__, 7); break;           \
-        default: ROW(__VA_ARGS__, 8); break;          \
-    }
-
 /* x [M, ldx] float32, y [M, ldy] float32; scales / offsets [N, ceil(K / G)] (offsets may be NULL) */
 #define QGEMM(BITS, q_t, ROW_BYTES)                                                                         \
     void atomd_qgemm_i##BITS(const float *x, int64_t ldx, int64_t M, const q_t *q, const float *scales,    \

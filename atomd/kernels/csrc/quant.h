@@ -122,6 +122,19 @@ static inline vf load_h16(const uint16_t *p) {
 #define QPREFETCH(p) __builtin_prefetch((const char *)(p) + 4096, 0, 2)
 
 #define QGEMM_ROWS 8  /* rows of x per pass: 8 accumulators + the weight vector stay in registers */
+/* mb as a compile-time constant (1..QGEMM_ROWS): ROW(..., mb) so acc[] stays in registers */
+#define DISPATCH_ROWS(ROW, ...)                       \
+    switch (mb) {                                     \
+        case 1: ROW(__VA_ARGS__, 1); break;           \
+        case 2: ROW(__VA_ARGS__, 2); break;           \
+        case 3: ROW(__VA_ARGS__, 3); break;           \
+        case 4: ROW(__VA_ARGS__, 4); break;           \
+        case 5: ROW(__VA_ARGS__, 5); break;           \
+        case 6: ROW(__VA_ARGS__, 6); break;           \
+        case 7: ROW(__VA_ARGS__, 7); break;           \
+        default: ROW(__VA_ARGS__, 8); break;          \
+    }
+
 #define I4_VECS (32 / LANES)
 
 /* One weight row n against mb (a constant after inlining) rows of x: y[m * ldy] for m < mb. */

@@ -1,4 +1,4 @@
-/* Part of quant.c: 16-bit float weights (bfloat16 or float16, quant.h's row_w16 layout: uint16 [N, K])
+/* Part of quant.c (and of layer_ops.c, for moe_q8.h's 16-bit experts): 16-bit float weights (bfloat16 or float16, quant.h's row_w16 layout: uint16 [N, K])
  * times many rows of float32 x, float32 out, on AVX-512: prefill with `--quantization bf16 / fp16`
  * where the compute is float32 (a CPU without AVX512_BF16 / AMX; quant.py's QGEMM_W16_MIN_M).
  * And, where the build has AVX512_BF16 (W16_BF16_PAIRS), bf16 x times bf16 weights with float32 sums of the
