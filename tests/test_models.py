@@ -365,7 +365,7 @@ def test_bf16_moe_greedy_follows_hf_bf16_up_to_routing_ties(name, checkpoints, m
 
 
 @pytest.mark.parametrize("name", ["qwen3_moe-mlp_only", "qwen3_moe-step2", "mixtral"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_moe_layers_equal_hfs_sparse_blocks(name, dtype, checkpoints, monkeypatch):
     """Each sparse layer as the engine loads it against the HF module on the same input: the
     per-expert torch path bit-equal in bf16 for several rows (the same roundings: each expert's
