@@ -29,7 +29,8 @@ import os
 import statistics
 import sys
 
-PATHS = ("f32", "prepacked", "panels", "before", "bf16", "bf16-panels", "bf16-widened")
+PATHS = ("f32", "prepacked", "panels", "before", "bf16", "bf16-panels", "bf16-widened", "widen-mm", "widen-dnn",
+         "widen-dnn-new", "bf16-f32dnn", "bf16-rounded")
 
 
 def main() -> int:
@@ -79,12 +80,26 @@ def main() -> int:
         prepacked = qw.panels if quant.prepack_panels(qw, lib) else None
         wb = qw.dequantize().to(torch.bfloat16)  # the bf16 engine's weight: plain rows, and packed
         packed_bf16 = pack_linear_weight(wb) if "bf16" in a.paths else None
+        wide = torch.empty(n, k)  # widen-*: the whole weight widened each call into a buffer kept between calls
+        w16 = "h16" if qw.q.dtype == torch.float16 else "b16"
+        widen = getattr(lib, f"atomd_qdequant_{w16}") if lib is not None else None
+
+        def widened(buf=None):
+            buf = torch.empty(n, k) if buf is None else buf
+            widen(qw.q.data_ptr(), k, 0, n, buf.data_ptr(), a.threads)
+            return buf
+
+        def bf16_f32dnn(xb):  # bf16 x and the bf16 weight widened, oneDNN float32 on the plain weight, one rounding
+            return onednn(xb.float(), widened(wide)).to(torch.bfloat16)
         for m in a.ms:
             x = torch.randn(m, k)
             xb = x.to(torch.bfloat16)
             calls = {"f32": lambda: linear(x, packed), "bf16": lambda: onednn(xb, packed_bf16),
                      "bf16-panels": lambda: quant.gemm_bf16_f32(xb, wb, lib, True).to(torch.bfloat16),
-                     "bf16-widened": lambda: quant.gemm_bf16_f32(xb, wb, lib, False).to(torch.bfloat16)}
+                     "bf16-widened": lambda: quant.gemm_bf16_f32(xb, wb, lib, False).to(torch.bfloat16),
+                     "widen-mm": lambda: torch.mm(x, widened(wide).T), "widen-dnn": lambda: onednn(x, widened(wide)),
+                     "widen-dnn-new": lambda: onednn(x, widened()), "bf16-f32dnn": lambda: bf16_f32dnn(xb),
+                     "bf16-rounded": lambda: quant.gemm_bf16(xb, wb, lib, False)}
             times = {path: [] for path in a.paths}
             for _ in range(a.rounds):
                 for path in a.paths:

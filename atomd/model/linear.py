@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from atomd.kernels import cbuild
 from atomd.model import layer_ops
-from atomd.model.quant import QuantizedWeight, gemm_bf16_f32, qlinear, kernels as quant_kernels
+from atomd.model.quant import QuantizedWeight, gemm_bf16, gemm_bf16_f32, qlinear, kernels as quant_kernels
 
 GEMV_ENV = "ATOMD_GEMV"  # "0": batch-1 decode through oneDNN too, no plain copies kept
 GEMV_MAX_BYTES = 1 << 30  # the packed copies kept beside batch-1 decode's plain rows, at most
@@ -46,7 +46,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
     oneDNN's, so float32 logits of a row differ in the last bits between M = 1 and M > 1.
     A quantized weight: atomd/model/quant.py's kernels at any M. bf16 x of BF16_PANELS_MIN_M rows or more with
     the plain `rows` kept, on a CPU with AVX512_BF16 and no AMX tiles: quant.gemm_bf16_f32's panels (float32
-    sums, the bias added, one rounding to bf16)."""
+    sums, the bias added, one rounding to bf16; without a bias quant.gemm_bf16, the same bits in one call)."""
     if isinstance(weight, QuantizedWeight):
         return qlinear(x, weight, bias)
     if rows is not None and x.shape[0] == 1:
@@ -54,8 +54,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor | QuantizedWeight, bias: torch.
         return out if bias is None else out.add_(bias)
     if rows is not None and 0 < BF16_PANELS_MIN_M <= x.shape[0] and x.dtype == rows.dtype == torch.bfloat16 \
             and bf16_panels_run():
-        out = gemm_bf16_f32(x, rows)
-        return (out if bias is None else out.add_(bias)).to(torch.bfloat16)
+        if bias is None:
+            return gemm_bf16(x, rows)
+        return gemm_bf16_f32(x, rows).add_(bias).to(torch.bfloat16)
     if (weight.is_mkldnn and bias is None and x.dtype == weight.dtype == torch.bfloat16
             and 1 < x.shape[0] <= AMX_MAX_ROWS and AMX and reads_onednn_layout(*weight.shape, cbuild.kernel_isa())):
         out = layer_ops.linear_amx(x, weight)

@@ -79,6 +79,13 @@ QGEMM_W16_MIN_M = 16
 # 135M / 0.6B linears, where the rows in registers take 0.58-1.1x and the per-call panels 1.0-1.3x; about level
 # with both at 128-2048 rows (RESULTS.md, #35 16-bit panels packed at load)
 QGEMM_W16_PREPACKED_MIN_M = 2
+# ... up to this many rows: from it the weight is packed per call as float32 panels again (the same sums, the same
+# bits), as the load-time 16-bit panels cost the micro-kernel a shift or a mask per weight vector on the FMA ports,
+# while the per-call packing is one widening pass over the weight, amortised over M / 14 slivers. VNNI kind, 135M
+# linears at 2048 / 4096 rows (a long prefill's QKV runs every row of the step), 1 thread: per-call 0.90-0.98x oneDNN
+# float32's time, load-time 0.94-1.07x; at 512 they tie (0.85-0.96x both); 2 threads alike (RESULTS.md, #35 16-bit
+# prefill on the SmolLM2-135M shape). 0: never
+QGEMM_W16_PER_CALL_MIN_M = 2048
 # gemm_bf16_f32's products: by vdpbf16ps (True) or both operands widened, float32 FMAs (False). Measured on the Intel
 # Xeon with AMX here (register-only loop, 24 chains, 1 core): vdpbf16ps zmm 57 GMAC/s, vfmadd231ps zmm 111, so
 # the widened FMAs win on it (benchmarks/qlinear_16.py; RESULTS.md, #35 bf16 prefill on the AVX512_BF16 kind);
@@ -307,6 +314,10 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_quant_w16_panels.restype = lib.atomd_quant_bf16_panels.restype = ctypes.c_int
     lib.atomd_gemm_bf16_panels.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int]
     lib.atomd_gemm_bf16_panels.restype = ctypes.c_int
+    lib.atomd_gemm_bf16_rounded.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, _PTR, _I64, ctypes.c_int,
+                                            ctypes.c_int]
+    lib.atomd_gemm_bf16_rounded.restype = ctypes.c_int
+    lib.atomd_w16_kc.restype = _I64
     lib.bf16_panels = bool(lib.atomd_quant_bf16_panels())  # gemm_bf16_f32 by vdpbf16ps (AVX512_BF16 built)
     lib.w16_panels = bool(lib.atomd_quant_w16_panels())  # 16-bit weights from QGEMM_W16_MIN_M rows: packed panels
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
@@ -328,9 +339,8 @@ def gemm_bf16_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None
     weight panels (csrc/quant_w16.h, atomd_gemm_bf16_panels), each output one chain over K in order (its bits
     independent of M and the threads): of vdpbf16ps over K's pairs (dot; default BF16_DOT), else of float32
     FMAs on both operands widened. None where the kernels lack AVX-512 (dot: AVX512_BF16)."""
-    lib = kernels() if lib == "auto" else lib
-    dot = BF16_DOT if dot is None else dot
-    if lib is None or not lib.w16_panels or (dot and not lib.bf16_panels):
+    lib, dot = _bf16_kernels(lib, dot)
+    if lib is None:
         return None
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -345,6 +355,36 @@ def gemm_bf16_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None
     if rc != 0:
         raise MemoryError(f"bf16 weight panels of {m} x {k} by {n} rows: out of memory")
     return out
+
+
+def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None | str = "auto",
+              dot: bool | None = None) -> torch.Tensor | None:
+    """gemm_bf16_f32(x, weight, lib, dot).to(torch.bfloat16), the same bits, in one call (atomd_gemm_bf16_rounded):
+    without dot x is widened a sliver of rows at a time inside the kernel instead of into a float32 copy, and each
+    sliver's sums are rounded to bf16 as they are done instead of in a pass over a float32 [M, N] (K within one
+    k-block: the float32 sums never leave the thread's sliver). Those two torch passes were 9% of SmolLM2-135M's
+    bf16 prefill on the AMD EPYC kind (RESULTS.md, #35 16-bit prefill on the SmolLM2-135M shape). None where
+    gemm_bf16_f32 is None."""
+    lib, dot = _bf16_kernels(lib, dot)
+    if lib is None:
+        return None
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    m, (n, k) = x.shape[0], weight.shape
+    out = torch.empty(m, n, dtype=torch.bfloat16)
+    sums = torch.empty(m, n, dtype=torch.float32) if k > lib.atomd_w16_kc() * (2 if dot else 1) else None
+    rc = lib.atomd_gemm_bf16_rounded(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, _ptr(sums), n,
+                                     out.data_ptr(), n, int(dot), torch.get_num_threads())
+    if rc != 0:
+        raise MemoryError(f"bf16 weight panels of {m} x {k} by {n} rows: out of memory")
+    return out
+
+
+def _bf16_kernels(lib: ctypes.CDLL | None | str, dot: bool | None) -> tuple[ctypes.CDLL | None, bool]:
+    """gemm_bf16_f32's / gemm_bf16's kernels (None where they do not run here) and products (dot: BF16_DOT)."""
+    lib = kernels() if lib == "auto" else lib
+    dot = BF16_DOT if dot is None else dot
+    return (None if lib is None or not lib.w16_panels or (dot and not lib.bf16_panels) else lib), dot
 
 
 def _q8_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -414,7 +454,8 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); 16-bit
     weights from QGEMM_W16_MIN_M rows as packed float32 panels where the kernels have AVX-512
     (atomd_qgemm_b16_panels / _h16_panels), from QGEMM_W16_PREPACKED_MIN_M rows where prepack_panels packed them
-    at load (atomd_qgemm_b16_prepacked / _h16_prepacked); more rows, or no kernels (lib None), go through float tiles of
+    at load (atomd_qgemm_b16_prepacked / _h16_prepacked; from QGEMM_W16_PER_CALL_MIN_M rows per call again, the
+    same bits); more rows, or no kernels (lib None), go through float tiles of
     TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()
@@ -450,7 +491,8 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
                            threads)
     elif lib is not None and w.bits == 16 and lib.w16_panels and (
             0 < QGEMM_W16_MIN_M <= m or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
-        packed, kind = (w.panels, "prepacked") if w.panels is not None else (w.q, "panels")
+        prepacked = w.panels is not None and not 0 < QGEMM_W16_PER_CALL_MIN_M <= m
+        packed, kind = (w.panels, "prepacked") if prepacked else (w.q, "panels")
         rc = getattr(lib, f"atomd_qgemm_{_w16(w)}_{kind}")(xf.data_ptr(), k, m, packed.data_ptr(), n, k,
                                                            out.data_ptr(), n, threads)
         if rc != 0:

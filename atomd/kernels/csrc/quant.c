@@ -72,11 +72,11 @@ QGEMM16(h16, row_h16, h16_to_float)
 #define QGEMM16_PANELS(NAME, F16)                                                                                \
     int atomd_qgemm_##NAME##_panels(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N,       \
                                     int64_t K, float *y, int64_t ldy, int num_threads) {                         \
-        PANELS_OR_NOT(w16_gemm(x, ldx, M, q, NULL, F16, N, K, y, ldy, num_threads))                              \
+        PANELS_OR_NOT(w16_gemm(x, ldx, M, q, NULL, F16, N, K, y, ldy, num_threads, 0, NULL, 0))                     \
     }                                                                                                            \
     int atomd_qgemm_##NAME##_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,  \
                                        int64_t K, float *y, int64_t ldy, int num_threads) {                      \
-        PANELS_OR_NOT(w16_gemm(x, ldx, M, NULL, pre, F16, N, K, y, ldy, num_threads))                            \
+        PANELS_OR_NOT(w16_gemm(x, ldx, M, NULL, pre, F16, N, K, y, ldy, num_threads, 0, NULL, 0))                   \
     }                                                                                                            \
     int atomd_qprepack_##NAME(const uint16_t *q, int64_t N, int64_t K, uint16_t *pre, int num_threads) {         \
         PANELS_OR_NOT((w16_prepack(q, N, K, F16, pre, num_threads), 0))                                          \
@@ -96,7 +96,7 @@ QGEMM16_PANELS(h16, W16_H16)
 int atomd_gemm_bf16_panels(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *w, int64_t N, int64_t K,
                            float *y, int64_t ldy, int num_threads) {
 #ifdef W16_BF16_PAIRS
-    return w16_gemm(x, ldx, M, w, NULL, W16_PAIRS, N, K, y, ldy, num_threads);
+    return w16_gemm(x, ldx, M, w, NULL, W16_PAIRS, N, K, y, ldy, num_threads, 0, NULL, 0);
 #else
     (void)x, (void)ldx, (void)M, (void)w, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
     return 1;
@@ -210,6 +210,32 @@ int atomd_qgemm_wide(const float *x, int64_t ldx, int64_t M, const void *q, int6
 int atomd_quant_wide(void) {
 #if QAMX_WIDE
     return amx_granted();
+#else
+    return 0;
+#endif
+}
+
+/* y16 [M, ldy16] bf16 = x [M, ldx] @ w^T rounded once, for bf16 x and a bf16 weight w [N, K] (uint16 bits), each
+ * sliver of rows' float32 sums rounded to bf16 as they are done, as torch rounds (linear.py's bf16 prefill on a CPU
+ * with AVX512_BF16 but no AMX tiles): dot 0, the float32 FMAs of atomd_qgemm_b16_panels with x widened a sliver of
+ * rows at a time inside the call (not a float32 copy of x); dot 1, atomd_gemm_bf16_panels' vdpbf16ps. The bits of
+ * those two on x (widened) rounded by torch. y: float32 [M, ldy] for the unrounded sums where K is past one k-block
+ * (atomd_w16_kc() inputs; with dot twice that), else NULL (they stay in a per-thread sliver). 0 done; 1 not built
+ * here (no AVX-512; dot: no AVX512_BF16); -1 out of memory */
+int atomd_gemm_bf16_rounded(const uint16_t *x, int64_t ldx, int64_t M, const uint16_t *w, int64_t N, int64_t K,
+                            float *y, int64_t ldy, uint16_t *y16, int64_t ldy16, int dot, int num_threads) {
+#ifdef W16_BF16_PAIRS
+    if (dot) return w16_gemm(x, ldx, M, w, NULL, W16_PAIRS, N, K, y, ldy, num_threads, 0, y16, ldy16);
+#else
+    if (dot) return 1;
+#endif
+    PANELS_OR_NOT(w16_gemm(x, ldx, M, w, NULL, W16_B16, N, K, y, ldy, num_threads, 1, y16, ldy16))
+}
+
+/* inputs of one k-block of atomd_gemm_bf16_rounded (past it, the caller passes float32 y for the sums) */
+int64_t atomd_w16_kc(void) {
+#ifdef W16_PANELS
+    return W16_KC;
 #else
     return 0;
 #endif

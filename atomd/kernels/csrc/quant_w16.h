@@ -47,18 +47,20 @@
  * bf16 inputs kept as they are (vdpbf16ps's operand) */
 enum { W16_B16 = 0, W16_H16 = 1, W16_PAIRS = 2 };
 
-/* per thread: the packed weight block, kept between calls (a fresh 1 MiB malloc each
- * call would be mapped and faulted in again) */
-static _Thread_local float *w16_buf;
-static _Thread_local size_t w16_cap;
+/* per thread, kept between calls (a fresh malloc each call would be mapped and faulted in again): the packed
+ * weight block (W16_SCR_PANELS, 1 MiB), and for bf16 x widened and bf16 out rounded here (atomd_gemm_bf16_widened)
+ * a sliver of x widened (W16_SCR_X) and a sliver of outputs (W16_SCR_Y) */
+enum { W16_SCR_PANELS = 0, W16_SCR_X = 1, W16_SCR_Y = 2 };
+static _Thread_local float *w16_buf[3];
+static _Thread_local size_t w16_cap[3];
 
-static float *w16_scratch(size_t floats) {
-    if (floats > w16_cap) {
-        free(w16_buf);
-        w16_buf = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
-        w16_cap = w16_buf ? floats : 0;
+static float *w16_scratch(int slot, size_t floats) {
+    if (floats > w16_cap[slot]) {
+        free(w16_buf[slot]);
+        w16_buf[slot] = aligned_alloc(64, (floats * sizeof(float) + 63) / 64 * 64);
+        w16_cap[slot] = w16_buf[slot] ? floats : 0;
     }
-    return w16_buf;
+    return w16_buf[slot];
 }
 
 /* 16 packed units of row p from unit u: 16 values widened, or 16 pairs (32 bf16) as they are */
@@ -206,12 +208,42 @@ W16_TILES(w16_pair_tiles, W16_X_PAIRS, W16_B_F32)
 
 static inline __mmask16 w16_mask(int64_t cols) { return cols >= 16 ? 0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1); }
 
+/* rows x16 [rows, ldx] of bf16, inputs 0..kc, widened (exactly) into xs [rows, ldxs] */
+static void w16_widen_x(const uint16_t *x16, int64_t ldx, int64_t rows, int64_t kc, float *xs, int64_t ldxs) {
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t k = 0; k < kc; k += 16) {
+            const __mmask16 m = w16_mask(kc - k);
+            const __m256i h = _mm256_maskz_loadu_epi16(m, x16 + i * ldx + k);
+            _mm512_mask_storeu_ps(xs + i * ldxs + k, m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+        }
+}
+
+/* y [rows, ldy] float32 columns 0..cols rounded to bf16 into y16 [rows, ldy16]: to nearest even, a NaN a quiet NaN
+ * (bf16_convert.h's f32_to_bf16, as torch's .to(torch.bfloat16)) */
+static void w16_round_y(const float *y, int64_t ldy, int64_t rows, int64_t cols, uint16_t *y16, int64_t ldy16) {
+    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), abs = _mm512_set1_epi32(0x7fffffff);
+    const __m512i inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
+    for (int64_t i = 0; i < rows; i++)
+        for (int64_t n = 0; n < cols; n += 16) {
+            const __mmask16 m = w16_mask(cols - n);
+            const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, y + i * ldy + n));
+            const __m512i top = _mm512_srli_epi32(u, 16);
+            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(top, one))), 16);
+            r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf), _mm512_or_si512(top, quiet));
+            _mm256_mask_storeu_epi16(y16 + i * ldy16 + n, m, _mm512_cvtepi32_epi16(r));
+        }
+}
+
 /* y [M, ldy] = x [M, ldx] @ w^T, w uint16 [N, K] of bf16 (kind W16_B16) or float16 (W16_H16) values widened and x
  * float32, or (W16_PAIRS, W16_BF16_PAIRS builds only) bf16 values and x bf16 by vdpbf16ps; pre (W16_B16 / W16_H16
  * only): the same weight as w16_prepack packed it (NULL: packed here, per k-block, into each thread's buffer), the
- * same sums either way. 0 done, -1 out of memory (a thread's 1 MiB buffer) */
+ * same sums either way. x16 (W16_B16 / W16_H16): x is bf16, widened here a sliver of rows at a time (the float32
+ * x's bits). y16: the outputs also rounded to bf16 into y16 [M, ldy16], each sliver once its last k-block is done;
+ * y NULL (only with y16 and K <= one k-block): the float32 outputs stay in a per-thread sliver. 0 done, -1 out of
+ * memory (a thread's scratch) */
 static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, const uint16_t *pre, const int kind,
-                    int64_t N, int64_t K, float *y, int64_t ldy, int num_threads) {
+                    int64_t N, int64_t K, float *y, int64_t ldy, int num_threads, int x16, uint16_t *y16,
+                    int64_t ldy16) {
     const int pairs = kind == W16_PAIRS;
 #ifdef W16_BF16_PAIRS
     const w16_tile_fn *tiles = pre ? (kind == W16_H16 ? w16_h16_tiles : w16_b16_tiles) : pairs ? w16_pair_tiles : w16_tiles;
@@ -224,12 +256,16 @@ static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, co
     kcs += pairs && kcs % 2 && kcs < K;
     const int64_t per_block = W16_BLOCK_FLOATS / (w16_units(kcs, kind) * W16_NR) > 0
                                   ? W16_BLOCK_FLOATS / (w16_units(kcs, kind) * W16_NR) : 1;
+    const int64_t ldxs = (kcs + 15) / 16 * 16, ldys = per_block * W16_NR;  /* the slivers' scratch rows */
+    if (y == NULL && (y16 == NULL || nkb > 1)) return -1;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads) reduction(|: failed)") {
         const int64_t t = omp_get_thread_num(), nt = omp_get_num_threads();
         const int64_t pb = panels * t / nt, pe = panels * (t + 1) / nt;
-        float *bp = pe > pb && pre == NULL ? w16_scratch((size_t)W16_BLOCK_FLOATS) : NULL;
-        if (pe > pb && pre == NULL && bp == NULL) failed = 1;
+        float *bp = pe > pb && pre == NULL ? w16_scratch(W16_SCR_PANELS, (size_t)W16_BLOCK_FLOATS) : NULL;
+        float *xs = pe > pb && x16 ? w16_scratch(W16_SCR_X, (size_t)(W16_MR * ldxs)) : NULL;
+        float *ys = pe > pb && y == NULL ? w16_scratch(W16_SCR_Y, (size_t)(W16_MR * ldys)) : NULL;
+        if (pe > pb && ((pre == NULL && bp == NULL) || (x16 && xs == NULL) || (y == NULL && ys == NULL))) failed = 1;
         for (int64_t k0 = 0; !failed && k0 < K; k0 += kcs) {
             const int64_t kc = K - k0 < kcs ? K - k0 : kcs, units = w16_units(kc, kind);
             for (int64_t p0 = pb; p0 < pe; p0 += per_block) {
@@ -238,14 +274,21 @@ static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, co
                 if (pre == NULL) w16_pack(q + n0 * K, K, nn, k0, kc, kind, bp);
                 for (int64_t s = 0; s < slivers; s++) {
                     const int64_t m0 = M * s / slivers, m1 = M * (s + 1) / slivers;
+                    const char *xr = (const char *)x + (m0 * ldx + k0) * (x16 ? 2 : xsize);
+                    if (x16) w16_widen_x((const uint16_t *)xr, ldx, m1 - m0, kc, xs, ldxs), xr = (const char *)xs;
+                    /* this sliver's outputs: y's rows, or the per-thread sliver (column 0 = panel p0's) */
+                    float *yb = ys ? ys : y + m0 * ldy + n0;
+                    const int64_t ldb = ys ? ldys : ldy;
                     for (int64_t p = p0; p < p1; p++) {
                         const int64_t cols = N - p * W16_NR;
-                        const float *yn = p + 1 < p1 ? y + m0 * ldy + (p + 1) * W16_NR : y + (m1 < M ? m1 : m0) * ldy + p0 * W16_NR;
+                        const float *yn = p + 1 < p1 ? yb + (p + 1 - p0) * W16_NR
+                                                     : ys ? ys : y + (m1 < M ? m1 : m0) * ldy + n0;
                         const void *panel = pre ? (const void *)(pre + (p * K + k0) * W16_NR)
                                                 : (const void *)(bp + (p - p0) * units * W16_NR);
-                        tiles[m1 - m0]((const char *)x + (m0 * ldx + k0) * xsize, ldx, panel, kc, y + m0 * ldy + p * W16_NR,
-                                       ldy, k0 == 0, w16_mask(cols), w16_mask(cols - 16), yn);
+                        tiles[m1 - m0](xr, x16 ? ldxs : ldx, panel, kc, yb + (p - p0) * W16_NR, ldb, k0 == 0,
+                                       w16_mask(cols), w16_mask(cols - 16), yn);
                     }
+                    if (y16 && k0 + kc == K) w16_round_y(yb, ldb, m1 - m0, nn, y16 + m0 * ldy16 + n0, ldy16);
                 }
             }
         }
