@@ -328,15 +328,15 @@ def test_bf16_prompt_logits_match_hf_bf16(hf_default, chunk, path, monkeypatch):
     """Fresh prompts through the native kernel (AMX tiles where this CPU has them), its
     AVX512_BF16 loop (a build without AMX), and torch SDPA (the engine's path on an AMX CPU
     whose kernel build has no AMX). The build without AMX also runs a prompt of every text joined
-    (past linear.BF16_PANELS_MIN_M rows: the linears through quant.gemm_bf16_f32, unchunked)."""
+    (past linear.BF16_PANELS_MIN_M rows: the linears through quant.gemm_bf16 / gemm_bf16_f32, unchunked)."""
     from atomd.model import linear
 
     calls = []
     if path == "kernel-no-amx":
         monkeypatch.setenv(native.ISA_ENV, "no-amx")
-        panels = linear.gemm_bf16_f32
         monkeypatch.setattr(linear, "bf16_panels_run", functools.cache(linear.bf16_panels_run.__wrapped__))
-        monkeypatch.setattr(linear, "gemm_bf16_f32", lambda *a: calls.append(a) or panels(*a))
+        for name in ("gemm_bf16_f32", "gemm_bf16"):  # with a bias / without: the sums rounded in the kernel
+            monkeypatch.setattr(linear, name, lambda *a, panels=getattr(linear, name): calls.append(a) or panels(*a))
     args = {"max_num_batched_tokens": chunk} if chunk else {}
     llm = LLM(None, num_threads=1, max_model_len=512, dtype="bfloat16", attention_backend="native", **args)
     llm.engine.runner.fresh_prefill_kernel = path != "sdpa"  # the runner's choice: the next test

@@ -218,6 +218,24 @@ def test_prepacked_panels_give_the_per_call_panels_bits(panels_lib, fmt, m, n, k
         np.testing.assert_array_equal(quant.qlinear(xt, packed, lib=panels_lib).numpy(), want)
 
 
+def test_qlinear_packs_per_call_again_from_its_threshold(panels_lib, monkeypatch):
+    """From QGEMM_W16_PER_CALL_MIN_M rows qlinear packs the weight per call (float32 panels) although its load-time
+    panels are there; below it the load-time ones: the same bits either way (numpy-checked above)."""
+    rng = np.random.default_rng(13)
+    w, packed = weight16(rng, 45, 576)
+    assert quant.prepack_panels(packed, panels_lib) > 0
+    x = torch.from_numpy(rng.standard_normal((17, 576)).astype(np.float32))
+    want = panels(panels_lib, x.numpy(), packed, 1)
+    monkeypatch.setattr(quant, "QGEMM_W16_PER_CALL_MIN_M", 17)
+    for m, kind in ((16, "prepacked"), (17, "panels")):
+        calls = {name: [] for name in ("panels", "prepacked")}
+        for name, record in calls.items():
+            fn = getattr(panels_lib, f"atomd_qgemm_b16_{name}")
+            monkeypatch.setattr(panels_lib, f"atomd_qgemm_b16_{name}", lambda *a, fn=fn, record=record: record.append(a) or fn(*a))
+        np.testing.assert_array_equal(quant.qlinear(x[:m], packed, lib=panels_lib).numpy(), want[:m])
+        assert [name for name, record in calls.items() if record] == [kind]
+
+
 def test_a_16_bit_model_packs_its_panels_at_load_within_the_budget(monkeypatch):
     """load_model with `--quantization bf16` at float32 packs every layer's weights and then the LM head once (where
     the kernels have AVX-512), as many as the budget of second copies (linear.GEMV_MAX_BYTES) allows, layers first;
@@ -302,11 +320,42 @@ def test_bf16_panels_give_back_the_weights_and_are_not_built_without_avx512_bf16
         assert torch.equal(quant.gemm_bf16_f32(x, w, pairs_lib, dot), w.float()[:, cols].T)
     no_dot = quant.build_kernels("no-bf16-dot")
     assert not no_dot.bf16_panels and no_dot.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1) == 1
-    assert quant.gemm_bf16_f32(x, w, no_dot, True) is None
+    assert quant.gemm_bf16_f32(x, w, no_dot, True) is None and quant.gemm_bf16(x, w, no_dot, True) is None
     assert torch.equal(quant.gemm_bf16_f32(x, w, no_dot, False), w.float()[:, cols].T)
+    assert torch.equal(quant.gemm_bf16(x, w, no_dot, False), w[:, cols].T)
     no_avx512 = quant.build_kernels("no-avx512")
     assert no_avx512.atomd_gemm_bf16_panels(0, 8, 3, 0, 4, 8, 0, 4, 1) == 1
-    assert quant.gemm_bf16_f32(x, w, no_avx512, False) is None
+    assert no_avx512.atomd_gemm_bf16_rounded(0, 8, 3, 0, 4, 8, 0, 4, 0, 4, 0, 1) == 1
+    assert quant.gemm_bf16_f32(x, w, no_avx512, False) is None and quant.gemm_bf16(x, w, no_avx512, False) is None
+
+
+ROUNDED_CASES = [  # m, n, k: row tails, odd K, K within one k-block (sums kept in the thread's sliver) and past it
+    # (widened: 1024 inputs a block, so 1025; pairs: 2048, so 2051 and 4100), weight rows not a multiple of 32
+    (1, 37, 101), (14, 37, 101), (15, 33, 1025), (29, 70, 2051), (45, 450, 600), (3, 33, 4100), (2, 5, 1),
+]
+
+
+@pytest.mark.parametrize("dot", [True, False])
+def test_bf16_rounded_is_the_float32_sums_rounded_once(pairs_lib, dot, monkeypatch):
+    """quant.gemm_bf16 (atomd_gemm_bf16_rounded: x widened and the sums rounded to bf16 inside the call) gives
+    gemm_bf16_f32's sums rounded as torch rounds them, bit for bit, at 1 and 2 threads and with x's rows strided;
+    so within the float32 sum bound of float64 numpy plus half a bf16 step; ties round to even, overflow to inf."""
+    for m, n, k in ROUNDED_CASES:
+        rng = np.random.default_rng(m * n + k)
+        x, w = bf16_values(rng, m, k), bf16_values(rng, n, k)
+        for threads in (1, 2):
+            monkeypatch.setattr(torch, "get_num_threads", lambda threads=threads: threads)
+            got = quant.gemm_bf16(x, w, pairs_lib, dot)
+            assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+            assert torch.equal(got, quant.gemm_bf16_f32(x, w, pairs_lib, dot).bfloat16())
+        assert torch.equal(quant.gemm_bf16(torch.cat([x, x[:, :5]], 1)[:, :k], w, pairs_lib, dot), got)
+        ref, bound = x.double() @ w.double().T, k * 2.0 ** -24 * (x.double().abs() @ w.double().abs().T)
+        assert ((got.double() - ref).abs() <= (ref.abs() + bound) * 2.0 ** -8 + bound + 1e-30).all()
+    one = 1.0 + 2.0 ** -7  # the bf16 after 1.0: sums 1 + 2^-8 and one + 2^-8 are ties (to 1.0 and to 1 + 2^-6)
+    x = torch.tensor([[1.0, 2.0 ** -8, 0.0], [one, 2.0 ** -8, 0.0], [2.0 ** 100, 0.0, 0.0]]).bfloat16()
+    w = torch.tensor([[1.0, 1.0, 0.0], [2.0 ** 100, 0.0, 0.0]]).bfloat16()
+    got = quant.gemm_bf16(x, w, pairs_lib, dot).float()
+    assert got[0, 0] == 1.0 and got[1, 0] == 1.0 + 2.0 ** -6 and got[2, 1] == float("inf")
 
 
 @pytest.mark.parametrize("isa", ["native", "no-amx", "no-bf16-dot"])
@@ -321,8 +370,9 @@ def test_linear_takes_the_bf16_panels_where_avx512_bf16_has_no_amx_tiles(isa, mo
     monkeypatch.setattr(quant, "kernels", lambda: lib)
     linear_mod.bf16_panels_run.cache_clear()
     monkeypatch.setattr(linear_mod, "bf16_panels_run", linear_mod.bf16_panels_run.__wrapped__)
-    calls = []
+    calls, rounded = [], []
     monkeypatch.setattr(linear_mod, "gemm_bf16_f32", lambda *a: calls.append(a) or quant.gemm_bf16_f32(*a))
+    monkeypatch.setattr(linear_mod, "gemm_bf16", lambda *a: rounded.append(a) or quant.gemm_bf16(*a))
     rng = np.random.default_rng(11)
     m = max(linear_mod.BF16_PANELS_MIN_M, 2)
     x, rows, bias = bf16_values(rng, m, 96), bf16_values(rng, 40, 96), bf16_values(rng, 40)
@@ -335,5 +385,11 @@ def test_linear_takes_the_bf16_panels_where_avx512_bf16_has_no_amx_tiles(isa, mo
         calls.clear()
         linear_mod.linear(x[:linear_mod.BF16_PANELS_MIN_M - 1], weight, bias, rows)
         assert not calls
+        assert not rounded  # without a bias: the sums rounded in the kernel, the same bits
+        assert torch.equal(linear_mod.linear(x, weight, None, rows), quant.gemm_bf16_f32(x, rows, lib).bfloat16())
+        assert rounded and not calls
+        rounded.clear()
+        linear_mod.linear(x[:linear_mod.BF16_PANELS_MIN_M - 1], weight, None, rows)
+        assert not rounded
     want = (x.double() @ rows.double().T + bias.double())
     assert ((got.double() - want).abs() <= want.abs() * 2.0 ** -8 + 1e-2).all()

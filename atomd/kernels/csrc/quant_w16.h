@@ -19,6 +19,9 @@
  *   input two weight vectors loaded (the panel streams from L2, prefetched W16_PREFETCH bytes ahead) and
  *   one x value per row broadcast from x's own rows, 2 x W16_MR FMAs; the next tile's output rows
  *   prefetched during the first W16_MR inputs.
+ * bf16 x without vdpbf16ps (atomd_gemm_bf16_rounded): each sliver of x widened into a per-thread buffer before its
+ * panels, and with a bf16 output each sliver's sums rounded as its last k-block ends (in a per-thread sliver
+ * buffer where K is one k-block): no float32 copy of x or y goes through memory.
  * The output is the accumulator: zeroed at the first k-block, loaded and stored at each later one (so
  * long k-blocks: K <= 1024 is one pass; 2048 for bf16 pairs, the same bytes), so every y[m, n] is one chain of
  * FMAs over k = 0..K-1 in order (of vdpbf16ps over the pairs in order):
