@@ -339,22 +339,7 @@ def gemm_bf16_f32(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None
     weight panels (csrc/quant_w16.h, atomd_gemm_bf16_panels), each output one chain over K in order (its bits
     independent of M and the threads): of vdpbf16ps over K's pairs (dot; default BF16_DOT), else of float32
     FMAs on both operands widened. None where the kernels lack AVX-512 (dot: AVX512_BF16)."""
-    lib, dot = _bf16_kernels(lib, dot)
-    if lib is None:
-        return None
-    if x.stride(-1) != 1:
-        x = x.contiguous()
-    m, (n, k) = x.shape[0], weight.shape
-    out = torch.empty(m, n, dtype=torch.float32)
-    if not dot:  # x widened once (a GPR broadcast per input in the micro-kernel costs a port-5 uop an FMA needs)
-        x = x.float()
-    rc = lib.atomd_gemm_bf16_panels(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n,
-                                    torch.get_num_threads()) if dot else \
-        lib.atomd_qgemm_b16_panels(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n,
-                                   torch.get_num_threads())
-    if rc != 0:
-        raise MemoryError(f"bf16 weight panels of {m} x {k} by {n} rows: out of memory")
-    return out
+    return _gemm_bf16(x, weight, lib, dot, False)
 
 
 def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None | str = "auto",
@@ -365,26 +350,33 @@ def gemm_bf16(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None | s
     k-block: the float32 sums never leave the thread's sliver). Those two torch passes were 9% of SmolLM2-135M's
     bf16 prefill on the AMD EPYC kind (RESULTS.md, #35 16-bit prefill on the SmolLM2-135M shape). None where
     gemm_bf16_f32 is None."""
-    lib, dot = _bf16_kernels(lib, dot)
-    if lib is None:
+    return _gemm_bf16(x, weight, lib, dot, True)
+
+
+def _gemm_bf16(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None | str, dot: bool | None,
+               rounded: bool) -> torch.Tensor | None:
+    """gemm_bf16_f32 (rounded False) or gemm_bf16."""
+    lib = kernels() if lib == "auto" else lib
+    dot = BF16_DOT if dot is None else dot
+    if lib is None or not lib.w16_panels or (dot and not lib.bf16_panels):
         return None
     if x.stride(-1) != 1:
         x = x.contiguous()
-    m, (n, k) = x.shape[0], weight.shape
-    out = torch.empty(m, n, dtype=torch.bfloat16)
-    sums = torch.empty(m, n, dtype=torch.float32) if k > lib.atomd_w16_kc() * (2 if dot else 1) else None
-    rc = lib.atomd_gemm_bf16_rounded(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, _ptr(sums), n,
-                                     out.data_ptr(), n, int(dot), torch.get_num_threads())
+    m, (n, k), threads = x.shape[0], weight.shape, torch.get_num_threads()
+    if rounded:
+        out = torch.empty(m, n, dtype=torch.bfloat16)
+        sums = torch.empty(m, n, dtype=torch.float32) if k > lib.atomd_w16_kc() * (2 if dot else 1) else None
+        rc = lib.atomd_gemm_bf16_rounded(x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, _ptr(sums), n,
+                                         out.data_ptr(), n, int(dot), threads)
+    else:
+        out = torch.empty(m, n, dtype=torch.float32)
+        if not dot:  # x widened once (a GPR broadcast per input in the micro-kernel costs a port-5 uop an FMA needs)
+            x = x.float()
+        rc = (lib.atomd_gemm_bf16_panels if dot else lib.atomd_qgemm_b16_panels)(
+            x.data_ptr(), x.stride(0), m, weight.data_ptr(), n, k, out.data_ptr(), n, threads)
     if rc != 0:
         raise MemoryError(f"bf16 weight panels of {m} x {k} by {n} rows: out of memory")
     return out
-
-
-def _bf16_kernels(lib: ctypes.CDLL | None | str, dot: bool | None) -> tuple[ctypes.CDLL | None, bool]:
-    """gemm_bf16_f32's / gemm_bf16's kernels (None where they do not run here) and products (dot: BF16_DOT)."""
-    lib = kernels() if lib == "auto" else lib
-    dot = BF16_DOT if dot is None else dot
-    return (None if lib is None or not lib.w16_panels or (dot and not lib.bf16_panels) else lib), dot
 
 
 def _q8_scratch(m: int, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
