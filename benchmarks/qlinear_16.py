@@ -18,6 +18,12 @@ routes bf16 prefill where the CPU has no AMX tiles):
     flock /tmp/atomd-heavy.lock nice -n 5 .venv/bin/python -m benchmarks.qlinear_16 --cpu-kind avx512-bf16 \
         --paths f32 bf16 bf16-panels bf16-widened --ms 2 8 16 32 128 512 2048 --threads 2
 
+`bf16-rounded`: quant.gemm_bf16, the widened panels with x widened and the sums rounded inside the call (what
+linear.linear runs there without a bias). The whole weight widened once a call into a float32 buffer (atomd_qdequant_*,
+all rows; #35 session 15's test of "the float32 engine's own GEMM plus an O(N K) widening"): `widen-mm` then torch.mm
+(MKL), `widen-dnn` then oneDNN's linear on the plain buffer (kept between calls; `widen-dnn-new`: a new one each call),
+and for bf16 x `bf16-f32dnn` (x widened by torch, oneDNN float32 on the widened weight, rounded once).
+
 Weights random; per (linear, M): ms a call,
 median over --rounds rounds alternating the paths, each round the median of --reps calls. Prints a markdown
 table (each path's time over f32's: > 1 slower) and the load (/proc/loadavg) before / after.
