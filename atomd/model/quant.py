@@ -82,9 +82,9 @@ QGEMM_W16_PREPACKED_MIN_M = 2
 # ... up to this many rows: from it the weight is packed per call as float32 panels again (the same sums, the same
 # bits), as the load-time 16-bit panels cost the micro-kernel a shift or a mask per weight vector on the FMA ports,
 # while the per-call packing is one widening pass over the weight, amortised over M / 14 slivers. VNNI kind, 135M
-# linears at 2048 / 4096 rows (a long prefill's QKV runs every row of the step), 1 thread: per-call 0.90-0.98x oneDNN
-# float32's time, load-time 0.94-1.07x; at 512 they tie (0.85-0.96x both); 2 threads alike (RESULTS.md, #35 16-bit
-# prefill on the SmolLM2-135M shape). 0: never
+# linears at 2048 / 4096 rows (a long prefill's QKV runs every row of the step): per-call 0.93-0.96x the load-time
+# panels' time at 1 thread, 0.90-0.96x at 2 (Qwen3-0.6B at 4096 rows: 0.97-1.02x); at 512 rows they tie (RESULTS.md,
+# #35 16-bit prefill on the SmolLM2-135M shape). 0: never
 QGEMM_W16_PER_CALL_MIN_M = 2048
 # gemm_bf16_f32's products: by vdpbf16ps (True) or both operands widened, float32 FMAs (False). Measured on the Intel
 # Xeon with AMX here (register-only loop, 24 chains, 1 core): vdpbf16ps zmm 57 GMAC/s, vfmadd231ps zmm 111, so
