@@ -58,7 +58,8 @@ static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int
     const int f16 = w->bits == QBITS_F16;
     const uint16_t *q = (const uint16_t *)w->q;
 #ifdef W16_PANELS
-    if (w16_min > 0 && m >= w16_min) return w16_gemm(x, K, m, q, NULL, f16 ? W16_H16 : W16_B16, N, K, y, N, 1);
+    if (w16_min > 0 && m >= w16_min)
+        return w16_gemm(x, K, m, q, NULL, f16 ? W16_H16 : W16_B16, N, K, y, N, 1, 0, NULL, 0);
 #else
     (void)w16_min;
 #endif

@@ -212,18 +212,19 @@ W16_TILES(w16_pair_tiles, W16_X_PAIRS, W16_B_F32)
 static inline __mmask16 w16_mask(int64_t cols) { return cols >= 16 ? 0xffff : cols <= 0 ? 0 : (__mmask16)((1u << cols) - 1); }
 
 /* rows x16 [rows, ldx] of bf16, inputs 0..kc, widened (exactly) into xs [rows, ldxs] */
-static void w16_widen_x(const uint16_t *x16, int64_t ldx, int64_t rows, int64_t kc, float *xs, int64_t ldxs) {
+static inline void w16_widen_x(const uint16_t *x16, int64_t ldx, int64_t rows, int64_t kc, float *xs, int64_t ldxs) {
     for (int64_t i = 0; i < rows; i++)
         for (int64_t k = 0; k < kc; k += 16) {
             const __mmask16 m = w16_mask(kc - k);
             const __m256i h = _mm256_maskz_loadu_epi16(m, x16 + i * ldx + k);
-            _mm512_mask_storeu_ps(xs + i * ldxs + k, m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16)));
+            const __m512i wide = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);
+            _mm512_mask_storeu_ps(xs + i * ldxs + k, m, _mm512_castsi512_ps(wide));
         }
 }
 
 /* y [rows, ldy] float32 columns 0..cols rounded to bf16 into y16 [rows, ldy16]: to nearest even, a NaN a quiet NaN
  * (bf16_convert.h's f32_to_bf16, as torch's .to(torch.bfloat16)) */
-static void w16_round_y(const float *y, int64_t ldy, int64_t rows, int64_t cols, uint16_t *y16, int64_t ldy16) {
+static inline void w16_round_y(const float *y, int64_t ldy, int64_t rows, int64_t cols, uint16_t *y16, int64_t ldy16) {
     const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), abs = _mm512_set1_epi32(0x7fffffff);
     const __m512i inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
     for (int64_t i = 0; i < rows; i++)
@@ -232,7 +233,8 @@ static void w16_round_y(const float *y, int64_t ldy, int64_t rows, int64_t cols,
             const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, y + i * ldy + n));
             const __m512i top = _mm512_srli_epi32(u, 16);
             __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(top, one))), 16);
-            r = _mm512_mask_mov_epi32(r, _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf), _mm512_or_si512(top, quiet));
+            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
+            r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, quiet));
             _mm256_mask_storeu_epi16(y16 + i * ldy16 + n, m, _mm512_cvtepi32_epi16(r));
         }
 }
