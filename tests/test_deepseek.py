@@ -26,6 +26,7 @@ from atomd.model.loader import read_config
 from atomd.model import mla
 from atomd.model.mla import LatentUp, mla_decode, store_latent
 from contracts.sampling import SamplingParams
+from tests.avx512 import AVX512, needs_avx512
 from tests.families import DEEPSEEK, DEEPSEEK_COMMON, FAMILIES, YARN, make_deepseek, write_families
 from tests.test_model_hf import BLOCK, assert_equals_hf, engine_greedy, prompts_of
 
@@ -399,6 +400,7 @@ def test_kv_events_name_the_latent_blocks_by_their_tokens(request, checkpoints):
 # ---------------------------------------------------------------- the batch-1 C layer
 
 
+@needs_avx512("deepseek.MlaDecodeLayers (the batch-1 C layer)")
 @pytest.mark.parametrize("name,dtype,threads", [("v2-lite", "float32", 1), ("v2-lite", "bfloat16", 2),
                                                 ("v3", "float32", 3), ("v3", "bfloat16", 1),
                                                 ("v3-halves-all-sparse", "bfloat16", 2)])
@@ -455,6 +457,7 @@ def test_batch1_c_layer_not_taken_where_it_does_not_run(checkpoints):
     assert_equals_hf(path, prompts, engine_greedy(llm, prompts))
 
 
+@needs_avx512("deepseek.MlaDecodeLayers (the batch-1 C layer)")
 @pytest.mark.parametrize("name,dtype", [("v2-lite", "float32"), ("v3", "bfloat16")])
 def test_batch1_c_layer_verifies_drafts(name, dtype, checkpoints, monkeypatch):
     """A verify step of one sequence (its token and n-gram drafts, up to 4 rows, causal) through
@@ -534,7 +537,7 @@ def test_decode_batch_c_glue_equals_the_per_op_layer(name, dtype, threads, isa, 
     requests = [{"prompt_token_ids": p} for p in prompts_of([1, 4, BLOCK + 2, 2 * BLOCK + 3, 7], seed=7)]
     got = runs_switched(model, monkeypatch, "ROWS",
                         lambda: [o.outputs[0] for o in llm.generate(requests, params, use_tqdm=False)])
-    sparse, built = sum(w.moe is not None for w in model.layers), isa != "no-avx512"
+    sparse, built = sum(w.moe is not None for w in model.layers), isa != "no-avx512" and AVX512
     assert (model.rows is not None) == built
     assert calls["head"] == (10 * len(model.layers) if built else 0)  # the prompts' step, 9 decode steps; none per-op
     amx = dtype == "bfloat16" and layer_ops.has_moe_amx()

@@ -23,6 +23,7 @@ from atomd.model.deepseek_mtp import load_mtp
 from atomd.model.loader import load_model
 from contracts.sampling import SamplingParams
 from scheduler.block_manager import BlockPool
+from tests.avx512 import needs_avx512
 from tests.families import DEEPSEEK_COMMON as COMMON, YARN, make_deepseek
 from tests.test_model_hf import (BLOCK, assert_equals_hf, engine_greedy, make_checkpoint, prompts_of,
                                  write_tokenizer)
@@ -260,6 +261,7 @@ def test_mtp_in_bfloat16_is_near_the_float32_reference(ckpt):
                                              atol=0.1) >= 16
 
 
+@needs_avx512("deepseek_mtp.MtpPass (the MTP pass in one C call)")
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_mtp_pass_in_one_c_call_gives_the_per_op_passs_bits(dtype, ckpt):
     """Batch 1: the MTP pass in one C call (deepseek_mtp.MtpPass: norms, eh_proj, the layer, the head)

@@ -11,7 +11,10 @@ from atomd.kernels import cbuild
 from atomd.model import layer_ops, linear as linear_mod
 from atomd.model.linear import linear, pack_linear_weight
 
-pytestmark = pytest.mark.unit
+# the tests read oneDNN's packed bf16 weight: a CPU with no oneDNN bf16 (AVX2 only) keeps bf16 weights unpacked
+# (decoder.py) and never reaches linear_amx (its bf16 linears: tests/test_layer_ops.py, tests/test_bf16.py)
+pytestmark = [pytest.mark.unit, pytest.mark.skipif(not linear_mod.onednn_runs(torch.bfloat16),
+                                                   reason="oneDNN has no bf16 linear on this CPU")]
 
 
 def onednn(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
