@@ -1,14 +1,16 @@
 """The engine on every kind of CPU this project's machines come in, on any one of them.
 
 CI runs on whichever machine it gets: an AMD EPYC with AVX512_BF16, an Intel Xeon with AMX,
-or an Intel Xeon with AVX-512/VNNI but neither AVX512_BF16 nor AMX. A test that passes on
-one must pass on the others, so each narrower kind (and the AVX2-only and no-compiler
-fallbacks) is simulated here by narrowing everything that looks at the CPU, in a child
+an Intel Xeon with AVX-512/VNNI but neither AVX512_BF16 nor AMX, or (since 2026-12-06) an AMD
+EPYC with AVX2 alone. A test that passes on one must pass on the others, so each narrower kind
+(and the no-compiler fallback) is simulated here by narrowing everything that looks at the CPU, in a child
 process: our C kernels and the engine's CPU flags ($ATOMD_KERNEL_ISA, atomd/kernels/cbuild.py),
 oneDNN's GEMMs ($ONEDNN_MAX_CPU_ISA) and ATen's vector kernels ($ATEN_CPU_CAPABILITY). The
 engine-level tests against Hugging Face then run in that process, HF included, so the
 reference computes as it would on that CPU too. A kind at or above this machine's own CPU
-narrows nothing (the AMX kind is this file's parent run on an AMX machine).
+narrows nothing (the AMX kind is this file's parent run on an AMX machine). A kind wider than this
+CPU cannot be simulated (its instructions are not there): on the AVX2-only EPYC only the
+no-compiler run is left, and the AVX-512 kernels' tests skip (tests/avx512.py).
 """
 from __future__ import annotations
 
@@ -38,7 +40,7 @@ FAMILY_TESTS = ("hf and not deepseek and not pd_", ["tests/test_models.py", "tes
 # kind has AMX, both have VNNI; oneDNN's float32 GEMM is avx512_core under either cap), run there
 BF16_ENGINE_TESTS = ("hf or engine", ["tests/test_bf16.py"])
 BF16_FAMILY_TESTS = ("hf and not deepseek and not pd_ and (bf16 or bfloat16)", ["tests/test_models.py", "tests/test_gemma3.py"])
-# AVX2-only is no machine of ours, but the kernels keep its path: the engine in fp32 against
+# AVX2 alone (the AMD EPYC of 2026-12-06, Zen 3, natively; narrowed on the others): the engine in fp32 against
 # HF, and in bf16 (weights unpacked: oneDNN has no bf16 there) against its own torch ops. Not
 # against HF bf16: HF's own bf16 generate leaves its fp32 from the first token under this
 # narrowing (a single forward agrees)
@@ -51,7 +53,7 @@ KINDS = {
     "avx512-bf16": (cbuild.CPU_KIND_ENV["avx512-bf16"], [BF16_ENGINE_TESTS, BF16_FAMILY_TESTS]),
     # AVX-512 and VNNI, no AVX512_BF16, no AMX (the Intel Xeon where #31's bf16 test failed)
     "avx512-vnni": (cbuild.CPU_KIND_ENV["avx512-vnni"], [ENGINE_TESTS, FAMILY_TESTS]),
-    # the families pass here too (59 tests, checked by hand in #31) but no machine of ours is AVX2-only
+    # the families: on the AVX2-only EPYC natively (the whole suite runs there)
     "avx2": (cbuild.CPU_KIND_ENV["avx2"], [AVX2_TESTS]),
     "no-compiler": ({"CC": "/nonexistent/cc"}, [TORCH_TESTS]),  # torch ops and SDPA everywhere
 }
