@@ -37,11 +37,11 @@ from atomd.engine.kv_cache import KVCache
 from atomd.llm import LLM
 from atomd.model.default import default_model_dir
 from contracts.sampling import SamplingParams
+from tests.cpu_builds import ISAS
 from tests.test_model_hf import _prompt_logits
 
 KERNEL_RTOL, KERNEL_ATOL = 2 ** -8, 1e-5
 LOGIT_ATOL = 0.25
-ISAS = list(native.ISA_FLAGS)  # native: everything this CPU has
 DECODE_SHAPES = [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80), (16, 1, 128), (32, 2, 256)]
 PREFILL_SHAPES = [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80), (3, 1, 8), (16, 1, 128), (32, 2, 256)]
 

@@ -10,7 +10,7 @@ engine-level tests against Hugging Face then run in that process, HF included, s
 reference computes as it would on that CPU too. A kind at or above this machine's own CPU
 narrows nothing (the AMX kind is this file's parent run on an AMX machine). A kind wider than this
 CPU cannot be simulated (its instructions are not there): on the AVX2-only EPYC only the
-no-compiler run is left, and the AVX-512 kernels' tests skip (tests/avx512.py).
+no-compiler run is left, and the AVX-512 kernels' tests skip (tests/cpu_builds.py).
 """
 from __future__ import annotations
 

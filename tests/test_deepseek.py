@@ -26,7 +26,7 @@ from atomd.model.loader import read_config
 from atomd.model import mla
 from atomd.model.mla import LatentUp, mla_decode, store_latent
 from contracts.sampling import SamplingParams
-from tests.avx512 import AVX512, needs_avx512
+from tests.cpu_builds import AVX512, ISAS, needs_avx512
 from tests.families import DEEPSEEK, DEEPSEEK_COMMON, FAMILIES, YARN, make_deepseek, write_families
 from tests.test_model_hf import BLOCK, assert_equals_hf, engine_greedy, prompts_of
 
@@ -151,7 +151,7 @@ MLA_SHAPES = {"odd": (16, 8, 12, 32), "vec": (32, 16, 20, 32)}
 
 # torch's batched matmuls; the one-call C kernel (csrc/mla.c) under every narrowing; the
 # attention kernel between torch's absorption matmuls (what an fp8 cache runs)
-@pytest.mark.parametrize("path", ["torch", *ISA_FLAGS, "attention-kernel"])
+@pytest.mark.parametrize("path", ["torch", *ISAS, "attention-kernel"])
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 @pytest.mark.parametrize("lens,heads,shape", [([1], 4, "odd"), ([5, 16, 17], 4, "odd"), ([40, 3, 33, 64], 4, "odd"),
                                               ([37], 20, "odd"), ([9, 50], 20, "odd"), ([1], 4, "vec"),
@@ -221,7 +221,7 @@ def test_prefill_batches_fresh_prompts_of_one_length(shape, group_rows, monkeypa
             torch.testing.assert_close(got[s.start + i].double(), want, atol=2e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("isa", ISA_FLAGS)
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("shape", MLA_SHAPES)
 @pytest.mark.parametrize("dtype,tol", [(torch.float32, 2e-5), (torch.bfloat16, 3e-2)])
 def test_absorbed_decode_kernel_verifies_drafts_causally(dtype, tol, shape, isa, monkeypatch):
@@ -250,7 +250,7 @@ def test_absorbed_decode_kernel_verifies_drafts_causally(dtype, tol, shape, isa,
 TILE_SHAPE = (64, 32, 48, 64)
 
 
-@pytest.mark.parametrize("isa", ISA_FLAGS)
+@pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("lens,heads,runs", [([9] * 4, 16, None), ([5, 16, 17] * 6 + [3], 20, None),
                                              ([30, 1, 17, 64, 40] * 8, 3, None), ([20, 4, 35, 18], 16, [3, 1, 4, 9])])
 def test_absorbed_decode_on_amx_tiles(lens, heads, runs, isa, monkeypatch):

@@ -23,7 +23,7 @@ from atomd.model.deepseek_mtp import load_mtp
 from atomd.model.loader import load_model
 from contracts.sampling import SamplingParams
 from scheduler.block_manager import BlockPool
-from tests.avx512 import needs_avx512
+from tests.cpu_builds import needs_avx512
 from tests.families import DEEPSEEK_COMMON as COMMON, YARN, make_deepseek
 from tests.test_model_hf import (BLOCK, assert_equals_hf, engine_greedy, make_checkpoint, prompts_of,
                                  write_tokenizer)

@@ -11,14 +11,14 @@ import torch
 
 from atomd.config import EngineConfig, cpu_flags
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, kv_dtype_name, kv_storage_dtype, to_fp8
-from atomd.kernels import cbuild, native
+from atomd.kernels import native
+from tests.cpu_builds import ISAS
 from tests.families import FAMILIES
 from tests.test_model_hf import BLOCK, MIXED, _prompt_logits, make_checkpoint, prompts_of
 from tests.test_quant_engine import greedy, hf_greedy
 from tests.test_sliding_window import windowed_reference
 from atomd.llm import LLM
 
-ISAS = list(cbuild.ISA_FLAGS)
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
 
 

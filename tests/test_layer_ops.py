@@ -14,15 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from atomd.kernels import cbuild
 from atomd.config import cpu_flags
 from atomd.model import layer_ops, quant
-from tests.avx512 import AVX512
+from tests.cpu_builds import AVX512, ISAS  # native: everything this CPU has; the others its fallbacks
 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-ISAS = list(cbuild.ISA_FLAGS)  # native: everything this CPU has; the others its fallbacks
 
 
 @pytest.fixture(autouse=True, params=ISAS)

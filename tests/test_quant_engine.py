@@ -22,7 +22,7 @@ from atomd.model import huge_pages, layer_ops, quant
 from atomd.model.quant import QuantizedWeight
 from launch.process import http
 from contracts.sampling import SamplingParams
-from tests.avx512 import needs_avx512
+from tests.cpu_builds import needs_avx512
 from tests.pd_fixtures import metric, ref_and_pd
 from tests.test_model_hf import _prompt_logits, hf_model, make_checkpoint, prompts_of
 from tests.test_pd_e2e import complete

@@ -12,11 +12,11 @@ import pytest
 import torch
 
 from atomd.kernels import cbuild
-from tests.avx512 import AVX512
 from atomd.model import quant
+from tests.cpu_builds import AVX512, ISAS
 
 pytestmark = pytest.mark.unit
-BUILDS = [(isa, vnni) for isa in cbuild.ISA_FLAGS for vnni in (True, False)]
+BUILDS = [(isa, vnni) for isa in ISAS for vnni in (True, False)]
 
 
 def expected_path(isa: str, vnni: bool) -> str:

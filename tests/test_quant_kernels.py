@@ -10,9 +10,10 @@ import torch
 
 from atomd.kernels import cbuild
 from atomd.model import quant
+from tests.cpu_builds import ISAS
 
 pytestmark = pytest.mark.unit
-PATHS = [*cbuild.ISA_FLAGS, "torch"]
+PATHS = [*ISAS, "torch"]
 
 
 @pytest.fixture(params=PATHS)

@@ -13,8 +13,8 @@ import torch
 
 from atomd.kernels import cbuild, native
 from atomd.engine.kv_cache import KVCache
+from tests.cpu_builds import ISAS
 
-ISAS = list(cbuild.ISA_FLAGS)
 
 
 def windowed_reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, positions: torch.Tensor,
