@@ -48,14 +48,14 @@ def fresh_kernels(tmp_path, monkeypatch):
 
 
 # The long cross-host tests (test hosts in network namespaces: shaped links, a cut link, a
-# two-node Ray cluster) run with `make e2e-netns` (ATOMD_NETNS_FULL=1); plain `make test`
+# two-node Ray cluster) run with `make e2e-netns` (ATOMD_NETNS_FULL=1); plain `make e2e`
 # keeps its time budget and runs only the short cross-host file (tests/test_netns_pd.py).
 NETNS_FULL_ENV = "ATOMD_NETNS_FULL"
 
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "netns: test hosts in network namespaces (root and iproute2; skip without)")
-    config.addinivalue_line("markers", "netns_full: a long cross-host test: `make e2e-netns` runs it, `make test` deselects it")
+    config.addinivalue_line("markers", "netns_full: a long cross-host test: `make e2e-netns` runs it, `make e2e` and `make test` deselect it")
     # registered here too: a run without pytest-xdist (tests/test_cpu_kinds.py's) keeps --strict-markers
     config.addinivalue_line("markers", "xdist_group(name): tests that share one pytest-xdist worker")
     config.pluginmanager.register(LongestGroupsFirst(), "atomd-longest-groups-first")

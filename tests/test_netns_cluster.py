@@ -9,7 +9,7 @@ per KV load failure policy), a router for each on host c.
   `recompute`), and P's blocks are released by the lease (checked from inside host a, whose
   link is still down), with nothing pinned afterwards on any engine.
 
-Part of `make test` (~20 s); `make e2e-netns` runs it with the two-node Ray test.
+Part of `make e2e` (~20 s); `make e2e-netns` runs it with the two-node Ray test.
 """
 from __future__ import annotations
 
