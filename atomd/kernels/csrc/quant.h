@@ -237,7 +237,7 @@ static inline __attribute__((always_inline)) void row_h16(const float *x, int64_
  * xsg [Q8_XSG(K)] floats. Paths (Q8_PATH): 3 AVX512-VNNI, two blocks a
  * vpdpbusd (u8 x s8; int8 weights + 128, taken back as 128 * s * xsg, so -128 stays exact),
  * up to Q8_ROWS rows of x per weight load, xd one 16-float vector per pair of blocks; 2
- * AVX-512 BW and 1 AVX2 (int16 widening, vpmaddwd) and 0 scalar, a block at a time, xd one
+ * AVX-512 BW (int16 widening, vpmaddwd), 1 AVX2 (vpmaddubsw: the dot_block below) and 0 scalar, a block at a time, xd one
  * float a block. Path 3's int4 pair: the pair's 32 bytes broadcast to both halves of a
  * register and masked, low nibbles (& 0x0F) below and high ones left in place (& 0xF0, so
  * 16 x the value) above: no shift or shuffle. x is stored to match (quantize_row_q8, bits 4:
@@ -493,20 +493,22 @@ typedef __m256 vq;
 #define VQFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VQSET1(a) _mm256_set1_ps(a)
 #define VQSUM(a) VSUM(a)
+/* vpmaddubsw (unsigned bytes times signed bytes, adjacent products summed to int16) then vpmaddwd by ones:
+ * 32 products a block in two instructions, no widening. int8 weights: |w| (vpabsb: -128 reads as the unsigned
+ * 128) times x carrying w's sign (vpsignb; x is in [-127, 127], so never negated out of range): a pair's sum
+ * is at most 2 * 128 * 127 < 2^15, so the int16 saturation is never reached; int4: the unsigned nibbles times
+ * x directly. Lane j sums inputs 4j..4j+3 of the block, exact in int32 and as a float. */
 static inline vq dot_block(const void *q, int64_t b, int bits, const int8_t *xq) {
-    const __m256i x0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)xq));
-    const __m256i x1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(xq + 16)));
-    __m256i w0, w1;
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    __m256i pairs;
     if (bits == 8) {
-        const int8_t *p = (const int8_t *)q + b * Q8_BLOCK;
-        w0 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p));
-        w1 = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(p + 16)));
+        const __m256i w = _mm256_loadu_si256((const __m256i *)((const int8_t *)q + b * Q8_BLOCK));
+        pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
     } else {
         const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * (Q8_BLOCK / 2))), low = _mm_set1_epi8(15);
-        w0 = _mm256_cvtepu8_epi16(_mm_and_si128(p, low));
-        w1 = _mm256_cvtepu8_epi16(_mm_and_si128(_mm_srli_epi16(p, 4), low));
+        pairs = _mm256_maddubs_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low)), x);
     }
-    return _mm256_cvtepi32_ps(_mm256_add_epi32(_mm256_madd_epi16(w0, x0), _mm256_madd_epi16(w1, x1)));
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
 }
 #else
 typedef float vq;
@@ -531,14 +533,16 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
                                                           int64_t K, int64_t G, const int8_t *xq, const float *xd,
                                                           const float *xsg, float *y, int64_t ldy, const int mb) {
     const int64_t per = G / Q8_BLOCK;
-    for (int m = 0; m < mb; m++) {
-        const int8_t *xr = xq + m * K;
-        const float *dr = xd + m * Q8_XD(K);
-        vq acc = VQZERO();
-        for (int64_t b = 0; b < K / Q8_BLOCK; b++)
-            acc = VQFMA(dot_block(q, b, bits, xr + b * Q8_BLOCK), VQSET1(s[b / per] * dr[b]), acc);
-        y[m * ldy] = VQSUM(acc) + q8_rest(s, o, K / G, xsg + m * Q8_XSG(K), 0.0f);
+    /* the mb rows' chains side by side, a block of the weight read once for all of them: one row's chain alone
+     * waits on its FMA's latency every block. Each row's sums are in the same order as alone (same bits). */
+    vq acc[Q8_ROWS];
+    for (int m = 0; m < mb; m++) acc[m] = VQZERO();
+    for (int64_t b = 0; b < K / Q8_BLOCK; b++) {
+        const float sb = s[b / per];
+        for (int m = 0; m < mb; m++)
+            acc[m] = VQFMA(dot_block(q, b, bits, xq + m * K + b * Q8_BLOCK), VQSET1(sb * xd[m * Q8_XD(K) + b]), acc[m]);
     }
+    for (int m = 0; m < mb; m++) y[m * ldy] = VQSUM(acc[m]) + q8_rest(s, o, K / G, xsg + m * Q8_XSG(K), 0.0f);
 }
 #endif
 
