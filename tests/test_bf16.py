@@ -369,11 +369,12 @@ def first_difference(a: list[int], b: list[int]) -> int:
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
 
 
-def fp32_margin_and_ulp(hf32_model, prefix: list[int]) -> tuple[float, float]:
-    """HF fp32's top-1 minus top-2 logit after `prefix`, and one bf16 ulp of the top one."""
+def fp32_margin_and_ulp(hf32_model, prefix: list[int]) -> tuple[float, float, list[int]]:
+    """HF fp32's top-1 minus top-2 logit after `prefix`, one bf16 ulp of the top one, and the two tokens."""
     with torch.inference_mode():
-        top2 = hf32_model(torch.tensor([prefix])).logits[0, -1].topk(2).values.tolist()
-    return top2[0] - top2[1], 2.0 ** (math.floor(math.log2(abs(top2[0]))) - 7)
+        top2 = hf32_model(torch.tensor([prefix])).logits[0, -1].topk(2)
+    values = top2.values.tolist()
+    return values[0] - values[1], 2.0 ** (math.floor(math.log2(abs(values[0]))) - 7), top2.indices.tolist()
 
 
 @pytest.mark.unit
@@ -410,8 +411,8 @@ def assert_greedy_follows_hf_bf16(hf_default, prompts: list[list[int]], got: lis
             if same == n - start or (same >= agree and start + same >= min_compared):
                 break  # followed HF bf16 to the end, or for as long as HF's own dtypes agree (and long enough)
             # the engine left HF bf16 before that: only at a bf16 tie (whichever tied token HF bf16 took)
-            margin, ulp = fp32_margin_and_ulp(hf32, prefix + ids[start:start + same])
-            assert margin < ulp, (len(prompt), start + same, margin, ulp, ids, ids16)
+            margin, ulp, tied = fp32_margin_and_ulp(hf32, prefix + ids[start:start + same])
+            assert margin < ulp and ids[start + same] in tied, (len(prompt), start + same, margin, ulp, tied, ids, ids16)
             start += same + 1
 
 
