@@ -410,17 +410,6 @@ static void project_values(const float *restrict ol, const void *uv, void *out, 
 #define MLA_AMX 1
 #define AMX_MIN_ROWS 4
 
-/* 16 float32 lanes rounded to bf16 (to nearest even, a NaN quiet: f32_to_bf16's bits) */
-static inline __m256i bf16_of16(__m512 x) {
-    const __m512i u = _mm512_castps_si512(x);
-    const __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-    __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(odd, _mm512_set1_epi32(0x7fff))), 16);
-    const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, _mm512_set1_epi32(0x7fffffff)),
-                                                  _mm512_set1_epi32(0x7f800000));
-    r = _mm512_mask_or_epi32(r, nan, _mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40));
-    return _mm512_cvtepi32_epi16(r);
-}
-
 /* x as hi + lo, two bf16 vectors (hi = x rounded, lo = the rest rounded): ~16 significant bits
  * through two tile products, where one bf16 operand would lose phase 2's float32 precision */
 static inline void split_bf16(__m512 x, uint16_t *hi, uint16_t *lo) {

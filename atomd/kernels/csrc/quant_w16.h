@@ -35,6 +35,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "bf16_convert.h" /* bf16_of16 */
 #include "lane_sums.h" /* transpose16 */
 #define W16_PANELS 1
 #if defined(__AVX512BF16__) && !defined(ATOMD_NO_BF16_DOT)
@@ -223,19 +224,12 @@ static inline void w16_widen_x(const uint16_t *x16, int64_t ldx, int64_t rows, i
 }
 
 /* y [rows, ldy] float32 columns 0..cols rounded to bf16 into y16 [rows, ldy16]: to nearest even, a NaN a quiet NaN
- * (bf16_convert.h's f32_to_bf16, as torch's .to(torch.bfloat16)) */
+ * (bf16_convert.h's bf16_of16, as torch's .to(torch.bfloat16)) */
 static inline void w16_round_y(const float *y, int64_t ldy, int64_t rows, int64_t cols, uint16_t *y16, int64_t ldy16) {
-    const __m512i one = _mm512_set1_epi32(1), half = _mm512_set1_epi32(0x7fff), abs = _mm512_set1_epi32(0x7fffffff);
-    const __m512i inf = _mm512_set1_epi32(0x7f800000), quiet = _mm512_set1_epi32(0x40);
     for (int64_t i = 0; i < rows; i++)
         for (int64_t n = 0; n < cols; n += 16) {
             const __mmask16 m = w16_mask(cols - n);
-            const __m512i u = _mm512_castps_si512(_mm512_maskz_loadu_ps(m, y + i * ldy + n));
-            const __m512i top = _mm512_srli_epi32(u, 16);
-            __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(half, _mm512_and_si512(top, one))), 16);
-            const __mmask16 nan = _mm512_cmpgt_epu32_mask(_mm512_and_si512(u, abs), inf);
-            r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(top, quiet));
-            _mm256_mask_storeu_epi16(y16 + i * ldy16 + n, m, _mm512_cvtepi32_epi16(r));
+            _mm256_mask_storeu_epi16(y16 + i * ldy16 + n, m, bf16_of16(_mm512_maskz_loadu_ps(m, y + i * ldy + n)));
         }
 }
 
