@@ -63,15 +63,7 @@ static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int
 #else
     (void)w16_min;
 #endif
-    for (int64_t n = 0; n < N; n++)
-        for (int64_t m0 = 0; m0 < m; m0 += QGEMM_ROWS) {
-            const int mb = m - m0 < QGEMM_ROWS ? (int)(m - m0) : QGEMM_ROWS;
-            if (f16) {
-                DISPATCH_ROWS(row_h16, x + m0 * K, K, q + n * K, K, y + m0 * N + n, N)
-            } else {
-                DISPATCH_ROWS(row_b16, x + m0 * K, K, q + n * K, K, y + m0 * N + n, N)
-            }
-        }
+    for (int64_t n = 0; n < N; n++) w16_weight_row(x, K, m, q, K, n, y, N, f16);
     return 0;
 }
 

@@ -46,15 +46,11 @@ QGEMM(4, uint8_t, K / 2)
 
 /* 16-bit float weights (quant.h's row_b16 / row_h16): x [M, ldx], y [M, ldy] float32, q uint16 [N, K];
  * and rows n0..n1 of such a weight as float32 into out [n1 - n0, K] */
-#define QGEMM16(NAME, ROW, WIDEN)                                                                                \
+#define QGEMM16(NAME, F16, WIDEN)                                                                                \
     void atomd_qgemm_##NAME(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N, int64_t K,     \
                             float *y, int64_t ldy, int num_threads) {                                            \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")               \
-        for (int64_t n = 0; n < N; n++)                                                                          \
-            for (int64_t m0 = 0; m0 < M; m0 += QGEMM_ROWS) {                                                     \
-                const int mb = M - m0 < QGEMM_ROWS ? (int)(M - m0) : QGEMM_ROWS;                                 \
-                DISPATCH_ROWS(ROW, x + m0 * ldx, ldx, q + n * K, K, y + m0 * ldy + n, ldy)                       \
-            }                                                                                                    \
+        for (int64_t n = 0; n < N; n++) w16_weight_row(x, ldx, M, q, K, n, y, ldy, F16);                         \
     }                                                                                                            \
     void atomd_qdequant_##NAME(const uint16_t *q, int64_t K, int64_t n0, int64_t n1, float *out, int num_threads) { \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                                   \
@@ -62,8 +58,8 @@ QGEMM(4, uint8_t, K / 2)
             for (int64_t k = 0; k < K; k++) out[(n - n0) * K + k] = WIDEN(q[n * K + k]);                         \
     }
 
-QGEMM16(b16, row_b16, b16_to_float)
-QGEMM16(h16, row_h16, h16_to_float)
+QGEMM16(b16, 0, b16_to_float)
+QGEMM16(h16, 1, h16_to_float)
 
 /* The same product for many rows of x through packed, widened weight panels (quant_w16.h; quant.py's
  * QGEMM_W16_MIN_M), packed per call or (_prepacked) once at load by atomd_qprepack_w16 into pre

@@ -221,6 +221,20 @@ static inline __attribute__((always_inline)) void row_h16(const float *x, int64_
                                                           float *y, int64_t ldy, const int mb) {
     row_w16(x, ldx, q, K, y, ldy, mb, 1);
 }
+/* weight row n of a 16-bit q [N, K] (f16: float16 values, else bfloat16) against M rows of x into y[m * ldy + n],
+ * QGEMM_ROWS rows a pass: atomd_qgemm_b16 / _h16's rows and moe_q8.h's 16-bit experts below their panels */
+static inline __attribute__((always_inline)) void w16_weight_row(const float *x, int64_t ldx, int64_t M,
+                                                                 const uint16_t *q, int64_t K, int64_t n, float *y,
+                                                                 int64_t ldy, const int f16) {
+    for (int64_t m0 = 0; m0 < M; m0 += QGEMM_ROWS) {
+        const int mb = M - m0 < QGEMM_ROWS ? (int)(M - m0) : QGEMM_ROWS;
+        if (f16) {
+            DISPATCH_ROWS(row_h16, x + m0 * ldx, ldx, q + n * K, K, y + m0 * ldy + n, ldy)
+        } else {
+            DISPATCH_ROWS(row_b16, x + m0 * ldx, ldx, q + n * K, K, y + m0 * ldy + n, ldy)
+        }
+    }
+}
 
 /* ---- int8 activations (llama.cpp's Q8_0 of the activation row): integer dot products ----
  *
