@@ -41,7 +41,7 @@ def main() -> int:
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     lib = quant.kernels()
-    assert lib is not None and lib.vnni and not lib.amx, "needs the VNNI kernels without AMX-INT8 (a CPU kind's narrowing)"
+    assert lib is not None and lib.q8_gemm == 3 and not lib.amx, "needs the VNNI kernels without AMX-INT8 (a CPU kind's narrowing)"
     shape = SHAPES[a.model_shape]
     print(f"load before {loadavg()}; {a.model_shape}, {a.threads} thread(s), {a.rounds} rounds x {a.reps} calls")
     results = []

@@ -514,7 +514,7 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
     qlib = quant.build_kernels("native" if isa == "native" else "no-amx")
     monkeypatch.setattr(quant, "kernels", lambda: qlib)
     tiles = isa == "native" and {"amx_tile", "amx_int8"} <= cpu_flags()
-    gemm = not tiles and "avx512_vnni" in cpu_flags()  # the VNNI GEMM where no tiles (csrc/quant_vnni.h)
+    gemm = not tiles and "avx512_vnni" in cpu_flags()  # the VNNI GEMM where no tiles (csrc/quant_gemm.h)
     assert layer_ops.moe_q8_kind() == (2 if tiles else 3 if gemm else 1 if AVX512 else 0)
     if not AVX512:
         pytest.skip("moe_q8 is built for AVX-512 CPUs only; this one runs the per-expert path the test compares it with")

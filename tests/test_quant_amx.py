@@ -79,7 +79,7 @@ def int8_tiles(monkeypatch):
 @pytest.mark.parametrize("m", [quant.QGEMM_AMX_MIN_M, 3, 17, 100, 130])  # 130: 9 m-tiles, the chunked order
 def test_tiles_equal_numpy_and_the_vnni_rows(amx, vnni, int8_tiles, bits, n, k, group, zero_points, m):
     w, x, out, bound = numpy_checked(amx, bits, n, k, group, zero_points, m)
-    rows = quant.qlinear(torch.from_numpy(x), w, lib=vnni).numpy()  # the VNNI rows, from QGEMM_VNNI_MIN_M the GEMM
+    rows = quant.qlinear(torch.from_numpy(x), w, lib=vnni).numpy()  # the VNNI rows, from q8_gemm_min_m the GEMM
     assert np.all(np.abs(out - rows) <= 2e-5 * bound + 1e-6), np.abs(out - rows).max()
 
 
@@ -156,18 +156,18 @@ def test_no_int8_tiles_on_a_cpu_kind_without_amx(isa):
     assert not quant.build_kernels(isa).amx
 
 
-@pytest.mark.parametrize("m,kernel", [(quant.QGEMM_VNNI_MIN_M - 1, "atomd_qgemm_q8"),
-                                      (quant.QGEMM_VNNI_MIN_M + 1, "atomd_qgemm_vnni")])
-def test_no_amx_takes_the_vnni_rows_then_the_vnni_gemm(vnni, m, kernel):
+@pytest.mark.parametrize("below", [True, False])
+def test_no_amx_takes_the_rows_then_the_gemm(vnni, below):
     """The no-AMX path (what a CPU without AMX runs, on any CPU): qlinear through atomd_qgemm_q8 below
-    QGEMM_VNNI_MIN_M rows, atomd_qgemm_vnni (tests/test_quant_vnni.py) from it on."""
-    if kernel == "atomd_qgemm_vnni" and not vnni.vnni:
-        pytest.skip("the CPU has no AVX512-VNNI: the rows at any M")
+    q8_gemm_min_m rows, atomd_qgemm_q8_gemm (tests/test_quant_gemm.py) from it on."""
+    assert vnni.q8_gemm, "the no-amx build of a VNNI or AVX2 CPU has the int8 GEMM"
+    m = quant.q8_gemm_min_m(vnni, 4) + (-1 if below else 1)
     w, x, out, _ = numpy_checked(vnni, 4, 21, 256, 64, True, m)
     xq, xd, xsg = quant._q8_scratch(m, 256)
     direct = torch.empty(m, 21)
-    getattr(vnni, kernel)(x.ctypes.data, 256, m, w.q.data_ptr(), 4, w.scales.data_ptr(), w.offsets.data_ptr(), 21, 256,
-                          64, 64, direct.data_ptr(), 21, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), 1)
+    getattr(vnni, "atomd_qgemm_q8" if below else "atomd_qgemm_q8_gemm")(
+        x.ctypes.data, 256, m, w.q.data_ptr(), 4, w.scales.data_ptr(), w.offsets.data_ptr(), 21, 256, 64, 64,
+        direct.data_ptr(), 21, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), 1)
     assert torch.equal(torch.from_numpy(out), direct)
 
 
@@ -197,7 +197,7 @@ def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
 
     tiles = run()
     monkeypatch.setattr(quant, "QGEMM_AMX_MIN_M", 1 << 30)
-    monkeypatch.setattr(quant, "QGEMM_VNNI_MIN_M", 1 << 30)  # (the VNNI GEMM: tests/test_quant_vnni.py)
+    monkeypatch.setattr(quant, "QGEMM_VNNI_MIN_M", 1 << 30)  # (the VNNI GEMM: tests/test_quant_gemm.py)
     rows = run()
     equal = 0
     for t, r in zip(tiles, rows):

@@ -381,7 +381,7 @@ def moe_q8_kind() -> int:
     """How moe_q8 runs here: 0 not built (no AVX-512 build: the experts one qlinear pair each), 1 on
     the int8-activation rows (csrc/quant.h), 2 also on AMX-INT8 tiles from quant.QGEMM_AMX_MIN_M rows
     an expert (csrc/quant_amx.h; built with them, not narrowed by $ATOMD_KERNEL_ISA, granted by Linux),
-    3 also on the VNNI GEMM from quant.QGEMM_VNNI_MIN_M rows an expert (csrc/quant_vnni.h; no tiles)."""
+    3 also on the VNNI GEMM from quant.QGEMM_VNNI_MIN_M rows an expert (csrc/quant_gemm.h's VNNI half; no tiles)."""
     lib = kernels()
     return 0 if lib is None else lib.moe_q8_kind
 

@@ -56,6 +56,12 @@ QGEMM_AMX_MIN_M = 4
 # instead of the VNNI rows (M <= 32) and the float tiles (past 32). Both no-AMX kinds, 1 and 2 threads, 135M / 0.6B
 # linears: the GEMM 0.87-1.49x the rows' speed at M = 4 (0.8-1.2x at M = 2), 1.25-2.0x at 8 (RESULTS.md, #35 the VNNI GEMM)
 QGEMM_VNNI_MIN_M = 4
+# ... its AVX2 form (csrc/quant_gemm_avx2.h: 8 columns a vector, vpmaddubsw) on CPUs without AVX-512, from this many
+# rows by the weight's bits. 135M's linears, 2 threads, AVX2 EPYC, the GEMM's time over the AVX2 rows': int4 0.66-0.97x
+# at 5 rows (1.0x at 4), 0.50-0.75x at 16; int8 0.7-1.0x at 6-14 rows but down's (act blocks of 256, whose rows
+# convert once an act block) 1.0-1.3x, 0.72-0.97x at 16; past 32 rows 0.46-0.82x the float tiles' (RESULTS.md, #35
+# the AVX2 int8 GEMM)
+QGEMM_AVX2_GEMM_MIN_M = {4: 5, 8: 16}
 # ... and on a CPU with the bf16 AMX tiles, from this many rows of x on (prefill), the tile product widened
 # (atomd_qgemm_wide, csrc/quant_amx.h): each work item's weight rows dequantised and rounded to bf16 once,
 # x rounded to bf16, bf16 tiles with float32 sums over all of K: the int8 tiles store and rescale each
@@ -297,9 +303,10 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_qgemm_amx.argtypes = lib.atomd_qgemm_q8.argtypes
     lib.atomd_qgemm_amx.restype = lib.atomd_quant_amx.restype = ctypes.c_int
     lib.amx = bool(lib.atomd_quant_amx())  # int8 activations on AMX-INT8 tiles from QGEMM_AMX_MIN_M rows
-    lib.atomd_qgemm_vnni.argtypes = lib.atomd_qgemm_q8.argtypes
-    lib.atomd_qgemm_vnni.restype = lib.atomd_quant_vnni.restype = ctypes.c_int
-    lib.vnni = bool(lib.atomd_quant_vnni())  # int8 activations as the VNNI GEMM from QGEMM_VNNI_MIN_M rows (no tiles)
+    lib.atomd_qgemm_q8_gemm.argtypes = lib.atomd_qgemm_q8.argtypes
+    lib.atomd_qgemm_q8_gemm.restype = lib.atomd_quant_q8_gemm.restype = ctypes.c_int
+    # int8 activations as a GEMM from q8_gemm_min_m rows (no tiles): Q8_PATHS' 3 (VNNI), 1 (AVX2), 0 none
+    lib.q8_gemm = lib.atomd_quant_q8_gemm()
     lib.atomd_qgemm_wide.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int]
     lib.atomd_qgemm_wide.restype = lib.atomd_quant_wide.restype = ctypes.c_int
     lib.wide = bool(lib.atomd_quant_wide())  # ... widened to bf16 tiles from QGEMM_WIDE_MIN_M rows
@@ -430,6 +437,12 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     return panels.nbytes
 
 
+def q8_gemm_min_m(lib: ctypes.CDLL, bits: int) -> int:
+    """The rows of x from which qlinear runs int8 activations on a weight of `bits` as `lib`'s GEMM (lib.q8_gemm:
+    VNNI or AVX2)."""
+    return QGEMM_VNNI_MIN_M if lib.q8_gemm == 3 else QGEMM_AVX2_GEMM_MIN_M[bits]
+
+
 def _w16(w: QuantizedWeight) -> str:
     """The kernels' name of a 16-bit weight's values: b16 (bfloat16) or h16 (float16)."""
     return "h16" if w.q.dtype == torch.float16 else "b16"
@@ -441,7 +454,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     QGEMM_MAX_M rows the weight is dequantised in registers (atomd_qgemm_*), up to
     QGEMM_Q8_MAX_M with int8 activations (atomd_qgemm_q8), and with int8 activations on a CPU with
     AMX-INT8 any M from QGEMM_AMX_MIN_M on as tile products (atomd_qgemm_amx) (without the tiles, on a VNNI
-    CPU: any M from QGEMM_VNNI_MIN_M on as a VNNI GEMM, atomd_qgemm_vnni), from QGEMM_WIDE_MIN_M on
+    or AVX2 CPU: any M from q8_gemm_min_m on as a GEMM, atomd_qgemm_q8_gemm), from QGEMM_WIDE_MIN_M on
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
     int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); 16-bit
     weights from QGEMM_W16_MIN_M rows as packed float32 panels where the kernels have AVX-512
@@ -469,13 +482,13 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
                                  xsgt.data_ptr(), threads)
         if rc != 0:
             raise MemoryError(f"AMX int8 product of {m} x {k} by {n} rows: out of memory")
-    elif lib is not None and w.int8_activations and m >= QGEMM_VNNI_MIN_M and lib.vnni:
+    elif lib is not None and w.int8_activations and lib.q8_gemm and m >= q8_gemm_min_m(lib, w.bits):
         xq, xd, xsg = _q8_scratch(m, k)
-        rc = lib.atomd_qgemm_vnni(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets),
+        rc = lib.atomd_qgemm_q8_gemm(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets),
                                   n, k, w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(),
                                   xsg.data_ptr(), threads)
         if rc != 0:
-            raise MemoryError(f"VNNI int8 product of {m} x {k} by {n} rows: out of memory")
+            raise MemoryError(f"int8 GEMM of {m} x {k} by {n} rows: out of memory")
     elif lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,

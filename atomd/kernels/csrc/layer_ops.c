@@ -1295,10 +1295,10 @@ void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t r
 #include "moe_amx.h"
 /* a few rows through a oneDNN-packed bf16 linear on AMX tiles */
 #include "linear_amx.h"
-/* int8 / int4 MoE experts: AMX-INT8 tiles (quant_amx.h), the VNNI GEMM (quant_vnni.h) or the int8-activation
+/* int8 / int4 MoE experts: AMX-INT8 tiles (quant_amx.h), the int8 GEMM (quant_gemm.h) or the int8-activation
  * rows (quant.h); 16-bit ones: the panels (quant_w16.h) or the rows */
 #include "quant_amx.h"
-#include "quant_vnni.h"
+#include "quant_gemm.h"
 #include "quant_w16.h"
 #include "moe_q8.h"
 

@@ -45,7 +45,7 @@ typedef struct {  /* one thread's scratch (sizes for the largest item's rows and
     bf16_t *gu16, *act16;
     int8_t *xq, *xt, *a;
     float *xd, *xsg, *dt, *xsgt;
-    uint8_t *wp;  /* the VNNI GEMM's panel (quant_vnni.h), its scales and offsets in sc */
+    uint8_t *wp;  /* the int8 GEMM's panel (quant_gemm.h), its scales and offsets in sc */
     float *sc;
 } moe_q8_scratch;
 
@@ -103,7 +103,7 @@ static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int
     }
 #endif
     for (int64_t n = 0; n < N; n++)
-        q8_weight_row(w->q, bits, w->scales, w->offsets, K, w->group, n, m, s->xq, s->xd, s->xsg, y, N);
+        q8_weight_row(w->q, bits, w->scales, w->offsets, K, w->group, w->ablock, n, m, s->xq, s->xd, s->xsg, y, N);
 }
 
 #if MOE_Q8_TILES

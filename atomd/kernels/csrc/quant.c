@@ -21,7 +21,7 @@
  */
 #include "quant.h"
 #include "quant_amx.h"
-#include "quant_vnni.h"
+#include "quant_gemm.h"
 #include "quant_w16.h"
 
 /* x [M, ldx] float32, y [M, ldy] float32; scales / offsets [N, ceil(K / G)] (offsets may be NULL) */
@@ -152,7 +152,7 @@ void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64
     }
 #endif
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
-    for (int64_t n = 0; n < N; n++) q8_weight_row(q, (int)bits, scales, offsets, K, G, n, M, xq, xd, xsg, y, ldy);
+    for (int64_t n = 0; n < N; n++) q8_weight_row(q, (int)bits, scales, offsets, K, G, AB, n, M, xq, xd, xsg, y, ldy);
 }
 
 /* The same product on AMX-INT8 tiles (quant_amx.h), M >= 2 rows of x: scratch xt [QAMX_XT bytes],
@@ -170,14 +170,14 @@ int atomd_qgemm_amx(const float *x, int64_t ldx, int64_t M, const void *q, int64
 #endif
 }
 
-/* The same product as a register-blocked AVX512-VNNI GEMM (quant_vnni.h), for CPUs without AMX-INT8, from
- * quant.py's QGEMM_VNNI_MIN_M rows of x: the scratch of atomd_qgemm_q8. 0 done; 1 not built here (no VNNI):
+/* The same product as a register-blocked GEMM (quant_gemm.h: AVX512-VNNI or AVX2), for CPUs without AMX-INT8,
+ * from quant.py's q8_gemm_min_m rows of x: the scratch of atomd_qgemm_q8. 0 done; 1 not built here (neither ISA):
  * the caller runs atomd_qgemm_q8; -1 out of memory. */
-int atomd_qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
-                     const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
-                     int8_t *xq, float *xd, float *xsg, int num_threads) {
+int atomd_qgemm_q8_gemm(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
+                        const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
+                        int8_t *xq, float *xd, float *xsg, int num_threads) {
 #if QV_PATH
-    return qgemm_vnni(x, ldx, M, q, (int)bits, scales, offsets, N, K, G, AB, y, ldy, xq, xd, xsg, num_threads);
+    return qgemm_q8_gemm(x, ldx, M, q, (int)bits, scales, offsets, N, K, G, AB, y, ldy, xq, xd, xsg, num_threads);
 #else
     (void)x, (void)ldx, (void)M, (void)q, (void)bits, (void)scales, (void)offsets, (void)N, (void)K, (void)G, (void)AB;
     (void)y, (void)ldy, (void)xq, (void)xd, (void)xsg, (void)num_threads;
@@ -185,8 +185,8 @@ int atomd_qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int6
 #endif
 }
 
-/* 1 when atomd_qgemm_vnni runs here (built with AVX512-VNNI) */
-int atomd_quant_vnni(void) { return QV_PATH; }
+/* which GEMM atomd_qgemm_q8_gemm runs here: 3 AVX512-VNNI, 1 AVX2, 0 none (the Q8_PATH numbers) */
+int atomd_quant_q8_gemm(void) { return QV_PATH; }
 
 /* The same product widened (quant_amx.h's qgemm_wide: x and the dequantised weight rounded to bf16, bf16
  * AMX tiles, float32 sums), for many rows of x (quant.py's QGEMM_WIDE_MIN_M); K and G multiples of 32.

@@ -251,8 +251,8 @@ static inline __attribute__((always_inline)) void w16_weight_row(const float *x,
  * xsg [Q8_XSG(K)] floats. Paths (Q8_PATH): 3 AVX512-VNNI, two blocks a
  * vpdpbusd (u8 x s8; int8 weights + 128, taken back as 128 * s * xsg, so -128 stays exact),
  * up to Q8_ROWS rows of x per weight load, xd one 16-float vector per pair of blocks; 2
- * AVX-512 BW (int16 widening, vpmaddwd), 1 AVX2 (vpmaddubsw: the dot_block below) and 0 scalar, a block at a time, xd one
- * float a block. Path 3's int4 pair: the pair's 32 bytes broadcast to both halves of a
+ * AVX-512 BW (int16 widening, vpmaddwd), 1 AVX2 (vpmaddubsw: q8_dot below) and 0 scalar, integer sums
+ * over an act block, xd one float a block (read once an act block). Path 3's int4 pair: the pair's 32 bytes broadcast to both halves of a
  * register and masked, low nibbles (& 0x0F) below and high ones left in place (& 0xF0, so
  * 16 x the value) above: no shift or shuffle. x is stored to match (quantize_row_q8, bits 4:
  * per pair [b0 0-15, b1 0-15, b0 16-31, b1 16-31]) and the upper lanes' xd is d / 16, which
@@ -364,8 +364,10 @@ static inline __m512i pair_u8(const void *q, int64_t b, int bits, int full) {
 
 /* one weight row against mb (a constant after inlining) quantised rows of x: y[m * ldy] */
 static inline __attribute__((always_inline)) void rows_q8(const void *q, int bits, const float *s, const float *o,
-                                                          int64_t K, int64_t G, const int8_t *xq, const float *xd,
-                                                          const float *xsg, float *y, int64_t ldy, const int mb) {
+                                                          int64_t K, int64_t G, int64_t AB, const int8_t *xq,
+                                                          const float *xd, const float *xsg, float *y, int64_t ldy,
+                                                          const int mb) {
+    (void)AB;  /* xd is a vector a pair of blocks here */
     __m512 acc[Q8_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = _mm512_setzero_ps();
     const int64_t nb = K / Q8_BLOCK, per = G / Q8_BLOCK, groups = K / G;
@@ -485,76 +487,110 @@ static inline __attribute__((always_inline)) void gemv4_q8(const void *q, int bi
 }
 #define Q8_GEMV4(N) ((N) >= Q8_R)  /* batch 1 through gemv4_q8 */
 #else
-/* sum_k q[k] * xq[k] over one block: int32 partial sums as floats (lanes summed by VQSUM) */
+/* The other paths' integer dot products, a weight block of Q8_BLOCK inputs at a time: q8_block reads
+ * (and unpacks) the block once for every row of x; q8_dot adds its products with one row's block of xq
+ * to that row's integer sums, which stay integers over an act block (one d and one weight scale: AB
+ * divides G), so there is one conversion and one FMA an act block, not one a block. */
 #if Q8_PATH == 2
 typedef __m512 vq;
+typedef __m512i vqi;  /* int32 lanes */
+typedef __m512i qblock;  /* the block's weights widened to int16 */
 #define VQZERO() _mm512_setzero_ps()
+#define VQIZERO() _mm512_setzero_si512()
 #define VQFMA(a, b, c) _mm512_fmadd_ps(a, b, c)
 #define VQSET1(a) _mm512_set1_ps(a)
 #define VQSUM(a) _mm512_reduce_add_ps(a)
-static inline vq dot_block(const void *q, int64_t b, int bits, const int8_t *xq) {
-    const __m512i x = _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)xq));
-    if (bits == 8)
-        return _mm512_cvtepi32_ps(_mm512_madd_epi16(
-            _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)q + b * Q8_BLOCK))), x));
+static inline qblock q8_block(const void *q, int64_t b, int bits) {
+    if (bits == 8) return _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)((const int8_t *)q + b * Q8_BLOCK)));
     const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * (Q8_BLOCK / 2))), low = _mm_set1_epi8(15);
-    const __m256i w8 = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
-    return _mm512_cvtepi32_ps(_mm512_madd_epi16(_mm512_cvtepu8_epi16(w8), x));
+    return _mm512_cvtepu8_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low)));
 }
+static inline vqi q8_dot(vqi acc, qblock w, int bits, const int8_t *xq) {
+    (void)bits;
+    return _mm512_add_epi32(acc, _mm512_madd_epi16(w, _mm512_cvtepi8_epi16(_mm256_loadu_si256((const __m256i *)xq))));
+}
+static inline vq q8_float(vqi acc, int bits) { (void)bits; return _mm512_cvtepi32_ps(acc); }
 #elif Q8_PATH == 1
 typedef __m256 vq;
+typedef __m256i vqi;  /* int8 weights: int32 lanes; int4: int16 lanes (below) */
+typedef struct { __m256i u, w; } qblock;  /* u: the unsigned factor of vpmaddubsw; w: int8 weights' signs */
 #define VQZERO() _mm256_setzero_ps()
+#define VQIZERO() _mm256_setzero_si256()
 #define VQFMA(a, b, c) _mm256_fmadd_ps(a, b, c)
 #define VQSET1(a) _mm256_set1_ps(a)
 #define VQSUM(a) VSUM(a)
-/* vpmaddubsw (unsigned bytes times signed bytes, adjacent products summed to int16) then vpmaddwd by ones:
- * 32 products a block in two instructions, no widening. int8 weights: |w| (vpabsb: -128 reads as the unsigned
- * 128) times x carrying w's sign (vpsignb; x is in [-127, 127], so never negated out of range): a pair's sum
- * is at most 2 * 128 * 127 < 2^15, so the int16 saturation is never reached; int4: the unsigned nibbles times
- * x directly. Lane j sums inputs 4j..4j+3 of the block, exact in int32 and as a float. */
-static inline vq dot_block(const void *q, int64_t b, int bits, const int8_t *xq) {
-    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
-    __m256i pairs;
+/* vpmaddubsw (unsigned bytes times signed bytes, adjacent products summed to int16): 32 products a block in
+ * one instruction, no widening. int8 weights: |w| (vpabsb: -128 reads as the unsigned 128) times x carrying
+ * w's sign (vpsignb; x is in [-127, 127], so never negated out of range): a pair's sum is at most
+ * 2 * 128 * 127 < 2^15, never saturated, and summed into int32 by vpmaddwd by ones. int4: the unsigned
+ * nibbles times x directly, a pair at most 2 * 15 * 127 = 3810, so an act block's 8 blocks at most (256
+ * inputs) sum in int16 lanes without saturating (30480) and go to int32 once, in q8_float. */
+static inline qblock q8_block(const void *q, int64_t b, int bits) {
+    qblock r;
     if (bits == 8) {
-        const __m256i w = _mm256_loadu_si256((const __m256i *)((const int8_t *)q + b * Q8_BLOCK));
-        pairs = _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w));
+        r.w = _mm256_loadu_si256((const __m256i *)((const int8_t *)q + b * Q8_BLOCK));
+        r.u = _mm256_abs_epi8(r.w);
     } else {
         const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + b * (Q8_BLOCK / 2))), low = _mm_set1_epi8(15);
-        pairs = _mm256_maddubs_epi16(_mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low)), x);
+        r.u = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
+        r.w = r.u;
     }
-    return _mm256_cvtepi32_ps(_mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
+    return r;
+}
+static inline vqi q8_dot(vqi acc, qblock w, int bits, const int8_t *xq) {
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+    if (bits == 8)
+        return _mm256_add_epi32(acc, _mm256_madd_epi16(_mm256_maddubs_epi16(w.u, _mm256_sign_epi8(x, w.w)), _mm256_set1_epi16(1)));
+    return _mm256_add_epi16(acc, _mm256_maddubs_epi16(w.u, x));
+}
+static inline vq q8_float(vqi acc, int bits) {
+    return _mm256_cvtepi32_ps(bits == 8 ? acc : _mm256_madd_epi16(acc, _mm256_set1_epi16(1)));
 }
 #else
 typedef float vq;
+typedef int32_t vqi;
+typedef const void *qblock;
 #define VQZERO() 0.0f
+#define VQIZERO() 0
 #define VQFMA(a, b, c) ((a) * (b) + (c))
 #define VQSET1(a) (a)
 #define VQSUM(a) (a)
-static inline vq dot_block(const void *q, int64_t b, int bits, const int8_t *xq) {
-    int32_t sum = 0;
+static inline qblock q8_block(const void *q, int64_t b, int bits) {
+    return bits == 8 ? (const void *)((const int8_t *)q + b * Q8_BLOCK) : (const void *)((const uint8_t *)q + b * (Q8_BLOCK / 2));
+}
+static inline vqi q8_dot(vqi sum, qblock w, int bits, const int8_t *xq) {
     if (bits == 8) {
-        const int8_t *p = (const int8_t *)q + b * Q8_BLOCK;
+        const int8_t *p = (const int8_t *)w;
         for (int i = 0; i < Q8_BLOCK; i++) sum += (int32_t)p[i] * xq[i];
     } else {
-        const uint8_t *p = (const uint8_t *)q + b * (Q8_BLOCK / 2);
+        const uint8_t *p = (const uint8_t *)w;
         for (int i = 0; i < 16; i++) sum += (int32_t)(p[i] & 15) * xq[i] + (int32_t)(p[i] >> 4) * xq[i + 16];
     }
-    return (float)sum;
+    return sum;
 }
+static inline vq q8_float(vqi acc, int bits) { (void)bits; return (float)acc; }
 #endif
 
+/* An act block's sums are exact integers (at most 8 blocks x 32 x 128 x 127 < 2^24: exact as floats too).
+ * The mb rows' chains side by side, a block of the weight read once for all of them; each row's sums are
+ * in the same order whatever mb is (same bits alone or in a batch). */
 static inline __attribute__((always_inline)) void rows_q8(const void *q, int bits, const float *s, const float *o,
-                                                          int64_t K, int64_t G, const int8_t *xq, const float *xd,
-                                                          const float *xsg, float *y, int64_t ldy, const int mb) {
-    const int64_t per = G / Q8_BLOCK;
-    /* the mb rows' chains side by side, a block of the weight read once for all of them: one row's chain alone
-     * waits on its FMA's latency every block. Each row's sums are in the same order as alone (same bits). */
+                                                          int64_t K, int64_t G, int64_t AB, const int8_t *xq,
+                                                          const float *xd, const float *xsg, float *y, int64_t ldy,
+                                                          const int mb) {
+    const int64_t per = G / Q8_BLOCK, run = AB / Q8_BLOCK;
     vq acc[Q8_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = VQZERO();
-    for (int64_t b = 0; b < K / Q8_BLOCK; b++) {
-        const float sb = s[b / per];
-        for (int m = 0; m < mb; m++)
-            acc[m] = VQFMA(dot_block(q, b, bits, xq + m * K + b * Q8_BLOCK), VQSET1(sb * xd[m * Q8_XD(K) + b]), acc[m]);
+    for (int64_t a = 0; a < K / Q8_BLOCK; a += run) {
+        vqi isum[Q8_ROWS];
+        for (int m = 0; m < mb; m++) isum[m] = VQIZERO();
+        for (int64_t b = a; b < a + run; b++) {
+            QPREFETCH((const uint8_t *)q + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
+            const qblock w = q8_block(q, b, bits);
+            for (int m = 0; m < mb; m++) isum[m] = q8_dot(isum[m], w, bits, xq + m * K + b * Q8_BLOCK);
+        }
+        const float sa = s[a / per];
+        for (int m = 0; m < mb; m++) acc[m] = VQFMA(q8_float(isum[m], bits), VQSET1(sa * xd[m * Q8_XD(K) + a]), acc[m]);
     }
     for (int m = 0; m < mb; m++) y[m * ldy] = VQSUM(acc[m]) + q8_rest(s, o, K / G, xsg + m * Q8_XSG(K), 0.0f);
 }
@@ -573,7 +609,7 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
  * by quantize_row_q8 (xq [M, K], xd [M, Q8_XD(K)], xsg [M, Q8_XSG(K)]), Q8_ROWS at a time, into
  * y[m * ldy + n]: atomd_qgemm_q8's rows and the int8 MoE experts' (layer_ops.c, moe_q8.h) */
 static inline void q8_weight_row(const void *q, int bits, const float *scales, const float *offsets, int64_t K,
-                                 int64_t G, int64_t n, int64_t M, const int8_t *xq, const float *xd,
+                                 int64_t G, int64_t AB, int64_t n, int64_t M, const int8_t *xq, const float *xd,
                                  const float *xsg, float *y, int64_t ldy) {
     const int64_t groups = K / G;
     const uint8_t *qn = (const uint8_t *)q + n * (bits == 8 ? K : K / 2);
@@ -581,9 +617,9 @@ static inline void q8_weight_row(const void *q, int bits, const float *scales, c
     for (int64_t m0 = 0; m0 < M; m0 += Q8_ROWS) {
         const int mb = M - m0 < Q8_ROWS ? (int)(M - m0) : Q8_ROWS;
         if (bits == 8) {
-            Q8_DISPATCH_BITS(8, sn, on, K, G, xq + m0 * K, xd + m0 * Q8_XD(K), xsg + m0 * Q8_XSG(K), y + m0 * ldy + n, ldy)
+            Q8_DISPATCH_BITS(8, sn, on, K, G, AB, xq + m0 * K, xd + m0 * Q8_XD(K), xsg + m0 * Q8_XSG(K), y + m0 * ldy + n, ldy)
         } else {
-            Q8_DISPATCH_BITS(4, sn, on, K, G, xq + m0 * K, xd + m0 * Q8_XD(K), xsg + m0 * Q8_XSG(K), y + m0 * ldy + n, ldy)
+            Q8_DISPATCH_BITS(4, sn, on, K, G, AB, xq + m0 * K, xd + m0 * Q8_XD(K), xsg + m0 * Q8_XSG(K), y + m0 * ldy + n, ldy)
         }
     }
 }
@@ -622,9 +658,9 @@ static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, cons
     for (int64_t n = 0; n < N; n++) {
         const float *s = w->scales + n * groups, *o = w->offsets ? w->offsets + n * groups : NULL;
         if (w->xq && w->bits == 8)  /* bits a constant in each call: its branches folded */
-            rows_q8((const int8_t *)w->q + n * K, 8, s, o, K, w->group, w->xq, w->xd, w->xsg, y + n, 1, 1);
+            rows_q8((const int8_t *)w->q + n * K, 8, s, o, K, w->group, w->ablock, w->xq, w->xd, w->xsg, y + n, 1, 1);
         else if (w->xq)
-            rows_q8((const int8_t *)w->q + n * (K / 2), 4, s, o, K, w->group, w->xq, w->xd, w->xsg, y + n, 1, 1);
+            rows_q8((const int8_t *)w->q + n * (K / 2), 4, s, o, K, w->group, w->ablock, w->xq, w->xd, w->xsg, y + n, 1, 1);
         else if (w->bits == 16)
             row_b16(x, K, (const uint16_t *)w->q + n * K, K, y + n, 1, 1);
         else if (w->bits == QBITS_F16)

@@ -1,5 +1,5 @@
-/* Part of quant.c: int8 / int4 weights times int8 activations as a register-blocked AVX512-VNNI GEMM,
- * for CPUs with VNNI but no AMX-INT8 (AMD EPYC, Intel Xeon before Sapphire Rapids) from quant.py's
+/* The AVX512-VNNI half of quant_gemm.h: int8 / int4 weights times int8 activations as a register-blocked
+ * GEMM, for CPUs with VNNI but no AMX-INT8 (AMD EPYC, Intel Xeon before Sapphire Rapids) from quant.py's
  * QGEMM_VNNI_MIN_M rows of x on (batch decode and prefill).
  *
  * The same numbers as quant.h's int8-activation rows: x quantised per act block of AB inputs as
@@ -10,9 +10,8 @@
  * int4; only the order of the float operations differs from the rows (d times s before the dot, not after).
  *
  * Where the rows read each weight pair for at most Q8_ROWS rows of x and end every row with horizontal
- * sums, here the lanes are output columns: each thread packs a panel of weight columns (about
- * QV_PANEL bytes, L2-resident; nothing kept past the call: the weight's memory does not grow) into the
- * VNNI layout, per strip of QV_NR = 32 columns [K / 4][32 columns][4 inputs] as unsigned bytes (int8
+ * sums, here the lanes are output columns: each thread packs a panel of weight columns (quant_gemm.h) into
+ * the VNNI layout, per strip of QV_NR = 32 columns [K / 4][32 columns][4 inputs] as unsigned bytes (int8
  * weights + 128, int4 values 0..15), with the strip's s and c transposed beside it [groups][32]. Then
  * for every QV_MR rows of x (their int8 rows stay in L1) every strip of the panel runs the micro-kernel:
  * QV_MR x 2 int32 accumulators of 16 columns, per 4 inputs two weight loads and one broadcast of 4 bytes
@@ -24,13 +23,10 @@
 #include <string.h>
 
 #include "lane_sums.h"  /* transpose16 */
-#define QV_PATH 1
+#define QV_PATH 3
 #define QV_NR 32  /* output columns a strip: two vectors */
 #ifndef QV_MR
 #define QV_MR 6   /* rows of x a micro-kernel: 12 int32 + 12 float accumulators + 2 weight vectors */
-#endif
-#ifndef QV_PANEL
-#define QV_PANEL (256 << 10)  /* packed weight bytes a work item */
 #endif
 
 /* one 16 x 16 block of 32-bit words (row r: weight row r's 4-input groups 0..15) stored as its transpose:
@@ -84,9 +80,11 @@ static void qv_pack(const void *q, int bits, const float *scales, const float *o
  * int8 values, d and xsg to the bit; cvtps rounds to nearest even as nearbyintf does), vectorised, in plain
  * input order: xq [M, K], d [M, K / AB] (one float an act block: QV_D(K, AB) a row), xsg [M, Q8_XSG(K)] */
 #define QV_D(K, AB) ((K) / (AB))
-static void qv_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t G, int64_t AB, int8_t *xq,
-                        float *d, float *xsg, int num_threads) {
+#define QV_XD_ROW(K, AB) QV_D(K, AB)  /* quant_gemm.h: d's row stride */
+static void qv_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t G, int64_t AB, int bits,
+                        int8_t *xq, float *d, float *xsg, int num_threads) {
     const int64_t per = G / AB;
+    (void)bits;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)")
     for (int64_t m = 0; m < M; m++) {
         const float *xr = x + m * ldx;
@@ -160,83 +158,16 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
     }
 }
 
-/* strips s0 .. s1 of the weight (columns 32 s0 ..) packed into wp / sc (QV_PANEL_BYTES / QV_PANEL_FLOATS of
- * s1 - s0 strips) and run against M rows of x quantised by qv_quantize (xq, d, xsg) into y [M, ldy]: one
- * thread's work item (qgemm_vnni's panels) */
-#define QV_PANEL_BYTES(strips, K) ((size_t)(strips) * QV_NR * (K))
-#define QV_PANEL_FLOATS(strips, groups) ((size_t)(strips) * 2 * (groups) * QV_NR)
-/* the most strips a panel of K inputs holds (QV_PANEL bytes, at least one) */
-#define QV_MOST(K) (QV_PANEL / (QV_NR * (K)) < 1 ? 1 : QV_PANEL / (QV_NR * (K)))
-static void qv_panel(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K, int64_t G,
-                     int64_t AB, int64_t M, int64_t s0, int64_t s1, const int8_t *xq, const float *d, const float *xsg,
-                     float *y, int64_t ldy, uint8_t *wp, float *sc) {
-    const int64_t groups = K / G;
-    qv_pack(q, bits, scales, offsets, N, K, G, s0 * QV_NR, s1 - s0, wp, sc);
-    for (int64_t m0 = 0; m0 < M; m0 += QV_MR) {  /* QV_MR rows of x (L1) against every strip of the panel (L2) */
-        const int mr = M - m0 < QV_MR ? (int)(M - m0) : QV_MR;
-        const int8_t *xr = xq + m0 * K;
-        const float *dr = d + m0 * QV_D(K, AB), *gr = xsg + m0 * Q8_XSG(K);
-        for (int64_t j = s0; j < s1; j++) {
-            const uint8_t *wj = wp + (j - s0) * QV_NR * K;
-            const float *sj = sc + (j - s0) * 2 * groups * QV_NR;
-            float *yj = y + m0 * ldy + j * QV_NR;
-            const int64_t cols = N - j * QV_NR;
-            switch (mr) {  /* mr a constant in each instance */
+/* the ISA's micro-kernel for mr rows (quant_gemm.h's qv_panel): VNNI needs no bits (the packing's) */
+static inline __attribute__((always_inline)) void qv_strip(int mr, int bits, const uint8_t *wp, const float *sc, const int8_t *xq, const float *xd,
+                            const float *xsg, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy, int64_t cols) {
+    (void)bits;
+    switch (mr) {  /* mr a constant in each instance */
 #define QV_CASE(R) \
-    case R: qv_kernel(R < QV_MR ? R : QV_MR, wj, sj, xr, dr, gr, K, G, AB, yj, ldy, cols); break;
-                QV_CASE(1) QV_CASE(2) QV_CASE(3) QV_CASE(4) QV_CASE(5) QV_CASE(6) QV_CASE(7)
-                default: qv_kernel(QV_MR, wj, sj, xr, dr, gr, K, G, AB, yj, ldy, cols); break;
+    case R: qv_kernel(R < QV_MR ? R : QV_MR, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols); break;
+        QV_CASE(1) QV_CASE(2) QV_CASE(3) QV_CASE(4) QV_CASE(5) QV_CASE(6) QV_CASE(7)
+        default: qv_kernel(QV_MR, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols); break;
 #undef QV_CASE
-            }
-        }
     }
 }
-
-/* y [M, ldy] = x [M, ldx] @ w^T on one thread, panel after panel: the int8 MoE experts' (moe_q8.h), the same
- * bits as qgemm_vnni's; scratch the rows' (xq, xd, xsg) and a panel's, wp [QV_PANEL_BYTES(QV_MOST(K), K)]
- * and sc [QV_PANEL_FLOATS(QV_MOST(K), K / G)] */
-static inline void qv_gemm1(const float *x, int64_t M, const void *q, int bits, const float *scales,
-                            const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int8_t *xq,
-                            float *xd, float *xsg, uint8_t *wp, float *sc) {
-    qv_quantize(x, K, M, K, G, AB, xq, xd, xsg, 1);
-    const int64_t strips = (N + QV_NR - 1) / QV_NR;
-    for (int64_t s0 = 0; s0 < strips; s0 += QV_MOST(K))
-        qv_panel(q, bits, scales, offsets, N, K, G, AB, M, s0, s0 + QV_MOST(K) < strips ? s0 + QV_MOST(K) : strips, xq,
-                 xd, xsg, y, N, wp, sc);
-}
-
-/* y [M, ldy] = x [M, ldx] @ w^T; scratch the rows': xq [M, K], xd [M, Q8_XD(K)] (holds QV_D), xsg [M, Q8_XSG(K)].
- * Returns 0, or -1 out of memory. */
-static int qgemm_vnni(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
-                      const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
-                      int8_t *xq, float *xd, float *xsg, int num_threads) {
-    qv_quantize(x, ldx, M, K, G, AB, xq, xd, xsg, num_threads);
-    const int64_t strips = (N + QV_NR - 1) / QV_NR;
-    /* panels of at most QV_PANEL bytes (or one strip), as many for every thread (a static schedule): sizes
-     * that differ by one strip at most */
-    int64_t panels = (strips + QV_MOST(K) - 1) / QV_MOST(K);
-    panels = (panels + num_threads - 1) / num_threads * num_threads;
-    panels = panels > strips ? strips : panels;
-    const int64_t chunk = (strips + panels - 1) / panels;  /* strips a panel, the last ones one fewer */
-    int failed = 0;
-    _Pragma("omp parallel num_threads(num_threads)")
-    {
-        uint8_t *wp = aligned_alloc(64, QV_PANEL_BYTES(chunk, K));
-        float *sc = aligned_alloc(64, sizeof(float) * QV_PANEL_FLOATS(chunk, K / G));
-        if (wp == NULL || sc == NULL) {
-            _Pragma("omp atomic write")
-            failed = 1;
-        }
-        _Pragma("omp for schedule(static)")
-        for (int64_t p = 0; p < panels; p++)
-            if (wp != NULL && sc != NULL)
-                qv_panel(q, bits, scales, offsets, N, K, G, AB, M, p * strips / panels, (p + 1) * strips / panels, xq,
-                         xd, xsg, y, ldy, wp, sc);
-        free(wp);
-        free(sc);
-    }
-    return failed ? -1 : 0;
-}
-#else
-#define QV_PATH 0
 #endif

@@ -1,0 +1,166 @@
+/* The AVX2 half of quant_gemm.h: int8 / int4 weights times int8 activations as a register-blocked GEMM for
+ * CPUs without AVX-512 (Zen 3 and older AMD EPYCs, Intel before Skylake-SP), from quant.py's
+ * QGEMM_AVX2_GEMM_MIN_M rows of x on.
+ *
+ * The same numbers as quant.h's int8-activation rows: x quantised by quantize_row_q8 itself (the same int8
+ * values, d and xsg), each integer dot q[n, a] . xq[m, a] exact (int8: an act block's, int4: a block's), then
+ *   y[m, n] = sum_g sum_{a in g} dot[m, n, a] * (s[n, g] * d[m, a]) + o[n, g] * xsg[m, g];
+ * only the order of the float operations differs from the rows (s times d before the dot, not after).
+ *
+ * Where the rows take one weight row at a time, its lanes along K, and pay a conversion, a scale and a
+ * horizontal sum per row of x and weight row, here the lanes are 8 output columns: each thread packs its
+ * panel (quant_gemm.h) per strip of QV_NR = 8 columns as [K / 4][8 columns][4 inputs] bytes (int8 weights
+ * as stored, int4 values 0..15; an 8 x 8 transpose of 4-byte words a block), the strip's s and o
+ * transposed beside it [groups][8]. Then for every QV_MR rows of x every strip of the panel runs the
+ * micro-kernel: per 4 inputs one weight load and, a row of x, a broadcast of its 4 bytes (vpbroadcastd)
+ * into vpmaddubsw (quant.h's sign trick for int8: |w| times x carrying w's sign, then vpmaddwd by ones
+ * into int32 over the act block; int4's nibbles times x directly, summed in int16 over a block of 32 inputs:
+ * at most 8 x 2 x 15 x 127 = 30480), the integer sums then converted and scaled into float accumulators
+ * (one FMA for 8 columns; exact: |dot| <= 256 x 128 x 127 < 2^24). */
+#if Q8_PATH == 1
+#include <stdlib.h>
+#include <string.h>
+
+#define QV_PATH 1
+#define QV_NR 8  /* output columns a strip: one vector */
+#define QV_XD_ROW(K, AB) Q8_XD(K)  /* quantize_row_q8's d: one float a block of 32 */
+#ifndef QV_MR
+#define QV_MR 4  /* rows of x a micro-kernel: 4 float + 4 integer accumulators, of 16 registers */
+#endif
+
+/* 8 vectors of 8 32-bit words transposed in place: word j of v[i] to word i of v[j] */
+static inline void qv_transpose8(__m256 v[8]) {
+    __m256 t[8], u[8];
+    for (int i = 0; i < 8; i += 2) {
+        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
+        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
+    }
+    for (int i = 0; i < 8; i += 4) {
+        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
+        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
+        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
+        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
+    }
+    for (int i = 0; i < 4; i++) {
+        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
+    }
+}
+
+/* weight rows n0 .. n0 + 8 strips (rows from N on zero) packed as the module doc says: strip j at
+ * wp + j * 8 K, its s and o at sc + j * 16 groups ([groups][8] each) */
+static void qv_pack(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
+                    int64_t G, int64_t n0, int64_t strips, uint8_t *wp, float *sc) {
+    const int64_t groups = K / G;
+    const __m128i low = _mm_set1_epi8(15);
+    for (int64_t j = 0; j < strips; j++) {
+        const int64_t r0 = n0 + j * QV_NR;
+        uint8_t *dst = wp + j * QV_NR * K;
+        for (int64_t k = 0; k < K; k += Q8_BLOCK) {  /* K is whole blocks of 32 (the act blocks') */
+            __m256 v[8];
+            for (int r = 0; r < 8; r++) {
+                __m256i w = _mm256_setzero_si256();
+                if (r0 + r < N && bits == 8) {
+                    w = _mm256_loadu_si256((const __m256i *)((const int8_t *)q + (r0 + r) * K + k));
+                } else if (r0 + r < N) {  /* Q4_0 runs: low nibbles inputs 0-15, high ones 16-31 */
+                    const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + (r0 + r) * (K / 2) + k / 2));
+                    w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
+                }
+                v[r] = _mm256_castsi256_ps(w);
+            }
+            qv_transpose8(v);
+            for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(dst + (k / 4 + i) * QV_NR * 4), v[i]);
+        }
+    }
+    for (int64_t j = 0; j < strips; j++)
+        for (int64_t g = 0; g < groups; g++)
+            for (int c = 0; c < QV_NR; c++) {
+                const int64_t n = n0 + j * QV_NR + c;
+                sc[(j * 2 * groups + g) * QV_NR + c] = n < N ? scales[n * groups + g] : 0.0f;
+                sc[((j * 2 + 1) * groups + g) * QV_NR + c] = n < N && offsets ? offsets[n * groups + g] : 0.0f;
+            }
+}
+
+/* x [M, ldx] quantised row by row by quantize_row_q8: xq [M, K], xd [M, Q8_XD(K)], xsg [M, Q8_XSG(K)] */
+static void qv_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t G, int64_t AB, int bits,
+                        int8_t *xq, float *xd, float *xsg, int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (M * K >= 65536)")
+    for (int64_t m = 0; m < M; m++)
+        quantize_row_q8(x + m * ldx, K, G, AB, bits, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
+}
+
+/* mr (a constant after inlining) rows of quantised x (rows K, Q8_XD(K) and Q8_XSG(K) apart) times one packed
+ * strip (wp, its s / o at sc) into y[r * ldy + 0 .. cols); bits a constant too */
+static inline __attribute__((always_inline)) void qv_kernel(const int mr, const int bits, const uint8_t *wp,
+                                                            const float *sc, const int8_t *xq, const float *xd,
+                                                            const float *xsg, int64_t K, int64_t G, int64_t AB,
+                                                            float *y, int64_t ldy, int64_t cols) {
+    const int64_t groups = K / G, per = G / AB, run = AB / Q8_BLOCK;
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 f[QV_MR];
+    for (int r = 0; r < mr; r++) f[r] = _mm256_setzero_ps();
+    int64_t g = 0, left = per;
+    for (int64_t a = 0; a < K / AB; a++) {
+        const __m256 s = _mm256_loadu_ps(sc + g * QV_NR);
+        /* integer sums: int8's in int32 over the act block, int4's in int16 over a block (its bound), then each
+         * converted and scaled; as few live vectors as that allows (no spills at QV_MR rows) */
+        __m256i acc[QV_MR];
+        for (int64_t b = a * run; b < (a + 1) * run; b++) {
+            const uint8_t *wb = wp + b * Q8_BLOCK * QV_NR;
+            const int8_t *xb = xq + b * Q8_BLOCK;
+            if (bits == 4 || b == a * run)
+                for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_si256();
+            /* two 4-input steps an iteration: unrolled whole, GCC gathers the block's 32 products of 4 rows
+             * before summing them and spills (1.2-1.5x the time) */
+            _Pragma("GCC unroll 2")
+            for (int c = 0; c < Q8_BLOCK / 4; c++) {
+                const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + c * 32));
+                const __m256i u = bits == 8 ? _mm256_abs_epi8(w) : w;
+                for (int r = 0; r < mr; r++) {
+                    int32_t x4;
+                    memcpy(&x4, xb + r * K + c * 4, 4);
+                    const __m256i xv = _mm256_set1_epi32(x4);
+                    if (bits == 8)
+                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xv, w)), ones));
+                    else
+                        acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(u, xv));
+                }
+            }
+            if (bits == 4 || b == (a + 1) * run - 1)
+                for (int r = 0; r < mr; r++) {
+                    const __m256i i32 = bits == 8 ? acc[r] : _mm256_madd_epi16(acc[r], ones);
+                    const __m256 d = _mm256_set1_ps(xd[r * Q8_XD(K) + b]);  /* (the act block's d, every block) */
+                    f[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(s, d), f[r]);
+                }
+        }
+        if (--left == 0) {  /* the group's last act block: + o x xsg */
+            const __m256 o = _mm256_loadu_ps(sc + (groups + g) * QV_NR);
+            for (int r = 0; r < mr; r++) f[r] = _mm256_fmadd_ps(o, _mm256_set1_ps(xsg[r * Q8_XSG(K) + g]), f[r]);
+            g++, left = per;
+        }
+    }
+    if (cols >= QV_NR) {
+        for (int r = 0; r < mr; r++) _mm256_storeu_ps(y + r * ldy, f[r]);
+    } else {
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        for (int r = 0; r < mr; r++) _mm256_maskstore_ps(y + r * ldy, mask, f[r]);
+    }
+}
+
+/* the micro-kernel for mr rows, mr and bits constants in each instance (quant_gemm.h's qv_panel) */
+static inline __attribute__((always_inline)) void qv_strip(int mr, int bits, const uint8_t *wp, const float *sc, const int8_t *xq, const float *xd,
+                            const float *xsg, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy, int64_t cols) {
+#define QV_CASE(R)                                                         \
+    case R:                                                                \
+        if (bits == 8)                                                     \
+            qv_kernel(R, 8, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols);  \
+        else                                                               \
+            qv_kernel(R, 4, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols);  \
+        break;
+    switch (mr) {
+        QV_CASE(1) QV_CASE(2) QV_CASE(3)
+        default: QV_CASE(QV_MR)
+    }
+#undef QV_CASE
+}
+#endif
