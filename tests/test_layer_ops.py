@@ -205,12 +205,14 @@ def test_engine_greedy_ids_equal_with_the_torch_fallback(dtype, monkeypatch):
 def test_gemv_equals_a_float32_linear_to_the_dtypes_rounding(isa, dtype, k, n):
     """Batch-1 decode's GEMV (plain rows) against F.linear in float32 on the same inputs: float32
     to summation order, bf16 to one rounding of the output (1 ulp). Built where the ISA is:
-    float32 with AVX-512F, bf16 with AVX512_BF16 too (the narrowed builds have less)."""
+    float32 with AVX-512F (the whole GEMV family: has_gemv) or AVX2 + FMA (the GEMV and the dense decode
+    layer: has_decode_layer), bf16 with AVX512_BF16 too (the narrowed builds have less)."""
     flags = cpu_flags()
-    built = "avx512f" in flags and isa != "no-avx512"
+    avx512 = "avx512f" in flags and isa != "no-avx512"
+    built = avx512 or {"avx2", "fma"} <= flags
     if dtype == torch.bfloat16:
-        built = built and "avx512_bf16" in flags and isa in ("native", "no-amx")
-    assert layer_ops.has_gemv(dtype) == built
+        avx512 = built = avx512 and "avx512_bf16" in flags and isa in ("native", "no-amx")
+    assert layer_ops.has_gemv(dtype) == avx512 and layer_ops.has_decode_layer(dtype) == built
     if not built:
         return
     g = torch.Generator().manual_seed(k * n)
@@ -267,7 +269,7 @@ def test_batch1_decode_through_the_gemv_gives_onednns_greedy_ids(monkeypatch):
         return kept, [model.lm_head.is_mkldnn] + [w.qkv.is_mkldnn for w in model.layers], ids, model
 
     kept, packed, gemv_ids, model = run()
-    assert kept == layer_ops.has_gemv(torch.float32) and all(packed)
+    assert kept == layer_ops.has_decode_layer(torch.float32) and all(packed)
     if kept:  # room for the head's packed copy and one layer's
         head, layer = model.lm_head_rows.nbytes, sum(t.nbytes for t in model.layers[0].rows)
         monkeypatch.setattr(decoder, "GEMV_MAX_BYTES", head + layer)
@@ -303,7 +305,7 @@ def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype,
     llm = LLM(str(path), num_threads=2, dtype=str(dtype).removeprefix("torch."), max_model_len=256,
               enable_prefix_caching=False)
     model = llm.engine.model
-    assert (model.decode_layer is not None) == layer_ops.has_gemv(dtype)
+    assert (model.decode_layer is not None) == layer_ops.has_decode_layer(dtype)
     params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
 
     fused = greedy_ids_and_logprobs(llm, params)
@@ -323,7 +325,7 @@ def test_batch1_decode_layer_over_an_fp8_cache_gives_the_per_op_paths_bits(kv, t
     llm = LLM(str(path), num_threads=2, dtype="float32", max_model_len=256, enable_prefix_caching=False,
               kv_cache_dtype=kv)
     model = llm.engine.model
-    if not layer_ops.has_gemv(torch.float32):
+    if not layer_ops.has_decode_layer(torch.float32):
         assert model.decode_layer is None
         return
     calls, run_layers = [], model.decode_layer.run_layers

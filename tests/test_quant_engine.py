@@ -85,7 +85,7 @@ def test_linears_are_packed_not_float(quantized):
     for w in (layer.qkv, layer.o, layer.gate_up, layer.down):
         assert isinstance(w, QuantizedWeight) and w.bits == {"int8": 8, "int4": 4, "bf16": 16}[method]
     # batch-1 decode in the fused C layer over the packed weights where it builds (AVX-512)
-    assert (llm.engine.model.decode_layer is not None) == layer_ops.has_gemv(torch.float32)
+    assert (llm.engine.model.decode_layer is not None) == layer_ops.has_decode_layer(torch.float32)
     lm_head = llm.engine.model.lm_head
     assert isinstance(lm_head, QuantizedWeight) and lm_head.bits == (16 if method == "bf16" else 8)
     if layer.rows is not None:  # batch-1 decode streams them: moved onto 2 MiB pages (huge_pages)

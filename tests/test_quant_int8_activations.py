@@ -13,7 +13,7 @@ import torch
 
 from atomd.kernels import cbuild
 from atomd.model import quant
-from tests.cpu_builds import AVX512, ISAS
+from tests.cpu_builds import ISAS
 
 pytestmark = pytest.mark.unit
 BUILDS = [(isa, vnni) for isa in ISAS for vnni in (True, False)]
@@ -190,7 +190,7 @@ def test_engine_fused_layer_equals_per_op_and_stays_near_float_activations(metho
                    quantized_activations=activations)
 
     fused, per_op, floats = make("int8"), make("int8"), make("float32")
-    assert (fused.engine.model.decode_layer is not None) == AVX512  # else both per op: the logits' checks stand
+    assert fused.engine.model.decode_layer is not None  # (an AVX2 build has the dense layer too)
     per_op.engine.model.decode_layer = None  # batch-1 decode through qlinear per op
     assert all(w.int8_activations for w in fused.engine.model.layers[0].linears())
     prompts = prompts_of([1, 12, 40], seed=32)

@@ -179,7 +179,7 @@ class DecoderModel:
         first = self.layers[0]
         for m in (w.moe for w in self.layers if w.moe is not None):
             if m.quantized or not m.gemv:
-                return "MoE block with quantized experts"
+                return "MoE block with quantized experts" if m.quantized else "MoE block whose experts have no GEMV kernel here"
             if m.router.shape[0] > layer_ops.MOE_MAX_EXPERTS or m.top_k > layer_ops.MOE_MAX_K:
                 return f"MoE block routing to more than {layer_ops.MOE_MAX_K} of {layer_ops.MOE_MAX_EXPERTS} experts"
         if first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:
@@ -531,4 +531,4 @@ def keep_rows(model: DecoderModel) -> bool:
     """Keep plain rows of the linear weights for batch-1 decode (layer_ops.gemv): where the
     kernel runs the model's dtype, unless $ATOMD_GEMV=0. The rows are the weights as loaded,
     moved onto huge pages (held once); DecoderModel._pack_weights bounds the packed copies beside them."""
-    return os.environ.get(GEMV_ENV) != "0" and layer_ops.has_gemv(model.dtype)
+    return os.environ.get(GEMV_ENV) != "0" and layer_ops.has_decode_layer(model.dtype)

@@ -91,8 +91,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     if lib is None:
         return None
     lib.atomd_gemv_kinds.restype = ctypes.c_int
-    lib.gemv_kinds = lib.atomd_gemv_kinds()  # bit 0: float32, bit 1: bfloat16
-    for bit, suffix in ((1, "f32"), (2, "bf16")):
+    # bit 0: float32 (AVX-512), bit 1: bfloat16, bit 2: float32 with AVX2 (the GEMV and the dense decode layers only)
+    lib.gemv_kinds = lib.atomd_gemv_kinds()
+    for bit, suffix in ((1 | 4, "f32"), (2, "bf16")):
         if lib.gemv_kinds & bit:
             fn = getattr(lib, f"atomd_gemv_{suffix}")
             fn.argtypes, fn.restype = [_PTR, _PTR, _PTR, _I64, _I64, ctypes.c_int], None
@@ -103,6 +104,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             every.argtypes, every.restype = _LAYERS_ARGTYPES, ctypes.c_int
             experts = getattr(lib, f"atomd_moe_experts_{suffix}")
             experts.argtypes, experts.restype = [_PTR] * 6 + [ctypes.c_int, _PTR] + [_I64] * 3 + [ctypes.c_int], None
+        if lib.gemv_kinds & bit & 3:  # AVX-512 only
             mla_layers = getattr(lib, f"atomd_mla_layers_{suffix}")
             mla_layers.argtypes = [_PTR, _I64, _PTR, _PTR, _I64] + [_PTR] * 7 + [ctypes.c_int]
             mla_layers.restype = ctypes.c_int
@@ -113,9 +115,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
             rows_head.argtypes, rows_head.restype = [_PTR, _I64, _PTR, _I64, _I64, _PTR, _I64] + [_PTR] * 7 + [ctypes.c_int], None
             grouped = getattr(lib, f"atomd_moe_grouped_{suffix}")
             grouped.argtypes, grouped.restype = [_PTR] * 9 + [ctypes.c_int, _PTR] + [_I64] * 4 + [ctypes.c_int], None
-    if lib.gemv_kinds:
+    if lib.gemv_kinds & 3:
         lib.atomd_mla_scratch_elems.argtypes, lib.atomd_mla_scratch_elems.restype = [_PTR, ctypes.c_int], _I64
-    if lib.gemv_kinds & 1:  # the layer over int8 / int4 linears (csrc/quant.h), built beside the float32 one
+    if lib.gemv_kinds & (1 | 4):  # the layer over int8 / int4 linears (csrc/quant.h), built beside the float32 one
         lib.atomd_decode_layer_head_q_f32.argtypes = lib.atomd_decode_layer_head_f32.argtypes
         lib.atomd_decode_layer_tail_q_f32.argtypes = lib.atomd_decode_layer_tail_f32.argtypes
         lib.atomd_decode_layers_q_f32.argtypes, lib.atomd_decode_layers_q_f32.restype = _LAYERS_ARGTYPES, ctypes.c_int
@@ -265,10 +267,17 @@ def rope_store_(qkv: torch.Tensor, q_heads: int, kv_heads: int, head_dim: int, c
 
 
 def has_gemv(dtype: torch.dtype) -> bool:
-    """Whether `gemv` (and the batch-1 decode layer, `decode_layer`) runs this dtype here (the
-    kernels built with its vector ISA)."""
+    """Whether the GEMV kernel family runs this dtype here (the kernels built with AVX-512): `gemv`, the batch-1
+    decode layer, the MoE experts' and the MLA layers' C calls."""
     lib = kernels()
     return lib is not None and dtype in _SUFFIX and bool(lib.gemv_kinds & (1 if dtype == torch.float32 else 2))
+
+
+def has_decode_layer(dtype: torch.dtype) -> bool:
+    """Whether `gemv` and the dense batch-1 decode layer (`DecodeLayer`) run this dtype here: has_gemv, or float32
+    on an AVX2 build (no MoE / MLA calls there)."""
+    lib = kernels()
+    return has_gemv(dtype) or (lib is not None and dtype == torch.float32 and bool(lib.gemv_kinds & 4))
 
 
 def gemv(x: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:

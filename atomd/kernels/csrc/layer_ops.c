@@ -85,6 +85,33 @@ static inline void rms_norm_row_f32(float *x, const float *d, const float *w, fl
         _mm512_mask_storeu_ps(o + i, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, w + i), n));
     }
 }
+#elif defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define F32_NORM_VEC 1
+/* the same for AVX2 builds (the dense decode layer runs there too): 8 lanes in one fixed order */
+static inline __m256i tail8(int64_t left) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+static inline void rms_norm_row_f32(float *x, const float *d, const float *w, float *o, int64_t hidden, float eps) {
+    __m256 acc = _mm256_setzero_ps();
+    for (int64_t i = 0; i < hidden; i += 8) {
+        const __m256i m = tail8(hidden - i);
+        __m256 v = _mm256_maskload_ps(x + i, m);
+        if (d) {
+            v = _mm256_add_ps(v, _mm256_maskload_ps(d + i, m));
+            _mm256_maskstore_ps(x + i, m, v);
+        }
+        acc = _mm256_fmadd_ps(v, v, acc);  /* masked-off lanes loaded as 0 */
+    }
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(acc), _mm256_extractf128_ps(acc, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))) / (float)hidden + eps));
+    for (int64_t i = 0; i < hidden; i += 8) {
+        const __m256i m = tail8(hidden - i);
+        const __m256 n = _mm256_mul_ps(_mm256_maskload_ps(x + i, m), inv);
+        _mm256_maskstore_ps(o + i, m, _mm256_mul_ps(_mm256_maskload_ps(w + i, m), n));
+    }
+}
 #else
 #define F32_NORM_VEC 0
 #endif
@@ -397,8 +424,9 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
  * one row + this prefetch 20-21, a plain sum of the same bytes 16-19; benchmarks/RESULTS.md
  * #35 decode step profile). Float32 sums; bf16 output rounded to nearest even. Built where
  * the vector ISA is (atomd_gemv_kinds: bit 0 float32 with AVX-512F, bit 1 bfloat16 with
- * AVX512_BF16's dot product); the Python side uses oneDNN elsewhere. */
-#if defined(__AVX512F__)
+ * AVX512_BF16's dot product, bit 2 float32 with AVX2 + FMA: the GEMV and the dense decode
+ * layers only, not the grouped experts or the MLA layers); the Python side uses oneDNN elsewhere. */
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #define GEMV_PREFETCH 4096
 /* the two cache lines GEMV_PREFETCH bytes past p, into L2 (past the weight's end: harmless, a prefetch never faults) */
@@ -407,6 +435,26 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
         _mm_prefetch((const char *)(p) + GEMV_PREFETCH, _MM_HINT_T1);             \
         _mm_prefetch((const char *)(p) + GEMV_PREFETCH + 64, _MM_HINT_T1);        \
     } while (0)
+
+#if defined(__AVX512F__)
+typedef __m512 gemv_acc;
+#define GEMV_ZERO() _mm512_setzero_ps()
+#define GEMV_HSUM(a0, a1) _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
+#else
+/* AVX2: 8 lanes, masks as bits (a prefix of K's tail: lane_mask8), sums in one fixed order */
+typedef __m256 gemv_acc;
+#define GEMV_ZERO() _mm256_setzero_ps()
+static inline float gemv_hsum8(__m256 a0, __m256 a1) {
+    const __m256 a = _mm256_add_ps(a0, a1);
+    __m128 v = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
+    v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+    return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
+}
+#define GEMV_HSUM(a0, a1) gemv_hsum8(a0, a1)
+static inline __m256i lane_mask8(uint8_t m) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(__builtin_popcount(m)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+#endif
 
 /* One instance per dtype: VEC / STEP the vector of x and w elements, VLOAD a masked load
  * (all lanes but in K's tail), VFMA acc += x * w summed into float32 lanes. NAME##_rows is
@@ -418,7 +466,7 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
                                   int64_t n, mask_t tail) {                                                      \
         const mask_t all = (mask_t)~(mask_t)0;                                                                   \
         const elem_t *wn = w + n * K;                                                                            \
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0;                                                                \
+        gemv_acc a0 = GEMV_ZERO(), a1 = a0;                                                                      \
         int64_t k = 0;                                                                                           \
         for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                               \
             PREFETCH_AHEAD(wn + k);                                                                              \
@@ -430,7 +478,7 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
             a0 = VFMA(a0, VLOAD(mk, x + k), VLOAD(mk, wn + k));                                                  \
         }                                                                                                        \
         /* the bias added to the rounded product, as torch's add_ */                                             \
-        store(y, n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), IS_BF16);                                       \
+        store(y, n, GEMV_HSUM(a0, a1), IS_BF16);                                                                 \
         if (bias) store(y, n, load(y, n, IS_BF16) + load(bias, n, IS_BF16), IS_BF16);                            \
     }                                                                                                            \
     static void NAME##_rows(const elem_t *x, const elem_t *w, const elem_t *bias, elem_t *y, int64_t K,         \
@@ -445,7 +493,7 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
                                    int64_t K, int64_t n, mask_t tail) {                                         \
         const mask_t all = (mask_t)~(mask_t)0;                                                                   \
         const elem_t *wn = w + n * K;                                                                            \
-        __m512 a0 = _mm512_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;                                              \
+        gemv_acc a0 = GEMV_ZERO(), a1 = a0, b0 = a0, b1 = a0;                                                    \
         int64_t k = 0;                                                                                           \
         for (; k + 2 * STEP <= K; k += 2 * STEP) {                                                               \
             PREFETCH_AHEAD(wn + k);                                                                              \
@@ -461,8 +509,8 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
             a0 = VFMA(a0, VLOAD(mk, x + k), w0);                                                                 \
             b0 = VFMA(b0, VLOAD(mk, x1 + k), w0);                                                                \
         }                                                                                                        \
-        store(y, n, _mm512_reduce_add_ps(_mm512_add_ps(a0, a1)), IS_BF16);                                       \
-        store(y1, n, _mm512_reduce_add_ps(_mm512_add_ps(b0, b1)), IS_BF16);                                      \
+        store(y, n, GEMV_HSUM(a0, a1), IS_BF16);                                                                 \
+        store(y1, n, GEMV_HSUM(b0, b1), IS_BF16);                                                                \
     }                                                                                                            \
     /* R rows of x [R][K] -> y [R][N]: each weight row once from memory, each load of it shared by two \
      * rows (a verify step's rows); per row the same sums as NAME##_rows */                                     \
@@ -493,11 +541,19 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
         NAME##_rows(x, w, NULL, y, K, N);                                                                        \
     }
 
+#if defined(__AVX512F__)
 #define F32_LOAD(mask, p) _mm512_maskz_loadu_ps(mask, p)
 #define F32_FMA(acc, a, b) _mm512_fmadd_ps(a, b, acc)
 GEMV(atomd_gemv_f32, float, __mmask16, __m512, 16, F32_LOAD, F32_FMA, 0)
+#else
+#define F32_LOAD(mask, p) ((mask) == 0xFF ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask8(mask)))
+#define F32_FMA(acc, a, b) _mm256_fmadd_ps(a, b, acc)
+GEMV(atomd_gemv_f32, float, uint8_t, __m256, 8, F32_LOAD, F32_FMA, 0)
+#endif
 
-#if defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(ATOMD_NO_BF16_DOT)
+#if !defined(__AVX512F__)
+#define GEMV_KINDS 4
+#elif defined(__AVX512BF16__) && defined(__AVX512BW__) && !defined(ATOMD_NO_BF16_DOT)
 #define BF16_LOAD(mask, p) ((__m512bh)_mm512_maskz_loadu_epi16(mask, p))
 GEMV(atomd_gemv_bf16, bf16_t, __mmask32, __m512bh, 32, BF16_LOAD, _mm512_dpbf16_ps, 1)
 #define GEMV_KINDS 3
@@ -815,6 +871,7 @@ MOE_EXPERTS(f32, float, 0, SILU_ROW_F32, atomd_gemv_f32)
 MOE_EXPERTS(bf16, bf16_t, 1, silu_mul_row_bf16, atomd_gemv_bf16)
 #endif
 
+#if defined(__AVX512F__)  /* (their 16-lane sums and the MLA attention library are AVX-512 only) */
 /* An MoE block's experts over more than one token (atomd/model/moe.py's moe()) in one call:
  * the (token, choice) pairs grouped by expert, for each active expert e = experts[g] its
  * pairs starts[g] .. starts[g + 1] - 1 (token rows tokens[i] of x [T, hidden]) through
@@ -1219,6 +1276,7 @@ MLA_LAYERS(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, atomd_gemv_f32)
 #if GEMV_KINDS & 2
 MLA_LAYERS(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, atomd_gemv_bf16)
 #endif
+#endif  /* AVX-512: the grouped experts and the MLA layers */
 /* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
 #include "quant.h"
 DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *, atomd_qgemv_rows, atomd_gemv_f32)
