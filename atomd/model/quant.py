@@ -85,6 +85,11 @@ QGEMM_W16_MIN_M = 16
 # 135M / 0.6B linears, where the rows in registers take 0.58-1.1x and the per-call panels 1.0-1.3x; about level
 # with both at 128-2048 rows (RESULTS.md, #35 16-bit panels packed at load)
 QGEMM_W16_PREPACKED_MIN_M = 2
+# an AVX2 build's per-call panels (csrc/quant_w16_avx2.h: no load-time panels there) from this many rows, the 16-bit
+# rows below. AVX2 EPYC, 135M's linears, 2 threads, time over oneDNN float32's: panels 1.18-1.35x at 16 rows (rows
+# 0.70-1.0x), 0.97-1.25x at 32 (rows 1.05-1.5x), 0.83-1.01x at 128-512, where the widened tiles for oneDNN cost
+# float32's time and the widening (RESULTS.md, #35 the AVX2 16-bit panels)
+QGEMM_W16_AVX2_MIN_M = QGEMM_MAX_M + 1
 # ... up to this many rows: from it the weight is packed per call as float32 panels again (the same sums, the same
 # bits), as the load-time 16-bit panels cost the micro-kernel a shift or a mask per weight vector on the FMA ports,
 # while the per-call packing is one widening pass over the weight, amortised over M / 14 slivers. VNNI kind, 135M
@@ -326,7 +331,8 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_gemm_bf16_rounded.restype = ctypes.c_int
     lib.atomd_w16_kc.restype = _I64
     lib.bf16_panels = bool(lib.atomd_quant_bf16_panels())  # gemm_bf16_f32 by vdpbf16ps (AVX512_BF16 built)
-    lib.w16_panels = bool(lib.atomd_quant_w16_panels())  # 16-bit weights from QGEMM_W16_MIN_M rows: packed panels
+    # 16-bit weights from QGEMM_W16_MIN_M rows as packed panels: 1 every form (AVX-512), 2 per call only (AVX2), 0 none
+    lib.w16_panels = lib.atomd_quant_w16_panels()
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
     log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s%s)%s", PATHS[lib.atomd_quant_path()],
              Q8_PATHS[lib.atomd_quant_q8_path()], f", AMX-INT8 tiles from {QGEMM_AMX_MIN_M} rows" if lib.amx else "",
@@ -365,7 +371,7 @@ def _gemm_bf16(x: torch.Tensor, weight: torch.Tensor, lib: ctypes.CDLL | None | 
     """gemm_bf16_f32 (rounded False) or gemm_bf16."""
     lib = kernels() if lib == "auto" else lib
     dot = BF16_DOT if dot is None else dot
-    if lib is None or not lib.w16_panels or (dot and not lib.bf16_panels):
+    if lib is None or lib.w16_panels != 1 or (dot and not lib.bf16_panels):
         return None
     if x.stride(-1) != 1:
         x = x.contiguous()
@@ -426,7 +432,7 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     transposing (#35: at 16 rows that was most of the linear's time). Returns the bytes kept (0: nothing done:
     not a 16-bit weight, or no AVX-512 kernels)."""
     lib = kernels() if lib == "auto" else lib
-    if lib is None or not lib.w16_panels or w.bits != 16:
+    if lib is None or lib.w16_panels != 1 or w.bits != 16:
         return 0
     n, k = w.shape
     panels = torch.empty(panel_bytes(w) // 2, dtype=torch.int16)
@@ -458,7 +464,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
     int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); 16-bit
     weights from QGEMM_W16_MIN_M rows as packed float32 panels where the kernels have AVX-512
-    (atomd_qgemm_b16_panels / _h16_panels), from QGEMM_W16_PREPACKED_MIN_M rows where prepack_panels packed them
+    (atomd_qgemm_b16_panels / _h16_panels; an AVX2 build's from QGEMM_W16_AVX2_MIN_M), from QGEMM_W16_PREPACKED_MIN_M rows where prepack_panels packed them
     at load (atomd_qgemm_b16_prepacked / _h16_prepacked; from QGEMM_W16_PER_CALL_MIN_M rows per call again, the
     same bits); more rows, or no kernels (lib None), go through float tiles of
     TILE_FLOATS (a transient buffer per call)."""
@@ -495,7 +501,8 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
                            w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(),
                            threads)
     elif lib is not None and w.bits == 16 and lib.w16_panels and (
-            0 < QGEMM_W16_MIN_M <= m or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
+            0 < (QGEMM_W16_MIN_M if lib.w16_panels == 1 else QGEMM_W16_AVX2_MIN_M) <= m
+            or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
         prepacked = w.panels is not None and not 0 < QGEMM_W16_PER_CALL_MIN_M <= m
         packed, kind = (w.panels, "prepacked") if prepacked else (w.q, "panels")
         rc = getattr(lib, f"atomd_qgemm_{_w16(w)}_{kind}")(xf.data_ptr(), k, m, packed.data_ptr(), n, k,

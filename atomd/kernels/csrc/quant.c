@@ -23,6 +23,7 @@
 #include "quant_amx.h"
 #include "quant_gemm.h"
 #include "quant_w16.h"
+#include "quant_w16_avx2.h"
 
 /* x [M, ldx] float32, y [M, ldy] float32; scales / offsets [N, ceil(K / G)] (offsets may be NULL) */
 #define QGEMM(BITS, q_t, ROW_BYTES)                                                                         \
@@ -63,12 +64,13 @@ QGEMM16(h16, 1, h16_to_float)
 
 /* The same product for many rows of x through packed, widened weight panels (quant_w16.h; quant.py's
  * QGEMM_W16_MIN_M), packed per call or (_prepacked) once at load by atomd_qprepack_w16 into pre
- * (uint16 [ceil(N / 32) * 32 * K]; kind W16_B16 or W16_H16): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS);
- * -1 out of memory */
+ * (uint16 [ceil(N / 32) * 32 * K]; kind W16_B16 or W16_H16): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS;
+ * an AVX2 build has the per-call panels, quant_w16_avx2.h); -1 out of memory */
 #define QGEMM16_PANELS(NAME, F16)                                                                                \
     int atomd_qgemm_##NAME##_panels(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N,       \
                                     int64_t K, float *y, int64_t ldy, int num_threads) {                         \
-        PANELS_OR_NOT(w16_gemm(x, ldx, M, q, NULL, F16, N, K, y, ldy, num_threads, 0, NULL, 0))                     \
+        PER_CALL_PANELS(w16_gemm(x, ldx, M, q, NULL, F16, N, K, y, ldy, num_threads, 0, NULL, 0),                   \
+                        w16_gemm_avx2(x, ldx, M, q, F16 == W16_H16, N, K, y, ldy, num_threads))                    \
     }                                                                                                            \
     int atomd_qgemm_##NAME##_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,  \
                                        int64_t K, float *y, int64_t ldy, int num_threads) {                      \
@@ -79,8 +81,14 @@ QGEMM16(h16, 1, h16_to_float)
     }
 #ifdef W16_PANELS
 #define PANELS_OR_NOT(call) return call;
+#define PER_CALL_PANELS(avx512, avx2) return avx512;
 #else
 #define PANELS_OR_NOT(call) return 1;
+#ifdef W16_PANELS_AVX2  /* the per-call float32 panels only (quant_w16_avx2.h) */
+#define PER_CALL_PANELS(avx512, avx2) return avx2;
+#else
+#define PER_CALL_PANELS(avx512, avx2) return 1;
+#endif
 #endif
 QGEMM16_PANELS(b16, W16_B16)
 QGEMM16_PANELS(h16, W16_H16)
@@ -246,10 +254,13 @@ int atomd_quant_bf16_panels(void) {
 #endif
 }
 
-/* 1 when atomd_qgemm_b16_panels / _h16_panels run here (an AVX-512 build) */
+/* 1 when atomd_qgemm_b16_panels / _h16_panels and their load-time and bf16-x forms run here (an AVX-512 build);
+ * 2 the per-call panels only (an AVX2 build, quant_w16_avx2.h); 0 none */
 int atomd_quant_w16_panels(void) {
-#ifdef W16_PANELS
+#if defined(W16_PANELS)
     return 1;
+#elif defined(W16_PANELS_AVX2)
+    return 2;
 #else
     return 0;
 #endif
