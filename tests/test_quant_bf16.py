@@ -196,10 +196,9 @@ def test_panels_equal_float64_numpy_within_the_float32_sum_bound(panels_lib, fmt
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_panels_widen_exactly_and_qlinear_takes_them_from_their_threshold(panels_lib, fmt):
     """One-hot rows of x give back the stored weights bit for bit (float16 subnormals in the last columns, which
-    are the packing's scalar tail); qlinear from QGEMM_W16_MIN_M rows (an AVX2 build's QGEMM_W16_AVX2_MIN_M) returns
-    the panels' bits, plus the bias."""
+    are the packing's scalar tail); qlinear from QGEMM_W16_MIN_M rows returns the panels' bits, plus the bias."""
     rng = np.random.default_rng(5)
-    m = quant.QGEMM_W16_MIN_M if panels_lib.w16_panels == 1 else quant.QGEMM_W16_AVX2_MIN_M
+    m = quant.QGEMM_W16_MIN_M
     w, packed = weight16(rng, 41, 83, fmt)
     cols = np.concatenate([rng.integers(0, 80, m - 3), [80, 81, 82]])
     x = np.zeros((m, 83), np.float32)

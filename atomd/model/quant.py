@@ -78,18 +78,15 @@ QGEMM_WIDE_INT8_KEEP = 256
 # every row of x) instead of the rows widened in registers (up to QGEMM_MAX_M) and the float32 tiles for torch's
 # BLAS past it; 0: never (benchmarks/qlinear_16.py's A/B). At 16 rows (a batch-16 decode step) the panels take
 # 0.78-1.02x the rows' time (Qwen3-0.6B's linears, 2 threads, VNNI kind; SmolLM2 0.71-1.01x), at 8 1.07-1.52x
-# (RESULTS.md, #35 batch 16 with 16-bit weights)
+# (RESULTS.md, #35 batch 16 with 16-bit weights). An AVX2 build's per-call panels (csrc/quant_w16_avx2.h) from the
+# same 16 rows: 0.84-0.96x oneDNN float32's time at 16 rows where its rows take 0.91-1.08x, at 8 rows 0.77-1.02x
+# against the rows' 0.56-0.73x (AVX2 EPYC, 135M's linears, 2 threads; RESULTS.md, #35 the AVX2 16-bit panels)
 QGEMM_W16_MIN_M = 16
 # ... and from this many rows where the weight's panels were packed once at load (prepack_panels: 16-bit, widened
 # in registers, no per-call packing): 0.51-0.64x oneDNN float32's time at 2-8 rows and 0.76-0.88x at 16 on the
 # 135M / 0.6B linears, where the rows in registers take 0.58-1.1x and the per-call panels 1.0-1.3x; about level
 # with both at 128-2048 rows (RESULTS.md, #35 16-bit panels packed at load)
 QGEMM_W16_PREPACKED_MIN_M = 2
-# an AVX2 build's per-call panels (csrc/quant_w16_avx2.h: no load-time panels there) from this many rows, the 16-bit
-# rows below. AVX2 EPYC, 135M's linears, 2 threads, time over oneDNN float32's: panels 1.18-1.35x at 16 rows (rows
-# 0.70-1.0x), 0.97-1.25x at 32 (rows 1.05-1.5x), 0.83-1.01x at 128-512, where the widened tiles for oneDNN cost
-# float32's time and the widening (RESULTS.md, #35 the AVX2 16-bit panels)
-QGEMM_W16_AVX2_MIN_M = QGEMM_MAX_M + 1
 # ... up to this many rows: from it the weight is packed per call as float32 panels again (the same sums, the same
 # bits), as the load-time 16-bit panels cost the micro-kernel a shift or a mask per weight vector on the FMA ports,
 # while the per-call packing is one widening pass over the weight, amortised over M / 14 slivers. VNNI kind, 135M
@@ -464,7 +461,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
     int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); 16-bit
     weights from QGEMM_W16_MIN_M rows as packed float32 panels where the kernels have AVX-512
-    (atomd_qgemm_b16_panels / _h16_panels; an AVX2 build's from QGEMM_W16_AVX2_MIN_M), from QGEMM_W16_PREPACKED_MIN_M rows where prepack_panels packed them
+    (atomd_qgemm_b16_panels / _h16_panels; an AVX2 build's per call only), from QGEMM_W16_PREPACKED_MIN_M rows where prepack_panels packed them
     at load (atomd_qgemm_b16_prepacked / _h16_prepacked; from QGEMM_W16_PER_CALL_MIN_M rows per call again, the
     same bits); more rows, or no kernels (lib None), go through float tiles of
     TILE_FLOATS (a transient buffer per call)."""
@@ -501,8 +498,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
                            w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(),
                            threads)
     elif lib is not None and w.bits == 16 and lib.w16_panels and (
-            0 < (QGEMM_W16_MIN_M if lib.w16_panels == 1 else QGEMM_W16_AVX2_MIN_M) <= m
-            or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
+            0 < QGEMM_W16_MIN_M <= m or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
         prepacked = w.panels is not None and not 0 < QGEMM_W16_PER_CALL_MIN_M <= m
         packed, kind = (w.panels, "prepacked") if prepacked else (w.q, "panels")
         rc = getattr(lib, f"atomd_qgemm_{_w16(w)}_{kind}")(xf.data_ptr(), k, m, packed.data_ptr(), n, k,

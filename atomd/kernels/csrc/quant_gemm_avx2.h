@@ -28,25 +28,6 @@
 #define QV_MR 4  /* rows of x a micro-kernel: 4 float + 4 integer accumulators, of 16 registers */
 #endif
 
-/* 8 vectors of 8 32-bit words transposed in place: word j of v[i] to word i of v[j] */
-static inline void qv_transpose8(__m256 v[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
-
 /* weight rows n0 .. n0 + 8 strips (rows from N on zero) packed as the module doc says: strip j at
  * wp + j * 8 K, its s and o at sc + j * 16 groups ([groups][8] each) */
 static void qv_pack(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
@@ -68,7 +49,7 @@ static void qv_pack(const void *q, int bits, const float *scales, const float *o
                 }
                 v[r] = _mm256_castsi256_ps(w);
             }
-            qv_transpose8(v);
+            transpose8_ps(v);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(dst + (k / 4 + i) * QV_NR * 4), v[i]);
         }
     }

@@ -1,7 +1,7 @@
 /* Part of quant.c (through quant_w16.h): 16-bit float weights (bfloat16 or float16, quant.h's row_w16
  * layout: uint16 [N, K]) times many rows of float32 x, float32 out, on AVX2 builds (CPUs without AVX-512:
  * Zen 3 and older EPYCs): atomd_qgemm_b16_panels / _h16_panels packed per call (no load-time panels, no
- * bf16 x: those stay AVX-512), from quant.py's QGEMM_W16_MIN_M rows.
+ * bf16 x: those stay AVX-512), from quant.py's QGEMM_W16_MIN_M rows (the same threshold as AVX-512's).
  *
  * Where the rows (quant.h's row_w16) widen a weight vector for up to 8 rows of x and load x once an FMA,
  * here each thread widens its panel of weight rows (about W16_AVX2_PANEL bytes of float32, L2) once per call
@@ -18,24 +18,28 @@ enum { W16_B16 = 0, W16_H16 = 1 };  /* (quant_w16.h's kinds: the weight's 16-bit
 #define W16_AVX2_MR 6   /* rows of x a micro-kernel: 12 accumulators + 2 weight vectors + a broadcast */
 #define W16_AVX2_PANEL (256 << 10)  /* packed float32 bytes a work item (L2) */
 
-/* weight rows n0 .. n0 + 16 strips widened into wp: strip j at wp + j * 16 K, [K][16] (rows from N on zero) */
+/* weight rows n0 .. n0 + 16 strips widened into wp: strip j at wp + j * 16 K, [K][16] (rows from N on zero); 8 rows
+ * x 8 inputs at a time widened and transposed in registers */
 static void w16a_pack(const uint16_t *q, int f16, int64_t N, int64_t K, int64_t n0, int64_t strips, float *wp) {
     for (int64_t j = 0; j < strips; j++)
-        for (int64_t r = 0; r < W16_AVX2_NR; r++) {
-            const int64_t n = n0 + j * W16_AVX2_NR + r;
-            float *dst = wp + j * W16_AVX2_NR * K + r;
-            if (n >= N) {
-                for (int64_t k = 0; k < K; k++) dst[k * W16_AVX2_NR] = 0.0f;
-                continue;
-            }
-            const uint16_t *row = q + n * K;
+        for (int h = 0; h < W16_AVX2_NR / 8; h++) {
+            const int64_t r0 = n0 + j * W16_AVX2_NR + h * 8;
+            float *dst = wp + j * W16_AVX2_NR * K + h * 8;
             int64_t k = 0;
-            for (; k + 8 <= K; k += 8) {  /* widened 8 at a time, scattered down the strip's column */
-                float v[8];
-                _mm256_storeu_ps(v, f16 ? load_h16(row + k) : load_b16(row + k));
-                for (int i = 0; i < 8; i++) dst[(k + i) * W16_AVX2_NR] = v[i];
+            for (; k + 8 <= K; k += 8) {
+                __m256 v[8];
+                for (int r = 0; r < 8; r++) {
+                    const uint16_t *p = q + (r0 + r) * K + k;
+                    v[r] = r0 + r >= N ? _mm256_setzero_ps() : f16 ? load_h16(p) : load_b16(p);
+                }
+                transpose8_ps(v);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (k + i) * W16_AVX2_NR, v[i]);
             }
-            for (; k < K; k++) dst[k * W16_AVX2_NR] = f16 ? h16_to_float(row[k]) : b16_to_float(row[k]);
+            for (; k < K; k++)
+                for (int r = 0; r < 8; r++) {
+                    const uint16_t w = r0 + r < N ? q[(r0 + r) * K + k] : 0;  /* (0: +0.0 in both formats) */
+                    dst[k * W16_AVX2_NR + r] = f16 ? h16_to_float(w) : b16_to_float(w);
+                }
         }
 }
 
