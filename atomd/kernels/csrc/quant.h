@@ -140,6 +140,15 @@ static inline vf load_h16(const uint16_t *p) {
 /* a weight row's bytes this far ahead prefetched into L2 as it streams (layer_ops.c's GEMV_PREFETCH: why) */
 #define QPREFETCH(p) __builtin_prefetch((const char *)(p) + 4096, 0, 2)
 
+/* work items of whole strips for a per-call packed GEMM (quant_gemm.h, quant_w16_avx2.h): panels of at most `most`
+ * strips (or one), as many for every thread (a static schedule), sizes one strip apart: item p is strips
+ * p * strips / items .. (p + 1) * strips / items */
+static inline int64_t panel_items(int64_t strips, int64_t most, int num_threads) {
+    int64_t items = (strips + most - 1) / most;
+    items = (items + num_threads - 1) / num_threads * num_threads;
+    return items > strips ? strips : items;
+}
+
 #define QGEMM_ROWS 8  /* rows of x per pass: 8 accumulators + the weight vector stay in registers */
 /* mb as a compile-time constant (1..QGEMM_ROWS): ROW(..., mb) so acc[] stays in registers */
 #define DISPATCH_ROWS(ROW, ...)                       \

@@ -57,11 +57,7 @@ static int qgemm_q8_gemm(const float *x, int64_t ldx, int64_t M, const void *q, 
                          int8_t *xq, float *xd, float *xsg, int num_threads) {
     qv_quantize(x, ldx, M, K, G, AB, bits, xq, xd, xsg, num_threads);
     const int64_t strips = (N + QV_NR - 1) / QV_NR;
-    /* panels of at most QV_PANEL bytes (or one strip), as many for every thread (a static schedule): sizes
-     * that differ by one strip at most */
-    int64_t panels = (strips + QV_MOST(K) - 1) / QV_MOST(K);
-    panels = (panels + num_threads - 1) / num_threads * num_threads;
-    panels = panels > strips ? strips : panels;
+    const int64_t panels = panel_items(strips, QV_MOST(K), num_threads);  /* of at most QV_PANEL bytes */
     const int64_t chunk = (strips + panels - 1) / panels;  /* strips a panel, the last ones one fewer */
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")

@@ -102,10 +102,7 @@ static int w16_gemm_avx2(const float *x, int64_t ldx, int64_t M, const uint16_t 
     const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
     int64_t most = W16_AVX2_PANEL / (W16_AVX2_NR * K * (int64_t)sizeof(float));
     most = most < 1 ? 1 : most;
-    /* as many panels for every thread (a static schedule), sizes one strip apart */
-    int64_t panels = (strips + most - 1) / most;
-    panels = (panels + num_threads - 1) / num_threads * num_threads;
-    panels = panels > strips ? strips : panels;
+    const int64_t panels = panel_items(strips, most, num_threads);
     const int64_t chunk = (strips + panels - 1) / panels;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
