@@ -684,17 +684,19 @@ def test_moe_tp_float32_partials_give_tp1s_block_in_bf16(isa, cast_weights, toke
 
 @pytest.mark.parametrize("policy", [None, "ACTIVE"])
 def test_openmp_threads_sleep_while_waiting_unless_the_user_says(policy):
-    """Importing atomd (before torch) makes OpenMP's waiting threads sleep, not spin (libgomp
-    reads OMP_WAIT_POLICY when torch loads it); a user's own OMP_WAIT_POLICY is kept."""
+    """Importing atomd (before torch) makes OpenMP's waiting threads sleep after a short spin, not spin on
+    (libgomp reads OMP_WAIT_POLICY and GOMP_SPINCOUNT when torch loads it); a user's own OMP_WAIT_POLICY is
+    kept, and then no spin count is set for them."""
     import subprocess
     import sys
 
-    env = {k: v for k, v in os.environ.items() if k != "OMP_WAIT_POLICY"}
+    env = {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
     if policy:
         env["OMP_WAIT_POLICY"] = policy
-    out = subprocess.run([sys.executable, "-c", "import atomd, os; print(os.environ['OMP_WAIT_POLICY'])"],
-                         env=env, capture_output=True, text=True, timeout=60, check=True).stdout.strip()
-    assert out == (policy or "PASSIVE")
+    out = subprocess.run([sys.executable, "-c", "import atomd, os; print(os.environ['OMP_WAIT_POLICY'], "
+                          "os.environ.get('GOMP_SPINCOUNT'))"],
+                         env=env, capture_output=True, text=True, timeout=60, check=True).stdout.split()
+    assert out == ([policy, "None"] if policy else ["PASSIVE", "1000"])
 
 
 def test_lora_sgmv_adds_each_rows_own_adapter_delta(isa):
