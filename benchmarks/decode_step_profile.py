@@ -235,10 +235,12 @@ def llama_bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int) -> tuple
     warm-up cancel), less the same difference for pp128 (each repetition fills its depth-128
     context first, untimed by llama-bench but on the CPU clock), over the 2 x NEW tokens left;
     with one thread, comparable to atomd's thread CPU time)."""
+    from benchmarks import llama_cpp as lc
+
     def run(reps: int, test: list[str]) -> tuple[list, float]:
         before = resource.getrusage(resource.RUSAGE_CHILDREN)
         out = subprocess.run([str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json", *test],
-                             check=True, capture_output=True, text=True).stdout
+                             check=True, capture_output=True, text=True, env=lc.run_env()).stdout
         after = resource.getrusage(resource.RUSAGE_CHILDREN)
         return json.loads(out)[0]["samples_ns"], (after.ru_utime + after.ru_stime) - (before.ru_utime + before.ru_stime)
     tg = ["-p", "0", "-n", str(NEW), "-d", str(PROMPT)]

@@ -300,12 +300,20 @@ def write_gguf(src: pathlib.Path, binary: pathlib.Path, checkpoint: pathlib.Path
                    check=True, capture_output=True)
 
 
+def run_env() -> dict[str, str]:
+    """The environment llama.cpp's binaries run in: this one without the OpenMP wait settings importing atomd puts
+    there (atomd/__init__.py: OMP_WAIT_POLICY, GOMP_SPINCOUNT). llama.cpp's OpenMP threads inherited PASSIVE and
+    ran up to 4x slower at batch 1 on a 2-vCPU VM (RESULTS.md, #35 session 17): it runs with its own defaults,
+    as its users run it."""
+    return {k: v for k, v in os.environ.items() if k not in ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")}
+
+
 def bench(binary: pathlib.Path, gguf: pathlib.Path, threads: int, reps: int) -> dict[str, float]:
     """llama-bench's tg128, pp128+tg128 and pp512 tests; tokens/s from median sample times."""
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", str(reps), "-o", "json",
            "-p", "0,512", "-n", "0,128", "-pg", "128,128"]
     log(f"running {' '.join(cmd)}")
-    proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=run_env())
     out, build = {}, {}
     for t in json.loads(proc.stdout):
         p, n = t["n_prompt"], t["n_gen"]
@@ -350,7 +358,7 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
     cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
            "-p", f"0,{pf_len}" if pf else "0", "-n", f"0,{b1_new}", "-pg", f"{b1_prompt},{b1_new}",
            *([] if repack else ["--repack", "0"])]
-    for t in json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True).stdout):
+    for t in json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=run_env()).stdout):
         p, n, seconds = t["n_prompt"], t["n_gen"], statistics.median(t["samples_ns"]) / 1e9
         if p == 0 and n == b1_new:
             out[f"{b1}_decode"] = n / seconds
@@ -363,7 +371,7 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
         cmd = [str(ensure_batched_bench(binary)), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
                "-c", str(max(4096, n * (length + new) + 64)), "-b", "2048", "-ub", "512", "-npp", str(length),
                "-ntg", str(new), "-npl", str(n), "--output-format", "jsonl", *([] if repack else ["--no-repack"])]
-        proc = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        proc = subprocess.run(cmd, check=True, capture_output=True, text=True, env=run_env())
         rows = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith('{"n_kv_max"')]
         if len(rows) != 1:
             raise RuntimeError(f"llama-batched-bench gave no figure: {' '.join(cmd)}\nstdout: {proc.stdout[-2000:]}\n"
