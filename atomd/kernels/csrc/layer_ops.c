@@ -441,7 +441,7 @@ typedef __m512 gemv_acc;
 #define GEMV_ZERO() _mm512_setzero_ps()
 #define GEMV_HSUM(a0, a1) _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
 #else
-/* AVX2: 8 lanes, masks as bits (a prefix of K's tail: lane_mask8), sums in one fixed order */
+/* AVX2: 8 lanes, masks as bits (a prefix of K's tail: tail8 of its count), sums in one fixed order */
 typedef __m256 gemv_acc;
 #define GEMV_ZERO() _mm256_setzero_ps()
 static inline float gemv_hsum8(__m256 a0, __m256 a1) {
@@ -451,9 +451,6 @@ static inline float gemv_hsum8(__m256 a0, __m256 a1) {
     return _mm_cvtss_f32(_mm_add_ss(v, _mm_movehdup_ps(v)));
 }
 #define GEMV_HSUM(a0, a1) gemv_hsum8(a0, a1)
-static inline __m256i lane_mask8(uint8_t m) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(__builtin_popcount(m)), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 #endif
 
 /* One instance per dtype: VEC / STEP the vector of x and w elements, VLOAD a masked load
@@ -546,7 +543,7 @@ static inline __m256i lane_mask8(uint8_t m) {
 #define F32_FMA(acc, a, b) _mm512_fmadd_ps(a, b, acc)
 GEMV(atomd_gemv_f32, float, __mmask16, __m512, 16, F32_LOAD, F32_FMA, 0)
 #else
-#define F32_LOAD(mask, p) ((mask) == 0xFF ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lane_mask8(mask)))
+#define F32_LOAD(mask, p) ((mask) == 0xFF ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail8(__builtin_popcount(mask))))
 #define F32_FMA(acc, a, b) _mm256_fmadd_ps(a, b, acc)
 GEMV(atomd_gemv_f32, float, uint8_t, __m256, 8, F32_LOAD, F32_FMA, 0)
 #endif

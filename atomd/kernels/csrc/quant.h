@@ -83,6 +83,10 @@ static inline void transpose8_ps(__m256 v[8]) {
     }
 }
 
+/* lanes 0 .. n - 1 of 8 set (a masked load's or store's mask; n <= 0: none, n >= 8: all) */
+static inline __m256i lanes_below8(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n < 0 ? 0 : n > 8 ? 8 : (int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
 #ifdef __F16C__ /* every AVX2 CPU has it (x86-64-v3); a build without the flag widens one value at a time */
 static inline vf load_h16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }
 #else

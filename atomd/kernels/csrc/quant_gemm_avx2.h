@@ -33,21 +33,16 @@
 static void qv_pack(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
                     int64_t G, int64_t n0, int64_t strips, uint8_t *wp, float *sc) {
     const int64_t groups = K / G;
-    const __m128i low = _mm_set1_epi8(15);
     for (int64_t j = 0; j < strips; j++) {
         const int64_t r0 = n0 + j * QV_NR;
         uint8_t *dst = wp + j * QV_NR * K;
         for (int64_t k = 0; k < K; k += Q8_BLOCK) {  /* K is whole blocks of 32 (the act blocks') */
             __m256 v[8];
-            for (int r = 0; r < 8; r++) {
-                __m256i w = _mm256_setzero_si256();
-                if (r0 + r < N && bits == 8) {
-                    w = _mm256_loadu_si256((const __m256i *)((const int8_t *)q + (r0 + r) * K + k));
-                } else if (r0 + r < N) {  /* Q4_0 runs: low nibbles inputs 0-15, high ones 16-31 */
-                    const __m128i p = _mm_loadu_si128((const __m128i *)((const uint8_t *)q + (r0 + r) * (K / 2) + k / 2));
-                    w = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(p, 4), low), _mm_and_si128(p, low));
-                }
-                v[r] = _mm256_castsi256_ps(w);
+            for (int r = 0; r < 8; r++) {  /* the block's 32 weights in order, as the rows read them (q8_block) */
+                const qblock b = r0 + r < N ? q8_block((const uint8_t *)q + (r0 + r) * (bits == 8 ? K : K / 2),
+                                                       k / Q8_BLOCK, bits)
+                                            : (qblock){_mm256_setzero_si256(), _mm256_setzero_si256()};
+                v[r] = _mm256_castsi256_ps(bits == 8 ? b.w : b.u);
             }
             transpose8_ps(v);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(dst + (k / 4 + i) * QV_NR * 4), v[i]);
@@ -123,7 +118,7 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
     if (cols >= QV_NR) {
         for (int r = 0; r < mr; r++) _mm256_storeu_ps(y + r * ldy, f[r]);
     } else {
-        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const __m256i mask = lanes_below8(cols);
         for (int r = 0; r < mr; r++) _mm256_maskstore_ps(y + r * ldy, mask, f[r]);
     }
 }

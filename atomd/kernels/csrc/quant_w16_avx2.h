@@ -64,9 +64,7 @@ static inline __attribute__((always_inline)) void w16a_kernel(const int mr, cons
         }
         return;
     }
-    const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-    const __m256i m0 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols), lane);
-    const __m256i m1 = _mm256_cmpgt_epi32(_mm256_set1_epi32((int)cols - 8), lane);
+    const __m256i m0 = lanes_below8(cols), m1 = lanes_below8(cols - 8);
     for (int r = 0; r < mr; r++) {
         _mm256_maskstore_ps(y + r * ldy, m0, a[r][0]);
         _mm256_maskstore_ps(y + r * ldy + 8, m1, a[r][1]);
