@@ -16,7 +16,7 @@
  * linear runs as qlinear would run it on the item's rows: on AMX-INT8 tiles (quant_amx.h:
  * qamx_quantize and qamx_ntile, x quantised per act block as quantize_row_q8 does) from
  * `amx_min` rows (quant.py's QGEMM_AMX_MIN_M) where the build and the process have them, else the
- * int8-activation rows of quant.h (gemv4_q8 for one row on VNNI builds, q8_weight_row: VNNI,
+ * int8-activation rows of quant.h (gemv4_q8 for one row of x, q8_weight_row: VNNI,
  * AVX-512 BW or AVX2 by the build). Every row's products and sums are those of a qlinear call over
  * the expert's rows alone, so the pairs equal the per-expert path's to the bit.
  * 16-bit experts (bf16 / float16 weights, `--quantization bf16|fp16` or `--dtype auto` on a CPU without
@@ -95,13 +95,11 @@ static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int
     for (int64_t r = 0; r < m; r++)
         quantize_row_q8(x + r * K, K, w->group, w->ablock, bits, s->xq + r * K, s->xd + r * Q8_XD(K),
                         s->xsg + r * Q8_XSG(K));
-#if Q8_PATH == 3
-    if (m == 1 && Q8_GEMV4(N)) {
+    if (m == 1 && Q8_GEMV4(N, bits)) {
         for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++)
-            gemv4_q8(w->q, bits, w->scales, w->offsets, N, K, w->group, s->xq, s->xd, s->xsg, i, y);
+            gemv4_q8(w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, s->xq, s->xd, s->xsg, i, y);
         return;
     }
-#endif
     for (int64_t n = 0; n < N; n++)
         q8_weight_row(w->q, bits, w->scales, w->offsets, K, w->group, w->ablock, n, m, s->xq, s->xd, s->xsg, y, N);
 }

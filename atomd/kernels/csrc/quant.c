@@ -152,13 +152,11 @@ void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64
                     int8_t *xq, float *xd, float *xsg, int num_threads) {
     for (int64_t m = 0; m < M; m++)
         quantize_row_q8(x + m * ldx, K, G, AB, (int)bits, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
-#if Q8_PATH == 3
-    if (M == 1 && Q8_GEMV4(N)) {  /* batch 1: as the fused layer's rows */
+    if (M == 1 && Q8_GEMV4(N, bits)) {  /* batch 1: as the fused layer's rows */
         _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
-        for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) gemv4_q8(q, (int)bits, scales, offsets, N, K, G, xq, xd, xsg, i, y);
+        for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) gemv4_q8(q, (int)bits, scales, offsets, N, K, G, AB, xq, xd, xsg, i, y);
         return;
     }
-#endif
     _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
     for (int64_t n = 0; n < N; n++) q8_weight_row(q, (int)bits, scales, offsets, K, G, AB, n, M, xq, xd, xsg, y, ldy);
 }

@@ -291,6 +291,7 @@ static inline __attribute__((always_inline)) void w16_weight_row(const float *x,
  * gives the same products exactly (16 x an int32 below 2^24, times a power of two). */
 #define Q8_BLOCK 32
 #define Q8_ROWS 4
+#define Q8_R 4     /* weight rows a batch-1 pass (rows4_q8) */
 #define Q8_XD(K) (((K) / Q8_BLOCK + 1) / 2 * 16)  /* one 16-float vector per pair of blocks */
 #define Q8_XSG(K) ((K) / Q8_BLOCK)
 #if QUANT_PATH == 2 && defined(__AVX512VNNI__) && !defined(ATOMD_NO_VNNI)
@@ -455,11 +456,11 @@ static inline __m128 sum4_ps(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
 /* batch 1: 4 weight rows (row r at q + r * rstride, scales / offsets
  * at s / o + r * groups) against one quantised row of x, sharing its loads and one horizontal
  * sum for the four: y[0..3] */
-#define Q8_R 4
 static inline __attribute__((always_inline)) void rows4_q8(const void *q, const int bits, int64_t rstride,
                                                            const float *s, const float *o, int64_t K, int64_t G,
-                                                           const int8_t *xq, const float *xd, const float *xsg,
-                                                           float y[Q8_R]) {
+                                                           int64_t AB, const int8_t *xq, const float *xd,
+                                                           const float *xsg, float y[Q8_R]) {
+    (void)AB;  /* xd is a vector a pair of blocks here */
     const int64_t per = G / Q8_BLOCK, groups = K / G, pb = bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2;
     const uint8_t *qr = (const uint8_t *)q;
     __m512 acc[Q8_R];
@@ -501,23 +502,6 @@ static inline __attribute__((always_inline)) void rows4_q8(const void *q, const 
     _mm_storeu_ps(y, sum4_ps(acc[0], acc[1], acc[2], acc[3]));
 }
 
-/* rows 4i..4i+3 of an [N, K] weight (N >= 4; the last four rows for a short last set, each
- * row's sum the same whichever set computes it) at batch 1 into y[4i..]: per-op and fused
- * layer alike, so both give the same bits */
-static inline __attribute__((always_inline)) void gemv4_q8(const void *q, int bits, const float *scales,
-                                                           const float *offsets, int64_t N, int64_t K, int64_t G,
-                                                           const int8_t *xq, const float *xd, const float *xsg,
-                                                           int64_t i, float *y) {
-    const int64_t n0 = i * Q8_R, n = n0 + Q8_R <= N ? n0 : N - Q8_R, groups = K / G, rb = bits == 8 ? K : K / 2;
-    const float *s = scales + n * groups, *o = offsets ? offsets + n * groups : NULL;
-    float y4[Q8_R];
-    if (bits == 8)
-        rows4_q8((const uint8_t *)q + n * rb, 8, rb, s, o, K, G, xq, xd, xsg, y4);
-    else
-        rows4_q8((const uint8_t *)q + n * rb, 4, rb, s, o, K, G, xq, xd, xsg, y4);
-    for (int64_t j = n0; j < n0 + Q8_R && j < N; j++) y[j] = y4[j - n];
-}
-#define Q8_GEMV4(N) ((N) >= Q8_R)  /* batch 1 through gemv4_q8 */
 #else
 /* The other paths' integer dot products, a weight block of Q8_BLOCK inputs at a time: q8_block reads
  * (and unpacks) the block once for every row of x; q8_dot adds its products with one row's block of xq
@@ -603,6 +587,23 @@ static inline vqi q8_dot(vqi sum, qblock w, int bits, const int8_t *xq) {
 static inline vq q8_float(vqi acc, int bits) { (void)bits; return (float)acc; }
 #endif
 
+/* blocks b and b + 1 of a row: w[0], w[1] as q8_block reads them; AVX2 int4 from one 32-byte load, its
+ * nibbles masked once for both blocks and the halves swapped into each block's order (6 instructions for
+ * the pair, not 10: a batch-1 int4 row is bound by its unpacking, not by memory) */
+static inline void q8_block2(const void *q, int64_t b, int bits, qblock w[2]) {
+#if Q8_PATH == 1
+    if (bits == 4) {
+        const __m256i p = _mm256_loadu_si256((const __m256i *)((const uint8_t *)q + b * (Q8_BLOCK / 2)));
+        const __m256i low = _mm256_set1_epi8(15), lo = _mm256_and_si256(p, low), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+        w[0].u = w[0].w = _mm256_permute2x128_si256(lo, hi, 0x20);  /* block b: low nibbles, then high */
+        w[1].u = w[1].w = _mm256_permute2x128_si256(lo, hi, 0x31);
+        return;
+    }
+#endif
+    w[0] = q8_block(q, b, bits);
+    w[1] = q8_block(q, b + 1, bits);
+}
+
 /* An act block's sums are exact integers (at most 8 blocks x 32 x 128 x 127 < 2^24: exact as floats too).
  * The mb rows' chains side by side, a block of the weight read once for all of them; each row's sums are
  * in the same order whatever mb is (same bits alone or in a batch). */
@@ -613,20 +614,77 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
     const int64_t per = G / Q8_BLOCK, run = AB / Q8_BLOCK;
     vq acc[Q8_ROWS];
     for (int m = 0; m < mb; m++) acc[m] = VQZERO();
-    for (int64_t a = 0; a < K / Q8_BLOCK; a += run) {
-        vqi isum[Q8_ROWS];
-        for (int m = 0; m < mb; m++) isum[m] = VQIZERO();
-        for (int64_t b = a; b < a + run; b++) {
-            QPREFETCH((const uint8_t *)q + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
-            const qblock w = q8_block(q, b, bits);
-            for (int m = 0; m < mb; m++) isum[m] = q8_dot(isum[m], w, bits, xq + m * K + b * Q8_BLOCK);
+    for (int64_t g = 0; g < K / G; g++) {  /* (by group, not a / per: no division an act block) */
+        const float sa = s[g];
+        for (int64_t a = g * per; a < (g + 1) * per; a += run) {
+            vqi isum[Q8_ROWS];
+            for (int m = 0; m < mb; m++) isum[m] = VQIZERO();
+            for (int64_t b = a; b < a + run; b++) {
+                QPREFETCH((const uint8_t *)q + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
+                const qblock w = q8_block(q, b, bits);
+                for (int m = 0; m < mb; m++) isum[m] = q8_dot(isum[m], w, bits, xq + m * K + b * Q8_BLOCK);
+            }
+            for (int m = 0; m < mb; m++) acc[m] = VQFMA(q8_float(isum[m], bits), VQSET1(sa * xd[m * Q8_XD(K) + a]), acc[m]);
         }
-        const float sa = s[a / per];
-        for (int m = 0; m < mb; m++) acc[m] = VQFMA(q8_float(isum[m], bits), VQSET1(sa * xd[m * Q8_XD(K) + a]), acc[m]);
     }
     for (int m = 0; m < mb; m++) y[m * ldy] = VQSUM(acc[m]) + q8_rest(s, o, K / G, xsg + m * Q8_XSG(K), 0.0f);
 }
+
+/* batch 1: Q8_R weight rows (row r at q + r * rstride, its scales / offsets at s / o + r * groups) against
+ * one quantised row of x, their chains side by side: each load of x shared by the four and four independent
+ * sums in flight (one row's chain alone waits on its own latency). Per row the operations and their order of
+ * rows_q8 with one row of x: the same bits. */
+static inline __attribute__((always_inline)) void rows4_q8(const void *q, const int bits, int64_t rstride,
+                                                           const float *s, const float *o, int64_t K, int64_t G,
+                                                           int64_t AB, const int8_t *xq, const float *xd,
+                                                           const float *xsg, float y[Q8_R]) {
+    const int64_t per = G / Q8_BLOCK, run = AB / Q8_BLOCK, groups = K / G;
+    const uint8_t *qr = (const uint8_t *)q;
+    vq acc[Q8_R];
+    for (int r = 0; r < Q8_R; r++) acc[r] = VQZERO();
+    for (int64_t g = 0; g < groups; g++)
+        for (int64_t a = g * per; a < (g + 1) * per; a += run) {
+            vqi isum[Q8_R];
+            for (int r = 0; r < Q8_R; r++) isum[r] = VQIZERO();
+            int64_t b = a;
+            for (; b + 2 <= a + run; b += 2)
+                for (int r = 0; r < Q8_R; r++) {
+                    QPREFETCH(qr + r * rstride + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
+                    qblock w[2];
+                    q8_block2(qr + r * rstride, b, bits, w);
+                    isum[r] = q8_dot(q8_dot(isum[r], w[0], bits, xq + b * Q8_BLOCK), w[1], bits, xq + (b + 1) * Q8_BLOCK);
+                }
+            for (; b < a + run; b++)  /* an act block of one block (groups of 32) */
+                for (int r = 0; r < Q8_R; r++) {
+                    QPREFETCH(qr + r * rstride + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
+                    isum[r] = q8_dot(isum[r], q8_block(qr + r * rstride, b, bits), bits, xq + b * Q8_BLOCK);
+                }
+            for (int r = 0; r < Q8_R; r++) acc[r] = VQFMA(q8_float(isum[r], bits), VQSET1(s[r * groups + g] * xd[a]), acc[r]);
+        }
+    for (int r = 0; r < Q8_R; r++) y[r] = VQSUM(acc[r]) + q8_rest(s + r * groups, o ? o + r * groups : NULL, groups, xsg, 0.0f);
+}
 #endif
+
+/* rows 4i..4i+3 of an [N, K] weight (N >= 4; the last four rows for a short last set, each
+ * row's sum the same whichever set computes it) at batch 1 into y[4i..]: per-op and fused
+ * layer alike, so both give the same bits */
+static inline __attribute__((always_inline)) void gemv4_q8(const void *q, int bits, const float *scales,
+                                                           const float *offsets, int64_t N, int64_t K, int64_t G,
+                                                           int64_t AB, const int8_t *xq, const float *xd, const float *xsg,
+                                                           int64_t i, float *y) {
+    const int64_t n0 = i * Q8_R, n = n0 + Q8_R <= N ? n0 : N - Q8_R, groups = K / G, rb = bits == 8 ? K : K / 2;
+    const float *s = scales + n * groups, *o = offsets ? offsets + n * groups : NULL;
+    float y4[Q8_R];
+    if (bits == 8)
+        rows4_q8((const uint8_t *)q + n * rb, 8, rb, s, o, K, G, AB, xq, xd, xsg, y4);
+    else
+        rows4_q8((const uint8_t *)q + n * rb, 4, rb, s, o, K, G, AB, xq, xd, xsg, y4);
+    for (int64_t j = n0; j < n0 + Q8_R && j < N; j++) y[j] = y4[j - n];
+}
+/* batch 1 through gemv4_q8: on VNNI builds, and for int4 weights on the others (whose int8 rows share
+ * nothing between rows but x's load: four rows side by side were 0.9x the single rows' speed, 135M's layer
+ * linears on the AVX2 EPYC; RESULTS.md, #35 the AVX2 batch-1 rows) */
+#define Q8_GEMV4(N, bits) ((N) >= Q8_R && (Q8_PATH == 3 || (bits) == 4))
 
 /* mb and bits as compile-time constants in rows_q8 */
 #define Q8_DISPATCH_BITS(BITS, ...)                         \
@@ -676,16 +734,14 @@ static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, cons
         _Pragma("omp single")  /* its barrier: every thread's rows read the whole quantised x */
         quantize_row_q8(x, K, w->group, w->ablock, (int)w->bits, w->xq, w->xd, w->xsg);
     }
-#if Q8_PATH == 3
-    if (w->xq && Q8_GEMV4(N)) {
+    if (w->xq && Q8_GEMV4(N, w->bits)) {
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) {
-            gemv4_q8(w->q, (int)w->bits, w->scales, w->offsets, N, K, w->group, w->xq, w->xd, w->xsg, i, y);
+            gemv4_q8(w->q, (int)w->bits, w->scales, w->offsets, N, K, w->group, w->ablock, w->xq, w->xd, w->xsg, i, y);
             for (int64_t n = i * Q8_R; bias && n < (i + 1) * Q8_R && n < N; n++) y[n] += bias[n];
         }
         return;
     }
-#endif
     _Pragma("omp for schedule(static)")
     for (int64_t n = 0; n < N; n++) {
         const float *s = w->scales + n * groups, *o = w->offsets ? w->offsets + n * groups : NULL;
