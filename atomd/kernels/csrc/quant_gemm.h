@@ -28,12 +28,26 @@ static void qv_panel(const void *q, int bits, const float *scales, const float *
                      float *y, int64_t ldy, uint8_t *wp, float *sc) {
     const int64_t groups = K / G;
     qv_pack(q, bits, scales, offsets, N, K, G, s0 * QV_NR, s1 - s0, wp, sc);
+#if QV_PREFETCH_NEXT
+    /* the next panel's weight bytes (this thread's next work item under a static schedule) into L2, a slice
+     * after each strip run: its packing then reads L2, not memory (packing reads a panel's 8 rows without
+     * computing, so its misses overlapped nothing) */
+    const size_t row_bytes = bits == 8 ? (size_t)K : (size_t)K / 2, next = (size_t)(s1 * QV_NR) * row_bytes;
+    const size_t end = (size_t)N * row_bytes, span = (size_t)(s1 - s0) * QV_NR * row_bytes;
+    const size_t runs = (size_t)((M + QV_MR - 1) / QV_MR * (s1 - s0)), slice = (span / runs + 63) & ~(size_t)63;
+    size_t ahead = next;
+#endif
     for (int64_t m0 = 0; m0 < M; m0 += QV_MR) {  /* QV_MR rows of x (L1) against every strip of the panel (L2) */
         const int mr = M - m0 < QV_MR ? (int)(M - m0) : QV_MR;
-        for (int64_t j = s0; j < s1; j++)
+        for (int64_t j = s0; j < s1; j++) {
+#if QV_PREFETCH_NEXT
+            for (const size_t stop = ahead + slice; ahead < stop && ahead < end && ahead < next + span; ahead += 64)
+                _mm_prefetch((const char *)q + ahead, _MM_HINT_T1);
+#endif
             qv_strip(mr, bits, wp + (j - s0) * QV_NR * K, sc + (j - s0) * 2 * groups * QV_NR, xq + m0 * K,
                      d + m0 * QV_XD_ROW(K, AB), xsg + m0 * Q8_XSG(K), K, G, AB, y + m0 * ldy + j * QV_NR, ldy,
                      N - j * QV_NR);
+        }
     }
 }
 

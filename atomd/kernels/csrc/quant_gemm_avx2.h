@@ -24,6 +24,9 @@
 #define QV_PATH 1
 #define QV_NR 8  /* output columns a strip: one vector */
 #define QV_XD_ROW(K, AB) Q8_XD(K)  /* quantize_row_q8's d: one float a block of 32 */
+#ifndef QV_PREFETCH_NEXT
+#define QV_PREFETCH_NEXT 1  /* quant_gemm.h's qv_panel: the next panel's weights prefetched during this one's strips */
+#endif
 #ifndef QV_MR
 #define QV_MR 4  /* rows of x a micro-kernel: 4 float + 4 integer accumulators, of 16 registers */
 #endif
