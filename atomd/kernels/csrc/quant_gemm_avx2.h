@@ -31,6 +31,35 @@
 #define QV_MR 4  /* rows of x a micro-kernel: 4 float + 4 integer accumulators, of 16 registers */
 #endif
 
+/* one strip of int4 rows r0 .. r0 + 8 (rows from N on zero) into dst, as the int8 path's transposed blocks but
+ * from the packed bytes: a block's 16 bytes a row hold inputs i (low nibble) and 16 + i (high), so its 4-byte
+ * words are transposed 8 rows x 4 words while still packed (rows r and r + 4 in a register's halves, a 4 x 4
+ * transpose in each half), then each word vector gives inputs 4c.. (low nibbles) and 16 + 4c.. (high): half
+ * the instructions of unpacking each row first and transposing 8 words (at 16 rows of x the packing cost
+ * about what the micro-kernel did) */
+static inline void qv_pack4(const void *q, int64_t N, int64_t K, int64_t r0, uint8_t *dst) {
+    const __m256i low = _mm256_set1_epi8(15);
+    for (int64_t k = 0; k < K; k += Q8_BLOCK) {
+        __m256 v[4];
+        for (int r = 0; r < 4; r++) {
+            __m128i h[2];
+            for (int i = 0; i < 2; i++)
+                h[i] = r0 + r + 4 * i < N ? _mm_loadu_si128((const __m128i *)((const uint8_t *)q + (r0 + r + 4 * i) * (K / 2) + k / 2))
+                                          : _mm_setzero_si128();
+            v[r] = _mm256_castsi256_ps(_mm256_set_m128i(h[1], h[0]));
+        }
+        const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+        const __m256 w[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
+                             _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
+        for (int c = 0; c < 4; c++) {  /* w[c]: word c of rows 0-3 | rows 4-7 */
+            const __m256i b = _mm256_castps_si256(w[c]);
+            _mm256_storeu_si256((__m256i *)(dst + (k / 4 + c) * QV_NR * 4), _mm256_and_si256(b, low));
+            _mm256_storeu_si256((__m256i *)(dst + (k / 4 + 4 + c) * QV_NR * 4), _mm256_and_si256(_mm256_srli_epi16(b, 4), low));
+        }
+    }
+}
+
 /* weight rows n0 .. n0 + 8 strips (rows from N on zero) packed as the module doc says: strip j at
  * wp + j * 8 K, its s and o at sc + j * 16 groups ([groups][8] each) */
 static void qv_pack(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
@@ -39,6 +68,10 @@ static void qv_pack(const void *q, int bits, const float *scales, const float *o
     for (int64_t j = 0; j < strips; j++) {
         const int64_t r0 = n0 + j * QV_NR;
         uint8_t *dst = wp + j * QV_NR * K;
+        if (bits == 4) {
+            qv_pack4(q, N, K, r0, dst);
+            continue;
+        }
         for (int64_t k = 0; k < K; k += Q8_BLOCK) {  /* K is whole blocks of 32 (the act blocks') */
             __m256 v[8];
             for (int r = 0; r < 8; r++) {  /* the block's 32 weights in order, as the rows read them (q8_block) */
