@@ -5,6 +5,7 @@
 #ifndef ATOMD_QUANT_H
 #define ATOMD_QUANT_H
 #include <math.h>
+#include <omp.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -723,6 +724,7 @@ typedef struct {
     int8_t *xq;
     float *xd, *xsg;
     int64_t ablock;  /* int8 activations' act block (the doc above) */
+    int64_t xthreads;  /* xq / xd / xsg hold a row for each of this many threads (0 or 1: one, shared) */
 } atomd_qweight;
 
 /* y[n] = w[n] . x (+ bias[n]) for the N rows of w, K inputs: an orphaned `omp for` (the
@@ -730,10 +732,19 @@ typedef struct {
 static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, const float *bias, float *y, int64_t K,
                                     int64_t N) {
     const int64_t groups = (K + w->group - 1) / w->group;
-    if (w->xq) {
+    atomd_qweight q8 = *w;  /* its scratch: this thread's row */
+    if (w->xq && omp_get_num_threads() <= w->xthreads) {
+        /* every thread quantises x (the same values on each: x is shared or each thread's identical copy) into
+         * its own row of the scratch: no barrier, where one thread quantising had every other wait for it
+         * and a barrier (two a linear with the rows' own) */
+        const int t = omp_get_thread_num();
+        q8.xq += t * K, q8.xd += t * Q8_XD(K), q8.xsg += t * Q8_XSG(K);
+        quantize_row_q8(x, K, w->group, w->ablock, (int)w->bits, q8.xq, q8.xd, q8.xsg);
+    } else if (w->xq) {
         _Pragma("omp single")  /* its barrier: every thread's rows read the whole quantised x */
         quantize_row_q8(x, K, w->group, w->ablock, (int)w->bits, w->xq, w->xd, w->xsg);
     }
+    w = &q8;
     if (w->xq && Q8_GEMV4(N, w->bits)) {
         _Pragma("omp for schedule(static)")
         for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) {
