@@ -13,6 +13,7 @@ import torch
 
 from atomd.kernels import cbuild
 from atomd.model import quant
+from tests.cpu_builds import ISAS
 from tests.test_quant_kernels import lib, numpy_bf16  # noqa: F401 (lib: the kernels per ISA path, a fixture)
 
 pytestmark = pytest.mark.unit
@@ -51,7 +52,7 @@ def test_fp16_refuses_values_beyond_its_range():
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
-@pytest.mark.parametrize("n,k", [(37, 101), (16, 64), (45, 576), (7, 33), (5, 8)])
+@pytest.mark.parametrize("n,k", [(37, 101), (16, 64), (45, 576), (7, 33), (5, 8), (3, 40)])
 @pytest.mark.parametrize("m", [1, 3, 8, 9, 40])
 def test_16_bit_linear_equals_numpy_on_the_same_values(lib, fmt, n, k, m):
     rng = np.random.default_rng(n * k + m)
@@ -62,6 +63,21 @@ def test_16_bit_linear_equals_numpy_on_the_same_values(lib, fmt, n, k, m):
     ref = x.astype(np.float64) @ numpy_16(w, fmt).astype(np.float64).T + bias
     assert out.shape == (m, n) and out.dtype == torch.float32
     np.testing.assert_allclose(out.numpy(), ref, rtol=1e-5, atol=1e-6 * np.abs(ref).max())
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("fmt", [*FORMATS, "int8"])
+@pytest.mark.parametrize("n,k", [(37, 101), (45, 576), (5, 8)])
+def test_the_rows_sum_a_row_alone_as_in_a_batch(isa, fmt, n, k):
+    """The C rows (16-bit weights and float-activation int8, below the panels and tiles) sum each row
+    of x in the same operations whatever rows run beside it, scalar tails included (int8: per channel, K any): a sequence's logits do
+    not depend on whether it decodes alone (torch's BLAS, the fallback without kernels, promises no such thing)."""
+    lib = quant.build_kernels(isa)
+    rng = np.random.default_rng(n + k)
+    packed = quant.quantize(torch.from_numpy((rng.standard_normal((n, k)) * 0.05).astype(np.float32)), fmt)
+    x = torch.from_numpy(rng.standard_normal((3, k)).astype(np.float32))
+    one = quant.qlinear(x[:1], packed, lib=lib)
+    assert torch.equal(one[0], quant.qlinear(x, packed, lib=lib)[0])
 
 
 @pytest.mark.parametrize("fmt", FORMATS)

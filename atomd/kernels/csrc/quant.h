@@ -191,8 +191,10 @@ static inline __attribute__((always_inline)) void row_i8(const float *x, int64_t
             for (int m = 0; m < mb; m++) acc[m] = VFMA(VLOAD(x + m * ldx + k), w, acc[m]);
         }
         for (; k < g1; k++) {
-            const float w = (float)q[k] * sc + of;
-            for (int m = 0; m < mb; m++) tail[m] += x[m * ldx + k] * w;
+            /* fmaf: the same operation in every instance of mb (a plain a * b + c is contracted into an FMA
+             * in some and not others, so a row's bits would depend on the rows beside it) */
+            const float w = fmaf((float)q[k], sc, of);
+            for (int m = 0; m < mb; m++) tail[m] = fmaf(x[m * ldx + k], w, tail[m]);
         }
     }
     for (int m = 0; m < mb; m++) y[m * ldy] = VSUM(acc[m]) + tail[m];
@@ -242,7 +244,7 @@ static inline __attribute__((always_inline)) void row_w16(const float *x, int64_
     }
     for (; k < K; k++) {
         const float w = f16 ? h16_to_float(q[k]) : b16_to_float(q[k]);
-        for (int m = 0; m < mb; m++) tail[m] += x[m * ldx + k] * w;
+        for (int m = 0; m < mb; m++) tail[m] = fmaf(x[m * ldx + k], w, tail[m]);  /* (fmaf: row_i8's tail) */
     }
     for (int m = 0; m < mb; m++) y[m * ldy] = VSUM(acc[m]) + VSUM(acc2[m]) + tail[m];
 }
