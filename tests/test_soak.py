@@ -84,6 +84,7 @@ def soak(tmp_path, seconds: float, workers: int) -> None:
             assert fds <= (CORE_FD_TOLERANCE if name.endswith("core") else workers), (name, report)
 
 
+@pytest.mark.e2e  # (make e2e: ~35 s of a real pair's start-up and traffic, out of make test's 10 minutes)
 @pytest.mark.timeout(300)
 def test_soak_bounded(tmp_path):
     soak(tmp_path, float(os.environ.get("ATOMD_SOAK_BOUNDED_SECONDS", "20")), workers=4)
