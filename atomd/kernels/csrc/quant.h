@@ -6,6 +6,9 @@
 #define ATOMD_QUANT_H
 #include <math.h>
 #include <omp.h>
+#if defined(__AVX2__)
+#include <immintrin.h>  /* (abs_max; the vector paths below include it too) */
+#endif
 #include <stddef.h>
 #include <stdint.h>
 
@@ -303,14 +306,31 @@ static inline __attribute__((always_inline)) void w16_weight_row(const float *x,
 #define Q8_PATH QUANT_PATH
 #endif
 
+/* max |x[i]| over n inputs (a multiple of 8), NaN skipped as a scalar `|x| > amax` skips it (vmaxps returns
+ * its second operand, the running max, when the first is NaN): exact, whatever the order. Vectorised by hand:
+ * GCC keeps the scalar loop's compare chain without -ffinite-math-only (~3 cycles an input, on every linear's
+ * critical path at batch 1) */
+static inline float abs_max(const float *x, int64_t n) {
+#if defined(__AVX2__)
+    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    __m256 m = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 8) m = _mm256_max_ps(_mm256_and_ps(_mm256_loadu_ps(x + i), magnitude), m);
+    __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+    h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+    return _mm_cvtss_f32(_mm_max_ss(h, _mm_movehdup_ps(h)));
+#else
+    float amax = 0.0f;
+    for (int64_t i = 0; i < n; i++) amax = fabsf(x[i]) > amax ? fabsf(x[i]) : amax;
+    return amax;
+#endif
+}
+
 static inline void quantize_row_q8(const float *x, int64_t K, int64_t G, int64_t AB, int bits, int8_t *xq, float *xd,
                                    float *xsg) {
     const int64_t nb = K / Q8_BLOCK, sub = AB / Q8_BLOCK, per = G / AB;
     (void)bits;
     for (int64_t a = 0; a < K / AB; a++) {
-        const float *xa = x + a * AB;
-        float amax = 0.0f;
-        for (int64_t i = 0; i < AB; i++) amax = fabsf(xa[i]) > amax ? fabsf(xa[i]) : amax;
+        const float amax = abs_max(x + a * AB, AB);
         const float d = amax / 127.0f, id = amax > 0.0f ? 127.0f / amax : 0.0f;
         int32_t sum = 0;
         for (int64_t b = a * sub; b < (a + 1) * sub; b++) {  /* its 32-blocks */
@@ -641,11 +661,30 @@ static inline __attribute__((always_inline)) void rows4_q8(const void *q, const 
                                                            const float *s, const float *o, int64_t K, int64_t G,
                                                            int64_t AB, const int8_t *xq, const float *xd,
                                                            const float *xsg, float y[Q8_R]) {
-    const int64_t per = G / Q8_BLOCK, run = AB / Q8_BLOCK, groups = K / G;
+    const int64_t per = G / Q8_BLOCK, run = AB / Q8_BLOCK, groups = K / G, nb = K / Q8_BLOCK;
     const uint8_t *qr = (const uint8_t *)q;
     vq acc[Q8_R];
     for (int r = 0; r < Q8_R; r++) acc[r] = VQZERO();
-    for (int64_t g = 0; g < groups; g++)
+    /* act blocks of one block (groups of 32: Q4_0 / Q8_0 files): two act blocks' weights unpacked together */
+    for (int64_t b = 0, g = 0, left = per; run == 1 && b < nb; b += 2) {  /* g: block b's group, left: its blocks from b */
+        const int64_t g0 = g, two = b + 1 < nb;
+        if (--left == 0) g++, left = per;
+        const int64_t g1 = g;
+        if (two && --left == 0) g++, left = per;
+        for (int r = 0; r < Q8_R; r++) {
+            QPREFETCH(qr + r * rstride + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
+            qblock w[2];
+            if (two)
+                q8_block2(qr + r * rstride, b, bits, w);
+            else
+                w[0] = q8_block(qr + r * rstride, b, bits);
+            acc[r] = VQFMA(q8_float(q8_dot(VQIZERO(), w[0], bits, xq + b * Q8_BLOCK), bits), VQSET1(s[r * groups + g0] * xd[b]), acc[r]);
+            if (two)
+                acc[r] = VQFMA(q8_float(q8_dot(VQIZERO(), w[1], bits, xq + (b + 1) * Q8_BLOCK), bits),
+                               VQSET1(s[r * groups + g1] * xd[b + 1]), acc[r]);
+        }
+    }
+    for (int64_t g = 0; run > 1 && g < groups; g++)
         for (int64_t a = g * per; a < (g + 1) * per; a += run) {
             vqi isum[Q8_R];
             for (int r = 0; r < Q8_R; r++) isum[r] = VQIZERO();
@@ -656,11 +695,6 @@ static inline __attribute__((always_inline)) void rows4_q8(const void *q, const 
                     qblock w[2];
                     q8_block2(qr + r * rstride, b, bits, w);
                     isum[r] = q8_dot(q8_dot(isum[r], w[0], bits, xq + b * Q8_BLOCK), w[1], bits, xq + (b + 1) * Q8_BLOCK);
-                }
-            for (; b < a + run; b++)  /* an act block of one block (groups of 32) */
-                for (int r = 0; r < Q8_R; r++) {
-                    QPREFETCH(qr + r * rstride + b * (bits == 8 ? Q8_BLOCK : Q8_BLOCK / 2));
-                    isum[r] = q8_dot(isum[r], q8_block(qr + r * rstride, b, bits), bits, xq + b * Q8_BLOCK);
                 }
             for (int r = 0; r < Q8_R; r++) acc[r] = VQFMA(q8_float(isum[r], bits), VQSET1(s[r * groups + g] * xd[a]), acc[r]);
         }
