@@ -418,8 +418,8 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
  * (atomd_gemv_*), for one row of activations. Why: at M = 1 a linear only streams its
  * weight once, and oneDNN's packed matmul reads it at ~15-17 GB/s here where this loop
  * reaches the machine's read bandwidth (benchmarks/results/offline.md, session 6). One weight
- * row at a time (one read stream), two accumulators, and the row GEMV_PREFETCH bytes ahead
- * prefetched into L2: one thread streams memory only as fast as it keeps misses in flight
+ * row at a time (one read stream), two accumulators, and on AVX-512 builds the row GEMV_PREFETCH bytes
+ * ahead prefetched into L2 (PREFETCH_AHEAD: not on AVX2 ones): one thread streams memory only as fast as it keeps misses in flight
  * (135M shape's linears, one thread: four rows sharing each x load 12-13 GB/s, one row 15-18,
  * one row + this prefetch 20-21, a plain sum of the same bytes 16-19; benchmarks/RESULTS.md
  * #35 decode step profile). Float32 sums; bf16 output rounded to nearest even. Built where
@@ -429,12 +429,19 @@ void atomd_rope_store_bf16(bf16_t *qkv, int64_t row_stride, int64_t q_heads, int
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #define GEMV_PREFETCH 4096
+#if defined(__AVX512F__)
 /* the two cache lines GEMV_PREFETCH bytes past p, into L2 (past the weight's end: harmless, a prefetch never faults) */
 #define PREFETCH_AHEAD(p)                                                          \
     do {                                                                          \
         _mm_prefetch((const char *)(p) + GEMV_PREFETCH, _MM_HINT_T1);             \
         _mm_prefetch((const char *)(p) + GEMV_PREFETCH + 64, _MM_HINT_T1);        \
     } while (0)
+#else
+/* none on AVX2 builds: on the AVX2 EPYC (Zen 3) the hardware prefetcher alone streams a float32 row faster,
+ * 1.06-1.15x the GEMV's GB/s without the prefetches (one or two a line, 2-16 KiB ahead: no better;
+ * RESULTS.md, #35 session 18); the int8 / int4 rows keep theirs (1.2-1.4x with them there) */
+#define PREFETCH_AHEAD(p) ((void)(p))
+#endif
 
 #if defined(__AVX512F__)
 typedef __m512 gemv_acc;
