@@ -313,6 +313,32 @@ def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype,
     assert greedy_ids_and_logprobs(llm, params) == fused
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_batch1_quantized_layer_on_several_threads_gives_the_per_op_paths_bits(method, threads, tmp_path):
+    """int8 / int4 weights with int8 activations: every thread of the fused layer quantises x into its own
+    thread-local row (csrc/quant.h's q8_own, no barrier): the per-op path's greedy ids and logprobs to the bit,
+    every decode step in the one C call, with 2 and 3 threads (rows split unevenly)."""
+    from atomd import LLM, SamplingParams
+    from tests.test_model_hf import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "llama", "llama", seed=7)
+    llm = LLM(str(path), num_threads=threads, dtype="float32", max_model_len=256, enable_prefix_caching=False,
+              quantization=method, quantized_activations="int8")
+    model = llm.engine.model
+    if not layer_ops.has_decode_layer(torch.float32):
+        assert model.decode_layer is None
+        return
+    calls, run_layers = [], model.decode_layer.run_layers
+    model.decode_layer.run_layers = lambda *a, **k: calls.append(1) or run_layers(*a, **k)
+    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
+
+    fused = greedy_ids_and_logprobs(llm, params)
+    assert len(calls) == 2 * 19  # every decode step after the prompt's
+    model.decode_layer = None
+    assert greedy_ids_and_logprobs(llm, params) == fused
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_batch1_decode_layer_over_an_fp8_cache_gives_the_per_op_paths_bits(kv, tmp_path):
     """float32 over an fp8 KV cache: the fused layer stores each K / V row as fp8 (KVCache.write's

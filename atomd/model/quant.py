@@ -121,7 +121,7 @@ def act_block_of(group_size: int) -> int:
 
 class _QWeightStruct(ctypes.Structure):
     _fields_ = [("q", _PTR), ("scales", _PTR), ("offsets", _PTR), ("group", _I64), ("bits", _I64),
-                ("xq", _PTR), ("xd", _PTR), ("xsg", _PTR), ("ablock", _I64), ("xthreads", _I64)]
+                ("xq", _PTR), ("xd", _PTR), ("xsg", _PTR), ("ablock", _I64)]
 
 
 @dataclass
@@ -157,12 +157,12 @@ class QuantizedWeight:
         """The address of this weight's atomd_qweight (csrc/quant.h), what the fused batch-1
         decode layer (layer_ops.DecodeLayer) takes where a float weight passes its data."""
         if self._ref is None:
-            scratch, threads = (None, None, None), torch.get_num_threads()
-            if self.int8_activations:  # a row of x for each thread: each quantises its own (csrc/quant.h)
-                self._scratch = _q8_scratch(threads, self.in_features)
+            scratch = (None, None, None)
+            if self.int8_activations:  # (the rows quantise x into each thread's own row up to Q8_OWN_K inputs)
+                self._scratch = _q8_scratch(1, self.in_features)
                 scratch = tuple(t.data_ptr() for t in self._scratch)
             self._ref = _QWeightStruct(self.q.data_ptr(), _ptr(self.scales), _ptr(self.offsets),
-                                       self.group_size, self.c_bits(), *scratch, self.act_block, threads)
+                                       self.group_size, self.c_bits(), *scratch, self.act_block)
         return ctypes.addressof(self._ref)
 
     def c_bits(self) -> int:

@@ -760,21 +760,27 @@ typedef struct {
     int8_t *xq;
     float *xd, *xsg;
     int64_t ablock;  /* int8 activations' act block (the doc above) */
-    int64_t xthreads;  /* xq / xd / xsg hold a row for each of this many threads (0 or 1: one, shared) */
 } atomd_qweight;
+
+/* Each thread's own quantised row of x for atomd_qgemv_rows (thread-local: an OpenMP team's threads, and
+ * those of another Python thread's team, each have theirs), inputs up to Q8_OWN_K: ~70 KiB a thread */
+#define Q8_OWN_K 32768
+static _Thread_local struct {
+    int8_t xq[Q8_OWN_K];
+    float xd[Q8_XD(Q8_OWN_K)], xsg[Q8_XSG(Q8_OWN_K)];
+} q8_own;
 
 /* y[n] = w[n] . x (+ bias[n]) for the N rows of w, K inputs: an orphaned `omp for` (the
  * caller's parallel region shares the rows), as layer_ops.c's float GEMV rows. */
 static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, const float *bias, float *y, int64_t K,
                                     int64_t N) {
     const int64_t groups = (K + w->group - 1) / w->group;
-    atomd_qweight q8 = *w;  /* its scratch: this thread's row */
-    if (w->xq && omp_get_num_threads() <= w->xthreads) {
+    atomd_qweight q8 = *w;  /* its scratch: this thread's own row */
+    if (w->xq && K <= Q8_OWN_K) {
         /* every thread quantises x (the same values on each: x is shared or each thread's identical copy) into
-         * its own row of the scratch: no barrier, where one thread quantising had every other wait for it
-         * and a barrier (two a linear with the rows' own) */
-        const int t = omp_get_thread_num();
-        q8.xq += t * K, q8.xd += t * Q8_XD(K), q8.xsg += t * Q8_XSG(K);
+         * its own row: no barrier, where one thread quantising had every other wait for it and a barrier (two
+         * a linear with the rows' own) */
+        q8.xq = q8_own.xq, q8.xd = q8_own.xd, q8.xsg = q8_own.xsg;
         quantize_row_q8(x, K, w->group, w->ablock, (int)w->bits, q8.xq, q8.xd, q8.xsg);
     } else if (w->xq) {
         _Pragma("omp single")  /* its barrier: every thread's rows read the whole quantised x */
