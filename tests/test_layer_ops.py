@@ -313,18 +313,12 @@ def test_batch1_decode_layer_gives_the_per_op_paths_bits(kind, overrides, dtype,
     assert greedy_ids_and_logprobs(llm, params) == fused
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
-@pytest.mark.parametrize("threads", [2, 3])
-def test_batch1_quantized_layer_on_several_threads_gives_the_per_op_paths_bits(method, threads, tmp_path):
-    """int8 / int4 weights with int8 activations: every thread of the fused layer quantises x into its own
-    thread-local row (csrc/quant.h's q8_own, no barrier): the per-op path's greedy ids and logprobs to the bit,
-    every decode step in the one C call, with 2 and 3 threads (rows split unevenly)."""
-    from atomd import LLM, SamplingParams
-    from tests.test_model_hf import make_checkpoint
+def assert_fused_layer_gives_the_per_op_bits(llm) -> None:
+    """20 greedy tokens (logprobs too) with every decode step after the prompt's in the fused layer's one C
+    call, then the same with the per-op path: equal to the bit (where the build has no fused float32 layer,
+    that the model has none)."""
+    from atomd import SamplingParams
 
-    path = make_checkpoint(tmp_path / "llama", "llama", seed=7)
-    llm = LLM(str(path), num_threads=threads, dtype="float32", max_model_len=256, enable_prefix_caching=False,
-              quantization=method, quantized_activations="int8")
     model = llm.engine.model
     if not layer_ops.has_decode_layer(torch.float32):
         assert model.decode_layer is None
@@ -339,29 +333,33 @@ def test_batch1_quantized_layer_on_several_threads_gives_the_per_op_paths_bits(m
     assert greedy_ids_and_logprobs(llm, params) == fused
 
 
+@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("threads", [2, 3])
+def test_batch1_quantized_layer_on_several_threads_gives_the_per_op_paths_bits(method, threads, tmp_path):
+    """int8 / int4 weights with int8 activations: every thread of the fused layer quantises x into its own
+    thread-local row (csrc/quant.h's q8_own, no barrier): the per-op path's greedy ids and logprobs to the bit,
+    every decode step in the one C call, with 2 and 3 threads (rows split unevenly)."""
+    from atomd import LLM
+    from tests.test_model_hf import make_checkpoint
+
+    path = make_checkpoint(tmp_path / "llama", "llama", seed=7)
+    llm = LLM(str(path), num_threads=threads, dtype="float32", max_model_len=256, enable_prefix_caching=False,
+              quantization=method, quantized_activations="int8")
+    assert_fused_layer_gives_the_per_op_bits(llm)
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
 def test_batch1_decode_layer_over_an_fp8_cache_gives_the_per_op_paths_bits(kv, tmp_path):
     """float32 over an fp8 KV cache: the fused layer stores each K / V row as fp8 (KVCache.write's
     rounding and saturation at scale 1) and reads the cache through the fp8 decode kernel: the
     per-op path's greedy ids and logprobs to the bit, every decode step in the one C call."""
-    from atomd import LLM, SamplingParams
+    from atomd import LLM
     from tests.test_model_hf import make_checkpoint
 
     path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=5)
     llm = LLM(str(path), num_threads=2, dtype="float32", max_model_len=256, enable_prefix_caching=False,
               kv_cache_dtype=kv)
-    model = llm.engine.model
-    if not layer_ops.has_decode_layer(torch.float32):
-        assert model.decode_layer is None
-        return
-    calls, run_layers = [], model.decode_layer.run_layers
-    model.decode_layer.run_layers = lambda *a, **k: calls.append(1) or run_layers(*a, **k)
-    params = SamplingParams(max_tokens=20, temperature=0.0, ignore_eos=True, logprobs=3)
-
-    fused = greedy_ids_and_logprobs(llm, params)
-    assert len(calls) == 2 * 19  # every decode step after the prompt's
-    model.decode_layer = None  # the per-op path: KVCache.write's to_fp8, the fp8 kernel per layer
-    assert greedy_ids_and_logprobs(llm, params) == fused
+    assert_fused_layer_gives_the_per_op_bits(llm)  # per op: KVCache.write's to_fp8, the fp8 kernel per layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
