@@ -1,4 +1,5 @@
-/* AVX-512 horizontal sums shared by the kernels (attention_common.h, mla.c, layer_ops.c, quant_amx.h). */
+/* Lane helpers shared by the kernels: AVX-512 horizontal sums and transposes (attention_common.h, mla.c, layer_ops.c,
+ * quant_amx.h), and their AVX2 forms (quant.h's AVX2 path, quant_gemm_avx2.h, quant_w16_avx2.h, layer_ops.c). */
 #ifndef ATOMD_LANE_SUMS_H
 #define ATOMD_LANE_SUMS_H
 #if defined(__AVX512F__)
@@ -44,6 +45,35 @@ static inline void transpose16(__m512 v[16]) {
     for (int i = 0; i < 8; i++) {
         v[i] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0x88);
         v[i + 8] = _mm512_shuffle_f32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+#endif
+
+#if defined(__AVX2__)
+#include <immintrin.h>
+#include <stdint.h>
+
+/* lanes 0 .. n - 1 of 8 set (a masked load's or store's mask; n <= 0: none, n >= 8: all) */
+static inline __m256i lanes_below8(int64_t n) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n < 0 ? 0 : n > 8 ? 8 : (int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+/* 4 vectors of 8 32-bit words, each 128-bit half a 4 x 4 matrix transposed in place: word j of v[i]'s half to
+ * word i of v[j]'s (qv_pack4's packed int4 rows; the first two stages of transpose8_ps) */
+static inline void transpose4_halves_ps(__m256 v[4]) {
+    const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
+    const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
+    v[0] = _mm256_shuffle_ps(t0, t2, 0x44), v[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
+    v[2] = _mm256_shuffle_ps(t1, t3, 0x44), v[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+/* 8 vectors of 8 32-bit words transposed in place (the AVX2 GEMMs' packing: quant_gemm_avx2.h, quant_w16_avx2.h):
+ * word j of v[i] to word i of v[j] */
+static inline void transpose8_ps(__m256 v[8]) {
+    transpose4_halves_ps(v);
+    transpose4_halves_ps(v + 4);
+    for (int i = 0; i < 4; i++) {
+        const __m256 a = v[i], b = v[i + 4];
+        v[i] = _mm256_permute2f128_ps(a, b, 0x20);
+        v[i + 4] = _mm256_permute2f128_ps(a, b, 0x31);
     }
 }
 #endif

@@ -86,16 +86,13 @@ static inline void rms_norm_row_f32(float *x, const float *d, const float *w, fl
     }
 }
 #elif defined(__AVX2__) && defined(__FMA__)
-#include <immintrin.h>
+#include "lane_sums.h"  /* lanes_below8 */
 #define F32_NORM_VEC 1
 /* the same for AVX2 builds (the dense decode layer runs there too): 8 lanes in one fixed order */
-static inline __m256i tail8(int64_t left) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(left >= 8 ? 8 : (int)left), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
-}
 static inline void rms_norm_row_f32(float *x, const float *d, const float *w, float *o, int64_t hidden, float eps) {
     __m256 acc = _mm256_setzero_ps();
     for (int64_t i = 0; i < hidden; i += 8) {
-        const __m256i m = tail8(hidden - i);
+        const __m256i m = lanes_below8(hidden - i);
         __m256 v = _mm256_maskload_ps(x + i, m);
         if (d) {
             v = _mm256_add_ps(v, _mm256_maskload_ps(d + i, m));
@@ -107,7 +104,7 @@ static inline void rms_norm_row_f32(float *x, const float *d, const float *w, fl
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
     const __m256 inv = _mm256_set1_ps(1.0f / sqrtf(_mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s))) / (float)hidden + eps));
     for (int64_t i = 0; i < hidden; i += 8) {
-        const __m256i m = tail8(hidden - i);
+        const __m256i m = lanes_below8(hidden - i);
         const __m256 n = _mm256_mul_ps(_mm256_maskload_ps(x + i, m), inv);
         _mm256_maskstore_ps(o + i, m, _mm256_mul_ps(_mm256_maskload_ps(w + i, m), n));
     }
@@ -448,7 +445,7 @@ typedef __m512 gemv_acc;
 #define GEMV_ZERO() _mm512_setzero_ps()
 #define GEMV_HSUM(a0, a1) _mm512_reduce_add_ps(_mm512_add_ps(a0, a1))
 #else
-/* AVX2: 8 lanes, masks as bits (a prefix of K's tail: tail8 of its count), sums in one fixed order */
+/* AVX2: 8 lanes, masks as bits (a prefix of K's tail: lanes_below8 of its count), sums in one fixed order */
 typedef __m256 gemv_acc;
 #define GEMV_ZERO() _mm256_setzero_ps()
 static inline float gemv_hsum8(__m256 a0, __m256 a1) {
@@ -550,7 +547,7 @@ static inline float gemv_hsum8(__m256 a0, __m256 a1) {
 #define F32_FMA(acc, a, b) _mm512_fmadd_ps(a, b, acc)
 GEMV(atomd_gemv_f32, float, __mmask16, __m512, 16, F32_LOAD, F32_FMA, 0)
 #else
-#define F32_LOAD(mask, p) ((mask) == 0xFF ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, tail8(__builtin_popcount(mask))))
+#define F32_LOAD(mask, p) ((mask) == 0xFF ? _mm256_loadu_ps(p) : _mm256_maskload_ps(p, lanes_below8(__builtin_popcount(mask))))
 #define F32_FMA(acc, a, b) _mm256_fmadd_ps(a, b, acc)
 GEMV(atomd_gemv_f32, float, uint8_t, __m256, 8, F32_LOAD, F32_FMA, 0)
 #endif

@@ -6,9 +6,7 @@
 #define ATOMD_QUANT_H
 #include <math.h>
 #include <omp.h>
-#if defined(__AVX2__)
-#include <immintrin.h>  /* (abs_max; the vector paths below include it too) */
-#endif
+#include "lane_sums.h"  /* (AVX2 builds: lanes_below8, transpose8_ps; abs_max's intrinsics) */
 #include <stddef.h>
 #include <stdint.h>
 
@@ -67,29 +65,6 @@ static inline void load_i4(const uint8_t *p, vf out[32 / LANES]) {
 }
 static inline vf load_b16(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
-}
-/* 8 vectors of 8 32-bit words transposed in place (the AVX2 GEMMs' packing: quant_gemm_avx2.h, quant_w16_avx2.h): word j of v[i] to word i of v[j] */
-static inline void transpose8_ps(__m256 v[8]) {
-    __m256 t[8], u[8];
-    for (int i = 0; i < 8; i += 2) {
-        t[i] = _mm256_unpacklo_ps(v[i], v[i + 1]);
-        t[i + 1] = _mm256_unpackhi_ps(v[i], v[i + 1]);
-    }
-    for (int i = 0; i < 8; i += 4) {
-        u[i] = _mm256_shuffle_ps(t[i], t[i + 2], 0x44);
-        u[i + 1] = _mm256_shuffle_ps(t[i], t[i + 2], 0xEE);
-        u[i + 2] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0x44);
-        u[i + 3] = _mm256_shuffle_ps(t[i + 1], t[i + 3], 0xEE);
-    }
-    for (int i = 0; i < 4; i++) {
-        v[i] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x20);
-        v[i + 4] = _mm256_permute2f128_ps(u[i], u[i + 4], 0x31);
-    }
-}
-
-/* lanes 0 .. n - 1 of 8 set (a masked load's or store's mask; n <= 0: none, n >= 8: all) */
-static inline __m256i lanes_below8(int64_t n) {
-    return _mm256_cmpgt_epi32(_mm256_set1_epi32(n < 0 ? 0 : n > 8 ? 8 : (int)n), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
 }
 #ifdef __F16C__ /* every AVX2 CPU has it (x86-64-v3); a build without the flag widens one value at a time */
 static inline vf load_h16(const uint16_t *p) { return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p)); }

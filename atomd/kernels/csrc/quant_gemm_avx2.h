@@ -48,12 +48,9 @@ static inline void qv_pack4(const void *q, int64_t N, int64_t K, int64_t r0, uin
                                           : _mm_setzero_si128();
             v[r] = _mm256_castsi256_ps(_mm256_set_m128i(h[1], h[0]));
         }
-        const __m256 t0 = _mm256_unpacklo_ps(v[0], v[1]), t1 = _mm256_unpackhi_ps(v[0], v[1]);
-        const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
-        const __m256 w[4] = {_mm256_shuffle_ps(t0, t2, 0x44), _mm256_shuffle_ps(t0, t2, 0xEE),
-                             _mm256_shuffle_ps(t1, t3, 0x44), _mm256_shuffle_ps(t1, t3, 0xEE)};
-        for (int c = 0; c < 4; c++) {  /* w[c]: word c of rows 0-3 | rows 4-7 */
-            const __m256i b = _mm256_castps_si256(w[c]);
+        transpose4_halves_ps(v);
+        for (int c = 0; c < 4; c++) {  /* v[c]: word c of rows 0-3 | rows 4-7 */
+            const __m256i b = _mm256_castps_si256(v[c]);
             _mm256_storeu_si256((__m256i *)(dst + (k / 4 + c) * QV_NR * 4), _mm256_and_si256(b, low));
             _mm256_storeu_si256((__m256i *)(dst + (k / 4 + 4 + c) * QV_NR * 4), _mm256_and_si256(_mm256_srli_epi16(b, 4), low));
         }
@@ -72,14 +69,11 @@ static void qv_pack(const void *q, int bits, const float *scales, const float *o
             qv_pack4(q, N, K, r0, dst);
             continue;
         }
-        for (int64_t k = 0; k < K; k += Q8_BLOCK) {  /* K is whole blocks of 32 (the act blocks') */
+        for (int64_t k = 0; k < K; k += Q8_BLOCK) {  /* int8: K is whole blocks of 32 (the act blocks') */
             __m256 v[8];
-            for (int r = 0; r < 8; r++) {  /* the block's 32 weights in order, as the rows read them (q8_block) */
-                const qblock b = r0 + r < N ? q8_block((const uint8_t *)q + (r0 + r) * (bits == 8 ? K : K / 2),
-                                                       k / Q8_BLOCK, bits)
-                                            : (qblock){_mm256_setzero_si256(), _mm256_setzero_si256()};
-                v[r] = _mm256_castsi256_ps(bits == 8 ? b.w : b.u);
-            }
+            for (int r = 0; r < 8; r++)  /* the block's 32 weights as stored (q8_block's w) */
+                v[r] = _mm256_castsi256_ps(r0 + r < N ? q8_block((const int8_t *)q + (r0 + r) * K, k / Q8_BLOCK, 8).w
+                                                      : _mm256_setzero_si256());
             transpose8_ps(v);
             for (int i = 0; i < 8; i++) _mm256_storeu_ps((float *)(dst + (k / 4 + i) * QV_NR * 4), v[i]);
         }
