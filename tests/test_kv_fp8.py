@@ -48,27 +48,32 @@ def _filled_cache(lens: list[int], layers: int, kv_heads: int, head_dim: int, dt
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", FP8)
-def test_every_fp8_byte_widens_as_torch_casts_it(isa, dtype):
+@pytest.mark.parametrize("head_dim", [64, 36])  # 36: no whole 8-lane vectors, AVX2 builds widen by the table
+def test_every_fp8_byte_widens_as_torch_casts_it(isa, dtype, head_dim):
     """One key per sequence: the output is its V row itself, so each of the 256 bytes comes out as
     the kernel widens it (infinities and NaNs included)."""
-    head_dim, lib = 64, _kernels(isa, 64, 2)  # a shape the other kernel tests build too
+    lib, seqs = _kernels(isa, head_dim, 2), -(-256 // head_dim)
     avx512 = isa != "no-avx512" and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
-    assert lib.fp8_path == native.FP8_PATHS[int(avx512)]  # each narrowing runs the path it names
-    cache = KVCache(4, 1, 16, 1, head_dim, dtype)
-    cache.kv.view(torch.uint8)[:, 0, 1, 0, 0] = torch.arange(256, dtype=torch.uint8).view(4, head_dim)
-    tables = torch.arange(4).view(4, 1).contiguous()
-    got = native.decode_attention(lib, torch.randn(4, 2, head_dim), cache, 0, tables, torch.ones(4, dtype=torch.int64))
-    want = cache.kv[:, 0, 1, 0, 0].float().reshape(4, 1, head_dim).expand(4, 2, head_dim)
-    torch.testing.assert_close(got.view(4, 2, head_dim), want, rtol=0, atol=0, equal_nan=True)
+    avx2 = head_dim % 8 == 0 and {"avx2", "fma", "f16c"} <= cpu_flags()
+    assert lib.fp8_path == native.FP8_PATHS[1 if avx512 else 2 if avx2 else 0]  # each narrowing runs the path it names
+    cache = KVCache(seqs, 1, 16, 1, head_dim, dtype)
+    every_byte = torch.zeros(seqs * head_dim, dtype=torch.uint8)
+    every_byte[:256] = torch.arange(256, dtype=torch.uint8)
+    cache.kv.view(torch.uint8)[:, 0, 1, 0, 0] = every_byte.view(seqs, head_dim)
+    tables = torch.arange(seqs).view(seqs, 1).contiguous()
+    got = native.decode_attention(lib, torch.randn(seqs, 2, head_dim), cache, 0, tables,
+                                  torch.ones(seqs, dtype=torch.int64))
+    want = cache.kv[:, 0, 1, 0, 0].float().reshape(seqs, 1, head_dim).expand(seqs, 2, head_dim)
+    torch.testing.assert_close(got.view(seqs, 2, head_dim), want, rtol=0, atol=0, equal_nan=True)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
 @pytest.mark.parametrize("dtype", FP8)
-# head sizes under one vector (8), of whole vectors (32, 80, 128) and with a partial last one (40);
-# a sliding window on some
+# head sizes under one vector (8), of whole vectors (32, 80, 128), with a partial last one (40 on AVX-512) and
+# not of 8-lane vectors (36: the table on AVX2 builds); a sliding window on some
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(4, 2, 32, None), (14, 2, 80, 37), (3, 1, 8, 37),
-                                                            (6, 3, 40, None), (16, 1, 128, 37)])
+                                                            (6, 3, 40, None), (16, 1, 128, 37), (4, 1, 36, 37)])
 def test_decode_kernel_over_fp8_equals_reference(isa, dtype, heads, kv_heads, head_dim, window):
     torch.manual_seed(heads * head_dim + (window or 0))
     lens = [1, 15, 16, 17, 100]  # partial, exact and many blocks; inside and past the window

@@ -73,7 +73,8 @@ attention_kernels.cache_clear = _attention_kernels.cache_clear  # type: ignore[a
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
 # the decode kernel over an fp8 cache (csrc/attention_fp8.h): float32 q and out
 FP8_KERNELS = {torch.float8_e4m3fn: "atomd_decode_attention_fp8_e4m3", torch.float8_e5m2: "atomd_decode_attention_fp8_e5m2"}
-FP8_PATHS = {1: "fp8 widened to float32 through float16 on AVX-512", 0: "fp8 widened to float32 by a table"}
+FP8_PATHS = {1: "fp8 widened to float32 through float16 on AVX-512", 2: "fp8 widened to float32 through float16 on AVX2",
+             0: "fp8 widened to float32 by a table"}
 
 
 def bf16_path(lib: ctypes.CDLL) -> str:

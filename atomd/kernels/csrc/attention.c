@@ -29,12 +29,14 @@
 
 /* The kernels, one file each, in the order they build on one another:
  * attention_common.h  the sliding window's first key, prefetches, AVX-512 lane masks and sums
+ * attention_avx2.h    the decode row on AVX2 builds, over every cache format (float32, bf16, fp8)
  * attention_f32.h     float32 decode (paged cache) and prefill (fresh prompts)
  * attention_bf16.h    the same over bf16 (AVX512_BF16 dot products or widening to float32)
  * attention_amx.h     the bf16 prefill as AMX tile matmuls (Sapphire Rapids and later)
  * attention_fp8.h     float32 decode over an fp8 (e4m3 / e5m2) paged cache
  * and below them the bf16 prefill's entry point, which picks AMX or the loop. */
 #include "attention_common.h"
+#include "attention_avx2.h"
 #include "attention_f32.h"
 #include "attention_bf16.h"
 #include "attention_amx.h"

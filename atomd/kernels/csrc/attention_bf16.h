@@ -188,6 +188,14 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
 #if BF16_DOT
             decode_row_bf16(qh, kv, table, lo, ctx, h, block_size, block_stride, k_offset, v_offset, row_stride,
                             scale, scores, o);
+#elif DECODE_AVX2
+            float qs[GROUP][HEAD_DIM], of[GROUP][HEAD_DIM];
+            for (int g = 0; g < GROUP; g++)
+                for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = bf16_to_f32(qh[g * HEAD_DIM + d]) * scale;
+            decode_row_avx2(qs, (const uint8_t *)kv, KV_BF16, table, lo, ctx, h, block_size, block_stride, k_offset,
+                            v_offset, row_stride, scores, of);
+            for (int g = 0; g < GROUP; g++)
+                for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = f32_to_bf16(of[g][d]);
 #else
             float m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM], qs[GROUP][HEAD_DIM];
             for (int g = 0; g < GROUP; g++) {

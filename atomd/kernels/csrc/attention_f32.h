@@ -36,6 +36,14 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
         for (int64_t r = r_begin; r < r_end; r++) {
             const int64_t ctx = full_ctx - (r_end - 1 - r);
             const float *qh = q + (r * num_heads + h * GROUP) * HEAD_DIM;  /* the group's query heads */
+#if DECODE_AVX2
+            float qs[GROUP][HEAD_DIM];
+            for (int g = 0; g < GROUP; g++)
+                for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = qh[g * HEAD_DIM + d] * scale;
+            decode_row_avx2(qs, (const uint8_t *)kv, KV_F32, table, window_start(ctx, window), ctx, h, block_size,
+                            block_stride, k_offset, v_offset, row_stride, scores,
+                            (float (*)[HEAD_DIM])(out + (r * num_heads + h * GROUP) * HEAD_DIM));
+#else
             float qs[GROUP][HEAD_DIM], m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM];
             for (int g = 0; g < GROUP; g++) {
                 m[g] = -INFINITY;
@@ -116,6 +124,7 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
             float *o = out + (r * num_heads + h * GROUP) * HEAD_DIM;
             for (int g = 0; g < GROUP; g++)
                 for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = acc[g][d] / sum[g];
+#endif
         }
         free(scores);
     }

@@ -10,7 +10,8 @@
  *
  * Widening: on AVX-512 (F + BW + VL) 16 values at a time through float16 (an exact bit move:
  * e5m2 is float16's top byte; e4m3's exponent and mantissa shifted into float16's are the
- * value times 2^-8, subnormals included), then _mm512_cvtph_ps; elsewhere a 256-entry table.
+ * value times 2^-8, subnormals included), then _mm512_cvtph_ps; on AVX2 builds with F16C the
+ * same 8 values at a time (attention_avx2.h's decode row); elsewhere a 256-entry table.
  * Prefill needs no fp8 kernel: fresh prompts attend to their own rows, which KVCache.write
  * has already rounded to what the cache holds.
  */
@@ -19,6 +20,7 @@
 #else
 #define FP8_AVX512 0
 #endif
+#define FP8_AVX2 (DECODE_AVX2 && DECODE_AVX2_FP8) /* attention_avx2.h's decode row, through float16 (F16C) */
 
 /* One fp8 byte as float32 (E4M3FN: bias 7, no infinity, S.1111.111 NaN; E5M2: bias 15, IEEE). */
 static float fp8_to_f32(uint8_t b, int e5m2) {
@@ -31,8 +33,8 @@ static float fp8_to_f32(uint8_t b, int e5m2) {
     return sign * ldexpf((float)(m + (1 << mbits)), e - bias - mbits);
 }
 
-/* Which fp8 widening this build runs: 1 AVX-512 through float16, 0 a table. */
-int atomd_fp8_path(void) { return FP8_AVX512; }
+/* Which fp8 widening this build runs: 1 AVX-512 through float16, 2 AVX2 through float16, 0 a table. */
+int atomd_fp8_path(void) { return FP8_AVX512 ? 1 : FP8_AVX2 ? 2 : 0; }
 
 #if FP8_AVX512
 /* Dims w * 16 .. w * 16 + 15 of an fp8 row, widened to float32. */
@@ -72,8 +74,13 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
                                 int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
                                 int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
                                 int64_t window, int num_threads, const int e5m2) {
+#if FP8_AVX512 || FP8_AVX2
+    const float *table = NULL;  /* widened in registers */
+    (void)table;
+#else
     float table[256];
     for (int b = 0; b < 256; b++) table[b] = fp8_to_f32((uint8_t)b, e5m2);
+#endif
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
     int failed = 0;
 #pragma omp parallel for schedule(dynamic, 1) num_threads(num_threads)
@@ -90,6 +97,18 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
         for (int64_t r = r_begin; r < r_end; r++) {
             const int64_t ctx = full_ctx - (r_end - 1 - r);
             const float *qh = q + (r * num_heads + h * GROUP) * HEAD_DIM;
+#if FP8_AVX2
+            float qs[GROUP][HEAD_DIM];
+            for (int g = 0; g < GROUP; g++)
+                for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = qh[g * HEAD_DIM + d] * scale;
+            float (*o)[HEAD_DIM] = (float (*)[HEAD_DIM])(out + (r * num_heads + h * GROUP) * HEAD_DIM);
+            if (e5m2)
+                decode_row_avx2(qs, kv, KV_E5M2, tbl, window_start(ctx, window), ctx, h, block_size, block_stride,
+                                k_offset, v_offset, row_stride, scores, o);
+            else
+                decode_row_avx2(qs, kv, KV_E4M3, tbl, window_start(ctx, window), ctx, h, block_size, block_stride,
+                                k_offset, v_offset, row_stride, scores, o);
+#else
             float qs[GROUP][HEAD_DIM], m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM], row[HEAD_DIM];
             for (int g = 0; g < GROUP; g++) {
                 m[g] = -INFINITY;
@@ -173,6 +192,7 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
             float *o = out + (r * num_heads + h * GROUP) * HEAD_DIM;
             for (int g = 0; g < GROUP; g++)
                 for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = acc[g][d] / sum[g];
+#endif
         }
         free(scores);
     }

@@ -1,5 +1,6 @@
 /* Lane helpers shared by the kernels: AVX-512 horizontal sums and transposes (attention_common.h, mla.c, layer_ops.c,
- * quant_amx.h), and their AVX2 forms (quant.h's AVX2 path, quant_gemm_avx2.h, quant_w16_avx2.h, layer_ops.c). */
+ * quant_amx.h), and their AVX2 forms (quant.h's AVX2 path, quant_gemm_avx2.h, quant_w16_avx2.h, layer_ops.c,
+ * attention_avx2.h). */
 #ifndef ATOMD_LANE_SUMS_H
 #define ATOMD_LANE_SUMS_H
 #if defined(__AVX512F__)
@@ -64,6 +65,17 @@ static inline void transpose4_halves_ps(__m256 v[4]) {
     const __m256 t2 = _mm256_unpacklo_ps(v[2], v[3]), t3 = _mm256_unpackhi_ps(v[2], v[3]);
     v[0] = _mm256_shuffle_ps(t0, t2, 0x44), v[1] = _mm256_shuffle_ps(t0, t2, 0xEE);
     v[2] = _mm256_shuffle_ps(t1, t3, 0x44), v[3] = _mm256_shuffle_ps(t1, t3, 0xEE);
+}
+/* Lane j of the result: the sum of the 8 lanes of v[j] (sum_lanes16's tree at 8: the AVX2 decode scores of 8 keys
+ * at once, attention_avx2.h) */
+static inline __m256 sum_lanes8(const __m256 v[8]) {
+    __m256 a[4], b[2];
+    for (int i = 0; i < 4; i++)  /* per 128-bit half: [x0+x2, y0+y2, x1+x3, y1+y3] */
+        a[i] = _mm256_add_ps(_mm256_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm256_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 2; i++)  /* per 128-bit half: the 4 vectors' sums over that half */
+        b[i] = _mm256_add_ps(_mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                             _mm256_shuffle_ps(a[2 * i], a[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    return _mm256_add_ps(_mm256_permute2f128_ps(b[0], b[1], 0x20), _mm256_permute2f128_ps(b[0], b[1], 0x31));
 }
 /* 8 vectors of 8 32-bit words transposed in place (the AVX2 GEMMs' packing: quant_gemm_avx2.h, quant_w16_avx2.h):
  * word j of v[i] to word i of v[j] */
