@@ -343,7 +343,8 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
                 repack: bool = True) -> dict[str, float]:
     """One sample of offline.py's `workloads` (name -> (prompts, prompt length, new, seed)) the
     way llama.cpp runs them: batch1* by llama-bench -pg (output tokens over prompt + decode
-    time) and -n (decode alone, from an empty context); prefill* by -p at the prompt length
+    time) and -n -d (decode alone, after a context of the prompt's length, as atomd's "_decode"
+    figures decode after their prompt); prefill* by -p at the prompt length
     (tok/s; one prompt at a time); a batch of n by llama-batched-bench -npl n (output tokens
     n*new over prefill + decode time; "_decode": its decode phase alone, speed_tg). repack False:
     without llama.cpp's weight repacking (--repack 0 / --no-repack; RUNS["norepack"]), whose AMX path in
@@ -355,14 +356,16 @@ def bench_round(binary: pathlib.Path, gguf: pathlib.Path, threads: int, workload
     pf = next((w for w in workloads if w.startswith("prefill")), None)  # optional (engine_compare --no-prefill)
     _, b1_prompt, b1_new, _ = workloads[b1]
     pf_len = workloads[pf][1] if pf else 0
-    cmd = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
-           "-p", f"0,{pf_len}" if pf else "0", "-n", f"0,{b1_new}", "-pg", f"{b1_prompt},{b1_new}",
-           *([] if repack else ["--repack", "0"])]
+    common = [str(binary), "-m", str(gguf), "-t", str(threads), "-r", "1", "-o", "json",
+              *([] if repack else ["--repack", "0"])]
+    # -d applies to every test of a call: the decode alone at the prompt's depth is its own call
+    (decode,) = json.loads(subprocess.run([*common, "-p", "0", "-n", str(b1_new), "-d", str(b1_prompt)], check=True,
+                                          capture_output=True, text=True, env=run_env()).stdout)
+    out[f"{b1}_decode"] = b1_new / (statistics.median(decode["samples_ns"]) / 1e9)
+    cmd = [*common, "-p", f"0,{pf_len}" if pf else "0", "-n", "0", "-pg", f"{b1_prompt},{b1_new}"]
     for t in json.loads(subprocess.run(cmd, check=True, capture_output=True, text=True, env=run_env()).stdout):
         p, n, seconds = t["n_prompt"], t["n_gen"], statistics.median(t["samples_ns"]) / 1e9
-        if p == 0 and n == b1_new:
-            out[f"{b1}_decode"] = n / seconds
-        elif p == b1_prompt and n == b1_new:
+        if p == b1_prompt and n == b1_new:
             out[b1] = n / seconds
         elif pf and p == pf_len and n == 0:
             out[pf] = p / seconds
