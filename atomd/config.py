@@ -34,7 +34,7 @@ ATTENTION_BACKENDS = ("auto", "native", "torch")
 SCHEDULING_POLICIES = ("fcfs", "priority")  # vLLM's --scheduling-policy
 QUANTIZATIONS = ("int8", "int4", "bf16", "fp16")  # --quantization: round-to-nearest at load (atomd/model/quant.py)
 QUANTIZED_ACTIVATIONS = ("float32", "int8")  # --quantized-activations (atomd/model/quant.py, csrc/quant.h)
-KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2")  # --kv-cache-dtype (atomd/engine/kv_cache.py)
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16")  # --kv-cache-dtype (atomd/engine/kv_cache.py)
 DEFAULT_KV_CACHE_MEMORY = 256 << 20  # bytes; the pool never grows past max_num_seqs full contexts
 SPECULATIVE_METHODS = ("ngram", "mtp")
 MODEL_RUNNERS = ("real", "simulated")  # simulated: atomd/sim/engine.py
@@ -58,7 +58,7 @@ class EngineConfig(msgspec.Struct, kw_only=True):
     # with integer dot products (VNNI where the CPU has it), float32 = as they are
     quantized_activations: str = "float32"
     # the paged KV cache's values: auto = the model's dtype; fp8 (= fp8_e4m3) / fp8_e5m2: one byte each,
-    # per-tensor scale 1.0 (atomd/engine/kv_cache.py)
+    # per-tensor scale 1.0; bfloat16 / float16: two bytes each under a float32 model (atomd/engine/kv_cache.py)
     kv_cache_dtype: str = "auto"
     max_model_len: int = 2048
     max_num_seqs: int = 256
@@ -552,7 +552,8 @@ HELP = {
                              "float32 on a linear's output); float32: as they are",
     "kv_cache_dtype": "the paged KV cache's values: auto (the model's --dtype), or fp8 / fp8_e4m3 / fp8_e5m2: one "
                       "byte a value (scale 1.0, saturating), a quarter of float32's memory and PD bytes, half of "
-                      "bfloat16's; P and D must agree",
+                      "bfloat16's; or bfloat16 / float16 (saturating at 65504) under a float32 model: half its "
+                      "memory and PD bytes, as llama.cpp's default F16 cache; P and D must agree",
     "max_model_len": "prompt + completion tokens",
     "max_num_seqs": "sequences per step",
     "max_num_batched_tokens": "tokens per step",

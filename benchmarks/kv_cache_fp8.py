@@ -1,4 +1,5 @@
-"""The fp8 KV cache (--kv-cache-dtype fp8) against float32 and bfloat16 caches, same run:
+"""The narrow KV caches (--kv-cache-dtype fp8; float16 / bfloat16 under a float32 model) against the
+model's own float32 and bfloat16 caches, same run:
 
   memory     KV bytes per token of the engine's cache (KVCache.block_bytes / block_size) and the
              tokens a 256 MiB cache holds.
@@ -7,13 +8,15 @@
              dtype's block size: ms per 1k prompt tokens.
   decode     one decode step at batch 1 and batch 8 (--batch), every context 256 tokens
              (--context), in-process engines (one thread): float32 model over a float32 / fp8
-             cache, bfloat16 model over a bfloat16 / fp8 cache; CPU (the ratios: the machine is
-             shared) and wall ms per step.
+             cache, bfloat16 model over a bfloat16 / fp8 cache (--caches: also float32 over float16 /
+             bfloat16; --threads, --quantization int8 / int4 for the weights); CPU (the ratios: the
+             machine is shared) and wall ms per step.
 
 Rounds alternate the configurations (background load hits them alike); 3 rounds, medians of
 each round's median; the load and CPU are recorded. Results are appended to benchmarks/RESULTS.md.
 
     .venv/bin/python -m benchmarks.kv_cache_fp8 [--shape smollm-135m] [--rounds 3]
+        [--caches float32/auto float32/float16 ...] [--threads 1] [--quantization int4]
 """
 from __future__ import annotations
 
@@ -28,7 +31,7 @@ from benchmarks.kv_transfer import time_ours
 from benchmarks.machine import cpu_model, loadavg
 from benchmarks.model_shapes import CHOICES, model_dir
 
-CACHES = [("float32", "auto"), ("float32", "fp8"), ("bfloat16", "auto"), ("bfloat16", "fp8")]
+CACHES = ["float32/auto", "float32/fp8", "bfloat16/auto", "bfloat16/fp8"]  # model dtype / --kv-cache-dtype
 
 
 def pull_ms(block_bytes: int, blocks: int, repeats: int) -> float:
@@ -81,6 +84,10 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=8, help="the larger decode batch (besides batch 1)")
     ap.add_argument("--steps", type=int, default=16, help="decode steps timed per batch and round")
     ap.add_argument("--pull-repeats", type=int, default=9)
+    ap.add_argument("--caches", nargs="+", default=CACHES, help="model dtype / --kv-cache-dtype pairs; each "
+                    "model dtype's auto is the baseline of its rows")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--quantization", default=None, help="the engines' weights (int8, int4); default the checkpoint's")
     ap.add_argument("--out", default=os.path.join(os.path.dirname(__file__), "RESULTS.md"))
     args = ap.parse_args()
     if args.rounds < 3:
@@ -88,15 +95,19 @@ def main() -> None:
     from atomd.llm import LLM
 
     path = model_dir(args.shape)
+    caches = [tuple(c.split("/")) for c in args.caches]
+    if any(len(c) != 2 for c in caches) or any((d, "auto") not in caches for d, _ in caches):
+        ap.error("--caches: dtype/kv pairs, each dtype with its dtype/auto baseline")
     load_before = loadavg()
-    llms = {(d, kv): LLM(str(path), dtype=d, kv_cache_dtype=kv, num_threads=1, max_model_len=args.context + 64,
-                         kv_cache_memory=256 << 20, max_num_seqs=max(args.batch, 1)) for d, kv in CACHES}
+    llms = {(d, kv): LLM(str(path), dtype=d, kv_cache_dtype=kv, num_threads=args.threads, max_model_len=args.context + 64,
+                         kv_cache_memory=256 << 20, max_num_seqs=max(args.batch, 1), quantization=args.quantization)
+            for d, kv in caches}
     per_token = {key: llm.engine.kv_cache.block_bytes // llm.engine.kv_cache.block_size for key, llm in llms.items()}
     tokens = {key: llm.engine.kv_cache.num_blocks * llm.engine.kv_cache.block_size for key, llm in llms.items()}
-    pulls: dict[tuple, list[float]] = {key: [] for key in CACHES}
-    steps: dict[tuple, list[tuple]] = {(key, b): [] for key in CACHES for b in (1, args.batch)}
+    pulls: dict[tuple, list[float]] = {key: [] for key in caches}
+    steps: dict[tuple, list[tuple]] = {(key, b): [] for key in caches for b in (1, args.batch)}
     for r in range(args.rounds):
-        for key in CACHES if r % 2 == 0 else CACHES[::-1]:
+        for key in caches if r % 2 == 0 else caches[::-1]:
             pulls[key].append(pull_ms(per_token[key] * 16, 64, args.pull_repeats))
             for b in (1, args.batch):
                 steps[(key, b)].append(decode_ms(llms[key], b, args.context, args.steps))
@@ -106,16 +117,18 @@ def main() -> None:
     def med(values):
         return statistics.median(values)
 
-    lines = [f"\n## FP8 KV cache (#35): memory, PD pull and decode step, {args.shape} shape\n",
-             f"`python -m benchmarks.kv_cache_fp8 --shape {args.shape}`: {cpu_model()}, load {load_before} -> "
-             f"{load_after}, {args.rounds} rounds alternating the four caches, medians; one thread per engine; "
+    lines = [f"\n## Narrow KV caches (#35): memory, PD pull and decode step, {args.shape} shape\n",
+             f"`python -m benchmarks.kv_cache_fp8 --shape {args.shape} --caches {' '.join(args.caches)} --threads "
+             f"{args.threads}{f' --quantization {args.quantization}' if args.quantization else ''}`: {cpu_model()}, "
+             f"load {load_before} -> {load_after}, {args.rounds} rounds alternating the caches, medians; "
+             f"{args.threads} thread(s) per engine; "
              f"contexts {args.context}; pull = 1024 prompt tokens (64 blocks) KVSender -> KVReceiver on loopback.\n",
              "| model / cache | KV bytes/token | tokens in 256 MiB | PD pull ms / 1k tokens | vs model dtype's | "
              f"batch-1 step CPU ms (wall) | CPU vs | batch-{args.batch} step CPU ms (wall) | CPU vs |",
              "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    for d, kv in CACHES:
+    for d, kv in caches:
         base = (d, "auto")
-        row = [f"{d} / {'fp8_e4m3' if kv == 'fp8' else d}", str(per_token[(d, kv)]), str(tokens[(d, kv)]),
+        row = [f"{d} / {'fp8_e4m3' if kv == 'fp8' else d if kv == 'auto' else kv}", str(per_token[(d, kv)]), str(tokens[(d, kv)]),
                f"{med(pulls[(d, kv)]):.2f}", f"{med(pulls[(d, kv)]) / med(pulls[base]):.2f}x"]
         for b in (1, args.batch):
             wall = med(w for w, _ in steps[((d, kv), b)])
@@ -126,7 +139,7 @@ def main() -> None:
     lines.append(f"\nPer round (pull ms; batch-1 / batch-{args.batch} CPU ms): " + "; ".join(
         f"{d}/{kv}: " + ", ".join(f"{p:.2f}" for p in pulls[(d, kv)]) + " / " +
         ", ".join(f"{c:.1f}" for _, c in steps[((d, kv), 1)]) + " / " +
-        ", ".join(f"{c:.1f}" for _, c in steps[((d, kv), args.batch)]) for d, kv in CACHES) + "\n")
+        ", ".join(f"{c:.1f}" for _, c in steps[((d, kv), args.batch)]) for d, kv in caches) + "\n")
     text = "\n".join(lines)
     print(text)
     with open(args.out, "a") as f:

@@ -1,7 +1,8 @@
-"""The fp8 KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2, atomd/engine/kv_cache.py): the C
-decode kernel over one-byte values against a float64 reference on the same fp8 values (torch's
-float8 casts are the rounding), under every ATOMD_KERNEL_ISA narrowing, both formats; the cache's
-write and read paths; the flag's validation."""
+"""The narrow KV caches (--kv-cache-dtype fp8_e4m3 / fp8_e5m2, and bfloat16 / float16 under a float32
+model; atomd/engine/kv_cache.py): the C decode kernel over one- and two-byte values against a float64
+reference on the same values (torch's casts are the rounding), under every ATOMD_KERNEL_ISA narrowing,
+every format; the cache's write and read paths; the flag's validation; the engine against HF on the
+same rounding."""
 from __future__ import annotations
 
 import json
@@ -10,7 +11,7 @@ import pytest
 import torch
 
 from atomd.config import EngineConfig, cpu_flags
-from atomd.engine.kv_cache import AttentionMetadata, KVCache, kv_dtype_name, kv_storage_dtype, to_fp8
+from atomd.engine.kv_cache import AttentionMetadata, KVCache, kv_dtype_name, kv_storage_dtype, to_narrow
 from atomd.kernels import native
 from tests.cpu_builds import ISAS
 from tests.families import FAMILIES
@@ -20,6 +21,7 @@ from tests.test_sliding_window import windowed_reference
 from atomd.llm import LLM
 
 FP8 = [torch.float8_e4m3fn, torch.float8_e5m2]
+NARROW = [*FP8, torch.bfloat16, torch.float16]  # under a float32 model
 
 
 def _kernels(isa: str, head_dim: int, group: int):
@@ -47,19 +49,21 @@ def _filled_cache(lens: list[int], layers: int, kv_heads: int, head_dim: int, dt
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", FP8)
-@pytest.mark.parametrize("head_dim", [64, 36])  # 36: no whole 8-lane vectors, AVX2 builds widen by the table
-def test_every_fp8_byte_widens_as_torch_casts_it(isa, dtype, head_dim):
-    """One key per sequence: the output is its V row itself, so each of the 256 bytes comes out as
-    the kernel widens it (infinities and NaNs included)."""
-    lib, seqs = _kernels(isa, head_dim, 2), -(-256 // head_dim)
+@pytest.mark.parametrize("dtype", NARROW)
+@pytest.mark.parametrize("head_dim", [64, 36])  # 36: no whole 8-lane vectors, AVX2 builds widen in plain C
+def test_every_narrow_value_widens_as_torch_casts_it(isa, dtype, head_dim):
+    """One key per sequence: the output is its V row itself, so each of the 256 fp8 bytes (65536 16-bit
+    values) comes out as the kernel widens it (subnormals, infinities and NaNs included)."""
+    values = 1 << (8 * dtype.itemsize)
+    lib, seqs = _kernels(isa, head_dim, 2), -(-values // head_dim)
     avx512 = isa != "no-avx512" and {"avx512f", "avx512bw", "avx512vl"} <= cpu_flags()
     avx2 = head_dim % 8 == 0 and {"avx2", "fma", "f16c"} <= cpu_flags()
-    assert lib.fp8_path == native.FP8_PATHS[1 if avx512 else 2 if avx2 else 0]  # each narrowing runs the path it names
-    cache = KVCache(seqs, 1, 16, 1, head_dim, dtype)
-    every_byte = torch.zeros(seqs * head_dim, dtype=torch.uint8)
-    every_byte[:256] = torch.arange(256, dtype=torch.uint8)
-    cache.kv.view(torch.uint8)[:, 0, 1, 0, 0] = every_byte.view(seqs, head_dim)
+    assert lib.narrow_path == native.NARROW_PATHS[1 if avx512 else 2 if avx2 else 0]  # each narrowing runs the path it names
+    cache = KVCache(seqs, 1, 16, 1, head_dim, dtype, compute_dtype=torch.float32)
+    bits = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    every_value = torch.zeros(seqs * head_dim, dtype=torch.int32)
+    every_value[:values] = torch.arange(values) - (0 if dtype.itemsize == 1 else values // 2)
+    cache.kv.view(bits)[:, 0, 1, 0, 0] = every_value.to(bits).view(seqs, head_dim)
     tables = torch.arange(seqs).view(seqs, 1).contiguous()
     got = native.decode_attention(lib, torch.randn(seqs, 2, head_dim), cache, 0, tables,
                                   torch.ones(seqs, dtype=torch.int64))
@@ -69,12 +73,12 @@ def test_every_fp8_byte_widens_as_torch_casts_it(isa, dtype, head_dim):
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", FP8)
+@pytest.mark.parametrize("dtype", NARROW)
 # head sizes under one vector (8), of whole vectors (32, 80, 128), with a partial last one (40 on AVX-512) and
 # not of 8-lane vectors (36: the table on AVX2 builds); a sliding window on some
 @pytest.mark.parametrize("heads,kv_heads,head_dim,window", [(4, 2, 32, None), (14, 2, 80, 37), (3, 1, 8, 37),
                                                             (6, 3, 40, None), (16, 1, 128, 37), (4, 1, 36, 37)])
-def test_decode_kernel_over_fp8_equals_reference(isa, dtype, heads, kv_heads, head_dim, window):
+def test_decode_kernel_over_a_narrow_cache_equals_reference(isa, dtype, heads, kv_heads, head_dim, window):
     torch.manual_seed(heads * head_dim + (window or 0))
     lens = [1, 15, 16, 17, 100]  # partial, exact and many blocks; inside and past the window
     cache, tables = _filled_cache(lens, 2, kv_heads, head_dim, dtype)
@@ -92,8 +96,8 @@ def test_decode_kernel_over_fp8_equals_reference(isa, dtype, heads, kv_heads, he
 
 @pytest.mark.unit
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("dtype", FP8)
-def test_decode_kernel_over_fp8_with_drafts_scales_and_bf16(isa, dtype):
+@pytest.mark.parametrize("dtype", [*FP8, torch.float16])
+def test_decode_kernel_over_a_narrow_cache_with_drafts_scales_and_bf16(isa, dtype):
     """Speculative verify rows (causal inside a sequence's run), per-tensor scales other than 1,
     and a bfloat16 model (q widened, the output rounded back to bf16)."""
     torch.manual_seed(3)
@@ -115,10 +119,10 @@ def test_decode_kernel_over_fp8_with_drafts_scales_and_bf16(isa, dtype):
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("dtype", FP8)
-def test_write_stores_one_byte_and_hands_back_the_stored_values(dtype):
+@pytest.mark.parametrize("dtype", NARROW)
+def test_write_stores_the_narrow_values_and_hands_them_back(dtype):
     cache = KVCache(3, 2, 4, 2, 8, dtype, compute_dtype=torch.float32)
-    assert cache.block_bytes == 2 * 2 * 4 * 2 * 8  # layers x planes x block x heads x dims, 1 byte each
+    assert cache.block_bytes == 2 * 2 * 4 * 2 * 8 * dtype.itemsize  # layers x planes x block x heads x dims x bytes
     assert cache.block_bytes == KVCache.bytes_per_block(2, 4, 2, 8, dtype)
     assert cache.as_numpy_blocks().shape == (3, cache.block_bytes)
     k = torch.randn(3, 2, 8) * 4
@@ -141,8 +145,12 @@ def test_kv_cache_dtype_names():
     assert kv_storage_dtype("fp8_e5m2", torch.bfloat16) == torch.float8_e5m2
     assert [kv_dtype_name(d) for d in (torch.float8_e4m3fn, torch.float8_e5m2, torch.bfloat16, torch.float32)] == \
         ["fp8_e4m3", "fp8_e5m2", "bfloat16", "float32"]
-    assert to_fp8(torch.tensor([1e9]), torch.float8_e5m2).float().item() == 57344.0
-    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, got 'int8'"):
+    assert to_narrow(torch.tensor([1e9]), torch.float8_e5m2).float().item() == 57344.0
+    assert to_narrow(torch.tensor([-1e9]), torch.float16).float().item() == -65504.0
+    assert kv_storage_dtype("float16", torch.float32) == torch.float16
+    assert kv_storage_dtype("bfloat16", torch.bfloat16) == torch.bfloat16  # the model's own: a plain cache
+    with pytest.raises(ValueError, match="kv_cache_dtype must be one of auto, fp8, fp8_e4m3, fp8_e5m2, bfloat16, float16, "
+                                         "got 'int8'"):
         EngineConfig(kv_cache_dtype="int8")
 
 
@@ -151,7 +159,7 @@ def test_the_serve_flag_takes_vllms_names_and_refuses_others(capsys):
     from tests.test_serve_flags import serve_parser
 
     parser = serve_parser()
-    for name in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2"):
+    for name in ("auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"):
         args = parser.parse_args(["--kv-cache-dtype", name])
         assert EngineConfig.from_args(args).kv_cache_dtype == name
     with pytest.raises(SystemExit) as e:
@@ -162,17 +170,17 @@ def test_the_serve_flag_takes_vllms_names_and_refuses_others(capsys):
 
 # ---------------------------------------------------------------------------------------------- the engine
 
-def hf_on_fp8_kv(path, dtype: torch.dtype):
+def hf_on_narrow_kv(path, dtype: torch.dtype):
     """transformers' float32 model at `path` whose SDPA attention reads keys and values rounded to
-    fp8 `dtype` as the cache stores them (after RoPE, saturated at the format's largest value,
+    the narrow `dtype` as the cache stores them (after RoPE, saturated at the format's largest value,
     widened back): the reference. Its masks (causal, sliding window) are SDPA's own."""
     import transformers
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
     from transformers.masking_utils import sdpa_mask
 
     def attention(module, query, key, value, *args, **kwargs):
-        return sdpa_attention_forward(module, query, to_fp8(key, dtype).to(key.dtype),
-                                      to_fp8(value, dtype).to(value.dtype), *args, **kwargs)
+        return sdpa_attention_forward(module, query, to_narrow(key, dtype).to(key.dtype),
+                                      to_narrow(value, dtype).to(value.dtype), *args, **kwargs)
     name = f"atomd_{kv_dtype_name(dtype)}"
     transformers.AttentionInterface.register(name, attention)
     transformers.AttentionMaskInterface.register(name, sdpa_mask)
@@ -181,9 +189,9 @@ def hf_on_fp8_kv(path, dtype: torch.dtype):
 
 @pytest.fixture(scope="module")
 def fp8_llama(tmp_path_factory):
-    """A tiny Llama (GQA 4 / 2 heads of 16) and, per fp8 format, HF on it with the KV rounded."""
+    """A tiny Llama (GQA 4 / 2 heads of 16) and, per narrow format, HF on it with the KV rounded."""
     path = make_checkpoint(tmp_path_factory.mktemp("llama_fp8"), "llama", seed=5)
-    return path, {kv_dtype_name(d): hf_on_fp8_kv(path, d) for d in FP8}
+    return path, {kv_dtype_name(d): hf_on_narrow_kv(path, d) for d in NARROW}
 
 
 def _llm(path, **kw) -> LLM:
@@ -196,21 +204,21 @@ def _hf_logits(model, prompt: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"])
 @pytest.mark.parametrize("backend,chunk", [("native", None), ("native", BLOCK), ("torch", BLOCK)])
 def test_prompt_logits_equal_hf_on_fp8_rounded_kv(fp8_llama, kv, backend, chunk):
-    """Prompt logits equal HF's with K and V rounded to fp8 (float32 tolerance): one prefill, and in
-    16-token chunks (each chunk reads the earlier ones back from the fp8 cache)."""
+    """Prompt logits equal HF's with K and V rounded to the cache's dtype (float32 tolerance): one prefill,
+    and in 16-token chunks (each chunk reads the earlier ones back from the narrow cache)."""
     path, refs = fp8_llama
     llm = _llm(path, kv_cache_dtype=kv, attention_backend=backend,
                **({"max_num_batched_tokens": chunk} if chunk else {}))
-    assert llm.engine.kv_cache.kv.dtype == {"fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}[kv]
+    assert kv_dtype_name(llm.engine.kv_cache.kv.dtype) == kv
     prompt = prompts_of([4 * BLOCK + 5], seed=3)[0]
     torch.testing.assert_close(_prompt_logits(llm, prompt), _hf_logits(refs[kv], prompt), atol=1e-4, rtol=0)
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2"])
+@pytest.mark.parametrize("kv", ["fp8", "fp8_e5m2", "float16", "bfloat16"])
 @pytest.mark.parametrize("backend", ["native", "torch"])
 def test_greedy_equals_hf_on_fp8_rounded_kv(fp8_llama, kv, backend):
     """48 greedy ids of mixed-length prompts (batched decode, batch-1 decode: the fused C layer on the
@@ -240,18 +248,21 @@ def test_preemption_by_a_tiny_pool_equals_hf_on_fp8_rounded_kv(fp8_llama):
 
 @pytest.mark.unit
 def test_fp8_cache_holds_four_times_float32s_tokens_and_stays_near_it(fp8_llama):
-    """Memory: --kv-cache-memory gives 4x the blocks of float32 (2x bfloat16's). Accuracy against the
-    unquantised cache (float32 model): the prompt logits' rms error relative to their rms under 6%
-    (e4m3, 3 mantissa bits; measured 4.1%) and 12% (e5m2, 2 bits; measured 8.2%). fp8 does change
+    """Memory: --kv-cache-memory gives 4x the blocks of float32 (2x bfloat16's), the 16-bit caches 2x.
+    Accuracy against the unquantised cache (float32 model): the prompt logits' rms error relative to their
+    rms under 6% (e4m3, 3 mantissa bits; measured 4.1%), 12% (e5m2, 2 bits; measured 8.2%), 1% (bfloat16,
+    7 bits; measured 0.31%) and 0.2% (float16, 10 bits; measured 0.041%). A narrow cache does change
     outputs: greedy ids are checked against HF on the same rounding (above), not against float32."""
     path, _ = fp8_llama
     memory = 1 << 20
-    f32, e4, e5 = (_llm(path, kv_cache_memory=memory, kv_cache_dtype=kv) for kv in ("auto", "fp8", "fp8_e5m2"))
+    f32, e4, e5, b16, f16 = (_llm(path, kv_cache_memory=memory, kv_cache_dtype=kv)
+                             for kv in ("auto", "fp8", "fp8_e5m2", "bfloat16", "float16"))
     assert e4.engine.kv_cache.num_blocks == e5.engine.kv_cache.num_blocks == 4 * f32.engine.kv_cache.num_blocks
-    assert e4.engine.kv_cache.block_bytes * 4 == f32.engine.kv_cache.block_bytes
+    assert b16.engine.kv_cache.num_blocks == f16.engine.kv_cache.num_blocks == 2 * f32.engine.kv_cache.num_blocks
+    assert e4.engine.kv_cache.block_bytes * 4 == f32.engine.kv_cache.block_bytes == f16.engine.kv_cache.block_bytes * 2
     prompt = prompts_of([3 * BLOCK], seed=9)[0]
     exact = _prompt_logits(f32, prompt)
-    for llm, bound in ((e4, 0.06), (e5, 0.12)):
+    for llm, bound in ((e4, 0.06), (e5, 0.12), (b16, 0.01), (f16, 0.002)):
         assert 0 < float((_prompt_logits(llm, prompt) - exact).norm() / exact.norm()) < bound
 
 
@@ -301,7 +312,8 @@ def test_what_fp8_does_not_run_is_refused_by_name(tmp_path):
     with pytest.raises(ValueError, match="kv_cache_dtype fp8_e5m2 needs model_runner real"):
         EngineConfig(kv_cache_dtype="fp8_e5m2", model_runner="simulated", hardware="h100:llama3-8b")
     path = FAMILIES["deepseek-v3"].write(tmp_path / "deepseek")
-    with pytest.raises(ValueError, match="kv_cache_dtype fp8: DeepseekV3ForCausalLM's MLA latent cache is not built in fp8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype fp8: DeepseekV3ForCausalLM's MLA latent cache is not built "
+                                         "narrower than the model"):
         _llm(path, kv_cache_dtype="fp8")
-    with pytest.raises(ValueError, match="MLA latent cache is not built in fp8"):  # refused before any TP worker starts
+    with pytest.raises(ValueError, match="MLA latent cache is not built narrower"):  # refused before any TP worker starts
         _llm(path, kv_cache_dtype="fp8", tensor_parallel_size=2)

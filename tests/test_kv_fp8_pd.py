@@ -1,8 +1,8 @@
-"""PD over an fp8 KV cache: a prefill and a decode engine with --kv-cache-dtype fp8 answer as the
-colocated fp8 engine (in-process) does and as Hugging Face does on K/V rounded to fp8, token for token, with a
-sliding window on every layer (Mistral); D moves one byte a value (half a bfloat16 cache's bytes,
-a quarter of float32's); a float32-cache decode engine refuses an fp8 producer's blocks by the
-fingerprint's kv_cache_dtype before any byte moves."""
+"""PD over a narrow KV cache: a prefill and a decode engine with --kv-cache-dtype fp8 (or float16 under the
+float32 model) answer as the colocated engine with that cache (in-process) does and as Hugging Face does on
+K/V rounded alike, token for token, with a sliding window on every layer (Mistral); D moves one byte a value
+for fp8 (half a bfloat16 cache's bytes, a quarter of float32's), two for float16; a float32-cache decode
+engine refuses an fp8 producer's blocks by the fingerprint's kv_cache_dtype before any byte moves."""
 from __future__ import annotations
 
 import pytest
@@ -11,7 +11,7 @@ from tokenizers import Tokenizer
 
 from tests.families import Family
 from tests.pd_fixtures import PDCluster, block_bytes, metric
-from tests.test_kv_fp8 import hf_on_fp8_kv
+from tests.test_kv_fp8 import hf_on_narrow_kv
 from tests.test_model_hf import BLOCK, prompts_of
 from tests.test_pd_e2e import complete, prefill_leg
 from tests.test_quant_engine import greedy, hf_greedy
@@ -24,36 +24,40 @@ WINDOW = 24
 @pytest.fixture(scope="module")
 def fp8_pd(tmp_path_factory):
     path = Family("mistral", 43, {"sliding_window": WINDOW}, ()).write(tmp_path_factory.mktemp("mistral_fp8"))
-    flags = ["--max-model-len", "256", "--kv-cache-dtype", "fp8"]
+    flags, flags16 = (["--max-model-len", "256", "--kv-cache-dtype", kv] for kv in ("fp8", "float16"))
     cluster = PDCluster(path)
     try:
         cluster.start_engines(P=[*flags, "--kv-role", "producer"], D=[*flags, "--kv-role", "consumer"],
-                              D32=["--max-model-len", "256", "--kv-role", "consumer"])
+                              D32=["--max-model-len", "256", "--kv-role", "consumer"],
+                              P16=[*flags16, "--kv-role", "producer"], D16=[*flags16, "--kv-role", "consumer"])
         cluster.router = cluster.start_router("P", "D")
+        cluster.router16 = cluster.start_router("P16", "D16")
         cluster.baseline = {name: e.stats()["num_total_blocks"] for name, e in cluster.engines.items()}
         yield path, cluster
     finally:
         cluster.stop()
 
 
-@pytest.mark.parametrize("n", [5, 6 * BLOCK + 3])
-def test_fp8_pd_equals_colocated_and_hf_moving_one_byte_a_value(fp8_pd, n):
+@pytest.mark.parametrize("kv,n", [("fp8", 5), ("fp8", 6 * BLOCK + 3), ("float16", 6 * BLOCK + 3)])
+def test_narrow_pd_equals_colocated_and_hf_moving_the_caches_bytes(fp8_pd, kv, n):
     path, cluster = fp8_pd
+    router, d, dtype = ((cluster.router, cluster["D"], torch.float8_e4m3fn) if kv == "fp8"
+                        else (cluster.router16, cluster["D16"], torch.float16))
     prompt = [t % 297 + 3 for t in prompts_of([n], seed=n + 200)[0]]  # the tokenizer's 300 ids
     body = {"prompt": prompt, "max_tokens": 48, "temperature": 0, "ignore_eos": True}
-    moved = metric(cluster["D"], "atomd:kv_transfer_bytes_total")
-    status, got = complete(cluster.router.url, body)
+    moved = metric(d, "atomd:kv_transfer_bytes_total")
+    status, got = complete(router.url, body)
     assert status == 200, got
-    assert metric(cluster.router, "atomd_router:decision_total", decision="pd") >= 1
-    moved = metric(cluster["D"], "atomd:kv_transfer_bytes_total") - moved
-    # the blocks inside the first decode query's window, at one byte a value
+    assert metric(router, "atomd_router:decision_total", decision="pd") >= 1
+    moved = metric(d, "atomd:kv_transfer_bytes_total") - moved
+    # the blocks inside the first decode query's window, at one byte a value for fp8, two for float16
     pulled = -(-n // BLOCK) - max(0, n - WINDOW) // BLOCK
-    assert moved == pulled * block_bytes(path, value_bytes=1) == pulled * block_bytes(path, value_bytes=2) // 2
+    assert moved == pulled * block_bytes(path, value_bytes=dtype.itemsize) == pulled * block_bytes(path) * dtype.itemsize // 4
     tokenizer = Tokenizer.from_file(str(path / "tokenizer.json"))
-    colocated = LLM(str(path), num_threads=1, max_model_len=256, kv_cache_dtype="fp8")  # in-process: one server fewer
+    colocated = LLM(str(path), num_threads=1, max_model_len=256, kv_cache_dtype=kv)  # in-process: one server fewer
     text = got["choices"][0]["text"]
     assert text == tokenizer.decode(greedy(colocated, [prompt])[0])
-    assert text == tokenizer.decode(hf_greedy(hf_on_fp8_kv(path, torch.float8_e4m3fn), prompt, 48))
+    assert text == tokenizer.decode(hf_greedy(hf_on_narrow_kv(path, dtype), prompt, 48))
     cluster.assert_settled()
 
 

@@ -348,10 +348,10 @@ def test_batch1_quantized_layer_on_several_threads_gives_the_per_op_paths_bits(m
     assert_fused_layer_gives_the_per_op_bits(llm)
 
 
-@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2"])
+@pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"])
 def test_batch1_decode_layer_over_an_fp8_cache_gives_the_per_op_paths_bits(kv, tmp_path):
-    """float32 over an fp8 KV cache: the fused layer stores each K / V row as fp8 (KVCache.write's
-    rounding and saturation at scale 1) and reads the cache through the fp8 decode kernel: the
+    """float32 over a narrow KV cache: the fused layer stores each K / V row as fp8, bf16 or float16 (KVCache.write's
+    rounding and saturation at scale 1) and reads the cache through the narrow decode kernel: the
     per-op path's greedy ids and logprobs to the bit, every decode step in the one C call."""
     from atomd import LLM
     from tests.test_model_hf import make_checkpoint
@@ -359,7 +359,7 @@ def test_batch1_decode_layer_over_an_fp8_cache_gives_the_per_op_paths_bits(kv, t
     path = make_checkpoint(tmp_path / "qwen3", "qwen3", seed=5)
     llm = LLM(str(path), num_threads=2, dtype="float32", max_model_len=256, enable_prefix_caching=False,
               kv_cache_dtype=kv)
-    assert_fused_layer_gives_the_per_op_bits(llm)  # per op: KVCache.write's to_fp8, the fp8 kernel per layer
+    assert_fused_layer_gives_the_per_op_bits(llm)  # per op: KVCache.write's to_narrow, the narrow kernel per layer
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -19,25 +19,28 @@ import torch
 from atomd.config import KV_CACHE_DTYPES
 
 # --kv-cache-dtype (auto: the model's dtype); fp8 is vLLM's alias of fp8_e4m3
-FP8_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2}
+CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
+                "bfloat16": torch.bfloat16, "float16": torch.float16}
 FP8_NAMES = {torch.float8_e4m3fn: "fp8_e4m3", torch.float8_e5m2: "fp8_e5m2"}
+SATURATED = (*FP8_NAMES, torch.float16)  # the narrow dtypes whose range is under float32's
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
     """The dtype the paged cache stores (--kv-cache-dtype; auto: the model's)."""
     if kv_cache_dtype == "auto":
         return model_dtype
-    if kv_cache_dtype not in FP8_DTYPES:
+    if kv_cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return FP8_DTYPES[kv_cache_dtype]
+    return CACHE_DTYPES[kv_cache_dtype]
 
 
 def check_kv_planes(kv_dtype: torch.dtype, model_dtype: torch.dtype, planes: int, kv_cache_dtype: str,
                     architecture: str) -> None:
-    """fp8 holds key and value planes only: MLA's latent cache (one plane) is refused."""
+    """A narrow cache holds key and value planes only: MLA's latent cache (one plane) is refused."""
     if kv_dtype != model_dtype and planes != 2:
-        raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: {architecture}'s MLA latent cache is not built in fp8 "
-                         f"(its absorbed decode reads the latent in {str(model_dtype).removeprefix('torch.')}); use auto")
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype}: {architecture}'s MLA latent cache is not built narrower "
+                         f"than the model (its absorbed decode reads the latent in "
+                         f"{str(model_dtype).removeprefix('torch.')}); use auto")
 
 
 def kv_dtype_name(dtype: torch.dtype) -> str:
@@ -45,12 +48,14 @@ def kv_dtype_name(dtype: torch.dtype) -> str:
     return FP8_NAMES.get(dtype) or str(dtype).removeprefix("torch.")
 
 
-def to_fp8(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
-    """x / scale in fp8 `dtype`, saturated at its largest finite value (torch's cast gives e5m2
-    an inf past it), rounded to nearest even by torch's cast."""
-    limit = torch.finfo(dtype).max
+def to_narrow(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.Tensor:
+    """x / scale in the narrow cache `dtype`; fp8 and float16 saturated at their largest finite
+    value (torch's cast gives an inf past it), rounded to nearest even by torch's cast."""
     y = x.float() if scale == 1.0 else x.float() / scale
-    return y.clamp_(-limit, limit).to(dtype)
+    if dtype in SATURATED:
+        limit = torch.finfo(dtype).max
+        y = y.clamp_(-limit, limit)
+    return y.to(dtype)
 
 
 @dataclass
@@ -118,8 +123,8 @@ class KVCache:
         self.kv = kv if kv is not None else torch.zeros(shape, dtype=dtype)
         self.num_blocks, self.num_layers, self.block_size = num_blocks, num_layers, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.fp8 = dtype in FP8_NAMES
-        self.compute_dtype = compute_dtype or (torch.float32 if self.fp8 else dtype)
+        self.compute_dtype = compute_dtype or (torch.float32 if dtype in FP8_NAMES else dtype)
+        self.narrow = dtype != self.compute_dtype  # stored narrower than the model computes: fp8, 16 bits under float32
         self.k_scale = self.v_scale = 1.0  # per-tensor fp8 scales (vLLM's default without calibration)
         self._k = [self.kv[:, i, 0] for i in range(num_layers)]
         self._v = [self.kv[:, i, 1] for i in range(num_layers)] if planes == 2 else []
@@ -138,23 +143,23 @@ class KVCache:
         return self.kv.view(torch.uint8).numpy().reshape(self.num_blocks, self.block_bytes)
 
     def write(self, layer: int, meta: AttentionMetadata, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store the batch's new k, v [T, kv_heads, head_dim] in their slots. In an fp8 cache
-        k and v are then overwritten in place with what the cache holds (rounded to fp8 and
+        """Store the batch's new k, v [T, kv_heads, head_dim] in their slots. In a narrow cache
+        k and v are then overwritten in place with what the cache holds (rounded to its dtype and
         widened back): this step's attention sees the keys every later step reads, so a
         prompt attends alike fresh, chunked, after a prefix hit or pulled over PD."""
-        if not self.fp8:
+        if not self.narrow:
             self._k[layer][meta.slot_blocks, meta.slot_offsets] = k
             self._v[layer][meta.slot_blocks, meta.slot_offsets] = v
             return
-        stored_k, stored_v = to_fp8(k, self.kv.dtype, self.k_scale), to_fp8(v, self.kv.dtype, self.v_scale)
+        stored_k, stored_v = to_narrow(k, self.kv.dtype, self.k_scale), to_narrow(v, self.kv.dtype, self.v_scale)
         self._k[layer][meta.slot_blocks, meta.slot_offsets] = stored_k
         self._v[layer][meta.slot_blocks, meta.slot_offsets] = stored_v
         k.copy_(self.widen(stored_k, self.k_scale))
         v.copy_(self.widen(stored_v, self.v_scale))
 
     def widen(self, x: torch.Tensor, scale: float) -> torch.Tensor:
-        """Cached values x back in the model's dtype (fp8 times its scale; else x itself)."""
-        if not self.fp8:
+        """Cached values x back in the model's dtype (a narrow cache's times its scale; else x itself)."""
+        if not self.narrow:
             return x
         y = x.to(torch.float32 if scale != 1.0 else self.compute_dtype)
         return y if scale == 1.0 else (y * scale).to(self.compute_dtype)

@@ -90,7 +90,7 @@ class LLMEngine(EngineLoop):
         if spec is not None and spec.method == "mtp":
             mtp = load_mtp(model_dir, self.model, split)
         kv = self.model.kv_geometry()  # what a token caches per layer: k and v heads, or MLA's latent
-        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)  # fp8: one byte a value
+        kv_dtype = kv_storage_dtype(config.kv_cache_dtype, self.model.dtype)  # fp8: one byte a value, 16 bits: two
         check_kv_planes(kv_dtype, self.model.dtype, kv.planes, config.kv_cache_dtype, mcfg.architecture)
         kv_layers = mcfg.num_layers + (mtp is not None)
         per_block = KVCache.bytes_per_block(kv_layers, config.block_size, kv.heads, kv.head_dim, kv_dtype, kv.planes)
@@ -99,9 +99,9 @@ class LLMEngine(EngineLoop):
                                 config.block_size, kv.heads, kv.head_dim, kv_dtype, kv.planes,
                                 kv=None if kv_all is None else kv_all[0],
                                 compute_dtype=self.model.dtype)
-        if (self.kv_cache.fp8 and getattr(self.model, "decode_layer", None) is not None
-                and not layer_ops.fused_kv_fp8(self.model.dtype, self.kv_cache)):
-            log.info("kv_cache_dtype %s: batch-1 decode runs per op (the fused C layer takes an fp8 cache with "
+        if (self.kv_cache.narrow and getattr(self.model, "decode_layer", None) is not None
+                and not layer_ops.fused_kv_narrow(self.model.dtype, self.kv_cache)):
+            log.info("kv_cache_dtype %s: batch-1 decode runs per op (the fused C layer takes a narrow cache with "
                      "float32 activations only)", config.kv_cache_dtype)
         self.runner = ModelRunner(self.model, self.kv_cache, config.attention_backend)
         if self.tp_workers is not None:

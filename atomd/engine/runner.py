@@ -38,15 +38,15 @@ class ModelRunner:
         self._lora_stack = None  # the last step's adapters side by side (atomd/model/lora.py)
         self.last_step = None  # (positions, metadata) of the last forward: the MTP drafter runs on them
         self.kernels = None  # the native attention kernels; None: torch SDPA (decode over a workspace)
-        dtype = kv_cache.compute_dtype  # an fp8 cache is read widened to the model's dtype
+        dtype = kv_cache.compute_dtype  # a narrow cache is read widened to the model's dtype
         if attention_backend == "native" and dtype not in KERNEL_DTYPES:
             raise ValueError(f"attention_backend native runs float32 and bfloat16, not {dtype}")
         if attention_backend != "torch" and dtype in KERNEL_DTYPES:
             self.kernels = attention_kernels(*model.attention_shape())
             if self.kernels is not None and dtype == torch.bfloat16:
                 log.info("bfloat16 attention: native kernels, %s", bf16_path(self.kernels))
-            if self.kernels is not None and kv_cache.fp8:
-                log.info("%s KV cache: native decode kernel, %s", kv_cache.kv.dtype, self.kernels.fp8_path)
+            if self.kernels is not None and kv_cache.narrow:
+                log.info("%s KV cache: native decode kernel, %s", kv_cache.kv.dtype, self.kernels.narrow_path)
         # Fresh prompts: the native prefill kernel, except in bf16 on an AMX CPU where the build
         # has no AMX path (an older compiler, or Linux refused the tiles): torch's flash SDPA
         # reaches the tiles through oneDNN there and runs ~4x the AVX512_BF16 loop (8 x 512

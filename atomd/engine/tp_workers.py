@@ -177,7 +177,7 @@ class WorkerSpec:
     dtype: torch.dtype
     parent_pid: int
     started_on_main_thread: bool  # the death signal follows the starting thread (_die_with_parent)
-    kv_dtype: torch.dtype  # the cache's: the model's dtype, or fp8 (--kv-cache-dtype)
+    kv_dtype: torch.dtype  # the cache's: the model's dtype, or a narrow one (--kv-cache-dtype)
 
 
 class TPWorkers:

@@ -5,7 +5,8 @@ or with speculative decoding its last token and its drafts, causal inside that r
 (causal attention of fresh prompts over their own rows) for float32 and bfloat16 (q, KV cache
 and output in bf16, sums in float32; AVX512_BF16 dot products where the CPU has them, bf16
 widened to float32 where not: the build picks, `bf16_path()` says which); decode also over an
-fp8 cache (e4m3 / e5m2, one byte a value, widened to float32 in registers; `lib.fp8_path`).
+narrow cache (fp8 e4m3 / e5m2, one byte a value, or bf16 / float16 under a float32 model, widened to float32 in
+registers; `lib.narrow_path`).
 
 `$ATOMD_KERNEL_ISA` (atomd.kernels.cbuild, or `attention_kernels(..., isa=)`) narrows what a build may
 use, for testing the fallbacks on a CPU that has everything: `native` (default: all this CPU has),
@@ -50,7 +51,7 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
     lib = cbuild.load(*cbuild.attention_kernel(head_dim, group), log, "attention uses torch SDPA", isa)
     if lib is None:
         return None
-    for name in ("atomd_decode_attention", "atomd_decode_attention_bf16", *FP8_KERNELS.values()):
+    for name in ("atomd_decode_attention", "atomd_decode_attention_bf16", *NARROW_KERNELS.values()):
         getattr(lib, name).restype = ctypes.c_int
         getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 8 + [ctypes.c_float, _I64, ctypes.c_int]
     for name in ("atomd_prefill_attention", "atomd_prefill_attention_bf16"):
@@ -58,12 +59,12 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
         getattr(lib, name).argtypes = [_PTR] * 6 + [_I64] * 6 + [ctypes.c_float, _I64, ctypes.c_int]
     lib.atomd_bf16_path.restype, lib.atomd_bf16_path.argtypes = ctypes.c_int, []
     lib.atomd_prefill_amx.restype, lib.atomd_prefill_amx.argtypes = ctypes.c_int, []
-    lib.atomd_fp8_path.restype, lib.atomd_fp8_path.argtypes = ctypes.c_int, []
+    lib.atomd_narrow_path.restype, lib.atomd_narrow_path.argtypes = ctypes.c_int, []
     lib.head_dim, lib.group = head_dim, group  # the shape it was built for: checked at every call
     lib.isa = isa  # the absorbed MLA decode's kernel (mla_kernels) is built alike
     lib.bf16_path = lib.atomd_bf16_path()
     lib.prefill_amx = bool(lib.atomd_prefill_amx())  # the bf16 prefill on AMX tiles
-    lib.fp8_path = FP8_PATHS[lib.atomd_fp8_path()]
+    lib.narrow_path = NARROW_PATHS[lib.atomd_narrow_path()]
     if isa != "native":
         log.info("attention kernels built with %s=%s: bf16 path %s", ISA_ENV, isa, BF16_PATHS[lib.bf16_path])
     return lib
@@ -71,10 +72,11 @@ def _attention_kernels(head_dim: int, group: int, isa: str) -> ctypes.CDLL | Non
 
 attention_kernels.cache_clear = _attention_kernels.cache_clear  # type: ignore[attr-defined]
 KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # what the kernels compute in
-# the decode kernel over an fp8 cache (csrc/attention_fp8.h): float32 q and out
-FP8_KERNELS = {torch.float8_e4m3fn: "atomd_decode_attention_fp8_e4m3", torch.float8_e5m2: "atomd_decode_attention_fp8_e5m2"}
-FP8_PATHS = {1: "fp8 widened to float32 through float16 on AVX-512", 2: "fp8 widened to float32 through float16 on AVX2",
-             0: "fp8 widened to float32 by a table"}
+# the decode kernel over a narrow cache (csrc/attention_narrow.h): float32 q and out
+NARROW_KERNELS = {torch.float8_e4m3fn: "atomd_decode_attention_narrow_e4m3", torch.float8_e5m2: "atomd_decode_attention_narrow_e5m2",
+                  torch.bfloat16: "atomd_decode_attention_narrow_bf16", torch.float16: "atomd_decode_attention_narrow_f16"}
+NARROW_PATHS = {1: "widened to float32 on AVX-512", 2: "widened to float32 on AVX2 (F16C)",
+                0: "widened to float32 in plain C (fp8 by a table)"}
 
 
 def bf16_path(lib: ctypes.CDLL) -> str:
@@ -99,7 +101,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
                      query_starts: torch.Tensor | None = None, window: int | None = None,
                      scale: float | None = None) -> torch.Tensor:
     """Attention of q [R, heads, head_dim] (float32 or bfloat16, the cache's compute dtype) over the
-    paged cache (stored in that dtype or in fp8), read through block_tables [B, width] (int64). Without query_starts, R == B:
+    paged cache (stored in that dtype or a narrow one: fp8, 16 bits under float32), read through block_tables [B, width] (int64). Without query_starts, R == B:
     row b is sequence b's one token and sees its first context_lens[b] cached tokens. With query_starts [B + 1] (int64 offsets), sequence
     b owns rows query_starts[b] .. query_starts[b + 1] - 1, the last positions of its context
     (its last token and its drafts), each seeing the keys up to its own position (causal).
@@ -120,9 +122,9 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
     else:  # its values (increasing, at most a context per sequence) are the caller's to check, once a step
         assert query_starts.dtype == torch.int64 and query_starts.is_contiguous() and len(query_starts) == batch + 1
     scale = head_dim ** -0.5 if scale is None else scale
-    if c.fp8:  # float32 q and out (a bf16 model's widened and rounded back); k_scale folds into the scores'
+    if c.narrow:  # float32 q and out (a bf16 model's widened and rounded back); k_scale folds into the scores'
         q, scale = q.float(), scale * c.k_scale
-        kernel = getattr(lib, FP8_KERNELS[c.kv.dtype])
+        kernel = getattr(lib, NARROW_KERNELS[c.kv.dtype])
     else:
         kernel = lib.atomd_decode_attention if q.dtype == torch.float32 else lib.atomd_decode_attention_bf16
     q = q.contiguous()
@@ -137,7 +139,7 @@ def decode_attention(lib: ctypes.CDLL, q: torch.Tensor, kv_cache: KVCache, layer
         heads, c.num_kv_heads, c.block_size, block_tables.shape[1], block_stride, layer * planes * c.block_size * row,
         v_offset, scale, _window(window), torch.get_num_threads()),
         "decode attention")
-    if c.fp8 and c.v_scale != 1.0:
+    if c.narrow and c.v_scale != 1.0:
         out.mul_(c.v_scale)
     return out.view(rows, heads * head_dim).to(c.compute_dtype)
 

@@ -324,7 +324,7 @@ class DecoderModel:
         if lora is not None and not lora.groups:
             lora = None
         if (self.decode_layer is not None and lora is None and x.shape[0] == 1 and meta.kernels is not None
-                and not meta.is_prefill and (not kv_cache.fp8 or layer_ops.fused_kv_fp8(self.dtype, kv_cache))):
+                and not meta.is_prefill and (not kv_cache.narrow or layer_ops.fused_kv_narrow(self.dtype, kv_cache))):
             self._decode_one_row(x, h, positions, meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
                           self.lm_head_rows)

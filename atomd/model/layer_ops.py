@@ -41,7 +41,7 @@ MOE_MAX_EXPERTS, MOE_MAX_K = 1024, 64  # csrc/layer_ops.c: the fused layer's spa
 class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_args
     _fields_ = [("fn", _PTR), ("kv", _PTR), ("block_tables", _PTR), ("context_lens", _PTR), ("block_size", _I64),
                 ("table_width", _I64), ("block_stride", _I64), ("layer_stride", _I64), ("v_offset", _I64),
-                ("scale", ctypes.c_float), ("kv_fp8", ctypes.c_int)]
+                ("scale", ctypes.c_float), ("kv_narrow", ctypes.c_int)]
 
 
 class MlaLayerWeights(ctypes.Structure):  # csrc/layer_ops.c mla_layer_weights (DeepSeek's batch-1 layer)
@@ -432,9 +432,13 @@ def moe_sum(pairs: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-def fused_kv_fp8(dtype: torch.dtype, kv_cache) -> bool:
-    """Whether the fused batch-1 layer (DecodeLayer) runs over this fp8 cache: float32 activations
-    (the fp8 decode kernel's q and out) and unit scales (it stores x as KVCache.write does at scale 1)."""
+# what the fused layer stores a float32 row as in a narrow cache (csrc/layer_ops.c KV_STORE_*)
+KV_STORE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.bfloat16: 3, torch.float16: 4}
+
+
+def fused_kv_narrow(dtype: torch.dtype, kv_cache) -> bool:
+    """Whether the fused batch-1 layer (DecodeLayer) runs over this narrow cache (fp8, 16 bits): float32
+    activations (the narrow decode kernel's q and out) and unit scales (it stores x as KVCache.write does at scale 1)."""
     return dtype == torch.float32 and kv_cache.k_scale == kv_cache.v_scale == 1.0
 
 
@@ -509,12 +513,12 @@ class DecodeLayer:
         kv_cache, tail; x ends as the last layer's residual stream, h its input norm's output
         on the way. `layers`: the model's LayerWeights (their rows, biases and norms do not
         move after load: their pointers are taken once)."""
-        from atomd.kernels.native import FP8_KERNELS, KERNEL_DTYPES, check_shape
+        from atomd.kernels.native import KERNEL_DTYPES, NARROW_KERNELS, check_shape
 
         hidden, q_heads, kv_heads, head_dim = self.dims
         c = kv_cache
         check_shape(attention, q_heads, c.num_kv_heads, head_dim)
-        assert (fused_kv_fp8(h.dtype, c) if c.fp8 else c.kv.dtype == h.dtype in KERNEL_DTYPES) and c.kv.is_contiguous()
+        assert (fused_kv_narrow(h.dtype, c) if c.narrow else c.kv.dtype == h.dtype in KERNEL_DTYPES) and c.kv.is_contiguous()
         assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.shape[0] == 1 == len(context_lens)
         assert block_tables.is_contiguous() and context_lens.is_contiguous()
         if self.weights is None:
@@ -527,11 +531,11 @@ class DecodeLayer:
                 for i, w in enumerate(layers)))
         row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
         a = self.args
-        if c.fp8:  # the fp8 kernel (float32 q and out); the layer stores the K / V rows as fp8
-            kernel, a.kv_fp8 = getattr(attention, FP8_KERNELS[c.kv.dtype]), 2 if c.kv.dtype == torch.float8_e5m2 else 1
+        if c.narrow:  # the narrow kernel (float32 q and out); the layer stores the K / V rows in the cache's dtype
+            kernel, a.kv_narrow = getattr(attention, NARROW_KERNELS[c.kv.dtype]), KV_STORE[c.kv.dtype]
         else:
             kernel = attention.atomd_decode_attention if h.dtype == torch.float32 else attention.atomd_decode_attention_bf16
-            a.kv_fp8 = 0
+            a.kv_narrow = 0
         a.fn = ctypes.cast(kernel, _PTR).value
         a.kv, a.block_tables, a.context_lens = c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr()
         a.block_size, a.table_width = c.block_size, block_tables.shape[1]

@@ -123,7 +123,7 @@ def mla_prefill(q: torch.Tensor, latent: torch.Tensor, kv_cache: KVCache, layer:
 def fused_decode_kernels(kernels, kv_cache: KVCache, rank: int, rope: int, up: LatentUp):
     """The one-call absorbed decode (csrc/mla.c) when the native attention kernels run this
     step (`kernels`, built under their ISA narrowing) over a cache in the model's dtype; else None."""
-    if kernels is None or kv_cache.fp8:
+    if kernels is None or kv_cache.narrow:
         return None
     lib = native.mla_kernels(rank, rope, up.nope, up.v, kernels.isa)
     if lib is not None and lib.amx_on != AMX:

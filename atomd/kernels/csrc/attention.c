@@ -1,4 +1,4 @@
-/* Attention kernels, float32 and bfloat16 (and decode over an fp8 KV cache), loaded by atomd/kernels/native.py (the parts: below):
+/* Attention kernels, float32 and bfloat16 (and decode over a narrower KV cache: fp8, or 16 bits under float32), loaded by atomd/kernels/native.py (the parts: below):
  *
  * - atomd_decode_attention: the decode queries of each sequence read its context straight from
  *   the block-major paged KV cache (atomd/kv_cache.py): one token per sequence, or with
@@ -28,19 +28,19 @@
 #endif
 
 /* The kernels, one file each, in the order they build on one another:
- * attention_common.h  the sliding window's first key, prefetches, AVX-512 lane masks and sums
- * attention_avx2.h    the decode row on AVX2 builds, over every cache format (float32, bf16, fp8)
+ * attention_common.h  the sliding window's first key, the cache formats, prefetches, AVX-512 lane masks and sums
+ * attention_avx2.h    the decode row on AVX2 builds, over every cache format (float32, bf16, float16, fp8)
  * attention_f32.h     float32 decode (paged cache) and prefill (fresh prompts)
  * attention_bf16.h    the same over bf16 (AVX512_BF16 dot products or widening to float32)
  * attention_amx.h     the bf16 prefill as AMX tile matmuls (Sapphire Rapids and later)
- * attention_fp8.h     float32 decode over an fp8 (e4m3 / e5m2) paged cache
+ * attention_narrow.h  float32 decode over a narrower paged cache: fp8 (e4m3 / e5m2), bf16 or float16
  * and below them the bf16 prefill's entry point, which picks AMX or the loop. */
 #include "attention_common.h"
 #include "attention_avx2.h"
 #include "attention_f32.h"
 #include "attention_bf16.h"
 #include "attention_amx.h"
-#include "attention_fp8.h"
+#include "attention_narrow.h"
 
 /* 1 when the bf16 prefill runs on AMX tiles here: the build has them and Linux grants them. */
 int atomd_prefill_amx(void) {

@@ -3,7 +3,7 @@
 
 /* ---------------------------------------------------------------------------------------------
  * The decode row on AVX2 builds (no AVX-512; HEAD_DIM a multiple of 8), for every cache format:
- * float32, bf16 and (with F16C) fp8 e4m3 / e5m2, each value widened to float32 in registers.
+ * float32, bf16 and (with F16C) float16 and fp8 e4m3 / e5m2, each value widened to float32 in registers.
  *
  * Why its own code: the plain C loops it replaces summed each key's score in one vector
  * accumulator (a chain of HEAD_DIM / 8 dependent FMAs and a horizontal sum per key and head)
@@ -23,19 +23,17 @@
 /* vectors of dims a weighted-value chunk holds per head: the group's accumulators in 8 registers */
 #define VCHUNK (GROUP >= 8 ? 1 : 8 / GROUP < NV8 ? 8 / GROUP : NV8)
 
-/* The cache formats the AVX2 decode row reads (a constant at each call, so each is its own code) */
-enum { KV_F32, KV_BF16, KV_E4M3, KV_E5M2 };
-static inline int64_t kv_value_bytes(int kind) { return kind == KV_F32 ? 4 : kind == KV_BF16 ? 2 : 1; }
-
-/* Dims w * 8 .. w * 8 + 7 of a cache row as float32: exact for every format (bf16: a 16-bit shift;
- * fp8 through float16 as attention_fp8.h's AVX-512 widening: e5m2 is float16's top byte, e4m3's
- * exponent and mantissa shifted into float16's are the value times 2^-8, S.1111.111 NaN). */
+/* Dims w * 8 .. w * 8 + 7 of a cache row (format `kind`, attention_common.h) as float32: exact for every
+ * format (bf16: a 16-bit shift; fp8 through float16 as attention_narrow.h's AVX-512 widening: e5m2 is
+ * float16's top byte, e4m3's exponent and mantissa shifted into float16's are the value times 2^-8,
+ * S.1111.111 NaN). */
 static inline __m256 widen8(const uint8_t *row, int w, int kind) {
     if (kind == KV_F32) return _mm256_loadu_ps((const float *)row + w * 8);
     if (kind == KV_BF16)
         return _mm256_castsi256_ps(
             _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(row + w * 16))), 16));
 #if defined(__F16C__)
+    if (kind == KV_F16) return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + w * 16)));
     const __m128i b = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)(row + w * 8)));
     if (kind == KV_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(b, 8));
     const __m128i low7 = _mm_and_si128(b, _mm_set1_epi16(0x7f));
@@ -44,20 +42,14 @@ static inline __m256 widen8(const uint8_t *row, int w, int kind) {
     const __m256 nan = _mm256_castsi256_ps(_mm256_cvtepi16_epi32(_mm_cmpeq_epi16(low7, _mm_set1_epi16(0x7f))));
     return _mm256_blendv_ps(x, _mm256_set1_ps(NAN), nan);
 #else
-    return _mm256_setzero_ps(); /* unreachable: fp8 takes this path only with F16C (DECODE_AVX2_FP8) */
+    return _mm256_setzero_ps(); /* unreachable: float16 and fp8 take this path only with F16C (DECODE_AVX2_F16C) */
 #endif
 }
 #if defined(__F16C__)
-#define DECODE_AVX2_FP8 1
+#define DECODE_AVX2_F16C 1
 #else
-#define DECODE_AVX2_FP8 0
+#define DECODE_AVX2_F16C 0
 #endif
-
-/* a head's rows of `bytes`-byte values, row_bytes apart */
-static inline void prefetch_head_rows(const uint8_t *row, int64_t rows, int64_t row_bytes, int64_t bytes) {
-    for (int64_t i = 0; i < rows; i++, row += row_bytes)
-        for (int64_t d = 0; d < HEAD_DIM * bytes; d += 64) __builtin_prefetch(row + d);
-}
 
 /* One decode row: the GROUP query heads qs (float32, times the score scale) of KV head h over
  * context keys lo .. ctx - 1 of the paged cache kv (offsets and strides in values of `kind`, as
@@ -143,5 +135,5 @@ static inline __attribute__((always_inline)) void decode_row_avx2(
 }
 #else
 #define DECODE_AVX2 0
-#define DECODE_AVX2_FP8 0
+#define DECODE_AVX2_F16C 0
 #endif

@@ -43,11 +43,6 @@ static inline void widen_row(const uint16_t *restrict src, float *restrict dst) 
     for (int d = 0; d < HEAD_DIM; d++) dst[d] = bf16_to_f32(src[d]);
 }
 
-static inline void prefetch_rows_bf16(const uint16_t *row, int64_t rows, int64_t row_stride) {
-    for (int64_t i = 0; i < rows; i++, row += row_stride)
-        for (int d = 0; d < HEAD_DIM; d += 32) __builtin_prefetch(row + d);
-}
-
 /* The K rows of KV head h from token t0 to the end of its block of a context of ctx tokens,
  * *n of them (the first block of a window and the last block may be partial); asks for the next
  * block's K rows (an unpredictable address) and these V rows (the weighted-value pass) meanwhile. */
@@ -58,9 +53,9 @@ static inline const uint16_t *k_block_bf16(const uint16_t *kv, const int64_t *ta
     const uint16_t *k = kv + table[t0 / block_size] * block_stride + k_offset + off * row_stride + h * HEAD_DIM;
     *n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
     if (t0 - off + block_size < ctx)
-        prefetch_rows_bf16(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM, block_size,
-                           row_stride);
-    prefetch_rows_bf16(k + v_offset, *n, row_stride);
+        prefetch_head_rows((const uint8_t *)(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM),
+                           block_size, row_stride * 2, 2);
+    prefetch_head_rows((const uint8_t *)(k + v_offset), *n, row_stride * 2, 2);
     return k;
 }
 

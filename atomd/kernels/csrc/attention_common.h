@@ -7,10 +7,26 @@ static inline int64_t window_start(int64_t ctx, int64_t window) {
     return window > 0 && ctx > window ? ctx - window : 0;
 }
 
-/* The next block is at an unpredictable address: ask for its rows while this one computes. */
-static inline void prefetch_rows(const float *row, int64_t rows, int64_t row_stride) {
-    for (int64_t i = 0; i < rows; i++, row += row_stride)
-        for (int d = 0; d < HEAD_DIM; d += 16) __builtin_prefetch(row + d);
+/* The formats a decode row reads its cache in (a constant at each call, so each is its own code):
+ * the model's float32 or bf16, or a narrow cache under a float32 model (attention_narrow.h) */
+enum { KV_F32, KV_BF16, KV_E4M3, KV_E5M2, KV_F16 };
+static inline int64_t kv_value_bytes(int kind) {
+    return kind == KV_F32 ? 4 : kind == KV_BF16 || kind == KV_F16 ? 2 : 1;
+}
+
+/* A head's rows of `bytes`-byte values, row_bytes apart: the next block's (at an unpredictable
+ * address) or the V rows the weighted-value pass reads after the scores. */
+static inline void prefetch_head_rows(const uint8_t *row, int64_t rows, int64_t row_bytes, int64_t bytes) {
+    for (int64_t i = 0; i < rows; i++, row += row_bytes)
+        for (int64_t d = 0; d < HEAD_DIM * bytes; d += 64) __builtin_prefetch(row + d);
+}
+
+/* IEEE float16 bits as float32 (exact): the narrow cache's plain C widening. */
+static inline float f16_to_f32(uint16_t h) {
+    const float sign = h & 0x8000 ? -1.0f : 1.0f;
+    const int e = (h >> 10) & 0x1f, m = h & 0x3ff;
+    if (e == 31) return m ? NAN : sign * INFINITY;
+    return sign * (e ? ldexpf((float)(m + 1024), e - 25) : ldexpf((float)m, -24));
 }
 
 #if defined(__AVX512F__)

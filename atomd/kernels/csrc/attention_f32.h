@@ -61,9 +61,9 @@ int atomd_decode_attention(const float *restrict q, const float *restrict kv,
                 const float *k = kv + table[t0 / block_size] * block_stride + k_offset + off * row_stride + h * HEAD_DIM;
                 n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
                 if (t0 - off + block_size < ctx)
-                    prefetch_rows(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
-                                  block_size, row_stride);
-                prefetch_rows(k + v_offset, n, row_stride);  /* this block's V rows, for the second pass */
+                    prefetch_head_rows((const uint8_t *)(kv + table[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM),
+                                       block_size, row_stride * 4, 4);
+                prefetch_head_rows((const uint8_t *)(k + v_offset), n, row_stride * 4, 4);  /* this block's V rows, for the second pass */
 #if defined(__AVX512F__)
                 /* 16 keys at a time: a K row's products for each query head in float32 lanes,
                  * then one transposing tree for the 16 keys' sums (as the bf16 path) */

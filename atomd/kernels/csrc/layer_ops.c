@@ -335,7 +335,7 @@ void atomd_rope_bf16(bf16_t *qkv, int64_t row_stride, int64_t heads, int64_t hea
  * layer_rows) * kv_heads * head_dim, the V row v_rows rows further (atomd/kv_cache.py's
  * layout). One pass over the rows where RoPE and the cache write were two calls. */
 /* float -> fp8 (E4M3FN: bias 7, 3 mantissa bits, no infinity; E5M2: bias 15, 2 bits) as
- * atomd/engine/kv_cache.py's to_fp8 at scale 1: saturated at the format's largest finite value,
+ * atomd/engine/kv_cache.py's to_narrow at scale 1: saturated at the format's largest finite value,
  * rounded to nearest even, NaN kept (torch's cast). */
 static inline uint8_t float_to_fp8(float f, const int e5m2) {
     union { float f; uint32_t u; } c = {f};
@@ -353,21 +353,42 @@ static inline uint8_t float_to_fp8(float f, const int e5m2) {
     return (uint8_t)(sign | (uint8_t)(u - ((uint32_t)(127 - bias) << mbits)));
 }
 
+/* float -> IEEE float16 as KVCache.write's to_narrow: saturated at +-65504, rounded to nearest
+ * even (subnormals included), NaN kept. */
+static inline uint16_t float_to_f16(float f) {
+    union { float f; uint32_t u; } c = {f};
+    const uint16_t sign = (uint16_t)((c.u >> 16) & 0x8000);
+    if (f != f) return (uint16_t)(sign | 0x7e00);
+    float a = fabsf(f);
+    if (a > 65504.0f) a = 65504.0f;
+    if (a < 0x1p-14f) return (uint16_t)(sign | (uint16_t)nearbyintf(a * 0x1p24f));  /* multiples of 2^-24 */
+    c.f = a;
+    const uint32_t u = (c.u + 0xfffu + ((c.u >> 13) & 1u)) >> 13;
+    return (uint16_t)(sign | (uint16_t)(u - ((uint32_t)(127 - 15) << 10)));
+}
+
+/* What a float32 model's fused layer stores its K / V rows as (decode_attention_args.kv_narrow) */
+enum { KV_STORE_MODEL, KV_STORE_E4M3, KV_STORE_E5M2, KV_STORE_BF16, KV_STORE_F16 };
+
 /* One row: RoPE on its q_heads + kv_heads heads, then its key and value heads copied to k / v
- * (the token's rows in the paged cache; kv_fp8 1 / 2: a float32 row stored as fp8 e4m3 / e5m2 at
- * scale 1, as KVCache.write does). Shared by atomd_rope_store_* and the batch-1 layer. */
+ * (the token's rows in the paged cache; kv_narrow: a float32 row stored as fp8 e4m3 / e5m2 at
+ * scale 1, bf16 or float16, as KVCache.write does). Shared by atomd_rope_store_* and the batch-1 layer. */
 static inline __attribute__((always_inline)) void rope_store_row(
         char *row, int64_t q_heads, int64_t kv_heads, int64_t head_dim, const char *c, const char *s, char *k,
-        char *v, const int is_bf16, const int kv_fp8) {
+        char *v, const int is_bf16, const int kv_narrow) {
     const int64_t kv_size = kv_heads * head_dim, kv_bytes = kv_size * ELEM(is_bf16);
     const int64_t q_bytes = q_heads * head_dim * ELEM(is_bf16);
     rope_row(row, q_heads + kv_heads, head_dim, c, s, is_bf16);
-    if (kv_fp8 && !is_bf16) {
+    if (kv_narrow != KV_STORE_MODEL && !is_bf16) {
         const float *kr = (const float *)(row + q_bytes), *vr = kr + kv_size;
-        for (int64_t i = 0; i < kv_size; i++) {
-            ((uint8_t *)k)[i] = float_to_fp8(kr[i], kv_fp8 == 2);
-            ((uint8_t *)v)[i] = float_to_fp8(vr[i], kv_fp8 == 2);
-        }
+        for (int64_t i = 0; i < kv_size; i++)
+            if (kv_narrow == KV_STORE_BF16 || kv_narrow == KV_STORE_F16) {
+                ((uint16_t *)k)[i] = kv_narrow == KV_STORE_BF16 ? float_to_bf16(kr[i]) : float_to_f16(kr[i]);
+                ((uint16_t *)v)[i] = kv_narrow == KV_STORE_BF16 ? float_to_bf16(vr[i]) : float_to_f16(vr[i]);
+            } else {
+                ((uint8_t *)k)[i] = float_to_fp8(kr[i], kv_narrow == KV_STORE_E5M2);
+                ((uint8_t *)v)[i] = float_to_fp8(vr[i], kv_narrow == KV_STORE_E5M2);
+            }
         return;
     }
     memcpy(k, row + q_bytes, kv_bytes);
@@ -643,7 +664,7 @@ typedef struct {
     const int64_t *block_tables, *context_lens;
     int64_t block_size, table_width, block_stride, layer_stride, v_offset;  /* elements; layer_stride: k_offset per layer */
     float scale;
-    int kv_fp8;  /* 0: the cache holds the model's dtype; 1 / 2: fp8 e4m3 / e5m2 at scale 1 (float32 models) */
+    int kv_narrow;  /* KV_STORE_MODEL: the cache holds the model's dtype; else (float32 models) fp8 at scale 1, bf16, float16 */
 } decode_attention_args;
 
 /* Inside a parallel region: the layer's QKV from hh (+ bias) into qkv, then on one thread its
@@ -662,7 +683,7 @@ typedef struct {
                     NORM_ROW(qkv + j * head_dim, NULL, j < q_heads ? (q_norm) : (k_norm), qkv + j * head_dim,  \
                              head_dim, eps);                                                                   \
             rope_store_row((char *)qkv, q_heads, kv_heads, head_dim, (const char *)cos, (const char *)sin,     \
-                           (char *)(k_dst), (char *)(v_dst), IS_BF16, kv_fp8);                                 \
+                           (char *)(k_dst), (char *)(v_dst), IS_BF16, kv_narrow);                              \
         }                                                                                                      \
     } while (0)
 #define TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, moe_w, NORM_ROW, SILU_ROW, GEMV_ROWS, MOE_GEMV,      \
@@ -747,7 +768,7 @@ typedef struct {
                                           elem_t *k_dst, elem_t *v_dst, int64_t hidden, int64_t q_heads,          \
                                           int64_t kv_heads, int64_t head_dim, float eps, int num_threads) {       \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
-        const int kv_fp8 = 0;                                                                                      \
+        const int kv_narrow = KV_STORE_MODEL;                                                                      \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         HEAD_STEPS(h, w_qkv, bias, q_norm, k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16);                   \
     }                                                                                                              \
@@ -777,7 +798,7 @@ typedef struct {
                                      int num_threads) {                                                             \
         const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim;                                  \
         elem_t *d = scratch, *gu = d + hidden;                                                                     \
-        const int kv_fp8 = IS_BF16 ? 0 : att->kv_fp8;                                                              \
+        const int kv_narrow = IS_BF16 ? KV_STORE_MODEL : att->kv_narrow;                                           \
         _Pragma("omp parallel num_threads(num_threads)")                                                           \
         HEAD_STEPS(h, (w_t)layers->qkv, (const elem_t *)layers->bias, (const elem_t *)layers->q_norm,              \
                    (const elem_t *)layers->k_norm, k_dst, v_dst, NORM_ROW, GEMV_ROWS, IS_BF16);                    \

@@ -2,25 +2,27 @@
  * are macros there), included by it only. */
 
 /* ---------------------------------------------------------------------------------------------
- * The decode kernel over an fp8 paged KV cache (--kv-cache-dtype fp8_e4m3 / fp8_e5m2): one
- * byte a value, float32 q and out, every sum in float32. Each K or V row is widened to float32
- * once (exact: every fp8 value is a float32) and used for all the query heads of its group.
- * The per-tensor scales are the caller's: k_scale folds into the score scale, v_scale
- * multiplies the output (atomd/kernels/native.py).
+ * The decode kernel over a narrow paged KV cache, one stored narrower than the model computes:
+ * fp8 (--kv-cache-dtype fp8_e4m3 / fp8_e5m2: one byte a value) or 16 bits under a float32 model
+ * (bfloat16 / float16: two), float32 q and out, every sum in float32. Each K or V row is widened
+ * to float32 once (exact: every fp8, bf16 and float16 value is a float32) and used for all the
+ * query heads of its group. The per-tensor scales are the caller's: k_scale folds into the score
+ * scale, v_scale multiplies the output (atomd/kernels/native.py; 1 for the 16-bit caches).
  *
- * Widening: on AVX-512 (F + BW + VL) 16 values at a time through float16 (an exact bit move:
+ * Widening: on AVX-512 (F + BW + VL) 16 values at a time, fp8 through float16 (an exact bit move:
  * e5m2 is float16's top byte; e4m3's exponent and mantissa shifted into float16's are the
  * value times 2^-8, subnormals included), then _mm512_cvtph_ps; on AVX2 builds with F16C the
- * same 8 values at a time (attention_avx2.h's decode row); elsewhere a 256-entry table.
- * Prefill needs no fp8 kernel: fresh prompts attend to their own rows, which KVCache.write
+ * same 8 values at a time (attention_avx2.h's decode row); elsewhere fp8 by a 256-entry table,
+ * 16 bits by plain C.
+ * Prefill needs no narrow kernel: fresh prompts attend to their own rows, which KVCache.write
  * has already rounded to what the cache holds.
  */
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define FP8_AVX512 1
+#define NARROW_AVX512 1
 #else
-#define FP8_AVX512 0
+#define NARROW_AVX512 0
 #endif
-#define FP8_AVX2 (DECODE_AVX2 && DECODE_AVX2_FP8) /* attention_avx2.h's decode row, through float16 (F16C) */
+#define NARROW_AVX2 (DECODE_AVX2 && DECODE_AVX2_F16C) /* attention_avx2.h's decode row (F16C for float16 and fp8) */
 
 /* One fp8 byte as float32 (E4M3FN: bias 7, no infinity, S.1111.111 NaN; E5M2: bias 15, IEEE). */
 static float fp8_to_f32(uint8_t b, int e5m2) {
@@ -33,12 +35,17 @@ static float fp8_to_f32(uint8_t b, int e5m2) {
     return sign * ldexpf((float)(m + (1 << mbits)), e - bias - mbits);
 }
 
-/* Which fp8 widening this build runs: 1 AVX-512 through float16, 2 AVX2 through float16, 0 a table. */
-int atomd_fp8_path(void) { return FP8_AVX512 ? 1 : FP8_AVX2 ? 2 : 0; }
+/* Which widening of a narrow cache this build runs: 1 AVX-512, 2 AVX2 (with F16C), 0 plain C (fp8 by a table). */
+int atomd_narrow_path(void) { return NARROW_AVX512 ? 1 : NARROW_AVX2 ? 2 : 0; }
 
-#if FP8_AVX512
-/* Dims w * 16 .. w * 16 + 15 of an fp8 row, widened to float32. */
-static inline __m512 widen16_fp8(const uint8_t *p, int w, int e5m2) {
+#if NARROW_AVX512
+/* Dims w * 16 .. w * 16 + 15 of a narrow row (format `kind`, attention_common.h), widened to float32. */
+static inline __m512 widen16_narrow(const uint8_t *p, int w, int kind) {
+    if (kind == KV_BF16 || kind == KV_F16) {
+        const __m256i h = _mm256_maskz_loadu_epi16(lanes16(w), p + w * 32);
+        return kind == KV_F16 ? _mm512_cvtph_ps(h) : _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    const int e5m2 = kind == KV_E5M2;
     const __m256i b = _mm256_cvtepu8_epi16(_mm_maskz_loadu_epi8(lanes16(w), p + w * 16));
     if (e5m2) return _mm512_cvtph_ps(_mm256_slli_epi16(b, 8));
     const __m256i low7 = _mm256_and_si256(b, _mm256_set1_epi16(0x7f));
@@ -49,37 +56,33 @@ static inline __m512 widen16_fp8(const uint8_t *p, int w, int e5m2) {
 }
 #endif
 
-/* An fp8 row of HEAD_DIM values as float32 into dst. */
-static inline void widen_row_fp8(const uint8_t *restrict src, float *restrict dst, const float *restrict table,
-                                 int e5m2) {
-#if FP8_AVX512
+/* A narrow row of HEAD_DIM values as float32 into dst (table: fp8's widening without AVX-512). */
+static inline void widen_row_narrow(const uint8_t *restrict src, float *restrict dst, const float *restrict table,
+                                    int kind) {
+#if NARROW_AVX512
     (void)table;
-    for (int w = 0; w < NW; w++) _mm512_mask_storeu_ps(dst + w * 16, lanes16(w), widen16_fp8(src, w, e5m2));
+    for (int w = 0; w < NW; w++) _mm512_mask_storeu_ps(dst + w * 16, lanes16(w), widen16_narrow(src, w, kind));
 #else
-    (void)e5m2;
-    for (int d = 0; d < HEAD_DIM; d++) dst[d] = table[src[d]];
+    const uint16_t *half = (const uint16_t *)src;
+    for (int d = 0; d < HEAD_DIM; d++)
+        dst[d] = kind == KV_BF16 ? bf16_to_f32(half[d]) : kind == KV_F16 ? f16_to_f32(half[d]) : table[src[d]];
 #endif
 }
 
-static inline void prefetch_rows_fp8(const uint8_t *row, int64_t rows, int64_t row_stride) {
-    for (int64_t i = 0; i < rows; i++, row += row_stride)
-        for (int d = 0; d < HEAD_DIM; d += 64) __builtin_prefetch(row + d);
-}
-
-/* atomd_decode_attention's arguments over a uint8 cache of fp8 values (offsets and strides in
- * values = bytes), e5m2 selecting the format. */
-static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict kv,
+/* atomd_decode_attention's arguments over a cache of narrow values (offsets and strides in values
+ * of `kind`, KV_E4M3 / KV_E5M2 / KV_BF16 / KV_F16). */
+static int decode_attention_narrow(const float *restrict q, const uint8_t *restrict kv,
                                 const int64_t *restrict block_tables, const int64_t *restrict context_lens,
                                 const int64_t *restrict query_starts, float *restrict out, int64_t batch,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,
                                 int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale,
-                                int64_t window, int num_threads, const int e5m2) {
-#if FP8_AVX512 || FP8_AVX2
+                                int64_t window, int num_threads, const int kind) {
+#if NARROW_AVX512 || NARROW_AVX2
     const float *table = NULL;  /* widened in registers */
     (void)table;
 #else
     float table[256];
-    for (int b = 0; b < 256; b++) table[b] = fp8_to_f32((uint8_t)b, e5m2);
+    for (int b = 0; b < 256 && (kind == KV_E4M3 || kind == KV_E5M2); b++) table[b] = fp8_to_f32((uint8_t)b, kind == KV_E5M2);
 #endif
     const int64_t row_stride = num_kv_heads * HEAD_DIM;
     int failed = 0;
@@ -97,18 +100,15 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
         for (int64_t r = r_begin; r < r_end; r++) {
             const int64_t ctx = full_ctx - (r_end - 1 - r);
             const float *qh = q + (r * num_heads + h * GROUP) * HEAD_DIM;
-#if FP8_AVX2
+#if NARROW_AVX2
             float qs[GROUP][HEAD_DIM];
             for (int g = 0; g < GROUP; g++)
                 for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = qh[g * HEAD_DIM + d] * scale;
-            float (*o)[HEAD_DIM] = (float (*)[HEAD_DIM])(out + (r * num_heads + h * GROUP) * HEAD_DIM);
-            if (e5m2)
-                decode_row_avx2(qs, kv, KV_E5M2, tbl, window_start(ctx, window), ctx, h, block_size, block_stride,
-                                k_offset, v_offset, row_stride, scores, o);
-            else
-                decode_row_avx2(qs, kv, KV_E4M3, tbl, window_start(ctx, window), ctx, h, block_size, block_stride,
-                                k_offset, v_offset, row_stride, scores, o);
+            decode_row_avx2(qs, kv, kind, tbl, window_start(ctx, window), ctx, h, block_size, block_stride, k_offset,
+                            v_offset, row_stride, scores,
+                            (float (*)[HEAD_DIM])(out + (r * num_heads + h * GROUP) * HEAD_DIM));
 #else
+            const int64_t bytes = kv_value_bytes(kind), row_bytes = row_stride * bytes;
             float qs[GROUP][HEAD_DIM], m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM], row[HEAD_DIM];
             for (int g = 0; g < GROUP; g++) {
                 m[g] = -INFINITY;
@@ -121,13 +121,13 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
             const int64_t lo = window_start(ctx, window);
             for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
                 const int64_t off = t0 % block_size;
-                const uint8_t *k = kv + tbl[t0 / block_size] * block_stride + k_offset + off * row_stride + h * HEAD_DIM;
+                const uint8_t *k = kv + (tbl[t0 / block_size] * block_stride + k_offset + off * row_stride + h * HEAD_DIM) * bytes;
                 n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
                 if (t0 - off + block_size < ctx)
-                    prefetch_rows_fp8(kv + tbl[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM,
-                                      block_size, row_stride);
-                prefetch_rows_fp8(k + v_offset, n, row_stride);
-#if FP8_AVX512
+                    prefetch_head_rows(kv + (tbl[t0 / block_size + 1] * block_stride + k_offset + h * HEAD_DIM) * bytes,
+                                       block_size, row_bytes, bytes);
+                prefetch_head_rows(k + v_offset * bytes, n, row_bytes, bytes);
+#if NARROW_AVX512
                 /* 16 keys at a time, each K row widened once into registers for the group, one
                  * transposing tree for the 16 keys' sums (as the float32 kernel) */
                 for (int64_t i0 = 0; i0 < n; i0 += 16) {
@@ -136,7 +136,7 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
                     for (int64_t i = 0; i < 16; i++) {
                         __m512 kr[NW];
                         for (int w = 0; w < NW; w++)
-                            kr[w] = i < c ? widen16_fp8(k + (i0 + i) * row_stride, w, e5m2) : _mm512_setzero_ps();
+                            kr[w] = i < c ? widen16_narrow(k + (i0 + i) * row_bytes, w, kind) : _mm512_setzero_ps();
                         for (int g = 0; g < GROUP; g++) {
                             __m512 a = _mm512_setzero_ps();
                             for (int w = 0; w < NW; w++)
@@ -154,8 +154,8 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
                     }
                 }
 #else
-                for (int64_t i = 0; i < n; i++, k += row_stride) {
-                    widen_row_fp8(k, row, table, e5m2);
+                for (int64_t i = 0; i < n; i++, k += row_bytes) {
+                    widen_row_narrow(k, row, table, kind);
                     for (int g = 0; g < GROUP; g++) {
                         float s = 0.0f;
 #pragma omp simd reduction(+ : s)
@@ -178,10 +178,10 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
             /* weighted values: each V row widened once, the group's accumulators in registers */
             for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
                 const int64_t off = t0 % block_size;
-                const uint8_t *v = kv + tbl[t0 / block_size] * block_stride + k_offset + v_offset + off * row_stride + h * HEAD_DIM;
+                const uint8_t *v = kv + (tbl[t0 / block_size] * block_stride + k_offset + v_offset + off * row_stride + h * HEAD_DIM) * bytes;
                 n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
-                for (int64_t i = 0; i < n; i++, v += row_stride) {
-                    widen_row_fp8(v, row, table, e5m2);
+                for (int64_t i = 0; i < n; i++, v += row_bytes) {
+                    widen_row_narrow(v, row, table, kind);
                     for (int g = 0; g < GROUP; g++) {
                         const float p = scores[g * ctx + t0 + i];
 #pragma omp simd
@@ -200,16 +200,18 @@ static int decode_attention_fp8(const float *restrict q, const uint8_t *restrict
 }
 
 /* The exported entry points, one per format (the format a constant in each) */
-#define FP8_DECODE_ENTRY(FORMAT, E5M2)                                                                           \
-    int atomd_decode_attention_fp8_##FORMAT(                                                                     \
+#define NARROW_DECODE_ENTRY(FORMAT, KIND)                                                                        \
+    int atomd_decode_attention_narrow_##FORMAT(                                                                  \
         const float *restrict q, const uint8_t *restrict kv, const int64_t *restrict block_tables,              \
         const int64_t *restrict context_lens, const int64_t *restrict query_starts, float *restrict out,         \
         int64_t batch, int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,         \
         int64_t block_stride, int64_t k_offset, int64_t v_offset, float scale, int64_t window, int num_threads) { \
-        return decode_attention_fp8(q, kv, block_tables, context_lens, query_starts, out, batch, num_heads,       \
-                                    num_kv_heads, block_size, table_width, block_stride, k_offset, v_offset,     \
-                                    scale, window, num_threads, E5M2);                                           \
+        return decode_attention_narrow(q, kv, block_tables, context_lens, query_starts, out, batch, num_heads,    \
+                                       num_kv_heads, block_size, table_width, block_stride, k_offset, v_offset,  \
+                                       scale, window, num_threads, KIND);                                        \
     }
 
-FP8_DECODE_ENTRY(e4m3, 0)
-FP8_DECODE_ENTRY(e5m2, 1)
+NARROW_DECODE_ENTRY(e4m3, KV_E4M3)
+NARROW_DECODE_ENTRY(e5m2, KV_E5M2)
+NARROW_DECODE_ENTRY(bf16, KV_BF16)
+NARROW_DECODE_ENTRY(f16, KV_F16)
