@@ -22,7 +22,8 @@ issue shapes are benchmarks/model_shapes.py's, cached). Engines, all at --thread
 The engine processes are loaded once and kept; every round runs atomd, vLLM, then each
 GGUF in turn (so all see the same background load), `--rounds` rounds, medians
 (`--atomd-baseline-env`: a second atomd process under other settings, the before of an A/B, in
-the same rounds). Workloads:
+the same rounds; `--atomd-kv-cache-dtype float16`: atomd's float32 engines over a 16-bit KV cache, as
+llama.cpp's default F16 one). Workloads:
 offline.py's batch1 / batch16 / prefill 8x512 or, with --short (for shapes too slow for those
 on 2 shared cores), batch1_short (128 + 32), batch16_short (16 x (32 + 32)), prefill_1x512
 (one 512-token prompt, llama-bench's pp512) -- the same counts for every engine; --workloads mixes the
@@ -181,6 +182,8 @@ def main() -> int:
                         "--int4: the int engines alone)")
     p.add_argument("--gguf", nargs="*", choices=list(GGUFS), default=list(GGUFS))
     p.add_argument("--out", type=pathlib.Path, default=None)
+    p.add_argument("--atomd-kv-cache-dtype", default="auto",
+                   help="the atomd engines' --kv-cache-dtype (float16: llama.cpp's default F16 cache)")
     p.add_argument("--no-prefill", action="store_true",
                    help="batch 1 and batch 16 only (the issue's targets), where a whole run does not fit")
     p.add_argument("--workloads", nargs=5, default=None, metavar=("B1", "B1_FIRST", "B16", "B16_FIRST", "PREFILL"),
@@ -219,7 +222,8 @@ def main() -> int:
             ints = [*(["--int8"] if args.int8 else []), *(["--int4"] if args.int4 else [])]
             int_dtype = ["--int-dtype", *args.int_dtype] if ints and args.int_dtype != ["float32"] else []
             base = [sys.executable, "-m", "benchmarks.offline", "--model-shape", args.model_shape, "--no-hf",
-                    "--threads", str(args.threads), "--workloads", *workloads, "--stdin-rounds"]
+                    "--threads", str(args.threads), "--workloads", *workloads, "--stdin-rounds",
+                    *(["--kv-cache-dtype", args.atomd_kv_cache_dtype] if args.atomd_kv_cache_dtype != "auto" else [])]
             engines = atomd_engines(args.atomd_dtype, ints, int_dtype, args.atomd_process)
             for label, flags in engines:
                 workers.append(Worker(f"atomd{label}", base + flags, env=kind_env))
@@ -275,7 +279,7 @@ def main() -> int:
                 load.append(loadavg())
                 if args.out:  # every round's figures so far: a run cut short still leaves them
                     args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads,
-                                                    "rounds_done": r + 1, "load": load, "errors": errors,
+                                                    "kv_cache_dtype": args.atomd_kv_cache_dtype, "rounds_done": r + 1, "load": load, "errors": errors,
                                                     "runs": runs, "cpu_seconds_per_round": cpu}, indent=2))
         finally:
             for w in workers:
@@ -285,7 +289,8 @@ def main() -> int:
     report(args, cfg, workloads, med, {n: statistics.median(c) for n, c in cpu.items()}, load, errors)
     report_bytes(workloads[0], med, streamed, gguf_bytes)
     if args.out:
-        args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads, "rounds": args.rounds,
+        args.out.write_text(json.dumps({"shape": args.model_shape, "threads": args.threads,
+                                        "kv_cache_dtype": args.atomd_kv_cache_dtype, "rounds": args.rounds,
                                         "load": load, "errors": errors, "runs": runs, "medians": med,
                                         "cpu_seconds_per_round": cpu, "streamed_bytes": streamed,
                                         "gguf_bytes": gguf_bytes}, indent=2))

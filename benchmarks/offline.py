@@ -101,12 +101,13 @@ def hf_generator(path: pathlib.Path):
 
 
 def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "auto", dtype: str = "float32",
-                    quantization: str | None = None, quantized_activations: str = "float32"):
+                    quantization: str | None = None, quantized_activations: str = "float32",
+                    kv_cache_dtype: str = "auto"):
     from atomd import LLM, SamplingParams
 
     llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False,
               attention_backend=attention_backend, dtype=dtype, quantization=quantization,
-              quantized_activations=quantized_activations, num_kvcache_blocks=KV_BLOCKS)
+              quantized_activations=quantized_activations, num_kvcache_blocks=KV_BLOCKS, kv_cache_dtype=kv_cache_dtype)
 
     def gen(batch: list[list[int]], new: int):
         llm.generate([{"prompt_token_ids": p} for p in batch],
@@ -245,6 +246,8 @@ def main() -> int:
     p.add_argument("--int-dtype", nargs="+", choices=list(DTYPES), default=["float32"],
                    help="the --int8 / --int4 engines' model dtype (activations, attention, norms): atomd_int8 for "
                         "float32, atomd_int8_bfloat16 for bfloat16, both where both are given")
+    p.add_argument("--kv-cache-dtype", default="auto", help="the atomd engines' --kv-cache-dtype (float16: "
+                   "llama.cpp's default F16 cache under float32 models)")
     p.add_argument("--stdin-rounds", action="store_true",
                    help="load the engines, then one round per stdin line, JSON out (serve_rounds)")
     args = p.parse_args()
@@ -256,13 +259,16 @@ def main() -> int:
         gens = {} if args.no_hf else {"hf": hf_generator(path)}
         for dtype in args.dtype:
             dtype_of, quantization = FLOAT_FORMATS.get(dtype, (dtype, None))
-            gens[f"atomd_{dtype}"] = atomd_generator(path, args.threads, dtype=dtype_of, quantization=quantization)
+            gens[f"atomd_{dtype}"] = atomd_generator(path, args.threads, dtype=dtype_of, quantization=quantization,
+                                                     kv_cache_dtype=args.kv_cache_dtype)
             if args.with_torch_attention:
-                gens[f"atomd_{dtype}_torch_attention"] = atomd_generator(path, args.threads, "torch", dtype)
+                gens[f"atomd_{dtype}_torch_attention"] = atomd_generator(path, args.threads, "torch", dtype,
+                                                                         kv_cache_dtype=args.kv_cache_dtype)
         for method in [m for m in ("int8", "int4") if getattr(args, m)]:
             for dtype in args.int_dtype:
                 gens[f"atomd_{method}" + ("" if dtype == "float32" else f"_{dtype}")] = atomd_generator(
-                    path, args.threads, dtype=dtype, quantization=method, quantized_activations="int8")
+                    path, args.threads, dtype=dtype, quantization=method, quantized_activations="int8",
+                    kv_cache_dtype=args.kv_cache_dtype)
         if args.stdin_rounds:
             serve_rounds(gens, cfg["vocab_size"], tuple(args.workloads))
             return 0

@@ -23,7 +23,7 @@ from contracts.lora import check_name
 from router.policies import POLICIES
 
 KVTransport = Literal["zmq", "mooncake"]  # --kv-transfer-backend of every engine
-KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"]  # --kv-cache-dtype of every engine (atomd.config's)
+KVCacheDtype = Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"]  # --kv-cache-dtype of every engine (atomd.config's)
 
 
 class EngineGroup(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -17,6 +17,7 @@ import numpy as np
 import torch
 
 from atomd.config import KV_CACHE_DTYPES
+from atomd.model.huge_pages import zeros_on_huge_pages
 
 # --kv-cache-dtype (auto: the model's dtype); fp8 is vLLM's alias of fp8_e4m3
 CACHE_DTYPES = {"fp8": torch.float8_e4m3fn, "fp8_e4m3": torch.float8_e4m3fn, "fp8_e5m2": torch.float8_e5m2,
@@ -116,11 +117,11 @@ class KVCache:
         shared-memory cache, atomd/engine/tp_workers.py), else a new one. `dtype`: what is
         stored; `compute_dtype`: the model's, what readers get back (default: `dtype`; float32 for fp8)."""
         # zeros, not empty: padded (masked) slots are read too, and garbage NaNs would
-        # survive a zero attention weight (0 * nan = nan)
+        # survive a zero attention weight (0 * nan = nan); on 2 MiB pages (huge_pages.zeros_on_huge_pages)
         shape = (num_blocks, num_layers, planes, block_size, num_kv_heads, head_dim)
         if kv is not None and (tuple(kv.shape) != shape or kv.dtype != dtype or not kv.is_contiguous()):
             raise ValueError(f"KV cache tensor {tuple(kv.shape)} {kv.dtype}, expected {shape} {dtype} contiguous")
-        self.kv = kv if kv is not None else torch.zeros(shape, dtype=dtype)
+        self.kv = kv if kv is not None else zeros_on_huge_pages(shape, dtype)
         self.num_blocks, self.num_layers, self.block_size = num_blocks, num_layers, block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.compute_dtype = compute_dtype or (torch.float32 if dtype in FP8_NAMES else dtype)

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import math
 import mmap
 
 import torch
@@ -61,6 +62,19 @@ def side_by_side(tensors: list[torch.Tensor]) -> list[torch.Tensor]:
         view.copy_(t)
         out.append(view)
     return out
+
+
+def zeros_on_huge_pages(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zeroed contiguous tensor in its own 2 MiB-aligned MADV_HUGEPAGE mapping (an anonymous
+    mapping reads as zeros; its pages are taken as they are first written): the paged KV cache,
+    whose decode attention reads one KV head's row of each token, a row every 4 KiB at the Qwen3-0.6B
+    shape's float32 cache, so a TLB miss a row on 4 KiB pages (2 MiB pages: the attention 1.10-1.21x
+    on the AVX2 EPYC, benchmarks/RESULTS.md #35 session 19). The mapping lives as long as the tensor."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    if nbytes < MIN_BYTES:
+        return torch.zeros(shape, dtype=dtype)
+    region, offset = _region(nbytes)
+    return torch.frombuffer(region, dtype=torch.uint8, count=nbytes, offset=offset).view(dtype).view(shape)
 
 
 def release_freed_memory() -> None:
