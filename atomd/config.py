@@ -552,7 +552,7 @@ HELP = {
                              "float32 on a linear's output); float32: as they are",
     "kv_cache_dtype": "the paged KV cache's values: auto (the model's --dtype), or fp8 / fp8_e4m3 / fp8_e5m2: one "
                       "byte a value (scale 1.0, saturating), a quarter of float32's memory and PD bytes, half of "
-                      "bfloat16's; or bfloat16 / float16 (saturating at 65504) under a float32 model: half its "
+                      "bfloat16's; or bfloat16 / float16 (float16 saturating at 65504) under a float32 model: half its "
                       "memory and PD bytes, as llama.cpp's default F16 cache; P and D must agree",
     "max_model_len": "prompt + completion tokens",
     "max_num_seqs": "sequences per step",

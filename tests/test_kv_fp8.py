@@ -139,6 +139,44 @@ def test_write_stores_the_narrow_values_and_hands_them_back(dtype):
 
 
 @pytest.mark.unit
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", NARROW)
+def test_the_fused_layers_store_rounds_as_to_narrow(isa, dtype):
+    """The fused batch-1 layer's own store of K / V rows (csrc/layer_ops.c store_narrow) against
+    KVCache.write's torch casts: every float32 whose low 12 bits are 0 (each rounding boundary and
+    tie of the 16- and 8-bit formats, subnormals, saturation, inf, both signs) and a million random
+    bit patterns, bit for bit; NaN as NaN (torch's vectorised cast and C may give other NaN bits)."""
+    import ctypes
+
+    import numpy as np
+    from atomd.model.layer_ops import KV_STORE, build_kernels
+
+    lib = build_kernels(isa)
+    assert lib is not None
+    bits = np.concatenate([np.arange(1 << 20, dtype=np.uint32) << 12,
+                           np.random.default_rng(1).integers(0, 1 << 32, 1 << 20, dtype=np.uint32)])
+    x = torch.from_numpy(bits.view(np.float32))
+    want = to_narrow(x, dtype)
+    got = torch.empty_like(want)
+    lib.atomd_kv_store.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_int]
+    lib.atomd_kv_store(x.data_ptr(), got.data_ptr(), x.numel(), KV_STORE[dtype])
+    as_int = torch.uint8 if dtype.itemsize == 1 else torch.int16
+    nan = want.float().isnan()
+    assert torch.equal(got.float().isnan(), nan)
+    assert torch.equal(got.view(as_int)[~nan], want.view(as_int)[~nan])
+
+
+@pytest.mark.unit
+def test_a_16_bit_cache_is_refused_under_another_16_bit_model(fp8_llama):
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 is a 16-bit cache for a float32 model; this model "
+                                         "runs in bfloat16"):
+        kv_storage_dtype("float16", torch.bfloat16)
+    with pytest.raises(ValueError, match="kv_cache_dtype float16 is a 16-bit cache for a float32 model"):
+        _llm(fp8_llama[0], dtype="bfloat16", kv_cache_dtype="float16")  # the engine, with the model's dtype resolved
+    assert kv_storage_dtype("bfloat16", torch.bfloat16) == torch.bfloat16  # the model's own: a plain cache
+
+
+@pytest.mark.unit
 def test_kv_cache_dtype_names():
     assert kv_storage_dtype("auto", torch.bfloat16) == torch.bfloat16
     assert kv_storage_dtype("fp8", torch.float32) == kv_storage_dtype("fp8_e4m3", torch.float32) == torch.float8_e4m3fn

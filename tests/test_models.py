@@ -441,3 +441,23 @@ def test_small_weights_share_one_huge_page_mapping():
     ends = [u.data_ptr() + u.nbytes for u in out]
     assert all(end <= nxt.data_ptr() for end, nxt in zip(ends, out[1:]))  # in order, not overlapping
     assert out[-1].data_ptr() - out[0].data_ptr() < huge_pages.HUGE_PAGE
+
+
+def test_the_kv_cache_is_zero_on_its_own_huge_page_mapping():
+    """huge_pages.zeros_on_huge_pages (the paged KV cache's tensor): 2 MiB-aligned, zeros, writable,
+    alive through its views after the cache object that made it is gone; a cache under one huge
+    page is plain torch.zeros."""
+    import gc
+
+    from atomd.engine.kv_cache import KVCache
+
+    cache = KVCache(40, 4, 16, 8, 64, torch.float16, compute_dtype=torch.float32)  # 40 blocks of 128 KiB
+    assert cache.kv.nbytes > huge_pages.HUGE_PAGE and cache.kv.data_ptr() % huge_pages.HUGE_PAGE == 0
+    assert cache.kv.dtype == torch.float16 and cache.kv.is_contiguous() and not cache.kv.any()
+    blocks = cache.as_numpy_blocks()
+    del cache
+    gc.collect()
+    blocks[39, -1] = 7  # the mapping outlives the KVCache through its views
+    assert blocks[39, -1] == 7 and blocks.sum() == 7
+    small = huge_pages.zeros_on_huge_pages((4, 4), torch.float32)
+    assert not small.any() and small.shape == (4, 4)

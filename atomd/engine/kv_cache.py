@@ -27,12 +27,18 @@ SATURATED = (*FP8_NAMES, torch.float16)  # the narrow dtypes whose range is unde
 
 
 def kv_storage_dtype(kv_cache_dtype: str, model_dtype: torch.dtype) -> torch.dtype:
-    """The dtype the paged cache stores (--kv-cache-dtype; auto: the model's)."""
+    """The dtype the paged cache stores (--kv-cache-dtype; auto: the model's). A 16-bit cache
+    under another 16-bit model is refused: it saves nothing, and float16 <-> bfloat16 loses
+    range or digits (bf16 values past float16's range would read back as inf)."""
     if kv_cache_dtype == "auto":
         return model_dtype
     if kv_cache_dtype not in CACHE_DTYPES:
         raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
-    return CACHE_DTYPES[kv_cache_dtype]
+    dtype = CACHE_DTYPES[kv_cache_dtype]
+    if dtype.itemsize == 2 and model_dtype not in (torch.float32, dtype):
+        raise ValueError(f"kv_cache_dtype {kv_cache_dtype} is a 16-bit cache for a float32 model; this model runs in "
+                         f"{str(model_dtype).removeprefix('torch.')} (--dtype): use auto or fp8")
+    return dtype
 
 
 def check_kv_planes(kv_dtype: torch.dtype, model_dtype: torch.dtype, planes: int, kv_cache_dtype: str,
@@ -53,9 +59,9 @@ def to_narrow(x: torch.Tensor, dtype: torch.dtype, scale: float = 1.0) -> torch.
     """x / scale in the narrow cache `dtype`; fp8 and float16 saturated at their largest finite
     value (torch's cast gives an inf past it), rounded to nearest even by torch's cast."""
     y = x.float() if scale == 1.0 else x.float() / scale
-    if dtype in SATURATED:
+    if dtype in SATURATED:  # not in place: x.float() is x itself for a float32 x
         limit = torch.finfo(dtype).max
-        y = y.clamp_(-limit, limit)
+        y = y.clamp(-limit, limit)
     return y.to(dtype)
 
 
@@ -115,7 +121,8 @@ class KVCache:
                  compute_dtype: torch.dtype | None = None):
         """`kv`: the zeroed tensor to hold the cache in (a tensor-parallel worker's slice of the
         shared-memory cache, atomd/engine/tp_workers.py), else a new one. `dtype`: what is
-        stored; `compute_dtype`: the model's, what readers get back (default: `dtype`; float32 for fp8)."""
+        stored; `compute_dtype`: the model's, what readers get back (default: `dtype`, so a bf16 / float16
+        cache is the model's own unless compute_dtype says float32; float32 for fp8)."""
         # zeros, not empty: padded (masked) slots are read too, and garbage NaNs would
         # survive a zero attention weight (0 * nan = nan); on 2 MiB pages (huge_pages.zeros_on_huge_pages)
         shape = (num_blocks, num_layers, planes, block_size, num_kv_heads, head_dim)
@@ -126,7 +133,7 @@ class KVCache:
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.compute_dtype = compute_dtype or (torch.float32 if dtype in FP8_NAMES else dtype)
         self.narrow = dtype != self.compute_dtype  # stored narrower than the model computes: fp8, 16 bits under float32
-        self.k_scale = self.v_scale = 1.0  # per-tensor fp8 scales (vLLM's default without calibration)
+        self.k_scale = self.v_scale = 1.0  # per-tensor scales of a narrow cache (vLLM's fp8 default without calibration)
         self._k = [self.kv[:, i, 0] for i in range(num_layers)]
         self._v = [self.kv[:, i, 1] for i in range(num_layers)] if planes == 2 else []
 

@@ -315,7 +315,7 @@ def start_workers(config: Any, model_dir: Any, dtype: torch.dtype, pool_blocks: 
     # same on every rank: each computes it from the unsplit kv_a_proj_with_mqa)
     planes, heads, head_dim = (1, 1, full.latent_dim) if getattr(full, "kv_lora_rank", 0) else \
         (2, local.num_kv_heads, local.head_dim)
-    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)  # fp8: each worker's heads a byte a value
+    kv_dtype = kv_storage_dtype(config.kv_cache_dtype, dtype)  # narrow: each worker's heads 1 or 2 bytes a value
     check_kv_planes(kv_dtype, dtype, planes, config.kv_cache_dtype, full.architecture)  # before any worker starts
     layers = local.num_layers + uses_mtp(config)  # DeepSeek's MTP layer: one more latent layer
     per_rank = KVCache.bytes_per_block(layers, config.block_size, heads, head_dim, kv_dtype, planes)

@@ -432,7 +432,8 @@ def moe_sum(pairs: torch.Tensor, k: int, dtype: torch.dtype) -> torch.Tensor:
     return out
 
 
-# what the fused layer stores a float32 row as in a narrow cache (csrc/layer_ops.c KV_STORE_*)
+# what the fused layer stores a float32 row as in a narrow cache (csrc/layer_ops.c KV_STORE_*; 0: the model's dtype)
+KV_STORE_MODEL = 0
 KV_STORE = {torch.float8_e4m3fn: 1, torch.float8_e5m2: 2, torch.bfloat16: 3, torch.float16: 4}
 
 
@@ -535,7 +536,7 @@ class DecodeLayer:
             kernel, a.kv_narrow = getattr(attention, NARROW_KERNELS[c.kv.dtype]), KV_STORE[c.kv.dtype]
         else:
             kernel = attention.atomd_decode_attention if h.dtype == torch.float32 else attention.atomd_decode_attention_bf16
-            a.kv_narrow = 0
+            a.kv_narrow = KV_STORE_MODEL
         a.fn = ctypes.cast(kernel, _PTR).value
         a.kv, a.block_tables, a.context_lens = c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr()
         a.block_size, a.table_width = c.block_size, block_tables.shape[1]

@@ -13,7 +13,8 @@
  *   [d / 2][token][2], so one dpbf16 adds two dims for 16 keys.
  * - otherwise (AVX-512F, AVX2, or plain C; also when built with -DATOMD_NO_BF16_DOT): every
  *   bf16 is widened to float32 by a 16-bit shift (exact) and the float32 code runs, which the
- *   compiler vectorises for whatever the target has.
+ *   compiler vectorises for whatever the target has; decode on AVX2 builds runs attention_avx2.h's
+ *   decode row, which widens in registers.
  * Weights times V are float32 FMAs on widened V rows on both paths (a weight rounded to bf16
  * would cost 3 significant digits); the AMX prefill keeps them as two bf16 terms instead.
  */

@@ -25,7 +25,7 @@
 #define NARROW_AVX2 (DECODE_AVX2 && DECODE_AVX2_F16C) /* attention_avx2.h's decode row (F16C for float16 and fp8) */
 
 /* One fp8 byte as float32 (E4M3FN: bias 7, no infinity, S.1111.111 NaN; E5M2: bias 15, IEEE). */
-static float fp8_to_f32(uint8_t b, int e5m2) {
+static inline float fp8_to_f32(uint8_t b, int e5m2) {
     const float sign = b & 0x80 ? -1.0f : 1.0f;
     const int e = e5m2 ? (b >> 2) & 0x1f : (b >> 3) & 0xf, m = e5m2 ? b & 3 : b & 7;
     const int mbits = e5m2 ? 2 : 3, bias = e5m2 ? 15 : 7;
@@ -71,7 +71,7 @@ static inline void widen_row_narrow(const uint8_t *restrict src, float *restrict
 
 /* atomd_decode_attention's arguments over a cache of narrow values (offsets and strides in values
  * of `kind`, KV_E4M3 / KV_E5M2 / KV_BF16 / KV_F16). */
-static int decode_attention_narrow(const float *restrict q, const uint8_t *restrict kv,
+static inline __attribute__((always_inline)) int decode_attention_narrow(const float *restrict q, const uint8_t *restrict kv,
                                 const int64_t *restrict block_tables, const int64_t *restrict context_lens,
                                 const int64_t *restrict query_starts, float *restrict out, int64_t batch,
                                 int64_t num_heads, int64_t num_kv_heads, int64_t block_size, int64_t table_width,

@@ -370,6 +370,18 @@ static inline uint16_t float_to_f16(float f) {
 /* What a float32 model's fused layer stores its K / V rows as (decode_attention_args.kv_narrow) */
 enum { KV_STORE_MODEL, KV_STORE_E4M3, KV_STORE_E5M2, KV_STORE_BF16, KV_STORE_F16 };
 
+/* n float32 values stored into a narrow cache's row as KVCache.write's to_narrow stores them */
+static inline void store_narrow(const float *x, void *dst, int64_t n, const int kv_narrow) {
+    for (int64_t i = 0; i < n; i++)
+        if (kv_narrow == KV_STORE_BF16 || kv_narrow == KV_STORE_F16)
+            ((uint16_t *)dst)[i] = kv_narrow == KV_STORE_BF16 ? float_to_bf16(x[i]) : float_to_f16(x[i]);
+        else
+            ((uint8_t *)dst)[i] = float_to_fp8(x[i], kv_narrow == KV_STORE_E5M2);
+}
+
+/* store_narrow as its own call: the tests hold it to torch's casts over every rounding case */
+void atomd_kv_store(const float *x, void *dst, int64_t n, int kv_narrow) { store_narrow(x, dst, n, kv_narrow); }
+
 /* One row: RoPE on its q_heads + kv_heads heads, then its key and value heads copied to k / v
  * (the token's rows in the paged cache; kv_narrow: a float32 row stored as fp8 e4m3 / e5m2 at
  * scale 1, bf16 or float16, as KVCache.write does). Shared by atomd_rope_store_* and the batch-1 layer. */
@@ -380,15 +392,9 @@ static inline __attribute__((always_inline)) void rope_store_row(
     const int64_t q_bytes = q_heads * head_dim * ELEM(is_bf16);
     rope_row(row, q_heads + kv_heads, head_dim, c, s, is_bf16);
     if (kv_narrow != KV_STORE_MODEL && !is_bf16) {
-        const float *kr = (const float *)(row + q_bytes), *vr = kr + kv_size;
-        for (int64_t i = 0; i < kv_size; i++)
-            if (kv_narrow == KV_STORE_BF16 || kv_narrow == KV_STORE_F16) {
-                ((uint16_t *)k)[i] = kv_narrow == KV_STORE_BF16 ? float_to_bf16(kr[i]) : float_to_f16(kr[i]);
-                ((uint16_t *)v)[i] = kv_narrow == KV_STORE_BF16 ? float_to_bf16(vr[i]) : float_to_f16(vr[i]);
-            } else {
-                ((uint8_t *)k)[i] = float_to_fp8(kr[i], kv_narrow == KV_STORE_E5M2);
-                ((uint8_t *)v)[i] = float_to_fp8(vr[i], kv_narrow == KV_STORE_E5M2);
-            }
+        const float *kr = (const float *)(row + q_bytes);
+        store_narrow(kr, k, kv_size, kv_narrow);
+        store_narrow(kr + kv_size, v, kv_size, kv_narrow);
         return;
     }
     memcpy(k, row + q_bytes, kv_bytes);
