@@ -26,8 +26,9 @@ venv: $(VENV)/.installed
 XDIST := -n 3 --dist loadgroup --no-loadscope-reorder
 
 # The Ray clusters and the test hosts in network namespaces (marker `e2e`: tests/test_ray_*.py,
-# tests/test_netns_*.py; 160-200 s of a worker) run in `make e2e`, not in `make test`: with them
-# `make test` took 12 minutes on the AVX2-only AMD EPYC (2026-12-06). .ci/run runs both.
+# tests/test_netns_*.py; 160-200 s of a worker), the bounded soak and the PD pairs across TP sizes run
+# in `make e2e`, not in `make test`: with them `make test` took 12 minutes on the AVX2-only AMD EPYC
+# (2026-12-06). .ci/run runs both.
 TEST_MARKERS := not load and not chaos and not image and not e2e
 
 test: venv

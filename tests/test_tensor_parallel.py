@@ -295,6 +295,7 @@ def test_killed_worker_fails_the_engine_cleanly(checkpoints, tmp_path):
 
 
 @pytest.mark.integration
+@pytest.mark.e2e  # make e2e: 2 DP ranks x 2 TP workers served (~20 s of a worker), out of make test's 10 min
 def test_dp2_x_tp2_serve_equals_one_process(tmp_path):
     """`atomd serve --data-parallel-size 2 --tensor-parallel-size 2` (two engine cores, each rank 0
     of its own two workers) on the built-in model: each DP rank's greedy text equals one process's."""
@@ -370,6 +371,7 @@ def hetero_pd():
 
 
 @pytest.mark.integration
+@pytest.mark.e2e  # make e2e: PD pairs across TP sizes (~20-45 s of a worker), out of make test's 10 min
 @pytest.mark.parametrize("pair", ["P1->D2", "P2->D1", "P2d->D2d"])
 def test_pd_with_different_tp_sizes_equals_colocated(hetero_pd, pair):
     """P2d->D2d: TP=2 on both sides with --tp-kv-transfer direct: each worker's slices sent and pulled
@@ -428,6 +430,7 @@ def mla_direct_pd(checkpoints):
 
 
 @pytest.mark.integration
+@pytest.mark.e2e  # make e2e: PD pairs across TP sizes (~20-45 s of a worker), out of make test's 10 min
 @pytest.mark.parametrize("pair", ["P1->D2d", "P2d->D1"])
 def test_direct_pd_across_tp_sizes_equals_colocated(mla_direct_pd, pair):
     """Direct slices between different TP sizes where every worker holds as many KV heads (MLA's latent
