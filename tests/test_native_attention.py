@@ -25,9 +25,10 @@ def sdpa_reference(q: torch.Tensor, cache: KVCache, layer: int, tables: torch.Te
 
 
 @pytest.mark.unit
-# 36: no whole 8-lane vectors (AVX2 builds run the plain C loops)
+# 36: no whole 8-lane vectors (AVX2 builds run the plain C loops); (9, 3, 80): a group of 3, the AVX2 decode row's
+# weighted values two 8-lane vectors a chunk over 10
 @pytest.mark.parametrize("heads,kv_heads,head_dim", [(4, 4, 32), (8, 4, 64), (8, 2, 16), (14, 2, 80),
-                                                     (16, 1, 128), (32, 2, 256), (6, 2, 36)])
+                                                     (16, 1, 128), (32, 2, 256), (6, 2, 36), (9, 3, 80)])
 def test_decode_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, head_dim):
     torch.manual_seed(heads * head_dim)
     layers, block = 3, 16
