@@ -328,6 +328,13 @@ class DecoderModel:
             self._decode_one_row(x, h, positions, meta, kv_cache)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
                           self.lm_head_rows)
+        kinds = self._rows_kinds(x.shape[0], meta, kv_cache, lora)
+        if kinds is not None:  # a batch's decode rows, every layer in one C call
+            self.decode_layer.run_rows(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x, self.cos,
+                                       self.sin, positions, kv_cache.slot_rows(meta), kinds, meta.kernels, kv_cache,
+                                       meta.block_tables, meta.context_lens, cfg.attn_scale)
+            return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
+                          self.lm_head_rows)
         slot_rows = kv_cache.slot_rows(meta)
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
         step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)  # rows a tile
@@ -455,6 +462,17 @@ class DecoderModel:
             kv_cache.write(i, meta, qkv[:, cfg.q_size:k_end].view(-1, cfg.num_kv_heads, cfg.head_dim),
                            qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim))
         return qkv
+
+    def _rows_kinds(self, rows: int, meta: AttentionMetadata, kv_cache: KVCache,
+                    lora: LoraStep | None) -> tuple[int, int] | None:
+        """The products DecodeLayer.run_rows runs this step's rows with, or None: per op (one row, a prefill or
+        drafts in the step, LoRA, float linears, a product the C call has not: rows_kinds_for)."""
+        fused = self.decode_layer
+        if (fused is None or fused.rows_fn is None or lora is not None or rows < 2 or meta.kernels is None
+                or meta.is_prefill or meta.query_starts is not None
+                or (kv_cache.narrow and not layer_ops.fused_kv_narrow(self.dtype, kv_cache))):
+            return None
+        return fused.rows_kinds_for(rows, self.layers)
 
     def _decode_one_row(self, x: torch.Tensor, h: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                         kv_cache: KVCache) -> None:

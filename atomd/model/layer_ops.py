@@ -121,6 +121,9 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
         lib.atomd_decode_layer_head_q_f32.argtypes = lib.atomd_decode_layer_head_f32.argtypes
         lib.atomd_decode_layer_tail_q_f32.argtypes = lib.atomd_decode_layer_tail_f32.argtypes
         lib.atomd_decode_layers_q_f32.argtypes, lib.atomd_decode_layers_q_f32.restype = _LAYERS_ARGTYPES, ctypes.c_int
+        lib.atomd_decode_rows_q_f32.argtypes = [_PTR, _I64, _PTR, _I64] + [_PTR] * 12 + [_I64] * 10 + [ctypes.c_float,
+                                                                                                      ctypes.c_int]
+        lib.atomd_decode_rows_q_f32.restype = ctypes.c_int
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
                                                               ctypes.c_float, ctypes.c_int]
@@ -467,6 +470,11 @@ class DecodeLayer:
         self.scratch = torch.empty(0, dtype=dtype)
         self.moe: list[_MoeWeights] = []  # the sparse layers' structs (their pointers kept alive beside self.weights)
         self.moe_scratch = torch.empty(0, dtype=torch.float32)
+        # a batch's decode rows in one call (atomd_decode_rows_q_f32): int8-activation linears of a dense model
+        self.rows_fn = lib.atomd_decode_rows_q_f32 if quantized else None
+        self.rows_kinds: dict[int, tuple[int, int] | None] = {}  # rows -> (kind4, kind8) or None (per op), by run_rows
+        self.rows_buffer = torch.empty(0, dtype=dtype)
+        self.rows_steps = 0  # steps run_rows took (the tests: the fused rows did run)
 
     def scratch_for(self, threads: int) -> int:
         """The address of the C layer's scratch for `threads` threads (csrc/layer_ops.c: shared
@@ -514,34 +522,9 @@ class DecodeLayer:
         kv_cache, tail; x ends as the last layer's residual stream, h its input norm's output
         on the way. `layers`: the model's LayerWeights (their rows, biases and norms do not
         move after load: their pointers are taken once)."""
-        from atomd.kernels.native import KERNEL_DTYPES, NARROW_KERNELS, check_shape
-
+        assert block_tables.shape[0] == 1 == len(context_lens)
         hidden, q_heads, kv_heads, head_dim = self.dims
-        c = kv_cache
-        check_shape(attention, q_heads, c.num_kv_heads, head_dim)
-        assert (fused_kv_narrow(h.dtype, c) if c.narrow else c.kv.dtype == h.dtype in KERNEL_DTYPES) and c.kv.is_contiguous()
-        assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.shape[0] == 1 == len(context_lens)
-        assert block_tables.is_contiguous() and context_lens.is_contiguous()
-        if self.weights is None:
-            self.weights = (_LayerWeights * len(layers))(*(
-                _LayerWeights(w.rows[0].data_ptr(), _ptr(w.qkv_bias), w.rows[1].data_ptr(), w.post_norm.data_ptr(),
-                              _ptr(w.rows[2]), _ptr(w.rows[3]),
-                              layers[i + 1].input_norm.data_ptr() if i + 1 < len(layers) else None,
-                              0 if windows[i] is None else windows[i], _ptr(w.q_norm), _ptr(w.k_norm),
-                              self._moe_struct(w.moe, h.dtype))
-                for i, w in enumerate(layers)))
-        row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
-        a = self.args
-        if c.narrow:  # the narrow kernel (float32 q and out); the layer stores the K / V rows in the cache's dtype
-            kernel, a.kv_narrow = getattr(attention, NARROW_KERNELS[c.kv.dtype]), KV_STORE[c.kv.dtype]
-        else:
-            kernel = attention.atomd_decode_attention if h.dtype == torch.float32 else attention.atomd_decode_attention_bf16
-            a.kv_narrow = KV_STORE_MODEL
-        a.fn = ctypes.cast(kernel, _PTR).value
-        a.kv, a.block_tables, a.context_lens = c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr()
-        a.block_size, a.table_width = c.block_size, block_tables.shape[1]
-        a.block_stride, a.layer_stride = c.num_layers * planes * c.block_size * row, planes * c.block_size * row
-        a.v_offset, a.scale = c.block_size * row if planes == 2 else 0, scale
+        a = self._attention_args(layers, windows, h.dtype, attention, kv_cache, block_tables, context_lens, scale)
         threads = torch.get_num_threads()
         status = self.layers_fn(self.weights, len(layers), ctypes.byref(a), h.data_ptr(), x.data_ptr(),
                                 self.qkv.data_ptr(), self.attn.data_ptr(), cos, sin, k_dst, v_dst, layer_bytes,
@@ -549,6 +532,81 @@ class DecodeLayer:
                                 threads)
         if status != 0:
             raise MemoryError("decode attention: the attention kernel could not allocate its scratch memory")
+
+    def _attention_args(self, layers: list, windows: list[int | None], dtype: torch.dtype, attention: ctypes.CDLL,
+                        kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor, scale: float) -> _AttentionArgs:
+        """self.args set for this step's attention over kv_cache (and every layer's pointers taken at the first call)."""
+        from atomd.kernels.native import KERNEL_DTYPES, NARROW_KERNELS, check_shape
+
+        _, q_heads, _, head_dim = self.dims
+        c = kv_cache
+        check_shape(attention, q_heads, c.num_kv_heads, head_dim)
+        assert (fused_kv_narrow(dtype, c) if c.narrow else c.kv.dtype == dtype in KERNEL_DTYPES) and c.kv.is_contiguous()
+        assert block_tables.dtype == context_lens.dtype == torch.int64 and block_tables.shape[0] == len(context_lens)
+        assert block_tables.is_contiguous() and context_lens.is_contiguous()
+        if self.weights is None:
+            self.weights = (_LayerWeights * len(layers))(*(
+                _LayerWeights(w.rows[0].data_ptr(), _ptr(w.qkv_bias), w.rows[1].data_ptr(), w.post_norm.data_ptr(),
+                              _ptr(w.rows[2]), _ptr(w.rows[3]),
+                              layers[i + 1].input_norm.data_ptr() if i + 1 < len(layers) else None,
+                              0 if windows[i] is None else windows[i], _ptr(w.q_norm), _ptr(w.k_norm),
+                              self._moe_struct(w.moe, dtype))
+                for i, w in enumerate(layers)))
+        row, planes = c.num_kv_heads * head_dim, c.kv.shape[2]
+        a = self.args
+        if c.narrow:  # the narrow kernel (float32 q and out); the layer stores the K / V rows in the cache's dtype
+            kernel, a.kv_narrow = getattr(attention, NARROW_KERNELS[c.kv.dtype]), KV_STORE[c.kv.dtype]
+        else:
+            kernel = attention.atomd_decode_attention if dtype == torch.float32 else attention.atomd_decode_attention_bf16
+            a.kv_narrow = KV_STORE_MODEL
+        a.fn = ctypes.cast(kernel, _PTR).value
+        a.kv, a.block_tables, a.context_lens = c.kv.data_ptr(), block_tables.data_ptr(), context_lens.data_ptr()
+        a.block_size, a.table_width = c.block_size, block_tables.shape[1]
+        a.block_stride, a.layer_stride = c.num_layers * planes * c.block_size * row, planes * c.block_size * row
+        a.v_offset, a.scale = c.block_size * row if planes == 2 else 0, scale
+        return a
+
+    def rows_kinds_for(self, rows: int, layers: list) -> tuple[int, int] | None:
+        """(kind4, kind8): how run_rows runs an int4 / int8 linear on `rows` rows of x (1 the GEMM, 0 the rows), as
+        qlinear does (quant.int8_product); None: some linear of this model takes another product there (AMX tiles,
+        float activations, ...) or the model has an MoE block: the batch runs per op."""
+        if rows not in self.rows_kinds:
+            from atomd.model import quant
+
+            lib, kinds, ok = quant.kernels(), {4: 0, 8: 0}, all(w.moe is None for w in layers)
+            linears = [t for l in layers for t in l.linears()]
+            ok = ok and all(isinstance(t, quant.QuantizedWeight) for t in linears)
+            for w in {(t.bits, t.act_block, t.int8_activations): t for t in linears}.values() if ok else ():
+                product = quant.int8_product(lib, w, rows) if ok else None
+                ok = product in ("rows", "gemm") and w.bits in kinds
+                if ok:
+                    kinds[w.bits] = int(product == "gemm")
+            self.rows_kinds[rows] = (kinds[4], kinds[8]) if ok else None
+        return self.rows_kinds[rows]
+
+    def run_rows(self, layers: list, windows: list[int | None], h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor, kinds: tuple[int, int],
+                 attention: ctypes.CDLL, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
+                 scale: float) -> None:
+        """A batch's decode step, R >= 2 sequences one row each (h, x [R, hidden]), every layer in one C call
+        (atomd_decode_rows_q_f32): the per-op path's bits, its products as rows_kinds_for chose them. x ends as
+        the last layer's residual stream. positions: each row's RoPE table row; slot_rows: KVCache.slot_rows."""
+        hidden, q_heads, kv_heads, head_dim = self.dims
+        rows, q_size, inter, c = x.shape[0], self.q_size, self.inter, kv_cache
+        assert h.is_contiguous() and x.is_contiguous() and positions.is_contiguous() and slot_rows.is_contiguous()
+        assert positions.dtype == slot_rows.dtype == torch.int64 and len(positions) == len(slot_rows) == rows
+        a = self._attention_args(layers, windows, h.dtype, attention, c, block_tables, context_lens, scale)
+        widths = (q_size + 2 * kv_heads * head_dim, q_size, q_size, hidden, 2 * inter, inter)
+        if self.rows_buffer.numel() < rows * sum(widths):
+            self.rows_buffer = torch.empty(rows * sum(widths), dtype=self.rows_buffer.dtype)
+        parts = torch.split(self.rows_buffer[:rows * sum(widths)], [rows * n for n in widths])
+        status = self.rows_fn(self.weights, len(layers), ctypes.byref(a), rows, h.data_ptr(), x.data_ptr(),
+                              *(t.data_ptr() for t in parts), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
+                              slot_rows.data_ptr(), 2 * c.block_size, c.block_size, c.kv.element_size(), *kinds,
+                              hidden, q_heads, kv_heads, head_dim, inter, self.eps, torch.get_num_threads())
+        if status != 0:
+            raise MemoryError(f"batch decode of {rows} rows: out of memory (status {status})")
+        self.rows_steps += 1
 
     def _moe_struct(self, moe, dtype: torch.dtype):
         """A sparse layer's decode_moe_weights (moe: atomd/model/moe.py MoeWeights, float experts stacked

@@ -440,6 +440,22 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     return panels.nbytes
 
 
+def int8_product(lib: ctypes.CDLL | None, w: QuantizedWeight, m: int) -> str | None:
+    """The C product qlinear runs for m rows of x on an int8-activation weight w: "wide" (atomd_qgemm_wide), "amx"
+    (atomd_qgemm_amx), "gemm" (atomd_qgemm_q8_gemm), "rows" (atomd_qgemm_q8); None: not an int8-activation
+    product (no kernels, float activations, or past QGEMM_Q8_MAX_M rows without a GEMM: qlinear's other paths).
+    Also layer_ops.DecodeLayer's choice for a batch's rows, so the fused rows compute qlinear's bits."""
+    if lib is None or not w.int8_activations:
+        return None
+    if widens(w, m) and lib.wide:
+        return "wide"
+    if m >= QGEMM_AMX_MIN_M and lib.amx:
+        return "amx"
+    if lib.q8_gemm and m >= q8_gemm_min_m(lib, w.bits):
+        return "gemm"
+    return "rows" if m <= QGEMM_Q8_MAX_M else None
+
+
 def q8_gemm_min_m(lib: ctypes.CDLL, bits: int) -> int:
     """The rows of x from which qlinear runs int8 activations on a weight of `bits` as `lib`'s GEMM (lib.q8_gemm:
     VNNI or AVX2)."""
@@ -473,26 +489,27 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
     out = torch.empty(m, n, dtype=torch.float32)
-    if lib is not None and w.int8_activations and widens(w, m) and lib.wide:
+    product = int8_product(lib, w, m)
+    if product == "wide":
         rc = lib.atomd_qgemm_wide(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
                                   k, w.group_size, out.data_ptr(), n, threads)
         if rc != 0:
             raise MemoryError(f"bf16 AMX product of {m} x {k} by {n} rows: out of memory")
-    elif lib is not None and w.int8_activations and m >= QGEMM_AMX_MIN_M and lib.amx:
+    elif product == "amx":
         xt, dt, xsgt = _amx_scratch(m, k, w.group_size)
         rc = lib.atomd_qgemm_amx(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
                                  k, w.group_size, w.act_block, out.data_ptr(), n, xt.data_ptr(), dt.data_ptr(),
                                  xsgt.data_ptr(), threads)
         if rc != 0:
             raise MemoryError(f"AMX int8 product of {m} x {k} by {n} rows: out of memory")
-    elif lib is not None and w.int8_activations and lib.q8_gemm and m >= q8_gemm_min_m(lib, w.bits):
+    elif product == "gemm":
         xq, xd, xsg = _q8_scratch(m, k)
         rc = lib.atomd_qgemm_q8_gemm(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets),
                                   n, k, w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(),
                                   xsg.data_ptr(), threads)
         if rc != 0:
             raise MemoryError(f"int8 GEMM of {m} x {k} by {n} rows: out of memory")
-    elif lib is not None and m <= QGEMM_Q8_MAX_M and w.int8_activations:
+    elif product == "rows":
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
                            w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(),

@@ -150,15 +150,7 @@ void atomd_qdequant_i4(const uint8_t *q, const float *scales, const float *offse
 void atomd_qgemm_q8(const float *x, int64_t ldx, int64_t M, const void *q, int64_t bits, const float *scales,
                     const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
                     int8_t *xq, float *xd, float *xsg, int num_threads) {
-    for (int64_t m = 0; m < M; m++)
-        quantize_row_q8(x + m * ldx, K, G, AB, (int)bits, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
-    if (M == 1 && Q8_GEMV4(N, bits)) {  /* batch 1: as the fused layer's rows */
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
-        for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) gemv4_q8(q, (int)bits, scales, offsets, N, K, G, AB, xq, xd, xsg, i, y);
-        return;
-    }
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
-    for (int64_t n = 0; n < N; n++) q8_weight_row(q, (int)bits, scales, offsets, K, G, AB, n, M, xq, xd, xsg, y, ldy);
+    qgemm_q8_rows(x, ldx, M, q, (int)bits, scales, offsets, N, K, G, AB, y, ldy, xq, xd, xsg, num_threads);
 }
 
 /* The same product on AMX-INT8 tiles (quant_amx.h), M >= 2 rows of x: scratch xt [QAMX_XT bytes],

@@ -726,6 +726,24 @@ static inline void q8_weight_row(const void *q, int bits, const float *scales, c
     }
 }
 
+/* y [M, ldy] = x [M, ldx] @ w^T with int8 activations, each weight row read once for up to Q8_ROWS rows of x
+ * (q8_weight_row): x quantised row by row into the scratch xq [M, K], xd [M, Q8_XD(K)], xsg [M, Q8_XSG(K)];
+ * one row through gemv4_q8 where it takes the weight (as the fused batch-1 layer's rows). atomd_qgemm_q8
+ * (quant.c) and the fused batch's rows (layer_ops.c atomd_decode_rows_q_f32). */
+static inline void qgemm_q8_rows(const float *x, int64_t ldx, int64_t M, const void *q, int bits, const float *scales,
+                                 const float *offsets, int64_t N, int64_t K, int64_t G, int64_t AB, float *y,
+                                 int64_t ldy, int8_t *xq, float *xd, float *xsg, int num_threads) {
+    for (int64_t m = 0; m < M; m++)
+        quantize_row_q8(x + m * ldx, K, G, AB, bits, xq + m * K, xd + m * Q8_XD(K), xsg + m * Q8_XSG(K));
+    if (M == 1 && Q8_GEMV4(N, bits)) {
+        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
+        for (int64_t i = 0; i < (N + Q8_R - 1) / Q8_R; i++) gemv4_q8(q, bits, scales, offsets, N, K, G, AB, xq, xd, xsg, i, y);
+        return;
+    }
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
+    for (int64_t n = 0; n < N; n++) q8_weight_row(q, bits, scales, offsets, K, G, AB, n, M, xq, xd, xsg, y, ldy);
+}
+
 /* One packed weight as the fused decode layer takes it (atomd/model/quant.py's QuantizedWeight);
  * xq non-NULL: int8 activations (above), xq / xd / xsg its scratch for one quantised row */
 typedef struct {

@@ -1,0 +1,81 @@
+"""A batch's decode step in one C call (layer_ops.DecodeLayer.run_rows, csrc/layer_ops.c
+atomd_decode_rows_q_f32): int8 / int4 linears with int8 activations, every layer of R >= 2 decoding
+sequences at once. Held to the per-op path (the same engine with the call off): greedy ids and every
+logprob equal, bit for bit, at batches that take the int8-activation rows and the GEMM on this CPU,
+under every ATOMD_KERNEL_ISA narrowing, over the layer variants of the families (qkv bias, q / k norm,
+a sliding window) and the KV caches the fused layers store into (the model's dtype, float16, fp8)."""
+from __future__ import annotations
+
+import pytest
+
+from atomd.kernels import cbuild
+from contracts.sampling import SamplingParams
+from tests.cpu_builds import ISAS
+from tests.test_model_hf import make_checkpoint, prompts_of
+
+pytestmark = pytest.mark.unit
+PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
+BATCHES = (3, 17)  # 3: the rows on every kind (the AMX tiles start at 4); 17: the GEMM on AVX2 / VNNI
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory):
+    root = tmp_path_factory.mktemp("rows")
+    shape = dict(hidden_size=128, intermediate_size=256, num_attention_heads=4, num_key_value_heads=2)
+    return {kind: make_checkpoint(root / kind, kind, seed=41, **shape, **extra)
+            for kind, extra in (("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 20}))}
+
+
+def engines(path, method: str, **kwargs):
+    from atomd.llm import LLM
+
+    def make():
+        return LLM(str(path), num_threads=2, max_model_len=256, quantization=method, quantized_activations="int8",
+                   **kwargs)
+    fused, per_op = make(), make()
+    assert fused.engine.model.decode_layer.rows_fn is not None
+    per_op.engine.model.decode_layer.rows_fn = None  # every batch through qlinear and the ops one by one
+    return fused, per_op
+
+
+def same_outputs(fused, per_op, batch: int, seed: int) -> None:
+    prompts = [{"prompt_token_ids": p} for p in prompts_of([5 + 3 * i for i in range(batch)], seed=seed)]
+    layer = fused.engine.model.decode_layer
+    steps = layer.rows_steps
+    got, want = fused.generate(prompts, PARAMS, use_tqdm=False), per_op.generate(prompts, PARAMS, use_tqdm=False)
+    for g, w in zip(got, want):
+        assert g.outputs[0].token_ids == w.outputs[0].token_ids
+        assert g.outputs[0].logprobs == w.outputs[0].logprobs  # every float equal
+    # the batch's decode steps took the C call wherever its products are the int8 rows or the GEMM
+    fusable = layer.rows_kinds_for(batch, fused.engine.model.layers) is not None
+    assert (layer.rows_steps > steps) == fusable
+    if batch == 3:
+        assert fusable
+
+
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_rows_equal_per_op_under_every_narrowing(checkpoints, method, isa, monkeypatch):
+    monkeypatch.setenv(cbuild.ISA_ENV, isa)
+    fused, per_op = engines(checkpoints["llama"], method)
+    for batch in BATCHES:
+        same_outputs(fused, per_op, batch, seed=batch)
+
+
+@pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
+@pytest.mark.parametrize("method", ["int8", "int4"])
+def test_rows_equal_per_op_across_families(checkpoints, kind, method):
+    """qwen2: a qkv bias (added after the product); qwen3: the per-head q / k norm before RoPE; mistral: a
+    window of 20 keys under prompts of up to 56 tokens."""
+    fused, per_op = engines(checkpoints[kind], method)
+    for batch in BATCHES:
+        same_outputs(fused, per_op, batch, seed=7 + batch)
+
+
+@pytest.mark.parametrize("cache", ["float16", "fp8_e4m3"])
+def test_rows_store_narrow_caches_as_kv_cache_write(checkpoints, cache):
+    """The C call stores each row's K / V as KVCache.write's casts (store_narrow) and reads them through the
+    narrow attention kernel, as the per-op path does."""
+    fused, per_op = engines(checkpoints["qwen3"], "int4", kv_cache_dtype=cache)
+    same_outputs(fused, per_op, 3, seed=5)
+
