@@ -1,9 +1,11 @@
 """A batch's decode step in one C call (layer_ops.DecodeLayer.run_rows, csrc/layer_ops.c
-atomd_decode_rows_q_f32): int8 / int4 linears with int8 activations, every layer of R >= 2 decoding
-sequences at once. Held to the per-op path (the same engine with the call off): greedy ids and every
-logprob equal, bit for bit, at batches that take the int8-activation rows and the GEMM on this CPU,
-under every ATOMD_KERNEL_ISA narrowing, over the layer variants of the families (qkv bias, q / k norm,
-a sliding window) and the KV caches the fused layers store into (the model's dtype, float16, fp8)."""
+atomd_decode_rows_q_f32): quantized linears (int8 / int4 with int8 or float activations, bf16 / float16
+weights widened), every layer of R >= 2 decoding sequences at once. Held to the per-op path (the same
+engine with the call off): greedy ids and every logprob equal, bit for bit, at batches that take each
+product qlinear has for them on this CPU (the int8-activation rows and GEMM, the float-activation rows,
+the 16-bit rows and panels), under every ATOMD_KERNEL_ISA narrowing, over the layer variants of the
+families (qkv bias, q / k norm, a sliding window) and the KV caches the fused layers store into (the
+model's dtype, float16, fp8)."""
 from __future__ import annotations
 
 import pytest
@@ -15,7 +17,9 @@ from tests.test_model_hf import make_checkpoint, prompts_of
 
 pytestmark = pytest.mark.unit
 PARAMS = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True, logprobs=2)
-BATCHES = (3, 17)  # 3: the rows on every kind (the AMX tiles start at 4); 17: the GEMM on AVX2 / VNNI
+BATCHES = (3, 16, 17)  # 3: rows on every kind (the AMX tiles start at 4); 16, 17: the GEMMs and panels, float rows
+# (quantization, quantized activations): int weights with int8 or float activations, 16-bit weights (float)
+METHODS = [("int8", "int8"), ("int4", "int8"), ("int4", "float32"), ("bf16", "float32"), ("fp16", "float32")]
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +30,12 @@ def checkpoints(tmp_path_factory):
             for kind, extra in (("llama", {}), ("qwen2", {}), ("qwen3", {}), ("mistral", {"sliding_window": 20}))}
 
 
-def engines(path, method: str, **kwargs):
+def engines(path, method: str, activations: str = "int8", **kwargs):
     from atomd.llm import LLM
 
     def make():
-        return LLM(str(path), num_threads=2, max_model_len=256, quantization=method, quantized_activations="int8",
-                   **kwargs)
+        return LLM(str(path), num_threads=2, max_model_len=256, quantization=method,
+                   quantized_activations=activations, **kwargs)
     fused, per_op = make(), make()
     assert fused.engine.model.decode_layer.rows_fn is not None
     per_op.engine.model.decode_layer.rows_fn = None  # every batch through qlinear and the ops one by one
@@ -46,7 +50,7 @@ def same_outputs(fused, per_op, batch: int, seed: int) -> None:
     for g, w in zip(got, want):
         assert g.outputs[0].token_ids == w.outputs[0].token_ids
         assert g.outputs[0].logprobs == w.outputs[0].logprobs  # every float equal
-    # the batch's decode steps took the C call wherever its products are the int8 rows or the GEMM
+    # the batch's decode steps took the C call wherever it has the products qlinear runs there
     fusable = layer.rows_kinds_for(batch, fused.engine.model.layers) is not None
     assert (layer.rows_steps > steps) == fusable
     if batch == 3:
@@ -54,20 +58,20 @@ def same_outputs(fused, per_op, batch: int, seed: int) -> None:
 
 
 @pytest.mark.parametrize("isa", ISAS)
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_rows_equal_per_op_under_every_narrowing(checkpoints, method, isa, monkeypatch):
+@pytest.mark.parametrize("method,activations", METHODS)
+def test_rows_equal_per_op_under_every_narrowing(checkpoints, method, activations, isa, monkeypatch):
     monkeypatch.setenv(cbuild.ISA_ENV, isa)
-    fused, per_op = engines(checkpoints["llama"], method)
+    fused, per_op = engines(checkpoints["llama"], method, activations)
     for batch in BATCHES:
         same_outputs(fused, per_op, batch, seed=batch)
 
 
 @pytest.mark.parametrize("kind", ["qwen2", "qwen3", "mistral"])
-@pytest.mark.parametrize("method", ["int8", "int4"])
-def test_rows_equal_per_op_across_families(checkpoints, kind, method):
+@pytest.mark.parametrize("method,activations", [("int4", "int8"), ("bf16", "float32")])
+def test_rows_equal_per_op_across_families(checkpoints, kind, method, activations):
     """qwen2: a qkv bias (added after the product); qwen3: the per-head q / k norm before RoPE; mistral: a
-    window of 20 keys under prompts of up to 56 tokens."""
-    fused, per_op = engines(checkpoints[kind], method)
+    window of 20 keys under prompts of up to 53 tokens."""
+    fused, per_op = engines(checkpoints[kind], method, activations)
     for batch in BATCHES:
         same_outputs(fused, per_op, batch, seed=7 + batch)
 

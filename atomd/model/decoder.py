@@ -464,7 +464,7 @@ class DecoderModel:
         return qkv
 
     def _rows_kinds(self, rows: int, meta: AttentionMetadata, kv_cache: KVCache,
-                    lora: LoraStep | None) -> tuple[int, int] | None:
+                    lora: LoraStep | None) -> torch.Tensor | None:
         """The products DecodeLayer.run_rows runs this step's rows with, or None: per op (one row, a prefill or
         drafts in the step, LoRA, float linears, a product the C call has not: rows_kinds_for)."""
         fused = self.decode_layer

@@ -121,8 +121,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
         lib.atomd_decode_layer_head_q_f32.argtypes = lib.atomd_decode_layer_head_f32.argtypes
         lib.atomd_decode_layer_tail_q_f32.argtypes = lib.atomd_decode_layer_tail_f32.argtypes
         lib.atomd_decode_layers_q_f32.argtypes, lib.atomd_decode_layers_q_f32.restype = _LAYERS_ARGTYPES, ctypes.c_int
-        lib.atomd_decode_rows_q_f32.argtypes = [_PTR, _I64, _PTR, _I64] + [_PTR] * 12 + [_I64] * 10 + [ctypes.c_float,
-                                                                                                      ctypes.c_int]
+        lib.atomd_decode_rows_q_f32.argtypes = ([_PTR, _I64, _PTR, _I64] + [_PTR] * 12 + [_I64] * 3 + [_PTR]
+                                                + [_I64] * 5 + [ctypes.c_float, ctypes.c_int])
         lib.atomd_decode_rows_q_f32.restype = ctypes.c_int
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
@@ -470,9 +470,9 @@ class DecodeLayer:
         self.scratch = torch.empty(0, dtype=dtype)
         self.moe: list[_MoeWeights] = []  # the sparse layers' structs (their pointers kept alive beside self.weights)
         self.moe_scratch = torch.empty(0, dtype=torch.float32)
-        # a batch's decode rows in one call (atomd_decode_rows_q_f32): int8-activation linears of a dense model
+        # a batch's decode rows in one call (atomd_decode_rows_q_f32): quantized linears of a dense model
         self.rows_fn = lib.atomd_decode_rows_q_f32 if quantized else None
-        self.rows_kinds: dict[int, tuple[int, int] | None] = {}  # rows -> (kind4, kind8) or None (per op), by run_rows
+        self.rows_kinds: dict[int, torch.Tensor | None] = {}  # rows -> rows_kinds_for's
         self.rows_buffer = torch.empty(0, dtype=dtype)
         self.rows_steps = 0  # steps run_rows took (the tests: the fused rows did run)
 
@@ -566,26 +566,26 @@ class DecodeLayer:
         a.v_offset, a.scale = c.block_size * row if planes == 2 else 0, scale
         return a
 
-    def rows_kinds_for(self, rows: int, layers: list) -> tuple[int, int] | None:
-        """(kind4, kind8): how run_rows runs an int4 / int8 linear on `rows` rows of x (1 the GEMM, 0 the rows), as
-        qlinear does (quant.int8_product); None: some linear of this model takes another product there (AMX tiles,
-        float activations, ...) or the model has an MoE block: the batch runs per op."""
+    def rows_kinds_for(self, rows: int, layers: list) -> torch.Tensor | None:
+        """Per layer and linear (qkv, o, gate_up, down) the product run_rows runs it with on `rows` rows of x
+        (ROWS_PRODUCTS' codes: qlinear's own choice, quant.product_of), int64 [layers * 4]; None: some linear
+        takes a product the C call has not (AMX tiles, float tiles), or the model has an MoE block: per op."""
         if rows not in self.rows_kinds:
             from atomd.model import quant
 
-            lib, kinds, ok = quant.kernels(), {4: 0, 8: 0}, all(w.moe is None for w in layers)
-            linears = [t for l in layers for t in l.linears()]
-            ok = ok and all(isinstance(t, quant.QuantizedWeight) for t in linears)
-            for w in {(t.bits, t.act_block, t.int8_activations): t for t in linears}.values() if ok else ():
-                product = quant.int8_product(lib, w, rows) if ok else None
-                ok = product in ("rows", "gemm") and w.bits in kinds
-                if ok:
-                    kinds[w.bits] = int(product == "gemm")
-            self.rows_kinds[rows] = (kinds[4], kinds[8]) if ok else None
+            lib, kinds = quant.kernels(), []
+            for w in layers:
+                linears = w.rows or ()  # the weights the C call reads (DecodeLayer.weights)
+                if w.moe is not None or len(linears) != 4 or not all(isinstance(t, quant.QuantizedWeight) for t in linears):
+                    kinds = None
+                    break
+                kinds += [ROWS_PRODUCTS.get(quant.product_of(lib, t, rows), -1) for t in linears]
+            ok = kinds is not None and min(kinds) >= 0
+            self.rows_kinds[rows] = torch.tensor(kinds, dtype=torch.int64) if ok else None
         return self.rows_kinds[rows]
 
     def run_rows(self, layers: list, windows: list[int | None], h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
-                 sin: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor, kinds: tuple[int, int],
+                 sin: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor, kinds: torch.Tensor,
                  attention: ctypes.CDLL, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float) -> None:
         """A batch's decode step, R >= 2 sequences one row each (h, x [R, hidden]), every layer in one C call
@@ -602,7 +602,7 @@ class DecodeLayer:
         parts = torch.split(self.rows_buffer[:rows * sum(widths)], [rows * n for n in widths])
         status = self.rows_fn(self.weights, len(layers), ctypes.byref(a), rows, h.data_ptr(), x.data_ptr(),
                               *(t.data_ptr() for t in parts), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
-                              slot_rows.data_ptr(), 2 * c.block_size, c.block_size, c.kv.element_size(), *kinds,
+                              slot_rows.data_ptr(), 2 * c.block_size, c.block_size, c.kv.element_size(), kinds.data_ptr(),
                               hidden, q_heads, kv_heads, head_dim, inter, self.eps, torch.get_num_threads())
         if status != 0:
             raise MemoryError(f"batch decode of {rows} rows: out of memory (status {status})")
@@ -618,6 +618,10 @@ class DecodeLayer:
                         int(dtype == torch.float32 or not moe.cast_weights))
         self.moe.append(m)
         return ctypes.pointer(m)
+
+
+# quant.product_of's products that DecodeLayer.run_rows runs (csrc/layer_ops.c ROWS_*)
+ROWS_PRODUCTS = {"rows": 0, "gemm": 1, "int_rows": 2, "w16_rows": 3, "w16_panels": 4, "w16_prepacked": 5}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

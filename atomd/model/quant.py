@@ -121,7 +121,7 @@ def act_block_of(group_size: int) -> int:
 
 class _QWeightStruct(ctypes.Structure):
     _fields_ = [("q", _PTR), ("scales", _PTR), ("offsets", _PTR), ("group", _I64), ("bits", _I64),
-                ("xq", _PTR), ("xd", _PTR), ("xsg", _PTR), ("ablock", _I64)]
+                ("xq", _PTR), ("xd", _PTR), ("xsg", _PTR), ("ablock", _I64), ("panels", _PTR)]
 
 
 @dataclass
@@ -162,7 +162,7 @@ class QuantizedWeight:
                 self._scratch = _q8_scratch(1, self.in_features)
                 scratch = tuple(t.data_ptr() for t in self._scratch)
             self._ref = _QWeightStruct(self.q.data_ptr(), _ptr(self.scales), _ptr(self.offsets),
-                                       self.group_size, self.c_bits(), *scratch, self.act_block)
+                                       self.group_size, self.c_bits(), *scratch, self.act_block, _ptr(self.panels))
         return ctypes.addressof(self._ref)
 
     def c_bits(self) -> int:
@@ -436,24 +436,34 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     rc = getattr(lib, f"atomd_qprepack_{_w16(w)}")(w.q.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
     if rc != 0:
         return 0
-    w.panels = panels
+    w.panels, w._ref = panels, None  # (its atomd_qweight made again with them)
     return panels.nbytes
 
 
-def int8_product(lib: ctypes.CDLL | None, w: QuantizedWeight, m: int) -> str | None:
-    """The C product qlinear runs for m rows of x on an int8-activation weight w: "wide" (atomd_qgemm_wide), "amx"
-    (atomd_qgemm_amx), "gemm" (atomd_qgemm_q8_gemm), "rows" (atomd_qgemm_q8); None: not an int8-activation
-    product (no kernels, float activations, or past QGEMM_Q8_MAX_M rows without a GEMM: qlinear's other paths).
-    Also layer_ops.DecodeLayer's choice for a batch's rows, so the fused rows compute qlinear's bits."""
-    if lib is None or not w.int8_activations:
-        return None
-    if widens(w, m) and lib.wide:
-        return "wide"
-    if m >= QGEMM_AMX_MIN_M and lib.amx:
-        return "amx"
-    if lib.q8_gemm and m >= q8_gemm_min_m(lib, w.bits):
-        return "gemm"
-    return "rows" if m <= QGEMM_Q8_MAX_M else None
+def product_of(lib: ctypes.CDLL | None, w: QuantizedWeight, m: int) -> str:
+    """The product qlinear runs for m rows of x on w (qlinear's docstring): with int8 activations "wide"
+    (atomd_qgemm_wide), "amx" (atomd_qgemm_amx), "gemm" (atomd_qgemm_q8_gemm) or "rows" (atomd_qgemm_q8); a
+    16-bit weight's "w16_prepacked" / "w16_panels" (atomd_qgemm_*_prepacked / _panels) or "w16_rows"
+    (atomd_qgemm_b16 / _h16); an int weight's float-activation "int_rows" (atomd_qgemm_i8 / _i4); else "tiles"
+    (dequantised float tiles and torch's matmul). Also layer_ops.DecodeLayer's choice for a batch's rows, so the
+    fused rows compute qlinear's bits."""
+    if lib is None:
+        return "tiles"
+    if w.int8_activations:
+        if widens(w, m) and lib.wide:
+            return "wide"
+        if m >= QGEMM_AMX_MIN_M and lib.amx:
+            return "amx"
+        if lib.q8_gemm and m >= q8_gemm_min_m(lib, w.bits):
+            return "gemm"
+        if m <= QGEMM_Q8_MAX_M:
+            return "rows"
+    if w.bits == 16 and lib.w16_panels and (
+            0 < QGEMM_W16_MIN_M <= m or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
+        return "w16_prepacked" if w.panels is not None and not 0 < QGEMM_W16_PER_CALL_MIN_M <= m else "w16_panels"
+    if m <= QGEMM_MAX_M:
+        return "w16_rows" if w.bits == 16 else "int_rows"
+    return "tiles"
 
 
 def q8_gemm_min_m(lib: ctypes.CDLL, bits: int) -> int:
@@ -489,7 +499,7 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     m, (n, k) = xf.shape[0], w.shape
     threads = torch.get_num_threads()
     out = torch.empty(m, n, dtype=torch.float32)
-    product = int8_product(lib, w, m)
+    product = product_of(lib, w, m)
     if product == "wide":
         rc = lib.atomd_qgemm_wide(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n,
                                   k, w.group_size, out.data_ptr(), n, threads)
@@ -514,17 +524,15 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,
                            w.group_size, w.act_block, out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(),
                            threads)
-    elif lib is not None and w.bits == 16 and lib.w16_panels and (
-            0 < QGEMM_W16_MIN_M <= m or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
-        prepacked = w.panels is not None and not 0 < QGEMM_W16_PER_CALL_MIN_M <= m
-        packed, kind = (w.panels, "prepacked") if prepacked else (w.q, "panels")
+    elif product in ("w16_prepacked", "w16_panels"):
+        packed, kind = (w.panels, "prepacked") if product == "w16_prepacked" else (w.q, "panels")
         rc = getattr(lib, f"atomd_qgemm_{_w16(w)}_{kind}")(xf.data_ptr(), k, m, packed.data_ptr(), n, k,
                                                            out.data_ptr(), n, threads)
         if rc != 0:
             raise MemoryError(f"16-bit weight panels of {m} x {k} by {n} rows: out of memory")
-    elif lib is not None and m <= QGEMM_MAX_M and w.bits == 16:
+    elif product == "w16_rows":
         getattr(lib, f"atomd_qgemm_{_w16(w)}")(xf.data_ptr(), k, m, w.q.data_ptr(), n, k, out.data_ptr(), n, threads)
-    elif lib is not None and m <= QGEMM_MAX_M:
+    elif product == "int_rows":
         getattr(lib, f"atomd_qgemm_i{w.bits}")(xf.data_ptr(), k, m, w.q.data_ptr(), w.scales.data_ptr(),
                                                _ptr(w.offsets), n, k, w.group_size, out.data_ptr(), n, threads)
     else:

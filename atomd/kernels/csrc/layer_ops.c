@@ -1386,6 +1386,7 @@ void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t r
 #include "quant_amx.h"
 #include "quant_gemm.h"
 #include "quant_w16.h"
+#include "quant_w16_avx2.h"
 #include "moe_q8.h"
 
 /* DeepSeekMoE's routed experts for the R rows h [R][hidden] of a batch (atomd/model/deepseek.py,
@@ -1520,38 +1521,57 @@ int atomd_mla_rows_moe_bf16(const void *c, const float *router, const float *cor
 #endif
 
 #if GEMV_KINDS
-/* A batch's decode step, R >= 2 sequences one row each, over int8 / int4 linears with int8 activations
- * (atomd/model/quant.py's QuantizedWeight, `--quantized-activations int8`), every layer in one call: per
- * layer the QKV product, each row's q / k norm, RoPE and K / V store (as atomd_rope_store_f32, or as
- * KVCache.write stores a narrow cache's rows), the decode attention kernel over the R rows (att->fn), the
- * o product, the residual add and norm, gate_up, SiLU-and-mul, down, and the next layer's residual norm.
- * Why: per op, a layer was ~9 Python-level calls (~15-60 us each on the AVX2 EPYC) with an OpenMP fork in
- * five, whose sleeping worker the next fork wakes (the Python between them outlasts the spin before the
- * sleep): on the 135M shape at batch 16 a third of the step (benchmarks/RESULTS.md, #35 the fused batch).
- * Each product runs as qlinear runs it on R rows (quant.int8_product): kind 1 the GEMM (quant_gemm.h), 0 the
- * rows (quant.h qgemm_q8_rows), given per weight bits (kind4, kind8); the row ops are the per-op calls' row
- * functions: the per-op path's bits. h [R][hidden]: layer 0's normed input; x [R][hidden] the residual,
- * updated; buffers qkv [R][q_size + 2 kv_size], q and attn [R][q_size], d [R][hidden], gu [R][2 inter],
- * a [R][inter]. positions [R]: rows of the cos / sin tables; slot_rows [R]: each row's K row in the cache
- * seen as rows of kv_size values (KVCache.slot_rows), a layer's K rows layer_rows further on, its V rows
- * v_rows after its K rows; kv_elem the cache's bytes a value. Returns 0, -1 out of memory (the scratch, a
- * GEMM's panels), -2 a GEMM not built here, or the attention kernel's status. */
+/* A batch's decode step, R >= 2 sequences one row each, over quantized linears (atomd/model/quant.py's
+ * QuantizedWeight: int8 / int4 with int8 or float activations, bf16 / float16 weights widened: `--quantization`,
+ * `--dtype auto` on a CPU without bf16 arithmetic), every layer in one call: per layer the QKV product, each row's
+ * q / k norm, RoPE and K / V store (as atomd_rope_store_f32, or as KVCache.write stores a narrow cache's rows),
+ * the decode attention kernel over the R rows (att->fn), the o product, the residual add and norm, gate_up,
+ * SiLU-and-mul, down, and the next layer's residual norm. Why: per op, a layer was ~9 Python-level calls (~15-60
+ * us each on the AVX2 EPYC) with an OpenMP fork in five, whose sleeping worker the next fork wakes (the Python
+ * between them outlasts the spin before the sleep): on the 135M shape at batch 16 a third of the step
+ * (benchmarks/RESULTS.md, #35 the fused batch). Each product runs as qlinear runs it on R rows
+ * (quant.product_of), kinds[4 i + j] for layer i's linear j (qkv, o, gate_up, down): ROWS_* below; the row
+ * ops are the per-op calls' row functions: the per-op path's bits. h [R][hidden]: layer 0's normed input; x
+ * [R][hidden] the residual, updated; buffers qkv [R][q_size + 2 kv_size], q and attn [R][q_size], d
+ * [R][hidden], gu [R][2 inter], a [R][inter]. positions [R]: rows of the cos / sin tables; slot_rows [R]: each
+ * row's K row in the cache seen as rows of kv_size values (KVCache.slot_rows), a layer's K rows layer_rows
+ * further on, its V rows v_rows after its K rows; kv_elem the cache's bytes a value. Returns 0, -1 out of
+ * memory (the scratch, a product's panels), -2 a product not built here, or the attention kernel's status. */
+enum { ROWS_Q8, ROWS_Q8_GEMM, ROWS_INT, ROWS_W16, ROWS_W16_PANELS, ROWS_W16_PREPACKED };
 #define ROWS_SCRATCH(bytes) (((size_t)(bytes) + 63) / 64 * 64)  /* aligned_alloc's sizes: whole alignments */
 static int rows_product(const void *weight, const float *x, int64_t R, int64_t K, int64_t N, const float *bias,
-                        float *y, int64_t kind4, int64_t kind8, int8_t *xq, float *xd, float *xsg, int num_threads) {
+                        float *y, int64_t kind, int8_t *xq, float *xd, float *xsg, int num_threads) {
     const atomd_qweight *w = weight;
-    const int bits = (int)w->bits;
-    if ((bits == 4 ? kind4 : kind8) == 1) {
+    const int bits = (int)w->bits, f16 = bits == QBITS_F16;
+    switch (kind) {
+        case ROWS_Q8:
+            qgemm_q8_rows(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N, xq, xd, xsg,
+                          num_threads);
+            break;
+        case ROWS_Q8_GEMM:
 #if QV_PATH
-        if (qgemm_q8_gemm(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N, xq, xd, xsg,
-                          num_threads) != 0)
-            return -1;
+            if (qgemm_q8_gemm(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N, xq, xd,
+                              xsg, num_threads) != 0)
+                return -1;
+            break;
 #else
-        return -2;
+            return -2;
 #endif
-    } else {
-        qgemm_q8_rows(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N, xq, xd, xsg,
-                      num_threads);
+        case ROWS_INT:
+            qgemm_int_rows(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, y, N, num_threads);
+            break;
+        case ROWS_W16:
+            qgemm_w16_rows(x, K, R, w->q, f16, N, K, y, N, num_threads);
+            break;
+        case ROWS_W16_PANELS:
+        case ROWS_W16_PREPACKED: {
+            const int status = w16_panels_product(x, K, R, w->q, kind == ROWS_W16_PREPACKED ? w->panels : NULL, f16,
+                                                  N, K, y, N, num_threads);
+            if (status != 0) return status == 1 ? -2 : -1;
+            break;
+        }
+        default:
+            return -2;
     }
     if (bias != NULL)  /* qlinear's out.add_(bias) */
         for (int64_t r = 0; r < R; r++)
@@ -1563,7 +1583,7 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
                             int64_t R, float *h, float *x, float *qkv, float *q, float *attn, float *d, float *gu,
                             float *a, const float *cos, const float *sin, const int64_t *positions,
                             const int64_t *slot_rows, int64_t layer_rows, int64_t v_rows, int64_t kv_elem,
-                            int64_t kind4, int64_t kind8, int64_t hidden, int64_t q_heads, int64_t kv_heads,
+                            const int64_t *kinds, int64_t hidden, int64_t q_heads, int64_t kv_heads,
                             int64_t head_dim, int64_t inter, float eps, int num_threads) {
     const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     int64_t kmax = hidden > q_size ? hidden : q_size;
@@ -1574,7 +1594,9 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
     int status = xq == NULL || xd == NULL || xsg == NULL ? -1 : 0;
     for (int64_t i = 0; i < num_layers && status == 0; i++) {
         const decode_layer_weights *w = layers + i;
-        status = rows_product(w->qkv, h, R, hidden, width, (const float *)w->bias, qkv, kind4, kind8, xq, xd, xsg, num_threads);
+        const int64_t *kind = kinds + 4 * i;
+        status = rows_product(w->qkv, h, R, hidden, width, (const float *)w->bias, qkv, kind[0], xq, xd, xsg,
+                              num_threads);
         if (status != 0) break;
         for (int64_t r = 0; r < R; r++) {
             float *row = qkv + r * width;
@@ -1592,14 +1614,14 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
                          att->block_size, att->table_width, att->block_stride, i * att->layer_stride, att->v_offset,
                          att->scale, w->window, num_threads);
         if (status != 0) break;
-        status = rows_product(w->o, attn, R, q_size, hidden, NULL, d, kind4, kind8, xq, xd, xsg, num_threads);
+        status = rows_product(w->o, attn, R, q_size, hidden, NULL, d, kind[1], xq, xd, xsg, num_threads);
         if (status != 0) break;
         for (int64_t r = 0; r < R; r++)
             NORM_ROW_F32(x + r * hidden, d + r * hidden, (const float *)w->post_norm, h + r * hidden, hidden, eps);
-        status = rows_product(w->gate_up, h, R, hidden, 2 * inter, NULL, gu, kind4, kind8, xq, xd, xsg, num_threads);
+        status = rows_product(w->gate_up, h, R, hidden, 2 * inter, NULL, gu, kind[2], xq, xd, xsg, num_threads);
         if (status != 0) break;
         for (int64_t r = 0; r < R; r++) SILU_ROW_F32(gu + r * 2 * inter, a + r * inter, inter);
-        status = rows_product(w->down, a, R, inter, hidden, NULL, d, kind4, kind8, xq, xd, xsg, num_threads);
+        status = rows_product(w->down, a, R, inter, hidden, NULL, d, kind[3], xq, xd, xsg, num_threads);
         if (status != 0) break;
         for (int64_t r = 0; r < R; r++)
             if (w->next_norm != NULL)

@@ -26,32 +26,22 @@
 #include "quant_w16_avx2.h"
 
 /* x [M, ldx] float32, y [M, ldy] float32; scales / offsets [N, ceil(K / G)] (offsets may be NULL) */
-#define QGEMM(BITS, q_t, ROW_BYTES)                                                                         \
+#define QGEMM(BITS, q_t)                                                                                    \
     void atomd_qgemm_i##BITS(const float *x, int64_t ldx, int64_t M, const q_t *q, const float *scales,    \
                              const float *offsets, int64_t N, int64_t K, int64_t G, float *y, int64_t ldy,  \
                              int num_threads) {                                                              \
-        const int64_t groups = (K + G - 1) / G;                                                             \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")          \
-        for (int64_t n = 0; n < N; n++) {                                                                    \
-            const q_t *qn = q + n * (ROW_BYTES);                                                             \
-            const float *sn = scales + n * groups, *on = offsets ? offsets + n * groups : NULL;              \
-            for (int64_t m0 = 0; m0 < M; m0 += QGEMM_ROWS) {                                                 \
-                const int mb = M - m0 < QGEMM_ROWS ? (int)(M - m0) : QGEMM_ROWS;                             \
-                DISPATCH_ROWS(row_i##BITS, x + m0 * ldx, ldx, qn, sn, on, K, G, y + m0 * ldy + n, ldy)       \
-            }                                                                                                \
-        }                                                                                                    \
+        qgemm_int_rows(x, ldx, M, q, BITS, scales, offsets, N, K, G, y, ldy, num_threads);                  \
     }
 
-QGEMM(8, int8_t, K)
-QGEMM(4, uint8_t, K / 2)
+QGEMM(8, int8_t)
+QGEMM(4, uint8_t)
 
 /* 16-bit float weights (quant.h's row_b16 / row_h16): x [M, ldx], y [M, ldy] float32, q uint16 [N, K];
  * and rows n0..n1 of such a weight as float32 into out [n1 - n0, K] */
 #define QGEMM16(NAME, F16, WIDEN)                                                                                \
     void atomd_qgemm_##NAME(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N, int64_t K,     \
                             float *y, int64_t ldy, int num_threads) {                                            \
-        _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")               \
-        for (int64_t n = 0; n < N; n++) w16_weight_row(x, ldx, M, q, K, n, y, ldy, F16);                         \
+        qgemm_w16_rows(x, ldx, M, q, F16, N, K, y, ldy, num_threads);                                            \
     }                                                                                                            \
     void atomd_qdequant_##NAME(const uint16_t *q, int64_t K, int64_t n0, int64_t n1, float *out, int num_threads) { \
         _Pragma("omp parallel for schedule(static) num_threads(num_threads)")                                   \
@@ -64,34 +54,27 @@ QGEMM16(h16, 1, h16_to_float)
 
 /* The same product for many rows of x through packed, widened weight panels (quant_w16.h; quant.py's
  * QGEMM_W16_MIN_M), packed per call or (_prepacked) once at load by atomd_qprepack_w16 into pre
- * (uint16 [ceil(N / 32) * 32 * K]; kind W16_B16 or W16_H16): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS;
+ * (uint16 [ceil(N / 32) * 32 * K]; F16 1: float16 values, 0: bfloat16): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS;
  * an AVX2 build has the per-call panels, quant_w16_avx2.h); -1 out of memory */
 #define QGEMM16_PANELS(NAME, F16)                                                                                \
     int atomd_qgemm_##NAME##_panels(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N,       \
                                     int64_t K, float *y, int64_t ldy, int num_threads) {                         \
-        PER_CALL_PANELS(w16_gemm(x, ldx, M, q, NULL, F16, N, K, y, ldy, num_threads, 0, NULL, 0),                   \
-                        w16_gemm_avx2(x, ldx, M, q, F16 == W16_H16, N, K, y, ldy, num_threads))                    \
+        return w16_panels_product(x, ldx, M, q, NULL, F16, N, K, y, ldy, num_threads);                         \
     }                                                                                                            \
     int atomd_qgemm_##NAME##_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,  \
                                        int64_t K, float *y, int64_t ldy, int num_threads) {                      \
-        PANELS_OR_NOT(w16_gemm(x, ldx, M, NULL, pre, F16, N, K, y, ldy, num_threads, 0, NULL, 0))                   \
+        PANELS_OR_NOT(w16_panels_product(x, ldx, M, NULL, pre, F16, N, K, y, ldy, num_threads))                 \
     }                                                                                                            \
     int atomd_qprepack_##NAME(const uint16_t *q, int64_t N, int64_t K, uint16_t *pre, int num_threads) {         \
         PANELS_OR_NOT((w16_prepack(q, N, K, F16, pre, num_threads), 0))                                          \
     }
 #ifdef W16_PANELS
 #define PANELS_OR_NOT(call) return call;
-#define PER_CALL_PANELS(avx512, avx2) return avx512;
 #else
 #define PANELS_OR_NOT(call) return 1;
-#ifdef W16_PANELS_AVX2  /* the per-call float32 panels only (quant_w16_avx2.h) */
-#define PER_CALL_PANELS(avx512, avx2) return avx2;
-#else
-#define PER_CALL_PANELS(avx512, avx2) return 1;
 #endif
-#endif
-QGEMM16_PANELS(b16, W16_B16)
-QGEMM16_PANELS(h16, W16_H16)
+QGEMM16_PANELS(b16, 0)
+QGEMM16_PANELS(h16, 1)
 
 /* y [M, ldy] float32, unrounded = x [M, ldx] @ w^T for bf16 x and a bf16 weight w [N, K] (uint16 bits): float32
  * sums of the exact products, vdpbf16ps over packed pairs of inputs (quant_w16.h; linear.py's bf16 prefill on a

@@ -249,6 +249,38 @@ static inline __attribute__((always_inline)) void w16_weight_row(const float *x,
     }
 }
 
+/* y [M, ldy] = x [M, ldx] @ w^T with float activations, w int8 (bits 8) or int4 rows dequantised in registers,
+ * QGEMM_ROWS rows of x a pass: atomd_qgemm_i8 / _i4 (quant.c) and the fused batch's rows (layer_ops.c) */
+static inline __attribute__((always_inline)) void qgemm_int_rows(const float *x, int64_t ldx, int64_t M, const void *q,
+                                                                 const int bits, const float *scales,
+                                                                 const float *offsets, int64_t N, int64_t K, int64_t G,
+                                                                 float *y, int64_t ldy, int num_threads) {
+    const int64_t groups = (K + G - 1) / G;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
+    for (int64_t n = 0; n < N; n++) {
+        const float *sn = scales + n * groups, *on = offsets ? offsets + n * groups : NULL;
+        for (int64_t m0 = 0; m0 < M; m0 += QGEMM_ROWS) {
+            const int mb = M - m0 < QGEMM_ROWS ? (int)(M - m0) : QGEMM_ROWS;
+            if (bits == 8) {
+                const int8_t *qn = (const int8_t *)q + n * K;
+                DISPATCH_ROWS(row_i8, x + m0 * ldx, ldx, qn, sn, on, K, G, y + m0 * ldy + n, ldy)
+            } else {
+                const uint8_t *qn = (const uint8_t *)q + n * (K / 2);
+                DISPATCH_ROWS(row_i4, x + m0 * ldx, ldx, qn, sn, on, K, G, y + m0 * ldy + n, ldy)
+            }
+        }
+    }
+}
+
+/* the same for a 16-bit weight q [N, K] (f16: float16 values, else bfloat16): atomd_qgemm_b16 / _h16 and the
+ * fused batch's rows */
+static inline __attribute__((always_inline)) void qgemm_w16_rows(const float *x, int64_t ldx, int64_t M,
+                                                                 const uint16_t *q, const int f16, int64_t N, int64_t K,
+                                                                 float *y, int64_t ldy, int num_threads) {
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads) if (N * K >= 16384)")
+    for (int64_t n = 0; n < N; n++) w16_weight_row(x, ldx, M, q, K, n, y, ldy, f16);
+}
+
 /* ---- int8 activations (llama.cpp's Q8_0 of the activation row): integer dot products ----
  *
  * x is quantised once per linear in act blocks of AB inputs (the weight's: its group, capped at
@@ -753,6 +785,7 @@ typedef struct {
     int8_t *xq;
     float *xd, *xsg;
     int64_t ablock;  /* int8 activations' act block (the doc above) */
+    const uint16_t *panels;  /* a 16-bit weight's panels packed at load (quant.prepack_panels), or NULL */
 } atomd_qweight;
 
 /* Each thread's own quantised row of x for atomd_qgemv_rows (thread-local: an OpenMP team's threads, and

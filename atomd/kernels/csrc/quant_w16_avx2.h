@@ -118,3 +118,19 @@ static int w16_gemm_avx2(const float *x, int64_t ldx, int64_t M, const uint16_t 
     return failed ? -1 : 0;
 }
 #endif
+
+/* y [M, ldy] = x [M, ldx] @ widen(w)^T for a 16-bit weight (f16: float16 values, else bfloat16) through widened
+ * float32 panels: pre, packed once at load (atomd_qprepack_*, AVX-512 builds), or (pre NULL) q packed per call
+ * (AVX-512's w16_gemm, AVX2's w16_gemm_avx2). 0 done; 1 not built here (the caller widens tiles for a BLAS); -1
+ * out of memory. atomd_qgemm_*_panels / _prepacked (quant.c) and the fused batch's rows (layer_ops.c). */
+static inline int w16_panels_product(const float *x, int64_t ldx, int64_t M, const uint16_t *q, const uint16_t *pre,
+                                     int f16, int64_t N, int64_t K, float *y, int64_t ldy, int num_threads) {
+#ifdef W16_PANELS
+    return w16_gemm(x, ldx, M, pre ? NULL : q, pre, f16 ? W16_H16 : W16_B16, N, K, y, ldy, num_threads, 0, NULL, 0);
+#elif defined(W16_PANELS_AVX2)
+    return pre ? 1 : w16_gemm_avx2(x, ldx, M, q, f16, N, K, y, ldy, num_threads);
+#else
+    (void)x, (void)ldx, (void)M, (void)q, (void)pre, (void)f16, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
+    return 1;
+#endif
+}
