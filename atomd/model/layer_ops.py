@@ -595,6 +595,7 @@ class DecodeLayer:
         rows, q_size, inter, c = x.shape[0], self.q_size, self.inter, kv_cache
         assert h.is_contiguous() and x.is_contiguous() and positions.is_contiguous() and slot_rows.is_contiguous()
         assert positions.dtype == slot_rows.dtype == torch.int64 and len(positions) == len(slot_rows) == rows
+        assert len(context_lens) == rows and kinds.numel() == 4 * len(layers)  # one token a sequence
         a = self._attention_args(layers, windows, h.dtype, attention, c, block_tables, context_lens, scale)
         widths = (q_size + 2 * kv_heads * head_dim, q_size, q_size, hidden, 2 * inter, inter)
         if self.rows_buffer.numel() < rows * sum(widths):

@@ -1531,7 +1531,7 @@ int atomd_mla_rows_moe_bf16(const void *c, const float *router, const float *cor
  * between them outlasts the spin before the sleep): on the 135M shape at batch 16 a third of the step
  * (benchmarks/RESULTS.md, #35 the fused batch). Each product runs as qlinear runs it on R rows
  * (quant.product_of), kinds[4 i + j] for layer i's linear j (qkv, o, gate_up, down): ROWS_* below; the row
- * ops are the per-op calls' row functions: the per-op path's bits. h [R][hidden]: layer 0's normed input; x
+ * ops are the per-op calls' row functions (a row a thread from as many values as theirs): the per-op path's bits. h [R][hidden]: layer 0's normed input; x
  * [R][hidden] the residual, updated; buffers qkv [R][q_size + 2 kv_size], q and attn [R][q_size], d
  * [R][hidden], gu [R][2 inter], a [R][inter]. positions [R]: rows of the cos / sin tables; slot_rows [R]: each
  * row's K row in the cache seen as rows of kv_size values (KVCache.slot_rows), a layer's K rows layer_rows
@@ -1598,6 +1598,7 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
         status = rows_product(w->qkv, h, R, hidden, width, (const float *)w->bias, qkv, kind[0], xq, xd, xsg,
                               num_threads);
         if (status != 0) break;
+        _Pragma("omp parallel for num_threads(num_threads) if (R * width >= PARALLEL_MIN_ELEMENTS)")
         for (int64_t r = 0; r < R; r++) {
             float *row = qkv + r * width;
             if (w->q_norm != NULL)
@@ -1616,13 +1617,16 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
         if (status != 0) break;
         status = rows_product(w->o, attn, R, q_size, hidden, NULL, d, kind[1], xq, xd, xsg, num_threads);
         if (status != 0) break;
+        _Pragma("omp parallel for num_threads(num_threads) if (R * hidden >= PARALLEL_MIN_ELEMENTS)")
         for (int64_t r = 0; r < R; r++)
             NORM_ROW_F32(x + r * hidden, d + r * hidden, (const float *)w->post_norm, h + r * hidden, hidden, eps);
         status = rows_product(w->gate_up, h, R, hidden, 2 * inter, NULL, gu, kind[2], xq, xd, xsg, num_threads);
         if (status != 0) break;
+        _Pragma("omp parallel for num_threads(num_threads) if (R * inter >= PARALLEL_MIN_ELEMENTS)")
         for (int64_t r = 0; r < R; r++) SILU_ROW_F32(gu + r * 2 * inter, a + r * inter, inter);
         status = rows_product(w->down, a, R, inter, hidden, NULL, d, kind[3], xq, xd, xsg, num_threads);
         if (status != 0) break;
+        _Pragma("omp parallel for num_threads(num_threads) if (R * hidden >= PARALLEL_MIN_ELEMENTS)")
         for (int64_t r = 0; r < R; r++)
             if (w->next_norm != NULL)
                 NORM_ROW_F32(x + r * hidden, d + r * hidden, (const float *)w->next_norm, h + r * hidden, hidden, eps);
