@@ -466,9 +466,10 @@ class DecoderModel:
     def _rows_kinds(self, rows: int, meta: AttentionMetadata, kv_cache: KVCache,
                     lora: LoraStep | None) -> torch.Tensor | None:
         """The products DecodeLayer.run_rows runs this step's rows with, or None: per op (one row, a prefill or
-        drafts in the step, LoRA, float linears, a product the C call has not: rows_kinds_for)."""
+        drafts in the step, LoRA, float linears, more rows than a tile, a product the C call has not: rows_kinds_for)."""
         fused = self.decode_layer
-        if (fused is None or fused.rows_fn is None or lora is not None or rows < 2 or meta.kernels is None
+        # (past ROW_TILE rows the per-op path runs its tiles' products, which the C call's one R would not be)
+        if (fused is None or fused.rows_fn is None or lora is not None or not 2 <= rows <= ROW_TILE or meta.kernels is None
                 or meta.is_prefill or meta.query_starts is not None
                 or (kv_cache.narrow and not layer_ops.fused_kv_narrow(self.dtype, kv_cache))):
             return None

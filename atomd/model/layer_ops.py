@@ -605,6 +605,8 @@ class DecodeLayer:
                               *(t.data_ptr() for t in parts), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                               slot_rows.data_ptr(), 2 * c.block_size, c.block_size, c.kv.element_size(), kinds.data_ptr(),
                               hidden, q_heads, kv_heads, head_dim, inter, self.eps, torch.get_num_threads())
+        if status == -2:  # (rows_kinds_for chose it from quant.product_of: the same build's products)
+            raise RuntimeError(f"batch decode of {rows} rows: a product of kinds {kinds.unique().tolist()} not built here")
         if status != 0:
             raise MemoryError(f"batch decode of {rows} rows: out of memory (status {status})")
         self.rows_steps += 1
