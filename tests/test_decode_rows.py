@@ -105,7 +105,8 @@ def test_more_rows_than_a_tile_run_per_op(checkpoints):
     fused, _ = engines(checkpoints["llama"], "int4")
     model, kv = fused.engine.model, SimpleNamespace(narrow=False)
     meta = SimpleNamespace(kernels=object(), is_prefill=False, query_starts=None)
+    assert model._fused_decode(meta, kv, None)
     kinds = model.decode_layer.rows_kinds_for  # (None where this CPU's products at so many rows are tiles)
-    assert model._rows_kinds(ROW_TILE, meta, kv, None) is kinds(ROW_TILE, model.layers)
-    assert model._rows_kinds(ROW_TILE + 1, meta, kv, None) is None
+    assert model._rows_kinds(ROW_TILE, meta) is kinds(ROW_TILE, model.layers)
+    assert model._rows_kinds(ROW_TILE + 1, meta) is None
     assert (kinds(ROW_TILE + 1, model.layers) is not None) == (kinds(ROW_TILE, model.layers) is not None)

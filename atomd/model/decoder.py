@@ -323,16 +323,15 @@ class DecoderModel:
         positions = self.rope_rows(positions.contiguous(), meta)  # from here on: rows of the RoPE tables
         if lora is not None and not lora.groups:
             lora = None
-        if (self.decode_layer is not None and lora is None and x.shape[0] == 1 and meta.kernels is not None
-                and not meta.is_prefill and (not kv_cache.narrow or layer_ops.fused_kv_narrow(self.dtype, kv_cache))):
-            self._decode_one_row(x, h, positions, meta, kv_cache)
-            return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
-                          self.lm_head_rows)
-        kinds = self._rows_kinds(x.shape[0], meta, kv_cache, lora)
-        if kinds is not None:  # a batch's decode rows, every layer in one C call
-            self.decode_layer.run_rows(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x, self.cos,
-                                       self.sin, positions, kv_cache.slot_rows(meta), kinds, meta.kernels, kv_cache,
-                                       meta.block_tables, meta.context_lens, cfg.attn_scale)
+        rows, fused = x.shape[0], self._fused_decode(meta, kv_cache, lora)
+        kinds = self._rows_kinds(rows, meta) if fused and rows > 1 else None
+        if fused and (rows == 1 or kinds is not None):  # every layer in one C call
+            if rows == 1:
+                self._decode_one_row(x, h, positions, meta, kv_cache)
+            else:
+                self.decode_layer.run_rows(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x,
+                                           self.cos, self.sin, positions, kv_cache.slot_rows(meta), kinds,
+                                           meta.kernels, kv_cache, meta.block_tables, meta.context_lens, cfg.attn_scale)
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
                           self.lm_head_rows)
         slot_rows = kv_cache.slot_rows(meta)
@@ -463,15 +462,19 @@ class DecoderModel:
                            qkv[:, k_end:].view(-1, cfg.num_kv_heads, cfg.head_dim))
         return qkv
 
-    def _rows_kinds(self, rows: int, meta: AttentionMetadata, kv_cache: KVCache,
-                    lora: LoraStep | None) -> torch.Tensor | None:
-        """The products DecodeLayer.run_rows runs this step's rows with, or None: per op (one row, a prefill or
-        drafts in the step, LoRA, float linears, more rows than a tile, a product the C call has not: rows_kinds_for)."""
+    def _fused_decode(self, meta: AttentionMetadata, kv_cache: KVCache, lora: LoraStep | None) -> bool:
+        """Whether this step may run its layers in one C call (layer_ops.DecodeLayer): a decode step without LoRA
+        over the native attention kernels and a cache the C layer stores into."""
+        return (self.decode_layer is not None and lora is None and meta.kernels is not None and not meta.is_prefill
+                and (not kv_cache.narrow or layer_ops.fused_kv_narrow(self.dtype, kv_cache)))
+
+    def _rows_kinds(self, rows: int, meta: AttentionMetadata) -> torch.Tensor | None:
+        """For a fused decode step of rows >= 2 (_fused_decode), the products DecodeLayer.run_rows runs them with,
+        or None: per op (drafts in the step, float linears, more rows than a tile, a product the C call has not:
+        rows_kinds_for)."""
         fused = self.decode_layer
         # (past ROW_TILE rows the per-op path runs its tiles' products, which the C call's one R would not be)
-        if (fused is None or fused.rows_fn is None or lora is not None or not 2 <= rows <= ROW_TILE or meta.kernels is None
-                or meta.is_prefill or meta.query_starts is not None
-                or (kv_cache.narrow and not layer_ops.fused_kv_narrow(self.dtype, kv_cache))):
+        if fused.rows_fn is None or not 2 <= rows <= ROW_TILE or meta.query_starts is not None:
             return None
         return fused.rows_kinds_for(rows, self.layers)
 
