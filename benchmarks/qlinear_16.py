@@ -69,7 +69,7 @@ def main() -> int:
     torch.set_num_threads(a.threads)
     lib = quant.kernels()
     if {"panels", "prepacked"} & set(a.paths):
-        assert lib is not None and lib.w16_panels, "needs the AVX-512 quant kernels (atomd_quant_w16_panels)"
+        assert lib is not None and lib.w16_panels, "needs the AVX-512 or AVX2 quant kernels (atomd_quant_w16_panels)"
     if "bf16-panels" in a.paths:
         assert lib is not None and lib.bf16_panels, "needs the AVX512_BF16 quant kernels (atomd_quant_bf16_panels)"
     shape = SHAPES[a.model_shape]

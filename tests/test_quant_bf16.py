@@ -135,42 +135,34 @@ PANEL_CASES = [  # m, n, k: rows of x not a multiple of the micro-kernel's 14 (a
 ]
 
 
-def panel_builds(load_time: bool = False) -> list[str]:
-    """The narrowings with 16-bit panels on this CPU: every one that keeps AVX-512 (per call and load-time), and
-    no-avx512 (AVX2: per call only; not with load_time)."""
+def panel_builds() -> list[str]:
+    """The narrowings with 16-bit panels (per call and packed at load) on this CPU: every one that keeps AVX-512
+    (csrc/quant_w16.h), and no-avx512 (AVX2: quant_w16_avx2.h)."""
     flags = cbuild.cpu_flags()
     avx512 = [isa for isa in cbuild.ISA_FLAGS if isa != "no-avx512"] if {"avx512f", "avx512bw", "avx512vl"} <= flags else []
-    return avx512 + (["no-avx512"] if not load_time and {"avx2", "fma"} <= flags else [])
+    return avx512 + (["no-avx512"] if {"avx2", "fma"} <= flags else [])
 
 
 @pytest.fixture(params=panel_builds())
 def panels_lib(request):
-    """The kernels of each narrowing with the per-call panels (AVX-512: csrc/quant_w16.h; AVX2: quant_w16_avx2.h)."""
+    """The kernels of each narrowing with the 16-bit panels (AVX-512: every form; AVX2: float32 x's)."""
     built = quant.build_kernels(request.param)
     assert built.w16_panels == (2 if request.param == "no-avx512" else 1)
     return built
 
 
-@pytest.fixture(params=panel_builds(load_time=True))
-def prepacked_lib(request):
-    """The kernels with the panels packed once at load too (AVX-512 builds only)."""
-    built = quant.build_kernels(request.param)
-    assert built.w16_panels == 1
-    return built
-
-
-def test_avx2_build_packs_per_call_only(monkeypatch):
-    """The AVX2 build has the per-call panels but not the load-time ones (their entry points answer 1,
-    prepack_panels keeps nothing), and qlinear's many rows go through them, not the float32 tiles: the panels'
-    bits, within float32 rounding of the same product."""
+def test_avx2_build_has_no_bf16_x_panels_and_keeps_its_load_time_strips_at_any_m(monkeypatch):
+    """The AVX2 build runs no bf16-x products (gemm_bf16_f32 answers None: torch's widened matmul runs them), packs
+    16-bit weights at load in its own layout (16-row strips), and qlinear reads those at
+    every M from QGEMM_W16_PREPACKED_MIN_M on (test_qlinear_packs_per_call_again_from_its_threshold: past
+    QGEMM_W16_PER_CALL_MIN_M too), never the float32 tiles: the per-call panels' bits."""
     lib = quant.build_kernels("no-avx512")
     assert lib.w16_panels == 2
-    out = torch.empty(3, 4)
-    assert lib.atomd_qgemm_b16_prepacked(0, 8, 3, 0, 4, 8, out.data_ptr(), 4, 1) == 1
-    assert lib.atomd_qprepack_b16(0, 4, 8, 0, 1) == 1
     rng = np.random.default_rng(3)
     w, packed = weight16(rng, 37, 101)
-    assert quant.prepack_panels(packed, lib) == 0 and packed.panels is None
+    assert quant.gemm_bf16_f32(torch.ones(3, 101, dtype=torch.bfloat16), torch.ones(37, 101, dtype=torch.bfloat16),
+                               lib) is None
+    assert quant.prepack_panels(packed, lib) == 64 * 101 * 2
     x = rng.standard_normal((40, 101)).astype(np.float32)
     calls, widen = [], lib.atomd_qdequant_b16
     monkeypatch.setattr(lib, "atomd_qdequant_b16", lambda *a: calls.append(a) or widen(*a))
@@ -229,54 +221,54 @@ def test_panels_widen_exactly_and_qlinear_takes_them_from_their_threshold(panels
 # ---- the panels packed once at load (quant.prepack_panels, atomd_qgemm_b16_prepacked / _h16_prepacked) ----
 @pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("m,n,k", PANEL_CASES)
-def test_prepacked_panels_give_the_per_call_panels_bits(prepacked_lib, fmt, m, n, k):
+def test_prepacked_panels_give_the_per_call_panels_bits(panels_lib, fmt, m, n, k):
     """The weight packed once at load (16-bit, widened in registers) gives the per-call panels' bits (tested against
     numpy above) at 1 and 2 threads: the same chain of FMAs over k per output, only the weight's layout differs;
     qlinear takes them from QGEMM_W16_PREPACKED_MIN_M rows once they are there."""
     rng = np.random.default_rng(m * n + k + 1)
     w, packed = weight16(rng, n, k, fmt)
     x = rng.standard_normal((m, k)).astype(np.float32)
-    want = panels(prepacked_lib, x, packed, 1)
-    assert quant.prepack_panels(packed, prepacked_lib) == (n + 31) // 32 * 32 * k * 2
+    want = panels(panels_lib, x, packed, 1)
+    assert quant.prepack_panels(packed, panels_lib) == (n + 31) // 32 * 32 * k * 2
     xt = torch.from_numpy(x)
     for threads in (1, 2):
         out = torch.full((m, n), float("nan"))
-        rc = getattr(prepacked_lib, f"atomd_qgemm_{quant._w16(packed)}_prepacked")(
+        rc = getattr(panels_lib, f"atomd_qgemm_{quant._w16(packed)}_prepacked")(
             xt.data_ptr(), k, m, packed.panels.data_ptr(), n, k, out.data_ptr(), n, threads)
         assert rc == 0
         np.testing.assert_array_equal(out.numpy(), want)
     if m >= quant.QGEMM_W16_PREPACKED_MIN_M:
-        np.testing.assert_array_equal(quant.qlinear(xt, packed, lib=prepacked_lib).numpy(), want)
+        np.testing.assert_array_equal(quant.qlinear(xt, packed, lib=panels_lib).numpy(), want)
 
 
-def test_qlinear_packs_per_call_again_from_its_threshold(prepacked_lib, monkeypatch):
+def test_qlinear_packs_per_call_again_from_its_threshold(panels_lib, monkeypatch):
     """From QGEMM_W16_PER_CALL_MIN_M rows qlinear packs the weight per call (float32 panels) although its load-time
     panels are there; below it the load-time ones: the same bits either way (numpy-checked above)."""
     rng = np.random.default_rng(13)
     w, packed = weight16(rng, 45, 576)
-    assert quant.prepack_panels(packed, prepacked_lib) > 0
+    assert quant.prepack_panels(packed, panels_lib) > 0
     x = torch.from_numpy(rng.standard_normal((17, 576)).astype(np.float32))
-    want = panels(prepacked_lib, x.numpy(), packed, 1)
+    want = panels(panels_lib, x.numpy(), packed, 1)
     monkeypatch.setattr(quant, "QGEMM_W16_PER_CALL_MIN_M", 17)
-    for m, kind in ((16, "prepacked"), (17, "panels")):
+    for m, kind in ((16, "prepacked"), (17, "panels" if panels_lib.w16_panels == 1 else "prepacked")):  # (AVX2: at any m)
         calls = {name: [] for name in ("panels", "prepacked")}
         for name, record in calls.items():
-            fn = getattr(prepacked_lib, f"atomd_qgemm_b16_{name}")
-            monkeypatch.setattr(prepacked_lib, f"atomd_qgemm_b16_{name}", lambda *a, fn=fn, record=record: record.append(a) or fn(*a))
-        np.testing.assert_array_equal(quant.qlinear(x[:m], packed, lib=prepacked_lib).numpy(), want[:m])
+            fn = getattr(panels_lib, f"atomd_qgemm_b16_{name}")
+            monkeypatch.setattr(panels_lib, f"atomd_qgemm_b16_{name}", lambda *a, fn=fn, record=record: record.append(a) or fn(*a))
+        np.testing.assert_array_equal(quant.qlinear(x[:m], packed, lib=panels_lib).numpy(), want[:m])
         assert [name for name, record in calls.items() if record] == [kind]
 
 
 def test_a_16_bit_model_packs_its_panels_at_load_within_the_budget(monkeypatch):
     """load_model with `--quantization bf16` at float32 packs every layer's weights and then the LM head once (where
-    the kernels have AVX-512), as many as the budget of second copies (linear.GEMV_MAX_BYTES) allows, layers first;
+    the kernels have AVX-512 or AVX2), as many as the budget of second copies (linear.GEMV_MAX_BYTES) allows, layers first;
     the rest stay packed per call. Prefill's linears give the same bits either way."""
     from atomd.model import decoder
     from atomd.model.default import default_model_dir
     from atomd.model.loader import load_model
 
-    if not (quant.kernels() is not None and quant.kernels().w16_panels == 1):
-        pytest.skip("this CPU has no AVX-512: no load-time panels (test_avx2_build_packs_per_call_only)")
+    if not (quant.kernels() is not None and quant.kernels().w16_panels):
+        pytest.skip("this CPU has neither AVX-512 nor AVX2: no load-time panels")
     model = load_model(default_model_dir(), quantization="bf16")
     weights = [t for w in model.layers for t in w.linears()] + [model.lm_head]
     assert all(isinstance(t, quant.QuantizedWeight) and t.bits == 16 for t in weights)

@@ -85,14 +85,18 @@ QGEMM_W16_MIN_M = 16
 # ... and from this many rows where the weight's panels were packed once at load (prepack_panels: 16-bit, widened
 # in registers, no per-call packing): 0.51-0.64x oneDNN float32's time at 2-8 rows and 0.76-0.88x at 16 on the
 # 135M / 0.6B linears, where the rows in registers take 0.58-1.1x and the per-call panels 1.0-1.3x; about level
-# with both at 128-2048 rows (RESULTS.md, #35 16-bit panels packed at load)
+# with both at 128-2048 rows (RESULTS.md, #35 16-bit panels packed at load). An AVX2 build's (csrc/quant_w16_avx2.h's
+# strips): 0.86-1.06x the rows' time at 2-4 rows, 0.65-0.81x at 8, 0.46-0.58x at 16, and 0.55-0.67x the per-call
+# panels' at 16 (the same linears, AVX2 EPYC, 2 threads)
 QGEMM_W16_PREPACKED_MIN_M = 2
 # ... up to this many rows: from it the weight is packed per call as float32 panels again (the same sums, the same
 # bits), as the load-time 16-bit panels cost the micro-kernel a shift or a mask per weight vector on the FMA ports,
 # while the per-call packing is one widening pass over the weight, amortised over M / 14 slivers. VNNI kind, 135M
 # linears at 2048 / 4096 rows (a long prefill's QKV runs every row of the step): per-call 0.93-0.96x the load-time
 # panels' time at 1 thread, 0.90-0.96x at 2 (Qwen3-0.6B at 4096 rows: 0.97-1.02x); at 512 rows they tie (RESULTS.md,
-# #35 16-bit prefill on the SmolLM2-135M shape). 0: never
+# #35 16-bit prefill on the SmolLM2-135M shape). 0: never. An AVX2 build keeps its load-time strips at every M: 0.89-0.97x
+# the per-call panels' time at 512-2048 rows on the 135M / 0.6B linears (AVX2 EPYC, 2 threads; RESULTS.md, #35 the
+# AVX2 16-bit strips packed at load)
 QGEMM_W16_PER_CALL_MIN_M = 2048
 # gemm_bf16_f32's products: by vdpbf16ps (True) or both operands widened, float32 FMAs (False). Measured on the Intel
 # Xeon with AMX here (register-only loop, 24 chains, 1 core): vdpbf16ps zmm 57 GMAC/s, vfmadd231ps zmm 111, so
@@ -328,7 +332,8 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.atomd_gemm_bf16_rounded.restype = ctypes.c_int
     lib.atomd_w16_kc.restype = _I64
     lib.bf16_panels = bool(lib.atomd_quant_bf16_panels())  # gemm_bf16_f32 by vdpbf16ps (AVX512_BF16 built)
-    # 16-bit weights from QGEMM_W16_MIN_M rows as packed panels: 1 every form (AVX-512), 2 per call only (AVX2), 0 none
+    # 16-bit weights from QGEMM_W16_MIN_M rows as packed panels: 1 every form (AVX-512), 2 per call and packed at load,
+    # float32 x only (AVX2), 0 none
     lib.w16_panels = lib.atomd_quant_w16_panels()
     lib.atomd_quant_path.restype = lib.atomd_quant_q8_path.restype = ctypes.c_int
     log.info("int8 / int4 linears: %s kernels (int8 activations: %s%s%s)%s", PATHS[lib.atomd_quant_path()],
@@ -424,12 +429,13 @@ def panel_bytes(w: QuantizedWeight) -> int:
 
 def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> int:
     """Pack a 16-bit weight once into the panels qlinear reads from QGEMM_W16_PREPACKED_MIN_M rows (csrc/quant_w16.h
-    w16_prepack: per 32 weight rows, each input's 32 values in one 64-byte line, widened in registers), a second
+    w16_prepack: per 32 weight rows, each input's 32 values in one 64-byte line, widened in registers; an AVX2
+    build's quant_w16_avx2.h: per 16 rows, 32 bytes), a second
     copy beside the rows batch-1 decode streams: a batch's decode step and prefill skip the per-call widening and
     transposing (#35: at 16 rows that was most of the linear's time). Returns the bytes kept (0: nothing done:
-    not a 16-bit weight, or no AVX-512 kernels)."""
+    not a 16-bit weight, or no AVX-512 / AVX2 kernels)."""
     lib = kernels() if lib == "auto" else lib
-    if lib is None or lib.w16_panels != 1 or w.bits != 16:
+    if lib is None or not lib.w16_panels or w.bits != 16:
         return 0
     n, k = w.shape
     panels = torch.empty(panel_bytes(w) // 2, dtype=torch.int16)
@@ -460,7 +466,8 @@ def product_of(lib: ctypes.CDLL | None, w: QuantizedWeight, m: int) -> str:
             return "rows"
     if w.bits == 16 and lib.w16_panels and (
             0 < QGEMM_W16_MIN_M <= m or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
-        return "w16_prepacked" if w.panels is not None and not 0 < QGEMM_W16_PER_CALL_MIN_M <= m else "w16_panels"
+        per_call = lib.w16_panels == 1 and 0 < QGEMM_W16_PER_CALL_MIN_M <= m  # (AVX2: load-time ones at every m)
+        return "w16_prepacked" if w.panels is not None and not per_call else "w16_panels"
     if m <= QGEMM_MAX_M:
         return "w16_rows" if w.bits == 16 else "int_rows"
     return "tiles"
@@ -486,10 +493,10 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
     or AVX2 CPU: any M from q8_gemm_min_m on as a GEMM, atomd_qgemm_q8_gemm), from QGEMM_WIDE_MIN_M on
     widened to bf16 tiles where the CPU has them (atomd_qgemm_wide: bf16-rounded x and weights, not the
     int8-activation bits; not int8 weights of act blocks from QGEMM_WIDE_INT8_KEEP: `widens`); 16-bit
-    weights from QGEMM_W16_MIN_M rows as packed float32 panels where the kernels have AVX-512
-    (atomd_qgemm_b16_panels / _h16_panels; an AVX2 build's per call only), from QGEMM_W16_PREPACKED_MIN_M rows where prepack_panels packed them
-    at load (atomd_qgemm_b16_prepacked / _h16_prepacked; from QGEMM_W16_PER_CALL_MIN_M rows per call again, the
-    same bits); more rows, or no kernels (lib None), go through float tiles of
+    weights from QGEMM_W16_MIN_M rows as packed float32 panels where the kernels have AVX-512 or AVX2
+    (atomd_qgemm_b16_panels / _h16_panels), from QGEMM_W16_PREPACKED_MIN_M rows where prepack_panels packed them
+    at load (atomd_qgemm_b16_prepacked / _h16_prepacked; on AVX-512 from QGEMM_W16_PER_CALL_MIN_M rows per call
+    again, the same bits); more rows, or no kernels (lib None), go through float tiles of
     TILE_FLOATS (a transient buffer per call)."""
     lib = kernels() if lib == "auto" else lib
     xf = x.float()

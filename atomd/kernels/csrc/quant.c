@@ -54,8 +54,8 @@ QGEMM16(h16, 1, h16_to_float)
 
 /* The same product for many rows of x through packed, widened weight panels (quant_w16.h; quant.py's
  * QGEMM_W16_MIN_M), packed per call or (_prepacked) once at load by atomd_qprepack_w16 into pre
- * (uint16 [ceil(N / 32) * 32 * K]; F16 1: float16 values, 0: bfloat16): 0 done; 1 not built here (no AVX-512: the caller widens tiles for a BLAS;
- * an AVX2 build has the per-call panels, quant_w16_avx2.h); -1 out of memory */
+ * (uint16 [ceil(N / 32) * 32 * K], each build's layout; F16 1: float16 values, 0: bfloat16): 0 done; 1 not built here
+ * (no AVX-512 or AVX2: the caller widens tiles for a BLAS); -1 out of memory */
 #define QGEMM16_PANELS(NAME, F16)                                                                                \
     int atomd_qgemm_##NAME##_panels(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int64_t N,       \
                                     int64_t K, float *y, int64_t ldy, int num_threads) {                         \
@@ -63,15 +63,20 @@ QGEMM16(h16, 1, h16_to_float)
     }                                                                                                            \
     int atomd_qgemm_##NAME##_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,  \
                                        int64_t K, float *y, int64_t ldy, int num_threads) {                      \
-        PANELS_OR_NOT(w16_panels_product(x, ldx, M, NULL, pre, F16, N, K, y, ldy, num_threads))                 \
+        PREPACKED_OR_NOT(w16_panels_product(x, ldx, M, NULL, pre, F16, N, K, y, ldy, num_threads))              \
     }                                                                                                            \
     int atomd_qprepack_##NAME(const uint16_t *q, int64_t N, int64_t K, uint16_t *pre, int num_threads) {         \
-        PANELS_OR_NOT((w16_prepack(q, N, K, F16, pre, num_threads), 0))                                          \
+        PREPACKED_OR_NOT((w16_prepack(q, N, K, F16, pre, num_threads), 0))                                       \
     }
 #ifdef W16_PANELS
 #define PANELS_OR_NOT(call) return call;
 #else
 #define PANELS_OR_NOT(call) return 1;
+#endif
+#if defined(W16_PANELS) || defined(W16_PANELS_AVX2) /* (each its own w16_prepack layout) */
+#define PREPACKED_OR_NOT(call) return call;
+#else
+#define PREPACKED_OR_NOT(call) return 1;
 #endif
 QGEMM16_PANELS(b16, 0)
 QGEMM16_PANELS(h16, 1)
@@ -228,7 +233,7 @@ int atomd_quant_bf16_panels(void) {
 }
 
 /* 1 when atomd_qgemm_b16_panels / _h16_panels and their load-time and bf16-x forms run here (an AVX-512 build);
- * 2 the per-call panels only (an AVX2 build, quant_w16_avx2.h); 0 none */
+ * 2 the per-call and load-time panels of float32 x (an AVX2 build, quant_w16_avx2.h); 0 none */
 int atomd_quant_w16_panels(void) {
 #if defined(W16_PANELS)
     return 1;

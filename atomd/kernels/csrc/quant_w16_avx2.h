@@ -1,15 +1,18 @@
 /* Part of quant.c (through quant_w16.h): 16-bit float weights (bfloat16 or float16, quant.h's row_w16
  * layout: uint16 [N, K]) times many rows of float32 x, float32 out, on AVX2 builds (CPUs without AVX-512:
- * Zen 3 and older EPYCs): atomd_qgemm_b16_panels / _h16_panels packed per call (no load-time panels, no
- * bf16 x: those stay AVX-512), from quant.py's QGEMM_W16_MIN_M rows (the same threshold as AVX-512's).
+ * Zen 3 and older EPYCs): atomd_qgemm_b16_panels / _h16_panels packed per call, from quant.py's QGEMM_W16_MIN_M rows
+ * (the same threshold as AVX-512's), and atomd_qgemm_*_prepacked on strips packed once at load (w16_prepack, 16-bit:
+ * no per-call pass; 1.3-1.7x the per-call panels' rate at 16 rows on the 135M / 0.6B linears, RESULTS.md); no bf16
+ * x (that stays AVX-512).
  *
  * Where the rows (quant.h's row_w16) widen a weight vector for up to 8 rows of x and load x once an FMA,
  * here each thread widens its panel of weight rows (about W16_AVX2_PANEL bytes of float32, L2) once per call
  * into strips of 16 rows transposed, [K][16], and runs every W16_AVX2_MR rows of x against every strip: a
  * 6 x 16 micro-kernel of 12 accumulators, per input two weight loads and six broadcasts of x from its own
- * rows into 12 FMAs (a float32 GEMM's register blocking, on half the bytes from memory). Every y[m, n] is
- * one chain of FMAs over k = 0..K-1 in order: its bits do not depend on M, the threads or the panels. */
+ * rows into 12 FMAs (a float32 GEMM's register blocking, on half the bytes from memory); from load-time strips the
+ * same micro-kernel widens each input's 16 weights in registers. Every y[m, n] is one chain of FMAs over k = 0..K-1 in order: its bits do not depend on M, the threads or the panels. */
 #if QUANT_PATH == 1
+#include <omp.h>
 #include <stdlib.h>
 
 #define W16_PANELS_AVX2 1
@@ -43,14 +46,32 @@ static void w16a_pack(const uint16_t *q, int f16, int64_t N, int64_t K, int64_t 
         }
 }
 
-/* mr (a constant after inlining) rows of x times one strip into y[r * ldy + 0 .. cols) */
-static inline __attribute__((always_inline)) void w16a_kernel(const int mr, const float *x, int64_t ldx,
-                                                              const float *w, int64_t K, float *y, int64_t ldy,
+/* where a micro-kernel's strip comes from: widened per call (float32 [K][16]) or packed at load (16-bit [K][16], bf16
+ * rows j and j + 8 sharing 32-bit lane j, float16 rows in order: w16_prepack) */
+enum { W16A_F32 = 0, W16A_B16 = 1, W16A_H16 = 2 };
+
+/* mr (a constant after inlining) rows of x times one strip into y[r * ldy + 0 .. cols); src (a constant too) its
+ * layout. A load-time strip is widened in registers: bf16 by a shift and a mask of one 32-byte load, float16 by two
+ * conversions. */
+static inline __attribute__((always_inline)) void w16a_kernel(const int mr, const int src, const float *x, int64_t ldx,
+                                                              const void *w, int64_t K, float *y, int64_t ldy,
                                                               int64_t cols) {
     __m256 a[W16_AVX2_MR][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int64_t k = 0; k < K; k++) {
-        const __m256 w0 = _mm256_loadu_ps(w + k * W16_AVX2_NR), w1 = _mm256_loadu_ps(w + k * W16_AVX2_NR + 8);
+        __m256 w0, w1;
+        if (src == W16A_F32) {
+            w0 = _mm256_loadu_ps((const float *)w + k * W16_AVX2_NR);
+            w1 = _mm256_loadu_ps((const float *)w + k * W16_AVX2_NR + 8);
+        } else if (src == W16A_B16) {
+            const __m256i u = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * W16_AVX2_NR));
+            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+            w1 = _mm256_castsi256_ps(_mm256_and_si256(u, high));
+        } else {
+            w0 = load_h16((const uint16_t *)w + k * W16_AVX2_NR);
+            w1 = load_h16((const uint16_t *)w + k * W16_AVX2_NR + 8);
+        }
         for (int r = 0; r < mr; r++) {
             const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
             a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
@@ -71,27 +92,38 @@ static inline __attribute__((always_inline)) void w16a_kernel(const int mr, cons
     }
 }
 
+/* rows m0 .. m1 of x times strip j (of layout src, at w) into y, W16_AVX2_MR rows a micro-kernel */
+static void w16a_strip(const int src, const float *x, int64_t ldx, int64_t m0, int64_t m1, const void *w, int64_t N,
+                       int64_t K, int64_t j, float *y, int64_t ldy) {
+    const int64_t cols = N - j * W16_AVX2_NR;
+    for (int64_t m = m0; m < m1; m += W16_AVX2_MR) {
+        const int mr = m1 - m < W16_AVX2_MR ? (int)(m1 - m) : W16_AVX2_MR;
+        const float *xr = x + m * ldx;
+        float *yj = y + m * ldy + j * W16_AVX2_NR;
+#define W16A_ROWS(SRC)                                                                    \
+        switch (mr) { /* mr a constant in each instance */                               \
+            case 1: w16a_kernel(1, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
+            case 2: w16a_kernel(2, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
+            case 3: w16a_kernel(3, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
+            case 4: w16a_kernel(4, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
+            case 5: w16a_kernel(5, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
+            default: w16a_kernel(W16_AVX2_MR, SRC, xr, ldx, w, K, yj, ldy, cols); break; \
+        }
+        if (src == W16A_F32) W16A_ROWS(W16A_F32)
+        else if (src == W16A_B16) W16A_ROWS(W16A_B16)
+        else W16A_ROWS(W16A_H16)
+#undef W16A_ROWS
+    }
+}
+
 /* strips s0 .. s1 widened into wp and run against the M rows of x into y */
 static void w16a_panel(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int f16, int64_t N, int64_t K,
                        int64_t s0, int64_t s1, float *y, int64_t ldy, float *wp) {
     w16a_pack(q, f16, N, K, s0 * W16_AVX2_NR, s1 - s0, wp);
-    for (int64_t m0 = 0; m0 < M; m0 += W16_AVX2_MR) {
-        const int mr = M - m0 < W16_AVX2_MR ? (int)(M - m0) : W16_AVX2_MR;
-        for (int64_t j = s0; j < s1; j++) {
-            const float *wj = wp + (j - s0) * W16_AVX2_NR * K;
-            float *yj = y + m0 * ldy + j * W16_AVX2_NR;
-            const int64_t cols = N - j * W16_AVX2_NR;
-            const float *xr = x + m0 * ldx;
-            switch (mr) {  /* mr a constant in each instance */
-                case 1: w16a_kernel(1, xr, ldx, wj, K, yj, ldy, cols); break;
-                case 2: w16a_kernel(2, xr, ldx, wj, K, yj, ldy, cols); break;
-                case 3: w16a_kernel(3, xr, ldx, wj, K, yj, ldy, cols); break;
-                case 4: w16a_kernel(4, xr, ldx, wj, K, yj, ldy, cols); break;
-                case 5: w16a_kernel(5, xr, ldx, wj, K, yj, ldy, cols); break;
-                default: w16a_kernel(W16_AVX2_MR, xr, ldx, wj, K, yj, ldy, cols); break;
-            }
-        }
-    }
+    for (int64_t m0 = 0; m0 < M; m0 += W16_AVX2_MR)
+        for (int64_t j = s0; j < s1; j++)
+            w16a_strip(W16A_F32, x, ldx, m0, m0 + W16_AVX2_MR < M ? m0 + W16_AVX2_MR : M,
+                       wp + (j - s0) * W16_AVX2_NR * K, N, K, j, y, ldy);
 }
 
 /* y [M, ldy] = x [M, ldx] @ widen(q)^T; 0 done, -1 out of memory */
@@ -117,6 +149,42 @@ static int w16_gemm_avx2(const float *x, int64_t ldx, int64_t M, const uint16_t 
     }
     return failed ? -1 : 0;
 }
+
+/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack): each thread its run of strips, per
+ * block of x's rows that stays in L2 (W16_AVX2_PANEL bytes) each strip against every row of the block (the strip,
+ * K * 32 bytes, read from memory once a block and from L1 / L2 after). No packing and no buffer: always 0. */
+static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N,
+                                   int64_t K, float *y, int64_t ldy, int num_threads) {
+    const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
+    int64_t block = W16_AVX2_PANEL / (K * (int64_t)sizeof(float)) / W16_AVX2_MR * W16_AVX2_MR;
+    block = block < W16_AVX2_MR ? W16_AVX2_MR : block;
+    const int src = f16 ? W16A_H16 : W16A_B16;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        const int t = omp_get_thread_num(), n = omp_get_num_threads();
+        const int64_t s0 = strips * t / n, s1 = strips * (t + 1) / n;
+        for (int64_t m0 = 0; m0 < M; m0 += block)
+            for (int64_t j = s0; j < s1; j++)
+                w16a_strip(src, x, ldx, m0, m0 + block < M ? m0 + block : M, pre + j * W16_AVX2_NR * K, N, K, j, y,
+                           ldy);
+    }
+    return 0;
+}
+
+/* w uint16 [N, K] (kind W16_B16 or W16_H16) into out uint16 [ceil(N / 16)][K][16], w16_gemm_avx2_prepacked's `pre`:
+ * per strip of 16 weight rows, each input's 16 values in one 32-byte load (bf16: row j and row j + 8 share 32-bit
+ * lane j, the shift and the mask of w16a_kernel; float16: rows in order); rows past N zeros. Once, at load
+ * (quant.prepack_panels). */
+static void w16_prepack(const uint16_t *q, int64_t N, int64_t K, const int kind, uint16_t *out, int num_threads) {
+    const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t p = 0; p < strips; p++)
+        for (int64_t j = 0; j < W16_AVX2_NR; j++) {
+            const int64_t n = p * W16_AVX2_NR + j, slot = kind == W16_H16 ? j : j < 8 ? 2 * j : 2 * (j - 8) + 1;
+            uint16_t *dst = out + p * K * W16_AVX2_NR + slot;
+            for (int64_t k = 0; k < K; k++) dst[k * W16_AVX2_NR] = n < N ? q[n * K + k] : 0;
+        }
+}
 #endif
 
 /* y [M, ldy] = x [M, ldx] @ widen(w)^T for a 16-bit weight (f16: float16 values, else bfloat16) through widened
@@ -128,7 +196,8 @@ static inline int w16_panels_product(const float *x, int64_t ldx, int64_t M, con
 #ifdef W16_PANELS
     return w16_gemm(x, ldx, M, pre ? NULL : q, pre, f16 ? W16_H16 : W16_B16, N, K, y, ldy, num_threads, 0, NULL, 0);
 #elif defined(W16_PANELS_AVX2)
-    return pre ? 1 : w16_gemm_avx2(x, ldx, M, q, f16, N, K, y, ldy, num_threads);
+    return pre ? w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, N, K, y, ldy, num_threads)
+               : w16_gemm_avx2(x, ldx, M, q, f16, N, K, y, ldy, num_threads);
 #else
     (void)x, (void)ldx, (void)M, (void)q, (void)pre, (void)f16, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
     return 1;
