@@ -132,6 +132,8 @@ PANEL_CASES = [  # m, n, k: rows of x not a multiple of the micro-kernel's 14 (a
     # multiple of the 32-row panel (1, 37, 45, 450), inputs not a multiple of the 16-input transposes (101, 33, 257, 8),
     # two k-blocks (1100 > W16_KC), two packed blocks of panels a thread (600 inputs: 13 panels a 1 MiB block)
     (1, 37, 101), (13, 32, 16), (17, 45, 576), (29, 1, 33), (31, 70, 1100), (45, 450, 600), (7, 5, 8), (20, 64, 257),
+    # AVX2's load-time strips in two blocks of x's rows (54 at K 1100) ending on a 4-row micro-kernel; 3 inputs only
+    (64, 37, 1100), (10, 19, 3),
 ]
 
 
@@ -151,6 +153,7 @@ def panels_lib(request):
     return built
 
 
+@pytest.mark.skipif(not {"avx2", "fma"} <= cbuild.cpu_flags(), reason="this CPU has no AVX2 / FMA")
 def test_avx2_build_has_no_bf16_x_panels_and_keeps_its_load_time_strips_at_any_m(monkeypatch):
     """The AVX2 build runs no bf16-x products (gemm_bf16_f32 answers None: torch's widened matmul runs them), packs
     16-bit weights at load in its own layout (16-row strips), and qlinear reads those at
@@ -163,6 +166,10 @@ def test_avx2_build_has_no_bf16_x_panels_and_keeps_its_load_time_strips_at_any_m
     assert quant.gemm_bf16_f32(torch.ones(3, 101, dtype=torch.bfloat16), torch.ones(37, 101, dtype=torch.bfloat16),
                                lib) is None
     assert quant.prepack_panels(packed, lib) == 64 * 101 * 2
+    assert quant.product_of(lib, packed, 2) == "w16_prepacked"
+    packed.panels_layout = 1  # AVX-512's panels (packed before $ATOMD_KERNEL_ISA changed): not read by this build
+    assert quant.product_of(lib, packed, 16) == "w16_panels" and quant.product_of(lib, packed, 2) == "w16_rows"
+    packed.panels_layout = 2
     x = rng.standard_normal((40, 101)).astype(np.float32)
     calls, widen = [], lib.atomd_qdequant_b16
     monkeypatch.setattr(lib, "atomd_qdequant_b16", lambda *a: calls.append(a) or widen(*a))

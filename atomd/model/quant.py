@@ -86,7 +86,7 @@ QGEMM_W16_MIN_M = 16
 # in registers, no per-call packing): 0.51-0.64x oneDNN float32's time at 2-8 rows and 0.76-0.88x at 16 on the
 # 135M / 0.6B linears, where the rows in registers take 0.58-1.1x and the per-call panels 1.0-1.3x; about level
 # with both at 128-2048 rows (RESULTS.md, #35 16-bit panels packed at load). An AVX2 build's (csrc/quant_w16_avx2.h's
-# strips): 0.86-1.06x the rows' time at 2-4 rows, 0.65-0.81x at 8, 0.46-0.58x at 16, and 0.55-0.67x the per-call
+# strips): 0.86-1.01x the rows' time at 2-4 rows, 0.65-0.81x at 8, 0.46-0.58x at 16, and 0.55-0.67x the per-call
 # panels' at 16 (the same linears, AVX2 EPYC, 2 threads)
 QGEMM_W16_PREPACKED_MIN_M = 2
 # ... up to this many rows: from it the weight is packed per call as float32 panels again (the same sums, the same
@@ -148,6 +148,9 @@ class QuantizedWeight:
     # a 16-bit weight's panels packed once at load (prepack_panels), read by qlinear from QGEMM_W16_PREPACKED_MIN_M
     # rows instead of packing the weight each call; None: packed per call
     panels: torch.Tensor | None = field(default=None, repr=False, compare=False)
+    # the lib.w16_panels of the build that packed them (1: AVX-512's 32-row panels, 2: AVX2's 16-row strips): a build
+    # reads only its own layout (another, after $ATOMD_KERNEL_ISA changed: packed per call)
+    panels_layout: int = field(default=0, repr=False, compare=False)
 
     def __post_init__(self):
         if not self.act_block and self.bits != 16:
@@ -422,7 +425,8 @@ def derived(w: QuantizedWeight, **changes) -> QuantizedWeight:
 
 
 def panel_bytes(w: QuantizedWeight) -> int:
-    """The bytes prepack_panels keeps for a 16-bit weight: its rows padded to whole 32-row panels."""
+    """The bytes prepack_panels keeps for a 16-bit weight: its rows padded to whole 32-row panels (AVX-512's; AVX2's
+    16-row strips use ceil(N / 16) * 16 rows of it)."""
     n, k = w.shape
     return (n + 31) // 32 * 32 * k * 2
 
@@ -442,7 +446,7 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     rc = getattr(lib, f"atomd_qprepack_{_w16(w)}")(w.q.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
     if rc != 0:
         return 0
-    w.panels, w._ref = panels, None  # (its atomd_qweight made again with them)
+    w.panels, w.panels_layout, w._ref = panels, lib.w16_panels, None  # (its atomd_qweight made again with them)
     return panels.nbytes
 
 
@@ -464,10 +468,10 @@ def product_of(lib: ctypes.CDLL | None, w: QuantizedWeight, m: int) -> str:
             return "gemm"
         if m <= QGEMM_Q8_MAX_M:
             return "rows"
-    if w.bits == 16 and lib.w16_panels and (
-            0 < QGEMM_W16_MIN_M <= m or (w.panels is not None and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
+    packed = w.panels is not None and w.panels_layout == lib.w16_panels  # (this build's layout)
+    if w.bits == 16 and lib.w16_panels and (0 < QGEMM_W16_MIN_M <= m or (packed and 0 < QGEMM_W16_PREPACKED_MIN_M <= m)):
         per_call = lib.w16_panels == 1 and 0 < QGEMM_W16_PER_CALL_MIN_M <= m  # (AVX2: load-time ones at every m)
-        return "w16_prepacked" if w.panels is not None and not per_call else "w16_panels"
+        return "w16_prepacked" if packed and not per_call else "w16_panels"
     if m <= QGEMM_MAX_M:
         return "w16_rows" if w.bits == 16 else "int_rows"
     return "tiles"

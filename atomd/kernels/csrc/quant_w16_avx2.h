@@ -2,7 +2,7 @@
  * layout: uint16 [N, K]) times many rows of float32 x, float32 out, on AVX2 builds (CPUs without AVX-512:
  * Zen 3 and older EPYCs): atomd_qgemm_b16_panels / _h16_panels packed per call, from quant.py's QGEMM_W16_MIN_M rows
  * (the same threshold as AVX-512's), and atomd_qgemm_*_prepacked on strips packed once at load (w16_prepack, 16-bit:
- * no per-call pass; 1.3-1.7x the per-call panels' rate at 16 rows on the 135M / 0.6B linears, RESULTS.md); no bf16
+ * no per-call pass; 1.5-1.8x the per-call panels' rate at 16 rows on the 135M / 0.6B linears, RESULTS.md); no bf16
  * x (that stays AVX-512).
  *
  * Where the rows (quant.h's row_w16) widen a weight vector for up to 8 rows of x and load x once an FMA,
@@ -187,9 +187,10 @@ static void w16_prepack(const uint16_t *q, int64_t N, int64_t K, const int kind,
 }
 #endif
 
-/* y [M, ldy] = x [M, ldx] @ widen(w)^T for a 16-bit weight (f16: float16 values, else bfloat16) through widened
- * float32 panels: pre, packed once at load (atomd_qprepack_*, AVX-512 builds), or (pre NULL) q packed per call
- * (AVX-512's w16_gemm, AVX2's w16_gemm_avx2). 0 done; 1 not built here (the caller widens tiles for a BLAS); -1
+/* y [M, ldy] = x [M, ldx] @ widen(w)^T for a 16-bit weight (f16: float16 values, else bfloat16) through panels:
+ * pre, packed once at load in 16 bits (atomd_qprepack_*: AVX-512's 32-row panels, quant_w16.h's w16_prepack, or
+ * AVX2's 16-row strips, w16_prepack here), or (pre NULL) q widened into float32 panels per call (AVX-512's w16_gemm,
+ * AVX2's w16_gemm_avx2). 0 done; 1 not built here (the caller widens tiles for a BLAS); -1
  * out of memory. atomd_qgemm_*_panels / _prepacked (quant.c) and the fused batch's rows (layer_ops.c). */
 static inline int w16_panels_product(const float *x, int64_t ldx, int64_t M, const uint16_t *q, const uint16_t *pre,
                                      int f16, int64_t N, int64_t K, float *y, int64_t ldy, int num_threads) {
