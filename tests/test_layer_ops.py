@@ -348,6 +348,25 @@ def test_batch1_quantized_layer_on_several_threads_gives_the_per_op_paths_bits(m
     assert_fused_layer_gives_the_per_op_bits(llm)
 
 
+@pytest.mark.parametrize("method,threads", [("bf16", 2), ("fp16", 3)])
+def test_batch1_16_bit_layer_gives_the_per_op_paths_bits(isa, method, threads, tmp_path, monkeypatch):
+    """16-bit weights, float32 compute: an AVX2 build holds them as their strips only (quant.keep_strips_only),
+    which the fused layer's GEMV reads with the per-op qlinear's FMA chains (an orphaned loop over the strips, split
+    unevenly by 3 threads); other builds keep the rows. qwen2: the qkv bias added after the product. The per-op
+    path's greedy ids and logprobs to the bit, every decode step in the one C call."""
+    from atomd import LLM
+    from atomd.kernels import cbuild
+    from tests.test_model_hf import make_checkpoint
+
+    monkeypatch.setenv(cbuild.ISA_ENV, isa)  # (quant's kernels: the same build as the fixture's layer ops)
+    path = make_checkpoint(tmp_path / "qwen2", "qwen2", seed=9)
+    llm = LLM(str(path), num_threads=threads, dtype="float32", max_model_len=256, enable_prefix_caching=False,
+              quantization=method)
+    weights = [t for w in llm.engine.model.layers for t in w.linears()] + [llm.engine.model.lm_head]
+    assert all(t.strips_only for t in weights) == (quant.kernels().w16_panels == 2)
+    assert_fused_layer_gives_the_per_op_bits(llm)
+
+
 @pytest.mark.parametrize("kv", ["fp8_e4m3", "fp8_e5m2", "bfloat16", "float16"])
 def test_batch1_decode_layer_over_an_fp8_cache_gives_the_per_op_paths_bits(kv, tmp_path):
     """float32 over a narrow KV cache: the fused layer stores each K / V row as fp8, bf16 or float16 (KVCache.write's

@@ -266,16 +266,42 @@ def test_qlinear_packs_per_call_again_from_its_threshold(panels_lib, monkeypatch
         assert [name for name, record in calls.items() if record] == [kind]
 
 
+@pytest.mark.skipif(not {"avx2", "fma"} <= cbuild.cpu_flags(), reason="this CPU has no AVX2 / FMA")
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_an_avx2_16_bit_weight_held_as_its_strips_only(fmt):
+    """quant.keep_strips_only (an AVX2 build): the strips replace the rows (q [N, 0]), unpack to them exactly
+    (dequantize), are made once, and qlinear reads them at every M, one row included, with the bits of the per-call
+    panels on the rows; a build of the other layout refuses them by name."""
+    lib = quant.build_kernels("no-avx512")
+    rng = np.random.default_rng(17)
+    _, packed = weight16(rng, 37, 101, fmt)
+    rows = packed.q.clone()
+    assert quant.keep_strips_only(packed, lib) == 64 * 101 * 2
+    assert packed.strips_only and tuple(packed.q.shape) == (37, 0) and packed.shape == (37, 101)
+    assert packed.nbytes() == 64 * 101 * 2
+    assert torch.equal(packed.dequantize(), rows.float())
+    assert quant.keep_strips_only(packed, lib) == 0 and quant.prepack_panels(packed, lib) == 0
+    plain = quant.QuantizedWeight(16, rows, None, None, 101, 101)
+    for m in (1, 2, 17):
+        x = rng.standard_normal((m, 101)).astype(np.float32)
+        assert quant.product_of(lib, packed, m) == "w16_prepacked"
+        np.testing.assert_array_equal(quant.qlinear(torch.from_numpy(x), packed, lib=lib).numpy(), panels(lib, x, plain, 1))
+    packed.panels_layout = 1
+    with pytest.raises(RuntimeError, match="strips only"):
+        quant.product_of(lib, packed, 1)
+
+
 def test_a_16_bit_model_packs_its_panels_at_load_within_the_budget(monkeypatch):
     """load_model with `--quantization bf16` at float32 packs every layer's weights and then the LM head once (where
-    the kernels have AVX-512 or AVX2), as many as the budget of second copies (linear.GEMV_MAX_BYTES) allows, layers first;
-    the rest stay packed per call. Prefill's linears give the same bits either way."""
+    the kernels have AVX-512), as many as the budget of second copies (linear.GEMV_MAX_BYTES) allows, layers first;
+    the rest stay packed per call. Prefill's linears give the same bits either way. (An AVX2 build holds each as its
+    strips only, no budget: test_an_avx2_16_bit_model_holds_each_weight_once.)"""
     from atomd.model import decoder
     from atomd.model.default import default_model_dir
     from atomd.model.loader import load_model
 
-    if not (quant.kernels() is not None and quant.kernels().w16_panels):
-        pytest.skip("this CPU has neither AVX-512 nor AVX2: no load-time panels")
+    if not (quant.kernels() is not None and quant.kernels().w16_panels == 1):
+        pytest.skip("this CPU has no AVX-512: no budget of second copies (an AVX2 build keeps one copy)")
     model = load_model(default_model_dir(), quantization="bf16")
     weights = [t for w in model.layers for t in w.linears()] + [model.lm_head]
     assert all(isinstance(t, quant.QuantizedWeight) and t.bits == 16 for t in weights)
@@ -289,6 +315,26 @@ def test_a_16_bit_model_packs_its_panels_at_load_within_the_budget(monkeypatch):
     for a, b in zip(weights, [t for w in small.layers for t in w.linears()] + [small.lm_head]):
         if a.in_features == first.in_features:
             np.testing.assert_array_equal(quant.qlinear(x, a).numpy(), quant.qlinear(x, b).numpy())
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= cbuild.cpu_flags(), reason="this CPU has no AVX2 / FMA")
+def test_an_avx2_16_bit_model_holds_each_weight_once(monkeypatch):
+    """load_model with `--quantization bf16` on an AVX2 build: every layer linear and the LM head held as strips
+    only, whatever the budget of second copies, and their values the float32 model's rounded to bf16."""
+    from atomd.model import decoder
+    from atomd.model.default import default_model_dir
+    from atomd.model.loader import load_model
+
+    monkeypatch.setenv(cbuild.ISA_ENV, "no-avx512")
+    monkeypatch.setattr(decoder, "GEMV_MAX_BYTES", 0)
+    model = load_model(default_model_dir(), quantization="bf16")
+    weights = [t for w in model.layers for t in w.linears()] + [model.lm_head]
+    assert all(isinstance(t, quant.QuantizedWeight) and t.strips_only for t in weights)
+    float_model = load_model(default_model_dir())
+    want = [decoder.dense(t) if not isinstance(t, quant.QuantizedWeight) else t.dequantize()
+            for t in [t for w in float_model.layers for t in (w.rows or w.linears())] + [float_model.lm_head]]
+    for got, w in zip(weights, want):
+        assert torch.equal(got.dequantize(), w.to(torch.bfloat16).float())
 
 
 # ---- bf16 x bf16 -> float32 (csrc/quant_w16.h, atomd_gemm_bf16_panels): vdpbf16ps over packed pairs of inputs

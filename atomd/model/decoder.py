@@ -255,14 +255,21 @@ class DecoderModel:
         """16-bit weights (`--quantization bf16 / fp16`, float32 compute): each layer's, then the LM head's, packed
         once into the panels a batch's decode step and prefill read (quant.prepack_panels: a second copy beside the
         rows batch-1 decode streams) while those copies stay within `budget` bytes; the rest are packed per call.
-        Returns the bytes kept."""
+        An AVX2 build's strips serve batch-1 decode too: every weight is packed and its rows dropped
+        (quant.keep_strips_only: held once, no budget). Returns the bytes of second copies kept."""
+        weights = [t for t in [t for w in self.layers for t in w.linears()] + [self.lm_head]
+                   if isinstance(t, QuantizedWeight) and t.bits == 16]
+        strips = sum(quant.keep_strips_only(t) for t in weights)
+        if strips:
+            log.info("16-bit weights: %d MiB held as strips only (their rows dropped), read at every batch size",
+                     strips >> 20)
+            return 0
         used, left_out = 0, 0
-        for t in [t for w in self.layers for t in w.linears()] + [self.lm_head]:
-            if isinstance(t, QuantizedWeight) and t.bits == 16:
-                if left_out or used + quant.panel_bytes(t) > budget:
-                    left_out += 1
-                else:
-                    used += quant.prepack_panels(t)
+        for t in weights:
+            if left_out or used + quant.panel_bytes(t) > budget:
+                left_out += 1
+            else:
+                used += quant.prepack_panels(t)
         if used or left_out:
             log.info("16-bit weights: %d MiB of panels packed at load for batches and prefill%s", used >> 20,
                      f"; {left_out} weights packed per call instead (the {budget >> 20} MiB of second copies)"

@@ -28,6 +28,7 @@ import torch
 
 from atomd.kernels import cbuild
 from atomd.config import QUANTIZATIONS
+from atomd.model.huge_pages import on_huge_pages
 
 log = logging.getLogger(__name__)
 # --quantization's LM head by method (a tied one: its own copy, the embedding lookup keeps the
@@ -160,6 +161,11 @@ class QuantizedWeight:
     def shape(self) -> tuple[int, int]:
         return self.q.shape[0], self.in_features
 
+    @property
+    def strips_only(self) -> bool:
+        """A 16-bit weight whose load-time strips are its only copy (keep_strips_only: q is [N, 0])."""
+        return self.bits == 16 and self.q.shape[1] == 0 and self.panels is not None
+
     def data_ptr(self) -> int:
         """The address of this weight's atomd_qweight (csrc/quant.h), what the fused batch-1
         decode layer (layer_ops.DecodeLayer) takes where a float weight passes its data."""
@@ -168,7 +174,7 @@ class QuantizedWeight:
             if self.int8_activations:  # (the rows quantise x into each thread's own row up to Q8_OWN_K inputs)
                 self._scratch = _q8_scratch(1, self.in_features)
                 scratch = tuple(t.data_ptr() for t in self._scratch)
-            self._ref = _QWeightStruct(self.q.data_ptr(), _ptr(self.scales), _ptr(self.offsets),
+            self._ref = _QWeightStruct(None if self.strips_only else self.q.data_ptr(), _ptr(self.scales), _ptr(self.offsets),
                                        self.group_size, self.c_bits(), *scratch, self.act_block, _ptr(self.panels))
         return ctypes.addressof(self._ref)
 
@@ -182,7 +188,8 @@ class QuantizedWeight:
         return self.bits != 16 and a in ACT_BLOCKS and self.in_features % a == 0 and self.group_size % a == 0
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.q, self.scales, self.offsets) if t is not None)
+        parts = (self.q, self.scales, self.offsets) + ((self.panels,) if self.strips_only else ())
+        return sum(t.numel() * t.element_size() for t in parts if t is not None)
 
     def int_values(self) -> torch.Tensor:
         """q as int32 [N, K] in the kernel's column order."""
@@ -193,6 +200,8 @@ class QuantizedWeight:
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weight [N, K] (rows of it), in the checkpoint's column order."""
+        if self.strips_only:
+            return strips_rows(self)[rows].float()
         if self.bits == 16:
             return self.q[rows].float()
         w = self.int_values()[rows].float()
@@ -439,7 +448,7 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     transposing (#35: at 16 rows that was most of the linear's time). Returns the bytes kept (0: nothing done:
     not a 16-bit weight, or no AVX-512 / AVX2 kernels)."""
     lib = kernels() if lib == "auto" else lib
-    if lib is None or not lib.w16_panels or w.bits != 16:
+    if lib is None or not lib.w16_panels or w.bits != 16 or w.strips_only:
         return 0
     n, k = w.shape
     panels = torch.empty(panel_bytes(w) // 2, dtype=torch.int16)
@@ -450,6 +459,29 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     return panels.nbytes
 
 
+def keep_strips_only(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> int:
+    """A 16-bit weight packed into an AVX2 build's strips (prepack_panels), which then replace its rows: they serve
+    every M, batch-1 decode too (at one row 0.89-1.05x the rows' time: RESULTS.md, #35 the AVX2 16-bit strips), so
+    the weight is held once (on 2 MiB pages, as the rows were for batch-1 decode) and q becomes [N, 0]. Returns the
+    strips' bytes (0: not done: not a 16-bit weight, or not an AVX2 build)."""
+    lib = kernels() if lib == "auto" else lib
+    if lib is None or lib.w16_panels != 2 or w.bits != 16 or w.strips_only or not prepack_panels(w, lib):
+        return 0
+    w.panels, w.q, w._ref = on_huge_pages(w.panels), w.q.new_empty((w.q.shape[0], 0)), None
+    return w.panels.nbytes
+
+
+def strips_rows(w: QuantizedWeight) -> torch.Tensor:
+    """The 16-bit rows [N, K] of a strips-only weight, unpacked from the strips (csrc/quant_w16_avx2.h w16_prepack:
+    [strip][k][16], bf16 rows j and j + 8 in slots 2j and 2j + 1, float16 rows in order)."""
+    n, k = w.shape
+    strips = -(-n // 16)
+    slots = w.panels[:strips * k * 16].view(strips, k, 16)
+    if w.q.dtype == torch.bfloat16:
+        slots = slots[:, :, [2 * j for j in range(8)] + [2 * j + 1 for j in range(8)]]
+    return slots.transpose(1, 2).reshape(strips * 16, k)[:n].view(w.q.dtype)
+
+
 def product_of(lib: ctypes.CDLL | None, w: QuantizedWeight, m: int) -> str:
     """The product qlinear runs for m rows of x on w (qlinear's docstring): with int8 activations "wide"
     (atomd_qgemm_wide), "amx" (atomd_qgemm_amx), "gemm" (atomd_qgemm_q8_gemm) or "rows" (atomd_qgemm_q8); a
@@ -457,6 +489,11 @@ def product_of(lib: ctypes.CDLL | None, w: QuantizedWeight, m: int) -> str:
     (atomd_qgemm_b16 / _h16); an int weight's float-activation "int_rows" (atomd_qgemm_i8 / _i4); else "tiles"
     (dequantised float tiles and torch's matmul). Also layer_ops.DecodeLayer's choice for a batch's rows, so the
     fused rows compute qlinear's bits."""
+    if w.strips_only:  # (held nowhere else: only the build that packed them reads them)
+        if lib is None or lib.w16_panels != w.panels_layout:
+            raise RuntimeError("a 16-bit weight kept as an AVX2 build's strips only is read by that build only "
+                               f"(${cbuild.ISA_ENV} changed after load?)")
+        return "w16_prepacked"
     if lib is None:
         return "tiles"
     if w.int8_activations:

@@ -1543,6 +1543,7 @@ static int rows_product(const void *weight, const float *x, int64_t R, int64_t K
                         float *y, int64_t kind, int8_t *xq, float *xd, float *xsg, int num_threads) {
     const atomd_qweight *w = weight;
     const int bits = (int)w->bits, f16 = bits == QBITS_F16;
+    if (w->q == NULL && kind != ROWS_W16_PREPACKED) return -2;  /* strips only: quant.product_of reads them */
     switch (kind) {
         case ROWS_Q8:
             qgemm_q8_rows(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N, xq, xd, xsg,

@@ -785,7 +785,8 @@ typedef struct {
     int8_t *xq;
     float *xd, *xsg;
     int64_t ablock;  /* int8 activations' act block (the doc above) */
-    const uint16_t *panels;  /* a 16-bit weight's panels packed at load (quant.prepack_panels), or NULL */
+    const uint16_t *panels;  /* a 16-bit weight's panels packed at load (quant.prepack_panels), or NULL; with q
+                                NULL (an AVX2 build's quant.keep_strips_only) the only copy of the weight */
 } atomd_qweight;
 
 /* Each thread's own quantised row of x for atomd_qgemv_rows (thread-local: an OpenMP team's threads, and
@@ -796,10 +797,22 @@ static _Thread_local struct {
     float xd[Q8_XD(Q8_OWN_K)], xsg[Q8_XSG(Q8_OWN_K)];
 } q8_own;
 
+#if QUANT_PATH == 1
+/* quant_w16_avx2.h: a 16-bit weight held as its load-time strips only (q NULL), batch 1 */
+static void w16_strips_gemv(const float *x, const uint16_t *strips, int f16, const float *bias, float *y, int64_t K,
+                            int64_t N);
+#endif
+
 /* y[n] = w[n] . x (+ bias[n]) for the N rows of w, K inputs: an orphaned `omp for` (the
  * caller's parallel region shares the rows), as layer_ops.c's float GEMV rows. */
 static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, const float *bias, float *y, int64_t K,
                                     int64_t N) {
+#if QUANT_PATH == 1
+    if (w->q == NULL) {  /* an AVX2 build's 16-bit weight kept as its strips only (quant.keep_strips_only) */
+        w16_strips_gemv(x, w->panels, w->bits == QBITS_F16, bias, y, K, N);
+        return;
+    }
+#endif
     const int64_t groups = (K + w->group - 1) / w->group;
     atomd_qweight q8 = *w;  /* its scratch: this thread's own row */
     if (w->xq && K <= Q8_OWN_K) {

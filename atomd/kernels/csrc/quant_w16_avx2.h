@@ -171,6 +171,18 @@ static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const
     return 0;
 }
 
+/* y = strips . x (+ bias) for one row x at batch 1 (quant.h's atomd_qgemv_rows where the strips are the weight's only
+ * copy): an orphaned `omp for` over the strips (the caller's region shares them), w16_gemm_avx2_prepacked's chains */
+static void w16_strips_gemv(const float *x, const uint16_t *strips, int f16, const float *bias, float *y, int64_t K,
+                            int64_t N) {
+    const int64_t n_strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
+    _Pragma("omp for schedule(static)")
+    for (int64_t j = 0; j < n_strips; j++) {
+        w16a_strip(f16 ? W16A_H16 : W16A_B16, x, K, 0, 1, strips + j * W16_AVX2_NR * K, N, K, j, y, N);
+        for (int64_t n = j * W16_AVX2_NR; bias && n < (j + 1) * W16_AVX2_NR && n < N; n++) y[n] += bias[n];
+    }
+}
+
 /* w uint16 [N, K] (kind W16_B16 or W16_H16) into out uint16 [ceil(N / 16)][K][16], w16_gemm_avx2_prepacked's `pre`:
  * per strip of 16 weight rows, each input's 16 values in one 32-byte load (bf16: row j and row j + 8 share 32-bit
  * lane j, the shift and the mask of w16a_kernel; float16: rows in order); rows past N zeros. Once, at load
