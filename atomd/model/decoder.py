@@ -225,6 +225,7 @@ class DecoderModel:
                 w.moe.amx_weights()
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
+        self._16bit_strips_only()
         rows = keep_rows(self)
         if rows:  # the weights as loaded, on huge pages (a tied head's rows: the embedding table)
             self._rows_on_huge_pages()
@@ -254,18 +255,12 @@ class DecoderModel:
     def _prepack_16bit_panels(self, budget: int) -> int:
         """16-bit weights (`--quantization bf16 / fp16`, float32 compute): each layer's, then the LM head's, packed
         once into the panels a batch's decode step and prefill read (quant.prepack_panels: a second copy beside the
-        rows batch-1 decode streams) while those copies stay within `budget` bytes; the rest are packed per call.
-        An AVX2 build's strips serve batch-1 decode too: every weight is packed and its rows dropped
-        (quant.keep_strips_only: held once, no budget). Returns the bytes of second copies kept."""
-        weights = [t for t in [t for w in self.layers for t in w.linears()] + [self.lm_head]
-                   if isinstance(t, QuantizedWeight) and t.bits == 16]
-        strips = sum(quant.keep_strips_only(t) for t in weights)
-        if strips:
-            log.info("16-bit weights: %d MiB held as strips only (their rows dropped), read at every batch size",
-                     strips >> 20)
-            return 0
+        rows batch-1 decode streams) while those copies stay within `budget` bytes; the rest are packed per call
+        (an AVX2 build's are strips only already: _16bit_strips_only). Returns the bytes kept."""
         used, left_out = 0, 0
-        for t in weights:
+        for t in self._16bit_weights():
+            if t.strips_only:
+                continue
             if left_out or used + quant.panel_bytes(t) > budget:
                 left_out += 1
             else:
@@ -276,6 +271,17 @@ class DecoderModel:
                      if left_out else "")
         return used
 
+    def _16bit_weights(self) -> list[QuantizedWeight]:
+        return [t for t in [t for w in self.layers for t in w.linears()] + [self.lm_head]
+                if isinstance(t, QuantizedWeight) and t.bits == 16]
+
+    def _16bit_strips_only(self) -> None:
+        """On an AVX2 build, every 16-bit weight (layers and LM head) held as its strips only (quant.keep_strips_only:
+        batch-1 decode reads them too; one copy, no budget), before _rows_on_huge_pages moves them."""
+        strips = sum(quant.keep_strips_only(t) for t in self._16bit_weights())
+        if strips:
+            log.info("16-bit weights: %d MiB held once, as strips read at every batch size", strips >> 20)
+
     def _rows_on_huge_pages(self) -> None:
         """Move what batch-1 decode streams (every layer linear, float MoE experts, the LM head, plain or quantized) onto 2 MiB
         pages (atomd/model/huge_pages.py: ~1.2x the GEMV's read rate), one tensor at a time,
@@ -285,8 +291,8 @@ class DecoderModel:
 
         def move(owner, name):
             t = getattr(owner, name)
-            if isinstance(t, QuantizedWeight):  # its packed values and scales; its C struct made again
-                for part in ("q", "scales", "offsets"):
+            if isinstance(t, QuantizedWeight):  # its packed values and scales (or strips); its C struct made again
+                for part in ("q", "scales", "offsets", "panels"):
                     move(t, part)
                 t._ref = None
             elif t is not None and t.numel():  # an empty one (a TP x EP worker's experts) stays

@@ -28,7 +28,6 @@ import torch
 
 from atomd.kernels import cbuild
 from atomd.config import QUANTIZATIONS
-from atomd.model.huge_pages import on_huge_pages
 
 log = logging.getLogger(__name__)
 # --quantization's LM head by method (a tied one: its own copy, the embedding lookup keeps the
@@ -462,12 +461,12 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
 def keep_strips_only(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> int:
     """A 16-bit weight packed into an AVX2 build's strips (prepack_panels), which then replace its rows: they serve
     every M, batch-1 decode too (at one row 0.89-1.05x the rows' time: RESULTS.md, #35 the AVX2 16-bit strips), so
-    the weight is held once (on 2 MiB pages, as the rows were for batch-1 decode) and q becomes [N, 0]. Returns the
-    strips' bytes (0: not done: not a 16-bit weight, or not an AVX2 build)."""
+    the weight is held once and q becomes [N, 0] (DecoderModel moves the strips onto 2 MiB pages, as it does the
+    rows batch-1 decode streams). Returns the strips' bytes (0: not done: not a 16-bit weight, or not an AVX2 build)."""
     lib = kernels() if lib == "auto" else lib
     if lib is None or lib.w16_panels != 2 or w.bits != 16 or w.strips_only or not prepack_panels(w, lib):
         return 0
-    w.panels, w.q, w._ref = on_huge_pages(w.panels), w.q.new_empty((w.q.shape[0], 0)), None
+    w.q, w._ref = w.q.new_empty((w.q.shape[0], 0)), None
     return w.panels.nbytes
 
 

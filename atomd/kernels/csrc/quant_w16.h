@@ -299,13 +299,6 @@ static int w16_gemm(const void *x, int64_t ldx, int64_t M, const uint16_t *q, co
  * per panel of 32 weight rows, each input's 32 values in one 64-byte line (bf16: row j and row j + 16 share lane j,
  * as W16_LOAD_B reads them; float16: rows in order); rows past N zeros. Once, at load (quant.prepack_panels). */
 static void w16_prepack(const uint16_t *q, int64_t N, int64_t K, const int kind, uint16_t *out, int num_threads) {
-    const int64_t panels = (N + W16_NR - 1) / W16_NR;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t p = 0; p < panels; p++)
-        for (int64_t j = 0; j < W16_NR; j++) {
-            const int64_t n = p * W16_NR + j, slot = kind == W16_H16 ? j : j < 16 ? 2 * j : 2 * (j - 16) + 1;
-            uint16_t *dst = out + p * K * W16_NR + slot;
-            for (int64_t k = 0; k < K; k++) dst[k * W16_NR] = n < N ? q[n * K + k] : 0;
-        }
+    w16_prepack_rows(q, N, K, kind == W16_H16, W16_NR, out, num_threads);
 }
 #endif

@@ -188,14 +188,7 @@ static void w16_strips_gemv(const float *x, const uint16_t *strips, int f16, con
  * lane j, the shift and the mask of w16a_kernel; float16: rows in order); rows past N zeros. Once, at load
  * (quant.prepack_panels). */
 static void w16_prepack(const uint16_t *q, int64_t N, int64_t K, const int kind, uint16_t *out, int num_threads) {
-    const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
-    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
-    for (int64_t p = 0; p < strips; p++)
-        for (int64_t j = 0; j < W16_AVX2_NR; j++) {
-            const int64_t n = p * W16_AVX2_NR + j, slot = kind == W16_H16 ? j : j < 8 ? 2 * j : 2 * (j - 8) + 1;
-            uint16_t *dst = out + p * K * W16_AVX2_NR + slot;
-            for (int64_t k = 0; k < K; k++) dst[k * W16_AVX2_NR] = n < N ? q[n * K + k] : 0;
-        }
+    w16_prepack_rows(q, N, K, kind == W16_H16, W16_AVX2_NR, out, num_threads);
 }
 #endif
 
