@@ -165,7 +165,7 @@ def test_avx2_build_has_no_bf16_x_panels_and_keeps_its_load_time_strips_at_any_m
     w, packed = weight16(rng, 37, 101)
     assert quant.gemm_bf16_f32(torch.ones(3, 101, dtype=torch.bfloat16), torch.ones(37, 101, dtype=torch.bfloat16),
                                lib) is None
-    assert quant.prepack_panels(packed, lib) == 64 * 101 * 2
+    assert quant.prepack_panels(packed, lib) == 48 * 101 * 2  # (16-row strips)
     assert quant.product_of(lib, packed, 2) == "w16_prepacked"
     packed.panels_layout = 1  # AVX-512's panels (packed before $ATOMD_KERNEL_ISA changed): not read by this build
     assert quant.product_of(lib, packed, 16) == "w16_panels" and quant.product_of(lib, packed, 2) == "w16_rows"
@@ -236,7 +236,8 @@ def test_prepacked_panels_give_the_per_call_panels_bits(panels_lib, fmt, m, n, k
     w, packed = weight16(rng, n, k, fmt)
     x = rng.standard_normal((m, k)).astype(np.float32)
     want = panels(panels_lib, x, packed, 1)
-    assert quant.prepack_panels(packed, panels_lib) == (n + 31) // 32 * 32 * k * 2
+    rows = 32 if panels_lib.w16_panels == 1 else 16  # (AVX-512's panels, AVX2's strips)
+    assert quant.prepack_panels(packed, panels_lib) == (n + rows - 1) // rows * rows * k * 2
     xt = torch.from_numpy(x)
     for threads in (1, 2):
         out = torch.full((m, n), float("nan"))
@@ -276,9 +277,11 @@ def test_an_avx2_16_bit_weight_held_as_its_strips_only(fmt):
     rng = np.random.default_rng(17)
     _, packed = weight16(rng, 37, 101, fmt)
     rows = packed.q.clone()
-    assert quant.keep_strips_only(packed, lib) == 64 * 101 * 2
+    assert quant.keep_strips_only(packed, lib) == 48 * 101 * 2
     assert packed.strips_only and tuple(packed.q.shape) == (37, 0) and packed.shape == (37, 101)
-    assert packed.nbytes() == 64 * 101 * 2
+    assert packed.nbytes() == 48 * 101 * 2
+    with pytest.raises(AssertionError):
+        quant.derived(packed, in_features=101)
     assert torch.equal(packed.dequantize(), rows.float())
     assert quant.keep_strips_only(packed, lib) == 0 and quant.prepack_panels(packed, lib) == 0
     plain = quant.QuantizedWeight(16, rows, None, None, 101, 101)
@@ -320,7 +323,8 @@ def test_a_16_bit_model_packs_its_panels_at_load_within_the_budget(monkeypatch):
 @pytest.mark.skipif(not {"avx2", "fma"} <= cbuild.cpu_flags(), reason="this CPU has no AVX2 / FMA")
 def test_an_avx2_16_bit_model_holds_each_weight_once(monkeypatch):
     """load_model with `--quantization bf16` on an AVX2 build: every layer linear and the LM head held as strips
-    only, whatever the budget of second copies, and their values the float32 model's rounded to bf16."""
+    only, whatever the budget of second copies, and their values the float32 model's rounded to bf16; layer kernels
+    that read another layout (builds of two ISAs) refused at load."""
     from atomd.model import decoder
     from atomd.model.default import default_model_dir
     from atomd.model.loader import load_model
@@ -335,6 +339,12 @@ def test_an_avx2_16_bit_model_holds_each_weight_once(monkeypatch):
             for t in [t for w in float_model.layers for t in (w.rows or w.linears())] + [float_model.lm_head]]
     for got, w in zip(weights, want):
         assert torch.equal(got.dequantize(), w.to(torch.bfloat16).float())
+    from atomd.model import layer_ops
+
+    if model.decode_layer is not None:  # layer kernels of another layout than the strips': refused at load
+        monkeypatch.setattr(layer_ops.kernels(), "w16_layout", 1)
+        with pytest.raises(RuntimeError, match="another 16-bit layout"):
+            load_model(default_model_dir(), quantization="bf16")
 
 
 # ---- bf16 x bf16 -> float32 (csrc/quant_w16.h, atomd_gemm_bf16_panels): vdpbf16ps over packed pairs of inputs

@@ -90,7 +90,7 @@ def test_linears_are_packed_not_float(quantized):
     assert isinstance(lm_head, QuantizedWeight) and lm_head.bits == (16 if method == "bf16" else 8)
     if layer.rows is not None:  # batch-1 decode streams them: moved onto 2 MiB pages (huge_pages)
         assert all(t.data_ptr() % huge_pages.HUGE_PAGE == 0 for w in (*layer.rows, lm_head)
-                   for t in (w.q, w.scales) if t is not None)
+                   for t in (w.panels if w.strips_only else w.q, w.scales) if t is not None)
 
 
 @pytest.mark.unit
@@ -255,6 +255,17 @@ def assert_equals_hf_on(llm: LLM, hf: torch.nn.Module, prompt_len: int, seed: in
     prompts = prompts_of([1, 20], seed=seed + 1)
     for p, ids in zip(prompts, greedy(llm, prompts)):
         assert ids == hf_greedy(hf, p, 48)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("method", ["int8", "bf16"])
+def test_phi3_fused_projections_quantised_equal_hf_on_dequantised_weights(method, tmp_path):
+    """Phi-3's checkpoint holds qkv and gate_up fused: quantized at load like any linear (the loader made them
+    contiguous as tensors, which a QuantizedWeight is already), HF's logits and greedy ids on the same weights."""
+    path = make_checkpoint(tmp_path / "phi3", "phi3", seed=9)
+    llm = LLM(str(path), num_threads=1, max_model_len=256, quantization=method)
+    assert all(isinstance(t, QuantizedWeight) for t in llm.engine.model.layers[0].linears())
+    assert_equals_hf_on(llm, hf_dequantised(path, method), 21, seed=4)
 
 
 @pytest.mark.unit

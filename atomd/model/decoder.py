@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 
 from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
+from atomd.kernels import cbuild
 from atomd.model import huge_pages, layer_ops, moe as moe_mod, quant
 from atomd.model.attention import paged_attention, qk_norm_
 from atomd.model.config import ModelConfig
@@ -170,6 +171,11 @@ class DecoderModel:
                      "the fused C layer has no %s", cfg.architecture, " and chosen expert" if cfg.sparse_layers else "",
                      missing)
             return
+        strips = {t.panels_layout for w in self.layers for t in w.linears() if isinstance(t, QuantizedWeight)
+                  and t.strips_only}
+        if strips - {layer_ops.kernels().w16_layout}:  # (the two builds come from one $ATOMD_KERNEL_ISA)
+            raise RuntimeError("the layer kernels read another 16-bit layout than the quantized kernels packed: "
+                               f"builds of two ISAs (${cbuild.ISA_ENV} changed during load?)")
         self.decode_layer = layer_ops.DecodeLayer(self.dtype, cfg.hidden_size, cfg.intermediate_size,
                                                   cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.rms_norm_eps,
                                                   quantized=any(quantized))

@@ -149,6 +149,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 6 + [ctypes.c_int]
     lib.atomd_moe_q8.restype = lib.atomd_moe_q8_kind.restype = ctypes.c_int
     lib.moe_q8_kind = lib.atomd_moe_q8_kind()
+    lib.atomd_layer_w16_layout.restype = ctypes.c_int
+    lib.w16_layout = lib.atomd_layer_w16_layout()  # the 16-bit panels' layout its quantized layer reads (1 / 2)
     return lib
 
 

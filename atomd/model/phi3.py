@@ -13,6 +13,7 @@ import torch
 
 from atomd.model.config import ModelConfig
 from atomd.model.decoder import DecoderModel, LayerWeights, TensorSource
+from atomd.model.quant import QuantizedWeight
 
 
 class Phi3Model(DecoderModel):
@@ -32,8 +33,14 @@ class Phi3Model(DecoderModel):
     def load_layer(cls, src: TensorSource, cfg: ModelConfig, i: int, dtype: torch.dtype) -> LayerWeights:
         p = f"model.layers.{i}."
         return LayerWeights(input_norm=src.get(p + "input_layernorm.weight", dtype),
-                            qkv=src.get(p + "self_attn.qkv_proj.weight", dtype).contiguous(),
+                            qkv=_contiguous(src.get(p + "self_attn.qkv_proj.weight", dtype)),
                             o=src.get(p + "self_attn.o_proj.weight", dtype),
                             post_norm=src.get(p + "post_attention_layernorm.weight", dtype),
-                            gate_up=src.get(p + "mlp.gate_up_proj.weight", dtype).contiguous(),
+                            gate_up=_contiguous(src.get(p + "mlp.gate_up_proj.weight", dtype)),
                             down=src.get(p + "mlp.down_proj.weight", dtype))
+
+
+def _contiguous(t):
+    """A fused projection as the kernels read it: a float tensor made contiguous; a QuantizedWeight (--quantization,
+    or --dtype auto's bf16 weights) is packed contiguous already."""
+    return t if isinstance(t, QuantizedWeight) else t.contiguous()

@@ -283,7 +283,8 @@ def qweight_array(weights: list[QuantizedWeight]) -> ctypes.Array:
 
 
 def cat(weights: list[QuantizedWeight]) -> QuantizedWeight:
-    """Weights of one input stacked along their outputs (q, k, v; gate, up)."""
+    """Weights of one input stacked along their outputs (q, k, v; gate, up), as loaded (not strips only)."""
+    assert not any(w.strips_only for w in weights), "cat of weights whose rows were dropped (keep_strips_only)"
     first = weights[0]
     for w in weights[1:]:
         same_perm = (w.perm is None) == (first.perm is None) and (w.perm is None or torch.equal(w.perm, first.perm))
@@ -428,15 +429,16 @@ def _ptr(t: torch.Tensor | None) -> int | None:
 
 def derived(w: QuantizedWeight, **changes) -> QuantizedWeight:
     """A weight made from w with `changes` (a slice, padding: tensor_parallel), without w's state derived from its
-    tensors: the C struct, the scratch, the load-time panels."""
+    tensors: the C struct, the scratch, the load-time panels. Not of a strips-only weight (its rows are gone)."""
+    assert not w.strips_only, "a weight made from one whose rows were dropped (keep_strips_only)"
     return replace(w, **changes, _ref=None, _scratch=None, panels=None)
 
 
-def panel_bytes(w: QuantizedWeight) -> int:
-    """The bytes prepack_panels keeps for a 16-bit weight: its rows padded to whole 32-row panels (AVX-512's; AVX2's
-    16-row strips use ceil(N / 16) * 16 rows of it)."""
+def panel_bytes(w: QuantizedWeight, rows: int = 32) -> int:
+    """The bytes prepack_panels keeps for a 16-bit weight: its rows padded to whole panels of `rows` (AVX-512's 32;
+    an AVX2 build's strips, 16)."""
     n, k = w.shape
-    return (n + 31) // 32 * 32 * k * 2
+    return (n + rows - 1) // rows * rows * k * 2
 
 
 def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> int:
@@ -450,7 +452,7 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
     if lib is None or not lib.w16_panels or w.bits != 16 or w.strips_only:
         return 0
     n, k = w.shape
-    panels = torch.empty(panel_bytes(w) // 2, dtype=torch.int16)
+    panels = torch.empty(panel_bytes(w, 32 if lib.w16_panels == 1 else 16) // 2, dtype=torch.int16)
     rc = getattr(lib, f"atomd_qprepack_{_w16(w)}")(w.q.data_ptr(), n, k, panels.data_ptr(), torch.get_num_threads())
     if rc != 0:
         return 0
