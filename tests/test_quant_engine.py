@@ -234,13 +234,14 @@ def hf_from_files(float_dir, weights: dict[str, np.ndarray], out) -> torch.nn.Mo
 
 def hf_rtn_from_files(path, method: str, out) -> torch.nn.Module:
     """hf_from_files with the decoder linears, experts included, as their numpy round-to-nearest
-    and the LM head as its int8 one."""
+    and the LM head as --quantization rounds it (int8 for the int methods)."""
     from safetensors.numpy import load_file
 
     from atomd.model.quant_formats import is_layer_linear
 
     tensors = load_file(path / "model.safetensors")
-    return hf_from_files(path, {name: numpy_rtn(w, method if name != "lm_head.weight" else "int8")
+    head = quant.LM_HEAD_QUANTIZATION[method]
+    return hf_from_files(path, {name: numpy_rtn(w, method if name != "lm_head.weight" else head)
                                 for name, w in tensors.items() if is_layer_linear(name) or name == "lm_head.weight"},
                          out)
 
@@ -269,14 +270,16 @@ def test_phi3_fused_projections_quantised_equal_hf_on_dequantised_weights(method
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind,method", [("qwen3_moe", "int8"), ("mixtral", "int4")])
+@pytest.mark.parametrize("kind,method", [("qwen3_moe", "int8"), ("mixtral", "int4"), ("qwen3_moe", "bf16")])
 def test_moe_experts_quantised_equal_hf_on_dequantised_weights(kind, method, tmp_path):
     # hidden 64, expert intermediate 32 (Qwen3-MoE) / 128 (Mixtral): int4 groups of 32 everywhere
     path = make_checkpoint(tmp_path / kind, kind, seed=9, **({"moe_intermediate_size": 32} if kind == "qwen3_moe" else {}))
     llm = LLM(str(path), num_threads=1, max_model_len=256, quantization=method)
     moe = llm.engine.model.layers[0].moe
-    assert moe.quantized and all(isinstance(w, QuantizedWeight) and w.bits == int(method[3:])
+    assert moe.quantized and all(isinstance(w, QuantizedWeight) and w.bits == {"int8": 8, "int4": 4, "bf16": 16}[method]
                                  for w in [*moe.gate_up, *moe.down])
+    # bf16 experts on an AVX2 build: held as their strips only, a qlinear pair each (moe_q8 is AVX-512's)
+    assert all(w.strips_only for w in moe.down) == (method == "bf16" and quant.kernels().w16_panels == 2)
     assert_equals_hf_on(llm, hf_rtn_from_files(path, method, tmp_path / "hf"), 2 * 16 + 5, seed=4)
 
 

@@ -102,11 +102,11 @@ class MoeWeights:
         """The quantized experts as layer_ops.moe_q8 takes them (made at the first call: after load, once
         int8 activations are set), or None where it does not run them: float experts, int8 / int4 experts
         without int8 activations, 16-bit and int experts mixed, experts with an act-order permutation, expert
-        parallelism, no kernel here."""
+        parallelism, no kernel here, experts held as an AVX2 build's strips only (quant.keep_strips_only: no rows)."""
         if self.q8 is None:
             linears = (*self.gate_up, *self.down)  # all int8-activation ones or all 16-bit ones (the kernel's two kinds)
             fits = (self.quantized and self.ep is None and layer_ops.moe_q8_kind() > 0
-                    and all(q.perm is None for q in linears)
+                    and all(q.perm is None and not q.strips_only for q in linears)
                     and (all(q.int8_activations for q in linears) or all(q.bits == 16 for q in linears)))
             self.q8 = (quant.qweight_array(self.gate_up), quant.qweight_array(self.down)) if fits else ()
         return self.q8 or None
