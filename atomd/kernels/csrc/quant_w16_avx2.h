@@ -50,28 +50,34 @@ static void w16a_pack(const uint16_t *q, int f16, int64_t N, int64_t K, int64_t 
  * rows j and j + 8 sharing 32-bit lane j, float16 rows in order: w16_prepack) */
 enum { W16A_F32 = 0, W16A_B16 = 1, W16A_H16 = 2 };
 
+/* input k's 16 weights of a strip of layout src (a constant after inlining) at w, widened into w0 (outputs 0..7) and
+ * w1 (8..15): a load-time strip in registers, bf16 by a shift and a mask of one 32-byte load, float16 by two
+ * conversions */
+static inline __attribute__((always_inline)) void w16a_load(const int src, const void *w, int64_t k, __m256 *w0,
+                                                            __m256 *w1) {
+    if (src == W16A_F32) {
+        *w0 = _mm256_loadu_ps((const float *)w + k * W16_AVX2_NR);
+        *w1 = _mm256_loadu_ps((const float *)w + k * W16_AVX2_NR + 8);
+    } else if (src == W16A_B16) {
+        const __m256i u = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * W16_AVX2_NR));
+        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+        *w1 = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+    } else {
+        *w0 = load_h16((const uint16_t *)w + k * W16_AVX2_NR);
+        *w1 = load_h16((const uint16_t *)w + k * W16_AVX2_NR + 8);
+    }
+}
+
 /* mr (a constant after inlining) rows of x times one strip into y[r * ldy + 0 .. cols); src (a constant too) its
- * layout. A load-time strip is widened in registers: bf16 by a shift and a mask of one 32-byte load, float16 by two
- * conversions. */
+ * layout (w16a_load). */
 static inline __attribute__((always_inline)) void w16a_kernel(const int mr, const int src, const float *x, int64_t ldx,
                                                               const void *w, int64_t K, float *y, int64_t ldy,
                                                               int64_t cols) {
     __m256 a[W16_AVX2_MR][2];
     for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
-    const __m256i high = _mm256_set1_epi32((int)0xFFFF0000u);
     for (int64_t k = 0; k < K; k++) {
         __m256 w0, w1;
-        if (src == W16A_F32) {
-            w0 = _mm256_loadu_ps((const float *)w + k * W16_AVX2_NR);
-            w1 = _mm256_loadu_ps((const float *)w + k * W16_AVX2_NR + 8);
-        } else if (src == W16A_B16) {
-            const __m256i u = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * W16_AVX2_NR));
-            w0 = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-            w1 = _mm256_castsi256_ps(_mm256_and_si256(u, high));
-        } else {
-            w0 = load_h16((const uint16_t *)w + k * W16_AVX2_NR);
-            w1 = load_h16((const uint16_t *)w + k * W16_AVX2_NR + 8);
-        }
+        w16a_load(src, w, k, &w0, &w1);
         for (int r = 0; r < mr; r++) {
             const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
             a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
@@ -90,6 +96,29 @@ static inline __attribute__((always_inline)) void w16a_kernel(const int mr, cons
         _mm256_maskstore_ps(y + r * ldy, m0, a[r][0]);
         _mm256_maskstore_ps(y + r * ldy + 8, m1, a[r][1]);
     }
+}
+
+/* one row of x against two adjacent load-time strips (src W16A_B16 / W16A_H16) at w, into y[0 .. 16 + cols1) (cols1:
+ * the second strip's outputs, up to 16): four FMA chains in flight where one strip has two waiting on the FMA latency
+ * (~1.25x the read rate at batch 1, RESULTS.md); each output the same one chain over k as w16a_kernel's */
+static inline __attribute__((always_inline)) void w16a_pair(const int src, const float *x, const uint16_t *w, int64_t K,
+                                                            float *y, int64_t cols1) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, b0 = a0, b1 = a0;
+    const uint16_t *v = w + K * W16_AVX2_NR;
+    for (int64_t k = 0; k < K; k++) {
+        __m256 w0, w1, v0, v1;
+        w16a_load(src, w, k, &w0, &w1);
+        w16a_load(src, v, k, &v0, &v1);
+        const __m256 xb = _mm256_broadcast_ss(x + k);
+        a0 = _mm256_fmadd_ps(xb, w0, a0);
+        a1 = _mm256_fmadd_ps(xb, w1, a1);
+        b0 = _mm256_fmadd_ps(xb, v0, b0);
+        b1 = _mm256_fmadd_ps(xb, v1, b1);
+    }
+    _mm256_storeu_ps(y, a0);
+    _mm256_storeu_ps(y + 8, a1);
+    _mm256_maskstore_ps(y + 16, lanes_below8(cols1), b0);
+    _mm256_maskstore_ps(y + 24, lanes_below8(cols1 - 8), b1);
 }
 
 /* rows m0 .. m1 of x times strip j (of layout src, at w) into y, W16_AVX2_MR rows a micro-kernel */
@@ -114,6 +143,21 @@ static void w16a_strip(const int src, const float *x, int64_t ldx, int64_t m0, i
         else W16A_ROWS(W16A_H16)
 #undef W16A_ROWS
     }
+}
+
+/* one row of x against strips j0 .. j1 of a load-time layout (src W16A_B16 / W16A_H16) into y, two strips at a time
+ * (w16a_pair), a last odd one alone: batch 1 (w16_strips_gemv, w16_gemm_avx2_prepacked at M 1) */
+static void w16a_row(const int src, const float *x, const uint16_t *pre, int64_t N, int64_t K, int64_t j0, int64_t j1,
+                     float *y) {
+    int64_t j = j0;
+    for (; j + 2 <= j1; j += 2) {
+        const int64_t cols1 = N - (j + 1) * W16_AVX2_NR;
+        if (src == W16A_B16)
+            w16a_pair(W16A_B16, x, pre + j * W16_AVX2_NR * K, K, y + j * W16_AVX2_NR, cols1);
+        else
+            w16a_pair(W16A_H16, x, pre + j * W16_AVX2_NR * K, K, y + j * W16_AVX2_NR, cols1);
+    }
+    if (j < j1) w16a_strip(src, x, K, 0, 1, pre + j * W16_AVX2_NR * K, N, K, j, y, N);
 }
 
 /* strips s0 .. s1 widened into wp and run against the M rows of x into y */
@@ -163,7 +207,8 @@ static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
         const int64_t s0 = strips * t / n, s1 = strips * (t + 1) / n;
-        for (int64_t m0 = 0; m0 < M; m0 += block)
+        if (M == 1) w16a_row(src, x, pre, N, K, s0, s1, y);
+        else for (int64_t m0 = 0; m0 < M; m0 += block)
             for (int64_t j = s0; j < s1; j++)
                 w16a_strip(src, x, ldx, m0, m0 + block < M ? m0 + block : M, pre + j * W16_AVX2_NR * K, N, K, j, y,
                            ldy);
@@ -177,9 +222,10 @@ static void w16_strips_gemv(const float *x, const uint16_t *strips, int f16, con
                             int64_t N) {
     const int64_t n_strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
     _Pragma("omp for schedule(static)")
-    for (int64_t j = 0; j < n_strips; j++) {
-        w16a_strip(f16 ? W16A_H16 : W16A_B16, x, K, 0, 1, strips + j * W16_AVX2_NR * K, N, K, j, y, N);
-        for (int64_t n = j * W16_AVX2_NR; bias && n < (j + 1) * W16_AVX2_NR && n < N; n++) y[n] += bias[n];
+    for (int64_t p = 0; p < (n_strips + 1) / 2; p++) {  /* two strips an item (w16a_row's pairs) */
+        const int64_t j1 = 2 * p + 2 < n_strips ? 2 * p + 2 : n_strips;
+        w16a_row(f16 ? W16A_H16 : W16A_B16, x, strips, N, K, 2 * p, j1, y);
+        for (int64_t n = 2 * p * W16_AVX2_NR; bias && n < j1 * W16_AVX2_NR && n < N; n++) y[n] += bias[n];
     }
 }
 
