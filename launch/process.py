@@ -245,17 +245,35 @@ def _server_url(host: str, port: int, url_host: str | None) -> str:
 
 
 class EngineServer(ServerProcess):
-    """`python -m atomd serve` on host:port (a free port unless given); model None: the built-in one.
+    """`python -m atomd serve` on host:port (a free port unless given, held by reserve_port until stop: a number
+    free_port returns can be bound by another process first, e.g. an engine's ZMQ socket on a random port);
+    model None: the built-in one.
 
     url_host: the host in `url` when it differs from the listen address (e.g. 0.0.0.0).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *args: str, host: str = LOOPBACK,
                  port: int | None = None, url_host: str | None = None, name: str = "atomd serve", **kwargs):
-        self.host, self.port = host, port or free_port(host)
+        self._held = reserve_port(0, host) if not port else None
+        self.host, self.port = host, port or self._held.getsockname()[1]
         argv = [sys.executable, "-m", "atomd", "serve", "--host", host, "--port", str(self.port),
                 *(["--model", str(model)] if model is not None else []), *args]
-        super().__init__(argv, _server_url(host, self.port, url_host), name, **kwargs)
+        try:
+            super().__init__(argv, _server_url(host, self.port, url_host), name, **kwargs)
+        except BaseException:
+            self._release()
+            raise
+
+    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
+        try:
+            super().stop(grace_s)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        if self._held is not None:
+            self._held.close()
+            self._held = None
 
     def engine_pids(self) -> list[int]:
         """The engine cores (one per DP rank): the server's live children but multiprocessing's
