@@ -466,7 +466,7 @@ def keep_strips_only(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto")
     the weight is held once and q becomes [N, 0] (DecoderModel moves the strips onto 2 MiB pages, as it does the
     rows batch-1 decode streams). Returns the strips' bytes (0: not done: not a 16-bit weight, or not an AVX2 build)."""
     lib = kernels() if lib == "auto" else lib
-    if lib is None or lib.w16_panels != 2 or w.bits != 16 or w.strips_only or not prepack_panels(w, lib):
+    if lib is None or lib.w16_panels != 2 or not prepack_panels(w, lib):  # (0 for a strips-only or not 16-bit one)
         return 0
     w.q, w._ref = w.q.new_empty((w.q.shape[0], 0)), None
     return w.panels.nbytes

@@ -1314,19 +1314,6 @@ DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *,
 
 int atomd_gemv_kinds(void) { return GEMV_KINDS; }
 
-/* 2 where the quantized layer's GEMV reads an AVX2 build's 16-bit strips (quant.h atomd_qgemv_rows with q NULL) and
- * its batch rows that layout (quant_w16_avx2.h), 1 AVX-512's panels, 0 neither: DecoderModel checks it against the
- * strips' quant.QuantizedWeight.panels_layout */
-int atomd_layer_w16_layout(void) {
-#if QUANT_PATH == 1
-    return 2;
-#elif QUANT_PATH == 2
-    return 1;
-#else
-    return 0;
-#endif
-}
-
 /* LoRA of a step's rows under several adapters in one call (an SGMV, atomd/model/lora.py's sgmv form):
    out[i] += (x[i] @ a[s].T) @ b[s] for each row i whose slot s = slots[i] >= 0, a [adapters, w, k] (each
    rank's A row) and b [adapters, w, n] contiguous (an adapter narrower than w padded with zeros). Each row
@@ -1401,6 +1388,11 @@ void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t r
 #include "quant_w16.h"
 #include "quant_w16_avx2.h"
 #include "moe_q8.h"
+
+/* the 16-bit panels' layout this build's quantized layer and batch rows read (quant_w16_avx2.h w16_panels_kind: 2 an
+ * AVX2 build's strips, also where q is NULL, 1 AVX-512's panels): DecoderModel checks it against the strips'
+ * quant.QuantizedWeight.panels_layout */
+int atomd_layer_w16_layout(void) { return w16_panels_kind(); }
 
 /* DeepSeekMoE's routed experts for the R rows h [R][hidden] of a batch (atomd/model/deepseek.py,
  * the rows path) in one call: moe.moe()'s steps with DeepseekRouting's router: each row's router

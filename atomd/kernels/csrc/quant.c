@@ -234,15 +234,7 @@ int atomd_quant_bf16_panels(void) {
 
 /* 1 when atomd_qgemm_b16_panels / _h16_panels and their load-time and bf16-x forms run here (an AVX-512 build);
  * 2 the per-call and load-time panels of float32 x (an AVX2 build, quant_w16_avx2.h); 0 none */
-int atomd_quant_w16_panels(void) {
-#if defined(W16_PANELS)
-    return 1;
-#elif defined(W16_PANELS_AVX2)
-    return 2;
-#else
-    return 0;
-#endif
-}
+int atomd_quant_w16_panels(void) { return w16_panels_kind(); }
 
 /* 1 when atomd_qgemm_amx runs on tiles here: built with AMX-INT8 and granted by Linux */
 int atomd_quant_amx(void) {

@@ -255,3 +255,16 @@ static inline int w16_panels_product(const float *x, int64_t ldx, int64_t M, con
     return 1;
 #endif
 }
+
+/* the 16-bit panels this build has: 1 every form (AVX-512, quant_w16.h's 32-row panels), 2 float32 x's per call and
+ * at load (AVX2, the 16-row strips here), 0 none: atomd_quant_w16_panels (quant.c) and atomd_layer_w16_layout
+ * (layer_ops.c, the layout its quantized layer reads) */
+static inline int w16_panels_kind(void) {
+#if defined(W16_PANELS)
+    return 1;
+#elif defined(W16_PANELS_AVX2)
+    return 2;
+#else
+    return 0;
+#endif
+}
