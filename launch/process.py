@@ -182,10 +182,13 @@ class ServerProcess:
 
     def __init__(self, argv: list[str], url: str, name: str | None = None, *,
                  log: str | os.PathLike | None = None, cwd: str | os.PathLike | None = None,
-                 env: dict | None = None, die_with_parent: bool = False, wrapper: Iterable[str] = ()):
+                 env: dict | None = None, die_with_parent: bool = False, wrapper: Iterable[str] = (),
+                 held_port: socket.socket | None = None):
+        """held_port: the reserve_port socket of the port the child will listen on, closed at stop."""
         self.name = name or pathlib.Path(str(argv[0])).name
         self.argv, self.url = [str(a) for a in [*wrapper, *argv]], url
         self.log_path = log
+        self._held_port = held_port
         self._log = open(log, "wb") if log is not None else None
         try:
             self.proc = subprocess.Popen(self.argv, cwd=cwd, env=env, stdout=self._log,
@@ -229,9 +232,13 @@ class ServerProcess:
         self._close_log()
 
     def _close_log(self) -> None:
+        """The log file and the held port (each closed once)."""
         if self._log is not None:
             self._log.close()
             self._log = None
+        if self._held_port is not None:
+            self._held_port.close()
+            self._held_port = None
 
     def __enter__(self) -> "ServerProcess":
         return self
@@ -244,36 +251,27 @@ def _server_url(host: str, port: int, url_host: str | None) -> str:
     return f"http://{url_host or host}:{port}"
 
 
+def _server_port(host: str, port: int | None) -> tuple[int, socket.socket | None]:
+    """`port`, or a free one held by reserve_port until the server stops (a number free_port returns can be bound
+    by another process first, e.g. an engine's ZMQ socket on a random port), and its socket."""
+    if port:
+        return port, None
+    held = reserve_port(0, host)
+    return held.getsockname()[1], held
+
+
 class EngineServer(ServerProcess):
-    """`python -m atomd serve` on host:port (a free port unless given, held by reserve_port until stop: a number
-    free_port returns can be bound by another process first, e.g. an engine's ZMQ socket on a random port);
-    model None: the built-in one.
+    """`python -m atomd serve` on host:port (a free port unless given: _server_port); model None: the built-in one.
 
     url_host: the host in `url` when it differs from the listen address (e.g. 0.0.0.0).
     """
 
     def __init__(self, model: str | os.PathLike | None = None, *args: str, host: str = LOOPBACK,
                  port: int | None = None, url_host: str | None = None, name: str = "atomd serve", **kwargs):
-        self._held = reserve_port(0, host) if not port else None
-        self.host, self.port = host, port or self._held.getsockname()[1]
+        self.host, (self.port, held) = host, _server_port(host, port)
         argv = [sys.executable, "-m", "atomd", "serve", "--host", host, "--port", str(self.port),
                 *(["--model", str(model)] if model is not None else []), *args]
-        try:
-            super().__init__(argv, _server_url(host, self.port, url_host), name, **kwargs)
-        except BaseException:
-            self._release()
-            raise
-
-    def stop(self, grace_s: float = STOP_GRACE_S) -> None:
-        try:
-            super().stop(grace_s)
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        if self._held is not None:
-            self._held.close()
-            self._held = None
+        super().__init__(argv, _server_url(host, self.port, url_host), name, held_port=held, **kwargs)
 
     def engine_pids(self) -> list[int]:
         """The engine cores (one per DP rank): the server's live children but multiprocessing's
@@ -298,14 +296,15 @@ class EngineServer(ServerProcess):
 
 
 class RouterServer(ServerProcess):
-    """`python -m router` over the given prefill and decode URLs (more can join by POST /workers)."""
+    """`python -m router` over the given prefill and decode URLs (more can join by POST /workers), on host:port (a
+    free port unless given: _server_port)."""
 
     def __init__(self, prefill: Iterable[str] = (), decode: Iterable[str] = (), *args: str, host: str = LOOPBACK,
                  port: int | None = None, url_host: str | None = None, name: str = "router", **kwargs):
-        self.host, self.port = host, port or free_port(host)
+        self.host, (self.port, held) = host, _server_port(host, port)
         argv = [sys.executable, "-m", "router", "--host", host, "--port", str(self.port)]
         for url in prefill:
             argv += ["--prefill", url]
         for url in decode:
             argv += ["--decode", url]
-        super().__init__([*argv, *args], _server_url(host, self.port, url_host), name, **kwargs)
+        super().__init__([*argv, *args], _server_url(host, self.port, url_host), name, held_port=held, **kwargs)
