@@ -5,8 +5,8 @@ leave this CPU the same flags build the same paths (on an AVX2-only CPU all four
 Xeon with AVX-512/VNNI native, no-amx and no-bf16-dot), so of each such set only the narrowest
 is taken: its name says what runs, and no test runs one path three times.
 
-needs_avx512: tests of a C path that only an AVX-512 build has (the batch-1 decode layer and its
-GEMV rows, moe_q8's experts in one call, DeepSeek's C layers, the MTP pass in one call) against
+needs_avx512: tests of a C path that only an AVX-512 build has (DeepSeek's MLA C layers, the MTP pass
+in one call) against
 the per-op path: on a CPU without AVX-512 (an AVX2-only AMD EPYC, Zen 3) the kernels leave those
 paths out and the engine runs the per-op path itself, so there is nothing to compare. Keyed on the
 CPU's flags, not on what was built: on an AVX-512 CPU a build that lost them still fails the test."""

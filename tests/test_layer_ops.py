@@ -541,11 +541,13 @@ def test_moe_amx_experts_equal_the_per_expert_path(isa, hidden, inter, experts, 
 
 
 @pytest.mark.parametrize("isa", ["native", "no-amx"], indirect=True)  # the other narrowings: the no-amx rows
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "int4+int8"])
 def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
     """int8 / int4 experts with int8 activations in one C call (layer_ops.moe_q8: AMX-INT8 tiles from
-    QGEMM_AMX_MIN_M rows an expert on the native build of an AMX CPU, the VNNI GEMM from QGEMM_VNNI_MIN_M
-    on the no-amx build, the int8-activation rows below them) against one qlinear pair per active expert (moe.Q8 off, the same
+    QGEMM_AMX_MIN_M rows an expert on the native build of an AMX CPU, the int8 GEMM from quant.q8_gemm_min_m
+    without them (VNNI, or AVX2 on a CPU without AVX-512: its own rows for int4 and int8 linears, so also
+    int4 gate_up with int8 down, as a Q4_K_M GGUF's Q6_K tensors load), the int8-activation rows below them)
+    against one qlinear pair per active expert (moe.Q8 off, the same
     narrowing for qlinear): the same bits (each expert's rows go through qlinear's own arithmetic),
     float32 and bf16 models (bf16 rounds gate_up, silu, down and the scaled pair as the torch ops do;
     Mixtral's float32 products too, cast_weights off); 1 token (moe()'s batch-1 form), 2, 17, 150 (two
@@ -559,10 +561,9 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
     qlib = quant.build_kernels("native" if isa == "native" else "no-amx")
     monkeypatch.setattr(quant, "kernels", lambda: qlib)
     tiles = isa == "native" and {"amx_tile", "amx_int8"} <= cpu_flags()
-    gemm = not tiles and "avx512_vnni" in cpu_flags()  # the VNNI GEMM where no tiles (csrc/quant_gemm.h)
-    assert layer_ops.moe_q8_kind() == (2 if tiles else 3 if gemm else 1 if AVX512 else 0)
-    if not AVX512:
-        pytest.skip("moe_q8 is built for AVX-512 CPUs only; this one runs the per-expert path the test compares it with")
+    # the int8 GEMM where no tiles (csrc/quant_gemm.h): VNNI, or AVX2 where the build has no AVX-512
+    gemm = not tiles and ("avx512_vnni" in cpu_flags() or not AVX512)
+    assert layer_ops.moe_q8_kind() == (2 if tiles else 3 if gemm else 1)
     calls, real = [], layer_ops.moe_q8
     monkeypatch.setattr(layer_ops, "moe_q8", lambda x, gu, d, inter, experts, *a: calls.append(len(experts))
                         or real(x, gu, d, inter, experts, *a))
@@ -572,8 +573,9 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
                                                         (256, 128, 8, 2, 9, 1)]:
         monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
         g = torch.Generator().manual_seed(hidden + tokens)
-        gate_up = [quant.quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, method) for _ in range(experts)]
-        down = [quant.quantize(torch.randn(hidden, inter, generator=g) * 0.2, method) for _ in range(experts)]
+        gate_up = [quant.quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, method[:4])
+                   for _ in range(experts)]
+        down = [quant.quantize(torch.randn(hidden, inter, generator=g) * 0.2, method[-4:]) for _ in range(experts)]
         quant.use_int8_activations(gate_up + down)
         wg = torch.stack([q.dequantize() for q in gate_up]).double()
         wd = torch.stack([q.dequantize() for q in down]).double()
@@ -597,6 +599,54 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
                 exact = (routed[0].double().unsqueeze(-1)
                          * torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[ids])).sum(dim=1)
                 assert (got.double() - exact).abs().max() <= 0.05 * exact.abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("method", ["bf16", "fp16"])
+@pytest.mark.parametrize("strips", [False, True])
+def test_moe_q8_16_bit_experts_equal_the_per_expert_path(method, strips, monkeypatch):
+    """16-bit experts (float32 activations) in one moe_q8 call against one qlinear pair per active expert (moe.Q8
+    off): the same bits, float32 and bf16 models, 1 token (batch 1), 2, 17 and 150 (two row chunks), 1 and 2
+    threads; held as their rows (the rows, from QGEMM_W16_MIN_M rows an expert the panels packed per call) and,
+    on an AVX2 build, as the strips packed at load alone (quant.keep_strips_only: what such a build loads,
+    read at every row count)."""
+    from atomd.model import moe, quant
+    from atomd.model.moe import MoeWeights
+
+    qlib = quant.kernels()
+    if strips and qlib.w16_panels != 2:
+        pytest.skip("weights held as strips only are an AVX2 build's (this CPU's build packs AVX-512 panels)")
+    monkeypatch.setattr(quant, "QGEMM_W16_MIN_M", 3)  # both kernels of the rows-held experts at these sizes
+    calls, real = [], layer_ops.moe_q8
+    monkeypatch.setattr(layer_ops, "moe_q8", lambda x, gu, d, inter, experts, *a: calls.append(len(experts))
+                        or real(x, gu, d, inter, experts, *a))
+    hidden, inter, experts, k = 96, 40, 8, 2  # strips of 16 rows: the last one short in gate_up (80) and down (96)
+    g = torch.Generator().manual_seed(7)
+    gate_up = [quant.quantize(torch.randn(2 * inter, hidden, generator=g) * 0.2, method) for _ in range(experts)]
+    down = [quant.quantize(torch.randn(hidden, inter, generator=g) * 0.2, method) for _ in range(experts)]
+    wg = torch.stack([q.dequantize() for q in gate_up]).double()
+    wd = torch.stack([q.dequantize() for q in down]).double()
+    if strips:
+        assert all(quant.keep_strips_only(q) for q in gate_up + down)
+    for tokens, threads in [(1, 2), (2, 1), (17, 2), (150, 1), (150, 2)]:
+        monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
+        scales = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1)
+        for dtype in (torch.float32, torch.bfloat16):
+            w = MoeWeights(router=torch.randn(experts, hidden, generator=g).to(dtype), gate_up=gate_up, down=down,
+                           top_k=k, norm_topk_prob=True)
+            h = torch.randn(tokens, hidden, generator=g).to(dtype)
+            for ids in routings(g, tokens, experts, k)[:1 if tokens == 1 else 3]:
+                routed = (scales.to(dtype), ids)
+                calls.clear()
+                got = moe.moe(h, w, routed)
+                assert calls == [int((torch.bincount(ids.flatten()) > 0).sum())]
+                monkeypatch.setattr(moe, "Q8", False)
+                per_expert = moe.moe(h, w, routed)
+                monkeypatch.setattr(moe, "Q8", True)
+                assert torch.equal(got, per_expert), (tokens, threads, dtype)
+                gate, up = torch.einsum("th,tkih->tki", h.double(), wg[ids]).split(inter, dim=-1)
+                exact = (routed[0].double().unsqueeze(-1)
+                         * torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[ids])).sum(dim=1)
+                assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max() + 1e-4
 
 
 @pytest.mark.parametrize("isa", ["native", "no-amx"], indirect=True)

@@ -22,7 +22,6 @@ from atomd.model import huge_pages, layer_ops, quant
 from atomd.model.quant import QuantizedWeight
 from launch.process import http
 from contracts.sampling import SamplingParams
-from tests.cpu_builds import needs_avx512
 from tests.pd_fixtures import metric, ref_and_pd
 from tests.test_model_hf import _prompt_logits, hf_model, make_checkpoint, prompts_of
 from tests.test_pd_e2e import complete
@@ -278,12 +277,11 @@ def test_moe_experts_quantised_equal_hf_on_dequantised_weights(kind, method, tmp
     moe = llm.engine.model.layers[0].moe
     assert moe.quantized and all(isinstance(w, QuantizedWeight) and w.bits == {"int8": 8, "int4": 4, "bf16": 16}[method]
                                  for w in [*moe.gate_up, *moe.down])
-    # bf16 experts on an AVX2 build: held as their strips only, a qlinear pair each (moe_q8 is AVX-512's)
+    # bf16 experts on an AVX2 build: held as their strips only (moe_q8 reads them)
     assert all(w.strips_only for w in moe.down) == (method == "bf16" and quant.kernels().w16_panels == 2)
     assert_equals_hf_on(llm, hf_rtn_from_files(path, method, tmp_path / "hf"), 2 * 16 + 5, seed=4)
 
 
-@needs_avx512("moe_q8 (the experts in one C call)")
 @pytest.mark.unit
 @pytest.mark.parametrize("kind,method", [("qwen3_moe", "int8"), ("mixtral", "int4")])
 def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypatch, tmp_path):
@@ -324,7 +322,6 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
         assert ids[0] == want_ids[0] and abs(lps[0] - want_lps[0]) < 0.05
 
 
-@needs_avx512("moe_q8 (the experts in one C call)")
 @pytest.mark.unit
 @pytest.mark.parametrize("kind,method", [("qwen3_moe", "bf16"), ("mixtral", "fp16")])
 def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, method, monkeypatch, tmp_path):

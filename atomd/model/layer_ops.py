@@ -146,7 +146,7 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
     lib.atomd_linear_amx_bf16.argtypes = [_PTR, _I64, _PTR, _PTR] + [_I64] * 3 + [ctypes.c_int]
     lib.atomd_linear_amx_bf16.restype = lib.atomd_linear_amx_kind.restype = ctypes.c_int
     lib.linear_amx = bool(lib.atomd_linear_amx_kind())
-    lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 6 + [ctypes.c_int]
+    lib.atomd_moe_q8.argtypes = [_PTR, ctypes.c_int] + [_PTR] * 8 + [ctypes.c_int] + [_I64] * 3 + [_PTR] + [_I64] * 2 + [ctypes.c_int]
     lib.atomd_moe_q8.restype = lib.atomd_moe_q8_kind.restype = ctypes.c_int
     lib.moe_q8_kind = lib.atomd_moe_q8_kind()
     lib.atomd_layer_w16_layout.restype = ctypes.c_int
@@ -392,31 +392,33 @@ def moe_amx(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, experts:
 
 
 def moe_q8_kind() -> int:
-    """How moe_q8 runs here: 0 not built (no AVX-512 build: the experts one qlinear pair each), 1 on
-    the int8-activation rows (csrc/quant.h), 2 also on AMX-INT8 tiles from quant.QGEMM_AMX_MIN_M rows
-    an expert (csrc/quant_amx.h; built with them, not narrowed by $ATOMD_KERNEL_ISA, granted by Linux),
-    3 also on the VNNI GEMM from quant.QGEMM_VNNI_MIN_M rows an expert (csrc/quant_gemm.h's VNNI half; no tiles)."""
+    """How moe_q8 runs here: 0 not built (neither an AVX-512 nor an AVX2 build: the experts one qlinear pair each), 1
+    on the int8-activation rows (csrc/quant.h), 2 also on AMX-INT8 tiles from quant.QGEMM_AMX_MIN_M rows an expert
+    (csrc/quant_amx.h; built with them, not narrowed by $ATOMD_KERNEL_ISA, granted by Linux), 3 also on the int8 GEMM
+    from quant.q8_gemm_min_m rows an expert (csrc/quant_gemm.h: its VNNI or AVX2 half; no tiles)."""
     lib = kernels()
     return 0 if lib is None else lib.moe_q8_kind
 
 
 def moe_q8(x: torch.Tensor, gate_up: ctypes.Array, down: ctypes.Array, inter: int, experts: torch.Tensor,
            starts: torch.Tensor, tokens: torch.Tensor, dest: torch.Tensor, scales: torch.Tensor | None,
-           pairs: torch.Tensor, amx_min: int, wide_min: int = 0, w16_min: int = 0) -> bool:
+           pairs: torch.Tensor, min_m: tuple[int, int], wide_min: int = 0, w16_min: int = 0) -> bool:
     """moe_grouped's results (arguments alike; x float32 or bf16) for int8 / int4 experts with int8
     activations, or 16-bit experts (csrc/moe_q8.h): gate_up and down the experts' atomd_qweight arrays
     (quant.qweight_array; inter: an expert's intermediate size); a 16-bit expert's linears on the panels from
-    w16_min rows (0: never), else the rows, as qlinear runs them,
-    each expert's linears run as qlinear runs them on its rows (from amx_min rows an expert: tiles where
-    moe_q8_kind() is 2, the VNNI GEMM where it is 3), so the pairs equal the per-expert path's. Experts with at least wide_min
+    w16_min rows (0: never), else the rows (an AVX2 build's load-time strips at every m where the weight is held as
+    them), as qlinear runs them,
+    each expert's linears run as qlinear runs them on its rows (from min_m rows an expert, (int4, int8) linears: tiles
+    where moe_q8_kind() is 2, the int8 GEMM where it is 3), so the pairs equal the per-expert path's. Experts with at least wide_min
     pairs (0: none) where has_moe_amx(): their weights dequantised to bf16 a call, bf16 activations,
     moe_amx's bf16 AMX tiles instead (float32 sums; a float32 x's gate_up and SiLU in float32). False:
     not built here (nothing done); MemoryError where its scratch cannot be allocated."""
+    rows = (ctypes.c_int64 * 2)(*min_m)
     status = kernels().atomd_moe_q8(
         x.data_ptr(), int(x.dtype == torch.bfloat16), ctypes.addressof(gate_up), ctypes.addressof(down),
         experts.data_ptr(), starts.data_ptr(), tokens.data_ptr(), dest.data_ptr(),
         0 if scales is None else scales.data_ptr(), pairs.data_ptr(),
-        2 if scales is None else int(pairs.dtype == torch.float32), x.shape[1], inter, len(experts), amx_min,
+        2 if scales is None else int(pairs.dtype == torch.float32), x.shape[1], inter, len(experts), rows,
         wide_min, w16_min, torch.get_num_threads())
     if status < 0:
         raise MemoryError("moe_q8: the int8 experts kernel could not allocate its scratch memory")

@@ -37,12 +37,12 @@ GROUPED_MAX_PAIRS = 32
 # benchmarks/moe_block.py and engine-level runs)
 AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
 # int8 / int4 experts with int8 activations in one C call a block (layer_ops.moe_q8: AMX-INT8 tiles from
-# quant.QGEMM_AMX_MIN_M rows an expert, without them the VNNI GEMM from quant.QGEMM_VNNI_MIN_M, the
-# int8-activation rows below), batch 1 included, where the kernel is built; with neither only experts of at
-# most quant.QGEMM_Q8_MAX_M pairs (qlinear's float tiles past it); 16-bit experts (`--dtype auto` on a CPU
-# without AVX512_BF16) in the same call, each expert's linears as qlinear runs them (the panels from
-# quant.QGEMM_W16_MIN_M rows); False (or $ATOMD_MOE_Q8=0 at import): one qlinear pair per expert (the A/B of
-# engine-level runs)
+# quant.QGEMM_AMX_MIN_M rows an expert, without them the int8 GEMM (VNNI or AVX2) from quant.q8_gemm_min_m, the
+# int8-activation rows below), batch 1 included, where the kernel is built (AVX-512 and AVX2 builds); with neither
+# tiles nor GEMM only experts of at most quant.QGEMM_Q8_MAX_M pairs (qlinear's float tiles past it); 16-bit experts
+# (`--dtype auto` on a CPU without AVX512_BF16) in the same call, each expert's linears as qlinear runs them (the
+# panels from quant.QGEMM_W16_MIN_M rows; an AVX2 build's load-time strips at every m); False (or $ATOMD_MOE_Q8=0
+# at import): one qlinear pair per expert (the A/B of engine-level runs)
 Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
 # ... an expert with at least this many pairs in a block (a prompt's) on the bf16 AMX tiles instead, where the CPU
 # has them (layer_ops.has_moe_amx): its int8 / int4 weights dequantised to bf16 once a call (moe_q8's work item),
@@ -55,6 +55,7 @@ Q8_WIDE_MIN_PAIRS = 0 if os.environ.get("ATOMD_MOE_WIDE") == "0" else 128
 # a new mapping every call whose pages the experts then faulted in (~9 ms of CPU a call, 48 a Qwen3-MoE prefill of
 # 8 x 512; benchmarks/RESULTS.md "#34 eighth session")
 _PAIRS = threading.local()
+NEVER = 1 << 62  # q8_min_m's rows where moe_q8 runs neither tiles nor a GEMM
 
 
 @dataclass
@@ -102,11 +103,12 @@ class MoeWeights:
         """The quantized experts as layer_ops.moe_q8 takes them (made at the first call: after load, once
         int8 activations are set), or None where it does not run them: float experts, int8 / int4 experts
         without int8 activations, 16-bit and int experts mixed, experts with an act-order permutation, expert
-        parallelism, no kernel here, experts held as an AVX2 build's strips only (quant.keep_strips_only: no rows)."""
+        parallelism, no kernel here, 16-bit experts with load-time panels beside their rows (qlinear's choice between
+        the two by rows: never made at load, where an AVX2 build keeps the strips alone)."""
         if self.q8 is None:
             linears = (*self.gate_up, *self.down)  # all int8-activation ones or all 16-bit ones (the kernel's two kinds)
             fits = (self.quantized and self.ep is None and layer_ops.moe_q8_kind() > 0
-                    and all(q.perm is None and not q.strips_only for q in linears)
+                    and all(q.perm is None and (q.panels is None or q.strips_only) for q in linears)
                     and (all(q.int8_activations for q in linears) or all(q.bits == 16 for q in linears)))
             self.q8 = (quant.qweight_array(self.gate_up), quant.qweight_array(self.down)) if fits else ()
         return self.q8 or None
@@ -115,6 +117,17 @@ class MoeWeights:
 def q8_experts(w: MoeWeights, dtype: torch.dtype) -> tuple | None:
     """w's experts for layer_ops.moe_q8 where it runs them for activations of `dtype` (Q8 on), else None."""
     return w.q8_experts() if w.quantized and Q8 and dtype in (torch.float32, torch.bfloat16) else None
+
+
+def q8_min_m(kind: int) -> tuple[int, int]:
+    """(int4, int8): the rows an expert from which moe_q8 of `kind` (layer_ops.moe_q8_kind) leaves the
+    int8-activation rows for an int4 / int8 linear, where qlinear does (quant.product_of)."""
+    if kind == 2:
+        return quant.QGEMM_AMX_MIN_M, quant.QGEMM_AMX_MIN_M
+    lib = quant.kernels()
+    if kind == 3 and lib is not None and lib.q8_gemm:
+        return quant.q8_gemm_min_m(lib, 4), quant.q8_gemm_min_m(lib, 8)
+    return NEVER, NEVER
 
 
 def load_experts(src, prefix: str, experts: range, gate: str, up: str, down: str,
@@ -198,12 +211,11 @@ def grouped_experts(x: torch.Tensor, w: MoeWeights, counts: torch.Tensor, order:
         q8 = q8_experts(w, x.dtype)
         if q8 is None:
             return active.tolist()
-        kind = layer_ops.moe_q8_kind()  # 2: AMX-INT8 tiles, 3: the VNNI GEMM, any M; 1: the rows only
+        kind = layer_ops.moe_q8_kind()  # 2: AMX-INT8 tiles, 3: the int8 GEMM, any M; 1: the rows only
         any_m = kind >= 2 or w.down[0].bits == 16  # 16-bit experts: the panels past the rows
         few = torch.ones_like(active, dtype=torch.bool) if any_m else counts[active] <= quant.QGEMM_Q8_MAX_M
         run = lambda *a: layer_ops.moe_q8(x.contiguous(), *q8, w.down[0].in_features, *a,  # noqa: E731
-                                          quant.QGEMM_AMX_MIN_M if kind == 2 else quant.QGEMM_VNNI_MIN_M,
-                                          Q8_WIDE_MIN_PAIRS, quant.QGEMM_W16_MIN_M)
+                                          q8_min_m(kind), Q8_WIDE_MIN_PAIRS, quant.QGEMM_W16_MIN_M)
     else:
         packed = w.amx_weights() if AMX else None
         if packed is not None:
@@ -240,7 +252,7 @@ def _moe_one(h: torch.Tensor, w: MoeWeights, weights: torch.Tensor, ids: torch.T
         every = torch.arange(k + 1)
         if layer_ops.moe_q8(h.contiguous(), *q8, w.down[0].in_features, ids[0].contiguous(), every,
                             torch.zeros(k, dtype=torch.int64), every[:k], weights[0].contiguous(), pairs,
-                            quant.QGEMM_AMX_MIN_M, 0, quant.QGEMM_W16_MIN_M):
+                            q8_min_m(layer_ops.moe_q8_kind()), 0, quant.QGEMM_W16_MIN_M):
             return pairs.view(1, k, -1).sum(dim=1).to(h.dtype)
     if w.gemv:  # one C call for the k experts (the per-op loop below was ~0.2 ms of calls a block)
         layer_ops.moe_experts(h.contiguous(), w.gate_up, w.down, ids[0].contiguous(),

@@ -275,10 +275,12 @@ def use_int8_activations(weights: list[QuantizedWeight]) -> int:
 
 def qweight_array(weights: list[QuantizedWeight]) -> ctypes.Array:
     """The weights' atomd_qweight structs (csrc/quant.h) as one C array, pointing at their own integers
-    and scales, without scratch: the int8 and 16-bit MoE experts (layer_ops.moe_q8, which quantises x into its
-    own). The caller keeps the weights alive as long as the array."""
+    and scales (a weight held as an AVX2 build's strips only: at them), without scratch: the int8 and 16-bit MoE
+    experts (layer_ops.moe_q8, which quantises x into its own). The caller keeps the weights alive as long as the
+    array."""
     return (_QWeightStruct * len(weights))(*(_QWeightStruct(w.q.data_ptr(), _ptr(w.scales), _ptr(w.offsets),
-                                                            w.group_size, w.c_bits(), ablock=w.act_block)
+                                                            w.group_size, w.c_bits(), ablock=w.act_block,
+                                                            panels=_ptr(w.panels) if w.strips_only else None)
                                              for w in weights))
 
 

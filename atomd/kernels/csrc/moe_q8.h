@@ -15,14 +15,16 @@
  * round: bf16 models round gate_up's output, silu's, the down output and the scaled pair). Each
  * linear runs as qlinear would run it on the item's rows: on AMX-INT8 tiles (quant_amx.h:
  * qamx_quantize and qamx_ntile, x quantised per act block as quantize_row_q8 does) from
- * `amx_min` rows (quant.py's QGEMM_AMX_MIN_M) where the build and the process have them, else the
- * int8-activation rows of quant.h (gemv4_q8 for one row of x, q8_weight_row: VNNI,
+ * `min_m[0]` rows an expert (int4 linears; `min_m[1]` int8 ones: quant.py's QGEMM_AMX_MIN_M) where the build and
+ * the process have them, else the int8 GEMM of quant_gemm.h (VNNI or AVX2) from that many rows (quant.py's
+ * q8_gemm_min_m), below them the int8-activation rows of quant.h (gemv4_q8 for one row of x, q8_weight_row: VNNI,
  * AVX-512 BW or AVX2 by the build). Every row's products and sums are those of a qlinear call over
  * the expert's rows alone, so the pairs equal the per-expert path's to the bit.
  * 16-bit experts (bf16 / float16 weights, `--quantization bf16|fp16` or `--dtype auto` on a CPU without
  * AVX512_BF16: float activations, no int8) run in the same call: each linear as qlinear runs it on the
  * item's expert's rows, from `w16_min` rows of the expert (quant.py's QGEMM_W16_MIN_M; 0 never) the panels
- * packed per call (quant_w16.h's w16_gemm on this thread), below that the rows of quant.h (row_w16): the
+ * packed per call (quant_w16.h's w16_gemm on this thread), below that the rows of quant.h (row_w16); on an AVX2 build
+ * the strips packed at load (quant_w16_avx2.h; the weight's only copy, quant.keep_strips_only) at every m: the
  * per-expert path's bits, without its two qlinear calls and a SiLU call an expert from Python (which left
  * such experts slower than float32 ones at decode: benchmarks/RESULTS.md, #35 the MoE shape's 16-bit experts).
  * Returns 0, -1 (no scratch memory) or 1 (not built, atomd_moe_q8_kind 0: the caller runs the experts
@@ -33,7 +35,7 @@
 #include "moe_items.h"
 #define Q8_CHUNK 128 /* rows an item */
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || QUANT_PATH == 1  /* AVX-512, or AVX2 (Zen 3): the rows, the GEMM, the strips */
 #if QAMX_PATH
 #define MOE_Q8_TILES 1
 #else
@@ -51,7 +53,8 @@ typedef struct {  /* one thread's scratch (sizes for the largest item's rows and
 
 #define QW_16BIT(w) ((w)->bits == 16 || (w)->bits == QBITS_F16)
 
-/* y [m, N] = x [m, K] @ w^T for a 16-bit weight as qlinear runs it on m rows: the panels from w16_min rows (0:
+/* y [m, N] = x [m, K] @ w^T for a 16-bit weight as qlinear runs it on m rows: an AVX2 build's load-time strips where
+ * the weight is held as them (w->panels, q NULL) at every m, else the panels packed per call from w16_min rows (0:
  * never), else quant.h's rows. 0 done, -1 no scratch for the panels */
 static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
                           int64_t w16_min) {
@@ -60,6 +63,13 @@ static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int
 #ifdef W16_PANELS
     if (w16_min > 0 && m >= w16_min)
         return w16_gemm(x, K, m, q, NULL, f16 ? W16_H16 : W16_B16, N, K, y, N, 1, 0, NULL, 0);
+#elif defined(W16_PANELS_AVX2)
+    if (w->panels != NULL) {
+        w16a_strips(f16 ? W16A_H16 : W16A_B16, x, K, m, (const uint16_t *)w->panels, N, K, 0,
+                    (N + W16_AVX2_NR - 1) / W16_AVX2_NR, y, N);
+        return 0;
+    }
+    if (w16_min > 0 && m >= w16_min) return w16_gemm_avx2(x, K, m, q, f16, N, K, y, N, 1);
 #else
     (void)w16_min;
 #endif
@@ -67,8 +77,8 @@ static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int
     return 0;
 }
 
-/* y [m, N] = x [m, K] @ w^T (int8 / int4 w) as qlinear runs it on m rows: tiles from amx_min rows (x already quantised
- * into s's tiles where `quantised`), without them the VNNI GEMM from that many rows (`gemm`), else the rows */
+/* y [m, N] = x [m, K] @ w^T (int8 / int4 w) as qlinear runs it on m rows: tiles from min_m rows (x already quantised
+ * into s's tiles where `quantised`), without them the int8 GEMM from that many rows (`gemm`), else the rows */
 static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
                           const moe_q8_scratch *s, int tiles, int quantised, int gemm) {
     const int bits = (int)w->bits;
@@ -142,7 +152,8 @@ static void qamx_gather(const int8_t *all_xt, const float *all_dt, const float *
 int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const atomd_qweight *down,
                  const int64_t *experts, const int64_t *starts, const int64_t *tokens, const int64_t *dest,
                  const void *scales, void *pairs, int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts,
-                 int64_t amx_min, int64_t wide_min, int64_t w16_min, int num_threads) {
+                 const int64_t *min_m, int64_t wide_min, int64_t w16_min, int num_threads) {
+#define Q8_MIN_M(w) min_m[(w)->bits == 4 ? 0 : 1]  /* the rows an expert from which linear w leaves the rows */
 #if MOE_Q8_WIDE
     const int wide_ok = wide_min > 0 && amx_granted();
 #else
@@ -177,7 +188,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     for (int64_t g = 0; g < n_experts; g++) {
         one_group &= gate_up[experts[g]].group == G && gate_up[experts[g]].ablock == AB;
         for (int64_t r = starts[g]; r < starts[g + 1] && !Q8_WIDE_EXPERT(g); r += chunk)
-            tile_rows += starts[g + 1] - starts[g] >= amx_min && !QW_16BIT(gate_up + experts[g])
+            tile_rows += starts[g + 1] - starts[g] >= Q8_MIN_M(gate_up + experts[g]) && !QW_16BIT(gate_up + experts[g])
                              ? (starts[g + 1] - r < chunk ? starts[g + 1] - r : chunk) : 0;
     }
     for (int64_t p = 0; p < starts[n_experts]; p++) n_tok = tokens[p] >= n_tok ? tokens[p] + 1 : n_tok;
@@ -255,7 +266,10 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             const int64_t rows_g = starts[g + 1] - starts[g];
             const atomd_qweight *wg = gate_up + experts[g], *wd = down + experts[g];
             const int w16 = QW_16BIT(wg);  /* 16-bit experts: float activations, neither tiles nor the VNNI GEMM */
-            const int tiles = !w16 && granted && rows_g >= amx_min, gemm = !w16 && QV_PATH && !granted && rows_g >= amx_min;
+            /* tiles: both linears (one min_m where granted); the GEMM: each by its own bits' rows */
+            const int tiles = !w16 && granted && rows_g >= Q8_MIN_M(wg);
+            const int gemm = !w16 && QV_PATH && !granted && rows_g >= Q8_MIN_M(wg);
+            const int gemm_d = !w16 && QV_PATH && !granted && rows_g >= Q8_MIN_M(wd);
 #if MOE_Q8_WIDE
             if (Q8_WIDE_EXPERT(g)) {  /* bf16 tiles over the dequantised weights (atomd_moe_q8_kind) */
                 if (config != 1) amx_configure(), config = 1;
@@ -327,7 +341,7 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
             if (tiles && config != kwd) qamx_configure(kwd), config = kwd;  /* down's act block may differ */
 #endif
             if (!w16)
-                moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0, gemm);
+                moe_q8_linear(wd, s.act, m, hidden, inter, s.y, &s, tiles, 0, gemm_d);
             else if (moe_w16_linear(wd, s.act, m, hidden, inter, s.y, w16_min) != 0) {
 #pragma omp atomic write
                 failed = 1;
@@ -369,10 +383,11 @@ int atomd_moe_q8(const void *x, int is_bf16, const atomd_qweight *gate_up, const
     free(item_g);
     return failed ? -1 : 0;
 #undef Q8_WIDE_EXPERT
+#undef Q8_MIN_M
 }
 
-/* how atomd_moe_q8 runs here: 1 the int8-activation rows, 2 also AMX-INT8 tiles from amx_min rows
- * (built with them and granted by Linux), 3 also the VNNI GEMM from amx_min rows (no tiles) */
+/* how atomd_moe_q8 runs here: 1 the int8-activation rows, 2 also AMX-INT8 tiles from min_m rows
+ * (built with them and granted by Linux), 3 also the int8 GEMM (VNNI or AVX2) from min_m rows (no tiles) */
 int atomd_moe_q8_kind(void) {
 #if MOE_Q8_TILES
     if (amx_granted()) return 2;
@@ -382,13 +397,13 @@ int atomd_moe_q8_kind(void) {
 #else
 int atomd_moe_q8(const void *x, int is_bf16, const void *gate_up, const void *down, const int64_t *experts,
                  const int64_t *starts, const int64_t *tokens, const int64_t *dest, const void *scales, void *pairs,
-                 int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, int64_t amx_min, int64_t wide_min,
+                 int f32_pairs, int64_t hidden, int64_t inter, int64_t n_experts, const int64_t *min_m, int64_t wide_min,
                  int64_t w16_min, int num_threads) {
     (void)wide_min, (void)w16_min, (void)x, (void)is_bf16, (void)gate_up, (void)down, (void)experts, (void)starts, (void)tokens, (void)dest;
-    (void)scales, (void)pairs, (void)f32_pairs, (void)hidden, (void)inter, (void)n_experts, (void)amx_min;
+    (void)scales, (void)pairs, (void)f32_pairs, (void)hidden, (void)inter, (void)n_experts, (void)min_m;
     (void)num_threads;
     return 1;
 }
 
-int atomd_moe_q8_kind(void) { return 0; }  /* not built: no AVX-512 */
+int atomd_moe_q8_kind(void) { return 0; }  /* not built: neither AVX-512 nor AVX2 */
 #endif

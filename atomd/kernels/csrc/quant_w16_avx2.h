@@ -194,24 +194,30 @@ static int w16_gemm_avx2(const float *x, int64_t ldx, int64_t M, const uint16_t 
     return failed ? -1 : 0;
 }
 
-/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack): each thread its run of strips, per
+/* the M rows of x against strips s0 .. s1 of a load-time layout (src W16A_B16 / W16A_H16) into y, on this thread: per
  * block of x's rows that stays in L2 (W16_AVX2_PANEL bytes) each strip against every row of the block (the strip,
- * K * 32 bytes, read from memory once a block and from L1 / L2 after). No packing and no buffer: always 0. */
+ * K * 32 bytes, read from memory once a block and from L1 / L2 after); one row two strips at a time (w16a_row). Each
+ * output one FMA chain over k in order whatever the blocks: w16_gemm_avx2_prepacked's threads' runs and moe_q8.h's
+ * 16-bit experts */
+static void w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,
+                        int64_t K, int64_t s0, int64_t s1, float *y, int64_t ldy) {
+    int64_t block = W16_AVX2_PANEL / (K * (int64_t)sizeof(float)) / W16_AVX2_MR * W16_AVX2_MR;
+    block = block < W16_AVX2_MR ? W16_AVX2_MR : block;
+    if (M == 1) w16a_row(src, x, pre, N, K, s0, s1, y);
+    else for (int64_t m0 = 0; m0 < M; m0 += block)
+        for (int64_t j = s0; j < s1; j++)
+            w16a_strip(src, x, ldx, m0, m0 + block < M ? m0 + block : M, pre + j * W16_AVX2_NR * K, N, K, j, y, ldy);
+}
+
+/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack): each thread its run of strips
+ * (w16a_strips). No packing and no buffer: always 0. */
 static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N,
                                    int64_t K, float *y, int64_t ldy, int num_threads) {
     const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
-    int64_t block = W16_AVX2_PANEL / (K * (int64_t)sizeof(float)) / W16_AVX2_MR * W16_AVX2_MR;
-    block = block < W16_AVX2_MR ? W16_AVX2_MR : block;
-    const int src = f16 ? W16A_H16 : W16A_B16;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
-        const int64_t s0 = strips * t / n, s1 = strips * (t + 1) / n;
-        if (M == 1) w16a_row(src, x, pre, N, K, s0, s1, y);
-        else for (int64_t m0 = 0; m0 < M; m0 += block)
-            for (int64_t j = s0; j < s1; j++)
-                w16a_strip(src, x, ldx, m0, m0 + block < M ? m0 + block : M, pre + j * W16_AVX2_NR * K, N, K, j, y,
-                           ldy);
+        w16a_strips(f16 ? W16A_H16 : W16A_B16, x, ldx, M, pre, N, K, strips * t / n, strips * (t + 1) / n, y, ldy);
     }
     return 0;
 }
