@@ -282,8 +282,8 @@ class DecoderModel:
                 if isinstance(t, QuantizedWeight) and t.bits == 16]
 
     def _16bit_strips_only(self) -> None:
-        """On an AVX2 build, every 16-bit weight (layers, LM head, quantized MoE experts: a qlinear pair each there,
-        moe_q8 being AVX-512's) held as its strips only (quant.keep_strips_only: batch-1 decode reads them too; one
+        """On an AVX2 build, every 16-bit weight (layers, LM head, quantized MoE experts: moe_q8 reads the strips)
+        held as its strips only (quant.keep_strips_only: batch-1 decode reads them too; one
         copy, no budget), before _rows_on_huge_pages moves the layers' and the head's."""
         experts = [t for w in self.layers if w.moe is not None and w.moe.quantized
                    for t in (*w.moe.gate_up, *w.moe.down) if t.bits == 16]
