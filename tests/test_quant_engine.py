@@ -279,17 +279,26 @@ def test_moe_experts_quantised_equal_hf_on_dequantised_weights(kind, method, tmp
                                  for w in [*moe.gate_up, *moe.down])
     # bf16 experts on an AVX2 build: held as their strips only (moe_q8 reads them)
     assert all(w.strips_only for w in moe.down) == (method == "bf16" and quant.kernels().w16_panels == 2)
-    assert_equals_hf_on(llm, hf_rtn_from_files(path, method, tmp_path / "hf"), 2 * 16 + 5, seed=4)
+    hf = hf_rtn_from_files(path, method, tmp_path / "hf")
+    assert_equals_hf_on(llm, hf, 2 * 16 + 5, seed=4)
+    # batch-1 decode of one sequence: 16-bit experts (float activations, moe_q8's) in the fused layer, whose router
+    # and softmax run in C; int ones here take float activations, which moe_q8 does not run: per op
+    assert (llm.engine.model.decode_layer is not None) == (method == "bf16")
+    alone = prompts_of([7], seed=5)
+    assert greedy(llm, alone)[0] == hf_greedy(hf, alone[0], 48)
 
 
 @pytest.mark.unit
 @pytest.mark.parametrize("kind,method", [("qwen3_moe", "int8"), ("mixtral", "int4")])
 def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypatch, tmp_path):
     """int8 / int4 experts with int8 activations in one C call a block (layer_ops.moe_q8: AMX-INT8 tiles
-    from QGEMM_AMX_MIN_M rows an expert where the CPU has them, the int8-activation rows below; batch-1
-    decode too) against one qlinear pair per expert (moe.Q8 off: what ran before), through the engine:
-    prompts in 32-token chunks, batched decode of four sequences, then one alone: the same token ids
-    and logprobs (each expert's rows go through qlinear's own arithmetic, so the bits agree). With
+    from QGEMM_AMX_MIN_M rows an expert where the CPU has them, the int8-activation rows below) against one
+    qlinear pair per expert (moe.Q8 off: what ran before), through the engine: prompts in 32-token chunks,
+    batched decode of four sequences: the same token ids and logprobs (each expert's rows go through qlinear's
+    own arithmetic, so the bits agree); then one alone, whose batch-1 decode with moe.Q8 on runs the fused layer
+    (DecodeLayer: the router, its softmax in C and the experts as moe_q8 runs them, so its logits differ from the
+    per-op path's in the last bits, as the float experts' fused layer does): the same token ids, logprobs
+    within 1e-4. With
     experts of 2+ pairs widened to bf16 tiles (moe.Q8_WIDE_MIN_PAIRS; where the CPU has AMX): the same
     first tokens, logprobs within 0.05 (bf16 activations in place of int8 ones)."""
     from atomd.model import moe
@@ -299,9 +308,12 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
     calls, real = [], layer_ops.moe_q8
     monkeypatch.setattr(layer_ops, "moe_q8", lambda *a: calls.append(len(a[4])) or real(*a))
 
+    fused_layer = []
+
     def run() -> list:
         llm = LLM(str(path), num_threads=1, max_model_len=256, quantization=method, quantized_activations="int8",
                   max_num_batched_tokens=32)
+        fused_layer.append(llm.engine.model.decode_layer is not None)
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts_of([40, 9, 3, 17], 12)],
                                                    params)]
         outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompts_of([5], 13)[0]}], params)]
@@ -309,10 +321,13 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
 
     monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 0)  # every expert on int8 activations: the per-expert path's bits
     fused = run()
-    assert calls and max(calls) > 2  # batched steps (several experts a call) and batch 1 (top-2)
+    assert calls and max(calls) > 2  # batched steps (several experts a call)
     monkeypatch.setattr(moe, "Q8", False)
     calls.clear()
-    assert run() == fused and not calls
+    per_op = run()
+    assert per_op[:4] == fused[:4] and not calls and fused_layer == [True, False]
+    assert per_op[4][0] == fused[4][0]
+    torch.testing.assert_close(torch.tensor(per_op[4][1]), torch.tensor(fused[4][1]), atol=1e-4, rtol=0)
     # experts of several pairs widened to bf16 tiles where the CPU has them (bf16 activations in the prompt
     # chunks and batched steps): the same first tokens, their logprobs near int8 activations' ones
     monkeypatch.setattr(moe, "Q8", True)
@@ -327,8 +342,10 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
 def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, method, monkeypatch, tmp_path):
     """16-bit experts (`--quantization bf16|fp16`, what `--dtype auto` loads on a CPU without AVX512_BF16) in one
     C call a block (layer_ops.moe_q8: each expert's rows through the rows kernel, from QGEMM_W16_MIN_M rows the
-    panels) against one qlinear pair per expert (moe.Q8 off): the same token ids and logprobs, prompts in
-    32-token chunks, batched decode, then batch 1; the panels' cut-over lowered so both kernels run."""
+    panels; an AVX2 build's load-time strips) against one qlinear pair per expert (moe.Q8 off): the same token ids
+    and logprobs, prompts in 32-token chunks, batched decode; the panels' cut-over lowered so both kernels run. Then
+    batch 1, which with moe.Q8 on runs the fused layer (the router's softmax in C: logprobs within 1e-4, the same
+    ids; test_moe_q8_experts_give_the_per_expert_paths_tokens)."""
     from atomd.model import moe
 
     path = make_checkpoint(tmp_path / kind, kind, seed=12, **({"moe_intermediate_size": 32} if kind == "qwen3_moe" else {}))
@@ -337,8 +354,11 @@ def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, me
     monkeypatch.setattr(layer_ops, "moe_q8", lambda *a: calls.append(len(a[4])) or real(*a))
     monkeypatch.setattr(quant, "QGEMM_W16_MIN_M", 3)
 
+    fused_layer = []
+
     def run() -> list:
         llm = LLM(str(path), num_threads=2, max_model_len=256, quantization=method, max_num_batched_tokens=32)
+        fused_layer.append(llm.engine.model.decode_layer is not None)
         moe_w = llm.engine.model.layers[0].moe
         assert moe_w.quantized and {w.q.dtype for w in [*moe_w.gate_up, *moe_w.down]} == {
             torch.bfloat16 if method == "bf16" else torch.float16}
@@ -348,7 +368,10 @@ def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, me
         return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
     fused = run()
-    assert calls and max(calls) > 2  # batched steps (several experts a call) and batch 1
+    assert calls and max(calls) > 2  # batched steps (several experts a call)
     monkeypatch.setattr(moe, "Q8", False)
     calls.clear()
-    assert run() == fused and not calls
+    per_op = run()
+    assert per_op[:4] == fused[:4] and not calls and fused_layer == [True, False]
+    assert per_op[4][0] == fused[4][0]
+    torch.testing.assert_close(torch.tensor(per_op[4][1]), torch.tensor(fused[4][1]), atol=1e-4, rtol=0)

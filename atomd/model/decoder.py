@@ -184,8 +184,11 @@ class DecoderModel:
         """What this model has that the fused batch-1 C layer (layer_ops.DecodeLayer) does not, or None."""
         first = self.layers[0]
         for m in (w.moe for w in self.layers if w.moe is not None):
-            if m.quantized or not m.gemv:
-                return "MoE block with quantized experts" if m.quantized else "MoE block whose experts have no GEMV kernel here"
+            if m.quantized and (self.dtype != torch.float32 or not moe_mod.Q8 or m.q8_experts() is None
+                                or max(m.down[0].in_features, m.gate_up[0].in_features) > layer_ops.Q8_OWN_K):
+                return "MoE block with quantized experts outside moe_q8 (layer_ops.moe_q8_kind, int8 activations)"
+            if not m.quantized and not m.gemv:
+                return "MoE block whose experts have no GEMV kernel here"
             if m.router.shape[0] > layer_ops.MOE_MAX_EXPERTS or m.top_k > layer_ops.MOE_MAX_K:
                 return f"MoE block routing to more than {layer_ops.MOE_MAX_K} of {layer_ops.MOE_MAX_EXPERTS} experts"
         if first.o_bias is not None or first.gate_up_bias is not None or first.down_bias is not None:

@@ -36,6 +36,7 @@ class _LayerWeights(ctypes.Structure):  # csrc/layer_ops.c decode_layer_weights
 
 
 MOE_MAX_EXPERTS, MOE_MAX_K = 1024, 64  # csrc/layer_ops.c: the fused layer's sparse block routes at most these
+Q8_OWN_K = 32768  # csrc/quant.h: the inputs of a linear whose x each thread quantises into its own row
 
 
 class _AttentionArgs(ctypes.Structure):  # csrc/layer_ops.c decode_attention_args
@@ -616,13 +617,18 @@ class DecodeLayer:
         self.rows_steps += 1
 
     def _moe_struct(self, moe, dtype: torch.dtype):
-        """A sparse layer's decode_moe_weights (moe: atomd/model/moe.py MoeWeights, float experts stacked
-        and contiguous, every expert on this rank: DecoderModel.unfused_reason), or None for a dense one."""
+        """A sparse layer's decode_moe_weights (moe: atomd/model/moe.py MoeWeights, every expert on this rank:
+        DecoderModel.unfused_reason; float experts stacked and contiguous, or quantized ones as moe_q8 takes them,
+        MoeWeights.q8_experts, whose arrays the MoeWeights keeps), or None for a dense one."""
         if moe is None:
             return None
-        m = _MoeWeights(moe.router.data_ptr(), moe.gate_up.data_ptr(), moe.down.data_ptr(), moe.routed.data_ptr(),
-                        moe.router.shape[0], moe.top_k, moe.down.shape[2], int(moe.norm_topk_prob),
-                        int(dtype == torch.float32 or not moe.cast_weights))
+        if moe.quantized:
+            q8 = moe.q8_experts()
+            gate_up, down, inter = ctypes.addressof(q8[0]), ctypes.addressof(q8[1]), moe.down[0].in_features
+        else:
+            gate_up, down, inter = moe.gate_up.data_ptr(), moe.down.data_ptr(), moe.down.shape[2]
+        m = _MoeWeights(moe.router.data_ptr(), gate_up, down, moe.routed.data_ptr(), moe.router.shape[0], moe.top_k,
+                        inter, int(moe.norm_topk_prob), int(dtype == torch.float32 or not moe.cast_weights))
         self.moe.append(m)
         return ctypes.pointer(m)
 

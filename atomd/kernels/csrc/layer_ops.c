@@ -625,7 +625,9 @@ typedef int (*decode_attention_fn)(const void *q, const void *kv, const int64_t 
  * softmax, top-k, the experts, the sum, the residual norm), 24 layers a token on the Qwen3-MoE
  * shape. routed: the expert load counters (MoeWeights.routed), one += a choice. */
 typedef struct {
-    const void *router, *gate_up, *down;  /* [E, hidden]; [E, 2 * inter, hidden]; [E, hidden, inter] */
+    /* [E, hidden]; [E, 2 * inter, hidden]; [E, hidden, inter] (the q_f32 layer: gate_up / down each an array of E
+     * atomd_qweight, moe_q8's experts, MoeWeights.q8_experts) */
+    const void *router, *gate_up, *down;
     int64_t *routed;                      /* [E] */
     int64_t experts, top_k, inter;
     int norm_topk, f32_pairs;
@@ -693,13 +695,13 @@ typedef struct {
         }                                                                                                      \
     } while (0)
 #define TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, moe_w, NORM_ROW, SILU_ROW, GEMV_ROWS, MOE_GEMV,      \
-                   IS_BF16, elem_t)                                                                            \
+                   EXPERT, IS_BF16, elem_t)                                                                    \
     do {                                                                                                       \
         GEMV_ROWS(attn, w_o, NULL, d, q_size, hidden);                                                         \
         NORM_ROW(xp, d, post_w, hp, hidden, eps);                                                              \
         const elem_t *dd_ = d; /* the MLP's output: shared (dense) or the thread's own sum (MoE) */            \
         if ((moe_w) != NULL) {                                                                                 \
-            MOE_STEPS(moe_w, MOE_GEMV, SILU_ROW, IS_BF16, elem_t, dd_);                                        \
+            MOE_STEPS(moe_w, MOE_GEMV, EXPERT, SILU_ROW, IS_BF16, elem_t, dd_);                                \
         } else {                                                                                               \
             GEMV_ROWS(hp, w_gate_up, NULL, gu, hidden, 2 * inter);                                             \
             SILU_ROW(gu, ap, inter);                                                                           \
@@ -716,8 +718,12 @@ typedef struct {
  * (rows shared), the routing on every thread alike (the same bits, no barrier), the experts as
  * atomd_moe_experts_* runs them (whole experts a thread when k >= threads, one barrier), then
  * each thread sums the k pairs into its own row (dd). moe_scratch (floats): the logits [E], the
- * pairs [k, hidden], shared rows [3 * inter + hidden], then each thread's [3 * inter + 2 * hidden]. */
-#define MOE_STEPS(mw, GEMV, SILU_ROW, IS_BF16, elem_t, dd)                                                     \
+ * pairs [k, hidden], shared rows [3 * inter + hidden], then each thread's [3 * inter + 2 * hidden].
+ * EXPERT(GEMV, FORM, elem_t, x, experts, id, y, K, N): expert id's linear [N, K] of `experts` on x, FORM _own (this
+ * thread) or _rows (shared): STACKED_EXPERT (float experts stacked) or QUANT_EXPERT (the q_f32 layer's). */
+#define STACKED_EXPERT(GEMV, FORM, elem_t, x, experts, id, y, K, N)                                            \
+    GEMV##FORM(x, (const elem_t *)(experts) + (id) * (N) * (K), NULL, y, K, N)
+#define MOE_STEPS(mw, GEMV, EXPERT, SILU_ROW, IS_BF16, elem_t, dd)                                             \
     do {                                                                                                       \
         const int64_t ne_ = (mw)->experts, k_ = (mw)->top_k, mi_ = (mw)->inter;                                \
         const int t_ = omp_get_thread_num(), nt_ = omp_get_num_threads();                                      \
@@ -725,7 +731,6 @@ typedef struct {
         float *pairs_ = moe_scratch + ne_, *shared_ = pairs_ + k_ * hidden;                                    \
         elem_t *gu_ = (elem_t *)(shared_ + 3 * mi_ + hidden + t_ * (3 * mi_ + 2 * hidden)), *a_ = gu_ + 2 * mi_; \
         elem_t *y_ = a_ + mi_;                                                                                 \
-        const elem_t *wg_ = (const elem_t *)(mw)->gate_up, *wd_ = (const elem_t *)(mw)->down;                  \
         const int f32_ = (mw)->f32_pairs;                                                                      \
         int64_t ids_[MOE_MAX_K];                                                                               \
         float sc_[MOE_MAX_K];                                                                                  \
@@ -735,19 +740,19 @@ typedef struct {
             for (int64_t j = 0; j < k_; j++) (mw)->routed[ids_[j]]++;                                          \
         if (k_ >= nt_) {                                                                                       \
             for (int64_t j = t_; j < k_; j += nt_) {                                                           \
-                GEMV##_own(hp, wg_ + ids_[j] * 2 * mi_ * hidden, NULL, gu_, hidden, 2 * mi_);                  \
+                EXPERT(GEMV, _own, elem_t, hp, (mw)->gate_up, ids_[j], gu_, hidden, 2 * mi_);                  \
                 SILU_ROW(gu_, a_, mi_);                                                                        \
-                GEMV##_own(a_, wd_ + ids_[j] * hidden * mi_, NULL, y_, mi_, hidden);                           \
+                EXPERT(GEMV, _own, elem_t, a_, (mw)->down, ids_[j], y_, mi_, hidden);                          \
                 for (int64_t i = 0; i < hidden; i++) MOE_PAIR(j, i, y_, IS_BF16, f32_);                              \
             }                                                                                                  \
             _Pragma("omp barrier")                                                                             \
         } else {                                                                                               \
             elem_t *sgu_ = (elem_t *)shared_, *sa_ = sgu_ + 2 * mi_, *sy_ = sa_ + mi_;                         \
             for (int64_t j = 0; j < k_; j++) {                                                                 \
-                GEMV##_rows(hp, wg_ + ids_[j] * 2 * mi_ * hidden, NULL, sgu_, hidden, 2 * mi_);                \
+                EXPERT(GEMV, _rows, elem_t, hp, (mw)->gate_up, ids_[j], sgu_, hidden, 2 * mi_);                \
                 _Pragma("omp single")                                                                          \
                 SILU_ROW(sgu_, sa_, mi_);                                                                      \
-                GEMV##_rows(sa_, wd_ + ids_[j] * hidden * mi_, NULL, sy_, mi_, hidden);                        \
+                EXPERT(GEMV, _rows, elem_t, sa_, (mw)->down, ids_[j], sy_, mi_, hidden);                       \
                 _Pragma("omp for schedule(static)")                                                            \
                 for (int64_t i = 0; i < hidden; i++) MOE_PAIR(j, i, sy_, IS_BF16, f32_);                             \
             }                                                                                                  \
@@ -768,7 +773,7 @@ typedef struct {
            *ap = hp + hidden;                                                                                  \
     memcpy(xp, x, hidden * sizeof(elem_t))
 
-#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS, MOE_GEMV)                        \
+#define DECODE_LAYER(SUFFIX, elem_t, IS_BF16, NORM_ROW, SILU_ROW, w_t, GEMV_ROWS, MOE_GEMV, EXPERT)                \
     void atomd_decode_layer_head_##SUFFIX(const elem_t *h, w_t w_qkv, const elem_t *bias, const elem_t *q_norm,  \
                                           const elem_t *k_norm, elem_t *qkv, const elem_t *cos, const elem_t *sin, \
                                           elem_t *k_dst, elem_t *v_dst, int64_t hidden, int64_t q_heads,          \
@@ -788,7 +793,7 @@ typedef struct {
         {                                                                                                          \
             THREAD_COPIES(elem_t);                                                                                 \
             TAIL_STEPS(w_o, post_w, w_gate_up, w_down, next_w, (const decode_moe_weights *)NULL, NORM_ROW,         \
-                       SILU_ROW, GEMV_ROWS, MOE_GEMV, IS_BF16, elem_t);                                            \
+                       SILU_ROW, GEMV_ROWS, MOE_GEMV, EXPERT, IS_BF16, elem_t);                                    \
             if (omp_get_thread_num() == 0) {                                                                       \
                 memcpy(x, xp, hidden * sizeof(elem_t));                                                            \
                 if (next_w != NULL) memcpy(next_h, hp, hidden * sizeof(elem_t));                                   \
@@ -819,8 +824,8 @@ typedef struct {
             {                                                                                                      \
                 THREAD_COPIES(elem_t);                                                                             \
                 TAIL_STEPS((w_t)w->o, (const elem_t *)w->post_norm, (w_t)w->gate_up, (w_t)w->down,                  \
-                           (const elem_t *)w->next_norm, w->moe, NORM_ROW, SILU_ROW, GEMV_ROWS, MOE_GEMV, IS_BF16,  \
-                           elem_t);                                                                                \
+                           (const elem_t *)w->next_norm, w->moe, NORM_ROW, SILU_ROW, GEMV_ROWS, MOE_GEMV, EXPERT,   \
+                           IS_BF16, elem_t);                                                                       \
                 if (nw != NULL)                                                                                    \
                     HEAD_STEPS(hp, (w_t)nw->qkv, (const elem_t *)nw->bias, (const elem_t *)nw->q_norm,              \
                                (const elem_t *)nw->k_norm, k_dst + (i + 1) * layer_bytes,                          \
@@ -837,10 +842,11 @@ typedef struct {
 #define NORM_ROW_F32(x, d, w, o, hidden, eps) rms_norm_row((char *)(x), (const char *)(d), w, (char *)(o), hidden, eps, 0)
 #endif
 #define SILU_ROW_F32(g, o, inter) silu_mul_row((const char *)(g), (char *)(o), inter, 0)
-DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const float *, atomd_gemv_f32_rows, atomd_gemv_f32)
+DECODE_LAYER(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const float *, atomd_gemv_f32_rows, atomd_gemv_f32,
+             STACKED_EXPERT)
 #if GEMV_KINDS & 2
 DECODE_LAYER(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, const bf16_t *, atomd_gemv_bf16_rows,
-             atomd_gemv_bf16)
+             atomd_gemv_bf16, STACKED_EXPERT)
 #endif
 /* Batch-1 decode of an MoE block's experts (atomd/model/moe.py's _moe_one) in one call: for
  * each of the token's k experts e = ids[j], gu = x @ gate_up[e]^T, a = silu(gate) * up,
@@ -1305,9 +1311,8 @@ MLA_LAYERS(f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, atomd_gemv_f32)
 MLA_LAYERS(bf16, bf16_t, 1, rms_norm_row_bf16, silu_mul_row_bf16, atomd_gemv_bf16)
 #endif
 #endif  /* AVX-512: the grouped experts and the MLA layers */
-/* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations */
+/* the same layer over int8 / int4 linears (atomd/csrc/quant.h), float32 activations: instantiated below moe_q8.h */
 #include "quant.h"
-DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *, atomd_qgemv_rows, atomd_gemv_f32)
 #else
 #define GEMV_KINDS 0
 #endif
@@ -1388,6 +1393,15 @@ void atomd_moe_sum_bf16(const void *pairs, int f32_pairs, bf16_t *out, int64_t r
 #include "quant_w16.h"
 #include "quant_w16_avx2.h"
 #include "moe_q8.h"
+
+#if GEMV_KINDS
+/* the q_f32 layer's experts (QUANT_EXPERT): quantized ones, as moe_q8 runs them at one row an expert (its bits);
+ * MOE_GEMV the router's float32 GEMV */
+#define QUANT_EXPERT(GEMV, FORM, elem_t, x, experts, id, y, K, N)                                              \
+    moe_q_expert##FORM(x, (const atomd_qweight *)(experts) + (id), y, K, N)
+DECODE_LAYER(q_f32, float, 0, NORM_ROW_F32, SILU_ROW_F32, const atomd_qweight *, atomd_qgemv_rows, atomd_gemv_f32,
+             QUANT_EXPERT)
+#endif
 
 /* the 16-bit panels' layout this build's quantized layer and batch rows read (quant_w16_avx2.h w16_panels_kind: 2 an
  * AVX2 build's strips, also where q is NULL, 1 AVX-512's panels): DecoderModel checks it against the strips'

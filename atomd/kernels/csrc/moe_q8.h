@@ -114,6 +114,25 @@ static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int
         q8_weight_row(w->q, bits, w->scales, w->offsets, K, w->group, w->ablock, n, m, s->xq, s->xd, s->xsg, y, N);
 }
 
+/* one row x through an expert's linear w [N, K] (int8 / int4 with int8 activations, or 16-bit) as an item of one
+ * row runs it above, on this thread (_own) or with its rows shared by the caller's parallel region's threads
+ * (_rows: an orphaned omp for, atomd_qgemv_rows' arithmetic for one row, the same): the fused batch-1 layer's
+ * quantized MoE experts (layer_ops.c QUANT_EXPERT, DecodeLayer); x quantised into each thread's own row
+ * (quant.h q8_own: K up to Q8_OWN_K, which the caller checks) */
+static void moe_q_expert_own(const float *x, const atomd_qweight *w, float *y, int64_t K, int64_t N) {
+    if (QW_16BIT(w)) {
+        moe_w16_linear(w, x, 1, N, K, y, 0);
+        return;
+    }
+    const moe_q8_scratch s = {.xq = q8_own.xq, .xd = q8_own.xd, .xsg = q8_own.xsg};
+    moe_q8_linear(w, x, 1, N, K, y, &s, 0, 0, 0);
+}
+static void moe_q_expert_rows(const float *x, const atomd_qweight *w, float *y, int64_t K, int64_t N) {
+    atomd_qweight q = *w;
+    if (!QW_16BIT(w)) q.xq = q8_own.xq;  /* int8 activations (atomd_qgemv_rows quantises into q8_own) */
+    atomd_qgemv_rows(x, &q, NULL, y, K, N);
+}
+
 #if MOE_Q8_TILES
 /* An item's m token rows (tok) in qamx_quantize's tile layout (xt, dt, xsgt; rows past m zero, d and
  * xsg 0, as qamx_quantize leaves them), copied from every token's tiles (all_*: qamx_quantize's over
