@@ -34,7 +34,7 @@ TEST_MARKERS := not load and not chaos and not image and not e2e
 test: venv
 	$(PY) -m pytest -q $(XDIST) -m '$(TEST_MARKERS)' --durations=25 $(PYTEST_ARGS)
 
-# Ray (`ray job submit`, the Ray launcher's autoscaling) and the short cross-host tests (~2 minutes)
+# Ray (`ray job submit`, the Ray launcher's autoscaling), the short cross-host tests and the longest multi-process runs (~3-4 minutes)
 e2e: venv
 	$(PY) -m pytest -q $(XDIST) -m e2e --durations=10 $(PYTEST_ARGS)
 

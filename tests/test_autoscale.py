@@ -132,6 +132,8 @@ SLOW_PREFILL = LinearStep(base_s=0.02, per_token_s=1e-3, per_attention_s=0.0)  #
 SLOW_DECODE = LinearStep(base_s=0.01, per_token_s=5e-3, per_attention_s=0.0)  # 15 ms a token alone, 50 at 8
 
 
+# e2e: one of the longest multi-process runs (`make e2e`), kept out of make test's 10 minutes
+@pytest.mark.e2e
 @pytest.mark.integration
 @pytest.mark.timeout(300)
 def test_a_rate_ramp_grows_and_shrinks_both_pools_without_cutting_a_stream(tmp_path):

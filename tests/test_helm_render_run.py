@@ -32,7 +32,8 @@ from tests.helm_tools import (CHART, REPO, SECRET_FLAG, Pod, by_kind, dashboard_
                               pod_labels, render, replace_flag, secret_data, secret_flag_known, strip_flag)
 from tests.server_fixtures import START_TIMEOUT_S
 
-pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+# e2e: a rendered release's processes run for ~30 s, one of the longest multi-process runs (`make e2e`)
+pytestmark = [pytest.mark.integration, pytest.mark.e2e, pytest.mark.timeout(300)]
 
 RELEASE, NAMESPACE = "atomd", "serving"
 VALUES = {"prefill.replicas": 1, "decode.replicas": 1, "router.replicas": 1,

@@ -76,6 +76,7 @@ def test_the_planner_picks_the_split_the_traffic_needs(profile, workload, want):
     assert (best.num_prefill, best.num_decode) == want
 
 
+@pytest.mark.e2e  # the exhaustive sweep: ~25 s of simulation, in `make e2e` (make test's 10 minutes)
 def test_the_planners_best_is_within_5_percent_of_an_exhaustive_sweep():
     profile = load_profile("h100:llama3-8b")
     slo = SLO(ttft_s=0.15, tpot_s=0.02)

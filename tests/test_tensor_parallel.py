@@ -200,6 +200,8 @@ def test_tp2_lora_equals_peft(checkpoints, tp2_engines, llama_adapters):
     tp2_engines.done("llama")
 
 
+# e2e: one of the longest multi-process runs (`make e2e`), kept out of make test's 10 minutes
+@pytest.mark.e2e
 @pytest.mark.unit
 def test_kv_heads_replicated_tp4_chunked_prefix_hits_and_ngram_drafts(checkpoints, closing):
     """N = 4 > 2 KV heads (each replicated on two workers); chunked prefill, prefix-cache hits
@@ -259,6 +261,8 @@ def _gone(pids: list[int], timeout_s: float) -> list[int]:
         time.sleep(0.05)
 
 
+# e2e: one of the longest multi-process runs (`make e2e`), kept out of make test's 10 minutes
+@pytest.mark.e2e
 @pytest.mark.integration
 def test_killed_worker_fails_the_engine_cleanly(checkpoints, tmp_path):
     timeout_s = 3.0
