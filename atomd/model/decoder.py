@@ -389,7 +389,9 @@ class DecoderModel:
             self.decode_layer = None
         for w in self.layers:
             if w.moe is not None:
-                w.moe.ep, w.moe.amx = ep, ()  # the AMX copies freed: ep rewrites the expert slots
+                # the AMX copies freed and moe_q8's arrays dropped (unfused_reason made them at load): ep rewrites the
+                # expert slots
+                w.moe.ep, w.moe.amx, w.moe.q8 = ep, (), ()
                 ep.attach(w.moe)
 
     def use_tensor_parallel(self, tp: Any) -> None:
