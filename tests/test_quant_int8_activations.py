@@ -99,9 +99,23 @@ def numpy_checked(lib, bits, n, k, group, zero_points, m, ab=None):
 
 
 @pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
-@pytest.mark.parametrize("m", [1, 5, 16, quant.QGEMM_Q8_MAX_M - 3])
+@pytest.mark.parametrize("m", [1, 2, 3, 5, 16, quant.QGEMM_Q8_MAX_M - 3])
 def test_int8_activations_equal_numpy_of_the_same_arithmetic(lib, bits, n, k, group, zero_points, m):
     numpy_checked(lib, bits, n, k, group, zero_points, m)
+
+
+@pytest.mark.parametrize("bits,n,k,group,zero_points", CASES)
+def test_a_rows_bits_are_its_own_beside_other_rows(lib, bits, n, k, group, zero_points):
+    """The int8-activation rows on 2 and 3 rows of x (each weight row read once for the rows of x side by side):
+    each row's outputs are, to the bit, those of the row alone (batch 1: gemv4_q8 or the rows), so a sequence's
+    logits do not depend on its batch here."""
+    w, x, _, _ = numpy_checked(lib, bits, n, k, group, zero_points, 3)
+    x = torch.from_numpy(x)
+    for m in (2, 3):
+        assert quant.product_of(lib, w, m) == "rows"
+        got = quant.qlinear(x[:m], w, lib=lib)
+        for i in range(m):
+            assert torch.equal(got[i], quant.qlinear(x[i:i + 1], w, lib=lib)[0]), (m, i)
 
 
 @pytest.mark.parametrize("bits,group", [(8, 512), (4, 256)])
