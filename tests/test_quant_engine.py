@@ -289,8 +289,10 @@ def test_moe_experts_quantised_equal_hf_on_dequantised_weights(kind, method, tmp
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind,method", [("qwen3_moe", "int8"), ("mixtral", "int4")])
-def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypatch, tmp_path):
+# 3 threads, top-2: the fused layer's experts with their rows shared by the threads (moe_q_expert_rows), 1: whole
+# experts a thread (moe_q_expert_own)
+@pytest.mark.parametrize("kind,method,threads", [("qwen3_moe", "int8", 1), ("mixtral", "int4", 3)])
+def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, threads, monkeypatch, tmp_path):
     """int8 / int4 experts with int8 activations in one C call a block (layer_ops.moe_q8: AMX-INT8 tiles
     from QGEMM_AMX_MIN_M rows an expert where the CPU has them, the int8-activation rows below) against one
     qlinear pair per expert (moe.Q8 off: what ran before), through the engine: prompts in 32-token chunks,
@@ -311,8 +313,8 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
     fused_layer = []
 
     def run() -> list:
-        llm = LLM(str(path), num_threads=1, max_model_len=256, quantization=method, quantized_activations="int8",
-                  max_num_batched_tokens=32)
+        llm = LLM(str(path), num_threads=threads, max_model_len=256, quantization=method,
+                  quantized_activations="int8", max_num_batched_tokens=32)
         fused_layer.append(llm.engine.model.decode_layer is not None)
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts_of([40, 9, 3, 17], 12)],
                                                    params)]
@@ -338,8 +340,8 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, monkeypat
 
 
 @pytest.mark.unit
-@pytest.mark.parametrize("kind,method", [("qwen3_moe", "bf16"), ("mixtral", "fp16")])
-def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, method, monkeypatch, tmp_path):
+@pytest.mark.parametrize("kind,method,threads", [("qwen3_moe", "bf16", 2), ("mixtral", "fp16", 3)])
+def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, method, threads, monkeypatch, tmp_path):
     """16-bit experts (`--quantization bf16|fp16`, what `--dtype auto` loads on a CPU without AVX512_BF16) in one
     C call a block (layer_ops.moe_q8: each expert's rows through the rows kernel, from QGEMM_W16_MIN_M rows the
     panels; an AVX2 build's load-time strips) against one qlinear pair per expert (moe.Q8 off): the same token ids
@@ -357,7 +359,7 @@ def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, me
     fused_layer = []
 
     def run() -> list:
-        llm = LLM(str(path), num_threads=2, max_model_len=256, quantization=method, max_num_batched_tokens=32)
+        llm = LLM(str(path), num_threads=threads, max_model_len=256, quantization=method, max_num_batched_tokens=32)
         fused_layer.append(llm.engine.model.decode_layer is not None)
         moe_w = llm.engine.model.layers[0].moe
         assert moe_w.quantized and {w.q.dtype for w in [*moe_w.gate_up, *moe_w.down]} == {
