@@ -100,8 +100,8 @@ class MoeWeights:
         return self.amx or None
 
     def q8_experts(self) -> tuple | None:
-        """The quantized experts as layer_ops.moe_q8 takes them (made at the first call: after load, once
-        int8 activations are set), or None where it does not run them: float experts, int8 / int4 experts
+        """The quantized experts as layer_ops.moe_q8 takes them (made once, after int8 activations are set: at load by
+        DecoderModel.unfused_reason for the fused batch-1 layer, else at the first call), or None where it does not run them: float experts, int8 / int4 experts
         without int8 activations, 16-bit and int experts mixed, experts with an act-order permutation, expert
         parallelism, no kernel here, 16-bit experts with load-time panels beside their rows (qlinear's choice between
         the two by rows: never made at load, where an AVX2 build keeps the strips alone)."""
