@@ -234,7 +234,7 @@ class DecoderModel:
                 w.moe.amx_weights()
         if self.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
             return
-        self._16bit_strips_only()
+        self._strips_only()
         rows = keep_rows(self)
         if rows:  # the weights as loaded, on huge pages (a tied head's rows: the embedding table)
             self._rows_on_huge_pages()
@@ -265,7 +265,7 @@ class DecoderModel:
         """16-bit weights (`--quantization bf16 / fp16`, float32 compute): each layer's, then the LM head's, packed
         once into the panels a batch's decode step and prefill read (quant.prepack_panels: a second copy beside the
         rows batch-1 decode streams) while those copies stay within `budget` bytes; the rest are packed per call
-        (an AVX2 build's are strips only already: _16bit_strips_only). Returns the bytes kept."""
+        (an AVX2 build's are strips only already: _strips_only). Returns the bytes kept."""
         used, left_out = 0, 0
         for t in self._16bit_weights():
             if t.strips_only:
@@ -284,15 +284,21 @@ class DecoderModel:
         return [t for t in [t for w in self.layers for t in w.linears()] + [self.lm_head]
                 if isinstance(t, QuantizedWeight) and t.bits == 16]
 
-    def _16bit_strips_only(self) -> None:
-        """On an AVX2 build, every 16-bit weight (layers, LM head, quantized MoE experts: moe_q8 reads the strips)
-        held as its strips only (quant.keep_strips_only: batch-1 decode reads them too; one
-        copy, no budget), before _rows_on_huge_pages moves the layers' and the head's."""
-        experts = [t for w in self.layers if w.moe is not None and w.moe.quantized
-                   for t in (*w.moe.gate_up, *w.moe.down) if t.bits == 16]
-        strips = sum(quant.keep_strips_only(t) for t in self._16bit_weights() + experts)
+    def _strips_only(self) -> None:
+        """On an AVX2 build, held as their strips only (quant.keep_strips_only: one copy, no budget, read at every
+        batch size, batch-1 decode too), before _rows_on_huge_pages moves the layers' and the head's: every 16-bit
+        weight (layers, LM head, MoE experts), and the int8 / int4 MoE experts with int8 activations, which moe_q8
+        then runs as the int8 GEMM at every count of rows (~2 an expert in a batch-16 step, where the
+        int8-activation rows were ALU-bound: RESULTS.md, #35 the int experts held as strips)."""
+        experts = [t for w in self.layers if w.moe is not None for t in w.moe.linears()]
+        held = [t for t in experts if t.bits != 16 and moe_mod.HELD]
+        strips = sum(quant.keep_strips_only(t) for t in self._16bit_weights() + [t for t in experts if t.bits == 16])
+        experts_held = sum(quant.keep_strips_only(t) for t in held)
         if strips:
             log.info("16-bit weights: %d MiB held once, as strips read at every batch size", strips >> 20)
+        if experts_held:
+            log.info("int8 / int4 MoE experts: %d MiB held once, as the int8 GEMM's strips at every batch size",
+                     experts_held >> 20)
 
     def _rows_on_huge_pages(self) -> None:
         """Move what batch-1 decode streams (every layer linear, float MoE experts, the LM head, plain or quantized) onto 2 MiB

@@ -131,8 +131,7 @@ def load_model(model_dir: str | pathlib.Path, dtype: torch.dtype = torch.float32
     if activations == "int8":
         packed = [t for w in layers for t in w.linears() if isinstance(t, quant.QuantizedWeight)]
         # the MoE experts' too (moe.py runs them in one C call a block, layer_ops.moe_q8)
-        packed += [t for w in layers if getattr(w, "moe", None) is not None and w.moe.quantized
-                   for t in (*w.moe.gate_up, *w.moe.down)]
+        packed += [t for w in layers if getattr(w, "moe", None) is not None for t in w.moe.linears()]
         packed += [lm_head] if isinstance(lm_head, quant.QuantizedWeight) else []
         if not packed:
             raise ValueError("--quantized-activations int8 needs quantized linears (--quantization, a GPTQ / AWQ / "

@@ -44,6 +44,11 @@ AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
 # panels from quant.QGEMM_W16_MIN_M rows; an AVX2 build's load-time strips at every m); False (or $ATOMD_MOE_Q8=0
 # at import): one qlinear pair per expert (the A/B of engine-level runs)
 Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
+# ... its int8 / int4 experts (int8 activations) held on an AVX2 build as the int8 GEMM's strips alone
+# (quant.keep_strips_only, DecoderModel._strips_only): the GEMM's products at every count of rows, one row too, where
+# below quant.q8_gemm_min_m the int8-activation rows ran them; False (or $ATOMD_MOE_HELD=0 at import): the rows (the
+# A/B of engine-level runs)
+HELD = Q8 and os.environ.get("ATOMD_MOE_HELD") != "0"
 # ... an expert with at least this many pairs in a block (a prompt's) on the bf16 AMX tiles instead, where the CPU
 # has them (layer_ops.has_moe_amx): its int8 / int4 weights dequantised to bf16 once a call (moe_q8's work item),
 # bf16 activations (not int8), float32 sums: the AMX-INT8 tiles store and rescale every 32-input block's dot
@@ -89,6 +94,10 @@ class MoeWeights:
         self.routed = torch.zeros(self.router.shape[0], dtype=torch.int64)
         self.slot_experts = torch.arange(self.first_expert, self.first_expert + len(self.gate_up))
 
+    def linears(self) -> tuple:
+        """Each quantized expert's QuantizedWeights, gate_up's then down's (float experts: none)."""
+        return (*self.gate_up, *self.down) if self.quantized else ()
+
     def amx_weights(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """The experts packed for layer_ops.moe_amx (made at the first call: the model's load), or None where it does not run
         them: quantized or non-bf16 experts, expert parallelism, shapes off the tiles, no AMX here."""
@@ -106,7 +115,7 @@ class MoeWeights:
         parallelism, no kernel here, 16-bit experts with load-time panels beside their rows (qlinear's choice between
         the two by rows: never made at load, where an AVX2 build keeps the strips alone)."""
         if self.q8 is None:
-            linears = (*self.gate_up, *self.down)  # all int8-activation ones or all 16-bit ones (the kernel's two kinds)
+            linears = self.linears()  # all int8-activation ones or all 16-bit ones (the kernel's two kinds)
             fits = (self.quantized and self.ep is None and layer_ops.moe_q8_kind() > 0
                     and all(q.perm is None and (q.panels is None or q.strips_only) for q in linears)
                     and (all(q.int8_activations for q in linears) or all(q.bits == 16 for q in linears)))

@@ -162,8 +162,8 @@ class QuantizedWeight:
 
     @property
     def strips_only(self) -> bool:
-        """A 16-bit weight whose load-time strips are its only copy (keep_strips_only: q is [N, 0])."""
-        return self.bits == 16 and self.q.shape[1] == 0 and self.panels is not None
+        """A weight whose load-time strips are its only copy (keep_strips_only: q is [N, 0])."""
+        return self.q.shape[1] == 0 and self.panels is not None
 
     def data_ptr(self) -> int:
         """The address of this weight's atomd_qweight (csrc/quant.h), what the fused batch-1
@@ -192,6 +192,8 @@ class QuantizedWeight:
 
     def int_values(self) -> torch.Tensor:
         """q as int32 [N, K] in the kernel's column order."""
+        if self.strips_only:
+            return held_values(self)
         if self.bits == 8:
             return self.q.to(torch.int32)
         runs = self.q.view(self.q.shape[0], -1, 16).to(torch.int32)
@@ -199,7 +201,7 @@ class QuantizedWeight:
 
     def dequantize(self, rows: slice = slice(None)) -> torch.Tensor:
         """The float32 weight [N, K] (rows of it), in the checkpoint's column order."""
-        if self.strips_only:
+        if self.strips_only and self.bits == 16:
             return strips_rows(self)[rows].float()
         if self.bits == 16:
             return self.q[rows].float()
@@ -278,7 +280,8 @@ def qweight_array(weights: list[QuantizedWeight]) -> ctypes.Array:
     and scales (a weight held as an AVX2 build's strips only: at them), without scratch: the int8 and 16-bit MoE
     experts (layer_ops.moe_q8, which quantises x into its own). The caller keeps the weights alive as long as the
     array."""
-    return (_QWeightStruct * len(weights))(*(_QWeightStruct(w.q.data_ptr(), _ptr(w.scales), _ptr(w.offsets),
+    return (_QWeightStruct * len(weights))(*(_QWeightStruct(None if w.strips_only else w.q.data_ptr(), _ptr(w.scales),
+                                                            _ptr(w.offsets),
                                                             w.group_size, w.c_bits(), ablock=w.act_block,
                                                             panels=_ptr(w.panels) if w.strips_only else None)
                                              for w in weights))
@@ -325,6 +328,11 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
     lib.amx = bool(lib.atomd_quant_amx())  # int8 activations on AMX-INT8 tiles from QGEMM_AMX_MIN_M rows
     lib.atomd_qgemm_q8_gemm.argtypes = lib.atomd_qgemm_q8.argtypes
     lib.atomd_qgemm_q8_gemm.restype = lib.atomd_quant_q8_gemm.restype = ctypes.c_int
+    lib.atomd_qhold_q8.argtypes = [_PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, ctypes.c_int]
+    lib.atomd_qgemm_q8_held.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _I64, _I64, _I64, _PTR, _I64, _PTR, _PTR,
+                                        _PTR, ctypes.c_int]
+    lib.atomd_qhold_q8.restype = lib.atomd_qgemm_q8_held.restype = ctypes.c_int
+    lib.atomd_qhold_strip_bytes.argtypes, lib.atomd_qhold_strip_bytes.restype = [_I64, _I64, _I64], _I64
     # int8 activations as a GEMM from q8_gemm_min_m rows (no tiles): Q8_PATHS' 3 (VNNI), 1 (AVX2), 0 none
     lib.q8_gemm = lib.atomd_quant_q8_gemm()
     lib.atomd_qgemm_wide.argtypes = [_PTR, _I64, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64, _PTR, _I64, ctypes.c_int]
@@ -463,15 +471,50 @@ def prepack_panels(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -
 
 
 def keep_strips_only(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> int:
-    """A 16-bit weight packed into an AVX2 build's strips (prepack_panels), which then replace its rows: they serve
-    every M, batch-1 decode too (at one row 0.89-1.05x the rows' time: RESULTS.md, #35 the AVX2 16-bit strips), so
-    the weight is held once and q becomes [N, 0] (DecoderModel moves the strips onto 2 MiB pages, as it does the
-    rows batch-1 decode streams). Returns the strips' bytes (0: not done: not a 16-bit weight, or not an AVX2 build)."""
+    """A weight packed into an AVX2 build's strips, which then replace its rows: they serve every M, batch-1 decode
+    too, so the weight is held once and q becomes [N, 0]. A 16-bit weight's (prepack_panels; at one row 0.89-1.05x
+    the rows' time: RESULTS.md, #35 the AVX2 16-bit strips; DecoderModel moves them onto 2 MiB pages, as it does the
+    rows batch-1 decode streams); an int8 / int4 weight with int8 activations and no act-order permutation, the int8
+    GEMM's (hold_strips: the MoE experts, DecoderModel._strips_only). Returns the strips' bytes (0: not done: neither
+    such weight, or not an AVX2 build)."""
     lib = kernels() if lib == "auto" else lib
-    if lib is None or lib.w16_panels != 2 or not prepack_panels(w, lib):  # (0 for a strips-only or not 16-bit one)
+    if lib is None or lib.w16_panels != 2 or w.strips_only:
+        return 0
+    if w.bits == 16 and not prepack_panels(w, lib) or w.bits != 16 and not hold_strips(w, lib):
         return 0
     w.q, w._ref = w.q.new_empty((w.q.shape[0], 0)), None
     return w.panels.nbytes
+
+
+def hold_strips(w: QuantizedWeight, lib: ctypes.CDLL) -> bool:
+    """An int8 / int4 weight's strips (csrc/quant_gemm_avx2.h qv_hold: per 8 rows the int8 GEMM's packed panel,
+    int4 two values a byte, then the strip's scales and offsets) into w.panels, beside its rows; False where not
+    made (float activations, an act-order permutation, not an AVX2 build)."""
+    n, k = w.shape
+    if not w.int8_activations or w.perm is not None or lib.w16_panels != 2:
+        return False
+    size = lib.atomd_qhold_strip_bytes(k, w.group_size, w.bits)
+    panels = torch.empty(-(-n // 8) * size, dtype=torch.uint8)
+    if not size or lib.atomd_qhold_q8(w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k, w.group_size,
+                                      panels.data_ptr(), torch.get_num_threads()):
+        return False
+    w.panels, w.panels_layout, w._ref = panels, lib.w16_panels, None
+    return True
+
+
+def held_values(w: QuantizedWeight) -> torch.Tensor:
+    """The int32 values [N, K] (kernel column order) of an int8 / int4 weight held as strips (hold_strips: per strip
+    of 8 rows, 4 inputs of the 8 rows a 32-byte vector; int4 a block of 32 inputs 4 such vectors, c holding inputs
+    4c.. in its low nibbles and 16 + 4c.. in its high), its scales and offsets after them."""
+    n, k = w.shape
+    strips, wbytes = -(-n // 8), 8 * k * w.bits // 8
+    raw = w.panels.view(strips, -1)[:, :wbytes]
+    if w.bits == 8:
+        v = raw.view(torch.int8).view(strips, k // 4, 8, 4).permute(0, 2, 1, 3).to(torch.int32)
+    else:
+        b = raw.view(strips, k // 32, 4, 8, 4).to(torch.int32)  # [strip, block, c, row, byte]
+        v = torch.stack((b & 15, b >> 4), dim=2).permute(0, 4, 1, 2, 3, 5)  # [strip, row, block, half, c, byte]
+    return v.reshape(strips * 8, k)[:n]
 
 
 def strips_rows(w: QuantizedWeight) -> torch.Tensor:
@@ -494,9 +537,9 @@ def product_of(lib: ctypes.CDLL | None, w: QuantizedWeight, m: int) -> str:
     fused rows compute qlinear's bits."""
     if w.strips_only:  # (held nowhere else: only the build that packed them reads them)
         if lib is None or lib.w16_panels != w.panels_layout:
-            raise RuntimeError("a 16-bit weight kept as an AVX2 build's strips only is read by that build only "
+            raise RuntimeError("a weight kept as an AVX2 build's strips only is read by that build only "
                                f"(${cbuild.ISA_ENV} changed after load?)")
-        return "w16_prepacked"
+        return "w16_prepacked" if w.bits == 16 else "q8_held"
     if lib is None:
         return "tiles"
     if w.int8_activations:
@@ -570,6 +613,10 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
                                   xsg.data_ptr(), threads)
         if rc != 0:
             raise MemoryError(f"int8 GEMM of {m} x {k} by {n} rows: out of memory")
+    elif product == "q8_held":
+        xq, xd, xsg = _q8_scratch(m, k)
+        lib.atomd_qgemm_q8_held(xf.data_ptr(), k, m, w.panels.data_ptr(), w.bits, n, k, w.group_size, w.act_block,
+                                out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), threads)
     elif product == "rows":
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,

@@ -82,6 +82,12 @@ static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int
 static void moe_q8_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
                           const moe_q8_scratch *s, int tiles, int quantised, int gemm) {
     const int bits = (int)w->bits;
+#ifdef QV_HELD
+    if (w->q == NULL) {  /* held as its load-time strips only (quant.keep_strips_only): them at every m */
+        qv_held1(x, m, (const uint8_t *)w->panels, bits, N, K, w->group, w->ablock, y, s->xq, s->xd, s->xsg);
+        return;
+    }
+#endif
 #if QV_PATH
     if (gemm) {
         qv_gemm1(x, m, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, s->xq, s->xd, s->xsg, s->wp,

@@ -171,6 +171,44 @@ int atomd_qgemm_q8_gemm(const float *x, int64_t ldx, int64_t M, const void *q, i
 #endif
 }
 
+/* An int8 / int4 weight's load-time strips (quant_gemm_avx2.h qv_hold; quant.keep_strips_only) into held
+ * [(N + 7) / 8][QV_STRIP_BYTES(K, G, bits)]: 0 done, 1 not built here (not an AVX2 build) */
+int atomd_qhold_q8(const void *q, int64_t bits, const float *scales, const float *offsets, int64_t N, int64_t K,
+                   int64_t G, uint8_t *held, int num_threads) {
+#ifdef QV_HELD
+    qv_hold(q, (int)bits, scales, offsets, N, K, G, held, num_threads);
+    return 0;
+#else
+    (void)q, (void)bits, (void)scales, (void)offsets, (void)N, (void)K, (void)G, (void)held, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* y [M, ldy] = x [M, ldx] @ w^T for a weight held as its strips (atomd_qhold_q8), at any M: the GEMM's bits; the
+ * scratch of atomd_qgemm_q8. 0 done, 1 not built here */
+int atomd_qgemm_q8_held(const float *x, int64_t ldx, int64_t M, const uint8_t *held, int64_t bits, int64_t N,
+                        int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy, int8_t *xq, float *xd, float *xsg,
+                        int num_threads) {
+#ifdef QV_HELD
+    qv_held_gemm(x, ldx, M, held, (int)bits, N, K, G, AB, y, ldy, xq, xd, xsg, num_threads);
+    return 0;
+#else
+    (void)x, (void)ldx, (void)M, (void)held, (void)bits, (void)N, (void)K, (void)G, (void)AB, (void)y, (void)ldy;
+    (void)xq, (void)xd, (void)xsg, (void)num_threads;
+    return 1;
+#endif
+}
+
+/* the bytes of one strip of atomd_qhold_q8's layout (0: not built here) */
+int64_t atomd_qhold_strip_bytes(int64_t K, int64_t G, int64_t bits) {
+#ifdef QV_HELD
+    return QV_STRIP_BYTES(K, G, bits);
+#else
+    (void)K, (void)G, (void)bits;
+    return 0;
+#endif
+}
+
 /* which GEMM atomd_qgemm_q8_gemm runs here: 3 AVX512-VNNI, 1 AVX2, 0 none (the Q8_PATH numbers) */
 int atomd_quant_q8_gemm(void) { return QV_PATH; }
 

@@ -816,6 +816,8 @@ static _Thread_local struct {
 /* quant_w16_avx2.h: a 16-bit weight held as its load-time strips only (q NULL), batch 1 */
 static void w16_strips_gemv(const float *x, const uint16_t *strips, int f16, const float *bias, float *y, int64_t K,
                             int64_t N);
+/* quant_gemm_avx2.h: an int8 / int4 one so held */
+static void q8_held_gemv(const float *x, const atomd_qweight *w, const float *bias, float *y, int64_t K, int64_t N);
 #endif
 
 /* y[n] = w[n] . x (+ bias[n]) for the N rows of w, K inputs: an orphaned `omp for` (the
@@ -823,8 +825,11 @@ static void w16_strips_gemv(const float *x, const uint16_t *strips, int f16, con
 static inline void atomd_qgemv_rows(const float *x, const atomd_qweight *w, const float *bias, float *y, int64_t K,
                                     int64_t N) {
 #if QUANT_PATH == 1
-    if (w->q == NULL) {  /* an AVX2 build's 16-bit weight kept as its strips only (quant.keep_strips_only) */
-        w16_strips_gemv(x, w->panels, w->bits == QBITS_F16, bias, y, K, N);
+    if (w->q == NULL) {  /* an AVX2 build's weight kept as its strips only (quant.keep_strips_only) */
+        if (w->bits == 4 || w->bits == 8)
+            q8_held_gemv(x, w, bias, y, K, N);
+        else
+            w16_strips_gemv(x, w->panels, w->bits == QBITS_F16, bias, y, K, N);
         return;
     }
 #endif

@@ -37,7 +37,7 @@
  * transpose in each half), then each word vector gives inputs 4c.. (low nibbles) and 16 + 4c.. (high): half
  * the instructions of unpacking each row first and transposing 8 words (at 16 rows of x the packing cost
  * about what the micro-kernel did) */
-static inline void qv_pack4(const void *q, int64_t N, int64_t K, int64_t r0, uint8_t *dst) {
+static inline void qv_pack4(const void *q, int64_t N, int64_t K, int64_t r0, uint8_t *dst, int held) {
     const __m256i low = _mm256_set1_epi8(15);
     for (int64_t k = 0; k < K; k += Q8_BLOCK) {
         __m256 v[4];
@@ -51,6 +51,10 @@ static inline void qv_pack4(const void *q, int64_t N, int64_t K, int64_t r0, uin
         transpose4_halves_ps(v);
         for (int c = 0; c < 4; c++) {  /* v[c]: word c of rows 0-3 | rows 4-7 */
             const __m256i b = _mm256_castps_si256(v[c]);
+            if (held) {  /* load-time strips: the words still two values a byte (QV_STRIP_BYTES) */
+                _mm256_storeu_si256((__m256i *)(dst + (k / 8 + c) * QV_NR * 4), b);
+                continue;
+            }
             _mm256_storeu_si256((__m256i *)(dst + (k / 4 + c) * QV_NR * 4), _mm256_and_si256(b, low));
             _mm256_storeu_si256((__m256i *)(dst + (k / 4 + 4 + c) * QV_NR * 4), _mm256_and_si256(_mm256_srli_epi16(b, 4), low));
         }
@@ -58,15 +62,16 @@ static inline void qv_pack4(const void *q, int64_t N, int64_t K, int64_t r0, uin
 }
 
 /* weight rows n0 .. n0 + 8 strips (rows from N on zero) packed as the module doc says: strip j at
- * wp + j * 8 K, its s and o at sc + j * 16 groups ([groups][8] each) */
-static void qv_pack(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
-                    int64_t G, int64_t n0, int64_t strips, uint8_t *wp, float *sc) {
+ * wp + j * 8 K, its s and o at sc + j * 16 groups ([groups][8] each); `held` (one strip: qv_hold's): int4 two
+ * values a byte */
+static void qv_pack_strips(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
+                           int64_t G, int64_t n0, int64_t strips, uint8_t *wp, float *sc, int held) {
     const int64_t groups = K / G;
     for (int64_t j = 0; j < strips; j++) {
         const int64_t r0 = n0 + j * QV_NR;
         uint8_t *dst = wp + j * QV_NR * K;
         if (bits == 4) {
-            qv_pack4(q, N, K, r0, dst);
+            qv_pack4(q, N, K, r0, dst, held);
             continue;
         }
         for (int64_t k = 0; k < K; k += Q8_BLOCK) {  /* int8: K is whole blocks of 32 (the act blocks') */
@@ -86,6 +91,10 @@ static void qv_pack(const void *q, int bits, const float *scales, const float *o
                 sc[((j * 2 + 1) * groups + g) * QV_NR + c] = n < N && offsets ? offsets[n * groups + g] : 0.0f;
             }
 }
+static void qv_pack(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
+                    int64_t G, int64_t n0, int64_t strips, uint8_t *wp, float *sc) {
+    qv_pack_strips(q, bits, scales, offsets, N, K, G, n0, strips, wp, sc, 0);
+}
 
 /* x [M, ldx] quantised row by row by quantize_row_q8: xq [M, K], xd [M, Q8_XD(K)], xsg [M, Q8_XSG(K)] */
 static void qv_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int64_t G, int64_t AB, int bits,
@@ -97,10 +106,10 @@ static void qv_quantize(const float *x, int64_t ldx, int64_t M, int64_t K, int64
 
 /* mr (a constant after inlining) rows of quantised x (rows K, Q8_XD(K) and Q8_XSG(K) apart) times one packed
  * strip (wp, its s / o at sc) into y[r * ldy + 0 .. cols); bits a constant too */
-static inline __attribute__((always_inline)) void qv_kernel(const int mr, const int bits, const uint8_t *wp,
-                                                            const float *sc, const int8_t *xq, const float *xd,
-                                                            const float *xsg, int64_t K, int64_t G, int64_t AB,
-                                                            float *y, int64_t ldy, int64_t cols) {
+static inline __attribute__((always_inline)) void qv_kernel(const int mr, const int bits, const int held,
+                                                            const uint8_t *wp, const float *sc, const int8_t *xq,
+                                                            const float *xd, const float *xsg, int64_t K, int64_t G,
+                                                            int64_t AB, float *y, int64_t ldy, int64_t cols) {
     const int64_t groups = K / G, per = G / AB, run = AB / Q8_BLOCK;
     const __m256i ones = _mm256_set1_epi16(1);
     __m256 f[QV_MR];
@@ -112,14 +121,28 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
          * converted and scaled; as few live vectors as that allows (no spills at QV_MR rows) */
         __m256i acc[QV_MR];
         for (int64_t b = a * run; b < (a + 1) * run; b++) {
-            const uint8_t *wb = wp + b * Q8_BLOCK * QV_NR;
+            const uint8_t *wb = wp + b * Q8_BLOCK * QV_NR / (held && bits == 4 ? 2 : 1);
             const int8_t *xb = xq + b * Q8_BLOCK;
             if (bits == 4 || b == a * run)
                 for (int r = 0; r < mr; r++) acc[r] = _mm256_setzero_si256();
+            if (held && bits == 4) {  /* a word vector c: inputs 4c.. (low nibbles) and 16 + 4c.. (high) */
+                const __m256i low = _mm256_set1_epi8(15);
+                for (int c = 0; c < Q8_BLOCK / 8; c++) {
+                    const __m256i p = _mm256_loadu_si256((const __m256i *)(wb + c * 32));
+                    const __m256i lo = _mm256_and_si256(p, low), hi = _mm256_and_si256(_mm256_srli_epi16(p, 4), low);
+                    for (int r = 0; r < mr; r++) {
+                        int32_t x0, x1;
+                        memcpy(&x0, xb + r * K + c * 4, 4);
+                        memcpy(&x1, xb + r * K + 16 + c * 4, 4);
+                        acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(lo, _mm256_set1_epi32(x0)));
+                        acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
+                    }
+                }
+            }
             /* two 4-input steps an iteration: unrolled whole, GCC gathers the block's 32 products of 4 rows
              * before summing them and spills (1.2-1.5x the time) */
             _Pragma("GCC unroll 2")
-            for (int c = 0; c < Q8_BLOCK / 4; c++) {
+            for (int c = 0; c < (held && bits == 4 ? 0 : Q8_BLOCK / 4); c++) {
                 const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + c * 32));
                 const __m256i u = bits == 8 ? _mm256_abs_epi8(w) : w;
                 for (int r = 0; r < mr; r++) {
@@ -154,19 +177,108 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
 }
 
 /* the micro-kernel for mr rows, mr and bits constants in each instance (quant_gemm.h's qv_panel) */
-static inline __attribute__((always_inline)) void qv_strip(int mr, int bits, const uint8_t *wp, const float *sc, const int8_t *xq, const float *xd,
-                            const float *xsg, int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy, int64_t cols) {
-#define QV_CASE(R)                                                         \
-    case R:                                                                \
-        if (bits == 8)                                                     \
-            qv_kernel(R, 8, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols);  \
-        else                                                               \
-            qv_kernel(R, 4, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols);  \
+static inline __attribute__((always_inline)) void qv_strip_of(int mr, int bits, int held, const uint8_t *wp,
+                                                              const float *sc, const int8_t *xq, const float *xd,
+                                                              const float *xsg, int64_t K, int64_t G, int64_t AB,
+                                                              float *y, int64_t ldy, int64_t cols) {
+#define QV_CASE(R)                                                            \
+    case R:                                                                   \
+        if (bits == 8)                                                        \
+            qv_kernel(R, 8, 0, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols);  \
+        else if (held)                                                        \
+            qv_kernel(R, 4, 1, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols);  \
+        else                                                                  \
+            qv_kernel(R, 4, 0, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols);  \
         break;
     switch (mr) {
         QV_CASE(1) QV_CASE(2) QV_CASE(3)
         default: QV_CASE(QV_MR)
     }
 #undef QV_CASE
+}
+static inline __attribute__((always_inline)) void qv_strip(int mr, int bits, const uint8_t *wp, const float *sc,
+                                                           const int8_t *xq, const float *xd, const float *xsg,
+                                                           int64_t K, int64_t G, int64_t AB, float *y, int64_t ldy,
+                                                           int64_t cols) {
+    qv_strip_of(mr, bits, 0, wp, sc, xq, xd, xsg, K, G, AB, y, ldy, cols);
+}
+
+/* An int8 / int4 weight held as its load-time strips (quant.keep_strips_only on an AVX2 build: the MoE experts),
+ * its only copy: strip j (rows 8j .. 8j + 7, from N on zero) at j * QV_STRIP_BYTES, its weights as qv_pack lays a
+ * panel's strip out except that int4 stays two values a byte (qv_pack4's word vectors before they split: a block
+ * of 32 inputs is 4 vectors, c holding inputs 4c .. 4c + 3 in its low nibbles, 16 + 4c .. in its high), then its
+ * s and o [groups][8] each. Every M, one row too, runs the micro-kernel on them (qv_held): the GEMM's sums, so the
+ * GEMM's bits at every M, and no panel packed per call (at the ~2 rows an expert of a batch-16 MoE block the
+ * packing was what the products cost; below the GEMM's rows the int8-activation rows took ~4x the ALU work of the
+ * micro-kernel's a product: RESULTS.md, #35 the int experts held as strips). */
+#define QV_HELD 1
+#ifndef QV_HELD_AHEAD
+#define QV_HELD_AHEAD 8192  /* bytes of strips a thread prefetches ahead (whole strips, one at least) */
+#endif
+#define QV_STRIP_WBYTES(K, bits) ((int64_t)QV_NR * (K) * (bits) / 8)
+#define QV_STRIP_BYTES(K, G, bits) (QV_STRIP_WBYTES(K, bits) + (int64_t)2 * ((K) / (G)) * QV_NR * (int64_t)sizeof(float))
+
+/* the strips of q [N, K] (with its scales / offsets [N, K / G]) into out [(N + 7) / 8][QV_STRIP_BYTES] */
+static void qv_hold(const void *q, int bits, const float *scales, const float *offsets, int64_t N, int64_t K,
+                    int64_t G, uint8_t *out, int num_threads) {
+    const int64_t SB = QV_STRIP_BYTES(K, G, bits), WB = QV_STRIP_WBYTES(K, bits);
+    _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
+    for (int64_t j = 0; j < (N + QV_NR - 1) / QV_NR; j++)
+        qv_pack_strips(q, bits, scales, offsets, N, K, G, j * QV_NR, 1, out + j * SB, (float *)(out + j * SB + WB), 1);
+}
+
+/* strips s0 .. s1 of a held weight against M rows of x quantised by qv_quantize into y [M, ldy]: each strip from
+ * memory once, then against every QV_MR rows of x (L1) */
+static inline void qv_held_run(const uint8_t *held, int bits, int64_t N, int64_t K, int64_t G, int64_t AB, int64_t M,
+                               int64_t s0, int64_t s1, const int8_t *xq, const float *xd, const float *xsg, float *y,
+                               int64_t ldy) {
+    const int64_t SB = QV_STRIP_BYTES(K, G, bits), WB = QV_STRIP_WBYTES(K, bits);
+    const int64_t ahead = QV_HELD_AHEAD / SB > 1 ? QV_HELD_AHEAD / SB : 1;
+    for (int64_t j = s0; j < s1; j++) {
+        const uint8_t *st = held + j * SB;
+        if (j + ahead < s1)
+            for (int64_t off = 0; off < SB; off += 64) _mm_prefetch((const char *)st + ahead * SB + off, _MM_HINT_T0);
+        for (int64_t m0 = 0; m0 < M; m0 += QV_MR) {
+            const int mr = M - m0 < QV_MR ? (int)(M - m0) : QV_MR;
+            qv_strip_of(mr, bits, 1, st, (const float *)(st + WB), xq + m0 * K, xd + m0 * Q8_XD(K),
+                        xsg + m0 * Q8_XSG(K), K, G, AB, y + m0 * ldy + j * QV_NR, ldy, N - j * QV_NR);
+        }
+    }
+}
+
+/* y [M, N] = x [M, K] @ w^T on this thread for a held weight (moe_q8.h's experts); scratch xq, xd, xsg of M rows */
+static inline void qv_held1(const float *x, int64_t M, const uint8_t *held, int bits, int64_t N, int64_t K, int64_t G,
+                            int64_t AB, float *y, int8_t *xq, float *xd, float *xsg) {
+    qv_quantize(x, K, M, K, G, AB, bits, xq, xd, xsg, 1);
+    qv_held_run(held, bits, N, K, G, AB, M, 0, (N + QV_NR - 1) / QV_NR, xq, xd, xsg, y, N);
+}
+
+/* y [M, ldy] = x [M, ldx] @ w^T for a held weight, the strips shared by the threads */
+static void qv_held_gemm(const float *x, int64_t ldx, int64_t M, const uint8_t *held, int bits, int64_t N, int64_t K,
+                         int64_t G, int64_t AB, float *y, int64_t ldy, int8_t *xq, float *xd, float *xsg,
+                         int num_threads) {
+    qv_quantize(x, ldx, M, K, G, AB, bits, xq, xd, xsg, num_threads);
+    const int64_t strips = (N + QV_NR - 1) / QV_NR;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        const int64_t t = omp_get_thread_num(), n = omp_get_num_threads();
+        qv_held_run(held, bits, N, K, G, AB, M, t * strips / n, (t + 1) * strips / n, xq, xd, xsg, y, ldy);
+    }
+}
+
+/* one row x (K <= Q8_OWN_K) through a held weight, the strips shared by the caller's parallel region (an orphaned
+ * omp for; x quantised into each thread's own row): quant.h atomd_qgemv_rows' (the fused batch-1 layer's experts) */
+static void q8_held_gemv(const float *x, const atomd_qweight *w, const float *bias, float *y, int64_t K, int64_t N) {
+    const int bits = (int)w->bits;
+    quantize_row_q8(x, K, w->group, w->ablock, bits, q8_own.xq, q8_own.xd, q8_own.xsg);
+    const int64_t SB = QV_STRIP_BYTES(K, w->group, bits), WB = QV_STRIP_WBYTES(K, bits);
+    const uint8_t *held = (const uint8_t *)w->panels;
+    _Pragma("omp for schedule(static)")
+    for (int64_t j = 0; j < (N + QV_NR - 1) / QV_NR; j++) {
+        const uint8_t *st = held + j * SB;
+        qv_strip_of(1, bits, 1, st, (const float *)(st + WB), q8_own.xq, q8_own.xd, q8_own.xsg, K, w->group, w->ablock,
+                    y + j * QV_NR, N, N - j * QV_NR);
+        for (int64_t n = j * QV_NR; bias && n < (j + 1) * QV_NR && n < N; n++) y[n] += bias[n];
+    }
 }
 #endif
