@@ -287,18 +287,19 @@ class DecoderModel:
     def _strips_only(self) -> None:
         """On an AVX2 build, held as their strips only (quant.keep_strips_only: one copy, no budget, read at every
         batch size, batch-1 decode too), before _rows_on_huge_pages moves the layers' and the head's: every 16-bit
-        weight (layers, LM head, MoE experts), and the int8 / int4 MoE experts with int8 activations, which moe_q8
-        then runs as the int8 GEMM at every count of rows (~2 an expert in a batch-16 step, where the
-        int8-activation rows were ALU-bound: RESULTS.md, #35 the int experts held as strips)."""
+        weight (layers, LM head, MoE experts), and the int8 / int4 MoE experts with int8 activations
+        (quant.INT_STRIPS: the int8 GEMM's products at every count of rows, without a panel packed per call; at the
+        ~2 rows an expert of a batch-16 MoE block the int8-activation rows were bound by their ALU work). Not the
+        layers' or the head's int weights: at one row streamed from memory the strips took 1.04-1.25x the rows' time
+        (RESULTS.md, #35 int8 / int4 MoE experts held as strips)."""
         experts = [t for w in self.layers if w.moe is not None for t in w.moe.linears()]
-        held = [t for t in experts if t.bits != 16 and moe_mod.HELD]
         strips = sum(quant.keep_strips_only(t) for t in self._16bit_weights() + [t for t in experts if t.bits == 16])
-        experts_held = sum(quant.keep_strips_only(t) for t in held)
+        held = sum(quant.keep_strips_only(t) for t in experts if t.bits != 16 and quant.INT_STRIPS)
         if strips:
             log.info("16-bit weights: %d MiB held once, as strips read at every batch size", strips >> 20)
-        if experts_held:
-            log.info("int8 / int4 MoE experts: %d MiB held once, as the int8 GEMM's strips at every batch size",
-                     experts_held >> 20)
+        if held:
+            log.info("int8 / int4 MoE experts: %d MiB held once, as the int8 GEMM's strips read at every batch size",
+                     held >> 20)
 
     def _rows_on_huge_pages(self) -> None:
         """Move what batch-1 decode streams (every layer linear, float MoE experts, the LM head, plain or quantized) onto 2 MiB

@@ -44,11 +44,6 @@ AMX = os.environ.get("ATOMD_MOE_AMX") != "0"
 # panels from quant.QGEMM_W16_MIN_M rows; an AVX2 build's load-time strips at every m); False (or $ATOMD_MOE_Q8=0
 # at import): one qlinear pair per expert (the A/B of engine-level runs)
 Q8 = os.environ.get("ATOMD_MOE_Q8") != "0"
-# ... its int8 / int4 experts (int8 activations) held on an AVX2 build as the int8 GEMM's strips alone
-# (quant.keep_strips_only, DecoderModel._strips_only): the GEMM's products at every count of rows, one row too, where
-# below quant.q8_gemm_min_m the int8-activation rows ran them; False (or $ATOMD_MOE_HELD=0 at import): the rows (the
-# A/B of engine-level runs)
-HELD = Q8 and os.environ.get("ATOMD_MOE_HELD") != "0"
 # ... an expert with at least this many pairs in a block (a prompt's) on the bf16 AMX tiles instead, where the CPU
 # has them (layer_ops.has_moe_amx): its int8 / int4 weights dequantised to bf16 once a call (moe_q8's work item),
 # bf16 activations (not int8), float32 sums: the AMX-INT8 tiles store and rescale every 32-input block's dot

@@ -111,6 +111,11 @@ _I64, _PTR = ctypes.c_int64, ctypes.c_void_p
 PATHS = {2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_path
 Q8_PATHS = {3: "AVX512-VNNI", 2: "AVX-512", 1: "AVX2", 0: "scalar"}  # atomd_quant_q8_path
 Q8_BLOCK = 32  # int8 activations: the smallest act block, the kernels' unit (csrc/quant.h)
+# int8 / int4 MoE experts with int8 activations held on an AVX2 build as the int8 GEMM's strips alone (keep_strips_only,
+# DecoderModel._strips_only): the GEMM's products at every count of rows, one row too, where below q8_gemm_min_m the
+# int8-activation rows ran them and each GEMM call packed its panels; False (or $ATOMD_INT_STRIPS=0 at import): the
+# rows as loaded (the A/B of engine-level runs)
+INT_STRIPS = os.environ.get("ATOMD_INT_STRIPS") != "0"
 # int8 activations' act block by the weight's group: the largest of these that divides it (per channel: the
 # input size), one scale d per act block per row of x, so the AMX-INT8 tiles sum act_block / 64 products in
 # int32 before one store and rescale (csrc/quant_amx.h). 256 keeps a trained model's logits within 1.5x the
