@@ -8,6 +8,7 @@ there. float32: within a few float32 ulps (summation order, FMA contraction).
 """
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
@@ -540,9 +541,11 @@ def test_moe_amx_experts_equal_the_per_expert_path(isa, hidden, inter, experts, 
         assert error <= 1.5 * per_expert_error + 1e-5, (error, per_expert_error)
 
 
-@pytest.mark.parametrize("isa", ["native", "no-amx"], indirect=True)  # the other narrowings: the no-amx rows
+# the other narrowings: the no-amx rows; no-avx512 (every CPU here): the experts held as the AVX2 GEMM's strips
+@pytest.mark.parametrize("isa,held", [("native", False), ("no-amx", False), ("no-avx512", True)],
+                         indirect=["isa"])
 @pytest.mark.parametrize("method", ["int8", "int4", "int4+int8"])
-def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
+def test_moe_q8_experts_equal_the_per_expert_path(isa, held, method, monkeypatch):
     """int8 / int4 experts with int8 activations in one C call (layer_ops.moe_q8: AMX-INT8 tiles from
     QGEMM_AMX_MIN_M rows an expert on the native build of an AMX CPU, the int8 GEMM from quant.q8_gemm_min_m
     without them (VNNI, or AVX2 on a CPU without AVX-512: its own rows for int4 and int8 linears, so also
@@ -553,16 +556,18 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
     Mixtral's float32 products too, cast_weights off); 1 token (moe()'s batch-1 form), 2, 17, 150 (two
     row chunks); random routings, idle experts, every token on one expert (past QGEMM_Q8_MAX_M pairs
     without the tiles or the GEMM: that expert a qlinear pair, the rest in the call); near float64 SwiGLU experts on
-    the dequantised weights (int8 activations: ~1% of the terms)."""
+    the dequantised weights (int8 activations: ~1% of the terms). `held`: the experts held as the AVX2 build's
+    int8 GEMM strips alone (quant.keep_strips_only, what such a build loads), the GEMM's products at every row
+    count in both paths; and each expert's output the bits of the per-call GEMM over its rows as loaded."""
     from atomd.model import moe, quant
     from atomd.model.moe import MoeWeights
 
     monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 0)  # every expert on int8 activations (the widened ones: below)
-    qlib = quant.build_kernels("native" if isa == "native" else "no-amx")
+    qlib = quant.build_kernels({"native": "native", "no-amx": "no-amx"}.get(isa, isa))
     monkeypatch.setattr(quant, "kernels", lambda: qlib)
     tiles = isa == "native" and {"amx_tile", "amx_int8"} <= cpu_flags()
     # the int8 GEMM where no tiles (csrc/quant_gemm.h): VNNI, or AVX2 where the build has no AVX-512
-    gemm = not tiles and ("avx512_vnni" in cpu_flags() or not AVX512)
+    gemm = held or not tiles and ("avx512_vnni" in cpu_flags() or not AVX512)
     assert layer_ops.moe_q8_kind() == (2 if tiles else 3 if gemm else 1)
     calls, real = [], layer_ops.moe_q8
     monkeypatch.setattr(layer_ops, "moe_q8", lambda x, gu, d, inter, experts, *a: calls.append(len(experts))
@@ -579,6 +584,17 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, method, monkeypatch):
         quant.use_int8_activations(gate_up + down)
         wg = torch.stack([q.dequantize() for q in gate_up]).double()
         wd = torch.stack([q.dequantize() for q in down]).double()
+        if held:
+            loaded = [copy.copy(q) for q in gate_up + down]
+            assert all(quant.keep_strips_only(q, qlib) for q in gate_up + down)
+            assert all(torch.equal(q.dequantize(), r.dequantize()) for q, r in zip(gate_up + down, loaded))
+            x = torch.randn(5, hidden, generator=g)
+            with monkeypatch.context() as m:  # the loaded rows as the per-call GEMM at every row count
+                m.setattr(quant, "QGEMM_AVX2_GEMM_MIN_M", {4: 1, 8: 1})
+                for q, r in zip(gate_up[:2] + down[:2], loaded[:2] + loaded[experts:experts + 2]):
+                    for rows in (1, 2, 5):
+                        assert torch.equal(quant.qlinear(x[:rows, :q.in_features], q, lib=qlib),
+                                           quant.qlinear(x[:rows, :q.in_features], r, lib=qlib))
         scales = torch.softmax(torch.randn(tokens, k, generator=g), dim=-1)
         for dtype, cast in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
             w = MoeWeights(router=torch.randn(experts, hidden, generator=g).to(dtype), gate_up=gate_up, down=down,

@@ -297,10 +297,10 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, threads, 
     from QGEMM_AMX_MIN_M rows an expert where the CPU has them, the int8-activation rows below) against one
     qlinear pair per expert (moe.Q8 off: what ran before), through the engine: prompts in 32-token chunks,
     batched decode of four sequences: the same token ids and logprobs (each expert's rows go through qlinear's
-    own arithmetic, so the bits agree); then one alone, whose batch-1 decode with moe.Q8 on runs the fused layer
-    (DecodeLayer: the router, its softmax in C and the experts as moe_q8 runs them, so its logits differ from the
-    per-op path's in the last bits, as the float experts' fused layer does): the same token ids, logprobs
-    within 1e-4. With
+    own arithmetic, so the bits agree) in the prompts; in the batched steps and then one sequence alone, whose decode
+    with moe.Q8 on runs the fused layer (DecodeLayer's rows and batch-1 calls: the router, its softmax in C and the
+    experts as moe_q8 runs them, so its logits differ from the per-op path's in the last bits, as the float experts'
+    fused layer does): the same token ids, logprobs within 1e-4. With
     experts of 2+ pairs widened to bf16 tiles (moe.Q8_WIDE_MIN_PAIRS; where the CPU has AMX): the same
     first tokens, logprobs within 0.05 (bf16 activations in place of int8 ones)."""
     from atomd.model import moe
@@ -315,21 +315,23 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, threads, 
     def run() -> list:
         llm = LLM(str(path), num_threads=threads, max_model_len=256, quantization=method,
                   quantized_activations="int8", max_num_batched_tokens=32)
-        fused_layer.append(llm.engine.model.decode_layer is not None)
+        layer = llm.engine.model.decode_layer
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts_of([40, 9, 3, 17], 12)],
                                                    params)]
+        fused_layer.append(layer is not None and layer.rows_steps > 0)  # the batched steps in one call
         outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompts_of([5], 13)[0]}], params)]
         return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
     monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 0)  # every expert on int8 activations: the per-expert path's bits
     fused = run()
-    assert calls and max(calls) > 2  # batched steps (several experts a call)
+    assert calls and max(calls) > 2  # the prompts' chunks (several experts a call)
     monkeypatch.setattr(moe, "Q8", False)
     calls.clear()
     per_op = run()
-    assert per_op[:4] == fused[:4] and not calls and fused_layer == [True, False]
-    assert per_op[4][0] == fused[4][0]
-    torch.testing.assert_close(torch.tensor(per_op[4][1]), torch.tensor(fused[4][1]), atol=1e-4, rtol=0)
+    assert not calls and fused_layer == [True, False]
+    for (ids, lps), (want_ids, want_lps) in zip(fused, per_op):
+        assert ids == want_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-4, rtol=0)
     # experts of several pairs widened to bf16 tiles where the CPU has them (bf16 activations in the prompt
     # chunks and batched steps): the same first tokens, their logprobs near int8 activations' ones
     monkeypatch.setattr(moe, "Q8", True)
@@ -344,10 +346,10 @@ def test_moe_q8_experts_give_the_per_expert_paths_tokens(kind, method, threads, 
 def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, method, threads, monkeypatch, tmp_path):
     """16-bit experts (`--quantization bf16|fp16`, what `--dtype auto` loads on a CPU without AVX512_BF16) in one
     C call a block (layer_ops.moe_q8: each expert's rows through the rows kernel, from QGEMM_W16_MIN_M rows the
-    panels; an AVX2 build's load-time strips) against one qlinear pair per expert (moe.Q8 off): the same token ids
-    and logprobs, prompts in 32-token chunks, batched decode; the panels' cut-over lowered so both kernels run. Then
-    batch 1, which with moe.Q8 on runs the fused layer (the router's softmax in C: logprobs within 1e-4, the same
-    ids; test_moe_q8_experts_give_the_per_expert_paths_tokens)."""
+    panels; an AVX2 build's load-time strips) against one qlinear pair per expert (moe.Q8 off), prompts in 32-token
+    chunks, batched decode, then batch 1; the panels' cut-over lowered so both kernels run. With moe.Q8 on the decode
+    steps run the fused layer (its rows and batch-1 calls; the router's softmax in C): the same ids, logprobs within
+    1e-4 (test_moe_q8_experts_give_the_per_expert_paths_tokens)."""
     from atomd.model import moe
 
     path = make_checkpoint(tmp_path / kind, kind, seed=12, **({"moe_intermediate_size": 32} if kind == "qwen3_moe" else {}))
@@ -360,20 +362,22 @@ def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, me
 
     def run() -> list:
         llm = LLM(str(path), num_threads=threads, max_model_len=256, quantization=method, max_num_batched_tokens=32)
-        fused_layer.append(llm.engine.model.decode_layer is not None)
+        layer = llm.engine.model.decode_layer
         moe_w = llm.engine.model.layers[0].moe
         assert moe_w.quantized and {w.q.dtype for w in [*moe_w.gate_up, *moe_w.down]} == {
             torch.bfloat16 if method == "bf16" else torch.float16}
         outs = [o.outputs[0] for o in llm.generate([{"prompt_token_ids": p} for p in prompts_of([40, 9, 3, 17], 14)],
                                                    params)]
+        fused_layer.append(layer is not None and layer.rows_steps > 0)
         outs += [o.outputs[0] for o in llm.generate([{"prompt_token_ids": prompts_of([5], 15)[0]}], params)]
         return [(o.token_ids, [lp.logprob for lp in o.logprobs]) for o in outs]
 
     fused = run()
-    assert calls and max(calls) > 2  # batched steps (several experts a call)
+    assert calls and max(calls) > 2  # the prompts' chunks (several experts a call)
     monkeypatch.setattr(moe, "Q8", False)
     calls.clear()
     per_op = run()
-    assert per_op[:4] == fused[:4] and not calls and fused_layer == [True, False]
-    assert per_op[4][0] == fused[4][0]
-    torch.testing.assert_close(torch.tensor(per_op[4][1]), torch.tensor(fused[4][1]), atol=1e-4, rtol=0)
+    assert not calls and fused_layer == [True, False]
+    for (ids, lps), (want_ids, want_lps) in zip(fused, per_op):
+        assert ids == want_ids
+        torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-4, rtol=0)

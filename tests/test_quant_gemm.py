@@ -107,3 +107,55 @@ def test_gemm_where_the_build_has_vnni_or_avx2(isa, vnni):
                                                                        built.atomd_quant_q8_path() == 2)
     if not built.q8_gemm:
         assert built.atomd_qgemm_q8_gemm(None, 0, 0, None, 8, None, None, 0, 0, 32, 32, None, 0, None, None, None, 1) == 1
+
+
+@pytest.fixture
+def avx2():
+    """The AVX2 build (what an AVX2-only CPU runs; every CPU here has one): the build that holds an int8 / int4
+    weight as its GEMM's strips alone (quant.keep_strips_only: the MoE experts, DecoderModel._strips_only)."""
+    built = quant.build_kernels("no-avx512")
+    assert built is not None and built.q8_gemm == 1 and built.w16_panels == 2
+    return built
+
+
+@pytest.mark.parametrize("bits,n,k,group,zero_points", CASES + [(4, 9, 1088, 64, True), (8, 16, 256, 128, False)])
+def test_weights_held_as_strips_are_the_gemm_at_every_m(avx2, monkeypatch, bits, n, k, group, zero_points):
+    """A weight held as its strips (int4 two values a byte, each strip's scales and offsets beside it): its values
+    and dequantised floats unpacked from them are the loaded ones exactly, and qlinear over them at any M (one
+    row, the int8-activation rows' counts, a short last set of rows, past QGEMM_Q8_MAX_M) equals to the bit the
+    per-call GEMM over the loaded rows (the same micro-kernel sums), and numpy of the arithmetic within 1e-5 of the
+    terms' magnitudes, with 1 and 2 threads (the strips split between them)."""
+    for m in [1, 2, 3, 5, 8, 21, quant.QGEMM_Q8_MAX_M + 5]:
+        w, x, out, bound = numpy_checked(avx2, bits, n, k, group, zero_points, m)  # (a weight and x of m's own)
+        loaded = quant.QuantizedWeight(w.bits, w.q.clone(), w.scales, w.offsets, w.group_size, w.in_features,
+                                       int8_activations=True, act_block=w.act_block)
+        values, floats = w.int_values(), w.dequantize()
+        assert quant.keep_strips_only(w, avx2) > 0 and w.strips_only and w.q.numel() == 0
+        assert torch.equal(w.int_values(), values) and torch.equal(w.dequantize(), floats)
+        assert quant.keep_strips_only(w, avx2) == 0  # (held already: nothing to do)
+        x = torch.from_numpy(x)
+        with monkeypatch.context() as patch:
+            patch.setattr(quant, "QGEMM_AVX2_GEMM_MIN_M", {4: 1, 8: 1})  # the loaded rows: the GEMM at every m
+            for threads in (1, 2):
+                patch.setattr(torch, "get_num_threads", lambda: threads)
+                assert quant.product_of(avx2, w, m) == "q8_held"
+                held = quant.qlinear(x, w, lib=avx2)
+                assert torch.equal(held, quant.qlinear(x, loaded, lib=avx2)), (m, threads)
+                assert np.all(np.abs(held.numpy() - out) <= 2e-5 * bound + 1e-6), (m, np.abs(held.numpy() - out).max())
+
+
+def test_held_strips_are_read_by_their_build_only(avx2):
+    """A weight held as the AVX2 build's strips is refused by name by a build of another layout, and a weight with
+    float activations or an act-order permutation is not held (its rows stay)."""
+    torch.manual_seed(2)
+    w = quant.quantize(torch.randn(24, 128) * 0.05, "int4")
+    assert not quant.keep_strips_only(w, avx2)  # float activations: the int rows read it
+    quant.use_int8_activations([w])
+    assert quant.keep_strips_only(w, avx2)
+    w.panels_layout = 1  # as an AVX-512 build's (its 32-row panels) would see the strips
+    with pytest.raises(RuntimeError, match="strips only"):
+        quant.qlinear(torch.randn(1, 128), w, lib=avx2)
+    p = quant.quantize(torch.randn(24, 128) * 0.05, "int8")
+    quant.use_int8_activations([p])
+    p.perm = torch.randperm(128)
+    assert not quant.keep_strips_only(p, avx2)

@@ -122,8 +122,8 @@ def build_kernels(isa: str) -> ctypes.CDLL | None:
         lib.atomd_decode_layer_head_q_f32.argtypes = lib.atomd_decode_layer_head_f32.argtypes
         lib.atomd_decode_layer_tail_q_f32.argtypes = lib.atomd_decode_layer_tail_f32.argtypes
         lib.atomd_decode_layers_q_f32.argtypes, lib.atomd_decode_layers_q_f32.restype = _LAYERS_ARGTYPES, ctypes.c_int
-        lib.atomd_decode_rows_q_f32.argtypes = ([_PTR, _I64, _PTR, _I64] + [_PTR] * 12 + [_I64] * 3 + [_PTR]
-                                                + [_I64] * 5 + [ctypes.c_float, ctypes.c_int])
+        lib.atomd_decode_rows_q_f32.argtypes = ([_PTR, _I64, _PTR, _I64] + [_PTR] * 12 + [_I64] * 3 + [_PTR] * 2
+                                                + [_I64] * 6 + [ctypes.c_float, ctypes.c_int])
         lib.atomd_decode_rows_q_f32.restype = ctypes.c_int
     for suffix in _SUFFIX.values():
         getattr(lib, f"atomd_rms_norm_{suffix}").argtypes = [_PTR, _I64, _PTR, _I64, _PTR, _PTR, _I64, _I64, _I64,
@@ -475,7 +475,7 @@ class DecodeLayer:
         self.scratch = torch.empty(0, dtype=dtype)
         self.moe: list[_MoeWeights] = []  # the sparse layers' structs (their pointers kept alive beside self.weights)
         self.moe_scratch = torch.empty(0, dtype=torch.float32)
-        # a batch's decode rows in one call (atomd_decode_rows_q_f32): quantized linears of a dense model
+        # a batch's decode rows in one call (atomd_decode_rows_q_f32): quantized linears (and MoE blocks' experts)
         self.rows_fn = lib.atomd_decode_rows_q_f32 if quantized else None
         self.rows_kinds: dict[int, torch.Tensor | None] = {}  # rows -> rows_kinds_for's
         self.rows_buffer = torch.empty(0, dtype=dtype)
@@ -574,17 +574,20 @@ class DecodeLayer:
     def rows_kinds_for(self, rows: int, layers: list) -> torch.Tensor | None:
         """Per layer and linear (qkv, o, gate_up, down) the product run_rows runs it with on `rows` rows of x
         (ROWS_PRODUCTS' codes: qlinear's own choice, quant.product_of), int64 [layers * 4]; None: some linear
-        takes a product the C call has not (AMX tiles, float tiles), or the model has an MoE block: per op."""
+        takes a product the C call has not (AMX tiles, float tiles): per op. An MoE layer's block (its quantized
+        experts, as this layer's batch-1 form takes them) runs in the call as moe_q8 runs it (its two codes unused)."""
         if rows not in self.rows_kinds:
             from atomd.model import quant
 
             lib, kinds = quant.kernels(), []
             for w in layers:
-                linears = w.rows or ()  # the weights the C call reads (DecodeLayer.weights)
-                if w.moe is not None or len(linears) != 4 or not all(isinstance(t, quant.QuantizedWeight) for t in linears):
+                linears = (w.rows or ())[:2 if w.moe is not None else 4]  # the weights the C call reads (self.weights)
+                if len(linears) != (2 if w.moe is not None else 4) or \
+                        not all(isinstance(t, quant.QuantizedWeight) for t in linears):
                     kinds = None
                     break
                 kinds += [ROWS_PRODUCTS.get(quant.product_of(lib, t, rows), -1) for t in linears]
+                kinds += [0, 0] if w.moe is not None else []
             ok = kinds is not None and min(kinds) >= 0
             self.rows_kinds[rows] = torch.tensor(kinds, dtype=torch.int64) if ok else None
         return self.rows_kinds[rows]
@@ -594,7 +597,8 @@ class DecodeLayer:
                  attention: ctypes.CDLL, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
                  scale: float) -> None:
         """A batch's decode step, R >= 2 sequences one row each (h, x [R, hidden]), every layer in one C call
-        (atomd_decode_rows_q_f32): the per-op path's bits, its products as rows_kinds_for chose them. x ends as
+        (atomd_decode_rows_q_f32): the per-op path's bits, its products as rows_kinds_for chose them (an MoE block's
+        router and softmax in C: its logits differ from the per-op path's in the last bits). x ends as
         the last layer's residual stream. positions: each row's RoPE table row; slot_rows: KVCache.slot_rows."""
         hidden, q_heads, kv_heads, head_dim = self.dims
         rows, q_size, inter, c = x.shape[0], self.q_size, self.inter, kv_cache
@@ -606,10 +610,14 @@ class DecodeLayer:
         if self.rows_buffer.numel() < rows * sum(widths):
             self.rows_buffer = torch.empty(rows * sum(widths), dtype=self.rows_buffer.dtype)
         parts = torch.split(self.rows_buffer[:rows * sum(widths)], [rows * n for n in widths])
+        from atomd.model import moe, quant
+
+        min_m = (ctypes.c_int64 * 2)(*moe.q8_min_m(moe_q8_kind()))  # (an MoE block's experts: as moe.py runs them)
         status = self.rows_fn(self.weights, len(layers), ctypes.byref(a), rows, h.data_ptr(), x.data_ptr(),
                               *(t.data_ptr() for t in parts), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                               slot_rows.data_ptr(), 2 * c.block_size, c.block_size, c.kv.element_size(), kinds.data_ptr(),
-                              hidden, q_heads, kv_heads, head_dim, inter, self.eps, torch.get_num_threads())
+                              min_m, quant.QGEMM_W16_MIN_M, hidden, q_heads, kv_heads, head_dim, inter, self.eps,
+                              torch.get_num_threads())
         if status == -2:  # (rows_kinds_for chose it from quant.product_of: the same build's products)
             raise RuntimeError(f"batch decode of {rows} rows: a product of kinds {kinds.unique().tolist()} not built here")
         if status != 0:

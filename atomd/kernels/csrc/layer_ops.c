@@ -1550,7 +1550,11 @@ int atomd_mla_rows_moe_bf16(const void *c, const float *router, const float *cor
  * between them outlasts the spin before the sleep): on the 135M shape at batch 16 a third of the step
  * (benchmarks/RESULTS.md, #35 the fused batch). Each product runs as qlinear runs it on R rows
  * (quant.product_of), kinds[4 i + j] for layer i's linear j (qkv, o, gate_up, down): ROWS_* below; the row
- * ops are the per-op calls' row functions (a row a thread from as many values as theirs): the per-op path's bits. h [R][hidden]: layer 0's normed input; x
+ * ops are the per-op calls' row functions (a row a thread from as many values as theirs): the per-op path's bits. An
+ * MoE layer's block (w->moe: quantized experts as moe_q8 runs them, kinds[4 i + 2 ..] unused) runs as rows_moe: its
+ * router and softmax in C, so its logits differ from the per-op path's in the last bits, as the batch-1 layer's do
+ * (the batch-16 step of the Qwen3-MoE shape was ~15% Python between the per-op calls: RESULTS.md, #35 the MoE
+ * block in the fused rows); min_m, w16_min: moe_q8's, as moe.py passes them. h [R][hidden]: layer 0's normed input; x
  * [R][hidden] the residual, updated; buffers qkv [R][q_size + 2 kv_size], q and attn [R][q_size], d
  * [R][hidden], gu [R][2 inter], a [R][inter]. positions [R]: rows of the cos / sin tables; slot_rows [R]: each
  * row's K row in the cache seen as rows of kv_size values (KVCache.slot_rows), a layer's K rows layer_rows
@@ -1599,12 +1603,63 @@ static int rows_product(const void *weight, const float *x, int64_t R, int64_t K
     return 0;
 }
 
+/* An MoE layer's sparse block (decode_moe_weights, quantized experts as moe_q8 takes them) on the R normed rows h
+ * [R][hidden] into d [R][hidden]: each row's router logits (the GEMV rows' sums, as the batch-1 layer's), its routing
+ * (moe_route), the (row, choice) pairs grouped by expert in pair order (moe.py's stable argsort) and run by
+ * atomd_moe_q8 (each expert's rows as qlinear runs them: min_m, w16_min as moe.py passes them), then each row's k
+ * pairs summed in float32 in choice order (moe.py's sum); routed += the pairs per expert. Returns 0, -1 out of
+ * memory, -2 moe_q8 not built here. */
+static int rows_moe(const decode_moe_weights *mw, const float *h, int64_t R, int64_t hidden, float *d,
+                    const int64_t *min_m, int64_t w16_min, int num_threads) {
+    const int64_t E = mw->experts, k = mw->top_k, P = R * k;
+    float *logits = malloc(sizeof(float) * R * E), *sc = malloc(sizeof(float) * 2 * P);
+    float *pairs = malloc(sizeof(float) * P * hidden);
+    int64_t *ids = malloc(sizeof(int64_t) * (4 * P + 3 * E + 1));
+    int status = logits && sc && pairs && ids ? 0 : -1;
+    if (status == 0) {
+        float *scales = sc + P;
+        int64_t *tokens = ids + P, *dest = tokens + P, *experts = dest + P, *starts = experts + E;
+        int64_t *at = starts + E + 1;  /* [E]: each expert's pairs, then its next slot */
+        _Pragma("omp parallel num_threads(num_threads)")
+        atomd_gemv_f32_rows_m(h, R, (const float *)mw->router, logits, hidden, E);
+        for (int64_t r = 0; r < R; r++)
+            moe_route(logits + r * E, 0, E, k, mw->norm_topk, !mw->f32_pairs, ids + r * k, sc + r * k);
+        memset(at, 0, sizeof(int64_t) * E);
+        for (int64_t p = 0; p < P; p++) at[ids[p]]++;
+        int64_t n = 0, next = 0;
+        for (int64_t e = 0; e < E; e++) {
+            mw->routed[e] += at[e];
+            if (at[e] == 0) continue;
+            experts[n] = e, starts[n++] = next;
+            next += at[e], at[e] = next - at[e];
+        }
+        starts[n] = next;
+        for (int64_t p = 0; p < P; p++) {  /* by expert, pair order kept within */
+            const int64_t slot = at[ids[p]]++;
+            tokens[slot] = p / k, dest[slot] = p, scales[slot] = sc[p];
+        }
+        status = atomd_moe_q8(h, 0, mw->gate_up, mw->down, experts, starts, tokens, dest, scales, pairs, 1, hidden,
+                              mw->inter, n, min_m, 0, w16_min, num_threads);
+        status = status == 1 ? -2 : status;
+        _Pragma("omp parallel for num_threads(num_threads) if (P * hidden >= PARALLEL_MIN_ELEMENTS)")
+        for (int64_t r = 0; r < R; r++)
+            for (int64_t i = 0; i < hidden; i++) {
+                float s = 0.f;
+                for (int64_t j = 0; j < k; j++) s += pairs[(r * k + j) * hidden + i];
+                d[r * hidden + i] = s;
+            }
+    }
+    free(logits), free(sc), free(pairs), free(ids);
+    return status;
+}
+
 int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_layers, const decode_attention_args *att,
                             int64_t R, float *h, float *x, float *qkv, float *q, float *attn, float *d, float *gu,
                             float *a, const float *cos, const float *sin, const int64_t *positions,
                             const int64_t *slot_rows, int64_t layer_rows, int64_t v_rows, int64_t kv_elem,
-                            const int64_t *kinds, int64_t hidden, int64_t q_heads, int64_t kv_heads,
-                            int64_t head_dim, int64_t inter, float eps, int num_threads) {
+                            const int64_t *kinds, const int64_t *moe_min_m, int64_t w16_min, int64_t hidden,
+                            int64_t q_heads, int64_t kv_heads, int64_t head_dim, int64_t inter, float eps,
+                            int num_threads) {
     const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     int64_t kmax = hidden > q_size ? hidden : q_size;
     kmax = inter > kmax ? inter : kmax;
@@ -1640,11 +1695,15 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
         _Pragma("omp parallel for num_threads(num_threads) if (R * hidden >= PARALLEL_MIN_ELEMENTS)")
         for (int64_t r = 0; r < R; r++)
             NORM_ROW_F32(x + r * hidden, d + r * hidden, (const float *)w->post_norm, h + r * hidden, hidden, eps);
-        status = rows_product(w->gate_up, h, R, hidden, 2 * inter, NULL, gu, kind[2], xq, xd, xsg, num_threads);
-        if (status != 0) break;
-        _Pragma("omp parallel for num_threads(num_threads) if (R * inter >= PARALLEL_MIN_ELEMENTS)")
-        for (int64_t r = 0; r < R; r++) SILU_ROW_F32(gu + r * 2 * inter, a + r * inter, inter);
-        status = rows_product(w->down, a, R, inter, hidden, NULL, d, kind[3], xq, xd, xsg, num_threads);
+        if (w->moe != NULL) {
+            status = rows_moe(w->moe, h, R, hidden, d, moe_min_m, w16_min, num_threads);
+        } else {
+            status = rows_product(w->gate_up, h, R, hidden, 2 * inter, NULL, gu, kind[2], xq, xd, xsg, num_threads);
+            if (status != 0) break;
+            _Pragma("omp parallel for num_threads(num_threads) if (R * inter >= PARALLEL_MIN_ELEMENTS)")
+            for (int64_t r = 0; r < R; r++) SILU_ROW_F32(gu + r * 2 * inter, a + r * inter, inter);
+            status = rows_product(w->down, a, R, inter, hidden, NULL, d, kind[3], xq, xd, xsg, num_threads);
+        }
         if (status != 0) break;
         _Pragma("omp parallel for num_threads(num_threads) if (R * hidden >= PARALLEL_MIN_ELEMENTS)")
         for (int64_t r = 0; r < R; r++)
