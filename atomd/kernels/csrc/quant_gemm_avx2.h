@@ -215,6 +215,9 @@ static inline __attribute__((always_inline)) void qv_strip(int mr, int bits, con
 #ifndef QV_HELD_AHEAD
 #define QV_HELD_AHEAD 8192  /* bytes of strips a thread prefetches ahead (whole strips, one at least) */
 #endif
+#ifndef QV_HELD_PANEL
+#define QV_HELD_PANEL (256 << 10)  /* bytes of strips against every QV_MR rows of x in turn (quant_gemm.h QV_PANEL) */
+#endif
 #define QV_STRIP_WBYTES(K, bits) ((int64_t)QV_NR * (K) * (bits) / 8)
 #define QV_STRIP_BYTES(K, G, bits) (QV_STRIP_WBYTES(K, bits) + (int64_t)2 * ((K) / (G)) * QV_NR * (int64_t)sizeof(float))
 
@@ -289,33 +292,36 @@ static inline __attribute__((always_inline)) void qv_held_two(const int bits, co
     }
 }
 
-/* strips s0 .. s1 of a held weight against M rows of x quantised by qv_quantize into y [M, ldy]: each strip from
- * memory once, then against every QV_MR rows of x (L1); one row of x two strips at a time (qv_held_two) */
+/* strips s0 .. s1 of a held weight against M rows of x quantised by qv_quantize into y [M, ldy], as qv_panel runs a
+ * panel: QV_HELD_PANEL bytes of strips (L2) at a time against every QV_MR rows of x (L1), the strips prefetched ahead on
+ * the first rows' pass; one row of x two strips at a time (qv_held_two) */
 static inline void qv_held_run(const uint8_t *held, int bits, int64_t N, int64_t K, int64_t G, int64_t AB, int64_t M,
                                int64_t s0, int64_t s1, const int8_t *xq, const float *xd, const float *xsg, float *y,
                                int64_t ldy) {
     const int64_t SB = QV_STRIP_BYTES(K, G, bits), WB = QV_STRIP_WBYTES(K, bits);
-    const int64_t ahead = QV_HELD_AHEAD / SB > 1 ? QV_HELD_AHEAD / SB : 1;
-    for (int64_t j = s0; j < s1; j++) {
-        const uint8_t *st = held + j * SB;
-        if (j + ahead < s1)
-            for (int64_t off = 0; off < SB; off += 64) _mm_prefetch((const char *)st + ahead * SB + off, _MM_HINT_T0);
-        if (M == 1 && j + 1 < s1 && N - j * QV_NR > QV_NR) {  /* the next strip too: its own prefetch, then both */
-            if (j + 1 + ahead < s1)
-                for (int64_t off = 0; off < SB; off += 64)
-                    _mm_prefetch((const char *)st + (ahead + 1) * SB + off, _MM_HINT_T0);
-            const uint8_t *const two[2] = {st, st + SB};
-            if (bits == 4)
-                qv_held_two(4, two, WB, xq, xd, xsg, K, G, AB, y + j * QV_NR, N - j * QV_NR);
-            else
-                qv_held_two(8, two, WB, xq, xd, xsg, K, G, AB, y + j * QV_NR, N - j * QV_NR);
-            j++;
-            continue;
-        }
+    const int64_t ahead = QV_HELD_AHEAD / SB > 1 ? QV_HELD_AHEAD / SB : 1, most = QV_HELD_PANEL / SB > 1 ? QV_HELD_PANEL / SB : 1;
+    for (int64_t p0 = s0; p0 < s1; p0 += most) {
+        const int64_t p1 = p0 + most < s1 ? p0 + most : s1;
         for (int64_t m0 = 0; m0 < M; m0 += QV_MR) {
             const int mr = M - m0 < QV_MR ? (int)(M - m0) : QV_MR;
-            qv_strip_of(mr, bits, 1, st, (const float *)(st + WB), xq + m0 * K, xd + m0 * Q8_XD(K),
-                        xsg + m0 * Q8_XSG(K), K, G, AB, y + m0 * ldy + j * QV_NR, ldy, N - j * QV_NR);
+            for (int64_t j = p0; j < p1; j++) {
+                const uint8_t *st = held + j * SB;
+                for (int64_t off = 0; m0 == 0 && j + ahead < s1 && off < SB; off += 64)
+                    _mm_prefetch((const char *)st + ahead * SB + off, _MM_HINT_T0);
+                if (M == 1 && j + 1 < p1 && N - j * QV_NR > QV_NR) {  /* the next strip too (its prefetch), both */
+                    for (int64_t off = 0; j + 1 + ahead < s1 && off < SB; off += 64)
+                        _mm_prefetch((const char *)st + (ahead + 1) * SB + off, _MM_HINT_T0);
+                    const uint8_t *const two[2] = {st, st + SB};
+                    if (bits == 4)
+                        qv_held_two(4, two, WB, xq, xd, xsg, K, G, AB, y + j * QV_NR, N - j * QV_NR);
+                    else
+                        qv_held_two(8, two, WB, xq, xd, xsg, K, G, AB, y + j * QV_NR, N - j * QV_NR);
+                    j++;
+                    continue;
+                }
+                qv_strip_of(mr, bits, 1, st, (const float *)(st + WB), xq + m0 * K, xd + m0 * Q8_XD(K),
+                            xsg + m0 * Q8_XSG(K), K, G, AB, y + m0 * ldy + j * QV_NR, ldy, N - j * QV_NR);
+            }
         }
     }
 }
