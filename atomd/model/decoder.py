@@ -363,7 +363,8 @@ class DecoderModel:
             else:
                 self.decode_layer.run_rows(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x,
                                            self.cos, self.sin, positions, kv_cache.slot_rows(meta), kinds,
-                                           meta.kernels, kv_cache, meta.block_tables, meta.context_lens, cfg.attn_scale)
+                                           meta.kernels, kv_cache, meta.block_tables, meta.context_lens, cfg.attn_scale,
+                                           (*moe_mod.q8_min_m(layer_ops.moe_q8_kind()), quant.QGEMM_W16_MIN_M))
             return linear(rms_norm(x[logits_indices], self.norm, cfg.rms_norm_eps), self.lm_head, None,
                           self.lm_head_rows)
         slot_rows = kv_cache.slot_rows(meta)

@@ -595,11 +595,12 @@ class DecodeLayer:
     def run_rows(self, layers: list, windows: list[int | None], h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor, kinds: torch.Tensor,
                  attention: ctypes.CDLL, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float) -> None:
+                 scale: float, moe_rows: tuple[int, int, int] = (0, 0, 0)) -> None:
         """A batch's decode step, R >= 2 sequences one row each (h, x [R, hidden]), every layer in one C call
         (atomd_decode_rows_q_f32): the per-op path's bits, its products as rows_kinds_for chose them (an MoE block's
         router and softmax in C: its logits differ from the per-op path's in the last bits). x ends as
-        the last layer's residual stream. positions: each row's RoPE table row; slot_rows: KVCache.slot_rows."""
+        the last layer's residual stream. positions: each row's RoPE table row; slot_rows: KVCache.slot_rows; moe_rows:
+        an MoE block's moe_q8 thresholds, as moe.py passes them (moe.q8_min_m's (int4, int8), then w16_min)."""
         hidden, q_heads, kv_heads, head_dim = self.dims
         rows, q_size, inter, c = x.shape[0], self.q_size, self.inter, kv_cache
         assert h.is_contiguous() and x.is_contiguous() and positions.is_contiguous() and slot_rows.is_contiguous()
@@ -610,13 +611,11 @@ class DecodeLayer:
         if self.rows_buffer.numel() < rows * sum(widths):
             self.rows_buffer = torch.empty(rows * sum(widths), dtype=self.rows_buffer.dtype)
         parts = torch.split(self.rows_buffer[:rows * sum(widths)], [rows * n for n in widths])
-        from atomd.model import moe, quant
-
-        min_m = (ctypes.c_int64 * 2)(*moe.q8_min_m(moe_q8_kind()))  # (an MoE block's experts: as moe.py runs them)
+        min_m = (ctypes.c_int64 * 2)(*moe_rows[:2])
         status = self.rows_fn(self.weights, len(layers), ctypes.byref(a), rows, h.data_ptr(), x.data_ptr(),
                               *(t.data_ptr() for t in parts), cos.data_ptr(), sin.data_ptr(), positions.data_ptr(),
                               slot_rows.data_ptr(), 2 * c.block_size, c.block_size, c.kv.element_size(), kinds.data_ptr(),
-                              min_m, quant.QGEMM_W16_MIN_M, hidden, q_heads, kv_heads, head_dim, inter, self.eps,
+                              min_m, moe_rows[2], hidden, q_heads, kv_heads, head_dim, inter, self.eps,
                               torch.get_num_threads())
         if status == -2:  # (rows_kinds_for chose it from quant.product_of: the same build's products)
             raise RuntimeError(f"batch decode of {rows} rows: a product of kinds {kinds.unique().tolist()} not built here")
