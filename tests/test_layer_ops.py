@@ -563,7 +563,7 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, held, method, monkeypatch
     from atomd.model.moe import MoeWeights
 
     monkeypatch.setattr(moe, "Q8_WIDE_MIN_PAIRS", 0)  # every expert on int8 activations (the widened ones: below)
-    qlib = quant.build_kernels({"native": "native", "no-amx": "no-amx"}.get(isa, isa))
+    qlib = quant.build_kernels(isa)
     monkeypatch.setattr(quant, "kernels", lambda: qlib)
     tiles = isa == "native" and {"amx_tile", "amx_int8"} <= cpu_flags()
     # the int8 GEMM where no tiles (csrc/quant_gemm.h): VNNI, or AVX2 where the build has no AVX-512

@@ -494,9 +494,9 @@ def keep_strips_only(w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto")
 def hold_strips(w: QuantizedWeight, lib: ctypes.CDLL) -> bool:
     """An int8 / int4 weight's strips (csrc/quant_gemm_avx2.h qv_hold: per 8 rows the int8 GEMM's packed panel,
     int4 two values a byte, then the strip's scales and offsets) into w.panels, beside its rows; False where not
-    made (float activations, an act-order permutation, not an AVX2 build)."""
+    made (float activations, an act-order permutation; keep_strips_only checks the build)."""
     n, k = w.shape
-    if not w.int8_activations or w.perm is not None or lib.w16_panels != 2:
+    if not w.int8_activations or w.perm is not None:
         return False
     size = lib.atomd_qhold_strip_bytes(k, w.group_size, w.bits)
     panels = torch.empty(-(-n // 8) * size, dtype=torch.uint8)

@@ -1607,50 +1607,45 @@ static int rows_product(const void *weight, const float *x, int64_t R, int64_t K
  * [R][hidden] into d [R][hidden]: each row's router logits (the GEMV rows' sums, as the batch-1 layer's), its routing
  * (moe_route), the (row, choice) pairs grouped by expert in pair order (moe.py's stable argsort) and run by
  * atomd_moe_q8 (each expert's rows as qlinear runs them: min_m, w16_min as moe.py passes them), then each row's k
- * pairs summed in float32 in choice order (moe.py's sum); routed += the pairs per expert. Returns 0, -1 out of
- * memory, -2 moe_q8 not built here. */
+ * pairs summed in float32 in choice order (moe.py's sum); routed += the pairs per expert. fs, is: the caller's
+ * scratch of ROWS_MOE_FLOATS / ROWS_MOE_INTS. Returns 0, -1 out of memory, -2 moe_q8 not built here. */
+#define ROWS_MOE_FLOATS(mw, R, hidden) ((R) * (mw)->experts + (R) * (mw)->top_k * (2 + (hidden)))
+#define ROWS_MOE_INTS(mw, R) (4 * (R) * (mw)->top_k + 3 * (mw)->experts + 1)
 static int rows_moe(const decode_moe_weights *mw, const float *h, int64_t R, int64_t hidden, float *d,
-                    const int64_t *min_m, int64_t w16_min, int num_threads) {
+                    const int64_t *min_m, int64_t w16_min, float *fs, int64_t *is, int num_threads) {
     const int64_t E = mw->experts, k = mw->top_k, P = R * k;
-    float *logits = malloc(sizeof(float) * R * E), *sc = malloc(sizeof(float) * 2 * P);
-    float *pairs = malloc(sizeof(float) * P * hidden);
-    int64_t *ids = malloc(sizeof(int64_t) * (4 * P + 3 * E + 1));
-    int status = logits && sc && pairs && ids ? 0 : -1;
-    if (status == 0) {
-        float *scales = sc + P;
-        int64_t *tokens = ids + P, *dest = tokens + P, *experts = dest + P, *starts = experts + E;
-        int64_t *at = starts + E + 1;  /* [E]: each expert's pairs, then its next slot */
-        _Pragma("omp parallel num_threads(num_threads)")
-        atomd_gemv_f32_rows_m(h, R, (const float *)mw->router, logits, hidden, E);
-        for (int64_t r = 0; r < R; r++)
-            moe_route(logits + r * E, 0, E, k, mw->norm_topk, !mw->f32_pairs, ids + r * k, sc + r * k);
-        memset(at, 0, sizeof(int64_t) * E);
-        for (int64_t p = 0; p < P; p++) at[ids[p]]++;
-        int64_t n = 0, next = 0;
-        for (int64_t e = 0; e < E; e++) {
-            mw->routed[e] += at[e];
-            if (at[e] == 0) continue;
-            experts[n] = e, starts[n++] = next;
-            next += at[e], at[e] = next - at[e];
-        }
-        starts[n] = next;
-        for (int64_t p = 0; p < P; p++) {  /* by expert, pair order kept within */
-            const int64_t slot = at[ids[p]]++;
-            tokens[slot] = p / k, dest[slot] = p, scales[slot] = sc[p];
-        }
-        status = atomd_moe_q8(h, 0, mw->gate_up, mw->down, experts, starts, tokens, dest, scales, pairs, 1, hidden,
-                              mw->inter, n, min_m, 0, w16_min, num_threads);
-        status = status == 1 ? -2 : status;
-        _Pragma("omp parallel for num_threads(num_threads) if (P * hidden >= PARALLEL_MIN_ELEMENTS)")
-        for (int64_t r = 0; r < R; r++)
-            for (int64_t i = 0; i < hidden; i++) {
-                float s = 0.f;
-                for (int64_t j = 0; j < k; j++) s += pairs[(r * k + j) * hidden + i];
-                d[r * hidden + i] = s;
-            }
+    float *logits = fs, *sc = logits + R * E, *scales = sc + P, *pairs = scales + P;
+    int64_t *ids = is, *tokens = ids + P, *dest = tokens + P, *experts = dest + P, *starts = experts + E;
+    int64_t *at = starts + E + 1;  /* [E]: each expert's pairs, then its next slot */
+    _Pragma("omp parallel num_threads(num_threads)")
+    atomd_gemv_f32_rows_m(h, R, (const float *)mw->router, logits, hidden, E);
+    for (int64_t r = 0; r < R; r++)
+        moe_route(logits + r * E, 0, E, k, mw->norm_topk, !mw->f32_pairs, ids + r * k, sc + r * k);
+    memset(at, 0, sizeof(int64_t) * E);
+    for (int64_t p = 0; p < P; p++) at[ids[p]]++;
+    int64_t n = 0, next = 0;
+    for (int64_t e = 0; e < E; e++) {
+        mw->routed[e] += at[e];
+        if (at[e] == 0) continue;
+        experts[n] = e, starts[n++] = next;
+        next += at[e], at[e] = next - at[e];
     }
-    free(logits), free(sc), free(pairs), free(ids);
-    return status;
+    starts[n] = next;
+    for (int64_t p = 0; p < P; p++) {  /* by expert, pair order kept within */
+        const int64_t slot = at[ids[p]]++;
+        tokens[slot] = p / k, dest[slot] = p, scales[slot] = sc[p];
+    }
+    const int status = atomd_moe_q8(h, 0, mw->gate_up, mw->down, experts, starts, tokens, dest, scales, pairs, 1,
+                                    hidden, mw->inter, n, min_m, 0, w16_min, num_threads);
+    if (status != 0) return status == 1 ? -2 : status;
+    _Pragma("omp parallel for num_threads(num_threads) if (P * hidden >= PARALLEL_MIN_ELEMENTS)")
+    for (int64_t r = 0; r < R; r++)
+        for (int64_t i = 0; i < hidden; i++) {
+            float s = 0.f;
+            for (int64_t j = 0; j < k; j++) s += pairs[(r * k + j) * hidden + i];
+            d[r * hidden + i] = s;
+        }
+    return 0;
 }
 
 int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_layers, const decode_attention_args *att,
@@ -1666,7 +1661,15 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
     int8_t *xq = aligned_alloc(64, ROWS_SCRATCH(R * kmax));  /* (as qlinear's torch.empty scratch) */
     float *xd = aligned_alloc(64, ROWS_SCRATCH(sizeof(float) * R * Q8_XD(kmax)));
     float *xsg = aligned_alloc(64, ROWS_SCRATCH(sizeof(float) * R * Q8_XSG(kmax)));
-    int status = xq == NULL || xd == NULL || xsg == NULL ? -1 : 0;
+    int64_t moe_floats = 0, moe_ints = 0;  /* rows_moe's scratch, for the largest MoE block */
+    for (int64_t i = 0; i < num_layers; i++)
+        if (layers[i].moe != NULL) {
+            const int64_t f = ROWS_MOE_FLOATS(layers[i].moe, R, hidden), n = ROWS_MOE_INTS(layers[i].moe, R);
+            moe_floats = f > moe_floats ? f : moe_floats, moe_ints = n > moe_ints ? n : moe_ints;
+        }
+    float *moe_fs = moe_floats ? malloc(sizeof(float) * moe_floats) : NULL;
+    int64_t *moe_is = moe_ints ? malloc(sizeof(int64_t) * moe_ints) : NULL;
+    int status = xq == NULL || xd == NULL || xsg == NULL || (moe_floats && (moe_fs == NULL || moe_is == NULL)) ? -1 : 0;
     for (int64_t i = 0; i < num_layers && status == 0; i++) {
         const decode_layer_weights *w = layers + i;
         const int64_t *kind = kinds + 4 * i;
@@ -1696,7 +1699,7 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
         for (int64_t r = 0; r < R; r++)
             NORM_ROW_F32(x + r * hidden, d + r * hidden, (const float *)w->post_norm, h + r * hidden, hidden, eps);
         if (w->moe != NULL) {
-            status = rows_moe(w->moe, h, R, hidden, d, moe_min_m, w16_min, num_threads);
+            status = rows_moe(w->moe, h, R, hidden, d, moe_min_m, w16_min, moe_fs, moe_is, num_threads);
         } else {
             status = rows_product(w->gate_up, h, R, hidden, 2 * inter, NULL, gu, kind[2], xq, xd, xsg, num_threads);
             if (status != 0) break;
@@ -1715,6 +1718,8 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
     free(xq);
     free(xd);
     free(xsg);
+    free(moe_fs);
+    free(moe_is);
     return status;
 }
 #endif

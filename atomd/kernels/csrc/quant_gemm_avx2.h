@@ -138,21 +138,22 @@ static inline __attribute__((always_inline)) void qv_kernel(const int mr, const 
                         acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(hi, _mm256_set1_epi32(x1)));
                     }
                 }
-            }
-            /* two 4-input steps an iteration: unrolled whole, GCC gathers the block's 32 products of 4 rows
-             * before summing them and spills (1.2-1.5x the time) */
-            _Pragma("GCC unroll 2")
-            for (int c = 0; c < (held && bits == 4 ? 0 : Q8_BLOCK / 4); c++) {
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + c * 32));
-                const __m256i u = bits == 8 ? _mm256_abs_epi8(w) : w;
-                for (int r = 0; r < mr; r++) {
-                    int32_t x4;
-                    memcpy(&x4, xb + r * K + c * 4, 4);
-                    const __m256i xv = _mm256_set1_epi32(x4);
-                    if (bits == 8)
-                        acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xv, w)), ones));
-                    else
-                        acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(u, xv));
+            } else {
+                /* two 4-input steps an iteration: unrolled whole, GCC gathers the block's 32 products of 4 rows
+                 * before summing them and spills (1.2-1.5x the time) */
+                _Pragma("GCC unroll 2")
+                for (int c = 0; c < Q8_BLOCK / 4; c++) {
+                    const __m256i w = _mm256_loadu_si256((const __m256i *)(wb + c * 32));
+                    const __m256i u = bits == 8 ? _mm256_abs_epi8(w) : w;
+                    for (int r = 0; r < mr; r++) {
+                        int32_t x4;
+                        memcpy(&x4, xb + r * K + c * 4, 4);
+                        const __m256i xv = _mm256_set1_epi32(x4);
+                        if (bits == 8)
+                            acc[r] = _mm256_add_epi32(acc[r], _mm256_madd_epi16(_mm256_maddubs_epi16(u, _mm256_sign_epi8(xv, w)), ones));
+                        else
+                            acc[r] = _mm256_add_epi16(acc[r], _mm256_maddubs_epi16(u, xv));
+                    }
                 }
             }
             if (bits == 4 || b == (a + 1) * run - 1)
@@ -230,71 +231,9 @@ static void qv_hold(const void *q, int bits, const float *scales, const float *o
         qv_pack_strips(q, bits, scales, offsets, N, K, G, j * QV_NR, 1, out + j * SB, (float *)(out + j * SB + WB), 1);
 }
 
-/* one row of x against two held strips side by side (st[0], st[1], 16 columns: y[0 .. cols)), each strip's sums in
- * qv_kernel's operations and order for one row (the same bits): two chains in flight and each broadcast of x shared
- * (batch 1, where one strip's chain alone left the strips 1.04-1.25x the int8-activation rows' time) */
-static inline __attribute__((always_inline)) void qv_held_two(const int bits, const uint8_t *const st[2], int64_t WB,
-                                                              const int8_t *xq, const float *xd, const float *xsg,
-                                                              int64_t K, int64_t G, int64_t AB, float *y,
-                                                              int64_t cols) {
-    const int64_t groups = K / G, per = G / AB, run = AB / Q8_BLOCK;
-    const __m256i ones = _mm256_set1_epi16(1), low = _mm256_set1_epi8(15);
-    const float *sc[2] = {(const float *)(st[0] + WB), (const float *)(st[1] + WB)};
-    __m256 f[2] = {_mm256_setzero_ps(), _mm256_setzero_ps()};
-    int64_t g = 0, left = per;
-    for (int64_t a = 0; a < K / AB; a++) {
-        __m256i acc[2];
-        for (int64_t b = a * run; b < (a + 1) * run; b++) {
-            const int8_t *xb = xq + b * Q8_BLOCK;
-            if (bits == 4 || b == a * run) acc[0] = acc[1] = _mm256_setzero_si256();
-            if (bits == 4) {
-                for (int c = 0; c < Q8_BLOCK / 8; c++) {
-                    int32_t x0, x1;
-                    memcpy(&x0, xb + c * 4, 4);
-                    memcpy(&x1, xb + 16 + c * 4, 4);
-                    const __m256i v0 = _mm256_set1_epi32(x0), v1 = _mm256_set1_epi32(x1);
-                    for (int j = 0; j < 2; j++) {
-                        const __m256i p = _mm256_loadu_si256((const __m256i *)(st[j] + b * Q8_BLOCK * QV_NR / 2 + c * 32));
-                        acc[j] = _mm256_add_epi16(acc[j], _mm256_maddubs_epi16(_mm256_and_si256(p, low), v0));
-                        acc[j] = _mm256_add_epi16(acc[j], _mm256_maddubs_epi16(_mm256_and_si256(_mm256_srli_epi16(p, 4), low), v1));
-                    }
-                }
-            } else {
-                for (int c = 0; c < Q8_BLOCK / 4; c++) {
-                    int32_t x4;
-                    memcpy(&x4, xb + c * 4, 4);
-                    const __m256i xv = _mm256_set1_epi32(x4);
-                    for (int j = 0; j < 2; j++) {
-                        const __m256i w = _mm256_loadu_si256((const __m256i *)(st[j] + b * Q8_BLOCK * QV_NR + c * 32));
-                        acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(xv, w)), ones));
-                    }
-                }
-            }
-            if (bits == 4 || b == (a + 1) * run - 1) {
-                const __m256 d = _mm256_set1_ps(xd[b]);
-                for (int j = 0; j < 2; j++) {
-                    const __m256i i32 = bits == 8 ? acc[j] : _mm256_madd_epi16(acc[j], ones);
-                    f[j] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(i32), _mm256_mul_ps(_mm256_loadu_ps(sc[j] + g * QV_NR), d), f[j]);
-                }
-            }
-        }
-        if (--left == 0) {
-            for (int j = 0; j < 2; j++)
-                f[j] = _mm256_fmadd_ps(_mm256_loadu_ps(sc[j] + (groups + g) * QV_NR), _mm256_set1_ps(xsg[g]), f[j]);
-            g++, left = per;
-        }
-    }
-    _mm256_storeu_ps(y, f[0]);
-    if (cols >= 2 * QV_NR) {
-        _mm256_storeu_ps(y + QV_NR, f[1]);
-    } else {
-        _mm256_maskstore_ps(y + QV_NR, lanes_below8(cols - QV_NR), f[1]);
-    }
-}
-
 /* strips s0 .. s1 of a held weight against M rows of x quantised by qv_quantize into y [M, ldy], as qv_panel runs a
  * panel: QV_HELD_PANEL bytes of strips (L2) at a time against every QV_MR rows of x (L1), the strips prefetched ahead on
- * the first rows' pass; one row of x two strips at a time (qv_held_two) */
+ * the first rows' pass */
 static inline void qv_held_run(const uint8_t *held, int bits, int64_t N, int64_t K, int64_t G, int64_t AB, int64_t M,
                                int64_t s0, int64_t s1, const int8_t *xq, const float *xd, const float *xsg, float *y,
                                int64_t ldy) {
@@ -308,17 +247,6 @@ static inline void qv_held_run(const uint8_t *held, int bits, int64_t N, int64_t
                 const uint8_t *st = held + j * SB;
                 for (int64_t off = 0; m0 == 0 && j + ahead < s1 && off < SB; off += 64)
                     _mm_prefetch((const char *)st + ahead * SB + off, _MM_HINT_T0);
-                if (M == 1 && j + 1 < p1 && N - j * QV_NR > QV_NR) {  /* the next strip too (its prefetch), both */
-                    for (int64_t off = 0; j + 1 + ahead < s1 && off < SB; off += 64)
-                        _mm_prefetch((const char *)st + (ahead + 1) * SB + off, _MM_HINT_T0);
-                    const uint8_t *const two[2] = {st, st + SB};
-                    if (bits == 4)
-                        qv_held_two(4, two, WB, xq, xd, xsg, K, G, AB, y + j * QV_NR, N - j * QV_NR);
-                    else
-                        qv_held_two(8, two, WB, xq, xd, xsg, K, G, AB, y + j * QV_NR, N - j * QV_NR);
-                    j++;
-                    continue;
-                }
                 qv_strip_of(mr, bits, 1, st, (const float *)(st + WB), xq + m0 * K, xd + m0 * Q8_XD(K),
                             xsg + m0 * Q8_XSG(K), K, G, AB, y + m0 * ldy + j * QV_NR, ldy, N - j * QV_NR);
             }
