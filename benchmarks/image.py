@@ -105,8 +105,17 @@ class Daemon:
                 self.proc.kill()
                 self.proc.wait(10)
         self.log.close()
+        for point in mounts_under(self.tmp):  # dockerd leaves exec/netns/default bind-mounted
+            run("umount", "--lazy", point, check=False)
         shutil.rmtree(self.tmp, ignore_errors=True)
         self._lock.close()
+
+
+def mounts_under(folder: pathlib.Path) -> list[str]:
+    """Mount points at or below `folder`, deepest first (/proc/self/mountinfo's fifth field)."""
+    root = str(folder.resolve())
+    points = [line.split()[4] for line in pathlib.Path("/proc/self/mountinfo").read_text().splitlines()]
+    return sorted((p for p in points if p == root or p.startswith(root + "/")), key=len, reverse=True)
 
 
 def ensure_base(daemon: Daemon) -> None:

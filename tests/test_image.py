@@ -15,7 +15,7 @@ Checked: the probes answer; the engines run the C kernels prebuilt in the image 
 none fallen back); the router's PD greedy output is the offline `LLM`'s; `docker stop`
 drains: a stream in flight through the router completes, every container exits 0; the
 daemon leaves the host's network as it found it (FORWARD policy, no DOCKER rules, no
-docker0 / br- bridge). Fails, never skips,
+docker0 / br- bridge) and no folder or mount of its own. Fails, never skips,
 where Docker cannot be installed or started. The image's size, build time and start-up
 time (container start to /ready) are written to CACHE/measurements.json and printed.
 """
@@ -56,6 +56,7 @@ def daemon():
     finally:
         d.close()
     assert image.network_state() == before, "the Docker daemon changed the host's iptables or bridges"
+    assert not image.mounts_under(d.tmp) and not d.tmp.exists(), f"the Docker daemon left {d.tmp} behind"
 
 
 @pytest.fixture(scope="module")

@@ -69,17 +69,19 @@ def pair_cmd(ports: dict, *flags: str) -> list[str]:
 
 
 @pytest.fixture
-def start_pair():
+def start_pair(tmp_path):
     """start(*flags, sigint_ignored=False) -> (script, ports, seen): pd_pair.sh on free ports;
     whatever it started is killed at the end. sigint_ignored: started as a background job of
-    a non-interactive shell is (SIGINT ignored)."""
+    a non-interactive shell is (SIGINT ignored). TMPDIR is the test's own folder, so the
+    script's default log folder goes with it."""
     started = []
 
     def start(*flags: str, sigint_ignored: bool = False):
         ports = {name: free_port() for name in ("router", "prefill", "decode")}
         ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
         script = subprocess.Popen(pair_cmd(ports, *flags), cwd=REPO, stdout=subprocess.PIPE,
-                                  stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=ignore)
+                                  stderr=subprocess.DEVNULL, start_new_session=True, preexec_fn=ignore,
+                                  env=dict(os.environ, TMPDIR=str(tmp_path)))
         seen: dict[int, int] = {}
         started.append((script, seen))
         return script, ports, seen
@@ -201,7 +203,7 @@ def test_kv_aware_quiet_logs_and_sigint_in_the_background(start_pair, tmp_path):
 
 
 @pytest.mark.parametrize("taken", ["router", "prefill", "decode"])
-def test_a_taken_port_is_one_line_naming_its_flag(taken):
+def test_a_taken_port_is_one_line_naming_its_flag(taken, tmp_path):
     """Another process listens on one of the pair's ports: the script says which flag to
     change, exits 2 and leaves nothing running (it never says ready for someone else's server)."""
     with socket.socket() as holder:
@@ -210,7 +212,7 @@ def test_a_taken_port_is_one_line_naming_its_flag(taken):
         ports = {name: free_port() for name in ("router", "prefill", "decode")}
         ports[taken] = holder.getsockname()[1]
         script = subprocess.Popen(pair_cmd(ports), cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, start_new_session=True)
+                                  text=True, start_new_session=True, env=dict(os.environ, TMPDIR=str(tmp_path)))
         try:
             out, err = script.communicate(timeout=120)
         finally:

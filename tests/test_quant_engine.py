@@ -387,3 +387,26 @@ def test_moe_16bit_experts_in_one_call_give_the_per_expert_paths_tokens(kind, me
     for (ids, lps), (want_ids, want_lps) in zip(fused, per_op):
         assert ids == want_ids
         torch.testing.assert_close(torch.tensor(lps), torch.tensor(want_lps), atol=1e-4, rtol=0)
+
+
+@pytest.mark.unit
+def test_nan_router_logits_still_route_k_distinct_experts(tmp_path):
+    """Router logits of NaN (a broken checkpoint, an overflow upstream) in the fused layers' C routing (the batch
+    rows call and the batch-1 layer), as torch's topk per op: k distinct experts in range a token (it chose expert
+    -1 before: indexing before its arrays), so the requests finish and each token counts k experts a layer."""
+    path = make_checkpoint(tmp_path / "moe", "qwen3_moe", seed=11, moe_intermediate_size=32)
+    llm = LLM(str(path), num_threads=2, max_model_len=256, quantization="int8", quantized_activations="int8")
+    model, new = llm.engine.model, 4
+    blocks = [w.moe for w in model.layers if w.moe is not None]
+    assert model.decode_layer is not None and blocks
+    for m in blocks:
+        m.router.fill_(float("nan"))
+    batches = (prompts_of([9, 5, 7], 21), prompts_of([6], 22))  # the rows call, then the batch-1 layer
+    for prompts in batches:
+        outs = llm.generate([{"prompt_token_ids": p} for p in prompts],
+                            SamplingParams(max_tokens=new, temperature=0.0, ignore_eos=True))
+        assert [len(o.outputs[0].token_ids) for o in outs] == [new] * len(prompts)
+    assert ran_rows(model.decode_layer, model.layers)
+    passes = sum(len(p) + new - 1 for prompts in batches for p in prompts)  # each prompt token and fed-back token
+    for m in blocks:
+        assert int(m.routed.min()) >= 0 and int(m.routed.sum()) == m.top_k * passes

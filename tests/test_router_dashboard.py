@@ -92,7 +92,8 @@ def browser(tmp_path):
     proc = subprocess.Popen([binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                              "--no-first-run", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
                              f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,900", "about:blank"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, TMPDIR=str(tmp_path)))  # its singleton socket's folder
     try:
         port = None
         for line in proc.stderr:  # "DevTools listening on ws://127.0.0.1:PORT/devtools/browser/..."

@@ -595,7 +595,7 @@ class DecodeLayer:
     def run_rows(self, layers: list, windows: list[int | None], h: torch.Tensor, x: torch.Tensor, cos: torch.Tensor,
                  sin: torch.Tensor, positions: torch.Tensor, slot_rows: torch.Tensor, kinds: torch.Tensor,
                  attention: ctypes.CDLL, kv_cache, block_tables: torch.Tensor, context_lens: torch.Tensor,
-                 scale: float, moe_rows: tuple[int, int, int] = (0, 0, 0)) -> None:
+                 scale: float, moe_rows: tuple[int, int, int]) -> None:
         """A batch's decode step, R >= 2 sequences one row each (h, x [R, hidden]), every layer in one C call
         (atomd_decode_rows_q_f32): the per-op path's bits, its products as rows_kinds_for chose them (an MoE block's
         router and softmax in C: its logits differ from the per-op path's in the last bits). x ends as

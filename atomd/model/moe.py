@@ -108,11 +108,13 @@ class MoeWeights:
         DecoderModel.unfused_reason for the fused batch-1 layer, else at the first call), or None where it does not run them: float experts, int8 / int4 experts
         without int8 activations, 16-bit and int experts mixed, experts with an act-order permutation, expert
         parallelism, no kernel here, 16-bit experts with load-time panels beside their rows (qlinear's choice between
-        the two by rows: never made at load, where an AVX2 build keeps the strips alone)."""
+        the two by rows: never made at load, where an AVX2 build keeps the strips alone), experts held as strips of
+        another layout than the layer kernels read (builds of two ISAs: qlinear's product_of refuses them)."""
         if self.q8 is None:
             linears = self.linears()  # all int8-activation ones or all 16-bit ones (the kernel's two kinds)
             fits = (self.quantized and self.ep is None and layer_ops.moe_q8_kind() > 0
                     and all(q.perm is None and (q.panels is None or q.strips_only) for q in linears)
+                    and all(q.panels_layout == layer_ops.kernels().w16_layout for q in linears if q.strips_only)
                     and (all(q.int8_activations for q in linears) or all(q.bits == 16 for q in linears)))
             self.q8 = (quant.qweight_array(self.gate_up), quant.qweight_array(self.down)) if fits else ()
         return self.q8 or None

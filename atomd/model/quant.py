@@ -620,8 +620,9 @@ def qlinear(x: torch.Tensor, w: QuantizedWeight, bias: torch.Tensor | None = Non
             raise MemoryError(f"int8 GEMM of {m} x {k} by {n} rows: out of memory")
     elif product == "q8_held":
         xq, xd, xsg = _q8_scratch(m, k)
-        lib.atomd_qgemm_q8_held(xf.data_ptr(), k, m, w.panels.data_ptr(), w.bits, n, k, w.group_size, w.act_block,
-                                out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), threads)
+        if lib.atomd_qgemm_q8_held(xf.data_ptr(), k, m, w.panels.data_ptr(), w.bits, n, k, w.group_size, w.act_block,
+                                   out.data_ptr(), n, xq.data_ptr(), xd.data_ptr(), xsg.data_ptr(), threads) != 0:
+            raise RuntimeError("held int8 / int4 strips read by a build without them (not an AVX2 build)")
     elif product == "rows":
         xq, xd, xsg = _q8_scratch(m, k)
         lib.atomd_qgemm_q8(xf.data_ptr(), k, m, w.q.data_ptr(), w.bits, w.scales.data_ptr(), _ptr(w.offsets), n, k,

@@ -652,14 +652,17 @@ static void moe_route(const void *logits, const int is_bf16, int64_t experts, in
     for (int64_t e = 0; e < experts; e++) sum += (p[e] = expf(p[e] - top));
     for (int64_t e = 0; e < experts; e++) p[e] /= sum;
     float chosen = 0.f;
+    unsigned char taken[MOE_MAX_EXPERTS];
+    memset(taken, 0, (size_t)experts);
     for (int64_t j = 0; j < k; j++) {
+        /* the first untaken expert at least: NaN logits (p all NaN) still give k distinct experts in range */
         int64_t best = -1;
         for (int64_t e = 0; e < experts; e++)
-            if (p[e] >= 0.f && (best < 0 || p[e] > p[best])) best = e;
+            if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
         ids[j] = best;
         scales[j] = p[best];
         chosen += p[best];
-        p[best] = -1.f;  /* taken */
+        taken[best] = 1;
     }
     for (int64_t j = 0; j < k; j++) {
         if (norm_topk) scales[j] /= chosen;

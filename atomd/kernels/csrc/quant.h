@@ -440,6 +440,16 @@ static inline __m512i pair_u8(const void *q, int64_t b, int bits, int full) {
     return _mm512_and_si512(_mm512_mask_blend_epi64(0xCC, lanes, _mm512_srli_epi16(lanes, 4)), _mm512_set1_epi8(15));
 }
 
+/* the sums of 4 vectors, lane r = sum of a[r] */
+static inline __m128 sum4_ps(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
+    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
+    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
+    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
+                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
+    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
+    return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+}
+
 /* one weight row against mb (a constant after inlining) quantised rows of x: y[m * ldy] */
 static inline __attribute__((always_inline)) void rows_q8(const void *q, int bits, const float *s, const float *o,
                                                           int64_t K, int64_t G, int64_t AB, const int8_t *xq,
@@ -483,19 +493,15 @@ static inline __attribute__((always_inline)) void rows_q8(const void *q, int bit
             acc[m] = _mm512_fmadd_ps(_mm512_mul_ps(dot, _mm512_loadu_ps(xd + m * Q8_XD(K) + (b / 2) * 16)), sv, acc[m]);
         }
     }
-    for (int m = 0; m < mb; m++)
-        y[m * ldy] = _mm512_reduce_add_ps(
-            _mm512_add_ps(acc[m], q8_rest_v(s, o, groups, xsg + m * Q8_XSG(K), bits == 8 ? 128.0f : 0.0f)));
-}
-
-/* the sums of 4 vectors, lane r = sum of a[r] */
-static inline __m128 sum4_ps(__m512 a0, __m512 a1, __m512 a2, __m512 a3) {
-    const __m512 t01 = _mm512_add_ps(_mm512_unpacklo_ps(a0, a1), _mm512_unpackhi_ps(a0, a1));
-    const __m512 t23 = _mm512_add_ps(_mm512_unpacklo_ps(a2, a3), _mm512_unpackhi_ps(a2, a3));
-    const __m512 u = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))),
-                                   _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t01), _mm512_castps_pd(t23))));
-    const __m256 v = _mm256_add_ps(_mm512_castps512_ps256(u), _mm512_extractf32x8_ps(u, 1));
-    return _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    /* rows4_q8's horizontal sum (sum4_ps, absent rows zero): a row's bits beside other rows are its bits at
+     * batch 1, where gemv4_q8 runs it (_mm512_reduce_add_ps adds the lanes in another order) */
+    __m512 v[Q8_ROWS];
+    for (int m = 0; m < Q8_ROWS; m++)
+        v[m] = m < mb ? _mm512_add_ps(acc[m], q8_rest_v(s, o, groups, xsg + m * Q8_XSG(K), bits == 8 ? 128.0f : 0.0f))
+                      : _mm512_setzero_ps();
+    float sums[Q8_ROWS];
+    _mm_storeu_ps(sums, sum4_ps(v[0], v[1], v[2], v[3]));
+    for (int m = 0; m < mb; m++) y[m * ldy] = sums[m];
 }
 
 /* batch 1: 4 weight rows (row r at q + r * rstride, scales / offsets
