@@ -195,7 +195,7 @@ def main() -> int:
     kind_env = dict(os.environ, **CPU_KIND_ENV.get(args.cpu_kind, {}))
     if args.no_prefill:
         workloads = workloads[:4]
-    path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
+    path = checkpoint(args.model_shape)
     cfg = model_config(path)
     load = [loadavg()]
     src = binary = None

@@ -62,10 +62,11 @@ def make_checkpoint(path: pathlib.Path) -> pathlib.Path:
     return path
 
 
-def checkpoint(shape: str, tmp: pathlib.Path) -> pathlib.Path:
-    """The checkpoint directory of `shape` (SHAPE_CHOICES)."""
+def checkpoint(shape: str, tmp: pathlib.Path | None = None) -> pathlib.Path:
+    """The checkpoint directory of `shape` (SHAPE_CHOICES): the named shapes' cached one; "small" made in `tmp`
+    (a new temporary folder, the caller's to remove, when None)."""
     if shape == "small":
-        return make_checkpoint(tmp / "llama")
+        return make_checkpoint((tmp or pathlib.Path(tempfile.mkdtemp(prefix="atomd-small-"))) / "llama")
     from benchmarks.model_shapes import model_dir
     return model_dir(shape)
 

@@ -20,7 +20,6 @@ import cProfile
 import pathlib
 import pstats
 import sys
-import tempfile
 import time
 
 
@@ -50,7 +49,7 @@ def main() -> int:
     if unknown := set(args.workloads) - set(WORKLOADS):
         p.error(f"unknown workloads {sorted(unknown)}: choose from {', '.join(WORKLOADS)}")
     torch.set_num_threads(args.threads)
-    path = checkpoint(args.model_shape, pathlib.Path(tempfile.mkdtemp()))
+    path = checkpoint(args.model_shape)
     vocab = model_config(path)["vocab_size"]
     quant = {"quantization": args.quantization, "quantized_activations": "int8"} if args.quantization else {}
     gen = atomd_generator(path, args.threads, dtype=args.dtype, **quant)

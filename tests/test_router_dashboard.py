@@ -18,6 +18,7 @@ import pathlib
 import re
 import shutil
 import subprocess
+import tempfile
 
 import aiohttp
 import pytest
@@ -89,11 +90,13 @@ class DevTools:
 @pytest.fixture
 def browser(tmp_path):
     binary = chromium()
+    # its singleton socket's folder, removed after: short (a socket's path has ~108 bytes; tmp_path's is longer)
+    sockets = tempfile.mkdtemp(prefix="atomd-chromium-", dir="/tmp")
     proc = subprocess.Popen([binary, "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage",
                              "--no-first-run", "--remote-debugging-address=127.0.0.1", "--remote-debugging-port=0",
                              f"--user-data-dir={tmp_path / 'profile'}", "--window-size=1400,900", "about:blank"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
-                            env=dict(os.environ, TMPDIR=str(tmp_path)))  # its singleton socket's folder
+                            env=dict(os.environ, TMPDIR=sockets))
     try:
         port = None
         for line in proc.stderr:  # "DevTools listening on ws://127.0.0.1:PORT/devtools/browser/..."
@@ -110,6 +113,7 @@ def browser(tmp_path):
         except subprocess.TimeoutExpired:
             proc.kill()
             proc.wait(10)
+        shutil.rmtree(sockets, ignore_errors=True)
 
 
 def test_dashboard_shows_every_worker_and_updates_after_a_request(browser):
