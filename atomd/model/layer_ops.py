@@ -581,9 +581,9 @@ class DecodeLayer:
 
             lib, kinds = quant.kernels(), []
             for w in layers:
-                linears = (w.rows or ())[:2 if w.moe is not None else 4]  # the weights the C call reads (self.weights)
-                if len(linears) != (2 if w.moe is not None else 4) or \
-                        not all(isinstance(t, quant.QuantizedWeight) for t in linears):
+                read = 2 if w.moe is not None else 4  # qkv, o (and gate_up, down): what the C call reads
+                linears = (w.rows or ())[:read]  # (self.weights)
+                if len(linears) != read or not all(isinstance(t, quant.QuantizedWeight) for t in linears):
                     kinds = None
                     break
                 kinds += [ROWS_PRODUCTS.get(quant.product_of(lib, t, rows), -1) for t in linears]

@@ -669,6 +669,31 @@ static void moe_route(const void *logits, const int is_bf16, int64_t experts, in
         if (round_scales) scales[j] = round_to(scales[j], is_bf16);
     }
 }
+/* The (row, choice) pairs ids [P] (k a row, weights wts [P]) grouped by expert, pair order kept within (moe.py's
+ * stable argsort), as atomd_moe_q8 / atomd_moe_amx_bf16 take them: counts [E] each expert's pairs, experts [n] those
+ * with any and starts [n + 1] their first slots, each slot's row tokens, pair dest and weight scales [P]; at [E]
+ * scratch. Returns n. */
+static inline int64_t group_pairs(const int64_t *ids, const float *wts, int64_t P, int64_t k, int64_t E,
+                                  int64_t *counts, int64_t *at, int64_t *experts, int64_t *starts, int64_t *tokens,
+                                  int64_t *dest, float *scales) {
+    memset(counts, 0, (size_t)E * sizeof(int64_t));
+    for (int64_t p = 0; p < P; p++) counts[ids[p]]++;
+    int64_t n = 0;
+    starts[0] = 0;
+    for (int64_t e = 0; e < E; e++) {
+        at[e] = starts[n];
+        if (counts[e]) {
+            experts[n] = e;
+            starts[n + 1] = starts[n] + counts[e];
+            n++;
+        }
+    }
+    for (int64_t p = 0; p < P; p++) {
+        const int64_t slot = at[ids[p]]++;
+        tokens[slot] = p / k, dest[slot] = p, scales[slot] = wts[p];
+    }
+    return n;
+}
 typedef struct {
     decode_attention_fn fn;
     const void *kv;
@@ -1456,22 +1481,7 @@ int atomd_mla_rows_moe_bf16(const mla_layer_config *c, const float *router, cons
         for (int64_t i = 0; i < H; i++) hf[i] = bf16_to_float(h[r * H + i]);
         mla_route(c, router, correction, hf, logits + omp_get_thread_num() * E, ids + r * k, wts + r * k);
     }
-    memset(counts, 0, (size_t)E * sizeof(int64_t));
-    for (int64_t p = 0; p < P; p++) counts[ids[p]]++;
-    int64_t active = 0;
-    starts[0] = 0;
-    for (int64_t e = 0; e < E; e++) {
-        at[e] = starts[active];
-        if (counts[e]) {
-            experts[active] = e;
-            starts[active + 1] = starts[active] + counts[e];
-            active++;
-        }
-    }
-    for (int64_t p = 0; p < P; p++) {
-        const int64_t s = at[ids[p]]++;
-        tokens[s] = p / k, dest[s] = p, scales[s] = wts[p];
-    }
+    const int64_t active = group_pairs(ids, wts, P, k, E, counts, at, experts, starts, tokens, dest, scales);
     int64_t *rows = starts + active + 1;  /* the shared expert's rows and pairs: 0 .. R - 1, scale 1 */
     for (int64_t r = 0; r < R; r++) rows[r] = r, ones[r] = float_to_bf16(1.0f);
     int64_t routed_items, most;
@@ -1613,31 +1623,19 @@ static int rows_product(const void *weight, const float *x, int64_t R, int64_t K
  * pairs summed in float32 in choice order (moe.py's sum); routed += the pairs per expert. fs, is: the caller's
  * scratch of ROWS_MOE_FLOATS / ROWS_MOE_INTS. Returns 0, -1 out of memory, -2 moe_q8 not built here. */
 #define ROWS_MOE_FLOATS(mw, R, hidden) ((R) * (mw)->experts + (R) * (mw)->top_k * (2 + (hidden)))
-#define ROWS_MOE_INTS(mw, R) (4 * (R) * (mw)->top_k + 3 * (mw)->experts + 1)
+#define ROWS_MOE_INTS(mw, R) (4 * (R) * (mw)->top_k + 4 * (mw)->experts + 1)
 static int rows_moe(const decode_moe_weights *mw, const float *h, int64_t R, int64_t hidden, float *d,
                     const int64_t *min_m, int64_t w16_min, float *fs, int64_t *is, int num_threads) {
     const int64_t E = mw->experts, k = mw->top_k, P = R * k;
     float *logits = fs, *sc = logits + R * E, *scales = sc + P, *pairs = scales + P;
     int64_t *ids = is, *tokens = ids + P, *dest = tokens + P, *experts = dest + P, *starts = experts + E;
-    int64_t *at = starts + E + 1;  /* [E]: each expert's pairs, then its next slot */
+    int64_t *counts = starts + E + 1, *at = counts + E;
     _Pragma("omp parallel num_threads(num_threads)")
     atomd_gemv_f32_rows_m(h, R, (const float *)mw->router, logits, hidden, E);
     for (int64_t r = 0; r < R; r++)
         moe_route(logits + r * E, 0, E, k, mw->norm_topk, !mw->f32_pairs, ids + r * k, sc + r * k);
-    memset(at, 0, sizeof(int64_t) * E);
-    for (int64_t p = 0; p < P; p++) at[ids[p]]++;
-    int64_t n = 0, next = 0;
-    for (int64_t e = 0; e < E; e++) {
-        mw->routed[e] += at[e];
-        if (at[e] == 0) continue;
-        experts[n] = e, starts[n++] = next;
-        next += at[e], at[e] = next - at[e];
-    }
-    starts[n] = next;
-    for (int64_t p = 0; p < P; p++) {  /* by expert, pair order kept within */
-        const int64_t slot = at[ids[p]]++;
-        tokens[slot] = p / k, dest[slot] = p, scales[slot] = sc[p];
-    }
+    const int64_t n = group_pairs(ids, sc, P, k, E, counts, at, experts, starts, tokens, dest, scales);
+    for (int64_t e = 0; e < E; e++) mw->routed[e] += counts[e];
     const int status = atomd_moe_q8(h, 0, mw->gate_up, mw->down, experts, starts, tokens, dest, scales, pairs, 1,
                                     hidden, mw->inter, n, min_m, 0, w16_min, num_threads);
     if (status != 0) return status == 1 ? -2 : status;
