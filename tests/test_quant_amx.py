@@ -175,12 +175,14 @@ def test_no_amx_takes_the_rows_then_the_gemm(vnni, below):
 def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
     """Prefill in a 32-row chunk and batched decode (4 sequences: M = 4 = QGEMM_AMX_MIN_M) on the tiles
     against the VNNI rows (QGEMM_AMX_MIN_M past every M: what ran before the tiles). The first
-    token's logprobs agree to 0.01; the greedy ids are equal, or part only at a near-tie: the
+    token's logprobs agree to 0.03; the greedy ids are equal, or part only at a near-tie: the
     float sums' order moves a value by ~1e-7, which now and then flips x's rounding to 8 bits in
     a later layer (a step of max|x| / 127 over the act block: the larger the block, the larger the
     step) and moves a logprob by up to ~0.03 (measured on this model, act blocks of 128 / 256: 3 of 4
     prompts' first logprobs within 3e-7, one 8e-4 apart (a flip in prefill) and parting at token 16; act
-    blocks of 64: one 8e-3 apart)."""
+    blocks of 64: one 8e-3 apart; session 25, Intel Xeon with AMX, int4: three within 1e-5, one 0.020 apart,
+    the tiles' -3.2029 nearer float32 activations' -3.1971 than the rows' -3.2230: x's int8 rounding alone moves
+    these first logprobs by 0.02-0.05 from float32 activations' on this model)."""
     from atomd import SamplingParams
     from atomd.llm import LLM
     from tests.test_model_hf import make_checkpoint, prompts_of
@@ -201,7 +203,7 @@ def test_engine_greedy_equals_the_vnni_rows(amx, method, monkeypatch, tmp_path):
     rows = run()
     equal = 0
     for t, r in zip(tiles, rows):
-        assert abs(t.logprobs[0].logprob - r.logprobs[0].logprob) < 0.01
+        assert abs(t.logprobs[0].logprob - r.logprobs[0].logprob) < 0.03
         part = next((i for i, (a, b) in enumerate(zip(t.token_ids, r.token_ids)) if a != b), None)
         if part is None:
             equal += 1
