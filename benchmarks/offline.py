@@ -105,7 +105,10 @@ def atomd_generator(path: pathlib.Path, threads: int, attention_backend: str = "
                     quantization: str | None = None, quantized_activations: str = "float32",
                     kv_cache_dtype: str = "auto"):
     from atomd import LLM, SamplingParams
+    from atomd.config import auto_dtype
 
+    if kv_cache_dtype in ("float16", "bfloat16") and (auto_dtype()[0] if dtype == "auto" else dtype) != "float32":
+        kv_cache_dtype = "auto"  # a 16-bit model keeps its own 16-bit cache (another one is refused): the same bytes
     llm = LLM(str(path), num_threads=threads, max_model_len=1024, enable_prefix_caching=False,
               attention_backend=attention_backend, dtype=dtype, quantization=quantization,
               quantized_activations=quantized_activations, num_kvcache_blocks=KV_BLOCKS, kv_cache_dtype=kv_cache_dtype)
@@ -248,7 +251,8 @@ def main() -> int:
                    help="the --int8 / --int4 engines' model dtype (activations, attention, norms): atomd_int8 for "
                         "float32, atomd_int8_bfloat16 for bfloat16, both where both are given")
     p.add_argument("--kv-cache-dtype", default="auto", help="the atomd engines' --kv-cache-dtype (float16: "
-                   "llama.cpp's default F16 cache under float32 models)")
+                   "llama.cpp's default F16 cache under float32 models; a bf16 model, --dtype auto's on a CPU with "
+                   "bf16 dot products too, keeps its bf16 cache of the same bytes)")
     p.add_argument("--stdin-rounds", action="store_true",
                    help="load the engines, then one round per stdin line, JSON out (serve_rounds)")
     args = p.parse_args()

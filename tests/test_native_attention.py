@@ -13,6 +13,7 @@ from atomd.kernels import native
 from atomd.config import EngineConfig
 from atomd.llm import LLM
 from atomd.engine.kv_cache import KVCache
+from tests.cpu_builds import ISAS
 from tests.test_model_hf import MIXED, assert_equals_hf, engine_greedy, llama_dir, prompts_of, qwen2_dir  # noqa: F401
 
 
@@ -43,6 +44,32 @@ def test_decode_kernel_equals_sdpa_on_a_shuffled_paged_cache(heads, kv_heads, he
         q = torch.randn(len(lens), heads, head_dim) * 3  # peaked softmaxes too
         got = native.decode_attention(lib, q, cache, layer, tables, lens)
         torch.testing.assert_close(got, sdpa_reference(q, cache, layer, tables, lens), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.unit
+@pytest.mark.parametrize("isa", ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+# 80: a last vector of 16 lanes part-filled; 36: no whole 8-lane vectors (the AVX2 build's plain C row); 128: a group of 16
+@pytest.mark.parametrize("heads,kv_heads,head_dim", [(14, 2, 80), (6, 2, 36), (16, 1, 128)])
+def test_every_builds_decode_kernel_equals_sdpa(isa, dtype, heads, kv_heads, head_dim):
+    """float32 and bf16 models' decode rows in each build this CPU runs (cpu_builds.ISAS: AVX-512 with and without the
+    bf16 dot products, AVX2): every one but the bf16 dot products' is attention_avx2.h's or attention_narrow.h's row,
+    over the model's own cache. Against SDPA in float32 on the same (bf16-rounded) values: float32 to the summation
+    order, bf16 to its output's rounding."""
+    torch.manual_seed(heads * head_dim)
+    lens = torch.tensor([1, 16, 17, 100, 257], dtype=torch.int64)
+    width = int(-(-lens.max() // 16))
+    cache = KVCache(len(lens) * width + 3, 1, 16, kv_heads, head_dim, dtype=dtype)
+    cache.kv.copy_(torch.randn(cache.kv.shape))
+    tables = torch.randperm(cache.num_blocks)[:len(lens) * width].view(len(lens), width).contiguous()
+    lib = native.attention_kernels(head_dim, heads // kv_heads, isa=isa)
+    assert lib is not None
+    q = (torch.randn(len(lens), heads, head_dim) * 3).to(dtype)
+    got = native.decode_attention(lib, q, cache, 0, tables, lens)
+    want = sdpa_reference(q.float(), KVCache(cache.num_blocks, 1, 16, kv_heads, head_dim, kv=cache.kv.float()), 0,
+                          tables, lens)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -8
+    torch.testing.assert_close(got.float(), want, rtol=tol, atol=tol)
 
 
 @pytest.mark.unit

@@ -30,17 +30,18 @@
 /* The kernels, one file each, in the order they build on one another:
  * attention_common.h  the sliding window's first key, the cache formats, prefetches, AVX-512 lane masks and sums
  * attention_avx2.h    the decode row on AVX2 builds, over every cache format (float32, bf16, float16, fp8)
+ * attention_narrow.h  the decode row elsewhere, over every cache format, and the float32-query decode over
+ *                     each (the model's float32 cache; a narrower one: fp8 e4m3 / e5m2, bf16 or float16)
  * attention_f32.h     float32 decode (paged cache) and prefill (fresh prompts)
  * attention_bf16.h    the same over bf16 (AVX512_BF16 dot products or widening to float32)
  * attention_amx.h     the bf16 prefill as AMX tile matmuls (Sapphire Rapids and later)
- * attention_narrow.h  float32 decode over a narrower paged cache: fp8 (e4m3 / e5m2), bf16 or float16
  * and below them the bf16 prefill's entry point, which picks AMX or the loop. */
 #include "attention_common.h"
 #include "attention_avx2.h"
+#include "attention_narrow.h"
 #include "attention_f32.h"
 #include "attention_bf16.h"
 #include "attention_amx.h"
-#include "attention_narrow.h"
 
 /* 1 when the bf16 prefill runs on AMX tiles here: the build has them and Linux grants them. */
 int atomd_prefill_amx(void) {

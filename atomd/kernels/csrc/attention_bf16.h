@@ -13,8 +13,8 @@
  *   [d / 2][token][2], so one dpbf16 adds two dims for 16 keys.
  * - otherwise (AVX-512F, AVX2, or plain C; also when built with -DATOMD_NO_BF16_DOT): every
  *   bf16 is widened to float32 by a 16-bit shift (exact) and the float32 code runs, which the
- *   compiler vectorises for whatever the target has; decode on AVX2 builds runs attention_avx2.h's
- *   decode row, which widens in registers.
+ *   compiler vectorises for whatever the target has; decode runs the float32 decode row of
+ *   attention_avx2.h (AVX2 builds) or attention_narrow.h (the others), which widen in registers.
  * Weights times V are float32 FMAs on widened V rows on both paths (a weight rounded to bf16
  * would cost 3 significant digits); the AMX prefill keeps them as two bf16 terms instead.
  */
@@ -184,64 +184,14 @@ int atomd_decode_attention_bf16(const uint16_t *restrict q, const uint16_t *rest
 #if BF16_DOT
             decode_row_bf16(qh, kv, table, lo, ctx, h, block_size, block_stride, k_offset, v_offset, row_stride,
                             scale, scores, o);
-#elif DECODE_AVX2
+#else
             float qs[GROUP][HEAD_DIM], of[GROUP][HEAD_DIM];
             for (int g = 0; g < GROUP; g++)
                 for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = bf16_to_f32(qh[g * HEAD_DIM + d]) * scale;
-            decode_row_avx2(qs, (const uint8_t *)kv, KV_BF16, table, lo, ctx, h, block_size, block_stride, k_offset,
-                            v_offset, row_stride, scores, of);
+            decode_row(qs, (const uint8_t *)kv, KV_BF16, NULL, table, lo, ctx, h, block_size, block_stride, k_offset,
+                       v_offset, row_stride, scores, of);  /* (attention_narrow.h) */
             for (int g = 0; g < GROUP; g++)
                 for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = f32_to_bf16(of[g][d]);
-#else
-            float m[GROUP], sum[GROUP], acc[GROUP][HEAD_DIM], qs[GROUP][HEAD_DIM];
-            for (int g = 0; g < GROUP; g++) {
-                m[g] = -INFINITY;
-                sum[g] = 0.0f;
-                for (int d = 0; d < HEAD_DIM; d++) acc[g][d] = 0.0f;
-                for (int d = 0; d < HEAD_DIM; d++) qs[g][d] = bf16_to_f32(qh[g * HEAD_DIM + d]) * scale;
-            }
-            for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
-                const uint16_t *k = k_block_bf16(kv, table, t0, ctx, h, block_size, block_stride, k_offset, v_offset,
-                                                 row_stride, &n);
-                for (int64_t i = 0; i < n; i++, k += row_stride) {
-                    float kf[HEAD_DIM];
-                    widen_row(k, kf);
-                    for (int g = 0; g < GROUP; g++) {
-                        float s = 0.0f;
-#pragma omp simd reduction(+ : s)
-                        for (int d = 0; d < HEAD_DIM; d++) s += qs[g][d] * kf[d];
-                        scores[g * ctx + t0 + i] = s;
-                        m[g] = s > m[g] ? s : m[g];
-                    }
-                }
-            }
-            for (int g = 0; g < GROUP; g++) {
-                float *sg = scores + g * ctx, mg = m[g], total = 0.0f;
-#pragma omp simd reduction(+ : total)
-                for (int64_t t = lo; t < ctx; t++) {
-                    sg[t] = exp_nonpositive(sg[t] - mg);
-                    total += sg[t];
-                }
-                sum[g] = total;
-            }
-            for (int64_t t0 = lo, n; t0 < ctx; t0 += n) {
-                const int64_t off = t0 % block_size;
-                const uint16_t *v = kv + table[t0 / block_size] * block_stride + k_offset + v_offset + off * row_stride + h * HEAD_DIM;
-                n = ctx - t0 < block_size - off ? ctx - t0 : block_size - off;
-                for (int64_t i = 0; i < n; i++, v += row_stride) {
-                    float vf[HEAD_DIM];
-                    widen_row(v, vf);
-                    for (int g = 0; g < GROUP; g++) {
-                        const float p = scores[g * ctx + t0 + i];
-#pragma omp simd
-                        for (int d = 0; d < HEAD_DIM; d++) acc[g][d] += p * vf[d];
-                    }
-                }
-            }
-            for (int g = 0; g < GROUP; g++) {
-                const float inv = 1.0f / sum[g];
-                for (int d = 0; d < HEAD_DIM; d++) o[g * HEAD_DIM + d] = f32_to_bf16(acc[g][d] * inv);
-            }
 #endif
         }
         free(scores);
