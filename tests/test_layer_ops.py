@@ -543,6 +543,20 @@ def test_moe_amx_experts_equal_the_per_expert_path(isa, hidden, inter, experts, 
         assert error <= 1.5 * per_expert_error + 1e-5, (error, per_expert_error)
 
 
+def per_expert_and_exact(h, w, routed, wg, wd, inter: int, monkeypatch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The MoE block of `routed` (scales, ids) with moe.Q8 off (one qlinear pair per active expert), and float64
+    experts on the dequantised weights wg [experts, 2 * inter, hidden], wd [experts, hidden, inter]."""
+    from atomd.model import moe
+
+    monkeypatch.setattr(moe, "Q8", False)
+    per_expert = moe.moe(h, w, routed)
+    monkeypatch.setattr(moe, "Q8", True)
+    gate, up = torch.einsum("th,tkih->tki", h.double(), wg[routed[1]]).split(inter, dim=-1)
+    exact = (routed[0].double().unsqueeze(-1)
+             * torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[routed[1]])).sum(dim=1)
+    return per_expert, exact
+
+
 # the other narrowings: the no-amx rows; no-avx512 (every CPU here): the experts held as the AVX2 GEMM's strips
 @pytest.mark.parametrize("isa,held", [("native", False), ("no-amx", False), ("no-avx512", True)],
                          indirect=["isa"])
@@ -609,13 +623,8 @@ def test_moe_q8_experts_equal_the_per_expert_path(isa, held, method, monkeypatch
                 counts = torch.bincount(ids.flatten())
                 in_call = int(((counts > 0) & (tiles | gemm | (counts <= quant.QGEMM_Q8_MAX_M))).sum())
                 assert calls == ([in_call] if in_call else []) and w.q8_experts() is not None
-                monkeypatch.setattr(moe, "Q8", False)
-                per_expert = moe.moe(h, w, routed)
-                monkeypatch.setattr(moe, "Q8", True)
+                per_expert, exact = per_expert_and_exact(h, w, routed, wg, wd, inter, monkeypatch)
                 assert torch.equal(got, per_expert), (hidden, tokens, dtype, cast)
-                gate, up = torch.einsum("th,tkih->tki", h.double(), wg[ids]).split(inter, dim=-1)
-                exact = (routed[0].double().unsqueeze(-1)
-                         * torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[ids])).sum(dim=1)
                 assert (got.double() - exact).abs().max() <= 0.05 * exact.abs().max() + 1e-3
 
 
@@ -654,13 +663,8 @@ def test_moe_q8_16_bit_experts_equal_the_per_expert_path(method, monkeypatch):
                     calls.clear()
                     got = moe.moe(h, w, routed)
                     assert calls == [int((torch.bincount(ids.flatten()) > 0).sum())]
-                    monkeypatch.setattr(moe, "Q8", False)
-                    per_expert = moe.moe(h, w, routed)
-                    monkeypatch.setattr(moe, "Q8", True)
+                    per_expert, exact = per_expert_and_exact(h, w, routed, wg, wd, inter, monkeypatch)
                     assert torch.equal(got, per_expert), (strips, tokens, threads, dtype)
-                    gate, up = torch.einsum("th,tkih->tki", h.double(), wg[ids]).split(inter, dim=-1)
-                    exact = (routed[0].double().unsqueeze(-1)
-                             * torch.einsum("tki,tkhi->tkh", F.silu(gate) * up, wd[ids])).sum(dim=1)
                     assert (got.double() - exact).abs().max() <= 0.03 * exact.abs().max() + 1e-4
 
 
