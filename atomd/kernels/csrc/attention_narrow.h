@@ -106,21 +106,9 @@ static inline __attribute__((always_inline)) void decode_row_narrow(
         for (int64_t i0 = 0; i0 < n; i0 += 16) {
             const int64_t c = n - i0 < 16 ? n - i0 : 16;
             __m512 part[GROUP][16];
-            for (int64_t i = 0; i < 16; i++) {
-                if (kind == KV_F32) {  /* each product loads its K lanes: no widened row to keep */
-                    for (int g = 0; g < GROUP; g++) {
-                        __m512 a = _mm512_setzero_ps();
-                        if (i < c)
-                            for (int w = 0; w < NW; w++)
-                                a = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(lanes16(w), qs[g] + w * 16),
-                                                    widen16_narrow(k + (i0 + i) * row_bytes, w, kind), a);
-                        part[g][i] = a;
-                    }
-                    continue;
-                }
+            for (int64_t i = 0; i < c; i++) {
                 __m512 kr[NW];
-                for (int w = 0; w < NW; w++)
-                    kr[w] = i < c ? widen16_narrow(k + (i0 + i) * row_bytes, w, kind) : _mm512_setzero_ps();
+                for (int w = 0; w < NW; w++) kr[w] = widen16_narrow(k + (i0 + i) * row_bytes, w, kind);
                 for (int g = 0; g < GROUP; g++) {
                     __m512 a = _mm512_setzero_ps();
                     for (int w = 0; w < NW; w++)
@@ -128,6 +116,8 @@ static inline __attribute__((always_inline)) void decode_row_narrow(
                     part[g][i] = a;
                 }
             }
+            for (int64_t i = c; i < 16; i++)  /* past the block's last key: lanes the tree sums but nobody reads */
+                for (int g = 0; g < GROUP; g++) part[g][i] = _mm512_setzero_ps();
             for (int g = 0; g < GROUP; g++) {
                 float sv[16];
                 _mm512_storeu_ps(sv, sum_lanes16(part[g]));
