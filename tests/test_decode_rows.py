@@ -2,7 +2,7 @@
 atomd_decode_rows_q_f32): quantized linears (int8 / int4 with int8 or float activations, bf16 / float16
 weights widened), every layer of R >= 2 decoding sequences at once. Held to the per-op path (the same
 engine with the call off): greedy ids and every logprob equal, bit for bit, at batches that take each
-product qlinear has for them on this CPU (the int8-activation rows and GEMM, the float-activation rows,
+product qlinear has for them on this CPU (the int8-activation rows, GEMM and AMX tiles, the float-activation rows,
 the 16-bit rows and panels), under every ATOMD_KERNEL_ISA narrowing, over the layer variants of the
 families (qkv bias, q / k norm, a sliding window) and the KV caches the fused layers store into (the
 model's dtype, float16, fp8)."""
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.unit
 PARAMS = SamplingParams(max_tokens=6, temperature=0.0, ignore_eos=True, logprobs=2)
 BATCHES = (3, 17)  # 3: rows on every kind (the AMX tiles start at 4; 16-bit weights with load-time panels read those
 # from 2 rows, an AVX2 build's at every M: test_rows_of_16_bit_weights_without_load_time_panels has the 16-bit rows of
-# AVX-512 builds); 17: the GEMMs and the panels
+# AVX-512 builds); 17: the GEMMs, the AMX tiles and the panels
 # (quantization, quantized activations): int weights with int8 activations, 16-bit weights (float) under every
 # narrowing; int4 with float activations and float16 weights (the same kernels' other instances) natively
 NARROWED = [("int8", "int8"), ("int4", "int8"), ("bf16", "float32")]

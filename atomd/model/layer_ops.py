@@ -574,7 +574,7 @@ class DecodeLayer:
     def rows_kinds_for(self, rows: int, layers: list) -> torch.Tensor | None:
         """Per layer and linear (qkv, o, gate_up, down) the product run_rows runs it with on `rows` rows of x
         (ROWS_PRODUCTS' codes: qlinear's own choice, quant.product_of), int64 [layers * 4]; None: some linear
-        takes a product the C call has not (AMX tiles, float tiles): per op. An MoE layer's block (its quantized
+        takes a product the C call has not (float tiles, bf16 tiles): per op. An MoE layer's block (its quantized
         experts, as this layer's batch-1 form takes them) runs in the call as moe_q8 runs it (its two codes unused)."""
         if rows not in self.rows_kinds:
             from atomd.model import quant
@@ -641,7 +641,7 @@ class DecodeLayer:
 
 
 # quant.product_of's products that DecodeLayer.run_rows runs (csrc/layer_ops.c ROWS_*)
-ROWS_PRODUCTS = {"rows": 0, "gemm": 1, "int_rows": 2, "w16_rows": 3, "w16_panels": 4, "w16_prepacked": 5}
+ROWS_PRODUCTS = {"rows": 0, "gemm": 1, "int_rows": 2, "w16_rows": 3, "w16_panels": 4, "w16_prepacked": 5, "amx": 6}
 
 
 def _ptr(t: torch.Tensor | None) -> int | None:

@@ -1573,11 +1573,19 @@ int atomd_mla_rows_moe_bf16(const void *c, const float *router, const float *cor
  * row's K row in the cache seen as rows of kv_size values (KVCache.slot_rows), a layer's K rows layer_rows
  * further on, its V rows v_rows after its K rows; kv_elem the cache's bytes a value. Returns 0, -1 out of
  * memory (the scratch, a product's panels), -2 a product not built here, or the attention kernel's status. */
-enum { ROWS_Q8, ROWS_Q8_GEMM, ROWS_INT, ROWS_W16, ROWS_W16_PANELS, ROWS_W16_PREPACKED };
+enum { ROWS_Q8, ROWS_Q8_GEMM, ROWS_INT, ROWS_W16, ROWS_W16_PANELS, ROWS_W16_PREPACKED, ROWS_Q8_AMX };
+/* the int8 activations' scratch, as qlinear's: the rows' and the GEMM's (xq, xd, xsg), the AMX tiles' (xt, dt, xsgt:
+ * NULL where no linear runs on them) */
+typedef struct {
+    int8_t *xq, *xt;
+    float *xd, *xsg, *dt, *xsgt;
+} rows_scratch;
 #define ROWS_SCRATCH(bytes) (((size_t)(bytes) + 63) / 64 * 64)  /* aligned_alloc's sizes: whole alignments */
 static int rows_product(const void *weight, const float *x, int64_t R, int64_t K, int64_t N, const float *bias,
-                        float *y, int64_t kind, int8_t *xq, float *xd, float *xsg, int num_threads) {
+                        float *y, int64_t kind, const rows_scratch *s, int num_threads) {
     const atomd_qweight *w = weight;
+    int8_t *xq = s->xq;
+    float *xd = s->xd, *xsg = s->xsg;
     const int bits = (int)w->bits, f16 = bits == QBITS_F16;
     if (w->q == NULL && kind != ROWS_W16_PREPACKED) return -2;  /* strips only: quant.product_of reads them */
     switch (kind) {
@@ -1589,6 +1597,16 @@ static int rows_product(const void *weight, const float *x, int64_t R, int64_t K
 #if QV_PATH
             if (qgemm_q8_gemm(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N, xq, xd,
                               xsg, num_threads) != 0)
+                return -1;
+            break;
+#else
+            return -2;
+#endif
+        case ROWS_Q8_AMX:  /* (1: Linux refused the tiles after quant.product_of saw them granted) */
+#if QAMX_PATH
+            if (s->xt == NULL) return -2;
+            if (qgemm_amx(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N, s->xt, s->dt,
+                          s->xsgt, num_threads) != 0)
                 return -1;
             break;
 #else
@@ -1659,9 +1677,19 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
     const int64_t q_size = q_heads * head_dim, kv_size = kv_heads * head_dim, width = q_size + 2 * kv_size;
     int64_t kmax = hidden > q_size ? hidden : q_size;
     kmax = inter > kmax ? inter : kmax;
-    int8_t *xq = aligned_alloc(64, ROWS_SCRATCH(R * kmax));  /* (as qlinear's torch.empty scratch) */
-    float *xd = aligned_alloc(64, ROWS_SCRATCH(sizeof(float) * R * Q8_XD(kmax)));
-    float *xsg = aligned_alloc(64, ROWS_SCRATCH(sizeof(float) * R * Q8_XSG(kmax)));
+    rows_scratch s = {0};  /* (as qlinear's torch.empty scratch) */
+    s.xq = aligned_alloc(64, ROWS_SCRATCH(R * kmax));
+    s.xd = aligned_alloc(64, ROWS_SCRATCH(sizeof(float) * R * Q8_XD(kmax)));
+    s.xsg = aligned_alloc(64, ROWS_SCRATCH(sizeof(float) * R * Q8_XSG(kmax)));
+    int tiles = 0;
+    for (int64_t i = 0; i < 4 * num_layers; i++) tiles |= kinds[i] == ROWS_Q8_AMX;
+#if QAMX_PATH
+    if (tiles) {  /* (a group is at least a 32-input block: QAMX_XSG <= QAMX_DT) */
+        s.xt = aligned_alloc(64, ROWS_SCRATCH(QAMX_XT(R, kmax)));
+        s.dt = aligned_alloc(64, ROWS_SCRATCH(sizeof(float) * QAMX_DT(R, kmax)));
+        s.xsgt = aligned_alloc(64, ROWS_SCRATCH(sizeof(float) * QAMX_DT(R, kmax)));
+    }
+#endif
     int64_t moe_floats = 0, moe_ints = 0;  /* rows_moe's scratch, for the largest MoE block */
     for (int64_t i = 0; i < num_layers; i++)
         if (layers[i].moe != NULL) {
@@ -1670,12 +1698,11 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
         }
     float *moe_fs = moe_floats ? malloc(sizeof(float) * moe_floats) : NULL;
     int64_t *moe_is = moe_ints ? malloc(sizeof(int64_t) * moe_ints) : NULL;
-    int status = xq == NULL || xd == NULL || xsg == NULL || (moe_floats && (moe_fs == NULL || moe_is == NULL)) ? -1 : 0;
+    int status = s.xq == NULL || s.xd == NULL || s.xsg == NULL || (tiles && QAMX_PATH && (s.xt == NULL || s.dt == NULL || s.xsgt == NULL)) || (moe_floats && (moe_fs == NULL || moe_is == NULL)) ? -1 : 0;
     for (int64_t i = 0; i < num_layers && status == 0; i++) {
         const decode_layer_weights *w = layers + i;
         const int64_t *kind = kinds + 4 * i;
-        status = rows_product(w->qkv, h, R, hidden, width, (const float *)w->bias, qkv, kind[0], xq, xd, xsg,
-                              num_threads);
+        status = rows_product(w->qkv, h, R, hidden, width, (const float *)w->bias, qkv, kind[0], &s, num_threads);
         if (status != 0) break;
         _Pragma("omp parallel for num_threads(num_threads) if (R * width >= PARALLEL_MIN_ELEMENTS)")
         for (int64_t r = 0; r < R; r++) {
@@ -1694,7 +1721,7 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
                          att->block_size, att->table_width, att->block_stride, i * att->layer_stride, att->v_offset,
                          att->scale, w->window, num_threads);
         if (status != 0) break;
-        status = rows_product(w->o, attn, R, q_size, hidden, NULL, d, kind[1], xq, xd, xsg, num_threads);
+        status = rows_product(w->o, attn, R, q_size, hidden, NULL, d, kind[1], &s, num_threads);
         if (status != 0) break;
         _Pragma("omp parallel for num_threads(num_threads) if (R * hidden >= PARALLEL_MIN_ELEMENTS)")
         for (int64_t r = 0; r < R; r++)
@@ -1702,11 +1729,11 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
         if (w->moe != NULL) {
             status = rows_moe(w->moe, h, R, hidden, d, moe_min_m, w16_min, moe_fs, moe_is, num_threads);
         } else {
-            status = rows_product(w->gate_up, h, R, hidden, 2 * inter, NULL, gu, kind[2], xq, xd, xsg, num_threads);
+            status = rows_product(w->gate_up, h, R, hidden, 2 * inter, NULL, gu, kind[2], &s, num_threads);
             if (status != 0) break;
             _Pragma("omp parallel for num_threads(num_threads) if (R * inter >= PARALLEL_MIN_ELEMENTS)")
             for (int64_t r = 0; r < R; r++) SILU_ROW_F32(gu + r * 2 * inter, a + r * inter, inter);
-            status = rows_product(w->down, a, R, inter, hidden, NULL, d, kind[3], xq, xd, xsg, num_threads);
+            status = rows_product(w->down, a, R, inter, hidden, NULL, d, kind[3], &s, num_threads);
         }
         if (status != 0) break;
         _Pragma("omp parallel for num_threads(num_threads) if (R * hidden >= PARALLEL_MIN_ELEMENTS)")
@@ -1716,9 +1743,12 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
             else
                 for (int64_t j = 0; j < hidden; j++) x[r * hidden + j] += d[r * hidden + j];
     }
-    free(xq);
-    free(xd);
-    free(xsg);
+    free(s.xq);
+    free(s.xd);
+    free(s.xsg);
+    free(s.xt);
+    free(s.dt);
+    free(s.xsgt);
     free(moe_fs);
     free(moe_is);
     return status;
