@@ -53,7 +53,7 @@ from atomd.kernels.cbuild import CPU_KIND_ENV
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # --cpu-kind -> the llama.cpp run of a build without the instructions that kind lacks (llama_cpp.BUILDS)
-KIND_LLAMA_RUN = {"native": "amxfix", "avx512-bf16": "noamx", "avx512-vnni": "vnni"}
+KIND_LLAMA_RUN = {"native": "amxfix", "avx512-bf16": "noamx", "avx512-vnni": "vnni", "avx2": "avx2"}
 FULL = ("batch1", "batch1_first", "batch16", "batch16_first", "prefill")
 SHORT = ("batch1_short", "batch1_short_first", "batch16_short", "batch16_short_first", "prefill_1x512")
 GGUFS = {"llama.cpp_F32": "f32", "llama.cpp_BF16": "bf16", "llama.cpp_Q8_0": "q8_0", "llama.cpp_Q4_0": "q4_0",

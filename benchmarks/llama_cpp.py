@@ -60,6 +60,8 @@ CMAKE_FLAGS = ["-DCMAKE_BUILD_TYPE=Release", "-DGGML_NATIVE=ON", "-DLLAMA_CURL=O
                "-DLLAMA_BUILD_SERVER=OFF", "-DLLAMA_BUILD_APP=OFF", "-DLLAMA_USE_PREBUILT_UI=OFF"]
 NO_AMX = "-mno-amx-tile -mno-amx-int8 -mno-amx-bf16"  # GCC: explicit -mno-* win over -march=native's
 NO_BF16_DOT = f"{NO_AMX} -mno-avx512bf16"  # an AVX-512 / VNNI CPU without AVX512_BF16 (nor AMX)
+# an AVX2 CPU (the AMD EPYC Zen 3 kind): no AVX-512 subset (-mno-avx512f takes them all) nor AVX-VNNI
+NO_AVX512 = f"{NO_BF16_DOT} -mno-avx512f -mno-avxvnni"
 
 # ggml-cpu/amx/mmq.cpp's ggml_tile_config_init builds the AMX tile configuration in a stack struct
 # field by field and hands its address to _tile_loadconfig. GCC 12 (Debian 12's, here) treats the
@@ -117,16 +119,19 @@ PATCHES = {"amx-tile-config": ("ggml/src/ggml-cpu/amx/mmq.cpp", AMX_TILE_CONFIG_
 #   a CPU with AVX-512 but no AMX runs (the AMD EPYC kind with AVX512_BF16);
 # - vnni: also without AVX512_BF16 (NO_BF16_DOT): the Intel Xeon kind with AVX-512 / VNNI alone, whose
 #   BF16 GGUF is widened to float32 in registers.
+# - avx2: also without AVX-512 and AVX-VNNI (NO_AVX512): the AMD EPYC kind with AVX2 / FMA / F16C alone
+#   (CPU_REPACK's AVX2 layouts).
 # On a CPU without AMX the first three compile the same kernels.
 BUILDS = {"native": ("build", [], []),
           "amxfix": ("build-amxfix", [], ["amx-tile-config", "log-flush"]),
           "noamx": ("build-noamx", [f"-DCMAKE_C_FLAGS={NO_AMX}", f"-DCMAKE_CXX_FLAGS={NO_AMX}"], ["log-flush"]),
-          "vnni": ("build-vnni", [f"-DCMAKE_C_FLAGS={NO_BF16_DOT}", f"-DCMAKE_CXX_FLAGS={NO_BF16_DOT}"], ["log-flush"])}
+          "vnni": ("build-vnni", [f"-DCMAKE_C_FLAGS={NO_BF16_DOT}", f"-DCMAKE_CXX_FLAGS={NO_BF16_DOT}"], ["log-flush"]),
+          "avx2": ("build-avx2", [f"-DCMAKE_C_FLAGS={NO_AVX512}", f"-DCMAKE_CXX_FLAGS={NO_AVX512}"], ["log-flush"])}
 # A llama.cpp run (engine_compare --llama-runs NAME...): (build, weight repacking on). "norepack": with
 # --repack 0 / --no-repack, the anchor every earlier #35 figure on the AMX CPU used (on the amxfix
 # build: the same kernels as the shipped one there, and its batched-bench output is not lost).
 RUNS = {"native": ("native", True), "norepack": ("amxfix", False), "amxfix": ("amxfix", True),
-        "noamx": ("noamx", True), "vnni": ("vnni", True)}
+        "noamx": ("noamx", True), "vnni": ("vnni", True), "avx2": ("avx2", True)}
 # GGUF types llama-quantize writes from the F32 file (the converter writes GGUF_TYPES' directly)
 QUANTIZE_TYPES = {"q4_0": "Q4_0", "q4_k_m": "Q4_K_M"}
 
