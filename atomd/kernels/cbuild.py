@@ -56,12 +56,14 @@ ISA_HIDES = {"native": (), "no-amx": ("amx_*",), "no-bf16-dot": ("amx_*", "avx51
 # A whole process narrowed to one of the kinds of CPU ours come in (and AVX2-only), on a CPU that
 # has more: the kernels and the engine's CPU flags ($ATOMD_KERNEL_ISA), torch's oneDNN GEMMs
 # ($ONEDNN_MAX_CPU_ISA), ATen's vector kernels ($ATEN_CPU_CAPABILITY, AVX2 only: ATen has no
-# AVX512_BF16 level). Same code paths as that CPU, this CPU's memory and caches: what
+# AVX512_BF16 level), MKL's (torch.mm: $MKL_ENABLE_INSTRUCTIONS, AVX2 only: unnarrowed, a 2048-row
+# sgemm of the 135M shape ran 1.5x oneDNN's AVX2 one here, #35 session 26). Same code paths as that CPU, this CPU's memory and caches: what
 # tests/test_cpu_kinds.py and benchmarks/engine_compare.py --cpu-kind run
 CPU_KIND_ENV = {
     "avx512-bf16": {ISA_ENV: "no-amx", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},  # AMD EPYC (Zen 4)
     "avx512-vnni": {ISA_ENV: "no-bf16-dot", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},  # Intel Xeon, no BF16 / AMX
-    "avx2": {ISA_ENV: "no-avx512", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2"},
+    "avx2": {ISA_ENV: "no-avx512", "ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2",
+             "MKL_ENABLE_INSTRUCTIONS": "AVX2"},
 }
 # The x86-64 targets a wheel ships every kernel for, worst first: each one's compiler flags
 # and the /proc/cpuinfo flags it needs on top of the targets before it. The kernels test the
