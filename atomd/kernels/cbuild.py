@@ -57,8 +57,9 @@ ISA_HIDES = {"native": (), "no-amx": ("amx_*",), "no-bf16-dot": ("amx_*", "avx51
 # has more: the kernels and the engine's CPU flags ($ATOMD_KERNEL_ISA), torch's oneDNN GEMMs
 # ($ONEDNN_MAX_CPU_ISA), ATen's vector kernels ($ATEN_CPU_CAPABILITY, AVX2 only: ATen has no
 # AVX512_BF16 level), MKL's (torch.mm: $MKL_ENABLE_INSTRUCTIONS, AVX2 only: unnarrowed, a 2048-row
-# sgemm of the 135M shape ran 1.5x oneDNN's AVX2 one here, #35 session 26). Same code paths as that CPU, this CPU's memory and caches: what
-# tests/test_cpu_kinds.py and benchmarks/engine_compare.py --cpu-kind run
+# sgemm of the 135M shape ran 1.5x oneDNN's AVX2 one here, #35 session 26). Same code paths as
+# that CPU, this CPU's memory and caches: what tests/test_cpu_kinds.py and
+# benchmarks/engine_compare.py --cpu-kind run
 CPU_KIND_ENV = {
     "avx512-bf16": {ISA_ENV: "no-amx", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"},  # AMD EPYC (Zen 4)
     "avx512-vnni": {ISA_ENV: "no-bf16-dot", "ONEDNN_MAX_CPU_ISA": "AVX512_CORE_VNNI"},  # Intel Xeon, no BF16 / AMX

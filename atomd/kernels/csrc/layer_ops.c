@@ -1602,16 +1602,17 @@ static int rows_product(const void *weight, const float *x, int64_t R, int64_t K
 #else
             return -2;
 #endif
-        case ROWS_Q8_AMX:  /* (1: Linux refused the tiles after quant.product_of saw them granted) */
+        case ROWS_Q8_AMX: {
 #if QAMX_PATH
             if (s->xt == NULL) return -2;
-            if (qgemm_amx(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N, s->xt, s->dt,
-                          s->xsgt, num_threads) != 0)
-                return -1;
+            const int status = qgemm_amx(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N,
+                                         s->xt, s->dt, s->xsgt, num_threads);
+            if (status != 0) return status == 1 ? -2 : -1;  /* 1: Linux refused this process the tiles */
             break;
 #else
             return -2;
 #endif
+        }
         case ROWS_INT:
             qgemm_int_rows(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, y, N, num_threads);
             break;
@@ -1698,7 +1699,9 @@ int atomd_decode_rows_q_f32(const decode_layer_weights *layers, int64_t num_laye
         }
     float *moe_fs = moe_floats ? malloc(sizeof(float) * moe_floats) : NULL;
     int64_t *moe_is = moe_ints ? malloc(sizeof(int64_t) * moe_ints) : NULL;
-    int status = s.xq == NULL || s.xd == NULL || s.xsg == NULL || (tiles && QAMX_PATH && (s.xt == NULL || s.dt == NULL || s.xsgt == NULL)) || (moe_floats && (moe_fs == NULL || moe_is == NULL)) ? -1 : 0;
+    const int no_tile_scratch = tiles && QAMX_PATH && (s.xt == NULL || s.dt == NULL || s.xsgt == NULL);
+    int status = s.xq == NULL || s.xd == NULL || s.xsg == NULL || no_tile_scratch ||
+                 (moe_floats && (moe_fs == NULL || moe_is == NULL)) ? -1 : 0;
     for (int64_t i = 0; i < num_layers && status == 0; i++) {
         const decode_layer_weights *w = layers + i;
         const int64_t *kind = kinds + 4 * i;
