@@ -1603,8 +1603,7 @@ static int rows_product(const void *weight, const float *x, int64_t R, int64_t K
             return -2;
 #endif
         case ROWS_Q8_AMX: {
-#if QAMX_PATH
-            if (s->xt == NULL) return -2;
+#if QAMX_PATH  /* (its scratch allocated by the caller, which saw this kind among the layers') */
             const int status = qgemm_amx(x, K, R, w->q, bits, w->scales, w->offsets, N, K, w->group, w->ablock, y, N,
                                          s->xt, s->dt, s->xsgt, num_threads);
             if (status != 0) return status == 1 ? -2 : -1;  /* 1: Linux refused this process the tiles */
