@@ -524,12 +524,12 @@ def held_values(w: QuantizedWeight) -> torch.Tensor:
 
 def strips_rows(w: QuantizedWeight) -> torch.Tensor:
     """The 16-bit rows [N, K] of a strips-only weight, unpacked from the strips (csrc/quant_w16_avx2.h w16_prepack:
-    [strip][k][16], bf16 rows j and j + 8 in slots 2j and 2j + 1, float16 rows in order)."""
+    [strip][k][16], bf16 rows 0-3, 8-11, 4-7, 12-15 in slots 0-15, float16 rows in order)."""
     n, k = w.shape
     strips = -(-n // 16)
     slots = w.panels[:strips * k * 16].view(strips, k, 16)
     if w.q.dtype == torch.bfloat16:
-        slots = slots[:, :, [2 * j for j in range(8)] + [2 * j + 1 for j in range(8)]]
+        slots = slots[:, :, [j & 3 | j >> 3 << 2 | (j >> 2 & 1) << 3 for j in range(16)]]
     return slots.transpose(1, 2).reshape(strips * 16, k)[:n].view(w.q.dtype)
 
 

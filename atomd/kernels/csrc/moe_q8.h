@@ -55,7 +55,7 @@ typedef struct {  /* one thread's scratch (sizes for the largest item's rows and
 
 /* y [m, N] = x [m, K] @ w^T for a 16-bit weight as qlinear runs it on m rows: an AVX2 build's load-time strips where
  * the weight is held as them (w->panels, q NULL) at every m, else the panels packed per call from w16_min rows (0:
- * never), else quant.h's rows. 0 done, -1 no scratch for the panels */
+ * never), else quant.h's rows. 0 done, -1 no scratch for the panels or the packed rows */
 static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int64_t N, int64_t K, float *y,
                           int64_t w16_min) {
     const int f16 = w->bits == QBITS_F16;
@@ -64,11 +64,9 @@ static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int
     if (w16_min > 0 && m >= w16_min)
         return w16_gemm(x, K, m, q, NULL, f16 ? W16_H16 : W16_B16, N, K, y, N, 1, 0, NULL, 0);
 #elif defined(W16_PANELS_AVX2)
-    if (w->panels != NULL) {
-        w16a_strips(f16 ? W16A_H16 : W16A_B16, x, K, m, (const uint16_t *)w->panels, N, K, 0,
-                    (N + W16_AVX2_NR - 1) / W16_AVX2_NR, y, N);
-        return 0;
-    }
+    if (w->panels != NULL)
+        return w16a_strips(f16 ? W16A_H16 : W16A_B16, x, K, m, (const uint16_t *)w->panels, N, K, 0,
+                           (N + W16_AVX2_NR - 1) / W16_AVX2_NR, y, N);
     if (w16_min > 0 && m >= w16_min) return w16_gemm_avx2(x, K, m, q, f16, N, K, y, N, 1);
 #else
     (void)w16_min;

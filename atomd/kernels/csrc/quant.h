@@ -133,15 +133,17 @@ static inline int64_t panel_items(int64_t strips, int64_t most, int num_threads)
 }
 
 /* a 16-bit weight uint16 [N, K] into out uint16 [ceil(N / nr)][K][nr], the load-time panels (quant_w16.h, nr 32) or
- * strips (quant_w16_avx2.h, nr 16): per nr weight rows each input's nr values in one line; bfloat16 (f16 0) rows j
- * and j + nr / 2 sharing 32-bit lane j (a shift and a mask widen them), float16 rows in order; rows past N zeros */
+ * strips (quant_w16_avx2.h, nr 16): per nr weight rows each input's nr values in one line; bfloat16 (f16 0) panels'
+ * rows j and j + 16 sharing 32-bit lane j (a shift and a mask widen them), strips' rows 0-3, 8-11, 4-7, 12-15 (AVX2's
+ * in-lane interleaving with zeros widens them), float16 rows in order; rows past N zeros */
 static inline void w16_prepack_rows(const uint16_t *q, int64_t N, int64_t K, int f16, int64_t nr, uint16_t *out,
                                     int num_threads) {
     const int64_t panels = (N + nr - 1) / nr;
     _Pragma("omp parallel for schedule(static) num_threads(num_threads)")
     for (int64_t p = 0; p < panels; p++)
         for (int64_t j = 0; j < nr; j++) {
-            const int64_t n = p * nr + j, slot = f16 ? j : j < nr / 2 ? 2 * j : 2 * (j - nr / 2) + 1;
+            const int64_t n = p * nr + j, slot = f16 ? j : nr == 16 ? (j & 3) | (j >> 3) << 2 | (j >> 2 & 1) << 3
+                                                         : j < nr / 2 ? 2 * j : 2 * (j - nr / 2) + 1;
             uint16_t *dst = out + p * K * nr + slot;
             for (int64_t k = 0; k < K; k++) dst[k * nr] = n < N ? q[n * K + k] : 0;
         }

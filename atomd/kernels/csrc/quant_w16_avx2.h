@@ -8,9 +8,11 @@
  * Where the rows (quant.h's row_w16) widen a weight vector for up to 8 rows of x and load x once an FMA,
  * here each thread widens its panel of weight rows (about W16_AVX2_PANEL bytes of float32, L2) once per call
  * into strips of 16 rows transposed, [K][16], and runs every W16_AVX2_MR rows of x against every strip: a
- * 6 x 16 micro-kernel of 12 accumulators, per input two weight loads and six broadcasts of x from its own
- * rows into 12 FMAs (a float32 GEMM's register blocking, on half the bytes from memory); from load-time strips the
- * same micro-kernel widens each input's 16 weights in registers. Every y[m, n] is one chain of FMAs over k = 0..K-1 in order: its bits do not depend on M, the threads or the panels. */
+ * 6 x 16 micro-kernel of 12 accumulators, per input two weight loads and six broadcasts of x into 12 FMAs (a float32
+ * GEMM's register blocking, on half the bytes from memory); from load-time strips the same micro-kernel widens each
+ * input's 16 weights in registers. x reaches the micro-kernel packed as a float32 GEMM packs it, each group of rows
+ * [K][rows] (w16a_pack_x): its six broadcasts from one line instead of six rows' streams. Every y[m, n] is one chain
+ * of FMAs over k = 0..K-1 in order: its bits do not depend on M, the threads, the panels or the blocks. */
 #if QUANT_PATH == 1
 #include <omp.h>
 #include <stdlib.h>
@@ -20,6 +22,8 @@ enum { W16_B16 = 0, W16_H16 = 1 };  /* (quant_w16.h's kinds: the weight's 16-bit
 #define W16_AVX2_NR 16  /* weight rows a strip: two vectors */
 #define W16_AVX2_MR 6   /* rows of x a micro-kernel: 12 accumulators + 2 weight vectors + a broadcast */
 #define W16_AVX2_PANEL (256 << 10)  /* packed float32 bytes a work item (L2) */
+#define W16_AVX2_KC 512  /* inputs a pass of a load-time strip over a block of x's rows: the strip's part and six rows'
+                            in L1 (K 1024: ~1.02x the whole K's rate, RESULTS.md #35 session 27) */
 
 /* weight rows n0 .. n0 + 16 strips widened into wp: strip j at wp + j * 16 K, [K][16] (rows from N on zero); 8 rows
  * x 8 inputs at a time widened and transposed in registers */
@@ -47,11 +51,12 @@ static void w16a_pack(const uint16_t *q, int f16, int64_t N, int64_t K, int64_t 
 }
 
 /* where a micro-kernel's strip comes from: widened per call (float32 [K][16]) or packed at load (16-bit [K][16], bf16
- * rows j and j + 8 sharing 32-bit lane j, float16 rows in order: w16_prepack) */
+ * rows 0-3, 8-11, 4-7, 12-15, float16 rows in order: w16_prepack) */
 enum { W16A_F32 = 0, W16A_B16 = 1, W16A_H16 = 2 };
 
 /* input k's 16 weights of a strip of layout src (a constant after inlining) at w, widened into w0 (outputs 0..7) and
- * w1 (8..15): a load-time strip in registers, bf16 by a shift and a mask of one 32-byte load, float16 by two
+ * w1 (8..15): a load-time strip in registers, bf16 by interleaving one 32-byte load with zeros (two shuffles, which
+ * Intel can issue beside the FMAs, where a shift takes an FMA port: RESULTS.md #35 session 27), float16 by two
  * conversions */
 static inline __attribute__((always_inline)) void w16a_load(const int src, const void *w, int64_t k, __m256 *w0,
                                                             __m256 *w1) {
@@ -60,26 +65,39 @@ static inline __attribute__((always_inline)) void w16a_load(const int src, const
         *w1 = _mm256_loadu_ps((const float *)w + k * W16_AVX2_NR + 8);
     } else if (src == W16A_B16) {
         const __m256i u = _mm256_loadu_si256((const __m256i *)((const uint16_t *)w + k * W16_AVX2_NR));
-        *w0 = _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
-        *w1 = _mm256_castsi256_ps(_mm256_and_si256(u, _mm256_set1_epi32((int)0xFFFF0000u)));
+        *w0 = _mm256_castsi256_ps(_mm256_unpacklo_epi16(_mm256_setzero_si256(), u));
+        *w1 = _mm256_castsi256_ps(_mm256_unpackhi_epi16(_mm256_setzero_si256(), u));
     } else {
         *w0 = load_h16((const uint16_t *)w + k * W16_AVX2_NR);
         *w1 = load_h16((const uint16_t *)w + k * W16_AVX2_NR + 8);
     }
 }
 
-/* mr (a constant after inlining) rows of x times one strip into y[r * ldy + 0 .. cols); src (a constant too) its
- * layout (w16a_load). */
-static inline __attribute__((always_inline)) void w16a_kernel(const int mr, const int src, const float *x, int64_t ldx,
+/* mr (a constant after inlining) rows of x, packed [K][mr] (w16a_pack_x), times one strip's K inputs into y[r * ldy
+ * + 0 .. cols); src (a constant too) its layout (w16a_load). from_y: the sums go on from y's (the inputs before these,
+ * w16a_strips' blocks), the same one chain of FMAs over k as a single pass. */
+static inline __attribute__((always_inline)) void w16a_kernel(const int mr, const int src, const float *x,
                                                               const void *w, int64_t K, float *y, int64_t ldy,
-                                                              int64_t cols) {
+                                                              int64_t cols, int from_y) {
     __m256 a[W16_AVX2_MR][2];
-    for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    const __m256i m0 = lanes_below8(cols), m1 = lanes_below8(cols - 8);
+    if (!from_y)
+        for (int r = 0; r < mr; r++) a[r][0] = a[r][1] = _mm256_setzero_ps();
+    else if (cols >= W16_AVX2_NR)
+        for (int r = 0; r < mr; r++) {
+            a[r][0] = _mm256_loadu_ps(y + r * ldy);
+            a[r][1] = _mm256_loadu_ps(y + r * ldy + 8);
+        }
+    else
+        for (int r = 0; r < mr; r++) {
+            a[r][0] = _mm256_maskload_ps(y + r * ldy, m0);
+            a[r][1] = _mm256_maskload_ps(y + r * ldy + 8, m1);
+        }
     for (int64_t k = 0; k < K; k++) {
         __m256 w0, w1;
         w16a_load(src, w, k, &w0, &w1);
         for (int r = 0; r < mr; r++) {
-            const __m256 xb = _mm256_broadcast_ss(x + r * ldx + k);
+            const __m256 xb = _mm256_broadcast_ss(x + k * mr + r);
             a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
             a[r][1] = _mm256_fmadd_ps(xb, w1, a[r][1]);
         }
@@ -91,7 +109,6 @@ static inline __attribute__((always_inline)) void w16a_kernel(const int mr, cons
         }
         return;
     }
-    const __m256i m0 = lanes_below8(cols), m1 = lanes_below8(cols - 8);
     for (int r = 0; r < mr; r++) {
         _mm256_maskstore_ps(y + r * ldy, m0, a[r][0]);
         _mm256_maskstore_ps(y + r * ldy + 8, m1, a[r][1]);
@@ -121,22 +138,48 @@ static inline __attribute__((always_inline)) void w16a_pair(const int src, const
     _mm256_maskstore_ps(y + 24, lanes_below8(cols1 - 8), b1);
 }
 
-/* rows m0 .. m1 of x times strip j (of layout src, at w) into y, W16_AVX2_MR rows a micro-kernel */
-static void w16a_strip(const int src, const float *x, int64_t ldx, int64_t m0, int64_t m1, const void *w, int64_t N,
-                       int64_t K, int64_t j, float *y, int64_t ldy) {
-    const int64_t cols = N - j * W16_AVX2_NR;
+/* rows m0 .. m1 of x [M, ldx] packed into xp as w16a_strip reads them: each group of W16_AVX2_MR rows (the last one
+ * what is left) [K][rows], one after the other; a whole group 8 inputs at a time transposed in registers, each
+ * input's 6 values stored as 8 (the 2 past them rewritten by the next input's, or by the next group's: xp holds
+ * W16A_PACK_SLACK floats past the rows' own) */
+#define W16A_PACK_SLACK 8
+static void w16a_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, float *xp) {
     for (int64_t m = m0; m < m1; m += W16_AVX2_MR) {
         const int mr = m1 - m < W16_AVX2_MR ? (int)(m1 - m) : W16_AVX2_MR;
-        const float *xr = x + m * ldx;
+        float *dst = xp + (m - m0) * K;
+        int64_t k0 = 0;
+        if (mr == W16_AVX2_MR)
+            for (; k0 + 8 <= K; k0 += 8) {
+                __m256 v[8];
+                for (int r = 0; r < W16_AVX2_MR; r++) v[r] = _mm256_loadu_ps(x + (m + r) * ldx + k0);
+                v[6] = v[7] = _mm256_setzero_ps();
+                transpose8_ps(v);
+                for (int i = 0; i < 8; i++) _mm256_storeu_ps(dst + (k0 + i) * W16_AVX2_MR, v[i]);
+            }
+        for (int64_t k = k0; k < K; k++)
+            for (int r = 0; r < mr; r++) dst[k * mr + r] = x[(m + r) * ldx + k];
+    }
+}
+
+/* rows m0 .. m1 of x, packed from row m0 on (w16a_pack_x), times inputs k0 .. k0 + kn of strip j (of layout src,
+ * at wj) into y, W16_AVX2_MR rows a micro-kernel; from k0 > 0 on the sums go on from y's (w16a_kernel's from_y) */
+static void w16a_strip(const int src, const float *xp, int64_t m0, int64_t m1, const void *wj, int64_t N, int64_t K,
+                       int64_t j, float *y, int64_t ldy, int64_t k0, int64_t kn) {
+    const int64_t cols = N - j * W16_AVX2_NR;
+    const void *w = (const char *)wj + k0 * W16_AVX2_NR * (src == W16A_F32 ? 4 : 2);
+    const int from_y = k0 > 0;
+    for (int64_t m = m0; m < m1; m += W16_AVX2_MR) {
+        const int mr = m1 - m < W16_AVX2_MR ? (int)(m1 - m) : W16_AVX2_MR;
+        const float *xr = xp + (m - m0) * K + k0 * mr;
         float *yj = y + m * ldy + j * W16_AVX2_NR;
 #define W16A_ROWS(SRC)                                                                    \
         switch (mr) { /* mr a constant in each instance */                               \
-            case 1: w16a_kernel(1, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
-            case 2: w16a_kernel(2, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
-            case 3: w16a_kernel(3, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
-            case 4: w16a_kernel(4, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
-            case 5: w16a_kernel(5, SRC, xr, ldx, w, K, yj, ldy, cols); break;            \
-            default: w16a_kernel(W16_AVX2_MR, SRC, xr, ldx, w, K, yj, ldy, cols); break; \
+            case 1: w16a_kernel(1, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
+            case 2: w16a_kernel(2, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
+            case 3: w16a_kernel(3, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
+            case 4: w16a_kernel(4, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
+            case 5: w16a_kernel(5, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
+            default: w16a_kernel(W16_AVX2_MR, SRC, xr, w, kn, yj, ldy, cols, from_y); break;\
         }
         if (src == W16A_F32) W16A_ROWS(W16A_F32)
         else if (src == W16A_B16) W16A_ROWS(W16A_B16)
@@ -157,17 +200,20 @@ static void w16a_row(const int src, const float *x, const uint16_t *pre, int64_t
         else
             w16a_pair(W16A_H16, x, pre + j * W16_AVX2_NR * K, K, y + j * W16_AVX2_NR, cols1);
     }
-    if (j < j1) w16a_strip(src, x, K, 0, 1, pre + j * W16_AVX2_NR * K, N, K, j, y, N);
+    if (j < j1) w16a_strip(src, x, 0, 1, pre + j * W16_AVX2_NR * K, N, K, j, y, N, 0, K);  /* (one row: packed as it is) */
 }
 
-/* strips s0 .. s1 widened into wp and run against the M rows of x into y */
+/* strips s0 .. s1 widened into wp and run against the M rows of x into y, each group of rows packed into xp (6 K
+ * floats) */
 static void w16a_panel(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int f16, int64_t N, int64_t K,
-                       int64_t s0, int64_t s1, float *y, int64_t ldy, float *wp) {
+                       int64_t s0, int64_t s1, float *y, int64_t ldy, float *wp, float *xp) {
     w16a_pack(q, f16, N, K, s0 * W16_AVX2_NR, s1 - s0, wp);
-    for (int64_t m0 = 0; m0 < M; m0 += W16_AVX2_MR)
+    for (int64_t m0 = 0; m0 < M; m0 += W16_AVX2_MR) {
+        const int64_t m1 = m0 + W16_AVX2_MR < M ? m0 + W16_AVX2_MR : M;
+        w16a_pack_x(x, ldx, m0, m1, K, xp);
         for (int64_t j = s0; j < s1; j++)
-            w16a_strip(W16A_F32, x, ldx, m0, m0 + W16_AVX2_MR < M ? m0 + W16_AVX2_MR : M,
-                       wp + (j - s0) * W16_AVX2_NR * K, N, K, j, y, ldy);
+            w16a_strip(W16A_F32, xp, m0, m1, wp + (j - s0) * W16_AVX2_NR * K, N, K, j, y, ldy, 0, K);
+    }
 }
 
 /* y [M, ldy] = x [M, ldx] @ widen(q)^T; 0 done, -1 out of memory */
@@ -182,44 +228,64 @@ static int w16_gemm_avx2(const float *x, int64_t ldx, int64_t M, const uint16_t 
     _Pragma("omp parallel num_threads(num_threads)")
     {
         float *wp = aligned_alloc(64, (size_t)chunk * W16_AVX2_NR * K * sizeof(float));
-        if (wp == NULL) {
+        float *xp = malloc(((size_t)W16_AVX2_MR * K + W16A_PACK_SLACK) * sizeof(float));
+        if (wp == NULL || xp == NULL) {
             _Pragma("omp atomic write")
             failed = 1;
         }
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < panels; p++)
-            if (wp != NULL) w16a_panel(x, ldx, M, q, f16, N, K, p * strips / panels, (p + 1) * strips / panels, y, ldy, wp);
+            if (wp != NULL && xp != NULL)
+                w16a_panel(x, ldx, M, q, f16, N, K, p * strips / panels, (p + 1) * strips / panels, y, ldy, wp, xp);
         free(wp);
+        free(xp);
     }
     return failed ? -1 : 0;
 }
 
 /* the M rows of x against strips s0 .. s1 of a load-time layout (src W16A_B16 / W16A_H16) into y, on this thread: per
- * block of x's rows that stays in L2 (W16_AVX2_PANEL bytes) each strip against every row of the block (the strip,
- * K * 32 bytes, read from memory once a block and from L1 / L2 after); one row two strips at a time (w16a_row). Each
- * output one FMA chain over k in order whatever the blocks: w16_gemm_avx2_prepacked's threads' runs and moe_q8.h's
- * 16-bit experts */
-static void w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,
-                        int64_t K, int64_t s0, int64_t s1, float *y, int64_t ldy) {
+ * block of x's rows that stays in L2 (W16_AVX2_PANEL bytes), packed (w16a_pack_x), each strip against every row of
+ * the block W16_AVX2_KC inputs at a time (the strip, K * 32 bytes, read from memory once a block and from L1 after);
+ * one row two strips at a time (w16a_row). Each output one FMA chain over k in order whatever the blocks: w16_gemm_avx2_prepacked's threads'
+ * runs and moe_q8.h's 16-bit experts. 0 done, -1 no memory for the packed rows. */
+static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,
+                       int64_t K, int64_t s0, int64_t s1, float *y, int64_t ldy) {
+    if (M == 1) {
+        w16a_row(src, x, pre, N, K, s0, s1, y);
+        return 0;
+    }
     int64_t block = W16_AVX2_PANEL / (K * (int64_t)sizeof(float)) / W16_AVX2_MR * W16_AVX2_MR;
-    block = block < W16_AVX2_MR ? W16_AVX2_MR : block;
-    if (M == 1) w16a_row(src, x, pre, N, K, s0, s1, y);
-    else for (int64_t m0 = 0; m0 < M; m0 += block)
+    block = block < W16_AVX2_MR ? W16_AVX2_MR : block > M ? M : block;
+    float *xp = malloc(((size_t)block * K + W16A_PACK_SLACK) * sizeof(float));
+    if (xp == NULL) return -1;
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        const int64_t m1 = m0 + block < M ? m0 + block : M;
+        w16a_pack_x(x, ldx, m0, m1, K, xp);
         for (int64_t j = s0; j < s1; j++)
-            w16a_strip(src, x, ldx, m0, m0 + block < M ? m0 + block : M, pre + j * W16_AVX2_NR * K, N, K, j, y, ldy);
+            for (int64_t k0 = 0; k0 < K; k0 += W16_AVX2_KC)
+                w16a_strip(src, xp, m0, m1, pre + j * W16_AVX2_NR * K, N, K, j, y, ldy, k0,
+                           K - k0 < W16_AVX2_KC ? K - k0 : W16_AVX2_KC);
+    }
+    free(xp);
+    return 0;
 }
 
 /* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack): each thread its run of strips
- * (w16a_strips). No packing and no buffer: always 0. */
+ * (w16a_strips). 0 done, -1 out of memory. */
 static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N,
                                    int64_t K, float *y, int64_t ldy, int num_threads) {
     const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
+    int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
-        w16a_strips(f16 ? W16A_H16 : W16A_B16, x, ldx, M, pre, N, K, strips * t / n, strips * (t + 1) / n, y, ldy);
+        if (w16a_strips(f16 ? W16A_H16 : W16A_B16, x, ldx, M, pre, N, K, strips * t / n, strips * (t + 1) / n, y,
+                        ldy) != 0) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
     }
-    return 0;
+    return failed ? -1 : 0;
 }
 
 /* y = strips . x (+ bias) for one row x at batch 1 (quant.h's atomd_qgemv_rows where the strips are the weight's only
@@ -236,9 +302,9 @@ static void w16_strips_gemv(const float *x, const uint16_t *strips, int f16, con
 }
 
 /* w uint16 [N, K] (kind W16_B16 or W16_H16) into out uint16 [ceil(N / 16)][K][16], w16_gemm_avx2_prepacked's `pre`:
- * per strip of 16 weight rows, each input's 16 values in one 32-byte load (bf16: row j and row j + 8 share 32-bit
- * lane j, the shift and the mask of w16a_kernel; float16: rows in order); rows past N zeros. Once, at load
- * (quant.prepack_panels). */
+ * per strip of 16 weight rows, each input's 16 values in one 32-byte load (bf16: rows 0-3, 8-11, 4-7, 12-15, which
+ * w16a_load's interleaving with zeros widens into rows 0-7 and 8-15; float16: rows in order); rows past N zeros.
+ * Once, at load (quant.prepack_panels). */
 static void w16_prepack(const uint16_t *q, int64_t N, int64_t K, const int kind, uint16_t *out, int num_threads) {
     w16_prepack_rows(q, N, K, kind == W16_H16, W16_AVX2_NR, out, num_threads);
 }
