@@ -281,3 +281,23 @@ def test_prefill_in_row_tiles_equals_hf(tile, llama_dir, monkeypatch):
     prompts = prompts_of(lengths, seed=13)
     llm = LLM(str(llama_dir), num_threads=1, max_model_len=256)
     assert_equals_hf(llama_dir, prompts, engine_greedy(llm, prompts))
+
+
+@pytest.mark.unit
+def test_a_16_bit_model_prefills_in_wider_row_tiles_with_the_same_tokens(llama_dir, monkeypatch):
+    """16-bit weights with float32 compute (`--quantization bf16`) prefill 4x ROW_TILE rows a tile (decoder.ROW_TILE:
+    each tile reads the weights again); the float32 model ROW_TILE. The tiles change no token: the 601-row prefill in
+    one tile gives the greedy ids of tiles of 28 rows that cut through sequences and blocks."""
+    import atomd.model.decoder
+
+    lengths = [150, 1, 150, 150, 150]
+    prompts = prompts_of(lengths, seed=13)
+    llm = LLM(str(llama_dir), num_threads=1, max_model_len=256, quantization="bf16",
+              enable_prefix_caching=False)  # (the second run prefills again)
+    model = llm.engine.model
+    assert model.prefill_row_tile(torch.float32) == 4 * atomd.model.decoder.ROW_TILE >= sum(lengths)
+    assert LLM(str(llama_dir), num_threads=1, max_model_len=256).engine.model.prefill_row_tile(torch.float32) == \
+        atomd.model.decoder.ROW_TILE
+    one_tile = engine_greedy(llm, prompts)
+    monkeypatch.setattr(atomd.model.decoder, "ROW_TILE", 7)
+    assert engine_greedy(llm, prompts) == one_tile

@@ -38,7 +38,11 @@ log = logging.getLogger(__name__)
 # ~13% faster than one tile), and in bf16 oneDNN's down projection gets rows enough to use
 # both threads (K 1536 -> N 576 runs on one thread up to M = 1280). Steady state, separate
 # processes, 135M shape bf16: 1024 rows 5.9k tok/s, 2048 6.9k, 4096 6.8k; small shape 25.3k /
-# 30.2k / 28.9k; float32 512 / 1024 / 2048 rows within 2% (benchmarks/results/offline.md)
+# 30.2k / 28.9k; float32 512 / 1024 / 2048 rows within 2% (benchmarks/results/offline.md). 4x
+# too where the layers' linears are 16-bit weights with float32 compute (`--dtype auto` without
+# bf16 arithmetic): each tile reads those weights from memory again and widens them in registers;
+# Qwen3-0.6B's prefill 1.04x faster at 2048 rows than at 512 on both such kinds (RESULTS.md, #35
+# session 27). DecoderModel.prefill_row_tile
 ROW_TILE = 512
 KV_LAYOUT_VERSION = "atomd-kv-1"  # block-major [layers, k|v, block_size, kv_heads, head_dim]
 
@@ -369,7 +373,7 @@ class DecoderModel:
                           self.lm_head_rows)
         slot_rows = kv_cache.slot_rows(meta)
         q_end, k_end = cfg.q_size, cfg.q_size + cfg.kv_size
-        step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)  # rows a tile
+        step = self.prefill_row_tile(x.dtype)
         if self.ep is not None:  # one exchange per sparse layer and step on every rank: one tile
             step = max(x.shape[0], 1)
         tiles = [(slice(r, r + step), lora and lora.tile(r, r + step)) for r in range(0, x.shape[0], step)]
@@ -525,6 +529,12 @@ class DecoderModel:
         fused.run_layers(self.layers, [cfg.window(i) for i in range(len(self.layers))], h, x, cos, sin, k_dst,
                          v_dst, layer_bytes, meta.kernels, kv_cache, meta.block_tables, meta.context_lens,
                          cfg.attn_scale)
+
+    def prefill_row_tile(self, dtype: torch.dtype) -> int:
+        """Rows a tile of a long prefill's part after attention, for activations of `dtype` (ROW_TILE's why)."""
+        wide = dtype == torch.bfloat16 or any(isinstance(t, QuantizedWeight) and t.bits == 16
+                                              for t in self.layers[0].linears())
+        return ROW_TILE * (4 if wide else 1)
 
     def _attn_out_and_mlp(self, x: torch.Tensor, attn: torch.Tensor, w: LayerWeights,
                           next_norm: torch.Tensor | None, next_h: torch.Tensor, lora: LayerLora | None = None) -> None:

@@ -33,7 +33,7 @@ from atomd.engine.kv_cache import AttentionMetadata, KVCache, KVGeometry
 from atomd.kernels import native
 from atomd.model import layer_ops, moe as moe_mod
 from atomd.model.config import ModelConfig
-from atomd.model.decoder import ROW_TILE, DecoderModel, TensorSource, cat, row_partial
+from atomd.model.decoder import DecoderModel, TensorSource, cat, row_partial
 from atomd.model.huge_pages import on_huge_pages, release_freed_memory
 from atomd.model.layer_ops import rms_norm, silu_mul
 from atomd.model.linear import GEMV_ENV, GEMV_MAX_BYTES, dense, linear, pack_linear_weight
@@ -336,7 +336,7 @@ class DeepseekModel(DecoderModel):
         x = self.embed_tokens(input_ids)
         h = self.norm_rows(x, self.layers[0].input_norm)
         positions = self.rope_rows(positions.contiguous(), meta)
-        step = ROW_TILE * (4 if x.dtype == torch.bfloat16 else 1)
+        step = self.prefill_row_tile(x.dtype)
         if self.ep is not None:  # one exchange per sparse layer and step on every rank: one tile
             step = max(x.shape[0], 1)
         lora = lora if lora is not None and lora.groups else None
