@@ -10,8 +10,8 @@
  * into strips of 16 rows transposed, [K][16], and runs every W16_AVX2_MR rows of x against every strip: a
  * 6 x 16 micro-kernel of 12 accumulators, per input two weight loads and six broadcasts of x into 12 FMAs (a float32
  * GEMM's register blocking, on half the bytes from memory); from load-time strips the same micro-kernel widens each
- * input's 16 weights in registers. x reaches the micro-kernel packed as a float32 GEMM packs it, each group of rows
- * [K][rows] (w16a_pack_x): its six broadcasts from one line instead of six rows' streams. Every y[m, n] is one chain
+ * input's 16 weights in registers. Against load-time strips x reaches the micro-kernel packed as a float32 GEMM packs
+ * it, each group of rows [K][rows] (w16a_pack_x): its six broadcasts from one line instead of six rows' streams. Every y[m, n] is one chain
  * of FMAs over k = 0..K-1 in order: its bits do not depend on M, the threads, the panels or the blocks. */
 #if QUANT_PATH == 1
 #include <omp.h>
@@ -73,10 +73,12 @@ static inline __attribute__((always_inline)) void w16a_load(const int src, const
     }
 }
 
-/* mr (a constant after inlining) rows of x, packed [K][mr] (w16a_pack_x), times one strip's K inputs into y[r * ldy
- * + 0 .. cols); src (a constant too) its layout (w16a_load). from_y: the sums go on from y's (the inputs before these,
- * w16a_strips' blocks), the same one chain of FMAs over k as a single pass. */
-static inline __attribute__((always_inline)) void w16a_kernel(const int mr, const int src, const float *x,
+/* mr (a constant after inlining) rows of x times one strip's K inputs into y[r * ldy + 0 .. cols); src (a constant
+ * too) its layout (w16a_load). x: against a load-time strip packed [K][mr] (w16a_pack_x), against a per-call float32
+ * one its rows as they are, ldx apart (a per-call panel's strips are few: packing x for each would cost more than
+ * it saves). from_y: the sums go on from y's (the inputs before these, w16a_strips' blocks), the same one chain of
+ * FMAs over k as a single pass. */
+static inline __attribute__((always_inline)) void w16a_kernel(const int mr, const int src, const float *x, int64_t ldx,
                                                               const void *w, int64_t K, float *y, int64_t ldy,
                                                               int64_t cols, int from_y) {
     __m256 a[W16_AVX2_MR][2];
@@ -97,7 +99,7 @@ static inline __attribute__((always_inline)) void w16a_kernel(const int mr, cons
         __m256 w0, w1;
         w16a_load(src, w, k, &w0, &w1);
         for (int r = 0; r < mr; r++) {
-            const __m256 xb = _mm256_broadcast_ss(x + k * mr + r);
+            const __m256 xb = _mm256_broadcast_ss(src == W16A_F32 ? x + r * ldx + k : x + k * mr + r);
             a[r][0] = _mm256_fmadd_ps(xb, w0, a[r][0]);
             a[r][1] = _mm256_fmadd_ps(xb, w1, a[r][1]);
         }
@@ -138,18 +140,17 @@ static inline __attribute__((always_inline)) void w16a_pair(const int src, const
     _mm256_maskstore_ps(y + 24, lanes_below8(cols1 - 8), b1);
 }
 
-/* rows m0 .. m1 of x [M, ldx] packed into xp as w16a_strip reads them: each group of W16_AVX2_MR rows (the last one
- * what is left) [K][rows], one after the other; a whole group 8 inputs at a time transposed in registers, each
- * input's 6 values stored as 8 (the 2 past them rewritten by the next input's, or by the next group's: xp holds
- * W16A_PACK_SLACK floats past the rows' own) */
-#define W16A_PACK_SLACK 8
+/* rows m0 .. m1 of x [M, ldx] packed into xp as w16a_strip reads them from load-time strips: each group of
+ * W16_AVX2_MR rows (the last one what is left) [K][rows], one after the other; a whole group 8 inputs at a time
+ * transposed in registers, each input's 6 values stored as 8 (the 2 past them rewritten by the next input's: a
+ * group's last input goes the scalar way, so nothing lands past the group) */
 static void w16a_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, int64_t K, float *xp) {
     for (int64_t m = m0; m < m1; m += W16_AVX2_MR) {
         const int mr = m1 - m < W16_AVX2_MR ? (int)(m1 - m) : W16_AVX2_MR;
         float *dst = xp + (m - m0) * K;
         int64_t k0 = 0;
         if (mr == W16_AVX2_MR)
-            for (; k0 + 8 <= K; k0 += 8) {
+            for (; k0 + 8 < K; k0 += 8) {
                 __m256 v[8];
                 for (int r = 0; r < W16_AVX2_MR; r++) v[r] = _mm256_loadu_ps(x + (m + r) * ldx + k0);
                 v[6] = v[7] = _mm256_setzero_ps();
@@ -161,25 +162,26 @@ static void w16a_pack_x(const float *x, int64_t ldx, int64_t m0, int64_t m1, int
     }
 }
 
-/* rows m0 .. m1 of x, packed from row m0 on (w16a_pack_x), times inputs k0 .. k0 + kn of strip j (of layout src,
- * at wj) into y, W16_AVX2_MR rows a micro-kernel; from k0 > 0 on the sums go on from y's (w16a_kernel's from_y) */
-static void w16a_strip(const int src, const float *xp, int64_t m0, int64_t m1, const void *wj, int64_t N, int64_t K,
-                       int64_t j, float *y, int64_t ldy, int64_t k0, int64_t kn) {
+/* rows m0 .. m1 of x times inputs k0 .. k0 + kn of strip j (of layout src, at wj) into y, W16_AVX2_MR rows a
+ * micro-kernel; x as w16a_kernel reads it: packed from row m0 on (w16a_pack_x) for a load-time strip, else x's rows
+ * from m0 on, ldx apart. From k0 > 0 on the sums go on from y's (w16a_kernel's from_y). */
+static void w16a_strip(const int src, const float *x, int64_t ldx, int64_t m0, int64_t m1, const void *wj, int64_t N,
+                       int64_t K, int64_t j, float *y, int64_t ldy, int64_t k0, int64_t kn) {
     const int64_t cols = N - j * W16_AVX2_NR;
     const void *w = (const char *)wj + k0 * W16_AVX2_NR * (src == W16A_F32 ? 4 : 2);
     const int from_y = k0 > 0;
     for (int64_t m = m0; m < m1; m += W16_AVX2_MR) {
         const int mr = m1 - m < W16_AVX2_MR ? (int)(m1 - m) : W16_AVX2_MR;
-        const float *xr = xp + (m - m0) * K + k0 * mr;
+        const float *xr = src == W16A_F32 ? x + (m - m0) * ldx + k0 : x + (m - m0) * K + k0 * mr;
         float *yj = y + m * ldy + j * W16_AVX2_NR;
 #define W16A_ROWS(SRC)                                                                    \
         switch (mr) { /* mr a constant in each instance */                               \
-            case 1: w16a_kernel(1, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
-            case 2: w16a_kernel(2, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
-            case 3: w16a_kernel(3, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
-            case 4: w16a_kernel(4, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
-            case 5: w16a_kernel(5, SRC, xr, w, kn, yj, ldy, cols, from_y); break;        \
-            default: w16a_kernel(W16_AVX2_MR, SRC, xr, w, kn, yj, ldy, cols, from_y); break;\
+            case 1: w16a_kernel(1, SRC, xr, ldx, w, kn, yj, ldy, cols, from_y); break;   \
+            case 2: w16a_kernel(2, SRC, xr, ldx, w, kn, yj, ldy, cols, from_y); break;   \
+            case 3: w16a_kernel(3, SRC, xr, ldx, w, kn, yj, ldy, cols, from_y); break;   \
+            case 4: w16a_kernel(4, SRC, xr, ldx, w, kn, yj, ldy, cols, from_y); break;   \
+            case 5: w16a_kernel(5, SRC, xr, ldx, w, kn, yj, ldy, cols, from_y); break;   \
+            default: w16a_kernel(W16_AVX2_MR, SRC, xr, ldx, w, kn, yj, ldy, cols, from_y); break;\
         }
         if (src == W16A_F32) W16A_ROWS(W16A_F32)
         else if (src == W16A_B16) W16A_ROWS(W16A_B16)
@@ -200,20 +202,17 @@ static void w16a_row(const int src, const float *x, const uint16_t *pre, int64_t
         else
             w16a_pair(W16A_H16, x, pre + j * W16_AVX2_NR * K, K, y + j * W16_AVX2_NR, cols1);
     }
-    if (j < j1) w16a_strip(src, x, 0, 1, pre + j * W16_AVX2_NR * K, N, K, j, y, N, 0, K);  /* (one row: packed as it is) */
+    if (j < j1) w16a_strip(src, x, K, 0, 1, pre + j * W16_AVX2_NR * K, N, K, j, y, N, 0, K);  /* (one row: packed as it is) */
 }
 
-/* strips s0 .. s1 widened into wp and run against the M rows of x into y, each group of rows packed into xp (6 K
- * floats) */
+/* strips s0 .. s1 widened into wp and run against the M rows of x into y */
 static void w16a_panel(const float *x, int64_t ldx, int64_t M, const uint16_t *q, int f16, int64_t N, int64_t K,
-                       int64_t s0, int64_t s1, float *y, int64_t ldy, float *wp, float *xp) {
+                       int64_t s0, int64_t s1, float *y, int64_t ldy, float *wp) {
     w16a_pack(q, f16, N, K, s0 * W16_AVX2_NR, s1 - s0, wp);
-    for (int64_t m0 = 0; m0 < M; m0 += W16_AVX2_MR) {
-        const int64_t m1 = m0 + W16_AVX2_MR < M ? m0 + W16_AVX2_MR : M;
-        w16a_pack_x(x, ldx, m0, m1, K, xp);
+    for (int64_t m0 = 0; m0 < M; m0 += W16_AVX2_MR)
         for (int64_t j = s0; j < s1; j++)
-            w16a_strip(W16A_F32, xp, m0, m1, wp + (j - s0) * W16_AVX2_NR * K, N, K, j, y, ldy, 0, K);
-    }
+            w16a_strip(W16A_F32, x + m0 * ldx, ldx, m0, m0 + W16_AVX2_MR < M ? m0 + W16_AVX2_MR : M,
+                       wp + (j - s0) * W16_AVX2_NR * K, N, K, j, y, ldy, 0, K);
 }
 
 /* y [M, ldy] = x [M, ldx] @ widen(q)^T; 0 done, -1 out of memory */
@@ -228,17 +227,14 @@ static int w16_gemm_avx2(const float *x, int64_t ldx, int64_t M, const uint16_t 
     _Pragma("omp parallel num_threads(num_threads)")
     {
         float *wp = aligned_alloc(64, (size_t)chunk * W16_AVX2_NR * K * sizeof(float));
-        float *xp = malloc(((size_t)W16_AVX2_MR * K + W16A_PACK_SLACK) * sizeof(float));
-        if (wp == NULL || xp == NULL) {
+        if (wp == NULL) {
             _Pragma("omp atomic write")
             failed = 1;
         }
         _Pragma("omp for schedule(static)")
         for (int64_t p = 0; p < panels; p++)
-            if (wp != NULL && xp != NULL)
-                w16a_panel(x, ldx, M, q, f16, N, K, p * strips / panels, (p + 1) * strips / panels, y, ldy, wp, xp);
+            if (wp != NULL) w16a_panel(x, ldx, M, q, f16, N, K, p * strips / panels, (p + 1) * strips / panels, y, ldy, wp);
         free(wp);
-        free(xp);
     }
     return failed ? -1 : 0;
 }
@@ -256,14 +252,14 @@ static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, co
     }
     int64_t block = W16_AVX2_PANEL / (K * (int64_t)sizeof(float)) / W16_AVX2_MR * W16_AVX2_MR;
     block = block < W16_AVX2_MR ? W16_AVX2_MR : block > M ? M : block;
-    float *xp = malloc(((size_t)block * K + W16A_PACK_SLACK) * sizeof(float));
+    float *xp = malloc((size_t)block * K * sizeof(float));
     if (xp == NULL) return -1;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         const int64_t m1 = m0 + block < M ? m0 + block : M;
         w16a_pack_x(x, ldx, m0, m1, K, xp);
         for (int64_t j = s0; j < s1; j++)
             for (int64_t k0 = 0; k0 < K; k0 += W16_AVX2_KC)
-                w16a_strip(src, xp, m0, m1, pre + j * W16_AVX2_NR * K, N, K, j, y, ldy, k0,
+                w16a_strip(src, xp, 0, m0, m1, pre + j * W16_AVX2_NR * K, N, K, j, y, ldy, k0,
                            K - k0 < W16_AVX2_KC ? K - k0 : W16_AVX2_KC);
     }
     free(xp);
