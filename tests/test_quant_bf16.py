@@ -133,8 +133,9 @@ PANEL_CASES = [  # m, n, k: rows of x not a multiple of the micro-kernel's 14 (a
     # two k-blocks (1100 > W16_KC), two packed blocks of panels a thread (600 inputs: 13 panels a 1 MiB block)
     (1, 37, 101), (13, 32, 16), (17, 45, 576), (29, 1, 33), (31, 70, 1100), (45, 450, 600), (7, 5, 8), (20, 64, 257),
     # AVX2's load-time strips in two blocks of x's rows (54 at K 1100) ending on a 4-row micro-kernel; 3 inputs only;
-    # one row against a pair of strips whose second is partial (20 weight rows)
-    (64, 37, 1100), (10, 19, 3), (1, 20, 33),
+    # one row against a pair of strips whose second is partial (20 weight rows); 2 threads each a run of rows
+    # (W16_AVX2_BY_ROWS: 256 rows a thread and more), the second ending on a 1-row micro-kernel
+    (64, 37, 1100), (10, 19, 3), (1, 20, 33), (523, 37, 100),
 ]
 
 

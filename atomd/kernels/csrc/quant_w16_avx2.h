@@ -24,6 +24,8 @@ enum { W16_B16 = 0, W16_H16 = 1 };  /* (quant_w16.h's kinds: the weight's 16-bit
 #define W16_AVX2_PANEL (256 << 10)  /* packed float32 bytes a work item (L2) */
 #define W16_AVX2_KC 512  /* inputs a pass of a load-time strip over a block of x's rows: the strip's part and six rows'
                             in L1 (K 1024: ~1.02x the whole K's rate, RESULTS.md #35 session 27) */
+#define W16_AVX2_BY_ROWS 256  /* rows of x a thread from which w16_gemm_avx2_prepacked splits rows, not strips
+                                 (RESULTS.md #35 session 28) */
 
 /* weight rows n0 .. n0 + 16 strips widened into wp: strip j at wp + j * 16 K, [K][16] (rows from N on zero); 8 rows
  * x 8 inputs at a time widened and transposed in registers */
@@ -266,16 +268,26 @@ static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, co
     return 0;
 }
 
-/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack): each thread its run of strips
- * (w16a_strips). 0 done, -1 out of memory. */
+/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack), on this thread's part (w16a_strips):
+ * at W16_AVX2_BY_ROWS rows a thread and more its run of x's rows against every strip, else every row against its run
+ * of strips (splitting the strips, each thread packs all of x: at the rows of a prefill tile that costs more than
+ * each reading all the strips, while at a batch's few rows the strips are the bytes to share). 0 done, -1 out of
+ * memory. */
 static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N,
                                    int64_t K, float *y, int64_t ldy, int num_threads) {
-    const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
+    const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR, groups = (M + W16_AVX2_MR - 1) / W16_AVX2_MR;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         const int t = omp_get_thread_num(), n = omp_get_num_threads();
-        if (w16a_strips(f16 ? W16A_H16 : W16A_B16, x, ldx, M, pre, N, K, strips * t / n, strips * (t + 1) / n, y,
+        int64_t m0 = 0, m1 = M, s0 = strips * t / n, s1 = strips * (t + 1) / n;
+        if (M >= W16_AVX2_BY_ROWS * n) {
+            m0 = groups * t / n * W16_AVX2_MR;
+            m1 = groups * (t + 1) / n * W16_AVX2_MR < M ? groups * (t + 1) / n * W16_AVX2_MR : M;
+            s0 = 0;
+            s1 = strips;
+        }
+        if (w16a_strips(f16 ? W16A_H16 : W16A_B16, x + m0 * ldx, ldx, m1 - m0, pre, N, K, s0, s1, y + m0 * ldy,
                         ldy) != 0) {
             _Pragma("omp atomic write")
             failed = 1;
