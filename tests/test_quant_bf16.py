@@ -271,6 +271,41 @@ def test_qlinear_packs_per_call_again_from_its_threshold(panels_lib, monkeypatch
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= cbuild.cpu_flags(), reason="this CPU has no AVX2 / FMA")
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,inter,k", [(7, 32, 100), (523, 48, 576), (17, 16, 1100), (1, 32, 33)])
+def test_avx2_gate_up_with_silu_is_the_product_then_silu_mul(fmt, m, inter, k):
+    """atomd_qgemm_*_prepacked_silu (quant.qlinear_silu) on a gate_up weight's load-time strips: silu(x @ gate^T) *
+    (x @ up^T) within float32 rounding of numpy's float64 on the same 16-bit values, and the bits of the product
+    then layer_ops.silu_mul at 1 and 2 threads (rows split at 523, strips below; two k-blocks at 1100; one row);
+    None where it does not run (an AVX-512 build, inter not a multiple of 16)."""
+    from atomd.model import layer_ops
+
+    lib = quant.build_kernels("no-avx512")
+    rng = np.random.default_rng(m + inter + k)
+    w, packed = weight16(rng, 2 * inter, k, fmt)
+    assert quant.keep_strips_only(packed, lib) > 0  # (as an AVX2 model holds it: read at every M)
+    x = rng.standard_normal((m, k)).astype(np.float32)
+    wv = numpy_16(w, fmt).astype(np.float64)
+    gate, up = x.astype(np.float64) @ wv[:inter].T, x.astype(np.float64) @ wv[inter:].T
+    np.testing.assert_allclose(quant.qlinear_silu(torch.from_numpy(x), packed, lib=lib).numpy(),
+                               gate / (1 + np.exp(-gate)) * up, rtol=1e-4, atol=1e-5)
+    want = layer_ops.silu_mul(quant.qlinear(torch.from_numpy(x), packed, lib=lib))
+    for threads in (1, 2):
+        out = torch.full((m, inter), float("nan"))
+        assert getattr(lib, f"atomd_qgemm_{quant._w16(packed)}_prepacked_silu")(
+            x.ctypes.data, k, m, packed.panels.data_ptr(), inter, k, out.data_ptr(), inter, threads) == 0
+        assert torch.equal(out, want)
+    odd = weight16(rng, 2 * (inter + 8), k, fmt)[1]
+    quant.keep_strips_only(odd, lib)
+    assert quant.qlinear_silu(torch.from_numpy(x), odd, lib=lib) is None
+    avx512 = quant.build_kernels("native")
+    if avx512.w16_panels == 1:
+        assert quant.qlinear_silu(torch.from_numpy(x), packed, lib=avx512) is None
+        assert avx512.atomd_qgemm_b16_prepacked_silu(x.ctypes.data, k, m, packed.panels.data_ptr(), inter, k,
+                                                     out.data_ptr(), inter, 1) == 1
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= cbuild.cpu_flags(), reason="this CPU has no AVX2 / FMA")
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_an_avx2_16_bit_weight_held_as_its_strips_only(fmt):
     """quant.keep_strips_only (an AVX2 build): the strips replace the rows (q [N, 0]), unpack to them exactly
     (dequantize), are made once, and qlinear reads them at every M, one row included, with the bits of the per-call

@@ -17,6 +17,7 @@ from tokenizers import Tokenizer
 
 import atomd.config
 from atomd.config import EngineConfig
+from atomd.kernels import cbuild
 from atomd.llm import LLM
 from atomd.model import huge_pages, layer_ops, quant
 from atomd.model.quant import QuantizedWeight
@@ -131,6 +132,21 @@ def test_dtype_auto_on_a_cpu_without_bf16_dot_products_runs_bf16_weights(monkeyp
     prompts = prompts_of([1, 37], seed=5)
     for prompt, ids in zip(prompts, greedy(llm, prompts)):
         assert ids == hf_greedy(hf_dequantised(llama_dir, "bf16"), prompt, 48), f"prompt of {len(prompt)}"
+
+
+@pytest.mark.unit
+def test_an_avx2_build_runs_silu_in_the_gate_up_product_with_hf_tokens(monkeypatch, llama_dir):
+    """On an AVX2 build a 16-bit gate_up projection held as strips runs silu in its product's pass
+    (quant.qlinear_silu: every layer of each per-op step) and the greedy ids equal HF float32 on the bf16-rounded
+    weights."""
+    monkeypatch.setenv(cbuild.ISA_ENV, "no-avx512")
+    ran, real = [], quant.qlinear_silu
+    monkeypatch.setattr(quant, "qlinear_silu", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
+    llm = LLM(str(llama_dir), num_threads=2, max_model_len=256, quantization="bf16")
+    prompts = prompts_of([1, 37], seed=5)
+    for prompt, ids in zip(prompts, greedy(llm, prompts)):
+        assert ids == hf_greedy(hf_dequantised(llama_dir, "bf16"), prompt, 48), f"prompt of {len(prompt)}"
+    assert ran and all(act is not None for act in ran)
 
 
 @pytest.mark.unit

@@ -553,7 +553,11 @@ class DecoderModel:
             else:
                 down = moe_tp(h, w.moe, self.tp.reduce_)
         else:
-            act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
+            act = None  # (silu in the gate_up product where the build has it: quant.qlinear_silu)
+            if lora is None and w.gate_up_bias is None and isinstance(w.gate_up, QuantizedWeight):
+                act = quant.qlinear_silu(h, w.gate_up)
+            if act is None:
+                act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
             down = self.row_parallel(lora, "down", act, w.down, w.down_bias, rows[3])
         if next_norm is None:
             x.add_(down)

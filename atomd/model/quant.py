@@ -347,7 +347,8 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
         gemm, deq = getattr(lib, f"atomd_qgemm_{w16}"), getattr(lib, f"atomd_qdequant_{w16}")
         gemm.argtypes, gemm.restype = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64, ctypes.c_int], None
         deq.argtypes, deq.restype = [_PTR, _I64, _I64, _I64, _PTR, ctypes.c_int], None
-        for panels in (getattr(lib, f"atomd_qgemm_{w16}_panels"), getattr(lib, f"atomd_qgemm_{w16}_prepacked")):
+        for panels in (getattr(lib, f"atomd_qgemm_{w16}_panels"), getattr(lib, f"atomd_qgemm_{w16}_prepacked"),
+                       getattr(lib, f"atomd_qgemm_{w16}_prepacked_silu")):
             panels.argtypes, panels.restype = gemm.argtypes, ctypes.c_int
         prepack = getattr(lib, f"atomd_qprepack_{w16}")
         prepack.argtypes, prepack.restype = [_PTR, _I64, _I64, _PTR, ctypes.c_int], ctypes.c_int
@@ -569,6 +570,25 @@ def q8_gemm_min_m(lib: ctypes.CDLL, bits: int) -> int:
     """The rows of x from which qlinear runs int8 activations on a weight of `bits` as `lib`'s GEMM (lib.q8_gemm:
     VNNI or AVX2)."""
     return QGEMM_VNNI_MIN_M if lib.q8_gemm == 3 else QGEMM_AVX2_GEMM_MIN_M[bits]
+
+
+def qlinear_silu(x: torch.Tensor, w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> torch.Tensor | None:
+    """silu(gate) * up of x @ w.T for a gate_up weight w [2 * inter, K] (gate rows first) in one pass over its
+    load-time strips where an AVX2 build runs qlinear on them (product "w16_prepacked", inter % 16 == 0): the
+    [M, inter] float32 activation with the bits of layer_ops.silu_mul(qlinear(x, w)), no [M, 2 * inter] product in
+    memory (~3% of a 135M prefill: RESULTS.md #35 session 28). None where it does not run (the caller runs those
+    two)."""
+    lib = kernels() if lib == "auto" else lib
+    (n, k), m = w.shape, x.shape[0]
+    if (lib is None or lib.w16_panels != 2 or w.bits != 16 or w.perm is not None or n % 32 or x.dtype != torch.float32
+            or product_of(lib, w, m) != "w16_prepacked"):
+        return None
+    xf = x.contiguous()
+    out = torch.empty(m, n // 2, dtype=torch.float32)
+    if getattr(lib, f"atomd_qgemm_{_w16(w)}_prepacked_silu")(xf.data_ptr(), k, m, w.panels.data_ptr(), n // 2, k,
+                                                             out.data_ptr(), n // 2, torch.get_num_threads()) != 0:
+        raise MemoryError(f"16-bit gate_up strips of {m} x {k} by {n} rows: out of memory")
+    return out
 
 
 def _w16(w: QuantizedWeight) -> str:

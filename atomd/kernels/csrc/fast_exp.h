@@ -1,4 +1,4 @@
-/* Vectorisable float math shared by the kernels (included by attention.c and layer_ops.c). */
+/* Vectorisable float math shared by the kernels (included by attention.c, layer_ops.c, mla.c and quant.c). */
 #ifndef ATOMD_FAST_EXP_H
 #define ATOMD_FAST_EXP_H
 
@@ -22,6 +22,13 @@ static inline float exp_nonpositive(float x) {
     union { int32_t i; float f; } scale;
     scale.i = ((int32_t)n + 127) << 23;
     return p * scale.f;
+}
+
+/* silu(g) = g * sigmoid(g) through the exp of a non-positive argument only: layer_ops.c's silu_mul and quant.c's
+ * gate_up product with silu (quant_w16_avx2.h), the same bits */
+static inline float silu(float g) {
+    float e = exp_nonpositive(-fabsf(g));
+    return (g >= 0.0f ? g : g * e) / (1.0f + e);
 }
 
 #ifdef __AVX512F__

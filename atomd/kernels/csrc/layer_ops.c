@@ -52,11 +52,6 @@ static inline __attribute__((always_inline)) float round_to(float v, const int i
     return is_bf16 ? bf16_to_float(float_to_bf16(v)) : v;
 }
 
-static inline float silu(float g) {  /* g * sigmoid(g), exp of a non-positive argument only */
-    float e = exp_nonpositive(-fabsf(g));
-    return (g >= 0.0f ? g : g * e) / (1.0f + e);
-}
-
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #define F32_NORM_VEC 1

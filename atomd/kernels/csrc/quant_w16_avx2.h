@@ -16,6 +16,7 @@
 #if QUANT_PATH == 1
 #include <omp.h>
 #include <stdlib.h>
+#include "fast_exp.h"  /* silu */
 
 #define W16_PANELS_AVX2 1
 enum { W16_B16 = 0, W16_H16 = 1 };  /* (quant_w16.h's kinds: the weight's 16-bit values) */
@@ -24,8 +25,8 @@ enum { W16_B16 = 0, W16_H16 = 1 };  /* (quant_w16.h's kinds: the weight's 16-bit
 #define W16_AVX2_PANEL (256 << 10)  /* packed float32 bytes a work item (L2) */
 #define W16_AVX2_KC 512  /* inputs a pass of a load-time strip over a block of x's rows: the strip's part and six rows'
                             in L1 (K 1024: ~1.02x the whole K's rate, RESULTS.md #35 session 27) */
-#define W16_AVX2_BY_ROWS 256  /* rows of x a thread from which w16_gemm_avx2_prepacked splits rows, not strips
-                                 (RESULTS.md #35 session 28) */
+#define W16_AVX2_BY_ROWS 256  /* rows of x a thread from which the load-time strips' products split rows between
+                                 the threads, not strips (w16a_part; RESULTS.md #35 session 28) */
 
 /* weight rows n0 .. n0 + 16 strips widened into wp: strip j at wp + j * 16 K, [K][16] (rows from N on zero); 8 rows
  * x 8 inputs at a time widened and transposed in registers */
@@ -241,6 +242,12 @@ static int w16_gemm_avx2(const float *x, int64_t ldx, int64_t M, const uint16_t 
     return failed ? -1 : 0;
 }
 
+/* rows of x a block of w16a_strips: their packed float32 within W16_AVX2_PANEL bytes (L2), whole groups */
+static inline int64_t w16a_block(int64_t K, int64_t M) {
+    const int64_t block = W16_AVX2_PANEL / (K * (int64_t)sizeof(float)) / W16_AVX2_MR * W16_AVX2_MR;
+    return block < W16_AVX2_MR ? W16_AVX2_MR : block > M ? M : block;
+}
+
 /* the M rows of x against strips s0 .. s1 of a load-time layout (src W16A_B16 / W16A_H16) into y, on this thread: per
  * block of x's rows that stays in L2 (W16_AVX2_PANEL bytes), packed (w16a_pack_x), each strip against every row of
  * the block W16_AVX2_KC inputs at a time (the strip, K * 32 bytes, read from memory once a block and from L1 after);
@@ -252,8 +259,7 @@ static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, co
         w16a_row(src, x, pre, N, K, s0, s1, y);
         return 0;
     }
-    int64_t block = W16_AVX2_PANEL / (K * (int64_t)sizeof(float)) / W16_AVX2_MR * W16_AVX2_MR;
-    block = block < W16_AVX2_MR ? W16_AVX2_MR : block > M ? M : block;
+    const int64_t block = w16a_block(K, M);
     float *xp = malloc((size_t)block * K * sizeof(float));
     if (xp == NULL) return -1;
     for (int64_t m0 = 0; m0 < M; m0 += block) {
@@ -268,27 +274,89 @@ static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, co
     return 0;
 }
 
-/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack), on this thread's part (w16a_strips):
- * at W16_AVX2_BY_ROWS rows a thread and more its run of x's rows against every strip, else every row against its run
- * of strips (splitting the strips, each thread packs all of x: at the rows of a prefill tile that costs more than
- * each reading all the strips, while at a batch's few rows the strips are the bytes to share). 0 done, -1 out of
- * memory. */
+/* this thread's part (t of n) of an M-row product over `items` runs of strips: from W16_AVX2_BY_ROWS rows a thread
+ * its run of x's rows (m0 .. m1, whole groups) against every item, below it every row against its run of items (s0
+ * .. s1). Splitting the strips, each thread packs all of x: at the rows of a prefill tile that costs more than each
+ * reading all the strips (RESULTS.md #35 session 28), while at a batch's few rows the strips are the bytes to share. */
+static inline void w16a_part(int64_t M, int64_t items, int t, int n, int64_t *m0, int64_t *m1, int64_t *s0,
+                             int64_t *s1) {
+    const int64_t groups = (M + W16_AVX2_MR - 1) / W16_AVX2_MR;
+    if (M >= W16_AVX2_BY_ROWS * n) {
+        *m0 = groups * t / n * W16_AVX2_MR;
+        *m1 = groups * (t + 1) / n * W16_AVX2_MR < M ? groups * (t + 1) / n * W16_AVX2_MR : M;
+        *s0 = 0;
+        *s1 = items;
+    } else {
+        *m0 = 0;
+        *m1 = M;
+        *s0 = items * t / n;
+        *s1 = items * (t + 1) / n;
+    }
+}
+
+/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack), each thread its part (w16a_part,
+ * w16a_strips). 0 done, -1 out of memory. */
 static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N,
                                    int64_t K, float *y, int64_t ldy, int num_threads) {
-    const int64_t strips = (N + W16_AVX2_NR - 1) / W16_AVX2_NR, groups = (M + W16_AVX2_MR - 1) / W16_AVX2_MR;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
-        const int t = omp_get_thread_num(), n = omp_get_num_threads();
-        int64_t m0 = 0, m1 = M, s0 = strips * t / n, s1 = strips * (t + 1) / n;
-        if (M >= W16_AVX2_BY_ROWS * n) {
-            m0 = groups * t / n * W16_AVX2_MR;
-            m1 = groups * (t + 1) / n * W16_AVX2_MR < M ? groups * (t + 1) / n * W16_AVX2_MR : M;
-            s0 = 0;
-            s1 = strips;
-        }
+        int64_t m0, m1, s0, s1;
+        w16a_part(M, (N + W16_AVX2_NR - 1) / W16_AVX2_NR, omp_get_thread_num(), omp_get_num_threads(), &m0, &m1, &s0,
+                  &s1);
         if (w16a_strips(f16 ? W16A_H16 : W16A_B16, x + m0 * ldx, ldx, m1 - m0, pre, N, K, s0, s1, y + m0 * ldy,
                         ldy) != 0) {
+            _Pragma("omp atomic write")
+            failed = 1;
+        }
+    }
+    return failed ? -1 : 0;
+}
+
+/* out [M, ldo] = silu(x @ gate^T) * (x @ up^T), gate and up the two halves of a load-time layout's 2 * inter rows
+ * (inter % 16 == 0: a gate_up projection, gate first), pairs p0 .. p1 of strips (gate p, up inter / 16 + p) on
+ * this thread: per block of x's rows as w16a_strips, each strip of a pair into a buffer of the block's rows x 16
+ * and the two combined into out's columns 16p .. 16p + 16 as layer_ops.c's silu_mul combines them. The bits of the
+ * product then silu_mul, without the [M, 2 inter] product in memory. 0 done, -1 no memory. */
+static int w16a_strips_silu(const int src, const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t inter,
+                            int64_t K, int64_t p0, int64_t p1, float *out, int64_t ldo) {
+    const int64_t block = w16a_block(K, M), up = inter / W16_AVX2_NR;
+    float *xp = malloc((size_t)block * (K + 2 * W16_AVX2_NR) * sizeof(float));
+    if (xp == NULL) return -1;
+    float *g = xp + block * K, *u = g + block * W16_AVX2_NR;
+    for (int64_t m0 = 0; m0 < M; m0 += block) {
+        const int64_t rows = m0 + block < M ? block : M - m0;
+        w16a_pack_x(x, ldx, m0, m0 + rows, K, xp);
+        for (int64_t p = p0; p < p1; p++) {
+            for (int64_t k0 = 0; k0 < K; k0 += W16_AVX2_KC) {  /* (strip p alone: 16 columns from 0) */
+                const int64_t kn = K - k0 < W16_AVX2_KC ? K - k0 : W16_AVX2_KC;
+                w16a_strip(src, xp, 0, 0, rows, pre + p * W16_AVX2_NR * K, W16_AVX2_NR, K, 0, g, W16_AVX2_NR, k0, kn);
+                w16a_strip(src, xp, 0, 0, rows, pre + (up + p) * W16_AVX2_NR * K, W16_AVX2_NR, K, 0, u, W16_AVX2_NR,
+                           k0, kn);
+            }
+            for (int64_t r = 0; r < rows; r++) {
+                float *o = out + (m0 + r) * ldo + p * W16_AVX2_NR;
+                const float *gr = g + r * W16_AVX2_NR, *ur = u + r * W16_AVX2_NR;
+#pragma omp simd
+                for (int i = 0; i < W16_AVX2_NR; i++) o[i] = silu(gr[i]) * ur[i];
+            }
+        }
+    }
+    free(xp);
+    return 0;
+}
+
+/* w16_gemm_avx2_prepacked's product for a gate_up projection with silu (w16a_strips_silu), each thread its part of
+ * the pairs. 0 done, -1 out of memory. */
+static int w16_gemm_avx2_prepacked_silu(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16,
+                                        int64_t inter, int64_t K, float *out, int64_t ldo, int num_threads) {
+    int failed = 0;
+    _Pragma("omp parallel num_threads(num_threads)")
+    {
+        int64_t m0, m1, s0, s1;
+        w16a_part(M, inter / W16_AVX2_NR, omp_get_thread_num(), omp_get_num_threads(), &m0, &m1, &s0, &s1);
+        if (w16a_strips_silu(f16 ? W16A_H16 : W16A_B16, x + m0 * ldx, ldx, m1 - m0, pre, inter, K, s0, s1,
+                             out + m0 * ldo, ldo) != 0) {
             _Pragma("omp atomic write")
             failed = 1;
         }
