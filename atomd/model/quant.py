@@ -576,8 +576,8 @@ def qlinear_silu(x: torch.Tensor, w: QuantizedWeight, lib: ctypes.CDLL | None | 
     """silu(gate) * up of x @ w.T for a gate_up weight w [2 * inter, K] (gate rows first) in one pass over its
     load-time strips where an AVX2 build runs qlinear on them (product "w16_prepacked", inter % 16 == 0): the
     [M, inter] float32 activation with the bits of layer_ops.silu_mul(qlinear(x, w)), no [M, 2 * inter] product in
-    memory (~3% of a 135M prefill: RESULTS.md #35 session 28). None where it does not run (the caller runs those
-    two)."""
+    memory (silu_mul's own pass was ~2% of a 135M prefill: RESULTS.md #35 session 28). None where it does not run
+    (the caller runs those two)."""
     lib = kernels() if lib == "auto" else lib
     (n, k), m = w.shape, x.shape[0]
     if (lib is None or lib.w16_panels != 2 or w.bits != 16 or w.perm is not None or n % 32 or x.dtype != torch.float32
