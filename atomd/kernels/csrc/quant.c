@@ -82,13 +82,13 @@ QGEMM16_PANELS(b16, 0)
 QGEMM16_PANELS(h16, 1)
 
 /* out [M, ldo] = silu(x @ gate^T) * (x @ up^T) for a gate_up weight [2 * inter, K] (gate rows first, inter % 16 ==
- * 0) held as an AVX2 build's load-time strips (quant_w16_avx2.h w16_gemm_avx2_prepacked_silu; quant.qlinear_silu):
+ * 0) held as an AVX2 build's load-time strips (quant_w16_avx2.h w16_gemm_avx2_prepacked with silu; quant.qlinear_silu):
  * the bits of the _prepacked product then layer_ops.c's silu_mul. 0 done; 1 not built here (not an AVX2 build); -1
  * out of memory */
 static int prepacked_silu(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t inter,
                           int64_t K, float *out, int64_t ldo, int num_threads) {
 #ifdef W16_PANELS_AVX2
-    return w16_gemm_avx2_prepacked_silu(x, ldx, M, pre, f16, inter, K, out, ldo, num_threads);
+    return w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, 2 * inter, K, out, ldo, num_threads, 1);
 #else
     (void)x, (void)ldx, (void)M, (void)pre, (void)f16, (void)inter, (void)K, (void)out, (void)ldo, (void)num_threads;
     return 1;

@@ -248,6 +248,14 @@ static inline int64_t w16a_block(int64_t K, int64_t M) {
     return block < W16_AVX2_MR ? W16_AVX2_MR : block > M ? M : block;
 }
 
+/* rows m0 .. m1 of x, packed from m0 on (w16a_pack_x), times the whole of load-time strip j (at wj) into y,
+ * W16_AVX2_KC inputs at a time (the strip's part and six rows' in L1), the sums carried in y between them */
+static void w16a_strip_blocks(const int src, const float *xp, int64_t m0, int64_t m1, const void *wj, int64_t N,
+                              int64_t K, int64_t j, float *y, int64_t ldy) {
+    for (int64_t k0 = 0; k0 < K; k0 += W16_AVX2_KC)
+        w16a_strip(src, xp, 0, m0, m1, wj, N, K, j, y, ldy, k0, K - k0 < W16_AVX2_KC ? K - k0 : W16_AVX2_KC);
+}
+
 /* the M rows of x against strips s0 .. s1 of a load-time layout (src W16A_B16 / W16A_H16) into y, on this thread: per
  * block of x's rows that stays in L2 (W16_AVX2_PANEL bytes), packed (w16a_pack_x), each strip against every row of
  * the block W16_AVX2_KC inputs at a time (the strip, K * 32 bytes, read from memory once a block and from L1 after);
@@ -266,9 +274,7 @@ static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, co
         const int64_t m1 = m0 + block < M ? m0 + block : M;
         w16a_pack_x(x, ldx, m0, m1, K, xp);
         for (int64_t j = s0; j < s1; j++)
-            for (int64_t k0 = 0; k0 < K; k0 += W16_AVX2_KC)
-                w16a_strip(src, xp, 0, m0, m1, pre + j * W16_AVX2_NR * K, N, K, j, y, ldy, k0,
-                           K - k0 < W16_AVX2_KC ? K - k0 : W16_AVX2_KC);
+            w16a_strip_blocks(src, xp, m0, m1, pre + j * W16_AVX2_NR * K, N, K, j, y, ldy);
     }
     free(xp);
     return 0;
@@ -294,25 +300,6 @@ static inline void w16a_part(int64_t M, int64_t items, int t, int n, int64_t *m0
     }
 }
 
-/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack), each thread its part (w16a_part,
- * w16a_strips). 0 done, -1 out of memory. */
-static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N,
-                                   int64_t K, float *y, int64_t ldy, int num_threads) {
-    int failed = 0;
-    _Pragma("omp parallel num_threads(num_threads)")
-    {
-        int64_t m0, m1, s0, s1;
-        w16a_part(M, (N + W16_AVX2_NR - 1) / W16_AVX2_NR, omp_get_thread_num(), omp_get_num_threads(), &m0, &m1, &s0,
-                  &s1);
-        if (w16a_strips(f16 ? W16A_H16 : W16A_B16, x + m0 * ldx, ldx, m1 - m0, pre, N, K, s0, s1, y + m0 * ldy,
-                        ldy) != 0) {
-            _Pragma("omp atomic write")
-            failed = 1;
-        }
-    }
-    return failed ? -1 : 0;
-}
-
 /* out [M, ldo] = silu(x @ gate^T) * (x @ up^T), gate and up the two halves of a load-time layout's 2 * inter rows
  * (inter % 16 == 0: a gate_up projection, gate first), pairs p0 .. p1 of strips (gate p, up inter / 16 + p) on
  * this thread: per block of x's rows as w16a_strips, each strip of a pair into a buffer of the block's rows x 16
@@ -327,13 +314,9 @@ static int w16a_strips_silu(const int src, const float *x, int64_t ldx, int64_t 
     for (int64_t m0 = 0; m0 < M; m0 += block) {
         const int64_t rows = m0 + block < M ? block : M - m0;
         w16a_pack_x(x, ldx, m0, m0 + rows, K, xp);
-        for (int64_t p = p0; p < p1; p++) {
-            for (int64_t k0 = 0; k0 < K; k0 += W16_AVX2_KC) {  /* (strip p alone: 16 columns from 0) */
-                const int64_t kn = K - k0 < W16_AVX2_KC ? K - k0 : W16_AVX2_KC;
-                w16a_strip(src, xp, 0, 0, rows, pre + p * W16_AVX2_NR * K, W16_AVX2_NR, K, 0, g, W16_AVX2_NR, k0, kn);
-                w16a_strip(src, xp, 0, 0, rows, pre + (up + p) * W16_AVX2_NR * K, W16_AVX2_NR, K, 0, u, W16_AVX2_NR,
-                           k0, kn);
-            }
+        for (int64_t p = p0; p < p1; p++) {  /* (each strip alone: its 16 columns from 0) */
+            w16a_strip_blocks(src, xp, 0, rows, pre + p * W16_AVX2_NR * K, W16_AVX2_NR, K, 0, g, W16_AVX2_NR);
+            w16a_strip_blocks(src, xp, 0, rows, pre + (up + p) * W16_AVX2_NR * K, W16_AVX2_NR, K, 0, u, W16_AVX2_NR);
             for (int64_t r = 0; r < rows; r++) {
                 float *o = out + (m0 + r) * ldo + p * W16_AVX2_NR;
                 const float *gr = g + r * W16_AVX2_NR, *ur = u + r * W16_AVX2_NR;
@@ -346,17 +329,20 @@ static int w16a_strips_silu(const int src, const float *x, int64_t ldx, int64_t 
     return 0;
 }
 
-/* w16_gemm_avx2_prepacked's product for a gate_up projection with silu (w16a_strips_silu), each thread its part of
- * the pairs. 0 done, -1 out of memory. */
-static int w16_gemm_avx2_prepacked_silu(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16,
-                                        int64_t inter, int64_t K, float *out, int64_t ldo, int num_threads) {
+/* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack), each thread its part (w16a_part,
+ * w16a_strips); with silu a gate_up projection's activation instead, y [M, N / 2] (w16a_strips_silu, each thread its
+ * part of the strip pairs). 0 done, -1 out of memory. */
+static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N,
+                                   int64_t K, float *y, int64_t ldy, int num_threads, const int silu) {
+    const int src = f16 ? W16A_H16 : W16A_B16;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         int64_t m0, m1, s0, s1;
-        w16a_part(M, inter / W16_AVX2_NR, omp_get_thread_num(), omp_get_num_threads(), &m0, &m1, &s0, &s1);
-        if (w16a_strips_silu(f16 ? W16A_H16 : W16A_B16, x + m0 * ldx, ldx, m1 - m0, pre, inter, K, s0, s1,
-                             out + m0 * ldo, ldo) != 0) {
+        w16a_part(M, silu ? N / 2 / W16_AVX2_NR : (N + W16_AVX2_NR - 1) / W16_AVX2_NR, omp_get_thread_num(),
+                  omp_get_num_threads(), &m0, &m1, &s0, &s1);
+        if ((silu ? w16a_strips_silu(src, x + m0 * ldx, ldx, m1 - m0, pre, N / 2, K, s0, s1, y + m0 * ldy, ldy)
+                  : w16a_strips(src, x + m0 * ldx, ldx, m1 - m0, pre, N, K, s0, s1, y + m0 * ldy, ldy)) != 0) {
             _Pragma("omp atomic write")
             failed = 1;
         }
@@ -396,7 +382,7 @@ static inline int w16_panels_product(const float *x, int64_t ldx, int64_t M, con
 #ifdef W16_PANELS
     return w16_gemm(x, ldx, M, pre ? NULL : q, pre, f16 ? W16_H16 : W16_B16, N, K, y, ldy, num_threads, 0, NULL, 0);
 #elif defined(W16_PANELS_AVX2)
-    return pre ? w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, N, K, y, ldy, num_threads)
+    return pre ? w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, N, K, y, ldy, num_threads, 0)
                : w16_gemm_avx2(x, ldx, M, q, f16, N, K, y, ldy, num_threads);
 #else
     (void)x, (void)ldx, (void)M, (void)q, (void)pre, (void)f16, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
