@@ -306,6 +306,50 @@ def test_avx2_gate_up_with_silu_is_the_product_then_silu_mul(fmt, m, inter, k):
 
 @pytest.mark.skipif(not {"avx2", "fma"} <= cbuild.cpu_flags(), reason="this CPU has no AVX2 / FMA")
 @pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("m,n,k", [(7, 40, 100), (523, 48, 576), (17, 37, 1100), (1, 24, 33), (600, 576, 1536)])
+def test_avx2_product_with_the_residual_add_and_norm_after_it(fmt, m, n, k):
+    """atomd_qgemm_*_prepacked_norm (quant.qlinear_add_norm) on an output projection's load-time strips: res += x @
+    w^T, out = RMSNorm(res) * norm_w, within float32 rounding of numpy's float64, and the bits of the product then
+    layer_ops.rms_norm with it as delta (an AVX2 build of each) at 1 and 2 threads, the residual's rows outside the
+    strided views untouched (rows split at 523 / 600 and normed per block, strips below and normed after; two
+    k-blocks at 1100; one row); False where it does not run (an AVX-512 build)."""
+    from atomd.model import layer_ops
+
+    lib, norm_lib = quant.build_kernels("no-avx512"), layer_ops.build_kernels("no-avx512")
+    rng = np.random.default_rng(m + n + k)
+    w, packed = weight16(rng, n, k, fmt)
+    assert quant.keep_strips_only(packed, lib) > 0  # (as an AVX2 model holds it: read at every M)
+    x = torch.from_numpy(rng.standard_normal((m, k)).astype(np.float32))
+    res0 = torch.from_numpy(rng.standard_normal((m, n + 3)).astype(np.float32))  # (a residual's rows: stride n + 3)
+    norm_w = torch.from_numpy(rng.uniform(0.5, 1.5, n).astype(np.float32))
+    eps = 1e-5
+    total = res0[:, :n].double().numpy() + x.double().numpy() @ numpy_16(w, fmt).astype(np.float64).T
+    want_out = total / np.sqrt((total ** 2).mean(axis=1, keepdims=True) + eps) * norm_w.double().numpy()
+    res = res0.clone()
+    out = torch.empty(m, n)
+    assert quant.qlinear_add_norm(x, packed, res[:, :n], norm_w, eps, out, lib=lib)
+    np.testing.assert_allclose(res[:, :n].numpy(), total, rtol=1e-4, atol=1e-4)
+    np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-4, atol=1e-4)
+    assert torch.equal(res[:, n:], res0[:, n:])
+    want_res, want, product = res0.clone(), torch.empty(m, n), quant.qlinear(x, packed, lib=lib)
+    norm_lib.atomd_rms_norm_f32(want_res.data_ptr(), n + 3, product.data_ptr(), n,
+                                norm_w.data_ptr(), want.data_ptr(), n, m, n, eps, 1)
+    for threads in (1, 2):
+        res, out = res0.clone(), torch.full((m, n), float("nan"))
+        assert getattr(lib, f"atomd_qgemm_{quant._w16(packed)}_prepacked_norm")(
+            x.data_ptr(), k, m, packed.panels.data_ptr(), n, k, res.data_ptr(), n + 3, norm_w.data_ptr(), eps,
+            out.data_ptr(), n, threads) == 0
+        assert torch.equal(res, want_res) and torch.equal(out, want)
+    avx512 = quant.build_kernels("native")
+    if avx512.w16_panels == 1:
+        assert not quant.qlinear_add_norm(x, packed, res[:, :n], norm_w, eps, out, lib=avx512)
+        assert avx512.atomd_qgemm_b16_prepacked_norm(x.data_ptr(), k, m, packed.panels.data_ptr(), n, k,
+                                                     res.data_ptr(), n + 3, norm_w.data_ptr(), eps, out.data_ptr(),
+                                                     n, 1) == 1
+
+
+@pytest.mark.skipif(not {"avx2", "fma"} <= cbuild.cpu_flags(), reason="this CPU has no AVX2 / FMA")
+@pytest.mark.parametrize("fmt", FORMATS)
 def test_an_avx2_16_bit_weight_held_as_its_strips_only(fmt):
     """quant.keep_strips_only (an AVX2 build): the strips replace the rows (q [N, 0]), unpack to them exactly
     (dequantize), are made once, and qlinear reads them at every M, one row included, with the bits of the per-call

@@ -135,18 +135,26 @@ def test_dtype_auto_on_a_cpu_without_bf16_dot_products_runs_bf16_weights(monkeyp
 
 
 @pytest.mark.unit
-def test_an_avx2_build_runs_silu_in_the_gate_up_product_with_hf_tokens(monkeypatch, llama_dir):
-    """On an AVX2 build a 16-bit gate_up projection held as strips runs silu in its product's pass
-    (quant.qlinear_silu: every layer of each per-op step) and the greedy ids equal HF float32 on the bf16-rounded
-    weights."""
+def test_an_avx2_build_runs_silu_and_the_norms_in_the_products_with_hf_tokens(monkeypatch, llama_dir):
+    """On an AVX2 build the 16-bit projections held as strips run silu in the gate_up product's pass
+    (quant.qlinear_silu) and the residual add and next RMSNorm in the o / down products' (quant.qlinear_add_norm),
+    every layer of each per-op step, a step's rows split between the threads (normed per block) and not (normed
+    after), and the greedy ids equal HF float32 on the bf16-rounded weights."""
     monkeypatch.setenv(cbuild.ISA_ENV, "no-avx512")
     ran, real = [], quant.qlinear_silu
     monkeypatch.setattr(quant, "qlinear_silu", lambda *a, **k: ran.append(real(*a, **k)) or ran[-1])
-    llm = LLM(str(llama_dir), num_threads=2, max_model_len=256, quantization="bf16")
-    prompts = prompts_of([1, 37], seed=5)
-    for prompt, ids in zip(prompts, greedy(llm, prompts)):
-        assert ids == hf_greedy(hf_dequantised(llama_dir, "bf16"), prompt, 48), f"prompt of {len(prompt)}"
+    normed, real_norm = [], quant.qlinear_add_norm
+    monkeypatch.setattr(quant, "qlinear_add_norm",
+                        lambda x, *a, **k: normed.append((x.shape[0], real_norm(x, *a, **k))) or normed[-1][1])
+    llm = LLM(str(llama_dir), num_threads=2, max_model_len=320, quantization="bf16")
+    prompts = prompts_of([1, 37, 260, 270], seed=5)
+    hf = hf_dequantised(llama_dir, "bf16")
+    for batch in (prompts, prompts[1:2]):  # (one prefill step of 568 rows, then one of 37)
+        for prompt, ids in zip(batch, greedy(llm, batch)):
+            assert ids == hf_greedy(hf, prompt, 48), f"prompt of {len(prompt)}"
     assert ran and all(act is not None for act in ran)
+    assert normed and all(done for _, done in normed)
+    assert max(m for m, _ in normed) >= 2 * 256 > min(m for m, _ in normed)  # (W16_AVX2_BY_ROWS rows a thread)
 
 
 @pytest.mark.unit

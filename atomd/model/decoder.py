@@ -541,10 +541,9 @@ class DecoderModel:
         """The rest of the layer after attention on these rows: the residual x updated in
         place, and (unless this is the last layer) the next layer's normed input written to
         next_h. `lora`: these rows' adapter deltas (a tile's rows, this layer)."""
-        eps = self.config.rms_norm_eps
         rows = w.rows or (None,) * 4
-        o = self.row_parallel(lora, "o", attn, w.o, w.o_bias, rows[1])
-        h = rms_norm(x, w.post_norm, eps, delta=o)
+        h = self._add_norm(lora, "o", attn, w.o, w.o_bias, rows[1], x, w.post_norm,
+                           torch.empty_like(x, memory_format=torch.contiguous_format))
         if w.moe is not None:
             if self.tp is None:
                 down = moe(h, w.moe)
@@ -552,17 +551,31 @@ class DecoderModel:
                 down = self.reduce_(self.routed_experts(h, w.moe))
             else:
                 down = moe_tp(h, w.moe, self.tp.reduce_)
-        else:
-            act = None  # (silu in the gate_up product where the build has it: quant.qlinear_silu)
-            if lora is None and w.gate_up_bias is None and isinstance(w.gate_up, QuantizedWeight):
-                act = quant.qlinear_silu(h, w.gate_up)
-            if act is None:
-                act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
-            down = self.row_parallel(lora, "down", act, w.down, w.down_bias, rows[3])
-        if next_norm is None:
-            x.add_(down)
-        else:
-            rms_norm(x, next_norm, eps, delta=down, out=next_h)
+            if next_norm is None:
+                x.add_(down)
+            else:
+                rms_norm(x, next_norm, self.config.rms_norm_eps, delta=down, out=next_h)
+            return
+        act = None  # (silu in the gate_up product where the build has it: quant.qlinear_silu)
+        if lora is None and w.gate_up_bias is None and isinstance(w.gate_up, QuantizedWeight):
+            act = quant.qlinear_silu(h, w.gate_up)
+        if act is None:
+            act = silu_mul(lora_linear(lora, "gate_up", h, w.gate_up, w.gate_up_bias, rows[2]))
+        self._add_norm(lora, "down", act, w.down, w.down_bias, rows[3], x, next_norm, next_h)
+
+    def _add_norm(self, lora: LayerLora | None, fused: str, act: torch.Tensor, weight, bias, rows, x: torch.Tensor,
+                  norm: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+        """x += the row-parallel linear `fused` of act, then out = RMSNorm(x) * norm (no norm: x alone, the last
+        layer); in the product's own pass where the build has it (quant.qlinear_add_norm: a 16-bit weight's AVX2
+        strips, no LoRA, bias or TP)."""
+        eps = self.config.rms_norm_eps
+        if (norm is not None and lora is None and bias is None and self.tp is None
+                and isinstance(weight, QuantizedWeight) and quant.qlinear_add_norm(act, weight, x, norm, eps, out)):
+            return out
+        delta = self.row_parallel(lora, fused, act, weight, bias, rows)
+        if norm is None:
+            return x.add_(delta)
+        return rms_norm(x, norm, eps, delta=delta, out=out)
 
 
 def _plain(weight, rows):

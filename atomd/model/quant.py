@@ -350,6 +350,9 @@ def build_kernels(isa: str, vnni: bool = True) -> ctypes.CDLL | None:
         for panels in (getattr(lib, f"atomd_qgemm_{w16}_panels"), getattr(lib, f"atomd_qgemm_{w16}_prepacked"),
                        getattr(lib, f"atomd_qgemm_{w16}_prepacked_silu")):
             panels.argtypes, panels.restype = gemm.argtypes, ctypes.c_int
+        getattr(lib, f"atomd_qgemm_{w16}_prepacked_norm").argtypes = [_PTR, _I64, _I64, _PTR, _I64, _I64, _PTR, _I64,
+                                                                      _PTR, ctypes.c_float, _PTR, _I64, ctypes.c_int]
+        getattr(lib, f"atomd_qgemm_{w16}_prepacked_norm").restype = ctypes.c_int
         prepack = getattr(lib, f"atomd_qprepack_{w16}")
         prepack.argtypes, prepack.restype = [_PTR, _I64, _I64, _PTR, ctypes.c_int], ctypes.c_int
     lib.atomd_quant_w16_panels.restype = lib.atomd_quant_bf16_panels.restype = ctypes.c_int
@@ -589,6 +592,27 @@ def qlinear_silu(x: torch.Tensor, w: QuantizedWeight, lib: ctypes.CDLL | None | 
                                                              out.data_ptr(), n // 2, torch.get_num_threads()) != 0:
         raise MemoryError(f"16-bit gate_up strips of {m} x {k} by {n} rows: out of memory")
     return out
+
+
+def qlinear_add_norm(x: torch.Tensor, w: QuantizedWeight, res: torch.Tensor, norm: torch.Tensor, eps: float,
+                     out: torch.Tensor, lib: ctypes.CDLL | None | str = "auto") -> bool:
+    """res += x @ w.T, then out = RMSNorm(res) * norm (layer_ops.rms_norm's bits with the product as its delta), in
+    one call where an AVX2 build runs qlinear on w's load-time strips (product "w16_prepacked"): each block of a
+    thread's rows normed while in L2, no [M, N] product to memory and back (an output projection then the next
+    norm). res, out: float32 [M, N], rows contiguous. False where it does not run (the caller runs those two)."""
+    lib = kernels() if lib == "auto" else lib
+    (n, k), m = w.shape, x.shape[0]
+    if (lib is None or lib.w16_panels != 2 or w.bits != 16 or w.perm is not None or x.dtype != torch.float32
+            or not (res.dtype == out.dtype == norm.dtype == torch.float32) or res.shape != out.shape != (m, n)
+            or res.stride(1) != 1 or out.stride(1) != 1
+            or not norm.is_contiguous() or product_of(lib, w, m) != "w16_prepacked"):
+        return False
+    xf = x.contiguous()
+    if getattr(lib, f"atomd_qgemm_{_w16(w)}_prepacked_norm")(xf.data_ptr(), k, m, w.panels.data_ptr(), n, k,
+                                                             res.data_ptr(), res.stride(0), norm.data_ptr(), eps,
+                                                             out.data_ptr(), out.stride(0), torch.get_num_threads()) != 0:
+        raise MemoryError(f"16-bit strips of {m} x {k} by {n} rows: out of memory")
+    return True
 
 
 def _w16(w: QuantizedWeight) -> str:

@@ -66,7 +66,7 @@ static int moe_w16_linear(const atomd_qweight *w, const float *x, int64_t m, int
 #elif defined(W16_PANELS_AVX2)
     if (w->panels != NULL)
         return w16a_strips(f16 ? W16A_H16 : W16A_B16, x, K, m, (const uint16_t *)w->panels, N, K, 0,
-                           (N + W16_AVX2_NR - 1) / W16_AVX2_NR, y, N);
+                           (N + W16_AVX2_NR - 1) / W16_AVX2_NR, y, N, NULL);
     if (w16_min > 0 && m >= w16_min) return w16_gemm_avx2(x, K, m, q, f16, N, K, y, N, 1);
 #else
     (void)w16_min;

@@ -88,7 +88,7 @@ QGEMM16_PANELS(h16, 1)
 static int prepacked_silu(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t inter,
                           int64_t K, float *out, int64_t ldo, int num_threads) {
 #ifdef W16_PANELS_AVX2
-    return w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, 2 * inter, K, out, ldo, num_threads, 1);
+    return w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, 2 * inter, K, out, ldo, num_threads, 1, NULL);
 #else
     (void)x, (void)ldx, (void)M, (void)pre, (void)f16, (void)inter, (void)K, (void)out, (void)ldo, (void)num_threads;
     return 1;
@@ -101,6 +101,33 @@ int atomd_qgemm_b16_prepacked_silu(const float *x, int64_t ldx, int64_t M, const
 int atomd_qgemm_h16_prepacked_silu(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t inter,
                                    int64_t K, float *out, int64_t ldo, int num_threads) {
     return prepacked_silu(x, ldx, M, pre, 1, inter, K, out, ldo, num_threads);
+}
+
+/* res [M, ldr] += x @ w^T, then out [M, ldo] = RMSNorm(res) * norm_w, for an output projection w [N, K] held as an
+ * AVX2 build's load-time strips (w16_gemm_avx2_prepacked with a norm; quant.qlinear_add_norm): the bits of the
+ * _prepacked product then layer_ops.c's rms_norm with it as delta, the norm on a block's rows while they are in L2.
+ * 0 done; 1 not built here (not an AVX2 build); -1 out of memory */
+static int prepacked_norm(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N, int64_t K,
+                          float *res, int64_t ldr, const float *norm_w, float eps, float *out, int64_t ldo,
+                          int num_threads) {
+#ifdef W16_PANELS_AVX2
+    const w16a_norm norm = {res, ldr, norm_w, eps};
+    return w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, N, K, out, ldo, num_threads, 0, &norm);
+#else
+    (void)x, (void)ldx, (void)M, (void)pre, (void)f16, (void)N, (void)K, (void)res, (void)ldr, (void)norm_w, (void)eps;
+    (void)out, (void)ldo, (void)num_threads;
+    return 1;
+#endif
+}
+int atomd_qgemm_b16_prepacked_norm(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N, int64_t K,
+                                   float *res, int64_t ldr, const float *norm_w, float eps, float *out, int64_t ldo,
+                                   int num_threads) {
+    return prepacked_norm(x, ldx, M, pre, 0, N, K, res, ldr, norm_w, eps, out, ldo, num_threads);
+}
+int atomd_qgemm_h16_prepacked_norm(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N, int64_t K,
+                                   float *res, int64_t ldr, const float *norm_w, float eps, float *out, int64_t ldo,
+                                   int num_threads) {
+    return prepacked_norm(x, ldx, M, pre, 1, N, K, res, ldr, norm_w, eps, out, ldo, num_threads);
 }
 
 /* y [M, ldy] float32, unrounded = x [M, ldx] @ w^T for bf16 x and a bf16 weight w [N, K] (uint16 bits): float32

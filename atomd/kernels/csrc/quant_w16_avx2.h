@@ -17,6 +17,7 @@
 #include <omp.h>
 #include <stdlib.h>
 #include "fast_exp.h"  /* silu */
+#include "norm_row.h"  /* rms_norm_row_f32 */
 
 #define W16_PANELS_AVX2 1
 enum { W16_B16 = 0, W16_H16 = 1 };  /* (quant_w16.h's kinds: the weight's 16-bit values) */
@@ -261,10 +262,24 @@ static void w16a_strip_blocks(const int src, const float *xp, int64_t m0, int64_
  * the block W16_AVX2_KC inputs at a time (the strip, K * 32 bytes, read from memory once a block and from L1 after);
  * one row two strips at a time (w16a_row). Each output one FMA chain over k in order whatever the blocks: w16_gemm_avx2_prepacked's threads'
  * runs and moe_q8.h's 16-bit experts. 0 done, -1 no memory for the packed rows. */
+/* the residual add and RMSNorm after an output projection (w16_gemm_avx2_prepacked's norm): res [M, ldr] += the
+ * product, then y = RMSNorm(res) * w, each row as layer_ops.c's rms_norm with delta (rms_norm_row_f32) */
+typedef struct {
+    float *res;
+    int64_t ldr;
+    const float *w;
+    float eps;
+} w16a_norm;
+
+static inline void w16a_norm_rows(const w16a_norm *norm, int64_t m0, int64_t m1, int64_t N, float *y, int64_t ldy) {
+    for (int64_t m = m0; m < m1; m++) rms_norm_row_f32(norm->res + m * norm->ldr, y + m * ldy, norm->w, y + m * ldy, N, norm->eps);
+}
+
 static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,
-                       int64_t K, int64_t s0, int64_t s1, float *y, int64_t ldy) {
+                       int64_t K, int64_t s0, int64_t s1, float *y, int64_t ldy, const w16a_norm *norm) {
     if (M == 1) {
         w16a_row(src, x, pre, N, K, s0, s1, y);
+        if (norm) w16a_norm_rows(norm, 0, 1, N, y, ldy);
         return 0;
     }
     const int64_t block = w16a_block(K, M);
@@ -275,6 +290,7 @@ static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, co
         w16a_pack_x(x, ldx, m0, m1, K, xp);
         for (int64_t j = s0; j < s1; j++)
             w16a_strip_blocks(src, xp, m0, m1, pre + j * W16_AVX2_NR * K, N, K, j, y, ldy);
+        if (norm) w16a_norm_rows(norm, m0, m1, N, y, ldy);  /* (the block's rows of y still in L2) */
     }
     free(xp);
     return 0;
@@ -331,20 +347,36 @@ static int w16a_strips_silu(const int src, const float *x, int64_t ldx, int64_t 
 
 /* y [M, ldy] = x [M, ldx] @ widen(pre)^T with pre packed at load (w16_prepack), each thread its part (w16a_part,
  * w16a_strips); with silu a gate_up projection's activation instead, y [M, N / 2] (w16a_strips_silu, each thread its
- * part of the strip pairs). 0 done, -1 out of memory. */
+ * part of the strip pairs); with norm (not with silu) the residual add and RMSNorm after it, y their output: a
+ * thread's rows per block while in L2 where it has whole rows, else after the product. 0 done, -1 out of memory. */
 static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int f16, int64_t N,
-                                   int64_t K, float *y, int64_t ldy, int num_threads, const int silu) {
+                                   int64_t K, float *y, int64_t ldy, int num_threads, const int silu,
+                                   const w16a_norm *norm) {
     const int src = f16 ? W16A_H16 : W16A_B16;
+    const int64_t items = silu ? N / 2 / W16_AVX2_NR : (N + W16_AVX2_NR - 1) / W16_AVX2_NR;
     int failed = 0;
     _Pragma("omp parallel num_threads(num_threads)")
     {
         int64_t m0, m1, s0, s1;
-        w16a_part(M, silu ? N / 2 / W16_AVX2_NR : (N + W16_AVX2_NR - 1) / W16_AVX2_NR, omp_get_thread_num(),
-                  omp_get_num_threads(), &m0, &m1, &s0, &s1);
+        w16a_part(M, items, omp_get_thread_num(), omp_get_num_threads(), &m0, &m1, &s0, &s1);
+        const int whole_rows = s0 == 0 && s1 == items;  /* (the same on every thread: M and the threads decide) */
+        w16a_norm mine;
+        if (norm) mine = (w16a_norm){norm->res + m0 * norm->ldr, norm->ldr, norm->w, norm->eps};
         if ((silu ? w16a_strips_silu(src, x + m0 * ldx, ldx, m1 - m0, pre, N / 2, K, s0, s1, y + m0 * ldy, ldy)
-                  : w16a_strips(src, x + m0 * ldx, ldx, m1 - m0, pre, N, K, s0, s1, y + m0 * ldy, ldy)) != 0) {
+                  : w16a_strips(src, x + m0 * ldx, ldx, m1 - m0, pre, N, K, s0, s1, y + m0 * ldy, ldy,
+                                norm && whole_rows ? &mine : NULL)) != 0) {
             _Pragma("omp atomic write")
             failed = 1;
+        }
+        if (norm && !whole_rows) {
+            _Pragma("omp barrier")
+            int stop;
+            _Pragma("omp atomic read")
+            stop = failed;
+            if (!stop) {
+                _Pragma("omp for")
+                for (int64_t m = 0; m < M; m++) w16a_norm_rows(norm, m, m + 1, N, y, ldy);
+            }
         }
     }
     return failed ? -1 : 0;
@@ -382,7 +414,7 @@ static inline int w16_panels_product(const float *x, int64_t ldx, int64_t M, con
 #ifdef W16_PANELS
     return w16_gemm(x, ldx, M, pre ? NULL : q, pre, f16 ? W16_H16 : W16_B16, N, K, y, ldy, num_threads, 0, NULL, 0);
 #elif defined(W16_PANELS_AVX2)
-    return pre ? w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, N, K, y, ldy, num_threads, 0)
+    return pre ? w16_gemm_avx2_prepacked(x, ldx, M, pre, f16, N, K, y, ldy, num_threads, 0, NULL)
                : w16_gemm_avx2(x, ldx, M, q, f16, N, K, y, ldy, num_threads);
 #else
     (void)x, (void)ldx, (void)M, (void)q, (void)pre, (void)f16, (void)N, (void)K, (void)y, (void)ldy, (void)num_threads;
