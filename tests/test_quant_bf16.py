@@ -331,6 +331,7 @@ def test_avx2_product_with_the_residual_add_and_norm_after_it(fmt, m, n, k):
     np.testing.assert_allclose(res[:, :n].numpy(), total, rtol=1e-4, atol=1e-4)
     np.testing.assert_allclose(out.numpy(), want_out, rtol=1e-4, atol=1e-4)
     assert torch.equal(res[:, n:], res0[:, n:])
+    assert not quant.qlinear_add_norm(x, packed, res[:, :n], norm_w, eps, torch.empty(m, n + 1), lib=lib)
     want_res, want, product = res0.clone(), torch.empty(m, n), quant.qlinear(x, packed, lib=lib)
     norm_lib.atomd_rms_norm_f32(want_res.data_ptr(), n + 3, product.data_ptr(), n,
                                 norm_w.data_ptr(), want.data_ptr(), n, m, n, eps, 1)

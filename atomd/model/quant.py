@@ -603,9 +603,9 @@ def qlinear_add_norm(x: torch.Tensor, w: QuantizedWeight, res: torch.Tensor, nor
     lib = kernels() if lib == "auto" else lib
     (n, k), m = w.shape, x.shape[0]
     if (lib is None or lib.w16_panels != 2 or w.bits != 16 or w.perm is not None or x.dtype != torch.float32
-            or not (res.dtype == out.dtype == norm.dtype == torch.float32) or res.shape != out.shape != (m, n)
-            or res.stride(1) != 1 or out.stride(1) != 1
-            or not norm.is_contiguous() or product_of(lib, w, m) != "w16_prepacked"):
+            or not (res.dtype == out.dtype == norm.dtype == torch.float32) or res.shape != (m, n)
+            or out.shape != (m, n) or res.stride(1) != 1 or out.stride(1) != 1 or not norm.is_contiguous()
+            or product_of(lib, w, m) != "w16_prepacked"):
         return False
     xf = x.contiguous()
     if getattr(lib, f"atomd_qgemm_{_w16(w)}_prepacked_norm")(xf.data_ptr(), k, m, w.panels.data_ptr(), n, k,

@@ -257,11 +257,6 @@ static void w16a_strip_blocks(const int src, const float *xp, int64_t m0, int64_
         w16a_strip(src, xp, 0, m0, m1, wj, N, K, j, y, ldy, k0, K - k0 < W16_AVX2_KC ? K - k0 : W16_AVX2_KC);
 }
 
-/* the M rows of x against strips s0 .. s1 of a load-time layout (src W16A_B16 / W16A_H16) into y, on this thread: per
- * block of x's rows that stays in L2 (W16_AVX2_PANEL bytes), packed (w16a_pack_x), each strip against every row of
- * the block W16_AVX2_KC inputs at a time (the strip, K * 32 bytes, read from memory once a block and from L1 after);
- * one row two strips at a time (w16a_row). Each output one FMA chain over k in order whatever the blocks: w16_gemm_avx2_prepacked's threads'
- * runs and moe_q8.h's 16-bit experts. 0 done, -1 no memory for the packed rows. */
 /* the residual add and RMSNorm after an output projection (w16_gemm_avx2_prepacked's norm): res [M, ldr] += the
  * product, then y = RMSNorm(res) * w, each row as layer_ops.c's rms_norm with delta (rms_norm_row_f32) */
 typedef struct {
@@ -272,9 +267,15 @@ typedef struct {
 } w16a_norm;
 
 static inline void w16a_norm_rows(const w16a_norm *norm, int64_t m0, int64_t m1, int64_t N, float *y, int64_t ldy) {
-    for (int64_t m = m0; m < m1; m++) rms_norm_row_f32(norm->res + m * norm->ldr, y + m * ldy, norm->w, y + m * ldy, N, norm->eps);
+    for (int64_t m = m0; m < m1; m++)
+        rms_norm_row_f32(norm->res + m * norm->ldr, y + m * ldy, norm->w, y + m * ldy, N, norm->eps);
 }
 
+/* the M rows of x against strips s0 .. s1 of a load-time layout (src W16A_B16 / W16A_H16) into y, on this thread: per
+ * block of x's rows that stays in L2 (W16_AVX2_PANEL bytes), packed (w16a_pack_x), each strip against every row of
+ * the block W16_AVX2_KC inputs at a time (the strip, K * 32 bytes, read from memory once a block and from L1 after);
+ * one row two strips at a time (w16a_row). Each output one FMA chain over k in order whatever the blocks: w16_gemm_avx2_prepacked's threads'
+ * runs and moe_q8.h's 16-bit experts. 0 done, -1 no memory for the packed rows. */
 static int w16a_strips(const int src, const float *x, int64_t ldx, int64_t M, const uint16_t *pre, int64_t N,
                        int64_t K, int64_t s0, int64_t s1, float *y, int64_t ldy, const w16a_norm *norm) {
     if (M == 1) {
@@ -359,7 +360,7 @@ static int w16_gemm_avx2_prepacked(const float *x, int64_t ldx, int64_t M, const
     {
         int64_t m0, m1, s0, s1;
         w16a_part(M, items, omp_get_thread_num(), omp_get_num_threads(), &m0, &m1, &s0, &s1);
-        const int whole_rows = s0 == 0 && s1 == items;  /* (the same on every thread: M and the threads decide) */
+        const int whole_rows = s0 == 0 && s1 == items;  /* (alike on every thread: M and the threads decide) */
         w16a_norm mine;
         if (norm) mine = (w16a_norm){norm->res + m0 * norm->ldr, norm->ldr, norm->w, norm->eps};
         if ((silu ? w16a_strips_silu(src, x + m0 * ldx, ldx, m1 - m0, pre, N / 2, K, s0, s1, y + m0 * ldy, ldy)
