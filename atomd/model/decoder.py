@@ -551,10 +551,7 @@ class DecoderModel:
                 down = self.reduce_(self.routed_experts(h, w.moe))
             else:
                 down = moe_tp(h, w.moe, self.tp.reduce_)
-            if next_norm is None:
-                x.add_(down)
-            else:
-                rms_norm(x, next_norm, self.config.rms_norm_eps, delta=down, out=next_h)
+            add_then_norm(x, down, next_norm, self.config.rms_norm_eps, next_h)
             return
         act = None  # (silu in the gate_up product where the build has it: quant.qlinear_silu)
         if lora is None and w.gate_up_bias is None and isinstance(w.gate_up, QuantizedWeight):
@@ -572,10 +569,16 @@ class DecoderModel:
         if (norm is not None and lora is None and bias is None and self.tp is None
                 and isinstance(weight, QuantizedWeight) and quant.qlinear_add_norm(act, weight, x, norm, eps, out)):
             return out
-        delta = self.row_parallel(lora, fused, act, weight, bias, rows)
-        if norm is None:
-            return x.add_(delta)
-        return rms_norm(x, norm, eps, delta=delta, out=out)
+        return add_then_norm(x, self.row_parallel(lora, fused, act, weight, bias, rows), norm, eps, out)
+
+
+def add_then_norm(x: torch.Tensor, delta: torch.Tensor, norm: torch.Tensor | None, eps: float,
+                  out: torch.Tensor) -> torch.Tensor:
+    """x += delta, then out = RMSNorm(x) * norm (the next layer's input, rms_norm's one pass); no norm (the last
+    layer): x alone."""
+    if norm is None:
+        return x.add_(delta)
+    return rms_norm(x, norm, eps, delta=delta, out=out)
 
 
 def _plain(weight, rows):

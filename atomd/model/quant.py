@@ -575,6 +575,13 @@ def q8_gemm_min_m(lib: ctypes.CDLL, bits: int) -> int:
     return QGEMM_VNNI_MIN_M if lib.q8_gemm == 3 else QGEMM_AVX2_GEMM_MIN_M[bits]
 
 
+def _on_avx2_strips(lib: ctypes.CDLL | None, w: QuantizedWeight, x: torch.Tensor) -> bool:
+    """Whether qlinear(x, w) runs on an AVX2 build's load-time strips of 16-bit w with float32 x (product
+    "w16_prepacked"): where the products with the next op in their pass (qlinear_silu, qlinear_add_norm) run."""
+    return (lib is not None and lib.w16_panels == 2 and w.bits == 16 and w.perm is None and x.dtype == torch.float32
+            and product_of(lib, w, x.shape[0]) == "w16_prepacked")
+
+
 def qlinear_silu(x: torch.Tensor, w: QuantizedWeight, lib: ctypes.CDLL | None | str = "auto") -> torch.Tensor | None:
     """silu(gate) * up of x @ w.T for a gate_up weight w [2 * inter, K] (gate rows first) in one pass over its
     load-time strips where an AVX2 build runs qlinear on them (product "w16_prepacked", inter % 16 == 0): the
@@ -583,8 +590,7 @@ def qlinear_silu(x: torch.Tensor, w: QuantizedWeight, lib: ctypes.CDLL | None | 
     (the caller runs those two)."""
     lib = kernels() if lib == "auto" else lib
     (n, k), m = w.shape, x.shape[0]
-    if (lib is None or lib.w16_panels != 2 or w.bits != 16 or w.perm is not None or n % 32 or x.dtype != torch.float32
-            or product_of(lib, w, m) != "w16_prepacked"):
+    if n % 32 or not _on_avx2_strips(lib, w, x):
         return None
     xf = x.contiguous()
     out = torch.empty(m, n // 2, dtype=torch.float32)
@@ -602,10 +608,8 @@ def qlinear_add_norm(x: torch.Tensor, w: QuantizedWeight, res: torch.Tensor, nor
     norm). res, out: float32 [M, N], rows contiguous. False where it does not run (the caller runs those two)."""
     lib = kernels() if lib == "auto" else lib
     (n, k), m = w.shape, x.shape[0]
-    if (lib is None or lib.w16_panels != 2 or w.bits != 16 or w.perm is not None or x.dtype != torch.float32
-            or not (res.dtype == out.dtype == norm.dtype == torch.float32) or res.shape != (m, n)
-            or out.shape != (m, n) or res.stride(1) != 1 or out.stride(1) != 1 or not norm.is_contiguous()
-            or product_of(lib, w, m) != "w16_prepacked"):
+    if (not (res.dtype == out.dtype == norm.dtype == torch.float32) or res.shape != (m, n) or out.shape != (m, n)
+            or res.stride(1) != 1 or out.stride(1) != 1 or not norm.is_contiguous() or not _on_avx2_strips(lib, w, x)):
         return False
     xf = x.contiguous()
     if getattr(lib, f"atomd_qgemm_{_w16(w)}_prepacked_norm")(xf.data_ptr(), k, m, w.panels.data_ptr(), n, k,
